@@ -1,0 +1,324 @@
+//===- Config.cpp - Model and parallel config of an MoE-FFN layer ---------===//
+
+#include "compiler/config/Config.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace moec {
+
+const char *dtypeName(DType dtype) {
+  switch (dtype) {
+  case DType::F32:
+    return "fp32";
+  case DType::BF16:
+    return "bf16";
+  }
+  return "unknown";
+}
+
+int64_t dtypeSize(DType dtype) {
+  switch (dtype) {
+  case DType::F32:
+    return 4;
+  case DType::BF16:
+    return 2;
+  }
+  return 0;
+}
+
+std::optional<DType> parseDType(std::string_view name) {
+  if (name == "fp32")
+    return DType::F32;
+  if (name == "bf16")
+    return DType::BF16;
+  return std::nullopt;
+}
+
+namespace {
+
+/// An integer-valued config key.
+struct IntKey {
+  const char *key;
+  int64_t ModelConfig::*field;
+};
+
+/// The integer keys, in the order they are checked and reported.
+const IntKey kIntKeys[] = {
+    {"hidden_size", &ModelConfig::hiddenSize},
+    {"intermediate_size", &ModelConfig::intermediateSize},
+    {"num_experts", &ModelConfig::numExperts},
+    {"top_k", &ModelConfig::topK},
+    {"ep", &ModelConfig::ep},
+    {"tp", &ModelConfig::tp},
+    {"seq_size", &ModelConfig::seqSize},
+    {"num_cube_cores", &ModelConfig::numCubeCores},
+    {"num_vector_cores", &ModelConfig::numVectorCores},
+};
+
+constexpr const char *kDTypeKey = "dtype";
+constexpr const char *kNameKey = "name";
+
+/// The keys a config must have, in the order missing ones are reported.
+const char *const kRequiredKeys[] = {
+    "hidden_size", "intermediate_size", "num_experts", "top_k", "ep",
+    "tp",          "seq_size",          "dtype",
+};
+
+/// Returns every key a config may have.
+std::vector<std::string> knownKeys() {
+  std::vector<std::string> keys;
+  for (const IntKey &key : kIntKeys)
+    keys.push_back(key.key);
+  keys.push_back(kDTypeKey);
+  keys.push_back(kNameKey);
+  return keys;
+}
+
+/// Sets *error to "SOURCE: message" and returns false.
+bool fail(std::string *error, const std::string &source,
+          const std::string &message) {
+  if (error)
+    *error = fmt::format("{}: {}", source, message);
+  return false;
+}
+
+/// Returns the message of a nlohmann parse error without its
+/// "[json.exception...] parse error at line L, column C: " prefix.
+std::string parseErrorMessage(const nlohmann::json::parse_error &e) {
+  std::string what = e.what();
+  size_t at = what.find("parse error");
+  if (at == std::string::npos)
+    return what;
+  size_t colon = what.find(": ", at);
+  if (colon == std::string::npos)
+    return what;
+  return what.substr(colon + 2);
+}
+
+/// Converts a 1-based byte offset (nlohmann's parse_error::byte, the offset
+/// of the last character read) into a 1-based line and column of `text`.
+std::pair<size_t, size_t> lineAndColumn(std::string_view text, size_t byte) {
+  size_t index = byte == 0 ? 0 : byte - 1;
+  if (index > text.size())
+    index = text.size();
+  size_t line = 1;
+  size_t lineStart = 0;
+  for (size_t i = 0; i < index; ++i) {
+    if (text[i] == '\n') {
+      ++line;
+      lineStart = i + 1;
+    }
+  }
+  return {line, index - lineStart + 1};
+}
+
+/// Checks `product` = a * b for overflow; returns false when it overflows.
+bool checkedMul(int64_t a, int64_t b, int64_t *product) {
+  return !__builtin_mul_overflow(a, b, product);
+}
+
+} // namespace
+
+bool parseConfig(std::string_view text, const std::string &source,
+                 ModelConfig *out, std::string *error) {
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::parse_error &e) {
+    auto [line, column] = lineAndColumn(text, e.byte);
+    if (error)
+      *error = fmt::format("{}:{}:{}: {}", source, line, column,
+                           parseErrorMessage(e));
+    return false;
+  }
+
+  if (!json.is_object())
+    return fail(error, source,
+                fmt::format("top-level value must be a JSON object, got {}",
+                            json.type_name()));
+
+  std::vector<std::string> keys = knownKeys();
+  for (const auto &item : json.items()) {
+    const std::string &key = item.key();
+    if (std::find(keys.begin(), keys.end(), key) != keys.end())
+      continue;
+    std::string message = fmt::format("unknown key '{}'", key);
+    std::string suggestion = closestName(key, keys);
+    if (!suggestion.empty())
+      message += fmt::format(" (did you mean '{}'?)", suggestion);
+    return fail(error, source, message);
+  }
+
+  for (const char *key : kRequiredKeys) {
+    if (!json.contains(key))
+      return fail(error, source, fmt::format("missing required key '{}'", key));
+  }
+
+  ModelConfig config;
+  for (const IntKey &key : kIntKeys) {
+    auto it = json.find(key.key);
+    if (it == json.end())
+      continue;
+    if (!it->is_number_integer())
+      return fail(error, source,
+                  fmt::format("key '{}' must be a positive integer, got {}",
+                              key.key, it->dump()));
+    if (it->is_number_unsigned() &&
+        it->get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
+      return fail(error, source,
+                  fmt::format("key '{}' is too large for int64, got {}",
+                              key.key, it->dump()));
+    config.*key.field = it->get<int64_t>();
+  }
+
+  const nlohmann::json &dtype = json.at(kDTypeKey);
+  std::optional<DType> parsedDType;
+  if (dtype.is_string())
+    parsedDType = parseDType(dtype.get<std::string>());
+  if (!parsedDType)
+    return fail(error, source,
+                fmt::format("'dtype' must be \"fp32\" or \"bf16\", got {}",
+                            dtype.dump()));
+  config.dtype = *parsedDType;
+
+  auto name = json.find(kNameKey);
+  if (name != json.end()) {
+    if (!name->is_string())
+      return fail(
+          error, source,
+          fmt::format("key 'name' must be a string, got {}", name->dump()));
+    config.name = name->get<std::string>();
+  }
+
+  if (!validateConfig(config, source, error))
+    return false;
+  *out = std::move(config);
+  return true;
+}
+
+bool loadConfig(const std::string &path, ModelConfig *out, std::string *error) {
+  auto cannotRead = [&](int code) {
+    if (error)
+      *error = fmt::format("cannot read '{}': {}", path, std::strerror(code));
+    return false;
+  };
+  FILE *file = std::fopen(path.c_str(), "rb");
+  if (!file)
+    return cannotRead(errno);
+  std::string text;
+  char buffer[65536];
+  while (true) {
+    size_t n = std::fread(buffer, 1, sizeof(buffer), file);
+    text.append(buffer, n);
+    if (n < sizeof(buffer))
+      break;
+  }
+  if (std::ferror(file)) {
+    int code = errno;
+    std::fclose(file);
+    return cannotRead(code);
+  }
+  std::fclose(file);
+  return parseConfig(text, path, out, error);
+}
+
+bool validateConfig(const ModelConfig &c, const std::string &source,
+                    std::string *error) {
+  for (const IntKey &key : kIntKeys) {
+    int64_t value = c.*key.field;
+    if (value <= 0)
+      return fail(error, source,
+                  fmt::format("'{}' must be positive, got {}", key.key, value));
+  }
+  if (c.dtype != DType::F32 && c.dtype != DType::BF16)
+    return fail(error, source,
+                fmt::format("'dtype' has an invalid value ({})",
+                            static_cast<int>(c.dtype)));
+  if (c.numExperts % c.ep != 0)
+    return fail(error, source,
+                fmt::format("'num_experts' ({}) must be a multiple of 'ep' "
+                            "({})",
+                            c.numExperts, c.ep));
+  if (c.topK > c.numExperts)
+    return fail(error, source,
+                fmt::format("'top_k' ({}) must not exceed 'num_experts' ({})",
+                            c.topK, c.numExperts));
+
+  int64_t seqTokens = 0;
+  if (!checkedMul(c.seqSize, c.ep, &seqTokens) ||
+      !checkedMul(seqTokens, c.topK, &seqTokens))
+    return fail(error, source,
+                fmt::format("seq_size * ep * top_k ({} * {} * {}) overflows "
+                            "int64",
+                            c.seqSize, c.ep, c.topK));
+  if (seqTokens % c.tp != 0)
+    return fail(error, source,
+                fmt::format("seq_size * ep * top_k ({}) must be a multiple of "
+                            "tp ({}) to derive 'seq_all'",
+                            seqTokens, c.tp));
+  int64_t seqAll = seqTokens / c.tp;
+  if (seqAll % c.topK != 0)
+    return fail(error, source,
+                fmt::format("seq_all ({}) must be a multiple of top_k ({}) to "
+                            "derive 'per_expert_seq'",
+                            seqAll, c.topK));
+  if (seqAll % c.ep != 0)
+    return fail(error, source,
+                fmt::format("seq_all ({}) must be a multiple of ep ({}) to "
+                            "derive 'per_rank_seq'",
+                            seqAll, c.ep));
+  int64_t epTopK = 0;
+  if (!checkedMul(c.ep, c.topK, &epTopK))
+    return fail(
+        error, source,
+        fmt::format("ep * top_k ({} * {}) overflows int64", c.ep, c.topK));
+  if (seqAll % epTopK != 0)
+    return fail(error, source,
+                fmt::format("seq_all ({}) must be a multiple of ep * top_k "
+                            "({}) to derive 'per_expert_seq_to_other'",
+                            seqAll, epTopK));
+  return true;
+}
+
+TaskSplitValue deriveTaskSplitValue(const ModelConfig &c) {
+  TaskSplitValue v;
+  v.allExpertNum = c.numExperts;
+  v.singleRankExpertNum = c.numExperts / c.ep;
+  v.seqAll = c.seqSize * c.ep * c.topK / c.tp;
+  v.perExpertSeq = v.seqAll / c.topK;
+  v.perRankSeq = v.seqAll / c.ep;
+  v.perExpertSeqToOther = v.seqAll / (c.ep * c.topK);
+  return v;
+}
+
+Bindings configBindings(const ModelConfig &c) {
+  TaskSplitValue v = deriveTaskSplitValue(c);
+  Bindings bindings;
+  for (const IntKey &key : kIntKeys)
+    bindings[key.key] = c.*key.field;
+  bindings["dtype_size"] = dtypeSize(c.dtype);
+  bindings["single_rank_expert_num"] = v.singleRankExpertNum;
+  bindings["seq_all"] = v.seqAll;
+  bindings["per_expert_seq"] = v.perExpertSeq;
+  bindings["per_rank_seq"] = v.perRankSeq;
+  bindings["per_expert_seq_to_other"] = v.perExpertSeqToOther;
+  return bindings;
+}
+
+nlohmann::json configToJson(const ModelConfig &c) {
+  nlohmann::json json = nlohmann::json::object();
+  for (const IntKey &key : kIntKeys)
+    json[key.key] = c.*key.field;
+  json[kDTypeKey] = dtypeName(c.dtype);
+  json[kNameKey] = c.name;
+  return json;
+}
+
+} // namespace moec

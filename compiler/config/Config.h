@@ -1,0 +1,96 @@
+//===- Config.h - Model and parallel config of an MoE-FFN layer -*- C++ -*-===//
+//
+// The config of one MoE-FFN layer (model shape, expert/tensor parallelism,
+// tokens per rank, element type, core counts), loaded from JSON, together
+// with the task-split values derived from it and the symbol bindings that
+// graph descriptions evaluate their expressions against.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_COMPILER_CONFIG_CONFIG_H
+#define MOEC_COMPILER_CONFIG_CONFIG_H
+
+#include "compiler/support/Expr.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace moec {
+
+/// Element type of the layer's activations and weights.
+enum class DType { F32, BF16 };
+
+/// Returns the config spelling of `dtype`: "fp32" or "bf16".
+const char *dtypeName(DType dtype);
+
+/// Returns the size of one element of `dtype` in bytes: 4 or 2.
+int64_t dtypeSize(DType dtype);
+
+/// Returns the DType spelled `name` ("fp32" or "bf16"), or std::nullopt.
+std::optional<DType> parseDType(std::string_view name);
+
+/// The model/parallel config of an MoE-FFN layer.
+struct ModelConfig {
+  // Required keys.
+  int64_t hiddenSize = 0;       ///< "hidden_size": H.
+  int64_t intermediateSize = 0; ///< "intermediate_size": I (SwiGLU-halved).
+  int64_t numExperts = 0;       ///< "num_experts": E.
+  int64_t topK = 0;             ///< "top_k": K.
+  int64_t ep = 0;               ///< "ep": expert parallelism.
+  int64_t tp = 0;               ///< "tp": tensor parallelism.
+  int64_t seqSize = 0;          ///< "seq_size": tokens per rank S.
+  DType dtype = DType::BF16;    ///< "dtype": "fp32" | "bf16".
+  // Optional keys.
+  int64_t numCubeCores = 24;   ///< "num_cube_cores" (Ascend 910B AIC count).
+  int64_t numVectorCores = 48; ///< "num_vector_cores".
+  std::string name;            ///< "name": free text.
+};
+
+/// The task-split values derived from a config.
+struct TaskSplitValue {
+  int64_t allExpertNum;        ///< E.
+  int64_t singleRankExpertNum; ///< E / ep.
+  int64_t seqAll;              ///< seq_size * ep * top_k / tp.
+  int64_t perExpertSeq;        ///< seq_all / top_k.
+  int64_t perRankSeq;          ///< seq_all / ep.
+  int64_t perExpertSeqToOther; ///< seq_all / (ep * top_k).
+};
+
+/// Parses a config from JSON text and validates it with validateConfig().
+/// `source` names the file in messages. On failure returns false and sets
+/// *error to "SOURCE:LINE:COL: message" for malformed JSON and to
+/// "SOURCE: message" otherwise; *out is then unspecified.
+bool parseConfig(std::string_view text, const std::string &source,
+                 ModelConfig *out, std::string *error);
+
+/// Reads the file at `path` and parses it with parseConfig(). Fails with
+/// "cannot read 'PATH': <strerror>" when the file cannot be read.
+bool loadConfig(const std::string &path, ModelConfig *out, std::string *error);
+
+/// Checks the values of `c`: every count positive, num_experts a multiple of
+/// ep, top_k at most num_experts, and every derived TaskSplitValue field an
+/// exact integer. On failure returns false and sets *error to
+/// "SOURCE: message".
+bool validateConfig(const ModelConfig &c, const std::string &source,
+                    std::string *error);
+
+/// Returns the task-split values of a config that passed validateConfig().
+TaskSplitValue deriveTaskSplitValue(const ModelConfig &c);
+
+/// Returns every symbol a graph description may use, with its value: the
+/// config keys (hidden_size, intermediate_size, num_experts, top_k, ep, tp,
+/// seq_size, num_cube_cores, num_vector_cores, dtype_size) and the derived
+/// values (single_rank_expert_num, seq_all, per_expert_seq, per_rank_seq,
+/// per_expert_seq_to_other). The config must have passed validateConfig().
+Bindings configBindings(const ModelConfig &c);
+
+/// Serialises `c` to JSON with every key, optional ones included.
+nlohmann::json configToJson(const ModelConfig &c);
+
+} // namespace moec
+
+#endif // MOEC_COMPILER_CONFIG_CONFIG_H

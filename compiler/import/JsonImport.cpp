@@ -1,0 +1,551 @@
+//===- JsonImport.cpp - JSON graph description -> moe dialect --------------===//
+
+#include "compiler/import/GraphJson.h"
+#include "compiler/ir/GraphUtils.h"
+#include "compiler/support/Expr.h"
+
+#include "mlir/IR/Builders.h"
+#include "mlir/IR/Diagnostics.h"
+#include "mlir/IR/Verifier.h"
+#include "mlir/Parser/Parser.h"
+#include "mlir/Support/FileUtilities.h"
+#include "llvm/ADT/StringMap.h"
+#include "llvm/Support/MemoryBuffer.h"
+#include "llvm/Support/SourceMgr.h"
+
+#include <regex>
+#include <set>
+
+using namespace mlir;
+using namespace moec;
+using namespace moec::moe;
+using json = nlohmann::ordered_json;
+
+namespace {
+
+/// The operand count of each op kind, in the JSON's "op" spelling.
+const std::vector<std::pair<std::string, unsigned>> &opKinds() {
+  static const std::vector<std::pair<std::string, unsigned>> kinds = {
+      {"dispatch", 4}, {"combine", 4}, {"gmm", 3}, {"swiglu", 1}, {"swiglu_grad", 2}};
+  return kinds;
+}
+
+std::vector<std::string> keysOf(std::initializer_list<const char *> keys) {
+  return std::vector<std::string>(keys.begin(), keys.end());
+}
+
+class Importer {
+public:
+  Importer(std::string_view text, const std::string &source, MLIRContext *ctx)
+      : text(text), source(source), ctx(ctx), b(ctx) {}
+
+  OwningOpRef<ModuleOp> run();
+
+private:
+  /// The location of byte `offset` of the text.
+  Location locAt(size_t offset) {
+    unsigned line = 1, col = 1;
+    for (size_t i = 0; i < offset && i < text.size(); ++i) {
+      if (text[i] == '\n') {
+        ++line;
+        col = 1;
+      } else {
+        ++col;
+      }
+    }
+    return FileLineColLoc::get(ctx, source, line, col);
+  }
+
+  /// The location of `"name": "<name>"` inside the section `"<section>"`,
+  /// or of the section, or of the file start.
+  Location locOf(const std::string &section, const std::string &name) {
+    size_t from = 0;
+    std::smatch m;
+    std::string s(text);
+    std::regex sectionRe("\"" + section + "\"\\s*:");
+    if (std::regex_search(s, m, sectionRe))
+      from = m.position(0);
+    if (name.empty())
+      return locAt(from);
+    std::string escaped = std::regex_replace(name, std::regex(R"([.^$|()\[\]{}*+?\\])"), R"(\$&)");
+    std::regex nameRe("\"name\"\\s*:\\s*\"" + escaped + "\"");
+    std::string rest = s.substr(from);
+    if (std::regex_search(rest, m, nameRe))
+      return locAt(from + m.position(0));
+    return locAt(from);
+  }
+
+  InFlightDiagnostic error(Location loc) { return mlir::emitError(loc); }
+
+  /// Checks that `obj` is an object with only `allowed` keys and has `required`.
+  LogicalResult checkKeys(const json &obj, Location loc, const std::string &what,
+                          const std::vector<std::string> &allowed,
+                          const std::vector<std::string> &required) {
+    if (!obj.is_object())
+      return error(loc) << what << " must be a JSON object, got " << obj.dump();
+    for (const auto &[key, value] : obj.items()) {
+      if (std::find(allowed.begin(), allowed.end(), key) != allowed.end())
+        continue;
+      auto diag = error(loc) << what << ": unknown key '" << key << "'";
+      std::string near = closestName(key, allowed);
+      if (!near.empty())
+        diag << " (did you mean '" << near << "'?)";
+      return diag;
+    }
+    for (const std::string &key : required)
+      if (!obj.contains(key))
+        return error(loc) << what << ": missing required key '" << key << "'";
+    return success();
+  }
+
+  LogicalResult importTensor(const json &t, unsigned index);
+  LogicalResult importOp(const json &o, unsigned index);
+  LogicalResult checkEdges(const json &edges);
+  FailureOr<Attribute> fillValue(const json &v, Location loc, const std::string &what);
+
+  std::string_view text;
+  std::string source;
+  MLIRContext *ctx;
+  Builder b;
+
+  struct TensorDecl {
+    std::string name;
+    MoeTensorType type;
+    std::optional<int64_t> slot;
+    bool transpose = false;
+    Location loc;
+    std::string producer; // op writing it, empty for a graph input
+    Value value;
+  };
+  std::vector<TensorDecl> tensors;
+  llvm::StringMap<unsigned> tensorIndex;
+  llvm::StringMap<unsigned> opIndex;
+  std::vector<json> opJson;
+  std::vector<Location> opLocs;
+};
+
+LogicalResult Importer::importTensor(const json &t, unsigned index) {
+  std::string name = t.is_object() && t.contains("name") && t["name"].is_string()
+                         ? t["name"].get<std::string>()
+                         : "";
+  Location loc = locOf("tensors", name);
+  std::string what = "tensor " + std::to_string(index) + (name.empty() ? "" : " '" + name + "'");
+  if (failed(checkKeys(t, loc, what,
+                       keysOf({"name", "shape", "dtype", "param_position", "list", "dynamic",
+                               "transpose"}),
+                       keysOf({"name", "shape", "dtype"}))))
+    return failure();
+  if (!t["name"].is_string() || name.empty())
+    return error(loc) << what << ": 'name' must be a non-empty string";
+  if (tensorIndex.count(name))
+    return error(loc) << "tensor '" << name << "' is declared twice";
+  if (!t["shape"].is_array() || t["shape"].empty())
+    return error(loc) << what << ": 'shape' must be a non-empty array of dims";
+  SmallVector<Attribute> dims;
+  for (const auto &[i, d] : llvm::enumerate(t["shape"])) {
+    if (d.is_number_integer()) {
+      if (d.get<int64_t>() <= 0)
+        return error(loc) << what << ": dim " << i << " must be positive, got " << d.dump();
+      dims.push_back(b.getI64IntegerAttr(d.get<int64_t>()));
+    } else if (d.is_string()) {
+      std::string err;
+      if (!Expr::parse(d.get<std::string>(), &err))
+        return error(loc) << what << ": dim " << i << " '" << d.get<std::string>()
+                          << "': " << err;
+      dims.push_back(b.getStringAttr(d.get<std::string>()));
+    } else {
+      return error(loc) << what << ": dim " << i
+                        << " must be an integer or an expression string, got " << d.dump();
+    }
+  }
+  if (!t["dtype"].is_string())
+    return error(loc) << what << ": 'dtype' must be a string";
+  std::string dtype = t["dtype"];
+  Type elt;
+  if (dtype == "act")
+    elt = ActType::get(ctx);
+  else if (dtype == "fp32")
+    elt = b.getF32Type();
+  else if (dtype == "bf16")
+    elt = b.getBF16Type();
+  else if (dtype == "i32")
+    elt = b.getI32Type();
+  else if (dtype == "i64")
+    elt = b.getI64Type();
+  else
+    return error(loc) << what << ": unknown dtype '" << dtype
+                      << "' (expected act, fp32, bf16, i32 or i64)";
+  auto flag = [&](const char *key, bool *out) -> LogicalResult {
+    *out = false;
+    if (!t.contains(key))
+      return success();
+    if (!t[key].is_boolean())
+      return error(loc) << what << ": '" << key << "' must be true or false";
+    *out = t[key].get<bool>();
+    return success();
+  };
+  bool list, dynamic, transpose;
+  if (failed(flag("list", &list)) || failed(flag("dynamic", &dynamic)) ||
+      failed(flag("transpose", &transpose)))
+    return failure();
+  std::optional<int64_t> slot;
+  if (t.contains("param_position")) {
+    if (!t["param_position"].is_number_integer() || t["param_position"].get<int64_t>() < 0)
+      return error(loc) << what << ": 'param_position' must be a non-negative integer, got "
+                        << t["param_position"].dump();
+    slot = t["param_position"].get<int64_t>();
+  }
+  auto type = MoeTensorType::getChecked([&] { return error(loc) << what << ": "; }, ctx,
+                                        b.getArrayAttr(dims), elt, list, dynamic);
+  if (!type)
+    return failure();
+  tensorIndex[name] = tensors.size();
+  tensors.push_back(TensorDecl{name, type, slot, transpose, loc, "", Value()});
+  return success();
+}
+
+FailureOr<Attribute> Importer::fillValue(const json &v, Location loc, const std::string &what) {
+  if (v.is_boolean())
+    return Attribute(b.getBoolAttr(v.get<bool>()));
+  if (v.is_number_integer())
+    return Attribute(b.getI64IntegerAttr(v.get<int64_t>()));
+  if (v.is_string())
+    return Attribute(b.getStringAttr(v.get<std::string>()));
+  if (v.is_array()) {
+    SmallVector<Attribute> items;
+    for (const json &e : v) {
+      if (!e.is_number_integer())
+        return error(loc) << what << " must hold integers, got " << e.dump();
+      items.push_back(b.getI64IntegerAttr(e.get<int64_t>()));
+    }
+    return Attribute(b.getArrayAttr(items));
+  }
+  return error(loc) << what << " must be a boolean, integer, string or list of integers, got "
+                    << v.dump();
+}
+
+LogicalResult Importer::importOp(const json &o, unsigned index) {
+  std::string name = o.is_object() && o.contains("name") && o["name"].is_string()
+                         ? o["name"].get<std::string>()
+                         : "";
+  Location loc = locOf("ops", name);
+  std::string what = "op " + std::to_string(index) + (name.empty() ? "" : " '" + name + "'");
+  if (failed(checkKeys(o, loc, what,
+                       keysOf({"name", "op", "inputs", "outputs", "split_value", "split_spec",
+                               "tiling_position", "fill", "accumulate"}),
+                       keysOf({"name", "op", "inputs", "outputs", "split_value", "split_spec"}))))
+    return failure();
+  if (!o["name"].is_string() || name.empty())
+    return error(loc) << what << ": 'name' must be a non-empty string";
+  if (opIndex.count(name))
+    return error(loc) << "op name '" << name << "' is used twice";
+  if (!o["op"].is_string())
+    return error(loc) << what << ": 'op' must be a string";
+  std::string kind = o["op"];
+  auto kindIt = llvm::find_if(opKinds(), [&](const auto &k) { return k.first == kind; });
+  if (kindIt == opKinds().end()) {
+    std::vector<std::string> names;
+    for (const auto &k : opKinds())
+      names.push_back(k.first);
+    auto diag = error(loc) << what << ": unknown op '" << kind << "'";
+    std::string near = closestName(kind, names);
+    if (!near.empty())
+      diag << " (did you mean '" << near << "'?)";
+    else
+      diag << " (expected dispatch, combine, gmm, swiglu or swiglu_grad)";
+    return diag;
+  }
+  // Inputs and output.
+  if (!o["inputs"].is_array())
+    return error(loc) << what << ": 'inputs' must be an array of tensor names";
+  if (o["inputs"].size() != kindIt->second)
+    return error(loc) << what << ": a " << kind << " op takes " << kindIt->second
+                      << " inputs, got " << o["inputs"].size();
+  if (!o["outputs"].is_array() || o["outputs"].size() != 1 || !o["outputs"][0].is_string())
+    return error(loc) << what << ": 'outputs' must name exactly one tensor";
+  auto lookup = [&](const json &n, const std::string &role) -> FailureOr<unsigned> {
+    if (!n.is_string())
+      return error(loc) << what << ": " << role << " must be a tensor name, got " << n.dump();
+    auto it = tensorIndex.find(n.get<std::string>());
+    if (it != tensorIndex.end())
+      return it->second;
+    std::vector<std::string> names;
+    for (const TensorDecl &t : tensors)
+      names.push_back(t.name);
+    auto diag = error(loc) << what << ": " << role << " names tensor '" << n.get<std::string>()
+                           << "', which is not declared in 'tensors'";
+    std::string near = closestName(n.get<std::string>(), names);
+    if (!near.empty())
+      diag << " (did you mean '" << near << "'?)";
+    return diag;
+  };
+  for (const auto &[i, in] : llvm::enumerate(o["inputs"]))
+    if (failed(lookup(in, "input " + std::to_string(i))))
+      return failure();
+  FailureOr<unsigned> out = lookup(o["outputs"][0], "output 0");
+  if (failed(out))
+    return failure();
+  TensorDecl &result = tensors[*out];
+  if (!result.producer.empty())
+    return error(loc) << what << ": tensor '" << result.name << "' is already written by op '"
+                      << result.producer << "'";
+  result.producer = name;
+  // Split value and spec.
+  if (!o["split_value"].is_number_integer() || o["split_value"].get<int64_t>() <= 0)
+    return error(loc) << what << ": 'split_value' must be a positive integer, got "
+                      << o["split_value"].dump();
+  const json &spec = o["split_spec"];
+  if (failed(checkKeys(spec, loc, what + " split_spec",
+                       keysOf({"split_inputs", "split_output_dims", "task_num"}),
+                       keysOf({"split_inputs", "split_output_dims"}))))
+    return failure();
+  SmallVector<int64_t> pairs, outDims;
+  if (!spec["split_inputs"].is_null()) {
+    if (!spec["split_inputs"].is_array())
+      return error(loc) << what << ": 'split_inputs' must be null or a list of [input, dim] pairs";
+    for (const json &p : spec["split_inputs"]) {
+      if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() ||
+          !p[1].is_number_integer())
+        return error(loc) << what << ": split input " << p.dump()
+                          << " is not an [input, dim] pair of integers";
+      pairs.append({p[0].get<int64_t>(), p[1].get<int64_t>()});
+    }
+  }
+  if (!spec["split_output_dims"].is_array())
+    return error(loc) << what << ": 'split_output_dims' must be a list of dims";
+  for (const json &d : spec["split_output_dims"]) {
+    if (!d.is_number_integer())
+      return error(loc) << what << ": split output dim " << d.dump() << " is not an integer";
+    outDims.push_back(d.get<int64_t>());
+  }
+  StringAttr taskNum;
+  if (spec.contains("task_num")) {
+    if (!spec["task_num"].is_string())
+      return error(loc) << what << ": 'task_num' must be an expression string, e.g. "
+                        << "\"num_cube_cores * single_rank_expert_num\"";
+    taskNum = b.getStringAttr(spec["task_num"].get<std::string>());
+  }
+  opIndex[name] = opJson.size();
+  opJson.push_back(o);
+  opLocs.push_back(loc);
+  return success();
+}
+
+LogicalResult Importer::checkEdges(const json &edges) {
+  Location loc = locOf("edges", "");
+  if (!edges.is_array())
+    return error(loc) << "'edges' must be an array of [producer, consumer] op-name pairs";
+  // The data-flow edges, from the tensors ops read and write.
+  std::set<std::pair<std::string, std::string>> flow, listed;
+  for (const json &o : opJson)
+    for (const json &in : o["inputs"])
+      if (const std::string &p = tensors[tensorIndex[in.get<std::string>()]].producer; !p.empty())
+        flow.insert({p, o["name"].get<std::string>()});
+  for (const auto &[i, e] : llvm::enumerate(edges)) {
+    if (!e.is_array() || e.size() != 2 || !e[0].is_string() || !e[1].is_string())
+      return error(loc) << "edge " << i << " must be a [producer, consumer] pair of op names, got "
+                        << e.dump();
+    for (const json &end : e)
+      if (!opIndex.count(end.get<std::string>()))
+        return error(loc) << "edge " << i << " names op '" << end.get<std::string>()
+                          << "', which is not in 'ops'";
+    std::pair<std::string, std::string> edge{e[0], e[1]};
+    if (!flow.count(edge))
+      return error(loc) << "edge " << i << " ('" << edge.first << "' -> '" << edge.second
+                        << "'): '" << edge.second << "' reads no tensor that '" << edge.first
+                        << "' writes";
+    listed.insert(edge);
+  }
+  for (const auto &edge : flow)
+    if (!listed.count(edge))
+      return error(loc) << "'edges' misses '" << edge.first << "' -> '" << edge.second
+                        << "': '" << edge.second << "' reads a tensor '" << edge.first
+                        << "' writes";
+  return success();
+}
+
+OwningOpRef<ModuleOp> Importer::run() {
+  json root;
+  try {
+    root = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error &e) {
+    std::string msg = e.what();
+    // Drop nlohmann's "[json.exception.parse_error.101] parse error at line 1, column 2: ".
+    if (auto pos = msg.find(": "); pos != std::string::npos && msg.find("parse error") < pos)
+      msg = msg.substr(pos + 2);
+    error(locAt(e.byte ? e.byte - 1 : 0)) << "malformed JSON: " << msg;
+    return nullptr;
+  }
+  Location top = locAt(0);
+  if (failed(checkKeys(root, top, "graph", keysOf({"name", "tensors", "ops", "edges"}),
+                       keysOf({"name", "tensors", "ops"}))))
+    return nullptr;
+  if (!root["name"].is_string() || root["name"].get<std::string>().empty()) {
+    error(top) << "graph 'name' must be a non-empty string";
+    return nullptr;
+  }
+  if (!root["tensors"].is_array() || !root["ops"].is_array()) {
+    error(top) << "graph 'tensors' and 'ops' must be arrays";
+    return nullptr;
+  }
+  for (const auto &[i, t] : llvm::enumerate(root["tensors"]))
+    if (failed(importTensor(t, i)))
+      return nullptr;
+  for (const auto &[i, o] : llvm::enumerate(root["ops"]))
+    if (failed(importOp(o, i)))
+      return nullptr;
+  if (root.contains("edges") && failed(checkEdges(root["edges"])))
+    return nullptr;
+
+  // Transposed tensors: only grouped-matmul lhs/rhs operands may be.
+  for (TensorDecl &t : tensors) {
+    if (!t.transpose)
+      continue;
+    bool read = false;
+    for (const json &o : opJson)
+      for (const auto &[i, in] : llvm::enumerate(o["inputs"]))
+        if (in == t.name) {
+          read = true;
+          if (o["op"] != "gmm" || i > 1) {
+            error(t.loc) << "tensor '" << t.name << "' is marked transpose, but op '"
+                         << o["name"].get<std::string>() << "' reads it as input " << i
+                         << "; only grouped-matmul lhs and rhs inputs can be transposed";
+            return nullptr;
+          }
+        }
+    if (!read) {
+      error(t.loc) << "tensor '" << t.name
+                   << "' is marked transpose, but no grouped matmul reads it";
+      return nullptr;
+    }
+  }
+
+  OwningOpRef<ModuleOp> module = ModuleOp::create(top);
+  OpBuilder ob(ctx);
+  ob.setInsertionPointToEnd(module->getBody());
+  auto graph = ob.create<GraphOp>(top, b.getStringAttr(root["name"].get<std::string>()),
+                                  DictionaryAttr());
+  Block *body = new Block();
+  graph.getBody().push_back(body);
+  ob.setInsertionPointToEnd(body);
+
+  // Graph inputs first, then ops in the order given; the region is a graph
+  // region, so an op may read a tensor an op further down writes.
+  for (TensorDecl &t : tensors) {
+    if (!t.producer.empty())
+      continue;
+    auto input = ob.create<InputOp>(t.loc, t.type, b.getStringAttr(t.name),
+                                    t.slot ? b.getI64IntegerAttr(*t.slot) : IntegerAttr());
+    t.value = input.getResult();
+  }
+  SmallVector<std::pair<Operation *, std::vector<unsigned>>> pendingOperands;
+  for (auto [o, loc] : llvm::zip(opJson, opLocs)) {
+    std::string kind = o["op"];
+    TensorDecl &out = tensors[tensorIndex[o["outputs"][0].get<std::string>()]];
+    OperationState state(loc, "moe." + kind);
+    state.addTypes(out.type);
+    state.addAttribute("op_name", b.getStringAttr(o["name"].get<std::string>()));
+    state.addAttribute("result_name", b.getStringAttr(out.name));
+    if (out.slot)
+      state.addAttribute("slot", b.getI64IntegerAttr(*out.slot));
+    state.addAttribute("split_value", b.getI64IntegerAttr(o["split_value"].get<int64_t>()));
+    const json &spec = o["split_spec"];
+    SmallVector<int64_t> pairs, outDims;
+    if (spec["split_inputs"].is_array())
+      for (const json &p : spec["split_inputs"])
+        pairs.append({p[0].get<int64_t>(), p[1].get<int64_t>()});
+    for (const json &d : spec["split_output_dims"])
+      outDims.push_back(d.get<int64_t>());
+    StringAttr taskNum =
+        spec.contains("task_num") ? b.getStringAttr(spec["task_num"].get<std::string>()) : nullptr;
+    state.addAttribute("split", SplitAttr::get(ctx, pairs, outDims, taskNum));
+    if (o.contains("tiling_position")) {
+      if (!o["tiling_position"].is_number_integer()) {
+        error(loc) << "op '" << o["name"].get<std::string>()
+                   << "': 'tiling_position' must be an integer (-1 for none)";
+        return nullptr;
+      }
+      state.addAttribute("tiling_slot", b.getI64IntegerAttr(o["tiling_position"].get<int64_t>()));
+    }
+    if (o.contains("fill")) {
+      const json &fill = o["fill"];
+      if (!fill.is_object()) {
+        error(loc) << "op '" << o["name"].get<std::string>() << "': 'fill' must be an object";
+        return nullptr;
+      }
+      SmallVector<NamedAttribute> entries;
+      for (const auto &[key, v] : fill.items()) {
+        FailureOr<Attribute> a =
+            fillValue(v, loc, "op '" + o["name"].get<std::string>() + "' fill key '" + key + "'");
+        if (failed(a))
+          return nullptr;
+        entries.push_back(b.getNamedAttr(key, *a));
+      }
+      state.addAttribute("fill", b.getDictionaryAttr(entries));
+    }
+    if (o.contains("accumulate")) {
+      if (kind != "gmm" || !o["accumulate"].is_boolean()) {
+        error(loc) << "op '" << o["name"].get<std::string>()
+                   << "': 'accumulate' is a boolean of gmm ops only";
+        return nullptr;
+      }
+      if (o["accumulate"].get<bool>())
+        state.addAttribute("accumulate", b.getUnitAttr());
+    }
+    if (kind == "gmm") {
+      if (tensors[tensorIndex[o["inputs"][0].get<std::string>()]].transpose)
+        state.addAttribute("transpose_lhs", b.getUnitAttr());
+      if (tensors[tensorIndex[o["inputs"][1].get<std::string>()]].transpose)
+        state.addAttribute("transpose_rhs", b.getUnitAttr());
+    }
+    std::vector<unsigned> inputs;
+    for (const json &in : o["inputs"])
+      inputs.push_back(tensorIndex[in.get<std::string>()]);
+    Operation *op = ob.create(state);
+    out.value = op->getResult(0);
+    pendingOperands.push_back({op, inputs});
+  }
+  // Operands are set once every op exists, so order does not matter.
+  for (auto &[op, inputs] : pendingOperands) {
+    SmallVector<Value> operands;
+    for (unsigned i : inputs)
+      operands.push_back(tensors[i].value);
+    op->setOperands(operands);
+  }
+  if (failed(mlir::verify(*module)))
+    return nullptr;
+  return module;
+}
+
+} // namespace
+
+OwningOpRef<ModuleOp> moec::importGraphJson(std::string_view text, const std::string &source,
+                                            MLIRContext *context) {
+  context->getOrLoadDialect<MoeDialect>();
+  return Importer(text, source, context).run();
+}
+
+OwningOpRef<ModuleOp> moec::loadGraph(const std::string &path, MLIRContext *context) {
+  context->getOrLoadDialect<MoeDialect>();
+  std::string error;
+  std::unique_ptr<llvm::MemoryBuffer> file = openInputFile(path, &error);
+  if (!file) {
+    mlir::emitError(UnknownLoc::get(context)) << "cannot read '" << path << "': " << error;
+    return nullptr;
+  }
+  if (llvm::StringRef(path).endswith(".json"))
+    return importGraphJson(file->getBuffer().str(), path, context);
+  llvm::SourceMgr sourceMgr;
+  sourceMgr.AddNewSourceBuffer(std::move(file), SMLoc());
+  OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, context);
+  if (!module)
+    return nullptr;
+  auto graphOps = module->getOps<GraphOp>();
+  auto graphs = std::distance(graphOps.begin(), graphOps.end());
+  if (graphs != 1) {
+    mlir::emitError(module->getLoc()) << "'" << path << "' must hold exactly one moe.graph, found "
+                                      << graphs;
+    return nullptr;
+  }
+  return module;
+}

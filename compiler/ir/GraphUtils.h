@@ -1,0 +1,39 @@
+//===- GraphUtils.h - walking a moe.graph ------------------------*- C++ -*-===//
+//
+// The graph-level queries the passes, importer and exporter share: tensor
+// names, producers, topological order, and symbolic dim comparison.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_COMPILER_IR_GRAPHUTILS_H
+#define MOEC_COMPILER_IR_GRAPHUTILS_H
+
+#include "compiler/ir/MoeDialect.h"
+#include "compiler/support/Expr.h"
+
+#include "llvm/ADT/SmallVector.h"
+
+namespace moec::moe {
+
+/// The name of the tensor `v` ("<unnamed>" for a value no moe op defines).
+llvm::StringRef tensorName(mlir::Value v);
+
+/// The compute op producing `v`, or null for a graph input.
+TaskOpInterface producerOf(mlir::Value v);
+
+/// The compute ops of `graph` in a topological order (ties keep block order).
+/// On a cycle, emits an error on the graph naming the ops on it and fails.
+mlir::LogicalResult topologicalOrder(GraphOp graph,
+                                     llvm::SmallVectorImpl<TaskOpInterface> &order);
+
+/// Dim `i` of `type` as an expression (an integer dim becomes a constant).
+Expr dimExpr(MoeTensorType type, unsigned i);
+
+/// Whether two dims are provably equal, provably different, or unknown
+/// (one concrete and one symbolic: decided once shapes are resolved).
+enum class DimRelation { Equal, Different, Unknown };
+DimRelation compareDims(const Expr &a, const Expr &b);
+
+} // namespace moec::moe
+
+#endif // MOEC_COMPILER_IR_GRAPHUTILS_H

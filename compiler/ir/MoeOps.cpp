@@ -1,0 +1,491 @@
+//===- MoeOps.cpp - moe op verifiers and graph queries ---------------------===//
+
+#include "compiler/ir/GraphUtils.h"
+#include "compiler/ir/MoeDialect.h"
+
+#include "mlir/IR/Builders.h"
+#include "mlir/IR/OpImplementation.h"
+#include "llvm/ADT/DenseMap.h"
+#include "llvm/ADT/SetVector.h"
+#include "llvm/ADT/StringSet.h"
+
+using namespace mlir;
+using namespace moec;
+using namespace moec::moe;
+
+#include "compiler/ir/MoeInterfaces.cpp.inc"
+
+#define GET_OP_CLASSES
+#include "compiler/ir/MoeOps.cpp.inc"
+
+//===----------------------------------------------------------------------===//
+// Graph queries
+//===----------------------------------------------------------------------===//
+
+StringRef moec::moe::tensorName(Value v) {
+  if (auto def = v.getDefiningOp<TensorDefOpInterface>())
+    return def.getResultName();
+  return "<unnamed>";
+}
+
+TaskOpInterface moec::moe::producerOf(Value v) { return v.getDefiningOp<TaskOpInterface>(); }
+
+LogicalResult moec::moe::topologicalOrder(GraphOp graph,
+                                          SmallVectorImpl<TaskOpInterface> &order) {
+  SmallVector<TaskOpInterface> ops;
+  for (Operation &op : graph.getBlock())
+    if (auto task = dyn_cast<TaskOpInterface>(&op))
+      ops.push_back(task);
+  // Kahn's algorithm; among ready ops the earliest in block order goes first.
+  llvm::DenseMap<Operation *, unsigned> pending;
+  for (TaskOpInterface op : ops) {
+    unsigned n = 0;
+    for (Value v : op->getOperands())
+      if (producerOf(v))
+        ++n;
+    pending[op] = n;
+  }
+  llvm::SetVector<Operation *> done;
+  bool progress = true;
+  while (progress && done.size() < ops.size()) {
+    progress = false;
+    for (TaskOpInterface op : ops) {
+      if (done.contains(op) || pending[op] != 0)
+        continue;
+      done.insert(op);
+      order.push_back(op);
+      progress = true;
+      for (Operation *user : op->getResult(0).getUsers())
+        if (pending.count(user))
+          for (Value v : user->getOperands())
+            if (v == op->getResult(0))
+              --pending[user];
+      break;
+    }
+  }
+  if (done.size() == ops.size())
+    return success();
+  // Walk back from a blocked op along unfinished producers until an op repeats.
+  Operation *start = nullptr;
+  for (TaskOpInterface op : ops)
+    if (!done.contains(op)) {
+      start = op;
+      break;
+    }
+  SmallVector<Operation *> path;
+  llvm::DenseMap<Operation *, unsigned> seenAt;
+  Operation *cur = start;
+  while (!seenAt.count(cur)) {
+    seenAt[cur] = path.size();
+    path.push_back(cur);
+    for (Value v : cur->getOperands())
+      if (TaskOpInterface p = producerOf(v); p && !done.contains(p)) {
+        cur = p;
+        break;
+      }
+  }
+  std::string cycle;
+  for (unsigned i = seenAt[cur]; i < path.size(); ++i)
+    cycle = "'" + cast<TaskOpInterface>(path[i]).getOpName().str() + "' -> " + cycle;
+  cycle += "'" + cast<TaskOpInterface>(cur).getOpName().str() + "'";
+  return graph.emitError() << "graph '" << graph.getSymName()
+                           << "' has a cycle: " << cycle;
+}
+
+Expr moec::moe::dimExpr(MoeTensorType type, unsigned i) {
+  if (auto v = type.getDimValue(i))
+    return Expr::constant(*v);
+  std::string error;
+  return *Expr::parse(type.getDimText(i), &error); // the type verifier parsed it already
+}
+
+DimRelation moec::moe::compareDims(const Expr &a, const Expr &b) {
+  if (a.isConstant() != b.isConstant())
+    return DimRelation::Unknown;
+  return a.canonical() == b.canonical() ? DimRelation::Equal : DimRelation::Different;
+}
+
+//===----------------------------------------------------------------------===//
+// Graph and input
+//===----------------------------------------------------------------------===//
+
+RegionKind GraphOp::getRegionKind(unsigned) { return RegionKind::Graph; }
+
+LogicalResult GraphOp::verify() {
+  llvm::StringMap<Operation *> tensors, opNames;
+  llvm::DenseMap<int64_t, Operation *> slots, tilingSlots;
+  for (Operation &op : getBlock()) {
+    auto def = dyn_cast<TensorDefOpInterface>(&op);
+    if (!def)
+      return op.emitOpError() << "is not allowed in a moe.graph (only moe ops are)";
+    auto [it, fresh] = tensors.try_emplace(def.getResultName(), &op);
+    if (!fresh)
+      return op.emitOpError() << "defines tensor '" << def.getResultName()
+                              << "' a second time (first defined at " << it->second->getLoc()
+                              << ")";
+    if (auto slot = def.getSlot()) {
+      auto [s, freshSlot] = slots.try_emplace(*slot, &op);
+      if (!freshSlot)
+        return op.emitOpError() << "tensor '" << def.getResultName() << "' takes slot " << *slot
+                                << ", already taken by tensor '"
+                                << cast<TensorDefOpInterface>(s->second).getResultName() << "'";
+    }
+    auto task = dyn_cast<TaskOpInterface>(&op);
+    if (!task)
+      continue;
+    auto [n, freshName] = opNames.try_emplace(task.getOpName(), &op);
+    if (!freshName)
+      return op.emitOpError() << "op name '" << task.getOpName() << "' is used twice";
+    if (auto t = task.getTilingSlotValue(); t && *t >= 0) {
+      auto [s, freshSlot] = tilingSlots.try_emplace(*t, &op);
+      if (!freshSlot)
+        return op.emitOpError() << "'" << task.getOpName() << "' takes tiling slot " << *t
+                                << ", already taken by '"
+                                << cast<TaskOpInterface>(s->second).getOpName() << "'";
+    }
+  }
+  return success();
+}
+
+LogicalResult InputOp::verify() {
+  if (auto slot = getSlotAttr(); slot && slot.getInt() < 0)
+    return emitOpError() << "tensor '" << getResultName() << "' has a negative slot "
+                         << slot.getInt();
+  return success();
+}
+
+//===----------------------------------------------------------------------===//
+// Compute-op verification
+//===----------------------------------------------------------------------===//
+
+namespace {
+
+/// Emits errors that name the op and its tensors.
+class Checker {
+public:
+  explicit Checker(TaskOpInterface op) : op(op) {}
+
+  InFlightDiagnostic error() {
+    return op->emitOpError() << "'" << op.getOpName() << "': ";
+  }
+
+  /// Describes operand or result `v`: "lhs 'target'".
+  std::string describe(StringRef role, Value v) {
+    return (role + " '" + tensorName(v) + "'").str();
+  }
+
+  LogicalResult rank(StringRef role, Value v, unsigned want) {
+    auto t = v.getType().cast<MoeTensorType>();
+    if (t.getRank() == want)
+      return success();
+    return error() << describe(role, v) << " must have rank " << want << ", got rank "
+                   << t.getRank();
+  }
+
+  /// Checks dim `i` of `a` equals `expected` (an expression) unless unknown.
+  LogicalResult dimIs(StringRef role, Value a, unsigned i, const Expr &expected,
+                      StringRef expectedWhat) {
+    auto t = a.getType().cast<MoeTensorType>();
+    Expr got = dimExpr(t, i);
+    if (compareDims(got, expected) != DimRelation::Different)
+      return success();
+    return error() << "shape mismatch: " << describe(role, a) << " dim " << i << " is '"
+                   << got.text() << "' but " << expectedWhat << " is '" << expected.text()
+                   << "'";
+  }
+
+  LogicalResult dimsEqual(StringRef roleA, Value a, unsigned i, StringRef roleB, Value b,
+                          unsigned j) {
+    return dimIs(roleA, a, i, dimExpr(b.getType().cast<MoeTensorType>(), j),
+                 describe(roleB, b) + " dim " + std::to_string(j));
+  }
+
+  LogicalResult elementType(StringRef role, Value v, function_ref<bool(Type)> ok,
+                            StringRef want) {
+    Type t = v.getType().cast<MoeTensorType>().getElementType();
+    if (ok(t))
+      return success();
+    std::string got;
+    llvm::raw_string_ostream os(got);
+    if (t.isa<ActType>())
+      os << "act";
+    else
+      os << t;
+    return error() << describe(role, v) << " must have element type " << want << ", got "
+                   << os.str();
+  }
+
+  LogicalResult sameElementType(StringRef roleA, Value a, StringRef roleB, Value b) {
+    Type ta = a.getType().cast<MoeTensorType>().getElementType();
+    Type tb = b.getType().cast<MoeTensorType>().getElementType();
+    if (ta == tb)
+      return success();
+    return error() << "dtype mismatch: " << describe(roleA, a) << " and " << describe(roleB, b)
+                   << " differ in element type";
+  }
+
+  TaskOpInterface op;
+};
+
+bool isIndexType(Type t) { return t.isInteger(32) || t.isInteger(64); }
+
+/// The fill-config keys each op kind accepts, and what each holds.
+enum class FillKind { Bool, Expr, IntList, Enum };
+struct FillKey {
+  const char *name;
+  FillKind kind;
+  std::vector<const char *> choices; // for Enum
+};
+
+const std::vector<FillKey> &fillKeysFor(StringRef seedType) {
+  static const std::vector<FillKey> allToAll = {
+      {"advance", FillKind::Enum, {"vector", "vector_only"}},
+      {"event_group", FillKind::Expr, {}},
+  };
+  static const std::vector<FillKey> gmm = {
+      {"offset_inputs", FillKind::IntList, {}},
+      {"rank_in_event", FillKind::Bool, {}},
+      {"global_trigger", FillKind::Bool, {}},
+      {"out_offset", FillKind::Bool, {}},
+      {"advance", FillKind::Enum, {"cube", "cube_only", "cube_custom"}},
+      {"event_delta", FillKind::Expr, {}},
+      {"num_cube_cores", FillKind::Expr, {}},
+  };
+  static const std::vector<FillKey> none = {};
+  if (seedType == "ALLTOALL")
+    return allToAll;
+  if (seedType == "GMM")
+    return gmm;
+  return none;
+}
+
+LogicalResult verifyFill(Checker &c) {
+  DictionaryAttr fill = c.op.getFillAttr();
+  if (!fill)
+    return success();
+  const auto &keys = fillKeysFor(c.op.getSeedOpType());
+  for (NamedAttribute entry : fill) {
+    StringRef name = entry.getName().getValue();
+    auto key = llvm::find_if(keys, [&](const FillKey &k) { return name == k.name; });
+    if (key == keys.end()) {
+      auto diag = c.error() << "unknown fill key '" << name << "' for a "
+                            << c.op->getName().getStringRef() << " op";
+      if (keys.empty())
+        diag << " (it takes no fill config)";
+      else {
+        diag << " (expected one of:";
+        for (const FillKey &k : keys)
+          diag << " " << k.name;
+        diag << ")";
+      }
+      return diag;
+    }
+    Attribute v = entry.getValue();
+    switch (key->kind) {
+    case FillKind::Bool:
+      if (!v.isa<BoolAttr>())
+        return c.error() << "fill key '" << name << "' must be a boolean";
+      break;
+    case FillKind::Expr: {
+      if (v.isa<IntegerAttr>())
+        break;
+      auto s = v.dyn_cast<StringAttr>();
+      std::string error;
+      if (!s)
+        return c.error() << "fill key '" << name << "' must be an integer or an expression";
+      if (!Expr::parse(s.getValue().str(), &error))
+        return c.error() << "fill key '" << name << "': " << error;
+      break;
+    }
+    case FillKind::IntList: {
+      auto list = v.dyn_cast<ArrayAttr>();
+      if (!list)
+        return c.error() << "fill key '" << name << "' must be a list of operand indices";
+      for (Attribute e : list) {
+        auto i = e.dyn_cast<IntegerAttr>();
+        if (!i || i.getInt() < 0 || i.getInt() >= c.op->getNumOperands())
+          return c.error() << "fill key '" << name << "' holds " << e
+                           << ", not an operand index below " << c.op->getNumOperands();
+      }
+      break;
+    }
+    case FillKind::Enum: {
+      auto s = v.dyn_cast<StringAttr>();
+      if (!s || llvm::none_of(key->choices,
+                              [&](const char *choice) { return s.getValue() == choice; })) {
+        auto diag = c.error() << "fill key '" << name << "' must be one of:";
+        for (const char *choice : key->choices)
+          diag << " \"" << choice << "\"";
+        return diag;
+      }
+      break;
+    }
+    }
+  }
+  return success();
+}
+
+/// Checks shared by every compute op: split value, split spec, tiling slot, fill.
+LogicalResult verifyTaskCommon(TaskOpInterface op) {
+  Checker c(op);
+  auto splitValue = op->getAttrOfType<IntegerAttr>("split_value");
+  if (splitValue.getInt() <= 0)
+    return c.error() << "split_value must be positive, got " << splitValue.getInt();
+  SplitAttr split = op.getSplit();
+  if (split.getInputPairs().size() % 2)
+    return c.error() << "split inputs must be (operand, dim) pairs";
+  for (unsigned i = 0; i < split.getNumSplitInputs(); ++i) {
+    int64_t operand = split.getSplitOperand(i), dim = split.getSplitDim(i);
+    if (operand < 0 || operand >= op->getNumOperands())
+      return c.error() << "split input " << i << " names operand " << operand << ", but the op has "
+                       << op->getNumOperands() << " operands";
+    auto type = op->getOperand(operand).getType().cast<MoeTensorType>();
+    if (dim < 0 || dim >= type.getRank())
+      return c.error() << "split input " << i << " splits dim " << dim << " of "
+                       << c.describe("operand " + std::to_string(operand), op->getOperand(operand))
+                       << ", which has rank " << type.getRank();
+  }
+  auto resultType = op->getResult(0).getType().cast<MoeTensorType>();
+  if (split.getOutputDims().empty())
+    return c.error() << "split spec needs at least one output dim";
+  for (int64_t dim : split.getOutputDims())
+    if (dim < 0 || dim >= resultType.getRank())
+      return c.error() << "split output dim " << dim << " is out of range for "
+                       << c.describe("result", op->getResult(0)) << " of rank "
+                       << resultType.getRank();
+  if (StringAttr taskNum = split.getTaskNum()) {
+    std::string error;
+    if (!Expr::parse(taskNum.getValue().str(), &error))
+      return c.error() << "task_num '" << taskNum.getValue() << "': " << error;
+  }
+  if (auto tiling = op.getTilingSlotValue(); tiling && *tiling < -1)
+    return c.error() << "tiling slot must be -1 (none) or a slot index, got " << *tiling;
+  if (auto slot = op->getAttrOfType<IntegerAttr>("slot"); slot && slot.getInt() < 0)
+    return c.error() << "result tensor '" << tensorName(op->getResult(0))
+                     << "' has a negative slot " << slot.getInt();
+  return verifyFill(c);
+}
+
+/// Operands and result of an all-to-all exchange.
+LogicalResult verifyAllToAll(TaskOpInterface op, Value targetOffset, Value src, Value srcOffset,
+                             Value sizes) {
+  if (failed(verifyTaskCommon(op)))
+    return failure();
+  Checker c(op);
+  Value result = op->getResult(0);
+  auto isI64 = [](Type t) { return t.isInteger(64); };
+  if (failed(c.rank("target_offset", targetOffset, 1)) || failed(c.rank("src", src, 2)) ||
+      failed(c.rank("src_offset", srcOffset, 1)) || failed(c.rank("sizes", sizes, 1)) ||
+      failed(c.rank("result", result, 2)) ||
+      failed(c.elementType("target_offset", targetOffset, isI64, "i64")) ||
+      failed(c.elementType("src_offset", srcOffset, isI64, "i64")) ||
+      failed(c.elementType("sizes", sizes, isIndexType, "i32 or i64")) ||
+      failed(c.dimsEqual("src_offset", srcOffset, 0, "target_offset", targetOffset, 0)) ||
+      failed(c.dimsEqual("sizes", sizes, 0, "target_offset", targetOffset, 0)) ||
+      failed(c.dimsEqual("result", result, 1, "src", src, 1)) ||
+      failed(c.sameElementType("result", result, "src", src)))
+    return failure();
+  return success();
+}
+
+} // namespace
+
+LogicalResult DispatchOp::verify() {
+  return verifyAllToAll(*this, getTargetOffset(), getSrc(), getSrcOffset(), getSizes());
+}
+
+LogicalResult CombineOp::verify() {
+  return verifyAllToAll(*this, getTargetOffset(), getSrc(), getSrcOffset(), getSizes());
+}
+
+LogicalResult GmmOp::verify() {
+  if (failed(verifyTaskCommon(*this)))
+    return failure();
+  Checker c(*this);
+  Value lhs = getLhs(), rhs = getRhs(), groups = getGroupList(), result = getResult();
+  if (failed(c.rank("group_list", groups, 1)) ||
+      failed(c.elementType("group_list", groups, isIndexType, "i32 or i64")) ||
+      failed(c.rank("lhs", lhs, 2)) || failed(c.sameElementType("lhs", lhs, "rhs", rhs)))
+    return failure();
+  Type lhsElt = lhs.getType().cast<MoeTensorType>().getElementType();
+  Type outElt = result.getType().cast<MoeTensorType>().getElementType();
+  if (outElt != lhsElt && !(getAccumulate() && outElt.isF32()))
+    return c.error() << "dtype mismatch: result '" << tensorName(result)
+                     << "' must have the operands' element type (or f32 with accumulate)";
+  unsigned rhsRank = rhs.getType().cast<MoeTensorType>().getRank();
+  if (rhsRank == 3) {
+    // Activation form: lhs[M, K] x rhs[G, K, N] (or rhs[G, N, K] transposed) -> [M, N].
+    if (getTransposeLhs())
+      return c.error() << "transpose_lhs needs the weight-gradient form (a rank-2 rhs); "
+                       << c.describe("rhs", rhs) << " has rank 3";
+    if (getAccumulate())
+      return c.error() << "accumulate needs the weight-gradient form (a rank-2 rhs)";
+    unsigned kDim = getTransposeRhs() ? 2 : 1, nDim = getTransposeRhs() ? 1 : 2;
+    std::string rhsRole = getTransposeRhs() ? "rhs (transposed)" : "rhs";
+    if (failed(c.rank("result", result, 2)) ||
+        failed(c.dimsEqual(rhsRole, rhs, kDim, "lhs", lhs, 1)) ||
+        failed(c.dimsEqual("rhs", rhs, 0, "group_list", groups, 0)) ||
+        failed(c.dimsEqual("result", result, 0, "lhs", lhs, 0)) ||
+        failed(c.dimsEqual("result", result, 1, rhsRole, rhs, nDim)))
+      return failure();
+    return success();
+  }
+  if (rhsRank == 2) {
+    // Weight-gradient form: lhs[M, K]^T x rhs[M, N] per group -> [G, K, N].
+    if (!getTransposeLhs())
+      return c.error() << "the weight-gradient form (a rank-2 rhs) needs transpose_lhs";
+    if (getTransposeRhs())
+      return c.error() << "transpose_rhs is not supported in the weight-gradient form";
+    if (failed(c.rank("result", result, 3)) ||
+        failed(c.dimsEqual("rhs", rhs, 0, "lhs", lhs, 0)) ||
+        failed(c.dimsEqual("result", result, 0, "group_list", groups, 0)) ||
+        failed(c.dimsEqual("result", result, 1, "lhs", lhs, 1)) ||
+        failed(c.dimsEqual("result", result, 2, "rhs", rhs, 1)))
+      return failure();
+    return success();
+  }
+  return c.error() << c.describe("rhs", rhs)
+                   << " must have rank 3 (expert weights) or rank 2 (weight-gradient form), got "
+                   << rhsRank;
+}
+
+namespace {
+/// 2 * (dim `i` of `v`), as an expression.
+Expr twice(Value v, unsigned i) {
+  Expr d = dimExpr(v.getType().cast<MoeTensorType>(), i);
+  std::string error;
+  return *Expr::parse("2 * (" + d.text() + ")", &error);
+}
+} // namespace
+
+LogicalResult SwigluOp::verify() {
+  if (failed(verifyTaskCommon(*this)))
+    return failure();
+  Checker c(*this);
+  Value in = getInput(), out = getResult();
+  if (failed(c.rank("input", in, 2)) || failed(c.rank("result", out, 2)) ||
+      failed(c.sameElementType("input", in, "result", out)) ||
+      failed(c.dimsEqual("result", out, 0, "input", in, 0)) ||
+      failed(c.dimIs("input", in, 1, twice(out, 1),
+                     "twice " + c.describe("result", out) + " dim 1")))
+    return failure();
+  return success();
+}
+
+LogicalResult SwigluGradOp::verify() {
+  if (failed(verifyTaskCommon(*this)))
+    return failure();
+  Checker c(*this);
+  Value grad = getGrad(), in = getInput(), out = getResult();
+  if (failed(c.rank("grad", grad, 2)) || failed(c.rank("input", in, 2)) ||
+      failed(c.rank("result", out, 2)) ||
+      failed(c.sameElementType("grad", grad, "input", in)) ||
+      failed(c.sameElementType("result", out, "input", in)) ||
+      failed(c.dimsEqual("input", in, 0, "grad", grad, 0)) ||
+      failed(c.dimIs("input", in, 1, twice(grad, 1),
+                     "twice " + c.describe("grad", grad) + " dim 1")) ||
+      failed(c.dimsEqual("result", out, 0, "input", in, 0)) ||
+      failed(c.dimsEqual("result", out, 1, "input", in, 1)))
+    return failure();
+  return success();
+}

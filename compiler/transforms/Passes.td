@@ -1,0 +1,74 @@
+//===- Passes.td - moe graph passes ---------------------------*- tablegen -*-===//
+
+#ifndef MOEC_COMPILER_TRANSFORMS_PASSES_TD
+#define MOEC_COMPILER_TRANSFORMS_PASSES_TD
+
+include "mlir/Pass/PassBase.td"
+
+def ResolveShapes : Pass<"moe-resolve-shapes", "::mlir::ModuleOp"> {
+  let summary = "Bind symbolic dims and the activation dtype from a model/parallel config";
+  let description = [{
+    Loads the config named by `config`, derives the seed's TaskSplitValue
+    fields from it, and evaluates every tensor dim expression of every
+    `moe.graph`, replacing it with its integer value; `act` element types
+    become `f32` or `bf16`. The symbols and their values are kept in the
+    graph's `bindings` attribute for later passes. Fails, naming the tensor
+    and dim, on an unknown symbol, a division that does not divide, or a
+    non-positive dim.
+  }];
+  let options = [
+    Option<"configPath", "config", "std::string", /*default=*/"\"\"",
+           "path of the model/parallel config JSON">,
+  ];
+  let statistics = [
+    Statistic<"numResolvedTensors", "resolved-tensors", "Number of tensors resolved">,
+  ];
+}
+
+def VerifyGraph : Pass<"moe-verify-graph", "::mlir::ModuleOp"> {
+  let summary = "Check the graph's data flow: cycles, dangling inputs, unsplittable inputs";
+  let description = [{
+    Fails on a cycle (naming the ops on it) and on a split input that is a
+    graph input: such an op has no producer tiles to follow, a case the seed
+    silently turned into a task count of 1. Warns about graph inputs that no
+    op reads.
+  }];
+}
+
+def AssignSlots : Pass<"moe-assign-slots", "::mlir::ModuleOp"> {
+  let summary = "Give slots to tensors and tiling slots to ops that have none";
+  let description = [{
+    Tensors without a parameter slot take the smallest free slots, in block
+    order. Ops that need a tiling descriptor (gmm, swiglu, swiglu_grad) and
+    have no tiling slot take the smallest free ones; all-to-all ops get -1.
+    Slots given in the graph are kept.
+  }];
+  let statistics = [
+    Statistic<"numSlots", "assigned-slots", "Number of parameter slots assigned">,
+    Statistic<"numTilingSlots", "assigned-tiling-slots", "Number of tiling slots assigned">,
+  ];
+}
+
+def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
+  let summary = "Compute task counts and the tile-range dependency map of every edge";
+  let description = [{
+    Visits the compute ops in topological order (the seed's semantics). An
+    op's task count is its `task_num` expression when it has one (evaluated
+    with the graph's bindings and `split_value`); otherwise the extent of
+    its first split input's dim (or, for a source, of its first output
+    split dim) divided by the split value, which must divide it.
+
+    For every operand produced by another op it records a
+    `#moe.tile_map`: consumer tile `j` covers rows
+    `[j*D/T, (j+1)*D/T)` of the split dim; when the consumer splits that
+    operand along the dim the producer's tiles partition, tile `j` needs
+    the producer tiles overlapping that range, otherwise all of them. The
+    maps are stored in the op's `deps` attribute and the count in `tasks`.
+    Needs `moe-resolve-shapes` first.
+  }];
+  let statistics = [
+    Statistic<"numTasks", "tasks", "Number of tile tasks over all ops">,
+  ];
+}
+
+#endif // MOEC_COMPILER_TRANSFORMS_PASSES_TD

@@ -1,0 +1,37 @@
+//===- Pipeline.cpp - the graph pipeline and its registration --------------===//
+
+#include "compiler/transforms/Passes.h"
+
+#include "mlir/Pass/PassRegistry.h"
+
+using namespace mlir;
+
+namespace moec::moe {
+
+void buildGraphPipeline(OpPassManager &pm, const std::string &configPath) {
+  ResolveShapesOptions options;
+  options.configPath = configPath;
+  pm.addPass(createResolveShapes(options));
+  pm.addPass(createVerifyGraph());
+  pm.addPass(createAssignSlots());
+  pm.addPass(createPropagateSplits());
+}
+
+namespace {
+struct GraphPipelineOptions : PassPipelineOptions<GraphPipelineOptions> {
+  Option<std::string> config{*this, "config",
+                             llvm::cl::desc("path of the model/parallel config JSON")};
+};
+} // namespace
+
+void registerMoePipelines() {
+  registerMoePasses();
+  PassPipelineRegistration<GraphPipelineOptions>(
+      "moe-graph-pipeline",
+      "Resolve shapes, verify the graph, assign slots and propagate splits",
+      [](OpPassManager &pm, const GraphPipelineOptions &options) {
+        buildGraphPipeline(pm, options.config);
+      });
+}
+
+} // namespace moec::moe

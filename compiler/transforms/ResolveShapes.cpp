@@ -1,0 +1,73 @@
+//===- ResolveShapes.cpp - bind symbolic dims from a config ----------------===//
+
+#include "compiler/config/Config.h"
+#include "compiler/ir/GraphUtils.h"
+#include "compiler/transforms/Passes.h"
+
+namespace moec::moe {
+#define GEN_PASS_DEF_RESOLVESHAPES
+#include "compiler/transforms/Passes.h.inc"
+} // namespace moec::moe
+
+using namespace mlir;
+using namespace moec;
+using namespace moec::moe;
+
+namespace {
+
+struct ResolveShapesPass : moec::moe::impl::ResolveShapesBase<ResolveShapesPass> {
+  using ResolveShapesBase::ResolveShapesBase;
+
+  void runOnOperation() override {
+    ModuleOp module = getOperation();
+    if (configPath.empty()) {
+      module.emitError() << "moe-resolve-shapes needs a config: pass config=PATH";
+      return signalPassFailure();
+    }
+    ModelConfig config;
+    std::string error;
+    if (!loadConfig(configPath, &config, &error)) {
+      module.emitError() << error;
+      return signalPassFailure();
+    }
+    Bindings bindings = configBindings(config);
+    Builder b(module.getContext());
+    Type act = config.dtype == DType::BF16 ? Type(b.getBF16Type()) : Type(b.getF32Type());
+    SmallVector<NamedAttribute> bound;
+    for (const auto &[name, value] : bindings)
+      bound.push_back(b.getNamedAttr(name, b.getI64IntegerAttr(value)));
+    DictionaryAttr boundAttr = b.getDictionaryAttr(bound);
+
+    for (GraphOp graph : module.getOps<GraphOp>()) {
+      for (Operation &op : graph.getBlock()) {
+        auto def = dyn_cast<TensorDefOpInterface>(&op);
+        if (!def)
+          continue;
+        auto type = def.getTensor().getType();
+        SmallVector<Attribute> dims;
+        for (unsigned i = 0; i < type.getRank(); ++i) {
+          Expr dim = dimExpr(type, i);
+          std::optional<int64_t> value = dim.evaluate(bindings, &error);
+          if (!value) {
+            op.emitError() << "tensor '" << def.getResultName() << "' dim " << i << " ('"
+                           << dim.text() << "'): " << error;
+            return signalPassFailure();
+          }
+          if (*value <= 0) {
+            op.emitError() << "tensor '" << def.getResultName() << "' dim " << i << " ('"
+                           << dim.text() << "') is " << *value << " with config '"
+                           << configPath << "'; dims must be positive";
+            return signalPassFailure();
+          }
+          dims.push_back(b.getI64IntegerAttr(*value));
+        }
+        Type elt = type.getElementType().isa<ActType>() ? act : type.getElementType();
+        def.getTensor().setType(type.withDims(b.getArrayAttr(dims), elt));
+        ++numResolvedTensors;
+      }
+      graph.setBindingsAttr(boundAttr);
+    }
+  }
+};
+
+} // namespace

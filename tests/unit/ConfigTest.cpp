@@ -1,0 +1,357 @@
+//===- ConfigTest.cpp - Tests for moec::ModelConfig -----------------------===//
+
+#include "compiler/config/Config.h"
+
+#include <catch2/catch.hpp>
+
+using moec::ModelConfig;
+using nlohmann::json;
+
+namespace {
+
+/// A valid config (the tiny example) as JSON, for tests to modify.
+json baseJson() {
+  return json{{"name", "tiny"},
+              {"hidden_size", 64},
+              {"intermediate_size", 32},
+              {"num_experts", 4},
+              {"top_k", 2},
+              {"ep", 2},
+              {"tp", 1},
+              {"seq_size", 64},
+              {"dtype", "fp32"},
+              {"num_cube_cores", 2},
+              {"num_vector_cores", 4}};
+}
+
+/// Loads an example config, failing the test when it does not load.
+ModelConfig loadExample(const std::string &name) {
+  ModelConfig config;
+  std::string error;
+  bool ok = moec::loadConfig("examples/configs/" + name, &config, &error);
+  INFO("error: " << error);
+  REQUIRE(ok);
+  return config;
+}
+
+/// Returns the error parseConfig() reports for `text`, failing the test when
+/// it parses.
+std::string parseError(const std::string &text) {
+  ModelConfig config;
+  std::string error;
+  bool ok = moec::parseConfig(text, "src.json", &config, &error);
+  INFO("text: " << text);
+  REQUIRE_FALSE(ok);
+  return error;
+}
+
+/// Returns the error for `j` with `key` set to `value`.
+std::string errorWith(const std::string &key, const json &value) {
+  json j = baseJson();
+  j[key] = value;
+  return parseError(j.dump());
+}
+
+} // namespace
+
+TEST_CASE("dtype helpers", "[config]") {
+  CHECK(std::string(moec::dtypeName(moec::DType::F32)) == "fp32");
+  CHECK(std::string(moec::dtypeName(moec::DType::BF16)) == "bf16");
+  CHECK(moec::dtypeSize(moec::DType::F32) == 4);
+  CHECK(moec::dtypeSize(moec::DType::BF16) == 2);
+  CHECK(moec::parseDType("fp32") == moec::DType::F32);
+  CHECK(moec::parseDType("bf16") == moec::DType::BF16);
+  CHECK_FALSE(moec::parseDType("fp16").has_value());
+}
+
+TEST_CASE("tiny.json loads", "[config]") {
+  ModelConfig c = loadExample("tiny.json");
+  CHECK(c.name == "tiny");
+  CHECK(c.hiddenSize == 64);
+  CHECK(c.intermediateSize == 32);
+  CHECK(c.numExperts == 4);
+  CHECK(c.topK == 2);
+  CHECK(c.ep == 2);
+  CHECK(c.tp == 1);
+  CHECK(c.seqSize == 64);
+  CHECK(c.dtype == moec::DType::F32);
+  CHECK(c.numCubeCores == 2);
+  CHECK(c.numVectorCores == 4);
+}
+
+TEST_CASE("qwen3-30b-a3b.json loads with default core counts", "[config]") {
+  ModelConfig c = loadExample("qwen3-30b-a3b.json");
+  CHECK(c.name == "qwen3-30b-a3b");
+  CHECK(c.hiddenSize == 2048);
+  CHECK(c.intermediateSize == 768);
+  CHECK(c.numExperts == 128);
+  CHECK(c.topK == 8);
+  CHECK(c.ep == 8);
+  CHECK(c.tp == 1);
+  CHECK(c.seqSize == 4096);
+  CHECK(c.dtype == moec::DType::BF16);
+  CHECK(c.numCubeCores == 24);
+  CHECK(c.numVectorCores == 48);
+}
+
+TEST_CASE("deepseek-v3.json loads", "[config]") {
+  ModelConfig c = loadExample("deepseek-v3.json");
+  CHECK(c.name == "deepseek-v3");
+  CHECK(c.hiddenSize == 7168);
+  CHECK(c.intermediateSize == 2048);
+  CHECK(c.numExperts == 256);
+  CHECK(c.topK == 8);
+  CHECK(c.ep == 32);
+  CHECK(c.tp == 1);
+  CHECK(c.seqSize == 4096);
+  CHECK(c.dtype == moec::DType::BF16);
+  CHECK(c.numCubeCores == 24);
+  CHECK(c.numVectorCores == 48);
+  moec::TaskSplitValue v = moec::deriveTaskSplitValue(c);
+  CHECK(v.singleRankExpertNum == 8);
+  CHECK(v.seqAll == 4096 * 32 * 8);
+}
+
+TEST_CASE("seed-test.json derives the seed's TaskSplitValue", "[config]") {
+  ModelConfig c = loadExample("seed-test.json");
+  CHECK(c.tp == 2);
+  CHECK(c.ep == 2);
+  CHECK(c.seqSize == 1024);
+  CHECK(c.numExperts == 16);
+  CHECK(c.topK == 8);
+  CHECK(c.hiddenSize == 5120);
+  CHECK(c.intermediateSize == 2048);
+  CHECK(c.dtype == moec::DType::BF16);
+  moec::TaskSplitValue v = moec::deriveTaskSplitValue(c);
+  CHECK(v.allExpertNum == 16);
+  CHECK(v.singleRankExpertNum == 8);
+  CHECK(v.seqAll == 8192);
+  CHECK(v.perExpertSeq == 1024);
+  CHECK(v.perRankSeq == 4096);
+  CHECK(v.perExpertSeqToOther == 512);
+}
+
+TEST_CASE("seed-defaults.json derives the seed's TaskSplitValue", "[config]") {
+  ModelConfig c = loadExample("seed-defaults.json");
+  CHECK(c.tp == 4);
+  CHECK(c.ep == 4);
+  CHECK(c.seqSize == 8192);
+  CHECK(c.numExperts == 32);
+  CHECK(c.topK == 8);
+  CHECK(c.hiddenSize == 7168);
+  CHECK(c.intermediateSize == 2048);
+  CHECK(c.numCubeCores == 24);
+  moec::TaskSplitValue v = moec::deriveTaskSplitValue(c);
+  CHECK(v.allExpertNum == 32);
+  CHECK(v.singleRankExpertNum == 8);
+  CHECK(v.seqAll == 65536);
+  CHECK(v.perExpertSeq == 8192);
+  CHECK(v.perRankSeq == 16384);
+  CHECK(v.perExpertSeqToOther == 2048);
+}
+
+TEST_CASE("configBindings names every symbol", "[config]") {
+  ModelConfig c = loadExample("seed-test.json");
+  moec::Bindings expected = {
+      {"hidden_size", 5120},
+      {"intermediate_size", 2048},
+      {"num_experts", 16},
+      {"top_k", 8},
+      {"ep", 2},
+      {"tp", 2},
+      {"seq_size", 1024},
+      {"num_cube_cores", 24},
+      {"num_vector_cores", 48},
+      {"dtype_size", 2},
+      {"single_rank_expert_num", 8},
+      {"seq_all", 8192},
+      {"per_expert_seq", 1024},
+      {"per_rank_seq", 4096},
+      {"per_expert_seq_to_other", 512},
+  };
+  moec::Bindings bindings = moec::configBindings(c);
+  CHECK(bindings == expected);
+  CHECK(bindings.count("all_expert_num") == 0);
+
+  ModelConfig tiny = loadExample("tiny.json");
+  CHECK(moec::configBindings(tiny).at("dtype_size") == 4);
+}
+
+TEST_CASE("configToJson round-trips", "[config]") {
+  ModelConfig c = loadExample("tiny.json");
+  json j = moec::configToJson(c);
+  CHECK(j == baseJson());
+
+  ModelConfig qwen = loadExample("qwen3-30b-a3b.json");
+  json q = moec::configToJson(qwen);
+  CHECK(q.at("num_cube_cores") == 24);
+  CHECK(q.at("num_vector_cores") == 48);
+  CHECK(q.at("dtype") == "bf16");
+  ModelConfig back;
+  std::string error;
+  REQUIRE(moec::parseConfig(q.dump(), "q.json", &back, &error));
+  CHECK(moec::configToJson(back) == q);
+}
+
+TEST_CASE("optional keys may be left out", "[config]") {
+  json j = baseJson();
+  j.erase("name");
+  j.erase("num_cube_cores");
+  j.erase("num_vector_cores");
+  ModelConfig c;
+  std::string error;
+  REQUIRE(moec::parseConfig(j.dump(), "src.json", &c, &error));
+  CHECK(c.name.empty());
+  CHECK(c.numCubeCores == 24);
+  CHECK(c.numVectorCores == 48);
+}
+
+TEST_CASE("unknown and missing keys", "[config]") {
+  CHECK(errorWith("hiden_size", 64) ==
+        "src.json: unknown key 'hiden_size' (did you mean 'hidden_size'?)");
+  CHECK(errorWith("topk", 2) ==
+        "src.json: unknown key 'topk' (did you mean 'top_k'?)");
+  CHECK(errorWith("experts_per_token", 2) ==
+        "src.json: unknown key 'experts_per_token'");
+
+  json j = baseJson();
+  j.erase("top_k");
+  CHECK(parseError(j.dump()) == "src.json: missing required key 'top_k'");
+  j = baseJson();
+  j.erase("dtype");
+  CHECK(parseError(j.dump()) == "src.json: missing required key 'dtype'");
+  j = baseJson();
+  j.erase("hidden_size");
+  j.erase("seq_size");
+  CHECK(parseError(j.dump()) == "src.json: missing required key 'hidden_size'");
+}
+
+TEST_CASE("wrong types", "[config]") {
+  CHECK(errorWith("ep", "4") ==
+        "src.json: key 'ep' must be a positive integer, got \"4\"");
+  CHECK(errorWith("ep", 4.0) ==
+        "src.json: key 'ep' must be a positive integer, got 4.0");
+  CHECK(errorWith("seq_size", true) ==
+        "src.json: key 'seq_size' must be a positive integer, got true");
+  CHECK(errorWith("num_cube_cores", nullptr) ==
+        "src.json: key 'num_cube_cores' must be a positive integer, got null");
+  CHECK(errorWith("hidden_size", json::array({64})) ==
+        "src.json: key 'hidden_size' must be a positive integer, got [64]");
+  CHECK(errorWith("tp", 18446744073709551615ULL) ==
+        "src.json: key 'tp' is too large for int64, got 18446744073709551615");
+  CHECK(errorWith("name", 5) == "src.json: key 'name' must be a string, got 5");
+  CHECK(parseError("[1, 2]") ==
+        "src.json: top-level value must be a JSON object, got array");
+  CHECK(parseError("42") ==
+        "src.json: top-level value must be a JSON object, got number");
+}
+
+TEST_CASE("dtype values", "[config]") {
+  CHECK(errorWith("dtype", "fp16") ==
+        "src.json: 'dtype' must be \"fp32\" or \"bf16\", got \"fp16\"");
+  CHECK(errorWith("dtype", 16) ==
+        "src.json: 'dtype' must be \"fp32\" or \"bf16\", got 16");
+}
+
+TEST_CASE("non-positive values", "[config]") {
+  CHECK(errorWith("ep", 0) == "src.json: 'ep' must be positive, got 0");
+  CHECK(errorWith("tp", -2) == "src.json: 'tp' must be positive, got -2");
+  CHECK(errorWith("hidden_size", 0) ==
+        "src.json: 'hidden_size' must be positive, got 0");
+  CHECK(errorWith("num_vector_cores", 0) ==
+        "src.json: 'num_vector_cores' must be positive, got 0");
+}
+
+TEST_CASE("expert counts", "[config]") {
+  json j = baseJson();
+  j["num_experts"] = 30;
+  j["ep"] = 4;
+  CHECK(parseError(j.dump()) ==
+        "src.json: 'num_experts' (30) must be a multiple of 'ep' (4)");
+  j = baseJson();
+  j["num_experts"] = 8;
+  j["top_k"] = 9;
+  CHECK(parseError(j.dump()) ==
+        "src.json: 'top_k' (9) must not exceed 'num_experts' (8)");
+}
+
+TEST_CASE("every derived field must divide exactly", "[config]") {
+  auto withSplit = [](int64_t seq, int64_t ep, int64_t topK, int64_t tp) {
+    json j = baseJson();
+    j["seq_size"] = seq;
+    j["ep"] = ep;
+    j["top_k"] = topK;
+    j["tp"] = tp;
+    return parseError(j.dump());
+  };
+  CHECK(withSplit(63, 2, 2, 8) ==
+        "src.json: seq_size * ep * top_k (252) must be a multiple of tp (8) "
+        "to derive 'seq_all'");
+  CHECK(withSplit(1, 1, 2, 2) ==
+        "src.json: seq_all (1) must be a multiple of top_k (2) to derive "
+        "'per_expert_seq'");
+  CHECK(withSplit(1, 2, 1, 2) ==
+        "src.json: seq_all (1) must be a multiple of ep (2) to derive "
+        "'per_rank_seq'");
+  CHECK(withSplit(1, 2, 2, 2) ==
+        "src.json: seq_all (2) must be a multiple of ep * top_k (4) to "
+        "derive 'per_expert_seq_to_other'");
+  CHECK(withSplit(int64_t(1) << 62, 2, 2, 1) ==
+        "src.json: seq_size * ep * top_k (4611686018427387904 * 2 * 2) "
+        "overflows int64");
+}
+
+TEST_CASE("validateConfig checks a config built in code", "[config]") {
+  ModelConfig c;
+  std::string error;
+  CHECK_FALSE(moec::validateConfig(c, "code", &error));
+  CHECK(error == "code: 'hidden_size' must be positive, got 0");
+
+  c.hiddenSize = 64;
+  c.intermediateSize = 32;
+  c.numExperts = 4;
+  c.topK = 2;
+  c.ep = 2;
+  c.tp = 1;
+  c.seqSize = 64;
+  c.dtype = moec::DType::F32;
+  error.clear();
+  CHECK(moec::validateConfig(c, "code", &error));
+  CHECK(error.empty());
+
+  c.seqSize = 3;
+  c.tp = 8;
+  CHECK_FALSE(moec::validateConfig(c, "code", &error));
+  CHECK(error == "code: seq_size * ep * top_k (12) must be a multiple of tp "
+                 "(8) to derive 'seq_all'");
+}
+
+TEST_CASE("malformed JSON reports line and column", "[config]") {
+  CHECK(parseError("{\n  \"hidden_size\": 64,\n  \"ep\": ,\n}") ==
+        "src.json:3:9: syntax error while parsing value - unexpected ','; "
+        "expected '[', '{', or a literal");
+  CHECK(parseError("{\"ep\": 1") ==
+        "src.json:1:9: syntax error while parsing object - unexpected end "
+        "of input; expected '}'");
+  CHECK(parseError("") ==
+        "src.json:1:1: syntax error while parsing value - unexpected end of "
+        "input; expected '[', '{', or a literal");
+  std::string trailing = parseError("{\"ep\": 1}\n\n  x");
+  CHECK(trailing.rfind("src.json:3:3: syntax error while parsing value - "
+                       "invalid literal",
+                       0) == 0);
+  std::string literal = parseError("{\n\n\n    \"ep\": tru }");
+  CHECK(literal.rfind("src.json:4:14: syntax error while parsing value - "
+                      "invalid literal",
+                      0) == 0);
+}
+
+TEST_CASE("loadConfig reports unreadable files", "[config]") {
+  ModelConfig c;
+  std::string error;
+  CHECK_FALSE(moec::loadConfig("examples/configs/no-such.json", &c, &error));
+  CHECK(error == "cannot read 'examples/configs/no-such.json': No such file or "
+                 "directory");
+  CHECK_FALSE(moec::loadConfig("examples/configs", &c, &error));
+  CHECK(error == "cannot read 'examples/configs': Is a directory");
+}

@@ -5,7 +5,6 @@
 
 #include "llvm/ADT/DenseMap.h"
 
-#include <set>
 
 using namespace mlir;
 using namespace moec;
@@ -98,21 +97,13 @@ FailureOr<json> moec::exportGraphJson(ModuleOp module) {
   }
 
   json ops = json::array();
-  json edges = json::array();
-  std::set<std::pair<std::string, std::string>> seenEdges;
   for (auto task : graph.getBlock().getOps<TaskOpInterface>()) {
     json o;
     o["name"] = task.getOpName().str();
     o["op"] = task->getName().stripDialect().str();
     o["inputs"] = json::array();
-    for (Value v : task->getOperands()) {
+    for (Value v : task->getOperands())
       o["inputs"].push_back(tensorName(v).str());
-      if (TaskOpInterface p = producerOf(v)) {
-        std::pair<std::string, std::string> edge{p.getOpName().str(), task.getOpName().str()};
-        if (seenEdges.insert(edge).second)
-          edges.push_back({edge.first, edge.second});
-      }
-    }
     o["outputs"] = {tensorName(task->getResult(0)).str()};
     o["split_value"] = task.getSplitValue();
     SplitAttr split = task.getSplit();
@@ -145,6 +136,12 @@ FailureOr<json> moec::exportGraphJson(ModuleOp module) {
   root["name"] = graph.getSymName().str();
   root["tensors"] = tensors;
   root["ops"] = ops;
-  root["edges"] = edges;
+  if (ArrayAttr edges = graph.getEdgesAttr()) {
+    root["edges"] = json::array();
+    for (Attribute e : edges) {
+      auto pair = e.cast<ArrayAttr>();
+      root["edges"].push_back({pair[0].cast<StringAttr>().str(), pair[1].cast<StringAttr>().str()});
+    }
+  }
   return root;
 }

@@ -14,7 +14,6 @@
 #include "llvm/Support/SourceMgr.h"
 
 #include <regex>
-#include <set>
 
 using namespace mlir;
 using namespace moec;
@@ -100,7 +99,7 @@ private:
 
   LogicalResult importTensor(const json &t, unsigned index);
   LogicalResult importOp(const json &o, unsigned index);
-  LogicalResult checkEdges(const json &edges);
+  FailureOr<ArrayAttr> importEdges(const json &edges);
   FailureOr<Attribute> fillValue(const json &v, Location loc, const std::string &what);
 
   std::string_view text;
@@ -331,16 +330,11 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
   return success();
 }
 
-LogicalResult Importer::checkEdges(const json &edges) {
+FailureOr<ArrayAttr> Importer::importEdges(const json &edges) {
   Location loc = locOf("edges", "");
   if (!edges.is_array())
     return error(loc) << "'edges' must be an array of [producer, consumer] op-name pairs";
-  // The data-flow edges, from the tensors ops read and write.
-  std::set<std::pair<std::string, std::string>> flow, listed;
-  for (const json &o : opJson)
-    for (const json &in : o["inputs"])
-      if (const std::string &p = tensors[tensorIndex[in.get<std::string>()]].producer; !p.empty())
-        flow.insert({p, o["name"].get<std::string>()});
+  SmallVector<Attribute> pairs;
   for (const auto &[i, e] : llvm::enumerate(edges)) {
     if (!e.is_array() || e.size() != 2 || !e[0].is_string() || !e[1].is_string())
       return error(loc) << "edge " << i << " must be a [producer, consumer] pair of op names, got "
@@ -349,19 +343,9 @@ LogicalResult Importer::checkEdges(const json &edges) {
       if (!opIndex.count(end.get<std::string>()))
         return error(loc) << "edge " << i << " names op '" << end.get<std::string>()
                           << "', which is not in 'ops'";
-    std::pair<std::string, std::string> edge{e[0], e[1]};
-    if (!flow.count(edge))
-      return error(loc) << "edge " << i << " ('" << edge.first << "' -> '" << edge.second
-                        << "'): '" << edge.second << "' reads no tensor that '" << edge.first
-                        << "' writes";
-    listed.insert(edge);
+    pairs.push_back(b.getStrArrayAttr({e[0].get<std::string>(), e[1].get<std::string>()}));
   }
-  for (const auto &edge : flow)
-    if (!listed.count(edge))
-      return error(loc) << "'edges' misses '" << edge.first << "' -> '" << edge.second
-                        << "': '" << edge.second << "' reads a tensor '" << edge.first
-                        << "' writes";
-  return success();
+  return b.getArrayAttr(pairs);
 }
 
 OwningOpRef<ModuleOp> Importer::run() {
@@ -394,8 +378,13 @@ OwningOpRef<ModuleOp> Importer::run() {
   for (const auto &[i, o] : llvm::enumerate(root["ops"]))
     if (failed(importOp(o, i)))
       return nullptr;
-  if (root.contains("edges") && failed(checkEdges(root["edges"])))
-    return nullptr;
+  ArrayAttr edges;
+  if (root.contains("edges")) {
+    FailureOr<ArrayAttr> imported = importEdges(root["edges"]);
+    if (failed(imported))
+      return nullptr;
+    edges = *imported;
+  }
 
   // Transposed tensors: only grouped-matmul lhs/rhs operands may be.
   for (TensorDecl &t : tensors) {
@@ -423,7 +412,7 @@ OwningOpRef<ModuleOp> Importer::run() {
   OwningOpRef<ModuleOp> module = ModuleOp::create(top);
   OpBuilder ob(ctx);
   ob.setInsertionPointToEnd(module->getBody());
-  auto graph = ob.create<GraphOp>(top, b.getStringAttr(root["name"].get<std::string>()),
+  auto graph = ob.create<GraphOp>(top, b.getStringAttr(root["name"].get<std::string>()), edges,
                                   DictionaryAttr());
   Block *body = new Block();
   graph.getBody().push_back(body);

@@ -21,7 +21,11 @@ llvm::StringRef tensorName(mlir::Value v);
 /// The compute op producing `v`, or null for a graph input.
 TaskOpInterface producerOf(mlir::Value v);
 
-/// The compute ops of `graph` in a topological order (ties keep block order).
+/// The ops `op` must follow by the graph's ordering edges (not by data flow).
+llvm::SmallVector<TaskOpInterface> orderingPredecessors(TaskOpInterface op);
+
+/// The compute ops of `graph` in a topological order of data flow and
+/// ordering edges (ties keep block order).
 /// On a cycle, emits an error on the graph naming the ops on it and fails.
 mlir::LogicalResult topologicalOrder(GraphOp graph,
                                      llvm::SmallVectorImpl<TaskOpInterface> &order);

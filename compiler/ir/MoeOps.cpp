@@ -9,6 +9,8 @@
 #include "llvm/ADT/SetVector.h"
 #include "llvm/ADT/StringSet.h"
 
+#include <set>
+
 using namespace mlir;
 using namespace moec;
 using namespace moec::moe;
@@ -30,6 +32,33 @@ StringRef moec::moe::tensorName(Value v) {
 
 TaskOpInterface moec::moe::producerOf(Value v) { return v.getDefiningOp<TaskOpInterface>(); }
 
+SmallVector<TaskOpInterface> moec::moe::orderingPredecessors(TaskOpInterface op) {
+  SmallVector<TaskOpInterface> preds;
+  auto graph = op->getParentOfType<GraphOp>();
+  if (!graph || !graph.getEdgesAttr())
+    return preds;
+  for (Attribute e : graph.getEdgesAttr()) {
+    auto pair = e.cast<ArrayAttr>();
+    if (pair[1].cast<StringAttr>().getValue() != op.getOpName())
+      continue;
+    for (auto other : graph.getBlock().getOps<TaskOpInterface>())
+      if (other.getOpName() == pair[0].cast<StringAttr>().getValue())
+        preds.push_back(other);
+  }
+  return preds;
+}
+
+/// Every op `op` waits for: producers of its operands, then ordering edges.
+static SmallVector<Operation *> predecessors(TaskOpInterface op) {
+  SmallVector<Operation *> preds;
+  for (Value v : op->getOperands())
+    if (TaskOpInterface p = producerOf(v))
+      preds.push_back(p);
+  for (TaskOpInterface p : orderingPredecessors(op))
+    preds.push_back(p);
+  return preds;
+}
+
 LogicalResult moec::moe::topologicalOrder(GraphOp graph,
                                           SmallVectorImpl<TaskOpInterface> &order) {
   SmallVector<TaskOpInterface> ops;
@@ -37,29 +66,20 @@ LogicalResult moec::moe::topologicalOrder(GraphOp graph,
     if (auto task = dyn_cast<TaskOpInterface>(&op))
       ops.push_back(task);
   // Kahn's algorithm; among ready ops the earliest in block order goes first.
-  llvm::DenseMap<Operation *, unsigned> pending;
-  for (TaskOpInterface op : ops) {
-    unsigned n = 0;
-    for (Value v : op->getOperands())
-      if (producerOf(v))
-        ++n;
-    pending[op] = n;
-  }
+  llvm::DenseMap<Operation *, SmallVector<Operation *>> preds;
+  for (TaskOpInterface op : ops)
+    preds[op] = predecessors(op);
   llvm::SetVector<Operation *> done;
   bool progress = true;
   while (progress && done.size() < ops.size()) {
     progress = false;
     for (TaskOpInterface op : ops) {
-      if (done.contains(op) || pending[op] != 0)
+      if (done.contains(op) ||
+          llvm::any_of(preds[op], [&](Operation *p) { return !done.contains(p); }))
         continue;
       done.insert(op);
       order.push_back(op);
       progress = true;
-      for (Operation *user : op->getResult(0).getUsers())
-        if (pending.count(user))
-          for (Value v : user->getOperands())
-            if (v == op->getResult(0))
-              --pending[user];
       break;
     }
   }
@@ -78,8 +98,8 @@ LogicalResult moec::moe::topologicalOrder(GraphOp graph,
   while (!seenAt.count(cur)) {
     seenAt[cur] = path.size();
     path.push_back(cur);
-    for (Value v : cur->getOperands())
-      if (TaskOpInterface p = producerOf(v); p && !done.contains(p)) {
+    for (Operation *p : preds[cur])
+      if (!done.contains(p)) {
         cur = p;
         break;
       }
@@ -113,6 +133,28 @@ RegionKind GraphOp::getRegionKind(unsigned) { return RegionKind::Graph; }
 
 LogicalResult GraphOp::verify() {
   llvm::StringMap<Operation *> tensors, opNames;
+  auto verifyEdges = [&]() -> LogicalResult {
+    if (!getEdgesAttr())
+      return success();
+    std::set<std::pair<std::string, std::string>> seen;
+    for (auto [i, e] : llvm::enumerate(getEdgesAttr())) {
+      auto pair = e.dyn_cast<ArrayAttr>();
+      if (!pair || pair.size() != 2 || !pair[0].isa<StringAttr>() || !pair[1].isa<StringAttr>())
+        return emitOpError() << "edge " << i << " must be a pair of op names";
+      for (Attribute end : pair)
+        if (!opNames.count(end.cast<StringAttr>().getValue()))
+          return emitOpError() << "edge " << i << " names op '"
+                               << end.cast<StringAttr>().getValue() << "', which is not in the graph";
+      std::pair<std::string, std::string> key{pair[0].cast<StringAttr>().str(),
+                                              pair[1].cast<StringAttr>().str()};
+      if (key.first == key.second)
+        return emitOpError() << "edge " << i << " goes from '" << key.first << "' to itself";
+      if (!seen.insert(key).second)
+        return emitOpError() << "edge " << i << " ('" << key.first << "' -> '" << key.second
+                             << "') is listed twice";
+    }
+    return success();
+  };
   llvm::DenseMap<int64_t, Operation *> slots, tilingSlots;
   for (Operation &op : getBlock()) {
     auto def = dyn_cast<TensorDefOpInterface>(&op);
@@ -144,7 +186,7 @@ LogicalResult GraphOp::verify() {
                                 << cast<TaskOpInterface>(s->second).getOpName() << "'";
     }
   }
-  return success();
+  return verifyEdges();
 }
 
 LogicalResult InputOp::verify() {

@@ -82,12 +82,15 @@ def Moe_GraphOp : Moe_Op<"graph", [
   let description = [{
     The body is a graph region: ops may appear in any order and the
     verify-graph pass checks that the data flow is acyclic. Tensors that no
-    op reads are the graph's outputs. `bindings`, set by
-    `moe-resolve-shapes`, holds the config symbols the shapes were
-    resolved with.
+    op reads are the graph's outputs. `edges` lists extra ordering edges
+    between ops by name (the seed's `add_edge`), `[["a", "b"], ...]`: `b`
+    runs after all of `a`, whether or not it reads what `a` writes.
+    `bindings`, set by `moe-resolve-shapes`, holds the config symbols the
+    shapes were resolved with.
   }];
   let arguments = (ins
     StrAttr:$sym_name,
+    OptionalAttr<ArrayAttr>:$edges,
     OptionalAttr<DictionaryAttr>:$bindings
   );
   let regions = (region SizedRegion<1>:$body);

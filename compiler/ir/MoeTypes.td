@@ -90,7 +90,8 @@ def Moe_TileMapAttr : AttrDef<Moe_Dialect, "TileMap"> {
 
     Consumer tile `j` of the op carrying this map needs the producer's
     tiles `first[j] .. last[j]` (inclusive) of the tensor read through
-    `operand`. Written by `moe-propagate-splits`; task lowering turns it
+    `operand`; operand -1 marks an ordering edge of the graph's `edges`
+    that carries no tensor (it needs every producer tile). Written by `moe-propagate-splits`; task lowering turns it
     into events.
   }];
   let parameters = (ins

@@ -62,7 +62,8 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
     `#moe.tile_map`: consumer tile `j` covers rows
     `[j*D/T, (j+1)*D/T)` of the split dim; when the consumer splits that
     operand along the dim the producer's tiles partition, tile `j` needs
-    the producer tiles overlapping that range, otherwise all of them. The
+    the producer tiles overlapping that range, otherwise all of them. An
+    ordering edge of the graph (operand -1) needs all of them. The
     maps are stored in the op's `deps` attribute and the count in `tasks`.
     Needs `moe-resolve-shapes` first.
   }];

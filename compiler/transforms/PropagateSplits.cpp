@@ -96,6 +96,13 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
         maps.push_back(TileMapAttr::get(graph.getContext(), use.getOperandNumber(),
                                         b.getStringAttr(producer.getOpName()), first, last));
       }
+      for (TaskOpInterface producer : orderingPredecessors(op)) {
+        if (llvm::any_of(op->getOperands(), [&](Value v) { return producerOf(v) == producer; }))
+          continue; // the data edge's map already orders them
+        SmallVector<int64_t> first(*tasks, 0), last(*tasks, resultTiling[producer].tiles - 1);
+        maps.push_back(TileMapAttr::get(graph.getContext(), /*operand=*/-1,
+                                        b.getStringAttr(producer.getOpName()), first, last));
+      }
       op.setDepsValue(b.getArrayAttr(maps));
     }
     return success();

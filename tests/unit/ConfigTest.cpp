@@ -18,7 +18,7 @@ json baseJson() {
               {"top_k", 2},
               {"ep", 2},
               {"tp", 1},
-              {"seq_size", 64},
+              {"seq_size", 128},
               {"dtype", "fp32"},
               {"num_cube_cores", 2},
               {"num_vector_cores", 4}};
@@ -73,7 +73,7 @@ TEST_CASE("tiny.json loads", "[config]") {
   CHECK(c.topK == 2);
   CHECK(c.ep == 2);
   CHECK(c.tp == 1);
-  CHECK(c.seqSize == 64);
+  CHECK(c.seqSize == 128);
   CHECK(c.dtype == moec::DType::F32);
   CHECK(c.numCubeCores == 2);
   CHECK(c.numVectorCores == 4);

@@ -1,0 +1,62 @@
+//===- Cli.h - the moec command line ----------------------------*- C++ -*-===//
+//
+// Argument parsing shared by every moec command, and the commands' entry
+// points. Exit codes: 0 success, 1 error, 2 usage error.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_TOOLS_MOEC_CLI_H
+#define MOEC_TOOLS_MOEC_CLI_H
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace moec::cli {
+
+enum ExitCode { kOk = 0, kError = 1, kUsage = 2 };
+
+/// One command's options: which flags take a value, which are switches.
+struct CommandSpec {
+  const char *name;
+  const char *usage;   // one line: "moec check GRAPH --config CFG [--json]"
+  const char *help;    // the full --help text after the usage line
+  std::vector<std::string> valueFlags;
+  std::vector<std::string> switchFlags;
+  unsigned minPositional, maxPositional;
+};
+
+/// Parsed arguments of one command.
+struct Args {
+  std::vector<std::string> positional;
+  std::map<std::string, std::string> values;
+  std::map<std::string, bool> switches;
+  bool help = false;
+
+  std::optional<std::string> value(const std::string &flag) const;
+  bool has(const std::string &flag) const { return switches.count(flag) != 0; }
+};
+
+/// Parses argv[first..] for `spec`. On a usage error prints the message and
+/// the usage line to stderr and returns std::nullopt.
+std::optional<Args> parseArgs(const CommandSpec &spec, int argc, char **argv, int first);
+
+/// Prints `spec`'s usage and help to stdout.
+void printHelp(const CommandSpec &spec);
+
+/// Writes `content` to `path` through a temporary file in the same folder,
+/// so a failed run leaves nothing half-written. "-" writes to stdout.
+/// On failure prints an error and returns false.
+bool writeOutput(const std::string &path, const std::string &content);
+
+// Commands. Each returns an ExitCode.
+int runCheck(int argc, char **argv, int first);
+int runImport(int argc, char **argv, int first);
+int runExport(int argc, char **argv, int first);
+
+extern const CommandSpec kCheckSpec, kImportSpec, kExportSpec;
+
+} // namespace moec::cli
+
+#endif // MOEC_TOOLS_MOEC_CLI_H

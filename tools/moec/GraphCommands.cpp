@@ -1,0 +1,319 @@
+//===- GraphCommands.cpp - moec check, import, export ----------------------===//
+
+#include "compiler/config/Config.h"
+#include "compiler/import/GraphJson.h"
+#include "compiler/ir/GraphUtils.h"
+#include "compiler/transforms/Passes.h"
+#include "tools/moec/Cli.h"
+
+#include "mlir/IR/Diagnostics.h"
+#include "mlir/IR/MLIRContext.h"
+#include "mlir/Pass/PassManager.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <iostream>
+
+using namespace mlir;
+using namespace moec;
+using namespace moec::moe;
+using json = nlohmann::ordered_json;
+
+namespace moec::cli {
+
+const CommandSpec kCheckSpec = {
+    "check",
+    "moec check GRAPH --config CFG [--json] [--print-ir] [-o OUT]",
+    "Loads GRAPH (.json graph description or .mlir), binds its shapes with the\n"
+    "model/parallel config CFG, verifies it, assigns missing slots and propagates\n"
+    "the tile splits. Prints, per op: its type, core kind, split value, task count,\n"
+    "split inputs and output dims, slots, and for every input an op produces, how\n"
+    "consumer tiles map onto producer tiles.\n"
+    "\n"
+    "options:\n"
+    "  --config CFG   model/parallel config (JSON; see docs/graph-format.md)\n"
+    "  --json         print the report as JSON, with the full tile maps\n"
+    "  --print-ir     print the graph after the passes (moe dialect) instead\n"
+    "  -o OUT         write the report to OUT instead of stdout\n",
+    {"--config", "-o"},
+    {"--json", "--print-ir"},
+    1,
+    1};
+
+const CommandSpec kImportSpec = {
+    "import",
+    "moec import GRAPH.json [-o OUT.mlir]",
+    "Converts a JSON graph description to the moe dialect and prints it (or writes\n"
+    "it to OUT). The graph is verified on the way; shapes stay symbolic.\n"
+    "\n"
+    "options:\n"
+    "  -o OUT   output file (default: stdout)\n",
+    {"-o"},
+    {},
+    1,
+    1};
+
+const CommandSpec kExportSpec = {
+    "export",
+    "moec export GRAPH.mlir [-o OUT.json]",
+    "Converts a moe dialect graph to a JSON graph description and prints it (or\n"
+    "writes it to OUT).\n"
+    "\n"
+    "options:\n"
+    "  -o OUT   output file (default: stdout)\n",
+    {"-o"},
+    {},
+    1,
+    1};
+
+namespace {
+
+/// Prints diagnostics as "file:line:col: error: message".
+class DiagnosticPrinter {
+public:
+  explicit DiagnosticPrinter(MLIRContext &ctx)
+      : handler(&ctx, [](Diagnostic &diag) {
+          print(diag);
+          for (Diagnostic &note : diag.getNotes())
+            print(note);
+          return success();
+        }) {}
+
+private:
+  static void print(Diagnostic &diag) {
+    std::string text;
+    llvm::raw_string_ostream os(text);
+    if (auto loc = diag.getLocation()->findInstanceOf<FileLineColLoc>())
+      os << loc.getFilename().getValue() << ':' << loc.getLine() << ':' << loc.getColumn()
+         << ": ";
+    switch (diag.getSeverity()) {
+    case DiagnosticSeverity::Error:
+      os << "error: ";
+      break;
+    case DiagnosticSeverity::Warning:
+      os << "warning: ";
+      break;
+    case DiagnosticSeverity::Note:
+      os << "note: ";
+      break;
+    case DiagnosticSeverity::Remark:
+      os << "remark: ";
+      break;
+    }
+    os << diag.str() << '\n';
+    std::fputs(os.str().c_str(), stderr);
+  }
+  ScopedDiagnosticHandler handler;
+};
+
+std::string toText(Operation *op) {
+  std::string text;
+  llvm::raw_string_ostream os(text);
+  op->print(os);
+  os << '\n';
+  return os.str();
+}
+
+/// A one-line summary of a tile map.
+std::string describeMap(TileMapAttr map, int64_t producerTiles) {
+  ArrayRef<int64_t> first = map.getFirst(), last = map.getLast();
+  bool all = true, identity = true;
+  int64_t fanIn = 0;
+  for (size_t j = 0; j < first.size(); ++j) {
+    all &= first[j] == 0 && last[j] == producerTiles - 1;
+    identity &= first[j] == (int64_t)j && last[j] == (int64_t)j;
+    fanIn = std::max(fanIn, last[j] - first[j] + 1);
+  }
+  std::string how = all        ? "all " + std::to_string(producerTiles) + " tiles"
+                    : identity ? "tile j <- tile j"
+                               : fmt::format("overlap, <= {} tile{} each", fanIn,
+                                             fanIn == 1 ? "" : "s");
+  std::string input = map.getOperand() < 0 ? "after" : "in" + std::to_string(map.getOperand());
+  return fmt::format("{} <- {} ({})", input, map.getProducer().getValue().str(), how);
+}
+
+json tsvJson(const ModelConfig &c) {
+  TaskSplitValue t = deriveTaskSplitValue(c);
+  json j;
+  j["all_expert_num"] = t.allExpertNum;
+  j["single_rank_expert_num"] = t.singleRankExpertNum;
+  j["seq_all"] = t.seqAll;
+  j["per_expert_seq"] = t.perExpertSeq;
+  j["per_rank_seq"] = t.perRankSeq;
+  j["per_expert_seq_to_other"] = t.perExpertSeqToOther;
+  return j;
+}
+
+json reportJson(GraphOp graph, const ModelConfig &config) {
+  json r;
+  r["graph"] = graph.getSymName().str();
+  r["config"] = json::parse(configToJson(config).dump());
+  r["task_split_value"] = tsvJson(config);
+  json ops = json::array();
+  for (auto op : graph.getBlock().getOps<TaskOpInterface>()) {
+    json o;
+    o["name"] = op.getOpName().str();
+    o["type"] = op.getSeedOpType().str();
+    o["core"] = op.isCubeWork() ? "cube" : "vector";
+    o["split_value"] = op.getSplitValue();
+    o["tasks"] = *op.getTasks();
+    SplitAttr split = op.getSplit();
+    o["split_inputs"] = json::array();
+    for (unsigned i = 0; i < split.getNumSplitInputs(); ++i)
+      o["split_inputs"].push_back({split.getSplitOperand(i), split.getSplitDim(i)});
+    o["split_output_dims"] = split.getOutputDims();
+    o["tiling_position"] = *op.getTilingSlotValue();
+    json slots = json::array();
+    for (Value v : op->getOperands())
+      slots.push_back(*v.getDefiningOp<TensorDefOpInterface>().getSlot());
+    slots.push_back(*cast<TensorDefOpInterface>(op.getOperation()).getSlot());
+    o["param_positions"] = slots;
+    json deps = json::array();
+    for (Attribute a : op.getDepsAttr()) {
+      auto map = a.cast<TileMapAttr>();
+      json d;
+      d["input"] = map.getOperand();
+      d["producer"] = map.getProducer().getValue().str();
+      d["first"] = map.getFirst();
+      d["last"] = map.getLast();
+      deps.push_back(d);
+    }
+    o["deps"] = deps;
+    ops.push_back(o);
+  }
+  r["ops"] = ops;
+  return r;
+}
+
+std::string reportText(GraphOp graph, const ModelConfig &config, const std::string &cfgPath) {
+  std::string out;
+  TaskSplitValue t = deriveTaskSplitValue(config);
+  out += fmt::format("graph {}  (config {}: H {}, I {}, E {}, top_k {}, ep {}, tp {}, seq {}, {}, "
+                     "{} cube cores)\n",
+                     graph.getSymName().str(), cfgPath, config.hiddenSize,
+                     config.intermediateSize, config.numExperts, config.topK, config.ep,
+                     config.tp, config.seqSize, dtypeName(config.dtype), config.numCubeCores);
+  out += fmt::format("task split value: single_rank_expert_num {}, seq_all {}, per_expert_seq {}, "
+                     "per_rank_seq {}, per_expert_seq_to_other {}\n\n",
+                     t.singleRankExpertNum, t.seqAll, t.perExpertSeq, t.perRankSeq,
+                     t.perExpertSeqToOther);
+  out += fmt::format("{:<14} {:<12} {:<6} {:>6} {:>6}  {:<10} {:<8} {:<6} {:<16} {}\n", "op",
+                     "type", "core", "split", "tasks", "split in", "out dims", "tiling",
+                     "param slots", "tile deps");
+  int64_t total = 0;
+  llvm::StringMap<int64_t> tilesOf;
+  for (auto op : graph.getBlock().getOps<TaskOpInterface>())
+    tilesOf[op.getOpName()] = *op.getTasks();
+  for (auto op : graph.getBlock().getOps<TaskOpInterface>()) {
+    SplitAttr split = op.getSplit();
+    std::string splitIn;
+    for (unsigned i = 0; i < split.getNumSplitInputs(); ++i)
+      splitIn += fmt::format("{}{}:{}", i ? "," : "", split.getSplitOperand(i),
+                             split.getSplitDim(i));
+    if (split.isSource())
+      splitIn = "(source)";
+    std::string outDims;
+    for (int64_t d : split.getOutputDims())
+      outDims += (outDims.empty() ? "" : ",") + std::to_string(d);
+    std::string slots;
+    for (Value v : op->getOperands())
+      slots += std::to_string(*v.getDefiningOp<TensorDefOpInterface>().getSlot()) + ",";
+    slots += "|" + std::to_string(*cast<TensorDefOpInterface>(op.getOperation()).getSlot());
+    std::string deps;
+    for (Attribute a : op.getDepsAttr()) {
+      auto map = a.cast<TileMapAttr>();
+      deps += (deps.empty() ? "" : "; ") + describeMap(map, tilesOf[map.getProducer()]);
+    }
+    if (deps.empty())
+      deps = "-";
+    out += fmt::format("{:<14} {:<12} {:<6} {:>6} {:>6}  {:<10} {:<8} {:<6} {:<16} {}\n",
+                       op.getOpName().str(), op.getSeedOpType().str(),
+                       op.isCubeWork() ? "cube" : "vector", op.getSplitValue(), *op.getTasks(),
+                       splitIn, "[" + outDims + "]", *op.getTilingSlotValue(), slots, deps);
+    total += *op.getTasks();
+  }
+  out += fmt::format("\n{} ops, {} tile tasks\n", tilesOf.size(), total);
+  return out;
+}
+
+} // namespace
+
+int runCheck(int argc, char **argv, int first) {
+  std::optional<Args> args = parseArgs(kCheckSpec, argc, argv, first);
+  if (!args)
+    return kUsage;
+  if (args->help) {
+    printHelp(kCheckSpec);
+    return kOk;
+  }
+  std::optional<std::string> cfgPath = args->value("--config");
+  if (!cfgPath) {
+    std::fprintf(stderr, "moec check: missing --config CFG\nusage: %s\n", kCheckSpec.usage);
+    return kUsage;
+  }
+  ModelConfig config;
+  std::string error;
+  if (!loadConfig(*cfgPath, &config, &error)) {
+    std::fprintf(stderr, "error: %s\n", error.c_str());
+    return kError;
+  }
+  MLIRContext ctx;
+  ctx.printOpOnDiagnostic(false);
+  DiagnosticPrinter printer(ctx);
+  OwningOpRef<ModuleOp> module = loadGraph(args->positional[0], &ctx);
+  if (!module)
+    return kError;
+  PassManager pm(&ctx);
+  buildGraphPipeline(pm, *cfgPath);
+  if (failed(pm.run(*module)))
+    return kError;
+  GraphOp graph = *module->getOps<GraphOp>().begin();
+  std::string out;
+  if (args->has("--print-ir"))
+    out = toText(*module);
+  else if (args->has("--json"))
+    out = reportJson(graph, config).dump(2) + "\n";
+  else
+    out = reportText(graph, config, *cfgPath);
+  return writeOutput(args->value("-o").value_or("-"), out) ? kOk : kError;
+}
+
+int runImport(int argc, char **argv, int first) {
+  std::optional<Args> args = parseArgs(kImportSpec, argc, argv, first);
+  if (!args)
+    return kUsage;
+  if (args->help) {
+    printHelp(kImportSpec);
+    return kOk;
+  }
+  MLIRContext ctx;
+  ctx.printOpOnDiagnostic(false);
+  DiagnosticPrinter printer(ctx);
+  OwningOpRef<ModuleOp> module = loadGraph(args->positional[0], &ctx);
+  if (!module)
+    return kError;
+  return writeOutput(args->value("-o").value_or("-"), toText(*module)) ? kOk : kError;
+}
+
+int runExport(int argc, char **argv, int first) {
+  std::optional<Args> args = parseArgs(kExportSpec, argc, argv, first);
+  if (!args)
+    return kUsage;
+  if (args->help) {
+    printHelp(kExportSpec);
+    return kOk;
+  }
+  MLIRContext ctx;
+  ctx.printOpOnDiagnostic(false);
+  DiagnosticPrinter printer(ctx);
+  OwningOpRef<ModuleOp> module = loadGraph(args->positional[0], &ctx);
+  if (!module)
+    return kError;
+  FailureOr<json> exported = exportGraphJson(*module);
+  if (failed(exported))
+    return kError;
+  return writeOutput(args->value("-o").value_or("-"), exported->dump(2) + "\n") ? kOk : kError;
+}
+
+} // namespace moec::cli

@@ -1,0 +1,149 @@
+//===- Main.cpp - moec: the command dispatcher -----------------------------===//
+
+#include "tools/moec/Cli.h"
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+
+namespace moec::cli {
+
+std::optional<std::string> Args::value(const std::string &flag) const {
+  auto it = values.find(flag);
+  if (it == values.end())
+    return std::nullopt;
+  return it->second;
+}
+
+static bool contains(const std::vector<std::string> &v, const std::string &s) {
+  for (const std::string &e : v)
+    if (e == s)
+      return true;
+  return false;
+}
+
+std::optional<Args> parseArgs(const CommandSpec &spec, int argc, char **argv, int first) {
+  Args args;
+  auto usageError = [&](const std::string &msg) -> std::optional<Args> {
+    std::fprintf(stderr, "moec %s: %s\nusage: %s\n(see 'moec %s --help')\n", spec.name,
+                 msg.c_str(), spec.usage, spec.name);
+    return std::nullopt;
+  };
+  for (int i = first; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      args.help = true;
+      return args;
+    }
+    if (a.size() > 1 && a[0] == '-') {
+      std::string flag = a, value;
+      bool inlineValue = false;
+      if (auto eq = a.find('='); eq != std::string::npos && a.rfind("--", 0) == 0) {
+        flag = a.substr(0, eq);
+        value = a.substr(eq + 1);
+        inlineValue = true;
+      }
+      if (contains(spec.valueFlags, flag)) {
+        if (!inlineValue) {
+          if (i + 1 >= argc)
+            return usageError("option '" + flag + "' needs a value");
+          value = argv[++i];
+        }
+        args.values[flag] = value;
+      } else if (contains(spec.switchFlags, flag) && !inlineValue) {
+        args.switches[flag] = true;
+      } else {
+        return usageError("unknown option '" + a + "'");
+      }
+      continue;
+    }
+    args.positional.push_back(a);
+  }
+  if (args.positional.size() < spec.minPositional)
+    return usageError("missing argument");
+  if (args.positional.size() > spec.maxPositional)
+    return usageError("unexpected argument '" + args.positional.back() + "'");
+  return args;
+}
+
+void printHelp(const CommandSpec &spec) {
+  std::printf("usage: %s\n\n%s", spec.usage, spec.help);
+}
+
+bool writeOutput(const std::string &path, const std::string &content) {
+  if (path == "-") {
+    std::fwrite(content.data(), 1, content.size(), stdout);
+    return true;
+  }
+  namespace fs = std::filesystem;
+  fs::path target(path);
+  fs::path tmp = target;
+  tmp += ".tmp." + std::to_string(getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    if (!out) {
+      std::fprintf(stderr, "error: cannot write '%s': %s\n", tmp.c_str(), std::strerror(errno));
+      return false;
+    }
+    out.write(content.data(), content.size());
+    out.close();
+    if (!out) {
+      std::fprintf(stderr, "error: writing '%s' failed\n", tmp.c_str());
+      std::error_code ec;
+      fs::remove(tmp, ec);
+      return false;
+    }
+  }
+  std::error_code ec;
+  fs::rename(tmp, target, ec);
+  if (ec) {
+    std::fprintf(stderr, "error: cannot write '%s': %s\n", path.c_str(), ec.message().c_str());
+    fs::remove(tmp, ec);
+    return false;
+  }
+  return true;
+}
+
+} // namespace moec::cli
+
+namespace {
+
+const char *kTopHelp =
+    "usage: moec <command> [options]\n"
+    "\n"
+    "moec compiles graph descriptions of fused MoE-FFN layers (forward and\n"
+    "backward) into per-core task schedules.\n"
+    "\n"
+    "commands:\n"
+    "  check    resolve shapes for a config, verify the graph, propagate splits,\n"
+    "           and print each op's task count and tile dependencies\n"
+    "  import   convert a JSON graph description to the moe dialect (.mlir)\n"
+    "  export   convert a moe dialect graph (.mlir) to a JSON description\n"
+    "\n"
+    "'moec <command> --help' describes a command. Exit codes: 0 success,\n"
+    "1 error, 2 usage error.\n";
+
+} // namespace
+
+int main(int argc, char **argv) {
+  using namespace moec::cli;
+  if (argc < 2) {
+    std::fputs(kTopHelp, stderr);
+    return kUsage;
+  }
+  std::string cmd = argv[1];
+  if (cmd == "--help" || cmd == "-h" || cmd == "help") {
+    std::fputs(kTopHelp, stdout);
+    return kOk;
+  }
+  if (cmd == "check")
+    return runCheck(argc, argv, 2);
+  if (cmd == "import")
+    return runImport(argc, argv, 2);
+  if (cmd == "export")
+    return runExport(argc, argv, 2);
+  std::fprintf(stderr, "moec: unknown command '%s'\n\n%s", cmd.c_str(), kTopHelp);
+  return kUsage;
+}

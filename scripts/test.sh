@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Builds everything and runs every test (Catch2 unit tests and lit/FileCheck
+# tests), then prints one summary line: "N passed, N failed".
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+log="$(mktemp)"
+bazel test //... --test_summary=short "$@" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+passed=$(grep -cE '^//[^ ]+ +(\(cached\) )?PASSED' "$log")
+failed=$(grep -cE '^//[^ ]+ +(\(cached\) )?(FAILED|TIMEOUT|NO STATUS|FLAKY)' "$log")
+rm -f "$log"
+echo
+echo "tests: ${passed} passed, ${failed} failed"
+exit "$status"

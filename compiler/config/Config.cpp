@@ -312,6 +312,17 @@ Bindings configBindings(const ModelConfig &c) {
   return bindings;
 }
 
+const std::vector<std::pair<std::string, std::string>> &derivedSymbolDefinitions() {
+  static const std::vector<std::pair<std::string, std::string>> defs = {
+      {"single_rank_expert_num", "num_experts / ep"},
+      {"seq_all", "seq_size * ep * top_k / tp"},
+      {"per_expert_seq", "seq_all / top_k"},
+      {"per_rank_seq", "seq_all / ep"},
+      {"per_expert_seq_to_other", "seq_all / (ep * top_k)"},
+  };
+  return defs;
+}
+
 nlohmann::json configToJson(const ModelConfig &c) {
   nlohmann::json json = nlohmann::json::object();
   for (const IntKey &key : kIntKeys)

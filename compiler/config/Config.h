@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 #include <string_view>
 
 namespace moec {
@@ -87,6 +89,11 @@ TaskSplitValue deriveTaskSplitValue(const ModelConfig &c);
 /// values (single_rank_expert_num, seq_all, per_expert_seq, per_rank_seq,
 /// per_expert_seq_to_other). The config must have passed validateConfig().
 Bindings configBindings(const ModelConfig &c);
+
+/// The derived symbols as expressions over the config keys, in dependency
+/// order (later ones may use earlier ones): the definitions configBindings()
+/// evaluates, for comparing symbolic dims before a config is bound.
+const std::vector<std::pair<std::string, std::string>> &derivedSymbolDefinitions();
 
 /// Serialises `c` to JSON with every key, optional ones included.
 nlohmann::json configToJson(const ModelConfig &c);

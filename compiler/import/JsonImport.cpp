@@ -55,9 +55,9 @@ private:
     return FileLineColLoc::get(ctx, source, line, col);
   }
 
-  /// The location of `"name": "<name>"` inside the section `"<section>"`,
-  /// or of the section, or of the file start.
-  Location locOf(const std::string &section, const std::string &name) {
+  /// The location of the `occurrence`-th `"name": "<name>"` inside the
+  /// section `"<section>"`, or of the section, or of the file start.
+  Location locOf(const std::string &section, const std::string &name, unsigned occurrence = 0) {
     size_t from = 0;
     std::smatch m;
     std::string s(text);
@@ -68,10 +68,15 @@ private:
       return locAt(from);
     std::string escaped = std::regex_replace(name, std::regex(R"([.^$|()\[\]{}*+?\\])"), R"(\$&)");
     std::regex nameRe("\"name\"\\s*:\\s*\"" + escaped + "\"");
-    std::string rest = s.substr(from);
-    if (std::regex_search(rest, m, nameRe))
-      return locAt(from + m.position(0));
-    return locAt(from);
+    size_t found = std::string::npos;
+    for (unsigned i = 0; i <= occurrence; ++i) {
+      std::string rest = s.substr(from);
+      if (!std::regex_search(rest, m, nameRe))
+        break;
+      found = from + m.position(0);
+      from = found + m.length(0);
+    }
+    return found == std::string::npos ? locAt(from) : locAt(found);
   }
 
   InFlightDiagnostic error(Location loc) { return mlir::emitError(loc); }
@@ -127,7 +132,7 @@ LogicalResult Importer::importTensor(const json &t, unsigned index) {
   std::string name = t.is_object() && t.contains("name") && t["name"].is_string()
                          ? t["name"].get<std::string>()
                          : "";
-  Location loc = locOf("tensors", name);
+  Location loc = locOf("tensors", name, tensorIndex.count(name));
   std::string what = "tensor " + std::to_string(index) + (name.empty() ? "" : " '" + name + "'");
   if (failed(checkKeys(t, loc, what,
                        keysOf({"name", "shape", "dtype", "param_position", "list", "dynamic",
@@ -227,7 +232,7 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
   std::string name = o.is_object() && o.contains("name") && o["name"].is_string()
                          ? o["name"].get<std::string>()
                          : "";
-  Location loc = locOf("ops", name);
+  Location loc = locOf("ops", name, opIndex.count(name));
   std::string what = "op " + std::to_string(index) + (name.empty() ? "" : " '" + name + "'");
   if (failed(checkKeys(o, loc, what,
                        keysOf({"name", "op", "inputs", "outputs", "split_value", "split_spec",

@@ -1,5 +1,6 @@
 //===- MoeOps.cpp - moe op verifiers and graph queries ---------------------===//
 
+#include "compiler/config/Config.h"
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/ir/MoeDialect.h"
 
@@ -9,6 +10,7 @@
 #include "llvm/ADT/SetVector.h"
 #include "llvm/ADT/StringSet.h"
 
+#include <regex>
 #include <set>
 
 using namespace mlir;
@@ -104,10 +106,12 @@ LogicalResult moec::moe::topologicalOrder(GraphOp graph,
         break;
       }
   }
-  std::string cycle;
-  for (unsigned i = seenAt[cur]; i < path.size(); ++i)
-    cycle = "'" + cast<TaskOpInterface>(path[i]).getOpName().str() + "' -> " + cycle;
-  cycle += "'" + cast<TaskOpInterface>(cur).getOpName().str() + "'";
+  // path[i + 1] feeds path[i], and `cur` feeds path.back(): in data-flow
+  // order the cycle is cur -> path.back() -> ... -> cur.
+  auto name = [](Operation *op) { return "'" + cast<TaskOpInterface>(op).getOpName().str() + "'"; };
+  std::string cycle = name(cur);
+  for (unsigned i = path.size(); i-- > seenAt[cur];)
+    cycle += " -> " + name(path[i]);
   return graph.emitError() << "graph '" << graph.getSymName()
                            << "' has a cycle: " << cycle;
 }
@@ -119,10 +123,49 @@ Expr moec::moe::dimExpr(MoeTensorType type, unsigned i) {
   return *Expr::parse(type.getDimText(i), &error); // the type verifier parsed it already
 }
 
+/// `e` with every derived config symbol replaced by its definition, so that
+/// e.g. `per_rank_seq` and `seq_all / ep` compare equal.
+static Expr expandDerived(const Expr &e) {
+  static const std::regex identifier("[A-Za-z_][A-Za-z0-9_]*");
+  std::string text = e.text();
+  for (bool changed = true; changed;) {
+    changed = false;
+    std::string out;
+    auto begin = std::sregex_iterator(text.begin(), text.end(), identifier);
+    size_t last = 0;
+    for (auto it = begin; it != std::sregex_iterator(); ++it) {
+      out += text.substr(last, it->position() - last);
+      std::string word = it->str();
+      auto def = llvm::find_if(derivedSymbolDefinitions(),
+                               [&](const auto &d) { return d.first == word; });
+      if (def != derivedSymbolDefinitions().end()) {
+        out += "(" + def->second + ")";
+        changed = true;
+      } else {
+        out += word;
+      }
+      last = it->position() + it->length();
+    }
+    text = out + text.substr(last);
+  }
+  std::string error;
+  std::optional<Expr> expanded = Expr::parse(text, &error);
+  return expanded ? *expanded : e;
+}
+
 DimRelation moec::moe::compareDims(const Expr &a, const Expr &b) {
   if (a.isConstant() != b.isConstant())
     return DimRelation::Unknown;
-  return a.canonical() == b.canonical() ? DimRelation::Equal : DimRelation::Different;
+  if (a.canonical() == b.canonical())
+    return DimRelation::Equal;
+  std::string ca = expandDerived(a).canonical(), cb = expandDerived(b).canonical();
+  if (ca == cb)
+    return DimRelation::Equal;
+  // Division-free polynomials over independent symbols that differ take
+  // different values for some config; with a division we cannot tell yet.
+  if (ca.find('/') != std::string::npos || cb.find('/') != std::string::npos)
+    return DimRelation::Unknown;
+  return DimRelation::Different;
 }
 
 //===----------------------------------------------------------------------===//

@@ -113,6 +113,16 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     int64_t splitValue = op.getSplitValue();
     SplitAttr split = op.getSplit();
     std::string error;
+    Value cut;
+    int64_t dim;
+    if (split.isSource()) {
+      cut = op->getResult(0);
+      dim = split.getOutputDims().front();
+    } else {
+      cut = op->getOperand(split.getSplitOperand(0));
+      dim = split.getSplitDim(0);
+    }
+    int64_t extent = extentOf(cut, dim);
     if (StringAttr expr = split.getTaskNum()) {
       Bindings bindings = graphBindings;
       bindings["split_value"] = splitValue;
@@ -126,18 +136,14 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
                         << "' is " << *n << "; it must be positive";
         return std::nullopt;
       }
+      if (*n > extent) {
+        op->emitError() << "'" << op.getOpName() << "': task_num '" << expr.getValue()
+                        << "' gives " << *n << " tasks for the " << extent << " rows of dim "
+                        << dim << " of '" << tensorName(cut) << "'; a task needs at least one row";
+        return std::nullopt;
+      }
       return n;
     }
-    Value cut;
-    int64_t dim;
-    if (split.isSource()) {
-      cut = op->getResult(0);
-      dim = split.getOutputDims().front();
-    } else {
-      cut = op->getOperand(split.getSplitOperand(0));
-      dim = split.getSplitDim(0);
-    }
-    int64_t extent = extentOf(cut, dim);
     if (extent % splitValue != 0) {
       op->emitError() << "'" << op.getOpName() << "': split value " << splitValue
                       << " does not divide dim " << dim << " of '" << tensorName(cut)

@@ -355,3 +355,24 @@ TEST_CASE("loadConfig reports unreadable files", "[config]") {
   CHECK_FALSE(moec::loadConfig("examples/configs", &c, &error));
   CHECK(error == "cannot read 'examples/configs': Is a directory");
 }
+
+TEST_CASE("derived symbol definitions agree with the derived values", "[config]") {
+  for (const char *file : {"tiny.json", "seed-test.json", "seed-defaults.json", "deepseek-v3.json"}) {
+    ModelConfig c = loadExample(file);
+    moec::Bindings all = moec::configBindings(c);
+    moec::Bindings base = all;
+    for (const auto &[name, def] : moec::derivedSymbolDefinitions())
+      base.erase(name);
+    REQUIRE(moec::derivedSymbolDefinitions().size() == 5);
+    for (const auto &[name, def] : moec::derivedSymbolDefinitions()) {
+      std::string error;
+      std::optional<moec::Expr> e = moec::Expr::parse(def, &error);
+      REQUIRE(e);
+      std::optional<int64_t> v = e->evaluate(base, &error);
+      INFO(file << ": " << name << " = " << def << " " << error);
+      REQUIRE(v);
+      CHECK(*v == all.at(name));
+      base[name] = *v; // later definitions may use earlier ones
+    }
+  }
+}

@@ -66,6 +66,19 @@ FailureOr<json> moec::exportGraphJson(ModuleOp module) {
     }
   }
 
+  for (auto [v, isTransposed] : transposed) {
+    if (!isTransposed)
+      continue;
+    for (OpOperand &use : v.getUses()) {
+      auto gmm = dyn_cast<GmmOp>(use.getOwner());
+      if (!gmm || use.getOperandNumber() > 1)
+        return use.getOwner()->emitError()
+               << "tensor '" << tensorName(v) << "' is read transposed by a grouped matmul and "
+               << "also as operand " << use.getOperandNumber() << " of this op; the JSON "
+               << "format marks transposition on the tensor, so it cannot say that";
+    }
+  }
+
   // Tensors by slot, then those without a slot in block order.
   SmallVector<TensorDefOpInterface> defs;
   for (Operation &op : graph.getBlock())

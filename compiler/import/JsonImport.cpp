@@ -348,7 +348,15 @@ FailureOr<ArrayAttr> Importer::importEdges(const json &edges) {
       if (!opIndex.count(end.get<std::string>()))
         return error(loc) << "edge " << i << " names op '" << end.get<std::string>()
                           << "', which is not in 'ops'";
-    pairs.push_back(b.getStrArrayAttr({e[0].get<std::string>(), e[1].get<std::string>()}));
+    std::string from = e[0], to = e[1];
+    if (from == to)
+      return error(loc) << "edge " << i << " goes from '" << from << "' to itself";
+    for (Attribute earlier : pairs)
+      if (earlier.cast<ArrayAttr>()[0].cast<StringAttr>().getValue() == from &&
+          earlier.cast<ArrayAttr>()[1].cast<StringAttr>().getValue() == to)
+        return error(loc) << "edge " << i << " ('" << from << "' -> '" << to
+                          << "') is listed twice";
+    pairs.push_back(b.getStrArrayAttr({from, to}));
   }
   return b.getArrayAttr(pairs);
 }
@@ -537,8 +545,8 @@ OwningOpRef<ModuleOp> moec::loadGraph(const std::string &path, MLIRContext *cont
   auto graphOps = module->getOps<GraphOp>();
   auto graphs = std::distance(graphOps.begin(), graphOps.end());
   if (graphs != 1) {
-    mlir::emitError(module->getLoc()) << "'" << path << "' must hold exactly one moe.graph, found "
-                                      << graphs;
+    mlir::emitError(FileLineColLoc::get(context, path, 1, 1))
+        << "'" << path << "' must hold exactly one moe.graph, found " << graphs;
     return nullptr;
   }
   return module;

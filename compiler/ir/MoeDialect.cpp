@@ -154,6 +154,8 @@ LogicalResult MoeTensorType::verify(function_ref<InFlightDiagnostic()> emitError
       !elementType.isInteger(32) && !elementType.isInteger(64))
     return emitError() << "tensor element type must be act, f32, bf16, i32 or i64, got "
                        << elementType;
+  if (dims.empty())
+    return emitError() << "tensor must have at least one dim";
   for (auto [i, dim] : llvm::enumerate(dims)) {
     if (auto v = dim.dyn_cast<IntegerAttr>()) {
       if (v.getInt() <= 0)

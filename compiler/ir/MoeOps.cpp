@@ -229,6 +229,13 @@ LogicalResult GraphOp::verify() {
                                 << cast<TaskOpInterface>(s->second).getOpName() << "'";
     }
   }
+  if (DictionaryAttr bound = getBindingsAttr())
+    for (NamedAttribute b : bound) {
+      auto v = b.getValue().dyn_cast<IntegerAttr>();
+      if (!v || b.getValue().isa<BoolAttr>() || !v.getType().isInteger(64))
+        return emitOpError() << "binding '" << b.getName().getValue()
+                             << "' must be an i64 integer, got " << b.getValue();
+    }
   return verifyEdges();
 }
 
@@ -313,6 +320,8 @@ public:
 };
 
 bool isIndexType(Type t) { return t.isInteger(32) || t.isInteger(64); }
+bool isDataType(Type t) { return t.isa<ActType>() || t.isF32() || t.isBF16(); }
+constexpr const char *kDataTypes = "act, f32 or bf16";
 
 /// The fill-config keys each op kind accepts, and what each holds.
 enum class FillKind { Bool, Expr, IntList, Enum };
@@ -372,7 +381,7 @@ LogicalResult verifyFill(Checker &c) {
         return c.error() << "fill key '" << name << "' must be a boolean";
       break;
     case FillKind::Expr: {
-      if (v.isa<IntegerAttr>())
+      if (v.isa<IntegerAttr>() && !v.isa<BoolAttr>())
         break;
       auto s = v.dyn_cast<StringAttr>();
       std::string error;
@@ -388,7 +397,7 @@ LogicalResult verifyFill(Checker &c) {
         return c.error() << "fill key '" << name << "' must be a list of operand indices";
       for (Attribute e : list) {
         auto i = e.dyn_cast<IntegerAttr>();
-        if (!i || i.getInt() < 0 || i.getInt() >= c.op->getNumOperands())
+        if (!i || e.isa<BoolAttr>() || i.getInt() < 0 || i.getInt() >= c.op->getNumOperands())
           return c.error() << "fill key '" << name << "' holds " << e
                            << ", not an operand index below " << c.op->getNumOperands();
       }
@@ -422,8 +431,9 @@ LogicalResult verifyTaskCommon(TaskOpInterface op) {
   for (unsigned i = 0; i < split.getNumSplitInputs(); ++i) {
     int64_t operand = split.getSplitOperand(i), dim = split.getSplitDim(i);
     if (operand < 0 || operand >= op->getNumOperands())
-      return c.error() << "split input " << i << " names operand " << operand << ", but the op has "
-                       << op->getNumOperands() << " operands";
+      return c.error() << "split input " << i << " names operand " << operand
+                       << ", but the op has " << op->getNumOperands() << " operand"
+                       << (op->getNumOperands() == 1 ? "" : "s");
     auto type = op->getOperand(operand).getType().cast<MoeTensorType>();
     if (dim < 0 || dim >= type.getRank())
       return c.error() << "split input " << i << " splits dim " << dim << " of "
@@ -465,6 +475,7 @@ LogicalResult verifyAllToAll(TaskOpInterface op, Value targetOffset, Value src, 
       failed(c.elementType("target_offset", targetOffset, isI64, "i64")) ||
       failed(c.elementType("src_offset", srcOffset, isI64, "i64")) ||
       failed(c.elementType("sizes", sizes, isIndexType, "i32 or i64")) ||
+      failed(c.elementType("src", src, isDataType, kDataTypes)) ||
       failed(c.dimsEqual("src_offset", srcOffset, 0, "target_offset", targetOffset, 0)) ||
       failed(c.dimsEqual("sizes", sizes, 0, "target_offset", targetOffset, 0)) ||
       failed(c.dimsEqual("result", result, 1, "src", src, 1)) ||
@@ -490,7 +501,8 @@ LogicalResult GmmOp::verify() {
   Value lhs = getLhs(), rhs = getRhs(), groups = getGroupList(), result = getResult();
   if (failed(c.rank("group_list", groups, 1)) ||
       failed(c.elementType("group_list", groups, isIndexType, "i32 or i64")) ||
-      failed(c.rank("lhs", lhs, 2)) || failed(c.sameElementType("lhs", lhs, "rhs", rhs)))
+      failed(c.rank("lhs", lhs, 2)) || failed(c.elementType("lhs", lhs, isDataType, kDataTypes)) ||
+      failed(c.sameElementType("lhs", lhs, "rhs", rhs)))
     return failure();
   Type lhsElt = lhs.getType().cast<MoeTensorType>().getElementType();
   Type outElt = result.getType().cast<MoeTensorType>().getElementType();
@@ -549,6 +561,7 @@ LogicalResult SwigluOp::verify() {
   Checker c(*this);
   Value in = getInput(), out = getResult();
   if (failed(c.rank("input", in, 2)) || failed(c.rank("result", out, 2)) ||
+      failed(c.elementType("input", in, isDataType, kDataTypes)) ||
       failed(c.sameElementType("input", in, "result", out)) ||
       failed(c.dimsEqual("result", out, 0, "input", in, 0)) ||
       failed(c.dimIs("input", in, 1, twice(out, 1),
@@ -564,6 +577,7 @@ LogicalResult SwigluGradOp::verify() {
   Value grad = getGrad(), in = getInput(), out = getResult();
   if (failed(c.rank("grad", grad, 2)) || failed(c.rank("input", in, 2)) ||
       failed(c.rank("result", out, 2)) ||
+      failed(c.elementType("input", in, isDataType, kDataTypes)) ||
       failed(c.sameElementType("grad", grad, "input", in)) ||
       failed(c.sameElementType("result", out, "input", in)) ||
       failed(c.dimsEqual("input", in, 0, "grad", grad, 0)) ||

@@ -46,6 +46,12 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     for (NamedAttribute a : bound)
       bindings[a.getName().str()] = a.getValue().cast<IntegerAttr>().getInt();
 
+    for (Operation &op : graph.getBlock()) {
+      auto def = cast<TensorDefOpInterface>(&op);
+      if (!def.getTensor().getType().isResolved())
+        return op.emitError() << "tensor '" << def.getResultName()
+                              << "' has unresolved dims or dtype: run moe-resolve-shapes first";
+    }
     SmallVector<TaskOpInterface> order;
     if (failed(topologicalOrder(graph, order)))
       return failure();

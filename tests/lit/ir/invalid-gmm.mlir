@@ -1,0 +1,350 @@
+// RUN: moec-opt %s --split-input-file --verify-diagnostics
+
+// Errors of the moe.gmm verifier, in both forms: the activation form
+// (rank-3 rhs, forward and data gradient) and the weight-gradient form
+// (rank-2 rhs with transpose_lhs).
+
+// group_list and lhs.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num, 1], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': group_list 'gl' must have rank 1, got rank 2}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num, 1], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], f32>
+  // expected-error@+1 {{'moe.gmm' op 'm': group_list 'gl' must have element type i32 or i64, got f32}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], f32>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': lhs 'x' must have rank 2, got rank 1}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+// Element types.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': dtype mismatch: lhs 'x' and rhs 'w' differ in element type}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], bf16>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], bf16>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': dtype mismatch: result 'r' must have the operands' element type (or f32 with accumulate)}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], bf16>, !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], bf16>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, intermediate_size], f32>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], bf16>
+  %w = moe.input "w" : !moe.tensor<[per_rank_seq, intermediate_size], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': dtype mismatch: result 'r' must have the operands' element type (or f32 with accumulate)}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs} : (!moe.tensor<[per_rank_seq, hidden_size], bf16>, !moe.tensor<[per_rank_seq, intermediate_size], bf16>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], f32>
+}
+
+// -----
+
+// An f32 result with accumulate (an fp32 main-grad buffer) verifies.
+// expected-no-diagnostics
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], bf16>
+  %w = moe.input "w" : !moe.tensor<[per_rank_seq, intermediate_size], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs, accumulate} : (!moe.tensor<[per_rank_seq, hidden_size], bf16>, !moe.tensor<[per_rank_seq, intermediate_size], bf16>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], f32>
+}
+
+// -----
+
+// Activation form (rank-3 rhs).
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': transpose_lhs needs the weight-gradient form (a rank-2 rhs); rhs 'w' has rank 3}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': accumulate needs the weight-gradient form (a rank-2 rhs)}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, accumulate} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': result 'r' must have rank 2, got rank 3}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+// Contraction dim: rhs[G, K, N] against lhs[M, K].
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, intermediate_size, hidden_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: rhs 'w' dim 1 is 'intermediate_size' but lhs 'x' dim 1 is 'hidden_size'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, intermediate_size, hidden_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, hidden_size], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[256, 64], f32>
+  %w = moe.input "w" : !moe.tensor<[2, 32, 64], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: rhs 'w' dim 1 is '32' but lhs 'x' dim 1 is '64'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[256, 64], f32>, !moe.tensor<[2, 32, 64], f32>, !moe.tensor<[2], i64>) -> !moe.tensor<[256, 64], f32>
+}
+
+// -----
+
+// With transpose_rhs the rhs is [G, N, K].
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, intermediate_size, hidden_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: rhs (transposed) 'w' dim 2 is 'hidden_size' but lhs 'x' dim 1 is 'intermediate_size'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_rhs} : (!moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[single_rank_expert_num, intermediate_size, hidden_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, hidden_size], act>
+}
+
+// -----
+
+// The backward graph's act_grad: lhs[M, H], rhs[G, I, H] transposed -> [M, I].
+// expected-no-diagnostics
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, intermediate_size, hidden_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_rhs} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, intermediate_size, hidden_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, intermediate_size], act>
+}
+
+// -----
+
+// Group count.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[top_k, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[num_experts], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: rhs 'w' dim 0 is 'top_k' but group_list 'gl' dim 0 is 'num_experts'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[top_k, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[num_experts], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[256, 64], f32>
+  %w = moe.input "w" : !moe.tensor<[4, 64, 32], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i32>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: rhs 'w' dim 0 is '4' but group_list 'gl' dim 0 is '2'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[256, 64], f32>, !moe.tensor<[4, 64, 32], f32>, !moe.tensor<[2], i32>) -> !moe.tensor<[256, 32], f32>
+}
+
+// -----
+
+// Result shape [M, N].
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[seq_size, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: result 'r' dim 0 is 'seq_size * top_k' but lhs 'x' dim 0 is 'seq_size'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[seq_size, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<["seq_size * top_k", "2 * intermediate_size"], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: result 'r' dim 1 is 'intermediate_size' but rhs 'w' dim 2 is '2 * intermediate_size'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, intermediate_size], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: result 'r' dim 1 is 'intermediate_size' but rhs (transposed) 'w' dim 1 is 'hidden_size'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_rhs} : (!moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, intermediate_size], act>
+}
+
+// -----
+
+// An integer against a symbol is left for after moe-resolve-shapes.
+// expected-no-diagnostics
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, 64], act>
+}
+
+// -----
+
+// Derived config symbols compare by their definitions: per_rank_seq is
+// seq_all / ep.
+// expected-no-diagnostics
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<["seq_all / ep", "2 * intermediate_size"], act>
+}
+
+// -----
+
+// Expressions with a division that differ are left for after
+// moe-resolve-shapes: per_expert_seq (seq_all / top_k) equals per_rank_seq
+// (seq_all / ep) when top_k equals ep.
+// expected-no-diagnostics
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_expert_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+// Weight-gradient form (rank-2 rhs): lhs[M, K]^T x rhs[M, N] -> [G, K, N].
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': the weight-gradient form (a rank-2 rhs) needs transpose_lhs}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': transpose_rhs is not supported in the weight-gradient form}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs, transpose_rhs} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': result 'r' must have rank 3, got rank 2}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[hidden_size, intermediate_size], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[seq_size, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<["seq_size * top_k", intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: rhs 'w' dim 0 is 'seq_size * top_k' but lhs 'x' dim 0 is 'seq_size'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs} : (!moe.tensor<[seq_size, hidden_size], act>, !moe.tensor<["seq_size * top_k", intermediate_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[256, 64], f32>
+  %w = moe.input "w" : !moe.tensor<[128, 32], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: rhs 'w' dim 0 is '128' but lhs 'x' dim 0 is '256'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs} : (!moe.tensor<[256, 64], f32>, !moe.tensor<[128, 32], f32>, !moe.tensor<[2], i64>) -> !moe.tensor<[2, 64, 32], f32>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[num_experts], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: result 'r' dim 0 is 'top_k' but group_list 'gl' dim 0 is 'num_experts'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[num_experts], i64>) -> !moe.tensor<[top_k, hidden_size, intermediate_size], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: result 'r' dim 1 is 'intermediate_size' but lhs 'x' dim 1 is 'hidden_size'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, intermediate_size, intermediate_size], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: result 'r' dim 2 is 'hidden_size' but rhs 'w' dim 1 is 'intermediate_size'}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, hidden_size], act>
+}
+
+// -----
+
+// expected-no-diagnostics
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64, transpose_lhs, accumulate} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, "intermediate_size"], act>
+}
+
+// -----
+
+// rhs of another rank.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, 1, hidden_size, intermediate_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' must have rank 3 (expert weights) or rank 2 (weight-gradient form), got 4}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, 1, hidden_size, intermediate_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[hidden_size], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' must have rank 3 (expert weights) or rank 2 (weight-gradient form), got 1}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[hidden_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}

@@ -323,6 +323,15 @@ const std::vector<std::pair<std::string, std::string>> &derivedSymbolDefinitions
   return defs;
 }
 
+nlohmann::ordered_json taskSplitValueToJson(const TaskSplitValue &v) {
+  return nlohmann::ordered_json{{"all_expert_num", v.allExpertNum},
+                        {"single_rank_expert_num", v.singleRankExpertNum},
+                        {"seq_all", v.seqAll},
+                        {"per_expert_seq", v.perExpertSeq},
+                        {"per_rank_seq", v.perRankSeq},
+                        {"per_expert_seq_to_other", v.perExpertSeqToOther}};
+}
+
 nlohmann::json configToJson(const ModelConfig &c) {
   nlohmann::json json = nlohmann::json::object();
   for (const IntKey &key : kIntKeys)

@@ -95,6 +95,9 @@ Bindings configBindings(const ModelConfig &c);
 /// evaluates, for comparing symbolic dims before a config is bound.
 const std::vector<std::pair<std::string, std::string>> &derivedSymbolDefinitions();
 
+/// The seed's TaskSplitValue fields by their seed names.
+nlohmann::ordered_json taskSplitValueToJson(const TaskSplitValue &v);
+
 /// Serialises `c` to JSON with every key, optional ones included.
 nlohmann::json configToJson(const ModelConfig &c);
 

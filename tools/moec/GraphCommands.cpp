@@ -133,23 +133,11 @@ std::string describeMap(TileMapAttr map, int64_t producerTiles) {
   return fmt::format("{} <- {} ({})", input, map.getProducer().getValue().str(), how);
 }
 
-json tsvJson(const ModelConfig &c) {
-  TaskSplitValue t = deriveTaskSplitValue(c);
-  json j;
-  j["all_expert_num"] = t.allExpertNum;
-  j["single_rank_expert_num"] = t.singleRankExpertNum;
-  j["seq_all"] = t.seqAll;
-  j["per_expert_seq"] = t.perExpertSeq;
-  j["per_rank_seq"] = t.perRankSeq;
-  j["per_expert_seq_to_other"] = t.perExpertSeqToOther;
-  return j;
-}
-
 json reportJson(GraphOp graph, const ModelConfig &config) {
   json r;
   r["graph"] = graph.getSymName().str();
   r["config"] = json::parse(configToJson(config).dump());
-  r["task_split_value"] = tsvJson(config);
+  r["task_split_value"] = taskSplitValueToJson(deriveTaskSplitValue(config));
   json ops = json::array();
   for (auto op : graph.getBlock().getOps<TaskOpInterface>()) {
     json o;
@@ -237,83 +225,85 @@ std::string reportText(GraphOp graph, const ModelConfig &config, const std::stri
   return out;
 }
 
-} // namespace
 
-int runCheck(int argc, char **argv, int first) {
-  std::optional<Args> args = parseArgs(kCheckSpec, argc, argv, first);
+/// The frame of every graph command: parse the arguments (answering --help),
+/// load GRAPH with diagnostics printed as file:line:col, run `body`, and write
+/// what it produced to -o (default stdout) when it succeeds.
+int runOnGraph(const CommandSpec &spec, int argc, char **argv, int first,
+               llvm::function_ref<bool(const Args &)> checkArgs,
+               llvm::function_ref<int(const Args &, ModuleOp, std::string &)> body) {
+  std::optional<Args> args = parseArgs(spec, argc, argv, first);
   if (!args)
     return kUsage;
   if (args->help) {
-    printHelp(kCheckSpec);
+    printHelp(spec);
     return kOk;
   }
-  std::optional<std::string> cfgPath = args->value("--config");
-  if (!cfgPath) {
-    std::fprintf(stderr, "moec check: missing --config CFG\nusage: %s\n", kCheckSpec.usage);
+  if (!checkArgs(*args))
     return kUsage;
-  }
-  ModelConfig config;
-  std::string error;
-  if (!loadConfig(*cfgPath, &config, &error)) {
-    std::fprintf(stderr, "error: %s\n", error.c_str());
-    return kError;
-  }
   MLIRContext ctx;
   ctx.printOpOnDiagnostic(false);
   DiagnosticPrinter printer(ctx);
   OwningOpRef<ModuleOp> module = loadGraph(args->positional[0], &ctx);
   if (!module)
     return kError;
-  PassManager pm(&ctx);
-  buildGraphPipeline(pm, *cfgPath);
-  if (failed(pm.run(*module)))
-    return kError;
-  GraphOp graph = *module->getOps<GraphOp>().begin();
   std::string out;
-  if (args->has("--print-ir"))
-    out = toText(*module);
-  else if (args->has("--json"))
-    out = reportJson(graph, config).dump(2) + "\n";
-  else
-    out = reportText(graph, config, *cfgPath);
+  if (int status = body(*args, *module, out); status != kOk)
+    return status;
   return writeOutput(args->value("-o").value_or("-"), out) ? kOk : kError;
 }
 
+bool anyArgs(const Args &) { return true; }
+
+} // namespace
+
+int runCheck(int argc, char **argv, int first) {
+  auto needsConfig = [](const Args &args) {
+    if (args.value("--config"))
+      return true;
+    std::fprintf(stderr, "moec check: missing --config CFG\nusage: %s\n", kCheckSpec.usage);
+    return false;
+  };
+  return runOnGraph(kCheckSpec, argc, argv, first, needsConfig,
+                    [](const Args &args, ModuleOp module, std::string &out) {
+                      std::string cfgPath = *args.value("--config"), error;
+                      ModelConfig config;
+                      if (!loadConfig(cfgPath, &config, &error)) {
+                        std::fprintf(stderr, "error: %s\n", error.c_str());
+                        return int(kError);
+                      }
+                      PassManager pm(module.getContext());
+                      buildGraphPipeline(pm, cfgPath);
+                      if (failed(pm.run(module)))
+                        return int(kError);
+                      GraphOp graph = *module.getOps<GraphOp>().begin();
+                      if (args.has("--print-ir"))
+                        out = toText(module);
+                      else if (args.has("--json"))
+                        out = reportJson(graph, config).dump(2) + "\n";
+                      else
+                        out = reportText(graph, config, cfgPath);
+                      return int(kOk);
+                    });
+}
+
 int runImport(int argc, char **argv, int first) {
-  std::optional<Args> args = parseArgs(kImportSpec, argc, argv, first);
-  if (!args)
-    return kUsage;
-  if (args->help) {
-    printHelp(kImportSpec);
-    return kOk;
-  }
-  MLIRContext ctx;
-  ctx.printOpOnDiagnostic(false);
-  DiagnosticPrinter printer(ctx);
-  OwningOpRef<ModuleOp> module = loadGraph(args->positional[0], &ctx);
-  if (!module)
-    return kError;
-  return writeOutput(args->value("-o").value_or("-"), toText(*module)) ? kOk : kError;
+  return runOnGraph(kImportSpec, argc, argv, first, anyArgs,
+                    [](const Args &, ModuleOp module, std::string &out) {
+                      out = toText(module);
+                      return int(kOk);
+                    });
 }
 
 int runExport(int argc, char **argv, int first) {
-  std::optional<Args> args = parseArgs(kExportSpec, argc, argv, first);
-  if (!args)
-    return kUsage;
-  if (args->help) {
-    printHelp(kExportSpec);
-    return kOk;
-  }
-  MLIRContext ctx;
-  ctx.printOpOnDiagnostic(false);
-  DiagnosticPrinter printer(ctx);
-  OwningOpRef<ModuleOp> module = loadGraph(args->positional[0], &ctx);
-  if (!module)
-    return kError;
-  FailureOr<json> exported = exportGraphJson(*module);
-  if (failed(exported))
-    return kError;
-  return writeOutput(args->value("-o").value_or("-"), exported->dump(2) + "\n") ? kOk : kError;
+  return runOnGraph(kExportSpec, argc, argv, first, anyArgs,
+                    [](const Args &, ModuleOp module, std::string &out) {
+                      FailureOr<json> exported = exportGraphJson(module);
+                      if (failed(exported))
+                        return int(kError);
+                      out = exported->dump(2) + "\n";
+                      return int(kOk);
+                    });
 }
 
 } // namespace moec::cli

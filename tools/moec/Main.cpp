@@ -113,8 +113,9 @@ namespace {
 const char *kTopHelp =
     "usage: moec <command> [options]\n"
     "\n"
-    "moec compiles graph descriptions of fused MoE-FFN layers (forward and\n"
-    "backward) into per-core task schedules.\n"
+    "moec works on graph descriptions of fused MoE-FFN layers (forward and\n"
+    "backward): it checks them against a model/parallel config and propagates\n"
+    "their tile splits. Lowering to per-core task binaries is not there yet.\n"
     "\n"
     "commands:\n"
     "  check    resolve shapes for a config, verify the graph, propagate splits,\n"

@@ -123,9 +123,16 @@ private:
   };
   std::vector<TensorDecl> tensors;
   llvm::StringMap<unsigned> tensorIndex;
+  /// An op, validated: everything the dialect op needs but its operands' values.
+  struct OpDecl {
+    std::string name, kind;
+    Location loc;
+    std::vector<unsigned> inputs; // indices into `tensors`
+    unsigned output;
+    NamedAttrList attrs;
+  };
   llvm::StringMap<unsigned> opIndex;
-  std::vector<json> opJson;
-  std::vector<Location> opLocs;
+  std::vector<OpDecl> ops;
 };
 
 LogicalResult Importer::importTensor(const json &t, unsigned index) {
@@ -329,9 +336,42 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
                         << "\"num_cube_cores * single_rank_expert_num\"";
     taskNum = b.getStringAttr(spec["task_num"].get<std::string>());
   }
-  opIndex[name] = opJson.size();
-  opJson.push_back(o);
-  opLocs.push_back(loc);
+  OpDecl decl{name, kind, loc, {}, *out, {}};
+  for (const json &in : o["inputs"])
+    decl.inputs.push_back(tensorIndex[in.get<std::string>()]);
+  NamedAttrList &attrs = decl.attrs;
+  attrs.append("op_name", b.getStringAttr(name));
+  attrs.append("result_name", b.getStringAttr(result.name));
+  if (result.slot)
+    attrs.append("slot", b.getI64IntegerAttr(*result.slot));
+  attrs.append("split_value", b.getI64IntegerAttr(o["split_value"].get<int64_t>()));
+  attrs.append("split", SplitAttr::get(ctx, pairs, outDims, taskNum));
+  if (o.contains("tiling_position")) {
+    if (!o["tiling_position"].is_number_integer())
+      return error(loc) << what << ": 'tiling_position' must be an integer (-1 for none)";
+    attrs.append("tiling_slot", b.getI64IntegerAttr(o["tiling_position"].get<int64_t>()));
+  }
+  if (o.contains("fill")) {
+    const json &fill = o["fill"];
+    if (!fill.is_object())
+      return error(loc) << what << ": 'fill' must be an object";
+    SmallVector<NamedAttribute> entries;
+    for (const auto &[key, v] : fill.items()) {
+      FailureOr<Attribute> a = fillValue(v, loc, what + " fill key '" + key + "'");
+      if (failed(a))
+        return failure();
+      entries.push_back(b.getNamedAttr(key, *a));
+    }
+    attrs.append("fill", b.getDictionaryAttr(entries));
+  }
+  if (o.contains("accumulate")) {
+    if (kind != "gmm" || !o["accumulate"].is_boolean())
+      return error(loc) << what << ": 'accumulate' is a boolean of gmm ops only";
+    if (o["accumulate"].get<bool>())
+      attrs.append("accumulate", b.getUnitAttr());
+  }
+  opIndex[name] = ops.size();
+  ops.push_back(std::move(decl));
   return success();
 }
 
@@ -400,21 +440,23 @@ OwningOpRef<ModuleOp> Importer::run() {
   }
 
   // Transposed tensors: only grouped-matmul lhs/rhs operands may be.
-  for (TensorDecl &t : tensors) {
+  for (auto [index, t] : llvm::enumerate(tensors)) {
     if (!t.transpose)
       continue;
     bool read = false;
-    for (const json &o : opJson)
-      for (const auto &[i, in] : llvm::enumerate(o["inputs"]))
-        if (in == t.name) {
-          read = true;
-          if (o["op"] != "gmm" || i > 1) {
-            error(t.loc) << "tensor '" << t.name << "' is marked transpose, but op '"
-                         << o["name"].get<std::string>() << "' reads it as input " << i
-                         << "; only grouped-matmul lhs and rhs inputs can be transposed";
-            return nullptr;
-          }
+    for (OpDecl &op : ops)
+      for (auto [i, in] : llvm::enumerate(op.inputs)) {
+        if (in != index)
+          continue;
+        read = true;
+        if (op.kind != "gmm" || i > 1) {
+          error(t.loc) << "tensor '" << t.name << "' is marked transpose, but op '" << op.name
+                       << "' reads it as input " << i
+                       << "; only grouped-matmul lhs and rhs inputs can be transposed";
+          return nullptr;
         }
+        op.attrs.set(i == 0 ? "transpose_lhs" : "transpose_rhs", b.getUnitAttr());
+      }
     if (!read) {
       error(t.loc) << "tensor '" << t.name
                    << "' is marked transpose, but no grouped matmul reads it";
@@ -441,71 +483,14 @@ OwningOpRef<ModuleOp> Importer::run() {
     t.value = input.getResult();
   }
   SmallVector<std::pair<Operation *, std::vector<unsigned>>> pendingOperands;
-  for (auto [o, loc] : llvm::zip(opJson, opLocs)) {
-    std::string kind = o["op"];
-    TensorDecl &out = tensors[tensorIndex[o["outputs"][0].get<std::string>()]];
-    OperationState state(loc, "moe." + kind);
+  for (OpDecl &decl : ops) {
+    TensorDecl &out = tensors[decl.output];
+    OperationState state(decl.loc, "moe." + decl.kind);
     state.addTypes(out.type);
-    state.addAttribute("op_name", b.getStringAttr(o["name"].get<std::string>()));
-    state.addAttribute("result_name", b.getStringAttr(out.name));
-    if (out.slot)
-      state.addAttribute("slot", b.getI64IntegerAttr(*out.slot));
-    state.addAttribute("split_value", b.getI64IntegerAttr(o["split_value"].get<int64_t>()));
-    const json &spec = o["split_spec"];
-    SmallVector<int64_t> pairs, outDims;
-    if (spec["split_inputs"].is_array())
-      for (const json &p : spec["split_inputs"])
-        pairs.append({p[0].get<int64_t>(), p[1].get<int64_t>()});
-    for (const json &d : spec["split_output_dims"])
-      outDims.push_back(d.get<int64_t>());
-    StringAttr taskNum =
-        spec.contains("task_num") ? b.getStringAttr(spec["task_num"].get<std::string>()) : nullptr;
-    state.addAttribute("split", SplitAttr::get(ctx, pairs, outDims, taskNum));
-    if (o.contains("tiling_position")) {
-      if (!o["tiling_position"].is_number_integer()) {
-        error(loc) << "op '" << o["name"].get<std::string>()
-                   << "': 'tiling_position' must be an integer (-1 for none)";
-        return nullptr;
-      }
-      state.addAttribute("tiling_slot", b.getI64IntegerAttr(o["tiling_position"].get<int64_t>()));
-    }
-    if (o.contains("fill")) {
-      const json &fill = o["fill"];
-      if (!fill.is_object()) {
-        error(loc) << "op '" << o["name"].get<std::string>() << "': 'fill' must be an object";
-        return nullptr;
-      }
-      SmallVector<NamedAttribute> entries;
-      for (const auto &[key, v] : fill.items()) {
-        FailureOr<Attribute> a =
-            fillValue(v, loc, "op '" + o["name"].get<std::string>() + "' fill key '" + key + "'");
-        if (failed(a))
-          return nullptr;
-        entries.push_back(b.getNamedAttr(key, *a));
-      }
-      state.addAttribute("fill", b.getDictionaryAttr(entries));
-    }
-    if (o.contains("accumulate")) {
-      if (kind != "gmm" || !o["accumulate"].is_boolean()) {
-        error(loc) << "op '" << o["name"].get<std::string>()
-                   << "': 'accumulate' is a boolean of gmm ops only";
-        return nullptr;
-      }
-      if (o["accumulate"].get<bool>())
-        state.addAttribute("accumulate", b.getUnitAttr());
-    }
-    if (kind == "gmm") {
-      if (tensors[tensorIndex[o["inputs"][0].get<std::string>()]].transpose)
-        state.addAttribute("transpose_lhs", b.getUnitAttr());
-      if (tensors[tensorIndex[o["inputs"][1].get<std::string>()]].transpose)
-        state.addAttribute("transpose_rhs", b.getUnitAttr());
-    }
-    std::vector<unsigned> inputs;
-    for (const json &in : o["inputs"])
-      inputs.push_back(tensorIndex[in.get<std::string>()]);
+    state.addAttributes(decl.attrs);
     Operation *op = ob.create(state);
     out.value = op->getResult(0);
-    pendingOperands.push_back({op, inputs});
+    pendingOperands.push_back({op, decl.inputs});
   }
   // Operands are set once every op exists, so order does not matter.
   for (auto &[op, inputs] : pendingOperands) {

@@ -693,13 +693,13 @@ TEST_CASE("op errors name the op and its line", "[graph-json][errors]") {
     opNamed(g, "swiglu")["accumulate"] = true;
     Diag d = importError(g);
     checkAt(d, "swiglu");
-    CHECK(contains(d.message, "op 'swiglu': 'accumulate' is a boolean of gmm ops only"));
+    CHECK(contains(d.message, "op 2 'swiglu': 'accumulate' is a boolean of gmm ops only"));
   }
   SECTION("non-integer tiling position") {
     opNamed(g, "swiglu")["tiling_position"] = "one";
     Diag d = importError(g);
     checkAt(d, "swiglu");
-    CHECK(contains(d.message, "op 'swiglu': 'tiling_position' must be an integer"));
+    CHECK(contains(d.message, "op 2 'swiglu': 'tiling_position' must be an integer"));
   }
   SECTION("tiling slot taken twice") {
     opNamed(g, "swiglu")["tiling_position"] = 0;

@@ -1,0 +1,507 @@
+//===- TaskBinary.h - The moec task binary: layout, writer, reader -*- C++ -*-===//
+//
+// A task binary holds a compiled program for one pass (forward or backward)
+// of the MoE-FFN layer, for an EP group of R ranks. Every rank loads the same
+// file and runs the same tables; what depends on the rank is written relative
+// to the loading rank (a signal's peer is `(rank + peerOffset) % R`, a tiling
+// descriptor's expert is a local expert index).
+//
+// The file is little-endian and sized by its content:
+//
+//   FileHeader      64 bytes at offset 0
+//   SectionEntry[]  the section table (24 bytes an entry), 8-byte aligned
+//   sections        flat arrays of fixed-size records, each 8-byte aligned
+//
+// Records refer to each other by u32 index into another section, and to
+// ranges of another section by (first, count), so a file of 10^5 tasks is a
+// handful of flat arrays. The records below are the file's bytes: each one has
+// a static_assert'ed size, alignment and field offsets, and its layout in a
+// comment beside it. docs/binary-format.md describes the format in full.
+//
+// The writer (used by the compiler) and the reader (used by the runtime and
+// `moec dump`) both live here, so the layout is defined once. This library
+// does not depend on MLIR or LLVM.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_FORMAT_TASKBINARY_H
+#define MOEC_RUNTIME_FORMAT_TASKBINARY_H
+
+#include "runtime/format/Status.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moec::format {
+
+//===----------------------------------------------------------------------===//
+// Constants and enums
+//===----------------------------------------------------------------------===//
+
+/// The first 8 bytes of every task binary.
+inline constexpr char kMagic[8] = {'M', 'O', 'E', 'C', 'B', 'I', 'N', '\0'};
+
+/// The format version this code writes and the only one it reads.
+inline constexpr uint32_t kFormatVersion = 1;
+
+/// The value of an optional u32 index that names nothing.
+inline constexpr uint32_t kNone = 0xFFFFFFFFu;
+
+/// Every section, and the section table, starts at a multiple of this.
+inline constexpr uint32_t kSectionAlignment = 8;
+
+/// The largest tensor rank a slot can describe.
+inline constexpr uint32_t kMaxTensorRank = 4;
+
+/// The most input slots a tiling descriptor names.
+inline constexpr uint32_t kMaxTilingInputs = 3;
+
+/// Bits of FileHeader::flags.
+enum FileFlag : uint32_t {
+  kFlagBackward = 1u << 0, ///< the program is a backward pass
+  kFlagBf16 = 1u << 1,     ///< activations are stored as bf16 (else f32)
+  kKnownFileFlags = kFlagBackward | kFlagBf16,
+};
+
+/// Element type of a tensor slot or a tiling descriptor.
+enum class DType : uint8_t { F32 = 1, BF16 = 2, I32 = 3, I64 = 4 };
+
+/// The op a task belongs to, and the op a tiling descriptor is for.
+enum class OpKind : uint8_t { Dispatch = 1, Combine = 2, Gmm = 3, Swiglu = 4, SwigluGrad = 5 };
+
+/// The kind of core that runs a task or owns a queue.
+enum class CoreKind : uint8_t { Cube = 1, Vector = 2 };
+
+/// What increments an event counter.
+enum class EventKind : uint8_t {
+  Local = 1,     ///< signals of tasks on the same rank only
+  CrossRank = 2, ///< also signals that peers send with their puts
+  Terminate = 3, ///< local; reaching its threshold ends the pass
+};
+
+/// Bits of SlotRecord::flags.
+enum SlotFlag : uint8_t {
+  kSlotList = 1u << 0,    ///< a tensor list (dim 0 counts its elements)
+  kSlotDynamic = 1u << 1, ///< dim 0 varies at run time, up to capacityRows
+  kKnownSlotFlags = kSlotList | kSlotDynamic,
+};
+
+/// Bits of TilingRecord::flags.
+enum TilingFlag : uint8_t {
+  kTilingTransposeA = 1u << 0, ///< A is stored transposed (K x M)
+  kTilingTransposeB = 1u << 1, ///< B is stored transposed (N x K)
+  kTilingAccumulate = 1u << 2, ///< C += result instead of C = result
+  kKnownTilingFlags = kTilingTransposeA | kTilingTransposeB | kTilingAccumulate,
+};
+
+/// The kind of a section; each kind appears exactly once in a version-1 file.
+enum class SectionKind : uint32_t {
+  Strings = 1,      ///< bytes: NUL-terminated names
+  Slots = 2,        ///< SlotRecord
+  Ops = 3,          ///< OpRecord
+  Tilings = 4,      ///< TilingRecord
+  Events = 5,       ///< EventRecord
+  Tasks = 6,        ///< TaskRecord
+  Waits = 7,        ///< WaitRecord
+  Signals = 8,      ///< SignalRecord
+  Queues = 9,       ///< QueueRecord
+  QueueEntries = 10 ///< uint32_t task index
+};
+
+/// The number of section kinds (and of sections in a version-1 file).
+inline constexpr uint32_t kSectionKindCount = 10;
+
+/// Returns the name of a section kind as error messages spell it ("tasks",
+/// "queue entries"), or "unknown" for a value outside the enum.
+const char *sectionKindName(SectionKind kind);
+
+/// Returns "f32", "bf16", "i32" or "i64", or "unknown".
+const char *dtypeName(DType dtype);
+
+/// Returns "dispatch", "combine", "gmm", "swiglu" or "swiglu_grad", or
+/// "unknown".
+const char *opKindName(OpKind kind);
+
+/// Returns "cube" or "vector", or "unknown".
+const char *coreKindName(CoreKind kind);
+
+/// Returns "local", "cross-rank" or "terminate", or "unknown".
+const char *eventKindName(EventKind kind);
+
+/// Returns the size in bytes of one element of `dtype` (0 for an unknown one).
+uint32_t dtypeSize(DType dtype);
+
+//===----------------------------------------------------------------------===//
+// Records (the file's bytes; every reserved field is zero)
+//===----------------------------------------------------------------------===//
+
+/// The file header, at offset 0.
+///
+///   offset size field
+///    0     8    magic               "MOECBIN\0"
+///    8     4    version             kFormatVersion
+///   12     4    flags               FileFlag bits; others zero
+///   16     8    fileSize            size of the whole file in bytes
+///   24     4    crc32               CRC-32 of the file with this field zero
+///   28     4    epRanks             R, ranks in the EP group (>= 1)
+///   32     4    localExperts        L, experts per rank
+///   36     4    sectionCount        entries in the section table (10)
+///   40     8    sectionTableOffset  offset of SectionEntry[sectionCount]
+///   48    16    reserved[4]         zero
+struct FileHeader {
+  char magic[8] = {};
+  uint32_t version = 0;
+  uint32_t flags = 0;
+  uint64_t fileSize = 0;
+  uint32_t crc32 = 0;
+  uint32_t epRanks = 0;
+  uint32_t localExperts = 0;
+  uint32_t sectionCount = 0;
+  uint64_t sectionTableOffset = 0;
+  uint32_t reserved[4] = {};
+};
+static_assert(sizeof(FileHeader) == 64 && alignof(FileHeader) == 8, "FileHeader layout");
+static_assert(offsetof(FileHeader, crc32) == 24 && offsetof(FileHeader, epRanks) == 28 &&
+                  offsetof(FileHeader, sectionTableOffset) == 40,
+              "FileHeader layout");
+
+/// One entry of the section table.
+///
+///   offset size field
+///    0     4    kind        SectionKind
+///    4     4    recordSize  bytes per record (must be the size below)
+///    8     8    offset      file offset, a multiple of 8, past the header
+///   16     8    count       number of records (bytes, for strings)
+struct SectionEntry {
+  uint32_t kind = 0;
+  uint32_t recordSize = 0;
+  uint64_t offset = 0;
+  uint64_t count = 0;
+};
+static_assert(sizeof(SectionEntry) == 24 && alignof(SectionEntry) == 8, "SectionEntry layout");
+static_assert(offsetof(SectionEntry, offset) == 8 && offsetof(SectionEntry, count) == 16,
+              "SectionEntry layout");
+
+/// A tensor slot: one entry of the runtime's parameter array.
+///
+///   offset size field
+///    0     4    name          string offset
+///    4     4    param         position in the runtime's parameter array
+///                             (the graph's slot); unique
+///    8     1    dtype         DType
+///    9     1    flags         SlotFlag bits
+///   10     1    rank          number of dims, 0..4
+///   11     1    reserved0     zero
+///   12     4    reserved1     zero
+///   16    32    dims[4]       u64 dims; dims[i] is zero for i >= rank
+///   48     8    capacityRows  dynamic tensors: the most rows of dim 0 the
+///                             binary serves; zero otherwise
+struct SlotRecord {
+  uint32_t name = 0;
+  uint32_t param = 0;
+  DType dtype = DType::F32;
+  uint8_t flags = 0;
+  uint8_t rank = 0;
+  uint8_t reserved0 = 0;
+  uint32_t reserved1 = 0;
+  uint64_t dims[kMaxTensorRank] = {};
+  uint64_t capacityRows = 0;
+};
+static_assert(sizeof(SlotRecord) == 56 && alignof(SlotRecord) == 8, "SlotRecord layout");
+static_assert(offsetof(SlotRecord, dtype) == 8 && offsetof(SlotRecord, dims) == 16 &&
+                  offsetof(SlotRecord, capacityRows) == 48,
+              "SlotRecord layout");
+
+/// An op of the layer; its tasks are tasks[firstTask, firstTask + taskCount),
+/// and each of them names this op.
+///
+///   offset size field
+///    0     4    name         string offset
+///    4     1    kind         OpKind
+///    5     3    reserved[3]  zero
+///    8     4    firstTask    index into tasks
+///   12     4    taskCount
+struct OpRecord {
+  uint32_t name = 0;
+  OpKind kind = OpKind::Dispatch;
+  uint8_t reserved[3] = {};
+  uint32_t firstTask = 0;
+  uint32_t taskCount = 0;
+};
+static_assert(sizeof(OpRecord) == 16 && alignof(OpRecord) == 4, "OpRecord layout");
+static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 8,
+              "OpRecord layout");
+
+/// A tiling descriptor: the tile of work a task does. Tasks may share one.
+/// Rows [rowOffset, rowOffset + rowCount) are absolute rows of the output
+/// when expert is kNone, else rows of that local expert's segment (which the
+/// runtime finds from the routing and clips to the expert's actual rows).
+/// Columns [colOffset, colOffset + colCount) likewise, of the output.
+///
+///   offset size field
+///    0     1    opKind         OpKind; equals the kind of the tasks' op
+///    1     1    dtype          DType of A, B and C
+///    2     1    flags          TilingFlag bits
+///    3     1    inputCount     inputs used, 0..3
+///    4     4    expert         local expert index (< L), or kNone
+///    8     8    rowOffset
+///   16     8    rowCount
+///   24     8    colOffset
+///   32     8    colCount
+///   40     4    tileM          M/N/K block sizes of the kernel
+///   44     4    tileN
+///   48     4    tileK
+///   52     4    outputSlot     index into slots
+///   56     8    lda            leading strides (elements) of A, B, C
+///   64     8    ldb
+///   72     8    ldc
+///   80    12    inputSlots[3]  indices into slots; kNone past inputCount
+///   92     4    reserved       zero
+struct TilingRecord {
+  OpKind opKind = OpKind::Gmm;
+  DType dtype = DType::F32;
+  uint8_t flags = 0;
+  uint8_t inputCount = 0;
+  uint32_t expert = kNone;
+  uint64_t rowOffset = 0;
+  uint64_t rowCount = 0;
+  uint64_t colOffset = 0;
+  uint64_t colCount = 0;
+  uint32_t tileM = 0;
+  uint32_t tileN = 0;
+  uint32_t tileK = 0;
+  uint32_t outputSlot = 0;
+  uint64_t lda = 0;
+  uint64_t ldb = 0;
+  uint64_t ldc = 0;
+  uint32_t inputSlots[kMaxTilingInputs] = {kNone, kNone, kNone};
+  uint32_t reserved = 0;
+};
+static_assert(sizeof(TilingRecord) == 96 && alignof(TilingRecord) == 8, "TilingRecord layout");
+static_assert(offsetof(TilingRecord, expert) == 4 && offsetof(TilingRecord, rowOffset) == 8 &&
+                  offsetof(TilingRecord, tileM) == 40 && offsetof(TilingRecord, outputSlot) == 52 &&
+                  offsetof(TilingRecord, lda) == 56 && offsetof(TilingRecord, inputSlots) == 80,
+              "TilingRecord layout");
+
+/// An event: a monotone counter, one per rank, zero at the start of a pass.
+/// threshold is its final value: the sum of the increments of every signal
+/// that names it, counted once per task that carries the signal.
+///
+///   offset size field
+///    0     4    name         string offset
+///    4     1    kind         EventKind
+///    5     3    reserved[3]  zero
+///    8     4    op           index of the op whose tasks signal it, or kNone
+///   12     4    threshold    final value of the counter
+struct EventRecord {
+  uint32_t name = 0;
+  EventKind kind = EventKind::Local;
+  uint8_t reserved[3] = {};
+  uint32_t op = kNone;
+  uint32_t threshold = 0;
+};
+static_assert(sizeof(EventRecord) == 16 && alignof(EventRecord) == 4, "EventRecord layout");
+static_assert(offsetof(EventRecord, kind) == 4 && offsetof(EventRecord, op) == 8 &&
+                  offsetof(EventRecord, threshold) == 12,
+              "EventRecord layout");
+
+/// A task: waits for waits[firstWait, +waitCount) in order, runs its tile,
+/// then sends signals[firstSignal, +signalCount).
+///
+///   offset size field
+///    0     4    op           index into ops
+///    4     4    tiling       index into tilings, or kNone
+///    8     4    firstWait    index into waits
+///   12     4    waitCount
+///   16     4    firstSignal  index into signals
+///   20     4    signalCount
+///   24     1    coreKind     CoreKind; equals the kind of its queue
+///   25     3    reserved[3]  zero
+struct TaskRecord {
+  uint32_t op = 0;
+  uint32_t tiling = kNone;
+  uint32_t firstWait = 0;
+  uint32_t waitCount = 0;
+  uint32_t firstSignal = 0;
+  uint32_t signalCount = 0;
+  CoreKind coreKind = CoreKind::Vector;
+  uint8_t reserved[3] = {};
+};
+static_assert(sizeof(TaskRecord) == 28 && alignof(TaskRecord) == 4, "TaskRecord layout");
+static_assert(offsetof(TaskRecord, firstWait) == 8 && offsetof(TaskRecord, firstSignal) == 16 &&
+                  offsetof(TaskRecord, coreKind) == 24,
+              "TaskRecord layout");
+
+/// A wait edge: the task blocks until the loading rank's copy of `event`
+/// reaches `threshold` (at most the event's final value).
+///
+///   offset size field
+///    0     4    event      index into events
+///    4     4    threshold
+struct WaitRecord {
+  uint32_t event = 0;
+  uint32_t threshold = 0;
+};
+static_assert(sizeof(WaitRecord) == 8 && alignof(WaitRecord) == 4, "WaitRecord layout");
+
+/// A signal: adds `increment` to `event` on rank (rank + peerOffset) % R.
+/// peerOffset 0 is the loading rank itself; a nonzero one is a peer, reached
+/// with the task's put, and needs a cross-rank event.
+///
+///   offset size field
+///    0     4    event       index into events
+///    4     4    increment
+///    8     4    peerOffset  0..R-1
+///   12     4    reserved    zero
+struct SignalRecord {
+  uint32_t event = 0;
+  uint32_t increment = 0;
+  uint32_t peerOffset = 0;
+  uint32_t reserved = 0;
+};
+static_assert(sizeof(SignalRecord) == 16 && alignof(SignalRecord) == 4, "SignalRecord layout");
+static_assert(offsetof(SignalRecord, peerOffset) == 8, "SignalRecord layout");
+
+/// An in-order queue of one logical core: it runs the tasks named by
+/// queueEntries[firstEntry, +entryCount) one after another.
+/// (coreKind, coreIndex) is unique, and every task is in exactly one queue.
+///
+///   offset size field
+///    0     1    coreKind     CoreKind
+///    1     3    reserved[3]  zero
+///    4     4    coreIndex    index among the cores of that kind
+///    8     4    firstEntry   index into queueEntries
+///   12     4    entryCount
+struct QueueRecord {
+  CoreKind coreKind = CoreKind::Vector;
+  uint8_t reserved[3] = {};
+  uint32_t coreIndex = 0;
+  uint32_t firstEntry = 0;
+  uint32_t entryCount = 0;
+};
+static_assert(sizeof(QueueRecord) == 16 && alignof(QueueRecord) == 4, "QueueRecord layout");
+static_assert(offsetof(QueueRecord, coreIndex) == 4 && offsetof(QueueRecord, firstEntry) == 8,
+              "QueueRecord layout");
+
+/// Records compare equal when all their bytes (reserved ones included) do.
+bool operator==(const SlotRecord &a, const SlotRecord &b);
+bool operator==(const OpRecord &a, const OpRecord &b);
+bool operator==(const TilingRecord &a, const TilingRecord &b);
+bool operator==(const EventRecord &a, const EventRecord &b);
+bool operator==(const TaskRecord &a, const TaskRecord &b);
+bool operator==(const WaitRecord &a, const WaitRecord &b);
+bool operator==(const SignalRecord &a, const SignalRecord &b);
+bool operator==(const QueueRecord &a, const QueueRecord &b);
+
+//===----------------------------------------------------------------------===//
+// The in-memory program
+//===----------------------------------------------------------------------===//
+
+/// A task binary in memory: the header's values and one vector per section.
+/// The compiler fills one and writes it; the reader fills one from a file.
+struct TaskProgram {
+  uint32_t flags = 0;        ///< FileFlag bits
+  uint32_t epRanks = 1;      ///< R
+  uint32_t localExperts = 0; ///< L
+  std::string strings;       ///< NUL-terminated names, referred to by offset
+  std::vector<SlotRecord> slots;
+  std::vector<OpRecord> ops;
+  std::vector<TilingRecord> tilings;
+  std::vector<EventRecord> events;
+  std::vector<TaskRecord> tasks;
+  std::vector<WaitRecord> waits;
+  std::vector<SignalRecord> signals;
+  std::vector<QueueRecord> queues;
+  std::vector<uint32_t> queueEntries; ///< task indices
+
+  /// Appends `text` and a NUL to the strings and returns its offset. `text`
+  /// should not contain a NUL (the name would end there).
+  uint32_t addString(std::string_view text);
+
+  /// Returns the name at string offset `offset`, or "" when the offset is out
+  /// of range or its name is not NUL-terminated (which a program that passed
+  /// validateTaskProgram never has).
+  std::string_view name(uint32_t offset) const;
+
+  /// Returns true when the program is a backward pass.
+  bool isBackward() const { return (flags & kFlagBackward) != 0; }
+
+  /// Returns the rank a signal with `peerOffset` reaches from `rank`:
+  /// (rank + peerOffset) % R. Both must be below R.
+  uint32_t peerRank(uint32_t rank, uint32_t peerOffset) const {
+    return uint32_t((uint64_t(rank) + peerOffset) % epRanks);
+  }
+
+  /// Returns the global index of local expert `expert` on `rank`: rank * L +
+  /// expert.
+  uint64_t globalExpert(uint32_t rank, uint32_t expert) const {
+    return uint64_t(rank) * localExperts + expert;
+  }
+};
+
+/// Programs compare equal when their header values and sections do.
+bool operator==(const TaskProgram &a, const TaskProgram &b);
+
+/// Returns true when the programs differ.
+inline bool operator!=(const TaskProgram &a, const TaskProgram &b) { return !(a == b); }
+
+//===----------------------------------------------------------------------===//
+// Writer and reader
+//===----------------------------------------------------------------------===//
+
+/// Options of readTaskBinary.
+struct ReadOptions {
+  /// Compare the header's CRC-32 with the content's. Only fuzzing and tools
+  /// that inspect damaged files turn this off.
+  bool verifyChecksum = true;
+};
+
+/// Checks everything the reader checks about a program's content: header
+/// values (flags, R), string offsets, enum values, reserved fields, every
+/// index and range (slots, tilings, events, tasks, waits, signals, queue
+/// entries), the consistency of ops, tasks, queues and tilings, event
+/// thresholds, and that every task is in exactly one queue. Also checks that
+/// each section has fewer than 2^32 records (indices are u32). Returns an
+/// error naming the first problem found, e.g. "task 17: wait 2 names event
+/// 900, but the binary has 512 events".
+Status validateTaskProgram(const TaskProgram &program);
+
+/// Returns the task binary of `program`: header, section table, then the ten
+/// sections in SectionKind order, each 8-byte aligned, zero padding between
+/// them, and the CRC-32 filled in. The same program always gives the same
+/// bytes. It does not validate: call validateTaskProgram first (or use
+/// writeTaskBinaryFile), since a reader refuses an invalid program.
+std::vector<uint8_t> writeTaskBinary(const TaskProgram &program);
+
+/// Validates `program` and writes its task binary to the file `path`.
+/// Errors name the path; nothing is written when validation fails.
+Status writeTaskBinaryFile(const TaskProgram &program, const std::string &path);
+
+/// Reads the task binary of `size` bytes at `data` (any alignment) into
+/// *out. Validates everything before returning: magic, version, file size,
+/// checksum, header fields, the section table (kinds, record sizes, bounds,
+/// alignment, overlaps, overflow), then the content as validateTaskProgram
+/// does. On error, returns a message that says what and where (e.g.
+/// "truncated: section 'tasks' (offset 4096, 24000 bytes) ends past the end
+/// of the 20480-byte file") and leaves *out unchanged.
+Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out);
+
+/// readTaskBinary with options.
+Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
+                      const ReadOptions &options);
+
+/// Reads the file `path` and then does as readTaskBinary. Errors start with
+/// the path, e.g. "fwd.moebin: bad checksum: ...".
+Status loadTaskBinaryFile(const std::string &path, TaskProgram *out);
+
+/// Returns the CRC-32 that a file's header should hold: that of the `size`
+/// bytes at `data` with the header's crc32 field (bytes 24..27) taken as
+/// zero. `size` must be at least sizeof(FileHeader).
+uint32_t taskBinaryChecksum(const uint8_t *data, size_t size);
+
+} // namespace moec::format
+
+#endif // MOEC_RUNTIME_FORMAT_TASKBINARY_H

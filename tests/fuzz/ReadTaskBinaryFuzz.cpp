@@ -10,7 +10,7 @@
 // its sections out differently from the writer).
 //
 //   clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -I. \
-//     runtime/format/fuzz/ReadTaskBinaryFuzz.cpp runtime/format/TaskBinary.cpp \
+//     tests/fuzz/ReadTaskBinaryFuzz.cpp runtime/format/TaskBinary.cpp \
 //     runtime/format/Crc32.cpp -lfmt -o read_task_binary_fuzz
 //
 //===----------------------------------------------------------------------===//

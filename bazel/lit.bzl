@@ -1,10 +1,9 @@
 """lit through Bazel: one test target per .mlir or .test file."""
 
-def glob_lit_tests(name = "lit", data = [], exclude = []):
+def glob_lit_tests(data = [], exclude = []):
     """Makes an sh_test for every .mlir and .test file under this folder.
 
     Args:
-      name: unused prefix kept for a uniform call site.
       data: extra runtime files (tools, inputs).
       exclude: globs of files that are inputs, not tests.
     """

@@ -141,6 +141,7 @@ TEST_CASE("seed-defaults.json derives the seed's TaskSplitValue", "[config]") {
   CHECK(c.hiddenSize == 7168);
   CHECK(c.intermediateSize == 2048);
   CHECK(c.numCubeCores == 24);
+  CHECK(moec::dtypeSize(c.dtype) == 2);
   moec::TaskSplitValue v = moec::deriveTaskSplitValue(c);
   CHECK(v.allExpertNum == 32);
   CHECK(v.singleRankExpertNum == 8);

@@ -183,20 +183,6 @@ TEST_CASE("task counts of the seed configs, literally", "[split-counts]") {
   }
 }
 
-TEST_CASE("seed-defaults config holds the seed's defaults", "[split-counts]") {
-  ModelConfig c = loadExample("examples/configs/seed-defaults.json");
-  CHECK(c.tp == 4);
-  CHECK(c.ep == 4);
-  CHECK(c.seqSize == 8192);
-  CHECK(c.numExperts == 32);
-  CHECK(c.topK == 8);
-  CHECK(c.numCubeCores == 24);
-  // build_backward_graph's defaults.
-  CHECK(c.hiddenSize == 7168);
-  CHECK(c.intermediateSize == 2048);
-  CHECK(moec::dtypeSize(c.dtype) == 2);
-}
-
 TEST_CASE("backward graph slots and edges match the seed", "[split-counts]") {
   for (const char *configPath :
        {"examples/configs/seed-test.json", "examples/configs/seed-defaults.json"}) {

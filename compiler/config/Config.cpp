@@ -1,6 +1,7 @@
 //===- Config.cpp - Model and parallel config of an MoE-FFN layer ---------===//
 
 #include "compiler/config/Config.h"
+#include "compiler/support/Json.h"
 
 #include <fmt/format.h>
 
@@ -47,6 +48,7 @@ namespace {
 struct IntKey {
   const char *key;
   int64_t ModelConfig::*field;
+  bool optional = false; ///< 0 means unset
 };
 
 /// The integer keys, in the order they are checked and reported.
@@ -58,8 +60,8 @@ const IntKey kIntKeys[] = {
     {"ep", &ModelConfig::ep},
     {"tp", &ModelConfig::tp},
     {"seq_size", &ModelConfig::seqSize},
-    {"num_cube_cores", &ModelConfig::numCubeCores},
-    {"num_vector_cores", &ModelConfig::numVectorCores},
+    {"num_cube_cores", &ModelConfig::numCubeCores, true},
+    {"num_vector_cores", &ModelConfig::numVectorCores, true},
 };
 
 constexpr const char *kDTypeKey = "dtype";
@@ -89,36 +91,6 @@ bool fail(std::string *error, const std::string &source,
   return false;
 }
 
-/// Returns the message of a nlohmann parse error without its
-/// "[json.exception...] parse error at line L, column C: " prefix.
-std::string parseErrorMessage(const nlohmann::json::parse_error &e) {
-  std::string what = e.what();
-  size_t at = what.find("parse error");
-  if (at == std::string::npos)
-    return what;
-  size_t colon = what.find(": ", at);
-  if (colon == std::string::npos)
-    return what;
-  return what.substr(colon + 2);
-}
-
-/// Converts a 1-based byte offset (nlohmann's parse_error::byte, the offset
-/// of the last character read) into a 1-based line and column of `text`.
-std::pair<size_t, size_t> lineAndColumn(std::string_view text, size_t byte) {
-  size_t index = byte == 0 ? 0 : byte - 1;
-  if (index > text.size())
-    index = text.size();
-  size_t line = 1;
-  size_t lineStart = 0;
-  for (size_t i = 0; i < index; ++i) {
-    if (text[i] == '\n') {
-      ++line;
-      lineStart = i + 1;
-    }
-  }
-  return {line, index - lineStart + 1};
-}
-
 /// Checks `product` = a * b for overflow; returns false when it overflows.
 bool checkedMul(int64_t a, int64_t b, int64_t *product) {
   return !__builtin_mul_overflow(a, b, product);
@@ -129,15 +101,8 @@ bool checkedMul(int64_t a, int64_t b, int64_t *product) {
 bool parseConfig(std::string_view text, const std::string &source,
                  ModelConfig *out, std::string *error) {
   nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(text.begin(), text.end());
-  } catch (const nlohmann::json::parse_error &e) {
-    auto [line, column] = lineAndColumn(text, e.byte);
-    if (error)
-      *error = fmt::format("{}:{}:{}: {}", source, line, column,
-                           parseErrorMessage(e));
+  if (!parseJson(text, source, &json, error))
     return false;
-  }
 
   if (!json.is_object())
     return fail(error, source,
@@ -176,6 +141,9 @@ bool parseConfig(std::string_view text, const std::string &source,
                   fmt::format("key '{}' is too large for int64, got {}",
                               key.key, it->dump()));
     config.*key.field = it->get<int64_t>();
+    if (key.optional && config.*key.field <= 0)
+      return fail(error, source,
+                  fmt::format("'{}' must be positive, got {}", key.key, it->dump()));
   }
 
   const nlohmann::json &dtype = json.at(kDTypeKey);
@@ -204,36 +172,15 @@ bool parseConfig(std::string_view text, const std::string &source,
 }
 
 bool loadConfig(const std::string &path, ModelConfig *out, std::string *error) {
-  auto cannotRead = [&](int code) {
-    if (error)
-      *error = fmt::format("cannot read '{}': {}", path, std::strerror(code));
-    return false;
-  };
-  FILE *file = std::fopen(path.c_str(), "rb");
-  if (!file)
-    return cannotRead(errno);
   std::string text;
-  char buffer[65536];
-  while (true) {
-    size_t n = std::fread(buffer, 1, sizeof(buffer), file);
-    text.append(buffer, n);
-    if (n < sizeof(buffer))
-      break;
-  }
-  if (std::ferror(file)) {
-    int code = errno;
-    std::fclose(file);
-    return cannotRead(code);
-  }
-  std::fclose(file);
-  return parseConfig(text, path, out, error);
+  return readTextFile(path, &text, error) && parseConfig(text, path, out, error);
 }
 
 bool validateConfig(const ModelConfig &c, const std::string &source,
                     std::string *error) {
   for (const IntKey &key : kIntKeys) {
     int64_t value = c.*key.field;
-    if (value <= 0)
+    if (value < 0 || (value == 0 && !key.optional))
       return fail(error, source,
                   fmt::format("'{}' must be positive, got {}", key.key, value));
   }
@@ -298,11 +245,19 @@ TaskSplitValue deriveTaskSplitValue(const ModelConfig &c) {
   return v;
 }
 
+void setDefaultCoreCounts(ModelConfig *c, int64_t cubeCores, int64_t vectorCores) {
+  if (c->numCubeCores == 0)
+    c->numCubeCores = cubeCores;
+  if (c->numVectorCores == 0)
+    c->numVectorCores = vectorCores;
+}
+
 Bindings configBindings(const ModelConfig &c) {
   TaskSplitValue v = deriveTaskSplitValue(c);
   Bindings bindings;
   for (const IntKey &key : kIntKeys)
-    bindings[key.key] = c.*key.field;
+    if (c.*key.field > 0)
+      bindings[key.key] = c.*key.field;
   bindings["dtype_size"] = dtypeSize(c.dtype);
   bindings["single_rank_expert_num"] = v.singleRankExpertNum;
   bindings["seq_all"] = v.seqAll;
@@ -335,7 +290,8 @@ nlohmann::ordered_json taskSplitValueToJson(const TaskSplitValue &v) {
 nlohmann::json configToJson(const ModelConfig &c) {
   nlohmann::json json = nlohmann::json::object();
   for (const IntKey &key : kIntKeys)
-    json[key.key] = c.*key.field;
+    if (c.*key.field > 0)
+      json[key.key] = c.*key.field;
   json[kDTypeKey] = dtypeName(c.dtype);
   json[kNameKey] = c.name;
   return json;

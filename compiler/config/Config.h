@@ -47,8 +47,8 @@ struct ModelConfig {
   int64_t seqSize = 0;          ///< "seq_size": tokens per rank S.
   DType dtype = DType::BF16;    ///< "dtype": "fp32" | "bf16".
   // Optional keys.
-  int64_t numCubeCores = 24;   ///< "num_cube_cores" (Ascend 910B AIC count).
-  int64_t numVectorCores = 48; ///< "num_vector_cores".
+  int64_t numCubeCores = 0;   ///< "num_cube_cores"; 0: the target profile's count.
+  int64_t numVectorCores = 0; ///< "num_vector_cores"; 0: the target profile's count.
   std::string name;            ///< "name": free text.
 };
 
@@ -83,9 +83,14 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
 /// Returns the task-split values of a config that passed validateConfig().
 TaskSplitValue deriveTaskSplitValue(const ModelConfig &c);
 
+/// Sets num_cube_cores and num_vector_cores where the config leaves them
+/// unset (0) to a target's core counts. A config that sets them pins the
+/// schedule's logical core counts whatever the target.
+void setDefaultCoreCounts(ModelConfig *c, int64_t cubeCores, int64_t vectorCores);
+
 /// Returns every symbol a graph description may use, with its value: the
 /// config keys (hidden_size, intermediate_size, num_experts, top_k, ep, tp,
-/// seq_size, num_cube_cores, num_vector_cores, dtype_size) and the derived
+/// seq_size, num_cube_cores and num_vector_cores when set, dtype_size) and the derived
 /// values (single_rank_expert_num, seq_all, per_expert_seq, per_rank_seq,
 /// per_expert_seq_to_other). The config must have passed validateConfig().
 Bindings configBindings(const ModelConfig &c);

@@ -3,6 +3,7 @@
 #include "compiler/import/GraphJson.h"
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/support/Expr.h"
+#include "compiler/support/Json.h"
 
 #include "mlir/IR/Builders.h"
 #include "mlir/IR/Diagnostics.h"
@@ -406,11 +407,7 @@ OwningOpRef<ModuleOp> Importer::run() {
   try {
     root = json::parse(text.begin(), text.end());
   } catch (const json::parse_error &e) {
-    std::string msg = e.what();
-    // Drop nlohmann's "[json.exception.parse_error.101] parse error at line 1, column 2: ".
-    if (auto pos = msg.find(": "); pos != std::string::npos && msg.find("parse error") < pos)
-      msg = msg.substr(pos + 2);
-    error(locAt(e.byte ? e.byte - 1 : 0)) << "malformed JSON: " << msg;
+    error(locAt(e.byte ? e.byte - 1 : 0)) << "malformed JSON: " << jsonParseMessage(e);
     return nullptr;
   }
   Location top = locAt(0);

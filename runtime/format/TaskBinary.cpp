@@ -128,6 +128,21 @@ uint32_t dtypeSize(DType dtype) {
   return 0;
 }
 
+TileCoord tileCoord(const TilingRecord &tiling, uint64_t index) {
+  TileCoord c;
+  c.colTile = uint32_t(index % tiling.colTiles);
+  index /= tiling.colTiles;
+  c.rowTile = uint32_t(index % tiling.rowTiles);
+  index /= tiling.rowTiles;
+  c.peer = uint32_t(index % tiling.peers);
+  c.expert = uint32_t(index / tiling.peers);
+  c.rowBegin = tileBegin(c.rowTile, tiling.rows, tiling.rowTiles);
+  c.rowEnd = tileBegin(c.rowTile + 1ull, tiling.rows, tiling.rowTiles);
+  c.colBegin = tileBegin(c.colTile, tiling.cols, tiling.colTiles);
+  c.colEnd = tileBegin(c.colTile + 1ull, tiling.cols, tiling.colTiles);
+  return c;
+}
+
 //===----------------------------------------------------------------------===//
 // Record equality
 //===----------------------------------------------------------------------===//
@@ -152,6 +167,7 @@ bool operator==(const QueueRecord &a, const QueueRecord &b) { return sameBytes(a
 
 bool operator==(const TaskProgram &a, const TaskProgram &b) {
   return a.flags == b.flags && a.epRanks == b.epRanks && a.localExperts == b.localExperts &&
+         a.target == b.target &&
          a.strings == b.strings && a.slots == b.slots && a.ops == b.ops && a.tilings == b.tilings &&
          a.events == b.events && a.tasks == b.tasks && a.waits == b.waits &&
          a.signals == b.signals && a.queues == b.queues && a.queueEntries == b.queueEntries;
@@ -279,6 +295,8 @@ private:
           fmt::format("header: unknown flag bits {:#x}", p.flags & ~uint32_t(kKnownFileFlags)));
     if (p.epRanks == 0)
       return Status::error("header: the EP group has 0 ranks");
+    if (Status status = checkName("header: target", p.target); !status)
+      return status;
     return Status::success();
   }
 
@@ -334,12 +352,25 @@ private:
       if (!validOpKind(op.kind))
         return Status::error(
             fmt::format("{}: kind {} is not an op kind (1..5)", what, unsigned(op.kind)));
-      if (!allZero(op.reserved, sizeof(op.reserved)))
+      if (!allZero(op.reserved, sizeof(op.reserved)) || op.reserved2 != 0)
         return Status::error(fmt::format("{}: reserved bytes are not zero", what));
       if (Status status =
               checkRange(what, "tasks", op.firstTask, op.taskCount, p.tasks.size(), "tasks");
           !status)
         return status;
+      if (op.tiling >= p.tilings.size())
+        return Status::error(fmt::format("{}: names tiling {}, but the binary has {} tilings",
+                                         what, op.tiling, p.tilings.size()));
+      const TilingRecord &tiling = p.tilings[op.tiling];
+      if (tiling.opKind != op.kind)
+        return Status::error(fmt::format("{}: tiling {} is for a {} op, but the op is a {} op",
+                                         what, op.tiling, opKindName(tiling.opKind),
+                                         opKindName(op.kind)));
+      if (tiling.tileCount() != op.taskCount)
+        return Status::error(fmt::format(
+            "{}: has {} tasks, but its tiling {} is a grid of {} tiles ({} x {} x {} x {})", what,
+            op.taskCount, op.tiling, tiling.tileCount(), tiling.experts, tiling.peers,
+            tiling.rowTiles, tiling.colTiles));
       for (uint64_t t = op.firstTask; t < uint64_t(op.firstTask) + op.taskCount; ++t)
         if (p.tasks[t].op != i)
           return Status::error(
@@ -387,11 +418,26 @@ private:
       }
       if (Status status = checkSlotIndex(what, "output", tiling.outputSlot); !status)
         return status;
-      if (tiling.expert != kNone && tiling.expert >= p.localExperts)
-        return Status::error(fmt::format("{}: expert {} is not below the {} local experts", what,
-                                         tiling.expert, p.localExperts));
-      if (tiling.reserved != 0)
-        return Status::error(fmt::format("{}: reserved bytes are not zero", what));
+      if (tiling.experts != 1 && tiling.experts != p.localExperts)
+        return Status::error(fmt::format(
+            "{}: a grid of {} experts; it must be 1 or the {} local experts", what,
+            tiling.experts, p.localExperts));
+      if (tiling.peers != 1 && tiling.peers != p.epRanks)
+        return Status::error(fmt::format("{}: a grid of {} peers; it must be 1 or the {} ranks",
+                                         what, tiling.peers, p.epRanks));
+      if (tiling.rowTiles == 0 || tiling.colTiles == 0)
+        return Status::error(fmt::format("{}: a grid of {} x {} tiles is empty", what,
+                                         tiling.rowTiles, tiling.colTiles));
+      if (tiling.rows < tiling.rowTiles || tiling.cols < tiling.colTiles)
+        return Status::error(fmt::format(
+            "{}: {} row tiles of {} rows and {} column tiles of {} columns leave a tile empty",
+            what, tiling.rowTiles, tiling.rows, tiling.colTiles, tiling.cols));
+      if (tiling.tileCount() > kMaxRecords)
+        return Status::error(fmt::format("{}: a grid of {} tiles is above the {} a binary holds",
+                                         what, tiling.tileCount(), kMaxRecords));
+      if (tiling.balancedRows > tiling.rows)
+        return Status::error(fmt::format("{}: {} balanced rows are more than its {} rows", what,
+                                         tiling.balancedRows, tiling.rows));
     }
     return Status::success();
   }
@@ -436,9 +482,9 @@ private:
     if (signal.peerOffset >= p.epRanks)
       return Status::error(fmt::format("{} goes to peer offset {}, but the EP group has {} ranks",
                                        what, signal.peerOffset, p.epRanks));
-    if (signal.peerOffset != 0 && p.events[signal.event].kind != EventKind::CrossRank)
+    if (signal.peerOffset != 0 && p.events[signal.event].kind == EventKind::Local)
       return Status::error(fmt::format(
-          "{} goes to peer offset {}, but {} is a {} event, not cross-rank", what,
+          "{} goes to peer offset {}, but {} is a {} event, not cross-rank or terminate", what,
           signal.peerOffset, eventLabel(signal.event), eventKindName(p.events[signal.event].kind)));
     if (signal.reserved != 0)
       return Status::error(fmt::format("{}: reserved bytes are not zero", what));
@@ -457,16 +503,6 @@ private:
                                          unsigned(task.coreKind)));
       if (!allZero(task.reserved, sizeof(task.reserved)))
         return Status::error(fmt::format("{}: reserved bytes are not zero", what));
-      if (task.tiling != kNone) {
-        if (task.tiling >= p.tilings.size())
-          return Status::error(fmt::format("{}: names tiling {}, but the binary has {} tilings",
-                                           what, task.tiling, p.tilings.size()));
-        OpKind tilingKind = p.tilings[task.tiling].opKind;
-        if (tilingKind != p.ops[task.op].kind)
-          return Status::error(fmt::format(
-              "{}: tiling {} is for a {} op, but the task's {} is a {} op", what, task.tiling,
-              opKindName(tilingKind), opLabel(task.op), opKindName(p.ops[task.op].kind)));
-      }
       if (Status status =
               checkRange(what, "waits", task.firstWait, task.waitCount, p.waits.size(), "waits");
           !status)
@@ -674,6 +710,7 @@ std::vector<uint8_t> writeTaskBinary(const TaskProgram &program) {
   header.fileSize = file.size();
   header.epRanks = program.epRanks;
   header.localExperts = program.localExperts;
+  header.target = program.target;
   header.sectionCount = uint32_t(table.size());
   header.sectionTableOffset = tableOffset;
   std::memcpy(file.data(), &header, sizeof(header));
@@ -909,6 +946,7 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
   program.flags = header.flags;
   program.epRanks = header.epRanks;
   program.localExperts = header.localExperts;
+  program.target = header.target;
   const SectionEntry &strings = entryOf(SectionKind::Strings);
   program.strings.assign(reinterpret_cast<const char *>(data + strings.offset),
                          size_t(strings.count));

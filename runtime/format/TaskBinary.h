@@ -79,7 +79,8 @@ enum class CoreKind : uint8_t { Cube = 1, Vector = 2 };
 enum class EventKind : uint8_t {
   Local = 1,     ///< signals of tasks on the same rank only
   CrossRank = 2, ///< also signals that peers send with their puts
-  Terminate = 3, ///< local; reaching its threshold ends the pass
+  Terminate = 3, ///< signalled by local tasks and peers' puts; reaching its
+                 ///< threshold ends the pass on that rank
 };
 
 /// Bits of SlotRecord::flags.
@@ -150,7 +151,8 @@ uint32_t dtypeSize(DType dtype);
 ///   32     4    localExperts        L, experts per rank
 ///   36     4    sectionCount        entries in the section table (10)
 ///   40     8    sectionTableOffset  offset of SectionEntry[sectionCount]
-///   48    16    reserved[4]         zero
+///   48     4    target              string offset of the target profile's name
+///   52    12    reserved[3]         zero
 struct FileHeader {
   char magic[8] = {};
   uint32_t version = 0;
@@ -161,7 +163,8 @@ struct FileHeader {
   uint32_t localExperts = 0;
   uint32_t sectionCount = 0;
   uint64_t sectionTableOffset = 0;
-  uint32_t reserved[4] = {};
+  uint32_t target = 0;
+  uint32_t reserved[3] = {};
 };
 static_assert(sizeof(FileHeader) == 64 && alignof(FileHeader) == 8, "FileHeader layout");
 static_assert(offsetof(FileHeader, crc32) == 24 && offsetof(FileHeader, epRanks) == 28 &&
@@ -216,7 +219,8 @@ static_assert(offsetof(SlotRecord, dtype) == 8 && offsetof(SlotRecord, dims) == 
               "SlotRecord layout");
 
 /// An op of the layer; its tasks are tasks[firstTask, firstTask + taskCount),
-/// and each of them names this op.
+/// each of them names this op, and they are the tiles of its tiling's grid in
+/// grid order (taskCount equals the grid's tile count).
 ///
 ///   offset size field
 ///    0     4    name         string offset
@@ -224,67 +228,114 @@ static_assert(offsetof(SlotRecord, dtype) == 8 && offsetof(SlotRecord, dims) == 
 ///    5     3    reserved[3]  zero
 ///    8     4    firstTask    index into tasks
 ///   12     4    taskCount
+///   16     4    tiling       index into tilings
+///   20     4    reserved2    zero
 struct OpRecord {
   uint32_t name = 0;
   OpKind kind = OpKind::Dispatch;
   uint8_t reserved[3] = {};
   uint32_t firstTask = 0;
   uint32_t taskCount = 0;
+  uint32_t tiling = 0;
+  uint32_t reserved2 = 0;
 };
-static_assert(sizeof(OpRecord) == 16 && alignof(OpRecord) == 4, "OpRecord layout");
-static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 8,
+static_assert(sizeof(OpRecord) == 24 && alignof(OpRecord) == 4, "OpRecord layout");
+static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 8 &&
+                  offsetof(OpRecord, tiling) == 16,
               "OpRecord layout");
 
-/// A tiling descriptor: the tile of work a task does. Tasks may share one.
-/// Rows [rowOffset, rowOffset + rowCount) are absolute rows of the output
-/// when expert is kNone, else rows of that local expert's segment (which the
-/// runtime finds from the routing and clips to the expert's actual rows).
-/// Columns [colOffset, colOffset + colCount) likewise, of the output.
+/// A tiling descriptor: how an op's work is cut into tiles. An op's tasks are
+/// the cells of a grid, experts x peers x rowTiles x colTiles, numbered in
+/// that order (colTile fastest): task t of the op (t counted from the op's
+/// firstTask) is the tile
+///
+///   colTile = t % colTiles
+///   rowTile = (t / colTiles) % rowTiles
+///   peer    = (t / (colTiles * rowTiles)) % peers
+///   expert  = t / (colTiles * rowTiles * peers)
+///
+/// Row tile i covers rows [i*rows/rowTiles, (i+1)*rows/rowTiles) and column
+/// tile j columns [j*cols/colTiles, (j+1)*cols/colTiles) of the tile's output
+/// (tileCoord() computes both). For a per-expert op (experts == L), rows are
+/// rows of the local expert's segment, which the runtime finds from the
+/// routing and clips the tile to; for a put (dispatch, combine; peers == R),
+/// rows are rows of the segment sent to peer (rank + peer) % R. `depth` is the
+/// reduction length of a matmul: K of an activation GMM, or 0 for a weight-
+/// gradient GMM, which reduces over the expert's (dynamic) rows.
+/// `balancedRows` is what the compiler expects a segment to hold when routing
+/// is balanced; it only feeds cost estimates (scheduling, `moec dump`).
 ///
 ///   offset size field
-///    0     1    opKind         OpKind; equals the kind of the tasks' op
+///    0     1    opKind         OpKind; equals the kind of the op that uses it
 ///    1     1    dtype          DType of A, B and C
 ///    2     1    flags          TilingFlag bits
 ///    3     1    inputCount     inputs used, 0..3
-///    4     4    expert         local expert index (< L), or kNone
-///    8     8    rowOffset
-///   16     8    rowCount
-///   24     8    colOffset
-///   32     8    colCount
-///   40     4    tileM          M/N/K block sizes of the kernel
-///   44     4    tileN
-///   48     4    tileK
-///   52     4    outputSlot     index into slots
-///   56     8    lda            leading strides (elements) of A, B, C
-///   64     8    ldb
-///   72     8    ldc
-///   80    12    inputSlots[3]  indices into slots; kNone past inputCount
-///   92     4    reserved       zero
+///    4     4    experts        grid: 1, or L for a per-expert op
+///    8     4    peers          grid: 1, or R for a put
+///   12     4    rowTiles       grid: >= 1
+///   16     4    colTiles       grid: >= 1
+///   20     4    outputSlot     index into slots
+///   24     8    rows           rows tiled (per expert, per peer); >= rowTiles
+///   32     8    cols           columns tiled; >= colTiles
+///   40     8    depth          reduction length of a GMM, else 0
+///   48     4    tileM          M/N/K block sizes of the kernel
+///   52     4    tileN
+///   56     4    tileK
+///   60     4    lda            leading strides (elements) of A, B, C
+///   64     4    ldb
+///   68     4    ldc
+///   72    12    inputSlots[3]  indices into slots; kNone past inputCount
+///   84     4    balancedRows   rows a segment has under balanced routing
+///                              (<= rows; cost estimates only)
 struct TilingRecord {
   OpKind opKind = OpKind::Gmm;
   DType dtype = DType::F32;
   uint8_t flags = 0;
   uint8_t inputCount = 0;
-  uint32_t expert = kNone;
-  uint64_t rowOffset = 0;
-  uint64_t rowCount = 0;
-  uint64_t colOffset = 0;
-  uint64_t colCount = 0;
+  uint32_t experts = 1;
+  uint32_t peers = 1;
+  uint32_t rowTiles = 1;
+  uint32_t colTiles = 1;
+  uint32_t outputSlot = 0;
+  uint64_t rows = 1;
+  uint64_t cols = 1;
+  uint64_t depth = 0;
   uint32_t tileM = 0;
   uint32_t tileN = 0;
   uint32_t tileK = 0;
-  uint32_t outputSlot = 0;
-  uint64_t lda = 0;
-  uint64_t ldb = 0;
-  uint64_t ldc = 0;
+  uint32_t lda = 0;
+  uint32_t ldb = 0;
+  uint32_t ldc = 0;
   uint32_t inputSlots[kMaxTilingInputs] = {kNone, kNone, kNone};
-  uint32_t reserved = 0;
+  uint32_t balancedRows = 0;
+
+  /// The number of tiles (tasks) of the grid.
+  uint64_t tileCount() const { return uint64_t(experts) * peers * rowTiles * colTiles; }
 };
-static_assert(sizeof(TilingRecord) == 96 && alignof(TilingRecord) == 8, "TilingRecord layout");
-static_assert(offsetof(TilingRecord, expert) == 4 && offsetof(TilingRecord, rowOffset) == 8 &&
-                  offsetof(TilingRecord, tileM) == 40 && offsetof(TilingRecord, outputSlot) == 52 &&
-                  offsetof(TilingRecord, lda) == 56 && offsetof(TilingRecord, inputSlots) == 80,
+static_assert(sizeof(TilingRecord) == 88 && alignof(TilingRecord) == 8, "TilingRecord layout");
+static_assert(offsetof(TilingRecord, experts) == 4 && offsetof(TilingRecord, outputSlot) == 20 &&
+                  offsetof(TilingRecord, rows) == 24 && offsetof(TilingRecord, tileM) == 48 &&
+                  offsetof(TilingRecord, lda) == 60 && offsetof(TilingRecord, inputSlots) == 72,
               "TilingRecord layout");
+
+/// One tile of a grid: its cell and its row and column ranges.
+struct TileCoord {
+  uint32_t expert = 0;
+  uint32_t peer = 0;
+  uint32_t rowTile = 0;
+  uint32_t colTile = 0;
+  uint64_t rowBegin = 0, rowEnd = 0; ///< rows [rowBegin, rowEnd)
+  uint64_t colBegin = 0, colEnd = 0; ///< columns [colBegin, colEnd)
+};
+
+/// Returns tile `index` (< tiling.tileCount()) of the grid of `tiling`.
+TileCoord tileCoord(const TilingRecord &tiling, uint64_t index);
+
+/// Returns the first row (or column) of tile `i` when `extent` rows are cut
+/// into `tiles` tiles: i * extent / tiles. Tile i ends where tile i+1 begins.
+inline uint64_t tileBegin(uint64_t i, uint64_t extent, uint64_t tiles) {
+  return i * extent / tiles;
+}
 
 /// An event: a monotone counter, one per rank, zero at the start of a pass.
 /// threshold is its final value: the sum of the increments of every signal
@@ -309,20 +360,20 @@ static_assert(offsetof(EventRecord, kind) == 4 && offsetof(EventRecord, op) == 8
               "EventRecord layout");
 
 /// A task: waits for waits[firstWait, +waitCount) in order, runs its tile,
-/// then sends signals[firstSignal, +signalCount).
+/// then sends signals[firstSignal, +signalCount). Its tile is its place in
+/// its op's task range (see TilingRecord). Tasks may share wait and signal
+/// ranges.
 ///
 ///   offset size field
 ///    0     4    op           index into ops
-///    4     4    tiling       index into tilings, or kNone
-///    8     4    firstWait    index into waits
-///   12     4    waitCount
-///   16     4    firstSignal  index into signals
-///   20     4    signalCount
-///   24     1    coreKind     CoreKind; equals the kind of its queue
-///   25     3    reserved[3]  zero
+///    4     4    firstWait    index into waits
+///    8     4    waitCount
+///   12     4    firstSignal  index into signals
+///   16     4    signalCount
+///   20     1    coreKind     CoreKind; equals the kind of its queue
+///   21     3    reserved[3]  zero
 struct TaskRecord {
   uint32_t op = 0;
-  uint32_t tiling = kNone;
   uint32_t firstWait = 0;
   uint32_t waitCount = 0;
   uint32_t firstSignal = 0;
@@ -330,9 +381,9 @@ struct TaskRecord {
   CoreKind coreKind = CoreKind::Vector;
   uint8_t reserved[3] = {};
 };
-static_assert(sizeof(TaskRecord) == 28 && alignof(TaskRecord) == 4, "TaskRecord layout");
-static_assert(offsetof(TaskRecord, firstWait) == 8 && offsetof(TaskRecord, firstSignal) == 16 &&
-                  offsetof(TaskRecord, coreKind) == 24,
+static_assert(sizeof(TaskRecord) == 24 && alignof(TaskRecord) == 4, "TaskRecord layout");
+static_assert(offsetof(TaskRecord, firstWait) == 4 && offsetof(TaskRecord, firstSignal) == 12 &&
+                  offsetof(TaskRecord, coreKind) == 20,
               "TaskRecord layout");
 
 /// A wait edge: the task blocks until the loading rank's copy of `event`
@@ -349,7 +400,7 @@ static_assert(sizeof(WaitRecord) == 8 && alignof(WaitRecord) == 4, "WaitRecord l
 
 /// A signal: adds `increment` to `event` on rank (rank + peerOffset) % R.
 /// peerOffset 0 is the loading rank itself; a nonzero one is a peer, reached
-/// with the task's put, and needs a cross-rank event.
+/// with the task's put, and needs a cross-rank or terminate event.
 ///
 ///   offset size field
 ///    0     4    event       index into events
@@ -406,6 +457,7 @@ struct TaskProgram {
   uint32_t flags = 0;        ///< FileFlag bits
   uint32_t epRanks = 1;      ///< R
   uint32_t localExperts = 0; ///< L
+  uint32_t target = 0;       ///< string offset of the target profile's name
   std::string strings;       ///< NUL-terminated names, referred to by offset
   std::vector<SlotRecord> slots;
   std::vector<OpRecord> ops;

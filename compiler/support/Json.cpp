@@ -1,0 +1,70 @@
+//===- Json.cpp - Parsing JSON text with located errors -------------------===//
+
+#include "compiler/support/Json.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace moec {
+
+std::string jsonParseMessage(const nlohmann::json::parse_error &e) {
+  std::string what = e.what();
+  size_t at = what.find("parse error");
+  if (at == std::string::npos)
+    return what;
+  size_t colon = what.find(": ", at);
+  if (colon == std::string::npos)
+    return what;
+  return what.substr(colon + 2);
+}
+
+std::pair<size_t, size_t> lineAndColumn(std::string_view text, size_t byte) {
+  size_t index = byte == 0 ? 0 : byte - 1;
+  if (index > text.size())
+    index = text.size();
+  size_t line = 1;
+  size_t lineStart = 0;
+  for (size_t i = 0; i < index; ++i) {
+    if (text[i] == '\n') {
+      ++line;
+      lineStart = i + 1;
+    }
+  }
+  return {line, index - lineStart + 1};
+}
+
+bool parseJson(std::string_view text, const std::string &source, nlohmann::json *out,
+               std::string *error) {
+  try {
+    *out = nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::parse_error &e) {
+    auto [line, column] = lineAndColumn(text, e.byte);
+    if (error)
+      *error = source + ":" + std::to_string(line) + ":" + std::to_string(column) + ": " +
+               jsonParseMessage(e);
+    return false;
+  }
+  return true;
+}
+
+bool readTextFile(const std::string &path, std::string *out, std::string *error) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    if (error)
+      *error = "cannot read '" + path + "': " + std::strerror(errno);
+    return false;
+  }
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  if (in.bad()) {
+    if (error)
+      *error = "cannot read '" + path + "': read error";
+    return false;
+  }
+  *out = buffer.str();
+  return true;
+}
+
+} // namespace moec

@@ -35,7 +35,7 @@ def Moe_TaskOpInterface : OpInterface<"TaskOpInterface"> {
   let description = [{
     A compute op of the graph, cut into tile tasks: it has a name, a split
     value (tile size), a split spec, an optional tiling slot and fill config,
-    and after `moe-propagate-splits` a task count and tile maps.
+    and after `moe-propagate-splits` a task count, a tile grid and tile maps.
   }];
   let methods = [
     InterfaceMethod<"The op's name in the graph.", "::llvm::StringRef", "getOpName", (ins),
@@ -57,6 +57,12 @@ def Moe_TaskOpInterface : OpInterface<"TaskOpInterface"> {
                     [{ return $_op.getTasks(); }]>,
     InterfaceMethod<"Sets the task count.", "void", "setTasksValue", (ins "int64_t":$n),
                     [{ $_op.setTasksAttr(::mlir::Builder($_op->getContext()).getI64IntegerAttr(n)); }]>,
+    InterfaceMethod<"The propagated tile grid [experts, peers, row tiles, column tiles, rows, columns].",
+                    "::mlir::DenseI64ArrayAttr", "getGridAttr", (ins),
+                    [{ return $_op.getGridAttr(); }]>,
+    InterfaceMethod<"Sets the tile grid.", "void", "setGridValue",
+                    (ins "::llvm::ArrayRef<int64_t>":$grid),
+                    [{ $_op->setAttr("grid", ::mlir::DenseI64ArrayAttr::get($_op->getContext(), grid)); }]>,
     InterfaceMethod<"The propagated tile maps.", "::mlir::ArrayAttr", "getDepsAttr", (ins),
                     [{ return $_op.getDepsAttr(); }]>,
     InterfaceMethod<"Sets the tile maps.", "void", "setDepsValue", (ins "::mlir::ArrayAttr":$deps),
@@ -126,6 +132,7 @@ class Moe_TaskOp<string mnemonic, string seedType, bit cube, bit tiling,
     OptionalAttr<I64Attr>:$tiling_slot,
     OptionalAttr<DictionaryAttr>:$fill,
     OptionalAttr<I64Attr>:$tasks,
+    OptionalAttr<DenseI64ArrayAttr>:$grid,
     OptionalAttr<TypedArrayAttrBase<Moe_TileMapAttr, "tile maps">>:$deps
   );
   let results = (outs Moe_TensorType:$result);

@@ -22,7 +22,8 @@ namespace moec::moe {
 
 /// Adds the graph pipeline: resolve shapes with the config at `configPath`,
 /// verify the graph, assign missing slots, propagate splits.
-void buildGraphPipeline(mlir::OpPassManager &pm, const std::string &configPath);
+void buildGraphPipeline(mlir::OpPassManager &pm, const std::string &configPath,
+                        const std::string &target = "cpu");
 
 /// Registers the passes and the `moe-graph-pipeline` pipeline with the
 /// global registry (for moec-opt).

@@ -12,13 +12,17 @@ def ResolveShapes : Pass<"moe-resolve-shapes", "::mlir::ModuleOp"> {
     fields from it, and evaluates every tensor dim expression of every
     `moe.graph`, replacing it with its integer value; `act` element types
     become `f32` or `bf16`. The symbols and their values are kept in the
-    graph's `bindings` attribute for later passes. Fails, naming the tensor
-    and dim, on an unknown symbol, a division that does not divide, or a
-    non-positive dim.
+    graph's `bindings` attribute for later passes. `num_cube_cores` and
+    `num_vector_cores` come from the config when it sets them, else from
+    the `target` profile. Fails, naming the tensor and dim, on an unknown
+    symbol, a division that does not divide, or a non-positive dim.
   }];
   let options = [
     Option<"configPath", "config", "std::string", /*default=*/"\"\"",
            "path of the model/parallel config JSON">,
+    Option<"target", "target", "std::string", /*default=*/"\"cpu\"",
+           "target profile (cpu, ascend-910b, h100 or a profile JSON) that gives "
+           "num_cube_cores and num_vector_cores when the config does not">,
   ];
   let statistics = [
     Statistic<"numResolvedTensors", "resolved-tensors", "Number of tensors resolved">,
@@ -50,7 +54,7 @@ def AssignSlots : Pass<"moe-assign-slots", "::mlir::ModuleOp"> {
 }
 
 def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
-  let summary = "Compute task counts and the tile-range dependency map of every edge";
+  let summary = "Compute task counts, tile grids and the tile-range dependency map of every edge";
   let description = [{
     Visits the compute ops in topological order (the seed's semantics). An
     op's task count is its `task_num` expression when it has one (evaluated
@@ -58,14 +62,33 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
     its first split input's dim (or, for a source, of its first output
     split dim) divided by the split value, which must divide it.
 
-    For every operand produced by another op it records a
-    `#moe.tile_map`: consumer tile `j` covers rows
-    `[j*D/T, (j+1)*D/T)` of the split dim; when the consumer splits that
-    operand along the dim the producer's tiles partition, tile `j` needs
-    the producer tiles overlapping that range, otherwise all of them. An
-    ordering edge of the graph (operand -1) needs all of them. The
-    maps are stored in the op's `deps` attribute and the count in `tasks`.
-    Needs `moe-resolve-shapes` first.
+    The tasks form a grid, `grid = [experts, peers, row tiles, column
+    tiles, rows, columns]`, numbered in that order (rows and columns are
+    the extents the tiles cut):
+
+    - `moe.dispatch`, `moe.combine`: L x R x T x 1, the rows a rank puts to
+      (or returns from) local expert e of the peer at offset p, in T row
+      tiles of at most `per_expert_seq_to_other` rows;
+    - `moe.swiglu`, `moe.swiglu_grad`: L x 1 x T x 1, row tiles of each
+      expert's segment of at most `per_expert_seq` rows;
+    - `moe.gmm` (activation form): L x 1 x mt x nt over each expert's
+      segment: the most row tiles that divide the count and give each at
+      least `split_value` rows of a segment of balanced size
+      (`per_rank_seq / L`), the rest over columns;
+    - `moe.gmm` (weight-gradient form): L x 1 x mt x nt over each expert's
+      result, as square as the count allows.
+
+    The count must be a multiple of the grid's fixed factors, and no tile
+    may be empty. For every operand produced by another op it records a
+    `#moe.tile_map`: for each consumer tile, the range of producer tiles
+    it needs. Two ops that cut the same expert segments into row tiles map
+    row tile to overlapping row tiles; a consumer that reduces over an
+    expert's rows (a weight gradient, a put) or reads rows that arrive from
+    every peer needs the whole of its expert's producer tiles; anything else
+    needs every producer tile. An ordering edge of the graph (operand -1)
+    needs every producer tile. The maps are stored in the op's `deps`
+    attribute, the grid in `grid` and the count in `tasks`. Needs
+    `moe-resolve-shapes` first.
   }];
   let statistics = [
     Statistic<"numTasks", "tasks", "Number of tile tasks over all ops">,

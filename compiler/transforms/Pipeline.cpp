@@ -8,9 +8,11 @@ using namespace mlir;
 
 namespace moec::moe {
 
-void buildGraphPipeline(OpPassManager &pm, const std::string &configPath) {
+void buildGraphPipeline(OpPassManager &pm, const std::string &configPath,
+                        const std::string &target) {
   ResolveShapesOptions options;
   options.configPath = configPath;
+  options.target = target;
   pm.addPass(createResolveShapes(options));
   pm.addPass(createVerifyGraph());
   pm.addPass(createAssignSlots());
@@ -21,6 +23,9 @@ namespace {
 struct GraphPipelineOptions : PassPipelineOptions<GraphPipelineOptions> {
   Option<std::string> config{*this, "config",
                              llvm::cl::desc("path of the model/parallel config JSON")};
+  Option<std::string> target{*this, "target",
+                             llvm::cl::desc("target profile: cpu, ascend-910b, h100 or a JSON file"),
+                             llvm::cl::init("cpu")};
 };
 } // namespace
 
@@ -30,7 +35,7 @@ void registerMoePipelines() {
       "moe-graph-pipeline",
       "Resolve shapes, verify the graph, assign slots and propagate splits",
       [](OpPassManager &pm, const GraphPipelineOptions &options) {
-        buildGraphPipeline(pm, options.config);
+        buildGraphPipeline(pm, options.config, options.target);
       });
 }
 

@@ -1,9 +1,31 @@
-//===- PropagateSplits.cpp - task counts and tile-range dependency maps ----===//
+//===- PropagateSplits.cpp - task counts, tile grids, tile-range maps ------===//
+//
+// Every compute op becomes a grid of tile tasks, experts x peers x row tiles x
+// column tiles, numbered in that order (the task binary's TilingRecord):
+//
+//   dispatch, combine  L x R x (tasks / (L*R)) x 1: the rows the loading rank
+//                      puts to local expert e of peer (rank + p) % R
+//                      (dispatch), or returns from its expert e to the source
+//                      rank (rank + p) % R (combine), cut into row tiles
+//   swiglu(_grad)      L x 1 x (tasks / L) x 1: row tiles of each expert's
+//                      segment (per_expert_seq rows at most)
+//   gmm, activation    L x 1 x mt x nt, mt*nt = tasks / L: mt row tiles of
+//                      each expert's segment (at least split_value rows of a
+//                      segment of balanced size each), nt column tiles
+//   gmm, weight grad   L x 1 x mt x nt over each expert's [K, N] result, as
+//                      square as the counts allow
+//
+// A tile map then says, for each consumer tile, which producer tiles (a
+// contiguous range in the producer's task order) it needs.
+//
+//===----------------------------------------------------------------------===//
 
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/transforms/Passes.h"
 
 #include "llvm/ADT/DenseMap.h"
+
+#include <cmath>
 
 namespace moec::moe {
 #define GEN_PASS_DEF_PROPAGATESPLITS
@@ -16,18 +38,35 @@ using namespace moec::moe;
 
 namespace {
 
-/// How an op's tiles cut one dim of one tensor: tile j covers rows
-/// [j*extent/tiles, (j+1)*extent/tiles).
-struct Tiling {
-  int64_t tiles = 1;
-  int64_t extent = 1;
-  int64_t begin(int64_t j) const { return j * extent / tiles; }
-  /// The tile holding row r.
-  int64_t tileOf(int64_t r) const { return ((r + 1) * tiles - 1) / extent; }
-};
-
 int64_t extentOf(Value v, int64_t dim) {
   return *v.getType().cast<MoeTensorType>().getDimValue(dim);
+}
+
+/// An op's tile grid and the extents it cuts.
+struct Grid {
+  int64_t experts = 1, peers = 1, rowTiles = 1, colTiles = 1;
+  int64_t rows = 1, cols = 1;
+  bool perExpert = false; ///< rows are rows of an expert's token segment
+  bool reducesRows = false; ///< reads all of its expert's rows (weight gradient, put)
+
+  int64_t perExpertTiles() const { return peers * rowTiles * colTiles; }
+  int64_t tiles() const { return experts * perExpertTiles(); }
+  int64_t rowBegin(int64_t i) const { return i * rows / rowTiles; }
+  /// The row tile holding row r.
+  int64_t rowTileOf(int64_t r) const { return ((r + 1) * rowTiles - 1) / rows; }
+};
+
+/// The divisors of n, ascending.
+SmallVector<int64_t> divisors(int64_t n) {
+  SmallVector<int64_t> d;
+  for (int64_t k = 1; k * k <= n; ++k)
+    if (n % k == 0) {
+      d.push_back(k);
+      if (k != n / k)
+        d.push_back(n / k);
+    }
+  llvm::sort(d);
+  return d;
 }
 
 struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplitsPass> {
@@ -45,6 +84,12 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     Bindings bindings;
     for (NamedAttribute a : bound)
       bindings[a.getName().str()] = a.getValue().cast<IntegerAttr>().getInt();
+    for (const char *symbol :
+         {"single_rank_expert_num", "ep", "per_expert_seq", "per_expert_seq_to_other",
+          "per_rank_seq"})
+      if (!bindings.count(symbol))
+        return graph.emitError() << "graph '" << graph.getSymName() << "' has no binding for '"
+                                 << symbol << "': run moe-resolve-shapes first";
 
     for (Operation &op : graph.getBlock()) {
       auto def = cast<TensorDefOpInterface>(&op);
@@ -56,62 +101,163 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     if (failed(topologicalOrder(graph, order)))
       return failure();
 
-    // The tiling of each op's result along its first output split dim.
-    llvm::DenseMap<Operation *, Tiling> resultTiling;
+    llvm::DenseMap<Operation *, Grid> grids;
     Builder b(graph.getContext());
     for (TaskOpInterface op : order) {
       std::optional<int64_t> tasks = taskCount(op, bindings);
       if (!tasks)
         return failure();
+      std::optional<Grid> grid = gridOf(op, *tasks, bindings);
+      if (!grid)
+        return failure();
+      grids[op] = *grid;
       op.setTasksValue(*tasks);
+      op.setGridValue(
+          {grid->experts, grid->peers, grid->rowTiles, grid->colTiles, grid->rows, grid->cols});
       numTasks += *tasks;
-      SplitAttr split = op.getSplit();
-      int64_t outDim = split.getOutputDims().front();
-      resultTiling[op] = Tiling{*tasks, extentOf(op->getResult(0), outDim)};
 
       SmallVector<Attribute> maps;
       for (OpOperand &use : op->getOpOperands()) {
         TaskOpInterface producer = producerOf(use.get());
         if (!producer)
           continue;
-        const Tiling &prod = resultTiling[producer];
-        int64_t prodDim = producer.getSplit().getOutputDims().front();
-        std::optional<int64_t> consumerDim;
-        for (unsigned i = 0; i < split.getNumSplitInputs(); ++i)
-          if (split.getSplitOperand(i) == use.getOperandNumber())
-            consumerDim = split.getSplitDim(i);
         SmallVector<int64_t> first, last;
-        if (consumerDim && *consumerDim == prodDim) {
-          // Same rows cut two ways: consumer tile j needs the overlapping producer tiles.
-          Tiling cons{*tasks, extentOf(use.get(), *consumerDim)};
-          for (int64_t j = 0; j < *tasks; ++j) {
-            int64_t lo = cons.begin(j), hi = cons.begin(j + 1);
-            if (hi == lo) { // an empty tile needs nothing
-              first.push_back(0);
-              last.push_back(-1);
-              continue;
-            }
-            first.push_back(prod.tileOf(lo));
-            last.push_back(prod.tileOf(hi - 1));
-          }
-        } else {
-          // Read whole, or along another dim: every producer tile.
-          first.assign(*tasks, 0);
-          last.assign(*tasks, prod.tiles - 1);
-        }
+        tileMap(grids[producer], *grid, first, last);
         maps.push_back(TileMapAttr::get(graph.getContext(), use.getOperandNumber(),
                                         b.getStringAttr(producer.getOpName()), first, last));
       }
       for (TaskOpInterface producer : orderingPredecessors(op)) {
         if (llvm::any_of(op->getOperands(), [&](Value v) { return producerOf(v) == producer; }))
           continue; // the data edge's map already orders them
-        SmallVector<int64_t> first(*tasks, 0), last(*tasks, resultTiling[producer].tiles - 1);
+        SmallVector<int64_t> first(*tasks, 0), last(*tasks, grids[producer].tiles() - 1);
         maps.push_back(TileMapAttr::get(graph.getContext(), /*operand=*/-1,
                                         b.getStringAttr(producer.getOpName()), first, last));
       }
       op.setDepsValue(b.getArrayAttr(maps));
     }
     return success();
+  }
+
+  /// For each consumer tile, the range of producer tiles it needs.
+  static void tileMap(const Grid &prod, const Grid &cons, SmallVectorImpl<int64_t> &first,
+                      SmallVectorImpl<int64_t> &last) {
+    bool sameExperts = prod.perExpert && cons.perExpert && prod.experts == cons.experts;
+    // Row-wise: both cut the same expert segments into row tiles, and the
+    // consumer reads whole rows of the producer's result.
+    bool rowWise = sameExperts && !prod.reducesRows && !cons.reducesRows && prod.peers == 1 &&
+                   cons.peers == 1 && prod.rows == cons.rows;
+    for (int64_t t = 0; t < cons.tiles(); ++t) {
+      if (!sameExperts) { // nothing finer to follow: every producer tile
+        first.push_back(0);
+        last.push_back(prod.tiles() - 1);
+        continue;
+      }
+      int64_t expert = t / cons.perExpertTiles();
+      int64_t base = expert * prod.perExpertTiles();
+      if (!rowWise) { // the whole of the expert's tiles (puts arrive from every peer)
+        first.push_back(base);
+        last.push_back(base + prod.perExpertTiles() - 1);
+        continue;
+      }
+      int64_t rowTile = (t % cons.perExpertTiles()) / cons.colTiles;
+      int64_t lo = cons.rowBegin(rowTile), hi = cons.rowBegin(rowTile + 1);
+      first.push_back(base + prod.rowTileOf(lo) * prod.colTiles);
+      last.push_back(base + (prod.rowTileOf(hi - 1) + 1) * prod.colTiles - 1);
+    }
+  }
+
+  /// The grid of an op with `tasks` tasks; emits an error and returns
+  /// std::nullopt when the count does not fit the op's grid.
+  std::optional<Grid> gridOf(TaskOpInterface op, int64_t tasks, const Bindings &bindings) {
+    int64_t experts = bindings.at("single_rank_expert_num");
+    int64_t ranks = bindings.at("ep");
+    int64_t segment = bindings.at("per_expert_seq");
+    Grid g;
+    g.experts = experts;
+    g.perExpert = true;
+    auto notMultiple = [&](int64_t of, const char *what) {
+      op->emitError() << "'" << op.getOpName() << "': " << tasks
+                      << " tasks do not divide evenly over " << what << " (" << of
+                      << "); the task count must be a multiple of it";
+      return std::nullopt;
+    };
+    Operation *raw = op;
+    Value result = raw->getResult(0);
+    if (isa<DispatchOp, CombineOp>(raw)) {
+      if (tasks % (experts * ranks) != 0)
+        return notMultiple(experts * ranks, "local experts x ranks");
+      g.peers = ranks;
+      g.rowTiles = tasks / (experts * ranks);
+      // A rank sends an expert at most one row per token.
+      g.rows = bindings.at("per_expert_seq_to_other");
+      g.cols = extentOf(result, 1);
+      g.reducesRows = true;
+    } else if (isa<SwigluOp, SwigluGradOp>(raw)) {
+      if (tasks % experts != 0)
+        return notMultiple(experts, "local experts");
+      g.rowTiles = tasks / experts;
+      g.rows = segment;
+      g.cols = extentOf(result, 1);
+    } else {
+      auto gmm = cast<GmmOp>(raw);
+      if (tasks % experts != 0)
+        return notMultiple(experts, "local experts");
+      int64_t perExpert = tasks / experts;
+      SmallVector<int64_t> ds = divisors(perExpert);
+      if (gmm.isWeightGradient()) {
+        g.reducesRows = true;
+        g.rows = extentOf(result, 1);
+        g.cols = extentOf(result, 2);
+        // The most square tiles that leave none empty.
+        double best = INFINITY;
+        for (int64_t mt : ds) {
+          int64_t nt = perExpert / mt;
+          if (mt > g.rows || nt > g.cols)
+            continue;
+          double skew = std::abs(std::log(double(g.rows) / mt) - std::log(double(g.cols) / nt));
+          if (skew < best) {
+            best = skew;
+            g.rowTiles = mt;
+            g.colTiles = nt;
+          }
+        }
+        if (best == INFINITY) {
+          op->emitError() << "'" << op.getOpName() << "': " << perExpert
+                          << " tasks per expert cannot tile its " << g.rows << " x " << g.cols
+                          << " result without empty tiles";
+          return std::nullopt;
+        }
+      } else {
+        g.rows = segment;
+        g.cols = extentOf(result, 1);
+        // As many row tiles as divide the count and leave split_value rows
+        // each of a segment of balanced size (per_rank_seq / L), the rest of
+        // the tasks over columns: routing decides how full a segment is, and
+        // column tiles keep every core busy whatever it decides.
+        int64_t split = int64_t(op.getSplitValue());
+        int64_t balanced = std::max<int64_t>(1, bindings.at("per_rank_seq") / experts);
+        int64_t maxRowTiles = std::max<int64_t>(1, balanced / std::max<int64_t>(1, split));
+        g.rowTiles = 0;
+        for (int64_t mt : llvm::reverse(ds))
+          if (mt <= maxRowTiles && perExpert / mt <= g.cols) {
+            g.rowTiles = mt;
+            break;
+          }
+        if (g.rowTiles == 0) {
+          op->emitError() << "'" << op.getOpName() << "': " << perExpert
+                          << " tasks per expert cannot tile its " << g.cols
+                          << " result columns without empty tiles";
+          return std::nullopt;
+        }
+        g.colTiles = perExpert / g.rowTiles;
+      }
+    }
+    if (g.rows < g.rowTiles) {
+      op->emitError() << "'" << op.getOpName() << "': " << g.rowTiles << " row tiles over "
+                      << g.rows << " rows leave tiles empty; use fewer tasks";
+      return std::nullopt;
+    }
+    return g;
   }
 
   /// The seed's rule: a task_num expression if given, else extent / split value.
@@ -140,12 +286,6 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       if (*n <= 0) {
         op->emitError() << "'" << op.getOpName() << "': task_num '" << expr.getValue()
                         << "' is " << *n << "; it must be positive";
-        return std::nullopt;
-      }
-      if (*n > extent) {
-        op->emitError() << "'" << op.getOpName() << "': task_num '" << expr.getValue()
-                        << "' gives " << *n << " tasks for the " << extent << " rows of dim "
-                        << dim << " of '" << tensorName(cut) << "'; a task needs at least one row";
         return std::nullopt;
       }
       return n;

@@ -1,6 +1,7 @@
 //===- ResolveShapes.cpp - bind symbolic dims from a config ----------------===//
 
 #include "compiler/config/Config.h"
+#include "compiler/target/Profile.h"
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/transforms/Passes.h"
 
@@ -30,6 +31,12 @@ struct ResolveShapesPass : moec::moe::impl::ResolveShapesBase<ResolveShapesPass>
       module.emitError() << error;
       return signalPassFailure();
     }
+    target::TargetProfile profile;
+    if (Status status = target::resolveProfile(target, &profile); !status) {
+      module.emitError() << status.message();
+      return signalPassFailure();
+    }
+    setDefaultCoreCounts(&config, profile.cubeCores, profile.vectorCores);
     Bindings bindings = configBindings(config);
     Builder b(module.getContext());
     Type act = config.dtype == DType::BF16 ? Type(b.getBF16Type()) : Type(b.getF32Type());

@@ -54,8 +54,9 @@ bool writeOutput(const std::string &path, const std::string &content);
 int runCheck(int argc, char **argv, int first);
 int runImport(int argc, char **argv, int first);
 int runExport(int argc, char **argv, int first);
+int runCompile(int argc, char **argv, int first);
 
-extern const CommandSpec kCheckSpec, kImportSpec, kExportSpec;
+extern const CommandSpec kCheckSpec, kImportSpec, kExportSpec, kCompileSpec;
 
 } // namespace moec::cli
 

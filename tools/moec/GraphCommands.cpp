@@ -3,8 +3,10 @@
 #include "compiler/config/Config.h"
 #include "compiler/import/GraphJson.h"
 #include "compiler/ir/GraphUtils.h"
+#include "compiler/target/Profile.h"
 #include "compiler/transforms/Passes.h"
 #include "tools/moec/Cli.h"
+#include "tools/moec/GraphFrame.h"
 
 #include "mlir/IR/Diagnostics.h"
 #include "mlir/IR/MLIRContext.h"
@@ -24,7 +26,7 @@ namespace moec::cli {
 
 const CommandSpec kCheckSpec = {
     "check",
-    "moec check GRAPH --config CFG [--json] [--print-ir] [-o OUT]",
+    "moec check GRAPH --config CFG [--target PROFILE] [--json] [--print-ir] [-o OUT]",
     "Loads GRAPH (.json graph description or .mlir), binds its shapes with the\n"
     "model/parallel config CFG, verifies it, assigns missing slots and propagates\n"
     "the tile splits. Prints, per op: its type, core kind, split value, task count,\n"
@@ -33,10 +35,12 @@ const CommandSpec kCheckSpec = {
     "\n"
     "options:\n"
     "  --config CFG   model/parallel config (JSON; see docs/graph-format.md)\n"
+    "  --target P     device profile giving the core counts the config does not set:\n"
+    "                 cpu (default), ascend-910b, h100, or a profile JSON file\n"
     "  --json         print the report as JSON, with the full tile maps\n"
     "  --print-ir     print the graph after the passes (moe dialect) instead\n"
     "  -o OUT         write the report to OUT instead of stdout\n",
-    {"--config", "-o"},
+    {"--config", "--target", "-o"},
     {"--json", "--print-ir"},
     1,
     1};
@@ -146,6 +150,7 @@ json reportJson(GraphOp graph, const ModelConfig &config) {
     o["core"] = op.isCubeWork() ? "cube" : "vector";
     o["split_value"] = op.getSplitValue();
     o["tasks"] = *op.getTasks();
+    o["grid"] = op.getGridAttr().asArrayRef().vec();
     SplitAttr split = op.getSplit();
     o["split_inputs"] = json::array();
     for (unsigned i = 0; i < split.getNumSplitInputs(); ++i)
@@ -186,9 +191,9 @@ std::string reportText(GraphOp graph, const ModelConfig &config, const std::stri
                      "per_rank_seq {}, per_expert_seq_to_other {}\n\n",
                      t.singleRankExpertNum, t.seqAll, t.perExpertSeq, t.perRankSeq,
                      t.perExpertSeqToOther);
-  out += fmt::format("{:<14} {:<12} {:<6} {:>6} {:>6}  {:<10} {:<8} {:<6} {:<16} {}\n", "op",
-                     "type", "core", "split", "tasks", "split in", "out dims", "tiling",
-                     "param slots", "tile deps");
+  out += fmt::format("{:<14} {:<12} {:<6} {:>6} {:>6}  {:<13} {:<10} {:<8} {:<6} {:<16} {}\n",
+                     "op", "type", "core", "split", "tasks", "grid", "split in", "out dims",
+                     "tiling", "param slots", "tile deps");
   int64_t total = 0;
   llvm::StringMap<int64_t> tilesOf;
   for (auto op : graph.getBlock().getOps<TaskOpInterface>())
@@ -215,16 +220,21 @@ std::string reportText(GraphOp graph, const ModelConfig &config, const std::stri
     }
     if (deps.empty())
       deps = "-";
-    out += fmt::format("{:<14} {:<12} {:<6} {:>6} {:>6}  {:<10} {:<8} {:<6} {:<16} {}\n",
+    ArrayRef<int64_t> grid = op.getGridAttr().asArrayRef();
+    out += fmt::format("{:<14} {:<12} {:<6} {:>6} {:>6}  {:<13} {:<10} {:<8} {:<6} {:<16} {}\n",
                        op.getOpName().str(), op.getSeedOpType().str(),
                        op.isCubeWork() ? "cube" : "vector", op.getSplitValue(), *op.getTasks(),
-                       splitIn, "[" + outDims + "]", *op.getTilingSlotValue(), slots, deps);
+                       fmt::format("{}x{}x{}x{}", grid[0], grid[1], grid[2], grid[3]), splitIn, "[" + outDims + "]", *op.getTilingSlotValue(), slots, deps);
     total += *op.getTasks();
   }
   out += fmt::format("\n{} ops, {} tile tasks\n", tilesOf.size(), total);
   return out;
 }
 
+
+bool anyArgs(const Args &) { return true; }
+
+} // namespace
 
 /// The frame of every graph command: parse the arguments (answering --help),
 /// load GRAPH with diagnostics printed as file:line:col, run `body`, and write
@@ -253,9 +263,6 @@ int runOnGraph(const CommandSpec &spec, int argc, char **argv, int first,
   return writeOutput(args->value("-o").value_or("-"), out) ? kOk : kError;
 }
 
-bool anyArgs(const Args &) { return true; }
-
-} // namespace
 
 int runCheck(int argc, char **argv, int first) {
   auto needsConfig = [](const Args &args) {
@@ -272,8 +279,16 @@ int runCheck(int argc, char **argv, int first) {
                         std::fprintf(stderr, "error: %s\n", error.c_str());
                         return int(kError);
                       }
+                      std::string targetSpec = args.value("--target").value_or("cpu");
+                      target::TargetProfile profile;
+                      if (Status status = target::resolveProfile(targetSpec, &profile);
+                          !status) {
+                        std::fprintf(stderr, "error: %s\n", status.message().c_str());
+                        return int(kError);
+                      }
+                      setDefaultCoreCounts(&config, profile.cubeCores, profile.vectorCores);
                       PassManager pm(module.getContext());
-                      buildGraphPipeline(pm, cfgPath);
+                      buildGraphPipeline(pm, cfgPath, targetSpec);
                       if (failed(pm.run(module)))
                         return int(kError);
                       GraphOp graph = *module.getOps<GraphOp>().begin();

@@ -141,6 +141,8 @@ int main(int argc, char **argv) {
   }
   if (cmd == "check")
     return runCheck(argc, argv, 2);
+  if (cmd == "compile")
+    return runCompile(argc, argv, 2);
   if (cmd == "import")
     return runImport(argc, argv, 2);
   if (cmd == "export")

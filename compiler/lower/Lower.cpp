@@ -1,0 +1,382 @@
+//===- Lower.cpp - A split-propagated graph to a task program -------------===//
+
+#include "compiler/lower/Lower.h"
+
+#include "compiler/ir/GraphUtils.h"
+
+#include "llvm/ADT/DenseMap.h"
+#include "llvm/ADT/StringMap.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+using namespace mlir;
+using namespace moec::format;
+
+namespace moec::lower {
+
+std::optional<Granularity> parseGranularity(std::string_view text) {
+  if (text == "per-expert")
+    return Granularity::PerExpert;
+  if (text == "per-tile-range")
+    return Granularity::PerTileRange;
+  return std::nullopt;
+}
+
+const char *granularityName(Granularity granularity) {
+  return granularity == Granularity::PerExpert ? "per-expert" : "per-tile-range";
+}
+
+namespace {
+
+using moe::GraphOp;
+using moe::MoeTensorType;
+using moe::TaskOpInterface;
+
+/// What the lowering keeps of one op.
+struct LoweredOp {
+  std::string name;
+  uint32_t index = 0;     ///< in program.ops
+  uint32_t firstTask = 0; ///< in program.tasks
+  uint32_t tasks = 0;
+  uint32_t perExpertTiles = 0;
+  bool isPut = false; ///< dispatch/combine: tile p goes to peer offset p
+};
+
+class Lowering {
+public:
+  Lowering(GraphOp graph, const LowerOptions &options, TaskProgram &program)
+      : graph(graph), options(options), p(program) {}
+
+  LogicalResult run() {
+    for (NamedAttribute a : graph.getBindingsAttr())
+      bindings[a.getName().str()] = a.getValue().cast<IntegerAttr>().getInt();
+    p = TaskProgram();
+    p.epRanks = uint32_t(bindings.at("ep"));
+    p.localExperts = uint32_t(bindings.at("single_rank_expert_num"));
+    p.target = p.addString(options.profile.name);
+    if (bindings.at("dtype_size") == 2)
+      p.flags |= kFlagBf16;
+
+    if (failed(lowerSlots()))
+      return failure();
+    SmallVector<TaskOpInterface> order;
+    if (failed(moe::topologicalOrder(graph, order)))
+      return failure();
+    for (TaskOpInterface op : order)
+      if (failed(lowerOp(op)))
+        return failure();
+    lowerEvents(order);
+    lowerTerminate(order);
+    packWaitsAndSignals();
+    return success();
+  }
+
+private:
+  //===--------------------------------------------------------------------===//
+  // Slots
+  //===--------------------------------------------------------------------===//
+
+  static std::optional<DType> dtypeOf(Type type) {
+    if (type.isF32())
+      return DType::F32;
+    if (type.isBF16())
+      return DType::BF16;
+    if (type.isInteger(32))
+      return DType::I32;
+    if (type.isInteger(64))
+      return DType::I64;
+    return std::nullopt;
+  }
+
+  static MoeTensorType typeOf(Value v) { return v.getType().cast<MoeTensorType>(); }
+
+  static uint64_t dim(Value v, unsigned i) { return uint64_t(*typeOf(v).getDimValue(i)); }
+
+  LogicalResult lowerSlots() {
+    for (Operation &raw : graph.getBlock()) {
+      auto def = cast<moe::TensorDefOpInterface>(&raw);
+      MoeTensorType type = def.getTensor().getType();
+      if (type.getRank() > kMaxTensorRank)
+        return raw.emitError() << "tensor '" << def.getResultName() << "' has rank "
+                               << type.getRank() << "; a task binary holds at most "
+                               << kMaxTensorRank;
+      std::optional<DType> dtype = dtypeOf(type.getElementType());
+      if (!dtype)
+        return raw.emitError() << "tensor '" << def.getResultName()
+                               << "' has no bound element type: run moe-resolve-shapes first";
+      SlotRecord slot;
+      slot.name = p.addString(def.getResultName());
+      slot.param = uint32_t(*def.getSlot());
+      slot.dtype = *dtype;
+      slot.rank = uint8_t(type.getRank());
+      for (unsigned i = 0; i < type.getRank(); ++i)
+        slot.dims[i] = uint64_t(*type.getDimValue(i));
+      if (type.getIsList())
+        slot.flags |= kSlotList;
+      if (type.getIsDynamic()) {
+        slot.flags |= kSlotDynamic;
+        slot.capacityRows = slot.dims[0];
+      }
+      slotOf[def.getTensor()] = uint32_t(p.slots.size());
+      p.slots.push_back(slot);
+    }
+    return success();
+  }
+
+  //===--------------------------------------------------------------------===//
+  // Ops, tilings, tasks
+  //===--------------------------------------------------------------------===//
+
+  static OpKind kindOf(Operation *op) {
+    if (isa<moe::DispatchOp>(op))
+      return OpKind::Dispatch;
+    if (isa<moe::CombineOp>(op))
+      return OpKind::Combine;
+    if (isa<moe::GmmOp>(op))
+      return OpKind::Gmm;
+    if (isa<moe::SwigluOp>(op))
+      return OpKind::Swiglu;
+    return OpKind::SwigluGrad;
+  }
+
+  /// Rows a segment of `parts` per rank holds under balanced routing:
+  /// per_rank_seq / parts, rounded up.
+  uint32_t balancedRows(int64_t parts) const {
+    int64_t rows = bindings.at("per_rank_seq");
+    return uint32_t(std::max<int64_t>(1, (rows + parts - 1) / parts));
+  }
+
+  LogicalResult lowerOp(TaskOpInterface op) {
+    Operation *raw = op;
+    auto grid = op.getGridAttr();
+    if (!grid || grid.size() != 6 || !op.getTasks())
+      return raw->emitError() << "'" << op.getOpName()
+                              << "' has no tile grid: run moe-propagate-splits first";
+    ArrayRef<int64_t> g = grid.asArrayRef();
+    if (*op.getTasks() > kNone - p.tasks.size())
+      return raw->emitError() << "'" << op.getOpName() << "': " << *op.getTasks()
+                              << " tasks overflow the 32-bit task indices of a task binary";
+    if (raw->getNumOperands() > kMaxTilingInputs)
+      return raw->emitError() << "'" << op.getOpName() << "' has " << raw->getNumOperands()
+                              << " inputs; a tiling descriptor names at most "
+                              << kMaxTilingInputs;
+
+    OpKind kind = kindOf(raw);
+    Value result = raw->getResult(0);
+    TilingRecord t;
+    t.opKind = kind;
+    t.experts = uint32_t(g[0]);
+    t.peers = uint32_t(g[1]);
+    t.rowTiles = uint32_t(g[2]);
+    t.colTiles = uint32_t(g[3]);
+    t.rows = uint64_t(g[4]);
+    t.cols = uint64_t(g[5]);
+    t.outputSlot = slotOf.lookup(result);
+    t.inputCount = uint8_t(raw->getNumOperands());
+    for (unsigned i = 0; i < raw->getNumOperands(); ++i)
+      t.inputSlots[i] = slotOf.lookup(raw->getOperand(i));
+    t.tileM = options.profile.tileM;
+    t.tileN = options.profile.tileN;
+    t.tileK = options.profile.tileK;
+    t.ldc = uint32_t(dim(result, typeOf(result).getRank() - 1));
+    t.dtype = *dtypeOf(typeOf(result).getElementType());
+    t.balancedRows = balancedRows(int64_t(t.experts) * t.peers);
+    auto last = [&](Value v) { return uint32_t(dim(v, typeOf(v).getRank() - 1)); };
+    if (auto gmm = dyn_cast<moe::GmmOp>(raw)) {
+      t.dtype = *dtypeOf(typeOf(gmm.getLhs()).getElementType());
+      t.lda = last(gmm.getLhs());
+      t.ldb = last(gmm.getRhs());
+      if (gmm.getTransposeLhs())
+        t.flags |= kTilingTransposeA;
+      if (gmm.getTransposeRhs())
+        t.flags |= kTilingTransposeB;
+      if (gmm.getAccumulate())
+        t.flags |= kTilingAccumulate;
+      if (gmm.isWeightGradient()) {
+        t.depth = 0; // the expert's rows, known at run time
+        t.balancedRows = balancedRows(t.experts);
+        p.flags |= kFlagBackward;
+      } else {
+        t.depth = dim(gmm.getRhs(), gmm.getTransposeRhs() ? 2 : 1);
+      }
+    } else if (auto grad = dyn_cast<moe::SwigluGradOp>(raw)) {
+      t.lda = last(grad.getGrad());
+      t.ldb = last(grad.getInput());
+      p.flags |= kFlagBackward;
+    } else if (kind == OpKind::Swiglu) {
+      t.lda = last(raw->getOperand(0));
+    } else { // a put: A is the source rows
+      t.lda = last(raw->getOperand(1));
+    }
+    if (!(kind == OpKind::Gmm && t.depth == 0))
+      t.balancedRows = uint32_t(std::min<uint64_t>(t.balancedRows, t.rows));
+
+    LoweredOp lowered;
+    lowered.name = op.getOpName().str();
+    lowered.index = uint32_t(p.ops.size());
+    lowered.firstTask = uint32_t(p.tasks.size());
+    lowered.tasks = uint32_t(*op.getTasks());
+    lowered.perExpertTiles = uint32_t(t.tileCount() / t.experts);
+    lowered.isPut = kind == OpKind::Dispatch || kind == OpKind::Combine;
+    if (t.tileCount() != lowered.tasks)
+      return raw->emitError() << "'" << op.getOpName() << "': its grid has " << t.tileCount()
+                              << " tiles but it has " << lowered.tasks << " tasks";
+
+    OpRecord record;
+    record.name = p.addString(op.getOpName());
+    record.kind = kind;
+    record.firstTask = lowered.firstTask;
+    record.taskCount = lowered.tasks;
+    record.tiling = uint32_t(p.tilings.size());
+    p.tilings.push_back(t);
+    p.ops.push_back(record);
+    TaskRecord task;
+    task.op = lowered.index;
+    task.coreKind = op.isCubeWork() ? CoreKind::Cube : CoreKind::Vector;
+    p.tasks.insert(p.tasks.end(), lowered.tasks, task);
+    taskWaits.resize(p.tasks.size());
+    taskSignals.resize(p.tasks.size());
+    byName[op.getOpName()] = lowered;
+    return success();
+  }
+
+  //===--------------------------------------------------------------------===//
+  // Events
+  //===--------------------------------------------------------------------===//
+
+  /// Returns the event that producer tiles [first, last] of `producer`
+  /// signal, creating it (and the producer tiles' signals) on first use.
+  uint32_t rangeEvent(const LoweredOp &producer, uint32_t first, uint32_t last,
+                      const std::string &name) {
+    auto key = std::make_tuple(producer.index, first, last);
+    auto [it, inserted] = eventOf.try_emplace(key, uint32_t(p.events.size()));
+    if (!inserted)
+      return it->second;
+    EventRecord event;
+    event.name = p.addString(name);
+    event.kind = producer.isPut ? EventKind::CrossRank : EventKind::Local;
+    event.op = producer.index;
+    event.threshold = last - first + 1;
+    p.events.push_back(event);
+    const TilingRecord &tiling = p.tilings[p.ops[producer.index].tiling];
+    for (uint32_t t = first; t <= last; ++t) {
+      uint32_t peer = producer.isPut ? tileCoord(tiling, t).peer : 0;
+      taskSignals[producer.firstTask + t].push_back({it->second, 1, peer, 0});
+    }
+    return it->second;
+  }
+
+  void lowerEvents(ArrayRef<TaskOpInterface> order) {
+    for (TaskOpInterface op : order) {
+      const LoweredOp &consumer = byName[op.getOpName()];
+      for (Attribute a : op.getDepsAttr()) {
+        auto map = a.cast<moe::TileMapAttr>();
+        const LoweredOp &producer = byName[map.getProducer().getValue()];
+        ArrayRef<int64_t> first = map.getFirst(), last = map.getLast();
+        for (uint32_t j = 0; j < consumer.tasks; ++j) {
+          if (last[j] < first[j])
+            continue; // needs nothing
+          std::vector<WaitRecord> &waits = taskWaits[consumer.firstTask + j];
+          auto wait = [&](uint32_t event) { waits.push_back({event, p.events[event].threshold}); };
+          if (options.granularity == Granularity::PerTileRange) {
+            std::string name = first[j] == last[j]
+                                   ? fmt::format("{}[{}]", producer.name, first[j])
+                                   : fmt::format("{}[{}..{}]", producer.name,
+                                                 first[j], last[j]);
+            wait(rangeEvent(producer, uint32_t(first[j]), uint32_t(last[j]), name));
+            continue;
+          }
+          uint32_t per = producer.perExpertTiles;
+          for (uint32_t e = uint32_t(first[j]) / per; e <= uint32_t(last[j]) / per; ++e)
+            wait(rangeEvent(producer, e * per, (e + 1) * per - 1,
+                            fmt::format("{}.e{}", producer.name, e)));
+        }
+      }
+    }
+  }
+
+  /// The terminate event: every tile of an op whose result no op reads
+  /// signals it, a put on the rank it returns rows to.
+  void lowerTerminate(ArrayRef<TaskOpInterface> order) {
+    EventRecord event;
+    event.name = p.addString("terminate");
+    event.kind = EventKind::Terminate;
+    uint32_t index = uint32_t(p.events.size());
+    for (TaskOpInterface op : order) {
+      Operation *raw = op;
+      bool read = llvm::any_of(raw->getResult(0).getUsers(),
+                               [](Operation *user) { return isa<TaskOpInterface>(user); });
+      if (read)
+        continue;
+      const LoweredOp &sink = byName[op.getOpName()];
+      const TilingRecord &tiling = p.tilings[p.ops[sink.index].tiling];
+      for (uint32_t t = 0; t < sink.tasks; ++t) {
+        uint32_t peer = sink.isPut ? tileCoord(tiling, t).peer : 0;
+        taskSignals[sink.firstTask + t].push_back({index, 1, peer, 0});
+        ++event.threshold;
+      }
+    }
+    p.events.push_back(event);
+  }
+
+  /// Gives every task its waits and signals, sorted and without repeats, and
+  /// lets tasks with the same lists share one copy of them.
+  void packWaitsAndSignals() {
+    std::map<std::vector<uint32_t>, uint32_t> waitLists, signalLists;
+    for (size_t t = 0; t < p.tasks.size(); ++t) {
+      std::vector<WaitRecord> &waits = taskWaits[t];
+      std::sort(waits.begin(), waits.end(), [](const WaitRecord &a, const WaitRecord &b) {
+        return std::tie(a.event, a.threshold) < std::tie(b.event, b.threshold);
+      });
+      waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
+      std::vector<uint32_t> key;
+      for (const WaitRecord &w : waits)
+        key.insert(key.end(), {w.event, w.threshold});
+      auto [it, inserted] = waitLists.try_emplace(key, uint32_t(p.waits.size()));
+      if (inserted)
+        p.waits.insert(p.waits.end(), waits.begin(), waits.end());
+      p.tasks[t].firstWait = waits.empty() ? 0 : it->second;
+      p.tasks[t].waitCount = uint32_t(waits.size());
+
+      std::vector<SignalRecord> &signals = taskSignals[t];
+      key.clear();
+      for (const SignalRecord &s : signals)
+        key.insert(key.end(), {s.event, s.increment, s.peerOffset});
+      auto [sit, sinserted] = signalLists.try_emplace(key, uint32_t(p.signals.size()));
+      if (sinserted)
+        p.signals.insert(p.signals.end(), signals.begin(), signals.end());
+      p.tasks[t].firstSignal = signals.empty() ? 0 : sit->second;
+      p.tasks[t].signalCount = uint32_t(signals.size());
+    }
+  }
+
+  GraphOp graph;
+  const LowerOptions &options;
+  TaskProgram &p;
+  Bindings bindings;
+  llvm::DenseMap<Value, uint32_t> slotOf;
+  llvm::StringMap<LoweredOp> byName;
+  std::map<std::tuple<uint32_t, uint32_t, uint32_t>, uint32_t> eventOf;
+  std::vector<std::vector<WaitRecord>> taskWaits;
+  std::vector<std::vector<SignalRecord>> taskSignals;
+};
+
+} // namespace
+
+LogicalResult lowerGraph(GraphOp graph, const LowerOptions &options, TaskProgram *out) {
+  if (!graph.getBindingsAttr())
+    return graph.emitError() << "graph '" << graph.getSymName()
+                             << "' has unresolved shapes: run the graph pipeline first";
+  TaskProgram program;
+  Lowering lowering(graph, options, program);
+  if (failed(lowering.run()))
+    return failure();
+  *out = std::move(program);
+  return success();
+}
+
+} // namespace moec::lower

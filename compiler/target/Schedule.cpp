@@ -1,0 +1,215 @@
+//===- Schedule.cpp - Per-core in-order queues for a task program ---------===//
+
+#include "compiler/target/Schedule.h"
+
+#include "compiler/target/Cost.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <functional>
+#include <queue>
+#include <utility>
+#include <vector>
+
+namespace moec::target {
+
+using namespace moec::format;
+
+namespace {
+
+/// The dependency graph of one rank, every rank taken alike: a task waits on
+/// events, an event is complete once all its signals arrived.
+struct DependencyGraph {
+  std::vector<std::vector<uint32_t>> signallers; ///< event -> tasks signalling it
+  std::vector<std::vector<uint32_t>> waiters;    ///< event -> tasks waiting on it
+  std::vector<uint32_t> pendingSignals;          ///< event -> signals before complete
+};
+
+DependencyGraph buildGraph(const TaskProgram &p) {
+  DependencyGraph g;
+  g.signallers.resize(p.events.size());
+  g.waiters.resize(p.events.size());
+  g.pendingSignals.assign(p.events.size(), 0);
+  for (uint32_t t = 0; t < p.tasks.size(); ++t) {
+    const TaskRecord &task = p.tasks[t];
+    for (uint32_t i = 0; i < task.signalCount; ++i) {
+      uint32_t event = p.signals[task.firstSignal + i].event;
+      g.signallers[event].push_back(t);
+      ++g.pendingSignals[event];
+    }
+    for (uint32_t i = 0; i < task.waitCount; ++i)
+      g.waiters[p.waits[task.firstWait + i].event].push_back(t);
+  }
+  return g;
+}
+
+} // namespace
+
+Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32_t cubeCores,
+                      uint32_t vectorCores, ScheduleEstimate *estimate) {
+  TaskProgram &p = *program;
+  if (cubeCores == 0 || vectorCores == 0)
+    return Status::error("a schedule needs at least one cube and one vector core");
+  const size_t n = p.tasks.size();
+  std::vector<double> cost = taskCosts(p, profile);
+  DependencyGraph g = buildGraph(p);
+
+  // Topological order of the tasks (Kahn), counting unfinished waits.
+  std::vector<uint32_t> waitsLeft(n, 0);
+  for (uint32_t t = 0; t < n; ++t)
+    waitsLeft[t] = p.tasks[t].waitCount;
+  std::vector<uint32_t> signalsLeft = g.pendingSignals;
+  std::vector<uint32_t> order;
+  order.reserve(n);
+  for (uint32_t t = 0; t < n; ++t)
+    if (waitsLeft[t] == 0)
+      order.push_back(t);
+  for (size_t i = 0; i < order.size(); ++i) {
+    const TaskRecord &task = p.tasks[order[i]];
+    for (uint32_t s = 0; s < task.signalCount; ++s) {
+      uint32_t event = p.signals[task.firstSignal + s].event;
+      if (--signalsLeft[event] == 0)
+        for (uint32_t w : g.waiters[event])
+          if (--waitsLeft[w] == 0)
+            order.push_back(w);
+    }
+  }
+  if (order.size() != n) {
+    uint32_t stuck = 0;
+    while (waitsLeft[stuck] == 0)
+      ++stuck;
+    return Status::error(fmt::format(
+        "the tasks' events form a cycle: {} of {} tasks can never start (task {} of op '{}' is "
+        "one)",
+        n - order.size(), n, stuck, p.name(p.ops[p.tasks[stuck].op].name)));
+  }
+
+  // Bottom levels: a task's cost plus the longest path after it.
+  std::vector<double> eventLevel(p.events.size(), 0), level(n, 0);
+  for (size_t i = n; i-- > 0;) {
+    uint32_t t = order[i];
+    const TaskRecord &task = p.tasks[t];
+    double after = 0;
+    for (uint32_t s = 0; s < task.signalCount; ++s)
+      after = std::max(after, eventLevel[p.signals[task.firstSignal + s].event]);
+    level[t] = cost[t] + after;
+    for (uint32_t w = 0; w < task.waitCount; ++w) {
+      uint32_t event = p.waits[task.firstWait + w].event;
+      eventLevel[event] = std::max(eventLevel[event], level[t]);
+    }
+  }
+
+  // List scheduling, one kind of core at a time interleaved by time.
+  struct Kind {
+    CoreKind kind;
+    uint32_t cores;
+    // (free time, core) of every core, earliest first.
+    std::priority_queue<std::pair<double, uint32_t>, std::vector<std::pair<double, uint32_t>>,
+                        std::greater<>>
+        free;
+    // Tasks whose events are complete: (ready time, task), earliest first.
+    std::priority_queue<std::pair<double, uint32_t>, std::vector<std::pair<double, uint32_t>>,
+                        std::greater<>>
+        pending;
+    std::vector<std::vector<uint32_t>> queues;
+    double busy = 0;
+  };
+  auto higher = [&](uint32_t a, uint32_t b) { // b before a?
+    if (level[a] != level[b])
+      return level[a] < level[b];
+    return a > b;
+  };
+  Kind kinds[2] = {{CoreKind::Cube, cubeCores, {}, {}, {}, 0},
+                   {CoreKind::Vector, vectorCores, {}, {}, {}, 0}};
+  std::vector<std::priority_queue<uint32_t, std::vector<uint32_t>, decltype(higher)>> ready(
+      2, std::priority_queue<uint32_t, std::vector<uint32_t>, decltype(higher)>(higher));
+  for (Kind &k : kinds) {
+    k.queues.resize(k.cores);
+    for (uint32_t c = 0; c < k.cores; ++c)
+      k.free.push({0.0, c});
+  }
+  auto kindOf = [&](uint32_t t) { return p.tasks[t].coreKind == CoreKind::Cube ? 0 : 1; };
+
+  std::vector<double> readyAt(n, 0), finish(n, 0), eventDone(p.events.size(), 0);
+  signalsLeft = g.pendingSignals;
+  for (uint32_t t = 0; t < n; ++t)
+    waitsLeft[t] = p.tasks[t].waitCount;
+  for (uint32_t t = 0; t < n; ++t)
+    if (waitsLeft[t] == 0)
+      kinds[kindOf(t)].pending.push({0.0, t});
+
+  size_t placed = 0;
+  double makespan = 0;
+  while (placed < n) {
+    // The kind whose next decision comes first: its earliest free core, or
+    // the earliest ready task if that is later.
+    int pick = -1;
+    double pickTime = 0;
+    for (int k = 0; k < 2; ++k) {
+      if (kinds[k].pending.empty() && ready[k].empty())
+        continue;
+      double t = kinds[k].free.top().first;
+      if (ready[k].empty())
+        t = std::max(t, kinds[k].pending.top().first);
+      if (pick < 0 || t < pickTime) {
+        pick = k;
+        pickTime = t;
+      }
+    }
+    if (pick < 0)
+      return Status::error("internal error: the scheduler ran out of ready tasks");
+    Kind &k = kinds[pick];
+    while (!k.pending.empty() && k.pending.top().first <= pickTime) {
+      ready[pick].push(k.pending.top().second);
+      k.pending.pop();
+    }
+    uint32_t t = ready[pick].top();
+    ready[pick].pop();
+    auto [coreFree, core] = k.free.top();
+    k.free.pop();
+    double start = std::max(coreFree, readyAt[t]);
+    finish[t] = start + cost[t];
+    makespan = std::max(makespan, finish[t]);
+    k.busy += cost[t];
+    k.free.push({finish[t], core});
+    k.queues[core].push_back(t);
+    ++placed;
+    const TaskRecord &task = p.tasks[t];
+    for (uint32_t s = 0; s < task.signalCount; ++s) {
+      uint32_t event = p.signals[task.firstSignal + s].event;
+      eventDone[event] = std::max(eventDone[event], finish[t]);
+      if (--signalsLeft[event] > 0)
+        continue;
+      for (uint32_t w : g.waiters[event]) {
+        readyAt[w] = std::max(readyAt[w], eventDone[event]);
+        if (--waitsLeft[w] == 0)
+          kinds[kindOf(w)].pending.push({readyAt[w], w});
+      }
+    }
+  }
+
+  p.queues.clear();
+  p.queueEntries.clear();
+  for (Kind &k : kinds)
+    for (uint32_t c = 0; c < k.cores; ++c) {
+      QueueRecord queue;
+      queue.coreKind = k.kind;
+      queue.coreIndex = c;
+      queue.firstEntry = uint32_t(p.queueEntries.size());
+      queue.entryCount = uint32_t(k.queues[c].size());
+      p.queueEntries.insert(p.queueEntries.end(), k.queues[c].begin(), k.queues[c].end());
+      p.queues.push_back(queue);
+    }
+  if (estimate) {
+    estimate->makespan = makespan;
+    estimate->criticalPath = 0;
+    for (uint32_t t = 0; t < n; ++t)
+      estimate->criticalPath = std::max(estimate->criticalPath, level[t]);
+    estimate->cubeBusy = kinds[0].busy;
+    estimate->vectorBusy = kinds[1].busy;
+  }
+  return Status::success();
+}
+
+} // namespace moec::target

@@ -1,0 +1,857 @@
+//===- Dump.cpp - What `moec dump` prints about a task program ------------===//
+
+#include "tools/moec/Dump.h"
+
+#include "compiler/target/Cost.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <map>
+
+namespace moec::dump {
+
+using namespace moec::format;
+using json = nlohmann::ordered_json;
+
+namespace {
+
+//===----------------------------------------------------------------------===//
+// Small helpers
+//===----------------------------------------------------------------------===//
+
+/// A text table: rows of cells, printed with each column as wide as its
+/// widest cell, numeric columns right-aligned.
+class Table {
+public:
+  /// `rightAligned[i]` says whether column i is right-aligned.
+  Table(std::vector<std::string> header, std::vector<bool> rightAligned)
+      : right(std::move(rightAligned)) {
+    rows.push_back(std::move(header));
+  }
+
+  void add(std::vector<std::string> row) { rows.push_back(std::move(row)); }
+
+  /// Renders the table, each line indented by `indent` spaces.
+  std::string render(size_t indent) const {
+    std::vector<size_t> width(rows.front().size(), 0);
+    for (const auto &row : rows)
+      for (size_t i = 0; i < row.size() && i < width.size(); ++i)
+        width[i] = std::max(width[i], displayWidth(row[i]));
+    std::string out;
+    for (const auto &row : rows) {
+      std::string line(indent, ' ');
+      for (size_t i = 0; i < row.size() && i < width.size(); ++i) {
+        size_t pad = width[i] - displayWidth(row[i]);
+        bool last = i + 1 == row.size();
+        if (i < right.size() && right[i])
+          line += std::string(pad, ' ') + row[i];
+        else
+          line += row[i] + (last ? "" : std::string(pad, ' '));
+        if (!last)
+          line += "  ";
+      }
+      while (!line.empty() && line.back() == ' ')
+        line.pop_back();
+      out += line + "\n";
+    }
+    return out;
+  }
+
+private:
+  /// The number of characters of UTF-8 text.
+  static size_t displayWidth(const std::string &text) {
+    size_t n = 0;
+    for (unsigned char c : text)
+      n += (c & 0xC0) != 0x80;
+    return n;
+  }
+
+  std::vector<std::vector<std::string>> rows;
+  std::vector<bool> right;
+};
+
+/// "cube core 3".
+std::string coreLabel(CoreKind kind, uint32_t index) {
+  return fmt::format("{} core {}", coreKindName(kind), index);
+}
+
+/// "cube core 3" for a queue.
+std::string queueLabel(const QueueRecord &queue) {
+  return coreLabel(queue.coreKind, queue.coreIndex);
+}
+
+/// The queues in (kind, index) order: cube cores first.
+std::vector<uint32_t> queueOrder(const TaskProgram &p) {
+  std::vector<uint32_t> order(p.queues.size());
+  for (uint32_t q = 0; q < order.size(); ++q)
+    order[q] = q;
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    const QueueRecord &x = p.queues[a], &y = p.queues[b];
+    if (x.coreKind != y.coreKind)
+      return uint8_t(x.coreKind) < uint8_t(y.coreKind);
+    return x.coreIndex < y.coreIndex;
+  });
+  return order;
+}
+
+/// The queues a dump shows: the selected core's, or all in (kind, index)
+/// order.
+std::vector<uint32_t> shownQueues(const TaskProgram &p, const DumpOptions &options) {
+  std::vector<uint32_t> order = queueOrder(p);
+  if (!options.core)
+    return order;
+  std::vector<uint32_t> shown;
+  for (uint32_t q : order)
+    if (p.queues[q].coreKind == options.core->kind && p.queues[q].coreIndex == options.core->index)
+      shown.push_back(q);
+  return shown;
+}
+
+/// The core kind of an op's tasks: "cube", "vector", "mixed", or "-" for an
+/// op without tasks.
+std::string opCore(const TaskProgram &p, const OpRecord &op) {
+  if (op.taskCount == 0)
+    return "-";
+  CoreKind kind = p.tasks[op.firstTask].coreKind;
+  for (uint32_t t = op.firstTask; t < op.firstTask + op.taskCount; ++t)
+    if (p.tasks[t].coreKind != kind)
+      return "mixed";
+  return coreKindName(kind);
+}
+
+/// "[256, 128]".
+std::string dimsText(const SlotRecord &slot) {
+  std::string out = "[";
+  for (unsigned d = 0; d < slot.rank && d < kMaxTensorRank; ++d)
+    out += fmt::format("{}{}", d ? ", " : "", slot.dims[d]);
+  return out + "]";
+}
+
+/// "transpose_a,accumulate" or "-".
+std::string tilingFlagsText(uint8_t flags) {
+  std::vector<std::string> names;
+  if (flags & kTilingTransposeA)
+    names.push_back("transpose_a");
+  if (flags & kTilingTransposeB)
+    names.push_back("transpose_b");
+  if (flags & kTilingAccumulate)
+    names.push_back("accumulate");
+  if (names.empty())
+    return "-";
+  std::string out;
+  for (const std::string &n : names)
+    out += (out.empty() ? "" : ",") + n;
+  return out;
+}
+
+/// The input slots of a tiling.
+std::vector<uint32_t> tilingInputs(const TilingRecord &tiling) {
+  std::vector<uint32_t> inputs;
+  for (unsigned k = 0; k < tiling.inputCount && k < kMaxTilingInputs; ++k)
+    inputs.push_back(tiling.inputSlots[k]);
+  return inputs;
+}
+
+/// A task's tile with rank-relative fields resolved for `rank` (if any).
+struct ResolvedTile {
+  TileCoord coord;
+  uint64_t expert = 0; ///< local, or global with a rank
+  uint32_t peer = 0;   ///< peer offset, or peer rank with a rank
+};
+
+ResolvedTile resolvedTile(const TaskProgram &p, uint32_t task, std::optional<uint32_t> rank) {
+  const OpRecord &op = p.ops[p.tasks[task].op];
+  ResolvedTile tile;
+  tile.coord = tileCoord(p.tilings[op.tiling], task - op.firstTask);
+  tile.expert = tile.coord.expert;
+  tile.peer = tile.coord.peer;
+  if (rank) {
+    // Only a per-expert grid names local experts; a grid of one expert
+    // covers the whole op, and its expert field says nothing.
+    if (p.tilings[op.tiling].experts > 1 || p.localExperts == 1)
+      tile.expert = p.globalExpert(*rank, tile.coord.expert);
+    tile.peer = p.peerRank(*rank, tile.coord.peer);
+  }
+  return tile;
+}
+
+/// "tile(e0,p1,r0,c2 rows 0..128 cols 256..384)".
+std::string tileText(const TaskProgram &p, uint32_t task, std::optional<uint32_t> rank) {
+  ResolvedTile t = resolvedTile(p, task, rank);
+  return fmt::format("tile(e{},p{},r{},c{} rows {}..{} cols {}..{})", t.expert, t.peer,
+                     t.coord.rowTile, t.coord.colTile, t.coord.rowBegin, t.coord.rowEnd,
+                     t.coord.colBegin, t.coord.colEnd);
+}
+
+/// "[ev3 dispatch.rows_in >= 4, ev5 ... >= 1]".
+std::string waitsText(const TaskProgram &p, const TaskRecord &task) {
+  std::string out = "[";
+  for (uint32_t k = 0; k < task.waitCount; ++k) {
+    const WaitRecord &wait = p.waits[size_t(task.firstWait) + k];
+    out += fmt::format("{}ev{} {} >= {}", k ? ", " : "", wait.event,
+                       p.name(p.events[wait.event].name), wait.threshold);
+  }
+  return out + "]";
+}
+
+/// "[ev3 dispatch.rows_in +1 → +1]" (peer offset), or "→ rank 2" with a rank.
+std::string signalsText(const TaskProgram &p, const TaskRecord &task,
+                        std::optional<uint32_t> rank) {
+  std::string out = "[";
+  for (uint32_t k = 0; k < task.signalCount; ++k) {
+    const SignalRecord &signal = p.signals[size_t(task.firstSignal) + k];
+    out += fmt::format("{}ev{} {} +{}", k ? ", " : "", signal.event,
+                       p.name(p.events[signal.event].name), signal.increment);
+    if (signal.peerOffset != 0)
+      out += rank ? fmt::format(" → rank {}", p.peerRank(*rank, signal.peerOffset))
+                  : fmt::format(" → +{}", signal.peerOffset);
+  }
+  return out + "]";
+}
+
+/// A quantity in the analysis' unit: seconds, or tasks (steps) when untimed.
+std::string amountText(const Analysis &a, double value) {
+  if (a.timed)
+    return formatSeconds(value);
+  return fmt::format("{:.0f} {}", value, value == 1 ? "step" : "steps");
+}
+
+/// Per queue: the sum of its tasks' costs.
+std::vector<double> queueBusy(const TaskProgram &p, const Analysis &a) {
+  std::vector<double> busy(p.queues.size(), 0.0);
+  for (size_t q = 0; q < p.queues.size(); ++q)
+    for (uint32_t k = 0; k < p.queues[q].entryCount; ++k)
+      busy[q] += a.costs[p.queueEntries[size_t(p.queues[q].firstEntry) + k]];
+  return busy;
+}
+
+/// The balance of the queues of one core kind.
+struct Balance {
+  size_t queues = 0;
+  double mean = 0, ratio = 0;
+  uint32_t minQueue = 0, maxQueue = 0;
+  double minBusy = 0, maxBusy = 0;
+};
+
+/// Returns the balance of the `kind` queues, or nothing when there are none.
+std::optional<Balance> balanceOf(const TaskProgram &p, const std::vector<double> &busy,
+                                 CoreKind kind) {
+  Balance b;
+  double sum = 0;
+  for (uint32_t q : queueOrder(p)) {
+    if (p.queues[q].coreKind != kind)
+      continue;
+    if (b.queues == 0 || busy[q] < b.minBusy) {
+      b.minBusy = busy[q];
+      b.minQueue = q;
+    }
+    if (b.queues == 0 || busy[q] > b.maxBusy) {
+      b.maxBusy = busy[q];
+      b.maxQueue = q;
+    }
+    sum += busy[q];
+    ++b.queues;
+  }
+  if (b.queues == 0)
+    return std::nullopt;
+  b.mean = sum / double(b.queues);
+  b.ratio = b.mean > 0 ? b.maxBusy / b.mean : 1.0;
+  return b;
+}
+
+/// Counts the tasks of each core kind: {cube, vector}.
+std::pair<uint64_t, uint64_t> taskCounts(const TaskProgram &p) {
+  uint64_t cube = 0, vector = 0;
+  for (const TaskRecord &task : p.tasks)
+    (task.coreKind == CoreKind::Cube ? cube : vector) += 1;
+  return {cube, vector};
+}
+
+/// Indents every line of `text` by `indent` spaces.
+std::string indentLines(const std::string &text, size_t indent) {
+  std::string out(indent, ' ');
+  for (char c : text) {
+    out += c;
+    if (c == '\n')
+      out += std::string(indent, ' ');
+  }
+  return out;
+}
+
+/// Quotes `text` for a dot label or id.
+std::string dotQuote(const std::string &text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\')
+      out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out + "\"";
+}
+
+} // namespace
+
+//===----------------------------------------------------------------------===//
+// Options and analysis
+//===----------------------------------------------------------------------===//
+
+Status parseCoreSelector(const std::string &text, CoreSelector *out) {
+  auto bad = [&] {
+    return Status::error(fmt::format(
+        "bad core '{}': expected cube:N or vector:N (N a core index, e.g. cube:3)", text));
+  };
+  size_t colon = text.find(':');
+  if (colon == std::string::npos)
+    return bad();
+  std::string kind = text.substr(0, colon), index = text.substr(colon + 1);
+  CoreSelector core;
+  if (kind == "cube")
+    core.kind = CoreKind::Cube;
+  else if (kind == "vector")
+    core.kind = CoreKind::Vector;
+  else
+    return bad();
+  if (index.empty() || index.size() > 10 ||
+      !std::all_of(index.begin(), index.end(), [](char c) { return std::isdigit((unsigned char)c); }))
+    return bad();
+  uint64_t value = std::stoull(index);
+  if (value > UINT32_MAX)
+    return bad();
+  core.index = uint32_t(value);
+  *out = core;
+  return Status::success();
+}
+
+FileFacts factsOf(const TaskProgram &program, const std::string &path) {
+  std::vector<uint8_t> bytes = writeTaskBinary(program);
+  FileFacts facts;
+  facts.path = path;
+  facts.fileSize = bytes.size();
+  std::memcpy(&facts.crc32, bytes.data() + offsetof(FileHeader, crc32), sizeof(facts.crc32));
+  return facts;
+}
+
+Analysis analyzeProgram(const TaskProgram &program, const target::TargetProfile *profile,
+                        const std::string &note) {
+  Analysis a;
+  a.timed = profile != nullptr;
+  if (profile) {
+    a.profileName = profile->name;
+    a.costs = target::taskCosts(program, *profile);
+  } else {
+    a.note = note;
+    a.costs.assign(program.tasks.size(), 1.0);
+  }
+  a.run = target::simulateTimed(program, a.costs);
+  a.signallers.assign(program.events.size(), 0);
+  a.waiters.assign(program.events.size(), 0);
+  for (const TaskRecord &task : program.tasks) {
+    for (uint32_t k = 0; k < task.waitCount; ++k)
+      ++a.waiters[program.waits[size_t(task.firstWait) + k].event];
+    for (uint32_t k = 0; k < task.signalCount; ++k)
+      ++a.signallers[program.signals[size_t(task.firstSignal) + k].event];
+  }
+  return a;
+}
+
+Status checkDumpOptions(const TaskProgram &program, const DumpOptions &options) {
+  if (options.rank && *options.rank >= program.epRanks)
+    return Status::error(fmt::format("--rank {}: the EP group has {} rank{} (0..{})",
+                                     *options.rank, program.epRanks,
+                                     program.epRanks == 1 ? "" : "s", program.epRanks - 1));
+  if (options.core && shownQueues(program, options).empty()) {
+    std::vector<uint32_t> indices;
+    for (const QueueRecord &queue : program.queues)
+      if (queue.coreKind == options.core->kind)
+        indices.push_back(queue.coreIndex);
+    std::sort(indices.begin(), indices.end());
+    const char *kind = coreKindName(options.core->kind);
+    std::string have;
+    if (indices.empty())
+      have = fmt::format("it has no {} cores", kind);
+    else if (indices.back() - indices.front() + 1 == indices.size())
+      have = fmt::format("its {} cores are {}..{}", kind, indices.front(), indices.back());
+    else {
+      have = fmt::format("its {} cores are", kind);
+      for (size_t i = 0; i < indices.size() && i < 16; ++i)
+        have += fmt::format("{} {}", i ? "," : "", indices[i]);
+      if (indices.size() > 16)
+        have += ", ...";
+    }
+    return Status::error(
+        fmt::format("the binary has no {} ({})", coreLabel(options.core->kind, options.core->index),
+                    have));
+  }
+  return Status::success();
+}
+
+std::string formatSeconds(double seconds) {
+  if (seconds == 0)
+    return "0 s";
+  static const struct {
+    double scale;
+    const char *unit;
+  } units[] = {{1, "s"}, {1e-3, "ms"}, {1e-6, "us"}, {1e-9, "ns"}};
+  for (const auto &u : units)
+    if (seconds >= u.scale || u.scale == 1e-9) {
+      double v = seconds / u.scale;
+      int decimals = v >= 100 ? 0 : v >= 10 ? 1 : 2;
+      return fmt::format("{:.{}f} {}", v, decimals, u.unit);
+    }
+  return fmt::format("{} s", seconds);
+}
+
+std::string summarizePath(const TaskProgram &program, const std::vector<uint32_t> &tasks,
+                          size_t maxRuns) {
+  std::vector<std::pair<uint32_t, size_t>> runs; // (op, count)
+  for (uint32_t task : tasks) {
+    uint32_t op = program.tasks[task].op;
+    if (!runs.empty() && runs.back().first == op)
+      ++runs.back().second;
+    else
+      runs.emplace_back(op, 1);
+  }
+  std::string out;
+  for (size_t i = 0; i < runs.size() && i < maxRuns; ++i)
+    out += fmt::format("{}{} x{}", i ? " → " : "", program.name(program.ops[runs[i].first].name),
+                       runs[i].second);
+  if (runs.size() > maxRuns)
+    out += fmt::format(" → ... ({} more)", runs.size() - maxRuns);
+  return out;
+}
+
+//===----------------------------------------------------------------------===//
+// Text
+//===----------------------------------------------------------------------===//
+
+namespace {
+
+std::string headerText(const TaskProgram &p, const FileFacts &facts, const DumpOptions &options,
+                       const Analysis &a) {
+  std::string out = fmt::format("task binary {}\n", facts.path);
+  out += fmt::format("  format version {}; flags {:#x}: {} pass, {} activations\n", kFormatVersion,
+                     p.flags, p.isBackward() ? "backward" : "forward",
+                     (p.flags & kFlagBf16) ? "bf16" : "f32");
+  out += fmt::format("  file size {} bytes; CRC-32 {:#010x}\n", facts.fileSize, facts.crc32);
+  out += fmt::format("  EP ranks {}; local experts {} ({} experts in all); target '{}'\n",
+                     p.epRanks, p.localExperts, uint64_t(p.epRanks) * p.localExperts,
+                     p.name(p.target));
+  if (a.timed)
+    out += fmt::format("  costs from profile '{}'\n", a.profileName);
+  if (options.rank)
+    out += fmt::format("  resolved for rank {}: tile e = global expert, p = peer rank; signals "
+                       "name peer ranks\n",
+                       *options.rank);
+  else
+    out += "  rank-relative: tile e = local expert, p = peer offset; signals name peer offsets "
+           "(--rank R resolves them)\n";
+  return out;
+}
+
+std::string slotsText(const TaskProgram &p) {
+  Table table({"slot", "param", "name", "dtype", "dims", "kind", "capacity"},
+              {true, true, false, false, false, false, true});
+  for (size_t i = 0; i < p.slots.size(); ++i) {
+    const SlotRecord &slot = p.slots[i];
+    std::string kind;
+    if (slot.flags & kSlotList)
+      kind = "list";
+    if (slot.flags & kSlotDynamic)
+      kind += kind.empty() ? "dynamic" : ",dynamic";
+    table.add({std::to_string(i), std::to_string(slot.param), std::string(p.name(slot.name)),
+               dtypeName(slot.dtype), dimsText(slot), kind.empty() ? "-" : kind,
+               (slot.flags & kSlotDynamic) ? fmt::format("{} rows", slot.capacityRows) : "-"});
+  }
+  return fmt::format("tensor slots ({}):\n", p.slots.size()) + table.render(2);
+}
+
+std::string opsText(const TaskProgram &p) {
+  Table table({"op", "name", "kind", "tasks", "core", "grid e x p x r x c", "rows", "cols",
+               "depth", "tile m/n/k", "lda/ldb/ldc", "slots in → out", "flags"},
+              {true, false, false, true, false, false, true, true, true, false, false, false,
+               false});
+  for (size_t i = 0; i < p.ops.size(); ++i) {
+    const OpRecord &op = p.ops[i];
+    const TilingRecord &t = p.tilings[op.tiling];
+    std::string inputs;
+    for (uint32_t slot : tilingInputs(t))
+      inputs += (inputs.empty() ? "" : ",") + std::to_string(slot);
+    table.add({std::to_string(i), std::string(p.name(op.name)), opKindName(op.kind),
+               std::to_string(op.taskCount), opCore(p, op),
+               fmt::format("{} x {} x {} x {}", t.experts, t.peers, t.rowTiles, t.colTiles),
+               std::to_string(t.rows), std::to_string(t.cols), std::to_string(t.depth),
+               fmt::format("{}/{}/{}", t.tileM, t.tileN, t.tileK),
+               fmt::format("{}/{}/{}", t.lda, t.ldb, t.ldc),
+               fmt::format("{} → {}", inputs.empty() ? "-" : inputs, t.outputSlot),
+               tilingFlagsText(t.flags)});
+  }
+  return fmt::format("ops ({}, {} tasks):\n", p.ops.size(), p.tasks.size()) + table.render(2);
+}
+
+std::string eventsText(const TaskProgram &p, const Analysis &a) {
+  Table table({"event", "name", "kind", "op", "threshold", "signallers", "waiters"},
+              {true, false, false, false, true, true, true});
+  for (size_t i = 0; i < p.events.size(); ++i) {
+    const EventRecord &event = p.events[i];
+    std::string op = event.op == kNone ? "-" : std::string(p.name(p.ops[event.op].name));
+    table.add({std::to_string(i), std::string(p.name(event.name)), eventKindName(event.kind), op,
+               std::to_string(event.threshold), std::to_string(a.signallers[i]),
+               std::to_string(a.waiters[i])});
+  }
+  return fmt::format("events ({}):\n", p.events.size()) + table.render(2);
+}
+
+std::string queuesText(const TaskProgram &p, const DumpOptions &options, const Analysis &a) {
+  std::vector<double> busy = queueBusy(p, a);
+  std::vector<uint32_t> shown = shownQueues(p, options);
+  std::string out = options.core
+                        ? fmt::format("queue of {}:\n", coreLabel(options.core->kind,
+                                                                  options.core->index))
+                        : fmt::format("queues ({}):\n", p.queues.size());
+  size_t width = std::to_string(p.tasks.empty() ? 0 : p.tasks.size() - 1).size();
+  for (uint32_t q : shown) {
+    const QueueRecord &queue = p.queues[q];
+    out += fmt::format("  {}: {} task{}", queueLabel(queue), queue.entryCount,
+                       queue.entryCount == 1 ? "" : "s");
+    if (a.timed) {
+      out += fmt::format(", busy {}", formatSeconds(busy[q]));
+      if (a.run.ok())
+        out += fmt::format(", finishes at {}", formatSeconds(a.run.queues[q].finishSeconds));
+    }
+    out += "\n";
+    size_t limit = options.core ? queue.entryCount : std::min<size_t>(queue.entryCount,
+                                                                      options.queuePreview);
+    for (size_t k = 0; k < limit; ++k) {
+      uint32_t task = p.queueEntries[queue.firstEntry + k];
+      const TaskRecord &record = p.tasks[task];
+      out += fmt::format("    {:>{}} {} {} waits {} signals {}\n", task, width,
+                         p.name(p.ops[record.op].name), tileText(p, task, options.rank),
+                         waitsText(p, record), signalsText(p, record, options.rank));
+    }
+    if (limit < queue.entryCount)
+      out += fmt::format("    ... {} more (--core {}:{} lists them all)\n",
+                         queue.entryCount - limit, coreKindName(queue.coreKind), queue.coreIndex);
+  }
+  return out;
+}
+
+std::string statisticsText(const TaskProgram &p, const Analysis &a) {
+  std::string out = a.timed ? fmt::format("statistics (costs from profile '{}'):\n", a.profileName)
+                            : "statistics (in task counts: every task costs one step):\n";
+  if (!a.timed && !a.note.empty())
+    out += fmt::format("  note: {}\n", a.note);
+  auto [cube, vector] = taskCounts(p);
+  size_t cubeQueues = 0, vectorQueues = 0;
+  for (const QueueRecord &queue : p.queues)
+    (queue.coreKind == CoreKind::Cube ? cubeQueues : vectorQueues) += 1;
+  out += fmt::format("  tasks: {} cube on {} queue{}, {} vector on {} queue{}, {} in all\n", cube,
+                     cubeQueues, cubeQueues == 1 ? "" : "s", vector, vectorQueues,
+                     vectorQueues == 1 ? "" : "s", p.tasks.size());
+  if (!a.run.ok()) {
+    out += "  schedule: DEADLOCK (simulating all " + std::to_string(p.epRanks) + " ranks)\n";
+    out += indentLines(a.run.status.message(), 4) + "\n";
+    return out;
+  }
+  out += fmt::format("  schedule: deadlock-free (every queue of all {} rank{} drains)\n",
+                     p.epRanks, p.epRanks == 1 ? "" : "s");
+  out += fmt::format("  critical path: {}, {} task{}: {}\n", amountText(a, a.run.criticalPathSeconds),
+                     a.run.criticalPath.size(), a.run.criticalPath.size() == 1 ? "" : "s",
+                     summarizePath(p, a.run.criticalPath));
+  double share = a.run.makespan > 0 ? a.run.criticalPathSeconds / a.run.makespan : 1.0;
+  out += fmt::format("  simulated makespan: {} (the critical path is {:.0f}% of it)\n",
+                     amountText(a, a.run.makespan), 100 * share);
+  std::vector<double> busy = queueBusy(p, a);
+  out += a.timed ? "  queue balance (busy time):\n" : "  queue balance (tasks per queue):\n";
+  for (CoreKind kind : {CoreKind::Cube, CoreKind::Vector}) {
+    std::optional<Balance> b = balanceOf(p, busy, kind);
+    if (!b)
+      continue;
+    out += fmt::format("    {}: max/mean {:.2f} over {} queue{}; least {} ({}), most {} ({})\n",
+                       coreKindName(kind), b->ratio, b->queues, b->queues == 1 ? "" : "s",
+                       queueLabel(p.queues[b->minQueue]), amountText(a, b->minBusy),
+                       queueLabel(p.queues[b->maxQueue]), amountText(a, b->maxBusy));
+  }
+  return out;
+}
+
+} // namespace
+
+std::string dumpText(const TaskProgram &program, const FileFacts &facts,
+                     const DumpOptions &options, const Analysis &analysis) {
+  std::string out = headerText(program, facts, options, analysis);
+  out += "\n" + slotsText(program);
+  out += "\n" + opsText(program);
+  out += "\n" + eventsText(program, analysis);
+  out += "\n" + queuesText(program, options, analysis);
+  out += "\n" + statisticsText(program, analysis);
+  return out;
+}
+
+//===----------------------------------------------------------------------===//
+// JSON
+//===----------------------------------------------------------------------===//
+
+namespace {
+
+json taskJson(const TaskProgram &p, uint32_t task, const DumpOptions &options,
+              const Analysis &a) {
+  const TaskRecord &record = p.tasks[task];
+  ResolvedTile t = resolvedTile(p, task, options.rank);
+  json tile;
+  tile["expert"] = t.expert;
+  tile["peer"] = t.peer;
+  if (options.rank) {
+    tile["local_expert"] = t.coord.expert;
+    tile["peer_offset"] = t.coord.peer;
+  }
+  tile["row_tile"] = t.coord.rowTile;
+  tile["col_tile"] = t.coord.colTile;
+  tile["rows"] = {t.coord.rowBegin, t.coord.rowEnd};
+  tile["cols"] = {t.coord.colBegin, t.coord.colEnd};
+  json waits = json::array();
+  for (uint32_t k = 0; k < record.waitCount; ++k) {
+    const WaitRecord &wait = p.waits[size_t(record.firstWait) + k];
+    waits.push_back({{"event", wait.event},
+                     {"name", std::string(p.name(p.events[wait.event].name))},
+                     {"threshold", wait.threshold}});
+  }
+  json signals = json::array();
+  for (uint32_t k = 0; k < record.signalCount; ++k) {
+    const SignalRecord &signal = p.signals[size_t(record.firstSignal) + k];
+    json s = {{"event", signal.event},
+              {"name", std::string(p.name(p.events[signal.event].name))},
+              {"increment", signal.increment},
+              {"peer_offset", signal.peerOffset}};
+    if (options.rank)
+      s["peer_rank"] = p.peerRank(*options.rank, signal.peerOffset);
+    signals.push_back(s);
+  }
+  json j;
+  j["task"] = task;
+  j["op"] = std::string(p.name(p.ops[record.op].name));
+  j["op_index"] = record.op;
+  j["tile"] = tile;
+  j["cost"] = a.costs[task];
+  if (a.run.ok()) {
+    j["start"] = a.run.start[task];
+    j["finish"] = a.run.finish[task];
+  }
+  j["waits"] = waits;
+  j["signals"] = signals;
+  return j;
+}
+
+} // namespace
+
+json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &options,
+              const Analysis &a) {
+  json out;
+  out["file"] = {{"path", facts.path},
+                 {"format_version", kFormatVersion},
+                 {"flags", p.flags},
+                 {"pass", p.isBackward() ? "backward" : "forward"},
+                 {"dtype", (p.flags & kFlagBf16) ? "bf16" : "f32"},
+                 {"file_size", facts.fileSize},
+                 {"crc32", fmt::format("{:#010x}", facts.crc32)},
+                 {"ep_ranks", p.epRanks},
+                 {"local_experts", p.localExperts},
+                 {"target", std::string(p.name(p.target))}};
+  out["rank"] = options.rank ? json(*options.rank) : json(nullptr);
+  out["profile"] = a.timed ? json(a.profileName) : json(nullptr);
+  if (!a.timed && !a.note.empty())
+    out["note"] = a.note;
+
+  json slots = json::array();
+  for (size_t i = 0; i < p.slots.size(); ++i) {
+    const SlotRecord &slot = p.slots[i];
+    json dims = json::array();
+    for (unsigned d = 0; d < slot.rank && d < kMaxTensorRank; ++d)
+      dims.push_back(slot.dims[d]);
+    slots.push_back({{"index", i},
+                     {"param", slot.param},
+                     {"name", std::string(p.name(slot.name))},
+                     {"dtype", dtypeName(slot.dtype)},
+                     {"dims", dims},
+                     {"list", (slot.flags & kSlotList) != 0},
+                     {"dynamic", (slot.flags & kSlotDynamic) != 0},
+                     {"capacity_rows", slot.capacityRows}});
+  }
+  out["slots"] = slots;
+
+  json ops = json::array();
+  for (size_t i = 0; i < p.ops.size(); ++i) {
+    const OpRecord &op = p.ops[i];
+    const TilingRecord &t = p.tilings[op.tiling];
+    json flags = json::array();
+    if (t.flags & kTilingTransposeA)
+      flags.push_back("transpose_a");
+    if (t.flags & kTilingTransposeB)
+      flags.push_back("transpose_b");
+    if (t.flags & kTilingAccumulate)
+      flags.push_back("accumulate");
+    json tiling = {{"index", op.tiling},   {"experts", t.experts},   {"peers", t.peers},
+                   {"row_tiles", t.rowTiles}, {"col_tiles", t.colTiles}, {"rows", t.rows},
+                   {"cols", t.cols},        {"depth", t.depth},       {"tile_m", t.tileM},
+                   {"tile_n", t.tileN},     {"tile_k", t.tileK},      {"lda", t.lda},
+                   {"ldb", t.ldb},          {"ldc", t.ldc},           {"dtype", dtypeName(t.dtype)},
+                   {"inputs", tilingInputs(t)}, {"output", t.outputSlot},
+                   {"balanced_rows", t.balancedRows}, {"flags", flags}};
+    ops.push_back({{"index", i},
+                   {"name", std::string(p.name(op.name))},
+                   {"kind", opKindName(op.kind)},
+                   {"first_task", op.firstTask},
+                   {"tasks", op.taskCount},
+                   {"core", opCore(p, op)},
+                   {"tiling", tiling}});
+  }
+  out["ops"] = ops;
+
+  json events = json::array();
+  for (size_t i = 0; i < p.events.size(); ++i) {
+    const EventRecord &event = p.events[i];
+    events.push_back(
+        {{"index", i},
+         {"name", std::string(p.name(event.name))},
+         {"kind", eventKindName(event.kind)},
+         {"op", event.op == kNone ? json(nullptr) : json(std::string(p.name(p.ops[event.op].name)))},
+         {"threshold", event.threshold},
+         {"signallers", a.signallers[i]},
+         {"waiters", a.waiters[i]}});
+  }
+  out["events"] = events;
+
+  std::vector<double> busy = queueBusy(p, a);
+  json queues = json::array();
+  for (uint32_t q : shownQueues(p, options)) {
+    const QueueRecord &queue = p.queues[q];
+    json entries = json::array();
+    for (uint32_t k = 0; k < queue.entryCount; ++k)
+      entries.push_back(taskJson(p, p.queueEntries[size_t(queue.firstEntry) + k], options, a));
+    json j = {{"queue", q},
+              {"core", coreKindName(queue.coreKind)},
+              {"core_index", queue.coreIndex},
+              {"tasks", queue.entryCount},
+              {"busy", busy[q]}};
+    if (a.run.ok())
+      j["finish"] = a.run.queues[q].finishSeconds;
+    j["entries"] = entries;
+    queues.push_back(j);
+  }
+  out["queues"] = queues;
+
+  json stats;
+  stats["unit"] = a.timed ? "seconds" : "tasks";
+  auto [cube, vector] = taskCounts(p);
+  stats["tasks"] = {{"cube", cube}, {"vector", vector}, {"total", p.tasks.size()}};
+  stats["deadlock_free"] = a.run.ok();
+  if (!a.run.ok()) {
+    stats["deadlock"] = a.run.status.message();
+  } else {
+    stats["critical_path"] = {{"length", a.run.criticalPathSeconds},
+                              {"tasks", a.run.criticalPath},
+                              {"ranks", a.run.criticalPathRanks},
+                              {"ops", summarizePath(p, a.run.criticalPath, SIZE_MAX)}};
+    stats["makespan"] = a.run.makespan;
+    json balance = json::object();
+    for (CoreKind kind : {CoreKind::Cube, CoreKind::Vector}) {
+      std::optional<Balance> b = balanceOf(p, busy, kind);
+      if (!b)
+        continue;
+      balance[coreKindName(kind)] = {
+          {"queues", b->queues},
+          {"mean_busy", b->mean},
+          {"max_over_mean", b->ratio},
+          {"min", {{"core_index", p.queues[b->minQueue].coreIndex}, {"busy", b->minBusy}}},
+          {"max", {{"core_index", p.queues[b->maxQueue].coreIndex}, {"busy", b->maxBusy}}}};
+    }
+    stats["balance"] = balance;
+  }
+  out["statistics"] = stats;
+  return out;
+}
+
+//===----------------------------------------------------------------------===//
+// Dot
+//===----------------------------------------------------------------------===//
+
+Status dumpDot(const TaskProgram &p, const DumpOptions &options, std::string *out) {
+  std::vector<uint32_t> shown = shownQueues(p, options);
+  size_t taskCount = 0;
+  for (uint32_t q : shown)
+    taskCount += p.queues[q].entryCount;
+  if (taskCount > kMaxDotTasks)
+    return Status::error(fmt::format(
+        "{} has {} tasks; --dot draws at most {} (select one queue with --core KIND:N, e.g. "
+        "--core cube:0)",
+        options.core ? coreLabel(options.core->kind, options.core->index) : "the program",
+        taskCount, kMaxDotTasks));
+
+  std::vector<uint8_t> drawn(p.tasks.size(), 0);
+  for (uint32_t q : shown)
+    for (uint32_t k = 0; k < p.queues[q].entryCount; ++k)
+      drawn[p.queueEntries[size_t(p.queues[q].firstEntry) + k]] = 1;
+  std::vector<uint8_t> touched(p.events.size(), 0);
+
+  std::string text = "digraph moec {\n  rankdir=TB;\n  node [shape=box, fontsize=10];\n";
+  for (uint32_t q : shown) {
+    const QueueRecord &queue = p.queues[q];
+    text += fmt::format("  subgraph cluster_q{} {{\n    label={};\n", q,
+                        dotQuote(queueLabel(queue)));
+    for (uint32_t k = 0; k < queue.entryCount; ++k) {
+      uint32_t task = p.queueEntries[size_t(queue.firstEntry) + k];
+      ResolvedTile t = resolvedTile(p, task, options.rank);
+      std::string label =
+          fmt::format("{} {}\ne{} p{} r{} c{}", task, p.name(p.ops[p.tasks[task].op].name),
+                      t.expert, t.peer, t.coord.rowTile, t.coord.colTile);
+      text += fmt::format("    t{} [label={}];\n", task, dotQuote(label));
+    }
+    for (uint32_t k = 1; k < queue.entryCount; ++k)
+      text += fmt::format("    t{} -> t{} [style=dotted, arrowhead=none];\n",
+                          p.queueEntries[size_t(queue.firstEntry) + k - 1],
+                          p.queueEntries[size_t(queue.firstEntry) + k]);
+    text += "  }\n";
+  }
+
+  std::string edges;
+  for (uint32_t task = 0; task < p.tasks.size(); ++task) {
+    if (!drawn[task])
+      continue;
+    const TaskRecord &record = p.tasks[task];
+    for (uint32_t k = 0; k < record.signalCount; ++k) {
+      const SignalRecord &signal = p.signals[size_t(record.firstSignal) + k];
+      touched[signal.event] = 1;
+      std::string label = fmt::format("+{}", signal.increment);
+      if (signal.peerOffset != 0)
+        label += options.rank ? fmt::format(" → rank {}", p.peerRank(*options.rank, signal.peerOffset))
+                              : fmt::format(" → +{}", signal.peerOffset);
+      edges += fmt::format("  t{} -> ev{} [label={}];\n", task, signal.event, dotQuote(label));
+    }
+    for (uint32_t k = 0; k < record.waitCount; ++k) {
+      const WaitRecord &wait = p.waits[size_t(record.firstWait) + k];
+      touched[wait.event] = 1;
+      if (wait.threshold == p.events[wait.event].threshold)
+        edges += fmt::format("  ev{} -> t{};\n", wait.event, task);
+      else
+        edges += fmt::format("  ev{} -> t{} [label={}];\n", wait.event, task,
+                             dotQuote(fmt::format(">= {}", wait.threshold)));
+    }
+  }
+  for (uint32_t e = 0; e < p.events.size(); ++e)
+    if (touched[e])
+      text += fmt::format("  ev{} [shape=ellipse, label={}];\n", e,
+                          dotQuote(fmt::format("ev{} {}\n{} = {}", e, p.name(p.events[e].name),
+                                               eventKindName(p.events[e].kind),
+                                               p.events[e].threshold)));
+  text += edges + "}\n";
+  *out = std::move(text);
+  return Status::success();
+}
+
+} // namespace moec::dump

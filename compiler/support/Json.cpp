@@ -4,8 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <sstream>
+#include <cstdio>
 
 namespace moec {
 
@@ -50,20 +49,29 @@ bool parseJson(std::string_view text, const std::string &source, nlohmann::json 
 }
 
 bool readTextFile(const std::string &path, std::string *out, std::string *error) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  auto cannotRead = [&](int code) {
     if (error)
-      *error = "cannot read '" + path + "': " + std::strerror(errno);
+      *error = "cannot read '" + path + "': " + std::strerror(code);
     return false;
+  };
+  FILE *file = std::fopen(path.c_str(), "rb");
+  if (!file)
+    return cannotRead(errno);
+  std::string text;
+  char buffer[65536];
+  while (true) {
+    size_t n = std::fread(buffer, 1, sizeof(buffer), file);
+    text.append(buffer, n);
+    if (n < sizeof(buffer))
+      break;
   }
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  if (in.bad()) {
-    if (error)
-      *error = "cannot read '" + path + "': read error";
-    return false;
+  if (std::ferror(file)) {
+    int code = errno;
+    std::fclose(file);
+    return cannotRead(code);
   }
-  *out = buffer.str();
+  std::fclose(file);
+  *out = std::move(text);
   return true;
 }
 

@@ -38,14 +38,14 @@ Status checkIndices(const TaskProgram &p) {
   for (size_t i = 0; i < p.tasks.size(); ++i) {
     const TaskRecord &task = p.tasks[i];
     if (task.op >= p.ops.size())
-      return malformed(fmt::format("task {} names op {}, but there are {} ops", i, task.op,
-                                   p.ops.size()));
+      return malformed(
+          fmt::format("task {} names op {}, but there are {} ops", i, task.op, p.ops.size()));
     if (uint64_t(task.firstWait) + task.waitCount > p.waits.size())
-      return malformed(fmt::format("the waits of task {} end past the {} waits", i,
-                                   p.waits.size()));
+      return malformed(
+          fmt::format("the waits of task {} end past the {} waits", i, p.waits.size()));
     if (uint64_t(task.firstSignal) + task.signalCount > p.signals.size())
-      return malformed(fmt::format("the signals of task {} end past the {} signals", i,
-                                   p.signals.size()));
+      return malformed(
+          fmt::format("the signals of task {} end past the {} signals", i, p.signals.size()));
   }
   for (size_t i = 0; i < p.waits.size(); ++i)
     if (p.waits[i].event >= p.events.size())
@@ -157,8 +157,8 @@ struct Model {
 
   const TaskProgram &p;
   uint32_t R, T, Q, E;
-  std::vector<uint32_t> queueOf; ///< per task: its queue
-  std::vector<uint32_t> placeOf; ///< per task: its position in its queue
+  std::vector<uint32_t> queueOf;        ///< per task: its queue
+  std::vector<uint32_t> placeOf;        ///< per task: its position in its queue
   std::vector<uint32_t> waiterBegin;    ///< per event, E + 1 offsets into waiters
   std::vector<Waiter> waiters;          ///< grouped by event, by threshold
   std::vector<uint32_t> signallerBegin; ///< per event, E + 1 offsets into signallers
@@ -206,8 +206,7 @@ struct Model {
 struct RunState {
   explicit RunState(const Model &model)
       : m(model), counter(size_t(m.R) * m.E, 0), met(size_t(m.R) * m.E, 0),
-        pos(size_t(m.R) * m.Q, 0), cursor(size_t(m.R) * m.Q, 0),
-        blocked(size_t(m.R) * m.Q, 0) {}
+        pos(size_t(m.R) * m.Q, 0), cursor(size_t(m.R) * m.Q, 0), blocked(size_t(m.R) * m.Q, 0) {}
 
   size_t slot(uint32_t rank, uint32_t queue) const { return size_t(rank) * m.Q + queue; }
   uint32_t rankOf(size_t slot) const { return uint32_t(slot / m.Q); }
@@ -330,12 +329,16 @@ std::string explainStuck(const Model &m, const RunState &run) {
   };
 
   // Follow head -> unmet wait -> a signaller that has not run -> the head
-  // of its queue, until a slot repeats.
-  std::vector<int64_t> seenAt(slots, -1);
+  // of its queue, until a queue repeats. The stuck state is the same on
+  // every rank, rotated (every rank runs the same tables, and the tasks a
+  // greedy run gets through do not depend on its order), so a queue reached
+  // again on another rank is stuck the same way as where it was first seen:
+  // from there the chain repeats around the ranks.
+  std::vector<int64_t> seenAt(m.Q, -1);
   std::vector<ChainStep> chain;
   size_t at = start;
-  while (seenAt[at] < 0) {
-    seenAt[at] = int64_t(chain.size());
+  while (seenAt[run.queueOfSlot(at)] < 0) {
+    seenAt[run.queueOfSlot(at)] = int64_t(chain.size());
     uint32_t rank = run.rankOf(at);
     uint32_t task = run.head(at);
     const TaskRecord &record = p.tasks[task];
@@ -351,9 +354,11 @@ std::string explainStuck(const Model &m, const RunState &run) {
     uint32_t event = unmet->event;
     uint64_t has = run.counter[size_t(rank) * m.E + event];
     // Signals to this rank's copy of the event from tasks that have not run.
+    // Follow one whose queue the chain has seen (it closes the cycle), else
+    // one on the same rank, else the first.
     uint64_t pending = 0;
     ChainStep step{at, task, event, unmet->threshold, has, 0, 0};
-    bool found = false;
+    int best = -1;
     for (uint32_t i = m.signallerBegin[event]; i < m.signallerBegin[event + 1]; ++i) {
       const Signaller &s = m.signallers[i];
       const SignalRecord &signal = p.signals[s.signal];
@@ -361,8 +366,9 @@ std::string explainStuck(const Model &m, const RunState &run) {
       if (run.hasRun(from, s.task))
         continue;
       pending += signal.increment;
-      if (!found) {
-        found = true;
+      int score = seenAt[m.queueOf[s.task]] >= 0 ? 2 : from == rank ? 1 : 0;
+      if (score > best) {
+        best = score;
         step.signaller = s.task;
         step.signallerRank = from;
       }
@@ -374,20 +380,25 @@ std::string explainStuck(const Model &m, const RunState &run) {
               ? fmt::format("it waits for more than the event's threshold {}", ev.threshold)
               : fmt::format("the event's threshold is {}, but its signals add up to {}",
                             ev.threshold, m.signalSum[event]);
-      return out + fmt::format(
-                       ". {} can never reach {} on rank {}: {} on {} waits for it, but it has {} "
-                       "and the tasks that have not run would add only {} more ({}). This is a "
-                       "threshold bug, not a cycle.",
-                       m.eventText(event), unmet->threshold, rank, headText(task),
-                       m.coreText(rank, run.queueOfSlot(at)), has, pending, why);
+      std::string what = m.eventText(event);
+      what[0] = 'E';
+      return out +
+             fmt::format(". {} can never reach {} on rank {}: {} on {} waits for it, but it has {} "
+                         "and the tasks that have not run would add only {} more ({}). This is a "
+                         "threshold bug, not a cycle.",
+                         what, unmet->threshold, rank, headText(task),
+                         m.coreText(rank, run.queueOfSlot(at)), has, pending, why);
     }
     chain.push_back(step);
     at = run.slot(step.signallerRank, m.queueOf[step.signaller]);
   }
 
-  // The cycle is the chain from the first visit of the repeated slot.
-  size_t first = size_t(seenAt[at]);
+  // The cycle is the chain from the first visit of the repeated queue. It
+  // is listed from rank 0: the same cycle, rotated, runs through every rank.
+  size_t first = size_t(seenAt[run.queueOfSlot(at)]);
   size_t length = chain.size() - first;
+  uint32_t shift = run.rankOf(chain[first].slot);
+  auto shown = [&](uint32_t rank) { return uint32_t((uint64_t(rank) + m.R - shift) % m.R); };
   out += ". Cycle:";
   for (size_t i = first; i < chain.size() && i < first + kMaxCycleSteps; ++i) {
     const ChainStep &step = chain[i];
@@ -396,24 +407,32 @@ std::string explainStuck(const Model &m, const RunState &run) {
     uint32_t nextHead = run.head(next);
     std::string where;
     if (nextHead == step.signaller)
-      where = fmt::format("at the head of {}", m.coreText(step.signallerRank, m.queueOf[nextHead]));
+      where = fmt::format("at the head of {}",
+                          m.coreText(shown(step.signallerRank), m.queueOf[nextHead]));
     else
-      where = fmt::format("queued on {} at position {}, behind task {} (op '{}') at position {}",
-                          m.coreText(step.signallerRank, m.queueOf[step.signaller]),
-                          m.placeOf[step.signaller], nextHead, m.opName(nextHead),
-                          m.placeOf[nextHead]);
+      where =
+          fmt::format("queued on {} at position {}, behind task {} (op '{}') at position {}",
+                      m.coreText(shown(step.signallerRank), m.queueOf[step.signaller]),
+                      m.placeOf[step.signaller], nextHead, m.opName(nextHead), m.placeOf[nextHead]);
     out += fmt::format("\n  {} waits at {} for {} (needs {}, has {}); it is signalled by task {} "
                        "(op '{}') {}",
-                       m.coreText(rank, run.queueOfSlot(step.slot)), headText(step.task),
+                       m.coreText(shown(rank), run.queueOfSlot(step.slot)), headText(step.task),
                        m.eventText(step.event), step.needs, step.has, step.signaller,
                        m.opName(step.signaller), where);
     out += i + 1 < chain.size() ? ";" : "";
   }
+  size_t closedAt = chain[first].slot;
   if (length > kMaxCycleSteps)
     out += fmt::format("\n  ... ({} more steps, back to {})", length - kMaxCycleSteps,
-                       m.coreText(run.rankOf(at), run.queueOfSlot(at)));
-  out += " — the cycle closes.";
-  if (length == 1)
+                       m.coreText(shown(run.rankOf(closedAt)), run.queueOfSlot(closedAt)));
+  if (at == closedAt)
+    out += " — the cycle closes.";
+  else
+    out += fmt::format(" — and {} is stuck as {} is (every rank runs the same tables), so the "
+                       "chain repeats around the ranks and the cycle closes.",
+                       m.coreText(shown(run.rankOf(at)), run.queueOfSlot(at)),
+                       m.coreText(shown(run.rankOf(closedAt)), run.queueOfSlot(closedAt)));
+  if (length == 1 && at == closedAt)
     out += " The signaller is queued behind the task that waits for it.";
   return out;
 }
@@ -440,14 +459,14 @@ Status checkFinalCounters(const Model &m, const RunState &run) {
         firstProblem = fmt::format(
             "{} ends at {} on rank {} after every queue drained, {} its threshold {} (its "
             "signals add up to {})",
-            m.eventText(e), value, r, value < event.threshold ? "below" : "above",
-            event.threshold, m.signalSum[e]);
+            m.eventText(e), value, r, value < event.threshold ? "below" : "above", event.threshold,
+            m.signalSum[e]);
     }
   if (problems == 0)
     return Status::success();
   if (problems > 1)
-    firstProblem += fmt::format(" ({} more (rank, event) pairs do not end at their threshold)",
-                                problems - 1);
+    firstProblem +=
+        fmt::format(" ({} more (rank, event) pairs do not end at their threshold)", problems - 1);
   return Status::error(firstProblem);
 }
 
@@ -503,8 +522,8 @@ TimedRun simulateTimed(const TaskProgram &program, const std::vector<double> &co
     return result;
   }
   if (costs.size() != program.tasks.size()) {
-    result.status = Status::error(fmt::format("{} task costs for a program of {} tasks",
-                                              costs.size(), program.tasks.size()));
+    result.status = Status::error(
+        fmt::format("{} task costs for a program of {} tasks", costs.size(), program.tasks.size()));
     return result;
   }
   Model m(program);
@@ -529,9 +548,7 @@ TimedRun simulateTimed(const TaskProgram &program, const std::vector<double> &co
     double time;
     uint64_t seq;
     size_t slot;
-    bool operator>(const Finish &o) const {
-      return time != o.time ? time > o.time : seq > o.seq;
-    }
+    bool operator>(const Finish &o) const { return time != o.time ? time > o.time : seq > o.seq; }
   };
   std::priority_queue<Finish, std::vector<Finish>, std::greater<Finish>> pending;
   uint64_t seq = 0;
@@ -569,7 +586,8 @@ TimedRun simulateTimed(const TaskProgram &program, const std::vector<double> &co
         rank, task,
         [&](uint32_t to, uint32_t event) {
           size_t c = size_t(to) * m.E + event;
-          if (eventPred[c] == kNoNode || chain > eventPath[c]) {
+          // On a tie, the later arrival: the one that held the waiters up.
+          if (eventPred[c] == kNoNode || chain >= eventPath[c]) {
             eventPath[c] = chain;
             eventPred[c] = node;
           }
@@ -577,7 +595,7 @@ TimedRun simulateTimed(const TaskProgram &program, const std::vector<double> &co
         [&](uint32_t to, uint32_t event, const Waiter &waiter) {
           size_t c = size_t(to) * m.E + event;
           uint64_t waiterNode = uint64_t(to) * T + waiter.task;
-          if (pathPred[waiterNode] == kNoNode || eventPath[c] > pathStart[waiterNode]) {
+          if (pathPred[waiterNode] == kNoNode || eventPath[c] >= pathStart[waiterNode]) {
             pathStart[waiterNode] = eventPath[c];
             pathPred[waiterNode] = eventPred[c];
           }

@@ -84,6 +84,12 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     Bindings bindings;
     for (NamedAttribute a : bound)
       bindings[a.getName().str()] = a.getValue().cast<IntegerAttr>().getInt();
+    for (Operation &op : graph.getBlock()) {
+      auto def = cast<TensorDefOpInterface>(&op);
+      if (!def.getTensor().getType().isResolved())
+        return op.emitError() << "tensor '" << def.getResultName()
+                              << "' has unresolved dims or dtype: run moe-resolve-shapes first";
+    }
     for (const char *symbol :
          {"single_rank_expert_num", "ep", "per_expert_seq", "per_expert_seq_to_other",
           "per_rank_seq"})
@@ -91,12 +97,6 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
         return graph.emitError() << "graph '" << graph.getSymName() << "' has no binding for '"
                                  << symbol << "': run moe-resolve-shapes first";
 
-    for (Operation &op : graph.getBlock()) {
-      auto def = cast<TensorDefOpInterface>(&op);
-      if (!def.getTensor().getType().isResolved())
-        return op.emitError() << "tensor '" << def.getResultName()
-                              << "' has unresolved dims or dtype: run moe-resolve-shapes first";
-    }
     SmallVector<TaskOpInterface> order;
     if (failed(topologicalOrder(graph, order)))
       return failure();

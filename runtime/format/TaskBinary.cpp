@@ -202,6 +202,18 @@ namespace {
 
 constexpr uint64_t kMaxRecords = std::numeric_limits<uint32_t>::max();
 
+/// Computes the number of tiles of the grid of `tiling` into *tiles; returns
+/// false when it does not fit in 64 bits (where tileCount() wraps).
+bool gridTiles(const TilingRecord &tiling, uint64_t *tiles) {
+  uint64_t n = tiling.experts;
+  if (__builtin_mul_overflow(n, uint64_t(tiling.peers), &n) ||
+      __builtin_mul_overflow(n, uint64_t(tiling.rowTiles), &n) ||
+      __builtin_mul_overflow(n, uint64_t(tiling.colTiles), &n))
+    return false;
+  *tiles = n;
+  return true;
+}
+
 /// Returns true when all `size` bytes at `bytes` are zero.
 bool allZero(const void *bytes, size_t size) {
   const uint8_t *p = static_cast<const uint8_t *>(bytes);
@@ -223,8 +235,9 @@ public:
 
   Status run() {
     Status status;
+    // Tilings before ops: an op's checks read its tiling's kind and grid.
     if (!(status = checkCounts()) || !(status = checkHeader()) || !(status = checkSlots()) ||
-        !(status = checkOps()) || !(status = checkTilings()) || !(status = checkEvents()) ||
+        !(status = checkTilings()) || !(status = checkOps()) || !(status = checkEvents()) ||
         !(status = checkTasks()) || !(status = checkWaitsAndSignals()) ||
         !(status = checkQueues()) || !(status = checkThresholds()))
       return status;
@@ -432,12 +445,24 @@ private:
         return Status::error(fmt::format(
             "{}: {} row tiles of {} rows and {} column tiles of {} columns leave a tile empty",
             what, tiling.rowTiles, tiling.rows, tiling.colTiles, tiling.cols));
-      if (tiling.tileCount() > kMaxRecords)
+      // tileBegin() computes i * rows / rowTiles for i <= rowTiles.
+      uint64_t bound = 0;
+      if (__builtin_mul_overflow(tiling.rows, uint64_t(tiling.rowTiles), &bound) ||
+          __builtin_mul_overflow(tiling.cols, uint64_t(tiling.colTiles), &bound))
+        return Status::error(fmt::format(
+            "{}: {} row tiles of {} rows and {} column tiles of {} columns overflow the 64-bit "
+            "tile bounds",
+            what, tiling.rowTiles, tiling.rows, tiling.colTiles, tiling.cols));
+      uint64_t tiles = 0;
+      if (!gridTiles(tiling, &tiles))
+        return Status::error(fmt::format(
+            "{}: a grid of {} x {} x {} x {} tiles is above the {} a binary holds", what,
+            tiling.experts, tiling.peers, tiling.rowTiles, tiling.colTiles, kMaxRecords));
+      if (tiles > kMaxRecords)
         return Status::error(fmt::format("{}: a grid of {} tiles is above the {} a binary holds",
-                                         what, tiling.tileCount(), kMaxRecords));
-      if (tiling.balancedRows > tiling.rows)
-        return Status::error(fmt::format("{}: {} balanced rows are more than its {} rows", what,
-                                         tiling.balancedRows, tiling.rows));
+                                         what, tiles, kMaxRecords));
+      if (tiling.reserved != 0)
+        return Status::error(fmt::format("{}: reserved bytes are not zero", what));
     }
     return Status::success();
   }
@@ -594,7 +619,12 @@ private:
     for (const TaskRecord &task : p.tasks)
       for (uint32_t k = 0; k < task.signalCount; ++k) {
         const SignalRecord &signal = p.signals[size_t(task.firstSignal) + k];
+        // Each step adds below 2^32 to a sum at most 2^32 - 1: no wrap.
         sums[signal.event] += signal.increment;
+        if (sums[signal.event] > std::numeric_limits<uint32_t>::max())
+          return Status::error(fmt::format(
+              "{}: its signals add up to more than {}, above any threshold",
+              eventLabel(signal.event), std::numeric_limits<uint32_t>::max()));
       }
     for (size_t e = 0; e < p.events.size(); ++e)
       if (sums[e] != p.events[e].threshold)

@@ -57,7 +57,7 @@ inline constexpr uint32_t kSectionAlignment = 8;
 inline constexpr uint32_t kMaxTensorRank = 4;
 
 /// The most input slots a tiling descriptor names.
-inline constexpr uint32_t kMaxTilingInputs = 3;
+inline constexpr uint32_t kMaxTilingInputs = 4;
 
 /// Bits of FileHeader::flags.
 enum FileFlag : uint32_t {
@@ -263,13 +263,14 @@ static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 
 /// reduction length of a matmul: K of an activation GMM, or 0 for a weight-
 /// gradient GMM, which reduces over the expert's (dynamic) rows.
 /// `balancedRows` is what the compiler expects a segment to hold when routing
-/// is balanced; it only feeds cost estimates (scheduling, `moec dump`).
+/// is balanced (for a weight-gradient GMM: the rows it reduces over); it only
+/// feeds cost estimates (scheduling, `moec dump`).
 ///
 ///   offset size field
 ///    0     1    opKind         OpKind; equals the kind of the op that uses it
 ///    1     1    dtype          DType of A, B and C
 ///    2     1    flags          TilingFlag bits
-///    3     1    inputCount     inputs used, 0..3
+///    3     1    inputCount     inputs used, 0..4
 ///    4     4    experts        grid: 1, or L for a per-expert op
 ///    8     4    peers          grid: 1, or R for a put
 ///   12     4    rowTiles       grid: >= 1
@@ -284,9 +285,11 @@ static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 
 ///   60     4    lda            leading strides (elements) of A, B, C
 ///   64     4    ldb
 ///   68     4    ldc
-///   72    12    inputSlots[3]  indices into slots; kNone past inputCount
-///   84     4    balancedRows   rows a segment has under balanced routing
-///                              (<= rows; cost estimates only)
+///   72    16    inputSlots[4]  indices into slots, in the op's operand order;
+///                              kNone past inputCount
+///   88     4    balancedRows   rows a segment has under balanced routing
+///                              (cost estimates only)
+///   92     4    reserved       zero
 struct TilingRecord {
   OpKind opKind = OpKind::Gmm;
   DType dtype = DType::F32;
@@ -306,16 +309,18 @@ struct TilingRecord {
   uint32_t lda = 0;
   uint32_t ldb = 0;
   uint32_t ldc = 0;
-  uint32_t inputSlots[kMaxTilingInputs] = {kNone, kNone, kNone};
+  uint32_t inputSlots[kMaxTilingInputs] = {kNone, kNone, kNone, kNone};
   uint32_t balancedRows = 0;
+  uint32_t reserved = 0;
 
   /// The number of tiles (tasks) of the grid.
   uint64_t tileCount() const { return uint64_t(experts) * peers * rowTiles * colTiles; }
 };
-static_assert(sizeof(TilingRecord) == 88 && alignof(TilingRecord) == 8, "TilingRecord layout");
+static_assert(sizeof(TilingRecord) == 96 && alignof(TilingRecord) == 8, "TilingRecord layout");
 static_assert(offsetof(TilingRecord, experts) == 4 && offsetof(TilingRecord, outputSlot) == 20 &&
                   offsetof(TilingRecord, rows) == 24 && offsetof(TilingRecord, tileM) == 48 &&
-                  offsetof(TilingRecord, lda) == 60 && offsetof(TilingRecord, inputSlots) == 72,
+                  offsetof(TilingRecord, lda) == 60 && offsetof(TilingRecord, inputSlots) == 72 &&
+                  offsetof(TilingRecord, balancedRows) == 88,
               "TilingRecord layout");
 
 /// One tile of a grid: its cell and its row and column ranges.

@@ -90,8 +90,8 @@ TEST_CASE("qwen3-30b-a3b.json loads with default core counts", "[config]") {
   CHECK(c.tp == 1);
   CHECK(c.seqSize == 4096);
   CHECK(c.dtype == moec::DType::BF16);
-  CHECK(c.numCubeCores == 24);
-  CHECK(c.numVectorCores == 48);
+  CHECK(c.numCubeCores == 0); // from the target profile
+  CHECK(c.numVectorCores == 0);
 }
 
 TEST_CASE("deepseek-v3.json loads", "[config]") {
@@ -105,8 +105,8 @@ TEST_CASE("deepseek-v3.json loads", "[config]") {
   CHECK(c.tp == 1);
   CHECK(c.seqSize == 4096);
   CHECK(c.dtype == moec::DType::BF16);
-  CHECK(c.numCubeCores == 24);
-  CHECK(c.numVectorCores == 48);
+  CHECK(c.numCubeCores == 0);
+  CHECK(c.numVectorCores == 0);
   moec::TaskSplitValue v = moec::deriveTaskSplitValue(c);
   CHECK(v.singleRankExpertNum == 8);
   CHECK(v.seqAll == 4096 * 32 * 8);
@@ -153,6 +153,7 @@ TEST_CASE("seed-defaults.json derives the seed's TaskSplitValue", "[config]") {
 
 TEST_CASE("configBindings names every symbol", "[config]") {
   ModelConfig c = loadExample("seed-test.json");
+  moec::setDefaultCoreCounts(&c, 24, 48); // the ascend-910b profile's
   moec::Bindings expected = {
       {"hidden_size", 5120},
       {"intermediate_size", 2048},
@@ -185,8 +186,8 @@ TEST_CASE("configToJson round-trips", "[config]") {
 
   ModelConfig qwen = loadExample("qwen3-30b-a3b.json");
   json q = moec::configToJson(qwen);
-  CHECK(q.at("num_cube_cores") == 24);
-  CHECK(q.at("num_vector_cores") == 48);
+  CHECK(q.count("num_cube_cores") == 0); // unset keys stay unset
+  CHECK(q.count("num_vector_cores") == 0);
   CHECK(q.at("dtype") == "bf16");
   ModelConfig back;
   std::string error;
@@ -203,8 +204,16 @@ TEST_CASE("optional keys may be left out", "[config]") {
   std::string error;
   REQUIRE(moec::parseConfig(j.dump(), "src.json", &c, &error));
   CHECK(c.name.empty());
+  CHECK(c.numCubeCores == 0);
+  CHECK(c.numVectorCores == 0);
+  CHECK(moec::configBindings(c).count("num_cube_cores") == 0);
+  moec::setDefaultCoreCounts(&c, 24, 48);
   CHECK(c.numCubeCores == 24);
   CHECK(c.numVectorCores == 48);
+  CHECK(moec::configBindings(c).at("num_cube_cores") == 24);
+  c.numCubeCores = 3; // a config's own count wins over the target's
+  moec::setDefaultCoreCounts(&c, 24, 48);
+  CHECK(c.numCubeCores == 3);
 }
 
 TEST_CASE("unknown and missing keys", "[config]") {

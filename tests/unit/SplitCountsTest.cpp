@@ -6,15 +6,7 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "compiler/config/Config.h"
-#include "compiler/import/GraphJson.h"
-#include "compiler/ir/MoeDialect.h"
-#include "compiler/transforms/Passes.h"
-
-#include "mlir/IR/BuiltinOps.h"
-#include "mlir/IR/Diagnostics.h"
-#include "mlir/IR/MLIRContext.h"
-#include "mlir/Pass/PassManager.h"
+#include "tests/unit/GraphTestSupport.h"
 
 #include <catch2/catch.hpp>
 
@@ -28,85 +20,15 @@ using moec::ModelConfig;
 using moec::TaskSplitValue;
 using moec::moe::GraphOp;
 using moec::moe::TaskOpInterface;
+using moec::test::kGraphs;
+using moec::test::loadExample;
+using moec::test::PipelineRun;
+using moec::test::seedSplitValue;
+using moec::test::seedTaskNum;
 using moec::moe::TensorDefOpInterface;
 using moec::moe::TileMapAttr;
 
 namespace {
-
-/// A context with the graph pipeline's result for one graph and config.
-class PipelineRun {
-public:
-  PipelineRun(const std::string &graphPath, const std::string &configPath)
-      : ctx(mlir::MLIRContext::Threading::DISABLED),
-        handler(&ctx, [this](mlir::Diagnostic &diag) {
-          if (diag.getSeverity() == mlir::DiagnosticSeverity::Error)
-            errors << diag.str() << '\n';
-          return mlir::success();
-        }) {
-    ctx.printOpOnDiagnostic(false);
-    module = moec::loadGraph(graphPath, &ctx);
-    INFO("graph " << graphPath << ": " << errors.str());
-    REQUIRE(module);
-    mlir::PassManager pm(&ctx);
-    moec::moe::buildGraphPipeline(pm, configPath);
-    bool ok = mlir::succeeded(pm.run(*module));
-    INFO("pipeline with " << configPath << ": " << errors.str());
-    REQUIRE(ok);
-    auto graphs = module->getOps<GraphOp>();
-    REQUIRE(std::distance(graphs.begin(), graphs.end()) == 1);
-    graph = *graphs.begin();
-  }
-
-  std::vector<TaskOpInterface> ops() {
-    std::vector<TaskOpInterface> out;
-    for (auto op : graph.getBlock().getOps<TaskOpInterface>())
-      out.push_back(op);
-    return out;
-  }
-
-  TaskOpInterface op(const std::string &name) {
-    for (auto op : graph.getBlock().getOps<TaskOpInterface>())
-      if (op.getOpName() == name)
-        return op;
-    FAIL("no op " << name);
-    return {};
-  }
-
-  mlir::MLIRContext ctx;
-  std::ostringstream errors;
-  mlir::OwningOpRef<mlir::ModuleOp> module;
-  GraphOp graph;
-
-private:
-  mlir::ScopedDiagnosticHandler handler;
-};
-
-ModelConfig loadExample(const std::string &path) {
-  ModelConfig config;
-  std::string error;
-  bool ok = moec::loadConfig(path, &config, &error);
-  INFO("error: " << error);
-  REQUIRE(ok);
-  return config;
-}
-
-/// The seed's split value of an op type (its build_*_graph defaults).
-int64_t seedSplitValue(const std::string &type) {
-  return type == "GMM" ? 4096 : 128;
-}
-
-/// The seed's task_num_fn for an op type, with split value `sv`.
-int64_t seedTaskNum(const std::string &type, int64_t sv, const TaskSplitValue &tsv,
-                    int64_t numCubeCores) {
-  if (type == "ALLTOALL")
-    return tsv.allExpertNum * (tsv.perExpertSeqToOther / sv);
-  if (type == "GMM")
-    return numCubeCores * tsv.singleRankExpertNum;
-  if (type == "SWIGLU" || type == "SWIGLU_GRAD")
-    return (tsv.perExpertSeq / sv) * tsv.singleRankExpertNum;
-  FAIL("unexpected op type " << type);
-  return -1;
-}
 
 /// An op's parameter slots as the seed lists them: inputs, then the output.
 std::vector<int64_t> paramPositions(TaskOpInterface op) {
@@ -129,14 +51,13 @@ int64_t tasksOf(TaskOpInterface op) {
   return static_cast<int64_t>(*op.getTasks());
 }
 
-const char *const kGraphs[] = {"graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd.json"};
-
 } // namespace
 
 TEST_CASE("task counts follow the seed's task_num formulas", "[split-counts]") {
   for (const char *configPath :
        {"examples/configs/seed-test.json", "examples/configs/seed-defaults.json"}) {
     ModelConfig config = loadExample(configPath);
+    moec::setDefaultCoreCounts(&config, 24, 48); // the ascend-910b profile's
     TaskSplitValue tsv = moec::deriveTaskSplitValue(config);
     for (const char *graphPath : kGraphs) {
       INFO("graph " << graphPath << " with " << configPath);
@@ -251,26 +172,49 @@ TEST_CASE("an ordering edge without data waits for every producer tile", "[split
   CHECK(found);
 }
 
-TEST_CASE("tiny forward graph: up_proj tile j needs dispatch tile j", "[split-counts]") {
-  PipelineRun run("graphs/moe_ffn_fwd.json", "examples/configs/tiny.json");
-  TaskOpInterface upProj = run.op("up_proj");
-  TaskOpInterface dispatch = run.op("dispatch");
-  int64_t tiles = tasksOf(upProj);
-  REQUIRE(tiles > 1);
-  CHECK(tasksOf(dispatch) == tiles);
-  mlir::ArrayAttr deps = upProj.getDepsAttr();
-  REQUIRE(deps);
-  // The data edge on operand 0 carries the order; the graph's ordering edge
-  // dispatch -> up_proj adds no second map.
-  REQUIRE(deps.size() == 1);
-  auto map = deps[0].cast<TileMapAttr>();
-  CHECK(map.getProducer().getValue() == "dispatch");
-  CHECK(map.getOperand() == 0);
-  REQUIRE(static_cast<int64_t>(map.getFirst().size()) == tiles);
-  REQUIRE(static_cast<int64_t>(map.getLast().size()) == tiles);
-  for (int64_t j = 0; j < tiles; ++j) {
-    INFO("tile " << j);
-    CHECK(map.getFirst()[j] == j);
-    CHECK(map.getLast()[j] == j);
+/// The tile map of `op` on the edge from `producer`.
+TileMapAttr mapFrom(TaskOpInterface op, const std::string &producer) {
+  for (mlir::Attribute a : op.getDepsAttr()) {
+    auto map = a.cast<TileMapAttr>();
+    if (map.getProducer().getValue() == producer)
+      return map;
   }
+  FAIL("no map from " << producer);
+  return {};
+}
+
+TEST_CASE("tiny forward graph: tiles follow expert segments", "[split-counts]") {
+  // tiny: L = 2 local experts, R = 2 ranks, per_expert_seq 256, 2 cube cores.
+  PipelineRun run("graphs/moe_ffn_fwd.json", "examples/configs/tiny.json", "cpu");
+  TaskOpInterface dispatch = run.op("dispatch"), upProj = run.op("up_proj"),
+                  swiglu = run.op("swiglu"), downProj = run.op("down_proj"),
+                  combine = run.op("combine");
+  auto grid = [](TaskOpInterface op) { return op.getGridAttr().asArrayRef().vec(); };
+  // [experts, peers, row tiles, column tiles, rows, columns]
+  CHECK(grid(dispatch) == std::vector<int64_t>{2, 2, 1, 1, 128, 64});
+  CHECK(grid(upProj) == std::vector<int64_t>{2, 1, 1, 2, 256, 64});
+  CHECK(grid(swiglu) == std::vector<int64_t>{2, 1, 2, 1, 256, 32});
+  CHECK(grid(downProj) == std::vector<int64_t>{2, 1, 1, 2, 256, 64});
+  CHECK(grid(combine) == std::vector<int64_t>{2, 2, 1, 1, 128, 64});
+
+  // up_proj tiles of expert e need the dispatch tiles of expert e, from every
+  // peer: tiles [2e, 2e+1] (grid order: expert, then peer).
+  TileMapAttr map = mapFrom(upProj, "dispatch");
+  CHECK(map.getOperand() == 0);
+  CHECK(map.getFirst().vec() == std::vector<int64_t>{0, 0, 2, 2});
+  CHECK(map.getLast().vec() == std::vector<int64_t>{1, 1, 3, 3});
+  // A swiglu row tile reads whole rows: both column tiles of its expert's
+  // one up_proj row tile.
+  map = mapFrom(swiglu, "up_proj");
+  CHECK(map.getFirst().vec() == std::vector<int64_t>{0, 0, 2, 2});
+  CHECK(map.getLast().vec() == std::vector<int64_t>{1, 1, 3, 3});
+  // down_proj's one row tile per expert covers both swiglu row tiles.
+  map = mapFrom(downProj, "swiglu");
+  CHECK(map.getFirst().vec() == std::vector<int64_t>{0, 0, 2, 2});
+  CHECK(map.getLast().vec() == std::vector<int64_t>{1, 1, 3, 3});
+  // A combine put reads rows of its expert that routing scatters: all of
+  // the expert's down_proj tiles.
+  map = mapFrom(combine, "down_proj");
+  CHECK(map.getFirst().vec() == std::vector<int64_t>{0, 0, 2, 2});
+  CHECK(map.getLast().vec() == std::vector<int64_t>{1, 1, 3, 3});
 }

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,16 +21,25 @@ namespace {
 // Helpers
 //===----------------------------------------------------------------------===//
 
-/// A small forward program for an EP group of 2 ranks with 2 local experts:
-/// a dispatch op (2 vector tasks, each putting to itself and to its peer)
-/// and a gmm op (2 cube tasks, one per local expert, each waiting for the
-/// dispatch rows it needs and signalling the terminate event). Every section
-/// is non-empty.
+/// A small forward program for an EP group of 2 ranks with 2 local experts,
+/// compiled for the "ascend-910b" target:
+///
+/// - op 0, dispatch: a grid of 2 experts x 2 peers, so 4 vector tasks (0..3);
+///   task (expert e, peer k) puts expert e's rows to peer k and signals the
+///   cross-rank event 0 there (peer offset k).
+/// - op 1, gmm: a grid of 2 experts x 2 column tiles, so 4 cube tasks
+///   (4..7); each waits for the dispatched rows it needs and signals the
+///   terminate event 1.
+///
+/// Every section is non-empty, and every task has its own waits and signals.
+/// Queues: vector core 0 runs tasks 0..3, cube core 0 tasks 4 and 6, cube
+/// core 1 tasks 5 and 7.
 TaskProgram smallProgram() {
   TaskProgram p;
   p.flags = kFlagBf16;
   p.epRanks = 2;
   p.localExperts = 2;
+  p.target = p.addString("ascend-910b");
 
   SlotRecord x;
   x.name = p.addString("x");
@@ -71,47 +81,61 @@ TaskProgram smallProgram() {
   dispatch.name = p.addString("dispatch");
   dispatch.kind = OpKind::Dispatch;
   dispatch.firstTask = 0;
-  dispatch.taskCount = 2;
+  dispatch.taskCount = 4;
+  dispatch.tiling = 0;
   OpRecord gmm;
   gmm.name = p.addString("up_proj");
   gmm.kind = OpKind::Gmm;
-  gmm.firstTask = 2;
-  gmm.taskCount = 2;
+  gmm.firstTask = 4;
+  gmm.taskCount = 4;
+  gmm.tiling = 1;
   p.ops = {dispatch, gmm};
 
-  TilingRecord dispatchTile;
-  dispatchTile.opKind = OpKind::Dispatch;
-  dispatchTile.dtype = DType::BF16;
-  dispatchTile.inputCount = 1;
-  dispatchTile.inputSlots[0] = 0;
-  dispatchTile.outputSlot = 1;
-  dispatchTile.rowCount = 32;
-  dispatchTile.colCount = 128;
-  dispatchTile.tileM = 32;
-  dispatchTile.lda = 128;
-  dispatchTile.ldc = 128;
-  TilingRecord gmmTile;
-  gmmTile.opKind = OpKind::Gmm;
-  gmmTile.dtype = DType::BF16;
-  gmmTile.flags = kTilingTransposeB;
-  gmmTile.inputCount = 2;
-  gmmTile.inputSlots[0] = 1;
-  gmmTile.inputSlots[1] = 2;
-  gmmTile.outputSlot = 3;
-  gmmTile.expert = 0;
-  gmmTile.rowOffset = 0;
-  gmmTile.rowCount = 128;
-  gmmTile.colOffset = 0;
-  gmmTile.colCount = 512;
-  gmmTile.tileM = 128;
-  gmmTile.tileN = 256;
-  gmmTile.tileK = 64;
-  gmmTile.lda = 128;
-  gmmTile.ldb = 128;
-  gmmTile.ldc = 512;
-  TilingRecord gmmTile1 = gmmTile;
-  gmmTile1.expert = 1;
-  p.tilings = {dispatchTile, gmmTile, gmmTile1};
+  // Dispatch: per (local expert, peer), the segment of up to 32 rows of x
+  // that goes to that peer; 16 under balanced routing.
+  TilingRecord dispatchGrid;
+  dispatchGrid.opKind = OpKind::Dispatch;
+  dispatchGrid.dtype = DType::BF16;
+  dispatchGrid.inputCount = 1;
+  dispatchGrid.inputSlots[0] = 0;
+  dispatchGrid.outputSlot = 1;
+  dispatchGrid.experts = 2;
+  dispatchGrid.peers = 2;
+  dispatchGrid.rowTiles = 1;
+  dispatchGrid.colTiles = 1;
+  dispatchGrid.rows = 32;
+  dispatchGrid.cols = 128;
+  dispatchGrid.depth = 0;
+  dispatchGrid.tileM = 32;
+  dispatchGrid.tileN = 128;
+  dispatchGrid.lda = 128;
+  dispatchGrid.ldc = 128;
+  dispatchGrid.balancedRows = 16;
+  // Gmm: per local expert, its segment of up to 128 rows times w1[expert]
+  // (K = 128), cut into two column tiles of 256.
+  TilingRecord gmmGrid;
+  gmmGrid.opKind = OpKind::Gmm;
+  gmmGrid.dtype = DType::BF16;
+  gmmGrid.flags = kTilingTransposeB;
+  gmmGrid.inputCount = 2;
+  gmmGrid.inputSlots[0] = 1;
+  gmmGrid.inputSlots[1] = 2;
+  gmmGrid.outputSlot = 3;
+  gmmGrid.experts = 2;
+  gmmGrid.peers = 1;
+  gmmGrid.rowTiles = 1;
+  gmmGrid.colTiles = 2;
+  gmmGrid.rows = 128;
+  gmmGrid.cols = 512;
+  gmmGrid.depth = 128;
+  gmmGrid.tileM = 128;
+  gmmGrid.tileN = 256;
+  gmmGrid.tileK = 64;
+  gmmGrid.lda = 128;
+  gmmGrid.ldb = 128;
+  gmmGrid.ldc = 512;
+  gmmGrid.balancedRows = 64;
+  p.tilings = {dispatchGrid, gmmGrid};
 
   EventRecord rowsIn;
   rowsIn.name = p.addString("dispatch.rows_in");
@@ -122,47 +146,67 @@ TaskProgram smallProgram() {
   done.name = p.addString("done");
   done.kind = EventKind::Terminate;
   done.op = 1;
-  done.threshold = 2;
+  done.threshold = 4;
   p.events = {rowsIn, done};
 
-  // Signals: each dispatch task puts to itself and to the peer.
-  p.signals = {{0, 1, 0, 0}, {0, 1, 1, 0}, {0, 1, 0, 0}, {0, 1, 1, 0}, {1, 1, 0, 0}, {1, 1, 0, 0}};
-  p.waits = {{0, 2}, {0, 4}};
+  // Signals 0..3: dispatch task t signals event 0 on peer offset t % 2 (its
+  // tile's peer). Signals 4..7: gmm task 4 + k signals the terminate event.
+  p.signals = {{0, 1, 0, 0}, {0, 1, 1, 0}, {0, 1, 0, 0}, {0, 1, 1, 0},
+               {1, 1, 0, 0}, {1, 1, 0, 0}, {1, 1, 0, 0}, {1, 1, 0, 0}};
+  // Waits 0..3: gmm task 4 + k waits for event 0 to reach 2 (expert 0's
+  // tiles) or 4 (expert 1's).
+  p.waits = {{0, 2}, {0, 2}, {0, 4}, {0, 4}};
 
-  TaskRecord t0;
-  t0.op = 0;
-  t0.tiling = 0;
-  t0.firstSignal = 0;
-  t0.signalCount = 2;
-  t0.coreKind = CoreKind::Vector;
-  TaskRecord t1 = t0;
-  t1.firstSignal = 2;
-  TaskRecord t2;
-  t2.op = 1;
-  t2.tiling = 1;
-  t2.firstWait = 0;
-  t2.waitCount = 1;
-  t2.firstSignal = 4;
-  t2.signalCount = 1;
-  t2.coreKind = CoreKind::Cube;
-  TaskRecord t3 = t2;
-  t3.tiling = 2;
-  t3.firstWait = 1;
-  t3.firstSignal = 5;
-  p.tasks = {t0, t1, t2, t3};
+  for (uint32_t t = 0; t < 4; ++t) {
+    TaskRecord task;
+    task.op = 0;
+    task.firstSignal = t;
+    task.signalCount = 1;
+    task.coreKind = CoreKind::Vector;
+    p.tasks.push_back(task);
+  }
+  for (uint32_t k = 0; k < 4; ++k) {
+    TaskRecord task;
+    task.op = 1;
+    task.firstWait = k;
+    task.waitCount = 1;
+    task.firstSignal = 4 + k;
+    task.signalCount = 1;
+    task.coreKind = CoreKind::Cube;
+    p.tasks.push_back(task);
+  }
 
   QueueRecord vectorQueue;
   vectorQueue.coreKind = CoreKind::Vector;
   vectorQueue.coreIndex = 0;
   vectorQueue.firstEntry = 0;
-  vectorQueue.entryCount = 2;
-  QueueRecord cubeQueue;
-  cubeQueue.coreKind = CoreKind::Cube;
-  cubeQueue.coreIndex = 0;
-  cubeQueue.firstEntry = 2;
-  cubeQueue.entryCount = 2;
-  p.queues = {vectorQueue, cubeQueue};
-  p.queueEntries = {0, 1, 2, 3};
+  vectorQueue.entryCount = 4;
+  QueueRecord cubeQueue0;
+  cubeQueue0.coreKind = CoreKind::Cube;
+  cubeQueue0.coreIndex = 0;
+  cubeQueue0.firstEntry = 4;
+  cubeQueue0.entryCount = 2;
+  QueueRecord cubeQueue1 = cubeQueue0;
+  cubeQueue1.coreIndex = 1;
+  cubeQueue1.firstEntry = 6;
+  p.queues = {vectorQueue, cubeQueue0, cubeQueue1};
+  p.queueEntries = {0, 1, 2, 3, 4, 6, 5, 7};
+  return p;
+}
+
+/// A valid program for an EP group of `epRanks` ranks of `localExperts`
+/// experts with one slot and nothing else (no ops, tilings or tasks); tests
+/// add to it.
+TaskProgram bareProgram(uint32_t epRanks, uint32_t localExperts) {
+  TaskProgram p;
+  p.epRanks = epRanks;
+  p.localExperts = localExperts;
+  p.target = p.addString("cpu");
+  SlotRecord slot;
+  slot.name = p.addString("x");
+  slot.rank = 1;
+  slot.dims[0] = 1;
+  p.slots.push_back(slot);
   return p;
 }
 
@@ -267,12 +311,312 @@ TEST_CASE("crc32 is the IEEE CRC-32", "[crc32]") {
 }
 
 //===----------------------------------------------------------------------===//
+// Record layouts
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("records have the documented sizes and field offsets", "[task-binary][layout]") {
+  CHECK(sizeof(FileHeader) == 64);
+  CHECK(offsetof(FileHeader, magic) == 0);
+  CHECK(offsetof(FileHeader, version) == 8);
+  CHECK(offsetof(FileHeader, flags) == 12);
+  CHECK(offsetof(FileHeader, fileSize) == 16);
+  CHECK(offsetof(FileHeader, crc32) == 24);
+  CHECK(offsetof(FileHeader, epRanks) == 28);
+  CHECK(offsetof(FileHeader, localExperts) == 32);
+  CHECK(offsetof(FileHeader, sectionCount) == 36);
+  CHECK(offsetof(FileHeader, sectionTableOffset) == 40);
+  CHECK(offsetof(FileHeader, target) == 48);
+  CHECK(offsetof(FileHeader, reserved) == 52);
+
+  CHECK(sizeof(SectionEntry) == 24);
+  CHECK(offsetof(SectionEntry, kind) == 0);
+  CHECK(offsetof(SectionEntry, recordSize) == 4);
+  CHECK(offsetof(SectionEntry, offset) == 8);
+  CHECK(offsetof(SectionEntry, count) == 16);
+
+  CHECK(sizeof(SlotRecord) == 56);
+  CHECK(offsetof(SlotRecord, name) == 0);
+  CHECK(offsetof(SlotRecord, param) == 4);
+  CHECK(offsetof(SlotRecord, dtype) == 8);
+  CHECK(offsetof(SlotRecord, flags) == 9);
+  CHECK(offsetof(SlotRecord, rank) == 10);
+  CHECK(offsetof(SlotRecord, reserved0) == 11);
+  CHECK(offsetof(SlotRecord, reserved1) == 12);
+  CHECK(offsetof(SlotRecord, dims) == 16);
+  CHECK(offsetof(SlotRecord, capacityRows) == 48);
+
+  CHECK(sizeof(OpRecord) == 24);
+  CHECK(offsetof(OpRecord, name) == 0);
+  CHECK(offsetof(OpRecord, kind) == 4);
+  CHECK(offsetof(OpRecord, reserved) == 5);
+  CHECK(offsetof(OpRecord, firstTask) == 8);
+  CHECK(offsetof(OpRecord, taskCount) == 12);
+  CHECK(offsetof(OpRecord, tiling) == 16);
+  CHECK(offsetof(OpRecord, reserved2) == 20);
+
+  CHECK(sizeof(TilingRecord) == 96);
+  CHECK(offsetof(TilingRecord, opKind) == 0);
+  CHECK(offsetof(TilingRecord, dtype) == 1);
+  CHECK(offsetof(TilingRecord, flags) == 2);
+  CHECK(offsetof(TilingRecord, inputCount) == 3);
+  CHECK(offsetof(TilingRecord, experts) == 4);
+  CHECK(offsetof(TilingRecord, peers) == 8);
+  CHECK(offsetof(TilingRecord, rowTiles) == 12);
+  CHECK(offsetof(TilingRecord, colTiles) == 16);
+  CHECK(offsetof(TilingRecord, outputSlot) == 20);
+  CHECK(offsetof(TilingRecord, rows) == 24);
+  CHECK(offsetof(TilingRecord, cols) == 32);
+  CHECK(offsetof(TilingRecord, depth) == 40);
+  CHECK(offsetof(TilingRecord, tileM) == 48);
+  CHECK(offsetof(TilingRecord, tileN) == 52);
+  CHECK(offsetof(TilingRecord, tileK) == 56);
+  CHECK(offsetof(TilingRecord, lda) == 60);
+  CHECK(offsetof(TilingRecord, ldb) == 64);
+  CHECK(offsetof(TilingRecord, ldc) == 68);
+  CHECK(offsetof(TilingRecord, inputSlots) == 72);
+  CHECK(offsetof(TilingRecord, balancedRows) == 88);
+  CHECK(offsetof(TilingRecord, reserved) == 92);
+
+  CHECK(sizeof(EventRecord) == 16);
+  CHECK(offsetof(EventRecord, name) == 0);
+  CHECK(offsetof(EventRecord, kind) == 4);
+  CHECK(offsetof(EventRecord, reserved) == 5);
+  CHECK(offsetof(EventRecord, op) == 8);
+  CHECK(offsetof(EventRecord, threshold) == 12);
+
+  CHECK(sizeof(TaskRecord) == 24);
+  CHECK(offsetof(TaskRecord, op) == 0);
+  CHECK(offsetof(TaskRecord, firstWait) == 4);
+  CHECK(offsetof(TaskRecord, waitCount) == 8);
+  CHECK(offsetof(TaskRecord, firstSignal) == 12);
+  CHECK(offsetof(TaskRecord, signalCount) == 16);
+  CHECK(offsetof(TaskRecord, coreKind) == 20);
+  CHECK(offsetof(TaskRecord, reserved) == 21);
+
+  CHECK(sizeof(WaitRecord) == 8);
+  CHECK(offsetof(WaitRecord, event) == 0);
+  CHECK(offsetof(WaitRecord, threshold) == 4);
+
+  CHECK(sizeof(SignalRecord) == 16);
+  CHECK(offsetof(SignalRecord, event) == 0);
+  CHECK(offsetof(SignalRecord, increment) == 4);
+  CHECK(offsetof(SignalRecord, peerOffset) == 8);
+  CHECK(offsetof(SignalRecord, reserved) == 12);
+
+  CHECK(sizeof(QueueRecord) == 16);
+  CHECK(offsetof(QueueRecord, coreKind) == 0);
+  CHECK(offsetof(QueueRecord, reserved) == 1);
+  CHECK(offsetof(QueueRecord, coreIndex) == 4);
+  CHECK(offsetof(QueueRecord, firstEntry) == 8);
+  CHECK(offsetof(QueueRecord, entryCount) == 12);
+}
+
+TEST_CASE("the writer puts each field at its documented offset", "[task-binary][layout]") {
+  const TaskProgram program = smallProgram();
+  const std::vector<uint8_t> bytes = writeTaskBinary(program);
+  auto u32At = [&](uint64_t offset) {
+    uint32_t value;
+    REQUIRE(offset + 4 <= bytes.size());
+    std::memcpy(&value, bytes.data() + offset, 4);
+    return value;
+  };
+  auto u64At = [&](uint64_t offset) {
+    uint64_t value;
+    REQUIRE(offset + 8 <= bytes.size());
+    std::memcpy(&value, bytes.data() + offset, 8);
+    return value;
+  };
+  std::vector<SectionEntry> table = sectionTableOf(bytes);
+  auto sectionOffset = [&](SectionKind kind) { return table[entryIndexOf(bytes, kind)].offset; };
+
+  CHECK(u32At(48) == program.target);
+  CHECK(u32At(52) == 0);
+  CHECK(u64At(56) == 0);
+
+  uint64_t ops = sectionOffset(SectionKind::Ops);
+  CHECK(table[entryIndexOf(bytes, SectionKind::Ops)].recordSize == 24);
+  CHECK(bytes[ops + 24 + 4] == uint8_t(OpKind::Gmm));
+  CHECK(u32At(ops + 24 + 8) == 4);  // firstTask
+  CHECK(u32At(ops + 24 + 12) == 4); // taskCount
+  CHECK(u32At(ops + 24 + 16) == 1); // tiling
+  CHECK(u32At(ops + 24 + 20) == 0); // reserved2
+
+  uint64_t tilings = sectionOffset(SectionKind::Tilings);
+  CHECK(table[entryIndexOf(bytes, SectionKind::Tilings)].recordSize == 96);
+  uint64_t gmm = tilings + 96;
+  CHECK(bytes[gmm + 0] == uint8_t(OpKind::Gmm));
+  CHECK(bytes[gmm + 1] == uint8_t(DType::BF16));
+  CHECK(bytes[gmm + 2] == kTilingTransposeB);
+  CHECK(bytes[gmm + 3] == 2);
+  CHECK(u32At(gmm + 4) == 2);  // experts
+  CHECK(u32At(gmm + 8) == 1);  // peers
+  CHECK(u32At(gmm + 12) == 1); // rowTiles
+  CHECK(u32At(gmm + 16) == 2); // colTiles
+  CHECK(u32At(gmm + 20) == 3); // outputSlot
+  CHECK(u64At(gmm + 24) == 128);
+  CHECK(u64At(gmm + 32) == 512);
+  CHECK(u64At(gmm + 40) == 128);
+  CHECK(u32At(gmm + 48) == 128);
+  CHECK(u32At(gmm + 52) == 256);
+  CHECK(u32At(gmm + 56) == 64);
+  CHECK(u32At(gmm + 60) == 128);
+  CHECK(u32At(gmm + 64) == 128);
+  CHECK(u32At(gmm + 68) == 512);
+  CHECK(u32At(gmm + 72) == 1);
+  CHECK(u32At(gmm + 76) == 2);
+  CHECK(u32At(gmm + 80) == kNone);
+  CHECK(u32At(gmm + 84) == kNone);
+  CHECK(u32At(gmm + 88) == 64); // balancedRows
+  CHECK(u32At(gmm + 92) == 0);  // reserved
+
+  uint64_t tasks = sectionOffset(SectionKind::Tasks);
+  CHECK(table[entryIndexOf(bytes, SectionKind::Tasks)].recordSize == 24);
+  uint64_t task5 = tasks + 5 * 24;
+  CHECK(u32At(task5 + 0) == 1);  // op
+  CHECK(u32At(task5 + 4) == 1);  // firstWait
+  CHECK(u32At(task5 + 8) == 1);  // waitCount
+  CHECK(u32At(task5 + 12) == 5); // firstSignal
+  CHECK(u32At(task5 + 16) == 1); // signalCount
+  CHECK(bytes[task5 + 20] == uint8_t(CoreKind::Cube));
+  CHECK(table[entryIndexOf(bytes, SectionKind::Tasks)].count == 8);
+}
+
+//===----------------------------------------------------------------------===//
+// Tile grids
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("tileCoord decodes a task's place in its op", "[task-binary][tiles]") {
+  // 2 experts x 3 peers x 4 row tiles x 5 column tiles over 10 rows and 7
+  // columns: rows split [0, 2) [2, 5) [5, 7) [7, 10), columns [0, 1) [1, 2)
+  // [2, 4) [4, 5) [5, 7).
+  TilingRecord tiling;
+  tiling.experts = 2;
+  tiling.peers = 3;
+  tiling.rowTiles = 4;
+  tiling.colTiles = 5;
+  tiling.rows = 10;
+  tiling.cols = 7;
+  REQUIRE(tiling.tileCount() == 120);
+
+  TileCoord first = tileCoord(tiling, 0);
+  CHECK(first.expert == 0);
+  CHECK(first.peer == 0);
+  CHECK(first.rowTile == 0);
+  CHECK(first.colTile == 0);
+  CHECK(first.rowBegin == 0);
+  CHECK(first.rowEnd == 2);
+  CHECK(first.colBegin == 0);
+  CHECK(first.colEnd == 1);
+
+  // The column tile varies fastest, then the row tile, the peer, the expert.
+  TileCoord c = tileCoord(tiling, 1);
+  CHECK((c.expert == 0 && c.peer == 0 && c.rowTile == 0 && c.colTile == 1));
+  CHECK((c.colBegin == 1 && c.colEnd == 2));
+  c = tileCoord(tiling, 5);
+  CHECK((c.expert == 0 && c.peer == 0 && c.rowTile == 1 && c.colTile == 0));
+  CHECK((c.rowBegin == 2 && c.rowEnd == 5));
+  c = tileCoord(tiling, 20);
+  CHECK((c.expert == 0 && c.peer == 1 && c.rowTile == 0 && c.colTile == 0));
+  c = tileCoord(tiling, 60);
+  CHECK((c.expert == 1 && c.peer == 0 && c.rowTile == 0 && c.colTile == 0));
+  c = tileCoord(tiling, 1 * 60 + 2 * 20 + 2 * 5 + 3);
+  CHECK((c.expert == 1 && c.peer == 2 && c.rowTile == 2 && c.colTile == 3));
+  CHECK((c.rowBegin == 5 && c.rowEnd == 7 && c.colBegin == 4 && c.colEnd == 5));
+
+  // The last tile ends at the extents.
+  TileCoord last = tileCoord(tiling, 119);
+  CHECK(last.expert == 1);
+  CHECK(last.peer == 2);
+  CHECK(last.rowTile == 3);
+  CHECK(last.colTile == 4);
+  CHECK(last.rowBegin == 7);
+  CHECK(last.rowEnd == 10);
+  CHECK(last.colBegin == 5);
+  CHECK(last.colEnd == 7);
+
+  // Every index: the formulas of the format, and tiles that cover the
+  // extents without gaps or overlaps.
+  for (uint64_t i = 0; i < tiling.tileCount(); ++i) {
+    INFO("tile " << i);
+    TileCoord t = tileCoord(tiling, i);
+    CHECK(t.colTile == i % 5);
+    CHECK(t.rowTile == (i / 5) % 4);
+    CHECK(t.peer == (i / 20) % 3);
+    CHECK(t.expert == i / 60);
+    CHECK(t.rowBegin == t.rowTile * 10 / 4);
+    CHECK(t.rowEnd == (t.rowTile + 1) * 10 / 4);
+    CHECK(t.colBegin == t.colTile * 7 / 5);
+    CHECK(t.colEnd == (t.colTile + 1) * 7 / 5);
+    CHECK(t.rowBegin < t.rowEnd);
+    CHECK(t.colBegin < t.colEnd);
+    if (t.rowTile + 1 < tiling.rowTiles)
+      CHECK(tileCoord(tiling, i + 5).rowBegin == t.rowEnd);
+    if (t.colTile + 1 < tiling.colTiles)
+      CHECK(tileCoord(tiling, i + 1).colBegin == t.colEnd);
+  }
+
+  // tileBegin directly: i * extent / tiles.
+  CHECK(tileBegin(0, 10, 4) == 0);
+  CHECK(tileBegin(1, 10, 4) == 2);
+  CHECK(tileBegin(3, 10, 4) == 7);
+  CHECK(tileBegin(4, 10, 4) == 10);
+  CHECK(tileBegin(3, 3, 3) == 3);
+
+  // A single tile is the whole extent.
+  TilingRecord one;
+  one.rows = 1000;
+  one.cols = 3;
+  TileCoord whole = tileCoord(one, 0);
+  CHECK((whole.expert == 0 && whole.peer == 0 && whole.rowTile == 0 && whole.colTile == 0));
+  CHECK((whole.rowBegin == 0 && whole.rowEnd == 1000 && whole.colBegin == 0 && whole.colEnd == 3));
+
+  // Large extents: the last of 3 row tiles of 2^40 rows ends at 2^40.
+  TilingRecord large;
+  large.rowTiles = 3;
+  large.rows = uint64_t(1) << 40;
+  CHECK(tileCoord(large, 2).rowEnd == uint64_t(1) << 40);
+  CHECK(tileCoord(large, 1).rowBegin == (uint64_t(1) << 40) / 3);
+}
+
+TEST_CASE("each task is the tile of its place in its op", "[task-binary][tiles]") {
+  const TaskProgram p = smallProgram();
+  REQUIRE(validateTaskProgram(p).ok());
+  for (uint32_t o = 0; o < p.ops.size(); ++o) {
+    const OpRecord &op = p.ops[o];
+    const TilingRecord &tiling = p.tilings[op.tiling];
+    REQUIRE(tiling.tileCount() == op.taskCount);
+    for (uint32_t k = 0; k < op.taskCount; ++k) {
+      const TaskRecord &task = p.tasks[op.firstTask + k];
+      CHECK(task.op == o);
+      TileCoord tile = tileCoord(tiling, k);
+      if (op.kind == OpKind::Dispatch) {
+        // A put to the tile's peer signals the event on that peer.
+        CHECK(tile.expert == k / 2);
+        CHECK(tile.peer == k % 2);
+        CHECK(p.signals[task.firstSignal].peerOffset == tile.peer);
+        CHECK((tile.rowBegin == 0 && tile.rowEnd == 32 && tile.colEnd == 128));
+      } else {
+        CHECK(tile.expert == k / 2);
+        CHECK(tile.peer == 0);
+        CHECK(tile.colBegin == 256 * (k % 2));
+        CHECK(tile.colEnd == 256 * (k % 2) + 256);
+        CHECK((tile.rowBegin == 0 && tile.rowEnd == 128));
+      }
+    }
+  }
+}
+
+//===----------------------------------------------------------------------===//
 // Round trip
 //===----------------------------------------------------------------------===//
 
 TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
   TaskProgram program = smallProgram();
-  REQUIRE(validateTaskProgram(program).ok());
+  {
+    Status status = validateTaskProgram(program);
+    INFO(status.message());
+    REQUIRE(status.ok());
+  }
   std::vector<uint8_t> bytes = writeTaskBinary(program);
 
   FileHeader header = headerOf(bytes);
@@ -285,14 +629,19 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
   CHECK(header.localExperts == 2);
   CHECK(header.sectionCount == kSectionKindCount);
   CHECK(header.sectionTableOffset == 64);
+  CHECK(header.target == program.target);
+  for (uint32_t word : header.reserved)
+    CHECK(word == 0);
   CHECK(bytes.size() % kSectionAlignment == 0);
 
   // The writer lays the sections out in kind order, aligned, back to back.
   std::vector<SectionEntry> table = sectionTableOf(bytes);
   REQUIRE(table.size() == kSectionKindCount);
+  const uint32_t recordSizes[kSectionKindCount] = {1, 56, 24, 96, 16, 24, 8, 16, 16, 4};
   uint64_t end = 64 + kSectionKindCount * sizeof(SectionEntry);
   for (size_t i = 0; i < table.size(); ++i) {
     CHECK(table[i].kind == i + 1);
+    CHECK(table[i].recordSize == recordSizes[i]);
     CHECK(table[i].offset % 8 == 0);
     CHECK(table[i].offset >= end);
     CHECK(table[i].offset < end + 8);
@@ -307,6 +656,8 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
   CHECK(read.flags == program.flags);
   CHECK(read.epRanks == 2);
   CHECK(read.localExperts == 2);
+  CHECK(read.target == program.target);
+  CHECK(read.name(read.target) == "ascend-910b");
   CHECK(read.strings == program.strings);
   REQUIRE(read.slots.size() == 4);
   for (size_t i = 0; i < read.slots.size(); ++i) {
@@ -327,32 +678,42 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
     CHECK(read.ops[i].kind == program.ops[i].kind);
     CHECK(read.ops[i].firstTask == program.ops[i].firstTask);
     CHECK(read.ops[i].taskCount == program.ops[i].taskCount);
+    CHECK(read.ops[i].tiling == program.ops[i].tiling);
+    CHECK(read.ops[i].reserved2 == 0);
   }
   CHECK(read.name(read.ops[1].name) == "up_proj");
-  REQUIRE(read.tilings.size() == 3);
+  CHECK(read.ops[1].tiling == 1);
+  REQUIRE(read.tilings.size() == 2);
   for (size_t i = 0; i < read.tilings.size(); ++i) {
     const TilingRecord &a = read.tilings[i], &b = program.tilings[i];
     CHECK(a.opKind == b.opKind);
     CHECK(a.dtype == b.dtype);
     CHECK(a.flags == b.flags);
     CHECK(a.inputCount == b.inputCount);
-    CHECK(a.expert == b.expert);
-    CHECK(a.rowOffset == b.rowOffset);
-    CHECK(a.rowCount == b.rowCount);
-    CHECK(a.colOffset == b.colOffset);
-    CHECK(a.colCount == b.colCount);
+    CHECK(a.experts == b.experts);
+    CHECK(a.peers == b.peers);
+    CHECK(a.rowTiles == b.rowTiles);
+    CHECK(a.colTiles == b.colTiles);
+    CHECK(a.outputSlot == b.outputSlot);
+    CHECK(a.rows == b.rows);
+    CHECK(a.cols == b.cols);
+    CHECK(a.depth == b.depth);
     CHECK(a.tileM == b.tileM);
     CHECK(a.tileN == b.tileN);
     CHECK(a.tileK == b.tileK);
-    CHECK(a.outputSlot == b.outputSlot);
     CHECK(a.lda == b.lda);
     CHECK(a.ldb == b.ldb);
     CHECK(a.ldc == b.ldc);
     for (unsigned k = 0; k < kMaxTilingInputs; ++k)
       CHECK(a.inputSlots[k] == b.inputSlots[k]);
+    CHECK(a.balancedRows == b.balancedRows);
+    CHECK(a.reserved == 0);
   }
-  CHECK(read.tilings[0].expert == kNone);
-  CHECK(read.tilings[2].expert == 1);
+  CHECK(read.tilings[0].tileCount() == 4);
+  CHECK(read.tilings[0].peers == 2);
+  CHECK(read.tilings[1].colTiles == 2);
+  CHECK(read.tilings[1].depth == 128);
+  CHECK(read.tilings[0].inputSlots[1] == kNone);
   REQUIRE(read.events.size() == 2);
   for (size_t i = 0; i < read.events.size(); ++i) {
     CHECK(read.name(read.events[i].name) == program.name(program.events[i].name));
@@ -360,29 +721,28 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
     CHECK(read.events[i].op == program.events[i].op);
     CHECK(read.events[i].threshold == program.events[i].threshold);
   }
-  REQUIRE(read.tasks.size() == 4);
+  REQUIRE(read.tasks.size() == 8);
   for (size_t i = 0; i < read.tasks.size(); ++i) {
     const TaskRecord &a = read.tasks[i], &b = program.tasks[i];
     CHECK(a.op == b.op);
-    CHECK(a.tiling == b.tiling);
     CHECK(a.firstWait == b.firstWait);
     CHECK(a.waitCount == b.waitCount);
     CHECK(a.firstSignal == b.firstSignal);
     CHECK(a.signalCount == b.signalCount);
     CHECK(a.coreKind == b.coreKind);
   }
-  REQUIRE(read.waits.size() == 2);
+  REQUIRE(read.waits.size() == 4);
   for (size_t i = 0; i < read.waits.size(); ++i) {
     CHECK(read.waits[i].event == program.waits[i].event);
     CHECK(read.waits[i].threshold == program.waits[i].threshold);
   }
-  REQUIRE(read.signals.size() == 6);
+  REQUIRE(read.signals.size() == 8);
   for (size_t i = 0; i < read.signals.size(); ++i) {
     CHECK(read.signals[i].event == program.signals[i].event);
     CHECK(read.signals[i].increment == program.signals[i].increment);
     CHECK(read.signals[i].peerOffset == program.signals[i].peerOffset);
   }
-  REQUIRE(read.queues.size() == 2);
+  REQUIRE(read.queues.size() == 3);
   for (size_t i = 0; i < read.queues.size(); ++i) {
     CHECK(read.queues[i].coreKind == program.queues[i].coreKind);
     CHECK(read.queues[i].coreIndex == program.queues[i].coreIndex);
@@ -393,6 +753,13 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
 
   // The same program always gives the same bytes.
   CHECK(writeTaskBinary(read) == bytes);
+
+  // The target is part of the program.
+  TaskProgram other = program;
+  other.target = program.name(program.target).size() + 1; // the name "x"
+  REQUIRE(validateTaskProgram(other).ok());
+  CHECK(other != program);
+  CHECK(readOk(writeTaskBinary(other)).target == other.target);
 }
 
 TEST_CASE("peers and experts are resolved relative to the loading rank", "[task-binary]") {
@@ -408,12 +775,18 @@ TEST_CASE("peers and experts are resolved relative to the loading rank", "[task-
 }
 
 TEST_CASE("an empty program round-trips", "[task-binary]") {
+  // Nothing but the target's name, which every binary has.
   TaskProgram program;
+  program.target = program.addString("cpu");
   std::vector<uint8_t> bytes = writeTaskBinary(program);
-  CHECK(bytes.size() == 64 + kSectionKindCount * sizeof(SectionEntry));
+  CHECK(bytes.size() == 64 + kSectionKindCount * sizeof(SectionEntry) + 8);
   CHECK(readOk(bytes) == program);
-}
 
+  // Without a name, the target's offset 0 names nothing.
+  TaskProgram nameless;
+  CHECK(contentError(nameless) ==
+        "header: target: name offset 0 is past the end of the 0-byte string table");
+}
 TEST_CASE("files: write, load, and the errors that name the path", "[task-binary]") {
   TaskProgram program = smallProgram();
   std::string path = tempPath("small.moebin");
@@ -450,7 +823,7 @@ TEST_CASE("files: write, load, and the errors that name the path", "[task-binary
   status = writeTaskBinaryFile(invalid, refused);
   REQUIRE_FALSE(status.ok());
   CHECK(status.message() ==
-        refused + ": task 2: wait 0 names event 900, but the binary has 2 events");
+        refused + ": task 4: wait 0 names event 900, but the binary has 2 events");
   CHECK(std::fopen(refused.c_str(), "rb") == nullptr);
 }
 
@@ -557,12 +930,54 @@ TEST_CASE("header fields", "[task-binary][errors]") {
   fixHeader(count);
   CHECK(readError(count) == "header: the section table has 9 entries; version 1 has 10");
 
+  std::vector<uint8_t> lastReserved = bytes;
+  put<uint32_t>(lastReserved, offsetof(FileHeader, reserved) + 8, 0x100);
+  fixHeader(lastReserved);
+  CHECK(readError(lastReserved) == "header: reserved bytes are not zero");
+
   TaskProgram program = smallProgram();
   program.flags = 0x10 | kFlagBackward;
   CHECK(contentError(program) == "header: unknown flag bits 0x10");
   program = smallProgram();
   program.epRanks = 0;
   CHECK(contentError(program) == "header: the EP group has 0 ranks");
+}
+
+TEST_CASE("the header's target names a string", "[task-binary][errors]") {
+  TaskProgram program = smallProgram();
+  const std::string tableSize = std::to_string(program.strings.size());
+
+  SECTION("an offset past the string table, in the program") {
+    program.target = uint32_t(program.strings.size());
+    CHECK(contentError(program) == "header: target: name offset " + tableSize +
+                                       " is past the end of the " + tableSize +
+                                       "-byte string table");
+  }
+  SECTION("an offset past the string table, in the file") {
+    std::vector<uint8_t> bytes = writeTaskBinary(program);
+    put<uint32_t>(bytes, offsetof(FileHeader, target), 5000);
+    CHECK(readError(bytes).rfind("bad checksum: ", 0) == 0);
+    fixHeader(bytes);
+    CHECK(readError(bytes) == "header: target: name offset 5000 is past the end of the " +
+                                  tableSize + "-byte string table");
+    put<uint32_t>(bytes, offsetof(FileHeader, target), kNone);
+    fixHeader(bytes);
+    CHECK(readError(bytes) == "header: target: name offset 4294967295 is past the end of the " +
+                                  tableSize + "-byte string table");
+  }
+  SECTION("a name that is not terminated") {
+    TaskProgram bare;
+    bare.strings = "cpu";
+    CHECK(contentError(bare) == "header: target: the name at offset 0 is not NUL-terminated");
+  }
+  SECTION("any name in the table will do; names may be shared") {
+    program.target = program.slots[0].name;
+    TaskProgram read = readOk(writeTaskBinary(program));
+    CHECK(read.name(read.target) == "x");
+    // An offset inside a name names its tail.
+    program.target = 3;
+    CHECK(readOk(writeTaskBinary(program)).name(3) == "end-910b");
+  }
 }
 
 //===----------------------------------------------------------------------===//
@@ -596,6 +1011,10 @@ TEST_CASE("truncation at every section boundary", "[task-binary][errors]") {
     }
   }
   CHECK(checked == 2 * kSectionKindCount);
+  // Each section ends where the next begins, up to padding; so these are the
+  // cuts at every section boundary.
+  for (size_t i = 0; i + 1 < table.size(); ++i)
+    CHECK(table[i + 1].offset - (table[i].offset + table[i].count * table[i].recordSize) < 8);
 
   // Cuts inside the section table.
   for (uint64_t cut : {uint64_t(64), uint64_t(64 + 24 * 3 + 5)}) {
@@ -630,7 +1049,7 @@ TEST_CASE("misaligned, overlapping and misplaced sections", "[task-binary][error
     fixHeader(b);
     CHECK(readError(b) == "section 'slots' (offset " + std::to_string(table[slots].offset) +
                               ", 224 bytes) " + "overlaps section 'ops' (offset " +
-                              std::to_string(table[slots].offset + 8) + ", 32 bytes)");
+                              std::to_string(table[slots].offset + 8) + ", 48 bytes)");
   }
   SECTION("the same offset as another section") {
     std::vector<uint8_t> b = bytes;
@@ -643,13 +1062,13 @@ TEST_CASE("misaligned, overlapping and misplaced sections", "[task-binary][error
     put<uint64_t>(b, opsOffsetField, 64 + 8 * 24);
     fixHeader(b);
     CHECK(readError(b) ==
-          "the section table (offset 64, 240 bytes) overlaps section 'ops' (offset 256, 32 bytes)");
+          "the section table (offset 64, 240 bytes) overlaps section 'ops' (offset 256, 48 bytes)");
   }
   SECTION("inside the header") {
     std::vector<uint8_t> b = bytes;
     put<uint64_t>(b, opsOffsetField, 16);
     fixHeader(b);
-    CHECK(readError(b) == "section 'ops' (offset 16, 32 bytes) starts inside the 64-byte header");
+    CHECK(readError(b) == "section 'ops' (offset 16, 48 bytes) starts inside the 64-byte header");
   }
   SECTION("the section table inside the header or misaligned") {
     std::vector<uint8_t> b = bytes;
@@ -674,18 +1093,30 @@ TEST_CASE("misaligned, overlapping and misplaced sections", "[task-binary][error
                               ": a second 'slots' section (the first is entry " +
                               std::to_string(slots) + ")");
     b = bytes;
-    put<uint32_t>(b, entryOffset(b, ops) + offsetof(SectionEntry, recordSize), 20);
+    put<uint32_t>(b, entryOffset(b, ops) + offsetof(SectionEntry, recordSize), 16);
     fixHeader(b);
-    CHECK(readError(b) == "section 'ops': record size 20, but version 1 ops records are 16 bytes");
+    CHECK(readError(b) == "section 'ops': record size 16, but version 1 ops records are 24 bytes");
+    b = bytes;
+    size_t tilings = entryIndexOf(b, SectionKind::Tilings);
+    put<uint32_t>(b, entryOffset(b, tilings) + offsetof(SectionEntry, recordSize), 88);
+    fixHeader(b);
+    CHECK(readError(b) ==
+          "section 'tilings': record size 88, but version 1 tilings records are 96 bytes");
+    b = bytes;
+    size_t tasks = entryIndexOf(b, SectionKind::Tasks);
+    put<uint32_t>(b, entryOffset(b, tasks) + offsetof(SectionEntry, recordSize), 28);
+    fixHeader(b);
+    CHECK(readError(b) ==
+          "section 'tasks': record size 28, but version 1 tasks records are 24 bytes");
   }
   SECTION("empty sections may sit anywhere past the header") {
     TaskProgram program = smallProgram();
-    program.tilings.clear();
+    program.waits.clear();
     for (TaskRecord &task : program.tasks)
-      task.tiling = kNone;
+      task.firstWait = task.waitCount = 0;
     std::vector<uint8_t> b = writeTaskBinary(program);
-    size_t tilings = entryIndexOf(b, SectionKind::Tilings);
-    put<uint64_t>(b, entryOffset(b, tilings) + offsetof(SectionEntry, offset),
+    size_t waits = entryIndexOf(b, SectionKind::Waits);
+    put<uint64_t>(b, entryOffset(b, waits) + offsetof(SectionEntry, offset),
                   sectionTableOf(b)[slots].offset + 8);
     fixHeader(b);
     CHECK(readOk(b) == program);
@@ -702,11 +1133,11 @@ TEST_CASE("record counts that overflow or exceed 32-bit indices", "[task-binary]
   put<uint64_t>(b, countField, uint64_t(1) << 62);
   fixHeader(b);
   CHECK(readError(b) ==
-        "section 'tasks': 4611686018427387904 records of 28 bytes overflow a 64-bit size");
+        "section 'tasks': 4611686018427387904 records of 24 bytes overflow a 64-bit size");
   put<uint64_t>(b, countField, ~uint64_t(0));
   fixHeader(b);
   CHECK(readError(b) ==
-        "section 'tasks': 18446744073709551615 records of 28 bytes overflow a 64-bit size");
+        "section 'tasks': 18446744073709551615 records of 24 bytes overflow a 64-bit size");
 
   put<uint64_t>(b, countField, uint64_t(1) << 33);
   fixHeader(b);
@@ -716,7 +1147,7 @@ TEST_CASE("record counts that overflow or exceed 32-bit indices", "[task-binary]
   put<uint64_t>(b, countField, 1000000);
   fixHeader(b);
   CHECK(readError(b) == "truncated: section 'tasks' (offset " + std::to_string(tasksOffset) +
-                            ", 28000000 bytes) ends past the end of the " +
+                            ", 24000000 bytes) ends past the end of the " +
                             std::to_string(b.size()) + "-byte file");
 
   // An absurd section table offset.
@@ -737,15 +1168,19 @@ TEST_CASE("out-of-range indices", "[task-binary][errors]") {
 
   SECTION("event in a wait") {
     p.waits[0].event = 900;
-    CHECK(contentError(p) == "task 2: wait 0 names event 900, but the binary has 2 events");
+    CHECK(contentError(p) == "task 4: wait 0 names event 900, but the binary has 2 events");
   }
   SECTION("event in a signal") {
     p.signals[3].event = 2;
-    CHECK(contentError(p) == "task 1: signal 1 names event 2, but the binary has 2 events");
+    CHECK(contentError(p) == "task 3: signal 0 names event 2, but the binary has 2 events");
   }
   SECTION("event in a wait no task uses") {
     p.waits.push_back({7, 0});
-    CHECK(contentError(p) == "wait 2 names event 7, but the binary has 2 events");
+    CHECK(contentError(p) == "wait 4 names event 7, but the binary has 2 events");
+  }
+  SECTION("event in a signal no task uses") {
+    p.signals.push_back({9, 1, 0, 0});
+    CHECK(contentError(p) == "signal 8 names event 9, but the binary has 2 events");
   }
   SECTION("slot in a tiling input") {
     p.tilings[1].inputSlots[1] = 40;
@@ -763,24 +1198,39 @@ TEST_CASE("out-of-range indices", "[task-binary][errors]") {
     p.tilings[0].inputSlots[2] = 1;
     CHECK(contentError(p) == "tiling 0: input 2 is past the input count 1 but names slot 1 (unused "
                              "inputs are 0xffffffff)");
+    p = smallProgram();
+    p.tilings[1].inputSlots[3] = 0;
+    CHECK(contentError(p) == "tiling 1: input 3 is past the input count 2 but names slot 0 (unused "
+                             "inputs are 0xffffffff)");
+  }
+  SECTION("all four inputs, and an input count above 4") {
+    p.tilings[1].inputCount = 4;
+    p.tilings[1].inputSlots[2] = 0;
+    p.tilings[1].inputSlots[3] = 3;
+    CHECK(validateTaskProgram(p).ok());
+    p.tilings[1].inputCount = 5;
+    CHECK(contentError(p) == "tiling 1: input count 5 is above 4");
+  }
+  SECTION("tiling in an op") {
+    p.ops[1].tiling = 2;
+    CHECK(contentError(p) == "op 1 'up_proj': names tiling 2, but the binary has 2 tilings");
+    p.ops[1].tiling = kNone;
+    CHECK(contentError(p) ==
+          "op 1 'up_proj': names tiling 4294967295, but the binary has 2 tilings");
   }
   SECTION("task in a queue") {
-    p.queueEntries[3] = 17;
+    p.queueEntries[5] = 17;
     CHECK(contentError(p) ==
-          "queue 1 (cube core 0): entry 1 names task 17, but the binary has 4 tasks");
+          "queue 1 (cube core 0): entry 1 names task 17, but the binary has 8 tasks");
   }
   SECTION("task in a queue entry no queue uses") {
-    p.queueEntries.push_back(4);
-    CHECK(contentError(p) == "queue entry 4 names task 4, but the binary has 4 tasks");
-  }
-  SECTION("tiling in a task") {
-    p.tasks[3].tiling = 3;
-    CHECK(contentError(p) == "task 3: names tiling 3, but the binary has 3 tilings");
+    p.queueEntries.push_back(8);
+    CHECK(contentError(p) == "queue entry 8 names task 8, but the binary has 8 tasks");
   }
   SECTION("op in a task") {
     p.tasks[0].op = 2;
     CHECK(contentError(p) ==
-          "op 0 'dispatch': its task range [0, 2) holds task 0, which names op 2");
+          "op 0 'dispatch': its task range [0, 4) holds task 0, which names op 2");
   }
   SECTION("op in an event") {
     p.events[1].op = 5;
@@ -808,33 +1258,29 @@ TEST_CASE("out-of-range indices", "[task-binary][errors]") {
           "event 1: the name at offset " + std::to_string(doneOffset) + " is not NUL-terminated");
   }
   SECTION("a task's wait range") {
-    p.tasks[3].firstWait = 1;
-    p.tasks[3].waitCount = 2;
-    CHECK(contentError(p) == "task 3: waits [1, 3) run past the 2 waits of the binary");
+    p.tasks[7].firstWait = 3;
+    p.tasks[7].waitCount = 2;
+    CHECK(contentError(p) == "task 7: waits [3, 5) run past the 4 waits of the binary");
   }
   SECTION("a task's signal range, without overflowing") {
     p.tasks[0].firstSignal = 0xFFFFFFFFu;
     p.tasks[0].signalCount = 2;
     CHECK(contentError(p) ==
-          "task 0: signals [4294967295, 4294967297) run past the 6 signals of the binary");
+          "task 0: signals [4294967295, 4294967297) run past the 8 signals of the binary");
   }
   SECTION("an op's task range") {
-    p.ops[1].taskCount = 3;
-    CHECK(contentError(p) == "op 1 'up_proj': tasks [2, 5) run past the 4 tasks of the binary");
+    p.ops[1].firstTask = 5;
+    CHECK(contentError(p) == "op 1 'up_proj': tasks [5, 9) run past the 8 tasks of the binary");
   }
   SECTION("a queue's entry range") {
-    p.queues[1].entryCount = 5;
+    p.queues[2].entryCount = 3;
     CHECK(contentError(p) ==
-          "queue 1 (cube core 0): entries [2, 7) run past the 4 queue entries of the binary");
-  }
-  SECTION("an expert") {
-    p.tilings[2].expert = 2;
-    CHECK(contentError(p) == "tiling 2: expert 2 is not below the 2 local experts");
+          "queue 2 (cube core 1): entries [6, 9) run past the 8 queue entries of the binary");
   }
   SECTION("a peer offset") {
     p.signals[1].peerOffset = 2;
     CHECK(contentError(p) ==
-          "task 0: signal 1 goes to peer offset 2, but the EP group has 2 ranks");
+          "task 1: signal 0 goes to peer offset 2, but the EP group has 2 ranks");
   }
 }
 
@@ -880,10 +1326,22 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
     CHECK(contentError(p) == "task 2: reserved bytes are not zero");
     p = smallProgram();
     p.signals[5].reserved = 3;
-    CHECK(contentError(p) == "task 3: signal 0: reserved bytes are not zero");
+    CHECK(contentError(p) == "task 5: signal 0: reserved bytes are not zero");
     p = smallProgram();
     p.slots[3].reserved1 = 3;
     CHECK(contentError(p) == "slot 3 'y': reserved bytes are not zero");
+    p = smallProgram();
+    p.ops[1].reserved[2] = 1;
+    CHECK(contentError(p) == "op 1 'up_proj': reserved bytes are not zero");
+    p = smallProgram();
+    p.ops[0].reserved2 = 0x10000;
+    CHECK(contentError(p) == "op 0 'dispatch': reserved bytes are not zero");
+    p = smallProgram();
+    p.events[0].reserved[0] = 1;
+    CHECK(contentError(p) == "event 0 'dispatch.rows_in': reserved bytes are not zero");
+    p = smallProgram();
+    p.queues[2].reserved[2] = 1;
+    CHECK(contentError(p) == "queue 2 (cube core 1): reserved bytes are not zero");
   }
   SECTION("slot shapes") {
     p.slots[0].rank = 5;
@@ -905,46 +1363,287 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
   }
 }
 
+TEST_CASE("ops and their tile grids", "[task-binary][errors][tiles]") {
+  TaskProgram p = smallProgram();
+
+  SECTION("a tiling for another op kind") {
+    p.ops[0].tiling = 1;
+    CHECK(contentError(p) ==
+          "op 0 'dispatch': tiling 1 is for a gmm op, but the op is a dispatch op");
+  }
+  SECTION("ops of one kind may share a tiling") {
+    // A second gmm op over the same grid (tasks 8..11, on a third cube core).
+    OpRecord second = p.ops[1];
+    second.name = p.addString("gate_proj");
+    second.firstTask = 8;
+    p.ops.push_back(second);
+    for (uint32_t k = 0; k < 4; ++k) {
+      TaskRecord task = p.tasks[4 + k];
+      task.op = 2;
+      task.firstSignal = 8;
+      p.tasks.push_back(task);
+      p.queueEntries.push_back(8 + k);
+    }
+    p.signals.push_back({1, 1, 0, 0});
+    p.events[1].threshold = 8;
+    p.queues.push_back({CoreKind::Cube, {}, 2, 8, 4});
+    Status status = validateTaskProgram(p);
+    INFO(status.message());
+    CHECK(status.ok());
+    CHECK(readOk(writeTaskBinary(p)) == p);
+  }
+  SECTION("a task count other than the grid's") {
+    p.tilings[1].colTiles = 3;
+    CHECK(contentError(p) ==
+          "op 1 'up_proj': has 4 tasks, but its tiling 1 is a grid of 6 tiles (2 x 1 x 1 x 3)");
+    p = smallProgram();
+    p.ops[0].taskCount = 3;
+    CHECK(contentError(p) ==
+          "op 0 'dispatch': has 3 tasks, but its tiling 0 is a grid of 4 tiles (2 x 2 x 1 x 1)");
+  }
+  SECTION("experts: 1 or L") {
+    p.tilings[1].experts = 3;
+    CHECK(contentError(p) == "tiling 1: a grid of 3 experts; it must be 1 or the 2 local experts");
+    p.tilings[1].experts = 0;
+    CHECK(contentError(p) == "tiling 1: a grid of 0 experts; it must be 1 or the 2 local experts");
+    // One expert: the op's 4 tasks are 1 x 1 x 1 x 4 tiles.
+    p.tilings[1].experts = 1;
+    p.tilings[1].colTiles = 4;
+    CHECK(validateTaskProgram(p).ok());
+    // With L = 1, only a grid of 1 expert will do.
+    p = smallProgram();
+    p.localExperts = 1;
+    CHECK(contentError(p) == "tiling 0: a grid of 2 experts; it must be 1 or the 1 local experts");
+  }
+  SECTION("peers: 1 or R") {
+    p.tilings[0].peers = 3;
+    CHECK(contentError(p) == "tiling 0: a grid of 3 peers; it must be 1 or the 2 ranks");
+    p.tilings[0].peers = 0;
+    CHECK(contentError(p) == "tiling 0: a grid of 0 peers; it must be 1 or the 2 ranks");
+    // One peer: the 4 dispatch tasks as 2 experts x 2 row tiles.
+    p.tilings[0].peers = 1;
+    p.tilings[0].rowTiles = 2;
+    CHECK(validateTaskProgram(p).ok());
+  }
+  SECTION("an empty grid") {
+    p.tilings[1].rowTiles = 0;
+    CHECK(contentError(p) == "tiling 1: a grid of 0 x 2 tiles is empty");
+    p = smallProgram();
+    p.tilings[0].colTiles = 0;
+    CHECK(contentError(p) == "tiling 0: a grid of 1 x 0 tiles is empty");
+  }
+  SECTION("fewer rows or columns than tiles") {
+    p.tilings[1].rows = 0;
+    CHECK(contentError(p) == "tiling 1: 1 row tiles of 0 rows and 2 column tiles of 512 columns "
+                             "leave a tile empty");
+    p = smallProgram();
+    p.tilings[1].cols = 1;
+    CHECK(contentError(p) == "tiling 1: 1 row tiles of 128 rows and 2 column tiles of 1 columns "
+                             "leave a tile empty");
+    // As many as tiles: every tile has one.
+    p = smallProgram();
+    p.tilings[1].cols = 2;
+    CHECK(validateTaskProgram(p).ok());
+  }
+  SECTION("balanced rows are an estimate, not a bound") {
+    // A weight-gradient GMM (depth 0) reduces over balancedRows rows, which
+    // may be more than the rows (of the weight) it tiles.
+    p.tilings[1].depth = 0;
+    p.tilings[1].balancedRows = 4096;
+    CHECK(validateTaskProgram(p).ok());
+    p.tilings[0].balancedRows = 0;
+    CHECK(validateTaskProgram(p).ok());
+  }
+  SECTION("reserved bytes of a tiling") {
+    p.tilings[1].reserved = 1;
+    CHECK(contentError(p) == "tiling 1: reserved bytes are not zero");
+  }
+  SECTION("tile bounds that overflow 64 bits") {
+    // tileBegin(2, rows, 2) = 2 * rows / 2 must not wrap.
+    p.tilings[1].rowTiles = 2;
+    p.tilings[1].colTiles = 1;
+    p.tilings[1].rows = uint64_t(1) << 63;
+    CHECK(contentError(p) == "tiling 1: 2 row tiles of 9223372036854775808 rows and 1 column tiles "
+                             "of 512 columns overflow the 64-bit tile bounds");
+    p.tilings[1].rows = (uint64_t(1) << 63) - 1;
+    REQUIRE(validateTaskProgram(p).ok());
+    CHECK(tileCoord(p.tilings[1], 1).rowEnd == p.tilings[1].rows);
+    CHECK(tileCoord(p.tilings[1], 1).rowBegin < p.tilings[1].rows);
+  }
+  SECTION("a tiling no op uses is checked too") {
+    TilingRecord unused = p.tilings[1];
+    unused.rowTiles = 0;
+    p.tilings.push_back(unused);
+    CHECK(contentError(p) == "tiling 2: a grid of 0 x 2 tiles is empty");
+    p.tilings.back() = p.tilings[1];
+    p.tilings.back().opKind = OpKind(6);
+    CHECK(contentError(p) == "tiling 2: op kind 6 is not an op kind (1..5)");
+  }
+}
+
+TEST_CASE("a grid holds at most 2^32 - 1 tiles", "[task-binary][errors][tiles]") {
+  SECTION("2^32 tiles") {
+    TaskProgram p = bareProgram(1u << 16, 1u << 16);
+    TilingRecord tiling;
+    tiling.experts = 1u << 16;
+    tiling.peers = 1u << 16;
+    p.tilings.push_back(tiling);
+    CHECK(contentError(p) == "tiling 0: a grid of 4294967296 tiles is above the 4294967295 a "
+                             "binary holds");
+    // One fewer expert: 2^32 - 2^16 tiles fit, and the op that uses them
+    // must have as many tasks.
+    p.localExperts = tiling.experts = p.tilings[0].experts = (1u << 16) - 1;
+    p.ops.push_back({p.addString("gmm"), OpKind::Gmm, {}, 0, 0, 0, 0});
+    CHECK(contentError(p) ==
+          "op 0 'gmm': has 0 tasks, but its tiling 0 is a grid of 4294901760 tiles (65535 x "
+          "65536 x 1 x 1)");
+  }
+  SECTION("a grid whose count wraps 64 bits to 0") {
+    // 2^16 experts x 2^16 peers x 2^16 x 2^16 tiles: 2^64, which tileCount()
+    // wraps to 0; an op of no tasks must not pass for it.
+    TaskProgram p = bareProgram(1u << 16, 1u << 16);
+    TilingRecord tiling;
+    tiling.experts = tiling.peers = tiling.rowTiles = tiling.colTiles = 1u << 16;
+    tiling.rows = tiling.cols = 1u << 16;
+    p.tilings.push_back(tiling);
+    p.ops.push_back({p.addString("gmm"), OpKind::Gmm, {}, 0, 0, 0, 0});
+    REQUIRE(tiling.tileCount() == 0);
+    CHECK(contentError(p) == "tiling 0: a grid of 65536 x 65536 x 65536 x 65536 tiles is above "
+                             "the 4294967295 a binary holds");
+  }
+  SECTION("a grid whose count wraps 64 bits to 1") {
+    // 3935371 x 409891 x 7623851 x 3 = 2^65 + 1, which tileCount() wraps
+    // to 1: an op of one task must not pass for it.
+    const uint32_t experts = 3935371, peers = 409891, rowTiles = 7623851;
+    TaskProgram p = bareProgram(peers, experts);
+    TilingRecord tiling;
+    tiling.experts = experts;
+    tiling.peers = peers;
+    tiling.rowTiles = rowTiles;
+    tiling.colTiles = 3;
+    tiling.rows = rowTiles;
+    tiling.cols = 3;
+    p.tilings.push_back(tiling);
+    p.ops.push_back({p.addString("gmm"), OpKind::Gmm, {}, 0, 1, 0, 0});
+    TaskRecord task;
+    task.coreKind = CoreKind::Cube;
+    p.tasks.push_back(task);
+    p.queues.push_back({CoreKind::Cube, {}, 0, 0, 1});
+    p.queueEntries.push_back(0);
+    REQUIRE(tiling.tileCount() == 1);
+    CHECK(contentError(p) == "tiling 0: a grid of 3935371 x 409891 x 7623851 x 3 tiles is above "
+                             "the 4294967295 a binary holds");
+    // The same program with a grid of one tile is valid.
+    p.tilings[0].experts = p.tilings[0].peers = p.tilings[0].rowTiles = p.tilings[0].colTiles = 1;
+    Status status = validateTaskProgram(p);
+    INFO(status.message());
+    CHECK(status.ok());
+  }
+}
+
 TEST_CASE("consistency of tasks, queues and events", "[task-binary][errors]") {
   TaskProgram p = smallProgram();
-  SECTION("a tiling for another op kind") {
-    p.tasks[0].tiling = 1;
-    CHECK(contentError(p) ==
-          "task 0: tiling 1 is for a gmm op, but the task's op 0 'dispatch' is a dispatch op");
-  }
   SECTION("a task in a queue of the other core kind") {
     p.tasks[1].coreKind = CoreKind::Cube;
     CHECK(contentError(p) == "queue 0 (vector core 0): entry 1 is task 1, a cube task");
   }
   SECTION("a task in two queues") {
-    p.queueEntries = {0, 1, 2, 3, 1};
-    p.queues.push_back({CoreKind::Vector, {}, 1, 4, 1});
+    p.queueEntries.push_back(1);
+    p.queues.push_back({CoreKind::Vector, {}, 1, 8, 1});
     CHECK(contentError(p) ==
-          "task 1 is in queue 0 (vector core 0) and again in queue 2 (vector core 1)");
+          "task 1 is in queue 0 (vector core 0) and again in queue 3 (vector core 1)");
   }
   SECTION("a task in no queue") {
-    p.queues[1].entryCount = 1;
-    CHECK(contentError(p) == "task 3 is in no queue");
+    p.queues[2].entryCount = 1;
+    CHECK(contentError(p) == "task 7 is in no queue");
   }
   SECTION("two queues for one core") {
-    p.queues.push_back({CoreKind::Cube, {}, 0, 4, 0});
-    CHECK(contentError(p) == "queue 2 (cube core 0): the same core as queue 1");
+    p.queues.push_back({CoreKind::Cube, {}, 1, 8, 0});
+    CHECK(contentError(p) == "queue 3 (cube core 1): the same core as queue 2");
   }
-  SECTION("a peer signal on a local event") {
+  SECTION("a peer signal to a local event is refused") {
     p.events[0].kind = EventKind::Local;
-    CHECK(contentError(p) == "task 0: signal 1 goes to peer offset 1, but event 0 "
-                             "'dispatch.rows_in' is a local event, not cross-rank");
+    CHECK(contentError(p) == "task 1: signal 0 goes to peer offset 1, but event 0 "
+                             "'dispatch.rows_in' is a local event, not cross-rank or terminate");
+  }
+  SECTION("a peer signal to a local event no task carries is refused") {
+    p.signals.push_back({1, 1, 1, 0});
+    p.events[1].kind = EventKind::Local;
+    CHECK(contentError(p) == "signal 8 goes to peer offset 1, but event 1 'done' is a local "
+                             "event, not cross-rank or terminate");
+  }
+  SECTION("a peer signal to a terminate event is accepted") {
+    // The gmm tasks of the second column tile end the pass on the peer:
+    // every rank still receives 4 increments of 'done'.
+    p.signals[5].peerOffset = 1;
+    p.signals[7].peerOffset = 1;
+    Status status = validateTaskProgram(p);
+    INFO(status.message());
+    REQUIRE(status.ok());
+    CHECK(readOk(writeTaskBinary(p)) == p);
+    // A put's signals to a terminate event, from a combine-like op.
+    p.events[0].kind = EventKind::Terminate;
+    status = validateTaskProgram(p);
+    INFO(status.message());
+    CHECK(status.ok());
   }
   SECTION("a wait beyond the event's final value") {
-    p.waits[1].threshold = 5;
+    p.waits[3].threshold = 5;
     CHECK(
         contentError(p) ==
-        "task 3: wait 0 waits for event 0 'dispatch.rows_in' to reach 5, but its final value is 4");
+        "task 7: wait 0 waits for event 0 'dispatch.rows_in' to reach 5, but its final value is 4");
   }
   SECTION("a threshold that the signals do not add up to") {
     p.events[1].threshold = 3;
-    CHECK(contentError(p) == "event 1 'done': its signals add up to 2, but its threshold is 3");
+    CHECK(contentError(p) == "event 1 'done': its signals add up to 4, but its threshold is 3");
   }
+}
+
+TEST_CASE("tasks may share wait and signal ranges", "[task-binary]") {
+  TaskProgram p = smallProgram();
+  // Dispatch tasks of the same peer share one signal; the gmm tasks of an
+  // expert share one wait, and all of them one signal.
+  p.signals = {{0, 1, 0, 0}, {0, 1, 1, 0}, {1, 1, 0, 0}};
+  p.waits = {{0, 2}, {0, 4}};
+  for (uint32_t t = 0; t < 4; ++t)
+    p.tasks[t].firstSignal = t % 2;
+  for (uint32_t k = 0; k < 4; ++k) {
+    p.tasks[4 + k].firstWait = k / 2;
+    p.tasks[4 + k].firstSignal = 2;
+  }
+  // Each signal counts once per task that carries it: the thresholds are
+  // still 4 and 4, not the 2 and 1 of the records.
+  REQUIRE(p.events[0].threshold == 4);
+  REQUIRE(p.events[1].threshold == 4);
+  {
+    Status status = validateTaskProgram(p);
+    INFO(status.message());
+    REQUIRE(status.ok());
+  }
+  std::vector<uint8_t> bytes = writeTaskBinary(p);
+  CHECK(readOk(bytes) == p);
+  CHECK(bytes.size() < writeTaskBinary(smallProgram()).size());
+
+  TaskProgram q = p;
+  q.events[1].threshold = 1;
+  CHECK(contentError(q) == "event 1 'done': its signals add up to 4, but its threshold is 1");
+
+  // Overlapping ranges: tasks 4..7 carry signals [1, 3), so each also
+  // carries a peer signal to event 0, which then receives 4 + 4.
+  q = p;
+  for (uint32_t k = 0; k < 4; ++k) {
+    q.tasks[4 + k].firstSignal = 1;
+    q.tasks[4 + k].signalCount = 2;
+  }
+  CHECK(contentError(q) ==
+        "event 0 'dispatch.rows_in': its signals add up to 8, but its threshold is 4");
+  q.events[0].threshold = 8;
+  CHECK(validateTaskProgram(q).ok());
+
+  // A signal no task carries counts for nothing.
+  q = p;
+  q.signals.push_back({1, 5, 0, 0});
+  CHECK(validateTaskProgram(q).ok());
 }
 
 TEST_CASE("a failed read leaves the output unchanged", "[task-binary][errors]") {
@@ -983,14 +1682,23 @@ TEST_CASE("every single-byte change is caught", "[task-binary][errors]") {
 // Size
 //===----------------------------------------------------------------------===//
 
-/// A program of `taskCount` tasks shaped like a real one: half dispatch
-/// tasks on 48 vector queues, each signalling one of 1000 cross-rank events;
-/// half gmm tasks on 24 cube queues, each waiting for one of those events
-/// and signalling the terminate event. Every task has its own tiling.
+/// A program of `taskCount` tasks (a multiple of 16) shaped like a real one,
+/// for 8 ranks of 4 local experts, with one tiling per op:
+///
+/// - a dispatch op of half the tasks, a grid of 8 peers x half/8 row tiles,
+///   on 48 vector queues; each task puts to its tile's peer and signals one
+///   of 1000 cross-rank events there;
+/// - a gmm op of the other half, a grid of 4 experts x half/8 row tiles x 2
+///   column tiles, on 24 cube queues; each task waits for one of those
+///   events and signals the terminate event.
+///
+/// Every task has its own signal, and every gmm task its own wait.
 TaskProgram largeProgram(uint32_t taskCount) {
+  REQUIRE(taskCount % 16 == 0);
   TaskProgram p;
   p.epRanks = 8;
   p.localExperts = 4;
+  p.target = p.addString("ascend-910b");
   uint32_t half = taskCount / 2;
   const uint32_t eventCount = 1000;
   SlotRecord slot;
@@ -998,31 +1706,43 @@ TaskProgram largeProgram(uint32_t taskCount) {
   slot.rank = 1;
   slot.dims[0] = 1;
   p.slots.push_back(slot);
-  p.ops.push_back({p.addString("dispatch"), OpKind::Dispatch, {}, 0, half});
-  p.ops.push_back({p.addString("gmm"), OpKind::Gmm, {}, half, half});
+  p.ops.push_back({p.addString("dispatch"), OpKind::Dispatch, {}, 0, half, 0, 0});
+  p.ops.push_back({p.addString("gmm"), OpKind::Gmm, {}, half, half, 1, 0});
+
+  TilingRecord dispatchGrid;
+  dispatchGrid.opKind = OpKind::Dispatch;
+  dispatchGrid.inputCount = 1;
+  dispatchGrid.inputSlots[0] = 0;
+  dispatchGrid.outputSlot = 0;
+  dispatchGrid.experts = 1;
+  dispatchGrid.peers = p.epRanks;
+  dispatchGrid.rowTiles = half / 8;
+  dispatchGrid.rows = 16 * uint64_t(half / 8);
+  dispatchGrid.cols = 7168;
+  dispatchGrid.balancedRows = uint32_t(dispatchGrid.rows / 2);
+  TilingRecord gmmGrid = dispatchGrid;
+  gmmGrid.opKind = OpKind::Gmm;
+  gmmGrid.experts = p.localExperts;
+  gmmGrid.peers = 1;
+  gmmGrid.colTiles = 2;
+  gmmGrid.cols = 2048;
+  gmmGrid.depth = 7168;
+  p.tilings = {dispatchGrid, gmmGrid};
+
   for (uint32_t e = 0; e < eventCount; ++e)
     p.events.push_back(
         {p.addString("dispatch.rows_in." + std::to_string(e)), EventKind::CrossRank, {}, 0, 0});
   p.events.push_back({p.addString("done"), EventKind::Terminate, {}, 1, half});
   for (uint32_t t = 0; t < 2 * half; ++t) {
     bool isDispatch = t < half;
-    TilingRecord tiling;
-    tiling.opKind = isDispatch ? OpKind::Dispatch : OpKind::Gmm;
-    tiling.inputCount = 1;
-    tiling.inputSlots[0] = 0;
-    tiling.outputSlot = 0;
-    tiling.rowOffset = t;
-    tiling.rowCount = 1;
-    p.tilings.push_back(tiling);
     TaskRecord task;
     task.op = isDispatch ? 0 : 1;
-    task.tiling = t;
     task.coreKind = isDispatch ? CoreKind::Vector : CoreKind::Cube;
     task.firstSignal = uint32_t(p.signals.size());
     task.signalCount = 1;
     if (isDispatch) {
       uint32_t event = t % eventCount;
-      p.signals.push_back({event, 1, t % p.epRanks, 0});
+      p.signals.push_back({event, 1, tileCoord(dispatchGrid, t).peer, 0});
       p.events[event].threshold += 1;
     } else {
       task.firstWait = uint32_t(p.waits.size());
@@ -1061,22 +1781,54 @@ TEST_CASE("the binary is sized by its content", "[task-binary][size]") {
   std::vector<uint8_t> smallBytes = writeTaskBinary(small);
   std::vector<uint8_t> largeBytes = writeTaskBinary(large);
 
-  // Per task: a task (28), a tiling (96), a wait or none (8), a signal (16)
-  // and a queue entry (4); a little for the events and the header besides.
-  const size_t perTask = 28 + 96 + 8 + 16 + 4;
+  // Per task: a task (24), a signal (16) and a queue entry (4), and half the
+  // tasks a wait (8): 48 bytes on average. The two tilings (88 each), the
+  // events, the strings and the header come besides.
+  const size_t perTask = 24 + 16 + 4;
+  const size_t perTaskAverage = perTask + 8 / 2;
   INFO("10^5 tasks: " << largeBytes.size() << " bytes");
-  CHECK(largeBytes.size() <= 100000 * perTask + 64 * 1024);
-  CHECK(largeBytes.size() >= 100000 * (28 + 96 + 16 + 4));
-  // Fifty times the tasks, about fifty times the bytes (the events, strings
-  // and queues do not grow with the tasks).
-  size_t fixed = smallBytes.size() - 2000 * (28 + 96 + 16 + 4 + 4);
+  CHECK(large.tilings.size() == 2);
+  CHECK(largeBytes.size() >= 100000 * perTaskAverage);
+  CHECK(largeBytes.size() <= 100000 * perTaskAverage + 64 * 1024);
+  // Fifty times the tasks, about fifty times the bytes (the tilings,
+  // events, strings and queues do not grow with the tasks).
+  size_t fixed = smallBytes.size() - 2000 * perTaskAverage;
   CHECK(largeBytes.size() - fixed <= 50 * (smallBytes.size() - fixed) + 1024);
   CHECK(largeBytes.size() - fixed + 1024 >= 50 * (smallBytes.size() - fixed));
-  // Smaller than the seed's fixed 15 MB runtime struct, at 10^5 tasks.
-  CHECK(largeBytes.size() < 15u * 1024 * 1024);
+  // About 4.8 MB at 10^5 tasks: under a third of the seed's fixed 15 MB
+  // runtime struct.
+  CHECK(largeBytes.size() < 5u * 1000 * 1000);
+  CHECK(largeBytes.size() < 15u * 1024 * 1024 / 3);
 
   TaskProgram read = readOk(largeBytes);
   CHECK(read == large);
+
+  // Sharing signal records (one per peer for the dispatch tasks, all on
+  // event 0, and one for all gmm tasks) leaves per task a task, a queue
+  // entry and half a wait.
+  TaskProgram shared = large;
+  const uint32_t half = 50000;
+  shared.signals.clear();
+  for (uint32_t k = 0; k < 8; ++k)
+    shared.signals.push_back({0, 1, k, 0});
+  shared.signals.push_back({1000, 1, 0, 0});
+  for (EventRecord &event : shared.events)
+    if (event.kind == EventKind::CrossRank)
+      event.threshold = 0;
+  shared.events[0].threshold = half;
+  for (WaitRecord &wait : shared.waits)
+    wait.event = 0;
+  for (uint32_t t = 0; t < 2 * half; ++t)
+    shared.tasks[t].firstSignal = t < half ? tileCoord(shared.tilings[0], t).peer : 8;
+  {
+    Status status = validateTaskProgram(shared);
+    INFO(status.message());
+    REQUIRE(status.ok());
+  }
+  std::vector<uint8_t> sharedBytes = writeTaskBinary(shared);
+  INFO("10^5 tasks, shared signals: " << sharedBytes.size() << " bytes");
+  CHECK(sharedBytes.size() <= 100000 * (24 + 4 + 8 / 2) + 64 * 1024);
+  CHECK(readOk(sharedBytes) == shared);
 }
 
 } // namespace

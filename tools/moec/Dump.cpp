@@ -318,8 +318,9 @@ Status parseCoreSelector(const std::string &text, CoreSelector *out) {
     core.kind = CoreKind::Vector;
   else
     return bad();
-  if (index.empty() || index.size() > 10 ||
-      !std::all_of(index.begin(), index.end(), [](char c) { return std::isdigit((unsigned char)c); }))
+  if (index.empty() || index.size() > 10 || !std::all_of(index.begin(), index.end(), [](char c) {
+        return std::isdigit((unsigned char)c);
+      }))
     return bad();
   uint64_t value = std::stoull(index);
   if (value > UINT32_MAX)
@@ -363,9 +364,9 @@ Analysis analyzeProgram(const TaskProgram &program, const target::TargetProfile 
 
 Status checkDumpOptions(const TaskProgram &program, const DumpOptions &options) {
   if (options.rank && *options.rank >= program.epRanks)
-    return Status::error(fmt::format("--rank {}: the EP group has {} rank{} (0..{})",
-                                     *options.rank, program.epRanks,
-                                     program.epRanks == 1 ? "" : "s", program.epRanks - 1));
+    return Status::error(fmt::format("--rank {}: the EP group has {} rank{} (0..{})", *options.rank,
+                                     program.epRanks, program.epRanks == 1 ? "" : "s",
+                                     program.epRanks - 1));
   if (options.core && shownQueues(program, options).empty()) {
     std::vector<uint32_t> indices;
     for (const QueueRecord &queue : program.queues)
@@ -385,9 +386,8 @@ Status checkDumpOptions(const TaskProgram &program, const DumpOptions &options) 
       if (indices.size() > 16)
         have += ", ...";
     }
-    return Status::error(
-        fmt::format("the binary has no {} ({})", coreLabel(options.core->kind, options.core->index),
-                    have));
+    return Status::error(fmt::format("the binary has no {} ({})",
+                                     coreLabel(options.core->kind, options.core->index), have));
   }
   return Status::success();
 }
@@ -440,9 +440,9 @@ std::string headerText(const TaskProgram &p, const FileFacts &facts, const DumpO
                      p.flags, p.isBackward() ? "backward" : "forward",
                      (p.flags & kFlagBf16) ? "bf16" : "f32");
   out += fmt::format("  file size {} bytes; CRC-32 {:#010x}\n", facts.fileSize, facts.crc32);
-  out += fmt::format("  EP ranks {}; local experts {} ({} experts in all); target '{}'\n",
-                     p.epRanks, p.localExperts, uint64_t(p.epRanks) * p.localExperts,
-                     p.name(p.target));
+  out +=
+      fmt::format("  EP ranks {}; local experts {} ({} experts in all); target '{}'\n", p.epRanks,
+                  p.localExperts, uint64_t(p.epRanks) * p.localExperts, p.name(p.target));
   if (a.timed)
     out += fmt::format("  costs from profile '{}'\n", a.profileName);
   if (options.rank)
@@ -473,10 +473,10 @@ std::string slotsText(const TaskProgram &p) {
 }
 
 std::string opsText(const TaskProgram &p) {
-  Table table({"op", "name", "kind", "tasks", "core", "grid e x p x r x c", "rows", "cols",
-               "depth", "tile m/n/k", "lda/ldb/ldc", "slots in → out", "flags"},
-              {true, false, false, true, false, false, true, true, true, false, false, false,
-               false});
+  Table table(
+      {"op", "name", "kind", "tasks", "core", "grid e x p x r x c", "rows", "cols", "depth",
+       "tile m/n/k", "lda/ldb/ldc", "slots in → out", "flags"},
+      {true, false, false, true, false, false, true, true, true, false, false, false, false});
   for (size_t i = 0; i < p.ops.size(); ++i) {
     const OpRecord &op = p.ops[i];
     const TilingRecord &t = p.tilings[op.tiling];
@@ -511,10 +511,9 @@ std::string eventsText(const TaskProgram &p, const Analysis &a) {
 std::string queuesText(const TaskProgram &p, const DumpOptions &options, const Analysis &a) {
   std::vector<double> busy = queueBusy(p, a);
   std::vector<uint32_t> shown = shownQueues(p, options);
-  std::string out = options.core
-                        ? fmt::format("queue of {}:\n", coreLabel(options.core->kind,
-                                                                  options.core->index))
-                        : fmt::format("queues ({}):\n", p.queues.size());
+  std::string out = options.core ? fmt::format("queue of {}:\n",
+                                               coreLabel(options.core->kind, options.core->index))
+                                 : fmt::format("queues ({}):\n", p.queues.size());
   size_t width = std::to_string(p.tasks.empty() ? 0 : p.tasks.size() - 1).size();
   for (uint32_t q : shown) {
     const QueueRecord &queue = p.queues[q];
@@ -526,8 +525,8 @@ std::string queuesText(const TaskProgram &p, const DumpOptions &options, const A
         out += fmt::format(", finishes at {}", formatSeconds(a.run.queues[q].finishSeconds));
     }
     out += "\n";
-    size_t limit = options.core ? queue.entryCount : std::min<size_t>(queue.entryCount,
-                                                                      options.queuePreview);
+    size_t limit =
+        options.core ? queue.entryCount : std::min<size_t>(queue.entryCount, options.queuePreview);
     for (size_t k = 0; k < limit; ++k) {
       uint32_t task = p.queueEntries[queue.firstEntry + k];
       const TaskRecord &record = p.tasks[task];
@@ -555,15 +554,16 @@ std::string statisticsText(const TaskProgram &p, const Analysis &a) {
                      cubeQueues, cubeQueues == 1 ? "" : "s", vector, vectorQueues,
                      vectorQueues == 1 ? "" : "s", p.tasks.size());
   if (!a.run.ok()) {
-    out += "  schedule: DEADLOCK (simulating all " + std::to_string(p.epRanks) + " ranks)\n";
+    out += "  schedule: DEADLOCK\n";
     out += indentLines(a.run.status.message(), 4) + "\n";
     return out;
   }
-  out += fmt::format("  schedule: deadlock-free (every queue of all {} rank{} drains)\n",
-                     p.epRanks, p.epRanks == 1 ? "" : "s");
-  out += fmt::format("  critical path: {}, {} task{}: {}\n", amountText(a, a.run.criticalPathSeconds),
-                     a.run.criticalPath.size(), a.run.criticalPath.size() == 1 ? "" : "s",
-                     summarizePath(p, a.run.criticalPath));
+  out += fmt::format("  schedule: deadlock-free (every queue of all {} rank{} drains)\n", p.epRanks,
+                     p.epRanks == 1 ? "" : "s");
+  out +=
+      fmt::format("  critical path: {}, {} task{}: {}\n", amountText(a, a.run.criticalPathSeconds),
+                  a.run.criticalPath.size(), a.run.criticalPath.size() == 1 ? "" : "s",
+                  summarizePath(p, a.run.criticalPath));
   double share = a.run.makespan > 0 ? a.run.criticalPathSeconds / a.run.makespan : 1.0;
   out += fmt::format("  simulated makespan: {} (the critical path is {:.0f}% of it)\n",
                      amountText(a, a.run.makespan), 100 * share);
@@ -583,8 +583,8 @@ std::string statisticsText(const TaskProgram &p, const Analysis &a) {
 
 } // namespace
 
-std::string dumpText(const TaskProgram &program, const FileFacts &facts,
-                     const DumpOptions &options, const Analysis &analysis) {
+std::string dumpText(const TaskProgram &program, const FileFacts &facts, const DumpOptions &options,
+                     const Analysis &analysis) {
   std::string out = headerText(program, facts, options, analysis);
   out += "\n" + slotsText(program);
   out += "\n" + opsText(program);
@@ -600,8 +600,7 @@ std::string dumpText(const TaskProgram &program, const FileFacts &facts,
 
 namespace {
 
-json taskJson(const TaskProgram &p, uint32_t task, const DumpOptions &options,
-              const Analysis &a) {
+json taskJson(const TaskProgram &p, uint32_t task, const DumpOptions &options, const Analysis &a) {
   const TaskRecord &record = p.tasks[task];
   ResolvedTile t = resolvedTile(p, task, options.rank);
   json tile;
@@ -696,13 +695,25 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
       flags.push_back("transpose_b");
     if (t.flags & kTilingAccumulate)
       flags.push_back("accumulate");
-    json tiling = {{"index", op.tiling},   {"experts", t.experts},   {"peers", t.peers},
-                   {"row_tiles", t.rowTiles}, {"col_tiles", t.colTiles}, {"rows", t.rows},
-                   {"cols", t.cols},        {"depth", t.depth},       {"tile_m", t.tileM},
-                   {"tile_n", t.tileN},     {"tile_k", t.tileK},      {"lda", t.lda},
-                   {"ldb", t.ldb},          {"ldc", t.ldc},           {"dtype", dtypeName(t.dtype)},
-                   {"inputs", tilingInputs(t)}, {"output", t.outputSlot},
-                   {"balanced_rows", t.balancedRows}, {"flags", flags}};
+    json tiling = {{"index", op.tiling},
+                   {"experts", t.experts},
+                   {"peers", t.peers},
+                   {"row_tiles", t.rowTiles},
+                   {"col_tiles", t.colTiles},
+                   {"rows", t.rows},
+                   {"cols", t.cols},
+                   {"depth", t.depth},
+                   {"tile_m", t.tileM},
+                   {"tile_n", t.tileN},
+                   {"tile_k", t.tileK},
+                   {"lda", t.lda},
+                   {"ldb", t.ldb},
+                   {"ldc", t.ldc},
+                   {"dtype", dtypeName(t.dtype)},
+                   {"inputs", tilingInputs(t)},
+                   {"output", t.outputSlot},
+                   {"balanced_rows", t.balancedRows},
+                   {"flags", flags}};
     ops.push_back({{"index", i},
                    {"name", std::string(p.name(op.name))},
                    {"kind", opKindName(op.kind)},
@@ -716,14 +727,14 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
   json events = json::array();
   for (size_t i = 0; i < p.events.size(); ++i) {
     const EventRecord &event = p.events[i];
-    events.push_back(
-        {{"index", i},
-         {"name", std::string(p.name(event.name))},
-         {"kind", eventKindName(event.kind)},
-         {"op", event.op == kNone ? json(nullptr) : json(std::string(p.name(p.ops[event.op].name)))},
-         {"threshold", event.threshold},
-         {"signallers", a.signallers[i]},
-         {"waiters", a.waiters[i]}});
+    events.push_back({{"index", i},
+                      {"name", std::string(p.name(event.name))},
+                      {"kind", eventKindName(event.kind)},
+                      {"op", event.op == kNone ? json(nullptr)
+                                               : json(std::string(p.name(p.ops[event.op].name)))},
+                      {"threshold", event.threshold},
+                      {"signallers", a.signallers[i]},
+                      {"waiters", a.waiters[i]}});
   }
   out["events"] = events;
 
@@ -802,8 +813,8 @@ Status dumpDot(const TaskProgram &p, const DumpOptions &options, std::string *ou
   std::string text = "digraph moec {\n  rankdir=TB;\n  node [shape=box, fontsize=10];\n";
   for (uint32_t q : shown) {
     const QueueRecord &queue = p.queues[q];
-    text += fmt::format("  subgraph cluster_q{} {{\n    label={};\n", q,
-                        dotQuote(queueLabel(queue)));
+    text +=
+        fmt::format("  subgraph cluster_q{} {{\n    label={};\n", q, dotQuote(queueLabel(queue)));
     for (uint32_t k = 0; k < queue.entryCount; ++k) {
       uint32_t task = p.queueEntries[size_t(queue.firstEntry) + k];
       ResolvedTile t = resolvedTile(p, task, options.rank);
@@ -829,8 +840,9 @@ Status dumpDot(const TaskProgram &p, const DumpOptions &options, std::string *ou
       touched[signal.event] = 1;
       std::string label = fmt::format("+{}", signal.increment);
       if (signal.peerOffset != 0)
-        label += options.rank ? fmt::format(" → rank {}", p.peerRank(*options.rank, signal.peerOffset))
-                              : fmt::format(" → +{}", signal.peerOffset);
+        label += options.rank
+                     ? fmt::format(" → rank {}", p.peerRank(*options.rank, signal.peerOffset))
+                     : fmt::format(" → +{}", signal.peerOffset);
       edges += fmt::format("  t{} -> ev{} [label={}];\n", task, signal.event, dotQuote(label));
     }
     for (uint32_t k = 0; k < record.waitCount; ++k) {
@@ -845,10 +857,10 @@ Status dumpDot(const TaskProgram &p, const DumpOptions &options, std::string *ou
   }
   for (uint32_t e = 0; e < p.events.size(); ++e)
     if (touched[e])
-      text += fmt::format("  ev{} [shape=ellipse, label={}];\n", e,
-                          dotQuote(fmt::format("ev{} {}\n{} = {}", e, p.name(p.events[e].name),
-                                               eventKindName(p.events[e].kind),
-                                               p.events[e].threshold)));
+      text += fmt::format(
+          "  ev{} [shape=ellipse, label={}];\n", e,
+          dotQuote(fmt::format("ev{} {}\n{} = {}", e, p.name(p.events[e].name),
+                               eventKindName(p.events[e].kind), p.events[e].threshold)));
   text += edges + "}\n";
   *out = std::move(text);
   return Status::success();

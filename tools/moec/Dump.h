@@ -89,8 +89,8 @@ struct Analysis {
 
 /// Computes the analysis of `program`: with `profile`'s costs, or, when
 /// `profile` is null, with unit costs and `note` saying why.
-Analysis analyzeProgram(const format::TaskProgram &program,
-                        const target::TargetProfile *profile, const std::string &note = "");
+Analysis analyzeProgram(const format::TaskProgram &program, const target::TargetProfile *profile,
+                        const std::string &note = "");
 
 /// Checks `options` against `program`: the selected core has a queue (else
 /// "the binary has no cube core 9 (its cube cores are 0..7)") and the rank

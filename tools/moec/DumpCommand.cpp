@@ -7,16 +7,17 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 
 using namespace moec;
 
 namespace moec::cli {
-
-extern const CommandSpec kDumpSpec;
 
 const CommandSpec kDumpSpec = {
     "dump",
@@ -142,15 +143,13 @@ int runDump(int argc, char **argv, int first) {
                            name, status.message());
       }
     }
-    dump::Analysis analysis =
-        dump::analyzeProgram(program, haveProfile ? &profile : nullptr, note);
+    dump::Analysis analysis = dump::analyzeProgram(program, haveProfile ? &profile : nullptr, note);
     if (!analysis.run.ok()) {
       deadlocked = true;
       deadlock = analysis.run.status.message();
     }
-    output = args->has("--json")
-                 ? dump::dumpJson(program, facts, options, analysis).dump(2) + "\n"
-                 : dump::dumpText(program, facts, options, analysis);
+    output = args->has("--json") ? dump::dumpJson(program, facts, options, analysis).dump(2) + "\n"
+                                 : dump::dumpText(program, facts, options, analysis);
   }
 
   if (!writeOutput(args->value("-o").value_or("-"), output))

@@ -120,6 +120,8 @@ const char *kTopHelp =
     "commands:\n"
     "  check    resolve shapes for a config, verify the graph, propagate splits,\n"
     "           and print each op's task count and tile dependencies\n"
+    "  dump     print what a task binary holds: header, slots, ops, events,\n"
+    "           per-core queues, critical path, makespan and queue balance\n"
     "  import   convert a JSON graph description to the moe dialect (.mlir)\n"
     "  export   convert a moe dialect graph (.mlir) to a JSON description\n"
     "\n"
@@ -127,6 +129,11 @@ const char *kTopHelp =
     "1 error, 2 usage error.\n";
 
 } // namespace
+
+namespace moec::cli {
+/// moec dump (DumpCommand.cpp).
+int runDump(int argc, char **argv, int first);
+} // namespace moec::cli
 
 int main(int argc, char **argv) {
   using namespace moec::cli;
@@ -143,6 +150,8 @@ int main(int argc, char **argv) {
     return runCheck(argc, argv, 2);
   if (cmd == "compile")
     return runCompile(argc, argv, 2);
+  if (cmd == "dump")
+    return runDump(argc, argv, 2);
   if (cmd == "import")
     return runImport(argc, argv, 2);
   if (cmd == "export")

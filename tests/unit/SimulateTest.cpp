@@ -1,0 +1,745 @@
+//===- SimulateTest.cpp - Tests for the deadlock proof, the timed simulation
+//                        and `moec dump`'s formatting ----------------------===//
+
+#include "compiler/target/Simulate.h"
+#include "runtime/format/TaskBinary.h"
+#include "tools/moec/Dump.h"
+
+#include <catch2/catch.hpp>
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <regex>
+#include <string>
+#include <vector>
+
+using namespace moec;
+using namespace moec::format;
+using moec::target::proveDeadlockFree;
+using moec::target::simulateTimed;
+using moec::target::TimedRun;
+
+namespace {
+
+//===----------------------------------------------------------------------===//
+// Building programs by hand
+//===----------------------------------------------------------------------===//
+
+/// A wait threshold that build() replaces by the event's final value.
+constexpr uint32_t kFinal = UINT32_MAX;
+
+/// Builds small valid task programs: ops whose tasks are the columns of a
+/// 1 x peers x 1 x n grid, events, per-task waits and signals, and queues.
+/// Event thresholds are the sums of their signals.
+class ProgramBuilder {
+public:
+  explicit ProgramBuilder(uint32_t ranks = 1, uint32_t localExperts = 1) {
+    p.epRanks = ranks;
+    p.localExperts = localExperts;
+    p.target = p.addString("cpu");
+    SlotRecord slot;
+    slot.name = p.addString("x");
+    slot.rank = 2;
+    slot.dims[0] = 64;
+    slot.dims[1] = 64;
+    p.slots.push_back(slot);
+  }
+
+  /// Adds op `name` of `tasks` tasks on `core` cores, `peers` (1 or R) of
+  /// them per grid column; returns the index of its first task.
+  uint32_t op(const std::string &name, OpKind kind, CoreKind core, uint32_t tasks,
+              uint32_t peers = 1) {
+    TilingRecord tiling;
+    tiling.opKind = kind;
+    tiling.peers = peers;
+    tiling.colTiles = tasks / peers;
+    tiling.rows = 64;
+    tiling.cols = 64ull * tiling.colTiles;
+    tiling.depth = kind == OpKind::Gmm ? 64 : 0;
+    tiling.tileM = tiling.tileN = tiling.tileK = 64;
+    tiling.balancedRows = 64;
+    p.tilings.push_back(tiling);
+    OpRecord record;
+    record.name = p.addString(name);
+    record.kind = kind;
+    record.firstTask = uint32_t(p.tasks.size());
+    record.taskCount = tasks;
+    record.tiling = uint32_t(p.tilings.size() - 1);
+    p.ops.push_back(record);
+    for (uint32_t t = 0; t < tasks; ++t) {
+      TaskRecord task;
+      task.op = uint32_t(p.ops.size() - 1);
+      task.coreKind = core;
+      p.tasks.push_back(task);
+    }
+    waits.resize(p.tasks.size());
+    signals.resize(p.tasks.size());
+    return record.firstTask;
+  }
+
+  /// Adds an event; returns its index.
+  uint32_t event(const std::string &name, EventKind kind = EventKind::Local) {
+    EventRecord record;
+    record.name = p.addString(name);
+    record.kind = kind;
+    p.events.push_back(record);
+    return uint32_t(p.events.size() - 1);
+  }
+
+  void wait(uint32_t task, uint32_t event, uint32_t threshold = kFinal) {
+    waits[task].push_back({event, threshold});
+  }
+
+  void signal(uint32_t task, uint32_t event, uint32_t increment = 1, uint32_t peerOffset = 0) {
+    signals[task].push_back({event, increment, peerOffset, 0});
+  }
+
+  void queue(CoreKind kind, uint32_t index, const std::vector<uint32_t> &tasks) {
+    QueueRecord record;
+    record.coreKind = kind;
+    record.coreIndex = index;
+    record.firstEntry = uint32_t(p.queueEntries.size());
+    record.entryCount = uint32_t(tasks.size());
+    p.queues.push_back(record);
+    p.queueEntries.insert(p.queueEntries.end(), tasks.begin(), tasks.end());
+  }
+
+  /// Lays out the waits and signals and sets each event's threshold to the
+  /// sum of its signals (and each kFinal wait to that).
+  TaskProgram build() {
+    TaskProgram out = p;
+    std::vector<uint32_t> sums(out.events.size(), 0);
+    for (const auto &list : signals)
+      for (const SignalRecord &signal : list)
+        sums[signal.event] += signal.increment;
+    for (size_t t = 0; t < out.tasks.size(); ++t) {
+      TaskRecord &task = out.tasks[t];
+      task.firstWait = uint32_t(out.waits.size());
+      task.waitCount = uint32_t(waits[t].size());
+      for (WaitRecord wait : waits[t]) {
+        if (wait.threshold == kFinal)
+          wait.threshold = sums[wait.event];
+        out.waits.push_back(wait);
+      }
+      task.firstSignal = uint32_t(out.signals.size());
+      task.signalCount = uint32_t(signals[t].size());
+      out.signals.insert(out.signals.end(), signals[t].begin(), signals[t].end());
+    }
+    for (size_t e = 0; e < out.events.size(); ++e)
+      out.events[e].threshold = sums[e];
+    return out;
+  }
+
+private:
+  TaskProgram p;
+  std::vector<std::vector<WaitRecord>> waits;
+  std::vector<std::vector<SignalRecord>> signals;
+};
+
+/// Requires `program` to pass validation, with the message on failure.
+void requireValid(const TaskProgram &program) {
+  Status status = validateTaskProgram(program);
+  INFO(status.message());
+  REQUIRE(status.ok());
+}
+
+/// Returns the error message of `status`, requiring it to be an error.
+std::string errorOf(const Status &status) {
+  REQUIRE_FALSE(status.ok());
+  return status.message();
+}
+
+/// A forward program for 2 ranks: a dispatch op of 2 vector tasks (tile
+/// peer 0 puts to its own rank, tile peer 1 to the other rank), each adding
+/// 1 to the cross-rank event 'recv' of the rank it puts to, and an up_proj
+/// op of 1 cube task that waits for both puts and fires 'done'.
+TaskProgram twoRankProgram() {
+  ProgramBuilder b(2, 1);
+  uint32_t dispatch = b.op("dispatch", OpKind::Dispatch, CoreKind::Vector, 2, 2);
+  uint32_t gmm = b.op("up_proj", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t recv = b.event("recv", EventKind::CrossRank);
+  uint32_t done = b.event("done", EventKind::Terminate);
+  b.signal(dispatch + 0, recv, 1, 0);
+  b.signal(dispatch + 1, recv, 1, 1);
+  b.wait(gmm, recv);
+  b.signal(gmm, done);
+  b.queue(CoreKind::Vector, 0, {dispatch, dispatch + 1});
+  b.queue(CoreKind::Cube, 0, {gmm});
+  return b.build();
+}
+
+/// Two queues of one rank whose heads wait for each other: a (cube core 0)
+/// waits for b.done, b (vector core 1) for a.done.
+TaskProgram twoQueueCycle() {
+  ProgramBuilder b;
+  uint32_t a = b.op("a", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t c = b.op("b", OpKind::Swiglu, CoreKind::Vector, 1);
+  uint32_t aDone = b.event("a.done");
+  uint32_t bDone = b.event("b.done");
+  b.wait(a, bDone);
+  b.signal(a, aDone);
+  b.wait(c, aDone);
+  b.signal(c, bDone);
+  b.queue(CoreKind::Cube, 0, {a});
+  b.queue(CoreKind::Vector, 1, {c});
+  return b.build();
+}
+
+/// A diamond A -> {B, C} -> D with A, B, C on cube cores and D on vector
+/// core 0. With `shareCore`, A, B and C share cube core 0; else C runs on
+/// cube core 1.
+TaskProgram diamond(bool shareCore) {
+  ProgramBuilder b;
+  uint32_t a = b.op("A", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t bb = b.op("B", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t c = b.op("C", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t d = b.op("D", OpKind::Swiglu, CoreKind::Vector, 1);
+  uint32_t ea = b.event("a"), eb = b.event("b"), ec = b.event("c");
+  b.signal(a, ea);
+  b.wait(bb, ea);
+  b.signal(bb, eb);
+  b.wait(c, ea);
+  b.signal(c, ec);
+  b.wait(d, eb);
+  b.wait(d, ec);
+  if (shareCore) {
+    b.queue(CoreKind::Cube, 0, {a, bb, c});
+  } else {
+    b.queue(CoreKind::Cube, 0, {a, bb});
+    b.queue(CoreKind::Cube, 1, {c});
+  }
+  b.queue(CoreKind::Vector, 0, {d});
+  return b.build();
+}
+
+/// A layered program of R ranks: `ops` ops of `width` tasks, alternating
+/// cube and vector, on 16 cores of each kind. Task j of op k waits for 4 of
+/// the 8 events of op k - 1 and signals event j % 8 of op k on the rank
+/// j % R ahead.
+TaskProgram layeredProgram(uint32_t ranks, uint32_t ops, uint32_t width) {
+  ProgramBuilder b(ranks, 1);
+  constexpr uint32_t kGroups = 8, kCores = 16;
+  std::vector<uint32_t> first(ops);
+  std::vector<std::vector<uint32_t>> events(ops);
+  for (uint32_t k = 0; k < ops; ++k) {
+    bool cube = k % 2 == 0;
+    first[k] = b.op(fmt::format("op{}", k), cube ? OpKind::Gmm : OpKind::Swiglu,
+                    cube ? CoreKind::Cube : CoreKind::Vector, width);
+    for (uint32_t g = 0; g < kGroups; ++g)
+      events[k].push_back(b.event(fmt::format("op{}.g{}", k, g), EventKind::CrossRank));
+  }
+  for (uint32_t k = 0; k < ops; ++k)
+    for (uint32_t j = 0; j < width; ++j) {
+      uint32_t task = first[k] + j;
+      if (k > 0)
+        for (uint32_t i = 0; i < 4; ++i)
+          b.wait(task, events[k - 1][(j + i) % kGroups]);
+      b.signal(task, events[k][j % kGroups], 1, j % ranks);
+    }
+  for (uint32_t kind = 0; kind < 2; ++kind)
+    for (uint32_t core = 0; core < kCores; ++core) {
+      std::vector<uint32_t> tasks;
+      for (uint32_t k = kind; k < ops; k += 2)
+        for (uint32_t j = core; j < width; j += kCores)
+          tasks.push_back(first[k] + j);
+      b.queue(kind == 0 ? CoreKind::Cube : CoreKind::Vector, core, tasks);
+    }
+  return b.build();
+}
+
+} // namespace
+
+//===----------------------------------------------------------------------===//
+// Deadlock proof
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("a two-rank program with puts completes", "[simulate]") {
+  TaskProgram program = twoRankProgram();
+  requireValid(program);
+  Status status = proveDeadlockFree(program);
+  INFO(status.message());
+  CHECK(status.ok());
+}
+
+TEST_CASE("two queues waiting on each other are a cycle", "[simulate]") {
+  TaskProgram program = twoQueueCycle();
+  requireValid(program);
+  std::string message = errorOf(proveDeadlockFree(program));
+  INFO(message);
+  CHECK_THAT(message, Catch::StartsWith("deadlock: the schedule cannot complete (rank 0: 2 of 2 "
+                                        "queues stuck). Cycle:"));
+  CHECK_THAT(message, Catch::Contains("cube core 0 waits at task 0 (op 'a', tile e0 r0 c0) for "
+                                      "event 1 'b.done' (needs 1, has 0); it is signalled by "
+                                      "task 1 (op 'b') at the head of vector core 1"));
+  CHECK_THAT(message, Catch::Contains("vector core 1 waits at task 1 (op 'b', tile e0 r0 c0) for "
+                                      "event 0 'a.done' (needs 1, has 0); it is signalled by "
+                                      "task 0 (op 'a') at the head of cube core 0"));
+  CHECK_THAT(message, Catch::EndsWith("— the cycle closes."));
+  // A few lines, whatever the program.
+  CHECK(std::count(message.begin(), message.end(), '\n') == 2);
+
+  TimedRun run = simulateTimed(program, {1.0, 1.0});
+  CHECK_FALSE(run.ok());
+  CHECK(run.status.message() == message);
+}
+
+TEST_CASE("a cycle across ranks names the ranks", "[simulate]") {
+  // Task 0 (cube) waits for x, which task 1 (vector) of the rank behind
+  // signals; task 1 waits for y, which task 0 of the rank behind signals.
+  ProgramBuilder b(2, 1);
+  uint32_t a = b.op("a", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t c = b.op("b", OpKind::Swiglu, CoreKind::Vector, 1);
+  uint32_t x = b.event("x", EventKind::CrossRank);
+  uint32_t y = b.event("y", EventKind::CrossRank);
+  b.wait(a, x);
+  b.signal(a, y, 1, 1);
+  b.wait(c, y);
+  b.signal(c, x, 1, 1);
+  b.queue(CoreKind::Cube, 0, {a});
+  b.queue(CoreKind::Vector, 0, {c});
+  TaskProgram program = b.build();
+  requireValid(program);
+  std::string message = errorOf(proveDeadlockFree(program));
+  INFO(message);
+  CHECK_THAT(message, Catch::Contains("(rank 0: 2 of 2 queues stuck; 2 of 2 ranks stuck)"));
+  CHECK_THAT(message, Catch::Contains("rank 0 cube core 0 waits at task 0 (op 'a', tile e0 r0 "
+                                      "c0) for event 0 'x' (needs 1, has 0); it is signalled by "
+                                      "task 1 (op 'b') at the head of rank 1 vector core 0"));
+  CHECK_THAT(message, Catch::Contains("rank 1 vector core 0 waits at task 1 (op 'b', tile e0 r0 "
+                                      "c0) for event 1 'y' (needs 1, has 0); it is signalled by "
+                                      "task 0 (op 'a') at the head of rank 0 cube core 0"));
+  CHECK_THAT(message, Catch::EndsWith("the cycle closes."));
+}
+
+TEST_CASE("an event that cannot reach a wait's threshold is a threshold bug", "[simulate]") {
+  ProgramBuilder b;
+  uint32_t a = b.op("a", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t c = b.op("b", OpKind::Swiglu, CoreKind::Vector, 1);
+  uint32_t e = b.event("e");
+  b.signal(a, e);
+  b.wait(c, e, 2);
+  b.queue(CoreKind::Cube, 0, {a});
+  b.queue(CoreKind::Vector, 0, {c});
+  TaskProgram program = b.build();
+  program.events[e].threshold = 2; // the signals add up to 1
+  CHECK_THAT(errorOf(validateTaskProgram(program)),
+             Catch::Contains("its signals add up to 1, but its threshold is 2"));
+  std::string message = errorOf(proveDeadlockFree(program));
+  INFO(message);
+  CHECK_THAT(message, Catch::StartsWith("deadlock: the schedule cannot complete (rank 0: 1 of 2 "
+                                        "queues stuck)."));
+  CHECK_THAT(message, Catch::Contains("Event 0 'e' can never reach 2 on rank 0: task 1 (op 'b', "
+                                      "tile e0 r0 c0) on vector core 0 waits for it, but it has 1 "
+                                      "and the tasks that have not run would add only 0 more"));
+  CHECK_THAT(message, Catch::Contains("the event's threshold is 2, but its signals add up to 1"));
+  CHECK_THAT(message, Catch::Contains("threshold bug, not a cycle"));
+}
+
+TEST_CASE("events must end at their thresholds", "[simulate]") {
+  ProgramBuilder b;
+  uint32_t a = b.op("a", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t e = b.event("e");
+  uint32_t done = b.event("done", EventKind::Terminate);
+  b.signal(a, e);
+  b.signal(a, done);
+  b.queue(CoreKind::Cube, 0, {a});
+  TaskProgram good = b.build();
+  requireValid(good);
+  CHECK(proveDeadlockFree(good).ok());
+
+  SECTION("below") {
+    TaskProgram program = good;
+    program.events[e].threshold = 3;
+    CHECK(errorOf(proveDeadlockFree(program)) ==
+          "event 0 'e' ends at 1 on rank 0 after every queue drained, below its threshold 3 (its "
+          "signals add up to 1)");
+  }
+  SECTION("above") {
+    TaskProgram program = good;
+    program.events[e].threshold = 0;
+    CHECK_THAT(errorOf(proveDeadlockFree(program)),
+               Catch::StartsWith("event 0 'e' ends at 1 on rank 0 after every queue drained, "
+                                 "above its threshold 0"));
+  }
+  SECTION("a terminate event that never fires") {
+    TaskProgram program = good;
+    program.events[done].threshold = 2;
+    program.events[e].threshold = 5;
+    CHECK(errorOf(proveDeadlockFree(program)) ==
+          "event 0 'e' ends at 1 on rank 0 after every queue drained, below its threshold 5 (its "
+          "signals add up to 1) (1 more (rank, event) pairs do not end at their threshold)");
+    program.events[e].threshold = 1;
+    CHECK(errorOf(proveDeadlockFree(program)) ==
+          "terminate event 1 'done' never fires on rank 0: every queue drained with it at 1 of "
+          "its threshold 2 (its signals add up to 1)");
+  }
+}
+
+TEST_CASE("a queue whose first task waits for its second deadlocks", "[simulate]") {
+  ProgramBuilder b;
+  uint32_t a = b.op("a", OpKind::Gmm, CoreKind::Cube, 2);
+  uint32_t e = b.event("e");
+  b.wait(a, e);
+  b.signal(a + 1, e);
+  b.queue(CoreKind::Cube, 0, {a, a + 1});
+  TaskProgram program = b.build();
+  requireValid(program);
+  std::string message = errorOf(proveDeadlockFree(program));
+  INFO(message);
+  CHECK_THAT(message, Catch::Contains("(rank 0: 1 of 1 queues stuck)"));
+  CHECK_THAT(message, Catch::Contains("cube core 0 waits at task 0 (op 'a', tile e0 r0 c0) for "
+                                      "event 0 'e' (needs 1, has 0); it is signalled by task 1 "
+                                      "(op 'a') queued on cube core 0 at position 1, behind task "
+                                      "0 (op 'a') at position 0 — the cycle closes."));
+  CHECK_THAT(message, Catch::Contains("queued behind the task that waits for it"));
+}
+
+TEST_CASE("a long cycle is listed in a few lines", "[simulate]") {
+  // 20 queues in a ring: the head of queue i waits for the task of queue
+  // i + 1.
+  constexpr uint32_t n = 20;
+  ProgramBuilder b;
+  uint32_t first = b.op("ring", OpKind::Swiglu, CoreKind::Vector, n);
+  std::vector<uint32_t> events;
+  for (uint32_t i = 0; i < n; ++i)
+    events.push_back(b.event(fmt::format("ring{}", i)));
+  for (uint32_t i = 0; i < n; ++i) {
+    b.wait(first + i, events[(i + 1) % n]);
+    b.signal(first + i, events[i]);
+    b.queue(CoreKind::Vector, i, {first + i});
+  }
+  TaskProgram program = b.build();
+  requireValid(program);
+  std::string message = errorOf(proveDeadlockFree(program));
+  INFO(message);
+  CHECK(std::count(message.begin(), message.end(), '\n') == 9);
+  CHECK_THAT(message, Catch::Contains("... (12 more steps, back to vector core 0) — the cycle "
+                                      "closes."));
+}
+
+TEST_CASE("malformed programs are refused, not simulated", "[simulate]") {
+  TaskProgram program = twoQueueCycle();
+  program.signals[0].event = 9;
+  CHECK(errorOf(proveDeadlockFree(program)) ==
+        "the program is malformed: signal 0 names event 9, but there are 2 events");
+  program = twoQueueCycle();
+  program.queueEntries[1] = 0;
+  CHECK_THAT(errorOf(proveDeadlockFree(program)), Catch::Contains("task 0 is queued twice"));
+  CHECK_FALSE(simulateTimed(twoQueueCycle(), {1.0}).ok());
+}
+
+//===----------------------------------------------------------------------===//
+// Timed simulation
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("the timed simulation of a diamond", "[simulate]") {
+  // Costs: A 1, B 2, C 3, D 1.
+  std::vector<double> costs = {1, 2, 3, 1};
+  SECTION("B and C on one core") {
+    TaskProgram program = diamond(true);
+    requireValid(program);
+    TimedRun run = simulateTimed(program, costs);
+    INFO(run.status.message());
+    REQUIRE(run.ok());
+    // Cube core 0: A 0..1, B 1..3, C 3..6; vector core 0: D 6..7.
+    CHECK(run.start == std::vector<double>{0, 1, 3, 6});
+    CHECK(run.finish == std::vector<double>{1, 3, 6, 7});
+    CHECK(run.makespan == 7);
+    REQUIRE(run.queues.size() == 2);
+    CHECK(run.queues[0].busySeconds == 6);
+    CHECK(run.queues[0].finishSeconds == 6);
+    CHECK(run.queues[1].busySeconds == 1);
+    CHECK(run.queues[1].finishSeconds == 7);
+    // The longest chain ignores the shared core: A, C, D = 1 + 3 + 1.
+    CHECK(run.criticalPathSeconds == 5);
+    CHECK(run.criticalPath == std::vector<uint32_t>{0, 2, 3});
+    CHECK(run.criticalPathRanks == std::vector<uint32_t>{0, 0, 0});
+  }
+  SECTION("C on its own core") {
+    TaskProgram program = diamond(false);
+    requireValid(program);
+    TimedRun run = simulateTimed(program, costs);
+    REQUIRE(run.ok());
+    // A 0..1; B 1..3 and C 1..4 in parallel; D 4..5.
+    CHECK(run.finish == std::vector<double>{1, 3, 4, 5});
+    CHECK(run.makespan == 5);
+    CHECK(run.criticalPathSeconds == 5);
+    CHECK(run.criticalPath == std::vector<uint32_t>{0, 2, 3});
+  }
+}
+
+TEST_CASE("the timed simulation of two ranks with puts", "[simulate]") {
+  // Each rank: vector core 0 runs dispatch tile p0 (cost 1, to itself) then
+  // tile p1 (cost 2, to the other rank); up_proj (cost 3) waits for both
+  // puts: its own at 1, the other rank's at 3.
+  TimedRun run = simulateTimed(twoRankProgram(), {1, 2, 3});
+  INFO(run.status.message());
+  REQUIRE(run.ok());
+  CHECK(run.start == std::vector<double>{0, 1, 3});
+  CHECK(run.makespan == 6);
+  CHECK(run.queues[0].finishSeconds == 3);
+  CHECK(run.queues[1].busySeconds == 3);
+  CHECK(run.queues[1].finishSeconds == 6);
+  // The put p1 of the other rank, then up_proj: 2 + 3.
+  CHECK(run.criticalPathSeconds == 5);
+  CHECK(run.criticalPath == std::vector<uint32_t>{1, 2});
+  CHECK(run.criticalPathRanks == std::vector<uint32_t>{1, 0});
+}
+
+TEST_CASE("a wait for a partial count depends on the signals that met it", "[simulate]") {
+  // Tasks 0 (cost 1) and 1 (cost 5) each add 1 to e on their own cores;
+  // task 2 waits for e >= 1, so it starts when task 0 is done.
+  ProgramBuilder b;
+  uint32_t p = b.op("p", OpKind::Gmm, CoreKind::Cube, 2);
+  uint32_t w = b.op("w", OpKind::Swiglu, CoreKind::Vector, 1);
+  uint32_t e = b.event("e");
+  b.signal(p, e);
+  b.signal(p + 1, e);
+  b.wait(w, e, 1);
+  b.queue(CoreKind::Cube, 0, {p});
+  b.queue(CoreKind::Cube, 1, {p + 1});
+  b.queue(CoreKind::Vector, 0, {w});
+  TaskProgram program = b.build();
+  requireValid(program);
+  TimedRun run = simulateTimed(program, {1, 5, 1});
+  REQUIRE(run.ok());
+  CHECK(run.start[w] == 1);
+  CHECK(run.makespan == 5);
+  CHECK(run.criticalPathSeconds == 5);
+  CHECK(run.criticalPath == std::vector<uint32_t>{1});
+}
+
+TEST_CASE("32 ranks of a 25,000-task program", "[simulate]") {
+  // A smoke check of the size the proof is built for; no timing asserted.
+  TaskProgram program = layeredProgram(32, 25, 1000);
+  requireValid(program);
+  CHECK(program.tasks.size() == 25000);
+  CHECK(program.waits.size() == 96000);
+  Status status = proveDeadlockFree(program);
+  INFO(status.message());
+  CHECK(status.ok());
+  TimedRun run = simulateTimed(program, std::vector<double>(program.tasks.size(), 1.0));
+  REQUIRE(run.ok());
+  // One task per op on the critical path.
+  CHECK(run.criticalPathSeconds == 25);
+  CHECK(run.criticalPath.size() == 25);
+  CHECK(run.makespan >= run.criticalPathSeconds);
+}
+
+//===----------------------------------------------------------------------===//
+// moec dump
+//===----------------------------------------------------------------------===//
+
+namespace {
+
+/// The cpu profile with round numbers.
+target::TargetProfile testProfile() {
+  target::TargetProfile profile;
+  profile.name = "test";
+  profile.taskOverhead = 1e-6;
+  return profile;
+}
+
+/// Counts the matches of `pattern` in `text`.
+size_t countMatches(const std::string &text, const std::string &pattern) {
+  std::regex re(pattern);
+  return size_t(
+      std::distance(std::sregex_iterator(text.begin(), text.end(), re), std::sregex_iterator()));
+}
+
+} // namespace
+
+TEST_CASE("dump: core selectors and times", "[dump]") {
+  dump::CoreSelector core;
+  REQUIRE(dump::parseCoreSelector("cube:3", &core).ok());
+  CHECK(core.kind == CoreKind::Cube);
+  CHECK(core.index == 3);
+  REQUIRE(dump::parseCoreSelector("vector:0", &core).ok());
+  CHECK(core.kind == CoreKind::Vector);
+  for (const char *bad :
+       {"cube", "cube:", "gpu:1", "cube:x", "cube:-1", "cube:1:2", ":3", "cube:99999999999"})
+    CHECK_THAT(errorOf(dump::parseCoreSelector(bad, &core)),
+               Catch::Contains("expected cube:N or vector:N"));
+
+  CHECK(dump::formatSeconds(0) == "0 s");
+  CHECK(dump::formatSeconds(1.5e-3) == "1.50 ms");
+  CHECK(dump::formatSeconds(12.34e-6) == "12.3 us");
+  CHECK(dump::formatSeconds(250) == "250 s");
+  CHECK(dump::formatSeconds(5e-9) == "5.00 ns");
+}
+
+TEST_CASE("dump: text", "[dump]") {
+  TaskProgram program = twoRankProgram();
+  target::TargetProfile profile = testProfile();
+  dump::Analysis analysis = dump::analyzeProgram(program, &profile);
+  REQUIRE(analysis.run.ok());
+  dump::FileFacts facts = dump::factsOf(program, "two.moebin");
+  dump::DumpOptions options;
+  std::string text = dump::dumpText(program, facts, options, analysis);
+  INFO(text);
+  CHECK_THAT(text, Catch::StartsWith("task binary two.moebin\n"));
+  CHECK_THAT(text, Catch::Contains("format version 1; flags 0x0: forward pass, f32 activations"));
+  CHECK_THAT(text, Catch::Contains(fmt::format("file size {} bytes; CRC-32 {:#010x}",
+                                               facts.fileSize, facts.crc32)));
+  CHECK_THAT(text, Catch::Contains("EP ranks 2; local experts 1 (2 experts in all); target 'cpu'"));
+  CHECK_THAT(text, Catch::Contains("tensor slots (1):"));
+  CHECK_THAT(text, Catch::Contains("ops (2, 3 tasks):"));
+  CHECK(countMatches(text, "\n +0 +dispatch +dispatch +2 +vector +1 x 2 x 1 x 1 ") == 1);
+  CHECK(countMatches(text, "\n +1 +up_proj +gmm +1 +cube +1 x 1 x 1 x 1 ") == 1);
+  CHECK_THAT(text, Catch::Contains("events (2):"));
+  CHECK(countMatches(text, "\n +0 +recv +cross-rank +- +2 +2 +1\n") == 1);
+  CHECK(countMatches(text, "\n +1 +done +terminate +- +1 +1 +0\n") == 1);
+  CHECK_THAT(text, Catch::Contains("vector core 0: 2 tasks, busy "));
+  CHECK_THAT(text, Catch::Contains("cube core 0: 1 task, busy "));
+  CHECK_THAT(text,
+             Catch::Contains("    1 dispatch tile(e0,p1,r0,c0 rows 0..64 cols 0..64) waits [] "
+                             "signals [ev0 recv +1 → +1]\n"));
+  CHECK_THAT(text, Catch::Contains("    2 up_proj tile(e0,p0,r0,c0 rows 0..64 cols 0..64) waits "
+                                   "[ev0 recv >= 2] signals [ev1 done +1]\n"));
+  CHECK_THAT(text, Catch::Contains("tasks: 1 cube on 1 queue, 2 vector on 1 queue, 3 in all"));
+  CHECK_THAT(text, Catch::Contains("schedule: deadlock-free (every queue of all 2 ranks drains)"));
+  CHECK_THAT(text, Catch::Contains("critical path: "));
+  CHECK_THAT(text, Catch::Contains(", 2 tasks: dispatch x1 → up_proj x1\n"));
+  CHECK_THAT(text, Catch::Contains("simulated makespan: "));
+  CHECK_THAT(text, Catch::Contains("cube: max/mean 1.00 over 1 queue; least cube core 0"));
+
+  SECTION("long queues are cut without --core") {
+    options.queuePreview = 1;
+    std::string cut = dump::dumpText(program, facts, options, analysis);
+    CHECK_THAT(cut, Catch::Contains("    ... 1 more (--core vector:0 lists them all)\n"));
+    CHECK_FALSE(cut.find("    1 dispatch") != std::string::npos);
+  }
+  SECTION("--core shows one queue in full") {
+    options.queuePreview = 1;
+    options.core = dump::CoreSelector{CoreKind::Vector, 0};
+    REQUIRE(dump::checkDumpOptions(program, options).ok());
+    std::string one = dump::dumpText(program, facts, options, analysis);
+    CHECK_THAT(one, Catch::Contains("queue of vector core 0:\n  vector core 0: 2 tasks"));
+    CHECK_THAT(one, Catch::Contains("    0 dispatch"));
+    CHECK_THAT(one, Catch::Contains("    1 dispatch"));
+    CHECK_FALSE(one.find("cube core 0: 1 task") != std::string::npos);
+    CHECK_FALSE(one.find("more (--core") != std::string::npos);
+  }
+  SECTION("--rank resolves peers and experts") {
+    options.rank = 1;
+    std::string resolved = dump::dumpText(program, facts, options, analysis);
+    CHECK_THAT(resolved, Catch::Contains("resolved for rank 1"));
+    // Tile p1 of rank 1 puts to rank 0; rank 1's expert 0 is expert 1.
+    CHECK_THAT(resolved, Catch::Contains("    1 dispatch tile(e1,p0,r0,c0 rows 0..64 cols 0..64) "
+                                         "waits [] signals [ev0 recv +1 → rank 0]"));
+    CHECK_THAT(resolved, Catch::Contains("    2 up_proj tile(e1,p1,"));
+  }
+  SECTION("options that name nothing") {
+    options.core = dump::CoreSelector{CoreKind::Cube, 5};
+    CHECK(errorOf(dump::checkDumpOptions(program, options)) ==
+          "the binary has no cube core 5 (its cube cores are 0..0)");
+    options.core.reset();
+    options.rank = 2;
+    CHECK(errorOf(dump::checkDumpOptions(program, options)) ==
+          "--rank 2: the EP group has 2 ranks (0..1)");
+  }
+}
+
+TEST_CASE("dump: without a profile, in task counts", "[dump]") {
+  TaskProgram program = diamond(true);
+  dump::Analysis analysis = dump::analyzeProgram(program, nullptr, "no profile 'x.json' here");
+  std::string text =
+      dump::dumpText(program, dump::factsOf(program, "d.moebin"), dump::DumpOptions(), analysis);
+  INFO(text);
+  CHECK_THAT(text, Catch::Contains("statistics (in task counts: every task costs one step):\n"
+                                   "  note: no profile 'x.json' here\n"));
+  CHECK_THAT(text, Catch::Contains("critical path: 3 steps, 3 tasks: A x1 → C x1 → D x1\n"));
+  CHECK_THAT(text, Catch::Contains("simulated makespan: 4 steps"));
+  CHECK_THAT(text,
+             Catch::Contains("cube: max/mean 1.00 over 1 queue; least cube core 0 (3 steps)"));
+  CHECK_THAT(text, Catch::Contains("cube core 0: 3 tasks\n"));
+}
+
+TEST_CASE("dump: a deadlocked program", "[dump]") {
+  TaskProgram program = twoQueueCycle();
+  target::TargetProfile profile = testProfile();
+  dump::Analysis analysis = dump::analyzeProgram(program, &profile);
+  CHECK_FALSE(analysis.run.ok());
+  std::string text =
+      dump::dumpText(program, dump::factsOf(program, "c.moebin"), dump::DumpOptions(), analysis);
+  CHECK_THAT(text, Catch::Contains("  schedule: DEADLOCK\n    deadlock: "));
+  nlohmann::json j = nlohmann::json::parse(
+      dump::dumpJson(program, dump::factsOf(program, "c.moebin"), dump::DumpOptions(), analysis)
+          .dump());
+  CHECK(j["statistics"]["deadlock_free"] == false);
+  CHECK_THAT(j["statistics"]["deadlock"].get<std::string>(), Catch::Contains("the cycle closes"));
+}
+
+TEST_CASE("dump: json", "[dump]") {
+  TaskProgram program = twoRankProgram();
+  target::TargetProfile profile = testProfile();
+  dump::Analysis analysis = dump::analyzeProgram(program, &profile);
+  dump::DumpOptions options;
+  options.queuePreview = 1; // JSON has every task anyway
+  nlohmann::json j = nlohmann::json::parse(
+      dump::dumpJson(program, dump::factsOf(program, "two.moebin"), options, analysis).dump(2));
+  CHECK(j["file"]["ep_ranks"] == 2);
+  CHECK(j["file"]["target"] == "cpu");
+  CHECK(j["file"]["pass"] == "forward");
+  CHECK(j["profile"] == "test");
+  REQUIRE(j["ops"].size() == 2);
+  CHECK(j["ops"][0]["name"] == "dispatch");
+  CHECK(j["ops"][0]["tasks"] == 2);
+  CHECK(j["ops"][0]["core"] == "vector");
+  CHECK(j["ops"][0]["tiling"]["peers"] == 2);
+  CHECK(j["ops"][1]["tasks"] == 1);
+  CHECK(j["events"][0]["signallers"] == 2);
+  CHECK(j["events"][0]["waiters"] == 1);
+  REQUIRE(j["queues"].size() == 2);
+  CHECK(j["queues"][0]["core"] == "cube");
+  CHECK(j["queues"][1]["core"] == "vector");
+  CHECK(j["queues"][1]["entries"].size() == 2);
+  CHECK(j["queues"][1]["entries"][1]["signals"][0]["peer_offset"] == 1);
+  CHECK(j["statistics"]["unit"] == "seconds");
+  CHECK(j["statistics"]["tasks"]["total"] == 3);
+  CHECK(j["statistics"]["deadlock_free"] == true);
+  CHECK(j["statistics"]["critical_path"]["tasks"] == nlohmann::json::array({1, 2}));
+  CHECK(j["statistics"]["critical_path"]["ranks"] == nlohmann::json::array({1, 0}));
+  CHECK(j["statistics"]["makespan"].get<double>() > 0);
+  CHECK(j["statistics"]["balance"]["vector"]["queues"] == 1);
+
+  options.core = dump::CoreSelector{CoreKind::Cube, 0};
+  options.rank = 1;
+  j = nlohmann::json::parse(
+      dump::dumpJson(program, dump::factsOf(program, "two.moebin"), options, analysis).dump());
+  REQUIRE(j["queues"].size() == 1);
+  CHECK(j["rank"] == 1);
+  CHECK(j["queues"][0]["entries"][0]["tile"]["expert"] == 1);
+  CHECK(j["queues"][0]["entries"][0]["tile"]["local_expert"] == 0);
+}
+
+TEST_CASE("dump: dot", "[dump]") {
+  TaskProgram program = twoRankProgram();
+  std::string dot;
+  REQUIRE(dump::dumpDot(program, dump::DumpOptions(), &dot).ok());
+  INFO(dot);
+  CHECK_THAT(dot, Catch::StartsWith("digraph moec {"));
+  CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 3);
+  CHECK(countMatches(dot, "\n +ev[0-9]+ \\[shape=ellipse") == 2);
+  CHECK(countMatches(dot, "subgraph cluster_q") == 2);
+  // Signals: 3 task -> event edges; waits: 1 event -> task edge.
+  CHECK(countMatches(dot, "\n +t[0-9]+ -> ev[0-9]+ ") == 3);
+  CHECK(countMatches(dot, "\n +ev[0-9]+ -> t[0-9]+;") == 1);
+  CHECK_THAT(dot, Catch::Contains("t1 -> ev0 [label=\"+1 → +1\"];"));
+
+  dump::DumpOptions options;
+  options.core = dump::CoreSelector{CoreKind::Cube, 0};
+  REQUIRE(dump::dumpDot(program, options, &dot).ok());
+  CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 1);
+
+  TaskProgram big = layeredProgram(2, 3, 1000);
+  CHECK(errorOf(dump::dumpDot(big, dump::DumpOptions(), &dot)) ==
+        "the program has 3000 tasks; --dot draws at most 2000 (select one queue with --core "
+        "KIND:N, e.g. --core cube:0)");
+  options.core = dump::CoreSelector{CoreKind::Vector, 3};
+  REQUIRE(dump::dumpDot(big, options, &dot).ok());
+  CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 63);
+}

@@ -167,6 +167,7 @@ struct Model {
 
   //===--- Names for messages ---------------------------------------------===//
 
+  /// The name of the op of `task`.
   std::string opName(uint32_t task) const {
     return std::string(p.name(p.ops[p.tasks[task].op].name));
   }

@@ -601,10 +601,11 @@ TEST_CASE("dump: text", "[dump]") {
                                    "[ev0 recv >= 2] signals [ev1 done +1]\n"));
   CHECK_THAT(text, Catch::Contains("tasks: 1 cube on 1 queue, 2 vector on 1 queue, 3 in all"));
   CHECK_THAT(text, Catch::Contains("schedule: deadlock-free (every queue of all 2 ranks drains)"));
-  CHECK_THAT(text, Catch::Contains("critical path: "));
-  CHECK_THAT(text, Catch::Contains(", 2 tasks: dispatch x1 → up_proj x1\n"));
+  CHECK_THAT(text, Catch::Contains("critical path (ending on rank 0): "));
+  // The put from the other rank, then up_proj.
+  CHECK_THAT(text, Catch::Contains(", 2 tasks: dispatch x1 on rank 1 → up_proj x1\n"));
   CHECK_THAT(text, Catch::Contains("simulated makespan: "));
-  CHECK_THAT(text, Catch::Contains("cube: max/mean 1.00 over 1 queue; least cube core 0"));
+  CHECK_THAT(text, Catch::Contains("    cube: one queue, cube core 0 ("));
 
   SECTION("long queues are cut without --core") {
     options.queuePreview = 1;
@@ -630,7 +631,7 @@ TEST_CASE("dump: text", "[dump]") {
     // Tile p1 of rank 1 puts to rank 0; rank 1's expert 0 is expert 1.
     CHECK_THAT(resolved, Catch::Contains("    1 dispatch tile(e1,p0,r0,c0 rows 0..64 cols 0..64) "
                                          "waits [] signals [ev0 recv +1 → rank 0]"));
-    CHECK_THAT(resolved, Catch::Contains("    2 up_proj tile(e1,p1,"));
+    CHECK_THAT(resolved, Catch::Contains("    2 up_proj tile(e1,p0,"));
   }
   SECTION("options that name nothing") {
     options.core = dump::CoreSelector{CoreKind::Cube, 5};
@@ -653,9 +654,19 @@ TEST_CASE("dump: without a profile, in task counts", "[dump]") {
                                    "  note: no profile 'x.json' here\n"));
   CHECK_THAT(text, Catch::Contains("critical path: 3 steps, 3 tasks: A x1 → C x1 → D x1\n"));
   CHECK_THAT(text, Catch::Contains("simulated makespan: 4 steps"));
-  CHECK_THAT(text,
-             Catch::Contains("cube: max/mean 1.00 over 1 queue; least cube core 0 (3 steps)"));
+  CHECK_THAT(text, Catch::Contains("    cube: one queue, cube core 0 (3 steps)\n"));
   CHECK_THAT(text, Catch::Contains("cube core 0: 3 tasks\n"));
+
+  // Queue balance: uneven and even.
+  program = diamond(false);
+  text = dump::dumpText(program, dump::factsOf(program, "d.moebin"), dump::DumpOptions(),
+                        dump::analyzeProgram(program, nullptr));
+  CHECK_THAT(text, Catch::Contains("    cube: max/mean 1.33 over 2 queues; least cube core 1 (1 "
+                                   "step), most cube core 0 (2 steps)\n"));
+  program = layeredProgram(2, 3, 32);
+  text = dump::dumpText(program, dump::factsOf(program, "l.moebin"), dump::DumpOptions(),
+                        dump::analyzeProgram(program, nullptr));
+  CHECK_THAT(text, Catch::Contains("    cube: max/mean 1.00 over 16 queues, each 4 steps\n"));
 }
 
 TEST_CASE("dump: a deadlocked program", "[dump]") {

@@ -74,6 +74,7 @@ int runCompile(int argc, char **argv, int first) {
   };
   using Clock = std::chrono::steady_clock;
   Clock::time_point start = Clock::now();
+  std::string summary; // printed once the binary is written
   auto body = [&](const Args &args, ModuleOp module, std::string &out) {
     auto fail = [](const std::string &message) {
       std::fprintf(stderr, "error: %s\n", message.c_str());
@@ -130,21 +131,21 @@ int runCompile(int argc, char **argv, int first) {
     double total = 0;
     for (auto &[name, ms] : phases)
       total += ms;
-    std::fprintf(stderr,
-                 "%s: %s, %zu ops, %zu tasks, %zu events, %u cube + %u vector queues, "
-                 "%zu bytes; estimated %.3f ms per pass (critical path %.3f ms) on %s; "
-                 "compiled in %.1f ms\n",
-                 args.value("-o")->c_str(), graph.getSymName().str().c_str(),
-                 program.ops.size(), program.tasks.size(), program.events.size(),
-                 unsigned(config.numCubeCores), unsigned(config.numVectorCores), bytes.size(),
-                 estimate.makespan * 1e3, estimate.criticalPath * 1e3,
-                 options.profile.name.c_str(), total);
+    summary = fmt::format(
+                 "{}: {}, {} ops, %zu tasks, {} events, {} cube + {} vector queues, "
+                 "{} bytes; estimated {:.3f} ms per pass (critical path {:.3f} ms) on {}; "
+                 "compiled in {:.1f} ms\n",
+                 *args.value("-o"), graph.getSymName().str(), program.ops.size(),
+                 program.tasks.size(), program.events.size(), config.numCubeCores,
+                 config.numVectorCores, bytes.size(), estimate.makespan * 1e3,
+                 estimate.criticalPath * 1e3, options.profile.name, total);
     if (args.has("--time"))
       for (auto &[name, ms] : phases)
-        std::fprintf(stderr, "  %-15s %8.1f ms\n", name, ms);
+        summary += fmt::format("  {:<15} {:8.1f} ms\n", name, ms);
     return int(kOk);
   };
-  return runOnGraph(kCompileSpec, argc, argv, first, checkArgs, body);
+  return runOnGraph(kCompileSpec, argc, argv, first, checkArgs, body,
+                    [&] { std::fputs(summary.c_str(), stderr); });
 }
 
 } // namespace moec::cli

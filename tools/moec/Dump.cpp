@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstddef>
 #include <cstring>
-#include <map>
 
 namespace moec::dump {
 
@@ -173,7 +173,9 @@ ResolvedTile resolvedTile(const TaskProgram &p, uint32_t task, std::optional<uin
     // covers the whole op, and its expert field says nothing.
     if (p.tilings[op.tiling].experts > 1 || p.localExperts == 1)
       tile.expert = p.globalExpert(*rank, tile.coord.expert);
-    tile.peer = p.peerRank(*rank, tile.coord.peer);
+    // Likewise only a put's grid (peers == R) names peers.
+    if (p.tilings[op.tiling].peers > 1)
+      tile.peer = p.peerRank(*rank, tile.coord.peer);
   }
   return tile;
 }
@@ -409,19 +411,27 @@ std::string formatSeconds(double seconds) {
 }
 
 std::string summarizePath(const TaskProgram &program, const std::vector<uint32_t> &tasks,
-                          size_t maxRuns) {
-  std::vector<std::pair<uint32_t, size_t>> runs; // (op, count)
-  for (uint32_t task : tasks) {
-    uint32_t op = program.tasks[task].op;
-    if (!runs.empty() && runs.back().first == op)
-      ++runs.back().second;
+                          const std::vector<uint32_t> &ranks, size_t maxRuns) {
+  struct Run {
+    uint32_t op, rank;
+    size_t count;
+  };
+  std::vector<Run> runs;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    uint32_t op = program.tasks[tasks[i]].op;
+    uint32_t rank = i < ranks.size() ? ranks[i] : 0;
+    if (!runs.empty() && runs.back().op == op && runs.back().rank == rank)
+      ++runs.back().count;
     else
-      runs.emplace_back(op, 1);
+      runs.push_back({op, rank, 1});
   }
   std::string out;
-  for (size_t i = 0; i < runs.size() && i < maxRuns; ++i)
-    out += fmt::format("{}{} x{}", i ? " → " : "", program.name(program.ops[runs[i].first].name),
-                       runs[i].second);
+  for (size_t i = 0; i < runs.size() && i < maxRuns; ++i) {
+    out += fmt::format("{}{} x{}", i ? " → " : "", program.name(program.ops[runs[i].op].name),
+                       runs[i].count);
+    if (runs[i].rank != 0)
+      out += fmt::format(" on rank {}", runs[i].rank);
+  }
   if (runs.size() > maxRuns)
     out += fmt::format(" → ... ({} more)", runs.size() - maxRuns);
   return out;
@@ -560,10 +570,11 @@ std::string statisticsText(const TaskProgram &p, const Analysis &a) {
   }
   out += fmt::format("  schedule: deadlock-free (every queue of all {} rank{} drains)\n", p.epRanks,
                      p.epRanks == 1 ? "" : "s");
-  out +=
-      fmt::format("  critical path: {}, {} task{}: {}\n", amountText(a, a.run.criticalPathSeconds),
-                  a.run.criticalPath.size(), a.run.criticalPath.size() == 1 ? "" : "s",
-                  summarizePath(p, a.run.criticalPath));
+  out += fmt::format("  critical path{}: {}, {} task{}: {}\n",
+                     p.epRanks > 1 ? " (ending on rank 0)" : "",
+                     amountText(a, a.run.criticalPathSeconds), a.run.criticalPath.size(),
+                     a.run.criticalPath.size() == 1 ? "" : "s",
+                     summarizePath(p, a.run.criticalPath, a.run.criticalPathRanks));
   double share = a.run.makespan > 0 ? a.run.criticalPathSeconds / a.run.makespan : 1.0;
   out += fmt::format("  simulated makespan: {} (the critical path is {:.0f}% of it)\n",
                      amountText(a, a.run.makespan), 100 * share);
@@ -573,10 +584,18 @@ std::string statisticsText(const TaskProgram &p, const Analysis &a) {
     std::optional<Balance> b = balanceOf(p, busy, kind);
     if (!b)
       continue;
-    out += fmt::format("    {}: max/mean {:.2f} over {} queue{}; least {} ({}), most {} ({})\n",
-                       coreKindName(kind), b->ratio, b->queues, b->queues == 1 ? "" : "s",
-                       queueLabel(p.queues[b->minQueue]), amountText(a, b->minBusy),
-                       queueLabel(p.queues[b->maxQueue]), amountText(a, b->maxBusy));
+    std::string kindName = coreKindName(kind);
+    if (b->queues == 1)
+      out += fmt::format("    {}: one queue, {} ({})\n", kindName,
+                         queueLabel(p.queues[b->minQueue]), amountText(a, b->minBusy));
+    else if (b->minBusy == b->maxBusy)
+      out += fmt::format("    {}: max/mean 1.00 over {} queues, each {}\n", kindName, b->queues,
+                         amountText(a, b->maxBusy));
+    else
+      out += fmt::format("    {}: max/mean {:.2f} over {} queues; least {} ({}), most {} ({})\n",
+                         kindName, b->ratio, b->queues, queueLabel(p.queues[b->minQueue]),
+                         amountText(a, b->minBusy), queueLabel(p.queues[b->maxQueue]),
+                         amountText(a, b->maxBusy));
   }
   return out;
 }
@@ -765,10 +784,11 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
   if (!a.run.ok()) {
     stats["deadlock"] = a.run.status.message();
   } else {
-    stats["critical_path"] = {{"length", a.run.criticalPathSeconds},
-                              {"tasks", a.run.criticalPath},
-                              {"ranks", a.run.criticalPathRanks},
-                              {"ops", summarizePath(p, a.run.criticalPath, SIZE_MAX)}};
+    stats["critical_path"] = {
+        {"length", a.run.criticalPathSeconds},
+        {"tasks", a.run.criticalPath},
+        {"ranks", a.run.criticalPathRanks},
+        {"ops", summarizePath(p, a.run.criticalPath, a.run.criticalPathRanks, SIZE_MAX)}};
     stats["makespan"] = a.run.makespan;
     json balance = json::object();
     for (CoreKind kind : {CoreKind::Cube, CoreKind::Vector}) {

@@ -123,9 +123,11 @@ Status dumpDot(const format::TaskProgram &program, const DumpOptions &options, s
 std::string formatSeconds(double seconds);
 
 /// Returns the ops of a task path as runs of one op: "dispatch x32 → up_proj
-/// x1 → swiglu x4", at most `maxRuns` runs and then "→ ... (N more)".
+/// x1 → swiglu x4", at most `maxRuns` runs and then "→ ... (N more)". With
+/// `ranks` (one per task, as TimedRun::criticalPathRanks), a run is also of
+/// one rank, and runs not on rank 0 say so: "dispatch x1 on rank 3 → ...".
 std::string summarizePath(const format::TaskProgram &program, const std::vector<uint32_t> &tasks,
-                          size_t maxRuns = 12);
+                          const std::vector<uint32_t> &ranks = {}, size_t maxRuns = 12);
 
 } // namespace moec::dump
 

@@ -241,7 +241,8 @@ bool anyArgs(const Args &) { return true; }
 /// what it produced to -o (default stdout) when it succeeds.
 int runOnGraph(const CommandSpec &spec, int argc, char **argv, int first,
                llvm::function_ref<bool(const Args &)> checkArgs,
-               llvm::function_ref<int(const Args &, ModuleOp, std::string &)> body) {
+               llvm::function_ref<int(const Args &, ModuleOp, std::string &)> body,
+               llvm::function_ref<void()> afterWrite) {
   std::optional<Args> args = parseArgs(spec, argc, argv, first);
   if (!args)
     return kUsage;
@@ -260,7 +261,11 @@ int runOnGraph(const CommandSpec &spec, int argc, char **argv, int first,
   std::string out;
   if (int status = body(*args, *module, out); status != kOk)
     return status;
-  return writeOutput(args->value("-o").value_or("-"), out) ? kOk : kError;
+  if (!writeOutput(args->value("-o").value_or("-"), out))
+    return kError;
+  if (afterWrite)
+    afterWrite();
+  return kOk;
 }
 
 

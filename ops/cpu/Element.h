@@ -1,0 +1,138 @@
+//===- Element.h - Storage types, bf16 conversion, matrix views -*- C++ -*-===//
+//
+// The CPU kernels store tensors as fp32 or bf16 and always compute in fp32.
+// This header is the one place that defines bf16: a bf16 value is the upper
+// 16 bits of an IEEE-754 binary32, kept as uint16_t bits. fp32 -> bf16 rounds
+// to nearest, ties to even; a NaN stays a NaN (quieted, sign kept); overflow
+// rounds to infinity; subnormals are kept, not flushed. bf16 -> fp32 is exact.
+//
+// Matrices are row-major views: element (i, j) of a view is at element offset
+// i * ld + j from its data pointer, with `ld` (the leading stride) counted in
+// elements of the view's type.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_OPS_CPU_ELEMENT_H
+#define MOEC_OPS_CPU_ELEMENT_H
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace moec::ops {
+
+/// The storage type of a tensor. Arithmetic is always fp32.
+enum class Elt : uint8_t {
+  F32 = 1,  ///< IEEE-754 binary32
+  BF16 = 2, ///< bfloat16, stored as the uint16_t upper half of a binary32
+};
+
+/// Returns the size in bytes of one element of `elt` (4 or 2).
+inline constexpr size_t eltSize(Elt elt) { return elt == Elt::BF16 ? 2 : 4; }
+
+/// Returns "f32" or "bf16".
+const char *eltName(Elt elt);
+
+/// Returns the bf16 bits nearest to `value` (round to nearest, ties to even).
+/// A NaN gives a quiet NaN with the same sign; values past the largest finite
+/// bf16 round to infinity.
+inline uint16_t floatToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  const bool isNan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+  // Adding 0x7FFF plus the lowest kept bit rounds to nearest, ties to even;
+  // a carry out of the mantissa correctly bumps the exponent (up to inf).
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  // Truncating a NaN whose payload sits in the low half would give infinity:
+  // keep the sign and the high payload bits, and set the quiet bit.
+  const uint32_t quietNan = (bits >> 16) | 0x0040u;
+  return uint16_t(isNan ? quietNan : rounded);
+}
+
+/// Returns the fp32 value of the bf16 bits `bits` (exact).
+inline float bf16ToFloat(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof value);
+  return value;
+}
+
+/// Returns `value` rounded to the nearest bf16, as fp32.
+inline float roundToBf16(float value) { return bf16ToFloat(floatToBf16(value)); }
+
+/// Converts `count` floats at `src` to bf16 bits at `dst`.
+void floatToBf16(const float *src, uint16_t *dst, size_t count);
+
+/// Converts `count` bf16 values at `src` to floats at `dst`.
+void bf16ToFloat(const uint16_t *src, float *dst, size_t count);
+
+/// Reads `count` contiguous elements of type `elt` at `src` into floats.
+void loadFloats(const void *src, Elt elt, float *dst, size_t count);
+
+/// Writes `count` floats as contiguous elements of type `elt` at `dst`
+/// (rounding to bf16 when `elt` is BF16).
+void storeFloats(const float *src, void *dst, Elt elt, size_t count);
+
+/// Returns element `index` of the array of type `elt` at `data`, as fp32.
+inline float loadFloat(const void *data, Elt elt, int64_t index) {
+  if (elt == Elt::BF16)
+    return bf16ToFloat(static_cast<const uint16_t *>(data)[index]);
+  return static_cast<const float *>(data)[index];
+}
+
+/// Stores `value` as element `index` of the array of type `elt` at `data`.
+inline void storeFloat(void *data, Elt elt, int64_t index, float value) {
+  if (elt == Elt::BF16)
+    static_cast<uint16_t *>(data)[index] = floatToBf16(value);
+  else
+    static_cast<float *>(data)[index] = value;
+}
+
+/// A half-open index range [begin, end). An empty or inverted range holds no
+/// index.
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+
+  /// The number of indices, 0 when end <= begin.
+  int64_t size() const { return end > begin ? end - begin : 0; }
+  /// True when the range holds no index.
+  bool empty() const { return end <= begin; }
+};
+
+/// A read-only row-major matrix view: element (i, j) is element i * ld + j of
+/// the array of type `elt` at `data`.
+struct ConstMatrix {
+  const void *data = nullptr;
+  Elt elt = Elt::F32;
+  int64_t ld = 0; ///< leading stride in elements
+
+  /// Returns the address of element (i, j).
+  const void *address(int64_t i, int64_t j) const {
+    return static_cast<const char *>(data) + (i * ld + j) * int64_t(eltSize(elt));
+  }
+  /// Returns element (i, j) as fp32.
+  float at(int64_t i, int64_t j) const { return loadFloat(data, elt, i * ld + j); }
+};
+
+/// A writable row-major matrix view; see ConstMatrix.
+struct Matrix {
+  void *data = nullptr;
+  Elt elt = Elt::F32;
+  int64_t ld = 0; ///< leading stride in elements
+
+  /// Returns the address of element (i, j).
+  void *address(int64_t i, int64_t j) const {
+    return static_cast<char *>(data) + (i * ld + j) * int64_t(eltSize(elt));
+  }
+  /// Returns element (i, j) as fp32.
+  float at(int64_t i, int64_t j) const { return loadFloat(data, elt, i * ld + j); }
+  /// Stores `value` (rounded to the storage type) as element (i, j).
+  void set(int64_t i, int64_t j, float value) const { storeFloat(data, elt, i * ld + j, value); }
+  /// The same view, read-only.
+  operator ConstMatrix() const { return ConstMatrix{data, elt, ld}; }
+};
+
+} // namespace moec::ops
+
+#endif // MOEC_OPS_CPU_ELEMENT_H

@@ -1,0 +1,282 @@
+//===- Reference.cpp - Reference implementation of the MoE-FFN layer ------===//
+//
+// Straight loops over the math of the layer. Index helpers spell out every
+// row-major offset, so each line can be checked against the math in Reference.h.
+//
+//===----------------------------------------------------------------------===//
+
+#include "ops/cpu/Reference.h"
+
+#include <cmath>
+#include <string>
+#include <utility>
+
+namespace moec::ops::reference {
+
+Status LayerShape::validate() const {
+  if (ranks < 1)
+    return Status::error("layer: ranks must be at least 1, got " + std::to_string(ranks));
+  if (experts < 1 || experts % ranks != 0)
+    return Status::error("layer: experts (" + std::to_string(experts) +
+                         ") must be a positive multiple of ranks (" + std::to_string(ranks) + ")");
+  if (topK < 1 || topK > experts)
+    return Status::error("layer: top-k (" + std::to_string(topK) + ") must be in 1.." +
+                         std::to_string(experts));
+  if (hidden < 0 || inter < 0 || tokens < 0)
+    return Status::error("layer: hidden, inter and tokens must not be negative");
+  return Status::success();
+}
+
+template <typename T> T silu(T x) { return x / (T(1) + std::exp(-x)); }
+
+template <typename T> T siluGrad(T x) {
+  const T s = T(1) / (T(1) + std::exp(-x));
+  return s * (T(1) + x * (T(1) - s));
+}
+
+template <typename T>
+void matmul(int64_t m, int64_t n, int64_t k, const T *a, const T *b, T *c) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      T sum = 0;
+      for (int64_t p = 0; p < k; ++p)
+        sum += a[i * k + p] * b[p * n + j];
+      c[i * n + j] = sum;
+    }
+}
+
+namespace {
+
+std::string sizeError(const std::string &what, size_t got, int64_t want) {
+  return what + " has " + std::to_string(got) + " elements, expected " + std::to_string(want);
+}
+
+} // namespace
+
+template <typename T>
+Status validateInputs(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
+                      const Weights<T> &weights) {
+  if (Status status = shape.validate(); !status)
+    return status;
+  const int64_t R = shape.ranks, E = shape.experts, H = shape.hidden, I = shape.inter,
+                K = shape.topK, S = shape.tokens;
+  if (int64_t(inputs.size()) != R)
+    return Status::error("layer: " + std::to_string(inputs.size()) + " rank inputs for " +
+                         std::to_string(R) + " ranks");
+  if (int64_t(weights.w1.size()) != E * H * 2 * I)
+    return Status::error(sizeError("w1", weights.w1.size(), E * H * 2 * I));
+  if (int64_t(weights.w2.size()) != E * I * H)
+    return Status::error(sizeError("w2", weights.w2.size(), E * I * H));
+  for (int64_t r = 0; r < R; ++r) {
+    const RankInputs<T> &in = inputs[size_t(r)];
+    const std::string rank = "rank " + std::to_string(r) + ": ";
+    if (int64_t(in.x.size()) != S * H)
+      return Status::error(rank + sizeError("x", in.x.size(), S * H));
+    if (int64_t(in.topkIds.size()) != S * K)
+      return Status::error(rank + sizeError("topk_ids", in.topkIds.size(), S * K));
+    if (int64_t(in.topkWeights.size()) != S * K)
+      return Status::error(rank + sizeError("topk_weights", in.topkWeights.size(), S * K));
+    for (int64_t t = 0; t < S; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t id = in.topkIds[size_t(t * K + k)];
+        if (id < 0 || id >= E)
+          return Status::error(rank + "topk_ids[" + std::to_string(t) + "][" +
+                               std::to_string(k) + "] = " + std::to_string(id) +
+                               " is not an expert");
+        for (int64_t j = 0; j < k; ++j)
+          if (in.topkIds[size_t(t * K + j)] == id)
+            return Status::error(rank + "token " + std::to_string(t) + " routes to expert " +
+                                 std::to_string(id) + " twice");
+      }
+  }
+  return Status::success();
+}
+
+template <typename T>
+Status forward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
+               const Weights<T> &weights, Forward<T> *out) {
+  if (Status status = validateInputs(shape, inputs, weights); !status)
+    return status;
+  const int64_t R = shape.ranks, E = shape.experts, H = shape.hidden, I = shape.inter,
+                K = shape.topK, S = shape.tokens;
+  Forward<T> result;
+
+  // Dispatch: expert e gets rows (r, t, k) in order of r, t, k.
+  result.experts.resize(size_t(E));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < S; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = inputs[size_t(r)].topkIds[size_t(t * K + k)];
+        ExpertActivations<T> &ex = result.experts[size_t(e)];
+        ex.rows.push_back(RowSource{r, t, k});
+        for (int64_t h = 0; h < H; ++h)
+          ex.x.push_back(inputs[size_t(r)].x[size_t(t * H + h)]);
+      }
+
+  // Per expert: Y = X w1[e], A = silu(gate) * up, Z = A w2[e].
+  for (int64_t e = 0; e < E; ++e) {
+    ExpertActivations<T> &ex = result.experts[size_t(e)];
+    const int64_t n = int64_t(ex.rows.size());
+    const T *w1 = weights.w1.data() + e * H * 2 * I;
+    const T *w2 = weights.w2.data() + e * I * H;
+    ex.y.assign(size_t(n * 2 * I), T(0));
+    ex.a.assign(size_t(n * I), T(0));
+    ex.z.assign(size_t(n * H), T(0));
+    for (int64_t m = 0; m < n; ++m)
+      for (int64_t j = 0; j < 2 * I; ++j) {
+        T sum = 0;
+        for (int64_t h = 0; h < H; ++h)
+          sum += ex.x[size_t(m * H + h)] * w1[h * 2 * I + j];
+        ex.y[size_t(m * 2 * I + j)] = sum;
+      }
+    for (int64_t m = 0; m < n; ++m)
+      for (int64_t i = 0; i < I; ++i)
+        ex.a[size_t(m * I + i)] =
+            silu(ex.y[size_t(m * 2 * I + i)]) * ex.y[size_t(m * 2 * I + I + i)];
+    for (int64_t m = 0; m < n; ++m)
+      for (int64_t h = 0; h < H; ++h) {
+        T sum = 0;
+        for (int64_t i = 0; i < I; ++i)
+          sum += ex.a[size_t(m * I + i)] * w2[i * H + h];
+        ex.z[size_t(m * H + h)] = sum;
+      }
+  }
+
+  // Combine: y_r[t] = sum_k w_r[t, k] * Z row of (r, t, k), in k order.
+  result.y.assign(size_t(R), std::vector<T>(size_t(S * H), T(0)));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t t = 0; t < S; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = inputs[size_t(r)].topkIds[size_t(t * K + k)];
+        const ExpertActivations<T> &ex = result.experts[size_t(e)];
+        int64_t row = 0;
+        while (!(ex.rows[size_t(row)].rank == r && ex.rows[size_t(row)].token == t &&
+                 ex.rows[size_t(row)].k == k))
+          ++row;
+        const T w = inputs[size_t(r)].topkWeights[size_t(t * K + k)];
+        for (int64_t h = 0; h < H; ++h)
+          result.y[size_t(r)][size_t(t * H + h)] += w * ex.z[size_t(row * H + h)];
+      }
+  *out = std::move(result);
+  return Status::success();
+}
+
+template <typename T>
+Status backward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
+                const Weights<T> &weights, const Forward<T> &fwd,
+                const std::vector<std::vector<T>> &dy, Backward<T> *out) {
+  if (Status status = validateInputs(shape, inputs, weights); !status)
+    return status;
+  const int64_t R = shape.ranks, E = shape.experts, H = shape.hidden, I = shape.inter,
+                K = shape.topK, S = shape.tokens;
+  if (int64_t(dy.size()) != R)
+    return Status::error("layer: " + std::to_string(dy.size()) + " dy tensors for " +
+                         std::to_string(R) + " ranks");
+  for (int64_t r = 0; r < R; ++r)
+    if (int64_t(dy[size_t(r)].size()) != S * H)
+      return Status::error("rank " + std::to_string(r) + ": " +
+                           sizeError("dy", dy[size_t(r)].size(), S * H));
+  if (int64_t(fwd.experts.size()) != E)
+    return Status::error("layer: the forward results have " + std::to_string(fwd.experts.size()) +
+                         " experts, expected " + std::to_string(E));
+
+  Backward<T> result;
+  result.dx.assign(size_t(R), std::vector<T>(size_t(S * H), T(0)));
+  result.dtopkWeights.assign(size_t(R), std::vector<T>(size_t(S * K), T(0)));
+  result.dw1.assign(size_t(E * H * 2 * I), T(0));
+  result.dw2.assign(size_t(E * I * H), T(0));
+
+  for (int64_t e = 0; e < E; ++e) {
+    const ExpertActivations<T> &ex = fwd.experts[size_t(e)];
+    const int64_t n = int64_t(ex.rows.size());
+    const T *w1 = weights.w1.data() + e * H * 2 * I;
+    const T *w2 = weights.w2.data() + e * I * H;
+    T *dw1 = result.dw1.data() + e * H * 2 * I;
+    T *dw2 = result.dw2.data() + e * I * H;
+
+    // dtopk_weights[t, k] = <dy[t], Z row>; dZ row = w[t, k] * dy[t].
+    std::vector<T> dz(size_t(n * H));
+    for (int64_t m = 0; m < n; ++m) {
+      const RowSource &src = ex.rows[size_t(m)];
+      const std::vector<T> &g = dy[size_t(src.rank)];
+      T dot = 0;
+      for (int64_t h = 0; h < H; ++h)
+        dot += g[size_t(src.token * H + h)] * ex.z[size_t(m * H + h)];
+      result.dtopkWeights[size_t(src.rank)][size_t(src.token * K + src.k)] = dot;
+      const T w = inputs[size_t(src.rank)].topkWeights[size_t(src.token * K + src.k)];
+      for (int64_t h = 0; h < H; ++h)
+        dz[size_t(m * H + h)] = w * g[size_t(src.token * H + h)];
+    }
+
+    // dA = dZ w2^T: dA[m, i] = sum_h dZ[m, h] * w2[i, h].
+    std::vector<T> da(size_t(n * I));
+    for (int64_t m = 0; m < n; ++m)
+      for (int64_t i = 0; i < I; ++i) {
+        T sum = 0;
+        for (int64_t h = 0; h < H; ++h)
+          sum += dz[size_t(m * H + h)] * w2[i * H + h];
+        da[size_t(m * I + i)] = sum;
+      }
+
+    // dw2 = A^T dZ: dw2[i, h] = sum_m A[m, i] * dZ[m, h].
+    for (int64_t i = 0; i < I; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        T sum = 0;
+        for (int64_t m = 0; m < n; ++m)
+          sum += ex.a[size_t(m * I + i)] * dz[size_t(m * H + h)];
+        dw2[i * H + h] = sum;
+      }
+
+    // dY = swiglu_grad(Y, dA).
+    std::vector<T> dY(size_t(n * 2 * I));
+    for (int64_t m = 0; m < n; ++m)
+      for (int64_t i = 0; i < I; ++i) {
+        const T gate = ex.y[size_t(m * 2 * I + i)];
+        const T up = ex.y[size_t(m * 2 * I + I + i)];
+        const T g = da[size_t(m * I + i)];
+        dY[size_t(m * 2 * I + i)] = g * up * siluGrad(gate);
+        dY[size_t(m * 2 * I + I + i)] = g * silu(gate);
+      }
+
+    // dX = dY w1^T: dX[m, h] = sum_j dY[m, j] * w1[h, j]; dx[t] += dX row.
+    for (int64_t m = 0; m < n; ++m) {
+      const RowSource &src = ex.rows[size_t(m)];
+      for (int64_t h = 0; h < H; ++h) {
+        T sum = 0;
+        for (int64_t j = 0; j < 2 * I; ++j)
+          sum += dY[size_t(m * 2 * I + j)] * w1[h * 2 * I + j];
+        result.dx[size_t(src.rank)][size_t(src.token * H + h)] += sum;
+      }
+    }
+
+    // dw1 = X^T dY: dw1[h, j] = sum_m X[m, h] * dY[m, j].
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < 2 * I; ++j) {
+        T sum = 0;
+        for (int64_t m = 0; m < n; ++m)
+          sum += ex.x[size_t(m * H + h)] * dY[size_t(m * 2 * I + j)];
+        dw1[h * 2 * I + j] = sum;
+      }
+  }
+  *out = std::move(result);
+  return Status::success();
+}
+
+#define MOEC_REFERENCE_INSTANTIATE(T)                                                              \
+  template T silu<T>(T);                                                                           \
+  template T siluGrad<T>(T);                                                                       \
+  template void matmul<T>(int64_t, int64_t, int64_t, const T *, const T *, T *);                   \
+  template Status validateInputs<T>(const LayerShape &, const std::vector<RankInputs<T>> &,        \
+                                    const Weights<T> &);                                           \
+  template Status forward<T>(const LayerShape &, const std::vector<RankInputs<T>> &,               \
+                             const Weights<T> &, Forward<T> *);                                    \
+  template Status backward<T>(const LayerShape &, const std::vector<RankInputs<T>> &,              \
+                              const Weights<T> &, const Forward<T> &,                              \
+                              const std::vector<std::vector<T>> &, Backward<T> *);
+
+MOEC_REFERENCE_INSTANTIATE(float)
+MOEC_REFERENCE_INSTANTIATE(double)
+
+#undef MOEC_REFERENCE_INSTANTIATE
+
+} // namespace moec::ops::reference

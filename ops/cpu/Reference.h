@@ -1,0 +1,135 @@
+//===- Reference.h - Reference implementation of the MoE-FFN layer -*- C++ -*-===//
+//
+// The whole layer, forward and backward, for an EP group of R ranks, written
+// as plain loops that follow the math line by line. It is the oracle the
+// kernels and the runtime are tested against, so it shares no code with the
+// kernels and favours being obviously right over being fast. The math:
+//
+//   dispatch   row (t, k) of rank r goes to expert e = topk_ids_r[t, k]
+//   expert e   Y = X w1[e],  A = silu(Y[:, :I]) * Y[:, I:],  Z = A w2[e]
+//   combine    y_r[t] = sum_k topk_weights_r[t, k] * Z row of (r, t, k)
+//   backward   dtopk_weights_r[t, k] = <dy_r[t], Z row>,
+//              dZ row = topk_weights_r[t, k] * dy_r[t],
+//              dA = dZ w2[e]^T,  dw2[e] = A^T dZ,  dY = swiglu_grad(Y, dA),
+//              dX = dY w1[e]^T,  dw1[e] = X^T dY,  dx_r[t] = sum_k dX row
+//
+// It computes in the scalar type T (float or double) over inputs of that
+// type; a bf16 run rounds its inputs to bf16 first and compares with a
+// tolerance. Shapes (all row-major):
+//
+//   per rank r:   x [S, H], topkIds [S, K], topkWeights [S, K], dy [S, H]
+//   weights:      w1 [E, H, 2I] (columns 0..I-1 gate, I..2I-1 up), w2 [E, I, H]
+//                 (all E experts; rank r owns experts r*L .. r*L+L-1)
+//
+// Dispatch order: expert e receives the rows (r, t, k) with topkIds_r[t][k] =
+// e, ordered by source rank r, then token t, then k. The per-expert tensors
+// of Forward (X, Y, A, Z) are in that order.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_OPS_CPU_REFERENCE_H
+#define MOEC_OPS_CPU_REFERENCE_H
+
+#include "runtime/format/Status.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace moec::ops::reference {
+
+/// The sizes of the layer.
+struct LayerShape {
+  int64_t ranks = 1;   ///< R, ranks of the EP group
+  int64_t experts = 1; ///< E, experts in all (a multiple of R)
+  int64_t hidden = 0;  ///< H
+  int64_t inter = 0;   ///< I, the intermediate size after SwiGLU halving
+  int64_t topK = 1;    ///< K, experts per token
+  int64_t tokens = 0;  ///< S, tokens per rank
+
+  /// L = E / R, the experts of one rank.
+  int64_t localExperts() const { return ranks > 0 ? experts / ranks : 0; }
+
+  /// Checks the sizes: R >= 1, E a positive multiple of R, 1 <= K <= E, and
+  /// H, I, S >= 0.
+  Status validate() const;
+};
+
+/// One rank's inputs.
+template <typename T> struct RankInputs {
+  std::vector<T> x;                ///< [S, H]
+  std::vector<int64_t> topkIds;    ///< [S, K], distinct experts per token
+  std::vector<T> topkWeights;      ///< [S, K]
+};
+
+/// The expert weights of the whole group.
+template <typename T> struct Weights {
+  std::vector<T> w1; ///< [E, H, 2I]
+  std::vector<T> w2; ///< [E, I, H]
+};
+
+/// Where a dispatched row comes from: token `token` of rank `rank`, top-k
+/// position `k`.
+struct RowSource {
+  int64_t rank = 0;
+  int64_t token = 0;
+  int64_t k = 0;
+};
+
+/// What one expert computes in the forward pass, in dispatch order.
+template <typename T> struct ExpertActivations {
+  std::vector<RowSource> rows; ///< n rows
+  std::vector<T> x;            ///< X [n, H], the dispatched rows
+  std::vector<T> y;            ///< Y [n, 2I] = X w1[e]
+  std::vector<T> a;            ///< A [n, I] = silu(Y[:, :I]) * Y[:, I:]
+  std::vector<T> z;            ///< Z [n, H] = A w2[e]
+};
+
+/// The forward pass's results: the outputs and what backward needs.
+template <typename T> struct Forward {
+  std::vector<std::vector<T>> y;               ///< per rank: y [S, H]
+  std::vector<ExpertActivations<T>> experts;   ///< per expert (global index)
+};
+
+/// The backward pass's results.
+template <typename T> struct Backward {
+  std::vector<std::vector<T>> dx;           ///< per rank: dx [S, H]
+  std::vector<std::vector<T>> dtopkWeights; ///< per rank: [S, K]
+  std::vector<T> dw1;                       ///< [E, H, 2I]
+  std::vector<T> dw2;                       ///< [E, I, H]
+};
+
+/// Checks the sizes of `inputs` (one per rank) and `weights` against `shape`,
+/// and that every top-k id is an expert and distinct within its token.
+template <typename T>
+Status validateInputs(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
+                      const Weights<T> &weights);
+
+/// Runs the forward pass: dispatch, per expert Y = X w1[e], A = swiglu(Y),
+/// Z = A w2[e], and combine y[t] = sum_k w[t, k] * Z row of (t, k).
+template <typename T>
+Status forward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
+               const Weights<T> &weights, Forward<T> *out);
+
+/// Runs the backward pass from the upstream gradient `dy` (one [S, H] per
+/// rank) and the forward results `fwd`: dtopk_weights, dZ = w dy dispatched,
+/// dA = dZ w2^T, dw2 = A^T dZ, dY = swiglu_grad(Y, dA), dX = dY w1^T,
+/// dw1 = X^T dY, and dx[t] = sum_k dX row of (t, k).
+template <typename T>
+Status backward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
+                const Weights<T> &weights, const Forward<T> &fwd,
+                const std::vector<std::vector<T>> &dy, Backward<T> *out);
+
+/// silu(x) = x * sigmoid(x).
+template <typename T> T silu(T x);
+
+/// silu'(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x))).
+template <typename T> T siluGrad(T x);
+
+/// C [m, n] = A [m, k] B [k, n], row-major and dense, by the textbook triple
+/// loop (accumulating in T). The kernel tests and benchmarks use it.
+template <typename T>
+void matmul(int64_t m, int64_t n, int64_t k, const T *a, const T *b, T *c);
+
+} // namespace moec::ops::reference
+
+#endif // MOEC_OPS_CPU_REFERENCE_H

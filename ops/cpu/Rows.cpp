@@ -1,0 +1,101 @@
+//===- Rows.cpp - Row movement: put, dispatch gather, combine -------------===//
+
+#include "ops/cpu/Rows.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace moec::ops {
+
+namespace {
+
+/// Columns widened to fp32 at a time.
+constexpr int64_t kChunk = 256;
+
+/// Copies `cols` elements from `src` to `dst`, converting the storage type.
+void copyRow(const void *src, Elt srcElt, void *dst, Elt dstElt, int64_t cols) {
+  if (srcElt == dstElt) {
+    std::memcpy(dst, src, size_t(cols) * eltSize(srcElt));
+    return;
+  }
+  float buffer[kChunk];
+  for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, cols - c0);
+    loadFloats(static_cast<const char *>(src) + c0 * int64_t(eltSize(srcElt)), srcElt, buffer,
+               size_t(n));
+    storeFloats(buffer, static_cast<char *>(dst) + c0 * int64_t(eltSize(dstElt)), dstElt,
+                size_t(n));
+  }
+}
+
+} // namespace
+
+void copyRows(ConstMatrix src, Matrix dst, int64_t rows, int64_t cols) {
+  if (cols <= 0)
+    return;
+  for (int64_t i = 0; i < rows; ++i)
+    copyRow(src.address(i, 0), src.elt, dst.address(i, 0), dst.elt, cols);
+}
+
+void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const float *weights,
+                     Matrix dst, int64_t rows, int64_t cols) {
+  if (cols <= 0)
+    return;
+  float buffer[kChunk];
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t id = rowIds[i];
+    const void *from = src.address(id / topK, 0);
+    if (!weights) {
+      copyRow(from, src.elt, dst.address(i, 0), dst.elt, cols);
+      continue;
+    }
+    const float w = weights[id];
+    for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, cols - c0);
+      loadFloats(src.address(id / topK, c0), src.elt, buffer, size_t(n));
+      for (int64_t c = 0; c < n; ++c)
+        buffer[c] *= w;
+      storeFloats(buffer, dst.address(i, c0), dst.elt, size_t(n));
+    }
+  }
+}
+
+void combineRows(ConstMatrix z, const int64_t *position, const float *weights, int64_t topK,
+                 Matrix y, Range tokens, Range cols) {
+  float sum[kChunk], row[kChunk];
+  for (int64_t t = tokens.begin; t < tokens.end; ++t) {
+    for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, cols.end - c0);
+      std::fill(sum, sum + n, 0.0f);
+      for (int64_t k = 0; k < topK; ++k) {
+        const int64_t id = t * topK + k;
+        const float w = weights ? weights[id] : 1.0f;
+        loadFloats(z.address(position[id], c0), z.elt, row, size_t(n));
+        for (int64_t c = 0; c < n; ++c)
+          sum[c] += w * row[c];
+      }
+      storeFloats(sum, y.address(t, c0), y.elt, size_t(n));
+    }
+  }
+}
+
+void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, int64_t topK,
+                       Range tokens, int64_t cols, float *dweights) {
+  float grad[kChunk], row[kChunk];
+  for (int64_t t = tokens.begin; t < tokens.end; ++t) {
+    for (int64_t k = 0; k < topK; ++k) {
+      const int64_t id = t * topK + k;
+      float dot = 0.0f;
+      for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, cols - c0);
+        loadFloats(dy.address(t, c0), dy.elt, grad, size_t(n));
+        loadFloats(z.address(position[id], c0), z.elt, row, size_t(n));
+        for (int64_t c = 0; c < n; ++c)
+          dot += grad[c] * row[c];
+      }
+      dweights[id] = dot;
+    }
+  }
+}
+
+} // namespace moec::ops

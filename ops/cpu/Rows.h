@@ -1,0 +1,60 @@
+//===- Rows.h - Row movement: put, dispatch gather, combine ----*- C++ -*-===//
+//
+// The data movement of dispatch and combine, on row ranges:
+//
+//   copyRows          a put: a run of rows from one strided buffer to another
+//                     (the runtime adds the remote event signal after it)
+//   gatherTokenRows   dispatch: row i of the output is the token row of the
+//                     (token, k) row id rowIds[i], optionally scaled by that
+//                     row's top-k weight (the backward pass dispatches
+//                     dZ = w[t, k] * dy[t] this way)
+//   combineRows       combine-reduce: y[t] = sum_k w[t, k] * Z[position(t, k)]
+//   combineWeightGrad dtopk_weights[t, k] = <dy[t], Z[position(t, k)]>
+//
+// A (token, k) row id is t * K + k, as in RoutingLayout; `position` maps a
+// row id to its row in the expert-major buffer Z (RoutingLayout::position
+// when the returned rows keep the sorted order). Storage is fp32 or bf16 per
+// view, math fp32. Sums run in a fixed order (k ascending; columns ascending
+// for dot products), so results are deterministic and, for combineRows, do not
+// depend on how tokens and columns are tiled.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_OPS_CPU_ROWS_H
+#define MOEC_OPS_CPU_ROWS_H
+
+#include "ops/cpu/Element.h"
+
+#include <cstdint>
+
+namespace moec::ops {
+
+/// Copies `rows` rows of `cols` elements: dst row i = src row i. Equal
+/// storage types copy bytes; otherwise values are converted (rounded to
+/// nearest-even when narrowing to bf16). The views must not overlap.
+void copyRows(ConstMatrix src, Matrix dst, int64_t rows, int64_t cols);
+
+/// Gathers `rows` rows of `cols` elements: dst row i = src row
+/// (rowIds[i] / topK), times weights[rowIds[i]] when `weights` is not null.
+/// With topK = 1, rowIds are plain row indices.
+void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const float *weights,
+                     Matrix dst, int64_t rows, int64_t cols);
+
+/// Combine-reduce on tokens `tokens` and columns `cols`:
+///
+///   y[t, h] = sum_{k = 0 .. topK-1} w[t, k] * z[position[t * topK + k], h]
+///
+/// summed in fp32 in ascending k, with w[t, k] = weights[t * topK + k], or 1
+/// when `weights` is null (the backward combine dx[t] = sum_k dX row).
+void combineRows(ConstMatrix z, const int64_t *position, const float *weights, int64_t topK,
+                 Matrix y, Range tokens, Range cols);
+
+/// The gradient of combineRows with respect to its weights, on tokens
+/// `tokens`: dweights[t * topK + k] = sum_{h < cols} dy[t, h] *
+/// z[position[t * topK + k], h], summed in fp32 in ascending h.
+void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, int64_t topK,
+                       Range tokens, int64_t cols, float *dweights);
+
+} // namespace moec::ops
+
+#endif // MOEC_OPS_CPU_ROWS_H

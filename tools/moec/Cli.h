@@ -55,6 +55,7 @@ int runCheck(int argc, char **argv, int first);
 int runImport(int argc, char **argv, int first);
 int runExport(int argc, char **argv, int first);
 int runCompile(int argc, char **argv, int first);
+int runDump(int argc, char **argv, int first);
 
 extern const CommandSpec kCheckSpec, kImportSpec, kExportSpec, kCompileSpec;
 

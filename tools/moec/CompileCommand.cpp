@@ -132,7 +132,7 @@ int runCompile(int argc, char **argv, int first) {
     for (auto &[name, ms] : phases)
       total += ms;
     summary = fmt::format(
-                 "{}: {}, {} ops, %zu tasks, {} events, {} cube + {} vector queues, "
+                 "{}: {}, {} ops, {} tasks, {} events, {} cube + {} vector queues, "
                  "{} bytes; estimated {:.3f} ms per pass (critical path {:.3f} ms) on {}; "
                  "compiled in {:.1f} ms\n",
                  *args.value("-o"), graph.getSymName().str(), program.ops.size(),

@@ -132,11 +132,6 @@ const char *kTopHelp =
 
 } // namespace
 
-namespace moec::cli {
-/// moec dump (DumpCommand.cpp).
-int runDump(int argc, char **argv, int first);
-} // namespace moec::cli
-
 int main(int argc, char **argv) {
   using namespace moec::cli;
   if (argc < 2) {

@@ -1,0 +1,727 @@
+//===- CpuKernelsTest.cpp - Tests for the CPU kernels of ops/cpu ----------===//
+//
+// Each kernel against straightforward loops (in double) on random data:
+// several shapes, ragged tile grids, strided views, empty segments, fp32 and
+// bf16 storage; plus bf16 rounding, determinism and thread safety.
+//
+//===----------------------------------------------------------------------===//
+
+#include "ops/cpu/Element.h"
+#include "ops/cpu/Gmm.h"
+#include "ops/cpu/Layout.h"
+#include "ops/cpu/Rows.h"
+#include "ops/cpu/Swiglu.h"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace moec::ops;
+using moec::Status;
+
+namespace {
+
+//===----------------------------------------------------------------------===//
+// Helpers
+//===----------------------------------------------------------------------===//
+
+uint32_t floatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+float bitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/// A rows x cols matrix (with a leading stride of at least cols) stored as
+/// fp32 or bf16. Padding elements hold a sentinel so a kernel that writes
+/// past its tile shows up.
+struct Buffer {
+  Elt elt = Elt::F32;
+  int64_t rows = 0, cols = 0, ld = 0;
+  std::vector<float> f32;
+  std::vector<uint16_t> b16;
+
+  Buffer(Elt elt, int64_t rows, int64_t cols, int64_t pad = 0)
+      : elt(elt), rows(rows), cols(cols), ld(cols + pad) {
+    const size_t n = size_t(std::max<int64_t>(rows * ld, 1));
+    if (elt == Elt::F32)
+      f32.assign(n, kSentinel);
+    else
+      b16.assign(n, floatToBf16(kSentinel));
+  }
+
+  static constexpr float kSentinel = -777.0f;
+
+  void *data() { return elt == Elt::F32 ? static_cast<void *>(f32.data()) : b16.data(); }
+  const void *data() const {
+    return elt == Elt::F32 ? static_cast<const void *>(f32.data()) : b16.data();
+  }
+  Matrix view() { return Matrix{data(), elt, ld}; }
+  ConstMatrix cview() const { return ConstMatrix{data(), elt, ld}; }
+  float get(int64_t i, int64_t j) const { return cview().at(i, j); }
+  void set(int64_t i, int64_t j, float v) { view().set(i, j, v); }
+
+  /// Fills the matrix (not the padding) with uniform values in [-1, 1).
+  void randomize(std::mt19937 &rng, float scale = 1.0f) {
+    std::uniform_real_distribution<float> dist(-scale, scale);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        set(i, j, dist(rng));
+  }
+
+  /// Raw bytes, for bit-exact comparisons.
+  std::vector<uint8_t> bytes() const {
+    const size_t n = elt == Elt::F32 ? f32.size() * 4 : b16.size() * 2;
+    std::vector<uint8_t> out(n);
+    std::memcpy(out.data(), data(), n);
+    return out;
+  }
+};
+
+/// Row/column ranges of tile i when `extent` is cut into `tiles` tiles, the
+/// way a TilingRecord cuts them (ragged when tiles does not divide extent).
+Range tileRange(int64_t i, int64_t extent, int64_t tiles) {
+  return Range{i * extent / tiles, (i + 1) * extent / tiles};
+}
+
+/// Checks a computed value against an exact one: `scale` bounds the sum of
+/// |products| behind it, `storedBf16` says the result was rounded to bf16.
+bool close(double got, double want, double scale, bool storedBf16) {
+  const double tol = 1e-5 * scale + (storedBf16 ? std::ldexp(std::fabs(want), -8) : 0.0) + 1e-30;
+  return std::fabs(got - want) <= tol;
+}
+
+std::string describe(Elt a, Elt b, Elt c) {
+  return std::string("A ") + eltName(a) + ", B " + eltName(b) + ", C " + eltName(c);
+}
+
+/// The storage combinations the matmul tests cover.
+struct EltCombo {
+  Elt a, b, c;
+};
+const EltCombo kCombos[] = {
+    {Elt::F32, Elt::F32, Elt::F32},
+    {Elt::BF16, Elt::BF16, Elt::BF16},
+    {Elt::BF16, Elt::BF16, Elt::F32},
+    {Elt::F32, Elt::BF16, Elt::BF16},
+};
+
+//===----------------------------------------------------------------------===//
+// Matmul problem runner
+//===----------------------------------------------------------------------===//
+
+enum class GmmKind { Forward, Dgrad };
+
+/// Runs gmmForwardTile or gmmDgradTile over every tile of a rowTiles x
+/// colTiles grid of a capacity-sized expert (capacity >= segment rows) and
+/// checks every element of C: computed inside the segment, untouched
+/// elsewhere.
+void checkActivationGmm(GmmKind kind, EltCombo elts, int64_t totalRows, Segment seg,
+                        int64_t capacity, int64_t depth, int64_t n, int64_t rowTiles,
+                        int64_t colTiles, uint32_t seed) {
+  INFO(std::string(kind == GmmKind::Forward ? "forward" : "dgrad") << ", "
+                                                                   << describe(elts.a, elts.b, elts.c));
+  INFO("rows " << totalRows << ", segment [" << seg.offset << ", +" << seg.rows << "), capacity "
+               << capacity << ", depth " << depth << ", n " << n << ", grid " << rowTiles
+               << " x " << colTiles);
+  std::mt19937 rng(seed);
+  Buffer a(elts.a, totalRows, depth, 3);
+  Buffer b = kind == GmmKind::Forward ? Buffer(elts.b, depth, n, 5) : Buffer(elts.b, n, depth, 1);
+  Buffer c(elts.c, totalRows, n, 2);
+  a.randomize(rng);
+  b.randomize(rng);
+
+  Scratch scratch;
+  for (int64_t ti = 0; ti < rowTiles; ++ti)
+    for (int64_t tj = 0; tj < colTiles; ++tj) {
+      const Range rows = tileRange(ti, capacity, rowTiles), cols = tileRange(tj, n, colTiles);
+      if (kind == GmmKind::Forward)
+        gmmForwardTile(a.cview(), b.cview(), c.view(), depth, seg, rows, cols, &scratch);
+      else
+        gmmDgradTile(a.cview(), b.cview(), c.view(), depth, seg, rows, cols, &scratch);
+    }
+
+  int64_t bad = 0;
+  for (int64_t i = 0; i < totalRows; ++i) {
+    const bool inSeg = i >= seg.offset && i < seg.offset + seg.rows;
+    for (int64_t j = 0; j < c.ld; ++j) {
+      const float got = c.get(i, j);
+      if (!inSeg || j >= n) {
+        if (got != Buffer::kSentinel && ++bad <= 5)
+          FAIL_CHECK("C[" << i << "][" << j << "] outside the tile was written: " << got);
+        continue;
+      }
+      double want = 0, scale = 0;
+      for (int64_t p = 0; p < depth; ++p) {
+        const double bv = kind == GmmKind::Forward ? b.get(p, j) : b.get(j, p);
+        want += double(a.get(i, p)) * bv;
+        scale += std::fabs(double(a.get(i, p)) * bv);
+      }
+      if (!close(got, want, scale, elts.c == Elt::BF16) && ++bad <= 5)
+        FAIL_CHECK("C[" << i << "][" << j << "] = " << got << ", expected " << want);
+    }
+  }
+  CHECK(bad == 0);
+}
+
+/// Runs gmmWgradTile over a rowTiles x colTiles grid of the [K, N] gradient
+/// of one expert and checks it; with `accumulate`, C starts from random
+/// values that the result adds to.
+void checkWgrad(EltCombo elts, int64_t totalRows, Segment seg, int64_t kDim, int64_t n,
+                int64_t rowTiles, int64_t colTiles, bool accumulate, uint32_t seed) {
+  INFO("wgrad, " << describe(elts.a, elts.b, elts.c) << (accumulate ? ", accumulate" : ""));
+  INFO("rows " << totalRows << ", segment [" << seg.offset << ", +" << seg.rows << "), K " << kDim
+               << ", N " << n << ", grid " << rowTiles << " x " << colTiles);
+  std::mt19937 rng(seed);
+  Buffer a(elts.a, totalRows, kDim, 2);
+  Buffer b(elts.b, totalRows, n, 1);
+  Buffer c(elts.c, kDim, n, 3);
+  a.randomize(rng);
+  b.randomize(rng);
+  c.randomize(rng);
+  const Buffer before = c;
+
+  Scratch scratch;
+  for (int64_t ti = 0; ti < rowTiles; ++ti)
+    for (int64_t tj = 0; tj < colTiles; ++tj)
+      gmmWgradTile(a.cview(), b.cview(), c.view(), seg, tileRange(ti, kDim, rowTiles),
+                   tileRange(tj, n, colTiles), accumulate, &scratch);
+
+  int64_t bad = 0;
+  for (int64_t p = 0; p < kDim; ++p)
+    for (int64_t j = 0; j < c.ld; ++j) {
+      const float got = c.get(p, j);
+      if (j >= n) {
+        if (got != Buffer::kSentinel && ++bad <= 5)
+          FAIL_CHECK("C[" << p << "][" << j << "] (padding) was written: " << got);
+        continue;
+      }
+      double want = accumulate ? double(before.get(p, j)) : 0.0;
+      double scale = std::fabs(want);
+      for (int64_t m = seg.offset; m < seg.offset + seg.rows; ++m) {
+        want += double(a.get(m, p)) * double(b.get(m, j));
+        scale += std::fabs(double(a.get(m, p)) * double(b.get(m, j)));
+      }
+      if (!close(got, want, scale, elts.c == Elt::BF16) && ++bad <= 5)
+        FAIL_CHECK("C[" << p << "][" << j << "] = " << got << ", expected " << want);
+    }
+  CHECK(bad == 0);
+}
+
+} // namespace
+
+//===----------------------------------------------------------------------===//
+// bf16
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("bf16 conversion rounds to nearest even", "[cpu][bf16]") {
+  CHECK(floatToBf16(1.0f) == 0x3F80);
+  CHECK(floatToBf16(-2.0f) == 0xC000);
+  CHECK(floatToBf16(0.0f) == 0x0000);
+  CHECK(floatToBf16(-0.0f) == 0x8000);
+  // Ties go to the even neighbour.
+  CHECK(floatToBf16(bitsFloat(0x3F808000u)) == 0x3F80); // 1 + 2^-8: tie, 0x3F80 is even
+  CHECK(floatToBf16(bitsFloat(0x3F818000u)) == 0x3F82); // tie, rounds up to even 0x3F82
+  CHECK(floatToBf16(bitsFloat(0xBF818000u)) == 0xBF82); // the same, negative
+  // Off-tie values go to the nearest.
+  CHECK(floatToBf16(bitsFloat(0x3F808001u)) == 0x3F81);
+  CHECK(floatToBf16(bitsFloat(0x3F807FFFu)) == 0x3F80);
+  CHECK(floatToBf16(bitsFloat(0x3F80FFFFu)) == 0x3F81);
+  // A carry into the exponent.
+  CHECK(floatToBf16(bitsFloat(0x3FFFFFFFu)) == 0x4000);
+  // Overflow to infinity; infinities stay.
+  CHECK(floatToBf16(std::numeric_limits<float>::max()) == 0x7F80);
+  CHECK(floatToBf16(-std::numeric_limits<float>::max()) == 0xFF80);
+  CHECK(floatToBf16(bitsFloat(0x7F7F7FFFu)) == 0x7F7F); // just below the tie: largest finite
+  CHECK(floatToBf16(std::numeric_limits<float>::infinity()) == 0x7F80);
+  CHECK(floatToBf16(-std::numeric_limits<float>::infinity()) == 0xFF80);
+  // Subnormals are rounded, not flushed.
+  CHECK(floatToBf16(bitsFloat(0x00010000u)) == 0x0001);
+  CHECK(floatToBf16(bitsFloat(0x00008000u)) == 0x0000); // tie to even 0
+  CHECK(floatToBf16(bitsFloat(0x00018000u)) == 0x0002); // tie to even 2
+  CHECK(floatToBf16(bitsFloat(0x00000001u)) == 0x0000);
+  CHECK(bf16ToFloat(0x0001) == bitsFloat(0x00010000u));
+}
+
+TEST_CASE("bf16 conversion keeps NaN", "[cpu][bf16]") {
+  // A NaN whose payload is only in the low half would truncate to infinity.
+  const uint32_t nans[] = {0x7F800001u, 0x7FC00000u, 0xFF800001u, 0x7FFFFFFFu, 0xFFC00001u};
+  for (uint32_t n : nans) {
+    const uint16_t b = floatToBf16(bitsFloat(n));
+    INFO("fp32 bits " << std::hex << n << " -> bf16 bits " << b);
+    CHECK(std::isnan(bf16ToFloat(b)));
+    CHECK((b & 0x8000) == ((n >> 16) & 0x8000)); // sign kept
+  }
+  CHECK(floatToBf16(std::numeric_limits<float>::quiet_NaN()) == 0x7FC0);
+}
+
+TEST_CASE("bf16 round trip is exact for every bf16 value", "[cpu][bf16]") {
+  std::vector<uint16_t> all(65536), back(65536);
+  std::vector<float> wide(65536);
+  for (uint32_t i = 0; i < 65536; ++i)
+    all[i] = uint16_t(i);
+  bf16ToFloat(all.data(), wide.data(), all.size());
+  floatToBf16(wide.data(), back.data(), wide.size());
+  int64_t bad = 0;
+  for (uint32_t i = 0; i < 65536; ++i) {
+    CHECK(floatBits(wide[i]) == (i << 16)); // widening is exact
+    CHECK(back[i] == floatToBf16(wide[i])); // array form matches the scalar one
+    const bool isNan = std::isnan(wide[i]);
+    if (isNan ? !std::isnan(bf16ToFloat(back[i])) : back[i] != all[i])
+      ++bad;
+  }
+  CHECK(bad == 0);
+
+  // Every fp32 value rounds to one of its two bf16 neighbours, the nearer.
+  std::mt19937 rng(3);
+  for (int i = 0; i < 100000; ++i) {
+    const uint32_t bits = rng() & 0x7F7FFFFFu; // finite, positive, below the top
+    const float v = bitsFloat(bits);
+    const float lo = bitsFloat(bits & 0xFFFF0000u), hi = bitsFloat((bits & 0xFFFF0000u) + 0x10000u);
+    const float r = roundToBf16(v);
+    REQUIRE((r == lo || r == hi));
+    const double dLo = double(v) - double(lo), dHi = double(hi) - double(v);
+    if (dLo < dHi)
+      REQUIRE(r == lo);
+    else if (dHi < dLo)
+      REQUIRE(r == hi);
+  }
+}
+
+//===----------------------------------------------------------------------===//
+// Grouped matmuls
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("gmm forward tiles match the loops", "[cpu][gmm]") {
+  uint32_t seed = 10;
+  for (const EltCombo &elts : kCombos) {
+    // A segment in the middle of the buffer, a capacity grid larger than it,
+    // ragged tiles in both directions.
+    checkActivationGmm(GmmKind::Forward, elts, 50, Segment{7, 33}, 40, 37, 29, 3, 4, ++seed);
+    // Tiles of one row / one column; depth 1.
+    checkActivationGmm(GmmKind::Forward, elts, 9, Segment{0, 9}, 9, 1, 5, 9, 5, ++seed);
+    // Blocks of the bf16 path (256 x 512 x 512) cut across tiles.
+    checkActivationGmm(GmmKind::Forward, elts, 300, Segment{20, 270}, 270, 530, 600, 1, 1, ++seed);
+    checkActivationGmm(GmmKind::Forward, elts, 300, Segment{20, 270}, 290, 530, 600, 2, 3, ++seed);
+    // An empty segment, and a grid whose tiles all lie past the segment.
+    checkActivationGmm(GmmKind::Forward, elts, 10, Segment{4, 0}, 8, 6, 7, 2, 2, ++seed);
+    checkActivationGmm(GmmKind::Forward, elts, 10, Segment{10, 0}, 8, 6, 7, 2, 2, ++seed);
+  }
+}
+
+TEST_CASE("gmm dgrad tiles match the loops", "[cpu][gmm]") {
+  uint32_t seed = 50;
+  for (const EltCombo &elts : kCombos) {
+    checkActivationGmm(GmmKind::Dgrad, elts, 50, Segment{7, 33}, 40, 37, 29, 3, 4, ++seed);
+    checkActivationGmm(GmmKind::Dgrad, elts, 9, Segment{0, 9}, 9, 1, 5, 9, 5, ++seed);
+    checkActivationGmm(GmmKind::Dgrad, elts, 300, Segment{20, 270}, 290, 530, 600, 2, 3, ++seed);
+    checkActivationGmm(GmmKind::Dgrad, elts, 10, Segment{4, 0}, 8, 6, 7, 2, 2, ++seed);
+  }
+}
+
+TEST_CASE("gmm wgrad tiles match the loops", "[cpu][gmm]") {
+  uint32_t seed = 90;
+  for (const EltCombo &elts : kCombos)
+    for (bool accumulate : {false, true}) {
+      checkWgrad(elts, 50, Segment{7, 33}, 37, 29, 3, 4, accumulate, ++seed);
+      checkWgrad(elts, 12, Segment{0, 12}, 5, 3, 5, 3, accumulate, ++seed);
+      // More rows than one reduction slice of the bf16 path (512), K past a
+      // 256-row block, N past a 512-column block.
+      checkWgrad(elts, 1200, Segment{100, 1050}, 270, 530, 2, 2, accumulate, ++seed);
+      // An empty segment: zeros, or C unchanged when accumulating.
+      checkWgrad(elts, 10, Segment{3, 0}, 6, 7, 2, 2, accumulate, ++seed);
+    }
+}
+
+TEST_CASE("gmm wgrad accumulates into an fp32 main-grad buffer", "[cpu][gmm]") {
+  // Two micro-batches of bf16 activations accumulate into one fp32 gradient;
+  // the sum equals one call over both batches' rows.
+  std::mt19937 rng(5);
+  const int64_t m = 40, k = 24, n = 18;
+  Buffer a(Elt::BF16, 2 * m, k), b(Elt::BF16, 2 * m, n);
+  a.randomize(rng);
+  b.randomize(rng);
+  Buffer mainGrad(Elt::F32, k, n), once(Elt::F32, k, n);
+  std::fill(mainGrad.f32.begin(), mainGrad.f32.end(), 0.0f);
+  gmmWgradTile(a.cview(), b.cview(), mainGrad.view(), Segment{0, m}, {0, k}, {0, n}, true);
+  gmmWgradTile(a.cview(), b.cview(), mainGrad.view(), Segment{m, m}, {0, k}, {0, n}, true);
+  gmmWgradTile(a.cview(), b.cview(), once.view(), Segment{0, 2 * m}, {0, k}, {0, n}, false);
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      REQUIRE(mainGrad.get(i, j) == Approx(once.get(i, j)).epsilon(1e-5).margin(1e-5));
+}
+
+TEST_CASE("gemmTile edge cases", "[cpu][gmm]") {
+  std::mt19937 rng(8);
+  Buffer a(Elt::F32, 4, 3), b(Elt::F32, 3, 5);
+  a.randomize(rng);
+  b.randomize(rng);
+  for (Elt cElt : {Elt::F32, Elt::BF16}) {
+    Buffer c(cElt, 4, 5);
+    c.randomize(rng);
+    const Buffer before = c;
+    // k = 0: C becomes zero, or stays when accumulating.
+    gemmTile(4, 5, 0, a.cview(), false, b.cview(), false, c.view(), true);
+    CHECK(c.bytes() == before.bytes());
+    gemmTile(4, 5, 0, a.cview(), false, b.cview(), false, c.view(), false);
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t j = 0; j < 5; ++j)
+        CHECK(c.get(i, j) == 0.0f);
+    // m = 0 or n = 0: nothing is touched.
+    c = before;
+    gemmTile(0, 5, 3, a.cview(), false, b.cview(), false, c.view(), false);
+    gemmTile(4, 0, 3, a.cview(), false, b.cview(), false, c.view(), false);
+    CHECK(c.bytes() == before.bytes());
+  }
+  // beta = 0 overwrites: NaN garbage in C does not leak into the result.
+  Buffer c(Elt::F32, 4, 5);
+  std::fill(c.f32.begin(), c.f32.end(), std::numeric_limits<float>::quiet_NaN());
+  gemmTile(4, 5, 3, a.cview(), false, b.cview(), false, c.view(), false);
+  for (float v : c.f32)
+    CHECK(!std::isnan(v));
+  // A one-row operand with a leading stride below its width (never used).
+  Buffer row(Elt::F32, 1, 3);
+  row.randomize(rng);
+  Buffer out(Elt::F32, 1, 5);
+  gemmTile(1, 5, 3, ConstMatrix{row.f32.data(), Elt::F32, 0}, false, b.cview(), false,
+           Matrix{out.f32.data(), Elt::F32, 0}, false);
+  for (int64_t j = 0; j < 5; ++j) {
+    double want = 0;
+    for (int64_t p = 0; p < 3; ++p)
+      want += double(row.get(0, p)) * b.get(p, j);
+    CHECK(out.get(0, j) == Approx(want).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("gmm kernels are deterministic, also on worker threads", "[cpu][gmm]") {
+  std::mt19937 rng(21);
+  for (const EltCombo &elts : kCombos) {
+    INFO(describe(elts.a, elts.b, elts.c));
+    const int64_t rows = 700, k = 300, n = 260;
+    Buffer a(elts.a, rows, k), b(elts.b, rows, n), w(elts.b, k, n);
+    a.randomize(rng);
+    b.randomize(rng);
+    w.randomize(rng);
+
+    // Repeated calls give the same bits.
+    Buffer c1(elts.c, k, n), c2(elts.c, k, n);
+    gmmWgradTile(a.cview(), b.cview(), c1.view(), Segment{0, rows}, {0, k}, {0, n}, false);
+    gmmWgradTile(a.cview(), b.cview(), c2.view(), Segment{0, rows}, {0, k}, {0, n}, false);
+    CHECK(c1.bytes() == c2.bytes());
+
+    // Tiles computed on four threads at once equal the same tiles computed
+    // one after another.
+    const int64_t rowTiles = 4, colTiles = 3;
+    Buffer serial(elts.c, rows, n), parallel(elts.c, rows, n);
+    Segment seg{0, rows};
+    for (int64_t t = 0; t < rowTiles * colTiles; ++t)
+      gmmForwardTile(a.cview(), w.cview(), serial.view(), k, seg,
+                     tileRange(t / colTiles, rows, rowTiles), tileRange(t % colTiles, n, colTiles));
+    std::vector<std::thread> workers;
+    for (int worker = 0; worker < 4; ++worker)
+      workers.emplace_back([&, worker] {
+        for (int64_t t = worker; t < rowTiles * colTiles; t += 4)
+          gmmForwardTile(a.cview(), w.cview(), parallel.view(), k, seg,
+                         tileRange(t / colTiles, rows, rowTiles),
+                         tileRange(t % colTiles, n, colTiles));
+      });
+    for (std::thread &t : workers)
+      t.join();
+    CHECK(serial.bytes() == parallel.bytes());
+  }
+}
+
+TEST_CASE("the BLAS reports its configuration", "[cpu][gmm]") {
+  const std::string config = blasConfig();
+  CHECK(config.find("OpenBLAS") != std::string::npos);
+}
+
+//===----------------------------------------------------------------------===//
+// SwiGLU
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("silu and its derivative", "[cpu][swiglu]") {
+  CHECK(silu(0.0f) == 0.0f);
+  CHECK(silu(1.0f) == Approx(1.0 / (1.0 + std::exp(-1.0))).epsilon(1e-6));
+  CHECK(silu(-100.0f) == Approx(0.0).margin(1e-30));
+  CHECK(silu(100.0f) == Approx(100.0));
+  CHECK(siluGrad(0.0f) == Approx(0.5));
+  CHECK(siluGrad(-100.0f) == Approx(0.0).margin(1e-30));
+  for (float x : {-6.0f, -2.5f, -1.0f, -0.3f, 0.2f, 1.0f, 3.0f, 7.0f}) {
+    const double h = 1e-3;
+    const double fd = (double(silu(float(x + h))) - double(silu(float(x - h)))) / (2 * h);
+    CHECK(siluGrad(x) == Approx(fd).epsilon(2e-3).margin(1e-4));
+  }
+}
+
+TEST_CASE("swiglu forward and backward tiles match the loops", "[cpu][swiglu]") {
+  std::mt19937 rng(31);
+  struct Shape {
+    int64_t rows, inter, rowTiles, colTiles;
+  };
+  for (Shape s : {Shape{17, 13, 3, 2}, Shape{5, 300, 2, 1}, Shape{1, 1, 1, 1}, Shape{0, 4, 1, 1}})
+    for (Elt elt : {Elt::F32, Elt::BF16}) {
+      INFO("rows " << s.rows << ", inter " << s.inter << ", " << eltName(elt));
+      Buffer y(elt, s.rows, 2 * s.inter, 3), a(elt, s.rows, s.inter, 2);
+      Buffer da(elt, s.rows, s.inter, 1), dy(elt, s.rows, 2 * s.inter, 2);
+      y.randomize(rng, 4.0f);
+      da.randomize(rng);
+      for (int64_t ti = 0; ti < s.rowTiles; ++ti)
+        for (int64_t tj = 0; tj < s.colTiles; ++tj) {
+          const Range rows = tileRange(ti, s.rows, s.rowTiles);
+          const Range cols = tileRange(tj, s.inter, s.colTiles);
+          swigluForward(y.cview(), a.view(), s.inter, rows, cols);
+          swigluBackward(y.cview(), da.cview(), dy.view(), s.inter, rows, cols);
+        }
+      const double rel = elt == Elt::BF16 ? std::ldexp(1.0, -8) : 1e-6;
+      int64_t bad = 0;
+      for (int64_t m = 0; m < s.rows; ++m) {
+        for (int64_t i = 0; i < s.inter; ++i) {
+          const double g = y.get(m, i), u = y.get(m, s.inter + i), d = da.get(m, i);
+          const double sig = 1.0 / (1.0 + std::exp(-g));
+          const double wantA = g * sig * u;
+          const double wantGate = d * u * sig * (1.0 + g * (1.0 - sig));
+          const double wantUp = d * g * sig;
+          auto ok = [&](double got, double want) {
+            return std::fabs(got - want) <= rel * std::fabs(want) + 1e-6;
+          };
+          if (!ok(a.get(m, i), wantA) && ++bad <= 5)
+            FAIL_CHECK("A[" << m << "][" << i << "] = " << a.get(m, i) << ", expected " << wantA);
+          if (!ok(dy.get(m, i), wantGate) && ++bad <= 5)
+            FAIL_CHECK("dY gate [" << m << "][" << i << "] = " << dy.get(m, i) << ", expected "
+                                   << wantGate);
+          if (!ok(dy.get(m, s.inter + i), wantUp) && ++bad <= 5)
+            FAIL_CHECK("dY up [" << m << "][" << i << "] = " << dy.get(m, s.inter + i)
+                                 << ", expected " << wantUp);
+        }
+        // Padding stays untouched.
+        for (int64_t j = s.inter; j < a.ld; ++j)
+          if (a.get(m, j) != Buffer::kSentinel && ++bad <= 5)
+            FAIL_CHECK("A padding [" << m << "][" << j << "] written");
+        for (int64_t j = 2 * s.inter; j < dy.ld; ++j)
+          if (dy.get(m, j) != Buffer::kSentinel && ++bad <= 5)
+            FAIL_CHECK("dY padding [" << m << "][" << j << "] written");
+      }
+      CHECK(bad == 0);
+    }
+}
+
+//===----------------------------------------------------------------------===//
+// Routing layout
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("routing layout sorts rows expert-major, stably", "[cpu][layout]") {
+  // 4 tokens, top-2, 5 experts; expert 2 gets nothing.
+  const std::vector<int32_t> ids = {3, 0, 0, 1, 4, 3, 1, 0};
+  RoutingLayout layout;
+  REQUIRE(buildRoutingLayout(ids.data(), 4, 2, 5, &layout).ok());
+  CHECK(layout.counts == std::vector<int64_t>{3, 2, 0, 2, 1});
+  CHECK(layout.offsets == std::vector<int64_t>{0, 3, 5, 5, 7, 8});
+  // Row ids t*2+k: expert 0 gets (0,1) (1,0) (3,1); expert 1 (1,1) (3,0);
+  // expert 3 (0,0) (2,1); expert 4 (2,0).
+  CHECK(layout.order == std::vector<int64_t>{1, 2, 7, 3, 6, 0, 5, 4});
+  for (int64_t i = 0; i < 8; ++i)
+    CHECK(layout.position[size_t(layout.order[size_t(i)])] == i);
+  CHECK(layout.tokenOf(2) == 3);
+  CHECK(layout.slotOf(2) == 1);
+
+  // int64 ids give the same layout.
+  const std::vector<int64_t> ids64(ids.begin(), ids.end());
+  RoutingLayout layout64;
+  REQUIRE(buildRoutingLayout(ids64.data(), 4, 2, 5, &layout64).ok());
+  CHECK(layout64.order == layout.order);
+  CHECK(layout64.counts == layout.counts);
+}
+
+TEST_CASE("routing layout on random routings", "[cpu][layout]") {
+  std::mt19937 rng(41);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t experts = 1 + int64_t(rng() % 16);
+    const int64_t topK = 1 + int64_t(rng() % std::min<int64_t>(experts, 4));
+    const int64_t tokens = int64_t(rng() % 60);
+    std::vector<int64_t> ids(size_t(tokens * topK));
+    std::vector<int64_t> perm(size_t(experts));
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t e = 0; e < experts; ++e)
+        perm[size_t(e)] = e;
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int64_t k = 0; k < topK; ++k)
+        ids[size_t(t * topK + k)] = perm[size_t(k)];
+    }
+    RoutingLayout layout;
+    REQUIRE(buildRoutingLayout(ids.data(), tokens, topK, experts, &layout).ok());
+    REQUIRE(layout.offsets.back() == tokens * topK);
+    // Sorted by expert, and by row id within an expert.
+    for (int64_t i = 1; i < tokens * topK; ++i) {
+      const int64_t prev = layout.order[size_t(i - 1)], cur = layout.order[size_t(i)];
+      const int64_t ePrev = ids[size_t(prev)], eCur = ids[size_t(cur)];
+      REQUIRE((ePrev < eCur || (ePrev == eCur && prev < cur)));
+    }
+    for (int64_t e = 0; e < experts; ++e)
+      for (int64_t i = layout.offsets[size_t(e)]; i < layout.offsets[size_t(e) + 1]; ++i)
+        REQUIRE(ids[size_t(layout.order[size_t(i)])] == e);
+  }
+}
+
+TEST_CASE("routing layout errors", "[cpu][layout]") {
+  RoutingLayout layout;
+  layout.tokens = 99; // left alone on error
+
+  const std::vector<int32_t> outOfRange = {0, 1, 2, 8, 3, 1};
+  Status status = buildRoutingLayout(outOfRange.data(), 3, 2, 8, &layout);
+  REQUIRE(!status.ok());
+  CHECK(status.message() == "topk_ids[1][1] = 8 is not an expert: expected 0 <= id < 8");
+
+  const std::vector<int64_t> negative = {0, -1};
+  status = buildRoutingLayout(negative.data(), 1, 2, 8, &layout);
+  REQUIRE(!status.ok());
+  CHECK(status.message() == "topk_ids[0][1] = -1 is not an expert: expected 0 <= id < 8");
+
+  const std::vector<int32_t> duplicate = {0, 1, 2, 4, 5, 4, 7, 6, 3};
+  status = buildRoutingLayout(duplicate.data(), 3, 3, 8, &layout);
+  REQUIRE(!status.ok());
+  CHECK(status.message() == "topk_ids: token 1 routes to expert 4 twice (top-k positions 0 and 2)");
+
+  // The same expert in different tokens is fine.
+  const std::vector<int32_t> shared = {4, 4, 4};
+  CHECK(buildRoutingLayout(shared.data(), 3, 1, 8, &layout).ok());
+  CHECK(layout.counts[4] == 3);
+
+  layout.tokens = 99;
+  status = buildRoutingLayout(shared.data(), -1, 1, 8, &layout);
+  CHECK(!status.ok());
+  CHECK(layout.tokens == 99);
+
+  // No tokens: every expert empty.
+  REQUIRE(buildRoutingLayout(static_cast<const int32_t *>(nullptr), 0, 2, 4, &layout).ok());
+  CHECK(layout.counts == std::vector<int64_t>{0, 0, 0, 0});
+  CHECK(layout.offsets == std::vector<int64_t>{0, 0, 0, 0, 0});
+  CHECK(layout.order.empty());
+}
+
+//===----------------------------------------------------------------------===//
+// Puts, dispatch gather, combine
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("copyRows copies strided rows, converting types", "[cpu][rows]") {
+  std::mt19937 rng(51);
+  for (Elt from : {Elt::F32, Elt::BF16})
+    for (Elt to : {Elt::F32, Elt::BF16}) {
+      INFO(eltName(from) << " -> " << eltName(to));
+      Buffer src(from, 6, 300, 7), dst(to, 9, 300, 4);
+      src.randomize(rng);
+      // Rows 1..4 of src land at rows 3..6 of dst.
+      copyRows(ConstMatrix{src.cview().address(1, 0), from, src.ld},
+               Matrix{dst.view().address(3, 0), to, dst.ld}, 4, 300);
+      for (int64_t i = 0; i < 9; ++i)
+        for (int64_t j = 0; j < dst.ld; ++j) {
+          const bool inside = i >= 3 && i < 7 && j < 300;
+          const float want = inside ? (to == Elt::BF16 ? roundToBf16(src.get(i - 2, j))
+                                                       : src.get(i - 2, j))
+                                    : Buffer::kSentinel;
+          if (dst.get(i, j) != want)
+            FAIL("dst[" << i << "][" << j << "] = " << dst.get(i, j) << ", expected " << want);
+        }
+    }
+}
+
+TEST_CASE("gatherTokenRows dispatches token rows, optionally weighted", "[cpu][rows]") {
+  std::mt19937 rng(52);
+  const std::vector<int32_t> ids = {2, 0, 1, 2, 0, 1}; // 3 tokens, top-2, 3 experts
+  RoutingLayout layout;
+  REQUIRE(buildRoutingLayout(ids.data(), 3, 2, 3, &layout).ok());
+  const std::vector<float> weights = {0.5f, 0.25f, 2.0f, -1.0f, 0.75f, 1.5f};
+  for (Elt elt : {Elt::F32, Elt::BF16}) {
+    Buffer x(elt, 3, 10, 1), plain(elt, 6, 10), scaled(Elt::F32, 6, 10);
+    x.randomize(rng);
+    gatherTokenRows(x.cview(), layout.order.data(), 2, nullptr, plain.view(), 6, 10);
+    gatherTokenRows(x.cview(), layout.order.data(), 2, weights.data(), scaled.view(), 6, 10);
+    for (int64_t i = 0; i < 6; ++i) {
+      const int64_t id = layout.order[size_t(i)], t = id / 2;
+      for (int64_t j = 0; j < 10; ++j) {
+        CHECK(plain.get(i, j) == x.get(t, j));
+        CHECK(scaled.get(i, j) == weights[size_t(id)] * x.get(t, j));
+      }
+    }
+  }
+}
+
+TEST_CASE("combineRows and combineWeightGrad match the loops", "[cpu][rows]") {
+  std::mt19937 rng(53);
+  const int64_t tokens = 11, topK = 3, experts = 5, hidden = 270;
+  std::vector<int64_t> ids(size_t(tokens * topK));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t k = 0; k < topK; ++k)
+      ids[size_t(t * topK + k)] = (t + 2 * k) % experts;
+  RoutingLayout layout;
+  REQUIRE(buildRoutingLayout(ids.data(), tokens, topK, experts, &layout).ok());
+  std::vector<float> weights(size_t(tokens * topK));
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (float &w : weights)
+    w = dist(rng);
+
+  for (Elt elt : {Elt::F32, Elt::BF16}) {
+    INFO(eltName(elt));
+    Buffer z(elt, tokens * topK, hidden, 2), dy(elt, tokens, hidden, 1);
+    z.randomize(rng);
+    dy.randomize(rng);
+    // The whole output at once, and as a ragged 3 x 2 grid of tiles.
+    Buffer whole(elt, tokens, hidden, 3), tiled(elt, tokens, hidden, 3);
+    combineRows(z.cview(), layout.position.data(), weights.data(), topK, whole.view(),
+                {0, tokens}, {0, hidden});
+    for (int64_t ti = 0; ti < 3; ++ti)
+      for (int64_t tj = 0; tj < 2; ++tj)
+        combineRows(z.cview(), layout.position.data(), weights.data(), topK, tiled.view(),
+                    tileRange(ti, tokens, 3), tileRange(tj, hidden, 2));
+    CHECK(whole.bytes() == tiled.bytes());
+    Buffer unweighted(Elt::F32, tokens, hidden);
+    combineRows(z.cview(), layout.position.data(), nullptr, topK, unweighted.view(),
+                {0, tokens}, {0, hidden});
+
+    std::vector<float> dw(size_t(tokens * topK), -5.0f);
+    combineWeightGrad(dy.cview(), z.cview(), layout.position.data(), topK, {2, tokens}, hidden,
+                      dw.data());
+
+    const double rel = elt == Elt::BF16 ? std::ldexp(1.0, -8) : 0.0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t h = 0; h < hidden; ++h) {
+        double want = 0, sum = 0, scale = 0;
+        for (int64_t k = 0; k < topK; ++k) {
+          const double zv = z.get(layout.position[size_t(t * topK + k)], h);
+          want += weights[size_t(t * topK + k)] * zv;
+          sum += zv;
+          scale += std::fabs(zv);
+        }
+        REQUIRE(std::fabs(whole.get(t, h) - want) <= 1e-6 * scale + rel * std::fabs(want));
+        REQUIRE(std::fabs(unweighted.get(t, h) - sum) <= 1e-6 * scale);
+      }
+      for (int64_t k = 0; k < topK; ++k) {
+        const float got = dw[size_t(t * topK + k)];
+        if (t < 2) {
+          CHECK(got == -5.0f); // outside the token range
+          continue;
+        }
+        double want = 0, scale = 0;
+        for (int64_t h = 0; h < hidden; ++h) {
+          const double p = double(dy.get(t, h)) * z.get(layout.position[size_t(t * topK + k)], h);
+          want += p;
+          scale += std::fabs(p);
+        }
+        REQUIRE(std::fabs(got - want) <= 1e-5 * scale);
+      }
+    }
+  }
+}

@@ -1,0 +1,589 @@
+//===- CpuReferenceTest.cpp - Tests for the reference MoE-FFN layer -------===//
+//
+// The reference layer against an independent direct computation, against
+// itself under a different rank partition, and its backward pass against
+// finite differences (in double). Then the CPU kernels, chained the way a
+// runtime chains them (layout, dispatch puts, grouped matmuls, SwiGLU,
+// combine), against the reference, in fp32 and bf16.
+//
+//===----------------------------------------------------------------------===//
+
+#include "ops/cpu/Element.h"
+#include "ops/cpu/Gmm.h"
+#include "ops/cpu/Layout.h"
+#include "ops/cpu/Reference.h"
+#include "ops/cpu/Rows.h"
+#include "ops/cpu/Swiglu.h"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace moec::ops;
+namespace ref = moec::ops::reference;
+using moec::Status;
+
+namespace {
+
+//===----------------------------------------------------------------------===//
+// Random layers
+//===----------------------------------------------------------------------===//
+
+template <typename T> std::vector<T> randomVector(std::mt19937 &rng, size_t n, double scale) {
+  std::uniform_real_distribution<double> dist(-scale, scale);
+  std::vector<T> v(n);
+  for (T &x : v)
+    x = T(dist(rng));
+  return v;
+}
+
+/// Random inputs for every rank: distinct experts per token (a random
+/// permutation's first K), weights in [0.1, 1).
+template <typename T>
+std::vector<ref::RankInputs<T>> randomInputs(const ref::LayerShape &s, std::mt19937 &rng) {
+  std::vector<ref::RankInputs<T>> inputs(size_t(s.ranks));
+  std::uniform_real_distribution<double> weight(0.1, 1.0);
+  std::vector<int64_t> perm(size_t(s.experts));
+  for (ref::RankInputs<T> &in : inputs) {
+    in.x = randomVector<T>(rng, size_t(s.tokens * s.hidden), 1.0);
+    for (int64_t t = 0; t < s.tokens; ++t) {
+      for (int64_t e = 0; e < s.experts; ++e)
+        perm[size_t(e)] = e;
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int64_t k = 0; k < s.topK; ++k) {
+        in.topkIds.push_back(perm[size_t(k)]);
+        in.topkWeights.push_back(T(weight(rng)));
+      }
+    }
+  }
+  return inputs;
+}
+
+template <typename T> ref::Weights<T> randomWeights(const ref::LayerShape &s, std::mt19937 &rng) {
+  ref::Weights<T> w;
+  w.w1 = randomVector<T>(rng, size_t(s.experts * s.hidden * 2 * s.inter),
+                         1.0 / std::sqrt(double(s.hidden)));
+  w.w2 = randomVector<T>(rng, size_t(s.experts * s.inter * s.hidden),
+                         1.0 / std::sqrt(double(s.inter)));
+  return w;
+}
+
+template <typename T>
+std::vector<std::vector<T>> randomGrads(const ref::LayerShape &s, std::mt19937 &rng) {
+  std::vector<std::vector<T>> dy;
+  for (int64_t r = 0; r < s.ranks; ++r)
+    dy.push_back(randomVector<T>(rng, size_t(s.tokens * s.hidden), 1.0));
+  return dy;
+}
+
+/// Largest |a - b| over two equally long vectors.
+template <typename T> double maxDiff(const std::vector<T> &a, const std::vector<T> &b) {
+  REQUIRE(a.size() == b.size());
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    d = std::max(d, std::fabs(double(a[i]) - double(b[i])));
+  return d;
+}
+
+} // namespace
+
+//===----------------------------------------------------------------------===//
+// The reference on its own
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("reference: one rank, one expert, top-1 is a weighted SwiGLU MLP", "[cpu][reference]") {
+  ref::LayerShape s;
+  s.ranks = 1;
+  s.experts = 1;
+  s.hidden = 6;
+  s.inter = 4;
+  s.topK = 1;
+  s.tokens = 5;
+  std::mt19937 rng(1);
+  auto inputs = randomInputs<double>(s, rng);
+  auto weights = randomWeights<double>(s, rng);
+  ref::Forward<double> fwd;
+  REQUIRE(ref::forward(s, inputs, weights, &fwd).ok());
+
+  // Directly: per token, gate = x Wg, up = x Wu, h = silu(gate) * up,
+  // y = w * h W2.
+  const auto &in = inputs[0];
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    std::vector<double> h(size_t(s.inter));
+    for (int64_t i = 0; i < s.inter; ++i) {
+      double gate = 0, up = 0;
+      for (int64_t d = 0; d < s.hidden; ++d) {
+        gate += in.x[size_t(t * s.hidden + d)] * weights.w1[size_t(d * 2 * s.inter + i)];
+        up += in.x[size_t(t * s.hidden + d)] * weights.w1[size_t(d * 2 * s.inter + s.inter + i)];
+      }
+      h[size_t(i)] = gate / (1.0 + std::exp(-gate)) * up;
+    }
+    for (int64_t d = 0; d < s.hidden; ++d) {
+      double out = 0;
+      for (int64_t i = 0; i < s.inter; ++i)
+        out += h[size_t(i)] * weights.w2[size_t(i * s.hidden + d)];
+      CHECK(fwd.y[0][size_t(t * s.hidden + d)] ==
+            Approx(in.topkWeights[size_t(t)] * out).epsilon(1e-12).margin(1e-14));
+    }
+  }
+  // The saved rows are the tokens in order.
+  REQUIRE(fwd.experts.size() == 1);
+  REQUIRE(fwd.experts[0].rows.size() == size_t(s.tokens));
+  for (int64_t t = 0; t < s.tokens; ++t)
+    CHECK(fwd.experts[0].rows[size_t(t)].token == t);
+  CHECK(fwd.experts[0].x == in.x);
+}
+
+TEST_CASE("reference: results do not depend on how tokens split over ranks",
+          "[cpu][reference]") {
+  // Two ranks of 4 tokens each equal one rank of all 8 tokens.
+  ref::LayerShape two;
+  two.ranks = 2;
+  two.experts = 4;
+  two.hidden = 5;
+  two.inter = 3;
+  two.topK = 2;
+  two.tokens = 4;
+  std::mt19937 rng(2);
+  auto inputs = randomInputs<double>(two, rng);
+  auto weights = randomWeights<double>(two, rng);
+  auto dy = randomGrads<double>(two, rng);
+
+  ref::LayerShape one = two;
+  one.ranks = 1;
+  one.tokens = 8;
+  std::vector<ref::RankInputs<double>> merged(1);
+  std::vector<std::vector<double>> dyMerged(1);
+  for (int r = 0; r < 2; ++r) {
+    auto &m = merged[0];
+    m.x.insert(m.x.end(), inputs[size_t(r)].x.begin(), inputs[size_t(r)].x.end());
+    m.topkIds.insert(m.topkIds.end(), inputs[size_t(r)].topkIds.begin(),
+                     inputs[size_t(r)].topkIds.end());
+    m.topkWeights.insert(m.topkWeights.end(), inputs[size_t(r)].topkWeights.begin(),
+                         inputs[size_t(r)].topkWeights.end());
+    dyMerged[0].insert(dyMerged[0].end(), dy[size_t(r)].begin(), dy[size_t(r)].end());
+  }
+
+  ref::Forward<double> f2, f1;
+  ref::Backward<double> b2, b1;
+  REQUIRE(ref::forward(two, inputs, weights, &f2).ok());
+  REQUIRE(ref::backward(two, inputs, weights, f2, dy, &b2).ok());
+  REQUIRE(ref::forward(one, merged, weights, &f1).ok());
+  REQUIRE(ref::backward(one, merged, weights, f1, dyMerged, &b1).ok());
+
+  for (int r = 0; r < 2; ++r) {
+    const size_t sh = size_t(two.tokens * two.hidden), sk = size_t(two.tokens * two.topK);
+    std::vector<double> y1(f1.y[0].begin() + r * sh, f1.y[0].begin() + (r + 1) * sh);
+    std::vector<double> dx1(b1.dx[0].begin() + r * sh, b1.dx[0].begin() + (r + 1) * sh);
+    std::vector<double> dw1(b1.dtopkWeights[0].begin() + r * sk,
+                            b1.dtopkWeights[0].begin() + (r + 1) * sk);
+    CHECK(maxDiff(f2.y[size_t(r)], y1) < 1e-12);
+    CHECK(maxDiff(b2.dx[size_t(r)], dx1) < 1e-12);
+    CHECK(maxDiff(b2.dtopkWeights[size_t(r)], dw1) < 1e-12);
+  }
+  CHECK(maxDiff(b2.dw1, b1.dw1) < 1e-12);
+  CHECK(maxDiff(b2.dw2, b1.dw2) < 1e-12);
+  // Dispatch order: by source rank, then token, then k.
+  for (const auto &ex : f2.experts)
+    for (size_t i = 1; i < ex.rows.size(); ++i) {
+      const ref::RowSource &a = ex.rows[i - 1], &b = ex.rows[i];
+      CHECK((a.rank < b.rank || (a.rank == b.rank && a.token < b.token)));
+    }
+}
+
+TEST_CASE("reference: backward matches finite differences", "[cpu][reference]") {
+  ref::LayerShape s;
+  s.ranks = 2;
+  s.experts = 4;
+  s.hidden = 3;
+  s.inter = 2;
+  s.topK = 2;
+  s.tokens = 3;
+  std::mt19937 rng(3);
+  auto inputs = randomInputs<double>(s, rng);
+  auto weights = randomWeights<double>(s, rng);
+  auto dy = randomGrads<double>(s, rng);
+
+  // The loss whose gradients backward computes: sum_r <dy_r, y_r>.
+  auto loss = [&](const std::vector<ref::RankInputs<double>> &in, const ref::Weights<double> &w) {
+    ref::Forward<double> f;
+    REQUIRE(ref::forward(s, in, w, &f).ok());
+    double l = 0;
+    for (int64_t r = 0; r < s.ranks; ++r)
+      for (size_t i = 0; i < dy[size_t(r)].size(); ++i)
+        l += dy[size_t(r)][i] * f.y[size_t(r)][i];
+    return l;
+  };
+  ref::Forward<double> fwd;
+  ref::Backward<double> grads;
+  REQUIRE(ref::forward(s, inputs, weights, &fwd).ok());
+  REQUIRE(ref::backward(s, inputs, weights, fwd, dy, &grads).ok());
+
+  const double h = 1e-6;
+  // Perturbs one value, returns the central difference of the loss.
+  auto numeric = [&](double &value) {
+    const double saved = value;
+    value = saved + h;
+    const double up = loss(inputs, weights);
+    value = saved - h;
+    const double down = loss(inputs, weights);
+    value = saved;
+    return (up - down) / (2 * h);
+  };
+  auto check = [&](const char *name, std::vector<double> &values,
+                   const std::vector<double> &analytic) {
+    REQUIRE(values.size() == analytic.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      INFO(name << "[" << i << "]");
+      CHECK(analytic[i] == Approx(numeric(values[i])).epsilon(1e-6).margin(1e-8));
+    }
+  };
+  for (int64_t r = 0; r < s.ranks; ++r) {
+    check("x", inputs[size_t(r)].x, grads.dx[size_t(r)]);
+    check("topk_weights", inputs[size_t(r)].topkWeights, grads.dtopkWeights[size_t(r)]);
+  }
+  check("w1", weights.w1, grads.dw1);
+  check("w2", weights.w2, grads.dw2);
+}
+
+TEST_CASE("reference: errors", "[cpu][reference]") {
+  ref::LayerShape s;
+  s.ranks = 2;
+  s.experts = 4;
+  s.hidden = 2;
+  s.inter = 2;
+  s.topK = 2;
+  s.tokens = 2;
+  std::mt19937 rng(4);
+  auto inputs = randomInputs<float>(s, rng);
+  auto weights = randomWeights<float>(s, rng);
+  ref::Forward<float> fwd;
+
+  ref::LayerShape bad = s;
+  bad.experts = 3;
+  CHECK(bad.validate().message() == "layer: experts (3) must be a positive multiple of ranks (2)");
+  bad = s;
+  bad.topK = 5;
+  CHECK(!bad.validate().ok());
+
+  auto wrongId = inputs;
+  wrongId[1].topkIds[3] = 4;
+  Status status = ref::forward(s, wrongId, weights, &fwd);
+  CHECK(status.message() == "rank 1: topk_ids[1][1] = 4 is not an expert");
+  auto twice = inputs;
+  twice[0].topkIds[1] = twice[0].topkIds[0];
+  status = ref::forward(s, twice, weights, &fwd);
+  CHECK(status.message() == "rank 0: token 0 routes to expert " +
+                                std::to_string(twice[0].topkIds[0]) + " twice");
+  auto shortW = weights;
+  shortW.w2.pop_back();
+  CHECK(ref::forward(s, inputs, shortW, &fwd).message() == "w2 has 15 elements, expected 16");
+  REQUIRE(ref::forward(s, inputs, weights, &fwd).ok());
+  ref::Backward<float> grads;
+  std::vector<std::vector<float>> dy(1, std::vector<float>(4));
+  CHECK(ref::backward(s, inputs, weights, fwd, dy, &grads).message() ==
+        "layer: 1 dy tensors for 2 ranks");
+}
+
+//===----------------------------------------------------------------------===//
+// The kernels, chained, against the reference
+//===----------------------------------------------------------------------===//
+
+namespace {
+
+/// A tensor in a storage type, with an fp32 view for reading it back.
+struct Stored {
+  Elt elt;
+  int64_t rows, cols;
+  std::vector<float> f32;
+  std::vector<uint16_t> b16;
+
+  Stored(Elt elt, int64_t rows, int64_t cols) : elt(elt), rows(rows), cols(cols) {
+    const size_t n = size_t(std::max<int64_t>(rows * cols, 1));
+    if (elt == Elt::F32)
+      f32.assign(n, 0.0f);
+    else
+      b16.assign(n, 0);
+  }
+  Stored(Elt elt, int64_t rows, int64_t cols, const std::vector<float> &values)
+      : Stored(elt, rows, cols) {
+    storeFloats(values.data(), data(), elt, values.size());
+  }
+  void *data() { return elt == Elt::F32 ? static_cast<void *>(f32.data()) : b16.data(); }
+  const void *data() const {
+    return elt == Elt::F32 ? static_cast<const void *>(f32.data()) : b16.data();
+  }
+  Matrix view() { return Matrix{data(), elt, cols}; }
+  ConstMatrix cview() const { return ConstMatrix{data(), elt, cols}; }
+  /// A view that starts at row `row`.
+  Matrix rowsFrom(int64_t row) { return Matrix{view().address(row, 0), elt, cols}; }
+  ConstMatrix rowsFrom(int64_t row) const {
+    return ConstMatrix{cview().address(row, 0), elt, cols};
+  }
+  std::vector<float> values() const {
+    std::vector<float> out(size_t(rows * cols));
+    loadFloats(data(), elt, out.data(), out.size());
+    return out;
+  }
+};
+
+/// The layer computed by the kernels for every rank, as a runtime would:
+/// each rank builds its routing layout and gathers its rows expert-major;
+/// rank p receives, for each local expert, the rows of rank 0, then rank 1,
+/// ... (puts); per expert the grouped matmuls and SwiGLU run as ragged tile
+/// grids; Z rows go back to their sources (puts) and combine. Backward
+/// mirrors it; weight gradients accumulate into fp32 main-grad buffers.
+struct KernelLayer {
+  const ref::LayerShape &s;
+  Elt elt;
+  std::vector<std::vector<float>> y, dx, dtopkWeights;
+  std::vector<float> dw1, dw2;
+
+  void run(const std::vector<ref::RankInputs<float>> &inputs, const ref::Weights<float> &weights,
+           const std::vector<std::vector<float>> &dy) {
+    const int64_t R = s.ranks, E = s.experts, L = s.localExperts(), H = s.hidden, I = s.inter,
+                  K = s.topK, S = s.tokens;
+    // Inputs in storage; weights of expert e are rows of one [E*H, 2I] and one
+    // [E*I, H] tensor.
+    Stored w1(elt, E * H, 2 * I, weights.w1), w2(elt, E * I, H, weights.w2);
+    std::vector<RoutingLayout> layouts(size_t(R));
+    std::vector<Stored> x, send;
+    for (int64_t r = 0; r < R; ++r) {
+      REQUIRE(buildRoutingLayout(inputs[size_t(r)].topkIds.data(), S, K, E, &layouts[size_t(r)])
+                  .ok());
+      x.emplace_back(elt, S, H, inputs[size_t(r)].x);
+      send.emplace_back(elt, S * K, H);
+      gatherTokenRows(x.back().cview(), layouts[size_t(r)].order.data(), K, nullptr,
+                      send.back().view(), S * K, H);
+    }
+
+    // Receive side: rank p, local expert e gets rows from r = 0..R-1.
+    // recvAt[p][e][r] is the first row of rank r's rows in p's buffer.
+    std::vector<std::vector<std::vector<int64_t>>> recvAt(size_t(R));
+    std::vector<std::vector<Segment>> segments(size_t(R));
+    std::vector<int64_t> recvRows(size_t(R), 0);
+    for (int64_t p = 0; p < R; ++p) {
+      recvAt[size_t(p)].assign(size_t(L), std::vector<int64_t>(size_t(R)));
+      for (int64_t e = 0; e < L; ++e) {
+        Segment seg{recvRows[size_t(p)], 0};
+        for (int64_t r = 0; r < R; ++r) {
+          recvAt[size_t(p)][size_t(e)][size_t(r)] = seg.offset + seg.rows;
+          seg.rows += layouts[size_t(r)].counts[size_t(p * L + e)];
+        }
+        segments[size_t(p)].push_back(seg);
+        recvRows[size_t(p)] += seg.rows;
+      }
+    }
+    // Moves rows between each source's expert-major buffer and the
+    // receivers' buffers, one put per (source, expert).
+    auto exchange = [&](std::vector<Stored> &srcSide, std::vector<Stored> &recvSide,
+                        bool toReceiver, int64_t cols) {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < E; ++g) {
+          const int64_t p = g / L, e = g % L;
+          const int64_t n = layouts[size_t(r)].counts[size_t(g)];
+          const int64_t at = layouts[size_t(r)].offsets[size_t(g)];
+          const int64_t there = recvAt[size_t(p)][size_t(e)][size_t(r)];
+          if (toReceiver)
+            copyRows(srcSide[size_t(r)].rowsFrom(at), recvSide[size_t(p)].rowsFrom(there), n,
+                     cols);
+          else
+            copyRows(recvSide[size_t(p)].rowsFrom(there), srcSide[size_t(r)].rowsFrom(at), n,
+                     cols);
+        }
+    };
+    auto capacityGrid = [&](int64_t p, int64_t e) {
+      // A capacity a bit above the segment, so some tiles are clipped.
+      return segments[size_t(p)][size_t(e)].rows + 3;
+    };
+    auto forEachTile = [](int64_t rows, int64_t cols, int64_t rowTiles, int64_t colTiles,
+                          const std::function<void(Range, Range)> &body) {
+      for (int64_t i = 0; i < rowTiles; ++i)
+        for (int64_t j = 0; j < colTiles; ++j)
+          body(Range{i * rows / rowTiles, (i + 1) * rows / rowTiles},
+               Range{j * cols / colTiles, (j + 1) * cols / colTiles});
+    };
+
+    // Forward.
+    std::vector<Stored> xr, yr, ar, zr, zBack;
+    for (int64_t p = 0; p < R; ++p) {
+      xr.emplace_back(elt, recvRows[size_t(p)], H);
+      yr.emplace_back(elt, recvRows[size_t(p)], 2 * I);
+      ar.emplace_back(elt, recvRows[size_t(p)], I);
+      zr.emplace_back(elt, recvRows[size_t(p)], H);
+      zBack.emplace_back(elt, S * K, H);
+    }
+    exchange(send, xr, true, H);
+    for (int64_t p = 0; p < R; ++p)
+      for (int64_t e = 0; e < L; ++e) {
+        const Segment seg = segments[size_t(p)][size_t(e)];
+        const int64_t g = p * L + e;
+        forEachTile(capacityGrid(p, e), 2 * I, 3, 2, [&](Range rows, Range cols) {
+          gmmForwardTile(xr[size_t(p)].cview(), w1.rowsFrom(g * H), yr[size_t(p)].view(), H, seg,
+                         rows, cols);
+        });
+        forEachTile(seg.rows, I, 2, 2, [&](Range rows, Range cols) {
+          swigluForward(yr[size_t(p)].rowsFrom(seg.offset), ar[size_t(p)].rowsFrom(seg.offset), I,
+                        rows, cols);
+        });
+        forEachTile(capacityGrid(p, e), H, 2, 3, [&](Range rows, Range cols) {
+          gmmForwardTile(ar[size_t(p)].cview(), w2.rowsFrom(g * I), zr[size_t(p)].view(), I, seg,
+                         rows, cols);
+        });
+      }
+    exchange(zBack, zr, false, H);
+    y.clear();
+    for (int64_t r = 0; r < R; ++r) {
+      Stored out(elt, S, H);
+      forEachTile(S, H, 2, 2, [&](Range tokens, Range cols) {
+        combineRows(zBack[size_t(r)].cview(), layouts[size_t(r)].position.data(),
+                    inputs[size_t(r)].topkWeights.data(), K, out.view(), tokens, cols);
+      });
+      y.push_back(out.values());
+    }
+
+    // Backward: dtopk_weights, dZ = w * dy dispatched, dA, dw2, dY, dX, dw1,
+    // dX back and combined.
+    std::vector<Stored> dzSend, dzr, dar, dyr, dxr, dxBack;
+    dtopkWeights.assign(size_t(R), std::vector<float>(size_t(S * K)));
+    for (int64_t r = 0; r < R; ++r) {
+      Stored g(elt, S, H, dy[size_t(r)]);
+      combineWeightGrad(g.cview(), zBack[size_t(r)].cview(), layouts[size_t(r)].position.data(),
+                        K, {0, S}, H, dtopkWeights[size_t(r)].data());
+      dzSend.emplace_back(elt, S * K, H);
+      gatherTokenRows(g.cview(), layouts[size_t(r)].order.data(), K,
+                      inputs[size_t(r)].topkWeights.data(), dzSend.back().view(), S * K, H);
+      dxBack.emplace_back(elt, S * K, H);
+    }
+    for (int64_t p = 0; p < R; ++p) {
+      dzr.emplace_back(elt, recvRows[size_t(p)], H);
+      dar.emplace_back(elt, recvRows[size_t(p)], I);
+      dyr.emplace_back(elt, recvRows[size_t(p)], 2 * I);
+      dxr.emplace_back(elt, recvRows[size_t(p)], H);
+    }
+    exchange(dzSend, dzr, true, H);
+    // Main-grad buffers start at 1 and accumulate; 1 is taken off at the end.
+    Stored mainW1(Elt::F32, E * H, 2 * I, std::vector<float>(size_t(E * H * 2 * I), 1.0f));
+    Stored mainW2(Elt::F32, E * I, H, std::vector<float>(size_t(E * I * H), 1.0f));
+    for (int64_t p = 0; p < R; ++p)
+      for (int64_t e = 0; e < L; ++e) {
+        const Segment seg = segments[size_t(p)][size_t(e)];
+        const int64_t g = p * L + e;
+        forEachTile(capacityGrid(p, e), I, 2, 2, [&](Range rows, Range cols) {
+          gmmDgradTile(dzr[size_t(p)].cview(), w2.rowsFrom(g * I), dar[size_t(p)].view(), H, seg,
+                       rows, cols);
+        });
+        forEachTile(I, H, 2, 3, [&](Range rows, Range cols) {
+          gmmWgradTile(ar[size_t(p)].cview(), dzr[size_t(p)].cview(), mainW2.rowsFrom(g * I), seg,
+                       rows, cols, true);
+        });
+        forEachTile(seg.rows, I, 3, 1, [&](Range rows, Range cols) {
+          swigluBackward(yr[size_t(p)].rowsFrom(seg.offset), dar[size_t(p)].rowsFrom(seg.offset),
+                         dyr[size_t(p)].rowsFrom(seg.offset), I, rows, cols);
+        });
+        forEachTile(capacityGrid(p, e), H, 2, 2, [&](Range rows, Range cols) {
+          gmmDgradTile(dyr[size_t(p)].cview(), w1.rowsFrom(g * H), dxr[size_t(p)].view(), 2 * I,
+                       seg, rows, cols);
+        });
+        forEachTile(H, 2 * I, 3, 2, [&](Range rows, Range cols) {
+          gmmWgradTile(xr[size_t(p)].cview(), dyr[size_t(p)].cview(), mainW1.rowsFrom(g * H), seg,
+                       rows, cols, true);
+        });
+      }
+    exchange(dxBack, dxr, false, H);
+    dx.clear();
+    for (int64_t r = 0; r < R; ++r) {
+      Stored out(elt, S, H);
+      combineRows(dxBack[size_t(r)].cview(), layouts[size_t(r)].position.data(), nullptr, K,
+                  out.view(), {0, S}, {0, H});
+      dx.push_back(out.values());
+    }
+    dw1 = mainW1.values();
+    dw2 = mainW2.values();
+    for (float &v : dw1)
+      v -= 1.0f;
+    for (float &v : dw2)
+      v -= 1.0f;
+  }
+};
+
+/// Largest |got - want| relative to the largest |want| (or 1).
+double relError(const std::vector<float> &got, const std::vector<float> &want) {
+  REQUIRE(got.size() == want.size());
+  double err = 0, top = 1e-3;
+  for (size_t i = 0; i < got.size(); ++i) {
+    err = std::max(err, std::fabs(double(got[i]) - double(want[i])));
+    top = std::max(top, std::fabs(double(want[i])));
+  }
+  return err / top;
+}
+
+} // namespace
+
+TEST_CASE("the kernels, chained, compute the reference layer", "[cpu][reference][layer]") {
+  ref::LayerShape s;
+  s.ranks = 2;
+  s.experts = 6;
+  s.hidden = 40;
+  s.inter = 24;
+  s.topK = 2;
+  s.tokens = 23;
+  std::mt19937 rng(5);
+  auto inputs = randomInputs<float>(s, rng);
+  // Leave expert 4 without rows, so an empty segment runs through.
+  for (auto &in : inputs)
+    for (int64_t &id : in.topkIds)
+      if (id == 4)
+        id = 5;
+  for (auto &in : inputs)
+    for (int64_t t = 0; t < s.tokens; ++t)
+      if (in.topkIds[size_t(t * 2)] == in.topkIds[size_t(t * 2 + 1)])
+        in.topkIds[size_t(t * 2 + 1)] = (in.topkIds[size_t(t * 2)] + 1) % 4;
+  auto weights = randomWeights<float>(s, rng);
+  auto dy = randomGrads<float>(s, rng);
+
+  for (Elt elt : {Elt::F32, Elt::BF16}) {
+    INFO(eltName(elt));
+    // The reference sees what the kernels see: inputs rounded to storage.
+    auto refInputs = inputs;
+    auto refWeights = weights;
+    auto refDy = dy;
+    if (elt == Elt::BF16) {
+      auto round = [](std::vector<float> &v) {
+        for (float &x : v)
+          x = roundToBf16(x);
+      };
+      for (auto &in : refInputs)
+        round(in.x);
+      round(refWeights.w1);
+      round(refWeights.w2);
+      for (auto &g : refDy)
+        round(g);
+    }
+    ref::Forward<float> fwd;
+    ref::Backward<float> bwd;
+    REQUIRE(ref::forward(s, refInputs, refWeights, &fwd).ok());
+    REQUIRE(ref::backward(s, refInputs, refWeights, fwd, refDy, &bwd).ok());
+    REQUIRE(fwd.experts[4].rows.empty());
+
+    KernelLayer layer{s, elt, {}, {}, {}, {}, {}};
+    layer.run(inputs, weights, dy);
+    // fp32: only summation order differs. bf16: every stored intermediate is
+    // rounded (relative 2^-9 each), a few of them in a row.
+    const double tol = elt == Elt::F32 ? 2e-5 : 4e-2;
+    for (int64_t r = 0; r < s.ranks; ++r) {
+      INFO("rank " << r);
+      CHECK(relError(layer.y[size_t(r)], fwd.y[size_t(r)]) < tol);
+      CHECK(relError(layer.dx[size_t(r)], bwd.dx[size_t(r)]) < tol);
+      CHECK(relError(layer.dtopkWeights[size_t(r)], bwd.dtopkWeights[size_t(r)]) < tol);
+    }
+    CHECK(relError(layer.dw1, bwd.dw1) < tol);
+    CHECK(relError(layer.dw2, bwd.dw2) < tol);
+  }
+}

@@ -1,0 +1,857 @@
+//===- Executor.cpp - Runs a task program on every rank of an EP group ----===//
+//
+// See Executor.h for the design. Ownership rules that keep it race-free:
+//
+// - A logical queue's QueueState is written only by the worker that owns
+//   the queue. Ownership moves through the ready FIFO (under `mutex`), an
+//   event's waiter list (under the event's lock), or a worker's list of
+//   queues its signals woke.
+// - An event's waiter list and the waitThreshold/nextWaiter fields of the
+//   queues on it are touched only under the event's lock.
+// - A queue parks by linking itself and publishing the smallest waited-for
+//   threshold (`minWaiting`), then re-reading the counter, all seq_cst; a
+//   signaller adds to the counter and then reads `minWaiting`, both seq_cst.
+//   Whichever runs second sees the other, so a wake-up is never lost.
+// - Between passes the workers sleep on `startCv`, so run() resets all
+//   state single-threaded.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/exec/Executor.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <mutex>
+#include <new>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+namespace moec::exec {
+
+using format::CoreKind;
+using format::EventKind;
+using format::QueueRecord;
+using format::SignalRecord;
+using format::TaskProgram;
+using format::TaskRecord;
+using format::WaitRecord;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// An index that names no logical queue.
+constexpr uint32_t kNil = UINT32_MAX;
+
+/// The `minWaiting` of an event no queue is parked on.
+constexpr uint64_t kNoWaiter = UINT64_MAX;
+
+/// The `current` of a worker that runs no task.
+constexpr uint64_t kIdle = UINT64_MAX;
+
+/// Tells the processor that this thread is spinning.
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+/// A one-byte lock for the short critical sections of an event's waiter list.
+class SpinLock {
+public:
+  void lock() {
+    for (uint32_t spins = 0;; ++spins) {
+      if (!locked.exchange(true, std::memory_order_acquire))
+        return;
+      while (locked.load(std::memory_order_relaxed)) {
+        if (++spins < 64)
+          cpuRelax();
+        else
+          std::this_thread::yield();
+      }
+    }
+  }
+  void unlock() { locked.store(false, std::memory_order_release); }
+
+private:
+  std::atomic<bool> locked{false};
+};
+
+/// One rank's copy of one event.
+struct EventState {
+  std::atomic<uint64_t> value{0};              ///< the counter
+  std::atomic<uint64_t> minWaiting{kNoWaiter}; ///< least threshold a parked queue needs
+  SpinLock lock;                               ///< guards `waiters` and its queues' links
+  uint32_t waiters = kNil;                     ///< first parked logical queue
+};
+
+/// One logical queue (a rank's copy of a program queue).
+struct alignas(64) QueueState {
+  uint32_t head = 0;          ///< entries of the queue that have run
+  uint32_t waitCursor = 0;    ///< waits of the head task known to be met
+  uint32_t nextWaiter = kNil; ///< next queue parked on the same event
+  uint64_t waitThreshold = 0; ///< the threshold it is parked for
+};
+
+/// A worker thread and what it keeps between tasks.
+struct alignas(64) Worker {
+  std::thread thread;
+  std::vector<uint32_t> woken;            ///< queues its last task's signals woke
+  std::vector<TraceEvent> trace;          ///< tasks it ran this pass (with tracing)
+  std::atomic<uint64_t> current{kIdle};   ///< (logical queue << 32 | task) running
+  std::atomic<int64_t> currentSinceNs{0}; ///< when that task started
+};
+
+/// Where a program queue's entries are.
+struct QueueInfo {
+  uint32_t first = 0;
+  uint32_t count = 0;
+};
+
+/// Why a pass stopped before every task ran.
+enum class Stop { None, Error, Watchdog, Deadlock };
+
+/// Returns `seconds` for a message: "0.2 s", "60 s", "1.5e-05 s".
+std::string formatSeconds(double seconds) { return fmt::format("{:.3g} s", seconds); }
+
+/// Appends `text` to `out` as the inside of a JSON string.
+void appendJsonEscaped(std::string &out, std::string_view text) {
+  for (char c : text) {
+    switch (c) {
+    case '"':
+      out += "\\\"";
+      break;
+    case '\\':
+      out += "\\\\";
+      break;
+    case '\n':
+      out += "\\n";
+      break;
+    case '\t':
+      out += "\\t";
+      break;
+    default:
+      if (static_cast<unsigned char>(c) < 0x20)
+        out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      else
+        out += c;
+    }
+  }
+}
+
+/// Returns the name of the op of task `task`, or "?" for an index out of range.
+std::string_view opNameOf(const TaskProgram &program, uint32_t task) {
+  if (task >= program.tasks.size() || program.tasks[task].op >= program.ops.size())
+    return "?";
+  return program.name(program.ops[program.tasks[task].op].name);
+}
+
+} // namespace
+
+std::string coreName(const TaskProgram &program, uint32_t queue) {
+  if (queue >= program.queues.size())
+    return fmt::format("queue {}", queue);
+  const QueueRecord &record = program.queues[queue];
+  return fmt::format("{} core {}", format::coreKindName(record.coreKind), record.coreIndex);
+}
+
+//===----------------------------------------------------------------------===//
+// The executor's state
+//===----------------------------------------------------------------------===//
+
+struct Executor::Impl {
+  Impl(TaskProgram programIn, TaskFunction runTaskIn, const ExecutorOptions &optionsIn);
+  ~Impl();
+
+  /// Starts the worker threads.
+  Status startWorkers();
+
+  // The program and its derived tables (read-only once created).
+  TaskProgram program;
+  TaskFunction runTask;
+  ExecutorOptions options;
+  uint32_t rankCount = 0;  ///< R
+  uint32_t queueCount = 0; ///< Q, queues per rank
+  uint32_t eventCount = 0; ///< E, events per rank
+  uint32_t workerCount = 0;
+  uint64_t totalTasks = 0; ///< R x tasks
+  std::vector<QueueInfo> queueInfo;
+  std::vector<uint32_t> terminateEvents;
+  std::vector<uint32_t> startOrder; ///< non-empty logical queues, ranks interleaved
+
+  // Per-rank state, allocated once.
+  std::unique_ptr<EventState[]> events; ///< [rank * E + event]
+  std::unique_ptr<QueueState[]> queues; ///< [rank * Q + queue]
+  std::unique_ptr<Worker[]> workers;
+
+  // The ready FIFO and the pass's bookkeeping, guarded by `mutex` (the
+  // atomics are also read without it).
+  std::mutex mutex;
+  std::condition_variable startCv; ///< workers wait here between passes
+  std::condition_variable workCv;  ///< idle workers wait here for ready queues
+  std::condition_variable doneCv;  ///< run() waits here for the workers
+  std::vector<uint32_t> ring;      ///< the ready FIFO, R x Q slots
+  size_t ringHead = 0;
+  size_t ringSize = 0;
+  std::atomic<size_t> readyCount{0}; ///< ringSize, for spinning workers
+  uint64_t generation = 0;           ///< bumped by each run()
+  bool shutdown = false;
+  uint32_t inPass = 0;   ///< workers that have not left the pass
+  uint32_t busy = 0;     ///< workers that own a logical queue
+  uint32_t sleepers = 0; ///< workers waiting on workCv
+  Stop stopReason = Stop::None;
+  Status error;              ///< with Stop::Error
+  std::string runningReport; ///< with Stop::Watchdog: the tasks running then
+
+  std::atomic<bool> passOver{false};  ///< set when the pass ends, for any reason
+  std::atomic<uint64_t> remaining{0}; ///< task runs left in the pass
+  std::atomic<bool> inRun{false};
+  Clock::time_point passStart;
+
+  PassStats stats;
+  std::vector<TraceEvent> trace;
+
+  // Workers.
+  void workerMain(uint32_t worker);
+  void runPass(uint32_t worker);
+  uint32_t acquire(bool wasBusy);
+  void pushReady(const std::vector<uint32_t> &lqs);
+  bool headReady(uint32_t lq);
+  void signal(uint32_t rank, const SignalRecord &signal, std::vector<uint32_t> &woken);
+  void fail(Status status);
+  void finishPass();
+
+  // run() and its reports.
+  void reset();
+  void supervise();
+  Status result();
+  std::string taskName(uint32_t lq, uint32_t task) const;
+  std::string describeRunning(Clock::time_point now) const;
+  std::string describeStuck() const;
+};
+
+Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
+                     const ExecutorOptions &optionsIn)
+    : program(std::move(programIn)), runTask(std::move(runTaskIn)), options(optionsIn) {
+  rankCount = program.epRanks;
+  queueCount = uint32_t(program.queues.size());
+  eventCount = uint32_t(program.events.size());
+  workerCount = options.workers;
+  if (workerCount == 0)
+    workerCount = std::max(1u, std::thread::hardware_concurrency());
+  totalTasks = uint64_t(rankCount) * program.tasks.size();
+
+  queueInfo.resize(queueCount);
+  for (uint32_t q = 0; q < queueCount; ++q)
+    queueInfo[q] = {program.queues[q].firstEntry, program.queues[q].entryCount};
+  for (uint32_t e = 0; e < eventCount; ++e)
+    if (program.events[e].kind == EventKind::Terminate)
+      terminateEvents.push_back(e);
+  for (uint32_t q = 0; q < queueCount; ++q)
+    if (queueInfo[q].count > 0)
+      for (uint32_t r = 0; r < rankCount; ++r)
+        startOrder.push_back(r * queueCount + q);
+
+  events.reset(new EventState[size_t(rankCount) * eventCount]);
+  queues.reset(new QueueState[size_t(rankCount) * queueCount]);
+  ring.assign(size_t(rankCount) * queueCount, kNil);
+  workers.reset(new Worker[workerCount]);
+  for (uint32_t w = 0; w < workerCount; ++w)
+    workers[w].woken.reserve(64);
+}
+
+Status Executor::Impl::startWorkers() {
+  for (uint32_t w = 0; w < workerCount; ++w) {
+    try {
+      workers[w].thread = std::thread([this, w] { workerMain(w); });
+    } catch (const std::system_error &error) {
+      // The destructor joins the workers already started.
+      return Status::error(fmt::format("executor: cannot start worker thread {} of {}: {}", w,
+                                       workerCount, error.what()));
+    }
+  }
+  return Status::success();
+}
+
+Executor::Impl::~Impl() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    shutdown = true;
+  }
+  startCv.notify_all();
+  for (uint32_t w = 0; w < workerCount; ++w)
+    if (workers[w].thread.joinable())
+      workers[w].thread.join();
+}
+
+//===----------------------------------------------------------------------===//
+// Workers
+//===----------------------------------------------------------------------===//
+
+void Executor::Impl::workerMain(uint32_t worker) {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      startCv.wait(lock, [&] { return shutdown || generation != seen; });
+      if (shutdown)
+        return;
+      seen = generation;
+    }
+    runPass(worker);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (--inPass == 0)
+      doneCv.notify_all();
+  }
+}
+
+/// Returns a ready logical queue from the FIFO, which the caller then owns,
+/// or kNil when the pass is over. `wasBusy`: the caller owned a queue until
+/// now. Spins briefly, then sleeps, while the FIFO is empty; declares a
+/// deadlock when no worker owns a queue and tasks are left.
+uint32_t Executor::Impl::acquire(bool wasBusy) {
+  std::unique_lock<std::mutex> lock(mutex);
+  if (wasBusy)
+    --busy;
+  bool spun = false;
+  for (;;) {
+    if (passOver.load(std::memory_order_relaxed))
+      return kNil;
+    if (ringSize > 0) {
+      uint32_t lq = ring[ringHead];
+      ringHead = ringHead + 1 == ring.size() ? 0 : ringHead + 1;
+      readyCount.store(--ringSize, std::memory_order_relaxed);
+      ++busy;
+      return lq;
+    }
+    if (busy == 0 && options.detectDeadlock && remaining.load() > 0) {
+      // Every unfinished queue is parked and nothing runs that could signal.
+      stopReason = Stop::Deadlock;
+      passOver.store(true);
+      workCv.notify_all();
+      return kNil;
+    }
+    if (!spun && options.spinIterations > 0) {
+      spun = true;
+      lock.unlock();
+      for (uint32_t i = 0; i < options.spinIterations; ++i) {
+        if (readyCount.load(std::memory_order_relaxed) > 0 ||
+            passOver.load(std::memory_order_relaxed))
+          break;
+        if (i % 32 == 31)
+          std::this_thread::yield();
+        else
+          cpuRelax();
+      }
+      lock.lock();
+      continue;
+    }
+    ++sleepers;
+    workCv.wait(lock);
+    --sleepers;
+    spun = false;
+  }
+}
+
+/// Appends `lqs` to the ready FIFO and wakes as many sleeping workers.
+void Executor::Impl::pushReady(const std::vector<uint32_t> &lqs) {
+  size_t wake;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (uint32_t lq : lqs) {
+      size_t slot = ringHead + ringSize;
+      if (slot >= ring.size())
+        slot -= ring.size();
+      ring[slot] = lq;
+      ++ringSize;
+    }
+    readyCount.store(ringSize, std::memory_order_relaxed);
+    wake = std::min<size_t>(lqs.size(), sleepers);
+  }
+  for (size_t i = 0; i < wake; ++i)
+    workCv.notify_one();
+}
+
+/// Checks the waits of the head task of logical queue `lq` (owned by the
+/// caller, not drained), in order from the first one not known to be met.
+/// Returns true when all are met. Otherwise parks the queue on the event of
+/// the first unmet wait and returns false; the caller no longer owns it.
+bool Executor::Impl::headReady(uint32_t lq) {
+  uint32_t rank = lq / queueCount;
+  QueueState &state = queues[lq];
+  const QueueInfo &info = queueInfo[lq % queueCount];
+  const TaskRecord &task = program.tasks[program.queueEntries[info.first + state.head]];
+  while (state.waitCursor < task.waitCount) {
+    const WaitRecord &wait = program.waits[task.firstWait + state.waitCursor];
+    EventState &event = events[size_t(rank) * eventCount + wait.event];
+    if (event.value.load(std::memory_order_acquire) >= wait.threshold) {
+      ++state.waitCursor;
+      continue;
+    }
+    event.lock.lock();
+    state.waitThreshold = wait.threshold;
+    state.nextWaiter = event.waiters;
+    event.waiters = lq;
+    uint64_t least =
+        std::min<uint64_t>(event.minWaiting.load(std::memory_order_relaxed), wait.threshold);
+    event.minWaiting.store(least, std::memory_order_seq_cst);
+    if (event.value.load(std::memory_order_seq_cst) >= wait.threshold) {
+      // A signal came in meanwhile: unlink again (still first on the list).
+      event.waiters = state.nextWaiter;
+      state.nextWaiter = kNil;
+      event.lock.unlock();
+      ++state.waitCursor;
+      continue;
+    }
+    event.lock.unlock();
+    return false;
+  }
+  return true;
+}
+
+/// Sends `signal` of a task that ran on `rank`; appends the logical queues it
+/// wakes (which the caller then owns) to `woken`.
+void Executor::Impl::signal(uint32_t rank, const SignalRecord &signal,
+                            std::vector<uint32_t> &woken) {
+  uint32_t target = rank + signal.peerOffset;
+  if (target >= rankCount)
+    target -= rankCount;
+  EventState &event = events[size_t(target) * eventCount + signal.event];
+  uint64_t value =
+      event.value.fetch_add(signal.increment, std::memory_order_seq_cst) + signal.increment;
+  if (value < event.minWaiting.load(std::memory_order_seq_cst))
+    return;
+  event.lock.lock();
+  value = event.value.load(std::memory_order_relaxed);
+  uint64_t least = kNoWaiter;
+  uint32_t *link = &event.waiters;
+  while (*link != kNil) {
+    uint32_t lq = *link;
+    QueueState &waiter = queues[lq];
+    if (waiter.waitThreshold <= value) {
+      *link = waiter.nextWaiter;
+      waiter.nextWaiter = kNil;
+      woken.push_back(lq);
+    } else {
+      least = std::min(least, waiter.waitThreshold);
+      link = &waiter.nextWaiter;
+    }
+  }
+  event.minWaiting.store(least, std::memory_order_seq_cst);
+  event.lock.unlock();
+}
+
+void Executor::Impl::fail(Status status) {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (stopReason == Stop::None) {
+      stopReason = Stop::Error;
+      error = std::move(status);
+    }
+    passOver.store(true);
+  }
+  workCv.notify_all();
+}
+
+void Executor::Impl::finishPass() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    passOver.store(true);
+  }
+  workCv.notify_all();
+}
+
+void Executor::Impl::runPass(uint32_t workerIndex) {
+  Worker &worker = workers[workerIndex];
+  std::vector<uint32_t> &woken = worker.woken;
+  const bool tracing = options.trace;
+  uint32_t lq = kNil;
+  bool wasBusy = false;
+  for (;;) {
+    if (lq == kNil) {
+      lq = acquire(wasBusy);
+      if (lq == kNil)
+        return;
+      wasBusy = true;
+    }
+    if (passOver.load(std::memory_order_relaxed))
+      return;
+    if (!headReady(lq)) {
+      lq = kNil;
+      continue;
+    }
+
+    // Run the head task.
+    const uint32_t rank = lq / queueCount;
+    QueueState &state = queues[lq];
+    const QueueInfo &info = queueInfo[lq % queueCount];
+    const uint32_t taskIndex = program.queueEntries[info.first + state.head];
+    const TaskRecord &task = program.tasks[taskIndex];
+    int64_t startNs = (Clock::now() - passStart).count();
+    worker.currentSinceNs.store(startNs, std::memory_order_relaxed);
+    worker.current.store(uint64_t(lq) << 32 | taskIndex, std::memory_order_relaxed);
+    Status status;
+    try {
+      status = runTask(rank, taskIndex, workerIndex);
+    } catch (const std::exception &exception) {
+      status = Status::error(std::string("the task threw: ") + exception.what());
+    } catch (...) {
+      status = Status::error("the task threw an exception");
+    }
+    worker.current.store(kIdle, std::memory_order_relaxed);
+    if (tracing)
+      worker.trace.push_back({rank, lq % queueCount, taskIndex, workerIndex, startNs,
+                              (Clock::now() - passStart).count()});
+    if (!status.ok()) {
+      fail(status.withPrefix(taskName(lq, taskIndex) + ": "));
+      return;
+    }
+
+    // Signal, advance, and pick what to run next.
+    for (uint32_t s = 0; s < task.signalCount; ++s)
+      signal(rank, program.signals[task.firstSignal + s], woken);
+    ++state.head;
+    state.waitCursor = 0;
+    if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1)
+      finishPass();
+    if (state.head == info.count || !headReady(lq))
+      lq = kNil;
+    if (!woken.empty()) {
+      if (lq == kNil) {
+        lq = woken.front();
+        woken.erase(woken.begin());
+      }
+      if (!woken.empty())
+        pushReady(woken);
+      woken.clear();
+    }
+  }
+}
+
+//===----------------------------------------------------------------------===//
+// run() and its reports
+//===----------------------------------------------------------------------===//
+
+void Executor::Impl::reset() {
+  size_t eventStates = size_t(rankCount) * eventCount;
+  for (size_t i = 0; i < eventStates; ++i) {
+    events[i].value.store(0, std::memory_order_relaxed);
+    events[i].minWaiting.store(kNoWaiter, std::memory_order_relaxed);
+    events[i].waiters = kNil;
+  }
+  size_t queueStates = size_t(rankCount) * queueCount;
+  for (size_t i = 0; i < queueStates; ++i)
+    queues[i] = QueueState();
+  std::copy(startOrder.begin(), startOrder.end(), ring.begin());
+  ringHead = 0;
+  ringSize = startOrder.size();
+  readyCount.store(ringSize);
+  busy = 0;
+  sleepers = 0;
+  stopReason = Stop::None;
+  error = Status();
+  runningReport.clear();
+  remaining.store(totalTasks);
+  passOver.store(totalTasks == 0);
+  for (uint32_t w = 0; w < workerCount; ++w) {
+    workers[w].trace.clear();
+    workers[w].woken.clear();
+    workers[w].current.store(kIdle);
+  }
+  trace.clear();
+}
+
+/// Waits for the workers to leave the pass, firing the watchdog when no task
+/// completes for the timeout.
+void Executor::Impl::supervise() {
+  using namespace std::chrono;
+  const bool watchdog = options.timeout.count() > 0;
+  const nanoseconds slice =
+      watchdog ? std::clamp<nanoseconds>(options.timeout / 8, milliseconds(1), milliseconds(100))
+               : nanoseconds(milliseconds(100));
+  uint64_t lastRemaining = remaining.load();
+  Clock::time_point lastProgress = Clock::now();
+  std::unique_lock<std::mutex> lock(mutex);
+  while (!(passOver.load() && inPass == 0)) {
+    doneCv.wait_for(lock, slice);
+    if (passOver.load())
+      continue;
+    Clock::time_point now = Clock::now();
+    uint64_t left = remaining.load();
+    if (left != lastRemaining) {
+      lastRemaining = left;
+      lastProgress = now;
+    } else if (watchdog && now - lastProgress >= options.timeout) {
+      stopReason = Stop::Watchdog;
+      runningReport = describeRunning(now);
+      passOver.store(true);
+      workCv.notify_all();
+    }
+  }
+}
+
+std::string Executor::Impl::taskName(uint32_t lq, uint32_t task) const {
+  return fmt::format("rank {}, {}, task {} (op '{}')", lq / queueCount,
+                     coreName(program, lq % queueCount), task, opNameOf(program, task));
+}
+
+/// Describes the tasks running at `now` (read from the workers' atomics).
+std::string Executor::Impl::describeRunning(Clock::time_point now) const {
+  int64_t nowNs = (now - passStart).count();
+  std::string out;
+  for (uint32_t w = 0; w < workerCount; ++w) {
+    uint64_t current = workers[w].current.load(std::memory_order_relaxed);
+    if (current == kIdle)
+      continue;
+    int64_t since = workers[w].currentSinceNs.load(std::memory_order_relaxed);
+    out += fmt::format("{}{} has been running for {}", out.empty() ? "" : "; ",
+                       taskName(uint32_t(current >> 32), uint32_t(current)),
+                       formatSeconds(double(std::max<int64_t>(0, nowNs - since)) * 1e-9));
+  }
+  return out;
+}
+
+/// Describes the queues that did not drain (call once the workers are out of
+/// the pass): the first one waiting for an event, then a few more.
+std::string Executor::Impl::describeStuck() const {
+  const size_t limit = std::max(1u, options.stuckQueuesReported);
+  std::vector<std::string> blocked, ready;
+  uint64_t left = 0;
+  uint32_t undrained = 0, ranksStuck = 0;
+  for (uint32_t rank = 0; rank < rankCount; ++rank) {
+    bool rankStuck = false;
+    for (uint32_t q = 0; q < queueCount; ++q) {
+      uint32_t lq = rank * queueCount + q;
+      const QueueState &state = queues[lq];
+      const QueueInfo &info = queueInfo[q];
+      if (state.head >= info.count)
+        continue;
+      left += info.count - state.head;
+      ++undrained;
+      rankStuck = true;
+      if (blocked.size() >= limit && ready.size() >= limit)
+        continue;
+      uint32_t taskIndex = program.queueEntries[info.first + state.head];
+      const TaskRecord &task = program.tasks[taskIndex];
+      std::string text = taskName(lq, taskIndex);
+      bool isBlocked = false;
+      for (uint32_t w = 0; w < task.waitCount && !isBlocked; ++w) {
+        const WaitRecord &wait = program.waits[task.firstWait + w];
+        uint64_t value =
+            events[size_t(rank) * eventCount + wait.event].value.load(std::memory_order_relaxed);
+        if (value < wait.threshold) {
+          isBlocked = true;
+          text += fmt::format(" waits for event {} '{}' (value {}, needs {})", wait.event,
+                              program.name(program.events[wait.event].name), value, wait.threshold);
+        }
+      }
+      if (isBlocked && blocked.size() < limit)
+        blocked.push_back(std::move(text));
+      else if (!isBlocked && ready.size() < limit)
+        ready.push_back(text + " is ready");
+    }
+    ranksStuck += rankStuck;
+  }
+  std::vector<std::string> listed = std::move(blocked);
+  listed.insert(listed.end(), ready.begin(), ready.end());
+  std::string out = fmt::format(
+      "{} of {} task runs completed; {} queue{} on {} rank{} did not drain ({} task runs left)",
+      totalTasks - left, totalTasks, undrained, undrained == 1 ? "" : "s", ranksStuck,
+      ranksStuck == 1 ? "" : "s", left);
+  uint32_t shown = uint32_t(std::min(limit, listed.size()));
+  for (uint32_t i = 0; i < shown; ++i)
+    out += (i == 0 ? ". Stuck: " : "; ") + listed[i];
+  if (undrained > shown)
+    out += fmt::format("; and {} more", undrained - shown);
+  return out;
+}
+
+Status Executor::Impl::result() {
+  switch (stopReason) {
+  case Stop::Error:
+    return error;
+  case Stop::Watchdog: {
+    std::string text = fmt::format("watchdog: no task completed for {}",
+                                   formatSeconds(double(options.timeout.count()) * 1e-9));
+    if (!runningReport.empty())
+      text += "; running: " + runningReport;
+    return Status::error(text + "; " + describeStuck());
+  }
+  case Stop::Deadlock:
+    return Status::error("deadlock: every unfinished queue waits for an event and no task is "
+                         "running that could signal it; " +
+                         describeStuck());
+  case Stop::None:
+    break;
+  }
+  for (uint32_t rank = 0; rank < rankCount; ++rank)
+    for (uint32_t e : terminateEvents) {
+      uint64_t value = events[size_t(rank) * eventCount + e].value.load();
+      if (value != program.events[e].threshold)
+        return Status::error(fmt::format(
+            "rank {}: every queue drained, but terminate event {} '{}' is at {}, not at its "
+            "threshold {}",
+            rank, e, program.name(program.events[e].name), value, program.events[e].threshold));
+    }
+  return Status::success();
+}
+
+//===----------------------------------------------------------------------===//
+// Executor
+//===----------------------------------------------------------------------===//
+
+Executor::Executor(std::unique_ptr<Impl> implIn) : impl(std::move(implIn)) {}
+
+Executor::~Executor() = default;
+
+Status Executor::create(TaskProgram program, TaskFunction runTask, const ExecutorOptions &options,
+                        std::unique_ptr<Executor> *out) {
+  if (!runTask)
+    return Status::error("executor: no task function");
+  Status status = format::validateTaskProgram(program);
+  if (!status.ok())
+    return status.withPrefix("executor: invalid program: ");
+  if (uint64_t(program.epRanks) * program.queues.size() >= kNil)
+    return Status::error(fmt::format("executor: {} ranks x {} queues are too many logical queues",
+                                     program.epRanks, program.queues.size()));
+  std::unique_ptr<Impl> impl;
+  try {
+    impl = std::make_unique<Impl>(std::move(program), std::move(runTask), options);
+  } catch (const std::bad_alloc &) {
+    return Status::error("executor: out of memory for the per-rank state");
+  }
+  status = impl->startWorkers();
+  if (!status.ok())
+    return status;
+  out->reset(new Executor(std::move(impl)));
+  return Status::success();
+}
+
+Status Executor::run() {
+  Impl &state = *impl;
+  if (state.inRun.exchange(true))
+    return Status::error("executor: run() is already running");
+  state.reset();
+  state.passStart = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    state.inPass = state.workerCount;
+    ++state.generation;
+  }
+  state.startCv.notify_all();
+  state.supervise();
+  Clock::time_point end = Clock::now();
+
+  state.stats.tasksRun = state.totalTasks - state.remaining.load();
+  state.stats.seconds = std::chrono::duration<double>(end - state.passStart).count();
+  if (state.options.trace) {
+    size_t count = 0;
+    for (uint32_t w = 0; w < state.workerCount; ++w)
+      count += state.workers[w].trace.size();
+    state.trace.reserve(count);
+    for (uint32_t w = 0; w < state.workerCount; ++w)
+      state.trace.insert(state.trace.end(), state.workers[w].trace.begin(),
+                         state.workers[w].trace.end());
+    std::sort(state.trace.begin(), state.trace.end(), [](const TraceEvent &a, const TraceEvent &b) {
+      return a.startNs != b.startNs ? a.startNs < b.startNs
+             : a.rank != b.rank     ? a.rank < b.rank
+                                    : a.queue < b.queue;
+    });
+  }
+  Status status = state.result();
+  state.inRun.store(false);
+  return status;
+}
+
+bool Executor::stopRequested() const {
+  return impl->inRun.load(std::memory_order_relaxed) &&
+         impl->passOver.load(std::memory_order_relaxed) &&
+         impl->remaining.load(std::memory_order_relaxed) > 0;
+}
+
+const TaskProgram &Executor::program() const { return impl->program; }
+
+uint32_t Executor::ranks() const { return impl->rankCount; }
+
+uint32_t Executor::workers() const { return impl->workerCount; }
+
+const PassStats &Executor::lastPass() const { return impl->stats; }
+
+const std::vector<TraceEvent> &Executor::trace() const { return impl->trace; }
+
+Status Executor::writeTrace(const std::string &path) const {
+  return writeChromeTrace(impl->program, impl->trace, path);
+}
+
+//===----------------------------------------------------------------------===//
+// Chrome trace
+//===----------------------------------------------------------------------===//
+
+std::string chromeTraceJson(const TaskProgram &program, const std::vector<TraceEvent> &events) {
+  std::string out;
+  out.reserve(events.size() * 160 + 4096);
+  out += "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[";
+  bool first = true;
+  auto next = [&] {
+    out += first ? "\n" : ",\n";
+    first = false;
+  };
+  for (uint32_t rank = 0; rank < program.epRanks; ++rank) {
+    next();
+    out += fmt::format("{{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":{},\"tid\":0,"
+                       "\"args\":{{\"name\":\"rank {}\"}}}}",
+                       rank, rank);
+    next();
+    out += fmt::format("{{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":{},\"tid\":0,"
+                       "\"args\":{{\"sort_index\":{}}}}}",
+                       rank, rank);
+    for (uint32_t q = 0; q < program.queues.size(); ++q) {
+      next();
+      out += fmt::format("{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":{},\"tid\":{},"
+                         "\"args\":{{\"name\":\"{}\"}}}}",
+                         rank, q, coreName(program, q));
+      next();
+      out += fmt::format("{{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":{},\"tid\":{},"
+                         "\"args\":{{\"sort_index\":{}}}}}",
+                         rank, q, q);
+    }
+  }
+  for (const TraceEvent &event : events) {
+    next();
+    out += "{\"name\":\"";
+    appendJsonEscaped(out, opNameOf(program, event.task));
+    const char *category = "?";
+    if (event.task < program.tasks.size() && program.tasks[event.task].op < program.ops.size())
+      category = format::opKindName(program.ops[program.tasks[event.task].op].kind);
+    out += fmt::format("\",\"cat\":\"{}\",\"ph\":\"X\",\"pid\":{},\"tid\":{},\"ts\":{:.3f},"
+                       "\"dur\":{:.3f},\"args\":{{\"task\":{},\"worker\":{}}}}}",
+                       category, event.rank, event.queue, double(event.startNs) * 1e-3,
+                       double(event.endNs - event.startNs) * 1e-3, event.task, event.worker);
+  }
+  out += "\n]}\n";
+  return out;
+}
+
+Status writeChromeTrace(const TaskProgram &program, const std::vector<TraceEvent> &events,
+                        const std::string &path) {
+  std::string text = chromeTraceJson(program, events);
+  std::ofstream file(path, std::ios::binary | std::ios::trunc);
+  if (!file)
+    return Status::error(path + ": cannot open the file for writing");
+  file.write(text.data(), std::streamsize(text.size()));
+  file.close();
+  if (!file)
+    return Status::error(path + ": cannot write the trace");
+  return Status::success();
+}
+
+} // namespace moec::exec

@@ -54,7 +54,6 @@ public:
   LogicalResult run() {
     for (NamedAttribute a : graph.getBindingsAttr())
       bindings[a.getName().str()] = a.getValue().cast<IntegerAttr>().getInt();
-    p = TaskProgram();
     p.epRanks = uint32_t(bindings.at("ep"));
     p.localExperts = uint32_t(bindings.at("single_rank_expert_num"));
     p.target = p.addString(options.profile.name);

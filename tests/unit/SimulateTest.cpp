@@ -1,8 +1,10 @@
 //===- SimulateTest.cpp - Tests for the deadlock proof, the timed simulation
 //                        and `moec dump`'s formatting ----------------------===//
 
+#include "compiler/target/Schedule.h"
 #include "compiler/target/Simulate.h"
 #include "runtime/format/TaskBinary.h"
+#include "tests/unit/ProgramBuilder.h"
 #include "tools/moec/Dump.h"
 
 #include <catch2/catch.hpp>
@@ -21,130 +23,11 @@ using namespace moec::format;
 using moec::target::proveDeadlockFree;
 using moec::target::simulateTimed;
 using moec::target::TimedRun;
+using moec::test::kFinal;
+using moec::test::ProgramBuilder;
+using moec::test::requireValid;
 
 namespace {
-
-//===----------------------------------------------------------------------===//
-// Building programs by hand
-//===----------------------------------------------------------------------===//
-
-/// A wait threshold that build() replaces by the event's final value.
-constexpr uint32_t kFinal = UINT32_MAX;
-
-/// Builds small valid task programs: ops whose tasks are the columns of a
-/// 1 x peers x 1 x n grid, events, per-task waits and signals, and queues.
-/// Event thresholds are the sums of their signals.
-class ProgramBuilder {
-public:
-  explicit ProgramBuilder(uint32_t ranks = 1, uint32_t localExperts = 1) {
-    p.epRanks = ranks;
-    p.localExperts = localExperts;
-    p.target = p.addString("cpu");
-    SlotRecord slot;
-    slot.name = p.addString("x");
-    slot.rank = 2;
-    slot.dims[0] = 64;
-    slot.dims[1] = 64;
-    p.slots.push_back(slot);
-  }
-
-  /// Adds op `name` of `tasks` tasks on `core` cores, `peers` (1 or R) of
-  /// them per grid column; returns the index of its first task.
-  uint32_t op(const std::string &name, OpKind kind, CoreKind core, uint32_t tasks,
-              uint32_t peers = 1) {
-    TilingRecord tiling;
-    tiling.opKind = kind;
-    tiling.peers = peers;
-    tiling.colTiles = tasks / peers;
-    tiling.rows = 64;
-    tiling.cols = 64ull * tiling.colTiles;
-    tiling.depth = kind == OpKind::Gmm ? 64 : 0;
-    tiling.tileM = tiling.tileN = tiling.tileK = 64;
-    tiling.balancedRows = 64;
-    p.tilings.push_back(tiling);
-    OpRecord record;
-    record.name = p.addString(name);
-    record.kind = kind;
-    record.firstTask = uint32_t(p.tasks.size());
-    record.taskCount = tasks;
-    record.tiling = uint32_t(p.tilings.size() - 1);
-    p.ops.push_back(record);
-    for (uint32_t t = 0; t < tasks; ++t) {
-      TaskRecord task;
-      task.op = uint32_t(p.ops.size() - 1);
-      task.coreKind = core;
-      p.tasks.push_back(task);
-    }
-    waits.resize(p.tasks.size());
-    signals.resize(p.tasks.size());
-    return record.firstTask;
-  }
-
-  /// Adds an event; returns its index.
-  uint32_t event(const std::string &name, EventKind kind = EventKind::Local) {
-    EventRecord record;
-    record.name = p.addString(name);
-    record.kind = kind;
-    p.events.push_back(record);
-    return uint32_t(p.events.size() - 1);
-  }
-
-  void wait(uint32_t task, uint32_t event, uint32_t threshold = kFinal) {
-    waits[task].push_back({event, threshold});
-  }
-
-  void signal(uint32_t task, uint32_t event, uint32_t increment = 1, uint32_t peerOffset = 0) {
-    signals[task].push_back({event, increment, peerOffset, 0});
-  }
-
-  void queue(CoreKind kind, uint32_t index, const std::vector<uint32_t> &tasks) {
-    QueueRecord record;
-    record.coreKind = kind;
-    record.coreIndex = index;
-    record.firstEntry = uint32_t(p.queueEntries.size());
-    record.entryCount = uint32_t(tasks.size());
-    p.queues.push_back(record);
-    p.queueEntries.insert(p.queueEntries.end(), tasks.begin(), tasks.end());
-  }
-
-  /// Lays out the waits and signals and sets each event's threshold to the
-  /// sum of its signals (and each kFinal wait to that).
-  TaskProgram build() {
-    TaskProgram out = p;
-    std::vector<uint32_t> sums(out.events.size(), 0);
-    for (const auto &list : signals)
-      for (const SignalRecord &signal : list)
-        sums[signal.event] += signal.increment;
-    for (size_t t = 0; t < out.tasks.size(); ++t) {
-      TaskRecord &task = out.tasks[t];
-      task.firstWait = uint32_t(out.waits.size());
-      task.waitCount = uint32_t(waits[t].size());
-      for (WaitRecord wait : waits[t]) {
-        if (wait.threshold == kFinal)
-          wait.threshold = sums[wait.event];
-        out.waits.push_back(wait);
-      }
-      task.firstSignal = uint32_t(out.signals.size());
-      task.signalCount = uint32_t(signals[t].size());
-      out.signals.insert(out.signals.end(), signals[t].begin(), signals[t].end());
-    }
-    for (size_t e = 0; e < out.events.size(); ++e)
-      out.events[e].threshold = sums[e];
-    return out;
-  }
-
-private:
-  TaskProgram p;
-  std::vector<std::vector<WaitRecord>> waits;
-  std::vector<std::vector<SignalRecord>> signals;
-};
-
-/// Requires `program` to pass validation, with the message on failure.
-void requireValid(const TaskProgram &program) {
-  Status status = validateTaskProgram(program);
-  INFO(status.message());
-  REQUIRE(status.ok());
-}
 
 /// Returns the error message of `status`, requiring it to be an error.
 std::string errorOf(const Status &status) {
@@ -753,4 +636,54 @@ TEST_CASE("dump: dot", "[dump]") {
   options.core = dump::CoreSelector{CoreKind::Vector, 3};
   REQUIRE(dump::dumpDot(big, options, &dot).ok());
   CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 63);
+}
+
+TEST_CASE("the scheduler refuses cyclic events and zero cores", "[schedule]") {
+  ProgramBuilder b;
+  uint32_t a = b.op("a", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t c = b.op("c", OpKind::Swiglu, CoreKind::Vector, 1);
+  uint32_t aDone = b.event("a.done"), cDone = b.event("c.done");
+  b.wait(a, cDone);
+  b.signal(a, aDone);
+  b.wait(c, aDone);
+  b.signal(c, cDone);
+  b.queue(CoreKind::Cube, 0, {a});
+  b.queue(CoreKind::Vector, 0, {c});
+  TaskProgram program = b.build();
+  requireValid(program);
+  moec::target::TargetProfile profile;
+  REQUIRE(moec::target::builtinProfile("cpu", &profile).ok());
+  std::string message = errorOf(moec::target::scheduleQueues(&program, profile, 1, 1));
+  CHECK(message == "the tasks' events form a cycle: 2 of 2 tasks can never start (task 0 of op "
+                   "'a' is one)");
+  CHECK(errorOf(moec::target::scheduleQueues(&program, profile, 0, 1)) ==
+        "a schedule needs at least one cube and one vector core");
+}
+
+TEST_CASE("the scheduler gives every core a queue and every task a place", "[schedule]") {
+  // Two independent chains cube -> vector; 2 cube and 3 vector cores.
+  ProgramBuilder b;
+  uint32_t g = b.op("g", OpKind::Gmm, CoreKind::Cube, 4);
+  uint32_t s = b.op("s", OpKind::Swiglu, CoreKind::Vector, 4);
+  for (uint32_t i = 0; i < 4; ++i) {
+    uint32_t e = b.event("g" + std::to_string(i));
+    b.signal(g + i, e);
+    b.wait(s + i, e);
+  }
+  uint32_t done = b.event("done", EventKind::Terminate);
+  for (uint32_t i = 0; i < 4; ++i)
+    b.signal(s + i, done);
+  TaskProgram program = b.build(); // no queues yet
+  moec::target::TargetProfile profile;
+  REQUIRE(moec::target::builtinProfile("cpu", &profile).ok());
+  moec::target::ScheduleEstimate estimate;
+  REQUIRE(moec::target::scheduleQueues(&program, profile, 2, 3, &estimate).ok());
+  requireValid(program); // every task in exactly one queue of its kind
+  REQUIRE(program.queues.size() == 5);
+  // Equal cube tasks split evenly over the two cube cores.
+  CHECK(program.queues[0].entryCount == 2);
+  CHECK(program.queues[1].entryCount == 2);
+  CHECK(proveDeadlockFree(program).ok());
+  CHECK(estimate.makespan >= estimate.criticalPath);
+  CHECK(estimate.criticalPath > 0);
 }

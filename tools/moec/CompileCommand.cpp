@@ -1,16 +1,9 @@
 //===- CompileCommand.cpp - moec compile -----------------------------------===//
 
-#include "compiler/config/Config.h"
-#include "compiler/lower/Lower.h"
-#include "compiler/target/Profile.h"
-#include "compiler/target/Schedule.h"
-#include "compiler/target/Simulate.h"
-#include "compiler/transforms/Passes.h"
+#include "compiler/driver/Compile.h"
 #include "runtime/format/TaskBinary.h"
 #include "tools/moec/Cli.h"
 #include "tools/moec/GraphFrame.h"
-
-#include "mlir/Pass/PassManager.h"
 
 #include <fmt/format.h>
 
@@ -76,69 +69,37 @@ int runCompile(int argc, char **argv, int first) {
   Clock::time_point start = Clock::now();
   std::string summary; // printed once the binary is written
   auto body = [&](const Args &args, ModuleOp module, std::string &out) {
-    auto fail = [](const std::string &message) {
-      std::fprintf(stderr, "error: %s\n", message.c_str());
-      return int(kError);
-    };
-    std::vector<std::pair<const char *, double>> phases;
-    Clock::time_point mark = Clock::now();
-    auto phase = [&](const char *name) {
-      Clock::time_point now = Clock::now();
-      phases.push_back({name, std::chrono::duration<double, std::milli>(now - mark).count()});
-      mark = now;
-    };
-    phases.push_back(
-        {"load", std::chrono::duration<double, std::milli>(mark - start).count()});
-
-    std::string cfgPath = *args.value("--config"), error;
-    ModelConfig config;
-    if (!loadConfig(cfgPath, &config, &error))
-      return fail(error);
-    std::string targetSpec = args.value("--target").value_or("cpu");
-    lower::LowerOptions options;
-    if (Status status = target::resolveProfile(targetSpec, &options.profile); !status)
-      return fail(status.message());
+    const double loadMs = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    driver::CompileOptions options;
+    options.configPath = *args.value("--config");
+    options.target = args.value("--target").value_or("cpu");
     options.granularity =
         *lower::parseGranularity(args.value("--granularity").value_or("per-tile-range"));
-    setDefaultCoreCounts(&config, options.profile.cubeCores, options.profile.vectorCores);
-
-    PassManager pm(module.getContext());
-    buildGraphPipeline(pm, cfgPath, targetSpec);
-    if (failed(pm.run(module)))
+    driver::CompileResult result;
+    if (Status status = driver::compileModule(module, options, &result); !status) {
+      std::fprintf(stderr, "error: %s\n", status.message().c_str());
       return int(kError);
-    phase("graph passes");
-    GraphOp graph = *module.getOps<GraphOp>().begin();
-    format::TaskProgram program;
-    if (failed(lower::lowerGraph(graph, options, &program)))
-      return int(kError);
-    phase("lower");
-    target::ScheduleEstimate estimate;
-    if (Status status = target::scheduleQueues(&program, options.profile,
-                                               uint32_t(config.numCubeCores),
-                                               uint32_t(config.numVectorCores), &estimate);
-        !status)
-      return fail(status.message());
-    phase("schedule");
-    if (Status status = target::proveDeadlockFree(program); !status)
-      return fail(status.message());
-    phase("deadlock proof");
-    if (Status status = format::validateTaskProgram(program); !status)
-      return fail("the compiled program is invalid: " + status.message());
-    std::vector<uint8_t> bytes = format::writeTaskBinary(program);
+    }
+    Clock::time_point mark = Clock::now();
+    std::vector<uint8_t> bytes = format::writeTaskBinary(result.program);
     out.assign(bytes.begin(), bytes.end());
-    phase("write");
+    std::vector<std::pair<const char *, double>> phases = {{"load", loadMs}};
+    phases.insert(phases.end(), result.phases.begin(), result.phases.end());
+    phases.push_back(
+        {"write", std::chrono::duration<double, std::milli>(Clock::now() - mark).count()});
 
     double total = 0;
     for (auto &[name, ms] : phases)
       total += ms;
+    const format::TaskProgram &program = result.program;
     summary = fmt::format(
-                 "{}: {}, {} ops, {} tasks, {} events, {} cube + {} vector queues, "
-                 "{} bytes; estimated {:.3f} ms per pass (critical path {:.3f} ms) on {}; "
-                 "compiled in {:.1f} ms\n",
-                 *args.value("-o"), graph.getSymName().str(), program.ops.size(),
-                 program.tasks.size(), program.events.size(), config.numCubeCores,
-                 config.numVectorCores, bytes.size(), estimate.makespan * 1e3,
-                 estimate.criticalPath * 1e3, options.profile.name, total);
+        "{}: {}, {} ops, {} tasks, {} events, {} cube + {} vector queues, "
+        "{} bytes; estimated {:.3f} ms per pass (critical path {:.3f} ms) on {}; "
+        "compiled in {:.1f} ms\n",
+        *args.value("-o"), result.graphName, program.ops.size(), program.tasks.size(),
+        program.events.size(), result.config.numCubeCores, result.config.numVectorCores,
+        bytes.size(), result.estimate.makespan * 1e3, result.estimate.criticalPath * 1e3,
+        result.profile.name, total);
     if (args.has("--time"))
       for (auto &[name, ms] : phases)
         summary += fmt::format("  {:<15} {:8.1f} ms\n", name, ms);

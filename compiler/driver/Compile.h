@@ -1,0 +1,59 @@
+//===- Compile.h - Graph to task program, the whole compiler ----*- C++ -*-===//
+//
+// The steps `moec compile` runs, as one call, so the CLI and the tests that
+// need fresh binaries (the runtime tests) compile the same way: the graph
+// pipeline (resolve shapes, verify, assign slots, propagate splits) for a
+// config and target, lowering to a task program, queue scheduling for the
+// target's cores, the deadlock proof, and the program's validation.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_COMPILER_DRIVER_COMPILE_H
+#define MOEC_COMPILER_DRIVER_COMPILE_H
+
+#include "compiler/config/Config.h"
+#include "compiler/lower/Lower.h"
+#include "compiler/target/Profile.h"
+#include "compiler/target/Schedule.h"
+#include "runtime/format/Status.h"
+#include "runtime/format/TaskBinary.h"
+
+#include "mlir/IR/BuiltinOps.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moec::driver {
+
+/// What to compile for.
+struct CompileOptions {
+  std::string configPath;  ///< model/parallel config (JSON)
+  std::string target = "cpu"; ///< profile name or profile JSON path
+  lower::Granularity granularity = lower::Granularity::PerTileRange;
+};
+
+/// A compiled program and what was learnt on the way.
+struct CompileResult {
+  format::TaskProgram program;
+  target::ScheduleEstimate estimate;
+  ModelConfig config;                    ///< with core counts filled in
+  target::TargetProfile profile;
+  std::string graphName;
+  std::vector<std::pair<const char *, double>> phases; ///< milliseconds each
+};
+
+/// Compiles the graph in `module` (which the pipeline rewrites). Returns an
+/// error for a bad config, profile, schedule or proof; errors the passes
+/// report go to the module's diagnostic handler, and the returned message then
+/// says which step failed.
+Status compileModule(mlir::ModuleOp module, const CompileOptions &options, CompileResult *out);
+
+/// Loads the graph at `graphPath` (.json or .mlir) and compiles it; the
+/// diagnostics of loading and of the passes are part of the returned error.
+Status compileGraphFile(const std::string &graphPath, const CompileOptions &options,
+                        CompileResult *out);
+
+} // namespace moec::driver
+
+#endif // MOEC_COMPILER_DRIVER_COMPILE_H

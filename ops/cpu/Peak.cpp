@@ -1,0 +1,199 @@
+//===- Peak.cpp - Measured fp32 FMA peak of one thread --------------------===//
+
+#include "ops/cpu/Peak.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MOEC_PEAK_X86 1
+#endif
+
+namespace moec::ops {
+
+namespace {
+
+/// Passes of all accumulators per loop iteration, so the loop's own counter
+/// and branch are a small share of the instructions.
+constexpr int kPasses = 4;
+
+/// The chains run acc = acc * kMul + kAdd, which converges to 1 from any
+/// start: values stay normal (no denormal slow path, no overflow).
+constexpr float kMul = 0.999999f;
+constexpr float kAdd = 1.0e-6f;
+
+/// Receives the folded accumulators, so the chains cannot be optimised away.
+volatile float sink;
+
+/// A timed kernel: runs `iters` iterations of `chains` independent FMA
+/// chains of `lanes` lanes each (kPasses FMAs per chain per iteration).
+struct Kernel {
+  const char *isa;
+  int lanes;
+  int chains;
+  void (*run)(int64_t iters);
+};
+
+#ifdef MOEC_PEAK_X86
+
+template <int N> __attribute__((target("avx512f"))) void runAvx512(int64_t iters) {
+  __m512 acc[N];
+  for (int j = 0; j < N; ++j)
+    acc[j] = _mm512_set1_ps(float(j + 2));
+  const __m512 mul = _mm512_set1_ps(kMul);
+  const __m512 add = _mm512_set1_ps(kAdd);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 64
+    for (int p = 0; p < kPasses * N; ++p)
+      acc[p % N] = _mm512_fmadd_ps(acc[p % N], mul, add);
+  }
+  __m512 sum = acc[0];
+  for (int j = 1; j < N; ++j)
+    sum = _mm512_add_ps(sum, acc[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  float total = 0;
+  for (float v : lanes)
+    total += v;
+  sink = total;
+}
+
+template <int N> __attribute__((target("avx2,fma"))) void runAvx2(int64_t iters) {
+  __m256 acc[N];
+  for (int j = 0; j < N; ++j)
+    acc[j] = _mm256_set1_ps(float(j + 2));
+  const __m256 mul = _mm256_set1_ps(kMul);
+  const __m256 add = _mm256_set1_ps(kAdd);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 64
+    for (int p = 0; p < kPasses * N; ++p)
+      acc[p % N] = _mm256_fmadd_ps(acc[p % N], mul, add);
+  }
+  __m256 sum = acc[0];
+  for (int j = 1; j < N; ++j)
+    sum = _mm256_add_ps(sum, acc[j]);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = 0;
+  for (float v : lanes)
+    total += v;
+  sink = total;
+}
+
+#endif // MOEC_PEAK_X86
+
+/// The portable fallback: a multiply and an add per step (2 flops, whether
+/// or not the compiler fuses or vectorises them).
+template <int N> void runScalar(int64_t iters) {
+  float acc[N];
+  for (int j = 0; j < N; ++j)
+    acc[j] = float(j + 2);
+  for (int64_t i = 0; i < iters; ++i) {
+    for (int p = 0; p < kPasses; ++p)
+      for (int j = 0; j < N; ++j)
+        acc[j] = acc[j] * kMul + kAdd;
+  }
+  float total = 0;
+  for (float v : acc)
+    total += v;
+  sink = total;
+}
+
+/// The kernels this CPU can run, widest first.
+std::vector<Kernel> supportedKernels() {
+  std::vector<Kernel> kernels;
+#ifdef MOEC_PEAK_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) {
+    kernels.push_back({"avx512f", 16, 8, runAvx512<8>});
+    kernels.push_back({"avx512f", 16, 12, runAvx512<12>});
+    kernels.push_back({"avx512f", 16, 16, runAvx512<16>});
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    // 16 ymm registers: 14 chains plus the two constants fill them.
+    kernels.push_back({"avx2+fma", 8, 8, runAvx2<8>});
+    kernels.push_back({"avx2+fma", 8, 12, runAvx2<12>});
+    kernels.push_back({"avx2+fma", 8, 14, runAvx2<14>});
+  }
+#endif
+  if (kernels.empty()) {
+    kernels.push_back({"scalar", 1, 8, runScalar<8>});
+    kernels.push_back({"scalar", 1, 16, runScalar<16>});
+  }
+  return kernels;
+}
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+/// Times one trial of `kernel`; returns seconds.
+double timeTrial(const Kernel &kernel, int64_t iters) {
+  const auto start = Clock::now();
+  kernel.run(iters);
+  return secondsSince(start);
+}
+
+/// Flops of one trial: 2 per lane per FMA.
+double trialFlops(const Kernel &kernel, int64_t iters) {
+  return 2.0 * kernel.lanes * kernel.chains * kPasses * double(iters);
+}
+
+} // namespace
+
+FmaPeak measureFmaPeak(double seconds) {
+  const auto start = Clock::now();
+  const std::vector<Kernel> kernels = supportedKernels();
+  const double budget = std::max(seconds, 0.0);
+
+  // Some ten rounds in the budget, but no trial so short that the clock's
+  // resolution matters or so long that one interruption spoils many.
+  const double target = std::clamp(budget / (10.0 * double(kernels.size())), 2e-4, 2e-2);
+
+  std::vector<int64_t> iters(kernels.size());
+  std::vector<double> best(kernels.size(), 0.0); // flops per second
+  auto record = [&](size_t k, double took) {
+    if (took > 0)
+      best[k] = std::max(best[k], trialFlops(kernels[k], iters[k]) / took);
+  };
+
+  // Calibration (also the warm-up): grow each kernel's trial until it takes
+  // at least half the target, then scale it to the target.
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    iters[k] = 16;
+    double took = timeTrial(kernels[k], iters[k]);
+    while (took < target / 2 && iters[k] < (int64_t(1) << 40)) {
+      iters[k] *= 2;
+      took = timeTrial(kernels[k], iters[k]);
+    }
+    record(k, took);
+    if (took > 0)
+      iters[k] = std::max<int64_t>(1, int64_t(double(iters[k]) * target / took));
+  }
+
+  // Rounds of one trial per kernel until the budget is spent.
+  do {
+    for (size_t k = 0; k < kernels.size(); ++k)
+      record(k, timeTrial(kernels[k], iters[k]));
+  } while (secondsSince(start) < budget);
+
+  FmaPeak peak;
+  peak.isa = kernels.front().isa;
+  peak.lanes = kernels.front().lanes;
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    if (best[k] * 1e-9 > peak.gflops) {
+      peak.isa = kernels[k].isa;
+      peak.lanes = kernels[k].lanes;
+      peak.gflops = best[k] * 1e-9;
+    }
+  }
+  peak.seconds = secondsSince(start);
+  return peak;
+}
+
+} // namespace moec::ops

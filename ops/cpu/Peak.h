@@ -1,0 +1,64 @@
+//===- Peak.h - Measured fp32 FMA peak of one thread ------------*- C++ -*-===//
+//
+// The denominator for "percent of peak" in matmul benchmarks: the fp32
+// multiply-add throughput one thread of this machine actually sustains,
+// measured rather than computed from a nominal clock and a table of core
+// types (turbo, power limits and virtualisation make both unreliable).
+//
+// The measurement runs independent chains of vector FMAs, acc = acc * m + c,
+// entirely in registers: no loads, no stores, nothing that depends on
+// memory. Each chain has to wait for its previous FMA (latency about 4
+// cycles) while the core can start about two FMAs a cycle, so fewer than ~8
+// chains leave the FMA units idle; the kernels run 8, 12 and 16 chains (14
+// for AVX2, which has only 16 vector registers) and keep the best.
+//
+// The ISA is chosen at run time (__builtin_cpu_supports, which also checks
+// that the OS saves the wide registers): the AVX-512 and AVX2+FMA kernels are
+// compiled with function-level target attributes, so the file needs no
+// global -m flags and runs on any x86-64. Both are measured where AVX-512 is
+// available, because the wider one is not always faster: AMD Zen 4 executes
+// a 512-bit FMA as two 256-bit halves, so both give the same flops per
+// cycle, and a core that lowers its clock for AVX-512 can make it slower.
+// The higher result wins: an underestimated peak would inflate every
+// percentage computed from it. Without FMA (or off x86) a portable scalar
+// loop is timed; that figure is only a floor.
+//
+// Timing: after a calibration that sizes one trial to a few milliseconds,
+// the kernels are run in rounds, one trial of each per round (so a noisy
+// moment on a shared machine does not favour one of them), until the time
+// budget is spent. The best trial of all is reported.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_OPS_CPU_PEAK_H
+#define MOEC_OPS_CPU_PEAK_H
+
+namespace moec::ops {
+
+/// The fp32 FMA throughput of one thread, as measureFmaPeak found it.
+struct FmaPeak {
+  /// The instruction set of the fastest kernel: "avx512f", "avx2+fma", or
+  /// "scalar" (the portable fallback).
+  const char *isa = "scalar";
+  /// fp32 lanes per vector of that instruction set: 16, 8, or 1.
+  int lanes = 1;
+  /// Measured fp32 GFLOP/s of the calling thread; an FMA counts 2 flops per
+  /// lane.
+  double gflops = 0;
+  /// Wall time the measurement took, in seconds.
+  double seconds = 0;
+};
+
+/// Measures the fp32 FMA throughput of the calling thread: independent
+/// chains of register-only vector FMAs (8, 12 and 16 accumulators; 14, not
+/// 16, with AVX2) with every instruction set the CPU supports among
+/// AVX-512F and AVX2+FMA, run for about `seconds` in repeated short trials
+/// (at least one trial of each kernel, however small `seconds` is). Returns
+/// the best trial over all kernels and the instruction set that achieved it.
+/// Pin the thread and keep the machine otherwise idle for a meaningful
+/// figure.
+FmaPeak measureFmaPeak(double seconds = 0.2);
+
+} // namespace moec::ops
+
+#endif // MOEC_OPS_CPU_PEAK_H

@@ -1,0 +1,82 @@
+//===- Layer.h - What the slots and ops of a layer binary are ---*- C++ -*-===//
+//
+// A task binary names its tensors by slot and its ops by kind; the runtime
+// needs to know which slot is the layer's x, which the expert weights, which
+// the routing layout tensors it fills, which tensors backward takes from
+// forward. analyzeLayer() finds these roles from the dataflow of the ops (the
+// forward and backward graphs of DESIGN §2), checks every shape and tiling
+// the kernels will rely on, and returns a LayerPlan. A binary that is not a
+// MoE-FFN layer, or whose tilings do not fit its tensors, is refused here,
+// once, so the task functions can run without checks.
+//
+// The layout tensors (filled by the runtime from the routing of all ranks,
+// before a pass; all indexed by i = q * L + e for peer rank q and local
+// expert e of the expert's rank):
+//
+//   dispatch, on source rank r, for global expert g = q * L + e:
+//     size_d[g]          rows r sends to expert g
+//     src_offset[g]      first of them in r's src rows (expert-major order)
+//     target_offset[g]   where they land in rank q's expert-major buffer
+//   combine, on expert rank r, for rows of local expert e from rank q:
+//     size_c[q*L+e]        their count (= rank q's size_d[r*L+e])
+//     src_offset_c[q*L+e]  where they are in r's buffer (q's target_offset)
+//     target_offset_c[q*L+e] where they go in q's returned rows (q's src_offset)
+//   glist[e]             end row of local expert e's segment (cumulative)
+//
+// An expert's segment holds its rows ordered by source rank, then token,
+// then top-k position (the reference's dispatch order).
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_API_LAYER_H
+#define MOEC_RUNTIME_API_LAYER_H
+
+#include "runtime/api/Runtime.h"
+
+namespace moec::rt {
+
+/// No slot.
+inline constexpr uint32_t kNoSlot = format::kNone;
+
+/// The role of every slot and op of a forward or backward layer binary.
+struct LayerPlan {
+  LayerShape shape;
+
+  uint32_t dispatchOp = 0, combineOp = 0;
+
+  // Slots the runtime fills before the task program runs.
+  uint32_t src = kNoSlot; ///< rows to send [S*K, H], gathered from x (or w*dy)
+  uint32_t dTargetOffset = kNoSlot, dSrcOffset = kNoSlot, dSize = kNoSlot;
+  uint32_t cTargetOffset = kNoSlot, cSrcOffset = kNoSlot, cSize = kNoSlot;
+  uint32_t glist = kNoSlot;
+
+  // The returned rows [S*K, H] (the combine's output), which the runtime
+  // reduces into y (or dx).
+  uint32_t returned = kNoSlot;
+
+  // Slots bound to the caller's tensors.
+  uint32_t w1 = kNoSlot, w2 = kNoSlot;   ///< [L, H, 2I], [L, I, H]
+  uint32_t dw1 = kNoSlot, dw2 = kNoSlot; ///< backward
+
+  // Forward: the activations backward needs. Backward: the slots that take
+  // them (the same tensors).
+  uint32_t dispatched = kNoSlot; ///< X [T, H]
+  uint32_t upOut = kNoSlot;      ///< Y [T, 2I]
+  uint32_t swigluOut = kNoSlot;  ///< A [T, I]
+
+  /// Per op: its input slots, in operand order.
+  std::vector<std::array<uint32_t, format::kMaxTilingInputs>> inputs;
+};
+
+/// Finds the roles of `program`'s slots and checks its shapes and tilings.
+/// Errors say what does not fit, e.g. "op 'up_proj' (gmm): tiling lda is 32,
+/// but its input 'target' has rows of 64".
+Status analyzeLayer(const format::TaskProgram &program, LayerPlan *out);
+
+/// Checks that a backward plan can take the tensors a forward plan saves:
+/// same ranks, experts, sizes, dtypes and capacities.
+Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward);
+
+} // namespace moec::rt
+
+#endif // MOEC_RUNTIME_API_LAYER_H

@@ -1,0 +1,292 @@
+/*===- Runtime.h - The moec runtime: C and C++ API ---------------*- C++ -*-===//
+ *
+ * The runtime runs compiled task binaries of the MoE-FFN layer (forward and
+ * backward) for an EP group of R ranks inside one process, on the CPU. This
+ * one header has a C API (the moec_* functions) and a C++ API (namespace
+ * moec::rt, when compiled as C++); the C API is a thin layer over the C++ one.
+ *
+ * A user:
+ *
+ *   1. loads a forward binary, and a backward one for training (Program);
+ *   2. creates a Context for both: it owns the worker threads, the workspace
+ *      (allocated at a pass's first run, sized by the binaries' capacities,
+ *      reused after; it never shrinks) and what backward needs from forward;
+ *   3. per step, for every rank r of the group: sets the routing (topk_ids
+ *      [S, K] int32 or int64, topk_weights [S, K] f32) and binds the layer's
+ *      tensors by name:
+ *
+ *        name            shape       dtype                   pass
+ *        x               [S, H]      activations             forward (input)
+ *        w1              [L, H, 2I]  activations             both    (input)
+ *        w2              [L, I, H]   activations             both    (input)
+ *        y               [S, H]      activations             forward (output)
+ *        dy              [S, H]      activations             backward (input)
+ *        dx              [S, H]      activations             backward (output)
+ *        dtopk_weights   [S, K]      f32                     backward (output)
+ *        dw1             [L, H, 2I]  weight-gradient dtype   backward (output)
+ *        dw2             [L, I, H]   weight-gradient dtype   backward (output)
+ *
+ *      (L local experts of rank r: global experts r*L .. r*L+L-1; H, I and
+ *      the dtypes come from the binary; S may be anything up to the binary's
+ *      capacity, the same on every rank);
+ *   4. runs forward, then (optionally) backward, synchronously or with
+ *      submit/wait.
+ *
+ * Tensors are dense, row-major, and owned by the caller; the context keeps
+ * only pointers, which must stay valid until the pass that uses them returns.
+ *
+ * A pass checks everything before it writes anything: bindings (shapes and
+ * dtypes, named by rank and tensor), and the routing of all ranks (expert ids
+ * in range, no expert twice in a token's top-k, and the capacities the
+ * binary was compiled for). On such an error no output is touched. An error
+ * inside a running pass (a watchdog timeout, a failing task) stops every
+ * worker and is returned; outputs may then be partly written.
+ *
+ * Errors: C++ calls return a moec::Status; C calls return 0 on success and
+ * nonzero on error, with the message in moec_last_error() (per thread).
+ *
+ * No MLIR or LLVM dependency.
+ *
+ *===----------------------------------------------------------------------===*/
+
+#ifndef MOEC_RUNTIME_API_RUNTIME_H
+#define MOEC_RUNTIME_API_RUNTIME_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*===----------------------------------------------------------------------===*
+ * C API
+ *===----------------------------------------------------------------------===*/
+
+/** Element types; the values equal the task binary's DType. */
+typedef enum moec_dtype {
+  MOEC_F32 = 1,
+  MOEC_BF16 = 2, /**< bfloat16 bits, stored as uint16_t */
+  MOEC_I32 = 3,
+  MOEC_I64 = 4
+} moec_dtype;
+
+/** The most dims a tensor has. */
+#define MOEC_MAX_DIMS 4
+
+/** A dense row-major tensor the caller owns. */
+typedef struct moec_tensor {
+  void *data;
+  moec_dtype dtype;
+  int32_t ndim;                  /**< 0 .. MOEC_MAX_DIMS */
+  int64_t dims[MOEC_MAX_DIMS];   /**< dims[i] for i < ndim */
+} moec_tensor;
+
+typedef struct moec_program moec_program; /**< a loaded task binary */
+typedef struct moec_context moec_context; /**< an EP group's runtime state */
+
+/** The message of the calling thread's last failed call ("" if none). */
+const char *moec_last_error(void);
+
+/** Loads and validates the task binary at `path`. */
+int moec_program_load(const char *path, moec_program **out);
+
+/** Frees a program (a context that uses it keeps its own reference). */
+void moec_program_free(moec_program *program);
+
+/** Creates a context for `forward` and, when not null, `backward`, with
+ *  `workers` threads (0: the hardware threads) and a watchdog of
+ *  `timeout_seconds` (<= 0: 60 s). */
+int moec_context_create(const moec_program *forward, const moec_program *backward,
+                        uint32_t workers, double timeout_seconds, moec_context **out);
+
+/** Frees a context, waiting for a submitted pass first. */
+void moec_context_free(moec_context *context);
+
+/** The number of ranks of the context's EP group. */
+uint32_t moec_context_ranks(const moec_context *context);
+
+/** Sets rank `rank`'s routing: topk_ids [S, K] (int32 or int64) and
+ *  topk_weights [S, K] (f32). The data is read when a pass runs. */
+int moec_set_routing(moec_context *context, uint32_t rank, const moec_tensor *topk_ids,
+                     const moec_tensor *topk_weights);
+
+/** Binds rank `rank`'s tensor `name` (see the table above). */
+int moec_bind(moec_context *context, uint32_t rank, const char *name, const moec_tensor *tensor);
+
+/** Runs the forward pass on every rank and returns when it is done. */
+int moec_forward(moec_context *context);
+
+/** Runs the backward pass (after a forward pass with the same routing). */
+int moec_backward(moec_context *context);
+
+/** Starts the forward (or backward) pass on a thread of the context and
+ *  returns; moec_wait returns its result. */
+int moec_submit_forward(moec_context *context);
+int moec_submit_backward(moec_context *context);
+int moec_wait(moec_context *context);
+
+#ifdef __cplusplus
+} /* extern "C" */
+
+/*===----------------------------------------------------------------------===*
+ * C++ API
+ *===----------------------------------------------------------------------===*/
+
+#include "runtime/format/Status.h"
+#include "runtime/format/TaskBinary.h"
+
+#include <array>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moec::rt {
+
+/// A dense row-major tensor the caller owns (the C struct).
+using Tensor = moec_tensor;
+
+/// Returns a Tensor of `dtype` and `dims` over `data`.
+Tensor makeTensor(void *data, format::DType dtype, std::initializer_list<int64_t> dims);
+
+/// Returns "[2, 3, 4]".
+std::string shapeString(const Tensor &tensor);
+
+/// The sizes and capacities of a compiled layer, read from its binary.
+struct LayerShape {
+  bool backward = false;        ///< a backward pass
+  uint32_t ranks = 1;           ///< R
+  uint32_t localExperts = 1;    ///< L
+  int64_t hidden = 0;           ///< H
+  int64_t inter = 0;            ///< I (the halved intermediate size)
+  int64_t rowCapacity = 0;      ///< most (token, k) rows a rank routes: S * K
+  int64_t receiveCapacity = 0;  ///< most rows a rank's experts receive in all
+  int64_t expertCapacity = 0;   ///< most rows one expert receives
+  int64_t putCapacity = 0;      ///< most rows one rank sends one expert
+  format::DType activations = format::DType::F32; ///< x, y, w1, w2, dy, dx
+  format::DType weightGrads = format::DType::F32; ///< dw1, dw2
+  bool accumulateWeightGrads = false; ///< dw1, dw2 are added to, not written
+
+  /// E = R * L.
+  uint32_t experts() const { return ranks * localExperts; }
+};
+
+/// A loaded, validated task binary of a MoE-FFN forward or backward pass.
+class Program {
+public:
+  /// Loads the binary at `path`, validates it, and checks that it is a
+  /// forward or backward MoE-FFN layer the runtime can run (op structure,
+  /// tensor shapes and tilings that fit them). Errors start with the path.
+  static Status load(const std::string &path, std::shared_ptr<const Program> *out);
+
+  /// As load(), for a program already in memory (e.g. fresh from the
+  /// compiler).
+  static Status create(format::TaskProgram program, std::shared_ptr<const Program> *out);
+
+  ~Program();
+  Program(const Program &) = delete;
+  Program &operator=(const Program &) = delete;
+
+  /// The task tables.
+  const format::TaskProgram &tasks() const;
+  /// Sizes and capacities.
+  const LayerShape &shape() const;
+
+  struct Impl;
+  /// The runtime's view of the program (internal).
+  const Impl &impl() const { return *body; }
+
+private:
+  explicit Program(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> body;
+};
+
+/// How a context runs its passes.
+enum class Schedule {
+  Fused,  ///< the binary's queues and events: tiles of different ops overlap
+  OpByOp, ///< the same tasks on the same queues, one op at a time, with a
+          ///< barrier over all ranks between ops (a baseline)
+};
+
+/// Options of a context.
+struct ContextOptions {
+  uint32_t workers = 0;         ///< worker threads; 0: the hardware threads
+  double timeoutSeconds = 60;   ///< watchdog; <= 0 turns it off
+  bool trace = false;           ///< record every task run (writeTrace)
+  Schedule schedule = Schedule::Fused;
+};
+
+/// Wall times of the last pass, in seconds.
+struct PassTimes {
+  double prepare = 0; ///< checks, routing layout, gathering rows to send
+  double tasks = 0;   ///< the task program on all ranks
+  double finish = 0;  ///< combine-reduce (and dtopk_weights)
+  double total() const { return prepare + tasks + finish; }
+};
+
+/// The runtime state of an EP group: bindings, routing, workspace, threads.
+/// Not thread-safe: one caller at a time.
+class Context {
+public:
+  /// Creates a context for `forward` (required) and `backward` (may be
+  /// null); the two must describe the same layer (ranks, experts, sizes,
+  /// dtypes, capacities).
+  static Status create(std::shared_ptr<const Program> forward,
+                       std::shared_ptr<const Program> backward, const ContextOptions &options,
+                       std::unique_ptr<Context> *out);
+
+  ~Context();
+  Context(const Context &) = delete;
+  Context &operator=(const Context &) = delete;
+
+  /// The forward program's shape.
+  const LayerShape &shape() const;
+  /// Ranks of the group.
+  uint32_t ranks() const;
+  /// Worker threads.
+  uint32_t workers() const;
+
+  /// Sets `rank`'s routing (see the C API). Checks shapes and dtypes now;
+  /// the ids are read, and checked, when a pass runs.
+  Status setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights);
+
+  /// Binds `rank`'s tensor `name` (x, w1, w2, y, dy, dx, dtopk_weights, dw1,
+  /// dw2). Checks the dtype and the dims that do not depend on S now.
+  Status bind(uint32_t rank, std::string_view name, const Tensor &tensor);
+
+  /// Runs the forward pass on every rank: y = the layer of x.
+  Status forward();
+  /// Runs the backward pass on every rank, from dy and what the last
+  /// forward pass saved: dx, dtopk_weights, dw1, dw2.
+  Status backward();
+
+  /// Starts forward() / backward() on a thread of the context; wait()
+  /// returns its Status. Other calls fail while a pass is in flight.
+  Status submitForward();
+  Status submitBackward();
+  Status wait();
+
+  /// Times of the last forward / backward pass.
+  const PassTimes &forwardTimes() const;
+  const PassTimes &backwardTimes() const;
+
+  /// Bytes of workspace allocated now.
+  size_t workspaceBytes() const;
+
+  /// Writes the last pass's task trace (ContextOptions::trace) as Chrome /
+  /// Perfetto JSON.
+  Status writeTrace(const std::string &path) const;
+
+  struct Impl;
+
+private:
+  explicit Context(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> body;
+};
+
+} // namespace moec::rt
+
+#endif /* __cplusplus */
+
+#endif /* MOEC_RUNTIME_API_RUNTIME_H */

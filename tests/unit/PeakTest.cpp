@@ -1,0 +1,70 @@
+//===- PeakTest.cpp - Tests for the FMA peak measurement ------------------===//
+//
+// The reported instruction set agrees with its lane count and with what the
+// CPU supports, the figure is a positive finite number, and sgemm on the
+// same thread does not beat it by more than timing noise (a peak below what
+// a real kernel reaches would be an underestimate).
+//
+//===----------------------------------------------------------------------===//
+
+#include "ops/cpu/Peak.h"
+#include "ops/cpu/Gmm.h"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+using namespace moec::ops;
+
+TEST_CASE("FMA peak: consistent ISA, finite positive, not below sgemm", "[peak]") {
+  const FmaPeak peak = measureFmaPeak(0.2);
+  INFO("isa " << peak.isa << ", " << peak.lanes << " lanes, " << peak.gflops << " GFLOP/s in "
+              << peak.seconds << " s");
+
+  const std::string isa = peak.isa;
+  if (isa == "avx512f")
+    CHECK(peak.lanes == 16);
+  else if (isa == "avx2+fma")
+    CHECK(peak.lanes == 8);
+  else
+    CHECK((isa == "scalar" && peak.lanes == 1));
+
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "avx512f")
+    CHECK(avx512);
+  if (isa == "avx2+fma")
+    CHECK(avx2);
+  if (avx512 || avx2)
+    CHECK(isa != "scalar");
+#endif
+
+  CHECK(std::isfinite(peak.gflops));
+  CHECK(peak.gflops > 0);
+  CHECK(peak.seconds >= 0.2);
+  CHECK(peak.seconds < 2.0); // about 0.2 s; generous for a loaded machine
+
+  // sgemm right after, best of a few calls: must stay under the peak, with
+  // room for timing noise.
+  const int64_t n = 512;
+  std::vector<float> a(size_t(n * n), 0.5f), b(size_t(n * n), 0.25f), c(size_t(n * n));
+  double best = 1e30;
+  for (int rep = 0; rep < 8; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    gemmTile(n, n, n, ConstMatrix{a.data(), Elt::F32, n}, false, ConstMatrix{b.data(), Elt::F32, n},
+             false, Matrix{c.data(), Elt::F32, n}, false);
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+    best = std::min(best, took.count());
+  }
+  CHECK(c[0] == Approx(0.5 * 0.25 * n));
+  const double gemm = 2.0 * double(n) * n * n / best * 1e-9;
+  INFO("gemmTile 512^3: " << gemm << " GFLOP/s");
+  CHECK(gemm <= 1.3 * peak.gflops);
+}

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -66,6 +67,7 @@ const IntKey kIntKeys[] = {
 
 constexpr const char *kDTypeKey = "dtype";
 constexpr const char *kNameKey = "name";
+constexpr const char *kCapacityFactorKey = "capacity_factor";
 
 /// The keys a config must have, in the order missing ones are reported.
 const char *const kRequiredKeys[] = {
@@ -80,6 +82,7 @@ std::vector<std::string> knownKeys() {
     keys.push_back(key.key);
   keys.push_back(kDTypeKey);
   keys.push_back(kNameKey);
+  keys.push_back(kCapacityFactorKey);
   return keys;
 }
 
@@ -165,10 +168,28 @@ bool parseConfig(std::string_view text, const std::string &source,
     config.name = name->get<std::string>();
   }
 
+  auto factor = json.find(kCapacityFactorKey);
+  if (factor != json.end()) {
+    if (!factor->is_number())
+      return fail(error, source,
+                  fmt::format("key '{}' must be a number, got {}", kCapacityFactorKey,
+                              factor->dump()));
+    config.capacityFactor = factor->get<double>();
+  }
+
   if (!validateConfig(config, source, error))
     return false;
   *out = std::move(config);
   return true;
+}
+
+int64_t receiveCapacityRows(const ModelConfig &c) {
+  const TaskSplitValue v = deriveTaskSplitValue(c);
+  const int64_t balanced = v.perRankSeq;
+  const int64_t worst =
+      c.seqSize / c.tp * c.ep * std::min(c.topK, v.singleRankExpertNum);
+  const int64_t scaled = int64_t(std::ceil(c.capacityFactor * double(balanced)));
+  return std::max(balanced, std::min(scaled, worst));
 }
 
 bool loadConfig(const std::string &path, ModelConfig *out, std::string *error) {
@@ -188,6 +209,10 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
     return fail(error, source,
                 fmt::format("'dtype' has an invalid value ({})",
                             static_cast<int>(c.dtype)));
+  if (!(c.capacityFactor >= 1.0 && c.capacityFactor <= 1024.0))
+    return fail(error, source,
+                fmt::format("'capacity_factor' must be between 1 and 1024, got {}",
+                            c.capacityFactor));
   if (c.numExperts % c.ep != 0)
     return fail(error, source,
                 fmt::format("'num_experts' ({}) must be a multiple of 'ep' "

@@ -50,6 +50,10 @@ struct ModelConfig {
   int64_t numCubeCores = 0;   ///< "num_cube_cores"; 0: the target profile's count.
   int64_t numVectorCores = 0; ///< "num_vector_cores"; 0: the target profile's count.
   std::string name;            ///< "name": free text.
+  /// "capacity_factor": the rows a rank's experts can receive in all, as a
+  /// multiple of the balanced load per_rank_seq (at most the worst case,
+  /// see receiveCapacityRows). Default 2.
+  double capacityFactor = 2.0;
 };
 
 /// The task-split values derived from a config.
@@ -82,6 +86,12 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
 
 /// Returns the task-split values of a config that passed validateConfig().
 TaskSplitValue deriveTaskSplitValue(const ModelConfig &c);
+
+/// The rows of dispatched activations one rank's experts can hold in all (the
+/// capacity of the dynamic tensors): ceil(capacity_factor * per_rank_seq),
+/// but no more than the worst case, when every token of every rank picks
+/// min(top_k, L) of the rank's L experts: seq_size / tp * ep * min(top_k, L).
+int64_t receiveCapacityRows(const ModelConfig &c);
 
 /// Sets num_cube_cores and num_vector_cores where the config leaves them
 /// unset (0) to a target's core counts. A config that sets them pins the

@@ -37,6 +37,7 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
   if (Status status = target::resolveProfile(options.target, &lowerOptions.profile); !status)
     return status;
   lowerOptions.granularity = options.granularity;
+  lowerOptions.receiveCapacity = receiveCapacityRows(result.config);
   result.profile = lowerOptions.profile;
   setDefaultCoreCounts(&result.config, lowerOptions.profile.cubeCores,
                        lowerOptions.profile.vectorCores);

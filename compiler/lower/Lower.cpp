@@ -118,6 +118,8 @@ private:
         slot.flags |= kSlotList;
       if (type.getIsDynamic()) {
         slot.flags |= kSlotDynamic;
+        if (options.receiveCapacity > 0)
+          slot.dims[0] = uint64_t(options.receiveCapacity);
         slot.capacityRows = slot.dims[0];
       }
       slotOf[def.getTensor()] = uint32_t(p.slots.size());

@@ -1,0 +1,585 @@
+//===- RuntimeTest.cpp - The runtime against the reference layer ----------===//
+//
+// Compiles the forward and backward graphs for a matrix of small configs,
+// runs them through the runtime API on R in-process ranks, and compares
+// every output with the plain-loop reference (ops/cpu/Reference.h, in
+// double). Also: determinism across runs, worker counts and schedules; bad
+// input that must be refused with outputs untouched; the C API.
+//
+//===----------------------------------------------------------------------===//
+
+#include "compiler/driver/Compile.h"
+#include "ops/cpu/Element.h"
+#include "ops/cpu/Reference.h"
+#include "runtime/api/Runtime.h"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <random>
+#include <unistd.h>
+
+namespace {
+
+using moec::Status;
+using moec::format::DType;
+using moec::rt::Context;
+using moec::rt::ContextOptions;
+using moec::rt::makeTensor;
+using moec::rt::Program;
+using moec::rt::Schedule;
+namespace ref = moec::ops::reference;
+
+enum class Routing { Uniform, Skewed, ZeroExpert, SilentRank };
+
+const char *routingName(Routing r) {
+  switch (r) {
+  case Routing::Uniform: return "uniform";
+  case Routing::Skewed: return "skewed";
+  case Routing::ZeroExpert: return "zero-token expert";
+  case Routing::SilentRank: return "silent rank";
+  }
+  return "?";
+}
+
+/// One configuration of the layer.
+struct Case {
+  uint32_t ranks = 2, localExperts = 2, topK = 2;
+  int64_t seq = 128, hidden = 32, inter = 16;
+  bool bf16 = false;
+  moec::lower::Granularity granularity = moec::lower::Granularity::PerTileRange;
+  Routing routing = Routing::Uniform;
+  double capacityFactor = 0; ///< 0: the config's default
+  uint32_t experts() const { return ranks * localExperts; }
+  std::string describe() const {
+    return "R=" + std::to_string(ranks) + " L=" + std::to_string(localExperts) +
+           " K=" + std::to_string(topK) + (bf16 ? " bf16" : " f32") + " " +
+           moec::lower::granularityName(granularity) + " " + routingName(routing);
+  }
+};
+
+std::string tempPath(const std::string &name) {
+  const char *dir = std::getenv("TEST_TMPDIR");
+  return std::string(dir ? dir : "/tmp") + "/" + name;
+}
+
+/// Compiles both graphs of `c` (cached by config).
+std::pair<std::shared_ptr<const Program>, std::shared_ptr<const Program>>
+compile(const Case &c) {
+  static std::map<std::string, std::pair<std::shared_ptr<const Program>,
+                                         std::shared_ptr<const Program>>>
+      cache;
+  const std::string key = std::to_string(c.ranks) + "_" + std::to_string(c.localExperts) + "_" +
+                          std::to_string(c.topK) + "_" + std::to_string(c.hidden) + "_" +
+                          std::to_string(c.inter) + (c.bf16 ? "_bf16_" : "_f32_") +
+                          moec::lower::granularityName(c.granularity) +
+                          "_" + std::to_string(c.capacityFactor);
+  if (auto it = cache.find(key); it != cache.end())
+    return it->second;
+  const std::string config = tempPath("runtime_" + key + ".json");
+  {
+    std::ofstream out(config);
+    out << "{\"name\": \"case\", \"hidden_size\": " << c.hidden
+        << ", \"intermediate_size\": " << c.inter << ", \"num_experts\": " << c.experts()
+        << ", \"top_k\": " << c.topK << ", \"ep\": " << c.ranks
+        << ", \"tp\": 1, \"seq_size\": " << c.seq << ", \"dtype\": \""
+        << (c.bf16 ? "bf16" : "fp32") << "\", \"num_cube_cores\": 2, \"num_vector_cores\": 3";
+    if (c.capacityFactor > 0)
+      out << ", \"capacity_factor\": " << c.capacityFactor;
+    out << "}";
+  }
+  std::shared_ptr<const Program> programs[2];
+  const char *graphs[2] = {"graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd.json"};
+  for (int i = 0; i < 2; ++i) {
+    moec::driver::CompileOptions options;
+    options.configPath = config;
+    options.granularity = c.granularity;
+    moec::driver::CompileResult result;
+    Status compiled = moec::driver::compileGraphFile(graphs[i], options, &result);
+    INFO(graphs[i] << ": " << compiled.message());
+    REQUIRE(compiled.ok());
+    Status created = Program::create(std::move(result.program), &programs[i]);
+    INFO(created.message());
+    REQUIRE(created.ok());
+  }
+  return cache[key] = {programs[0], programs[1]};
+}
+
+/// Inputs of all ranks, in float (bf16 cases hold bf16-representable values).
+struct Inputs {
+  std::vector<int64_t> tokens;             // per rank
+  std::vector<std::vector<float>> x, dy;   // per rank [S, H]
+  std::vector<std::vector<int64_t>> ids;   // per rank [S, K]
+  std::vector<std::vector<float>> weights; // per rank [S, K]
+  std::vector<float> w1, w2;               // [E, H, 2I], [E, I, H]
+};
+
+Inputs makeInputs(const Case &c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  const auto value = [&](float scale) {
+    const float v = uni(rng) * scale;
+    return c.bf16 ? moec::ops::roundToBf16(v) : v;
+  };
+  const uint32_t R = c.ranks, E = c.experts(), K = c.topK;
+  const int64_t H = c.hidden, I = c.inter;
+  Inputs in;
+  for (uint32_t r = 0; r < R; ++r) {
+    const int64_t S = (c.routing == Routing::SilentRank && r == R - 1) ? 0 : c.seq;
+    in.tokens.push_back(S);
+    std::vector<float> x(size_t(S * H)), dy(size_t(S * H)), w(size_t(S * K));
+    std::vector<int64_t> ids(size_t(S * K));
+    for (float &v : x)
+      v = value(1.0f);
+    for (float &v : dy)
+      v = value(1.0f);
+    for (int64_t t = 0; t < S; ++t) {
+      std::vector<int64_t> experts(E);
+      std::iota(experts.begin(), experts.end(), 0);
+      if (c.routing == Routing::ZeroExpert)
+        experts.pop_back(); // the last expert gets nothing
+      std::shuffle(experts.begin(), experts.end(), rng);
+      if (c.routing == Routing::Skewed && rng() % 4 != 0) {
+        // Three tokens in four pick expert 0 first.
+        std::swap(*std::find(experts.begin(), experts.end(), 0), experts[0]);
+      }
+      for (uint32_t k = 0; k < K; ++k) {
+        ids[size_t(t * K + k)] = experts[k];
+        w[size_t(t * K + k)] = (uni(rng) + 1.5f) / 2.5f;
+      }
+    }
+    in.x.push_back(x);
+    in.dy.push_back(dy);
+    in.ids.push_back(ids);
+    in.weights.push_back(w);
+  }
+  in.w1.resize(size_t(E * H * 2 * I));
+  in.w2.resize(size_t(E * I * H));
+  for (float &v : in.w1)
+    v = value(1.0f / std::sqrt(float(H)));
+  for (float &v : in.w2)
+    v = value(1.0f / std::sqrt(float(I)));
+  return in;
+}
+
+/// Storage of a float vector in the runtime's activation dtype.
+struct Stored {
+  std::vector<float> f32;
+  std::vector<uint16_t> bf16;
+  bool isBf16 = false;
+  Stored() = default;
+  Stored(const std::vector<float> &values, bool asBf16) : isBf16(asBf16) {
+    if (asBf16) {
+      bf16.resize(values.size());
+      moec::ops::floatToBf16(values.data(), bf16.data(), values.size());
+    } else {
+      f32 = values;
+    }
+  }
+  Stored(size_t count, bool asBf16, float fill) : isBf16(asBf16) {
+    if (asBf16)
+      bf16.assign(count, moec::ops::floatToBf16(fill));
+    else
+      f32.assign(count, fill);
+  }
+  void *data() { return isBf16 ? static_cast<void *>(bf16.data()) : f32.data(); }
+  DType dtype() const { return isBf16 ? DType::BF16 : DType::F32; }
+  std::vector<float> values() const {
+    if (!isBf16)
+      return f32;
+    std::vector<float> out(bf16.size());
+    moec::ops::bf16ToFloat(bf16.data(), out.data(), bf16.size());
+    return out;
+  }
+  bool operator==(const Stored &o) const { return f32 == o.f32 && bf16 == o.bf16; }
+};
+
+/// The runtime's tensors for all ranks.
+struct Run {
+  std::vector<Stored> x, dy, y, dx, w1, w2, dw1, dw2;
+  std::vector<std::vector<float>> weights, dtopk;
+  std::vector<std::vector<int64_t>> ids;
+
+  bool sameOutputs(const Run &o) const {
+    return y == o.y && dx == o.dx && dw1 == o.dw1 && dw2 == o.dw2 && dtopk == o.dtopk;
+  }
+};
+
+Run prepare(const Case &c, const Inputs &in, const moec::rt::LayerShape &shape) {
+  Run run;
+  const int64_t H = c.hidden, I = c.inter, L = c.localExperts;
+  const bool bf16 = c.bf16;
+  const bool gradBf16 = shape.weightGrads == DType::BF16;
+  for (uint32_t r = 0; r < c.ranks; ++r) {
+    const int64_t S = in.tokens[r];
+    run.x.emplace_back(in.x[r], bf16);
+    run.dy.emplace_back(in.dy[r], bf16);
+    run.y.emplace_back(size_t(S * H), bf16, -7.0f);
+    run.dx.emplace_back(size_t(S * H), bf16, -7.0f);
+    run.w1.emplace_back(std::vector<float>(in.w1.begin() + r * L * H * 2 * I,
+                                           in.w1.begin() + (r + 1) * L * H * 2 * I),
+                        bf16);
+    run.w2.emplace_back(std::vector<float>(in.w2.begin() + r * L * I * H,
+                                           in.w2.begin() + (r + 1) * L * I * H),
+                        bf16);
+    run.dw1.emplace_back(size_t(L * H * 2 * I), gradBf16, -7.0f);
+    run.dw2.emplace_back(size_t(L * I * H), gradBf16, -7.0f);
+    run.dtopk.emplace_back(size_t(S * c.topK), -7.0f);
+    run.weights.push_back(in.weights[r]);
+    run.ids.push_back(in.ids[r]);
+  }
+  return run;
+}
+
+Status bindAll(Context &ctx, const Case &c, Run &run) {
+  const int64_t H = c.hidden, I = c.inter, L = c.localExperts, K = c.topK;
+  for (uint32_t r = 0; r < c.ranks; ++r) {
+    const int64_t S = int64_t(run.ids[r].size()) / K;
+    const std::pair<const char *, moec::rt::Tensor> tensors[] = {
+        {"x", makeTensor(run.x[r].data(), run.x[r].dtype(), {S, H})},
+        {"y", makeTensor(run.y[r].data(), run.y[r].dtype(), {S, H})},
+        {"w1", makeTensor(run.w1[r].data(), run.w1[r].dtype(), {L, H, 2 * I})},
+        {"w2", makeTensor(run.w2[r].data(), run.w2[r].dtype(), {L, I, H})},
+        {"dy", makeTensor(run.dy[r].data(), run.dy[r].dtype(), {S, H})},
+        {"dx", makeTensor(run.dx[r].data(), run.dx[r].dtype(), {S, H})},
+        {"dtopk_weights", makeTensor(run.dtopk[r].data(), DType::F32, {S, K})},
+        {"dw1", makeTensor(run.dw1[r].data(), run.dw1[r].dtype(), {L, H, 2 * I})},
+        {"dw2", makeTensor(run.dw2[r].data(), run.dw2[r].dtype(), {L, I, H})},
+    };
+    for (const auto &[name, tensor] : tensors)
+      if (Status s = ctx.bind(r, name, tensor); !s)
+        return s;
+    if (Status s = ctx.setRouting(r, makeTensor(run.ids[r].data(), DType::I64, {S, K}),
+                                  makeTensor(run.weights[r].data(), DType::F32, {S, K}));
+        !s)
+      return s;
+  }
+  return Status::success();
+}
+
+/// max |a - b| / max(max |b|, 1e-3): an error relative to the output's scale.
+double relError(const std::vector<float> &a, const std::vector<double> &b) {
+  REQUIRE(a.size() == b.size());
+  double diff = 0, scale = 1e-3;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(b[i]));
+  }
+  return diff / scale;
+}
+
+/// Runs `c` through the runtime and the reference and compares.
+void checkAgainstReference(const Case &c, uint32_t seed, uint32_t workers = 2,
+                           int passes = 1) {
+  INFO(c.describe());
+  auto [fwd, bwd] = compile(c);
+  const Inputs in = makeInputs(c, seed);
+
+  ref::LayerShape shape;
+  shape.ranks = c.ranks;
+  shape.experts = c.experts();
+  shape.hidden = c.hidden;
+  shape.inter = c.inter;
+  shape.topK = c.topK;
+  shape.tokens = c.seq;
+
+  ContextOptions options;
+  options.workers = workers;
+  options.timeoutSeconds = 20;
+  std::unique_ptr<Context> ctx;
+  Status created = Context::create(fwd, bwd, options, &ctx);
+  INFO(created.message());
+  REQUIRE(created.ok());
+  Run run = prepare(c, in, bwd->shape());
+  Status bound = bindAll(*ctx, c, run);
+  INFO(bound.message());
+  REQUIRE(bound.ok());
+  Run first;
+  for (int pass = 0; pass < passes; ++pass) {
+    Status f = ctx->forward();
+    INFO("forward: " << f.message());
+    REQUIRE(f.ok());
+    Status b = ctx->backward();
+    INFO("backward: " << b.message());
+    REQUIRE(b.ok());
+    if (pass == 0)
+      first = run;
+    else
+      REQUIRE(run.sameOutputs(first)); // bitwise, pass after pass
+  }
+
+  // The reference, in double, on the same (rounded) inputs. It has S tokens
+  // on every rank; a silent rank's are zeros with zero weights and zero dy,
+  // which add nothing to any other rank's outputs or to dw1, dw2.
+  std::vector<ref::RankInputs<double>> rin(c.ranks);
+  std::vector<std::vector<double>> rdy(c.ranks);
+  const int64_t S = c.seq, H = c.hidden, I = c.inter, K = c.topK, L = c.localExperts;
+  for (uint32_t r = 0; r < c.ranks; ++r) {
+    const bool silent = in.tokens[r] == 0;
+    rin[r].x.assign(size_t(S * H), 0.0);
+    rin[r].topkIds.resize(size_t(S * K));
+    rin[r].topkWeights.assign(size_t(S * K), 0.0);
+    rdy[r].assign(size_t(S * H), 0.0);
+    for (int64_t i = 0; i < S * K; ++i)
+      rin[r].topkIds[size_t(i)] = silent ? (i % K) : in.ids[r][size_t(i)];
+    if (silent)
+      continue;
+    std::copy(in.x[r].begin(), in.x[r].end(), rin[r].x.begin());
+    std::copy(in.weights[r].begin(), in.weights[r].end(), rin[r].topkWeights.begin());
+    std::copy(in.dy[r].begin(), in.dy[r].end(), rdy[r].begin());
+  }
+  ref::Weights<double> rw{std::vector<double>(in.w1.begin(), in.w1.end()),
+                          std::vector<double>(in.w2.begin(), in.w2.end())};
+  ref::Forward<double> rf;
+  REQUIRE(ref::forward(shape, rin, rw, &rf).ok());
+  ref::Backward<double> rb;
+  REQUIRE(ref::backward(shape, rin, rw, rf, rdy, &rb).ok());
+
+  const double tol = c.bf16 ? 3e-2 : 2e-5;
+  for (uint32_t r = 0; r < c.ranks; ++r) {
+    INFO("rank " << r);
+    if (in.tokens[r] == 0)
+      continue;
+    CHECK(relError(run.y[r].values(), rf.y[r]) < tol);
+    CHECK(relError(run.dx[r].values(), rb.dx[r]) < tol);
+    CHECK(relError(run.dtopk[r], rb.dtopkWeights[r]) < tol);
+    const auto slice = [&](const std::vector<double> &all, int64_t per) {
+      return std::vector<double>(all.begin() + r * L * per, all.begin() + (r + 1) * L * per);
+    };
+    CHECK(relError(run.dw1[r].values(), slice(rb.dw1, H * 2 * I)) < tol);
+    CHECK(relError(run.dw2[r].values(), slice(rb.dw2, I * H)) < tol);
+  }
+}
+
+} // namespace
+
+TEST_CASE("runtime matches the reference over ranks, experts and top-k", "[runtime]") {
+  for (uint32_t R : {1u, 2u, 4u})
+    for (uint32_t L : {1u, 2u, 4u, 8u})
+      for (uint32_t K : {1u, 2u, 8u}) {
+        if (K > R * L || (R == 4 && L == 8))
+          continue;
+        Case c;
+        c.ranks = R;
+        c.localExperts = L;
+        c.topK = K;
+        checkAgainstReference(c, 100 * R + 10 * L + K);
+      }
+}
+
+TEST_CASE("runtime matches the reference in bf16 and with per-expert events", "[runtime]") {
+  for (bool bf16 : {false, true})
+    for (auto g : {moec::lower::Granularity::PerExpert, moec::lower::Granularity::PerTileRange})
+      for (uint32_t R : {1u, 2u, 4u}) {
+        Case c;
+        c.ranks = R;
+        c.localExperts = 4 / R > 0 ? 4 / R + 1 : 1;
+        c.topK = 2;
+        c.bf16 = bf16;
+        c.granularity = g;
+        checkAgainstReference(c, 7 + R);
+      }
+  Case big;
+  big.ranks = 2;
+  big.localExperts = 4;
+  big.topK = 8;
+  big.bf16 = true;
+  checkAgainstReference(big, 3);
+}
+
+TEST_CASE("runtime handles skew, empty experts and silent ranks", "[runtime]") {
+  for (Routing routing : {Routing::Skewed, Routing::ZeroExpert, Routing::SilentRank}) {
+    for (uint32_t R : {1u, 2u, 4u}) {
+      if (routing == Routing::SilentRank && R == 1)
+        continue;
+      Case c;
+      c.ranks = R;
+      c.localExperts = 2;
+      c.topK = R; // skew to expert 0 stays within a rank's S*K rows
+      c.routing = routing;
+      checkAgainstReference(c, 11 * R);
+    }
+  }
+}
+
+TEST_CASE("runtime is deterministic across passes, workers and schedules", "[runtime]") {
+  Case c;
+  c.ranks = 2;
+  c.localExperts = 3;
+  c.topK = 2;
+  c.routing = Routing::Skewed;
+  checkAgainstReference(c, 5, 2, 3); // three passes of one context, bitwise equal
+
+  auto [fwd, bwd] = compile(c);
+  const Inputs in = makeInputs(c, 99);
+  std::vector<Run> runs;
+  for (auto [workers, schedule] : {std::pair{1u, Schedule::Fused}, std::pair{3u, Schedule::Fused},
+                                   std::pair{2u, Schedule::OpByOp}}) {
+    ContextOptions options;
+    options.workers = workers;
+    options.schedule = schedule;
+    std::unique_ptr<Context> ctx;
+    REQUIRE(Context::create(fwd, bwd, options, &ctx).ok());
+    Run run = prepare(c, in, bwd->shape());
+    REQUIRE(bindAll(*ctx, c, run).ok());
+    REQUIRE(ctx->forward().ok());
+    REQUIRE(ctx->backward().ok());
+    runs.push_back(std::move(run));
+  }
+  CHECK(runs[0].sameOutputs(runs[1]));
+  CHECK(runs[0].sameOutputs(runs[2]));
+}
+
+TEST_CASE("runtime submit and wait", "[runtime]") {
+  Case c;
+  auto [fwd, bwd] = compile(c);
+  const Inputs in = makeInputs(c, 1);
+  std::unique_ptr<Context> a, b;
+  REQUIRE(Context::create(fwd, bwd, {}, &a).ok());
+  REQUIRE(Context::create(fwd, bwd, {}, &b).ok());
+  Run ra = prepare(c, in, bwd->shape()), rb = prepare(c, in, bwd->shape());
+  REQUIRE(bindAll(*a, c, ra).ok());
+  REQUIRE(bindAll(*b, c, rb).ok());
+  REQUIRE(a->forward().ok());
+  REQUIRE(a->backward().ok());
+  REQUIRE(b->submitForward().ok());
+  Status busy = b->forward();
+  CHECK_THAT(busy.message(), Catch::Contains("still running"));
+  REQUIRE(b->wait().ok());
+  REQUIRE(b->submitBackward().ok());
+  REQUIRE(b->wait().ok());
+  CHECK(ra.sameOutputs(rb));
+  CHECK_THAT(b->wait().message(), Catch::Contains("no pass was submitted"));
+  CHECK(b->workspaceBytes() > 0);
+}
+
+TEST_CASE("runtime refuses bad input and leaves outputs untouched", "[runtime]") {
+  Case c;
+  c.capacityFactor = 1.5; // a rank's experts hold 1.5 * S * K = 384 rows
+  c.ranks = 2;
+  c.localExperts = 2;
+  c.topK = 2;
+  auto [fwd, bwd] = compile(c);
+  const Inputs in = makeInputs(c, 4);
+  std::unique_ptr<Context> ctx;
+  REQUIRE(Context::create(fwd, bwd, {}, &ctx).ok());
+  Run run = prepare(c, in, bwd->shape());
+  REQUIRE(bindAll(*ctx, c, run).ok());
+  const Run pristine = run;
+  const int64_t S = c.seq, H = c.hidden, K = c.topK;
+
+  const auto expectRefused = [&](const std::string &text) {
+    Status s = ctx->forward();
+    INFO(s.message());
+    CHECK_FALSE(s.ok());
+    CHECK_THAT(s.message(), Catch::Contains(text));
+    CHECK(run.sameOutputs(pristine));
+  };
+
+  SECTION("wrong shapes") {
+    std::vector<float> wide(size_t(S * (H + 1)));
+    Status s = ctx->bind(0, "x", makeTensor(wide.data(), DType::F32, {S, H + 1}));
+    REQUIRE(s.ok()); // S-independent dims are checked when a pass runs
+    expectRefused("rank 0: tensor 'x' has shape [128, 33]; expected [128, 32]");
+    CHECK_THAT(ctx->bind(0, "x", makeTensor(wide.data(), DType::BF16, {S, H})).message(),
+               Catch::Contains("'x' is bf16; expected f32"));
+    CHECK_THAT(ctx->bind(0, "z", makeTensor(wide.data(), DType::F32, {S, H})).message(),
+               Catch::Contains("no tensor is named 'z'"));
+    CHECK_THAT(ctx->bind(5, "x", makeTensor(wide.data(), DType::F32, {S, H})).message(),
+               Catch::Contains("rank 5 is out of range"));
+    CHECK_THAT(ctx->setRouting(1, makeTensor(run.ids[1].data(), DType::F32, {S, K}),
+                               makeTensor(run.weights[1].data(), DType::F32, {S, K}))
+                   .message(),
+               Catch::Contains("topk_ids is f32; expected i32 or i64"));
+    CHECK_THAT(ctx->setRouting(1, makeTensor(run.ids[1].data(), DType::I64, {S, K}),
+                               makeTensor(run.weights[1].data(), DType::F32, {S, 1}))
+                   .message(),
+               Catch::Contains("topk_weights has shape [128, 1]"));
+  }
+  SECTION("an expert id out of range") {
+    run.ids[1][17] = 4;
+    expectRefused("rank 1: topk_ids[8][1] = 4 is not an expert");
+  }
+  SECTION("a duplicate expert in one token's top-k") {
+    run.ids[0][6] = run.ids[0][7];
+    expectRefused("rank 0: topk_ids: token 3 routes to expert");
+  }
+  SECTION("routing over capacity") {
+    // Every token of both ranks to experts 0 and 1, both on rank 0: rank 0
+    // receives 512 rows, twice its 256.
+    for (auto &ids : run.ids)
+      for (size_t i = 0; i < ids.size(); ++i)
+        ids[i] = int64_t(i % 2);
+    expectRefused("routing over capacity: the experts of rank 0 receive 512 rows; the binary "
+                  "serves at most 384 rows per rank");
+  }
+  SECTION("backward before forward") {
+    Status s = ctx->backward();
+    CHECK_THAT(s.message(), Catch::Contains("backward needs a forward pass first"));
+    CHECK(run.sameOutputs(pristine));
+  }
+  SECTION("a binary that is not a layer") {
+    moec::format::TaskProgram broken = fwd->tasks();
+    broken.tilings[1].lda += 1; // up_proj's A stride
+    std::shared_ptr<const Program> program;
+    Status s = Program::create(broken, &program);
+    CHECK_THAT(s.message(), Catch::Contains("op 'up_proj' (gmm): tiling lda is 33; expected 32"));
+    std::shared_ptr<const Program> none;
+    CHECK_THAT(Context::create(bwd, nullptr, {}, &ctx).message(),
+               Catch::Contains("the forward program is a backward pass"));
+  }
+}
+
+TEST_CASE("runtime C API", "[runtime]") {
+  Case c;
+  auto [fwd, bwd] = compile(c);
+  const std::string fwdPath = tempPath("c_api_fwd.moebin"), bwdPath = tempPath("c_api_bwd.moebin");
+  REQUIRE(moec::format::writeTaskBinaryFile(fwd->tasks(), fwdPath).ok());
+  REQUIRE(moec::format::writeTaskBinaryFile(bwd->tasks(), bwdPath).ok());
+  moec_program *f = nullptr, *b = nullptr;
+  REQUIRE(moec_program_load(fwdPath.c_str(), &f) == 0);
+  REQUIRE(moec_program_load(bwdPath.c_str(), &b) == 0);
+  CHECK(moec_program_load("/nonexistent.moebin", &f) != 0);
+  CHECK_THAT(moec_last_error(), Catch::Contains("/nonexistent.moebin"));
+  moec_context *ctx = nullptr;
+  REQUIRE(moec_context_create(f, b, 2, 10, &ctx) == 0);
+  moec_program_free(f);
+  moec_program_free(b);
+  REQUIRE(moec_context_ranks(ctx) == c.ranks);
+
+  const Inputs in = makeInputs(c, 8);
+  Run run = prepare(c, in, bwd->shape());
+  const int64_t S = c.seq, H = c.hidden, K = c.topK;
+  for (uint32_t r = 0; r < c.ranks; ++r) {
+    moec_tensor ids = makeTensor(run.ids[r].data(), DType::I64, {S, K});
+    moec_tensor w = makeTensor(run.weights[r].data(), DType::F32, {S, K});
+    REQUIRE(moec_set_routing(ctx, r, &ids, &w) == 0);
+    const std::pair<const char *, moec_tensor> t[] = {
+        {"x", makeTensor(run.x[r].data(), DType::F32, {S, H})},
+        {"y", makeTensor(run.y[r].data(), DType::F32, {S, H})},
+        {"w1", makeTensor(run.w1[r].data(), DType::F32, {2, H, 2 * c.inter})},
+        {"w2", makeTensor(run.w2[r].data(), DType::F32, {2, c.inter, H})},
+    };
+    for (const auto &[name, tensor] : t)
+      REQUIRE(moec_bind(ctx, r, name, &tensor) == 0);
+  }
+  REQUIRE(moec_forward(ctx) == 0);
+  CHECK(moec_backward(ctx) != 0); // dy etc. not bound
+  CHECK_THAT(moec_last_error(), Catch::Contains("tensor 'dy' is not bound"));
+
+  // The same forward through the C++ API gives the same bits.
+  std::unique_ptr<Context> cpp;
+  REQUIRE(Context::create(fwd, bwd, {}, &cpp).ok());
+  Run again = prepare(c, in, bwd->shape());
+  REQUIRE(bindAll(*cpp, c, again).ok());
+  REQUIRE(cpp->forward().ok());
+  for (uint32_t r = 0; r < c.ranks; ++r)
+    CHECK(again.y[r] == run.y[r]);
+  moec_context_free(ctx);
+}

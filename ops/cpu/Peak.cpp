@@ -2,9 +2,12 @@
 
 #include "ops/cpu/Peak.h"
 
+#include "ops/cpu/Gmm.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -194,6 +197,38 @@ FmaPeak measureFmaPeak(double seconds) {
   }
   peak.seconds = secondsSince(start);
   return peak;
+}
+
+double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt, double seconds) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> a(size_t(m * k)), b(size_t(k * n)), c(size_t(m * n));
+  for (float &v : a)
+    v = dist(rng);
+  for (float &v : b)
+    v = dist(rng);
+  std::vector<uint16_t> a16(a.size()), b16(b.size());
+  floatToBf16(a.data(), a16.data(), a.size());
+  floatToBf16(b.data(), b16.data(), b.size());
+  const bool bf16 = elt == Elt::BF16;
+  const ConstMatrix am{bf16 ? static_cast<const void *>(a16.data()) : a.data(), elt, k};
+  const ConstMatrix bm{bf16 ? static_cast<const void *>(b16.data()) : b.data(), elt, n};
+  Scratch scratch;
+  auto call = [&] { gemmTile(m, n, k, am, false, bm, false, Matrix{c.data(), Elt::F32, n}, false, &scratch); };
+  call(); // warm-up: BLAS set-up, page faults, scratch
+
+  using Clock = std::chrono::steady_clock;
+  const auto begin = Clock::now();
+  double best = 1e30;
+  for (int rep = 0;; ++rep) {
+    const auto start = Clock::now();
+    call();
+    const auto end = Clock::now();
+    best = std::min(best, std::chrono::duration<double>(end - start).count());
+    if (rep + 1 >= 5 && std::chrono::duration<double>(end - begin).count() > seconds)
+      break;
+  }
+  return 2.0 * double(m) * double(n) * double(k) / best * 1e-9;
 }
 
 } // namespace moec::ops

@@ -33,6 +33,10 @@
 #ifndef MOEC_OPS_CPU_PEAK_H
 #define MOEC_OPS_CPU_PEAK_H
 
+#include "ops/cpu/Element.h"
+
+#include <cstdint>
+
 namespace moec::ops {
 
 /// The fp32 FMA throughput of one thread, as measureFmaPeak found it.
@@ -58,6 +62,13 @@ struct FmaPeak {
 /// Pin the thread and keep the machine otherwise idle for a meaningful
 /// figure.
 FmaPeak measureFmaPeak(double seconds = 0.2);
+
+/// Returns the best GFLOP/s of one gemmTile call, C[m, n] = A[m, k] B[k, n]
+/// with A and B stored as `elt` and C as fp32, on the calling thread: best of
+/// at least 5 calls, or of as many as fit in about `seconds`, after a
+/// warm-up call.
+double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt = Elt::F32,
+                         double seconds = 0.3);
 
 } // namespace moec::ops
 

@@ -385,6 +385,12 @@ private:
     }
     if (shape.putCapacity > shape.expertCapacity)
       shape.putCapacity = shape.expertCapacity;
+    // A put carries at most one row per token (experts are distinct in a
+    // token's top-k), so the dispatch grid's rows are the compiled S.
+    shape.tokens = int64_t(tiling(plan.dispatchOp).rows);
+    shape.topK = shape.tokens > 0 && shape.rowCapacity % shape.tokens == 0
+                     ? shape.rowCapacity / shape.tokens
+                     : 0;
     return Status::success();
   }
 };

@@ -741,6 +741,9 @@ Status Context::create(std::shared_ptr<const Program> forward,
 }
 
 const LayerShape &Context::shape() const { return body->shape(); }
+const LayerShape *Context::backwardShape() const {
+  return body->bwd.program ? &body->bwd.plan->shape : nullptr;
+}
 uint32_t Context::ranks() const { return body->ranks(); }
 uint32_t Context::workers() const { return body->workerCount; }
 const PassTimes &Context::forwardTimes() const { return body->fwd.times; }

@@ -160,6 +160,8 @@ struct LayerShape {
   uint32_t localExperts = 1;    ///< L
   int64_t hidden = 0;           ///< H
   int64_t inter = 0;            ///< I (the halved intermediate size)
+  int64_t tokens = 0;           ///< S the binary was compiled for (tokens per rank)
+  int64_t topK = 0;             ///< K the binary was compiled for
   int64_t rowCapacity = 0;      ///< most (token, k) rows a rank routes: S * K
   int64_t receiveCapacity = 0;  ///< most rows a rank's experts receive in all
   int64_t expertCapacity = 0;   ///< most rows one expert receives
@@ -242,6 +244,8 @@ public:
 
   /// The forward program's shape.
   const LayerShape &shape() const;
+  /// The backward program's shape, or null without a backward program.
+  const LayerShape *backwardShape() const;
   /// Ranks of the group.
   uint32_t ranks() const;
   /// Worker threads.

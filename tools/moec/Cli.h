@@ -56,6 +56,8 @@ int runImport(int argc, char **argv, int first);
 int runExport(int argc, char **argv, int first);
 int runCompile(int argc, char **argv, int first);
 int runDump(int argc, char **argv, int first);
+int runRun(int argc, char **argv, int first);
+int runBench(int argc, char **argv, int first);
 
 extern const CommandSpec kCheckSpec, kImportSpec, kExportSpec, kCompileSpec;
 

@@ -116,7 +116,8 @@ const char *kTopHelp =
     "moec compiles graph descriptions of fused MoE-FFN layers (forward and\n"
     "backward) for a model/parallel config into task binaries: per-core task\n"
     "queues, events and tiling descriptors that one EP group runs on cube and\n"
-    "vector cores. Running binaries (moec run) is not there yet.\n"
+    "vector cores, and runs them on the CPU runtime: R ranks in one process,\n"
+    "logical cores multiplexed onto worker threads.\n"
     "\n"
     "commands:\n"
     "  check    resolve shapes for a config, verify the graph, propagate splits,\n"
@@ -124,6 +125,10 @@ const char *kTopHelp =
     "  compile  compile a graph for a config and target into a task binary\n"
     "  dump     print what a task binary holds: header, slots, ops, events,\n"
     "           per-core queues, critical path, makespan and queue balance\n"
+    "  run      run a forward (and backward) binary on R in-process ranks, on\n"
+    "           .npy or random inputs; --verify checks against the reference\n"
+    "  bench    measure the FMA peak, GMM tiles as a share of it, and whole\n"
+    "           layers fused against op by op, uniform and skewed, 1/2/4 ranks\n"
     "  import   convert a JSON graph description to the moe dialect (.mlir)\n"
     "  export   convert a moe dialect graph (.mlir) to a JSON description\n"
     "\n"
@@ -149,6 +154,10 @@ int main(int argc, char **argv) {
     return runCompile(argc, argv, 2);
   if (cmd == "dump")
     return runDump(argc, argv, 2);
+  if (cmd == "run")
+    return runRun(argc, argv, 2);
+  if (cmd == "bench")
+    return runBench(argc, argv, 2);
   if (cmd == "import")
     return runImport(argc, argv, 2);
   if (cmd == "export")

@@ -1,0 +1,365 @@
+//===- LayerRun.cpp - Inputs, runs and checks of a whole layer ------------===//
+//
+// See LayerRun.h.
+//
+//===----------------------------------------------------------------------===//
+
+#include "tools/moec/LayerRun.h"
+
+#include "ops/cpu/Element.h"
+#include "ops/cpu/Reference.h"
+#include "tools/moec/Npy.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+namespace moec::cli {
+
+using format::DType;
+
+void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, LayerData *out) {
+  LayerData d;
+  d.ranks = shape.ranks;
+  d.tokens = shape.tokens;
+  d.topK = shape.topK;
+  d.experts = shape.experts();
+  d.hidden = shape.hidden;
+  d.inter = shape.inter;
+  std::mt19937_64 rng(options.seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  const auto fill = [&](std::vector<float> &v, size_t n, float scale) {
+    v.resize(n);
+    for (float &e : v) {
+      const float value = uni(rng) * scale;
+      e = options.bf16 ? ops::roundToBf16(value) : value;
+    }
+  };
+  const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden,
+                I = d.inter;
+  fill(d.x, size_t(R * S * H), 1.0f);
+  fill(d.dy, size_t(R * S * H), 1.0f);
+  fill(d.w1, size_t(E * H * 2 * I), 1.0f / std::sqrt(float(std::max<int64_t>(H, 1))));
+  fill(d.w2, size_t(E * I * H), 1.0f / std::sqrt(float(std::max<int64_t>(I, 1))));
+  d.ids.resize(size_t(R * S * K));
+  d.weights.resize(size_t(R * S * K));
+  std::vector<int64_t> experts(static_cast<size_t>(E));
+  std::uniform_real_distribution<double> share(0.0, 1.0);
+  for (int64_t row = 0; row < R * S; ++row) {
+    std::iota(experts.begin(), experts.end(), 0);
+    // A partial Fisher-Yates shuffle picks K distinct experts.
+    for (int64_t k = 0; k < K; ++k)
+      std::swap(experts[size_t(k)],
+                experts[size_t(k + int64_t(rng() % uint64_t(E - k)))]);
+    if (options.hotShare > 0 && share(rng) < options.hotShare) {
+      auto hot = std::find(experts.begin(), experts.end(), 0);
+      std::swap(*hot, experts[0]);
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      d.ids[size_t(row * K + k)] = experts[size_t(k)];
+      d.weights[size_t(row * K + k)] = 0.2f + 0.4f * (uni(rng) + 1.0f);
+    }
+  }
+  *out = std::move(d);
+}
+
+namespace {
+
+std::string npyPath(const std::string &dir, const char *name) {
+  return dir + "/" + name + ".npy";
+}
+
+/// Reads DIR/NAME.npy as floats of shape `dims` (float32 or float64 files).
+Status readFloats(const std::string &dir, const char *name, const std::vector<int64_t> &dims,
+                  std::vector<float> *out) {
+  const std::string path = npyPath(dir, name);
+  npy::NpyArray array;
+  if (Status s = npy::readNpy(path, &array); !s)
+    return s;
+  if (array.shape != dims)
+    return Status::error(fmt::format("{}: shape {}; expected {}", path,
+                                     npy::formatShape(array.shape), npy::formatShape(dims)));
+  out->resize(size_t(array.elements()));
+  if (array.type == npy::NpyType::F32)
+    std::copy(array.as<float>(), array.as<float>() + array.elements(), out->begin());
+  else if (array.type == npy::NpyType::F64)
+    std::transform(array.as<double>(), array.as<double>() + array.elements(), out->begin(),
+                   [](double v) { return float(v); });
+  else
+    return Status::error(fmt::format("{}: {}; expected float32", path,
+                                     npy::npyTypeName(array.type)));
+  return Status::success();
+}
+
+} // namespace
+
+Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool backward,
+                       LayerData *out) {
+  LayerData d;
+  d.ranks = shape.ranks;
+  d.experts = shape.experts();
+  d.hidden = shape.hidden;
+  d.inter = shape.inter;
+  // S and K come from topk_ids.
+  const std::string idsPath = npyPath(dir, "topk_ids");
+  npy::NpyArray ids;
+  if (Status s = npy::readNpy(idsPath, &ids); !s)
+    return s;
+  if (ids.shape.size() != 3 || ids.shape[0] != d.ranks)
+    return Status::error(fmt::format("{}: shape {}; expected ({}, S, K) for the binary's {} ranks",
+                                     idsPath, npy::formatShape(ids.shape), d.ranks, d.ranks));
+  d.tokens = ids.shape[1];
+  d.topK = ids.shape[2];
+  d.ids.resize(size_t(ids.elements()));
+  if (ids.type == npy::NpyType::I64)
+    std::copy(ids.as<int64_t>(), ids.as<int64_t>() + ids.elements(), d.ids.begin());
+  else if (ids.type == npy::NpyType::I32)
+    std::copy(ids.as<int32_t>(), ids.as<int32_t>() + ids.elements(), d.ids.begin());
+  else
+    return Status::error(fmt::format("{}: {}; expected int32 or int64", idsPath,
+                                     npy::npyTypeName(ids.type)));
+  const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden,
+                I = d.inter;
+  if (Status s = readFloats(dir, "topk_weights", {R, S, K}, &d.weights); !s)
+    return s;
+  if (Status s = readFloats(dir, "x", {R, S, H}, &d.x); !s)
+    return s;
+  if (Status s = readFloats(dir, "w1", {E, H, 2 * I}, &d.w1); !s)
+    return s;
+  if (Status s = readFloats(dir, "w2", {E, I, H}, &d.w2); !s)
+    return s;
+  if (backward)
+    if (Status s = readFloats(dir, "dy", {R, S, H}, &d.dy); !s)
+      return s;
+  *out = std::move(d);
+  return Status::success();
+}
+
+Status writeLayerInputs(const std::string &dir, const LayerData &d, bool backward) {
+  const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden,
+                I = d.inter;
+  using npy::NpyType;
+  const std::tuple<const char *, NpyType, std::vector<int64_t>, const void *> files[] = {
+      {"x", NpyType::F32, {R, S, H}, d.x.data()},
+      {"topk_ids", NpyType::I64, {R, S, K}, d.ids.data()},
+      {"topk_weights", NpyType::F32, {R, S, K}, d.weights.data()},
+      {"w1", NpyType::F32, {E, H, 2 * I}, d.w1.data()},
+      {"w2", NpyType::F32, {E, I, H}, d.w2.data()},
+      {"dy", NpyType::F32, {R, S, H}, d.dy.data()},
+  };
+  for (const auto &[name, type, dims, data] : files) {
+    if (!backward && std::string(name) == "dy")
+      continue;
+    if (Status s = npy::writeNpy(npyPath(dir, name), type, dims, data); !s)
+      return s;
+  }
+  return Status::success();
+}
+
+Status writeLayerOutputs(const std::string &dir, const LayerData &d, bool backward) {
+  const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden,
+                I = d.inter;
+  using npy::NpyType;
+  const std::tuple<const char *, std::vector<int64_t>, const std::vector<float> *> files[] = {
+      {"y", {R, S, H}, &d.y},
+      {"dx", {R, S, H}, &d.dx},
+      {"dtopk_weights", {R, S, K}, &d.dtopk},
+      {"dw1", {E, H, 2 * I}, &d.dw1},
+      {"dw2", {E, I, H}, &d.dw2},
+  };
+  for (const auto &[name, dims, values] : files) {
+    if (!backward && std::string(name) != "y")
+      continue;
+    if (Status s = npy::writeNpy(npyPath(dir, name), NpyType::F32, dims, values->data()); !s)
+      return s;
+  }
+  return Status::success();
+}
+
+//===----------------------------------------------------------------------===//
+// LayerRun
+//===----------------------------------------------------------------------===//
+
+void LayerRun::Buffer::assign(const float *values, size_t count, DType type) {
+  dtype = type;
+  if (type == DType::BF16) {
+    bf16.resize(count);
+    ops::floatToBf16(values, bf16.data(), count);
+  } else {
+    f32.assign(values, values + count);
+  }
+}
+
+void LayerRun::Buffer::zeros(size_t count, DType type) {
+  dtype = type;
+  if (type == DType::BF16)
+    bf16.assign(count, 0);
+  else
+    f32.assign(count, 0.0f);
+}
+
+void LayerRun::Buffer::copyOut(float *out) const {
+  if (dtype == DType::BF16)
+    ops::bf16ToFloat(bf16.data(), out, bf16.size());
+  else
+    std::copy(f32.begin(), f32.end(), out);
+}
+
+namespace {
+enum Slot { kX, kY, kW1, kW2, kDy, kDx, kDw1, kDw2, kSlotsPerRank };
+}
+
+Status LayerRun::bind(rt::Context &context, const LayerData &d) {
+  const rt::LayerShape &shape = context.shape();
+  if (d.ranks != context.ranks() || d.hidden != shape.hidden || d.inter != shape.inter ||
+      d.experts != shape.experts())
+    return Status::error(fmt::format(
+        "the inputs are for {} ranks, {} experts, H = {}, I = {}; the binary is for {} ranks, "
+        "{} experts, H = {}, I = {}",
+        d.ranks, d.experts, d.hidden, d.inter, context.ranks(), shape.experts(), shape.hidden,
+        shape.inter));
+  const DType act = shape.activations;
+  const int64_t S = d.tokens, K = d.topK, H = d.hidden, I = d.inter,
+                L = shape.localExperts;
+  const bool backward = !d.dy.empty();
+  buffers.assign(size_t(d.ranks) * kSlotsPerRank, Buffer());
+  dtopk.assign(size_t(d.ranks), std::vector<float>(size_t(S * K)));
+  ids.assign(size_t(d.ranks), {});
+  weights.assign(size_t(d.ranks), {});
+  for (int64_t r = 0; r < d.ranks; ++r) {
+    Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
+    const size_t tokensH = size_t(S * H), w1n = size_t(L * H * 2 * I), w2n = size_t(L * I * H);
+    b[kX].assign(d.x.data() + r * S * H, tokensH, act);
+    b[kY].zeros(tokensH, act);
+    b[kW1].assign(d.w1.data() + r * w1n, w1n, act);
+    b[kW2].assign(d.w2.data() + r * w2n, w2n, act);
+    ids[size_t(r)].assign(d.ids.begin() + r * S * K, d.ids.begin() + (r + 1) * S * K);
+    weights[size_t(r)].assign(d.weights.begin() + r * S * K, d.weights.begin() + (r + 1) * S * K);
+    const uint32_t rank = uint32_t(r);
+    if (Status s = context.setRouting(rank, rt::makeTensor(ids[size_t(r)].data(), DType::I64, {S, K}),
+                                      rt::makeTensor(weights[size_t(r)].data(), DType::F32, {S, K}));
+        !s)
+      return s;
+    std::vector<std::pair<const char *, rt::Tensor>> tensors = {
+        {"x", rt::makeTensor(b[kX].data(), act, {S, H})},
+        {"y", rt::makeTensor(b[kY].data(), act, {S, H})},
+        {"w1", rt::makeTensor(b[kW1].data(), act, {L, H, 2 * I})},
+        {"w2", rt::makeTensor(b[kW2].data(), act, {L, I, H})},
+    };
+    if (backward) {
+      // The weight-gradient dtype is the backward binary's; a context
+      // without one refuses these bindings, which is the error to report.
+      const DType grad = context.backwardShape() ? context.backwardShape()->weightGrads : act;
+      b[kDy].assign(d.dy.data() + r * S * H, tokensH, act);
+      b[kDx].zeros(tokensH, act);
+      b[kDw1].zeros(w1n, grad);
+      b[kDw2].zeros(w2n, grad);
+      tensors.insert(tensors.end(),
+                     {{"dy", rt::makeTensor(b[kDy].data(), act, {S, H})},
+                      {"dx", rt::makeTensor(b[kDx].data(), act, {S, H})},
+                      {"dtopk_weights", rt::makeTensor(dtopk[size_t(r)].data(), DType::F32, {S, K})},
+                      {"dw1", rt::makeTensor(b[kDw1].data(), grad, {L, H, 2 * I})},
+                      {"dw2", rt::makeTensor(b[kDw2].data(), grad, {L, I, H})}});
+    }
+    for (const auto &[name, tensor] : tensors)
+      if (Status s = context.bind(rank, name, tensor); !s)
+        return s;
+  }
+  return Status::success();
+}
+
+Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
+  if (Status s = context.forward(); !s)
+    return s;
+  if (backward)
+    if (Status s = context.backward(); !s)
+      return s;
+  const int64_t R = d->ranks, S = d->tokens, K = d->topK, H = d->hidden, I = d->inter;
+  const int64_t L = context.shape().localExperts;
+  d->y.resize(size_t(R * S * H));
+  if (backward) {
+    d->dx.resize(size_t(R * S * H));
+    d->dtopk.resize(size_t(R * S * K));
+    d->dw1.resize(size_t(R * L * H * 2 * I));
+    d->dw2.resize(size_t(R * L * I * H));
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
+    b[kY].copyOut(d->y.data() + r * S * H);
+    if (!backward)
+      continue;
+    b[kDx].copyOut(d->dx.data() + r * S * H);
+    std::copy(dtopk[size_t(r)].begin(), dtopk[size_t(r)].end(), d->dtopk.begin() + r * S * K);
+    b[kDw1].copyOut(d->dw1.data() + r * L * H * 2 * I);
+    b[kDw2].copyOut(d->dw2.data() + r * L * I * H);
+  }
+  return Status::success();
+}
+
+//===----------------------------------------------------------------------===//
+// Verification
+//===----------------------------------------------------------------------===//
+
+Status verifyLayer(const LayerData &d, bool backward, bool bf16,
+                   std::vector<OutputError> *errors) {
+  namespace ref = ops::reference;
+  ref::LayerShape shape;
+  shape.ranks = d.ranks;
+  shape.experts = d.experts;
+  shape.hidden = d.hidden;
+  shape.inter = d.inter;
+  shape.topK = d.topK;
+  shape.tokens = d.tokens;
+  const int64_t S = d.tokens, K = d.topK, H = d.hidden;
+  std::vector<ref::RankInputs<double>> inputs(size_t(d.ranks));
+  std::vector<std::vector<double>> dy(size_t(d.ranks));
+  for (int64_t r = 0; r < d.ranks; ++r) {
+    inputs[size_t(r)].x.assign(d.x.begin() + r * S * H, d.x.begin() + (r + 1) * S * H);
+    inputs[size_t(r)].topkIds.assign(d.ids.begin() + r * S * K, d.ids.begin() + (r + 1) * S * K);
+    inputs[size_t(r)].topkWeights.assign(d.weights.begin() + r * S * K,
+                                         d.weights.begin() + (r + 1) * S * K);
+    if (backward)
+      dy[size_t(r)].assign(d.dy.begin() + r * S * H, d.dy.begin() + (r + 1) * S * H);
+  }
+  ref::Weights<double> weights{std::vector<double>(d.w1.begin(), d.w1.end()),
+                               std::vector<double>(d.w2.begin(), d.w2.end())};
+  ref::Forward<double> fwd;
+  if (Status s = ref::forward(shape, inputs, weights, &fwd); !s)
+    return s.withPrefix("reference: ");
+  const double tolerance = bf16 ? 5e-2 : 1e-4;
+  const auto compare = [&](const char *name, const std::vector<float> &out,
+                           const std::vector<double> &want) {
+    OutputError e;
+    e.name = name;
+    e.tolerance = tolerance;
+    double scale = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      e.maxAbs = std::max(e.maxAbs, std::abs(double(out[i]) - want[i]));
+      scale = std::max(scale, std::abs(want[i]));
+    }
+    e.maxRel = scale > 0 ? e.maxAbs / scale : e.maxAbs;
+    errors->push_back(e);
+  };
+  const auto joined = [](const std::vector<std::vector<double>> &parts) {
+    std::vector<double> all;
+    for (const auto &p : parts)
+      all.insert(all.end(), p.begin(), p.end());
+    return all;
+  };
+  compare("y", d.y, joined(fwd.y));
+  if (!backward)
+    return Status::success();
+  ref::Backward<double> bwd;
+  if (Status s = ref::backward(shape, inputs, weights, fwd, dy, &bwd); !s)
+    return s.withPrefix("reference: ");
+  compare("dx", d.dx, joined(bwd.dx));
+  compare("dtopk_weights", d.dtopk, joined(bwd.dtopkWeights));
+  compare("dw1", d.dw1, bwd.dw1);
+  compare("dw2", d.dw2, bwd.dw2);
+  return Status::success();
+}
+
+} // namespace moec::cli

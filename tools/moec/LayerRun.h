@@ -1,0 +1,105 @@
+//===- LayerRun.h - Inputs, runs and checks of a whole layer ----*- C++ -*-===//
+//
+// What `moec run` and `moec bench` share: the layer's inputs for every rank
+// of an EP group as plain fp32 arrays (read from .npy files or made at
+// random, uniform or skewed), a LayerRun that holds them in the binary's
+// storage type (bf16 converted at the edges), binds them to a runtime context
+// and runs forward and backward, and a check of the outputs against the
+// reference layer (ops/cpu/Reference.h, in double).
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_TOOLS_MOEC_LAYERRUN_H
+#define MOEC_TOOLS_MOEC_LAYERRUN_H
+
+#include "runtime/api/Runtime.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moec::cli {
+
+/// The layer's tensors for all ranks, fp32 (ids int64), global shapes.
+struct LayerData {
+  int64_t ranks = 1, tokens = 0, topK = 1, experts = 1, hidden = 0, inter = 0;
+  std::vector<float> x;         ///< [R, S, H]
+  std::vector<int64_t> ids;     ///< [R, S, K]
+  std::vector<float> weights;   ///< [R, S, K]
+  std::vector<float> w1;        ///< [E, H, 2I]
+  std::vector<float> w2;        ///< [E, I, H]
+  std::vector<float> dy;        ///< [R, S, H] (backward)
+  // Outputs.
+  std::vector<float> y, dx, dtopk, dw1, dw2;
+};
+
+/// Options of randomLayerData.
+struct RandomOptions {
+  uint64_t seed = 1;
+  /// The share of tokens whose first choice is expert 0 (the rest pick at
+  /// random); 0 is uniform routing.
+  double hotShare = 0;
+  /// Round every value to bf16 (for a bf16 binary, so the reference sees
+  /// what the runtime sees).
+  bool bf16 = false;
+};
+
+/// Fills `data` with random inputs for `shape` (S and K from the binary):
+/// x, dy uniform in [-1, 1), weights scaled by 1/sqrt(fan-in), top-k weights
+/// in (0.2, 1), distinct experts per token.
+void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, LayerData *data);
+
+/// Reads x, topk_ids, topk_weights, w1, w2 (and dy when `backward`) from
+/// DIR/*.npy and checks their shapes against each other and `shape`.
+/// Errors name the file and what was expected.
+Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool backward,
+                       LayerData *data);
+
+/// Writes the inputs (with dy when `backward`) to DIR/*.npy.
+Status writeLayerInputs(const std::string &dir, const LayerData &data, bool backward);
+
+/// Writes y (and dx, dtopk_weights, dw1, dw2 when `backward`) to DIR/*.npy.
+Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool backward);
+
+/// The inputs of a LayerData in the binary's storage types, bound to a
+/// context; run() runs the passes and copies the outputs back as fp32.
+class LayerRun {
+public:
+  /// Converts and binds `data`'s inputs (for all ranks) to `context`.
+  Status bind(rt::Context &context, const LayerData &data);
+  /// Runs forward (and backward) and stores the outputs in `data`.
+  Status run(rt::Context &context, bool backward, LayerData *data);
+
+private:
+  struct Buffer {
+    std::vector<float> f32;
+    std::vector<uint16_t> bf16;
+    format::DType dtype = format::DType::F32;
+    void assign(const float *values, size_t count, format::DType type);
+    void zeros(size_t count, format::DType type);
+    void *data() { return dtype == format::DType::BF16 ? (void *)bf16.data() : f32.data(); }
+    void copyOut(float *out) const;
+  };
+  std::vector<Buffer> buffers; ///< per rank: x, y, w1, w2, dy, dx, dw1, dw2
+  std::vector<std::vector<float>> dtopk;
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<std::vector<float>> weights;
+};
+
+/// The error of one output against the reference.
+struct OutputError {
+  std::string name;
+  double maxAbs = 0;  ///< max |out - ref|
+  double maxRel = 0;  ///< max |out - ref| / max |ref|
+  double tolerance = 0;
+  bool ok() const { return maxRel <= tolerance; }
+};
+
+/// Runs the reference on `data`'s inputs and compares its outputs
+/// (y; and dx, dtopk_weights, dw1, dw2 with `backward`).
+Status verifyLayer(const LayerData &data, bool backward, bool bf16,
+                   std::vector<OutputError> *errors);
+
+} // namespace moec::cli
+
+#endif // MOEC_TOOLS_MOEC_LAYERRUN_H

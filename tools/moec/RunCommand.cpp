@@ -1,0 +1,261 @@
+//===- RunCommand.cpp - moec run --------------------------------------------===//
+//
+// Runs a forward binary (and a backward one) on R in-process ranks with the
+// CPU runtime, on inputs from .npy files or made at random, and writes the
+// outputs as .npy; optionally checks them against the reference layer.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/api/Runtime.h"
+#include "tools/moec/Cli.h"
+#include "tools/moec/LayerRun.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+
+namespace moec::cli {
+
+const CommandSpec kRunSpec = {
+    "run",
+    "moec run FWD.moebin [BWD.moebin] --ranks R (--inputs DIR | --random SEED) --outputs DIR "
+    "[--verify] [--trace FILE] [--threads N] [--repeat N] [--hot-share F]",
+    "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
+    "given, on R ranks in this process with the CPU runtime: every rank's queues\n"
+    "run on a pool of worker threads, events between tiles let the puts of one\n"
+    "tile overlap the matmuls of another. Prints the schedule and the time of\n"
+    "each pass.\n"
+    "\n"
+    "inputs (.npy, float32 even for bf16 binaries; converted at the edges):\n"
+    "  x [R,S,H]  topk_ids [R,S,K] (int32 or int64)  topk_weights [R,S,K]\n"
+    "  w1 [E,H,2I]  w2 [E,I,H]  and dy [R,S,H] with a backward binary\n"
+    "outputs (.npy, float32): y [R,S,H]; with a backward binary also dx [R,S,H],\n"
+    "  dtopk_weights [R,S,K], dw1 [E,H,2I], dw2 [E,I,H]\n"
+    "\n"
+    "options:\n"
+    "  --ranks R        ranks of the EP group; must be the binary's (its config's ep)\n"
+    "  --inputs DIR     read the inputs from DIR\n"
+    "  --random SEED    make random inputs (S and K as compiled, uniform routing\n"
+    "                   unless --hot-share) and write them to the outputs folder\n"
+    "                   too, so that the run can be replayed with --inputs\n"
+    "  --outputs DIR    where the outputs go (created if missing)\n"
+    "  --verify         run the reference layer (plain loops, in double) on the\n"
+    "                   same inputs and print each output's max absolute and\n"
+    "                   relative error; exit 1 when one is above tolerance\n"
+    "                   (1e-4 for f32, 5e-2 for bf16, relative to the output's scale)\n"
+    "  --trace FILE     write a Chrome/Perfetto trace of the forward pass to FILE\n"
+    "                   (and of the backward pass to FILE with '.bwd' before its\n"
+    "                   extension)\n"
+    "  --threads N      worker threads (default: the hardware threads)\n"
+    "  --repeat N       run the passes N times and report the best time (default 1)\n"
+    "  --hot-share F    with --random: the share of tokens whose first expert is\n"
+    "                   expert 0 (skewed routing); default 0\n",
+    {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat",
+     "--hot-share"},
+    {"--verify"},
+    1,
+    2};
+
+namespace {
+
+bool parseCount(const std::string &text, uint64_t max, uint64_t *out) {
+  if (text.empty() || text.size() > 19 ||
+      !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return false;
+  *out = std::stoull(text);
+  return *out <= max;
+}
+
+int usage(const char *message) {
+  std::fprintf(stderr, "moec run: %s\nusage: %s\n(see 'moec run --help')\n", message,
+               kRunSpec.usage);
+  return kUsage;
+}
+
+int fail(const Status &status) {
+  std::fprintf(stderr, "error: %s\n", status.message().c_str());
+  return kError;
+}
+
+std::string tracePath(const std::string &path, const char *suffix) {
+  const std::filesystem::path p(path);
+  return (p.parent_path() / (p.stem().string() + suffix + p.extension().string())).string();
+}
+
+std::string describe(const rt::LayerShape &s) {
+  return fmt::format("{} ranks x {} local experts, H {}, I {}, {}", s.ranks, s.localExperts,
+                     s.hidden, s.inter, format::dtypeName(s.activations));
+}
+
+void printSchedule(const char *pass, const format::TaskProgram &p) {
+  uint32_t cube = 0, vector = 0;
+  for (const format::QueueRecord &q : p.queues)
+    (q.coreKind == format::CoreKind::Cube ? cube : vector)++;
+  std::printf("  %-8s %zu ops, %zu tasks, %zu events on %u cube + %u vector queues per rank "
+              "(target '%s')\n",
+              pass, p.ops.size(), p.tasks.size(), p.events.size(), cube, vector,
+              std::string(p.name(p.target)).c_str());
+}
+
+void printTimes(const char *pass, const rt::PassTimes &t, uint64_t repeat) {
+  std::printf("  %-8s %9.3f ms   prepare %.3f  tasks %.3f  finish %.3f%s\n", pass,
+              t.total() * 1e3, t.prepare * 1e3, t.tasks * 1e3, t.finish * 1e3,
+              repeat > 1 ? fmt::format("   (best of {})", repeat).c_str() : "");
+}
+
+} // namespace
+
+int runRun(int argc, char **argv, int first) {
+  std::optional<Args> parsed = parseArgs(kRunSpec, argc, argv, first);
+  if (!parsed)
+    return kUsage;
+  const Args &args = *parsed;
+  if (args.help) {
+    printHelp(kRunSpec);
+    return kOk;
+  }
+  if (!args.value("--ranks"))
+    return usage("missing --ranks R");
+  if (!args.value("--outputs"))
+    return usage("missing --outputs DIR");
+  if (args.value("--inputs").has_value() == args.value("--random").has_value())
+    return usage("give exactly one of --inputs DIR and --random SEED");
+  uint64_t ranks = 0, threads = 0, repeat = 1, seed = 0;
+  if (!parseCount(*args.value("--ranks"), 1u << 16, &ranks) || ranks == 0)
+    return usage("--ranks must be a positive integer");
+  if (auto t = args.value("--threads"); t && (!parseCount(*t, 4096, &threads) || threads == 0))
+    return usage("--threads must be a positive integer");
+  if (auto r = args.value("--repeat"); r && (!parseCount(*r, 1000000, &repeat) || repeat == 0))
+    return usage("--repeat must be a positive integer");
+  if (auto s = args.value("--random");
+      s && !parseCount(*s, std::numeric_limits<uint64_t>::max() / 2, &seed))
+    return usage("--random SEED must be a non-negative integer");
+  double hotShare = 0;
+  if (auto h = args.value("--hot-share")) {
+    if (!args.value("--random"))
+      return usage("--hot-share needs --random");
+    char *end = nullptr;
+    hotShare = std::strtod(h->c_str(), &end);
+    if (h->empty() || *end != '\0' || !(hotShare >= 0 && hotShare <= 1))
+      return usage("--hot-share must be a number in [0, 1]");
+  }
+
+  std::shared_ptr<const rt::Program> fwd, bwd;
+  if (Status s = rt::Program::load(args.positional[0], &fwd); !s)
+    return fail(s);
+  if (fwd->shape().backward)
+    return fail(Status::error(args.positional[0] +
+                              ": is a backward binary; give the forward binary first"));
+  const bool backward = args.positional.size() == 2;
+  if (backward) {
+    if (Status s = rt::Program::load(args.positional[1], &bwd); !s)
+      return fail(s);
+    if (!bwd->shape().backward)
+      return fail(Status::error(args.positional[1] + ": is a forward binary, not a backward one"));
+  }
+  const rt::LayerShape &shape = fwd->shape();
+  if (ranks != shape.ranks)
+    return fail(Status::error(fmt::format(
+        "--ranks {}, but {} was compiled for {} ranks (its config's ep); one binary serves "
+        "exactly its EP group",
+        ranks, args.positional[0], shape.ranks)));
+
+  rt::ContextOptions options;
+  options.workers = uint32_t(threads);
+  options.trace = args.value("--trace").has_value();
+  std::unique_ptr<rt::Context> context;
+  if (Status s = rt::Context::create(fwd, bwd, options, &context); !s)
+    return fail(s);
+
+  LayerData data;
+  const std::string outputs = *args.value("--outputs");
+  if (auto dir = args.value("--inputs")) {
+    if (Status s = readLayerInputs(*dir, shape, backward, &data); !s)
+      return fail(s);
+  } else {
+    RandomOptions random;
+    random.seed = seed;
+    random.hotShare = hotShare;
+    random.bf16 = shape.activations == format::DType::BF16;
+    if (shape.topK == 0)
+      return fail(Status::error("cannot tell S and K from the binary; use --inputs"));
+    randomLayerData(shape, random, &data);
+    if (!backward)
+      data.dy.clear();
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(outputs, ec);
+  if (ec)
+    return fail(Status::error(fmt::format("cannot create '{}': {}", outputs, ec.message())));
+
+  std::printf("moec run: %s%s, %s, S %lld, top-%lld, %u worker threads\n",
+              args.positional[0].c_str(), backward ? (" + " + args.positional[1]).c_str() : "",
+              describe(shape).c_str(), (long long)data.tokens, (long long)data.topK,
+              context->workers());
+  std::printf("schedule:\n");
+  printSchedule("forward", fwd->tasks());
+  if (backward)
+    printSchedule("backward", bwd->tasks());
+
+  LayerRun run;
+  if (Status s = run.bind(*context, data); !s)
+    return fail(s);
+  rt::PassTimes bestFwd, bestBwd;
+  bestFwd.prepare = bestBwd.prepare = std::numeric_limits<double>::infinity();
+  for (uint64_t i = 0; i < repeat; ++i) {
+    if (Status s = run.run(*context, backward, &data); !s)
+      return fail(s);
+    if (context->forwardTimes().total() < bestFwd.total())
+      bestFwd = context->forwardTimes();
+    if (backward && context->backwardTimes().total() < bestBwd.total())
+      bestBwd = context->backwardTimes();
+  }
+  std::printf("time (wall, all ranks):\n");
+  printTimes("forward", bestFwd, repeat);
+  if (backward)
+    printTimes("backward", bestBwd, repeat);
+  std::printf("  workspace %.1f MiB\n", double(context->workspaceBytes()) / (1 << 20));
+
+  if (auto trace = args.value("--trace")) {
+    // The last pass's trace is the backward one; run forward once more for
+    // its trace when both ran.
+    if (backward) {
+      if (Status s = context->writeTrace(tracePath(*trace, ".bwd")); !s)
+        return fail(s);
+      if (Status s = context->forward(); !s)
+        return fail(s);
+    }
+    if (Status s = context->writeTrace(*trace); !s)
+      return fail(s);
+  }
+
+  if (args.value("--random"))
+    if (Status s = writeLayerInputs(outputs, data, backward); !s)
+      return fail(s);
+  if (Status s = writeLayerOutputs(outputs, data, backward); !s)
+    return fail(s);
+  std::printf("outputs: %s/{y%s}.npy\n", outputs.c_str(),
+              backward ? ",dx,dtopk_weights,dw1,dw2" : "");
+
+  if (!args.has("--verify"))
+    return kOk;
+  std::vector<OutputError> errors;
+  if (Status s = verifyLayer(data, backward, shape.activations == format::DType::BF16, &errors);
+      !s)
+    return fail(s);
+  std::printf("verify against the reference (plain loops in double):\n");
+  std::printf("  %-14s %12s %12s %10s\n", "output", "max abs err", "max rel err", "tolerance");
+  bool ok = true;
+  for (const OutputError &e : errors) {
+    std::printf("  %-14s %12.3e %12.3e %10.0e  %s\n", e.name.c_str(), e.maxAbs, e.maxRel,
+                e.tolerance, e.ok() ? "ok" : "FAILED");
+    ok = ok && e.ok();
+  }
+  std::printf("verify: %s\n", ok ? "passed" : "FAILED");
+  return ok ? kOk : kError;
+}
+
+} // namespace moec::cli

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job, end to end on the default embedded setup: build moec, compile
 # the forward and backward MoE-FFN graphs for a config (default: the tiny
-# config) and a target (default: cpu, this machine) into task binaries, and
-# print each binary's ops, queues and schedule statistics.
+# config) and a target (default: cpu, this machine) into task binaries, print
+# each binary's ops, queues and schedule statistics, then run both on the CPU
+# runtime, verify the outputs against the reference layer and print timings.
 #
 #   examples/quickstart/run.sh [CONFIG] [TARGET]
 set -euo pipefail
@@ -23,3 +24,10 @@ for pass in fwd bwd; do
   "$moec" dump "$out/$pass.moebin" | sed -n '/^ops/,/^$/p;/^statistics/,$p'
   echo
 done
+
+# Run both binaries on the CPU runtime: every rank of the EP group in this
+# process, random inputs (written to $out/run for replay with --inputs),
+# checked against the reference layer, with the time of each pass.
+ranks=$(sed -n 's/.*EP ranks \([0-9]*\);.*/\1/p' <("$moec" dump "$out/fwd.moebin" | head -5))
+echo "== moec run $out/fwd.moebin $out/bwd.moebin --ranks $ranks --random 1 --outputs $out/run --verify"
+"$moec" run "$out/fwd.moebin" "$out/bwd.moebin" --ranks "$ranks" --random 1 --outputs "$out/run" --verify

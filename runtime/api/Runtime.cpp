@@ -233,6 +233,9 @@ struct Context::Impl {
   Status checkRoutes(std::vector<RankRoute> *out) const;
   void allocate(Pass &pass);
   void fillLayout(Pass &pass) const;
+  /// Gathers every rank's send rows from the bound tensor `source` (x, or dy
+  /// times the top-k weights when `weighted`) into the pass's src slot.
+  void gatherSendRows(Pass &pass, uint32_t source, bool weighted);
   Status runTasks(Pass &pass);
   Status forward();
   Status backward();
@@ -575,6 +578,22 @@ struct Pieces {
 
 } // namespace
 
+void Context::Impl::gatherSendRows(Pass &pass, uint32_t source, bool weighted) {
+  const ops::Elt act = eltOf(shape().activations);
+  const int64_t H = shape().hidden;
+  const Pieces pieces{workerCount};
+  parallelFor(workerCount, pieces.count(ranks()), [&](size_t item) {
+    const uint32_t r = pieces.rank(item);
+    const RankRoute &route = routes[r];
+    const ops::Range part = pieces.range(item, route.tokens * route.topK);
+    const ops::Matrix src = pass.out(r, pass.plan->src);
+    ops::gatherTokenRows(ops::ConstMatrix{bound[r][source].data, act, H},
+                         route.layout.order.data() + part.begin, route.topK,
+                         weighted ? route.weights.data() : nullptr,
+                         ops::Matrix{src.address(part.begin, 0), src.elt, src.ld}, part.size(), H);
+  });
+}
+
 Status Context::Impl::forward() {
   const Clock::time_point t0 = Clock::now();
   const LayerShape &s = shape();
@@ -604,15 +623,7 @@ Status Context::Impl::forward() {
   fillLayout(fwd);
   const ops::Elt act = eltOf(s.activations);
   const Pieces pieces{workerCount};
-  parallelFor(workerCount, pieces.count(ranks()), [&](size_t item) {
-    const uint32_t r = pieces.rank(item);
-    const RankRoute &route = routes[r];
-    const ops::Range part = pieces.range(item, route.tokens * route.topK);
-    const ops::Matrix src = fwd.out(r, plan.src);
-    ops::gatherTokenRows(ops::ConstMatrix{bound[r][kX].data, act, H},
-                         route.layout.order.data() + part.begin, route.topK, nullptr,
-                         ops::Matrix{src.address(part.begin, 0), src.elt, src.ld}, part.size(), H);
-  });
+  gatherSendRows(fwd, kX, false);
   fwd.times.prepare = secondsSince(t0);
 
   if (Status st = runTasks(fwd); !st)
@@ -669,16 +680,7 @@ Status Context::Impl::backward() {
   fillLayout(bwd);
   const ops::Elt act = eltOf(s.activations);
   const Pieces pieces{workerCount};
-  parallelFor(workerCount, pieces.count(ranks()), [&](size_t item) {
-    const uint32_t r = pieces.rank(item);
-    const RankRoute &route = routes[r];
-    const ops::Range part = pieces.range(item, route.tokens * route.topK);
-    const ops::Matrix src = bwd.out(r, plan.src);
-    ops::gatherTokenRows(ops::ConstMatrix{bound[r][kDy].data, act, H},
-                         route.layout.order.data() + part.begin, route.topK,
-                         route.weights.data(),
-                         ops::Matrix{src.address(part.begin, 0), src.elt, src.ld}, part.size(), H);
-  });
+  gatherSendRows(bwd, kDy, true);
   bwd.times.prepare = secondsSince(t0);
 
   if (Status st = runTasks(bwd); !st)

@@ -7,6 +7,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "compiler/driver/Compile.h"
 #include "compiler/lower/Lower.h"
 #include "compiler/target/Schedule.h"
 #include "compiler/target/Simulate.h"
@@ -23,41 +24,24 @@
 
 using namespace moec;
 using namespace moec::format;
-using moec::test::PipelineRun;
 
 namespace {
 
-/// A lowered, scheduled, proven program of one graph and config.
-struct Compiled {
-  TaskProgram program;
-  target::ScheduleEstimate estimate;
-  ModelConfig config;
-};
+/// A lowered, scheduled, proven program of one graph and config, compiled
+/// the way `moec compile` does.
+using Compiled = driver::CompileResult;
 
 Compiled compile(const std::string &graph, const std::string &config,
                  const std::string &targetName, lower::Granularity granularity) {
   INFO(graph << " with " << config << " on " << targetName);
-  PipelineRun run(graph, config, targetName);
-  Compiled c;
-  c.config = test::loadExample(config);
-  lower::LowerOptions options;
+  driver::CompileOptions options;
+  options.configPath = config;
+  options.target = targetName;
   options.granularity = granularity;
-  REQUIRE(target::resolveProfile(targetName, &options.profile).ok());
-  setDefaultCoreCounts(&c.config, options.profile.cubeCores, options.profile.vectorCores);
-  bool lowered = mlir::succeeded(lower::lowerGraph(run.graph, options, &c.program));
-  INFO(run.errors.str());
-  REQUIRE(lowered);
-  Status scheduled = target::scheduleQueues(&c.program, options.profile,
-                                            uint32_t(c.config.numCubeCores),
-                                            uint32_t(c.config.numVectorCores), &c.estimate);
-  INFO(scheduled.message());
-  REQUIRE(scheduled.ok());
-  Status valid = validateTaskProgram(c.program);
-  INFO(valid.message());
-  REQUIRE(valid.ok());
-  Status proven = target::proveDeadlockFree(c.program);
-  INFO(proven.message());
-  REQUIRE(proven.ok());
+  Compiled c;
+  Status compiled = driver::compileGraphFile(graph, options, &c);
+  INFO(compiled.message());
+  REQUIRE(compiled.ok());
   return c;
 }
 

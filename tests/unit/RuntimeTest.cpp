@@ -581,5 +581,9 @@ TEST_CASE("runtime C API", "[runtime]") {
   REQUIRE(cpp->forward().ok());
   for (uint32_t r = 0; r < c.ranks; ++r)
     CHECK(again.y[r] == run.y[r]);
+  CHECK(moec_bind(ctx, 0, nullptr, nullptr) != 0);
+  CHECK_THAT(moec_last_error(), Catch::Contains("moec_bind: null argument"));
+  CHECK(moec_wait(ctx) != 0);
+  CHECK_THAT(moec_last_error(), Catch::Contains("no pass was submitted"));
   moec_context_free(ctx);
 }

@@ -1,0 +1,290 @@
+//===- MoeOps.cpp - The MoE-FFN layer as PyTorch custom ops -----*- C++ -*-===//
+//
+// Registers, with TORCH_LIBRARY, a custom class torch.classes.moec.Layer that
+// owns a runtime context (moec::rt) for a forward and a backward task binary
+// of one MoE-FFN layer on an EP group of R ranks in this process, and two
+// ops over it:
+//
+//   moec::forward(Layer layer, Tensor x, Tensor topk_ids, Tensor topk_weights,
+//                 Tensor w1, Tensor w2) -> (Tensor y, int step)
+//   moec::backward(Layer layer, int step, Tensor x, Tensor topk_ids,
+//                  Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy)
+//       -> (Tensor dx, Tensor dtopk_weights, Tensor dw1, Tensor dw2)
+//
+// Shapes are global, as in `moec run`: x, y, dy, dx [R, S, H]; topk_ids and
+// topk_weights [R, S, K]; w1 [E, H, 2I]; w2 [E, I, H]. Rank r's slices are
+// views into them (rank r owns experts r*L .. r*L+L-1), so nothing is copied
+// on the way in. The runtime keeps what backward needs from the last forward
+// pass; `step` names that pass, and a backward whose step is no longer the
+// last one reruns forward on its saved inputs first (e.g. two forward calls
+// of one module before one backward).
+//
+// Every check of the runtime (dtypes, shapes, expert ids, capacities) fails
+// with its message as a c10::Error, which Python sees as a RuntimeError.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/api/Runtime.h"
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+namespace {
+
+using moec::format::DType;
+
+/// Throws a c10::Error carrying a failed status's message.
+void check(const moec::Status &status, const char *what) {
+  TORCH_CHECK(status.ok(), "moec ", what, ": ", status.message());
+}
+
+at::ScalarType torchType(DType dtype) {
+  switch (dtype) {
+  case DType::F32:
+    return at::kFloat;
+  case DType::BF16:
+    return at::kBFloat16;
+  case DType::I32:
+    return at::kInt;
+  case DType::I64:
+    return at::kLong;
+  }
+  TORCH_CHECK(false, "moec: no torch type for dtype ", int(dtype));
+  return at::kFloat;
+}
+
+DType moecType(const at::Tensor &t, const char *name) {
+  switch (t.scalar_type()) {
+  case at::kFloat:
+    return DType::F32;
+  case at::kBFloat16:
+    return DType::BF16;
+  case at::kInt:
+    return DType::I32;
+  case at::kLong:
+    return DType::I64;
+  default:
+    TORCH_CHECK(false, "moec: '", name, "' is ", t.scalar_type(),
+                "; expected float32, bfloat16, int32 or int64");
+  }
+  return DType::F32;
+}
+
+/// Rank r's part of `t` (the r-th of `parts` equal slices along dim 0) as a
+/// runtime tensor of the remaining dims (dim 0 divided by `parts` when
+/// `keepDim0`).
+moec::rt::Tensor slice(const at::Tensor &t, const char *name, int64_t parts, int64_t r,
+                       bool keepDim0) {
+  moec::rt::Tensor out{};
+  out.dtype = moec_dtype(moecType(t, name));
+  const int64_t per = t.size(0) / parts;
+  if (keepDim0) {
+    out.ndim = int32_t(t.dim());
+    out.dims[0] = per;
+    for (int64_t i = 1; i < t.dim(); ++i)
+      out.dims[i] = t.size(i);
+  } else {
+    out.ndim = int32_t(t.dim() - 1);
+    for (int64_t i = 1; i < t.dim(); ++i)
+      out.dims[i - 1] = t.size(i);
+  }
+  const int64_t rowElements = t.numel() / std::max<int64_t>(1, t.size(0));
+  out.data = static_cast<char *>(t.data_ptr()) + r * per * rowElements * t.element_size();
+  return out;
+}
+
+/// Checks what the runtime cannot see from a raw pointer: CPU, a contiguous
+/// layout (made so by the caller), and the leading dim split over ranks.
+void expectInput(const at::Tensor &t, const char *name, int64_t dims, int64_t leading,
+                 const char *leadingName) {
+  TORCH_CHECK(t.defined(), "moec: '", name, "' is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "moec: '", name, "' is on ", t.device(),
+              "; the moec runtime runs on the CPU");
+  TORCH_CHECK(t.dim() == dims, "moec: '", name, "' has shape ", t.sizes(), "; expected ", dims,
+              " dims");
+  TORCH_CHECK(t.size(0) == leading, "moec: '", name, "' has shape ", t.sizes(),
+              "; expected dim 0 to be ", leadingName, " = ", leading);
+}
+
+class Layer : public torch::CustomClassHolder {
+public:
+  Layer(std::string forwardPath, std::string backwardPath, int64_t workers,
+        double timeoutSeconds) {
+    std::shared_ptr<const moec::rt::Program> fwd, bwd;
+    check(moec::rt::Program::load(forwardPath, &fwd), "forward binary");
+    if (!backwardPath.empty())
+      check(moec::rt::Program::load(backwardPath, &bwd), "backward binary");
+    TORCH_CHECK(workers >= 0, "moec: workers must be >= 0 (0: the hardware threads), got ",
+                workers);
+    moec::rt::ContextOptions options;
+    options.workers = uint32_t(workers);
+    options.timeoutSeconds = timeoutSeconds;
+    check(moec::rt::Context::create(fwd, bwd, options, &context), "context");
+  }
+
+  /// The layer's sizes, for the Python side.
+  c10::Dict<std::string, int64_t> info() const {
+    const moec::rt::LayerShape &s = context->shape();
+    c10::Dict<std::string, int64_t> d;
+    d.insert("ranks", s.ranks);
+    d.insert("local_experts", s.localExperts);
+    d.insert("experts", s.experts());
+    d.insert("hidden", s.hidden);
+    d.insert("inter", s.inter);
+    d.insert("tokens", s.tokens);
+    d.insert("top_k", s.topK);
+    d.insert("receive_capacity", s.receiveCapacity);
+    d.insert("bf16", s.activations == DType::BF16);
+    d.insert("backward", context->backwardShape() != nullptr);
+    d.insert("workers", context->workers());
+    return d;
+  }
+
+  std::tuple<at::Tensor, int64_t> forward(const at::Tensor &x, const at::Tensor &ids,
+                                          const at::Tensor &weights, const at::Tensor &w1,
+                                          const at::Tensor &w2) {
+    std::lock_guard<std::mutex> lock(mutex);
+    const Inputs in = inputs(x, ids, weights, w1, w2);
+    at::Tensor y = at::empty_like(in.x);
+    runForward(in, y);
+    return {y, step};
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+  backward(int64_t forwardStep, const at::Tensor &x, const at::Tensor &ids,
+           const at::Tensor &weights, const at::Tensor &w1, const at::Tensor &w2,
+           const at::Tensor &dyIn) {
+    std::lock_guard<std::mutex> lock(mutex);
+    const moec::rt::LayerShape *bs = context->backwardShape();
+    TORCH_CHECK(bs, "moec: this layer was built without a backward binary");
+    const Inputs in = inputs(x, ids, weights, w1, w2);
+    // The runtime's saved state belongs to its last forward pass; a backward
+    // of an older one recomputes it.
+    if (forwardStep != step) {
+      at::Tensor y = at::empty_like(in.x);
+      runForward(in, y);
+    }
+    const int64_t R = context->ranks();
+    expectInput(dyIn, "dy", 3, R, "ranks");
+    TORCH_CHECK(dyIn.sizes() == in.x.sizes(), "moec: 'dy' has shape ", dyIn.sizes(),
+                "; expected ", in.x.sizes(), " like x");
+    TORCH_CHECK(dyIn.scalar_type() == in.x.scalar_type(), "moec: 'dy' is ", dyIn.scalar_type(),
+                "; expected ", in.x.scalar_type(), " like x");
+    const at::Tensor dy = dyIn.contiguous();
+    at::Tensor dx = at::empty_like(in.x);
+    at::Tensor dtopk = at::empty(in.weights.sizes(), in.weights.options().dtype(at::kFloat));
+    const auto gradOptions = in.w1.options().dtype(torchType(bs->weightGrads));
+    // Weight gradients the binary accumulates start from zero here; the
+    // framework's autograd does the accumulation across steps.
+    at::Tensor dw1 = bs->accumulateWeightGrads ? at::zeros(in.w1.sizes(), gradOptions)
+                                               : at::empty(in.w1.sizes(), gradOptions);
+    at::Tensor dw2 = bs->accumulateWeightGrads ? at::zeros(in.w2.sizes(), gradOptions)
+                                               : at::empty(in.w2.sizes(), gradOptions);
+    bindInputs(in);
+    for (int64_t r = 0; r < R; ++r) {
+      check(context->bind(r, "dy", slice(dy, "dy", R, r, false)), "bind dy");
+      check(context->bind(r, "dx", slice(dx, "dx", R, r, false)), "bind dx");
+      check(context->bind(r, "dtopk_weights", slice(dtopk, "dtopk_weights", R, r, false)),
+            "bind dtopk_weights");
+      check(context->bind(r, "dw1", slice(dw1, "dw1", R, r, true)), "bind dw1");
+      check(context->bind(r, "dw2", slice(dw2, "dw2", R, r, true)), "bind dw2");
+    }
+    check(context->backward(), "backward");
+    // Gradients take their parameter's dtype (fp32 weight gradients of a
+    // bf16 layer are rounded once, here).
+    if (dw1.scalar_type() != in.w1.scalar_type()) {
+      dw1 = dw1.to(in.w1.scalar_type());
+      dw2 = dw2.to(in.w2.scalar_type());
+    }
+    return {dx, dtopk, dw1, dw2};
+  }
+
+  /// Seconds of the last forward and backward pass: prepare, tasks, finish.
+  std::vector<double> times() const {
+    const moec::rt::PassTimes &f = context->forwardTimes(), &b = context->backwardTimes();
+    return {f.prepare, f.tasks, f.finish, b.prepare, b.tasks, b.finish};
+  }
+
+private:
+  struct Inputs {
+    at::Tensor x, ids, weights, w1, w2;
+  };
+
+  /// Checks the inputs against the layer and makes them contiguous.
+  Inputs inputs(const at::Tensor &x, const at::Tensor &ids, const at::Tensor &weights,
+                const at::Tensor &w1, const at::Tensor &w2) const {
+    const moec::rt::LayerShape &s = context->shape();
+    const int64_t R = s.ranks, E = s.experts();
+    expectInput(x, "x", 3, R, "ranks");
+    expectInput(ids, "topk_ids", 3, R, "ranks");
+    expectInput(weights, "topk_weights", 3, R, "ranks");
+    expectInput(w1, "w1", 3, E, "experts");
+    expectInput(w2, "w2", 3, E, "experts");
+    return {x.contiguous(), ids.contiguous(), weights.contiguous(), w1.contiguous(),
+            w2.contiguous()};
+  }
+
+  void bindInputs(const Inputs &in) {
+    const int64_t R = context->ranks();
+    for (int64_t r = 0; r < R; ++r) {
+      check(context->setRouting(r, slice(in.ids, "topk_ids", R, r, false),
+                                slice(in.weights, "topk_weights", R, r, false)),
+            "routing");
+      check(context->bind(r, "x", slice(in.x, "x", R, r, false)), "bind x");
+      check(context->bind(r, "w1", slice(in.w1, "w1", R, r, true)), "bind w1");
+      check(context->bind(r, "w2", slice(in.w2, "w2", R, r, true)), "bind w2");
+    }
+  }
+
+  void runForward(const Inputs &in, at::Tensor &y) {
+    const int64_t R = context->ranks();
+    bindInputs(in);
+    for (int64_t r = 0; r < R; ++r)
+      check(context->bind(r, "y", slice(y, "y", R, r, false)), "bind y");
+    // A failed pass leaves no valid saved state.
+    step = -1;
+    check(context->forward(), "forward");
+    step = ++passes;
+  }
+
+  std::unique_ptr<moec::rt::Context> context;
+  std::mutex mutex;    ///< one pass at a time (the context is not thread-safe)
+  int64_t passes = 0;  ///< forward passes run
+  int64_t step = -1;   ///< the pass whose state the runtime holds; -1: none
+};
+
+std::tuple<at::Tensor, int64_t> forwardOp(const c10::intrusive_ptr<Layer> &layer,
+                                          const at::Tensor &x, const at::Tensor &ids,
+                                          const at::Tensor &weights, const at::Tensor &w1,
+                                          const at::Tensor &w2) {
+  return layer->forward(x, ids, weights, w1, w2);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+backwardOp(const c10::intrusive_ptr<Layer> &layer, int64_t step, const at::Tensor &x,
+           const at::Tensor &ids, const at::Tensor &weights, const at::Tensor &w1,
+           const at::Tensor &w2, const at::Tensor &dy) {
+  return layer->backward(step, x, ids, weights, w1, w2, dy);
+}
+
+} // namespace
+
+TORCH_LIBRARY(moec, m) {
+  m.class_<Layer>("Layer")
+      .def(torch::init<std::string, std::string, int64_t, double>())
+      .def("info", &Layer::info)
+      .def("times", &Layer::times);
+  m.def("forward(__torch__.torch.classes.moec.Layer layer, Tensor x, Tensor topk_ids, "
+        "Tensor topk_weights, Tensor w1, Tensor w2) -> (Tensor, int)",
+        forwardOp);
+  m.def("backward(__torch__.torch.classes.moec.Layer layer, int step, Tensor x, "
+        "Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy) -> "
+        "(Tensor, Tensor, Tensor, Tensor)",
+        backwardOp);
+}

@@ -1,0 +1,246 @@
+"""MoeFFN against plain PyTorch autograd (moec_torch.reference) on the same
+inputs: forward output and the gradients of x, topk_weights, w1 and w2."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import moec_torch
+from moec_torch import reference
+
+GRAPHS = Path(os.environ.get("MOEC_GRAPHS", Path(__file__).resolve().parents[3] / "graphs"))
+CONFIGS = GRAPHS.parent / "examples/configs"
+
+
+def config(experts=4, top_k=2, hidden=64, inter=32, tokens=128, dtype="fp32", **extra):
+    return {"name": "test", "hidden_size": hidden, "intermediate_size": inter,
+            "num_experts": experts, "top_k": top_k, "ep": 1, "tp": 1,
+            "seq_size": tokens, "dtype": dtype, **extra}
+
+
+def routing(ranks, tokens, experts, top_k, seed=0, hot=None, avoid=()):
+    """Distinct experts per token, random; `hot` takes every first choice;
+    experts in `avoid` get no tokens."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(experts) if e not in avoid])
+    scores = torch.rand(ranks * tokens, len(allowed), generator=g)
+    if hot is not None:
+        scores[:, (allowed == hot).nonzero().item()] = 2.0
+    ids = allowed[scores.argsort(dim=1, descending=True)[:, :top_k]]
+    weights = torch.rand(ranks * tokens, top_k, generator=g) * 0.8 + 0.2
+    return ids.view(ranks, tokens, top_k), weights.view(ranks, tokens, top_k)
+
+
+def rel_err(got, want):
+    scale = want.abs().max().item()
+    return (got.double() - want).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def check_step(layer, x, ids, weights, dy, tol):
+    """One forward + backward of `layer` and of the reference in float64 on
+    the same values; every output within `tol` of the reference's scale."""
+    x = x.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    layer.zero_grad()
+    y = layer(x, ids, weights)
+    y.backward(dy)
+
+    xd = x.detach().double().requires_grad_()
+    wd = weights.detach().double().requires_grad_()
+    w1 = layer.w1.detach().double().requires_grad_()
+    w2 = layer.w2.detach().double().requires_grad_()
+    yd = reference.moe_ffn(xd, ids, wd, w1, w2)
+    yd.backward(dy.double())
+
+    errors = {"y": rel_err(y, yd), "dx": rel_err(x.grad, xd.grad),
+              "dtopk_weights": rel_err(weights.grad, wd.grad),
+              "dw1": rel_err(layer.w1.grad, w1.grad), "dw2": rel_err(layer.w2.grad, w2.grad)}
+    assert y.dtype == x.dtype and x.grad.dtype == x.dtype
+    assert layer.w1.grad.dtype == layer.w1.dtype and weights.grad.dtype == torch.float32
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    assert not bad, f"over {tol}: {bad} (all: {errors})"
+    return y, (x.grad, weights.grad, layer.w1.grad, layer.w2.grad), (w1.grad, w2.grad)
+
+
+def inputs(layer, seed, tokens=None, **route):
+    tokens = tokens or layer.tokens
+    g = torch.Generator().manual_seed(seed + 1000)
+    dtype = layer.w1.dtype
+    x = (torch.rand(layer.ranks, tokens, layer.hidden, generator=g) * 2 - 1).to(dtype)
+    dy = (torch.rand(layer.ranks, tokens, layer.hidden, generator=g) * 2 - 1).to(dtype)
+    ids, weights = routing(layer.ranks, tokens, layer.experts, layer.top_k, seed, **route)
+    return x, ids, weights, dy
+
+
+FP32_TOL = 1e-4
+BF16_TOL = 3e-2
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("local_experts,top_k", [(2, 2), (8, 8), (1, 1)])
+def test_fp32_matches_autograd(ranks, local_experts, top_k):
+    torch.manual_seed(ranks * 100 + local_experts)
+    layer = moec_torch.MoeFFN(config(experts=local_experts * ranks, top_k=top_k), ranks,
+                              threads=2)
+    check_step(layer, *inputs(layer, seed=ranks), tol=FP32_TOL)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_bf16_matches_autograd(ranks):
+    torch.manual_seed(ranks)
+    layer = moec_torch.MoeFFN(config(experts=8, top_k=2, dtype="bf16"), ranks, threads=2)
+    assert layer.w1.dtype == torch.bfloat16
+    check_step(layer, *inputs(layer, seed=ranks), tol=BF16_TOL)
+
+
+def test_tiny_config_file_and_fewer_tokens():
+    """The tiny example config from its JSON path; a step with fewer tokens
+    than the compiled seq_size."""
+    layer = moec_torch.MoeFFN(CONFIGS / "tiny.json", ranks=2, threads=2)
+    check_step(layer, *inputs(layer, seed=3, tokens=layer.tokens // 2 + 1), tol=FP32_TOL)
+
+
+def test_zero_token_experts_and_skew():
+    layer = moec_torch.MoeFFN(config(experts=8, top_k=2), 2, threads=2)
+    # Experts 0 and 5 get no token, expert 3 gets every first choice.
+    x, ids, weights, dy = inputs(layer, seed=4, hot=3, avoid=(0, 5))
+    assert not (ids == 0).any() and not (ids == 5).any()
+    _, (_, _, dw1, dw2), _ = check_step(layer, x, ids, weights, dy, tol=FP32_TOL)
+    assert dw1[0].abs().max() == 0 and dw2[5].abs().max() == 0
+    assert dw1[3].abs().max() > 0
+
+
+def test_repeated_training_steps():
+    """Several SGD steps of one module with new routing each step; the module
+    and a float64 copy trained with the reference stay together."""
+    torch.manual_seed(7)
+    layer = moec_torch.MoeFFN(config(experts=8, top_k=2), 2, threads=2)
+    w1 = layer.w1.detach().double().clone().requires_grad_()
+    w2 = layer.w2.detach().double().clone().requires_grad_()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    opt_ref = torch.optim.SGD([w1, w2], lr=0.5)
+    for step in range(4):
+        x, ids, weights, _ = inputs(layer, seed=10 + step)
+        opt.zero_grad()
+        loss = layer(x, ids, weights).square().mean()
+        loss.backward()
+        opt.step()
+        opt_ref.zero_grad()
+        loss_ref = reference.moe_ffn(x.double(), ids, weights.double(), w1, w2).square().mean()
+        loss_ref.backward()
+        opt_ref.step()
+        assert abs(loss.item() - loss_ref.item()) <= FP32_TOL * abs(loss_ref.item())
+    assert rel_err(layer.w1.detach(), w1.detach()) < FP32_TOL
+    assert rel_err(layer.w2.detach(), w2.detach()) < FP32_TOL
+
+
+def test_two_forwards_then_backwards():
+    """The runtime keeps the last forward's state; the backward of an earlier
+    forward recomputes its own and still gets its gradients right."""
+    layer = moec_torch.MoeFFN(config(experts=4, top_k=2), 2, threads=2)
+    xa, ids_a, wa, _ = inputs(layer, seed=20)
+    xb, ids_b, wb, _ = inputs(layer, seed=21)
+    xa.requires_grad_()
+    xb.requires_grad_()
+    loss = layer(xa, ids_a, wa).sum() + 2 * layer(xb, ids_b, wb).sum()
+    loss.backward()
+    xd = xa.detach().double().requires_grad_()
+    xe = xb.detach().double().requires_grad_()
+    w1 = layer.w1.detach().double().requires_grad_()
+    w2 = layer.w2.detach().double().requires_grad_()
+    (reference.moe_ffn(xd, ids_a, wa.double(), w1, w2).sum()
+     + 2 * reference.moe_ffn(xe, ids_b, wb.double(), w1, w2).sum()).backward()
+    assert rel_err(xa.grad, xd.grad) < FP32_TOL
+    assert rel_err(xb.grad, xe.grad) < FP32_TOL
+    assert rel_err(layer.w1.grad, w1.grad) < FP32_TOL
+    assert rel_err(layer.w2.grad, w2.grad) < FP32_TOL
+
+
+def test_deterministic_across_runs():
+    layer = moec_torch.MoeFFN(config(experts=8, top_k=2), 2, threads=2)
+    x, ids, weights, dy = inputs(layer, seed=30)
+    outs = []
+    for _ in range(2):
+        xg = x.clone().requires_grad_()
+        layer.zero_grad()
+        layer(xg, ids, weights).backward(dy)
+        outs.append((xg.grad.clone(), layer.w1.grad.clone(), layer.w2.grad.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_compile_cache():
+    cfg = config(experts=4, top_k=2, tokens=128)
+    first = moec_torch.compile_layer(cfg, 2)
+    mtime = [os.stat(p).st_mtime_ns for p in first]
+    assert moec_torch.compile_layer(dict(cfg), 2) == first
+    # A new process's view: the in-memory cache cleared, the disk cache hit.
+    moec_torch._compiled.clear()
+    assert moec_torch.compile_layer(cfg, 2) == first
+    assert [os.stat(p).st_mtime_ns for p in first] == mtime
+    other = moec_torch.compile_layer(cfg, 1)
+    assert other != first and all(Path(p).is_file() for p in other)
+
+
+# Errors cross into Python as exceptions with the runtime's message.
+
+@pytest.fixture(scope="module")
+def tiny():
+    return moec_torch.MoeFFN(config(experts=4, top_k=2, tokens=128), 2, threads=2)
+
+
+def good(layer):
+    return inputs(layer, seed=40)[:3]
+
+
+def test_error_wrong_dtype(tiny):
+    x, ids, weights = good(tiny)
+    with pytest.raises(RuntimeError, match="'x' is Double"):
+        tiny(x.double(), ids, weights)
+    with pytest.raises(RuntimeError, match="topk_weights is bf16; expected f32"):
+        tiny(x, ids, weights.bfloat16())
+    with pytest.raises(RuntimeError, match="topk_ids is f32; expected i32 or i64"):
+        tiny(x, ids.float(), weights)
+
+
+def test_error_wrong_device(tiny):
+    x, ids, weights = good(tiny)
+    with pytest.raises(RuntimeError, match="'x' is on meta; the moec runtime runs on the CPU"):
+        tiny(x.to("meta"), ids, weights)
+
+
+def test_error_wrong_shape(tiny):
+    x, ids, weights = good(tiny)
+    with pytest.raises(RuntimeError, match="expected dim 0 to be ranks = 2"):
+        tiny(x[:1], ids[:1], weights[:1])
+    with pytest.raises(RuntimeError, match=r"rank 0: tensor 'x' has shape \[128, 48\]; expected \[128, 64\]"):
+        tiny(x[:, :, :48], ids, weights)
+    with pytest.raises(RuntimeError, match="129 tokens x top-2 = 258 rows; the binary serves at most 256"):
+        big = torch.zeros(2, 129, tiny.hidden)
+        tiny(big, *routing(2, 129, tiny.experts, 2))
+
+
+def test_error_routing(tiny):
+    x, ids, weights = good(tiny)
+    bad = ids.clone()
+    bad[1, 5, 0] = tiny.experts
+    with pytest.raises(RuntimeError, match=r"rank 1: topk_ids\[5\]\[0\] = 4 is not an expert"):
+        tiny(x, bad, weights)
+    dup = ids.clone()
+    dup[0, 3, 1] = dup[0, 3, 0]
+    with pytest.raises(RuntimeError, match=r"rank 0: topk_ids: token 3 routes to expert \d twice"):
+        tiny(x, dup, weights)
+
+
+def test_error_capacity():
+    layer = moec_torch.MoeFFN(config(experts=4, top_k=2, tokens=128, capacity_factor=1.5), 2,
+                              threads=2)
+    x, _, weights, _ = inputs(layer, seed=50)
+    # Every token of both ranks picks experts 0 and 1, both on rank 0.
+    ids = torch.tensor([0, 1]).expand(2, 128, 2).contiguous()
+    with pytest.raises(RuntimeError, match="capacity"):
+        layer(x, ids, weights)
+    # The layer still works after the error.
+    check_step(layer, *inputs(layer, seed=51), tol=FP32_TOL)

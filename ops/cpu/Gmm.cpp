@@ -8,6 +8,20 @@
 #include <mutex>
 #include <new>
 
+// Under ThreadSanitizer (-fsanitize=thread, g++ or clang), the matrices
+// OpenBLAS reads and writes are reported to it; see tsanAccess below.
+#if defined(__SANITIZE_THREAD__)
+#define MOEC_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define MOEC_TSAN 1
+#endif
+#endif
+#ifdef MOEC_TSAN
+extern "C" void __tsan_read_range(void *addr, unsigned long size);
+extern "C" void __tsan_write_range(void *addr, unsigned long size);
+#endif
+
 namespace moec::ops {
 
 //===----------------------------------------------------------------------===//
@@ -73,11 +87,31 @@ int ldFor(int64_t rows, int64_t cols, int64_t ld) {
   return int(ld);
 }
 
+#ifdef MOEC_TSAN
+/// Tells ThreadSanitizer about the accesses to a stored `rows` x `cols` fp32
+/// matrix: OpenBLAS is not instrumented, so without this a race on a matrix
+/// that only sgemm reads or writes would go unseen.
+void tsanAccess(const float *x, int64_t rows, int64_t cols, int64_t ld, bool write) {
+  for (int64_t r = 0; r < rows; ++r) {
+    void *row = const_cast<float *>(x + r * ld);
+    if (write)
+      __tsan_write_range(row, (unsigned long)(cols * int64_t(sizeof(float))));
+    else
+      __tsan_read_range(row, (unsigned long)(cols * int64_t(sizeof(float))));
+  }
+}
+#endif
+
 /// One fp32 sgemm, row-major: C = op(A) op(B) + beta C with op(A) m x k and
 /// op(B) k x n. `a` is stored m x k (k x m when transA), `b` k x n (n x k
 /// when transB).
 void sgemm(bool transA, bool transB, int64_t m, int64_t n, int64_t k, const float *a,
            int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+#ifdef MOEC_TSAN
+  tsanAccess(a, transA ? k : m, transA ? m : k, lda, false);
+  tsanAccess(b, transB ? n : k, transB ? k : n, ldb, false);
+  tsanAccess(c, m, n, ldc, true);
+#endif
   cblas_sgemm(CblasRowMajor, transA ? CblasTrans : CblasNoTrans,
               transB ? CblasTrans : CblasNoTrans, int(m), int(n), int(k), 1.0f, a,
               transA ? ldFor(k, m, lda) : ldFor(m, k, lda), b,

@@ -850,6 +850,8 @@ Status Context::wait() {
 }
 
 Status Context::writeTrace(const std::string &path) const {
+  if (Status s = body->idle(); !s)
+    return s;
   if (!body->options.trace)
     return Status::error("tracing is off (ContextOptions::trace)");
   if (!body->lastExecutor)

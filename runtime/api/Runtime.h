@@ -266,7 +266,9 @@ public:
   Status backward();
 
   /// Starts forward() / backward() on a thread of the context; wait()
-  /// returns its Status. Other calls fail while a pass is in flight.
+  /// returns its Status. Other calls that return a Status fail while a pass
+  /// is in flight; the accessors below (times, workspace bytes) must not be
+  /// called then.
   Status submitForward();
   Status submitBackward();
   Status wait();

@@ -1,17 +1,20 @@
 //===- RuntimeTest.cpp - The runtime against the reference layer ----------===//
 //
-// Compiles the forward and backward graphs for a matrix of small configs,
-// runs them through the runtime API on R in-process ranks, and compares
-// every output with the plain-loop reference (ops/cpu/Reference.h, in
-// double). Also: determinism across runs, worker counts and schedules; bad
-// input that must be refused with outputs untouched; the C API.
+// Compiles the forward and backward graphs for a matrix of small configs
+// (RuntimeCompile.h: in process for runtime_test; through the moec binary for
+// runtime_tsan_test, which builds this file and the runtime with
+// ThreadSanitizer), runs them through the runtime API on R in-process ranks,
+// and compares every output with the plain-loop reference
+// (ops/cpu/Reference.h, in double). Also: determinism across runs, worker
+// counts and schedules; submit and wait; bad input that must be refused with
+// outputs untouched; the C API.
 //
 //===----------------------------------------------------------------------===//
 
-#include "compiler/driver/Compile.h"
 #include "ops/cpu/Element.h"
 #include "ops/cpu/Reference.h"
 #include "runtime/api/Runtime.h"
+#include "tests/unit/RuntimeCompile.h"
 
 #include <catch2/catch.hpp>
 
@@ -38,6 +41,13 @@ namespace ref = moec::ops::reference;
 
 enum class Routing { Uniform, Skewed, ZeroExpert, SilentRank };
 
+/// The event granularity a case is compiled with (moec compile --granularity).
+enum class Granularity { PerExpert, PerTileRange };
+
+const char *granularityName(Granularity g) {
+  return g == Granularity::PerExpert ? "per-expert" : "per-tile-range";
+}
+
 const char *routingName(Routing r) {
   switch (r) {
   case Routing::Uniform: return "uniform";
@@ -53,14 +63,14 @@ struct Case {
   uint32_t ranks = 2, localExperts = 2, topK = 2;
   int64_t seq = 128, hidden = 32, inter = 16;
   bool bf16 = false;
-  moec::lower::Granularity granularity = moec::lower::Granularity::PerTileRange;
+  Granularity granularity = Granularity::PerTileRange;
   Routing routing = Routing::Uniform;
   double capacityFactor = 0; ///< 0: the config's default
   uint32_t experts() const { return ranks * localExperts; }
   std::string describe() const {
     return "R=" + std::to_string(ranks) + " L=" + std::to_string(localExperts) +
            " K=" + std::to_string(topK) + (bf16 ? " bf16" : " f32") + " " +
-           moec::lower::granularityName(granularity) + " " + routingName(routing);
+           granularityName(granularity) + " " + routingName(routing);
   }
 };
 
@@ -78,8 +88,8 @@ compile(const Case &c) {
   const std::string key = std::to_string(c.ranks) + "_" + std::to_string(c.localExperts) + "_" +
                           std::to_string(c.topK) + "_" + std::to_string(c.hidden) + "_" +
                           std::to_string(c.inter) + (c.bf16 ? "_bf16_" : "_f32_") +
-                          moec::lower::granularityName(c.granularity) +
-                          "_" + std::to_string(c.capacityFactor);
+                          granularityName(c.granularity) + "_" +
+                          std::to_string(c.capacityFactor);
   if (auto it = cache.find(key); it != cache.end())
     return it->second;
   const std::string config = tempPath("runtime_" + key + ".json");
@@ -97,14 +107,12 @@ compile(const Case &c) {
   std::shared_ptr<const Program> programs[2];
   const char *graphs[2] = {"graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd.json"};
   for (int i = 0; i < 2; ++i) {
-    moec::driver::CompileOptions options;
-    options.configPath = config;
-    options.granularity = c.granularity;
-    moec::driver::CompileResult result;
-    Status compiled = moec::driver::compileGraphFile(graphs[i], options, &result);
-    INFO(graphs[i] << ": " << compiled.message());
+    moec::format::TaskProgram program;
+    Status compiled =
+        moec::test::compileLayer(graphs[i], config, granularityName(c.granularity), &program);
+    INFO(compiled.message());
     REQUIRE(compiled.ok());
-    Status created = Program::create(std::move(result.program), &programs[i]);
+    Status created = Program::create(std::move(program), &programs[i]);
     INFO(created.message());
     REQUIRE(created.ok());
   }
@@ -375,7 +383,7 @@ TEST_CASE("runtime matches the reference over ranks, experts and top-k", "[runti
 
 TEST_CASE("runtime matches the reference in bf16 and with per-expert events", "[runtime]") {
   for (bool bf16 : {false, true})
-    for (auto g : {moec::lower::Granularity::PerExpert, moec::lower::Granularity::PerTileRange})
+    for (auto g : {Granularity::PerExpert, Granularity::PerTileRange})
       for (uint32_t R : {1u, 2u, 4u}) {
         Case c;
         c.ranks = R;
@@ -457,6 +465,19 @@ TEST_CASE("runtime submit and wait", "[runtime]") {
   CHECK(ra.sameOutputs(rb));
   CHECK_THAT(b->wait().message(), Catch::Contains("no pass was submitted"));
   CHECK(b->workspaceBytes() > 0);
+
+  // The trace of a pass in flight is refused, not read while it is written.
+  ContextOptions traced;
+  traced.trace = true;
+  std::unique_ptr<Context> t;
+  REQUIRE(Context::create(fwd, bwd, traced, &t).ok());
+  Run rt = prepare(c, in, bwd->shape());
+  REQUIRE(bindAll(*t, c, rt).ok());
+  const std::string trace = tempPath("submitted_trace.json");
+  REQUIRE(t->submitForward().ok());
+  CHECK_THAT(t->writeTrace(trace).message(), Catch::Contains("still running"));
+  REQUIRE(t->wait().ok());
+  CHECK(t->writeTrace(trace).ok());
 }
 
 TEST_CASE("runtime refuses bad input and leaves outputs untouched", "[runtime]") {

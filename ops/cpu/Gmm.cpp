@@ -49,15 +49,27 @@ float *Scratch::floats(size_t count) {
   return buffer.get();
 }
 
-void ensureBlasSingleThreaded() {
-  static std::once_flag once;
-  std::call_once(once, [] { openblas_set_num_threads(1); });
+namespace {
+std::mutex blasMutex;
+int blasHolders = 0;  ///< BlasSingleThread objects alive
+int blasThreads = 0;  ///< OpenBLAS's thread count before the first of them
+} // namespace
+
+BlasSingleThread::BlasSingleThread() {
+  std::lock_guard<std::mutex> lock(blasMutex);
+  if (blasHolders++ == 0) {
+    blasThreads = openblas_get_num_threads();
+    openblas_set_num_threads(1);
+  }
 }
 
-const char *blasConfig() {
-  ensureBlasSingleThreaded();
-  return openblas_get_config();
+BlasSingleThread::~BlasSingleThread() {
+  std::lock_guard<std::mutex> lock(blasMutex);
+  if (--blasHolders == 0)
+    openblas_set_num_threads(blasThreads);
 }
+
+const char *blasConfig() { return openblas_get_config(); }
 
 //===----------------------------------------------------------------------===//
 // The tile matmul
@@ -158,8 +170,6 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
       zeroTile(c, m, n);
     return;
   }
-  ensureBlasSingleThreaded();
-
   // All fp32: one sgemm on the buffers in place.
   if (a.elt == Elt::F32 && b.elt == Elt::F32 && c.elt == Elt::F32) {
     sgemm(transA, transB, m, n, k, static_cast<const float *>(a.data), a.ld,

@@ -86,9 +86,20 @@ private:
   size_t size = 0;
 };
 
-/// Makes sure OpenBLAS runs single-threaded; the kernels call it before their
-/// first sgemm. Safe to call from any thread, any number of times.
-void ensureBlasSingleThreaded();
+/// While one of these exists, in any thread, OpenBLAS runs each call on its
+/// calling thread alone: whoever runs many kernels at once on its own threads
+/// (the runtime's workers, the per-core benchmarks) holds one. The first to
+/// be made sets OpenBLAS to one thread; the last to go sets back the count it
+/// found, so a host program's own BLAS calls (PyTorch's matmuls, say) keep
+/// their threads outside the runtime's passes. Kernels called with none held
+/// run with whatever threads OpenBLAS has.
+class BlasSingleThread {
+public:
+  BlasSingleThread();
+  ~BlasSingleThread();
+  BlasSingleThread(const BlasSingleThread &) = delete;
+  BlasSingleThread &operator=(const BlasSingleThread &) = delete;
+};
 
 /// Returns OpenBLAS's description of itself (build options and the CPU
 /// kernel it chose), for benchmark reports.

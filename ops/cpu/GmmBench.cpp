@@ -82,6 +82,7 @@ int main(int argc, char **argv) {
     reference::matmul(m, n, k, a.data(), b.data(), naive.data());
   });
   Scratch scratch;
+  const BlasSingleThread oneBlasThread;
   const double tFast = bestSeconds(reps, [&] {
     gemmTile(m, n, k, ConstMatrix{a.data(), Elt::F32, k}, false,
              ConstMatrix{b.data(), Elt::F32, n}, false, Matrix{fast.data(), Elt::F32, n}, false,

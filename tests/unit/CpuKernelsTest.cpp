@@ -13,6 +13,7 @@
 #include "ops/cpu/Swiglu.h"
 
 #include <catch2/catch.hpp>
+#include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +22,7 @@
 #include <limits>
 #include <random>
 #include <string>
+
 #include <thread>
 #include <vector>
 
@@ -474,6 +476,7 @@ TEST_CASE("gmm kernels are deterministic, also on worker threads", "[cpu][gmm]")
     for (int64_t t = 0; t < rowTiles * colTiles; ++t)
       gmmForwardTile(a.cview(), w.cview(), serial.view(), k, seg,
                      tileRange(t / colTiles, rows, rowTiles), tileRange(t % colTiles, n, colTiles));
+    const BlasSingleThread oneBlasThread;
     std::vector<std::thread> workers;
     for (int worker = 0; worker < 4; ++worker)
       workers.emplace_back([&, worker] {
@@ -486,6 +489,24 @@ TEST_CASE("gmm kernels are deterministic, also on worker threads", "[cpu][gmm]")
       t.join();
     CHECK(serial.bytes() == parallel.bytes());
   }
+}
+
+TEST_CASE("BlasSingleThread holds OpenBLAS at one thread and gives the count back",
+          "[cpu][gmm]") {
+  openblas_set_num_threads(3);
+  REQUIRE(openblas_get_num_threads() == 3);
+  {
+    const BlasSingleThread outer;
+    CHECK(openblas_get_num_threads() == 1);
+    std::thread other([] {
+      const BlasSingleThread inner;
+      CHECK(openblas_get_num_threads() == 1);
+    });
+    other.join();
+    // The inner holder's end does not give the threads back early.
+    CHECK(openblas_get_num_threads() == 1);
+  }
+  CHECK(openblas_get_num_threads() == 3);
 }
 
 TEST_CASE("the BLAS reports its configuration", "[cpu][gmm]") {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds everything and runs every test (Catch2 unit tests and lit/FileCheck
-# tests), then prints one summary line: "N passed, N failed".
+# Builds everything and runs every test (Catch2 unit tests, lit/FileCheck tests
+# and the pytest suite of the torch op), then prints one summary line:
+# "tests: N passed, N failed".
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 log="$(mktemp)"

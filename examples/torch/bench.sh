@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Builds the moec CLI and the torch op library, then runs bench.py (MoeFFN
+# against the plain PyTorch layer) with Debian's PyTorch. Arguments go to
+# bench.py.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+bazel build //tools:moec //examples/torch:moec_torch.so
+exec /usr/bin/python3 examples/torch/bench.py "$@"

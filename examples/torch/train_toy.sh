@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Builds the moec CLI and the torch op library, then trains the toy model of
+# train_toy.py with Debian's PyTorch (/usr/bin/python3). Arguments go to
+# train_toy.py (--steps, --ranks, --dtype, --threads, --seed).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+bazel build //tools:moec //examples/torch:moec_torch.so
+exec /usr/bin/python3 examples/torch/train_toy.py "$@"

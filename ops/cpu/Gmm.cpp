@@ -1,15 +1,28 @@
-//===- Gmm.cpp - Grouped matmul tile kernels on OpenBLAS ------------------===//
+//===- Gmm.cpp - Grouped matmul tile kernels on oneDNN's GEMM -------------===//
 
 #include "ops/cpu/Gmm.h"
 
-#include <cblas.h>
+#include <oneapi/dnnl/dnnl.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <new>
+#include <string>
+
+// oneDNN 2.6 exports its bf16 GEMM (bf16 inputs, fp32 accumulation and
+// output, row-major like dnnl_sgemm) without declaring it in a public header.
+extern "C" dnnl_status_t dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_t M,
+                                               dnnl_dim_t N, dnnl_dim_t K, float alpha,
+                                               const uint16_t *A, dnnl_dim_t lda,
+                                               const uint16_t *B, dnnl_dim_t ldb, float beta,
+                                               float *C, dnnl_dim_t ldc);
 
 // Under ThreadSanitizer (-fsanitize=thread, g++ or clang), the matrices
-// OpenBLAS reads and writes are reported to it; see tsanAccess below.
+// oneDNN reads and writes are reported to it; see tsanAccess below.
 #if defined(__SANITIZE_THREAD__)
 #define MOEC_TSAN 1
 #elif defined(__has_feature)
@@ -25,7 +38,7 @@ extern "C" void __tsan_write_range(void *addr, unsigned long size);
 namespace moec::ops {
 
 //===----------------------------------------------------------------------===//
-// Scratch and BLAS set-up
+// Scratch and the GEMM library
 //===----------------------------------------------------------------------===//
 
 namespace {
@@ -49,27 +62,24 @@ float *Scratch::floats(size_t count) {
   return buffer.get();
 }
 
-namespace {
-std::mutex blasMutex;
-int blasHolders = 0;  ///< BlasSingleThread objects alive
-int blasThreads = 0;  ///< OpenBLAS's thread count before the first of them
-} // namespace
-
-BlasSingleThread::BlasSingleThread() {
-  std::lock_guard<std::mutex> lock(blasMutex);
-  if (blasHolders++ == 0) {
-    blasThreads = openblas_get_num_threads();
-    openblas_set_num_threads(1);
-  }
+const char *blasConfig() {
+  static const std::string text = [] {
+    const dnnl_version_t *v = dnnl_version();
+    const char *isa = "unknown";
+    switch (dnnl_get_effective_cpu_isa()) {
+    case dnnl_cpu_isa_avx512_core_amx: isa = "avx512_core_amx"; break;
+    case dnnl_cpu_isa_avx512_core_bf16: isa = "avx512_core_bf16"; break;
+    case dnnl_cpu_isa_avx512_core_vnni: isa = "avx512_core_vnni"; break;
+    case dnnl_cpu_isa_avx512_core: isa = "avx512_core"; break;
+    case dnnl_cpu_isa_avx2_vnni: isa = "avx2_vnni"; break;
+    case dnnl_cpu_isa_avx2: isa = "avx2"; break;
+    default: break;
+    }
+    return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
+           std::to_string(v->patch) + " GEMM, CPU ISA " + isa + ", one OpenMP thread per call";
+  }();
+  return text.c_str();
 }
-
-BlasSingleThread::~BlasSingleThread() {
-  std::lock_guard<std::mutex> lock(blasMutex);
-  if (--blasHolders == 0)
-    openblas_set_num_threads(blasThreads);
-}
-
-const char *blasConfig() { return openblas_get_config(); }
 
 //===----------------------------------------------------------------------===//
 // The tile matmul
@@ -77,8 +87,8 @@ const char *blasConfig() { return openblas_get_config(); }
 
 namespace {
 
-/// Block sizes of the bf16 path: C blocks of kBlockM x kBlockN, reduction
-/// slices of kBlockK.
+/// Block sizes of the mixed fp32/bf16 path: C blocks of kBlockM x kBlockN,
+/// reduction slices of kBlockK.
 constexpr int64_t kBlockM = 256;
 constexpr int64_t kBlockN = 512;
 constexpr int64_t kBlockK = 512;
@@ -90,44 +100,77 @@ size_t lineRound(int64_t count) {
   return (size_t(count) + perLine - 1) / perLine * perLine;
 }
 
-/// The leading stride to hand BLAS for a stored `rows` x `cols` matrix with
-/// stride `ld`: BLAS insists on ld >= max(1, cols) even where the stride is
-/// never used (a single row), so a one-row matrix gets that minimum.
-int ldFor(int64_t rows, int64_t cols, int64_t ld) {
+/// The leading stride to hand the GEMM for a stored `rows` x `cols` matrix
+/// with stride `ld`: it insists on ld >= max(1, cols) even where the stride
+/// is never used (a single row), so a one-row matrix gets that minimum.
+dnnl_dim_t ldFor(int64_t rows, int64_t cols, int64_t ld) {
   if (rows <= 1)
-    return int(std::max<int64_t>({ld, cols, 1}));
-  return int(ld);
+    return std::max<int64_t>({ld, cols, 1});
+  return ld;
 }
 
 #ifdef MOEC_TSAN
-/// Tells ThreadSanitizer about the accesses to a stored `rows` x `cols` fp32
-/// matrix: OpenBLAS is not instrumented, so without this a race on a matrix
-/// that only sgemm reads or writes would go unseen.
-void tsanAccess(const float *x, int64_t rows, int64_t cols, int64_t ld, bool write) {
+/// Tells ThreadSanitizer about the accesses to a stored `rows` x `cols`
+/// matrix of `eltBytes`-byte elements: oneDNN is not instrumented, so without
+/// this a race on a matrix that only the GEMM reads or writes would go
+/// unseen.
+void tsanAccess(const void *x, int64_t rows, int64_t cols, int64_t ld, size_t eltBytes,
+                bool write) {
   for (int64_t r = 0; r < rows; ++r) {
-    void *row = const_cast<float *>(x + r * ld);
+    void *row = const_cast<char *>(static_cast<const char *>(x) + size_t(r * ld) * eltBytes);
     if (write)
-      __tsan_write_range(row, (unsigned long)(cols * int64_t(sizeof(float))));
+      __tsan_write_range(row, (unsigned long)(size_t(cols) * eltBytes));
     else
-      __tsan_read_range(row, (unsigned long)(cols * int64_t(sizeof(float))));
+      __tsan_read_range(row, (unsigned long)(size_t(cols) * eltBytes));
   }
 }
 #endif
 
-/// One fp32 sgemm, row-major: C = op(A) op(B) + beta C with op(A) m x k and
-/// op(B) k x n. `a` is stored m x k (k x m when transA), `b` k x n (n x k
-/// when transB).
-void sgemm(bool transA, bool transB, int64_t m, int64_t n, int64_t k, const float *a,
-           int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc) {
+/// Runs `call` with OpenMP (oneDNN's threading) at one thread on the calling
+/// thread: the runtime runs many tiles at once on its own workers, and a GEMM
+/// must not start a thread team inside each. The setting is per thread and
+/// is put back after, so a host's own calls on the same thread (PyTorch's
+/// matmuls, say) keep their threads.
+template <typename Call> void oneThread(Call call) {
+  const int threads = omp_get_max_threads();
+  if (threads != 1)
+    omp_set_num_threads(1);
+  call();
+  if (threads != 1)
+    omp_set_num_threads(threads);
+}
+
+/// One GEMM, row-major, fp32 accumulation into fp32 C:
+/// C = op(A) op(B) + beta C with op(A) m x k and op(B) k x n. `a` is stored
+/// m x k (k x m when transA), `b` k x n (n x k when transB); both fp32
+/// (dnnl_sgemm) or both bf16 (dnnl_gemm_bf16bf16f32).
+void gemm(bool transA, bool transB, int64_t m, int64_t n, int64_t k, const void *a,
+          int64_t lda, const void *b, int64_t ldb, Elt elt, float beta, float *c, int64_t ldc) {
 #ifdef MOEC_TSAN
-  tsanAccess(a, transA ? k : m, transA ? m : k, lda, false);
-  tsanAccess(b, transB ? n : k, transB ? k : n, ldb, false);
-  tsanAccess(c, m, n, ldc, true);
+  tsanAccess(a, transA ? k : m, transA ? m : k, lda, eltSize(elt), false);
+  tsanAccess(b, transB ? n : k, transB ? k : n, ldb, eltSize(elt), false);
+  tsanAccess(c, m, n, ldc, sizeof(float), true);
 #endif
-  cblas_sgemm(CblasRowMajor, transA ? CblasTrans : CblasNoTrans,
-              transB ? CblasTrans : CblasNoTrans, int(m), int(n), int(k), 1.0f, a,
-              transA ? ldFor(k, m, lda) : ldFor(m, k, lda), b,
-              transB ? ldFor(n, k, ldb) : ldFor(k, n, ldb), beta, c, ldFor(m, n, ldc));
+  const char ta = transA ? 'T' : 'N', tb = transB ? 'T' : 'N';
+  const dnnl_dim_t la = transA ? ldFor(k, m, lda) : ldFor(m, k, lda);
+  const dnnl_dim_t lb = transB ? ldFor(n, k, ldb) : ldFor(k, n, ldb);
+  const dnnl_dim_t lc = ldFor(m, n, ldc);
+  dnnl_status_t status;
+  oneThread([&] {
+    status = elt == Elt::F32
+                 ? dnnl_sgemm(ta, tb, m, n, k, 1.0f, static_cast<const float *>(a), la,
+                              static_cast<const float *>(b), lb, beta, c, lc)
+                 : dnnl_gemm_bf16bf16f32(ta, tb, m, n, k, 1.0f,
+                                         static_cast<const uint16_t *>(a), la,
+                                         static_cast<const uint16_t *>(b), lb, beta, c, lc);
+  });
+  // The runtime validates every shape and stride before kernels run, so a
+  // refusal here is a bug in the caller.
+  if (status != dnnl_success) {
+    std::fprintf(stderr, "moec: oneDNN GEMM refused %c%c m=%lld n=%lld k=%lld (status %d)\n",
+                 ta, tb, (long long)m, (long long)n, (long long)k, int(status));
+    std::abort();
+  }
 }
 
 /// Returns the view of `x` that starts at its element (i, j).
@@ -136,7 +179,7 @@ ConstMatrix shifted(ConstMatrix x, int64_t i, int64_t j) {
 }
 Matrix shifted(Matrix x, int64_t i, int64_t j) { return Matrix{x.address(i, j), x.elt, x.ld}; }
 
-/// An fp32 panel that sgemm can read: either the operand in place or a
+/// An fp32 panel the GEMM can read: either the operand in place or a
 /// widened copy in scratch.
 struct Panel {
   const float *data;
@@ -170,20 +213,23 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
       zeroTile(c, m, n);
     return;
   }
-  // All fp32: one sgemm on the buffers in place.
-  if (a.elt == Elt::F32 && b.elt == Elt::F32 && c.elt == Elt::F32) {
-    sgemm(transA, transB, m, n, k, static_cast<const float *>(a.data), a.ld,
-          static_cast<const float *>(b.data), b.ld, accumulate ? 1.0f : 0.0f,
-          static_cast<float *>(c.data), c.ld);
+  // A and B of one storage type (both fp32 or both bf16) and C fp32: one
+  // GEMM on the buffers in place.
+  const bool sameInputs = a.elt == b.elt;
+  if (sameInputs && c.elt == Elt::F32) {
+    gemm(transA, transB, m, n, k, a.data, a.ld, b.data, b.ld, a.elt, accumulate ? 1.0f : 0.0f,
+         static_cast<float *>(c.data), c.ld);
     return;
   }
 
-  // Some operand is bf16: block C and the reduction, widen bf16 panels.
+  // C is bf16, or A and B differ: block C (an fp32 scratch block for bf16
+  // C); with mixed inputs, also slice the reduction and widen the bf16
+  // panels to fp32.
   static thread_local Scratch threadScratch;
   Scratch &mem = scratch ? *scratch : threadScratch;
   const int64_t mc = std::min(m, kBlockM), nc = std::min(n, kBlockN), kc = std::min(k, kBlockK);
-  const size_t aSize = a.elt == Elt::F32 ? 0 : lineRound(mc * kc);
-  const size_t bSize = b.elt == Elt::F32 ? 0 : lineRound(kc * nc);
+  const size_t aSize = sameInputs || a.elt == Elt::F32 ? 0 : lineRound(mc * kc);
+  const size_t bSize = sameInputs || b.elt == Elt::F32 ? 0 : lineRound(kc * nc);
   const size_t cSize = c.elt == Elt::F32 ? 0 : lineRound(mc * nc);
   float *base = mem.floats(std::max<size_t>(aSize + bSize + cSize, 1));
   float *aBuf = base, *bBuf = base + aSize, *cBuf = base + aSize + bSize;
@@ -192,7 +238,7 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     const int64_t mb = std::min(kBlockM, m - i0);
     for (int64_t j0 = 0; j0 < n; j0 += kBlockN) {
       const int64_t nb = std::min(kBlockN, n - j0);
-      // The fp32 block that sgemm accumulates into.
+      // The fp32 block the GEMM accumulates into.
       float *cBlock;
       int64_t ldc;
       if (c.elt == Elt::F32) {
@@ -205,12 +251,20 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
           for (int64_t i = 0; i < mb; ++i)
             loadFloats(c.address(i0 + i, j0), c.elt, cBuf + i * nb, size_t(nb));
       }
-      for (int64_t p0 = 0; p0 < k; p0 += kBlockK) {
-        const int64_t kb = std::min(kBlockK, k - p0);
-        const Panel pa = transA ? panel(a, p0, i0, kb, mb, aBuf) : panel(a, i0, p0, mb, kb, aBuf);
-        const Panel pb = transB ? panel(b, j0, p0, nb, kb, bBuf) : panel(b, p0, j0, kb, nb, bBuf);
-        const float beta = (p0 == 0 && !accumulate) ? 0.0f : 1.0f;
-        sgemm(transA, transB, mb, nb, kb, pa.data, pa.ld, pb.data, pb.ld, beta, cBlock, ldc);
+      if (sameInputs) {
+        const ConstMatrix pa = transA ? shifted(a, 0, i0) : shifted(a, i0, 0);
+        const ConstMatrix pb = transB ? shifted(b, j0, 0) : shifted(b, 0, j0);
+        gemm(transA, transB, mb, nb, k, pa.data, pa.ld, pb.data, pb.ld, a.elt,
+             accumulate ? 1.0f : 0.0f, cBlock, ldc);
+      } else {
+        for (int64_t p0 = 0; p0 < k; p0 += kBlockK) {
+          const int64_t kb = std::min(kBlockK, k - p0);
+          const Panel pa = transA ? panel(a, p0, i0, kb, mb, aBuf) : panel(a, i0, p0, mb, kb, aBuf);
+          const Panel pb = transB ? panel(b, j0, p0, nb, kb, bBuf) : panel(b, p0, j0, kb, nb, bBuf);
+          const float beta = (p0 == 0 && !accumulate) ? 0.0f : 1.0f;
+          gemm(transA, transB, mb, nb, kb, pa.data, pa.ld, pb.data, pb.ld, Elt::F32, beta, cBlock,
+               ldc);
+        }
       }
       if (c.elt != Elt::F32)
         for (int64_t i = 0; i < mb; ++i)

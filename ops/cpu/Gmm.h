@@ -19,22 +19,24 @@
 // Storage: every operand is fp32 or bf16, independently; products accumulate
 // in fp32 and C is rounded once, when it is stored.
 //
-// Speed: every kernel runs on OpenBLAS sgemm, on one thread (the first call
-// sets OpenBLAS to one thread for the whole process: the runtime runs many
-// tiles on its own worker threads, and BLAS must not spawn more inside each).
-//  - All operands fp32: one cblas_sgemm on the caller's buffers in place, no
-//    copies (with beta = 1 when accumulating).
-//  - Any bf16 operand: the tile is cut into 256 x 512 blocks of C and 512-deep
-//    slices of the reduction; each bf16 panel of A or B is widened to fp32 in
-//    scratch, sgemm accumulates into C directly when C is fp32, else into an
-//    fp32 scratch block that is rounded to bf16 once at the end.
-// The extra cost of the bf16 path is the widening, O(1/256) of the flops.
+// Speed: every kernel runs on oneDNN's GEMM (Debian libdnnl-dev), one thread
+// per call: the runtime runs many tiles at once on its own workers, so each
+// call sets OpenMP (oneDNN's threading) to one thread on its calling thread
+// and puts the count back after, leaving a host's own threads alone.
+//  - A and B both fp32 (dnnl_sgemm) or both bf16 (dnnl_gemm_bf16bf16f32,
+//    which multiplies bf16 pairs with the CPU's bf16 dot-product
+//    instructions where it has them), C fp32: one call on the caller's
+//    buffers in place, no copies (beta = 1 when accumulating).
+//  - C bf16: the same per 256 x 512 block of C, into an fp32 scratch block
+//    that is rounded to bf16 once at the end.
+//  - A and B of different types: 256 x 512 blocks of C and 512-deep slices
+//    of the reduction, the bf16 panel widened to fp32 in scratch, sgemm.
 //
 // Determinism: the reduction order of a call depends only on its shapes,
-// strides and storage types (fixed slice order, single-threaded BLAS, no
+// strides and storage types (fixed slice order, single-threaded GEMM, no
 // atomics), so repeating a call gives the same bits. Different tilings of the
 // same matmul may differ in the last bits, and so may different CPUs
-// (OpenBLAS picks its kernels for the CPU it runs on).
+// (oneDNN picks its kernels for the CPU it runs on).
 //
 // Preconditions (unchecked in the hot path; the runtime validates tilings
 // when it loads a binary): pointers address the full extents used; leading
@@ -86,23 +88,8 @@ private:
   size_t size = 0;
 };
 
-/// While one of these exists, in any thread, OpenBLAS runs each call on its
-/// calling thread alone: whoever runs many kernels at once on its own threads
-/// (the runtime's workers, the per-core benchmarks) holds one. The first to
-/// be made sets OpenBLAS to one thread; the last to go sets back the count it
-/// found, so a host program's own BLAS calls (PyTorch's matmuls, say) keep
-/// their threads outside the runtime's passes. Kernels called with none held
-/// run with whatever threads OpenBLAS has.
-class BlasSingleThread {
-public:
-  BlasSingleThread();
-  ~BlasSingleThread();
-  BlasSingleThread(const BlasSingleThread &) = delete;
-  BlasSingleThread &operator=(const BlasSingleThread &) = delete;
-};
-
-/// Returns OpenBLAS's description of itself (build options and the CPU
-/// kernel it chose), for benchmark reports.
+/// Describes the GEMM library (oneDNN's version and the CPU ISA it runs
+/// on), for benchmark reports.
 const char *blasConfig();
 
 /// The general tile matmul every kernel below runs on:

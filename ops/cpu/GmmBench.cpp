@@ -74,7 +74,7 @@ int main(int argc, char **argv) {
   std::vector<float> naive(size_t(m * n)), fast(size_t(m * n)), fast16(size_t(m * n));
   const double flops = 2.0 * double(m) * double(n) * double(k);
 
-  std::printf("OpenBLAS: %s\n", blasConfig());
+  std::printf("GEMM: %s\n", blasConfig());
   std::printf("tile %lld x %lld x %lld, one thread, best of %d\n", (long long)m, (long long)n,
               (long long)k, reps);
 
@@ -82,7 +82,6 @@ int main(int argc, char **argv) {
     reference::matmul(m, n, k, a.data(), b.data(), naive.data());
   });
   Scratch scratch;
-  const BlasSingleThread oneBlasThread;
   const double tFast = bestSeconds(reps, [&] {
     gemmTile(m, n, k, ConstMatrix{a.data(), Elt::F32, k}, false,
              ConstMatrix{b.data(), Elt::F32, n}, false, Matrix{fast.data(), Elt::F32, n}, false,

@@ -200,7 +200,6 @@ FmaPeak measureFmaPeak(double seconds) {
 }
 
 double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt, double seconds) {
-  const BlasSingleThread oneBlasThread; // per core
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> a(size_t(m * k)), b(size_t(k * n)), c(size_t(m * n));

@@ -553,8 +553,6 @@ void Context::Impl::fillLayout(Pass &pass) const {
 
 Status Context::Impl::runTasks(Pass &pass) {
   const Clock::time_point t0 = Clock::now();
-  // Many GMM tiles run at once, one per worker: each sgemm on its own thread.
-  const ops::BlasSingleThread oneBlasThread;
   for (const std::unique_ptr<exec::Executor> &executor : pass.executors) {
     lastExecutor = executor.get();
     if (Status s = executor->run(); !s)

@@ -13,7 +13,7 @@
 #include "ops/cpu/Swiglu.h"
 
 #include <catch2/catch.hpp>
-#include <cblas.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -476,7 +476,6 @@ TEST_CASE("gmm kernels are deterministic, also on worker threads", "[cpu][gmm]")
     for (int64_t t = 0; t < rowTiles * colTiles; ++t)
       gmmForwardTile(a.cview(), w.cview(), serial.view(), k, seg,
                      tileRange(t / colTiles, rows, rowTiles), tileRange(t % colTiles, n, colTiles));
-    const BlasSingleThread oneBlasThread;
     std::vector<std::thread> workers;
     for (int worker = 0; worker < 4; ++worker)
       workers.emplace_back([&, worker] {
@@ -491,27 +490,22 @@ TEST_CASE("gmm kernels are deterministic, also on worker threads", "[cpu][gmm]")
   }
 }
 
-TEST_CASE("BlasSingleThread holds OpenBLAS at one thread and gives the count back",
-          "[cpu][gmm]") {
-  openblas_set_num_threads(3);
-  REQUIRE(openblas_get_num_threads() == 3);
-  {
-    const BlasSingleThread outer;
-    CHECK(openblas_get_num_threads() == 1);
-    std::thread other([] {
-      const BlasSingleThread inner;
-      CHECK(openblas_get_num_threads() == 1);
-    });
-    other.join();
-    // The inner holder's end does not give the threads back early.
-    CHECK(openblas_get_num_threads() == 1);
-  }
-  CHECK(openblas_get_num_threads() == 3);
+TEST_CASE("a GEMM leaves the calling thread's OpenMP thread count as it was", "[cpu][gmm]") {
+  // oneDNN threads with OpenMP; the kernels run it on one thread and must
+  // not change what a host (PyTorch) set for its own calls.
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(3);
+  std::vector<float> a(64 * 32, 0.5f), b(32 * 48, 0.25f), c(64 * 48);
+  gemmTile(64, 48, 32, ConstMatrix{a.data(), Elt::F32, 32}, false,
+           ConstMatrix{b.data(), Elt::F32, 48}, false, Matrix{c.data(), Elt::F32, 48}, false);
+  CHECK(c[0] == 32 * 0.5f * 0.25f);
+  CHECK(omp_get_max_threads() == 3);
+  omp_set_num_threads(before);
 }
 
 TEST_CASE("the BLAS reports its configuration", "[cpu][gmm]") {
   const std::string config = blasConfig();
-  CHECK(config.find("OpenBLAS") != std::string::npos);
+  CHECK(config.find("oneDNN") != std::string::npos);
 }
 
 //===----------------------------------------------------------------------===//

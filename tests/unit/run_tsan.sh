@@ -7,7 +7,7 @@
 #
 # Each SOURCE is compiled on its own, as many at a time as there are CPUs;
 # the -l arguments are linked after them (besides -lfmt and -pthread). Code
-# that is not built here (libstdc++, fmt, OpenBLAS, a subprocess) is not
+# that is not built here (libstdc++, fmt, oneDNN, a subprocess) is not
 # instrumented: the sanitizer sees its locks and threads, not its accesses.
 set -euo pipefail
 repeats="$1"

@@ -62,7 +62,7 @@ float *Scratch::floats(size_t count) {
   return buffer.get();
 }
 
-const char *blasConfig() {
+const char *gemmConfig() {
   static const std::string text = [] {
     const dnnl_version_t *v = dnnl_version();
     const char *isa = "unknown";

@@ -90,7 +90,7 @@ private:
 
 /// Describes the GEMM library (oneDNN's version and the CPU ISA it runs
 /// on), for benchmark reports.
-const char *blasConfig();
+const char *gemmConfig();
 
 /// The general tile matmul every kernel below runs on:
 ///

@@ -74,7 +74,7 @@ int main(int argc, char **argv) {
   std::vector<float> naive(size_t(m * n)), fast(size_t(m * n)), fast16(size_t(m * n));
   const double flops = 2.0 * double(m) * double(n) * double(k);
 
-  std::printf("GEMM: %s\n", blasConfig());
+  std::printf("GEMM: %s\n", gemmConfig());
   std::printf("tile %lld x %lld x %lld, one thread, best of %d\n", (long long)m, (long long)n,
               (long long)k, reps);
 

@@ -215,7 +215,7 @@ double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt, double second
   const ConstMatrix bm{bf16 ? static_cast<const void *>(b16.data()) : b.data(), elt, n};
   Scratch scratch;
   auto call = [&] { gemmTile(m, n, k, am, false, bm, false, Matrix{c.data(), Elt::F32, n}, false, &scratch); };
-  call(); // warm-up: BLAS set-up, page faults, scratch
+  call(); // warm-up: GEMM set-up (JIT kernels), page faults, scratch
 
   using Clock = std::chrono::steady_clock;
   const auto begin = Clock::now();

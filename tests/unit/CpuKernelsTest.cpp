@@ -503,8 +503,8 @@ TEST_CASE("a GEMM leaves the calling thread's OpenMP thread count as it was", "[
   omp_set_num_threads(before);
 }
 
-TEST_CASE("the BLAS reports its configuration", "[cpu][gmm]") {
-  const std::string config = blasConfig();
+TEST_CASE("the GEMM library reports its configuration", "[cpu][gmm]") {
+  const std::string config = gemmConfig();
   CHECK(config.find("oneDNN") != std::string::npos);
 }
 

@@ -3,7 +3,7 @@
 // The runtime's numbers, measured side by side in one process:
 //
 //   1. this machine's fp32 FMA peak per core (measured, not looked up);
-//   2. single-thread GMM tiles (the kernels' BLAS path) in GFLOP/s and as a
+//   2. single-thread GMM tiles (the kernels' GEMM path) in GFLOP/s and as a
 //      share of that peak;
 //   3. whole layers, forward plus backward, compiled on the fly for 1, 2 and
 //      4 ranks, with uniform and skewed routing: the fused schedule (the
@@ -205,7 +205,7 @@ int runBench(int argc, char **argv, int first) {
   for (int i = 1; i < argc; ++i)
     command += std::string(" ") + argv[i];
   std::printf("$ %s\n", command.c_str());
-  std::printf("BLAS: %s\n\n", ops::blasConfig());
+  std::printf("GEMM: %s\n\n", ops::gemmConfig());
 
   const ops::FmaPeak peak = ops::measureFmaPeak(0.5);
   std::printf("fp32 FMA peak, one core: %.1f GFLOP/s (%s, %d lanes)\n\n", peak.gflops, peak.isa,

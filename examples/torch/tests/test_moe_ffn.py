@@ -244,3 +244,19 @@ def test_error_capacity():
         layer(x, ids, weights)
     # The layer still works after the error.
     check_step(layer, *inputs(layer, seed=51), tol=FP32_TOL)
+
+
+def test_error_config_does_not_compile():
+    with pytest.raises(RuntimeError, match=r"moec compile moe_ffn_fwd.json failed:\n.*does not divide"):
+        moec_torch.MoeFFN(config(tokens=64), 2)
+
+
+def test_error_backward_without_backward_binary(tiny):
+    forward, _ = moec_torch.compile_layer(config(experts=4, top_k=2, tokens=128), 2)
+    layer = torch.classes.moec.Layer(forward, "", 2, 60.0)
+    x, ids, weights = good(tiny)
+    y, step = torch.ops.moec.forward(layer, x, ids, weights, tiny.w1.detach(), tiny.w2.detach())
+    assert y.shape == x.shape
+    with pytest.raises(RuntimeError, match="built without a backward binary"):
+        torch.ops.moec.backward(layer, step, x, ids, weights, tiny.w1.detach(),
+                                tiny.w2.detach(), torch.ones_like(y))

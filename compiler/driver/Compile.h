@@ -15,7 +15,7 @@
 #include "compiler/lower/Lower.h"
 #include "compiler/target/Profile.h"
 #include "compiler/target/Schedule.h"
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
 
 #include "mlir/IR/BuiltinOps.h"

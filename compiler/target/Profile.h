@@ -11,7 +11,7 @@
 #ifndef MOEC_COMPILER_TARGET_PROFILE_H
 #define MOEC_COMPILER_TARGET_PROFILE_H
 
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 
 #include <cstdint>
 #include <string>

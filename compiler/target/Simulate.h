@@ -26,7 +26,7 @@
 #ifndef MOEC_COMPILER_TARGET_SIMULATE_H
 #define MOEC_COMPILER_TARGET_SIMULATE_H
 
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
 
 #include <cstdint>

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "torch"))
 import moec_torch  # noqa: E402
 from moec_torch import reference  # noqa: E402
 

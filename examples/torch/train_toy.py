@@ -12,7 +12,7 @@ experts through dw1 and dw2, both from moec's backward pass.
     examples/torch/train_toy.py [--steps N] [--ranks R] [--dtype fp32|bf16]
                                 [--threads N] [--seed S]
 
-Run from a checkout after `bazel build //tools:moec //examples/torch:moec_torch.so`
+Run from a checkout after `bazel build //tools:moec //ops/torch:moec_torch.so`
 (examples/torch/train_toy.sh does both). Exits 1 if the loss did not fall to
 under half its first value.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "torch"))
 import moec_torch  # noqa: E402
 
 

@@ -18,10 +18,10 @@
 
 #include "runtime/api/Runtime.h"
 
-#include "ops/cpu/Gmm.h"
-#include "ops/cpu/Layout.h"
-#include "ops/cpu/Rows.h"
-#include "ops/cpu/Swiglu.h"
+#include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Layout.h"
+#include "runtime/cpu/Rows.h"
+#include "runtime/cpu/Swiglu.h"
 #include "runtime/api/Layer.h"
 #include "runtime/exec/Executor.h"
 #include "runtime/exec/OpByOp.h"
@@ -69,7 +69,7 @@ double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-ops::Elt eltOf(DType dtype) { return dtype == DType::BF16 ? ops::Elt::BF16 : ops::Elt::F32; }
+cpu::Elt eltOf(DType dtype) { return dtype == DType::BF16 ? cpu::Elt::BF16 : cpu::Elt::F32; }
 
 int64_t loadIndex(const void *data, DType dtype, int64_t i) {
   return dtype == DType::I32 ? static_cast<const int32_t *>(data)[i]
@@ -134,7 +134,7 @@ struct OpInfo {
 /// A routing checked and laid out, kept for backward.
 struct RankRoute {
   int64_t tokens = 0, topK = 0;
-  ops::RoutingLayout layout;
+  cpu::RoutingLayout layout;
   std::vector<float> weights; ///< topk_weights [S, K], a copy
 };
 
@@ -193,10 +193,10 @@ struct Pass {
   const TaskProgram &tasks() const { return program->tasks(); }
   DType dtype(uint32_t slot) const { return tasks().slots[slot].dtype; }
   int64_t width(uint32_t slot) const { return int64_t(tasks().slots[slot].dims[1]); }
-  ops::ConstMatrix in(uint32_t rank, uint32_t slot) const {
+  cpu::ConstMatrix in(uint32_t rank, uint32_t slot) const {
     return {data[rank][slot], eltOf(dtype(slot)), width(slot)};
   }
-  ops::Matrix out(uint32_t rank, uint32_t slot) const {
+  cpu::Matrix out(uint32_t rank, uint32_t slot) const {
     return {data[rank][slot], eltOf(dtype(slot)), width(slot)};
   }
   int64_t index(uint32_t rank, uint32_t slot, int64_t i) const {
@@ -214,7 +214,7 @@ struct Context::Impl {
   std::vector<std::array<Tensor, kBindingCount>> bound;
   std::vector<RankRoute> routes; ///< what the last forward pass used
   bool haveForward = false;
-  std::vector<ops::Scratch> scratch; ///< per worker
+  std::vector<cpu::Scratch> scratch; ///< per worker
   const exec::Executor *lastExecutor = nullptr;
 
   std::thread submitted;
@@ -314,13 +314,13 @@ Status Context::Impl::runPut(Pass &pass, const OpInfo &op, uint32_t rank,
   if (end <= begin)
     return Status::success();
   const uint32_t from = op.tiling->inputSlots[1], to = op.tiling->outputSlot;
-  const ops::ConstMatrix src = pass.in(rank, from);
-  const ops::Matrix dst = pass.out(peer, to);
+  const cpu::ConstMatrix src = pass.in(rank, from);
+  const cpu::Matrix dst = pass.out(peer, to);
   const int64_t srcRow = pass.index(rank, srcOffsetSlot, i) + begin;
   const int64_t dstRow = pass.index(rank, targetOffsetSlot, i) + begin;
   const int64_t col = int64_t(tile.colBegin);
-  ops::copyRows(ops::ConstMatrix{src.address(srcRow, col), src.elt, src.ld},
-                ops::Matrix{dst.address(dstRow, col), dst.elt, dst.ld}, end - begin,
+  cpu::copyRows(cpu::ConstMatrix{src.address(srcRow, col), src.elt, src.ld},
+                cpu::Matrix{dst.address(dstRow, col), dst.elt, dst.ld}, end - begin,
                 int64_t(tile.colEnd) - col);
   return Status::success();
 }
@@ -338,31 +338,31 @@ Status Context::Impl::runTile(Pass &pass, uint32_t rank, uint32_t task, uint32_t
   const uint32_t glist = pass.plan->glist;
   const int64_t segEnd = pass.index(rank, glist, tile.expert);
   const int64_t segBegin = tile.expert == 0 ? 0 : pass.index(rank, glist, tile.expert - 1);
-  const ops::Segment segment{segBegin, segEnd - segBegin};
-  const ops::Range rows{int64_t(tile.rowBegin), int64_t(tile.rowEnd)};
-  const ops::Range cols{int64_t(tile.colBegin), int64_t(tile.colEnd)};
+  const cpu::Segment segment{segBegin, segEnd - segBegin};
+  const cpu::Range rows{int64_t(tile.rowBegin), int64_t(tile.rowEnd)};
+  const cpu::Range cols{int64_t(tile.colBegin), int64_t(tile.colEnd)};
   const uint32_t a = t.inputSlots[0], b = t.inputSlots[1], c = t.outputSlot;
-  ops::Scratch *scratch = &this->scratch[worker];
+  cpu::Scratch *scratch = &this->scratch[worker];
 
   switch (op.kind) {
   case OpKind::Gmm: {
-    ops::ConstMatrix bm{static_cast<const char *>(pass.data[rank][b]), eltOf(pass.dtype(b)),
+    cpu::ConstMatrix bm{static_cast<const char *>(pass.data[rank][b]), eltOf(pass.dtype(b)),
                         int64_t(t.ldb)};
     if (op.wgrad) {
-      ops::Matrix cm{static_cast<char *>(pass.data[rank][c]) +
+      cpu::Matrix cm{static_cast<char *>(pass.data[rank][c]) +
                          op.expertStride * tile.expert * format::dtypeSize(pass.dtype(c)),
                      eltOf(pass.dtype(c)), int64_t(t.ldc)};
-      ops::gmmWgradTile(pass.in(rank, a), pass.in(rank, b), cm, segment, rows, cols,
+      cpu::gmmWgradTile(pass.in(rank, a), pass.in(rank, b), cm, segment, rows, cols,
                         op.accumulate, scratch);
       return Status::success();
     }
     bm.data = static_cast<const char *>(bm.data) +
               op.expertStride * tile.expert * format::dtypeSize(pass.dtype(b));
     if (op.transposeB)
-      ops::gmmDgradTile(pass.in(rank, a), bm, pass.out(rank, c), int64_t(t.depth), segment, rows,
+      cpu::gmmDgradTile(pass.in(rank, a), bm, pass.out(rank, c), int64_t(t.depth), segment, rows,
                         cols, scratch);
     else
-      ops::gmmForwardTile(pass.in(rank, a), bm, pass.out(rank, c), int64_t(t.depth), segment,
+      cpu::gmmForwardTile(pass.in(rank, a), bm, pass.out(rank, c), int64_t(t.depth), segment,
                           rows, cols, scratch);
     return Status::success();
   }
@@ -371,15 +371,15 @@ Status Context::Impl::runTile(Pass &pass, uint32_t rank, uint32_t task, uint32_t
     const int64_t end = std::min(rows.end, segment.rows);
     if (end <= rows.begin)
       return Status::success();
-    const ops::Range absolute{segBegin + rows.begin, segBegin + end};
+    const cpu::Range absolute{segBegin + rows.begin, segBegin + end};
     const int64_t inter = pass.plan->shape.inter;
     if (op.kind == OpKind::Swiglu) {
-      ops::swigluForward(pass.in(rank, a), pass.out(rank, c), inter, absolute, cols);
+      cpu::swigluForward(pass.in(rank, a), pass.out(rank, c), inter, absolute, cols);
     } else {
       // Output columns [c0, c1) of dY [., 2I] map to gate/up pairs.
       const int64_t width = int64_t(t.cols);
-      const ops::Range pairs{cols.begin * inter / width, cols.end * inter / width};
-      ops::swigluBackward(pass.in(rank, b), pass.in(rank, a), pass.out(rank, c), inter, absolute,
+      const cpu::Range pairs{cols.begin * inter / width, cols.end * inter / width};
+      cpu::swigluBackward(pass.in(rank, b), pass.in(rank, a), pass.out(rank, c), inter, absolute,
                           pairs);
     }
     return Status::success();
@@ -444,9 +444,9 @@ Status Context::Impl::checkRoutes(std::vector<RankRoute> *out) const {
           r, route.tokens, route.topK, route.tokens * route.topK, s.rowCapacity));
     const Status built =
         idsT.dtype == MOEC_I32
-            ? ops::buildRoutingLayout(static_cast<const int32_t *>(idsT.data), route.tokens,
+            ? cpu::buildRoutingLayout(static_cast<const int32_t *>(idsT.data), route.tokens,
                                       route.topK, E, &route.layout)
-            : ops::buildRoutingLayout(static_cast<const int64_t *>(idsT.data), route.tokens,
+            : cpu::buildRoutingLayout(static_cast<const int64_t *>(idsT.data), route.tokens,
                                       route.topK, E, &route.layout);
     if (!built)
       return built.withPrefix(fmt::format("rank {}: ", r));
@@ -533,7 +533,7 @@ void Context::Impl::fillLayout(Pass &pass) const {
     storeIndex(pass.data[r][slot], pass.dtype(slot), i, value);
   };
   for (uint32_t r = 0; r < R; ++r) {
-    const ops::RoutingLayout &own = routes[r].layout;
+    const cpu::RoutingLayout &own = routes[r].layout;
     for (uint32_t g = 0; g < E; ++g) {
       put(r, plan.dSize, g, own.counts[g]);
       put(r, plan.dSrcOffset, g, own.offsets[g]);
@@ -570,7 +570,7 @@ struct Pieces {
   uint32_t pieces;
   size_t count(uint32_t ranks) const { return size_t(ranks) * pieces; }
   uint32_t rank(size_t item) const { return uint32_t(item / pieces); }
-  ops::Range range(size_t item, int64_t extent) const {
+  cpu::Range range(size_t item, int64_t extent) const {
     const int64_t p = int64_t(item % pieces);
     return {p * extent / pieces, (p + 1) * extent / pieces};
   }
@@ -579,18 +579,18 @@ struct Pieces {
 } // namespace
 
 void Context::Impl::gatherSendRows(Pass &pass, uint32_t source, bool weighted) {
-  const ops::Elt act = eltOf(shape().activations);
+  const cpu::Elt act = eltOf(shape().activations);
   const int64_t H = shape().hidden;
   const Pieces pieces{workerCount};
   parallelFor(workerCount, pieces.count(ranks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
-    const ops::Range part = pieces.range(item, route.tokens * route.topK);
-    const ops::Matrix src = pass.out(r, pass.plan->src);
-    ops::gatherTokenRows(ops::ConstMatrix{bound[r][source].data, act, H},
+    const cpu::Range part = pieces.range(item, route.tokens * route.topK);
+    const cpu::Matrix src = pass.out(r, pass.plan->src);
+    cpu::gatherTokenRows(cpu::ConstMatrix{bound[r][source].data, act, H},
                          route.layout.order.data() + part.begin, route.topK,
                          weighted ? route.weights.data() : nullptr,
-                         ops::Matrix{src.address(part.begin, 0), src.elt, src.ld}, part.size(), H);
+                         cpu::Matrix{src.address(part.begin, 0), src.elt, src.ld}, part.size(), H);
   });
 }
 
@@ -621,7 +621,7 @@ Status Context::Impl::forward() {
     fwd.data[r][plan.w2] = bound[r][kW2].data;
   }
   fillLayout(fwd);
-  const ops::Elt act = eltOf(s.activations);
+  const cpu::Elt act = eltOf(s.activations);
   const Pieces pieces{workerCount};
   gatherSendRows(fwd, kX, false);
   fwd.times.prepare = secondsSince(t0);
@@ -633,9 +633,9 @@ Status Context::Impl::forward() {
   parallelFor(workerCount, pieces.count(ranks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
-    ops::combineRows(fwd.in(r, plan.returned), route.layout.position.data(),
-                     route.weights.data(), route.topK, ops::Matrix{bound[r][kY].data, act, H},
-                     pieces.range(item, route.tokens), ops::Range{0, H});
+    cpu::combineRows(fwd.in(r, plan.returned), route.layout.position.data(),
+                     route.weights.data(), route.topK, cpu::Matrix{bound[r][kY].data, act, H},
+                     pieces.range(item, route.tokens), cpu::Range{0, H});
   });
   fwd.times.finish = secondsSince(t1);
   haveForward = true;
@@ -678,7 +678,7 @@ Status Context::Impl::backward() {
     data[plan.swigluOut] = fwd.data[r][saved.swigluOut];
   }
   fillLayout(bwd);
-  const ops::Elt act = eltOf(s.activations);
+  const cpu::Elt act = eltOf(s.activations);
   const Pieces pieces{workerCount};
   gatherSendRows(bwd, kDy, true);
   bwd.times.prepare = secondsSince(t0);
@@ -690,12 +690,12 @@ Status Context::Impl::backward() {
   parallelFor(workerCount, pieces.count(ranks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
-    const ops::Range tokens = pieces.range(item, route.tokens);
-    const ops::ConstMatrix dy{bound[r][kDy].data, act, H};
-    ops::combineRows(bwd.in(r, plan.returned), route.layout.position.data(), nullptr,
-                     route.topK, ops::Matrix{bound[r][kDx].data, act, H}, tokens,
-                     ops::Range{0, H});
-    ops::combineWeightGrad(dy, fwd.in(r, saved.returned), route.layout.position.data(),
+    const cpu::Range tokens = pieces.range(item, route.tokens);
+    const cpu::ConstMatrix dy{bound[r][kDy].data, act, H};
+    cpu::combineRows(bwd.in(r, plan.returned), route.layout.position.data(), nullptr,
+                     route.topK, cpu::Matrix{bound[r][kDx].data, act, H}, tokens,
+                     cpu::Range{0, H});
+    cpu::combineWeightGrad(dy, fwd.in(r, saved.returned), route.layout.position.data(),
                            route.topK, tokens, H, static_cast<float *>(bound[r][kDtopk].data));
   });
   bwd.times.finish = secondsSince(t1);
@@ -727,7 +727,7 @@ Status Context::create(std::shared_ptr<const Program> forward,
   impl->options = options;
   impl->workerCount =
       options.workers ? options.workers : std::max(1u, std::thread::hardware_concurrency());
-  impl->scratch = std::vector<ops::Scratch>(impl->workerCount);
+  impl->scratch = std::vector<cpu::Scratch>(impl->workerCount);
   const uint32_t R = forward->shape().ranks;
   impl->ids.assign(R, Tensor{});
   impl->weights.assign(R, Tensor{});

@@ -133,7 +133,7 @@ int moec_wait(moec_context *context);
  * C++ API
  *===----------------------------------------------------------------------===*/
 
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
 
 #include <array>

@@ -62,7 +62,7 @@
 #ifndef MOEC_RUNTIME_EXEC_EXECUTOR_H
 #define MOEC_RUNTIME_EXEC_EXECUTOR_H
 
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
 
 #include <chrono>

@@ -27,7 +27,7 @@
 #ifndef MOEC_RUNTIME_FORMAT_TASKBINARY_H
 #define MOEC_RUNTIME_FORMAT_TASKBINARY_H
 
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -6,11 +6,11 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "ops/cpu/Element.h"
-#include "ops/cpu/Gmm.h"
-#include "ops/cpu/Layout.h"
-#include "ops/cpu/Rows.h"
-#include "ops/cpu/Swiglu.h"
+#include "runtime/cpu/Element.h"
+#include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Layout.h"
+#include "runtime/cpu/Rows.h"
+#include "runtime/cpu/Swiglu.h"
 
 #include <catch2/catch.hpp>
 #include <omp.h>
@@ -26,7 +26,7 @@
 #include <thread>
 #include <vector>
 
-using namespace moec::ops;
+using namespace moec::cpu;
 using moec::Status;
 
 namespace {

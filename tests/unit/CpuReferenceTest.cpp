@@ -8,12 +8,12 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "ops/cpu/Element.h"
-#include "ops/cpu/Gmm.h"
-#include "ops/cpu/Layout.h"
-#include "ops/cpu/Reference.h"
-#include "ops/cpu/Rows.h"
-#include "ops/cpu/Swiglu.h"
+#include "runtime/cpu/Element.h"
+#include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Layout.h"
+#include "runtime/tooling/Reference.h"
+#include "runtime/cpu/Rows.h"
+#include "runtime/cpu/Swiglu.h"
 
 #include <catch2/catch.hpp>
 
@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-using namespace moec::ops;
-namespace ref = moec::ops::reference;
+using namespace moec::cpu;
+namespace ref = moec::reference;
 using moec::Status;
 
 namespace {

@@ -1,6 +1,6 @@
 //===- NpyTest.cpp - Tests for the .npy reader and writer -----------------===//
 
-#include "tools/moec/Npy.h"
+#include "runtime/tooling/Npy.h"
 
 #include <catch2/catch.hpp>
 

@@ -7,8 +7,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "ops/cpu/Peak.h"
-#include "ops/cpu/Gmm.h"
+#include "runtime/cpu/Peak.h"
+#include "runtime/cpu/Gmm.h"
 
 #include <catch2/catch.hpp>
 
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-using namespace moec::ops;
+using namespace moec::cpu;
 
 TEST_CASE("FMA peak: consistent ISA, finite positive, not below sgemm", "[peak]") {
   const FmaPeak peak = measureFmaPeak(0.2);

@@ -17,7 +17,7 @@
 #ifndef MOEC_TESTS_UNIT_RUNTIMECOMPILE_H
 #define MOEC_TESTS_UNIT_RUNTIMECOMPILE_H
 
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
 
 #include <string>

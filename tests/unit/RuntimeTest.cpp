@@ -5,14 +5,14 @@
 // runtime_tsan_test, which builds this file and the runtime with
 // ThreadSanitizer), runs them through the runtime API on R in-process ranks,
 // and compares every output with the plain-loop reference
-// (ops/cpu/Reference.h, in double). Also: determinism across runs, worker
+// (runtime/tooling/Reference.h, in double). Also: determinism across runs, worker
 // counts and schedules; submit and wait; bad input that must be refused with
 // outputs untouched; the C API.
 //
 //===----------------------------------------------------------------------===//
 
-#include "ops/cpu/Element.h"
-#include "ops/cpu/Reference.h"
+#include "runtime/cpu/Element.h"
+#include "runtime/tooling/Reference.h"
 #include "runtime/api/Runtime.h"
 #include "tests/unit/RuntimeCompile.h"
 
@@ -37,7 +37,7 @@ using moec::rt::ContextOptions;
 using moec::rt::makeTensor;
 using moec::rt::Program;
 using moec::rt::Schedule;
-namespace ref = moec::ops::reference;
+namespace ref = moec::reference;
 
 enum class Routing { Uniform, Skewed, ZeroExpert, SilentRank };
 
@@ -133,7 +133,7 @@ Inputs makeInputs(const Case &c, uint32_t seed) {
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
   const auto value = [&](float scale) {
     const float v = uni(rng) * scale;
-    return c.bf16 ? moec::ops::roundToBf16(v) : v;
+    return c.bf16 ? moec::cpu::roundToBf16(v) : v;
   };
   const uint32_t R = c.ranks, E = c.experts(), K = c.topK;
   const int64_t H = c.hidden, I = c.inter;
@@ -185,14 +185,14 @@ struct Stored {
   Stored(const std::vector<float> &values, bool asBf16) : isBf16(asBf16) {
     if (asBf16) {
       bf16.resize(values.size());
-      moec::ops::floatToBf16(values.data(), bf16.data(), values.size());
+      moec::cpu::floatToBf16(values.data(), bf16.data(), values.size());
     } else {
       f32 = values;
     }
   }
   Stored(size_t count, bool asBf16, float fill) : isBf16(asBf16) {
     if (asBf16)
-      bf16.assign(count, moec::ops::floatToBf16(fill));
+      bf16.assign(count, moec::cpu::floatToBf16(fill));
     else
       f32.assign(count, fill);
   }
@@ -202,7 +202,7 @@ struct Stored {
     if (!isBf16)
       return f32;
     std::vector<float> out(bf16.size());
-    moec::ops::bf16ToFloat(bf16.data(), out.data(), bf16.size());
+    moec::cpu::bf16ToFloat(bf16.data(), out.data(), bf16.size());
     return out;
   }
   bool operator==(const Stored &o) const { return f32 == o.f32 && bf16 == o.bf16; }

@@ -15,11 +15,11 @@
 //===----------------------------------------------------------------------===//
 
 #include "compiler/driver/Compile.h"
-#include "ops/cpu/Gmm.h"
-#include "ops/cpu/Peak.h"
+#include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Peak.h"
 #include "runtime/api/Runtime.h"
 #include "tools/moec/Cli.h"
-#include "tools/moec/LayerRun.h"
+#include "runtime/tooling/LayerRun.h"
 
 #include <fmt/format.h>
 
@@ -33,6 +33,8 @@
 #include <unistd.h>
 
 namespace moec::cli {
+
+using namespace moec::tooling;
 
 const CommandSpec kBenchSpec = {
     "bench",
@@ -205,9 +207,9 @@ int runBench(int argc, char **argv, int first) {
   for (int i = 1; i < argc; ++i)
     command += std::string(" ") + argv[i];
   std::printf("$ %s\n", command.c_str());
-  std::printf("GEMM: %s\n\n", ops::gemmConfig());
+  std::printf("GEMM: %s\n\n", cpu::gemmConfig());
 
-  const ops::FmaPeak peak = ops::measureFmaPeak(0.5);
+  const cpu::FmaPeak peak = cpu::measureFmaPeak(0.5);
   std::printf("fp32 FMA peak, one core: %.1f GFLOP/s (%s, %d lanes)\n\n", peak.gflops, peak.isa,
               peak.lanes);
 
@@ -216,10 +218,10 @@ int runBench(int argc, char **argv, int first) {
   struct Shape {
     int64_t m, n, k;
   };
-  for (ops::Elt elt : {ops::Elt::F32, ops::Elt::BF16})
+  for (cpu::Elt elt : {cpu::Elt::F32, cpu::Elt::BF16})
     for (const Shape &s : {Shape{512, 512, 512}, Shape{1024, 1024, 1024}, Shape{512, 1024, 1024}}) {
-      const double gflops = ops::measureGemmGflops(s.m, s.n, s.k, elt);
-      std::printf("  %-6s %-22s %12.1f %9.1f%%\n", ops::eltName(elt),
+      const double gflops = cpu::measureGemmGflops(s.m, s.n, s.k, elt);
+      std::printf("  %-6s %-22s %12.1f %9.1f%%\n", cpu::eltName(elt),
                   fmt::format("{} x {} x {}", s.m, s.n, s.k).c_str(), gflops,
                   100.0 * gflops / peak.gflops);
     }

@@ -14,7 +14,7 @@
 
 #include "compiler/target/Profile.h"
 #include "compiler/target/Simulate.h"
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
 
 #include <nlohmann/json.hpp>

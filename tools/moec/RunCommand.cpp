@@ -8,7 +8,7 @@
 
 #include "runtime/api/Runtime.h"
 #include "tools/moec/Cli.h"
-#include "tools/moec/LayerRun.h"
+#include "runtime/tooling/LayerRun.h"
 
 #include <fmt/format.h>
 
@@ -18,6 +18,8 @@
 #include <limits>
 
 namespace moec::cli {
+
+using namespace moec::tooling;
 
 const CommandSpec kRunSpec = {
     "run",

@@ -1,6 +1,6 @@
 //===- Gmm.cpp - Grouped matmul tile kernels on oneDNN's GEMM -------------===//
 
-#include "ops/cpu/Gmm.h"
+#include "runtime/cpu/Gmm.h"
 
 #include <oneapi/dnnl/dnnl.h>
 #include <omp.h>
@@ -35,7 +35,7 @@ extern "C" void __tsan_read_range(void *addr, unsigned long size);
 extern "C" void __tsan_write_range(void *addr, unsigned long size);
 #endif
 
-namespace moec::ops {
+namespace moec::cpu {
 
 //===----------------------------------------------------------------------===//
 // Scratch and the GEMM library
@@ -316,4 +316,4 @@ void gmmWgradTile(ConstMatrix a, ConstMatrix b, Matrix c, Segment segment, Range
            accumulate, scratch);
 }
 
-} // namespace moec::ops
+} // namespace moec::cpu

@@ -46,16 +46,16 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_OPS_CPU_GMM_H
-#define MOEC_OPS_CPU_GMM_H
+#ifndef MOEC_RUNTIME_CPU_GMM_H
+#define MOEC_RUNTIME_CPU_GMM_H
 
-#include "ops/cpu/Element.h"
+#include "runtime/cpu/Element.h"
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 
-namespace moec::ops {
+namespace moec::cpu {
 
 /// The rows of one expert in an expert-major activation buffer:
 /// [offset, offset + rows). `rows` may be 0.
@@ -136,6 +136,6 @@ void gmmDgradTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment
 void gmmWgradTile(ConstMatrix a, ConstMatrix b, Matrix c, Segment segment, Range rows, Range cols,
                   bool accumulate, Scratch *scratch = nullptr);
 
-} // namespace moec::ops
+} // namespace moec::cpu
 
-#endif // MOEC_OPS_CPU_GMM_H
+#endif // MOEC_RUNTIME_CPU_GMM_H

@@ -9,8 +9,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "ops/cpu/Gmm.h"
-#include "ops/cpu/Reference.h"
+#include "runtime/cpu/Gmm.h"
+#include "runtime/tooling/Reference.h"
 
 #include <algorithm>
 #include <chrono>
@@ -21,7 +21,8 @@
 #include <random>
 #include <vector>
 
-using namespace moec::ops;
+using namespace moec::cpu;
+namespace reference = moec::reference;
 
 namespace {
 

@@ -1,11 +1,11 @@
 //===- Swiglu.cpp - SwiGLU forward and backward kernels -------------------===//
 
-#include "ops/cpu/Swiglu.h"
+#include "runtime/cpu/Swiglu.h"
 
 #include <algorithm>
 #include <cmath>
 
-namespace moec::ops {
+namespace moec::cpu {
 
 namespace {
 
@@ -58,4 +58,4 @@ void swigluBackward(ConstMatrix y, ConstMatrix da, Matrix dy, int64_t inter, Ran
   }
 }
 
-} // namespace moec::ops
+} // namespace moec::cpu

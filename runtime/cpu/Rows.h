@@ -20,14 +20,14 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_OPS_CPU_ROWS_H
-#define MOEC_OPS_CPU_ROWS_H
+#ifndef MOEC_RUNTIME_CPU_ROWS_H
+#define MOEC_RUNTIME_CPU_ROWS_H
 
-#include "ops/cpu/Element.h"
+#include "runtime/cpu/Element.h"
 
 #include <cstdint>
 
-namespace moec::ops {
+namespace moec::cpu {
 
 /// Copies `rows` rows of `cols` elements: dst row i = src row i. Equal
 /// storage types copy bytes; otherwise values are converted (rounded to
@@ -55,6 +55,6 @@ void combineRows(ConstMatrix z, const int64_t *position, const float *weights, i
 void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, int64_t topK,
                        Range tokens, int64_t cols, float *dweights);
 
-} // namespace moec::ops
+} // namespace moec::cpu
 
-#endif // MOEC_OPS_CPU_ROWS_H
+#endif // MOEC_RUNTIME_CPU_ROWS_H

@@ -16,14 +16,14 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_OPS_CPU_SWIGLU_H
-#define MOEC_OPS_CPU_SWIGLU_H
+#ifndef MOEC_RUNTIME_CPU_SWIGLU_H
+#define MOEC_RUNTIME_CPU_SWIGLU_H
 
-#include "ops/cpu/Element.h"
+#include "runtime/cpu/Element.h"
 
 #include <cstdint>
 
-namespace moec::ops {
+namespace moec::cpu {
 
 /// Returns silu(x) = x * sigmoid(x), in fp32.
 float silu(float x);
@@ -43,6 +43,6 @@ void swigluForward(ConstMatrix y, Matrix a, int64_t inter, Range rows, Range col
 void swigluBackward(ConstMatrix y, ConstMatrix da, Matrix dy, int64_t inter, Range rows,
                     Range cols);
 
-} // namespace moec::ops
+} // namespace moec::cpu
 
-#endif // MOEC_OPS_CPU_SWIGLU_H
+#endif // MOEC_RUNTIME_CPU_SWIGLU_H

@@ -1,8 +1,8 @@
 //===- Peak.cpp - Measured fp32 FMA peak of one thread --------------------===//
 
-#include "ops/cpu/Peak.h"
+#include "runtime/cpu/Peak.h"
 
-#include "ops/cpu/Gmm.h"
+#include "runtime/cpu/Gmm.h"
 
 #include <algorithm>
 #include <chrono>
@@ -15,7 +15,7 @@
 #define MOEC_PEAK_X86 1
 #endif
 
-namespace moec::ops {
+namespace moec::cpu {
 
 namespace {
 
@@ -231,4 +231,4 @@ double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt, double second
   return 2.0 * double(m) * double(n) * double(k) / best * 1e-9;
 }
 
-} // namespace moec::ops
+} // namespace moec::cpu

@@ -7,8 +7,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_RUNTIME_FORMAT_STATUS_H
-#define MOEC_RUNTIME_FORMAT_STATUS_H
+#ifndef MOEC_BASE_STATUS_H
+#define MOEC_BASE_STATUS_H
 
 #include <string>
 #include <utility>
@@ -54,4 +54,4 @@ private:
 
 } // namespace moec
 
-#endif // MOEC_RUNTIME_FORMAT_STATUS_H
+#endif // MOEC_BASE_STATUS_H

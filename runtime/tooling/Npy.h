@@ -28,10 +28,10 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_TOOLS_MOEC_NPY_H
-#define MOEC_TOOLS_MOEC_NPY_H
+#ifndef MOEC_RUNTIME_TOOLING_NPY_H
+#define MOEC_RUNTIME_TOOLING_NPY_H
 
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 
 #include <cassert>
 #include <cstddef>
@@ -123,4 +123,4 @@ Status writeNpy(const std::string &path, NpyType type, const std::vector<int64_t
 
 } // namespace moec::npy
 
-#endif // MOEC_TOOLS_MOEC_NPY_H
+#endif // MOEC_RUNTIME_TOOLING_NPY_H

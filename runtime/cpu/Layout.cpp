@@ -1,11 +1,11 @@
 //===- Layout.cpp - Routing layout: rows sorted expert-major --------------===//
 
-#include "ops/cpu/Layout.h"
+#include "runtime/cpu/Layout.h"
 
 #include <string>
 #include <utility>
 
-namespace moec::ops {
+namespace moec::cpu {
 
 namespace {
 
@@ -76,4 +76,4 @@ Status buildRoutingLayout(const int64_t *topkIds, int64_t tokens, int64_t topK, 
   return buildLayout(topkIds, tokens, topK, experts, out);
 }
 
-} // namespace moec::ops
+} // namespace moec::cpu

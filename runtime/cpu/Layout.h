@@ -11,15 +11,15 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_OPS_CPU_LAYOUT_H
-#define MOEC_OPS_CPU_LAYOUT_H
+#ifndef MOEC_RUNTIME_CPU_LAYOUT_H
+#define MOEC_RUNTIME_CPU_LAYOUT_H
 
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 
 #include <cstdint>
 #include <vector>
 
-namespace moec::ops {
+namespace moec::cpu {
 
 /// The expert-major order of one rank's (token, k) rows.
 struct RoutingLayout {
@@ -55,6 +55,6 @@ Status buildRoutingLayout(const int32_t *topkIds, int64_t tokens, int64_t topK, 
 Status buildRoutingLayout(const int64_t *topkIds, int64_t tokens, int64_t topK, int64_t experts,
                           RoutingLayout *out);
 
-} // namespace moec::ops
+} // namespace moec::cpu
 
-#endif // MOEC_OPS_CPU_LAYOUT_H
+#endif // MOEC_RUNTIME_CPU_LAYOUT_H

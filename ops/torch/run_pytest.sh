@@ -8,6 +8,6 @@ export MOEC_BIN="$(realpath "$2")"
 shift 2
 export MOEC_GRAPHS="$PWD/graphs"
 export MOEC_CACHE_DIR="${TEST_TMPDIR:-$(mktemp -d)}/moec-cache"
-export PYTHONPATH="$PWD/examples/torch${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/ops/torch:$PWD/examples/torch${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
-exec /usr/bin/python3 -m pytest -p no:cacheprovider -q "$@" examples/torch/tests
+exec /usr/bin/python3 -m pytest -p no:cacheprovider -q "$@" ops/torch/tests

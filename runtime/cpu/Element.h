@@ -12,14 +12,14 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_OPS_CPU_ELEMENT_H
-#define MOEC_OPS_CPU_ELEMENT_H
+#ifndef MOEC_RUNTIME_CPU_ELEMENT_H
+#define MOEC_RUNTIME_CPU_ELEMENT_H
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
-namespace moec::ops {
+namespace moec::cpu {
 
 /// The storage type of a tensor. Arithmetic is always fp32.
 enum class Elt : uint8_t {
@@ -133,6 +133,6 @@ struct Matrix {
   operator ConstMatrix() const { return ConstMatrix{data, elt, ld}; }
 };
 
-} // namespace moec::ops
+} // namespace moec::cpu
 
-#endif // MOEC_OPS_CPU_ELEMENT_H
+#endif // MOEC_RUNTIME_CPU_ELEMENT_H

@@ -1,8 +1,8 @@
 //===- Element.cpp - Storage types and bf16 conversion --------------------===//
 
-#include "ops/cpu/Element.h"
+#include "runtime/cpu/Element.h"
 
-namespace moec::ops {
+namespace moec::cpu {
 
 const char *eltName(Elt elt) { return elt == Elt::BF16 ? "bf16" : "f32"; }
 
@@ -33,4 +33,4 @@ void storeFloats(const float *src, void *dst, Elt elt, size_t count) {
     std::memcpy(dst, src, count * sizeof(float));
 }
 
-} // namespace moec::ops
+} // namespace moec::cpu

@@ -5,12 +5,12 @@
 // random, uniform or skewed), a LayerRun that holds them in the binary's
 // storage type (bf16 converted at the edges), binds them to a runtime context
 // and runs forward and backward, and a check of the outputs against the
-// reference layer (ops/cpu/Reference.h, in double).
+// reference layer (runtime/tooling/Reference.h, in double).
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_TOOLS_MOEC_LAYERRUN_H
-#define MOEC_TOOLS_MOEC_LAYERRUN_H
+#ifndef MOEC_RUNTIME_TOOLING_LAYERRUN_H
+#define MOEC_RUNTIME_TOOLING_LAYERRUN_H
 
 #include "runtime/api/Runtime.h"
 
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-namespace moec::cli {
+namespace moec::tooling {
 
 /// The layer's tensors for all ranks, fp32 (ids int64), global shapes.
 struct LayerData {
@@ -100,6 +100,6 @@ struct OutputError {
 Status verifyLayer(const LayerData &data, bool backward, bool bf16,
                    std::vector<OutputError> *errors);
 
-} // namespace moec::cli
+} // namespace moec::tooling
 
-#endif // MOEC_TOOLS_MOEC_LAYERRUN_H
+#endif // MOEC_RUNTIME_TOOLING_LAYERRUN_H

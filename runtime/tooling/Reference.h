@@ -27,15 +27,15 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_OPS_CPU_REFERENCE_H
-#define MOEC_OPS_CPU_REFERENCE_H
+#ifndef MOEC_RUNTIME_CPU_REFERENCE_H
+#define MOEC_RUNTIME_CPU_REFERENCE_H
 
-#include "runtime/format/Status.h"
+#include "base/Status.h"
 
 #include <cstdint>
 #include <vector>
 
-namespace moec::ops::reference {
+namespace moec::reference {
 
 /// The sizes of the layer.
 struct LayerShape {
@@ -130,6 +130,6 @@ template <typename T> T siluGrad(T x);
 template <typename T>
 void matmul(int64_t m, int64_t n, int64_t k, const T *a, const T *b, T *c);
 
-} // namespace moec::ops::reference
+} // namespace moec::reference
 
-#endif // MOEC_OPS_CPU_REFERENCE_H
+#endif // MOEC_RUNTIME_CPU_REFERENCE_H

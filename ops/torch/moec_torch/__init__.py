@@ -14,7 +14,7 @@ config; they are compiled once per config and cached on disk.
 
 Where things are found (the defaults suit a checkout built with Bazel):
 
-    MOEC_TORCH_LIB   the op library        bazel-bin/examples/torch/moec_torch.so
+    MOEC_TORCH_LIB   the op library        bazel-bin/ops/torch/moec_torch.so
     MOEC_BIN         the moec CLI          bazel-bin/tools/moec
     MOEC_GRAPHS      the graph folder      graphs/
     MOEC_CACHE_DIR   compiled binaries     ~/.cache/moec
@@ -49,11 +49,11 @@ def load_library():
     """Loads the op library once (torch.ops.moec, torch.classes.moec)."""
     global _loaded
     if not _loaded:
-        lib = _path("MOEC_TORCH_LIB", _REPO / "bazel-bin/examples/torch/moec_torch.so")
+        lib = _path("MOEC_TORCH_LIB", _REPO / "bazel-bin/ops/torch/moec_torch.so")
         if not lib.is_file():
             raise RuntimeError(
                 f"moec: the op library {lib} does not exist; build it with "
-                "'bazel build //examples/torch:moec_torch.so' or set MOEC_TORCH_LIB")
+                "'bazel build //ops/torch:moec_torch.so' or set MOEC_TORCH_LIB")
         torch.ops.load_library(str(lib))
         _loaded = True
 

@@ -1,11 +1,11 @@
 //===- Rows.cpp - Row movement: put, dispatch gather, combine -------------===//
 
-#include "ops/cpu/Rows.h"
+#include "runtime/cpu/Rows.h"
 
 #include <algorithm>
 #include <cstring>
 
-namespace moec::ops {
+namespace moec::cpu {
 
 namespace {
 
@@ -98,4 +98,4 @@ void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, i
   }
 }
 
-} // namespace moec::ops
+} // namespace moec::cpu

@@ -13,7 +13,7 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "tools/moec/Npy.h"
+#include "runtime/tooling/Npy.h"
 
 #include <fmt/format.h>
 

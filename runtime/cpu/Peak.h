@@ -30,14 +30,14 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_OPS_CPU_PEAK_H
-#define MOEC_OPS_CPU_PEAK_H
+#ifndef MOEC_RUNTIME_CPU_PEAK_H
+#define MOEC_RUNTIME_CPU_PEAK_H
 
-#include "ops/cpu/Element.h"
+#include "runtime/cpu/Element.h"
 
 #include <cstdint>
 
-namespace moec::ops {
+namespace moec::cpu {
 
 /// The fp32 FMA throughput of one thread, as measureFmaPeak found it.
 struct FmaPeak {
@@ -70,6 +70,6 @@ FmaPeak measureFmaPeak(double seconds = 0.2);
 double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt = Elt::F32,
                          double seconds = 0.3);
 
-} // namespace moec::ops
+} // namespace moec::cpu
 
-#endif // MOEC_OPS_CPU_PEAK_H
+#endif // MOEC_RUNTIME_CPU_PEAK_H

@@ -5,13 +5,13 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "ops/cpu/Reference.h"
+#include "runtime/tooling/Reference.h"
 
 #include <cmath>
 #include <string>
 #include <utility>
 
-namespace moec::ops::reference {
+namespace moec::reference {
 
 Status LayerShape::validate() const {
   if (ranks < 1)
@@ -279,4 +279,4 @@ MOEC_REFERENCE_INSTANTIATE(double)
 
 #undef MOEC_REFERENCE_INSTANTIATE
 
-} // namespace moec::ops::reference
+} // namespace moec::reference

@@ -4,11 +4,11 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "tools/moec/LayerRun.h"
+#include "runtime/tooling/LayerRun.h"
 
-#include "ops/cpu/Element.h"
-#include "ops/cpu/Reference.h"
-#include "tools/moec/Npy.h"
+#include "runtime/cpu/Element.h"
+#include "runtime/tooling/Reference.h"
+#include "runtime/tooling/Npy.h"
 
 #include <fmt/format.h>
 
@@ -17,7 +17,7 @@
 #include <numeric>
 #include <random>
 
-namespace moec::cli {
+namespace moec::tooling {
 
 using format::DType;
 
@@ -35,7 +35,7 @@ void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, 
     v.resize(n);
     for (float &e : v) {
       const float value = uni(rng) * scale;
-      e = options.bf16 ? ops::roundToBf16(value) : value;
+      e = options.bf16 ? cpu::roundToBf16(value) : value;
     }
   };
   const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden,
@@ -187,7 +187,7 @@ void LayerRun::Buffer::assign(const float *values, size_t count, DType type) {
   dtype = type;
   if (type == DType::BF16) {
     bf16.resize(count);
-    ops::floatToBf16(values, bf16.data(), count);
+    cpu::floatToBf16(values, bf16.data(), count);
   } else {
     f32.assign(values, values + count);
   }
@@ -203,7 +203,7 @@ void LayerRun::Buffer::zeros(size_t count, DType type) {
 
 void LayerRun::Buffer::copyOut(float *out) const {
   if (dtype == DType::BF16)
-    ops::bf16ToFloat(bf16.data(), out, bf16.size());
+    cpu::bf16ToFloat(bf16.data(), out, bf16.size());
   else
     std::copy(f32.begin(), f32.end(), out);
 }
@@ -305,7 +305,7 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
 
 Status verifyLayer(const LayerData &d, bool backward, bool bf16,
                    std::vector<OutputError> *errors) {
-  namespace ref = ops::reference;
+  namespace ref = moec::reference;
   ref::LayerShape shape;
   shape.ranks = d.ranks;
   shape.experts = d.experts;
@@ -362,4 +362,4 @@ Status verifyLayer(const LayerData &d, bool backward, bool bf16,
   return Status::success();
 }
 
-} // namespace moec::cli
+} // namespace moec::tooling

@@ -15,24 +15,15 @@
 
 namespace moec {
 
-const char *dtypeName(DType dtype) {
+const char *configDTypeName(DType dtype) {
   switch (dtype) {
   case DType::F32:
     return "fp32";
   case DType::BF16:
     return "bf16";
+  default:
+    return "unknown";
   }
-  return "unknown";
-}
-
-int64_t dtypeSize(DType dtype) {
-  switch (dtype) {
-  case DType::F32:
-    return 4;
-  case DType::BF16:
-    return 2;
-  }
-  return 0;
 }
 
 std::optional<DType> parseDType(std::string_view name) {
@@ -283,7 +274,7 @@ Bindings configBindings(const ModelConfig &c) {
   for (const IntKey &key : kIntKeys)
     if (c.*key.field > 0)
       bindings[key.key] = c.*key.field;
-  bindings["dtype_size"] = dtypeSize(c.dtype);
+  bindings["dtype_size"] = int64_t(dtypeSize(c.dtype));
   bindings["single_rank_expert_num"] = v.singleRankExpertNum;
   bindings["seq_all"] = v.seqAll;
   bindings["per_expert_seq"] = v.perExpertSeq;
@@ -317,7 +308,7 @@ nlohmann::json configToJson(const ModelConfig &c) {
   for (const IntKey &key : kIntKeys)
     if (c.*key.field > 0)
       json[key.key] = c.*key.field;
-  json[kDTypeKey] = dtypeName(c.dtype);
+  json[kDTypeKey] = configDTypeName(c.dtype);
   json[kNameKey] = c.name;
   return json;
 }

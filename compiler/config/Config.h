@@ -12,6 +12,8 @@
 
 #include "compiler/support/Expr.h"
 
+#include "base/DType.h"
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -23,16 +25,12 @@
 
 namespace moec {
 
-/// Element type of the layer's activations and weights.
-enum class DType { F32, BF16 };
+/// Returns the config spelling of the activation type `dtype` (F32 or BF16,
+/// base/DType.h): "fp32" or "bf16".
+const char *configDTypeName(DType dtype);
 
-/// Returns the config spelling of `dtype`: "fp32" or "bf16".
-const char *dtypeName(DType dtype);
-
-/// Returns the size of one element of `dtype` in bytes: 4 or 2.
-int64_t dtypeSize(DType dtype);
-
-/// Returns the DType spelled `name` ("fp32" or "bf16"), or std::nullopt.
+/// Returns the activation type spelled `name` ("fp32" or "bf16"), or
+/// std::nullopt.
 std::optional<DType> parseDType(std::string_view name);
 
 /// The model/parallel config of an MoE-FFN layer.

@@ -1,46 +1,42 @@
 //===- Runtime.cpp - The moec runtime: programs, contexts, the C API ------===//
 //
-// A pass of a context:
+// The API half of a pass: programs, contexts, bindings, the routing checks
+// and the order of a pass; the CPU backend (runtime/cpu/Pass.h) does the
+// rest. A pass of a context:
 //
-//   prepare  check the routing of every rank and the bound tensors, build the
-//            routing layouts, check capacities (nothing is written before
-//            all checks pass), fill the layout tensors of every rank, gather
-//            the rows each rank sends (x rows, or topk_weight * dy rows)
-//   tasks    the executor runs the task program for all ranks; runTile() maps
-//            each tile to an ops/cpu kernel
+//   prepare  check the routing and the bound tensors of every local rank,
+//            then exchange through the fabric what each rank found (its
+//            per-expert row counts, or its error), so that every rank of
+//            the group knows every rank's counts, and every rank stops with
+//            the same message when one rank's input is wrong; check the
+//            capacities of all ranks (nothing is written before all checks
+//            pass); fill the layout tensors; gather the rows to send
+//   tasks    the CPU backend runs the task program on the local ranks
 //   finish   reduce the returned rows into y (or dx), and dtopk_weights
-//
-// Prepare and finish run on the calling thread plus short-lived helpers, cut
-// by rank and token range; every reduction in them has a fixed order, so
-// results do not depend on the number of threads.
 //
 //===----------------------------------------------------------------------===//
 
 #include "runtime/api/Runtime.h"
 
-#include "runtime/cpu/Gmm.h"
-#include "runtime/cpu/Layout.h"
-#include "runtime/cpu/Rows.h"
-#include "runtime/cpu/Swiglu.h"
-#include "runtime/api/Layer.h"
-#include "runtime/exec/Executor.h"
-#include "runtime/exec/OpByOp.h"
+#include "runtime/cpu/Pass.h"
+#include "runtime/format/Crc32.h"
+#include "runtime/layer/Layer.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <thread>
 
+static_assert(int(MOEC_F32) == int(moec::DType::F32) && int(MOEC_BF16) == int(moec::DType::BF16) &&
+                  int(MOEC_I32) == int(moec::DType::I32) && int(MOEC_I64) == int(moec::DType::I64),
+              "moec_dtype mirrors moec::DType");
+
 namespace moec::rt {
 
-using format::DType;
-using format::OpKind;
 using format::TaskProgram;
-using format::TilingRecord;
 
 //===----------------------------------------------------------------------===//
 // Tensors
@@ -69,332 +65,10 @@ double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-cpu::Elt eltOf(DType dtype) { return dtype == DType::BF16 ? cpu::Elt::BF16 : cpu::Elt::F32; }
-
-int64_t loadIndex(const void *data, DType dtype, int64_t i) {
-  return dtype == DType::I32 ? static_cast<const int32_t *>(data)[i]
-                             : static_cast<const int64_t *>(data)[i];
-}
-
-void storeIndex(void *data, DType dtype, int64_t i, int64_t value) {
-  if (dtype == DType::I32)
-    static_cast<int32_t *>(data)[i] = int32_t(value);
-  else
-    static_cast<int64_t *>(data)[i] = value;
-}
-
-/// Runs fn(i) for i in [0, count) on up to `threads` threads (the caller is
-/// one of them). Items must be independent.
-template <typename Fn> void parallelFor(uint32_t threads, size_t count, const Fn &fn) {
-  const size_t n = std::min<size_t>(std::max(threads, 1u), count);
-  if (n <= 1) {
-    for (size_t i = 0; i < count; ++i)
-      fn(i);
-    return;
-  }
-  std::vector<std::thread> helpers;
-  helpers.reserve(n - 1);
-  for (size_t t = 1; t < n; ++t)
-    helpers.emplace_back([&, t] {
-      for (size_t i = t; i < count; i += n)
-        fn(i);
-    });
-  for (size_t i = 0; i < count; i += n)
-    fn(i);
-  for (std::thread &h : helpers)
-    h.join();
-}
-
 /// The tensors a caller binds, by name.
 enum Binding : uint32_t { kX, kW1, kW2, kY, kDy, kDx, kDtopk, kDw1, kDw2, kBindingCount };
 constexpr const char *kBindingNames[kBindingCount] = {
     "x", "w1", "w2", "y", "dy", "dx", "dtopk_weights", "dw1", "dw2"};
-
-struct AlignedFree {
-  void operator()(uint8_t *p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<uint8_t, AlignedFree>;
-
-/// Bytes of a slot at its capacity.
-size_t slotBytes(const format::SlotRecord &slot) {
-  uint64_t count = 1;
-  for (uint32_t i = 0; i < slot.rank; ++i)
-    count *= (i == 0 && (slot.flags & format::kSlotDynamic)) ? slot.capacityRows : slot.dims[i];
-  return size_t(count) * format::dtypeSize(slot.dtype);
-}
-
-/// What a pass needs of an op at every tile, precomputed.
-struct OpInfo {
-  OpKind kind = OpKind::Gmm;
-  const TilingRecord *tiling = nullptr;
-  bool wgrad = false, transposeB = false, accumulate = false;
-  int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
-};
-
-/// A routing checked and laid out, kept for backward.
-struct RankRoute {
-  int64_t tokens = 0, topK = 0;
-  cpu::RoutingLayout layout;
-  std::vector<float> weights; ///< topk_weights [S, K], a copy
-};
-
-} // namespace
-
-//===----------------------------------------------------------------------===//
-// Program
-//===----------------------------------------------------------------------===//
-
-struct Program::Impl {
-  TaskProgram program;
-  LayerPlan plan;
-};
-
-Program::Program(std::unique_ptr<Impl> impl) : body(std::move(impl)) {}
-Program::~Program() = default;
-const TaskProgram &Program::tasks() const { return body->program; }
-const LayerShape &Program::shape() const { return body->plan.shape; }
-
-Status Program::create(TaskProgram program, std::shared_ptr<const Program> *out) {
-  if (Status s = format::validateTaskProgram(program); !s)
-    return s;
-  auto impl = std::make_unique<Impl>();
-  if (Status s = analyzeLayer(program, &impl->plan); !s)
-    return s;
-  impl->program = std::move(program);
-  *out = std::shared_ptr<const Program>(new Program(std::move(impl)));
-  return Status::success();
-}
-
-Status Program::load(const std::string &path, std::shared_ptr<const Program> *out) {
-  TaskProgram program;
-  if (Status s = format::loadTaskBinaryFile(path, &program); !s)
-    return s;
-  return create(std::move(program), out).withPrefix(path + ": ");
-}
-
-//===----------------------------------------------------------------------===//
-// Context
-//===----------------------------------------------------------------------===//
-
-namespace {
-
-/// One pass (forward or backward) of a context.
-struct Pass {
-  std::shared_ptr<const Program> program;
-  const LayerPlan *plan = nullptr;
-  std::vector<OpInfo> ops;
-  std::vector<std::vector<void *>> data; ///< [rank][slot]: the tensor of the slot
-  std::vector<Buffer> owned;             ///< workspace buffers
-  size_t ownedBytes = 0;
-  bool allocated = false;
-  std::vector<std::unique_ptr<exec::Executor>> executors; ///< one, or one per op
-  PassTimes times;
-
-  const TaskProgram &tasks() const { return program->tasks(); }
-  DType dtype(uint32_t slot) const { return tasks().slots[slot].dtype; }
-  int64_t width(uint32_t slot) const { return int64_t(tasks().slots[slot].dims[1]); }
-  cpu::ConstMatrix in(uint32_t rank, uint32_t slot) const {
-    return {data[rank][slot], eltOf(dtype(slot)), width(slot)};
-  }
-  cpu::Matrix out(uint32_t rank, uint32_t slot) const {
-    return {data[rank][slot], eltOf(dtype(slot)), width(slot)};
-  }
-  int64_t index(uint32_t rank, uint32_t slot, int64_t i) const {
-    return loadIndex(data[rank][slot], dtype(slot), i);
-  }
-};
-
-} // namespace
-
-struct Context::Impl {
-  ContextOptions options;
-  uint32_t workerCount = 1;
-  Pass fwd, bwd;
-  std::vector<Tensor> ids, weights; ///< per rank; data null until set
-  std::vector<std::array<Tensor, kBindingCount>> bound;
-  std::vector<RankRoute> routes; ///< what the last forward pass used
-  bool haveForward = false;
-  std::vector<cpu::Scratch> scratch; ///< per worker
-  const exec::Executor *lastExecutor = nullptr;
-
-  std::thread submitted;
-  bool inFlight = false;
-  Status submittedResult;
-
-  uint32_t ranks() const { return fwd.plan->shape.ranks; }
-  const LayerShape &shape() const { return fwd.plan->shape; }
-
-  Status setUpPass(Pass &pass, std::shared_ptr<const Program> program);
-  Status runTile(Pass &pass, uint32_t rank, uint32_t task, uint32_t worker);
-  Status runPut(Pass &pass, const OpInfo &op, uint32_t rank, const format::TileCoord &tile,
-                bool combine);
-
-  Status checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const;
-  Status checkRoutes(std::vector<RankRoute> *out) const;
-  void allocate(Pass &pass);
-  void fillLayout(Pass &pass) const;
-  /// Gathers every rank's send rows from the bound tensor `source` (x, or dy
-  /// times the top-k weights when `weighted`) into the pass's src slot.
-  void gatherSendRows(Pass &pass, uint32_t source, bool weighted);
-  Status runTasks(Pass &pass);
-  Status forward();
-  Status backward();
-  Status idle() const {
-    if (inFlight)
-      return Status::error("a submitted pass is still running; call wait() first");
-    return Status::success();
-  }
-};
-
-Status Context::Impl::setUpPass(Pass &pass, std::shared_ptr<const Program> program) {
-  pass.program = std::move(program);
-  pass.plan = &pass.program->impl().plan;
-  const TaskProgram &tasks = pass.tasks();
-  for (const format::OpRecord &op : tasks.ops) {
-    OpInfo info;
-    info.kind = op.kind;
-    info.tiling = &tasks.tilings[op.tiling];
-    info.wgrad = op.kind == OpKind::Gmm && info.tiling->depth == 0;
-    info.transposeB = info.tiling->flags & format::kTilingTransposeB;
-    info.accumulate = info.tiling->flags & format::kTilingAccumulate;
-    const format::SlotRecord &w =
-        tasks.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
-    if (op.kind == OpKind::Gmm)
-      info.expertStride = int64_t(w.dims[1] * w.dims[2]);
-    pass.ops.push_back(info);
-  }
-  pass.data.assign(ranks(), std::vector<void *>(tasks.slots.size(), nullptr));
-
-  exec::ExecutorOptions eo;
-  eo.workers = workerCount;
-  eo.timeout = std::chrono::nanoseconds(
-      options.timeoutSeconds > 0 ? int64_t(options.timeoutSeconds * 1e9) : 0);
-  eo.trace = options.trace;
-  Pass *p = &pass;
-  if (options.schedule == Schedule::Fused) {
-    std::unique_ptr<exec::Executor> executor;
-    if (Status s = exec::Executor::create(
-            tasks,
-            [this, p](uint32_t rank, uint32_t task, uint32_t worker) {
-              return runTile(*p, rank, task, worker);
-            },
-            eo, &executor);
-        !s)
-      return s;
-    pass.executors.push_back(std::move(executor));
-    return Status::success();
-  }
-  for (uint32_t op = 0; op < tasks.ops.size(); ++op) {
-    const uint32_t first = tasks.ops[op].firstTask;
-    std::unique_ptr<exec::Executor> executor;
-    if (Status s = exec::Executor::create(
-            exec::singleOpProgram(tasks, op),
-            [this, p, first](uint32_t rank, uint32_t task, uint32_t worker) {
-              return runTile(*p, rank, first + task, worker);
-            },
-            eo, &executor);
-        !s)
-      return s;
-    pass.executors.push_back(std::move(executor));
-  }
-  return Status::success();
-}
-
-Status Context::Impl::runPut(Pass &pass, const OpInfo &op, uint32_t rank,
-                             const format::TileCoord &tile, bool combine) {
-  const LayerPlan &plan = *pass.plan;
-  const uint32_t peer = pass.tasks().peerRank(rank, tile.peer);
-  const int64_t i = int64_t(peer) * plan.shape.localExperts + tile.expert;
-  const uint32_t sizeSlot = combine ? plan.cSize : plan.dSize;
-  const uint32_t srcOffsetSlot = combine ? plan.cSrcOffset : plan.dSrcOffset;
-  const uint32_t targetOffsetSlot = combine ? plan.cTargetOffset : plan.dTargetOffset;
-  const int64_t count = pass.index(rank, sizeSlot, i);
-  const int64_t begin = int64_t(tile.rowBegin);
-  const int64_t end = std::min<int64_t>(int64_t(tile.rowEnd), count);
-  if (end <= begin)
-    return Status::success();
-  const uint32_t from = op.tiling->inputSlots[1], to = op.tiling->outputSlot;
-  const cpu::ConstMatrix src = pass.in(rank, from);
-  const cpu::Matrix dst = pass.out(peer, to);
-  const int64_t srcRow = pass.index(rank, srcOffsetSlot, i) + begin;
-  const int64_t dstRow = pass.index(rank, targetOffsetSlot, i) + begin;
-  const int64_t col = int64_t(tile.colBegin);
-  cpu::copyRows(cpu::ConstMatrix{src.address(srcRow, col), src.elt, src.ld},
-                cpu::Matrix{dst.address(dstRow, col), dst.elt, dst.ld}, end - begin,
-                int64_t(tile.colEnd) - col);
-  return Status::success();
-}
-
-Status Context::Impl::runTile(Pass &pass, uint32_t rank, uint32_t task, uint32_t worker) {
-  const TaskProgram &tasks = pass.tasks();
-  const uint32_t opIndex = tasks.tasks[task].op;
-  const OpInfo &op = pass.ops[opIndex];
-  const TilingRecord &t = *op.tiling;
-  const format::TileCoord tile = format::tileCoord(t, task - tasks.ops[opIndex].firstTask);
-  if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine)
-    return runPut(pass, op, rank, tile, op.kind == OpKind::Combine);
-
-  // Per-expert ops: the expert's segment from the group list.
-  const uint32_t glist = pass.plan->glist;
-  const int64_t segEnd = pass.index(rank, glist, tile.expert);
-  const int64_t segBegin = tile.expert == 0 ? 0 : pass.index(rank, glist, tile.expert - 1);
-  const cpu::Segment segment{segBegin, segEnd - segBegin};
-  const cpu::Range rows{int64_t(tile.rowBegin), int64_t(tile.rowEnd)};
-  const cpu::Range cols{int64_t(tile.colBegin), int64_t(tile.colEnd)};
-  const uint32_t a = t.inputSlots[0], b = t.inputSlots[1], c = t.outputSlot;
-  cpu::Scratch *scratch = &this->scratch[worker];
-
-  switch (op.kind) {
-  case OpKind::Gmm: {
-    cpu::ConstMatrix bm{static_cast<const char *>(pass.data[rank][b]), eltOf(pass.dtype(b)),
-                        int64_t(t.ldb)};
-    if (op.wgrad) {
-      cpu::Matrix cm{static_cast<char *>(pass.data[rank][c]) +
-                         op.expertStride * tile.expert * format::dtypeSize(pass.dtype(c)),
-                     eltOf(pass.dtype(c)), int64_t(t.ldc)};
-      cpu::gmmWgradTile(pass.in(rank, a), pass.in(rank, b), cm, segment, rows, cols,
-                        op.accumulate, scratch);
-      return Status::success();
-    }
-    bm.data = static_cast<const char *>(bm.data) +
-              op.expertStride * tile.expert * format::dtypeSize(pass.dtype(b));
-    if (op.transposeB)
-      cpu::gmmDgradTile(pass.in(rank, a), bm, pass.out(rank, c), int64_t(t.depth), segment, rows,
-                        cols, scratch);
-    else
-      cpu::gmmForwardTile(pass.in(rank, a), bm, pass.out(rank, c), int64_t(t.depth), segment,
-                          rows, cols, scratch);
-    return Status::success();
-  }
-  case OpKind::Swiglu:
-  case OpKind::SwigluGrad: {
-    const int64_t end = std::min(rows.end, segment.rows);
-    if (end <= rows.begin)
-      return Status::success();
-    const cpu::Range absolute{segBegin + rows.begin, segBegin + end};
-    const int64_t inter = pass.plan->shape.inter;
-    if (op.kind == OpKind::Swiglu) {
-      cpu::swigluForward(pass.in(rank, a), pass.out(rank, c), inter, absolute, cols);
-    } else {
-      // Output columns [c0, c1) of dY [., 2I] map to gate/up pairs.
-      const int64_t width = int64_t(t.cols);
-      const cpu::Range pairs{cols.begin * inter / width, cols.end * inter / width};
-      cpu::swigluBackward(pass.in(rank, b), pass.in(rank, a), pass.out(rank, c), inter, absolute,
-                          pairs);
-    }
-    return Status::success();
-  }
-  default:
-    return Status::error(fmt::format("op kind {} has no CPU kernel", int(op.kind)));
-  }
-}
-
-
-//===----------------------------------------------------------------------===//
-// Prepare, run, finish
-//===----------------------------------------------------------------------===//
-
-namespace {
 
 /// The dtype a binding must have.
 DType bindingDType(Binding b, const LayerShape &fwd, const LayerShape *bwd) {
@@ -414,6 +88,149 @@ int64_t elementCount(const Tensor &t) {
 
 } // namespace
 
+//===----------------------------------------------------------------------===//
+// Program
+//===----------------------------------------------------------------------===//
+
+struct Program::Impl {
+  TaskProgram program;
+  LayerPlan plan;
+  std::string source;    ///< the file it came from, or "a program in memory"
+  uint32_t checksum = 0; ///< CRC-32 of the program as a task binary
+};
+
+Program::Program(std::unique_ptr<Impl> impl) : body(std::move(impl)) {}
+Program::~Program() = default;
+const TaskProgram &Program::tasks() const { return body->program; }
+const LayerShape &Program::shape() const { return body->plan.shape; }
+const std::string &Program::source() const { return body->source; }
+uint32_t Program::checksum() const { return body->checksum; }
+
+Status Program::create(TaskProgram program, std::shared_ptr<const Program> *out) {
+  if (Status s = format::validateTaskProgram(program); !s)
+    return s;
+  auto impl = std::make_unique<Impl>();
+  if (Status s = analyzeLayer(program, &impl->plan); !s)
+    return s;
+  const std::vector<uint8_t> bytes = format::writeTaskBinary(program);
+  impl->checksum = format::crc32(bytes.data(), bytes.size());
+  impl->source = "a program in memory";
+  impl->program = std::move(program);
+  *out = std::shared_ptr<const Program>(new Program(std::move(impl)));
+  return Status::success();
+}
+
+Status Program::load(const std::string &path, std::shared_ptr<const Program> *out) {
+  TaskProgram program;
+  if (Status s = format::loadTaskBinaryFile(path, &program); !s)
+    return s;
+  std::shared_ptr<const Program> loaded;
+  if (Status s = create(std::move(program), &loaded); !s)
+    return s.withPrefix(path + ": ");
+  const_cast<Impl &>(loaded->impl()).source = path;
+  *out = std::move(loaded);
+  return Status::success();
+}
+
+//===----------------------------------------------------------------------===//
+// Context
+//===----------------------------------------------------------------------===//
+
+namespace {
+
+/// What one rank tells the others before a pass: whether its own checks
+/// passed (else why), and its routing's size and per-expert row counts.
+/// Followed by E int64 counts.
+struct RankReport {
+  int32_t ok = 1;
+  int32_t reserved = 0;
+  int64_t tokens = 0;
+  int64_t topK = 0;
+  char message[488] = {};
+};
+static_assert(sizeof(RankReport) == 512, "RankReport layout");
+
+/// What one rank tells the others when a context is created: the layer it
+/// runs.
+struct RankFingerprint {
+  uint32_t forwardChecksum = 0, backwardChecksum = 0;
+  uint32_t ranks = 0, localExperts = 0;
+  int64_t hidden = 0, inter = 0, tokens = 0, topK = 0;
+  uint32_t activations = 0, weightGrads = 0;
+  char forwardSource[200] = {};
+  char backwardSource[200] = {};
+};
+
+void copyText(char *dst, size_t size, const std::string &text) {
+  const size_t n = std::min(size - 1, text.size());
+  std::memcpy(dst, text.data(), n);
+  dst[n] = '\0';
+}
+
+std::string describe(const RankFingerprint &f) {
+  std::string text = fmt::format("forward '{}' (crc32 {:08x})", f.forwardSource, f.forwardChecksum);
+  if (f.backwardSource[0])
+    text += fmt::format(", backward '{}' (crc32 {:08x})", f.backwardSource, f.backwardChecksum);
+  else
+    text += ", no backward";
+  return text + fmt::format(" for R {}, L {}, H {}, I {}, S {}, K {}, {}", f.ranks, f.localExperts,
+                            f.hidden, f.inter, f.tokens, f.topK,
+                            dtypeName(DType(f.activations)));
+}
+
+} // namespace
+
+struct Context::Impl {
+  ContextOptions options;
+  uint32_t workerCount = 1;
+  std::shared_ptr<comm::Fabric> fabric;
+  std::shared_ptr<const Program> fwdProgram, bwdProgram;
+  std::unique_ptr<cpu::Pass> fwd, bwd;
+  PassTimes fwdTimes, bwdTimes;
+  std::vector<cpu::Scratch> scratch; ///< per worker
+  std::vector<Tensor> ids, weights;  ///< per rank; data null until set
+  std::vector<std::array<Tensor, kBindingCount>> bound;
+  std::vector<cpu::RankRoute> routes; ///< what the last forward pass used
+  bool haveForward = false;
+  const exec::Executor *lastExecutor = nullptr;
+  std::string broken; ///< why the context cannot run another pass
+
+  std::thread submitted;
+  bool inFlight = false;
+  Status submittedResult;
+
+  uint32_t ranks() const { return fwd->plan().shape.ranks; }
+  const LayerShape &shape() const { return fwd->plan().shape; }
+  uint32_t firstLocal() const { return fabric->firstLocal(); }
+  uint32_t lastLocal() const { return fabric->firstLocal() + fabric->localRanks(); }
+
+  Status checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const;
+  Status checkRoute(uint32_t rank, cpu::RankRoute *out) const;
+  Status agree(const std::vector<Status> &local, std::vector<cpu::RankRoute> *routes) const;
+  Status checkCapacities(const std::vector<cpu::RankRoute> &routes) const;
+  Status runTasks(cpu::Pass &pass, PassTimes &times);
+  Status forward();
+  Status backward();
+  Status fingerprint() const;
+  Status idle() const {
+    if (inFlight)
+      return Status::error("a submitted pass is still running; call wait() first");
+    return Status::success();
+  }
+  Status localRank(uint32_t rank) const {
+    if (rank >= ranks())
+      return Status::error(
+          fmt::format("rank {} is out of range: the EP group has {} ranks", rank, ranks()));
+    if (!fabric->isLocal(rank))
+      return Status::error(fmt::format(
+          "rank {} is not run by this process: with the {} fabric it runs rank{} {}", rank,
+          fabric->name(), fabric->localRanks() == 1 ? "" : "s",
+          fabric->localRanks() == 1 ? fmt::format("{}", firstLocal())
+                                    : fmt::format("{}..{}", firstLocal(), lastLocal() - 1)));
+    return Status::success();
+  }
+};
+
 Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const {
   const Tensor &t = bound[rank][b];
   if (t.ndim == 0 && t.data == nullptr)
@@ -426,33 +243,89 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
   return Status::success();
 }
 
-Status Context::Impl::checkRoutes(std::vector<RankRoute> *out) const {
+/// Checks and lays out the routing of local rank `rank`.
+Status Context::Impl::checkRoute(uint32_t r, cpu::RankRoute *out) const {
   const LayerShape &s = shape();
-  const uint32_t R = s.ranks, L = s.localExperts, E = s.experts();
-  std::vector<RankRoute> routes(R);
-  for (uint32_t r = 0; r < R; ++r) {
-    const Tensor &idsT = ids[r];
-    if (idsT.ndim != 2)
-      return Status::error(fmt::format("rank {}: no routing set (setRouting)", r));
-    RankRoute &route = routes[r];
-    route.tokens = idsT.dims[0];
-    route.topK = idsT.dims[1];
-    if (route.tokens * route.topK > s.rowCapacity)
-      return Status::error(fmt::format(
-          "rank {}: routing over capacity: {} tokens x top-{} = {} rows; the binary serves at "
-          "most {} rows per rank",
-          r, route.tokens, route.topK, route.tokens * route.topK, s.rowCapacity));
-    const Status built =
-        idsT.dtype == MOEC_I32
-            ? cpu::buildRoutingLayout(static_cast<const int32_t *>(idsT.data), route.tokens,
-                                      route.topK, E, &route.layout)
-            : cpu::buildRoutingLayout(static_cast<const int64_t *>(idsT.data), route.tokens,
-                                      route.topK, E, &route.layout);
-    if (!built)
-      return built.withPrefix(fmt::format("rank {}: ", r));
-    const float *w = static_cast<const float *>(weights[r].data);
-    route.weights.assign(w, w + route.tokens * route.topK);
+  const Tensor &idsT = ids[r];
+  if (idsT.ndim != 2)
+    return Status::error(fmt::format("rank {}: no routing set (setRouting)", r));
+  cpu::RankRoute route;
+  route.tokens = idsT.dims[0];
+  route.topK = idsT.dims[1];
+  if (route.tokens * route.topK > s.rowCapacity)
+    return Status::error(fmt::format(
+        "rank {}: routing over capacity: {} tokens x top-{} = {} rows; the binary serves at "
+        "most {} rows per rank",
+        r, route.tokens, route.topK, route.tokens * route.topK, s.rowCapacity));
+  const Status built =
+      idsT.dtype == MOEC_I32
+          ? cpu::buildRoutingLayout(static_cast<const int32_t *>(idsT.data), route.tokens,
+                                    route.topK, s.experts(), &route.layout)
+          : cpu::buildRoutingLayout(static_cast<const int64_t *>(idsT.data), route.tokens,
+                                    route.topK, s.experts(), &route.layout);
+  if (!built)
+    return built.withPrefix(fmt::format("rank {}: ", r));
+  const float *w = static_cast<const float *>(weights[r].data);
+  route.weights.assign(w, w + route.tokens * route.topK);
+  *out = std::move(route);
+  return Status::success();
+}
+
+/// Tells every rank what the local checks found (`local`, one per local
+/// rank) and, in `routes` (all ranks; the local ones filled), the routing
+/// sizes and per-expert counts of every rank. Returns the error of the first
+/// rank whose checks failed, the same on every rank.
+Status Context::Impl::agree(const std::vector<Status> &local,
+                            std::vector<cpu::RankRoute> *routes) const {
+  const uint32_t R = ranks(), E = shape().experts();
+  const size_t block = sizeof(RankReport) + size_t(E) * sizeof(int64_t);
+  std::vector<uint8_t> mine(block * fabric->localRanks(), 0), all(block * R, 0);
+  for (uint32_t i = 0; i < fabric->localRanks(); ++i) {
+    RankReport report;
+    const uint32_t r = firstLocal() + i;
+    if (!local[i]) {
+      report.ok = 0;
+      copyText(report.message, sizeof report.message, local[i].message());
+    } else if (routes && !(*routes)[r].layout.counts.empty()) {
+      report.tokens = (*routes)[r].tokens;
+      report.topK = (*routes)[r].topK;
+      std::memcpy(mine.data() + i * block + sizeof report, (*routes)[r].layout.counts.data(),
+                  size_t(E) * sizeof(int64_t));
+    }
+    std::memcpy(mine.data() + i * block, &report, sizeof report);
   }
+  if (Status s = fabric->exchange(mine.data(), block, all.data(), options.timeoutSeconds); !s)
+    return s;
+  for (uint32_t r = 0; r < R; ++r) {
+    RankReport report;
+    std::memcpy(&report, all.data() + r * block, sizeof report);
+    if (!report.ok)
+      return Status::error(fabric->isLocal(r) ? local[r - firstLocal()].message()
+                                              : std::string(report.message));
+  }
+  if (!routes)
+    return Status::success();
+  for (uint32_t r = 0; r < R; ++r) {
+    if (fabric->isLocal(r))
+      continue;
+    RankReport report;
+    std::memcpy(&report, all.data() + r * block, sizeof report);
+    cpu::RankRoute &route = (*routes)[r];
+    route.tokens = report.tokens;
+    route.topK = report.topK;
+    route.layout.counts.assign(E, 0);
+    std::memcpy(route.layout.counts.data(), all.data() + r * block + sizeof report,
+                size_t(E) * sizeof(int64_t));
+    route.layout.offsets.assign(E + 1, 0);
+    for (uint32_t g = 0; g < E; ++g)
+      route.layout.offsets[g + 1] = route.layout.offsets[g] + route.layout.counts[g];
+  }
+  return Status::success();
+}
+
+Status Context::Impl::checkCapacities(const std::vector<cpu::RankRoute> &routes) const {
+  const LayerShape &s = shape();
+  const uint32_t R = s.ranks, L = s.localExperts;
   for (uint32_t r = 0; r < R; ++r) {
     int64_t received = 0;
     for (uint32_t e = 0; e < L; ++e) {
@@ -480,170 +353,76 @@ Status Context::Impl::checkRoutes(std::vector<RankRoute> *out) const {
           "at most {} rows per rank",
           r, received, s.receiveCapacity));
   }
-  *out = std::move(routes);
   return Status::success();
 }
 
-void Context::Impl::allocate(Pass &pass) {
-  if (pass.allocated)
-    return;
-  const LayerPlan &plan = *pass.plan;
-  std::vector<uint32_t> caller = {plan.w1, plan.w2};
-  if (plan.shape.backward)
-    caller.insert(caller.end(),
-                  {plan.dw1, plan.dw2, plan.dispatched, plan.upOut, plan.swigluOut});
-  const TaskProgram &tasks = pass.tasks();
-  for (uint32_t r = 0; r < ranks(); ++r)
-    for (uint32_t slot = 0; slot < tasks.slots.size(); ++slot) {
-      if (std::find(caller.begin(), caller.end(), slot) != caller.end())
-        continue;
-      const size_t bytes = std::max<size_t>(slotBytes(tasks.slots[slot]), 64);
-      const size_t rounded = (bytes + 63) / 64 * 64;
-      Buffer buffer(static_cast<uint8_t *>(std::aligned_alloc(64, rounded)));
-      if (!buffer)
-        throw std::bad_alloc();
-      std::memset(buffer.get(), 0, rounded);
-      pass.data[r][slot] = buffer.get();
-      pass.ownedBytes += rounded;
-      pass.owned.push_back(std::move(buffer));
-    }
-  pass.allocated = true;
-}
-
-void Context::Impl::fillLayout(Pass &pass) const {
-  const LayerPlan &plan = *pass.plan;
-  const uint32_t R = ranks(), L = plan.shape.localExperts, E = R * L;
-  // rows[r][e]: rows local expert e of rank r receives; start[r][e]: its
-  // segment's first row; before[q][g]: rows ranks < q send expert g.
-  std::vector<std::vector<int64_t>> rows(R, std::vector<int64_t>(L)), start = rows;
-  std::vector<std::vector<int64_t>> before(R, std::vector<int64_t>(E, 0));
-  for (uint32_t g = 0; g < E; ++g)
-    for (uint32_t q = 0; q < R; ++q) {
-      if (q + 1 < R)
-        before[q + 1][g] = before[q][g] + routes[q].layout.counts[g];
-      rows[g / L][g % L] += routes[q].layout.counts[g];
-    }
-  for (uint32_t r = 0; r < R; ++r)
-    for (uint32_t e = 1; e < L; ++e)
-      start[r][e] = start[r][e - 1] + rows[r][e - 1];
-  const auto targetOffset = [&](uint32_t q, uint32_t g) {
-    return start[g / L][g % L] + before[q][g];
-  };
-  const auto put = [&](uint32_t r, uint32_t slot, int64_t i, int64_t value) {
-    storeIndex(pass.data[r][slot], pass.dtype(slot), i, value);
-  };
-  for (uint32_t r = 0; r < R; ++r) {
-    const cpu::RoutingLayout &own = routes[r].layout;
-    for (uint32_t g = 0; g < E; ++g) {
-      put(r, plan.dSize, g, own.counts[g]);
-      put(r, plan.dSrcOffset, g, own.offsets[g]);
-      put(r, plan.dTargetOffset, g, targetOffset(r, g));
-    }
-    for (uint32_t q = 0; q < R; ++q)
-      for (uint32_t e = 0; e < L; ++e) {
-        const uint32_t g = r * L + e, i = q * L + e;
-        put(r, plan.cSize, i, routes[q].layout.counts[g]);
-        put(r, plan.cSrcOffset, i, targetOffset(q, g));
-        put(r, plan.cTargetOffset, i, routes[q].layout.offsets[g]);
-      }
-    for (uint32_t e = 0; e < L; ++e)
-      put(r, plan.glist, e, start[r][e] + rows[r][e]);
-  }
-}
-
-Status Context::Impl::runTasks(Pass &pass) {
-  const Clock::time_point t0 = Clock::now();
-  for (const std::unique_ptr<exec::Executor> &executor : pass.executors) {
-    lastExecutor = executor.get();
-    if (Status s = executor->run(); !s)
-      return s;
-  }
-  pass.times.tasks = secondsSince(t0);
-  return Status::success();
-}
-
-namespace {
-
-/// Work items of a per-rank row loop: (rank, piece) with `pieces` pieces per
-/// rank, so all threads have work even with one rank.
-struct Pieces {
-  uint32_t pieces;
-  size_t count(uint32_t ranks) const { return size_t(ranks) * pieces; }
-  uint32_t rank(size_t item) const { return uint32_t(item / pieces); }
-  cpu::Range range(size_t item, int64_t extent) const {
-    const int64_t p = int64_t(item % pieces);
-    return {p * extent / pieces, (p + 1) * extent / pieces};
-  }
-};
-
-} // namespace
-
-void Context::Impl::gatherSendRows(Pass &pass, uint32_t source, bool weighted) {
-  const cpu::Elt act = eltOf(shape().activations);
-  const int64_t H = shape().hidden;
-  const Pieces pieces{workerCount};
-  parallelFor(workerCount, pieces.count(ranks()), [&](size_t item) {
-    const uint32_t r = pieces.rank(item);
-    const RankRoute &route = routes[r];
-    const cpu::Range part = pieces.range(item, route.tokens * route.topK);
-    const cpu::Matrix src = pass.out(r, pass.plan->src);
-    cpu::gatherTokenRows(cpu::ConstMatrix{bound[r][source].data, act, H},
-                         route.layout.order.data() + part.begin, route.topK,
-                         weighted ? route.weights.data() : nullptr,
-                         cpu::Matrix{src.address(part.begin, 0), src.elt, src.ld}, part.size(), H);
-  });
+Status Context::Impl::runTasks(cpu::Pass &pass, PassTimes &times) {
+  const Status status = pass.runTasks();
+  lastExecutor = pass.lastExecutor();
+  times.tasks = pass.tasksSeconds();
+  if (!status && !fabric->allLocal())
+    broken = "an earlier pass failed: " + status.message();
+  return status;
 }
 
 Status Context::Impl::forward() {
+  if (!broken.empty())
+    return Status::error("the context cannot run another pass: " + broken);
   const Clock::time_point t0 = Clock::now();
   const LayerShape &s = shape();
   const int64_t H = s.hidden, I = s.inter, L = s.localExperts;
-  std::vector<RankRoute> staged;
-  if (Status st = checkRoutes(&staged); !st)
-    return st;
-  for (uint32_t r = 0; r < ranks(); ++r) {
+  std::vector<cpu::RankRoute> staged(ranks());
+  std::vector<Status> local;
+  for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
+    Status st = checkRoute(r, &staged[r]);
     const int64_t S = staged[r].tokens;
-    for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kX, {S, H}},
-                                  {kY, {S, H}},
-                                  {kW1, {L, H, 2 * I}},
-                                  {kW2, {L, I, H}}})
-      if (Status st = checkBinding(r, b, dims); !st)
-        return st;
+    if (st)
+      for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kX, {S, H}},
+                                    {kY, {S, H}},
+                                    {kW1, {L, H, 2 * I}},
+                                    {kW2, {L, I, H}}})
+        if (st = checkBinding(r, b, dims); !st)
+          break;
+    local.push_back(st);
   }
+  if (Status st = agree(local, &staged); !st)
+    return st;
+  if (Status st = checkCapacities(staged); !st)
+    return st;
 
-  // Every check passed: from here on, state and outputs change.
+  // Every check passed on every rank: from here on, state and outputs change.
   routes = std::move(staged);
   haveForward = false;
-  allocate(fwd);
-  const LayerPlan &plan = *fwd.plan;
-  for (uint32_t r = 0; r < ranks(); ++r) {
-    fwd.data[r][plan.w1] = bound[r][kW1].data;
-    fwd.data[r][plan.w2] = bound[r][kW2].data;
+  cpu::Pass &pass = *fwd;
+  if (Status st = pass.allocate(); !st)
+    return st;
+  const LayerPlan &plan = pass.plan();
+  std::vector<const void *> x(ranks(), nullptr);
+  std::vector<void *> y(ranks(), nullptr);
+  for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
+    pass.bindSlot(r, plan.w1, bound[r][kW1].data);
+    pass.bindSlot(r, plan.w2, bound[r][kW2].data);
+    x[r] = bound[r][kX].data;
+    y[r] = bound[r][kY].data;
   }
-  fillLayout(fwd);
-  const cpu::Elt act = eltOf(s.activations);
-  const Pieces pieces{workerCount};
-  gatherSendRows(fwd, kX, false);
-  fwd.times.prepare = secondsSince(t0);
+  pass.fillLayout(routes);
+  pass.gatherSendRows(routes, x, false);
+  fwdTimes.prepare = secondsSince(t0);
 
-  if (Status st = runTasks(fwd); !st)
+  if (Status st = runTasks(pass, fwdTimes); !st)
     return st;
 
   const Clock::time_point t1 = Clock::now();
-  parallelFor(workerCount, pieces.count(ranks()), [&](size_t item) {
-    const uint32_t r = pieces.rank(item);
-    const RankRoute &route = routes[r];
-    cpu::combineRows(fwd.in(r, plan.returned), route.layout.position.data(),
-                     route.weights.data(), route.topK, cpu::Matrix{bound[r][kY].data, act, H},
-                     pieces.range(item, route.tokens), cpu::Range{0, H});
-  });
-  fwd.times.finish = secondsSince(t1);
+  pass.combine(routes, y, true);
+  fwdTimes.finish = secondsSince(t1);
   haveForward = true;
   return Status::success();
 }
 
 Status Context::Impl::backward() {
-  if (!bwd.program)
+  if (!broken.empty())
+    return Status::error("the context cannot run another pass: " + broken);
+  if (!bwd)
     return Status::error("this context has no backward program");
   if (!haveForward)
     return Status::error("backward needs a forward pass first: it uses the routing and "
@@ -651,8 +430,10 @@ Status Context::Impl::backward() {
   const Clock::time_point t0 = Clock::now();
   const LayerShape &s = shape();
   const int64_t H = s.hidden, I = s.inter, L = s.localExperts;
-  for (uint32_t r = 0; r < ranks(); ++r) {
+  std::vector<Status> local;
+  for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
     const int64_t S = routes[r].tokens, K = routes[r].topK;
+    Status st;
     for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kDy, {S, H}},
                                   {kDx, {S, H}},
                                   {kDtopk, {S, K}},
@@ -660,45 +441,75 @@ Status Context::Impl::backward() {
                                   {kW2, {L, I, H}},
                                   {kDw1, {L, H, 2 * I}},
                                   {kDw2, {L, I, H}}})
-      if (Status st = checkBinding(r, b, dims); !st)
-        return st;
+      if (st = checkBinding(r, b, dims); !st)
+        break;
+    local.push_back(st);
   }
+  if (Status st = agree(local, nullptr); !st)
+    return st;
 
-  allocate(bwd);
-  const LayerPlan &plan = *bwd.plan;
-  const LayerPlan &saved = *fwd.plan;
-  for (uint32_t r = 0; r < ranks(); ++r) {
-    std::vector<void *> &data = bwd.data[r];
-    data[plan.w1] = bound[r][kW1].data;
-    data[plan.w2] = bound[r][kW2].data;
-    data[plan.dw1] = bound[r][kDw1].data;
-    data[plan.dw2] = bound[r][kDw2].data;
-    data[plan.dispatched] = fwd.data[r][saved.dispatched];
-    data[plan.upOut] = fwd.data[r][saved.upOut];
-    data[plan.swigluOut] = fwd.data[r][saved.swigluOut];
+  cpu::Pass &pass = *bwd;
+  if (Status st = pass.allocate(); !st)
+    return st;
+  const LayerPlan &plan = pass.plan();
+  const LayerPlan &saved = fwd->plan();
+  std::vector<const void *> dy(ranks(), nullptr);
+  std::vector<void *> dx(ranks(), nullptr);
+  std::vector<float *> dtopk(ranks(), nullptr);
+  for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
+    pass.bindSlot(r, plan.w1, bound[r][kW1].data);
+    pass.bindSlot(r, plan.w2, bound[r][kW2].data);
+    pass.bindSlot(r, plan.dw1, bound[r][kDw1].data);
+    pass.bindSlot(r, plan.dw2, bound[r][kDw2].data);
+    pass.bindSlot(r, plan.dispatched, fwd->slot(r, saved.dispatched));
+    pass.bindSlot(r, plan.upOut, fwd->slot(r, saved.upOut));
+    pass.bindSlot(r, plan.swigluOut, fwd->slot(r, saved.swigluOut));
+    dy[r] = bound[r][kDy].data;
+    dx[r] = bound[r][kDx].data;
+    dtopk[r] = static_cast<float *>(bound[r][kDtopk].data);
   }
-  fillLayout(bwd);
-  const cpu::Elt act = eltOf(s.activations);
-  const Pieces pieces{workerCount};
-  gatherSendRows(bwd, kDy, true);
-  bwd.times.prepare = secondsSince(t0);
+  pass.fillLayout(routes);
+  pass.gatherSendRows(routes, dy, true);
+  bwdTimes.prepare = secondsSince(t0);
 
-  if (Status st = runTasks(bwd); !st)
+  if (Status st = runTasks(pass, bwdTimes); !st)
     return st;
 
   const Clock::time_point t1 = Clock::now();
-  parallelFor(workerCount, pieces.count(ranks()), [&](size_t item) {
-    const uint32_t r = pieces.rank(item);
-    const RankRoute &route = routes[r];
-    const cpu::Range tokens = pieces.range(item, route.tokens);
-    const cpu::ConstMatrix dy{bound[r][kDy].data, act, H};
-    cpu::combineRows(bwd.in(r, plan.returned), route.layout.position.data(), nullptr,
-                     route.topK, cpu::Matrix{bound[r][kDx].data, act, H}, tokens,
-                     cpu::Range{0, H});
-    cpu::combineWeightGrad(dy, fwd.in(r, saved.returned), route.layout.position.data(),
-                           route.topK, tokens, H, static_cast<float *>(bound[r][kDtopk].data));
-  });
-  bwd.times.finish = secondsSince(t1);
+  pass.combine(routes, dx, false);
+  pass.topkWeightGrad(*fwd, routes, dy, dtopk);
+  bwdTimes.finish = secondsSince(t1);
+  return Status::success();
+}
+
+/// Under a fabric of several processes: checks that every rank runs the
+/// same binaries (by checksum) of the same layer.
+Status Context::Impl::fingerprint() const {
+  RankFingerprint mine;
+  mine.forwardChecksum = fwdProgram->checksum();
+  copyText(mine.forwardSource, sizeof mine.forwardSource, fwdProgram->source());
+  if (bwdProgram) {
+    mine.backwardChecksum = bwdProgram->checksum();
+    copyText(mine.backwardSource, sizeof mine.backwardSource, bwdProgram->source());
+  }
+  const LayerShape &s = fwdProgram->shape();
+  mine.ranks = s.ranks;
+  mine.localExperts = s.localExperts;
+  mine.hidden = s.hidden;
+  mine.inter = s.inter;
+  mine.tokens = s.tokens;
+  mine.topK = s.topK;
+  mine.activations = uint32_t(s.activations);
+  mine.weightGrads = uint32_t(s.weightGrads);
+  std::vector<RankFingerprint> all(fabric->ranks());
+  if (Status st = fabric->exchange(&mine, sizeof mine, all.data(), options.timeoutSeconds); !st)
+    return st.withPrefix("creating the context: ");
+  for (uint32_t r = 1; r < all.size(); ++r)
+    if (all[r].forwardChecksum != all[0].forwardChecksum ||
+        all[r].backwardChecksum != all[0].backwardChecksum)
+      return Status::error(fmt::format(
+          "ranks 0 and {} run different layers: rank 0 runs {}; rank {} runs {}", r,
+          describe(all[0]), r, describe(all[r])));
   return Status::success();
 }
 
@@ -729,14 +540,34 @@ Status Context::create(std::shared_ptr<const Program> forward,
       options.workers ? options.workers : std::max(1u, std::thread::hardware_concurrency());
   impl->scratch = std::vector<cpu::Scratch>(impl->workerCount);
   const uint32_t R = forward->shape().ranks;
+  impl->fabric = options.fabric ? options.fabric : comm::inProcessFabric(R);
+  if (impl->fabric->ranks() != R)
+    return Status::error(fmt::format(
+        "{}: the binary is compiled for {} ranks (the config's ep), but the {} fabric has {} "
+        "(e.g. mpirun -np {})",
+        forward->source(), R, impl->fabric->name(), impl->fabric->ranks(), R));
   impl->ids.assign(R, Tensor{});
   impl->weights.assign(R, Tensor{});
   impl->bound.assign(R, std::array<Tensor, kBindingCount>{});
-  Impl *raw = impl.get();
-  if (Status s = raw->setUpPass(raw->fwd, std::move(forward)); !s)
+  impl->fwdProgram = std::move(forward);
+  impl->bwdProgram = std::move(backward);
+  if (!impl->fabric->allLocal())
+    if (Status s = impl->fingerprint(); !s)
+      return s;
+  cpu::PassOptions po;
+  po.workers = impl->workerCount;
+  po.timeoutSeconds = options.timeoutSeconds;
+  po.trace = options.trace;
+  po.opByOp = options.schedule == Schedule::OpByOp;
+  po.fabric = impl->fabric;
+  if (Status s = cpu::Pass::create(impl->fwdProgram->tasks(), impl->fwdProgram->impl().plan, po,
+                                   &impl->scratch, &impl->fwd);
+      !s)
     return s;
-  if (backward)
-    if (Status s = raw->setUpPass(raw->bwd, std::move(backward)); !s)
+  if (impl->bwdProgram)
+    if (Status s = cpu::Pass::create(impl->bwdProgram->tasks(), impl->bwdProgram->impl().plan, po,
+                                     &impl->scratch, &impl->bwd);
+        !s)
       return s;
   out->reset(new Context(std::move(impl)));
   return Status::success();
@@ -744,20 +575,24 @@ Status Context::create(std::shared_ptr<const Program> forward,
 
 const LayerShape &Context::shape() const { return body->shape(); }
 const LayerShape *Context::backwardShape() const {
-  return body->bwd.program ? &body->bwd.plan->shape : nullptr;
+  return body->bwd ? &body->bwd->plan().shape : nullptr;
 }
 uint32_t Context::ranks() const { return body->ranks(); }
 uint32_t Context::workers() const { return body->workerCount; }
-const PassTimes &Context::forwardTimes() const { return body->fwd.times; }
-const PassTimes &Context::backwardTimes() const { return body->bwd.times; }
-size_t Context::workspaceBytes() const { return body->fwd.ownedBytes + body->bwd.ownedBytes; }
+uint32_t Context::firstLocalRank() const { return body->firstLocal(); }
+uint32_t Context::localRanks() const { return body->fabric->localRanks(); }
+comm::Fabric &Context::fabric() const { return *body->fabric; }
+const PassTimes &Context::forwardTimes() const { return body->fwdTimes; }
+const PassTimes &Context::backwardTimes() const { return body->bwdTimes; }
+size_t Context::workspaceBytes() const {
+  return body->fwd->workspaceBytes() + (body->bwd ? body->bwd->workspaceBytes() : 0);
+}
 
 Status Context::setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights) {
   if (Status s = body->idle(); !s)
     return s;
-  if (rank >= ranks())
-    return Status::error(
-        fmt::format("rank {} is out of range: the EP group has {} ranks", rank, ranks()));
+  if (Status s = body->localRank(rank); !s)
+    return s;
   const std::string where = fmt::format("rank {}: ", rank);
   if (topkIds.ndim != 2 || topkIds.dims[0] < 0 || topkIds.dims[1] < 1)
     return Status::error(where + fmt::format("topk_ids has shape {}; expected [S, K] with K >= 1",
@@ -783,16 +618,15 @@ Status Context::setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &t
 Status Context::bind(uint32_t rank, std::string_view name, const Tensor &tensor) {
   if (Status s = body->idle(); !s)
     return s;
-  if (rank >= ranks())
-    return Status::error(
-        fmt::format("rank {} is out of range: the EP group has {} ranks", rank, ranks()));
+  if (Status s = body->localRank(rank); !s)
+    return s;
   const auto *found = std::find(std::begin(kBindingNames), std::end(kBindingNames), name);
   if (found == std::end(kBindingNames))
     return Status::error(fmt::format("rank {}: no tensor is named '{}'; expected one of {}", rank,
                                      name, fmt::join(kBindingNames, ", ")));
   const Binding b = Binding(found - std::begin(kBindingNames));
   const bool backwardOnly = b == kDy || b == kDx || b == kDtopk || b == kDw1 || b == kDw2;
-  if (backwardOnly && !body->bwd.program)
+  if (backwardOnly && !body->bwd)
     return Status::error(fmt::format("rank {}: '{}' is a backward tensor, and this context has "
                                      "no backward program",
                                      rank, name));
@@ -802,7 +636,7 @@ Status Context::bind(uint32_t rank, std::string_view name, const Tensor &tensor)
     if (tensor.dims[i] < 0)
       return Status::error(
           fmt::format("rank {}: '{}' has a negative dim: {}", rank, name, shapeString(tensor)));
-  const DType want = bindingDType(b, shape(), body->bwd.program ? &body->bwd.plan->shape : nullptr);
+  const DType want = bindingDType(b, shape(), body->bwd ? &body->bwd->plan().shape : nullptr);
   if (DType(tensor.dtype) != want)
     return Status::error(fmt::format("rank {}: '{}' is {}; expected {}", rank, name,
                                      format::dtypeName(DType(tensor.dtype)),

@@ -1,7 +1,9 @@
 /*===- Runtime.h - The moec runtime: C and C++ API ---------------*- C++ -*-===//
  *
  * The runtime runs compiled task binaries of the MoE-FFN layer (forward and
- * backward) for an EP group of R ranks inside one process, on the CPU. This
+ * backward) for an EP group of R ranks on the CPU: all R ranks inside one
+ * process (the in-process fabric, the default), or one rank per process
+ * under MPI (ContextOptions::fabric; runtime/comm/Mpi.h). This
  * one header has a C API (the moec_* functions) and a C++ API (namespace
  * moec::rt, when compiled as C++); the C API is a thin layer over the C++ one.
  *
@@ -41,6 +43,13 @@
  * binary was compiled for). On such an error no output is touched. An error
  * inside a running pass (a watchdog timeout, a failing task) stops every
  * worker and is returned; outputs may then be partly written.
+ *
+ * Under MPI every rank checks its own routing and bindings, then the ranks
+ * exchange what they found (and their per-expert row counts) before
+ * anything is written, so a bad input on one rank stops every rank with that
+ * rank's message. Every wait for a peer is bounded by the watchdog timeout.
+ * After an error inside a running pass under MPI the context refuses further
+ * passes (the peers' state is unknown); a tool ends the job (MPI_Abort).
  *
  * Errors: C++ calls return a moec::Status; C calls return 0 on success and
  * nonzero on error, with the message in moec_last_error() (per thread).
@@ -133,6 +142,8 @@ int moec_wait(moec_context *context);
  * C++ API
  *===----------------------------------------------------------------------===*/
 
+#include "base/LayerShape.h"
+#include "runtime/comm/Fabric.h"
 #include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
 
@@ -153,26 +164,8 @@ Tensor makeTensor(void *data, format::DType dtype, std::initializer_list<int64_t
 /// Returns "[2, 3, 4]".
 std::string shapeString(const Tensor &tensor);
 
-/// The sizes and capacities of a compiled layer, read from its binary.
-struct LayerShape {
-  bool backward = false;        ///< a backward pass
-  uint32_t ranks = 1;           ///< R
-  uint32_t localExperts = 1;    ///< L
-  int64_t hidden = 0;           ///< H
-  int64_t inter = 0;            ///< I (the halved intermediate size)
-  int64_t tokens = 0;           ///< S the binary was compiled for (tokens per rank)
-  int64_t topK = 0;             ///< K the binary was compiled for
-  int64_t rowCapacity = 0;      ///< most (token, k) rows a rank routes: S * K
-  int64_t receiveCapacity = 0;  ///< most rows a rank's experts receive in all
-  int64_t expertCapacity = 0;   ///< most rows one expert receives
-  int64_t putCapacity = 0;      ///< most rows one rank sends one expert
-  format::DType activations = format::DType::F32; ///< x, y, w1, w2, dy, dx
-  format::DType weightGrads = format::DType::F32; ///< dw1, dw2
-  bool accumulateWeightGrads = false; ///< dw1, dw2 are added to, not written
-
-  /// E = R * L.
-  uint32_t experts() const { return ranks * localExperts; }
-};
+/// The sizes and capacities of a compiled layer (base/LayerShape.h).
+using LayerShape = moec::LayerShape;
 
 /// A loaded, validated task binary of a MoE-FFN forward or backward pass.
 class Program {
@@ -185,6 +178,12 @@ public:
   /// As load(), for a program already in memory (e.g. fresh from the
   /// compiler).
   static Status create(format::TaskProgram program, std::shared_ptr<const Program> *out);
+
+  /// The file it was loaded from, or "a program in memory".
+  const std::string &source() const;
+  /// The CRC-32 of the program as a task binary: ranks compare it to check
+  /// that they run the same program.
+  uint32_t checksum() const;
 
   ~Program();
   Program(const Program &) = delete;
@@ -217,6 +216,11 @@ struct ContextOptions {
   double timeoutSeconds = 60;   ///< watchdog; <= 0 turns it off
   bool trace = false;           ///< record every task run (writeTrace)
   Schedule schedule = Schedule::Fused;
+  /// The EP group's fabric (runtime/comm): null runs all R ranks in this
+  /// process (the in-process fabric); an MPI fabric (runtime/comm/Mpi.h)
+  /// runs one rank per process. Under MPI, creating a context, forward()
+  /// and backward() are collective: every rank calls them in the same order.
+  std::shared_ptr<comm::Fabric> fabric;
 };
 
 /// Wall times of the last pass, in seconds.
@@ -250,6 +254,13 @@ public:
   uint32_t ranks() const;
   /// Worker threads.
   uint32_t workers() const;
+  /// The ranks this process runs (setRouting and bind take only these):
+  /// firstLocalRank() .. firstLocalRank() + localRanks() - 1. All R ranks
+  /// with the in-process fabric; one under MPI.
+  uint32_t firstLocalRank() const;
+  uint32_t localRanks() const;
+  /// The fabric.
+  comm::Fabric &fabric() const;
 
   /// Sets `rank`'s routing (see the C API). Checks shapes and dtypes now;
   /// the ids are read, and checked, when a pass runs.

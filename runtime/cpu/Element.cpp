@@ -4,8 +4,6 @@
 
 namespace moec::cpu {
 
-const char *eltName(Elt elt) { return elt == Elt::BF16 ? "bf16" : "f32"; }
-
 // The loops below are branch-free per element (floatToBf16 selects rather
 // than branches), so the compiler vectorizes them.
 

@@ -15,23 +15,17 @@
 #ifndef MOEC_RUNTIME_CPU_ELEMENT_H
 #define MOEC_RUNTIME_CPU_ELEMENT_H
 
+#include "base/DType.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
 namespace moec::cpu {
 
-/// The storage type of a tensor. Arithmetic is always fp32.
-enum class Elt : uint8_t {
-  F32 = 1,  ///< IEEE-754 binary32
-  BF16 = 2, ///< bfloat16, stored as the uint16_t upper half of a binary32
-};
-
-/// Returns the size in bytes of one element of `elt` (4 or 2).
-inline constexpr size_t eltSize(Elt elt) { return elt == Elt::BF16 ? 2 : 4; }
-
-/// Returns "f32" or "bf16".
-const char *eltName(Elt elt);
+/// The storage type of a tensor (base/DType.h): F32 or BF16 for the
+/// kernels. Arithmetic is always fp32.
+using Elt = DType;
 
 /// Returns the bf16 bits nearest to `value` (round to nearest, ties to even).
 /// A NaN gives a quiet NaN with the same sign; values past the largest finite
@@ -109,7 +103,7 @@ struct ConstMatrix {
 
   /// Returns the address of element (i, j).
   const void *address(int64_t i, int64_t j) const {
-    return static_cast<const char *>(data) + (i * ld + j) * int64_t(eltSize(elt));
+    return static_cast<const char *>(data) + (i * ld + j) * int64_t(dtypeSize(elt));
   }
   /// Returns element (i, j) as fp32.
   float at(int64_t i, int64_t j) const { return loadFloat(data, elt, i * ld + j); }
@@ -123,7 +117,7 @@ struct Matrix {
 
   /// Returns the address of element (i, j).
   void *address(int64_t i, int64_t j) const {
-    return static_cast<char *>(data) + (i * ld + j) * int64_t(eltSize(elt));
+    return static_cast<char *>(data) + (i * ld + j) * int64_t(dtypeSize(elt));
   }
   /// Returns element (i, j) as fp32.
   float at(int64_t i, int64_t j) const { return loadFloat(data, elt, i * ld + j); }

@@ -147,8 +147,8 @@ template <typename Call> void oneThread(Call call) {
 void gemm(bool transA, bool transB, int64_t m, int64_t n, int64_t k, const void *a,
           int64_t lda, const void *b, int64_t ldb, Elt elt, float beta, float *c, int64_t ldc) {
 #ifdef MOEC_TSAN
-  tsanAccess(a, transA ? k : m, transA ? m : k, lda, eltSize(elt), false);
-  tsanAccess(b, transB ? n : k, transB ? k : n, ldb, eltSize(elt), false);
+  tsanAccess(a, transA ? k : m, transA ? m : k, lda, dtypeSize(elt), false);
+  tsanAccess(b, transB ? n : k, transB ? k : n, ldb, dtypeSize(elt), false);
   tsanAccess(c, m, n, ldc, sizeof(float), true);
 #endif
   const char ta = transA ? 'T' : 'N', tb = transB ? 'T' : 'N';
@@ -199,7 +199,7 @@ Panel panel(ConstMatrix x, int64_t i, int64_t j, int64_t rows, int64_t cols, flo
 /// Sets the m x n tile of `c` to zero.
 void zeroTile(Matrix c, int64_t m, int64_t n) {
   for (int64_t i = 0; i < m; ++i)
-    std::memset(c.address(i, 0), 0, size_t(n) * eltSize(c.elt));
+    std::memset(c.address(i, 0), 0, size_t(n) * dtypeSize(c.elt));
 }
 
 } // namespace

@@ -15,15 +15,15 @@ constexpr int64_t kChunk = 256;
 /// Copies `cols` elements from `src` to `dst`, converting the storage type.
 void copyRow(const void *src, Elt srcElt, void *dst, Elt dstElt, int64_t cols) {
   if (srcElt == dstElt) {
-    std::memcpy(dst, src, size_t(cols) * eltSize(srcElt));
+    std::memcpy(dst, src, size_t(cols) * dtypeSize(srcElt));
     return;
   }
   float buffer[kChunk];
   for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
     const int64_t n = std::min(kChunk, cols - c0);
-    loadFloats(static_cast<const char *>(src) + c0 * int64_t(eltSize(srcElt)), srcElt, buffer,
+    loadFloats(static_cast<const char *>(src) + c0 * int64_t(dtypeSize(srcElt)), srcElt, buffer,
                size_t(n));
-    storeFloats(buffer, static_cast<char *>(dst) + c0 * int64_t(eltSize(dstElt)), dstElt,
+    storeFloats(buffer, static_cast<char *>(dst) + c0 * int64_t(dtypeSize(dstElt)), dstElt,
                 size_t(n));
   }
 }

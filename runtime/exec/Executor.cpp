@@ -180,6 +180,13 @@ struct Executor::Impl {
   TaskFunction runTask;
   ExecutorOptions options;
   uint32_t rankCount = 0;  ///< R
+  uint32_t firstLocal = 0; ///< the ranks run here: firstLocal .. firstLocal + localCount - 1
+  uint32_t localCount = 0;
+  bool remote = false;     ///< some ranks run in other processes
+  std::unique_ptr<comm::Inbox> inbox;   ///< with `remote`: what peers signal
+  std::vector<uint32_t> remoteEvents;   ///< events a peer may signal
+  std::vector<uint64_t> inboxValues;    ///< the local inbox as last read, per local rank
+  std::vector<uint64_t> inboxSeen;      ///< what of it was delivered
   uint32_t queueCount = 0; ///< Q, queues per rank
   uint32_t eventCount = 0; ///< E, events per rank
   uint32_t workerCount = 0;
@@ -226,7 +233,12 @@ struct Executor::Impl {
   uint32_t acquire(bool wasBusy);
   void pushReady(const std::vector<uint32_t> &lqs);
   bool headReady(uint32_t lq);
-  void signal(uint32_t rank, const SignalRecord &signal, std::vector<uint32_t> &woken);
+  Status signal(uint32_t rank, const SignalRecord &signal, std::vector<uint32_t> &woken);
+  void addToEvent(uint32_t rank, uint32_t event, uint64_t increment, std::vector<uint32_t> &woken);
+  bool isLocal(uint32_t rank) const { return rank - firstLocal < localCount; }
+  Status deliver(bool *delivered);
+  bool terminated() const;
+  void superviseRemote();
   void fail(Status status);
   void finishPass();
 
@@ -248,7 +260,24 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
   workerCount = options.workers;
   if (workerCount == 0)
     workerCount = std::max(1u, std::thread::hardware_concurrency());
-  totalTasks = uint64_t(rankCount) * program.tasks.size();
+  firstLocal = 0;
+  localCount = rankCount;
+  if (options.fabric && !options.fabric->allLocal()) {
+    remote = true;
+    firstLocal = options.fabric->firstLocal();
+    localCount = options.fabric->localRanks();
+    this->options.detectDeadlock = false;
+    std::vector<bool> fromPeer(program.events.size(), false);
+    for (const SignalRecord &signal : program.signals)
+      if (signal.peerOffset != 0)
+        fromPeer[signal.event] = true;
+    for (uint32_t e = 0; e < fromPeer.size(); ++e)
+      if (fromPeer[e])
+        remoteEvents.push_back(e);
+    inboxValues.assign(size_t(localCount) * program.events.size(), 0);
+    inboxSeen = inboxValues;
+  }
+  totalTasks = uint64_t(localCount) * program.tasks.size();
 
   queueInfo.resize(queueCount);
   for (uint32_t q = 0; q < queueCount; ++q)
@@ -258,7 +287,7 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
       terminateEvents.push_back(e);
   for (uint32_t q = 0; q < queueCount; ++q)
     if (queueInfo[q].count > 0)
-      for (uint32_t r = 0; r < rankCount; ++r)
+      for (uint32_t r = firstLocal; r < firstLocal + localCount; ++r)
         startOrder.push_back(r * queueCount + q);
 
   events.reset(new EventState[size_t(rankCount) * eventCount]);
@@ -419,15 +448,25 @@ bool Executor::Impl::headReady(uint32_t lq) {
 }
 
 /// Sends `signal` of a task that ran on `rank`; appends the logical queues it
-/// wakes (which the caller then owns) to `woken`.
-void Executor::Impl::signal(uint32_t rank, const SignalRecord &signal,
-                            std::vector<uint32_t> &woken) {
+/// wakes (which the caller then owns) to `woken`. A signal for a rank of
+/// another process goes through the inbox.
+Status Executor::Impl::signal(uint32_t rank, const SignalRecord &signal,
+                              std::vector<uint32_t> &woken) {
   uint32_t target = rank + signal.peerOffset;
   if (target >= rankCount)
     target -= rankCount;
-  EventState &event = events[size_t(target) * eventCount + signal.event];
-  uint64_t value =
-      event.value.fetch_add(signal.increment, std::memory_order_seq_cst) + signal.increment;
+  if (!isLocal(target))
+    return inbox->signal(target, signal.event, signal.increment);
+  addToEvent(target, signal.event, signal.increment, woken);
+  return Status::success();
+}
+
+/// Adds `increment` to event `eventIndex` of local rank `rank`; appends the
+/// logical queues it wakes (which the caller then owns) to `woken`.
+void Executor::Impl::addToEvent(uint32_t rank, uint32_t eventIndex, uint64_t increment,
+                                std::vector<uint32_t> &woken) {
+  EventState &event = events[size_t(rank) * eventCount + eventIndex];
+  uint64_t value = event.value.fetch_add(increment, std::memory_order_seq_cst) + increment;
   if (value < event.minWaiting.load(std::memory_order_seq_cst))
     return;
   event.lock.lock();
@@ -517,8 +556,13 @@ void Executor::Impl::runPass(uint32_t workerIndex) {
     }
 
     // Signal, advance, and pick what to run next.
-    for (uint32_t s = 0; s < task.signalCount; ++s)
-      signal(rank, program.signals[task.firstSignal + s], woken);
+    for (uint32_t s = 0; s < task.signalCount && status.ok(); ++s)
+      status = signal(rank, program.signals[task.firstSignal + s], woken);
+    if (!status.ok()) {
+      woken.clear();
+      fail(status.withPrefix(taskName(lq, taskIndex) + ": "));
+      return;
+    }
     ++state.head;
     state.waitCursor = 0;
     if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1)
@@ -599,6 +643,83 @@ void Executor::Impl::supervise() {
   }
 }
 
+/// Reads the local inbox and adds what peers signalled since the last read
+/// to the local events, pushing the queues that wakes. Sets *delivered when
+/// something arrived.
+Status Executor::Impl::deliver(bool *delivered) {
+  *delivered = false;
+  std::vector<uint32_t> woken;
+  for (uint32_t i = 0; i < localCount; ++i) {
+    uint64_t *values = inboxValues.data() + size_t(i) * eventCount;
+    uint64_t *seen = inboxSeen.data() + size_t(i) * eventCount;
+    if (Status s = inbox->read(firstLocal + i, values); !s)
+      return s;
+    for (uint32_t e : remoteEvents)
+      if (values[e] > seen[e]) {
+        addToEvent(firstLocal + i, e, values[e] - seen[e], woken);
+        seen[e] = values[e];
+        *delivered = true;
+      }
+  }
+  if (!woken.empty())
+    pushReady(woken);
+  return Status::success();
+}
+
+/// True when every terminate event of every local rank is complete.
+bool Executor::Impl::terminated() const {
+  for (uint32_t rank = firstLocal; rank < firstLocal + localCount; ++rank)
+    for (uint32_t e : terminateEvents)
+      if (events[size_t(rank) * eventCount + e].value.load() < program.events[e].threshold)
+        return false;
+  return true;
+}
+
+/// supervise() for a pass whose peers run in other processes: polls the
+/// inbox until the local queues have drained and the local terminate events
+/// are complete (or an error), firing the watchdog when neither a task
+/// completes nor a signal arrives for the timeout.
+void Executor::Impl::superviseRemote() {
+  using namespace std::chrono;
+  const bool watchdog = options.timeout.count() > 0;
+  uint64_t lastRemaining = remaining.load();
+  Clock::time_point lastProgress = Clock::now();
+  uint32_t idle = 0;
+  for (;;) {
+    bool delivered = false;
+    if (Status s = deliver(&delivered); !s) {
+      fail(s.withPrefix(fmt::format("rank {}: reading the events peers signal: ", firstLocal)));
+      break;
+    }
+    const uint64_t left = remaining.load();
+    if (left == 0 && terminated())
+      break;
+    if (passOver.load() && left > 0)
+      break; // a task failed
+    const Clock::time_point now = Clock::now();
+    if (delivered || left != lastRemaining) {
+      lastRemaining = left;
+      lastProgress = now;
+      idle = 0;
+    } else if (watchdog && now - lastProgress >= options.timeout) {
+      std::lock_guard<std::mutex> lock(mutex);
+      stopReason = Stop::Watchdog;
+      runningReport = describeRunning(now);
+      passOver.store(true);
+      workCv.notify_all();
+      break;
+    } else if (++idle < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(microseconds(std::min<uint32_t>(idle - 63, 50)));
+    }
+  }
+  std::unique_lock<std::mutex> lock(mutex);
+  passOver.store(true);
+  workCv.notify_all();
+  doneCv.wait(lock, [&] { return inPass == 0; });
+}
+
 std::string Executor::Impl::taskName(uint32_t lq, uint32_t task) const {
   return fmt::format("rank {}, {}, task {} (op '{}')", lq / queueCount,
                      coreName(program, lq % queueCount), task, opNameOf(program, task));
@@ -627,7 +748,7 @@ std::string Executor::Impl::describeStuck() const {
   std::vector<std::string> blocked, ready;
   uint64_t left = 0;
   uint32_t undrained = 0, ranksStuck = 0;
-  for (uint32_t rank = 0; rank < rankCount; ++rank) {
+  for (uint32_t rank = firstLocal; rank < firstLocal + localCount; ++rank) {
     bool rankStuck = false;
     for (uint32_t q = 0; q < queueCount; ++q) {
       uint32_t lq = rank * queueCount + q;
@@ -693,7 +814,7 @@ Status Executor::Impl::result() {
   case Stop::None:
     break;
   }
-  for (uint32_t rank = 0; rank < rankCount; ++rank)
+  for (uint32_t rank = firstLocal; rank < firstLocal + localCount; ++rank)
     for (uint32_t e : terminateEvents) {
       uint64_t value = events[size_t(rank) * eventCount + e].value.load();
       if (value != program.events[e].threshold)
@@ -729,6 +850,11 @@ Status Executor::create(TaskProgram program, TaskFunction runTask, const Executo
   } catch (const std::bad_alloc &) {
     return Status::error("executor: out of memory for the per-rank state");
   }
+  if (impl->remote) {
+    status = impl->options.fabric->createInbox(impl->eventCount, &impl->inbox);
+    if (!status.ok())
+      return status.withPrefix("executor: ");
+  }
   status = impl->startWorkers();
   if (!status.ok())
     return status;
@@ -748,7 +874,10 @@ Status Executor::run() {
     ++state.generation;
   }
   state.startCv.notify_all();
-  state.supervise();
+  if (state.remote)
+    state.superviseRemote();
+  else
+    state.supervise();
   Clock::time_point end = Clock::now();
 
   state.stats.tasksRun = state.totalTasks - state.remaining.load();
@@ -768,6 +897,14 @@ Status Executor::run() {
     });
   }
   Status status = state.result();
+  if (state.remote && status.ok()) {
+    // Every signal of this pass has arrived (the local waits and terminate
+    // events count all of them), and peers signal the next pass only after
+    // its exchange: the inbox can start again from zero.
+    state.inbox->reset();
+    std::fill(state.inboxValues.begin(), state.inboxValues.end(), 0);
+    std::fill(state.inboxSeen.begin(), state.inboxSeen.end(), 0);
+  }
   state.inRun.store(false);
   return status;
 }

@@ -52,6 +52,12 @@
 //   run() returns that error prefixed with the task's rank, core, index and
 //   op.
 //
+// - Ranks in other processes. With a fabric whose ranks are not all in this
+//   process (ExecutorOptions::fabric), only the local ranks' queues run here;
+//   a signal for another rank goes out through the fabric's inbox, and the
+//   supervising thread polls the local inbox and adds what arrived to the
+//   local events, waking parked queues as a local signal would.
+//
 // - Trace. Optionally every task's start and end (per worker, no locking)
 //   are recorded and can be written as Chrome/Perfetto trace JSON.
 //
@@ -63,6 +69,7 @@
 #define MOEC_RUNTIME_EXEC_EXECUTOR_H
 
 #include "base/Status.h"
+#include "runtime/comm/Fabric.h"
 #include "runtime/format/TaskBinary.h"
 
 #include <chrono>
@@ -105,6 +112,16 @@ struct ExecutorOptions {
 
   /// How many stuck queues a watchdog or deadlock error lists.
   uint32_t stuckQueuesReported = 4;
+
+  /// The fabric of the EP group; null: every rank runs in this process. With
+  /// a fabric that runs only some ranks here (MPI), the executor runs the
+  /// queues of its local ranks only, sends the signals of puts to other
+  /// ranks through an inbox (comm::Inbox: after the put's rows, as a remote
+  /// atomic add), and its supervising thread delivers what peers signal to
+  /// its ranks' events. A pass then ends when the local queues have drained
+  /// and the local terminate events are complete; deadlock detection is off
+  /// (a peer may still signal), so the watchdog bounds every wait.
+  std::shared_ptr<comm::Fabric> fabric;
 };
 
 /// One task run, as recorded with ExecutorOptions::trace.

@@ -63,20 +63,6 @@ const char *sectionKindName(SectionKind kind) {
   return "unknown";
 }
 
-const char *dtypeName(DType dtype) {
-  switch (dtype) {
-  case DType::F32:
-    return "f32";
-  case DType::BF16:
-    return "bf16";
-  case DType::I32:
-    return "i32";
-  case DType::I64:
-    return "i64";
-  }
-  return "unknown";
-}
-
 const char *opKindName(OpKind kind) {
   switch (kind) {
   case OpKind::Dispatch:
@@ -113,19 +99,6 @@ const char *eventKindName(EventKind kind) {
     return "terminate";
   }
   return "unknown";
-}
-
-uint32_t dtypeSize(DType dtype) {
-  switch (dtype) {
-  case DType::F32:
-  case DType::I32:
-    return 4;
-  case DType::BF16:
-    return 2;
-  case DType::I64:
-    return 8;
-  }
-  return 0;
 }
 
 TileCoord tileCoord(const TilingRecord &tiling, uint64_t index) {

@@ -27,6 +27,7 @@
 #ifndef MOEC_RUNTIME_FORMAT_TASKBINARY_H
 #define MOEC_RUNTIME_FORMAT_TASKBINARY_H
 
+#include "base/DType.h"
 #include "base/Status.h"
 
 #include <cstddef>
@@ -66,8 +67,8 @@ enum FileFlag : uint32_t {
   kKnownFileFlags = kFlagBackward | kFlagBf16,
 };
 
-/// Element type of a tensor slot or a tiling descriptor.
-enum class DType : uint8_t { F32 = 1, BF16 = 2, I32 = 3, I64 = 4 };
+/// Element type of a tensor slot or a tiling descriptor (base/DType.h).
+using moec::DType;
 
 /// The op a task belongs to, and the op a tiling descriptor is for.
 enum class OpKind : uint8_t { Dispatch = 1, Combine = 2, Gmm = 3, Swiglu = 4, SwigluGrad = 5 };
@@ -119,8 +120,7 @@ inline constexpr uint32_t kSectionKindCount = 10;
 /// "queue entries"), or "unknown" for a value outside the enum.
 const char *sectionKindName(SectionKind kind);
 
-/// Returns "f32", "bf16", "i32" or "i64", or "unknown".
-const char *dtypeName(DType dtype);
+using moec::dtypeName;
 
 /// Returns "dispatch", "combine", "gmm", "swiglu" or "swiglu_grad", or
 /// "unknown".
@@ -132,8 +132,7 @@ const char *coreKindName(CoreKind kind);
 /// Returns "local", "cross-rank" or "terminate", or "unknown".
 const char *eventKindName(EventKind kind);
 
-/// Returns the size in bytes of one element of `dtype` (0 for an unknown one).
-uint32_t dtypeSize(DType dtype);
+using moec::dtypeSize;
 
 //===----------------------------------------------------------------------===//
 // Records (the file's bytes; every reserved field is zero)

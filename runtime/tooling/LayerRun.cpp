@@ -229,7 +229,8 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   dtopk.assign(size_t(d.ranks), std::vector<float>(size_t(S * K)));
   ids.assign(size_t(d.ranks), {});
   weights.assign(size_t(d.ranks), {});
-  for (int64_t r = 0; r < d.ranks; ++r) {
+  const int64_t first = context.firstLocalRank(), last = first + context.localRanks();
+  for (int64_t r = first; r < last; ++r) {
     Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
     const size_t tokensH = size_t(S * H), w1n = size_t(L * H * 2 * I), w2n = size_t(L * I * H);
     b[kX].assign(d.x.data() + r * S * H, tokensH, act);
@@ -286,7 +287,8 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
     d->dw1.resize(size_t(R * L * H * 2 * I));
     d->dw2.resize(size_t(R * L * I * H));
   }
-  for (int64_t r = 0; r < R; ++r) {
+  const int64_t first = context.firstLocalRank(), local = context.localRanks();
+  for (int64_t r = first; r < first + local; ++r) {
     const Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
     b[kY].copyOut(d->y.data() + r * S * H);
     if (!backward)
@@ -296,6 +298,23 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
     b[kDw1].copyOut(d->dw1.data() + r * L * H * 2 * I);
     b[kDw2].copyOut(d->dw2.data() + r * L * I * H);
   }
+  if (local == R)
+    return Status::success();
+  // Ranks in other processes: the process of rank 0 collects every rank's
+  // outputs.
+  comm::Fabric &fabric = context.fabric();
+  const auto collect = [&](std::vector<float> &all, int64_t perRank) {
+    std::vector<float> mine(all.begin() + first * perRank, all.begin() + (first + local) * perRank);
+    return fabric.gather(mine.data(), size_t(perRank * local) * sizeof(float), all.data());
+  };
+  if (Status s = collect(d->y, S * H); !s || !backward)
+    return s;
+  for (const auto &[out, perRank] : {std::pair<std::vector<float> *, int64_t>{&d->dx, S * H},
+                                     {&d->dtopk, S * K},
+                                     {&d->dw1, L * H * 2 * I},
+                                     {&d->dw2, L * I * H}})
+    if (Status s = collect(*out, perRank); !s)
+      return s;
   return Status::success();
 }
 

@@ -55,8 +55,8 @@ std::string errorWith(const std::string &key, const json &value) {
 } // namespace
 
 TEST_CASE("dtype helpers", "[config]") {
-  CHECK(std::string(moec::dtypeName(moec::DType::F32)) == "fp32");
-  CHECK(std::string(moec::dtypeName(moec::DType::BF16)) == "bf16");
+  CHECK(std::string(moec::configDTypeName(moec::DType::F32)) == "fp32");
+  CHECK(std::string(moec::configDTypeName(moec::DType::BF16)) == "bf16");
   CHECK(moec::dtypeSize(moec::DType::F32) == 4);
   CHECK(moec::dtypeSize(moec::DType::BF16) == 2);
   CHECK(moec::parseDType("fp32") == moec::DType::F32);

@@ -145,7 +145,7 @@ bool close(double got, double want, double scale, bool storedBf16) {
 }
 
 std::string describe(Elt a, Elt b, Elt c) {
-  return std::string("A ") + eltName(a) + ", B " + eltName(b) + ", C " + eltName(c);
+  return std::string("A ") + dtypeName(a) + ", B " + dtypeName(b) + ", C " + dtypeName(c);
 }
 
 /// The storage combinations the matmul tests cover.
@@ -533,7 +533,7 @@ TEST_CASE("swiglu forward and backward tiles match the loops", "[cpu][swiglu]") 
   };
   for (Shape s : {Shape{17, 13, 3, 2}, Shape{5, 300, 2, 1}, Shape{1, 1, 1, 1}, Shape{0, 4, 1, 1}})
     for (Elt elt : {Elt::F32, Elt::BF16}) {
-      INFO("rows " << s.rows << ", inter " << s.inter << ", " << eltName(elt));
+      INFO("rows " << s.rows << ", inter " << s.inter << ", " << dtypeName(elt));
       Buffer y(elt, s.rows, 2 * s.inter, 3), a(elt, s.rows, s.inter, 2);
       Buffer da(elt, s.rows, s.inter, 1), dy(elt, s.rows, 2 * s.inter, 2);
       y.randomize(rng, 4.0f);
@@ -679,7 +679,7 @@ TEST_CASE("copyRows copies strided rows, converting types", "[cpu][rows]") {
   std::mt19937 rng(51);
   for (Elt from : {Elt::F32, Elt::BF16})
     for (Elt to : {Elt::F32, Elt::BF16}) {
-      INFO(eltName(from) << " -> " << eltName(to));
+      INFO(dtypeName(from) << " -> " << dtypeName(to));
       Buffer src(from, 6, 300, 7), dst(to, 9, 300, 4);
       src.randomize(rng);
       // Rows 1..4 of src land at rows 3..6 of dst.
@@ -733,7 +733,7 @@ TEST_CASE("combineRows and combineWeightGrad match the loops", "[cpu][rows]") {
     w = dist(rng);
 
   for (Elt elt : {Elt::F32, Elt::BF16}) {
-    INFO(eltName(elt));
+    INFO(dtypeName(elt));
     Buffer z(elt, tokens * topK, hidden, 2), dy(elt, tokens, hidden, 1);
     z.randomize(rng);
     dy.randomize(rng);

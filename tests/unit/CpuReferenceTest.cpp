@@ -549,7 +549,7 @@ TEST_CASE("the kernels, chained, compute the reference layer", "[cpu][reference]
   auto dy = randomGrads<float>(s, rng);
 
   for (Elt elt : {Elt::F32, Elt::BF16}) {
-    INFO(eltName(elt));
+    INFO(dtypeName(elt));
     // The reference sees what the kernels see: inputs rounded to storage.
     auto refInputs = inputs;
     auto refWeights = weights;

@@ -221,7 +221,7 @@ int runBench(int argc, char **argv, int first) {
   for (cpu::Elt elt : {cpu::Elt::F32, cpu::Elt::BF16})
     for (const Shape &s : {Shape{512, 512, 512}, Shape{1024, 1024, 1024}, Shape{512, 1024, 1024}}) {
       const double gflops = cpu::measureGemmGflops(s.m, s.n, s.k, elt);
-      std::printf("  %-6s %-22s %12.1f %9.1f%%\n", cpu::eltName(elt),
+      std::printf("  %-6s %-22s %12.1f %9.1f%%\n", moec::dtypeName(elt),
                   fmt::format("{} x {} x {}", s.m, s.n, s.k).c_str(), gflops,
                   100.0 * gflops / peak.gflops);
     }

@@ -186,7 +186,7 @@ std::string reportText(GraphOp graph, const ModelConfig &config, const std::stri
                      "{} cube cores)\n",
                      graph.getSymName().str(), cfgPath, config.hiddenSize,
                      config.intermediateSize, config.numExperts, config.topK, config.ep,
-                     config.tp, config.seqSize, dtypeName(config.dtype), config.numCubeCores);
+                     config.tp, config.seqSize, configDTypeName(config.dtype), config.numCubeCores);
   out += fmt::format("task split value: single_rank_expert_num {}, seq_all {}, per_expert_seq {}, "
                      "per_rank_seq {}, per_expert_seq_to_other {}\n\n",
                      t.singleRankExpertNum, t.seqAll, t.perExpertSeq, t.perRankSeq,

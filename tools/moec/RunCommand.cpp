@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/api/Runtime.h"
+#include "runtime/comm/Mpi.h"
 #include "tools/moec/Cli.h"
 #include "runtime/tooling/LayerRun.h"
 
@@ -23,13 +24,27 @@ using namespace moec::tooling;
 
 const CommandSpec kRunSpec = {
     "run",
-    "moec run FWD.moebin [BWD.moebin] --ranks R (--inputs DIR | --random SEED) --outputs DIR "
-    "[--verify] [--trace FILE] [--threads N] [--repeat N] [--hot-share F]",
+    "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
+    "[--verify] [--fabric inproc|mpi] [--trace FILE] [--threads N] [--repeat N] [--hot-share F]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
-    "given, on R ranks in this process with the CPU runtime: every rank's queues\n"
-    "run on a pool of worker threads, events between tiles let the puts of one\n"
-    "tile overlap the matmuls of another. Prints the schedule and the time of\n"
+    "given, on the R ranks of its EP group with the CPU runtime: every rank's\n"
+    "queues run on a pool of worker threads, events between tiles let the puts of\n"
+    "one tile overlap the matmuls of another. Prints the schedule and the time of\n"
     "each pass.\n"
+    "\n"
+    "The ranks are threads of this process (the in-process fabric), or, started\n"
+    "by mpirun, one process per rank (the MPI fabric, MPI-3 one-sided puts and\n"
+    "atomics): each process runs its rank on its slice of the inputs, and the\n"
+    "process of rank 0 collects the outputs, writes them and verifies them. The\n"
+    "outputs are the same, bit for bit, as with the in-process fabric:\n"
+    "\n"
+    "  mpirun -np 2 moec run fwd.moebin bwd.moebin --inputs DIR --outputs OUT --verify\n"
+    "\n"
+    "As root, mpirun needs --allow-run-as-root; with more ranks than cores, also\n"
+    "--oversubscribe (and --threads 1 keeps the processes from crowding each\n"
+    "other). An error on any rank ends the whole job (MPI_Abort) with that\n"
+    "rank's message; a rank that stops answering is named by the others'\n"
+    "watchdog (60 s).\n"
     "\n"
     "inputs (.npy, float32 even for bf16 binaries; converted at the edges):\n"
     "  x [R,S,H]  topk_ids [R,S,K] (int32 or int64)  topk_weights [R,S,K]\n"
@@ -38,7 +53,10 @@ const CommandSpec kRunSpec = {
     "  dtopk_weights [R,S,K], dw1 [E,H,2I], dw2 [E,I,H]\n"
     "\n"
     "options:\n"
-    "  --ranks R        ranks of the EP group; must be the binary's (its config's ep)\n"
+    "  --ranks R        ranks of the EP group; must be the binary's (its config's ep);\n"
+    "                   under mpirun, the number of processes (the default there)\n"
+    "  --fabric F       inproc (ranks as threads) or mpi (ranks as processes);\n"
+    "                   default: mpi when started by mpirun, else inproc\n"
     "  --inputs DIR     read the inputs from DIR\n"
     "  --random SEED    make random inputs (S and K as compiled, uniform routing\n"
     "                   unless --hot-share) and write them to the outputs folder\n"
@@ -50,13 +68,14 @@ const CommandSpec kRunSpec = {
     "                   (1e-4 for f32, 5e-2 for bf16, relative to the output's scale)\n"
     "  --trace FILE     write a Chrome/Perfetto trace of the forward pass to FILE\n"
     "                   (and of the backward pass to FILE with '.bwd' before its\n"
-    "                   extension)\n"
+    "                   extension); under MPI each rank writes its own, with\n"
+    "                   '.rankN' before the extension\n"
     "  --threads N      worker threads (default: the hardware threads)\n"
     "  --repeat N       run the passes N times and report the best time (default 1)\n"
     "  --hot-share F    with --random: the share of tokens whose first expert is\n"
     "                   expert 0 (skewed routing); default 0\n",
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat",
-     "--hot-share"},
+     "--hot-share", "--fabric"},
     {"--verify"},
     1,
     2};
@@ -77,7 +96,16 @@ int usage(const char *message) {
   return kUsage;
 }
 
+/// Set once the MPI fabric exists: an error then ends the whole job.
+bool underMpi = false;
+int mpiRank = 0;
+
 int fail(const Status &status) {
+  if (underMpi) {
+    std::fprintf(stderr, "error: [process of rank %d] %s\n", mpiRank, status.message().c_str());
+    std::fflush(stderr);
+    comm::abortMpi(kError);
+  }
   std::fprintf(stderr, "error: %s\n", status.message().c_str());
   return kError;
 }
@@ -119,14 +147,19 @@ int runRun(int argc, char **argv, int first) {
     printHelp(kRunSpec);
     return kOk;
   }
-  if (!args.value("--ranks"))
+  const std::string fabricName =
+      args.value("--fabric").value_or(comm::launchedByMpi() ? "mpi" : "inproc");
+  if (fabricName != "inproc" && fabricName != "mpi")
+    return usage("--fabric must be inproc or mpi");
+  const bool mpi = fabricName == "mpi";
+  if (!args.value("--ranks") && !mpi)
     return usage("missing --ranks R");
   if (!args.value("--outputs"))
     return usage("missing --outputs DIR");
   if (args.value("--inputs").has_value() == args.value("--random").has_value())
     return usage("give exactly one of --inputs DIR and --random SEED");
   uint64_t ranks = 0, threads = 0, repeat = 1, seed = 0;
-  if (!parseCount(*args.value("--ranks"), 1u << 16, &ranks) || ranks == 0)
+  if (auto r = args.value("--ranks"); r && (!parseCount(*r, 1u << 16, &ranks) || ranks == 0))
     return usage("--ranks must be a positive integer");
   if (auto t = args.value("--threads"); t && (!parseCount(*t, 4096, &threads) || threads == 0))
     return usage("--threads must be a positive integer");
@@ -144,6 +177,21 @@ int runRun(int argc, char **argv, int first) {
     if (h->empty() || *end != '\0' || !(hotShare >= 0 && hotShare <= 1))
       return usage("--hot-share must be a number in [0, 1]");
   }
+
+  std::shared_ptr<comm::Fabric> fabric;
+  if (mpi) {
+    if (Status s = comm::createMpiFabric(&fabric); !s)
+      return fail(s);
+    underMpi = true;
+    mpiRank = int(fabric->firstLocal());
+    if (ranks == 0)
+      ranks = fabric->ranks();
+    else if (ranks != fabric->ranks())
+      return fail(Status::error(fmt::format("--ranks {}, but mpirun started {} processes", ranks,
+                                            fabric->ranks())));
+  }
+  // Under MPI only the process of rank 0 prints the report and writes files.
+  const bool report = !fabric || fabric->firstLocal() == 0;
 
   std::shared_ptr<const rt::Program> fwd, bwd;
   if (Status s = rt::Program::load(args.positional[0], &fwd); !s)
@@ -168,6 +216,7 @@ int runRun(int argc, char **argv, int first) {
   rt::ContextOptions options;
   options.workers = uint32_t(threads);
   options.trace = args.value("--trace").has_value();
+  options.fabric = fabric;
   std::unique_ptr<rt::Context> context;
   if (Status s = rt::Context::create(fwd, bwd, options, &context); !s)
     return fail(s);
@@ -189,18 +238,23 @@ int runRun(int argc, char **argv, int first) {
       data.dy.clear();
   }
   std::error_code ec;
-  std::filesystem::create_directories(outputs, ec);
+  if (report)
+    std::filesystem::create_directories(outputs, ec);
   if (ec)
     return fail(Status::error(fmt::format("cannot create '{}': {}", outputs, ec.message())));
 
-  std::printf("moec run: %s%s, %s, S %lld, top-%lld, %u worker threads\n",
-              args.positional[0].c_str(), backward ? (" + " + args.positional[1]).c_str() : "",
-              describe(shape).c_str(), (long long)data.tokens, (long long)data.topK,
-              context->workers());
-  std::printf("schedule:\n");
-  printSchedule("forward", fwd->tasks());
-  if (backward)
-    printSchedule("backward", bwd->tasks());
+  if (report) {
+    std::printf("moec run: %s%s, %s, S %lld, top-%lld, %u worker threads%s\n",
+                args.positional[0].c_str(), backward ? (" + " + args.positional[1]).c_str() : "",
+                describe(shape).c_str(), (long long)data.tokens, (long long)data.topK,
+                context->workers(),
+                fabric ? fmt::format(" per process, {} MPI processes", fabric->ranks()).c_str()
+                       : " (in-process ranks)");
+    std::printf("schedule:\n");
+    printSchedule("forward", fwd->tasks());
+    if (backward)
+      printSchedule("backward", bwd->tasks());
+  }
 
   LayerRun run;
   if (Status s = run.bind(*context, data); !s)
@@ -215,23 +269,40 @@ int runRun(int argc, char **argv, int first) {
     if (backward && context->backwardTimes().total() < bestBwd.total())
       bestBwd = context->backwardTimes();
   }
-  std::printf("time (wall, all ranks):\n");
-  printTimes("forward", bestFwd, repeat);
-  if (backward)
-    printTimes("backward", bestBwd, repeat);
-  std::printf("  workspace %.1f MiB\n", double(context->workspaceBytes()) / (1 << 20));
+  if (report) {
+    std::printf("time (wall, %s):\n", fabric ? "the process of rank 0" : "all ranks");
+    printTimes("forward", bestFwd, repeat);
+    if (backward)
+      printTimes("backward", bestBwd, repeat);
+    std::printf("  workspace %.1f MiB%s\n", double(context->workspaceBytes()) / (1 << 20),
+                fabric ? " (per process)" : "");
+  }
 
-  if (auto trace = args.value("--trace")) {
+  if (auto option = args.value("--trace")) {
+    const std::string trace =
+        fabric ? tracePath(*option, fmt::format(".rank{}", fabric->firstLocal()).c_str())
+               : *option;
     // The last pass's trace is the backward one; run forward once more for
     // its trace when both ran.
     if (backward) {
-      if (Status s = context->writeTrace(tracePath(*trace, ".bwd")); !s)
+      if (Status s = context->writeTrace(tracePath(trace, ".bwd")); !s)
         return fail(s);
       if (Status s = context->forward(); !s)
         return fail(s);
     }
-    if (Status s = context->writeTrace(*trace); !s)
+    if (Status s = context->writeTrace(trace); !s)
       return fail(s);
+  }
+
+  if (fabric) {
+    // The MPI resources go before MPI does; only rank 0 goes on.
+    context.reset();
+    options.fabric.reset();
+    fabric.reset();
+    underMpi = false;
+    comm::finalizeMpi();
+    if (!report)
+      return kOk;
   }
 
   if (args.value("--random"))

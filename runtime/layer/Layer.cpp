@@ -4,7 +4,7 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/api/Layer.h"
+#include "runtime/layer/Layer.h"
 
 #include <fmt/format.h>
 

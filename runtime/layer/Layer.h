@@ -28,10 +28,15 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_RUNTIME_API_LAYER_H
-#define MOEC_RUNTIME_API_LAYER_H
+#ifndef MOEC_RUNTIME_LAYER_LAYER_H
+#define MOEC_RUNTIME_LAYER_LAYER_H
 
-#include "runtime/api/Runtime.h"
+#include "base/LayerShape.h"
+#include "base/Status.h"
+#include "runtime/format/TaskBinary.h"
+
+#include <array>
+#include <vector>
 
 namespace moec::rt {
 
@@ -79,4 +84,4 @@ Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward);
 
 } // namespace moec::rt
 
-#endif // MOEC_RUNTIME_API_LAYER_H
+#endif // MOEC_RUNTIME_LAYER_LAYER_H

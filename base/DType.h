@@ -1,0 +1,57 @@
+//===- DType.h - The element types of the whole project ---------*- C++ -*-===//
+//
+// One enum for every tensor's element type: the task binary stores it (one
+// byte, these values), the runtime's C API mirrors it (moec_dtype, checked
+// equal at compile time), the kernels switch on it, and the config's "fp32" /
+// "bf16" parse into it. bf16 is the upper half of an IEEE-754 binary32, kept
+// as uint16_t bits; arithmetic on it is always fp32.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_BASE_DTYPE_H
+#define MOEC_BASE_DTYPE_H
+
+#include <cstdint>
+
+namespace moec {
+
+/// Element type of a tensor. The values are the task binary's.
+enum class DType : uint8_t {
+  F32 = 1,  ///< IEEE-754 binary32
+  BF16 = 2, ///< bfloat16, the uint16_t upper half of a binary32
+  I32 = 3,
+  I64 = 4,
+};
+
+/// Returns "f32", "bf16", "i32" or "i64", or "unknown".
+inline const char *dtypeName(DType dtype) {
+  switch (dtype) {
+  case DType::F32:
+    return "f32";
+  case DType::BF16:
+    return "bf16";
+  case DType::I32:
+    return "i32";
+  case DType::I64:
+    return "i64";
+  }
+  return "unknown";
+}
+
+/// Returns the size in bytes of one element of `dtype` (0 for an unknown one).
+inline constexpr uint32_t dtypeSize(DType dtype) {
+  switch (dtype) {
+  case DType::F32:
+  case DType::I32:
+    return 4;
+  case DType::BF16:
+    return 2;
+  case DType::I64:
+    return 8;
+  }
+  return 0;
+}
+
+} // namespace moec
+
+#endif // MOEC_BASE_DTYPE_H

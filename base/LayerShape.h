@@ -1,0 +1,42 @@
+//===- LayerShape.h - The sizes of a compiled MoE-FFN layer -----*- C++ -*-===//
+//
+// The one description of a layer's sizes that the runtime, its backends, the
+// tools and the framework op share: ranks, experts, H, I, S, K, the
+// capacities a task binary was compiled for, and the element types. The
+// runtime reads it from a binary (runtime/layer/Layer.h).
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_BASE_LAYERSHAPE_H
+#define MOEC_BASE_LAYERSHAPE_H
+
+#include "base/DType.h"
+
+#include <cstdint>
+
+namespace moec {
+
+/// The sizes and capacities of a compiled layer, read from its binary.
+struct LayerShape {
+  bool backward = false;        ///< a backward pass
+  uint32_t ranks = 1;           ///< R
+  uint32_t localExperts = 1;    ///< L
+  int64_t hidden = 0;           ///< H
+  int64_t inter = 0;            ///< I (the halved intermediate size)
+  int64_t tokens = 0;           ///< S the binary was compiled for (tokens per rank)
+  int64_t topK = 0;             ///< K the binary was compiled for
+  int64_t rowCapacity = 0;      ///< most (token, k) rows a rank routes: S * K
+  int64_t receiveCapacity = 0;  ///< most rows a rank's experts receive in all
+  int64_t expertCapacity = 0;   ///< most rows one expert receives
+  int64_t putCapacity = 0;      ///< most rows one rank sends one expert
+  DType activations = DType::F32; ///< x, y, w1, w2, dy, dx
+  DType weightGrads = DType::F32; ///< dw1, dw2
+  bool accumulateWeightGrads = false; ///< dw1, dw2 are added to, not written
+
+  /// E = R * L.
+  uint32_t experts() const { return ranks * localExperts; }
+};
+
+} // namespace moec
+
+#endif // MOEC_BASE_LAYERSHAPE_H

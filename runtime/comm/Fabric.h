@@ -1,0 +1,134 @@
+//===- Fabric.h - What a rank does to its peers -----------------*- C++ -*-===//
+//
+// A fabric connects the R ranks of an EP group. The runtime's pass needs
+// five things of it, and nothing else crosses ranks:
+//
+//   window    receive memory of every rank, created by all ranks together
+//             with the same size; a put writes rows into a peer's window
+//   put       copy rows from this process into a peer's window at an offset
+//   signal    add a delta to one of a peer's event counters (an inbox),
+//             ordered after every put the calling thread made to that peer
+//   exchange  every rank contributes a small block and receives all of them
+//             (per-expert token counts before a pass, fingerprints at context
+//             creation); it is also the point where ranks meet
+//   barrier   complete every put and wait for every rank
+//
+// Two fabrics implement it:
+//
+//   in-process (inProcessFabric, here): all R ranks are threads of this
+//     process; a window is R buffers, a put is a memcpy, events never leave
+//     the executor, and an exchange is a copy.
+//   MPI (runtime/comm/Mpi.h, a separate library): one process per rank over
+//     MPI-3 one-sided communication; a window is an MPI window, a put is an
+//     MPI_Put, a signal an MPI_Accumulate on the peer's counter after a flush
+//     of the data.
+//
+// Every wait a fabric does is bounded by a timeout, and a timeout is an error
+// that names the ranks that did not arrive.
+//
+// No MLIR/LLVM dependency; this header does not include MPI.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_COMM_FABRIC_H
+#define MOEC_RUNTIME_COMM_FABRIC_H
+
+#include "base/Status.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace moec::comm {
+
+/// Receive memory of every rank of the group, `bytes()` long on each, zeroed
+/// when created.
+class Window {
+public:
+  virtual ~Window() = default;
+  /// The memory of rank `rank`, which must be a rank this process runs.
+  virtual void *local(uint32_t rank) const = 0;
+  /// The size of each rank's memory in bytes.
+  virtual size_t bytes() const = 0;
+};
+
+/// Event counters that peers add to: `events()` 64-bit counters on every
+/// rank (an executor's events of the ranks it does not run).
+class Inbox {
+public:
+  virtual ~Inbox() = default;
+  /// The number of counters per rank.
+  virtual uint32_t events() const = 0;
+  /// Adds `delta` to counter `event` of rank `peer` (not run by this
+  /// process), once every put the calling thread made to `peer` is complete
+  /// there. Called from many threads at once.
+  virtual Status signal(uint32_t peer, uint32_t event, uint64_t delta) = 0;
+  /// Reads the counters of local rank `rank` into `values` [events()]. Each
+  /// value is read atomically with respect to signals. Called from one thread
+  /// at a time.
+  virtual Status read(uint32_t rank, uint64_t *values) = 0;
+  /// Zeroes the counters of every local rank. The caller makes sure that no
+  /// peer signals them meanwhile (a pass resets its inbox once it is over,
+  /// and peers signal the next pass only after its exchange).
+  virtual void reset() = 0;
+};
+
+/// The ranks of an EP group and the way they reach each other.
+class Fabric {
+public:
+  virtual ~Fabric() = default;
+
+  /// "in-process" or "mpi".
+  virtual const char *name() const = 0;
+  /// R, the ranks of the group.
+  virtual uint32_t ranks() const = 0;
+  /// The ranks this process runs: firstLocal() .. firstLocal() + localRanks() - 1.
+  virtual uint32_t firstLocal() const = 0;
+  virtual uint32_t localRanks() const = 0;
+
+  /// True when this process runs rank `rank`.
+  bool isLocal(uint32_t rank) const {
+    return rank >= firstLocal() && rank - firstLocal() < localRanks();
+  }
+  /// True when this process runs every rank.
+  bool allLocal() const { return localRanks() == ranks(); }
+
+  /// Creates a window of `bytes` per rank. Collective: every rank creates its
+  /// windows in the same order with the same sizes.
+  virtual Status createWindow(size_t bytes, std::unique_ptr<Window> *out) = 0;
+
+  /// Creates an inbox of `events` counters per rank. Collective, like
+  /// createWindow.
+  virtual Status createInbox(uint32_t events, std::unique_ptr<Inbox> *out) = 0;
+
+  /// Copies `rows` rows of `rowBytes` bytes from `src` (rows `srcStride`
+  /// bytes apart) into `window` of rank `peer`, at byte `offset`, rows
+  /// `dstStride` bytes apart. Called from many threads at once; the rows are
+  /// at the peer once a later signal() of the same thread reaches it (or
+  /// after barrier()).
+  virtual Status put(const Window &window, uint32_t peer, size_t offset, size_t dstStride,
+                     const void *src, size_t srcStride, size_t rows, size_t rowBytes) = 0;
+
+  /// Every rank contributes `bytes` bytes per local rank (`mine` holds
+  /// localRanks() blocks, in rank order), and `all` receives the blocks of
+  /// all ranks() ranks, in rank order. Collective. Waits at most
+  /// `timeoutSeconds` (<= 0: no limit) for the other ranks; the error names
+  /// the ranks that did not come.
+  virtual Status exchange(const void *mine, size_t bytes, void *all, double timeoutSeconds) = 0;
+
+  /// Completes every put of this process, then waits for every rank to get
+  /// here (bounded as exchange()).
+  virtual Status barrier(double timeoutSeconds) = 0;
+
+  /// Collects `bytes` bytes per local rank on the process that runs rank 0,
+  /// into `all` (ranks() blocks in rank order; unused elsewhere).
+  /// Collective.
+  virtual Status gather(const void *mine, size_t bytes, void *all) = 0;
+};
+
+/// Returns the in-process fabric of `ranks` ranks, all run by this process.
+std::shared_ptr<Fabric> inProcessFabric(uint32_t ranks);
+
+} // namespace moec::comm
+
+#endif // MOEC_RUNTIME_COMM_FABRIC_H

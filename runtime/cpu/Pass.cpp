@@ -1,0 +1,435 @@
+//===- Pass.cpp - One pass of a layer binary on the CPU ---------------------===//
+//
+// See Pass.h. Prepare and finish run on the calling thread plus short-lived
+// helpers, cut by rank and token range; every reduction in them has a fixed
+// order.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/cpu/Pass.h"
+
+#include "runtime/cpu/Rows.h"
+#include "runtime/cpu/Swiglu.h"
+#include "runtime/exec/OpByOp.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+namespace moec::cpu {
+
+using format::OpKind;
+using format::TaskProgram;
+using format::TilingRecord;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+int64_t loadIndex(const void *data, DType dtype, int64_t i) {
+  return dtype == DType::I32 ? static_cast<const int32_t *>(data)[i]
+                             : static_cast<const int64_t *>(data)[i];
+}
+
+void storeIndex(void *data, DType dtype, int64_t i, int64_t value) {
+  if (dtype == DType::I32)
+    static_cast<int32_t *>(data)[i] = int32_t(value);
+  else
+    static_cast<int64_t *>(data)[i] = value;
+}
+
+Elt eltOf(DType dtype) { return dtype == DType::BF16 ? Elt::BF16 : Elt::F32; }
+
+/// Runs fn(i) for i in [0, count) on up to `threads` threads (the caller is
+/// one of them). Items must be independent.
+template <typename Fn> void parallelFor(uint32_t threads, size_t count, const Fn &fn) {
+  const size_t n = std::min<size_t>(std::max(threads, 1u), count);
+  if (n <= 1) {
+    for (size_t i = 0; i < count; ++i)
+      fn(i);
+    return;
+  }
+  std::vector<std::thread> helpers;
+  helpers.reserve(n - 1);
+  for (size_t t = 1; t < n; ++t)
+    helpers.emplace_back([&, t] {
+      for (size_t i = t; i < count; i += n)
+        fn(i);
+    });
+  for (size_t i = 0; i < count; i += n)
+    fn(i);
+  for (std::thread &h : helpers)
+    h.join();
+}
+
+/// Work items of a per-rank row loop over the local ranks: (rank, piece)
+/// with `pieces` pieces per rank, so all threads have work even with one
+/// rank.
+struct Pieces {
+  uint32_t firstRank, pieces;
+  size_t count(uint32_t ranks) const { return size_t(ranks) * pieces; }
+  uint32_t rank(size_t item) const { return firstRank + uint32_t(item / pieces); }
+  Range range(size_t item, int64_t extent) const {
+    const int64_t p = int64_t(item % pieces);
+    return {p * extent / pieces, (p + 1) * extent / pieces};
+  }
+};
+
+/// Bytes of a slot at its capacity.
+size_t slotBytes(const format::SlotRecord &slot) {
+  uint64_t count = 1;
+  for (uint32_t i = 0; i < slot.rank; ++i)
+    count *= (i == 0 && (slot.flags & format::kSlotDynamic)) ? slot.capacityRows : slot.dims[i];
+  return size_t(count) * dtypeSize(slot.dtype);
+}
+
+} // namespace
+
+/// What a pass needs of an op at every tile, precomputed.
+struct Pass::OpInfo {
+  OpKind kind = OpKind::Gmm;
+  const TilingRecord *tiling = nullptr;
+  bool wgrad = false, transposeB = false, accumulate = false;
+  int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
+};
+
+Pass::~Pass() = default;
+
+Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
+                    const PassOptions &options, std::vector<Scratch> *scratch,
+                    std::unique_ptr<Pass> *out) {
+  if (!options.fabric)
+    return Status::error("a CPU pass needs a fabric");
+  std::unique_ptr<Pass> pass(new Pass());
+  pass->program = &program;
+  pass->layer = &plan;
+  pass->options = options;
+  pass->scratch = scratch;
+  for (const format::OpRecord &op : program.ops) {
+    OpInfo info;
+    info.kind = op.kind;
+    info.tiling = &program.tilings[op.tiling];
+    info.wgrad = op.kind == OpKind::Gmm && info.tiling->depth == 0;
+    info.transposeB = info.tiling->flags & format::kTilingTransposeB;
+    info.accumulate = info.tiling->flags & format::kTilingAccumulate;
+    const format::SlotRecord &w =
+        program.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
+    if (op.kind == OpKind::Gmm)
+      info.expertStride = int64_t(w.dims[1] * w.dims[2]);
+    pass->ops.push_back(info);
+  }
+  pass->data.assign(program.epRanks, std::vector<void *>(program.slots.size(), nullptr));
+  pass->windowOf.assign(program.slots.size(), nullptr);
+
+  exec::ExecutorOptions eo;
+  eo.workers = options.workers;
+  eo.timeout = std::chrono::nanoseconds(
+      options.timeoutSeconds > 0 ? int64_t(options.timeoutSeconds * 1e9) : 0);
+  eo.trace = options.trace;
+  eo.fabric = options.fabric;
+  Pass *p = pass.get();
+  if (!options.opByOp) {
+    std::unique_ptr<exec::Executor> executor;
+    if (Status s = exec::Executor::create(
+            program,
+            [p](uint32_t rank, uint32_t task, uint32_t worker) {
+              return p->runTile(rank, task, worker);
+            },
+            eo, &executor);
+        !s)
+      return s;
+    pass->executors.push_back(std::move(executor));
+  } else {
+    for (uint32_t op = 0; op < program.ops.size(); ++op) {
+      const uint32_t first = program.ops[op].firstTask;
+      std::unique_ptr<exec::Executor> executor;
+      if (Status s = exec::Executor::create(
+              exec::singleOpProgram(program, op),
+              [p, first](uint32_t rank, uint32_t task, uint32_t worker) {
+                return p->runTile(rank, first + task, worker);
+              },
+              eo, &executor);
+          !s)
+        return s;
+      pass->executors.push_back(std::move(executor));
+    }
+  }
+  *out = std::move(pass);
+  return Status::success();
+}
+
+Status Pass::allocate() {
+  if (allocated)
+    return Status::success();
+  const rt::LayerPlan &plan = *layer;
+  const TaskProgram &tasks = *program;
+  comm::Fabric &fabric = *options.fabric;
+  std::vector<uint32_t> caller = {plan.w1, plan.w2};
+  if (plan.shape.backward)
+    caller.insert(caller.end(), {plan.dw1, plan.dw2, plan.dispatched, plan.upOut, plan.swigluOut});
+  // The slots peers put into: the outputs of the puts.
+  std::vector<bool> isWindow(tasks.slots.size(), false);
+  for (const OpInfo &op : ops)
+    if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine)
+      isWindow[op.tiling->outputSlot] = true;
+  for (uint32_t slot = 0; slot < tasks.slots.size(); ++slot) {
+    if (std::find(caller.begin(), caller.end(), slot) != caller.end())
+      continue;
+    const size_t bytes = (std::max<size_t>(slotBytes(tasks.slots[slot]), 64) + 63) / 64 * 64;
+    if (isWindow[slot]) {
+      std::unique_ptr<comm::Window> window;
+      if (Status s = fabric.createWindow(bytes, &window); !s)
+        return s.withPrefix(fmt::format("slot '{}': ", tasks.name(tasks.slots[slot].name)));
+      for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r)
+        data[r][slot] = window->local(r);
+      windowOf[slot] = window.get();
+      windows.push_back(std::move(window));
+      ownedBytes += bytes * fabric.localRanks();
+      continue;
+    }
+    for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r) {
+      void *memory = std::aligned_alloc(64, bytes);
+      if (!memory)
+        return Status::error(fmt::format("out of memory for slot '{}' ({} bytes)",
+                                         tasks.name(tasks.slots[slot].name), bytes));
+      std::memset(memory, 0, bytes);
+      owned.emplace_back(static_cast<uint8_t *>(memory), std::free);
+      data[r][slot] = memory;
+      ownedBytes += bytes;
+    }
+  }
+  allocated = true;
+  return Status::success();
+}
+
+void Pass::fillLayout(const std::vector<RankRoute> &routes) {
+  const rt::LayerPlan &plan = *layer;
+  const TaskProgram &tasks = *program;
+  const uint32_t R = tasks.epRanks, L = plan.shape.localExperts, E = R * L;
+  // rows[r][e]: rows local expert e of rank r receives; start[r][e]: its
+  // segment's first row; before[q][g]: rows ranks < q send expert g.
+  std::vector<std::vector<int64_t>> rows(R, std::vector<int64_t>(L)), start = rows;
+  std::vector<std::vector<int64_t>> before(R, std::vector<int64_t>(E, 0));
+  for (uint32_t g = 0; g < E; ++g)
+    for (uint32_t q = 0; q < R; ++q) {
+      if (q + 1 < R)
+        before[q + 1][g] = before[q][g] + routes[q].layout.counts[g];
+      rows[g / L][g % L] += routes[q].layout.counts[g];
+    }
+  for (uint32_t r = 0; r < R; ++r)
+    for (uint32_t e = 1; e < L; ++e)
+      start[r][e] = start[r][e - 1] + rows[r][e - 1];
+  const auto targetOffset = [&](uint32_t q, uint32_t g) {
+    return start[g / L][g % L] + before[q][g];
+  };
+  const auto put = [&](uint32_t r, uint32_t slot, int64_t i, int64_t value) {
+    storeIndex(data[r][slot], tasks.slots[slot].dtype, i, value);
+  };
+  const comm::Fabric &fabric = *options.fabric;
+  for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r) {
+    const RoutingLayout &own = routes[r].layout;
+    for (uint32_t g = 0; g < E; ++g) {
+      put(r, plan.dSize, g, own.counts[g]);
+      put(r, plan.dSrcOffset, g, own.offsets[g]);
+      put(r, plan.dTargetOffset, g, targetOffset(r, g));
+    }
+    for (uint32_t q = 0; q < R; ++q)
+      for (uint32_t e = 0; e < L; ++e) {
+        const uint32_t g = r * L + e, i = q * L + e;
+        put(r, plan.cSize, i, routes[q].layout.counts[g]);
+        put(r, plan.cSrcOffset, i, targetOffset(q, g));
+        put(r, plan.cTargetOffset, i, routes[q].layout.offsets[g]);
+      }
+    for (uint32_t e = 0; e < L; ++e)
+      put(r, plan.glist, e, start[r][e] + rows[r][e]);
+  }
+}
+
+void Pass::gatherSendRows(const std::vector<RankRoute> &routes,
+                          const std::vector<const void *> &source, bool weighted) {
+  const rt::LayerPlan &plan = *layer;
+  const Elt act = eltOf(plan.shape.activations);
+  const int64_t H = plan.shape.hidden;
+  const comm::Fabric &fabric = *options.fabric;
+  const Pieces pieces{fabric.firstLocal(), options.workers};
+  const Elt srcElt = eltOf(program->slots[plan.src].dtype);
+  const int64_t srcLd = int64_t(program->slots[plan.src].dims[1]);
+  parallelFor(options.workers, pieces.count(fabric.localRanks()), [&](size_t item) {
+    const uint32_t r = pieces.rank(item);
+    const RankRoute &route = routes[r];
+    const Range part = pieces.range(item, route.tokens * route.topK);
+    const Matrix src{data[r][plan.src], srcElt, srcLd};
+    gatherTokenRows(ConstMatrix{source[r], act, H}, route.layout.order.data() + part.begin,
+                    route.topK, weighted ? route.weights.data() : nullptr,
+                    Matrix{src.address(part.begin, 0), src.elt, src.ld}, part.size(), H);
+  });
+}
+
+Status Pass::runTasks() {
+  const Clock::time_point t0 = Clock::now();
+  comm::Fabric &fabric = *options.fabric;
+  for (const std::unique_ptr<exec::Executor> &executor : executors) {
+    last = executor.get();
+    if (Status s = executor->run(); !s)
+      return s;
+    // Op by op across processes: every put of the op is complete on every
+    // rank before the next op starts.
+    if (options.opByOp && !fabric.allLocal())
+      if (Status s = fabric.barrier(options.timeoutSeconds); !s)
+        return s;
+  }
+  taskTime = secondsSince(t0);
+  return Status::success();
+}
+
+void Pass::combine(const std::vector<RankRoute> &routes, const std::vector<void *> &out,
+                   bool weighted) {
+  const rt::LayerPlan &plan = *layer;
+  const Elt act = eltOf(plan.shape.activations);
+  const int64_t H = plan.shape.hidden;
+  const comm::Fabric &fabric = *options.fabric;
+  const Pieces pieces{fabric.firstLocal(), options.workers};
+  const format::SlotRecord &returned = program->slots[plan.returned];
+  parallelFor(options.workers, pieces.count(fabric.localRanks()), [&](size_t item) {
+    const uint32_t r = pieces.rank(item);
+    const RankRoute &route = routes[r];
+    combineRows(ConstMatrix{data[r][plan.returned], eltOf(returned.dtype), int64_t(returned.dims[1])},
+                route.layout.position.data(), weighted ? route.weights.data() : nullptr,
+                route.topK, Matrix{out[r], act, H}, pieces.range(item, route.tokens),
+                Range{0, H});
+  });
+}
+
+void Pass::topkWeightGrad(const Pass &forward, const std::vector<RankRoute> &routes,
+                          const std::vector<const void *> &dy, const std::vector<float *> &out) {
+  const rt::LayerPlan &saved = forward.plan();
+  const Elt act = eltOf(layer->shape.activations);
+  const int64_t H = layer->shape.hidden;
+  const comm::Fabric &fabric = *options.fabric;
+  const Pieces pieces{fabric.firstLocal(), options.workers};
+  const format::SlotRecord &returned = forward.tasks().slots[saved.returned];
+  parallelFor(options.workers, pieces.count(fabric.localRanks()), [&](size_t item) {
+    const uint32_t r = pieces.rank(item);
+    const RankRoute &route = routes[r];
+    combineWeightGrad(ConstMatrix{dy[r], act, H},
+                      ConstMatrix{forward.slot(r, saved.returned), eltOf(returned.dtype),
+                                  int64_t(returned.dims[1])},
+                      route.layout.position.data(), route.topK, pieces.range(item, route.tokens),
+                      H, out[r]);
+  });
+}
+
+//===----------------------------------------------------------------------===//
+// Tiles to kernels
+//===----------------------------------------------------------------------===//
+
+Status Pass::runPut(const OpInfo &op, uint32_t rank, const format::TileCoord &tile,
+                    bool combine) {
+  const rt::LayerPlan &plan = *layer;
+  const TaskProgram &tasks = *program;
+  const uint32_t peer = tasks.peerRank(rank, tile.peer);
+  const int64_t i = int64_t(peer) * plan.shape.localExperts + tile.expert;
+  const uint32_t sizeSlot = combine ? plan.cSize : plan.dSize;
+  const uint32_t srcOffsetSlot = combine ? plan.cSrcOffset : plan.dSrcOffset;
+  const uint32_t targetOffsetSlot = combine ? plan.cTargetOffset : plan.dTargetOffset;
+  const auto index = [&](uint32_t slot, int64_t at) {
+    return loadIndex(data[rank][slot], tasks.slots[slot].dtype, at);
+  };
+  const int64_t count = index(sizeSlot, i);
+  const int64_t begin = int64_t(tile.rowBegin);
+  const int64_t end = std::min<int64_t>(int64_t(tile.rowEnd), count);
+  if (end <= begin)
+    return Status::success();
+  const uint32_t from = op.tiling->inputSlots[1], to = op.tiling->outputSlot;
+  const format::SlotRecord &src = tasks.slots[from], &dst = tasks.slots[to];
+  if (src.dtype != dst.dtype)
+    return Status::error(fmt::format("a put from {} rows to {} rows", dtypeName(src.dtype),
+                                     dtypeName(dst.dtype)));
+  const size_t elt = dtypeSize(src.dtype);
+  const size_t srcLd = size_t(src.dims[1]) * elt, dstLd = size_t(dst.dims[1]) * elt;
+  const int64_t srcRow = index(srcOffsetSlot, i) + begin;
+  const int64_t dstRow = index(targetOffsetSlot, i) + begin;
+  const size_t col = size_t(tile.colBegin) * elt;
+  return options.fabric->put(*windowOf[to], peer, size_t(dstRow) * dstLd + col, dstLd,
+                             static_cast<const char *>(data[rank][from]) + size_t(srcRow) * srcLd +
+                                 col,
+                             srcLd, size_t(end - begin), size_t(tile.colEnd - tile.colBegin) * elt);
+}
+
+Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
+  const TaskProgram &tasks = *program;
+  const uint32_t opIndex = tasks.tasks[task].op;
+  const OpInfo &op = ops[opIndex];
+  const TilingRecord &t = *op.tiling;
+  const format::TileCoord tile = format::tileCoord(t, task - tasks.ops[opIndex].firstTask);
+  if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine)
+    return runPut(op, rank, tile, op.kind == OpKind::Combine);
+
+  const auto dtype = [&](uint32_t slot) { return tasks.slots[slot].dtype; };
+  const auto in = [&](uint32_t slot) {
+    return ConstMatrix{data[rank][slot], eltOf(dtype(slot)), int64_t(tasks.slots[slot].dims[1])};
+  };
+  const auto out = [&](uint32_t slot) {
+    return Matrix{data[rank][slot], eltOf(dtype(slot)), int64_t(tasks.slots[slot].dims[1])};
+  };
+
+  // Per-expert ops: the expert's segment from the group list.
+  const uint32_t glist = layer->glist;
+  const int64_t segEnd = loadIndex(data[rank][glist], dtype(glist), tile.expert);
+  const int64_t segBegin =
+      tile.expert == 0 ? 0 : loadIndex(data[rank][glist], dtype(glist), tile.expert - 1);
+  const Segment segment{segBegin, segEnd - segBegin};
+  const Range rows{int64_t(tile.rowBegin), int64_t(tile.rowEnd)};
+  const Range cols{int64_t(tile.colBegin), int64_t(tile.colEnd)};
+  const uint32_t a = t.inputSlots[0], b = t.inputSlots[1], c = t.outputSlot;
+  Scratch *tileScratch = &(*scratch)[worker];
+
+  switch (op.kind) {
+  case OpKind::Gmm: {
+    if (op.wgrad) {
+      Matrix cm{static_cast<char *>(data[rank][c]) +
+                    op.expertStride * tile.expert * dtypeSize(dtype(c)),
+                eltOf(dtype(c)), int64_t(t.ldc)};
+      gmmWgradTile(in(a), in(b), cm, segment, rows, cols, op.accumulate, tileScratch);
+      return Status::success();
+    }
+    const ConstMatrix bm{static_cast<const char *>(data[rank][b]) +
+                             op.expertStride * tile.expert * dtypeSize(dtype(b)),
+                         eltOf(dtype(b)), int64_t(t.ldb)};
+    if (op.transposeB)
+      gmmDgradTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch);
+    else
+      gmmForwardTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch);
+    return Status::success();
+  }
+  case OpKind::Swiglu:
+  case OpKind::SwigluGrad: {
+    const int64_t end = std::min(rows.end, segment.rows);
+    if (end <= rows.begin)
+      return Status::success();
+    const Range absolute{segBegin + rows.begin, segBegin + end};
+    const int64_t inter = layer->shape.inter;
+    if (op.kind == OpKind::Swiglu) {
+      swigluForward(in(a), out(c), inter, absolute, cols);
+    } else {
+      // Output columns [c0, c1) of dY [., 2I] map to gate/up pairs.
+      const int64_t width = int64_t(t.cols);
+      const Range pairs{cols.begin * inter / width, cols.end * inter / width};
+      swigluBackward(in(b), in(a), out(c), inter, absolute, pairs);
+    }
+    return Status::success();
+  }
+  default:
+    return Status::error(fmt::format("op kind {} has no CPU kernel", int(op.kind)));
+  }
+}
+
+} // namespace moec::cpu

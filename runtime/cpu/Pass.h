@@ -1,0 +1,136 @@
+//===- Pass.h - One pass of a layer binary on the CPU -----------*- C++ -*-===//
+//
+// The CPU backend's half of a pass (forward or backward), below the runtime
+// API (runtime/api), which checks bindings and routing and calls these in
+// order:
+//
+//   allocate      the workspace at the pass's first run: the slots peers put
+//                 into are windows of the fabric (collective), the rest plain
+//                 memory; reused after, never shrunk
+//   fillLayout    the routing layout tensors of the local ranks, from the
+//                 per-expert counts of every rank (exchanged by the API)
+//   gatherSendRows  each local rank's rows to send (x, or topk_weight * dy)
+//   runTasks      the executor runs the task program; runTile() maps each
+//                 tile to a kernel of this folder, and a put's rows go to
+//                 the peer through the fabric
+//   combine       reduce the returned rows into y (or dx), and dtopk_weights
+//
+// Every loop that reduces has a fixed order, so results do not depend on the
+// number of threads, nor on whether the ranks are threads or processes.
+//
+// No MLIR/LLVM dependency.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_CPU_PASS_H
+#define MOEC_RUNTIME_CPU_PASS_H
+
+#include "base/Status.h"
+#include "runtime/comm/Fabric.h"
+#include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Layout.h"
+#include "runtime/exec/Executor.h"
+#include "runtime/layer/Layer.h"
+
+#include <memory>
+#include <vector>
+
+namespace moec::cpu {
+
+/// A rank's routing, checked and laid out. For a rank another process runs,
+/// only tokens, topK, layout.counts and layout.offsets are known.
+struct RankRoute {
+  int64_t tokens = 0, topK = 0;
+  RoutingLayout layout;
+  std::vector<float> weights; ///< topk_weights [S, K], a copy (local ranks)
+};
+
+/// How a pass runs.
+struct PassOptions {
+  uint32_t workers = 1;       ///< worker threads
+  double timeoutSeconds = 60; ///< watchdog; <= 0 turns it off
+  bool trace = false;         ///< record every task run
+  bool opByOp = false;        ///< one op at a time, a barrier between ops
+  std::shared_ptr<comm::Fabric> fabric; ///< the EP group (required)
+};
+
+/// One pass of a layer binary for the ranks of this process.
+class Pass {
+public:
+  /// Creates the pass of `program` (whose roles are `plan`; both must outlive
+  /// the pass) with its executors. `scratch` holds one Scratch per worker and
+  /// is shared with the context's other pass (they never run at once).
+  /// Collective under a fabric of several processes (each executor's inbox).
+  static Status create(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                       const PassOptions &options, std::vector<Scratch> *scratch,
+                       std::unique_ptr<Pass> *out);
+  ~Pass();
+
+  const format::TaskProgram &tasks() const { return *program; }
+  const rt::LayerPlan &plan() const { return *layer; }
+
+  /// Allocates the workspace if this is the pass's first run. Collective.
+  Status allocate();
+  /// Bytes of workspace allocated.
+  size_t workspaceBytes() const { return ownedBytes; }
+
+  /// The memory of slot `slot` of local rank `rank` (null before allocate(),
+  /// or for a slot the caller binds).
+  void *slot(uint32_t rank, uint32_t slot) const { return data[rank][slot]; }
+  /// Points slot `slot` of local rank `rank` at the caller's memory.
+  void bindSlot(uint32_t rank, uint32_t slot, void *memory) { data[rank][slot] = memory; }
+
+  /// Fills the layout tensors of the local ranks from `routes` (all ranks).
+  void fillLayout(const std::vector<RankRoute> &routes);
+
+  /// Gathers each local rank's rows to send, in expert-major order, from
+  /// `source[rank]` ([S, H] activations): x, or with `weighted` dy times the
+  /// rank's top-k weights.
+  void gatherSendRows(const std::vector<RankRoute> &routes, const std::vector<const void *> &source,
+                      bool weighted);
+
+  /// Runs the task program on the local ranks.
+  Status runTasks();
+
+  /// Reduces each local rank's returned rows into `out[rank]` ([S, H]),
+  /// weighted by the top-k weights when `weighted` (forward: y; backward:
+  /// dx).
+  void combine(const std::vector<RankRoute> &routes, const std::vector<void *> &out,
+               bool weighted);
+
+  /// dtopk_weights[t, k] = <dy[t], Z row of (t, k)> for each local rank, with
+  /// Z the rows `forward` (the forward pass) returned.
+  void topkWeightGrad(const Pass &forward, const std::vector<RankRoute> &routes,
+                      const std::vector<const void *> &dy, const std::vector<float *> &out);
+
+  /// Wall time of the last runTasks(), in seconds.
+  double tasksSeconds() const { return taskTime; }
+
+  /// The executor of the last run (its trace), or null.
+  const exec::Executor *lastExecutor() const { return last; }
+
+private:
+  Pass() = default;
+  struct OpInfo;
+  Status runTile(uint32_t rank, uint32_t task, uint32_t worker);
+  Status runPut(const OpInfo &op, uint32_t rank, const format::TileCoord &tile, bool combine);
+
+  const format::TaskProgram *program = nullptr;
+  const rt::LayerPlan *layer = nullptr;
+  PassOptions options;
+  std::vector<Scratch> *scratch = nullptr;
+  std::vector<OpInfo> ops;
+  std::vector<std::vector<void *>> data; ///< [rank][slot]
+  std::vector<std::unique_ptr<uint8_t, void (*)(void *)>> owned;
+  std::vector<std::unique_ptr<comm::Window>> windows;
+  std::vector<const comm::Window *> windowOf; ///< per slot: its window, or null
+  size_t ownedBytes = 0;
+  bool allocated = false;
+  std::vector<std::unique_ptr<exec::Executor>> executors; ///< one, or one per op
+  const exec::Executor *last = nullptr;
+  double taskTime = 0;
+};
+
+} // namespace moec::cpu
+
+#endif // MOEC_RUNTIME_CPU_PASS_H

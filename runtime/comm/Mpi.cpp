@@ -75,6 +75,9 @@ struct EpochWindow {
     std::memset(base, 0, std::max<size_t>(bytes, 8));
     MOEC_MPI(MPI_Win_lock_all(MPI_MODE_NOCHECK, win), "MPI_Win_lock_all");
     MPI_Win_sync(win);
+    // No peer may write before every rank has zeroed its memory (MPI does
+    // not zero it, and a fast peer's first put would be wiped).
+    MOEC_MPI(MPI_Barrier(comm), "MPI_Barrier after MPI_Win_allocate");
     return Status::success();
   }
   void destroy() {

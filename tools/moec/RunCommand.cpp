@@ -25,7 +25,7 @@ using namespace moec::tooling;
 const CommandSpec kRunSpec = {
     "run",
     "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
-    "[--verify] [--fabric inproc|mpi] [--trace FILE] [--threads N] [--repeat N] [--hot-share F]",
+    "[--verify] [--fabric inproc|mpi] [--timeout SECONDS] [--trace FILE] [--threads N] [--repeat N] [--hot-share F]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
     "given, on the R ranks of its EP group with the CPU runtime: every rank's\n"
     "queues run on a pool of worker threads, events between tiles let the puts of\n"
@@ -66,6 +66,9 @@ const CommandSpec kRunSpec = {
     "                   same inputs and print each output's max absolute and\n"
     "                   relative error; exit 1 when one is above tolerance\n"
     "                   (1e-4 for f32, 5e-2 for bf16, relative to the output's scale)\n"
+    "  --timeout S      the watchdog: a pass (or, under MPI, a wait for another\n"
+    "                   rank) that makes no progress for S seconds stops with an\n"
+    "                   error naming what it waited for (default 60)\n"
     "  --trace FILE     write a Chrome/Perfetto trace of the forward pass to FILE\n"
     "                   (and of the backward pass to FILE with '.bwd' before its\n"
     "                   extension); under MPI each rank writes its own, with\n"
@@ -75,7 +78,7 @@ const CommandSpec kRunSpec = {
     "  --hot-share F    with --random: the share of tokens whose first expert is\n"
     "                   expert 0 (skewed routing); default 0\n",
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat",
-     "--hot-share", "--fabric"},
+     "--hot-share", "--fabric", "--timeout"},
     {"--verify"},
     1,
     2};
@@ -168,6 +171,13 @@ int runRun(int argc, char **argv, int first) {
   if (auto s = args.value("--random");
       s && !parseCount(*s, std::numeric_limits<uint64_t>::max() / 2, &seed))
     return usage("--random SEED must be a non-negative integer");
+  double timeout = 60;
+  if (auto t = args.value("--timeout")) {
+    char *end = nullptr;
+    timeout = std::strtod(t->c_str(), &end);
+    if (t->empty() || *end != '\0' || !(timeout > 0 && timeout < 1e6))
+      return usage("--timeout must be a positive number of seconds");
+  }
   double hotShare = 0;
   if (auto h = args.value("--hot-share")) {
     if (!args.value("--random"))
@@ -217,6 +227,7 @@ int runRun(int argc, char **argv, int first) {
   options.workers = uint32_t(threads);
   options.trace = args.value("--trace").has_value();
   options.fabric = fabric;
+  options.timeoutSeconds = timeout;
   std::unique_ptr<rt::Context> context;
   if (Status s = rt::Context::create(fwd, bwd, options, &context); !s)
     return fail(s);

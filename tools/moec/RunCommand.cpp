@@ -217,6 +217,11 @@ int runRun(int argc, char **argv, int first) {
       return fail(Status::error(args.positional[1] + ": is a forward binary, not a backward one"));
   }
   const rt::LayerShape &shape = fwd->shape();
+  if (fabric && ranks != shape.ranks)
+    return fail(Status::error(fmt::format(
+        "mpirun started {} processes, but {} was compiled for {} ranks (its config's ep); "
+        "one binary serves exactly its EP group: run it with mpirun -np {}",
+        ranks, args.positional[0], shape.ranks, shape.ranks)));
   if (ranks != shape.ranks)
     return fail(Status::error(fmt::format(
         "--ranks {}, but {} was compiled for {} ranks (its config's ep); one binary serves "

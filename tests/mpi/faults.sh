@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Faults under the MPI fabric: every one ends the whole job in bounded time
+# with a message that names the rank at fault, and no output is written.
+#   - a rank killed in the middle of a pass
+#   - a rank that never submits the pass the others run
+#   - a rank given a different binary, or a binary for another EP size
+#   - routing over capacity on one rank
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+passed=0
+failed=0
+ok() { echo "ok: $1"; passed=$((passed + 1)); }
+bad() { echo "FAILED: $1"; [ -f "${2:-}" ] && cat "$2"; failed=$((failed + 1)); }
+
+# expect NAME LOG PATTERN OUTDIR: the job failed (checked by the caller),
+# LOG has PATTERN, OUTDIR holds no output.
+expect() {
+  local name=$1 log=$2 pattern=$3 out=$4
+  if ! grep -qE "$pattern" "$log"; then bad "$name: no line matches '$pattern'" "$log"; return; fi
+  if ls "$out"/*.npy > /dev/null 2>&1; then bad "$name: outputs were written" "$log"; return; fi
+  ok "$name"
+}
+
+layer small 64 32 2 2 2 fp32
+layer other 96 32 2 2 2 fp32
+layer three 64 32 2 2 3 fp32
+layer big 512 512 4 2 2 fp32
+layer tight 64 32 2 2 2 fp32 ', "capacity_factor": 1'
+S=(--threads 1 --timeout 5)
+
+# A rank killed with SIGKILL while passes run: mpirun ends the job and names
+# it; nothing is written.
+out="$WORK/killed"
+start=$(date +%s)
+"${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" --random 1 \
+  --outputs "$out" --repeat 100000 "${S[@]}" > "$WORK/killed.log" 2>&1 &
+job=$!
+victim=""
+for _ in $(seq 1 100); do
+  sleep 0.2
+  for pid in $(pgrep -f "moec run $WORK/big/fwd.moebin" || true); do
+    if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
+      victim=$pid
+    fi
+  done
+  [ -n "$victim" ] && break
+done
+sleep 2 # well inside the passes (each takes milliseconds; 100000 of them)
+if [ -z "$victim" ]; then
+  bad "killed rank: rank 1 never started"
+  kill "$job" 2> /dev/null || true
+else
+  kill -9 "$victim" || true
+  if wait "$job"; then
+    bad "killed rank: mpirun exited 0" "$WORK/killed.log"
+  elif [ $(($(date +%s) - start)) -gt 60 ]; then
+    bad "killed rank: the job took more than 60 s to end" "$WORK/killed.log"
+  else
+    expect "killed rank" "$WORK/killed.log" "rank 1 .*(Killed|signal 9)" "$out"
+  fi
+fi
+
+# A rank that never submits the pass the others wait for: rank 1 runs the
+# layer twice, rank 0 once. Rank 1's watchdog names rank 0.
+out="$WORK/silent"
+if "${MPIRUN[@]}" -np 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" \
+    --random 1 --outputs "$out" --repeat 1 "${S[@]}" : \
+    -np 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" \
+    --random 1 --outputs "$out" --repeat 2 "${S[@]}" > "$WORK/silent.log" 2>&1; then
+  bad "silent rank: mpirun exited 0" "$WORK/silent.log"
+else
+  expect "silent rank" "$WORK/silent.log" "rank 1: rank 0 did not reach the exchange within 5 s" "$out"
+fi
+
+# A rank given another binary: refused when the context is created, naming
+# both ranks' binaries.
+out="$WORK/mismatch"
+if "${MPIRUN[@]}" -np 1 "$MOEC" run "$WORK/small/fwd.moebin" --random 1 --outputs "$out" \
+    "${S[@]}" : -np 1 "$MOEC" run "$WORK/other/fwd.moebin" --random 1 --outputs "$out" \
+    "${S[@]}" > "$WORK/mismatch.log" 2>&1; then
+  bad "different binary: mpirun exited 0" "$WORK/mismatch.log"
+else
+  expect "different binary" "$WORK/mismatch.log" \
+    "ranks 0 and 1 run different layers: rank 0 runs forward '.*small/fwd.moebin'.*H 64.*rank 1 runs forward '.*other/fwd.moebin'.*H 96" \
+    "$out"
+fi
+
+# A binary for 3 ranks under 2 processes.
+out="$WORK/ep"
+if "${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/three/fwd.moebin" --random 1 --outputs "$out" \
+    "${S[@]}" > "$WORK/ep.log" 2>&1; then
+  bad "EP size: mpirun exited 0" "$WORK/ep.log"
+else
+  expect "EP size" "$WORK/ep.log" \
+    "mpirun started 2 processes, but .*three/fwd.moebin was compiled for 3 ranks .*mpirun -np 3" "$out"
+fi
+
+# Routing over capacity caused by rank 1's routing only: every rank stops
+# with the same message before anything is written.
+in="$WORK/capacity-in"
+"$MOEC" run "$WORK/tight/fwd.moebin" "$WORK/tight/bwd.moebin" --ranks 2 --random 1 \
+  --outputs "$in" --threads 1 > /dev/null
+/usr/bin/python3 - "$in/topk_ids.npy" << 'PY'
+import sys
+import numpy as np
+ids = np.load(sys.argv[1])
+ids[1, :, 0] = 0  # every token of rank 1 picks expert 0 first
+ids[1, :, 1] = 1
+np.save(sys.argv[1], ids)
+PY
+out="$WORK/capacity"
+if "${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/tight/fwd.moebin" "$WORK/tight/bwd.moebin" \
+    --inputs "$in" --outputs "$out" "${S[@]}" > "$WORK/capacity.log" 2>&1; then
+  bad "over capacity: mpirun exited 0" "$WORK/capacity.log"
+else
+  expect "over capacity on one rank" "$WORK/capacity.log" \
+    "\[process of rank 0\] routing over capacity: the experts of rank 0 receive" "$out"
+fi
+
+# An expert id out of range in rank 1's routing only: rank 0 stops with
+# rank 1's message.
+/usr/bin/python3 - "$in/topk_ids.npy" << 'PY'
+import sys
+import numpy as np
+ids = np.load(sys.argv[1])
+ids[1, 5, 1] = 9
+np.save(sys.argv[1], ids)
+PY
+out="$WORK/bad-id"
+if "${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" \
+    --inputs "$in" --outputs "$out" "${S[@]}" > "$WORK/bad-id.log" 2>&1; then
+  bad "bad id: mpirun exited 0" "$WORK/bad-id.log"
+else
+  expect "bad id on one rank" "$WORK/bad-id.log" \
+    "\[process of rank 0\] rank 1: topk_ids\[5\]\[1\] = 9 is not an expert" "$out"
+fi
+
+echo
+echo "mpi faults: ${passed} passed, ${failed} failed"
+[ "$failed" -eq 0 ]

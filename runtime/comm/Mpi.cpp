@@ -171,7 +171,7 @@ public:
     if (rows == 0 || rowBytes == 0)
       return Status::success();
     MPI_Win win = static_cast<const MpiWindow &>(window).window.win;
-    if (peer == me) {
+    if (peer == me || localPuts) {
       char *dst = static_cast<char *>(window.local(me)) + offset;
       for (size_t i = 0; i < rows; ++i)
         std::memcpy(dst + i * dstStride, static_cast<const char *>(src) + i * srcStride, rowBytes);
@@ -335,6 +335,7 @@ public:
   }
 
   static constexpr uint32_t kAll = UINT32_MAX;
+  bool localPuts = false;
   MPI_Comm comm = MPI_COMM_NULL;
   uint32_t count = 1, me = 0;
   uint64_t sequence = 0;
@@ -382,7 +383,7 @@ int launcherRank() {
   return 0;
 }
 
-Status createMpiFabric(std::shared_ptr<Fabric> *out) {
+Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -402,6 +403,7 @@ Status createMpiFabric(std::shared_ptr<Fabric> *out) {
                          "moec's workers put and signal from several threads (initialize MPI "
                          "with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...))");
   auto fabric = std::make_shared<MpiFabric>();
+  fabric->localPuts = options.localPuts;
   if (Status s = fabric->init(); !s)
     return s;
   *out = std::move(fabric);

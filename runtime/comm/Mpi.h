@@ -36,10 +36,21 @@
 
 namespace moec::comm {
 
+/// Options of the MPI fabric.
+struct MpiOptions {
+  /// A measurement mode, not for real runs: every put copies its rows into
+  /// this process's own window (at the offset it would have in the peer's)
+  /// instead of the peer's, while signals still go to the peer. A pass then
+  /// keeps its schedule and its synchronization but moves no data between
+  /// processes, so its time against a normal pass is the communication that
+  /// the schedule leaves exposed. The outputs are wrong.
+  bool localPuts = false;
+};
+
 /// Initializes MPI (with MPI_THREAD_MULTIPLE) unless the program has, and
 /// creates the fabric of MPI_COMM_WORLD: its size is R, its rank the rank
 /// this process runs. Errors: MPI initialized at a lower thread level.
-Status createMpiFabric(std::shared_ptr<Fabric> *out);
+Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options = {});
 
 /// True when this process was started by an MPI launcher (mpirun sets
 /// OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK), so that a tool can choose

@@ -25,7 +25,7 @@ using namespace moec::tooling;
 const CommandSpec kRunSpec = {
     "run",
     "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
-    "[--verify] [--fabric inproc|mpi] [--timeout SECONDS] [--trace FILE] [--threads N] [--repeat N] [--hot-share F]",
+    "[--verify] [--fabric inproc|mpi] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--threads N] [--repeat N] [--hot-share F]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
     "given, on the R ranks of its EP group with the CPU runtime: every rank's\n"
     "queues run on a pool of worker threads, events between tiles let the puts of\n"
@@ -66,6 +66,14 @@ const CommandSpec kRunSpec = {
     "                   same inputs and print each output's max absolute and\n"
     "                   relative error; exit 1 when one is above tolerance\n"
     "                   (1e-4 for f32, 5e-2 for bf16, relative to the output's scale)\n"
+    "  --op-by-op       run the same tasks one op at a time, with a barrier over\n"
+    "                   all ranks between ops (the baseline fusion is measured\n"
+    "                   against)\n"
+    "  --local-puts     under MPI, a measurement mode: puts copy their rows into\n"
+    "                   the sender's own memory instead of the peer's (signals\n"
+    "                   still cross); the pass time against a normal run is the\n"
+    "                   exposed communication. The outputs are wrong, so no\n"
+    "                   --verify and no output files\n"
     "  --timeout S      the watchdog: a pass (or, under MPI, a wait for another\n"
     "                   rank) that makes no progress for S seconds stops with an\n"
     "                   error naming what it waited for (default 60)\n"
@@ -79,7 +87,7 @@ const CommandSpec kRunSpec = {
     "                   expert 0 (skewed routing); default 0\n",
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat",
      "--hot-share", "--fabric", "--timeout"},
-    {"--verify"},
+    {"--verify", "--op-by-op", "--local-puts"},
     1,
     2};
 
@@ -157,6 +165,11 @@ int runRun(int argc, char **argv, int first) {
   const bool mpi = fabricName == "mpi";
   if (!args.value("--ranks") && !mpi)
     return usage("missing --ranks R");
+  const bool localPuts = args.has("--local-puts");
+  if (localPuts && !mpi)
+    return usage("--local-puts needs the MPI fabric (run under mpirun)");
+  if (localPuts && args.has("--verify"))
+    return usage("--local-puts makes the outputs wrong; it cannot be verified");
   if (!args.value("--outputs"))
     return usage("missing --outputs DIR");
   if (args.value("--inputs").has_value() == args.value("--random").has_value())
@@ -190,7 +203,9 @@ int runRun(int argc, char **argv, int first) {
 
   std::shared_ptr<comm::Fabric> fabric;
   if (mpi) {
-    if (Status s = comm::createMpiFabric(&fabric); !s)
+    comm::MpiOptions mpiOptions;
+    mpiOptions.localPuts = localPuts;
+    if (Status s = comm::createMpiFabric(&fabric, mpiOptions); !s)
       return fail(s);
     underMpi = true;
     mpiRank = int(fabric->firstLocal());
@@ -233,6 +248,8 @@ int runRun(int argc, char **argv, int first) {
   options.trace = args.value("--trace").has_value();
   options.fabric = fabric;
   options.timeoutSeconds = timeout;
+  if (args.has("--op-by-op"))
+    options.schedule = rt::Schedule::OpByOp;
   std::unique_ptr<rt::Context> context;
   if (Status s = rt::Context::create(fwd, bwd, options, &context); !s)
     return fail(s);
@@ -266,7 +283,8 @@ int runRun(int argc, char **argv, int first) {
                 context->workers(),
                 fabric ? fmt::format(" per process, {} MPI processes", fabric->ranks()).c_str()
                        : " (in-process ranks)");
-    std::printf("schedule:\n");
+    std::printf("schedule: %s%s\n", args.has("--op-by-op") ? "op by op" : "fused",
+                localPuts ? ", puts into local memory (--local-puts)" : "");
     printSchedule("forward", fwd->tasks());
     if (backward)
       printSchedule("backward", bwd->tasks());
@@ -321,6 +339,10 @@ int runRun(int argc, char **argv, int first) {
       return kOk;
   }
 
+  if (localPuts) {
+    std::printf("outputs: none (--local-puts)\n");
+    return kOk;
+  }
   if (args.value("--random"))
     if (Status s = writeLayerInputs(outputs, data, backward); !s)
       return fail(s);

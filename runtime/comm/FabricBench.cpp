@@ -1,0 +1,98 @@
+//===- FabricBench.cpp - Put bandwidth of a fabric against memcpy -----------===//
+//
+//   mpirun -np 2 bazel-bin/runtime/comm/fabric_bench [MiB [repeats]]
+//
+// Rank 0 puts blocks of 64 KiB .. MiB into rank 1's window (each put made
+// visible with a signal, as a pass does), and the same bytes are copied with
+// memcpy in the same process, in the same run, so the fabric's cost is a
+// ratio. Without mpirun it measures the in-process fabric of 2 ranks.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/comm/Mpi.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+using namespace moec;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+int fail(const Status &status) {
+  std::fprintf(stderr, "error: %s\n", status.message().c_str());
+  if (comm::launchedByMpi())
+    comm::abortMpi(1);
+  return 1;
+}
+
+} // namespace
+
+int main(int argc, char **argv) {
+  const size_t maxMiB = argc > 1 ? size_t(std::atol(argv[1])) : 64;
+  const int repeats = argc > 2 ? std::atoi(argv[2]) : 20;
+  if (maxMiB == 0 || repeats <= 0) {
+    std::fprintf(stderr, "usage: fabric_bench [MiB [repeats]]\n");
+    return 2;
+  }
+  std::shared_ptr<comm::Fabric> fabric;
+  if (comm::launchedByMpi()) {
+    if (Status s = comm::createMpiFabric(&fabric); !s)
+      return fail(s);
+  } else {
+    fabric = comm::inProcessFabric(2);
+  }
+  if (fabric->ranks() < 2)
+    return fail(Status::error("needs 2 ranks (mpirun -np 2)"));
+  const size_t maxBytes = maxMiB << 20;
+  std::unique_ptr<comm::Window> window;
+  std::unique_ptr<comm::Inbox> inbox;
+  if (Status s = fabric->createWindow(maxBytes, &window); !s)
+    return fail(s);
+  if (Status s = fabric->createInbox(1, &inbox); !s)
+    return fail(s);
+  const bool sender = fabric->isLocal(0);
+  std::vector<char> src(maxBytes, 1), dst(maxBytes, 0);
+  if (sender)
+    std::printf("fabric: %s, rank 0 -> rank 1, best of %d\n%10s %12s %12s %9s\n", fabric->name(),
+                repeats, "bytes", "put GB/s", "memcpy GB/s", "put/copy");
+  for (size_t bytes = 64 << 10; bytes <= maxBytes; bytes *= 4) {
+    if (Status s = fabric->barrier(60); !s)
+      return fail(s);
+    double best = 1e30, bestCopy = 1e30;
+    if (sender) {
+      for (int i = 0; i < repeats; ++i) {
+        const Clock::time_point t0 = Clock::now();
+        if (Status s = fabric->put(*window, 1, 0, bytes, src.data(), bytes, 1, bytes); !s)
+          return fail(s);
+        if (!fabric->allLocal())
+          if (Status s = inbox->signal(1, 0, 1); !s)
+            return fail(s);
+        best = std::min(best, seconds(t0));
+        const Clock::time_point t1 = Clock::now();
+        std::memcpy(dst.data(), src.data(), bytes);
+        bestCopy = std::min(bestCopy, seconds(t1));
+      }
+      std::printf("%10zu %12.2f %12.2f %9.2f\n", bytes, double(bytes) / best * 1e-9,
+                  double(bytes) / bestCopy * 1e-9, bestCopy / best);
+    }
+  }
+  if (Status s = fabric->barrier(60); !s)
+    return fail(s);
+  inbox.reset();
+  window.reset();
+  fabric.reset();
+  comm::finalizeMpi();
+  return 0;
+}

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The layer with ranks as MPI processes on this machine: fused against op by
+# op, and the exposed communication (the pass time minus the same pass with
+# puts into local memory, as a share of the pass), for 2 and 4 ranks; then
+# the put bandwidth between two processes against memcpy.
+#
+#   bash examples/mpi/bench.sh [REPEAT]
+#
+# Layer: H 1024, I 512, 4 local experts per rank, top-2, S 512 tokens per
+# rank, fp32 (moec bench's default layer). One worker thread per process;
+# each number is the best of REPEAT passes (default 5) in each of 3 rounds.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+repeat=${1:-5}
+bazel build //tools:moec //runtime/comm:fabric_bench 2> /dev/null
+moec=bazel-bin/tools/moec
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+grep -m1 "model name" /proc/cpuinfo
+echo "cores: $(nproc); layer H 1024, I 512, L 4, top-2, S 512, fp32; best of $repeat passes"
+printf "%5s %-22s %12s %12s %12s\n" ranks run "forward ms" "backward ms" "total ms"
+for ep in 2 4; do
+  cfg="$work/cfg$ep.json"
+  echo "{\"name\": \"bench\", \"hidden_size\": 1024, \"intermediate_size\": 512, \"num_experts\": $((4 * ep)), \"top_k\": 2, \"ep\": $ep, \"tp\": 1, \"seq_size\": 512, \"dtype\": \"fp32\"}" > "$cfg"
+  $moec compile graphs/moe_ffn_fwd.json --config "$cfg" -o "$work/f$ep.moebin" > /dev/null 2>&1
+  $moec compile graphs/moe_ffn_bwd.json --config "$cfg" -o "$work/b$ep.moebin" > /dev/null 2>&1
+  $moec run "$work/f$ep.moebin" "$work/b$ep.moebin" --ranks "$ep" --random 1 \
+    --outputs "$work/in$ep" --threads 1 > /dev/null
+  # Three rounds, the runs alternating within each, the best of each run
+  # kept: the machine is shared, and alternating spreads its noise evenly.
+  declare -A total=() fwd=() bwd=()
+  for round in 1 2 3; do
+    for run in fused local-puts op-by-op; do
+      case $run in
+        fused) flags=() ;;
+        local-puts) flags=(--local-puts) ;;
+        op-by-op) flags=(--op-by-op) ;;
+      esac
+      log=$(mpirun --bind-to none -np "$ep" $moec run "$work/f$ep.moebin" "$work/b$ep.moebin" \
+        --inputs "$work/in$ep" --outputs "$work/out" --threads 1 --repeat "$repeat" \
+        "${flags[@]}")
+      f=$(echo "$log" | awk '/^  forward .* ms /{print $2}')
+      b=$(echo "$log" | awk '/^  backward .* ms /{print $2}')
+      t=$(awk -v f="$f" -v b="$b" 'BEGIN{print f + b}')
+      if [ -z "${total[$run]:-}" ] || awk -v t="$t" -v m="${total[$run]}" 'BEGIN{exit !(t < m)}'; then
+        total[$run]=$t fwd[$run]=$f bwd[$run]=$b
+      fi
+    done
+  done
+  for run in fused local-puts op-by-op; do
+    printf "%5s %-22s %12.2f %12.2f %12.2f\n" "$ep" "$run" "${fwd[$run]}" "${bwd[$run]}" \
+      "${total[$run]}"
+  done
+  exposed=$(awk -v a="${total[fused]}" -v l="${total[local-puts]}" 'BEGIN{print (a - l) / a * 100}')
+  speedup=$(awk -v a="${total[fused]}" -v o="${total[op-by-op]}" 'BEGIN{print o / a}')
+  printf "      exposed communication %.1f%% of the fused pass; fused %.2fx faster than op by op\n" \
+    "$exposed" "$speedup"
+done
+echo
+mpirun --bind-to none -np 2 bazel-bin/runtime/comm/fabric_bench 64 20

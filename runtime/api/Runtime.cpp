@@ -154,9 +154,7 @@ static_assert(sizeof(RankReport) == 512, "RankReport layout");
 /// runs.
 struct RankFingerprint {
   uint32_t forwardChecksum = 0, backwardChecksum = 0;
-  uint32_t ranks = 0, localExperts = 0;
-  int64_t hidden = 0, inter = 0, tokens = 0, topK = 0;
-  uint32_t activations = 0, weightGrads = 0;
+  LayerShape shape; ///< the forward program's
   char forwardSource[200] = {};
   char backwardSource[200] = {};
 };
@@ -173,9 +171,9 @@ std::string describe(const RankFingerprint &f) {
     text += fmt::format(", backward '{}' (crc32 {:08x})", f.backwardSource, f.backwardChecksum);
   else
     text += ", no backward";
-  return text + fmt::format(" for R {}, L {}, H {}, I {}, S {}, K {}, {}", f.ranks, f.localExperts,
-                            f.hidden, f.inter, f.tokens, f.topK,
-                            dtypeName(DType(f.activations)));
+  const LayerShape &s = f.shape;
+  return text + fmt::format(" for R {}, L {}, H {}, I {}, S {}, K {}, {}", s.ranks, s.localExperts,
+                            s.hidden, s.inter, s.tokens, s.topK, dtypeName(s.activations));
 }
 
 } // namespace
@@ -492,15 +490,7 @@ Status Context::Impl::fingerprint() const {
     mine.backwardChecksum = bwdProgram->checksum();
     copyText(mine.backwardSource, sizeof mine.backwardSource, bwdProgram->source());
   }
-  const LayerShape &s = fwdProgram->shape();
-  mine.ranks = s.ranks;
-  mine.localExperts = s.localExperts;
-  mine.hidden = s.hidden;
-  mine.inter = s.inter;
-  mine.tokens = s.tokens;
-  mine.topK = s.topK;
-  mine.activations = uint32_t(s.activations);
-  mine.weightGrads = uint32_t(s.weightGrads);
+  mine.shape = fwdProgram->shape();
   std::vector<RankFingerprint> all(fabric->ranks());
   if (Status st = fabric->exchange(&mine, sizeof mine, all.data(), options.timeoutSeconds); !st)
     return st.withPrefix("creating the context: ");

@@ -5,19 +5,34 @@ the loss as it falls.
 The task: inputs come from C clusters; each cluster has its own random
 two-layer map to the target. The model is an input projection, a learned
 top-k router (softmax over experts, top-k weights renormalised), the moec
-MoeFFN layer on an EP group of R ranks in this process, and an output
-projection. The router learns through the top-k weights' gradient, the
-experts through dw1 and dw2, both from moec's backward pass.
+MoeFFN layer on an EP group of R ranks, and an output projection. The router
+learns through the top-k weights' gradient, the experts through dw1 and dw2,
+both from moec's backward pass.
+
+Each rank's tokens go through the dense layers on their own, as they would
+in a process of their own, and the dense layers' gradients are the sum of
+the ranks' gradients. So the same script runs:
+
+  - in one process: the R ranks are threads of the moec runtime;
+  - under mpirun -np R: each process is one rank (moec's MPI fabric), holds
+    its L experts and its share of every batch, and the dense gradients are
+    summed over the processes (torch.distributed, gloo, over loopback: the
+    launcher sets MASTER_ADDR and MASTER_PORT). With R = 2 and one torch
+    thread (--torch-threads 1) its parameters are bitwise those of the
+    one-process run with the same seed (--save writes them to compare).
 
     examples/torch/train_toy.py [--steps N] [--ranks R] [--dtype fp32|bf16]
-                                [--threads N] [--seed S]
+                                [--threads N] [--torch-threads N] [--seed S]
+                                [--save FILE]
 
 Run from a checkout after `bazel build //tools:moec //ops/torch:moec_torch.so`
-(examples/torch/train_toy.sh does both). Exits 1 if the loss did not fall to
-under half its first value.
+(examples/torch/train_toy.sh does both; examples/torch/train_toy_mpi.sh runs
+it under mpirun). Exits 1 if the loss did not fall to under half its first
+value.
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,9 +54,10 @@ def toy_config(ranks, dtype):
 
 
 class ToyModel(torch.nn.Module):
-    def __init__(self, ranks, dtype, features, threads):
+    def __init__(self, ranks, dtype, features, threads, fabric=None):
         super().__init__()
-        self.moe = moec_torch.MoeFFN(toy_config(ranks, dtype), ranks, threads=threads)
+        self.moe = moec_torch.MoeFFN(toy_config(ranks, dtype), ranks, threads=threads,
+                                     fabric=fabric)
         hidden, experts = self.moe.hidden, self.moe.experts
         self.dtype = self.moe.w1.dtype
         self.inp = torch.nn.Linear(features, hidden)
@@ -49,13 +65,19 @@ class ToyModel(torch.nn.Module):
         self.out = torch.nn.Linear(hidden, features)
 
     def forward(self, x):
-        """x [R, S, F] -> [R, S, F]."""
-        h = self.inp(x)
-        probs = torch.softmax(self.router(h), dim=-1)
-        weights, ids = probs.topk(self.moe.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        y = self.moe(h.to(self.dtype), ids, weights).float()
-        return self.out(h + y)
+        """x [P, S, F] -> [P, S, F], for the P ranks of this process; each
+        rank's tokens pass the dense layers on their own."""
+        hs, ids, weights = [], [], []
+        for xr in x.unbind(0):
+            h = self.inp(xr)
+            probs = torch.softmax(self.router(h), dim=-1)
+            w, i = probs.topk(self.moe.top_k, dim=-1)
+            hs.append(h)
+            ids.append(i)
+            weights.append(w / w.sum(dim=-1, keepdim=True))
+        h = torch.stack(hs)
+        y = self.moe(h.to(self.dtype), torch.stack(ids), torch.stack(weights)).float()
+        return torch.stack([self.out(hr + yr) for hr, yr in zip(hs, y.unbind(0))])
 
 
 def make_task(features, clusters, seed):
@@ -72,27 +94,51 @@ def make_task(features, clusters, seed):
     return batch
 
 
-def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out=print):
-    """Trains and returns the losses, one per step."""
+def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out=print,
+          fabric=None, save=None):
+    """Trains and returns the losses, one per step (under MPI, of all ranks).
+    With `save`, writes the parameters (this process's) to that file."""
     torch.manual_seed(seed)
     features = 16
-    model = ToyModel(ranks, dtype, features, threads)
+    model = ToyModel(ranks, dtype, features, threads, fabric)
+    moe = model.moe
+    mpi = moe.fabric == "mpi"
+    if mpi:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", rank=moe.first_rank, world_size=moe.ranks)
+    mine = slice(moe.first_rank, moe.first_rank + moe.local_ranks)
+    dense = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
     batch = make_task(features, clusters=8, seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
     start = time.perf_counter()
     for step in range(steps):
-        x, target = batch((ranks, model.moe.tokens))
-        loss = torch.nn.functional.mse_loss(model(x), target)
+        # Every process draws the whole batch and keeps its ranks' share.
+        x, target = batch((ranks, moe.tokens))
+        x, target = x[mine], target[mine]
+        # The mean over all ranks' elements, as a sum of per-rank sums.
+        scale = 1.0 / (ranks * target[0].numel())
+        pred = model(x)
+        loss = sum(torch.nn.functional.mse_loss(pr, tr, reduction="sum") * scale
+                   for pr, tr in zip(pred.unbind(0), target.unbind(0)))
         opt.zero_grad()
         loss.backward()
+        total = loss.detach().clone()
+        if mpi:
+            for p in dense:
+                dist.all_reduce(p.grad)
+            dist.all_reduce(total)
         opt.step()
-        losses.append(loss.item())
+        losses.append(total.item())
         if step % log_every == 0 or step == steps - 1:
             out(f"step {step:4d}  loss {losses[-1]:.4f}")
     out(f"{steps} steps in {time.perf_counter() - start:.2f} s "
-        f"({model.moe.ranks} ranks, {model.moe.experts} experts, top-{model.moe.top_k}, "
-        f"{model.moe.w1.dtype})")
+        f"({moe.ranks} ranks{', one per process' if mpi else ''}, {moe.experts} experts, "
+        f"top-{moe.top_k}, {moe.w1.dtype})")
+    if save:
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, save)
+    if mpi:
+        dist.destroy_process_group()
     return losses
 
 
@@ -103,11 +149,25 @@ def main():
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--threads", type=int, default=0, help="runtime workers (0: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch's intra-op threads (0: torch's default)")
+    p.add_argument("--fabric", choices=["inproc", "mpi"], default=None,
+                   help="default: mpi under mpirun, else inproc")
+    p.add_argument("--save", help="write the parameters after training to this file "
+                                  "(under MPI: FILE.rankN)")
     args = p.parse_args()
-    losses = train(args.steps, args.ranks, args.dtype, args.threads, args.seed)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    mpi = (args.fabric or ("mpi" if moec_torch.launched_by_mpi() else "inproc")) == "mpi"
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) if mpi else 0
+    save = f"{args.save}.rank{rank}" if args.save and mpi else args.save
+    # Under MPI every process trains; only rank 0 prints.
+    out = print if rank == 0 else (lambda line: None)
+    losses = train(args.steps, args.ranks, args.dtype, args.threads, args.seed, out=out,
+                   fabric=args.fabric, save=save)
     first, last = losses[0], sum(losses[-5:]) / len(losses[-5:])
-    print(f"loss {first:.4f} -> {last:.4f} (mean of the last 5 steps)")
-    if not last < 0.5 * first:
+    out(f"loss {first:.4f} -> {last:.4f} (mean of the last 5 steps)")
+    if args.steps >= 50 and not last < 0.5 * first:
         print("train_toy: the loss did not fall to under half its first value", file=sys.stderr)
         return 1
     return 0

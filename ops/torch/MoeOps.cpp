@@ -2,8 +2,10 @@
 //
 // Registers, with TORCH_LIBRARY, a custom class torch.classes.moec.Layer that
 // owns a runtime context (moec::rt) for a forward and a backward task binary
-// of one MoE-FFN layer on an EP group of R ranks in this process, and two
-// ops over it:
+// of one MoE-FFN layer on an EP group of R ranks, and two ops over it. The
+// ranks are threads of this process (fabric "inproc"), or one rank per
+// process under mpirun (fabric "mpi"); the ops take the tensors of the ranks
+// this process runs, P of them (R in process, 1 under MPI):
 //
 //   moec::forward(Layer layer, Tensor x, Tensor topk_ids, Tensor topk_weights,
 //                 Tensor w1, Tensor w2) -> (Tensor y, int step)
@@ -11,10 +13,11 @@
 //                  Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy)
 //       -> (Tensor dx, Tensor dtopk_weights, Tensor dw1, Tensor dw2)
 //
-// Shapes are global, as in `moec run`: x, y, dy, dx [R, S, H]; topk_ids and
-// topk_weights [R, S, K]; w1 [E, H, 2I]; w2 [E, I, H]. Rank r's slices are
-// views into them (rank r owns experts r*L .. r*L+L-1), so nothing is copied
-// on the way in. The runtime keeps what backward needs from the last forward
+// Shapes carry this process's ranks first: x, y, dy, dx [P, S, H]; topk_ids
+// and topk_weights [P, S, K]; w1 [P*L, H, 2I]; w2 [P*L, I, H] (in process,
+// P*L = E, the global tensors of `moec run`). Rank r's slices are views into
+// them (rank r owns experts r*L .. r*L+L-1), so nothing is copied on the way
+// in. The runtime keeps what backward needs from the last forward
 // pass; `step` names that pass, and a backward whose step is no longer the
 // last one reruns forward on its saved inputs first (e.g. two forward calls
 // of one module before one backward).
@@ -25,19 +28,22 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/api/Runtime.h"
+#include "runtime/comm/Mpi.h"
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace {
 
-using moec::format::DType;
+using moec::DType;
 
 /// Throws a c10::Error carrying a failed status's message.
 void check(const moec::Status &status, const char *what) {
@@ -112,10 +118,18 @@ void expectInput(const at::Tensor &t, const char *name, int64_t dims, int64_t le
               "; expected dim 0 to be ", leadingName, " = ", leading);
 }
 
+class Layer;
+
+/// The layers of this process that run under MPI, so that finalize_mpi can
+/// free their windows (collectively, in creation order on every rank) before
+/// MPI ends.
+std::mutex mpiLayersMutex;
+std::vector<Layer *> mpiLayers;
+
 class Layer : public torch::CustomClassHolder {
 public:
   Layer(std::string forwardPath, std::string backwardPath, int64_t workers,
-        double timeoutSeconds) {
+        double timeoutSeconds, std::string fabric) {
     std::shared_ptr<const moec::rt::Program> fwd, bwd;
     check(moec::rt::Program::load(forwardPath, &fwd), "forward binary");
     if (!backwardPath.empty())
@@ -125,14 +139,36 @@ public:
     moec::rt::ContextOptions options;
     options.workers = uint32_t(workers);
     options.timeoutSeconds = timeoutSeconds;
+    TORCH_CHECK(fabric == "inproc" || fabric == "mpi", "moec: fabric must be 'inproc' or 'mpi', got '",
+                fabric, "'");
+    if (fabric == "mpi")
+      check(moec::comm::createMpiFabric(&options.fabric), "MPI fabric");
     check(moec::rt::Context::create(fwd, bwd, options, &context), "context");
+    if (fabric == "mpi") {
+      std::lock_guard<std::mutex> lock(mpiLayersMutex);
+      mpiLayers.push_back(this);
+    }
+  }
+
+  ~Layer() override {
+    std::lock_guard<std::mutex> lock(mpiLayersMutex);
+    mpiLayers.erase(std::remove(mpiLayers.begin(), mpiLayers.end(), this), mpiLayers.end());
+  }
+
+  /// Frees the context (and its MPI windows); the layer refuses passes after.
+  void release() {
+    std::lock_guard<std::mutex> lock(mutex);
+    context.reset();
   }
 
   /// The layer's sizes, for the Python side.
   c10::Dict<std::string, int64_t> info() const {
+    live();
     const moec::rt::LayerShape &s = context->shape();
     c10::Dict<std::string, int64_t> d;
     d.insert("ranks", s.ranks);
+    d.insert("first_rank", context->firstLocalRank());
+    d.insert("local_ranks", context->localRanks());
     d.insert("local_experts", s.localExperts);
     d.insert("experts", s.experts());
     d.insert("hidden", s.hidden);
@@ -150,6 +186,7 @@ public:
                                           const at::Tensor &weights, const at::Tensor &w1,
                                           const at::Tensor &w2) {
     std::lock_guard<std::mutex> lock(mutex);
+    live();
     const Inputs in = inputs(x, ids, weights, w1, w2);
     at::Tensor y = at::empty_like(in.x);
     runForward(in, y);
@@ -161,6 +198,7 @@ public:
            const at::Tensor &weights, const at::Tensor &w1, const at::Tensor &w2,
            const at::Tensor &dyIn) {
     std::lock_guard<std::mutex> lock(mutex);
+    live();
     const moec::rt::LayerShape *bs = context->backwardShape();
     TORCH_CHECK(bs, "moec: this layer was built without a backward binary");
     const Inputs in = inputs(x, ids, weights, w1, w2);
@@ -170,8 +208,8 @@ public:
       at::Tensor y = at::empty_like(in.x);
       runForward(in, y);
     }
-    const int64_t R = context->ranks();
-    expectInput(dyIn, "dy", 3, R, "ranks");
+    const int64_t P = context->localRanks(), first = context->firstLocalRank();
+    expectInput(dyIn, "dy", 3, P, "this process's ranks");
     TORCH_CHECK(dyIn.sizes() == in.x.sizes(), "moec: 'dy' has shape ", dyIn.sizes(),
                 "; expected ", in.x.sizes(), " like x");
     TORCH_CHECK(dyIn.scalar_type() == in.x.scalar_type(), "moec: 'dy' is ", dyIn.scalar_type(),
@@ -187,13 +225,14 @@ public:
     at::Tensor dw2 = bs->accumulateWeightGrads ? at::zeros(in.w2.sizes(), gradOptions)
                                                : at::empty(in.w2.sizes(), gradOptions);
     bindInputs(in);
-    for (int64_t r = 0; r < R; ++r) {
-      check(context->bind(r, "dy", slice(dy, "dy", R, r, false)), "bind dy");
-      check(context->bind(r, "dx", slice(dx, "dx", R, r, false)), "bind dx");
-      check(context->bind(r, "dtopk_weights", slice(dtopk, "dtopk_weights", R, r, false)),
+    for (int64_t p = 0; p < P; ++p) {
+      const uint32_t r = uint32_t(first + p);
+      check(context->bind(r, "dy", slice(dy, "dy", P, p, false)), "bind dy");
+      check(context->bind(r, "dx", slice(dx, "dx", P, p, false)), "bind dx");
+      check(context->bind(r, "dtopk_weights", slice(dtopk, "dtopk_weights", P, p, false)),
             "bind dtopk_weights");
-      check(context->bind(r, "dw1", slice(dw1, "dw1", R, r, true)), "bind dw1");
-      check(context->bind(r, "dw2", slice(dw2, "dw2", R, r, true)), "bind dw2");
+      check(context->bind(r, "dw1", slice(dw1, "dw1", P, p, true)), "bind dw1");
+      check(context->bind(r, "dw2", slice(dw2, "dw2", P, p, true)), "bind dw2");
     }
     check(context->backward(), "backward");
     // Gradients take their parameter's dtype (fp32 weight gradients of a
@@ -207,11 +246,16 @@ public:
 
   /// Seconds of the last forward and backward pass: prepare, tasks, finish.
   std::vector<double> times() const {
+    live();
     const moec::rt::PassTimes &f = context->forwardTimes(), &b = context->backwardTimes();
     return {f.prepare, f.tasks, f.finish, b.prepare, b.tasks, b.finish};
   }
 
 private:
+  void live() const {
+    TORCH_CHECK(context, "moec: this layer was released (moec_torch.finalize_mpi)");
+  }
+
   struct Inputs {
     at::Tensor x, ids, weights, w1, w2;
   };
@@ -220,33 +264,36 @@ private:
   Inputs inputs(const at::Tensor &x, const at::Tensor &ids, const at::Tensor &weights,
                 const at::Tensor &w1, const at::Tensor &w2) const {
     const moec::rt::LayerShape &s = context->shape();
-    const int64_t R = s.ranks, E = s.experts();
-    expectInput(x, "x", 3, R, "ranks");
-    expectInput(ids, "topk_ids", 3, R, "ranks");
-    expectInput(weights, "topk_weights", 3, R, "ranks");
-    expectInput(w1, "w1", 3, E, "experts");
-    expectInput(w2, "w2", 3, E, "experts");
+    const int64_t P = context->localRanks(), E = P * s.localExperts;
+    const char *ranks = P == s.ranks ? "ranks" : "this process's ranks";
+    const char *experts = P == s.ranks ? "experts" : "this process's experts";
+    expectInput(x, "x", 3, P, ranks);
+    expectInput(ids, "topk_ids", 3, P, ranks);
+    expectInput(weights, "topk_weights", 3, P, ranks);
+    expectInput(w1, "w1", 3, E, experts);
+    expectInput(w2, "w2", 3, E, experts);
     return {x.contiguous(), ids.contiguous(), weights.contiguous(), w1.contiguous(),
             w2.contiguous()};
   }
 
   void bindInputs(const Inputs &in) {
-    const int64_t R = context->ranks();
-    for (int64_t r = 0; r < R; ++r) {
-      check(context->setRouting(r, slice(in.ids, "topk_ids", R, r, false),
-                                slice(in.weights, "topk_weights", R, r, false)),
+    const int64_t P = context->localRanks(), first = context->firstLocalRank();
+    for (int64_t p = 0; p < P; ++p) {
+      const uint32_t r = uint32_t(first + p);
+      check(context->setRouting(r, slice(in.ids, "topk_ids", P, p, false),
+                                slice(in.weights, "topk_weights", P, p, false)),
             "routing");
-      check(context->bind(r, "x", slice(in.x, "x", R, r, false)), "bind x");
-      check(context->bind(r, "w1", slice(in.w1, "w1", R, r, true)), "bind w1");
-      check(context->bind(r, "w2", slice(in.w2, "w2", R, r, true)), "bind w2");
+      check(context->bind(r, "x", slice(in.x, "x", P, p, false)), "bind x");
+      check(context->bind(r, "w1", slice(in.w1, "w1", P, p, true)), "bind w1");
+      check(context->bind(r, "w2", slice(in.w2, "w2", P, p, true)), "bind w2");
     }
   }
 
   void runForward(const Inputs &in, at::Tensor &y) {
-    const int64_t R = context->ranks();
+    const int64_t P = context->localRanks(), first = context->firstLocalRank();
     bindInputs(in);
-    for (int64_t r = 0; r < R; ++r)
-      check(context->bind(r, "y", slice(y, "y", R, r, false)), "bind y");
+    for (int64_t p = 0; p < P; ++p)
+      check(context->bind(uint32_t(first + p), "y", slice(y, "y", P, p, false)), "bind y");
     // A failed pass leaves no valid saved state.
     step = -1;
     check(context->forward(), "forward");
@@ -273,11 +320,25 @@ backwardOp(const c10::intrusive_ptr<Layer> &layer, int64_t step, const at::Tenso
   return layer->backward(step, x, ids, weights, w1, w2, dy);
 }
 
+/// Frees every MPI layer's context in creation order, then finalizes MPI if
+/// moec initialized it. Collective under MPI: every rank calls it once, at
+/// the end.
+void finalizeMpiOp() {
+  std::vector<Layer *> layers;
+  {
+    std::lock_guard<std::mutex> lock(mpiLayersMutex);
+    layers = mpiLayers;
+  }
+  for (Layer *layer : layers)
+    layer->release();
+  moec::comm::finalizeMpi();
+}
+
 } // namespace
 
 TORCH_LIBRARY(moec, m) {
   m.class_<Layer>("Layer")
-      .def(torch::init<std::string, std::string, int64_t, double>())
+      .def(torch::init<std::string, std::string, int64_t, double, std::string>())
       .def("info", &Layer::info)
       .def("times", &Layer::times);
   m.def("forward(__torch__.torch.classes.moec.Layer layer, Tensor x, Tensor topk_ids, "
@@ -287,4 +348,5 @@ TORCH_LIBRARY(moec, m) {
         "Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy) -> "
         "(Tensor, Tensor, Tensor, Tensor)",
         backwardOp);
+  m.def("finalize_mpi() -> ()", finalizeMpiOp);
 }

@@ -6,9 +6,17 @@
     y.square().sum().backward()               # x.grad, topk_weights.grad,
                                               # layer.w1.grad, layer.w2.grad
 
-The layer runs an EP group of R ranks inside this process on the moec CPU
-runtime: rank r holds experts r*L .. r*L+L-1 of E, and tensors carry the rank
-as their first dim, as in ``moec run``. Forward and backward run the task
+The layer runs an EP group of R ranks on the moec CPU runtime: rank r holds
+experts r*L .. r*L+L-1 of E. The ranks are threads of this process (the
+default), and tensors then carry the rank as their first dim, as in
+``moec run``; or, started by mpirun, each process runs one rank (the MPI
+fabric), holds only its L experts, and passes its own tokens:
+
+    # mpirun -np 2 python3 train.py
+    layer = moec_torch.MoeFFN("examples/configs/tiny.json")   # R = the processes
+    y = layer(x, topk_ids, topk_weights)      # x [S, H] -> y [S, H]; w1 [L, H, 2I]
+    ...
+    moec_torch.finalize_mpi()                 # at the end (also run at exit) Forward and backward run the task
 binaries that ``moec compile`` makes of graphs/moe_ffn_{fwd,bwd}.json for the
 config; they are compiled once per config and cached on disk.
 
@@ -20,6 +28,7 @@ Where things are found (the defaults suit a checkout built with Bazel):
     MOEC_CACHE_DIR   compiled binaries     ~/.cache/moec
 """
 
+import atexit
 import hashlib
 import json
 import math
@@ -32,7 +41,8 @@ import torch
 
 from . import reference
 
-__all__ = ["MoeFFN", "MoeFFNFunction", "compile_layer", "load_library", "reference"]
+__all__ = ["MoeFFN", "MoeFFNFunction", "compile_layer", "finalize_mpi", "launched_by_mpi",
+           "load_library", "reference"]
 
 _REPO = Path(__file__).resolve().parents[3]
 
@@ -71,6 +81,29 @@ def _read_config(config):
 
 
 _compiled = {}
+
+
+def launched_by_mpi():
+    """True when this process was started by mpirun (or another PMI launcher)."""
+    return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+def _world_size():
+    for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if v in os.environ:
+            return int(os.environ[v])
+    raise ValueError("moec: cannot tell the number of MPI processes; pass ranks=")
+
+
+_finalize_registered = False
+
+
+def finalize_mpi():
+    """Frees every MPI layer's runtime (collectively: every rank calls this
+    once, at the end) and finalizes MPI if moec started it. The layers refuse
+    passes after. Registered to run at exit once an MPI layer exists."""
+    if _loaded:
+        torch.ops.moec.finalize_mpi()
 
 
 def compile_layer(config, ranks, target="cpu", granularity="per-tile-range"):
@@ -148,48 +181,82 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class MoeFFN(torch.nn.Module):
     """The MoE-FFN layer of `config` (a dict or a JSON path, see
-    docs/graph-format.md) on an EP group of `ranks` ranks in this process.
+    docs/graph-format.md) on an EP group of `ranks` ranks.
 
-    Parameters: w1 [E, H, 2I] (gate columns first, then up) and w2 [E, I, H],
-    in the config's dtype. forward(x, topk_ids, topk_weights) takes
-    x [R, S, H] (S up to the config's seq_size), topk_ids [R, S, K] (int32 or
-    int64, distinct experts per token) and topk_weights [R, S, K] (float32),
-    and returns y [R, S, H].
+    fabric: "inproc" (all ranks in this process) or "mpi" (one rank per
+    process, under mpirun); default "mpi" when started by mpirun, else
+    "inproc". Under MPI, `ranks` defaults to the number of processes.
+
+    Parameters: w1 [P*L, H, 2I] (gate columns first, then up) and
+    w2 [P*L, I, H], in the config's dtype, for the P ranks this process runs
+    (in process P = R and P*L = E; under MPI P = 1, the rank's own experts).
+    forward(x, topk_ids, topk_weights) takes x [P, S, H] (S up to the
+    config's seq_size), topk_ids [P, S, K] (int32 or int64, distinct experts
+    per token) and topk_weights [P, S, K] (float32), and returns y [P, S, H];
+    with P = 1 the leading dim may be left out (x [S, H] -> y [S, H]).
+
+    The weights are initialized from torch's global generator as the whole
+    [E, ...] tensors, of which this process keeps its experts: every process
+    draws the same numbers, so a run under MPI starts from the same weights
+    as a run in one process with the same seed.
 
     threads: the runtime's worker threads (0: the hardware threads)."""
 
-    def __init__(self, config, ranks, *, threads=0, target="cpu",
-                 granularity="per-tile-range", timeout_seconds=60.0):
+    def __init__(self, config, ranks=None, *, threads=0, target="cpu",
+                 granularity="per-tile-range", timeout_seconds=60.0, fabric=None):
         super().__init__()
+        global _finalize_registered
         load_library()
+        fabric = fabric or ("mpi" if launched_by_mpi() else "inproc")
+        if fabric not in ("inproc", "mpi"):
+            raise ValueError(f"moec: fabric must be 'inproc' or 'mpi', got {fabric!r}")
+        if ranks is None:
+            if fabric != "mpi":
+                raise ValueError("moec: MoeFFN needs ranks= (the EP group's size)")
+            ranks = _world_size()
         cfg = _read_config(config)
         forward, backward = compile_layer(cfg, ranks, target, granularity)
         self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
-                                              float(timeout_seconds))
+                                              float(timeout_seconds), fabric)
+        if fabric == "mpi" and not _finalize_registered:
+            atexit.register(finalize_mpi)
+            _finalize_registered = True
         info = self.layer.info()
+        self.fabric = fabric
         self.ranks = info["ranks"]
+        self.first_rank = info["first_rank"]
+        self.local_ranks = info["local_ranks"]
         self.experts = info["experts"]
+        self.local_experts = self.experts // self.ranks
         self.hidden = info["hidden"]
         self.inter = info["inter"]
         self.top_k = info["top_k"]
         self.tokens = info["tokens"]
         dtype = torch.bfloat16 if info["bf16"] else torch.float32
+        mine = self.local_ranks * self.local_experts
         self.w1 = torch.nn.Parameter(
-            torch.empty(self.experts, self.hidden, 2 * self.inter, dtype=dtype))
+            torch.empty(mine, self.hidden, 2 * self.inter, dtype=dtype))
         self.w2 = torch.nn.Parameter(
-            torch.empty(self.experts, self.inter, self.hidden, dtype=dtype))
+            torch.empty(mine, self.inter, self.hidden, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self):
+        """Draws the whole [E, ...] weights and keeps this process's experts."""
+        first = self.first_rank * self.local_experts
+        mine = slice(first, first + self.local_ranks * self.local_experts)
         with torch.no_grad():
             bound1 = 1 / math.sqrt(self.hidden)
             bound2 = 1 / math.sqrt(self.inter)
-            self.w1.copy_(torch.empty_like(self.w1, dtype=torch.float32)
-                          .uniform_(-bound1, bound1))
-            self.w2.copy_(torch.empty_like(self.w2, dtype=torch.float32)
-                          .uniform_(-bound2, bound2))
+            w1 = torch.empty(self.experts, *self.w1.shape[1:]).uniform_(-bound1, bound1)
+            w2 = torch.empty(self.experts, *self.w2.shape[1:]).uniform_(-bound2, bound2)
+            self.w1.copy_(w1[mine])
+            self.w2.copy_(w2[mine])
 
     def forward(self, x, topk_ids, topk_weights):
+        if x.dim() == 2 and self.local_ranks == 1:
+            return MoeFFNFunction.apply(self.layer, x.unsqueeze(0), topk_ids.unsqueeze(0),
+                                        topk_weights.unsqueeze(0), self.w1,
+                                        self.w2).squeeze(0)
         return MoeFFNFunction.apply(self.layer, x, topk_ids, topk_weights, self.w1, self.w2)
 
     def times(self):
@@ -199,6 +266,7 @@ class MoeFFN(torch.nn.Module):
         return {"forward": tuple(t[0:3]), "backward": tuple(t[3:6])}
 
     def extra_repr(self):
-        return (f"ranks={self.ranks}, experts={self.experts}, hidden={self.hidden}, "
+        return (f"ranks={self.ranks}, fabric={self.fabric}, first_rank={self.first_rank}, "
+                f"local_ranks={self.local_ranks}, experts={self.experts}, hidden={self.hidden}, "
                 f"inter={self.inter}, top_k={self.top_k}, tokens={self.tokens}, "
                 f"dtype={self.w1.dtype}")

@@ -253,7 +253,7 @@ def test_error_config_does_not_compile():
 
 def test_error_backward_without_backward_binary(tiny):
     forward, _ = moec_torch.compile_layer(config(experts=4, top_k=2, tokens=128), 2)
-    layer = torch.classes.moec.Layer(forward, "", 2, 60.0)
+    layer = torch.classes.moec.Layer(forward, "", 2, 60.0, "inproc")
     x, ids, weights = good(tiny)
     y, step = torch.ops.moec.forward(layer, x, ids, weights, tiny.w1.detach(), tiny.w2.detach())
     assert y.shape == x.shape

@@ -1,0 +1,100 @@
+"""Run under mpirun (by test_mpi.py): the moec op with one rank per process.
+
+Every process draws the same global inputs from a seed and keeps its rank's
+share: x, topk_ids, topk_weights [S, ...] and its L experts' w1, w2. It runs
+forward and backward with MoeFFN(fabric="mpi") and checks its outputs:
+
+  - against plain PyTorch autograd (moec_torch.reference) in float64 on the
+    global inputs, its rank's slice, within 1e-4 (fp32) or 3e-2 (bf16) of
+    the output's scale;
+  - bit for bit against the one-process op (MoeFFN(ranks=R), in-process
+    fabric) on the same global inputs, in this same process.
+
+Prints "rank r: ok ..." and exits 0, or says what differs and exits 1.
+
+    mpirun -np R python3 mpi_layer_check.py [fp32|bf16] [SEED] [HOT]
+"""
+
+import sys
+
+import torch
+
+import moec_torch
+from moec_torch import reference
+
+
+def routing(ranks, tokens, experts, top_k, g, hot):
+    scores = torch.rand(ranks * tokens, experts, generator=g)
+    if hot >= 0:
+        scores[:, hot] = 2.0
+    ids = scores.argsort(dim=1, descending=True)[:, :top_k]
+    weights = torch.rand(ranks * tokens, top_k, generator=g) * 0.8 + 0.2
+    return ids.view(ranks, tokens, top_k), weights.view(ranks, tokens, top_k)
+
+
+def main():
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "fp32"
+    seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    hot = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    torch.set_num_threads(1)
+    cfg = {"name": "mpi-check", "hidden_size": 64, "intermediate_size": 32,
+           "num_experts": 0, "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128,
+           "dtype": dtype, "capacity_factor": 4}
+    torch.manual_seed(seed)
+    layer = moec_torch.MoeFFN(dict(cfg, num_experts=2 * moec_torch._world_size()),
+                              threads=1, fabric="mpi")
+    R, r, L, S = layer.ranks, layer.first_rank, layer.local_experts, layer.tokens
+    E, H = layer.experts, layer.hidden
+    torch.manual_seed(seed)
+    single = moec_torch.MoeFFN(dict(cfg, num_experts=E), R, threads=1, fabric="inproc")
+    # Same seed, same draws: the MPI layer holds the single layer's experts.
+    assert torch.equal(layer.w1, single.w1[r * L:(r + 1) * L]), "initial w1 differs"
+
+    g = torch.Generator().manual_seed(seed + 1)
+    tdt = layer.w1.dtype
+    x = (torch.rand(R, S, H, generator=g) * 2 - 1).to(tdt)
+    ids, weights = routing(R, S, E, 2, g, hot)
+    dy = (torch.rand(R, S, H, generator=g) * 2 - 1).to(tdt)
+
+    def run(module, xs, idss, ws, dys):
+        xs = xs.clone().requires_grad_()
+        ws = ws.clone().requires_grad_()
+        module.zero_grad()
+        y = module(xs, idss, ws)
+        y.backward(dys)
+        return {"y": y.detach(), "dx": xs.grad, "dtopk_weights": ws.grad,
+                "dw1": module.w1.grad, "dw2": module.w2.grad}
+
+    got = run(layer, x[r], ids[r], weights[r], dy[r])     # this rank, [S, H]
+    whole = run(single, x, ids, weights, dy)              # all ranks, [R, S, H]
+    mine = {"y": whole["y"][r], "dx": whole["dx"][r], "dtopk_weights": whole["dtopk_weights"][r],
+            "dw1": whole["dw1"][r * L:(r + 1) * L], "dw2": whole["dw2"][r * L:(r + 1) * L]}
+    failed = [n for n in got if not torch.equal(got[n], mine[n])]
+
+    xd = x.double().requires_grad_()
+    wd = weights.double().requires_grad_()
+    w1 = single.w1.detach().double().requires_grad_()
+    w2 = single.w2.detach().double().requires_grad_()
+    yd = reference.moe_ffn(xd, ids, wd, w1, w2)
+    yd.backward(dy.double())
+    want = {"y": yd[r], "dx": xd.grad[r], "dtopk_weights": wd.grad[r],
+            "dw1": w1.grad[r * L:(r + 1) * L], "dw2": w2.grad[r * L:(r + 1) * L]}
+    tol = 1e-4 if dtype == "fp32" else 3e-2
+    errors = {}
+    for n in got:
+        scale = want[n].abs().max().item() or 1.0
+        errors[n] = (got[n].double() - want[n]).abs().max().item() / scale
+    over = [n for n, e in errors.items() if not e <= tol]
+    text = ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
+    if failed or over:
+        print(f"rank {r}: FAILED: not bitwise equal to the one-process op: {failed}; "
+              f"over {tol}: {over} ({text})", flush=True)
+        return 1
+    print(f"rank {r}: ok: bitwise equal to the one-process op; against PyTorch autograd: {text}",
+          flush=True)
+    moec_torch.finalize_mpi()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

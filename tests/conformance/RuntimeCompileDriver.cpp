@@ -1,6 +1,6 @@
 //===- RuntimeCompileDriver.cpp - compileLayer through compiler/driver ----===//
 
-#include "tests/unit/RuntimeCompile.h"
+#include "tests/conformance/RuntimeCompile.h"
 
 #include "compiler/driver/Compile.h"
 

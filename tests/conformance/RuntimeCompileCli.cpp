@@ -5,7 +5,7 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "tests/unit/RuntimeCompile.h"
+#include "tests/conformance/RuntimeCompile.h"
 
 #include <fcntl.h>
 #include <spawn.h>

@@ -14,8 +14,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_TESTS_UNIT_RUNTIMECOMPILE_H
-#define MOEC_TESTS_UNIT_RUNTIMECOMPILE_H
+#ifndef MOEC_TESTS_CONFORMANCE_RUNTIMECOMPILE_H
+#define MOEC_TESTS_CONFORMANCE_RUNTIMECOMPILE_H
 
 #include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
@@ -32,4 +32,4 @@ Status compileLayer(const std::string &graphPath, const std::string &configPath,
 
 } // namespace moec::test
 
-#endif // MOEC_TESTS_UNIT_RUNTIMECOMPILE_H
+#endif // MOEC_TESTS_CONFORMANCE_RUNTIMECOMPILE_H

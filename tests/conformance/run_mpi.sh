@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs the conformance suite's binary with one rank per process, under
+# mpirun -np 2, 3 and 4 (oversubscribed on this machine's cores):
+#   run_mpi.sh SUITE_BINARY
+set -uo pipefail
+suite="$(realpath "$1")"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader
+failed=0
+for np in 2 3 4; do
+  log="${TEST_TMPDIR:-$(mktemp -d)}/np$np.log"
+  if timeout 900 mpirun --bind-to none -np "$np" "$suite" > "$log" 2>&1; then
+    echo "ok: mpirun -np $np: $(grep -m1 -E '^All tests passed' "$log")"
+  else
+    cat "$log"
+    echo "FAILED: mpirun -np $np"
+    failed=$((failed + 1))
+  fi
+done
+echo
+echo "conformance under mpi: $((3 - failed)) passed, ${failed} failed"
+[ "$failed" -eq 0 ]

@@ -327,7 +327,7 @@ Status verifyLayer(const LayerData &d, bool backward, bool bf16,
   namespace ref = moec::reference;
   ref::LayerShape shape;
   shape.ranks = d.ranks;
-  shape.experts = d.experts;
+  shape.localExperts = uint32_t(d.experts / d.ranks);
   shape.hidden = d.hidden;
   shape.inter = d.inter;
   shape.topK = d.topK;

@@ -13,16 +13,17 @@
 
 namespace moec::reference {
 
-Status LayerShape::validate() const {
-  if (ranks < 1)
-    return Status::error("layer: ranks must be at least 1, got " + std::to_string(ranks));
-  if (experts < 1 || experts % ranks != 0)
-    return Status::error("layer: experts (" + std::to_string(experts) +
-                         ") must be a positive multiple of ranks (" + std::to_string(ranks) + ")");
-  if (topK < 1 || topK > experts)
-    return Status::error("layer: top-k (" + std::to_string(topK) + ") must be in 1.." +
+Status validateShape(const LayerShape &shape) {
+  const int64_t experts = shape.experts();
+  if (shape.ranks < 1)
+    return Status::error("layer: ranks must be at least 1, got " + std::to_string(shape.ranks));
+  if (shape.localExperts < 1)
+    return Status::error("layer: every rank needs at least one expert, got " +
+                         std::to_string(shape.localExperts) + " local experts");
+  if (shape.topK < 1 || shape.topK > experts)
+    return Status::error("layer: top-k (" + std::to_string(shape.topK) + ") must be in 1.." +
                          std::to_string(experts));
-  if (hidden < 0 || inter < 0 || tokens < 0)
+  if (shape.hidden < 0 || shape.inter < 0 || shape.tokens < 0)
     return Status::error("layer: hidden, inter and tokens must not be negative");
   return Status::success();
 }
@@ -56,9 +57,9 @@ std::string sizeError(const std::string &what, size_t got, int64_t want) {
 template <typename T>
 Status validateInputs(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
                       const Weights<T> &weights) {
-  if (Status status = shape.validate(); !status)
+  if (Status status = validateShape(shape); !status)
     return status;
-  const int64_t R = shape.ranks, E = shape.experts, H = shape.hidden, I = shape.inter,
+  const int64_t R = shape.ranks, E = int64_t(shape.experts()), H = shape.hidden, I = shape.inter,
                 K = shape.topK, S = shape.tokens;
   if (int64_t(inputs.size()) != R)
     return Status::error("layer: " + std::to_string(inputs.size()) + " rank inputs for " +
@@ -97,7 +98,7 @@ Status forward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs
                const Weights<T> &weights, Forward<T> *out) {
   if (Status status = validateInputs(shape, inputs, weights); !status)
     return status;
-  const int64_t R = shape.ranks, E = shape.experts, H = shape.hidden, I = shape.inter,
+  const int64_t R = shape.ranks, E = int64_t(shape.experts()), H = shape.hidden, I = shape.inter,
                 K = shape.topK, S = shape.tokens;
   Forward<T> result;
 
@@ -167,7 +168,7 @@ Status backward(const LayerShape &shape, const std::vector<RankInputs<T>> &input
                 const std::vector<std::vector<T>> &dy, Backward<T> *out) {
   if (Status status = validateInputs(shape, inputs, weights); !status)
     return status;
-  const int64_t R = shape.ranks, E = shape.experts, H = shape.hidden, I = shape.inter,
+  const int64_t R = shape.ranks, E = int64_t(shape.experts()), H = shape.hidden, I = shape.inter,
                 K = shape.topK, S = shape.tokens;
   if (int64_t(dy.size()) != R)
     return Status::error("layer: " + std::to_string(dy.size()) + " dy tensors for " +

@@ -30,6 +30,7 @@
 #ifndef MOEC_RUNTIME_CPU_REFERENCE_H
 #define MOEC_RUNTIME_CPU_REFERENCE_H
 
+#include "base/LayerShape.h"
 #include "base/Status.h"
 
 #include <cstdint>
@@ -37,22 +38,12 @@
 
 namespace moec::reference {
 
-/// The sizes of the layer.
-struct LayerShape {
-  int64_t ranks = 1;   ///< R, ranks of the EP group
-  int64_t experts = 1; ///< E, experts in all (a multiple of R)
-  int64_t hidden = 0;  ///< H
-  int64_t inter = 0;   ///< I, the intermediate size after SwiGLU halving
-  int64_t topK = 1;    ///< K, experts per token
-  int64_t tokens = 0;  ///< S, tokens per rank
+/// The sizes of the layer (base/LayerShape.h: R, L, H, I, S, K; the
+/// reference reads no capacity or dtype of it).
+using LayerShape = moec::LayerShape;
 
-  /// L = E / R, the experts of one rank.
-  int64_t localExperts() const { return ranks > 0 ? experts / ranks : 0; }
-
-  /// Checks the sizes: R >= 1, E a positive multiple of R, 1 <= K <= E, and
-  /// H, I, S >= 0.
-  Status validate() const;
-};
+/// Checks the sizes: R >= 1, L >= 1, 1 <= K <= E, and H, I, S >= 0.
+Status validateShape(const LayerShape &shape);
 
 /// One rank's inputs.
 template <typename T> struct RankInputs {

@@ -330,7 +330,7 @@ void checkAgainstReference(const Case &c, uint32_t seed, uint32_t workers = 2,
 
   ref::LayerShape shape;
   shape.ranks = c.ranks;
-  shape.experts = c.experts();
+  shape.localExperts = c.localExperts;
   shape.hidden = c.hidden;
   shape.inter = c.inter;
   shape.topK = c.topK;

@@ -49,11 +49,11 @@ template <typename T>
 std::vector<ref::RankInputs<T>> randomInputs(const ref::LayerShape &s, std::mt19937 &rng) {
   std::vector<ref::RankInputs<T>> inputs(size_t(s.ranks));
   std::uniform_real_distribution<double> weight(0.1, 1.0);
-  std::vector<int64_t> perm(size_t(s.experts));
+  std::vector<int64_t> perm(size_t(s.experts()));
   for (ref::RankInputs<T> &in : inputs) {
     in.x = randomVector<T>(rng, size_t(s.tokens * s.hidden), 1.0);
     for (int64_t t = 0; t < s.tokens; ++t) {
-      for (int64_t e = 0; e < s.experts; ++e)
+      for (int64_t e = 0; e < int64_t(s.experts()); ++e)
         perm[size_t(e)] = e;
       std::shuffle(perm.begin(), perm.end(), rng);
       for (int64_t k = 0; k < s.topK; ++k) {
@@ -67,9 +67,9 @@ std::vector<ref::RankInputs<T>> randomInputs(const ref::LayerShape &s, std::mt19
 
 template <typename T> ref::Weights<T> randomWeights(const ref::LayerShape &s, std::mt19937 &rng) {
   ref::Weights<T> w;
-  w.w1 = randomVector<T>(rng, size_t(s.experts * s.hidden * 2 * s.inter),
+  w.w1 = randomVector<T>(rng, size_t(s.experts() * s.hidden * 2 * s.inter),
                          1.0 / std::sqrt(double(s.hidden)));
-  w.w2 = randomVector<T>(rng, size_t(s.experts * s.inter * s.hidden),
+  w.w2 = randomVector<T>(rng, size_t(s.experts() * s.inter * s.hidden),
                          1.0 / std::sqrt(double(s.inter)));
   return w;
 }
@@ -100,7 +100,7 @@ template <typename T> double maxDiff(const std::vector<T> &a, const std::vector<
 TEST_CASE("reference: one rank, one expert, top-1 is a weighted SwiGLU MLP", "[cpu][reference]") {
   ref::LayerShape s;
   s.ranks = 1;
-  s.experts = 1;
+  s.localExperts = 1;
   s.hidden = 6;
   s.inter = 4;
   s.topK = 1;
@@ -145,7 +145,7 @@ TEST_CASE("reference: results do not depend on how tokens split over ranks",
   // Two ranks of 4 tokens each equal one rank of all 8 tokens.
   ref::LayerShape two;
   two.ranks = 2;
-  two.experts = 4;
+  two.localExperts = 2;
   two.hidden = 5;
   two.inter = 3;
   two.topK = 2;
@@ -157,6 +157,7 @@ TEST_CASE("reference: results do not depend on how tokens split over ranks",
 
   ref::LayerShape one = two;
   one.ranks = 1;
+  one.localExperts = 4;
   one.tokens = 8;
   std::vector<ref::RankInputs<double>> merged(1);
   std::vector<std::vector<double>> dyMerged(1);
@@ -200,7 +201,7 @@ TEST_CASE("reference: results do not depend on how tokens split over ranks",
 TEST_CASE("reference: backward matches finite differences", "[cpu][reference]") {
   ref::LayerShape s;
   s.ranks = 2;
-  s.experts = 4;
+  s.localExperts = 2;
   s.hidden = 3;
   s.inter = 2;
   s.topK = 2;
@@ -255,7 +256,7 @@ TEST_CASE("reference: backward matches finite differences", "[cpu][reference]") 
 TEST_CASE("reference: errors", "[cpu][reference]") {
   ref::LayerShape s;
   s.ranks = 2;
-  s.experts = 4;
+  s.localExperts = 2;
   s.hidden = 2;
   s.inter = 2;
   s.topK = 2;
@@ -266,11 +267,12 @@ TEST_CASE("reference: errors", "[cpu][reference]") {
   ref::Forward<float> fwd;
 
   ref::LayerShape bad = s;
-  bad.experts = 3;
-  CHECK(bad.validate().message() == "layer: experts (3) must be a positive multiple of ranks (2)");
+  bad.localExperts = 0;
+  CHECK(ref::validateShape(bad).message() ==
+        "layer: every rank needs at least one expert, got 0 local experts");
   bad = s;
   bad.topK = 5;
-  CHECK(!bad.validate().ok());
+  CHECK(ref::validateShape(bad).message() == "layer: top-k (5) must be in 1..4");
 
   auto wrongId = inputs;
   wrongId[1].topkIds[3] = 4;
@@ -347,7 +349,7 @@ struct KernelLayer {
 
   void run(const std::vector<ref::RankInputs<float>> &inputs, const ref::Weights<float> &weights,
            const std::vector<std::vector<float>> &dy) {
-    const int64_t R = s.ranks, E = s.experts, L = s.localExperts(), H = s.hidden, I = s.inter,
+    const int64_t R = s.ranks, E = s.experts(), L = s.localExperts, H = s.hidden, I = s.inter,
                   K = s.topK, S = s.tokens;
     // Inputs in storage; weights of expert e are rows of one [E*H, 2I] and one
     // [E*I, H] tensor.
@@ -529,7 +531,7 @@ double relError(const std::vector<float> &got, const std::vector<float> &want) {
 TEST_CASE("the kernels, chained, compute the reference layer", "[cpu][reference][layer]") {
   ref::LayerShape s;
   s.ranks = 2;
-  s.experts = 6;
+  s.localExperts = 3;
   s.hidden = 40;
   s.inter = 24;
   s.topK = 2;

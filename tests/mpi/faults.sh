@@ -60,80 +60,64 @@ else
   fi
 fi
 
+# fails NAME PATTERN COMMAND...: the job must fail, its output match PATTERN,
+# and $WORK/NAME (its --outputs) hold no output.
+fails() {
+  local name=$1 pattern=$2
+  shift 2
+  local log="$WORK/$name.log"
+  if "$@" > "$log" 2>&1; then
+    bad "$name: the job exited 0" "$log"
+  else
+    expect "$name" "$log" "$pattern" "$WORK/$name"
+  fi
+}
+RUN=("${MPIRUN[@]}" -np)
+
 # A rank that never submits the pass the others wait for: rank 1 runs the
 # layer twice, rank 0 once. Rank 1's watchdog names rank 0.
-out="$WORK/silent"
-if "${MPIRUN[@]}" -np 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" \
-    --random 1 --outputs "$out" --repeat 1 "${S[@]}" : \
-    -np 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" \
-    --random 1 --outputs "$out" --repeat 2 "${S[@]}" > "$WORK/silent.log" 2>&1; then
-  bad "silent rank: mpirun exited 0" "$WORK/silent.log"
-else
-  expect "silent rank" "$WORK/silent.log" "rank 1: rank 0 did not reach the exchange within 5 s" "$out"
-fi
+fails silent-rank "rank 1: rank 0 did not reach the exchange within 5 s" \
+  "${RUN[@]}" 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --random 1 \
+  --outputs "$WORK/silent-rank" --repeat 1 "${S[@]}" : \
+  -np 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --random 1 \
+  --outputs "$WORK/silent-rank" --repeat 2 "${S[@]}"
 
 # A rank given another binary: refused when the context is created, naming
 # both ranks' binaries.
-out="$WORK/mismatch"
-if "${MPIRUN[@]}" -np 1 "$MOEC" run "$WORK/small/fwd.moebin" --random 1 --outputs "$out" \
-    "${S[@]}" : -np 1 "$MOEC" run "$WORK/other/fwd.moebin" --random 1 --outputs "$out" \
-    "${S[@]}" > "$WORK/mismatch.log" 2>&1; then
-  bad "different binary: mpirun exited 0" "$WORK/mismatch.log"
-else
-  expect "different binary" "$WORK/mismatch.log" \
-    "ranks 0 and 1 run different layers: rank 0 runs forward '.*small/fwd.moebin'.*H 64.*rank 1 runs forward '.*other/fwd.moebin'.*H 96" \
-    "$out"
-fi
+fails different-binary \
+  "ranks 0 and 1 run different layers: rank 0 runs forward '.*small/fwd.moebin'.*H 64.*rank 1 runs forward '.*other/fwd.moebin'.*H 96" \
+  "${RUN[@]}" 1 "$MOEC" run "$WORK/small/fwd.moebin" --random 1 \
+  --outputs "$WORK/different-binary" "${S[@]}" : \
+  -np 1 "$MOEC" run "$WORK/other/fwd.moebin" --random 1 --outputs "$WORK/different-binary" "${S[@]}"
 
 # A binary for 3 ranks under 2 processes.
-out="$WORK/ep"
-if "${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/three/fwd.moebin" --random 1 --outputs "$out" \
-    "${S[@]}" > "$WORK/ep.log" 2>&1; then
-  bad "EP size: mpirun exited 0" "$WORK/ep.log"
-else
-  expect "EP size" "$WORK/ep.log" \
-    "mpirun started 2 processes, but .*three/fwd.moebin was compiled for 3 ranks .*mpirun -np 3" "$out"
-fi
+fails ep-size "mpirun started 2 processes, but .*three/fwd.moebin was compiled for 3 ranks .*mpirun -np 3" \
+  "${RUN[@]}" 2 "$MOEC" run "$WORK/three/fwd.moebin" --random 1 --outputs "$WORK/ep-size" "${S[@]}"
 
-# Routing over capacity caused by rank 1's routing only: every rank stops
-# with the same message before anything is written.
+# edit_ids DIR PYTHON: changes DIR/topk_ids.npy (numpy array `ids`
+# [R, S, K]) with the statement PYTHON.
+edit_ids() {
+  /usr/bin/python3 -c "import sys, numpy as np; ids = np.load(sys.argv[1]); $2; np.save(sys.argv[1], ids)" \
+    "$1/topk_ids.npy"
+}
 in="$WORK/capacity-in"
 "$MOEC" run "$WORK/tight/fwd.moebin" "$WORK/tight/bwd.moebin" --ranks 2 --random 1 \
   --outputs "$in" --threads 1 > /dev/null
-/usr/bin/python3 - "$in/topk_ids.npy" << 'PY'
-import sys
-import numpy as np
-ids = np.load(sys.argv[1])
-ids[1, :, 0] = 0  # every token of rank 1 picks expert 0 first
-ids[1, :, 1] = 1
-np.save(sys.argv[1], ids)
-PY
-out="$WORK/capacity"
-if "${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/tight/fwd.moebin" "$WORK/tight/bwd.moebin" \
-    --inputs "$in" --outputs "$out" "${S[@]}" > "$WORK/capacity.log" 2>&1; then
-  bad "over capacity: mpirun exited 0" "$WORK/capacity.log"
-else
-  expect "over capacity on one rank" "$WORK/capacity.log" \
-    "\[process of rank 0\] routing over capacity: the experts of rank 0 receive" "$out"
-fi
+
+# Routing over capacity caused by rank 1's routing only (every token of rank
+# 1 to experts 0 and 1): every rank stops with the same message before
+# anything is written.
+edit_ids "$in" "ids[1, :, 0] = 0; ids[1, :, 1] = 1"
+fails over-capacity "\[process of rank 0\] routing over capacity: the experts of rank 0 receive" \
+  "${RUN[@]}" 2 "$MOEC" run "$WORK/tight/fwd.moebin" "$WORK/tight/bwd.moebin" --inputs "$in" \
+  --outputs "$WORK/over-capacity" "${S[@]}"
 
 # An expert id out of range in rank 1's routing only: rank 0 stops with
 # rank 1's message.
-/usr/bin/python3 - "$in/topk_ids.npy" << 'PY'
-import sys
-import numpy as np
-ids = np.load(sys.argv[1])
-ids[1, 5, 1] = 9
-np.save(sys.argv[1], ids)
-PY
-out="$WORK/bad-id"
-if "${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" \
-    --inputs "$in" --outputs "$out" "${S[@]}" > "$WORK/bad-id.log" 2>&1; then
-  bad "bad id: mpirun exited 0" "$WORK/bad-id.log"
-else
-  expect "bad id on one rank" "$WORK/bad-id.log" \
-    "\[process of rank 0\] rank 1: topk_ids\[5\]\[1\] = 9 is not an expert" "$out"
-fi
+edit_ids "$in" "ids[1, 5, 1] = 9"
+fails bad-id "\[process of rank 0\] rank 1: topk_ids\[5\]\[1\] = 9 is not an expert" \
+  "${RUN[@]}" 2 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --inputs "$in" \
+  --outputs "$WORK/bad-id" "${S[@]}"
 
 echo
 echo "mpi faults: ${passed} passed, ${failed} failed"

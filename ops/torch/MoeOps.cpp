@@ -118,13 +118,18 @@ void expectInput(const at::Tensor &t, const char *name, int64_t dims, int64_t le
               "; expected dim 0 to be ", leadingName, " = ", leading);
 }
 
-class Layer;
+/// A layer's runtime context and the lock that makes its passes one at a
+/// time. Under MPI the registry below holds it too: freeing a context frees
+/// MPI windows, which is collective, so it happens in finalize_mpi, in
+/// creation order on every rank, and never when Python's garbage collector
+/// happens to drop a Layer.
+struct Slot {
+  std::mutex mutex;
+  std::unique_ptr<moec::rt::Context> context;
+};
 
-/// The layers of this process that run under MPI, so that finalize_mpi can
-/// free their windows (collectively, in creation order on every rank) before
-/// MPI ends.
-std::mutex mpiLayersMutex;
-std::vector<Layer *> mpiLayers;
+std::mutex mpiSlotsMutex;
+std::vector<std::shared_ptr<Slot>> mpiSlots;
 
 class Layer : public torch::CustomClassHolder {
 public:
@@ -143,32 +148,21 @@ public:
                 fabric, "'");
     if (fabric == "mpi")
       check(moec::comm::createMpiFabric(&options.fabric), "MPI fabric");
-    check(moec::rt::Context::create(fwd, bwd, options, &context), "context");
+    check(moec::rt::Context::create(fwd, bwd, options, &slot->context), "context");
     if (fabric == "mpi") {
-      std::lock_guard<std::mutex> lock(mpiLayersMutex);
-      mpiLayers.push_back(this);
+      std::lock_guard<std::mutex> lock(mpiSlotsMutex);
+      mpiSlots.push_back(slot);
     }
-  }
-
-  ~Layer() override {
-    std::lock_guard<std::mutex> lock(mpiLayersMutex);
-    mpiLayers.erase(std::remove(mpiLayers.begin(), mpiLayers.end(), this), mpiLayers.end());
-  }
-
-  /// Frees the context (and its MPI windows); the layer refuses passes after.
-  void release() {
-    std::lock_guard<std::mutex> lock(mutex);
-    context.reset();
   }
 
   /// The layer's sizes, for the Python side.
   c10::Dict<std::string, int64_t> info() const {
     live();
-    const moec::rt::LayerShape &s = context->shape();
+    const moec::rt::LayerShape &s = slot->context->shape();
     c10::Dict<std::string, int64_t> d;
     d.insert("ranks", s.ranks);
-    d.insert("first_rank", context->firstLocalRank());
-    d.insert("local_ranks", context->localRanks());
+    d.insert("first_rank", slot->context->firstLocalRank());
+    d.insert("local_ranks", slot->context->localRanks());
     d.insert("local_experts", s.localExperts);
     d.insert("experts", s.experts());
     d.insert("hidden", s.hidden);
@@ -177,15 +171,15 @@ public:
     d.insert("top_k", s.topK);
     d.insert("receive_capacity", s.receiveCapacity);
     d.insert("bf16", s.activations == DType::BF16);
-    d.insert("backward", context->backwardShape() != nullptr);
-    d.insert("workers", context->workers());
+    d.insert("backward", slot->context->backwardShape() != nullptr);
+    d.insert("workers", slot->context->workers());
     return d;
   }
 
   std::tuple<at::Tensor, int64_t> forward(const at::Tensor &x, const at::Tensor &ids,
                                           const at::Tensor &weights, const at::Tensor &w1,
                                           const at::Tensor &w2) {
-    std::lock_guard<std::mutex> lock(mutex);
+    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
     const Inputs in = inputs(x, ids, weights, w1, w2);
     at::Tensor y = at::empty_like(in.x);
@@ -197,9 +191,9 @@ public:
   backward(int64_t forwardStep, const at::Tensor &x, const at::Tensor &ids,
            const at::Tensor &weights, const at::Tensor &w1, const at::Tensor &w2,
            const at::Tensor &dyIn) {
-    std::lock_guard<std::mutex> lock(mutex);
+    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
-    const moec::rt::LayerShape *bs = context->backwardShape();
+    const moec::rt::LayerShape *bs = slot->context->backwardShape();
     TORCH_CHECK(bs, "moec: this layer was built without a backward binary");
     const Inputs in = inputs(x, ids, weights, w1, w2);
     // The runtime's saved state belongs to its last forward pass; a backward
@@ -208,7 +202,7 @@ public:
       at::Tensor y = at::empty_like(in.x);
       runForward(in, y);
     }
-    const int64_t P = context->localRanks(), first = context->firstLocalRank();
+    const int64_t P = slot->context->localRanks(), first = slot->context->firstLocalRank();
     expectInput(dyIn, "dy", 3, P, "this process's ranks");
     TORCH_CHECK(dyIn.sizes() == in.x.sizes(), "moec: 'dy' has shape ", dyIn.sizes(),
                 "; expected ", in.x.sizes(), " like x");
@@ -227,14 +221,14 @@ public:
     bindInputs(in);
     for (int64_t p = 0; p < P; ++p) {
       const uint32_t r = uint32_t(first + p);
-      check(context->bind(r, "dy", slice(dy, "dy", P, p, false)), "bind dy");
-      check(context->bind(r, "dx", slice(dx, "dx", P, p, false)), "bind dx");
-      check(context->bind(r, "dtopk_weights", slice(dtopk, "dtopk_weights", P, p, false)),
+      check(slot->context->bind(r, "dy", slice(dy, "dy", P, p, false)), "bind dy");
+      check(slot->context->bind(r, "dx", slice(dx, "dx", P, p, false)), "bind dx");
+      check(slot->context->bind(r, "dtopk_weights", slice(dtopk, "dtopk_weights", P, p, false)),
             "bind dtopk_weights");
-      check(context->bind(r, "dw1", slice(dw1, "dw1", P, p, true)), "bind dw1");
-      check(context->bind(r, "dw2", slice(dw2, "dw2", P, p, true)), "bind dw2");
+      check(slot->context->bind(r, "dw1", slice(dw1, "dw1", P, p, true)), "bind dw1");
+      check(slot->context->bind(r, "dw2", slice(dw2, "dw2", P, p, true)), "bind dw2");
     }
-    check(context->backward(), "backward");
+    check(slot->context->backward(), "backward");
     // Gradients take their parameter's dtype (fp32 weight gradients of a
     // bf16 layer are rounded once, here).
     if (dw1.scalar_type() != in.w1.scalar_type()) {
@@ -247,13 +241,13 @@ public:
   /// Seconds of the last forward and backward pass: prepare, tasks, finish.
   std::vector<double> times() const {
     live();
-    const moec::rt::PassTimes &f = context->forwardTimes(), &b = context->backwardTimes();
+    const moec::rt::PassTimes &f = slot->context->forwardTimes(), &b = slot->context->backwardTimes();
     return {f.prepare, f.tasks, f.finish, b.prepare, b.tasks, b.finish};
   }
 
 private:
   void live() const {
-    TORCH_CHECK(context, "moec: this layer was released (moec_torch.finalize_mpi)");
+    TORCH_CHECK(slot->context, "moec: this layer was released (moec_torch.finalize_mpi)");
   }
 
   struct Inputs {
@@ -263,8 +257,8 @@ private:
   /// Checks the inputs against the layer and makes them contiguous.
   Inputs inputs(const at::Tensor &x, const at::Tensor &ids, const at::Tensor &weights,
                 const at::Tensor &w1, const at::Tensor &w2) const {
-    const moec::rt::LayerShape &s = context->shape();
-    const int64_t P = context->localRanks(), E = P * s.localExperts;
+    const moec::rt::LayerShape &s = slot->context->shape();
+    const int64_t P = slot->context->localRanks(), E = P * s.localExperts;
     const char *ranks = P == s.ranks ? "ranks" : "this process's ranks";
     const char *experts = P == s.ranks ? "experts" : "this process's experts";
     expectInput(x, "x", 3, P, ranks);
@@ -277,31 +271,30 @@ private:
   }
 
   void bindInputs(const Inputs &in) {
-    const int64_t P = context->localRanks(), first = context->firstLocalRank();
+    const int64_t P = slot->context->localRanks(), first = slot->context->firstLocalRank();
     for (int64_t p = 0; p < P; ++p) {
       const uint32_t r = uint32_t(first + p);
-      check(context->setRouting(r, slice(in.ids, "topk_ids", P, p, false),
+      check(slot->context->setRouting(r, slice(in.ids, "topk_ids", P, p, false),
                                 slice(in.weights, "topk_weights", P, p, false)),
             "routing");
-      check(context->bind(r, "x", slice(in.x, "x", P, p, false)), "bind x");
-      check(context->bind(r, "w1", slice(in.w1, "w1", P, p, true)), "bind w1");
-      check(context->bind(r, "w2", slice(in.w2, "w2", P, p, true)), "bind w2");
+      check(slot->context->bind(r, "x", slice(in.x, "x", P, p, false)), "bind x");
+      check(slot->context->bind(r, "w1", slice(in.w1, "w1", P, p, true)), "bind w1");
+      check(slot->context->bind(r, "w2", slice(in.w2, "w2", P, p, true)), "bind w2");
     }
   }
 
   void runForward(const Inputs &in, at::Tensor &y) {
-    const int64_t P = context->localRanks(), first = context->firstLocalRank();
+    const int64_t P = slot->context->localRanks(), first = slot->context->firstLocalRank();
     bindInputs(in);
     for (int64_t p = 0; p < P; ++p)
-      check(context->bind(uint32_t(first + p), "y", slice(y, "y", P, p, false)), "bind y");
+      check(slot->context->bind(uint32_t(first + p), "y", slice(y, "y", P, p, false)), "bind y");
     // A failed pass leaves no valid saved state.
     step = -1;
-    check(context->forward(), "forward");
+    check(slot->context->forward(), "forward");
     step = ++passes;
   }
 
-  std::unique_ptr<moec::rt::Context> context;
-  std::mutex mutex;    ///< one pass at a time (the context is not thread-safe)
+  std::shared_ptr<Slot> slot = std::make_shared<Slot>();
   int64_t passes = 0;  ///< forward passes run
   int64_t step = -1;   ///< the pass whose state the runtime holds; -1: none
 };
@@ -324,13 +317,14 @@ backwardOp(const c10::intrusive_ptr<Layer> &layer, int64_t step, const at::Tenso
 /// moec initialized it. Collective under MPI: every rank calls it once, at
 /// the end.
 void finalizeMpiOp() {
-  std::vector<Layer *> layers;
   {
-    std::lock_guard<std::mutex> lock(mpiLayersMutex);
-    layers = mpiLayers;
+    std::lock_guard<std::mutex> lock(mpiSlotsMutex);
+    for (const std::shared_ptr<Slot> &slot : mpiSlots) {
+      std::lock_guard<std::mutex> passLock(slot->mutex);
+      slot->context.reset();
+    }
+    mpiSlots.clear();
   }
-  for (Layer *layer : layers)
-    layer->release();
   moec::comm::finalizeMpi();
 }
 

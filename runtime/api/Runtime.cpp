@@ -204,7 +204,15 @@ struct Context::Impl {
 
   Status checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const;
   Status checkRoute(uint32_t rank, cpu::RankRoute *out) const;
-  Status agree(const std::vector<Status> &local, std::vector<cpu::RankRoute> *routes) const;
+  Status agree(const std::vector<Status> &local, std::vector<cpu::RankRoute> *routes);
+  /// Under a fabric of several processes, an error that the ranks may not
+  /// share (an exchange that timed out, an allocation that failed on this
+  /// rank) leaves the peers' state unknown: no further pass runs.
+  Status fatal(Status status) {
+    if (!status && !fabric->allLocal())
+      broken = status.message();
+    return status;
+  }
   Status checkCapacities(const std::vector<cpu::RankRoute> &routes) const;
   Status runTasks(cpu::Pass &pass, PassTimes &times);
   Status forward();
@@ -274,7 +282,7 @@ Status Context::Impl::checkRoute(uint32_t r, cpu::RankRoute *out) const {
 /// sizes and per-expert counts of every rank. Returns the error of the first
 /// rank whose checks failed, the same on every rank.
 Status Context::Impl::agree(const std::vector<Status> &local,
-                            std::vector<cpu::RankRoute> *routes) const {
+                            std::vector<cpu::RankRoute> *routes) {
   const uint32_t R = ranks(), E = shape().experts();
   const size_t block = sizeof(RankReport) + size_t(E) * sizeof(int64_t);
   std::vector<uint8_t> mine(block * fabric->localRanks(), 0), all(block * R, 0);
@@ -293,7 +301,7 @@ Status Context::Impl::agree(const std::vector<Status> &local,
     std::memcpy(mine.data() + i * block, &report, sizeof report);
   }
   if (Status s = fabric->exchange(mine.data(), block, all.data(), options.timeoutSeconds); !s)
-    return s;
+    return fatal(s);
   for (uint32_t r = 0; r < R; ++r) {
     RankReport report;
     std::memcpy(&report, all.data() + r * block, sizeof report);
@@ -358,14 +366,12 @@ Status Context::Impl::runTasks(cpu::Pass &pass, PassTimes &times) {
   const Status status = pass.runTasks();
   lastExecutor = pass.lastExecutor();
   times.tasks = pass.tasksSeconds();
-  if (!status && !fabric->allLocal())
-    broken = "an earlier pass failed: " + status.message();
-  return status;
+  return fatal(status);
 }
 
 Status Context::Impl::forward() {
   if (!broken.empty())
-    return Status::error("the context cannot run another pass: " + broken);
+    return Status::error("the context cannot run another pass (an earlier error left the ranks out of step): " + broken);
   const Clock::time_point t0 = Clock::now();
   const LayerShape &s = shape();
   const int64_t H = s.hidden, I = s.inter, L = s.localExperts;
@@ -393,7 +399,7 @@ Status Context::Impl::forward() {
   haveForward = false;
   cpu::Pass &pass = *fwd;
   if (Status st = pass.allocate(); !st)
-    return st;
+    return fatal(st);
   const LayerPlan &plan = pass.plan();
   std::vector<const void *> x(ranks(), nullptr);
   std::vector<void *> y(ranks(), nullptr);
@@ -419,7 +425,7 @@ Status Context::Impl::forward() {
 
 Status Context::Impl::backward() {
   if (!broken.empty())
-    return Status::error("the context cannot run another pass: " + broken);
+    return Status::error("the context cannot run another pass (an earlier error left the ranks out of step): " + broken);
   if (!bwd)
     return Status::error("this context has no backward program");
   if (!haveForward)
@@ -448,7 +454,7 @@ Status Context::Impl::backward() {
 
   cpu::Pass &pass = *bwd;
   if (Status st = pass.allocate(); !st)
-    return st;
+    return fatal(st);
   const LayerPlan &plan = pass.plan();
   const LayerPlan &saved = fwd->plan();
   std::vector<const void *> dy(ranks(), nullptr);

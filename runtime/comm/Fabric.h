@@ -23,8 +23,14 @@
 //     MPI_Put, a signal an MPI_Accumulate on the peer's counter after a flush
 //     of the data.
 //
-// Every wait a fabric does is bounded by a timeout, and a timeout is an error
-// that names the ranks that did not arrive.
+// exchange() and barrier() are bounded by a timeout, and a timeout is an
+// error that names the ranks that did not arrive; a pass's waits for peers'
+// signals are bounded by the executor's watchdog. Creating windows and
+// inboxes, gather() and destroying them are plain MPI collectives without a
+// timeout: a rank that dies there ends the job through mpirun, but one that
+// hangs alive stalls them. A fabric's collectives (creation, exchange,
+// barrier, gather, destruction) are called from one thread at a time, in the
+// same order on every rank; put() and Inbox::signal() from any thread.
 //
 // No MLIR/LLVM dependency; this header does not include MPI.
 //

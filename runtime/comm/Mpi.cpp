@@ -189,19 +189,29 @@ public:
       }
       return Status::success();
     }
-    if (rows > size_t(INT_MAX) || rowBytes > size_t(INT_MAX))
-      return Status::error("mpi fabric: a put of more than 2^31 rows or row bytes");
-    MPI_Datatype from, to;
-    MOEC_MPI(MPI_Type_create_hvector(int(rows), int(rowBytes), MPI_Aint(srcStride), MPI_BYTE,
-                                     &from),
-             "MPI_Type_create_hvector");
-    MPI_Type_commit(&from);
-    MPI_Type_create_hvector(int(rows), int(rowBytes), MPI_Aint(dstStride), MPI_BYTE, &to);
-    MPI_Type_commit(&to);
-    const int rc = MPI_Put(src, 1, from, int(peer), MPI_Aint(offset), 1, to, win);
-    MPI_Type_free(&from);
-    MPI_Type_free(&to);
-    MOEC_MPI(rc, fmt::format("MPI_Put of {} rows to rank {}", rows, peer));
+    if (rowBytes > (size_t(1) << 30))
+      return Status::error("mpi fabric: a put of rows longer than 1 GiB");
+    // Strided rows, in batches of at most 1 GiB.
+    const size_t batch = std::max<size_t>(1, (size_t(1) << 30) / rowBytes);
+    for (size_t first = 0; first < rows; first += batch) {
+      const int n = int(std::min(batch, rows - first));
+      MPI_Datatype from = MPI_DATATYPE_NULL, to = MPI_DATATYPE_NULL;
+      int rc = MPI_Type_create_hvector(n, int(rowBytes), MPI_Aint(srcStride), MPI_BYTE, &from);
+      if (rc == MPI_SUCCESS)
+        rc = MPI_Type_commit(&from);
+      if (rc == MPI_SUCCESS)
+        rc = MPI_Type_create_hvector(n, int(rowBytes), MPI_Aint(dstStride), MPI_BYTE, &to);
+      if (rc == MPI_SUCCESS)
+        rc = MPI_Type_commit(&to);
+      if (rc == MPI_SUCCESS)
+        rc = MPI_Put(static_cast<const char *>(src) + first * srcStride, 1, from, int(peer),
+                     MPI_Aint(offset + first * dstStride), 1, to, win);
+      if (from != MPI_DATATYPE_NULL)
+        MPI_Type_free(&from);
+      if (to != MPI_DATATYPE_NULL)
+        MPI_Type_free(&to);
+      MOEC_MPI(rc, fmt::format("MPI_Put of {} rows to rank {}", n, peer));
+    }
     return Status::success();
   }
 
@@ -225,10 +235,13 @@ public:
   }
 
   Status exchange(const void *mine, size_t bytes, void *all, double timeoutSeconds) override {
+    std::lock_guard<std::mutex> lock(exchangeMutex);
+    // The sequence advances even for a refused exchange, so that every rank
+    // keeps counting the same exchanges.
+    const uint64_t seq = ++sequence;
     if (bytes > kSlotPayload)
       return Status::error(fmt::format(
           "mpi fabric: an exchange of {} bytes per rank; at most {} fit", bytes, kSlotPayload));
-    const uint64_t seq = ++sequence;
     const size_t parity = seq & 1;
     const auto slot = [&](uint32_t from) { return (parity * count + from) * kSlot; };
     char *base = static_cast<char *>(mailbox.base);
@@ -312,7 +325,10 @@ public:
   Status barrier(double timeoutSeconds) override {
     if (Status s = flushData(kAll); !s)
       return s;
-    return exchange(nullptr, 0, nullptr, timeoutSeconds);
+    if (Status s = exchange(nullptr, 0, nullptr, timeoutSeconds); !s)
+      return s;
+    syncData(); // what peers put before the barrier is visible to our loads
+    return Status::success();
   }
 
   Status gather(const void *mine, size_t bytes, void *all) override {
@@ -339,6 +355,7 @@ public:
   MPI_Comm comm = MPI_COMM_NULL;
   uint32_t count = 1, me = 0;
   uint64_t sequence = 0;
+  std::mutex exchangeMutex; ///< one exchange at a time per fabric
   EpochWindow mailbox;
   std::shared_mutex windowsMutex;
   std::vector<MPI_Win> dataWindows;

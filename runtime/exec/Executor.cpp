@@ -185,6 +185,7 @@ struct Executor::Impl {
   bool remote = false;     ///< some ranks run in other processes
   std::unique_ptr<comm::Inbox> inbox;   ///< with `remote`: what peers signal
   std::vector<uint32_t> remoteEvents;   ///< events a peer may signal
+  std::vector<uint64_t> eventTotal;     ///< what every rank's signals add to each event
   std::vector<uint64_t> inboxValues;    ///< the local inbox as last read, per local rank
   std::vector<uint64_t> inboxSeen;      ///< what of it was delivered
   uint32_t queueCount = 0; ///< Q, queues per rank
@@ -268,9 +269,14 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
     localCount = options.fabric->localRanks();
     this->options.detectDeadlock = false;
     std::vector<bool> fromPeer(program.events.size(), false);
-    for (const SignalRecord &signal : program.signals)
+    eventTotal.assign(program.events.size(), 0);
+    for (const SignalRecord &signal : program.signals) {
       if (signal.peerOffset != 0)
         fromPeer[signal.event] = true;
+      // Every rank runs every task once, so each signal record reaches every
+      // rank once in a pass (from the rank peerOffset before it).
+      eventTotal[signal.event] += signal.increment;
+    }
     for (uint32_t e = 0; e < fromPeer.size(); ++e)
       if (fromPeer[e])
         remoteEvents.push_back(e);
@@ -666,12 +672,18 @@ Status Executor::Impl::deliver(bool *delivered) {
   return Status::success();
 }
 
-/// True when every terminate event of every local rank is complete.
+/// True when every terminate event of every local rank is complete and every
+/// signal peers send in a pass has arrived (so that the inbox can be reset
+/// with none in flight, whatever the binary's thresholds).
 bool Executor::Impl::terminated() const {
-  for (uint32_t rank = firstLocal; rank < firstLocal + localCount; ++rank)
+  for (uint32_t rank = firstLocal; rank < firstLocal + localCount; ++rank) {
     for (uint32_t e : terminateEvents)
       if (events[size_t(rank) * eventCount + e].value.load() < program.events[e].threshold)
         return false;
+    for (uint32_t e : remoteEvents)
+      if (events[size_t(rank) * eventCount + e].value.load() < eventTotal[e])
+        return false;
+  }
   return true;
 }
 

@@ -216,11 +216,12 @@ class MoeFFN(torch.nn.Module):
             ranks = _world_size()
         cfg = _read_config(config)
         forward, backward = compile_layer(cfg, ranks, target, granularity)
-        self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
-                                              float(timeout_seconds), fabric)
         if fabric == "mpi" and not _finalize_registered:
+            # Before the layer: its construction may start MPI and then fail.
             atexit.register(finalize_mpi)
             _finalize_registered = True
+        self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
+                                              float(timeout_seconds), fabric)
         info = self.layer.info()
         self.fabric = fabric
         self.ranks = info["ranks"]

@@ -514,7 +514,7 @@ std::vector<std::string> Expr::symbols() const {
 namespace {
 
 /// Evaluates `node`; `text` is the whole expression text for messages.
-std::optional<int64_t> evaluateNode(const Node &node, const std::string &text,
+std::optional<int64_t> evaluateNode(const Node &node, const std::string &text, bool roundUp,
                                     const Bindings &bindings,
                                     std::string *error) {
   auto setError = [&](const std::string &message) {
@@ -541,10 +541,10 @@ std::optional<int64_t> evaluateNode(const Node &node, const std::string &text,
   default:
     break;
   }
-  std::optional<int64_t> lhs = evaluateNode(*node.lhs, text, bindings, error);
+  std::optional<int64_t> lhs = evaluateNode(*node.lhs, text, roundUp, bindings, error);
   if (!lhs)
     return std::nullopt;
-  std::optional<int64_t> rhs = evaluateNode(*node.rhs, text, bindings, error);
+  std::optional<int64_t> rhs = evaluateNode(*node.rhs, text, roundUp, bindings, error);
   if (!rhs)
     return std::nullopt;
   std::string quoted =
@@ -573,6 +573,8 @@ std::optional<int64_t> evaluateNode(const Node &node, const std::string &text,
           "' is 0");
     if (*lhs == std::numeric_limits<int64_t>::min() && *rhs == -1)
       return setError(overflow);
+    if (roundUp && *lhs > 0 && *rhs > 0)
+      return *lhs / *rhs + (*lhs % *rhs != 0);
     if (*lhs % *rhs != 0)
       return setError(quoted + " does not divide: " + std::to_string(*lhs) +
                       " is not a multiple of " + std::to_string(*rhs));
@@ -586,7 +588,12 @@ std::optional<int64_t> evaluateNode(const Node &node, const std::string &text,
 
 std::optional<int64_t> Expr::evaluate(const Bindings &bindings,
                                       std::string *error) const {
-  return evaluateNode(*impl->root, impl->text, bindings, error);
+  return evaluateNode(*impl->root, impl->text, false, bindings, error);
+}
+
+std::optional<int64_t> Expr::evaluateRoundingUp(const Bindings &bindings,
+                                                std::string *error) const {
+  return evaluateNode(*impl->root, impl->text, true, bindings, error);
 }
 
 std::string Expr::canonical() const { return renderPoly(toPoly(*impl->root)); }

@@ -13,7 +13,8 @@
 //   IDENTIFIER := [A-Za-z_][A-Za-z0-9_]*
 //
 // Operators are left associative; '*' and '/' bind tighter than '+' and '-'.
-// Division must be exact when evaluated.
+// Division must be exact when evaluated (evaluate()), or rounds up
+// (evaluateRoundingUp(), for counts of tiles).
 //
 //===----------------------------------------------------------------------===//
 
@@ -68,6 +69,12 @@ public:
   /// exact, or an int64 overflow. Messages quote the failing subexpression.
   std::optional<int64_t> evaluate(const Bindings &bindings,
                                   std::string *error) const;
+
+  /// How evaluateRoundingUp() divides: a / b of positive a and b is the
+  /// ceiling of the quotient (a count of tiles that cover a extent), exact
+  /// division otherwise as evaluate().
+  std::optional<int64_t> evaluateRoundingUp(const Bindings &bindings,
+                                            std::string *error) const;
 
   /// Returns a canonical form of the expression: two expressions whose
   /// canonical() strings are equal have equal values for every binding.

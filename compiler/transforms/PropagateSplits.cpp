@@ -107,6 +107,15 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       std::optional<int64_t> tasks = taskCount(op, bindings);
       if (!tasks)
         return failure();
+      // A count the split value derives (no task_num) is rounded up to what
+      // the op's grid needs: every local expert (and, for a put, every peer)
+      // gets the same number of tiles. It changes only counts that did not
+      // fit before; an explicit task_num is taken as written.
+      if (!op.getSplit().getTaskNum()) {
+        const int64_t unit = bindings.at("single_rank_expert_num") *
+                             (isa<DispatchOp, CombineOp>(op.getOperation()) ? bindings.at("ep") : 1);
+        *tasks = (*tasks + unit - 1) / unit * unit;
+      }
       std::optional<Grid> grid = gridOf(op, *tasks, bindings);
       if (!grid)
         return failure();
@@ -260,7 +269,10 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     return g;
   }
 
-  /// The seed's rule: a task_num expression if given, else extent / split value.
+  /// The seed's rule: a task_num expression if given, else extent / split
+  /// value; a division in either counts tiles, so it rounds up (an extent
+  /// that is no multiple of the split value gets one more, smaller, tile,
+  /// and the tiles of a dimension are balanced: see tileBegin()).
   std::optional<int64_t> taskCount(TaskOpInterface op, const Bindings &graphBindings) {
     int64_t splitValue = op.getSplitValue();
     SplitAttr split = op.getSplit();
@@ -278,7 +290,10 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     if (StringAttr expr = split.getTaskNum()) {
       Bindings bindings = graphBindings;
       bindings["split_value"] = splitValue;
-      std::optional<int64_t> n = Expr::parse(expr.getValue().str(), &error)->evaluate(bindings, &error);
+      // A division in a task count counts tiles: it rounds up, so an extent
+      // that is no multiple of the split value gets one more (smaller) tile.
+      std::optional<int64_t> n =
+          Expr::parse(expr.getValue().str(), &error)->evaluateRoundingUp(bindings, &error);
       if (!n) {
         op->emitError() << "'" << op.getOpName() << "': task_num: " << error;
         return std::nullopt;
@@ -290,13 +305,12 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       }
       return n;
     }
-    if (extent % splitValue != 0) {
+    if (splitValue <= 0) {
       op->emitError() << "'" << op.getOpName() << "': split value " << splitValue
-                      << " does not divide dim " << dim << " of '" << tensorName(cut)
-                      << "' (" << extent << ")";
+                      << " must be positive";
       return std::nullopt;
     }
-    return extent / splitValue;
+    return (extent + splitValue - 1) / splitValue;
   }
 };
 

@@ -121,6 +121,7 @@ compile(const Case &c) {
                                          std::shared_ptr<const Program>>>
       cache;
   const std::string key = std::to_string(c.ranks) + "_" + std::to_string(c.localExperts) + "_" +
+                          std::to_string(c.seq) + "_" +
                           std::to_string(c.topK) + "_" + std::to_string(c.hidden) + "_" +
                           std::to_string(c.inter) + (c.bf16 ? "_bf16_" : "_f32_") +
                           granularityName(c.granularity) + "_" +
@@ -420,6 +421,40 @@ TEST_CASE("runtime matches the reference over ranks, experts and top-k", "[runti
         checkAgainstReference(c, 100 * R + 10 * L + K);
       }
   CHECK(casesRun > before); // every fabric size 1..4 has cases here
+}
+
+TEST_CASE("runtime matches the reference on awkward shapes", "[runtime]") {
+  // Token counts, hidden and intermediate sizes that are no multiple of any
+  // split value or tile (1, 37, 1000 tokens; H, I not multiples of 16): the
+  // last tiles are smaller. E = 3 ranks x 3 experts; top-1 and top-E.
+  struct Shape {
+    uint32_t R, L, K;
+    int64_t S, H, I;
+  };
+  const Shape shapes[] = {
+      {1, 3, 1, 1, 20, 12},    {2, 2, 2, 37, 50, 24},   {3, 3, 1, 37, 18, 10},
+      {3, 3, 9, 37, 18, 10},   {2, 2, 4, 1000, 24, 20}, {1, 2, 2, 37, 100, 96},
+      {3, 1, 3, 1, 33, 17},    {2, 3, 6, 5, 40, 14},    {4, 1, 2, 37, 20, 12},
+  };
+  const int before = casesRun;
+  for (const Shape &shape : shapes)
+    for (bool bf16 : {false, true})
+      for (auto g : {Granularity::PerTileRange, Granularity::PerExpert}) {
+        if (bf16 && g == Granularity::PerExpert && shape.S == 1000)
+          continue; // the largest case once is enough
+        Case c;
+        c.ranks = shape.R;
+        c.localExperts = shape.L;
+        c.topK = shape.K;
+        c.seq = shape.S;
+        c.hidden = shape.H;
+        c.inter = shape.I;
+        c.bf16 = bf16;
+        c.granularity = g;
+        c.capacityFactor = 2 * shape.R; // any routing of these small layers fits
+        checkAgainstReference(c, uint32_t(shape.S * 7 + shape.H));
+      }
+  CHECK(casesRun > before);
 }
 
 TEST_CASE("runtime matches the reference in bf16 and with per-expert events", "[runtime]") {

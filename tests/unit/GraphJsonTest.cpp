@@ -18,6 +18,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -851,35 +852,48 @@ TEST_CASE("a missing config file fails the pipeline", "[graph-json][errors]") {
   CHECK(contains(errors[0].message, "cannot read 'examples/configs/no-such.json'"));
 }
 
-TEST_CASE("a split value that does not divide fails the pipeline at the op",
-          "[graph-json][errors]") {
+/// Imports `text`, runs the graph pipeline with config `configPath` (which
+/// must succeed) and returns each op's propagated task count.
+std::map<std::string, uint64_t> pipelineTasks(const std::string &text,
+                                              const std::string &configPath) {
+  Harness h;
+  mlir::OwningOpRef<mlir::ModuleOp> module = moec::importGraphJson(text, "graph.json", &h.ctx);
+  INFO("diagnostics:\n" << h.dump());
+  REQUIRE(module);
+  mlir::PassManager pm(&h.ctx);
+  moec::moe::buildGraphPipeline(pm, configPath);
+  REQUIRE(mlir::succeeded(pm.run(*module)));
+  std::map<std::string, uint64_t> tasks;
+  module->walk([&](moec::moe::TaskOpInterface op) {
+    tasks[op.getOpName().str()] = op.getTasks().value_or(0);
+  });
+  return tasks;
+}
+
+TEST_CASE("a split value that does not divide its dim counts one more, smaller tile",
+          "[graph-json]") {
   SECTION("task count from the dim") {
     json g = fwdGraph();
     json &swiglu = opNamed(g, "swiglu");
     swiglu["split_spec"].erase("task_num");
     swiglu["split_value"] = 100;
-    std::string text = g.dump(2);
-    // tiny: up_proj_y has per_rank_seq = 256 rows.
-    std::vector<Diag> errors = pipelineErrors(text, "examples/configs/tiny.json");
-    REQUIRE(errors.size() == 1);
-    auto [line, col] = namePos(text, "ops", "swiglu");
-    CHECK(errors[0].line == line);
-    CHECK(errors[0].col == col);
-    CHECK(contains(errors[0].message, "'swiglu': split value 100 does not divide dim 0 of "
-                                      "'up_proj_y' (256)"));
+    // tiny: up_proj_y has per_rank_seq = 256 rows: ceil(256 / 100) = 3 tiles,
+    // rounded up to a multiple of the 2 local experts.
+    CHECK(pipelineTasks(g.dump(2), "examples/configs/tiny.json")["swiglu"] == 4);
   }
   SECTION("task count from task_num") {
     json g = fwdGraph();
     opNamed(g, "dispatch")["split_value"] = 96;
-    std::string text = g.dump(2);
-    // tiny: per_expert_seq_to_other = 128, not a multiple of 96.
-    std::vector<Diag> errors = pipelineErrors(text, "examples/configs/tiny.json");
-    REQUIRE(errors.size() == 1);
-    auto [line, col] = namePos(text, "ops", "dispatch");
-    CHECK(errors[0].line == line);
-    CHECK(errors[0].col == col);
-    CHECK(contains(errors[0].message, "'dispatch': task_num: "));
-    CHECK(contains(errors[0].message, "does not divide: 128 is not a multiple of 96"));
+    // tiny: num_experts * (per_expert_seq_to_other / split_value) =
+    // 4 * ceil(128 / 96) = 8.
+    CHECK(pipelineTasks(g.dump(2), "examples/configs/tiny.json")["dispatch"] == 8);
+  }
+  SECTION("counts that divide stay the seed's") {
+    const std::map<std::string, uint64_t> tasks =
+        pipelineTasks(readFile("graphs/moe_ffn_fwd.json"), "examples/configs/tiny.json");
+    // 4 * (128 / 128), (256 / 128) * 2.
+    CHECK(tasks.at("dispatch") == 4);
+    CHECK(tasks.at("swiglu") == 4);
   }
 }
 

@@ -298,14 +298,30 @@ moe.graph "task_num" {
 
 // -----
 
-// A put's count must be a multiple of L x R = 4: 256 / 128 = 2 is not.
+// A put's count must be a multiple of L x R = 4. One the split value derives
+// (256 / 128 = 2) is rounded up to it.
+// CHECK-LABEL: moe.graph "put_rounded_up"
+moe.graph "put_rounded_up" {
+  %off = moe.input "off" : !moe.tensor<[4], i64>
+  %x = moe.input "x" : !moe.tensor<[256, 64], f32>
+  %soff = moe.input "soff" : !moe.tensor<[4], i64>
+  %n = moe.input "n" : !moe.tensor<[4], i32>
+  // CHECK: moe.dispatch "dispatch"
+  // CHECK-SAME: grid = array<i64: 2, 2, 1, 1, 128, 64>
+  // CHECK-SAME: tasks = 4 : i64
+  %t = moe.dispatch "dispatch"(%off, %x, %soff, %n) -> "t" {split = #moe.split<inputs = [], output_dims = [0]>, split_value = 128 : i64} : (!moe.tensor<[4], i64>, !moe.tensor<[256, 64], f32>, !moe.tensor<[4], i64>, !moe.tensor<[4], i32>) -> !moe.tensor<[256, 64], f32>
+}
+
+// -----
+
+// An explicit task_num is taken as written: 2 is no multiple of L x R = 4.
 moe.graph "put_not_multiple" {
   %off = moe.input "off" : !moe.tensor<[4], i64>
   %x = moe.input "x" : !moe.tensor<[256, 64], f32>
   %soff = moe.input "soff" : !moe.tensor<[4], i64>
   %n = moe.input "n" : !moe.tensor<[4], i32>
   // expected-error@+1 {{'dispatch': 2 tasks do not divide evenly over local experts x ranks (4); the task count must be a multiple of it}}
-  %t = moe.dispatch "dispatch"(%off, %x, %soff, %n) -> "t" {split = #moe.split<inputs = [], output_dims = [0]>, split_value = 128 : i64} : (!moe.tensor<[4], i64>, !moe.tensor<[256, 64], f32>, !moe.tensor<[4], i64>, !moe.tensor<[4], i32>) -> !moe.tensor<[256, 64], f32>
+  %t = moe.dispatch "dispatch"(%off, %x, %soff, %n) -> "t" {split = #moe.split<inputs = [], output_dims = [0], task_num = "2">, split_value = 128 : i64} : (!moe.tensor<[4], i64>, !moe.tensor<[256, 64], f32>, !moe.tensor<[4], i64>, !moe.tensor<[4], i32>) -> !moe.tensor<[256, 64], f32>
 }
 
 // -----
@@ -377,19 +393,28 @@ moe.graph "put_empty_rows" {
 
 // -----
 
+// A split value that does not divide its dim: ceil(256 / 96) = 3 tiles,
+// rounded up to 2 per local expert; the tiles of a segment are balanced.
+// CHECK-LABEL: moe.graph "not_dividing_source"
 moe.graph "not_dividing_source" {
   %y = moe.input "y" : !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
-  // expected-error@+1 {{'p': split value 96 does not divide dim 0 of 'p_out' (256)}}
+  // CHECK: moe.swiglu "p"
+  // CHECK-SAME: grid = array<i64: 2, 1, 2, 1, 256, 32>
+  // CHECK-SAME: tasks = 4 : i64
   %p = moe.swiglu "p"(%y) -> "p_out" {split = #moe.split<inputs = [], output_dims = [0]>, split_value = 96 : i64} : (!moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>) -> !moe.tensor<[per_rank_seq, intermediate_size], act>
 }
 
 // -----
 
+// CHECK-LABEL: moe.graph "not_dividing_input"
 moe.graph "not_dividing_input" {
   %y = moe.input "y" : !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
   %p = moe.swiglu "p"(%y) -> "p_out" {split = #moe.split<inputs = [], output_dims = [0]>, split_value = 128 : i64} : (!moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>) -> !moe.tensor<[per_rank_seq, intermediate_size], act>
-  // The split input's dim 1 is intermediate_size = 32.
-  // expected-error@+1 {{'c': split value 5 does not divide dim 1 of 'p_out' (32)}}
+  // The split input's dim 1 is intermediate_size = 32: ceil(32 / 5) = 7
+  // tasks, rounded up to 4 per local expert.
+  // CHECK: moe.swiglu_grad "c"
+  // CHECK-SAME: grid = array<i64: 2, 1, 4, 1, 256, 64>
+  // CHECK-SAME: tasks = 8 : i64
   %c = moe.swiglu_grad "c"(%p, %y) -> "c_out" {split = #moe.split<inputs = [0:1], output_dims = [0]>, split_value = 5 : i64} : (!moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
 }
 
@@ -403,9 +428,14 @@ moe.graph "task_num_zero" {
 
 // -----
 
+// A division in a task_num counts tiles and rounds up: ceil(256 / 96) = 3 row
+// tiles per expert, rows [0, 85), [85, 170), [170, 256).
+// CHECK-LABEL: moe.graph "task_num_not_dividing"
 moe.graph "task_num_not_dividing" {
   %y = moe.input "y" : !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
-  // expected-error@+1 {{'p': task_num: 'per_expert_seq / split_value' does not divide: 256 is not a multiple of 96}}
+  // CHECK: moe.swiglu "p"
+  // CHECK-SAME: grid = array<i64: 2, 1, 3, 1, 256, 32>
+  // CHECK-SAME: tasks = 6 : i64
   %p = moe.swiglu "p"(%y) -> "p_out" {split = #moe.split<inputs = [], output_dims = [0], task_num = "(per_expert_seq / split_value) * single_rank_expert_num">, split_value = 96 : i64} : (!moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>) -> !moe.tensor<[per_rank_seq, intermediate_size], act>
 }
 

@@ -58,9 +58,12 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
   let description = [{
     Visits the compute ops in topological order (the seed's semantics). An
     op's task count is its `task_num` expression when it has one (evaluated
-    with the graph's bindings and `split_value`); otherwise the extent of
-    its first split input's dim (or, for a source, of its first output
-    split dim) divided by the split value, which must divide it.
+    with the graph's bindings and `split_value`, each division rounding up:
+    it counts tiles); otherwise the extent of its first split input's dim
+    (or, for a source, of its first output split dim) divided by the split
+    value, rounded up, then up to a multiple of what the op's grid needs
+    (L, or L x R for a put). A dimension's tiles are balanced, so an extent
+    that is no multiple of the split value gets one more, smaller tile.
 
     The tasks form a grid, `grid = [experts, peers, row tiles, column
     tiles, rows, columns]`, numbered in that order (rows and columns are

@@ -95,6 +95,21 @@ def test_bf16_matches_autograd(ranks):
     check_step(layer, *inputs(layer, seed=ranks), tol=BF16_TOL)
 
 
+@pytest.mark.parametrize("ranks,local_experts,top_k,tokens,hidden,inter,dtype", [
+    (3, 3, 2, 37, 50, 24, "fp32"),     # E = 3 x 3; S, H, I no multiple of a tile
+    (3, 3, 9, 37, 50, 24, "fp32"),     # top-k = every expert
+    (1, 4, 1, 1, 20, 12, "fp32"),      # one token
+    (2, 2, 2, 1000, 24, 20, "bf16"),   # 1000 tokens per rank
+])
+def test_awkward_shapes_match_autograd(ranks, local_experts, top_k, tokens, hidden, inter,
+                                       dtype):
+    torch.manual_seed(tokens + hidden)
+    layer = moec_torch.MoeFFN(config(experts=ranks * local_experts, top_k=top_k, hidden=hidden,
+                                     inter=inter, tokens=tokens, dtype=dtype,
+                                     capacity_factor=2 * ranks), ranks, threads=2)
+    check_step(layer, *inputs(layer, seed=tokens), tol=FP32_TOL if dtype == "fp32" else BF16_TOL)
+
+
 def test_tiny_config_file_and_fewer_tokens():
     """The tiny example config from its JSON path; a step with fewer tokens
     than the compiled seq_size."""

@@ -262,8 +262,10 @@ def test_error_capacity():
 
 
 def test_error_config_does_not_compile():
-    with pytest.raises(RuntimeError, match=r"moec compile moe_ffn_fwd.json failed:\n.*does not divide"):
-        moec_torch.MoeFFN(config(tokens=64), 2)
+    # 3 experts cannot be shared by 2 ranks (any token count would compile).
+    with pytest.raises(RuntimeError, match=r"moec compile moe_ffn_fwd.json failed:\n.*"
+                                           r"'num_experts' \(3\) must be a multiple of 'ep' \(2\)"):
+        moec_torch.MoeFFN(config(experts=3, top_k=1), 2)
 
 
 def test_error_backward_without_backward_binary(tiny):

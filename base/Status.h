@@ -10,10 +10,19 @@
 #ifndef MOEC_BASE_STATUS_H
 #define MOEC_BASE_STATUS_H
 
+#include <cstdint>
 #include <string>
 #include <utility>
 
 namespace moec {
+
+/// What kind of error a Status is, for a caller that acts on it.
+enum class StatusCode : uint8_t {
+  Ok = 0,
+  Error = 1,        ///< anything else: the message says what
+  OverCapacity = 2, ///< a routing needs more rows than the binary was compiled
+                    ///< for (the runtime's Context::capacityNeed() says how many)
+};
 
 /// Success, or an error that carries a message. A default-constructed Status
 /// is a success.
@@ -27,15 +36,18 @@ public:
 
   /// Returns an error whose message is `message` (which should not be empty;
   /// an empty message is replaced by "unknown error").
-  static Status error(std::string message) {
+  static Status error(std::string message, StatusCode code = StatusCode::Error) {
     Status status;
-    status.failed = true;
+    status.kind = code == StatusCode::Ok ? StatusCode::Error : code;
     status.text = message.empty() ? std::string("unknown error") : std::move(message);
     return status;
   }
 
   /// Returns true for a success.
-  bool ok() const { return !failed; }
+  bool ok() const { return kind == StatusCode::Ok; }
+
+  /// Returns the kind of error (StatusCode::Ok for a success).
+  StatusCode code() const { return kind; }
 
   /// Returns true for a success, so that `if (!status)` tests for an error.
   explicit operator bool() const { return ok(); }
@@ -45,10 +57,12 @@ public:
 
   /// Returns an error whose message is `prefix` followed by this error's
   /// message, e.g. a file name and ": "; a success is returned unchanged.
-  Status withPrefix(const std::string &prefix) const { return ok() ? *this : error(prefix + text); }
+  Status withPrefix(const std::string &prefix) const {
+    return ok() ? *this : error(prefix + text, kind);
+  }
 
 private:
-  bool failed = false;
+  StatusCode kind = StatusCode::Ok;
   std::string text;
 };
 

@@ -143,7 +143,7 @@ namespace {
 /// Followed by E int64 counts.
 struct RankReport {
   int32_t ok = 1;
-  int32_t reserved = 0;
+  int32_t code = 0; ///< the StatusCode of the error, when not ok
   int64_t tokens = 0;
   int64_t topK = 0;
   char message[488] = {};
@@ -189,6 +189,7 @@ struct Context::Impl {
   std::vector<Tensor> ids, weights;  ///< per rank; data null until set
   std::vector<std::array<Tensor, kBindingCount>> bound;
   std::vector<cpu::RankRoute> routes; ///< what the last forward pass used
+  CapacityNeed need;                  ///< what the last forward pass's routing needed
   bool haveForward = false;
   const exec::Executor *lastExecutor = nullptr;
   std::string broken; ///< why the context cannot run another pass
@@ -213,7 +214,7 @@ struct Context::Impl {
       broken = status.message();
     return status;
   }
-  Status checkCapacities(const std::vector<cpu::RankRoute> &routes) const;
+  Status checkCapacities(const std::vector<cpu::RankRoute> &routes);
   Status runTasks(cpu::Pass &pass, PassTimes &times);
   Status forward();
   Status backward();
@@ -255,14 +256,16 @@ Status Context::Impl::checkRoute(uint32_t r, cpu::RankRoute *out) const {
   const Tensor &idsT = ids[r];
   if (idsT.ndim != 2)
     return Status::error(fmt::format("rank {}: no routing set (setRouting)", r));
-  cpu::RankRoute route;
+  cpu::RankRoute &route = *out;
+  route = cpu::RankRoute();
   route.tokens = idsT.dims[0];
   route.topK = idsT.dims[1];
   if (route.tokens * route.topK > s.rowCapacity)
-    return Status::error(fmt::format(
-        "rank {}: routing over capacity: {} tokens x top-{} = {} rows; the binary serves at "
-        "most {} rows per rank",
-        r, route.tokens, route.topK, route.tokens * route.topK, s.rowCapacity));
+    return Status::error(
+        fmt::format("rank {}: routing over capacity: {} tokens x top-{} = {} rows; the binary "
+                    "serves at most {} rows per rank",
+                    r, route.tokens, route.topK, route.tokens * route.topK, s.rowCapacity),
+        StatusCode::OverCapacity);
   const Status built =
       idsT.dtype == MOEC_I32
           ? cpu::buildRoutingLayout(static_cast<const int32_t *>(idsT.data), route.tokens,
@@ -273,7 +276,6 @@ Status Context::Impl::checkRoute(uint32_t r, cpu::RankRoute *out) const {
     return built.withPrefix(fmt::format("rank {}: ", r));
   const float *w = static_cast<const float *>(weights[r].data);
   route.weights.assign(w, w + route.tokens * route.topK);
-  *out = std::move(route);
   return Status::success();
 }
 
@@ -289,12 +291,15 @@ Status Context::Impl::agree(const std::vector<Status> &local,
   for (uint32_t i = 0; i < fabric->localRanks(); ++i) {
     RankReport report;
     const uint32_t r = firstLocal() + i;
-    if (!local[i]) {
-      report.ok = 0;
-      copyText(report.message, sizeof report.message, local[i].message());
-    } else if (routes && !(*routes)[r].layout.counts.empty()) {
+    if (routes) {
       report.tokens = (*routes)[r].tokens;
       report.topK = (*routes)[r].topK;
+    }
+    if (!local[i]) {
+      report.ok = 0;
+      report.code = int32_t(local[i].code());
+      copyText(report.message, sizeof report.message, local[i].message());
+    } else if (routes && !(*routes)[r].layout.counts.empty()) {
       std::memcpy(mine.data() + i * block + sizeof report, (*routes)[r].layout.counts.data(),
                   size_t(E) * sizeof(int64_t));
     }
@@ -302,12 +307,20 @@ Status Context::Impl::agree(const std::vector<Status> &local,
   }
   if (Status s = fabric->exchange(mine.data(), block, all.data(), options.timeoutSeconds); !s)
     return fatal(s);
+  if (routes) {
+    need = CapacityNeed();
+    for (uint32_t r = 0; r < R; ++r) {
+      RankReport report;
+      std::memcpy(&report, all.data() + r * block, sizeof report);
+      need.rowsPerRank = std::max(need.rowsPerRank, report.tokens * report.topK);
+    }
+  }
   for (uint32_t r = 0; r < R; ++r) {
     RankReport report;
     std::memcpy(&report, all.data() + r * block, sizeof report);
     if (!report.ok)
-      return Status::error(fabric->isLocal(r) ? local[r - firstLocal()].message()
-                                              : std::string(report.message));
+      return fabric->isLocal(r) ? local[r - firstLocal()]
+                                : Status::error(report.message, StatusCode(report.code));
   }
   if (!routes)
     return Status::success();
@@ -329,9 +342,25 @@ Status Context::Impl::agree(const std::vector<Status> &local,
   return Status::success();
 }
 
-Status Context::Impl::checkCapacities(const std::vector<cpu::RankRoute> &routes) const {
+Status Context::Impl::checkCapacities(const std::vector<cpu::RankRoute> &routes) {
   const LayerShape &s = shape();
   const uint32_t R = s.ranks, L = s.localExperts;
+  for (uint32_t r = 0; r < R; ++r) {
+    int64_t received = 0;
+    for (uint32_t e = 0; e < L; ++e) {
+      int64_t rows = 0;
+      for (uint32_t q = 0; q < R; ++q) {
+        need.putRows = std::max(need.putRows, routes[q].layout.counts[r * L + e]);
+        rows += routes[q].layout.counts[r * L + e];
+      }
+      need.rowsPerExpert = std::max(need.rowsPerExpert, rows);
+      received += rows;
+    }
+    need.receivePerRank = std::max(need.receivePerRank, received);
+  }
+  const auto over = [](std::string message) {
+    return Status::error(std::move(message), StatusCode::OverCapacity);
+  };
   for (uint32_t r = 0; r < R; ++r) {
     int64_t received = 0;
     for (uint32_t e = 0; e < L; ++e) {
@@ -340,21 +369,21 @@ Status Context::Impl::checkCapacities(const std::vector<cpu::RankRoute> &routes)
       for (uint32_t q = 0; q < R; ++q) {
         const int64_t n = routes[q].layout.counts[g];
         if (n > s.putCapacity)
-          return Status::error(fmt::format(
+          return over(fmt::format(
               "routing over capacity: rank {} sends {} rows to expert {}; the binary's puts "
               "carry at most {} rows from one rank to one expert",
               q, n, g, s.putCapacity));
         rows += n;
       }
       if (rows > s.expertCapacity)
-        return Status::error(fmt::format(
+        return over(fmt::format(
             "routing over capacity: expert {} (local expert {} of rank {}) receives {} rows; "
             "the binary serves at most {} rows per expert",
             g, e, r, rows, s.expertCapacity));
       received += rows;
     }
     if (received > s.receiveCapacity)
-      return Status::error(fmt::format(
+      return over(fmt::format(
           "routing over capacity: the experts of rank {} receive {} rows; the binary serves "
           "at most {} rows per rank",
           r, received, s.receiveCapacity));
@@ -578,6 +607,7 @@ uint32_t Context::workers() const { return body->workerCount; }
 uint32_t Context::firstLocalRank() const { return body->firstLocal(); }
 uint32_t Context::localRanks() const { return body->fabric->localRanks(); }
 comm::Fabric &Context::fabric() const { return *body->fabric; }
+const CapacityNeed &Context::capacityNeed() const { return body->need; }
 const PassTimes &Context::forwardTimes() const { return body->fwdTimes; }
 const PassTimes &Context::backwardTimes() const { return body->bwdTimes; }
 size_t Context::workspaceBytes() const {
@@ -711,7 +741,7 @@ int report(const moec::Status &status) {
   if (status.ok())
     return 0;
   lastError = status.message();
-  return 1;
+  return int(status.code());
 }
 
 /// Runs `fn` (which returns a Status), turning exceptions into errors.
@@ -762,6 +792,17 @@ int moec_context_create(const moec_program *forward, const moec_program *backwar
 }
 
 void moec_context_free(moec_context *context) { delete context; }
+
+int moec_capacity_need(const moec_context *context, int64_t need[4]) {
+  if (!context || !need)
+    return report(moec::Status::error("moec_capacity_need: null argument"));
+  const moec::rt::CapacityNeed &n = context->context->capacityNeed();
+  need[0] = n.rowsPerRank;
+  need[1] = n.receivePerRank;
+  need[2] = n.rowsPerExpert;
+  need[3] = n.putRows;
+  return 0;
+}
 
 uint32_t moec_context_ranks(const moec_context *context) {
   return context ? context->context->ranks() : 0;

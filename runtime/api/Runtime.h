@@ -52,7 +52,11 @@
  * passes (the peers' state is unknown); a tool ends the job (MPI_Abort).
  *
  * Errors: C++ calls return a moec::Status; C calls return 0 on success and
- * nonzero on error, with the message in moec_last_error() (per thread).
+ * nonzero on error (MOEC_OVER_CAPACITY for a routing over the binary's
+ * capacity, MOEC_ERROR for anything else), with the message in
+ * moec_last_error() (per thread). After an over-capacity error,
+ * Context::capacityNeed() (moec_capacity_need) says what the routing needs,
+ * so a caller can compile a binary with more capacity and run the step again.
  *
  * No MLIR or LLVM dependency.
  *
@@ -94,6 +98,10 @@ typedef struct moec_tensor {
 typedef struct moec_program moec_program; /**< a loaded task binary */
 typedef struct moec_context moec_context; /**< an EP group's runtime state */
 
+/** What a failed C call returns (0 is success). */
+#define MOEC_ERROR 1
+#define MOEC_OVER_CAPACITY 2 /**< the routing needs more capacity than the binary has */
+
 /** The message of the calling thread's last failed call ("" if none). */
 const char *moec_last_error(void);
 
@@ -111,6 +119,13 @@ int moec_context_create(const moec_program *forward, const moec_program *backwar
 
 /** Frees a context, waiting for a submitted pass first. */
 void moec_context_free(moec_context *context);
+
+/** What the last forward pass's routing needed, valid after it ran or was
+ *  refused for capacity: need[0] (token, k) rows of the fullest rank (the
+ *  binary's limit: S * K), need[1] rows the experts of the fullest rank
+ *  receive, need[2] rows the fullest expert receives, need[3] rows the
+ *  largest put carries (one rank to one expert). */
+int moec_capacity_need(const moec_context *context, int64_t need[4]);
 
 /** The number of ranks of the context's EP group. */
 uint32_t moec_context_ranks(const moec_context *context);
@@ -166,6 +181,15 @@ std::string shapeString(const Tensor &tensor);
 
 /// The sizes and capacities of a compiled layer (base/LayerShape.h).
 using LayerShape = moec::LayerShape;
+
+/// What a routing needs of a binary's capacities (LayerShape's rowCapacity,
+/// receiveCapacity, expertCapacity, putCapacity), over every rank.
+struct CapacityNeed {
+  int64_t rowsPerRank = 0;    ///< most (token, k) rows one rank routes
+  int64_t receivePerRank = 0; ///< most rows the experts of one rank receive
+  int64_t rowsPerExpert = 0;  ///< most rows one expert receives
+  int64_t putRows = 0;        ///< most rows one rank sends one expert
+};
 
 /// A loaded, validated task binary of a MoE-FFN forward or backward pass.
 class Program {
@@ -283,6 +307,11 @@ public:
   Status submitForward();
   Status submitBackward();
   Status wait();
+
+  /// What the last forward pass's routing needed (all ranks), set once its
+  /// routing was checked: after it ran, and after it was refused with
+  /// StatusCode::OverCapacity, before anything was written.
+  const CapacityNeed &capacityNeed() const;
 
   /// Times of the last forward / backward pass.
   const PassTimes &forwardTimes() const;

@@ -636,6 +636,15 @@ TEST_CASE("runtime refuses bad input and leaves outputs untouched", "[runtime]")
         ids[i] = int64_t(i % 2);
     expectRefused("routing over capacity: the experts of rank 0 receive 512 rows; the binary "
                   "serves at most 384 rows per rank");
+    // Its own status code, and what the routing needs (on every rank), so a
+    // caller can compile a binary with more capacity.
+    CHECK(ctx->forward().code() == moec::StatusCode::OverCapacity);
+    const moec::rt::CapacityNeed &need = ctx->capacityNeed();
+    CHECK(need.receivePerRank == 512); // every row of both ranks
+    CHECK(need.rowsPerExpert == 256);  // experts 0 and 1 take a row of every token
+    CHECK(need.putRows == 128);        // each rank sends each of them all its tokens
+    CHECK(need.rowsPerRank == S * K);
+    CHECK(run.sameOutputs(pristine));
   }
   SECTION("backward before forward") {
     Status s = ctx->backward();
@@ -692,7 +701,11 @@ TEST_CASE("runtime C API", "[runtime]") {
       REQUIRE(moec_bind(ctx, r, name, &tensor) == 0);
   }
   REQUIRE(moec_forward(ctx) == 0);
-  CHECK(moec_backward(ctx) != 0); // dy etc. not bound
+  int64_t need[4] = {};
+  REQUIRE(moec_capacity_need(ctx, need) == 0);
+  CHECK(need[0] == S * K);
+  CHECK(need[1] > 0);
+  CHECK(moec_backward(ctx) == MOEC_ERROR); // dy etc. not bound
   CHECK_THAT(moec_last_error(), Catch::Contains("tensor 'dy' is not bound"));
 
   // The same forward through the C++ API gives the same bits.

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
@@ -139,6 +140,22 @@ void printSchedule(const char *pass, const format::TaskProgram &p) {
               "(target '%s')\n",
               pass, p.ops.size(), p.tasks.size(), p.events.size(), cube, vector,
               std::string(p.name(p.target)).c_str());
+}
+
+/// What to change in the config for a routing the binary has no room for.
+std::string capacityHint(const rt::LayerShape &shape, const rt::CapacityNeed &need) {
+  std::string hint = fmt::format(
+      "the routing needs: {} rows routed by the fullest rank (the binary: {}), {} rows received "
+      "by the experts of the fullest rank (the binary: {})",
+      need.rowsPerRank, shape.rowCapacity, need.receivePerRank, shape.receiveCapacity);
+  if (need.rowsPerRank > shape.rowCapacity)
+    return hint + fmt::format("; compile with \"seq_size\" at least {} (tokens per rank)",
+                              (need.rowsPerRank + shape.topK - 1) / std::max<int64_t>(1, shape.topK));
+  // capacity_factor scales the balanced load S * K (the binary's rowCapacity).
+  const double factor =
+      std::ceil(100.0 * double(need.receivePerRank) / double(std::max<int64_t>(1, shape.rowCapacity))) /
+      100.0;
+  return hint + fmt::format("; compile with \"capacity_factor\": {:.2f} or more in the config", factor);
 }
 
 void printTimes(const char *pass, const rt::PassTimes &t, uint64_t repeat) {
@@ -296,8 +313,11 @@ int runRun(int argc, char **argv, int first) {
   rt::PassTimes bestFwd, bestBwd;
   bestFwd.prepare = bestBwd.prepare = std::numeric_limits<double>::infinity();
   for (uint64_t i = 0; i < repeat; ++i) {
-    if (Status s = run.run(*context, backward, &data); !s)
+    if (Status s = run.run(*context, backward, &data); !s) {
+      if (s.code() == StatusCode::OverCapacity)
+        return fail(Status::error(s.message() + "\n" + capacityHint(shape, context->capacityNeed())));
       return fail(s);
+    }
     if (context->forwardTimes().total() < bestFwd.total())
       bestFwd = context->forwardTimes();
     if (backward && context->backwardTimes().total() < bestBwd.total())

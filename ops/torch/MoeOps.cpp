@@ -46,7 +46,11 @@ namespace {
 using moec::DType;
 
 /// Throws a c10::Error carrying a failed status's message.
+/// An over-capacity error starts with "moec over capacity: ", so that the
+/// Python side can grow the layer's capacity and run the step again.
 void check(const moec::Status &status, const char *what) {
+  TORCH_CHECK(status.code() != moec::StatusCode::OverCapacity, "moec over capacity: ",
+              status.message());
   TORCH_CHECK(status.ok(), "moec ", what, ": ", status.message());
 }
 
@@ -238,6 +242,24 @@ public:
     return {dx, dtopk, dw1, dw2};
   }
 
+  /// What the last forward pass's routing needed (every rank), and the
+  /// binary's capacities: for growing the layer after an over-capacity error.
+  c10::Dict<std::string, int64_t> capacityNeed() const {
+    live();
+    const moec::rt::CapacityNeed &n = slot->context->capacityNeed();
+    const moec::rt::LayerShape &s = slot->context->shape();
+    c10::Dict<std::string, int64_t> d;
+    d.insert("rows_per_rank", n.rowsPerRank);
+    d.insert("receive_per_rank", n.receivePerRank);
+    d.insert("rows_per_expert", n.rowsPerExpert);
+    d.insert("put_rows", n.putRows);
+    d.insert("row_capacity", s.rowCapacity);
+    d.insert("receive_capacity", s.receiveCapacity);
+    d.insert("expert_capacity", s.expertCapacity);
+    d.insert("put_capacity", s.putCapacity);
+    return d;
+  }
+
   /// Seconds of the last forward and backward pass: prepare, tasks, finish.
   std::vector<double> times() const {
     live();
@@ -334,6 +356,7 @@ TORCH_LIBRARY(moec, m) {
   m.class_<Layer>("Layer")
       .def(torch::init<std::string, std::string, int64_t, double, std::string>())
       .def("info", &Layer::info)
+      .def("capacity_need", &Layer::capacityNeed)
       .def("times", &Layer::times);
   m.def("forward(__torch__.torch.classes.moec.Layer layer, Tensor x, Tensor topk_ids, "
         "Tensor topk_weights, Tensor w1, Tensor w2) -> (Tensor, int)",

@@ -31,6 +31,7 @@ Where things are found (the defaults suit a checkout built with Bazel):
 import atexit
 import hashlib
 import json
+import warnings
 import math
 import os
 import subprocess
@@ -200,21 +201,37 @@ class MoeFFN(torch.nn.Module):
     draws the same numbers, so a run under MPI starts from the same weights
     as a run in one process with the same seed.
 
-    threads: the runtime's worker threads (0: the hardware threads)."""
+    threads: the runtime's worker threads (0: the hardware threads).
+
+    capacity_policy: what a step whose routing needs more rows than the
+    compiled binary holds does (the config's ``capacity_factor``, and
+    ``seq_size`` for more tokens than compiled). "grow" (the default)
+    compiles (or takes from the cache) binaries with room for it, rebuilds
+    the runtime, runs the step again and warns once per growth; the capacity
+    never shrinks. "error" raises the runtime's over-capacity error instead.
+    Under MPI every rank sees the same routing needs, so every rank grows
+    alike."""
 
     def __init__(self, config, ranks=None, *, threads=0, target="cpu",
-                 granularity="per-tile-range", timeout_seconds=60.0, fabric=None):
+                 granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
+                 capacity_policy="grow"):
         super().__init__()
         global _finalize_registered
         load_library()
         fabric = fabric or ("mpi" if launched_by_mpi() else "inproc")
         if fabric not in ("inproc", "mpi"):
             raise ValueError(f"moec: fabric must be 'inproc' or 'mpi', got {fabric!r}")
+        if capacity_policy not in ("grow", "error"):
+            raise ValueError("moec: capacity_policy must be 'grow' or 'error', "
+                             f"got {capacity_policy!r}")
         if ranks is None:
             if fabric != "mpi":
                 raise ValueError("moec: MoeFFN needs ranks= (the EP group's size)")
             ranks = _world_size()
         cfg = _read_config(config)
+        self.config = cfg
+        self.capacity_policy = capacity_policy
+        self._build = (int(threads), float(timeout_seconds), target, granularity, fabric)
         forward, backward = compile_layer(cfg, ranks, target, granularity)
         if fabric == "mpi" and not _finalize_registered:
             # Before the layer: its construction may start MPI and then fail.
@@ -255,10 +272,54 @@ class MoeFFN(torch.nn.Module):
 
     def forward(self, x, topk_ids, topk_weights):
         if x.dim() == 2 and self.local_ranks == 1:
-            return MoeFFNFunction.apply(self.layer, x.unsqueeze(0), topk_ids.unsqueeze(0),
-                                        topk_weights.unsqueeze(0), self.w1,
-                                        self.w2).squeeze(0)
-        return MoeFFNFunction.apply(self.layer, x, topk_ids, topk_weights, self.w1, self.w2)
+            return self.forward(x.unsqueeze(0), topk_ids.unsqueeze(0),
+                                topk_weights.unsqueeze(0)).squeeze(0)
+        while True:
+            try:
+                return MoeFFNFunction.apply(self.layer, x, topk_ids, topk_weights, self.w1,
+                                            self.w2)
+            except RuntimeError as error:
+                if self.capacity_policy != "grow" or "moec over capacity:" not in str(error):
+                    raise
+                self._grow()
+
+    def _grow(self):
+        """Recompiles with room for the routing the runtime just refused (the
+        need it recorded) and rebuilds the runtime; the weights stay."""
+        need = self.layer.capacity_need()
+        cfg = dict(self.config)
+        top_k = max(1, self.top_k)
+        old_factor = float(cfg.get("capacity_factor", 2))
+        changes = []
+        if need["rows_per_rank"] > need["row_capacity"]:
+            tokens = -(-need["rows_per_rank"] // top_k)
+            cfg["seq_size"] = max(int(cfg["seq_size"]), tokens)
+            changes.append(f"seq_size {self.tokens} -> {cfg['seq_size']}")
+        balanced = cfg["seq_size"] // int(cfg.get("tp", 1)) * top_k
+        needed = need["receive_per_rank"] / max(1, balanced)
+        # Room for the routing that was refused, and then some: a router's
+        # balance drifts, and each growth costs a compile.
+        factor = max(old_factor, math.ceil(max(needed * 1.25, old_factor * 1.5) * 100) / 100)
+        if factor > old_factor or changes:
+            cfg["capacity_factor"] = min(factor, 1024.0)
+            changes.append(f"capacity_factor {old_factor:g} -> {cfg['capacity_factor']:g}")
+        threads, timeout, target, granularity, fabric = self._build
+        forward, backward = compile_layer(cfg, self.ranks, target, granularity)
+        layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric)
+        info = layer.info()
+        if (info["receive_capacity"] <= need["receive_capacity"]
+                and info["tokens"] * top_k <= need["row_capacity"]):
+            raise RuntimeError(
+                "moec over capacity: the routing needs more than the largest binary for this "
+                f"layer holds ({need['receive_per_rank']} rows on one rank's experts)")
+        warnings.warn(
+            f"moec: a step's routing needed {need['receive_per_rank']} rows on the fullest "
+            f"rank's experts (room for {need['receive_capacity']}) and "
+            f"{need['rows_per_rank']} routed rows (room for {need['row_capacity']}); "
+            f"recompiled with {', '.join(changes)}", RuntimeWarning, stacklevel=3)
+        self.config = cfg
+        self.layer = layer
+        self.tokens = info["tokens"]
 
     def times(self):
         """Seconds of the last passes: forward and backward, each as

@@ -2,6 +2,7 @@
 inputs: forward output and the gradients of x, topk_weights, w1 and w2."""
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -251,7 +252,7 @@ def test_error_routing(tiny):
 
 def test_error_capacity():
     layer = moec_torch.MoeFFN(config(experts=4, top_k=2, tokens=128, capacity_factor=1.5), 2,
-                              threads=2)
+                              threads=2, capacity_policy="error")
     x, _, weights, _ = inputs(layer, seed=50)
     # Every token of both ranks picks experts 0 and 1, both on rank 0.
     ids = torch.tensor([0, 1]).expand(2, 128, 2).contiguous()
@@ -277,3 +278,41 @@ def test_error_backward_without_backward_binary(tiny):
     with pytest.raises(RuntimeError, match="built without a backward binary"):
         torch.ops.moec.backward(layer, step, x, ids, weights, tiny.w1.detach(),
                                 tiny.w2.detach(), torch.ones_like(y))
+
+
+def test_capacity_grows_when_routing_collapses():
+    """A training loop whose router collapses onto one expert keeps going: the
+    layer recompiles with more capacity (warning once per growth, never
+    shrinking) and its gradients still match autograd."""
+    torch.manual_seed(11)
+    layer = moec_torch.MoeFFN(config(experts=8, top_k=2, capacity_factor=1.5), 2, threads=2)
+    start = layer.layer.info()["receive_capacity"]
+    seen = []
+    for step, hot in enumerate([None, None, 0, 0, None]):
+        x, ids, weights, dy = inputs(layer, seed=20 + step, hot=hot)
+        if hot is not None:
+            # Every token's second choice is expert 1: all rows to rank 0.
+            ids[..., 1] = torch.where(ids[..., 0] == 1, 2, 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_step(layer, x, ids, weights, dy, tol=FP32_TOL)
+        seen.append((len([w for w in caught if "recompiled with" in str(w.message)]),
+                     layer.layer.info()["receive_capacity"]))
+    grew = [n for n, _ in seen]
+    capacities = [c for _, c in seen]
+    assert grew[0] == grew[1] == 0 and sum(grew) >= 1, seen
+    assert capacities[2] > start, seen
+    assert capacities == sorted(capacities), seen  # never shrinks
+    assert layer.config["capacity_factor"] > 1.5
+
+
+def test_capacity_policy_error():
+    layer = moec_torch.MoeFFN(config(experts=4, top_k=2, capacity_factor=1), 2, threads=2,
+                              capacity_policy="error")
+    x, ids, weights, dy = inputs(layer, seed=3)
+    ids[..., 0] = 0
+    ids[..., 1] = 1
+    with pytest.raises(RuntimeError, match="moec over capacity: routing over capacity"):
+        layer(x, ids, weights)
+    with pytest.raises(ValueError, match="capacity_policy must be 'grow' or 'error'"):
+        moec_torch.MoeFFN(config(experts=4, top_k=2), 2, capacity_policy="shrink")

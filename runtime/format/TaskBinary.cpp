@@ -8,6 +8,8 @@
 
 #include "runtime/format/TaskBinary.h"
 
+#include "base/File.h"
+
 #include "runtime/format/Crc32.h"
 
 #include <fmt/format.h>
@@ -970,25 +972,9 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
 }
 
 Status loadTaskBinaryFile(const std::string &path, TaskProgram *out) {
-  std::FILE *file = std::fopen(path.c_str(), "rb");
-  if (!file)
-    return Status::error(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
   std::vector<uint8_t> bytes;
-  if (std::fseek(file, 0, SEEK_END) == 0) {
-    long end = std::ftell(file);
-    if (end > 0)
-      bytes.reserve(size_t(end));
-    std::rewind(file);
-  }
-  std::vector<uint8_t> buffer(size_t(1) << 16);
-  size_t got;
-  while ((got = std::fread(buffer.data(), 1, buffer.size(), file)) > 0)
-    bytes.insert(bytes.end(), buffer.begin(), buffer.begin() + got);
-  bool failed = std::ferror(file) != 0;
-  int readErrno = errno;
-  std::fclose(file);
-  if (failed)
-    return Status::error(fmt::format("{}: cannot read: {}", path, std::strerror(readErrno)));
+  if (Status s = readWholeFile(path, &bytes); !s)
+    return s;
   return readTaskBinary(bytes.data(), bytes.size(), out).withPrefix(path + ": ");
 }
 

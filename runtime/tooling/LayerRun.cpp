@@ -356,7 +356,14 @@ Status verifyLayer(const LayerData &d, bool backward, bool bf16,
     e.tolerance = tolerance;
     double scale = 0;
     for (size_t i = 0; i < want.size(); ++i) {
-      e.maxAbs = std::max(e.maxAbs, std::abs(double(out[i]) - want[i]));
+      const double got = double(out[i]);
+      e.nonFinite += !std::isfinite(got);
+      if (!std::isfinite(got) || !std::isfinite(want[i])) {
+        // A NaN equals nothing; an infinity only the same infinity.
+        e.mismatched += !(got == want[i]);
+        continue;
+      }
+      e.maxAbs = std::max(e.maxAbs, std::abs(got - want[i]));
       scale = std::max(scale, std::abs(want[i]));
     }
     e.maxRel = scale > 0 ? e.maxAbs / scale : e.maxAbs;

@@ -89,10 +89,13 @@ private:
 /// The error of one output against the reference.
 struct OutputError {
   std::string name;
-  double maxAbs = 0;  ///< max |out - ref|
+  double maxAbs = 0;  ///< max |out - ref| over the elements finite in both
   double maxRel = 0;  ///< max |out - ref| / max |ref|
   double tolerance = 0;
-  bool ok() const { return maxRel <= tolerance; }
+  int64_t nonFinite = 0;  ///< elements that are NaN or infinite in the output
+  int64_t mismatched = 0; ///< of the elements non-finite in either, those that
+                          ///< differ (NaN against a number, +inf against -inf)
+  bool ok() const { return mismatched == 0 && maxRel <= tolerance; }
 };
 
 /// Runs the reference on `data`'s inputs and compares its outputs

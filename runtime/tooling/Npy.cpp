@@ -15,6 +15,8 @@
 
 #include "runtime/tooling/Npy.h"
 
+#include "base/File.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -654,31 +656,9 @@ std::string formatShape(const std::vector<int64_t> &shape) {
 }
 
 Status readNpy(const std::string &path, NpyArray *out) {
-  std::FILE *file = std::fopen(path.c_str(), "rb");
-  if (!file)
-    return Status::error(fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
-  // Read as many bytes as the file has now straight into place, then
-  // whatever a seek could not tell about (pipes) or the file grew by.
-  size_t expected = 0;
-  if (std::fseek(file, 0, SEEK_END) == 0) {
-    long end = std::ftell(file);
-    if (end > 0)
-      expected = size_t(end);
-  }
-  std::rewind(file);
-  std::vector<uint8_t> bytes(expected);
-  bytes.resize(std::fread(bytes.data(), 1, bytes.size(), file));
-  if (bytes.size() == expected) {
-    std::vector<uint8_t> buffer(size_t(1) << 16);
-    size_t got;
-    while ((got = std::fread(buffer.data(), 1, buffer.size(), file)) > 0)
-      bytes.insert(bytes.end(), buffer.begin(), buffer.begin() + std::ptrdiff_t(got));
-  }
-  bool failed = std::ferror(file) != 0;
-  int readErrno = errno;
-  std::fclose(file);
-  if (failed)
-    return Status::error(fmt::format("{}: cannot read: {}", path, std::strerror(readErrno)));
+  std::vector<uint8_t> bytes;
+  if (Status s = readWholeFile(path, &bytes); !s)
+    return s;
   return parseNpy(bytes, out).withPrefix(path + ": ");
 }
 

@@ -142,6 +142,43 @@ void printSchedule(const char *pass, const format::TaskProgram &p) {
               std::string(p.name(p.target)).c_str());
 }
 
+/// Prints a line for every tensor of `data` with NaN or infinite values, per
+/// rank (or per expert for the weights): they pass through the layer
+/// silently, so the run says where they are.
+void reportNonFinite(const LayerData &d, bool backward, bool outputs) {
+  const int64_t R = d.ranks, L = d.experts / std::max<int64_t>(1, d.ranks);
+  const auto scan = [&](const char *name, const std::vector<float> &values, int64_t parts,
+                        const char *part) {
+    if (values.empty() || parts <= 0)
+      return;
+    const size_t per = values.size() / size_t(parts);
+    for (int64_t p = 0; p < parts; ++p) {
+      int64_t bad = 0;
+      for (size_t i = size_t(p) * per; i < size_t(p + 1) * per; ++i)
+        bad += !std::isfinite(values[i]);
+      if (bad)
+        std::printf("non-finite: %s of %s %lld: %lld NaN/inf value%s\n", name, part, (long long)p,
+                    (long long)bad, bad == 1 ? "" : "s");
+    }
+  };
+  if (!outputs) {
+    scan("x", d.x, R, "rank");
+    scan("topk_weights", d.weights, R, "rank");
+    scan("w1", d.w1, R * L, "expert");
+    scan("w2", d.w2, R * L, "expert");
+    if (backward)
+      scan("dy", d.dy, R, "rank");
+    return;
+  }
+  scan("y", d.y, R, "rank");
+  if (backward) {
+    scan("dx", d.dx, R, "rank");
+    scan("dtopk_weights", d.dtopk, R, "rank");
+    scan("dw1", d.dw1, R * L, "expert");
+    scan("dw2", d.dw2, R * L, "expert");
+  }
+}
+
 /// What to change in the config for a routing the binary has no room for.
 std::string capacityHint(const rt::LayerShape &shape, const rt::CapacityNeed &need) {
   std::string hint = fmt::format(
@@ -307,6 +344,8 @@ int runRun(int argc, char **argv, int first) {
       printSchedule("backward", bwd->tasks());
   }
 
+  if (report)
+    reportNonFinite(data, backward, false);
   LayerRun run;
   if (Status s = run.bind(*context, data); !s)
     return fail(s);
@@ -324,6 +363,7 @@ int runRun(int argc, char **argv, int first) {
       bestBwd = context->backwardTimes();
   }
   if (report) {
+    reportNonFinite(data, backward, true);
     std::printf("time (wall, %s):\n", fabric ? "the process of rank 0" : "all ranks");
     printTimes("forward", bestFwd, repeat);
     if (backward)
@@ -381,8 +421,13 @@ int runRun(int argc, char **argv, int first) {
   std::printf("  %-14s %12s %12s %10s\n", "output", "max abs err", "max rel err", "tolerance");
   bool ok = true;
   for (const OutputError &e : errors) {
-    std::printf("  %-14s %12.3e %12.3e %10.0e  %s\n", e.name.c_str(), e.maxAbs, e.maxRel,
-                e.tolerance, e.ok() ? "ok" : "FAILED");
+    std::printf("  %-14s %12.3e %12.3e %10.0e  %s%s\n", e.name.c_str(), e.maxAbs, e.maxRel,
+                e.tolerance, e.ok() ? "ok" : "FAILED",
+                e.nonFinite || e.mismatched
+                    ? fmt::format("  ({} NaN/inf in the output, {} not as the reference)",
+                                  e.nonFinite, e.mismatched)
+                          .c_str()
+                    : "");
     ok = ok && e.ok();
   }
   std::printf("verify: %s\n", ok ? "passed" : "FAILED");

@@ -35,6 +35,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -135,6 +136,9 @@ struct Slot {
 std::mutex mpiSlotsMutex;
 std::vector<std::shared_ptr<Slot>> mpiSlots;
 
+/// The most worker threads a layer starts.
+constexpr int64_t kMaxWorkers = 1024;
+
 class Layer : public torch::CustomClassHolder {
 public:
   Layer(std::string forwardPath, std::string backwardPath, int64_t workers,
@@ -143,8 +147,10 @@ public:
     check(moec::rt::Program::load(forwardPath, &fwd), "forward binary");
     if (!backwardPath.empty())
       check(moec::rt::Program::load(backwardPath, &bwd), "backward binary");
-    TORCH_CHECK(workers >= 0, "moec: workers must be >= 0 (0: the hardware threads), got ",
-                workers);
+    TORCH_CHECK(workers >= 0 && workers <= kMaxWorkers, "moec: workers must be 0 (the hardware "
+                "threads) to ", kMaxWorkers, ", got ", workers);
+    TORCH_CHECK(std::isfinite(timeoutSeconds) && timeoutSeconds > 0,
+                "moec: timeout_seconds must be a positive number of seconds, got ", timeoutSeconds);
     moec::rt::ContextOptions options;
     options.workers = uint32_t(workers);
     options.timeoutSeconds = timeoutSeconds;

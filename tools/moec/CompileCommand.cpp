@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cstdio>
 
 using namespace mlir;
@@ -63,6 +64,16 @@ int runCompile(int argc, char **argv, int first) {
                    kCompileSpec.usage);
       return false;
     }
+    // The binary must not replace an input (the same file under any name).
+    std::error_code ec;
+    const std::string out = *args.value("-o");
+    const std::string config = *args.value("--config");
+    for (const std::string &input : {args.positional[0], config})
+      if (std::filesystem::exists(out, ec) && std::filesystem::equivalent(out, input, ec)) {
+        std::fprintf(stderr, "moec compile: -o %s is the input %s; write the binary elsewhere\n",
+                     out.c_str(), input.c_str());
+        return false;
+      }
     return true;
   };
   using Clock = std::chrono::steady_clock;

@@ -156,15 +156,28 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range"):
     return _compiled[digest]
 
 
+def _check_finite(name, tensor, part, first):
+    """Raises naming `name` and the first of its dim-0 slices (ranks from
+    `first`, or experts) that holds NaN or infinity."""
+    bad = ~torch.isfinite(tensor.detach())
+    if bad.any():
+        rows = bad.reshape(tensor.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(f"moec: '{name}' of {part} {first + rows[0]} holds "
+                         f"{int(bad.sum())} NaN/inf value(s) in all"
+                         + (f" ({part}s {[first + r for r in rows]})" if len(rows) > 1 else ""))
+
+
 class MoeFFNFunction(torch.autograd.Function):
     """y = MoE-FFN(x) on the moec runtime; backward gives dx, d topk_weights,
     dw1 and dw2 (topk_ids get no gradient)."""
 
     @staticmethod
-    def forward(ctx, layer, x, topk_ids, topk_weights, w1, w2):
+    def forward(ctx, layer, x, topk_ids, topk_weights, w1, w2, check_finite=False,
+                first_rank=0):
         y, step = torch.ops.moec.forward(layer, x, topk_ids, topk_weights, w1, w2)
         ctx.layer = layer
         ctx.step = step
+        ctx.check = (check_finite, first_rank, w1.shape[0] // max(1, x.shape[0]))
         ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2)
         ctx.mark_non_differentiable()
         return y
@@ -174,7 +187,14 @@ class MoeFFNFunction(torch.autograd.Function):
         x, topk_ids, topk_weights, w1, w2 = ctx.saved_tensors
         dx, dtopk, dw1, dw2 = torch.ops.moec.backward(
             ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2, dy)
-        return None, dx, None, dtopk, dw1, dw2
+        check, first, local_experts = ctx.check
+        if check:
+            _check_finite("dy", dy, "rank", first)
+            for name, t in (("dx", dx), ("dtopk_weights", dtopk)):
+                _check_finite(name, t, "rank", first)
+            for name, t in (("dw1", dw1), ("dw2", dw2)):
+                _check_finite(name, t, "expert", first * local_experts)
+        return None, dx, None, dtopk, dw1, dw2, None, None
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -210,11 +230,16 @@ class MoeFFN(torch.nn.Module):
     the runtime, runs the step again and warns once per growth; the capacity
     never shrinks. "error" raises the runtime's over-capacity error instead.
     Under MPI every rank sees the same routing needs, so every rank grows
-    alike."""
+    alike.
+
+    check_finite: raise a ValueError naming the tensor and rank (or expert)
+    when an input, the output or a gradient holds NaN or infinity (they
+    pass through the layer silently otherwise); off by default, it costs a
+    pass over each tensor."""
 
     def __init__(self, config, ranks=None, *, threads=0, target="cpu",
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
-                 capacity_policy="grow"):
+                 capacity_policy="grow", check_finite=False):
         super().__init__()
         global _finalize_registered
         load_library()
@@ -231,6 +256,7 @@ class MoeFFN(torch.nn.Module):
         cfg = _read_config(config)
         self.config = cfg
         self.capacity_policy = capacity_policy
+        self.check_finite = check_finite
         self._build = (int(threads), float(timeout_seconds), target, granularity, fabric)
         forward, backward = compile_layer(cfg, ranks, target, granularity)
         if fabric == "mpi" and not _finalize_registered:
@@ -274,10 +300,18 @@ class MoeFFN(torch.nn.Module):
         if x.dim() == 2 and self.local_ranks == 1:
             return self.forward(x.unsqueeze(0), topk_ids.unsqueeze(0),
                                 topk_weights.unsqueeze(0)).squeeze(0)
+        if self.check_finite:
+            for name, t in (("x", x), ("topk_weights", topk_weights)):
+                _check_finite(name, t, "rank", self.first_rank)
+            for name, t in (("w1", self.w1), ("w2", self.w2)):
+                _check_finite(name, t, "expert", self.first_rank * self.local_experts)
         while True:
             try:
-                return MoeFFNFunction.apply(self.layer, x, topk_ids, topk_weights, self.w1,
-                                            self.w2)
+                y = MoeFFNFunction.apply(self.layer, x, topk_ids, topk_weights, self.w1,
+                                         self.w2, self.check_finite, self.first_rank)
+                if self.check_finite:
+                    _check_finite("y", y, "rank", self.first_rank)
+                return y
             except RuntimeError as error:
                 if self.capacity_policy != "grow" or "moec over capacity:" not in str(error):
                     raise

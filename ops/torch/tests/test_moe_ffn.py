@@ -204,7 +204,9 @@ def test_compile_cache():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return moec_torch.MoeFFN(config(experts=4, top_k=2, tokens=128), 2, threads=2)
+    # The runtime's own errors: no growth on over-capacity.
+    return moec_torch.MoeFFN(config(experts=4, top_k=2, tokens=128), 2, threads=2,
+                             capacity_policy="error")
 
 
 def good(layer):
@@ -306,6 +308,13 @@ def test_capacity_grows_when_routing_collapses():
     assert layer.config["capacity_factor"] > 1.5
 
 
+def test_more_tokens_than_compiled_grows_seq_size():
+    layer = moec_torch.MoeFFN(config(experts=4, top_k=2, tokens=128), 2, threads=2)
+    with pytest.warns(RuntimeWarning, match=r"recompiled with seq_size 128 -> 129"):
+        check_step(layer, *inputs(layer, seed=5, tokens=129), tol=FP32_TOL)
+    assert layer.tokens == 129
+
+
 def test_capacity_policy_error():
     layer = moec_torch.MoeFFN(config(experts=4, top_k=2, capacity_factor=1), 2, threads=2,
                               capacity_policy="error")
@@ -316,3 +325,30 @@ def test_capacity_policy_error():
         layer(x, ids, weights)
     with pytest.raises(ValueError, match="capacity_policy must be 'grow' or 'error'"):
         moec_torch.MoeFFN(config(experts=4, top_k=2), 2, capacity_policy="shrink")
+
+
+def test_check_finite_names_the_tensor_and_rank():
+    layer = moec_torch.MoeFFN(config(experts=4, top_k=2), 2, threads=2, check_finite=True)
+    x, ids, weights, dy = inputs(layer, seed=6)
+    x[1, 7, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"'x' of rank 1 holds 1 NaN/inf value"):
+        layer(x, ids, weights)
+    x, ids, weights, dy = inputs(layer, seed=6)
+    y = layer(x, ids, weights)
+    dy[0, 2, 2] = float("inf")
+    with pytest.raises(ValueError, match=r"'dy' of rank 0 holds 1 NaN/inf value"):
+        y.backward(dy)
+    # Off by default: the same NaN passes through silently.
+    plain = moec_torch.MoeFFN(config(experts=4, top_k=2), 2, threads=2)
+    x[1, 7, 3] = float("nan")
+    assert torch.isnan(plain(x, ids, weights)).any()
+
+
+def test_bad_timeout_and_threads():
+    moec_torch.load_library()
+    forward, backward = moec_torch.compile_layer(config(experts=4, top_k=2), 2)
+    for timeout in (0.0, -5.0, float("nan")):
+        with pytest.raises(RuntimeError, match="timeout_seconds must be a positive number"):
+            torch.classes.moec.Layer(forward, backward, 1, timeout, "inproc")
+    with pytest.raises(RuntimeError, match="workers must be 0 .* to 1024, got 1000000"):
+        torch.classes.moec.Layer(forward, backward, 10**6, 60.0, "inproc")

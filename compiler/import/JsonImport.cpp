@@ -405,9 +405,15 @@ FailureOr<ArrayAttr> Importer::importEdges(const json &edges) {
 OwningOpRef<ModuleOp> Importer::run() {
   json root;
   try {
-    root = json::parse(text.begin(), text.end());
+    root = parseJsonLimited<json>(text);
   } catch (const json::parse_error &e) {
     error(locAt(e.byte ? e.byte - 1 : 0)) << "malformed JSON: " << jsonParseMessage(e);
+    return nullptr;
+  } catch (const json::exception &e) {
+    error(locAt(0)) << "malformed JSON: " << e.what();
+    return nullptr;
+  } catch (const JsonTooDeep &e) {
+    error(locAt(0)) << "malformed JSON: " << e.what();
     return nullptr;
   }
   Location top = locAt(0);

@@ -37,12 +37,21 @@ std::pair<size_t, size_t> lineAndColumn(std::string_view text, size_t byte) {
 bool parseJson(std::string_view text, const std::string &source, nlohmann::json *out,
                std::string *error) {
   try {
-    *out = nlohmann::json::parse(text.begin(), text.end());
+    *out = parseJsonLimited<nlohmann::json>(text);
   } catch (const nlohmann::json::parse_error &e) {
     auto [line, column] = lineAndColumn(text, e.byte);
     if (error)
       *error = source + ":" + std::to_string(line) + ":" + std::to_string(column) + ": " +
                jsonParseMessage(e);
+    return false;
+  } catch (const nlohmann::json::exception &e) {
+    // A number past double's range, and the like: no byte offset given.
+    if (error)
+      *error = source + ": malformed JSON: " + std::string(e.what());
+    return false;
+  } catch (const JsonTooDeep &e) {
+    if (error)
+      *error = source + ": malformed JSON: " + std::string(e.what());
     return false;
   }
   return true;

@@ -11,12 +11,40 @@
 
 #include <nlohmann/json.hpp>
 
+#include <stdexcept>
+
 #include <cstddef>
 #include <string>
 #include <string_view>
 #include <utility>
 
 namespace moec {
+
+/// The deepest nesting of arrays and objects a JSON input may have: graphs
+/// and configs need a handful, and deeper input is refused while it is
+/// parsed, before it can cost a deep recursion anywhere after.
+inline constexpr int kMaxJsonDepth = 64;
+
+/// Thrown by parseJsonLimited for nesting deeper than kMaxJsonDepth.
+struct JsonTooDeep : std::runtime_error {
+  JsonTooDeep()
+      : std::runtime_error("nested deeper than " + std::to_string(kMaxJsonDepth) + " levels") {}
+};
+
+/// nlohmann's parse of `text` into a `Json` (json or ordered_json), throwing
+/// JsonTooDeep for nesting deeper than kMaxJsonDepth; its own exceptions
+/// (parse_error, out_of_range for a number past double's range) as nlohmann
+/// throws them.
+template <typename Json> Json parseJsonLimited(std::string_view text) {
+  return Json::parse(text.begin(), text.end(),
+                     [](int depth, typename Json::parse_event_t event, Json &) {
+                       if (depth > kMaxJsonDepth &&
+                           (event == Json::parse_event_t::object_start ||
+                            event == Json::parse_event_t::array_start))
+                         throw JsonTooDeep();
+                       return true;
+                     });
+}
 
 /// Returns the message of a nlohmann parse error without its
 /// "[json.exception.parse_error.101] parse error at line L, column C: " prefix.

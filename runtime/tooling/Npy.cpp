@@ -514,7 +514,7 @@ uint64_t readLittleEndian(const uint8_t *bytes, size_t size) {
 
 /// Parses a whole .npy file held in `bytes`. On success moves the elements
 /// out of `bytes` into `*out`. Errors have no path.
-Status parseNpy(std::vector<uint8_t> &bytes, NpyArray *out) {
+Status parseNpyBytes(std::vector<uint8_t> &bytes, NpyArray *out) {
   size_t size = bytes.size();
   if (size < kMagicSize || std::memcmp(bytes.data(), kMagic, kMagicSize) != 0)
     return Status::error("not a .npy file (bad magic)");
@@ -655,11 +655,13 @@ std::string formatShape(const std::vector<int64_t> &shape) {
   return fmt::format("({})", fmt::join(shape, ", "));
 }
 
+Status parseNpy(std::vector<uint8_t> &bytes, NpyArray *out) { return parseNpyBytes(bytes, out); }
+
 Status readNpy(const std::string &path, NpyArray *out) {
   std::vector<uint8_t> bytes;
   if (Status s = readWholeFile(path, &bytes); !s)
     return s;
-  return parseNpy(bytes, out).withPrefix(path + ": ");
+  return parseNpyBytes(bytes, out).withPrefix(path + ": ");
 }
 
 Status writeNpy(const std::string &path, NpyType type, const std::vector<int64_t> &shape,

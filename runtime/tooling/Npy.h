@@ -104,6 +104,10 @@ struct NpyArray {
 /// Returns a shape as Python writes a tuple: "()", "(3,)", "(2, 3, 4)".
 std::string formatShape(const std::vector<int64_t> &shape);
 
+/// Parses the bytes of a whole .npy file; on success moves the elements out
+/// of `bytes` into `*out`. Errors name no path (readNpy adds it).
+Status parseNpy(std::vector<uint8_t> &bytes, NpyArray *out);
+
 /// Reads the .npy file at `path` (version 1.0, 2.0 or 3.0) into `*out`. On an
 /// error `*out` is unchanged and the message starts with "PATH: ", e.g.
 /// "x.npy: cannot open: No such file or directory" or

@@ -41,19 +41,23 @@ struct IntKey {
   const char *key;
   int64_t ModelConfig::*field;
   bool optional = false; ///< 0 means unset
+  int64_t max = 0;       ///< the largest value the compiler and runtime take
 };
 
-/// The integer keys, in the order they are checked and reported.
+/// The integer keys, in the order they are checked and reported. The limits
+/// keep every product of sizes the compiler and runtime form (tokens x
+/// ranks x top-k x hidden, a weight's experts x H x 2I) far inside 64 bits,
+/// and far above any real layer (DeepSeek-V3: H 7168, E 256, top-8).
 const IntKey kIntKeys[] = {
-    {"hidden_size", &ModelConfig::hiddenSize},
-    {"intermediate_size", &ModelConfig::intermediateSize},
-    {"num_experts", &ModelConfig::numExperts},
-    {"top_k", &ModelConfig::topK},
-    {"ep", &ModelConfig::ep},
-    {"tp", &ModelConfig::tp},
-    {"seq_size", &ModelConfig::seqSize},
-    {"num_cube_cores", &ModelConfig::numCubeCores, true},
-    {"num_vector_cores", &ModelConfig::numVectorCores, true},
+    {"hidden_size", &ModelConfig::hiddenSize, false, int64_t(1) << 20},
+    {"intermediate_size", &ModelConfig::intermediateSize, false, int64_t(1) << 20},
+    {"num_experts", &ModelConfig::numExperts, false, int64_t(1) << 16},
+    {"top_k", &ModelConfig::topK, false, int64_t(1) << 16},
+    {"ep", &ModelConfig::ep, false, int64_t(1) << 16},
+    {"tp", &ModelConfig::tp, false, int64_t(1) << 16},
+    {"seq_size", &ModelConfig::seqSize, false, int64_t(1) << 24},
+    {"num_cube_cores", &ModelConfig::numCubeCores, true, int64_t(1) << 16},
+    {"num_vector_cores", &ModelConfig::numVectorCores, true, int64_t(1) << 16},
 };
 
 constexpr const char *kDTypeKey = "dtype";
@@ -195,6 +199,9 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
     if (value < 0 || (value == 0 && !key.optional))
       return fail(error, source,
                   fmt::format("'{}' must be positive, got {}", key.key, value));
+    if (value > key.max)
+      return fail(error, source,
+                  fmt::format("'{}' is {}; at most {} is supported", key.key, value, key.max));
   }
   if (c.dtype != DType::F32 && c.dtype != DType::BF16)
     return fail(error, source,

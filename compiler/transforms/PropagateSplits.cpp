@@ -116,6 +116,14 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
                              (isa<DispatchOp, CombineOp>(op.getOperation()) ? bindings.at("ep") : 1);
         *tasks = (*tasks + unit - 1) / unit * unit;
       }
+      // Tasks are records of the binary and queue entries of the runtime:
+      // a count past this is a split value far too small for the shape.
+      constexpr int64_t kMaxTasksPerOp = int64_t(1) << 20;
+      if (*tasks > kMaxTasksPerOp) {
+        op->emitError() << "'" << op.getOpName() << "': " << *tasks << " tasks; at most "
+                        << kMaxTasksPerOp << " per op are supported (raise its split value)";
+        return failure();
+      }
       std::optional<Grid> grid = gridOf(op, *tasks, bindings);
       if (!grid)
         return failure();

@@ -20,6 +20,8 @@
 #include <cstring>
 #include <thread>
 
+#include <unistd.h>
+
 namespace moec::cpu {
 
 using format::OpKind;
@@ -175,6 +177,18 @@ Status Pass::allocate() {
   std::vector<uint32_t> caller = {plan.w1, plan.w2};
   if (plan.shape.backward)
     caller.insert(caller.end(), {plan.dw1, plan.dw2, plan.dispatched, plan.upOut, plan.swigluOut});
+  // What it all takes, checked against the machine before any allocation.
+  uint64_t needed = 0;
+  for (uint32_t slot = 0; slot < tasks.slots.size(); ++slot)
+    if (std::find(caller.begin(), caller.end(), slot) == caller.end())
+      needed += uint64_t((std::max<size_t>(slotBytes(tasks.slots[slot]), 64) + 63) / 64 * 64) *
+                fabric.localRanks();
+  const uint64_t memory = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+  if (memory > 0 && needed > memory)
+    return Status::error(fmt::format(
+        "the {} pass's workspace needs {:.1f} GiB in this process; the machine has {:.1f} GiB",
+        plan.shape.backward ? "backward" : "forward", double(needed) / double(1 << 30),
+        double(memory) / double(1 << 30)));
   // The slots peers put into: the outputs of the puts.
   std::vector<bool> isWindow(tasks.slots.size(), false);
   for (const OpInfo &op : ops)

@@ -306,9 +306,10 @@ TEST_CASE("every derived field must divide exactly", "[config]") {
   CHECK(withSplit(1, 2, 2, 2) ==
         "src.json: seq_all (2) must be a multiple of ep * top_k (4) to "
         "derive 'per_expert_seq_to_other'");
+  // Sizes past the supported limits are refused before any product is
+  // formed (so none can overflow).
   CHECK(withSplit(int64_t(1) << 62, 2, 2, 1) ==
-        "src.json: seq_size * ep * top_k (4611686018427387904 * 2 * 2) "
-        "overflows int64");
+        "src.json: 'seq_size' is 4611686018427387904; at most 16777216 is supported");
 }
 
 TEST_CASE("validateConfig checks a config built in code", "[config]") {

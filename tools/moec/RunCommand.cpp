@@ -19,6 +19,8 @@
 #include <filesystem>
 #include <limits>
 
+#include <unistd.h>
+
 namespace moec::cli {
 
 using namespace moec::tooling;
@@ -307,6 +309,21 @@ int runRun(int argc, char **argv, int first) {
   std::unique_ptr<rt::Context> context;
   if (Status s = rt::Context::create(fwd, bwd, options, &context); !s)
     return fail(s);
+
+  // The layer's tensors, as fp32 arrays and again in the binary's storage
+  // type, checked against the machine before any is allocated.
+  {
+    const double R = shape.ranks, S = double(shape.rowCapacity) / double(std::max<int64_t>(1, shape.topK)),
+                 K = shape.topK, E = shape.experts(), H = shape.hidden, I = shape.inter;
+    const double perCopy = 4 * ((backward ? 4 : 2) * R * S * H + (backward ? 2 : 1) * 3 * E * H * I) +
+                           16 * R * S * K;
+    const double needed = 2 * perCopy;
+    const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+    if (memory > 0 && needed > memory)
+      return fail(Status::error(fmt::format(
+          "the layer's tensors need {:.1f} GiB in this process; the machine has {:.1f} GiB",
+          needed / double(1 << 30), memory / double(1 << 30))));
+  }
 
   LayerData data;
   const std::string outputs = *args.value("--outputs");

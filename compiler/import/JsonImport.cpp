@@ -412,7 +412,7 @@ OwningOpRef<ModuleOp> Importer::run() {
   } catch (const json::exception &e) {
     error(locAt(0)) << "malformed JSON: " << e.what();
     return nullptr;
-  } catch (const JsonTooDeep &e) {
+  } catch (const JsonRefused &e) {
     error(locAt(0)) << "malformed JSON: " << e.what();
     return nullptr;
   }

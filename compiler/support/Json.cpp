@@ -49,7 +49,7 @@ bool parseJson(std::string_view text, const std::string &source, nlohmann::json 
     if (error)
       *error = source + ": malformed JSON: " + std::string(e.what());
     return false;
-  } catch (const JsonTooDeep &e) {
+  } catch (const JsonRefused &e) {
     if (error)
       *error = source + ": malformed JSON: " + std::string(e.what());
     return false;

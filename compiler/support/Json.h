@@ -11,7 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <set>
 #include <stdexcept>
+#include <vector>
 
 #include <cstddef>
 #include <string>
@@ -25,25 +27,35 @@ namespace moec {
 /// parsed, before it can cost a deep recursion anywhere after.
 inline constexpr int kMaxJsonDepth = 64;
 
-/// Thrown by parseJsonLimited for nesting deeper than kMaxJsonDepth.
-struct JsonTooDeep : std::runtime_error {
-  JsonTooDeep()
-      : std::runtime_error("nested deeper than " + std::to_string(kMaxJsonDepth) + " levels") {}
+/// Thrown by parseJsonLimited for input it refuses although JSON allows it:
+/// nesting deeper than kMaxJsonDepth, or a key twice in one object (whose
+/// last value would silently win).
+struct JsonRefused : std::runtime_error {
+  using std::runtime_error::runtime_error;
 };
 
 /// nlohmann's parse of `text` into a `Json` (json or ordered_json), throwing
-/// JsonTooDeep for nesting deeper than kMaxJsonDepth; its own exceptions
-/// (parse_error, out_of_range for a number past double's range) as nlohmann
-/// throws them.
+/// JsonRefused for nesting deeper than kMaxJsonDepth or a duplicate key; its
+/// own exceptions (parse_error, out_of_range for a number past double's
+/// range) as nlohmann throws them.
 template <typename Json> Json parseJsonLimited(std::string_view text) {
-  return Json::parse(text.begin(), text.end(),
-                     [](int depth, typename Json::parse_event_t event, Json &) {
-                       if (depth > kMaxJsonDepth &&
-                           (event == Json::parse_event_t::object_start ||
-                            event == Json::parse_event_t::array_start))
-                         throw JsonTooDeep();
-                       return true;
-                     });
+  std::vector<std::set<std::string>> keys; // of the objects being parsed
+  return Json::parse(
+      text.begin(), text.end(),
+      [&keys](int depth, typename Json::parse_event_t event, Json &parsed) {
+        using Event = typename Json::parse_event_t;
+        if (depth > kMaxJsonDepth && (event == Event::object_start || event == Event::array_start))
+          throw JsonRefused("nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+        if (event == Event::object_start)
+          keys.emplace_back();
+        else if (event == Event::object_end && !keys.empty())
+          keys.pop_back();
+        else if (event == Event::key && !keys.empty() && parsed.is_string() &&
+                 !keys.back().insert(parsed.template get<std::string>()).second)
+          throw JsonRefused("key '" + parsed.template get<std::string>() +
+                            "' appears twice in one object");
+        return true;
+      });
 }
 
 /// Returns the message of a nlohmann parse error without its
@@ -54,8 +66,9 @@ std::string jsonParseMessage(const nlohmann::json::parse_error &e);
 /// of the last character read) into a 1-based line and column of `text`.
 std::pair<size_t, size_t> lineAndColumn(std::string_view text, size_t byte);
 
-/// Parses `text` into *out. On malformed JSON returns false and sets *error
-/// to "SOURCE:LINE:COL: message".
+/// Parses `text` into *out. On malformed JSON, or JSON it refuses (see
+/// parseJsonLimited), returns false and sets *error to "SOURCE:LINE:COL:
+/// message" (or "SOURCE: message" where no position is known).
 bool parseJson(std::string_view text, const std::string &source, nlohmann::json *out,
                std::string *error);
 

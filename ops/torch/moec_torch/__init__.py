@@ -30,6 +30,7 @@ Where things are found (the defaults suit a checkout built with Bazel):
 
 import atexit
 import hashlib
+import shutil
 import json
 import warnings
 import math
@@ -107,11 +108,13 @@ def finalize_mpi():
         torch.ops.moec.finalize_mpi()
 
 
-def compile_layer(config, ranks, target="cpu", granularity="per-tile-range"):
+def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False):
     """Returns (forward, backward) task-binary paths for `config` (a dict or a
     JSON path) on `ranks` EP ranks, compiling them with the moec CLI unless
-    the cache has them. The key covers the config, the graphs, the target,
-    the granularity and the moec binary itself."""
+    the cache has them (or `fresh`). The key covers the config, the graphs,
+    the target, the granularity and the moec binary itself. A cache entry
+    that is not a pair of files is compiled anew; MoeFFN also checks that
+    the binaries it gets are the config's layer."""
     cfg = _read_config(config)
     cfg["ep"] = int(ranks)
     moec = _path("MOEC_BIN", _REPO / "bazel-bin/tools/moec")
@@ -130,10 +133,14 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range"):
     for source in sources:
         key.update(source.read_bytes())
     digest = key.hexdigest()[:24]
-    if digest in _compiled:
+    if digest in _compiled and not fresh:
         return _compiled[digest]
     cache = _path("MOEC_CACHE_DIR", Path.home() / ".cache/moec") / digest
     outputs = (cache / "forward.moebin", cache / "backward.moebin")
+    for p in outputs:
+        # Whatever stands where a binary belongs and is not one goes.
+        if (fresh or not p.is_file()) and (p.exists() or p.is_symlink()):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     if not all(p.is_file() for p in outputs):
         cache.mkdir(parents=True, exist_ok=True)
         # Compile into a scratch folder and move the files in, so a failed or
@@ -198,6 +205,14 @@ class MoeFFNFunction(torch.autograd.Function):
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _matches(info, cfg, ranks):
+    """True when a built layer's sizes are those of `cfg` on `ranks` ranks."""
+    want = {"ranks": int(ranks), "experts": int(cfg["num_experts"]),
+            "hidden": int(cfg["hidden_size"]), "inter": int(cfg["intermediate_size"]),
+            "top_k": int(cfg["top_k"]), "bf16": int(cfg.get("dtype", "bf16") == "bf16")}
+    return all(int(info[k]) == v for k, v in want.items())
 
 
 class MoeFFN(torch.nn.Module):
@@ -266,6 +281,14 @@ class MoeFFN(torch.nn.Module):
         self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
                                               float(timeout_seconds), fabric)
         info = self.layer.info()
+        if not _matches(info, cfg, ranks):
+            # A cache entry that is not this config's layer: compile anew.
+            forward, backward = compile_layer(cfg, ranks, target, granularity, fresh=True)
+            self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
+                                                  float(timeout_seconds), fabric)
+            info = self.layer.info()
+            if not _matches(info, cfg, ranks):
+                raise RuntimeError(f"moec: the compiled layer {info} is not the config's {cfg}")
         self.fabric = fabric
         self.ranks = info["ranks"]
         self.first_rank = info["first_rank"]

@@ -352,3 +352,25 @@ def test_bad_timeout_and_threads():
             torch.classes.moec.Layer(forward, backward, 1, timeout, "inproc")
     with pytest.raises(RuntimeError, match="workers must be 0 .* to 1024, got 1000000"):
         torch.classes.moec.Layer(forward, backward, 10**6, 60.0, "inproc")
+
+
+def test_compile_cache_checks_what_it_finds(tmp_path, monkeypatch):
+    """A cache entry holding another layer's binaries, or a directory where a
+    binary belongs, is compiled anew instead of trusted."""
+    monkeypatch.setenv("MOEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(moec_torch, "_compiled", {})
+    small, big = config(hidden=64), config(hidden=128)
+    fwd_small, _ = moec_torch.compile_layer(small, 2)
+    fwd_big, bwd_big = moec_torch.compile_layer(big, 2)
+    # Plant H=128 binaries in the entry of the H=64 config.
+    Path(fwd_small).write_bytes(Path(fwd_big).read_bytes())
+    Path(fwd_small).with_name("backward.moebin").write_bytes(Path(bwd_big).read_bytes())
+    monkeypatch.setattr(moec_torch, "_compiled", {})
+    layer = moec_torch.MoeFFN(small, 2, threads=2)
+    assert layer.hidden == 64
+    check_step(layer, *inputs(layer, seed=8), tol=FP32_TOL)
+    # A directory where the forward binary belongs.
+    Path(fwd_small).unlink()
+    Path(fwd_small).mkdir()
+    monkeypatch.setattr(moec_torch, "_compiled", {})
+    assert moec_torch.MoeFFN(small, 2, threads=2).hidden == 64

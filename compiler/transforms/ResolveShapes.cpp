@@ -72,6 +72,31 @@ struct ResolveShapesPass : moec::moe::impl::ResolveShapesBase<ResolveShapesPass>
         def.getTensor().setType(type.withDims(b.getArrayAttr(dims), elt));
         ++numResolvedTensors;
       }
+      // The fill config's expressions are the seed's and moec derives what
+      // they said (docs/graph-format.md), but a symbol they name must still
+      // be one the config binds: a typo is an error, not silence.
+      Bindings fillBindings = bindings;
+      fillBindings["split_value"] = 1;
+      for (TaskOpInterface task : graph.getBlock().getOps<TaskOpInterface>()) {
+        DictionaryAttr fill = task.getFillAttr();
+        if (!fill)
+          continue;
+        for (NamedAttribute entry : fill) {
+          // The keys that hold expressions (MoeOps.cpp's fill keys).
+          const StringRef key = entry.getName().getValue();
+          auto text = entry.getValue().dyn_cast<StringAttr>();
+          if (!text || (key != "event_group" && key != "event_delta" && key != "num_cube_cores"))
+            continue;
+          std::optional<Expr> expr = Expr::parse(text.getValue().str(), &error);
+          if (expr && expr->evaluate(fillBindings, &error))
+            continue;
+          if (expr && error.find("unknown symbol") == std::string::npos)
+            continue; // e.g. a division that does not divide: the value is not used
+          task->emitError() << "'" << task.getOpName() << "': fill key '"
+                            << entry.getName().getValue() << "': " << error;
+          return signalPassFailure();
+        }
+      }
       graph.setBindingsAttr(boundAttr);
     }
   }

@@ -54,7 +54,7 @@ const CommandSpec kBenchSpec = {
     "                   default: H 1024, I 512, 4 local experts, top-2, 512 tokens\n"
     "                   per rank, f32\n"
     "  --ranks LIST     rank counts, comma-separated (default 1,2,4)\n"
-    "  --threads N      worker threads (default: the hardware threads)\n"
+    "  --threads N      worker threads, 1 to 4096 (default: the hardware threads)\n"
     "  --repeat N       timed runs of each schedule, alternating (default 5)\n"
     "  --hot-share F    skewed routing: the share of tokens whose first expert is\n"
     "                   expert 0 (default 0.5)\n"
@@ -184,7 +184,7 @@ int runBench(int argc, char **argv, int first) {
     char *end = nullptr;
     const long v = std::strtol(t->c_str(), &end, 10);
     if (t->empty() || *end || v < 1 || v > 4096)
-      return usage("--threads must be a positive integer");
+      return usage("--threads must be an integer from 1 to 4096");
     threads = uint32_t(v);
   }
   long repeat = 5;

@@ -84,7 +84,7 @@ const CommandSpec kRunSpec = {
     "                   (and of the backward pass to FILE with '.bwd' before its\n"
     "                   extension); under MPI each rank writes its own, with\n"
     "                   '.rankN' before the extension\n"
-    "  --threads N      worker threads (default: the hardware threads)\n"
+    "  --threads N      worker threads, 1 to 4096 (default: the hardware threads)\n"
     "  --repeat N       run the passes N times and report the best time (default 1)\n"
     "  --hot-share F    with --random: the share of tokens whose first expert is\n"
     "                   expert 0 (skewed routing); default 0\n",
@@ -234,7 +234,7 @@ int runRun(int argc, char **argv, int first) {
   if (auto r = args.value("--ranks"); r && (!parseCount(*r, 1u << 16, &ranks) || ranks == 0))
     return usage("--ranks must be a positive integer");
   if (auto t = args.value("--threads"); t && (!parseCount(*t, 4096, &threads) || threads == 0))
-    return usage("--threads must be a positive integer");
+    return usage("--threads must be an integer from 1 to 4096");
   if (auto r = args.value("--repeat"); r && (!parseCount(*r, 1000000, &repeat) || repeat == 0))
     return usage("--repeat must be a positive integer");
   if (auto s = args.value("--random");

@@ -32,7 +32,9 @@ mlir::OwningOpRef<mlir::ModuleOp> importGraphJson(std::string_view text,
 /// transposed by one grouped matmul and not by another).
 mlir::FailureOr<nlohmann::ordered_json> exportGraphJson(mlir::ModuleOp module);
 
-/// Reads a graph from `path`: JSON when it ends in ".json", MLIR otherwise.
+/// Reads a graph from `path`: JSON when it ends in ".json", or, under a name
+/// that ends in neither ".json" nor ".mlir", when its text starts with '{';
+/// MLIR otherwise.
 /// Errors go to the context's diagnostic handler; returns null then.
 mlir::OwningOpRef<mlir::ModuleOp> loadGraph(const std::string &path,
                                             mlir::MLIRContext *context);

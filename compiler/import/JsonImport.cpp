@@ -523,8 +523,12 @@ OwningOpRef<ModuleOp> moec::loadGraph(const std::string &path, MLIRContext *cont
     mlir::emitError(UnknownLoc::get(context)) << "cannot read '" << path << "': " << error;
     return nullptr;
   }
-  if (llvm::StringRef(path).endswith(".json"))
-    return importGraphJson(file->getBuffer().str(), path, context);
+  // JSON by its name, or by its first character under any other name (an
+  // MLIR file never starts with '{'): a graph.txt is still a graph.
+  const llvm::StringRef text = file->getBuffer();
+  if (llvm::StringRef(path).endswith(".json") ||
+      (!llvm::StringRef(path).endswith(".mlir") && text.ltrim().startswith("{")))
+    return importGraphJson(text.str(), path, context);
   llvm::SourceMgr sourceMgr;
   sourceMgr.AddNewSourceBuffer(std::move(file), SMLoc());
   OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, context);

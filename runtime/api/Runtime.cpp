@@ -307,33 +307,28 @@ Status Context::Impl::agree(const std::vector<Status> &local,
   }
   if (Status s = fabric->exchange(mine.data(), block, all.data(), options.timeoutSeconds); !s)
     return fatal(s);
+  std::vector<RankReport> reports(R);
+  for (uint32_t r = 0; r < R; ++r)
+    std::memcpy(&reports[r], all.data() + r * block, sizeof(RankReport));
   if (routes) {
     need = CapacityNeed();
-    for (uint32_t r = 0; r < R; ++r) {
-      RankReport report;
-      std::memcpy(&report, all.data() + r * block, sizeof report);
+    for (const RankReport &report : reports)
       need.rowsPerRank = std::max(need.rowsPerRank, report.tokens * report.topK);
-    }
   }
-  for (uint32_t r = 0; r < R; ++r) {
-    RankReport report;
-    std::memcpy(&report, all.data() + r * block, sizeof report);
-    if (!report.ok)
+  for (uint32_t r = 0; r < R; ++r)
+    if (!reports[r].ok)
       return fabric->isLocal(r) ? local[r - firstLocal()]
-                                : Status::error(report.message, StatusCode(report.code));
-  }
+                                : Status::error(reports[r].message, StatusCode(reports[r].code));
   if (!routes)
     return Status::success();
   for (uint32_t r = 0; r < R; ++r) {
     if (fabric->isLocal(r))
       continue;
-    RankReport report;
-    std::memcpy(&report, all.data() + r * block, sizeof report);
     cpu::RankRoute &route = (*routes)[r];
-    route.tokens = report.tokens;
-    route.topK = report.topK;
+    route.tokens = reports[r].tokens;
+    route.topK = reports[r].topK;
     route.layout.counts.assign(E, 0);
-    std::memcpy(route.layout.counts.data(), all.data() + r * block + sizeof report,
+    std::memcpy(route.layout.counts.data(), all.data() + r * block + sizeof(RankReport),
                 size_t(E) * sizeof(int64_t));
     route.layout.offsets.assign(E + 1, 0);
     for (uint32_t g = 0; g < E; ++g)
@@ -345,21 +340,12 @@ Status Context::Impl::agree(const std::vector<Status> &local,
 Status Context::Impl::checkCapacities(const std::vector<cpu::RankRoute> &routes) {
   const LayerShape &s = shape();
   const uint32_t R = s.ranks, L = s.localExperts;
-  for (uint32_t r = 0; r < R; ++r) {
-    int64_t received = 0;
-    for (uint32_t e = 0; e < L; ++e) {
-      int64_t rows = 0;
-      for (uint32_t q = 0; q < R; ++q) {
-        need.putRows = std::max(need.putRows, routes[q].layout.counts[r * L + e]);
-        rows += routes[q].layout.counts[r * L + e];
-      }
-      need.rowsPerExpert = std::max(need.rowsPerExpert, rows);
-      received += rows;
-    }
-    need.receivePerRank = std::max(need.receivePerRank, received);
-  }
-  const auto over = [](std::string message) {
-    return Status::error(std::move(message), StatusCode::OverCapacity);
+  // One pass: what the routing needs of every capacity, and the first
+  // capacity it breaks (puts, then experts, then ranks, in rank order).
+  std::string over;
+  const auto exceeded = [&](std::string message) {
+    if (over.empty())
+      over = std::move(message);
   };
   for (uint32_t r = 0; r < R; ++r) {
     int64_t received = 0;
@@ -368,26 +354,31 @@ Status Context::Impl::checkCapacities(const std::vector<cpu::RankRoute> &routes)
       int64_t rows = 0;
       for (uint32_t q = 0; q < R; ++q) {
         const int64_t n = routes[q].layout.counts[g];
+        need.putRows = std::max(need.putRows, n);
         if (n > s.putCapacity)
-          return over(fmt::format(
+          exceeded(fmt::format(
               "routing over capacity: rank {} sends {} rows to expert {}; the binary's puts "
               "carry at most {} rows from one rank to one expert",
               q, n, g, s.putCapacity));
         rows += n;
       }
+      need.rowsPerExpert = std::max(need.rowsPerExpert, rows);
       if (rows > s.expertCapacity)
-        return over(fmt::format(
+        exceeded(fmt::format(
             "routing over capacity: expert {} (local expert {} of rank {}) receives {} rows; "
             "the binary serves at most {} rows per expert",
             g, e, r, rows, s.expertCapacity));
       received += rows;
     }
+    need.receivePerRank = std::max(need.receivePerRank, received);
     if (received > s.receiveCapacity)
-      return over(fmt::format(
+      exceeded(fmt::format(
           "routing over capacity: the experts of rank {} receive {} rows; the binary serves "
           "at most {} rows per rank",
           r, received, s.receiveCapacity));
   }
+  if (!over.empty())
+    return Status::error(over, StatusCode::OverCapacity);
   return Status::success();
 }
 

@@ -91,7 +91,7 @@ struct EpochWindow {
 
 class MpiWindow final : public Window {
 public:
-  MpiWindow(MpiFabric &fabric) : owner(fabric) {}
+  explicit MpiWindow(MpiFabric &fabric) : owner(fabric) {}
   ~MpiWindow() override;
   void *local(uint32_t) const override { return window.base; }
   size_t bytes() const override { return window.size; }
@@ -247,7 +247,7 @@ public:
     char *base = static_cast<char *>(mailbox.base);
     // Our block, into our slot on every rank (ourselves included), then the
     // sequence number once the block is there.
-    const uint64_t header[2] = {0, bytes};
+    const uint64_t payloadBytes = bytes;
     for (uint32_t p = 0; p < count; ++p) {
       if (p == me) {
         std::memcpy(base + slot(me) + 8, &bytes, 8);
@@ -255,7 +255,7 @@ public:
           std::memcpy(base + slot(me) + kSlotHeader, mine, bytes);
         continue;
       }
-      MOEC_MPI(MPI_Put(&header[1], 8, MPI_BYTE, int(p), MPI_Aint(slot(me) + 8), 8, MPI_BYTE,
+      MOEC_MPI(MPI_Put(&payloadBytes, 8, MPI_BYTE, int(p), MPI_Aint(slot(me) + 8), 8, MPI_BYTE,
                        mailbox.win),
                "exchange: MPI_Put");
       if (bytes)

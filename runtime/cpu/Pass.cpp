@@ -48,8 +48,6 @@ void storeIndex(void *data, DType dtype, int64_t i, int64_t value) {
     static_cast<int64_t *>(data)[i] = value;
 }
 
-Elt eltOf(DType dtype) { return dtype == DType::BF16 ? Elt::BF16 : Elt::F32; }
-
 /// Runs fn(i) for i in [0, count) on up to `threads` threads (the caller is
 /// one of them). Items must be independent.
 template <typename Fn> void parallelFor(uint32_t threads, size_t count, const Fn &fn) {
@@ -85,12 +83,14 @@ struct Pieces {
   }
 };
 
-/// Bytes of a slot at its capacity.
+/// Bytes of a slot's buffer: the slot at its capacity, at least 64, rounded
+/// up to a multiple of 64 (each buffer starts on a cache line).
 size_t slotBytes(const format::SlotRecord &slot) {
   uint64_t count = 1;
   for (uint32_t i = 0; i < slot.rank; ++i)
     count *= (i == 0 && (slot.flags & format::kSlotDynamic)) ? slot.capacityRows : slot.dims[i];
-  return size_t(count) * dtypeSize(slot.dtype);
+  const size_t bytes = std::max<size_t>(size_t(count) * dtypeSize(slot.dtype), 64);
+  return (bytes + 63) / 64 * 64;
 }
 
 } // namespace
@@ -181,8 +181,7 @@ Status Pass::allocate() {
   uint64_t needed = 0;
   for (uint32_t slot = 0; slot < tasks.slots.size(); ++slot)
     if (std::find(caller.begin(), caller.end(), slot) == caller.end())
-      needed += uint64_t((std::max<size_t>(slotBytes(tasks.slots[slot]), 64) + 63) / 64 * 64) *
-                fabric.localRanks();
+      needed += uint64_t(slotBytes(tasks.slots[slot])) * fabric.localRanks();
   const uint64_t memory = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
   if (memory > 0 && needed > memory)
     return Status::error(fmt::format(
@@ -197,7 +196,7 @@ Status Pass::allocate() {
   for (uint32_t slot = 0; slot < tasks.slots.size(); ++slot) {
     if (std::find(caller.begin(), caller.end(), slot) != caller.end())
       continue;
-    const size_t bytes = (std::max<size_t>(slotBytes(tasks.slots[slot]), 64) + 63) / 64 * 64;
+    const size_t bytes = slotBytes(tasks.slots[slot]);
     if (isWindow[slot]) {
       std::unique_ptr<comm::Window> window;
       if (Status s = fabric.createWindow(bytes, &window); !s)
@@ -270,11 +269,11 @@ void Pass::fillLayout(const std::vector<RankRoute> &routes) {
 void Pass::gatherSendRows(const std::vector<RankRoute> &routes,
                           const std::vector<const void *> &source, bool weighted) {
   const rt::LayerPlan &plan = *layer;
-  const Elt act = eltOf(plan.shape.activations);
+  const Elt act = plan.shape.activations;
   const int64_t H = plan.shape.hidden;
   const comm::Fabric &fabric = *options.fabric;
   const Pieces pieces{fabric.firstLocal(), options.workers};
-  const Elt srcElt = eltOf(program->slots[plan.src].dtype);
+  const Elt srcElt = program->slots[plan.src].dtype;
   const int64_t srcLd = int64_t(program->slots[plan.src].dims[1]);
   parallelFor(options.workers, pieces.count(fabric.localRanks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
@@ -307,7 +306,7 @@ Status Pass::runTasks() {
 void Pass::combine(const std::vector<RankRoute> &routes, const std::vector<void *> &out,
                    bool weighted) {
   const rt::LayerPlan &plan = *layer;
-  const Elt act = eltOf(plan.shape.activations);
+  const Elt act = plan.shape.activations;
   const int64_t H = plan.shape.hidden;
   const comm::Fabric &fabric = *options.fabric;
   const Pieces pieces{fabric.firstLocal(), options.workers};
@@ -315,7 +314,7 @@ void Pass::combine(const std::vector<RankRoute> &routes, const std::vector<void 
   parallelFor(options.workers, pieces.count(fabric.localRanks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
-    combineRows(ConstMatrix{data[r][plan.returned], eltOf(returned.dtype), int64_t(returned.dims[1])},
+    combineRows(ConstMatrix{data[r][plan.returned], returned.dtype, int64_t(returned.dims[1])},
                 route.layout.position.data(), weighted ? route.weights.data() : nullptr,
                 route.topK, Matrix{out[r], act, H}, pieces.range(item, route.tokens),
                 Range{0, H});
@@ -325,7 +324,7 @@ void Pass::combine(const std::vector<RankRoute> &routes, const std::vector<void 
 void Pass::topkWeightGrad(const Pass &forward, const std::vector<RankRoute> &routes,
                           const std::vector<const void *> &dy, const std::vector<float *> &out) {
   const rt::LayerPlan &saved = forward.plan();
-  const Elt act = eltOf(layer->shape.activations);
+  const Elt act = layer->shape.activations;
   const int64_t H = layer->shape.hidden;
   const comm::Fabric &fabric = *options.fabric;
   const Pieces pieces{fabric.firstLocal(), options.workers};
@@ -334,7 +333,7 @@ void Pass::topkWeightGrad(const Pass &forward, const std::vector<RankRoute> &rou
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
     combineWeightGrad(ConstMatrix{dy[r], act, H},
-                      ConstMatrix{forward.slot(r, saved.returned), eltOf(returned.dtype),
+                      ConstMatrix{forward.slot(r, saved.returned), returned.dtype,
                                   int64_t(returned.dims[1])},
                       route.layout.position.data(), route.topK, pieces.range(item, route.tokens),
                       H, out[r]);
@@ -389,10 +388,10 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
 
   const auto dtype = [&](uint32_t slot) { return tasks.slots[slot].dtype; };
   const auto in = [&](uint32_t slot) {
-    return ConstMatrix{data[rank][slot], eltOf(dtype(slot)), int64_t(tasks.slots[slot].dims[1])};
+    return ConstMatrix{data[rank][slot], dtype(slot), int64_t(tasks.slots[slot].dims[1])};
   };
   const auto out = [&](uint32_t slot) {
-    return Matrix{data[rank][slot], eltOf(dtype(slot)), int64_t(tasks.slots[slot].dims[1])};
+    return Matrix{data[rank][slot], dtype(slot), int64_t(tasks.slots[slot].dims[1])};
   };
 
   // Per-expert ops: the expert's segment from the group list.
@@ -411,13 +410,13 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
     if (op.wgrad) {
       Matrix cm{static_cast<char *>(data[rank][c]) +
                     op.expertStride * tile.expert * dtypeSize(dtype(c)),
-                eltOf(dtype(c)), int64_t(t.ldc)};
+                dtype(c), int64_t(t.ldc)};
       gmmWgradTile(in(a), in(b), cm, segment, rows, cols, op.accumulate, tileScratch);
       return Status::success();
     }
     const ConstMatrix bm{static_cast<const char *>(data[rank][b]) +
                              op.expertStride * tile.expert * dtypeSize(dtype(b)),
-                         eltOf(dtype(b)), int64_t(t.ldb)};
+                         dtype(b), int64_t(t.ldb)};
     if (op.transposeB)
       gmmDgradTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch);
     else

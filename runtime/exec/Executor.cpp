@@ -240,6 +240,7 @@ struct Executor::Impl {
   Status deliver(bool *delivered);
   bool terminated() const;
   void superviseRemote();
+  void fireWatchdog(Clock::time_point now);
   void fail(Status status);
   void finishPass();
 
@@ -620,6 +621,15 @@ void Executor::Impl::reset() {
   trace.clear();
 }
 
+/// Stops the pass for the watchdog (the caller holds `mutex`): what runs now
+/// goes into the report.
+void Executor::Impl::fireWatchdog(Clock::time_point now) {
+  stopReason = Stop::Watchdog;
+  runningReport = describeRunning(now);
+  passOver.store(true);
+  workCv.notify_all();
+}
+
 /// Waits for the workers to leave the pass, firing the watchdog when no task
 /// completes for the timeout.
 void Executor::Impl::supervise() {
@@ -641,10 +651,7 @@ void Executor::Impl::supervise() {
       lastRemaining = left;
       lastProgress = now;
     } else if (watchdog && now - lastProgress >= options.timeout) {
-      stopReason = Stop::Watchdog;
-      runningReport = describeRunning(now);
-      passOver.store(true);
-      workCv.notify_all();
+      fireWatchdog(now);
     }
   }
 }
@@ -715,10 +722,7 @@ void Executor::Impl::superviseRemote() {
       idle = 0;
     } else if (watchdog && now - lastProgress >= options.timeout) {
       std::lock_guard<std::mutex> lock(mutex);
-      stopReason = Stop::Watchdog;
-      runningReport = describeRunning(now);
-      passOver.store(true);
-      workCv.notify_all();
+      fireWatchdog(now);
       break;
     } else if (++idle < 64) {
       std::this_thread::yield();

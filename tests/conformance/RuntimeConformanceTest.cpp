@@ -708,6 +708,20 @@ TEST_CASE("runtime C API", "[runtime]") {
   CHECK(moec_backward(ctx) == MOEC_ERROR); // dy etc. not bound
   CHECK_THAT(moec_last_error(), Catch::Contains("tensor 'dy' is not bound"));
 
+  // A routing over capacity has its own return code: one token more than
+  // compiled on rank 0.
+  std::vector<int64_t> moreIds(size_t((S + 1) * K));
+  std::vector<float> moreWeights(moreIds.size(), 0.5f);
+  for (size_t i = 0; i < moreIds.size(); ++i)
+    moreIds[i] = int64_t(i % K);
+  moec_tensor more = makeTensor(moreIds.data(), DType::I64, {S + 1, K});
+  moec_tensor moreW = makeTensor(moreWeights.data(), DType::F32, {S + 1, K});
+  REQUIRE(moec_set_routing(ctx, 0, &more, &moreW) == 0);
+  CHECK(moec_forward(ctx) == MOEC_OVER_CAPACITY);
+  CHECK_THAT(moec_last_error(), Catch::Contains("rank 0: routing over capacity: 129 tokens"));
+  REQUIRE(moec_capacity_need(ctx, need) == 0);
+  CHECK(need[0] == (S + 1) * K);
+
   // The same forward through the C++ API gives the same bits.
   std::unique_ptr<Context> cpp;
   REQUIRE(Context::create(fwd, bwd, {}, &cpp).ok());

@@ -30,13 +30,6 @@ void copyRow(const void *src, Elt srcElt, void *dst, Elt dstElt, int64_t cols) {
 
 } // namespace
 
-void copyRows(ConstMatrix src, Matrix dst, int64_t rows, int64_t cols) {
-  if (cols <= 0)
-    return;
-  for (int64_t i = 0; i < rows; ++i)
-    copyRow(src.address(i, 0), src.elt, dst.address(i, 0), dst.elt, cols);
-}
-
 void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const float *weights,
                      Matrix dst, int64_t rows, int64_t cols) {
   if (cols <= 0)

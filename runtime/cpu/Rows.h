@@ -2,8 +2,6 @@
 //
 // The data movement of dispatch and combine, on row ranges:
 //
-//   copyRows          a put: a run of rows from one strided buffer to another
-//                     (the runtime adds the remote event signal after it)
 //   gatherTokenRows   dispatch: row i of the output is the token row of the
 //                     (token, k) row id rowIds[i], optionally scaled by that
 //                     row's top-k weight (the backward pass dispatches
@@ -28,11 +26,6 @@
 #include <cstdint>
 
 namespace moec::cpu {
-
-/// Copies `rows` rows of `cols` elements: dst row i = src row i. Equal
-/// storage types copy bytes; otherwise values are converted (rounded to
-/// nearest-even when narrowing to bf16). The views must not overlap.
-void copyRows(ConstMatrix src, Matrix dst, int64_t rows, int64_t cols);
 
 /// Gathers `rows` rows of `cols` elements: dst row i = src row
 /// (rowIds[i] / topK), times weights[rowIds[i]] when `weights` is not null.

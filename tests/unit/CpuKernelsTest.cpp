@@ -675,28 +675,6 @@ TEST_CASE("routing layout errors", "[cpu][layout]") {
 // Puts, dispatch gather, combine
 //===----------------------------------------------------------------------===//
 
-TEST_CASE("copyRows copies strided rows, converting types", "[cpu][rows]") {
-  std::mt19937 rng(51);
-  for (Elt from : {Elt::F32, Elt::BF16})
-    for (Elt to : {Elt::F32, Elt::BF16}) {
-      INFO(dtypeName(from) << " -> " << dtypeName(to));
-      Buffer src(from, 6, 300, 7), dst(to, 9, 300, 4);
-      src.randomize(rng);
-      // Rows 1..4 of src land at rows 3..6 of dst.
-      copyRows(ConstMatrix{src.cview().address(1, 0), from, src.ld},
-               Matrix{dst.view().address(3, 0), to, dst.ld}, 4, 300);
-      for (int64_t i = 0; i < 9; ++i)
-        for (int64_t j = 0; j < dst.ld; ++j) {
-          const bool inside = i >= 3 && i < 7 && j < 300;
-          const float want = inside ? (to == Elt::BF16 ? roundToBf16(src.get(i - 2, j))
-                                                       : src.get(i - 2, j))
-                                    : Buffer::kSentinel;
-          if (dst.get(i, j) != want)
-            FAIL("dst[" << i << "][" << j << "] = " << dst.get(i, j) << ", expected " << want);
-        }
-    }
-}
-
 TEST_CASE("gatherTokenRows dispatches token rows, optionally weighted", "[cpu][rows]") {
   std::mt19937 rng(52);
   const std::vector<int32_t> ids = {2, 0, 1, 2, 0, 1}; // 3 tokens, top-2, 3 experts

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <functional>
 #include <random>
@@ -382,6 +383,13 @@ struct KernelLayer {
         recvRows[size_t(p)] += seg.rows;
       }
     }
+    // A put: rows of one strided buffer copied, bytes as they are, into
+    // another (the runtime's fabrics do this).
+    auto putRows = [](ConstMatrix src, Matrix dst, int64_t rows, int64_t cols) {
+      REQUIRE(src.elt == dst.elt);
+      for (int64_t i = 0; i < rows; ++i)
+        std::memcpy(dst.address(i, 0), src.address(i, 0), size_t(cols) * dtypeSize(src.elt));
+    };
     // Moves rows between each source's expert-major buffer and the
     // receivers' buffers, one put per (source, expert).
     auto exchange = [&](std::vector<Stored> &srcSide, std::vector<Stored> &recvSide,
@@ -393,11 +401,9 @@ struct KernelLayer {
           const int64_t at = layouts[size_t(r)].offsets[size_t(g)];
           const int64_t there = recvAt[size_t(p)][size_t(e)][size_t(r)];
           if (toReceiver)
-            copyRows(srcSide[size_t(r)].rowsFrom(at), recvSide[size_t(p)].rowsFrom(there), n,
-                     cols);
+            putRows(srcSide[size_t(r)].rowsFrom(at), recvSide[size_t(p)].rowsFrom(there), n, cols);
           else
-            copyRows(recvSide[size_t(p)].rowsFrom(there), srcSide[size_t(r)].rowsFrom(at), n,
-                     cols);
+            putRows(recvSide[size_t(p)].rowsFrom(there), srcSide[size_t(r)].rowsFrom(at), n, cols);
         }
     };
     auto capacityGrid = [&](int64_t p, int64_t e) {

@@ -6,7 +6,8 @@ def gentbl_cc_library(name, td_file, tbl_outs, td_srcs = [], deps = []):
     """Runs mlir-tblgen on `td_file` once per (flags, output) pair.
 
     Args:
-      name: name of the cc_library that carries the generated .inc files.
+      name: name of the cc_library that carries the generated .inc files;
+        name + "_files" is a filegroup of them.
       td_file: the top-level .td file.
       tbl_outs: list of (flags, out) pairs, e.g. (["-gen-op-decls"], "Ops.h.inc").
       td_srcs: other .td files `td_file` includes.
@@ -29,6 +30,9 @@ def gentbl_cc_library(name, td_file, tbl_outs, td_srcs = [], deps = []):
         textual_hdrs = outs,
         deps = deps,
     )
+
+    # The generated files themselves, for builds outside Bazel (fuzz targets).
+    native.filegroup(name = name + "_files", srcs = outs)
 
 def td_library(name, srcs):
     native.filegroup(name = name, srcs = srcs)

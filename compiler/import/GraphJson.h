@@ -39,6 +39,14 @@ mlir::FailureOr<nlohmann::ordered_json> exportGraphJson(mlir::ModuleOp module);
 mlir::OwningOpRef<mlir::ModuleOp> loadGraph(const std::string &path,
                                             mlir::MLIRContext *context);
 
+/// Parses MLIR `text` (named `source` in locations) that must hold exactly
+/// one moe.graph. Text nested deeper than kMaxTextNesting is refused before
+/// it is parsed. Errors go to the context's diagnostic handler; returns null
+/// then.
+mlir::OwningOpRef<mlir::ModuleOp> parseGraphMlir(llvm::StringRef text, const std::string &source,
+                                                 mlir::MLIRContext *context);
+
+
 } // namespace moec
 
 #endif // MOEC_COMPILER_IMPORT_GRAPHJSON_H

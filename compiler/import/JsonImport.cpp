@@ -4,6 +4,7 @@
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/support/Expr.h"
 #include "compiler/support/Json.h"
+#include "compiler/support/Nesting.h"
 
 #include "mlir/IR/Builders.h"
 #include "mlir/IR/Diagnostics.h"
@@ -529,16 +530,29 @@ OwningOpRef<ModuleOp> moec::loadGraph(const std::string &path, MLIRContext *cont
   if (llvm::StringRef(path).endswith(".json") ||
       (!llvm::StringRef(path).endswith(".mlir") && text.ltrim().startswith("{")))
     return importGraphJson(text.str(), path, context);
+  return parseGraphMlir(text, path, context);
+}
+
+OwningOpRef<ModuleOp> moec::parseGraphMlir(llvm::StringRef text, const std::string &source,
+                                           MLIRContext *context) {
+  context->getOrLoadDialect<MoeDialect>();
+  if (std::optional<DeepNesting> deep = findDeepNesting(std::string_view(text.data(), text.size()))) {
+    mlir::emitError(FileLineColLoc::get(context, source, deep->line, deep->column))
+        << deep->message;
+    return nullptr;
+  }
   llvm::SourceMgr sourceMgr;
-  sourceMgr.AddNewSourceBuffer(std::move(file), SMLoc());
+  // A copy: MLIR's lexer reads up to a terminating NUL, which `text` need
+  // not have.
+  sourceMgr.AddNewSourceBuffer(llvm::MemoryBuffer::getMemBufferCopy(text, source), SMLoc());
   OwningOpRef<ModuleOp> module = parseSourceFile<ModuleOp>(sourceMgr, context);
   if (!module)
     return nullptr;
   auto graphOps = module->getOps<GraphOp>();
   auto graphs = std::distance(graphOps.begin(), graphOps.end());
   if (graphs != 1) {
-    mlir::emitError(FileLineColLoc::get(context, path, 1, 1))
-        << "'" << path << "' must hold exactly one moe.graph, found " << graphs;
+    mlir::emitError(FileLineColLoc::get(context, source, 1, 1))
+        << "'" << source << "' must hold exactly one moe.graph, found " << graphs;
     return nullptr;
   }
   return module;

@@ -16,8 +16,15 @@
 #include "mlir/IR/OpImplementation.h"
 #include "mlir/IR/RegionKindInterface.h"
 
+#include <cstdint>
 #include <optional>
 #include <string>
+
+namespace moec::moe {
+/// The largest parameter or tiling slot index a graph may name: slots index
+/// the task binary's tables, which hold a few dozen entries.
+inline constexpr int64_t kMaxSlot = 65535;
+} // namespace moec::moe
 
 #include "compiler/ir/MoeDialect.h.inc"
 

@@ -174,7 +174,7 @@ DimRelation moec::moe::compareDims(const Expr &a, const Expr &b) {
 
 RegionKind GraphOp::getRegionKind(unsigned) { return RegionKind::Graph; }
 
-LogicalResult GraphOp::verify() {
+LogicalResult GraphOp::verifyRegions() {
   llvm::StringMap<Operation *> tensors, opNames;
   auto verifyEdges = [&]() -> LogicalResult {
     if (!getEdgesAttr())
@@ -208,7 +208,9 @@ LogicalResult GraphOp::verify() {
       return op.emitOpError() << "defines tensor '" << def.getResultName()
                               << "' a second time (first defined at " << it->second->getLoc()
                               << ")";
-    if (auto slot = def.getSlot()) {
+    // Out-of-range slots are the op's own verifier's to report; they must
+    // not reach the maps (INT64_MAX is a DenseMap's reserved key).
+    if (auto slot = def.getSlot(); slot && *slot <= uint64_t(kMaxSlot)) {
       auto [s, freshSlot] = slots.try_emplace(*slot, &op);
       if (!freshSlot)
         return op.emitOpError() << "tensor '" << def.getResultName() << "' takes slot " << *slot
@@ -221,7 +223,7 @@ LogicalResult GraphOp::verify() {
     auto [n, freshName] = opNames.try_emplace(task.getOpName(), &op);
     if (!freshName)
       return op.emitOpError() << "op name '" << task.getOpName() << "' is used twice";
-    if (auto t = task.getTilingSlotValue(); t && *t >= 0) {
+    if (auto t = task.getTilingSlotValue(); t && *t >= 0 && *t <= kMaxSlot) {
       auto [s, freshSlot] = tilingSlots.try_emplace(*t, &op);
       if (!freshSlot)
         return op.emitOpError() << "'" << task.getOpName() << "' takes tiling slot " << *t
@@ -240,9 +242,9 @@ LogicalResult GraphOp::verify() {
 }
 
 LogicalResult InputOp::verify() {
-  if (auto slot = getSlotAttr(); slot && slot.getInt() < 0)
-    return emitOpError() << "tensor '" << getResultName() << "' has a negative slot "
-                         << slot.getInt();
+  if (auto slot = getSlotAttr(); slot && (slot.getInt() < 0 || slot.getInt() > kMaxSlot))
+    return emitOpError() << "tensor '" << getResultName() << "' has slot " << slot.getInt()
+                         << ": a slot is 0 to " << kMaxSlot;
   return success();
 }
 
@@ -453,11 +455,13 @@ LogicalResult verifyTaskCommon(TaskOpInterface op) {
     if (!Expr::parse(taskNum.getValue().str(), &error))
       return c.error() << "task_num '" << taskNum.getValue() << "': " << error;
   }
-  if (auto tiling = op.getTilingSlotValue(); tiling && *tiling < -1)
-    return c.error() << "tiling slot must be -1 (none) or a slot index, got " << *tiling;
-  if (auto slot = op->getAttrOfType<IntegerAttr>("slot"); slot && slot.getInt() < 0)
-    return c.error() << "result tensor '" << tensorName(op->getResult(0))
-                     << "' has a negative slot " << slot.getInt();
+  if (auto tiling = op.getTilingSlotValue(); tiling && (*tiling < -1 || *tiling > kMaxSlot))
+    return c.error() << "tiling slot must be -1 (none) or a slot index 0 to " << kMaxSlot
+                     << ", got " << *tiling;
+  if (auto slot = op->getAttrOfType<IntegerAttr>("slot");
+      slot && (slot.getInt() < 0 || slot.getInt() > kMaxSlot))
+    return c.error() << "result tensor '" << tensorName(op->getResult(0)) << "' has slot "
+                     << slot.getInt() << ": a slot is 0 to " << kMaxSlot;
   return verifyFill(c);
 }
 

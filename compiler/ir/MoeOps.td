@@ -101,7 +101,9 @@ def Moe_GraphOp : Moe_Op<"graph", [
   );
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
-  let hasVerifier = 1;
+  // Checked after the ops of the body have verified (their attributes are
+  // then known to be there).
+  let hasRegionVerifier = 1;
   let extraClassDeclaration = [{
     /// The block holding the graph's ops.
     ::mlir::Block &getBlock() { return getBody().front(); }

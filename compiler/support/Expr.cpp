@@ -96,6 +96,9 @@ public:
   std::string error;
 
 private:
+  int depth = 0;     // of the parentheses being parsed
+  int operators = 0; // binary operators parsed so far
+
   /// A parsed subexpression with its full syntactic extent (including any
   /// enclosing parentheses).
   struct Parsed {
@@ -111,6 +114,15 @@ private:
 
   void fail(size_t at, const std::string &message) {
     error = "column " + std::to_string(at + 1) + ": " + message;
+  }
+
+  /// Counts a binary operator against kMaxExprOperators; fails past it.
+  bool countOperator(size_t at) {
+    if (++operators <= kMaxExprOperators)
+      return true;
+    fail(at, "more than " + std::to_string(kMaxExprOperators) +
+                 " operators in one expression");
+    return false;
   }
 
   static NodePtr makeBinary(Node::Kind kind, const Parsed &lhs,
@@ -133,6 +145,8 @@ private:
       skipSpace();
       if (pos >= text.size() || (text[pos] != '+' && text[pos] != '-'))
         return lhs;
+      if (!countOperator(pos))
+        return std::nullopt;
       char op = text[pos++];
       std::optional<Parsed> rhs = parseTerm(std::string("'") + op + "'");
       if (!rhs)
@@ -151,6 +165,8 @@ private:
       skipSpace();
       if (pos >= text.size() || (text[pos] != '*' && text[pos] != '/'))
         return lhs;
+      if (!countOperator(pos))
+        return std::nullopt;
       char op = text[pos++];
       std::optional<Parsed> rhs = parsePrimary(std::string("'") + op + "'");
       if (!rhs)
@@ -199,8 +215,14 @@ private:
       return Parsed{node, start, pos};
     }
     if (pos < text.size() && text[pos] == '(') {
+      if (++depth > kMaxExprDepth) {
+        fail(pos, "parentheses nested deeper than " + std::to_string(kMaxExprDepth) +
+                      " levels");
+        return std::nullopt;
+      }
       ++pos;
       std::optional<Parsed> inner = parseExpr("'('");
+      --depth;
       if (!inner)
         return std::nullopt;
       skipSpace();

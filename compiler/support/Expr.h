@@ -16,6 +16,10 @@
 // Division must be exact when evaluated (evaluate()), or rounds up
 // (evaluateRoundingUp(), for counts of tiles).
 //
+// An expression holds at most kMaxExprOperators binary operators and nests
+// parentheses at most kMaxExprDepth deep: a graph needs a few of each, and
+// the bounds keep the recursion over its tree shallow.
+//
 //===----------------------------------------------------------------------===//
 
 #ifndef MOEC_COMPILER_SUPPORT_EXPR_H
@@ -31,6 +35,9 @@
 #include <vector>
 
 namespace moec {
+
+inline constexpr int kMaxExprOperators = 256;
+inline constexpr int kMaxExprDepth = 32;
 
 /// Values of the symbols an expression may use, keyed by symbol name.
 using Bindings = std::map<std::string, int64_t, std::less<>>;

@@ -150,6 +150,29 @@ TEST_CASE("parse errors name the column and what was expected", "[expr]") {
   CHECK_FALSE(Expr::parse("a +", nullptr).has_value());
 }
 
+TEST_CASE("nesting and length are bounded", "[expr]") {
+  // At the bounds: parses and evaluates.
+  const std::string deep = std::string(moec::kMaxExprDepth, '(') + "a" +
+                           std::string(moec::kMaxExprDepth, ')');
+  CHECK(parseOk(deep).evaluate({{"a", 7}}, nullptr) == 7);
+  std::string sum = "1";
+  for (int i = 0; i < moec::kMaxExprOperators; ++i)
+    sum += " + 1";
+  CHECK(parseOk(sum).evaluate({}, nullptr) == moec::kMaxExprOperators + 1);
+
+  // Past them (10k nested parentheses, 20k flat terms): an error, not a
+  // deep recursion.
+  CHECK(parseError(std::string(10000, '(') + "a" + std::string(10000, ')')) ==
+        "column " + std::to_string(moec::kMaxExprDepth + 1) +
+            ": parentheses nested deeper than " + std::to_string(moec::kMaxExprDepth) +
+            " levels");
+  std::string flat = "a";
+  for (int i = 0; i < 20000; ++i)
+    flat += i % 2 ? "*a" : "+a";
+  CHECK(parseError(flat).find("more than " + std::to_string(moec::kMaxExprOperators) +
+                              " operators in one expression") != std::string::npos);
+}
+
 TEST_CASE("unknown symbols", "[expr]") {
   Bindings b = {{"hidden_size", 7168}, {"seq_size", 4096}};
   CHECK(evalError("hiden_size * 2", b) ==

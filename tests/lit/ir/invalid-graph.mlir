@@ -134,6 +134,34 @@ moe.graph "g" attributes {edges = 3} {
 // -----
 
 moe.graph "g" {
-  // expected-error@+1 {{'moe.input' op tensor 'a' has a negative slot -1}}
+  // expected-error@+1 {{'moe.input' op tensor 'a' has slot -1: a slot is 0 to 65535}}
   %a = moe.input "a" {slot = -1 : i64} : !moe.tensor<[4], f32>
 }
+
+// -----
+
+// Slots past the largest index (INT64_MAX is a hash map's reserved key; 2^32
+// and more used to be truncated) are the op's own error.
+moe.graph "g" {
+  // expected-error@+1 {{'moe.input' op tensor 'a' has slot 9223372036854775807: a slot is 0 to 65535}}
+  %a = moe.input "a" {slot = 9223372036854775807 : i64} : !moe.tensor<[4], f32>
+}
+
+// -----
+
+moe.graph "g" {
+  %y = moe.input "y" : !moe.tensor<[16, 8], f32>
+  // expected-error@+1 {{'moe.swiglu' op 's': tiling slot must be -1 (none) or a slot index 0 to 65535, got 4294967311}}
+  %a = moe.swiglu "s"(%y) -> "a" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4 : i64, tiling_slot = 4294967311 : i64} : (!moe.tensor<[16, 8], f32>) -> !moe.tensor<[16, 4], f32>
+}
+
+// -----
+
+// An op missing a required attribute is reported by its own verifier before
+// the graph's checks read the attribute.
+moe.graph "g" {
+  %y = moe.input "y" : !moe.tensor<[16, 8], f32>
+  // expected-error@+1 {{'moe.swiglu' op requires attribute 'split'}}
+  %a = moe.swiglu "s"(%y) -> "a" {split_value = 4 : i64} : (!moe.tensor<[16, 8], f32>) -> !moe.tensor<[16, 4], f32>
+}
+

@@ -99,7 +99,7 @@ moe.graph "g" {
 
 moe.graph "g" {
   %y = moe.input "y" : !moe.tensor<[16, 8], f32>
-  // expected-error@+1 {{'moe.swiglu' op 's': tiling slot must be -1 (none) or a slot index, got -2}}
+  // expected-error@+1 {{'moe.swiglu' op 's': tiling slot must be -1 (none) or a slot index 0 to 65535, got -2}}
   %a = moe.swiglu "s"(%y) -> "a" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4 : i64, tiling_slot = -2 : i64} : (!moe.tensor<[16, 8], f32>) -> !moe.tensor<[16, 4], f32>
 }
 
@@ -109,7 +109,7 @@ moe.graph "g" {
   %y = moe.input "y" : !moe.tensor<[16, 8], f32>
   %w = moe.input "w" : !moe.tensor<[2, 8, 4], f32>
   %gl = moe.input "gl" : !moe.tensor<[2], i64>
-  // expected-error@+1 {{'moe.gmm' op 'm': result tensor 'a' has a negative slot -3}}
+  // expected-error@+1 {{'moe.gmm' op 'm': result tensor 'a' has slot -3: a slot is 0 to 65535}}
   %a = moe.gmm "m"(%y, %w, %gl) -> "a" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4 : i64, slot = -3 : i64} : (!moe.tensor<[16, 8], f32>, !moe.tensor<[2, 8, 4], f32>, !moe.tensor<[2], i64>) -> !moe.tensor<[16, 4], f32>
 }
 

@@ -1,13 +1,19 @@
-//===- File.cpp - Reading a whole file ---------------------------------------===//
+//===- File.cpp - Reading and writing whole files ----------------------------===//
 
 #include "base/File.h"
 
+#include <algorithm>
+#include <array>
+#include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 namespace moec {
 
@@ -35,6 +41,99 @@ Status readWholeFile(const std::string &path, std::vector<uint8_t> *out) {
     return Status::error(path + ": cannot read: " + std::strerror(errno));
   *out = std::move(bytes);
   return Status::success();
+}
+
+namespace {
+
+/// The temporaries being written, for the signal handler: fixed storage (no
+/// allocation in a handler), a slot is in use while its flag is set.
+struct TemporarySlot {
+  std::atomic<bool> live{false};
+  char path[4096] = {};
+};
+std::array<TemporarySlot, 32> temporaries;
+std::atomic<bool> claimed[32] = {};
+
+/// Registers `path` for removal on a signal; returns the slot, or -1 when
+/// all are taken or the path is too long (the file is then written without
+/// that protection).
+int registerTemporary(const std::string &path) {
+  if (path.size() >= sizeof(TemporarySlot::path))
+    return -1;
+  for (size_t i = 0; i < temporaries.size(); ++i) {
+    bool expected = false;
+    if (!claimed[i].compare_exchange_strong(expected, true))
+      continue;
+    std::memcpy(temporaries[i].path, path.c_str(), path.size() + 1);
+    temporaries[i].live.store(true);
+    return int(i);
+  }
+  return -1;
+}
+
+void unregisterTemporary(int slot) {
+  if (slot < 0)
+    return;
+  temporaries[size_t(slot)].live.store(false);
+  claimed[size_t(slot)].store(false);
+}
+
+extern "C" void removeTemporariesAndDie(int signal) {
+  for (TemporarySlot &slot : temporaries)
+    if (slot.live.load())
+      ::unlink(slot.path);
+  std::signal(signal, SIG_DFL);
+  std::raise(signal);
+}
+
+bool writeAll(int fd, const void *data, size_t size) {
+  const char *at = static_cast<const char *>(data);
+  while (size > 0) {
+    // Linux writes at most about 2 GiB at a time.
+    ssize_t written = ::write(fd, at, std::min<size_t>(size, size_t(1) << 30));
+    if (written < 0) {
+      if (errno == EINTR)
+        continue;
+      return false;
+    }
+    at += written;
+    size -= size_t(written);
+  }
+  return true;
+}
+
+} // namespace
+
+Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSpan> parts) {
+  static std::atomic<uint64_t> counter{0};
+  const std::string temporary =
+      path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+  const int slot = registerTemporary(temporary);
+  const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    const int code = errno;
+    unregisterTemporary(slot);
+    return Status::error(path + ": cannot open for writing: " + std::strerror(code));
+  }
+  bool written = true;
+  for (const ByteSpan &part : parts)
+    written = written && writeAll(fd, part.data, part.size);
+  const int writeErrno = errno;
+  const bool closed = ::close(fd) == 0;
+  int code = written ? (closed ? 0 : errno) : writeErrno;
+  if (code == 0 && std::rename(temporary.c_str(), path.c_str()) != 0)
+    code = errno;
+  if (code != 0)
+    ::unlink(temporary.c_str());
+  unregisterTemporary(slot);
+  if (code != 0)
+    return Status::error(path + ": cannot write: " + std::strerror(code));
+  return Status::success();
+}
+
+void removeTemporariesOnSignal() {
+  for (int signal : {SIGINT, SIGTERM, SIGHUP, SIGQUIT})
+    std::signal(signal, removeTemporariesAndDie);
 }
 
 } // namespace moec

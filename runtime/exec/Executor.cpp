@@ -19,6 +19,8 @@
 
 #include "runtime/exec/Executor.h"
 
+#include "base/File.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -996,15 +998,8 @@ std::string chromeTraceJson(const TaskProgram &program, const std::vector<TraceE
 
 Status writeChromeTrace(const TaskProgram &program, const std::vector<TraceEvent> &events,
                         const std::string &path) {
-  std::string text = chromeTraceJson(program, events);
-  std::ofstream file(path, std::ios::binary | std::ios::trunc);
-  if (!file)
-    return Status::error(path + ": cannot open the file for writing");
-  file.write(text.data(), std::streamsize(text.size()));
-  file.close();
-  if (!file)
-    return Status::error(path + ": cannot write the trace");
-  return Status::success();
+  const std::string text = chromeTraceJson(program, events);
+  return writeFileAtomically(path, {{text.data(), text.size()}});
 }
 
 } // namespace moec::exec

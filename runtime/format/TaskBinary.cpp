@@ -734,17 +734,7 @@ Status writeTaskBinaryFile(const TaskProgram &program, const std::string &path) 
   if (Status status = validateTaskProgram(program); !status)
     return status.withPrefix(path + ": ");
   std::vector<uint8_t> bytes = writeTaskBinary(program);
-  std::FILE *file = std::fopen(path.c_str(), "wb");
-  if (!file)
-    return Status::error(
-        fmt::format("{}: cannot open for writing: {}", path, std::strerror(errno)));
-  size_t written = std::fwrite(bytes.data(), 1, bytes.size(), file);
-  int writeErrno = errno;
-  bool closed = std::fclose(file) == 0;
-  if (written != bytes.size() || !closed)
-    return Status::error(fmt::format("{}: cannot write: {}", path,
-                                     std::strerror(written != bytes.size() ? writeErrno : errno)));
-  return Status::success();
+  return writeFileAtomically(path, {{bytes.data(), bytes.size()}});
 }
 
 //===----------------------------------------------------------------------===//

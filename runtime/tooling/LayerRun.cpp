@@ -6,14 +6,18 @@
 
 #include "runtime/tooling/LayerRun.h"
 
+#include "base/File.h"
 #include "runtime/cpu/Element.h"
+#include "runtime/format/Crc32.h"
 #include "runtime/tooling/Reference.h"
 #include "runtime/tooling/Npy.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <numeric>
 #include <random>
 
@@ -98,6 +102,8 @@ Status readFloats(const std::string &dir, const char *name, const std::vector<in
 
 Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool backward,
                        LayerData *out) {
+  if (Status s = checkRunManifest(dir); !s)
+    return s;
   LayerData d;
   d.ranks = shape.ranks;
   d.experts = shape.experts();
@@ -138,7 +144,8 @@ Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool
   return Status::success();
 }
 
-Status writeLayerInputs(const std::string &dir, const LayerData &d, bool backward) {
+Status writeLayerInputs(const std::string &dir, const LayerData &d, bool backward,
+                        std::vector<std::string> *written) {
   const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden,
                 I = d.inter;
   using npy::NpyType;
@@ -155,11 +162,13 @@ Status writeLayerInputs(const std::string &dir, const LayerData &d, bool backwar
       continue;
     if (Status s = npy::writeNpy(npyPath(dir, name), type, dims, data); !s)
       return s;
+    written->push_back(std::string(name) + ".npy");
   }
   return Status::success();
 }
 
-Status writeLayerOutputs(const std::string &dir, const LayerData &d, bool backward) {
+Status writeLayerOutputs(const std::string &dir, const LayerData &d, bool backward,
+                         std::vector<std::string> *written) {
   const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden,
                 I = d.inter;
   using npy::NpyType;
@@ -175,6 +184,73 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &d, bool backwa
       continue;
     if (Status s = npy::writeNpy(npyPath(dir, name), NpyType::F32, dims, values->data()); !s)
       return s;
+    written->push_back(std::string(name) + ".npy");
+  }
+  return Status::success();
+}
+
+//===----------------------------------------------------------------------===//
+// Run folders
+//===----------------------------------------------------------------------===//
+
+namespace {
+
+std::string crcText(const std::vector<uint8_t> &bytes) {
+  return fmt::format("{:08x}", format::crc32(bytes.data(), bytes.size()));
+}
+
+} // namespace
+
+Status beginRunFolder(const std::string &dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec)
+    return Status::error(fmt::format("{}: cannot create: {}", dir, ec.message()));
+  std::filesystem::remove(dir + "/" + kRunManifest, ec);
+  if (ec)
+    return Status::error(fmt::format("{}/{}: cannot remove: {}", dir, kRunManifest, ec.message()));
+  return Status::success();
+}
+
+Status writeRunManifest(const std::string &dir, const std::vector<std::string> &files,
+                        const std::string &run) {
+  nlohmann::ordered_json manifest;
+  manifest["run"] = run;
+  manifest["files"] = nlohmann::ordered_json::array();
+  for (const std::string &name : files) {
+    std::vector<uint8_t> bytes;
+    if (Status s = readWholeFile(dir + "/" + name, &bytes); !s)
+      return s;
+    manifest["files"].push_back({{"name", name}, {"bytes", bytes.size()}, {"crc32", crcText(bytes)}});
+  }
+  const std::string text = manifest.dump(2) + "\n";
+  return writeFileAtomically(dir + "/" + kRunManifest, {{text.data(), text.size()}});
+}
+
+Status checkRunManifest(const std::string &dir) {
+  const std::string path = dir + "/" + kRunManifest;
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec))
+    return Status::success();
+  std::vector<uint8_t> text;
+  if (Status s = readWholeFile(path, &text); !s)
+    return s;
+  const nlohmann::json manifest = nlohmann::json::parse(text.begin(), text.end(), nullptr, false);
+  if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_array())
+    return Status::error(path + ": not a run manifest (an object with a 'files' list)");
+  for (const nlohmann::json &file : manifest["files"]) {
+    if (!file.is_object() || !file.contains("name") || !file["name"].is_string() ||
+        !file.contains("crc32") || !file["crc32"].is_string())
+      return Status::error(path + ": a 'files' entry lacks its 'name' or 'crc32'");
+    const std::string name = file["name"].get<std::string>();
+    std::vector<uint8_t> bytes;
+    if (Status s = readWholeFile(dir + "/" + name, &bytes); !s)
+      return s.withPrefix(path + " lists " + name + ", but ");
+    if (crcText(bytes) != file["crc32"].get<std::string>())
+      return Status::error(fmt::format(
+          "{}/{}: does not match {} (CRC-32 {}, the manifest says {}): the folder mixes files of "
+          "two runs, or one was changed after its run",
+          dir, name, kRunManifest, crcText(bytes), file["crc32"].get<std::string>()));
   }
   return Status::success();
 }

@@ -55,11 +55,36 @@ void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, 
 Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool backward,
                        LayerData *data);
 
-/// Writes the inputs (with dy when `backward`) to DIR/*.npy.
-Status writeLayerInputs(const std::string &dir, const LayerData &data, bool backward);
+/// Writes the inputs (with dy when `backward`) to DIR/*.npy; appends the
+/// names of the files to *written.
+Status writeLayerInputs(const std::string &dir, const LayerData &data, bool backward,
+                        std::vector<std::string> *written);
 
-/// Writes y (and dx, dtopk_weights, dw1, dw2 when `backward`) to DIR/*.npy.
-Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool backward);
+/// Writes y (and dx, dtopk_weights, dw1, dw2 when `backward`) to DIR/*.npy;
+/// appends the names of the files to *written.
+Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool backward,
+                         std::vector<std::string> *written);
+
+/// A folder of outputs is one run's when it holds this manifest, which the
+/// run writes last: what ran, and each file it wrote with its size and
+/// CRC-32. A run starts by removing the old manifest, so a folder that a
+/// killed run left behind, or a mix of two runs, has none or fails its
+/// check.
+inline constexpr const char *kRunManifest = "manifest.json";
+
+/// Creates `dir` when missing and removes its manifest: from here until
+/// writeRunManifest, the folder is not a run's.
+Status beginRunFolder(const std::string &dir);
+
+/// Writes DIR/manifest.json for `files` (names in `dir`), with `run`
+/// describing what ran.
+Status writeRunManifest(const std::string &dir, const std::vector<std::string> &files,
+                        const std::string &run);
+
+/// When `dir` holds a manifest: checks that every file it lists is there
+/// with its size and CRC-32. A folder without one passes (inputs need not
+/// come from moec).
+Status checkRunManifest(const std::string &dir);
 
 /// The inputs of a LayerData in the binary's storage types, bound to a
 /// context; run() runs the passes and copies the outputs back as fp32.

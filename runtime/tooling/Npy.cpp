@@ -594,32 +594,6 @@ std::string makeHeader(NpyType type, const std::vector<int64_t> &shape) {
   return out;
 }
 
-/// Writes all `size` bytes at `data` to `fd`; returns false with errno set
-/// on a failure.
-bool writeAll(int fd, const void *data, size_t size) {
-  const char *at = static_cast<const char *>(data);
-  while (size > 0) {
-    // Linux writes at most about 2 GiB at a time.
-    size_t chunk = std::min<size_t>(size, size_t(1) << 30);
-    ssize_t written = ::write(fd, at, chunk);
-    if (written < 0) {
-      if (errno == EINTR)
-        continue;
-      return false;
-    }
-    at += written;
-    size -= size_t(written);
-  }
-  return true;
-}
-
-/// Returns a name for the temporary file next to `path` that no other
-/// writer in this process or another one uses at the same time.
-std::string temporaryName(const std::string &path) {
-  static std::atomic<uint64_t> counter{0};
-  return fmt::format("{}.tmp.{}.{}", path, ::getpid(), counter++);
-}
-
 } // namespace
 
 //===----------------------------------------------------------------------===//
@@ -677,25 +651,7 @@ Status writeNpy(const std::string &path, NpyType type, const std::vector<int64_t
         fmt::format("{}: no data for shape {} of {}", path, formatShape(shape), npyTypeName(type)));
   std::string header = makeHeader(type, shape);
 
-  std::string temporary = temporaryName(path);
-  int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-  if (fd < 0)
-    return Status::error(
-        fmt::format("{}: cannot open for writing: {}", path, std::strerror(errno)));
-  bool written = writeAll(fd, header.data(), header.size()) && writeAll(fd, data, dataBytes);
-  int writeErrno = errno;
-  bool closed = ::close(fd) == 0;
-  if (!written || !closed) {
-    int code = written ? errno : writeErrno;
-    ::unlink(temporary.c_str());
-    return Status::error(fmt::format("{}: cannot write: {}", path, std::strerror(code)));
-  }
-  if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    int code = errno;
-    ::unlink(temporary.c_str());
-    return Status::error(fmt::format("{}: cannot write: {}", path, std::strerror(code)));
-  }
-  return Status::success();
+  return writeFileAtomically(path, {{header.data(), header.size()}, {data, dataBytes}});
 }
 
 Status writeNpy(const std::string &path, const NpyArray &array) {

@@ -2,10 +2,10 @@
 
 #include "tools/moec/Cli.h"
 
+#include "base/File.h"
+
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <unistd.h>
 
 namespace moec::cli {
@@ -77,30 +77,8 @@ bool writeOutput(const std::string &path, const std::string &content) {
     std::fwrite(content.data(), 1, content.size(), stdout);
     return true;
   }
-  namespace fs = std::filesystem;
-  fs::path target(path);
-  fs::path tmp = target;
-  tmp += ".tmp." + std::to_string(getpid());
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    if (!out) {
-      std::fprintf(stderr, "error: cannot write '%s': %s\n", tmp.c_str(), std::strerror(errno));
-      return false;
-    }
-    out.write(content.data(), content.size());
-    out.close();
-    if (!out) {
-      std::fprintf(stderr, "error: writing '%s' failed\n", tmp.c_str());
-      std::error_code ec;
-      fs::remove(tmp, ec);
-      return false;
-    }
-  }
-  std::error_code ec;
-  fs::rename(tmp, target, ec);
-  if (ec) {
-    std::fprintf(stderr, "error: cannot write '%s': %s\n", path.c_str(), ec.message().c_str());
-    fs::remove(tmp, ec);
+  if (Status s = writeFileAtomically(path, {{content.data(), content.size()}}); !s) {
+    std::fprintf(stderr, "error: %s\n", s.message().c_str());
     return false;
   }
   return true;
@@ -139,6 +117,7 @@ const char *kTopHelp =
 
 int main(int argc, char **argv) {
   using namespace moec::cli;
+  moec::removeTemporariesOnSignal();
   if (argc < 2) {
     std::fputs(kTopHelp, stderr);
     return kUsage;

@@ -64,7 +64,9 @@ const CommandSpec kRunSpec = {
     "  --random SEED    make random inputs (S and K as compiled, uniform routing\n"
     "                   unless --hot-share) and write them to the outputs folder\n"
     "                   too, so that the run can be replayed with --inputs\n"
-    "  --outputs DIR    where the outputs go (created if missing)\n"
+    "  --outputs DIR    where the outputs go (created if missing); manifest.json,\n"
+    "                   written last, lists the run's files with their CRC-32s,\n"
+    "                   and --inputs checks a folder against its manifest\n"
     "  --verify         run the reference layer (plain loops, in double) on the\n"
     "                   same inputs and print each output's max absolute and\n"
     "                   relative error; exit 1 when one is above tolerance\n"
@@ -341,11 +343,10 @@ int runRun(int argc, char **argv, int first) {
     if (!backward)
       data.dy.clear();
   }
-  std::error_code ec;
-  if (report)
-    std::filesystem::create_directories(outputs, ec);
-  if (ec)
-    return fail(Status::error(fmt::format("cannot create '{}': {}", outputs, ec.message())));
+  // The folder stops being an earlier run's before this run writes to it.
+  if (report && !localPuts)
+    if (Status s = beginRunFolder(outputs); !s)
+      return fail(s);
 
   if (report) {
     std::printf("moec run: %s%s, %s, S %lld, top-%lld, %u worker threads%s\n",
@@ -420,10 +421,16 @@ int runRun(int argc, char **argv, int first) {
     std::printf("outputs: none (--local-puts)\n");
     return kOk;
   }
+  std::vector<std::string> written;
   if (args.value("--random"))
-    if (Status s = writeLayerInputs(outputs, data, backward); !s)
+    if (Status s = writeLayerInputs(outputs, data, backward, &written); !s)
       return fail(s);
-  if (Status s = writeLayerOutputs(outputs, data, backward); !s)
+  if (Status s = writeLayerOutputs(outputs, data, backward, &written); !s)
+    return fail(s);
+  std::string command = "moec run";
+  for (int i = first; i < argc; ++i)
+    command += std::string(" ") + argv[i];
+  if (Status s = writeRunManifest(outputs, written, command); !s)
     return fail(s);
   std::printf("outputs: %s/{y%s}.npy\n", outputs.c_str(),
               backward ? ",dx,dtopk_weights,dw1,dw2" : "");

@@ -414,7 +414,7 @@ OwningOpRef<ModuleOp> Importer::run() {
     error(locAt(0)) << "malformed JSON: " << e.what();
     return nullptr;
   } catch (const JsonRefused &e) {
-    error(locAt(0)) << "malformed JSON: " << e.what();
+    error(locAt(e.byte)) << "malformed JSON: " << e.what();
     return nullptr;
   }
   Location top = locAt(0);

@@ -50,8 +50,10 @@ bool parseJson(std::string_view text, const std::string &source, nlohmann::json 
       *error = source + ": malformed JSON: " + std::string(e.what());
     return false;
   } catch (const JsonRefused &e) {
+    auto [line, column] = lineAndColumn(text, e.byte + 1);
     if (error)
-      *error = source + ": malformed JSON: " + std::string(e.what());
+      *error = source + ":" + std::to_string(line) + ":" + std::to_string(column) +
+               ": malformed JSON: " + std::string(e.what());
     return false;
   }
   return true;

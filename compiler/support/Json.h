@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstddef>
+#include <iterator>
 #include <set>
 #include <stdexcept>
 #include <vector>
@@ -32,6 +34,35 @@ inline constexpr int kMaxJsonDepth = 64;
 /// last value would silently win).
 struct JsonRefused : std::runtime_error {
   using std::runtime_error::runtime_error;
+  /// The 0-based offset of about where the parser was (the key, or the
+  /// bracket past the bound); set by parseJsonLimited.
+  size_t byte = 0;
+};
+
+/// An input iterator over text that records the furthest byte the parser
+/// has read, so that a refusal from the parse callback (which is given no
+/// position) can say where it happened.
+class TrackingIterator {
+public:
+  using iterator_category = std::input_iterator_tag;
+  using value_type = char;
+  using difference_type = std::ptrdiff_t;
+  using pointer = const char *;
+  using reference = const char &;
+
+  TrackingIterator(const char *at, const char **furthest) : at(at), furthest(furthest) {}
+  reference operator*() const { return *at; }
+  TrackingIterator &operator++() {
+    if (++at > *furthest)
+      *furthest = at;
+    return *this;
+  }
+  bool operator==(const TrackingIterator &other) const { return at == other.at; }
+  bool operator!=(const TrackingIterator &other) const { return at != other.at; }
+
+private:
+  const char *at;
+  const char **furthest;
 };
 
 /// nlohmann's parse of `text` into a `Json` (json or ordered_json), throwing
@@ -40,22 +71,36 @@ struct JsonRefused : std::runtime_error {
 /// range) as nlohmann throws them.
 template <typename Json> Json parseJsonLimited(std::string_view text) {
   std::vector<std::set<std::string>> keys; // of the objects being parsed
-  return Json::parse(
-      text.begin(), text.end(),
-      [&keys](int depth, typename Json::parse_event_t event, Json &parsed) {
-        using Event = typename Json::parse_event_t;
-        if (depth > kMaxJsonDepth && (event == Event::object_start || event == Event::array_start))
-          throw JsonRefused("nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
-        if (event == Event::object_start)
-          keys.emplace_back();
-        else if (event == Event::object_end && !keys.empty())
-          keys.pop_back();
-        else if (event == Event::key && !keys.empty() && parsed.is_string() &&
-                 !keys.back().insert(parsed.template get<std::string>()).second)
-          throw JsonRefused("key '" + parsed.template get<std::string>() +
-                            "' appears twice in one object");
-        return true;
-      });
+  const char *furthest = text.data();
+  try {
+    return Json::parse(TrackingIterator(text.data(), &furthest),
+                       TrackingIterator(text.data() + text.size(), &furthest),
+                       [&keys](int depth, typename Json::parse_event_t event, Json &parsed) {
+                         using Event = typename Json::parse_event_t;
+                         if (depth > kMaxJsonDepth &&
+                             (event == Event::object_start || event == Event::array_start))
+                           throw JsonRefused("nested deeper than " + std::to_string(kMaxJsonDepth) +
+                                             " levels");
+                         if (event == Event::object_start)
+                           keys.emplace_back();
+                         else if (event == Event::object_end && !keys.empty())
+                           keys.pop_back();
+                         else if (event == Event::key && !keys.empty() && parsed.is_string() &&
+                                  !keys.back().insert(parsed.template get<std::string>()).second)
+                           throw JsonRefused("key '" + parsed.template get<std::string>() +
+                                             "' appears twice in one object");
+                         return true;
+                       });
+  } catch (JsonRefused &e) {
+    // The lexer has just read the bracket past the bound, or the closing
+    // quote of the key that appears twice: point at it, or at its opening
+    // quote.
+    e.byte = furthest > text.data() ? size_t(furthest - text.data()) - 1 : 0;
+    if (text.size() > e.byte && text[e.byte] == '"' && e.byte > 0)
+      e.byte = text.rfind('"', e.byte - 1) == std::string_view::npos ? e.byte
+                                                                     : text.rfind('"', e.byte - 1);
+    throw;
+  }
 }
 
 /// Returns the message of a nlohmann parse error without its

@@ -203,12 +203,17 @@ std::string crcText(const std::vector<uint8_t> &bytes) {
 
 Status beginRunFolder(const std::string &dir) {
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec)
-    return Status::error(fmt::format("{}: cannot create: {}", dir, ec.message()));
   std::filesystem::remove(dir + "/" + kRunManifest, ec);
   if (ec)
     return Status::error(fmt::format("{}/{}: cannot remove: {}", dir, kRunManifest, ec.message()));
+  return Status::success();
+}
+
+Status createRunFolder(const std::string &dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec)
+    return Status::error(fmt::format("{}: cannot create: {}", dir, ec.message()));
   return Status::success();
 }
 

@@ -72,9 +72,13 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool bac
 /// check.
 inline constexpr const char *kRunManifest = "manifest.json";
 
-/// Creates `dir` when missing and removes its manifest: from here until
+/// Removes the manifest of `dir` when there is one: from here until
 /// writeRunManifest, the folder is not a run's.
 Status beginRunFolder(const std::string &dir);
+
+/// Creates `dir` when missing, just before the first file goes into it (a
+/// run that fails before then leaves no folder behind).
+Status createRunFolder(const std::string &dir);
 
 /// Writes DIR/manifest.json for `files` (names in `dir`), with `run`
 /// describing what ran.

@@ -422,6 +422,8 @@ int runRun(int argc, char **argv, int first) {
     return kOk;
   }
   std::vector<std::string> written;
+  if (Status s = createRunFolder(outputs); !s)
+    return fail(s);
   if (args.value("--random"))
     if (Status s = writeLayerInputs(outputs, data, backward, &written); !s)
       return fail(s);

@@ -254,8 +254,8 @@ Status checkRunManifest(const std::string &dir) {
     if (crcText(bytes) != file["crc32"].get<std::string>())
       return Status::error(fmt::format(
           "{}/{}: does not match {} (CRC-32 {}, the manifest says {}): the folder mixes files of "
-          "two runs, or one was changed after its run",
-          dir, name, kRunManifest, crcText(bytes), file["crc32"].get<std::string>()));
+          "two runs, or one was changed after its run; to use the files as they are, remove {}",
+          dir, name, kRunManifest, crcText(bytes), file["crc32"].get<std::string>(), path));
   }
   return Status::success();
 }

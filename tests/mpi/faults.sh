@@ -99,6 +99,7 @@ fails ep-size "mpirun started 2 processes, but .*three/fwd.moebin was compiled f
 edit_ids() {
   /usr/bin/python3 -c "import sys, numpy as np; ids = np.load(sys.argv[1]); $2; np.save(sys.argv[1], ids)" \
     "$1/topk_ids.npy"
+  rm -f "$1/manifest.json" # the folder is no longer the run's
 }
 in="$WORK/capacity-in"
 "$MOEC" run "$WORK/tight/fwd.moebin" "$WORK/tight/bwd.moebin" --ranks 2 --random 1 \

@@ -11,12 +11,21 @@ the speed-up as a ratio.
 Default: the qwen3-30b-a3b shapes (H 2048, I 768, E 128, top-8) with S = 1024
 tokens per rank on 2 ranks, fp32 and bf16. examples/torch/bench.sh builds
 what it needs first.
+
+The baseline must be fair: before the comparison it prints PyTorch's own
+GEMM rate on a 1024^3 product (one thread, and the library that serves it)
+next to moec's GMM tile rate on the same product (`moec bench
+--skip-layers`). Where PyTorch's rate is below half of moec's, it prints no
+speed-up for that dtype, and says why (e.g. a reference BLAS as
+libblas.so.3: install libopenblas0-pthread).
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,6 +78,72 @@ def bench(cfg, ranks, dtype, threads, repeat):
     return moec_s, torch_s, flops
 
 
+def torch_gemm_rate(dtype, n=1024, reps=5):
+    """PyTorch's C = A B on n x n operands of `dtype`, one thread: best
+    GFLOP/s of `reps`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.rand(n, n).to(dtype)
+        b = torch.rand(n, n).to(dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n ** 3 / best / 1e9
+
+
+def blas_library():
+    """The BLAS this process mapped for PyTorch's fp32 GEMM (libblas.so.3 is
+    an alternative: the reference BLAS or OpenBLAS)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    paths = sorted({line.split()[-1] for line in maps if "blas" in line.split()[-1]})
+    return ", ".join(os.path.realpath(p) for p in paths) or "none mapped"
+
+
+def moec_tile_rates(moec):
+    """moec's one-thread GMM tile rate on 1024^3, per dtype, from `moec bench
+    --skip-layers`."""
+    out = subprocess.run([moec, "bench", "--skip-layers"], check=True, text=True,
+                         stdout=subprocess.PIPE).stdout
+    rates = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*(f32|bf16)\s+1024 x 1024 x 1024\s+([0-9.]+)", line)
+        if m:
+            rates["fp32" if m.group(1) == "f32" else "bf16"] = float(m.group(2))
+    return rates
+
+
+def fair_baseline(moec):
+    """Prints both GEMM rates; returns {dtype: reason} for each dtype whose
+    PyTorch GEMM is under half of moec's tile rate (no speed-up then)."""
+    torch_rates = {"fp32": torch_gemm_rate(torch.float32),
+                   "bf16": torch_gemm_rate(torch.bfloat16)}
+    moec_rates = moec_tile_rates(moec)
+    blas = blas_library()
+    print(f"GEMM 1024^3, one thread, GFLOP/s: PyTorch fp32 {torch_rates['fp32']:.1f} "
+          f"(BLAS: {blas}), bf16 {torch_rates['bf16']:.1f} (oneDNN); moec GMM tile fp32 "
+          f"{moec_rates.get('fp32', float('nan')):.1f}, bf16 {moec_rates.get('bf16', float('nan')):.1f}")
+    unfair = {}
+    for dtype, rate in torch_rates.items():
+        if dtype in moec_rates and rate < 0.5 * moec_rates[dtype]:
+            why = (f"PyTorch's {dtype} GEMM runs at {rate:.1f} GFLOP/s, under half of moec's "
+                   f"{moec_rates[dtype]:.1f}: ")
+            if dtype == "fp32" and "openblas" not in blas:
+                why += "PyTorch is using a reference BLAS; install libopenblas0 (libopenblas0-pthread)"
+            else:
+                why += "not a fair baseline on this machine"
+            unfair[dtype] = why
+    return unfair
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(REPO / "examples/configs/qwen3-30b-a3b.json"))
@@ -78,6 +153,8 @@ def main():
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="threads of both (torch.set_num_threads and moec workers)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--moec", default=os.environ.get("MOEC_BIN", str(REPO / "bazel-bin/tools/moec")),
+                   help="the moec CLI, for its GMM tile rate (default: $MOEC_BIN or bazel-bin)")
     args = p.parse_args()
     cfg = json.loads(Path(args.config).read_text())
     cfg["seq_size"] = args.tokens
@@ -87,12 +164,16 @@ def main():
           f"I {cfg['intermediate_size']}, E {cfg['num_experts']}, top-{cfg['top_k']}, "
           f"S {args.tokens} per rank, {args.ranks} ranks, {args.threads} threads, "
           f"median of {args.repeat} steps (forward + backward)")
+    unfair = fair_baseline(args.moec)
     print(f"{'dtype':6} {'moec s':>9} {'torch s':>9} {'moec GFLOP/s':>13} "
           f"{'torch GFLOP/s':>14} {'speed-up':>9}")
     for dtype in args.dtypes.split(","):
         moec_s, torch_s, flops = bench(cfg, args.ranks, dtype, args.threads, args.repeat)
+        ratio = "  refused" if dtype in unfair else f"{torch_s / moec_s:8.2f}x"
         print(f"{dtype:6} {moec_s:9.3f} {torch_s:9.3f} {flops / moec_s / 1e9:13.1f} "
-              f"{flops / torch_s / 1e9:14.1f} {torch_s / moec_s:8.2f}x", flush=True)
+              f"{flops / torch_s / 1e9:14.1f} {ratio}", flush=True)
+    for dtype, why in unfair.items():
+        print(f"no {dtype} speed-up: {why}")
     return 0
 
 

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bazel build //tools:moec //ops/torch:moec_torch.so
-exec /usr/bin/python3 examples/torch/bench.py "$@"
+exec /usr/bin/python3 examples/torch/bench.py --moec bazel-bin/tools/moec "$@"

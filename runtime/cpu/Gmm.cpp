@@ -62,6 +62,18 @@ float *Scratch::floats(size_t count) {
   return buffer.get();
 }
 
+bool nativeBf16Gemm() {
+  // ISA values are nested bit sets: an ISA has bf16 dot products when its
+  // bits hold avx512_core_bf16's. Fixed once oneDNN has looked at the CPU
+  // (and at DNNL_MAX_CPU_ISA).
+  static const bool native = [] {
+    const unsigned isa = unsigned(dnnl_get_effective_cpu_isa());
+    const unsigned bf16 = unsigned(dnnl_cpu_isa_avx512_core_bf16);
+    return (isa & bf16) == bf16;
+  }();
+  return native;
+}
+
 const char *gemmConfig() {
   static const std::string text = [] {
     const dnnl_version_t *v = dnnl_version();
@@ -76,7 +88,9 @@ const char *gemmConfig() {
     default: break;
     }
     return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
-           std::to_string(v->patch) + " GEMM, CPU ISA " + isa + ", one OpenMP thread per call";
+           std::to_string(v->patch) + " GEMM, CPU ISA " + isa + ", one OpenMP thread per call; " +
+           (nativeBf16Gemm() ? "bf16 products on bf16 dot-product instructions"
+                             : "bf16 operands widened to fp32 (no bf16 dot products)");
   }();
   return text.c_str();
 }
@@ -87,11 +101,9 @@ const char *gemmConfig() {
 
 namespace {
 
-/// Block sizes of the mixed fp32/bf16 path: C blocks of kBlockM x kBlockN,
-/// reduction slices of kBlockK.
+/// Block sizes of the bf16-C path: C blocks of kBlockM x kBlockN.
 constexpr int64_t kBlockM = 256;
 constexpr int64_t kBlockN = 512;
-constexpr int64_t kBlockK = 512;
 
 /// Rounds a float count up to whole cache lines, so scratch regions stay
 /// aligned.
@@ -213,62 +225,48 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
       zeroTile(c, m, n);
     return;
   }
-  // A and B of one storage type (both fp32 or both bf16) and C fp32: one
-  // GEMM on the buffers in place.
-  const bool sameInputs = a.elt == b.elt;
-  if (sameInputs && c.elt == Elt::F32) {
+  // A bf16 operand beside an fp32 one, or two bf16 operands on a CPU
+  // without bf16 dot products (where oneDNN's bf16 GEMM is absent or a
+  // quarter of sgemm's speed): widen the bf16 operands to fp32 once, then
+  // multiply in fp32.
+  if ((a.elt != b.elt || (a.elt == Elt::BF16 && !nativeBf16Gemm()))) {
+    static thread_local Scratch widened;
+    const int64_t aRows = transA ? k : m, aCols = transA ? m : k;
+    const int64_t bRows = transB ? n : k, bCols = transB ? k : n;
+    const size_t aSize = a.elt == Elt::F32 ? 0 : lineRound(aRows * aCols);
+    const size_t bSize = b.elt == Elt::F32 ? 0 : lineRound(bRows * bCols);
+    float *base = widened.floats(aSize + bSize);
+    const Panel pa = panel(a, 0, 0, aRows, aCols, base);
+    const Panel pb = panel(b, 0, 0, bRows, bCols, base + aSize);
+    gemmTile(m, n, k, ConstMatrix{pa.data, Elt::F32, pa.ld}, transA,
+             ConstMatrix{pb.data, Elt::F32, pb.ld}, transB, c, accumulate, scratch);
+    return;
+  }
+  // A and B of one storage type, C fp32: one GEMM on the buffers in place.
+  if (c.elt == Elt::F32) {
     gemm(transA, transB, m, n, k, a.data, a.ld, b.data, b.ld, a.elt, accumulate ? 1.0f : 0.0f,
          static_cast<float *>(c.data), c.ld);
     return;
   }
 
-  // C is bf16, or A and B differ: block C (an fp32 scratch block for bf16
-  // C); with mixed inputs, also slice the reduction and widen the bf16
-  // panels to fp32.
+  // C is bf16: one GEMM per block of C into an fp32 scratch block, rounded
+  // to bf16 once at the end.
   static thread_local Scratch threadScratch;
   Scratch &mem = scratch ? *scratch : threadScratch;
-  const int64_t mc = std::min(m, kBlockM), nc = std::min(n, kBlockN), kc = std::min(k, kBlockK);
-  const size_t aSize = sameInputs || a.elt == Elt::F32 ? 0 : lineRound(mc * kc);
-  const size_t bSize = sameInputs || b.elt == Elt::F32 ? 0 : lineRound(kc * nc);
-  const size_t cSize = c.elt == Elt::F32 ? 0 : lineRound(mc * nc);
-  float *base = mem.floats(std::max<size_t>(aSize + bSize + cSize, 1));
-  float *aBuf = base, *bBuf = base + aSize, *cBuf = base + aSize + bSize;
-
+  float *cBuf = mem.floats(lineRound(std::min(m, kBlockM) * std::min(n, kBlockN)));
   for (int64_t i0 = 0; i0 < m; i0 += kBlockM) {
     const int64_t mb = std::min(kBlockM, m - i0);
     for (int64_t j0 = 0; j0 < n; j0 += kBlockN) {
       const int64_t nb = std::min(kBlockN, n - j0);
-      // The fp32 block the GEMM accumulates into.
-      float *cBlock;
-      int64_t ldc;
-      if (c.elt == Elt::F32) {
-        cBlock = static_cast<float *>(c.address(i0, j0));
-        ldc = c.ld;
-      } else {
-        cBlock = cBuf;
-        ldc = nb;
-        if (accumulate)
-          for (int64_t i = 0; i < mb; ++i)
-            loadFloats(c.address(i0 + i, j0), c.elt, cBuf + i * nb, size_t(nb));
-      }
-      if (sameInputs) {
-        const ConstMatrix pa = transA ? shifted(a, 0, i0) : shifted(a, i0, 0);
-        const ConstMatrix pb = transB ? shifted(b, j0, 0) : shifted(b, 0, j0);
-        gemm(transA, transB, mb, nb, k, pa.data, pa.ld, pb.data, pb.ld, a.elt,
-             accumulate ? 1.0f : 0.0f, cBlock, ldc);
-      } else {
-        for (int64_t p0 = 0; p0 < k; p0 += kBlockK) {
-          const int64_t kb = std::min(kBlockK, k - p0);
-          const Panel pa = transA ? panel(a, p0, i0, kb, mb, aBuf) : panel(a, i0, p0, mb, kb, aBuf);
-          const Panel pb = transB ? panel(b, j0, p0, nb, kb, bBuf) : panel(b, p0, j0, kb, nb, bBuf);
-          const float beta = (p0 == 0 && !accumulate) ? 0.0f : 1.0f;
-          gemm(transA, transB, mb, nb, kb, pa.data, pa.ld, pb.data, pb.ld, Elt::F32, beta, cBlock,
-               ldc);
-        }
-      }
-      if (c.elt != Elt::F32)
+      if (accumulate)
         for (int64_t i = 0; i < mb; ++i)
-          storeFloats(cBuf + i * nb, c.address(i0 + i, j0), c.elt, size_t(nb));
+          loadFloats(c.address(i0 + i, j0), c.elt, cBuf + i * nb, size_t(nb));
+      const ConstMatrix pa = transA ? shifted(a, 0, i0) : shifted(a, i0, 0);
+      const ConstMatrix pb = transB ? shifted(b, j0, 0) : shifted(b, 0, j0);
+      gemm(transA, transB, mb, nb, k, pa.data, pa.ld, pb.data, pb.ld, a.elt,
+           accumulate ? 1.0f : 0.0f, cBuf, nb);
+      for (int64_t i = 0; i < mb; ++i)
+        storeFloats(cBuf + i * nb, c.address(i0 + i, j0), c.elt, size_t(nb));
     }
   }
 }

@@ -23,14 +23,16 @@
 // per call: the runtime runs many tiles at once on its own workers, so each
 // call sets OpenMP (oneDNN's threading) to one thread on its calling thread
 // and puts the count back after, leaving a host's own threads alone.
-//  - A and B both fp32 (dnnl_sgemm) or both bf16 (dnnl_gemm_bf16bf16f32,
-//    which multiplies bf16 pairs with the CPU's bf16 dot-product
-//    instructions where it has them), C fp32: one call on the caller's
-//    buffers in place, no copies (beta = 1 when accumulating).
+//  - A and B both fp32 (dnnl_sgemm) or both bf16 on a CPU with bf16
+//    dot-product instructions (dnnl_gemm_bf16bf16f32), C fp32: one call on
+//    the caller's buffers in place, no copies (beta = 1 when accumulating).
 //  - C bf16: the same per 256 x 512 block of C, into an fp32 scratch block
 //    that is rounded to bf16 once at the end.
-//  - A and B of different types: 256 x 512 blocks of C and 512-deep slices
-//    of the reduction, the bf16 panel widened to fp32 in scratch, sgemm.
+//  - A and B of different types, or both bf16 on a CPU without bf16 dot
+//    products (AVX2, AVX-512 before avx512_bf16, where oneDNN's bf16 GEMM is
+//    absent or a quarter of sgemm's speed): the bf16 operands are widened to
+//    fp32 in scratch once per call, then multiplied as above. The choice is
+//    made at run time (nativeBf16Gemm).
 //
 // Determinism: the reduction order of a call depends only on its shapes,
 // strides and storage types (fixed slice order, single-threaded GEMM, no
@@ -91,6 +93,12 @@ private:
 /// Describes the GEMM library (oneDNN's version and the CPU ISA it runs
 /// on), for benchmark reports.
 const char *gemmConfig();
+
+/// Whether bf16 x bf16 products run on the CPU's bf16 dot-product
+/// instructions (oneDNN's effective ISA has avx512_core_bf16, also under
+/// DNNL_MAX_CPU_ISA); without them, bf16 operands are widened to fp32 in
+/// blocks and multiplied with the fp32 GEMM. Chosen at run time.
+bool nativeBf16Gemm();
 
 /// The general tile matmul every kernel below runs on:
 ///

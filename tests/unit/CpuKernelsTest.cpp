@@ -13,6 +13,8 @@
 #include "runtime/cpu/Swiglu.h"
 
 #include <catch2/catch.hpp>
+
+#include <cstdlib>
 #include <omp.h>
 
 #include <algorithm>
@@ -506,6 +508,16 @@ TEST_CASE("a GEMM leaves the calling thread's OpenMP thread count as it was", "[
 TEST_CASE("the GEMM library reports its configuration", "[cpu][gmm]") {
   const std::string config = gemmConfig();
   CHECK(config.find("oneDNN") != std::string::npos);
+  CHECK(config.find(nativeBf16Gemm() ? "bf16 products on bf16 dot-product instructions"
+                                     : "bf16 operands widened to fp32") != std::string::npos);
+  // Under kernels_isa_test, which caps oneDNN's ISA (DNNL_MAX_CPU_ISA) for
+  // each one this CPU has, the kernels above ran on that ISA's code.
+  if (const char *expected = std::getenv("MOEC_EXPECT_ISA")) {
+    INFO("gemmConfig: " << config);
+    CHECK(config.find(std::string("CPU ISA ") + expected + ",") != std::string::npos);
+    const std::string isa = expected;
+    CHECK(nativeBf16Gemm() == (isa == "avx512_core_bf16" || isa == "avx512_core_amx"));
+  }
 }
 
 //===----------------------------------------------------------------------===//

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs the CPU kernel tests once for every oneDNN ISA this CPU has, capping
+# oneDNN at it (DNNL_MAX_CPU_ISA): AVX2, AVX-512 (no bf16 dot products),
+# avx512_bf16 and AMX. Every kernel path the runtime picks at run time is
+# then checked against the plain loops on this machine.
+#
+#   run_isa.sh CPU_KERNELS_TEST
+set -euo pipefail
+test_binary="$1"
+flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+has() { for f in "$@"; do [[ "$flags" == *" $f "* ]] || return 1; done; }
+isas=()
+has avx2 fma && isas+=("AVX2:avx2")
+has avx512f avx512bw avx512vl avx512dq && isas+=("AVX512_CORE:avx512_core")
+has avx512f avx512bw avx512vl avx512dq avx512_bf16 && isas+=("AVX512_CORE_BF16:avx512_core_bf16")
+has avx512f avx512bw avx512vl avx512dq avx512_bf16 amx_bf16 amx_tile &&
+  isas+=("AVX512_CORE_AMX:avx512_core_amx")
+if [[ ${#isas[@]} -eq 0 ]]; then
+  echo "this CPU has none of AVX2, AVX-512, avx512_bf16, AMX: nothing to force"
+  exit 1
+fi
+failed=0
+for entry in "${isas[@]}"; do
+  cap="${entry%%:*}"
+  name="${entry#*:}"
+  echo "== DNNL_MAX_CPU_ISA=$cap (expect $name)"
+  if DNNL_MAX_CPU_ISA="$cap" MOEC_EXPECT_ISA="$name" "$test_binary" "[cpu]"; then
+    echo "ok: $name"
+  else
+    echo "FAILED: $name"
+    failed=$((failed + 1))
+  fi
+done
+echo "kernel ISAs: ${#isas[@]} run, $failed failed"
+[[ $failed -eq 0 ]]

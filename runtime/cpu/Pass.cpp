@@ -48,28 +48,6 @@ void storeIndex(void *data, DType dtype, int64_t i, int64_t value) {
     static_cast<int64_t *>(data)[i] = value;
 }
 
-/// Runs fn(i) for i in [0, count) on up to `threads` threads (the caller is
-/// one of them). Items must be independent.
-template <typename Fn> void parallelFor(uint32_t threads, size_t count, const Fn &fn) {
-  const size_t n = std::min<size_t>(std::max(threads, 1u), count);
-  if (n <= 1) {
-    for (size_t i = 0; i < count; ++i)
-      fn(i);
-    return;
-  }
-  std::vector<std::thread> helpers;
-  helpers.reserve(n - 1);
-  for (size_t t = 1; t < n; ++t)
-    helpers.emplace_back([&, t] {
-      for (size_t i = t; i < count; i += n)
-        fn(i);
-    });
-  for (size_t i = 0; i < count; i += n)
-    fn(i);
-  for (std::thread &h : helpers)
-    h.join();
-}
-
 /// Work items of a per-rank row loop over the local ranks: (rank, piece)
 /// with `pieces` pieces per rank, so all threads have work even with one
 /// rank.
@@ -115,6 +93,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
   pass->layer = &plan;
   pass->options = options;
   pass->scratch = scratch;
+  pass->team = std::make_unique<exec::ThreadTeam>(options.workers);
   for (const format::OpRecord &op : program.ops) {
     OpInfo info;
     info.kind = op.kind;
@@ -275,7 +254,7 @@ void Pass::gatherSendRows(const std::vector<RankRoute> &routes,
   const Pieces pieces{fabric.firstLocal(), options.workers};
   const Elt srcElt = program->slots[plan.src].dtype;
   const int64_t srcLd = int64_t(program->slots[plan.src].dims[1]);
-  parallelFor(options.workers, pieces.count(fabric.localRanks()), [&](size_t item) {
+  team->run(pieces.count(fabric.localRanks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
     const Range part = pieces.range(item, route.tokens * route.topK);
@@ -311,7 +290,7 @@ void Pass::combine(const std::vector<RankRoute> &routes, const std::vector<void 
   const comm::Fabric &fabric = *options.fabric;
   const Pieces pieces{fabric.firstLocal(), options.workers};
   const format::SlotRecord &returned = program->slots[plan.returned];
-  parallelFor(options.workers, pieces.count(fabric.localRanks()), [&](size_t item) {
+  team->run(pieces.count(fabric.localRanks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
     combineRows(ConstMatrix{data[r][plan.returned], returned.dtype, int64_t(returned.dims[1])},
@@ -329,7 +308,7 @@ void Pass::topkWeightGrad(const Pass &forward, const std::vector<RankRoute> &rou
   const comm::Fabric &fabric = *options.fabric;
   const Pieces pieces{fabric.firstLocal(), options.workers};
   const format::SlotRecord &returned = forward.tasks().slots[saved.returned];
-  parallelFor(options.workers, pieces.count(fabric.localRanks()), [&](size_t item) {
+  team->run(pieces.count(fabric.localRanks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
     combineWeightGrad(ConstMatrix{dy[r], act, H},

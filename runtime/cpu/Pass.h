@@ -30,6 +30,7 @@
 #include "runtime/cpu/Gmm.h"
 #include "runtime/cpu/Layout.h"
 #include "runtime/exec/Executor.h"
+#include "runtime/exec/ThreadTeam.h"
 #include "runtime/layer/Layer.h"
 
 #include <memory>
@@ -119,6 +120,7 @@ private:
   const rt::LayerPlan *layer = nullptr;
   PassOptions options;
   std::vector<Scratch> *scratch = nullptr;
+  std::unique_ptr<exec::ThreadTeam> team; ///< the loops outside the task queues
   std::vector<OpInfo> ops;
   std::vector<std::vector<void *>> data; ///< [rank][slot]
   std::vector<std::unique_ptr<uint8_t, void (*)(void *)>> owned;

@@ -11,10 +11,12 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/exec/Executor.h"
+#include "runtime/exec/ThreadTeam.h"
 #include "runtime/format/TaskBinary.h"
 #include "tests/unit/ProgramBuilder.h"
 
 #include <catch2/catch.hpp>
+#include <set>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -772,4 +774,24 @@ TEST_CASE("trace JSON escapes op names", "[exec]") {
   CHECK(last["ts"].get<double>() == Approx(1.0));
   CHECK(last["dur"].get<double>() == Approx(1.5));
   CHECK(last["cat"] == "gmm");
+}
+
+TEST_CASE("a thread team runs every item once, loop after loop", "[exec][team]") {
+  for (uint32_t threads : {1u, 2u, 3u, 8u}) {
+    moec::exec::ThreadTeam team(threads);
+    CHECK(team.size() == threads);
+    for (size_t count : {size_t(0), size_t(1), size_t(2), size_t(7), size_t(1000)}) {
+      std::vector<std::atomic<int>> seen(count);
+      std::mutex idsMutex;
+      std::set<std::thread::id> ids;
+      team.run(count, [&](size_t i) {
+        seen[i].fetch_add(1);
+        std::lock_guard<std::mutex> lock(idsMutex);
+        ids.insert(std::this_thread::get_id());
+      });
+      for (size_t i = 0; i < count; ++i)
+        CHECK(seen[i].load() == 1);
+      CHECK(ids.size() <= std::min<size_t>(threads, std::max<size_t>(count, 1)));
+    }
+  }
 }

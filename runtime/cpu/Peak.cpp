@@ -1,4 +1,4 @@
-//===- Peak.cpp - Measured fp32 FMA peak of one thread --------------------===//
+//===- Peak.cpp - Measured peaks of one thread ----------------------------===//
 
 #include "runtime/cpu/Peak.h"
 
@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -86,6 +87,30 @@ template <int N> __attribute__((target("avx2,fma"))) void runAvx2(int64_t iters)
   sink = total;
 }
 
+/// bf16 dot products (vdpbf16ps): each adds 16 lanes x 2 bf16 products to
+/// fp32 accumulators, 64 flops; the Kernel counts it as 32 "lanes" of one
+/// FMA. Small products keep the sums normal and far from overflow.
+template <int N> __attribute__((target("avx512f,avx512bf16"))) void runAvx512Bf16(int64_t iters) {
+  __m512 acc[N];
+  for (int j = 0; j < N; ++j)
+    acc[j] = _mm512_set1_ps(float(j + 2));
+  const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 64
+    for (int p = 0; p < kPasses * N; ++p)
+      acc[p % N] = _mm512_dpbf16_ps(acc[p % N], x, x);
+  }
+  __m512 sum = acc[0];
+  for (int j = 1; j < N; ++j)
+    sum = _mm512_add_ps(sum, acc[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  float total = 0;
+  for (float v : lanes)
+    total += v;
+  sink = total;
+}
+
 #endif // MOEC_PEAK_X86
 
 /// The portable fallback: a multiply and an add per step (2 flops, whether
@@ -129,6 +154,20 @@ std::vector<Kernel> supportedKernels() {
   return kernels;
 }
 
+/// The bf16 dot-product kernels this CPU can run (none without avx512_bf16).
+std::vector<Kernel> bf16Kernels() {
+  std::vector<Kernel> kernels;
+#ifdef MOEC_PEAK_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16")) {
+    kernels.push_back({"avx512_bf16", 32, 8, runAvx512Bf16<8>});
+    kernels.push_back({"avx512_bf16", 32, 12, runAvx512Bf16<12>});
+    kernels.push_back({"avx512_bf16", 32, 16, runAvx512Bf16<16>});
+  }
+#endif
+  return kernels;
+}
+
 using Clock = std::chrono::steady_clock;
 
 double secondsSince(Clock::time_point start) {
@@ -147,11 +186,9 @@ double trialFlops(const Kernel &kernel, int64_t iters) {
   return 2.0 * kernel.lanes * kernel.chains * kPasses * double(iters);
 }
 
-} // namespace
-
-FmaPeak measureFmaPeak(double seconds) {
+/// Times `kernels` in rounds for about `seconds`; the best of all trials.
+FmaPeak measureKernels(const std::vector<Kernel> &kernels, double seconds) {
   const auto start = Clock::now();
-  const std::vector<Kernel> kernels = supportedKernels();
   const double budget = std::max(seconds, 0.0);
 
   // Some ten rounds in the budget, but no trial so short that the clock's
@@ -197,6 +234,17 @@ FmaPeak measureFmaPeak(double seconds) {
   }
   peak.seconds = secondsSince(start);
   return peak;
+}
+
+} // namespace
+
+FmaPeak measureFmaPeak(double seconds) { return measureKernels(supportedKernels(), seconds); }
+
+std::optional<FmaPeak> measureBf16DotPeak(double seconds) {
+  const std::vector<Kernel> kernels = bf16Kernels();
+  if (kernels.empty())
+    return std::nullopt;
+  return measureKernels(kernels, seconds);
 }
 
 double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt, double seconds) {

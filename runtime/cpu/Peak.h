@@ -1,4 +1,4 @@
-//===- Peak.h - Measured fp32 FMA peak of one thread ------------*- C++ -*-===//
+//===- Peak.h - Measured peaks of one thread --------------------*- C++ -*-===//
 //
 // The denominator for "percent of peak" in matmul benchmarks: the fp32
 // multiply-add throughput one thread of this machine actually sustains,
@@ -36,6 +36,7 @@
 #include "runtime/cpu/Element.h"
 
 #include <cstdint>
+#include <optional>
 
 namespace moec::cpu {
 
@@ -62,6 +63,13 @@ struct FmaPeak {
 /// Pin the thread and keep the machine otherwise idle for a meaningful
 /// figure.
 FmaPeak measureFmaPeak(double seconds = 0.2);
+
+/// The same for bf16 dot products (avx512_bf16's vdpbf16ps: 2 products per
+/// fp32 lane, 64 flops per instruction; `lanes` is 32 then): the peak bf16
+/// GMM tiles run against where the CPU has them. Nothing without
+/// avx512_bf16. AMX tiles would have their own peak; this code has no AMX
+/// kernel yet.
+std::optional<FmaPeak> measureBf16DotPeak(double seconds = 0.2);
 
 /// Returns the best GFLOP/s of one gemmTile call, C[m, n] = A[m, k] B[k, n]
 /// with A and B stored as `elt` and C as fp32, on the calling thread: best of

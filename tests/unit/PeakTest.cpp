@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,4 +68,26 @@ TEST_CASE("FMA peak: consistent ISA, finite positive, not below sgemm", "[peak]"
   const double gemm = 2.0 * double(n) * n * n / best * 1e-9;
   INFO("gemmTile 512^3: " << gemm << " GFLOP/s");
   CHECK(gemm <= 1.3 * peak.gflops);
+}
+
+TEST_CASE("bf16 dot-product peak: present exactly with avx512_bf16, not below bf16 GEMM",
+          "[peak]") {
+  const std::optional<FmaPeak> peak = measureBf16DotPeak(0.2);
+  __builtin_cpu_init();
+  const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  REQUIRE(peak.has_value() == has);
+  if (!has)
+    return;
+  CHECK(std::string(peak->isa) == "avx512_bf16");
+  CHECK(peak->lanes == 32);
+  CHECK(std::isfinite(peak->gflops));
+  CHECK(peak->gflops > 0);
+  // A bf16 tile on those instructions stays under their peak (with room for
+  // noise), and the dot products beat plain fp32 FMAs.
+  if (nativeBf16Gemm()) {
+    const double gemm = measureGemmGflops(512, 512, 512, Elt::BF16, 0.2);
+    INFO("bf16 gemmTile 512^3: " << gemm << " GFLOP/s, peak " << peak->gflops);
+    CHECK(gemm <= 1.3 * peak->gflops);
+  }
+  CHECK(peak->gflops > measureFmaPeak(0.2).gflops);
 }

@@ -210,11 +210,23 @@ int runBench(int argc, char **argv, int first) {
   std::printf("GEMM: %s\n\n", cpu::gemmConfig());
 
   const cpu::FmaPeak peak = cpu::measureFmaPeak(0.5);
-  std::printf("fp32 FMA peak, one core: %.1f GFLOP/s (%s, %d lanes)\n\n", peak.gflops, peak.isa,
+  std::printf("fp32 FMA peak, one core: %.1f GFLOP/s (%s, %d lanes)\n", peak.gflops, peak.isa,
               peak.lanes);
+  // bf16 tiles are measured against the bf16 dot-product peak where they
+  // run on those instructions, else against the fp32 peak (widened).
+  const std::optional<cpu::FmaPeak> bf16Peak = cpu::measureBf16DotPeak(0.5);
+  if (bf16Peak)
+    std::printf("bf16 dot-product peak, one core: %.1f GFLOP/s (%s; no AMX kernel yet)\n\n",
+                bf16Peak->gflops, bf16Peak->isa);
+  else
+    std::printf("bf16 dot-product peak: none (no avx512_bf16, no AMX): bf16 tiles widen to fp32 "
+                "and are measured against the fp32 peak\n\n");
+  const double bf16Denominator =
+      bf16Peak && cpu::nativeBf16Gemm() ? bf16Peak->gflops : peak.gflops;
 
   std::printf("GMM tiles, one thread (C = A B, C f32):\n");
   std::printf("  %-6s %-22s %12s %10s\n", "A, B", "m x n x k", "GFLOP/s", "of peak");
+  // (fp32 rows: of the fp32 FMA peak; bf16 rows: of the bf16 one, see above)
   struct Shape {
     int64_t m, n, k;
   };
@@ -223,7 +235,7 @@ int runBench(int argc, char **argv, int first) {
       const double gflops = cpu::measureGemmGflops(s.m, s.n, s.k, elt);
       std::printf("  %-6s %-22s %12.1f %9.1f%%\n", moec::dtypeName(elt),
                   fmt::format("{} x {} x {}", s.m, s.n, s.k).c_str(), gflops,
-                  100.0 * gflops / peak.gflops);
+                  100.0 * gflops / (elt == cpu::Elt::BF16 ? bf16Denominator : peak.gflops));
     }
   if (args.has("--skip-layers"))
     return kOk;

@@ -43,6 +43,19 @@ struct Kernel {
 
 #ifdef MOEC_PEAK_X86
 
+/// Folds the accumulators into `sink`.
+template <int N> __attribute__((target("avx512f"))) void sinkAvx512(const __m512 (&acc)[N]) {
+  __m512 sum = acc[0];
+  for (int j = 1; j < N; ++j)
+    sum = _mm512_add_ps(sum, acc[j]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  float total = 0;
+  for (float v : lanes)
+    total += v;
+  sink = total;
+}
+
 template <int N> __attribute__((target("avx512f"))) void runAvx512(int64_t iters) {
   __m512 acc[N];
   for (int j = 0; j < N; ++j)
@@ -54,15 +67,7 @@ template <int N> __attribute__((target("avx512f"))) void runAvx512(int64_t iters
     for (int p = 0; p < kPasses * N; ++p)
       acc[p % N] = _mm512_fmadd_ps(acc[p % N], mul, add);
   }
-  __m512 sum = acc[0];
-  for (int j = 1; j < N; ++j)
-    sum = _mm512_add_ps(sum, acc[j]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, sum);
-  float total = 0;
-  for (float v : lanes)
-    total += v;
-  sink = total;
+  sinkAvx512(acc);
 }
 
 template <int N> __attribute__((target("avx2,fma"))) void runAvx2(int64_t iters) {
@@ -100,15 +105,7 @@ template <int N> __attribute__((target("avx512f,avx512bf16"))) void runAvx512Bf1
     for (int p = 0; p < kPasses * N; ++p)
       acc[p % N] = _mm512_dpbf16_ps(acc[p % N], x, x);
   }
-  __m512 sum = acc[0];
-  for (int j = 1; j < N; ++j)
-    sum = _mm512_add_ps(sum, acc[j]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, sum);
-  float total = 0;
-  for (float v : lanes)
-    total += v;
-  sink = total;
+  sinkAvx512(acc);
 }
 
 #endif // MOEC_PEAK_X86

@@ -46,13 +46,14 @@ Status readWholeFile(const std::string &path, std::vector<uint8_t> *out) {
 namespace {
 
 /// The temporaries being written, for the signal handler: fixed storage (no
-/// allocation in a handler), a slot is in use while its flag is set.
+/// allocation in a handler). A slot is free, claimed (its path being
+/// copied in), or live (the handler may remove its path).
+enum SlotState : int { kFree, kClaimed, kLive };
 struct TemporarySlot {
-  std::atomic<bool> live{false};
+  std::atomic<int> state{kFree};
   char path[4096] = {};
 };
 std::array<TemporarySlot, 32> temporaries;
-std::atomic<bool> claimed[32] = {};
 
 /// Registers `path` for removal on a signal; returns the slot, or -1 when
 /// all are taken or the path is too long (the file is then written without
@@ -61,26 +62,24 @@ int registerTemporary(const std::string &path) {
   if (path.size() >= sizeof(TemporarySlot::path))
     return -1;
   for (size_t i = 0; i < temporaries.size(); ++i) {
-    bool expected = false;
-    if (!claimed[i].compare_exchange_strong(expected, true))
+    int expected = kFree;
+    if (!temporaries[i].state.compare_exchange_strong(expected, kClaimed))
       continue;
     std::memcpy(temporaries[i].path, path.c_str(), path.size() + 1);
-    temporaries[i].live.store(true);
+    temporaries[i].state.store(kLive);
     return int(i);
   }
   return -1;
 }
 
 void unregisterTemporary(int slot) {
-  if (slot < 0)
-    return;
-  temporaries[size_t(slot)].live.store(false);
-  claimed[size_t(slot)].store(false);
+  if (slot >= 0)
+    temporaries[size_t(slot)].state.store(kFree);
 }
 
 extern "C" void removeTemporariesAndDie(int signal) {
   for (TemporarySlot &slot : temporaries)
-    if (slot.live.load())
+    if (slot.state.load() == kLive)
       ::unlink(slot.path);
   std::signal(signal, SIG_DFL);
   std::raise(signal);

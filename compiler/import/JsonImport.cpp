@@ -45,16 +45,8 @@ public:
 private:
   /// The location of byte `offset` of the text.
   Location locAt(size_t offset) {
-    unsigned line = 1, col = 1;
-    for (size_t i = 0; i < offset && i < text.size(); ++i) {
-      if (text[i] == '\n') {
-        ++line;
-        col = 1;
-      } else {
-        ++col;
-      }
-    }
-    return FileLineColLoc::get(ctx, source, line, col);
+    auto [line, column] = lineAndColumn(text, offset + 1);
+    return FileLineColLoc::get(ctx, source, unsigned(line), unsigned(column));
   }
 
   /// The location of the `occurrence`-th `"name": "<name>"` inside the

@@ -173,6 +173,12 @@ public:
         buffer, sizes, [self, bytes](void *data) { self->giveBack(data, bytes); }, options);
   }
 
+  /// Outputs served from an idle buffer so far.
+  int64_t recycledCount() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return recycled;
+  }
+
 private:
   /// At most this many idle buffers are kept; more go back to the system.
   static constexpr size_t kMaxIdle = 16;
@@ -188,15 +194,6 @@ private:
 
   std::mutex mutex;
   std::multimap<size_t, void *> idle; ///< bytes -> buffer
-
-public:
-  /// Outputs served from an idle buffer so far.
-  int64_t recycledCount() {
-    std::lock_guard<std::mutex> lock(mutex);
-    return recycled;
-  }
-
-private:
   int64_t recycled = 0;
 };
 

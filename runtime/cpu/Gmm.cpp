@@ -229,7 +229,7 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
   // without bf16 dot products (where oneDNN's bf16 GEMM is absent or a
   // quarter of sgemm's speed): widen the bf16 operands to fp32 once, then
   // multiply in fp32.
-  if ((a.elt != b.elt || (a.elt == Elt::BF16 && !nativeBf16Gemm()))) {
+  if (a.elt != b.elt || (a.elt == Elt::BF16 && !nativeBf16Gemm())) {
     static thread_local Scratch widened;
     const int64_t aRows = transA ? k : m, aCols = transA ? m : k;
     const int64_t bRows = transB ? n : k, bCols = transB ? k : n;

@@ -10,6 +10,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Peak.h"
 #include "runtime/tooling/Reference.h"
 
 #include <algorithm>
@@ -62,16 +63,9 @@ int main(int argc, char **argv) {
     return 2;
   }
 
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> a(size_t(m * k)), b(size_t(k * n));
-  for (float &v : a)
-    v = dist(rng);
-  for (float &v : b)
-    v = dist(rng);
-  std::vector<uint16_t> a16(a.size()), b16(b.size());
-  floatToBf16(a.data(), a16.data(), a.size());
-  floatToBf16(b.data(), b16.data(), b.size());
+  const GemmOperands operands = randomGemmOperands(m, n, k);
+  const std::vector<float> &a = operands.a, &b = operands.b;
+  const std::vector<uint16_t> &a16 = operands.a16, &b16 = operands.b16;
   std::vector<float> naive(size_t(m * n)), fast(size_t(m * n)), fast16(size_t(m * n));
   const double flops = 2.0 * double(m) * double(n) * double(k);
 

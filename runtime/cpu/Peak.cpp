@@ -244,20 +244,29 @@ std::optional<FmaPeak> measureBf16DotPeak(double seconds) {
   return measureKernels(kernels, seconds);
 }
 
-double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt, double seconds) {
+GemmOperands randomGemmOperands(int64_t m, int64_t n, int64_t k) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> a(size_t(m * k)), b(size_t(k * n)), c(size_t(m * n));
-  for (float &v : a)
+  GemmOperands o;
+  o.a.resize(size_t(m * k));
+  o.b.resize(size_t(k * n));
+  for (float &v : o.a)
     v = dist(rng);
-  for (float &v : b)
+  for (float &v : o.b)
     v = dist(rng);
-  std::vector<uint16_t> a16(a.size()), b16(b.size());
-  floatToBf16(a.data(), a16.data(), a.size());
-  floatToBf16(b.data(), b16.data(), b.size());
+  o.a16.resize(o.a.size());
+  o.b16.resize(o.b.size());
+  floatToBf16(o.a.data(), o.a16.data(), o.a.size());
+  floatToBf16(o.b.data(), o.b16.data(), o.b.size());
+  return o;
+}
+
+double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt, double seconds) {
+  const GemmOperands o = randomGemmOperands(m, n, k);
+  std::vector<float> c(size_t(m * n));
   const bool bf16 = elt == Elt::BF16;
-  const ConstMatrix am{bf16 ? static_cast<const void *>(a16.data()) : a.data(), elt, k};
-  const ConstMatrix bm{bf16 ? static_cast<const void *>(b16.data()) : b.data(), elt, n};
+  const ConstMatrix am{bf16 ? static_cast<const void *>(o.a16.data()) : o.a.data(), elt, k};
+  const ConstMatrix bm{bf16 ? static_cast<const void *>(o.b16.data()) : o.b.data(), elt, n};
   Scratch scratch;
   auto call = [&] { gemmTile(m, n, k, am, false, bm, false, Matrix{c.data(), Elt::F32, n}, false, &scratch); };
   call(); // warm-up: GEMM set-up (JIT kernels), page faults, scratch

@@ -37,6 +37,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace moec::cpu {
 
@@ -70,6 +71,14 @@ FmaPeak measureFmaPeak(double seconds = 0.2);
 /// avx512_bf16. AMX tiles would have their own peak; this code has no AMX
 /// kernel yet.
 std::optional<FmaPeak> measureBf16DotPeak(double seconds = 0.2);
+
+/// Random operands of an m x k by k x n product, uniform in [-1, 1), as
+/// fp32 and rounded to bf16, for the matmul benchmarks.
+struct GemmOperands {
+  std::vector<float> a, b;
+  std::vector<uint16_t> a16, b16;
+};
+GemmOperands randomGemmOperands(int64_t m, int64_t n, int64_t k);
 
 /// Returns the best GFLOP/s of one gemmTile call, C[m, n] = A[m, k] B[k, n]
 /// with A and B stored as `elt` and C as fp32, on the calling thread: best of

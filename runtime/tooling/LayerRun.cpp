@@ -144,27 +144,45 @@ Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool
   return Status::success();
 }
 
+namespace {
+
+/// One .npy file of a layer's data.
+struct NpyFile {
+  const char *name;
+  npy::NpyType type;
+  std::vector<int64_t> dims;
+  const void *data;
+};
+
+/// Writes each of `files` to DIR/NAME.npy and appends its file name to
+/// *written.
+Status writeNpyFiles(const std::string &dir, const std::vector<NpyFile> &files,
+                     std::vector<std::string> *written) {
+  for (const NpyFile &f : files) {
+    if (Status s = npy::writeNpy(npyPath(dir, f.name), f.type, f.dims, f.data); !s)
+      return s;
+    written->push_back(std::string(f.name) + ".npy");
+  }
+  return Status::success();
+}
+
+} // namespace
+
 Status writeLayerInputs(const std::string &dir, const LayerData &d, bool backward,
                         std::vector<std::string> *written) {
   const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden,
                 I = d.inter;
   using npy::NpyType;
-  const std::tuple<const char *, NpyType, std::vector<int64_t>, const void *> files[] = {
+  std::vector<NpyFile> files = {
       {"x", NpyType::F32, {R, S, H}, d.x.data()},
       {"topk_ids", NpyType::I64, {R, S, K}, d.ids.data()},
       {"topk_weights", NpyType::F32, {R, S, K}, d.weights.data()},
       {"w1", NpyType::F32, {E, H, 2 * I}, d.w1.data()},
       {"w2", NpyType::F32, {E, I, H}, d.w2.data()},
-      {"dy", NpyType::F32, {R, S, H}, d.dy.data()},
   };
-  for (const auto &[name, type, dims, data] : files) {
-    if (!backward && std::string(name) == "dy")
-      continue;
-    if (Status s = npy::writeNpy(npyPath(dir, name), type, dims, data); !s)
-      return s;
-    written->push_back(std::string(name) + ".npy");
-  }
-  return Status::success();
+  if (backward)
+    files.push_back({"dy", NpyType::F32, {R, S, H}, d.dy.data()});
+  return writeNpyFiles(dir, files, written);
 }
 
 Status writeLayerOutputs(const std::string &dir, const LayerData &d, bool backward,
@@ -172,21 +190,14 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &d, bool backwa
   const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden,
                 I = d.inter;
   using npy::NpyType;
-  const std::tuple<const char *, std::vector<int64_t>, const std::vector<float> *> files[] = {
-      {"y", {R, S, H}, &d.y},
-      {"dx", {R, S, H}, &d.dx},
-      {"dtopk_weights", {R, S, K}, &d.dtopk},
-      {"dw1", {E, H, 2 * I}, &d.dw1},
-      {"dw2", {E, I, H}, &d.dw2},
-  };
-  for (const auto &[name, dims, values] : files) {
-    if (!backward && std::string(name) != "y")
-      continue;
-    if (Status s = npy::writeNpy(npyPath(dir, name), NpyType::F32, dims, values->data()); !s)
-      return s;
-    written->push_back(std::string(name) + ".npy");
+  std::vector<NpyFile> files = {{"y", NpyType::F32, {R, S, H}, d.y.data()}};
+  if (backward) {
+    files.push_back({"dx", NpyType::F32, {R, S, H}, d.dx.data()});
+    files.push_back({"dtopk_weights", NpyType::F32, {R, S, K}, d.dtopk.data()});
+    files.push_back({"dw1", NpyType::F32, {E, H, 2 * I}, d.dw1.data()});
+    files.push_back({"dw2", NpyType::F32, {E, I, H}, d.dw2.data()});
   }
-  return Status::success();
+  return writeNpyFiles(dir, files, written);
 }
 
 //===----------------------------------------------------------------------===//
@@ -204,8 +215,8 @@ std::string crcText(const std::vector<uint8_t> &bytes) {
 Status beginRunFolder(const std::string &dir) {
   std::error_code ec;
   std::filesystem::remove(dir + "/" + kRunManifest, ec);
-  if (ec)
-    return Status::error(fmt::format("{}/{}: cannot remove: {}", dir, kRunManifest, ec.message()));
+  if (ec) // a file where the folder or one of its parents should be, say
+    return Status::error(fmt::format("{}: cannot be the outputs folder: {}", dir, ec.message()));
   return Status::success();
 }
 

@@ -189,6 +189,10 @@ def make_fixtures(w, moec):
         f / "w1.npy", "<f4", [e - 1, h, i2], w1[:len(w1) * (e - 1) // e]))
     shutil.copytree(w / "in", w / "npy-mixed")
     shutil.copy(w / "in/y.npy", w / "npy-mixed/x.npy")
+    shutil.copytree(w / "in", w / "npy-manifest-bad")
+    (w / "npy-manifest-bad/manifest.json").write_text("[1, 2]\n")
+    shutil.copytree(w / "in", w / "npy-manifest-missing")
+    (w / "npy-manifest-missing/dy.npy").unlink()
 
     # Routing.
     ids_header, ids = read_npy(w / "in/topk_ids.npy")

@@ -32,6 +32,9 @@ struct LayerShape {
   DType activations = DType::F32; ///< x, y, w1, w2, dy, dx
   DType weightGrads = DType::F32; ///< dw1, dw2
   bool accumulateWeightGrads = false; ///< dw1, dw2 are added to, not written
+  /// A backward pass without weight gradients (the base weights are
+  /// frozen): dx and dtopk_weights only.
+  bool frozen = false;
 
   /// E = R * L.
   uint32_t experts() const { return ranks * localExperts; }

@@ -63,6 +63,7 @@ const IntKey kIntKeys[] = {
 constexpr const char *kDTypeKey = "dtype";
 constexpr const char *kNameKey = "name";
 constexpr const char *kCapacityFactorKey = "capacity_factor";
+constexpr const char *kMainGradKey = "main_grad";
 
 /// The keys a config must have, in the order missing ones are reported.
 const char *const kRequiredKeys[] = {
@@ -78,6 +79,7 @@ std::vector<std::string> knownKeys() {
   keys.push_back(kDTypeKey);
   keys.push_back(kNameKey);
   keys.push_back(kCapacityFactorKey);
+  keys.push_back(kMainGradKey);
   return keys;
 }
 
@@ -170,6 +172,15 @@ bool parseConfig(std::string_view text, const std::string &source,
                   fmt::format("key '{}' must be a number, got {}", kCapacityFactorKey,
                               factor->dump()));
     config.capacityFactor = factor->get<double>();
+  }
+
+  auto mainGrad = json.find(kMainGradKey);
+  if (mainGrad != json.end()) {
+    if (!mainGrad->is_boolean())
+      return fail(error, source,
+                  fmt::format("key '{}' must be true or false, got {}", kMainGradKey,
+                              mainGrad->dump()));
+    config.mainGrad = mainGrad->get<bool>();
   }
 
   if (!validateConfig(config, source, error))
@@ -317,6 +328,8 @@ nlohmann::json configToJson(const ModelConfig &c) {
       json[key.key] = c.*key.field;
   json[kDTypeKey] = configDTypeName(c.dtype);
   json[kNameKey] = c.name;
+  if (c.mainGrad)
+    json[kMainGradKey] = true;
   return json;
 }
 

@@ -52,6 +52,10 @@ struct ModelConfig {
   /// multiple of the balanced load per_rank_seq (at most the worst case,
   /// see receiveCapacityRows). Default 2.
   double capacityFactor = 2.0;
+  /// "main_grad": weight gradients accumulate into fp32 buffers the caller
+  /// keeps across micro-batches (C += AᵀB inside the weight-gradient GMMs,
+  /// Megatron's gradient_accumulation_fusion). Default false.
+  bool mainGrad = false;
 };
 
 /// The task-split values derived from a config.

@@ -72,6 +72,16 @@ struct ResolveShapesPass : moec::moe::impl::ResolveShapesBase<ResolveShapesPass>
         def.getTensor().setType(type.withDims(b.getArrayAttr(dims), elt));
         ++numResolvedTensors;
       }
+      // main_grad: every weight gradient accumulates into an fp32 buffer the
+      // caller keeps across micro-batches.
+      if (config.mainGrad)
+        for (GmmOp gmm : graph.getBlock().getOps<GmmOp>()) {
+          if (!gmm.isWeightGradient())
+            continue;
+          gmm.setAccumulate(true);
+          auto type = gmm.getResult().getType();
+          gmm.getResult().setType(type.withDims(type.getDims(), b.getF32Type()));
+        }
       // The fill config's expressions are the seed's and moec derives what
       // they said (docs/graph-format.md), but a symbol they name must still
       // be one the config binds: a typo is an error, not silence.

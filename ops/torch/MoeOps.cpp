@@ -10,8 +10,15 @@
 //   moec::forward(Layer layer, Tensor x, Tensor topk_ids, Tensor topk_weights,
 //                 Tensor w1, Tensor w2) -> (Tensor y, int step)
 //   moec::backward(Layer layer, int step, Tensor x, Tensor topk_ids,
-//                  Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy)
-//       -> (Tensor dx, Tensor dtopk_weights, Tensor dw1, Tensor dw2)
+//                  Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy,
+//                  Tensor? main_grad1, Tensor? main_grad2)
+//       -> (Tensor dx, Tensor dtopk_weights, Tensor? dw1, Tensor? dw2)
+//
+// dw1 and dw2 are None for a frozen layer (a backward binary without the
+// weight-gradient GMMs), and for a main-grad layer (a backward binary that
+// accumulates its weight gradients), which adds them to main_grad1 and
+// main_grad2 (fp32, shaped like w1 and w2, kept by the caller across
+// micro-batches) instead.
 //
 // Shapes carry this process's ranks first: x, y, dy, dx [P, S, H]; topk_ids
 // and topk_weights [P, S, K]; w1 [P*L, H, 2I]; w2 [P*L, I, H] (in process,
@@ -251,7 +258,10 @@ public:
     d.insert("top_k", s.topK);
     d.insert("receive_capacity", s.receiveCapacity);
     d.insert("bf16", s.activations == DType::BF16);
-    d.insert("backward", slot->context->backwardShape() != nullptr);
+    const moec::rt::LayerShape *bs = slot->context->backwardShape();
+    d.insert("backward", bs != nullptr);
+    d.insert("frozen", bs && bs->frozen);
+    d.insert("main_grad", bs && bs->accumulateWeightGrads);
     d.insert("workers", slot->context->workers());
     d.insert("outputs_recycled", slot->outputs->recycledCount());
     return d;
@@ -268,10 +278,13 @@ public:
     return {y, step};
   }
 
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-  backward(int64_t forwardStep, const at::Tensor &x, const at::Tensor &ids,
+  using Gradients = std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                               c10::optional<at::Tensor>>;
+
+  Gradients backward(int64_t forwardStep, const at::Tensor &x, const at::Tensor &ids,
            const at::Tensor &weights, const at::Tensor &w1, const at::Tensor &w2,
-           const at::Tensor &dyIn) {
+           const at::Tensor &dyIn, const c10::optional<at::Tensor> &mainGrad1,
+           const c10::optional<at::Tensor> &mainGrad2) {
     std::lock_guard<std::mutex> lock(slot->mutex);
     live();
     const moec::rt::LayerShape *bs = slot->context->backwardShape();
@@ -293,14 +306,26 @@ public:
     BufferPool &pool = *slot->outputs;
     at::Tensor dx = pool.take(in.x.sizes(), in.x.options());
     at::Tensor dtopk = pool.take(in.weights.sizes(), in.weights.options().dtype(at::kFloat));
-    const auto gradOptions = in.w1.options().dtype(torchType(bs->weightGrads));
-    at::Tensor dw1 = pool.take(in.w1.sizes(), gradOptions);
-    at::Tensor dw2 = pool.take(in.w2.sizes(), gradOptions);
-    // Weight gradients the binary accumulates start from zero here; the
-    // framework's autograd does the accumulation across steps.
-    if (bs->accumulateWeightGrads) {
-      dw1.zero_();
-      dw2.zero_();
+    const bool intoMainGrad = mainGrad1.has_value() || mainGrad2.has_value();
+    TORCH_CHECK(!intoMainGrad || (mainGrad1.has_value() && mainGrad2.has_value()),
+                "moec: pass both main-grad buffers or neither");
+    TORCH_CHECK(!intoMainGrad || bs->accumulateWeightGrads,
+                "moec: main-grad buffers need a backward binary that accumulates its weight "
+                "gradients (compiled with the config's \"main_grad\": true)");
+    at::Tensor dw1, dw2;
+    if (intoMainGrad) {
+      dw1 = mainGradBuffer(*mainGrad1, in.w1, "main_grad of w1");
+      dw2 = mainGradBuffer(*mainGrad2, in.w2, "main_grad of w2");
+    } else if (!bs->frozen) {
+      const auto gradOptions = in.w1.options().dtype(torchType(bs->weightGrads));
+      dw1 = pool.take(in.w1.sizes(), gradOptions);
+      dw2 = pool.take(in.w2.sizes(), gradOptions);
+      // Without main-grad buffers, weight gradients the binary accumulates
+      // start from zero here.
+      if (bs->accumulateWeightGrads) {
+        dw1.zero_();
+        dw2.zero_();
+      }
     }
     bindInputs(in);
     for (int64_t p = 0; p < P; ++p) {
@@ -309,10 +334,14 @@ public:
       check(slot->context->bind(r, "dx", slice(dx, "dx", P, p, false)), "bind dx");
       check(slot->context->bind(r, "dtopk_weights", slice(dtopk, "dtopk_weights", P, p, false)),
             "bind dtopk_weights");
+      if (bs->frozen)
+        continue;
       check(slot->context->bind(r, "dw1", slice(dw1, "dw1", P, p, true)), "bind dw1");
       check(slot->context->bind(r, "dw2", slice(dw2, "dw2", P, p, true)), "bind dw2");
     }
     check(slot->context->backward(), "backward");
+    if (intoMainGrad || bs->frozen)
+      return {dx, dtopk, c10::nullopt, c10::nullopt};
     // Gradients take their parameter's dtype (fp32 weight gradients of a
     // bf16 layer are rounded once, here).
     if (dw1.scalar_type() != in.w1.scalar_type()) {
@@ -372,6 +401,21 @@ private:
             w2.contiguous()};
   }
 
+  /// A caller's main-grad buffer: fp32, CPU, contiguous, shaped like its
+  /// weight; the runtime adds the weight gradient into it in place.
+  static at::Tensor mainGradBuffer(const at::Tensor &t, const at::Tensor &weight,
+                                   const char *name) {
+    TORCH_CHECK(t.defined() && t.device().is_cpu(), "moec: '", name,
+                "' must be a CPU tensor");
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "moec: '", name, "' is ", t.scalar_type(),
+                "; expected float32");
+    TORCH_CHECK(t.sizes() == weight.sizes(), "moec: '", name, "' has shape ", t.sizes(),
+                "; expected ", weight.sizes(), " like its weight");
+    TORCH_CHECK(t.is_contiguous(), "moec: '", name, "' must be contiguous (the runtime adds "
+                "into it in place)");
+    return t;
+  }
+
   void bindInputs(const Inputs &in) {
     const int64_t P = slot->context->localRanks(), first = slot->context->firstLocalRank();
     for (int64_t p = 0; p < P; ++p) {
@@ -408,11 +452,12 @@ std::tuple<at::Tensor, int64_t> forwardOp(const c10::intrusive_ptr<Layer> &layer
   return layer->forward(x, ids, weights, w1, w2);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+Layer::Gradients
 backwardOp(const c10::intrusive_ptr<Layer> &layer, int64_t step, const at::Tensor &x,
            const at::Tensor &ids, const at::Tensor &weights, const at::Tensor &w1,
-           const at::Tensor &w2, const at::Tensor &dy) {
-  return layer->backward(step, x, ids, weights, w1, w2, dy);
+           const at::Tensor &w2, const at::Tensor &dy, const c10::optional<at::Tensor> &mainGrad1,
+           const c10::optional<at::Tensor> &mainGrad2) {
+  return layer->backward(step, x, ids, weights, w1, w2, dy, mainGrad1, mainGrad2);
 }
 
 /// Frees every MPI layer's context in creation order, then finalizes MPI if
@@ -442,8 +487,9 @@ TORCH_LIBRARY(moec, m) {
         "Tensor topk_weights, Tensor w1, Tensor w2) -> (Tensor, int)",
         forwardOp);
   m.def("backward(__torch__.torch.classes.moec.Layer layer, int step, Tensor x, "
-        "Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy) -> "
-        "(Tensor, Tensor, Tensor, Tensor)",
+        "Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy, "
+        "Tensor? main_grad1=None, Tensor? main_grad2=None) -> "
+        "(Tensor, Tensor, Tensor?, Tensor?)",
         backwardOp);
   m.def("finalize_mpi() -> ()", finalizeMpiOp);
 }

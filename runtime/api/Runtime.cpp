@@ -454,6 +454,8 @@ Status Context::Impl::backward() {
   const Clock::time_point t0 = Clock::now();
   const LayerShape &s = shape();
   const int64_t H = s.hidden, I = s.inter, L = s.localExperts;
+  // A frozen layer's backward has no weight gradients to bind.
+  const bool frozen = bwd->plan().shape.frozen;
   std::vector<Status> local;
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
     const int64_t S = routes[r].tokens, K = routes[r].topK;
@@ -464,9 +466,12 @@ Status Context::Impl::backward() {
                                   {kW1, {L, H, 2 * I}},
                                   {kW2, {L, I, H}},
                                   {kDw1, {L, H, 2 * I}},
-                                  {kDw2, {L, I, H}}})
+                                  {kDw2, {L, I, H}}}) {
+      if (frozen && (b == kDw1 || b == kDw2))
+        continue;
       if (st = checkBinding(r, b, dims); !st)
         break;
+    }
     local.push_back(st);
   }
   if (Status st = agree(local, nullptr); !st)
@@ -483,11 +488,13 @@ Status Context::Impl::backward() {
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
     pass.bindSlot(r, plan.w1, bound[r][kW1].data);
     pass.bindSlot(r, plan.w2, bound[r][kW2].data);
-    pass.bindSlot(r, plan.dw1, bound[r][kDw1].data);
-    pass.bindSlot(r, plan.dw2, bound[r][kDw2].data);
-    pass.bindSlot(r, plan.dispatched, fwd->slot(r, saved.dispatched));
     pass.bindSlot(r, plan.upOut, fwd->slot(r, saved.upOut));
-    pass.bindSlot(r, plan.swigluOut, fwd->slot(r, saved.swigluOut));
+    if (!frozen) {
+      pass.bindSlot(r, plan.dw1, bound[r][kDw1].data);
+      pass.bindSlot(r, plan.dw2, bound[r][kDw2].data);
+      pass.bindSlot(r, plan.dispatched, fwd->slot(r, saved.dispatched));
+      pass.bindSlot(r, plan.swigluOut, fwd->slot(r, saved.swigluOut));
+    }
     dy[r] = bound[r][kDy].data;
     dx[r] = bound[r][kDx].data;
     dtopk[r] = static_cast<float *>(bound[r][kDtopk].data);
@@ -646,6 +653,10 @@ Status Context::bind(uint32_t rank, std::string_view name, const Tensor &tensor)
   if (backwardOnly && !body->bwd)
     return Status::error(fmt::format("rank {}: '{}' is a backward tensor, and this context has "
                                      "no backward program",
+                                     rank, name));
+  if ((b == kDw1 || b == kDw2) && body->bwd->plan().shape.frozen)
+    return Status::error(fmt::format("rank {}: '{}' is a weight gradient, and this context's "
+                                     "backward program has none (frozen weights)",
                                      rank, name));
   if (tensor.ndim < 1 || tensor.ndim > MOEC_MAX_DIMS)
     return Status::error(fmt::format("rank {}: '{}' has {} dims", rank, name, tensor.ndim));

@@ -102,7 +102,12 @@ private:
     for (const OpRecord &op : program.ops)
       ++counts[size_t(op.kind)];
     const bool bwd = program.isBackward();
-    const size_t gmms = bwd ? 4 : 2;
+    // A backward pass without the weight-gradient GMMs is a frozen layer's.
+    size_t wgrads = 0;
+    for (uint32_t i = 0; i < program.ops.size(); ++i)
+      wgrads += isWgrad(i);
+    plan.shape.frozen = bwd && wgrads == 0;
+    const size_t gmms = bwd ? (plan.shape.frozen ? 2 : 4) : 2;
     if (counts[size_t(OpKind::Dispatch)] != 1 || counts[size_t(OpKind::Combine)] != 1 ||
         counts[size_t(OpKind::Gmm)] != gmms ||
         counts[size_t(OpKind::Swiglu)] != (bwd ? 0u : 1u) ||
@@ -110,7 +115,7 @@ private:
       return notLayer(fmt::format(
           "expected 1 dispatch, {} gmm, 1 {} and 1 combine op; the binary has {} dispatch, "
           "{} gmm, {} swiglu, {} swiglu_grad and {} combine",
-          gmms, bwd ? "swiglu_grad" : "swiglu", counts[1], counts[3], counts[4], counts[5],
+          bwd ? "4 (2 with frozen weights)" : "2", bwd ? "swiglu_grad" : "swiglu", counts[1], counts[3], counts[4], counts[5],
           counts[2]));
     for (uint32_t i = 0; i < program.ops.size(); ++i) {
       const OpKind kind = program.ops[i].kind;
@@ -161,21 +166,23 @@ private:
       return s;
     if (Status s = findOne(OpKind::Gmm, 0, out(swigluGrad), "input gradient", &gateGrad); !s)
       return s;
-    if (Status s = findOne(OpKind::Gmm, 1, out(d), "w2 gradient", &dw2Op, true); !s)
-      return s;
-    if (Status s = findOne(OpKind::Gmm, 1, out(swigluGrad), "w1 gradient", &dw1Op, true); !s)
-      return s;
     if (in(c, 1) != out(gateGrad))
       return notLayer(fmt::format("the combine sends '{}', not the input gradient's '{}'",
                                   slotName(in(c, 1)), slotName(out(gateGrad))));
     plan.w2 = in(actGrad, 1);
     plan.w1 = in(gateGrad, 1);
     plan.upOut = in(swigluGrad, 1);
+    plan.glist = in(actGrad, 2);
+    if (plan.shape.frozen)
+      return sameGlist({actGrad, gateGrad});
+    if (Status s = findOne(OpKind::Gmm, 1, out(d), "w2 gradient", &dw2Op, true); !s)
+      return s;
+    if (Status s = findOne(OpKind::Gmm, 1, out(swigluGrad), "w1 gradient", &dw1Op, true); !s)
+      return s;
     plan.swigluOut = in(dw2Op, 0);
     plan.dispatched = in(dw1Op, 0);
     plan.dw2 = out(dw2Op);
     plan.dw1 = out(dw1Op);
-    plan.glist = in(actGrad, 2);
     return sameGlist({actGrad, gateGrad, dw2Op, dw1Op});
   }
 
@@ -250,10 +257,13 @@ private:
     std::vector<Expect> expects = {
         {plan.src, "rows to send", {N, H}},       {dispatchOut, "dispatched rows", {T, H}},
         {plan.w1, "w1", {L, H, 2 * I}},           {plan.w2, "w2", {L, I, H}},
-        {plan.dispatched, "X", {T, H}},           {plan.upOut, "Y", {T, 2 * I}},
-        {plan.swigluOut, "A", {T, I}},            {in(plan.combineOp, 1), "rows to return", {T, H}},
+        {plan.upOut, "Y", {T, 2 * I}},            {in(plan.combineOp, 1), "rows to return", {T, H}},
         {plan.returned, "returned rows", {N, H}},
     };
+    if (!shape.frozen) {
+      expects.push_back({plan.dispatched, "X", {T, H}});
+      expects.push_back({plan.swigluOut, "A", {T, I}});
+    }
     if (shape.backward) {
       expects.push_back({out(actGrad), "dA", {T, I}});
       expects.push_back({out(swigluGrad), "dY", {T, 2 * I}});
@@ -261,7 +271,7 @@ private:
     for (const Expect &e : expects)
       if (Status s = expectShape(e.slot, e.role, e.dims, act); !s)
         return s;
-    if (shape.backward) {
+    if (shape.backward && !shape.frozen) {
       shape.weightGrads = program.slots[plan.dw1].dtype;
       if (shape.weightGrads != DType::F32 && shape.weightGrads != DType::BF16)
         return Status::error(fmt::format("slot '{}' (dw1) is {}; expected f32 or bf16",

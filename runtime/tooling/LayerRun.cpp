@@ -194,8 +194,11 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &d, bool backwa
   if (backward) {
     files.push_back({"dx", NpyType::F32, {R, S, H}, d.dx.data()});
     files.push_back({"dtopk_weights", NpyType::F32, {R, S, K}, d.dtopk.data()});
-    files.push_back({"dw1", NpyType::F32, {E, H, 2 * I}, d.dw1.data()});
-    files.push_back({"dw2", NpyType::F32, {E, I, H}, d.dw2.data()});
+    // A frozen layer's backward has no weight gradients.
+    if (!d.dw1.empty()) {
+      files.push_back({"dw1", NpyType::F32, {E, H, 2 * I}, d.dw1.data()});
+      files.push_back({"dw2", NpyType::F32, {E, I, H}, d.dw2.data()});
+    }
   }
   return writeNpyFiles(dir, files, written);
 }
@@ -345,17 +348,21 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
     if (backward) {
       // The weight-gradient dtype is the backward binary's; a context
       // without one refuses these bindings, which is the error to report.
-      const DType grad = context.backwardShape() ? context.backwardShape()->weightGrads : act;
+      const rt::LayerShape *bs = context.backwardShape();
+      const DType grad = bs ? bs->weightGrads : act;
       b[kDy].assign(d.dy.data() + r * S * H, tokensH, act);
       b[kDx].zeros(tokensH, act);
-      b[kDw1].zeros(w1n, grad);
-      b[kDw2].zeros(w2n, grad);
       tensors.insert(tensors.end(),
                      {{"dy", rt::makeTensor(b[kDy].data(), act, {S, H})},
                       {"dx", rt::makeTensor(b[kDx].data(), act, {S, H})},
-                      {"dtopk_weights", rt::makeTensor(dtopk[size_t(r)].data(), DType::F32, {S, K})},
-                      {"dw1", rt::makeTensor(b[kDw1].data(), grad, {L, H, 2 * I})},
-                      {"dw2", rt::makeTensor(b[kDw2].data(), grad, {L, I, H})}});
+                      {"dtopk_weights", rt::makeTensor(dtopk[size_t(r)].data(), DType::F32, {S, K})}});
+      if (!(bs && bs->frozen)) {
+        b[kDw1].zeros(w1n, grad);
+        b[kDw2].zeros(w2n, grad);
+        tensors.insert(tensors.end(),
+                       {{"dw1", rt::makeTensor(b[kDw1].data(), grad, {L, H, 2 * I})},
+                        {"dw2", rt::makeTensor(b[kDw2].data(), grad, {L, I, H})}});
+      }
     }
     for (const auto &[name, tensor] : tensors)
       if (Status s = context.bind(rank, name, tensor); !s)
@@ -372,12 +379,18 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
       return s;
   const int64_t R = d->ranks, S = d->tokens, K = d->topK, H = d->hidden, I = d->inter;
   const int64_t L = context.shape().localExperts;
+  const bool weightGrads = backward && !context.backwardShape()->frozen;
   d->y.resize(size_t(R * S * H));
   if (backward) {
     d->dx.resize(size_t(R * S * H));
     d->dtopk.resize(size_t(R * S * K));
+  }
+  if (weightGrads) {
     d->dw1.resize(size_t(R * L * H * 2 * I));
     d->dw2.resize(size_t(R * L * I * H));
+  } else {
+    d->dw1.clear();
+    d->dw2.clear();
   }
   const int64_t first = context.firstLocalRank(), local = context.localRanks();
   for (int64_t r = first; r < first + local; ++r) {
@@ -387,6 +400,8 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
       continue;
     b[kDx].copyOut(d->dx.data() + r * S * H);
     std::copy(dtopk[size_t(r)].begin(), dtopk[size_t(r)].end(), d->dtopk.begin() + r * S * K);
+    if (!weightGrads)
+      continue;
     b[kDw1].copyOut(d->dw1.data() + r * L * H * 2 * I);
     b[kDw2].copyOut(d->dw2.data() + r * L * I * H);
   }
@@ -405,7 +420,7 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
                                      {&d->dtopk, S * K},
                                      {&d->dw1, L * H * 2 * I},
                                      {&d->dw2, L * I * H}})
-    if (Status s = collect(*out, perRank); !s)
+    if (Status s = out->empty() ? Status::success() : collect(*out, perRank); !s)
       return s;
   return Status::success();
 }
@@ -475,8 +490,10 @@ Status verifyLayer(const LayerData &d, bool backward, bool bf16,
     return s.withPrefix("reference: ");
   compare("dx", d.dx, joined(bwd.dx));
   compare("dtopk_weights", d.dtopk, joined(bwd.dtopkWeights));
-  compare("dw1", d.dw1, bwd.dw1);
-  compare("dw2", d.dw2, bwd.dw2);
+  if (!d.dw1.empty()) { // a frozen layer's backward has none
+    compare("dw1", d.dw1, bwd.dw1);
+    compare("dw2", d.dw2, bwd.dw2);
+  }
   return Status::success();
 }
 

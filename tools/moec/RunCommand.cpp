@@ -53,7 +53,8 @@ const CommandSpec kRunSpec = {
     "  x [R,S,H]  topk_ids [R,S,K] (int32 or int64)  topk_weights [R,S,K]\n"
     "  w1 [E,H,2I]  w2 [E,I,H]  and dy [R,S,H] with a backward binary\n"
     "outputs (.npy, float32): y [R,S,H]; with a backward binary also dx [R,S,H],\n"
-    "  dtopk_weights [R,S,K], dw1 [E,H,2I], dw2 [E,I,H]\n"
+    "  dtopk_weights [R,S,K], dw1 [E,H,2I], dw2 [E,I,H] (none for a frozen layer's\n"
+    "  backward binary)\n"
     "\n"
     "options:\n"
     "  --ranks R        ranks of the EP group; must be the binary's (its config's ep);\n"
@@ -435,7 +436,9 @@ int runRun(int argc, char **argv, int first) {
   if (Status s = writeRunManifest(outputs, written, command); !s)
     return fail(s);
   std::printf("outputs: %s/{y%s}.npy\n", outputs.c_str(),
-              backward ? ",dx,dtopk_weights,dw1,dw2" : "");
+              !backward            ? ""
+              : data.dw1.empty() ? ",dx,dtopk_weights"
+                                 : ",dx,dtopk_weights,dw1,dw2");
 
   if (!args.has("--verify"))
     return kOk;

@@ -108,13 +108,16 @@ def finalize_mpi():
         torch.ops.moec.finalize_mpi()
 
 
-def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False):
+def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False,
+                  frozen=False):
     """Returns (forward, backward) task-binary paths for `config` (a dict or a
     JSON path) on `ranks` EP ranks, compiling them with the moec CLI unless
-    the cache has them (or `fresh`). The key covers the config, the graphs,
-    the target, the granularity and the moec binary itself. A cache entry
-    that is not a pair of files is compiled anew; MoeFFN also checks that
-    the binaries it gets are the config's layer."""
+    the cache has them (or `fresh`). The backward graph is
+    moe_ffn_bwd_frozen.json (no weight gradients) with `frozen`, else
+    moe_ffn_bwd.json. The key covers the config, the graphs, the target, the
+    granularity and the moec binary itself. A cache entry that is not a pair
+    of files is compiled anew; MoeFFN also checks that the binaries it gets
+    are the config's layer."""
     cfg = _read_config(config)
     cfg["ep"] = int(ranks)
     moec = _path("MOEC_BIN", _REPO / "bazel-bin/tools/moec")
@@ -123,7 +126,8 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
         raise RuntimeError(
             f"moec: the compiler {moec} does not exist; build it with "
             "'bazel build //tools:moec' or set MOEC_BIN")
-    sources = [graphs / "moe_ffn_fwd.json", graphs / "moe_ffn_bwd.json"]
+    sources = [graphs / "moe_ffn_fwd.json",
+               graphs / ("moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json")]
     key = hashlib.sha256()
     key.update(json.dumps(cfg, sort_keys=True).encode())
     # The cpu target takes its core counts from this machine.
@@ -180,10 +184,11 @@ class MoeFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layer, x, topk_ids, topk_weights, w1, w2, check_finite=False,
-                first_rank=0):
+                first_rank=0, main_grads=None):
         y, step = torch.ops.moec.forward(layer, x, topk_ids, topk_weights, w1, w2)
         ctx.layer = layer
         ctx.step = step
+        ctx.main_grads = main_grads
         ctx.check = (check_finite, first_rank, w1.shape[0] // max(1, x.shape[0]))
         ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2)
         ctx.mark_non_differentiable()
@@ -192,26 +197,34 @@ class MoeFFNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, topk_ids, topk_weights, w1, w2 = ctx.saved_tensors
+        main_grads = ctx.main_grads or (None, None)
         dx, dtopk, dw1, dw2 = torch.ops.moec.backward(
-            ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2, dy)
+            ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2, dy, *main_grads)
+        if ctx.main_grads:
+            # Megatron's flag: the gradient went into main_grad, not .grad.
+            w1.grad_added_to_main_grad = True
+            w2.grad_added_to_main_grad = True
         check, first, local_experts = ctx.check
         if check:
             _check_finite("dy", dy, "rank", first)
             for name, t in (("dx", dx), ("dtopk_weights", dtopk)):
                 _check_finite(name, t, "rank", first)
-            for name, t in (("dw1", dw1), ("dw2", dw2)):
-                _check_finite(name, t, "expert", first * local_experts)
-        return None, dx, None, dtopk, dw1, dw2, None, None
+            grads = ctx.main_grads or (dw1, dw2)
+            for name, t in zip(("dw1", "dw2"), grads):
+                if t is not None:
+                    _check_finite(name, t, "expert", first * local_experts)
+        return None, dx, None, dtopk, dw1, dw2, None, None, None
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _matches(info, cfg, ranks):
+def _matches(info, cfg, ranks, frozen=False):
     """True when a built layer's sizes are those of `cfg` on `ranks` ranks."""
     want = {"ranks": int(ranks), "experts": int(cfg["num_experts"]),
             "hidden": int(cfg["hidden_size"]), "inter": int(cfg["intermediate_size"]),
-            "top_k": int(cfg["top_k"]), "bf16": int(cfg.get("dtype", "bf16") == "bf16")}
+            "top_k": int(cfg["top_k"]), "bf16": int(cfg.get("dtype", "bf16") == "bf16"),
+            "frozen": int(bool(frozen)), "main_grad": int(bool(cfg.get("main_grad", False)))}
     return all(int(info[k]) == v for k, v in want.items())
 
 
@@ -250,11 +263,24 @@ class MoeFFN(torch.nn.Module):
     check_finite: raise a ValueError naming the tensor and rank (or expert)
     when an input, the output or a gradient holds NaN or infinity (they
     pass through the layer silently otherwise); off by default, it costs a
-    pass over each tensor."""
+    pass over each tensor.
+
+    frozen: the expert weights are frozen (requires_grad False): backward
+    runs graphs/moe_ffn_bwd_frozen.json, which has no weight-gradient GMMs,
+    and gives dx and d topk_weights only.
+
+    main_grad: gradient-accumulation fusion, as Megatron's
+    gradient_accumulation_fusion: w1.main_grad and w2.main_grad are fp32
+    buffers the module owns, and every backward adds its weight gradients
+    into them inside the weight-gradient GMMs (C += AᵀB, no separate add, no
+    bf16 rounding of the running sum); w1.grad and w2.grad stay None, and
+    backward sets w.grad_added_to_main_grad = True. The buffers start at
+    zero; zero them between optimizer steps (zero_main_grad()), as a
+    Megatron training loop does."""
 
     def __init__(self, config, ranks=None, *, threads=0, target="cpu",
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
-                 capacity_policy="grow", check_finite=False):
+                 capacity_policy="grow", check_finite=False, frozen=False, main_grad=False):
         super().__init__()
         global _finalize_registered
         load_library()
@@ -268,12 +294,22 @@ class MoeFFN(torch.nn.Module):
             if fabric != "mpi":
                 raise ValueError("moec: MoeFFN needs ranks= (the EP group's size)")
             ranks = _world_size()
+        if frozen and main_grad:
+            raise ValueError("moec: a frozen layer has no weight gradients to accumulate "
+                             "(frozen=True and main_grad=True)")
         cfg = _read_config(config)
+        if main_grad:
+            cfg["main_grad"] = True
+        elif cfg.get("main_grad"):
+            raise ValueError("moec: the config sets \"main_grad\"; pass main_grad=True to the "
+                             "module, which owns the buffers")
         self.config = cfg
         self.capacity_policy = capacity_policy
         self.check_finite = check_finite
+        self.frozen = bool(frozen)
+        self.main_grad = bool(main_grad)
         self._build = (int(threads), float(timeout_seconds), target, granularity, fabric)
-        forward, backward = compile_layer(cfg, ranks, target, granularity)
+        forward, backward = compile_layer(cfg, ranks, target, granularity, frozen=self.frozen)
         if fabric == "mpi" and not _finalize_registered:
             # Before the layer: its construction may start MPI and then fail.
             atexit.register(finalize_mpi)
@@ -281,13 +317,14 @@ class MoeFFN(torch.nn.Module):
         self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
                                               float(timeout_seconds), fabric)
         info = self.layer.info()
-        if not _matches(info, cfg, ranks):
+        if not _matches(info, cfg, ranks, self.frozen):
             # A cache entry that is not this config's layer: compile anew.
-            forward, backward = compile_layer(cfg, ranks, target, granularity, fresh=True)
+            forward, backward = compile_layer(cfg, ranks, target, granularity, fresh=True,
+                                              frozen=self.frozen)
             self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
                                                   float(timeout_seconds), fabric)
             info = self.layer.info()
-            if not _matches(info, cfg, ranks):
+            if not _matches(info, cfg, ranks, self.frozen):
                 raise RuntimeError(f"moec: the compiled layer {info} is not the config's {cfg}")
         self.fabric = fabric
         self.ranks = info["ranks"]
@@ -302,10 +339,23 @@ class MoeFFN(torch.nn.Module):
         dtype = torch.bfloat16 if info["bf16"] else torch.float32
         mine = self.local_ranks * self.local_experts
         self.w1 = torch.nn.Parameter(
-            torch.empty(mine, self.hidden, 2 * self.inter, dtype=dtype))
+            torch.empty(mine, self.hidden, 2 * self.inter, dtype=dtype),
+            requires_grad=not self.frozen)
         self.w2 = torch.nn.Parameter(
-            torch.empty(mine, self.inter, self.hidden, dtype=dtype))
+            torch.empty(mine, self.inter, self.hidden, dtype=dtype),
+            requires_grad=not self.frozen)
+        if self.main_grad:
+            for w in (self.w1, self.w2):
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
         self.reset_parameters()
+
+    def zero_main_grad(self):
+        """Zeroes w1.main_grad and w2.main_grad (main_grad=True)."""
+        if not self.main_grad:
+            raise RuntimeError("moec: this layer has no main_grad buffers (main_grad=False)")
+        for w in (self.w1, self.w2):
+            w.main_grad.zero_()
+            w.grad_added_to_main_grad = False
 
     def reset_parameters(self):
         """Draws the whole [E, ...] weights and keeps this process's experts."""
@@ -330,8 +380,10 @@ class MoeFFN(torch.nn.Module):
                 _check_finite(name, t, "expert", self.first_rank * self.local_experts)
         while True:
             try:
+                main_grads = (self.w1.main_grad, self.w2.main_grad) if self.main_grad else None
                 y = MoeFFNFunction.apply(self.layer, x, topk_ids, topk_weights, self.w1,
-                                         self.w2, self.check_finite, self.first_rank)
+                                         self.w2, self.check_finite, self.first_rank,
+                                         main_grads)
                 if self.check_finite:
                     _check_finite("y", y, "rank", self.first_rank)
                 return y
@@ -361,7 +413,8 @@ class MoeFFN(torch.nn.Module):
             cfg["capacity_factor"] = min(factor, 1024.0)
             changes.append(f"capacity_factor {old_factor:g} -> {cfg['capacity_factor']:g}")
         threads, timeout, target, granularity, fabric = self._build
-        forward, backward = compile_layer(cfg, self.ranks, target, granularity)
+        forward, backward = compile_layer(cfg, self.ranks, target, granularity,
+                                          frozen=self.frozen)
         layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric)
         info = layer.info()
         if (info["receive_capacity"] <= need["receive_capacity"]
@@ -388,4 +441,4 @@ class MoeFFN(torch.nn.Module):
         return (f"ranks={self.ranks}, fabric={self.fabric}, first_rank={self.first_rank}, "
                 f"local_ranks={self.local_ranks}, experts={self.experts}, hidden={self.hidden}, "
                 f"inter={self.inter}, top_k={self.top_k}, tokens={self.tokens}, "
-                f"dtype={self.w1.dtype}")
+                f"dtype={self.w1.dtype}, frozen={self.frozen}, main_grad={self.main_grad}")

@@ -7,6 +7,7 @@ the speed-up as a ratio.
 
     examples/torch/bench.py [--config CFG] [--tokens S] [--ranks R]
                             [--dtypes fp32,bf16] [--threads N] [--repeat N]
+                            [--training]
 
 Default: the qwen3-30b-a3b shapes (H 2048, I 768, E 128, top-8) with S = 1024
 tokens per rank on 2 ranks, fp32 and bf16. examples/torch/bench.sh builds
@@ -18,6 +19,12 @@ next to moec's GMM tile rate on the same product (`moec bench
 --skip-layers`). Where PyTorch's rate is below half of moec's, it prints no
 speed-up for that dtype, and says why (e.g. a reference BLAS as
 libblas.so.3: install libopenblas0-pthread).
+
+--training compares moec's training variants instead, in one run on the
+same inputs and weights: the full layer, main_grad=True (weight gradients
+accumulated into fp32 main_grad buffers) and frozen=True (no weight
+gradients); it prints each one's step time and backward pass time, and the
+backward's ratio to the full layer's.
 """
 
 import argparse
@@ -49,9 +56,8 @@ def step(fn, x, ids, weights, dy):
     return time.perf_counter() - start
 
 
-def bench(cfg, ranks, dtype, threads, repeat):
-    cfg = dict(cfg, dtype=dtype)
-    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads)
+def make_inputs(layer, ranks):
+    """x, topk_ids (uniform random), topk_weights, dy for `layer`."""
     S, H, E, K = layer.tokens, layer.hidden, layer.experts, layer.top_k
     g = torch.Generator().manual_seed(0)
     tdt = layer.w1.dtype
@@ -59,6 +65,14 @@ def bench(cfg, ranks, dtype, threads, repeat):
     dy = (torch.rand(ranks, S, H, generator=g) * 2 - 1).to(tdt)
     ids = torch.rand(ranks * S, E, generator=g).argsort(dim=1)[:, :K].reshape(ranks, S, K)
     weights = torch.rand(ranks, S, K, generator=g) * 0.8 + 0.2
+    return x, ids, weights, dy
+
+
+def bench(cfg, ranks, dtype, threads, repeat):
+    cfg = dict(cfg, dtype=dtype)
+    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads)
+    S, H, K = layer.tokens, layer.hidden, layer.top_k
+    x, ids, weights, dy = make_inputs(layer, ranks)
 
     def plain(x, ids, weights):
         return reference.moe_ffn(x, ids, weights, layer.w1, layer.w2)
@@ -76,6 +90,31 @@ def bench(cfg, ranks, dtype, threads, repeat):
     torch_s = statistics.median(times["torch"])
     flops = 3 * 2 * ranks * S * K * (H * 2 * layer.inter + layer.inter * H)
     return moec_s, torch_s, flops
+
+
+VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True}}
+
+
+def bench_training(cfg, ranks, dtype, threads, repeat):
+    """Median step and backward seconds of each training variant, run
+    alternately on the same inputs and weights."""
+    cfg = dict(cfg, dtype=dtype)
+    layers = {name: moec_torch.MoeFFN(cfg, ranks, threads=threads, **options)
+              for name, options in VARIANTS.items()}
+    for layer in layers.values():
+        layer.load_state_dict(layers["full"].state_dict())
+    x, ids, weights, dy = make_inputs(layers["full"], ranks)
+    steps = {name: [] for name in layers}
+    backward = {name: [] for name in layers}
+    for rep in range(repeat + 1):  # the first round warms up
+        for name, layer in layers.items():
+            layer.zero_grad(set_to_none=True)
+            seconds = step(layer, x, ids, weights, dy)
+            if rep:
+                steps[name].append(seconds)
+                backward[name].append(sum(layer.times()["backward"]))
+    return {name: (statistics.median(steps[name]), statistics.median(backward[name]))
+            for name in layers}
 
 
 def torch_gemm_rate(dtype, n=1024, reps=5):
@@ -155,6 +194,8 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--moec", default=os.environ.get("MOEC_BIN", str(REPO / "bazel-bin/tools/moec")),
                    help="the moec CLI, for its GMM tile rate (default: $MOEC_BIN or bazel-bin)")
+    p.add_argument("--training", action="store_true",
+                   help="compare moec's training variants (full, main_grad, frozen) instead")
     args = p.parse_args()
     cfg = json.loads(Path(args.config).read_text())
     cfg["seq_size"] = args.tokens
@@ -164,6 +205,16 @@ def main():
           f"I {cfg['intermediate_size']}, E {cfg['num_experts']}, top-{cfg['top_k']}, "
           f"S {args.tokens} per rank, {args.ranks} ranks, {args.threads} threads, "
           f"median of {args.repeat} steps (forward + backward)")
+    if args.training:
+        print(f"{'dtype':6} {'variant':10} {'step s':>8} {'backward s':>11} "
+              f"{'backward / full':>16}")
+        for dtype in args.dtypes.split(","):
+            result = bench_training(cfg, args.ranks, dtype, args.threads, args.repeat)
+            full_backward = result["full"][1]
+            for name, (step_s, backward_s) in result.items():
+                print(f"{dtype:6} {name:10} {step_s:8.3f} {backward_s:11.3f} "
+                      f"{backward_s / full_backward:16.2f}", flush=True)
+        return 0
     unfair = fair_baseline(args.moec)
     print(f"{'dtype':6} {'moec s':>9} {'torch s':>9} {'moec GFLOP/s':>13} "
           f"{'torch GFLOP/s':>14} {'speed-up':>9}")

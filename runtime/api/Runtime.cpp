@@ -18,6 +18,7 @@
 
 #include "runtime/api/Runtime.h"
 
+#include "runtime/api/Group.h"
 #include "runtime/cpu/Pass.h"
 #include "runtime/format/Crc32.h"
 #include "runtime/layer/Layer.h"
@@ -36,6 +37,8 @@ static_assert(int(MOEC_F32) == int(moec::DType::F32) && int(MOEC_BF16) == int(mo
 
 namespace moec::rt {
 
+using detail::copyText;
+using detail::elementCount;
 using format::TaskProgram;
 
 //===----------------------------------------------------------------------===//
@@ -79,12 +82,6 @@ DType bindingDType(Binding b, const LayerShape &fwd, const LayerShape *bwd) {
   return fwd.activations;
 }
 
-int64_t elementCount(const Tensor &t) {
-  int64_t n = 1;
-  for (int32_t i = 0; i < t.ndim; ++i)
-    n *= t.dims[i];
-  return n;
-}
 
 } // namespace
 
@@ -92,12 +89,6 @@ int64_t elementCount(const Tensor &t) {
 // Program
 //===----------------------------------------------------------------------===//
 
-struct Program::Impl {
-  TaskProgram program;
-  LayerPlan plan;
-  std::string source;    ///< the file it came from, or "a program in memory"
-  uint32_t checksum = 0; ///< CRC-32 of the program as a task binary
-};
 
 Program::Program(std::unique_ptr<Impl> impl) : body(std::move(impl)) {}
 Program::~Program() = default;
@@ -138,18 +129,6 @@ Status Program::load(const std::string &path, std::shared_ptr<const Program> *ou
 
 namespace {
 
-/// What one rank tells the others before a pass: whether its own checks
-/// passed (else why), and its routing's size and per-expert row counts.
-/// Followed by E int64 counts.
-struct RankReport {
-  int32_t ok = 1;
-  int32_t code = 0; ///< the StatusCode of the error, when not ok
-  int64_t tokens = 0;
-  int64_t topK = 0;
-  char message[488] = {};
-};
-static_assert(sizeof(RankReport) == 512, "RankReport layout");
-
 /// What one rank tells the others when a context is created: the layer it
 /// runs.
 struct RankFingerprint {
@@ -158,12 +137,6 @@ struct RankFingerprint {
   char forwardSource[200] = {};
   char backwardSource[200] = {};
 };
-
-void copyText(char *dst, size_t size, const std::string &text) {
-  const size_t n = std::min(size - 1, text.size());
-  std::memcpy(dst, text.data(), n);
-  dst[n] = '\0';
-}
 
 std::string describe(const RankFingerprint &f) {
   std::string text = fmt::format("forward '{}' (crc32 {:08x})", f.forwardSource, f.forwardChecksum);
@@ -178,43 +151,22 @@ std::string describe(const RankFingerprint &f) {
 
 } // namespace
 
-struct Context::Impl {
-  ContextOptions options;
-  uint32_t workerCount = 1;
-  std::shared_ptr<comm::Fabric> fabric;
+struct Context::Impl : detail::Group {
   std::shared_ptr<const Program> fwdProgram, bwdProgram;
   std::unique_ptr<cpu::Pass> fwd, bwd;
   PassTimes fwdTimes, bwdTimes;
   std::vector<cpu::Scratch> scratch; ///< per worker
-  std::vector<Tensor> ids, weights;  ///< per rank; data null until set
   std::vector<std::array<Tensor, kBindingCount>> bound;
   std::vector<cpu::RankRoute> routes; ///< what the last forward pass used
-  CapacityNeed need;                  ///< what the last forward pass's routing needed
   bool haveForward = false;
   const exec::Executor *lastExecutor = nullptr;
-  std::string broken; ///< why the context cannot run another pass
 
   std::thread submitted;
   bool inFlight = false;
   Status submittedResult;
 
-  uint32_t ranks() const { return fwd->plan().shape.ranks; }
-  const LayerShape &shape() const { return fwd->plan().shape; }
-  uint32_t firstLocal() const { return fabric->firstLocal(); }
-  uint32_t lastLocal() const { return fabric->firstLocal() + fabric->localRanks(); }
 
   Status checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const;
-  Status checkRoute(uint32_t rank, cpu::RankRoute *out) const;
-  Status agree(const std::vector<Status> &local, std::vector<cpu::RankRoute> *routes);
-  /// Under a fabric of several processes, an error that the ranks may not
-  /// share (an exchange that timed out, an allocation that failed on this
-  /// rank) leaves the peers' state unknown: no further pass runs.
-  Status fatal(Status status) {
-    if (!status && !fabric->allLocal())
-      broken = status.message();
-    return status;
-  }
-  Status checkCapacities(const std::vector<cpu::RankRoute> &routes);
   Status runTasks(cpu::Pass &pass, PassTimes &times);
   Status forward();
   Status backward();
@@ -222,18 +174,6 @@ struct Context::Impl {
   Status idle() const {
     if (inFlight)
       return Status::error("a submitted pass is still running; call wait() first");
-    return Status::success();
-  }
-  Status localRank(uint32_t rank) const {
-    if (rank >= ranks())
-      return Status::error(
-          fmt::format("rank {} is out of range: the EP group has {} ranks", rank, ranks()));
-    if (!fabric->isLocal(rank))
-      return Status::error(fmt::format(
-          "rank {} is not run by this process: with the {} fabric it runs rank{} {}", rank,
-          fabric->name(), fabric->localRanks() == 1 ? "" : "s",
-          fabric->localRanks() == 1 ? fmt::format("{}", firstLocal())
-                                    : fmt::format("{}..{}", firstLocal(), lastLocal() - 1)));
     return Status::success();
   }
 };
@@ -250,138 +190,6 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
   return Status::success();
 }
 
-/// Checks and lays out the routing of local rank `rank`.
-Status Context::Impl::checkRoute(uint32_t r, cpu::RankRoute *out) const {
-  const LayerShape &s = shape();
-  const Tensor &idsT = ids[r];
-  if (idsT.ndim != 2)
-    return Status::error(fmt::format("rank {}: no routing set (setRouting)", r));
-  cpu::RankRoute &route = *out;
-  route = cpu::RankRoute();
-  route.tokens = idsT.dims[0];
-  route.topK = idsT.dims[1];
-  if (route.tokens * route.topK > s.rowCapacity)
-    return Status::error(
-        fmt::format("rank {}: routing over capacity: {} tokens x top-{} = {} rows; the binary "
-                    "serves at most {} rows per rank",
-                    r, route.tokens, route.topK, route.tokens * route.topK, s.rowCapacity),
-        StatusCode::OverCapacity);
-  const Status built =
-      idsT.dtype == MOEC_I32
-          ? cpu::buildRoutingLayout(static_cast<const int32_t *>(idsT.data), route.tokens,
-                                    route.topK, s.experts(), &route.layout)
-          : cpu::buildRoutingLayout(static_cast<const int64_t *>(idsT.data), route.tokens,
-                                    route.topK, s.experts(), &route.layout);
-  if (!built)
-    return built.withPrefix(fmt::format("rank {}: ", r));
-  const float *w = static_cast<const float *>(weights[r].data);
-  route.weights.assign(w, w + route.tokens * route.topK);
-  return Status::success();
-}
-
-/// Tells every rank what the local checks found (`local`, one per local
-/// rank) and, in `routes` (all ranks; the local ones filled), the routing
-/// sizes and per-expert counts of every rank. Returns the error of the first
-/// rank whose checks failed, the same on every rank.
-Status Context::Impl::agree(const std::vector<Status> &local,
-                            std::vector<cpu::RankRoute> *routes) {
-  const uint32_t R = ranks(), E = shape().experts();
-  const size_t block = sizeof(RankReport) + size_t(E) * sizeof(int64_t);
-  std::vector<uint8_t> mine(block * fabric->localRanks(), 0), all(block * R, 0);
-  for (uint32_t i = 0; i < fabric->localRanks(); ++i) {
-    RankReport report;
-    const uint32_t r = firstLocal() + i;
-    if (routes) {
-      report.tokens = (*routes)[r].tokens;
-      report.topK = (*routes)[r].topK;
-    }
-    if (!local[i]) {
-      report.ok = 0;
-      report.code = int32_t(local[i].code());
-      copyText(report.message, sizeof report.message, local[i].message());
-    } else if (routes && !(*routes)[r].layout.counts.empty()) {
-      std::memcpy(mine.data() + i * block + sizeof report, (*routes)[r].layout.counts.data(),
-                  size_t(E) * sizeof(int64_t));
-    }
-    std::memcpy(mine.data() + i * block, &report, sizeof report);
-  }
-  if (Status s = fabric->exchange(mine.data(), block, all.data(), options.timeoutSeconds); !s)
-    return fatal(s);
-  std::vector<RankReport> reports(R);
-  for (uint32_t r = 0; r < R; ++r)
-    std::memcpy(&reports[r], all.data() + r * block, sizeof(RankReport));
-  if (routes) {
-    need = CapacityNeed();
-    for (const RankReport &report : reports)
-      need.rowsPerRank = std::max(need.rowsPerRank, report.tokens * report.topK);
-  }
-  for (uint32_t r = 0; r < R; ++r)
-    if (!reports[r].ok)
-      return fabric->isLocal(r) ? local[r - firstLocal()]
-                                : Status::error(reports[r].message, StatusCode(reports[r].code));
-  if (!routes)
-    return Status::success();
-  for (uint32_t r = 0; r < R; ++r) {
-    if (fabric->isLocal(r))
-      continue;
-    cpu::RankRoute &route = (*routes)[r];
-    route.tokens = reports[r].tokens;
-    route.topK = reports[r].topK;
-    route.layout.counts.assign(E, 0);
-    std::memcpy(route.layout.counts.data(), all.data() + r * block + sizeof(RankReport),
-                size_t(E) * sizeof(int64_t));
-    route.layout.offsets.assign(E + 1, 0);
-    for (uint32_t g = 0; g < E; ++g)
-      route.layout.offsets[g + 1] = route.layout.offsets[g] + route.layout.counts[g];
-  }
-  return Status::success();
-}
-
-Status Context::Impl::checkCapacities(const std::vector<cpu::RankRoute> &routes) {
-  const LayerShape &s = shape();
-  const uint32_t R = s.ranks, L = s.localExperts;
-  // One pass: what the routing needs of every capacity, and the first
-  // capacity it breaks (puts, then experts, then ranks, in rank order).
-  std::string over;
-  const auto exceeded = [&](std::string message) {
-    if (over.empty())
-      over = std::move(message);
-  };
-  for (uint32_t r = 0; r < R; ++r) {
-    int64_t received = 0;
-    for (uint32_t e = 0; e < L; ++e) {
-      const uint32_t g = r * L + e;
-      int64_t rows = 0;
-      for (uint32_t q = 0; q < R; ++q) {
-        const int64_t n = routes[q].layout.counts[g];
-        need.putRows = std::max(need.putRows, n);
-        if (n > s.putCapacity)
-          exceeded(fmt::format(
-              "routing over capacity: rank {} sends {} rows to expert {}; the binary's puts "
-              "carry at most {} rows from one rank to one expert",
-              q, n, g, s.putCapacity));
-        rows += n;
-      }
-      need.rowsPerExpert = std::max(need.rowsPerExpert, rows);
-      if (rows > s.expertCapacity)
-        exceeded(fmt::format(
-            "routing over capacity: expert {} (local expert {} of rank {}) receives {} rows; "
-            "the binary serves at most {} rows per expert",
-            g, e, r, rows, s.expertCapacity));
-      received += rows;
-    }
-    need.receivePerRank = std::max(need.receivePerRank, received);
-    if (received > s.receiveCapacity)
-      exceeded(fmt::format(
-          "routing over capacity: the experts of rank {} receive {} rows; the binary serves "
-          "at most {} rows per rank",
-          r, received, s.receiveCapacity));
-  }
-  if (!over.empty())
-    return Status::error(over, StatusCode::OverCapacity);
-  return Status::success();
-}
-
 Status Context::Impl::runTasks(cpu::Pass &pass, PassTimes &times) {
   const Status status = pass.runTasks();
   lastExecutor = pass.lastExecutor();
@@ -390,32 +198,24 @@ Status Context::Impl::runTasks(cpu::Pass &pass, PassTimes &times) {
 }
 
 Status Context::Impl::forward() {
-  if (!broken.empty())
-    return Status::error("the context cannot run another pass (an earlier error left the ranks out of step): " + broken);
+  if (Status st = usable(); !st)
+    return st;
   const Clock::time_point t0 = Clock::now();
   const LayerShape &s = shape();
   const int64_t H = s.hidden, I = s.inter, L = s.localExperts;
-  std::vector<cpu::RankRoute> staged(ranks());
-  std::vector<Status> local;
-  for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
-    Status st = checkRoute(r, &staged[r]);
-    const int64_t S = staged[r].tokens;
-    if (st)
-      for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kX, {S, H}},
-                                    {kY, {S, H}},
-                                    {kW1, {L, H, 2 * I}},
-                                    {kW2, {L, I, H}}})
-        if (st = checkBinding(r, b, dims); !st)
-          break;
-    local.push_back(st);
-  }
-  if (Status st = agree(local, &staged); !st)
+  const auto bindings = [&](uint32_t r, const cpu::RankRoute &route) {
+    const int64_t S = route.tokens;
+    for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kX, {S, H}},
+                                  {kY, {S, H}},
+                                  {kW1, {L, H, 2 * I}},
+                                  {kW2, {L, I, H}}})
+      if (Status st = checkBinding(r, b, dims); !st)
+        return st;
+    return Status::success();
+  };
+  // Every check passes on every rank before state and outputs change.
+  if (Status st = route(&routes, bindings); !st)
     return st;
-  if (Status st = checkCapacities(staged); !st)
-    return st;
-
-  // Every check passed on every rank: from here on, state and outputs change.
-  routes = std::move(staged);
   haveForward = false;
   cpu::Pass &pass = *fwd;
   if (Status st = pass.allocate(); !st)
@@ -444,8 +244,8 @@ Status Context::Impl::forward() {
 }
 
 Status Context::Impl::backward() {
-  if (!broken.empty())
-    return Status::error("the context cannot run another pass (an earlier error left the ranks out of step): " + broken);
+  if (Status st = usable(); !st)
+    return st;
   if (!bwd)
     return Status::error("this context has no backward program");
   if (!haveForward)
@@ -558,19 +358,10 @@ Status Context::create(std::shared_ptr<const Program> forward,
     if (Status s = checkPassesMatch(forward->impl().plan, backward->impl().plan); !s)
       return s;
   auto impl = std::make_unique<Impl>();
-  impl->options = options;
-  impl->workerCount =
-      options.workers ? options.workers : std::max(1u, std::thread::hardware_concurrency());
+  if (Status s = impl->initialize(forward->shape(), options, forward->source()); !s)
+    return s;
   impl->scratch = std::vector<cpu::Scratch>(impl->workerCount);
   const uint32_t R = forward->shape().ranks;
-  impl->fabric = options.fabric ? options.fabric : comm::inProcessFabric(R);
-  if (impl->fabric->ranks() != R)
-    return Status::error(fmt::format(
-        "{}: the binary is compiled for {} ranks (the config's ep), but the {} fabric has {} "
-        "(e.g. mpirun -np {})",
-        forward->source(), R, impl->fabric->name(), impl->fabric->ranks(), R));
-  impl->ids.assign(R, Tensor{});
-  impl->weights.assign(R, Tensor{});
   impl->bound.assign(R, std::array<Tensor, kBindingCount>{});
   impl->fwdProgram = std::move(forward);
   impl->bwdProgram = std::move(backward);
@@ -615,28 +406,7 @@ size_t Context::workspaceBytes() const {
 Status Context::setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights) {
   if (Status s = body->idle(); !s)
     return s;
-  if (Status s = body->localRank(rank); !s)
-    return s;
-  const std::string where = fmt::format("rank {}: ", rank);
-  if (topkIds.ndim != 2 || topkIds.dims[0] < 0 || topkIds.dims[1] < 1)
-    return Status::error(where + fmt::format("topk_ids has shape {}; expected [S, K] with K >= 1",
-                                             shapeString(topkIds)));
-  if (topkIds.dtype != MOEC_I32 && topkIds.dtype != MOEC_I64)
-    return Status::error(where + fmt::format("topk_ids is {}; expected i32 or i64",
-                                             format::dtypeName(DType(topkIds.dtype))));
-  if (topkWeights.ndim != 2 || topkWeights.dims[0] != topkIds.dims[0] ||
-      topkWeights.dims[1] != topkIds.dims[1])
-    return Status::error(where + fmt::format("topk_weights has shape {}; expected {} like "
-                                             "topk_ids",
-                                             shapeString(topkWeights), shapeString(topkIds)));
-  if (topkWeights.dtype != MOEC_F32)
-    return Status::error(where + fmt::format("topk_weights is {}; expected f32",
-                                             format::dtypeName(DType(topkWeights.dtype))));
-  if (elementCount(topkIds) > 0 && (!topkIds.data || !topkWeights.data))
-    return Status::error(where + "topk_ids or topk_weights has no data");
-  body->ids[rank] = topkIds;
-  body->weights[rank] = topkWeights;
-  return Status::success();
+  return body->setRouting(rank, topkIds, topkWeights);
 }
 
 Status Context::bind(uint32_t rank, std::string_view name, const Tensor &tensor) {

@@ -331,6 +331,76 @@ private:
   std::unique_ptr<Impl> body;
 };
 
+/// The communication half of the layer alone, for callers that bring their
+/// own expert computation (Megatron's FusedDispatch / FusedCombine, DeepEP's
+/// dispatch and combine): a dispatch program (a graph of one dispatch op,
+/// graphs/moe_dispatch.json) and a combine program (graphs/moe_combine.json)
+/// on the same runtime and fabric as the fused layer.
+///
+/// Per step: setRouting() on every local rank, route() (checks and lays out
+/// the routing of every rank; collective), then
+///
+///   dispatch(x, expertX)        the (token, k) rows of x to the ranks of
+///                               their experts: rank r's expertX holds
+///                               receivedRows(r) rows grouped by local expert
+///                               (expertRows(r)), as the fused layer's X
+///   combine(expertY, y)         those rows back: y[t] = sum_k w[t,k] ·
+///                               row(t,k) (unweighted: the sum)
+///   topkWeightGrad(dy, dtopk)   dtopk[t,k] = <dy[t], row(t,k)> of the rows
+///                               the last combine returned
+///
+/// A dispatch's backward is an unweighted combine of the gradient rows; a
+/// combine's backward is a weighted dispatch of dy, and topkWeightGrad.
+/// Every call takes one tensor per local rank (index 0 is firstLocalRank())
+/// and checks every shape on every rank before anything is written.
+class Exchange {
+public:
+  /// Creates the exchange of `dispatch` and `combine` (the two halves of
+  /// one layer: same ranks, experts, H, dtype and capacities).
+  static Status create(std::shared_ptr<const Program> dispatch,
+                       std::shared_ptr<const Program> combine, const ContextOptions &options,
+                       std::unique_ptr<Exchange> *out);
+  ~Exchange();
+  Exchange(const Exchange &) = delete;
+  Exchange &operator=(const Exchange &) = delete;
+
+  /// Sizes and capacities (inter is 0).
+  const LayerShape &shape() const;
+  uint32_t ranks() const;
+  uint32_t firstLocalRank() const;
+  uint32_t localRanks() const;
+  /// Sets `rank`'s routing, as Context::setRouting.
+  Status setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights);
+  /// Checks the routing of every rank (ids, capacities; the same error on
+  /// every rank) and lays it out for the calls below. Collective.
+  Status route();
+  /// After route(): the rows local rank `rank`'s experts receive, in all
+  /// and per local expert.
+  int64_t receivedRows(uint32_t rank) const;
+  const std::vector<int64_t> &expertRows(uint32_t rank) const;
+  /// What the last route() needed of the capacities (all ranks).
+  const CapacityNeed &capacityNeed() const;
+  /// x[i]: [S, H] of local rank firstLocalRank() + i; expertX[i]:
+  /// [receivedRows, H]. With `weighted`, each row is times its top-k weight.
+  Status dispatch(const std::vector<Tensor> &x, const std::vector<Tensor> &expertX,
+                  bool weighted);
+  /// expertY[i]: [receivedRows, H]; y[i]: [S, H].
+  Status combine(const std::vector<Tensor> &expertY, const std::vector<Tensor> &y,
+                 bool weighted);
+  /// dy[i]: [S, H]; dtopk[i]: [S, K] f32; from the rows the last combine
+  /// returned (after the same route()).
+  Status topkWeightGrad(const std::vector<Tensor> &dy, const std::vector<Tensor> &dtopk);
+  /// Seconds of the last dispatch and combine (the task programs alone).
+  double dispatchSeconds() const;
+  double combineSeconds() const;
+
+  struct Impl;
+
+private:
+  explicit Exchange(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> body;
+};
+
 } // namespace moec::rt
 
 #endif /* __cplusplus */

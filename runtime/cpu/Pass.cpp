@@ -153,7 +153,13 @@ Status Pass::allocate() {
   const rt::LayerPlan &plan = *layer;
   const TaskProgram &tasks = *program;
   comm::Fabric &fabric = *options.fabric;
-  std::vector<uint32_t> caller = {plan.w1, plan.w2};
+  // The slots the caller binds (or the forward pass's, for backward): no
+  // workspace of their own.
+  std::vector<uint32_t> caller;
+  if (plan.kind == rt::PlanKind::Combine)
+    caller = {plan.toReturn};
+  else if (plan.kind == rt::PlanKind::Layer)
+    caller = {plan.w1, plan.w2};
   if (plan.shape.backward)
     caller.insert(caller.end(), {plan.dw1, plan.dw2, plan.dispatched, plan.upOut, plan.swigluOut});
   // What it all takes, checked against the machine before any allocation.
@@ -222,8 +228,10 @@ void Pass::fillLayout(const std::vector<RankRoute> &routes) {
   const auto targetOffset = [&](uint32_t q, uint32_t g) {
     return start[g / L][g % L] + before[q][g];
   };
+  // A dispatch or combine program alone has only its own half's tensors.
   const auto put = [&](uint32_t r, uint32_t slot, int64_t i, int64_t value) {
-    storeIndex(data[r][slot], tasks.slots[slot].dtype, i, value);
+    if (slot != rt::kNoSlot)
+      storeIndex(data[r][slot], tasks.slots[slot].dtype, i, value);
   };
   const comm::Fabric &fabric = *options.fabric;
   for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r) {

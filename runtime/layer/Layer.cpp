@@ -39,6 +39,9 @@ public:
       for (uint32_t k = 0; k < format::kMaxTilingInputs; ++k)
         plan.inputs[i][k] = tiling(uint32_t(i)).inputSlots[k];
 
+    if (program.ops.size() == 1 && !program.isBackward() &&
+        (program.ops[0].kind == OpKind::Dispatch || program.ops[0].kind == OpKind::Combine))
+      return exchange();
     if (Status s = findOps(); !s)
       return s;
     if (Status s = checkShapes(); !s)
@@ -140,6 +143,7 @@ private:
     plan.cSrcOffset = in(c, 2);
     plan.cSize = in(c, 3);
     plan.returned = out(c);
+    plan.toReturn = in(c, 1);
 
     if (!bwd) {
       if (Status s = findOne(OpKind::Gmm, 0, out(d), "up projection", &up); !s)
@@ -184,6 +188,50 @@ private:
     plan.dw2 = out(dw2Op);
     plan.dw1 = out(dw1Op);
     return sameGlist({actGrad, gateGrad, dw2Op, dw1Op});
+  }
+
+  /// A program of one put: the dispatch or the combine alone.
+  Status exchange() {
+    LayerShape &shape = plan.shape;
+    const bool dispatch = program.ops[0].kind == OpKind::Dispatch;
+    plan.kind = dispatch ? PlanKind::Dispatch : PlanKind::Combine;
+    const TilingRecord &t = tiling(0);
+    if (t.inputCount != 4)
+      return notLayer(fmt::format("{} has {} inputs; expected 4", describe(0), t.inputCount));
+    uint32_t rows = 0, received = 0; // the [N, H] and [T, H] row slots
+    if (dispatch) {
+      plan.dTargetOffset = in(0, 0);
+      plan.src = rows = in(0, 1);
+      plan.dSrcOffset = in(0, 2);
+      plan.dSize = in(0, 3);
+      plan.dispatched = received = out(0);
+    } else {
+      plan.cTargetOffset = in(0, 0);
+      plan.toReturn = received = in(0, 1);
+      plan.cSrcOffset = in(0, 2);
+      plan.cSize = in(0, 3);
+      plan.returned = rows = out(0);
+    }
+    const SlotRecord &r = program.slots[rows];
+    if (r.rank != 2)
+      return Status::error(fmt::format("slot '{}' has rank {}; expected [rows, H]",
+                                       slotName(rows), r.rank));
+    shape.rowCapacity = this->rows(rows);
+    shape.hidden = int64_t(r.dims[1]);
+    shape.activations = r.dtype;
+    if (shape.activations != DType::F32 && shape.activations != DType::BF16)
+      return Status::error(fmt::format("slot '{}' is {}; activations must be f32 or bf16",
+                                       slotName(rows), format::dtypeName(r.dtype)));
+    shape.receiveCapacity = this->rows(received);
+    if (Status s = expectShape(received, "expert rows", {shape.receiveCapacity, shape.hidden},
+                               shape.activations);
+        !s)
+      return s;
+    const int64_t E = int64_t(shape.ranks) * shape.localExperts;
+    for (uint32_t k : {0u, 2u, 3u})
+      if (Status s = expectIndex(in(0, k), k == 3 ? "sizes" : "offsets", E); !s)
+        return s;
+    return checkTilings();
   }
 
   Status sameGlist(std::initializer_list<uint32_t> gmms) const {
@@ -397,7 +445,7 @@ private:
       shape.putCapacity = shape.expertCapacity;
     // A put carries at most one row per token (experts are distinct in a
     // token's top-k), so the dispatch grid's rows are the compiled S.
-    shape.tokens = int64_t(tiling(plan.dispatchOp).rows);
+    shape.tokens = int64_t(tiling(plan.kind == PlanKind::Layer ? plan.dispatchOp : 0).rows);
     shape.topK = shape.tokens > 0 && shape.rowCapacity % shape.tokens == 0
                      ? shape.rowCapacity / shape.tokens
                      : 0;
@@ -412,6 +460,32 @@ Status analyzeLayer(const TaskProgram &program, LayerPlan *out) {
   if (Status s = Analyzer(program, plan).run(); !s)
     return s;
   *out = std::move(plan);
+  return Status::success();
+}
+
+Status checkExchangeMatch(const LayerPlan &dispatch, const LayerPlan &combine) {
+  if (dispatch.kind != PlanKind::Dispatch)
+    return Status::error("the dispatch program is not a dispatch alone (a graph of one "
+                         "dispatch op)");
+  if (combine.kind != PlanKind::Combine)
+    return Status::error("the combine program is not a combine alone (a graph of one "
+                         "combine op)");
+  const LayerShape &d = dispatch.shape, &c = combine.shape;
+  const std::pair<const char *, std::pair<int64_t, int64_t>> fields[] = {
+      {"ranks", {d.ranks, c.ranks}},
+      {"local experts", {d.localExperts, c.localExperts}},
+      {"hidden size", {d.hidden, c.hidden}},
+      {"tokens", {d.tokens, c.tokens}},
+      {"row capacity", {d.rowCapacity, c.rowCapacity}},
+      {"receive capacity", {d.receiveCapacity, c.receiveCapacity}},
+      {"put capacity", {d.putCapacity, c.putCapacity}},
+      {"activations", {int64_t(d.activations), int64_t(c.activations)}},
+  };
+  for (const auto &[what, values] : fields)
+    if (values.first != values.second)
+      return Status::error(fmt::format("the dispatch and combine programs are for different "
+                                       "layers: {} {} and {}",
+                                       what, values.first, values.second));
   return Status::success();
 }
 

@@ -43,9 +43,15 @@ namespace moec::rt {
 /// No slot.
 inline constexpr uint32_t kNoSlot = format::kNone;
 
-/// The role of every slot and op of a forward or backward layer binary.
+/// What a binary computes: a pass of the whole layer, or the communication
+/// half alone (a graph that holds only a dispatch, or only a combine).
+enum class PlanKind : uint8_t { Layer, Dispatch, Combine };
+
+/// The role of every slot and op of a forward or backward layer binary, or
+/// of a dispatch or combine binary.
 struct LayerPlan {
   LayerShape shape;
+  PlanKind kind = PlanKind::Layer;
 
   uint32_t dispatchOp = 0, combineOp = 0;
 
@@ -58,6 +64,9 @@ struct LayerPlan {
   // The returned rows [S*K, H] (the combine's output), which the runtime
   // reduces into y (or dx).
   uint32_t returned = kNoSlot;
+  // The rows the combine returns [T, H]: a slot of the workspace in a layer
+  // pass; the caller's expert_y in a combine binary.
+  uint32_t toReturn = kNoSlot;
 
   // Slots bound to the caller's tensors.
   uint32_t w1 = kNoSlot, w2 = kNoSlot;   ///< [L, H, 2I], [L, I, H]
@@ -74,6 +83,9 @@ struct LayerPlan {
 };
 
 /// Finds the roles of `program`'s slots and checks its shapes and tilings.
+/// A program of one dispatch op, or of one combine op, is the communication
+/// half of the layer alone (PlanKind::Dispatch, PlanKind::Combine): H, R, L,
+/// S and the capacities are set; I is 0.
 /// Errors say what does not fit, e.g. "op 'up_proj' (gmm): tiling lda is 32,
 /// but its input 'target' has rows of 64".
 Status analyzeLayer(const format::TaskProgram &program, LayerPlan *out);
@@ -81,6 +93,10 @@ Status analyzeLayer(const format::TaskProgram &program, LayerPlan *out);
 /// Checks that a backward plan can take the tensors a forward plan saves:
 /// same ranks, experts, sizes, dtypes and capacities.
 Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward);
+
+/// Checks that a dispatch plan and a combine plan are the two halves of one
+/// exchange: same ranks, experts, hidden size, dtype and capacities.
+Status checkExchangeMatch(const LayerPlan &dispatch, const LayerPlan &combine);
 
 } // namespace moec::rt
 

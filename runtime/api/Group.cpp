@@ -1,0 +1,240 @@
+//===- Group.cpp - What every pass over an EP group checks and agrees on ---===//
+//
+// See Group.h.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/api/Group.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+namespace moec::rt::detail {
+
+namespace {
+
+/// What one rank tells the others before a pass: whether its own checks
+/// passed (else why), and its routing's size and per-expert row counts.
+/// Followed by E int64 counts.
+struct RankReport {
+  int32_t ok = 1;
+  int32_t code = 0; ///< the StatusCode of the error, when not ok
+  int64_t tokens = 0;
+  int64_t topK = 0;
+  char message[488] = {};
+};
+static_assert(sizeof(RankReport) == 512, "RankReport layout");
+
+} // namespace
+
+void copyText(char *dst, size_t size, const std::string &text) {
+  const size_t n = std::min(size - 1, text.size());
+  std::memcpy(dst, text.data(), n);
+  dst[n] = '\0';
+}
+
+int64_t elementCount(const Tensor &t) {
+  int64_t n = 1;
+  for (int32_t i = 0; i < t.ndim; ++i)
+    n *= t.dims[i];
+  return n;
+}
+
+Status Group::initialize(const LayerShape &shape, const ContextOptions &opts,
+                         const std::string &source) {
+  options = opts;
+  layer = shape;
+  workerCount = opts.workers ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
+  const uint32_t R = shape.ranks;
+  fabric = opts.fabric ? opts.fabric : comm::inProcessFabric(R);
+  if (fabric->ranks() != R)
+    return Status::error(fmt::format(
+        "{}: the binary is compiled for {} ranks (the config's ep), but the {} fabric has {} "
+        "(e.g. mpirun -np {})",
+        source, R, fabric->name(), fabric->ranks(), R));
+  ids.assign(R, Tensor{});
+  weights.assign(R, Tensor{});
+  return Status::success();
+}
+
+Status Group::usable() const {
+  if (!broken.empty())
+    return Status::error("the context cannot run another pass (an earlier error left the ranks "
+                         "out of step): " + broken);
+  return Status::success();
+}
+
+Status Group::localRank(uint32_t rank) const {
+  if (rank >= ranks())
+    return Status::error(
+        fmt::format("rank {} is out of range: the EP group has {} ranks", rank, ranks()));
+  if (!fabric->isLocal(rank))
+    return Status::error(fmt::format(
+        "rank {} is not run by this process: with the {} fabric it runs rank{} {}", rank,
+        fabric->name(), fabric->localRanks() == 1 ? "" : "s",
+        fabric->localRanks() == 1 ? fmt::format("{}", firstLocal())
+                                  : fmt::format("{}..{}", firstLocal(), lastLocal() - 1)));
+  return Status::success();
+}
+
+Status Group::setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights) {
+  if (Status s = localRank(rank); !s)
+    return s;
+  const std::string where = fmt::format("rank {}: ", rank);
+  if (topkIds.ndim != 2 || topkIds.dims[0] < 0 || topkIds.dims[1] < 1)
+    return Status::error(where + fmt::format("topk_ids has shape {}; expected [S, K] with K >= 1",
+                                             shapeString(topkIds)));
+  if (topkIds.dtype != MOEC_I32 && topkIds.dtype != MOEC_I64)
+    return Status::error(where + fmt::format("topk_ids is {}; expected i32 or i64",
+                                             format::dtypeName(DType(topkIds.dtype))));
+  if (topkWeights.ndim != 2 || topkWeights.dims[0] != topkIds.dims[0] ||
+      topkWeights.dims[1] != topkIds.dims[1])
+    return Status::error(where + fmt::format("topk_weights has shape {}; expected {} like "
+                                             "topk_ids",
+                                             shapeString(topkWeights), shapeString(topkIds)));
+  if (topkWeights.dtype != MOEC_F32)
+    return Status::error(where + fmt::format("topk_weights is {}; expected f32",
+                                             format::dtypeName(DType(topkWeights.dtype))));
+  if (elementCount(topkIds) > 0 && (!topkIds.data || !topkWeights.data))
+    return Status::error(where + "topk_ids or topk_weights has no data");
+  ids[rank] = topkIds;
+  weights[rank] = topkWeights;
+  return Status::success();
+}
+
+/// Checks and lays out the routing of local rank `rank`.
+Status Group::checkRoute(uint32_t r, cpu::RankRoute *out) const {
+  const LayerShape &s = shape();
+  const Tensor &idsT = ids[r];
+  if (idsT.ndim != 2)
+    return Status::error(fmt::format("rank {}: no routing set (setRouting)", r));
+  cpu::RankRoute &route = *out;
+  route = cpu::RankRoute();
+  route.tokens = idsT.dims[0];
+  route.topK = idsT.dims[1];
+  if (route.tokens * route.topK > s.rowCapacity)
+    return Status::error(
+        fmt::format("rank {}: routing over capacity: {} tokens x top-{} = {} rows; the binary "
+                    "serves at most {} rows per rank",
+                    r, route.tokens, route.topK, route.tokens * route.topK, s.rowCapacity),
+        StatusCode::OverCapacity);
+  const Status built =
+      idsT.dtype == MOEC_I32
+          ? cpu::buildRoutingLayout(static_cast<const int32_t *>(idsT.data), route.tokens,
+                                    route.topK, s.experts(), &route.layout)
+          : cpu::buildRoutingLayout(static_cast<const int64_t *>(idsT.data), route.tokens,
+                                    route.topK, s.experts(), &route.layout);
+  if (!built)
+    return built.withPrefix(fmt::format("rank {}: ", r));
+  const float *w = static_cast<const float *>(weights[r].data);
+  route.weights.assign(w, w + route.tokens * route.topK);
+  return Status::success();
+}
+
+/// Tells every rank what the local checks found (`local`, one per local
+/// rank) and, in `routes` (all ranks; the local ones filled), the routing
+/// sizes and per-expert counts of every rank. Returns the error of the first
+/// rank whose checks failed, the same on every rank.
+Status Group::agree(const std::vector<Status> &local,
+                            std::vector<cpu::RankRoute> *routes) {
+  const uint32_t R = ranks(), E = shape().experts();
+  const size_t block = sizeof(RankReport) + size_t(E) * sizeof(int64_t);
+  std::vector<uint8_t> mine(block * fabric->localRanks(), 0), all(block * R, 0);
+  for (uint32_t i = 0; i < fabric->localRanks(); ++i) {
+    RankReport report;
+    const uint32_t r = firstLocal() + i;
+    if (routes) {
+      report.tokens = (*routes)[r].tokens;
+      report.topK = (*routes)[r].topK;
+    }
+    if (!local[i]) {
+      report.ok = 0;
+      report.code = int32_t(local[i].code());
+      copyText(report.message, sizeof report.message, local[i].message());
+    } else if (routes && !(*routes)[r].layout.counts.empty()) {
+      std::memcpy(mine.data() + i * block + sizeof report, (*routes)[r].layout.counts.data(),
+                  size_t(E) * sizeof(int64_t));
+    }
+    std::memcpy(mine.data() + i * block, &report, sizeof report);
+  }
+  if (Status s = fabric->exchange(mine.data(), block, all.data(), options.timeoutSeconds); !s)
+    return fatal(s);
+  std::vector<RankReport> reports(R);
+  for (uint32_t r = 0; r < R; ++r)
+    std::memcpy(&reports[r], all.data() + r * block, sizeof(RankReport));
+  if (routes) {
+    need = CapacityNeed();
+    for (const RankReport &report : reports)
+      need.rowsPerRank = std::max(need.rowsPerRank, report.tokens * report.topK);
+  }
+  for (uint32_t r = 0; r < R; ++r)
+    if (!reports[r].ok)
+      return fabric->isLocal(r) ? local[r - firstLocal()]
+                                : Status::error(reports[r].message, StatusCode(reports[r].code));
+  if (!routes)
+    return Status::success();
+  for (uint32_t r = 0; r < R; ++r) {
+    if (fabric->isLocal(r))
+      continue;
+    cpu::RankRoute &route = (*routes)[r];
+    route.tokens = reports[r].tokens;
+    route.topK = reports[r].topK;
+    route.layout.counts.assign(E, 0);
+    std::memcpy(route.layout.counts.data(), all.data() + r * block + sizeof(RankReport),
+                size_t(E) * sizeof(int64_t));
+    route.layout.offsets.assign(E + 1, 0);
+    for (uint32_t g = 0; g < E; ++g)
+      route.layout.offsets[g + 1] = route.layout.offsets[g] + route.layout.counts[g];
+  }
+  return Status::success();
+}
+
+Status Group::checkCapacities(const std::vector<cpu::RankRoute> &routes) {
+  const LayerShape &s = shape();
+  const uint32_t R = s.ranks, L = s.localExperts;
+  // One pass: what the routing needs of every capacity, and the first
+  // capacity it breaks (puts, then experts, then ranks, in rank order).
+  std::string over;
+  const auto exceeded = [&](std::string message) {
+    if (over.empty())
+      over = std::move(message);
+  };
+  for (uint32_t r = 0; r < R; ++r) {
+    int64_t received = 0;
+    for (uint32_t e = 0; e < L; ++e) {
+      const uint32_t g = r * L + e;
+      int64_t rows = 0;
+      for (uint32_t q = 0; q < R; ++q) {
+        const int64_t n = routes[q].layout.counts[g];
+        need.putRows = std::max(need.putRows, n);
+        if (n > s.putCapacity)
+          exceeded(fmt::format(
+              "routing over capacity: rank {} sends {} rows to expert {}; the binary's puts "
+              "carry at most {} rows from one rank to one expert",
+              q, n, g, s.putCapacity));
+        rows += n;
+      }
+      need.rowsPerExpert = std::max(need.rowsPerExpert, rows);
+      if (rows > s.expertCapacity)
+        exceeded(fmt::format(
+            "routing over capacity: expert {} (local expert {} of rank {}) receives {} rows; "
+            "the binary serves at most {} rows per expert",
+            g, e, r, rows, s.expertCapacity));
+      received += rows;
+    }
+    need.receivePerRank = std::max(need.receivePerRank, received);
+    if (received > s.receiveCapacity)
+      exceeded(fmt::format(
+          "routing over capacity: the experts of rank {} receive {} rows; the binary serves "
+          "at most {} rows per rank",
+          r, received, s.receiveCapacity));
+  }
+  if (!over.empty())
+    return Status::error(over, StatusCode::OverCapacity);
+  return Status::success();
+}
+
+} // namespace moec::rt::detail

@@ -1,0 +1,109 @@
+//===- Group.h - What every pass over an EP group checks and agrees on -*- C++ -*-===//
+//
+// Internal to runtime/api. The state a Context and an Exchange share: the
+// fabric, the routing the caller set per rank, and the checks before a pass
+// that every rank of the group must agree on (routing, capacities), with
+// the exchange that tells every rank every other rank's per-expert row
+// counts, or its error.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_API_GROUP_H
+#define MOEC_RUNTIME_API_GROUP_H
+
+#include "runtime/api/Runtime.h"
+#include "runtime/cpu/Pass.h"
+#include "runtime/layer/Layer.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace moec::rt {
+
+struct Program::Impl {
+  format::TaskProgram program;
+  LayerPlan plan;
+  std::string source;    ///< the file it came from, or "a program in memory"
+  uint32_t checksum = 0; ///< CRC-32 of the program as a task binary
+};
+
+} // namespace moec::rt
+
+namespace moec::rt::detail {
+
+/// Copies `text` into `dst` (at most size - 1 bytes) and ends it with NUL.
+void copyText(char *dst, size_t size, const std::string &text);
+
+/// Elements of a tensor.
+int64_t elementCount(const Tensor &tensor);
+
+struct Group {
+  ContextOptions options;
+  uint32_t workerCount = 1;
+  std::shared_ptr<comm::Fabric> fabric;
+  LayerShape layer;                  ///< sizes and capacities the routing is checked against
+  std::vector<Tensor> ids, weights;  ///< per rank; data null until set
+  CapacityNeed need;                 ///< what the last checked routing needed
+  std::string broken;                ///< why no further pass can run
+
+  /// Sets the options, the worker count and the fabric (in-process unless
+  /// the options name one) for `shape`'s group; `source` names the program
+  /// in errors.
+  Status initialize(const LayerShape &shape, const ContextOptions &options,
+                    const std::string &source);
+
+  uint32_t ranks() const { return layer.ranks; }
+  const LayerShape &shape() const { return layer; }
+  uint32_t firstLocal() const { return fabric->firstLocal(); }
+  uint32_t lastLocal() const { return fabric->firstLocal() + fabric->localRanks(); }
+
+  /// Checks that this process runs `rank`.
+  Status localRank(uint32_t rank) const;
+  /// Checks and stores `rank`'s routing tensors (read when a pass runs).
+  Status setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights);
+  /// Checks and lays out the routing of local rank `rank`.
+  Status checkRoute(uint32_t rank, cpu::RankRoute *out) const;
+  /// Tells every rank what the local checks found (`local`, one per local
+  /// rank) and, in `routes` (all ranks; the local ones filled), the routing
+  /// sizes and per-expert counts of every rank. Returns the error of the
+  /// first rank whose checks failed, the same on every rank.
+  Status agree(const std::vector<Status> &local, std::vector<cpu::RankRoute> *routes);
+  /// Checks the capacities of every rank and expert; sets `need`.
+  Status checkCapacities(const std::vector<cpu::RankRoute> &routes);
+  /// Checks, agrees on and lays out the routing of every rank into *routes
+  /// (checkRoute, agree, checkCapacities), with `extra` run on each local
+  /// rank after its routing checks (binding checks); nothing is written
+  /// anywhere before all of it passes on every rank.
+  template <typename Extra>
+  Status route(std::vector<cpu::RankRoute> *routes, const Extra &extra) {
+    std::vector<cpu::RankRoute> staged(ranks());
+    std::vector<Status> local;
+    for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
+      Status st = checkRoute(r, &staged[r]);
+      if (st)
+        st = extra(r, staged[r]);
+      local.push_back(st);
+    }
+    if (Status st = agree(local, &staged); !st)
+      return st;
+    if (Status st = checkCapacities(staged); !st)
+      return st;
+    *routes = std::move(staged);
+    return Status::success();
+  }
+  /// Under a fabric of several processes, an error that the ranks may not
+  /// share (an exchange that timed out, an allocation that failed on this
+  /// rank) leaves the peers' state unknown: no further pass runs.
+  Status fatal(Status status) {
+    if (!status && !fabric->allLocal())
+      broken = status.message();
+    return status;
+  }
+  /// An error when an earlier error left the ranks out of step.
+  Status usable() const;
+};
+
+} // namespace moec::rt::detail
+
+#endif // MOEC_RUNTIME_API_GROUP_H

@@ -207,6 +207,7 @@ private:
 struct Slot {
   std::mutex mutex;
   std::unique_ptr<moec::rt::Context> context;
+  std::unique_ptr<moec::rt::Exchange> exchange;
   std::shared_ptr<BufferPool> outputs = std::make_shared<BufferPool>();
 };
 
@@ -216,6 +217,23 @@ std::vector<std::shared_ptr<Slot>> mpiSlots;
 /// The most worker threads a layer starts.
 constexpr int64_t kMaxWorkers = 1024;
 
+/// The options of a context or an exchange, checked, with its fabric.
+moec::rt::ContextOptions contextOptions(int64_t workers, double timeoutSeconds,
+                                        const std::string &fabric) {
+  TORCH_CHECK(workers >= 0 && workers <= kMaxWorkers, "moec: workers must be 0 (the hardware "
+              "threads) to ", kMaxWorkers, ", got ", workers);
+  TORCH_CHECK(std::isfinite(timeoutSeconds) && timeoutSeconds > 0,
+              "moec: timeout_seconds must be a positive number of seconds, got ", timeoutSeconds);
+  TORCH_CHECK(fabric == "inproc" || fabric == "mpi", "moec: fabric must be 'inproc' or 'mpi', got '",
+              fabric, "'");
+  moec::rt::ContextOptions options;
+  options.workers = uint32_t(workers);
+  options.timeoutSeconds = timeoutSeconds;
+  if (fabric == "mpi")
+    check(moec::comm::createMpiFabric(&options.fabric), "MPI fabric");
+  return options;
+}
+
 class Layer : public torch::CustomClassHolder {
 public:
   Layer(std::string forwardPath, std::string backwardPath, int64_t workers,
@@ -224,17 +242,7 @@ public:
     check(moec::rt::Program::load(forwardPath, &fwd), "forward binary");
     if (!backwardPath.empty())
       check(moec::rt::Program::load(backwardPath, &bwd), "backward binary");
-    TORCH_CHECK(workers >= 0 && workers <= kMaxWorkers, "moec: workers must be 0 (the hardware "
-                "threads) to ", kMaxWorkers, ", got ", workers);
-    TORCH_CHECK(std::isfinite(timeoutSeconds) && timeoutSeconds > 0,
-                "moec: timeout_seconds must be a positive number of seconds, got ", timeoutSeconds);
-    moec::rt::ContextOptions options;
-    options.workers = uint32_t(workers);
-    options.timeoutSeconds = timeoutSeconds;
-    TORCH_CHECK(fabric == "inproc" || fabric == "mpi", "moec: fabric must be 'inproc' or 'mpi', got '",
-                fabric, "'");
-    if (fabric == "mpi")
-      check(moec::comm::createMpiFabric(&options.fabric), "MPI fabric");
+    moec::rt::ContextOptions options = contextOptions(workers, timeoutSeconds, fabric);
     check(moec::rt::Context::create(fwd, bwd, options, &slot->context), "context");
     if (fabric == "mpi") {
       std::lock_guard<std::mutex> lock(mpiSlotsMutex);
@@ -445,6 +453,219 @@ private:
   int64_t step = -1;   ///< the pass whose state the runtime holds; -1: none
 };
 
+/// Dispatch and combine as ops of their own (moec::rt::Exchange), over a
+/// dispatch binary and a combine binary. The tensors carry this process's
+/// P ranks first, as the layer's: x, y, dy [P, S, H]; topk_ids,
+/// topk_weights [P, S, K]. The expert rows of the P ranks are one tensor
+/// [rows, H], rank by rank, each rank's grouped by its local experts, with
+/// tokens_per_expert [P*L] (int64) their counts. `route` names the routing
+/// a dispatch laid out; a later call with another route lays that one out
+/// again from its topk_ids (the handle of the Python side keeps them).
+class Exchange : public torch::CustomClassHolder {
+public:
+  Exchange(std::string dispatchPath, std::string combinePath, int64_t workers,
+           double timeoutSeconds, std::string fabric) {
+    std::shared_ptr<const moec::rt::Program> dispatch, combine;
+    check(moec::rt::Program::load(dispatchPath, &dispatch), "dispatch binary");
+    check(moec::rt::Program::load(combinePath, &combine), "combine binary");
+    moec::rt::ContextOptions options = contextOptions(workers, timeoutSeconds, fabric);
+    check(moec::rt::Exchange::create(dispatch, combine, options, &slot->exchange), "exchange");
+    if (fabric == "mpi") {
+      std::lock_guard<std::mutex> lock(mpiSlotsMutex);
+      mpiSlots.push_back(slot);
+    }
+  }
+
+  c10::Dict<std::string, int64_t> info() const {
+    live();
+    const moec::rt::LayerShape &s = ex().shape();
+    c10::Dict<std::string, int64_t> d;
+    d.insert("ranks", s.ranks);
+    d.insert("first_rank", ex().firstLocalRank());
+    d.insert("local_ranks", ex().localRanks());
+    d.insert("local_experts", s.localExperts);
+    d.insert("experts", s.experts());
+    d.insert("hidden", s.hidden);
+    d.insert("tokens", s.tokens);
+    d.insert("top_k", s.topK);
+    d.insert("receive_capacity", s.receiveCapacity);
+    d.insert("bf16", s.activations == DType::BF16);
+    return d;
+  }
+
+  /// -> (expert_x [rows, H], tokens_per_expert [P*L], route)
+  std::tuple<at::Tensor, at::Tensor, int64_t> dispatch(const at::Tensor &x, const at::Tensor &ids,
+                                                       const at::Tensor &weights) {
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    live();
+    const at::Tensor xc = tokens(x, "x");
+    setRoute(++routes, ids, weights);
+    const int64_t P = ex().localRanks(), L = ex().shape().localExperts;
+    at::Tensor counts = at::empty({P * L}, at::kLong);
+    for (int64_t p = 0; p < P; ++p) {
+      const std::vector<int64_t> &rows = ex().expertRows(uint32_t(ex().firstLocalRank() + p));
+      std::copy(rows.begin(), rows.end(), counts.data_ptr<int64_t>() + p * L);
+    }
+    at::Tensor expertX = at::empty({totalRows(), ex().shape().hidden}, xc.options());
+    check(ex().dispatch(perRank(xc, "x"), expertRowsOf(expertX, "expert_x"), false), "dispatch");
+    return {expertX, counts, current};
+  }
+
+  /// -> (y [P, S, H], combine step)
+  std::tuple<at::Tensor, int64_t> combine(int64_t route, const at::Tensor &ids,
+                                          const at::Tensor &weights, const at::Tensor &expertY) {
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    live();
+    setRoute(route, ids, weights);
+    const at::Tensor rows = expertRowsIn(expertY, "expert_y");
+    at::Tensor y = at::empty({ex().localRanks(), ids.size(1), ex().shape().hidden}, rows.options());
+    runCombine(rows, y);
+    return {y, combineStep};
+  }
+
+  /// A dispatch's backward: dx [P, S, H] = the unweighted combine of the
+  /// gradient of the expert rows.
+  at::Tensor dispatchBackward(int64_t route, const at::Tensor &ids, const at::Tensor &weights,
+                              const at::Tensor &dExpertX) {
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    live();
+    setRoute(route, ids, weights);
+    const at::Tensor rows = expertRowsIn(dExpertX, "the gradient of expert_x");
+    at::Tensor dx = at::empty({ex().localRanks(), ids.size(1), ex().shape().hidden}, rows.options());
+    check(ex().combine(expertRowsOf(rows, "the gradient of expert_x"), perRank(dx, "dx"), false),
+          "dispatch backward");
+    // The combine pass's rows are no longer a weighted combine's.
+    combineStep = -1;
+    return dx;
+  }
+
+  /// A combine's backward: (d expert_y [rows, H] = the dispatch of
+  /// topk_weight * dy, d topk_weights [P, S, K] = <dy[t], row(t, k)>).
+  std::tuple<at::Tensor, at::Tensor> combineBackward(int64_t route, int64_t step,
+                                                     const at::Tensor &ids,
+                                                     const at::Tensor &weights,
+                                                     const at::Tensor &expertY,
+                                                     const at::Tensor &dyIn) {
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    live();
+    setRoute(route, ids, weights);
+    const at::Tensor rows = expertRowsIn(expertY, "expert_y");
+    // The returned rows of this combine: run it again when the runtime no
+    // longer holds them.
+    if (step != combineStep) {
+      at::Tensor y = at::empty({ex().localRanks(), ids.size(1), ex().shape().hidden},
+                               rows.options());
+      runCombine(rows, y);
+    }
+    const at::Tensor dy = tokens(dyIn, "dy");
+    at::Tensor dtopk = at::empty(ids.sizes(), at::kFloat);
+    check(ex().topkWeightGrad(perRank(dy, "dy"), perRank(dtopk, "dtopk_weights")),
+          "combine backward");
+    at::Tensor dExpertY = at::empty_like(rows);
+    check(ex().dispatch(perRank(dy, "dy"), expertRowsOf(dExpertY, "the gradient of expert_y"),
+                        true),
+          "combine backward");
+    return {dExpertY, dtopk};
+  }
+
+  /// Seconds of the last dispatch and combine task programs.
+  std::vector<double> times() const {
+    live();
+    return {ex().dispatchSeconds(), ex().combineSeconds()};
+  }
+
+private:
+  moec::rt::Exchange &ex() const { return *slot->exchange; }
+
+  void live() const {
+    TORCH_CHECK(slot->exchange, "moec: this exchange was released (moec_torch.finalize_mpi)");
+  }
+
+  /// x or dy: [P, S, H] in the activations' dtype, contiguous.
+  at::Tensor tokens(const at::Tensor &t, const char *name) const {
+    expectInput(t, name, 3, ex().localRanks(), "this process's ranks");
+    TORCH_CHECK(t.size(2) == ex().shape().hidden, "moec: '", name, "' has shape ", t.sizes(),
+                "; expected the hidden size ", ex().shape().hidden, " last");
+    return t.contiguous();
+  }
+
+  /// Expert rows handed in: [rows of this process's ranks, H], contiguous.
+  at::Tensor expertRowsIn(const at::Tensor &t, const char *name) const {
+    TORCH_CHECK(t.defined() && t.device().is_cpu(), "moec: '", name, "' must be a CPU tensor");
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == totalRows() && t.size(1) == ex().shape().hidden,
+                "moec: '", name, "' has shape ", t.sizes(), "; expected [", totalRows(), ", ",
+                ex().shape().hidden, "] (the rows the dispatch gave, by rank and expert)");
+    return t.contiguous();
+  }
+
+  int64_t totalRows() const {
+    int64_t n = 0;
+    for (uint32_t p = 0; p < ex().localRanks(); ++p)
+      n += ex().receivedRows(ex().firstLocalRank() + p);
+    return n;
+  }
+
+  /// The runtime tensors of each local rank's part of `t` ([P, ...]).
+  std::vector<moec::rt::Tensor> perRank(const at::Tensor &t, const char *name) const {
+    const int64_t P = ex().localRanks();
+    std::vector<moec::rt::Tensor> out;
+    for (int64_t p = 0; p < P; ++p)
+      out.push_back(slice(t, name, P, p, false));
+    return out;
+  }
+
+  /// The runtime tensors of each local rank's rows of `t` ([rows, H]).
+  std::vector<moec::rt::Tensor> expertRowsOf(const at::Tensor &t, const char *name) const {
+    std::vector<moec::rt::Tensor> out;
+    int64_t first = 0;
+    for (uint32_t p = 0; p < ex().localRanks(); ++p) {
+      const int64_t n = ex().receivedRows(ex().firstLocalRank() + p);
+      moec::rt::Tensor part{};
+      part.dtype = moec_dtype(moecType(t, name));
+      part.ndim = 2;
+      part.dims[0] = n;
+      part.dims[1] = t.size(1);
+      part.data = static_cast<char *>(t.data_ptr()) + first * t.size(1) * t.element_size();
+      out.push_back(part);
+      first += n;
+    }
+    return out;
+  }
+
+  /// Lays out routing `route` (topk_ids and topk_weights [P, S, K]) unless
+  /// it is the current one.
+  void setRoute(int64_t route, const at::Tensor &idsIn, const at::Tensor &weightsIn) {
+    if (route == current)
+      return;
+    const int64_t P = ex().localRanks();
+    expectInput(idsIn, "topk_ids", 3, P, "this process's ranks");
+    expectInput(weightsIn, "topk_weights", 3, P, "this process's ranks");
+    ids = idsIn.contiguous();
+    weights = weightsIn.contiguous();
+    current = -1;
+    combineStep = -1;
+    for (int64_t p = 0; p < P; ++p)
+      check(ex().setRouting(uint32_t(ex().firstLocalRank() + p), slice(ids, "topk_ids", P, p, false),
+                            slice(weights, "topk_weights", P, p, false)),
+            "routing");
+    check(ex().route(), "routing");
+    current = route;
+  }
+
+  void runCombine(const at::Tensor &rows, at::Tensor &y) {
+    combineStep = -1;
+    check(ex().combine(expertRowsOf(rows, "expert_y"), perRank(y, "y"), true), "combine");
+    combineStep = ++combines;
+  }
+
+  std::shared_ptr<Slot> slot = std::make_shared<Slot>();
+  at::Tensor ids, weights;  ///< the routing laid out now (kept alive while in use)
+  int64_t routes = 0;       ///< dispatches so far (route ids)
+  int64_t current = -1;     ///< the route laid out now; -1: none
+  int64_t combines = 0;     ///< weighted combines so far
+  int64_t combineStep = -1; ///< the weighted combine whose rows the runtime holds
+};
+
 std::tuple<at::Tensor, int64_t> forwardOp(const c10::intrusive_ptr<Layer> &layer,
                                           const at::Tensor &x, const at::Tensor &ids,
                                           const at::Tensor &weights, const at::Tensor &w1,
@@ -469,6 +690,7 @@ void finalizeMpiOp() {
     for (const std::shared_ptr<Slot> &slot : mpiSlots) {
       std::lock_guard<std::mutex> passLock(slot->mutex);
       slot->context.reset();
+      slot->exchange.reset();
     }
     mpiSlots.clear();
   }
@@ -483,6 +705,14 @@ TORCH_LIBRARY(moec, m) {
       .def("info", &Layer::info)
       .def("capacity_need", &Layer::capacityNeed)
       .def("times", &Layer::times);
+  m.class_<Exchange>("Exchange")
+      .def(torch::init<std::string, std::string, int64_t, double, std::string>())
+      .def("info", &Exchange::info)
+      .def("dispatch", &Exchange::dispatch)
+      .def("combine", &Exchange::combine)
+      .def("dispatch_backward", &Exchange::dispatchBackward)
+      .def("combine_backward", &Exchange::combineBackward)
+      .def("times", &Exchange::times);
   m.def("forward(__torch__.torch.classes.moec.Layer layer, Tensor x, Tensor topk_ids, "
         "Tensor topk_weights, Tensor w1, Tensor w2) -> (Tensor, int)",
         forwardOp);

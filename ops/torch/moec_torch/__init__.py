@@ -43,8 +43,8 @@ import torch
 
 from . import reference
 
-__all__ = ["MoeFFN", "MoeFFNFunction", "compile_layer", "finalize_mpi", "launched_by_mpi",
-           "load_library", "reference"]
+__all__ = ["DispatchHandle", "Exchange", "MoeFFN", "MoeFFNFunction", "compile_graphs",
+           "compile_layer", "finalize_mpi", "launched_by_mpi", "load_library", "reference"]
 
 _REPO = Path(__file__).resolve().parents[3]
 
@@ -100,6 +100,28 @@ def _world_size():
 _finalize_registered = False
 
 
+def _group(fabric, ranks, who):
+    """The fabric ("inproc" or "mpi"; default "mpi" under mpirun) and the EP
+    group's size (default under MPI: the processes)."""
+    fabric = fabric or ("mpi" if launched_by_mpi() else "inproc")
+    if fabric not in ("inproc", "mpi"):
+        raise ValueError(f"moec: fabric must be 'inproc' or 'mpi', got {fabric!r}")
+    if ranks is None:
+        if fabric != "mpi":
+            raise ValueError(f"moec: {who} needs ranks= (the EP group's size)")
+        ranks = _world_size()
+    return fabric, ranks
+
+
+def _register_finalize(fabric):
+    """Runs finalize_mpi at exit once an MPI runtime object exists; called
+    before creating one, whose construction may start MPI and then fail."""
+    global _finalize_registered
+    if fabric == "mpi" and not _finalize_registered:
+        atexit.register(finalize_mpi)
+        _finalize_registered = True
+
+
 def finalize_mpi():
     """Frees every MPI layer's runtime (collectively: every rank calls this
     once, at the end) and finalizes MPI if moec started it. The layers refuse
@@ -108,26 +130,24 @@ def finalize_mpi():
         torch.ops.moec.finalize_mpi()
 
 
-def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False,
-                  frozen=False):
-    """Returns (forward, backward) task-binary paths for `config` (a dict or a
-    JSON path) on `ranks` EP ranks, compiling them with the moec CLI unless
-    the cache has them (or `fresh`). The backward graph is
-    moe_ffn_bwd_frozen.json (no weight gradients) with `frozen`, else
-    moe_ffn_bwd.json. The key covers the config, the graphs, the target, the
-    granularity and the moec binary itself. A cache entry that is not a pair
-    of files is compiled anew; MoeFFN also checks that the binaries it gets
-    are the config's layer."""
+def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-range",
+                   fresh=False):
+    """Returns the task-binary paths of `graphs` (file names in the graph
+    folder) for `config` (a dict or a JSON path) on `ranks` EP ranks,
+    compiling them with the moec CLI unless the cache has them (or `fresh`).
+    The key covers the config, the graphs, the target, the granularity and
+    the moec binary itself. A cache entry that is not a set of files is
+    compiled anew; MoeFFN also checks that the binaries it gets are the
+    config's layer."""
     cfg = _read_config(config)
     cfg["ep"] = int(ranks)
     moec = _path("MOEC_BIN", _REPO / "bazel-bin/tools/moec")
-    graphs = _path("MOEC_GRAPHS", _REPO / "graphs")
+    folder = _path("MOEC_GRAPHS", _REPO / "graphs")
     if not moec.is_file():
         raise RuntimeError(
             f"moec: the compiler {moec} does not exist; build it with "
             "'bazel build //tools:moec' or set MOEC_BIN")
-    sources = [graphs / "moe_ffn_fwd.json",
-               graphs / ("moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json")]
+    sources = [folder / g for g in graphs]
     key = hashlib.sha256()
     key.update(json.dumps(cfg, sort_keys=True).encode())
     # The cpu target takes its core counts from this machine.
@@ -135,12 +155,13 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
     stat = moec.stat()
     key.update(f"{moec.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     for source in sources:
+        key.update(source.name.encode())
         key.update(source.read_bytes())
     digest = key.hexdigest()[:24]
     if digest in _compiled and not fresh:
         return _compiled[digest]
     cache = _path("MOEC_CACHE_DIR", Path.home() / ".cache/moec") / digest
-    outputs = (cache / "forward.moebin", cache / "backward.moebin")
+    outputs = tuple(cache / (Path(g).stem + ".moebin") for g in graphs)
     for p in outputs:
         # Whatever stands where a binary belongs and is not one goes.
         if (fresh or not p.is_file()) and (p.exists() or p.is_symlink()):
@@ -165,6 +186,16 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
             os.replace(cfg_path, cache / "config.json")
     _compiled[digest] = tuple(str(p) for p in outputs)
     return _compiled[digest]
+
+
+def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False,
+                  frozen=False):
+    """Returns (forward, backward) task-binary paths of the layer (see
+    compile_graphs): moe_ffn_fwd.json, and moe_ffn_bwd_frozen.json (no weight
+    gradients) with `frozen`, else moe_ffn_bwd.json."""
+    backward = "moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json"
+    return compile_graphs(config, ranks, ["moe_ffn_fwd.json", backward], target, granularity,
+                          fresh)
 
 
 def _check_finite(name, tensor, part, first):
@@ -282,18 +313,11 @@ class MoeFFN(torch.nn.Module):
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False):
         super().__init__()
-        global _finalize_registered
         load_library()
-        fabric = fabric or ("mpi" if launched_by_mpi() else "inproc")
-        if fabric not in ("inproc", "mpi"):
-            raise ValueError(f"moec: fabric must be 'inproc' or 'mpi', got {fabric!r}")
+        fabric, ranks = _group(fabric, ranks, "MoeFFN")
         if capacity_policy not in ("grow", "error"):
             raise ValueError("moec: capacity_policy must be 'grow' or 'error', "
                              f"got {capacity_policy!r}")
-        if ranks is None:
-            if fabric != "mpi":
-                raise ValueError("moec: MoeFFN needs ranks= (the EP group's size)")
-            ranks = _world_size()
         if frozen and main_grad:
             raise ValueError("moec: a frozen layer has no weight gradients to accumulate "
                              "(frozen=True and main_grad=True)")
@@ -310,10 +334,7 @@ class MoeFFN(torch.nn.Module):
         self.main_grad = bool(main_grad)
         self._build = (int(threads), float(timeout_seconds), target, granularity, fabric)
         forward, backward = compile_layer(cfg, ranks, target, granularity, frozen=self.frozen)
-        if fabric == "mpi" and not _finalize_registered:
-            # Before the layer: its construction may start MPI and then fail.
-            atexit.register(finalize_mpi)
-            _finalize_registered = True
+        _register_finalize(fabric)
         self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
                                               float(timeout_seconds), fabric)
         info = self.layer.info()
@@ -442,3 +463,127 @@ class MoeFFN(torch.nn.Module):
                 f"local_ranks={self.local_ranks}, experts={self.experts}, hidden={self.hidden}, "
                 f"inter={self.inter}, top_k={self.top_k}, tokens={self.tokens}, "
                 f"dtype={self.w1.dtype}, frozen={self.frozen}, main_grad={self.main_grad}")
+
+
+class DispatchHandle:
+    """What Exchange.combine and both backwards need of a dispatch: the
+    exchange, the routing (kept, so that a later dispatch of the same
+    exchange does not lose it) and the expert row counts."""
+
+    def __init__(self, exchange, route, topk_ids, topk_weights, tokens_per_expert):
+        self.exchange = exchange
+        self.route = route
+        self.topk_ids = topk_ids
+        self.topk_weights = topk_weights
+        self.tokens_per_expert = tokens_per_expert
+
+
+class _DispatchFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runtime, x, topk_ids, topk_weights, route_box):
+        ids, weights = topk_ids.contiguous(), topk_weights.detach().contiguous()
+        expert_x, counts, route = runtime.dispatch(x, ids, weights)
+        route_box.append(route)  # the route id is no tensor: it goes out beside
+        ctx.runtime, ctx.route = runtime, route
+        ctx.save_for_backward(ids, weights)
+        ctx.mark_non_differentiable(counts)
+        return expert_x, counts
+
+    @staticmethod
+    def backward(ctx, d_expert_x, _counts):
+        ids, weights = ctx.saved_tensors
+        dx = ctx.runtime.dispatch_backward(ctx.route, ids, weights, d_expert_x.contiguous())
+        return None, dx, None, None, None
+
+
+class _CombineFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, runtime, route, topk_ids, expert_y, topk_weights):
+        ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+        y, step = runtime.combine(route, ids, weights, expert_y)
+        ctx.runtime, ctx.route, ctx.step = runtime, route, step
+        ctx.save_for_backward(ids, weights, expert_y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        ids, weights, expert_y = ctx.saved_tensors
+        d_expert_y, dtopk = ctx.runtime.combine_backward(ctx.route, ctx.step, ids, weights,
+                                                         expert_y.contiguous(), dy.contiguous())
+        return None, None, None, d_expert_y, dtopk
+
+
+class Exchange:
+    """Dispatch and combine as ops of their own, for expert computation the
+    caller brings (another activation, quantized experts, a shared expert),
+    as Megatron's FusedDispatch / FusedCombine and DeepEP provide; both are
+    differentiable and run graphs/moe_dispatch.json and moe_combine.json on
+    the moec runtime and fabric, compiled for `config` as MoeFFN's graphs:
+
+        ex = moec_torch.Exchange("examples/configs/tiny.json", ranks=2)
+        expert_x, tokens_per_expert, handle = ex.dispatch(x, topk_ids, topk_weights)
+        expert_y = my_experts(expert_x, tokens_per_expert)   # any PyTorch code
+        y = ex.combine(expert_y, handle)     # y[t] = sum_k w[t,k] * expert_y row of (t, k)
+
+    x [P, S, H], topk_ids and topk_weights [P, S, K], y [P, S, H], for the P
+    ranks this process runs (P = R in process, 1 under MPI, where the
+    leading dim may be left out). expert_x [rows, H] holds the rows the
+    experts of those ranks receive, rank by rank, each rank's grouped by its
+    local expert in global expert order (expert r*L + e), within an expert
+    by source rank, token and top-k position; tokens_per_expert [P*L]
+    (int64) counts them, as a grouped matmul takes them. expert_y must have
+    expert_x's rows in the same order.
+
+    Gradients: the dispatch's backward is a combine of d expert_x (the sum
+    over k); the combine's backward is a dispatch of topk_weight * dy, and
+    d topk_weights[t, k] = <dy[t], expert_y row of (t, k)>. topk_ids get no
+    gradient. A routing over the binaries' capacity raises RuntimeError
+    ("moec over capacity: ..."): raise capacity_factor in the config."""
+
+    def __init__(self, config, ranks=None, *, threads=0, target="cpu",
+                 granularity="per-tile-range", timeout_seconds=60.0, fabric=None):
+        load_library()
+        fabric, ranks = _group(fabric, ranks, "Exchange")
+        cfg = _read_config(config)
+        dispatch, combine = compile_graphs(cfg, ranks, ["moe_dispatch.json", "moe_combine.json"],
+                                           target, granularity)
+        _register_finalize(fabric)
+        self.runtime = torch.classes.moec.Exchange(dispatch, combine, int(threads),
+                                                   float(timeout_seconds), fabric)
+        info = self.runtime.info()
+        self.fabric = fabric
+        self.ranks = info["ranks"]
+        self.first_rank = info["first_rank"]
+        self.local_ranks = info["local_ranks"]
+        self.experts = info["experts"]
+        self.local_experts = info["local_experts"]
+        self.hidden = info["hidden"]
+        self.top_k = info["top_k"]
+        self.tokens = info["tokens"]
+        self.dtype = torch.bfloat16 if info["bf16"] else torch.float32
+
+    def dispatch(self, x, topk_ids, topk_weights):
+        """-> (expert_x [rows, H], tokens_per_expert [P*L], handle)."""
+        squeeze = x.dim() == 2 and self.local_ranks == 1
+        if squeeze:
+            x, topk_ids, topk_weights = x.unsqueeze(0), topk_ids.unsqueeze(0), \
+                topk_weights.unsqueeze(0)
+        route = []
+        expert_x, counts = _DispatchFunction.apply(self.runtime, x, topk_ids, topk_weights,
+                                                   route)
+        handle = DispatchHandle(self, route[0], topk_ids, topk_weights, counts)
+        handle.squeeze = squeeze
+        return expert_x, counts, handle
+
+    def combine(self, expert_y, handle):
+        """-> y [P, S, H] (or [S, H] when the dispatch took [S, H])."""
+        if handle.exchange is not self:
+            raise ValueError("moec: the handle is another exchange's")
+        y = _CombineFunction.apply(self.runtime, handle.route, handle.topk_ids, expert_y,
+                                   handle.topk_weights)
+        return y.squeeze(0) if handle.squeeze else y
+
+    def times(self):
+        """Seconds of the last dispatch and combine task programs."""
+        t = self.runtime.times()
+        return {"dispatch": t[0], "combine": t[1]}

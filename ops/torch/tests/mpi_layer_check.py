@@ -12,7 +12,11 @@ forward and backward with MoeFFN(fabric="mpi") and checks its outputs:
 
 Prints "rank r: ok ..." and exits 0, or says what differs and exits 1.
 
-    mpirun -np R python3 mpi_layer_check.py [fp32|bf16] [SEED] [HOT]
+    mpirun -np R python3 mpi_layer_check.py [fp32|bf16] [SEED] [HOT] [VARIANT]
+
+VARIANT: full (the default); frozen (frozen=True: no weight gradients);
+main_grad (main_grad=True: the weight gradients of two steps accumulated in
+w.main_grad).
 """
 
 import sys
@@ -36,17 +40,20 @@ def main():
     dtype = sys.argv[1] if len(sys.argv) > 1 else "fp32"
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     hot = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    variant = sys.argv[4] if len(sys.argv) > 4 else "full"
+    options = {"full": {}, "frozen": {"frozen": True}, "main_grad": {"main_grad": True}}[variant]
     torch.set_num_threads(1)
     cfg = {"name": "mpi-check", "hidden_size": 64, "intermediate_size": 32,
            "num_experts": 0, "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128,
            "dtype": dtype, "capacity_factor": 4}
     torch.manual_seed(seed)
     layer = moec_torch.MoeFFN(dict(cfg, num_experts=2 * moec_torch._world_size()),
-                              threads=1, fabric="mpi")
+                              threads=1, fabric="mpi", **options)
     R, r, L, S = layer.ranks, layer.first_rank, layer.local_experts, layer.tokens
     E, H = layer.experts, layer.hidden
     torch.manual_seed(seed)
-    single = moec_torch.MoeFFN(dict(cfg, num_experts=E), R, threads=1, fabric="inproc")
+    single = moec_torch.MoeFFN(dict(cfg, num_experts=E), R, threads=1, fabric="inproc",
+                               **options)
     # Same seed, same draws: the MPI layer holds the single layer's experts.
     assert torch.equal(layer.w1, single.w1[r * L:(r + 1) * L]), "initial w1 differs"
 
@@ -62,13 +69,20 @@ def main():
         module.zero_grad()
         y = module(xs, idss, ws)
         y.backward(dys)
-        return {"y": y.detach(), "dx": xs.grad, "dtopk_weights": ws.grad,
-                "dw1": module.w1.grad, "dw2": module.w2.grad}
+        out = {"y": y.detach(), "dx": xs.grad, "dtopk_weights": ws.grad}
+        if variant == "main_grad":
+            # A second micro-batch adds into the same fp32 buffers.
+            module(xs.detach(), idss, ws.detach()).backward(dys)
+            out.update(dw1=module.w1.main_grad, dw2=module.w2.main_grad)
+        elif variant == "full":
+            out.update(dw1=module.w1.grad, dw2=module.w2.grad)
+        return out
 
     got = run(layer, x[r], ids[r], weights[r], dy[r])     # this rank, [S, H]
     whole = run(single, x, ids, weights, dy)              # all ranks, [R, S, H]
-    mine = {"y": whole["y"][r], "dx": whole["dx"][r], "dtopk_weights": whole["dtopk_weights"][r],
-            "dw1": whole["dw1"][r * L:(r + 1) * L], "dw2": whole["dw2"][r * L:(r + 1) * L]}
+    mine = {"y": whole["y"][r], "dx": whole["dx"][r], "dtopk_weights": whole["dtopk_weights"][r]}
+    if "dw1" in got:
+        mine.update(dw1=whole["dw1"][r * L:(r + 1) * L], dw2=whole["dw2"][r * L:(r + 1) * L])
     failed = [n for n in got if not torch.equal(got[n], mine[n])]
 
     xd = x.double().requires_grad_()
@@ -77,8 +91,9 @@ def main():
     w2 = single.w2.detach().double().requires_grad_()
     yd = reference.moe_ffn(xd, ids, wd, w1, w2)
     yd.backward(dy.double())
+    steps = 2 if variant == "main_grad" else 1
     want = {"y": yd[r], "dx": xd.grad[r], "dtopk_weights": wd.grad[r],
-            "dw1": w1.grad[r * L:(r + 1) * L], "dw2": w2.grad[r * L:(r + 1) * L]}
+            "dw1": steps * w1.grad[r * L:(r + 1) * L], "dw2": steps * w2.grad[r * L:(r + 1) * L]}
     tol = 1e-4 if dtype == "fp32" else 3e-2
     errors = {}
     for n in got:

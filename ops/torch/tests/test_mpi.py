@@ -2,7 +2,10 @@
 per process (moec's MPI fabric).
 
   - the op's forward and backward against plain PyTorch autograd and, bit
-    for bit, against the one-process op (mpi_layer_check.py);
+    for bit, against the one-process op (mpi_layer_check.py), also frozen
+    and with main_grad;
+  - dispatch and combine as ops of their own, likewise
+    (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py) under mpirun -np 2: the
     loss falls, and after 4 steps every parameter is bitwise that of the
     one-process run with the same seed."""
@@ -36,12 +39,22 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("ranks,dtype,hot", [(2, "fp32", -1), (3, "fp32", 0), (2, "bf16", -1)])
-def test_op_under_mpirun(ranks, dtype, hot):
-    run = mpirun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot)
+@pytest.mark.parametrize("ranks,dtype,hot,variant", [
+    (2, "fp32", -1, "full"), (3, "fp32", 0, "full"), (2, "bf16", -1, "full"),
+    (2, "bf16", -1, "main_grad"), (2, "fp32", -1, "frozen")])
+def test_op_under_mpirun(ranks, dtype, hot, variant):
+    run = mpirun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant)
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(ranks):
         assert f"rank {r}: ok: bitwise equal to the one-process op" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("ranks,dtype", [(2, "fp32"), (3, "bf16")])
+def test_exchange_under_mpirun(ranks, dtype):
+    run = mpirun(ranks, HERE / "mpi_exchange_check.py", dtype)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(ranks):
+        assert f"rank {r}: ok: bitwise equal to the one-process exchange" in run.stdout, run.stdout
 
 
 def test_toy_training_matches_one_process(tmp_path):

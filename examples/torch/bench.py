@@ -22,9 +22,12 @@ libblas.so.3: install libopenblas0-pthread).
 
 --training compares moec's training variants instead, in one run on the
 same inputs and weights: the full layer, main_grad=True (weight gradients
-accumulated into fp32 main_grad buffers) and frozen=True (no weight
-gradients); it prints each one's step time and backward pass time, and the
-backward's ratio to the full layer's.
+accumulated into fp32 main_grad buffers), frozen=True (no weight
+gradients), and split: moec_torch.Exchange's dispatch, the experts in plain
+PyTorch (one matmul pair per expert on unbind slices), and its combine. It
+prints each one's step time and backward pass time (moec's passes), and
+their ratios to the full layer's: split's step ratio is what fusing the
+layer saves.
 """
 
 import argparse
@@ -104,17 +107,33 @@ def bench_training(cfg, ranks, dtype, threads, repeat):
     for layer in layers.values():
         layer.load_state_dict(layers["full"].state_dict())
     x, ids, weights, dy = make_inputs(layers["full"], ranks)
-    steps = {name: [] for name in layers}
-    backward = {name: [] for name in layers}
+    exchange = moec_torch.Exchange(cfg, ranks, threads=threads)
+    full = layers["full"]
+
+    def split(x, ids, weights):
+        expert_x, counts, handle = exchange.dispatch(x, ids, weights)
+        outs = []
+        for rows, w1, w2 in zip(expert_x.split(counts.tolist()), full.w1.unbind(0),
+                                full.w2.unbind(0)):
+            h = rows @ w1
+            outs.append((torch.nn.functional.silu(h[:, :full.inter]) * h[:, full.inter:]) @ w2)
+        return exchange.combine(torch.cat(outs), handle)
+
+    runs = dict(layers, split=split)
+    steps = {name: [] for name in runs}
+    backward = {name: [] for name in runs}
     for rep in range(repeat + 1):  # the first round warms up
-        for name, layer in layers.items():
-            layer.zero_grad(set_to_none=True)
-            seconds = step(layer, x, ids, weights, dy)
+        for name, fn in runs.items():
+            full.zero_grad(set_to_none=True)
+            if name != "split":
+                fn.zero_grad(set_to_none=True)
+            seconds = step(fn, x, ids, weights, dy)
             if rep:
                 steps[name].append(seconds)
-                backward[name].append(sum(layer.times()["backward"]))
+                backward[name].append(sum(fn.times()["backward"]) if name != "split"
+                                      else float("nan"))
     return {name: (statistics.median(steps[name]), statistics.median(backward[name]))
-            for name in layers}
+            for name in runs}
 
 
 def torch_gemm_rate(dtype, n=1024, reps=5):
@@ -206,14 +225,15 @@ def main():
           f"S {args.tokens} per rank, {args.ranks} ranks, {args.threads} threads, "
           f"median of {args.repeat} steps (forward + backward)")
     if args.training:
-        print(f"{'dtype':6} {'variant':10} {'step s':>8} {'backward s':>11} "
-              f"{'backward / full':>16}")
+        fair_baseline(args.moec)  # the GEMM rate of split's PyTorch experts
+        print(f"{'dtype':6} {'variant':10} {'step s':>8} {'step / full':>12} "
+              f"{'backward s':>11} {'backward / full':>16}")
         for dtype in args.dtypes.split(","):
             result = bench_training(cfg, args.ranks, dtype, args.threads, args.repeat)
-            full_backward = result["full"][1]
+            full_step, full_backward = result["full"]
             for name, (step_s, backward_s) in result.items():
-                print(f"{dtype:6} {name:10} {step_s:8.3f} {backward_s:11.3f} "
-                      f"{backward_s / full_backward:16.2f}", flush=True)
+                print(f"{dtype:6} {name:10} {step_s:8.3f} {step_s / full_step:12.2f} "
+                      f"{backward_s:11.3f} {backward_s / full_backward:16.2f}", flush=True)
         return 0
     unfair = fair_baseline(args.moec)
     print(f"{'dtype':6} {'moec s':>9} {'torch s':>9} {'moec GFLOP/s':>13} "

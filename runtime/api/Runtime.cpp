@@ -352,6 +352,13 @@ Status Context::create(std::shared_ptr<const Program> forward,
                        std::unique_ptr<Context> *out) {
   if (!forward)
     return Status::error("a context needs a forward program");
+  for (const Program *p : {forward.get(), backward.get()})
+    if (p && p->impl().plan.kind != PlanKind::Layer)
+      return Status::error(fmt::format(
+          "{}: the binary is the {} alone (a graph of one {} op), not a layer pass: run it "
+          "with an Exchange (moec_torch.Exchange)",
+          p->source(), p->impl().plan.kind == PlanKind::Dispatch ? "dispatch" : "combine",
+          p->impl().plan.kind == PlanKind::Dispatch ? "dispatch" : "combine"));
   if (forward->shape().backward)
     return Status::error("the forward program is a backward pass");
   if (backward)

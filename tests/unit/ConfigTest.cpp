@@ -387,3 +387,19 @@ TEST_CASE("derived symbol definitions agree with the derived values", "[config]"
     }
   }
 }
+
+TEST_CASE("main_grad is a boolean, false by default, and round-trips", "[config]") {
+  ModelConfig c = loadExample("tiny.json");
+  CHECK_FALSE(c.mainGrad);
+  CHECK(moec::configToJson(c).count("main_grad") == 0);
+  json j = baseJson();
+  j["main_grad"] = true;
+  ModelConfig m;
+  std::string error;
+  REQUIRE(moec::parseConfig(j.dump(), "src.json", &m, &error));
+  CHECK(m.mainGrad);
+  CHECK(moec::configToJson(m) == j);
+  CHECK(errorWith("main_grad", 1) == "src.json: key 'main_grad' must be true or false, got 1");
+  CHECK(errorWith("main_grad", "yes") ==
+        "src.json: key 'main_grad' must be true or false, got \"yes\"");
+}

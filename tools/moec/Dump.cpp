@@ -443,6 +443,35 @@ std::string summarizePath(const TaskProgram &program, const std::vector<uint32_t
 
 namespace {
 
+/// What a binary computes, from its ops: the layer's forward; its backward
+/// with weight gradients written, accumulated into fp32 (main_grad), or
+/// none (frozen weights); or the dispatch or combine alone.
+std::string computesText(const TaskProgram &p) {
+  if (p.ops.size() == 1 && !p.isBackward() &&
+      (p.ops[0].kind == OpKind::Dispatch || p.ops[0].kind == OpKind::Combine))
+    return p.ops[0].kind == OpKind::Dispatch ? "the dispatch alone" : "the combine alone";
+  if (!p.isBackward())
+    return "the layer's forward pass";
+  std::vector<std::string> wgrad;
+  bool accumulate = false;
+  DType dtype = DType::F32;
+  for (const format::OpRecord &op : p.ops) {
+    const format::TilingRecord &t = p.tilings[op.tiling];
+    if (op.kind != OpKind::Gmm || t.depth != 0)
+      continue;
+    wgrad.push_back(std::string(p.name(op.name)));
+    accumulate = accumulate || (t.flags & format::kTilingAccumulate);
+    dtype = p.slots[t.outputSlot].dtype;
+  }
+  if (wgrad.empty())
+    return "the layer's backward pass without weight gradients (frozen weights)";
+  return fmt::format("the layer's backward pass; weight gradients ({}) {} {}",
+                     fmt::join(wgrad, ", "),
+                     accumulate ? "accumulated into caller buffers of" : "written as",
+                     dtypeName(dtype)) +
+         (accumulate ? " (main_grad)" : "");
+}
+
 std::string headerText(const TaskProgram &p, const FileFacts &facts, const DumpOptions &options,
                        const Analysis &a) {
   std::string out = fmt::format("task binary {}\n", facts.path);
@@ -450,6 +479,7 @@ std::string headerText(const TaskProgram &p, const FileFacts &facts, const DumpO
                      p.flags, p.isBackward() ? "backward" : "forward",
                      (p.flags & kFlagBf16) ? "bf16" : "f32");
   out += fmt::format("  file size {} bytes; CRC-32 {:#010x}\n", facts.fileSize, facts.crc32);
+  out += fmt::format("  computes: {}\n", computesText(p));
   out +=
       fmt::format("  EP ranks {}; local experts {} ({} experts in all); target '{}'\n", p.epRanks,
                   p.localExperts, uint64_t(p.epRanks) * p.localExperts, p.name(p.target));
@@ -678,6 +708,7 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
                  {"dtype", (p.flags & kFlagBf16) ? "bf16" : "f32"},
                  {"file_size", facts.fileSize},
                  {"crc32", fmt::format("{:#010x}", facts.crc32)},
+                 {"computes", computesText(p)},
                  {"ep_ranks", p.epRanks},
                  {"local_experts", p.localExperts},
                  {"target", std::string(p.name(p.target))}};

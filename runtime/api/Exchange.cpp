@@ -71,6 +71,20 @@ struct Exchange::Impl : detail::Group {
     return agree(local, nullptr);
   }
 
+  /// ready(), then the shapes of [S, H] token rows and [received, H]
+  /// expert rows of every local rank.
+  Status checkTokensAndRows(const char *tokensName, const std::vector<Tensor> &tokens,
+                            const char *rowsName, const std::vector<Tensor> &rows) {
+    if (Status s = ready(); !s)
+      return s;
+    const int64_t H = shape().hidden;
+    const DType act = shape().activations;
+    using Dims = std::function<std::vector<int64_t>(uint32_t)>;
+    const Dims tokenDims = [&](uint32_t r) { return std::vector<int64_t>{routes[r].tokens, H}; };
+    const Dims rowDims = [&](uint32_t r) { return std::vector<int64_t>{received[r], H}; };
+    return checkAll<Dims>({{rowsName, &rows, rowDims, act}, {tokensName, &tokens, tokenDims, act}});
+  }
+
   Status ready() const {
     if (Status s = usable(); !s)
       return s;
@@ -113,12 +127,7 @@ Status Exchange::create(std::shared_ptr<const Program> dispatch,
   if (!impl->fabric->allLocal())
     if (Status s = impl->checksums(); !s)
       return s;
-  cpu::PassOptions po;
-  po.workers = impl->workerCount;
-  po.timeoutSeconds = options.timeoutSeconds;
-  po.trace = options.trace;
-  po.opByOp = options.schedule == Schedule::OpByOp;
-  po.fabric = impl->fabric;
+  const cpu::PassOptions po = impl->passOptions();
   if (Status s = cpu::Pass::create(impl->dispatchProgram->tasks(),
                                    impl->dispatchProgram->impl().plan, po, &impl->scratch,
                                    &impl->dispatchPass);
@@ -184,16 +193,10 @@ Status Exchange::route() {
 Status Exchange::dispatch(const std::vector<Tensor> &x, const std::vector<Tensor> &expertX,
                           bool weighted) {
   Impl &im = *body;
-  if (Status s = im.ready(); !s)
+  if (Status s = im.checkTokensAndRows("x", x, "expert_x", expertX); !s)
     return s;
   const int64_t H = im.shape().hidden;
   const DType act = im.shape().activations;
-  using Dims = std::function<std::vector<int64_t>(uint32_t)>;
-  const Dims tokens = [&](uint32_t r) { return std::vector<int64_t>{im.routes[r].tokens, H}; };
-  const Dims rows = [&](uint32_t r) { return std::vector<int64_t>{im.received[r], H}; };
-  if (Status s = im.checkAll<Dims>({{"x", &x, tokens, act}, {"expert_x", &expertX, rows, act}});
-      !s)
-    return s;
   cpu::Pass &pass = *im.dispatchPass;
   std::vector<const void *> source(im.ranks(), nullptr);
   for (uint32_t r = im.firstLocal(); r < im.lastLocal(); ++r)
@@ -213,15 +216,7 @@ Status Exchange::dispatch(const std::vector<Tensor> &x, const std::vector<Tensor
 Status Exchange::combine(const std::vector<Tensor> &expertY, const std::vector<Tensor> &y,
                          bool weighted) {
   Impl &im = *body;
-  if (Status s = im.ready(); !s)
-    return s;
-  const int64_t H = im.shape().hidden;
-  const DType act = im.shape().activations;
-  using Dims = std::function<std::vector<int64_t>(uint32_t)>;
-  const Dims tokens = [&](uint32_t r) { return std::vector<int64_t>{im.routes[r].tokens, H}; };
-  const Dims rows = [&](uint32_t r) { return std::vector<int64_t>{im.received[r], H}; };
-  if (Status s = im.checkAll<Dims>({{"expert_y", &expertY, rows, act}, {"y", &y, tokens, act}});
-      !s)
+  if (Status s = im.checkTokensAndRows("y", y, "expert_y", expertY); !s)
     return s;
   im.combined = false;
   cpu::Pass &pass = *im.combinePass;

@@ -102,6 +102,16 @@ struct Group {
   }
   /// An error when an earlier error left the ranks out of step.
   Status usable() const;
+  /// The options of the CPU passes of this group.
+  cpu::PassOptions passOptions() const {
+    cpu::PassOptions po;
+    po.workers = workerCount;
+    po.timeoutSeconds = options.timeoutSeconds;
+    po.trace = options.trace;
+    po.opByOp = options.schedule == Schedule::OpByOp;
+    po.fabric = fabric;
+    return po;
+  }
 };
 
 } // namespace moec::rt::detail

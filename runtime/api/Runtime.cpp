@@ -375,12 +375,7 @@ Status Context::create(std::shared_ptr<const Program> forward,
   if (!impl->fabric->allLocal())
     if (Status s = impl->fingerprint(); !s)
       return s;
-  cpu::PassOptions po;
-  po.workers = impl->workerCount;
-  po.timeoutSeconds = options.timeoutSeconds;
-  po.trace = options.trace;
-  po.opByOp = options.schedule == Schedule::OpByOp;
-  po.fabric = impl->fabric;
+  const cpu::PassOptions po = impl->passOptions();
   if (Status s = cpu::Pass::create(impl->fwdProgram->tasks(), impl->fwdProgram->impl().plan, po,
                                    &impl->scratch, &impl->fwd);
       !s)

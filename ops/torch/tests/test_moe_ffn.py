@@ -393,11 +393,11 @@ def test_compile_cache_checks_what_it_finds(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(moec_torch, "_compiled", {})
     small, big = config(hidden=64), config(hidden=128)
-    fwd_small, _ = moec_torch.compile_layer(small, 2)
+    fwd_small, bwd_small = moec_torch.compile_layer(small, 2)
     fwd_big, bwd_big = moec_torch.compile_layer(big, 2)
     # Plant H=128 binaries in the entry of the H=64 config.
     Path(fwd_small).write_bytes(Path(fwd_big).read_bytes())
-    Path(fwd_small).with_name("backward.moebin").write_bytes(Path(bwd_big).read_bytes())
+    Path(bwd_small).write_bytes(Path(bwd_big).read_bytes())
     monkeypatch.setattr(moec_torch, "_compiled", {})
     layer = moec_torch.MoeFFN(small, 2, threads=2)
     assert layer.hidden == 64

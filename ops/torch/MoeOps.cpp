@@ -217,6 +217,23 @@ std::vector<std::shared_ptr<Slot>> mpiSlots;
 /// The most worker threads a layer starts.
 constexpr int64_t kMaxWorkers = 1024;
 
+/// The sizes a layer and an exchange report to the Python side.
+c10::Dict<std::string, int64_t> shapeInfo(const moec::rt::LayerShape &s, uint32_t firstRank,
+                                          uint32_t localRanks) {
+  c10::Dict<std::string, int64_t> d;
+  d.insert("ranks", s.ranks);
+  d.insert("first_rank", firstRank);
+  d.insert("local_ranks", localRanks);
+  d.insert("local_experts", s.localExperts);
+  d.insert("experts", s.experts());
+  d.insert("hidden", s.hidden);
+  d.insert("tokens", s.tokens);
+  d.insert("top_k", s.topK);
+  d.insert("receive_capacity", s.receiveCapacity);
+  d.insert("bf16", s.activations == DType::BF16);
+  return d;
+}
+
 /// The options of a context or an exchange, checked, with its fabric.
 moec::rt::ContextOptions contextOptions(int64_t workers, double timeoutSeconds,
                                         const std::string &fabric) {
@@ -254,18 +271,9 @@ public:
   c10::Dict<std::string, int64_t> info() const {
     live();
     const moec::rt::LayerShape &s = slot->context->shape();
-    c10::Dict<std::string, int64_t> d;
-    d.insert("ranks", s.ranks);
-    d.insert("first_rank", slot->context->firstLocalRank());
-    d.insert("local_ranks", slot->context->localRanks());
-    d.insert("local_experts", s.localExperts);
-    d.insert("experts", s.experts());
-    d.insert("hidden", s.hidden);
+    c10::Dict<std::string, int64_t> d =
+        shapeInfo(s, slot->context->firstLocalRank(), slot->context->localRanks());
     d.insert("inter", s.inter);
-    d.insert("tokens", s.tokens);
-    d.insert("top_k", s.topK);
-    d.insert("receive_capacity", s.receiveCapacity);
-    d.insert("bf16", s.activations == DType::BF16);
     const moec::rt::LayerShape *bs = slot->context->backwardShape();
     d.insert("backward", bs != nullptr);
     d.insert("frozen", bs && bs->frozen);
@@ -478,19 +486,7 @@ public:
 
   c10::Dict<std::string, int64_t> info() const {
     live();
-    const moec::rt::LayerShape &s = ex().shape();
-    c10::Dict<std::string, int64_t> d;
-    d.insert("ranks", s.ranks);
-    d.insert("first_rank", ex().firstLocalRank());
-    d.insert("local_ranks", ex().localRanks());
-    d.insert("local_experts", s.localExperts);
-    d.insert("experts", s.experts());
-    d.insert("hidden", s.hidden);
-    d.insert("tokens", s.tokens);
-    d.insert("top_k", s.topK);
-    d.insert("receive_capacity", s.receiveCapacity);
-    d.insert("bf16", s.activations == DType::BF16);
-    return d;
+    return shapeInfo(ex().shape(), ex().firstLocalRank(), ex().localRanks());
   }
 
   /// -> (expert_x [rows, H], tokens_per_expert [P*L], route)

@@ -116,7 +116,8 @@ int casesRun = 0;
 
 /// Compiles both graphs of `c` (cached by config).
 std::pair<std::shared_ptr<const Program>, std::shared_ptr<const Program>>
-compile(const Case &c) {
+compile(const Case &c, const char *firstGraph = "graphs/moe_ffn_fwd.json",
+        const char *secondGraph = "graphs/moe_ffn_bwd.json") {
   static std::map<std::string, std::pair<std::shared_ptr<const Program>,
                                          std::shared_ptr<const Program>>>
       cache;
@@ -126,7 +127,8 @@ compile(const Case &c) {
                           std::to_string(c.inter) + (c.bf16 ? "_bf16_" : "_f32_") +
                           granularityName(c.granularity) + "_" +
                           std::to_string(c.capacityFactor);
-  if (auto it = cache.find(key); it != cache.end())
+  const std::string graphKey = key + "_" + firstGraph + "_" + secondGraph;
+  if (auto it = cache.find(graphKey); it != cache.end())
     return it->second;
   const std::string config = tempPath("runtime_" + key + ".json");
   {
@@ -141,7 +143,7 @@ compile(const Case &c) {
     out << "}";
   }
   std::shared_ptr<const Program> programs[2];
-  const char *graphs[2] = {"graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd.json"};
+  const char *graphs[2] = {firstGraph, secondGraph};
   for (int i = 0; i < 2; ++i) {
     moec::format::TaskProgram program;
     Status compiled =
@@ -152,7 +154,7 @@ compile(const Case &c) {
     INFO(created.message());
     REQUIRE(created.ok());
   }
-  return cache[key] = {programs[0], programs[1]};
+  return cache[graphKey] = {programs[0], programs[1]};
 }
 
 /// Inputs of all ranks, in float (bf16 cases hold bf16-representable values).
@@ -735,4 +737,124 @@ TEST_CASE("runtime C API", "[runtime]") {
   CHECK(moec_wait(ctx) != 0);
   CHECK_THAT(moec_last_error(), Catch::Contains("no pass was submitted"));
   moec_context_free(ctx);
+}
+
+TEST_CASE("exchange: dispatch, combine and the top-k weight gradient", "[runtime]") {
+  Case c;
+  c.ranks = groupSize(2);
+  c.capacityFactor = 2 * c.ranks; // any routing fits
+  if (!runs(c.ranks))
+    return;
+  auto [dispatch, combine] = compile(c, "graphs/moe_dispatch.json", "graphs/moe_combine.json");
+  ContextOptions options;
+  bool yes = false;
+  options.fabric = moec::test::testFabric(c.ranks, &yes);
+  std::unique_ptr<moec::rt::Exchange> ex;
+  REQUIRE(moec::rt::Exchange::create(dispatch, combine, options, &ex).ok());
+  const Inputs in = makeInputs(c, 21);
+  const uint32_t R = c.ranks, L = c.localExperts, K = c.topK;
+  const int64_t S = c.seq, H = c.hidden;
+  const uint32_t first = ex->firstLocalRank(), last = first + ex->localRanks();
+
+  // Nothing runs before a routing is laid out.
+  std::vector<moec::rt::Tensor> none(ex->localRanks());
+  CHECK_THAT(ex->dispatch(none, none, false).message(), Catch::Contains("call route()"));
+
+  for (uint32_t r = first; r < last; ++r)
+    REQUIRE(ex->setRouting(r, makeTensor(const_cast<int64_t *>(in.ids[r].data()), DType::I64, {S, K}),
+                           makeTensor(const_cast<float *>(in.weights[r].data()), DType::F32,
+                                      {S, K}))
+                .ok());
+  REQUIRE(ex->route().ok());
+  // A top-k weight gradient needs the rows of a combine first.
+  CHECK_THAT(ex->topkWeightGrad(none, none).message(), Catch::Contains("needs the rows of a combine"));
+
+  // What each local rank's experts must receive: expert g's (token, k) rows
+  // by source rank, token, k.
+  std::vector<std::vector<float>> want(R), rows(R), y(R), dtopk(R);
+  std::vector<moec::rt::Tensor> xs, rowTs, ys, dys, dtopks;
+  for (uint32_t r = first; r < last; ++r) {
+    std::vector<int64_t> counts(L, 0);
+    for (uint32_t e = 0; e < L; ++e)
+      for (uint32_t q = 0; q < R; ++q)
+        for (int64_t t = 0; t < S; ++t)
+          for (uint32_t k = 0; k < K; ++k)
+            if (in.ids[q][size_t(t * K + k)] == int64_t(r * L + e)) {
+              want[r].insert(want[r].end(), in.x[q].begin() + t * H,
+                             in.x[q].begin() + (t + 1) * H);
+              ++counts[e];
+            }
+    CHECK(ex->expertRows(r) == counts);
+    REQUIRE(ex->receivedRows(r) * H == int64_t(want[r].size()));
+    rows[r].assign(want[r].size(), -1.0f);
+    y[r].assign(size_t(S * H), 0.0f);
+    dtopk[r].assign(size_t(S * K), 0.0f);
+    xs.push_back(makeTensor(const_cast<float *>(in.x[r].data()), DType::F32, {S, H}));
+    rowTs.push_back(makeTensor(rows[r].data(), DType::F32, {ex->receivedRows(r), H}));
+    ys.push_back(makeTensor(y[r].data(), DType::F32, {S, H}));
+    dys.push_back(makeTensor(const_cast<float *>(in.dy[r].data()), DType::F32, {S, H}));
+    dtopks.push_back(makeTensor(dtopk[r].data(), DType::F32, {S, K}));
+  }
+  // Wrong expert rows are refused on every rank before anything runs.
+  std::vector<moec::rt::Tensor> shortRows = rowTs;
+  shortRows[0].dims[0] -= 1;
+  CHECK_THAT(ex->dispatch(xs, shortRows, false).message(),
+             Catch::Contains("'expert_x' has shape"));
+
+  REQUIRE(ex->dispatch(xs, rowTs, false).ok());
+  for (uint32_t r = first; r < last; ++r)
+    CHECK(rows[r] == want[r]); // the rows themselves, bit for bit
+
+  // Combining the dispatched rows: y[t] = sum_k w[t, k] x[t], in k order;
+  // unweighted, the sum over k.
+  for (bool weighted : {false, true}) {
+    INFO("weighted " << weighted);
+    REQUIRE(ex->combine(rowTs, ys, weighted).ok());
+    for (uint32_t r = first; r < last; ++r)
+      for (int64_t t = 0; t < S; ++t)
+        for (int64_t h = 0; h < H; h += 7) {
+          float sum = 0;
+          for (uint32_t k = 0; k < K; ++k)
+            sum += (weighted ? in.weights[r][size_t(t * K + k)] : 1.0f) *
+                   in.x[r][size_t(t * H + h)];
+          REQUIRE(y[r][size_t(t * H + h)] == Approx(sum).epsilon(1e-6));
+        }
+  }
+  // d topk_weights[t, k] = <dy[t], x[t]>, the row the combine brought back.
+  REQUIRE(ex->topkWeightGrad(dys, dtopks).ok());
+  for (uint32_t r = first; r < last; ++r)
+    for (int64_t t = 0; t < S; ++t) {
+      double dot = 0;
+      for (int64_t h = 0; h < H; ++h)
+        dot += double(in.dy[r][size_t(t * H + h)]) * double(in.x[r][size_t(t * H + h)]);
+      for (uint32_t k = 0; k < K; ++k)
+        REQUIRE(dtopk[r][size_t(t * K + k)] == Approx(dot).epsilon(1e-4).margin(1e-5));
+    }
+
+  // The halves must belong together, and neither is a layer pass.
+  std::unique_ptr<moec::rt::Exchange> wrong;
+  CHECK_THAT(moec::rt::Exchange::create(dispatch, dispatch, options, &wrong).message(),
+             Catch::Contains("the combine program is not a combine alone"));
+  std::unique_ptr<Context> ctx;
+  CHECK_THAT(makeContext(dispatch, nullptr, {}, &ctx).message(),
+             Catch::Contains("the binary is the dispatch alone"));
+}
+
+TEST_CASE("a frozen layer's backward takes no weight gradients", "[runtime]") {
+  Case c;
+  c.ranks = groupSize(2);
+  c.capacityFactor = 2 * c.ranks;
+  if (!runs(c.ranks))
+    return;
+  auto [fwd, frozen] = compile(c, "graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd_frozen.json");
+  CHECK(frozen->shape().frozen);
+  CHECK_FALSE(compile(c).second->shape().frozen);
+  std::unique_ptr<Context> ctx;
+  REQUIRE(makeContext(fwd, frozen, {}, &ctx).ok());
+  const uint32_t r = ctx->firstLocalRank();
+  std::vector<float> dw1(size_t(c.localExperts * c.hidden * 2 * c.inter));
+  CHECK_THAT(ctx->bind(r, "dw1", makeTensor(dw1.data(), DType::F32,
+                                            {c.localExperts, c.hidden, 2 * c.inter}))
+                 .message(),
+             Catch::Contains("backward program has none (frozen weights)"));
 }

@@ -470,12 +470,13 @@ class DispatchHandle:
     exchange, the routing (kept, so that a later dispatch of the same
     exchange does not lose it) and the expert row counts."""
 
-    def __init__(self, exchange, route, topk_ids, topk_weights, tokens_per_expert):
+    def __init__(self, exchange, route, topk_ids, topk_weights, tokens_per_expert, squeeze):
         self.exchange = exchange
         self.route = route
         self.topk_ids = topk_ids
         self.topk_weights = topk_weights
         self.tokens_per_expert = tokens_per_expert
+        self.squeeze = squeeze  # the dispatch took [S, H]: combine returns [S, H]
 
 
 class _DispatchFunction(torch.autograd.Function):
@@ -571,9 +572,8 @@ class Exchange:
         route = []
         expert_x, counts = _DispatchFunction.apply(self.runtime, x, topk_ids, topk_weights,
                                                    route)
-        handle = DispatchHandle(self, route[0], topk_ids, topk_weights, counts)
-        handle.squeeze = squeeze
-        return expert_x, counts, handle
+        return expert_x, counts, DispatchHandle(self, route[0], topk_ids, topk_weights, counts,
+                                                squeeze)
 
     def combine(self, expert_y, handle):
         """-> y [P, S, H] (or [S, H] when the dispatch took [S, H])."""

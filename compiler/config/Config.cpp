@@ -58,12 +58,14 @@ const IntKey kIntKeys[] = {
     {"seq_size", &ModelConfig::seqSize, false, int64_t(1) << 24},
     {"num_cube_cores", &ModelConfig::numCubeCores, true, int64_t(1) << 16},
     {"num_vector_cores", &ModelConfig::numVectorCores, true, int64_t(1) << 16},
+    {"lora_rank", &ModelConfig::loraRank, true, int64_t(1) << 16},
 };
 
 constexpr const char *kDTypeKey = "dtype";
 constexpr const char *kNameKey = "name";
 constexpr const char *kCapacityFactorKey = "capacity_factor";
 constexpr const char *kMainGradKey = "main_grad";
+constexpr const char *kLoraAlphaKey = "lora_alpha";
 
 /// The keys a config must have, in the order missing ones are reported.
 const char *const kRequiredKeys[] = {
@@ -80,6 +82,7 @@ std::vector<std::string> knownKeys() {
   keys.push_back(kNameKey);
   keys.push_back(kCapacityFactorKey);
   keys.push_back(kMainGradKey);
+  keys.push_back(kLoraAlphaKey);
   return keys;
 }
 
@@ -183,6 +186,14 @@ bool parseConfig(std::string_view text, const std::string &source,
     config.mainGrad = mainGrad->get<bool>();
   }
 
+  auto alpha = json.find(kLoraAlphaKey);
+  if (alpha != json.end()) {
+    if (!alpha->is_number())
+      return fail(error, source,
+                  fmt::format("key '{}' must be a number, got {}", kLoraAlphaKey, alpha->dump()));
+    config.loraAlpha = alpha->get<double>();
+  }
+
   if (!validateConfig(config, source, error))
     return false;
   *out = std::move(config);
@@ -222,6 +233,11 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
     return fail(error, source,
                 fmt::format("'capacity_factor' must be between 1 and 1024, got {}",
                             c.capacityFactor));
+  if (c.loraAlpha != 0 && c.loraRank == 0)
+    return fail(error, source, "'lora_alpha' needs 'lora_rank' (the adapters' rank)");
+  if (!std::isfinite(c.loraAlpha) || c.loraAlpha < 0)
+    return fail(error, source,
+                fmt::format("'lora_alpha' must be a positive number, got {}", c.loraAlpha));
   if (c.numExperts % c.ep != 0)
     return fail(error, source,
                 fmt::format("'num_experts' ({}) must be a multiple of 'ep' "
@@ -286,6 +302,12 @@ void setDefaultCoreCounts(ModelConfig *c, int64_t cubeCores, int64_t vectorCores
     c->numVectorCores = vectorCores;
 }
 
+double loraScaling(const ModelConfig &c) {
+  if (c.loraRank <= 0)
+    return 0;
+  return (c.loraAlpha > 0 ? c.loraAlpha : double(c.loraRank)) / double(c.loraRank);
+}
+
 Bindings configBindings(const ModelConfig &c) {
   TaskSplitValue v = deriveTaskSplitValue(c);
   Bindings bindings;
@@ -330,6 +352,8 @@ nlohmann::json configToJson(const ModelConfig &c) {
   json[kNameKey] = c.name;
   if (c.mainGrad)
     json[kMainGradKey] = true;
+  if (c.loraRank > 0)
+    json[kLoraAlphaKey] = c.loraAlpha > 0 ? c.loraAlpha : double(c.loraRank);
   return json;
 }
 

@@ -56,6 +56,14 @@ struct ModelConfig {
   /// keeps across micro-batches (C += AᵀB inside the weight-gradient GMMs,
   /// Megatron's gradient_accumulation_fusion). Default false.
   bool mainGrad = false;
+  /// "lora_rank": the rank r of LoRA adapters on the experts (the graph's
+  /// `lora_rank` symbol); 0: unset (a graph with adapters then fails to
+  /// resolve).
+  int64_t loraRank = 0;
+  /// "lora_alpha": the adapters' alpha; their products are scaled by
+  /// lora_alpha / lora_rank (PEFT's `scaling`). 0: unset, which means
+  /// lora_alpha = lora_rank (a scaling of 1).
+  double loraAlpha = 0;
 };
 
 /// The task-split values derived from a config.
@@ -99,6 +107,10 @@ int64_t receiveCapacityRows(const ModelConfig &c);
 /// unset (0) to a target's core counts. A config that sets them pins the
 /// schedule's logical core counts whatever the target.
 void setDefaultCoreCounts(ModelConfig *c, int64_t cubeCores, int64_t vectorCores);
+
+/// lora_alpha / lora_rank (lora_alpha defaulting to lora_rank), the factor
+/// a gmm with scale "lora_scaling" applies; 0 without lora_rank.
+double loraScaling(const ModelConfig &c);
 
 /// Returns every symbol a graph description may use, with its value: the
 /// config keys (hidden_size, intermediate_size, num_experts, top_k, ep, tp,

@@ -134,8 +134,16 @@ FailureOr<json> moec::exportGraphJson(ModuleOp module) {
     o["split_spec"] = spec;
     if (auto tiling = task.getTilingSlotValue())
       o["tiling_position"] = *tiling;
-    if (auto gmm = dyn_cast<GmmOp>(task.getOperation()); gmm && gmm.getAccumulate())
-      o["accumulate"] = true;
+    if (auto gmm = dyn_cast<GmmOp>(task.getOperation())) {
+      if (gmm.getAccumulate())
+        o["accumulate"] = true;
+      if (Attribute scale = gmm.getScaleAttr()) {
+        if (auto number = scale.dyn_cast<FloatAttr>())
+          o["scale"] = number.getValueAsDouble();
+        else
+          o["scale"] = scale.cast<StringAttr>().str();
+      }
+    }
     if (DictionaryAttr fill = task.getFillAttr()) {
       json f = json::object();
       for (NamedAttribute entry : fill)

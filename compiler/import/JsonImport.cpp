@@ -237,7 +237,7 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
   std::string what = "op " + std::to_string(index) + (name.empty() ? "" : " '" + name + "'");
   if (failed(checkKeys(o, loc, what,
                        keysOf({"name", "op", "inputs", "outputs", "split_value", "split_spec",
-                               "tiling_position", "fill", "accumulate"}),
+                               "tiling_position", "fill", "accumulate", "scale"}),
                        keysOf({"name", "op", "inputs", "outputs", "split_value", "split_spec"}))))
     return failure();
   if (!o["name"].is_string() || name.empty())
@@ -263,9 +263,12 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
   // Inputs and output.
   if (!o["inputs"].is_array())
     return error(loc) << what << ": 'inputs' must be an array of tensor names";
-  if (o["inputs"].size() != kindIt->second)
+  // A gmm takes an optional fourth input: the addend.
+  const bool addend = kind == "gmm" && o["inputs"].size() == kindIt->second + 1;
+  if (o["inputs"].size() != kindIt->second && !addend)
     return error(loc) << what << ": a " << kind << " op takes " << kindIt->second
-                      << " inputs, got " << o["inputs"].size();
+                      << (kind == "gmm" ? " inputs (4 with an addend)" : " inputs") << ", got "
+                      << o["inputs"].size();
   if (!o["outputs"].is_array() || o["outputs"].size() != 1 || !o["outputs"][0].is_string())
     return error(loc) << what << ": 'outputs' must name exactly one tensor";
   auto lookup = [&](const json &n, const std::string &role) -> FailureOr<unsigned> {
@@ -363,6 +366,18 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
       return error(loc) << what << ": 'accumulate' is a boolean of gmm ops only";
     if (o["accumulate"].get<bool>())
       attrs.append("accumulate", b.getUnitAttr());
+  }
+  if (o.contains("scale")) {
+    const json &scale = o["scale"];
+    if (kind != "gmm")
+      return error(loc) << what << ": 'scale' is a key of gmm ops only";
+    if (scale.is_number())
+      attrs.append("scale", b.getF64FloatAttr(scale.get<double>()));
+    else if (scale.is_string() && scale.get<std::string>() == kLoraScaling)
+      attrs.append("scale", b.getStringAttr(kLoraScaling));
+    else
+      return error(loc) << what << ": 'scale' must be a number or \"" << kLoraScaling
+                        << "\" (lora_alpha / lora_rank of the config), got " << scale.dump();
   }
   opIndex[name] = ops.size();
   ops.push_back(std::move(decl));

@@ -24,6 +24,9 @@ namespace moec::moe {
 /// The largest parameter or tiling slot index a graph may name: slots index
 /// the task binary's tables, which hold a few dozen entries.
 inline constexpr int64_t kMaxSlot = 65535;
+/// The symbolic gmm scale that moe-resolve-shapes binds to the config's
+/// lora_alpha / lora_rank (PEFT's `scaling`).
+inline constexpr const char *kLoraScaling = "lora_scaling";
 } // namespace moec::moe
 
 #include "compiler/ir/MoeDialect.h.inc"

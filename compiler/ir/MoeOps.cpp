@@ -10,6 +10,7 @@
 #include "llvm/ADT/SetVector.h"
 #include "llvm/ADT/StringSet.h"
 
+#include <cmath>
 #include <regex>
 #include <set>
 
@@ -508,6 +509,14 @@ LogicalResult GmmOp::verify() {
       failed(c.rank("lhs", lhs, 2)) || failed(c.elementType("lhs", lhs, isDataType, kDataTypes)) ||
       failed(c.sameElementType("lhs", lhs, "rhs", rhs)))
     return failure();
+  if (Attribute scale = getScaleAttr()) {
+    auto text = scale.dyn_cast<StringAttr>();
+    auto number = scale.dyn_cast<FloatAttr>();
+    if (!(number || (text && text.getValue() == kLoraScaling)))
+      return c.error() << "scale must be a number or \"" << kLoraScaling << "\", got " << scale;
+    if (number && !(std::isfinite(number.getValueAsDouble()) && number.getValueAsDouble() != 0))
+      return c.error() << "scale must be finite and nonzero, got " << number.getValueAsDouble();
+  }
   Type lhsElt = lhs.getType().cast<MoeTensorType>().getElementType();
   Type outElt = result.getType().cast<MoeTensorType>().getElementType();
   if (outElt != lhsElt && !(getAccumulate() && outElt.isF32()))
@@ -521,6 +530,12 @@ LogicalResult GmmOp::verify() {
                        << c.describe("rhs", rhs) << " has rank 3";
     if (getAccumulate())
       return c.error() << "accumulate needs the weight-gradient form (a rank-2 rhs)";
+    if (Value addend = getAddend())
+      if (failed(c.rank("addend", addend, 2)) ||
+          failed(c.sameElementType("addend", addend, "result", result)) ||
+          failed(c.dimsEqual("addend", addend, 0, "result", result, 0)) ||
+          failed(c.dimsEqual("addend", addend, 1, "result", result, 1)))
+        return failure();
     unsigned kDim = getTransposeRhs() ? 2 : 1, nDim = getTransposeRhs() ? 1 : 2;
     std::string rhsRole = getTransposeRhs() ? "rhs (transposed)" : "rhs";
     if (failed(c.rank("result", result, 2)) ||
@@ -533,6 +548,10 @@ LogicalResult GmmOp::verify() {
   }
   if (rhsRank == 2) {
     // Weight-gradient form: lhs[M, K]^T x rhs[M, N] per group -> [G, K, N].
+    if (getAddend())
+      return c.error() << "an addend needs the activation form (a rank-3 rhs)";
+    if (getScale())
+      return c.error() << "scale needs the activation form (a rank-3 rhs)";
     if (!getTransposeLhs())
       return c.error() << "the weight-gradient form (a rank-2 rhs) needs transpose_lhs";
     if (getTransposeRhs())

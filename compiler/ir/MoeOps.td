@@ -186,16 +186,23 @@ def Moe_GmmOp : Moe_TaskOp<"gmm", "GMM", 1, 1> {
       contributes `lhs_gᵀ`), `rhs[M, N]`, result `[G, K, N]`; `accumulate`
       adds into the result (an fp32 main-grad buffer may be used).
 
+    Activation form only: an optional fourth operand `addend[M, N]` (the
+    result's shape and type) is added to the product, result = addend +
+    lhs x rhs (a LoRA adapter's B product onto the base projection's
+    output). `scale` multiplies the product: a number, or "lora_scaling"
+    (lora_alpha / lora_rank of the config, bound by moe-resolve-shapes).
+
     `group_list[G]` (i64) holds the per-expert row counts. Fill config:
     `offset_inputs`, `rank_in_event`, `global_trigger`, `out_offset`,
     `advance` ("cube", "cube_only", "cube_custom"), `event_delta`,
     `num_cube_cores`.
   }];
   let arguments = !con((ins Moe_TensorType:$lhs, Moe_TensorType:$rhs,
-                            Moe_TensorType:$group_list),
+                            Moe_TensorType:$group_list,
+                            Optional<Moe_TensorType>:$addend),
                        commonAttrs,
                        (ins UnitAttr:$transpose_lhs, UnitAttr:$transpose_rhs,
-                            UnitAttr:$accumulate));
+                            UnitAttr:$accumulate, OptionalAttr<AnyAttr>:$scale));
   let extraClassDeclaration = taskImpl # [{
     /// True for the weight-gradient form (rank-2 rhs).
     bool isWeightGradient() { return getRhs().getType().getRank() == 2; }

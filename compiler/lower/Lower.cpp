@@ -197,6 +197,14 @@ private:
         t.flags |= kTilingTransposeB;
       if (gmm.getAccumulate())
         t.flags |= kTilingAccumulate;
+      if (Attribute scale = gmm.getScaleAttr()) {
+        auto number = scale.dyn_cast<FloatAttr>();
+        if (!number)
+          return raw->emitError() << "'" << op.getOpName() << "' has a symbolic scale ("
+                                  << scale << "): run moe-resolve-shapes first";
+        t.flags |= kTilingScale;
+        t.scale = float(number.getValueAsDouble());
+      }
       if (gmm.isWeightGradient()) {
         t.depth = 0; // the expert's rows, known at run time
         t.balancedRows = balancedRows(t.experts);

@@ -56,8 +56,11 @@ struct ResolveShapesPass : moec::moe::impl::ResolveShapesBase<ResolveShapesPass>
           Expr dim = dimExpr(type, i);
           std::optional<int64_t> value = dim.evaluate(bindings, &error);
           if (!value) {
-            op.emitError() << "tensor '" << def.getResultName() << "' dim " << i << " ('"
-                           << dim.text() << "'): " << error;
+            auto diag = op.emitError() << "tensor '" << def.getResultName() << "' dim " << i
+                                       << " ('" << dim.text() << "'): " << error;
+            if (config.loraRank == 0 && dim.text().find("lora_rank") != std::string::npos)
+              diag << " (a graph with LoRA adapters needs 'lora_rank' in the config '"
+                   << configPath << "')";
             return signalPassFailure();
           }
           if (*value <= 0) {
@@ -71,6 +74,19 @@ struct ResolveShapesPass : moec::moe::impl::ResolveShapesBase<ResolveShapesPass>
         Type elt = type.getElementType().isa<ActType>() ? act : type.getElementType();
         def.getTensor().setType(type.withDims(b.getArrayAttr(dims), elt));
         ++numResolvedTensors;
+      }
+      // A scale of "lora_scaling" becomes the config's lora_alpha / lora_rank.
+      for (GmmOp gmm : graph.getBlock().getOps<GmmOp>()) {
+        auto symbolic = gmm.getScaleAttr().dyn_cast_or_null<StringAttr>();
+        if (!symbolic)
+          continue;
+        if (config.loraRank == 0) {
+          gmm.emitError() << "'" << gmm.getOpName() << "': scale \"" << kLoraScaling
+                          << "\" needs 'lora_rank' (and optionally 'lora_alpha') in the config '"
+                          << configPath << "'";
+          return signalPassFailure();
+        }
+        gmm.setScaleAttr(b.getF64FloatAttr(loraScaling(config)));
       }
       // main_grad: every weight gradient accumulates into an fp32 buffer the
       // caller keeps across micro-batches.

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -26,6 +27,10 @@
 #endif
 
 namespace moec::format {
+
+namespace {
+constexpr float kZeroFloat = 0.0f;
+} // namespace
 
 static_assert(
     std::is_trivially_copyable_v<FileHeader> && std::is_trivially_copyable_v<SectionEntry> &&
@@ -436,8 +441,13 @@ private:
       if (tiles > kMaxRecords)
         return Status::error(fmt::format("{}: a grid of {} tiles is above the {} a binary holds",
                                          what, tiles, kMaxRecords));
-      if (tiling.reserved != 0)
-        return Status::error(fmt::format("{}: reserved bytes are not zero", what));
+      if (tiling.flags & kTilingScale) {
+        if (!std::isfinite(tiling.scale) || tiling.scale == 0)
+          return Status::error(
+              fmt::format("{}: scale {} is not a finite nonzero number", what, tiling.scale));
+      } else if (std::memcmp(&tiling.scale, &kZeroFloat, sizeof(float)) != 0) {
+        return Status::error(fmt::format("{}: scale is set without the scale flag", what));
+      }
     }
     return Status::success();
   }

@@ -96,7 +96,8 @@ enum TilingFlag : uint8_t {
   kTilingTransposeA = 1u << 0, ///< A is stored transposed (K x M)
   kTilingTransposeB = 1u << 1, ///< B is stored transposed (N x K)
   kTilingAccumulate = 1u << 2, ///< C += result instead of C = result
-  kKnownTilingFlags = kTilingTransposeA | kTilingTransposeB | kTilingAccumulate,
+  kTilingScale = 1u << 3,      ///< the product is multiplied by TilingRecord::scale
+  kKnownTilingFlags = kTilingTransposeA | kTilingTransposeB | kTilingAccumulate | kTilingScale,
 };
 
 /// The kind of a section; each kind appears exactly once in a version-1 file.
@@ -288,7 +289,12 @@ static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 
 ///                              kNone past inputCount
 ///   88     4    balancedRows   rows a segment has under balanced routing
 ///                              (cost estimates only)
-///   92     4    reserved       zero
+///   92     4    scale          f32: the product's factor with kTilingScale
+///                              (finite, nonzero), else zero
+///
+/// A GMM of the activation form (depth > 0) with inputCount 4 adds its
+/// fourth input, a tensor of the output's shape, to the product:
+/// C = D + scale * A B (a LoRA adapter's product onto the base projection).
 struct TilingRecord {
   OpKind opKind = OpKind::Gmm;
   DType dtype = DType::F32;
@@ -310,7 +316,7 @@ struct TilingRecord {
   uint32_t ldc = 0;
   uint32_t inputSlots[kMaxTilingInputs] = {kNone, kNone, kNone, kNone};
   uint32_t balancedRows = 0;
-  uint32_t reserved = 0;
+  float scale = 0;
 
   /// The number of tiles (tasks) of the grid.
   uint64_t tileCount() const { return uint64_t(experts) * peers * rowTiles * colTiles; }

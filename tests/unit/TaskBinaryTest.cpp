@@ -3,6 +3,7 @@
 #include "runtime/format/TaskBinary.h"
 #include "runtime/format/Crc32.h"
 
+#include <limits>
 #include <catch2/catch.hpp>
 
 #include <cstddef>
@@ -1454,9 +1455,15 @@ TEST_CASE("ops and their tile grids", "[task-binary][errors][tiles]") {
     p.tilings[0].balancedRows = 0;
     CHECK(validateTaskProgram(p).ok());
   }
-  SECTION("reserved bytes of a tiling") {
-    p.tilings[1].reserved = 1;
-    CHECK(contentError(p) == "tiling 1: reserved bytes are not zero");
+  SECTION("a tiling's scale") {
+    p.tilings[1].scale = 2.0f;
+    CHECK(contentError(p) == "tiling 1: scale is set without the scale flag");
+    p.tilings[1].flags |= kTilingScale;
+    CHECK(validateTaskProgram(p).ok());
+    p.tilings[1].scale = 0.0f;
+    CHECK(contentError(p) == "tiling 1: scale 0 is not a finite nonzero number");
+    p.tilings[1].scale = std::numeric_limits<float>::infinity();
+    CHECK(contentError(p) == "tiling 1: scale inf is not a finite nonzero number");
   }
   SECTION("tile bounds that overflow 64 bits") {
     // tileBegin(2, rows, 2) = 2 * rows / 2 must not wrap.

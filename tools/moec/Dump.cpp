@@ -130,21 +130,25 @@ std::string dimsText(const SlotRecord &slot) {
   return out + "]";
 }
 
-/// "transpose_a,accumulate" or "-".
-std::string tilingFlagsText(uint8_t flags) {
+/// The names of a tiling's flags: "transpose_a", "transpose_b",
+/// "accumulate", "scale=0.5".
+std::vector<std::string> tilingFlagNames(const TilingRecord &t) {
   std::vector<std::string> names;
-  if (flags & kTilingTransposeA)
+  if (t.flags & kTilingTransposeA)
     names.push_back("transpose_a");
-  if (flags & kTilingTransposeB)
+  if (t.flags & kTilingTransposeB)
     names.push_back("transpose_b");
-  if (flags & kTilingAccumulate)
+  if (t.flags & kTilingAccumulate)
     names.push_back("accumulate");
-  if (names.empty())
-    return "-";
-  std::string out;
-  for (const std::string &n : names)
-    out += (out.empty() ? "" : ",") + n;
-  return out;
+  if (t.flags & kTilingScale)
+    names.push_back(fmt::format("scale={}", t.scale));
+  return names;
+}
+
+/// "transpose_a,accumulate" or "-".
+std::string tilingFlagsText(const TilingRecord &t) {
+  const std::vector<std::string> names = tilingFlagNames(t);
+  return names.empty() ? "-" : fmt::format("{}", fmt::join(names, ","));
 }
 
 /// The input slots of a tiling.
@@ -450,8 +454,20 @@ std::string computesText(const TaskProgram &p) {
   if (p.ops.size() == 1 && !p.isBackward() &&
       (p.ops[0].kind == OpKind::Dispatch || p.ops[0].kind == OpKind::Combine))
     return p.ops[0].kind == OpKind::Dispatch ? "the dispatch alone" : "the combine alone";
+  // LoRA adapters: a GMM that adds its product to an addend (the base
+  // projection's), from rank-r rows.
+  std::string lora;
+  int adapters = 0;
+  for (const format::OpRecord &op : p.ops) {
+    const format::TilingRecord &t = p.tilings[op.tiling];
+    if (op.kind == OpKind::Gmm && t.depth != 0 && t.inputCount == 4) {
+      ++adapters;
+      lora = fmt::format(" with LoRA adapters on {} projection{} (rank {})", adapters,
+                         adapters == 1 ? "" : "s", t.depth);
+    }
+  }
   if (!p.isBackward())
-    return "the layer's forward pass";
+    return "the layer's forward pass" + lora;
   std::vector<std::string> wgrad;
   bool accumulate = false;
   DType dtype = DType::F32;
@@ -464,9 +480,9 @@ std::string computesText(const TaskProgram &p) {
     dtype = p.slots[t.outputSlot].dtype;
   }
   if (wgrad.empty())
-    return "the layer's backward pass without weight gradients (frozen weights)";
-  return fmt::format("the layer's backward pass; weight gradients ({}) {} {}",
-                     fmt::join(wgrad, ", "),
+    return "the layer's backward pass without weight gradients (frozen weights)" + lora;
+  return fmt::format("the layer's backward pass{}; {}gradients ({}) {} {}", lora,
+                     lora.empty() ? "weight " : "adapter ", fmt::join(wgrad, ", "),
                      accumulate ? "accumulated into caller buffers of" : "written as",
                      dtypeName(dtype)) +
          (accumulate ? " (main_grad)" : "");
@@ -530,7 +546,7 @@ std::string opsText(const TaskProgram &p) {
                fmt::format("{}/{}/{}", t.tileM, t.tileN, t.tileK),
                fmt::format("{}/{}/{}", t.lda, t.ldb, t.ldc),
                fmt::format("{} → {}", inputs.empty() ? "-" : inputs, t.outputSlot),
-               tilingFlagsText(t.flags)});
+               tilingFlagsText(t)});
   }
   return fmt::format("ops ({}, {} tasks):\n", p.ops.size(), p.tasks.size()) + table.render(2);
 }
@@ -738,13 +754,7 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
   for (size_t i = 0; i < p.ops.size(); ++i) {
     const OpRecord &op = p.ops[i];
     const TilingRecord &t = p.tilings[op.tiling];
-    json flags = json::array();
-    if (t.flags & kTilingTransposeA)
-      flags.push_back("transpose_a");
-    if (t.flags & kTilingTransposeB)
-      flags.push_back("transpose_b");
-    if (t.flags & kTilingAccumulate)
-      flags.push_back("accumulate");
+    json flags = tilingFlagNames(t);
     json tiling = {{"index", op.tiling},
                    {"experts", t.experts},
                    {"peers", t.peers},
@@ -763,7 +773,8 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
                    {"inputs", tilingInputs(t)},
                    {"output", t.outputSlot},
                    {"balanced_rows", t.balancedRows},
-                   {"flags", flags}};
+                   {"flags", flags},
+                   {"scale", (t.flags & kTilingScale) ? double(t.scale) : 1.0}};
     ops.push_back({{"index", i},
                    {"name", std::string(p.name(op.name))},
                    {"kind", opKindName(op.kind)},

@@ -35,6 +35,11 @@ struct LayerShape {
   /// A backward pass without weight gradients (the base weights are
   /// frozen): dx and dtopk_weights only.
   bool frozen = false;
+  /// LoRA adapters on the experts (base weights frozen): bit 0 on w1 (the
+  /// gate/up projection), bit 1 on w2 (the down projection); 0: none.
+  uint8_t loraTargets = 0;
+  int64_t loraRank = 0;    ///< r of the adapters
+  float loraScaling = 0;   ///< their products' factor: lora_alpha / r
 
   /// E = R * L.
   uint32_t experts() const { return ranks * localExperts; }

@@ -38,6 +38,7 @@
 #include "runtime/comm/Mpi.h"
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -278,6 +279,8 @@ public:
     d.insert("backward", bs != nullptr);
     d.insert("frozen", bs && bs->frozen);
     d.insert("main_grad", bs && bs->accumulateWeightGrads);
+    d.insert("lora_targets", s.loraTargets);
+    d.insert("lora_rank", s.loraRank);
     d.insert("workers", slot->context->workers());
     d.insert("outputs_recycled", slot->outputs->recycledCount());
     return d;
@@ -285,27 +288,28 @@ public:
 
   std::tuple<at::Tensor, int64_t> forward(const at::Tensor &x, const at::Tensor &ids,
                                           const at::Tensor &weights, const at::Tensor &w1,
-                                          const at::Tensor &w2) {
+                                          const at::Tensor &w2,
+                                          const std::vector<at::Tensor> &adapters) {
     std::lock_guard<std::mutex> lock(slot->mutex);
     live();
-    const Inputs in = inputs(x, ids, weights, w1, w2);
+    const Inputs in = inputs(x, ids, weights, w1, w2, adapters);
     at::Tensor y = slot->outputs->take(in.x.sizes(), in.x.options());
     runForward(in, y);
     return {y, step};
   }
 
   using Gradients = std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>,
-                               c10::optional<at::Tensor>>;
+                               c10::optional<at::Tensor>, std::vector<at::Tensor>>;
 
   Gradients backward(int64_t forwardStep, const at::Tensor &x, const at::Tensor &ids,
            const at::Tensor &weights, const at::Tensor &w1, const at::Tensor &w2,
            const at::Tensor &dyIn, const c10::optional<at::Tensor> &mainGrad1,
-           const c10::optional<at::Tensor> &mainGrad2) {
+           const c10::optional<at::Tensor> &mainGrad2, const std::vector<at::Tensor> &adapters) {
     std::lock_guard<std::mutex> lock(slot->mutex);
     live();
     const moec::rt::LayerShape *bs = slot->context->backwardShape();
     TORCH_CHECK(bs, "moec: this layer was built without a backward binary");
-    const Inputs in = inputs(x, ids, weights, w1, w2);
+    const Inputs in = inputs(x, ids, weights, w1, w2, adapters);
     // The runtime's saved state belongs to its last forward pass; a backward
     // of an older one recomputes it.
     if (forwardStep != step) {
@@ -343,9 +347,18 @@ public:
         dw2.zero_();
       }
     }
+    // The adapters' gradients, in the order of their adapters.
+    std::vector<at::Tensor> adapterGrads;
+    for (const at::Tensor &a : in.adapters)
+      adapterGrads.push_back(pool.take(a.sizes(), a.options().dtype(torchType(bs->weightGrads))));
     bindInputs(in);
     for (int64_t p = 0; p < P; ++p) {
       const uint32_t r = uint32_t(first + p);
+      for (size_t i = 0; i < adapterGrads.size(); ++i) {
+        const std::string name = "d" + adapterNames()[i];
+        check(slot->context->bind(r, name, slice(adapterGrads[i], name.c_str(), P, p, true)),
+              "bind adapter gradient");
+      }
       check(slot->context->bind(r, "dy", slice(dy, "dy", P, p, false)), "bind dy");
       check(slot->context->bind(r, "dx", slice(dx, "dx", P, p, false)), "bind dx");
       check(slot->context->bind(r, "dtopk_weights", slice(dtopk, "dtopk_weights", P, p, false)),
@@ -356,15 +369,18 @@ public:
       check(slot->context->bind(r, "dw2", slice(dw2, "dw2", P, p, true)), "bind dw2");
     }
     check(slot->context->backward(), "backward");
-    if (intoMainGrad || bs->frozen)
-      return {dx, dtopk, c10::nullopt, c10::nullopt};
     // Gradients take their parameter's dtype (fp32 weight gradients of a
     // bf16 layer are rounded once, here).
+    for (size_t i = 0; i < adapterGrads.size(); ++i)
+      if (adapterGrads[i].scalar_type() != in.adapters[i].scalar_type())
+        adapterGrads[i] = adapterGrads[i].to(in.adapters[i].scalar_type());
+    if (intoMainGrad || bs->frozen)
+      return {dx, dtopk, c10::nullopt, c10::nullopt, adapterGrads};
     if (dw1.scalar_type() != in.w1.scalar_type()) {
       dw1 = dw1.to(in.w1.scalar_type());
       dw2 = dw2.to(in.w2.scalar_type());
     }
-    return {dx, dtopk, dw1, dw2};
+    return {dx, dtopk, dw1, dw2, adapterGrads};
   }
 
   /// What the last forward pass's routing needed (every rank), and the
@@ -399,11 +415,26 @@ private:
 
   struct Inputs {
     at::Tensor x, ids, weights, w1, w2;
+    std::vector<at::Tensor> adapters; ///< named adapterNames()
   };
+
+  /// The runtime's names of the layer's LoRA adapters, in the order the op
+  /// takes them: A and B on w1, then on w2, for the projections that have
+  /// them.
+  std::vector<std::string> adapterNames() const {
+    std::vector<std::string> names;
+    const uint8_t targets = slot->context->shape().loraTargets;
+    for (int t = 0; t < 2; ++t)
+      if (targets >> t & 1)
+        for (const char *m : {"a", "b"})
+          names.push_back(fmt::format("lora_{}{}", m, t + 1));
+    return names;
+  }
 
   /// Checks the inputs against the layer and makes them contiguous.
   Inputs inputs(const at::Tensor &x, const at::Tensor &ids, const at::Tensor &weights,
-                const at::Tensor &w1, const at::Tensor &w2) const {
+                const at::Tensor &w1, const at::Tensor &w2,
+                const std::vector<at::Tensor> &adapters) const {
     const moec::rt::LayerShape &s = slot->context->shape();
     const int64_t P = slot->context->localRanks(), E = P * s.localExperts;
     const char *ranks = P == s.ranks ? "ranks" : "this process's ranks";
@@ -413,8 +444,17 @@ private:
     expectInput(weights, "topk_weights", 3, P, ranks);
     expectInput(w1, "w1", 3, E, experts);
     expectInput(w2, "w2", 3, E, experts);
+    const std::vector<std::string> names = adapterNames();
+    TORCH_CHECK(adapters.size() == names.size(), "moec: this layer takes ", names.size(),
+                " LoRA adapter tensors (", fmt::format("{}", fmt::join(names, ", ")), "); got ",
+                adapters.size());
+    std::vector<at::Tensor> contiguous;
+    for (size_t i = 0; i < adapters.size(); ++i) {
+      expectInput(adapters[i], names[i].c_str(), 3, E, experts);
+      contiguous.push_back(adapters[i].contiguous());
+    }
     return {x.contiguous(), ids.contiguous(), weights.contiguous(), w1.contiguous(),
-            w2.contiguous()};
+            w2.contiguous(), contiguous};
   }
 
   /// A caller's main-grad buffer: fp32, CPU, contiguous, shaped like its
@@ -442,6 +482,10 @@ private:
       check(slot->context->bind(r, "x", slice(in.x, "x", P, p, false)), "bind x");
       check(slot->context->bind(r, "w1", slice(in.w1, "w1", P, p, true)), "bind w1");
       check(slot->context->bind(r, "w2", slice(in.w2, "w2", P, p, true)), "bind w2");
+      const std::vector<std::string> names = adapterNames();
+      for (size_t i = 0; i < names.size(); ++i)
+        check(slot->context->bind(r, names[i], slice(in.adapters[i], names[i].c_str(), P, p, true)),
+              "bind adapter");
     }
   }
 
@@ -665,16 +709,17 @@ private:
 std::tuple<at::Tensor, int64_t> forwardOp(const c10::intrusive_ptr<Layer> &layer,
                                           const at::Tensor &x, const at::Tensor &ids,
                                           const at::Tensor &weights, const at::Tensor &w1,
-                                          const at::Tensor &w2) {
-  return layer->forward(x, ids, weights, w1, w2);
+                                          const at::Tensor &w2,
+                                          const std::vector<at::Tensor> &adapters) {
+  return layer->forward(x, ids, weights, w1, w2, adapters);
 }
 
 Layer::Gradients
 backwardOp(const c10::intrusive_ptr<Layer> &layer, int64_t step, const at::Tensor &x,
            const at::Tensor &ids, const at::Tensor &weights, const at::Tensor &w1,
            const at::Tensor &w2, const at::Tensor &dy, const c10::optional<at::Tensor> &mainGrad1,
-           const c10::optional<at::Tensor> &mainGrad2) {
-  return layer->backward(step, x, ids, weights, w1, w2, dy, mainGrad1, mainGrad2);
+           const c10::optional<at::Tensor> &mainGrad2, const std::vector<at::Tensor> &adapters) {
+  return layer->backward(step, x, ids, weights, w1, w2, dy, mainGrad1, mainGrad2, adapters);
 }
 
 /// Frees every MPI layer's context in creation order, then finalizes MPI if
@@ -710,12 +755,12 @@ TORCH_LIBRARY(moec, m) {
       .def("combine_backward", &Exchange::combineBackward)
       .def("times", &Exchange::times);
   m.def("forward(__torch__.torch.classes.moec.Layer layer, Tensor x, Tensor topk_ids, "
-        "Tensor topk_weights, Tensor w1, Tensor w2) -> (Tensor, int)",
+        "Tensor topk_weights, Tensor w1, Tensor w2, Tensor[] adapters=[]) -> (Tensor, int)",
         forwardOp);
   m.def("backward(__torch__.torch.classes.moec.Layer layer, int step, Tensor x, "
         "Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy, "
-        "Tensor? main_grad1=None, Tensor? main_grad2=None) -> "
-        "(Tensor, Tensor, Tensor?, Tensor?)",
+        "Tensor? main_grad1=None, Tensor? main_grad2=None, Tensor[] adapters=[]) -> "
+        "(Tensor, Tensor, Tensor?, Tensor?, Tensor[])",
         backwardOp);
   m.def("finalize_mpi() -> ()", finalizeMpiOp);
 }

@@ -69,17 +69,52 @@ double secondsSince(Clock::time_point start) {
 }
 
 /// The tensors a caller binds, by name.
-enum Binding : uint32_t { kX, kW1, kW2, kY, kDy, kDx, kDtopk, kDw1, kDw2, kBindingCount };
+enum Binding : uint32_t {
+  kX, kW1, kW2, kY, kDy, kDx, kDtopk, kDw1, kDw2,
+  // LoRA adapters, per target t (0: w1, 1: w2): A, B, and their gradients.
+  kLoraA1, kLoraB1, kLoraA2, kLoraB2, kDLoraA1, kDLoraB1, kDLoraA2, kDLoraB2,
+  kBindingCount
+};
 constexpr const char *kBindingNames[kBindingCount] = {
-    "x", "w1", "w2", "y", "dy", "dx", "dtopk_weights", "dw1", "dw2"};
+    "x",       "w1",      "w2",      "y",        "dy",       "dx",       "dtopk_weights",
+    "dw1",     "dw2",     "lora_a1", "lora_b1",  "lora_a2",  "lora_b2",  "dlora_a1",
+    "dlora_b1", "dlora_a2", "dlora_b2"};
+
+bool isAdapterGrad(Binding b) { return b >= kDLoraA1 && b <= kDLoraB2; }
+bool isAdapter(Binding b) { return b >= kLoraA1 && b <= kDLoraB2; }
+/// The projection an adapter binding belongs to: 0 (w1) or 1 (w2).
+int adapterTarget(Binding b) { return ((b - kLoraA1) / 2) % 2; }
 
 /// The dtype a binding must have.
 DType bindingDType(Binding b, const LayerShape &fwd, const LayerShape *bwd) {
   if (b == kDtopk)
     return DType::F32;
-  if (b == kDw1 || b == kDw2)
+  if (b == kDw1 || b == kDw2 || isAdapterGrad(b))
     return bwd ? bwd->weightGrads : DType::F32;
   return fwd.activations;
+}
+
+/// The adapters' bindings and shapes (A [L, K, r], B [L, r, N] on a
+/// projection [L, K, N]), and the slots they go to, for the targets `s` has.
+struct AdapterBinding {
+  Binding binding;
+  std::vector<int64_t> dims;
+  uint32_t slot;
+};
+std::vector<AdapterBinding> adapterBindings(const LayerShape &s, const LayerPlan &plan,
+                                            bool gradients) {
+  std::vector<AdapterBinding> out;
+  const int64_t L = s.localExperts, H = s.hidden, I = s.inter, r = s.loraRank;
+  for (int t = 0; t < 2; ++t) {
+    if (!(s.loraTargets >> t & 1))
+      continue;
+    const int64_t K = t == 0 ? H : I, N = t == 0 ? 2 * I : H;
+    const LoraSlots &lora = plan.lora[t];
+    const uint32_t base = gradients ? kDLoraA1 : kLoraA1;
+    out.push_back({Binding(base + 2 * t), {L, K, r}, gradients ? lora.da : lora.a});
+    out.push_back({Binding(base + 2 * t + 1), {L, r, N}, gradients ? lora.db : lora.b});
+  }
+  return out;
 }
 
 
@@ -211,6 +246,9 @@ Status Context::Impl::forward() {
                                   {kW2, {L, I, H}}})
       if (Status st = checkBinding(r, b, dims); !st)
         return st;
+    for (const AdapterBinding &a : adapterBindings(s, fwd->plan(), false))
+      if (Status st = checkBinding(r, a.binding, a.dims); !st)
+        return st;
     return Status::success();
   };
   // Every check passes on every rank before state and outputs change.
@@ -226,6 +264,8 @@ Status Context::Impl::forward() {
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
     pass.bindSlot(r, plan.w1, bound[r][kW1].data);
     pass.bindSlot(r, plan.w2, bound[r][kW2].data);
+    for (const AdapterBinding &a : adapterBindings(s, plan, false))
+      pass.bindSlot(r, a.slot, bound[r][a.binding].data);
     x[r] = bound[r][kX].data;
     y[r] = bound[r][kY].data;
   }
@@ -272,6 +312,10 @@ Status Context::Impl::backward() {
       if (st = checkBinding(r, b, dims); !st)
         break;
     }
+    for (bool gradients : {false, true})
+      for (const AdapterBinding &a : adapterBindings(s, bwd->plan(), gradients))
+        if (st && !(st = checkBinding(r, a.binding, a.dims)))
+          break;
     local.push_back(st);
   }
   if (Status st = agree(local, nullptr); !st)
@@ -292,9 +336,19 @@ Status Context::Impl::backward() {
     if (!frozen) {
       pass.bindSlot(r, plan.dw1, bound[r][kDw1].data);
       pass.bindSlot(r, plan.dw2, bound[r][kDw2].data);
-      pass.bindSlot(r, plan.dispatched, fwd->slot(r, saved.dispatched));
-      pass.bindSlot(r, plan.swigluOut, fwd->slot(r, saved.swigluOut));
     }
+    // The activations this backward reads from forward: X and A for the
+    // weight gradients (dw or the adapters' dA), U for the adapters' dB.
+    if (plan.dispatched != kNoSlot)
+      pass.bindSlot(r, plan.dispatched, fwd->slot(r, saved.dispatched));
+    if (plan.swigluOut != kNoSlot)
+      pass.bindSlot(r, plan.swigluOut, fwd->slot(r, saved.swigluOut));
+    for (int t = 0; t < 2; ++t)
+      if (plan.lora[t].u != kNoSlot)
+        pass.bindSlot(r, plan.lora[t].u, fwd->slot(r, saved.lora[t].u));
+    for (bool gradients : {false, true})
+      for (const AdapterBinding &a : adapterBindings(s, plan, gradients))
+        pass.bindSlot(r, a.slot, bound[r][a.binding].data);
     dy[r] = bound[r][kDy].data;
     dx[r] = bound[r][kDx].data;
     dtopk[r] = static_cast<float *>(bound[r][kDtopk].data);
@@ -421,7 +475,12 @@ Status Context::bind(uint32_t rank, std::string_view name, const Tensor &tensor)
     return Status::error(fmt::format("rank {}: no tensor is named '{}'; expected one of {}", rank,
                                      name, fmt::join(kBindingNames, ", ")));
   const Binding b = Binding(found - std::begin(kBindingNames));
-  const bool backwardOnly = b == kDy || b == kDx || b == kDtopk || b == kDw1 || b == kDw2;
+  const bool backwardOnly =
+      b == kDy || b == kDx || b == kDtopk || b == kDw1 || b == kDw2 || isAdapterGrad(b);
+  if (isAdapter(b) && !(shape().loraTargets >> adapterTarget(b) & 1))
+    return Status::error(fmt::format("rank {}: '{}' is a LoRA adapter on w{}, and this "
+                                     "context's programs have none there",
+                                     rank, name, adapterTarget(b) + 1));
   if (backwardOnly && !body->bwd)
     return Status::error(fmt::format("rank {}: '{}' is a backward tensor, and this context has "
                                      "no backward program",

@@ -28,6 +28,18 @@
  *        dw1             [L, H, 2I]  weight-gradient dtype   backward (output)
  *        dw2             [L, I, H]   weight-gradient dtype   backward (output)
  *
+ *      and, for binaries with LoRA adapters on the experts (base weights
+ *      frozen, so no dw1/dw2; r the adapters' rank):
+ *
+ *        lora_a1         [L, H, r]   activations             both    (input)
+ *        lora_b1         [L, r, 2I]  activations             both    (input)
+ *        lora_a2         [L, I, r]   activations             both    (input)
+ *        lora_b2         [L, r, H]   activations             both    (input)
+ *        dlora_a1 .. dlora_b2  the same shapes, weight-gradient dtype,
+ *                                                            backward (output)
+ *
+ *      (only the adapters the binaries have: on w1, on w2 or on both);
+ *
  *      (L local experts of rank r: global experts r*L .. r*L+L-1; H, I and
  *      the dtypes come from the binary; S may be anything up to the binary's
  *      capacity, the same on every rank);
@@ -291,7 +303,8 @@ public:
   Status setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights);
 
   /// Binds `rank`'s tensor `name` (x, w1, w2, y, dy, dx, dtopk_weights, dw1,
-  /// dw2). Checks the dtype and the dims that do not depend on S now.
+  /// dw2, and the LoRA adapters lora_a1 .. dlora_b2). Checks the dtype and
+  /// the dims that do not depend on S now.
   Status bind(uint32_t rank, std::string_view name, const Tensor &tensor);
 
   /// Runs the forward pass on every rank: y = the layer of x.

@@ -153,11 +153,12 @@ template <typename Call> void oneThread(Call call) {
 }
 
 /// One GEMM, row-major, fp32 accumulation into fp32 C:
-/// C = op(A) op(B) + beta C with op(A) m x k and op(B) k x n. `a` is stored
+/// C = alpha op(A) op(B) + beta C with op(A) m x k and op(B) k x n. `a` is stored
 /// m x k (k x m when transA), `b` k x n (n x k when transB); both fp32
 /// (dnnl_sgemm) or both bf16 (dnnl_gemm_bf16bf16f32).
 void gemm(bool transA, bool transB, int64_t m, int64_t n, int64_t k, const void *a,
-          int64_t lda, const void *b, int64_t ldb, Elt elt, float beta, float *c, int64_t ldc) {
+          int64_t lda, const void *b, int64_t ldb, Elt elt, float alpha, float beta, float *c,
+          int64_t ldc) {
 #ifdef MOEC_TSAN
   tsanAccess(a, transA ? k : m, transA ? m : k, lda, dtypeSize(elt), false);
   tsanAccess(b, transB ? n : k, transB ? k : n, ldb, dtypeSize(elt), false);
@@ -170,9 +171,9 @@ void gemm(bool transA, bool transB, int64_t m, int64_t n, int64_t k, const void 
   dnnl_status_t status;
   oneThread([&] {
     status = elt == Elt::F32
-                 ? dnnl_sgemm(ta, tb, m, n, k, 1.0f, static_cast<const float *>(a), la,
+                 ? dnnl_sgemm(ta, tb, m, n, k, alpha, static_cast<const float *>(a), la,
                               static_cast<const float *>(b), lb, beta, c, lc)
-                 : dnnl_gemm_bf16bf16f32(ta, tb, m, n, k, 1.0f,
+                 : dnnl_gemm_bf16bf16f32(ta, tb, m, n, k, alpha,
                                          static_cast<const uint16_t *>(a), la,
                                          static_cast<const uint16_t *>(b), lb, beta, c, lc);
   });
@@ -217,7 +218,7 @@ void zeroTile(Matrix c, int64_t m, int64_t n) {
 } // namespace
 
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
-              bool transB, Matrix c, bool accumulate, Scratch *scratch) {
+              bool transB, Matrix c, bool accumulate, Scratch *scratch, float alpha) {
   if (m <= 0 || n <= 0)
     return;
   if (k <= 0) {
@@ -239,13 +240,13 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     const Panel pa = panel(a, 0, 0, aRows, aCols, base);
     const Panel pb = panel(b, 0, 0, bRows, bCols, base + aSize);
     gemmTile(m, n, k, ConstMatrix{pa.data, Elt::F32, pa.ld}, transA,
-             ConstMatrix{pb.data, Elt::F32, pb.ld}, transB, c, accumulate, scratch);
+             ConstMatrix{pb.data, Elt::F32, pb.ld}, transB, c, accumulate, scratch, alpha);
     return;
   }
   // A and B of one storage type, C fp32: one GEMM on the buffers in place.
   if (c.elt == Elt::F32) {
-    gemm(transA, transB, m, n, k, a.data, a.ld, b.data, b.ld, a.elt, accumulate ? 1.0f : 0.0f,
-         static_cast<float *>(c.data), c.ld);
+    gemm(transA, transB, m, n, k, a.data, a.ld, b.data, b.ld, a.elt, alpha,
+         accumulate ? 1.0f : 0.0f, static_cast<float *>(c.data), c.ld);
     return;
   }
 
@@ -263,7 +264,7 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
           loadFloats(c.address(i0 + i, j0), c.elt, cBuf + i * nb, size_t(nb));
       const ConstMatrix pa = transA ? shifted(a, 0, i0) : shifted(a, i0, 0);
       const ConstMatrix pb = transB ? shifted(b, j0, 0) : shifted(b, 0, j0);
-      gemm(transA, transB, mb, nb, k, pa.data, pa.ld, pb.data, pb.ld, a.elt,
+      gemm(transA, transB, mb, nb, k, pa.data, pa.ld, pb.data, pb.ld, a.elt, alpha,
            accumulate ? 1.0f : 0.0f, cBuf, nb);
       for (int64_t i = 0; i < mb; ++i)
         storeFloats(cBuf + i * nb, c.address(i0 + i, j0), c.elt, size_t(nb));
@@ -282,26 +283,38 @@ Range clipToSegment(Range rows, Segment segment) {
   return Range{std::max<int64_t>(rows.begin, 0), std::min(rows.end, segment.rows)};
 }
 
+/// An activation-form tile: C = addend + scale * A op(B) over the segment's
+/// `rows` (clipped) and `cols`; op(B) = B, or B^T when `transB`.
+void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t depth,
+                    Segment segment, Range rows, Range cols, Scratch *scratch,
+                    const Epilogue &epilogue) {
+  const Range r = clipToSegment(rows, segment);
+  if (r.empty() || cols.empty())
+    return;
+  const int64_t first = segment.offset + r.begin;
+  const Matrix out = shifted(c, first, cols.begin);
+  const bool add = epilogue.addend.data != nullptr;
+  if (add && epilogue.addend.data != c.data) {
+    const ConstMatrix from = shifted(epilogue.addend, first, cols.begin);
+    const size_t bytes = size_t(cols.size()) * dtypeSize(c.elt);
+    for (int64_t i = 0; i < r.size(); ++i)
+      std::memcpy(out.address(i, 0), from.address(i, 0), bytes);
+  }
+  gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false,
+           transB ? shifted(b, cols.begin, 0) : shifted(b, 0, cols.begin), transB, out, add,
+           scratch, epilogue.scale);
+}
+
 } // namespace
 
 void gmmForwardTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
-                    Range rows, Range cols, Scratch *scratch) {
-  const Range r = clipToSegment(rows, segment);
-  if (r.empty() || cols.empty())
-    return;
-  const int64_t first = segment.offset + r.begin;
-  gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false,
-           shifted(b, 0, cols.begin), false, shifted(c, first, cols.begin), false, scratch);
+                    Range rows, Range cols, Scratch *scratch, const Epilogue &epilogue) {
+  activationTile(a, b, false, c, depth, segment, rows, cols, scratch, epilogue);
 }
 
 void gmmDgradTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
-                  Range rows, Range cols, Scratch *scratch) {
-  const Range r = clipToSegment(rows, segment);
-  if (r.empty() || cols.empty())
-    return;
-  const int64_t first = segment.offset + r.begin;
-  gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false,
-           shifted(b, cols.begin, 0), true, shifted(c, first, cols.begin), false, scratch);
+                  Range rows, Range cols, Scratch *scratch, const Epilogue &epilogue) {
+  activationTile(a, b, true, c, depth, segment, rows, cols, scratch, epilogue);
 }
 
 void gmmWgradTile(ConstMatrix a, ConstMatrix b, Matrix c, Segment segment, Range rows, Range cols,

@@ -102,14 +102,25 @@ bool nativeBf16Gemm();
 
 /// The general tile matmul every kernel below runs on:
 ///
-///   C[i, j] (+)= sum_p opA(i, p) * opB(p, j)   for i < m, j < n, p < k
+///   C[i, j] (+)= alpha * sum_p opA(i, p) * opB(p, j)   for i < m, j < n, p < k
 ///
 /// where opA(i, p) = a(i, p), or a(p, i) when `transA` (A stored k x m), and
 /// opB(p, j) = b(p, j), or b(j, p) when `transB` (B stored n x k). C is
 /// m x n at c. With `accumulate`, the product is added to C, else C is
 /// overwritten (also when k is 0: C becomes zero). `scratch` may be null.
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
-              bool transB, Matrix c, bool accumulate, Scratch *scratch = nullptr);
+              bool transB, Matrix c, bool accumulate, Scratch *scratch = nullptr,
+              float alpha = 1.0f);
+
+/// What an activation-form tile (gmmForwardTile, gmmDgradTile) makes of its
+/// product P: C = addend + scale * P, where addend (when its data is not
+/// null) is a matrix of C's shape and type, read at the rows and columns the
+/// tile writes (it may be C itself). A LoRA adapter adds its product onto
+/// the base projection's output this way, and scales its rank-r product.
+struct Epilogue {
+  float scale = 1.0f;
+  ConstMatrix addend;
+};
 
 /// Forward tile of one expert: C[m, n] = sum_{k < depth} A[m, k] * B[k, n] for
 /// m in `rows` and n in `cols`.
@@ -119,16 +130,19 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
 /// rows of the segment (0 is its first). `rows` is clipped to the segment, so
 /// a tile past the expert's last row writes nothing: the runtime can pass the
 /// tile of a capacity-sized grid as it is. `b` is the expert's weight
-/// [depth, N]; `cols` is a column range of it (not clipped).
+/// [depth, N]; `cols` is a column range of it (not clipped). `epilogue`
+/// scales the product and adds a matrix to it.
 void gmmForwardTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
-                    Range rows, Range cols, Scratch *scratch = nullptr);
+                    Range rows, Range cols, Scratch *scratch = nullptr,
+                    const Epilogue &epilogue = {});
 
 /// Data-gradient tile of one expert: C[m, n] = sum_{k < depth} A[m, k] *
 /// B[n, k], i.e. C = A B^T with the weight stored [N, depth] (w1[e] is
 /// [H, 2I] and gives dX from dY; w2[e] is [I, H] and gives dA from dZ).
-/// Rows, segment and columns as for gmmForwardTile.
+/// Rows, segment, columns and epilogue as for gmmForwardTile.
 void gmmDgradTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
-                  Range rows, Range cols, Scratch *scratch = nullptr);
+                  Range rows, Range cols, Scratch *scratch = nullptr,
+                  const Epilogue &epilogue = {});
 
 /// Weight-gradient tile of one expert: for k in `rows` and n in `cols`,
 ///

@@ -78,6 +78,8 @@ struct Pass::OpInfo {
   OpKind kind = OpKind::Gmm;
   const TilingRecord *tiling = nullptr;
   bool wgrad = false, transposeB = false, accumulate = false;
+  Epilogue epilogue;       ///< scale; addend.data: unused (its slot is below)
+  uint32_t addend = format::kNone; ///< the slot added to an activation-form product
   int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
 };
 
@@ -101,6 +103,10 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
     info.wgrad = op.kind == OpKind::Gmm && info.tiling->depth == 0;
     info.transposeB = info.tiling->flags & format::kTilingTransposeB;
     info.accumulate = info.tiling->flags & format::kTilingAccumulate;
+    if (info.tiling->flags & format::kTilingScale)
+      info.epilogue.scale = info.tiling->scale;
+    if (op.kind == OpKind::Gmm && !info.wgrad && info.tiling->inputCount == 4)
+      info.addend = info.tiling->inputSlots[3];
     const format::SlotRecord &w =
         program.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
     if (op.kind == OpKind::Gmm)
@@ -155,13 +161,7 @@ Status Pass::allocate() {
   comm::Fabric &fabric = *options.fabric;
   // The slots the caller binds (or the forward pass's, for backward): no
   // workspace of their own.
-  std::vector<uint32_t> caller;
-  if (plan.kind == rt::PlanKind::Combine)
-    caller = {plan.toReturn};
-  else if (plan.kind == rt::PlanKind::Layer)
-    caller = {plan.w1, plan.w2};
-  if (plan.shape.backward)
-    caller.insert(caller.end(), {plan.dw1, plan.dw2, plan.dispatched, plan.upOut, plan.swigluOut});
+  const std::vector<uint32_t> caller = plan.boundSlots();
   // What it all takes, checked against the machine before any allocation.
   uint64_t needed = 0;
   for (uint32_t slot = 0; slot < tasks.slots.size(); ++slot)
@@ -404,10 +404,15 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
     const ConstMatrix bm{static_cast<const char *>(data[rank][b]) +
                              op.expertStride * tile.expert * dtypeSize(dtype(b)),
                          dtype(b), int64_t(t.ldb)};
+    Epilogue epilogue = op.epilogue;
+    if (op.addend != format::kNone)
+      epilogue.addend = in(op.addend);
     if (op.transposeB)
-      gmmDgradTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch);
+      gmmDgradTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch,
+                   epilogue);
     else
-      gmmForwardTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch);
+      gmmForwardTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch,
+                     epilogue);
     return Status::success();
   }
   case OpKind::Swiglu:

@@ -53,10 +53,13 @@ private:
   const TaskProgram &program;
   LayerPlan &plan;
 
-  // Ops by role.
-  uint32_t up = kNoSlot, swiglu = kNoSlot, down = kNoSlot;       // forward
-  uint32_t actGrad = kNoSlot, swigluGrad = kNoSlot, gateGrad = kNoSlot; // backward
-  uint32_t dw2Op = kNoSlot, dw1Op = kNoSlot;                      // backward
+  // The SwiGLU (forward) or SwiGLU-gradient (backward) op; the
+  // weight-gradient ops of a backward pass (dw1 and dw2, or the adapters'
+  // gradients).
+  uint32_t actOp = kNoSlot;
+  std::vector<std::array<std::string, 5>> loraRoles; // names for messages
+  uint32_t dw2Op = kNoSlot, dw1Op = kNoSlot;
+  std::vector<uint32_t> weightGradOps;
 
   const TilingRecord &tiling(uint32_t op) const { return program.tilings[program.ops[op].tiling]; }
   uint32_t in(uint32_t op, uint32_t k) const { return tiling(op).inputSlots[k]; }
@@ -100,33 +103,75 @@ private:
     return Status::success();
   }
 
+  /// The op that writes `slot`, or kNoSlot for a graph input.
+  uint32_t producer(uint32_t slot) const {
+    for (uint32_t i = 0; i < program.ops.size(); ++i)
+      if (out(i) == slot)
+        return i;
+    return kNoSlot;
+  }
+
+  bool isActivationGmm(uint32_t op) const {
+    return op != kNoSlot && program.ops[op].kind == OpKind::Gmm && !isWgrad(op);
+  }
+
+  /// One projection of the layer (Y = X W, or dX = dY W^T): its base GMM
+  /// and, with a LoRA adapter, the GMM of the rank-r product (U = s X A, or
+  /// V = s dY B^T) and the GMM that adds the adapter's second product to the
+  /// base output (Y = Y_base + U B, or dX = dX_base + V A^T).
+  struct Projection {
+    uint32_t base = kNoSlot, rankIn = kNoSlot, add = kNoSlot;
+    bool lora() const { return add != kNoSlot; }
+    uint32_t last() const { return lora() ? add : base; }
+  };
+
+  /// Finds the projection whose last GMM writes `result` and whose input
+  /// rows are `lhs`.
+  Status projection(uint32_t result, uint32_t lhs, const char *role, Projection *p) const {
+    const uint32_t last = producer(result);
+    if (!isActivationGmm(last))
+      return notLayer(fmt::format("slot '{}' is not written by a gmm (the {})", slotName(result),
+                                  role));
+    if (tiling(last).inputCount == 4) { // an adapter: Y = Y_base + U B
+      p->add = last;
+      p->base = producer(in(last, 3));
+      p->rankIn = producer(in(last, 0));
+      for (const auto &[op, what] : {std::pair<uint32_t, const char *>{p->base, "base"},
+                                     {p->rankIn, "rank-r"}})
+        if (!isActivationGmm(op) || tiling(op).inputCount != 3 || in(op, 0) != lhs)
+          return notLayer(fmt::format("{} adds '{}' to its product, which is not the {} gmm "
+                                      "of the {} reading '{}'",
+                                      describe(last), slotName(in(last, what[0] == 'b' ? 3 : 0)),
+                                      what, role, slotName(lhs)));
+      return Status::success();
+    }
+    p->base = last;
+    if (in(last, 0) != lhs)
+      return notLayer(fmt::format("the {} {} reads '{}'; expected '{}'", role, describe(last),
+                                  slotName(in(last, 0)), slotName(lhs)));
+    return Status::success();
+  }
+
   Status findOps() {
     size_t counts[6] = {};
     for (const OpRecord &op : program.ops)
       ++counts[size_t(op.kind)];
     const bool bwd = program.isBackward();
-    // A backward pass without the weight-gradient GMMs is a frozen layer's.
-    size_t wgrads = 0;
-    for (uint32_t i = 0; i < program.ops.size(); ++i)
-      wgrads += isWgrad(i);
-    plan.shape.frozen = bwd && wgrads == 0;
-    const size_t gmms = bwd ? (plan.shape.frozen ? 2 : 4) : 2;
     if (counts[size_t(OpKind::Dispatch)] != 1 || counts[size_t(OpKind::Combine)] != 1 ||
-        counts[size_t(OpKind::Gmm)] != gmms ||
         counts[size_t(OpKind::Swiglu)] != (bwd ? 0u : 1u) ||
         counts[size_t(OpKind::SwigluGrad)] != (bwd ? 1u : 0u))
       return notLayer(fmt::format(
-          "expected 1 dispatch, {} gmm, 1 {} and 1 combine op; the binary has {} dispatch, "
-          "{} gmm, {} swiglu, {} swiglu_grad and {} combine",
-          bwd ? "4 (2 with frozen weights)" : "2", bwd ? "swiglu_grad" : "swiglu", counts[1], counts[3], counts[4], counts[5],
-          counts[2]));
+          "expected 1 dispatch, 1 {} and 1 combine op with the gmm ops; the binary has {} "
+          "dispatch, {} swiglu, {} swiglu_grad and {} combine",
+          bwd ? "swiglu_grad" : "swiglu", counts[1], counts[4], counts[5], counts[2]));
     for (uint32_t i = 0; i < program.ops.size(); ++i) {
       const OpKind kind = program.ops[i].kind;
       const uint32_t needed = kind == OpKind::Dispatch || kind == OpKind::Combine ? 4
                               : kind == OpKind::Gmm                               ? 3
                               : kind == OpKind::SwigluGrad                        ? 2
                                                                                   : 1;
-      if (tiling(i).inputCount != needed)
+      const bool addend = kind == OpKind::Gmm && !isWgrad(i) && tiling(i).inputCount == 4;
+      if (tiling(i).inputCount != needed && !addend)
         return notLayer(fmt::format("{} has {} inputs; expected {}", describe(i),
                                     tiling(i).inputCount, needed));
       if (kind == OpKind::Dispatch)
@@ -145,49 +190,118 @@ private:
     plan.returned = out(c);
     plan.toReturn = in(c, 1);
 
-    if (!bwd) {
-      if (Status s = findOne(OpKind::Gmm, 0, out(d), "up projection", &up); !s)
-        return s;
-      if (Status s = findOne(OpKind::Swiglu, 0, out(up), "SwiGLU", &swiglu); !s)
-        return s;
-      if (Status s = findOne(OpKind::Gmm, 0, out(swiglu), "down projection", &down); !s)
-        return s;
-      if (in(c, 1) != out(down))
-        return notLayer(fmt::format("the combine sends '{}', not the down projection's '{}'",
-                                    slotName(in(c, 1)), slotName(out(down))));
-      plan.w1 = in(up, 1);
-      plan.w2 = in(down, 1);
-      plan.dispatched = out(d);
-      plan.upOut = out(up);
-      plan.swigluOut = out(swiglu);
-      plan.glist = in(up, 2);
-      return sameGlist({up, down});
-    }
-    if (Status s = findOne(OpKind::Gmm, 0, out(d), "activation gradient", &actGrad); !s)
-      return s;
-    if (Status s = findOne(OpKind::SwigluGrad, 0, out(actGrad), "SwiGLU gradient", &swigluGrad);
+    // The element-wise op between the two projections.
+    for (uint32_t i = 0; i < program.ops.size(); ++i)
+      if (program.ops[i].kind == (bwd ? OpKind::SwigluGrad : OpKind::Swiglu))
+        actOp = i;
+    const uint32_t act = actOp;
+    Projection first, second; // w1 then w2 (forward); w2 then w1 (backward)
+    if (Status s = projection(in(act, 0), out(d), bwd ? "activation gradient" : "up projection",
+                              &first);
         !s)
       return s;
-    if (Status s = findOne(OpKind::Gmm, 0, out(swigluGrad), "input gradient", &gateGrad); !s)
+    if (Status s = projection(in(c, 1), out(act), bwd ? "input gradient" : "down projection",
+                              &second);
+        !s)
       return s;
-    if (in(c, 1) != out(gateGrad))
-      return notLayer(fmt::format("the combine sends '{}', not the input gradient's '{}'",
-                                  slotName(in(c, 1)), slotName(out(gateGrad))));
-    plan.w2 = in(actGrad, 1);
-    plan.w1 = in(gateGrad, 1);
-    plan.upOut = in(swigluGrad, 1);
-    plan.glist = in(actGrad, 2);
-    if (plan.shape.frozen)
-      return sameGlist({actGrad, gateGrad});
-    if (Status s = findOne(OpKind::Gmm, 1, out(d), "w2 gradient", &dw2Op, true); !s)
-      return s;
-    if (Status s = findOne(OpKind::Gmm, 1, out(swigluGrad), "w1 gradient", &dw1Op, true); !s)
-      return s;
-    plan.swigluOut = in(dw2Op, 0);
-    plan.dispatched = in(dw1Op, 0);
-    plan.dw2 = out(dw2Op);
-    plan.dw1 = out(dw1Op);
-    return sameGlist({actGrad, gateGrad, dw2Op, dw1Op});
+    Projection &p1 = bwd ? second : first, &p2 = bwd ? first : second; // on w1, on w2
+    plan.w1 = in(p1.base, 1);
+    plan.w2 = in(p2.base, 1);
+    plan.upOut = bwd ? in(act, 1) : in(act, 0);
+    plan.glist = in(p1.base, 2);
+    std::vector<uint32_t> gmms = {p1.base, p2.base};
+    LayerShape &shape = plan.shape;
+    for (int t = 0; t < 2; ++t) {
+      const Projection &p = t == 0 ? p1 : p2;
+      if (!p.lora())
+        continue;
+      shape.loraTargets |= uint8_t(1u << t);
+      gmms.insert(gmms.end(), {p.rankIn, p.add});
+      LoraSlots &lora = plan.lora[t];
+      // Forward: U = s X A, Y = Y_base + U B. Backward: V = s dY B^T,
+      // dX = dX_base + V A^T.
+      lora.a = in(bwd ? p.add : p.rankIn, 1);
+      lora.b = in(bwd ? p.rankIn : p.add, 1);
+      if (!bwd)
+        lora.u = out(p.rankIn);
+      const TilingRecord &rt = tiling(p.rankIn);
+      const float scale = (rt.flags & format::kTilingScale) ? rt.scale : 1.0f;
+      if (shape.loraScaling != 0 && shape.loraScaling != scale)
+        return notLayer(fmt::format("the adapters' scales differ: {} and {}", shape.loraScaling,
+                                    scale));
+      shape.loraScaling = scale;
+    }
+    if (!bwd) {
+      plan.dispatched = out(d);
+      plan.swigluOut = out(act);
+      return allRoles(gmms);
+    }
+
+    // Backward: the weight-gradient GMMs. Without adapters, dw2 = A^T dZ and
+    // dw1 = X^T dY, or none (frozen base weights). With adapters the base
+    // weights are frozen, and each adapter has dB = U^T dY and dA = X^T V
+    // (X: the projection's input rows in forward).
+    std::vector<uint32_t> wgrads;
+    for (uint32_t i = 0; i < program.ops.size(); ++i)
+      if (isWgrad(i))
+        wgrads.push_back(i);
+    gmms.insert(gmms.end(), wgrads.begin(), wgrads.end());
+    const uint32_t dY2 = out(d), dY1 = out(act); // the two projections' dY rows
+    if (shape.loraTargets == 0) {
+      shape.frozen = wgrads.empty();
+      if (!shape.frozen) {
+        if (Status s = findOne(OpKind::Gmm, 1, dY2, "w2 gradient", &dw2Op, true); !s)
+          return s;
+        if (Status s = findOne(OpKind::Gmm, 1, dY1, "w1 gradient", &dw1Op, true); !s)
+          return s;
+        plan.swigluOut = in(dw2Op, 0);
+        plan.dispatched = in(dw1Op, 0);
+        plan.dw2 = out(dw2Op);
+        plan.dw1 = out(dw1Op);
+        weightGradOps = {dw1Op, dw2Op};
+      }
+      return allRoles(gmms);
+    }
+    shape.frozen = true;
+    for (uint32_t op : wgrads) {
+      bool found = false;
+      for (int t = 0; t < 2 && !found; ++t) {
+        const Projection &p = t == 0 ? p1 : p2;
+        if (!p.lora())
+          continue;
+        LoraSlots &lora = plan.lora[t];
+        const uint32_t dY = t == 0 ? dY1 : dY2;
+        uint32_t *saved = t == 0 ? &plan.dispatched : &plan.swigluOut;
+        if (in(op, 1) == dY && lora.db == kNoSlot) {
+          lora.u = in(op, 0);
+          lora.db = out(op);
+          found = true;
+        } else if (in(op, 1) == out(p.rankIn) && lora.da == kNoSlot) {
+          *saved = in(op, 0);
+          lora.da = out(op);
+          found = true;
+        }
+      }
+      if (!found)
+        return notLayer(fmt::format("{} is not the gradient of a LoRA adapter; a layer with "
+                                    "adapters keeps its base weights frozen",
+                                    describe(op)));
+      weightGradOps.push_back(op);
+    }
+    for (int t = 0; t < 2; ++t)
+      if ((shape.loraTargets >> t & 1) && (plan.lora[t].da == kNoSlot || plan.lora[t].db == kNoSlot))
+        return notLayer(fmt::format("the adapter on w{} has no {} gradient", t + 1,
+                                    plan.lora[t].da == kNoSlot ? "A" : "B"));
+    return allRoles(gmms);
+  }
+
+  /// Every gmm op has a role in the layer, and all read one group list.
+  Status allRoles(const std::vector<uint32_t> &gmms) const {
+    for (uint32_t i = 0; i < program.ops.size(); ++i)
+      if (program.ops[i].kind == OpKind::Gmm &&
+          std::find(gmms.begin(), gmms.end(), i) == gmms.end())
+        return notLayer(fmt::format("{} is not part of the layer's dataflow", describe(i)));
+    return sameGlist(gmms);
   }
 
   /// A program of one put: the dispatch or the combine alone.
@@ -234,7 +348,7 @@ private:
     return checkTilings();
   }
 
-  Status sameGlist(std::initializer_list<uint32_t> gmms) const {
+  Status sameGlist(const std::vector<uint32_t> &gmms) const {
     for (uint32_t op : gmms)
       if (in(op, 2) != plan.glist)
         return notLayer(fmt::format("{} reads group list '{}', the others '{}'", describe(op),
@@ -313,27 +427,58 @@ private:
       expects.push_back({plan.swigluOut, "A", {T, I}});
     }
     if (shape.backward) {
-      expects.push_back({out(actGrad), "dA", {T, I}});
-      expects.push_back({out(swigluGrad), "dY", {T, 2 * I}});
+      expects.push_back({in(actOp, 0), "dA", {T, I}});
+      expects.push_back({out(actOp), "dY", {T, 2 * I}});
+    }
+    // Adapters on w1 [L, H, 2I] and w2 [L, I, H]: A [L, K, r], B [L, r, N].
+    std::vector<Expect> grads;
+    if (shape.loraTargets) {
+      const uint32_t firstA = plan.lora[(shape.loraTargets & 1) ? 0 : 1].a;
+      shape.loraRank = program.slots[firstA].rank == 3 ? int64_t(program.slots[firstA].dims[2]) : 0;
+      const int64_t r = shape.loraRank;
+      loraRoles.reserve(2); // the roles' c_str() must stay put
+      for (int t = 0; t < 2; ++t) {
+        if (!(shape.loraTargets >> t & 1))
+          continue;
+        const LoraSlots &lora = plan.lora[t];
+        const int64_t kDim = t == 0 ? H : I, nDim = t == 0 ? 2 * I : H;
+        const std::string w = fmt::format("w{}", t + 1);
+        loraRoles.push_back({"adapter A on " + w, "adapter B on " + w, "U of " + w,
+                             "A gradient of " + w, "B gradient of " + w});
+        const auto &names = loraRoles.back();
+        expects.push_back({lora.a, names[0].c_str(), {L, kDim, r}});
+        expects.push_back({lora.b, names[1].c_str(), {L, r, nDim}});
+        expects.push_back({lora.u, names[2].c_str(), {T, r}});
+        if (shape.backward) {
+          grads.push_back({lora.da, names[3].c_str(), {L, kDim, r}});
+          grads.push_back({lora.db, names[4].c_str(), {L, r, nDim}});
+        }
+      }
+      if (shape.frozen && shape.backward && plan.lora[0].a != kNoSlot)
+        expects.push_back({plan.dispatched, "X", {T, H}});
+      if (shape.frozen && shape.backward && plan.lora[1].a != kNoSlot)
+        expects.push_back({plan.swigluOut, "A", {T, I}});
     }
     for (const Expect &e : expects)
       if (Status s = expectShape(e.slot, e.role, e.dims, act); !s)
         return s;
     if (shape.backward && !shape.frozen) {
-      shape.weightGrads = program.slots[plan.dw1].dtype;
+      grads.push_back({plan.dw1, "dw1", {L, H, 2 * I}});
+      grads.push_back({plan.dw2, "dw2", {L, I, H}});
+    }
+    if (!grads.empty()) {
+      shape.weightGrads = program.slots[grads[0].slot].dtype;
       if (shape.weightGrads != DType::F32 && shape.weightGrads != DType::BF16)
-        return Status::error(fmt::format("slot '{}' (dw1) is {}; expected f32 or bf16",
-                                         slotName(plan.dw1),
+        return Status::error(fmt::format("slot '{}' ({}) is {}; expected f32 or bf16",
+                                         slotName(grads[0].slot), grads[0].role,
                                          format::dtypeName(shape.weightGrads)));
-      if (Status s = expectShape(plan.dw1, "dw1", {L, H, 2 * I}, shape.weightGrads); !s)
-        return s;
-      if (Status s = expectShape(plan.dw2, "dw2", {L, I, H}, shape.weightGrads); !s)
-        return s;
-      const bool acc1 = tiling(dw1Op).flags & format::kTilingAccumulate;
-      const bool acc2 = tiling(dw2Op).flags & format::kTilingAccumulate;
-      if (acc1 != acc2)
-        return Status::error("the two weight-gradient ops disagree on accumulating");
-      shape.accumulateWeightGrads = acc1;
+      for (const Expect &e : grads)
+        if (Status s = expectShape(e.slot, e.role, e.dims, shape.weightGrads); !s)
+          return s;
+      shape.accumulateWeightGrads = tiling(weightGradOps[0]).flags & format::kTilingAccumulate;
+      for (uint32_t op : weightGradOps)
+        if (bool(tiling(op).flags & format::kTilingAccumulate) != shape.accumulateWeightGrads)
+          return Status::error("the weight-gradient ops disagree on accumulating");
     }
     const std::pair<uint32_t, const char *> indices[] = {
         {plan.dTargetOffset, "dispatch target offsets"}, {plan.dSrcOffset, "dispatch src offsets"},
@@ -376,7 +521,7 @@ private:
                                            format::dtypeName(shape.activations)));
       const uint8_t allowedFlags =
           kind == OpKind::Gmm ? (isWgrad(op) ? format::kTilingTransposeA | format::kTilingAccumulate
-                                             : format::kTilingTransposeB)
+                                             : format::kTilingTransposeB | format::kTilingScale)
                               : 0;
       if (t.flags & ~allowedFlags)
         return tilingError(op, fmt::format("tiling flags {:#x} are not supported here", t.flags));
@@ -423,6 +568,13 @@ private:
       if (Status s = expectField(op, "cols", t.cols, uint64_t(width(c))); !s)
         return s;
       if (kind == OpKind::Gmm) {
+        if (t.inputCount == 4) {
+          const SlotRecord &cs = program.slots[c];
+          if (Status s = expectShape(in(op, 3), "addend", {rows(c), int64_t(cs.dims[1])},
+                                     cs.dtype);
+              !s)
+            return tilingError(op, s.message());
+        }
         const SlotRecord &w = program.slots[in(op, 1)];
         const bool transB = t.flags & format::kTilingTransposeB;
         if (Status s = expectField(op, "depth", t.depth, uint64_t(width(a))); !s)
@@ -461,6 +613,24 @@ Status analyzeLayer(const TaskProgram &program, LayerPlan *out) {
     return s;
   *out = std::move(plan);
   return Status::success();
+}
+
+std::vector<uint32_t> LayerPlan::boundSlots() const {
+  std::vector<uint32_t> slots;
+  if (kind == PlanKind::Combine)
+    slots = {toReturn};
+  if (kind != PlanKind::Layer)
+    return slots;
+  slots = {w1, w2};
+  for (const LoraSlots &l : lora)
+    slots.insert(slots.end(), {l.a, l.b});
+  if (shape.backward) {
+    slots.insert(slots.end(), {dw1, dw2, dispatched, upOut, swigluOut});
+    for (const LoraSlots &l : lora)
+      slots.insert(slots.end(), {l.u, l.da, l.db});
+  }
+  slots.erase(std::remove(slots.begin(), slots.end(), kNoSlot), slots.end());
+  return slots;
 }
 
 Status checkExchangeMatch(const LayerPlan &dispatch, const LayerPlan &combine) {
@@ -508,10 +678,16 @@ Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward) {
       {"receive capacity", {f.receiveCapacity, b.receiveCapacity}},
       {"expert capacity", {f.expertCapacity, b.expertCapacity}},
       {"put capacity", {f.putCapacity, b.putCapacity}},
+      {"LoRA targets (bit 0: w1, bit 1: w2)", {f.loraTargets, b.loraTargets}},
+      {"LoRA rank", {f.loraRank, b.loraRank}},
   };
   for (const auto &[what, values] : fields)
     if (values.first != values.second)
       return mismatch(what, values.first, values.second);
+  if (f.loraScaling != b.loraScaling)
+    return Status::error(fmt::format("the forward and backward programs are for different layers: "
+                                     "LoRA scaling {} and {}",
+                                     f.loraScaling, b.loraScaling));
   if (f.activations != b.activations)
     return Status::error(fmt::format("the forward and backward programs are for different layers: "
                                      "activations {} and {}",

@@ -47,6 +47,15 @@ inline constexpr uint32_t kNoSlot = format::kNone;
 /// half alone (a graph that holds only a dispatch, or only a combine).
 enum class PlanKind : uint8_t { Layer, Dispatch, Combine };
 
+/// The slots of a LoRA adapter on one projection (W: w1 [L, H, 2I] or w2
+/// [L, I, H], so [L, K, N]): Y = X W + (X A) B with A [L, K, r] and B
+/// [L, r, N], the scale applied to the rank-r product U = s X A.
+struct LoraSlots {
+  uint32_t a = kNoSlot, b = kNoSlot;   ///< A, B (both passes)
+  uint32_t u = kNoSlot;                ///< U [T, r]: forward's output, backward's input
+  uint32_t da = kNoSlot, db = kNoSlot; ///< backward: the adapter gradients
+};
+
 /// The role of every slot and op of a forward or backward layer binary, or
 /// of a dispatch or combine binary.
 struct LayerPlan {
@@ -78,8 +87,16 @@ struct LayerPlan {
   uint32_t upOut = kNoSlot;      ///< Y [T, 2I]
   uint32_t swigluOut = kNoSlot;  ///< A [T, I]
 
+  /// LoRA adapters: [0] on w1, [1] on w2 (shape.loraTargets says which).
+  std::array<LoraSlots, 2> lora;
+
   /// Per op: its input slots, in operand order.
   std::vector<std::array<uint32_t, format::kMaxTilingInputs>> inputs;
+
+  /// The slots that get no workspace of their own: the caller's tensors
+  /// (weights, adapters, gradients; a combine binary's expert rows) and, in
+  /// backward, the forward pass's saved activations.
+  std::vector<uint32_t> boundSlots() const;
 };
 
 /// Finds the roles of `program`'s slots and checks its shapes and tilings.

@@ -755,11 +755,11 @@ TORCH_LIBRARY(moec, m) {
       .def("combine_backward", &Exchange::combineBackward)
       .def("times", &Exchange::times);
   m.def("forward(__torch__.torch.classes.moec.Layer layer, Tensor x, Tensor topk_ids, "
-        "Tensor topk_weights, Tensor w1, Tensor w2, Tensor[] adapters=[]) -> (Tensor, int)",
+        "Tensor topk_weights, Tensor w1, Tensor w2, Tensor[] adapters) -> (Tensor, int)",
         forwardOp);
   m.def("backward(__torch__.torch.classes.moec.Layer layer, int step, Tensor x, "
         "Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor dy, "
-        "Tensor? main_grad1=None, Tensor? main_grad2=None, Tensor[] adapters=[]) -> "
+        "Tensor? main_grad1, Tensor? main_grad2, Tensor[] adapters) -> "
         "(Tensor, Tensor, Tensor?, Tensor?, Tensor[])",
         backwardOp);
   m.def("finalize_mpi() -> ()", finalizeMpiOp);

@@ -188,14 +188,33 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
     return _compiled[digest]
 
 
+LORA_TARGETS = ("w1", "w2")
+
+
+def _lora_suffix(lora_targets):
+    """The graphs' name suffix for adapters on `lora_targets`."""
+    targets = tuple(t for t in LORA_TARGETS if t in lora_targets)
+    if not targets or len(targets) != len(set(lora_targets)):
+        raise ValueError(f"moec: lora_targets must name some of {LORA_TARGETS}, "
+                         f"got {tuple(lora_targets)!r}")
+    return "_lora" if targets == LORA_TARGETS else "_lora_" + targets[0]
+
+
 def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False,
-                  frozen=False):
+                  frozen=False, lora_targets=None):
     """Returns (forward, backward) task-binary paths of the layer (see
     compile_graphs): moe_ffn_fwd.json, and moe_ffn_bwd_frozen.json (no weight
-    gradients) with `frozen`, else moe_ffn_bwd.json."""
-    backward = "moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json"
-    return compile_graphs(config, ranks, ["moe_ffn_fwd.json", backward], target, granularity,
-                          fresh)
+    gradients) with `frozen`, else moe_ffn_bwd.json. With `lora_targets`
+    (some of "w1", "w2"; the config sets lora_rank): the graphs with LoRA
+    adapters on those projections, moe_ffn_{fwd,bwd}_lora.json (both) or
+    moe_ffn_{fwd,bwd}_lora_w1.json / _w2.json."""
+    if lora_targets:
+        suffix = _lora_suffix(lora_targets)
+        graphs = [f"moe_ffn_fwd{suffix}.json", f"moe_ffn_bwd{suffix}.json"]
+    else:
+        graphs = ["moe_ffn_fwd.json",
+                  "moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json"]
+    return compile_graphs(config, ranks, graphs, target, granularity, fresh)
 
 
 def _check_finite(name, tensor, part, first):
@@ -215,22 +234,24 @@ class MoeFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layer, x, topk_ids, topk_weights, w1, w2, check_finite=False,
-                first_rank=0, main_grads=None):
-        y, step = torch.ops.moec.forward(layer, x, topk_ids, topk_weights, w1, w2)
+                first_rank=0, main_grads=None, *adapters):
+        y, step = torch.ops.moec.forward(layer, x, topk_ids, topk_weights, w1, w2,
+                                         list(adapters))
         ctx.layer = layer
         ctx.step = step
         ctx.main_grads = main_grads
         ctx.check = (check_finite, first_rank, w1.shape[0] // max(1, x.shape[0]))
-        ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2)
+        ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, *adapters)
         ctx.mark_non_differentiable()
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, topk_ids, topk_weights, w1, w2 = ctx.saved_tensors
+        x, topk_ids, topk_weights, w1, w2, *adapters = ctx.saved_tensors
         main_grads = ctx.main_grads or (None, None)
-        dx, dtopk, dw1, dw2 = torch.ops.moec.backward(
-            ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2, dy, *main_grads)
+        dx, dtopk, dw1, dw2, dadapters = torch.ops.moec.backward(
+            ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2, dy, *main_grads,
+            adapters)
         if ctx.main_grads:
             # Megatron's flag: the gradient went into main_grad, not .grad.
             w1.grad_added_to_main_grad = True
@@ -244,18 +265,23 @@ class MoeFFNFunction(torch.autograd.Function):
             for name, t in zip(("dw1", "dw2"), grads):
                 if t is not None:
                     _check_finite(name, t, "expert", first * local_experts)
-        return None, dx, None, dtopk, dw1, dw2, None, None, None
+            for i, t in enumerate(dadapters):
+                _check_finite(f"adapter gradient {i}", t, "expert", first * local_experts)
+        return (None, dx, None, dtopk, dw1, dw2, None, None, None, *dadapters)
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _matches(info, cfg, ranks, frozen=False):
+def _matches(info, cfg, ranks, frozen=False, lora_targets=()):
     """True when a built layer's sizes are those of `cfg` on `ranks` ranks."""
+    targets = sum(1 << i for i, t in enumerate(LORA_TARGETS) if t in (lora_targets or ()))
     want = {"ranks": int(ranks), "experts": int(cfg["num_experts"]),
             "hidden": int(cfg["hidden_size"]), "inter": int(cfg["intermediate_size"]),
             "top_k": int(cfg["top_k"]), "bf16": int(cfg.get("dtype", "bf16") == "bf16"),
-            "frozen": int(bool(frozen)), "main_grad": int(bool(cfg.get("main_grad", False)))}
+            "frozen": int(bool(frozen) or targets != 0),
+            "main_grad": int(bool(cfg.get("main_grad", False))),
+            "lora_targets": targets, "lora_rank": int(cfg.get("lora_rank", 0)) if targets else 0}
     return all(int(info[k]) == v for k, v in want.items())
 
 
@@ -307,11 +333,25 @@ class MoeFFN(torch.nn.Module):
     bf16 rounding of the running sum); w1.grad and w2.grad stay None, and
     backward sets w.grad_added_to_main_grad = True. The buffers start at
     zero; zero them between optimizer steps (zero_main_grad()), as a
-    Megatron training loop does."""
+    Megatron training loop does.
+
+    lora_rank, lora_alpha, lora_targets: LoRA adapters on the experts, as
+    PEFT puts them on a linear layer: for each target projection W ("w1",
+    the gate/up projection, and/or "w2", the down projection) of each
+    expert, Y = X W + (lora_alpha / lora_rank) (X A) B with parameters
+    w1_lora_A [P*L, H, r], w1_lora_B [P*L, r, 2I], w2_lora_A [P*L, I, r],
+    w2_lora_B [P*L, r, H]. A is initialised as PEFT does (uniform in
+    ±1/sqrt(fan_in), PEFT's kaiming_uniform(a=√5)), B to zero, so a fresh
+    layer computes the base layer. The base weights are frozen (requires_grad
+    False): backward gives dx, d topk_weights and the adapters' gradients
+    only. lora_alpha defaults to lora_rank (a scaling of 1). The adapters are
+    graph nodes (graphs/moe_ffn_{fwd,bwd}_lora*.json), compiled and scheduled
+    with the rest. merge_adapters() folds them into w1 and w2."""
 
     def __init__(self, config, ranks=None, *, threads=0, target="cpu",
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
-                 capacity_policy="grow", check_finite=False, frozen=False, main_grad=False):
+                 capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
+                 lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS):
         super().__init__()
         load_library()
         fabric, ranks = _group(fabric, ranks, "MoeFFN")
@@ -322,6 +362,26 @@ class MoeFFN(torch.nn.Module):
             raise ValueError("moec: a frozen layer has no weight gradients to accumulate "
                              "(frozen=True and main_grad=True)")
         cfg = _read_config(config)
+        lora_rank = int(lora_rank)
+        if lora_rank < 0:
+            raise ValueError(f"moec: lora_rank must be positive, got {lora_rank}")
+        if lora_rank:
+            _lora_suffix(lora_targets)
+            if main_grad:
+                raise ValueError("moec: main_grad buffers with LoRA adapters are not supported "
+                                 "(the adapters' gradients go to .grad)")
+            cfg["lora_rank"] = lora_rank
+            cfg["lora_alpha"] = float(lora_alpha if lora_alpha is not None else lora_rank)
+            if not cfg["lora_alpha"] > 0:
+                raise ValueError(f"moec: lora_alpha must be positive, got {lora_alpha}")
+            frozen = True
+        elif lora_alpha is not None or "lora_rank" in cfg:
+            raise ValueError("moec: LoRA adapters are set by lora_rank= (and lora_alpha=) of "
+                             "the module, not the config")
+        self.lora_targets = tuple(t for t in LORA_TARGETS if t in lora_targets) \
+            if lora_rank else ()
+        self.lora_rank = lora_rank
+        self.lora_scaling = cfg["lora_alpha"] / lora_rank if lora_rank else 0.0
         if main_grad:
             cfg["main_grad"] = True
         elif cfg.get("main_grad"):
@@ -333,19 +393,21 @@ class MoeFFN(torch.nn.Module):
         self.frozen = bool(frozen)
         self.main_grad = bool(main_grad)
         self._build = (int(threads), float(timeout_seconds), target, granularity, fabric)
-        forward, backward = compile_layer(cfg, ranks, target, granularity, frozen=self.frozen)
+        forward, backward = compile_layer(cfg, ranks, target, granularity, frozen=self.frozen,
+                                          lora_targets=self.lora_targets)
         _register_finalize(fabric)
         self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
                                               float(timeout_seconds), fabric)
         info = self.layer.info()
-        if not _matches(info, cfg, ranks, self.frozen):
+        if not _matches(info, cfg, ranks, self.frozen, self.lora_targets):
             # A cache entry that is not this config's layer: compile anew.
             forward, backward = compile_layer(cfg, ranks, target, granularity, fresh=True,
-                                              frozen=self.frozen)
+                                              frozen=self.frozen,
+                                              lora_targets=self.lora_targets)
             self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
                                                   float(timeout_seconds), fabric)
             info = self.layer.info()
-            if not _matches(info, cfg, ranks, self.frozen):
+            if not _matches(info, cfg, ranks, self.frozen, self.lora_targets):
                 raise RuntimeError(f"moec: the compiled layer {info} is not the config's {cfg}")
         self.fabric = fabric
         self.ranks = info["ranks"]
@@ -368,7 +430,48 @@ class MoeFFN(torch.nn.Module):
         if self.main_grad:
             for w in (self.w1, self.w2):
                 w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        # Adapters: A [P*L, K, r] and B [P*L, r, N] on a projection [P*L, K, N].
+        for name in self.lora_targets:
+            k, n = self._projection(name)
+            setattr(self, f"{name}_lora_A", torch.nn.Parameter(
+                torch.empty(mine, k, lora_rank, dtype=dtype)))
+            setattr(self, f"{name}_lora_B", torch.nn.Parameter(
+                torch.empty(mine, lora_rank, n, dtype=dtype)))
         self.reset_parameters()
+
+    def _projection(self, name):
+        """(K, N) of projection "w1" [L, H, 2I] or "w2" [L, I, H]."""
+        return (self.hidden, 2 * self.inter) if name == "w1" else (self.inter, self.hidden)
+
+    def adapters(self):
+        """The LoRA parameters in the order the op takes them: A then B, on
+        w1 then w2 (those in lora_targets)."""
+        return [getattr(self, f"{name}_lora_{m}") for name in self.lora_targets for m in "AB"]
+
+    def merged_weights(self):
+        """(w1, w2) with the adapters folded in: W + (lora_alpha / r) A B per
+        expert, computed in float32 and returned in the weights' dtype."""
+        merged = []
+        with torch.no_grad():
+            for name in LORA_TARGETS:
+                w = getattr(self, name)
+                if name in self.lora_targets:
+                    a = getattr(self, f"{name}_lora_A").float()
+                    b = getattr(self, f"{name}_lora_B").float()
+                    w = (w.float() + self.lora_scaling * torch.bmm(a, b)).to(w.dtype)
+                merged.append(w.detach().clone())
+        return tuple(merged)
+
+    def merge_adapters(self):
+        """Folds the adapters into w1 and w2 (merged_weights()) and zeroes
+        the B matrices, so the layer computes the same function with the
+        adapters contributing nothing; training may go on from there."""
+        w1, w2 = self.merged_weights()
+        with torch.no_grad():
+            self.w1.copy_(w1)
+            self.w2.copy_(w2)
+            for name in self.lora_targets:
+                getattr(self, f"{name}_lora_B").zero_()
 
     def zero_main_grad(self):
         """Zeroes w1.main_grad and w2.main_grad (main_grad=True)."""
@@ -389,6 +492,15 @@ class MoeFFN(torch.nn.Module):
             w2 = torch.empty(self.experts, *self.w2.shape[1:]).uniform_(-bound2, bound2)
             self.w1.copy_(w1[mine])
             self.w2.copy_(w2[mine])
+            for name in self.lora_targets:
+                # PEFT: A kaiming_uniform(a=sqrt(5)) over fan_in K, i.e.
+                # uniform in ±1/sqrt(K); B zero.
+                a = getattr(self, f"{name}_lora_A")
+                k = a.shape[1]
+                whole = torch.empty(self.experts, *a.shape[1:]).uniform_(-1 / math.sqrt(k),
+                                                                         1 / math.sqrt(k))
+                a.copy_(whole[mine])
+                getattr(self, f"{name}_lora_B").zero_()
 
     def forward(self, x, topk_ids, topk_weights):
         if x.dim() == 2 and self.local_ranks == 1:
@@ -404,7 +516,7 @@ class MoeFFN(torch.nn.Module):
                 main_grads = (self.w1.main_grad, self.w2.main_grad) if self.main_grad else None
                 y = MoeFFNFunction.apply(self.layer, x, topk_ids, topk_weights, self.w1,
                                          self.w2, self.check_finite, self.first_rank,
-                                         main_grads)
+                                         main_grads, *self.adapters())
                 if self.check_finite:
                     _check_finite("y", y, "rank", self.first_rank)
                 return y
@@ -435,7 +547,7 @@ class MoeFFN(torch.nn.Module):
             changes.append(f"capacity_factor {old_factor:g} -> {cfg['capacity_factor']:g}")
         threads, timeout, target, granularity, fabric = self._build
         forward, backward = compile_layer(cfg, self.ranks, target, granularity,
-                                          frozen=self.frozen)
+                                          frozen=self.frozen, lora_targets=self.lora_targets)
         layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric)
         info = layer.info()
         if (info["receive_capacity"] <= need["receive_capacity"]
@@ -462,7 +574,9 @@ class MoeFFN(torch.nn.Module):
         return (f"ranks={self.ranks}, fabric={self.fabric}, first_rank={self.first_rank}, "
                 f"local_ranks={self.local_ranks}, experts={self.experts}, hidden={self.hidden}, "
                 f"inter={self.inter}, top_k={self.top_k}, tokens={self.tokens}, "
-                f"dtype={self.w1.dtype}, frozen={self.frozen}, main_grad={self.main_grad}")
+                f"dtype={self.w1.dtype}, frozen={self.frozen}, main_grad={self.main_grad}"
+                + (f", lora_rank={self.lora_rank}, lora_targets={self.lora_targets}, "
+                   f"lora_scaling={self.lora_scaling:g}" if self.lora_rank else ""))
 
 
 class DispatchHandle:

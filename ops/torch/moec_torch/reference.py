@@ -16,8 +16,26 @@ import torch
 import torch.nn.functional as F
 
 
-def moe_ffn(x, topk_ids, topk_weights, w1, w2):
-    """y[t] = sum_k topk_weights[t, k] * FFN_{topk_ids[t, k]}(x[t])."""
+def moe_ffn(x, topk_ids, topk_weights, w1, w2, lora=None, lora_scaling=1.0):
+    """y[t] = sum_k topk_weights[t, k] * FFN_{topk_ids[t, k]}(x[t]).
+
+    lora: LoRA adapters on the experts' projections, PEFT's formula:
+    {"w1": (A1 [E, H, r], B1 [E, r, 2I]), "w2": (A2 [E, I, r], B2 [E, r, H])}
+    (either or both); a projection X W becomes X W + lora_scaling (X A) B."""
+    lora = lora or {}
+
+    def adapters(name):
+        if name not in lora:
+            return [None] * w1.shape[0]
+        a, b = lora[name]
+        return list(zip(a.unbind(0), b.unbind(0)))
+
+    def project(rows, w, adapter):
+        out = rows @ w
+        if adapter is not None:
+            out = out + lora_scaling * ((rows @ adapter[0]) @ adapter[1])
+        return out
+
     hidden = x.shape[-1]
     top_k = topk_ids.shape[-1]
     experts, _, two_inter = w1.shape
@@ -29,12 +47,13 @@ def moe_ffn(x, topk_ids, topk_weights, w1, w2):
     token_of_row = order // top_k
     rows = tokens.index_select(0, token_of_row)
     outs = []
-    for chunk, w1_e, w2_e in zip(rows.split(counts), w1.unbind(0), w2.unbind(0)):
+    for chunk, w1_e, w2_e, l1, l2 in zip(rows.split(counts), w1.unbind(0), w2.unbind(0),
+                                         adapters("w1"), adapters("w2")):
         if chunk.shape[0] == 0:
             continue
-        h = chunk @ w1_e
+        h = project(chunk, w1_e, l1)
         a = F.silu(h[:, :inter]) * h[:, inter:]
-        outs.append(a @ w2_e)
+        outs.append(project(a, w2_e, l2))
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     z = (torch.cat(outs) if outs else rows.new_zeros(0, hidden)).to(acc)
     gate = topk_weights.reshape(-1).index_select(0, order).to(acc)

@@ -308,11 +308,12 @@ def test_error_backward_without_backward_binary(tiny):
     forward, _ = moec_torch.compile_layer(config(experts=4, top_k=2, tokens=128), 2)
     layer = torch.classes.moec.Layer(forward, "", 2, 60.0, "inproc")
     x, ids, weights = good(tiny)
-    y, step = torch.ops.moec.forward(layer, x, ids, weights, tiny.w1.detach(), tiny.w2.detach())
+    y, step = torch.ops.moec.forward(layer, x, ids, weights, tiny.w1.detach(), tiny.w2.detach(),
+                                     [])
     assert y.shape == x.shape
     with pytest.raises(RuntimeError, match="built without a backward binary"):
         torch.ops.moec.backward(layer, step, x, ids, weights, tiny.w1.detach(),
-                                tiny.w2.detach(), torch.ones_like(y))
+                                tiny.w2.detach(), torch.ones_like(y), None, None, [])
 
 
 def test_capacity_grows_when_routing_collapses():

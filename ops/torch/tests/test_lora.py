@@ -1,0 +1,156 @@
+"""LoRA adapters on the experts (frozen base weights), against PyTorch
+autograd on PEFT's formula (moec_torch.reference with `lora`): outputs and
+adapter gradients, no gradient for the base weights, merging, and a toy
+fine-tune that lowers the loss."""
+
+import pytest
+import torch
+
+import moec_torch
+from moec_torch import reference
+
+from test_moe_ffn import BF16_TOL, FP32_TOL, config, inputs, rel_err
+
+
+def randomize_adapters(layer, seed):
+    """Nonzero B (a fresh layer's B is zero, which would hide B's role)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.adapters():
+            p.copy_(((torch.rand(p.shape, generator=g) * 2 - 1) * 0.5).to(p.dtype))
+
+
+def reference_step(layer, x, ids, weights, dy):
+    """y, dx, dtopk_weights and the adapters' gradients of plain autograd in
+    float64 on the layer's values."""
+    x = x.double().requires_grad_()
+    weights = weights.double().requires_grad_()
+    adapters = [p.detach().double().requires_grad_() for p in layer.adapters()]
+    lora = {name: tuple(adapters[2 * i:2 * i + 2]) for i, name in enumerate(layer.lora_targets)}
+    y = reference.moe_ffn(x, ids, weights, layer.w1.detach().double(),
+                          layer.w2.detach().double(), lora, layer.lora_scaling)
+    y.backward(dy.double())
+    return y.detach(), x.grad, weights.grad, [a.grad for a in adapters]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("targets", [("w1", "w2"), ("w1",), ("w2",)])
+def test_lora_matches_autograd(dtype, targets):
+    torch.manual_seed(3)
+    layer = moec_torch.MoeFFN(config(dtype=dtype), ranks=2, threads=2, lora_rank=4,
+                              lora_alpha=8, lora_targets=targets)
+    assert layer.lora_scaling == 2.0 and layer.frozen
+    assert not layer.w1.requires_grad and not layer.w2.requires_grad
+    assert [n for n, _ in layer.named_parameters() if "lora" in n] == \
+        [f"{t}_lora_{m}" for t in targets for m in "AB"]
+    randomize_adapters(layer, seed=1)
+    x, ids, weights, dy = inputs(layer, seed=2)
+    x = x.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    y = layer(x, ids, weights)
+    y.backward(dy)
+    want_y, want_dx, want_dw, want_adapters = reference_step(layer, x.detach(), ids,
+                                                             weights.detach(), dy)
+    tol = BF16_TOL if dtype == "bf16" else FP32_TOL
+    assert rel_err(y, want_y) < tol
+    assert rel_err(x.grad, want_dx) < tol
+    assert rel_err(weights.grad, want_dw) < tol
+    for p, want, name in zip(layer.adapters(), want_adapters,
+                             [f"{t}_lora_{m}" for t in targets for m in "AB"]):
+        assert p.grad is not None and p.grad.dtype == p.dtype, name
+        assert rel_err(p.grad, want) < tol, name
+    assert layer.w1.grad is None and layer.w2.grad is None
+
+    # The adapters change the output (the test above would pass with them
+    # ignored only if they did nothing).
+    base = reference.moe_ffn(x.detach().double(), ids, weights.detach().double(),
+                             layer.w1.double(), layer.w2.double())
+    assert rel_err(base, want_y) > 10 * tol
+
+    # Bitwise reproducible.
+    for p in layer.adapters():
+        p.grad = None
+    y2 = layer(x.detach(), ids, weights.detach())
+    assert torch.equal(y2, y.detach())
+
+
+def test_fresh_adapters_compute_the_base_layer_and_merge():
+    torch.manual_seed(5)
+    lora = moec_torch.MoeFFN(config(), ranks=2, threads=2, lora_rank=8, lora_alpha=16)
+    torch.manual_seed(5)
+    base = moec_torch.MoeFFN(config(), ranks=2, threads=2)
+    assert torch.equal(lora.w1, base.w1) and torch.equal(lora.w2, base.w2)
+    # PEFT's initialisation: A uniform in +-1/sqrt(fan_in), B zero.
+    for name in ("w1", "w2"):
+        a = getattr(lora, f"{name}_lora_A")
+        assert a.abs().max() <= 1 / a.shape[1] ** 0.5 and a.abs().max() > 0.5 / a.shape[1] ** 0.5
+        assert not getattr(lora, f"{name}_lora_B").any()
+    x, ids, weights, _ = inputs(lora, seed=1)
+    with torch.no_grad():
+        assert torch.equal(lora(x, ids, weights), base(x, ids, weights))
+
+    randomize_adapters(lora, seed=2)
+    with torch.no_grad():
+        y = lora(x, ids, weights)
+        w1, w2 = lora.merged_weights()
+        base.w1.copy_(w1)
+        base.w2.copy_(w2)
+        assert rel_err(base(x, ids, weights), y.double()) < FP32_TOL
+        lora.merge_adapters()
+        assert torch.equal(lora.w1, w1) and torch.equal(lora.w2, w2)
+        assert not lora.w1_lora_B.any() and not lora.w2_lora_B.any()
+        assert rel_err(lora(x, ids, weights), y.double()) < FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_toy_fine_tune_lowers_the_loss(dtype):
+    """Frozen base, LoRA only: fit a teacher layer whose weights differ from
+    the base by a low-rank update."""
+    torch.manual_seed(7)
+    student = moec_torch.MoeFFN(config(dtype=dtype), ranks=2, threads=2, lora_rank=4,
+                                lora_alpha=8)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        w1 = student.w1.float() + 0.3 * torch.bmm(torch.randn(4, 64, 2, generator=g),
+                                                 torch.randn(4, 2, 64, generator=g)) / 8
+        w2 = student.w2.float() + 0.3 * torch.bmm(torch.randn(4, 32, 2, generator=g),
+                                                 torch.randn(4, 2, 64, generator=g)) / 8
+    batches = [inputs(student, seed)[:3] for seed in range(4)]
+    targets = [reference.moe_ffn(x.double(), ids, w.double(), w1.double(), w2.double())
+               for x, ids, w in batches]
+    opt = torch.optim.Adam(student.adapters(), lr=1e-2)
+    frozen = (student.w1.clone(), student.w2.clone())
+
+    def loss_of(batch, target):
+        y = student(*batch)
+        return ((y.double() - target) ** 2).mean()
+
+    with torch.no_grad():
+        start = sum(loss_of(b, t).item() for b, t in zip(batches, targets))
+    for _ in range(15):
+        for batch, target in zip(batches, targets):
+            opt.zero_grad()
+            loss_of(batch, target).backward()
+            opt.step()
+    with torch.no_grad():
+        end = sum(loss_of(b, t).item() for b, t in zip(batches, targets))
+    assert end < 0.5 * start, (start, end)
+    assert torch.equal(student.w1, frozen[0]) and torch.equal(student.w2, frozen[1])
+
+
+def test_lora_checks():
+    with pytest.raises(ValueError, match="main_grad buffers with LoRA"):
+        moec_torch.MoeFFN(config(), ranks=2, lora_rank=4, main_grad=True)
+    with pytest.raises(ValueError, match="lora_targets must name"):
+        moec_torch.MoeFFN(config(), ranks=2, lora_rank=4, lora_targets=("w3",))
+    with pytest.raises(ValueError, match="not the config"):
+        moec_torch.MoeFFN(config(lora_rank=4), ranks=2)
+    with pytest.raises(ValueError, match="lora_alpha must be positive"):
+        moec_torch.MoeFFN(config(), ranks=2, lora_rank=4, lora_alpha=-1)
+    layer = moec_torch.MoeFFN(config(), ranks=2, threads=2, lora_rank=4, lora_targets=("w2",))
+    x, ids, weights, _ = inputs(layer, seed=0)
+    with pytest.raises(RuntimeError, match="takes 2 LoRA adapter tensors"):
+        torch.ops.moec.forward(layer.layer, x, ids, weights, layer.w1, layer.w2, [])
+    with pytest.raises(RuntimeError, match="lora_b2"):
+        torch.ops.moec.forward(layer.layer, x, ids, weights, layer.w1, layer.w2,
+                               [layer.w2_lora_A, layer.w2_lora_A])

@@ -16,7 +16,8 @@ Prints "rank r: ok ..." and exits 0, or says what differs and exits 1.
 
 VARIANT: full (the default); frozen (frozen=True: no weight gradients);
 main_grad (main_grad=True: the weight gradients of two steps accumulated in
-w.main_grad).
+w.main_grad); lora (LoRA adapters of rank 4 on w1 and w2, nonzero B, base
+frozen: the adapters' gradients are checked).
 """
 
 import sys
@@ -41,7 +42,8 @@ def main():
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     hot = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     variant = sys.argv[4] if len(sys.argv) > 4 else "full"
-    options = {"full": {}, "frozen": {"frozen": True}, "main_grad": {"main_grad": True}}[variant]
+    options = {"full": {}, "frozen": {"frozen": True}, "main_grad": {"main_grad": True},
+               "lora": {"lora_rank": 4, "lora_alpha": 8}}[variant]
     torch.set_num_threads(1)
     cfg = {"name": "mpi-check", "hidden_size": 64, "intermediate_size": 32,
            "num_experts": 0, "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128,
@@ -56,6 +58,15 @@ def main():
                                **options)
     # Same seed, same draws: the MPI layer holds the single layer's experts.
     assert torch.equal(layer.w1, single.w1[r * L:(r + 1) * L]), "initial w1 differs"
+    if variant == "lora":
+        # Nonzero B (a fresh one is zero), the same global values in both.
+        ga = torch.Generator().manual_seed(seed + 2)
+        with torch.no_grad():
+            for mine, whole in zip(layer.adapters(), single.adapters()):
+                whole.copy_(((torch.rand(whole.shape, generator=ga) * 2 - 1) * 0.5)
+                            .to(whole.dtype))
+                mine.copy_(whole[r * L:(r + 1) * L])
+    names = [f"{t}_lora_{m}" for t in layer.lora_targets for m in "AB"]
 
     g = torch.Generator().manual_seed(seed + 1)
     tdt = layer.w1.dtype
@@ -76,24 +87,32 @@ def main():
             out.update(dw1=module.w1.main_grad, dw2=module.w2.main_grad)
         elif variant == "full":
             out.update(dw1=module.w1.grad, dw2=module.w2.grad)
+        for name, p in zip(names, module.adapters()):
+            out[name] = p.grad
         return out
 
     got = run(layer, x[r], ids[r], weights[r], dy[r])     # this rank, [S, H]
     whole = run(single, x, ids, weights, dy)              # all ranks, [R, S, H]
     mine = {"y": whole["y"][r], "dx": whole["dx"][r], "dtopk_weights": whole["dtopk_weights"][r]}
-    if "dw1" in got:
-        mine.update(dw1=whole["dw1"][r * L:(r + 1) * L], dw2=whole["dw2"][r * L:(r + 1) * L])
+    for n in [k for k in got if k.startswith("dw") or k in names]:
+        mine[n] = whole[n][r * L:(r + 1) * L]
     failed = [n for n in got if not torch.equal(got[n], mine[n])]
 
     xd = x.double().requires_grad_()
     wd = weights.double().requires_grad_()
     w1 = single.w1.detach().double().requires_grad_()
     w2 = single.w2.detach().double().requires_grad_()
-    yd = reference.moe_ffn(xd, ids, wd, w1, w2)
+    adapters = [p.detach().double().requires_grad_() for p in single.adapters()]
+    lora = {t: tuple(adapters[2 * i:2 * i + 2]) for i, t in enumerate(single.lora_targets)}
+    yd = reference.moe_ffn(xd, ids, wd, w1, w2, lora, single.lora_scaling)
     yd.backward(dy.double())
     steps = 2 if variant == "main_grad" else 1
-    want = {"y": yd[r], "dx": xd.grad[r], "dtopk_weights": wd.grad[r],
-            "dw1": steps * w1.grad[r * L:(r + 1) * L], "dw2": steps * w2.grad[r * L:(r + 1) * L]}
+    want = {"y": yd[r], "dx": xd.grad[r], "dtopk_weights": wd.grad[r]}
+    if variant in ("full", "main_grad"):
+        want.update(dw1=steps * w1.grad[r * L:(r + 1) * L],
+                    dw2=steps * w2.grad[r * L:(r + 1) * L])
+    for name, a in zip(names, adapters):
+        want[name] = a.grad[r * L:(r + 1) * L]
     tol = 1e-4 if dtype == "fp32" else 3e-2
     errors = {}
     for n in got:

@@ -3,7 +3,7 @@ per process (moec's MPI fabric).
 
   - the op's forward and backward against plain PyTorch autograd and, bit
     for bit, against the one-process op (mpi_layer_check.py), also frozen
-    and with main_grad;
+    with main_grad, and with LoRA adapters;
   - dispatch and combine as ops of their own, likewise
     (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py) under mpirun -np 2: the
@@ -41,7 +41,8 @@ def free_port():
 
 @pytest.mark.parametrize("ranks,dtype,hot,variant", [
     (2, "fp32", -1, "full"), (3, "fp32", 0, "full"), (2, "bf16", -1, "full"),
-    (2, "bf16", -1, "main_grad"), (2, "fp32", -1, "frozen")])
+    (2, "bf16", -1, "main_grad"), (2, "fp32", -1, "frozen"), (2, "bf16", -1, "lora"),
+    (3, "fp32", 0, "lora")])
 def test_op_under_mpirun(ranks, dtype, hot, variant):
     run = mpirun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant)
     assert run.returncode == 0, run.stdout + run.stderr

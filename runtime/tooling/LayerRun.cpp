@@ -309,6 +309,11 @@ enum Slot { kX, kY, kW1, kW2, kDy, kDx, kDw1, kDw2, kSlotsPerRank };
 
 Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   const rt::LayerShape &shape = context.shape();
+  if (shape.loraTargets)
+    return Status::error(
+        "the binary has LoRA adapters on the experts, and this tool makes no adapter inputs: "
+        "run it through the torch op (moec_torch.MoeFFN(lora_rank=...)) or bind lora_a1 .. "
+        "dlora_b2 through the runtime API");
   if (d.ranks != context.ranks() || d.hidden != shape.hidden || d.inter != shape.inter ||
       d.experts != shape.experts())
     return Status::error(fmt::format(

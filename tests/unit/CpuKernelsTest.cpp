@@ -171,9 +171,15 @@ enum class GmmKind { Forward, Dgrad };
 /// colTiles grid of a capacity-sized expert (capacity >= segment rows) and
 /// checks every element of C: computed inside the segment, untouched
 /// elsewhere.
+/// With an epilogue: C = D + scale * product, where D is a separate addend
+/// buffer (Addend::Separate) or C's own values (Addend::InPlace).
+enum class Addend { None, Separate, InPlace };
+
 void checkActivationGmm(GmmKind kind, EltCombo elts, int64_t totalRows, Segment seg,
                         int64_t capacity, int64_t depth, int64_t n, int64_t rowTiles,
-                        int64_t colTiles, uint32_t seed) {
+                        int64_t colTiles, uint32_t seed, float scale = 1.0f,
+                        Addend addend = Addend::None) {
+  INFO("scale " << scale << ", addend " << int(addend));
   INFO(std::string(kind == GmmKind::Forward ? "forward" : "dgrad") << ", "
                                                                    << describe(elts.a, elts.b, elts.c));
   INFO("rows " << totalRows << ", segment [" << seg.offset << ", +" << seg.rows << "), capacity "
@@ -185,33 +191,56 @@ void checkActivationGmm(GmmKind kind, EltCombo elts, int64_t totalRows, Segment 
   Buffer c(elts.c, totalRows, n, 2);
   a.randomize(rng);
   b.randomize(rng);
+  Buffer d(elts.c, totalRows, n, 4);
+  d.randomize(rng);
+  if (addend == Addend::InPlace)
+    c.randomize(rng);
+  const Buffer before = c;
+  Epilogue epilogue;
+  epilogue.scale = scale;
+  if (addend == Addend::Separate)
+    epilogue.addend = d.cview();
+  if (addend == Addend::InPlace)
+    epilogue.addend = c.cview();
 
   Scratch scratch;
   for (int64_t ti = 0; ti < rowTiles; ++ti)
     for (int64_t tj = 0; tj < colTiles; ++tj) {
       const Range rows = tileRange(ti, capacity, rowTiles), cols = tileRange(tj, n, colTiles);
       if (kind == GmmKind::Forward)
-        gmmForwardTile(a.cview(), b.cview(), c.view(), depth, seg, rows, cols, &scratch);
+        gmmForwardTile(a.cview(), b.cview(), c.view(), depth, seg, rows, cols, &scratch,
+                       epilogue);
       else
-        gmmDgradTile(a.cview(), b.cview(), c.view(), depth, seg, rows, cols, &scratch);
+        gmmDgradTile(a.cview(), b.cview(), c.view(), depth, seg, rows, cols, &scratch,
+                     epilogue);
     }
 
   // The exact product over the whole buffer; only the segment's rows count.
-  std::vector<double> want, scale;
+  std::vector<double> want, magnitude;
   const std::vector<double> bKN =
       kind == GmmKind::Forward ? dense(b) : transpose(dense(b), n, depth);
-  exactProduct(totalRows, n, depth, dense(a), bKN, &want, &scale);
+  exactProduct(totalRows, n, depth, dense(a), bKN, &want, &magnitude);
+  for (int64_t i = 0; i < totalRows; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const size_t at = size_t(i * n + j);
+      const double add = addend == Addend::Separate  ? double(d.get(i, j))
+                         : addend == Addend::InPlace ? double(before.get(i, j))
+                                                     : 0.0;
+      want[at] = add + double(scale) * want[at];
+      magnitude[at] = std::fabs(add) + std::fabs(double(scale)) * magnitude[at];
+    }
   int64_t bad = 0;
   for (int64_t i = 0; i < totalRows; ++i) {
     const bool inSeg = i >= seg.offset && i < seg.offset + seg.rows;
     for (int64_t j = 0; j < c.ld; ++j) {
       const float got = c.get(i, j);
       if (!inSeg || j >= n) {
-        if (got != Buffer::kSentinel && ++bad <= 5)
+        if (got != before.get(i, j) && ++bad <= 5)
           FAIL_CHECK("C[" << i << "][" << j << "] outside the tile was written: " << got);
         continue;
       }
-      if (!close(got, want[size_t(i * n + j)], scale[size_t(i * n + j)], elts.c == Elt::BF16) &&
+      if (!close(got, want[size_t(i * n + j)], magnitude[size_t(i * n + j)],
+                 elts.c == Elt::BF16) &&
           ++bad <= 5)
         FAIL_CHECK("C[" << i << "][" << j << "] = " << got << ", expected "
                         << want[size_t(i * n + j)]);
@@ -378,6 +407,26 @@ TEST_CASE("gmm dgrad tiles match the loops", "[cpu][gmm]") {
     checkActivationGmm(GmmKind::Dgrad, elts, 300, Segment{20, 270}, 290, 530, 600, 2, 3, ++seed);
     checkActivationGmm(GmmKind::Dgrad, elts, 10, Segment{4, 0}, 8, 6, 7, 2, 2, ++seed);
   }
+}
+
+TEST_CASE("gmm tiles scale the product and add an addend (LoRA adapters)", "[cpu][gmm]") {
+  uint32_t seed = 70;
+  for (const EltCombo &elts : kCombos)
+    for (GmmKind kind : {GmmKind::Forward, GmmKind::Dgrad}) {
+      // A rank-r product scaled (U = s X A), ragged tiles past the segment.
+      checkActivationGmm(kind, elts, 50, Segment{7, 33}, 40, 37, 8, 3, 2, ++seed, 2.0f);
+      // An adapter's product added onto a base output, separate and in place
+      // (Y = Y_base + U B), depth r = 4; and the bf16 path's blocks.
+      checkActivationGmm(kind, elts, 50, Segment{7, 33}, 40, 4, 29, 3, 4, ++seed, 1.0f,
+                         Addend::Separate);
+      checkActivationGmm(kind, elts, 50, Segment{7, 33}, 40, 4, 29, 3, 4, ++seed, 0.5f,
+                         Addend::InPlace);
+      checkActivationGmm(kind, elts, 300, Segment{20, 270}, 290, 16, 600, 2, 3, ++seed,
+                         -1.5f, Addend::Separate);
+      // An empty segment leaves C alone.
+      checkActivationGmm(kind, elts, 10, Segment{4, 0}, 8, 6, 7, 2, 2, ++seed, 1.0f,
+                         Addend::Separate);
+    }
 }
 
 TEST_CASE("gmm wgrad tiles match the loops", "[cpu][gmm]") {

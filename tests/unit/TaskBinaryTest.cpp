@@ -376,7 +376,7 @@ TEST_CASE("records have the documented sizes and field offsets", "[task-binary][
   CHECK(offsetof(TilingRecord, ldc) == 68);
   CHECK(offsetof(TilingRecord, inputSlots) == 72);
   CHECK(offsetof(TilingRecord, balancedRows) == 88);
-  CHECK(offsetof(TilingRecord, reserved) == 92);
+  CHECK(offsetof(TilingRecord, scale) == 92);
 
   CHECK(sizeof(EventRecord) == 16);
   CHECK(offsetof(EventRecord, name) == 0);
@@ -708,7 +708,7 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
     for (unsigned k = 0; k < kMaxTilingInputs; ++k)
       CHECK(a.inputSlots[k] == b.inputSlots[k]);
     CHECK(a.balancedRows == b.balancedRows);
-    CHECK(a.reserved == 0);
+    CHECK(a.scale == b.scale);
   }
   CHECK(read.tilings[0].tileCount() == 4);
   CHECK(read.tilings[0].peers == 2);
@@ -1319,8 +1319,8 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
     p.slots[1].flags |= 0x80;
     CHECK(contentError(p) == "slot 1 'dispatched_x': unknown flag bits 0x80");
     p = smallProgram();
-    p.tilings[0].flags = 0x8;
-    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x8");
+    p.tilings[0].flags = 0x10;
+    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x10");
   }
   SECTION("reserved bytes") {
     p.tasks[2].reserved[1] = 1;

@@ -23,11 +23,12 @@ libblas.so.3: install libopenblas0-pthread).
 --training compares moec's training variants instead, in one run on the
 same inputs and weights: the full layer, main_grad=True (weight gradients
 accumulated into fp32 main_grad buffers), frozen=True (no weight
-gradients), and split: moec_torch.Exchange's dispatch, the experts in plain
-PyTorch (one matmul pair per expert on unbind slices), and its combine. It
-prints each one's step time and backward pass time (moec's passes), and
-their ratios to the full layer's: split's step ratio is what fusing the
-layer saves.
+gradients), lora (LoRA adapters of rank 16 on w1 and w2, base frozen: the
+adapters' gradients only), and split: moec_torch.Exchange's dispatch, the
+experts in plain PyTorch (one matmul pair per expert on unbind slices), and
+its combine. It prints each one's step time and backward pass time (moec's
+passes), and their ratios to the full layer's: split's step ratio is what
+fusing the layer saves.
 """
 
 import argparse
@@ -95,7 +96,8 @@ def bench(cfg, ranks, dtype, threads, repeat):
     return moec_s, torch_s, flops
 
 
-VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True}}
+VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
+            "lora": {"lora_rank": 16, "lora_alpha": 32}}
 
 
 def bench_training(cfg, ranks, dtype, threads, repeat):
@@ -104,8 +106,8 @@ def bench_training(cfg, ranks, dtype, threads, repeat):
     cfg = dict(cfg, dtype=dtype)
     layers = {name: moec_torch.MoeFFN(cfg, ranks, threads=threads, **options)
               for name, options in VARIANTS.items()}
-    for layer in layers.values():
-        layer.load_state_dict(layers["full"].state_dict())
+    for layer in layers.values():  # the same base weights (LoRA's adapters stay its own)
+        layer.load_state_dict(layers["full"].state_dict(), strict=False)
     x, ids, weights, dy = make_inputs(layers["full"], ranks)
     exchange = moec_torch.Exchange(cfg, ranks, threads=threads)
     full = layers["full"]
@@ -214,7 +216,8 @@ def main():
     p.add_argument("--moec", default=os.environ.get("MOEC_BIN", str(REPO / "bazel-bin/tools/moec")),
                    help="the moec CLI, for its GMM tile rate (default: $MOEC_BIN or bazel-bin)")
     p.add_argument("--training", action="store_true",
-                   help="compare moec's training variants (full, main_grad, frozen) instead")
+                   help="compare moec's training variants (full, main_grad, frozen, lora, "
+                        "split) instead")
     args = p.parse_args()
     cfg = json.loads(Path(args.config).read_text())
     cfg["seq_size"] = args.tokens

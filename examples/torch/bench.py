@@ -100,14 +100,26 @@ VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": T
             "lora": {"lora_rank": 16, "lora_alpha": 32}}
 
 
-def bench_training(cfg, ranks, dtype, threads, repeat):
+def bench_training(cfg, ranks, dtype, threads, repeat, variants):
     """Median step and backward seconds of each training variant, run
     alternately on the same inputs and weights."""
     cfg = dict(cfg, dtype=dtype)
-    layers = {name: moec_torch.MoeFFN(cfg, ranks, threads=threads, **options)
-              for name, options in VARIANTS.items()}
-    for layer in layers.values():  # the same base weights (LoRA's adapters stay its own)
-        layer.load_state_dict(layers["full"].state_dict(), strict=False)
+    # The same base weights in every variant, shared (one copy per
+    # requires_grad): four copies of a large layer's weights and gradients
+    # would not fit a small machine. LoRA's adapters stay its own.
+    layers = {}
+    for name, options in ((n, VARIANTS[n]) for n in ["full"] + [v for v in variants if v in VARIANTS and v != "full"]):
+        layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, **options)
+        donor = next((d for d in layers.values()
+                      if d.w1.requires_grad == layer.w1.requires_grad), None)
+        if donor is not None:
+            for w in ("w1", "w2"):
+                if hasattr(getattr(layer, w), "main_grad"):
+                    getattr(donor, w).main_grad = getattr(layer, w).main_grad
+                setattr(layer, w, getattr(donor, w))
+        elif layers:
+            layer.load_state_dict(layers["full"].state_dict(), strict=False)
+        layers[name] = layer
     x, ids, weights, dy = make_inputs(layers["full"], ranks)
     exchange = moec_torch.Exchange(cfg, ranks, threads=threads)
     full = layers["full"]
@@ -121,7 +133,7 @@ def bench_training(cfg, ranks, dtype, threads, repeat):
             outs.append((torch.nn.functional.silu(h[:, :full.inter]) * h[:, full.inter:]) @ w2)
         return exchange.combine(torch.cat(outs), handle)
 
-    runs = dict(layers, split=split)
+    runs = dict(layers, split=split) if "split" in variants else dict(layers)
     steps = {name: [] for name in runs}
     backward = {name: [] for name in runs}
     for rep in range(repeat + 1):  # the first round warms up
@@ -215,6 +227,9 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--moec", default=os.environ.get("MOEC_BIN", str(REPO / "bazel-bin/tools/moec")),
                    help="the moec CLI, for its GMM tile rate (default: $MOEC_BIN or bazel-bin)")
+    p.add_argument("--variants", default="full,main_grad,frozen,lora,split",
+                   help="with --training: the variants to compare (full always runs; each "
+                        "variant holds its own layer, so fewer fit a smaller machine)")
     p.add_argument("--training", action="store_true",
                    help="compare moec's training variants (full, main_grad, frozen, lora, "
                         "split) instead")
@@ -232,7 +247,8 @@ def main():
         print(f"{'dtype':6} {'variant':10} {'step s':>8} {'step / full':>12} "
               f"{'backward s':>11} {'backward / full':>16}")
         for dtype in args.dtypes.split(","):
-            result = bench_training(cfg, args.ranks, dtype, args.threads, args.repeat)
+            result = bench_training(cfg, args.ranks, dtype, args.threads, args.repeat,
+                                    args.variants.split(","))
             full_step, full_backward = result["full"]
             for name, (step_s, backward_s) in result.items():
                 print(f"{dtype:6} {name:10} {step_s:8.3f} {step_s / full_step:12.2f} "

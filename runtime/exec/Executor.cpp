@@ -715,8 +715,12 @@ void Executor::Impl::superviseRemote() {
     const uint64_t left = remaining.load();
     if (left == 0 && terminated())
       break;
-    if (passOver.load() && left > 0)
-      break; // a task failed
+    // A task failed. (The last task's finishPass() also sets passOver, after
+    // remaining reached 0: read remaining again, after passOver, so that a
+    // pass whose last task ends between the two reads goes on waiting for
+    // its peers' signals instead of ending early.)
+    if (passOver.load() && remaining.load() > 0)
+      break;
     const Clock::time_point now = Clock::now();
     if (delivered || left != lastRemaining) {
       lastRemaining = left;

@@ -168,13 +168,16 @@ bool parseConfig(std::string_view text, const std::string &source,
     config.name = name->get<std::string>();
   }
 
-  auto factor = json.find(kCapacityFactorKey);
-  if (factor != json.end()) {
-    if (!factor->is_number())
+  for (const auto &[key, field] : {std::pair<const char *, double ModelConfig::*>{
+                                       kCapacityFactorKey, &ModelConfig::capacityFactor},
+                                   {kLoraAlphaKey, &ModelConfig::loraAlpha}}) {
+    auto it = json.find(key);
+    if (it == json.end())
+      continue;
+    if (!it->is_number())
       return fail(error, source,
-                  fmt::format("key '{}' must be a number, got {}", kCapacityFactorKey,
-                              factor->dump()));
-    config.capacityFactor = factor->get<double>();
+                  fmt::format("key '{}' must be a number, got {}", key, it->dump()));
+    config.*field = it->get<double>();
   }
 
   auto mainGrad = json.find(kMainGradKey);
@@ -184,14 +187,6 @@ bool parseConfig(std::string_view text, const std::string &source,
                   fmt::format("key '{}' must be true or false, got {}", kMainGradKey,
                               mainGrad->dump()));
     config.mainGrad = mainGrad->get<bool>();
-  }
-
-  auto alpha = json.find(kLoraAlphaKey);
-  if (alpha != json.end()) {
-    if (!alpha->is_number())
-      return fail(error, source,
-                  fmt::format("key '{}' must be a number, got {}", kLoraAlphaKey, alpha->dump()));
-    config.loraAlpha = alpha->get<double>();
   }
 
   if (!validateConfig(config, source, error))

@@ -78,8 +78,8 @@ struct Pass::OpInfo {
   OpKind kind = OpKind::Gmm;
   const TilingRecord *tiling = nullptr;
   bool wgrad = false, transposeB = false, accumulate = false;
-  Epilogue epilogue;       ///< scale; addend.data: unused (its slot is below)
-  uint32_t addend = format::kNone; ///< the slot added to an activation-form product
+  float scale = 1.0f;                ///< the product's factor (activation form)
+  uint32_t addend = format::kNone;   ///< the slot added to an activation-form product
   int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
 };
 
@@ -104,7 +104,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
     info.transposeB = info.tiling->flags & format::kTilingTransposeB;
     info.accumulate = info.tiling->flags & format::kTilingAccumulate;
     if (info.tiling->flags & format::kTilingScale)
-      info.epilogue.scale = info.tiling->scale;
+      info.scale = info.tiling->scale;
     if (op.kind == OpKind::Gmm && !info.wgrad && info.tiling->inputCount == 4)
       info.addend = info.tiling->inputSlots[3];
     const format::SlotRecord &w =
@@ -404,7 +404,8 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
     const ConstMatrix bm{static_cast<const char *>(data[rank][b]) +
                              op.expertStride * tile.expert * dtypeSize(dtype(b)),
                          dtype(b), int64_t(t.ldb)};
-    Epilogue epilogue = op.epilogue;
+    Epilogue epilogue;
+    epilogue.scale = op.scale;
     if (op.addend != format::kNone)
       epilogue.addend = in(op.addend);
     if (op.transposeB)

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <tuple>
 
 namespace moec::rt {
 
@@ -136,13 +137,16 @@ private:
       p->add = last;
       p->base = producer(in(last, 3));
       p->rankIn = producer(in(last, 0));
-      for (const auto &[op, what] : {std::pair<uint32_t, const char *>{p->base, "base"},
-                                     {p->rankIn, "rank-r"}})
+      // The addend (input 3) comes from the base gmm, the rank-r rows
+      // (input 0) from the gmm to rank r; both read the projection's input.
+      for (const auto &[op, input, what] : {std::tuple<uint32_t, uint32_t, const char *>{
+                                                p->base, 3, "base"},
+                                            {p->rankIn, 0, "rank-r"}})
         if (!isActivationGmm(op) || tiling(op).inputCount != 3 || in(op, 0) != lhs)
-          return notLayer(fmt::format("{} adds '{}' to its product, which is not the {} gmm "
-                                      "of the {} reading '{}'",
-                                      describe(last), slotName(in(last, what[0] == 'b' ? 3 : 0)),
-                                      what, role, slotName(lhs)));
+          return notLayer(fmt::format("{} reads '{}' (input {}), which is not written by the "
+                                      "{} gmm of the {} reading '{}'",
+                                      describe(last), slotName(in(last, input)), input, what,
+                                      role, slotName(lhs)));
       return Status::success();
     }
     p->base = last;
@@ -633,6 +637,26 @@ std::vector<uint32_t> LayerPlan::boundSlots() const {
   return slots;
 }
 
+namespace {
+
+/// "the PAIR programs are for different layers: ", the start of a mismatch.
+std::string differentLayers(const char *pair) {
+  return fmt::format("the {} programs are for different layers: ", pair);
+}
+
+/// The first of `fields` whose two values differ, named in an error.
+Status sameLayer(const char *pair,
+                 std::initializer_list<std::pair<const char *, std::pair<int64_t, int64_t>>>
+                     fields) {
+  for (const auto &[what, values] : fields)
+    if (values.first != values.second)
+      return Status::error(differentLayers(pair) +
+                           fmt::format("{} {} and {}", what, values.first, values.second));
+  return Status::success();
+}
+
+} // namespace
+
 Status checkExchangeMatch(const LayerPlan &dispatch, const LayerPlan &combine) {
   if (dispatch.kind != PlanKind::Dispatch)
     return Status::error("the dispatch program is not a dispatch alone (a graph of one "
@@ -641,22 +665,15 @@ Status checkExchangeMatch(const LayerPlan &dispatch, const LayerPlan &combine) {
     return Status::error("the combine program is not a combine alone (a graph of one "
                          "combine op)");
   const LayerShape &d = dispatch.shape, &c = combine.shape;
-  const std::pair<const char *, std::pair<int64_t, int64_t>> fields[] = {
-      {"ranks", {d.ranks, c.ranks}},
-      {"local experts", {d.localExperts, c.localExperts}},
-      {"hidden size", {d.hidden, c.hidden}},
-      {"tokens", {d.tokens, c.tokens}},
-      {"row capacity", {d.rowCapacity, c.rowCapacity}},
-      {"receive capacity", {d.receiveCapacity, c.receiveCapacity}},
-      {"put capacity", {d.putCapacity, c.putCapacity}},
-      {"activations", {int64_t(d.activations), int64_t(c.activations)}},
-  };
-  for (const auto &[what, values] : fields)
-    if (values.first != values.second)
-      return Status::error(fmt::format("the dispatch and combine programs are for different "
-                                       "layers: {} {} and {}",
-                                       what, values.first, values.second));
-  return Status::success();
+  return sameLayer("dispatch and combine",
+                   {{"ranks", {d.ranks, c.ranks}},
+                    {"local experts", {d.localExperts, c.localExperts}},
+                    {"hidden size", {d.hidden, c.hidden}},
+                    {"tokens", {d.tokens, c.tokens}},
+                    {"row capacity", {d.rowCapacity, c.rowCapacity}},
+                    {"receive capacity", {d.receiveCapacity, c.receiveCapacity}},
+                    {"put capacity", {d.putCapacity, c.putCapacity}},
+                    {"activations", {int64_t(d.activations), int64_t(c.activations)}}});
 }
 
 Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward) {
@@ -665,33 +682,26 @@ Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward) {
     return Status::error("the forward program is a backward pass");
   if (!b.backward)
     return Status::error("the backward program is a forward pass");
-  const auto mismatch = [](const char *what, int64_t fv, int64_t bv) {
-    return Status::error(fmt::format(
-        "the forward and backward programs are for different layers: {} {} and {}", what, fv, bv));
-  };
-  const std::pair<const char *, std::pair<int64_t, int64_t>> fields[] = {
-      {"ranks", {f.ranks, b.ranks}},
-      {"local experts", {f.localExperts, b.localExperts}},
-      {"hidden size", {f.hidden, b.hidden}},
-      {"intermediate size", {f.inter, b.inter}},
-      {"row capacity", {f.rowCapacity, b.rowCapacity}},
-      {"receive capacity", {f.receiveCapacity, b.receiveCapacity}},
-      {"expert capacity", {f.expertCapacity, b.expertCapacity}},
-      {"put capacity", {f.putCapacity, b.putCapacity}},
-      {"LoRA targets (bit 0: w1, bit 1: w2)", {f.loraTargets, b.loraTargets}},
-      {"LoRA rank", {f.loraRank, b.loraRank}},
-  };
-  for (const auto &[what, values] : fields)
-    if (values.first != values.second)
-      return mismatch(what, values.first, values.second);
+  const char *pair = "forward and backward";
+  if (Status s = sameLayer(pair,
+                           {{"ranks", {f.ranks, b.ranks}},
+                            {"local experts", {f.localExperts, b.localExperts}},
+                            {"hidden size", {f.hidden, b.hidden}},
+                            {"intermediate size", {f.inter, b.inter}},
+                            {"row capacity", {f.rowCapacity, b.rowCapacity}},
+                            {"receive capacity", {f.receiveCapacity, b.receiveCapacity}},
+                            {"expert capacity", {f.expertCapacity, b.expertCapacity}},
+                            {"put capacity", {f.putCapacity, b.putCapacity}},
+                            {"LoRA targets (bit 0: w1, bit 1: w2)", {f.loraTargets, b.loraTargets}},
+                            {"LoRA rank", {f.loraRank, b.loraRank}}});
+      !s)
+    return s;
   if (f.loraScaling != b.loraScaling)
-    return Status::error(fmt::format("the forward and backward programs are for different layers: "
-                                     "LoRA scaling {} and {}",
-                                     f.loraScaling, b.loraScaling));
+    return Status::error(differentLayers(pair) +
+                         fmt::format("LoRA scaling {} and {}", f.loraScaling, b.loraScaling));
   if (f.activations != b.activations)
-    return Status::error(fmt::format("the forward and backward programs are for different layers: "
-                                     "activations {} and {}",
-                                     format::dtypeName(f.activations),
+    return Status::error(differentLayers(pair) +
+                         fmt::format("activations {} and {}", format::dtypeName(f.activations),
                                      format::dtypeName(b.activations)));
   return Status::success();
 }

@@ -22,6 +22,7 @@
 #include "runtime/cpu/Pass.h"
 #include "runtime/format/Crc32.h"
 #include "runtime/layer/Layer.h"
+#include "runtime/trace/Trace.h"
 
 #include <fmt/format.h>
 
@@ -195,6 +196,8 @@ struct Context::Impl : detail::Group {
   std::vector<cpu::RankRoute> routes; ///< what the last forward pass used
   bool haveForward = false;
   const exec::Executor *lastExecutor = nullptr;
+  trace::Trace fwdTrace, bwdTrace; ///< with ContextOptions::trace
+  bool lastWasBackward = false;
 
   std::thread submitted;
   bool inFlight = false;
@@ -203,6 +206,8 @@ struct Context::Impl : detail::Group {
 
   Status checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const;
   Status runTasks(cpu::Pass &pass, PassTimes &times);
+  void recordTrace(const cpu::Pass &pass, Clock::time_point t0, Clock::time_point t1,
+                   const PassTimes &times, trace::Trace *out) const;
   Status forward();
   Status backward();
   Status fingerprint() const;
@@ -230,6 +235,20 @@ Status Context::Impl::runTasks(cpu::Pass &pass, PassTimes &times) {
   lastExecutor = pass.lastExecutor();
   times.tasks = pass.tasksSeconds();
   return fatal(status);
+}
+
+/// The trace of a pass that started at t0 and began its finish at t1: the
+/// task program's spans and the three host phases, from t0.
+void Context::Impl::recordTrace(const cpu::Pass &pass, Clock::time_point t0, Clock::time_point t1,
+                                const PassTimes &times, trace::Trace *out) const {
+  auto ns = [](Clock::duration d) { return int64_t(std::chrono::nanoseconds(d).count()); };
+  *out = pass.tasksTrace();
+  out->shift(ns(pass.tasksStarted() - t0));
+  const uint32_t host = firstLocal();
+  const int64_t tasksBegin = ns(pass.tasksStarted() - t0), finishBegin = ns(t1 - t0);
+  out->phases.push_back({host, "prepare", 0, int64_t(times.prepare * 1e9)});
+  out->phases.push_back({host, "tasks", tasksBegin, tasksBegin + int64_t(times.tasks * 1e9)});
+  out->phases.push_back({host, "finish", finishBegin, finishBegin + int64_t(times.finish * 1e9)});
 }
 
 Status Context::Impl::forward() {
@@ -280,6 +299,9 @@ Status Context::Impl::forward() {
   pass.combine(routes, y, true);
   fwdTimes.finish = secondsSince(t1);
   haveForward = true;
+  lastWasBackward = false;
+  if (options.trace)
+    recordTrace(pass, t0, t1, fwdTimes, &fwdTrace);
   return Status::success();
 }
 
@@ -364,6 +386,9 @@ Status Context::Impl::backward() {
   pass.combine(routes, dx, false);
   pass.topkWeightGrad(*fwd, routes, dy, dtopk);
   bwdTimes.finish = secondsSince(t1);
+  lastWasBackward = true;
+  if (options.trace)
+    recordTrace(pass, t0, t1, bwdTimes, &bwdTrace);
   return Status::success();
 }
 
@@ -542,14 +567,20 @@ Status Context::wait() {
   return body->submittedResult;
 }
 
-Status Context::writeTrace(const std::string &path) const {
+Status Context::writeTrace(const std::string &path, TracedPass which) const {
   if (Status s = body->idle(); !s)
     return s;
   if (!body->options.trace)
     return Status::error("tracing is off (ContextOptions::trace)");
-  if (!body->lastExecutor)
-    return Status::error("no pass has run yet");
-  return body->lastExecutor->writeTrace(path);
+  if (which == TracedPass::Last)
+    which = body->lastWasBackward ? TracedPass::Backward : TracedPass::Forward;
+  const bool backward = which == TracedPass::Backward;
+  const trace::Trace &trace = backward ? body->bwdTrace : body->fwdTrace;
+  if (trace.empty())
+    return Status::error(fmt::format("no {} pass has run to the end yet",
+                                     backward ? "backward" : "forward"));
+  const Program &program = backward ? *body->bwdProgram : *body->fwdProgram;
+  return trace::writeChromeTrace(program.impl().program, trace, path, program.source());
 }
 
 } // namespace moec::rt

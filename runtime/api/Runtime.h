@@ -259,6 +259,9 @@ struct ContextOptions {
   std::shared_ptr<comm::Fabric> fabric;
 };
 
+/// Which pass Context::writeTrace writes.
+enum class TracedPass { Last, Forward, Backward };
+
 /// Wall times of the last pass, in seconds.
 struct PassTimes {
   double prepare = 0; ///< checks, routing layout, gathering rows to send
@@ -333,9 +336,12 @@ public:
   /// Bytes of workspace allocated now.
   size_t workspaceBytes() const;
 
-  /// Writes the last pass's task trace (ContextOptions::trace) as Chrome /
-  /// Perfetto JSON.
-  Status writeTrace(const std::string &path) const;
+  /// Writes the trace (ContextOptions::trace) of the last pass, or of the
+  /// last forward or backward pass, as Chrome / Perfetto JSON: the timed
+  /// pass itself, its tasks with their tiles, the waits of parked cores
+  /// with the signal that ended each (a flow arrow), and the host phases
+  /// prepare, tasks and finish (runtime/trace/Trace.h has the format).
+  Status writeTrace(const std::string &path, TracedPass which = TracedPass::Last) const;
 
   struct Impl;
 

@@ -275,11 +275,19 @@ void Pass::gatherSendRows(const std::vector<RankRoute> &routes,
 
 Status Pass::runTasks() {
   const Clock::time_point t0 = Clock::now();
+  tasksStart = t0;
+  taskSpans = trace::Trace();
   comm::Fabric &fabric = *options.fabric;
   for (const std::unique_ptr<exec::Executor> &executor : executors) {
     last = executor.get();
-    if (Status s = executor->run(); !s)
-      return s;
+    Status status = executor->run();
+    if (options.trace) {
+      trace::Trace part = executor->trace();
+      part.shift((executor->lastPassStart() - t0).count());
+      taskSpans.append(part);
+    }
+    if (!status)
+      return status;
     // Op by op across processes: every put of the op is complete on every
     // rank before the next op starts.
     if (options.opByOp && !fabric.allLocal())

@@ -33,6 +33,7 @@
 #include "runtime/exec/ThreadTeam.h"
 #include "runtime/layer/Layer.h"
 
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -107,8 +108,14 @@ public:
   /// Wall time of the last runTasks(), in seconds.
   double tasksSeconds() const { return taskTime; }
 
-  /// The executor of the last run (its trace), or null.
+  /// The executor of the last run, or null.
   const exec::Executor *lastExecutor() const { return last; }
+
+  /// With PassOptions::trace: the tasks and waits of the last runTasks()
+  /// (every executor's, op by op), in nanoseconds from tasksStarted().
+  const trace::Trace &tasksTrace() const { return taskSpans; }
+  /// When the last runTasks() started.
+  std::chrono::steady_clock::time_point tasksStarted() const { return tasksStart; }
 
 private:
   Pass() = default;
@@ -131,6 +138,8 @@ private:
   std::vector<std::unique_ptr<exec::Executor>> executors; ///< one, or one per op
   const exec::Executor *last = nullptr;
   double taskTime = 0;
+  trace::Trace taskSpans;
+  std::chrono::steady_clock::time_point tasksStart;
 };
 
 } // namespace moec::cpu

@@ -102,13 +102,15 @@ struct alignas(64) QueueState {
   uint32_t waitCursor = 0;    ///< waits of the head task known to be met
   uint32_t nextWaiter = kNil; ///< next queue parked on the same event
   uint64_t waitThreshold = 0; ///< the threshold it is parked for
+  uint32_t parkEvent = 0;     ///< with tracing: the event it is parked on
+  int64_t parkNs = 0;         ///< with tracing: when it parked, from the pass start
 };
 
 /// A worker thread and what it keeps between tasks.
 struct alignas(64) Worker {
   std::thread thread;
   std::vector<uint32_t> woken;            ///< queues its last task's signals woke
-  std::vector<TraceEvent> trace;          ///< tasks it ran this pass (with tracing)
+  trace::Trace trace;                     ///< tasks it ran, waits it ended (with tracing)
   std::atomic<uint64_t> current{kIdle};   ///< (logical queue << 32 | task) running
   std::atomic<int64_t> currentSinceNs{0}; ///< when that task started
 };
@@ -125,31 +127,6 @@ enum class Stop { None, Error, Watchdog, Deadlock };
 /// Returns `seconds` for a message: "0.2 s", "60 s", "1.5e-05 s".
 std::string formatSeconds(double seconds) { return fmt::format("{:.3g} s", seconds); }
 
-/// Appends `text` to `out` as the inside of a JSON string.
-void appendJsonEscaped(std::string &out, std::string_view text) {
-  for (char c : text) {
-    switch (c) {
-    case '"':
-      out += "\\\"";
-      break;
-    case '\\':
-      out += "\\\\";
-      break;
-    case '\n':
-      out += "\\n";
-      break;
-    case '\t':
-      out += "\\t";
-      break;
-    default:
-      if (static_cast<unsigned char>(c) < 0x20)
-        out += fmt::format("\\u{:04x}", static_cast<unsigned>(static_cast<unsigned char>(c)));
-      else
-        out += c;
-    }
-  }
-}
-
 /// Returns the name of the op of task `task`, or "?" for an index out of range.
 std::string_view opNameOf(const TaskProgram &program, uint32_t task) {
   if (task >= program.tasks.size() || program.tasks[task].op >= program.ops.size())
@@ -159,12 +136,6 @@ std::string_view opNameOf(const TaskProgram &program, uint32_t task) {
 
 } // namespace
 
-std::string coreName(const TaskProgram &program, uint32_t queue) {
-  if (queue >= program.queues.size())
-    return fmt::format("queue {}", queue);
-  const QueueRecord &record = program.queues[queue];
-  return fmt::format("{} core {}", format::coreKindName(record.coreKind), record.coreIndex);
-}
 
 //===----------------------------------------------------------------------===//
 // The executor's state
@@ -228,7 +199,8 @@ struct Executor::Impl {
   Clock::time_point passStart;
 
   PassStats stats;
-  std::vector<TraceEvent> trace;
+  trace::Trace trace;
+  trace::Trace remoteWaits; ///< waits signals from peers ended (with tracing)
 
   // Workers.
   void workerMain(uint32_t worker);
@@ -236,8 +208,10 @@ struct Executor::Impl {
   uint32_t acquire(bool wasBusy);
   void pushReady(const std::vector<uint32_t> &lqs);
   bool headReady(uint32_t lq);
-  Status signal(uint32_t rank, const SignalRecord &signal, std::vector<uint32_t> &woken);
-  void addToEvent(uint32_t rank, uint32_t event, uint64_t increment, std::vector<uint32_t> &woken);
+  Status signal(uint32_t rank, const SignalRecord &signal, std::vector<uint32_t> &woken,
+                const trace::WaitSpan &by, trace::Trace *waits);
+  void addToEvent(uint32_t rank, uint32_t event, uint64_t increment, std::vector<uint32_t> &woken,
+                  const trace::WaitSpan &by, trace::Trace *waits);
   bool isLocal(uint32_t rank) const { return rank - firstLocal < localCount; }
   Status deliver(bool *delivered);
   bool terminated() const;
@@ -436,6 +410,10 @@ bool Executor::Impl::headReady(uint32_t lq) {
       continue;
     }
     event.lock.lock();
+    if (options.trace) {
+      state.parkEvent = wait.event;
+      state.parkNs = (Clock::now() - passStart).count();
+    }
     state.waitThreshold = wait.threshold;
     state.nextWaiter = event.waiters;
     event.waiters = lq;
@@ -460,20 +438,22 @@ bool Executor::Impl::headReady(uint32_t lq) {
 /// wakes (which the caller then owns) to `woken`. A signal for a rank of
 /// another process goes through the inbox.
 Status Executor::Impl::signal(uint32_t rank, const SignalRecord &signal,
-                              std::vector<uint32_t> &woken) {
+                              std::vector<uint32_t> &woken, const trace::WaitSpan &by,
+                              trace::Trace *waits) {
   uint32_t target = rank + signal.peerOffset;
   if (target >= rankCount)
     target -= rankCount;
   if (!isLocal(target))
     return inbox->signal(target, signal.event, signal.increment);
-  addToEvent(target, signal.event, signal.increment, woken);
+  addToEvent(target, signal.event, signal.increment, woken, by, waits);
   return Status::success();
 }
 
 /// Adds `increment` to event `eventIndex` of local rank `rank`; appends the
 /// logical queues it wakes (which the caller then owns) to `woken`.
 void Executor::Impl::addToEvent(uint32_t rank, uint32_t eventIndex, uint64_t increment,
-                                std::vector<uint32_t> &woken) {
+                                std::vector<uint32_t> &woken, const trace::WaitSpan &by,
+                                trace::Trace *waits) {
   EventState &event = events[size_t(rank) * eventCount + eventIndex];
   uint64_t value = event.value.fetch_add(increment, std::memory_order_seq_cst) + increment;
   if (value < event.minWaiting.load(std::memory_order_seq_cst))
@@ -489,6 +469,16 @@ void Executor::Impl::addToEvent(uint32_t rank, uint32_t eventIndex, uint64_t inc
       *link = waiter.nextWaiter;
       waiter.nextWaiter = kNil;
       woken.push_back(lq);
+      if (waits) {
+        trace::WaitSpan span = by;
+        span.rank = lq / queueCount;
+        span.queue = lq % queueCount;
+        span.task = program.queueEntries[queueInfo[span.queue].first + waiter.head];
+        span.event = waiter.parkEvent;
+        span.beginNs = waiter.parkNs;
+        span.endNs = (Clock::now() - passStart).count();
+        waits->waits.push_back(span);
+      }
     } else {
       least = std::min(least, waiter.waitThreshold);
       link = &waiter.nextWaiter;
@@ -556,17 +546,21 @@ void Executor::Impl::runPass(uint32_t workerIndex) {
       status = Status::error("the task threw an exception");
     }
     worker.current.store(kIdle, std::memory_order_relaxed);
-    if (tracing)
-      worker.trace.push_back({rank, lq % queueCount, taskIndex, workerIndex, startNs,
-                              (Clock::now() - passStart).count()});
     if (!status.ok()) {
       fail(status.withPrefix(taskName(lq, taskIndex) + ": "));
       return;
     }
 
     // Signal, advance, and pick what to run next.
+    trace::WaitSpan by;
+    by.signalRank = rank;
+    by.signalTask = taskIndex;
     for (uint32_t s = 0; s < task.signalCount && status.ok(); ++s)
-      status = signal(rank, program.signals[task.firstSignal + s], woken);
+      status = signal(rank, program.signals[task.firstSignal + s], woken, by,
+                      tracing ? &worker.trace : nullptr);
+    if (tracing)
+      worker.trace.tasks.push_back({rank, lq % queueCount, taskIndex, workerIndex, startNs,
+                                    (Clock::now() - passStart).count()});
     if (!status.ok()) {
       woken.clear();
       fail(status.withPrefix(taskName(lq, taskIndex) + ": "));
@@ -616,11 +610,12 @@ void Executor::Impl::reset() {
   remaining.store(totalTasks);
   passOver.store(totalTasks == 0);
   for (uint32_t w = 0; w < workerCount; ++w) {
-    workers[w].trace.clear();
+    workers[w].trace = trace::Trace();
     workers[w].woken.clear();
     workers[w].current.store(kIdle);
   }
-  trace.clear();
+  trace = trace::Trace();
+  remoteWaits = trace::Trace();
 }
 
 /// Stops the pass for the watchdog (the caller holds `mutex`): what runs now
@@ -671,7 +666,8 @@ Status Executor::Impl::deliver(bool *delivered) {
       return s;
     for (uint32_t e : remoteEvents)
       if (values[e] > seen[e]) {
-        addToEvent(firstLocal + i, e, values[e] - seen[e], woken);
+        addToEvent(firstLocal + i, e, values[e] - seen[e], woken, trace::WaitSpan(),
+                   options.trace ? &remoteWaits : nullptr);
         seen[e] = values[e];
         *delivered = true;
       }
@@ -744,7 +740,7 @@ void Executor::Impl::superviseRemote() {
 
 std::string Executor::Impl::taskName(uint32_t lq, uint32_t task) const {
   return fmt::format("rank {}, {}, task {} (op '{}')", lq / queueCount,
-                     coreName(program, lq % queueCount), task, opNameOf(program, task));
+                     trace::coreName(program, lq % queueCount), task, opNameOf(program, task));
 }
 
 /// Describes the tasks running at `now` (read from the workers' atomics).
@@ -905,18 +901,10 @@ Status Executor::run() {
   state.stats.tasksRun = state.totalTasks - state.remaining.load();
   state.stats.seconds = std::chrono::duration<double>(end - state.passStart).count();
   if (state.options.trace) {
-    size_t count = 0;
     for (uint32_t w = 0; w < state.workerCount; ++w)
-      count += state.workers[w].trace.size();
-    state.trace.reserve(count);
-    for (uint32_t w = 0; w < state.workerCount; ++w)
-      state.trace.insert(state.trace.end(), state.workers[w].trace.begin(),
-                         state.workers[w].trace.end());
-    std::sort(state.trace.begin(), state.trace.end(), [](const TraceEvent &a, const TraceEvent &b) {
-      return a.startNs != b.startNs ? a.startNs < b.startNs
-             : a.rank != b.rank     ? a.rank < b.rank
-                                    : a.queue < b.queue;
-    });
+      state.trace.append(state.workers[w].trace);
+    state.trace.append(state.remoteWaits);
+    state.trace.sort();
   }
   Status status = state.result();
   if (state.remote && status.ok()) {
@@ -945,65 +933,12 @@ uint32_t Executor::workers() const { return impl->workerCount; }
 
 const PassStats &Executor::lastPass() const { return impl->stats; }
 
-const std::vector<TraceEvent> &Executor::trace() const { return impl->trace; }
+const trace::Trace &Executor::trace() const { return impl->trace; }
+
+std::chrono::steady_clock::time_point Executor::lastPassStart() const { return impl->passStart; }
 
 Status Executor::writeTrace(const std::string &path) const {
-  return writeChromeTrace(impl->program, impl->trace, path);
-}
-
-//===----------------------------------------------------------------------===//
-// Chrome trace
-//===----------------------------------------------------------------------===//
-
-std::string chromeTraceJson(const TaskProgram &program, const std::vector<TraceEvent> &events) {
-  std::string out;
-  out.reserve(events.size() * 160 + 4096);
-  out += "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[";
-  bool first = true;
-  auto next = [&] {
-    out += first ? "\n" : ",\n";
-    first = false;
-  };
-  for (uint32_t rank = 0; rank < program.epRanks; ++rank) {
-    next();
-    out += fmt::format("{{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":{},\"tid\":0,"
-                       "\"args\":{{\"name\":\"rank {}\"}}}}",
-                       rank, rank);
-    next();
-    out += fmt::format("{{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":{},\"tid\":0,"
-                       "\"args\":{{\"sort_index\":{}}}}}",
-                       rank, rank);
-    for (uint32_t q = 0; q < program.queues.size(); ++q) {
-      next();
-      out += fmt::format("{{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":{},\"tid\":{},"
-                         "\"args\":{{\"name\":\"{}\"}}}}",
-                         rank, q, coreName(program, q));
-      next();
-      out += fmt::format("{{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":{},\"tid\":{},"
-                         "\"args\":{{\"sort_index\":{}}}}}",
-                         rank, q, q);
-    }
-  }
-  for (const TraceEvent &event : events) {
-    next();
-    out += "{\"name\":\"";
-    appendJsonEscaped(out, opNameOf(program, event.task));
-    const char *category = "?";
-    if (event.task < program.tasks.size() && program.tasks[event.task].op < program.ops.size())
-      category = format::opKindName(program.ops[program.tasks[event.task].op].kind);
-    out += fmt::format("\",\"cat\":\"{}\",\"ph\":\"X\",\"pid\":{},\"tid\":{},\"ts\":{:.3f},"
-                       "\"dur\":{:.3f},\"args\":{{\"task\":{},\"worker\":{}}}}}",
-                       category, event.rank, event.queue, double(event.startNs) * 1e-3,
-                       double(event.endNs - event.startNs) * 1e-3, event.task, event.worker);
-  }
-  out += "\n]}\n";
-  return out;
-}
-
-Status writeChromeTrace(const TaskProgram &program, const std::vector<TraceEvent> &events,
-                        const std::string &path) {
-  const std::string text = chromeTraceJson(program, events);
-  return writeFileAtomically(path, {{text.data(), text.size()}});
+  return trace::writeChromeTrace(impl->program, impl->trace, path);
 }
 
 } // namespace moec::exec

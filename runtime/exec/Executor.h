@@ -58,8 +58,10 @@
 //   supervising thread polls the local inbox and adds what arrived to the
 //   local events, waking parked queues as a local signal would.
 //
-// - Trace. Optionally every task's start and end (per worker, no locking)
-//   are recorded and can be written as Chrome/Perfetto trace JSON.
+// - Trace. Optionally every task's start and end (per worker, no locking),
+//   and every time a queue sat parked on an event with the task whose
+//   signal woke it, are recorded as a trace::Trace (runtime/trace), which
+//   can be written as Chrome/Perfetto trace JSON.
 //
 // No MLIR or LLVM dependency.
 //
@@ -71,6 +73,7 @@
 #include "base/Status.h"
 #include "runtime/comm/Fabric.h"
 #include "runtime/format/TaskBinary.h"
+#include "runtime/trace/Trace.h"
 
 #include <chrono>
 #include <cstdint>
@@ -104,7 +107,8 @@ struct ExecutorOptions {
   /// run in this process). When false, only the watchdog stops such a pass.
   bool detectDeadlock = true;
 
-  /// Record a TraceEvent for every task run (see Executor::trace()).
+  /// Record every task run and every wait of a parked queue (see
+  /// Executor::trace()).
   bool trace = false;
 
   /// How many times an idle worker checks for ready work before it sleeps.
@@ -122,16 +126,6 @@ struct ExecutorOptions {
   /// and the local terminate events are complete; deadlock detection is off
   /// (a peer may still signal), so the watchdog bounds every wait.
   std::shared_ptr<comm::Fabric> fabric;
-};
-
-/// One task run, as recorded with ExecutorOptions::trace.
-struct TraceEvent {
-  uint32_t rank = 0;   ///< the rank it ran for
-  uint32_t queue = 0;  ///< index of its queue in the program (its core)
-  uint32_t task = 0;   ///< index of the task in the program
-  uint32_t worker = 0; ///< the worker thread that ran it
-  int64_t startNs = 0; ///< when the task function was called, from the pass start
-  int64_t endNs = 0;   ///< when it returned, from the pass start
 };
 
 /// What the last pass did.
@@ -183,12 +177,18 @@ public:
   /// Returns what the last pass did (zeros before the first).
   const PassStats &lastPass() const;
 
-  /// Returns the tasks of the last pass, sorted by start time, when tracing
-  /// is on (else empty). A pass that failed keeps the tasks that completed.
-  const std::vector<TraceEvent> &trace() const;
+  /// Returns the trace of the last pass when tracing is on (else empty):
+  /// its tasks, sorted by start time, and the waits of parked queues with
+  /// the signaller that ended each (unknown for a signal from another
+  /// process). Times are from lastPassStart(); a task ends after its
+  /// signals are sent. A pass that failed keeps what completed.
+  const trace::Trace &trace() const;
+
+  /// When the last pass started.
+  std::chrono::steady_clock::time_point lastPassStart() const;
 
   /// Writes the last pass's trace to `path` as Chrome/Perfetto trace JSON
-  /// (see chromeTraceJson()). Errors start with the path.
+  /// (trace::chromeTraceJson). Errors start with the path.
   Status writeTrace(const std::string &path) const;
 
 private:
@@ -196,22 +196,6 @@ private:
   explicit Executor(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl;
 };
-
-/// Returns "cube core 3" or "vector core 0" for queue `queue` of `program`.
-std::string coreName(const format::TaskProgram &program, uint32_t queue);
-
-/// Returns `events` as Chrome/Perfetto trace JSON: an object whose
-/// "traceEvents" holds one complete event ("ph": "X") per task run, named
-/// after its op, with pid = rank, tid = queue index, "ts" and "dur" in
-/// microseconds and args {"task", "worker"}, plus metadata events that name
-/// each rank ("rank 0") and core ("cube core 0").
-std::string chromeTraceJson(const format::TaskProgram &program,
-                            const std::vector<TraceEvent> &events);
-
-/// Writes chromeTraceJson(program, events) to the file `path`. Errors start
-/// with the path.
-Status writeChromeTrace(const format::TaskProgram &program, const std::vector<TraceEvent> &events,
-                        const std::string &path);
 
 } // namespace moec::exec
 

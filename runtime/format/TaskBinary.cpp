@@ -123,6 +123,21 @@ TileCoord tileCoord(const TilingRecord &tiling, uint64_t index) {
   return c;
 }
 
+RankTile rankTile(const TaskProgram &program, uint32_t task, uint32_t rank) {
+  const OpRecord &op = program.ops[program.tasks[task].op];
+  const TilingRecord &tiling = program.tilings[op.tiling];
+  RankTile tile;
+  tile.coord = tileCoord(tiling, task - op.firstTask);
+  tile.peerRank = tiling.peers > 1 ? program.peerRank(rank, tile.coord.peer) : rank;
+  // A dispatch tile's rows go to an expert of the peer; every other
+  // per-expert tile holds rows of this rank's experts.
+  uint32_t owner = op.kind == OpKind::Dispatch ? tile.peerRank : rank;
+  tile.expert = tiling.experts > 1 || program.localExperts == 1
+                    ? program.globalExpert(owner, tile.coord.expert)
+                    : tile.coord.expert;
+  return tile;
+}
+
 //===----------------------------------------------------------------------===//
 // Record equality
 //===----------------------------------------------------------------------===//

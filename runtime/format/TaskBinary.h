@@ -504,6 +504,24 @@ struct TaskProgram {
   }
 };
 
+/// A task's tile as one rank runs it: its grid cell and ranges, and its
+/// rank-relative fields resolved to global ones.
+struct RankTile {
+  TileCoord coord;
+  /// The global expert whose rows the tile holds: for a dispatch tile, an
+  /// expert of the rank the rows go to; for any other per-expert tile, one
+  /// of `rank`'s own. Equals coord.expert for a grid of one expert that
+  /// covers the whole op (with L > 1), whose expert field says nothing.
+  uint64_t expert = 0;
+  /// For a put (a grid with peers == R), the rank its rows go to:
+  /// (rank + coord.peer) % R; else `rank`.
+  uint32_t peerRank = 0;
+};
+
+/// Returns task `task`'s tile as rank `rank` runs it. `task` and `rank`
+/// must be in range.
+RankTile rankTile(const TaskProgram &program, uint32_t task, uint32_t rank);
+
 /// Programs compare equal when their header values and sections do.
 bool operator==(const TaskProgram &a, const TaskProgram &b);
 

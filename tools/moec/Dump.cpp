@@ -167,20 +167,19 @@ struct ResolvedTile {
 };
 
 ResolvedTile resolvedTile(const TaskProgram &p, uint32_t task, std::optional<uint32_t> rank) {
-  const OpRecord &op = p.ops[p.tasks[task].op];
   ResolvedTile tile;
-  tile.coord = tileCoord(p.tilings[op.tiling], task - op.firstTask);
-  tile.expert = tile.coord.expert;
-  tile.peer = tile.coord.peer;
-  if (rank) {
-    // Only a per-expert grid names local experts; a grid of one expert
-    // covers the whole op, and its expert field says nothing.
-    if (p.tilings[op.tiling].experts > 1 || p.localExperts == 1)
-      tile.expert = p.globalExpert(*rank, tile.coord.expert);
-    // Likewise only a put's grid (peers == R) names peers.
-    if (p.tilings[op.tiling].peers > 1)
-      tile.peer = p.peerRank(*rank, tile.coord.peer);
+  if (!rank) {
+    const OpRecord &op = p.ops[p.tasks[task].op];
+    tile.coord = tileCoord(p.tilings[op.tiling], task - op.firstTask);
+    tile.expert = tile.coord.expert;
+    tile.peer = tile.coord.peer;
+    return tile;
   }
+  RankTile resolved = rankTile(p, task, *rank);
+  tile.coord = resolved.coord;
+  tile.expert = resolved.expert;
+  tile.peer = p.tilings[p.ops[p.tasks[task].op].tiling].peers > 1 ? resolved.peerRank
+                                                                   : resolved.coord.peer;
   return tile;
 }
 
@@ -368,6 +367,19 @@ Analysis analyzeProgram(const TaskProgram &program, const target::TargetProfile 
   return a;
 }
 
+std::string coreCountWarning(const TaskProgram &program, const target::TargetProfile &profile) {
+  uint32_t cubeQueues = 0, vectorQueues = 0;
+  for (const QueueRecord &queue : program.queues)
+    (queue.coreKind == CoreKind::Cube ? cubeQueues : vectorQueues) += 1;
+  if (cubeQueues == profile.cubeCores && vectorQueues == profile.vectorCores)
+    return "";
+  return fmt::format("profile '{}' has {} cube + {} vector cores per rank, but the binary was "
+                     "scheduled for {} cube + {} vector queues; the estimates keep the binary's "
+                     "queues (compile with --target {} for that profile's schedule)",
+                     profile.name, profile.cubeCores, profile.vectorCores, cubeQueues,
+                     vectorQueues, profile.name);
+}
+
 Status checkDumpOptions(const TaskProgram &program, const DumpOptions &options) {
   if (options.rank && *options.rank >= program.epRanks)
     return Status::error(fmt::format("--rank {}: the EP group has {} rank{} (0..{})", *options.rank,
@@ -446,6 +458,9 @@ std::string summarizePath(const TaskProgram &program, const std::vector<uint32_t
 //===----------------------------------------------------------------------===//
 
 namespace {
+
+/// The most critical-path tasks the text dump lists one by one.
+constexpr size_t kMaxPathLines = 32;
 
 /// What a binary computes, from its ops: the layer's forward; its backward
 /// with weight gradients written, accumulated into fp32 (main_grad), or
@@ -597,11 +612,35 @@ std::string queuesText(const TaskProgram &p, const DumpOptions &options, const A
   return out;
 }
 
+/// The tasks of the critical path, one line each: rank, task, op, tile
+/// (resolved for its rank) and when it runs in the simulation; the first
+/// and last kMaxPathLines / 2 when the path is longer.
+std::string criticalPathTasksText(const TaskProgram &p, const Analysis &a) {
+  const std::vector<uint32_t> &path = a.run.criticalPath;
+  Table table({"rank", "task", "op", "tile", "start", "cost"},
+              {true, true, false, false, true, true});
+  size_t half = kMaxPathLines / 2;
+  for (size_t i = 0; i < path.size(); ++i) {
+    if (path.size() > kMaxPathLines && i == half) {
+      table.add({"", "...", fmt::format("({} more)", path.size() - 2 * half), "", "", ""});
+      i = path.size() - half;
+    }
+    uint32_t task = path[i], rank = a.run.criticalPathRanks[i];
+    // Every rank runs the same tables, so rank 0's times are every rank's.
+    table.add({std::to_string(rank), std::to_string(task), std::string(p.name(p.ops[p.tasks[task].op].name)),
+               tileText(p, task, rank), amountText(a, a.run.start[task]),
+               amountText(a, a.costs[task])});
+  }
+  return table.render(4);
+}
+
 std::string statisticsText(const TaskProgram &p, const Analysis &a) {
   std::string out = a.timed ? fmt::format("statistics (costs from profile '{}'):\n", a.profileName)
                             : "statistics (in task counts: every task costs one step):\n";
   if (!a.timed && !a.note.empty())
     out += fmt::format("  note: {}\n", a.note);
+  for (const std::string &warning : a.warnings)
+    out += fmt::format("  warning: {}\n", warning);
   auto [cube, vector] = taskCounts(p);
   size_t cubeQueues = 0, vectorQueues = 0;
   for (const QueueRecord &queue : p.queues)
@@ -621,6 +660,7 @@ std::string statisticsText(const TaskProgram &p, const Analysis &a) {
                      amountText(a, a.run.criticalPathSeconds), a.run.criticalPath.size(),
                      a.run.criticalPath.size() == 1 ? "" : "s",
                      summarizePath(p, a.run.criticalPath, a.run.criticalPathRanks));
+  out += criticalPathTasksText(p, a);
   double share = a.run.makespan > 0 ? a.run.criticalPathSeconds / a.run.makespan : 1.0;
   out += fmt::format("  simulated makespan: {} (the critical path is {:.0f}% of it)\n",
                      amountText(a, a.run.makespan), 100 * share);
@@ -732,6 +772,7 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
   out["profile"] = a.timed ? json(a.profileName) : json(nullptr);
   if (!a.timed && !a.note.empty())
     out["note"] = a.note;
+  out["warnings"] = a.warnings;
 
   json slots = json::array();
   for (size_t i = 0; i < p.slots.size(); ++i) {
@@ -854,41 +895,58 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
 // Dot
 //===----------------------------------------------------------------------===//
 
-Status dumpDot(const TaskProgram &p, const DumpOptions &options, std::string *out) {
+Status dumpDot(const TaskProgram &p, const DumpOptions &options, std::string *out,
+               size_t *drawnCount) {
   std::vector<uint32_t> shown = shownQueues(p, options);
-  size_t taskCount = 0;
-  for (uint32_t q : shown)
-    taskCount += p.queues[q].entryCount;
-  if (taskCount > kMaxDotTasks)
-    return Status::error(fmt::format(
-        "{} has {} tasks; --dot draws at most {} (select one queue with --core KIND:N, e.g. "
-        "--core cube:0)",
-        options.core ? coreLabel(options.core->kind, options.core->index) : "the program",
-        taskCount, kMaxDotTasks));
-
+  std::vector<uint8_t> opShown(p.ops.size(), options.ops.empty());
+  for (const std::string &name : options.ops) {
+    bool found = false;
+    for (size_t i = 0; i < p.ops.size(); ++i)
+      if (p.name(p.ops[i].name) == name)
+        opShown[i] = found = true;
+    if (!found) {
+      std::vector<std::string> names;
+      for (const OpRecord &op : p.ops)
+        names.push_back(std::string(p.name(op.name)));
+      return Status::error(fmt::format("--ops: the binary has no op '{}' (its ops: {})", name,
+                                       fmt::join(names, ", ")));
+    }
+  }
   std::vector<uint8_t> drawn(p.tasks.size(), 0);
+  size_t drawnTasks = 0;
   for (uint32_t q : shown)
-    for (uint32_t k = 0; k < p.queues[q].entryCount; ++k)
-      drawn[p.queueEntries[size_t(p.queues[q].firstEntry) + k]] = 1;
+    for (uint32_t k = 0; k < p.queues[q].entryCount; ++k) {
+      uint32_t task = p.queueEntries[size_t(p.queues[q].firstEntry) + k];
+      if (opShown[p.tasks[task].op]) {
+        drawn[task] = 1;
+        ++drawnTasks;
+      }
+    }
+  if (drawnCount)
+    *drawnCount = drawnTasks;
   std::vector<uint8_t> touched(p.events.size(), 0);
 
   std::string text = "digraph moec {\n  rankdir=TB;\n  node [shape=box, fontsize=10];\n";
   for (uint32_t q : shown) {
     const QueueRecord &queue = p.queues[q];
+    std::vector<uint32_t> tasks;
+    for (uint32_t k = 0; k < queue.entryCount; ++k)
+      if (drawn[p.queueEntries[size_t(queue.firstEntry) + k]])
+        tasks.push_back(p.queueEntries[size_t(queue.firstEntry) + k]);
+    if (tasks.empty())
+      continue;
     text +=
         fmt::format("  subgraph cluster_q{} {{\n    label={};\n", q, dotQuote(queueLabel(queue)));
-    for (uint32_t k = 0; k < queue.entryCount; ++k) {
-      uint32_t task = p.queueEntries[size_t(queue.firstEntry) + k];
+    for (uint32_t task : tasks) {
       ResolvedTile t = resolvedTile(p, task, options.rank);
       std::string label =
           fmt::format("{} {}\ne{} p{} r{} c{}", task, p.name(p.ops[p.tasks[task].op].name),
                       t.expert, t.peer, t.coord.rowTile, t.coord.colTile);
       text += fmt::format("    t{} [label={}];\n", task, dotQuote(label));
     }
-    for (uint32_t k = 1; k < queue.entryCount; ++k)
-      text += fmt::format("    t{} -> t{} [style=dotted, arrowhead=none];\n",
-                          p.queueEntries[size_t(queue.firstEntry) + k - 1],
-                          p.queueEntries[size_t(queue.firstEntry) + k]);
+    for (size_t k = 1; k < tasks.size(); ++k)
+      text += fmt::format("    t{} -> t{} [style=dotted, arrowhead=none];\n", tasks[k - 1],
+                          tasks[k]);
     text += "  }\n";
   }
 
@@ -926,6 +984,63 @@ Status dumpDot(const TaskProgram &p, const DumpOptions &options, std::string *ou
   text += edges + "}\n";
   *out = std::move(text);
   return Status::success();
+}
+
+std::string dumpOpGraph(const TaskProgram &p) {
+  // The op that writes each slot, and the waits each op makes on events of
+  // each other op.
+  std::vector<uint32_t> producer(p.slots.size(), kNone);
+  for (uint32_t i = 0; i < p.ops.size(); ++i)
+    producer[p.tilings[p.ops[i].tiling].outputSlot] = i;
+  std::vector<std::vector<uint64_t>> waitsOn(p.ops.size(), std::vector<uint64_t>(p.ops.size(), 0));
+  for (const TaskRecord &task : p.tasks)
+    for (uint32_t k = 0; k < task.waitCount; ++k) {
+      uint32_t from = p.events[p.waits[size_t(task.firstWait) + k].event].op;
+      if (from != kNone)
+        ++waitsOn[task.op][from];
+    }
+
+  std::string text = fmt::format(
+      "digraph moec_ops {{\n  rankdir=TB;\n  label={};\n  labelloc=t;\n"
+      "  node [fontsize=11];\n",
+      dotQuote(fmt::format("{} ({}, {} ranks, {} local experts, {} tasks)", computesText(p),
+                           (p.flags & kFlagBf16) ? "bf16" : "f32", p.epRanks, p.localExperts,
+                           p.tasks.size())));
+  std::vector<uint8_t> used(p.slots.size(), 0);
+  for (uint32_t i = 0; i < p.ops.size(); ++i) {
+    const OpRecord &op = p.ops[i];
+    const TilingRecord &t = p.tilings[op.tiling];
+    text += fmt::format(
+        "  op{} [shape=box, style=\"rounded,filled\", fillcolor={}, label={}];\n", i,
+        opCore(p, op) == "cube" ? "\"#cfe2ff\"" : "\"#d1f0d1\"",
+        dotQuote(fmt::format("{}\n{} on {} cores\n{} tiles: {} x {} x {} x {}",
+                             p.name(op.name), opKindName(op.kind), opCore(p, op), op.taskCount,
+                             t.experts, t.peers, t.rowTiles, t.colTiles)));
+    for (uint32_t slot : tilingInputs(t))
+      used[slot] = 1;
+    used[t.outputSlot] = 1;
+  }
+  for (uint32_t s = 0; s < p.slots.size(); ++s)
+    if (used[s])
+      text += fmt::format("  s{} [shape=ellipse, label={}];\n", s,
+                          dotQuote(fmt::format("{}\n{} {}", p.name(p.slots[s].name),
+                                               dtypeName(p.slots[s].dtype),
+                                               dimsText(p.slots[s]))));
+  for (uint32_t i = 0; i < p.ops.size(); ++i) {
+    const OpRecord &op = p.ops[i];
+    const TilingRecord &t = p.tilings[op.tiling];
+    for (uint32_t slot : tilingInputs(t)) {
+      uint32_t from = producer[slot];
+      if (from != kNone && waitsOn[i][from] > 0)
+        text += fmt::format("  s{} -> op{} [label={}];\n", slot, i,
+                            dotQuote(fmt::format("{} waits", waitsOn[i][from])));
+      else
+        text += fmt::format("  s{} -> op{};\n", slot, i);
+    }
+    text += fmt::format("  op{} -> s{} [label={}];\n", i, t.outputSlot,
+                        dotQuote(fmt::format("{} tiles", op.taskCount)));
+  }
+  return text + "}\n";
 }
 
 } // namespace moec::dump

@@ -62,6 +62,9 @@ struct DumpOptions {
   /// The tasks printed per queue when no core is selected (text only; JSON
   /// always has every task).
   size_t queuePreview = 6;
+
+  /// Draw only the tasks of these ops (dot only); empty: every op.
+  std::vector<std::string> ops;
 };
 
 /// What the statistics are computed from: task costs and the timed
@@ -85,12 +88,22 @@ struct Analysis {
 
   /// Per event: the signals and the waits naming it (counted per task).
   std::vector<uint32_t> signallers, waiters;
+
+  /// What the reader should know about the estimates, e.g. that the
+  /// profile's core counts are not the binary's.
+  std::vector<std::string> warnings;
 };
 
 /// Computes the analysis of `program`: with `profile`'s costs, or, when
 /// `profile` is null, with unit costs and `note` saying why.
 Analysis analyzeProgram(const format::TaskProgram &program, const target::TargetProfile *profile,
                         const std::string &note = "");
+
+/// Returns a warning when `profile`'s cube or vector core count differs
+/// from the number of cube or vector queues of `program` (re-costing a
+/// binary with another profile keeps its queues), else "".
+std::string coreCountWarning(const format::TaskProgram &program,
+                             const target::TargetProfile &profile);
 
 /// Checks `options` against `program`: the selected core has a queue (else
 /// "the binary has no cube core 9 (its cube cores are 0..7)") and the rank
@@ -108,16 +121,26 @@ std::string dumpText(const format::TaskProgram &program, const FileFacts &facts,
 nlohmann::ordered_json dumpJson(const format::TaskProgram &program, const FileFacts &facts,
                                 const DumpOptions &options, const Analysis &analysis);
 
-/// The most tasks dumpDot() draws.
-inline constexpr size_t kMaxDotTasks = 2000;
+/// Beyond this many tasks, `moec dump --dot` warns that graphviz lays the
+/// graph out slowly and suggests the filters.
+inline constexpr size_t kLargeDotTasks = 2000;
 
 /// Writes the task graph as Graphviz dot to *out: one box per task (its
 /// index, op and tile), clustered by queue with dotted edges in queue
 /// order, one ellipse per event, edges from each task to the events it
-/// signals and from each event to the tasks that wait for it. With a core
-/// selected, only that queue's tasks and the events they touch. Fails when
-/// more than kMaxDotTasks tasks would be drawn, suggesting --core.
-Status dumpDot(const format::TaskProgram &program, const DumpOptions &options, std::string *out);
+/// signals and from each event to the tasks that wait for it. The filters
+/// of `options` (core, ops) select the tasks drawn, with the events they
+/// touch; a rank resolves the labels. Fails when an op filter names no op
+/// of the program; *drawn is the number of tasks drawn.
+Status dumpDot(const format::TaskProgram &program, const DumpOptions &options, std::string *out,
+               size_t *drawn = nullptr);
+
+/// Returns the op graph as Graphviz dot: one box per op (its kind, task
+/// count and grid), one ellipse per tensor slot, an edge from each input
+/// tensor to its op labelled with the waits the op's tiles make on the
+/// events of the tensor's producer, and from each op to its output
+/// labelled with its tile count.
+std::string dumpOpGraph(const format::TaskProgram &program);
 
 /// Returns "12.3 us", "4.56 ms", "1.20 s" (three significant digits).
 std::string formatSeconds(double seconds);

@@ -1,5 +1,6 @@
 //===- DumpCommand.cpp - moec dump -----------------------------------------===//
 
+#include "base/File.h"
 #include "compiler/target/Profile.h"
 #include "runtime/format/TaskBinary.h"
 #include "tools/moec/Cli.h"
@@ -21,31 +22,42 @@ namespace moec::cli {
 
 const CommandSpec kDumpSpec = {
     "dump",
-    "moec dump BIN [--core KIND:N] [--rank R] [--target PROFILE] [--json | --dot] [-o OUT]",
+    "moec dump BIN [--core KIND:N] [--rank R] [--ops NAMES] [--target PROFILE] [--json | --dot | "
+    "--op-graph | --trace] [-o OUT]",
     "Prints what the task binary BIN holds: its header (format version, flags, size,\n"
     "CRC-32, EP ranks, local experts, target), tensor slots, ops with their task\n"
     "counts and tile grids, events with their signallers and waiters, and every\n"
     "core's queue (its first tasks; --core lists one queue in full). Then statistics:\n"
-    "tasks per core kind, the deadlock proof over all ranks, the critical path, the\n"
-    "simulated makespan and the balance of the queues of each core kind. Times come\n"
-    "from the cost model of the target profile named in the header; without one\n"
-    "(a profile file that is not at hand), the statistics are in task counts.\n"
+    "tasks per core kind, the deadlock proof over all ranks, the critical path (its\n"
+    "tasks one by one), the simulated makespan and the balance of the queues of each\n"
+    "core kind. Times come from the cost model of the target profile named in the\n"
+    "header; without one (a profile file that is not at hand), the statistics are\n"
+    "in task counts.\n"
     "\n"
     "options:\n"
     "  --core KIND:N      only the queue of core N of KIND (cube or vector), in full\n"
     "  --rank R           resolve rank-relative fields for rank R: peer offsets become\n"
-    "                     peer ranks, local experts global ones (R * L + e)\n"
+    "                     peer ranks, local experts global ones (a dispatch tile names\n"
+    "                     an expert of the rank its rows go to)\n"
+    "  --ops NAMES        with --dot: only the tasks of these ops (comma-separated)\n"
     "  --target PROFILE   estimate costs with PROFILE (cpu, ascend-910b, h100, or a\n"
-    "                     profile JSON file) instead of the header's target\n"
+    "                     profile JSON file) instead of the header's target; warns when\n"
+    "                     its core counts are not the binary's (the queues stay the\n"
+    "                     binary's)\n"
     "  --json             print everything as one JSON object, every queue in full\n"
-    "  --dot              print the task graph as Graphviz dot (at most 2000 tasks;\n"
-    "                     with --core, that queue's tasks)\n"
-    "  -o OUT             write to OUT instead of stdout\n"
+    "  --dot              print the task graph as Graphviz dot (--core, --ops and\n"
+    "                     --rank select and label what is drawn)\n"
+    "  --op-graph         print the op graph as Graphviz dot: ops, tensors, and tile\n"
+    "                     and wait counts on the edges\n"
+    "  --trace            write the simulated run of every rank as a Chrome/Perfetto\n"
+    "                     trace (the format `moec run --trace` writes; needs -o)\n"
+    "  -o OUT             write to OUT instead of stdout; with --dot or --op-graph, an\n"
+    "                     OUT ending in .svg or .png is rendered by graphviz's dot\n"
     "\n"
-    "Exits with 1 when BIN cannot be read, the core or rank does not exist, or the\n"
-    "schedule deadlocks (the dump is printed, the explanation goes to stderr too).\n",
-    {"--core", "--rank", "--target", "-o"},
-    {"--json", "--dot"},
+    "Exits with 1 when BIN cannot be read, the core, rank or op does not exist, or\n"
+    "the schedule deadlocks (the dump is printed, the explanation goes to stderr too).\n",
+    {"--core", "--rank", "--target", "--ops", "-o"},
+    {"--json", "--dot", "--op-graph", "--trace"},
     1,
     1};
 
@@ -79,6 +91,56 @@ bool readFacts(const std::string &path, dump::FileFacts *facts, std::string *mes
   return true;
 }
 
+/// Returns "svg" or "png" when `path` ends in .svg or .png, else null.
+const char *renderedFormat(const std::string &path) {
+  for (const char *format : {"svg", "png"}) {
+    std::string suffix = std::string(".") + format;
+    if (path.size() > suffix.size() &&
+        path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0)
+      return format;
+  }
+  return nullptr;
+}
+
+/// Renders the dot text `dot` with graphviz into `path` (its format from
+/// the suffix), through a temporary file beside it, so that a failure
+/// leaves nothing half-written.
+Status renderDot(const std::string &dot, const std::string &path) {
+  std::string dotFile = path + ".tmp.dot", rendered = path + ".tmp";
+  if (Status status = writeFileAtomically(dotFile, {{dot.data(), dot.size()}}); !status)
+    return status;
+  auto quote = [](const std::string &text) {
+    std::string out = "'";
+    for (char c : text)
+      out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return out + "'";
+  };
+  std::string command = fmt::format("dot -T{} -o {} {} 2>&1", renderedFormat(path),
+                                    quote(rendered), quote(dotFile));
+  std::string messages;
+  int code = -1;
+  if (FILE *pipe = popen(command.c_str(), "r")) {
+    char buffer[512];
+    while (size_t n = std::fread(buffer, 1, sizeof(buffer), pipe))
+      messages.append(buffer, n);
+    code = pclose(pipe);
+  }
+  std::remove(dotFile.c_str());
+  if (code != 0) {
+    std::remove(rendered.c_str());
+    if (code == 127 << 8 || messages.find("not found") != std::string::npos)
+      return Status::error(fmt::format("{}: rendering needs graphviz's 'dot' on the PATH (Debian "
+                                       "package graphviz); or write dot text to a .dot file",
+                                       path));
+    return Status::error(fmt::format("{}: graphviz's dot failed: {}", path, messages));
+  }
+  if (std::rename(rendered.c_str(), path.c_str()) != 0) {
+    std::remove(rendered.c_str());
+    return Status::error(fmt::format("{}: cannot write it: {}", path, std::strerror(errno)));
+  }
+  return Status::success();
+}
+
 } // namespace
 
 int runDump(int argc, char **argv, int first) {
@@ -89,10 +151,29 @@ int runDump(int argc, char **argv, int first) {
     printHelp(kDumpSpec);
     return kOk;
   }
-  if (args->has("--json") && args->has("--dot"))
-    return usageError("--json and --dot are mutually exclusive");
-
   dump::DumpOptions options;
+  int formats = args->has("--json") + args->has("--dot") + args->has("--op-graph") +
+                args->has("--trace");
+  if (formats > 1)
+    return usageError("--json, --dot, --op-graph and --trace are mutually exclusive");
+  if (args->has("--trace") && args->value("-o").value_or("-") == "-")
+    return usageError("--trace writes a file: give -o FILE");
+  if (args->value("--ops") && !args->has("--dot"))
+    return usageError("--ops selects what --dot draws; add --dot");
+  if (auto ops = args->value("--ops")) {
+    size_t begin = 0;
+    for (;;) {
+      size_t end = ops->find(',', begin);
+      std::string name = ops->substr(begin, end == std::string::npos ? end : end - begin);
+      if (name.empty())
+        return usageError(fmt::format("--ops '{}': an empty op name", *ops));
+      options.ops.push_back(name);
+      if (end == std::string::npos)
+        break;
+      begin = end + 1;
+    }
+  }
+
   if (auto core = args->value("--core")) {
     dump::CoreSelector selector;
     if (Status status = dump::parseCoreSelector(*core, &selector); !status)
@@ -122,9 +203,25 @@ int runDump(int argc, char **argv, int first) {
   std::string output;
   bool deadlocked = false;
   std::string deadlock;
-  if (args->has("--dot")) {
-    if (Status status = dump::dumpDot(program, options, &output); !status)
-      return error(fmt::format("{}: {}", path, status.message()));
+  const std::string outPath = args->value("-o").value_or("-");
+  if (args->has("--dot") || args->has("--op-graph")) {
+    if (args->has("--op-graph")) {
+      output = dump::dumpOpGraph(program);
+    } else {
+      size_t drawn = 0;
+      if (Status status = dump::dumpDot(program, options, &output, &drawn); !status)
+        return error(fmt::format("{}: {}", path, status.message()));
+      if (drawn > dump::kLargeDotTasks)
+        std::fprintf(stderr,
+                     "moec dump: note: drawing %zu tasks; graphviz lays out graphs this large "
+                     "slowly (select with --core KIND:N or --ops NAMES)\n",
+                     drawn);
+    }
+    if (renderedFormat(outPath)) {
+      if (Status status = renderDot(output, outPath); !status)
+        return error(status.message());
+      return kOk;
+    }
   } else {
     target::TargetProfile profile;
     bool haveProfile = false;
@@ -144,6 +241,11 @@ int runDump(int argc, char **argv, int first) {
       }
     }
     dump::Analysis analysis = dump::analyzeProgram(program, haveProfile ? &profile : nullptr, note);
+    if (args->value("--target"))
+      if (std::string warning = dump::coreCountWarning(program, profile); !warning.empty())
+        analysis.warnings.push_back(warning);
+    for (const std::string &warning : analysis.warnings)
+      std::fprintf(stderr, "moec dump: warning: %s: %s\n", path.c_str(), warning.c_str());
     if (!analysis.run.ok()) {
       deadlocked = true;
       deadlock = analysis.run.status.message();
@@ -152,7 +254,7 @@ int runDump(int argc, char **argv, int first) {
                                  : dump::dumpText(program, facts, options, analysis);
   }
 
-  if (!writeOutput(args->value("-o").value_or("-"), output))
+  if (!writeOutput(outPath, output))
     return kError;
   if (deadlocked)
     return error(fmt::format("{}: {}", path, deadlock));

@@ -83,10 +83,12 @@ const CommandSpec kRunSpec = {
     "  --timeout S      the watchdog: a pass (or, under MPI, a wait for another\n"
     "                   rank) that makes no progress for S seconds stops with an\n"
     "                   error naming what it waited for (default 60)\n"
-    "  --trace FILE     write a Chrome/Perfetto trace of the forward pass to FILE\n"
-    "                   (and of the backward pass to FILE with '.bwd' before its\n"
-    "                   extension); under MPI each rank writes its own, with\n"
-    "                   '.rankN' before the extension\n"
+    "  --trace FILE     write a Chrome/Perfetto trace of the last timed forward pass\n"
+    "                   to FILE (and of the backward pass to FILE with '.bwd' before\n"
+    "                   its extension): tasks with their tiles, waits naming their\n"
+    "                   event, signal arrows, and the prepare/tasks/finish phases;\n"
+    "                   under MPI each rank writes its own, with '.rankN' before\n"
+    "                   the extension (arrows from other processes are not drawn)\n"
     "  --threads N      worker threads, 1 to 4096 (default: the hardware threads)\n"
     "  --repeat N       run the passes N times and report the best time (default 1)\n"
     "  --hot-share F    with --random: the share of tokens whose first expert is\n"
@@ -395,15 +397,11 @@ int runRun(int argc, char **argv, int first) {
     const std::string trace =
         fabric ? tracePath(*option, fmt::format(".rank{}", fabric->firstLocal()).c_str())
                : *option;
-    // The last pass's trace is the backward one; run forward once more for
-    // its trace when both ran.
-    if (backward) {
-      if (Status s = context->writeTrace(tracePath(trace, ".bwd")); !s)
+    // The last timed forward and backward passes, as they ran.
+    if (backward)
+      if (Status s = context->writeTrace(tracePath(trace, ".bwd"), moec::rt::TracedPass::Backward); !s)
         return fail(s);
-      if (Status s = context->forward(); !s)
-        return fail(s);
-    }
-    if (Status s = context->writeTrace(trace); !s)
+    if (Status s = context->writeTrace(trace, moec::rt::TracedPass::Forward); !s)
       return fail(s);
   }
 

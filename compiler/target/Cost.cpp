@@ -3,38 +3,73 @@
 #include "compiler/target/Cost.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace moec::target {
 
 using namespace moec::format;
+
+namespace {
+
+/// `n` rounded up to a multiple of `granule` (at least 1).
+double padded(double n, uint32_t granule) {
+  double g = std::max<uint32_t>(granule, 1);
+  return std::ceil(n / g) * g;
+}
+
+/// The rows a tile holds when every segment has its balanced size.
+double balancedTileRows(const TilingRecord &tiling, const TileCoord &tile) {
+  return double(std::min<uint64_t>(tile.rowEnd, tiling.balancedRows) -
+                std::min<uint64_t>(tile.rowBegin, tiling.balancedRows));
+}
+
+/// The bytes a put task sends: its tile at balanced size.
+double putBytes(const TaskProgram &program, uint32_t task, const TileCoord &tile) {
+  const OpRecord &op = program.ops[program.tasks[task].op];
+  const TilingRecord &tiling = program.tilings[op.tiling];
+  return balancedTileRows(tiling, tile) * double(tile.colEnd - tile.colBegin) *
+         dtypeSize(tiling.dtype);
+}
+
+} // namespace
 
 double taskSeconds(const TaskProgram &program, uint32_t task, const TargetProfile &profile) {
   const OpRecord &op = program.ops[program.tasks[task].op];
   const TilingRecord &tiling = program.tilings[op.tiling];
   TileCoord tile = tileCoord(tiling, task - op.firstTask);
   double cols = double(tile.colEnd - tile.colBegin);
-  // Rows the tile holds when every segment has its balanced size.
-  double rows = double(std::min<uint64_t>(tile.rowEnd, tiling.balancedRows) -
-                       std::min<uint64_t>(tile.rowBegin, tiling.balancedRows));
+  double rows = balancedTileRows(tiling, tile);
   double element = dtypeSize(tiling.dtype);
   double work = 0;
   switch (op.kind) {
-  case OpKind::Gmm:
-    if (tiling.depth > 0) // activation GMM: rows x cols x K
-      work = 2.0 * rows * cols * double(tiling.depth) / profile.cubeFlops;
-    else // weight-gradient GMM: a weight tile, reduced over the expert's rows
-      work = 2.0 * double(tile.rowEnd - tile.rowBegin) * cols * double(tiling.balancedRows) /
-             profile.cubeFlops;
+  case OpKind::Gmm: {
+    double m, n = cols, k;
+    if (tiling.depth > 0) { // activation GMM: rows x cols, reduced over K
+      m = rows;
+      k = double(tiling.depth);
+    } else { // weight-gradient GMM: a weight tile, reduced over the expert's rows
+      m = double(tile.rowEnd - tile.rowBegin);
+      k = double(tiling.balancedRows);
+    }
+    if (m == 0 || k == 0)
+      break;
+    double rate = tiling.dtype == DType::BF16 ? profile.cubeFlopsBf16 : profile.cubeFlops;
+    double flops = 2.0 * padded(m, profile.padM) * padded(n, profile.padN) * padded(k, profile.padK);
+    double bytes = element * (m * k + k * n) + dtypeSize(program.slots[tiling.outputSlot].dtype) *
+                                                   m * n * (tiling.inputCount == 4 ? 2.0 : 1.0);
+    work = std::max(flops / rate, bytes / profile.memoryBytes);
     break;
-  case OpKind::Swiglu: // reads gate and up, writes the product
-    work = 3.0 * rows * cols * element / profile.vectorBytes;
+  }
+  case OpKind::Swiglu:     // reads gate and up, writes the product
+  case OpKind::SwigluGrad: { // reads Y (2 halves) and dA, writes dY (2 halves)
+    double accesses = (op.kind == OpKind::Swiglu ? 3.0 : 5.0) * rows * cols;
+    work = std::max(accesses * element / profile.vectorBytes, accesses / profile.vectorElems);
     break;
-  case OpKind::SwigluGrad: // reads Y (2 halves) and dA, writes dY (2 halves)
-    work = 5.0 * rows * cols * element / profile.vectorBytes;
-    break;
+  }
   case OpKind::Dispatch:
   case OpKind::Combine:
-    work = rows * cols * element / (tile.peer == 0 ? profile.vectorBytes : profile.linkBytes);
+    work = putBytes(program, task, tile) /
+           (tile.peer == 0 ? profile.vectorBytes : profile.linkBytes);
     break;
   }
   return profile.taskOverhead + work;
@@ -45,6 +80,24 @@ std::vector<double> taskCosts(const TaskProgram &program, const TargetProfile &p
   for (size_t t = 0; t < costs.size(); ++t)
     costs[t] = taskSeconds(program, uint32_t(t), profile);
   return costs;
+}
+
+CostModel costModel(const TaskProgram &program, const TargetProfile &profile) {
+  CostModel model;
+  model.costs = taskCosts(program, profile);
+  model.linkBytes.assign(program.tasks.size(), 0.0);
+  for (uint32_t t = 0; t < program.tasks.size(); ++t) {
+    const OpRecord &op = program.ops[program.tasks[t].op];
+    if (op.kind != OpKind::Dispatch && op.kind != OpKind::Combine)
+      continue;
+    TileCoord tile = tileCoord(program.tilings[op.tiling], t - op.firstTask);
+    if (tile.peer != 0)
+      model.linkBytes[t] = putBytes(program, t, tile);
+  }
+  model.linkTotalBytes = profile.linkTotalBytes;
+  model.sharing = profile.sharing;
+  model.poolCores = std::max(profile.cubeCores, profile.vectorCores);
+  return model;
 }
 
 } // namespace moec::target

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <thread>
 
 namespace moec::target {
@@ -22,44 +23,76 @@ TargetProfile cpuProfile() {
   p.name = "cpu";
   p.cubeCores = p.vectorCores = hardwareThreads();
   p.tileM = p.tileN = p.tileK = 64;
-  p.cubeFlops = 20e9;   // fp32 matmul of one core, sustained
-  p.vectorBytes = 8e9;  // streaming element-wise work of one core
-  p.linkBytes = 8e9;    // an in-process put is a memcpy
-  p.taskOverhead = 2e-6;
+  // Ballpark rates of one core of a recent x86 server; `moec bench
+  // --calibrate` measures this machine's.
+  p.cubeFlops = 80e9; // fp32 matmul, sustained
+  p.cubeFlopsBf16 = 120e9;
+  p.memoryBytes = 20e9;
+  p.vectorBytes = 10e9; // a copy
+  p.vectorElems = 1e9;  // SwiGLU's exp and divide make it compute-bound
+  p.linkBytes = 10e9;   // an in-process put is a memcpy
+  p.taskOverhead = 1e-6;
+  p.sharing = CoreSharing::Group; // ranks are threads of one process
   return p;
 }
 
 TargetProfile ascend910bProfile() {
   TargetProfile p;
   p.name = "ascend-910b";
-  p.cubeCores = 24; // AIC
+  p.cubeCores = 24;   // AIC
   p.vectorCores = 48; // AIV
   p.tileM = 128;
   p.tileN = 256;
   p.tileK = 64;
-  p.cubeFlops = 13e12;   // ~313 TFLOP/s bf16 over 24 AIC
-  p.vectorBytes = 33e9;  // ~1.6 TB/s HBM over 48 AIV
-  p.linkBytes = 28e9;    // one HCCS put
+  p.padM = p.padN = p.padK = 16; // the cube unit's 16 x 16 x 16 fractal
+  p.cubeFlopsBf16 = 13e12;       // ~313 TFLOP/s bf16 over 24 AIC
+  p.cubeFlops = 6.5e12;          // fp32 through HF32, half the bf16 rate
+  p.memoryBytes = 67e9;          // ~1.6 TB/s HBM over 24 AIC
+  p.vectorBytes = 33e9;          // ~1.6 TB/s HBM over 48 AIV
+  p.vectorElems = 64e9;          // 128 lanes at ~1 GHz, half the streaming rate's bound
+  p.linkBytes = 28e9;            // one HCCS link
+  p.linkTotalBytes = 196e9;      // 7 HCCS links
   p.taskOverhead = 1e-6;
+  p.sharing = CoreSharing::None; // AIC and AIV are separate cores
   return p;
 }
 
 TargetProfile h100Profile() {
   TargetProfile p;
   p.name = "h100";
-  p.cubeCores = 132; // an SM runs either kind of task
+  p.cubeCores = 132; // SMs; an SM runs either kind of task, one at a time
   p.vectorCores = 132;
   p.tileM = 128;
   p.tileN = 128;
   p.tileK = 64;
-  p.cubeFlops = 7.5e12; // ~989 TFLOP/s bf16 over 132 SMs
-  p.vectorBytes = 25e9; // ~3.35 TB/s HBM over 132 SMs
-  p.linkBytes = 50e9;   // one NVLink put
+  p.padM = 128; // a CTA computes whole 128 x 128 x 64 blocks
+  p.padN = 128;
+  p.padK = 64;
+  p.cubeFlopsBf16 = 7.5e12; // ~989 TFLOP/s dense bf16 over 132 SMs
+  p.cubeFlops = 3.75e12;    // fp32 through TF32, half the bf16 rate
+  p.memoryBytes = 25e9;     // ~3.35 TB/s HBM over 132 SMs
+  p.vectorBytes = 25e9;
+  p.vectorElems = 60e9;     // 128 fp32 lanes at ~1.7 GHz, with exp: memory-bound
+  p.linkBytes = 50e9;       // what one SM's copy into a peer reaches
+  p.linkTotalBytes = 450e9; // NVLink 4, one direction
   p.taskOverhead = 2e-6;
+  p.sharing = CoreSharing::Rank;
   return p;
 }
 
 } // namespace
+
+const char *coreSharingName(CoreSharing sharing) {
+  switch (sharing) {
+  case CoreSharing::None:
+    return "none";
+  case CoreSharing::Rank:
+    return "rank";
+  case CoreSharing::Group:
+    return "group";
+  }
+  return "?";
+}
 
 const std::vector<std::string> &builtinProfileNames() {
   static const std::vector<std::string> names = {"cpu", "ascend-910b", "h100"};
@@ -96,8 +129,10 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
   if (!json.is_object())
     return fail(fmt::format("a target profile is a JSON object, got {}", json.type_name()));
   static const std::vector<std::string> keys = {
-      "name",      "cube_cores",  "vector_cores", "tile_m",   "tile_n",
-      "tile_k",    "cube_tflops", "vector_gbps",  "link_gbps", "task_overhead_us"};
+      "name",        "cube_cores",       "vector_cores", "tile_m",      "tile_n",
+      "tile_k",      "pad_m",            "pad_n",        "pad_k",       "cube_tflops",
+      "cube_tflops_bf16", "memory_gbps", "vector_gbps",  "vector_gelems", "link_gbps",   "link_total_gbps",
+      "task_overhead_us", "core_sharing", "calibrated"};
   for (const auto &item : json.items())
     if (std::find(keys.begin(), keys.end(), item.key()) == keys.end()) {
       std::string message = fmt::format("unknown key '{}'", item.key());
@@ -112,24 +147,18 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
   if (!json["name"].is_string() || json["name"].get<std::string>().empty())
     return fail(fmt::format("'name' must be a non-empty string, got {}", json["name"].dump()));
 
-  TargetProfile p; // rates default to the cpu profile's
-  TargetProfile cpu = cpuProfile();
-  p.tileM = cpu.tileM;
-  p.tileN = cpu.tileN;
-  p.tileK = cpu.tileK;
-  p.cubeFlops = cpu.cubeFlops;
-  p.vectorBytes = cpu.vectorBytes;
-  p.linkBytes = cpu.linkBytes;
-  p.taskOverhead = cpu.taskOverhead;
+  TargetProfile p = cpuProfile(); // rates not given are the cpu profile's
   p.name = json["name"].get<std::string>();
+  p.sharing = CoreSharing::None;
+  p.calibrated.clear();
 
   struct Count {
     const char *key;
     uint32_t *field;
   };
   for (Count c : {Count{"cube_cores", &p.cubeCores}, Count{"vector_cores", &p.vectorCores},
-                  Count{"tile_m", &p.tileM}, Count{"tile_n", &p.tileN},
-                  Count{"tile_k", &p.tileK}}) {
+                  Count{"tile_m", &p.tileM}, Count{"tile_n", &p.tileN}, Count{"tile_k", &p.tileK},
+                  Count{"pad_m", &p.padM}, Count{"pad_n", &p.padN}, Count{"pad_k", &p.padK}}) {
     auto it = json.find(c.key);
     if (it == json.end())
       continue;
@@ -142,21 +171,69 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
     const char *key;
     double *field;
     double scale;
+    bool zeroAllowed;
   };
-  for (Rate r : {Rate{"cube_tflops", &p.cubeFlops, 1e12}, Rate{"vector_gbps", &p.vectorBytes, 1e9},
-                 Rate{"link_gbps", &p.linkBytes, 1e9},
-                 Rate{"task_overhead_us", &p.taskOverhead, 1e-6}}) {
+  for (Rate r : {Rate{"cube_tflops", &p.cubeFlops, 1e12, false},
+                 Rate{"cube_tflops_bf16", &p.cubeFlopsBf16, 1e12, false},
+                 Rate{"memory_gbps", &p.memoryBytes, 1e9, false},
+                 Rate{"vector_gbps", &p.vectorBytes, 1e9, false},
+                 Rate{"vector_gelems", &p.vectorElems, 1e9, false},
+                 Rate{"link_gbps", &p.linkBytes, 1e9, false},
+                 Rate{"link_total_gbps", &p.linkTotalBytes, 1e9, true},
+                 Rate{"task_overhead_us", &p.taskOverhead, 1e-6, true}}) {
     auto it = json.find(r.key);
     if (it == json.end())
       continue;
-    bool overhead = r.field == &p.taskOverhead;
-    if (!it->is_number() || it->get<double>() < 0 || (!overhead && it->get<double>() == 0))
+    if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0 ||
+        (!r.zeroAllowed && it->get<double>() == 0))
       return fail(fmt::format("'{}' must be a {} number, got {}", r.key,
-                              overhead ? "non-negative" : "positive", it->dump()));
+                              r.zeroAllowed ? "non-negative" : "positive", it->dump()));
     *r.field = it->get<double>() * r.scale;
+  }
+  if (auto it = json.find("core_sharing"); it != json.end()) {
+    std::string value = it->is_string() ? it->get<std::string>() : "";
+    if (value == "none")
+      p.sharing = CoreSharing::None;
+    else if (value == "rank")
+      p.sharing = CoreSharing::Rank;
+    else if (value == "group")
+      p.sharing = CoreSharing::Group;
+    else
+      return fail(fmt::format("'core_sharing' must be \"none\", \"rank\" or \"group\", got {}",
+                              it->dump()));
+  }
+  if (auto it = json.find("calibrated"); it != json.end()) {
+    if (!it->is_string())
+      return fail(fmt::format("'calibrated' must be a string, got {}", it->dump()));
+    p.calibrated = it->get<std::string>();
   }
   *out = p;
   return Status::success();
+}
+
+std::string profileJson(const TargetProfile &p) {
+  nlohmann::ordered_json j;
+  j["name"] = p.name;
+  if (!p.calibrated.empty())
+    j["calibrated"] = p.calibrated;
+  j["cube_cores"] = p.cubeCores;
+  j["vector_cores"] = p.vectorCores;
+  j["core_sharing"] = coreSharingName(p.sharing);
+  j["tile_m"] = p.tileM;
+  j["tile_n"] = p.tileN;
+  j["tile_k"] = p.tileK;
+  j["pad_m"] = p.padM;
+  j["pad_n"] = p.padN;
+  j["pad_k"] = p.padK;
+  j["cube_tflops"] = p.cubeFlops / 1e12;
+  j["cube_tflops_bf16"] = p.cubeFlopsBf16 / 1e12;
+  j["memory_gbps"] = p.memoryBytes / 1e9;
+  j["vector_gbps"] = p.vectorBytes / 1e9;
+  j["vector_gelems"] = p.vectorElems / 1e9;
+  j["link_gbps"] = p.linkBytes / 1e9;
+  j["link_total_gbps"] = p.linkTotalBytes / 1e9;
+  j["task_overhead_us"] = p.taskOverhead / 1e-6;
+  return j.dump(2) + "\n";
 }
 
 Status resolveProfile(const std::string &spec, TargetProfile *out) {

@@ -19,7 +19,20 @@
 
 namespace moec::target {
 
-/// A device profile.
+/// Which queues share the hardware that runs them.
+enum class CoreSharing : uint8_t {
+  None,  ///< every queue has its own core (Ascend: AIC and AIV cores)
+  Rank,  ///< a rank's cube and vector queues share max(cube, vector) cores
+         ///< (an H100 SM runs either kind of task, one at a time)
+  Group, ///< every queue of every rank shares max(cube, vector) cores: the
+         ///< CPU runtime, whose ranks are threads of one process
+};
+
+/// "none", "rank", "group".
+const char *coreSharingName(CoreSharing sharing);
+
+/// A device profile: what the cost model (Cost.h) and the simulation
+/// (Simulate.h) know of a device.
 struct TargetProfile {
   std::string name;
   uint32_t cubeCores = 1;   ///< logical cube cores per rank
@@ -27,10 +40,22 @@ struct TargetProfile {
   uint32_t tileM = 64;      ///< GMM kernel block sizes
   uint32_t tileN = 64;
   uint32_t tileK = 64;
-  double cubeFlops = 1e9;     ///< matmul flop/s of one cube core
-  double vectorBytes = 1e9;   ///< element-wise bytes/s (read + written) of one vector core
+  /// The granularity a cube core computes in: a GMM tile's M, N and K are
+  /// rounded up to multiples of these (a 31-column tile on a 128-wide MMA
+  /// costs 128 columns). 1: no rounding.
+  uint32_t padM = 1, padN = 1, padK = 1;
+  double cubeFlops = 1e9;     ///< fp32 matmul flop/s of one cube core
+  double cubeFlopsBf16 = 1e9; ///< bf16 matmul flop/s of one cube core
+  double memoryBytes = 1e10;  ///< bytes/s a cube core streams operands at (the roofline)
+  double vectorBytes = 1e9;   ///< bytes/s (read + written) one vector core streams: a copy
+  double vectorElems = 1e9;   ///< element reads + writes/s of one vector core's SwiGLU math
   double linkBytes = 1e9;     ///< bytes/s of one put to a peer rank
+  double linkTotalBytes = 0;  ///< bytes/s all puts of a rank share; 0: no limit
   double taskOverhead = 1e-6; ///< seconds every task costs besides its work
+  CoreSharing sharing = CoreSharing::None;
+  /// Where the rates come from: "" for estimates, or what measured them
+  /// ("moec bench --calibrate on ...").
+  std::string calibrated;
 };
 
 /// The names of the built-in profiles: "cpu", "ascend-910b", "h100".
@@ -42,9 +67,16 @@ const std::vector<std::string> &builtinProfileNames();
 Status builtinProfile(const std::string &name, TargetProfile *out);
 
 /// Parses a profile from JSON text: {"name", "cube_cores", "vector_cores",
-/// optional "tile_m", "tile_n", "tile_k", "cube_tflops", "vector_gbps",
-/// "link_gbps", "task_overhead_us"}. `source` names the file in messages.
+/// optional "tile_m", "tile_n", "tile_k", "pad_m", "pad_n", "pad_k",
+/// "cube_tflops", "cube_tflops_bf16", "memory_gbps", "vector_gbps",
+/// "vector_gelems",
+/// "link_gbps", "link_total_gbps", "task_overhead_us", "core_sharing"
+/// ("none", "rank", "group"), "calibrated" (a note)}. Rates not given are
+/// the cpu profile's. `source` names the file in messages.
 Status parseProfile(const std::string &text, const std::string &source, TargetProfile *out);
+
+/// Returns `profile` as the JSON text parseProfile reads.
+std::string profileJson(const TargetProfile &profile);
 
 /// Resolves a --target argument: a built-in name, or else a path to a
 /// profile JSON file (anything containing '/' or ending in ".json").

@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+#include <deque>
 #include <limits>
 #include <queue>
 #include <string>
@@ -517,12 +519,20 @@ Status proveDeadlockFree(const TaskProgram &program) {
 }
 
 TimedRun simulateTimed(const TaskProgram &program, const std::vector<double> &costs) {
+  CostModel model;
+  model.costs = costs;
+  return simulateTimed(program, model, false);
+}
+
+TimedRun simulateTimed(const TaskProgram &program, const CostModel &model, bool recordTrace) {
+  const std::vector<double> &costs = model.costs;
   TimedRun result;
   if (Status status = checkIndices(program); !status) {
     result.status = status;
     return result;
   }
-  if (costs.size() != program.tasks.size()) {
+  if (costs.size() != program.tasks.size() ||
+      (!model.linkBytes.empty() && model.linkBytes.size() != program.tasks.size())) {
     result.status = Status::error(
         fmt::format("{} task costs for a program of {} tasks", costs.size(), program.tasks.size()));
     return result;
@@ -554,6 +564,68 @@ TimedRun simulateTimed(const TaskProgram &program, const std::vector<double> &co
   std::priority_queue<Finish, std::vector<Finish>, std::greater<Finish>> pending;
   uint64_t seq = 0;
 
+  const size_t slots = size_t(m.R) * m.Q;
+
+  // Shared cores: a pool per rank or one for the group, with a FIFO of the
+  // slots whose head is ready and waits for a core.
+  const bool pooled = model.sharing != CoreSharing::None && model.poolCores > 0;
+  auto poolOf = [&](size_t s) -> size_t {
+    return model.sharing == CoreSharing::Rank ? run.rankOf(s) : 0;
+  };
+  size_t pools = !pooled ? 0 : model.sharing == CoreSharing::Rank ? m.R : 1;
+  std::vector<uint32_t> freeCores(pools, model.poolCores);
+  std::vector<std::deque<size_t>> readyFifo(pools);
+  // Shared link: when each rank's link finishes the transfers queued so far.
+  const bool linkShared = model.linkTotalBytes > 0 && !model.linkBytes.empty();
+  std::vector<double> linkFree(m.R, 0.0);
+
+  // The trace: when each slot's last task finished, and per (rank, task)
+  // node the event and signalling node of the wait met last.
+  std::vector<double> slotFree(slots, 0.0);
+  std::vector<uint32_t> metEvent;
+  std::vector<uint64_t> metBy;
+  if (recordTrace) {
+    metEvent.assign(size_t(m.R) * T, 0);
+    metBy.assign(size_t(m.R) * T, kNoNode);
+    result.trace.source = "simulated";
+  }
+  auto nanos = [](double seconds) { return int64_t(std::llround(seconds * 1e9)); };
+
+  auto startHead = [&](size_t s, double now) {
+    uint32_t task = run.head(s);
+    uint32_t rank = run.rankOf(s);
+    double end = now + costs[task];
+    if (linkShared && model.linkBytes[task] > 0) {
+      double transferEnd = std::max(now, linkFree[rank]) + model.linkBytes[task] / model.linkTotalBytes;
+      linkFree[rank] = transferEnd;
+      end = std::max(end, transferEnd);
+    }
+    if (rank == 0) {
+      result.start[task] = now;
+      result.finish[task] = end;
+    }
+    if (recordTrace) {
+      uint64_t node = uint64_t(rank) * T + task;
+      uint32_t queue = run.queueOfSlot(s);
+      if (metBy[node] != kNoNode && nanos(now) > nanos(slotFree[s])) {
+        trace::WaitSpan wait;
+        wait.rank = rank;
+        wait.queue = queue;
+        wait.task = task;
+        wait.event = metEvent[node];
+        wait.beginNs = nanos(slotFree[s]);
+        wait.endNs = nanos(now);
+        wait.signalRank = uint32_t(metBy[node] / T);
+        wait.signalTask = uint32_t(metBy[node] % T);
+        result.trace.waits.push_back(wait);
+      }
+      result.trace.tasks.push_back({rank, queue, task, queue, nanos(now), nanos(end)});
+    }
+    pending.push({end, seq++, s});
+  };
+
+  // Starts the slot's head if it is ready and a core is free; a ready head
+  // without a core joins its pool's FIFO.
   auto tryStart = [&](size_t s, double now) {
     if (run.drained(s))
       return;
@@ -561,15 +633,17 @@ TimedRun simulateTimed(const TaskProgram &program, const std::vector<double> &co
       run.blocked[s] = 1;
       return;
     }
-    uint32_t task = run.head(s);
-    if (run.rankOf(s) == 0) {
-      result.start[task] = now;
-      result.finish[task] = now + costs[task];
+    if (pooled) {
+      size_t pool = poolOf(s);
+      if (freeCores[pool] == 0) {
+        readyFifo[pool].push_back(s);
+        return;
+      }
+      --freeCores[pool];
     }
-    pending.push({now + costs[task], seq++, s});
+    startHead(s, now);
   };
 
-  size_t slots = size_t(m.R) * m.Q;
   for (size_t s = 0; s < slots; ++s)
     tryStart(s, 0.0);
 
@@ -596,6 +670,10 @@ TimedRun simulateTimed(const TaskProgram &program, const std::vector<double> &co
         [&](uint32_t to, uint32_t event, const Waiter &waiter) {
           size_t c = size_t(to) * m.E + event;
           uint64_t waiterNode = uint64_t(to) * T + waiter.task;
+          if (recordTrace) {
+            metEvent[waiterNode] = event;
+            metBy[waiterNode] = node;
+          }
           if (pathPred[waiterNode] == kNoNode || eventPath[c] >= pathStart[waiterNode]) {
             pathStart[waiterNode] = eventPath[c];
             pathPred[waiterNode] = eventPred[c];
@@ -603,10 +681,22 @@ TimedRun simulateTimed(const TaskProgram &program, const std::vector<double> &co
         },
         [&](size_t s) { woken.push_back(s); });
     run.advance(done.slot);
+    slotFree[done.slot] = now;
+    if (pooled)
+      ++freeCores[poolOf(done.slot)];
     tryStart(done.slot, now);
     for (size_t s : woken)
       tryStart(s, now);
     woken.clear();
+    if (pooled) {
+      size_t pool = poolOf(done.slot);
+      while (freeCores[pool] > 0 && !readyFifo[pool].empty()) {
+        size_t s = readyFifo[pool].front();
+        readyFifo[pool].pop_front();
+        --freeCores[pool];
+        startHead(s, now);
+      }
+    }
   }
 
   TimedRun failed;

@@ -27,7 +27,9 @@
 #define MOEC_COMPILER_TARGET_SIMULATE_H
 
 #include "base/Status.h"
+#include "compiler/target/Cost.h"
 #include "runtime/format/TaskBinary.h"
+#include "runtime/trace/Trace.h"
 
 #include <cstdint>
 #include <vector>
@@ -95,6 +97,12 @@ struct TimedRun {
   /// rank 0 (every rank has a critical path of the same tasks, rotated).
   std::vector<uint32_t> criticalPathRanks;
 
+  /// With a trace requested: every rank's tasks, the waits of queues
+  /// whose head was ready to start (its queue predecessor done) before its
+  /// events were, each naming the event and the signal that ended it, in
+  /// the format the runtime records (runtime/trace).
+  trace::Trace trace;
+
   /// Returns true when the simulation succeeded.
   bool ok() const { return status.ok(); }
 };
@@ -120,6 +128,18 @@ struct TimedRun {
 /// program deadlocks or does not end with every event at its threshold, and
 /// one when `costs` does not have one entry per task.
 TimedRun simulateTimed(const format::TaskProgram &program, const std::vector<double> &costs);
+
+/// The same with the rest of a cost model: with `model.sharing` other than
+/// None, a queue's ready head also needs a free core of its pool (a rank's
+/// pool, or one pool for the whole group, of model.poolCores cores; a core
+/// that finishes a task takes its own queue's next task first if it is
+/// ready, else the queue that has waited longest); a put that crosses ranks
+/// also queues for its rank's shared link (model.linkTotalBytes), so that
+/// its transfer ends no sooner than the transfers before it at the shared
+/// rate. The critical path stays the dependency chain of the costs alone.
+/// With `recordTrace`, fills TimedRun::trace.
+TimedRun simulateTimed(const format::TaskProgram &program, const CostModel &model,
+                       bool recordTrace = false);
 
 } // namespace moec::target
 

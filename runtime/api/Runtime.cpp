@@ -567,6 +567,12 @@ Status Context::wait() {
   return body->submittedResult;
 }
 
+const trace::Trace &Context::trace(TracedPass which) const {
+  if (which == TracedPass::Last)
+    which = body->lastWasBackward ? TracedPass::Backward : TracedPass::Forward;
+  return which == TracedPass::Backward ? body->bwdTrace : body->fwdTrace;
+}
+
 Status Context::writeTrace(const std::string &path, TracedPass which) const {
   if (Status s = body->idle(); !s)
     return s;

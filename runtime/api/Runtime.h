@@ -173,6 +173,7 @@ int moec_wait(moec_context *context);
 #include "runtime/comm/Fabric.h"
 #include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
+#include "runtime/trace/Trace.h"
 
 #include <array>
 #include <memory>
@@ -342,6 +343,10 @@ public:
   /// with the signal that ended each (a flow arrow), and the host phases
   /// prepare, tasks and finish (runtime/trace/Trace.h has the format).
   Status writeTrace(const std::string &path, TracedPass which = TracedPass::Last) const;
+
+  /// The trace writeTrace writes (empty before such a pass, or with
+  /// tracing off), in nanoseconds from the pass's start.
+  const trace::Trace &trace(TracedPass which = TracedPass::Last) const;
 
   struct Impl;
 

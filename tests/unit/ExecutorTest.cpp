@@ -38,7 +38,6 @@ using namespace moec::format;
 using moec::exec::Executor;
 using moec::exec::ExecutorOptions;
 using moec::exec::TaskFunction;
-using moec::exec::TraceEvent;
 using moec::test::kFinal;
 using moec::test::ProgramBuilder;
 using moec::test::requireValid;
@@ -701,7 +700,7 @@ TEST_CASE("the trace has one complete event per task per rank", "[exec]") {
     Status status = executor->run();
     INFO(status.message());
     REQUIRE(status.ok());
-    CHECK(executor->trace().size() == 4 * program.tasks.size());
+    CHECK(executor->trace().tasks.size() == 4 * program.tasks.size());
   }
   std::string path = scratchPath("executor-trace.json");
   Status status = executor->writeTrace(path);
@@ -720,7 +719,8 @@ TEST_CASE("the trace has one complete event per task per rank", "[exec]") {
         rankNames[event["pid"].get<uint32_t>()] = event["args"]["name"].get<std::string>();
       continue;
     }
-    REQUIRE(event["ph"] == "X");
+    if (event["cat"] == "wait" || event["ph"] != "X")
+      continue;
     uint32_t rank = event["pid"].get<uint32_t>();
     uint32_t queue = event["tid"].get<uint32_t>();
     uint32_t task = event["args"]["task"].get<uint32_t>();
@@ -746,7 +746,56 @@ TEST_CASE("the trace has one complete event per task per rank", "[exec]") {
     for (size_t i = 1; i < entry.second.size(); ++i)
       CHECK(entry.second[i - 1].second <= entry.second[i].first + 1e-3);
   }
-  CHECK(exec::coreName(program, 2) == "vector core 0");
+  CHECK(trace::coreName(program, 2) == "vector core 0");
+}
+
+TEST_CASE("the trace records waits with the task whose signal ended them", "[exec]") {
+  // Task A sleeps, so C (alone on cube core 1) parks on event 'a' and is
+  // woken by A's signal; D parks on 'b' or 'c'.
+  TaskProgram program = diamondProgram(2);
+  ExecutorOptions options;
+  options.workers = 3;
+  options.trace = true;
+  std::unique_ptr<Executor> executor = makeExecutor(
+      program,
+      [&](uint32_t, uint32_t task, uint32_t) {
+        if (program.name(program.ops[program.tasks[task].op].name) == "A")
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        return Status();
+      },
+      options);
+  REQUIRE(executor->run().ok());
+  const trace::Trace &trace = executor->trace();
+  REQUIRE(trace.tasks.size() == 2 * program.tasks.size());
+  std::map<std::pair<uint32_t, uint32_t>, trace::TaskSpan> spans;
+  for (const trace::TaskSpan &span : trace.tasks)
+    spans[{span.rank, span.task}] = span;
+  size_t waitsOnA = 0;
+  for (const trace::WaitSpan &wait : trace.waits) {
+    INFO("wait of task " << wait.task << " on rank " << wait.rank);
+    REQUIRE(wait.signalRank < 2);
+    REQUIRE(wait.signalTask < program.tasks.size());
+    // The signaller signals the event waited for, on the waiter's rank.
+    const TaskRecord &signaller = program.tasks[wait.signalTask];
+    bool signals = false;
+    for (uint32_t k = 0; k < signaller.signalCount; ++k) {
+      const SignalRecord &signal = program.signals[signaller.firstSignal + k];
+      signals = signals || (signal.event == wait.event &&
+                            program.peerRank(wait.signalRank, signal.peerOffset) == wait.rank);
+    }
+    CHECK(signals);
+    // The wait ends while its signaller runs, and before the waiter starts.
+    const trace::TaskSpan &from = spans.at({wait.signalRank, wait.signalTask});
+    const trace::TaskSpan &to = spans.at({wait.rank, wait.task});
+    CHECK(wait.beginNs <= wait.endNs);
+    CHECK(from.startNs <= wait.endNs);
+    CHECK(wait.endNs <= from.endNs);
+    CHECK(wait.endNs <= to.startNs);
+    CHECK(to.queue == wait.queue);
+    waitsOnA += program.name(program.events[wait.event].name) == "a";
+  }
+  // C waits for A on both ranks (A sleeps 20 ms; C has nothing before it).
+  CHECK(waitsOnA >= 2);
 }
 
 TEST_CASE("no trace is kept when tracing is off, and a bad path is an error", "[exec]") {
@@ -758,6 +807,7 @@ TEST_CASE("no trace is kept when tracing is off, and a bad path is an error", "[
   Status status = executor->run();
   REQUIRE(status.ok());
   CHECK(executor->trace().empty());
+  CHECK(executor->trace().waits.empty());
   std::string message = errorOf(executor->writeTrace("/nonexistent-dir/trace.json"));
   CHECK(message == "/nonexistent-dir/trace.json: cannot open for writing: No such file or directory");
 }
@@ -767,8 +817,9 @@ TEST_CASE("trace JSON escapes op names", "[exec]") {
   uint32_t a = b.op("we\"ird\\name", OpKind::Gmm, CoreKind::Cube, 1);
   b.queue(CoreKind::Cube, 0, {a});
   TaskProgram program = b.build();
-  std::vector<TraceEvent> events = {{0, 0, a, 0, 1000, 2500}};
-  nlohmann::json trace = nlohmann::json::parse(exec::chromeTraceJson(program, events));
+  trace::Trace events;
+  events.tasks = {{0, 0, a, 0, 1000, 2500}};
+  nlohmann::json trace = nlohmann::json::parse(trace::chromeTraceJson(program, events));
   const nlohmann::json &last = trace["traceEvents"].back();
   CHECK(last["name"] == "we\"ird\\name");
   CHECK(last["ts"].get<double>() == Approx(1.0));

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <map>
 #include <cstdint>
 #include <regex>
 #include <string>
@@ -511,9 +512,13 @@ TEST_CASE("dump: text", "[dump]") {
     options.rank = 1;
     std::string resolved = dump::dumpText(program, facts, options, analysis);
     CHECK_THAT(resolved, Catch::Contains("resolved for rank 1"));
-    // Tile p1 of rank 1 puts to rank 0; rank 1's expert 0 is expert 1.
-    CHECK_THAT(resolved, Catch::Contains("    1 dispatch tile(e1,p0,r0,c0 rows 0..64 cols 0..64) "
+    // Tile p1 of rank 1 puts to rank 0: its rows go to rank 0's expert 0,
+    // which is expert 0; its own tile p0 stays with expert 1, and rank 1's
+    // up_proj computes expert 1.
+    CHECK_THAT(resolved, Catch::Contains("    1 dispatch tile(e0,p0,r0,c0 rows 0..64 cols 0..64) "
                                          "waits [] signals [ev0 recv +1 → rank 0]"));
+    CHECK_THAT(resolved, Catch::Contains("    0 dispatch tile(e1,p1,r0,c0 rows 0..64 cols 0..64) "
+                                         "waits [] signals [ev0 recv +1]"));
     CHECK_THAT(resolved, Catch::Contains("    2 up_proj tile(e1,p0,"));
   }
   SECTION("options that name nothing") {
@@ -629,13 +634,24 @@ TEST_CASE("dump: dot", "[dump]") {
   REQUIRE(dump::dumpDot(program, options, &dot).ok());
   CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 1);
 
+  // A large program is drawn whole; the filters select.
   TaskProgram big = layeredProgram(2, 3, 1000);
-  CHECK(errorOf(dump::dumpDot(big, dump::DumpOptions(), &dot)) ==
-        "the program has 3000 tasks; --dot draws at most 2000 (select one queue with --core "
-        "KIND:N, e.g. --core cube:0)");
+  size_t drawn = 0;
+  REQUIRE(dump::dumpDot(big, dump::DumpOptions(), &dot, &drawn).ok());
+  CHECK(drawn == 3000);
+  CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 3000);
   options.core = dump::CoreSelector{CoreKind::Vector, 3};
-  REQUIRE(dump::dumpDot(big, options, &dot).ok());
+  REQUIRE(dump::dumpDot(big, options, &dot, &drawn).ok());
   CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 63);
+  CHECK(drawn == 63);
+  options.core.reset();
+  options.ops = {std::string(big.name(big.ops[1].name))};
+  REQUIRE(dump::dumpDot(big, options, &dot, &drawn).ok());
+  CHECK(drawn == big.ops[1].taskCount);
+  CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == size_t(big.ops[1].taskCount));
+  options.ops = {"no_such_op"};
+  CHECK_THAT(errorOf(dump::dumpDot(big, options, &dot)),
+             Catch::StartsWith("--ops: the binary has no op 'no_such_op' (its ops: "));
 }
 
 TEST_CASE("the scheduler refuses cyclic events and zero cores", "[schedule]") {
@@ -686,4 +702,170 @@ TEST_CASE("the scheduler gives every core a queue and every task a place", "[sch
   CHECK(proveDeadlockFree(program).ok());
   CHECK(estimate.makespan >= estimate.criticalPath);
   CHECK(estimate.criticalPath > 0);
+}
+
+//===----------------------------------------------------------------------===//
+// Shared cores, the shared link, the simulated trace
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("shared cores serialize the queues that share them", "[simulate][cost]") {
+  // Two ranks, each a dispatch (2 tiles on vector core 0) and a gmm (cube
+  // core 0); every task costs 1 s.
+  TaskProgram program = twoRankProgram();
+  target::CostModel model;
+  model.costs.assign(program.tasks.size(), 1.0);
+  // Own cores: dispatch 0, 1 on the vector core, then the gmm: 3 s.
+  TimedRun own = simulateTimed(program, model);
+  REQUIRE(own.ok());
+  CHECK(own.makespan == Approx(3.0));
+  // One core for the whole group runs all 6 task runs one after another.
+  model.sharing = target::CoreSharing::Group;
+  model.poolCores = 1;
+  TimedRun group = simulateTimed(program, model);
+  REQUIRE(group.ok());
+  CHECK(group.makespan == Approx(6.0));
+  // One core per rank: each rank's 3 tasks in a row (the puts of both ranks
+  // overlap).
+  model.sharing = target::CoreSharing::Rank;
+  TimedRun rank = simulateTimed(program, model);
+  REQUIRE(rank.ok());
+  CHECK(rank.makespan == Approx(3.0));
+  // The critical path stays the dependency chain: put, then gmm.
+  CHECK(group.criticalPathSeconds == Approx(2.0));
+}
+
+TEST_CASE("puts to peers share the rank's link", "[simulate][cost]") {
+  TaskProgram program = twoRankProgram();
+  target::CostModel model;
+  model.costs.assign(program.tasks.size(), 1.0);
+  // Task 1 puts 4 bytes to the peer; the link moves 1 byte/s: the put ends
+  // at 4 s, whatever its own cost says.
+  model.linkBytes.assign(program.tasks.size(), 0.0);
+  model.linkBytes[1] = 4;
+  model.linkTotalBytes = 1;
+  TimedRun run = simulateTimed(program, model);
+  REQUIRE(run.ok());
+  CHECK(run.finish[1] == Approx(5.0)); // starts after task 0 at 1 s
+  CHECK(run.makespan == Approx(6.0));
+}
+
+TEST_CASE("a simulated trace: every task of every rank, waits named by their signaller",
+          "[simulate][trace]") {
+  TaskProgram program = twoRankProgram();
+  target::CostModel model;
+  model.costs = {1.0, 2.0, 1.0};
+  TimedRun run = simulateTimed(program, model, true);
+  REQUIRE(run.ok());
+  CHECK(run.trace.source == "simulated");
+  REQUIRE(run.trace.tasks.size() == 2 * program.tasks.size());
+  // The gmm of each rank waits from 0 s until the last put to it lands:
+  // the peer's task 1 (put to the peer) ends at 3 s.
+  size_t gmmWaits = 0;
+  for (const trace::WaitSpan &wait : run.trace.waits) {
+    if (wait.task != 2)
+      continue;
+    ++gmmWaits;
+    CHECK(wait.beginNs == 0);
+    CHECK(wait.endNs == 3000000000);
+    CHECK(wait.signalTask == 1);
+    CHECK(wait.signalRank == 1 - wait.rank);
+  }
+  CHECK(gmmWaits == 2);
+  // The Chrome JSON: one arrow per wait, each end inside an existing slice.
+  nlohmann::json json = nlohmann::json::parse(trace::chromeTraceJson(program, run.trace));
+  CHECK(json["metadata"]["source"] == "simulated");
+  std::map<std::pair<int, int>, std::vector<std::pair<double, double>>> slices;
+  std::map<int, int> flowEnds;
+  for (const auto &event : json["traceEvents"])
+    if (event["ph"] == "X" && event["cat"] != "wait")
+      slices[{event["pid"].get<int>(), event["tid"].get<int>()}].push_back(
+          {event["ts"].get<double>(), event["ts"].get<double>() + event["dur"].get<double>()});
+  for (const auto &event : json["traceEvents"]) {
+    if (event["ph"] != "s" && event["ph"] != "f")
+      continue;
+    ++flowEnds[event["id"].get<int>()];
+    bool inside = false;
+    for (auto [begin, end] : slices[{event["pid"].get<int>(), event["tid"].get<int>()}])
+      inside = inside || (begin < event["ts"].get<double>() && event["ts"].get<double>() < end);
+    CHECK(inside);
+  }
+  CHECK(flowEnds.size() == run.trace.waits.size());
+  for (auto [id, ends] : flowEnds)
+    CHECK(ends == 2);
+}
+
+TEST_CASE("dump: the critical path names its tasks; another profile's core counts warn",
+          "[dump]") {
+  TaskProgram program = twoRankProgram();
+  target::TargetProfile profile;
+  profile.name = "test";
+  profile.cubeCores = 1;
+  profile.vectorCores = 1;
+  dump::Analysis analysis = dump::analyzeProgram(program, &profile);
+  REQUIRE(analysis.run.ok());
+  std::string text = dump::dumpText(program, dump::factsOf(program, "two.moebin"),
+                                    dump::DumpOptions(), analysis);
+  // The path: rank 1's put to rank 0 (task 1), then rank 0's gmm (task 2).
+  CHECK(std::regex_search(text, std::regex("\n +1 +1 +dispatch +tile\\(e0,p0,")));
+  CHECK(std::regex_search(text, std::regex("\n +0 +2 +up_proj +tile\\(e0,p0,")));
+  CHECK(dump::coreCountWarning(program, profile).empty());
+  profile.cubeCores = 132;
+  CHECK_THAT(dump::coreCountWarning(program, profile),
+             Catch::StartsWith("profile 'test' has 132 cube + 1 vector cores per rank, but the "
+                               "binary was scheduled for 1 cube + 1 vector queues"));
+}
+
+TEST_CASE("dump: the op graph", "[dump]") {
+  TaskProgram program = twoRankProgram();
+  std::string dot = dump::dumpOpGraph(program);
+  INFO(dot);
+  CHECK_THAT(dot, Catch::StartsWith("digraph moec_ops {"));
+  CHECK(countMatches(dot, "\n +op[0-9]+ \\[shape=box") == 2);
+  // Each op writes its output tensor, with its tile count.
+  CHECK_THAT(dot, Catch::Contains("op0 -> s0 [label=\"2 tiles\"];"));
+  CHECK_THAT(dot, Catch::Contains("op1 -> s0 [label=\"1 tiles\"];"));
+}
+
+TEST_CASE("a profile round-trips through its JSON", "[profile]") {
+  for (const std::string &name : target::builtinProfileNames()) {
+    target::TargetProfile builtin, parsed;
+    REQUIRE(target::builtinProfile(name, &builtin).ok());
+    Status status = target::parseProfile(target::profileJson(builtin), "p.json", &parsed);
+    INFO(status.message());
+    REQUIRE(status.ok());
+    CHECK(target::profileJson(parsed) == target::profileJson(builtin));
+    CHECK(parsed.sharing == builtin.sharing);
+  }
+  target::TargetProfile p;
+  CHECK_THAT(target::parseProfile(R"({"name": "x", "cube_cores": 1, "vector_cores": 1,
+                                      "core_sharing": "sometimes"})",
+                                  "p.json", &p)
+                 .message(),
+             Catch::Contains("'core_sharing' must be \"none\", \"rank\" or \"group\""));
+}
+
+TEST_CASE("the cost model: a narrow GMM tile pays for the padded columns", "[cost]") {
+  ProgramBuilder b(1, 1);
+  uint32_t g = b.op("up_proj", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t done = b.event("done", EventKind::Terminate);
+  b.signal(g, done);
+  b.queue(CoreKind::Cube, 0, {g});
+  TaskProgram program = b.build();
+  TilingRecord &t = program.tilings[program.ops[0].tiling];
+  t.rows = 8192;
+  t.cols = 31;
+  t.depth = 1024;
+  t.balancedRows = 8192;
+  target::TargetProfile profile;
+  REQUIRE(target::builtinProfile("h100", &profile).ok());
+  profile.taskOverhead = 0;
+  profile.memoryBytes = 1e18; // compute-bound: flops alone
+  double narrow = target::taskSeconds(program, 0, profile);
+  t.cols = 128;
+  double full = target::taskSeconds(program, 0, profile);
+  // 31 columns of a 128-wide MMA cost as much as 128.
+  CHECK(narrow == Approx(full));
+  profile.padN = 1;
+  t.cols = 31;
+  CHECK(target::taskSeconds(program, 0, profile) == Approx(full * 31 / 128));
 }

@@ -12,9 +12,18 @@
 //      reports its best time; the layer's flops over that time give a share of
 //      the peak of all worker threads.
 //
+// With --calibrate it instead measures the rates of the `cpu` profile on
+// this machine (a profile JSON), and holds the simulated makespan of every
+// layer it ran against the measured one, with the built-in estimates and
+// with the calibrated rates.
+//
 //===----------------------------------------------------------------------===//
 
 #include "compiler/driver/Compile.h"
+#include "compiler/target/Cost.h"
+#include "compiler/target/Profile.h"
+#include "compiler/target/Simulate.h"
+#include "runtime/exec/Executor.h"
 #include "runtime/cpu/Gmm.h"
 #include "runtime/cpu/Peak.h"
 #include "runtime/api/Runtime.h"
@@ -24,6 +33,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -39,7 +49,8 @@ using namespace moec::tooling;
 const CommandSpec kBenchSpec = {
     "bench",
     "moec bench [--config CFG] [--ranks LIST] [--threads N] [--repeat N] [--hot-share F] "
-    "[--graphs DIR] [--skip-layers]",
+    "[--graphs DIR] [--skip-layers] | --calibrate [-o PROFILE] [--check PCT] [--threads N] "
+    "[--repeat N] [--graphs DIR]",
     "Measures, in one run:\n"
     "  - the fp32 FMA peak of one core of this machine;\n"
     "  - single-thread GMM tiles (f32 and bf16 storage) in GFLOP/s and % of peak;\n"
@@ -60,9 +71,22 @@ const CommandSpec kBenchSpec = {
     "                   expert 0 (default 0.5)\n"
     "  --graphs DIR     the folder with moe_ffn_fwd.json and moe_ffn_bwd.json\n"
     "                   (default: graphs)\n"
-    "  --skip-layers    only the peak and the GMM tiles\n",
-    {"--config", "--ranks", "--threads", "--repeat", "--hot-share", "--graphs"},
-    {"--skip-layers"},
+    "  --skip-layers    only the peak and the GMM tiles\n"
+    "\n"
+    "calibration:\n"
+    "  --calibrate      measure the rates of the cpu profile on this machine: run\n"
+    "                   five layers (fp32 and bf16, 1 to 4 ranks) with tracing, fit\n"
+    "                   the cube rate per dtype, the vector and copy rates to the\n"
+    "                   traced tasks of two of them and the per-task overhead to\n"
+    "                   the executor alone; then simulate every layer's binaries\n"
+    "                   with the built-in and the calibrated profile and print the\n"
+    "                   simulated against the measured makespan (the task program's\n"
+    "                   wall time, best of --repeat runs)\n"
+    "  -o PROFILE       write the calibrated profile JSON there (for --target)\n"
+    "  --check PCT      exit 1 when the calibrated simulation of a layer the rates\n"
+    "                   were not fitted to is off by more than PCT percent\n",
+    {"--config", "--ranks", "--threads", "--repeat", "--hot-share", "--graphs", "-o", "--check"},
+    {"--skip-layers", "--calibrate"},
     0,
     0};
 
@@ -165,6 +189,267 @@ struct Timing {
   double forward = 0, backward = 0;
 };
 
+//===----------------------------------------------------------------------===//
+// Calibration
+//===----------------------------------------------------------------------===//
+
+/// A layer the calibration runs: the rates are fitted to the traces of the
+/// `fit` ones, and every one is simulated against its measured time.
+struct CalibrationLayer {
+  int64_t hidden, inter, localExperts, topK, tokens;
+  uint32_t ranks;
+  bool bf16;
+  bool fit;
+
+  std::string label() const {
+    return fmt::format("H{} I{} L{} K{} S{} R{} {}", hidden, inter, localExperts, topK, tokens,
+                       ranks, bf16 ? "bf16" : "fp32");
+  }
+  std::string configJson() const {
+    return fmt::format("{{\"name\": \"calibration\", \"hidden_size\": {}, "
+                       "\"intermediate_size\": {}, \"num_experts\": {}, \"top_k\": {}, \"ep\": {}, "
+                       "\"tp\": 1, \"seq_size\": {}, \"dtype\": \"{}\"}}",
+                       hidden, inter, localExperts * ranks, topK, ranks, tokens,
+                       bf16 ? "bf16" : "fp32");
+  }
+};
+
+const CalibrationLayer kCalibrationLayers[] = {
+    {1024, 512, 4, 2, 512, 2, false, true},  {1024, 512, 4, 2, 512, 2, true, true},
+    {768, 384, 8, 2, 1024, 2, false, false}, {1024, 256, 2, 4, 512, 4, true, false},
+    {512, 1024, 2, 1, 256, 1, false, false},
+};
+
+/// What the calibration measured of one layer: per pass (forward,
+/// backward) the best wall time of the task program and the trace of
+/// that run.
+struct MeasuredLayer {
+  CalibrationLayer layer;
+  std::shared_ptr<const rt::Program> programs[2];
+  double seconds[2] = {std::numeric_limits<double>::infinity(),
+                       std::numeric_limits<double>::infinity()};
+  trace::Trace traces[2];
+};
+
+/// Runs `layer` `repeat` times (after a warm-up) with tracing on.
+Status measureLayer(const std::string &graphs, uint32_t threads, long repeat,
+                    MeasuredLayer *out) {
+  if (Status s = compileLayer(graphs, out->layer.configJson(), out->programs); !s)
+    return s.withPrefix(fmt::format("compiling {}: ", out->layer.label()));
+  const rt::LayerShape &shape = out->programs[0]->shape();
+  LayerData data;
+  RandomOptions random;
+  random.seed = 7;
+  random.bf16 = out->layer.bf16;
+  randomLayerData(shape, random, &data);
+  rt::ContextOptions options;
+  options.workers = threads;
+  options.trace = true;
+  std::unique_ptr<rt::Context> context;
+  if (Status s = rt::Context::create(out->programs[0], out->programs[1], options, &context); !s)
+    return s;
+  LayerRun run;
+  if (Status s = run.bind(*context, data); !s)
+    return s;
+  for (long rep = 0; rep <= repeat; ++rep) {
+    LayerData result = data;
+    if (Status s = run.run(*context, true, &result); !s)
+      return s;
+    if (rep == 0)
+      continue; // warm-up: workspace, kernels
+    const double times[2] = {context->forwardTimes().tasks, context->backwardTimes().tasks};
+    for (int pass = 0; pass < 2; ++pass)
+      if (times[pass] < out->seconds[pass]) {
+        out->seconds[pass] = times[pass];
+        out->traces[pass] =
+            context->trace(pass == 0 ? rt::TracedPass::Forward : rt::TracedPass::Backward);
+      }
+  }
+  return Status::success();
+}
+
+/// The rate classes the calibration fits.
+enum RateClass { kCubeF32, kCubeBf16, kVectorMath, kCopy, kLink, kRateClasses };
+
+/// The class of task `task` and its work in that class's unit (flops,
+/// element accesses or bytes), from the cost model with unit rates.
+std::pair<RateClass, double> taskWork(const format::TaskProgram &program, uint32_t task) {
+  target::TargetProfile unit;
+  unit.cubeFlops = unit.cubeFlopsBf16 = unit.vectorElems = unit.linkBytes = unit.vectorBytes = 1;
+  unit.memoryBytes = std::numeric_limits<double>::infinity();
+  unit.taskOverhead = 0;
+  const format::OpRecord &op = program.ops[program.tasks[task].op];
+  const format::TilingRecord &tiling = program.tilings[op.tiling];
+  switch (op.kind) {
+  case format::OpKind::Gmm:
+    return {tiling.dtype == format::DType::BF16 ? kCubeBf16 : kCubeF32,
+            target::taskSeconds(program, task, unit)};
+  case format::OpKind::Dispatch:
+  case format::OpKind::Combine:
+    return {format::tileCoord(tiling, task - op.firstTask).peer != 0 ? kLink : kCopy,
+            target::taskSeconds(program, task, unit)};
+  default: // SwiGLU(-grad): its element accesses (bytes at an endless streaming rate)
+    unit.vectorBytes = std::numeric_limits<double>::infinity();
+    return {kVectorMath, target::taskSeconds(program, task, unit)};
+  }
+}
+
+/// The executor's cost per task run, beyond the task's work: passes of
+/// `program` whose tasks do nothing, on `threads` workers.
+Status measureTaskOverhead(const format::TaskProgram &program, uint32_t threads,
+                           double *seconds) {
+  exec::ExecutorOptions options;
+  options.workers = threads;
+  std::unique_ptr<exec::Executor> executor;
+  if (Status s = exec::Executor::create(
+          program, [](uint32_t, uint32_t, uint32_t) { return Status::success(); }, options,
+          &executor);
+      !s)
+    return s;
+  double best = std::numeric_limits<double>::infinity();
+  for (int pass = 0; pass < 30; ++pass) {
+    if (Status s = executor->run(); !s)
+      return s;
+    best = std::min(best, executor->lastPass().seconds);
+  }
+  *seconds = best * threads / double(program.tasks.size() * program.epRanks);
+  return Status::success();
+}
+
+/// The model name of this machine's CPU, from /proc/cpuinfo.
+std::string cpuModelName() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) {
+      size_t colon = line.find(':');
+      if (colon != std::string::npos)
+        return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  return "unknown CPU";
+}
+
+int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::string &graphs) {
+  std::optional<double> check;
+  if (auto c = args.value("--check")) {
+    char *end = nullptr;
+    double v = std::strtod(c->c_str(), &end);
+    if (c->empty() || *end || !(v > 0))
+      return usage("--check must be a positive percentage");
+    check = v;
+  }
+  std::printf("calibrating the cpu profile: %u worker threads, best of %ld runs per layer, %s\n",
+              threads, repeat, cpuModelName().c_str());
+  std::fflush(stdout);
+
+  std::vector<MeasuredLayer> layers;
+  for (const CalibrationLayer &layer : kCalibrationLayers) {
+    MeasuredLayer measured;
+    measured.layer = layer;
+    std::printf("  running %-32s", layer.label().c_str());
+    std::fflush(stdout);
+    if (Status s = measureLayer(graphs, threads, repeat, &measured); !s) {
+      std::printf("\n");
+      return fail(s);
+    }
+    std::printf(" forward %8.2f ms, backward %8.2f ms%s\n", measured.seconds[0] * 1e3,
+                measured.seconds[1] * 1e3, layer.fit ? "  (fitted to)" : "");
+    std::fflush(stdout);
+    layers.push_back(std::move(measured));
+  }
+
+  // Rates: the work of a class over the time its tasks took, in the traces
+  // of the layers fitted to.
+  double work[kRateClasses] = {}, busy[kRateClasses] = {};
+  for (const MeasuredLayer &m : layers) {
+    if (!m.layer.fit)
+      continue;
+    for (int pass = 0; pass < 2; ++pass) {
+      const format::TaskProgram &program = m.programs[pass]->tasks();
+      for (const trace::TaskSpan &span : m.traces[pass].tasks) {
+        auto [rateClass, units] = taskWork(program, span.task);
+        work[rateClass] += units;
+        busy[rateClass] += double(span.endNs - span.startNs) * 1e-9;
+      }
+    }
+  }
+  target::TargetProfile estimate;
+  if (Status s = target::builtinProfile("cpu", &estimate); !s)
+    return fail(s);
+  target::TargetProfile calibrated = estimate;
+  calibrated.cubeCores = calibrated.vectorCores = threads;
+  auto rate = [&](RateClass c, double fallback) {
+    return work[c] > 0 && busy[c] > 0 ? work[c] / busy[c] : fallback;
+  };
+  calibrated.cubeFlops = rate(kCubeF32, estimate.cubeFlops);
+  calibrated.cubeFlopsBf16 = rate(kCubeBf16, estimate.cubeFlopsBf16);
+  calibrated.vectorElems = rate(kVectorMath, estimate.vectorElems);
+  calibrated.vectorBytes = rate(kCopy, estimate.vectorBytes);
+  calibrated.linkBytes = rate(kLink, estimate.linkBytes);
+  // A copy reads and writes each byte: operands stream at twice its rate.
+  calibrated.memoryBytes = 2 * calibrated.vectorBytes;
+  if (Status s = measureTaskOverhead(layers.front().programs[0]->tasks(), threads,
+                                     &calibrated.taskOverhead);
+      !s)
+    return fail(s);
+  calibrated.calibrated = fmt::format("moec bench --calibrate: {} worker threads on {}", threads,
+                                      cpuModelName());
+  std::printf("\ncalibrated rates (per core; built-in estimates in brackets):\n");
+  std::printf("  cube fp32   %8.1f GFLOP/s  [%.1f]\n", calibrated.cubeFlops * 1e-9,
+              estimate.cubeFlops * 1e-9);
+  std::printf("  cube bf16   %8.1f GFLOP/s  [%.1f]\n", calibrated.cubeFlopsBf16 * 1e-9,
+              estimate.cubeFlopsBf16 * 1e-9);
+  std::printf("  SwiGLU      %8.2f G element accesses/s  [%.2f]\n", calibrated.vectorElems * 1e-9,
+              estimate.vectorElems * 1e-9);
+  std::printf("  own-rank put %7.2f GB/s     [%.2f]\n", calibrated.vectorBytes * 1e-9,
+              estimate.vectorBytes * 1e-9);
+  std::printf("  put to a peer %6.2f GB/s     [%.2f]\n", calibrated.linkBytes * 1e-9,
+              estimate.linkBytes * 1e-9);
+  std::printf("  task overhead %6.2f us      [%.2f]\n", calibrated.taskOverhead * 1e6,
+              estimate.taskOverhead * 1e6);
+
+  std::printf("\nsimulated against measured makespan (the task program's wall time):\n");
+  std::printf("  %-32s %-8s %11s %11s %7s %11s %7s\n", "layer", "pass", "measured", "estimate",
+              "error", "calibrated", "error");
+  double worstChecked = 0;
+  for (const MeasuredLayer &m : layers)
+    for (int pass = 0; pass < 2; ++pass) {
+      const format::TaskProgram &program = m.programs[pass]->tasks();
+      double simulated[2];
+      const target::TargetProfile *profiles[2] = {&estimate, &calibrated};
+      for (int i = 0; i < 2; ++i) {
+        target::TimedRun run =
+            target::simulateTimed(program, target::costModel(program, *profiles[i]));
+        if (!run.ok())
+          return fail(run.status);
+        simulated[i] = run.makespan;
+      }
+      auto error = [&](double sim) { return 100.0 * (sim - m.seconds[pass]) / m.seconds[pass]; };
+      if (!m.layer.fit)
+        worstChecked = std::max(worstChecked, std::abs(error(simulated[1])));
+      std::printf("  %-32s %-8s %8.2f ms %8.2f ms %+6.0f%% %8.2f ms %+6.0f%%%s\n",
+                  m.layer.label().c_str(), pass ? "backward" : "forward", m.seconds[pass] * 1e3,
+                  simulated[0] * 1e3, error(simulated[0]), simulated[1] * 1e3,
+                  error(simulated[1]), m.layer.fit ? "  (fitted to)" : "");
+    }
+  std::printf("  the largest error of a layer not fitted to: %.0f%%\n", worstChecked);
+  std::fflush(stdout);
+
+  if (auto path = args.value("-o")) {
+    if (!writeOutput(*path, target::profileJson(calibrated)))
+      return kError;
+    std::printf("wrote %s (use it with --target %s)\n", path->c_str(), path->c_str());
+  }
+  if (check && worstChecked > *check) {
+    std::fprintf(stderr,
+                 "moec bench: the calibrated simulation is off by %.0f%% on a layer it was not "
+                 "fitted to, more than --check %.0f%%\n",
+                 worstChecked, *check);
+    return kError;
+  }
+  return kOk;
+}
+
 } // namespace
 
 int runBench(int argc, char **argv, int first) {
@@ -202,6 +487,17 @@ int runBench(int argc, char **argv, int first) {
       return usage("--hot-share must be a number in [0, 1]");
   }
   const std::string graphs = args.value("--graphs").value_or("graphs");
+  if (args.has("--calibrate")) {
+    for (const char *flag : {"--config", "--ranks", "--hot-share"})
+      if (args.value(flag))
+        return usage(fmt::format("{} does not go with --calibrate (it runs its own layers)", flag));
+    if (args.has("--skip-layers"))
+      return usage("--skip-layers does not go with --calibrate");
+    return runCalibrate(args, threads, repeat, graphs);
+  }
+  for (const char *flag : {"-o", "--check"})
+    if (args.value(flag))
+      return usage(fmt::format("{} goes with --calibrate", flag));
 
   std::string command = "moec";
   for (int i = 1; i < argc; ++i)

@@ -345,17 +345,21 @@ FileFacts factsOf(const TaskProgram &program, const std::string &path) {
 }
 
 Analysis analyzeProgram(const TaskProgram &program, const target::TargetProfile *profile,
-                        const std::string &note) {
+                        const std::string &note, bool recordTrace) {
   Analysis a;
   a.timed = profile != nullptr;
   if (profile) {
     a.profileName = profile->name;
-    a.costs = target::taskCosts(program, *profile);
+    target::CostModel model = target::costModel(program, *profile);
+    a.costs = model.costs;
+    a.run = target::simulateTimed(program, model, recordTrace);
+    if (recordTrace)
+      a.run.trace.profile = profile->name;
   } else {
     a.note = note;
     a.costs.assign(program.tasks.size(), 1.0);
+    a.run = target::simulateTimed(program, a.costs);
   }
-  a.run = target::simulateTimed(program, a.costs);
   a.signallers.assign(program.events.size(), 0);
   a.waiters.assign(program.events.size(), 0);
   for (const TaskRecord &task : program.tasks) {

@@ -94,10 +94,12 @@ struct Analysis {
   std::vector<std::string> warnings;
 };
 
-/// Computes the analysis of `program`: with `profile`'s costs, or, when
-/// `profile` is null, with unit costs and `note` saying why.
+/// Computes the analysis of `program`: with `profile`'s cost model (its
+/// shared cores and link), or, when `profile` is null, with unit costs and
+/// `note` saying why. With `recordTrace` and a profile, the simulation
+/// records its trace (run.trace).
 Analysis analyzeProgram(const format::TaskProgram &program, const target::TargetProfile *profile,
-                        const std::string &note = "");
+                        const std::string &note = "", bool recordTrace = false);
 
 /// Returns a warning when `profile`'s cube or vector core count differs
 /// from the number of cube or vector queues of `program` (re-costing a

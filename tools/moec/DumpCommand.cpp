@@ -3,6 +3,7 @@
 #include "base/File.h"
 #include "compiler/target/Profile.h"
 #include "runtime/format/TaskBinary.h"
+#include "runtime/trace/Trace.h"
 #include "tools/moec/Cli.h"
 #include "tools/moec/Dump.h"
 
@@ -240,7 +241,10 @@ int runDump(int argc, char **argv, int first) {
                            name, status.message());
       }
     }
-    dump::Analysis analysis = dump::analyzeProgram(program, haveProfile ? &profile : nullptr, note);
+    if (args->has("--trace") && !haveProfile)
+      return error(fmt::format("{}: --trace needs a profile: {}", path, note));
+    dump::Analysis analysis = dump::analyzeProgram(program, haveProfile ? &profile : nullptr, note,
+                                                   args->has("--trace"));
     if (args->value("--target"))
       if (std::string warning = dump::coreCountWarning(program, profile); !warning.empty())
         analysis.warnings.push_back(warning);
@@ -249,6 +253,14 @@ int runDump(int argc, char **argv, int first) {
     if (!analysis.run.ok()) {
       deadlocked = true;
       deadlock = analysis.run.status.message();
+    }
+    if (args->has("--trace")) {
+      if (deadlocked)
+        return error(fmt::format("{}: {}", path, deadlock));
+      if (Status status = trace::writeChromeTrace(program, analysis.run.trace, outPath, path);
+          !status)
+        return error(status.message());
+      return kOk;
     }
     output = args->has("--json") ? dump::dumpJson(program, facts, options, analysis).dump(2) + "\n"
                                  : dump::dumpText(program, facts, options, analysis);

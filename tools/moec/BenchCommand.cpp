@@ -33,6 +33,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -231,11 +232,13 @@ struct MeasuredLayer {
   trace::Trace traces[2];
 };
 
-/// Runs `layer` `repeat` times (after a warm-up) with tracing on.
+/// Runs `layer` `repeat` times or more (after a warm-up) with tracing on,
+/// keeping the best times (and their traces) of this and earlier calls.
 Status measureLayer(const std::string &graphs, uint32_t threads, long repeat,
                     MeasuredLayer *out) {
-  if (Status s = compileLayer(graphs, out->layer.configJson(), out->programs); !s)
-    return s.withPrefix(fmt::format("compiling {}: ", out->layer.label()));
+  if (!out->programs[0])
+    if (Status s = compileLayer(graphs, out->layer.configJson(), out->programs); !s)
+      return s.withPrefix(fmt::format("compiling {}: ", out->layer.label()));
   const rt::LayerShape &shape = out->programs[0]->shape();
   LayerData data;
   RandomOptions random;
@@ -251,7 +254,13 @@ Status measureLayer(const std::string &graphs, uint32_t threads, long repeat,
   LayerRun run;
   if (Status s = run.bind(*context, data); !s)
     return s;
-  for (long rep = 0; rep <= repeat; ++rep) {
+  // At least `repeat` timed runs, and more (up to 10 times as many) until
+  // they took half a second: a small layer's best time needs more tries.
+  const auto begin = std::chrono::steady_clock::now();
+  for (long rep = 0;; ++rep) {
+    if (rep > repeat &&
+        (rep > 10 * repeat || std::chrono::steady_clock::now() - begin > std::chrono::milliseconds(500)))
+      break;
     LayerData result = data;
     if (Status s = run.run(*context, true, &result); !s)
       return s;
@@ -342,21 +351,30 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
               threads, repeat, cpuModelName().c_str());
   std::fflush(stdout);
 
+  // Two rounds over the layers, each keeping its best: a burst of other
+  // load on a shared machine rarely spans both.
   std::vector<MeasuredLayer> layers;
   for (const CalibrationLayer &layer : kCalibrationLayers) {
-    MeasuredLayer measured;
-    measured.layer = layer;
-    std::printf("  running %-32s", layer.label().c_str());
-    std::fflush(stdout);
-    if (Status s = measureLayer(graphs, threads, repeat, &measured); !s) {
-      std::printf("\n");
-      return fail(s);
-    }
-    std::printf(" forward %8.2f ms, backward %8.2f ms%s\n", measured.seconds[0] * 1e3,
-                measured.seconds[1] * 1e3, layer.fit ? "  (fitted to)" : "");
-    std::fflush(stdout);
-    layers.push_back(std::move(measured));
+    layers.emplace_back();
+    layers.back().layer = layer;
   }
+  for (int round = 0; round < 2; ++round)
+    for (MeasuredLayer &measured : layers) {
+      if (round == 1) {
+        if (Status s = measureLayer(graphs, threads, repeat, &measured); !s)
+          return fail(s);
+        continue;
+      }
+      std::printf("  running %-32s", measured.layer.label().c_str());
+      std::fflush(stdout);
+      if (Status s = measureLayer(graphs, threads, repeat, &measured); !s) {
+        std::printf("\n");
+        return fail(s);
+      }
+      std::printf(" forward %8.2f ms, backward %8.2f ms%s\n", measured.seconds[0] * 1e3,
+                  measured.seconds[1] * 1e3, measured.layer.fit ? "  (fitted to)" : "");
+      std::fflush(stdout);
+    }
 
   // Rates: the work of a class over the time its tasks took, in the traces
   // of the layers fitted to.
@@ -388,10 +406,32 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
   calibrated.linkBytes = rate(kLink, estimate.linkBytes);
   // A copy reads and writes each byte: operands stream at twice its rate.
   calibrated.memoryBytes = 2 * calibrated.vectorBytes;
-  if (Status s = measureTaskOverhead(layers.front().programs[0]->tasks(), threads,
-                                     &calibrated.taskOverhead);
-      !s)
+  // The per-task overhead: what the executor alone costs per task is its
+  // floor; above it, the value that makes the simulated makespans of the
+  // fitted layers add up to the measured ones (the makespan grows with it).
+  double floor = 0;
+  if (Status s = measureTaskOverhead(layers.front().programs[0]->tasks(), threads, &floor); !s)
     return fail(s);
+  auto fittedError = [&](double overhead) {
+    target::TargetProfile p = calibrated;
+    p.taskOverhead = overhead;
+    double simulated = 0, measured = 0;
+    for (const MeasuredLayer &m : layers)
+      for (int pass = 0; pass < 2 && m.layer.fit; ++pass) {
+        const format::TaskProgram &program = m.programs[pass]->tasks();
+        simulated += target::simulateTimed(program, target::costModel(program, p)).makespan;
+        measured += m.seconds[pass];
+      }
+    return simulated - measured;
+  };
+  double low = floor, high = 100e-6;
+  if (fittedError(low) >= 0)
+    high = low;
+  for (int step = 0; step < 30 && high > low; ++step) {
+    double mid = (low + high) / 2;
+    (fittedError(mid) < 0 ? low : high) = mid;
+  }
+  calibrated.taskOverhead = high;
   calibrated.calibrated = fmt::format("moec bench --calibrate: {} worker threads on {}", threads,
                                       cpuModelName());
   std::printf("\ncalibrated rates (per core; built-in estimates in brackets):\n");
@@ -405,8 +445,8 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
               estimate.vectorBytes * 1e-9);
   std::printf("  put to a peer %6.2f GB/s     [%.2f]\n", calibrated.linkBytes * 1e-9,
               estimate.linkBytes * 1e-9);
-  std::printf("  task overhead %6.2f us      [%.2f]\n", calibrated.taskOverhead * 1e6,
-              estimate.taskOverhead * 1e6);
+  std::printf("  task overhead %6.2f us      [%.2f] (the executor alone: %.2f us)\n",
+              calibrated.taskOverhead * 1e6, estimate.taskOverhead * 1e6, floor * 1e6);
 
   std::printf("\nsimulated against measured makespan (the task program's wall time):\n");
   std::printf("  %-32s %-8s %11s %11s %7s %11s %7s\n", "layer", "pass", "measured", "estimate",

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The measured trace (moec run --trace) and the simulated trace (moec dump
+# --trace) of the same binaries: both pass check_trace.py (schema, every
+# task of every rank once, waits that name their event and end before their
+# task, flow arrows whose two ends lie in task slices), and the measured one
+# has the prepare/tasks/finish phases.
+set -euo pipefail
+moec="$PWD/$MOEC"
+check="$(cd "$(dirname "$0")" && pwd)/check_trace.py"
+graphs="$PWD/graphs"
+cd "${TEST_TMPDIR:-$(mktemp -d)}"
+cat > tiny.json <<'CFG'
+{"name": "tiny", "hidden_size": 64, "intermediate_size": 32, "num_experts": 4, "top_k": 2,
+ "ep": 2, "tp": 1, "seq_size": 128, "dtype": "fp32", "num_cube_cores": 2, "num_vector_cores": 4}
+CFG
+for pass in fwd bwd; do
+  "$moec" compile "$graphs/moe_ffn_$pass.json" --config tiny.json -o $pass.bin 2>/dev/null
+  "$moec" dump $pass.bin --json > $pass.dump.json
+  "$moec" dump $pass.bin --trace -o $pass.sim.json
+  python3 "$check" $pass.sim.json $pass.dump.json --source simulated
+done
+"$moec" run fwd.bin bwd.bin --ranks 2 --random 3 --outputs out --repeat 2 --trace run.json > /dev/null
+python3 "$check" run.json fwd.dump.json --source measured --phases
+python3 "$check" run.bwd.json bwd.dump.json --source measured --phases
+# A trace of the simulation needs a profile, and a file to go to.
+if "$moec" dump fwd.bin --trace 2> err.txt; then echo "dump --trace without -o passed"; exit 1; fi
+grep -q -- "--trace writes a file" err.txt
+# The checker itself fails on a broken arrow.
+python3 - run.json broken.json <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1]))
+flows = [e for e in t["traceEvents"] if e["ph"] == "f"]
+assert flows, "no arrows in the measured trace"
+t["traceEvents"].remove(flows[0])
+json.dump(t, open(sys.argv[2], "w"))
+PY
+if python3 "$check" broken.json fwd.dump.json > broken.txt; then echo "a broken arrow passed"; exit 1; fi
+grep -q "has ends" broken.txt
+echo "trace test passed"

@@ -288,6 +288,7 @@ def main():
     parser.add_argument("--moec", required=True)
     parser.add_argument("--moec-opt", required=True)
     parser.add_argument("--torch-lib", required=True)
+    parser.add_argument("--moec-lib", required=True)
     parser.add_argument("--only", default="", help="run the cases whose name holds this")
     parser.add_argument("--list", action="store_true", help="list the cases and exit")
     args = parser.parse_args()
@@ -307,7 +308,7 @@ def main():
     env = dict(os.environ,
                PATH=f"{tools}:{os.environ.get('PATH', '/usr/bin:/bin')}",
                GRAPHS=str(ROOT / "graphs"), CONFIGS=str(ROOT / "examples/configs"),
-               MOEC_BIN=str(tools / "moec"), MOEC_GRAPHS=str(ROOT / "graphs"),
+               MOEC_LIB=str(Path(args.moec_lib).resolve()), MOEC_GRAPHS=str(ROOT / "graphs"),
                MOEC_TORCH_LIB=str(Path(args.torch_lib).resolve()),
                MOEC_CACHE_DIR=str(tools / "cache"), PYTHONDONTWRITEBYTECODE="1",
                PYTHONPATH=str(ROOT / "ops/torch"), TORCH_PRELUDE=prelude)

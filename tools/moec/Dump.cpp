@@ -344,6 +344,27 @@ FileFacts factsOf(const TaskProgram &program, const std::string &path) {
   return facts;
 }
 
+Status analysisProfile(const TaskProgram &program, const std::optional<std::string> &target,
+                       std::optional<target::TargetProfile> *profile, std::string *note) {
+  target::TargetProfile resolved;
+  profile->reset();
+  note->clear();
+  if (target) {
+    if (Status status = target::resolveProfile(*target, &resolved); !status)
+      return status.withPrefix("--target: ");
+    *profile = resolved;
+    return Status::success();
+  }
+  std::string name(program.name(program.target));
+  if (Status status = target::resolveProfile(name, &resolved); status)
+    *profile = resolved;
+  else
+    *note = fmt::format("the binary's target '{}' cannot be resolved here ({}); give --target "
+                        "PROFILE for time estimates",
+                        name, status.message());
+  return Status::success();
+}
+
 Analysis analyzeProgram(const TaskProgram &program, const target::TargetProfile *profile,
                         const std::string &note, bool recordTrace) {
   Analysis a;

@@ -94,6 +94,13 @@ struct Analysis {
   std::vector<std::string> warnings;
 };
 
+/// The profile the statistics of `program` are computed with: `target`
+/// (a --target argument) when given, else the one the binary's header
+/// names. Fails only for a bad `target`; when the header's target cannot be
+/// resolved here, *profile is left empty and *note says why.
+Status analysisProfile(const format::TaskProgram &program, const std::optional<std::string> &target,
+                       std::optional<target::TargetProfile> *profile, std::string *note);
+
 /// Computes the analysis of `program`: with `profile`'s cost model (its
 /// shared cores and link), or, when `profile` is null, with unit costs and
 /// `note` saying why. With `recordTrace` and a profile, the simulation

@@ -224,29 +224,18 @@ int runDump(int argc, char **argv, int first) {
       return kOk;
     }
   } else {
-    target::TargetProfile profile;
-    bool haveProfile = false;
+    std::optional<target::TargetProfile> profile;
     std::string note;
-    if (auto spec = args->value("--target")) {
-      if (Status status = target::resolveProfile(*spec, &profile); !status)
-        return error(fmt::format("--target: {}", status.message()));
-      haveProfile = true;
-    } else {
-      std::string name(program.name(program.target));
-      if (Status status = target::resolveProfile(name, &profile); status) {
-        haveProfile = true;
-      } else {
-        note = fmt::format("the binary's target '{}' cannot be resolved here ({}); give "
-                           "--target PROFILE for time estimates",
-                           name, status.message());
-      }
-    }
+    if (Status status = dump::analysisProfile(program, args->value("--target"), &profile, &note);
+        !status)
+      return error(status.message());
+    const bool haveProfile = profile.has_value();
     if (args->has("--trace") && !haveProfile)
       return error(fmt::format("{}: --trace needs a profile: {}", path, note));
-    dump::Analysis analysis = dump::analyzeProgram(program, haveProfile ? &profile : nullptr, note,
-                                                   args->has("--trace"));
+    dump::Analysis analysis = dump::analyzeProgram(program, haveProfile ? &*profile : nullptr,
+                                                   note, args->has("--trace"));
     if (args->value("--target"))
-      if (std::string warning = dump::coreCountWarning(program, profile); !warning.empty())
+      if (std::string warning = dump::coreCountWarning(program, *profile); !warning.empty())
         analysis.warnings.push_back(warning);
     for (const std::string &warning : analysis.warnings)
       std::fprintf(stderr, "moec dump: warning: %s: %s\n", path.c_str(), warning.c_str());

@@ -20,12 +20,16 @@ fabric), holds only its L experts, and passes its own tokens:
 binaries that ``moec compile`` makes of graphs/moe_ffn_{fwd,bwd}.json for the
 config; they are compiled once per config and cached on disk.
 
-Where things are found (the defaults suit a checkout built with Bazel):
+Where things are found: an installed package (pip install ops/torch, see
+docs/torch.md) carries its libraries and graphs; in a checkout built with
+Bazel they are found there. These override:
 
-    MOEC_TORCH_LIB   the op library        bazel-bin/ops/torch/moec_torch.so
-    MOEC_BIN         the moec CLI          bazel-bin/tools/moec
-    MOEC_GRAPHS      the graph folder      graphs/
-    MOEC_CACHE_DIR   compiled binaries     ~/.cache/moec
+    MOEC_TORCH_LIB   the op library         moec_torch/lib/moec_torch.so, or
+                                            bazel-bin/ops/torch/moec_torch.so
+    MOEC_LIB         the compiler library   moec_torch/lib/libmoec.so, or
+                                            bazel-bin/tools/libmoec/libmoec.so
+    MOEC_GRAPHS      the graph folder       moec_torch/graphs, or graphs/
+    MOEC_CACHE_DIR   compiled binaries      ~/.cache/moec
 """
 
 import atexit
@@ -35,18 +39,17 @@ import json
 import warnings
 import math
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
-from . import reference
+from . import native, reference
+from .native import compile, dump, load_trace, simulate_trace
 
-__all__ = ["DispatchHandle", "Exchange", "MoeFFN", "MoeFFNFunction", "compile_graphs",
-           "compile_layer", "finalize_mpi", "launched_by_mpi", "load_library", "reference"]
-
-_REPO = Path(__file__).resolve().parents[3]
+__all__ = ["DispatchHandle", "Exchange", "MoeFFN", "MoeFFNFunction", "compile", "compile_graphs",
+           "compile_layer", "dump", "finalize_mpi", "launched_by_mpi", "load_library",
+           "load_trace", "native", "reference", "simulate_trace"]
 
 
 def _path(env, default):
@@ -61,11 +64,11 @@ def load_library():
     """Loads the op library once (torch.ops.moec, torch.classes.moec)."""
     global _loaded
     if not _loaded:
-        lib = _path("MOEC_TORCH_LIB", _REPO / "bazel-bin/ops/torch/moec_torch.so")
+        lib = native.op_library_path()
         if not lib.is_file():
             raise RuntimeError(
-                f"moec: the op library {lib} does not exist; build it with "
-                "'bazel build //ops/torch:moec_torch.so' or set MOEC_TORCH_LIB")
+                f"moec: the op library {lib} does not exist; install the moec_torch package, "
+                "build it with 'bazel build //ops/torch:moec_torch.so', or set MOEC_TORCH_LIB")
         torch.ops.load_library(str(lib))
         _loaded = True
 
@@ -134,19 +137,19 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
                    fresh=False):
     """Returns the task-binary paths of `graphs` (file names in the graph
     folder) for `config` (a dict or a JSON path) on `ranks` EP ranks,
-    compiling them with the moec CLI unless the cache has them (or `fresh`).
-    The key covers the config, the graphs, the target, the granularity and
-    the moec binary itself. A cache entry that is not a set of files is
+    compiling them with the compiler library (native.compile) unless the
+    cache has them (or `fresh`). The key covers the config, the graphs, the
+    target, the granularity and the compiler library itself. A cache entry that is not a set of files is
     compiled anew; MoeFFN also checks that the binaries it gets are the
     config's layer."""
     cfg = _read_config(config)
     cfg["ep"] = int(ranks)
-    moec = _path("MOEC_BIN", _REPO / "bazel-bin/tools/moec")
-    folder = _path("MOEC_GRAPHS", _REPO / "graphs")
+    moec = native.library_path()
+    folder = native.graphs_dir()
     if not moec.is_file():
         raise RuntimeError(
-            f"moec: the compiler {moec} does not exist; build it with "
-            "'bazel build //tools:moec' or set MOEC_BIN")
+            f"moec: the compiler library {moec} does not exist; install the moec_torch package, "
+            "build it with 'bazel build //tools/libmoec:libmoec.so', or set MOEC_LIB")
     sources = [folder / g for g in graphs]
     key = hashlib.sha256()
     key.update(json.dumps(cfg, sort_keys=True).encode())
@@ -175,13 +178,10 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
             cfg_path.write_text(json.dumps(cfg, indent=2))
             for source, out in zip(sources, outputs):
                 tmp = Path(scratch) / out.name
-                run = subprocess.run(
-                    [str(moec), "compile", str(source), "--config", str(cfg_path),
-                     "--target", target, "--granularity", granularity, "-o", str(tmp)],
-                    capture_output=True, text=True)
-                if run.returncode != 0:
-                    raise RuntimeError(
-                        f"moec compile {source.name} failed:\n{run.stderr.strip()}")
+                try:
+                    native.compile(source, cfg_path, tmp, target=target, granularity=granularity)
+                except RuntimeError as e:
+                    raise RuntimeError(f"moec compile {source.name} failed:\n{e}") from None
                 os.replace(tmp, out)
             os.replace(cfg_path, cache / "config.json")
     _compiled[digest] = tuple(str(p) for p in outputs)

@@ -1,0 +1,168 @@
+"""moec's compiler and dump tool, called in this process through libmoec.so
+(tools/libmoec/moec.h) with ctypes: no moec executable and no build tree
+are needed at run time.
+
+    import moec_torch
+    summary = moec_torch.compile("graphs/moe_ffn_fwd.json", "tiny.json", "fwd.moebin")
+    info = moec_torch.dump("fwd.moebin")               # what `moec dump --json` prints
+    info["statistics"]["makespan"]                     # simulated seconds
+    moec_torch.simulate_trace("fwd.moebin", "sim.json")  # the simulated run, for Perfetto
+    trace = moec_torch.load_trace("sim.json")          # tasks, waits, arrows, phases
+
+Where things are found: an installed package carries its libraries and
+graphs (moec_torch/lib, moec_torch/graphs); in a checkout they are Bazel's
+outputs (bazel-bin) and graphs/. MOEC_LIB, MOEC_TORCH_LIB and MOEC_GRAPHS
+override.
+"""
+
+import ctypes
+import json
+import os
+import threading
+from pathlib import Path
+
+__all__ = ["compile", "dump", "simulate_trace", "load_trace", "library_path", "op_library_path",
+           "graphs_dir"]
+
+_PACKAGE = Path(__file__).resolve().parent
+_REPO = _PACKAGE.parents[2]
+
+
+def _find(env, packaged, in_checkout):
+    value = os.environ.get(env)
+    if value:
+        return Path(value)
+    return packaged if packaged.exists() else in_checkout
+
+
+def library_path():
+    """The compiler library: $MOEC_LIB, the package's, or the checkout's."""
+    return _find("MOEC_LIB", _PACKAGE / "lib/libmoec.so",
+                 _REPO / "bazel-bin/tools/libmoec/libmoec.so")
+
+
+def op_library_path():
+    """The op library: $MOEC_TORCH_LIB, the package's, or the checkout's."""
+    return _find("MOEC_TORCH_LIB", _PACKAGE / "lib/moec_torch.so",
+                 _REPO / "bazel-bin/ops/torch/moec_torch.so")
+
+
+def graphs_dir():
+    """The layer graphs: $MOEC_GRAPHS, the package's, or the checkout's."""
+    return _find("MOEC_GRAPHS", _PACKAGE / "graphs", _REPO / "graphs")
+
+
+_lib = None
+_lock = threading.Lock()
+
+
+def _library():
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = library_path()
+            if not path.is_file():
+                raise RuntimeError(
+                    f"moec: the compiler library {path} does not exist; install the moec_torch "
+                    "package, build it with 'bazel build //tools/libmoec:libmoec.so', or set "
+                    "MOEC_LIB")
+            lib = ctypes.CDLL(str(path))
+            out = ctypes.POINTER(ctypes.c_void_p)
+            lib.moec_compile.argtypes = [ctypes.c_char_p] * 5 + [out, out]
+            lib.moec_dump_json.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, out,
+                                           out]
+            lib.moec_simulate_trace.argtypes = [ctypes.c_char_p] * 3 + [out]
+            lib.moec_free.argtypes = [ctypes.c_void_p]
+            for f in (lib.moec_compile, lib.moec_dump_json, lib.moec_simulate_trace):
+                f.restype = ctypes.c_int
+            _lib = lib
+        return _lib
+
+
+def _arg(value):
+    return None if value is None else os.fsencode(str(value))
+
+
+def _take(lib, pointer):
+    """The library's string at `pointer`, freed."""
+    if not pointer.value:
+        return None
+    text = ctypes.string_at(pointer.value).decode("utf-8", "replace")
+    lib.moec_free(pointer.value)
+    return text
+
+
+def _call(function, *args, outputs=1):
+    lib = _library()
+    results = [ctypes.c_void_p() for _ in range(outputs)]
+    error = ctypes.c_void_p()
+    rc = getattr(lib, function)(*args, *[ctypes.byref(r) for r in results], ctypes.byref(error))
+    texts = [_take(lib, r) for r in results]
+    message = _take(lib, error)
+    if rc != 0:
+        raise RuntimeError(f"moec: {message or function + ' failed'}")
+    return texts
+
+
+def compile(graph, config, out, target="cpu", granularity="per-tile-range"):
+    """Compiles the graph description `graph` (.json or .mlir; a bare name
+    such as "moe_ffn_fwd.json" is looked up in graphs_dir()) for the config
+    file `config` into the task binary `out`, as `moec compile` does.
+    Returns the one-line summary. Raises RuntimeError with the compiler's
+    message (file, line, op) on bad input; `out` is then left alone."""
+    graph = Path(graph)
+    if not graph.exists() and not graph.is_absolute() and len(graph.parts) == 1:
+        graph = graphs_dir() / graph
+    (summary,) = _call("moec_compile", _arg(graph), _arg(config), _arg(target), _arg(granularity),
+                       _arg(out))
+    return summary
+
+
+def dump(binary, target=None, rank=None):
+    """Returns what `moec dump BINARY --json` prints, as a dict: "file",
+    "ops", "events", "queues" (every task, with its simulated start and
+    finish), "statistics" (critical path, makespan, balance), "warnings".
+    `target` re-costs with another profile; `rank` resolves rank-relative
+    fields for that rank."""
+    (text,) = _call("moec_dump_json", _arg(binary), _arg(target), -1 if rank is None else int(rank))
+    return json.loads(text)
+
+
+def simulate_trace(binary, out, target=None):
+    """Writes the simulated run of `binary` on `target` (default: its own)
+    to `out` as a Chrome/Perfetto trace in the runtime's format, so that it
+    opens beside a measured trace (`moec run --trace`)."""
+    _call("moec_simulate_trace", _arg(binary), _arg(target), _arg(out), outputs=0)
+
+
+def load_trace(path):
+    """Reads a trace (measured or simulated) into a dict: "metadata", and
+    lists "tasks" (rank, core, task, op, tile, start_us, dur_us), "waits"
+    (rank, core, task, event_name, start_us, dur_us, signal_rank,
+    signal_task), "phases" (name, start_us, dur_us) and "arrows"
+    ((rank, core, ts_us) of the signal, (rank, core, ts_us) of the waiter)."""
+    data = json.loads(Path(path).read_text())
+    cores = {}
+    tasks, waits, phases, flows = [], [], [], {}
+    for ev in data.get("traceEvents", []):
+        ph = ev.get("ph")
+        if ph == "M":
+            if ev.get("name") == "thread_name":
+                cores[(ev["pid"], ev["tid"])] = ev["args"]["name"]
+            continue
+        if ph in ("s", "f"):
+            flows.setdefault(ev["id"], {})[ph] = (ev["pid"], ev["tid"], ev["ts"])
+            continue
+        if ph != "X":
+            continue
+        core = cores.get((ev["pid"], ev["tid"]), str(ev["tid"]))
+        base = {"rank": ev["pid"], "core": core, "start_us": ev["ts"], "dur_us": ev["dur"]}
+        if ev.get("cat") == "phase":
+            phases.append({"name": ev["name"], **base})
+        elif ev.get("cat") == "wait":
+            waits.append({**base, **ev["args"]})
+        else:
+            tasks.append({**base, **ev["args"], "op_name": ev["name"], "kind": ev.get("cat")})
+    arrows = [(f["s"], f["f"]) for f in flows.values() if "s" in f and "f" in f]
+    return {"metadata": data.get("metadata", {}), "tasks": tasks, "waits": waits,
+            "phases": phases, "arrows": arrows}

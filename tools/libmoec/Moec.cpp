@@ -1,0 +1,150 @@
+//===- Moec.cpp - The compiler and the dump tool as a C library -----------===//
+
+#include "tools/libmoec/moec.h"
+
+#include "base/File.h"
+#include "compiler/driver/Compile.h"
+#include "runtime/format/TaskBinary.h"
+#include "runtime/trace/Trace.h"
+#include "tools/moec/Dump.h"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <string>
+
+using namespace moec;
+
+namespace {
+
+/// A malloc'ed copy of `text`, for the caller to moec_free.
+char *copyOut(const std::string &text) {
+  char *out = static_cast<char *>(std::malloc(text.size() + 1));
+  if (out)
+    std::memcpy(out, text.c_str(), text.size() + 1);
+  return out;
+}
+
+/// Reports `status`: 0, or 1 with the message in *error.
+int report(const Status &status, char **error) {
+  if (status.ok())
+    return 0;
+  if (error)
+    *error = copyOut(status.message());
+  return 1;
+}
+
+/// Runs `body`, turning an exception into an error.
+template <typename Body> int guarded(char **error, Body &&body) {
+  if (error)
+    *error = nullptr;
+  try {
+    return report(body(), error);
+  } catch (const std::exception &e) {
+    return report(Status::error(std::string("internal error: ") + e.what()), error);
+  } catch (...) {
+    return report(Status::error("internal error"), error);
+  }
+}
+
+std::optional<std::string> optionalString(const char *text) {
+  return text ? std::optional<std::string>(text) : std::nullopt;
+}
+
+/// Loads `binary` and analyzes it with `target` (or its own).
+Status analyze(const char *binary, const char *target, bool trace, format::TaskProgram *program,
+               dump::Analysis *analysis, std::optional<target::TargetProfile> *profile) {
+  if (!binary)
+    return Status::error("no binary given");
+  if (Status status = format::loadTaskBinaryFile(binary, program); !status)
+    return status;
+  std::string note;
+  if (Status status = dump::analysisProfile(*program, optionalString(target), profile, &note);
+      !status)
+    return status;
+  if (trace && !*profile)
+    return Status::error(fmt::format("{}: a simulated trace needs a profile: {}", binary, note));
+  *analysis = dump::analyzeProgram(*program, *profile ? &**profile : nullptr, note, trace);
+  if (target && *profile)
+    if (std::string warning = dump::coreCountWarning(*program, **profile); !warning.empty())
+      analysis->warnings.push_back(warning);
+  return Status::success();
+}
+
+} // namespace
+
+extern "C" int moec_compile(const char *graph, const char *config, const char *target,
+                            const char *granularity, const char *out, char **summary,
+                            char **error) {
+  if (summary)
+    *summary = nullptr;
+  return guarded(error, [&]() -> Status {
+    if (!graph || !config || !out)
+      return Status::error("moec_compile needs a graph, a config and an output path");
+    driver::CompileOptions options;
+    options.configPath = config;
+    options.target = target ? target : "cpu";
+    std::optional<lower::Granularity> g =
+        lower::parseGranularity(granularity ? granularity : "per-tile-range");
+    if (!g)
+      return Status::error(fmt::format(
+          "unknown granularity '{}' (expected per-tile-range or per-expert)", granularity));
+    options.granularity = *g;
+    driver::CompileResult result;
+    if (Status status = driver::compileGraphFile(graph, options, &result); !status)
+      return status;
+    std::vector<uint8_t> bytes = format::writeTaskBinary(result.program);
+    if (Status status = writeFileAtomically(out, {{bytes.data(), bytes.size()}}); !status)
+      return status;
+    if (summary)
+      *summary = copyOut(fmt::format(
+          "{}: {}, {} ops, {} tasks, {} events, {} bytes; estimated {:.3f} ms per pass on {}", out,
+          result.graphName, result.program.ops.size(), result.program.tasks.size(),
+          result.program.events.size(), bytes.size(), result.estimate.makespan * 1e3,
+          result.profile.name));
+    return Status::success();
+  });
+}
+
+extern "C" int moec_dump_json(const char *binary, const char *target, int rank, char **json,
+                              char **error) {
+  if (json)
+    *json = nullptr;
+  return guarded(error, [&]() -> Status {
+    format::TaskProgram program;
+    dump::Analysis analysis;
+    std::optional<target::TargetProfile> profile;
+    if (Status status = analyze(binary, target, false, &program, &analysis, &profile); !status)
+      return status;
+    dump::DumpOptions options;
+    if (rank >= 0)
+      options.rank = uint32_t(rank);
+    if (Status status = dump::checkDumpOptions(program, options); !status)
+      return status.withPrefix(fmt::format("{}: ", binary));
+    if (json)
+      *json = copyOut(dump::dumpJson(program, dump::factsOf(program, binary), options, analysis)
+                          .dump());
+    return Status::success();
+  });
+}
+
+extern "C" int moec_simulate_trace(const char *binary, const char *target, const char *out,
+                                   char **error) {
+  return guarded(error, [&]() -> Status {
+    if (!out)
+      return Status::error("moec_simulate_trace needs an output path");
+    format::TaskProgram program;
+    dump::Analysis analysis;
+    std::optional<target::TargetProfile> profile;
+    if (Status status = analyze(binary, target, true, &program, &analysis, &profile); !status)
+      return status;
+    if (!analysis.run.ok())
+      return analysis.run.status.withPrefix(fmt::format("{}: ", binary));
+    return trace::writeChromeTrace(program, analysis.run.trace, out, binary);
+  });
+}
+
+extern "C" void moec_free(char *text) { std::free(text); }

@@ -1,0 +1,46 @@
+/*===- moec.h - The compiler and the dump tool as a C library ------------===*
+ *
+ * What `moec compile` and `moec dump` do, as calls of libmoec.so, so that a
+ * framework (the Python package moec_torch, through ctypes) compiles and
+ * inspects layers without a moec executable or a build tree at hand.
+ *
+ * Every call returns 0 on success. On failure it returns 1 and, when
+ * `error` is not null, sets *error to a message (free it with moec_free);
+ * nothing is written then. Strings the library returns are freed with
+ * moec_free. The calls may run from several threads at once.
+ *
+ *===---------------------------------------------------------------------===*/
+
+#ifndef MOEC_TOOLS_LIBMOEC_MOEC_H
+#define MOEC_TOOLS_LIBMOEC_MOEC_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Compiles the graph description `graph` (.json or .mlir) for the config
+ * file `config` into the task binary `out` (written whole or not at all):
+ * `target` is a profile name or profile JSON path (NULL: "cpu"),
+ * `granularity` "per-tile-range" or "per-expert" (NULL: the first). With
+ * `summary`, *summary is the one-line summary `moec compile` prints. */
+int moec_compile(const char *graph, const char *config, const char *target,
+                 const char *granularity, const char *out, char **summary, char **error);
+
+/* Sets *json to what `moec dump BIN --json` prints: the binary's header,
+ * slots, ops, events, every queue and the statistics, with `target` (NULL:
+ * the binary's own) and resolved for `rank` (negative: rank-relative). */
+int moec_dump_json(const char *binary, const char *target, int rank, char **json, char **error);
+
+/* Writes the simulated run of the binary (every rank) on `target` (NULL:
+ * the binary's own) to `out` as a Chrome/Perfetto trace: the format the
+ * runtime's measured traces have. */
+int moec_simulate_trace(const char *binary, const char *target, const char *out, char **error);
+
+/* Frees a string the library returned. */
+void moec_free(char *text);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOEC_TOOLS_LIBMOEC_MOEC_H */

@@ -278,12 +278,18 @@ Status Pass::runTasks() {
   tasksStart = t0;
   taskSpans = trace::Trace();
   comm::Fabric &fabric = *options.fabric;
-  for (const std::unique_ptr<exec::Executor> &executor : executors) {
+  for (size_t step = 0; step < executors.size(); ++step) {
+    const std::unique_ptr<exec::Executor> &executor = executors[step];
     last = executor.get();
     Status status = executor->run();
     if (options.trace) {
       trace::Trace part = executor->trace();
       part.shift((executor->lastPassStart() - t0).count());
+      // Op by op, step k runs op k alone, its tasks numbered from 0 (and
+      // has no events, so no waits): number them as the whole program does.
+      if (options.opByOp)
+        for (trace::TaskSpan &span : part.tasks)
+          span.task += program->ops[step].firstTask;
       taskSpans.append(part);
     }
     if (!status)

@@ -22,12 +22,13 @@
 //     when it is not known (a signal from another process).
 //   - For every wait whose signaller is known, a flow arrow (category
 //     "signal"): a "ph": "s" event inside the signalling task's slice and a
-//     "ph": "f" event ("bp": "e") at the start of the task that waited, with
-//     one id per arrow.
+//     "ph": "f" event ("bp": "e") inside the slice of the task that waited,
+//     just after its start, with one id per arrow.
 //   - A host phase is a complete event named "prepare", "tasks" or
 //     "finish", category "phase".
 //   - The top-level "metadata" object says where the trace comes from
-//     ("source": "measured" or "simulated", "profile", "pass", "binary").
+//     ("source": "measured" or "simulated", "profile", "pass", "binary",
+//     "ep_ranks", "local_experts").
 //
 // No MLIR/LLVM dependency.
 //

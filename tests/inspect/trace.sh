@@ -22,6 +22,11 @@ done
 "$moec" run fwd.bin bwd.bin --ranks 2 --random 3 --outputs out --repeat 2 --trace run.json > /dev/null
 python3 "$check" run.json fwd.dump.json --source measured --phases
 python3 "$check" run.bwd.json bwd.dump.json --source measured --phases
+# Op by op, each op runs as a program of its own: the trace still names the
+# whole program's tasks.
+"$moec" run fwd.bin bwd.bin --ranks 2 --random 3 --outputs out2 --op-by-op --trace obo.json > /dev/null
+python3 "$check" obo.json fwd.dump.json --source measured --phases
+python3 "$check" obo.bwd.json bwd.dump.json --source measured --phases
 # A trace of the simulation needs a profile, and a file to go to.
 if "$moec" dump fwd.bin --trace 2> err.txt; then echo "dump --trace without -o passed"; exit 1; fi
 grep -q -- "--trace writes a file" err.txt

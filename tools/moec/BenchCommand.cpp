@@ -416,12 +416,15 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
     target::TargetProfile p = calibrated;
     p.taskOverhead = overhead;
     double simulated = 0, measured = 0;
-    for (const MeasuredLayer &m : layers)
-      for (int pass = 0; pass < 2 && m.layer.fit; ++pass) {
+    for (const MeasuredLayer &m : layers) {
+      if (!m.layer.fit)
+        continue;
+      for (int pass = 0; pass < 2; ++pass) {
         const format::TaskProgram &program = m.programs[pass]->tasks();
         simulated += target::simulateTimed(program, target::costModel(program, p)).makespan;
         measured += m.seconds[pass];
       }
+    }
     return simulated - measured;
   };
   double low = floor, high = 100e-6;

@@ -28,6 +28,10 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
     phases.push_back({name, std::chrono::duration<double, std::milli>(now - mark).count()});
     mark = now;
   };
+  auto starting = [&](const char *name) {
+    if (options.onStep)
+      options.onStep(name);
+  };
 
   CompileResult result;
   std::string error;
@@ -42,6 +46,7 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
   setDefaultCoreCounts(&result.config, lowerOptions.profile.cubeCores,
                        lowerOptions.profile.vectorCores);
 
+  starting("graph passes");
   mlir::PassManager pm(module.getContext());
   moe::buildGraphPipeline(pm, options.configPath, options.target);
   if (mlir::failed(pm.run(module)))
@@ -52,15 +57,18 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
     return Status::error("the module holds no moe.graph");
   moe::GraphOp graph = *graphs.begin();
   result.graphName = graph.getSymName().str();
+  starting("lower");
   if (mlir::failed(lower::lowerGraph(graph, lowerOptions, &result.program)))
     return Status::error("lowering failed");
   phase("lower");
+  starting("schedule");
   if (Status status = target::scheduleQueues(
           &result.program, lowerOptions.profile, uint32_t(result.config.numCubeCores),
           uint32_t(result.config.numVectorCores), &result.estimate);
       !status)
     return status;
   phase("schedule");
+  starting("deadlock proof");
   if (Status status = target::proveDeadlockFree(result.program); !status)
     return status;
   phase("deadlock proof");

@@ -20,6 +20,7 @@
 
 #include "mlir/IR/BuiltinOps.h"
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -31,6 +32,9 @@ struct CompileOptions {
   std::string configPath;  ///< model/parallel config (JSON)
   std::string target = "cpu"; ///< profile name or profile JSON path
   lower::Granularity granularity = lower::Granularity::PerTileRange;
+  /// Told the name of each step as it starts ("graph passes", "lower",
+  /// "schedule", "deadlock proof"): a progress display; may be empty.
+  std::function<void(const char *step)> onStep;
 };
 
 /// A compiled program and what was learnt on the way.

@@ -27,6 +27,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -196,6 +197,10 @@ struct Context::Impl : detail::Group {
   std::vector<cpu::RankRoute> routes; ///< what the last forward pass used
   bool haveForward = false;
   const exec::Executor *lastExecutor = nullptr;
+  /// The pass in flight and its stage (0 prepare, 1 tasks, 2 finish or idle).
+  std::atomic<const cpu::Pass *> running{nullptr};
+  std::atomic<int> stage{2};
+  std::atomic<uint64_t> passes{0}; ///< forward and backward passes ended
   trace::Trace fwdTrace, bwdTrace; ///< with ContextOptions::trace
   bool lastWasBackward = false;
 
@@ -231,7 +236,10 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
 }
 
 Status Context::Impl::runTasks(cpu::Pass &pass, PassTimes &times) {
+  running.store(&pass);
+  stage.store(1);
   const Status status = pass.runTasks();
+  stage.store(2);
   lastExecutor = pass.lastExecutor();
   times.tasks = pass.tasksSeconds();
   return fatal(status);
@@ -483,6 +491,15 @@ const PassTimes &Context::backwardTimes() const { return body->bwdTimes; }
 size_t Context::workspaceBytes() const {
   return body->fwd->workspaceBytes() + (body->bwd ? body->bwd->workspaceBytes() : 0);
 }
+size_t Context::workspaceToAllocate() const {
+  return body->fwd->workspaceNeeded() + (body->bwd ? body->bwd->workspaceNeeded() : 0);
+}
+uint64_t Context::passesEnded() const { return body->passes.load(); }
+double Context::passShare() const {
+  const int stage = body->stage.load();
+  const cpu::Pass *pass = body->running.load();
+  return stage == 0 ? 0.0 : stage == 1 && pass ? pass->tasksShare() : 1.0;
+}
 
 Status Context::setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights) {
   if (Status s = body->idle(); !s)
@@ -534,20 +551,33 @@ Status Context::bind(uint32_t rank, std::string_view name, const Tensor &tensor)
 Status Context::forward() {
   if (Status s = body->idle(); !s)
     return s;
-  return body->forward();
+  body->stage.store(0);
+  const Status status = body->forward();
+  body->stage.store(2);
+  body->passes.fetch_add(1);
+  return status;
 }
 
 Status Context::backward() {
   if (Status s = body->idle(); !s)
     return s;
-  return body->backward();
+  body->stage.store(0);
+  const Status status = body->backward();
+  body->stage.store(2);
+  body->passes.fetch_add(1);
+  return status;
 }
 
 Status Context::submitForward() {
   if (Status s = body->idle(); !s)
     return s;
   body->inFlight = true;
-  body->submitted = std::thread([impl = body.get()] { impl->submittedResult = impl->forward(); });
+  body->submitted = std::thread([impl = body.get()] {
+    impl->stage.store(0);
+    impl->submittedResult = impl->forward();
+    impl->stage.store(2);
+    impl->passes.fetch_add(1);
+  });
   return Status::success();
 }
 
@@ -555,7 +585,12 @@ Status Context::submitBackward() {
   if (Status s = body->idle(); !s)
     return s;
   body->inFlight = true;
-  body->submitted = std::thread([impl = body.get()] { impl->submittedResult = impl->backward(); });
+  body->submitted = std::thread([impl = body.get()] {
+    impl->stage.store(0);
+    impl->submittedResult = impl->backward();
+    impl->stage.store(2);
+    impl->passes.fetch_add(1);
+  });
   return Status::success();
 }
 

@@ -336,6 +336,18 @@ public:
 
   /// Bytes of workspace allocated now.
   size_t workspaceBytes() const;
+  /// Bytes of workspace the passes not run yet will allocate at their first
+  /// run (so a caller can check the machine's memory before).
+  size_t workspaceToAllocate() const;
+
+  /// How far the pass in flight is: 0 before its task program starts, the
+  /// share of its task runs done while it runs, 1 after. Callable from any
+  /// thread (a progress display) while forward() or backward() runs; 1
+  /// when none does.
+  double passShare() const;
+  /// Forward and backward passes that have ended (with or without an
+  /// error) since the context was created; callable from any thread.
+  uint64_t passesEnded() const;
 
   /// Writes the trace (ContextOptions::trace) of the last pass, or of the
   /// last forward or backward pass, as Chrome / Perfetto JSON: the timed

@@ -6,6 +6,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "base/Memory.h"
 #include "runtime/cpu/Pass.h"
 
 #include "runtime/cpu/Rows.h"
@@ -20,7 +21,6 @@
 #include <cstring>
 #include <thread>
 
-#include <unistd.h>
 
 namespace moec::cpu {
 
@@ -153,6 +153,28 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
   return Status::success();
 }
 
+uint64_t Pass::workspaceNeeded() const {
+  if (allocated)
+    return 0;
+  const std::vector<uint32_t> caller = layer->boundSlots();
+  uint64_t needed = 0;
+  for (uint32_t slot = 0; slot < program->slots.size(); ++slot)
+    if (std::find(caller.begin(), caller.end(), slot) == caller.end())
+      needed += uint64_t(slotBytes(program->slots[slot])) * options.fabric->localRanks();
+  return needed;
+}
+
+double Pass::tasksShare() const {
+  uint64_t done = 0, total = 0;
+  const size_t current = step.load(std::memory_order_relaxed);
+  for (size_t k = 0; k < executors.size(); ++k) {
+    const uint64_t n = executors[k]->tasksPerPass();
+    total += n;
+    done += k < current ? n : k == current ? executors[k]->tasksDone() : 0;
+  }
+  return total ? double(done) / double(total) : 1.0;
+}
+
 Status Pass::allocate() {
   if (allocated)
     return Status::success();
@@ -163,16 +185,13 @@ Status Pass::allocate() {
   // workspace of their own.
   const std::vector<uint32_t> caller = plan.boundSlots();
   // What it all takes, checked against the machine before any allocation.
-  uint64_t needed = 0;
-  for (uint32_t slot = 0; slot < tasks.slots.size(); ++slot)
-    if (std::find(caller.begin(), caller.end(), slot) == caller.end())
-      needed += uint64_t(slotBytes(tasks.slots[slot])) * fabric.localRanks();
-  const uint64_t memory = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
-  if (memory > 0 && needed > memory)
-    return Status::error(fmt::format(
-        "the {} pass's workspace needs {:.1f} GiB in this process; the machine has {:.1f} GiB",
-        plan.shape.backward ? "backward" : "forward", double(needed) / double(1 << 30),
-        double(memory) / double(1 << 30)));
+  const uint64_t needed = workspaceNeeded();
+  const MemoryLimit memory = memoryLimit();
+  if (memory.bytes > 0 && needed > memory.bytes)
+    return Status::error(fmt::format("the {} pass's workspace needs {} in this process; {} {}",
+                                     plan.shape.backward ? "backward" : "forward",
+                                     memoryText(double(needed)), memory.source,
+                                     memoryText(double(memory.bytes))));
   // The slots peers put into: the outputs of the puts.
   std::vector<bool> isWindow(tasks.slots.size(), false);
   for (const OpInfo &op : ops)
@@ -280,6 +299,7 @@ Status Pass::runTasks() {
   comm::Fabric &fabric = *options.fabric;
   for (size_t step = 0; step < executors.size(); ++step) {
     const std::unique_ptr<exec::Executor> &executor = executors[step];
+    this->step.store(step, std::memory_order_relaxed);
     last = executor.get();
     Status status = executor->run();
     if (options.trace) {

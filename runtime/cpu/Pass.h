@@ -33,6 +33,7 @@
 #include "runtime/exec/ThreadTeam.h"
 #include "runtime/layer/Layer.h"
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <vector>
@@ -93,6 +94,11 @@ public:
 
   /// Runs the task program on the local ranks.
   Status runTasks();
+  /// The share of the task runs of runTasks() done (0..1): callable from any
+  /// thread while it runs, for a progress display.
+  double tasksShare() const;
+  /// The bytes allocate() takes (0 once it has).
+  uint64_t workspaceNeeded() const;
 
   /// Reduces each local rank's returned rows into `out[rank]` ([S, H]),
   /// weighted by the top-k weights when `weighted` (forward: y; backward:
@@ -137,6 +143,7 @@ private:
   bool allocated = false;
   std::vector<std::unique_ptr<exec::Executor>> executors; ///< one, or one per op
   const exec::Executor *last = nullptr;
+  std::atomic<size_t> step{0}; ///< the executor runTasks() runs now
   double taskTime = 0;
   trace::Trace taskSpans;
   std::chrono::steady_clock::time_point tasksStart;

@@ -925,6 +925,13 @@ bool Executor::stopRequested() const {
          impl->remaining.load(std::memory_order_relaxed) > 0;
 }
 
+uint64_t Executor::tasksPerPass() const { return impl->totalTasks; }
+
+uint64_t Executor::tasksDone() const {
+  return impl->totalTasks - std::min(impl->totalTasks,
+                                     impl->remaining.load(std::memory_order_relaxed));
+}
+
 const TaskProgram &Executor::program() const { return impl->program; }
 
 uint32_t Executor::ranks() const { return impl->rankCount; }

@@ -165,6 +165,12 @@ public:
   /// early; its result is then ignored.
   bool stopRequested() const;
 
+  /// Task runs (over the local ranks) a pass makes, and how many of them
+  /// the pass in flight has completed: callable from any thread while run()
+  /// runs, for a progress display (after a pass, done equals the total).
+  uint64_t tasksPerPass() const;
+  uint64_t tasksDone() const;
+
   /// Returns the program the executor runs.
   const format::TaskProgram &program() const;
 

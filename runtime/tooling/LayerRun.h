@@ -15,6 +15,7 @@
 #include "runtime/api/Runtime.h"
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -127,10 +128,34 @@ struct OutputError {
   bool ok() const { return mismatched == 0 && maxRel <= tolerance; }
 };
 
+/// What verifyLayer checks and how.
+struct VerifyOptions {
+  bool backward = false; ///< check dx, dtopk_weights, dw1, dw2 too
+  bool bf16 = false;     ///< the binary stores bf16: the looser tolerance
+  /// 0: run the whole reference layer. N > 0: check N random tokens (y, and
+  /// with `backward` dx and dtopk_weights) and, for each expert they route
+  /// to, one random intermediate unit's weight gradients (a row of dw2, a
+  /// gate and an up column of dw1), in memory that grows with N only.
+  int64_t sampleTokens = 0;
+  uint64_t seed = 1;     ///< picks the sample
+  /// Told the share of the reference done (0..1); may be empty.
+  std::function<void(double)> progress;
+};
+
+/// What a sampled check covered.
+struct SampleSummary {
+  int64_t tokens = 0, units = 0;
+};
+
 /// Runs the reference on `data`'s inputs and compares its outputs
-/// (y; and dx, dtopk_weights, dw1, dw2 with `backward`).
-Status verifyLayer(const LayerData &data, bool backward, bool bf16,
-                   std::vector<OutputError> *errors);
+/// (y; and dx, dtopk_weights, dw1, dw2 with `backward`), whole or sampled.
+Status verifyLayer(const LayerData &data, const VerifyOptions &options,
+                   std::vector<OutputError> *errors, SampleSummary *summary = nullptr);
+
+/// The memory the whole reference layer (options.sampleTokens = 0) needs in
+/// double beyond `data` itself: its copies of the inputs, every expert's
+/// activations and the outputs.
+double verifyBytes(const LayerData &data, bool backward);
 
 } // namespace moec::tooling
 

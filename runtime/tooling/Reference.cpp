@@ -7,6 +7,7 @@
 
 #include "runtime/tooling/Reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -95,7 +96,7 @@ Status validateInputs(const LayerShape &shape, const std::vector<RankInputs<T>> 
 
 template <typename T>
 Status forward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
-               const Weights<T> &weights, Forward<T> *out) {
+               const Weights<T> &weights, Forward<T> *out, const Progress &progress) {
   if (Status status = validateInputs(shape, inputs, weights); !status)
     return status;
   const int64_t R = shape.ranks, E = int64_t(shape.experts()), H = shape.hidden, I = shape.inter,
@@ -141,6 +142,8 @@ Status forward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs
           sum += ex.a[size_t(m * I + i)] * w2[i * H + h];
         ex.z[size_t(m * H + h)] = sum;
       }
+    if (progress)
+      progress(double(e + 1) / double(E));
   }
 
   // Combine: y_r[t] = sum_k w_r[t, k] * Z row of (r, t, k), in k order.
@@ -165,7 +168,8 @@ Status forward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs
 template <typename T>
 Status backward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
                 const Weights<T> &weights, const Forward<T> &fwd,
-                const std::vector<std::vector<T>> &dy, Backward<T> *out) {
+                const std::vector<std::vector<T>> &dy, Backward<T> *out,
+                const Progress &progress) {
   if (Status status = validateInputs(shape, inputs, weights); !status)
     return status;
   const int64_t R = shape.ranks, E = int64_t(shape.experts()), H = shape.hidden, I = shape.inter,
@@ -258,6 +262,150 @@ Status backward(const LayerShape &shape, const std::vector<RankInputs<T>> &input
           sum += ex.x[size_t(m * H + h)] * dY[size_t(m * 2 * I + j)];
         dw1[h * 2 * I + j] = sum;
       }
+    if (progress)
+      progress(double(e + 1) / double(E));
+  }
+  *out = std::move(result);
+  return Status::success();
+}
+
+template <typename T>
+Status sampled(const LayerShape &shape, const InputView<T> &in, const Sample &sample,
+               SampleOutputs<double> *out, const Progress &progress) {
+  if (Status status = validateShape(shape); !status)
+    return status;
+  const int64_t R = shape.ranks, E = int64_t(shape.experts()), H = shape.hidden, I = shape.inter,
+                K = shape.topK, S = shape.tokens;
+  const bool backward = in.dy != nullptr;
+  // Every token's top-k ids: in range and distinct (a unit reads them all).
+  for (int64_t g = 0; g < R * S; ++g)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t id = in.topkIds[g * K + k];
+      const std::string where = "rank " + std::to_string(g / std::max<int64_t>(1, S)) + ": ";
+      if (id < 0 || id >= E)
+        return Status::error(where + "topk_ids[" + std::to_string(g % S) + "][" +
+                             std::to_string(k) + "] = " + std::to_string(id) +
+                             " is not an expert");
+      for (int64_t j = 0; j < k; ++j)
+        if (in.topkIds[g * K + j] == id)
+          return Status::error(where + "token " + std::to_string(g % S) + " routes to expert " +
+                               std::to_string(id) + " twice");
+    }
+  for (int64_t g : sample.tokens)
+    if (g < 0 || g >= R * S)
+      return Status::error("sample: token " + std::to_string(g) + " is not one of the " +
+                           std::to_string(R * S) + " tokens");
+  for (const auto &[e, i] : sample.units)
+    if (e < 0 || e >= E || i < 0 || i >= I)
+      return Status::error("sample: unit (" + std::to_string(e) + ", " + std::to_string(i) +
+                           ") is not a unit of " + std::to_string(E) + " experts x " +
+                           std::to_string(I));
+
+  SampleOutputs<double> result;
+  const size_t N = sample.tokens.size(), U = sample.units.size();
+  result.y.assign(N * size_t(H), 0.0);
+  if (backward) {
+    result.dx.assign(N * size_t(H), 0.0);
+    result.dtopk.assign(N * size_t(K), 0.0);
+    result.dw1.assign(U * size_t(2 * H), 0.0);
+    result.dw2.assign(U * size_t(H), 0.0);
+  }
+
+  // Tokens: each of its K experts' FFN on its row, as forward() and
+  // backward() compute it for that row.
+  const size_t twoI = size_t(2 * I), oneI = size_t(I), oneH = size_t(H);
+  std::vector<double> y(twoI), a(oneI), z(oneH), da(oneI), dY(twoI);
+  for (size_t n = 0; n < N; ++n) {
+    const int64_t g = sample.tokens[n];
+    const T *x = in.x + g * H;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = in.topkIds[g * K + k];
+      const T *w1 = in.w1 + e * H * 2 * I;
+      const T *w2 = in.w2 + e * I * H;
+      const double w = double(in.topkWeights[g * K + k]);
+      for (int64_t j = 0; j < 2 * I; ++j) {
+        double sum = 0;
+        for (int64_t h = 0; h < H; ++h)
+          sum += double(x[h]) * double(w1[h * 2 * I + j]);
+        y[size_t(j)] = sum;
+      }
+      for (int64_t i = 0; i < I; ++i)
+        a[size_t(i)] = silu(y[size_t(i)]) * y[size_t(I + i)];
+      for (int64_t h = 0; h < H; ++h) {
+        double sum = 0;
+        for (int64_t i = 0; i < I; ++i)
+          sum += a[size_t(i)] * double(w2[i * H + h]);
+        z[size_t(h)] = sum;
+        result.y[n * size_t(H) + size_t(h)] += w * sum;
+      }
+      if (!backward)
+        continue;
+      const T *dy = in.dy + g * H;
+      double dot = 0;
+      for (int64_t h = 0; h < H; ++h)
+        dot += double(dy[h]) * z[size_t(h)];
+      result.dtopk[n * size_t(K) + size_t(k)] = dot;
+      for (int64_t i = 0; i < I; ++i) {
+        double sum = 0;
+        for (int64_t h = 0; h < H; ++h)
+          sum += w * double(dy[h]) * double(w2[i * H + h]);
+        da[size_t(i)] = sum;
+      }
+      for (int64_t i = 0; i < I; ++i) {
+        const double gate = y[size_t(i)], up = y[size_t(I + i)], g2 = da[size_t(i)];
+        dY[size_t(i)] = g2 * up * siluGrad(gate);
+        dY[size_t(I + i)] = g2 * silu(gate);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        double sum = 0;
+        for (int64_t j = 0; j < 2 * I; ++j)
+          sum += dY[size_t(j)] * double(w1[h * 2 * I + j]);
+        result.dx[n * size_t(H) + size_t(h)] += sum;
+      }
+    }
+    if (progress)
+      progress(double(n + 1) / double(N + U));
+  }
+
+  // Units: over every row routed to the expert, in dispatch order (rank,
+  // token, k), the unit's gate and up, A, dA and their gradients.
+  if (backward && U > 0) {
+    const size_t experts = size_t(E);
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> rowsOf(experts); // (g, k)
+    std::vector<bool> wanted(experts, false);
+    for (const auto &unit : sample.units)
+      wanted[size_t(unit.first)] = true;
+    for (int64_t g = 0; g < R * S; ++g)
+      for (int64_t k = 0; k < K; ++k)
+        if (wanted[size_t(in.topkIds[g * K + k])])
+          rowsOf[size_t(in.topkIds[g * K + k])].push_back({g, k});
+    for (size_t u = 0; u < U; ++u) {
+      const auto [e, i] = sample.units[u];
+      const T *w1 = in.w1 + e * H * 2 * I;
+      const T *w2 = in.w2 + e * I * H;
+      double *dw1 = result.dw1.data() + u * size_t(2 * H);
+      double *dw2 = result.dw2.data() + u * size_t(H);
+      for (const auto &[g, k] : rowsOf[size_t(e)]) {
+        const T *x = in.x + g * H;
+        const T *dy = in.dy + g * H;
+        const double w = double(in.topkWeights[g * K + k]);
+        double gate = 0, up = 0, dA = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          gate += double(x[h]) * double(w1[h * 2 * I + i]);
+          up += double(x[h]) * double(w1[h * 2 * I + I + i]);
+          dA += w * double(dy[h]) * double(w2[i * H + h]);
+        }
+        const double act = silu(gate) * up;
+        const double dGate = dA * up * siluGrad(gate), dUp = dA * silu(gate);
+        for (int64_t h = 0; h < H; ++h) {
+          dw2[h] += act * (w * double(dy[h]));
+          dw1[2 * h] += double(x[h]) * dGate;
+          dw1[2 * h + 1] += double(x[h]) * dUp;
+        }
+      }
+      if (progress)
+        progress(double(N + u + 1) / double(N + U));
+    }
   }
   *out = std::move(result);
   return Status::success();
@@ -270,10 +418,13 @@ Status backward(const LayerShape &shape, const std::vector<RankInputs<T>> &input
   template Status validateInputs<T>(const LayerShape &, const std::vector<RankInputs<T>> &,        \
                                     const Weights<T> &);                                           \
   template Status forward<T>(const LayerShape &, const std::vector<RankInputs<T>> &,               \
-                             const Weights<T> &, Forward<T> *);                                    \
+                             const Weights<T> &, Forward<T> *, const Progress &);                  \
   template Status backward<T>(const LayerShape &, const std::vector<RankInputs<T>> &,              \
                               const Weights<T> &, const Forward<T> &,                              \
-                              const std::vector<std::vector<T>> &, Backward<T> *);
+                              const std::vector<std::vector<T>> &, Backward<T> *,              \
+                              const Progress &);                                               \
+  template Status sampled<T>(const LayerShape &, const InputView<T> &, const Sample &,             \
+                             SampleOutputs<double> *, const Progress &);
 
 MOEC_REFERENCE_INSTANTIATE(float)
 MOEC_REFERENCE_INSTANTIATE(double)

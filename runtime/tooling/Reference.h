@@ -34,6 +34,8 @@
 #include "base/Status.h"
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <vector>
 
 namespace moec::reference {
@@ -95,11 +97,14 @@ template <typename T>
 Status validateInputs(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
                       const Weights<T> &weights);
 
+/// Told the share of a pass done (0..1) after each expert; may be empty.
+using Progress = std::function<void(double done)>;
+
 /// Runs the forward pass: dispatch, per expert Y = X w1[e], A = swiglu(Y),
 /// Z = A w2[e], and combine y[t] = sum_k w[t, k] * Z row of (t, k).
 template <typename T>
 Status forward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
-               const Weights<T> &weights, Forward<T> *out);
+               const Weights<T> &weights, Forward<T> *out, const Progress &progress = {});
 
 /// Runs the backward pass from the upstream gradient `dy` (one [S, H] per
 /// rank) and the forward results `fwd`: dtopk_weights, dZ = w dy dispatched,
@@ -108,7 +113,46 @@ Status forward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs
 template <typename T>
 Status backward(const LayerShape &shape, const std::vector<RankInputs<T>> &inputs,
                 const Weights<T> &weights, const Forward<T> &fwd,
-                const std::vector<std::vector<T>> &dy, Backward<T> *out);
+                const std::vector<std::vector<T>> &dy, Backward<T> *out,
+                const Progress &progress = {});
+
+/// The whole group's inputs as flat row-major arrays, not copied: x, topkIds,
+/// topkWeights and dy are rank-major ([R, S, ...]); dy is null for a
+/// forward-only check.
+template <typename T> struct InputView {
+  const T *x = nullptr;             ///< [R, S, H]
+  const int64_t *topkIds = nullptr; ///< [R, S, K]
+  const T *topkWeights = nullptr;   ///< [R, S, K]
+  const T *w1 = nullptr;            ///< [E, H, 2I]
+  const T *w2 = nullptr;            ///< [E, I, H]
+  const T *dy = nullptr;            ///< [R, S, H] or null
+};
+
+/// What a sampled check computes: whole outputs of some tokens, and the
+/// weight gradients of some intermediate units. Unit i of expert e is row i
+/// of w2[e] and columns i (gate) and I + i (up) of w1[e]; its gradients need
+/// only the rows routed to e, at O(H) each, not the whole layer.
+struct Sample {
+  std::vector<int64_t> tokens;                    ///< global token r * S + t
+  std::vector<std::pair<int64_t, int64_t>> units; ///< (expert, unit i in 0..I-1)
+};
+
+/// The reference values of a Sample, in the order of its lists.
+template <typename T> struct SampleOutputs {
+  std::vector<T> y;     ///< per token: y [H]
+  std::vector<T> dx;    ///< per token: dx [H] (with dy)
+  std::vector<T> dtopk; ///< per token: dtopk_weights [K] (with dy)
+  std::vector<T> dw1;   ///< per unit [H, 2]: dw1[e][h][i], dw1[e][h][I + i] (with dy)
+  std::vector<T> dw2;   ///< per unit: dw2[e][i][0..H-1] (with dy)
+};
+
+/// Computes the sample's outputs from the inputs, in double, token by
+/// token and unit by unit: the same math as forward() and backward(), in
+/// memory that grows with the sample, not the layer. Checks the sample's
+/// indices and the top-k ids of every token.
+template <typename T>
+Status sampled(const LayerShape &shape, const InputView<T> &inputs, const Sample &sample,
+               SampleOutputs<double> *out, const Progress &progress = {});
 
 /// silu(x) = x * sigmoid(x).
 template <typename T> T silu(T x);

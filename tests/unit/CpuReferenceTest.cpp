@@ -11,6 +11,7 @@
 #include "runtime/cpu/Element.h"
 #include "runtime/cpu/Gmm.h"
 #include "runtime/cpu/Layout.h"
+#include "runtime/tooling/LayerRun.h"
 #include "runtime/tooling/Reference.h"
 #include "runtime/cpu/Rows.h"
 #include "runtime/cpu/Swiglu.h"
@@ -292,6 +293,184 @@ TEST_CASE("reference: errors", "[cpu][reference]") {
   std::vector<std::vector<float>> dy(1, std::vector<float>(4));
   CHECK(ref::backward(s, inputs, weights, fwd, dy, &grads).message() ==
         "layer: 1 dy tensors for 2 ranks");
+}
+
+TEST_CASE("reference: a sample's tokens and units are the whole layer's values",
+          "[cpu][reference]") {
+  ref::LayerShape s;
+  s.ranks = 3;
+  s.localExperts = 2;
+  s.hidden = 10;
+  s.inter = 6;
+  s.topK = 3;
+  s.tokens = 7;
+  std::mt19937 rng(11);
+  auto inputs = randomInputs<float>(s, rng);
+  auto weights = randomWeights<float>(s, rng);
+  auto dy = randomGrads<float>(s, rng);
+  ref::Forward<float> fwd;
+  ref::Backward<float> bwd;
+  REQUIRE(ref::forward(s, inputs, weights, &fwd).ok());
+  REQUIRE(ref::backward(s, inputs, weights, fwd, dy, &bwd).ok());
+
+  // The same inputs as flat rank-major arrays.
+  std::vector<float> x, topkWeights, dyAll;
+  std::vector<int64_t> ids;
+  for (int64_t r = 0; r < s.ranks; ++r) {
+    x.insert(x.end(), inputs[size_t(r)].x.begin(), inputs[size_t(r)].x.end());
+    ids.insert(ids.end(), inputs[size_t(r)].topkIds.begin(), inputs[size_t(r)].topkIds.end());
+    topkWeights.insert(topkWeights.end(), inputs[size_t(r)].topkWeights.begin(),
+                       inputs[size_t(r)].topkWeights.end());
+    dyAll.insert(dyAll.end(), dy[size_t(r)].begin(), dy[size_t(r)].end());
+  }
+  ref::InputView<float> view;
+  view.x = x.data();
+  view.topkIds = ids.data();
+  view.topkWeights = topkWeights.data();
+  view.w1 = weights.w1.data();
+  view.w2 = weights.w2.data();
+  view.dy = dyAll.data();
+  ref::Sample sample;
+  sample.tokens = {0, 8, 20};                // rank 0 token 0, rank 1 token 1, rank 2 token 6
+  sample.units = {{0, 0}, {3, 5}, {5, 2}};   // first, a middle and the last expert
+  std::vector<double> shares;
+  ref::SampleOutputs<double> got;
+  REQUIRE(ref::sampled(s, view, sample, &got, [&](double d) { shares.push_back(d); }).ok());
+  REQUIRE(shares.size() == sample.tokens.size() + sample.units.size());
+  CHECK(shares.back() == 1.0);
+
+  const int64_t H = s.hidden, I = s.inter, K = s.topK;
+  for (size_t n = 0; n < sample.tokens.size(); ++n) {
+    const int64_t r = sample.tokens[n] / s.tokens, t = sample.tokens[n] % s.tokens;
+    for (int64_t h = 0; h < H; ++h) {
+      CHECK(got.y[n * size_t(H) + size_t(h)] ==
+            Approx(fwd.y[size_t(r)][size_t(t * H + h)]).margin(1e-5));
+      CHECK(got.dx[n * size_t(H) + size_t(h)] ==
+            Approx(bwd.dx[size_t(r)][size_t(t * H + h)]).margin(1e-5));
+    }
+    for (int64_t k = 0; k < K; ++k)
+      CHECK(got.dtopk[n * size_t(K) + size_t(k)] ==
+            Approx(bwd.dtopkWeights[size_t(r)][size_t(t * K + k)]).margin(1e-5));
+  }
+  for (size_t u = 0; u < sample.units.size(); ++u) {
+    const auto [e, i] = sample.units[u];
+    for (int64_t h = 0; h < H; ++h) {
+      CHECK(got.dw2[u * size_t(H) + size_t(h)] ==
+            Approx(bwd.dw2[size_t((e * I + i) * H + h)]).margin(1e-5));
+      CHECK(got.dw1[u * size_t(2 * H) + size_t(2 * h)] ==
+            Approx(bwd.dw1[size_t((e * H + h) * 2 * I + i)]).margin(1e-5));
+      CHECK(got.dw1[u * size_t(2 * H) + size_t(2 * h + 1)] ==
+            Approx(bwd.dw1[size_t((e * H + h) * 2 * I + I + i)]).margin(1e-5));
+    }
+  }
+
+  // Forward only: y, and no gradients.
+  view.dy = nullptr;
+  REQUIRE(ref::sampled(s, view, sample, &got).ok());
+  CHECK(got.y.size() == sample.tokens.size() * size_t(H));
+  CHECK(got.dx.empty());
+  CHECK(got.dw1.empty());
+
+  // Indices out of range and a bad routing are errors.
+  ref::Sample bad = sample;
+  bad.tokens.push_back(21);
+  CHECK(ref::sampled(s, view, bad, &got).message() == "sample: token 21 is not one of the 21 tokens");
+  bad = sample;
+  bad.units.push_back({6, 0});
+  CHECK(ref::sampled(s, view, bad, &got).message() ==
+        "sample: unit (6, 0) is not a unit of 6 experts x 6");
+  ids[4] = ids[3];
+  CHECK(ref::sampled(s, view, sample, &got).message() ==
+        "rank 0: token 1 routes to expert " + std::to_string(ids[3]) + " twice");
+}
+
+TEST_CASE("verifyLayer: a sampled check passes right outputs and names a wrong one",
+          "[cpu][reference]") {
+  namespace tooling = moec::tooling;
+  ref::LayerShape s;
+  s.ranks = 2;
+  s.localExperts = 3;
+  s.hidden = 12;
+  s.inter = 5;
+  s.topK = 2;
+  s.tokens = 9;
+  std::mt19937 rng(5);
+  auto inputs = randomInputs<double>(s, rng);
+  auto weights = randomWeights<double>(s, rng);
+  auto dy = randomGrads<double>(s, rng);
+  ref::Forward<double> fwd;
+  ref::Backward<double> bwd;
+  REQUIRE(ref::forward(s, inputs, weights, &fwd).ok());
+  REQUIRE(ref::backward(s, inputs, weights, fwd, dy, &bwd).ok());
+
+  // The layer's data with the reference's outputs in place of a run's.
+  tooling::LayerData d;
+  d.ranks = s.ranks;
+  d.tokens = s.tokens;
+  d.topK = s.topK;
+  d.experts = int64_t(s.experts());
+  d.hidden = s.hidden;
+  d.inter = s.inter;
+  const auto append = [](std::vector<float> &to, const std::vector<double> &from) {
+    to.insert(to.end(), from.begin(), from.end());
+  };
+  for (int64_t r = 0; r < s.ranks; ++r) {
+    append(d.x, inputs[size_t(r)].x);
+    d.ids.insert(d.ids.end(), inputs[size_t(r)].topkIds.begin(), inputs[size_t(r)].topkIds.end());
+    append(d.weights, inputs[size_t(r)].topkWeights);
+    append(d.dy, dy[size_t(r)]);
+    append(d.y, fwd.y[size_t(r)]);
+    append(d.dx, bwd.dx[size_t(r)]);
+    append(d.dtopk, bwd.dtopkWeights[size_t(r)]);
+  }
+  append(d.w1, weights.w1);
+  append(d.w2, weights.w2);
+  append(d.dw1, bwd.dw1);
+  append(d.dw2, bwd.dw2);
+
+  tooling::VerifyOptions options;
+  options.backward = true;
+  options.sampleTokens = 4;
+  std::vector<tooling::OutputError> errors;
+  tooling::SampleSummary summary;
+  REQUIRE(tooling::verifyLayer(d, options, &errors, &summary).ok());
+  REQUIRE(errors.size() == 5);
+  for (const tooling::OutputError &e : errors)
+    CHECK(e.ok());
+  CHECK(summary.tokens == 4);
+  CHECK(summary.units >= 2); // one per expert the 4 tokens route to
+  CHECK(summary.units <= 8);
+
+  // Every token sampled: a wrong y of any token, or a wrong weight-gradient
+  // element of a sampled unit, fails its output and no other.
+  options.sampleTokens = s.ranks * s.tokens;
+  const auto failing = [&](const tooling::LayerData &data) {
+    std::vector<tooling::OutputError> found;
+    REQUIRE(tooling::verifyLayer(data, options, &found).ok());
+    std::vector<std::string> names;
+    for (const tooling::OutputError &e : found)
+      if (!e.ok())
+        names.push_back(e.name);
+    return names;
+  };
+  CHECK(failing(d).empty());
+  tooling::LayerData wrong = d;
+  wrong.y[size_t(s.tokens * s.hidden + 7)] += 1.0f; // rank 1, token 0
+  CHECK(failing(wrong) == std::vector<std::string>{"y"});
+  wrong = d;
+  wrong.dtopk.back() += 1.0f;
+  CHECK(failing(wrong) == std::vector<std::string>{"dtopk_weights"});
+  // Every expert is touched, so each has a sampled unit; spoil all units of
+  // expert 0's w2 gradient, and of expert 5's up columns of dw1.
+  wrong = d;
+  for (int64_t i = 0; i < s.inter * s.hidden; ++i)
+    wrong.dw2[size_t(i)] += 1.0f;
+  CHECK(failing(wrong) == std::vector<std::string>{"dw2"});
+  wrong = d;
+  for (int64_t h = 0; h < s.hidden; ++h)
+    for (int64_t i = 0; i < s.inter; ++i)
+      wrong.dw1[size_t((5 * s.hidden + h) * 2 * s.inter + s.inter + i)] -= 1.0f;
+  CHECK(failing(wrong) == std::vector<std::string>{"dw1"});
 }
 
 //===----------------------------------------------------------------------===//

@@ -29,6 +29,7 @@
 #include "runtime/api/Runtime.h"
 #include "tools/moec/Cli.h"
 #include "runtime/tooling/LayerRun.h"
+#include "tools/moec/Progress.h"
 
 #include <fmt/format.h>
 
@@ -85,9 +86,15 @@ const CommandSpec kBenchSpec = {
     "                   wall time, best of --repeat runs)\n"
     "  -o PROFILE       write the calibrated profile JSON there (for --target)\n"
     "  --check PCT      exit 1 when the calibrated simulation of a layer the rates\n"
-    "                   were not fitted to is off by more than PCT percent\n",
+    "                   were not fitted to is off by more than PCT percent\n"
+    "\n"
+    "progress:\n"
+    "  --progress       print progress (the step, a bar, an ETA) on stderr even when\n"
+    "                   it is not a terminal (a line per step, and every 5 s); on a\n"
+    "                   terminal it is on by default\n"
+    "  --no-progress    no progress output\n",
     {"--config", "--ranks", "--threads", "--repeat", "--hot-share", "--graphs", "-o", "--check"},
-    {"--skip-layers", "--calibrate"},
+    {"--skip-layers", "--calibrate", "--progress", "--no-progress"},
     0,
     0};
 
@@ -100,6 +107,7 @@ int usage(const std::string &message) {
 }
 
 int fail(const Status &status) {
+  Progress::clearCurrent();
   std::fprintf(stderr, "error: %s\n", status.message().c_str());
   return kError;
 }
@@ -338,7 +346,8 @@ std::string cpuModelName() {
   return "unknown CPU";
 }
 
-int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::string &graphs) {
+int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::string &graphs,
+                 Progress &progress) {
   std::optional<double> check;
   if (auto c = args.value("--check")) {
     char *end = nullptr;
@@ -358,23 +367,28 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
     layers.emplace_back();
     layers.back().layer = layer;
   }
+  progress.begin("measuring layers", double(2 * layers.size()));
   for (int round = 0; round < 2; ++round)
     for (MeasuredLayer &measured : layers) {
+      progress.update(double(round * layers.size()) + double(&measured - layers.data()));
       if (round == 1) {
         if (Status s = measureLayer(graphs, threads, repeat, &measured); !s)
           return fail(s);
         continue;
       }
+      progress.clear();
       std::printf("  running %-32s", measured.layer.label().c_str());
       std::fflush(stdout);
       if (Status s = measureLayer(graphs, threads, repeat, &measured); !s) {
         std::printf("\n");
         return fail(s);
       }
+      progress.clear();
       std::printf(" forward %8.2f ms, backward %8.2f ms%s\n", measured.seconds[0] * 1e3,
                   measured.seconds[1] * 1e3, measured.layer.fit ? "  (fitted to)" : "");
       std::fflush(stdout);
     }
+  progress.end();
 
   // Rates: the work of a class over the time its tasks took, in the traces
   // of the layers fitted to.
@@ -409,6 +423,7 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
   // The per-task overhead: what the executor alone costs per task is its
   // floor; above it, the value that makes the simulated makespans of the
   // fitted layers add up to the measured ones (the makespan grows with it).
+  progress.begin("fitting the task overhead");
   double floor = 0;
   if (Status s = measureTaskOverhead(layers.front().programs[0]->tasks(), threads, &floor); !s)
     return fail(s);
@@ -435,6 +450,7 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
     (fittedError(mid) < 0 ? low : high) = mid;
   }
   calibrated.taskOverhead = high;
+  progress.end();
   calibrated.calibrated = fmt::format("moec bench --calibrate: {} worker threads on {}", threads,
                                       cpuModelName());
   std::printf("\ncalibrated rates (per core; built-in estimates in brackets):\n");
@@ -530,13 +546,18 @@ int runBench(int argc, char **argv, int first) {
       return usage("--hot-share must be a number in [0, 1]");
   }
   const std::string graphs = args.value("--graphs").value_or("graphs");
+  if (args.has("--progress") && args.has("--no-progress"))
+    return usage("--progress and --no-progress exclude each other");
+  // Every line goes out as it is measured.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  Progress progress("moec bench", progressMode(args.has("--progress"), args.has("--no-progress")));
   if (args.has("--calibrate")) {
     for (const char *flag : {"--config", "--ranks", "--hot-share"})
       if (args.value(flag))
         return usage(fmt::format("{} does not go with --calibrate (it runs its own layers)", flag));
     if (args.has("--skip-layers"))
       return usage("--skip-layers does not go with --calibrate");
-    return runCalibrate(args, threads, repeat, graphs);
+    return runCalibrate(args, threads, repeat, graphs, progress);
   }
   for (const char *flag : {"-o", "--check"})
     if (args.value(flag))
@@ -548,6 +569,7 @@ int runBench(int argc, char **argv, int first) {
   std::printf("$ %s\n", command.c_str());
   std::printf("GEMM: %s\n\n", cpu::gemmConfig());
 
+  progress.begin("peak");
   const cpu::FmaPeak peak = cpu::measureFmaPeak(0.5);
   std::printf("fp32 FMA peak, one core: %.1f GFLOP/s (%s, %d lanes)\n", peak.gflops, peak.isa,
               peak.lanes);
@@ -562,6 +584,7 @@ int runBench(int argc, char **argv, int first) {
                 "and are measured against the fp32 peak\n\n");
   const double bf16Denominator =
       bf16Peak && cpu::nativeBf16Gemm() ? bf16Peak->gflops : peak.gflops;
+  progress.end();
 
   std::printf("GMM tiles, one thread (C = A B, C f32):\n");
   std::printf("  %-6s %-22s %12s %10s\n", "A, B", "m x n x k", "GFLOP/s", "of peak");
@@ -569,13 +592,18 @@ int runBench(int argc, char **argv, int first) {
   struct Shape {
     int64_t m, n, k;
   };
+  progress.begin("GMM tiles", 6);
+  int tiles = 0;
   for (cpu::Elt elt : {cpu::Elt::F32, cpu::Elt::BF16})
     for (const Shape &s : {Shape{512, 512, 512}, Shape{1024, 1024, 1024}, Shape{512, 1024, 1024}}) {
       const double gflops = cpu::measureGemmGflops(s.m, s.n, s.k, elt);
+      progress.update(++tiles);
+      progress.clear();
       std::printf("  %-6s %-22s %12.1f %9.1f%%\n", moec::dtypeName(elt),
                   fmt::format("{} x {} x {}", s.m, s.n, s.k).c_str(), gflops,
                   100.0 * gflops / (elt == cpu::Elt::BF16 ? bf16Denominator : peak.gflops));
     }
+  progress.end();
   if (args.has("--skip-layers"))
     return kOk;
 
@@ -584,6 +612,9 @@ int runBench(int argc, char **argv, int first) {
               threads, peak.gflops * threads, repeat);
   std::printf("  %-5s %-14s %12s %12s %9s %12s\n", "ranks", "routing", "fused ms", "op-by-op ms",
               "speed-up", "fused % peak");
+  // Steps: a warm-up and `repeat` timed runs of both schedules, per layer.
+  progress.begin("layers", double(rankCounts.size() * 2 * size_t(repeat + 1)));
+  double stepsDone = 0;
   for (uint32_t ranks : rankCounts) {
     ModelConfig config;
     std::string json;
@@ -593,6 +624,7 @@ int runBench(int argc, char **argv, int first) {
     if (Status s = compileLayer(graphs, json, programs); !s)
       return fail(s.withPrefix(fmt::format("compiling for {} ranks: ", ranks)));
     const rt::LayerShape &shape = programs[0]->shape();
+    progress.clear();
     if (ranks == rankCounts.front())
       std::printf("  layer: H %lld, I %lld, %u local experts, top-%lld, %lld tokens per rank, "
                   "%s\n",
@@ -621,6 +653,7 @@ int runBench(int argc, char **argv, int first) {
         if (Status s = runs[i].run(*contexts[i], true, &out); !s) // warm-up
           return fail(s);
       }
+      progress.update(++stepsDone);
       for (long rep = 0; rep < repeat; ++rep)
         for (int i = 0; i < 2; ++i) {
           LayerData out = data;
@@ -630,16 +663,20 @@ int runBench(int argc, char **argv, int first) {
           const double b = contexts[i]->backwardTimes().total();
           if (f + b < timings[i].best)
             timings[i] = Timing{f + b, f, b};
+          if (i == 1)
+            progress.update(++stepsDone);
         }
       const double rows = double(ranks) * double(data.tokens) * double(data.topK);
       const double flops = 18.0 * double(shape.hidden) * double(shape.inter) * rows;
       const double percent = 100.0 * flops / timings[0].best * 1e-9 / (peak.gflops * threads);
+      progress.clear();
       std::printf("  %-5u %-14s %12.2f %12.2f %8.2fx %11.1f%%\n", ranks,
                   share > 0 ? fmt::format("skewed {:.0f}%", share * 100).c_str() : "uniform",
                   timings[0].best * 1e3, timings[1].best * 1e3, timings[1].best / timings[0].best,
                   percent);
     }
   }
+  progress.end();
   std::printf("\nspeed-up = op-by-op time / fused time; skewed: that share of tokens picks "
               "expert 0 first.\n");
   return kOk;

@@ -4,11 +4,13 @@
 #include "runtime/format/TaskBinary.h"
 #include "tools/moec/Cli.h"
 #include "tools/moec/GraphFrame.h"
+#include "tools/moec/Progress.h"
 
 #include <fmt/format.h>
 
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <cstdio>
 
 using namespace mlir;
@@ -36,14 +38,25 @@ const CommandSpec kCompileSpec = {
     "                     producer tiles it reads; per-expert: for every producer tile\n"
     "                     of the experts it touches, as the seed does\n"
     "  -o OUT             the task binary to write (required; written whole or not at all)\n"
-    "  --time             print the time each phase took to stderr\n",
+    "  --time             print the time each phase took to stderr\n"
+    "  --progress         print each step on stderr as it ends, even when stderr is not\n"
+    "                     a terminal (on a terminal, a step that takes over half a\n"
+    "                     second is shown as it runs)\n"
+    "  --no-progress      no progress output\n",
     {"--config", "--target", "--granularity", "-o"},
-    {"--time"},
+    {"--time", "--progress", "--no-progress"},
     1,
     1};
 
 int runCompile(int argc, char **argv, int first) {
-  auto checkArgs = [](const Args &args) {
+  std::optional<Progress> progress;
+  auto checkArgs = [&progress](const Args &args) {
+    if (args.has("--progress") && args.has("--no-progress")) {
+      std::fprintf(stderr, "moec compile: --progress and --no-progress exclude each other\n"
+                           "usage: %s\n",
+                   kCompileSpec.usage);
+      return false;
+    }
     const char *missing = !args.value("--config") ? "--config CFG"
                           : !args.value("-o")     ? "-o OUT"
                                                   : nullptr;
@@ -74,6 +87,8 @@ int runCompile(int argc, char **argv, int first) {
                      out.c_str(), input.c_str());
         return false;
       }
+    progress.emplace("moec compile", progressMode(args.has("--progress"), args.has("--no-progress")));
+    progress->begin("load");
     return true;
   };
   using Clock = std::chrono::steady_clock;
@@ -86,11 +101,14 @@ int runCompile(int argc, char **argv, int first) {
     options.target = args.value("--target").value_or("cpu");
     options.granularity =
         *lower::parseGranularity(args.value("--granularity").value_or("per-tile-range"));
+    options.onStep = [&progress](const char *step) { progress->begin(step); };
     driver::CompileResult result;
     if (Status status = driver::compileModule(module, options, &result); !status) {
+      Progress::clearCurrent();
       std::fprintf(stderr, "error: %s\n", status.message().c_str());
       return int(kError);
     }
+    progress->begin("write");
     Clock::time_point mark = Clock::now();
     std::vector<uint8_t> bytes = format::writeTaskBinary(result.program);
     out.assign(bytes.begin(), bytes.end());
@@ -116,8 +134,10 @@ int runCompile(int argc, char **argv, int first) {
         summary += fmt::format("  {:<15} {:8.1f} ms\n", name, ms);
     return int(kOk);
   };
-  return runOnGraph(kCompileSpec, argc, argv, first, checkArgs, body,
-                    [&] { std::fputs(summary.c_str(), stderr); });
+  return runOnGraph(kCompileSpec, argc, argv, first, checkArgs, body, [&] {
+    progress->end();
+    std::fputs(summary.c_str(), stderr);
+  });
 }
 
 } // namespace moec::cli

@@ -730,7 +730,33 @@ std::string dumpText(const TaskProgram &program, const FileFacts &facts, const D
 
 namespace {
 
+/// A task as one row of the compact table (kCompactEntryColumns); start and
+/// finish are null without a simulated run.
+json compactTaskJson(const TaskProgram &p, uint32_t task, const DumpOptions &options,
+                     const Analysis &a) {
+  const TaskRecord &record = p.tasks[task];
+  const ResolvedTile t = resolvedTile(p, task, options.rank);
+  json waits = json::array();
+  for (uint32_t k = 0; k < record.waitCount; ++k) {
+    const WaitRecord &wait = p.waits[size_t(record.firstWait) + k];
+    waits.push_back({wait.event, wait.threshold});
+  }
+  json signals = json::array();
+  for (uint32_t k = 0; k < record.signalCount; ++k) {
+    const SignalRecord &signal = p.signals[size_t(record.firstSignal) + k];
+    signals.push_back({signal.event, signal.increment,
+                       options.rank ? json(p.peerRank(*options.rank, signal.peerOffset))
+                                    : json(signal.peerOffset)});
+  }
+  return json::array({task, record.op, t.expert, t.peer, t.coord.rowTile, t.coord.colTile,
+                      t.coord.rowBegin, t.coord.rowEnd, t.coord.colBegin, t.coord.colEnd,
+                      a.costs[task], a.run.ok() ? json(a.run.start[task]) : json(nullptr),
+                      a.run.ok() ? json(a.run.finish[task]) : json(nullptr), waits, signals});
+}
+
 json taskJson(const TaskProgram &p, uint32_t task, const DumpOptions &options, const Analysis &a) {
+  if (options.compact)
+    return compactTaskJson(p, task, options, a);
   const TaskRecord &record = p.tasks[task];
   ResolvedTile t = resolvedTile(p, task, options.rank);
   json tile;
@@ -794,6 +820,8 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
                  {"local_experts", p.localExperts},
                  {"target", std::string(p.name(p.target))}};
   out["rank"] = options.rank ? json(*options.rank) : json(nullptr);
+  if (options.compact)
+    out["entry_columns"] = kCompactEntryColumns;
   out["profile"] = a.timed ? json(a.profileName) : json(nullptr);
   if (!a.timed && !a.note.empty())
     out["note"] = a.note;

@@ -65,7 +65,18 @@ struct DumpOptions {
 
   /// Draw only the tasks of these ops (dot only); empty: every op.
   std::vector<std::string> ops;
+
+  /// JSON: every queue's tasks as rows of a table (the columns are
+  /// kCompactEntryColumns, waits and signals as [event, threshold] and
+  /// [event, increment, peer offset]), names only in "ops" and "events".
+  bool compact = false;
 };
+
+/// The columns of a task row in the compact JSON (DumpOptions::compact).
+inline constexpr const char *kCompactEntryColumns[] = {
+    "task",     "op_index", "expert",    "peer",      "row_tile", "col_tile",
+    "row_begin", "row_end", "col_begin", "col_end",   "cost",     "start",
+    "finish",   "waits",    "signals"};
 
 /// What the statistics are computed from: task costs and the timed
 /// simulation of the whole program.

@@ -6,10 +6,12 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "base/Memory.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
-#include "tools/moec/Cli.h"
 #include "runtime/tooling/LayerRun.h"
+#include "tools/moec/Cli.h"
+#include "tools/moec/Progress.h"
 
 #include <fmt/format.h>
 
@@ -19,7 +21,6 @@
 #include <filesystem>
 #include <limits>
 
-#include <unistd.h>
 
 namespace moec::cli {
 
@@ -28,7 +29,7 @@ using namespace moec::tooling;
 const CommandSpec kRunSpec = {
     "run",
     "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
-    "[--verify] [--fabric inproc|mpi] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--threads N] [--repeat N] [--hot-share F]",
+    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--threads N] [--repeat N] [--hot-share F] [--progress | --no-progress]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
     "given, on the R ranks of its EP group with the CPU runtime: every rank's\n"
     "queues run on a pool of worker threads, events between tiles let the puts of\n"
@@ -71,7 +72,15 @@ const CommandSpec kRunSpec = {
     "  --verify         run the reference layer (plain loops, in double) on the\n"
     "                   same inputs and print each output's max absolute and\n"
     "                   relative error; exit 1 when one is above tolerance\n"
-    "                   (1e-4 for f32, 5e-2 for bf16, relative to the output's scale)\n"
+    "                   (1e-4 for f32, 5e-2 for bf16, relative to the output's scale);\n"
+    "                   refused before the run when the reference would not fit in\n"
+    "                   memory (then use --verify-sample)\n"
+    "  --verify-sample N  verify N random tokens instead of the whole layer: their\n"
+    "                   y, dx and dtopk_weights, and for each expert they route to\n"
+    "                   one random intermediate unit's weight gradients (a row of\n"
+    "                   dw2, the gate and up columns of dw1), computed from every\n"
+    "                   row that expert received; memory grows with N, not the\n"
+    "                   layer (implies --verify)\n"
     "  --op-by-op       run the same tasks one op at a time, with a barrier over\n"
     "                   all ranks between ops (the baseline fusion is measured\n"
     "                   against)\n"
@@ -92,10 +101,14 @@ const CommandSpec kRunSpec = {
     "  --threads N      worker threads, 1 to 4096 (default: the hardware threads)\n"
     "  --repeat N       run the passes N times and report the best time (default 1)\n"
     "  --hot-share F    with --random: the share of tokens whose first expert is\n"
-    "                   expert 0 (skewed routing); default 0\n",
+    "                   expert 0 (skewed routing); default 0\n"
+    "  --progress       print progress (phases, a bar, an ETA) on stderr even when it\n"
+    "                   is not a terminal (a line per phase, and every 5 s); on a\n"
+    "                   terminal it is on by default\n"
+    "  --no-progress    no progress output\n",
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat",
-     "--hot-share", "--fabric", "--timeout"},
-    {"--verify", "--op-by-op", "--local-puts"},
+     "--hot-share", "--fabric", "--timeout", "--verify-sample"},
+    {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress"},
     1,
     2};
 
@@ -120,6 +133,7 @@ bool underMpi = false;
 int mpiRank = 0;
 
 int fail(const Status &status) {
+  Progress::clearCurrent();
   if (underMpi) {
     std::fprintf(stderr, "error: [process of rank %d] %s\n", mpiRank, status.message().c_str());
     std::fflush(stderr);
@@ -219,6 +233,9 @@ int runRun(int argc, char **argv, int first) {
     printHelp(kRunSpec);
     return kOk;
   }
+  // Every line of the report goes out as it is printed, so a run that is
+  // killed (out of memory, a job's time limit) keeps the times it measured.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const std::string fabricName =
       args.value("--fabric").value_or(comm::launchedByMpi() ? "mpi" : "inproc");
   if (fabricName != "inproc" && fabricName != "mpi")
@@ -229,8 +246,15 @@ int runRun(int argc, char **argv, int first) {
   const bool localPuts = args.has("--local-puts");
   if (localPuts && !mpi)
     return usage("--local-puts needs the MPI fabric (run under mpirun)");
-  if (localPuts && args.has("--verify"))
+  uint64_t sampleTokens = 0;
+  if (auto n = args.value("--verify-sample");
+      n && (!parseCount(*n, uint64_t(1) << 40, &sampleTokens) || sampleTokens == 0))
+    return usage("--verify-sample must be a positive number of tokens");
+  const bool verify = args.has("--verify") || sampleTokens > 0;
+  if (localPuts && verify)
     return usage("--local-puts makes the outputs wrong; it cannot be verified");
+  if (args.has("--progress") && args.has("--no-progress"))
+    return usage("--progress and --no-progress exclude each other");
   if (!args.value("--outputs"))
     return usage("missing --outputs DIR");
   if (args.value("--inputs").has_value() == args.value("--random").has_value())
@@ -278,6 +302,10 @@ int runRun(int argc, char **argv, int first) {
   }
   // Under MPI only the process of rank 0 prints the report and writes files.
   const bool report = !fabric || fabric->firstLocal() == 0;
+  Progress progress("moec run",
+                    report ? progressMode(args.has("--progress"), args.has("--no-progress"))
+                           : Progress::Mode::Never);
+  progress.begin("load");
 
   std::shared_ptr<const rt::Program> fwd, bwd;
   if (Status s = rt::Program::load(args.positional[0], &fwd); !s)
@@ -316,22 +344,42 @@ int runRun(int argc, char **argv, int first) {
     return fail(s);
 
   // The layer's tensors, as fp32 arrays and again in the binary's storage
-  // type, checked against the machine before any is allocated.
+  // type, and the whole reference layer of --verify, checked against the
+  // machine before any is allocated.
   {
     const double R = shape.ranks, S = double(shape.rowCapacity) / double(std::max<int64_t>(1, shape.topK)),
                  K = shape.topK, E = shape.experts(), H = shape.hidden, I = shape.inter;
     const double perCopy = 4 * ((backward ? 4 : 2) * R * S * H + (backward ? 2 : 1) * 3 * E * H * I) +
                            16 * R * S * K;
-    const double needed = 2 * perCopy;
-    const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+    const double workspace = double(context->workspaceToAllocate());
+    const double needed = 2 * perCopy + workspace;
+    const MemoryLimit limit = memoryLimit();
+    const double memory = double(limit.bytes);
     if (memory > 0 && needed > memory)
       return fail(Status::error(fmt::format(
-          "the layer's tensors need {:.1f} GiB in this process; the machine has {:.1f} GiB",
-          needed / double(1 << 30), memory / double(1 << 30))));
+          "the layer needs {} in this process ({} of tensors, twice: as fp32 arrays and in the "
+          "binary's storage type; {} of workspace); {} {}",
+          memoryText(needed), memoryText(perCopy), memoryText(workspace), limit.source,
+          memoryText(memory))));
+    LayerData sizes;
+    sizes.ranks = shape.ranks;
+    sizes.tokens = int64_t(S);
+    sizes.topK = shape.topK;
+    sizes.experts = shape.experts();
+    sizes.hidden = shape.hidden;
+    sizes.inter = shape.inter;
+    const double reference = verifyBytes(sizes, backward);
+    if (report && verify && sampleTokens == 0 && memory > 0 && needed + reference > memory)
+      return fail(Status::error(fmt::format(
+          "--verify runs the whole reference layer in double: {} on top of the run's {}, and "
+          "{} {}; use --verify-sample N to check N random tokens and the weight-gradient units "
+          "they touch",
+          memoryText(reference), memoryText(needed), limit.source, memoryText(memory))));
   }
 
   LayerData data;
   const std::string outputs = *args.value("--outputs");
+  progress.begin("inputs");
   if (auto dir = args.value("--inputs")) {
     if (Status s = readLayerInputs(*dir, shape, backward, &data); !s)
       return fail(s);
@@ -351,6 +399,7 @@ int runRun(int argc, char **argv, int first) {
     if (Status s = beginRunFolder(outputs); !s)
       return fail(s);
 
+  progress.end();
   if (report) {
     std::printf("moec run: %s%s, %s, S %lld, top-%lld, %u worker threads%s\n",
                 args.positional[0].c_str(), backward ? (" + " + args.positional[1]).c_str() : "",
@@ -368,8 +417,16 @@ int runRun(int argc, char **argv, int first) {
   if (report)
     reportNonFinite(data, backward, false);
   LayerRun run;
+  progress.begin("bind");
   if (Status s = run.bind(*context, data); !s)
     return fail(s);
+  // Steps: passes, each counted by the share of its task runs done.
+  const uint64_t passesBefore = context->passesEnded();
+  progress.begin(backward ? "passes (forward + backward)" : "passes",
+                 double(repeat * (backward ? 2 : 1)), [&context, passesBefore] {
+                   const double share = context->passShare();
+                   return double(context->passesEnded() - passesBefore) + (share < 1 ? share : 0);
+                 });
   rt::PassTimes bestFwd, bestBwd;
   bestFwd.prepare = bestBwd.prepare = std::numeric_limits<double>::infinity();
   for (uint64_t i = 0; i < repeat; ++i) {
@@ -383,6 +440,7 @@ int runRun(int argc, char **argv, int first) {
     if (backward && context->backwardTimes().total() < bestBwd.total())
       bestBwd = context->backwardTimes();
   }
+  progress.end();
   if (report) {
     reportNonFinite(data, backward, true);
     std::printf("time (wall, %s):\n", fabric ? "the process of rank 0" : "all ranks");
@@ -421,6 +479,7 @@ int runRun(int argc, char **argv, int first) {
     return kOk;
   }
   std::vector<std::string> written;
+  progress.begin("write outputs");
   if (Status s = createRunFolder(outputs); !s)
     return fail(s);
   if (args.value("--random"))
@@ -433,18 +492,37 @@ int runRun(int argc, char **argv, int first) {
     command += std::string(" ") + argv[i];
   if (Status s = writeRunManifest(outputs, written, command); !s)
     return fail(s);
+  progress.end();
   std::printf("outputs: %s/{y%s}.npy\n", outputs.c_str(),
               !backward            ? ""
               : data.dw1.empty() ? ",dx,dtopk_weights"
                                  : ",dx,dtopk_weights,dw1,dw2");
 
-  if (!args.has("--verify"))
+  if (!verify)
     return kOk;
   std::vector<OutputError> errors;
-  if (Status s = verifyLayer(data, backward, shape.activations == format::DType::BF16, &errors);
-      !s)
+  VerifyOptions verifyOptions;
+  verifyOptions.backward = backward;
+  verifyOptions.bf16 = shape.activations == format::DType::BF16;
+  verifyOptions.sampleTokens = int64_t(sampleTokens);
+  verifyOptions.seed = seed + 1;
+  verifyOptions.progress = [&progress](double done) { progress.update(done); };
+  SampleSummary sample;
+  progress.begin(sampleTokens ? "verify (sample)" : "verify", 1);
+  if (Status s = verifyLayer(data, verifyOptions, &errors, &sample); !s)
     return fail(s);
-  std::printf("verify against the reference (plain loops in double):\n");
+  progress.end();
+  if (sampleTokens)
+    std::printf("verify %lld random token%s of %lld%s against the reference (plain loops in "
+                "double):\n",
+                (long long)sample.tokens, sample.tokens == 1 ? "" : "s",
+                (long long)(data.ranks * data.tokens),
+                sample.units ? fmt::format(", and {} expert unit{} of the weight gradients",
+                                           sample.units, sample.units == 1 ? "" : "s")
+                                   .c_str()
+                             : "");
+  else
+    std::printf("verify against the reference (plain loops in double):\n");
   std::printf("  %-14s %12s %12s %10s\n", "output", "max abs err", "max rel err", "tolerance");
   bool ok = true;
   for (const OutputError &e : errors) {

@@ -1,0 +1,81 @@
+//===- Memory.cpp - How much memory this process may use ------------------===//
+
+#include "base/Memory.h"
+
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+
+#include <unistd.h>
+
+namespace moec {
+
+namespace {
+
+/// Parses "123", "64K", "12M", "2G" (powers of 1024); false otherwise.
+bool parseBytes(const std::string &text, uint64_t *out) {
+  size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits])))
+    ++digits;
+  if (digits == 0 || digits > 15)
+    return false;
+  uint64_t value = std::strtoull(text.substr(0, digits).c_str(), nullptr, 10);
+  const std::string suffix = text.substr(digits);
+  if (suffix == "K" || suffix == "k")
+    value <<= 10;
+  else if (suffix == "M" || suffix == "m")
+    value <<= 20;
+  else if (suffix == "G" || suffix == "g")
+    value <<= 30;
+  else if (!suffix.empty())
+    return false;
+  *out = value;
+  return value > 0;
+}
+
+/// The number in the first line of `path`, when there is one.
+bool readNumber(const char *path, uint64_t *out) {
+  std::ifstream in(path);
+  std::string line;
+  if (!in || !std::getline(in, line) || line.empty())
+    return false;
+  for (char c : line)
+    if (!std::isdigit(static_cast<unsigned char>(c)))
+      return false; // "max": no limit
+  return parseBytes(line, out);
+}
+
+} // namespace
+
+MemoryLimit memoryLimit() {
+  MemoryLimit limit;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages > 0 && page > 0)
+    limit = {uint64_t(pages) * uint64_t(page), "the machine has"};
+  const auto lower = [&](uint64_t bytes, const char *source) {
+    if (bytes > 0 && (limit.bytes == 0 || bytes < limit.bytes))
+      limit = {bytes, source};
+  };
+  uint64_t cgroup = 0;
+  if (readNumber("/sys/fs/cgroup/memory.max", &cgroup) ||
+      readNumber("/sys/fs/cgroup/memory/memory.limit_in_bytes", &cgroup))
+    lower(cgroup, "the cgroup allows");
+  if (const char *env = std::getenv("MOEC_MEMORY_LIMIT")) {
+    uint64_t bytes = 0;
+    if (parseBytes(env, &bytes))
+      lower(bytes, "MOEC_MEMORY_LIMIT is");
+  }
+  return limit;
+}
+
+std::string memoryText(double bytes) {
+  char text[32];
+  if (bytes < double(1 << 30))
+    std::snprintf(text, sizeof text, "%.1f MiB", bytes / double(1 << 20));
+  else
+    std::snprintf(text, sizeof text, "%.1f GiB", bytes / double(uint64_t(1) << 30));
+  return text;
+}
+
+} // namespace moec

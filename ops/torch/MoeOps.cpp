@@ -255,12 +255,13 @@ moec::rt::ContextOptions contextOptions(int64_t workers, double timeoutSeconds,
 class Layer : public torch::CustomClassHolder {
 public:
   Layer(std::string forwardPath, std::string backwardPath, int64_t workers,
-        double timeoutSeconds, std::string fabric) {
+        double timeoutSeconds, std::string fabric, bool trace) {
     std::shared_ptr<const moec::rt::Program> fwd, bwd;
     check(moec::rt::Program::load(forwardPath, &fwd), "forward binary");
     if (!backwardPath.empty())
       check(moec::rt::Program::load(backwardPath, &bwd), "backward binary");
     moec::rt::ContextOptions options = contextOptions(workers, timeoutSeconds, fabric);
+    options.trace = trace;
     check(moec::rt::Context::create(fwd, bwd, options, &slot->context), "context");
     if (fabric == "mpi") {
       std::lock_guard<std::mutex> lock(mpiSlotsMutex);
@@ -402,6 +403,20 @@ public:
   }
 
   /// Seconds of the last forward and backward pass: prepare, tasks, finish.
+  /// Writes the trace of the last forward, backward or either pass (which:
+  /// "forward", "backward", "last") as Chrome/Perfetto JSON.
+  void writeTrace(const std::string &path, const std::string &which) {
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    live();
+    TORCH_CHECK(which == "forward" || which == "backward" || which == "last",
+                "moec: the pass to trace must be 'forward', 'backward' or 'last', got '", which,
+                "'");
+    const moec::rt::TracedPass pass = which == "forward"    ? moec::rt::TracedPass::Forward
+                                      : which == "backward" ? moec::rt::TracedPass::Backward
+                                                            : moec::rt::TracedPass::Last;
+    check(slot->context->writeTrace(path, pass), "trace");
+  }
+
   std::vector<double> times() const {
     live();
     const moec::rt::PassTimes &f = slot->context->forwardTimes(), &b = slot->context->backwardTimes();
@@ -742,8 +757,9 @@ void finalizeMpiOp() {
 
 TORCH_LIBRARY(moec, m) {
   m.class_<Layer>("Layer")
-      .def(torch::init<std::string, std::string, int64_t, double, std::string>())
+      .def(torch::init<std::string, std::string, int64_t, double, std::string, bool>())
       .def("info", &Layer::info)
+      .def("write_trace", &Layer::writeTrace)
       .def("capacity_need", &Layer::capacityNeed)
       .def("times", &Layer::times);
   m.class_<Exchange>("Exchange")

@@ -322,6 +322,10 @@ class MoeFFN(torch.nn.Module):
     pass through the layer silently otherwise); off by default, it costs a
     pass over each tensor.
 
+    trace: record every pass (its tasks, waits and phases) so that
+    write_trace(path) writes the last one as a Chrome/Perfetto trace; off
+    by default, it costs a few percent of a pass.
+
     frozen: the expert weights are frozen (requires_grad False): backward
     runs graphs/moe_ffn_bwd_frozen.json, which has no weight-gradient GMMs,
     and gives dx and d topk_weights only.
@@ -351,7 +355,7 @@ class MoeFFN(torch.nn.Module):
     def __init__(self, config, ranks=None, *, threads=0, target="cpu",
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
-                 lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS):
+                 lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False):
         super().__init__()
         load_library()
         fabric, ranks = _group(fabric, ranks, "MoeFFN")
@@ -392,20 +396,19 @@ class MoeFFN(torch.nn.Module):
         self.check_finite = check_finite
         self.frozen = bool(frozen)
         self.main_grad = bool(main_grad)
-        self._build = (int(threads), float(timeout_seconds), target, granularity, fabric)
+        self._build = (int(threads), float(timeout_seconds), target, granularity, fabric,
+                       bool(trace))
         forward, backward = compile_layer(cfg, ranks, target, granularity, frozen=self.frozen,
                                           lora_targets=self.lora_targets)
         _register_finalize(fabric)
-        self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
-                                              float(timeout_seconds), fabric)
+        self.layer = self._runtime_layer(forward, backward)
         info = self.layer.info()
         if not _matches(info, cfg, ranks, self.frozen, self.lora_targets):
             # A cache entry that is not this config's layer: compile anew.
             forward, backward = compile_layer(cfg, ranks, target, granularity, fresh=True,
                                               frozen=self.frozen,
                                               lora_targets=self.lora_targets)
-            self.layer = torch.classes.moec.Layer(forward, backward, int(threads),
-                                                  float(timeout_seconds), fabric)
+            self.layer = self._runtime_layer(forward, backward)
             info = self.layer.info()
             if not _matches(info, cfg, ranks, self.frozen, self.lora_targets):
                 raise RuntimeError(f"moec: the compiled layer {info} is not the config's {cfg}")
@@ -545,10 +548,10 @@ class MoeFFN(torch.nn.Module):
         if factor > old_factor or changes:
             cfg["capacity_factor"] = min(factor, 1024.0)
             changes.append(f"capacity_factor {old_factor:g} -> {cfg['capacity_factor']:g}")
-        threads, timeout, target, granularity, fabric = self._build
+        target, granularity = self._build[2:4]
         forward, backward = compile_layer(cfg, self.ranks, target, granularity,
                                           frozen=self.frozen, lora_targets=self.lora_targets)
-        layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric)
+        layer = self._runtime_layer(forward, backward)
         info = layer.info()
         if (info["receive_capacity"] <= need["receive_capacity"]
                 and info["tokens"] * top_k <= need["row_capacity"]):
@@ -564,11 +567,25 @@ class MoeFFN(torch.nn.Module):
         self.layer = layer
         self.tokens = info["tokens"]
 
+    def _runtime_layer(self, forward, backward):
+        threads, timeout, _, _, fabric, trace = self._build
+        return torch.classes.moec.Layer(forward, backward, threads, timeout, fabric, trace)
+
     def times(self):
         """Seconds of the last passes: forward and backward, each as
         (prepare, tasks, finish)."""
         t = self.layer.times()
         return {"forward": tuple(t[0:3]), "backward": tuple(t[3:6])}
+
+    def write_trace(self, path, which="last"):
+        """Writes the trace of the last "forward", "backward" or either
+        ("last") pass to `path` as Chrome/Perfetto JSON, the format of
+        ``moec run --trace``: the pass as it ran in this process (its
+        tasks with their tiles, the waits with arrows from the signals that
+        ended them, the prepare, tasks and finish phases). Needs
+        ``trace=True`` at construction; under MPI each process writes its
+        own ranks' (give each its own path)."""
+        self.layer.write_trace(os.fspath(path), which)
 
     def extra_repr(self):
         return (f"ranks={self.ranks}, fabric={self.fabric}, first_rank={self.first_rank}, "

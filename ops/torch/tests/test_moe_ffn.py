@@ -1,6 +1,7 @@
 """MoeFFN against plain PyTorch autograd (moec_torch.reference) on the same
 inputs: forward output and the gradients of x, topk_weights, w1 and w2."""
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -306,7 +307,7 @@ def test_error_config_does_not_compile():
 
 def test_error_backward_without_backward_binary(tiny):
     forward, _ = moec_torch.compile_layer(config(experts=4, top_k=2, tokens=128), 2)
-    layer = torch.classes.moec.Layer(forward, "", 2, 60.0, "inproc")
+    layer = torch.classes.moec.Layer(forward, "", 2, 60.0, "inproc", False)
     x, ids, weights = good(tiny)
     y, step = torch.ops.moec.forward(layer, x, ids, weights, tiny.w1.detach(), tiny.w2.detach(),
                                      [])
@@ -383,9 +384,9 @@ def test_bad_timeout_and_threads():
     forward, backward = moec_torch.compile_layer(config(experts=4, top_k=2), 2)
     for timeout in (0.0, -5.0, float("nan")):
         with pytest.raises(RuntimeError, match="timeout_seconds must be a positive number"):
-            torch.classes.moec.Layer(forward, backward, 1, timeout, "inproc")
+            torch.classes.moec.Layer(forward, backward, 1, timeout, "inproc", False)
     with pytest.raises(RuntimeError, match="workers must be 0 .* to 1024, got 1000000"):
-        torch.classes.moec.Layer(forward, backward, 10**6, 60.0, "inproc")
+        torch.classes.moec.Layer(forward, backward, 10**6, 60.0, "inproc", False)
 
 
 def test_compile_cache_checks_what_it_finds(tmp_path, monkeypatch):
@@ -408,3 +409,41 @@ def test_compile_cache_checks_what_it_finds(tmp_path, monkeypatch):
     Path(fwd_small).mkdir()
     monkeypatch.setattr(moec_torch, "_compiled", {})
     assert moec_torch.MoeFFN(small, 2, threads=2).hidden == 64
+
+
+def test_trace_of_the_layers_passes(tmp_path):
+    """trace=True: write_trace writes each pass as it ran, every task of
+    every rank once, in the format load_trace reads (that of moec run)."""
+    ranks, tokens = 2, 64
+    layer = moec_torch.MoeFFN(config(tokens=tokens), ranks=ranks, threads=2, trace=True)
+    ids, weights = routing(ranks, tokens, layer.experts, layer.top_k, seed=3)
+    x = torch.randn(ranks, tokens, layer.hidden)
+    with pytest.raises(RuntimeError, match="no forward pass has run to the end yet"):
+        layer.write_trace(tmp_path / "early.json", "forward")
+    y = layer(x, ids, weights.requires_grad_())
+    y.square().sum().backward()
+    layer.write_trace(tmp_path / "fwd.json", "forward")
+    layer.write_trace(tmp_path / "last.json")
+    (tmp_path / "config.json").write_text(json.dumps({**config(tokens=tokens), "ep": ranks}))
+    binaries = {}
+    for name, graph in (("fwd", "moe_ffn_fwd.json"), ("bwd", "moe_ffn_bwd.json")):
+        binaries[name] = tmp_path / f"{name}.moebin"
+        moec_torch.compile(graph, tmp_path / "config.json", binaries[name])
+    for name, path in (("fwd", "fwd.json"), ("bwd", "last.json")):
+        trace = moec_torch.load_trace(tmp_path / path)
+        info = moec_torch.dump(binaries[name])
+        ops = {op["name"]: op["tasks"] for op in info["ops"]}
+        # Every task of every rank, once.
+        seen = sorted((t["rank"], t["task"]) for t in trace["tasks"])
+        assert seen == sorted((r, t) for r in range(ranks) for t in range(sum(ops.values())))
+        counts = {}
+        for t in trace["tasks"]:
+            counts[t["op_name"]] = counts.get(t["op_name"], 0) + 1
+        assert counts == {op: n * ranks for op, n in ops.items()}
+        assert {p["name"] for p in trace["phases"]} == {"prepare", "tasks", "finish"}
+    with pytest.raises(RuntimeError, match="'forward', 'backward' or 'last'"):
+        layer.write_trace(tmp_path / "x.json", "sideways")
+    plain = moec_torch.MoeFFN(config(tokens=tokens), ranks=ranks, threads=2)
+    plain(x, ids, weights)
+    with pytest.raises(RuntimeError, match="tracing is off"):
+        plain.write_trace(tmp_path / "off.json")

@@ -93,6 +93,57 @@ template <typename T> double maxDiff(const std::vector<T> &a, const std::vector<
   return d;
 }
 
+ref::LayerShape layerShape(uint32_t ranks, uint32_t localExperts, int64_t hidden, int64_t inter,
+                           int64_t topK, int64_t tokens) {
+  ref::LayerShape s;
+  s.ranks = ranks;
+  s.localExperts = localExperts;
+  s.hidden = hidden;
+  s.inter = inter;
+  s.topK = topK;
+  s.tokens = tokens;
+  return s;
+}
+
+/// A random layer with a random upstream gradient, and the reference's
+/// forward and backward results on it.
+template <typename T> struct SolvedLayer {
+  std::vector<ref::RankInputs<T>> inputs;
+  ref::Weights<T> weights;
+  std::vector<std::vector<T>> dy;
+  ref::Forward<T> fwd;
+  ref::Backward<T> bwd;
+};
+
+template <typename T> SolvedLayer<T> solvedLayer(const ref::LayerShape &s, unsigned seed) {
+  std::mt19937 rng(seed);
+  SolvedLayer<T> l;
+  l.inputs = randomInputs<T>(s, rng);
+  l.weights = randomWeights<T>(s, rng);
+  l.dy = randomGrads<T>(s, rng);
+  REQUIRE(ref::forward(s, l.inputs, l.weights, &l.fwd).ok());
+  REQUIRE(ref::backward(s, l.inputs, l.weights, l.fwd, l.dy, &l.bwd).ok());
+  return l;
+}
+
+/// The per-rank parts `part` of each rank's inputs, one after the other
+/// (rank-major), as U.
+template <typename U, typename T, typename Part>
+std::vector<U> rankMajor(const std::vector<ref::RankInputs<T>> &inputs, Part part) {
+  std::vector<U> all;
+  for (const ref::RankInputs<T> &in : inputs)
+    for (const auto &v : in.*part)
+      all.push_back(U(v));
+  return all;
+}
+
+template <typename U, typename T> std::vector<U> rankMajor(const std::vector<std::vector<T>> &parts) {
+  std::vector<U> all;
+  for (const std::vector<T> &p : parts)
+    all.insert(all.end(), p.begin(), p.end());
+  return all;
+}
+
 } // namespace
 
 //===----------------------------------------------------------------------===//
@@ -297,32 +348,18 @@ TEST_CASE("reference: errors", "[cpu][reference]") {
 
 TEST_CASE("reference: a sample's tokens and units are the whole layer's values",
           "[cpu][reference]") {
-  ref::LayerShape s;
-  s.ranks = 3;
-  s.localExperts = 2;
-  s.hidden = 10;
-  s.inter = 6;
-  s.topK = 3;
-  s.tokens = 7;
-  std::mt19937 rng(11);
-  auto inputs = randomInputs<float>(s, rng);
-  auto weights = randomWeights<float>(s, rng);
-  auto dy = randomGrads<float>(s, rng);
-  ref::Forward<float> fwd;
-  ref::Backward<float> bwd;
-  REQUIRE(ref::forward(s, inputs, weights, &fwd).ok());
-  REQUIRE(ref::backward(s, inputs, weights, fwd, dy, &bwd).ok());
+  const ref::LayerShape s = layerShape(3, 2, 10, 6, 3, 7);
+  const SolvedLayer<float> l = solvedLayer<float>(s, 11);
+  const ref::Forward<float> &fwd = l.fwd;
+  const ref::Backward<float> &bwd = l.bwd;
+  const ref::Weights<float> &weights = l.weights;
 
   // The same inputs as flat rank-major arrays.
-  std::vector<float> x, topkWeights, dyAll;
-  std::vector<int64_t> ids;
-  for (int64_t r = 0; r < s.ranks; ++r) {
-    x.insert(x.end(), inputs[size_t(r)].x.begin(), inputs[size_t(r)].x.end());
-    ids.insert(ids.end(), inputs[size_t(r)].topkIds.begin(), inputs[size_t(r)].topkIds.end());
-    topkWeights.insert(topkWeights.end(), inputs[size_t(r)].topkWeights.begin(),
-                       inputs[size_t(r)].topkWeights.end());
-    dyAll.insert(dyAll.end(), dy[size_t(r)].begin(), dy[size_t(r)].end());
-  }
+  const std::vector<float> x = rankMajor<float>(l.inputs, &ref::RankInputs<float>::x);
+  const std::vector<float> topkWeights =
+      rankMajor<float>(l.inputs, &ref::RankInputs<float>::topkWeights);
+  std::vector<int64_t> ids = rankMajor<int64_t>(l.inputs, &ref::RankInputs<float>::topkIds);
+  const std::vector<float> dyAll = rankMajor<float>(l.dy);
   ref::InputView<float> view;
   view.x = x.data();
   view.topkIds = ids.data();
@@ -387,21 +424,8 @@ TEST_CASE("reference: a sample's tokens and units are the whole layer's values",
 TEST_CASE("verifyLayer: a sampled check passes right outputs and names a wrong one",
           "[cpu][reference]") {
   namespace tooling = moec::tooling;
-  ref::LayerShape s;
-  s.ranks = 2;
-  s.localExperts = 3;
-  s.hidden = 12;
-  s.inter = 5;
-  s.topK = 2;
-  s.tokens = 9;
-  std::mt19937 rng(5);
-  auto inputs = randomInputs<double>(s, rng);
-  auto weights = randomWeights<double>(s, rng);
-  auto dy = randomGrads<double>(s, rng);
-  ref::Forward<double> fwd;
-  ref::Backward<double> bwd;
-  REQUIRE(ref::forward(s, inputs, weights, &fwd).ok());
-  REQUIRE(ref::backward(s, inputs, weights, fwd, dy, &bwd).ok());
+  const ref::LayerShape s = layerShape(2, 3, 12, 5, 2, 9);
+  const SolvedLayer<double> l = solvedLayer<double>(s, 5);
 
   // The layer's data with the reference's outputs in place of a run's.
   tooling::LayerData d;
@@ -411,22 +435,17 @@ TEST_CASE("verifyLayer: a sampled check passes right outputs and names a wrong o
   d.experts = int64_t(s.experts());
   d.hidden = s.hidden;
   d.inter = s.inter;
-  const auto append = [](std::vector<float> &to, const std::vector<double> &from) {
-    to.insert(to.end(), from.begin(), from.end());
-  };
-  for (int64_t r = 0; r < s.ranks; ++r) {
-    append(d.x, inputs[size_t(r)].x);
-    d.ids.insert(d.ids.end(), inputs[size_t(r)].topkIds.begin(), inputs[size_t(r)].topkIds.end());
-    append(d.weights, inputs[size_t(r)].topkWeights);
-    append(d.dy, dy[size_t(r)]);
-    append(d.y, fwd.y[size_t(r)]);
-    append(d.dx, bwd.dx[size_t(r)]);
-    append(d.dtopk, bwd.dtopkWeights[size_t(r)]);
-  }
-  append(d.w1, weights.w1);
-  append(d.w2, weights.w2);
-  append(d.dw1, bwd.dw1);
-  append(d.dw2, bwd.dw2);
+  d.x = rankMajor<float>(l.inputs, &ref::RankInputs<double>::x);
+  d.ids = rankMajor<int64_t>(l.inputs, &ref::RankInputs<double>::topkIds);
+  d.weights = rankMajor<float>(l.inputs, &ref::RankInputs<double>::topkWeights);
+  d.dy = rankMajor<float>(l.dy);
+  d.y = rankMajor<float>(l.fwd.y);
+  d.dx = rankMajor<float>(l.bwd.dx);
+  d.dtopk = rankMajor<float>(l.bwd.dtopkWeights);
+  d.w1.assign(l.weights.w1.begin(), l.weights.w1.end());
+  d.w2.assign(l.weights.w2.begin(), l.weights.w2.end());
+  d.dw1.assign(l.bwd.dw1.begin(), l.bwd.dw1.end());
+  d.dw2.assign(l.bwd.dw2.begin(), l.bwd.dw2.end());
 
   tooling::VerifyOptions options;
   options.backward = true;

@@ -107,7 +107,7 @@ int usage(const std::string &message) {
 }
 
 int fail(const Status &status) {
-  Progress::clearCurrent();
+  Progress::abandonCurrent();
   std::fprintf(stderr, "error: %s\n", status.message().c_str());
   return kError;
 }

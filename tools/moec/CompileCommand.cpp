@@ -104,7 +104,7 @@ int runCompile(int argc, char **argv, int first) {
     options.onStep = [&progress](const char *step) { progress->begin(step); };
     driver::CompileResult result;
     if (Status status = driver::compileModule(module, options, &result); !status) {
-      Progress::clearCurrent();
+      Progress::abandonCurrent();
       std::fprintf(stderr, "error: %s\n", status.message().c_str());
       return int(kError);
     }

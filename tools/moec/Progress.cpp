@@ -39,9 +39,20 @@ std::atomic<Progress *> current{nullptr};
 
 } // namespace
 
-void Progress::clearCurrent() {
+void Progress::abandonCurrent() {
   if (Progress *p = current.load())
-    p->clear();
+    p->abandon();
+}
+
+void Progress::abandon() {
+  if (!enabled())
+    return;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    active = false;
+    poll = nullptr;
+  }
+  clear();
 }
 
 Progress::Mode progressMode(bool on, bool off) {

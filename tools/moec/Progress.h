@@ -56,10 +56,14 @@ public:
   /// Clears the live line before the caller prints to stdout or stderr, so
   /// the two do not mix; the next tick redraws it.
   void clear();
+  /// Drops the running phase without a "done" line (see abandonCurrent).
+  void abandon();
 
-  /// Clears the live line of the Progress that exists now, if any: for
-  /// error paths that do not hold it.
-  static void clearCurrent();
+  /// Drops the running phase of the Progress that exists now, if any,
+  /// without a "done" line, and clears the live line: for error paths,
+  /// which need not hold it. Once it returns, no poll function is called
+  /// again, so what the poll reads may go away.
+  static void abandonCurrent();
 
 private:
   using Clock = std::chrono::steady_clock;

@@ -133,7 +133,7 @@ bool underMpi = false;
 int mpiRank = 0;
 
 int fail(const Status &status) {
-  Progress::clearCurrent();
+  Progress::abandonCurrent();
   if (underMpi) {
     std::fprintf(stderr, "error: [process of rank %d] %s\n", mpiRank, status.message().c_str());
     std::fflush(stderr);

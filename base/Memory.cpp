@@ -65,6 +65,9 @@ MemoryLimit memoryLimit() {
     uint64_t bytes = 0;
     if (parseBytes(env, &bytes))
       lower(bytes, "MOEC_MEMORY_LIMIT is");
+    else
+      limit.error = std::string("MOEC_MEMORY_LIMIT is '") + env +
+                    "'; expected a positive number of bytes, optionally with a K, M or G suffix";
   }
   return limit;
 }

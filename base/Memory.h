@@ -20,6 +20,7 @@ namespace moec {
 struct MemoryLimit {
   uint64_t bytes = 0;  ///< 0: unknown (no check)
   std::string source;  ///< "the machine has", "the cgroup allows", "MOEC_MEMORY_LIMIT is"
+  std::string error;   ///< set when MOEC_MEMORY_LIMIT is not a size: callers refuse to run
 };
 
 /// The memory this process may use (see above).

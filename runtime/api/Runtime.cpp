@@ -215,6 +215,15 @@ struct Context::Impl : detail::Group {
                    const PassTimes &times, trace::Trace *out) const;
   Status forward();
   Status backward();
+  /// Runs `pass` (forward or backward) with the progress that passShare()
+  /// and passesEnded() read kept up to date.
+  Status tracked(Status (Impl::*pass)()) {
+    stage.store(0);
+    const Status status = (this->*pass)();
+    stage.store(2);
+    passes.fetch_add(1);
+    return status;
+  }
   Status fingerprint() const;
   Status idle() const {
     if (inFlight)
@@ -551,33 +560,21 @@ Status Context::bind(uint32_t rank, std::string_view name, const Tensor &tensor)
 Status Context::forward() {
   if (Status s = body->idle(); !s)
     return s;
-  body->stage.store(0);
-  const Status status = body->forward();
-  body->stage.store(2);
-  body->passes.fetch_add(1);
-  return status;
+  return body->tracked(&Impl::forward);
 }
 
 Status Context::backward() {
   if (Status s = body->idle(); !s)
     return s;
-  body->stage.store(0);
-  const Status status = body->backward();
-  body->stage.store(2);
-  body->passes.fetch_add(1);
-  return status;
+  return body->tracked(&Impl::backward);
 }
 
 Status Context::submitForward() {
   if (Status s = body->idle(); !s)
     return s;
   body->inFlight = true;
-  body->submitted = std::thread([impl = body.get()] {
-    impl->stage.store(0);
-    impl->submittedResult = impl->forward();
-    impl->stage.store(2);
-    impl->passes.fetch_add(1);
-  });
+  body->submitted = std::thread(
+      [impl = body.get()] { impl->submittedResult = impl->tracked(&Impl::forward); });
   return Status::success();
 }
 
@@ -585,12 +582,8 @@ Status Context::submitBackward() {
   if (Status s = body->idle(); !s)
     return s;
   body->inFlight = true;
-  body->submitted = std::thread([impl = body.get()] {
-    impl->stage.store(0);
-    impl->submittedResult = impl->backward();
-    impl->stage.store(2);
-    impl->passes.fetch_add(1);
-  });
+  body->submitted = std::thread(
+      [impl = body.get()] { impl->submittedResult = impl->tracked(&Impl::backward); });
   return Status::success();
 }
 

@@ -187,6 +187,8 @@ Status Pass::allocate() {
   // What it all takes, checked against the machine before any allocation.
   const uint64_t needed = workspaceNeeded();
   const MemoryLimit memory = memoryLimit();
+  if (!memory.error.empty())
+    return Status::error(memory.error);
   if (memory.bytes > 0 && needed > memory.bytes)
     return Status::error(fmt::format("the {} pass's workspace needs {} in this process; {} {}",
                                      plan.shape.backward ? "backward" : "forward",

@@ -548,9 +548,9 @@ Status verifySample(const LayerData &d, const VerifyOptions &options,
 
 } // namespace
 
-double verifyBytes(const LayerData &d, bool backward) {
-  const double R = double(d.ranks), S = double(d.tokens), K = double(d.topK),
-               E = double(d.experts), H = double(d.hidden), I = double(d.inter);
+double verifyBytes(const rt::LayerShape &shape, bool backward) {
+  const double R = shape.ranks, K = double(shape.topK), S = double(shape.rowCapacity) / std::max(1.0, K),
+               E = double(shape.experts()), H = double(shape.hidden), I = double(shape.inter);
   // Copies of the inputs and the outputs, in double.
   double values = R * S * H * (backward ? 2 : 1) + 2 * R * S * K + 3 * E * H * I;
   values += R * S * H * 2; // y and its joined copy

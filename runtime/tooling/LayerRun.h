@@ -153,9 +153,10 @@ Status verifyLayer(const LayerData &data, const VerifyOptions &options,
                    std::vector<OutputError> *errors, SampleSummary *summary = nullptr);
 
 /// The memory the whole reference layer (options.sampleTokens = 0) needs in
-/// double beyond `data` itself: its copies of the inputs, every expert's
+/// double for a layer of `shape` (at most its compiled S tokens per rank),
+/// beyond the layer's data: its copies of the inputs, every expert's
 /// activations and the outputs.
-double verifyBytes(const LayerData &data, bool backward);
+double verifyBytes(const rt::LayerShape &shape, bool backward);
 
 } // namespace moec::tooling
 

@@ -354,6 +354,8 @@ int runRun(int argc, char **argv, int first) {
     const double workspace = double(context->workspaceToAllocate());
     const double needed = 2 * perCopy + workspace;
     const MemoryLimit limit = memoryLimit();
+    if (!limit.error.empty())
+      return fail(Status::error(limit.error));
     const double memory = double(limit.bytes);
     if (memory > 0 && needed > memory)
       return fail(Status::error(fmt::format(
@@ -361,14 +363,7 @@ int runRun(int argc, char **argv, int first) {
           "binary's storage type; {} of workspace); {} {}",
           memoryText(needed), memoryText(perCopy), memoryText(workspace), limit.source,
           memoryText(memory))));
-    LayerData sizes;
-    sizes.ranks = shape.ranks;
-    sizes.tokens = int64_t(S);
-    sizes.topK = shape.topK;
-    sizes.experts = shape.experts();
-    sizes.hidden = shape.hidden;
-    sizes.inter = shape.inter;
-    const double reference = verifyBytes(sizes, backward);
+    const double reference = verifyBytes(shape, backward);
     if (report && verify && sampleTokens == 0 && memory > 0 && needed + reference > memory)
       return fail(Status::error(fmt::format(
           "--verify runs the whole reference layer in double: {} on top of the run's {}, and "

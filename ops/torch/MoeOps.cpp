@@ -247,8 +247,11 @@ moec::rt::ContextOptions contextOptions(int64_t workers, double timeoutSeconds,
   moec::rt::ContextOptions options;
   options.workers = uint32_t(workers);
   options.timeoutSeconds = timeoutSeconds;
-  if (fabric == "mpi")
-    check(moec::comm::createMpiFabric(&options.fabric), "MPI fabric");
+  if (fabric == "mpi") {
+    moec::comm::MpiOptions mpi;
+    mpi.timeoutSeconds = timeoutSeconds;
+    check(moec::comm::createMpiFabric(&options.fabric, mpi), "MPI fabric");
+  }
   return options;
 }
 

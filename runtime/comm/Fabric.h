@@ -18,10 +18,10 @@
 //   in-process (inProcessFabric, here): all R ranks are threads of this
 //     process; a window is R buffers, a put is a memcpy, events never leave
 //     the executor, and an exchange is a copy.
-//   MPI (runtime/comm/Mpi.h, a separate library): one process per rank over
-//     MPI-3 one-sided communication; a window is an MPI window, a put is an
-//     MPI_Put, a signal an MPI_Accumulate on the peer's counter after a flush
-//     of the data.
+//   MPI (runtime/comm/Mpi.h, a separate library): one process per rank;
+//     between ranks on one node a window is shared memory, a put a store and
+//     a signal an atomic add; between nodes a put and a signal are two-sided
+//     messages, placed and applied in order by the receiver.
 //
 // exchange() and barrier() are bounded by a timeout, and a timeout is an
 // error that names the ranks that did not arrive; a pass's waits for peers'

@@ -1,7 +1,7 @@
 //===- Mpi.cpp - The fabric of ranks that are MPI processes ----------------===//
 //
 // See Mpi.h for the protocol. Every MPI call reports through MPI_ERRORS_RETURN
-// on the fabric's communicator and windows, so a failure is a Status with
+// on the fabric's communicators and windows, so a failure is a Status with
 // MPI's message, not an abort.
 //
 //===----------------------------------------------------------------------===//
@@ -12,12 +12,13 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
-#include <shared_mutex>
 #include <thread>
 #include <vector>
 
@@ -43,6 +44,10 @@ std::string mpiError(int code) {
 
 using Clock = std::chrono::steady_clock;
 
+double secondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
 /// Sleeps a little longer each time nothing happened, up to 50 us.
 class Backoff {
 public:
@@ -58,79 +63,138 @@ private:
   uint32_t spins = 0;
 };
 
-class MpiFabric;
+// Tags on the fabric's communicator: control messages (put headers,
+// signals), exchange blocks, and from kTagFirstData on, one tag per put's rows.
+constexpr int kTagControl = 1;
+constexpr int kTagExchange = 2;
+constexpr int kTagFirstData = 16;
 
-/// An MPI window in one passive-target epoch for its whole life.
-struct EpochWindow {
-  MPI_Win win = MPI_WIN_NULL;
-  void *base = nullptr;
-  size_t size = 0;
+/// Rows up to this size travel inside their put's header message.
+constexpr size_t kInlineBytes = 16 * 1024;
+/// The most bytes one message of rows carries (MPI counts are ints).
+constexpr size_t kMessageBytes = size_t(1) << 30;
+/// Control receives kept posted.
+constexpr size_t kControlRing = 8;
 
-  Status create(MPI_Comm comm, size_t bytes, int dispUnit) {
-    size = bytes;
-    MOEC_MPI(MPI_Win_allocate(MPI_Aint(std::max<size_t>(bytes, 8)), dispUnit, MPI_INFO_NULL, comm,
-                              &base, &win),
-             fmt::format("MPI_Win_allocate of {} bytes", bytes));
-    MPI_Win_set_errhandler(win, MPI_ERRORS_RETURN);
-    std::memset(base, 0, std::max<size_t>(bytes, 8));
-    MOEC_MPI(MPI_Win_lock_all(MPI_MODE_NOCHECK, win), "MPI_Win_lock_all");
-    MPI_Win_sync(win);
-    // No peer may write before every rank has zeroed its memory (MPI does
-    // not zero it, and a fast peer's first put would be wiped).
-    MOEC_MPI(MPI_Barrier(comm), "MPI_Barrier after MPI_Win_allocate");
+enum class ControlKind : uint32_t { Put = 1, Signal = 2 };
+
+/// A control message; a put's inline rows follow it.
+struct Control {
+  ControlKind kind;
+  uint32_t object; ///< the window (put) or inbox (signal), by creation order
+  uint64_t offset; ///< put: byte offset in the window; signal: the event
+  uint64_t stride; ///< put: bytes between rows in the window; signal: the delta
+  uint64_t rows;
+  uint64_t rowBytes;
+  int32_t tag; ///< put: the tag of its rows' message, or -1 when inline
+  uint32_t unused = 0;
+};
+constexpr size_t kControlBytes = sizeof(Control) + kInlineBytes;
+
+/// Copies `rows` rows of `rowBytes` from `src` (`srcStride` apart) to `dst`
+/// (`dstStride` apart).
+void copyRows(char *dst, size_t dstStride, const char *src, size_t srcStride, size_t rows,
+              size_t rowBytes) {
+  if (rowBytes == srcStride && rowBytes == dstStride) {
+    std::memcpy(dst, src, rows * rowBytes);
+    return;
+  }
+  for (size_t i = 0; i < rows; ++i)
+    std::memcpy(dst + i * dstStride, src + i * srcStride, rowBytes);
+}
+
+/// An hvector of `rows` blocks of `rowBytes` bytes, `stride` apart, or
+/// MPI_BYTE (with *count the byte count) when the rows are contiguous.
+Status rowType(size_t rows, size_t rowBytes, size_t stride, MPI_Datatype *type, int *count) {
+  if (rowBytes == stride || rows == 1) {
+    *type = MPI_BYTE;
+    *count = int(rows * rowBytes);
     return Status::success();
   }
+  MOEC_MPI(MPI_Type_create_hvector(int(rows), int(rowBytes), MPI_Aint(stride), MPI_BYTE, type),
+           "MPI_Type_create_hvector");
+  MOEC_MPI(MPI_Type_commit(type), "MPI_Type_commit");
+  *count = 1;
+  return Status::success();
+}
+
+void freeType(MPI_Datatype *type) {
+  if (*type != MPI_BYTE && *type != MPI_DATATYPE_NULL)
+    MPI_Type_free(type);
+}
+
+class MpiFabric;
+
+/// Memory every rank of the group has `bytes` of, allocated over the ranks
+/// of each node (MPI_Win_allocate_shared), so that node peers map it.
+struct SharedMemory {
+  MPI_Win win = MPI_WIN_NULL;
+  char *base = nullptr;
+  size_t size = 0;
+  std::vector<char *> peer; ///< [rank]: its memory when it shares this node, else null
+
+  Status create(MpiFabric &fabric, size_t bytes);
   void destroy() {
-    if (win == MPI_WIN_NULL)
-      return;
-    MPI_Win_unlock_all(win);
-    MPI_Win_free(&win);
+    if (win != MPI_WIN_NULL)
+      MPI_Win_free(&win);
     win = MPI_WIN_NULL;
   }
 };
 
 class MpiWindow final : public Window {
 public:
-  explicit MpiWindow(MpiFabric &fabric) : owner(fabric) {}
+  MpiWindow(MpiFabric &fabric, uint32_t id) : owner(fabric), id(id) {}
   ~MpiWindow() override;
-  void *local(uint32_t) const override { return window.base; }
-  size_t bytes() const override { return window.size; }
+  void *local(uint32_t) const override { return memory.base; }
+  size_t bytes() const override { return memory.size; }
 
   MpiFabric &owner;
-  EpochWindow window;
+  uint32_t id;
+  SharedMemory memory;
 };
 
 class MpiInbox final : public Inbox {
 public:
-  MpiInbox(MpiFabric &fabric, uint32_t events) : owner(fabric), count(events) {}
-  ~MpiInbox() override { window.destroy(); }
+  MpiInbox(MpiFabric &fabric, uint32_t id, uint32_t events)
+      : owner(fabric), id(id), count(events) {}
+  ~MpiInbox() override;
   uint32_t events() const override { return count; }
   Status signal(uint32_t peer, uint32_t event, uint64_t delta) override;
   Status read(uint32_t rank, uint64_t *values) override;
   void reset() override {
-    std::memset(window.base, 0, size_t(count) * sizeof(uint64_t));
-    MPI_Win_sync(window.win);
+    uint64_t *counters = this->counters();
+    for (uint32_t e = 0; e < count; ++e)
+      __atomic_store_n(&counters[e], 0, __ATOMIC_RELAXED);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
   }
+  uint64_t *counters() const { return reinterpret_cast<uint64_t *>(memory.base); }
 
   MpiFabric &owner;
+  uint32_t id;
   uint32_t count;
-  EpochWindow window;
+  SharedMemory memory;
 };
 
 class MpiFabric final : public Fabric {
 public:
   /// Bytes one rank may contribute to an exchange.
-  static constexpr size_t kSlotPayload = 64 * 1024;
-  static constexpr size_t kSlotHeader = 16; ///< sequence number, byte count
-  static constexpr size_t kSlot = kSlotHeader + kSlotPayload;
+  static constexpr size_t kExchangePayload = 64 * 1024;
+  static constexpr size_t kExchangeHeader = 16; ///< sequence number, byte count
 
   ~MpiFabric() override {
-    mailbox.destroy();
+    for (ControlReceive &receive : ring)
+      if (receive.request != MPI_REQUEST_NULL) {
+        MPI_Cancel(&receive.request);
+        MPI_Wait(&receive.request, MPI_STATUS_IGNORE);
+      }
+    if (nodeComm != MPI_COMM_NULL)
+      MPI_Comm_free(&nodeComm);
     if (comm != MPI_COMM_NULL)
       MPI_Comm_free(&comm);
   }
 
-  Status init() {
+  Status init(const MpiOptions &opts) {
+    options = opts;
     MOEC_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup");
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     int size = 0, rank = 0;
@@ -138,7 +202,39 @@ public:
     MOEC_MPI(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
     count = uint32_t(size);
     me = uint32_t(rank);
-    return mailbox.create(comm, size_t(count) * 2 * kSlot, 1);
+    if (options.noSharedMemory)
+      MOEC_MPI(MPI_Comm_split(comm, rank, 0, &nodeComm), "MPI_Comm_split");
+    else
+      MOEC_MPI(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &nodeComm),
+               "MPI_Comm_split_type");
+    MPI_Comm_set_errhandler(nodeComm, MPI_ERRORS_RETURN);
+    // Which world ranks share this node, and their rank on it.
+    MPI_Group world = MPI_GROUP_NULL, node = MPI_GROUP_NULL;
+    MPI_Comm_group(comm, &world);
+    MPI_Comm_group(nodeComm, &node);
+    std::vector<int> ranksOfWorld(count), onNode(count);
+    for (uint32_t p = 0; p < count; ++p)
+      ranksOfWorld[p] = int(p);
+    int rc = MPI_Group_translate_ranks(world, int(count), ranksOfWorld.data(), node,
+                                      onNode.data());
+    MPI_Group_free(&world);
+    MPI_Group_free(&node);
+    MOEC_MPI(rc, "MPI_Group_translate_ranks");
+    nodeRank.assign(count, -1);
+    for (uint32_t p = 0; p < count; ++p)
+      nodeRank[p] = onNode[p] == MPI_UNDEFINED ? -1 : onNode[p];
+    int *tagUb = nullptr, flag = 0;
+    MOEC_MPI(MPI_Comm_get_attr(comm, MPI_TAG_UB, &tagUb, &flag), "MPI_Comm_get_attr(MPI_TAG_UB)");
+    dataTags = uint32_t((flag && tagUb ? *tagUb : 32767) - kTagFirstData);
+    sent = std::vector<std::atomic<uint64_t>>(count);
+    landed.assign(count, 0);
+    pending.resize(count);
+    for (ControlReceive &receive : ring) {
+      receive.buffer.resize(kControlBytes);
+      if (Status s = post(receive); !s)
+        return s;
+    }
+    return Status::success();
   }
 
   const char *name() const override { return "mpi"; }
@@ -146,192 +242,328 @@ public:
   uint32_t firstLocal() const override { return me; }
   uint32_t localRanks() const override { return 1; }
 
+  /// True when `peer` shares this process's memory (a store reaches it).
+  bool sharesMemory(uint32_t peer) const { return nodeRank[peer] >= 0; }
+
   Status createWindow(size_t bytes, std::unique_ptr<Window> *out) override {
-    auto window = std::make_unique<MpiWindow>(*this);
-    if (Status s = window->window.create(comm, bytes, 1); !s)
+    if (Status s = usable(); !s)
       return s;
-    {
-      std::unique_lock<std::shared_mutex> lock(windowsMutex);
-      dataWindows.push_back(window->window.win);
-    }
+    std::lock_guard<std::mutex> lock(progressMutex);
+    auto window = std::make_unique<MpiWindow>(*this, uint32_t(windows.size()));
+    if (Status s = window->memory.create(*this, bytes); !s)
+      return s;
+    windows.push_back(window.get());
     *out = std::move(window);
     return Status::success();
   }
 
   Status createInbox(uint32_t events, std::unique_ptr<Inbox> *out) override {
-    auto inbox = std::make_unique<MpiInbox>(*this, events);
-    if (Status s = inbox->window.create(comm, size_t(events) * sizeof(uint64_t), 8); !s)
+    if (Status s = usable(); !s)
       return s;
+    std::lock_guard<std::mutex> lock(progressMutex);
+    auto inbox = std::make_unique<MpiInbox>(*this, uint32_t(inboxes.size()), events);
+    if (Status s = inbox->memory.create(*this, size_t(events) * sizeof(uint64_t)); !s)
+      return s;
+    inboxes.push_back(inbox.get());
     *out = std::move(inbox);
     return Status::success();
+  }
+
+  void forgetWindow(uint32_t id) {
+    std::lock_guard<std::mutex> lock(progressMutex);
+    windows[id] = nullptr;
+  }
+  void forgetInbox(uint32_t id) {
+    std::lock_guard<std::mutex> lock(progressMutex);
+    inboxes[id] = nullptr;
   }
 
   Status put(const Window &window, uint32_t peer, size_t offset, size_t dstStride,
              const void *src, size_t srcStride, size_t rows, size_t rowBytes) override {
     if (rows == 0 || rowBytes == 0)
       return Status::success();
-    MPI_Win win = static_cast<const MpiWindow &>(window).window.win;
-    if (peer == me || localPuts) {
-      char *dst = static_cast<char *>(window.local(me)) + offset;
-      for (size_t i = 0; i < rows; ++i)
-        std::memcpy(dst + i * dstStride, static_cast<const char *>(src) + i * srcStride, rowBytes);
+    const auto &shared = static_cast<const MpiWindow &>(window);
+    const char *from = static_cast<const char *>(src);
+    if (peer == me || options.localPuts) {
+      copyRows(shared.memory.base + offset, dstStride, from, srcStride, rows, rowBytes);
       return Status::success();
     }
-    if (rowBytes == srcStride && rowBytes == dstStride) {
-      // One run of bytes, in pieces MPI's int counts can hold.
-      const size_t total = rows * rowBytes;
-      constexpr size_t kPiece = size_t(1) << 30;
-      for (size_t done = 0; done < total; done += kPiece) {
-        const int n = int(std::min(kPiece, total - done));
-        MOEC_MPI(MPI_Put(static_cast<const char *>(src) + done, n, MPI_BYTE, int(peer),
-                         MPI_Aint(offset + done), n, MPI_BYTE, win),
-                 fmt::format("MPI_Put of {} bytes to rank {}", n, peer));
-      }
+    if (sharesMemory(peer)) {
+      copyRows(shared.memory.peer[peer] + offset, dstStride, from, srcStride, rows, rowBytes);
       return Status::success();
     }
-    if (rowBytes > (size_t(1) << 30))
+    if (rowBytes > kMessageBytes)
       return Status::error("mpi fabric: a put of rows longer than 1 GiB");
-    // Strided rows, in batches of at most 1 GiB.
-    const size_t batch = std::max<size_t>(1, (size_t(1) << 30) / rowBytes);
+    // Messages of at most 1 GiB each.
+    const size_t batch = std::max<size_t>(1, kMessageBytes / rowBytes);
     for (size_t first = 0; first < rows; first += batch) {
-      const int n = int(std::min(batch, rows - first));
-      MPI_Datatype from = MPI_DATATYPE_NULL, to = MPI_DATATYPE_NULL;
-      int rc = MPI_Type_create_hvector(n, int(rowBytes), MPI_Aint(srcStride), MPI_BYTE, &from);
-      if (rc == MPI_SUCCESS)
-        rc = MPI_Type_commit(&from);
-      if (rc == MPI_SUCCESS)
-        rc = MPI_Type_create_hvector(n, int(rowBytes), MPI_Aint(dstStride), MPI_BYTE, &to);
-      if (rc == MPI_SUCCESS)
-        rc = MPI_Type_commit(&to);
-      if (rc == MPI_SUCCESS)
-        rc = MPI_Put(static_cast<const char *>(src) + first * srcStride, 1, from, int(peer),
-                     MPI_Aint(offset + first * dstStride), 1, to, win);
-      if (from != MPI_DATATYPE_NULL)
-        MPI_Type_free(&from);
-      if (to != MPI_DATATYPE_NULL)
-        MPI_Type_free(&to);
-      MOEC_MPI(rc, fmt::format("MPI_Put of {} rows to rank {}", n, peer));
+      const size_t n = std::min(batch, rows - first);
+      if (Status s = sendRows(shared.id, peer, offset + first * dstStride, dstStride,
+                              from + first * srcStride, srcStride, n, rowBytes);
+          !s)
+        return s;
     }
     return Status::success();
   }
 
-  /// Completes every put of this process to `peer` (every rank: kAll).
-  Status flushData(uint32_t peer) {
-    std::shared_lock<std::shared_mutex> lock(windowsMutex);
-    for (MPI_Win win : dataWindows)
-      MOEC_MPI(peer == kAll ? MPI_Win_flush_all(win) : MPI_Win_flush(int(peer), win),
-               "MPI_Win_flush");
+  /// Sends one put's header and rows to `peer` on another node, and waits
+  /// until they have left this process.
+  Status sendRows(uint32_t window, uint32_t peer, size_t offset, size_t dstStride,
+                  const char *src, size_t srcStride, size_t rows, size_t rowBytes) {
+    const size_t bytes = rows * rowBytes;
+    std::vector<char> message(sizeof(Control) + (bytes <= kInlineBytes ? bytes : 0));
+    Control header{ControlKind::Put, window, offset, dstStride, rows, rowBytes, -1};
+    MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    MPI_Datatype type = MPI_BYTE;
+    int typeCount = 0;
+    if (bytes <= kInlineBytes) {
+      copyRows(message.data() + sizeof(Control), rowBytes, src, srcStride, rows, rowBytes);
+    } else {
+      header.tag = int32_t(kTagFirstData + nextTag.fetch_add(1) % dataTags);
+      if (Status s = rowType(rows, rowBytes, srcStride, &type, &typeCount); !s)
+        return s;
+    }
+    std::memcpy(message.data(), &header, sizeof header);
+    int rc = MPI_Isend(message.data(), int(message.size()), MPI_BYTE, int(peer), kTagControl,
+                       comm, &requests[0]);
+    if (rc == MPI_SUCCESS && header.tag >= 0)
+      rc = MPI_Isend(src, typeCount, type, int(peer), header.tag, comm, &requests[1]);
+    freeType(&type);
+    MOEC_MPI(rc, fmt::format("a put of {} bytes to rank {}: MPI_Isend", bytes, peer));
+    if (Status s = waitSent(requests, 2, std::move(message), peer, "a put"); !s)
+      return s;
+    sent[peer].fetch_add(1);
     return Status::success();
   }
-  /// Makes what peers put into this process's windows visible to its loads.
-  void syncData() {
-    std::shared_lock<std::shared_mutex> lock(windowsMutex);
-    for (MPI_Win win : dataWindows)
-      MPI_Win_sync(win);
+
+  /// Sends a signal to `peer` on another node.
+  Status sendSignal(uint32_t inbox, uint32_t peer, uint32_t event, uint64_t delta) {
+    std::vector<char> message(sizeof(Control));
+    const Control header{ControlKind::Signal, inbox, event, delta, 0, 0, -1};
+    std::memcpy(message.data(), &header, sizeof header);
+    MPI_Request request = MPI_REQUEST_NULL;
+    MOEC_MPI(MPI_Isend(message.data(), int(message.size()), MPI_BYTE, int(peer), kTagControl, comm,
+                       &request),
+             fmt::format("a signal to rank {}: MPI_Isend", peer));
+    return waitSent(&request, 1, std::move(message), peer, "a signal");
   }
-  void forget(MPI_Win win) {
-    std::unique_lock<std::shared_mutex> lock(windowsMutex);
-    dataWindows.erase(std::remove(dataWindows.begin(), dataWindows.end(), win), dataWindows.end());
+
+  /// Waits, bounded, for sends to leave this process, driving progress
+  /// meanwhile. On a timeout the sends stay posted and the message is kept
+  /// alive; the fabric is then unusable.
+  Status waitSent(MPI_Request *requests, int n, std::vector<char> message, uint32_t peer,
+                  const char *what) {
+    const Clock::time_point start = Clock::now();
+    Backoff backoff;
+    for (;;) {
+      int done = 0;
+      MOEC_MPI(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE),
+               fmt::format("{} to rank {}: MPI_Testall", what, peer));
+      if (done)
+        return Status::success();
+      if (options.timeoutSeconds > 0 && secondsSince(start) > options.timeoutSeconds) {
+        std::lock_guard<std::mutex> lock(progressMutex);
+        abandoned.push_back(std::move(message));
+        return breakDown(fmt::format(
+            "rank {}: {} to rank {} did not leave within {:.3g} s (rank {} stopped taking "
+            "messages: it died, hangs, or its link is down)",
+            me, what, peer, options.timeoutSeconds, peer));
+      }
+      if (Status s = progress(/*wait=*/false); !s)
+        return s;
+      backoff.pause();
+    }
+  }
+
+  /// Handles what peers on other nodes sent: control messages, rows that
+  /// landed, signals whose rows are all in. With `wait` false, returns at
+  /// once when another thread is at it.
+  Status progress(bool wait = true) {
+    std::unique_lock<std::mutex> lock(progressMutex, std::defer_lock);
+    if (wait)
+      lock.lock();
+    else if (!lock.try_lock())
+      return Status::success();
+    if (!broken.empty())
+      return Status::error(broken);
+    for (;;) {
+      ControlReceive &receive = ring[ringHead];
+      int done = 0;
+      MPI_Status status;
+      MOEC_MPI(MPI_Test(&receive.request, &done, &status), "progress: MPI_Test");
+      if (!done)
+        break;
+      int bytes = 0;
+      MPI_Get_count(&status, MPI_BYTE, &bytes);
+      if (Status s = handle(uint32_t(status.MPI_SOURCE), receive.buffer.data(), size_t(bytes)); !s)
+        return breakDown(s.message());
+      if (Status s = post(receive); !s)
+        return s;
+      ringHead = (ringHead + 1) % kControlRing;
+    }
+    for (uint32_t p = 0; p < count; ++p) {
+      std::deque<Pending> &queue = pending[p];
+      while (!queue.empty()) {
+        Pending &front = queue.front();
+        if (front.request != MPI_REQUEST_NULL) {
+          int done = 0;
+          MOEC_MPI(MPI_Test(&front.request, &done, MPI_STATUS_IGNORE),
+                   fmt::format("rows from rank {}: MPI_Test", p));
+          if (!done)
+            break;
+          ++landed[p];
+        } else {
+          applySignal(front.control);
+        }
+        queue.pop_front();
+      }
+    }
+    return Status::success();
   }
 
   Status exchange(const void *mine, size_t bytes, void *all, double timeoutSeconds) override {
     std::lock_guard<std::mutex> lock(exchangeMutex);
+    if (Status s = usable(); !s)
+      return s;
     // The sequence advances even for a refused exchange, so that every rank
     // keeps counting the same exchanges.
     const uint64_t seq = ++sequence;
-    if (bytes > kSlotPayload)
+    if (bytes > kExchangePayload)
       return Status::error(fmt::format(
-          "mpi fabric: an exchange of {} bytes per rank; at most {} fit", bytes, kSlotPayload));
-    const size_t parity = seq & 1;
-    const auto slot = [&](uint32_t from) { return (parity * count + from) * kSlot; };
-    char *base = static_cast<char *>(mailbox.base);
-    // Our block, into our slot on every rank (ourselves included), then the
-    // sequence number once the block is there.
-    const uint64_t payloadBytes = bytes;
+          "mpi fabric: an exchange of {} bytes per rank; at most {} fit", bytes, kExchangePayload));
+    const size_t block = kExchangeHeader + bytes;
+    // The message lives as long as the fabric when the exchange times out.
+    auto message = std::make_unique<std::vector<char>>(block);
+    std::memcpy(message->data(), &seq, 8);
+    const uint64_t bytes64 = bytes;
+    std::memcpy(message->data() + 8, &bytes64, 8);
+    if (bytes)
+      std::memcpy(message->data() + kExchangeHeader, mine, bytes);
+    if (bytes)
+      std::memcpy(static_cast<char *>(all) + size_t(me) * bytes, mine, bytes);
+    // Room for a larger block than ours, to tell a peer that sent one.
+    const size_t room = kExchangeHeader + kExchangePayload;
+    std::vector<std::vector<char>> inbound(count);
+    std::vector<MPI_Request> receives(count, MPI_REQUEST_NULL), sends(count, MPI_REQUEST_NULL);
     for (uint32_t p = 0; p < count; ++p) {
-      if (p == me) {
-        std::memcpy(base + slot(me) + 8, &bytes, 8);
-        if (bytes)
-          std::memcpy(base + slot(me) + kSlotHeader, mine, bytes);
+      if (p == me)
         continue;
-      }
-      MOEC_MPI(MPI_Put(&payloadBytes, 8, MPI_BYTE, int(p), MPI_Aint(slot(me) + 8), 8, MPI_BYTE,
-                       mailbox.win),
-               "exchange: MPI_Put");
-      if (bytes)
-        MOEC_MPI(MPI_Put(mine, int(bytes), MPI_BYTE, int(p), MPI_Aint(slot(me) + kSlotHeader),
-                         int(bytes), MPI_BYTE, mailbox.win),
-                 "exchange: MPI_Put");
+      inbound[p].resize(room);
+      MOEC_MPI(MPI_Irecv(inbound[p].data(), int(room), MPI_BYTE, int(p), kTagExchange, comm,
+                         &receives[p]),
+               "exchange: MPI_Irecv");
+      MOEC_MPI(MPI_Isend(message->data(), int(block), MPI_BYTE, int(p), kTagExchange, comm,
+                         &sends[p]),
+               "exchange: MPI_Isend");
     }
-    MOEC_MPI(MPI_Win_flush_all(mailbox.win), "exchange: MPI_Win_flush_all");
-    for (uint32_t p = 0; p < count; ++p)
-      MOEC_MPI(MPI_Accumulate(&seq, 1, MPI_UINT64_T, int(p), MPI_Aint(slot(me)), 1, MPI_UINT64_T,
-                              MPI_REPLACE, mailbox.win),
-               "exchange: MPI_Accumulate");
-    MOEC_MPI(MPI_Win_flush_all(mailbox.win), "exchange: MPI_Win_flush_all");
-
-    // Wait for every rank's block.
-    std::vector<bool> arrived(count, false);
-    uint32_t missing = count;
+    std::vector<int> got(count, 0);
     const Clock::time_point start = Clock::now();
     Backoff backoff;
     for (;;) {
-      bool progress = false;
+      uint32_t missing = 0;
+      bool progressed = false;
       for (uint32_t p = 0; p < count; ++p) {
-        if (arrived[p])
+        if (p == me || receives[p] == MPI_REQUEST_NULL)
           continue;
-        uint64_t value = 0;
-        MOEC_MPI(MPI_Fetch_and_op(nullptr, &value, MPI_UINT64_T, int(me), MPI_Aint(slot(p)),
-                                  MPI_NO_OP, mailbox.win),
-                 "exchange: MPI_Fetch_and_op");
-        MOEC_MPI(MPI_Win_flush(int(me), mailbox.win), "exchange: MPI_Win_flush");
-        if (value == seq) {
-          arrived[p] = true;
-          --missing;
-          progress = true;
+        int done = 0;
+        MPI_Status status;
+        MOEC_MPI(MPI_Test(&receives[p], &done, &status), "exchange: MPI_Test");
+        if (!done) {
+          ++missing;
+          continue;
         }
+        MPI_Get_count(&status, MPI_BYTE, &got[p]);
+        progressed = true;
       }
-      if (missing == 0)
+      int sendsDone = 0;
+      MOEC_MPI(MPI_Testall(int(count), sends.data(), &sendsDone, MPI_STATUSES_IGNORE),
+               "exchange: MPI_Testall");
+      if (missing == 0 && sendsDone)
         break;
-      if (progress)
-        backoff.reset();
-      if (timeoutSeconds > 0 &&
-          std::chrono::duration<double>(Clock::now() - start).count() > timeoutSeconds) {
+      if (timeoutSeconds > 0 && secondsSince(start) > timeoutSeconds) {
         std::vector<uint32_t> absent;
         for (uint32_t p = 0; p < count; ++p)
-          if (!arrived[p])
+          if (receives[p] != MPI_REQUEST_NULL) {
             absent.push_back(p);
-        return Status::error(fmt::format(
+            MPI_Cancel(&receives[p]);
+            MPI_Wait(&receives[p], MPI_STATUS_IGNORE);
+          }
+        std::lock_guard<std::mutex> lock(progressMutex);
+        abandoned.push_back(std::move(*message));
+        if (absent.empty())
+          return breakDown(fmt::format(
+              "rank {}: the exchange's blocks did not leave within {:.3g} s", me, timeoutSeconds));
+        return breakDown(fmt::format(
             "rank {}: rank{} {} did not reach the exchange within {:.3g} s (a rank that stopped, "
-            "never submitted the pass, or runs another program)",
+            "never submitted the pass, runs another program, or cannot be reached)",
             me, absent.size() == 1 ? "" : "s", fmt::join(absent, ", "), timeoutSeconds));
       }
+      // Peers that are through their exchange may already put rows here.
+      if (Status s = progress(/*wait=*/false); !s)
+        return s;
+      if (progressed)
+        backoff.reset();
       backoff.pause();
     }
-    MPI_Win_sync(mailbox.win);
     for (uint32_t p = 0; p < count; ++p) {
-      uint64_t theirs = 0;
-      std::memcpy(&theirs, base + slot(p) + 8, 8);
-      if (theirs != bytes)
-        return Status::error(fmt::format("rank {}: rank {} contributed {} bytes to an exchange "
-                                         "of {} bytes (the ranks run different programs)",
-                                         me, p, theirs, bytes));
+      if (p == me)
+        continue;
+      uint64_t theirSeq = 0, theirs = 0;
+      if (got[p] >= int(kExchangeHeader)) {
+        std::memcpy(&theirSeq, inbound[p].data(), 8);
+        std::memcpy(&theirs, inbound[p].data() + 8, 8);
+      }
+      if (theirSeq != seq || theirs != bytes || size_t(got[p]) != kExchangeHeader + theirs)
+        return Status::error(fmt::format("rank {}: rank {} contributed {} bytes to exchange {}, "
+                                         "this rank {} bytes to exchange {} (the ranks run "
+                                         "different programs)",
+                                         me, p, theirs, theirSeq, bytes, seq));
       if (bytes)
-        std::memcpy(static_cast<char *>(all) + p * bytes, base + slot(p) + kSlotHeader, bytes);
+        std::memcpy(static_cast<char *>(all) + size_t(p) * bytes,
+                    inbound[p].data() + kExchangeHeader, bytes);
     }
     return Status::success();
   }
 
   Status barrier(double timeoutSeconds) override {
-    if (Status s = flushData(kAll); !s)
+    // Every put to a node peer is a completed store; those to other nodes
+    // have left. Tell each peer how many it gets, then wait for ours.
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    std::vector<uint64_t> mine(count), all(size_t(count) * count);
+    for (uint32_t p = 0; p < count; ++p)
+      mine[p] = sent[p].load();
+    if (Status s = exchange(mine.data(), mine.size() * 8, all.data(), timeoutSeconds); !s)
       return s;
-    if (Status s = exchange(nullptr, 0, nullptr, timeoutSeconds); !s)
-      return s;
-    syncData(); // what peers put before the barrier is visible to our loads
+    const Clock::time_point start = Clock::now();
+    Backoff backoff;
+    for (;;) {
+      if (Status s = progress(); !s)
+        return s;
+      uint32_t late = count;
+      uint64_t lateLanded = 0;
+      {
+        std::lock_guard<std::mutex> lock(progressMutex);
+        for (uint32_t p = 0; p < count && late == count; ++p)
+          if (landed[p] < all[size_t(p) * count + me]) {
+            late = p;
+            lateLanded = landed[p];
+          }
+      }
+      if (late == count)
+        break;
+      if (timeoutSeconds > 0 && secondsSince(start) > timeoutSeconds)
+        return breakDown(fmt::format(
+            "rank {}: {} of the {} puts rank {} made here landed within {:.3g} s", me,
+            lateLanded, all[size_t(late) * count + me], late, timeoutSeconds));
+      backoff.pause();
+    }
+    std::atomic_thread_fence(std::memory_order_seq_cst);
     return Status::success();
   }
 
   Status gather(const void *mine, size_t bytes, void *all) override {
+    if (Status s = usable(); !s)
+      return s;
     constexpr size_t kPiece = size_t(1) << 28;
     std::vector<char> staging;
     for (size_t done = 0; done < bytes || (bytes == 0 && done == 0); done += kPiece) {
@@ -350,39 +582,178 @@ public:
     return Status::success();
   }
 
-  static constexpr uint32_t kAll = UINT32_MAX;
-  bool localPuts = false;
   MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm nodeComm = MPI_COMM_NULL;
   uint32_t count = 1, me = 0;
+  std::vector<int> nodeRank; ///< [rank]: its rank on this node's communicator, or -1
+  MpiOptions options;
+
+private:
+  struct ControlReceive {
+    std::vector<char> buffer;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+  /// What arrived from one peer and waits for earlier rows: the receive of
+  /// a put's rows, or a signal (request null).
+  struct Pending {
+    MPI_Request request = MPI_REQUEST_NULL;
+    Control control{};
+  };
+
+  Status post(ControlReceive &receive) {
+    MOEC_MPI(MPI_Irecv(receive.buffer.data(), int(receive.buffer.size()), MPI_BYTE,
+                       MPI_ANY_SOURCE, kTagControl, comm, &receive.request),
+             "MPI_Irecv of control messages");
+    return Status::success();
+  }
+
+  /// A control message from `peer` (under progressMutex).
+  Status handle(uint32_t peer, const char *message, size_t bytes) {
+    Control control;
+    if (bytes < sizeof control)
+      return Status::error(fmt::format("rank {}: a control message of {} bytes from rank {}", me,
+                                       bytes, peer));
+    std::memcpy(&control, message, sizeof control);
+    if (control.kind == ControlKind::Signal) {
+      if (control.object >= inboxes.size() || !inboxes[control.object] ||
+          control.offset >= inboxes[control.object]->count)
+        return Status::error(fmt::format("rank {}: rank {} signalled event {} of inbox {}, which "
+                                         "this rank does not have (the ranks run different "
+                                         "programs)",
+                                         me, peer, control.offset, control.object));
+      if (pending[peer].empty())
+        applySignal(control);
+      else
+        pending[peer].push_back(Pending{MPI_REQUEST_NULL, control});
+      return Status::success();
+    }
+    if (control.kind != ControlKind::Put || control.object >= windows.size() ||
+        !windows[control.object])
+      return Status::error(fmt::format("rank {}: a control message from rank {} names no window "
+                                       "of this rank (the ranks run different programs)",
+                                       me, peer));
+    const SharedMemory &memory = windows[control.object]->memory;
+    const uint64_t rows = control.rows, rowBytes = control.rowBytes;
+    if (rows == 0 || rowBytes == 0 || (rowBytes > control.stride && rows > 1) ||
+        control.offset + (rows - 1) * control.stride + rowBytes > memory.size)
+      return Status::error(fmt::format("rank {}: rank {} put {} rows of {} bytes at byte {} of a "
+                                       "{}-byte window (the ranks run different programs)",
+                                       me, peer, rows, rowBytes, control.offset, memory.size));
+    char *dst = memory.base + control.offset;
+    if (control.tag < 0) {
+      if (bytes != sizeof control + rows * rowBytes)
+        return Status::error(fmt::format("rank {}: a put from rank {} of {} bytes carries {}", me,
+                                         peer, rows * rowBytes, bytes - sizeof control));
+      copyRows(dst, control.stride, message + sizeof control, rowBytes, rows, rowBytes);
+      ++landed[peer];
+      return Status::success();
+    }
+    MPI_Datatype type = MPI_BYTE;
+    int typeCount = 0;
+    if (Status s = rowType(rows, rowBytes, control.stride, &type, &typeCount); !s)
+      return s;
+    Pending item;
+    int rc = MPI_Irecv(dst, typeCount, type, int(peer), control.tag, comm, &item.request);
+    freeType(&type);
+    MOEC_MPI(rc, fmt::format("rows from rank {}: MPI_Irecv", peer));
+    pending[peer].push_back(item);
+    return Status::success();
+  }
+
+  void applySignal(const Control &control) {
+    __atomic_fetch_add(&inboxes[control.object]->counters()[control.offset], control.stride,
+                       __ATOMIC_SEQ_CST);
+  }
+
+  /// Makes every later call fail with `message` (a wait that gave up left
+  /// messages in flight, or a peer sent what this rank cannot place).
+  Status breakDown(std::string message) {
+    if (broken.empty())
+      broken = message;
+    return Status::error(message);
+  }
+  Status usable() {
+    std::lock_guard<std::mutex> lock(progressMutex);
+    if (!broken.empty())
+      return Status::error("mpi fabric: unusable after an earlier error: " + broken);
+    return Status::success();
+  }
+
+  std::mutex exchangeMutex; ///< one exchange at a time
   uint64_t sequence = 0;
-  std::mutex exchangeMutex; ///< one exchange at a time per fabric
-  EpochWindow mailbox;
-  std::shared_mutex windowsMutex;
-  std::vector<MPI_Win> dataWindows;
+
+  std::mutex progressMutex; ///< guards everything below
+  std::vector<MpiWindow *> windows; ///< by id; null once destroyed
+  std::vector<MpiInbox *> inboxes;
+  ControlReceive ring[kControlRing];
+  size_t ringHead = 0;
+  std::vector<std::deque<Pending>> pending; ///< [peer]
+  std::vector<uint64_t> landed;             ///< [peer]: puts whose rows are here
+  std::vector<std::vector<char>> abandoned; ///< messages of sends that timed out
+  std::string broken;
+
+  std::vector<std::atomic<uint64_t>> sent; ///< [peer]: puts sent to it (other nodes)
+  std::atomic<uint32_t> nextTag{0};
+  uint32_t dataTags = 1;
 };
 
-MpiWindow::~MpiWindow() {
-  owner.forget(window.win);
-  window.destroy();
-}
-
-Status MpiInbox::signal(uint32_t peer, uint32_t event, uint64_t delta) {
-  if (Status s = owner.flushData(peer); !s)
-    return s;
-  MOEC_MPI(MPI_Accumulate(&delta, 1, MPI_UINT64_T, int(peer), MPI_Aint(event), 1, MPI_UINT64_T,
-                          MPI_SUM, window.win),
-           fmt::format("signal to rank {}: MPI_Accumulate", peer));
-  MOEC_MPI(MPI_Win_flush(int(peer), window.win), fmt::format("signal to rank {}: flush", peer));
+Status SharedMemory::create(MpiFabric &fabric, size_t bytes) {
+  size = bytes;
+  MPI_Info info = MPI_INFO_NULL;
+  MPI_Info_create(&info);
+  MPI_Info_set(info, "alloc_shared_noncontig", "true");
+  void *mine = nullptr;
+  const int rc = MPI_Win_allocate_shared(MPI_Aint(std::max<size_t>(bytes, 8)), 1, info,
+                                         fabric.nodeComm, &mine, &win);
+  MPI_Info_free(&info);
+  MOEC_MPI(rc, fmt::format("MPI_Win_allocate_shared of {} bytes", bytes));
+  MPI_Win_set_errhandler(win, MPI_ERRORS_RETURN);
+  base = static_cast<char *>(mine);
+  std::memset(base, 0, std::max<size_t>(bytes, 8));
+  peer.assign(fabric.count, nullptr);
+  for (uint32_t p = 0; p < fabric.count; ++p) {
+    if (p == fabric.me || fabric.nodeRank[p] < 0)
+      continue;
+    MPI_Aint theirSize = 0;
+    int unit = 0;
+    void *theirs = nullptr;
+    MOEC_MPI(MPI_Win_shared_query(win, fabric.nodeRank[p], &theirSize, &unit, &theirs),
+             "MPI_Win_shared_query");
+    peer[p] = static_cast<char *>(theirs);
+  }
+  // No peer may write before every rank has zeroed its memory (MPI does
+  // not zero it, and a fast peer's first put would be wiped).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  MOEC_MPI(MPI_Barrier(fabric.comm), "MPI_Barrier after MPI_Win_allocate_shared");
   return Status::success();
 }
 
+MpiWindow::~MpiWindow() {
+  owner.forgetWindow(id);
+  memory.destroy();
+}
+
+MpiInbox::~MpiInbox() {
+  owner.forgetInbox(id);
+  memory.destroy();
+}
+
+Status MpiInbox::signal(uint32_t peer, uint32_t event, uint64_t delta) {
+  if (owner.sharesMemory(peer)) {
+    // After this thread's stores of the rows (seq_cst orders them).
+    __atomic_fetch_add(&reinterpret_cast<uint64_t *>(memory.peer[peer])[event], delta,
+                       __ATOMIC_SEQ_CST);
+    return Status::success();
+  }
+  return owner.sendSignal(id, peer, event, delta);
+}
+
 Status MpiInbox::read(uint32_t, uint64_t *values) {
-  const int me = int(owner.me);
-  MOEC_MPI(MPI_Get_accumulate(nullptr, 0, MPI_UINT64_T, values, int(count), MPI_UINT64_T, me, 0,
-                              int(count), MPI_UINT64_T, MPI_NO_OP, window.win),
-           "inbox: MPI_Get_accumulate");
-  MOEC_MPI(MPI_Win_flush(me, window.win), "inbox: MPI_Win_flush");
-  owner.syncData();
+  if (Status s = owner.progress(); !s)
+    return s;
+  const uint64_t *counters = this->counters();
+  for (uint32_t e = 0; e < count; ++e)
+    values[e] = __atomic_load_n(&counters[e], __ATOMIC_ACQUIRE);
   return Status::success();
 }
 
@@ -419,9 +790,12 @@ Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options) 
     return Status::error("mpi fabric: MPI runs at a thread level below MPI_THREAD_MULTIPLE; "
                          "moec's workers put and signal from several threads (initialize MPI "
                          "with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...))");
+  MpiOptions chosen = options;
+  if (const char *value = std::getenv("MOEC_MPI_NO_SHARED_MEMORY"))
+    if (std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0)
+      chosen.noSharedMemory = true;
   auto fabric = std::make_shared<MpiFabric>();
-  fabric->localPuts = options.localPuts;
-  if (Status s = fabric->init(); !s)
+  if (Status s = fabric->init(chosen); !s)
     return s;
   *out = std::move(fabric);
   return Status::success();

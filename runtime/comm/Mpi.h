@@ -1,29 +1,44 @@
 //===- Mpi.h - The fabric of ranks that are MPI processes -------*- C++ -*-===//
 //
-// One process per rank of the EP group, over MPI-3 one-sided communication
-// (OpenMPI from Debian). Rank r of the group is rank r of the communicator.
+// One process per rank of the EP group (OpenMPI from Debian, on its default
+// transports). Rank r of the group is rank r of MPI_COMM_WORLD. Ranks on one
+// node share memory; ranks on different nodes share none, and the fabric
+// picks the path per pair of ranks (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)
+// says which peers share this process's node):
 //
-//   windows   MPI_Win_allocate, one passive-target epoch (MPI_Win_lock_all)
-//             for the window's life, so a put of one tile overlaps the
-//             matmuls of another: nothing waits for a fence
-//   put       MPI_Put (an hvector type for rows with a stride)
-//   signal    MPI_Win_flush of every data window to the peer (the puts are
-//             complete at the target), then MPI_Accumulate(MPI_SUM) on the
-//             peer's counter and a flush of that: a peer that sees the new
-//             count sees the rows
-//   read      MPI_Get_accumulate(MPI_NO_OP) of the local counters: atomic
-//             with respect to the peers' accumulates
-//   exchange  a mailbox window with two slots per rank (by the parity of the
-//             exchange's sequence number): each rank puts its block into its
-//             slot on every peer, then publishes the sequence number with an
-//             atomic MPI_REPLACE after a flush; a rank polls its own mailbox
-//             until every peer's number arrived, or the timeout names those
-//             that did not. Two slots are enough: a rank can start exchange
-//             n + 2 only after every peer has finished reading exchange n.
+//   windows   MPI_Win_allocate_shared over the node's ranks: every rank's
+//             receive memory, which its node peers map directly
+//   put       to a peer on this node: a store (memcpy) into its memory;
+//             to a peer on another node: two-sided messages, a header on
+//             the control tag (window, offset, stride, rows, and the tag of
+//             the data), then the rows as one message that the receiver
+//             takes straight into its window (small puts carry the rows in
+//             the header). put() returns once the rows have left this
+//             process (the source may be reused).
+//   signal    to a node peer: an atomic add on its counter in shared memory,
+//             after the stores; to another node: a control message after the
+//             put's messages. The receiver applies a signal only once every
+//             put whose header it matched before the signal has landed, and
+//             MPI's order of the messages of one sender on one tag keeps a
+//             thread's puts before its signal: a peer that sees the count
+//             sees the rows.
+//   progress  whoever waits drives it: the executor's supervising thread,
+//             which polls the inbox (read()) all through a pass, an exchange
+//             and a barrier. progress() matches control messages, posts the
+//             receives of the rows they announce, and applies the signals
+//             whose rows have landed. No thread of its own.
+//   exchange  two-sided: each rank sends its block to every peer and
+//             receives theirs, bounded by the timeout; the blocks carry the
+//             exchange's sequence number, so ranks that run different
+//             programs are told so.
+//   barrier   every rank sends every peer the number of puts it made to it
+//             (an exchange); each waits, bounded, until that many have landed.
 //
-// MPI is initialized with MPI_THREAD_MULTIPLE (workers put and signal
-// concurrently); a program that initialized MPI itself must have asked for
-// that level. moec never finalizes MPI: the program does (finalizeMpi()).
+// Every wait is bounded (MpiOptions::timeoutSeconds, and the executor's
+// watchdog for a pass). MPI is initialized with MPI_THREAD_MULTIPLE (workers
+// put and signal concurrently); a program that initialized MPI itself must
+// have asked for that level. moec never finalizes MPI: the program does
+// (finalizeMpi()).
 //
 //===----------------------------------------------------------------------===//
 
@@ -45,11 +60,23 @@ struct MpiOptions {
   /// processes, so its time against a normal pass is the communication that
   /// the schedule leaves exposed. The outputs are wrong.
   bool localPuts = false;
+
+  /// How long a put or a signal to a peer on another node may wait for its
+  /// messages to leave, and a barrier for the puts it expects to land;
+  /// then it fails with an error naming the peer. <= 0: no limit.
+  double timeoutSeconds = 60;
+
+  /// Treat every peer as one on another node (no shared memory between
+  /// processes), as if each rank ran on a host of its own: tests the
+  /// cross-node path on one machine.
+  bool noSharedMemory = false;
 };
 
 /// Initializes MPI (with MPI_THREAD_MULTIPLE) unless the program has, and
 /// creates the fabric of MPI_COMM_WORLD: its size is R, its rank the rank
 /// this process runs. Errors: MPI initialized at a lower thread level.
+/// MOEC_MPI_NO_SHARED_MEMORY=1 in the environment sets
+/// options.noSharedMemory.
 Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options = {});
 
 /// True when this process was started by an MPI launcher (mpirun sets

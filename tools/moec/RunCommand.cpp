@@ -290,6 +290,7 @@ int runRun(int argc, char **argv, int first) {
   if (mpi) {
     comm::MpiOptions mpiOptions;
     mpiOptions.localPuts = localPuts;
+    mpiOptions.timeoutSeconds = timeout;
     if (Status s = comm::createMpiFabric(&fabric, mpiOptions); !s)
       return fail(s);
     underMpi = true;

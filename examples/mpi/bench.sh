@@ -15,7 +15,6 @@ repeat=${1:-5}
 bazel build //tools:moec //runtime/comm:fabric_bench 2> /dev/null
 moec=bazel-bin/tools/moec
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -39,7 +38,7 @@ for ep in 2 4; do
         local-puts) flags=(--local-puts) ;;
         op-by-op) flags=(--op-by-op) ;;
       esac
-      log=$(mpirun --bind-to none -np "$ep" $moec run "$work/f$ep.moebin" "$work/b$ep.moebin" \
+      log=$(mpirun --oversubscribe --bind-to none -np "$ep" $moec run "$work/f$ep.moebin" "$work/b$ep.moebin" \
         --inputs "$work/in$ep" --outputs "$work/out" --threads 1 --repeat "$repeat" \
         "${flags[@]}")
       f=$(echo "$log" | awk '/^  forward .* ms /{print $2}')
@@ -60,4 +59,4 @@ for ep in 2 4; do
     "$exposed" "$speedup"
 done
 echo
-mpirun --bind-to none -np 2 bazel-bin/runtime/comm/fabric_bench 64 20
+mpirun --oversubscribe --bind-to none -np 2 bazel-bin/runtime/comm/fabric_bench 64 20

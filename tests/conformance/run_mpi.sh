@@ -5,11 +5,10 @@
 set -uo pipefail
 suite="$(realpath "$1")"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader
 failed=0
 for np in 2 3 4; do
   log="${TEST_TMPDIR:-$(mktemp -d)}/np$np.log"
-  if timeout 900 mpirun --bind-to none -np "$np" "$suite" > "$log" 2>&1; then
+  if timeout 900 mpirun --oversubscribe --bind-to none -np "$np" "$suite" --use-colour no > "$log" 2>&1; then
     echo "ok: mpirun -np $np: $(grep -m1 -E '^All tests passed' "$log")"
   else
     cat "$log"

@@ -8,10 +8,7 @@ WORK="${TEST_TMPDIR:-$(mktemp -d)}"
 # mpirun refuses root unless told; CI runs as root. More ranks than cores
 # need --oversubscribe.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_rmaps_base_oversubscribe=1
-# No network interfaces are needed on one machine.
-export OMPI_MCA_btl=self,vader
-MPIRUN=(mpirun --bind-to none)
+MPIRUN=(mpirun --oversubscribe --bind-to none)
 
 # layer NAME H I L K EP DTYPE [extra config JSON]: compiles both graphs
 # into $WORK/NAME/{fwd,bwd}.moebin (granularity from $GRANULARITY).
@@ -29,4 +26,34 @@ layer() {
 fail() {
   echo "FAILED: $*" >&2
   exit 1
+}
+
+# check NAME EP RUN_OPTIONS...: random inputs run in-process, then replayed
+# under "${MPIRUN[@]}" -np EP with --verify; every output must match bit for
+# bit. Counts into $passed and $failed.
+check() {
+  local name=$1 ep=$2
+  shift 2
+  local dir="$WORK/$name"
+  "$MOEC" run "$dir/fwd.moebin" "$dir/bwd.moebin" --ranks "$ep" --random 7 \
+    --outputs "$dir/inproc" --threads 2 "$@" > "$dir/inproc.log"
+  if ! "${MPIRUN[@]}" -np "$ep" "$MOEC" run "$dir/fwd.moebin" "$dir/bwd.moebin" \
+      --inputs "$dir/inproc" --outputs "$dir/mpi" --verify --threads 1 --timeout 30 \
+      --repeat 2 > "$dir/mpi.log" 2>&1; then
+    cat "$dir/mpi.log"
+    echo "FAILED: $name (mpirun -np $ep)"
+    failed=$((failed + 1))
+    return
+  fi
+  grep -q "verify: passed" "$dir/mpi.log" || { cat "$dir/mpi.log"; echo "FAILED: $name: no verify line"; failed=$((failed + 1)); return; }
+  grep -q "$ep MPI processes" "$dir/mpi.log" || { echo "FAILED: $name: not $ep processes"; failed=$((failed + 1)); return; }
+  for out in y dx dtopk_weights dw1 dw2; do
+    if ! cmp -s "$dir/inproc/$out.npy" "$dir/mpi/$out.npy"; then
+      echo "FAILED: $name: $out differs from the in-process run"
+      failed=$((failed + 1))
+      return
+    fi
+  done
+  echo "ok: $name (mpirun -np $ep)"
+  passed=$((passed + 1))
 }

@@ -25,9 +25,8 @@ TOY = Path(os.environ.get("MOEC_TOY", HERE.parents[2] / "examples/torch/train_to
 
 def mpirun(ranks, *args, timeout=240):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl="self,vader",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    cmd = ["mpirun", "--bind-to", "none", "-np", str(ranks), "-x", "MASTER_ADDR", "-x",
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks), "-x", "MASTER_ADDR", "-x",
            "MASTER_PORT", "-x", "PYTHONPATH", "-x", "MOEC_TORCH_LIB", "-x", "MOEC_LIB",
            "-x", "MOEC_GRAPHS", "-x", "MOEC_CACHE_DIR", sys.executable, *map(str, args)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

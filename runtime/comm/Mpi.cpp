@@ -19,6 +19,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -67,6 +68,7 @@ private:
 // signals), exchange blocks, and from kTagFirstData on, one tag per put's rows.
 constexpr int kTagControl = 1;
 constexpr int kTagExchange = 2;
+constexpr int kTagGather = 3;
 constexpr int kTagFirstData = 16;
 
 /// Rows up to this size travel inside their put's header message.
@@ -248,11 +250,16 @@ public:
   Status createWindow(size_t bytes, std::unique_ptr<Window> *out) override {
     if (Status s = usable(); !s)
       return s;
-    std::lock_guard<std::mutex> lock(progressMutex);
-    auto window = std::make_unique<MpiWindow>(*this, uint32_t(windows.size()));
+    std::unique_ptr<MpiWindow> window;
+    {
+      std::lock_guard<std::mutex> lock(progressMutex);
+      window = std::make_unique<MpiWindow>(*this, uint32_t(windows.size()));
+      windows.push_back(nullptr); // what arrives for it before it exists is an error
+    }
     if (Status s = window->memory.create(*this, bytes); !s)
       return s;
-    windows.push_back(window.get());
+    std::lock_guard<std::mutex> lock(progressMutex);
+    windows[window->id] = window.get();
     *out = std::move(window);
     return Status::success();
   }
@@ -260,11 +267,16 @@ public:
   Status createInbox(uint32_t events, std::unique_ptr<Inbox> *out) override {
     if (Status s = usable(); !s)
       return s;
-    std::lock_guard<std::mutex> lock(progressMutex);
-    auto inbox = std::make_unique<MpiInbox>(*this, uint32_t(inboxes.size()), events);
+    std::unique_ptr<MpiInbox> inbox;
+    {
+      std::lock_guard<std::mutex> lock(progressMutex);
+      inbox = std::make_unique<MpiInbox>(*this, uint32_t(inboxes.size()), events);
+      inboxes.push_back(nullptr);
+    }
     if (Status s = inbox->memory.create(*this, size_t(events) * sizeof(uint64_t)); !s)
       return s;
-    inboxes.push_back(inbox.get());
+    std::lock_guard<std::mutex> lock(progressMutex);
+    inboxes[inbox->id] = inbox.get();
     *out = std::move(inbox);
     return Status::success();
   }
@@ -561,25 +573,59 @@ public:
     return Status::success();
   }
 
+  /// Two-sided messages to rank 0, in pieces of at most 1 GiB, each wait
+  /// bounded by the fabric's timeout.
   Status gather(const void *mine, size_t bytes, void *all) override {
     if (Status s = usable(); !s)
       return s;
-    constexpr size_t kPiece = size_t(1) << 28;
-    std::vector<char> staging;
-    for (size_t done = 0; done < bytes || (bytes == 0 && done == 0); done += kPiece) {
-      const size_t n = std::min(kPiece, bytes - done);
-      if (me == 0)
-        staging.resize(n * count);
-      MOEC_MPI(MPI_Gather(static_cast<const char *>(mine) + done, int(n), MPI_BYTE,
-                          staging.data(), int(n), MPI_BYTE, 0, comm),
-               "MPI_Gather");
-      if (me == 0)
-        for (uint32_t p = 0; p < count; ++p)
-          std::memcpy(static_cast<char *>(all) + p * bytes + done, staging.data() + p * n, n);
-      if (bytes == 0)
-        break;
+    if (me == 0 && bytes)
+      std::memcpy(all, mine, bytes);
+    std::vector<MPI_Request> requests;
+    for (size_t done = 0; done < bytes; done += kMessageBytes) {
+      const int n = int(std::min(kMessageBytes, bytes - done));
+      if (me == 0) {
+        for (uint32_t p = 1; p < count; ++p) {
+          requests.emplace_back(MPI_REQUEST_NULL);
+          MOEC_MPI(MPI_Irecv(static_cast<char *>(all) + size_t(p) * bytes + done, n, MPI_BYTE,
+                             int(p), kTagGather, comm, &requests.back()),
+                   "gather: MPI_Irecv");
+        }
+      } else {
+        requests.emplace_back(MPI_REQUEST_NULL);
+        MOEC_MPI(MPI_Isend(static_cast<const char *>(mine) + done, n, MPI_BYTE, 0, kTagGather,
+                           comm, &requests.back()),
+                 "gather: MPI_Isend");
+      }
     }
-    return Status::success();
+    const Clock::time_point start = Clock::now();
+    Backoff backoff;
+    for (;;) {
+      int done = 0;
+      MOEC_MPI(MPI_Testall(int(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE),
+               "gather: MPI_Testall");
+      if (done)
+        return Status::success();
+      if (options.timeoutSeconds > 0 && secondsSince(start) > options.timeoutSeconds) {
+        if (me != 0)
+          return breakDown(fmt::format("rank {}: gathering on rank 0: {} bytes to rank 0 did "
+                                       "not leave within {:.3g} s (rank 0 stopped, or cannot be "
+                                       "reached)",
+                                       me, bytes, options.timeoutSeconds));
+        std::vector<uint32_t> late;
+        for (size_t i = 0; i < requests.size(); ++i)
+          if (requests[i] != MPI_REQUEST_NULL) {
+            const uint32_t p = uint32_t(i % (count - 1)) + 1;
+            if (std::find(late.begin(), late.end(), p) == late.end())
+              late.push_back(p);
+          }
+        return breakDown(fmt::format("rank 0: gathering {} bytes per rank: the bytes from "
+                                     "rank{} {} did not arrive within {:.3g} s (a rank that "
+                                     "stopped, or cannot be reached)",
+                                     bytes, late.size() == 1 ? "" : "s", fmt::join(late, ", "),
+                                     options.timeoutSeconds));
+      }
+      backoff.pause();
+    }
   }
 
   MPI_Comm comm = MPI_COMM_NULL;
@@ -722,9 +768,11 @@ Status SharedMemory::create(MpiFabric &fabric, size_t bytes) {
     peer[p] = static_cast<char *>(theirs);
   }
   // No peer may write before every rank has zeroed its memory (MPI does
-  // not zero it, and a fast peer's first put would be wiped).
+  // not zero it, and a fast peer's first put would be wiped): a bounded
+  // meeting of every rank.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  MOEC_MPI(MPI_Barrier(fabric.comm), "MPI_Barrier after MPI_Win_allocate_shared");
+  if (Status s = fabric.exchange(nullptr, 0, nullptr, fabric.options.timeoutSeconds); !s)
+    return s.withPrefix("creating a window: ");
   return Status::success();
 }
 
@@ -804,8 +852,20 @@ Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options) 
 void abortMpi(int code) {
   int initialized = 0;
   MPI_Initialized(&initialized);
-  if (initialized)
+  if (initialized) {
+    // MPI_Abort asks the launcher to end the job; where the launcher cannot
+    // be reached (a host whose link is down) it may wait for it without
+    // end. This process ends regardless, a few seconds later.
+    try {
+      std::thread([code] {
+        std::this_thread::sleep_for(std::chrono::seconds(5));
+        std::_Exit(code);
+      }).detach();
+    } catch (const std::system_error &) {
+      std::_Exit(code);
+    }
     MPI_Abort(MPI_COMM_WORLD, code);
+  }
   std::_Exit(code);
 }
 

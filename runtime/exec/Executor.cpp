@@ -159,6 +159,7 @@ struct Executor::Impl {
   std::unique_ptr<comm::Inbox> inbox;   ///< with `remote`: what peers signal
   std::vector<uint32_t> remoteEvents;   ///< events a peer may signal
   std::vector<uint64_t> eventTotal;     ///< what every rank's signals add to each event
+  std::vector<std::vector<uint32_t>> signallers; ///< [event]: peer offsets that signal it
   std::vector<uint64_t> inboxValues;    ///< the local inbox as last read, per local rank
   std::vector<uint64_t> inboxSeen;      ///< what of it was delivered
   uint32_t queueCount = 0; ///< Q, queues per rank
@@ -227,6 +228,7 @@ struct Executor::Impl {
   std::string taskName(uint32_t lq, uint32_t task) const;
   std::string describeRunning(Clock::time_point now) const;
   std::string describeStuck() const;
+  std::string describeSignallers(uint32_t rank, uint32_t event) const;
 };
 
 Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
@@ -247,9 +249,14 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
     this->options.detectDeadlock = false;
     std::vector<bool> fromPeer(program.events.size(), false);
     eventTotal.assign(program.events.size(), 0);
+    signallers.resize(program.events.size());
     for (const SignalRecord &signal : program.signals) {
-      if (signal.peerOffset != 0)
+      if (signal.peerOffset != 0) {
         fromPeer[signal.event] = true;
+        std::vector<uint32_t> &from = signallers[signal.event];
+        if (std::find(from.begin(), from.end(), signal.peerOffset) == from.end())
+          from.push_back(signal.peerOffset);
+      }
       // Every rank runs every task once, so each signal record reaches every
       // rank once in a pass (from the rank peerOffset before it).
       eventTotal[signal.event] += signal.increment;
@@ -759,6 +766,24 @@ std::string Executor::Impl::describeRunning(Clock::time_point now) const {
   return out;
 }
 
+/// For an event of local rank `rank` that ranks of other processes signal:
+/// "; signalled by ranks P, Q", the ranks whose signals it waits for.
+std::string Executor::Impl::describeSignallers(uint32_t rank, uint32_t event) const {
+  if (!remote || signallers[event].empty())
+    return "";
+  std::vector<uint32_t> peers;
+  for (uint32_t offset : signallers[event]) {
+    const uint32_t peer = (rank + rankCount - offset % rankCount) % rankCount;
+    if (!isLocal(peer))
+      peers.push_back(peer);
+  }
+  std::sort(peers.begin(), peers.end());
+  if (peers.empty())
+    return "";
+  return fmt::format("; signalled by rank{} {}", peers.size() == 1 ? "" : "s",
+                     fmt::join(peers, ", "));
+}
+
 /// Describes the queues that did not drain (call once the workers are out of
 /// the pass): the first one waiting for an event, then a few more.
 std::string Executor::Impl::describeStuck() const {
@@ -789,8 +814,9 @@ std::string Executor::Impl::describeStuck() const {
             events[size_t(rank) * eventCount + wait.event].value.load(std::memory_order_relaxed);
         if (value < wait.threshold) {
           isBlocked = true;
-          text += fmt::format(" waits for event {} '{}' (value {}, needs {})", wait.event,
-                              program.name(program.events[wait.event].name), value, wait.threshold);
+          text += fmt::format(" waits for event {} '{}' (value {}, needs {}{})", wait.event,
+                              program.name(program.events[wait.event].name), value, wait.threshold,
+                              describeSignallers(rank, wait.event));
         }
       }
       if (isBlocked && blocked.size() < limit)
@@ -811,6 +837,26 @@ std::string Executor::Impl::describeStuck() const {
     out += (i == 0 ? ". Stuck: " : "; ") + listed[i];
   if (undrained > shown)
     out += fmt::format("; and {} more", undrained - shown);
+  // Signals of other processes that have not all arrived (the pass waits
+  // for them even when every local queue drained).
+  std::vector<std::string> missing;
+  uint32_t missingCount = 0;
+  if (remote)
+    for (uint32_t rank = firstLocal; rank < firstLocal + localCount; ++rank)
+      for (uint32_t e : remoteEvents) {
+        const uint64_t value = events[size_t(rank) * eventCount + e].value.load();
+        if (value >= eventTotal[e])
+          continue;
+        if (++missingCount <= limit)
+          missing.push_back(fmt::format("rank {} event {} '{}' is at {} of {}{}", rank, e,
+                                        program.name(program.events[e].name), value,
+                                        eventTotal[e], describeSignallers(rank, e)));
+      }
+  if (!missing.empty())
+    out += fmt::format(". Signals from other processes missing: {}{}", fmt::join(missing, "; "),
+                       missingCount > missing.size()
+                           ? fmt::format("; and {} more", missingCount - missing.size())
+                           : std::string());
   return out;
 }
 

@@ -9,6 +9,7 @@
 #include "base/Memory.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
+#include "runtime/format/Crc32.h"
 #include "runtime/tooling/LayerRun.h"
 #include "tools/moec/Cli.h"
 #include "tools/moec/Progress.h"
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 
@@ -141,6 +143,50 @@ int fail(const Status &status) {
   }
   std::fprintf(stderr, "error: %s\n", status.message().c_str());
   return kError;
+}
+
+/// Under MPI every process reads (or makes) the inputs of all ranks; they
+/// must be the same everywhere (a host with another copy of the folder
+/// would run another layer, or overrun its buffers). Each process sends the
+/// shape and a CRC-32 of each input to every other, and each refuses a
+/// difference, naming the ranks and the input.
+Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeoutSeconds) {
+  struct Fingerprint {
+    int64_t shape[6];
+    uint32_t crc[6];
+  };
+  const auto crcOf = [](const auto &values) {
+    return format::crc32(reinterpret_cast<const uint8_t *>(values.data()),
+                         values.size() * sizeof(values[0]));
+  };
+  static const char *const kNames[6] = {"x.npy", "topk_ids.npy", "topk_weights.npy",
+                                        "w1.npy", "w2.npy", "dy.npy"};
+  Fingerprint mine{{data.ranks, data.tokens, data.topK, data.experts, data.hidden, data.inter},
+                   {crcOf(data.x), crcOf(data.ids), crcOf(data.weights), crcOf(data.w1),
+                    crcOf(data.w2), crcOf(data.dy)}};
+  std::vector<Fingerprint> all(fabric.ranks());
+  if (Status s = fabric.exchange(&mine, sizeof mine, all.data(), timeoutSeconds); !s)
+    return s.withPrefix("comparing the inputs of the ranks: ");
+  const uint32_t me = fabric.firstLocal();
+  for (uint32_t p = 0; p < fabric.ranks(); ++p) {
+    if (p == me)
+      continue;
+    const Fingerprint &theirs = all[p];
+    if (std::memcmp(mine.shape, theirs.shape, sizeof mine.shape) != 0)
+      return Status::error(fmt::format(
+          "rank {} read inputs of another shape than rank {}: R {}, S {}, K {}, E {}, H {}, I {} "
+          "against R {}, S {}, K {}, E {}, H {}, I {} (every host needs the same input folder)",
+          p, me, theirs.shape[0], theirs.shape[1], theirs.shape[2], theirs.shape[3],
+          theirs.shape[4], theirs.shape[5], mine.shape[0], mine.shape[1], mine.shape[2],
+          mine.shape[3], mine.shape[4], mine.shape[5]));
+    for (int i = 0; i < 6; ++i)
+      if (mine.crc[i] != theirs.crc[i])
+        return Status::error(fmt::format(
+            "rank {} read another {} than rank {} (CRC-32 {:08x} against {:08x}; every host "
+            "needs the same input folder)",
+            p, kNames[i], me, theirs.crc[i], mine.crc[i]));
+  }
+  return Status::success();
 }
 
 std::string tracePath(const std::string &path, const char *suffix) {
@@ -390,6 +436,9 @@ int runRun(int argc, char **argv, int first) {
     if (!backward)
       data.dy.clear();
   }
+  if (fabric && !fabric->allLocal())
+    if (Status s = checkSameInputs(*fabric, data, timeout); !s)
+      return fail(s);
   // The folder stops being an earlier run's before this run writes to it.
   if (report && !localPuts)
     if (Status s = beginRunFolder(outputs); !s)

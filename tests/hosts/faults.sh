@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Faults across 2 simulated hosts (one rank on each): every one ends with
+# every live rank stopped, an error that names the rank, and no output.
+#   - the remote rank killed in the middle of the passes
+#   - the remote host's link cut in the middle of the passes
+#   - the remote host's input folder differs: other values, another S
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+passed=0
+failed=0
+ok() { echo "ok: $1"; passed=$((passed + 1)); }
+bad() { echo "FAILED: $1"; [ -f "${2:-}" ] && cat "$2"; failed=$((failed + 1)); }
+# expect NAME LOG PATTERN OUTDIR: LOG has PATTERN, OUTDIR holds no output.
+expect() {
+  if ! grep -qE "$3" "$2"; then bad "$1: no line matches '$3'" "$2"; return; fi
+  if ls "$4"/*.npy > /dev/null 2>&1; then bad "$1: outputs were written" "$2"; return; fi
+  ok "$1"
+}
+# rank_pid BINARY [RANK]: the pids of the ranks (or of rank RANK) running
+# BINARY, on any host: moec processes that mpirun started (not mpirun, whose
+# command line holds the same words).
+rank_pid() {
+  local pid
+  for pid in $(pgrep -f "moec run $1" || true); do
+    if tr '\0' '\n' < "/proc/$pid/environ" 2> /dev/null | grep -qx "OMPI_COMM_WORLD_RANK=${2:-[0-9]*}"; then
+      echo "$pid"
+    fi
+  done
+}
+ranks_of() { rank_pid "$1"; }
+
+layer big 512 512 4 2 2 fp32
+ONE=("${MPIRUN[@]}" --map-by node -np 2)
+LONG=(--random 1 --repeat 100000 --threads 1 --timeout 5)
+
+# A remote rank killed with SIGKILL while passes run: mpirun ends the job
+# and names it.
+out="$WORK/killed"
+"${ONE[@]}" "$MOEC" run "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" --outputs "$out" \
+  "${LONG[@]}" > "$WORK/killed.log" 2>&1 &
+job=$!
+victim=""
+for _ in $(seq 1 100); do
+  sleep 0.2
+  victim=$(rank_pid "$WORK/big/fwd.moebin" 1)
+  [ -n "$victim" ] && break
+done
+sleep 2
+if [ -z "$victim" ]; then
+  bad "killed remote rank: rank 1 never started" "$WORK/killed.log"
+else
+  start=$(date +%s)
+  kill -9 "$victim"
+  if timeout 60 tail --pid="$job" -f /dev/null; then
+    if wait "$job"; then
+      bad "killed remote rank: mpirun exited 0" "$WORK/killed.log"
+    else
+      expect "killed remote rank ($(($(date +%s) - start)) s)" "$WORK/killed.log" \
+        "rank 1 .*(Killed|signal 9)" "$out"
+    fi
+  else
+    bad "killed remote rank: the job did not end within 60 s" "$WORK/killed.log"
+  fi
+fi
+kill -9 "$job" 2> /dev/null || true
+pkill -9 -f "moec run $WORK/big/fwd.moebin" 2> /dev/null || true
+
+# The remote host's link cut while passes run. Rank 0's put or watchdog
+# gives up after --timeout and names rank 1; rank 1 gives up on its own.
+# mpirun itself may wait for the unreachable host's daemon (OpenMPI's
+# out-of-band channel has no keepalive), so the test waits for the ranks.
+out="$WORK/cut"
+"${ONE[@]}" "$MOEC" run "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" --outputs "$out" \
+  "${LONG[@]}" > "$WORK/cut.log" 2>&1 &
+job=$!
+for _ in $(seq 1 100); do
+  sleep 0.2
+  [ -n "$(rank_pid "$WORK/big/fwd.moebin" 1)" ] && break
+done
+sleep 4 # inside the passes
+on moec-h1 ip link set eth0 down
+start=$(date +%s)
+while [ -n "$(ranks_of "$WORK/big/fwd.moebin")" ] && [ $(($(date +%s) - start)) -lt 60 ]; do
+  sleep 0.5
+done
+if [ -n "$(ranks_of "$WORK/big/fwd.moebin")" ]; then
+  bad "link cut: ranks still run 60 s after the cut: $(for pid in $(ranks_of "$WORK/big/fwd.moebin"); do
+    tr '\0' '\n' < "/proc/$pid/environ" | grep OMPI_COMM_WORLD_RANK=; cat "/proc/$pid/wchan"; echo; done)" "$WORK/cut.log"
+else
+  sleep 1
+  expect "link cut (ranks stopped in $(($(date +%s) - start)) s)" "$WORK/cut.log" \
+    "process of rank 0\] .*(signalled by rank 1|to rank 1 did not leave|from rank 1 did not arrive)" "$out"
+fi
+kill -9 "$job" 2> /dev/null || true
+on moec-h1 ip link set eth0 up
+
+# A remote host whose copy of the input folder differs. Each host reads the
+# folder at "the same path": here the path names the host.
+"$MOEC" run "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" --ranks 2 --random 1 \
+  --outputs "$WORK/in-moec-h0" --threads 1 > /dev/null
+"$MOEC" run "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" --ranks 2 --random 2 \
+  --outputs "$WORK/in-moec-h1" --threads 1 > /dev/null
+per_host() {
+  "${ONE[@]}" /bin/sh -c 'exec "$0" run "$1" "$2" --inputs "$3-$(hostname)" --outputs "$4" --threads 1 --timeout 10' \
+    "$MOEC" "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" "$WORK/in" "$1"
+}
+if per_host "$WORK/values" > "$WORK/values.log" 2>&1; then
+  bad "inputs differ: the job exited 0" "$WORK/values.log"
+else
+  expect "inputs differ" "$WORK/values.log" "rank [01] read another x.npy than rank [01]" "$WORK/values"
+fi
+# Another S on the remote host (its folder has the first 64 tokens).
+rm -rf "$WORK/in-moec-h1"
+cp -r "$WORK/in-moec-h0" "$WORK/in-moec-h1"
+/usr/bin/python3 - "$WORK/in-moec-h1" << 'PY'
+import sys, numpy as np
+d = sys.argv[1]
+for name in ["x", "topk_ids", "topk_weights", "dy"]:
+    np.save(f"{d}/{name}.npy", np.load(f"{d}/{name}.npy")[:, :64])
+PY
+rm -f "$WORK/in-moec-h1/manifest.json"
+if per_host "$WORK/shape" > "$WORK/shape.log" 2>&1; then
+  bad "another S: the job exited 0" "$WORK/shape.log"
+else
+  expect "another S" "$WORK/shape.log" "rank [01] read inputs of another shape than rank [01]: R 2, S (64|128)" "$WORK/shape"
+fi
+
+echo
+echo "faults across hosts: ${passed} passed, ${failed} failed"
+[ "$failed" -eq 0 ]

@@ -23,13 +23,43 @@ HERE = Path(__file__).resolve().parent
 TOY = Path(os.environ.get("MOEC_TOY", HERE.parents[2] / "examples/torch/train_toy.py"))
 
 
-def mpirun(ranks, *args, timeout=240):
+def mpirun(ranks, *args, timeout=240, hosts=None):
+    """mpirun -np RANKS python3 ARGS on this machine, or with `hosts` (the
+    folder of a test bed from scripts/hosts.sh), from moec-h0 with one rank
+    per simulated host."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks), "-x", "MASTER_ADDR", "-x",
+    launcher = ["mpirun", "--oversubscribe"]
+    if hosts:
+        env["PATH"] = f"{hosts}/bin:{env['PATH']}:/usr/sbin:/sbin"
+        env["MASTER_ADDR"] = "moec-h0"
+        launcher = ["bash", HOSTS_SH, "run", "moec-h0", "mpirun", "--hostfile",
+                    f"{hosts}/hostfile", "--map-by", "node"]
+    cmd = [*launcher, "--bind-to", "none", "-np", str(ranks), "-x", "MASTER_ADDR", "-x",
            "MASTER_PORT", "-x", "PYTHONPATH", "-x", "MOEC_TORCH_LIB", "-x", "MOEC_LIB",
            "-x", "MOEC_GRAPHS", "-x", "MOEC_CACHE_DIR", sys.executable, *map(str, args)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+HOSTS_SH = os.environ.get("MOEC_HOSTS_SH")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    """Two simulated hosts (scripts/hosts.sh), removed after the module."""
+    if not HOSTS_SH:
+        pytest.fail("MOEC_HOSTS_SH is not set: the tests across hosts run as "
+                    "//ops/torch:torch_hosts_test")
+    env = dict(os.environ, PATH=os.environ["PATH"] + ":/usr/sbin:/sbin")
+    check = subprocess.run(["bash", HOSTS_SH, "check"], env=env, capture_output=True, text=True)
+    if check.returncode:
+        pytest.fail(f"the tests across hosts cannot run here: {check.stderr.strip()}")
+    bed = tmp_path_factory.mktemp("hosts") / "bed"
+    up = subprocess.run(["bash", HOSTS_SH, "up", "2", "--dir", str(bed)], env=env,
+                        capture_output=True, text=True)
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield bed
+    subprocess.run(["bash", HOSTS_SH, "down", "--dir", str(bed)], env=env)
 
 
 def free_port():
@@ -99,3 +129,31 @@ def test_fabric_errors():
     if not moec_torch.launched_by_mpi():
         with pytest.raises(ValueError, match="needs ranks="):
             moec_torch.MoeFFN(cfg)
+
+
+# Across 2 simulated hosts, one rank on each (no memory shared between the
+# ranks): //ops/torch:torch_hosts_test runs these alone (-k across_hosts).
+@pytest.mark.parametrize("dtype,variant", [("fp32", "full"), ("bf16", "main_grad"),
+                                           ("bf16", "lora"), ("fp32", "frozen")])
+def test_op_across_hosts(hosts, dtype, variant):
+    run = mpirun(2, HERE / "mpi_layer_check.py", dtype, 0, -1, variant, hosts=hosts)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(2):
+        assert f"rank {r}: ok: bitwise equal to the one-process op" in run.stdout, run.stdout
+
+
+def test_toy_training_across_hosts(hosts, tmp_path):
+    single = tmp_path / "single.pt"
+    one = subprocess.run([sys.executable, str(TOY), "--steps", "4", "--threads", "1",
+                          "--torch-threads", "1", "--fabric", "inproc", "--save", str(single)],
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stdout + one.stderr
+    run = mpirun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads", "1",
+                 "--save", tmp_path / "mpi.pt", hosts=hosts)
+    assert run.returncode == 0, run.stdout + run.stderr
+    want = torch.load(single)
+    ranks = [torch.load(tmp_path / f"mpi.pt.rank{r}") for r in range(2)]
+    for name, value in want.items():
+        got = torch.cat([ranks[0][name], ranks[1][name]]) if name.startswith("moe.") \
+            else ranks[0][name]
+        assert torch.equal(got, value), f"{name} is not bitwise that of the one-process run"

@@ -8,14 +8,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 passed=0
 failed=0
-ok() { echo "ok: $1"; passed=$((passed + 1)); }
-bad() { echo "FAILED: $1"; [ -f "${2:-}" ] && cat "$2"; failed=$((failed + 1)); }
-# expect NAME LOG PATTERN OUTDIR: LOG has PATTERN, OUTDIR holds no output.
-expect() {
-  if ! grep -qE "$3" "$2"; then bad "$1: no line matches '$3'" "$2"; return; fi
-  if ls "$4"/*.npy > /dev/null 2>&1; then bad "$1: outputs were written" "$2"; return; fi
-  ok "$1"
-}
 # rank_pid BINARY [RANK]: the pids of the ranks (or of rank RANK) running
 # BINARY, on any host: moec processes that mpirun started (not mpirun, whose
 # command line holds the same words).

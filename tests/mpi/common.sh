@@ -57,3 +57,15 @@ check() {
   echo "ok: $name (mpirun -np $ep)"
   passed=$((passed + 1))
 }
+
+# Fault tests: ok NAME, bad NAME [LOG] count into $passed and $failed;
+# expect NAME LOG PATTERN OUTDIR: the job failed (checked by the caller),
+# LOG has PATTERN, OUTDIR holds no output.
+ok() { echo "ok: $1"; passed=$((passed + 1)); }
+bad() { echo "FAILED: $1"; [ -f "${2:-}" ] && cat "$2"; failed=$((failed + 1)); }
+expect() {
+  local name=$1 log=$2 pattern=$3 out=$4
+  if ! grep -qE "$pattern" "$log"; then bad "$name: no line matches '$pattern'" "$log"; return; fi
+  if ls "$out"/*.npy > /dev/null 2>&1; then bad "$name: outputs were written" "$log"; return; fi
+  ok "$name"
+}

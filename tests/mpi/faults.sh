@@ -9,17 +9,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 passed=0
 failed=0
-ok() { echo "ok: $1"; passed=$((passed + 1)); }
-bad() { echo "FAILED: $1"; [ -f "${2:-}" ] && cat "$2"; failed=$((failed + 1)); }
-
-# expect NAME LOG PATTERN OUTDIR: the job failed (checked by the caller),
-# LOG has PATTERN, OUTDIR holds no output.
-expect() {
-  local name=$1 log=$2 pattern=$3 out=$4
-  if ! grep -qE "$pattern" "$log"; then bad "$name: no line matches '$pattern'" "$log"; return; fi
-  if ls "$out"/*.npy > /dev/null 2>&1; then bad "$name: outputs were written" "$log"; return; fi
-  ok "$name"
-}
 
 layer small 64 32 2 2 2 fp32
 layer other 96 32 2 2 2 fp32

@@ -87,14 +87,16 @@ def test_exchange_under_mpirun(ranks, dtype):
         assert f"rank {r}: ok: bitwise equal to the one-process exchange" in run.stdout, run.stdout
 
 
-def test_toy_training_matches_one_process(tmp_path):
+def toy_training_matches_one_process(tmp_path, hosts=None):
+    """The toy training, 4 steps, under mpirun -np 2 (on `hosts` when given):
+    every parameter bit for bit that of the one-process run."""
     single = tmp_path / "single.pt"
     one = subprocess.run([sys.executable, str(TOY), "--steps", "4", "--threads", "1",
                           "--torch-threads", "1", "--fabric", "inproc", "--save", str(single)],
                          capture_output=True, text=True, timeout=240)
     assert one.returncode == 0, one.stdout + one.stderr
     run = mpirun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads", "1",
-                 "--save", tmp_path / "mpi.pt")
+                 "--save", tmp_path / "mpi.pt", hosts=hosts)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "one per process" in run.stdout, run.stdout
     want = torch.load(single)
@@ -106,6 +108,10 @@ def test_toy_training_matches_one_process(tmp_path):
             got = ranks[0][name]
             assert torch.equal(ranks[1][name], got), f"{name} differs between the ranks"
         assert torch.equal(got, value), f"{name} is not bitwise that of the one-process run"
+
+
+def test_toy_training_matches_one_process(tmp_path):
+    toy_training_matches_one_process(tmp_path)
 
 
 def test_toy_training_loss_falls_under_mpirun():
@@ -143,17 +149,4 @@ def test_op_across_hosts(hosts, dtype, variant):
 
 
 def test_toy_training_across_hosts(hosts, tmp_path):
-    single = tmp_path / "single.pt"
-    one = subprocess.run([sys.executable, str(TOY), "--steps", "4", "--threads", "1",
-                          "--torch-threads", "1", "--fabric", "inproc", "--save", str(single)],
-                         capture_output=True, text=True, timeout=240)
-    assert one.returncode == 0, one.stdout + one.stderr
-    run = mpirun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads", "1",
-                 "--save", tmp_path / "mpi.pt", hosts=hosts)
-    assert run.returncode == 0, run.stdout + run.stderr
-    want = torch.load(single)
-    ranks = [torch.load(tmp_path / f"mpi.pt.rank{r}") for r in range(2)]
-    for name, value in want.items():
-        got = torch.cat([ranks[0][name], ranks[1][name]]) if name.startswith("moe.") \
-            else ranks[0][name]
-        assert torch.equal(got, value), f"{name} is not bitwise that of the one-process run"
+    toy_training_matches_one_process(tmp_path, hosts)

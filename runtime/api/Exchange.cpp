@@ -24,7 +24,7 @@ struct Exchange::Impl : detail::Group {
   std::shared_ptr<const Program> dispatchProgram, combineProgram;
   std::unique_ptr<cpu::Pass> dispatchPass, combinePass;
   std::vector<cpu::Scratch> scratch; ///< per worker
-  std::vector<cpu::RankRoute> routes; ///< of the last route()
+  std::vector<backend::RankRoute> routes; ///< of the last route()
   std::vector<std::vector<int64_t>> expertRows; ///< per rank (local ones): rows per local expert
   std::vector<int64_t> received;                ///< per rank (local ones): rows in all
   bool routed = false, combined = false;
@@ -127,7 +127,7 @@ Status Exchange::create(std::shared_ptr<const Program> dispatch,
   if (!impl->fabric->allLocal())
     if (Status s = impl->checksums(); !s)
       return s;
-  const cpu::PassOptions po = impl->passOptions();
+  const backend::PassOptions po = impl->passOptions();
   if (Status s = cpu::Pass::create(impl->dispatchProgram->tasks(),
                                    impl->dispatchProgram->impl().plan, po, &impl->scratch,
                                    &impl->dispatchPass);
@@ -165,7 +165,7 @@ Status Exchange::route() {
   if (Status s = x.usable(); !s)
     return s;
   x.routed = x.combined = false;
-  if (Status s = x.route(&x.routes, [](uint32_t, const cpu::RankRoute &) {
+  if (Status s = x.route(&x.routes, [](uint32_t, const backend::RankRoute &) {
         return Status::success();
       });
       !s)
@@ -184,8 +184,9 @@ Status Exchange::route() {
     for (int64_t n : x.expertRows[r])
       x.received[r] += n;
   }
-  x.dispatchPass->fillLayout(x.routes);
-  x.combinePass->fillLayout(x.routes);
+  // The CPU passes' layout, gather and combine cannot fail.
+  (void)x.dispatchPass->fillLayout(x.routes);
+  (void)x.combinePass->fillLayout(x.routes);
   x.routed = true;
   return Status::success();
 }
@@ -201,7 +202,7 @@ Status Exchange::dispatch(const std::vector<Tensor> &x, const std::vector<Tensor
   std::vector<const void *> source(im.ranks(), nullptr);
   for (uint32_t r = im.firstLocal(); r < im.lastLocal(); ++r)
     source[r] = x[r - im.firstLocal()].data;
-  pass.gatherSendRows(im.routes, source, weighted);
+  (void)pass.gatherSendRows(im.routes, source, weighted);
   const Status status = pass.runTasks();
   im.dispatchTime = pass.tasksSeconds();
   if (!status)
@@ -229,7 +230,7 @@ Status Exchange::combine(const std::vector<Tensor> &expertY, const std::vector<T
   im.combineTime = pass.tasksSeconds();
   if (!status)
     return im.fatal(status);
-  pass.combine(im.routes, out, weighted);
+  (void)pass.combine(im.routes, out, weighted);
   im.combined = true;
   return Status::success();
 }
@@ -256,7 +257,7 @@ Status Exchange::topkWeightGrad(const std::vector<Tensor> &dy, const std::vector
     in[r] = dy[r - im.firstLocal()].data;
     out[r] = static_cast<float *>(dtopk[r - im.firstLocal()].data);
   }
-  im.combinePass->topkWeightGrad(*im.combinePass, im.routes, in, out);
+  (void)im.combinePass->topkWeightGrad(*im.combinePass, im.routes, in, out);
   return Status::success();
 }
 

@@ -106,13 +106,13 @@ Status Group::setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &top
 }
 
 /// Checks and lays out the routing of local rank `rank`.
-Status Group::checkRoute(uint32_t r, cpu::RankRoute *out) const {
+Status Group::checkRoute(uint32_t r, backend::RankRoute *out) const {
   const LayerShape &s = shape();
   const Tensor &idsT = ids[r];
   if (idsT.ndim != 2)
     return Status::error(fmt::format("rank {}: no routing set (setRouting)", r));
-  cpu::RankRoute &route = *out;
-  route = cpu::RankRoute();
+  backend::RankRoute &route = *out;
+  route = backend::RankRoute();
   route.tokens = idsT.dims[0];
   route.topK = idsT.dims[1];
   if (route.tokens * route.topK > s.rowCapacity)
@@ -139,7 +139,7 @@ Status Group::checkRoute(uint32_t r, cpu::RankRoute *out) const {
 /// sizes and per-expert counts of every rank. Returns the error of the first
 /// rank whose checks failed, the same on every rank.
 Status Group::agree(const std::vector<Status> &local,
-                            std::vector<cpu::RankRoute> *routes) {
+                            std::vector<backend::RankRoute> *routes) {
   const uint32_t R = ranks(), E = shape().experts();
   const size_t block = sizeof(RankReport) + size_t(E) * sizeof(int64_t);
   std::vector<uint8_t> mine(block * fabric->localRanks(), 0), all(block * R, 0);
@@ -179,7 +179,7 @@ Status Group::agree(const std::vector<Status> &local,
   for (uint32_t r = 0; r < R; ++r) {
     if (fabric->isLocal(r))
       continue;
-    cpu::RankRoute &route = (*routes)[r];
+    backend::RankRoute &route = (*routes)[r];
     route.tokens = reports[r].tokens;
     route.topK = reports[r].topK;
     route.layout.counts.assign(E, 0);
@@ -192,7 +192,7 @@ Status Group::agree(const std::vector<Status> &local,
   return Status::success();
 }
 
-Status Group::checkCapacities(const std::vector<cpu::RankRoute> &routes) {
+Status Group::checkCapacities(const std::vector<backend::RankRoute> &routes) {
   const LayerShape &s = shape();
   const uint32_t R = s.ranks, L = s.localExperts;
   // One pass: what the routing needs of every capacity, and the first

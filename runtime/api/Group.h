@@ -63,21 +63,21 @@ struct Group {
   /// Checks and stores `rank`'s routing tensors (read when a pass runs).
   Status setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights);
   /// Checks and lays out the routing of local rank `rank`.
-  Status checkRoute(uint32_t rank, cpu::RankRoute *out) const;
+  Status checkRoute(uint32_t rank, backend::RankRoute *out) const;
   /// Tells every rank what the local checks found (`local`, one per local
   /// rank) and, in `routes` (all ranks; the local ones filled), the routing
   /// sizes and per-expert counts of every rank. Returns the error of the
   /// first rank whose checks failed, the same on every rank.
-  Status agree(const std::vector<Status> &local, std::vector<cpu::RankRoute> *routes);
+  Status agree(const std::vector<Status> &local, std::vector<backend::RankRoute> *routes);
   /// Checks the capacities of every rank and expert; sets `need`.
-  Status checkCapacities(const std::vector<cpu::RankRoute> &routes);
+  Status checkCapacities(const std::vector<backend::RankRoute> &routes);
   /// Checks, agrees on and lays out the routing of every rank into *routes
   /// (checkRoute, agree, checkCapacities), with `extra` run on each local
   /// rank after its routing checks (binding checks); nothing is written
   /// anywhere before all of it passes on every rank.
   template <typename Extra>
-  Status route(std::vector<cpu::RankRoute> *routes, const Extra &extra) {
-    std::vector<cpu::RankRoute> staged(ranks());
+  Status route(std::vector<backend::RankRoute> *routes, const Extra &extra) {
+    std::vector<backend::RankRoute> staged(ranks());
     std::vector<Status> local;
     for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
       Status st = checkRoute(r, &staged[r]);
@@ -103,8 +103,8 @@ struct Group {
   /// An error when an earlier error left the ranks out of step.
   Status usable() const;
   /// The options of the CPU passes of this group.
-  cpu::PassOptions passOptions() const {
-    cpu::PassOptions po;
+  backend::PassOptions passOptions() const {
+    backend::PassOptions po;
     po.workers = workerCount;
     po.timeoutSeconds = options.timeoutSeconds;
     po.trace = options.trace;

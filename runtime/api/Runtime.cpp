@@ -20,6 +20,7 @@
 
 #include "runtime/api/Group.h"
 #include "runtime/cpu/Pass.h"
+#include "runtime/cuda/Pass.h"
 #include "runtime/format/Crc32.h"
 #include "runtime/layer/Layer.h"
 #include "runtime/trace/Trace.h"
@@ -190,15 +191,14 @@ std::string describe(const RankFingerprint &f) {
 
 struct Context::Impl : detail::Group {
   std::shared_ptr<const Program> fwdProgram, bwdProgram;
-  std::unique_ptr<cpu::Pass> fwd, bwd;
+  std::unique_ptr<backend::Pass> fwd, bwd;
   PassTimes fwdTimes, bwdTimes;
   std::vector<cpu::Scratch> scratch; ///< per worker
   std::vector<std::array<Tensor, kBindingCount>> bound;
-  std::vector<cpu::RankRoute> routes; ///< what the last forward pass used
+  std::vector<backend::RankRoute> routes; ///< what the last forward pass used
   bool haveForward = false;
-  const exec::Executor *lastExecutor = nullptr;
   /// The pass in flight and its stage (0 prepare, 1 tasks, 2 finish or idle).
-  std::atomic<const cpu::Pass *> running{nullptr};
+  std::atomic<const backend::Pass *> running{nullptr};
   std::atomic<int> stage{2};
   std::atomic<uint64_t> passes{0}; ///< forward and backward passes ended
   trace::Trace fwdTrace, bwdTrace; ///< with ContextOptions::trace
@@ -210,8 +210,8 @@ struct Context::Impl : detail::Group {
 
 
   Status checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const;
-  Status runTasks(cpu::Pass &pass, PassTimes &times);
-  void recordTrace(const cpu::Pass &pass, Clock::time_point t0, Clock::time_point t1,
+  Status runTasks(backend::Pass &pass, PassTimes &times);
+  void recordTrace(const backend::Pass &pass, Clock::time_point t0, Clock::time_point t1,
                    const PassTimes &times, trace::Trace *out) const;
   Status forward();
   Status backward();
@@ -244,19 +244,18 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
   return Status::success();
 }
 
-Status Context::Impl::runTasks(cpu::Pass &pass, PassTimes &times) {
+Status Context::Impl::runTasks(backend::Pass &pass, PassTimes &times) {
   running.store(&pass);
   stage.store(1);
   const Status status = pass.runTasks();
   stage.store(2);
-  lastExecutor = pass.lastExecutor();
   times.tasks = pass.tasksSeconds();
   return fatal(status);
 }
 
 /// The trace of a pass that started at t0 and began its finish at t1: the
 /// task program's spans and the three host phases, from t0.
-void Context::Impl::recordTrace(const cpu::Pass &pass, Clock::time_point t0, Clock::time_point t1,
+void Context::Impl::recordTrace(const backend::Pass &pass, Clock::time_point t0, Clock::time_point t1,
                                 const PassTimes &times, trace::Trace *out) const {
   auto ns = [](Clock::duration d) { return int64_t(std::chrono::nanoseconds(d).count()); };
   *out = pass.tasksTrace();
@@ -274,7 +273,7 @@ Status Context::Impl::forward() {
   const Clock::time_point t0 = Clock::now();
   const LayerShape &s = shape();
   const int64_t H = s.hidden, I = s.inter, L = s.localExperts;
-  const auto bindings = [&](uint32_t r, const cpu::RankRoute &route) {
+  const auto bindings = [&](uint32_t r, const backend::RankRoute &route) {
     const int64_t S = route.tokens;
     for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kX, {S, H}},
                                   {kY, {S, H}},
@@ -291,7 +290,7 @@ Status Context::Impl::forward() {
   if (Status st = route(&routes, bindings); !st)
     return st;
   haveForward = false;
-  cpu::Pass &pass = *fwd;
+  backend::Pass &pass = *fwd;
   if (Status st = pass.allocate(); !st)
     return fatal(st);
   const LayerPlan &plan = pass.plan();
@@ -305,15 +304,18 @@ Status Context::Impl::forward() {
     x[r] = bound[r][kX].data;
     y[r] = bound[r][kY].data;
   }
-  pass.fillLayout(routes);
-  pass.gatherSendRows(routes, x, false);
+  if (Status st = pass.fillLayout(routes); !st)
+    return fatal(st);
+  if (Status st = pass.gatherSendRows(routes, x, false); !st)
+    return fatal(st);
   fwdTimes.prepare = secondsSince(t0);
 
   if (Status st = runTasks(pass, fwdTimes); !st)
     return st;
 
   const Clock::time_point t1 = Clock::now();
-  pass.combine(routes, y, true);
+  if (Status st = pass.combine(routes, y, true); !st)
+    return fatal(st);
   fwdTimes.finish = secondsSince(t1);
   haveForward = true;
   lastWasBackward = false;
@@ -360,7 +362,7 @@ Status Context::Impl::backward() {
   if (Status st = agree(local, nullptr); !st)
     return st;
 
-  cpu::Pass &pass = *bwd;
+  backend::Pass &pass = *bwd;
   if (Status st = pass.allocate(); !st)
     return fatal(st);
   const LayerPlan &plan = pass.plan();
@@ -392,16 +394,20 @@ Status Context::Impl::backward() {
     dx[r] = bound[r][kDx].data;
     dtopk[r] = static_cast<float *>(bound[r][kDtopk].data);
   }
-  pass.fillLayout(routes);
-  pass.gatherSendRows(routes, dy, true);
+  if (Status st = pass.fillLayout(routes); !st)
+    return fatal(st);
+  if (Status st = pass.gatherSendRows(routes, dy, true); !st)
+    return fatal(st);
   bwdTimes.prepare = secondsSince(t0);
 
   if (Status st = runTasks(pass, bwdTimes); !st)
     return st;
 
   const Clock::time_point t1 = Clock::now();
-  pass.combine(routes, dx, false);
-  pass.topkWeightGrad(*fwd, routes, dy, dtopk);
+  if (Status st = pass.combine(routes, dx, false); !st)
+    return fatal(st);
+  if (Status st = pass.topkWeightGrad(*fwd, routes, dy, dtopk); !st)
+    return fatal(st);
   bwdTimes.finish = secondsSince(t1);
   lastWasBackward = true;
   if (options.trace)
@@ -471,15 +477,25 @@ Status Context::create(std::shared_ptr<const Program> forward,
   if (!impl->fabric->allLocal())
     if (Status s = impl->fingerprint(); !s)
       return s;
-  const cpu::PassOptions po = impl->passOptions();
-  if (Status s = cpu::Pass::create(impl->fwdProgram->tasks(), impl->fwdProgram->impl().plan, po,
-                                   &impl->scratch, &impl->fwd);
-      !s)
+  const backend::PassOptions po = impl->passOptions();
+  const auto createPass = [&](const Program &program, std::unique_ptr<backend::Pass> *pass) {
+    if (options.backend == backend::Kind::Cuda) {
+      if (options.schedule == Schedule::OpByOp)
+        return Status::error("the op-by-op schedule runs on the cpu backend only");
+      std::unique_ptr<cuda::Pass> made;
+      Status s = cuda::Pass::create(program.tasks(), program.impl().plan, po, &made);
+      *pass = std::move(made);
+      return s;
+    }
+    std::unique_ptr<cpu::Pass> made;
+    Status s = cpu::Pass::create(program.tasks(), program.impl().plan, po, &impl->scratch, &made);
+    *pass = std::move(made);
+    return s;
+  };
+  if (Status s = createPass(*impl->fwdProgram, &impl->fwd); !s)
     return s;
   if (impl->bwdProgram)
-    if (Status s = cpu::Pass::create(impl->bwdProgram->tasks(), impl->bwdProgram->impl().plan, po,
-                                     &impl->scratch, &impl->bwd);
-        !s)
+    if (Status s = createPass(*impl->bwdProgram, &impl->bwd); !s)
       return s;
   out->reset(new Context(std::move(impl)));
   return Status::success();
@@ -506,7 +522,7 @@ size_t Context::workspaceToAllocate() const {
 uint64_t Context::passesEnded() const { return body->passes.load(); }
 double Context::passShare() const {
   const int stage = body->stage.load();
-  const cpu::Pass *pass = body->running.load();
+  const backend::Pass *pass = body->running.load();
   return stage == 0 ? 0.0 : stage == 1 && pass ? pass->tasksShare() : 1.0;
 }
 
@@ -673,12 +689,23 @@ void moec_program_free(moec_program *program) { delete program; }
 
 int moec_context_create(const moec_program *forward, const moec_program *backward,
                         uint32_t workers, double timeout_seconds, moec_context **out) {
-  if (!forward || !out)
+  return moec_context_create_on(forward, backward, workers, timeout_seconds, "cpu", out);
+}
+
+int moec_context_create_on(const moec_program *forward, const moec_program *backward,
+                           uint32_t workers, double timeout_seconds, const char *backend,
+                           moec_context **out) {
+  if (!forward || !out || !backend)
     return report(moec::Status::error("moec_context_create: null argument"));
   return guarded([&] {
     moec::rt::ContextOptions options;
     options.workers = workers;
     options.timeoutSeconds = timeout_seconds > 0 ? timeout_seconds : 60;
+    if (std::string_view(backend) == "cuda")
+      options.backend = moec::backend::Kind::Cuda;
+    else if (std::string_view(backend) != "cpu")
+      return moec::Status::error(fmt::format(
+          "moec_context_create: no backend is named '{}'; expected cpu or cuda", backend));
     auto context = std::make_unique<moec_context>();
     if (moec::Status s = moec::rt::Context::create(
             forward->program, backward ? backward->program : nullptr, options, &context->context);

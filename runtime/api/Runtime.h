@@ -129,6 +129,12 @@ void moec_program_free(moec_program *program);
 int moec_context_create(const moec_program *forward, const moec_program *backward,
                         uint32_t workers, double timeout_seconds, moec_context **out);
 
+/** moec_context_create on a backend: "cpu" (what moec_context_create uses)
+ *  or "cuda" (every rank on one NVIDIA GPU; runtime/cuda/Pass.h). */
+int moec_context_create_on(const moec_program *forward, const moec_program *backward,
+                           uint32_t workers, double timeout_seconds, const char *backend,
+                           moec_context **out);
+
 /** Frees a context, waiting for a submitted pass first. */
 void moec_context_free(moec_context *context);
 
@@ -170,6 +176,7 @@ int moec_wait(moec_context *context);
  *===----------------------------------------------------------------------===*/
 
 #include "base/LayerShape.h"
+#include "runtime/backend/Pass.h"
 #include "runtime/comm/Fabric.h"
 #include "base/Status.h"
 #include "runtime/format/TaskBinary.h"
@@ -253,6 +260,9 @@ struct ContextOptions {
   double timeoutSeconds = 60;   ///< watchdog; <= 0 turns it off
   bool trace = false;           ///< record every task run (writeTrace)
   Schedule schedule = Schedule::Fused;
+  /// Where the passes run: the CPU (the default), or one NVIDIA GPU
+  /// (runtime/cuda/Pass.h: every rank of the group in this process).
+  backend::Kind backend = backend::Kind::Cpu;
   /// The EP group's fabric (runtime/comm): null runs all R ranks in this
   /// process (the in-process fabric); an MPI fabric (runtime/comm/Mpi.h)
   /// runs one rank per process. Under MPI, creating a context, forward()

@@ -41,13 +41,6 @@ int64_t loadIndex(const void *data, DType dtype, int64_t i) {
                              : static_cast<const int64_t *>(data)[i];
 }
 
-void storeIndex(void *data, DType dtype, int64_t i, int64_t value) {
-  if (dtype == DType::I32)
-    static_cast<int32_t *>(data)[i] = int32_t(value);
-  else
-    static_cast<int64_t *>(data)[i] = value;
-}
-
 /// Work items of a per-rank row loop over the local ranks: (rank, piece)
 /// with `pieces` pieces per rank, so all threads have work even with one
 /// rank.
@@ -64,10 +57,8 @@ struct Pieces {
 /// Bytes of a slot's buffer: the slot at its capacity, at least 64, rounded
 /// up to a multiple of 64 (each buffer starts on a cache line).
 size_t slotBytes(const format::SlotRecord &slot) {
-  uint64_t count = 1;
-  for (uint32_t i = 0; i < slot.rank; ++i)
-    count *= (i == 0 && (slot.flags & format::kSlotDynamic)) ? slot.capacityRows : slot.dims[i];
-  const size_t bytes = std::max<size_t>(size_t(count) * dtypeSize(slot.dtype), 64);
+  const size_t bytes =
+      std::max<size_t>(size_t(backend::slotElements(slot)) * dtypeSize(slot.dtype), 64);
   return (bytes + 63) / 64 * 64;
 }
 
@@ -229,53 +220,16 @@ Status Pass::allocate() {
   return Status::success();
 }
 
-void Pass::fillLayout(const std::vector<RankRoute> &routes) {
-  const rt::LayerPlan &plan = *layer;
-  const TaskProgram &tasks = *program;
-  const uint32_t R = tasks.epRanks, L = plan.shape.localExperts, E = R * L;
-  // rows[r][e]: rows local expert e of rank r receives; start[r][e]: its
-  // segment's first row; before[q][g]: rows ranks < q send expert g.
-  std::vector<std::vector<int64_t>> rows(R, std::vector<int64_t>(L)), start = rows;
-  std::vector<std::vector<int64_t>> before(R, std::vector<int64_t>(E, 0));
-  for (uint32_t g = 0; g < E; ++g)
-    for (uint32_t q = 0; q < R; ++q) {
-      if (q + 1 < R)
-        before[q + 1][g] = before[q][g] + routes[q].layout.counts[g];
-      rows[g / L][g % L] += routes[q].layout.counts[g];
-    }
-  for (uint32_t r = 0; r < R; ++r)
-    for (uint32_t e = 1; e < L; ++e)
-      start[r][e] = start[r][e - 1] + rows[r][e - 1];
-  const auto targetOffset = [&](uint32_t q, uint32_t g) {
-    return start[g / L][g % L] + before[q][g];
-  };
-  // A dispatch or combine program alone has only its own half's tensors.
-  const auto put = [&](uint32_t r, uint32_t slot, int64_t i, int64_t value) {
-    if (slot != rt::kNoSlot)
-      storeIndex(data[r][slot], tasks.slots[slot].dtype, i, value);
-  };
+Status Pass::fillLayout(const std::vector<RankRoute> &routes) {
   const comm::Fabric &fabric = *options.fabric;
-  for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r) {
-    const RoutingLayout &own = routes[r].layout;
-    for (uint32_t g = 0; g < E; ++g) {
-      put(r, plan.dSize, g, own.counts[g]);
-      put(r, plan.dSrcOffset, g, own.offsets[g]);
-      put(r, plan.dTargetOffset, g, targetOffset(r, g));
-    }
-    for (uint32_t q = 0; q < R; ++q)
-      for (uint32_t e = 0; e < L; ++e) {
-        const uint32_t g = r * L + e, i = q * L + e;
-        put(r, plan.cSize, i, routes[q].layout.counts[g]);
-        put(r, plan.cSrcOffset, i, targetOffset(q, g));
-        put(r, plan.cTargetOffset, i, routes[q].layout.offsets[g]);
-      }
-    for (uint32_t e = 0; e < L; ++e)
-      put(r, plan.glist, e, start[r][e] + rows[r][e]);
-  }
+  backend::fillLayoutTensors(*program, *layer, routes, fabric.firstLocal(),
+                             fabric.firstLocal() + fabric.localRanks(),
+                             [&](uint32_t rank, uint32_t slot) { return data[rank][slot]; });
+  return Status::success();
 }
 
-void Pass::gatherSendRows(const std::vector<RankRoute> &routes,
-                          const std::vector<const void *> &source, bool weighted) {
+Status Pass::gatherSendRows(const std::vector<RankRoute> &routes,
+                            const std::vector<const void *> &source, bool weighted) {
   const rt::LayerPlan &plan = *layer;
   const Elt act = plan.shape.activations;
   const int64_t H = plan.shape.hidden;
@@ -292,6 +246,7 @@ void Pass::gatherSendRows(const std::vector<RankRoute> &routes,
                     route.topK, weighted ? route.weights.data() : nullptr,
                     Matrix{src.address(part.begin, 0), src.elt, src.ld}, part.size(), H);
   });
+  return Status::success();
 }
 
 Status Pass::runTasks() {
@@ -326,8 +281,8 @@ Status Pass::runTasks() {
   return Status::success();
 }
 
-void Pass::combine(const std::vector<RankRoute> &routes, const std::vector<void *> &out,
-                   bool weighted) {
+Status Pass::combine(const std::vector<RankRoute> &routes, const std::vector<void *> &out,
+                     bool weighted) {
   const rt::LayerPlan &plan = *layer;
   const Elt act = plan.shape.activations;
   const int64_t H = plan.shape.hidden;
@@ -342,10 +297,12 @@ void Pass::combine(const std::vector<RankRoute> &routes, const std::vector<void 
                 route.topK, Matrix{out[r], act, H}, pieces.range(item, route.tokens),
                 Range{0, H});
   });
+  return Status::success();
 }
 
-void Pass::topkWeightGrad(const Pass &forward, const std::vector<RankRoute> &routes,
-                          const std::vector<const void *> &dy, const std::vector<float *> &out) {
+Status Pass::topkWeightGrad(const backend::Pass &forward, const std::vector<RankRoute> &routes,
+                            const std::vector<const void *> &dy,
+                            const std::vector<float *> &out) {
   const rt::LayerPlan &saved = forward.plan();
   const Elt act = layer->shape.activations;
   const int64_t H = layer->shape.hidden;
@@ -361,6 +318,7 @@ void Pass::topkWeightGrad(const Pass &forward, const std::vector<RankRoute> &rou
                       route.layout.position.data(), route.topK, pieces.range(item, route.tokens),
                       H, out[r]);
   });
+  return Status::success();
 }
 
 //===----------------------------------------------------------------------===//

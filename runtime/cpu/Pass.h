@@ -26,6 +26,7 @@
 #define MOEC_RUNTIME_CPU_PASS_H
 
 #include "base/Status.h"
+#include "runtime/backend/Pass.h"
 #include "runtime/comm/Fabric.h"
 #include "runtime/cpu/Gmm.h"
 #include "runtime/cpu/Layout.h"
@@ -40,25 +41,11 @@
 
 namespace moec::cpu {
 
-/// A rank's routing, checked and laid out. For a rank another process runs,
-/// only tokens, topK, layout.counts and layout.offsets are known.
-struct RankRoute {
-  int64_t tokens = 0, topK = 0;
-  RoutingLayout layout;
-  std::vector<float> weights; ///< topk_weights [S, K], a copy (local ranks)
-};
-
-/// How a pass runs.
-struct PassOptions {
-  uint32_t workers = 1;       ///< worker threads
-  double timeoutSeconds = 60; ///< watchdog; <= 0 turns it off
-  bool trace = false;         ///< record every task run
-  bool opByOp = false;        ///< one op at a time, a barrier between ops
-  std::shared_ptr<comm::Fabric> fabric; ///< the EP group (required)
-};
+using backend::PassOptions;
+using backend::RankRoute;
 
 /// One pass of a layer binary for the ranks of this process.
-class Pass {
+class Pass final : public backend::Pass {
 public:
   /// Creates the pass of `program` (whose roles are `plan`; both must outlive
   /// the pass) with its executors. `scratch` holds one Scratch per worker and
@@ -67,61 +54,64 @@ public:
   static Status create(const format::TaskProgram &program, const rt::LayerPlan &plan,
                        const PassOptions &options, std::vector<Scratch> *scratch,
                        std::unique_ptr<Pass> *out);
-  ~Pass();
+  ~Pass() override;
 
-  const format::TaskProgram &tasks() const { return *program; }
-  const rt::LayerPlan &plan() const { return *layer; }
+  backend::Kind kind() const override { return backend::Kind::Cpu; }
+
+  const format::TaskProgram &tasks() const override { return *program; }
+  const rt::LayerPlan &plan() const override { return *layer; }
 
   /// Allocates the workspace if this is the pass's first run. Collective.
-  Status allocate();
+  Status allocate() override;
   /// Bytes of workspace allocated.
-  size_t workspaceBytes() const { return ownedBytes; }
+  size_t workspaceBytes() const override { return ownedBytes; }
 
   /// The memory of slot `slot` of local rank `rank` (null before allocate(),
   /// or for a slot the caller binds).
-  void *slot(uint32_t rank, uint32_t slot) const { return data[rank][slot]; }
+  void *slot(uint32_t rank, uint32_t slot) const override { return data[rank][slot]; }
   /// Points slot `slot` of local rank `rank` at the caller's memory.
-  void bindSlot(uint32_t rank, uint32_t slot, void *memory) { data[rank][slot] = memory; }
+  void bindSlot(uint32_t rank, uint32_t slot, void *memory) override { data[rank][slot] = memory; }
 
   /// Fills the layout tensors of the local ranks from `routes` (all ranks).
-  void fillLayout(const std::vector<RankRoute> &routes);
+  Status fillLayout(const std::vector<RankRoute> &routes) override;
 
   /// Gathers each local rank's rows to send, in expert-major order, from
   /// `source[rank]` ([S, H] activations): x, or with `weighted` dy times the
   /// rank's top-k weights.
-  void gatherSendRows(const std::vector<RankRoute> &routes, const std::vector<const void *> &source,
-                      bool weighted);
+  Status gatherSendRows(const std::vector<RankRoute> &routes,
+                        const std::vector<const void *> &source, bool weighted) override;
 
   /// Runs the task program on the local ranks.
-  Status runTasks();
+  Status runTasks() override;
   /// The share of the task runs of runTasks() done (0..1): callable from any
   /// thread while it runs, for a progress display.
-  double tasksShare() const;
+  double tasksShare() const override;
   /// The bytes allocate() takes (0 once it has).
-  uint64_t workspaceNeeded() const;
+  uint64_t workspaceNeeded() const override;
 
   /// Reduces each local rank's returned rows into `out[rank]` ([S, H]),
   /// weighted by the top-k weights when `weighted` (forward: y; backward:
   /// dx).
-  void combine(const std::vector<RankRoute> &routes, const std::vector<void *> &out,
-               bool weighted);
+  Status combine(const std::vector<RankRoute> &routes, const std::vector<void *> &out,
+                 bool weighted) override;
 
   /// dtopk_weights[t, k] = <dy[t], Z row of (t, k)> for each local rank, with
   /// Z the rows `forward` (the forward pass) returned.
-  void topkWeightGrad(const Pass &forward, const std::vector<RankRoute> &routes,
-                      const std::vector<const void *> &dy, const std::vector<float *> &out);
+  Status topkWeightGrad(const backend::Pass &forward, const std::vector<RankRoute> &routes,
+                        const std::vector<const void *> &dy,
+                        const std::vector<float *> &out) override;
 
   /// Wall time of the last runTasks(), in seconds.
-  double tasksSeconds() const { return taskTime; }
+  double tasksSeconds() const override { return taskTime; }
 
   /// The executor of the last run, or null.
   const exec::Executor *lastExecutor() const { return last; }
 
   /// With PassOptions::trace: the tasks and waits of the last runTasks()
   /// (every executor's, op by op), in nanoseconds from tasksStarted().
-  const trace::Trace &tasksTrace() const { return taskSpans; }
+  const trace::Trace &tasksTrace() const override { return taskSpans; }
   /// When the last runTasks() started.
-  std::chrono::steady_clock::time_point tasksStarted() const { return tasksStart; }
+  std::chrono::steady_clock::time_point tasksStarted() const override { return tasksStart; }
 
 private:
   Pass() = default;

@@ -103,11 +103,20 @@ uint32_t groupSize(uint32_t preferred) {
   return fabric ? fabric->ranks() : preferred;
 }
 
-/// Context::create on the fabric under test.
+/// The backend under test: MOEC_TEST_BACKEND=cuda runs the suite's layers
+/// on the GPU (tests/cuda/run_gpu.sh); the default is the CPU.
+moec::backend::Kind testBackend() {
+  const char *name = std::getenv("MOEC_TEST_BACKEND");
+  return name && std::string(name) == "cuda" ? moec::backend::Kind::Cuda
+                                             : moec::backend::Kind::Cpu;
+}
+
+/// Context::create on the fabric and backend under test.
 Status makeContext(std::shared_ptr<const Program> fwd, std::shared_ptr<const Program> bwd,
                    ContextOptions options, std::unique_ptr<Context> *out) {
   bool yes = false;
   options.fabric = moec::test::testFabric(fwd->shape().ranks, &yes);
+  options.backend = testBackend();
   return Context::create(std::move(fwd), std::move(bwd), options, out);
 }
 
@@ -409,7 +418,7 @@ void checkAgainstReference(const Case &c, uint32_t seed, uint32_t workers = 2,
 
 } // namespace
 
-TEST_CASE("runtime matches the reference over ranks, experts and top-k", "[runtime]") {
+TEST_CASE("runtime matches the reference over ranks, experts and top-k", "[runtime][gpu]") {
   const int before = casesRun;
   for (uint32_t R : {1u, 2u, 3u, 4u})
     for (uint32_t L : {1u, 2u, 4u, 8u})
@@ -425,7 +434,7 @@ TEST_CASE("runtime matches the reference over ranks, experts and top-k", "[runti
   CHECK(casesRun > before); // every fabric size 1..4 has cases here
 }
 
-TEST_CASE("runtime matches the reference on awkward shapes", "[runtime]") {
+TEST_CASE("runtime matches the reference on awkward shapes", "[runtime][gpu]") {
   // Token counts, hidden and intermediate sizes that are no multiple of any
   // split value or tile (1, 37, 1000 tokens; H, I not multiples of 16): the
   // last tiles are smaller. E = 3 ranks x 3 experts; top-1 and top-E.
@@ -459,7 +468,7 @@ TEST_CASE("runtime matches the reference on awkward shapes", "[runtime]") {
   CHECK(casesRun > before);
 }
 
-TEST_CASE("runtime matches the reference in bf16 and with per-expert events", "[runtime]") {
+TEST_CASE("runtime matches the reference in bf16 and with per-expert events", "[runtime][gpu]") {
   for (bool bf16 : {false, true})
     for (auto g : {Granularity::PerExpert, Granularity::PerTileRange})
       for (uint32_t R : {1u, 2u, 3u, 4u}) {
@@ -479,7 +488,7 @@ TEST_CASE("runtime matches the reference in bf16 and with per-expert events", "[
   checkAgainstReference(big, 3);
 }
 
-TEST_CASE("runtime handles skew, empty experts and silent ranks", "[runtime]") {
+TEST_CASE("runtime handles skew, empty experts and silent ranks", "[runtime][gpu]") {
   for (Routing routing : {Routing::Skewed, Routing::ZeroExpert, Routing::SilentRank}) {
     for (uint32_t R : {1u, 2u, 3u, 4u}) {
       if (routing == Routing::SilentRank && R == 1)
@@ -565,7 +574,7 @@ TEST_CASE("runtime submit and wait", "[runtime]") {
   CHECK(t->writeTrace(trace).ok());
 }
 
-TEST_CASE("runtime refuses bad input and leaves outputs untouched", "[runtime]") {
+TEST_CASE("runtime refuses bad input and leaves outputs untouched", "[runtime][gpu]") {
   Case c;
   c.capacityFactor = 1.5; // a rank's experts hold 1.5 * S * K = 384 rows
   c.ranks = 2;
@@ -840,7 +849,7 @@ TEST_CASE("exchange: dispatch, combine and the top-k weight gradient", "[runtime
              Catch::Contains("the binary is the dispatch alone"));
 }
 
-TEST_CASE("a frozen layer's backward takes no weight gradients", "[runtime]") {
+TEST_CASE("a frozen layer's backward takes no weight gradients", "[runtime][gpu]") {
   Case c;
   c.ranks = groupSize(2);
   c.capacityFactor = 2 * c.ranks;
@@ -857,4 +866,54 @@ TEST_CASE("a frozen layer's backward takes no weight gradients", "[runtime]") {
                                             {c.localExperts, c.hidden, 2 * c.inter}))
                  .message(),
              Catch::Contains("backward program has none (frozen weights)"));
+}
+
+TEST_CASE("a binary whose event is never reached ends in an error naming the wait", "[runtime][gpu]") {
+  Case c;
+  c.ranks = groupSize(2);
+  auto [fwd, bwd] = compile(c);
+  // The first task of a queue also waits for the final value of an event
+  // that a later task of the same queue signals: it can never run.
+  moec::format::TaskProgram bad = fwd->tasks();
+  uint32_t first = 0, event = 0;
+  bool found = false;
+  for (const moec::format::QueueRecord &q : bad.queues) {
+    for (uint32_t e = q.entryCount; e-- > 1 && !found;) {
+      const moec::format::TaskRecord &later = bad.tasks[bad.queueEntries[q.firstEntry + e]];
+      for (uint32_t i = 0; i < later.signalCount && !found; ++i)
+        if (bad.signals[later.firstSignal + i].peerOffset == 0) {
+          first = bad.queueEntries[q.firstEntry];
+          event = bad.signals[later.firstSignal + i].event;
+          found = true;
+        }
+    }
+    if (found)
+      break;
+  }
+  REQUIRE(found);
+  moec::format::TaskRecord &task = bad.tasks[first];
+  std::vector<moec::format::WaitRecord> waits(bad.waits.begin() + task.firstWait,
+                                              bad.waits.begin() + task.firstWait + task.waitCount);
+  waits.insert(waits.begin(), {event, bad.events[event].threshold});
+  task.firstWait = uint32_t(bad.waits.size());
+  task.waitCount = uint32_t(waits.size());
+  bad.waits.insert(bad.waits.end(), waits.begin(), waits.end());
+  std::shared_ptr<const Program> program;
+  Status created = Program::create(std::move(bad), &program);
+  INFO(created.message());
+  REQUIRE(created.ok());
+
+  const Inputs in = makeInputs(c, 3);
+  ContextOptions options;
+  options.timeoutSeconds = 2;
+  std::unique_ptr<Context> ctx;
+  REQUIRE(makeContext(program, bwd, options, &ctx).ok());
+  Run run = prepare(c, in, bwd->shape());
+  REQUIRE(bindAll(*ctx, c, run).ok());
+  const Status f = ctx->forward();
+  REQUIRE_FALSE(f.ok());
+  INFO(f.message());
+  CHECK_THAT(f.message(), Catch::Contains("task " + std::to_string(first) + " (op '"));
+  CHECK_THAT(f.message(), Catch::Contains("waits for event " + std::to_string(event) + " '"));
+  CHECK_THAT(f.message(), Catch::Contains("rank "));
 }

@@ -31,9 +31,10 @@ using namespace moec::tooling;
 const CommandSpec kRunSpec = {
     "run",
     "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
-    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--threads N] [--repeat N] [--hot-share F] [--progress | --no-progress]",
+    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--threads N] [--repeat N] [--hot-share F] [--progress | --no-progress]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
-    "given, on the R ranks of its EP group with the CPU runtime: every rank's\n"
+    "given, on the R ranks of its EP group with the CPU runtime (or, with\n"
+    "--backend cuda, on one NVIDIA GPU): every rank's\n"
     "queues run on a pool of worker threads, events between tiles let the puts of\n"
     "one tile overlap the matmuls of another. Prints the schedule and the time of\n"
     "each pass.\n"
@@ -85,6 +86,11 @@ const CommandSpec kRunSpec = {
     "                   dw2, the gate and up columns of dw1), computed from every\n"
     "                   row that expert received; memory grows with N, not the\n"
     "                   layer (implies --verify)\n"
+    "  --backend B      cpu (worker threads; the default) or cuda: every rank on\n"
+    "                   one NVIDIA GPU, the task program as one persistent kernel\n"
+    "                   (thread blocks run the queues, events are counters in\n"
+    "                   device memory); inputs and outputs stay .npy files on the\n"
+    "                   host. Not under MPI, and no --trace or --op-by-op\n"
     "  --op-by-op       run the same tasks one op at a time, with a barrier over\n"
     "                   all ranks between ops (the baseline fusion is measured\n"
     "                   against)\n"
@@ -111,7 +117,7 @@ const CommandSpec kRunSpec = {
     "                   terminal it is on by default\n"
     "  --no-progress    no progress output\n",
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat",
-     "--hot-share", "--fabric", "--timeout", "--verify-sample"},
+     "--hot-share", "--fabric", "--timeout", "--verify-sample", "--backend"},
     {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress"},
     1,
     2};
@@ -324,6 +330,19 @@ int runRun(int argc, char **argv, int first) {
     if (t->empty() || *end != '\0' || !(timeout > 0 && timeout < 1e6))
       return usage("--timeout must be a positive number of seconds");
   }
+  backend::Kind backendKind = backend::Kind::Cpu;
+  if (auto b = args.value("--backend")) {
+    if (*b == "cuda")
+      backendKind = backend::Kind::Cuda;
+    else if (*b != "cpu")
+      return usage("--backend must be cpu or cuda");
+    if (backendKind == backend::Kind::Cuda && mpi)
+      return usage("--backend cuda runs every rank in one process; it does not run under MPI");
+    if (backendKind == backend::Kind::Cuda && args.has("--op-by-op"))
+      return usage("--op-by-op runs on the cpu backend only");
+    if (backendKind == backend::Kind::Cuda && args.value("--trace"))
+      return usage("--trace runs on the cpu backend only");
+  }
   double hotShare = 0;
   if (auto h = args.value("--hot-share")) {
     if (!args.value("--random"))
@@ -386,6 +405,7 @@ int runRun(int argc, char **argv, int first) {
   options.trace = args.value("--trace").has_value();
   options.fabric = fabric;
   options.timeoutSeconds = timeout;
+  options.backend = backendKind;
   if (args.has("--op-by-op"))
     options.schedule = rt::Schedule::OpByOp;
   std::unique_ptr<rt::Context> context;

@@ -1,0 +1,73 @@
+//===- Pass.cpp - The backend seam ------------------------------------------===//
+
+#include "runtime/backend/Pass.h"
+
+namespace moec::backend {
+
+const char *kindName(Kind kind) {
+  switch (kind) {
+  case Kind::Cpu:
+    return "cpu";
+  case Kind::Cuda:
+    return "cuda";
+  }
+  return "unknown";
+}
+
+uint64_t slotElements(const format::SlotRecord &slot) {
+  uint64_t count = 1;
+  for (uint32_t i = 0; i < slot.rank; ++i)
+    count *= (i == 0 && (slot.flags & format::kSlotDynamic)) ? slot.capacityRows : slot.dims[i];
+  return count;
+}
+
+void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                       const std::vector<RankRoute> &routes, uint32_t firstRank, uint32_t endRank,
+                       const std::function<void *(uint32_t rank, uint32_t slot)> &memory) {
+  const uint32_t R = program.epRanks, L = plan.shape.localExperts, E = R * L;
+  // rows[r][e]: rows local expert e of rank r receives; start[r][e]: its
+  // segment's first row; before[q][g]: rows ranks < q send expert g.
+  std::vector<std::vector<int64_t>> rows(R, std::vector<int64_t>(L)), start = rows;
+  std::vector<std::vector<int64_t>> before(R, std::vector<int64_t>(E, 0));
+  for (uint32_t g = 0; g < E; ++g)
+    for (uint32_t q = 0; q < R; ++q) {
+      if (q + 1 < R)
+        before[q + 1][g] = before[q][g] + routes[q].layout.counts[g];
+      rows[g / L][g % L] += routes[q].layout.counts[g];
+    }
+  for (uint32_t r = 0; r < R; ++r)
+    for (uint32_t e = 1; e < L; ++e)
+      start[r][e] = start[r][e - 1] + rows[r][e - 1];
+  const auto targetOffset = [&](uint32_t q, uint32_t g) {
+    return start[g / L][g % L] + before[q][g];
+  };
+  // A dispatch or combine program alone has only its own half's tensors.
+  const auto put = [&](uint32_t r, uint32_t slot, int64_t i, int64_t value) {
+    if (slot == rt::kNoSlot)
+      return;
+    void *data = memory(r, slot);
+    if (program.slots[slot].dtype == DType::I32)
+      static_cast<int32_t *>(data)[i] = int32_t(value);
+    else
+      static_cast<int64_t *>(data)[i] = value;
+  };
+  for (uint32_t r = firstRank; r < endRank; ++r) {
+    const cpu::RoutingLayout &own = routes[r].layout;
+    for (uint32_t g = 0; g < E; ++g) {
+      put(r, plan.dSize, g, own.counts[g]);
+      put(r, plan.dSrcOffset, g, own.offsets[g]);
+      put(r, plan.dTargetOffset, g, targetOffset(r, g));
+    }
+    for (uint32_t q = 0; q < R; ++q)
+      for (uint32_t e = 0; e < L; ++e) {
+        const uint32_t g = r * L + e, i = q * L + e;
+        put(r, plan.cSize, i, routes[q].layout.counts[g]);
+        put(r, plan.cSrcOffset, i, targetOffset(q, g));
+        put(r, plan.cTargetOffset, i, routes[q].layout.offsets[g]);
+      }
+    for (uint32_t e = 0; e < L; ++e)
+      put(r, plan.glist, e, start[r][e] + rows[r][e]);
+  }
+}
+
+} // namespace moec::backend

@@ -1,0 +1,144 @@
+//===- Pass.h - The backend seam: one pass of a layer binary ----*- C++ -*-===//
+//
+// The runtime API (runtime/api) checks bindings and routing, then drives one
+// pass (forward or backward) of a layer binary through this interface, in
+// this order:
+//
+//   allocate        the workspace at the pass's first run; reused after
+//   bindSlot        points the weight, gradient and saved-activation slots
+//                   at the caller's tensors (or the forward pass's slots)
+//   fillLayout      the routing layout tensors, from every rank's counts
+//   gatherSendRows  each local rank's rows to send (x, or topk_weight * dy)
+//   runTasks        the task program: every rank's queues, events and puts
+//   combine         the returned rows reduced into y (or dx)
+//   topkWeightGrad  dtopk_weights (backward)
+//
+// Two backends implement it: the CPU (runtime/cpu/Pass.h; the golden model
+// of the schedule, ranks as threads or as processes under a fabric) and
+// CUDA (runtime/cuda/Pass.h; every rank of the group on one GPU, the task
+// program as one persistent kernel). Tensors the caller binds are host
+// memory for the CPU backend; the CUDA backend takes host or device memory
+// (runtime/cuda/Pass.h says how).
+//
+// The routing layout (counts, offsets, the sorted order) is computed on the
+// host for every backend (runtime/cpu/Layout.h); what a backend does with
+// it is its own.
+//
+// No MLIR/LLVM dependency.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_BACKEND_PASS_H
+#define MOEC_RUNTIME_BACKEND_PASS_H
+
+#include "base/Status.h"
+#include "runtime/comm/Fabric.h"
+#include "runtime/cpu/Layout.h"
+#include "runtime/format/TaskBinary.h"
+#include "runtime/layer/Layer.h"
+#include "runtime/trace/Trace.h"
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace moec::backend {
+
+/// The backends a context can run its passes on.
+enum class Kind : uint8_t {
+  Cpu,  ///< runtime/cpu: worker threads on this machine's cores
+  Cuda, ///< runtime/cuda: one persistent kernel on an NVIDIA GPU
+};
+
+/// "cpu" or "cuda".
+const char *kindName(Kind kind);
+
+/// A rank's routing, checked and laid out. For a rank another process runs,
+/// only tokens, topK, layout.counts and layout.offsets are known.
+struct RankRoute {
+  int64_t tokens = 0, topK = 0;
+  cpu::RoutingLayout layout;
+  std::vector<float> weights; ///< topk_weights [S, K], a copy (local ranks)
+};
+
+/// How a pass runs.
+struct PassOptions {
+  uint32_t workers = 1;       ///< worker threads (CPU)
+  double timeoutSeconds = 60; ///< watchdog; <= 0 turns it off
+  bool trace = false;         ///< record every task run (CPU)
+  bool opByOp = false;        ///< one op at a time, a barrier between ops (CPU)
+  std::shared_ptr<comm::Fabric> fabric; ///< the EP group (required)
+};
+
+/// One pass of a layer binary for the ranks of this process, on one backend.
+class Pass {
+public:
+  virtual ~Pass() = default;
+
+  virtual Kind kind() const = 0;
+  virtual const format::TaskProgram &tasks() const = 0;
+  virtual const rt::LayerPlan &plan() const = 0;
+
+  /// Allocates the workspace if this is the pass's first run. Collective
+  /// under a fabric of several processes.
+  virtual Status allocate() = 0;
+  /// Bytes of workspace allocated.
+  virtual size_t workspaceBytes() const = 0;
+  /// The bytes allocate() takes (0 once it has).
+  virtual uint64_t workspaceNeeded() const = 0;
+
+  /// The memory of slot `slot` of local rank `rank` (null before allocate(),
+  /// or for a slot the caller binds). The backend's own memory: a backward
+  /// pass of the same backend binds it (the activations it saves).
+  virtual void *slot(uint32_t rank, uint32_t slot) const = 0;
+  /// Points slot `slot` of local rank `rank` at `memory`: a caller's tensor,
+  /// or a slot of the forward pass of the same backend.
+  virtual void bindSlot(uint32_t rank, uint32_t slot, void *memory) = 0;
+
+  /// Fills the layout tensors of the local ranks from `routes` (all ranks).
+  virtual Status fillLayout(const std::vector<RankRoute> &routes) = 0;
+  /// Gathers each local rank's rows to send, in expert-major order, from
+  /// `source[rank]` ([S, H] activations): x, or with `weighted` dy times the
+  /// rank's top-k weights.
+  virtual Status gatherSendRows(const std::vector<RankRoute> &routes,
+                                const std::vector<const void *> &source, bool weighted) = 0;
+  /// Runs the task program on the local ranks.
+  virtual Status runTasks() = 0;
+  /// The share of the task runs of runTasks() done (0..1), from any thread.
+  virtual double tasksShare() const = 0;
+  /// Reduces each local rank's returned rows into `out[rank]` ([S, H]),
+  /// weighted by the top-k weights when `weighted` (forward: y; backward:
+  /// dx).
+  virtual Status combine(const std::vector<RankRoute> &routes, const std::vector<void *> &out,
+                         bool weighted) = 0;
+  /// dtopk_weights[t, k] = <dy[t], Z row of (t, k)> for each local rank, with
+  /// Z the rows `forward` (the forward pass, same backend) returned.
+  virtual Status topkWeightGrad(const Pass &forward, const std::vector<RankRoute> &routes,
+                                const std::vector<const void *> &dy,
+                                const std::vector<float *> &out) = 0;
+
+  /// Wall time of the last runTasks(), in seconds.
+  virtual double tasksSeconds() const = 0;
+  /// With PassOptions::trace: the tasks and waits of the last runTasks(), in
+  /// nanoseconds from tasksStarted(). Empty where the backend records none.
+  virtual const trace::Trace &tasksTrace() const = 0;
+  /// When the last runTasks() started.
+  virtual std::chrono::steady_clock::time_point tasksStarted() const = 0;
+};
+
+/// Elements of a slot at its capacity (a dynamic slot at capacityRows).
+uint64_t slotElements(const format::SlotRecord &slot);
+
+/// Writes the routing layout tensors (runtime/layer/Layer.h: size_d,
+/// src_offset, target_offset, their combine twins, glist) of ranks
+/// [firstRank, endRank) from every rank's routing, into the host memory
+/// `memory(rank, slot)` returns. A slot the program lacks is skipped.
+void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                       const std::vector<RankRoute> &routes, uint32_t firstRank, uint32_t endRank,
+                       const std::function<void *(uint32_t rank, uint32_t slot)> &memory);
+
+} // namespace moec::backend
+
+#endif // MOEC_RUNTIME_BACKEND_PASS_H

@@ -1,0 +1,865 @@
+//===- Device.cu - The CUDA backend's kernels and persistent kernel ---------===//
+//
+// See Device.h. The persistent kernel: thread block b owns the logical
+// queues (rank, queue) numbered b, b + G, b + 2G, ... (G blocks, at most as
+// many as the GPU holds at once, so every block runs and no block waits for
+// one that cannot start). Its thread 0 picks the first owned queue whose
+// head task has all its waits met (acquire loads of the event counters),
+// the block runs the task, and thread 0 then sends its signals (a fence,
+// then atomic adds: release). A block never waits inside a task, so a
+// program the compiler proved deadlock-free on the CPU's in-order queues
+// cannot deadlock here either.
+//
+// Tiles: GMM tiles run on tensor cores (wmma, bf16 in, fp32 accumulate)
+// when both operands are bf16, else as fp32 FMA; 128 x 128 blocks of the
+// tile's output at a time, 32 deep, 256 threads. Every sum has a fixed
+// order, so a run's bits do not change from pass to pass.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/cuda/Device.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+namespace moec::cuda::device {
+
+namespace {
+
+constexpr uint32_t kF32 = 1, kBF16 = 2, kI32 = 3;
+constexpr int kThreads = 256;
+constexpr int kBM = 128, kBN = 128, kBK = 32;
+
+Error cudaText(const std::string &what, cudaError_t e) {
+  return what + ": " + cudaGetErrorString(e);
+}
+
+#define MOEC_CUDA(what, call)                                                                      \
+  do {                                                                                             \
+    const cudaError_t e_ = (call);                                                                 \
+    if (e_ != cudaSuccess)                                                                         \
+      return cudaText(what, e_);                                                                   \
+  } while (0)
+
+__device__ __forceinline__ uint32_t eltSize(uint32_t t) { return t == kBF16 ? 2 : 4; }
+
+__device__ __forceinline__ float loadElt(const void *p, int64_t i, uint32_t t) {
+  return t == kBF16 ? __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i])
+                    : static_cast<const float *>(p)[i];
+}
+
+__device__ __forceinline__ void storeElt(void *p, int64_t i, uint32_t t, float v) {
+  if (t == kBF16)
+    static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
+  else
+    static_cast<float *>(p)[i] = v;
+}
+
+__device__ __forceinline__ int64_t loadIndex(const void *p, uint32_t t, int64_t i) {
+  return t == kI32 ? static_cast<const int32_t *>(p)[i] : static_cast<const int64_t *>(p)[i];
+}
+
+__device__ __forceinline__ const char *offsetBytes(const void *p, int64_t elements, uint32_t t) {
+  return static_cast<const char *>(p) + elements * int64_t(eltSize(t));
+}
+
+//===----------------------------------------------------------------------===//
+// The tile matmul
+//===----------------------------------------------------------------------===//
+
+/// An operand as the product reads it: op(i, p) = trans ? p[p * ld + i] :
+/// p[i * ld + p].
+struct Mat {
+  const void *p;
+  uint32_t type;
+  int64_t ld;
+  bool trans;
+  __device__ int64_t at(int64_t row, int64_t col) const {
+    return trans ? col * ld + row : row * ld + col;
+  }
+};
+
+/// C[m, n] (+)= D + scale * opA opB over k, at the tile's origin.
+struct Gemm {
+  Mat a, b;
+  void *c;
+  uint32_t cType;
+  int64_t ldc;
+  const void *d; ///< addend (activation form), or null
+  uint32_t dType;
+  int64_t ldd;
+  int64_t m, n, k;
+  float scale;
+  bool accumulate;
+};
+
+struct SmemTc {
+  __nv_bfloat16 a[kBM][kBK + 8];
+  __nv_bfloat16 b[kBK][kBN + 8];
+  float stage[kThreads / 32][16 * 16];
+};
+struct SmemF32 {
+  float a[kBK][kBM + 4]; ///< transposed: [p][i]
+  float b[kBK][kBN + 4];
+};
+union Smem {
+  SmemTc tc;
+  SmemF32 f;
+};
+
+__device__ __forceinline__ void epilogue(const Gemm &g, int64_t i, int64_t j, float v) {
+  const int64_t at = i * g.ldc + j;
+  if (g.accumulate) {
+    storeElt(g.c, at, g.cType, loadElt(g.c, at, g.cType) + v);
+    return;
+  }
+  v *= g.scale;
+  if (g.d)
+    v += loadElt(g.d, i * g.ldd + j, g.dType);
+  storeElt(g.c, at, g.cType, v);
+}
+
+/// Loads a kRows x kCols block of op(M) at (r0, c0) into shared bf16,
+/// zero outside [0, rows) x [0, cols).
+template <int kRows, int kCols, int kLd>
+__device__ __forceinline__ void loadBf16(const Mat &x, int64_t r0, int64_t c0, int64_t rows,
+                                         int64_t cols, __nv_bfloat16 (*s)[kLd]) {
+  const uint16_t *p = static_cast<const uint16_t *>(x.p);
+  const int tid = threadIdx.x;
+  const bool vector = !x.trans && (x.ld % 8) == 0 && (reinterpret_cast<uintptr_t>(p) % 16) == 0;
+  if (vector) {
+    constexpr int kVecPerRow = kCols / 8;
+    for (int v = tid; v < kRows * kVecPerRow; v += kThreads) {
+      const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
+      const int64_t gr = r0 + r, gc = c0 + c;
+      uint4 value = make_uint4(0, 0, 0, 0);
+      if (gr < rows && gc + 8 <= cols) {
+        value = *reinterpret_cast<const uint4 *>(p + gr * x.ld + gc);
+      } else if (gr < rows && gc < cols) {
+        uint16_t tmp[8] = {};
+        for (int e = 0; e < 8 && gc + e < cols; ++e)
+          tmp[e] = p[gr * x.ld + gc + e];
+        value = *reinterpret_cast<uint4 *>(tmp);
+      }
+      *reinterpret_cast<uint4 *>(&s[r][c]) = value;
+    }
+    return;
+  }
+  // Transposed (or unaligned): consecutive threads walk the stored rows.
+  for (int e = tid; e < kRows * kCols; e += kThreads) {
+    const int r = x.trans ? e % kRows : e / kCols;
+    const int c = x.trans ? e / kRows : e % kCols;
+    const int64_t gr = r0 + r, gc = c0 + c;
+    uint16_t v = 0;
+    if (gr < rows && gc < cols)
+      v = p[x.at(gr, gc)];
+    reinterpret_cast<uint16_t *>(&s[r][0])[c] = v;
+  }
+}
+
+__device__ void gemmTensorCores(const Gemm &g, SmemTc &s) {
+  using namespace nvcuda;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp / 4, wn = warp % 4; // 2 x 4 warps of 64 x 32
+  for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
+    for (int64_t j0 = 0; j0 < g.n; j0 += kBN) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+      for (int x = 0; x < 4; ++x)
+        for (int y = 0; y < 2; ++y)
+          wmma::fill_fragment(acc[x][y], 0.0f);
+      for (int64_t p0 = 0; p0 < g.k; p0 += kBK) {
+        __syncthreads();
+        loadBf16<kBM, kBK, kBK + 8>(g.a, i0, p0, g.m, g.k, s.a);
+        loadBf16<kBK, kBN, kBN + 8>(g.b, p0, j0, g.k, g.n, s.b);
+        __syncthreads();
+        for (int kk = 0; kk < kBK; kk += 16) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[4];
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb[2];
+          for (int x = 0; x < 4; ++x)
+            wmma::load_matrix_sync(fa[x], &s.a[wm * 64 + x * 16][kk], kBK + 8);
+          for (int y = 0; y < 2; ++y)
+            wmma::load_matrix_sync(fb[y], &s.b[kk][wn * 32 + y * 16], kBN + 8);
+          for (int x = 0; x < 4; ++x)
+            for (int y = 0; y < 2; ++y)
+              wmma::mma_sync(acc[x][y], fa[x], fb[y], acc[x][y]);
+        }
+      }
+      float *stage = s.stage[warp];
+      for (int x = 0; x < 4; ++x)
+        for (int y = 0; y < 2; ++y) {
+          wmma::store_matrix_sync(stage, acc[x][y], 16, wmma::mem_row_major);
+          __syncwarp();
+          const int64_t bi = i0 + wm * 64 + x * 16, bj = j0 + wn * 32 + y * 16;
+          for (int e = lane; e < 256; e += 32) {
+            const int64_t i = bi + e / 16, j = bj + e % 16;
+            if (i < g.m && j < g.n)
+              epilogue(g, i, j, stage[e]);
+          }
+          __syncwarp();
+        }
+    }
+  __syncthreads();
+}
+
+__device__ void gemmFp32(const Gemm &g, SmemF32 &s) {
+  const int tid = threadIdx.x;
+  const int ty = tid / 16, tx = tid % 16; // 16 x 16 threads of 8 x 8
+  for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
+    for (int64_t j0 = 0; j0 < g.n; j0 += kBN) {
+      float acc[8][8] = {};
+      for (int64_t p0 = 0; p0 < g.k; p0 += kBK) {
+        __syncthreads();
+        for (int e = tid; e < kBM * kBK; e += kThreads) {
+          const int i = g.a.trans ? e % kBM : e / kBK, p = g.a.trans ? e / kBM : e % kBK;
+          const int64_t gi = i0 + i, gp = p0 + p;
+          s.a[p][i] = gi < g.m && gp < g.k ? loadElt(g.a.p, g.a.at(gi, gp), g.a.type) : 0.0f;
+        }
+        for (int e = tid; e < kBK * kBN; e += kThreads) {
+          const int p = g.b.trans ? e % kBK : e / kBN, j = g.b.trans ? e / kBK : e % kBN;
+          const int64_t gp = p0 + p, gj = j0 + j;
+          s.b[p][j] = gp < g.k && gj < g.n ? loadElt(g.b.p, g.b.at(gp, gj), g.b.type) : 0.0f;
+        }
+        __syncthreads();
+        for (int p = 0; p < kBK; ++p) {
+          float av[8], bv[8];
+          for (int x = 0; x < 8; ++x)
+            av[x] = s.a[p][ty * 8 + x];
+          for (int y = 0; y < 8; ++y)
+            bv[y] = s.b[p][tx * 8 + y];
+          for (int x = 0; x < 8; ++x)
+            for (int y = 0; y < 8; ++y)
+              acc[x][y] = fmaf(av[x], bv[y], acc[x][y]);
+        }
+      }
+      for (int x = 0; x < 8; ++x)
+        for (int y = 0; y < 8; ++y) {
+          const int64_t i = i0 + ty * 8 + x, j = j0 + tx * 8 + y;
+          if (i < g.m && j < g.n)
+            epilogue(g, i, j, acc[x][y]);
+        }
+    }
+  __syncthreads();
+}
+
+__device__ void gemm(const Gemm &g, Smem &s) {
+  if (g.m <= 0 || g.n <= 0)
+    return;
+  if (g.a.type == kBF16 && g.b.type == kBF16)
+    gemmTensorCores(g, s.tc);
+  else
+    gemmFp32(g, s.f);
+}
+
+//===----------------------------------------------------------------------===//
+// Tiles of a task program
+//===----------------------------------------------------------------------===//
+
+struct Tile {
+  uint32_t expert, peer;
+  int64_t rowBegin, rowEnd, colBegin, colEnd;
+};
+
+__device__ Tile tileOf(const Op &op, uint32_t index) {
+  Tile t;
+  const uint32_t colTile = index % op.colTiles;
+  const uint32_t rowTile = (index / op.colTiles) % op.rowTiles;
+  t.peer = (index / (op.colTiles * op.rowTiles)) % op.peers;
+  t.expert = index / (op.colTiles * op.rowTiles * op.peers);
+  t.rowBegin = int64_t(uint64_t(rowTile) * op.rows / op.rowTiles);
+  t.rowEnd = int64_t(uint64_t(rowTile + 1) * op.rows / op.rowTiles);
+  t.colBegin = int64_t(uint64_t(colTile) * op.cols / op.colTiles);
+  t.colEnd = int64_t(uint64_t(colTile + 1) * op.cols / op.colTiles);
+  return t;
+}
+
+__device__ void copyRows(const char *src, int64_t srcLd, char *dst, int64_t dstLd, int64_t rows,
+                         int64_t rowBytes) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
+                         uintptr_t(srcLd) | uintptr_t(dstLd) | uintptr_t(rowBytes);
+  if (bits % 16 == 0) {
+    const int64_t per = rowBytes / 16;
+    for (int64_t e = threadIdx.x; e < rows * per; e += kThreads) {
+      const int64_t r = e / per, c = e % per;
+      reinterpret_cast<uint4 *>(dst + r * dstLd)[c] =
+          reinterpret_cast<const uint4 *>(src + r * srcLd)[c];
+    }
+  } else if (bits % 4 == 0) {
+    const int64_t per = rowBytes / 4;
+    for (int64_t e = threadIdx.x; e < rows * per; e += kThreads) {
+      const int64_t r = e / per, c = e % per;
+      reinterpret_cast<uint32_t *>(dst + r * dstLd)[c] =
+          reinterpret_cast<const uint32_t *>(src + r * srcLd)[c];
+    }
+  } else {
+    const int64_t per = rowBytes / 2;
+    for (int64_t e = threadIdx.x; e < rows * per; e += kThreads) {
+      const int64_t r = e / per, c = e % per;
+      reinterpret_cast<uint16_t *>(dst + r * dstLd)[c] =
+          reinterpret_cast<const uint16_t *>(src + r * srcLd)[c];
+    }
+  }
+}
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__device__ void runTask(const Program &P, uint32_t rank, uint32_t taskIndex, Smem &s) {
+  const Task task = P.tasks[taskIndex];
+  const Op &op = P.ops[task.op];
+  const Tile tile = tileOf(op, taskIndex - op.firstTask);
+  void *const *data = P.data + size_t(rank) * P.slots;
+  const auto slotType = [&](uint32_t slot) { return P.slotInfo[slot].dtype; };
+  const auto slotLd = [&](uint32_t slot) { return P.slotInfo[slot].ld; };
+  const auto index = [&](uint32_t slot, int64_t i) {
+    return loadIndex(data[slot], slotType(slot), i);
+  };
+
+  if (op.kind == kDispatch || op.kind == kCombine) {
+    const uint32_t peer = uint32_t((uint64_t(rank) + tile.peer) % P.ranks);
+    const int64_t i = int64_t(peer) * P.localExperts + tile.expert;
+    const int64_t count = index(op.sizeSlot, i);
+    const int64_t end = min(tile.rowEnd, count);
+    if (end <= tile.rowBegin)
+      return;
+    const uint32_t from = op.b, to = op.c;
+    const uint32_t elt = eltSize(slotType(from));
+    const int64_t srcLd = slotLd(from) * elt, dstLd = slotLd(to) * elt;
+    const int64_t srcRow = index(op.srcOffsetSlot, i) + tile.rowBegin;
+    const int64_t dstRow = index(op.targetOffsetSlot, i) + tile.rowBegin;
+    const char *src = static_cast<const char *>(data[from]) + srcRow * srcLd + tile.colBegin * elt;
+    char *dst = static_cast<char *>(P.data[size_t(peer) * P.slots + to]) + dstRow * dstLd +
+                tile.colBegin * elt;
+    copyRows(src, srcLd, dst, dstLd, end - tile.rowBegin, (tile.colEnd - tile.colBegin) * elt);
+    return;
+  }
+
+  const int64_t segEnd = index(P.glist, tile.expert);
+  const int64_t segBegin = tile.expert == 0 ? 0 : index(P.glist, tile.expert - 1);
+  const int64_t segRows = segEnd - segBegin;
+
+  if (op.kind == kGmm) {
+    Gemm g;
+    g.scale = op.scale;
+    g.d = nullptr;
+    g.dType = kF32;
+    g.ldd = 0;
+    if (op.wgrad) {
+      // C[k, n] (+)= sum over the segment's rows m of A[m, k] B[m, n].
+      g.a = Mat{offsetBytes(data[op.a], segBegin * slotLd(op.a) + tile.rowBegin, slotType(op.a)),
+                slotType(op.a), slotLd(op.a), true};
+      g.b = Mat{offsetBytes(data[op.b], segBegin * slotLd(op.b) + tile.colBegin, slotType(op.b)),
+                slotType(op.b), slotLd(op.b), false};
+      g.cType = slotType(op.c);
+      g.ldc = op.ldc;
+      g.c = const_cast<char *>(offsetBytes(
+          data[op.c], op.expertStride * tile.expert + tile.rowBegin * op.ldc + tile.colBegin,
+          g.cType));
+      g.m = tile.rowEnd - tile.rowBegin;
+      g.n = tile.colEnd - tile.colBegin;
+      g.k = segRows;
+      g.accumulate = op.accumulate;
+      g.scale = 1.0f;
+      if (g.k == 0 && !g.accumulate) {
+        // An empty segment gives zeros.
+        for (int64_t e = threadIdx.x; e < g.m * g.n; e += kThreads)
+          storeElt(g.c, (e / g.n) * g.ldc + e % g.n, g.cType, 0.0f);
+        __syncthreads();
+        return;
+      }
+      gemm(g, s);
+      return;
+    }
+    const int64_t end = min(tile.rowEnd, segRows);
+    if (end <= tile.rowBegin)
+      return;
+    const int64_t row0 = segBegin + tile.rowBegin;
+    const char *weight = offsetBytes(data[op.b], op.expertStride * tile.expert, slotType(op.b));
+    g.a = Mat{offsetBytes(data[op.a], row0 * slotLd(op.a), slotType(op.a)), slotType(op.a),
+              slotLd(op.a), false};
+    // Forward: B [K, N] at column colBegin; data gradient: B stored [N, K].
+    g.b = op.transposeB
+              ? Mat{offsetBytes(weight, tile.colBegin * op.ldb, slotType(op.b)), slotType(op.b),
+                    op.ldb, true}
+              : Mat{offsetBytes(weight, tile.colBegin, slotType(op.b)), slotType(op.b), op.ldb,
+                    false};
+    g.cType = slotType(op.c);
+    g.ldc = slotLd(op.c);
+    g.c = const_cast<char *>(
+        offsetBytes(data[op.c], row0 * g.ldc + tile.colBegin, g.cType));
+    if (op.addend != 0xFFFFFFFFu) {
+      g.dType = slotType(op.addend);
+      g.ldd = slotLd(op.addend);
+      g.d = offsetBytes(data[op.addend], row0 * g.ldd + tile.colBegin, g.dType);
+    }
+    g.m = end - tile.rowBegin;
+    g.n = tile.colEnd - tile.colBegin;
+    g.k = int64_t(op.depth);
+    g.accumulate = false;
+    gemm(g, s);
+    return;
+  }
+
+  // SwiGLU and its gradient: rows of the segment, clipped to it.
+  const int64_t end = min(tile.rowEnd, segRows);
+  if (end <= tile.rowBegin)
+    return;
+  const int64_t r0 = segBegin + tile.rowBegin, rows = end - tile.rowBegin;
+  const int64_t I = P.inter;
+  if (op.kind == kSwiglu) {
+    const void *y = data[op.a];
+    void *a = data[op.c];
+    const uint32_t yt = slotType(op.a), at = slotType(op.c);
+    const int64_t yld = slotLd(op.a), ald = slotLd(op.c);
+    const int64_t cols = tile.colEnd - tile.colBegin;
+    for (int64_t e = threadIdx.x; e < rows * cols; e += kThreads) {
+      const int64_t m = r0 + e / cols, c = tile.colBegin + e % cols;
+      const float gate = loadElt(y, m * yld + c, yt), up = loadElt(y, m * yld + I + c, yt);
+      storeElt(a, m * ald + c, at, gate * sigmoidf(gate) * up);
+    }
+    return;
+  }
+  // Output columns [c0, c1) of dY [., 2I] are the gate/up pairs below.
+  const int64_t width = int64_t(op.cols);
+  const int64_t p0 = tile.colBegin * I / width, p1 = tile.colEnd * I / width;
+  const void *y = data[op.b], *da = data[op.a];
+  void *dy = data[op.c];
+  const uint32_t yt = slotType(op.b), dat = slotType(op.a), dyt = slotType(op.c);
+  const int64_t yld = slotLd(op.b), dald = slotLd(op.a), dyld = slotLd(op.c);
+  const int64_t cols = p1 - p0;
+  for (int64_t e = threadIdx.x; e < rows * cols; e += kThreads) {
+    const int64_t m = r0 + e / cols, c = p0 + e % cols;
+    const float gate = loadElt(y, m * yld + c, yt), up = loadElt(y, m * yld + I + c, yt);
+    const float grad = loadElt(da, m * dald + c, dat);
+    const float sg = sigmoidf(gate);
+    storeElt(dy, m * dyld + c, dyt, grad * up * (sg * (1.0f + gate * (1.0f - sg))));
+    storeElt(dy, m * dyld + I + c, dyt, grad * (gate * sg));
+  }
+}
+
+//===----------------------------------------------------------------------===//
+// The persistent kernel
+//===----------------------------------------------------------------------===//
+
+struct Control {
+  unsigned long long done; ///< task runs completed
+  uint32_t stop;           ///< set by the watchdog: every block leaves
+  uint32_t stuckSet;
+  Stuck stuck;
+};
+
+__device__ __forceinline__ uint64_t nowNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t acquireLoad(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+/// The first wait of `task` on `rank` not met, or -1.
+__device__ int firstUnmet(const Program &P, uint32_t rank, const Task &task) {
+  for (uint32_t w = 0; w < task.waitCount; ++w) {
+    const Wait wait = P.waits[task.firstWait + w];
+    if (acquireLoad(&P.counters[size_t(rank) * P.events + wait.event]) < wait.threshold)
+      return int(w);
+  }
+  return -1;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    persistentKernel(Program P, uint32_t logical, uint32_t *heads, Control *control,
+                     uint64_t timeoutNs) {
+  __shared__ Smem smem;
+  __shared__ int64_t action; // logical queue to run the head of; -1: leave
+  uint32_t cursor = blockIdx.x;
+  unsigned long long seenDone = 0;
+  uint64_t seenAt = 0;
+  if (threadIdx.x == 0)
+    seenAt = nowNs();
+  for (;;) {
+    if (threadIdx.x == 0) {
+      int64_t pick = -1;
+      for (;;) {
+        if (*reinterpret_cast<volatile uint32_t *>(&control->stop))
+          break;
+        bool pending = false;
+        uint32_t q = cursor;
+        for (uint32_t n = 0; n < (logical + gridDim.x - 1) / gridDim.x; ++n) {
+          if (q < logical) {
+            const uint32_t rank = q / P.queues, queue = q % P.queues;
+            const Queue qr = P.queues_[queue];
+            if (heads[q] < qr.entryCount) {
+              pending = true;
+              const Task task = P.tasks[P.entries[qr.firstEntry + heads[q]]];
+              if (firstUnmet(P, rank, task) < 0) {
+                pick = q;
+                break;
+              }
+            }
+          }
+          q += gridDim.x;
+          if (q >= logical)
+            q = blockIdx.x;
+        }
+        if (pick >= 0 || !pending)
+          break;
+        // Nothing ready: the watchdog.
+        const unsigned long long done =
+            *reinterpret_cast<volatile unsigned long long *>(&control->done);
+        const uint64_t now = nowNs();
+        if (done != seenDone) {
+          seenDone = done;
+          seenAt = now;
+        } else if (timeoutNs > 0 && now - seenAt > timeoutNs) {
+          if (atomicCAS(&control->stuckSet, 0u, 1u) == 0u) {
+            for (uint32_t q2 = blockIdx.x; q2 < logical; q2 += gridDim.x) {
+              const uint32_t rank = q2 / P.queues, queue = q2 % P.queues;
+              const Queue qr = P.queues_[queue];
+              if (heads[q2] >= qr.entryCount)
+                continue;
+              const uint32_t t = P.entries[qr.firstEntry + heads[q2]];
+              const Task task = P.tasks[t];
+              const int w = firstUnmet(P, rank, task);
+              if (w < 0)
+                continue;
+              const Wait wait = P.waits[task.firstWait + w];
+              control->stuck = Stuck{rank, queue, t, wait.event,
+                                     acquireLoad(&P.counters[size_t(rank) * P.events + wait.event]),
+                                     wait.threshold};
+              break;
+            }
+            __threadfence();
+            atomicExch(&control->stop, 1u);
+          }
+          break;
+        }
+        __nanosleep(200);
+      }
+      action = pick;
+      if (pick >= 0)
+        cursor = uint32_t(pick);
+    }
+    __syncthreads();
+    const int64_t q = action;
+    if (q < 0)
+      return;
+    const uint32_t rank = uint32_t(q) / P.queues, queue = uint32_t(q) % P.queues;
+    const Queue qr = P.queues_[queue];
+    const uint32_t t = P.entries[qr.firstEntry + heads[q]];
+    runTask(P, rank, t, smem);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const Task task = P.tasks[t];
+      __threadfence();
+      for (uint32_t i = 0; i < task.signalCount; ++i) {
+        const Signal sg = P.signals[task.firstSignal + i];
+        const uint32_t to = uint32_t((uint64_t(rank) + sg.peerOffset) % P.ranks);
+        atomicAdd(&P.counters[size_t(to) * P.events + sg.event], sg.increment);
+      }
+      heads[q] += 1;
+      atomicAdd(&control->done, 1ull);
+    }
+  }
+}
+
+//===----------------------------------------------------------------------===//
+// Row kernels
+//===----------------------------------------------------------------------===//
+
+__global__ void gatherKernel(const void *src, uint32_t srcType, const int64_t *order,
+                             int64_t topK, const float *weights, void *dst, uint32_t dstType,
+                             int64_t dstLd, int64_t rows, int64_t cols) {
+  for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
+    const int64_t id = order[i];
+    const float w = weights ? weights[id] : 1.0f;
+    const int64_t from = (id / topK) * cols;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      const float v = loadElt(src, from + c, srcType);
+      storeElt(dst, i * dstLd + c, dstType, weights ? v * w : v);
+    }
+  }
+}
+
+__global__ void combineKernel(const void *z, uint32_t zType, int64_t zLd, const int64_t *position,
+                              const float *weights, int64_t topK, void *out, uint32_t outType,
+                              int64_t tokens, int64_t cols) {
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x)
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < topK; ++k) {
+        const int64_t id = t * topK + k;
+        const float w = weights ? weights[id] : 1.0f;
+        sum += w * loadElt(z, position[id] * zLd + c, zType);
+      }
+      storeElt(out, t * cols + c, outType, sum);
+    }
+}
+
+__global__ void weightGradKernel(const void *dy, uint32_t dyType, const void *z, uint32_t zType,
+                                 int64_t zLd, const int64_t *position, int64_t topK,
+                                 int64_t tokens, int64_t cols, float *out) {
+  __shared__ float partial[kThreads];
+  for (int64_t id = blockIdx.x; id < tokens * topK; id += gridDim.x) {
+    const int64_t t = id / topK, row = position[id];
+    float dot = 0.0f;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+      dot += loadElt(dy, t * cols + c, dyType) * loadElt(z, row * zLd + c, zType);
+    partial[threadIdx.x] = dot;
+    __syncthreads();
+    for (int half = kThreads / 2; half > 0; half /= 2) {
+      if (int(threadIdx.x) < half)
+        partial[threadIdx.x] += partial[threadIdx.x + half];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0)
+      out[id] = partial[0];
+    __syncthreads();
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    benchKernel(Gemm g, int64_t tileM, int64_t tileN, int64_t tilesN) {
+  __shared__ Smem smem;
+  const int64_t ti = blockIdx.x / tilesN, tj = blockIdx.x % tilesN;
+  const int64_t i0 = ti * tileM, j0 = tj * tileN;
+  Gemm t = g;
+  t.a.p = offsetBytes(g.a.p, i0 * g.a.ld, g.a.type);
+  t.b.p = offsetBytes(g.b.p, j0, g.b.type);
+  t.c = const_cast<char *>(offsetBytes(g.c, i0 * g.ldc + j0, g.cType));
+  t.m = min(tileM, g.m - i0);
+  t.n = min(tileN, g.n - j0);
+  gemm(t, smem);
+}
+
+unsigned gridFor(int64_t items) {
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(items, 65535)));
+}
+
+} // namespace
+
+bool built() { return true; }
+
+Error probe(Info *out) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess)
+    return cudaText("no CUDA device", e);
+  if (count == 0)
+    return "no CUDA device: the driver sees none";
+  cudaDeviceProp prop;
+  MOEC_CUDA("cudaGetDeviceProperties", cudaGetDeviceProperties(&prop, 0));
+  out->name = prop.name;
+  out->multiprocessors = prop.multiProcessorCount;
+  out->major = prop.major;
+  out->minor = prop.minor;
+  cudaDriverGetVersion(&out->driverVersion);
+  cudaRuntimeGetVersion(&out->runtimeVersion);
+  if (prop.major < 8)
+    return "the GPU " + out->name + " has compute capability " + std::to_string(prop.major) +
+           "." + std::to_string(prop.minor) + "; the cuda backend needs 8.0 or newer (bf16 "
+           "tensor cores)";
+  return {};
+}
+
+Error allocate(size_t bytes, void **out) {
+  void *p = nullptr;
+  MOEC_CUDA("cudaMalloc of " + std::to_string(bytes) + " bytes", cudaMalloc(&p, std::max<size_t>(bytes, 64)));
+  const cudaError_t e = cudaMemset(p, 0, std::max<size_t>(bytes, 64));
+  if (e != cudaSuccess) {
+    cudaFree(p);
+    return cudaText("cudaMemset", e);
+  }
+  *out = p;
+  return {};
+}
+
+void release(void *memory) {
+  if (memory)
+    cudaFree(memory);
+}
+
+Error copy(void *dst, const void *src, size_t bytes) {
+  if (bytes == 0)
+    return {};
+  MOEC_CUDA("cudaMemcpy", cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+  return {};
+}
+
+bool isDevice(const void *memory) {
+  cudaPointerAttributes attributes;
+  if (cudaPointerGetAttributes(&attributes, memory) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
+Error run(const Program &program, double timeoutSeconds, RunResult *out) {
+  *out = RunResult();
+  const uint32_t logical = program.ranks * program.queues;
+  if (logical == 0)
+    return {};
+  int perSm = 0, device = 0, sms = 0;
+  MOEC_CUDA("cudaGetDevice", cudaGetDevice(&device));
+  MOEC_CUDA("cudaDeviceGetAttribute",
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  MOEC_CUDA("cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, persistentKernel, kThreads, 0));
+  if (perSm < 1)
+    return "the persistent kernel does not fit on a multiprocessor";
+  const uint32_t blocks = std::min<uint32_t>(logical, uint32_t(perSm) * uint32_t(sms));
+  // heads, then the control block, in one allocation.
+  const size_t headBytes = (size_t(logical) * sizeof(uint32_t) + 15) / 16 * 16;
+  void *scratch = nullptr;
+  if (Error e = allocate(headBytes + sizeof(Control), &scratch); !e.empty())
+    return e;
+  uint32_t *heads = static_cast<uint32_t *>(scratch);
+  Control *control = reinterpret_cast<Control *>(static_cast<char *>(scratch) + headBytes);
+  const cudaError_t zeroed =
+      cudaMemset(program.counters, 0, size_t(program.ranks) * program.events * sizeof(uint32_t));
+  if (zeroed != cudaSuccess) {
+    release(scratch);
+    return cudaText("cudaMemset of the event counters", zeroed);
+  }
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  cudaEventRecord(start);
+  const uint64_t timeoutNs = timeoutSeconds > 0 ? uint64_t(timeoutSeconds * 1e9) : 0;
+  persistentKernel<<<blocks, kThreads>>>(program, logical, heads, control, timeoutNs);
+  cudaError_t e = cudaGetLastError();
+  cudaEventRecord(stop);
+  // The device's watchdog ends the kernel; the host waits a little longer
+  // before it calls the kernel lost.
+  const auto begin = std::chrono::steady_clock::now();
+  while (e == cudaSuccess) {
+    e = cudaEventQuery(stop);
+    if (e == cudaSuccess)
+      break;
+    if (e != cudaErrorNotReady)
+      break;
+    e = cudaSuccess;
+    if (timeoutSeconds > 0 &&
+        std::chrono::steady_clock::now() - begin >
+            std::chrono::duration<double>(timeoutSeconds + 30)) {
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+      return "the persistent kernel did not end " + std::to_string(int(timeoutSeconds + 30)) +
+             " s after it started, although its watchdog should have stopped it";
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  if (e != cudaSuccess) {
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    release(scratch);
+    return cudaText("the persistent kernel", e);
+  }
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  Control host;
+  const cudaError_t read = cudaMemcpy(&host, control, sizeof host, cudaMemcpyDeviceToHost);
+  release(scratch);
+  if (read != cudaSuccess)
+    return cudaText("reading the kernel's control block", read);
+  out->watchdog = host.stop != 0;
+  out->stuck = host.stuck;
+  out->tasksRun = host.done;
+  out->blocks = blocks;
+  out->seconds = ms / 1e3;
+  return {};
+}
+
+Error gatherRows(const void *src, uint32_t srcType, const int64_t *order, int64_t topK,
+                 const float *weights, void *dst, uint32_t dstType, int64_t dstLd, int64_t rows,
+                 int64_t cols) {
+  if (rows <= 0 || cols <= 0)
+    return {};
+  gatherKernel<<<gridFor(rows), kThreads>>>(src, srcType, order, topK, weights, dst, dstType,
+                                            dstLd, rows, cols);
+  MOEC_CUDA("the gather kernel", cudaGetLastError());
+  return {};
+}
+
+Error combineRows(const void *z, uint32_t zType, int64_t zLd, const int64_t *position,
+                  const float *weights, int64_t topK, void *out, uint32_t outType, int64_t tokens,
+                  int64_t cols) {
+  if (tokens <= 0 || cols <= 0)
+    return {};
+  combineKernel<<<gridFor(tokens), kThreads>>>(z, zType, zLd, position, weights, topK, out,
+                                               outType, tokens, cols);
+  MOEC_CUDA("the combine kernel", cudaGetLastError());
+  return {};
+}
+
+Error combineWeightGrad(const void *dy, uint32_t dyType, const void *z, uint32_t zType,
+                        int64_t zLd, const int64_t *position, int64_t topK, int64_t tokens,
+                        int64_t cols, float *out) {
+  if (tokens <= 0)
+    return {};
+  weightGradKernel<<<gridFor(tokens * topK), kThreads>>>(dy, dyType, z, zType, zLd, position,
+                                                         topK, tokens, cols, out);
+  MOEC_CUDA("the top-k weight gradient kernel", cudaGetLastError());
+  return {};
+}
+
+Error benchGemm(int64_t m, int64_t n, int64_t k, uint32_t type, uint32_t cType, int64_t tileM,
+                int64_t tileN, int repeats, double *seconds) {
+  const size_t elt = type == kBF16 ? 2 : 4, celt = cType == kBF16 ? 2 : 4;
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  Error err = allocate(size_t(m * k) * elt, &a);
+  if (err.empty())
+    err = allocate(size_t(k * n) * elt, &b);
+  if (err.empty())
+    err = allocate(size_t(m * n) * celt, &c);
+  if (!err.empty()) {
+    release(a);
+    release(b);
+    return err;
+  }
+  Gemm g;
+  g.a = Mat{a, type, k, false};
+  g.b = Mat{b, type, n, false};
+  g.c = c;
+  g.cType = cType;
+  g.ldc = n;
+  g.d = nullptr;
+  g.dType = kF32;
+  g.ldd = 0;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.scale = 1.0f;
+  g.accumulate = false;
+  const int64_t tilesN = (n + tileN - 1) / tileN, tiles = ((m + tileM - 1) / tileM) * tilesN;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  benchKernel<<<unsigned(tiles), kThreads>>>(g, tileM, tileN, tilesN);
+  cudaEventRecord(start);
+  for (int r = 0; r < repeats; ++r)
+    benchKernel<<<unsigned(tiles), kThreads>>>(g, tileM, tileN, tilesN);
+  cudaEventRecord(stop);
+  const cudaError_t e = cudaEventSynchronize(stop);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  release(a);
+  release(b);
+  release(c);
+  MOEC_CUDA("the tile benchmark", e == cudaSuccess ? cudaGetLastError() : e);
+  *seconds = ms / 1e3 / repeats;
+  return {};
+}
+
+} // namespace moec::cuda::device

@@ -1,0 +1,156 @@
+//===- Device.h - The CUDA backend's device side, as plain C++ --*- C++ -*-===//
+//
+// What runtime/cuda/Pass.cpp asks of the GPU, with no CUDA header in sight:
+// memory, copies, the persistent kernel that runs a task program, and the
+// row kernels around it (gather, combine, the top-k weight gradient).
+//
+// Two implementations, one of which is linked (BUILD.bazel, build_device.sh):
+//   Device.cu        built by nvcc where the CUDA toolkit is installed
+//                    (/usr/local/cuda), cudart linked statically;
+//   DeviceStub.cpp   elsewhere: every call says the toolkit was missing.
+//
+// Every call returns an empty string on success, else the error. Tensor
+// element types are moec::DType values (F32, BF16; index tensors I32, I64).
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_CUDA_DEVICE_H
+#define MOEC_RUNTIME_CUDA_DEVICE_H
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace moec::cuda::device {
+
+using Error = std::string;
+
+/// Whether this build has the device code (nvcc was found).
+bool built();
+
+/// The GPU this process runs on.
+struct Info {
+  std::string name;
+  int multiprocessors = 0;
+  int major = 0, minor = 0; ///< compute capability
+  int driverVersion = 0, runtimeVersion = 0;
+};
+/// Finds device 0: "no CUDA device: ..." where there is none.
+Error probe(Info *out);
+
+/// Zeroed device memory.
+Error allocate(size_t bytes, void **out);
+void release(void *memory);
+/// A copy in any direction (unified addressing tells which).
+Error copy(void *dst, const void *src, size_t bytes);
+/// Whether `memory` is device memory (else host memory).
+bool isDevice(const void *memory);
+
+//===----------------------------------------------------------------------===//
+// The task program, as the persistent kernel reads it (device memory)
+//===----------------------------------------------------------------------===//
+
+enum OpKind : uint32_t { kDispatch = 1, kCombine = 2, kGmm = 3, kSwiglu = 4, kSwigluGrad = 5 };
+
+/// An op and its tiling, with what a tile needs precomputed.
+struct Op {
+  uint32_t kind = 0;
+  uint32_t wgrad = 0, transposeB = 0, accumulate = 0;
+  uint32_t experts = 1, peers = 1, rowTiles = 1, colTiles = 1;
+  uint64_t rows = 0, cols = 0, depth = 0;
+  uint32_t a = 0, b = 0, c = 0;    ///< slots: inputs 0 and 1, the output
+  uint32_t addend = 0xFFFFFFFFu;   ///< slot added to an activation-form product
+  uint32_t firstTask = 0;
+  float scale = 1.0f;
+  int64_t expertStride = 0;        ///< elements per expert of the weight (or dW)
+  int64_t ldb = 0, ldc = 0;        ///< the tiling's strides of B and C (weights)
+  /// Puts: the layout slots (size, source offset, target offset).
+  uint32_t sizeSlot = 0, srcOffsetSlot = 0, targetOffsetSlot = 0;
+};
+
+struct Task {
+  uint32_t op, firstWait, waitCount, firstSignal, signalCount;
+};
+struct Wait {
+  uint32_t event, threshold;
+};
+struct Signal {
+  uint32_t event, increment, peerOffset;
+};
+struct Queue {
+  uint32_t firstEntry, entryCount;
+};
+/// A slot's element type and row stride (dims[1]; elements).
+struct Slot {
+  uint32_t dtype;
+  int64_t ld;
+};
+
+/// A program and its memory. Every pointer is device memory.
+struct Program {
+  uint32_t ranks = 1, localExperts = 1, slots = 0, events = 0, queues = 0;
+  int64_t inter = 0;
+  uint32_t glist = 0; ///< the slot of the segments' end rows
+  const Op *ops = nullptr;
+  const Task *tasks = nullptr;
+  const Wait *waits = nullptr;
+  const Signal *signals = nullptr;
+  const Queue *queues_ = nullptr;
+  const uint32_t *entries = nullptr;
+  const Slot *slotInfo = nullptr;
+  void *const *data = nullptr; ///< [rank * slots + slot]
+  uint32_t *counters = nullptr; ///< [rank * events + event], zeroed by run
+};
+
+/// Where the watchdog found the program stuck: a queue's head task and the
+/// first of its waits not met.
+struct Stuck {
+  uint32_t rank = 0, queue = 0, task = 0, event = 0, value = 0, threshold = 0;
+};
+
+struct RunResult {
+  bool watchdog = false; ///< the watchdog stopped the kernel; `stuck` says where
+  Stuck stuck;
+  uint64_t tasksRun = 0;  ///< task runs completed
+  uint32_t blocks = 0;    ///< thread blocks of the persistent kernel
+  double seconds = 0;     ///< the kernel's time (CUDA events)
+};
+
+/// Runs every rank's queues of `program` as one persistent kernel: each
+/// thread block runs the logical queues (rank, queue) it owns, each in
+/// order, a head task once its waits are met; signals are atomic adds on
+/// device counters (release), waits acquire loads. When no task completes
+/// for `timeoutSeconds` (> 0) the kernel stops and `out->watchdog` is set.
+Error run(const Program &program, double timeoutSeconds, RunResult *out);
+
+//===----------------------------------------------------------------------===//
+// Row kernels (device pointers; `weights` may be null)
+//===----------------------------------------------------------------------===//
+
+/// dst row i (ld dstLd) = src row order[i] / topK ([., cols], ld cols), times
+/// weights[order[i]] when given; for i < rows.
+Error gatherRows(const void *src, uint32_t srcType, const int64_t *order, int64_t topK,
+                 const float *weights, void *dst, uint32_t dstType, int64_t dstLd, int64_t rows,
+                 int64_t cols);
+
+/// out[t] = sum over k ascending of w[t, k] * z[position[t * topK + k]]
+/// (w = 1 without weights), fp32, rounded once; t < tokens.
+Error combineRows(const void *z, uint32_t zType, int64_t zLd, const int64_t *position,
+                  const float *weights, int64_t topK, void *out, uint32_t outType, int64_t tokens,
+                  int64_t cols);
+
+/// out[t * topK + k] = <dy[t], z[position[t * topK + k]]> (fp32).
+Error combineWeightGrad(const void *dy, uint32_t dyType, const void *z, uint32_t zType,
+                        int64_t zLd, const int64_t *position, int64_t topK, int64_t tokens,
+                        int64_t cols, float *out);
+
+/// The GMM tile function of the persistent kernel on one product, for
+/// benchmarks: C[m, n] = A[m, k] B[k, n], A and B row-major of `type`, C of
+/// `cType`, cut into tileM x tileN tiles, one thread block each. Returns the
+/// mean seconds of `repeats` launches (after one warm-up).
+Error benchGemm(int64_t m, int64_t n, int64_t k, uint32_t type, uint32_t cType, int64_t tileM,
+                int64_t tileN, int repeats, double *seconds);
+
+} // namespace moec::cuda::device
+
+#endif // MOEC_RUNTIME_CUDA_DEVICE_H

@@ -1,0 +1,475 @@
+//===- Pass.cpp - One pass of a layer binary on an NVIDIA GPU ---------------===//
+//
+// See Pass.h. The host half: the program's tables turned into the device's
+// records (Device.h) and uploaded once, the workspace, staging of host
+// tensors, the layout tensors (computed on the host, as for the CPU, and
+// copied up), and the watchdog's report in the program's names.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/cuda/Pass.h"
+
+#include "runtime/cuda/Device.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace moec::cuda {
+
+using format::OpKind;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Status check(const device::Error &error, std::string_view what = {}) {
+  if (error.empty())
+    return Status::success();
+  return Status::error(what.empty() ? error : fmt::format("{}: {}", what, error));
+}
+
+size_t slotSize(const format::SlotRecord &slot) {
+  return size_t(backend::slotElements(slot)) * dtypeSize(slot.dtype);
+}
+
+template <typename T> size_t bytesOf(const std::vector<T> &v) { return v.size() * sizeof(T); }
+
+} // namespace
+
+struct Pass::Tables {
+  device::Program program;
+  Buffer records; ///< ops, tasks, waits, signals, queues, entries, slots
+  Buffer dataTable, counters;
+};
+
+Status describeDevice(std::string *out) {
+  if (!device::built())
+    return Status::error(device::Error("moec was built without the CUDA toolkit "
+                                       "(no /usr/local/cuda/bin/nvcc at build time)"));
+  device::Info info;
+  if (Status s = check(device::probe(&info)); !s)
+    return s;
+  *out = fmt::format("{}, {} SMs, compute {}.{}, driver {}.{}, runtime {}.{}", info.name,
+                     info.multiprocessors, info.major, info.minor, info.driverVersion / 1000,
+                     info.driverVersion % 1000 / 10, info.runtimeVersion / 1000,
+                     info.runtimeVersion % 1000 / 10);
+  return Status::success();
+}
+
+Pass::~Pass() {
+  for (Buffer &b : owned)
+    device::release(b.memory);
+  for (auto &rank : staged)
+    for (Staged &s : rank)
+      device::release(s.device.memory);
+  for (auto *list : {&order, &position, &weights, &rows, &results})
+    for (Buffer &b : *list)
+      device::release(b.memory);
+  if (device) {
+    device::release(device->records.memory);
+    device::release(device->dataTable.memory);
+    device::release(device->counters.memory);
+  }
+}
+
+Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                    const backend::PassOptions &options, std::unique_ptr<Pass> *out) {
+  if (!options.fabric || !options.fabric->allLocal())
+    return Status::error("the cuda backend runs every rank of the EP group in one process on "
+                         "one GPU; it does not run under MPI");
+  if (options.trace)
+    return Status::error("the cuda backend records no task trace (the cpu backend does)");
+  std::string gpu;
+  if (Status s = describeDevice(&gpu); !s)
+    return s.withPrefix("the cuda backend: ");
+  std::unique_ptr<Pass> pass(new Pass());
+  pass->program = &program;
+  pass->layer = &plan;
+  pass->options = options;
+  const uint32_t R = program.epRanks;
+  const size_t S = program.slots.size();
+  pass->data.assign(R, std::vector<void *>(S, nullptr));
+  pass->staged.resize(R);
+  for (auto &rank : pass->staged)
+    rank.resize(S);
+  pass->isOutput.assign(S, false);
+  pass->layoutHost.assign(R, std::vector<std::vector<uint8_t>>(S));
+  for (auto *list : {&pass->order, &pass->position, &pass->weights, &pass->rows, &pass->results})
+    list->resize(R);
+
+  // The records the kernel reads.
+  std::vector<device::Op> ops;
+  for (const format::OpRecord &op : program.ops) {
+    const format::TilingRecord &t = program.tilings[op.tiling];
+    device::Op d;
+    d.kind = uint32_t(op.kind);
+    d.wgrad = op.kind == OpKind::Gmm && t.depth == 0;
+    d.transposeB = (t.flags & format::kTilingTransposeB) != 0;
+    d.accumulate = (t.flags & format::kTilingAccumulate) != 0;
+    d.experts = t.experts;
+    d.peers = t.peers;
+    d.rowTiles = t.rowTiles;
+    d.colTiles = t.colTiles;
+    d.rows = t.rows;
+    d.cols = t.cols;
+    d.depth = t.depth;
+    d.a = t.inputSlots[0];
+    d.b = t.inputSlots[1];
+    d.c = t.outputSlot;
+    if (op.kind == OpKind::Gmm && !d.wgrad && t.inputCount == 4)
+      d.addend = t.inputSlots[3];
+    d.firstTask = op.firstTask;
+    d.scale = (t.flags & format::kTilingScale) ? t.scale : 1.0f;
+    if (op.kind == OpKind::Gmm) {
+      const format::SlotRecord &w = program.slots[d.wgrad ? t.outputSlot : t.inputSlots[1]];
+      d.expertStride = int64_t(w.dims[1] * w.dims[2]);
+    }
+    d.ldb = t.ldb;
+    d.ldc = t.ldc;
+    const bool combine = op.kind == OpKind::Combine;
+    d.sizeSlot = combine ? plan.cSize : plan.dSize;
+    d.srcOffsetSlot = combine ? plan.cSrcOffset : plan.dSrcOffset;
+    d.targetOffsetSlot = combine ? plan.cTargetOffset : plan.dTargetOffset;
+    if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine) {
+      const format::SlotRecord &from = program.slots[d.b], &to = program.slots[d.c];
+      if (from.dtype != to.dtype)
+        return Status::error(fmt::format("op '{}': a put from {} rows to {} rows",
+                                         program.name(op.name), dtypeName(from.dtype),
+                                         dtypeName(to.dtype)));
+    }
+    pass->isOutput[t.outputSlot] = true;
+    ops.push_back(d);
+  }
+  std::vector<device::Task> tasks;
+  for (const format::TaskRecord &t : program.tasks)
+    tasks.push_back({t.op, t.firstWait, t.waitCount, t.firstSignal, t.signalCount});
+  std::vector<device::Wait> waits;
+  for (const format::WaitRecord &w : program.waits)
+    waits.push_back({w.event, w.threshold});
+  std::vector<device::Signal> signals;
+  for (const format::SignalRecord &s : program.signals)
+    signals.push_back({s.event, s.increment, s.peerOffset});
+  std::vector<device::Queue> queues;
+  for (const format::QueueRecord &q : program.queues)
+    queues.push_back({q.firstEntry, q.entryCount});
+  std::vector<device::Slot> slots;
+  for (const format::SlotRecord &s : program.slots)
+    slots.push_back({uint32_t(s.dtype), s.rank >= 2 ? int64_t(s.dims[1]) : 1});
+
+  // One upload: each array 16-byte aligned in one buffer.
+  std::vector<uint8_t> blob;
+  const auto place = [&](const void *from, size_t bytes) {
+    const size_t at = (blob.size() + 15) / 16 * 16;
+    blob.resize(at + bytes);
+    if (bytes)
+      std::memcpy(blob.data() + at, from, bytes);
+    return at;
+  };
+  const size_t opsAt = place(ops.data(), bytesOf(ops));
+  const size_t tasksAt = place(tasks.data(), bytesOf(tasks));
+  const size_t waitsAt = place(waits.data(), bytesOf(waits));
+  const size_t signalsAt = place(signals.data(), bytesOf(signals));
+  const size_t queuesAt = place(queues.data(), bytesOf(queues));
+  const size_t entriesAt = place(program.queueEntries.data(), bytesOf(program.queueEntries));
+  const size_t slotsAt = place(slots.data(), bytesOf(slots));
+  pass->device = std::make_unique<Tables>();
+  Tables &d = *pass->device;
+  if (Status s = check(device::allocate(blob.size(), &d.records.memory), "the program's tables");
+      !s)
+    return s;
+  if (Status s = check(device::copy(d.records.memory, blob.data(), blob.size())); !s)
+    return s;
+  if (Status s = check(device::allocate(size_t(R) * S * sizeof(void *), &d.dataTable.memory));
+      !s)
+    return s;
+  if (Status s = check(device::allocate(
+          std::max<size_t>(1, size_t(R) * program.events.size()) * sizeof(uint32_t),
+          &d.counters.memory));
+      !s)
+    return s;
+  const auto at = [&](size_t offset) { return static_cast<char *>(d.records.memory) + offset; };
+  device::Program &p = d.program;
+  p.ranks = R;
+  p.localExperts = program.localExperts;
+  p.slots = uint32_t(S);
+  p.events = uint32_t(program.events.size());
+  p.queues = uint32_t(program.queues.size());
+  p.inter = plan.shape.inter;
+  p.glist = plan.glist;
+  p.ops = reinterpret_cast<const device::Op *>(at(opsAt));
+  p.tasks = reinterpret_cast<const device::Task *>(at(tasksAt));
+  p.waits = reinterpret_cast<const device::Wait *>(at(waitsAt));
+  p.signals = reinterpret_cast<const device::Signal *>(at(signalsAt));
+  p.queues_ = reinterpret_cast<const device::Queue *>(at(queuesAt));
+  p.entries = reinterpret_cast<const uint32_t *>(at(entriesAt));
+  p.slotInfo = reinterpret_cast<const device::Slot *>(at(slotsAt));
+  p.data = static_cast<void *const *>(d.dataTable.memory);
+  p.counters = static_cast<uint32_t *>(d.counters.memory);
+  *out = std::move(pass);
+  return Status::success();
+}
+
+uint64_t Pass::workspaceNeeded() const {
+  if (allocated)
+    return 0;
+  const std::vector<uint32_t> caller = layer->boundSlots();
+  uint64_t needed = 0;
+  for (uint32_t slot = 0; slot < program->slots.size(); ++slot)
+    if (std::find(caller.begin(), caller.end(), slot) == caller.end())
+      needed += uint64_t(slotSize(program->slots[slot])) * program->epRanks;
+  return needed;
+}
+
+Status Pass::grow(Buffer *buffer, size_t bytes) {
+  if (buffer->bytes >= bytes && buffer->memory)
+    return Status::success();
+  device::release(buffer->memory);
+  *buffer = Buffer();
+  if (Status s = check(device::allocate(bytes, &buffer->memory)); !s)
+    return s;
+  buffer->bytes = bytes;
+  return Status::success();
+}
+
+Status Pass::allocate() {
+  if (allocated)
+    return Status::success();
+  const std::vector<uint32_t> caller = layer->boundSlots();
+  for (uint32_t slot = 0; slot < program->slots.size(); ++slot) {
+    if (std::find(caller.begin(), caller.end(), slot) != caller.end())
+      continue;
+    const size_t bytes = slotSize(program->slots[slot]);
+    for (uint32_t r = 0; r < program->epRanks; ++r) {
+      Buffer b;
+      if (Status s = check(device::allocate(bytes, &b.memory),
+                           fmt::format("slot '{}' of rank {}",
+                                       program->name(program->slots[slot].name), r));
+          !s)
+        return s;
+      b.bytes = bytes;
+      owned.push_back(b);
+      data[r][slot] = b.memory;
+      ownedBytes += bytes;
+    }
+  }
+  allocated = true;
+  return Status::success();
+}
+
+void Pass::bindSlot(uint32_t rank, uint32_t slot, void *memory) {
+  Staged &s = staged[rank][slot];
+  if (memory == nullptr || device::isDevice(memory)) {
+    s.host = nullptr;
+    data[rank][slot] = memory;
+    return;
+  }
+  // A host tensor: staged through device memory (allocated in runTasks,
+  // where an error can be returned).
+  s.host = memory;
+  s.bytes = slotSize(program->slots[slot]);
+  s.output = isOutput[slot];
+  data[rank][slot] = nullptr;
+}
+
+Status Pass::onDevice(const void *memory, size_t bytes, Buffer *staging, const void **out) {
+  if (device::isDevice(memory)) {
+    *out = memory;
+    return Status::success();
+  }
+  if (Status s = grow(staging, bytes); !s)
+    return s;
+  if (Status s = check(device::copy(staging->memory, memory, bytes)); !s)
+    return s;
+  *out = staging->memory;
+  return Status::success();
+}
+
+Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
+  const rt::LayerPlan &plan = *layer;
+  for (uint32_t slot : {plan.dSize, plan.dSrcOffset, plan.dTargetOffset, plan.cSize,
+                        plan.cSrcOffset, plan.cTargetOffset, plan.glist})
+    if (slot != rt::kNoSlot)
+      for (uint32_t r = 0; r < program->epRanks; ++r)
+        layoutHost[r][slot].assign(slotSize(program->slots[slot]), 0);
+  backend::fillLayoutTensors(*program, plan, routes, 0, program->epRanks,
+                             [&](uint32_t rank, uint32_t slot) -> void * {
+                               return layoutHost[rank][slot].data();
+                             });
+  for (uint32_t r = 0; r < program->epRanks; ++r) {
+    for (uint32_t slot = 0; slot < program->slots.size(); ++slot)
+      if (!layoutHost[r][slot].empty())
+        if (Status s = check(device::copy(data[r][slot], layoutHost[r][slot].data(),
+                                          layoutHost[r][slot].size()),
+                             "the layout tensors");
+            !s)
+          return s;
+    const cpu::RoutingLayout &layout = routes[r].layout;
+    const size_t ids = layout.order.size() * sizeof(int64_t);
+    if (Status s = grow(&order[r], ids); !s)
+      return s;
+    if (Status s = grow(&position[r], ids); !s)
+      return s;
+    if (Status s = grow(&weights[r], routes[r].weights.size() * sizeof(float)); !s)
+      return s;
+    if (Status s = check(device::copy(order[r].memory, layout.order.data(), ids)); !s)
+      return s;
+    if (Status s = check(device::copy(position[r].memory, layout.position.data(), ids)); !s)
+      return s;
+    if (Status s = check(device::copy(weights[r].memory, routes[r].weights.data(),
+                                      routes[r].weights.size() * sizeof(float)));
+        !s)
+      return s;
+  }
+  return Status::success();
+}
+
+Status Pass::gatherSendRows(const std::vector<backend::RankRoute> &routes,
+                            const std::vector<const void *> &source, bool weighted) {
+  const rt::LayerPlan &plan = *layer;
+  const DType act = plan.shape.activations;
+  const int64_t H = plan.shape.hidden;
+  const format::SlotRecord &src = program->slots[plan.src];
+  for (uint32_t r = 0; r < program->epRanks; ++r) {
+    const backend::RankRoute &route = routes[r];
+    const void *from = nullptr;
+    if (Status s = onDevice(source[r], size_t(route.tokens * H) * dtypeSize(act), &rows[r], &from);
+        !s)
+      return s;
+    if (Status s = check(device::gatherRows(
+            from, uint32_t(act), static_cast<const int64_t *>(order[r].memory), route.topK,
+            weighted ? static_cast<const float *>(weights[r].memory) : nullptr, data[r][plan.src],
+            uint32_t(src.dtype), int64_t(src.dims[1]), route.tokens * route.topK, H));
+        !s)
+      return s;
+  }
+  return Status::success();
+}
+
+Status Pass::runTasks() {
+  const Clock::time_point t0 = Clock::now();
+  tasksStart = t0;
+  const uint32_t R = program->epRanks;
+  const size_t S = program->slots.size();
+  // Host tensors in; the data table up.
+  for (uint32_t r = 0; r < R; ++r)
+    for (uint32_t slot = 0; slot < S; ++slot) {
+      Staged &s = staged[r][slot];
+      if (!s.host)
+        continue;
+      if (Status st = grow(&s.device, s.bytes); !st)
+        return st;
+      if (Status st = check(device::copy(s.device.memory, s.host, s.bytes),
+                            fmt::format("staging slot '{}' of rank {}",
+                                        program->name(program->slots[slot].name), r));
+          !st)
+        return st;
+      data[r][slot] = s.device.memory;
+    }
+  std::vector<void *> table;
+  for (uint32_t r = 0; r < R; ++r)
+    for (uint32_t slot = 0; slot < S; ++slot) {
+      if (!data[r][slot])
+        return Status::error(fmt::format("rank {}: slot '{}' has no memory (not bound)", r,
+                                         program->name(program->slots[slot].name)));
+      table.push_back(data[r][slot]);
+    }
+  if (Status s = check(device::copy(device->dataTable.memory, table.data(), bytesOf(table))); !s)
+    return s;
+
+  device::RunResult result;
+  if (Status s = check(device::run(device->program, options.timeoutSeconds, &result)); !s)
+    return s;
+  lastBlocks = result.blocks;
+  taskTime = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (result.watchdog) {
+    const device::Stuck &at = result.stuck;
+    const format::QueueRecord &queue = program->queues[at.queue];
+    const format::TaskRecord &task = program->tasks[at.task];
+    const format::EventRecord &event = program->events[at.event];
+    return Status::error(fmt::format(
+        "watchdog: no task completed for {} s on the GPU ({} of {} task runs completed): rank "
+        "{}, {} core {}, task {} (op '{}') waits for event {} '{}' (value {}, needs {})",
+        options.timeoutSeconds, result.tasksRun, uint64_t(program->tasks.size()) * R, at.rank,
+        format::coreKindName(queue.coreKind), queue.coreIndex, at.task,
+        program->name(program->ops[task.op].name), at.event, program->name(event.name),
+        at.value, at.threshold));
+  }
+  // Outputs the program wrote into host tensors go back.
+  for (uint32_t r = 0; r < R; ++r)
+    for (uint32_t slot = 0; slot < S; ++slot) {
+      const Staged &s = staged[r][slot];
+      if (s.host && s.output)
+        if (Status st = check(device::copy(const_cast<void *>(s.host), s.device.memory, s.bytes));
+            !st)
+          return st;
+    }
+  taskTime = std::chrono::duration<double>(Clock::now() - t0).count();
+  return Status::success();
+}
+
+Status Pass::combine(const std::vector<backend::RankRoute> &routes, const std::vector<void *> &out,
+                     bool weighted) {
+  const rt::LayerPlan &plan = *layer;
+  const DType act = plan.shape.activations;
+  const int64_t H = plan.shape.hidden;
+  const format::SlotRecord &returned = program->slots[plan.returned];
+  for (uint32_t r = 0; r < program->epRanks; ++r) {
+    const backend::RankRoute &route = routes[r];
+    const size_t bytes = size_t(route.tokens * H) * dtypeSize(act);
+    const bool direct = device::isDevice(out[r]);
+    if (!direct)
+      if (Status s = grow(&results[r], bytes); !s)
+        return s;
+    void *to = direct ? out[r] : results[r].memory;
+    if (Status s = check(device::combineRows(
+            data[r][plan.returned], uint32_t(returned.dtype), int64_t(returned.dims[1]),
+            static_cast<const int64_t *>(position[r].memory),
+            weighted ? static_cast<const float *>(weights[r].memory) : nullptr, route.topK, to,
+            uint32_t(act), route.tokens, H));
+        !s)
+      return s;
+    if (!direct)
+      if (Status s = check(device::copy(out[r], to, bytes)); !s)
+        return s;
+  }
+  return Status::success();
+}
+
+Status Pass::topkWeightGrad(const backend::Pass &forward,
+                            const std::vector<backend::RankRoute> &routes,
+                            const std::vector<const void *> &dy, const std::vector<float *> &out) {
+  if (forward.kind() != backend::Kind::Cuda)
+    return Status::error("the top-k weight gradient needs the forward pass on the GPU too");
+  const rt::LayerPlan &saved = forward.plan();
+  const DType act = layer->shape.activations;
+  const int64_t H = layer->shape.hidden;
+  const format::SlotRecord &returned = forward.tasks().slots[saved.returned];
+  for (uint32_t r = 0; r < program->epRanks; ++r) {
+    const backend::RankRoute &route = routes[r];
+    const void *grad = nullptr;
+    // dy was staged by gatherSendRows when it is host memory.
+    if (Status s = onDevice(dy[r], size_t(route.tokens * H) * dtypeSize(act), &rows[r], &grad);
+        !s)
+      return s;
+    const size_t bytes = size_t(route.tokens * route.topK) * sizeof(float);
+    const bool direct = device::isDevice(out[r]);
+    if (!direct)
+      if (Status s = grow(&results[r], bytes); !s)
+        return s;
+    float *to = direct ? out[r] : static_cast<float *>(results[r].memory);
+    if (Status s = check(device::combineWeightGrad(
+            grad, uint32_t(act), forward.slot(r, saved.returned), uint32_t(returned.dtype),
+            int64_t(returned.dims[1]), static_cast<const int64_t *>(position[r].memory),
+            route.topK, route.tokens, H, to));
+        !s)
+      return s;
+    if (!direct)
+      if (Status s = check(device::copy(out[r], to, bytes)); !s)
+        return s;
+  }
+  return Status::success();
+}
+
+} // namespace moec::cuda

@@ -1,0 +1,115 @@
+//===- Pass.h - One pass of a layer binary on an NVIDIA GPU -----*- C++ -*-===//
+//
+// The CUDA backend (runtime/backend/Pass.h). Every rank of the EP group
+// lives on the one GPU, as in-process ranks do on the CPU: each has its own
+// copy of every slot in device memory, and a put from one rank to another is
+// a copy between their regions, signalled by an atomic add on the peer's
+// event counter. The task program runs as one persistent kernel
+// (runtime/cuda/Device.h): logical cube and vector cores are thread blocks'
+// queues, events are counters in device memory, a stuck event ends in the
+// device watchdog's error naming the rank, core, task and event.
+//
+// Memory. Tensors bound as device memory are used in place (the activations
+// the forward pass saves for backward, a framework's CUDA tensors). Tensors
+// bound as host memory are staged: copied to the GPU before the task
+// program, and the ones the program writes (weight gradients) copied back
+// after it. x, dy, y, dx and dtopk_weights may be host or device memory too.
+//
+// Limits: every rank must run in this process (no MPI fabric); no task
+// trace and no op-by-op schedule (the CPU backend has both).
+//
+// Without the CUDA toolkit at build time the backend is still built, and
+// create() says so.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_CUDA_PASS_H
+#define MOEC_RUNTIME_CUDA_PASS_H
+
+#include "runtime/backend/Pass.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace moec::cuda {
+
+/// The GPU the backend would run on: "NVIDIA H100 80GB HBM3, 132 SMs,
+/// compute 9.0, driver 13.0", or the reason there is none.
+Status describeDevice(std::string *out);
+
+class Pass final : public backend::Pass {
+public:
+  /// Creates the pass of `program` (whose roles are `plan`; both must outlive
+  /// the pass) and uploads its tables to the GPU.
+  static Status create(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                       const backend::PassOptions &options, std::unique_ptr<Pass> *out);
+  ~Pass() override;
+
+  backend::Kind kind() const override { return backend::Kind::Cuda; }
+  const format::TaskProgram &tasks() const override { return *program; }
+  const rt::LayerPlan &plan() const override { return *layer; }
+  Status allocate() override;
+  size_t workspaceBytes() const override { return ownedBytes; }
+  uint64_t workspaceNeeded() const override;
+  void *slot(uint32_t rank, uint32_t slot) const override { return data[rank][slot]; }
+  void bindSlot(uint32_t rank, uint32_t slot, void *memory) override;
+  Status fillLayout(const std::vector<backend::RankRoute> &routes) override;
+  Status gatherSendRows(const std::vector<backend::RankRoute> &routes,
+                        const std::vector<const void *> &source, bool weighted) override;
+  Status runTasks() override;
+  double tasksShare() const override { return 0.0; }
+  Status combine(const std::vector<backend::RankRoute> &routes, const std::vector<void *> &out,
+                 bool weighted) override;
+  Status topkWeightGrad(const backend::Pass &forward,
+                        const std::vector<backend::RankRoute> &routes,
+                        const std::vector<const void *> &dy,
+                        const std::vector<float *> &out) override;
+  double tasksSeconds() const override { return taskTime; }
+  const trace::Trace &tasksTrace() const override { return noTrace; }
+  std::chrono::steady_clock::time_point tasksStarted() const override { return tasksStart; }
+
+  /// The persistent kernel's thread blocks in the last runTasks().
+  uint32_t blocks() const { return lastBlocks; }
+
+private:
+  Pass() = default;
+  /// Device memory that is freed with the pass.
+  struct Buffer {
+    void *memory = nullptr;
+    size_t bytes = 0;
+  };
+  /// A caller's host tensor bound to a slot, and its copy on the GPU.
+  struct Staged {
+    const void *host = nullptr;
+    Buffer device;
+    size_t bytes = 0;
+    bool output = false; ///< the program writes it: copied back after the tasks
+  };
+  Status grow(Buffer *buffer, size_t bytes);
+  /// `memory` on the GPU: itself when it is device memory, else a copy of
+  /// its `bytes` in `staging`.
+  Status onDevice(const void *memory, size_t bytes, Buffer *staging, const void **out);
+
+  const format::TaskProgram *program = nullptr;
+  const rt::LayerPlan *layer = nullptr;
+  backend::PassOptions options;
+  std::vector<Buffer> owned;                ///< everything freed with the pass
+  std::vector<std::vector<void *>> data;    ///< [rank][slot], device pointers
+  std::vector<std::vector<Staged>> staged;  ///< [rank][slot]
+  std::vector<bool> isOutput;               ///< per slot: an op writes it
+  std::vector<std::vector<std::vector<uint8_t>>> layoutHost; ///< [rank][slot] layout tensors
+  std::vector<Buffer> order, position, weights, rows, results; ///< per rank, grow-only
+  size_t ownedBytes = 0;
+  bool allocated = false;
+  double taskTime = 0;
+  uint32_t lastBlocks = 0;
+  std::chrono::steady_clock::time_point tasksStart;
+  trace::Trace noTrace;
+  struct Tables;
+  std::unique_ptr<Tables> device; ///< the device::Program the kernel reads
+};
+
+} // namespace moec::cuda
+
+#endif // MOEC_RUNTIME_CUDA_PASS_H

@@ -98,9 +98,11 @@ struct Gemm {
   bool accumulate;
 };
 
+constexpr int kTcBK = 64; ///< the tensor-core path's depth per shared-memory step
+
 struct SmemTc {
-  __nv_bfloat16 a[kBM][kBK + 8];
-  __nv_bfloat16 b[kBK][kBN + 8];
+  __nv_bfloat16 a[kBM][kTcBK + 8];
+  __nv_bfloat16 b[kTcBK][kBN + 8];
   float stage[kThreads / 32][16 * 16];
 };
 struct SmemF32 {
@@ -162,39 +164,42 @@ __device__ __forceinline__ void loadBf16(const Mat &x, int64_t r0, int64_t c0, i
   }
 }
 
-__device__ void gemmTensorCores(const Gemm &g, SmemTc &s) {
+/// Blocks of 128 x kN of C: 8 warps as (8 / (kN / 32)) x (kN / 32), each
+/// warp 16 x 16 fragments over its (128 / warpsM) x 32 part.
+template <int kN> __device__ void gemmTensorCores(const Gemm &g, SmemTc &s) {
   using namespace nvcuda;
+  constexpr int kWarpsN = kN / 32, kWarpsM = 8 / kWarpsN, kFragsM = kBM / kWarpsM / 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = warp / 4, wn = warp % 4; // 2 x 4 warps of 64 x 32
+  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
   for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
-    for (int64_t j0 = 0; j0 < g.n; j0 += kBN) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
-      for (int x = 0; x < 4; ++x)
+    for (int64_t j0 = 0; j0 < g.n; j0 += kN) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kFragsM][2];
+      for (int x = 0; x < kFragsM; ++x)
         for (int y = 0; y < 2; ++y)
           wmma::fill_fragment(acc[x][y], 0.0f);
-      for (int64_t p0 = 0; p0 < g.k; p0 += kBK) {
+      for (int64_t p0 = 0; p0 < g.k; p0 += kTcBK) {
         __syncthreads();
-        loadBf16<kBM, kBK, kBK + 8>(g.a, i0, p0, g.m, g.k, s.a);
-        loadBf16<kBK, kBN, kBN + 8>(g.b, p0, j0, g.k, g.n, s.b);
+        loadBf16<kBM, kTcBK, kTcBK + 8>(g.a, i0, p0, g.m, g.k, s.a);
+        loadBf16<kTcBK, kN, kBN + 8>(g.b, p0, j0, g.k, g.n, s.b);
         __syncthreads();
-        for (int kk = 0; kk < kBK; kk += 16) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[4];
+        for (int kk = 0; kk < kTcBK; kk += 16) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[kFragsM];
           wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb[2];
-          for (int x = 0; x < 4; ++x)
-            wmma::load_matrix_sync(fa[x], &s.a[wm * 64 + x * 16][kk], kBK + 8);
+          for (int x = 0; x < kFragsM; ++x)
+            wmma::load_matrix_sync(fa[x], &s.a[wm * (kBM / kWarpsM) + x * 16][kk], kTcBK + 8);
           for (int y = 0; y < 2; ++y)
             wmma::load_matrix_sync(fb[y], &s.b[kk][wn * 32 + y * 16], kBN + 8);
-          for (int x = 0; x < 4; ++x)
+          for (int x = 0; x < kFragsM; ++x)
             for (int y = 0; y < 2; ++y)
               wmma::mma_sync(acc[x][y], fa[x], fb[y], acc[x][y]);
         }
       }
       float *stage = s.stage[warp];
-      for (int x = 0; x < 4; ++x)
+      for (int x = 0; x < kFragsM; ++x)
         for (int y = 0; y < 2; ++y) {
           wmma::store_matrix_sync(stage, acc[x][y], 16, wmma::mem_row_major);
           __syncwarp();
-          const int64_t bi = i0 + wm * 64 + x * 16, bj = j0 + wn * 32 + y * 16;
+          const int64_t bi = i0 + wm * (kBM / kWarpsM) + x * 16, bj = j0 + wn * 32 + y * 16;
           for (int e = lane; e < 256; e += 32) {
             const int64_t i = bi + e / 16, j = bj + e % 16;
             if (i < g.m && j < g.n)
@@ -249,8 +254,15 @@ __device__ void gemmFp32(const Gemm &g, SmemF32 &s) {
 __device__ void gemm(const Gemm &g, Smem &s) {
   if (g.m <= 0 || g.n <= 0)
     return;
-  if (g.a.type == kBF16 && g.b.type == kBF16)
-    gemmTensorCores(g, s.tc);
+  if (g.a.type == kBF16 && g.b.type == kBF16) {
+    // Narrow tiles (a column split over many cores) take narrower blocks.
+    if (g.n <= 32)
+      gemmTensorCores<32>(g, s.tc);
+    else if (g.n <= 64)
+      gemmTensorCores<64>(g, s.tc);
+    else
+      gemmTensorCores<128>(g, s.tc);
+  }
   else
     gemmFp32(g, s.f);
 }
@@ -448,7 +460,10 @@ struct Control {
   unsigned long long done; ///< task runs completed
   uint32_t stop;           ///< set by the watchdog: every block leaves
   uint32_t stuckSet;
-  Stuck stuck;
+  uint32_t stuckCount;
+  Stuck stuck[kStuckReported];
+  unsigned long long opNs[kOpsProfiled]; ///< block-time running each op's tasks
+  unsigned long long idleNs;             ///< block-time finding no ready queue
 };
 
 __device__ __forceinline__ uint64_t nowNs() {
@@ -484,7 +499,9 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0)
     seenAt = nowNs();
   for (;;) {
+    uint64_t began = 0;
     if (threadIdx.x == 0) {
+      const uint64_t looking = nowNs();
       int64_t pick = -1;
       for (;;) {
         if (*reinterpret_cast<volatile uint32_t *>(&control->stop))
@@ -519,22 +536,27 @@ __global__ void __launch_bounds__(kThreads)
           seenAt = now;
         } else if (timeoutNs > 0 && now - seenAt > timeoutNs) {
           if (atomicCAS(&control->stuckSet, 0u, 1u) == 0u) {
-            for (uint32_t q2 = blockIdx.x; q2 < logical; q2 += gridDim.x) {
+            // Every unfinished queue whose head waits (other blocks' heads
+            // read as they are now), by rank and queue.
+            uint32_t count = 0;
+            for (uint32_t q2 = 0; q2 < logical && count < kStuckReported; ++q2) {
               const uint32_t rank = q2 / P.queues, queue = q2 % P.queues;
               const Queue qr = P.queues_[queue];
-              if (heads[q2] >= qr.entryCount)
+              const uint32_t head = *reinterpret_cast<volatile uint32_t *>(&heads[q2]);
+              if (head >= qr.entryCount)
                 continue;
-              const uint32_t t = P.entries[qr.firstEntry + heads[q2]];
+              const uint32_t t = P.entries[qr.firstEntry + head];
               const Task task = P.tasks[t];
               const int w = firstUnmet(P, rank, task);
               if (w < 0)
                 continue;
               const Wait wait = P.waits[task.firstWait + w];
-              control->stuck = Stuck{rank, queue, t, wait.event,
-                                     acquireLoad(&P.counters[size_t(rank) * P.events + wait.event]),
-                                     wait.threshold};
-              break;
+              control->stuck[count++] =
+                  Stuck{rank, queue, t, wait.event,
+                        acquireLoad(&P.counters[size_t(rank) * P.events + wait.event]),
+                        wait.threshold};
             }
+            control->stuckCount = count;
             __threadfence();
             atomicExch(&control->stop, 1u);
           }
@@ -545,6 +567,8 @@ __global__ void __launch_bounds__(kThreads)
       action = pick;
       if (pick >= 0)
         cursor = uint32_t(pick);
+      began = nowNs();
+      atomicAdd(&control->idleNs, (unsigned long long)(began - looking));
     }
     __syncthreads();
     const int64_t q = action;
@@ -565,6 +589,8 @@ __global__ void __launch_bounds__(kThreads)
       }
       heads[q] += 1;
       atomicAdd(&control->done, 1ull);
+      atomicAdd(&control->opNs[min(task.op, kOpsProfiled - 1)],
+                (unsigned long long)(nowNs() - began));
     }
   }
 }
@@ -772,9 +798,12 @@ Error run(const Program &program, double timeoutSeconds, RunResult *out) {
   if (read != cudaSuccess)
     return cudaText("reading the kernel's control block", read);
   out->watchdog = host.stop != 0;
-  out->stuck = host.stuck;
+  out->stuck.assign(host.stuck, host.stuck + std::min(host.stuckCount, kStuckReported));
   out->tasksRun = host.done;
   out->blocks = blocks;
+  for (uint32_t i = 0; i < kOpsProfiled; ++i)
+    out->opSeconds.push_back(double(host.opNs[i]) * 1e-9);
+  out->idleSeconds = double(host.idleNs) * 1e-9;
   out->seconds = ms / 1e3;
   return {};
 }

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moec::cuda::device {
 
@@ -108,13 +109,23 @@ struct Stuck {
   uint32_t rank = 0, queue = 0, task = 0, event = 0, value = 0, threshold = 0;
 };
 
+/// The most stuck queues a watchdog report lists.
+inline constexpr uint32_t kStuckReported = 8;
+
 struct RunResult {
   bool watchdog = false; ///< the watchdog stopped the kernel; `stuck` says where
-  Stuck stuck;
+  std::vector<Stuck> stuck; ///< unfinished queues whose head waits, by rank and queue
   uint64_t tasksRun = 0;  ///< task runs completed
   uint32_t blocks = 0;    ///< thread blocks of the persistent kernel
   double seconds = 0;     ///< the kernel's time (CUDA events)
+  /// Block-seconds spent running tasks, per op (ops past kOpsProfiled add to
+  /// the last), and waiting for a ready queue.
+  std::vector<double> opSeconds;
+  double idleSeconds = 0;
 };
+
+/// The ops the kernel times one by one.
+inline constexpr uint32_t kOpsProfiled = 16;
 
 /// Runs every rank's queues of `program` as one persistent kernel: each
 /// thread block runs the logical queues (rank, queue) it owns, each in

@@ -109,9 +109,17 @@ struct SmemF32 {
   float a[kBK][kBM + 4]; ///< transposed: [p][i]
   float b[kBK][kBN + 4];
 };
+/// The mma.sync path: two stages of A and B, each operand 128 x 32 (or
+/// 32 x 128) bf16 with its rows padded by 8 elements.
+constexpr int kMmaBK = 32;
+constexpr int kOperandElems = 128 * (kMmaBK + 8); // >= 32 * (128 + 8)
+struct SmemMma {
+  uint16_t operand[2][2][kOperandElems]; ///< [stage][A, B]
+};
 union Smem {
   SmemTc tc;
   SmemF32 f;
+  SmemMma mma;
 };
 
 __device__ __forceinline__ void epilogue(const Gemm &g, int64_t i, int64_t j, float v) {
@@ -152,7 +160,26 @@ __device__ __forceinline__ void loadBf16(const Mat &x, int64_t r0, int64_t c0, i
     }
     return;
   }
-  // Transposed (or unaligned): consecutive threads walk the stored rows.
+  if (x.trans && (x.ld % 8) == 0 && (reinterpret_cast<uintptr_t>(p) % 16) == 0) {
+    // Stored transposed: 8 consecutive rows of op(M) are contiguous; load
+    // them as one vector and store them down a column of the block.
+    constexpr int kVecPerCol = kRows / 8;
+    for (int v = tid; v < kCols * kVecPerCol; v += kThreads) {
+      const int c = v / kVecPerCol, r = (v % kVecPerCol) * 8;
+      const int64_t gr = r0 + r, gc = c0 + c;
+      uint16_t tmp[8] = {};
+      if (gc < cols && gr + 8 <= rows) {
+        *reinterpret_cast<uint4 *>(tmp) = *reinterpret_cast<const uint4 *>(p + gc * x.ld + gr);
+      } else if (gc < cols) {
+        for (int e = 0; e < 8 && gr + e < rows; ++e)
+          tmp[e] = p[gc * x.ld + gr + e];
+      }
+      for (int e = 0; e < 8; ++e)
+        reinterpret_cast<uint16_t *>(&s[r + e][0])[c] = tmp[e];
+    }
+    return;
+  }
+  // Unaligned: consecutive threads walk the stored rows.
   for (int e = tid; e < kRows * kCols; e += kThreads) {
     const int r = x.trans ? e % kRows : e / kCols;
     const int c = x.trans ? e / kRows : e % kCols;
@@ -251,12 +278,139 @@ __device__ void gemmFp32(const Gemm &g, SmemF32 &s) {
   __syncthreads();
 }
 
+//===----------------------------------------------------------------------===//
+// The mma.sync path: cp.async double buffering, ldmatrix, m16n8k16
+//===----------------------------------------------------------------------===//
+
+__device__ __forceinline__ uint32_t sharedAddress(const void *p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/// Whether an operand can be copied 16 bytes at a time: bf16, its stride
+/// and address 16-byte aligned, its contiguous extent a multiple of 8.
+__device__ __forceinline__ bool vectorizable(const Mat &x, int64_t contiguousExtent) {
+  return x.type == kBF16 && x.ld % 8 == 0 && reinterpret_cast<uintptr_t>(x.p) % 16 == 0 &&
+         contiguousExtent % 8 == 0;
+}
+
+/// Starts the copy of the kOpRows x kOpCols block of op(x) at (r0, c0)
+/// into `dst`, laid out [non-contiguous][contiguous] with rows padded by 8
+/// (a row-major operand: [row][col]; a transposed one: [col][row]). Vectors
+/// outside rows x cols are zero-filled.
+template <int kOpRows, int kOpCols>
+__device__ __forceinline__ void copyStage(const Mat &x, int64_t r0, int64_t c0, int64_t rows,
+                                          int64_t cols, uint16_t *dst) {
+  const uint16_t *base = static_cast<const uint16_t *>(x.p);
+  const int contig = x.trans ? kOpRows : kOpCols, nonContig = x.trans ? kOpCols : kOpRows;
+  const int vectors = contig / 8, ld = contig + 8;
+  for (int v = threadIdx.x; v < nonContig * vectors; v += kThreads) {
+    const int nc = v / vectors, c = (v % vectors) * 8;
+    // Global (op row, op col) of the vector's first element.
+    const int64_t gr = x.trans ? r0 + c : r0 + nc, gc = x.trans ? c0 + nc : c0 + c;
+    const bool in = gr < rows && gc < cols;
+    const uint16_t *src = in ? base + x.at(gr, gc) : base;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     sharedAddress(dst + nc * ld + c)),
+                 "l"(src), "r"(in ? 16 : 0));
+  }
+}
+
+__device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], const uint16_t *p, bool trans) {
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(sharedAddress(p)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(sharedAddress(p)));
+}
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/// C in blocks of 128 x 128, 32 deep, two stages in flight: 8 warps as
+/// 2 x 4, each 64 x 32 of C as 4 x 4 mma tiles of 16 x 8.
+__device__ void gemmMma(const Gemm &g, SmemMma &s) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = warp / 4, wn = warp % 4;
+  const int q = lane / 8, r = lane % 8;
+  // Row strides (elements) of the stage layouts.
+  const int aLd = g.a.trans ? kBM + 8 : kMmaBK + 8;
+  const int bLd = g.b.trans ? kMmaBK + 8 : kBN + 8;
+  const int64_t steps = (g.k + kMmaBK - 1) / kMmaBK;
+  for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
+    for (int64_t j0 = 0; j0 < g.n; j0 += kBN) {
+      float acc[4][4][4] = {};
+      __syncthreads();
+      copyStage<kBM, kMmaBK>(g.a, i0, 0, g.m, g.k, s.operand[0][0]);
+      copyStage<kMmaBK, kBN>(g.b, 0, j0, g.k, g.n, s.operand[0][1]);
+      asm volatile("cp.async.commit_group;\n" ::);
+      for (int64_t step = 0; step < steps; ++step) {
+        const int stage = int(step & 1);
+        if (step + 1 < steps) {
+          const int64_t p0 = (step + 1) * kMmaBK;
+          copyStage<kBM, kMmaBK>(g.a, i0, p0, g.m, g.k, s.operand[stage ^ 1][0]);
+          copyStage<kMmaBK, kBN>(g.b, p0, j0, g.k, g.n, s.operand[stage ^ 1][1]);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+        __syncthreads();
+        const uint16_t *sa = s.operand[stage][0], *sb = s.operand[stage][1];
+        for (int kk = 0; kk < kMmaBK; kk += 16) {
+          uint32_t af[4][4], bf[2][4];
+          for (int mf = 0; mf < 4; ++mf) {
+            const int i = wm * 64 + mf * 16;
+            // Matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7,
+            // k 8-15), (rows 8-15, k 8-15).
+            if (g.a.trans)
+              ldmatrix4(af[mf], sa + (kk + r + (q / 2) * 8) * aLd + i + (q % 2) * 8, true);
+            else
+              ldmatrix4(af[mf], sa + (i + r + (q % 2) * 8) * aLd + kk + (q / 2) * 8, false);
+          }
+          for (int nf = 0; nf < 2; ++nf) {
+            const int j = wn * 32 + nf * 16;
+            // Matrices: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15),
+            // (k 8-15, n 8-15): two n8 fragments of two registers each.
+            if (g.b.trans)
+              ldmatrix4(bf[nf], sb + (j + r + (q / 2) * 8) * bLd + kk + (q % 2) * 8, false);
+            else
+              ldmatrix4(bf[nf], sb + (kk + r + (q % 2) * 8) * bLd + j + (q / 2) * 8, true);
+          }
+          for (int mf = 0; mf < 4; ++mf)
+            for (int nf = 0; nf < 4; ++nf)
+              mma16816(acc[mf][nf], af[mf], bf[nf / 2][(nf % 2) * 2], bf[nf / 2][(nf % 2) * 2 + 1]);
+        }
+        __syncthreads();
+      }
+      asm volatile("cp.async.wait_group 0;\n" ::);
+      for (int mf = 0; mf < 4; ++mf)
+        for (int nf = 0; nf < 4; ++nf)
+          for (int h = 0; h < 4; ++h) {
+            const int64_t i = i0 + wm * 64 + mf * 16 + lane / 4 + (h / 2) * 8;
+            const int64_t j = j0 + wn * 32 + nf * 8 + (lane % 4) * 2 + h % 2;
+            if (i < g.m && j < g.n)
+              epilogue(g, i, j, acc[mf][nf][h]);
+          }
+    }
+  __syncthreads();
+}
+
 __device__ void gemm(const Gemm &g, Smem &s) {
   if (g.m <= 0 || g.n <= 0)
     return;
   if (g.a.type == kBF16 && g.b.type == kBF16) {
-    // Narrow tiles (a column split over many cores) take narrower blocks.
-    if (g.n <= 32)
+    // Wide tiles of 16-byte-aligned operands take the pipelined path;
+    // narrow tiles (a column split over many cores) narrower wmma blocks.
+    if (g.n > 64 && vectorizable(g.a, g.a.trans ? g.m : g.k) &&
+        vectorizable(g.b, g.b.trans ? g.k : g.n))
+      gemmMma(g, s.mma);
+    else if (g.n <= 32)
       gemmTensorCores<32>(g, s.tc);
     else if (g.n <= 64)
       gemmTensorCores<64>(g, s.tc);

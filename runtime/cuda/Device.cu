@@ -109,12 +109,12 @@ struct SmemF32 {
   float a[kBK][kBM + 4]; ///< transposed: [p][i]
   float b[kBK][kBN + 4];
 };
-/// The mma.sync path: two stages of A and B, each operand 128 x 32 (or
+/// The mma.sync path: three stages of A and B, each operand 128 x 32 (or
 /// 32 x 128) bf16 with its rows padded by 8 elements.
-constexpr int kMmaBK = 32;
+constexpr int kMmaBK = 32, kStages = 3;
 constexpr int kOperandElems = 128 * (kMmaBK + 8); // >= 32 * (128 + 8)
 struct SmemMma {
-  uint16_t operand[2][2][kOperandElems]; ///< [stage][A, B]
+  uint16_t operand[kStages][2][kOperandElems]; ///< [stage][A, B]
 };
 union Smem {
   SmemTc tc;
@@ -334,38 +334,45 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/// C in blocks of 128 x 128, 32 deep, two stages in flight: 8 warps as
-/// 2 x 4, each 64 x 32 of C as 4 x 4 mma tiles of 16 x 8.
-__device__ void gemmMma(const Gemm &g, SmemMma &s) {
+/// C in blocks of 128 x kN, 32 deep, with kStages - 1 stages in flight:
+/// 8 warps as (8 / (kN / 32)) x (kN / 32), each (128 / warpsM) x 32 of C as
+/// mma tiles of 16 x 8.
+template <int kN> __device__ void gemmMma(const Gemm &g, SmemMma &s) {
+  constexpr int kWarpsN = kN / 32, kWarpsM = 8 / kWarpsN, kFragsM = kBM / kWarpsM / 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = warp / 4, wn = warp % 4;
+  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
   const int q = lane / 8, r = lane % 8;
   // Row strides (elements) of the stage layouts.
   const int aLd = g.a.trans ? kBM + 8 : kMmaBK + 8;
-  const int bLd = g.b.trans ? kMmaBK + 8 : kBN + 8;
+  const int bLd = g.b.trans ? kMmaBK + 8 : kN + 8;
   const int64_t steps = (g.k + kMmaBK - 1) / kMmaBK;
   for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
-    for (int64_t j0 = 0; j0 < g.n; j0 += kBN) {
-      float acc[4][4][4] = {};
+    for (int64_t j0 = 0; j0 < g.n; j0 += kN) {
+      float acc[kFragsM][4][4] = {};
       __syncthreads();
-      copyStage<kBM, kMmaBK>(g.a, i0, 0, g.m, g.k, s.operand[0][0]);
-      copyStage<kMmaBK, kBN>(g.b, 0, j0, g.k, g.n, s.operand[0][1]);
-      asm volatile("cp.async.commit_group;\n" ::);
-      for (int64_t step = 0; step < steps; ++step) {
-        const int stage = int(step & 1);
-        if (step + 1 < steps) {
-          const int64_t p0 = (step + 1) * kMmaBK;
-          copyStage<kBM, kMmaBK>(g.a, i0, p0, g.m, g.k, s.operand[stage ^ 1][0]);
-          copyStage<kMmaBK, kBN>(g.b, p0, j0, g.k, g.n, s.operand[stage ^ 1][1]);
+      for (int st = 0; st < kStages - 1; ++st) {
+        if (st < steps) {
+          copyStage<kBM, kMmaBK>(g.a, i0, st * kMmaBK, g.m, g.k, s.operand[st][0]);
+          copyStage<kMmaBK, kN>(g.b, st * kMmaBK, j0, g.k, g.n, s.operand[st][1]);
         }
         asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
+      }
+      for (int64_t step = 0; step < steps; ++step) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
         __syncthreads();
+        // The stage computed last step is free: load kStages - 1 ahead.
+        if (const int64_t next = step + kStages - 1; next < steps) {
+          const int slot = int(next % kStages);
+          copyStage<kBM, kMmaBK>(g.a, i0, next * kMmaBK, g.m, g.k, s.operand[slot][0]);
+          copyStage<kMmaBK, kN>(g.b, next * kMmaBK, j0, g.k, g.n, s.operand[slot][1]);
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+        const int stage = int(step % kStages);
         const uint16_t *sa = s.operand[stage][0], *sb = s.operand[stage][1];
         for (int kk = 0; kk < kMmaBK; kk += 16) {
-          uint32_t af[4][4], bf[2][4];
-          for (int mf = 0; mf < 4; ++mf) {
-            const int i = wm * 64 + mf * 16;
+          uint32_t af[kFragsM][4], bf[2][4];
+          for (int mf = 0; mf < kFragsM; ++mf) {
+            const int i = wm * (kBM / kWarpsM) + mf * 16;
             // Matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7,
             // k 8-15), (rows 8-15, k 8-15).
             if (g.a.trans)
@@ -382,17 +389,16 @@ __device__ void gemmMma(const Gemm &g, SmemMma &s) {
             else
               ldmatrix4(bf[nf], sb + (kk + r + (q % 2) * 8) * bLd + j + (q / 2) * 8, true);
           }
-          for (int mf = 0; mf < 4; ++mf)
+          for (int mf = 0; mf < kFragsM; ++mf)
             for (int nf = 0; nf < 4; ++nf)
               mma16816(acc[mf][nf], af[mf], bf[nf / 2][(nf % 2) * 2], bf[nf / 2][(nf % 2) * 2 + 1]);
         }
-        __syncthreads();
       }
       asm volatile("cp.async.wait_group 0;\n" ::);
-      for (int mf = 0; mf < 4; ++mf)
+      for (int mf = 0; mf < kFragsM; ++mf)
         for (int nf = 0; nf < 4; ++nf)
           for (int h = 0; h < 4; ++h) {
-            const int64_t i = i0 + wm * 64 + mf * 16 + lane / 4 + (h / 2) * 8;
+            const int64_t i = i0 + wm * (kBM / kWarpsM) + mf * 16 + lane / 4 + (h / 2) * 8;
             const int64_t j = j0 + wn * 32 + nf * 8 + (lane % 4) * 2 + h % 2;
             if (i < g.m && j < g.n)
               epilogue(g, i, j, acc[mf][nf][h]);
@@ -407,9 +413,12 @@ __device__ void gemm(const Gemm &g, Smem &s) {
   if (g.a.type == kBF16 && g.b.type == kBF16) {
     // Wide tiles of 16-byte-aligned operands take the pipelined path;
     // narrow tiles (a column split over many cores) narrower wmma blocks.
-    if (g.n > 64 && vectorizable(g.a, g.a.trans ? g.m : g.k) &&
-        vectorizable(g.b, g.b.trans ? g.k : g.n))
-      gemmMma(g, s.mma);
+    const bool aligned = vectorizable(g.a, g.a.trans ? g.m : g.k) &&
+                         vectorizable(g.b, g.b.trans ? g.k : g.n);
+    if (aligned && g.n > 64)
+      gemmMma<128>(g, s.mma);
+    else if (aligned && g.n > 32)
+      gemmMma<64>(g, s.mma);
     else if (g.n <= 32)
       gemmTensorCores<32>(g, s.tc);
     else if (g.n <= 64)
@@ -645,7 +654,8 @@ __device__ int firstUnmet(const Program &P, uint32_t rank, const Task &task) {
 __global__ void __launch_bounds__(kThreads)
     persistentKernel(Program P, uint32_t logical, uint32_t *heads, Control *control,
                      uint64_t timeoutNs) {
-  __shared__ Smem smem;
+  extern __shared__ __align__(16) unsigned char dynamicSmem[];
+  Smem &smem = *reinterpret_cast<Smem *>(dynamicSmem);
   __shared__ int64_t action; // logical queue to run the head of; -1: leave
   uint32_t cursor = blockIdx.x;
   unsigned long long seenDone = 0;
@@ -806,7 +816,8 @@ __global__ void weightGradKernel(const void *dy, uint32_t dyType, const void *z,
 
 __global__ void __launch_bounds__(kThreads)
     benchKernel(Gemm g, int64_t tileM, int64_t tileN, int64_t tilesN) {
-  __shared__ Smem smem;
+  extern __shared__ __align__(16) unsigned char dynamicSmem[];
+  Smem &smem = *reinterpret_cast<Smem *>(dynamicSmem);
   const int64_t ti = blockIdx.x / tilesN, tj = blockIdx.x % tilesN;
   const int64_t i0 = ti * tileM, j0 = tj * tileN;
   Gemm t = g;
@@ -816,6 +827,13 @@ __global__ void __launch_bounds__(kThreads)
   t.m = min(tileM, g.m - i0);
   t.n = min(tileN, g.n - j0);
   gemm(t, smem);
+}
+
+/// Lets `kernel` take sizeof(Smem) of dynamic shared memory (over the
+/// default 48 KiB).
+template <typename Kernel> cudaError_t allowSmem(Kernel kernel) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(sizeof(Smem)));
 }
 
 unsigned gridFor(int64_t items) {
@@ -890,8 +908,10 @@ Error run(const Program &program, double timeoutSeconds, RunResult *out) {
   MOEC_CUDA("cudaGetDevice", cudaGetDevice(&device));
   MOEC_CUDA("cudaDeviceGetAttribute",
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  MOEC_CUDA("cudaFuncSetAttribute", allowSmem(persistentKernel));
   MOEC_CUDA("cudaOccupancyMaxActiveBlocksPerMultiprocessor",
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, persistentKernel, kThreads, 0));
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, persistentKernel, kThreads,
+                                                          sizeof(Smem)));
   if (perSm < 1)
     return "the persistent kernel does not fit on a multiprocessor";
   const uint32_t blocks = std::min<uint32_t>(logical, uint32_t(perSm) * uint32_t(sms));
@@ -913,7 +933,8 @@ Error run(const Program &program, double timeoutSeconds, RunResult *out) {
   cudaEventCreate(&stop);
   cudaEventRecord(start);
   const uint64_t timeoutNs = timeoutSeconds > 0 ? uint64_t(timeoutSeconds * 1e9) : 0;
-  persistentKernel<<<blocks, kThreads>>>(program, logical, heads, control, timeoutNs);
+  persistentKernel<<<blocks, kThreads, sizeof(Smem)>>>(program, logical, heads, control,
+                                                       timeoutNs);
   cudaError_t e = cudaGetLastError();
   cudaEventRecord(stop);
   // The device's watchdog ends the kernel; the host waits a little longer
@@ -1027,10 +1048,16 @@ Error benchGemm(int64_t m, int64_t n, int64_t k, uint32_t type, uint32_t cType, 
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  benchKernel<<<unsigned(tiles), kThreads>>>(g, tileM, tileN, tilesN);
+  if (const cudaError_t e = allowSmem(benchKernel); e != cudaSuccess) {
+    release(a);
+    release(b);
+    release(c);
+    return cudaText("cudaFuncSetAttribute", e);
+  }
+  benchKernel<<<unsigned(tiles), kThreads, sizeof(Smem)>>>(g, tileM, tileN, tilesN);
   cudaEventRecord(start);
   for (int r = 0; r < repeats; ++r)
-    benchKernel<<<unsigned(tiles), kThreads>>>(g, tileM, tileN, tilesN);
+    benchKernel<<<unsigned(tiles), kThreads, sizeof(Smem)>>>(g, tileM, tileN, tilesN);
   cudaEventRecord(stop);
   const cudaError_t e = cudaEventSynchronize(stop);
   float ms = 0;

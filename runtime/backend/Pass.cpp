@@ -2,6 +2,8 @@
 
 #include "runtime/backend/Pass.h"
 
+#include <algorithm>
+
 namespace moec::backend {
 
 const char *kindName(Kind kind) {
@@ -19,6 +21,16 @@ uint64_t slotElements(const format::SlotRecord &slot) {
   for (uint32_t i = 0; i < slot.rank; ++i)
     count *= (i == 0 && (slot.flags & format::kSlotDynamic)) ? slot.capacityRows : slot.dims[i];
   return count;
+}
+
+uint64_t workspaceBytes(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                        uint32_t ranks, size_t (*bytes)(const format::SlotRecord &)) {
+  const std::vector<uint32_t> caller = plan.boundSlots();
+  uint64_t needed = 0;
+  for (uint32_t slot = 0; slot < program.slots.size(); ++slot)
+    if (std::find(caller.begin(), caller.end(), slot) == caller.end())
+      needed += uint64_t(bytes(program.slots[slot])) * ranks;
+  return needed;
 }
 
 void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &plan,

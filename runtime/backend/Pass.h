@@ -131,6 +131,11 @@ public:
 /// Elements of a slot at its capacity (a dynamic slot at capacityRows).
 uint64_t slotElements(const format::SlotRecord &slot);
 
+/// The workspace of `ranks` ranks: `bytes` of every slot the caller does
+/// not bind (LayerPlan::boundSlots), per rank.
+uint64_t workspaceBytes(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                        uint32_t ranks, size_t (*bytes)(const format::SlotRecord &));
+
 /// Writes the routing layout tensors (runtime/layer/Layer.h: size_d,
 /// src_offset, target_offset, their combine twins, glist) of ranks
 /// [firstRank, endRank) from every rank's routing, into the host memory

@@ -145,14 +145,9 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
 }
 
 uint64_t Pass::workspaceNeeded() const {
-  if (allocated)
-    return 0;
-  const std::vector<uint32_t> caller = layer->boundSlots();
-  uint64_t needed = 0;
-  for (uint32_t slot = 0; slot < program->slots.size(); ++slot)
-    if (std::find(caller.begin(), caller.end(), slot) == caller.end())
-      needed += uint64_t(slotBytes(program->slots[slot])) * options.fabric->localRanks();
-  return needed;
+  return allocated ? 0
+                   : backend::workspaceBytes(*program, *layer, options.fabric->localRanks(),
+                                             slotBytes);
 }
 
 double Pass::tasksShare() const {

@@ -10,10 +10,13 @@
 // program the compiler proved deadlock-free on the CPU's in-order queues
 // cannot deadlock here either.
 //
-// Tiles: GMM tiles run on tensor cores (wmma, bf16 in, fp32 accumulate)
-// when both operands are bf16, else as fp32 FMA; 128 x 128 blocks of the
-// tile's output at a time, 32 deep, 256 threads. Every sum has a fixed
-// order, so a run's bits do not change from pass to pass.
+// Tiles: GMM tiles run on tensor cores when both operands are bf16 (fp32
+// accumulate): mma.sync m16n8k16 fed by cp.async (three stages, 64 deep)
+// and ldmatrix where the operands are 16-byte aligned and the tile is over
+// 32 columns wide, else wmma; other operand types run as fp32 FMA. 256
+// threads, blocks of 128 x 128 (or narrower) of the tile's output at a
+// time. Every sum has a fixed order, so a run's bits do not change from
+// pass to pass.
 //
 //===----------------------------------------------------------------------===//
 
@@ -109,10 +112,10 @@ struct SmemF32 {
   float a[kBK][kBM + 4]; ///< transposed: [p][i]
   float b[kBK][kBN + 4];
 };
-/// The mma.sync path: three stages of A and B, each operand 128 x 32 (or
-/// 32 x 128) bf16 with its rows padded by 8 elements.
-constexpr int kMmaBK = 32, kStages = 3;
-constexpr int kOperandElems = 128 * (kMmaBK + 8); // >= 32 * (128 + 8)
+/// The mma.sync path: kStages stages of A and B, each operand 128 x kMmaBK
+/// (or kMmaBK x 128) bf16 with its rows padded by 8 elements.
+constexpr int kMmaBK = 64, kStages = 3;
+constexpr int kOperandElems = 128 * (kMmaBK + 8); // >= kMmaBK * (128 + 8)
 struct SmemMma {
   uint16_t operand[kStages][2][kOperandElems]; ///< [stage][A, B]
 };
@@ -334,7 +337,7 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/// C in blocks of 128 x kN, 32 deep, with kStages - 1 stages in flight:
+/// C in blocks of 128 x kN, kMmaBK deep, with kStages - 1 stages in flight:
 /// 8 warps as (8 / (kN / 32)) x (kN / 32), each (128 / warpsM) x 32 of C as
 /// mma tiles of 16 x 8.
 template <int kN> __device__ void gemmMma(const Gemm &g, SmemMma &s) {

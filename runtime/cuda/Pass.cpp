@@ -214,14 +214,7 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
 }
 
 uint64_t Pass::workspaceNeeded() const {
-  if (allocated)
-    return 0;
-  const std::vector<uint32_t> caller = layer->boundSlots();
-  uint64_t needed = 0;
-  for (uint32_t slot = 0; slot < program->slots.size(); ++slot)
-    if (std::find(caller.begin(), caller.end(), slot) == caller.end())
-      needed += uint64_t(slotSize(program->slots[slot])) * program->epRanks;
-  return needed;
+  return allocated ? 0 : backend::workspaceBytes(*program, *layer, program->epRanks, slotSize);
 }
 
 Status Pass::grow(Buffer *buffer, size_t bytes) {
@@ -286,6 +279,17 @@ Status Pass::onDevice(const void *memory, size_t bytes, Buffer *staging, const v
     return s;
   *out = staging->memory;
   return Status::success();
+}
+
+Status Pass::writeOut(void *out, size_t bytes, Buffer *staging,
+                      const std::function<device::Error(void *)> &write) {
+  if (device::isDevice(out))
+    return check(write(out));
+  if (Status s = grow(staging, bytes); !s)
+    return s;
+  if (Status s = check(write(staging->memory)); !s)
+    return s;
+  return check(device::copy(out, staging->memory, bytes));
 }
 
 Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
@@ -435,22 +439,18 @@ Status Pass::combine(const std::vector<backend::RankRoute> &routes, const std::v
   const format::SlotRecord &returned = program->slots[plan.returned];
   for (uint32_t r = 0; r < program->epRanks; ++r) {
     const backend::RankRoute &route = routes[r];
-    const size_t bytes = size_t(route.tokens * H) * dtypeSize(act);
-    const bool direct = device::isDevice(out[r]);
-    if (!direct)
-      if (Status s = grow(&results[r], bytes); !s)
-        return s;
-    void *to = direct ? out[r] : results[r].memory;
-    if (Status s = check(device::combineRows(
-            data[r][plan.returned], uint32_t(returned.dtype), int64_t(returned.dims[1]),
-            static_cast<const int64_t *>(position[r].memory),
-            weighted ? static_cast<const float *>(weights[r].memory) : nullptr, route.topK, to,
-            uint32_t(act), route.tokens, H));
+    if (Status s = writeOut(out[r], size_t(route.tokens * H) * dtypeSize(act), &results[r],
+                            [&](void *to) {
+                              return device::combineRows(
+                                  data[r][plan.returned], uint32_t(returned.dtype),
+                                  int64_t(returned.dims[1]),
+                                  static_cast<const int64_t *>(position[r].memory),
+                                  weighted ? static_cast<const float *>(weights[r].memory)
+                                           : nullptr,
+                                  route.topK, to, uint32_t(act), route.tokens, H);
+                            });
         !s)
       return s;
-    if (!direct)
-      if (Status s = check(device::copy(out[r], to, bytes)); !s)
-        return s;
   }
   return Status::success();
 }
@@ -471,21 +471,17 @@ Status Pass::topkWeightGrad(const backend::Pass &forward,
     if (Status s = onDevice(dy[r], size_t(route.tokens * H) * dtypeSize(act), &rows[r], &grad);
         !s)
       return s;
-    const size_t bytes = size_t(route.tokens * route.topK) * sizeof(float);
-    const bool direct = device::isDevice(out[r]);
-    if (!direct)
-      if (Status s = grow(&results[r], bytes); !s)
-        return s;
-    float *to = direct ? out[r] : static_cast<float *>(results[r].memory);
-    if (Status s = check(device::combineWeightGrad(
-            grad, uint32_t(act), forward.slot(r, saved.returned), uint32_t(returned.dtype),
-            int64_t(returned.dims[1]), static_cast<const int64_t *>(position[r].memory),
-            route.topK, route.tokens, H, to));
+    if (Status s = writeOut(out[r], size_t(route.tokens * route.topK) * sizeof(float),
+                            &results[r],
+                            [&](void *to) {
+                              return device::combineWeightGrad(
+                                  grad, uint32_t(act), forward.slot(r, saved.returned),
+                                  uint32_t(returned.dtype), int64_t(returned.dims[1]),
+                                  static_cast<const int64_t *>(position[r].memory), route.topK,
+                                  route.tokens, H, static_cast<float *>(to));
+                            });
         !s)
       return s;
-    if (!direct)
-      if (Status s = check(device::copy(out[r], to, bytes)); !s)
-        return s;
   }
   return Status::success();
 }

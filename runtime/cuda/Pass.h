@@ -28,6 +28,7 @@
 
 #include "runtime/backend/Pass.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -90,6 +91,10 @@ private:
   /// `memory` on the GPU: itself when it is device memory, else a copy of
   /// its `bytes` in `staging`.
   Status onDevice(const void *memory, size_t bytes, Buffer *staging, const void **out);
+  /// Has `write` write `bytes` into `out` when it is device memory, else
+  /// into `staging`, which is then copied to `out`.
+  Status writeOut(void *out, size_t bytes, Buffer *staging,
+                  const std::function<std::string(void *)> &write);
 
   const format::TaskProgram *program = nullptr;
   const rt::LayerPlan *layer = nullptr;

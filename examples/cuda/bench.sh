@@ -11,14 +11,14 @@
 #    on the same 8 * S tokens (bench_torch.py layer: rows sorted by expert
 #    once, one matmul pair per expert on unbind slices).
 #
-# CUDA_BENCH defaults to bazel-bin/runtime/cuda/cuda_bench. BINARIES is a
+# CUDA_BENCH defaults to bazel-bin/examples/cuda/cuda_bench. BINARIES is a
 # folder with q1024.{fwd,bwd}.moebin and q4096.{fwd,bwd}.moebin; without it
 # they are compiled here (bazel-bin/tools/moec) for the h100 profile with 16
 # cube and 16 vector cores per rank (8 ranks share the GPU's 132 SMs).
 # Needs a CUDA PyTorch for the PyTorch side.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-bench="${1:-bazel-bin/runtime/cuda/cuda_bench}"
+bench="${1:-bazel-bin/examples/cuda/cuda_bench}"
 bins="${2:-}"
 if [ -z "$bins" ]; then
   bins="$(mktemp -d)"

@@ -123,9 +123,9 @@ Status Group::checkRoute(uint32_t r, backend::RankRoute *out) const {
         StatusCode::OverCapacity);
   const Status built =
       idsT.dtype == MOEC_I32
-          ? cpu::buildRoutingLayout(static_cast<const int32_t *>(idsT.data), route.tokens,
+          ? rt::buildRoutingLayout(static_cast<const int32_t *>(idsT.data), route.tokens,
                                     route.topK, s.experts(), &route.layout)
-          : cpu::buildRoutingLayout(static_cast<const int64_t *>(idsT.data), route.tokens,
+          : rt::buildRoutingLayout(static_cast<const int64_t *>(idsT.data), route.tokens,
                                     route.topK, s.experts(), &route.layout);
   if (!built)
     return built.withPrefix(fmt::format("rank {}: ", r));

@@ -64,7 +64,7 @@ void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &
       static_cast<int64_t *>(data)[i] = value;
   };
   for (uint32_t r = firstRank; r < endRank; ++r) {
-    const cpu::RoutingLayout &own = routes[r].layout;
+    const rt::RoutingLayout &own = routes[r].layout;
     for (uint32_t g = 0; g < E; ++g) {
       put(r, plan.dSize, g, own.counts[g]);
       put(r, plan.dSrcOffset, g, own.offsets[g]);

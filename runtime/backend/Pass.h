@@ -21,7 +21,7 @@
 // (runtime/cuda/Pass.h says how).
 //
 // The routing layout (counts, offsets, the sorted order) is computed on the
-// host for every backend (runtime/cpu/Layout.h); what a backend does with
+// host for every backend (runtime/layer/Routing.h); what a backend does with
 // it is its own.
 //
 // No MLIR/LLVM dependency.
@@ -33,7 +33,7 @@
 
 #include "base/Status.h"
 #include "runtime/comm/Fabric.h"
-#include "runtime/cpu/Layout.h"
+#include "runtime/layer/Routing.h"
 #include "runtime/format/TaskBinary.h"
 #include "runtime/layer/Layer.h"
 #include "runtime/trace/Trace.h"
@@ -59,7 +59,7 @@ const char *kindName(Kind kind);
 /// only tokens, topK, layout.counts and layout.offsets are known.
 struct RankRoute {
   int64_t tokens = 0, topK = 0;
-  cpu::RoutingLayout layout;
+  rt::RoutingLayout layout;
   std::vector<float> weights; ///< topk_weights [S, K], a copy (local ranks)
 };
 

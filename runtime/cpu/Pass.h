@@ -29,7 +29,7 @@
 #include "runtime/backend/Pass.h"
 #include "runtime/comm/Fabric.h"
 #include "runtime/cpu/Gmm.h"
-#include "runtime/cpu/Layout.h"
+#include "runtime/layer/Routing.h"
 #include "runtime/exec/Executor.h"
 #include "runtime/exec/ThreadTeam.h"
 #include "runtime/layer/Layer.h"

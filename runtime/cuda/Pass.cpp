@@ -311,7 +311,7 @@ Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
                              "the layout tensors");
             !s)
           return s;
-    const cpu::RoutingLayout &layout = routes[r].layout;
+    const rt::RoutingLayout &layout = routes[r].layout;
     const size_t ids = layout.order.size() * sizeof(int64_t);
     if (Status s = grow(&order[r], ids); !s)
       return s;

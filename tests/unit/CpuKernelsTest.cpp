@@ -8,7 +8,7 @@
 
 #include "runtime/cpu/Element.h"
 #include "runtime/cpu/Gmm.h"
-#include "runtime/cpu/Layout.h"
+#include "runtime/layer/Routing.h"
 #include "runtime/cpu/Rows.h"
 #include "runtime/cpu/Swiglu.h"
 
@@ -29,6 +29,8 @@
 #include <vector>
 
 using namespace moec::cpu;
+using moec::rt::buildRoutingLayout;
+using moec::rt::RoutingLayout;
 using moec::Status;
 
 namespace {

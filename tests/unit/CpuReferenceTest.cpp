@@ -10,7 +10,7 @@
 
 #include "runtime/cpu/Element.h"
 #include "runtime/cpu/Gmm.h"
-#include "runtime/cpu/Layout.h"
+#include "runtime/layer/Routing.h"
 #include "runtime/tooling/LayerRun.h"
 #include "runtime/tooling/Reference.h"
 #include "runtime/cpu/Rows.h"
@@ -28,6 +28,8 @@
 #include <vector>
 
 using namespace moec::cpu;
+using moec::rt::buildRoutingLayout;
+using moec::rt::RoutingLayout;
 namespace ref = moec::reference;
 using moec::Status;
 

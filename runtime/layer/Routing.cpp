@@ -1,11 +1,11 @@
-//===- Layout.cpp - Routing layout: rows sorted expert-major --------------===//
+//===- Routing.cpp - Routing layout: rows sorted expert-major -------------===//
 
-#include "runtime/cpu/Layout.h"
+#include "runtime/layer/Routing.h"
 
 #include <string>
 #include <utility>
 
-namespace moec::cpu {
+namespace moec::rt {
 
 namespace {
 
@@ -76,4 +76,4 @@ Status buildRoutingLayout(const int64_t *topkIds, int64_t tokens, int64_t topK, 
   return buildLayout(topkIds, tokens, topK, experts, out);
 }
 
-} // namespace moec::cpu
+} // namespace moec::rt

@@ -1,4 +1,4 @@
-//===- Layout.h - Routing layout: rows sorted expert-major ------*- C++ -*-===//
+//===- Routing.h - Routing layout: rows sorted expert-major -----*- C++ -*-===//
 //
 // The layout step of dispatch, on one rank: from topk_ids [S, K] it counts
 // the (token, k) rows of every expert and sorts the rows expert-major, stably
@@ -9,17 +9,20 @@
 // [offsets[p*L], offsets[(p+1)*L]), and within them those of each of p's local
 // experts are contiguous, ready to be put as runs of rows.
 //
+// Computed on the host for every backend (the runtime API calls it when the
+// routing is set).
+//
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_RUNTIME_CPU_LAYOUT_H
-#define MOEC_RUNTIME_CPU_LAYOUT_H
+#ifndef MOEC_RUNTIME_LAYER_ROUTING_H
+#define MOEC_RUNTIME_LAYER_ROUTING_H
 
 #include "base/Status.h"
 
 #include <cstdint>
 #include <vector>
 
-namespace moec::cpu {
+namespace moec::rt {
 
 /// The expert-major order of one rank's (token, k) rows.
 struct RoutingLayout {
@@ -55,6 +58,6 @@ Status buildRoutingLayout(const int32_t *topkIds, int64_t tokens, int64_t topK, 
 Status buildRoutingLayout(const int64_t *topkIds, int64_t tokens, int64_t topK, int64_t experts,
                           RoutingLayout *out);
 
-} // namespace moec::cpu
+} // namespace moec::rt
 
-#endif // MOEC_RUNTIME_CPU_LAYOUT_H
+#endif // MOEC_RUNTIME_LAYER_ROUTING_H

@@ -5,9 +5,12 @@
 // many as the GPU holds at once, so every block runs and no block waits for
 // one that cannot start). Its thread 0 picks the first owned queue whose
 // head task has all its waits met (acquire loads of the event counters),
-// the block runs the task, and thread 0 then sends its signals (a fence,
-// then atomic adds: release). A block never waits inside a task, so a
-// program the compiler proved deadlock-free on the CPU's in-order queues
+// or, when none is, takes one of a few other blocks' queues whose head is
+// ready while their block is busy; a lock per queue keeps each queue's
+// tasks one at a time and in order. The block runs the task, and thread 0
+// then sends its signals (a fence, then atomic adds: release). A block
+// never waits inside a task, and every queue's owner keeps polling it, so
+// a program the compiler proved deadlock-free on the CPU's in-order queues
 // cannot deadlock here either.
 //
 // Tiles: GMM tiles run on tensor cores when both operands are bf16 (fp32
@@ -29,6 +32,7 @@
 #include <algorithm>
 #include <chrono>
 #include <thread>
+#include <vector>
 
 namespace moec::cuda::device {
 
@@ -655,48 +659,73 @@ __device__ int firstUnmet(const Program &P, uint32_t rank, const Task &task) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    persistentKernel(Program P, uint32_t logical, uint32_t *heads, Control *control,
-                     uint64_t timeoutNs) {
+    persistentKernel(Program P, uint32_t logical, uint32_t *heads, uint32_t *locks,
+                     Control *control, unsigned long long total, uint64_t timeoutNs) {
   extern __shared__ __align__(16) unsigned char dynamicSmem[];
   Smem &smem = *reinterpret_cast<Smem *>(dynamicSmem);
-  __shared__ int64_t action; // logical queue to run the head of; -1: leave
-  uint32_t cursor = blockIdx.x;
+  __shared__ int64_t action;     // logical queue to run the head of; -1: leave
+  __shared__ uint32_t actionTask; // its head task
+  uint32_t cursor = blockIdx.x, stealCursor = uint32_t((uint64_t(blockIdx.x) * 7919) % logical);
   unsigned long long seenDone = 0;
   uint64_t seenAt = 0;
   if (threadIdx.x == 0)
     seenAt = nowNs();
+  // Thread 0: takes queue q when its head task is ready and no other block
+  // runs q (its lock); returns the head task, or -1.
+  const auto take = [&](uint32_t q) -> int64_t {
+    const uint32_t rank = q / P.queues;
+    const Queue qr = P.queues_[q % P.queues];
+    uint32_t head = *reinterpret_cast<volatile uint32_t *>(&heads[q]);
+    if (head >= qr.entryCount ||
+        firstUnmet(P, rank, P.tasks[P.entries[qr.firstEntry + head]]) >= 0)
+      return -1;
+    if (atomicCAS(&locks[q], 0u, 1u) != 0u)
+      return -1;
+    __threadfence();
+    head = *reinterpret_cast<volatile uint32_t *>(&heads[q]);
+    if (head < qr.entryCount) {
+      const uint32_t t = P.entries[qr.firstEntry + head];
+      if (firstUnmet(P, rank, P.tasks[t]) < 0)
+        return t;
+    }
+    __threadfence();
+    atomicExch(&locks[q], 0u);
+    return -1;
+  };
   for (;;) {
     uint64_t began = 0;
     if (threadIdx.x == 0) {
       const uint64_t looking = nowNs();
-      int64_t pick = -1;
+      int64_t pick = -1, task = -1;
       for (;;) {
         if (*reinterpret_cast<volatile uint32_t *>(&control->stop))
           break;
-        bool pending = false;
+        // The block's own queues first, from the one it ran last.
         uint32_t q = cursor;
-        for (uint32_t n = 0; n < (logical + gridDim.x - 1) / gridDim.x; ++n) {
-          if (q < logical) {
-            const uint32_t rank = q / P.queues, queue = q % P.queues;
-            const Queue qr = P.queues_[queue];
-            if (heads[q] < qr.entryCount) {
-              pending = true;
-              const Task task = P.tasks[P.entries[qr.firstEntry + heads[q]]];
-              if (firstUnmet(P, rank, task) < 0) {
-                pick = q;
-                break;
-              }
-            }
-          }
+        for (uint32_t n = 0; n < (logical + gridDim.x - 1) / gridDim.x && pick < 0; ++n) {
+          if (q < logical && (task = take(q)) >= 0)
+            pick = q;
           q += gridDim.x;
           if (q >= logical)
             q = blockIdx.x;
         }
-        if (pick >= 0 || !pending)
+        if (pick >= 0)
           break;
-        // Nothing ready: the watchdog.
+        // Then a few of other blocks' queues whose heads are ready while
+        // their blocks are busy.
+        for (uint32_t n = 0; n < 8 && pick < 0; ++n) {
+          const uint32_t other = stealCursor;
+          stealCursor = stealCursor + 1 == logical ? 0 : stealCursor + 1;
+          if (other % gridDim.x != blockIdx.x && (task = take(other)) >= 0)
+            pick = other;
+        }
+        if (pick >= 0)
+          break;
         const unsigned long long done =
             *reinterpret_cast<volatile unsigned long long *>(&control->done);
+        if (done >= total)
+          break;
+        // Nothing ready: the watchdog.
         const uint64_t now = nowNs();
         if (done != seenDone) {
           seenDone = done;
@@ -713,11 +742,11 @@ __global__ void __launch_bounds__(kThreads)
               if (head >= qr.entryCount)
                 continue;
               const uint32_t t = P.entries[qr.firstEntry + head];
-              const Task task = P.tasks[t];
-              const int w = firstUnmet(P, rank, task);
+              const Task waiting = P.tasks[t];
+              const int w = firstUnmet(P, rank, waiting);
               if (w < 0)
                 continue;
-              const Wait wait = P.waits[task.firstWait + w];
+              const Wait wait = P.waits[waiting.firstWait + w];
               control->stuck[count++] =
                   Stuck{rank, queue, t, wait.event,
                         acquireLoad(&P.counters[size_t(rank) * P.events + wait.event]),
@@ -732,7 +761,8 @@ __global__ void __launch_bounds__(kThreads)
         __nanosleep(200);
       }
       action = pick;
-      if (pick >= 0)
+      actionTask = uint32_t(task);
+      if (pick >= 0 && uint32_t(pick) % gridDim.x == blockIdx.x)
         cursor = uint32_t(pick);
       began = nowNs();
       atomicAdd(&control->idleNs, (unsigned long long)(began - looking));
@@ -741,9 +771,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t q = action;
     if (q < 0)
       return;
-    const uint32_t rank = uint32_t(q) / P.queues, queue = uint32_t(q) % P.queues;
-    const Queue qr = P.queues_[queue];
-    const uint32_t t = P.entries[qr.firstEntry + heads[q]];
+    const uint32_t rank = uint32_t(q) / P.queues, t = actionTask;
     runTask(P, rank, t, smem);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -754,7 +782,10 @@ __global__ void __launch_bounds__(kThreads)
         const uint32_t to = uint32_t((uint64_t(rank) + sg.peerOffset) % P.ranks);
         atomicAdd(&P.counters[size_t(to) * P.events + sg.event], sg.increment);
       }
-      heads[q] += 1;
+      volatile uint32_t *head = reinterpret_cast<volatile uint32_t *>(&heads[q]);
+      *head = *head + 1;
+      __threadfence();
+      atomicExch(&locks[q], 0u);
       atomicAdd(&control->done, 1ull);
       atomicAdd(&control->opNs[min(task.op, kOpsProfiled - 1)],
                 (unsigned long long)(nowNs() - began));
@@ -919,7 +950,8 @@ Error run(const Program &program, double timeoutSeconds, RunResult *out) {
     return "the persistent kernel does not fit on a multiprocessor";
   const uint32_t blocks = std::min<uint32_t>(logical, uint32_t(perSm) * uint32_t(sms));
   // heads, then the control block, in one allocation.
-  const size_t headBytes = (size_t(logical) * sizeof(uint32_t) + 15) / 16 * 16;
+  // heads and locks, one each per logical queue.
+  const size_t headBytes = (2 * size_t(logical) * sizeof(uint32_t) + 15) / 16 * 16;
   void *scratch = nullptr;
   if (Error e = allocate(headBytes + sizeof(Control), &scratch); !e.empty())
     return e;
@@ -936,8 +968,21 @@ Error run(const Program &program, double timeoutSeconds, RunResult *out) {
   cudaEventCreate(&stop);
   cudaEventRecord(start);
   const uint64_t timeoutNs = timeoutSeconds > 0 ? uint64_t(timeoutSeconds * 1e9) : 0;
-  persistentKernel<<<blocks, kThreads, sizeof(Smem)>>>(program, logical, heads, control,
-                                                       timeoutNs);
+  unsigned long long total = 0;
+  {
+    std::vector<Queue> queues(program.queues);
+    const cudaError_t read = cudaMemcpy(queues.data(), program.queues_,
+                                        queues.size() * sizeof(Queue), cudaMemcpyDeviceToHost);
+    if (read != cudaSuccess) {
+      release(scratch);
+      return cudaText("reading the queues", read);
+    }
+    for (const Queue &q : queues)
+      total += q.entryCount;
+    total *= program.ranks;
+  }
+  persistentKernel<<<blocks, kThreads, sizeof(Smem)>>>(program, logical, heads, heads + logical,
+                                                       control, total, timeoutNs);
   cudaError_t e = cudaGetLastError();
   cudaEventRecord(stop);
   // The device's watchdog ends the kernel; the host waits a little longer

@@ -387,7 +387,6 @@ Status Pass::runTasks() {
   device::RunResult result;
   if (Status s = check(device::run(device->program, options.timeoutSeconds, &result)); !s)
     return s;
-  lastBlocks = result.blocks;
   if (const char *profile = std::getenv("MOEC_CUDA_PROFILE"); profile && *profile == '1') {
     // Where the blocks' time went: each op's tasks, and finding no ready queue.
     std::string text = fmt::format("moec cuda: {} pass: kernel {:.3f} ms on {} blocks; "
@@ -399,7 +398,6 @@ Status Pass::runTasks() {
                           result.opSeconds[op] * 1e3);
     std::fprintf(stderr, "%s; idle %.1f\n", text.c_str(), result.idleSeconds * 1e3);
   }
-  taskTime = std::chrono::duration<double>(Clock::now() - t0).count();
   if (result.watchdog) {
     std::string where;
     for (const device::Stuck &at : result.stuck) {

@@ -70,9 +70,6 @@ public:
   const trace::Trace &tasksTrace() const override { return noTrace; }
   std::chrono::steady_clock::time_point tasksStarted() const override { return tasksStart; }
 
-  /// The persistent kernel's thread blocks in the last runTasks().
-  uint32_t blocks() const { return lastBlocks; }
-
 private:
   Pass() = default;
   /// Device memory that is freed with the pass.
@@ -108,7 +105,6 @@ private:
   size_t ownedBytes = 0;
   bool allocated = false;
   double taskTime = 0;
-  uint32_t lastBlocks = 0;
   std::chrono::steady_clock::time_point tasksStart;
   trace::Trace noTrace;
   struct Tables;

@@ -690,6 +690,9 @@ TEST_CASE("runtime C API", "[runtime]") {
   CHECK(moec_program_load("/nonexistent.moebin", &f) != 0);
   CHECK_THAT(moec_last_error(), Catch::Contains("/nonexistent.moebin"));
   moec_context *ctx = nullptr;
+  CHECK(moec_context_create_on(f, b, 2, 10, "tpu", &ctx) != 0);
+  CHECK_THAT(moec_last_error(), Catch::Contains("no backend is named 'tpu'; expected cpu or cuda"));
+  CHECK(ctx == nullptr);
   REQUIRE(moec_context_create(f, b, 2, 10, &ctx) == 0);
   moec_program_free(f);
   moec_program_free(b);
@@ -916,4 +919,29 @@ TEST_CASE("a binary whose event is never reached ends in an error naming the wai
   CHECK_THAT(f.message(), Catch::Contains("task " + std::to_string(first) + " (op '"));
   CHECK_THAT(f.message(), Catch::Contains("waits for event " + std::to_string(event) + " '"));
   CHECK_THAT(f.message(), Catch::Contains("rank "));
+}
+
+TEST_CASE("the cuda backend refuses what it does not do, before it looks for a GPU", "[runtime]") {
+  Case c;
+  c.ranks = groupSize(2);
+  auto [fwd, bwd] = compile(c);
+  const auto refusal = [&](ContextOptions options) {
+    options.backend = moec::backend::Kind::Cuda;
+    bool yes = false;
+    options.fabric = moec::test::testFabric(fwd->shape().ranks, &yes);
+    std::unique_ptr<Context> ctx;
+    const Status s = Context::create(fwd, bwd, options, &ctx);
+    CHECK(ctx == nullptr);
+    return s.message();
+  };
+  ContextOptions opByOp;
+  opByOp.schedule = Schedule::OpByOp;
+  CHECK_THAT(refusal(opByOp), Catch::Contains("the op-by-op schedule runs on the cpu backend only"));
+  ContextOptions traced;
+  traced.trace = true;
+  if (std::string(moec::test::testFabricName()) == "in-process")
+    CHECK_THAT(refusal(traced),
+               Catch::Contains("the cuda backend records no task trace (the cpu backend does)"));
+  else
+    CHECK_THAT(refusal(traced), Catch::Contains("it does not run under MPI"));
 }

@@ -67,6 +67,37 @@ Status Group::usable() const {
   return Status::success();
 }
 
+void Group::markTraffic() {
+  if (fabric->allLocal())
+    return;
+  trafficMark.resize(ranks());
+  for (uint32_t p = 0; p < ranks(); ++p)
+    trafficMark[p] = fabric->traffic(p);
+}
+
+Status Group::withTraffic(Status status, const backend::Pass &pass,
+                          const std::vector<backend::RankRoute> &routes) const {
+  if (status || fabric->allLocal() || fabric->localRanks() != 1 ||
+      trafficMark.size() != ranks() || routes.size() != ranks())
+    return status;
+  const uint32_t me = fabric->firstLocal();
+  const std::vector<uint64_t> expected =
+      backend::expectedPutBytes(pass.tasks(), pass.plan(), routes, me);
+  std::vector<std::string> from, to;
+  for (uint32_t p = 0; p < ranks(); ++p) {
+    if (p == me)
+      continue;
+    const comm::Traffic now = fabric->traffic(p);
+    const uint64_t arrived = now.arrived - trafficMark[p].arrived;
+    from.push_back(fmt::format("rank {} {} of {}{}", p, arrived, expected[p],
+                               arrived < expected[p] ? " (short)" : ""));
+    to.push_back(fmt::format("rank {} {}", p, now.sent - trafficMark[p].sent));
+  }
+  return Status::error(fmt::format("{}. Bytes of rows in this pass: arrived from {}; sent to {}",
+                                   status.message(), fmt::join(from, ", "), fmt::join(to, ", ")),
+                       status.code());
+}
+
 Status Group::localRank(uint32_t rank) const {
   if (rank >= ranks())
     return Status::error(

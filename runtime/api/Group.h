@@ -42,6 +42,7 @@ struct Group {
   ContextOptions options;
   uint32_t workerCount = 1;
   std::shared_ptr<comm::Fabric> fabric;
+  std::vector<comm::Traffic> trafficMark; ///< markTraffic()
   LayerShape layer;                  ///< sizes and capacities the routing is checked against
   std::vector<Tensor> ids, weights;  ///< per rank; data null until set
   CapacityNeed need;                 ///< what the last checked routing needed
@@ -77,6 +78,7 @@ struct Group {
   /// anywhere before all of it passes on every rank.
   template <typename Extra>
   Status route(std::vector<backend::RankRoute> *routes, const Extra &extra) {
+    markTraffic();
     std::vector<backend::RankRoute> staged(ranks());
     std::vector<Status> local;
     for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
@@ -102,6 +104,15 @@ struct Group {
   }
   /// An error when an earlier error left the ranks out of step.
   Status usable() const;
+  /// Under a fabric of several processes: notes the bytes moved so far
+  /// between this rank and each peer (before a pass's exchange, after which
+  /// peers may put the pass's rows).
+  void markTraffic();
+  /// `status`, the error of a pass of `pass` over `routes` that did not end,
+  /// with the bytes of rows this rank expected from each peer against those
+  /// that arrived since markTraffic(), and those it sent.
+  Status withTraffic(Status status, const backend::Pass &pass,
+                     const std::vector<backend::RankRoute> &routes) const;
   /// The options of the CPU passes of this group.
   backend::PassOptions passOptions() const {
     backend::PassOptions po;

@@ -250,7 +250,7 @@ Status Context::Impl::runTasks(backend::Pass &pass, PassTimes &times) {
   const Status status = pass.runTasks();
   stage.store(2);
   times.tasks = pass.tasksSeconds();
-  return fatal(status);
+  return fatal(withTraffic(status, pass, routes));
 }
 
 /// The trace of a pass that started at t0 and began its finish at t1: the

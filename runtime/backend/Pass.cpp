@@ -82,4 +82,28 @@ void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &
   }
 }
 
+std::vector<uint64_t> expectedPutBytes(const format::TaskProgram &program,
+                                       const rt::LayerPlan &plan,
+                                       const std::vector<RankRoute> &routes, uint32_t rank) {
+  const uint32_t R = uint32_t(routes.size()), L = uint32_t(plan.shape.localExperts);
+  std::vector<uint64_t> bytes(R, 0);
+  for (const format::OpRecord &op : program.ops) {
+    if (op.kind != format::OpKind::Dispatch && op.kind != format::OpKind::Combine)
+      continue;
+    const format::TilingRecord &tiling = program.tilings[op.tiling];
+    const uint64_t rowBytes =
+        tiling.cols * format::dtypeSize(program.slots[tiling.outputSlot].dtype);
+    for (uint32_t q = 0; q < R; ++q)
+      for (uint32_t e = 0; e < L; ++e) {
+        // Dispatch: q's rows for this rank's expert e; combine: the rows of
+        // q's expert e that this rank sent it, coming back.
+        const int64_t rows = op.kind == format::OpKind::Dispatch
+                                 ? routes[q].layout.counts[size_t(rank) * L + e]
+                                 : routes[rank].layout.counts[size_t(q) * L + e];
+        bytes[q] += uint64_t(std::min<int64_t>(rows, int64_t(tiling.rows))) * rowBytes;
+      }
+  }
+  return bytes;
+}
+
 } // namespace moec::backend

@@ -144,6 +144,14 @@ void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &
                        const std::vector<RankRoute> &routes, uint32_t firstRank, uint32_t endRank,
                        const std::function<void *(uint32_t rank, uint32_t slot)> &memory);
 
+/// The bytes of rows every rank's puts (the program's dispatch and combine
+/// ops) write into the windows of rank `rank` in one pass of `program`,
+/// from the routing of every rank: [peer] (the entry of `rank` itself is its
+/// own local copy). For reports of a pass that did not end.
+std::vector<uint64_t> expectedPutBytes(const format::TaskProgram &program,
+                                       const rt::LayerPlan &plan,
+                                       const std::vector<RankRoute> &routes, uint32_t rank);
+
 } // namespace moec::backend
 
 #endif // MOEC_RUNTIME_BACKEND_PASS_H

@@ -23,14 +23,17 @@
 //     a signal an atomic add; between nodes a put and a signal are two-sided
 //     messages, placed and applied in order by the receiver.
 //
-// exchange() and barrier() are bounded by a timeout, and a timeout is an
-// error that names the ranks that did not arrive; a pass's waits for peers'
-// signals are bounded by the executor's watchdog. Creating windows and
-// inboxes, gather() and destroying them are plain MPI collectives without a
-// timeout: a rank that dies there ends the job through mpirun, but one that
-// hangs alive stalls them. A fabric's collectives (creation, exchange,
-// barrier, gather, destruction) are called from one thread at a time, in the
-// same order on every rank; put() and Inbox::signal() from any thread.
+// exchange(), barrier(), finish() and gather() are bounded by a timeout, and
+// a timeout is an error that names the ranks that did not arrive; a pass's
+// waits for peers' signals are bounded by the executor's watchdog. Creating
+// windows and inboxes and destroying them are plain MPI collectives without a
+// timeout: a rank that dies there ends the job through mpirun, and a job
+// meets in finish() before it destroys them, so that none waits there for a
+// rank that stopped. A rank whose job failed calls stopJob(): its peers'
+// waits fail, and rank 0 prints every rank's report. A fabric's collectives
+// (creation, exchange, barrier, finish, gather, destruction) are called from
+// one thread at a time, in the same order on every rank; put() and
+// Inbox::signal() from any thread.
 //
 // No MLIR/LLVM dependency; this header does not include MPI.
 //
@@ -77,6 +80,22 @@ public:
   /// peer signals them meanwhile (a pass resets its inbox once it is over,
   /// and peers signal the next pass only after its exchange).
   virtual void reset() = 0;
+  /// What rank `peer` alone added to counter `event` of local rank `rank`
+  /// since the last reset(), or kUnknown where the inbox does not keep it.
+  /// For reports; read without ordering against signals.
+  virtual uint64_t signalledBy(uint32_t rank, uint32_t peer, uint32_t event) const {
+    (void)rank, (void)peer, (void)event;
+    return kUnknown;
+  }
+  static constexpr uint64_t kUnknown = ~uint64_t(0);
+};
+
+/// Bytes of rows between this process's rank and one peer, counted since
+/// the fabric was created: those it put to the peer, and those of the
+/// peer's puts that have landed in its windows.
+struct Traffic {
+  uint64_t sent = 0;
+  uint64_t arrived = 0;
 };
 
 /// The ranks of an EP group and the way they reach each other.
@@ -130,6 +149,35 @@ public:
   /// into `all` (ranks() blocks in rank order; unused elsewhere).
   /// Collective.
   virtual Status gather(const void *mine, size_t bytes, void *all) = 0;
+
+  /// The rows moved between this process's rank and `peer` (a fabric of one
+  /// local rank per process; others return zeros).
+  virtual Traffic traffic(uint32_t peer) const {
+    (void)peer;
+    return {};
+  }
+
+  /// Meets every rank at the end of a job, before the collectives that
+  /// destroy windows and inboxes (which have no timeout): waits at most
+  /// `timeoutSeconds` (<= 0: no limit) for every rank to get here, and
+  /// fails at once when a peer stops the job meanwhile (stopJob).
+  virtual Status finish(double timeoutSeconds) {
+    return barrier(timeoutSeconds);
+  }
+
+  /// Stops a job that failed in this process and collects the report of
+  /// every rank: tells every peer that the job stops (their next wait on
+  /// the fabric fails, and they report too), and gathers the reports on
+  /// rank 0, waiting at most `seconds` for them. `report` is this process's
+  /// part. Returns what this process prints: on rank 0 every rank's part,
+  /// naming the ranks that sent none; elsewhere nothing when rank 0 took the
+  /// part, else a line saying that it did not (then the caller prints its
+  /// part itself). Called once, from one thread; the fabric is unusable
+  /// afterwards.
+  virtual std::string stopJob(const std::string &report, double seconds) {
+    (void)seconds;
+    return report;
+  }
 };
 
 /// Returns the in-process fabric of `ranks` ranks, all run by this process.

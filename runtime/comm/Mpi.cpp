@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -69,6 +70,7 @@ private:
 constexpr int kTagControl = 1;
 constexpr int kTagExchange = 2;
 constexpr int kTagGather = 3;
+constexpr int kTagFinish = 4;
 constexpr int kTagFirstData = 16;
 
 /// Rows up to this size travel inside their put's header message.
@@ -78,9 +80,13 @@ constexpr size_t kMessageBytes = size_t(1) << 30;
 /// Control receives kept posted.
 constexpr size_t kControlRing = 8;
 
-enum class ControlKind : uint32_t { Put = 1, Signal = 2 };
+/// Control messages: a put's header, a signal, and the messages that stop a
+/// failed job (stopJob): the stop with its reason, a rank's report to rank 0,
+/// and rank 0's word that it took the report.
+enum class ControlKind : uint32_t { Put = 1, Signal = 2, Stop = 3, Report = 4, ReportTaken = 5 };
 
-/// A control message; a put's inline rows follow it.
+/// A control message; a put's inline rows, or a stop's or a report's text,
+/// follow it.
 struct Control {
   ControlKind kind;
   uint32_t object; ///< the window (put) or inbox (signal), by creation order
@@ -92,6 +98,16 @@ struct Control {
   uint32_t unused = 0;
 };
 constexpr size_t kControlBytes = sizeof(Control) + kInlineBytes;
+
+/// A put the test hook MOEC_TEST_DROP_PUT=RANK:N drops: the N-th put rank
+/// RANK makes to another rank, and the signal that follows it from the same
+/// thread to the same peer (a peer then waits for that signal, as it would
+/// for a lost message).
+struct DropPut {
+  int64_t rank = -1;
+  uint64_t nth = 0;
+};
+thread_local int64_t dropNextSignalTo = -1;
 
 /// Copies `rows` rows of `rowBytes` from `src` (`srcStride` apart) to `dst`
 /// (`dstStride` apart).
@@ -165,11 +181,15 @@ public:
   Status read(uint32_t rank, uint64_t *values) override;
   void reset() override {
     uint64_t *counters = this->counters();
-    for (uint32_t e = 0; e < count; ++e)
+    for (size_t e = 0; e < counterCount(); ++e)
       __atomic_store_n(&counters[e], 0, __ATOMIC_RELAXED);
     std::atomic_thread_fence(std::memory_order_seq_cst);
   }
+  uint64_t signalledBy(uint32_t rank, uint32_t peer, uint32_t event) const override;
+  /// The counters of this rank: events() sums that the executor reads, then
+  /// what each rank added to them ([ranks][events()], for reports).
   uint64_t *counters() const { return reinterpret_cast<uint64_t *>(memory.base); }
+  size_t counterCount() const;
 
   MpiFabric &owner;
   uint32_t id;
@@ -184,6 +204,7 @@ public:
   static constexpr size_t kExchangeHeader = 16; ///< sequence number, byte count
 
   ~MpiFabric() override {
+    arrivals.destroy();
     for (ControlReceive &receive : ring)
       if (receive.request != MPI_REQUEST_NULL) {
         MPI_Cancel(&receive.request);
@@ -229,14 +250,19 @@ public:
     MOEC_MPI(MPI_Comm_get_attr(comm, MPI_TAG_UB, &tagUb, &flag), "MPI_Comm_get_attr(MPI_TAG_UB)");
     dataTags = uint32_t((flag && tagUb ? *tagUb : 32767) - kTagFirstData);
     sent = std::vector<std::atomic<uint64_t>>(count);
+    sentBytes = std::vector<std::atomic<uint64_t>>(count);
     landed.assign(count, 0);
     pending.resize(count);
+    reports.assign(count, std::string());
+    reported.assign(count, false);
     for (ControlReceive &receive : ring) {
       receive.buffer.resize(kControlBytes);
       if (Status s = post(receive); !s)
         return s;
     }
-    return Status::success();
+    // Bytes that arrived from each rank: node peers add to it after their
+    // stores, progress() when a peer's rows land.
+    return arrivals.create(*this, size_t(count) * sizeof(uint64_t));
   }
 
   const char *name() const override { return "mpi"; }
@@ -273,7 +299,7 @@ public:
       inbox = std::make_unique<MpiInbox>(*this, uint32_t(inboxes.size()), events);
       inboxes.push_back(nullptr);
     }
-    if (Status s = inbox->memory.create(*this, size_t(events) * sizeof(uint64_t)); !s)
+    if (Status s = inbox->memory.create(*this, inbox->counterCount() * sizeof(uint64_t)); !s)
       return s;
     std::lock_guard<std::mutex> lock(progressMutex);
     inboxes[inbox->id] = inbox.get();
@@ -300,8 +326,15 @@ public:
       copyRows(shared.memory.base + offset, dstStride, from, srcStride, rows, rowBytes);
       return Status::success();
     }
+    if (drop.rank == int64_t(me) && putsToPeers.fetch_add(1) + 1 == drop.nth) {
+      dropNextSignalTo = peer;
+      return Status::success();
+    }
+    sentBytes[peer].fetch_add(rows * rowBytes);
     if (sharesMemory(peer)) {
       copyRows(shared.memory.peer[peer] + offset, dstStride, from, srcStride, rows, rowBytes);
+      __atomic_fetch_add(&reinterpret_cast<uint64_t *>(arrivals.peer[peer])[me], rows * rowBytes,
+                         __ATOMIC_SEQ_CST);
       return Status::success();
     }
     if (rowBytes > kMessageBytes)
@@ -398,6 +431,15 @@ public:
       return Status::success();
     if (!broken.empty())
       return Status::error(broken);
+    if (Status s = drain(); !s)
+      return s;
+    if (!stopped.empty())
+      return Status::error(stopped);
+    return Status::success();
+  }
+
+  /// progress() under progressMutex, whatever stopped or broke the fabric.
+  Status drain() {
     for (;;) {
       ControlReceive &receive = ring[ringHead];
       int done = 0;
@@ -424,8 +466,9 @@ public:
           if (!done)
             break;
           ++landed[p];
+          arrived(p, front.control.rows * front.control.rowBytes);
         } else {
-          applySignal(front.control);
+          applySignal(p, front.control);
         }
         queue.pop_front();
       }
@@ -500,15 +543,27 @@ public:
             MPI_Cancel(&receives[p]);
             MPI_Wait(&receives[p], MPI_STATUS_IGNORE);
           }
+        // A peer that reached the end of its job ran fewer passes.
+        std::vector<uint32_t> ended;
+        for (uint32_t p : absent) {
+          int flag = 0;
+          MPI_Iprobe(int(p), kTagFinish, comm, &flag, MPI_STATUS_IGNORE);
+          if (flag)
+            ended.push_back(p);
+        }
         std::lock_guard<std::mutex> lock(progressMutex);
         abandoned.push_back(std::move(*message));
         if (absent.empty())
           return breakDown(fmt::format(
               "rank {}: the exchange's blocks did not leave within {:.3g} s", me, timeoutSeconds));
         return breakDown(fmt::format(
-            "rank {}: rank{} {} did not reach the exchange within {:.3g} s (a rank that stopped, "
-            "never submitted the pass, runs another program, or cannot be reached)",
-            me, absent.size() == 1 ? "" : "s", fmt::join(absent, ", "), timeoutSeconds));
+            "rank {}: rank{} {} did not reach the exchange within {:.3g} s ({})", me,
+            absent.size() == 1 ? "" : "s", fmt::join(absent, ", "), timeoutSeconds,
+            ended.empty() ? "a rank that stopped, never submitted the pass, runs another "
+                            "program, or cannot be reached"
+                          : fmt::format("rank{} {} reached the end of the job: it ran fewer "
+                                        "passes than this rank",
+                                        ended.size() == 1 ? "" : "s", fmt::join(ended, ", "))));
       }
       // Peers that are through their exchange may already put rows here.
       if (Status s = progress(/*wait=*/false); !s)
@@ -628,11 +683,138 @@ public:
     }
   }
 
+  Traffic traffic(uint32_t peer) const override {
+    if (peer >= count)
+      return {};
+    return Traffic{sentBytes[peer].load(),
+                   __atomic_load_n(&reinterpret_cast<const uint64_t *>(arrivals.base)[peer],
+                                   __ATOMIC_ACQUIRE)};
+  }
+
+  /// An empty message to every peer on its own tag, and theirs received,
+  /// bounded, driving progress meanwhile (a peer's stop ends it at once).
+  Status finish(double timeoutSeconds) override {
+    if (Status s = usable(); !s)
+      return s;
+    std::vector<MPI_Request> receives(count, MPI_REQUEST_NULL), sends(count, MPI_REQUEST_NULL);
+    for (uint32_t p = 0; p < count; ++p) {
+      if (p == me)
+        continue;
+      MOEC_MPI(MPI_Irecv(nullptr, 0, MPI_BYTE, int(p), kTagFinish, comm, &receives[p]),
+               "finish: MPI_Irecv");
+      MOEC_MPI(MPI_Isend(nullptr, 0, MPI_BYTE, int(p), kTagFinish, comm, &sends[p]),
+               "finish: MPI_Isend");
+    }
+    const Clock::time_point start = Clock::now();
+    Backoff backoff;
+    for (;;) {
+      int received = 0, left = 0;
+      MOEC_MPI(MPI_Testall(int(count), receives.data(), &received, MPI_STATUSES_IGNORE),
+               "finish: MPI_Testall");
+      MOEC_MPI(MPI_Testall(int(count), sends.data(), &left, MPI_STATUSES_IGNORE),
+               "finish: MPI_Testall");
+      if (received && left)
+        return Status::success();
+      if (Status s = progress(/*wait=*/false); !s)
+        return s;
+      if (timeoutSeconds > 0 && secondsSince(start) > timeoutSeconds) {
+        std::vector<uint32_t> absent;
+        for (uint32_t p = 0; p < count; ++p)
+          if (receives[p] != MPI_REQUEST_NULL)
+            absent.push_back(p);
+        return breakDown(fmt::format(
+            "rank {}: rank{} {} did not reach the end of the job within {:.3g} s (a rank that "
+            "runs more passes, stopped, or cannot be reached)",
+            me, absent.size() == 1 ? "" : "s", fmt::join(absent, ", "), timeoutSeconds));
+      }
+      backoff.pause();
+    }
+  }
+
+  std::string stopJob(const std::string &report, double seconds) override {
+    std::unique_lock<std::mutex> lock(progressMutex);
+    // The stop carries the report's first clause; the whole report goes to
+    // rank 0.
+    std::string reason = report.substr(0, std::min(report.find("; "), report.find(". ")));
+    if (reason.size() > 300)
+      reason = reason.substr(0, 300) + "...";
+    // Tell every peer, and give rank 0 this rank's report. The sends are
+    // not waited for beyond `seconds` (a dead peer never takes them).
+    std::vector<MPI_Request> requests;
+    const auto send = [&](uint32_t peer, ControlKind kind, const std::string &text) {
+      const size_t bytes = std::min(text.size(), kInlineBytes);
+      abandoned.emplace_back(sizeof(Control) + bytes);
+      std::vector<char> &message = abandoned.back();
+      const Control header{kind, 0, 0, 0, 0, 0, -1};
+      std::memcpy(message.data(), &header, sizeof header);
+      std::memcpy(message.data() + sizeof header, text.data(), bytes);
+      requests.emplace_back(MPI_REQUEST_NULL);
+      if (MPI_Isend(message.data(), int(message.size()), MPI_BYTE, int(peer), kTagControl, comm,
+                    &requests.back()) != MPI_SUCCESS)
+        requests.back() = MPI_REQUEST_NULL;
+    };
+    for (uint32_t p = 0; p < count; ++p)
+      if (p != me)
+        send(p, ControlKind::Stop, reason);
+    if (me != 0)
+      send(0, ControlKind::Report, report);
+    reports[me] = report;
+    reported[me] = true;
+    const auto allIn = [&] {
+      return me == 0 ? std::all_of(reported.begin(), reported.end(), [](bool b) { return b; })
+                     : reportTaken;
+    };
+    const Clock::time_point start = Clock::now();
+    Backoff backoff;
+    while (!allIn() && secondsSince(start) < seconds) {
+      if (!drain())
+        break;
+      int done = 0;
+      MPI_Testall(int(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
+      lock.unlock();
+      backoff.pause();
+      lock.lock();
+    }
+    if (broken.empty())
+      broken = "the job stopped";
+    if (me != 0)
+      return reportTaken ? std::string()
+                         : fmt::format("rank 0 did not take the report of rank {} within {:.3g} "
+                                       "s (rank 0 died, or cannot be reached)\n",
+                                       me, seconds);
+    std::string out = fmt::format("report of the {} ranks, gathered on rank 0:\n", count);
+    requests.clear();
+    for (uint32_t p = 0; p < count; ++p) {
+      if (reported[p]) {
+        out += fmt::format("  [rank {}] {}\n", p, reports[p]);
+        if (p != me)
+          send(p, ControlKind::ReportTaken, std::string());
+      } else {
+        out += fmt::format("  [rank {}] no report within {:.3g} s (it died, waits outside moec, "
+                           "or cannot be reached)\n",
+                           p, seconds);
+      }
+    }
+    // The word that the reports were taken, so that the peers print nothing
+    // of their own; bounded (a peer may be gone meanwhile).
+    const Clock::time_point sentAt = Clock::now();
+    int done = 0;
+    while (!done && secondsSince(sentAt) < 1) {
+      if (MPI_Testall(int(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE) !=
+          MPI_SUCCESS)
+        break;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return out;
+  }
+
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Comm nodeComm = MPI_COMM_NULL;
   uint32_t count = 1, me = 0;
   std::vector<int> nodeRank; ///< [rank]: its rank on this node's communicator, or -1
   MpiOptions options;
+  DropPut drop;
+  SharedMemory arrivals; ///< [rank]: bytes of its rows that landed here
 
 private:
   struct ControlReceive {
@@ -660,6 +842,22 @@ private:
       return Status::error(fmt::format("rank {}: a control message of {} bytes from rank {}", me,
                                        bytes, peer));
     std::memcpy(&control, message, sizeof control);
+    const std::string text(message + sizeof control, bytes - sizeof control);
+    switch (control.kind) {
+    case ControlKind::Stop:
+      if (stopped.empty())
+        stopped = fmt::format("rank {} stopped the job: {}", peer, text);
+      return Status::success();
+    case ControlKind::Report:
+      reports[peer] = text;
+      reported[peer] = true;
+      return Status::success();
+    case ControlKind::ReportTaken:
+      reportTaken = true;
+      return Status::success();
+    default:
+      break;
+    }
     if (control.kind == ControlKind::Signal) {
       if (control.object >= inboxes.size() || !inboxes[control.object] ||
           control.offset >= inboxes[control.object]->count)
@@ -668,7 +866,7 @@ private:
                                          "programs)",
                                          me, peer, control.offset, control.object));
       if (pending[peer].empty())
-        applySignal(control);
+        applySignal(peer, control);
       else
         pending[peer].push_back(Pending{MPI_REQUEST_NULL, control});
       return Status::success();
@@ -692,6 +890,7 @@ private:
                                          peer, rows * rowBytes, bytes - sizeof control));
       copyRows(dst, control.stride, message + sizeof control, rowBytes, rows, rowBytes);
       ++landed[peer];
+      arrived(peer, rows * rowBytes);
       return Status::success();
     }
     MPI_Datatype type = MPI_BYTE;
@@ -706,9 +905,17 @@ private:
     return Status::success();
   }
 
-  void applySignal(const Control &control) {
-    __atomic_fetch_add(&inboxes[control.object]->counters()[control.offset], control.stride,
-                       __ATOMIC_SEQ_CST);
+  void applySignal(uint32_t peer, const Control &control) {
+    MpiInbox &inbox = *inboxes[control.object];
+    __atomic_fetch_add(&inbox.counters()[size_t(inbox.count) * (1 + peer) + control.offset],
+                       control.stride, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&inbox.counters()[control.offset], control.stride, __ATOMIC_SEQ_CST);
+  }
+
+  /// Counts `bytes` of `peer`'s rows as landed here.
+  void arrived(uint32_t peer, uint64_t bytes) {
+    __atomic_fetch_add(&reinterpret_cast<uint64_t *>(arrivals.base)[peer], bytes,
+                       __ATOMIC_RELAXED);
   }
 
   /// Makes every later call fail with `message` (a wait that gave up left
@@ -722,6 +929,8 @@ private:
     std::lock_guard<std::mutex> lock(progressMutex);
     if (!broken.empty())
       return Status::error("mpi fabric: unusable after an earlier error: " + broken);
+    if (!stopped.empty())
+      return Status::error(stopped);
     return Status::success();
   }
 
@@ -737,8 +946,14 @@ private:
   std::vector<uint64_t> landed;             ///< [peer]: puts whose rows are here
   std::vector<std::vector<char>> abandoned; ///< messages of sends that timed out
   std::string broken;
+  std::string stopped;               ///< set when a peer stopped the job
+  std::vector<std::string> reports;  ///< [rank]: its report (rank 0, stopJob)
+  std::vector<bool> reported;
+  bool reportTaken = false;          ///< rank 0 took this rank's report
 
   std::vector<std::atomic<uint64_t>> sent; ///< [peer]: puts sent to it (other nodes)
+  std::vector<std::atomic<uint64_t>> sentBytes; ///< [peer]: bytes put to it
+  std::atomic<uint64_t> putsToPeers{0};
   std::atomic<uint32_t> nextTag{0};
   uint32_t dataTags = 1;
 };
@@ -786,11 +1001,24 @@ MpiInbox::~MpiInbox() {
   memory.destroy();
 }
 
+size_t MpiInbox::counterCount() const { return size_t(count) * (1 + owner.count); }
+
+uint64_t MpiInbox::signalledBy(uint32_t, uint32_t peer, uint32_t event) const {
+  if (peer >= owner.count || event >= count)
+    return kUnknown;
+  return __atomic_load_n(&counters()[size_t(count) * (1 + peer) + event], __ATOMIC_RELAXED);
+}
+
 Status MpiInbox::signal(uint32_t peer, uint32_t event, uint64_t delta) {
+  if (dropNextSignalTo == int64_t(peer)) {
+    dropNextSignalTo = -1;
+    return Status::success();
+  }
   if (owner.sharesMemory(peer)) {
     // After this thread's stores of the rows (seq_cst orders them).
-    __atomic_fetch_add(&reinterpret_cast<uint64_t *>(memory.peer[peer])[event], delta,
-                       __ATOMIC_SEQ_CST);
+    uint64_t *theirs = reinterpret_cast<uint64_t *>(memory.peer[peer]);
+    __atomic_fetch_add(&theirs[size_t(count) * (1 + owner.me) + event], delta, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&theirs[event], delta, __ATOMIC_SEQ_CST);
     return Status::success();
   }
   return owner.sendSignal(id, peer, event, delta);
@@ -843,6 +1071,15 @@ Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options) 
     if (std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0)
       chosen.noSharedMemory = true;
   auto fabric = std::make_shared<MpiFabric>();
+  if (const char *value = std::getenv("MOEC_TEST_DROP_PUT")) {
+    long long rank = -1;
+    unsigned long long nth = 0;
+    if (std::sscanf(value, "%lld:%llu", &rank, &nth) != 2 || rank < 0 || nth == 0)
+      return Status::error(fmt::format("MOEC_TEST_DROP_PUT='{}': expected RANK:N (N >= 1), "
+                                       "e.g. 1:3 for the third put rank 1 makes to a peer",
+                                       value));
+    fabric->drop = DropPut{rank, nth};
+  }
   if (Status s = fabric->init(chosen); !s)
     return s;
   *out = std::move(fabric);

@@ -159,7 +159,12 @@ struct Executor::Impl {
   std::unique_ptr<comm::Inbox> inbox;   ///< with `remote`: what peers signal
   std::vector<uint32_t> remoteEvents;   ///< events a peer may signal
   std::vector<uint64_t> eventTotal;     ///< what every rank's signals add to each event
-  std::vector<std::vector<uint32_t>> signallers; ///< [event]: peer offsets that signal it
+  /// A peer offset that signals an event, and what its signals add to it.
+  struct Signaller {
+    uint32_t offset;
+    uint64_t total;
+  };
+  std::vector<std::vector<Signaller>> signallers; ///< [event]: who signals it
   std::vector<uint64_t> inboxValues;    ///< the local inbox as last read, per local rank
   std::vector<uint64_t> inboxSeen;      ///< what of it was delivered
   uint32_t queueCount = 0; ///< Q, queues per rank
@@ -250,17 +255,25 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
     std::vector<bool> fromPeer(program.events.size(), false);
     eventTotal.assign(program.events.size(), 0);
     signallers.resize(program.events.size());
-    for (const SignalRecord &signal : program.signals) {
-      if (signal.peerOffset != 0) {
+    // Every rank runs every task once, so each task's signals reach every
+    // rank once in a pass (from the rank peerOffset before it). Tasks may
+    // share signal records: count them per task.
+    for (const TaskRecord &task : program.tasks)
+      for (uint32_t i = 0; i < task.signalCount; ++i) {
+        const SignalRecord &signal = program.signals[task.firstSignal + i];
+        eventTotal[signal.event] += signal.increment;
+        if (signal.peerOffset % rankCount == 0)
+          continue;
         fromPeer[signal.event] = true;
-        std::vector<uint32_t> &from = signallers[signal.event];
-        if (std::find(from.begin(), from.end(), signal.peerOffset) == from.end())
-          from.push_back(signal.peerOffset);
+        std::vector<Signaller> &from = signallers[signal.event];
+        auto it = std::find_if(from.begin(), from.end(), [&](const Signaller &s) {
+          return s.offset == signal.peerOffset % rankCount;
+        });
+        if (it == from.end())
+          from.push_back({signal.peerOffset % rankCount, signal.increment});
+        else
+          it->total += signal.increment;
       }
-      // Every rank runs every task once, so each signal record reaches every
-      // rank once in a pass (from the rank peerOffset before it).
-      eventTotal[signal.event] += signal.increment;
-    }
     for (uint32_t e = 0; e < fromPeer.size(); ++e)
       if (fromPeer[e])
         remoteEvents.push_back(e);
@@ -767,21 +780,41 @@ std::string Executor::Impl::describeRunning(Clock::time_point now) const {
 }
 
 /// For an event of local rank `rank` that ranks of other processes signal:
-/// "; signalled by ranks P, Q", the ranks whose signals it waits for.
+/// "; signalled by ranks P, Q", the ranks whose signals it waits for, each
+/// with what its signals added of what they add in a pass where the inbox
+/// keeps it ("rank P: 1 of 2, missing 1").
 std::string Executor::Impl::describeSignallers(uint32_t rank, uint32_t event) const {
   if (!remote || signallers[event].empty())
     return "";
-  std::vector<uint32_t> peers;
-  for (uint32_t offset : signallers[event]) {
-    const uint32_t peer = (rank + rankCount - offset % rankCount) % rankCount;
+  std::vector<std::pair<uint32_t, uint64_t>> peers;
+  for (const Signaller &from : signallers[event]) {
+    const uint32_t peer = (rank + rankCount - from.offset) % rankCount;
     if (!isLocal(peer))
-      peers.push_back(peer);
+      peers.push_back({peer, from.total});
   }
   std::sort(peers.begin(), peers.end());
   if (peers.empty())
     return "";
-  return fmt::format("; signalled by rank{} {}", peers.size() == 1 ? "" : "s",
-                     fmt::join(peers, ", "));
+  std::vector<std::string> parts;
+  bool counted = true;
+  for (const auto &[peer, total] : peers) {
+    const uint64_t got = inbox->signalledBy(rank, peer, event);
+    if (got == comm::Inbox::kUnknown) {
+      counted = false;
+      break;
+    }
+    parts.push_back(got >= total ? fmt::format("rank {} ({} of {} arrived)", peer, got, total)
+                                 : fmt::format("rank {} ({} of {} arrived, {} missing)", peer,
+                                               got, total, total - got));
+  }
+  if (!counted) {
+    std::vector<uint32_t> ranks;
+    for (const auto &entry : peers)
+      ranks.push_back(entry.first);
+    return fmt::format("; signalled by rank{} {}", ranks.size() == 1 ? "" : "s",
+                       fmt::join(ranks, ", "));
+  }
+  return fmt::format("; signalled by {}", fmt::join(parts, ", "));
 }
 
 /// Describes the queues that did not drain (call once the workers are out of
@@ -845,12 +878,13 @@ std::string Executor::Impl::describeStuck() const {
     for (uint32_t rank = firstLocal; rank < firstLocal + localCount; ++rank)
       for (uint32_t e : remoteEvents) {
         const uint64_t value = events[size_t(rank) * eventCount + e].value.load();
-        if (value >= eventTotal[e])
+        const uint64_t needs = eventTotal[e];
+        if (value >= needs)
           continue;
         if (++missingCount <= limit)
           missing.push_back(fmt::format("rank {} event {} '{}' is at {} of {}{}", rank, e,
-                                        program.name(program.events[e].name), value,
-                                        eventTotal[e], describeSignallers(rank, e)));
+                                        program.name(program.events[e].name), value, needs,
+                                        describeSignallers(rank, e)));
       }
   if (!missing.empty())
     out += fmt::format(". Signals from other processes missing: {}{}", fmt::join(missing, "; "),
@@ -863,6 +897,10 @@ std::string Executor::Impl::describeStuck() const {
 Status Executor::Impl::result() {
   switch (stopReason) {
   case Stop::Error:
+    // Under a fabric of several processes, an error may be a peer's (its
+    // stop, a lost link): where the local queues stood goes with it.
+    if (remote && remaining.load() > 0)
+      return Status::error(error.message() + "; " + describeStuck(), error.code());
     return error;
   case Stop::Watchdog: {
     std::string text = fmt::format("watchdog: no task completed for {}",

@@ -138,14 +138,25 @@ int usage(const char *message) {
   return kUsage;
 }
 
-/// Set once the MPI fabric exists: an error then ends the whole job.
-bool underMpi = false;
-int mpiRank = 0;
+/// Set once the MPI fabric exists: an error then ends the whole job, after
+/// rank 0 gathered every rank's report (bounded by reportSeconds).
+comm::Fabric *jobFabric = nullptr;
+double reportSeconds = 10;
 
 int fail(const Status &status) {
   Progress::abandonCurrent();
-  if (underMpi) {
-    std::fprintf(stderr, "error: [process of rank %d] %s\n", mpiRank, status.message().c_str());
+  if (jobFabric) {
+    // Rank 0 prints its error and the report of every rank; another rank
+    // prints its own only where rank 0 did not take it.
+    const uint32_t rank = jobFabric->firstLocal();
+    if (rank == 0) {
+      std::fprintf(stderr, "error: [process of rank 0] %s\n", status.message().c_str());
+      std::fflush(stderr);
+    }
+    const std::string report = jobFabric->stopJob(status.message(), reportSeconds);
+    if (rank != 0 && !report.empty())
+      std::fprintf(stderr, "error: [process of rank %u] %s\n", rank, status.message().c_str());
+    std::fprintf(stderr, "%s", report.c_str());
     std::fflush(stderr);
     comm::abortMpi(kError);
   }
@@ -360,8 +371,8 @@ int runRun(int argc, char **argv, int first) {
     mpiOptions.timeoutSeconds = timeout;
     if (Status s = comm::createMpiFabric(&fabric, mpiOptions); !s)
       return fail(s);
-    underMpi = true;
-    mpiRank = int(fabric->firstLocal());
+    jobFabric = fabric.get();
+    reportSeconds = timeout > 0 ? std::min(timeout, 10.0) : 10.0;
     if (ranks == 0)
       ranks = fabric->ranks();
     else if (ranks != fabric->ranks())
@@ -531,11 +542,15 @@ int runRun(int argc, char **argv, int first) {
   }
 
   if (fabric) {
-    // The MPI resources go before MPI does; only rank 0 goes on.
+    // Every rank meets before the collectives that free the MPI resources
+    // (bounded: a rank that runs more passes, or stopped, is reported). The
+    // MPI resources go before MPI does; only rank 0 goes on.
+    if (Status s = fabric->finish(timeout); !s)
+      return fail(s.withPrefix("at the end of the job: "));
     context.reset();
     options.fabric.reset();
+    jobFabric = nullptr;
     fabric.reset();
-    underMpi = false;
     comm::finalizeMpi();
     if (!report)
       return kOk;

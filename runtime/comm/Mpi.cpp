@@ -566,7 +566,10 @@ public:
                                         ended.size() == 1 ? "" : "s", fmt::join(ended, ", "))));
       }
       // Peers that are through their exchange may already put rows here.
-      if (Status s = progress(/*wait=*/false); !s)
+      // A peer that stopped once every block is here stopped after this
+      // exchange: what the blocks say (an error every rank finds) comes
+      // first.
+      if (Status s = progress(/*wait=*/false); !s && !(missing == 0 && onlyStopped()))
         return s;
       if (progressed)
         backoff.reset();
@@ -924,6 +927,11 @@ private:
     if (broken.empty())
       broken = message;
     return Status::error(message);
+  }
+  /// True when a peer stopped the job and nothing else broke the fabric.
+  bool onlyStopped() {
+    std::lock_guard<std::mutex> lock(progressMutex);
+    return broken.empty() && !stopped.empty();
   }
   Status usable() {
     std::lock_guard<std::mutex> lock(progressMutex);

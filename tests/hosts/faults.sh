@@ -4,6 +4,8 @@
 #   - the remote rank killed in the middle of the passes
 #   - the remote host's link cut in the middle of the passes
 #   - the remote host's input folder differs: other values, another S
+#   - a put lost between the hosts (a test hook drops it and its signal):
+#     rank 0 prints the report of both ranks
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 passed=0
@@ -81,8 +83,9 @@ if [ -n "$(ranks_of "$WORK/big/fwd.moebin")" ]; then
     tr '\0' '\n' < "/proc/$pid/environ" | grep OMPI_COMM_WORLD_RANK=; cat "/proc/$pid/wchan"; echo; done)" "$WORK/cut.log"
 else
   sleep 1
-  expect "link cut (ranks stopped in $(($(date +%s) - start)) s)" "$WORK/cut.log" \
-    "process of rank 0\] .*(signalled by rank 1|to rank 1 did not leave|from rank 1 did not arrive|watchdog: no task completed)" "$out"
+  expect_all "link cut (ranks stopped in $(($(date +%s) - start)) s)" "$WORK/cut.log" "$out" \
+    "process of rank 0\] .*(signalled by rank 1|to rank 1 did not leave|from rank 1 did not arrive|watchdog: no task completed)" \
+    "^  \[rank 1\] no report within 5 s"
 fi
 kill -9 "$job" 2> /dev/null || true
 on moec-h1 ip link set eth0 up
@@ -116,6 +119,17 @@ if per_host "$WORK/shape" > "$WORK/shape.log" 2>&1; then
   bad "another S: the job exited 0" "$WORK/shape.log"
 else
   expect "another S" "$WORK/shape.log" "rank [01] read inputs of another shape than rank [01]: R 2, S (64|128)" "$WORK/shape"
+fi
+
+# A put lost between the hosts: rank 1 (on moec-h1) drops its second put to
+# rank 0 and the signal after it; rank 0 prints the report of both.
+out="$WORK/dropped-put"
+if "${ONE[@]}" -x MOEC_TEST_DROP_PUT=1:2 "$MOEC" run "$WORK/big/fwd.moebin" \
+    "$WORK/big/bwd.moebin" --random 1 --outputs "$out" --threads 1 --timeout 5 \
+    > "$WORK/dropped-put.log" 2>&1; then
+  bad "dropped put: the job exited 0" "$WORK/dropped-put.log"
+else
+  expect_all "dropped put" "$WORK/dropped-put.log" "$out" "${DROPPED_PUT_REPORT[@]}"
 fi
 
 echo

@@ -69,3 +69,24 @@ expect() {
   if ls "$out"/*.npy > /dev/null 2>&1; then bad "$name: outputs were written" "$log"; return; fi
   ok "$name"
 }
+# expect_all NAME LOG OUT PATTERN...: every PATTERN matches a line of LOG,
+# and OUT holds no output.
+expect_all() {
+  local name=$1 log=$2 out=$3 pattern
+  shift 3
+  for pattern in "$@"; do
+    if ! grep -qE -- "$pattern" "$log"; then bad "$name: no line matches '$pattern'" "$log"; return; fi
+  done
+  if ls "$out"/*.npy > /dev/null 2>&1; then bad "$name: outputs were written" "$log"; return; fi
+  ok "$name"
+}
+# The lines of the report of a stopped job that rank 0 prints, for a put
+# that rank 1 dropped (MOEC_TEST_DROP_PUT=1:N): rank 0 waits for the
+# dispatch event whose signal rank 1 did not send (its watchdog fires, or
+# rank 1's stop ends the wait first), and rank 1's rows are short.
+DROPPED_PUT_REPORT=(
+  "^report of the 2 ranks, gathered on rank 0:"
+  "^  \[rank 0\] .*waits for event [0-9]+ 'dispatch\[[0-9.]+\]' \(value [0-9]+, needs [0-9]+; signalled by rank 1 \([0-9]+ of [0-9]+ arrived, 1 missing\)\)"
+  "^  \[rank 0\] .*Bytes of rows in this pass: arrived from rank 1 [0-9]+ of [0-9]+ \(short\)"
+  "^  \[rank 1\] "
+)

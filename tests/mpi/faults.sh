@@ -3,6 +3,8 @@
 # with a message that names the rank at fault, and no output is written.
 #   - a rank killed in the middle of a pass
 #   - a rank that never submits the pass the others run
+#   - a put lost on its way (a test hook drops it and its signal), on the
+#     shared-memory path and on the path of ranks that share no memory
 #   - a rank given a different binary, or a binary for another EP size
 #   - routing over capacity on one rank
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -70,6 +72,27 @@ fails silent-rank "rank 1: rank 0 did not reach the exchange within 5 s" \
   --outputs "$WORK/silent-rank" --repeat 1 "${S[@]}" : \
   -np 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --random 1 \
   --outputs "$WORK/silent-rank" --repeat 2 "${S[@]}"
+
+# The report of that job, on rank 0: rank 1's part (the exchange it waited
+# for, and why: rank 0 ended its job), and rank 0's (stopped by rank 1, or
+# its own wait for rank 1 at the end of the job, whichever ends first).
+expect_all silent-rank-report "$WORK/silent-rank.log" "$WORK/silent-rank" \
+  "^report of the 2 ranks, gathered on rank 0:" \
+  "^  \[rank 0\] at the end of the job: (rank 1 stopped the job: rank 1: rank 0 did not reach the exchange|rank 0: rank 1 did not reach the end of the job within 5 s)" \
+  "^  \[rank 1\] rank 1: rank 0 did not reach the exchange within 5 s \(rank 0 reached the end of the job: it ran fewer passes than this rank\)"
+
+# A put lost on its way: rank 1 drops its second put to rank 0 and the
+# signal after it. Rank 0's watchdog fires; the report names the event, the
+# peer whose signal is missing and the bytes that did not arrive.
+for path in shared-memory no-shared-memory; do
+  fails "dropped-put-$path" "^report of the 2 ranks" \
+    "${RUN[@]}" 2 -x MOEC_TEST_DROP_PUT=1:2 \
+    -x MOEC_MPI_NO_SHARED_MEMORY=$([ "$path" = shared-memory ] && echo 0 || echo 1) \
+    "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --random 1 \
+    --outputs "$WORK/dropped-put-$path" "${S[@]}"
+  expect_all "dropped-put-$path-report" "$WORK/dropped-put-$path.log" "$WORK/dropped-put-$path" \
+    "${DROPPED_PUT_REPORT[@]}"
+done
 
 # A rank given another binary: refused when the context is created, naming
 # both ranks' binaries.

@@ -71,6 +71,67 @@ double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+int64_t nanosOf(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+/// The trace `mine` of this process's rank (times from `origin`) and those
+/// of every other rank, in one trace on rank 0's clock, into *all on rank 0
+/// (collective; other ranks get nothing). The clocks: exchanges end on
+/// every rank within about one message latency of each other, so each
+/// rank's reading of its clock when an exchange ended, sent in the next one,
+/// gives its offset from rank 0's clock (the median of a few; hosts with a
+/// shared clock get about zero).
+Status gatherTrace(comm::Fabric &fabric, const trace::Trace &mine, Clock::time_point origin,
+                   double timeoutSeconds, trace::Trace *all) {
+  const uint32_t R = fabric.ranks(), me = fabric.firstLocal();
+  if (fabric.localRanks() != 1)
+    return Status::error("a fabric of several processes with several ranks per process");
+  constexpr int kRounds = 5;
+  std::vector<std::vector<int64_t>> samples(R);
+  int64_t ended = 0;
+  std::vector<int64_t> readings(R);
+  for (int round = 0; round <= kRounds; ++round) {
+    if (Status s = fabric.exchange(&ended, sizeof ended, readings.data(), timeoutSeconds); !s)
+      return s;
+    ended = nanosOf(Clock::now());
+    if (round > 0)
+      for (uint32_t p = 0; p < R; ++p)
+        samples[p].push_back(readings[p] - readings[0]);
+  }
+  const std::vector<char> packed = trace::packTrace(mine);
+  struct Header {
+    int64_t origin;
+    uint64_t bytes;
+  };
+  const Header header{nanosOf(origin), packed.size()};
+  std::vector<Header> headers(R);
+  if (Status s = fabric.exchange(&header, sizeof header, headers.data(), timeoutSeconds); !s)
+    return s;
+  uint64_t most = 0;
+  for (const Header &h : headers)
+    most = std::max(most, h.bytes);
+  std::vector<char> block(most, 0), blocks(me == 0 ? most * R : 0);
+  std::copy(packed.begin(), packed.end(), block.begin());
+  if (Status s = fabric.gather(block.data(), most, blocks.data()); !s)
+    return s;
+  if (me != 0)
+    return Status::success();
+  for (uint32_t p = 0; p < R; ++p) {
+    std::vector<int64_t> &offsets = samples[p];
+    std::nth_element(offsets.begin(), offsets.begin() + offsets.size() / 2, offsets.end());
+    const int64_t offset = offsets[offsets.size() / 2];
+    trace::Trace theirs;
+    if (Status s = trace::unpackTrace(blocks.data() + most * p, headers[p].bytes, &theirs); !s)
+      return s.withPrefix(fmt::format("rank {}: ", p));
+    theirs.shift(headers[p].origin - offset - headers[0].origin);
+    all->append(theirs);
+  }
+  all->sort();
+  return Status::success();
+}
+
+
 /// The tensors a caller binds, by name.
 enum Binding : uint32_t {
   kX, kW1, kW2, kY, kDy, kDx, kDtopk, kDw1, kDw2,
@@ -202,6 +263,7 @@ struct Context::Impl : detail::Group {
   std::atomic<int> stage{2};
   std::atomic<uint64_t> passes{0}; ///< forward and backward passes ended
   trace::Trace fwdTrace, bwdTrace; ///< with ContextOptions::trace
+  Clock::time_point fwdOrigin, bwdOrigin; ///< when those passes started
   bool lastWasBackward = false;
 
   std::thread submitted;
@@ -320,7 +382,10 @@ Status Context::Impl::forward() {
   haveForward = true;
   lastWasBackward = false;
   if (options.trace)
+  {
     recordTrace(pass, t0, t1, fwdTimes, &fwdTrace);
+    fwdOrigin = t0;
+  }
   return Status::success();
 }
 
@@ -411,7 +476,10 @@ Status Context::Impl::backward() {
   bwdTimes.finish = secondsSince(t1);
   lastWasBackward = true;
   if (options.trace)
+  {
     recordTrace(pass, t0, t1, bwdTimes, &bwdTrace);
+    bwdOrigin = t0;
+  }
   return Status::success();
 }
 
@@ -630,7 +698,17 @@ Status Context::writeTrace(const std::string &path, TracedPass which) const {
     return Status::error(fmt::format("no {} pass has run to the end yet",
                                      backward ? "backward" : "forward"));
   const Program &program = backward ? *body->bwdProgram : *body->fwdProgram;
-  return trace::writeChromeTrace(program.impl().program, trace, path, program.source());
+  comm::Fabric &fabric = *body->fabric;
+  if (fabric.allLocal())
+    return trace::writeChromeTrace(program.impl().program, trace, path, program.source());
+  trace::Trace all;
+  if (Status s = gatherTrace(fabric, trace, backward ? body->bwdOrigin : body->fwdOrigin,
+                             body->options.timeoutSeconds, &all);
+      !s)
+    return s.withPrefix("gathering the trace of every rank: ");
+  if (fabric.firstLocal() != 0)
+    return Status::success();
+  return trace::writeChromeTrace(program.impl().program, all, path, program.source());
 }
 
 } // namespace moec::rt

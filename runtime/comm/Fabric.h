@@ -70,8 +70,9 @@ public:
   virtual uint32_t events() const = 0;
   /// Adds `delta` to counter `event` of rank `peer` (not run by this
   /// process), once every put the calling thread made to `peer` is complete
-  /// there. Called from many threads at once.
-  virtual Status signal(uint32_t peer, uint32_t event, uint64_t delta) = 0;
+  /// there; `task` (the signalling task of this process's rank) goes with
+  /// it, for traces (lastSignaller). Called from many threads at once.
+  virtual Status signal(uint32_t peer, uint32_t event, uint64_t delta, uint32_t task) = 0;
   /// Reads the counters of local rank `rank` into `values` [events()]. Each
   /// value is read atomically with respect to signals. Called from one thread
   /// at a time.
@@ -85,6 +86,13 @@ public:
   /// For reports; read without ordering against signals.
   virtual uint64_t signalledBy(uint32_t rank, uint32_t peer, uint32_t event) const {
     (void)rank, (void)peer, (void)event;
+    return kUnknown;
+  }
+  /// The rank and task of the latest signal applied to counter `event` of
+  /// local rank `rank`, as rank << 32 | task, or kUnknown. Read after a
+  /// counter moved, it names the signal that moved it last.
+  virtual uint64_t lastSignaller(uint32_t rank, uint32_t event) const {
+    (void)rank, (void)event;
     return kUnknown;
   }
   static constexpr uint64_t kUnknown = ~uint64_t(0);

@@ -46,7 +46,7 @@ class InProcessInbox final : public Inbox {
 public:
   InProcessInbox(uint32_t ranks, uint32_t events) : count(events), values(size_t(ranks) * events) {}
   uint32_t events() const override { return count; }
-  Status signal(uint32_t peer, uint32_t event, uint64_t delta) override {
+  Status signal(uint32_t peer, uint32_t event, uint64_t delta, uint32_t) override {
     return Status::error("in-process fabric: every rank is local; events are the executor's");
   }
   Status read(uint32_t rank, uint64_t *out) override {

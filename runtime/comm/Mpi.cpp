@@ -177,7 +177,7 @@ public:
       : owner(fabric), id(id), count(events) {}
   ~MpiInbox() override;
   uint32_t events() const override { return count; }
-  Status signal(uint32_t peer, uint32_t event, uint64_t delta) override;
+  Status signal(uint32_t peer, uint32_t event, uint64_t delta, uint32_t task) override;
   Status read(uint32_t rank, uint64_t *values) override;
   void reset() override {
     uint64_t *counters = this->counters();
@@ -186,10 +186,17 @@ public:
     std::atomic_thread_fence(std::memory_order_seq_cst);
   }
   uint64_t signalledBy(uint32_t rank, uint32_t peer, uint32_t event) const override;
-  /// The counters of this rank: events() sums that the executor reads, then
-  /// what each rank added to them ([ranks][events()], for reports).
+  uint64_t lastSignaller(uint32_t rank, uint32_t event) const override;
+  /// The counters of this rank: events() sums that the executor reads, the
+  /// latest signaller of each (rank << 32 | task, for traces), then what
+  /// each rank added to them ([ranks][events()], for reports).
   uint64_t *counters() const { return reinterpret_cast<uint64_t *>(memory.base); }
   size_t counterCount() const;
+  size_t lastIndex(uint32_t event) const { return size_t(count) + event; }
+  size_t peerIndex(uint32_t peer, uint32_t event) const {
+    return size_t(count) * (2 + peer) + event;
+  }
+  static uint64_t signaller(uint32_t rank, uint32_t task) { return uint64_t(rank) << 32 | task; }
 
   MpiFabric &owner;
   uint32_t id;
@@ -382,9 +389,10 @@ public:
   }
 
   /// Sends a signal to `peer` on another node.
-  Status sendSignal(uint32_t inbox, uint32_t peer, uint32_t event, uint64_t delta) {
+  Status sendSignal(uint32_t inbox, uint32_t peer, uint32_t event, uint64_t delta,
+                    uint32_t task) {
     std::vector<char> message(sizeof(Control));
-    const Control header{ControlKind::Signal, inbox, event, delta, 0, 0, -1};
+    const Control header{ControlKind::Signal, inbox, event, delta, task, 0, -1};
     std::memcpy(message.data(), &header, sizeof header);
     MPI_Request request = MPI_REQUEST_NULL;
     MOEC_MPI(MPI_Isend(message.data(), int(message.size()), MPI_BYTE, int(peer), kTagControl, comm,
@@ -910,8 +918,11 @@ private:
 
   void applySignal(uint32_t peer, const Control &control) {
     MpiInbox &inbox = *inboxes[control.object];
-    __atomic_fetch_add(&inbox.counters()[size_t(inbox.count) * (1 + peer) + control.offset],
-                       control.stride, __ATOMIC_RELAXED);
+    const uint32_t event = uint32_t(control.offset);
+    __atomic_fetch_add(&inbox.counters()[inbox.peerIndex(peer, event)], control.stride,
+                       __ATOMIC_RELAXED);
+    __atomic_store_n(&inbox.counters()[inbox.lastIndex(event)],
+                     MpiInbox::signaller(peer, uint32_t(control.rows)) + 1, __ATOMIC_RELAXED);
     __atomic_fetch_add(&inbox.counters()[control.offset], control.stride, __ATOMIC_SEQ_CST);
   }
 
@@ -1009,15 +1020,22 @@ MpiInbox::~MpiInbox() {
   memory.destroy();
 }
 
-size_t MpiInbox::counterCount() const { return size_t(count) * (1 + owner.count); }
+size_t MpiInbox::counterCount() const { return size_t(count) * (2 + owner.count); }
 
 uint64_t MpiInbox::signalledBy(uint32_t, uint32_t peer, uint32_t event) const {
   if (peer >= owner.count || event >= count)
     return kUnknown;
-  return __atomic_load_n(&counters()[size_t(count) * (1 + peer) + event], __ATOMIC_RELAXED);
+  return __atomic_load_n(&counters()[peerIndex(peer, event)], __ATOMIC_RELAXED);
 }
 
-Status MpiInbox::signal(uint32_t peer, uint32_t event, uint64_t delta) {
+uint64_t MpiInbox::lastSignaller(uint32_t, uint32_t event) const {
+  if (event >= count)
+    return kUnknown;
+  const uint64_t last = __atomic_load_n(&counters()[lastIndex(event)], __ATOMIC_ACQUIRE);
+  return last == 0 ? kUnknown : last - 1;
+}
+
+Status MpiInbox::signal(uint32_t peer, uint32_t event, uint64_t delta, uint32_t task) {
   if (dropNextSignalTo == int64_t(peer)) {
     dropNextSignalTo = -1;
     return Status::success();
@@ -1025,11 +1043,12 @@ Status MpiInbox::signal(uint32_t peer, uint32_t event, uint64_t delta) {
   if (owner.sharesMemory(peer)) {
     // After this thread's stores of the rows (seq_cst orders them).
     uint64_t *theirs = reinterpret_cast<uint64_t *>(memory.peer[peer]);
-    __atomic_fetch_add(&theirs[size_t(count) * (1 + owner.me) + event], delta, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&theirs[peerIndex(owner.me, event)], delta, __ATOMIC_RELAXED);
+    __atomic_store_n(&theirs[lastIndex(event)], signaller(owner.me, task) + 1, __ATOMIC_RELAXED);
     __atomic_fetch_add(&theirs[event], delta, __ATOMIC_SEQ_CST);
     return Status::success();
   }
-  return owner.sendSignal(id, peer, event, delta);
+  return owner.sendSignal(id, peer, event, delta, task);
 }
 
 Status MpiInbox::read(uint32_t, uint64_t *values) {

@@ -464,7 +464,7 @@ Status Executor::Impl::signal(uint32_t rank, const SignalRecord &signal,
   if (target >= rankCount)
     target -= rankCount;
   if (!isLocal(target))
-    return inbox->signal(target, signal.event, signal.increment);
+    return inbox->signal(target, signal.event, signal.increment, by.signalTask);
   addToEvent(target, signal.event, signal.increment, woken, by, waits);
   return Status::success();
 }
@@ -686,7 +686,15 @@ Status Executor::Impl::deliver(bool *delivered) {
       return s;
     for (uint32_t e : remoteEvents)
       if (values[e] > seen[e]) {
-        addToEvent(firstLocal + i, e, values[e] - seen[e], woken, trace::WaitSpan(),
+        trace::WaitSpan by;
+        if (options.trace) {
+          const uint64_t last = inbox->lastSignaller(firstLocal + i, e);
+          if (last != comm::Inbox::kUnknown) {
+            by.signalRank = uint32_t(last >> 32);
+            by.signalTask = uint32_t(last);
+          }
+        }
+        addToEvent(firstLocal + i, e, values[e] - seen[e], woken, by,
                    options.trace ? &remoteWaits : nullptr);
         seen[e] = values[e];
         *delivered = true;

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <string_view>
 #include <tuple>
@@ -96,6 +97,89 @@ void Trace::sort() {
   std::sort(waits.begin(), waits.end(), [](const WaitSpan &a, const WaitSpan &b) {
     return std::tie(a.beginNs, a.rank, a.queue) < std::tie(b.beginNs, b.rank, b.queue);
   });
+}
+
+namespace {
+
+/// Fixed-size records of packTrace(): counts, then the spans field by field
+/// (phase names as a length and the characters).
+template <typename T> void pack(std::vector<char> &out, const T &value) {
+  const char *bytes = reinterpret_cast<const char *>(&value);
+  out.insert(out.end(), bytes, bytes + sizeof value);
+}
+
+class Unpacker {
+public:
+  Unpacker(const char *bytes, size_t size) : at(bytes), end(bytes + size) {}
+  template <typename T> bool take(T *value) {
+    if (size_t(end - at) < sizeof(T))
+      return false;
+    std::memcpy(value, at, sizeof(T));
+    at += sizeof(T);
+    return true;
+  }
+  bool take(std::string *text, uint64_t size) {
+    if (uint64_t(end - at) < size)
+      return false;
+    text->assign(at, size);
+    at += size;
+    return true;
+  }
+
+private:
+  const char *at;
+  const char *end;
+};
+
+} // namespace
+
+std::vector<char> packTrace(const Trace &trace) {
+  std::vector<char> out;
+  pack(out, uint64_t(trace.tasks.size()));
+  pack(out, uint64_t(trace.waits.size()));
+  pack(out, uint64_t(trace.phases.size()));
+  for (const TaskSpan &s : trace.tasks)
+    pack(out, s);
+  for (const WaitSpan &s : trace.waits)
+    pack(out, s);
+  for (const PhaseSpan &s : trace.phases) {
+    pack(out, s.rank);
+    pack(out, s.beginNs);
+    pack(out, s.endNs);
+    pack(out, uint64_t(s.name.size()));
+    out.insert(out.end(), s.name.begin(), s.name.end());
+  }
+  return out;
+}
+
+Status unpackTrace(const char *bytes, size_t size, Trace *out) {
+  Unpacker in(bytes, size);
+  uint64_t tasks = 0, waits = 0, phases = 0;
+  const Status bad = Status::error("a packed trace that is cut short or too long");
+  if (!in.take(&tasks) || !in.take(&waits) || !in.take(&phases) ||
+      tasks > size / sizeof(TaskSpan) || waits > size / sizeof(WaitSpan) || phases > size)
+    return bad;
+  for (uint64_t i = 0; i < tasks; ++i) {
+    TaskSpan s;
+    if (!in.take(&s))
+      return bad;
+    out->tasks.push_back(s);
+  }
+  for (uint64_t i = 0; i < waits; ++i) {
+    WaitSpan s;
+    if (!in.take(&s))
+      return bad;
+    out->waits.push_back(s);
+  }
+  for (uint64_t i = 0; i < phases; ++i) {
+    PhaseSpan s;
+    uint64_t length = 0;
+    if (!in.take(&s.rank) || !in.take(&s.beginNs) || !in.take(&s.endNs) || !in.take(&length) ||
+        !in.take(&s.name, length))
+      return bad;
+    out->phases.push_back(std::move(s));
+  }
+  return Status::success();
 }
 
 std::string coreName(const TaskProgram &program, uint32_t queue) {

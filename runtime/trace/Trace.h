@@ -96,6 +96,12 @@ struct Trace {
   bool empty() const { return tasks.empty() && waits.empty() && phases.empty(); }
 };
 
+/// The spans of `trace` as bytes, to send to another process.
+std::vector<char> packTrace(const Trace &trace);
+/// The spans packTrace() made of a trace, appended to *out. Errors: bytes
+/// that packTrace() did not make.
+Status unpackTrace(const char *bytes, size_t size, Trace *out);
+
 /// Returns `trace` of a pass of `program` as Chrome trace-event JSON (see
 /// the file comment). `binary` names the program in the metadata.
 std::string chromeTraceJson(const format::TaskProgram &program, const Trace &trace,

@@ -27,6 +27,8 @@ layer bf16-4 64 32 2 2 4 bf16 ', "capacity_factor": 4'
 check bf16-4 4 --hot-share 0.9
 GRANULARITY=per-expert layer per-expert-4 256 128 2 2 4 fp32
 check per-expert-4 4
+# One trace of the whole job, across the hosts.
+check_trace f32-4 4
 
 # The conformance suite, 1 + 1 and 2 + 2 (it picks the cases of its size).
 SUITE="$(realpath "${SUITE:?set SUITE to the conformance suite binary}")"

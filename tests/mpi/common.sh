@@ -80,6 +80,54 @@ expect_all() {
   if ls "$out"/*.npy > /dev/null 2>&1; then bad "$name: outputs were written" "$log"; return; fi
   ok "$name"
 }
+# check_trace NAME EP: a job of EP processes with --trace writes one trace
+# per pass for the whole job (no file per rank), which passes
+# check_trace.py (every task of every rank once, every arrow joins two
+# existing slices) and has arrows from one process to another. Counts into
+# $passed and $failed.
+check_trace() {
+  local name=$1 ep=$2 dir="$WORK/$1" pass
+  local check="$(realpath "${CHECK_TRACE:?set CHECK_TRACE to check_trace.py}")"
+  rm -f "$dir"/trace*.json
+  if ! "${MPIRUN[@]}" -np "$ep" "$MOEC" run "$dir/fwd.moebin" "$dir/bwd.moebin" --random 3 \
+      --outputs "$dir/traced" --threads 1 --timeout 30 --trace "$dir/trace.json" \
+      > "$dir/trace.log" 2>&1; then
+    bad "$name: trace (mpirun -np $ep): the job failed" "$dir/trace.log"
+    return
+  fi
+  if [ "$(ls "$dir" | grep -c '^trace.*\.json$')" -ne 2 ]; then
+    bad "$name: trace (mpirun -np $ep): not one file per pass: $(ls "$dir" | grep trace)"
+    return
+  fi
+  for pass in fwd bwd; do
+    "$MOEC" dump "$dir/$pass.moebin" --json > "$dir/$pass.dump.json"
+  done
+  if ! python3 "$check" "$dir/trace.json" "$dir/fwd.dump.json" --source measured --phases \
+      > "$dir/check.log" 2>&1 ||
+     ! python3 "$check" "$dir/trace.bwd.json" "$dir/bwd.dump.json" --source measured --phases \
+      >> "$dir/check.log" 2>&1; then
+    bad "$name: trace (mpirun -np $ep): check_trace.py" "$dir/check.log"
+    return
+  fi
+  if ! python3 - "$dir/trace.json" "$ep" << 'PY' >> "$dir/check.log" 2>&1; then
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+pids = {e["pid"] for e in events if e.get("ph") == "X"}
+assert pids == set(range(int(sys.argv[2]))), f"slices of ranks {sorted(pids)}"
+ends = {}
+for e in events:
+    if e.get("ph") in ("s", "f"):
+        ends.setdefault(e["id"], set()).add(e["pid"])
+crossing = sum(1 for p in ends.values() if len(p) > 1)
+assert crossing > 0, "no arrow from one process to another"
+print(f"{crossing} arrows cross processes")
+PY
+    bad "$name: trace (mpirun -np $ep): ranks or arrows" "$dir/check.log"
+    return
+  fi
+  ok "$name: one trace of mpirun -np $ep ($(tail -1 "$dir/check.log"))"
+}
+
 # The lines of the report of a stopped job that rank 0 prints, for a put
 # that rank 1 dropped (MOEC_TEST_DROP_PUT=1:N): rank 0 waits for the
 # dispatch event whose signal rank 1 did not send (its watchdog fires, or

@@ -27,11 +27,14 @@ check per-expert 2
 # Many local experts, top-8.
 layer wide 32 16 8 8 2 bf16
 check wide 2
+# One trace of the whole job.
+check_trace f32-2 2
 # The path between nodes (two-sided messages) on this one machine: no rank
 # shares memory with another.
 MPIRUN+=(-x MOEC_MPI_NO_SHARED_MEMORY=1)
 check f32-3 3 --hot-share 0.5
 check bf16-4 4
+check_trace f32-3 3
 
 echo
 echo "mpi conformance: ${passed} passed, ${failed} failed"

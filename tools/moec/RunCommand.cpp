@@ -101,13 +101,14 @@ const CommandSpec kRunSpec = {
     "                   --verify and no output files\n"
     "  --timeout S      the watchdog: a pass (or, under MPI, a wait for another\n"
     "                   rank) that makes no progress for S seconds stops with an\n"
-    "                   error naming what it waited for (default 60)\n"
+    "                   error naming what it waited for (default 60); under MPI\n"
+    "                   rank 0 then prints the report of every rank\n"
     "  --trace FILE     write a Chrome/Perfetto trace of the last timed forward pass\n"
     "                   to FILE (and of the backward pass to FILE with '.bwd' before\n"
     "                   its extension): tasks with their tiles, waits naming their\n"
     "                   event, signal arrows, and the prepare/tasks/finish phases;\n"
-    "                   under MPI each rank writes its own, with '.rankN' before\n"
-    "                   the extension (arrows from other processes are not drawn)\n"
+    "                   under MPI rank 0 writes one trace of every rank, with\n"
+    "                   arrows across processes and hosts\n"
     "  --threads N      worker threads, 1 to 4096 (default: the hardware threads)\n"
     "  --repeat N       run the passes N times and report the best time (default 1)\n"
     "  --hot-share F    with --random: the share of tokens whose first expert is\n"
@@ -530,10 +531,9 @@ int runRun(int argc, char **argv, int first) {
   }
 
   if (auto option = args.value("--trace")) {
-    const std::string trace =
-        fabric ? tracePath(*option, fmt::format(".rank{}", fabric->firstLocal()).c_str())
-               : *option;
-    // The last timed forward and backward passes, as they ran.
+    // The last timed forward and backward passes, as they ran; under MPI
+    // every rank's, in one file that rank 0 writes.
+    const std::string &trace = *option;
     if (backward)
       if (Status s = context->writeTrace(tracePath(trace, ".bwd"), moec::rt::TracedPass::Backward); !s)
         return fail(s);

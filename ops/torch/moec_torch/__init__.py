@@ -583,8 +583,9 @@ class MoeFFN(torch.nn.Module):
         ``moec run --trace``: the pass as it ran in this process (its
         tasks with their tiles, the waits with arrows from the signals that
         ended them, the prepare, tasks and finish phases). Needs
-        ``trace=True`` at construction; under MPI each process writes its
-        own ranks' (give each its own path)."""
+        ``trace=True`` at construction. Under MPI it is collective: every
+        process calls it, and rank 0 writes one trace of every rank to
+        `path` (the others write nothing)."""
         self.layer.write_trace(os.fspath(path), which)
 
     def extra_repr(self):

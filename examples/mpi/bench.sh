@@ -1,27 +1,52 @@
 #!/usr/bin/env bash
-# The layer with ranks as MPI processes on this machine: fused against op by
-# op, and the exposed communication (the pass time minus the same pass with
-# puts into local memory, as a share of the pass), for 2 and 4 ranks; then
-# the put bandwidth between two processes against memcpy.
+# The layer with ranks as MPI processes: fused against op by op, and the
+# exposed communication (the pass time minus the same pass with puts into
+# local memory, as a share of the pass); then the put bandwidth between two
+# processes against memcpy.
 #
-#   bash examples/mpi/bench.sh [REPEAT]
+#   bash examples/mpi/bench.sh [REPEAT]           2 and 4 ranks on this machine
+#   bash examples/mpi/bench.sh --hosts [REPEAT]   across 2 simulated hosts
+#                                                 (scripts/hosts.sh; root):
+#       1 + 1 and 2 + 2 ranks, and the put bandwidth between the hosts next
+#       to iperf3's over the same veth, in the same run
 #
 # Layer: H 1024, I 512, 4 local experts per rank, top-2, S 512 tokens per
 # rank, fp32 (moec bench's default layer). One worker thread per process;
 # each number is the best of REPEAT passes (default 5) in each of 3 rounds.
+# OpenMPI's defaults: no MCA settings.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+hosts=0
+if [ "${1:-}" = --hosts ]; then
+  hosts=1
+  shift
+fi
 repeat=${1:-5}
 bazel build //tools:moec //runtime/comm:fabric_bench 2> /dev/null
-moec=bazel-bin/tools/moec
+moec=$PWD/bazel-bin/tools/moec
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+if [ "$hosts" = 1 ]; then
+  hostsDir="$work/hosts"
+  trap 'bash scripts/hosts.sh down --dir "$hostsDir"; rm -rf "$work"' EXIT
+  bash scripts/hosts.sh up 2 --slots 2 --dir "$hostsDir" > /dev/null
+  # shellcheck disable=SC1091
+  source "$hostsDir/env"
+  mpi=(bash scripts/hosts.sh run moec-h0 mpirun --hostfile "$hostsDir/hostfile" --bind-to none)
+  # 1 + 1 (one rank per host), 2 + 2.
+  spreads=("2 --map-by node" "4")
+else
+  trap 'rm -rf "$work"' EXIT
+  mpi=(mpirun --oversubscribe --bind-to none)
+  spreads=("2" "4")
+fi
 
 grep -m1 "model name" /proc/cpuinfo
 echo "cores: $(nproc); layer H 1024, I 512, L 4, top-2, S 512, fp32; best of $repeat passes"
 printf "%5s %-22s %12s %12s %12s\n" ranks run "forward ms" "backward ms" "total ms"
-for ep in 2 4; do
+[ "$hosts" = 1 ] && echo "across 2 simulated hosts (veth): 2 ranks = 1 + 1, 4 ranks = 2 + 2"
+for spread in "${spreads[@]}"; do
+  ep=${spread%% *}
   cfg="$work/cfg$ep.json"
   echo "{\"name\": \"bench\", \"hidden_size\": 1024, \"intermediate_size\": 512, \"num_experts\": $((4 * ep)), \"top_k\": 2, \"ep\": $ep, \"tp\": 1, \"seq_size\": 512, \"dtype\": \"fp32\"}" > "$cfg"
   $moec compile graphs/moe_ffn_fwd.json --config "$cfg" -o "$work/f$ep.moebin" > /dev/null 2>&1
@@ -38,7 +63,8 @@ for ep in 2 4; do
         local-puts) flags=(--local-puts) ;;
         op-by-op) flags=(--op-by-op) ;;
       esac
-      log=$(mpirun --oversubscribe --bind-to none -np "$ep" $moec run "$work/f$ep.moebin" "$work/b$ep.moebin" \
+      # shellcheck disable=SC2086
+      log=$("${mpi[@]}" -np $spread $moec run "$work/f$ep.moebin" "$work/b$ep.moebin" \
         --inputs "$work/in$ep" --outputs "$work/out" --threads 1 --repeat "$repeat" \
         "${flags[@]}")
       f=$(echo "$log" | awk '/^  forward .* ms /{print $2}')
@@ -59,4 +85,16 @@ for ep in 2 4; do
     "$exposed" "$speedup"
 done
 echo
-mpirun --oversubscribe --bind-to none -np 2 bazel-bin/runtime/comm/fabric_bench 64 20
+if [ "$hosts" = 1 ]; then
+  # iperf3 over the same veth, one and two streams, then moec's puts.
+  peer=$(bash scripts/hosts.sh run moec-h1 ip -4 -o addr show eth0 | awk '{print $4}' | cut -d/ -f1)
+  for streams in 1 2; do
+    bash scripts/hosts.sh run moec-h1 iperf3 -s -D -1 > /dev/null
+    sleep 0.5
+    bash scripts/hosts.sh run moec-h0 iperf3 -c "$peer" -t 4 -P "$streams" -f g |
+      awk -v n="$streams" '/receiver/ {rate = $(NF-2)} END {printf "iperf3, %d stream(s): %.2f GB/s\n", n, rate / 8}'
+  done
+  "${mpi[@]}" -np 2 --map-by node bazel-bin/runtime/comm/fabric_bench 64 10
+else
+  mpirun --oversubscribe --bind-to none -np 2 bazel-bin/runtime/comm/fabric_bench 64 20
+fi

@@ -18,6 +18,7 @@
 
 #include "runtime/api/Runtime.h"
 
+#include "runtime/api/CApi.h"
 #include "runtime/api/Group.h"
 #include "runtime/cpu/Pass.h"
 #include "runtime/cuda/Pass.h"
@@ -747,6 +748,27 @@ template <typename Fn> int guarded(const Fn &fn) {
 
 } // namespace
 
+namespace moec::rt::detail {
+
+int reportC(const Status &status) { return report(status); }
+
+int createCContext(const moec_program *forward, const moec_program *backward,
+                   const ContextOptions &options, const char *who, moec_context **out) {
+  if (!forward || !out)
+    return report(Status::error(fmt::format("{}: null argument", who)));
+  return guarded([&] {
+    auto context = std::make_unique<moec_context>();
+    if (Status s = Context::create(forward->program, backward ? backward->program : nullptr,
+                                   options, &context->context);
+        !s)
+      return s;
+    *out = context.release();
+    return Status::success();
+  });
+}
+
+} // namespace moec::rt::detail
+
 extern "C" {
 
 const char *moec_last_error(void) { return lastError.c_str(); }
@@ -773,25 +795,17 @@ int moec_context_create(const moec_program *forward, const moec_program *backwar
 int moec_context_create_on(const moec_program *forward, const moec_program *backward,
                            uint32_t workers, double timeout_seconds, const char *backend,
                            moec_context **out) {
-  if (!forward || !out || !backend)
+  if (!backend)
     return report(moec::Status::error("moec_context_create: null argument"));
-  return guarded([&] {
-    moec::rt::ContextOptions options;
-    options.workers = workers;
-    options.timeoutSeconds = timeout_seconds > 0 ? timeout_seconds : 60;
-    if (std::string_view(backend) == "cuda")
-      options.backend = moec::backend::Kind::Cuda;
-    else if (std::string_view(backend) != "cpu")
-      return moec::Status::error(fmt::format(
-          "moec_context_create: no backend is named '{}'; expected cpu or cuda", backend));
-    auto context = std::make_unique<moec_context>();
-    if (moec::Status s = moec::rt::Context::create(
-            forward->program, backward ? backward->program : nullptr, options, &context->context);
-        !s)
-      return s;
-    *out = context.release();
-    return moec::Status::success();
-  });
+  moec::rt::ContextOptions options;
+  options.workers = workers;
+  options.timeoutSeconds = timeout_seconds > 0 ? timeout_seconds : 60;
+  if (std::string_view(backend) == "cuda")
+    options.backend = moec::backend::Kind::Cuda;
+  else if (std::string_view(backend) != "cpu")
+    return report(moec::Status::error(fmt::format(
+        "moec_context_create: no backend is named '{}'; expected cpu or cuda", backend)));
+  return moec::rt::detail::createCContext(forward, backward, options, "moec_context_create", out);
 }
 
 void moec_context_free(moec_context *context) { delete context; }
@@ -809,6 +823,14 @@ int moec_capacity_need(const moec_context *context, int64_t need[4]) {
 
 uint32_t moec_context_ranks(const moec_context *context) {
   return context ? context->context->ranks() : 0;
+}
+
+uint32_t moec_context_first_rank(const moec_context *context) {
+  return context ? context->context->firstLocalRank() : 0;
+}
+
+uint32_t moec_context_local_ranks(const moec_context *context) {
+  return context ? context->context->localRanks() : 0;
 }
 
 int moec_set_routing(moec_context *context, uint32_t rank, const moec_tensor *topk_ids,

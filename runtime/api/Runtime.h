@@ -148,6 +148,12 @@ int moec_capacity_need(const moec_context *context, int64_t need[4]);
 /** The number of ranks of the context's EP group. */
 uint32_t moec_context_ranks(const moec_context *context);
 
+/** The ranks this process runs: moec_context_first_rank ..
+ *  + moec_context_local_ranks - 1 (all R in-process; one under MPI,
+ *  runtime/api/RuntimeMpi.h). */
+uint32_t moec_context_first_rank(const moec_context *context);
+uint32_t moec_context_local_ranks(const moec_context *context);
+
 /** Sets rank `rank`'s routing: topk_ids [S, K] (int32 or int64) and
  *  topk_weights [S, K] (f32). The data is read when a pass runs. */
 int moec_set_routing(moec_context *context, uint32_t rank, const moec_tensor *topk_ids,

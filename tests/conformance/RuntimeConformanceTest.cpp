@@ -675,11 +675,11 @@ TEST_CASE("runtime refuses bad input and leaves outputs untouched", "[runtime][g
 }
 
 TEST_CASE("runtime C API", "[runtime]") {
-  // The C API creates in-process contexts only (it has no fabric argument
-  // yet): under MPI there is nothing more to check.
-  if (std::string(moec::test::testFabricName()) != "in-process")
-    return;
+  // In-process: moec_context_create; under MPI: moec_context_create_mpi,
+  // each process binding and routing its own rank.
   Case c;
+  if (!runs(c.ranks))
+    return;
   auto [fwd, bwd] = compile(c);
   const std::string fwdPath = tempPath("c_api_fwd.moebin"), bwdPath = tempPath("c_api_bwd.moebin");
   REQUIRE(moec::format::writeTaskBinaryFile(fwd->tasks(), fwdPath).ok());
@@ -693,15 +693,17 @@ TEST_CASE("runtime C API", "[runtime]") {
   CHECK(moec_context_create_on(f, b, 2, 10, "tpu", &ctx) != 0);
   CHECK_THAT(moec_last_error(), Catch::Contains("no backend is named 'tpu'; expected cpu or cuda"));
   CHECK(ctx == nullptr);
-  REQUIRE(moec_context_create(f, b, 2, 10, &ctx) == 0);
+  REQUIRE(moec::test::testCContext(f, b, 2, 10, &ctx) == 0);
   moec_program_free(f);
   moec_program_free(b);
   REQUIRE(moec_context_ranks(ctx) == c.ranks);
+  const uint32_t first = moec_context_first_rank(ctx), local = moec_context_local_ranks(ctx);
+  REQUIRE(local == (std::string(moec::test::testFabricName()) == "mpi" ? 1u : c.ranks));
 
   const Inputs in = makeInputs(c, 8);
   Run run = prepare(c, in, bwd->shape());
   const int64_t S = c.seq, H = c.hidden, K = c.topK;
-  for (uint32_t r = 0; r < c.ranks; ++r) {
+  for (uint32_t r = first; r < first + local; ++r) {
     moec_tensor ids = makeTensor(run.ids[r].data(), DType::I64, {S, K});
     moec_tensor w = makeTensor(run.weights[r].data(), DType::F32, {S, K});
     REQUIRE(moec_set_routing(ctx, r, &ids, &w) == 0);
@@ -730,7 +732,8 @@ TEST_CASE("runtime C API", "[runtime]") {
     moreIds[i] = int64_t(i % K);
   moec_tensor more = makeTensor(moreIds.data(), DType::I64, {S + 1, K});
   moec_tensor moreW = makeTensor(moreWeights.data(), DType::F32, {S + 1, K});
-  REQUIRE(moec_set_routing(ctx, 0, &more, &moreW) == 0);
+  if (first == 0)
+    REQUIRE(moec_set_routing(ctx, 0, &more, &moreW) == 0);
   CHECK(moec_forward(ctx) == MOEC_OVER_CAPACITY);
   CHECK_THAT(moec_last_error(), Catch::Contains("rank 0: routing over capacity: 129 tokens"));
   REQUIRE(moec_capacity_need(ctx, need) == 0);
@@ -738,11 +741,11 @@ TEST_CASE("runtime C API", "[runtime]") {
 
   // The same forward through the C++ API gives the same bits.
   std::unique_ptr<Context> cpp;
-  REQUIRE(Context::create(fwd, bwd, {}, &cpp).ok());
+  REQUIRE(makeContext(fwd, bwd, {}, &cpp).ok());
   Run again = prepare(c, in, bwd->shape());
   REQUIRE(bindAll(*cpp, c, again).ok());
   REQUIRE(cpp->forward().ok());
-  for (uint32_t r = 0; r < c.ranks; ++r)
+  for (uint32_t r = first; r < first + local; ++r)
     CHECK(again.y[r] == run.y[r]);
   CHECK(moec_bind(ctx, 0, nullptr, nullptr) != 0);
   CHECK_THAT(moec_last_error(), Catch::Contains("moec_bind: null argument"));

@@ -17,6 +17,7 @@
 #ifndef MOEC_TESTS_CONFORMANCE_TESTFABRIC_H
 #define MOEC_TESTS_CONFORMANCE_TESTFABRIC_H
 
+#include "runtime/api/Runtime.h"
 #include "runtime/comm/Fabric.h"
 
 #include <memory>
@@ -29,6 +30,11 @@ std::shared_ptr<comm::Fabric> testFabric(uint32_t ranks, bool *runs);
 
 /// "in-process" or "mpi".
 const char *testFabricName();
+
+/// Creates a context through the C API on this fabric: moec_context_create
+/// in-process, moec_context_create_mpi (runtime/api/RuntimeMpi.h) under MPI.
+int testCContext(const moec_program *forward, const moec_program *backward, uint32_t workers,
+                 double timeoutSeconds, moec_context **out);
 
 } // namespace moec::test
 

@@ -6,6 +6,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "runtime/api/RuntimeMpi.h"
 #include "runtime/comm/Mpi.h"
 #include "tests/conformance/TestFabric.h"
 
@@ -38,5 +39,10 @@ std::shared_ptr<comm::Fabric> testFabric(uint32_t ranks, bool *runs) {
 }
 
 const char *testFabricName() { return "mpi"; }
+
+int testCContext(const moec_program *forward, const moec_program *backward, uint32_t workers,
+                 double timeoutSeconds, moec_context **out) {
+  return moec_context_create_mpi(forward, backward, workers, timeoutSeconds, out);
+}
 
 } // namespace moec::test

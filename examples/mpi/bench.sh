@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The layer with ranks as MPI processes: fused against op by op, and the
+# The layer with ranks as MPI processes: fused against op by op, the
 # exposed communication (the pass time minus the same pass with puts into
-# local memory, as a share of the pass); then the put bandwidth between two
-# processes against memcpy.
+# local memory, as a share of the pass), and its dispatch + combine against
+# MPI_Alltoallv of the same rows (examples/mpi/exchange_bench); then the put
+# bandwidth between two processes against memcpy.
 #
 #   bash examples/mpi/bench.sh [REPEAT]           2 and 4 ranks on this machine
 #   bash examples/mpi/bench.sh --hosts [REPEAT]   across 2 simulated hosts
@@ -22,7 +23,7 @@ if [ "${1:-}" = --hosts ]; then
   shift
 fi
 repeat=${1:-5}
-bazel build //tools:moec //runtime/comm:fabric_bench 2> /dev/null
+bazel build //tools:moec //runtime/comm:fabric_bench //examples/mpi:exchange_bench 2> /dev/null
 moec=$PWD/bazel-bin/tools/moec
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 work=$(mktemp -d)
@@ -51,6 +52,8 @@ for spread in "${spreads[@]}"; do
   echo "{\"name\": \"bench\", \"hidden_size\": 1024, \"intermediate_size\": 512, \"num_experts\": $((4 * ep)), \"top_k\": 2, \"ep\": $ep, \"tp\": 1, \"seq_size\": 512, \"dtype\": \"fp32\"}" > "$cfg"
   $moec compile graphs/moe_ffn_fwd.json --config "$cfg" -o "$work/f$ep.moebin" > /dev/null 2>&1
   $moec compile graphs/moe_ffn_bwd.json --config "$cfg" -o "$work/b$ep.moebin" > /dev/null 2>&1
+  $moec compile graphs/moe_dispatch.json --config "$cfg" -o "$work/d$ep.moebin" > /dev/null 2>&1
+  $moec compile graphs/moe_combine.json --config "$cfg" -o "$work/c$ep.moebin" > /dev/null 2>&1
   $moec run "$work/f$ep.moebin" "$work/b$ep.moebin" --ranks "$ep" --random 1 \
     --outputs "$work/in$ep" --threads 1 > /dev/null
   # Three rounds, the runs alternating within each, the best of each run
@@ -83,6 +86,10 @@ for spread in "${spreads[@]}"; do
   speedup=$(awk -v a="${total[fused]}" -v o="${total[op-by-op]}" 'BEGIN{print o / a}')
   printf "      exposed communication %.1f%% of the fused pass; fused %.2fx faster than op by op\n" \
     "$exposed" "$speedup"
+  # The same layer's dispatch + combine against MPI_Alltoallv of the rows.
+  # shellcheck disable=SC2086
+  "${mpi[@]}" -np $spread bazel-bin/examples/mpi/exchange_bench "$work/d$ep.moebin" \
+    "$work/c$ep.moebin" 512 "$repeat" | sed 's/^/      /'
 done
 echo
 if [ "$hosts" = 1 ]; then

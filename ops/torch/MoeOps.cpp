@@ -270,6 +270,7 @@ public:
       std::lock_guard<std::mutex> lock(mpiSlotsMutex);
       mpiSlots.push_back(slot);
     }
+    reportSeconds = std::min(timeoutSeconds, 10.0);
   }
 
   /// The layer's sizes, for the Python side.
@@ -372,7 +373,7 @@ public:
       check(slot->context->bind(r, "dw1", slice(dw1, "dw1", P, p, true)), "bind dw1");
       check(slot->context->bind(r, "dw2", slice(dw2, "dw2", P, p, true)), "bind dw2");
     }
-    check(slot->context->backward(), "backward");
+    checkPass(slot->context->backward(), "backward");
     // Gradients take their parameter's dtype (fp32 weight gradients of a
     // bf16 layer are rounded once, here).
     for (size_t i = 0; i < adapterGrads.size(); ++i)
@@ -507,6 +508,20 @@ private:
     }
   }
 
+  /// check() for a pass. Under MPI, a pass whose error left the ranks out
+  /// of step (the watchdog, a peer that stopped, a lost link) stops the
+  /// job: its peers' waits fail, and on rank 0 the error carries the report
+  /// of every rank (Fabric::stopJob). Errors every rank agrees on (bad
+  /// routing, over capacity) leave the layer usable and stop nothing.
+  void checkPass(const moec::Status &status, const char *what) {
+    moec::rt::Context &context = *slot->context;
+    if (status.ok() || !context.outOfStep() || context.fabric().allLocal())
+      return check(status, what);
+    const std::string report = context.fabric().stopJob(status.message(), reportSeconds);
+    TORCH_CHECK(false, "moec ", what, ": [rank ", context.firstLocalRank(), "] ",
+                status.message(), report.empty() ? "" : "\n", report);
+  }
+
   void runForward(const Inputs &in, at::Tensor &y) {
     const int64_t P = slot->context->localRanks(), first = slot->context->firstLocalRank();
     bindInputs(in);
@@ -514,13 +529,14 @@ private:
       check(slot->context->bind(uint32_t(first + p), "y", slice(y, "y", P, p, false)), "bind y");
     // A failed pass leaves no valid saved state.
     step = -1;
-    check(slot->context->forward(), "forward");
+    checkPass(slot->context->forward(), "forward");
     step = ++passes;
   }
 
   std::shared_ptr<Slot> slot = std::make_shared<Slot>();
   int64_t passes = 0;  ///< forward passes run
   int64_t step = -1;   ///< the pass whose state the runtime holds; -1: none
+  double reportSeconds = 10; ///< how long rank 0 waits for the peers' reports
 };
 
 /// Dispatch and combine as ops of their own (moec::rt::Exchange), over a

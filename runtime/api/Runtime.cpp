@@ -578,6 +578,7 @@ uint32_t Context::ranks() const { return body->ranks(); }
 uint32_t Context::workers() const { return body->workerCount; }
 uint32_t Context::firstLocalRank() const { return body->firstLocal(); }
 uint32_t Context::localRanks() const { return body->fabric->localRanks(); }
+bool Context::outOfStep() const { return !body->broken.empty(); }
 comm::Fabric &Context::fabric() const { return *body->fabric; }
 const CapacityNeed &Context::capacityNeed() const { return body->need; }
 const PassTimes &Context::forwardTimes() const { return body->fwdTimes; }

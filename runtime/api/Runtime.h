@@ -317,6 +317,10 @@ public:
   uint32_t localRanks() const;
   /// The fabric.
   comm::Fabric &fabric() const;
+  /// True once an error left the ranks out of step (a fabric of several
+  /// processes: a pass that stopped, an exchange that timed out): no
+  /// further pass runs, and the job should stop (Fabric::stopJob).
+  bool outOfStep() const;
 
   /// Sets `rank`'s routing (see the C API). Checks shapes and dtypes now;
   /// the ids are read, and checked, when a pass runs.

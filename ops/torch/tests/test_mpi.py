@@ -8,9 +8,13 @@ per process (moec's MPI fabric).
     (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py) under mpirun -np 2: the
     loss falls, and after 4 steps every parameter is bitwise that of the
-    one-process run with the same seed."""
+    one-process run with the same seed;
+  - a put lost on its way (a test hook): every rank's forward raises, and
+    rank 0's error carries the report of every rank (mpi_stop_check.py);
+  - across 2 simulated hosts: the op, the toy training and the report."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,12 +27,13 @@ HERE = Path(__file__).resolve().parent
 TOY = Path(os.environ.get("MOEC_TOY", HERE.parents[2] / "examples/torch/train_toy.py"))
 
 
-def mpirun(ranks, *args, timeout=240, hosts=None):
+def mpirun(ranks, *args, timeout=240, hosts=None, extra_env=None):
     """mpirun -np RANKS python3 ARGS on this machine, or with `hosts` (the
     folder of a test bed from scripts/hosts.sh), from moec-h0 with one rank
-    per simulated host."""
+    per simulated host; `extra_env` goes to every rank."""
+    extra_env = extra_env or {}
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **extra_env)
     launcher = ["mpirun", "--oversubscribe"]
     if hosts:
         env["PATH"] = f"{hosts}/bin:{env['PATH']}:/usr/sbin:/sbin"
@@ -37,7 +42,9 @@ def mpirun(ranks, *args, timeout=240, hosts=None):
                     f"{hosts}/hostfile", "--map-by", "node"]
     cmd = [*launcher, "--bind-to", "none", "-np", str(ranks), "-x", "MASTER_ADDR", "-x",
            "MASTER_PORT", "-x", "PYTHONPATH", "-x", "MOEC_TORCH_LIB", "-x", "MOEC_LIB",
-           "-x", "MOEC_GRAPHS", "-x", "MOEC_CACHE_DIR", sys.executable, *map(str, args)]
+           "-x", "MOEC_GRAPHS", "-x", "MOEC_CACHE_DIR",
+           *[arg for name in extra_env for arg in ("-x", name)], sys.executable,
+           *map(str, args)]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -122,6 +129,28 @@ def test_toy_training_loss_falls_under_mpirun():
     assert losses and losses[-1] < 0.2 * losses[0], run.stdout
 
 
+def stopped_job_reports_every_rank(hosts=None):
+    """A put lost on its way (the test hook MOEC_TEST_DROP_PUT=1:2: rank 1
+    drops its second put to rank 0 and the signal after it): the forward of
+    both ranks raises, and rank 0's error carries the report of both: the
+    dispatch event rank 0 waits for, rank 1's missing signal, the rows that
+    did not arrive."""
+    run = mpirun(2, HERE / "mpi_stop_check.py", hosts=hosts, timeout=120,
+                 extra_env={"MOEC_TEST_DROP_PUT": "1:2"})
+    out = run.stdout
+    assert "rank 0: raised: moec forward: [rank 0]" in out, out + run.stderr
+    assert "rank 1: raised: moec forward: [rank 1]" in out, out + run.stderr
+    assert "report of the 2 ranks, gathered on rank 0:" in out, out
+    assert re.search(r"^  \[rank 0\] .*waits for event \d+ 'dispatch\[[\d.]+\]' .*"
+                     r"signalled by rank 1 \(\d+ of \d+ arrived, 1 missing\)", out, re.M), out
+    assert re.search(r"^  \[rank 0\] .*arrived from rank 1 \d+ of \d+ \(short\)", out, re.M), out
+    assert re.search(r"^  \[rank 1\] ", out, re.M), out
+
+
+def test_stopped_job_reports_every_rank():
+    stopped_job_reports_every_rank()
+
+
 def test_fabric_errors():
     import moec_torch
     moec_torch.load_library()
@@ -150,3 +179,7 @@ def test_op_across_hosts(hosts, dtype, variant):
 
 def test_toy_training_across_hosts(hosts, tmp_path):
     toy_training_matches_one_process(tmp_path, hosts)
+
+
+def test_stopped_job_reports_every_rank_across_hosts(hosts):
+    stopped_job_reports_every_rank(hosts)

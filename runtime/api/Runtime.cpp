@@ -582,6 +582,17 @@ bool Context::outOfStep() const { return !body->broken.empty(); }
 comm::Fabric &Context::fabric() const { return *body->fabric; }
 const CapacityNeed &Context::capacityNeed() const { return body->need; }
 const PassTimes &Context::forwardTimes() const { return body->fwdTimes; }
+
+std::shared_ptr<const Program> Context::program(TracedPass which) const {
+  if (which == TracedPass::Last)
+    which = body->lastWasBackward ? TracedPass::Backward : TracedPass::Forward;
+  return which == TracedPass::Backward ? body->bwdProgram : body->fwdProgram;
+}
+
+const std::vector<int64_t> &Context::routedRows(uint32_t rank) const {
+  static const std::vector<int64_t> none;
+  return rank < body->routes.size() ? body->routes[rank].layout.counts : none;
+}
 const PassTimes &Context::backwardTimes() const { return body->bwdTimes; }
 size_t Context::workspaceBytes() const {
   return body->fwd->workspaceBytes() + (body->bwd ? body->bwd->workspaceBytes() : 0);

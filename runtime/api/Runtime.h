@@ -379,6 +379,13 @@ public:
   /// The trace writeTrace writes (empty before such a pass, or with
   /// tracing off), in nanoseconds from the pass's start.
   const trace::Trace &trace(TracedPass which = TracedPass::Last) const;
+  /// The program of the forward or backward pass (TracedPass::Last: the
+  /// last pass run); null for a backward the context has none of.
+  std::shared_ptr<const Program> program(TracedPass which = TracedPass::Last) const;
+  /// The routing of the last forward pass: the rows rank `rank`'s tokens
+  /// sent each expert ([E]; every rank's, under any fabric). Empty before a
+  /// forward pass.
+  const std::vector<int64_t> &routedRows(uint32_t rank) const;
 
   struct Impl;
 

@@ -3,7 +3,8 @@
 # --trace) of the same binaries: both pass check_trace.py (schema, every
 # task of every rank once, waits that name their event and end before their
 # task, flow arrows whose two ends lie in task slices), and the measured one
-# has the prepare/tasks/finish phases.
+# has the prepare/tasks/finish phases. --profile prints each pass's ops with
+# their work, the workers and the waits.
 set -euo pipefail
 moec="$PWD/$MOEC"
 check="$(cd "$(dirname "$0")" && pwd)/check_trace.py"
@@ -41,4 +42,20 @@ json.dump(t, open(sys.argv[2], "w"))
 PY
 if python3 "$check" broken.json fwd.dump.json > broken.txt; then echo "a broken arrow passed"; exit 1; fi
 grep -q "has ends" broken.txt
+# --profile: every op of each pass with its work counted on the routed rows
+# (tiny: R 2, S 128, K 2, H 64, I 32: 512 rows; up_proj 2 * 512 * 64 * 64
+# FLOP, down_proj 2 * 512 * 32 * 64), the workers and the waits.
+"$moec" run fwd.bin bwd.bin --ranks 2 --random 3 --outputs out3 --threads 2 --profile > profile.txt
+for pattern in "^profile of the last forward pass: .*prepare .*tasks .*finish" \
+    "^  up_proj +gmm +[0-9]+ +[0-9.]+ +[0-9.]+% +4\.19 MFLOP +[0-9.]+ GFLOP/s +[0-9]+%" \
+    "^  down_proj +gmm +[0-9]+ +[0-9.]+ +[0-9.]+% +2\.10 MFLOP" \
+    "^  dispatch +dispatch +[0-9]+ .* GB/s" "^  swiglu +swiglu " "^  combine +combine " \
+    "^profile of the last backward pass" "^  swiglu_grad +swiglu_grad " \
+    "^  worker 1 +busy +[0-9.]+ ms, idle +[0-9.]+ ms" "^waits of parked cores, by event"; do
+  grep -qE "$pattern" profile.txt || { cat profile.txt; echo "no line matches '$pattern'"; exit 1; }
+done
+if "$moec" run fwd.bin --ranks 2 --random 3 --outputs out4 --profile --backend cuda 2> err.txt; then
+  echo "--profile on the cuda backend passed"; exit 1
+fi
+grep -q -- "--trace and --profile run on the cpu backend only" err.txt
 echo "trace test passed"

@@ -11,6 +11,7 @@
 #include "runtime/comm/Mpi.h"
 #include "runtime/format/Crc32.h"
 #include "runtime/tooling/LayerRun.h"
+#include "runtime/tooling/Profile.h"
 #include "tools/moec/Cli.h"
 #include "tools/moec/Progress.h"
 
@@ -31,7 +32,7 @@ using namespace moec::tooling;
 const CommandSpec kRunSpec = {
     "run",
     "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
-    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--threads N] [--repeat N] [--hot-share F] [--progress | --no-progress]",
+    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--profile] [--threads N] [--repeat N] [--hot-share F] [--progress | --no-progress]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
     "given, on the R ranks of its EP group with the CPU runtime (or, with\n"
     "--backend cuda, on one NVIDIA GPU): every rank's\n"
@@ -109,6 +110,12 @@ const CommandSpec kRunSpec = {
     "                   event, signal arrows, and the prepare/tasks/finish phases;\n"
     "                   under MPI rank 0 writes one trace of every rank, with\n"
     "                   arrows across processes and hosts\n"
+    "  --profile        print where the last timed passes' time went: per op its\n"
+    "                   busy time, FLOPs or bytes, rate per core and share of one\n"
+    "                   core's measured peak; per worker its busy and idle time;\n"
+    "                   the waits of parked cores by event and signalling rank;\n"
+    "                   the prepare, tasks and finish phases (under MPI: rank 0's\n"
+    "                   process)\n"
     "  --threads N      worker threads, 1 to 4096 (default: the hardware threads)\n"
     "  --repeat N       run the passes N times and report the best time (default 1)\n"
     "  --hot-share F    with --random: the share of tokens whose first expert is\n"
@@ -119,7 +126,7 @@ const CommandSpec kRunSpec = {
     "  --no-progress    no progress output\n",
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat",
      "--hot-share", "--fabric", "--timeout", "--verify-sample", "--backend"},
-    {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress"},
+    {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress", "--profile"},
     1,
     2};
 
@@ -352,8 +359,8 @@ int runRun(int argc, char **argv, int first) {
       return usage("--backend cuda runs every rank in one process; it does not run under MPI");
     if (backendKind == backend::Kind::Cuda && args.has("--op-by-op"))
       return usage("--op-by-op runs on the cpu backend only");
-    if (backendKind == backend::Kind::Cuda && args.value("--trace"))
-      return usage("--trace runs on the cpu backend only");
+    if (backendKind == backend::Kind::Cuda && (args.value("--trace") || args.has("--profile")))
+      return usage("--trace and --profile run on the cpu backend only");
   }
   double hotShare = 0;
   if (auto h = args.value("--hot-share")) {
@@ -414,7 +421,7 @@ int runRun(int argc, char **argv, int first) {
 
   rt::ContextOptions options;
   options.workers = uint32_t(threads);
-  options.trace = args.value("--trace").has_value();
+  options.trace = args.value("--trace").has_value() || args.has("--profile");
   options.fabric = fabric;
   options.timeoutSeconds = timeout;
   options.backend = backendKind;
@@ -528,6 +535,19 @@ int runRun(int argc, char **argv, int first) {
       printTimes("backward", bestBwd, repeat);
     std::printf("  workspace %.1f MiB%s\n", double(context->workspaceBytes()) / (1 << 20),
                 fabric ? " (per process)" : "");
+  }
+
+  if (report && args.has("--profile")) {
+    // The peaks are measured now, with the passes over and the workers idle.
+    const tooling::Peaks peaks = tooling::measurePeaks(0.3);
+    for (const rt::TracedPass pass : {rt::TracedPass::Forward, rt::TracedPass::Backward}) {
+      if (pass == rt::TracedPass::Backward && !backward)
+        continue;
+      std::string text;
+      if (Status s = tooling::profileText(*context, pass, peaks, &text); !s)
+        return fail(s);
+      std::printf("\nprofile of the last %s", text.c_str());
+    }
   }
 
   if (auto option = args.value("--trace")) {

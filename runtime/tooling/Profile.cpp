@@ -1,0 +1,211 @@
+//===- Profile.cpp - Where a pass's time goes, from its trace -----------------===//
+
+#include "runtime/tooling/Profile.h"
+
+#include "runtime/cpu/Peak.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace moec::tooling {
+
+using format::OpKind;
+
+Peaks measurePeaks(double seconds) {
+  Peaks peaks;
+  const cpu::FmaPeak f32 = cpu::measureFmaPeak(seconds);
+  peaks.f32 = f32.gflops;
+  peaks.f32Isa = fmt::format("fp32 FMA, {}", f32.isa);
+  if (const std::optional<cpu::FmaPeak> bf16 = cpu::measureBf16DotPeak(seconds)) {
+    peaks.bf16 = bf16->gflops;
+    peaks.bf16Isa = fmt::format("bf16 dot products, {}", bf16->isa);
+  } else {
+    peaks.bf16 = peaks.f32;
+    peaks.bf16Isa = "no bf16 products: bf16 widens to fp32";
+  }
+  return peaks;
+}
+
+namespace {
+
+/// What one op did in the pass.
+struct OpLine {
+  uint64_t runs = 0;
+  int64_t busyNs = 0;
+  double flops = 0, bytes = 0;
+};
+
+std::string quantity(double value, const char *unit) {
+  if (value >= 1e9)
+    return fmt::format("{:.2f} G{}", value * 1e-9, unit);
+  if (value >= 1e6)
+    return fmt::format("{:.2f} M{}", value * 1e-6, unit);
+  if (value >= 1e3)
+    return fmt::format("{:.2f} k{}", value * 1e-3, unit);
+  return fmt::format("{:.0f} {}", value, unit);
+}
+
+} // namespace
+
+Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks &peaks,
+                   std::string *out) {
+  if (which == rt::TracedPass::Last)
+    return Status::error("profile: name the pass (forward or backward)");
+  const bool backward = which == rt::TracedPass::Backward;
+  const trace::Trace &trace = context.trace(which);
+  const std::shared_ptr<const rt::Program> program = context.program(which);
+  if (!program || trace.tasks.empty())
+    return Status::error(fmt::format("profile: no traced {} pass (trace it: ContextOptions::"
+                                     "trace, moec run --profile)",
+                                     backward ? "backward" : "forward"));
+  const format::TaskProgram &tasks = program->tasks();
+  const LayerShape &shape = context.shape();
+  const uint32_t R = context.ranks(), L = uint32_t(shape.localExperts);
+  // Rows each rank sends each expert; rows each local expert receives.
+  std::vector<const std::vector<int64_t> *> routed(R);
+  for (uint32_t r = 0; r < R; ++r) {
+    routed[r] = &context.routedRows(r);
+    if (routed[r]->size() != size_t(R) * L)
+      return Status::error("profile: the routing of the last forward pass is not known");
+  }
+  const auto received = [&](uint32_t rank, uint32_t expert) {
+    int64_t rows = 0;
+    for (uint32_t q = 0; q < R; ++q)
+      rows += (*routed[q])[size_t(rank) * L + expert];
+    return rows;
+  };
+  const auto clip = [](const format::TileCoord &tile, int64_t rows) {
+    return double(std::max<int64_t>(0, std::min<int64_t>(int64_t(tile.rowEnd), rows) -
+                                           int64_t(tile.rowBegin)));
+  };
+
+  std::vector<OpLine> ops(tasks.ops.size());
+  const uint32_t workers = context.workers();
+  std::vector<int64_t> workerBusy(workers, 0);
+  for (const trace::TaskSpan &span : trace.tasks) {
+    const uint32_t opIndex = tasks.tasks[span.task].op;
+    const format::OpRecord &op = tasks.ops[opIndex];
+    const format::TilingRecord &tiling = tasks.tilings[op.tiling];
+    const format::TileCoord tile = format::tileCoord(tiling, span.task - op.firstTask);
+    const double cols = double(tile.colEnd - tile.colBegin);
+    OpLine &line = ops[opIndex];
+    ++line.runs;
+    line.busyNs += span.endNs - span.startNs;
+    if (span.worker < workers)
+      workerBusy[span.worker] += span.endNs - span.startNs;
+    const double segment = tiling.experts > 1 || L == 1 ? double(received(span.rank, tile.expert))
+                                                        : double(tiling.rows);
+    switch (op.kind) {
+    case OpKind::Gmm:
+      if (tiling.depth > 0)
+        line.flops += 2 * clip(tile, int64_t(segment)) * cols * double(tiling.depth);
+      else // a weight gradient: reduces over the expert's rows
+        line.flops += 2 * double(tile.rowEnd - tile.rowBegin) * cols * segment;
+      break;
+    case OpKind::Swiglu:
+    case OpKind::SwigluGrad:
+      line.bytes += clip(tile, int64_t(segment)) * cols *
+                    double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype)) *
+                    double(tiling.inputCount + 1);
+      break;
+    case OpKind::Dispatch:
+    case OpKind::Combine: {
+      const uint32_t peer = tasks.peerRank(span.rank, tile.peer);
+      const int64_t rows = op.kind == OpKind::Dispatch
+                               ? (*routed[span.rank])[size_t(peer) * L + tile.expert]
+                               : (*routed[peer])[size_t(span.rank) * L + tile.expert];
+      line.bytes += clip(tile, rows) * cols *
+                    double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
+      break;
+    }
+    }
+  }
+
+  const rt::PassTimes &times = backward ? context.backwardTimes() : context.forwardTimes();
+  const int64_t tasksNs = int64_t(times.tasks * 1e9);
+  int64_t busyAll = 0;
+  for (const OpLine &line : ops)
+    busyAll += line.busyNs;
+  std::string text = fmt::format(
+      "{} pass: {:.3f} ms (prepare {:.3f}, tasks {:.3f}, finish {:.3f}); {} worker thread{}, "
+      "{} local rank{}\n"
+      "peaks of one core: {:.1f} GFLOP/s ({}), bf16 {:.1f} GFLOP/s ({})\n",
+      backward ? "backward" : "forward", times.total() * 1e3, times.prepare * 1e3,
+      times.tasks * 1e3, times.finish * 1e3, workers, workers == 1 ? "" : "s",
+      context.localRanks(), context.localRanks() == 1 ? "" : "s", peaks.f32, peaks.f32Isa,
+      peaks.bf16, peaks.bf16Isa);
+  text += fmt::format("  {:<16} {:<12} {:>6} {:>10} {:>7} {:>14} {:>16} {:>8}\n", "op", "kind",
+                      "tasks", "busy ms", "share", "work", "rate per core", "of peak");
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const OpLine &line = ops[i];
+    const format::OpRecord &op = tasks.ops[i];
+    const double seconds = double(line.busyNs) * 1e-9;
+    std::string work, rate, share;
+    if (op.kind == OpKind::Gmm) {
+      const bool bf16 = tasks.tilings[op.tiling].dtype == format::DType::BF16;
+      const double gflops = seconds > 0 ? line.flops / seconds * 1e-9 : 0;
+      work = quantity(line.flops, "FLOP");
+      rate = fmt::format("{:.1f} GFLOP/s", gflops);
+      const double peak = bf16 ? peaks.bf16 : peaks.f32;
+      share = peak > 0 ? fmt::format("{:.0f}%", 100 * gflops / peak) : "-";
+    } else {
+      work = quantity(line.bytes, "B");
+      rate = fmt::format("{:.2f} GB/s", seconds > 0 ? line.bytes / seconds * 1e-9 : 0);
+      share = "-";
+    }
+    text += fmt::format("  {:<16} {:<12} {:>6} {:>10.3f} {:>6.1f}% {:>14} {:>16} {:>8}\n",
+                        std::string(tasks.name(op.name)), format::opKindName(op.kind),
+                        line.runs, seconds * 1e3,
+                        busyAll > 0 ? 100.0 * double(line.busyNs) / double(busyAll) : 0.0, work,
+                        rate, share);
+  }
+  text += fmt::format("  busy {:.3f} ms of {} x {:.3f} ms in the task program ({:.0f}%)\n",
+                      double(busyAll) * 1e-6, workers, double(tasksNs) * 1e-6,
+                      tasksNs > 0 ? 100.0 * double(busyAll) / (double(tasksNs) * workers) : 0.0);
+  text += "workers (in the task program):\n";
+  for (uint32_t w = 0; w < workers; ++w)
+    text += fmt::format("  worker {:<3} busy {:>9.3f} ms, idle {:>9.3f} ms\n", w,
+                        double(workerBusy[w]) * 1e-6,
+                        double(std::max<int64_t>(0, tasksNs - workerBusy[w])) * 1e-6);
+  // Parked cores by event, with who signalled them.
+  struct WaitLine {
+    int64_t ns = 0;
+    uint64_t count = 0;
+    std::set<uint32_t> signallers;
+    bool unknown = false;
+  };
+  std::map<uint32_t, WaitLine> waits;
+  for (const trace::WaitSpan &span : trace.waits) {
+    WaitLine &line = waits[span.event];
+    line.ns += span.endNs - span.beginNs;
+    ++line.count;
+    if (span.signalRank == trace::kUnknown)
+      line.unknown = true;
+    else
+      line.signallers.insert(span.signalRank);
+  }
+  std::vector<std::pair<uint32_t, WaitLine>> sorted(waits.begin(), waits.end());
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto &a, const auto &b) { return a.second.ns > b.second.ns; });
+  text += fmt::format("waits of parked cores, by event ({} in all):\n", trace.waits.size());
+  if (sorted.empty())
+    text += "  none\n";
+  for (size_t i = 0; i < sorted.size() && i < 8; ++i) {
+    const auto &[event, line] = sorted[i];
+    std::vector<uint32_t> from(line.signallers.begin(), line.signallers.end());
+    text += fmt::format("  {:<24} {:>9.3f} ms over {:>4} waits, ended by rank{} {}{}\n",
+                        std::string(tasks.name(tasks.events[event].name)),
+                        double(line.ns) * 1e-6, line.count, from.size() == 1 ? "" : "s",
+                        from.empty() ? std::string("-") : fmt::format("{}", fmt::join(from, ", ")),
+                        line.unknown ? " (and signals of unknown origin)" : "");
+  }
+  if (sorted.size() > 8)
+    text += fmt::format("  and {} more events\n", sorted.size() - 8);
+  *out = std::move(text);
+  return Status::success();
+}
+
+} // namespace moec::tooling

@@ -36,6 +36,7 @@
 
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
+#include "runtime/tooling/Profile.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -43,6 +44,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -297,9 +299,11 @@ public:
                                           const std::vector<at::Tensor> &adapters) {
     std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    const auto start = std::chrono::steady_clock::now();
     const Inputs in = inputs(x, ids, weights, w1, w2, adapters);
     at::Tensor y = slot->outputs->take(in.x.sizes(), in.x.options());
     runForward(in, y);
+    forwardCall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return {y, step};
   }
 
@@ -312,6 +316,14 @@ public:
            const c10::optional<at::Tensor> &mainGrad2, const std::vector<at::Tensor> &adapters) {
     std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    // The op call's time, set on every return (an error's too).
+    struct Timer {
+      std::chrono::steady_clock::time_point start;
+      double *out;
+      ~Timer() {
+        *out = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
+    } timer{std::chrono::steady_clock::now(), &backwardCall};
     const moec::rt::LayerShape *bs = slot->context->backwardShape();
     TORCH_CHECK(bs, "moec: this layer was built without a backward binary");
     const Inputs in = inputs(x, ids, weights, w1, w2, adapters);
@@ -419,6 +431,33 @@ public:
                                       : which == "backward" ? moec::rt::TracedPass::Backward
                                                             : moec::rt::TracedPass::Last;
     check(slot->context->writeTrace(path, pass), "trace");
+  }
+
+  /// The profile (runtime/tooling/Profile.h) of the last "forward" or
+  /// "backward" pass (trace=True), and the op call's time around it.
+  std::string profile(const std::string &which) {
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    live();
+    TORCH_CHECK(which == "forward" || which == "backward",
+                "moec: the pass to profile must be 'forward' or 'backward', got '", which, "'");
+    const bool backward = which == "backward";
+    // One core's peaks, measured once per process, when first asked for.
+    static const moec::tooling::Peaks peaks = moec::tooling::measurePeaks(0.3);
+    std::string text;
+    check(moec::tooling::profileText(*slot->context,
+                                     backward ? moec::rt::TracedPass::Backward
+                                              : moec::rt::TracedPass::Forward,
+                                     peaks, &text),
+          "profile");
+    const moec::rt::PassTimes &t =
+        backward ? slot->context->backwardTimes() : slot->context->forwardTimes();
+    const double call = backward ? backwardCall : forwardCall;
+    text += fmt::format("the op call: {:.3f} ms, the runtime's pass {:.3f} ms of it; the rest, "
+                        "{:.3f} ms, is the op's own (checks, views, outputs{})\n",
+                        call * 1e3, t.total() * 1e3, (call - t.total()) * 1e3,
+                        backward ? ", gradient dtypes, a forward recomputed for an older step"
+                                 : "");
+    return text;
   }
 
   std::vector<double> times() const {
@@ -537,6 +576,7 @@ private:
   int64_t passes = 0;  ///< forward passes run
   int64_t step = -1;   ///< the pass whose state the runtime holds; -1: none
   double reportSeconds = 10; ///< how long rank 0 waits for the peers' reports
+  double forwardCall = 0, backwardCall = 0; ///< seconds of the last op calls
 };
 
 /// Dispatch and combine as ops of their own (moec::rt::Exchange), over a
@@ -780,7 +820,8 @@ TORCH_LIBRARY(moec, m) {
       .def("info", &Layer::info)
       .def("write_trace", &Layer::writeTrace)
       .def("capacity_need", &Layer::capacityNeed)
-      .def("times", &Layer::times);
+      .def("times", &Layer::times)
+      .def("profile", &Layer::profile);
   m.class_<Exchange>("Exchange")
       .def(torch::init<std::string, std::string, int64_t, double, std::string>())
       .def("info", &Exchange::info)

@@ -588,6 +588,16 @@ class MoeFFN(torch.nn.Module):
         `path` (the others write nothing)."""
         self.layer.write_trace(os.fspath(path), which)
 
+    def profile(self, which="forward"):
+        """Where the last "forward" or "backward" pass's time went, as the
+        table ``moec run --profile`` prints: per op its busy time, FLOPs or
+        bytes, rate per core and share of one core's measured peak (measured
+        once per process, when first asked for); per worker its busy and
+        idle time; the waits of parked cores by event; the host phases; and
+        the op call's time around the runtime's pass. Needs ``trace=True``
+        at construction."""
+        return self.layer.profile(which)
+
     def extra_repr(self):
         return (f"ranks={self.ranks}, fabric={self.fabric}, first_rank={self.first_rank}, "
                 f"local_ranks={self.local_ranks}, experts={self.experts}, hidden={self.hidden}, "

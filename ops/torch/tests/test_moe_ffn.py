@@ -3,6 +3,7 @@ inputs: forward output and the gradients of x, topk_weights, w1 and w2."""
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -447,3 +448,31 @@ def test_trace_of_the_layers_passes(tmp_path):
     plain(x, ids, weights)
     with pytest.raises(RuntimeError, match="tracing is off"):
         plain.write_trace(tmp_path / "off.json")
+
+
+def test_profile_of_the_layers_passes():
+    """profile(): the table of moec run --profile for each pass, with the
+    work counted on the routed rows (R S K rows through up_proj: 2 R S K H
+    2I FLOPs), and the op call's time around the runtime's pass."""
+    ranks, tokens = 2, 64
+    layer = moec_torch.MoeFFN(config(tokens=tokens), ranks=ranks, threads=2, trace=True)
+    ids, weights = routing(ranks, tokens, layer.experts, layer.top_k, seed=3)
+    x = torch.randn(ranks, tokens, layer.hidden)
+    with pytest.raises(RuntimeError, match="no traced forward pass"):
+        layer.profile("forward")
+    y = layer(x, ids, weights.requires_grad_())
+    y.square().sum().backward()
+    forward = layer.profile("forward")
+    rows = ranks * tokens * layer.top_k
+    flops = 2 * rows * layer.hidden * 2 * layer.inter
+    assert re.search(r"^forward pass: [0-9.]+ ms \(prepare", forward, re.M), forward
+    line = next(l for l in forward.splitlines() if l.strip().startswith("up_proj"))
+    work = re.search(r"([0-9.]+) ([kMG])FLOP", line)
+    scale = {"k": 1e3, "M": 1e6, "G": 1e9}[work.group(2)]
+    assert abs(float(work.group(1)) * scale - flops) <= 0.01 * flops, (line, flops)
+    assert re.search(r"^the op call: [0-9.]+ ms, the runtime's pass [0-9.]+ ms of it", forward,
+                     re.M), forward
+    backward = layer.profile("backward")
+    assert "swiglu_grad" in backward and "worker 1" in backward, backward
+    with pytest.raises(RuntimeError, match="'forward' or 'backward'"):
+        layer.profile("last")

@@ -340,8 +340,9 @@ public:
     sentBytes[peer].fetch_add(rows * rowBytes);
     if (sharesMemory(peer)) {
       copyRows(shared.memory.peer[peer] + offset, dstStride, from, srcStride, rows, rowBytes);
+      // For reports only: the signal after it orders the rows.
       __atomic_fetch_add(&reinterpret_cast<uint64_t *>(arrivals.peer[peer])[me], rows * rowBytes,
-                         __ATOMIC_SEQ_CST);
+                         __ATOMIC_RELAXED);
       return Status::success();
     }
     if (rowBytes > kMessageBytes)
@@ -780,8 +781,6 @@ public:
     while (!allIn() && secondsSince(start) < seconds) {
       if (!drain())
         break;
-      int done = 0;
-      MPI_Testall(int(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
       lock.unlock();
       backoff.pause();
       lock.lock();
@@ -853,14 +852,15 @@ private:
       return Status::error(fmt::format("rank {}: a control message of {} bytes from rank {}", me,
                                        bytes, peer));
     std::memcpy(&control, message, sizeof control);
-    const std::string text(message + sizeof control, bytes - sizeof control);
+    // The text a stop or a report carries.
+    const auto text = [&] { return std::string(message + sizeof control, bytes - sizeof control); };
     switch (control.kind) {
     case ControlKind::Stop:
       if (stopped.empty())
-        stopped = fmt::format("rank {} stopped the job: {}", peer, text);
+        stopped = fmt::format("rank {} stopped the job: {}", peer, text());
       return Status::success();
     case ControlKind::Report:
-      reports[peer] = text;
+      reports[peer] = text();
       reported[peer] = true;
       return Status::success();
     case ControlKind::ReportTaken:

@@ -790,7 +790,7 @@ std::string Executor::Impl::describeRunning(Clock::time_point now) const {
 /// For an event of local rank `rank` that ranks of other processes signal:
 /// "; signalled by ranks P, Q", the ranks whose signals it waits for, each
 /// with what its signals added of what they add in a pass where the inbox
-/// keeps it ("rank P: 1 of 2, missing 1").
+/// keeps it ("; signalled by rank P (1 of 2 arrived, 1 missing)").
 std::string Executor::Impl::describeSignallers(uint32_t rank, uint32_t event) const {
   if (!remote || signallers[event].empty())
     return "";
@@ -886,13 +886,12 @@ std::string Executor::Impl::describeStuck() const {
     for (uint32_t rank = firstLocal; rank < firstLocal + localCount; ++rank)
       for (uint32_t e : remoteEvents) {
         const uint64_t value = events[size_t(rank) * eventCount + e].value.load();
-        const uint64_t needs = eventTotal[e];
-        if (value >= needs)
+        if (value >= eventTotal[e])
           continue;
         if (++missingCount <= limit)
           missing.push_back(fmt::format("rank {} event {} '{}' is at {} of {}{}", rank, e,
-                                        program.name(program.events[e].name), value, needs,
-                                        describeSignallers(rank, e)));
+                                        program.name(program.events[e].name), value,
+                                        eventTotal[e], describeSignallers(rank, e)));
       }
   if (!missing.empty())
     out += fmt::format(". Signals from other processes missing: {}{}", fmt::join(missing, "; "),
@@ -907,7 +906,7 @@ Status Executor::Impl::result() {
   case Stop::Error:
     // Under a fabric of several processes, an error may be a peer's (its
     // stop, a lost link): where the local queues stood goes with it.
-    if (remote && remaining.load() > 0)
+    if (remote && (remaining.load() > 0 || !terminated()))
       return Status::error(error.message() + "; " + describeStuck(), error.code());
     return error;
   case Stop::Watchdog: {

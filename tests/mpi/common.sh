@@ -131,10 +131,12 @@ PY
 # The lines of the report of a stopped job that rank 0 prints, for a put
 # that rank 1 dropped (MOEC_TEST_DROP_PUT=1:N): rank 0 waits for the
 # dispatch event whose signal rank 1 did not send (its watchdog fires, or
-# rank 1's stop ends the wait first), and rank 1's rows are short.
+# rank 1's stop ends the wait first), and rank 1's rows are short; rank 1
+# waits for rank 0's combine signals to its terminate event (counted per
+# task: tasks share signal records).
 DROPPED_PUT_REPORT=(
   "^report of the 2 ranks, gathered on rank 0:"
   "^  \[rank 0\] .*waits for event [0-9]+ 'dispatch\[[0-9.]+\]' \(value [0-9]+, needs [0-9]+; signalled by rank 1 \([0-9]+ of [0-9]+ arrived, 1 missing\)\)"
   "^  \[rank 0\] .*Bytes of rows in this pass: arrived from rank 1 [0-9]+ of [0-9]+ \(short\)"
-  "^  \[rank 1\] "
+  "^  \[rank 1\] .*Signals from other processes missing: rank 1 event [0-9]+ 'terminate' is at [0-9]+ of [0-9]+; signalled by rank 0 \([0-9]+ of [0-9]+ arrived, [0-9]+ missing\)"
 )

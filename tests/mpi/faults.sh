@@ -94,6 +94,11 @@ for path in shared-memory no-shared-memory; do
     "${DROPPED_PUT_REPORT[@]}"
 done
 
+# The test hook itself refuses what it cannot read.
+fails bad-hook "MOEC_TEST_DROP_PUT='1': expected RANK:N" \
+  "${RUN[@]}" 2 -x MOEC_TEST_DROP_PUT=1 "$MOEC" run "$WORK/small/fwd.moebin" --random 1 \
+  --outputs "$WORK/bad-hook" "${S[@]}"
+
 # A rank given another binary: refused when the context is created, naming
 # both ranks' binaries.
 fails different-binary \

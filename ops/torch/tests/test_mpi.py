@@ -144,7 +144,8 @@ def stopped_job_reports_every_rank(hosts=None):
     assert re.search(r"^  \[rank 0\] .*waits for event \d+ 'dispatch\[[\d.]+\]' .*"
                      r"signalled by rank 1 \(\d+ of \d+ arrived, 1 missing\)", out, re.M), out
     assert re.search(r"^  \[rank 0\] .*arrived from rank 1 \d+ of \d+ \(short\)", out, re.M), out
-    assert re.search(r"^  \[rank 1\] ", out, re.M), out
+    assert re.search(r"^  \[rank 1\] .*rank 1 event \d+ 'terminate' is at \d+ of \d+; "
+                     r"signalled by rank 0 \(\d+ of \d+ arrived, \d+ missing\)", out, re.M), out
 
 
 def test_stopped_job_reports_every_rank():

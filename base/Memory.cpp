@@ -5,8 +5,11 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <fstream>
+#include <vector>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 namespace moec {
@@ -79,6 +82,34 @@ std::string memoryText(double bytes) {
   else
     std::snprintf(text, sizeof text, "%.1f GiB", bytes / double(uint64_t(1) << 30));
   return text;
+}
+
+void *zeroedPages(size_t bytes) {
+  // An anonymous private mapping is zero-filled by the kernel, page by page,
+  // on first touch.
+  void *p = ::mmap(nullptr, bytes ? bytes : 1, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? nullptr : p;
+}
+
+void freeZeroedPages(void *p, size_t bytes) {
+  if (p)
+    ::munmap(p, bytes ? bytes : 1);
+}
+
+size_t residentBytes(const void *p, size_t bytes) {
+  if (!p || bytes == 0)
+    return 0;
+  const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = uintptr_t(p) / page * page;
+  const uintptr_t end = (uintptr_t(p) + bytes + page - 1) / page * page;
+  std::vector<unsigned char> in((end - begin) / page);
+  if (::mincore(reinterpret_cast<void *>(begin), end - begin, in.data()) != 0)
+    return 0;
+  size_t pages = 0;
+  for (unsigned char c : in)
+    pages += c & 1;
+  return std::min(pages * page, size_t(end - begin));
 }
 
 } // namespace moec

@@ -12,6 +12,7 @@
 #ifndef MOEC_BASE_MEMORY_H
 #define MOEC_BASE_MEMORY_H
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -28,6 +29,48 @@ MemoryLimit memoryLimit();
 
 /// "12.3 GiB", or "45.6 MiB" below a GiB.
 std::string memoryText(double bytes);
+
+/// Zeroed memory of `bytes` bytes (page-aligned), taken from the kernel as
+/// pages that are mapped only when first touched: a buffer sized for a
+/// capacity the run does not reach holds only the pages it writes. Null
+/// when the kernel refuses. Freed with freeZeroedPages(p, bytes).
+void *zeroedPages(size_t bytes);
+void freeZeroedPages(void *p, size_t bytes);
+
+/// Bytes of the pages of [p, p + bytes) that are resident in memory now
+/// (mincore); 0 where that cannot be told.
+size_t residentBytes(const void *p, size_t bytes);
+
+/// Owns memory from zeroedPages().
+class ZeroedPages {
+public:
+  ZeroedPages() = default;
+  explicit ZeroedPages(size_t bytes) : base(zeroedPages(bytes)), size(base ? bytes : 0) {}
+  ZeroedPages(ZeroedPages &&other) noexcept : base(other.base), size(other.size) {
+    other.base = nullptr;
+    other.size = 0;
+  }
+  ZeroedPages &operator=(ZeroedPages &&other) noexcept {
+    if (this != &other) {
+      freeZeroedPages(base, size);
+      base = other.base;
+      size = other.size;
+      other.base = nullptr;
+      other.size = 0;
+    }
+    return *this;
+  }
+  ZeroedPages(const ZeroedPages &) = delete;
+  ZeroedPages &operator=(const ZeroedPages &) = delete;
+  ~ZeroedPages() { freeZeroedPages(base, size); }
+
+  void *data() const { return base; }
+  size_t bytes() const { return size; }
+
+private:
+  void *base = nullptr;
+  size_t size = 0;
+};
 
 } // namespace moec
 

@@ -7,7 +7,7 @@ the speed-up as a ratio.
 
     examples/torch/bench.py [--config CFG] [--tokens S] [--ranks R]
                             [--dtypes fp32,bf16] [--threads N] [--repeat N]
-                            [--training]
+                            [--training | --memory]
 
 Default: the qwen3-30b-a3b shapes (H 2048, I 768, E 128, top-8) with S = 1024
 tokens per rank on 2 ranks, fp32 and bf16. examples/torch/bench.sh builds
@@ -19,6 +19,13 @@ next to moec's GMM tile rate on the same product (`moec bench
 --skip-layers`). Where PyTorch's rate is below half of moec's, it prints no
 speed-up for that dtype, and says why (e.g. a reference BLAS as
 libblas.so.3: install libopenblas0-pthread).
+
+--memory measures moec's memory instead: for each dtype, in a process of
+its own, the peak RSS of the process (ru_maxrss, the layer's making
+included) over --repeat training steps, against the bytes the layer must
+hold (weights, their gradients, x/y/dy, the saved rows X, Y and A), with
+what else the process holds: its size before the layer was made, the
+workspace and the kernels' scratch.
 
 --training compares moec's training variants instead, in one run on the
 same inputs and weights: the full layer, main_grad=True (weight gradients
@@ -150,6 +157,46 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
             for name in runs}
 
 
+def rss_bytes(field="VmRSS"):
+    """This process's resident memory now (VmRSS) or its peak (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_one(cfg, ranks, dtype, threads, steps):
+    """In this process: makes the layer, runs `steps` training steps and
+    prints the peak RSS (ru_maxrss: the whole process, the layer's making
+    included) against the bytes the layer must hold."""
+    import resource
+    moec_torch.load_library()
+    base = rss_bytes()
+    cfg = dict(cfg, dtype=dtype)
+    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads)
+    x, ids, weights, dy = make_inputs(layer, ranks)
+    for _ in range(steps):
+        layer.zero_grad(set_to_none=True)
+        step(layer, x, ids, weights, dy)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    size = layer.w1.element_size()
+    weights_b = (layer.w1.numel() + layer.w2.numel()) * size
+    rows = ranks * layer.tokens * layer.top_k
+    saved = rows * (layer.hidden + 3 * layer.inter) * size  # X [T, H], Y [T, 2I], A [T, I]
+    xydy = 3 * x.numel() * size
+    need = 2 * weights_b + xydy + saved
+    info = layer.info()
+    gib = 1 << 30
+    print(f"{dtype:6} peak RSS {peak / gib:6.2f} GiB; must hold {need / gib:6.2f} GiB "
+          f"(weights {weights_b / gib:.2f}, gradients {weights_b / gib:.2f}, x/y/dy "
+          f"{xydy / gib:.3f}, saved rows X/Y/A {saved / gib:.3f}); ratio {peak / need:.2f}")
+    print(f"       else held: the process before the layer (Python, torch, libraries) "
+          f"{base / gib:.2f} GiB; workspace resident {info['workspace_resident'] / gib:.2f} GiB "
+          f"(allocated {info['workspace_bytes'] / gib:.2f}; the saved rows are part of it); "
+          f"kernel scratch {info['scratch_bytes'] / gib:.3f} GiB")
+    print("\n".join("       " + line for line in layer.workspace().splitlines()), flush=True)
+
+
 def torch_gemm_rate(dtype, n=1024, reps=5):
     """PyTorch's C = A B on n x n operands of `dtype`, one thread: best
     GFLOP/s of `reps`."""
@@ -230,6 +277,11 @@ def main():
     p.add_argument("--variants", default="full,main_grad,frozen,lora,split",
                    help="with --training: the variants to compare (full always runs; each "
                         "variant holds its own layer, so fewer fit a smaller machine)")
+    p.add_argument("--memory", action="store_true",
+                   help="measure moec alone: peak RSS of --repeat training steps (each dtype "
+                        "in a process of its own) against the bytes the layer must hold, "
+                        "and the workspace table")
+    p.add_argument("--memory-one", help=argparse.SUPPRESS)
     p.add_argument("--training", action="store_true",
                    help="compare moec's training variants (full, main_grad, frozen, lora, "
                         "split) instead")
@@ -237,11 +289,19 @@ def main():
     cfg = json.loads(Path(args.config).read_text())
     cfg["seq_size"] = args.tokens
     torch.set_num_threads(args.threads)
+    if args.memory_one:
+        memory_one(cfg, args.ranks, args.memory_one, args.threads, args.repeat)
+        return 0
     print(f"command: {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}")
     print(f"config {cfg.get('name', args.config)}: H {cfg['hidden_size']}, "
           f"I {cfg['intermediate_size']}, E {cfg['num_experts']}, top-{cfg['top_k']}, "
           f"S {args.tokens} per rank, {args.ranks} ranks, {args.threads} threads, "
           f"median of {args.repeat} steps (forward + backward)")
+    if args.memory:
+        for dtype in args.dtypes.split(","):
+            subprocess.run([sys.executable, sys.argv[0]] + sys.argv[1:] + ["--memory-one", dtype],
+                           check=True)
+        return 0
     if args.training:
         fair_baseline(args.moec)  # the GEMM rate of split's PyTorch experts
         print(f"{'dtype':6} {'variant':10} {'step s':>8} {'step / full':>12} "

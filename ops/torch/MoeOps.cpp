@@ -37,6 +37,7 @@
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
 #include "runtime/tooling/Profile.h"
+#include "runtime/tooling/Workspace.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -290,6 +291,10 @@ public:
     d.insert("lora_rank", s.loraRank);
     d.insert("workers", slot->context->workers());
     d.insert("outputs_recycled", slot->outputs->recycledCount());
+    const moec::tooling::WorkspaceTotals ws = moec::tooling::workspaceTotals(*slot->context);
+    d.insert("workspace_bytes", int64_t(ws.allocated));
+    d.insert("workspace_resident", int64_t(ws.resident));
+    d.insert("scratch_bytes", int64_t(ws.scratch));
     return d;
   }
 
@@ -431,6 +436,12 @@ public:
                                       : which == "backward" ? moec::rt::TracedPass::Backward
                                                             : moec::rt::TracedPass::Last;
     check(slot->context->writeTrace(path, pass), "trace");
+  }
+
+  /// The workspace table (runtime/tooling/Workspace.h).
+  std::string workspace() const {
+    live();
+    return moec::tooling::workspaceText(*slot->context);
   }
 
   /// The profile (runtime/tooling/Profile.h) of the last "forward" or
@@ -821,7 +832,8 @@ TORCH_LIBRARY(moec, m) {
       .def("write_trace", &Layer::writeTrace)
       .def("capacity_need", &Layer::capacityNeed)
       .def("times", &Layer::times)
-      .def("profile", &Layer::profile);
+      .def("profile", &Layer::profile)
+      .def("workspace", &Layer::workspace);
   m.class_<Exchange>("Exchange")
       .def(torch::init<std::string, std::string, int64_t, double, std::string>())
       .def("info", &Exchange::info)

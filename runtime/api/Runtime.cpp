@@ -429,6 +429,7 @@ Status Context::Impl::backward() {
     return st;
 
   backend::Pass &pass = *bwd;
+  pass.borrowFrom(*fwd);
   if (Status st = pass.allocate(); !st)
     return fatal(st);
   const LayerPlan &plan = pass.plan();
@@ -597,6 +598,26 @@ const PassTimes &Context::backwardTimes() const { return body->bwdTimes; }
 size_t Context::workspaceBytes() const {
   return body->fwd->workspaceBytes() + (body->bwd ? body->bwd->workspaceBytes() : 0);
 }
+std::vector<WorkspaceSlot> Context::workspace() const {
+  std::vector<WorkspaceSlot> out;
+  for (const backend::Pass *pass : {body->fwd.get(), body->bwd.get()}) {
+    if (!pass)
+      continue;
+    for (const backend::SlotMemory &m : pass->workspace()) {
+      WorkspaceSlot w;
+      w.pass = pass->plan().shape.backward ? "backward" : "forward";
+      w.name = std::string(pass->tasks().name(pass->tasks().slots[m.slot].name));
+      w.bytes = m.bytes;
+      w.resident = m.resident;
+      w.window = m.window;
+      w.borrowed = m.borrowed;
+      w.layout = m.layout;
+      out.push_back(std::move(w));
+    }
+  }
+  return out;
+}
+size_t Context::scratchBytes() const { return cpu::Scratch::heldBytes(); }
 size_t Context::workspaceToAllocate() const {
   return body->fwd->workspaceNeeded() + (body->bwd ? body->bwd->workspaceNeeded() : 0);
 }

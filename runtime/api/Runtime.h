@@ -287,6 +287,18 @@ struct PassTimes {
   double total() const { return prepare + tasks + finish; }
 };
 
+/// One workspace slot of a pass, over the ranks of this process
+/// (Context::workspace).
+struct WorkspaceSlot {
+  const char *pass = "";  ///< "forward" or "backward"
+  std::string name;       ///< the slot's tensor
+  uint64_t bytes = 0;     ///< allocated, at the slot's capacity
+  uint64_t resident = 0;  ///< of those, in memory now
+  bool window = false;    ///< peers put into it
+  bool borrowed = false;  ///< in a dead slot of the forward pass: no memory of its own
+  bool layout = false;    ///< a routing layout tensor (sizes and offsets)
+};
+
 /// The runtime state of an EP group: bindings, routing, workspace, threads.
 /// Not thread-safe: one caller at a time.
 class Context {
@@ -356,6 +368,11 @@ public:
 
   /// Bytes of workspace allocated now.
   size_t workspaceBytes() const;
+  /// The workspace allocated now, slot by slot (empty for a backend that
+  /// does not itemize it).
+  std::vector<WorkspaceSlot> workspace() const;
+  /// Bytes the kernels' scratch holds now (fp32 blocks of bf16 matmuls).
+  size_t scratchBytes() const;
   /// Bytes of workspace the passes not run yet will allocate at their first
   /// run (so a caller can check the machine's memory before).
   size_t workspaceToAllocate() const;

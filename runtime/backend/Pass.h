@@ -63,6 +63,16 @@ struct RankRoute {
   std::vector<float> weights; ///< topk_weights [S, K], a copy (local ranks)
 };
 
+/// The memory behind one workspace slot of a pass, over the local ranks.
+struct SlotMemory {
+  uint32_t slot = 0;
+  uint64_t bytes = 0;    ///< allocated (at the slot's capacity)
+  uint64_t resident = 0; ///< of those, in memory now (pages written so far)
+  bool window = false;   ///< peers put into it
+  bool borrowed = false; ///< lives in another pass's dead slot (borrowFrom)
+  bool layout = false;   ///< a routing layout tensor
+};
+
 /// How a pass runs.
 struct PassOptions {
   uint32_t workers = 1;       ///< worker threads (CPU)
@@ -84,8 +94,16 @@ public:
   /// Allocates the workspace if this is the pass's first run. Collective
   /// under a fabric of several processes.
   virtual Status allocate() = 0;
-  /// Bytes of workspace allocated.
+  /// Bytes of workspace allocated (what it borrows not counted).
   virtual size_t workspaceBytes() const = 0;
+  /// Its workspace slot by slot, once allocated; empty where the backend
+  /// does not itemize it.
+  virtual std::vector<SlotMemory> workspace() const { return {}; }
+  /// Before this (backward) pass's first allocate(): it may place its own
+  /// workspace slots in the memory of `forward` (a pass of the same backend
+  /// that is allocated, and never runs while this one does) that no later
+  /// pass reads (LayerPlan::readByBackward). A backend may ignore it.
+  virtual void borrowFrom(const Pass &forward) { (void)forward; }
   /// The bytes allocate() takes (0 once it has).
   virtual uint64_t workspaceNeeded() const = 0;
 

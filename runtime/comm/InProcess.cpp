@@ -9,6 +9,8 @@
 
 #include "runtime/comm/Fabric.h"
 
+#include "base/Memory.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -18,28 +20,23 @@ namespace moec::comm {
 
 namespace {
 
-struct FreeDeleter {
-  void operator()(void *p) const { std::free(p); }
-};
-
 class InProcessWindow final : public Window {
 public:
   InProcessWindow(uint32_t ranks, size_t bytes) : size(bytes) {
-    const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+    // Zeroed pages, mapped when first written: rows a pass never puts
+    // take no memory.
     for (uint32_t r = 0; r < ranks; ++r) {
-      void *p = std::aligned_alloc(64, rounded);
-      if (!p)
+      buffers.emplace_back(std::max<size_t>(bytes, 1));
+      if (!buffers.back().data())
         throw std::bad_alloc();
-      std::memset(p, 0, rounded);
-      buffers.emplace_back(p);
     }
   }
-  void *local(uint32_t rank) const override { return buffers[rank].get(); }
+  void *local(uint32_t rank) const override { return buffers[rank].data(); }
   size_t bytes() const override { return size; }
 
 private:
   size_t size;
-  std::vector<std::unique_ptr<void, FreeDeleter>> buffers;
+  std::vector<ZeroedPages> buffers;
 };
 
 class InProcessInbox final : public Inbox {

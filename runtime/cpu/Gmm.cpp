@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -43,7 +44,12 @@ namespace moec::cpu {
 
 namespace {
 constexpr size_t kScratchAlignment = 64;
+std::atomic<size_t> scratchHeld{0};
 } // namespace
+
+Scratch::~Scratch() { scratchHeld -= size * sizeof(float); }
+
+size_t Scratch::heldBytes() { return scratchHeld.load(std::memory_order_relaxed); }
 
 void Scratch::Free::operator()(float *p) const {
   ::operator delete(p, std::align_val_t(kScratchAlignment));
@@ -55,9 +61,12 @@ float *Scratch::floats(size_t count) {
     const size_t perLine = kScratchAlignment / sizeof(float);
     const size_t want = std::max<size_t>((count + perLine - 1) / perLine * perLine, perLine);
     buffer.reset();
+    scratchHeld -= size * sizeof(float);
+    size = 0;
     buffer.reset(static_cast<float *>(
         ::operator new(want * sizeof(float), std::align_val_t(kScratchAlignment))));
     size = want;
+    scratchHeld += size * sizeof(float);
   }
   return buffer.get();
 }

@@ -79,8 +79,14 @@ public:
   /// call. Contents are unspecified. Never shrinks.
   float *floats(size_t count);
 
+  ~Scratch();
+
   /// The number of floats held now.
   size_t capacity() const { return size; }
+
+  /// Bytes held by every Scratch of the process now (the workers' and the
+  /// ones kernels keep per calling thread).
+  static size_t heldBytes();
 
 private:
   struct Free {

@@ -161,6 +161,22 @@ double Pass::tasksShare() const {
   return total ? double(done) / double(total) : 1.0;
 }
 
+void Pass::borrowFrom(const backend::Pass &forward) {
+  if (!allocated && forward.kind() == backend::Kind::Cpu && &forward != this)
+    lender = static_cast<const Pass *>(&forward);
+}
+
+namespace {
+
+/// A dead workspace buffer of another pass: a slot of one local rank.
+struct Loan {
+  uint32_t rank;
+  void *memory;
+  size_t bytes;
+};
+
+} // namespace
+
 Status Pass::allocate() {
   if (allocated)
     return Status::success();
@@ -185,7 +201,46 @@ Status Pass::allocate() {
   for (const OpInfo &op : ops)
     if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine)
       isWindow[op.tiling->outputSlot] = true;
-  for (uint32_t slot = 0; slot < tasks.slots.size(); ++slot) {
+  // The lender's plain slots that are dead between its passes: not bound,
+  // not a window, not read by a backward, not layout.
+  std::vector<Loan> loans;
+  if (lender && lender->allocated) {
+    const rt::LayerPlan &theirs = *lender->layer;
+    std::vector<uint32_t> live = theirs.boundSlots();
+    for (const std::vector<uint32_t> &more : {theirs.readByBackward(), theirs.layoutSlots()})
+      live.insert(live.end(), more.begin(), more.end());
+    for (uint32_t slot = 0; slot < lender->program->slots.size(); ++slot) {
+      if (lender->windowOf[slot] || std::find(live.begin(), live.end(), slot) != live.end())
+        continue;
+      for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r)
+        if (lender->data[r][slot])
+          loans.push_back(Loan{r, lender->data[r][slot], slotBytes(lender->program->slots[slot])});
+    }
+  }
+  // The lender's smallest dead buffer of rank r that holds `bytes`, taken.
+  const auto borrow = [&](uint32_t r, size_t bytes) -> void * {
+    auto best = loans.end();
+    for (auto it = loans.begin(); it != loans.end(); ++it)
+      if (it->rank == r && it->bytes >= bytes && (best == loans.end() || it->bytes < best->bytes))
+        best = it;
+    if (best == loans.end())
+      return nullptr;
+    void *memory = best->memory;
+    loans.erase(best);
+    return memory;
+  };
+  std::vector<bool> isLayout(tasks.slots.size(), false);
+  for (uint32_t slot : plan.layoutSlots())
+    isLayout[slot] = true;
+  // Largest slots first, so that they take the largest dead buffers (the
+  // same order on every rank: window creation is collective).
+  std::vector<uint32_t> order(tasks.slots.size());
+  for (uint32_t slot = 0; slot < order.size(); ++slot)
+    order[slot] = slot;
+  std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    return slotBytes(tasks.slots[a]) > slotBytes(tasks.slots[b]);
+  });
+  for (uint32_t slot : order) {
     if (std::find(caller.begin(), caller.end(), slot) != caller.end())
       continue;
     const size_t bytes = slotBytes(tasks.slots[slot]);
@@ -198,21 +253,48 @@ Status Pass::allocate() {
       windowOf[slot] = window.get();
       windows.push_back(std::move(window));
       ownedBytes += bytes * fabric.localRanks();
+      slotMemory.push_back({slot, bytes * fabric.localRanks(), 0, true, false});
       continue;
     }
+    backend::SlotMemory &memory = slotMemory.emplace_back();
+    memory.slot = slot;
+    memory.layout = isLayout[slot];
     for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r) {
-      void *memory = std::aligned_alloc(64, bytes);
-      if (!memory)
+      // A dead buffer of the lender that holds the slot, when there is one.
+      memory.bytes += bytes;
+      if (void *lent = isLayout[slot] ? nullptr : borrow(r, bytes)) {
+        data[r][slot] = lent;
+        memory.borrowed = true;
+        continue;
+      }
+      // Zeroed pages, mapped when first written: a slot sized for its
+      // capacity holds only the rows a pass fills.
+      ZeroedPages pages(bytes);
+      if (!pages.data())
         return Status::error(fmt::format("out of memory for slot '{}' ({} bytes)",
                                          tasks.name(tasks.slots[slot].name), bytes));
-      std::memset(memory, 0, bytes);
-      owned.emplace_back(static_cast<uint8_t *>(memory), std::free);
-      data[r][slot] = memory;
+      data[r][slot] = pages.data();
+      owned.push_back(std::move(pages));
       ownedBytes += bytes;
     }
   }
+  std::sort(slotMemory.begin(), slotMemory.end(),
+            [](const backend::SlotMemory &a, const backend::SlotMemory &b) {
+              return a.slot < b.slot;
+            });
   allocated = true;
   return Status::success();
+}
+
+std::vector<backend::SlotMemory> Pass::workspace() const {
+  std::vector<backend::SlotMemory> out = slotMemory;
+  const comm::Fabric &fabric = *options.fabric;
+  for (backend::SlotMemory &m : out) {
+    const size_t bytes = slotBytes(program->slots[m.slot]);
+    for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r)
+      m.resident += residentBytes(data[r][m.slot], bytes);
+  }
+  return out;
 }
 
 Status Pass::fillLayout(const std::vector<RankRoute> &routes) {

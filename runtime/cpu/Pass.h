@@ -25,6 +25,7 @@
 #ifndef MOEC_RUNTIME_CPU_PASS_H
 #define MOEC_RUNTIME_CPU_PASS_H
 
+#include "base/Memory.h"
 #include "base/Status.h"
 #include "runtime/backend/Pass.h"
 #include "runtime/comm/Fabric.h"
@@ -63,8 +64,13 @@ public:
 
   /// Allocates the workspace if this is the pass's first run. Collective.
   Status allocate() override;
-  /// Bytes of workspace allocated.
+  /// Bytes of workspace allocated (what it borrows not counted).
   size_t workspaceBytes() const override { return ownedBytes; }
+  /// Lets this backward pass place its plain workspace slots in `forward`'s
+  /// dead ones (the send rows, the down projection's output) where they fit.
+  void borrowFrom(const backend::Pass &forward) override;
+  /// Its workspace slot by slot (resident pages counted now).
+  std::vector<backend::SlotMemory> workspace() const override;
 
   /// The memory of slot `slot` of local rank `rank` (null before allocate(),
   /// or for a slot the caller binds).
@@ -126,10 +132,12 @@ private:
   std::unique_ptr<exec::ThreadTeam> team; ///< the loops outside the task queues
   std::vector<OpInfo> ops;
   std::vector<std::vector<void *>> data; ///< [rank][slot]
-  std::vector<std::unique_ptr<uint8_t, void (*)(void *)>> owned;
+  std::vector<ZeroedPages> owned;
   std::vector<std::unique_ptr<comm::Window>> windows;
   std::vector<const comm::Window *> windowOf; ///< per slot: its window, or null
   size_t ownedBytes = 0;
+  const Pass *lender = nullptr; ///< see borrowFrom
+  std::vector<backend::SlotMemory> slotMemory; ///< per allocated slot (resident not set)
   bool allocated = false;
   std::vector<std::unique_ptr<exec::Executor>> executors; ///< one, or one per op
   const exec::Executor *last = nullptr;

@@ -294,11 +294,9 @@ Status Pass::writeOut(void *out, size_t bytes, Buffer *staging,
 
 Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
   const rt::LayerPlan &plan = *layer;
-  for (uint32_t slot : {plan.dSize, plan.dSrcOffset, plan.dTargetOffset, plan.cSize,
-                        plan.cSrcOffset, plan.cTargetOffset, plan.glist})
-    if (slot != rt::kNoSlot)
-      for (uint32_t r = 0; r < program->epRanks; ++r)
-        layoutHost[r][slot].assign(slotSize(program->slots[slot]), 0);
+  for (uint32_t slot : plan.layoutSlots())
+    for (uint32_t r = 0; r < program->epRanks; ++r)
+      layoutHost[r][slot].assign(slotSize(program->slots[slot]), 0);
   backend::fillLayoutTensors(*program, plan, routes, 0, program->epRanks,
                              [&](uint32_t rank, uint32_t slot) -> void * {
                                return layoutHost[rank][slot].data();

@@ -637,6 +637,19 @@ std::vector<uint32_t> LayerPlan::boundSlots() const {
   return slots;
 }
 
+std::vector<uint32_t> LayerPlan::layoutSlots() const {
+  std::vector<uint32_t> slots = {dSize,   dSrcOffset,     dTargetOffset, cSize,
+                                 cSrcOffset, cTargetOffset, glist};
+  slots.erase(std::remove(slots.begin(), slots.end(), kNoSlot), slots.end());
+  return slots;
+}
+
+std::vector<uint32_t> LayerPlan::readByBackward() const {
+  std::vector<uint32_t> slots = {dispatched, upOut, swigluOut, returned, lora[0].u, lora[1].u};
+  slots.erase(std::remove(slots.begin(), slots.end(), kNoSlot), slots.end());
+  return slots;
+}
+
 namespace {
 
 /// "the PAIR programs are for different layers: ", the start of a mismatch.

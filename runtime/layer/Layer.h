@@ -97,6 +97,15 @@ struct LayerPlan {
   /// (weights, adapters, gradients; a combine binary's expert rows) and, in
   /// backward, the forward pass's saved activations.
   std::vector<uint32_t> boundSlots() const;
+
+  /// The routing layout tensors (those set; the runtime fills them).
+  std::vector<uint32_t> layoutSlots() const;
+
+  /// Of a forward plan: the slots whose contents the backward pass reads
+  /// after the forward pass is over (X, Y, A, the adapters' U, the returned
+  /// rows for dtopk_weights). The pass's other workspace slots are dead
+  /// once it ends.
+  std::vector<uint32_t> readByBackward() const;
 };
 
 /// Finds the roles of `program`'s slots and checks its shapes and tilings.

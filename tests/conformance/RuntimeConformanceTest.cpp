@@ -537,6 +537,54 @@ TEST_CASE("runtime is deterministic across passes, workers and schedules", "[run
   CHECK(runs[0].sameOutputs(runs[2]));
 }
 
+TEST_CASE("backward keeps slots in the forward's dead ones; a second backward gives the "
+          "same bits", "[runtime]") {
+  Case c;
+  c.ranks = groupSize(2);
+  c.localExperts = 3;
+  c.topK = 2;
+  auto [fwd, bwd] = compile(c);
+  const Inputs in = makeInputs(c, 7);
+  ContextOptions options;
+  options.workers = 2;
+  std::unique_ptr<Context> ctx;
+  REQUIRE(makeContext(fwd, bwd, options, &ctx).ok());
+  Run run = prepare(c, in, bwd->shape());
+  REQUIRE(bindAll(*ctx, c, run).ok());
+  REQUIRE(ctx->forward().ok());
+  REQUIRE(ctx->backward().ok());
+  const Run first = run;
+  // A second backward of the same forward (autograd's retain_graph): what it
+  // reads of the forward pass must have survived the first one.
+  REQUIRE(ctx->backward().ok());
+  CHECK(run.sameOutputs(first));
+  // And a new forward and backward after that: the forward's slots the
+  // backward used are rewritten before they are read.
+  REQUIRE(ctx->forward().ok());
+  REQUIRE(ctx->backward().ok());
+  CHECK(run.sameOutputs(first));
+
+  if (testBackend() != moec::backend::Kind::Cpu)
+    return;
+  const std::vector<moec::rt::WorkspaceSlot> slots = ctx->workspace();
+  size_t borrowed = 0, own = 0;
+  for (const moec::rt::WorkspaceSlot &w : slots) {
+    INFO(w.pass << " " << w.name);
+    CHECK(w.resident <= w.bytes + 4096 * ctx->localRanks());
+    if (w.borrowed) {
+      CHECK(std::string(w.pass) == "backward");
+      CHECK_FALSE(w.window);
+      borrowed += w.bytes;
+    } else {
+      own += w.bytes;
+    }
+  }
+  // The send rows and the down projection's output of forward are dead
+  // after it: backward's send rows and dX rows live there.
+  CHECK(borrowed > 0);
+  CHECK(ctx->workspaceBytes() == own);
+}
+
 TEST_CASE("runtime submit and wait", "[runtime]") {
   Case c;
   c.ranks = groupSize(2);

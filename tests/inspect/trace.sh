@@ -54,6 +54,19 @@ for pattern in "^profile of the last forward pass: .*prepare .*tasks .*finish" \
     "^  worker 1 +busy +[0-9.]+ ms, idle +[0-9.]+ ms" "^waits of parked cores, by event"; do
   grep -qE "$pattern" profile.txt || { cat profile.txt; echo "no line matches '$pattern'"; exit 1; }
 done
+# --workspace: each pass's tensors; backward's send rows live in a dead
+# forward slot; the totals line of the report agrees with the table's.
+"$moec" run fwd.bin bwd.bin --ranks 2 --random 3 --outputs out5 --threads 2 --workspace > ws.txt
+for pattern in "^  workspace [0-9.]+ MiB allocated, [0-9.]+ MiB resident; kernel scratch" \
+    "^workspace of this process \(2 ranks\): [0-9.]+ MiB allocated" \
+    "^  forward +target +[0-9.]+ +[0-9.]+ +window" "^  forward +up_proj_y +[0-9.]+ +[0-9.]+ +plain" \
+    "^  backward +src +[0-9.]+ +- +in a dead forward slot" \
+    "^  backward +\(layout\) +[0-9.]+ +[0-9.]+ +7 routing layout tensors"; do
+  grep -qE "$pattern" ws.txt || { cat ws.txt; echo "no line matches '$pattern'"; exit 1; }
+done
+total=$(sed -nE 's/^  workspace ([0-9.]+) MiB allocated.*/\1/p' ws.txt)
+grep -qE "^workspace of this process \(2 ranks\): ${total} MiB allocated" ws.txt ||
+  { cat ws.txt; echo "the report's total ${total} MiB is not the table's"; exit 1; }
 if "$moec" run fwd.bin --ranks 2 --random 3 --outputs out4 --profile --backend cuda 2> err.txt; then
   echo "--profile on the cuda backend passed"; exit 1
 fi

@@ -12,6 +12,7 @@
 #include "runtime/format/Crc32.h"
 #include "runtime/tooling/LayerRun.h"
 #include "runtime/tooling/Profile.h"
+#include "runtime/tooling/Workspace.h"
 #include "tools/moec/Cli.h"
 #include "tools/moec/Progress.h"
 
@@ -117,6 +118,10 @@ const CommandSpec kRunSpec = {
     "                   the prepare, tasks and finish phases (under MPI: rank 0's\n"
     "                   process). With --repeat 2 or more: a first pass also pays\n"
     "                   for first touches of memory and oneDNN's first calls\n"
+    "  --workspace      print the workspace slot by slot: each pass's tensors at\n"
+    "                   their capacity, the pages resident after the run, the\n"
+    "                   backward slots kept in dead forward ones, kernel scratch\n"
+    "                   (the report always prints the totals)\n"
     "  --threads N      worker threads, 1 to 4096 (default: the hardware threads)\n"
     "  --repeat N       run the passes N times and report the best time (default 1)\n"
     "  --hot-share F    with --random: the share of tokens whose first expert is\n"
@@ -127,7 +132,8 @@ const CommandSpec kRunSpec = {
     "  --no-progress    no progress output\n",
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat",
      "--hot-share", "--fabric", "--timeout", "--verify-sample", "--backend"},
-    {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress", "--profile"},
+    {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress", "--profile",
+     "--workspace"},
     1,
     2};
 
@@ -534,8 +540,13 @@ int runRun(int argc, char **argv, int first) {
     printTimes("forward", bestFwd, repeat);
     if (backward)
       printTimes("backward", bestBwd, repeat);
-    std::printf("  workspace %.1f MiB%s\n", double(context->workspaceBytes()) / (1 << 20),
-                fabric ? " (per process)" : "");
+    const tooling::WorkspaceTotals ws = tooling::workspaceTotals(*context);
+    std::printf("  workspace %.1f MiB allocated, %.1f MiB resident; kernel scratch %.1f "
+                "MiB%s\n",
+                double(ws.allocated) / (1 << 20), double(ws.resident) / (1 << 20),
+                double(ws.scratch) / (1 << 20), fabric ? " (per process)" : "");
+    if (args.has("--workspace"))
+      std::printf("%s", tooling::workspaceText(*context).c_str());
   }
 
   if (report && args.has("--profile")) {

@@ -484,25 +484,28 @@ class MoeFFN(torch.nn.Module):
             w.main_grad.zero_()
             w.grad_added_to_main_grad = False
 
+    def _draw(self, param, bound):
+        """Draws the whole [E, ...] tensor uniform in ±bound, one expert at a
+        time (the same numbers as one draw of the whole: the CPU generator
+        fills in element order), and keeps this process's experts: the
+        process never holds the other ranks' experts."""
+        first = self.first_rank * self.local_experts
+        one = torch.empty(1, *param.shape[1:])
+        for e in range(self.experts):
+            one.uniform_(-bound, bound)
+            if first <= e < first + param.shape[0]:
+                param[e - first].copy_(one[0])
+
     def reset_parameters(self):
         """Draws the whole [E, ...] weights and keeps this process's experts."""
-        first = self.first_rank * self.local_experts
-        mine = slice(first, first + self.local_ranks * self.local_experts)
         with torch.no_grad():
-            bound1 = 1 / math.sqrt(self.hidden)
-            bound2 = 1 / math.sqrt(self.inter)
-            w1 = torch.empty(self.experts, *self.w1.shape[1:]).uniform_(-bound1, bound1)
-            w2 = torch.empty(self.experts, *self.w2.shape[1:]).uniform_(-bound2, bound2)
-            self.w1.copy_(w1[mine])
-            self.w2.copy_(w2[mine])
+            self._draw(self.w1, 1 / math.sqrt(self.hidden))
+            self._draw(self.w2, 1 / math.sqrt(self.inter))
             for name in self.lora_targets:
                 # PEFT: A kaiming_uniform(a=sqrt(5)) over fan_in K, i.e.
                 # uniform in ±1/sqrt(K); B zero.
                 a = getattr(self, f"{name}_lora_A")
-                k = a.shape[1]
-                whole = torch.empty(self.experts, *a.shape[1:]).uniform_(-1 / math.sqrt(k),
-                                                                         1 / math.sqrt(k))
-                a.copy_(whole[mine])
+                self._draw(a, 1 / math.sqrt(a.shape[1]))
                 getattr(self, f"{name}_lora_B").zero_()
 
     def forward(self, x, topk_ids, topk_weights):
@@ -597,6 +600,19 @@ class MoeFFN(torch.nn.Module):
         the op call's time around the runtime's pass. Needs ``trace=True``
         at construction."""
         return self.layer.profile(which)
+
+    def workspace(self):
+        """The runtime's memory, as the table ``moec run --workspace`` prints:
+        each pass's workspace tensors at their capacity and the pages of
+        them resident now, the backward slots kept in dead forward ones, and
+        the kernels' scratch. ``info()`` has the totals (workspace_bytes,
+        workspace_resident, scratch_bytes)."""
+        return self.layer.workspace()
+
+    def info(self):
+        """The layer's sizes and the runtime's totals (workers, workspace
+        bytes allocated and resident, scratch bytes), as a dict."""
+        return dict(self.layer.info())
 
     def extra_repr(self):
         return (f"ranks={self.ranks}, fabric={self.fabric}, first_rank={self.first_rank}, "

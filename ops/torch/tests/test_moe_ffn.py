@@ -476,3 +476,36 @@ def test_profile_of_the_layers_passes():
     assert "swiglu_grad" in backward and "worker 1" in backward, backward
     with pytest.raises(RuntimeError, match="'forward' or 'backward'"):
         layer.profile("last")
+
+
+def test_workspace_table_and_totals():
+    """workspace(): the runtime's tensors per pass, allocated and resident;
+    backward's send rows live in forward's dead ones; info() has the
+    totals."""
+    ranks, tokens = 2, 64
+    layer = moec_torch.MoeFFN(config(tokens=tokens), ranks=ranks, threads=2)
+    assert "no pass has run yet" in layer.workspace()
+    x, ids, weights, dy = inputs(layer, seed=5)
+    layer(x, ids, weights).backward(dy)
+    table = layer.workspace()
+    info = layer.info()
+    assert 0 < info["workspace_resident"] <= info["workspace_bytes"], info
+    head = re.search(r"([0-9.]+) MiB allocated, ([0-9.]+) MiB resident", table)
+    assert head and abs(float(head.group(1)) - info["workspace_bytes"] / 2**20) < 0.1, table
+    send = [l.split() for l in table.splitlines() if re.match(r"\s+(forward|backward)\s+src\s", l)]
+    assert [s[0] for s in send] == ["forward", "backward"], table
+    assert send[1][3] == "-" and "dead forward slot" in " ".join(send[1]), table
+
+
+def test_reset_parameters_draws_the_whole_layer():
+    """The weights are one draw of all E experts (drawn an expert at a
+    time), whichever of them this process holds."""
+    torch.manual_seed(11)
+    layer = moec_torch.MoeFFN(config(experts=4), ranks=2, threads=1)
+    torch.manual_seed(11)
+    w1 = torch.empty(4, layer.hidden, 2 * layer.inter).uniform_(-layer.hidden ** -0.5,
+                                                                 layer.hidden ** -0.5)
+    w2 = torch.empty(4, layer.inter, layer.hidden).uniform_(-layer.inter ** -0.5,
+                                                            layer.inter ** -0.5)
+    assert torch.equal(layer.w1.detach(), w1)
+    assert torch.equal(layer.w2.detach(), w2)

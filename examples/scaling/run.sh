@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bazel build //tools:moec
-exec python3 examples/scaling/scaling.py --moec bazel-bin/tools/moec "$@"
+exec /usr/bin/python3 examples/scaling/scaling.py --moec bazel-bin/tools/moec "$@"

@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """How the cost of a training step (forward + backward) grows: moec's step
 time and GFLOP/s against tokens per rank S, against experts E at a fixed
 number of routed rows, and against ranks (in-process and MPI), each point a
@@ -32,6 +32,15 @@ BASE = {"name": "scaling", "hidden_size": 1024, "intermediate_size": 512, "num_e
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
+def checked(command, env=None):
+    """Runs `command`; returns its stdout, or raises with its output."""
+    done = subprocess.run(command, text=True, capture_output=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n"
+                           f"{done.stdout}{done.stderr}")
+    return done.stdout
+
+
 def run_point(moec, tmp, cfg, threads, repeat, mpi=False):
     """Compiles and runs one layer; returns the best forward + backward
     seconds."""
@@ -40,12 +49,12 @@ def run_point(moec, tmp, cfg, threads, repeat, mpi=False):
     binaries = []
     for graph in ("moe_ffn_fwd", "moe_ffn_bwd"):
         out = Path(tmp) / f"{graph}.moebin"
-        subprocess.run([moec, "compile", str(REPO / "graphs" / f"{graph}.json"), "--config",
-                        str(path), "-o", str(out)], check=True, stdout=subprocess.DEVNULL)
+        checked([moec, "compile", str(REPO / "graphs" / f"{graph}.json"), "--config", str(path),
+                 "-o", str(out)])
         binaries.append(str(out))
     ranks = cfg["ep"]
-    command = [moec, "run", *binaries, "--random", "1", "--repeat", str(repeat),
-               "--no-progress"]
+    command = [moec, "run", *binaries, "--random", "1", "--outputs", str(Path(tmp) / "out"),
+               "--repeat", str(repeat), "--no-progress"]
     if mpi:
         per = max(1, threads // ranks)
         command = ["mpirun", "-np", str(ranks), "--oversubscribe", "--bind-to", "none",
@@ -53,7 +62,7 @@ def run_point(moec, tmp, cfg, threads, repeat, mpi=False):
     else:
         command += ["--ranks", str(ranks), "--threads", str(threads)]
     env = dict(os.environ, **(MPI_ENV if mpi else {}))
-    out = subprocess.run(command, check=True, text=True, stdout=subprocess.PIPE, env=env).stdout
+    out = checked(command, env)
     times = dict(re.findall(r"^\s+(forward|backward)\s+([0-9.]+) ms", out, re.M))
     if set(times) != {"forward", "backward"}:
         raise RuntimeError(f"no pass times in the output of {' '.join(command)}:\n{out}")
@@ -73,7 +82,20 @@ def points(sweeps):
                 yield "ranks-mpi" if mpi else "ranks-inproc", r, dict(BASE, ep=r), mpi
 
 
-def plot(rows, png):
+def fma_peak(moec):
+    """One core's fp32 FMA peak in GFLOP/s, from `moec bench --skip-layers`,
+    and the CPU's name."""
+    out = checked([moec, "bench", "--skip-layers", "--no-progress"])
+    peak = re.search(r"fp32 FMA peak, one core: ([0-9.]+) GFLOP/s", out)
+    cpu = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return (float(peak.group(1)) if peak else None), cpu
+
+
+def plot(rows, png, peak, cores, cpu):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -101,13 +123,20 @@ def plot(rows, png):
             ax.set_xlabel(label)
             if log:
                 ax.set_xscale("log", base=2)
+            else:
+                ax.set_xticks([1, 2, 4])
             ax.grid(True, alpha=0.3)
-            ax.legend()
         axes[0][col].set_ylabel("step time, s (forward + backward)")
         axes[1][col].set_ylabel("GFLOP/s")
+        if peak:
+            axes[1][col].axhline(peak * cores, color="red", linestyle=":",
+                                 label=f"fp32 FMA peak, {cores} cores ({peak * cores:.0f})")
+        axes[1][col].set_ylim(bottom=0)
+        for row in (0, 1):
+            axes[row][col].legend()
         if name == "tokens":
             axes[0][col].set_yscale("log", base=2)
-    fig.suptitle("moec training step, H 1024, I 512, top-4, fp32")
+    fig.suptitle(f"moec training step, H 1024, I 512, top-4, fp32; {cpu}, {cores} cores")
     fig.tight_layout()
     fig.savefig(png, dpi=90)
 
@@ -122,6 +151,10 @@ def main():
     p.add_argument("--sweeps", default="tokens,experts,ranks")
     args = p.parse_args()
     rows = []
+    peak, cpu = fma_peak(args.moec)
+    cores = os.cpu_count()
+    print(f"{cpu}, {cores} cores; fp32 FMA peak {peak} GFLOP/s per core; "
+          f"{args.threads} threads", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for sweep, x, cfg, mpi in points(args.sweeps.split(",")):
             seconds = run_point(args.moec, tmp, cfg, args.threads, args.repeat, mpi)
@@ -138,7 +171,7 @@ def main():
         writer.writeheader()
         writer.writerows(rows)
     try:
-        plot(rows, args.png)
+        plot(rows, args.png, peak, cores, cpu)
         print(f"wrote {args.csv} and {args.png}")
     except ImportError:
         print(f"wrote {args.csv}; no plot: matplotlib is missing (python3-matplotlib)")

@@ -32,7 +32,12 @@
 //    products (AVX2, AVX-512 before avx512_bf16, where oneDNN's bf16 GEMM is
 //    absent or a quarter of sgemm's speed): the bf16 operands are widened to
 //    fp32 in scratch once per call, then multiplied as above. The choice is
-//    made at run time (nativeBf16Gemm).
+//    made at run time (nativeBf16Gemm). Widened copies get a row stride
+//    that is not a multiple of 1 KiB.
+//  - A forward tile whose weight rows are a multiple of 1 KiB apart (the
+//    layer's w1 and w2 rows are 6 and 8 KiB) copies the weight's k x n panel
+//    to a stride that is not, first: rows that far apart fall into a few
+//    cache sets, and the GEMM's packing of them keeps evicting itself.
 //
 // Determinism: the reduction order of a call depends only on its shapes,
 // strides and storage types (fixed slice order, single-threaded GEMM, no

@@ -180,7 +180,7 @@ enum class Addend { None, Separate, InPlace };
 void checkActivationGmm(GmmKind kind, EltCombo elts, int64_t totalRows, Segment seg,
                         int64_t capacity, int64_t depth, int64_t n, int64_t rowTiles,
                         int64_t colTiles, uint32_t seed, float scale = 1.0f,
-                        Addend addend = Addend::None) {
+                        Addend addend = Addend::None, int64_t bPad = -1) {
   INFO("scale " << scale << ", addend " << int(addend));
   INFO(std::string(kind == GmmKind::Forward ? "forward" : "dgrad") << ", "
                                                                    << describe(elts.a, elts.b, elts.c));
@@ -189,7 +189,8 @@ void checkActivationGmm(GmmKind kind, EltCombo elts, int64_t totalRows, Segment 
                << " x " << colTiles);
   std::mt19937 rng(seed);
   Buffer a(elts.a, totalRows, depth, 3);
-  Buffer b = kind == GmmKind::Forward ? Buffer(elts.b, depth, n, 5) : Buffer(elts.b, n, depth, 1);
+  Buffer b = kind == GmmKind::Forward ? Buffer(elts.b, depth, n, bPad < 0 ? 5 : bPad)
+                                      : Buffer(elts.b, n, depth, bPad < 0 ? 1 : bPad);
   Buffer c(elts.c, totalRows, n, 2);
   a.randomize(rng);
   b.randomize(rng);
@@ -398,6 +399,10 @@ TEST_CASE("gmm forward tiles match the loops", "[cpu][gmm]") {
     // An empty segment, and a grid whose tiles all lie past the segment.
     checkActivationGmm(GmmKind::Forward, elts, 10, Segment{4, 0}, 8, 6, 7, 2, 2, ++seed);
     checkActivationGmm(GmmKind::Forward, elts, 10, Segment{10, 0}, 8, 6, 7, 2, 2, ++seed);
+    // A weight whose fp32 rows are 1 KiB apart: the tile copies it to a
+    // stride that does not alias first (bf16 rows are widened to one).
+    checkActivationGmm(GmmKind::Forward, elts, 80, Segment{5, 70}, 70, 48, 200, 1, 2, ++seed,
+                       1.0f, Addend::None, 56);
   }
 }
 

@@ -348,6 +348,32 @@ TEST_CASE("bf16 conversion keeps NaN", "[cpu][bf16]") {
   CHECK(floatToBf16(std::numeric_limits<float>::quiet_NaN()) == 0x7FC0);
 }
 
+TEST_CASE("the array conversions give the scalar ones' bits", "[cpu][bf16]") {
+  // Random bit patterns (every sign, NaNs with payloads in either half,
+  // infinities, denormals, halfway cases), an odd count so that the vector
+  // loop leaves a tail.
+  std::mt19937 rng(17);
+  std::vector<float> values(100003);
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint32_t bits = rng();
+    if (i % 7 == 0)
+      bits = (bits & 0xffff0000u) | 0x8000u; // exactly halfway
+    if (i % 11 == 0)
+      bits |= 0x7f800000u; // inf or NaN
+    std::memcpy(&values[i], &bits, sizeof bits);
+  }
+  std::vector<uint16_t> narrow(values.size());
+  floatToBf16(values.data(), narrow.data(), values.size());
+  std::vector<float> wide(values.size());
+  bf16ToFloat(narrow.data(), wide.data(), narrow.size());
+  int64_t bad = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    bad += narrow[i] != floatToBf16(values[i]);
+    bad += floatBits(wide[i]) != floatBits(bf16ToFloat(narrow[i]));
+  }
+  CHECK(bad == 0);
+}
+
 TEST_CASE("bf16 round trip is exact for every bf16 value", "[cpu][bf16]") {
   std::vector<uint16_t> all(65536), back(65536);
   std::vector<float> wide(65536);

@@ -79,7 +79,9 @@ def make_inputs(layer, ranks):
     return x, ids, weights, dy
 
 
-def bench(cfg, ranks, dtype, threads, repeat):
+def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
+    """Median step seconds of moec and (with_torch) of the plain PyTorch
+    layer, alternating; the step's FLOPs."""
     cfg = dict(cfg, dtype=dtype)
     layer = moec_torch.MoeFFN(cfg, ranks, threads=threads)
     S, H, K = layer.tokens, layer.hidden, layer.top_k
@@ -88,17 +90,18 @@ def bench(cfg, ranks, dtype, threads, repeat):
     def plain(x, ids, weights):
         return reference.moe_ffn(x, ids, weights, layer.w1, layer.w2)
 
+    runs = (("moec", layer), ("torch", plain)) if with_torch else (("moec", layer),)
     times = {"moec": [], "torch": []}
     # One warm-up step each (workspace, page faults), then alternate.
-    for name, fn in (("moec", layer), ("torch", plain)):
+    for name, fn in runs:
         layer.zero_grad(set_to_none=True)
         step(fn, x, ids, weights, dy)
     for _ in range(repeat):
-        for name, fn in (("moec", layer), ("torch", plain)):
+        for name, fn in runs:
             layer.zero_grad(set_to_none=True)
             times[name].append(step(fn, x, ids, weights, dy))
     moec_s = statistics.median(times["moec"])
-    torch_s = statistics.median(times["torch"])
+    torch_s = statistics.median(times["torch"]) if with_torch else float("nan")
     flops = 3 * 2 * ranks * S * K * (H * 2 * layer.inter + layer.inter * H)
     return moec_s, torch_s, flops
 
@@ -197,11 +200,32 @@ def memory_one(cfg, ranks, dtype, threads, steps):
     print("\n".join("       " + line for line in layer.workspace().splitlines()), flush=True)
 
 
+def openblas():
+    """The OpenBLAS this process mapped, as a ctypes library, or None. Its
+    pthread build keeps its own thread count, which torch.set_num_threads
+    does not set."""
+    import ctypes
+    for path in blas_library().split(", "):
+        if "openblas" in path:
+            try:
+                lib = ctypes.CDLL(path)
+                lib.openblas_get_num_threads.restype = ctypes.c_int
+                return lib
+            except (OSError, AttributeError):
+                return None
+    return None
+
+
 def torch_gemm_rate(dtype, n=1024, reps=5):
-    """PyTorch's C = A B on n x n operands of `dtype`, one thread: best
-    GFLOP/s of `reps`."""
+    """PyTorch's C = A B on n x n operands of `dtype`, one thread (OpenBLAS's
+    own threads too): best GFLOP/s of `reps`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    torch.rand(2, 2) @ torch.rand(2, 2)  # maps the BLAS
+    blas = openblas()
+    blas_threads = blas.openblas_get_num_threads() if blas else None
+    if blas:
+        blas.openblas_set_num_threads(1)
     try:
         a = torch.rand(n, n).to(dtype)
         b = torch.rand(n, n).to(dtype)
@@ -213,6 +237,8 @@ def torch_gemm_rate(dtype, n=1024, reps=5):
             best = min(best, time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
+        if blas:
+            blas.openblas_set_num_threads(blas_threads)
     return 2 * n ** 3 / best / 1e9
 
 
@@ -228,16 +254,25 @@ def blas_library():
 
 
 def moec_tile_rates(moec):
-    """moec's one-thread GMM tile rate on 1024^3, per dtype, from `moec bench
-    --skip-layers`."""
-    out = subprocess.run([moec, "bench", "--skip-layers"], check=True, text=True,
-                         stdout=subprocess.PIPE).stdout
+    """moec's one-thread GMM tile rate on 1024^3, per dtype, and its probe's
+    one-core peak per dtype (the bf16 dot-product peak where the CPU has
+    one, else the fp32 FMA peak), from `moec bench --skip-layers`."""
+    out = subprocess.run([moec, "bench", "--skip-layers", "--no-progress"], check=True,
+                         text=True, stdout=subprocess.PIPE).stdout
+    fp32 = re.search(r"fp32 FMA peak, one core: ([0-9.]+) GFLOP/s", out)
+    bf16 = re.search(r"bf16 dot-product peak, one core: ([0-9.]+) GFLOP/s", out)
+    if fp32:
+        PEAKS["fp32"] = float(fp32.group(1))
+        PEAKS["bf16"] = float(bf16.group(1)) if bf16 else PEAKS["fp32"]
     rates = {}
     for line in out.splitlines():
         m = re.match(r"\s*(f32|bf16)\s+1024 x 1024 x 1024\s+([0-9.]+)", line)
         if m:
             rates["fp32" if m.group(1) == "f32" else "bf16"] = float(m.group(2))
     return rates
+
+
+PEAKS = {}  # dtype -> one core's peak GFLOP/s, set by moec_tile_rates
 
 
 def fair_baseline(moec):
@@ -315,12 +350,21 @@ def main():
                       f"{backward_s:11.3f} {backward_s / full_backward:16.2f}", flush=True)
         return 0
     unfair = fair_baseline(args.moec)
-    print(f"{'dtype':6} {'moec s':>9} {'torch s':>9} {'moec GFLOP/s':>13} "
+    print(f"peak of {args.threads} cores (moec's probe): "
+          + ", ".join(f"{d} {p * args.threads:.1f} GFLOP/s" for d, p in PEAKS.items())
+          + ("" if PEAKS.get("bf16") != PEAKS.get("fp32") else
+             " (no bf16 dot products: bf16 is judged against the fp32 peak)"))
+    print(f"{'dtype':6} {'moec s':>9} {'torch s':>9} {'moec GFLOP/s':>13} {'of peak':>8} "
           f"{'torch GFLOP/s':>14} {'speed-up':>9}")
     for dtype in args.dtypes.split(","):
-        moec_s, torch_s, flops = bench(cfg, args.ranks, dtype, args.threads, args.repeat)
+        # An unfair baseline is not timed (PyTorch's bf16 on a CPU without
+        # bf16 dot products takes minutes a step).
+        moec_s, torch_s, flops = bench(cfg, args.ranks, dtype, args.threads, args.repeat,
+                                       with_torch=dtype not in unfair)
         ratio = "  refused" if dtype in unfair else f"{torch_s / moec_s:8.2f}x"
+        peak = PEAKS.get(dtype, float("nan")) * args.threads * 1e9
         print(f"{dtype:6} {moec_s:9.3f} {torch_s:9.3f} {flops / moec_s / 1e9:13.1f} "
+              f"{100 * flops / moec_s / peak:7.1f}% "
               f"{flops / torch_s / 1e9:14.1f} {ratio}", flush=True)
     for dtype, why in unfair.items():
         print(f"no {dtype} speed-up: {why}")

@@ -119,7 +119,12 @@ struct alignas(64) Worker {
 struct QueueInfo {
   uint32_t first = 0;
   uint32_t count = 0;
+  bool cube = false; ///< a cube core's queue (matrix tiles)
 };
+
+/// A worker running a cube queue hands it over for a ready cube queue with
+/// at least this many more tasks left (see Impl::rebalance).
+constexpr uint32_t kRebalanceMargin = 2;
 
 /// Why a pass stopped before every task ran.
 enum class Stop { None, Error, Watchdog, Deadlock };
@@ -213,6 +218,11 @@ struct Executor::Impl {
   void runPass(uint32_t worker);
   uint32_t acquire(bool wasBusy);
   void pushReady(const std::vector<uint32_t> &lqs);
+  uint32_t tasksLeft(uint32_t lq) const {
+    return queueInfo[lq % queueCount].count - queues[lq].head;
+  }
+  size_t pickReady() const;
+  uint32_t rebalance(uint32_t lq);
   bool headReady(uint32_t lq);
   Status signal(uint32_t rank, const SignalRecord &signal, std::vector<uint32_t> &woken,
                 const trace::WaitSpan &by, trace::Trace *waits);
@@ -284,7 +294,8 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
 
   queueInfo.resize(queueCount);
   for (uint32_t q = 0; q < queueCount; ++q)
-    queueInfo[q] = {program.queues[q].firstEntry, program.queues[q].entryCount};
+    queueInfo[q] = {program.queues[q].firstEntry, program.queues[q].entryCount,
+                    program.queues[q].coreKind == CoreKind::Cube};
   for (uint32_t e = 0; e < eventCount; ++e)
     if (program.events[e].kind == EventKind::Terminate)
       terminateEvents.push_back(e);
@@ -359,7 +370,11 @@ uint32_t Executor::Impl::acquire(bool wasBusy) {
     if (passOver.load(std::memory_order_relaxed))
       return kNil;
     if (ringSize > 0) {
-      uint32_t lq = ring[ringHead];
+      // Take the chosen queue out; the ones before it move up one slot.
+      size_t at = ringHead + pickReady();
+      const uint32_t lq = ring[at % ring.size()];
+      for (; at > ringHead; --at)
+        ring[at % ring.size()] = ring[(at - 1) % ring.size()];
       ringHead = ringHead + 1 == ring.size() ? 0 : ringHead + 1;
       readyCount.store(--ringSize, std::memory_order_relaxed);
       ++busy;
@@ -392,6 +407,48 @@ uint32_t Executor::Impl::acquire(bool wasBusy) {
     --sleepers;
     spun = false;
   }
+}
+
+/// Which ready queue a worker takes (its position in the FIFO; the caller
+/// holds `mutex` and the FIFO is not empty): the first vector queue (its
+/// tasks are short, and feed or drain the cube queues), else the cube queue
+/// with the most tasks left, so that the cube queues end together rather
+/// than one of them running alone at the end of the pass.
+size_t Executor::Impl::pickReady() const {
+  size_t best = 0;
+  uint32_t bestLeft = 0;
+  for (size_t i = 0; i < ringSize; ++i) {
+    const uint32_t lq = ring[(ringHead + i) % ring.size()];
+    if (!queueInfo[lq % queueCount].cube)
+      return i;
+    if (tasksLeft(lq) > bestLeft) {
+      best = i;
+      bestLeft = tasksLeft(lq);
+    }
+  }
+  return best;
+}
+
+/// Called by the owner of cube queue `lq`, whose head task is ready: when
+/// the FIFO holds a cube queue with kRebalanceMargin or more tasks left
+/// than `lq`, puts `lq` in its place and returns it (the caller owns it
+/// now); else returns `lq`. Without this a worker keeps its queue while it
+/// can, and queues that started late finish late, on one worker, while the
+/// others have nothing left.
+uint32_t Executor::Impl::rebalance(uint32_t lq) {
+  if (readyCount.load(std::memory_order_relaxed) == 0)
+    return lq;
+  std::lock_guard<std::mutex> lock(mutex);
+  const uint32_t mine = tasksLeft(lq);
+  for (size_t i = 0; i < ringSize; ++i) {
+    uint32_t &slot = ring[(ringHead + i) % ring.size()];
+    if (queueInfo[slot % queueCount].cube && tasksLeft(slot) >= mine + kRebalanceMargin) {
+      const uint32_t taken = slot;
+      slot = lq;
+      return taken;
+    }
+  }
+  return lq;
 }
 
 /// Appends `lqs` to the ready FIFO and wakes as many sleeping workers.
@@ -592,6 +649,8 @@ void Executor::Impl::runPass(uint32_t workerIndex) {
       finishPass();
     if (state.head == info.count || !headReady(lq))
       lq = kNil;
+    else if (info.cube)
+      lq = rebalance(lq);
     if (!woken.empty()) {
       if (lq == kNil) {
         lq = woken.front();

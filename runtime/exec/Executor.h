@@ -24,9 +24,15 @@
 //   parks the queue, not itself, and picks other work.
 //
 // - Scheduling. A worker keeps running its queue while the next head is
-//   ready. When the queue parks or drains, it takes a queue its own signals
-//   just woke (the data is hot in its cache), else one from a shared FIFO of
-//   ready queues. A worker with nothing to do spins briefly on that FIFO and
+//   ready, except that a worker on a cube queue hands it over for a ready
+//   cube queue with 2 or more tasks left than its own: kept to the end,
+//   queues that started late would finish late, one worker running the
+//   last of them while the others had nothing left (the backward pass of
+//   qwen3-30b-a3b at 2 ranks had one worker idle 8% of the pass so). When
+//   the queue parks or drains, it takes a queue its own signals just woke
+//   (the data is hot in its cache), else one from the shared set of ready
+//   queues: the first vector queue (short tasks that feed or drain the cube
+//   queues), else the cube queue with the most tasks left. A worker with nothing to do spins briefly on that FIFO and
 //   then sleeps on a condition variable until a queue becomes ready or the
 //   pass ends. So a worker never sleeps while a ready queue exists, and the
 //   cost of a task is O(its waits + its signals), independent of R and Q,

@@ -418,6 +418,41 @@ TEST_CASE("an empty queue and more workers than queues are fine", "[exec]") {
   runAndVerify(b.build(), 8, 3);
 }
 
+TEST_CASE("cube queues end together: a worker hands its queue over for a longer one",
+          "[exec]") {
+  // Three cube queues of 12 tasks, no events, two workers. Kept by their
+  // first workers until drained, two queues would end before the third
+  // started, which would then run alone. Handed over whenever a ready queue
+  // has 2 tasks more, every queue starts before any ends.
+  ProgramBuilder b(1);
+  std::vector<std::vector<uint32_t>> queues(3);
+  for (uint32_t q = 0; q < 3; ++q)
+    for (int t = 0; t < 12; ++t)
+      queues[q].push_back(b.op("gmm" + std::to_string(q), OpKind::Gmm, CoreKind::Cube, 1));
+  for (uint32_t q = 0; q < 3; ++q)
+    b.queue(CoreKind::Cube, q, queues[q]);
+  TaskProgram program = b.build();
+  ExecutorOptions options;
+  options.workers = 2;
+  options.trace = true;
+  std::unique_ptr<Executor> executor = makeExecutor(
+      program,
+      [](uint32_t, uint32_t, uint32_t) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        return Status::success();
+      },
+      options);
+  REQUIRE(executor->run().ok());
+  std::vector<int64_t> firstStart(3, INT64_MAX), lastEnd(3, 0);
+  for (const trace::TaskSpan &span : executor->trace().tasks) {
+    firstStart[span.queue] = std::min(firstStart[span.queue], span.startNs);
+    lastEnd[span.queue] = std::max(lastEnd[span.queue], span.endNs);
+  }
+  const int64_t latestStart = *std::max_element(firstStart.begin(), firstStart.end());
+  const int64_t earliestEnd = *std::min_element(lastEnd.begin(), lastEnd.end());
+  CHECK(latestStart < earliestEnd);
+}
+
 TEST_CASE("create refuses an invalid program and a missing task function", "[exec]") {
   std::unique_ptr<Executor> executor;
   TaskProgram program = diamondProgram(1);

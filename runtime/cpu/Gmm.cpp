@@ -51,24 +51,25 @@ Scratch::~Scratch() { scratchHeld -= size * sizeof(float); }
 
 size_t Scratch::heldBytes() { return scratchHeld.load(std::memory_order_relaxed); }
 
-void Scratch::Free::operator()(float *p) const {
-  ::operator delete(p, std::align_val_t(kScratchAlignment));
-}
-
 float *Scratch::floats(size_t count) {
-  if (count > size || !buffer) {
-    // Round up to whole cache lines; the old contents need not survive.
-    const size_t perLine = kScratchAlignment / sizeof(float);
-    const size_t want = std::max<size_t>((count + perLine - 1) / perLine * perLine, perLine);
-    buffer.reset();
+  if (count > size || !buffer.data()) {
+    // Pages of their own (not the calling thread's malloc arena, which would
+    // keep every smaller buffer a growing scratch left behind resident), an
+    // eighth more than asked, in whole pages, so that a run of growing
+    // requests maps anew only a few times. The old contents need not
+    // survive.
+    const size_t page = 4096 / sizeof(float);
+    const size_t want = std::max<size_t>((count + count / 8 + page - 1) / page * page, page);
+    buffer = ZeroedPages();
     scratchHeld -= size * sizeof(float);
     size = 0;
-    buffer.reset(static_cast<float *>(
-        ::operator new(want * sizeof(float), std::align_val_t(kScratchAlignment))));
+    buffer = ZeroedPages(want * sizeof(float));
+    if (!buffer.data())
+      throw std::bad_alloc();
     size = want;
     scratchHeld += size * sizeof(float);
   }
-  return buffer.get();
+  return static_cast<float *>(buffer.data());
 }
 
 bool nativeBf16Gemm() {

@@ -56,6 +56,7 @@
 #ifndef MOEC_RUNTIME_CPU_GMM_H
 #define MOEC_RUNTIME_CPU_GMM_H
 
+#include "base/Memory.h"
 #include "runtime/cpu/Element.h"
 
 #include <cstddef>
@@ -80,8 +81,9 @@ public:
   Scratch(const Scratch &) = delete;
   Scratch &operator=(const Scratch &) = delete;
 
-  /// Returns at least `count` floats, 64-byte aligned, valid until the next
-  /// call. Contents are unspecified. Never shrinks.
+  /// Returns at least `count` floats, page-aligned, valid until the next
+  /// call. Contents are unspecified. Never shrinks. Throws std::bad_alloc
+  /// when the memory cannot be had.
   float *floats(size_t count);
 
   ~Scratch();
@@ -94,10 +96,7 @@ public:
   static size_t heldBytes();
 
 private:
-  struct Free {
-    void operator()(float *p) const;
-  };
-  std::unique_ptr<float, Free> buffer;
+  ZeroedPages buffer;
   size_t size = 0;
 };
 

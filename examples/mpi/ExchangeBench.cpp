@@ -19,6 +19,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "base/Time.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
 
@@ -37,12 +38,6 @@
 using namespace moec;
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
-}
 
 int fail(const Status &status) {
   std::fprintf(stderr, "exchange_bench: %s\n", status.message().c_str());
@@ -181,14 +176,14 @@ int main(int argc, char **argv) {
       return fail(s);
     if (Status s = exchange->combine({ex}, {ys}, true); !s)
       return fail(s);
-    double mine = seconds(t0), slowest = 0;
+    double mine = secondsSince(t0), slowest = 0;
     MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
     bestMoec = std::min(bestMoec, slowest);
 
     MPI_Barrier(comm);
     t0 = Clock::now();
     yMpi = alltoallv(d, R, comm);
-    mine = seconds(t0);
+    mine = secondsSince(t0);
     MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
     bestMpi = std::min(bestMpi, slowest);
   }

@@ -18,6 +18,7 @@
 
 #include "runtime/api/Runtime.h"
 
+#include "base/Time.h"
 #include "runtime/api/CApi.h"
 #include "runtime/api/Group.h"
 #include "runtime/cpu/Pass.h"
@@ -65,12 +66,6 @@ std::string shapeString(const Tensor &tensor) {
 }
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
 
 int64_t nanosOf(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();

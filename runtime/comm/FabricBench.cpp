@@ -11,6 +11,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "base/Time.h"
 #include "runtime/comm/Mpi.h"
 
 #include <fmt/format.h>
@@ -25,12 +26,6 @@
 using namespace moec;
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
-}
 
 int fail(const Status &status) {
   std::fprintf(stderr, "error: %s\n", status.message().c_str());
@@ -86,11 +81,11 @@ int main(int argc, char **argv) {
       }
       if (Status s = fabric->barrier(60); !s)
         return fail(s);
-      best = std::min(best, seconds(t0));
+      best = std::min(best, secondsSince(t0));
       if (sender) {
         const Clock::time_point t1 = Clock::now();
         std::memcpy(dst.data(), src.data(), bytes);
-        bestCopy = std::min(bestCopy, seconds(t1));
+        bestCopy = std::min(bestCopy, secondsSince(t1));
       }
     }
     if (sender)

@@ -8,6 +8,8 @@
 
 #include "runtime/comm/Mpi.h"
 
+#include "base/Time.h"
+
 #include <fmt/format.h>
 #include <mpi.h>
 
@@ -43,12 +45,6 @@ std::string mpiError(int code) {
     if (int rc_ = (call); rc_ != MPI_SUCCESS)                                                   \
       return Status::error(fmt::format("mpi fabric: {}: {}", what, mpiError(rc_)));             \
   } while (0)
-
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
 
 /// Sleeps a little longer each time nothing happened, up to 50 us.
 class Backoff {

@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "base/Memory.h"
+#include "base/Time.h"
 #include "runtime/cpu/Pass.h"
 
 #include "runtime/cpu/Rows.h"
@@ -29,12 +30,6 @@ using format::TaskProgram;
 using format::TilingRecord;
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
 
 int64_t loadIndex(const void *data, DType dtype, int64_t i) {
   return dtype == DType::I32 ? static_cast<const int32_t *>(data)[i]

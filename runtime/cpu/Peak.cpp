@@ -2,6 +2,7 @@
 
 #include "runtime/cpu/Peak.h"
 
+#include "base/Time.h"
 #include "runtime/cpu/Gmm.h"
 
 #include <algorithm>
@@ -163,12 +164,6 @@ std::vector<Kernel> bf16Kernels() {
   }
 #endif
   return kernels;
-}
-
-using Clock = std::chrono::steady_clock;
-
-double secondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 /// Times one trial of `kernel`; returns seconds.

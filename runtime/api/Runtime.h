@@ -293,7 +293,7 @@ struct WorkspaceSlot {
   const char *pass = "";  ///< "forward" or "backward"
   std::string name;       ///< the slot's tensor
   uint64_t bytes = 0;     ///< allocated, at the slot's capacity
-  uint64_t resident = 0;  ///< of those, in memory now
+  uint64_t resident = 0;  ///< of those, in memory now (0 when borrowed)
   bool window = false;    ///< peers put into it
   bool borrowed = false;  ///< in a dead slot of the forward pass: no memory of its own
   bool layout = false;    ///< a routing layout tensor (sizes and offsets)

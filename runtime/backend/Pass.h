@@ -67,7 +67,7 @@ struct RankRoute {
 struct SlotMemory {
   uint32_t slot = 0;
   uint64_t bytes = 0;    ///< allocated (at the slot's capacity)
-  uint64_t resident = 0; ///< of those, in memory now (pages written so far)
+  uint64_t resident = 0; ///< of those, in memory now (0 when borrowed: the lender's pages)
   bool window = false;   ///< peers put into it
   bool borrowed = false; ///< lives in another pass's dead slot (borrowFrom)
   bool layout = false;   ///< a routing layout tensor

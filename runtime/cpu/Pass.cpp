@@ -285,6 +285,8 @@ std::vector<backend::SlotMemory> Pass::workspace() const {
   std::vector<backend::SlotMemory> out = slotMemory;
   const comm::Fabric &fabric = *options.fabric;
   for (backend::SlotMemory &m : out) {
+    if (m.borrowed)
+      continue; // the lender's pages, counted there
     const size_t bytes = slotBytes(program->slots[m.slot]);
     for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r)
       m.resident += residentBytes(data[r][m.slot], bytes);

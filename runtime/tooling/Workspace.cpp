@@ -12,24 +12,28 @@ double mib(uint64_t bytes) { return double(bytes) / double(1 << 20); }
 
 WorkspaceTotals workspaceTotals(const rt::Context &context) {
   WorkspaceTotals t;
+  t.allocated = context.workspaceBytes();
   for (const rt::WorkspaceSlot &w : context.workspace()) {
-    if (w.borrowed)
-      continue;
-    t.allocated += w.bytes;
+    t.itemized = true;
     t.resident += w.resident;
   }
   t.scratch = context.scratchBytes();
   return t;
 }
 
+std::string totalsText(const WorkspaceTotals &t) {
+  if (!t.itemized)
+    return fmt::format("{:.1f} MiB allocated", mib(t.allocated));
+  return fmt::format("{:.1f} MiB allocated, {:.1f} MiB resident; kernel scratch {:.1f} MiB",
+                     mib(t.allocated), mib(t.resident), mib(t.scratch));
+}
+
 std::string workspaceText(const rt::Context &context) {
   const std::vector<rt::WorkspaceSlot> slots = context.workspace();
   const WorkspaceTotals t = workspaceTotals(context);
-  std::string out = fmt::format(
-      "workspace of this process ({} rank{}): {:.1f} MiB allocated, {:.1f} MiB resident; "
-      "kernel scratch {:.1f} MiB\n",
-      context.localRanks(), context.localRanks() == 1 ? "" : "s", mib(t.allocated),
-      mib(t.resident), mib(t.scratch));
+  std::string out = fmt::format("workspace of this process ({} rank{}): {}\n",
+                                context.localRanks(), context.localRanks() == 1 ? "" : "s",
+                                totalsText(t));
   if (slots.empty())
     return out + "  (no pass has run yet, or the backend does not itemize its workspace)\n";
   out += fmt::format("  {:<9} {:<20} {:>10} {:>10}  {}\n", "pass", "tensor", "MiB", "resident",

@@ -19,11 +19,16 @@ namespace moec::tooling {
 
 /// Totals of a context's workspace now.
 struct WorkspaceTotals {
-  uint64_t allocated = 0; ///< own slots at capacity (borrowed ones not counted)
-  uint64_t resident = 0;  ///< of those, in memory
-  uint64_t scratch = 0;   ///< the kernels' scratch
+  uint64_t allocated = 0; ///< own slots at capacity (Context::workspaceBytes)
+  uint64_t resident = 0;  ///< of those, in memory (when itemized)
+  uint64_t scratch = 0;   ///< the CPU kernels' scratch
+  bool itemized = false;  ///< the backend lists its slots (the CPU backend does)
 };
 WorkspaceTotals workspaceTotals(const rt::Context &context);
+
+/// "12.0 MiB allocated, 8.0 MiB resident; kernel scratch 1.0 MiB", or only
+/// the bytes allocated where the backend does not itemize its workspace.
+std::string totalsText(const WorkspaceTotals &totals);
 
 /// The table: one line per slot (pass, tensor, MiB allocated, MiB resident,
 /// what it is), then the totals.

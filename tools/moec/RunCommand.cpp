@@ -540,11 +540,9 @@ int runRun(int argc, char **argv, int first) {
     printTimes("forward", bestFwd, repeat);
     if (backward)
       printTimes("backward", bestBwd, repeat);
-    const tooling::WorkspaceTotals ws = tooling::workspaceTotals(*context);
-    std::printf("  workspace %.1f MiB allocated, %.1f MiB resident; kernel scratch %.1f "
-                "MiB%s\n",
-                double(ws.allocated) / (1 << 20), double(ws.resident) / (1 << 20),
-                double(ws.scratch) / (1 << 20), fabric ? " (per process)" : "");
+    std::printf("  workspace %s%s\n",
+                tooling::totalsText(tooling::workspaceTotals(*context)).c_str(),
+                fabric ? " (per process)" : "");
     if (args.has("--workspace"))
       std::printf("%s", tooling::workspaceText(*context).c_str());
   }

@@ -48,6 +48,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -405,6 +406,82 @@ public:
     return {dx, dtopk, dw1, dw2, adapterGrads};
   }
 
+  /// The asynchronous calls: submit_forward and submit_backward run the
+  /// pass on a thread of their own and return a ticket at once; the wait
+  /// calls give its result (or raise its error) once, and the ticket is
+  /// spent. Passes of one layer still run one at a time, in the order
+  /// they take the layer. discard waits for a pass and drops its result
+  /// (a handle that was never waited).
+  int64_t submitForward(const at::Tensor &x, const at::Tensor &ids, const at::Tensor &weights,
+                        const at::Tensor &w1, const at::Tensor &w2,
+                        const std::vector<at::Tensor> &adapters) {
+    live();
+    std::lock_guard<std::mutex> lock(pendingMutex);
+    const int64_t ticket = ++tickets;
+    pendingForwards.emplace(ticket, std::async(std::launch::async, [=] {
+                              at::NoGradGuard noGrad;
+                              return forward(x, ids, weights, w1, w2, adapters);
+                            }));
+    return ticket;
+  }
+
+  int64_t submitBackward(int64_t forwardStep, const at::Tensor &x, const at::Tensor &ids,
+                         const at::Tensor &weights, const at::Tensor &w1, const at::Tensor &w2,
+                         const at::Tensor &dy, const c10::optional<at::Tensor> &mainGrad1,
+                         const c10::optional<at::Tensor> &mainGrad2,
+                         const std::vector<at::Tensor> &adapters) {
+    live();
+    std::lock_guard<std::mutex> lock(pendingMutex);
+    const int64_t ticket = ++tickets;
+    pendingBackwards.emplace(ticket, std::async(std::launch::async, [=] {
+                               at::NoGradGuard noGrad;
+                               return backward(forwardStep, x, ids, weights, w1, w2, dy,
+                                               mainGrad1, mainGrad2, adapters);
+                             }));
+    return ticket;
+  }
+
+  std::tuple<at::Tensor, int64_t> waitForward(int64_t ticket) {
+    return takePending(pendingForwards, ticket, "forward").get();
+  }
+
+  Gradients waitBackward(int64_t ticket) {
+    return takePending(pendingBackwards, ticket, "backward").get();
+  }
+
+  /// Waits for a submitted pass and drops its result and error; false when
+  /// the ticket was already waited.
+  bool discard(int64_t ticket) {
+    std::unique_lock<std::mutex> lock(pendingMutex);
+    const bool forward = pendingForwards.count(ticket) != 0;
+    if (!forward && !pendingBackwards.count(ticket))
+      return false;
+    lock.unlock();
+    try {
+      if (forward)
+        waitForward(ticket);
+      else
+        waitBackward(ticket);
+    } catch (const std::exception &) {
+      // Its error goes with it.
+    }
+    return true;
+  }
+
+  /// Submitted passes not yet waited.
+  int64_t pending() {
+    std::lock_guard<std::mutex> lock(pendingMutex);
+    return int64_t(pendingForwards.size() + pendingBackwards.size());
+  }
+
+  ~Layer() override {
+    // A pass still running uses this object: wait for it.
+    for (auto &p : pendingForwards)
+      p.second.wait();
+    for (auto &p : pendingBackwards)
+      p.second.wait();
+  }
+
   /// What the last forward pass's routing needed (every rank), and the
   /// binary's capacities: for growing the layer after an over-capacity error.
   c10::Dict<std::string, int64_t> capacityNeed() const {
@@ -480,6 +557,18 @@ public:
 private:
   void live() const {
     TORCH_CHECK(slot->context, "moec: this layer was released (moec_torch.finalize_mpi)");
+  }
+
+  template <class Result>
+  std::future<Result> takePending(std::map<int64_t, std::future<Result>> &pending,
+                                  int64_t ticket, const char *what) {
+    std::lock_guard<std::mutex> lock(pendingMutex);
+    auto it = pending.find(ticket);
+    TORCH_CHECK(it != pending.end(), "moec: the ", what, " handle ", ticket,
+                " was already waited (a handle gives its result once)");
+    std::future<Result> future = std::move(it->second);
+    pending.erase(it);
+    return future;
   }
 
   struct Inputs {
@@ -588,6 +677,12 @@ private:
   int64_t step = -1;   ///< the pass whose state the runtime holds; -1: none
   double reportSeconds = 10; ///< how long rank 0 waits for the peers' reports
   double forwardCall = 0, backwardCall = 0; ///< seconds of the last op calls
+  // Submitted passes by ticket, until waited (declared last: the destructor
+  // waits for them while the rest is still whole).
+  std::mutex pendingMutex;
+  int64_t tickets = 0;
+  std::map<int64_t, std::future<std::tuple<at::Tensor, int64_t>>> pendingForwards;
+  std::map<int64_t, std::future<Gradients>> pendingBackwards;
 };
 
 /// Dispatch and combine as ops of their own (moec::rt::Exchange), over a
@@ -833,7 +928,13 @@ TORCH_LIBRARY(moec, m) {
       .def("capacity_need", &Layer::capacityNeed)
       .def("times", &Layer::times)
       .def("profile", &Layer::profile)
-      .def("workspace", &Layer::workspace);
+      .def("workspace", &Layer::workspace)
+      .def("submit_forward", &Layer::submitForward)
+      .def("submit_backward", &Layer::submitBackward)
+      .def("wait_forward", &Layer::waitForward)
+      .def("wait_backward", &Layer::waitBackward)
+      .def("discard", &Layer::discard)
+      .def("pending", &Layer::pending);
   m.class_<Exchange>("Exchange")
       .def(torch::init<std::string, std::string, int64_t, double, std::string>())
       .def("info", &Exchange::info)

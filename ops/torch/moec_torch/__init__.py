@@ -33,6 +33,7 @@ Bazel they are found there. These override:
 """
 
 import atexit
+import collections
 import hashlib
 import shutil
 import json
@@ -47,7 +48,8 @@ import torch
 from . import native, reference
 from .native import compile, dump, load_trace, simulate_trace
 
-__all__ = ["DispatchHandle", "Exchange", "MoeFFN", "MoeFFNFunction", "compile", "compile_graphs",
+__all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
+           "MoeFFN", "MoeFFNFunction", "compile", "compile_graphs",
            "compile_layer", "dump", "finalize_mpi", "launched_by_mpi", "load_library",
            "load_trace", "native", "reference", "simulate_trace"]
 
@@ -230,13 +232,14 @@ def _check_finite(name, tensor, part, first):
 
 class MoeFFNFunction(torch.autograd.Function):
     """y = MoE-FFN(x) on the moec runtime; backward gives dx, d topk_weights,
-    dw1 and dw2 (topk_ids get no gradient)."""
+    dw1 and dw2 (topk_ids get no gradient). `done`, when given, is the
+    (y, step) a submitted forward pass already gave (ForwardHandle.wait)."""
 
     @staticmethod
     def forward(ctx, layer, x, topk_ids, topk_weights, w1, w2, check_finite=False,
-                first_rank=0, main_grads=None, *adapters):
-        y, step = torch.ops.moec.forward(layer, x, topk_ids, topk_weights, w1, w2,
-                                         list(adapters))
+                first_rank=0, main_grads=None, done=None, *adapters):
+        y, step = done if done is not None else torch.ops.moec.forward(
+            layer, x, topk_ids, topk_weights, w1, w2, list(adapters))
         ctx.layer = layer
         ctx.step = step
         ctx.main_grads = main_grads
@@ -252,22 +255,129 @@ class MoeFFNFunction(torch.autograd.Function):
         dx, dtopk, dw1, dw2, dadapters = torch.ops.moec.backward(
             ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2, dy, *main_grads,
             adapters)
-        if ctx.main_grads:
-            # Megatron's flag: the gradient went into main_grad, not .grad.
-            w1.grad_added_to_main_grad = True
-            w2.grad_added_to_main_grad = True
-        check, first, local_experts = ctx.check
-        if check:
-            _check_finite("dy", dy, "rank", first)
-            for name, t in (("dx", dx), ("dtopk_weights", dtopk)):
-                _check_finite(name, t, "rank", first)
-            grads = ctx.main_grads or (dw1, dw2)
-            for name, t in zip(("dw1", "dw2"), grads):
-                if t is not None:
-                    _check_finite(name, t, "expert", first * local_experts)
-            for i, t in enumerate(dadapters):
-                _check_finite(f"adapter gradient {i}", t, "expert", first * local_experts)
-        return (None, dx, None, dtopk, dw1, dw2, None, None, None, *dadapters)
+        _after_backward(ctx.check, ctx.main_grads, (w1, w2), dy,
+                        Gradients(dx, dtopk, dw1, dw2, tuple(dadapters)))
+        return (None, dx, None, dtopk, dw1, dw2, None, None, None, None, *dadapters)
+
+
+Gradients = collections.namedtuple("Gradients",
+                                   ["dx", "dtopk_weights", "dw1", "dw2", "adapters"])
+Gradients.__doc__ = """What a backward pass gives: dx, dtopk_weights, dw1 and dw2 (None for a
+frozen or LoRA layer, and with main_grad=True, whose gradients went into
+w1.main_grad and w2.main_grad), and the adapters' gradients (A then B,
+w1's then w2's; empty without LoRA)."""
+
+
+def _after_backward(check, main_grads, weights, dy, grads):
+    """What every backward does after the runtime's pass: Megatron's flag
+    on main-grad weights, and the finite checks (check_finite)."""
+    if main_grads:
+        # Megatron's flag: the gradient went into main_grad, not .grad.
+        for w in weights:
+            w.grad_added_to_main_grad = True
+    check_finite, first, local_experts = check
+    if check_finite:
+        _check_finite("dy", dy, "rank", first)
+        for name, t in (("dx", grads.dx), ("dtopk_weights", grads.dtopk_weights)):
+            _check_finite(name, t, "rank", first)
+        for name, t in zip(("dw1", "dw2"), main_grads or (grads.dw1, grads.dw2)):
+            if t is not None:
+                _check_finite(name, t, "expert", first * local_experts)
+        for i, t in enumerate(grads.adapters):
+            _check_finite(f"adapter gradient {i}", t, "expert", first * local_experts)
+
+
+class _Pending:
+    """A pass submitted to the runtime, running on a thread of its own: a
+    ticket of the op library's layer, waited once. Dropped unwaited, it
+    waits for the pass, drops its result, and the module's next call raises."""
+
+    what = "pass"
+
+    def __init__(self, module, ticket):
+        self.module = module
+        self.layer = module.layer  # the runtime it runs on (growth replaces module.layer)
+        self.ticket = ticket
+        self.waited = False
+
+    def _take(self):
+        if self.waited:
+            raise RuntimeError(f"moec: this {self.what} handle was already waited "
+                               "(a handle gives its result once)")
+        self.waited = True
+
+    def __del__(self):
+        if getattr(self, "waited", True):
+            return
+        try:
+            self.layer.discard(self.ticket)
+        except Exception:  # noqa: BLE001 - the interpreter may be going down
+            return
+        self.module._dropped = (f"moec: a {self.what} handle (ticket {self.ticket}) was "
+                                "dropped without wait(); its pass ran and its result is lost")
+        warnings.warn(self.module._dropped, RuntimeWarning, stacklevel=2)
+
+
+class ForwardHandle(_Pending):
+    """What MoeFFN.submit_forward returns: wait() gives y. Under grad mode
+    y takes part in autograd as the module's forward does; inside a custom
+    autograd.Function's forward it is a plain tensor, and
+    MoeFFN.submit_backward(handle, dy) gives the gradients."""
+
+    what = "forward"
+
+    def __init__(self, module, ticket, inputs, squeeze):
+        super().__init__(module, ticket)
+        self.inputs = inputs      # x, topk_ids, topk_weights (as the op took them)
+        self.squeeze = squeeze
+        self.step = None          # the runtime's pass, once waited
+
+    def wait(self):
+        """Waits for the forward pass and returns y (raises its error)."""
+        self._take()
+        m = self.module
+        x, ids, weights = self.inputs
+        try:
+            done = self.layer.wait_forward(self.ticket)
+        except RuntimeError as error:
+            if m.capacity_policy != "grow" or "moec over capacity:" not in str(error) \
+                    or self.layer is not m.layer:
+                raise
+            m._grow()
+            self.layer = m.layer
+            done = torch.ops.moec.forward(self.layer, x, ids, weights, m.w1, m.w2,
+                                          m.adapters())
+        self.step = done[1]
+        y = MoeFFNFunction.apply(self.layer, x, ids, weights, m.w1, m.w2, m.check_finite,
+                                 m.first_rank, m._main_grads(), done, *m.adapters())
+        if m.check_finite:
+            _check_finite("y", y, "rank", m.first_rank)
+        return y.squeeze(0) if self.squeeze else y
+
+
+class BackwardHandle(_Pending):
+    """What MoeFFN.submit_backward returns: wait() gives the Gradients."""
+
+    what = "backward"
+
+    def __init__(self, module, ticket, main_grads, dy, squeeze):
+        super().__init__(module, ticket)
+        self.main_grads = main_grads
+        self.dy = dy
+        self.squeeze = squeeze
+
+    def wait(self):
+        """Waits for the backward pass and returns its Gradients (dx and
+        dtopk_weights shaped as the forward's inputs were)."""
+        self._take()
+        m = self.module
+        dx, dtopk, dw1, dw2, dadapters = self.layer.wait_backward(self.ticket)
+        grads = Gradients(dx, dtopk, dw1, dw2, tuple(dadapters))
+        _after_backward((m.check_finite, m.first_rank, m.local_experts), self.main_grads,
+                        (m.w1, m.w2), self.dy, grads)
+        if self.squeeze:
+            grads = grads._replace(dx=dx.squeeze(0), dtopk_weights=dtopk.squeeze(0))
+        return grads
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -508,28 +618,82 @@ class MoeFFN(torch.nn.Module):
                 self._draw(a, 1 / math.sqrt(a.shape[1]))
                 getattr(self, f"{name}_lora_B").zero_()
 
-    def forward(self, x, topk_ids, topk_weights):
-        if x.dim() == 2 and self.local_ranks == 1:
-            return self.forward(x.unsqueeze(0), topk_ids.unsqueeze(0),
-                                topk_weights.unsqueeze(0)).squeeze(0)
+    def _main_grads(self):
+        return (self.w1.main_grad, self.w2.main_grad) if self.main_grad else None
+
+    def _check_dropped(self):
+        """Raises, once, for a submitted pass whose handle was dropped unwaited."""
+        dropped, self._dropped = getattr(self, "_dropped", None), None
+        if dropped:
+            raise RuntimeError(dropped)
+
+    def _unsqueezed(self, x, *rest):
+        """(squeeze, tensors): [S, ...] inputs of a one-rank process get
+        their rank dim."""
+        squeeze = x.dim() == 2 and self.local_ranks == 1
+        tensors = (x, *rest)
+        return squeeze, tuple(t.unsqueeze(0) for t in tensors) if squeeze else tensors
+
+    def _check_inputs(self, x, topk_weights):
         if self.check_finite:
             for name, t in (("x", x), ("topk_weights", topk_weights)):
                 _check_finite(name, t, "rank", self.first_rank)
             for name, t in (("w1", self.w1), ("w2", self.w2)):
                 _check_finite(name, t, "expert", self.first_rank * self.local_experts)
+
+    def forward(self, x, topk_ids, topk_weights):
+        self._check_dropped()
+        squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
+        self._check_inputs(x, topk_weights)
         while True:
             try:
-                main_grads = (self.w1.main_grad, self.w2.main_grad) if self.main_grad else None
                 y = MoeFFNFunction.apply(self.layer, x, topk_ids, topk_weights, self.w1,
                                          self.w2, self.check_finite, self.first_rank,
-                                         main_grads, *self.adapters())
+                                         self._main_grads(), None, *self.adapters())
                 if self.check_finite:
                     _check_finite("y", y, "rank", self.first_rank)
-                return y
+                return y.squeeze(0) if squeeze else y
             except RuntimeError as error:
                 if self.capacity_policy != "grow" or "moec over capacity:" not in str(error):
                     raise
                 self._grow()
+
+    def submit_forward(self, x, topk_ids, topk_weights):
+        """Starts forward(x, topk_ids, topk_weights) on a thread of its own and
+        returns a ForwardHandle at once; its wait() gives y, which under grad
+        mode takes part in autograd as forward's does. Python work between
+        the two runs beside the pass. Every handle must be waited exactly
+        once: a second wait() raises, and a handle dropped unwaited makes the
+        module's next call raise (its pass still runs to its end first).
+        Passes of one module run one at a time, in the order submitted."""
+        self._check_dropped()
+        squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
+        self._check_inputs(x, topk_weights)
+        ticket = self.layer.submit_forward(x.detach(), topk_ids, topk_weights.detach(),
+                                           self.w1.detach(), self.w2.detach(),
+                                           [a.detach() for a in self.adapters()])
+        return ForwardHandle(self, ticket, (x, topk_ids, topk_weights), squeeze)
+
+    def submit_backward(self, handle, dy):
+        """Starts the backward pass of the waited forward `handle` for the
+        output gradient dy and returns a BackwardHandle at once; its wait()
+        gives the Gradients (dx, dtopk_weights, dw1, dw2, adapters), for a
+        custom autograd.Function to return. As forward's backward: with
+        main_grad=True the weight gradients are added into main_grad."""
+        self._check_dropped()
+        if not isinstance(handle, ForwardHandle) or handle.module is not self:
+            raise ValueError("moec: submit_backward takes a ForwardHandle of this module")
+        if handle.step is None:
+            raise RuntimeError("moec: wait() the forward handle before submitting its backward")
+        x, ids, weights = handle.inputs
+        squeeze, (dy,) = self._unsqueezed(dy) if handle.squeeze else (False, (dy,))
+        main_grads = self._main_grads()
+        ticket = handle.layer.submit_backward(
+            handle.step, x.detach(), ids, weights.detach(), self.w1.detach(), self.w2.detach(),
+            dy.detach(), *(main_grads or (None, None)), [a.detach() for a in self.adapters()])
+        pending = BackwardHandle(self, ticket, main_grads, dy, squeeze)
+        pending.layer = handle.layer
+        return pending
 
     def _grow(self):
         """Recompiles with room for the routing the runtime just refused (the

@@ -219,6 +219,20 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
     return compile_graphs(config, ranks, graphs, target, granularity, fresh)
 
 
+def _write_atomically(path, write):
+    """Writes `path` through a scratch file in its folder, so that a failed
+    write leaves no half-written file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def _check_finite(name, tensor, part, first):
     """Raises naming `name` and the first of its dim-0 slices (ranks from
     `first`, or experts) that holds NaN or infinity."""
@@ -551,6 +565,7 @@ class MoeFFN(torch.nn.Module):
             setattr(self, f"{name}_lora_B", torch.nn.Parameter(
                 torch.empty(mine, lora_rank, n, dtype=dtype)))
         self.reset_parameters()
+        self._register_load_state_dict_pre_hook(self._check_checkpoint)
 
     def _projection(self, name):
         """(K, N) of projection "w1" [L, H, 2I] or "w2" [L, I, H]."""
@@ -777,6 +792,155 @@ class MoeFFN(torch.nn.Module):
         """The layer's sizes and the runtime's totals (workers, workspace
         bytes allocated and resident, scratch bytes), as a dict."""
         return dict(self.layer.info())
+
+    # Checkpoints. state_dict() holds w1, w2 and the adapters (this process's
+    # experts) and, as the module's extra state, the layout they belong to and
+    # the main-grad buffers; load_state_dict() checks the layout before it
+    # copies anything, and takes this process's experts out of a checkpoint
+    # of more (a one-process checkpoint loaded under mpirun).
+
+    def _layout(self):
+        first = self.first_rank * self.local_experts
+        return {"experts": self.experts, "first_expert": first,
+                "local_experts": self.local_ranks * self.local_experts,
+                "hidden": self.hidden, "inter": self.inter, "dtype": str(self.w1.dtype),
+                "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
+                "lora_scaling": self.lora_scaling, "main_grad": self.main_grad}
+
+    def get_extra_state(self):
+        state = {"format": "moec.MoeFFN/1", "layout": self._layout()}
+        if self.main_grad:
+            state["main_grad"] = {"w1": self.w1.main_grad, "w2": self.w2.main_grad}
+        return state
+
+    def set_extra_state(self, state):
+        # _check_checkpoint has checked the layout and sliced the buffers.
+        if self.main_grad and "main_grad" in state:
+            with torch.no_grad():
+                self.w1.main_grad.copy_(state["main_grad"]["w1"])
+                self.w2.main_grad.copy_(state["main_grad"]["w2"])
+
+    def _check_checkpoint(self, state_dict, prefix, *_):
+        """Before load_state_dict copies anything: the checkpoint's layout must
+        be this layer's, with this process's experts among its experts."""
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is None:
+            return  # a plain dict of tensors: load_state_dict checks the shapes
+        if not isinstance(extra, dict) or extra.get("format") != "moec.MoeFFN/1":
+            raise ValueError(f"moec: '{prefix}_extra_state' is not a moec MoeFFN checkpoint's")
+        theirs, mine = extra["layout"], self._layout()
+        for key in ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
+                    "lora_scaling"):
+            if theirs[key] != mine[key]:
+                raise ValueError(f"moec: the checkpoint is of another layer: its {key} is "
+                                 f"{theirs[key]!r}, this layer's {mine[key]!r}")
+        if extra.get("main_grad") is not None and not self.main_grad:
+            raise ValueError("moec: the checkpoint holds main-grad buffers; this layer has "
+                             "none (main_grad=False)")
+        lo, n = theirs["first_expert"], theirs["local_experts"]
+        first, count = mine["first_expert"], mine["local_experts"]
+        if not (lo <= first and first + count <= lo + n):
+            raise ValueError(
+                f"moec: the checkpoint holds experts {lo}..{lo + n - 1} of {theirs['experts']}; "
+                f"this layer (rank {self.first_rank}) holds experts {first}..{first + count - 1}")
+        if (lo, n) == (first, count):
+            return
+        # A checkpoint of more experts: keep this process's.
+        names = ["w1", "w2"] + [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"]
+        for name in names:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = state_dict[prefix + name][first - lo:first - lo + count]
+        if "main_grad" in extra:
+            extra = dict(extra, main_grad={k: v[first - lo:first - lo + count]
+                                           for k, v in extra["main_grad"].items()})
+            state_dict[prefix + "_extra_state"] = extra
+
+    # LoRA adapters in PEFT's layout.
+
+    PEFT_MODULES = {"w1": "gate_up_proj", "w2": "down_proj"}
+
+    def _peft_names(self, module_prefix):
+        """(parameter, expert, PEFT name) of every adapter tensor this process holds."""
+        first = self.first_rank * self.local_experts
+        for target in self.lora_targets:
+            module = self.PEFT_MODULES[target]
+            for m in "AB":
+                for e in range(self.local_ranks * self.local_experts):
+                    yield (getattr(self, f"{target}_lora_{m}"), e,
+                           f"base_model.model.{module_prefix}.{first + e}.{module}.lora_{m}.weight")
+
+    def save_adapters(self, directory, module_prefix="experts"):
+        """Writes the LoRA adapters as PEFT saves a LoRA model: adapter_config.json
+        (r, lora_alpha, target_modules: "gate_up_proj" for w1, the fused
+        gate/up projection, "down_proj" for w2) and adapter_model.bin, a
+        torch.save'd dict of ``base_model.model.{module_prefix}.{expert}.{module}
+        .lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r] (nn.Linear's
+        layout: A and B transposed). Under mpirun each process writes its own
+        experts to adapter_model-rank{r}-of-{R}.bin and rank 0 the config;
+        load_adapters reads either form. Returns the files written."""
+        if not self.lora_rank:
+            raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {name: p[e].detach().t().contiguous().clone()
+                   for p, e, name in self._peft_names(module_prefix)}
+        sharded = self.local_ranks != self.ranks
+        weights = directory / (f"adapter_model-rank{self.first_rank}-of-{self.ranks}.bin"
+                               if sharded else "adapter_model.bin")
+        written = [weights]
+        _write_atomically(weights, lambda f: torch.save(tensors, f))
+        if self.first_rank == 0:
+            config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None,
+                      "r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
+                      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+                      "inference_mode": True, "modules_to_save": None,
+                      "target_modules": [self.PEFT_MODULES[t] for t in self.lora_targets],
+                      "moec": {"experts": self.experts, "ranks": self.ranks,
+                               "module_prefix": module_prefix, "shards": sharded}}
+            path = directory / "adapter_config.json"
+            _write_atomically(path, lambda f: f.write(json.dumps(config, indent=2).encode()))
+            written.insert(0, path)
+        return written
+
+    def load_adapters(self, directory, module_prefix="experts"):
+        """Loads adapters that save_adapters (or PEFT, with the same names)
+        wrote: checks r, lora_alpha and the target modules against this layer,
+        reads this process's experts from adapter_model.bin or the rank
+        files, and copies them in only when every tensor is there with its
+        shape."""
+        if not self.lora_rank:
+            raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
+        directory = Path(directory)
+        try:
+            config = json.loads((directory / "adapter_config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"moec: cannot read {directory / 'adapter_config.json'}: {e}") \
+                from None
+        want = {"r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
+                "target_modules": sorted(self.PEFT_MODULES[t] for t in self.lora_targets)}
+        got = {"r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
+               "target_modules": sorted(config.get("target_modules") or [])}
+        if config.get("peft_type") != "LORA" or got != want:
+            raise ValueError(f"moec: the adapters in {directory} are {got} "
+                             f"(peft_type {config.get('peft_type')!r}); this layer's are {want}")
+        tensors = {}
+        files = sorted(directory.glob("adapter_model*.bin"))
+        if not files:
+            raise ValueError(f"moec: {directory} holds no adapter_model*.bin")
+        for f in files:
+            tensors.update(torch.load(f, map_location="cpu"))
+        updates = []
+        for p, e, name in self._peft_names(module_prefix):
+            t = tensors.get(name)
+            if t is None:
+                raise ValueError(f"moec: {directory} has no '{name}'")
+            if tuple(t.shape) != tuple(p.shape[1:][::-1]):
+                raise ValueError(f"moec: '{name}' has shape {list(t.shape)}; expected "
+                                 f"{list(p.shape[1:][::-1])}")
+            updates.append((p, e, t))
+        with torch.no_grad():
+            for p, e, t in updates:
+                p[e].copy_(t.t())
 
     def extra_repr(self):
         return (f"ranks={self.ranks}, fabric={self.fabric}, first_rank={self.first_rank}, "

@@ -10,7 +10,8 @@ forward and backward with MoeFFN(fabric="mpi") and checks its outputs:
   - bit for bit against the one-process op (MoeFFN(ranks=R), in-process
     fabric) on the same global inputs, in this same process.
 
-Prints "rank r: ok ..." and exits 0, or says what differs and exits 1.
+Then the same forward and backward through submit_forward / submit_backward
+(bit for bit), and checkpoints (check_checkpoints). Prints "rank r: ok ..." and exits 0, or says what differs and exits 1.
 
     mpirun -np R python3 mpi_layer_check.py [fp32|bf16] [SEED] [HOT] [VARIANT]
 
@@ -20,7 +21,9 @@ w.main_grad); lora (LoRA adapters of rank 4 on w1 and w2, nonzero B, base
 frozen: the adapters' gradients are checked).
 """
 
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -124,10 +127,78 @@ def main():
         print(f"rank {r}: FAILED: not bitwise equal to the one-process op: {failed}; "
               f"over {tol}: {over} ({text})", flush=True)
         return 1
-    print(f"rank {r}: ok: bitwise equal to the one-process op; against PyTorch autograd: {text}",
-          flush=True)
+    # The asynchronous calls under MPI: the same bits.
+    with torch.no_grad():
+        handle = layer.submit_forward(x[r], ids[r], weights[r])
+        if not torch.equal(handle.wait(), got["y"]):
+            failed.append("y of submit_forward")
+        if variant != "main_grad":  # (its buffers hold two steps' sums by now)
+            grads = layer.submit_backward(handle, dy[r]).wait()
+            if not torch.equal(grads.dx, got["dx"]):
+                failed.append("dx of submit_backward")
+    if failed:
+        print(f"rank {r}: FAILED: the asynchronous calls differ: {failed}", flush=True)
+        return 1
+    problem = check_checkpoints(layer, single, cfg, options, seed)
+    if problem:
+        print(f"rank {r}: FAILED: checkpoint: {problem}", flush=True)
+        return 1
+    print(f"rank {r}: ok: bitwise equal to the one-process op; against PyTorch autograd: {text}; "
+          "checkpoints round-trip", flush=True)
     moec_torch.finalize_mpi()
     return 0
+
+
+def check_checkpoints(layer, single, cfg, options, seed):
+    """Checkpoints under MPI (collective: every rank runs it): the rank's
+    state_dict loads bit for bit into a fresh layer; the one-process layer's
+    whole checkpoint loads as this rank's experts; another rank's shard is
+    refused; LoRA adapters go through save_adapters / load_adapters (rank
+    files in a shared folder). Returns what failed, or None."""
+    r, L = layer.first_rank, layer.local_experts
+    cfg = dict(cfg, num_experts=layer.experts)
+
+    def fresh():
+        torch.manual_seed(seed + 11)  # other initial weights
+        return moec_torch.MoeFFN(cfg, threads=1, fabric="mpi", **options)
+
+    mine = layer.state_dict()
+    other = fresh()
+    other.load_state_dict(mine)
+    for (name, p), (_, q) in zip(layer.named_parameters(), other.named_parameters()):
+        if not torch.equal(p, q):
+            return f"{name} differs after a round trip of the rank's state_dict"
+    if layer.main_grad and not torch.equal(layer.w1.main_grad, other.w1.main_grad):
+        return "main_grad of w1 differs after a round trip"
+    other = fresh()
+    other.load_state_dict(single.state_dict())
+    for (name, p), (_, q) in zip(other.named_parameters(), single.named_parameters()):
+        if not torch.equal(p, q[r * L:(r + 1) * L]):
+            return f"{name} is not rank {r}'s slice of the one-process checkpoint"
+    if layer.ranks > 1:
+        shard = dict(mine)
+        peer = (r + 1) % layer.ranks
+        shard["_extra_state"] = dict(mine["_extra_state"], layout=dict(
+            mine["_extra_state"]["layout"], first_expert=peer * L))
+        before = other.w1.clone()
+        try:
+            other.load_state_dict(shard)
+            return "another rank's shard was loaded"
+        except ValueError as e:
+            if f"this layer (rank {r})" not in str(e) or not torch.equal(before, other.w1):
+                return f"another rank's shard: {e}"
+    if layer.lora_rank:
+        folder = Path(os.environ["MOEC_CACHE_DIR"]) / f"adapters-{seed}-{layer.ranks}"
+        layer.save_adapters(folder)
+        other = fresh()
+        other(torch.zeros(layer.tokens, layer.hidden, dtype=layer.w1.dtype),
+              torch.zeros(layer.tokens, 2, dtype=torch.long) + torch.tensor([0, 1]),
+              torch.ones(layer.tokens, 2))  # collective: every rank has written its file
+        other.load_adapters(folder)
+        for p, q in zip(layer.adapters(), other.adapters()):
+            if not torch.equal(p, q):
+                return "the adapters differ after save_adapters / load_adapters"
+    return None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,186 @@
+"""MoeFFN checkpoints: state_dict() / load_state_dict() round-trip bit for bit
+for every variant (full, main_grad, frozen, LoRA), refuse a checkpoint of
+another layer before copying anything, and resuming training from a
+checkpoint gives the parameters of an uninterrupted run; LoRA adapters
+saved and loaded in PEFT's layout."""
+
+import json
+
+import pytest
+import torch
+
+import moec_torch
+from moec_torch import reference
+from test_moe_ffn import config, inputs
+
+VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
+            "lora": {"lora_rank": 4, "lora_alpha": 8}}
+
+
+def make(variant, seed, dtype="fp32", ranks=2, **cfg):
+    torch.manual_seed(seed)
+    return moec_torch.MoeFFN(config(dtype=dtype, **cfg), ranks=ranks, threads=1,
+                             **VARIANTS[variant])
+
+
+def trainable(layer):
+    return layer.adapters() if layer.lora_rank else [layer.w1, layer.w2]
+
+
+def step(layer, opt, seed):
+    """One training step: forward, backward, the optimizer (main_grad: the
+    optimizer reads the fp32 sums, as Megatron's does)."""
+    x, ids, weights, dy = inputs(layer, seed)
+    x = x.clone().requires_grad_()
+    layer(x, ids, weights).backward(dy)
+    if layer.main_grad:
+        for w in (layer.w1, layer.w2):
+            w.grad = w.main_grad.to(w.dtype)
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+    if layer.main_grad:
+        layer.zero_main_grad()
+
+
+def state(layer):
+    return {k: v.clone() for k, v in layer.state_dict().items() if torch.is_tensor(v)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_state_dict_round_trips_bitwise(variant, dtype, tmp_path):
+    a = make(variant, 0, dtype)
+    if variant == "lora":
+        with torch.no_grad():
+            for p in a.adapters():
+                p.uniform_(-0.5, 0.5)
+    opt = None if variant == "frozen" else torch.optim.SGD(trainable(a), lr=0.1)
+    step(a, opt, 1)
+    if variant == "main_grad":
+        # A checkpoint between micro-batches keeps the running sums.
+        x, ids, weights, dy = inputs(a, 2)
+        a(x, ids, weights).backward(dy)
+        assert a.w1.main_grad.abs().sum() > 0
+    torch.save(a.state_dict(), tmp_path / "layer.pt")
+
+    b = make(variant, 7, dtype)  # other initial weights
+    assert not torch.equal(a.w1, b.w1)
+    b.load_state_dict(torch.load(tmp_path / "layer.pt"))
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+    if variant == "main_grad":
+        assert torch.equal(a.w1.main_grad, b.w1.main_grad)
+        assert torch.equal(a.w2.main_grad, b.w2.main_grad)
+    x, ids, weights, _ = inputs(a, 3)
+    with torch.no_grad():
+        assert torch.equal(a(x, ids, weights), b(x, ids, weights))
+
+
+@pytest.mark.parametrize("variant", ["full", "main_grad", "lora"])
+def test_resume_gives_the_uninterrupted_parameters(variant, tmp_path):
+    steps = 3
+    whole = make(variant, 0)
+    opt = torch.optim.AdamW(trainable(whole), lr=1e-2)
+    for i in range(2 * steps):
+        step(whole, opt, 10 + i)
+
+    first = make(variant, 0)
+    opt = torch.optim.AdamW(trainable(first), lr=1e-2)
+    for i in range(steps):
+        step(first, opt, 10 + i)
+    torch.save({"layer": first.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ck.pt")
+    del first, opt
+
+    resumed = make(variant, 5)
+    opt = torch.optim.AdamW(trainable(resumed), lr=1e-2)
+    ck = torch.load(tmp_path / "ck.pt")
+    resumed.load_state_dict(ck["layer"])
+    opt.load_state_dict(ck["optimizer"])
+    for i in range(steps, 2 * steps):
+        step(resumed, opt, 10 + i)
+    for (name, pw), (_, pr) in zip(whole.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(pw, pr), name
+    fresh = make(variant, 0)
+    assert any(not torch.equal(p, q) for p, q in zip(trainable(whole), trainable(fresh))), \
+        "training changed nothing"
+
+
+def test_a_checkpoint_of_another_layer_is_refused_before_anything_is_copied():
+    a = make("full", 0)
+    b = make("full", 1, experts=8)
+    before = b.w1.clone()
+    with pytest.raises(ValueError, match="its experts is 4, this layer's 8"):
+        b.load_state_dict(a.state_dict())
+    assert torch.equal(b.w1, before)
+    with pytest.raises(ValueError, match="main-grad buffers"):
+        make("full", 0).load_state_dict(make("main_grad", 0).state_dict())
+    with pytest.raises(ValueError, match="its dtype"):
+        make("full", 0, "bf16").load_state_dict(a.state_dict())
+    # A shard of other experts (as one MPI rank's checkpoint would be).
+    sd = a.state_dict()
+    sd["_extra_state"]["layout"] = dict(sd["_extra_state"]["layout"], first_expert=2,
+                                        local_experts=2)
+    sd["w1"], sd["w2"] = sd["w1"][2:], sd["w2"][2:]
+    with pytest.raises(ValueError, match="holds experts 2..3 of 4; this layer"):
+        b2 = make("full", 1)
+        b2.load_state_dict(sd)
+
+
+def test_peft_layout_of_the_adapters(tmp_path):
+    a = make("lora", 0)
+    with torch.no_grad():
+        for p in a.adapters():
+            p.uniform_(-0.5, 0.5)
+    files = a.save_adapters(tmp_path, module_prefix="model.layers.3.mlp.experts")
+    assert sorted(f.name for f in files) == ["adapter_config.json", "adapter_model.bin"]
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    assert cfg["target_modules"] == ["gate_up_proj", "down_proj"]
+    tensors = torch.load(tmp_path / "adapter_model.bin")
+    H, I, r = a.hidden, a.inter, 4
+    assert len(tensors) == 4 * a.experts
+    A = tensors["base_model.model.model.layers.3.mlp.experts.1.gate_up_proj.lora_A.weight"]
+    B = tensors["base_model.model.model.layers.3.mlp.experts.1.gate_up_proj.lora_B.weight"]
+    assert list(A.shape) == [r, H] and list(B.shape) == [2 * I, r]
+    # PEFT's nn.Linear form: lora_B(lora_A(x)) * alpha / r.
+    x = torch.randn(5, H)
+    peft = torch.nn.functional.linear(torch.nn.functional.linear(x, A), B) * (8 / 4)
+    ours = x @ a.w1_lora_A[1].detach() @ a.w1_lora_B[1].detach() * a.lora_scaling
+    assert torch.allclose(peft, ours, atol=1e-5)
+    D = tensors["base_model.model.model.layers.3.mlp.experts.3.down_proj.lora_B.weight"]
+    assert list(D.shape) == [H, r]
+
+    b = make("lora", 0)  # the same base weights; other adapters
+    with torch.no_grad():
+        for p in b.adapters():
+            p.uniform_(-1, 1)
+    b.load_adapters(tmp_path, module_prefix="model.layers.3.mlp.experts")
+    for pa, pb in zip(a.adapters(), b.adapters()):
+        assert torch.equal(pa, pb)
+    xs, ids, weights, _ = inputs(a, 4)
+    with torch.no_grad():
+        assert torch.equal(a(xs, ids, weights), b(xs, ids, weights))
+        # And the layer with them loaded is PEFT's formula on the base weights.
+        adapters = [p.double() for p in b.adapters()]
+        want = reference.moe_ffn(xs.double(), ids, weights.double(), b.w1.double(),
+                                 b.w2.double(), {"w1": tuple(adapters[:2]),
+                                                 "w2": tuple(adapters[2:])}, b.lora_scaling)
+        got = b(xs, ids, weights)
+        assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_peft_load_refuses_other_adapters(tmp_path):
+    a = make("lora", 0)
+    a.save_adapters(tmp_path)
+    other = moec_torch.MoeFFN(config(), ranks=2, threads=1, lora_rank=8)
+    with pytest.raises(ValueError, match="'r': 4"):
+        other.load_adapters(tmp_path)
+    only_w1 = moec_torch.MoeFFN(config(), ranks=2, threads=1, lora_rank=4, lora_alpha=8,
+                                lora_targets=("w1",))
+    with pytest.raises(ValueError, match="target_modules"):
+        only_w1.load_adapters(tmp_path)
+    with pytest.raises(ValueError, match="has no 'base_model.model.mlp.experts.0"):
+        make("lora", 1).load_adapters(tmp_path, module_prefix="mlp.experts")
+    with pytest.raises(RuntimeError, match="no LoRA adapters"):
+        make("full", 0).save_adapters(tmp_path / "x")

@@ -3,7 +3,7 @@
 // One enum for every tensor's element type: the task binary stores it (one
 // byte, these values), the runtime's C API mirrors it (moec_dtype, checked
 // equal at compile time), the kernels switch on it, and the config's "fp32" /
-// "bf16" parse into it. bf16 is the upper half of an IEEE-754 binary32, kept
+// "bf16" parse into it. F8E4M3 is the dtype of quantized dispatch rows only. bf16 is the upper half of an IEEE-754 binary32, kept
 // as uint16_t bits; arithmetic on it is always fp32.
 //
 //===----------------------------------------------------------------------===//
@@ -21,6 +21,8 @@ enum class DType : uint8_t {
   BF16 = 2, ///< bfloat16, the uint16_t upper half of a binary32
   I32 = 3,
   I64 = 4,
+  F8E4M3 = 5, ///< fp8 e4m3 codes (runtime/cpu/Fp8.h): rows quantized in
+              ///< blocks, each row followed by its fp32 block scales
 };
 
 /// Returns "f32", "bf16", "i32" or "i64", or "unknown".
@@ -34,6 +36,8 @@ inline const char *dtypeName(DType dtype) {
     return "i32";
   case DType::I64:
     return "i64";
+  case DType::F8E4M3:
+    return "f8e4m3";
   }
   return "unknown";
 }
@@ -48,8 +52,19 @@ inline constexpr uint32_t dtypeSize(DType dtype) {
     return 2;
   case DType::I64:
     return 8;
+  case DType::F8E4M3:
+    return 1;
   }
   return 0;
+}
+
+/// Values per fp32 scale of a row of F8E4M3 codes.
+inline constexpr int64_t kFp8Block = 128;
+
+/// Bytes of one F8E4M3 row of `cols` values: the codes, then one fp32 scale
+/// per block of kFp8Block values (runtime/cpu/Fp8.h).
+inline constexpr int64_t fp8RowBytes(int64_t cols) {
+  return cols + 4 * ((cols + kFp8Block - 1) / kFp8Block);
 }
 
 } // namespace moec

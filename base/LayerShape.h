@@ -40,6 +40,9 @@ struct LayerShape {
   uint8_t loraTargets = 0;
   int64_t loraRank = 0;    ///< r of the adapters
   float loraScaling = 0;   ///< their products' factor: lora_alpha / r
+  /// The forward's dispatched rows travel as FP8 e4m3 with fp32 block
+  /// scales (a quantize before the dispatch, a dequantize after it).
+  bool fp8Dispatch = false;
 
   /// E = R * L.
   uint32_t experts() const { return ranks * localExperts; }

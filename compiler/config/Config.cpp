@@ -66,6 +66,7 @@ constexpr const char *kNameKey = "name";
 constexpr const char *kCapacityFactorKey = "capacity_factor";
 constexpr const char *kMainGradKey = "main_grad";
 constexpr const char *kLoraAlphaKey = "lora_alpha";
+constexpr const char *kDispatchDTypeKey = "dispatch_dtype";
 
 /// The keys a config must have, in the order missing ones are reported.
 const char *const kRequiredKeys[] = {
@@ -83,6 +84,7 @@ std::vector<std::string> knownKeys() {
   keys.push_back(kCapacityFactorKey);
   keys.push_back(kMainGradKey);
   keys.push_back(kLoraAlphaKey);
+  keys.push_back(kDispatchDTypeKey);
   return keys;
 }
 
@@ -187,6 +189,17 @@ bool parseConfig(std::string_view text, const std::string &source,
                   fmt::format("key '{}' must be true or false, got {}", kMainGradKey,
                               mainGrad->dump()));
     config.mainGrad = mainGrad->get<bool>();
+  }
+
+  auto wire = json.find(kDispatchDTypeKey);
+  if (wire != json.end()) {
+    const std::string value = wire->is_string() ? wire->get<std::string>() : "";
+    if (value == "fp8_e4m3")
+      config.fp8Dispatch = true;
+    else if (value != configDTypeName(config.dtype))
+      return fail(error, source,
+                  fmt::format("'{}' must be \"fp8_e4m3\" or the config's dtype (\"{}\"), got {}",
+                              kDispatchDTypeKey, configDTypeName(config.dtype), wire->dump()));
   }
 
   if (!validateConfig(config, source, error))
@@ -310,6 +323,7 @@ Bindings configBindings(const ModelConfig &c) {
     if (c.*key.field > 0)
       bindings[key.key] = c.*key.field;
   bindings["dtype_size"] = int64_t(dtypeSize(c.dtype));
+  bindings["fp8_dispatch"] = c.fp8Dispatch ? 1 : 0;
   bindings["single_rank_expert_num"] = v.singleRankExpertNum;
   bindings["seq_all"] = v.seqAll;
   bindings["per_expert_seq"] = v.perExpertSeq;

@@ -64,6 +64,12 @@ struct ModelConfig {
   /// lora_alpha / lora_rank (PEFT's `scaling`). 0: unset, which means
   /// lora_alpha = lora_rank (a scaling of 1).
   double loraAlpha = 0;
+  /// "dispatch_dtype": the type the dispatched token rows travel in:
+  /// "fp8_e4m3" quantizes them (one fp32 scale per 128 values) before the
+  /// put and dequantizes them on arrival (the graph's quantizable dispatch
+  /// ops, moe-quantize-dispatch); unset or the config's "dtype": rows
+  /// travel in the compute dtype. Default false.
+  bool fp8Dispatch = false;
 };
 
 /// The task-split values derived from a config.

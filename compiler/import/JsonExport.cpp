@@ -26,6 +26,8 @@ std::string dtypeJson(Type t) {
     return "fp32";
   if (t.isBF16())
     return "bf16";
+  if (t.isa<Float8E4M3FNType>())
+    return "fp8_e4m3";
   return t.isInteger(32) ? "i32" : "i64";
 }
 
@@ -134,6 +136,8 @@ FailureOr<json> moec::exportGraphJson(ModuleOp module) {
     o["split_spec"] = spec;
     if (auto tiling = task.getTilingSlotValue())
       o["tiling_position"] = *tiling;
+    if (auto dispatch = dyn_cast<DispatchOp>(task.getOperation()); dispatch && dispatch.getQuantizable())
+      o["quantizable"] = true;
     if (auto gmm = dyn_cast<GmmOp>(task.getOperation())) {
       if (gmm.getAccumulate())
         o["accumulate"] = true;

@@ -27,7 +27,8 @@ namespace {
 /// The operand count of each op kind, in the JSON's "op" spelling.
 const std::vector<std::pair<std::string, unsigned>> &opKinds() {
   static const std::vector<std::pair<std::string, unsigned>> kinds = {
-      {"dispatch", 4}, {"combine", 4}, {"gmm", 3}, {"swiglu", 1}, {"swiglu_grad", 2}};
+      {"dispatch", 4},   {"combine", 4}, {"gmm", 3},       {"swiglu", 1},
+      {"swiglu_grad", 2}, {"quantize", 1}, {"dequantize", 1}};
   return kinds;
 }
 
@@ -173,13 +174,15 @@ LogicalResult Importer::importTensor(const json &t, unsigned index) {
     elt = b.getF32Type();
   else if (dtype == "bf16")
     elt = b.getBF16Type();
+  else if (dtype == "fp8_e4m3")
+    elt = b.getFloat8E4M3FNType();
   else if (dtype == "i32")
     elt = b.getI32Type();
   else if (dtype == "i64")
     elt = b.getI64Type();
   else
     return error(loc) << what << ": unknown dtype '" << dtype
-                      << "' (expected act, fp32, bf16, i32 or i64)";
+                      << "' (expected act, fp32, bf16, fp8_e4m3, i32 or i64)";
   auto flag = [&](const char *key, bool *out) -> LogicalResult {
     *out = false;
     if (!t.contains(key))
@@ -237,7 +240,7 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
   std::string what = "op " + std::to_string(index) + (name.empty() ? "" : " '" + name + "'");
   if (failed(checkKeys(o, loc, what,
                        keysOf({"name", "op", "inputs", "outputs", "split_value", "split_spec",
-                               "tiling_position", "fill", "accumulate", "scale"}),
+                               "tiling_position", "fill", "accumulate", "scale", "quantizable"}),
                        keysOf({"name", "op", "inputs", "outputs", "split_value", "split_spec"}))))
     return failure();
   if (!o["name"].is_string() || name.empty())
@@ -257,7 +260,7 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
     if (!near.empty())
       diag << " (did you mean '" << near << "'?)";
     else
-      diag << " (expected dispatch, combine, gmm, swiglu or swiglu_grad)";
+      diag << " (expected dispatch, combine, gmm, swiglu, swiglu_grad, quantize or dequantize)";
     return diag;
   }
   // Inputs and output.
@@ -360,6 +363,12 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
       entries.push_back(b.getNamedAttr(key, *a));
     }
     attrs.append("fill", b.getDictionaryAttr(entries));
+  }
+  if (o.contains("quantizable")) {
+    if (kind != "dispatch" || !o["quantizable"].is_boolean())
+      return error(loc) << what << ": 'quantizable' is a boolean of dispatch ops only";
+    if (o["quantizable"].get<bool>())
+      attrs.append("quantizable", b.getUnitAttr());
   }
   if (o.contains("accumulate")) {
     if (kind != "gmm" || !o["accumulate"].is_boolean())

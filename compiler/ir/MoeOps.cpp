@@ -325,6 +325,10 @@ public:
 bool isIndexType(Type t) { return t.isInteger(32) || t.isInteger(64); }
 bool isDataType(Type t) { return t.isa<ActType>() || t.isF32() || t.isBF16(); }
 constexpr const char *kDataTypes = "act, f32 or bf16";
+bool isFp8(Type t) { return t.isa<Float8E4M3FNType>(); }
+/// What rows a put moves: data, or FP8 rows a quantize made.
+bool isRowType(Type t) { return isDataType(t) || isFp8(t); }
+constexpr const char *kRowTypes = "act, f32, bf16 or f8E4M3FN";
 
 /// The fill-config keys each op kind accepts, and what each holds.
 enum class FillKind { Bool, Expr, IntList, Enum };
@@ -468,7 +472,7 @@ LogicalResult verifyTaskCommon(TaskOpInterface op) {
 
 /// Operands and result of an all-to-all exchange.
 LogicalResult verifyAllToAll(TaskOpInterface op, Value targetOffset, Value src, Value srcOffset,
-                             Value sizes) {
+                             Value sizes, bool fp8Rows) {
   if (failed(verifyTaskCommon(op)))
     return failure();
   Checker c(op);
@@ -480,7 +484,8 @@ LogicalResult verifyAllToAll(TaskOpInterface op, Value targetOffset, Value src, 
       failed(c.elementType("target_offset", targetOffset, isI64, "i64")) ||
       failed(c.elementType("src_offset", srcOffset, isI64, "i64")) ||
       failed(c.elementType("sizes", sizes, isIndexType, "i32 or i64")) ||
-      failed(c.elementType("src", src, isDataType, kDataTypes)) ||
+      failed(c.elementType("src", src, fp8Rows ? isRowType : isDataType,
+                           fp8Rows ? kRowTypes : kDataTypes)) ||
       failed(c.dimsEqual("src_offset", srcOffset, 0, "target_offset", targetOffset, 0)) ||
       failed(c.dimsEqual("sizes", sizes, 0, "target_offset", targetOffset, 0)) ||
       failed(c.dimsEqual("result", result, 1, "src", src, 1)) ||
@@ -492,11 +497,13 @@ LogicalResult verifyAllToAll(TaskOpInterface op, Value targetOffset, Value src, 
 } // namespace
 
 LogicalResult DispatchOp::verify() {
-  return verifyAllToAll(*this, getTargetOffset(), getSrc(), getSrcOffset(), getSizes());
+  // A dispatch may move FP8 rows (moe-quantize-dispatch); a combine moves
+  // the compute dtype.
+  return verifyAllToAll(*this, getTargetOffset(), getSrc(), getSrcOffset(), getSizes(), true);
 }
 
 LogicalResult CombineOp::verify() {
-  return verifyAllToAll(*this, getTargetOffset(), getSrc(), getSrcOffset(), getSizes());
+  return verifyAllToAll(*this, getTargetOffset(), getSrc(), getSrcOffset(), getSizes(), false);
 }
 
 LogicalResult GmmOp::verify() {
@@ -610,4 +617,39 @@ LogicalResult SwigluGradOp::verify() {
       failed(c.dimsEqual("result", out, 1, "input", in, 1)))
     return failure();
   return success();
+}
+
+namespace {
+/// Dim `i` of `v` as a quantized row's width: d + 4 * ((d + 127) / 128).
+Expr quantizedWidth(Value v, unsigned i) {
+  Expr d = dimExpr(v.getType().cast<MoeTensorType>(), i);
+  std::string error;
+  return *Expr::parse("(" + d.text() + ") + 4 * (((" + d.text() + ") + 127) / 128)", &error);
+}
+
+/// A quantize's or dequantize's rows and widths: `values` [M, H] of a data
+/// type, `codes` [M, H + 4 * ceil(H / 128)] of f8E4M3FN.
+LogicalResult verifyQuantizePair(TaskOpInterface op, StringRef valuesRole, Value values,
+                                 StringRef codesRole, Value codes) {
+  if (failed(verifyTaskCommon(op)))
+    return failure();
+  Checker c(op);
+  if (failed(c.rank(valuesRole, values, 2)) || failed(c.rank(codesRole, codes, 2)) ||
+      failed(c.elementType(valuesRole, values, isDataType, kDataTypes)) ||
+      failed(c.elementType(codesRole, codes, isFp8, "f8E4M3FN")) ||
+      failed(c.dimsEqual("result", op->getResult(0), 0, "input", op->getOperand(0), 0)) ||
+      failed(c.dimIs(codesRole, codes, 1, quantizedWidth(values, 1),
+                     "the width of quantized rows of " + c.describe(valuesRole, values) +
+                         " (H + 4 * ceil(H / 128))")))
+    return failure();
+  return success();
+}
+} // namespace
+
+LogicalResult QuantizeOp::verify() {
+  return verifyQuantizePair(*this, "input", getInput(), "result", getResult());
+}
+
+LogicalResult DequantizeOp::verify() {
+  return verifyQuantizePair(*this, "result", getResult(), "input", getInput());
 }

@@ -155,10 +155,15 @@ def Moe_DispatchOp : Moe_TaskOp<"dispatch", "ALLTOALL", 0, 0> {
     per expert, row counts per expert. The result holds the received rows
     grouped by local expert. Fill config: `advance` ("vector" or
     "vector_only") and `event_group` (expression).
+
+    `quantizable` marks the dispatch of the layer's tokens, whose rows
+    travel as FP8 when the config's `dispatch_dtype` is `fp8_e4m3`:
+    `moe-quantize-dispatch` then puts a `moe.quantize` before it and a
+    `moe.dequantize` after it (src and result become `f8E4M3FN` rows).
   }];
   let arguments = !con((ins Moe_TensorType:$target_offset, Moe_TensorType:$src,
                             Moe_TensorType:$src_offset, Moe_TensorType:$sizes),
-                       commonAttrs);
+                       commonAttrs, (ins UnitAttr:$quantizable));
   let extraClassDeclaration = taskImpl;
 }
 
@@ -223,6 +228,30 @@ def Moe_SwigluGradOp : Moe_TaskOp<"swiglu_grad", "SWIGLU_GRAD", 0, 1> {
     `result[M, 2I]` (dY). No fill config.
   }];
   let arguments = !con((ins Moe_TensorType:$grad, Moe_TensorType:$input), commonAttrs);
+  let extraClassDeclaration = taskImpl;
+}
+
+def Moe_QuantizeOp : Moe_TaskOp<"quantize", "QUANTIZE", 0, 1> {
+  let summary = "rows to FP8 e4m3 rows with one fp32 scale per 128 values";
+  let description = [{
+    `input[M, H]` (f32, bf16 or act) -> `result[M, H + 4 * ceil(H / 128)]`
+    (f8E4M3FN): each result row holds H e4m3 codes, then its block scales
+    as fp32 bytes (runtime/cpu/Fp8.h). Tiles are row tiles of the input
+    rows. No fill config.
+  }];
+  let arguments = !con((ins Moe_TensorType:$input), commonAttrs);
+  let extraClassDeclaration = taskImpl;
+}
+
+def Moe_DequantizeOp : Moe_TaskOp<"dequantize", "DEQUANTIZE", 0, 1> {
+  let summary = "FP8 e4m3 rows with block scales back to the compute dtype";
+  let description = [{
+    `input[M, H + 4 * ceil(H / 128)]` (f8E4M3FN, as `moe.quantize` makes
+    it) -> `result[M, H]` (f32, bf16 or act). Rows are grouped by local
+    expert, as a dispatch's result is; tiles are row tiles of each
+    expert's segment. No fill config.
+  }];
+  let arguments = !con((ins Moe_TensorType:$input), commonAttrs);
   let extraClassDeclaration = taskImpl;
 }
 

@@ -88,6 +88,8 @@ private:
       return DType::I32;
     if (type.isInteger(64))
       return DType::I64;
+    if (type.isa<Float8E4M3FNType>())
+      return DType::F8E4M3;
     return std::nullopt;
   }
 
@@ -141,6 +143,10 @@ private:
       return OpKind::Gmm;
     if (isa<moe::SwigluOp>(op))
       return OpKind::Swiglu;
+    if (isa<moe::QuantizeOp>(op))
+      return OpKind::Quantize;
+    if (isa<moe::DequantizeOp>(op))
+      return OpKind::Dequantize;
     return OpKind::SwigluGrad;
   }
 
@@ -216,7 +222,8 @@ private:
       t.lda = last(grad.getGrad());
       t.ldb = last(grad.getInput());
       p.flags |= kFlagBackward;
-    } else if (kind == OpKind::Swiglu) {
+    } else if (kind == OpKind::Swiglu || kind == OpKind::Quantize ||
+               kind == OpKind::Dequantize) {
       t.lda = last(raw->getOperand(0));
     } else { // a put: A is the source rows
       t.lda = last(raw->getOperand(1));

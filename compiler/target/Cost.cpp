@@ -66,6 +66,14 @@ double taskSeconds(const TaskProgram &program, uint32_t task, const TargetProfil
     work = std::max(accesses * element / profile.vectorBytes, accesses / profile.vectorElems);
     break;
   }
+  case OpKind::Quantize:   // reads rows of one type, writes them in the other
+  case OpKind::Dequantize: {
+    double bytes = rows * cols *
+                   double(dtypeSize(program.slots[tiling.inputSlots[0]].dtype) +
+                          dtypeSize(program.slots[tiling.outputSlot].dtype));
+    work = std::max(bytes / profile.vectorBytes, 2.0 * rows * cols / profile.vectorElems);
+    break;
+  }
   case OpKind::Dispatch:
   case OpKind::Combine:
     work = putBytes(program, task, tile) /

@@ -29,6 +29,19 @@ def ResolveShapes : Pass<"moe-resolve-shapes", "::mlir::ModuleOp"> {
   ];
 }
 
+def QuantizeDispatch : Pass<"moe-quantize-dispatch", "::mlir::ModuleOp"> {
+  let summary = "Put the quantizable dispatches' rows on the wire as FP8 (dispatch_dtype fp8_e4m3)";
+  let description = [{
+    When the config's `dispatch_dtype` is `fp8_e4m3` (the binding
+    `fp8_dispatch`), every `moe.dispatch` marked `quantizable` gets a
+    `moe.quantize` of its source rows before it and a `moe.dequantize` of
+    its result after it: the put moves e4m3 codes with one fp32 scale per
+    128 values, and the dispatch's consumers read the dequantized rows,
+    which keep the result's name and slot. Other dispatches, and combines,
+    are left alone. Runs after `moe-resolve-shapes`.
+  }];
+}
+
 def VerifyGraph : Pass<"moe-verify-graph", "::mlir::ModuleOp"> {
   let summary = "Check the graph's data flow: cycles, dangling inputs, unsplittable inputs";
   let description = [{

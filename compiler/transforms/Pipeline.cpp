@@ -14,6 +14,7 @@ void buildGraphPipeline(OpPassManager &pm, const std::string &configPath,
   options.configPath = configPath;
   options.target = target;
   pm.addPass(createResolveShapes(options));
+  pm.addPass(createQuantizeDispatch());
   pm.addPass(createVerifyGraph());
   pm.addPass(createAssignSlots());
   pm.addPass(createPropagateSplits());
@@ -33,7 +34,7 @@ void registerMoePipelines() {
   registerMoePasses();
   PassPipelineRegistration<GraphPipelineOptions>(
       "moe-graph-pipeline",
-      "Resolve shapes, verify the graph, assign slots and propagate splits",
+      "Resolve shapes, quantize dispatches (dispatch_dtype), verify the graph, assign slots and propagate splits",
       [](OpPassManager &pm, const GraphPipelineOptions &options) {
         buildGraphPipeline(pm, options.config, options.target);
       });

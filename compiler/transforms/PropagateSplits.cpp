@@ -7,8 +7,10 @@
 //                      puts to local expert e of peer (rank + p) % R
 //                      (dispatch), or returns from its expert e to the source
 //                      rank (rank + p) % R (combine), cut into row tiles
-//   swiglu(_grad)      L x 1 x (tasks / L) x 1: row tiles of each expert's
-//                      segment (per_expert_seq rows at most)
+//   swiglu(_grad),     L x 1 x (tasks / L) x 1: row tiles of each expert's
+//   dequantize         segment (per_expert_seq rows at most)
+//   quantize           1 x 1 x tasks x 1: row tiles of the rank's rows to
+//                      send (not grouped by local expert)
 //   gmm, activation    L x 1 x mt x nt, mt*nt = tasks / L: mt row tiles of
 //                      each expert's segment (at least split_value rows of a
 //                      segment of balanced size each), nt column tiles
@@ -112,8 +114,11 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       // gets the same number of tiles. It changes only counts that did not
       // fit before; an explicit task_num is taken as written.
       if (!op.getSplit().getTaskNum()) {
-        const int64_t unit = bindings.at("single_rank_expert_num") *
-                             (isa<DispatchOp, CombineOp>(op.getOperation()) ? bindings.at("ep") : 1);
+        const int64_t unit =
+            isa<QuantizeOp>(op.getOperation())
+                ? 1
+                : bindings.at("single_rank_expert_num") *
+                      (isa<DispatchOp, CombineOp>(op.getOperation()) ? bindings.at("ep") : 1);
         *tasks = (*tasks + unit - 1) / unit * unit;
       }
       // Tasks are records of the binary and queue entries of the runtime:
@@ -209,7 +214,13 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       g.rows = bindings.at("per_expert_seq_to_other");
       g.cols = extentOf(result, 1);
       g.reducesRows = true;
-    } else if (isa<SwigluOp, SwigluGradOp>(raw)) {
+    } else if (isa<QuantizeOp>(raw)) {
+      g.experts = 1;
+      g.perExpert = false;
+      g.rowTiles = tasks;
+      g.rows = extentOf(raw->getOperand(0), 0);
+      g.cols = extentOf(raw->getOperand(0), 1);
+    } else if (isa<SwigluOp, SwigluGradOp, DequantizeOp>(raw)) {
       if (tasks % experts != 0)
         return notMultiple(experts, "local experts");
       g.rowTiles = tasks / experts;

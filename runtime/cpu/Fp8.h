@@ -11,7 +11,8 @@
 //   H bytes        the e4m3 codes of value / scale
 //   B fp32 scales  one per block of 128 values (B = ceil(H / 128), the last
 //                  block may be shorter), scale = amax(block) / 448
-// so it is fp8RowBytes(H) = H + 4 * B bytes long and one put moves it whole.
+// so it is fp8RowBytes(H) = H + 4 * B bytes long (base/DType.h) and one put
+// moves it whole.
 // A block of zeros has scale 1 (and codes 0). A block that holds a NaN or an
 // infinity gets a NaN scale: it dequantizes to NaN, never to a finite value.
 //
@@ -27,16 +28,8 @@
 
 namespace moec::cpu {
 
-/// Values per fp32 scale of a quantized row.
-constexpr int64_t kFp8Block = 128;
-
 /// The largest finite e4m3 value.
 constexpr float kFp8Max = 448.0f;
-
-/// Bytes of one quantized row of `cols` values: the codes, then the scales.
-constexpr int64_t fp8RowBytes(int64_t cols) {
-  return cols + 4 * ((cols + kFp8Block - 1) / kFp8Block);
-}
 
 /// The e4m3 code nearest to `value` (ties to even), saturating at +-448.
 uint8_t floatToE4m3(float value);

@@ -10,6 +10,7 @@
 #include "base/Time.h"
 #include "runtime/cpu/Pass.h"
 
+#include "runtime/cpu/Fp8.h"
 #include "runtime/cpu/Rows.h"
 #include "runtime/cpu/Swiglu.h"
 #include "runtime/exec/OpByOp.h"
@@ -100,6 +101,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
     pass->ops.push_back(info);
   }
   pass->data.assign(program.epRanks, std::vector<void *>(program.slots.size(), nullptr));
+  pass->sendRows.assign(program.epRanks, 0);
   pass->windowOf.assign(program.slots.size(), nullptr);
 
   exec::ExecutorOptions eo;
@@ -314,6 +316,7 @@ Status Pass::gatherSendRows(const std::vector<RankRoute> &routes,
   team->run(pieces.count(fabric.localRanks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
+    sendRows[r] = route.tokens * route.topK;
     const Range part = pieces.range(item, route.tokens * route.topK);
     const Matrix src{data[r][plan.src], srcElt, srcLd};
     gatherTokenRows(ConstMatrix{source[r], act, H}, route.layout.order.data() + part.begin,
@@ -440,6 +443,16 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
   const format::TileCoord tile = format::tileCoord(t, task - tasks.ops[opIndex].firstTask);
   if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine)
     return runPut(op, rank, tile, op.kind == OpKind::Combine);
+  if (op.kind == OpKind::Quantize) {
+    // Row tiles of the rows to send, up to this pass's count.
+    const uint32_t in = t.inputSlots[0], out = t.outputSlot;
+    const int64_t end = std::min<int64_t>(int64_t(tile.rowEnd), sendRows[rank]);
+    if (end > int64_t(tile.rowBegin))
+      quantizeRows(data[rank][in], tasks.slots[in].dtype, int64_t(tasks.slots[in].dims[1]),
+                   static_cast<uint8_t *>(data[rank][out]), int64_t(tasks.slots[out].dims[1]),
+                   int64_t(tile.rowBegin), end, int64_t(t.cols));
+    return Status::success();
+  }
 
   const auto dtype = [&](uint32_t slot) { return tasks.slots[slot].dtype; };
   const auto in = [&](uint32_t slot) {
@@ -485,11 +498,18 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
     return Status::success();
   }
   case OpKind::Swiglu:
-  case OpKind::SwigluGrad: {
+  case OpKind::SwigluGrad:
+  case OpKind::Dequantize: {
     const int64_t end = std::min(rows.end, segment.rows);
     if (end <= rows.begin)
       return Status::success();
     const Range absolute{segBegin + rows.begin, segBegin + end};
+    if (op.kind == OpKind::Dequantize) {
+      dequantizeRows(static_cast<const uint8_t *>(data[rank][a]), int64_t(tasks.slots[a].dims[1]),
+                     data[rank][c], dtype(c), int64_t(tasks.slots[c].dims[1]), absolute.begin,
+                     absolute.end, int64_t(t.cols));
+      return Status::success();
+    }
     const int64_t inter = layer->shape.inter;
     if (op.kind == OpKind::Swiglu) {
       swigluForward(in(a), out(c), inter, absolute, cols);

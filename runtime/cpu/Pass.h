@@ -132,6 +132,9 @@ private:
   std::unique_ptr<exec::ThreadTeam> team; ///< the loops outside the task queues
   std::vector<OpInfo> ops;
   std::vector<std::vector<void *>> data; ///< [rank][slot]
+  /// Per rank: the rows to send this pass (tokens * top-k), set by
+  /// gatherSendRows; a quantize tile clips its rows to them.
+  std::vector<int64_t> sendRows;
   std::vector<ZeroedPages> owned;
   std::vector<std::unique_ptr<comm::Window>> windows;
   std::vector<const comm::Window *> windowOf; ///< per slot: its window, or null

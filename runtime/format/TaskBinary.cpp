@@ -82,6 +82,10 @@ const char *opKindName(OpKind kind) {
     return "swiglu";
   case OpKind::SwigluGrad:
     return "swiglu_grad";
+  case OpKind::Quantize:
+    return "quantize";
+  case OpKind::Dequantize:
+    return "dequantize";
   }
   return "unknown";
 }
@@ -215,8 +219,8 @@ bool allZero(const void *bytes, size_t size) {
   return std::all_of(p, p + size, [](uint8_t byte) { return byte == 0; });
 }
 
-bool validDType(DType dtype) { return uint8_t(dtype) >= 1 && uint8_t(dtype) <= 4; }
-bool validOpKind(OpKind kind) { return uint8_t(kind) >= 1 && uint8_t(kind) <= 5; }
+bool validDType(DType dtype) { return uint8_t(dtype) >= 1 && uint8_t(dtype) <= 5; }
+bool validOpKind(OpKind kind) { return uint8_t(kind) >= 1 && uint8_t(kind) <= 7; }
 bool validCoreKind(CoreKind kind) { return uint8_t(kind) >= 1 && uint8_t(kind) <= 2; }
 bool validEventKind(EventKind kind) { return uint8_t(kind) >= 1 && uint8_t(kind) <= 3; }
 
@@ -318,7 +322,7 @@ private:
       std::string what = label("slot", i, slot.name);
       if (!validDType(slot.dtype))
         return Status::error(
-            fmt::format("{}: dtype {} is not one of f32 (1), bf16 (2), i32 (3), i64 (4)", what,
+            fmt::format("{}: dtype {} is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)", what,
                         unsigned(slot.dtype)));
       if (slot.flags & ~unsigned(kKnownSlotFlags))
         return Status::error(fmt::format("{}: unknown flag bits {:#x}", what,
@@ -359,7 +363,7 @@ private:
       std::string what = label("op", i, op.name);
       if (!validOpKind(op.kind))
         return Status::error(
-            fmt::format("{}: kind {} is not an op kind (1..5)", what, unsigned(op.kind)));
+            fmt::format("{}: kind {} is not an op kind (1..7)", what, unsigned(op.kind)));
       if (!allZero(op.reserved, sizeof(op.reserved)) || op.reserved2 != 0)
         return Status::error(fmt::format("{}: reserved bytes are not zero", what));
       if (Status status =
@@ -401,10 +405,10 @@ private:
       std::string what = fmt::format("tiling {}", i);
       if (!validOpKind(tiling.opKind))
         return Status::error(
-            fmt::format("{}: op kind {} is not an op kind (1..5)", what, unsigned(tiling.opKind)));
+            fmt::format("{}: op kind {} is not an op kind (1..7)", what, unsigned(tiling.opKind)));
       if (!validDType(tiling.dtype))
         return Status::error(
-            fmt::format("{}: dtype {} is not one of f32 (1), bf16 (2), i32 (3), i64 (4)", what,
+            fmt::format("{}: dtype {} is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)", what,
                         unsigned(tiling.dtype)));
       if (tiling.flags & ~unsigned(kKnownTilingFlags))
         return Status::error(fmt::format("{}: unknown flag bits {:#x}", what,

@@ -71,7 +71,15 @@ enum FileFlag : uint32_t {
 using moec::DType;
 
 /// The op a task belongs to, and the op a tiling descriptor is for.
-enum class OpKind : uint8_t { Dispatch = 1, Combine = 2, Gmm = 3, Swiglu = 4, SwigluGrad = 5 };
+enum class OpKind : uint8_t {
+  Dispatch = 1,
+  Combine = 2,
+  Gmm = 3,
+  Swiglu = 4,
+  SwigluGrad = 5,
+  Quantize = 6,   ///< rows to fp8 rows with block scales (before a dispatch)
+  Dequantize = 7, ///< fp8 rows back to the compute dtype (after a dispatch)
+};
 
 /// The kind of core that runs a task or owns a queue.
 enum class CoreKind : uint8_t { Cube = 1, Vector = 2 };

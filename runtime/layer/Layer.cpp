@@ -157,9 +157,17 @@ private:
   }
 
   Status findOps() {
-    size_t counts[6] = {};
+    size_t counts[8] = {};
     for (const OpRecord &op : program.ops)
       ++counts[size_t(op.kind)];
+    const size_t quantizes = counts[size_t(OpKind::Quantize)],
+                 dequantizes = counts[size_t(OpKind::Dequantize)];
+    if (quantizes > 1 || quantizes != dequantizes || (quantizes && program.isBackward()))
+      return notLayer(fmt::format("expected a quantize and a dequantize around the forward's "
+                                  "dispatch, or neither; the {} binary has {} quantize and {} "
+                                  "dequantize",
+                                  program.isBackward() ? "backward" : "forward", quantizes,
+                                  dequantizes));
     const bool bwd = program.isBackward();
     if (counts[size_t(OpKind::Dispatch)] != 1 || counts[size_t(OpKind::Combine)] != 1 ||
         counts[size_t(OpKind::Swiglu)] != (bwd ? 0u : 1u) ||
@@ -174,6 +182,10 @@ private:
                               : kind == OpKind::Gmm                               ? 3
                               : kind == OpKind::SwigluGrad                        ? 2
                                                                                   : 1;
+      if (kind == OpKind::Quantize)
+        plan.quantizeOp = i;
+      if (kind == OpKind::Dequantize)
+        plan.dequantizeOp = i;
       const bool addend = kind == OpKind::Gmm && !isWgrad(i) && tiling(i).inputCount == 4;
       if (tiling(i).inputCount != needed && !addend)
         return notLayer(fmt::format("{} has {} inputs; expected {}", describe(i),
@@ -186,6 +198,22 @@ private:
     const uint32_t d = plan.dispatchOp, c = plan.combineOp;
     plan.dTargetOffset = in(d, 0);
     plan.src = in(d, 1);
+    // The rows the experts read: the dispatch's, or their dequantized form.
+    uint32_t received = out(d);
+    if (plan.quantizeOp != kNoSlot) {
+      const uint32_t q = plan.quantizeOp, dq = plan.dequantizeOp;
+      if (out(q) != in(d, 1) || in(dq, 0) != out(d))
+        return notLayer(fmt::format("the quantize must make the dispatch's rows ({} writes '{}', "
+                                    "the dispatch reads '{}') and the dequantize read what it "
+                                    "receives ({} reads '{}', the dispatch writes '{}')",
+                                    describe(q), slotName(out(q)), slotName(in(d, 1)),
+                                    describe(dq), slotName(in(dq, 0)), slotName(out(d))));
+      plan.shape.fp8Dispatch = true;
+      plan.srcFp8 = in(d, 1);
+      plan.receivedFp8 = out(d);
+      plan.src = in(q, 0);
+      received = out(dq);
+    }
     plan.dSrcOffset = in(d, 2);
     plan.dSize = in(d, 3);
     plan.cTargetOffset = in(c, 0);
@@ -200,7 +228,7 @@ private:
         actOp = i;
     const uint32_t act = actOp;
     Projection first, second; // w1 then w2 (forward); w2 then w1 (backward)
-    if (Status s = projection(in(act, 0), out(d), bwd ? "activation gradient" : "up projection",
+    if (Status s = projection(in(act, 0), received, bwd ? "activation gradient" : "up projection",
                               &first);
         !s)
       return s;
@@ -236,7 +264,7 @@ private:
       shape.loraScaling = scale;
     }
     if (!bwd) {
-      plan.dispatched = out(d);
+      plan.dispatched = received;
       plan.swigluOut = out(act);
       return allRoles(gmms);
     }
@@ -411,7 +439,8 @@ private:
     const DType act = shape.activations;
     const int64_t L = shape.localExperts, H = shape.hidden, I = shape.inter;
     const int64_t E = int64_t(shape.ranks) * L;
-    const uint32_t dispatchOut = out(plan.dispatchOp);
+    const uint32_t dispatchOut =
+        shape.fp8Dispatch ? out(plan.dequantizeOp) : out(plan.dispatchOp);
     shape.receiveCapacity = rows(dispatchOut);
     const int64_t T = shape.receiveCapacity, N = shape.rowCapacity;
 
@@ -466,6 +495,15 @@ private:
     for (const Expect &e : expects)
       if (Status s = expectShape(e.slot, e.role, e.dims, act); !s)
         return s;
+    if (shape.fp8Dispatch) {
+      const int64_t W = fp8RowBytes(H);
+      if (Status s = expectShape(plan.srcFp8, "quantized rows to send", {N, W}, DType::F8E4M3); !s)
+        return s;
+      if (Status s = expectShape(plan.receivedFp8, "quantized dispatched rows", {T, W},
+                                 DType::F8E4M3);
+          !s)
+        return s;
+    }
     if (shape.backward && !shape.frozen) {
       grads.push_back({plan.dw1, "dw1", {L, H, 2 * I}});
       grads.push_back({plan.dw2, "dw2", {L, I, H}});
@@ -512,6 +550,24 @@ private:
     for (uint32_t op = 0; op < program.ops.size(); ++op) {
       const TilingRecord &t = tiling(op);
       const OpKind kind = program.ops[op].kind;
+      if (kind == OpKind::Quantize) {
+        // Row tiles of the rows to send, not of expert segments.
+        const int64_t H = shape.hidden;
+        if (Status s = expectField(op, "experts", t.experts, 1); !s)
+          return s;
+        if (Status s = expectField(op, "peers", t.peers, 1); !s)
+          return s;
+        if (Status s = expectField(op, "rows", t.rows, uint64_t(shape.rowCapacity)); !s)
+          return s;
+        for (auto [field, have, want] :
+             {std::tuple{"cols", t.cols, H}, {"lda", uint64_t(t.lda), H},
+              {"ldc", uint64_t(t.ldc), fp8RowBytes(H)}})
+          if (Status s = expectField(op, field, have, uint64_t(want)); !s)
+            return s;
+        if (t.dtype != DType::F8E4M3 || t.flags)
+          return tilingError(op, "a quantize tiling must be f8e4m3 without flags");
+        continue;
+      }
       if (t.experts != shape.localExperts)
         return tilingError(op, fmt::format("a grid over {} experts; the binary has {} local "
                                            "experts",
@@ -519,7 +575,9 @@ private:
       const bool put = kind == OpKind::Dispatch || kind == OpKind::Combine;
       if (Status s = expectField(op, "peers", t.peers, put ? shape.ranks : 1); !s)
         return s;
-      if (t.dtype != shape.activations && !(kind == OpKind::Gmm && isWgrad(op)))
+      const bool fp8Put = kind == OpKind::Dispatch && shape.fp8Dispatch;
+      if (t.dtype != (fp8Put ? DType::F8E4M3 : shape.activations) &&
+          !(kind == OpKind::Gmm && isWgrad(op)))
         return tilingError(op, fmt::format("tiling dtype {}; the activations are {}",
                                            format::dtypeName(t.dtype),
                                            format::dtypeName(shape.activations)));
@@ -531,11 +589,12 @@ private:
         return tilingError(op, fmt::format("tiling flags {:#x} are not supported here", t.flags));
       const auto width = [&](uint32_t slot) { return int64_t(program.slots[slot].dims[1]); };
       if (put) {
-        if (Status s = expectField(op, "cols", t.cols, uint64_t(shape.hidden)); !s)
+        const uint64_t rowWidth = uint64_t(fp8Put ? fp8RowBytes(shape.hidden) : shape.hidden);
+        if (Status s = expectField(op, "cols", t.cols, rowWidth); !s)
           return s;
-        if (Status s = expectField(op, "lda", t.lda, uint64_t(shape.hidden)); !s)
+        if (Status s = expectField(op, "lda", t.lda, rowWidth); !s)
           return s;
-        if (Status s = expectField(op, "ldc", t.ldc, uint64_t(shape.hidden)); !s)
+        if (Status s = expectField(op, "ldc", t.ldc, rowWidth); !s)
           return s;
         shape.putCapacity = std::min(shape.putCapacity, int64_t(t.rows));
         continue;
@@ -560,7 +619,8 @@ private:
                                              t.rows, t.cols));
         continue;
       }
-      // Per-expert row-tiled ops: GMM (activation form), SwiGLU, SwiGLU-grad.
+      // Per-expert row-tiled ops: GMM (activation form), SwiGLU, SwiGLU-grad,
+      // dequantize.
       // Their grids may cover more rows than the rank's buffer holds (an
       // expert may get every row); the receive capacity bounds them too.
       shape.expertCapacity = std::min(shape.expertCapacity, int64_t(t.rows));

@@ -63,9 +63,15 @@ struct LayerPlan {
   PlanKind kind = PlanKind::Layer;
 
   uint32_t dispatchOp = 0, combineOp = 0;
+  /// FP8 dispatch (shape.fp8Dispatch): the quantize of the rows to send,
+  /// and the dequantize of the received rows; else kNoSlot.
+  uint32_t quantizeOp = kNoSlot, dequantizeOp = kNoSlot;
 
   // Slots the runtime fills before the task program runs.
   uint32_t src = kNoSlot; ///< rows to send [S*K, H], gathered from x (or w*dy)
+  /// FP8 dispatch: the quantized rows to send [S*K, W] and the quantized
+  /// rows received [T, W], W = H + 4 * ceil(H / 128) bytes (runtime/cpu/Fp8.h).
+  uint32_t srcFp8 = kNoSlot, receivedFp8 = kNoSlot;
   uint32_t dTargetOffset = kNoSlot, dSrcOffset = kNoSlot, dSize = kNoSlot;
   uint32_t cTargetOffset = kNoSlot, cSrcOffset = kNoSlot, cSize = kNoSlot;
   uint32_t glist = kNoSlot;

@@ -8,6 +8,7 @@
 
 #include "base/File.h"
 #include "runtime/cpu/Element.h"
+#include "runtime/cpu/Fp8.h"
 #include "runtime/format/Crc32.h"
 #include "runtime/tooling/Reference.h"
 #include "runtime/tooling/Npy.h"
@@ -499,12 +500,12 @@ moec::reference::Sample pickSample(const LayerData &d, int64_t count, uint64_t s
   return sample;
 }
 
-Status verifySample(const LayerData &d, const VerifyOptions &options,
+Status verifySample(const LayerData &d, const std::vector<float> &x, const VerifyOptions &options,
                     std::vector<OutputError> *errors, SampleSummary *summary) {
   namespace ref = moec::reference;
   const ref::LayerShape shape = referenceShape(d);
   ref::InputView<float> in;
-  in.x = d.x.data();
+  in.x = x.data();
   in.topkIds = d.ids.data();
   in.topkWeights = d.weights.data();
   in.w1 = d.w1.data();
@@ -564,10 +565,29 @@ double verifyBytes(const rt::LayerShape &shape, bool backward) {
   return 8 * values;
 }
 
+/// x as the experts of an FP8 dispatch see it: each token's row quantized
+/// (e4m3 codes, an fp32 scale per 128 values) and dequantized to the
+/// compute dtype.
+std::vector<float> fp8RoundTrip(const LayerData &d, bool bf16) {
+  const int64_t rows = int64_t(d.x.size()) / std::max<int64_t>(1, d.hidden), H = d.hidden;
+  const DType act = bf16 ? DType::BF16 : DType::F32;
+  std::vector<uint8_t> codes(size_t(rows * fp8RowBytes(H)));
+  cpu::quantizeRows(d.x.data(), DType::F32, H, codes.data(), fp8RowBytes(H), 0, rows, H);
+  std::vector<char> back(size_t(rows * H) * dtypeSize(act));
+  cpu::dequantizeRows(codes.data(), fp8RowBytes(H), back.data(), act, H, 0, rows, H);
+  std::vector<float> x(size_t(rows * H));
+  cpu::loadFloats(back.data(), act, x.data(), x.size());
+  return x;
+}
+
 Status verifyLayer(const LayerData &d, const VerifyOptions &options,
                    std::vector<OutputError> *errors, SampleSummary *summary) {
+  std::vector<float> rounded;
+  if (options.fp8Dispatch)
+    rounded = fp8RoundTrip(d, options.bf16);
+  const std::vector<float> &x = options.fp8Dispatch ? rounded : d.x;
   if (options.sampleTokens > 0)
-    return verifySample(d, options, errors, summary);
+    return verifySample(d, x, options, errors, summary);
   namespace ref = moec::reference;
   const ref::LayerShape shape = referenceShape(d);
   const bool backward = options.backward;
@@ -575,7 +595,7 @@ Status verifyLayer(const LayerData &d, const VerifyOptions &options,
   std::vector<ref::RankInputs<double>> inputs(size_t(d.ranks));
   std::vector<std::vector<double>> dy(size_t(d.ranks));
   for (int64_t r = 0; r < d.ranks; ++r) {
-    inputs[size_t(r)].x.assign(d.x.begin() + r * S * H, d.x.begin() + (r + 1) * S * H);
+    inputs[size_t(r)].x.assign(x.begin() + r * S * H, x.begin() + (r + 1) * S * H);
     inputs[size_t(r)].topkIds.assign(d.ids.begin() + r * S * K, d.ids.begin() + (r + 1) * S * K);
     inputs[size_t(r)].topkWeights.assign(d.weights.begin() + r * S * K,
                                          d.weights.begin() + (r + 1) * S * K);

@@ -132,6 +132,10 @@ struct OutputError {
 struct VerifyOptions {
   bool backward = false; ///< check dx, dtopk_weights, dw1, dw2 too
   bool bf16 = false;     ///< the binary stores bf16: the looser tolerance
+  /// The forward's dispatch moves FP8 rows: the reference takes x through
+  /// the same quantization (e4m3, fp32 scale per 128 values) and back to
+  /// the compute dtype, the rows the experts see, before it runs.
+  bool fp8Dispatch = false;
   /// 0: run the whole reference layer. N > 0: check N random tokens (y, and
   /// with `backward` dx and dtopk_weights) and, for each expert they route
   /// to, one random intermediate unit's weight gradients (a row of dw2, a

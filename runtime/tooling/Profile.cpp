@@ -111,6 +111,12 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
                     double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype)) *
                     double(tiling.inputCount + 1);
       break;
+    case OpKind::Quantize:
+    case OpKind::Dequantize: // read one type, write the other
+      line.bytes += clip(tile, int64_t(segment)) * cols *
+                    double(format::dtypeSize(tasks.slots[tiling.inputSlots[0]].dtype) +
+                           format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
+      break;
     case OpKind::Dispatch:
     case OpKind::Combine: {
       const uint32_t peer = tasks.peerRank(span.rank, tile.peer);

@@ -616,6 +616,7 @@ int runRun(int argc, char **argv, int first) {
   VerifyOptions verifyOptions;
   verifyOptions.backward = backward;
   verifyOptions.bf16 = shape.activations == format::DType::BF16;
+  verifyOptions.fp8Dispatch = shape.fp8Dispatch;
   verifyOptions.sampleTokens = int64_t(sampleTokens);
   verifyOptions.seed = seed + 1;
   verifyOptions.progress = [&progress](double done) { progress.update(done); };

@@ -622,8 +622,11 @@ LogicalResult SwigluGradOp::verify() {
 namespace {
 /// Dim `i` of `v` as a quantized row's width: d + 4 * ((d + 127) / 128).
 Expr quantizedWidth(Value v, unsigned i) {
-  Expr d = dimExpr(v.getType().cast<MoeTensorType>(), i);
+  auto type = v.getType().cast<MoeTensorType>();
   std::string error;
+  if (std::optional<int64_t> h = type.getDimValue(i))
+    return *Expr::parse(std::to_string(fp8RowBytes(*h)), &error);
+  Expr d = dimExpr(type, i);
   return *Expr::parse("(" + d.text() + ") + 4 * (((" + d.text() + ") + 127) / 128)", &error);
 }
 

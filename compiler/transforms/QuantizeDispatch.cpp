@@ -18,6 +18,8 @@
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/transforms/Passes.h"
 
+#include "base/DType.h"
+
 namespace moec::moe {
 #define GEN_PASS_DEF_QUANTIZEDISPATCH
 #include "compiler/transforms/Passes.h.inc"
@@ -45,9 +47,27 @@ struct QuantizeDispatchPass : moec::moe::impl::QuantizeDispatchBase<QuantizeDisp
         if (op.getQuantizable())
           dispatches.push_back(op);
       for (DispatchOp op : dispatches)
-        if (failed(rewrite(op)))
+        if (failed(rewrite(graph, op)))
           return signalPassFailure();
     }
+  }
+
+  /// Ordering edges out of the dispatch now start at its dequantize: what
+  /// ran after the dispatch runs after the rows it reads are dequantized
+  /// (and, as before, only on its own experts' rows where a data edge says so).
+  static void moveEdges(GraphOp graph, StringRef from, StringRef to) {
+    ArrayAttr edges = graph.getEdgesAttr();
+    if (!edges)
+      return;
+    Builder b(graph.getContext());
+    SmallVector<Attribute> moved;
+    for (Attribute edge : edges) {
+      auto pair = edge.cast<ArrayAttr>();
+      if (pair.size() == 2 && pair[0].cast<StringAttr>().getValue() == from)
+        edge = b.getArrayAttr({b.getStringAttr(to), pair[1]});
+      moved.push_back(edge);
+    }
+    graph.setEdgesAttr(b.getArrayAttr(moved));
   }
 
   /// The type of quantized rows of `rows` [M, H]: [M, H + 4 * ceil(H / 128)]
@@ -59,11 +79,11 @@ struct QuantizeDispatchPass : moec::moe::impl::QuantizeDispatchBase<QuantizeDisp
       return at->emitError() << "tensor '" << tensorName(rows)
                              << "' has unresolved dims: run moe-resolve-shapes first";
     Builder b(at->getContext());
-    return type.withDims(b.getArrayAttr({type.getDims()[0], b.getI64IntegerAttr(*h + 4 * ((*h + 127) / 128))}),
+    return type.withDims(b.getArrayAttr({type.getDims()[0], b.getI64IntegerAttr(moec::fp8RowBytes(*h))}),
                          b.getFloat8E4M3FNType());
   }
 
-  LogicalResult rewrite(DispatchOp op) {
+  LogicalResult rewrite(GraphOp graph, DispatchOp op) {
     MLIRContext *ctx = op.getContext();
     Builder b(ctx);
     Value src = op.getSrc(), target = op.getResult();
@@ -100,6 +120,7 @@ struct QuantizeDispatchPass : moec::moe::impl::QuantizeDispatchBase<QuantizeDisp
     target.setType(*targetType);
     op.setResultNameAttr(b.getStringAttr(targetName + "_fp8"));
     op.removeSlotAttr();
+    moveEdges(graph, name, name + "_dequantize");
     return success();
   }
 };

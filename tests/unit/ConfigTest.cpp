@@ -165,6 +165,7 @@ TEST_CASE("configBindings names every symbol", "[config]") {
       {"num_cube_cores", 24},
       {"num_vector_cores", 48},
       {"dtype_size", 2},
+      {"fp8_dispatch", 0},
       {"single_rank_expert_num", 8},
       {"seq_all", 8192},
       {"per_expert_seq", 1024},
@@ -402,4 +403,23 @@ TEST_CASE("main_grad is a boolean, false by default, and round-trips", "[config]
   CHECK(errorWith("main_grad", 1) == "src.json: key 'main_grad' must be true or false, got 1");
   CHECK(errorWith("main_grad", "yes") ==
         "src.json: key 'main_grad' must be true or false, got \"yes\"");
+}
+
+TEST_CASE("dispatch_dtype: fp8_e4m3, or the config's own dtype") {
+  const std::string base = R"({"hidden_size": 64, "intermediate_size": 32, "num_experts": 4,
+      "top_k": 2, "ep": 2, "tp": 1, "seq_size": 128, "dtype": "bf16")";
+  ModelConfig c;
+  std::string error;
+  REQUIRE(moec::parseConfig(base + "}", "c.json", &c, &error));
+  CHECK(!c.fp8Dispatch);
+  REQUIRE(moec::parseConfig(base + R"(, "dispatch_dtype": "fp8_e4m3"})", "c.json", &c, &error));
+  CHECK(c.fp8Dispatch);
+  CHECK(moec::configBindings(c).at("fp8_dispatch") == 1);
+  REQUIRE(moec::parseConfig(base + R"(, "dispatch_dtype": "bf16"})", "c.json", &c, &error));
+  CHECK(!c.fp8Dispatch);
+  CHECK_FALSE(moec::parseConfig(base + R"(, "dispatch_dtype": "fp32"})", "c.json", &c, &error));
+  CHECK(error == "c.json: 'dispatch_dtype' must be \"fp8_e4m3\" or the config's dtype "
+                 "(\"bf16\"), got \"fp32\"");
+  CHECK_FALSE(moec::parseConfig(base + R"(, "dispatch_dtype": "fp8"})", "c.json", &c, &error));
+  CHECK_FALSE(moec::parseConfig(base + R"(, "dispatch_dtype": 8})", "c.json", &c, &error));
 }

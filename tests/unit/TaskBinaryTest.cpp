@@ -1289,19 +1289,20 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
   TaskProgram p = smallProgram();
   SECTION("op kind") {
     p.ops[0].kind = OpKind(9);
-    CHECK(contentError(p) == "op 0 'dispatch': kind 9 is not an op kind (1..5)");
+    CHECK(contentError(p) == "op 0 'dispatch': kind 9 is not an op kind (1..7)");
   }
   SECTION("dtype") {
     p.slots[0].dtype = DType(0);
     CHECK(contentError(p) ==
-          "slot 0 'x': dtype 0 is not one of f32 (1), bf16 (2), i32 (3), i64 (4)");
+          "slot 0 'x': dtype 0 is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)");
   }
   SECTION("tiling dtype and op kind") {
-    p.tilings[1].dtype = DType(5);
-    CHECK(contentError(p) == "tiling 1: dtype 5 is not one of f32 (1), bf16 (2), i32 (3), i64 (4)");
+    p.tilings[1].dtype = DType(6);
+    CHECK(contentError(p) ==
+          "tiling 1: dtype 6 is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)");
     p = smallProgram();
     p.tilings[1].opKind = OpKind(0);
-    CHECK(contentError(p) == "tiling 1: op kind 0 is not an op kind (1..5)");
+    CHECK(contentError(p) == "tiling 1: op kind 0 is not an op kind (1..7)");
   }
   SECTION("core kind of a task and a queue") {
     p.tasks[1].coreKind = CoreKind(3);
@@ -1483,8 +1484,8 @@ TEST_CASE("ops and their tile grids", "[task-binary][errors][tiles]") {
     p.tilings.push_back(unused);
     CHECK(contentError(p) == "tiling 2: a grid of 0 x 2 tiles is empty");
     p.tilings.back() = p.tilings[1];
-    p.tilings.back().opKind = OpKind(6);
-    CHECK(contentError(p) == "tiling 2: op kind 6 is not an op kind (1..5)");
+    p.tilings.back().opKind = OpKind(8);
+    CHECK(contentError(p) == "tiling 2: op kind 8 is not an op kind (1..7)");
   }
 }
 

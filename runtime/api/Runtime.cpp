@@ -269,6 +269,8 @@ struct Context::Impl : detail::Group {
 
   Status checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const;
   Status runTasks(backend::Pass &pass, PassTimes &times);
+  static void countPuts(const backend::Pass &pass, const std::vector<backend::RankRoute> &routes,
+                        PassTimes *times);
   void recordTrace(const backend::Pass &pass, Clock::time_point t0, Clock::time_point t1,
                    const PassTimes &times, trace::Trace *out) const;
   Status forward();
@@ -300,6 +302,13 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
     return Status::error(fmt::format("rank {}: tensor '{}' has shape {}; expected [{}]", rank,
                                      kBindingNames[b], shapeString(t), fmt::join(dims, ", ")));
   return Status::success();
+}
+
+void Context::Impl::countPuts(const backend::Pass &pass,
+                              const std::vector<backend::RankRoute> &routes, PassTimes *times) {
+  const backend::PutBytes bytes = backend::groupPutBytes(pass.tasks(), pass.plan(), routes);
+  times->dispatchBytes = bytes.dispatch;
+  times->combineBytes = bytes.combine;
 }
 
 Status Context::Impl::runTasks(backend::Pass &pass, PassTimes &times) {
@@ -367,6 +376,7 @@ Status Context::Impl::forward() {
   if (Status st = pass.gatherSendRows(routes, x, false); !st)
     return fatal(st);
   fwdTimes.prepare = secondsSince(t0);
+  countPuts(pass, routes, &fwdTimes);
 
   if (Status st = runTasks(pass, fwdTimes); !st)
     return st;
@@ -461,6 +471,7 @@ Status Context::Impl::backward() {
   if (Status st = pass.gatherSendRows(routes, dy, true); !st)
     return fatal(st);
   bwdTimes.prepare = secondsSince(t0);
+  countPuts(pass, routes, &bwdTimes);
 
   if (Status st = runTasks(pass, bwdTimes); !st)
     return st;

@@ -284,6 +284,9 @@ struct PassTimes {
   double prepare = 0; ///< checks, routing layout, gathering rows to send
   double tasks = 0;   ///< the task program on all ranks
   double finish = 0;  ///< combine-reduce (and dtopk_weights)
+  /// Bytes of rows the pass's puts moved between different ranks, over the
+  /// whole group (backend::groupPutBytes): by the dispatch, by the combine.
+  uint64_t dispatchBytes = 0, combineBytes = 0;
   double total() const { return prepare + tasks + finish; }
 };
 

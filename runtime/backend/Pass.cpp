@@ -2,6 +2,8 @@
 
 #include "runtime/backend/Pass.h"
 
+#include <functional>
+
 #include <algorithm>
 
 namespace moec::backend {
@@ -82,28 +84,56 @@ void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &
   }
 }
 
-std::vector<uint64_t> expectedPutBytes(const format::TaskProgram &program,
-                                       const rt::LayerPlan &plan,
-                                       const std::vector<RankRoute> &routes, uint32_t rank) {
+namespace {
+
+/// Calls visit(op, from, to, bytes) for the rows each put op of `program`
+/// moves from rank `from` into the windows of rank `to` in one pass.
+void forEachPut(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                const std::vector<RankRoute> &routes,
+                const std::function<void(format::OpKind, uint32_t, uint32_t, uint64_t)> &visit) {
   const uint32_t R = uint32_t(routes.size()), L = uint32_t(plan.shape.localExperts);
-  std::vector<uint64_t> bytes(R, 0);
   for (const format::OpRecord &op : program.ops) {
     if (op.kind != format::OpKind::Dispatch && op.kind != format::OpKind::Combine)
       continue;
     const format::TilingRecord &tiling = program.tilings[op.tiling];
     const uint64_t rowBytes =
         tiling.cols * format::dtypeSize(program.slots[tiling.outputSlot].dtype);
-    for (uint32_t q = 0; q < R; ++q)
-      for (uint32_t e = 0; e < L; ++e) {
-        // Dispatch: q's rows for this rank's expert e; combine: the rows of
-        // q's expert e that this rank sent it, coming back.
-        const int64_t rows = op.kind == format::OpKind::Dispatch
-                                 ? routes[q].layout.counts[size_t(rank) * L + e]
-                                 : routes[rank].layout.counts[size_t(q) * L + e];
-        bytes[q] += uint64_t(std::min<int64_t>(rows, int64_t(tiling.rows))) * rowBytes;
-      }
+    // Rows source rank s routes to expert e of rank q: the dispatch puts
+    // them from s to q, the combine returns them from q to s.
+    for (uint32_t s = 0; s < R; ++s)
+      for (uint32_t q = 0; q < R; ++q)
+        for (uint32_t e = 0; e < L; ++e) {
+          const int64_t rows = routes[s].layout.counts[size_t(q) * L + e];
+          const uint64_t bytes = uint64_t(std::min<int64_t>(rows, int64_t(tiling.rows))) * rowBytes;
+          if (op.kind == format::OpKind::Dispatch)
+            visit(op.kind, s, q, bytes);
+          else
+            visit(op.kind, q, s, bytes);
+        }
   }
+}
+
+} // namespace
+
+std::vector<uint64_t> expectedPutBytes(const format::TaskProgram &program,
+                                       const rt::LayerPlan &plan,
+                                       const std::vector<RankRoute> &routes, uint32_t rank) {
+  std::vector<uint64_t> bytes(routes.size(), 0);
+  forEachPut(program, plan, routes, [&](format::OpKind, uint32_t from, uint32_t to, uint64_t n) {
+    if (to == rank)
+      bytes[from] += n;
+  });
   return bytes;
+}
+
+PutBytes groupPutBytes(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                       const std::vector<RankRoute> &routes) {
+  PutBytes total;
+  forEachPut(program, plan, routes, [&](format::OpKind kind, uint32_t from, uint32_t to, uint64_t n) {
+    if (from != to)
+      (kind == format::OpKind::Dispatch ? total.dispatch : total.combine) += n;
+  });
+  return total;
 }
 
 } // namespace moec::backend

@@ -170,6 +170,16 @@ std::vector<uint64_t> expectedPutBytes(const format::TaskProgram &program,
                                        const rt::LayerPlan &plan,
                                        const std::vector<RankRoute> &routes, uint32_t rank);
 
+/// The bytes of rows a pass's puts move between different ranks, over the
+/// whole group: by the dispatch and by the combine (a rank's rows for its
+/// own experts stay in its memory and are not counted). FP8 dispatch rows
+/// count at their quantized width, codes and scales.
+struct PutBytes {
+  uint64_t dispatch = 0, combine = 0;
+};
+PutBytes groupPutBytes(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                       const std::vector<RankRoute> &routes);
+
 } // namespace moec::backend
 
 #endif // MOEC_RUNTIME_BACKEND_PASS_H

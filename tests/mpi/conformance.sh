@@ -3,7 +3,7 @@
 # this machine) against the reference, and bit for bit against the
 # in-process fabric on the same inputs: forward and backward, fp32 and bf16,
 # skewed routing, experts and ranks that receive no rows, both event
-# granularities, several passes of one context (--repeat).
+# granularities, several passes of one context (--repeat), FP8 dispatch.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 passed=0
@@ -27,6 +27,10 @@ check per-expert 2
 # Many local experts, top-8.
 layer wide 32 16 8 8 2 bf16
 check wide 2
+# FP8 dispatch: quantized rows (codes and block scales) put between
+# processes, the same bits as in process.
+layer fp8 300 32 2 2 3 bf16 ', "dispatch_dtype": "fp8_e4m3"'
+check fp8 3 --hot-share 0.5
 # One trace of the whole job.
 check_trace f32-2 2
 # The path between nodes (two-sided messages) on this one machine: no rank

@@ -229,8 +229,9 @@ std::string tracePath(const std::string &path, const char *suffix) {
 }
 
 std::string describe(const rt::LayerShape &s) {
-  return fmt::format("{} ranks x {} local experts, H {}, I {}, {}", s.ranks, s.localExperts,
-                     s.hidden, s.inter, format::dtypeName(s.activations));
+  return fmt::format("{} ranks x {} local experts, H {}, I {}, {}{}", s.ranks, s.localExperts,
+                     s.hidden, s.inter, format::dtypeName(s.activations),
+                     s.fp8Dispatch ? ", FP8 dispatch" : "");
 }
 
 void printSchedule(const char *pass, const format::TaskProgram &p) {
@@ -540,6 +541,17 @@ int runRun(int argc, char **argv, int first) {
     printTimes("forward", bestFwd, repeat);
     if (backward)
       printTimes("backward", bestBwd, repeat);
+    // What the puts moved between ranks (the last pass of each kind).
+    const rt::PassTimes &f = context->forwardTimes(), &b = context->backwardTimes();
+    const auto bytes = [](uint64_t n) {
+      return fmt::format("{} ({} B)", memoryText(double(n)), n);
+    };
+    std::printf("  bytes between ranks: forward dispatch %s, combine %s",
+                bytes(f.dispatchBytes).c_str(), bytes(f.combineBytes).c_str());
+    if (backward)
+      std::printf("; backward dispatch %s, combine %s", bytes(b.dispatchBytes).c_str(),
+                  bytes(b.combineBytes).c_str());
+    std::printf("\n");
     std::printf("  workspace %s%s\n",
                 tooling::totalsText(tooling::workspaceTotals(*context)).c_str(),
                 fabric ? " (per process)" : "");

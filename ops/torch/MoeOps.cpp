@@ -290,6 +290,14 @@ public:
     d.insert("main_grad", bs && bs->accumulateWeightGrads);
     d.insert("lora_targets", s.loraTargets);
     d.insert("lora_rank", s.loraRank);
+    d.insert("fp8_dispatch", s.fp8Dispatch);
+    // Bytes of rows the last passes' puts moved between ranks (all ranks).
+    const moec::rt::PassTimes &f = slot->context->forwardTimes(),
+                              &b = slot->context->backwardTimes();
+    d.insert("forward_dispatch_bytes", int64_t(f.dispatchBytes));
+    d.insert("forward_combine_bytes", int64_t(f.combineBytes));
+    d.insert("backward_dispatch_bytes", int64_t(b.dispatchBytes));
+    d.insert("backward_combine_bytes", int64_t(b.combineBytes));
     d.insert("workers", slot->context->workers());
     d.insert("outputs_recycled", slot->outputs->recycledCount());
     const moec::tooling::WorkspaceTotals ws = moec::tooling::workspaceTotals(*slot->context);

@@ -399,13 +399,15 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def _matches(info, cfg, ranks, frozen=False, lora_targets=()):
     """True when a built layer's sizes are those of `cfg` on `ranks` ranks."""
+    fp8 = int(cfg.get("dispatch_dtype") == "fp8_e4m3")
     targets = sum(1 << i for i, t in enumerate(LORA_TARGETS) if t in (lora_targets or ()))
     want = {"ranks": int(ranks), "experts": int(cfg["num_experts"]),
             "hidden": int(cfg["hidden_size"]), "inter": int(cfg["intermediate_size"]),
             "top_k": int(cfg["top_k"]), "bf16": int(cfg.get("dtype", "bf16") == "bf16"),
             "frozen": int(bool(frozen) or targets != 0),
             "main_grad": int(bool(cfg.get("main_grad", False))),
-            "lora_targets": targets, "lora_rank": int(cfg.get("lora_rank", 0)) if targets else 0}
+            "lora_targets": targets, "lora_rank": int(cfg.get("lora_rank", 0)) if targets else 0,
+            "fp8_dispatch": fp8}
     return all(int(info[k]) == v for k, v in want.items())
 
 
@@ -474,12 +476,22 @@ class MoeFFN(torch.nn.Module):
     False): backward gives dx, d topk_weights and the adapters' gradients
     only. lora_alpha defaults to lora_rank (a scaling of 1). The adapters are
     graph nodes (graphs/moe_ffn_{fwd,bwd}_lora*.json), compiled and scheduled
-    with the rest. merge_adapters() folds them into w1 and w2."""
+    with the rest. merge_adapters() folds them into w1 and w2.
+
+    dispatch_dtype: "fp8_e4m3" sends the dispatched token rows as FP8 e4m3
+    with one fp32 scale per 128 values (about half the bytes of bf16 rows),
+    dequantized to the compute dtype on arrival, as DeepEP's and Megatron's
+    fp8_dispatch do; the combine, and everything backward sends, stay in the
+    compute dtype. The default (None) takes the config's "dispatch_dtype",
+    which defaults to the compute dtype. The experts then compute on the
+    rounded rows, and backward treats the rounding as the identity (the
+    gradients are those of the layer at the rounded x)."""
 
     def __init__(self, config, ranks=None, *, threads=0, target="cpu",
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
-                 lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False):
+                 lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False,
+                 dispatch_dtype=None):
         super().__init__()
         load_library()
         fabric, ranks = _group(fabric, ranks, "MoeFFN")
@@ -490,6 +502,12 @@ class MoeFFN(torch.nn.Module):
             raise ValueError("moec: a frozen layer has no weight gradients to accumulate "
                              "(frozen=True and main_grad=True)")
         cfg = _read_config(config)
+        if dispatch_dtype is not None:
+            if dispatch_dtype not in ("fp8_e4m3", cfg.get("dtype", "bf16")):
+                raise ValueError("moec: dispatch_dtype must be 'fp8_e4m3' or the config's dtype "
+                                 f"({cfg.get('dtype', 'bf16')!r}), got {dispatch_dtype!r}")
+            cfg["dispatch_dtype"] = dispatch_dtype
+        self.dispatch_dtype = cfg.get("dispatch_dtype", cfg.get("dtype", "bf16"))
         lora_rank = int(lora_rank)
         if lora_rank < 0:
             raise ValueError(f"moec: lora_rank must be positive, got {lora_rank}")
@@ -947,6 +965,7 @@ class MoeFFN(torch.nn.Module):
                 f"local_ranks={self.local_ranks}, experts={self.experts}, hidden={self.hidden}, "
                 f"inter={self.inter}, top_k={self.top_k}, tokens={self.tokens}, "
                 f"dtype={self.w1.dtype}, frozen={self.frozen}, main_grad={self.main_grad}"
+                + (", dispatch_dtype=fp8_e4m3" if self.dispatch_dtype == "fp8_e4m3" else "")
                 + (f", lora_rank={self.lora_rank}, lora_targets={self.lora_targets}, "
                    f"lora_scaling={self.lora_scaling:g}" if self.lora_rank else ""))
 

@@ -60,3 +60,32 @@ def moe_ffn(x, topk_ids, topk_weights, w1, w2, lora=None, lora_scaling=1.0):
     y = torch.zeros(tokens.shape, dtype=acc, device=x.device)
     y = y.index_add(0, token_of_row, z * gate[:, None])
     return y.to(x.dtype).view(x.shape)
+
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+
+
+def fp8_round_rows(x):
+    """x's rows as an FP8 dispatch delivers them, written from the format's
+    definition with plain torch ops (no moec code): each row of the last dim
+    is cut into blocks of 128 values; a block's scale is amax / 448 (fp32;
+    1 for a block of zeros); value / scale is rounded to the nearest e4m3
+    number (3 mantissa bits, exponents down to 2^-6, subnormal steps of 2^-9,
+    ties to even, saturating at +-448); times the scale (fp32), rounded once
+    to x's dtype. Returns a tensor of x's dtype and shape."""
+    values = x.detach().float()
+    hidden = values.shape[-1]
+    out = torch.empty_like(values)
+    for begin in range(0, hidden, FP8_BLOCK):
+        block = values[..., begin:begin + FP8_BLOCK]
+        amax = block.abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        v = block / scale
+        # The e4m3 step at |v|: 2^(e - 3) for a normal of exponent e >= -6,
+        # else the subnormal step 2^-9. frexp gives v = m 2^E, 0.5 <= |m| < 1.
+        _, exponent = torch.frexp(v)
+        step = torch.pow(2.0, (torch.clamp(exponent - 1, min=-6) - 3).float())
+        q = torch.clamp(torch.round(v / step) * step, -FP8_MAX, FP8_MAX)
+        out[..., begin:begin + FP8_BLOCK] = q * scale
+    return out.to(x.dtype)

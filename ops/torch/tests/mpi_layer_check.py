@@ -18,7 +18,8 @@ Then the same forward and backward through submit_forward / submit_backward
 VARIANT: full (the default); frozen (frozen=True: no weight gradients);
 main_grad (main_grad=True: the weight gradients of two steps accumulated in
 w.main_grad); lora (LoRA adapters of rank 4 on w1 and w2, nonzero B, base
-frozen: the adapters' gradients are checked).
+frozen: the adapters' gradients are checked); fp8 (dispatch_dtype fp8_e4m3:
+autograd runs on x rounded as the experts receive it).
 """
 
 import os
@@ -46,7 +47,8 @@ def main():
     hot = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     variant = sys.argv[4] if len(sys.argv) > 4 else "full"
     options = {"full": {}, "frozen": {"frozen": True}, "main_grad": {"main_grad": True},
-               "lora": {"lora_rank": 4, "lora_alpha": 8}}[variant]
+               "lora": {"lora_rank": 4, "lora_alpha": 8},
+               "fp8": {"dispatch_dtype": "fp8_e4m3"}}[variant]
     torch.set_num_threads(1)
     cfg = {"name": "mpi-check", "hidden_size": 64, "intermediate_size": 32,
            "num_experts": 0, "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128,
@@ -88,7 +90,7 @@ def main():
             # A second micro-batch adds into the same fp32 buffers.
             module(xs.detach(), idss, ws.detach()).backward(dys)
             out.update(dw1=module.w1.main_grad, dw2=module.w2.main_grad)
-        elif variant == "full":
+        elif variant in ("full", "fp8"):
             out.update(dw1=module.w1.grad, dw2=module.w2.grad)
         for name, p in zip(names, module.adapters()):
             out[name] = p.grad
@@ -101,7 +103,8 @@ def main():
         mine[n] = whole[n][r * L:(r + 1) * L]
     failed = [n for n in got if not torch.equal(got[n], mine[n])]
 
-    xd = x.double().requires_grad_()
+    # FP8 dispatch: autograd runs on x as the experts receive it.
+    xd = (reference.fp8_round_rows(x) if variant == "fp8" else x).double().requires_grad_()
     wd = weights.double().requires_grad_()
     w1 = single.w1.detach().double().requires_grad_()
     w2 = single.w2.detach().double().requires_grad_()
@@ -111,7 +114,7 @@ def main():
     yd.backward(dy.double())
     steps = 2 if variant == "main_grad" else 1
     want = {"y": yd[r], "dx": xd.grad[r], "dtopk_weights": wd.grad[r]}
-    if variant in ("full", "main_grad"):
+    if variant in ("full", "main_grad", "fp8"):
         want.update(dw1=steps * w1.grad[r * L:(r + 1) * L],
                     dw2=steps * w2.grad[r * L:(r + 1) * L])
     for name, a in zip(names, adapters):

@@ -78,6 +78,7 @@ def free_port():
 @pytest.mark.parametrize("ranks,dtype,hot,variant", [
     (2, "fp32", -1, "full"), (3, "fp32", 0, "full"), (2, "bf16", -1, "full"),
     (2, "bf16", -1, "main_grad"), (2, "fp32", -1, "frozen"), (2, "bf16", -1, "lora"),
+    (3, "bf16", 1, "fp8"),
     (3, "fp32", 0, "lora")])
 def test_op_under_mpirun(ranks, dtype, hot, variant):
     run = mpirun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant)

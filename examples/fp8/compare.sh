@@ -29,8 +29,8 @@ if sys.argv[2] == "fp8":
     c["dispatch_dtype"] = "fp8_e4m3"
 json.dump(c, open(sys.argv[3], "w"))
 PY
-  $moec compile graphs/moe_ffn_fwd.json --config "$out/$kind.json" -o "$out/$kind-fwd.moebin" > /dev/null
-  $moec compile graphs/moe_ffn_bwd.json --config "$out/$kind.json" -o "$out/$kind-bwd.moebin" > /dev/null
+  $moec compile graphs/moe_ffn_fwd.json --config "$out/$kind.json" -o "$out/$kind-fwd.moebin" > /dev/null 2>&1
+  $moec compile graphs/moe_ffn_bwd.json --config "$out/$kind.json" -o "$out/$kind-bwd.moebin" > /dev/null 2>&1
 done
 
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

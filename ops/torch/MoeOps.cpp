@@ -423,14 +423,7 @@ public:
   int64_t submitForward(const at::Tensor &x, const at::Tensor &ids, const at::Tensor &weights,
                         const at::Tensor &w1, const at::Tensor &w2,
                         const std::vector<at::Tensor> &adapters) {
-    live();
-    std::lock_guard<std::mutex> lock(pendingMutex);
-    const int64_t ticket = ++tickets;
-    pendingForwards.emplace(ticket, std::async(std::launch::async, [=] {
-                              at::NoGradGuard noGrad;
-                              return forward(x, ids, weights, w1, w2, adapters);
-                            }));
-    return ticket;
+    return submit(pendingForwards, [=] { return forward(x, ids, weights, w1, w2, adapters); });
   }
 
   int64_t submitBackward(int64_t forwardStep, const at::Tensor &x, const at::Tensor &ids,
@@ -438,15 +431,9 @@ public:
                          const at::Tensor &dy, const c10::optional<at::Tensor> &mainGrad1,
                          const c10::optional<at::Tensor> &mainGrad2,
                          const std::vector<at::Tensor> &adapters) {
-    live();
-    std::lock_guard<std::mutex> lock(pendingMutex);
-    const int64_t ticket = ++tickets;
-    pendingBackwards.emplace(ticket, std::async(std::launch::async, [=] {
-                               at::NoGradGuard noGrad;
-                               return backward(forwardStep, x, ids, weights, w1, w2, dy,
-                                               mainGrad1, mainGrad2, adapters);
-                             }));
-    return ticket;
+    return submit(pendingBackwards, [=] {
+      return backward(forwardStep, x, ids, weights, w1, w2, dy, mainGrad1, mainGrad2, adapters);
+    });
   }
 
   std::tuple<at::Tensor, int64_t> waitForward(int64_t ticket) {
@@ -565,6 +552,20 @@ public:
 private:
   void live() const {
     TORCH_CHECK(slot->context, "moec: this layer was released (moec_torch.finalize_mpi)");
+  }
+
+  /// Starts `pass` on a thread of its own (no autograd there: the tensors
+  /// are the op's inputs) and files its future under a new ticket.
+  template <class Result, class PassFn>
+  int64_t submit(std::map<int64_t, std::future<Result>> &pending, PassFn pass) {
+    live();
+    std::lock_guard<std::mutex> lock(pendingMutex);
+    const int64_t ticket = ++tickets;
+    pending.emplace(ticket, std::async(std::launch::async, [pass] {
+                      at::NoGradGuard noGrad;
+                      return pass();
+                    }));
+    return ticket;
   }
 
   template <class Result>

@@ -41,16 +41,18 @@ def rel_err(got, want):
     return (got.double() - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def check_step(layer, x, ids, weights, dy, tol):
+def check_step(layer, x, ids, weights, dy, tol, reference_x=None, errors_out=None):
     """One forward + backward of `layer` and of the reference in float64 on
-    the same values; every output within `tol` of the reference's scale."""
+    the same values (the reference on `reference_x` when given: x as an FP8
+    dispatch delivers it); every output within `tol` of the reference's
+    scale. `errors_out`, a dict, receives the errors."""
     x = x.clone().requires_grad_()
     weights = weights.clone().requires_grad_()
     layer.zero_grad()
     y = layer(x, ids, weights)
     y.backward(dy)
 
-    xd = x.detach().double().requires_grad_()
+    xd = (x if reference_x is None else reference_x).detach().double().requires_grad_()
     wd = weights.detach().double().requires_grad_()
     w1 = layer.w1.detach().double().requires_grad_()
     w2 = layer.w2.detach().double().requires_grad_()
@@ -60,6 +62,8 @@ def check_step(layer, x, ids, weights, dy, tol):
     errors = {"y": rel_err(y, yd), "dx": rel_err(x.grad, xd.grad),
               "dtopk_weights": rel_err(weights.grad, wd.grad),
               "dw1": rel_err(layer.w1.grad, w1.grad), "dw2": rel_err(layer.w2.grad, w2.grad)}
+    if errors_out is not None:
+        errors_out.update(errors)
     assert y.dtype == x.dtype and x.grad.dtype == x.dtype
     assert layer.w1.grad.dtype == layer.w1.dtype and weights.grad.dtype == torch.float32
     bad = {k: v for k, v in errors.items() if not v <= tol}

@@ -313,10 +313,11 @@ Status Pass::gatherSendRows(const std::vector<RankRoute> &routes,
   const Pieces pieces{fabric.firstLocal(), options.workers};
   const Elt srcElt = program->slots[plan.src].dtype;
   const int64_t srcLd = int64_t(program->slots[plan.src].dims[1]);
+  for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r)
+    sendRows[r] = routes[r].tokens * routes[r].topK;
   team->run(pieces.count(fabric.localRanks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
-    sendRows[r] = route.tokens * route.topK;
     const Range part = pieces.range(item, route.tokens * route.topK);
     const Matrix src{data[r][plan.src], srcElt, srcLd};
     gatherTokenRows(ConstMatrix{source[r], act, H}, route.layout.order.data() + part.begin,

@@ -1,4 +1,10 @@
 //===- Fp8.cpp - FP8 e4m3 values and rows quantized in blocks ---------------===//
+//
+// A block's codes and its decoding run eight values at a time with AVX2
+// where the CPU has it (chosen at run time), with the same bits as the
+// scalar floatToE4m3 / table decode they fall back to (and finish with).
+//
+//===----------------------------------------------------------------------===//
 
 #include "runtime/cpu/Fp8.h"
 
@@ -9,6 +15,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MOEC_FP8_AVX2 1
+#endif
 
 namespace moec::cpu {
 
@@ -64,8 +75,102 @@ const std::array<float, 256> &decoded() {
 
 float e4m3ToFloat(uint8_t code) { return decoded()[code]; }
 
+namespace {
+
+#ifdef MOEC_FP8_AVX2
+/// floatToE4m3 of eight lanes, as 32-bit lanes.
+__attribute__((target("avx2"))) __m256i e4m3Avx2(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  // Normals: keep 3 mantissa bits, ties to even; rebias 127 -> 7.
+  const __m256i lowestKept = _mm256_and_si256(_mm256_srli_epi32(magnitude, 20), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(magnitude, _mm256_set1_epi32(0x7FFFF)), lowestKept), 20);
+  const __m256i normal =
+      _mm256_min_epi32(_mm256_sub_epi32(rounded, _mm256_set1_epi32(120 << 3)), _mm256_set1_epi32(0x7E));
+  // Below 2^-6: multiples of 2^-9, rounded to nearest even.
+  const __m256i subnormal = _mm256_cvtps_epi32(
+      _mm256_round_ps(_mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(512.0f)),
+                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m256i code = _mm256_blendv_epi8(
+      normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), magnitude));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7E),
+                            _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x43DFFFFF)));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F),
+                            _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7F800000)));
+  return _mm256_or_si256(code, sign);
+}
+
+/// Codes of values[0..n) / scale; returns how many it wrote (a multiple of 8).
+__attribute__((target("avx2"))) int64_t encodeAvx2(const float *values, int64_t n, float scale,
+                                                   uint8_t *codes) {
+  const __m256 s = _mm256_set1_ps(scale);
+  // The low byte of each 32-bit lane, gathered into each 128-bit half's low 4 bytes.
+  const __m256i lowBytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                            -1, -1, -1, -1);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256i c = _mm256_shuffle_epi8(e4m3Avx2(_mm256_div_ps(_mm256_loadu_ps(values + j), s)),
+                                          lowBytes);
+    const uint32_t lo = uint32_t(_mm_cvtsi128_si32(_mm256_castsi256_si128(c)));
+    const uint32_t hi = uint32_t(_mm_cvtsi128_si32(_mm256_extracti128_si256(c, 1)));
+    std::memcpy(codes + j, &lo, 4);
+    std::memcpy(codes + j + 4, &hi, 4);
+  }
+  return j;
+}
+
+/// amax of |values[0..n)| and whether all are finite, 8 lanes at a time;
+/// returns how many it read.
+__attribute__((target("avx2"))) int64_t amaxAvx2(const float *values, int64_t n, float *amax,
+                                                 bool *finite) {
+  __m256 m = _mm256_setzero_ps();
+  __m256i special = _mm256_setzero_si256();
+  const __m256i absMask = _mm256_set1_epi32(0x7FFFFFFF), exponent = _mm256_set1_epi32(0x7F800000);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256i bits = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(values + j)), absMask);
+    special = _mm256_or_si256(special, _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), exponent));
+    m = _mm256_max_ps(m, _mm256_castsi256_ps(bits));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m);
+  for (float v : lanes)
+    *amax = std::max(*amax, v);
+  *finite = *finite && _mm256_testz_si256(special, special);
+  return j;
+}
+
+/// values[j] = table[codes[j]] * scale, 8 lanes at a time; returns how many.
+__attribute__((target("avx2"))) int64_t decodeAvx2(const uint8_t *codes, int64_t n, float scale,
+                                                   const float *table, float *values) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256i index =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(codes + j)));
+    _mm256_storeu_ps(values + j, _mm256_mul_ps(_mm256_i32gather_ps(table, index, 4), s));
+  }
+  return j;
+}
+#endif
+
+bool vectorized() {
+#ifdef MOEC_FP8_AVX2
+  static const bool have = __builtin_cpu_supports("avx2");
+  return have;
+#else
+  return false;
+#endif
+}
+
+} // namespace
+
 void quantizeRows(const void *src, DType elt, int64_t srcLd, uint8_t *dst, int64_t dstLd,
                   int64_t rowBegin, int64_t rowEnd, int64_t cols) {
+  const bool avx2 = vectorized();
   float values[kFp8Block];
   for (int64_t i = rowBegin; i < rowEnd; ++i) {
     const char *row = static_cast<const char *>(src) + size_t(i * srcLd) * dtypeSize(elt);
@@ -76,14 +181,24 @@ void quantizeRows(const void *src, DType elt, int64_t srcLd, uint8_t *dst, int64
       loadFloats(row + size_t(begin) * dtypeSize(elt), elt, values, size_t(n));
       float amax = 0;
       bool finite = true;
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+#ifdef MOEC_FP8_AVX2
+      if (avx2)
+        j = amaxAvx2(values, n, &amax, &finite);
+#endif
+      for (; j < n; ++j) {
         finite = finite && std::isfinite(values[j]);
         amax = std::max(amax, std::fabs(values[j]));
       }
       const float scale = !finite     ? std::numeric_limits<float>::quiet_NaN()
                           : amax > 0 ? amax / kFp8Max
                                      : 1.0f;
-      for (int64_t j = 0; j < n; ++j)
+      j = 0;
+#ifdef MOEC_FP8_AVX2
+      if (avx2)
+        j = encodeAvx2(values, n, scale, codes + begin);
+#endif
+      for (; j < n; ++j)
         codes[begin + j] = floatToE4m3(values[j] / scale);
       std::memcpy(scales + 4 * b, &scale, 4);
     }
@@ -93,6 +208,7 @@ void quantizeRows(const void *src, DType elt, int64_t srcLd, uint8_t *dst, int64
 void dequantizeRows(const uint8_t *src, int64_t srcLd, void *dst, DType elt, int64_t dstLd,
                     int64_t rowBegin, int64_t rowEnd, int64_t cols) {
   const std::array<float, 256> &table = decoded();
+  const bool avx2 = vectorized();
   float values[kFp8Block];
   for (int64_t i = rowBegin; i < rowEnd; ++i) {
     const uint8_t *codes = src + i * srcLd;
@@ -102,7 +218,12 @@ void dequantizeRows(const uint8_t *src, int64_t srcLd, void *dst, DType elt, int
       const int64_t begin = b * kFp8Block, n = std::min(kFp8Block, cols - begin);
       float scale;
       std::memcpy(&scale, scales + 4 * b, 4);
-      for (int64_t j = 0; j < n; ++j)
+      int64_t j = 0;
+#ifdef MOEC_FP8_AVX2
+      if (avx2)
+        j = decodeAvx2(codes + begin, n, scale, table.data(), values);
+#endif
+      for (; j < n; ++j)
         values[j] = table[codes[begin + j]] * scale;
       storeFloats(values, row + size_t(begin) * dtypeSize(elt), elt, size_t(n));
     }

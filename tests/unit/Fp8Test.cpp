@@ -176,3 +176,41 @@ TEST_CASE("a block holding NaN or infinity dequantizes to NaN, its neighbours do
       REQUIRE(y[size_t(j)] == 1.5f);
   }
 }
+
+TEST_CASE("quantizeRows gives floatToE4m3's codes lane for lane (its vector path too)") {
+  // Every finite bf16 value up to 448, in blocks whose first value is 448:
+  // the scale is 1, so each code is floatToE4m3 of the value itself.
+  std::vector<float> values;
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const float v = fromBits(b << 16);
+    if (!std::isfinite(v) || std::fabs(v) > 448.0f)
+      continue;
+    if (values.size() % 128 == 0)
+      values.push_back(448.0f);
+    values.push_back(v);
+  }
+  // Random values with random scales, a short last block per row.
+  std::mt19937 rng{11};
+  std::uniform_int_distribution<uint32_t> pick(0x20000000u, 0x48000000u);
+  const int64_t cols = 300, rows = 40;
+  std::vector<float> randomRows(size_t(cols * rows));
+  for (size_t i = 0; i < randomRows.size(); ++i)
+    randomRows[i] = fromBits(pick(rng) | (i & 1 ? 0x80000000u : 0));
+  for (const auto &[data, width] : {std::pair{&values, int64_t(128)}, std::pair{&randomRows, cols}}) {
+    const int64_t n = int64_t(data->size()) / width, stride = fp8RowBytes(width);
+    std::vector<uint8_t> q(static_cast<size_t>(n * stride), 0);
+    quantizeRows(data->data(), DType::F32, width, q.data(), stride, 0, n, width);
+    std::vector<float> back(data->size());
+    dequantizeRows(q.data(), stride, back.data(), DType::F32, width, 0, n, width);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < width; ++j) {
+        float scale;
+        std::memcpy(&scale, &q[size_t(i * stride + width + 4 * (j / 128))], 4);
+        const float v = (*data)[size_t(i * width + j)];
+        const uint8_t code = q[size_t(i * stride + j)];
+        INFO("row " << i << " col " << j << " value " << v << " scale " << scale);
+        REQUIRE(code == floatToE4m3(v / scale));
+        REQUIRE(back[size_t(i * width + j)] == e4m3ToFloat(code) * scale);
+      }
+  }
+}

@@ -463,6 +463,20 @@ public:
     return true;
   }
 
+  /// True when the submitted pass `ticket` has ended (its wait will not
+  /// block), and for a ticket already waited.
+  bool ready(int64_t ticket) {
+    std::lock_guard<std::mutex> lock(pendingMutex);
+    const auto ended = [](const auto &future) {
+      return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    };
+    if (auto it = pendingForwards.find(ticket); it != pendingForwards.end())
+      return ended(it->second);
+    if (auto it = pendingBackwards.find(ticket); it != pendingBackwards.end())
+      return ended(it->second);
+    return true;
+  }
+
   /// Submitted passes not yet waited.
   int64_t pending() {
     std::lock_guard<std::mutex> lock(pendingMutex);
@@ -943,6 +957,7 @@ TORCH_LIBRARY(moec, m) {
       .def("wait_forward", &Layer::waitForward)
       .def("wait_backward", &Layer::waitBackward)
       .def("discard", &Layer::discard)
+      .def("ready", &Layer::ready)
       .def("pending", &Layer::pending);
   m.class_<Exchange>("Exchange")
       .def(torch::init<std::string, std::string, int64_t, double, std::string>())

@@ -314,6 +314,10 @@ class _Pending:
         self.ticket = ticket
         self.waited = False
 
+    def done(self):
+        """True once the pass has ended: wait() then returns at once."""
+        return self.waited or self.layer.ready(self.ticket)
+
     def _take(self):
         if self.waited:
             raise RuntimeError(f"moec: this {self.what} handle was already waited "

@@ -123,8 +123,12 @@ def test_python_work_overlaps_the_pass():
             alone = time.perf_counter() - start
             start = time.perf_counter()
             handle = layer.submit_forward(x, ids, weights)
+            assert not handle.done()  # a pass of some 0.1 s has just begun
             _python_work(alone)
+            while not handle.done():  # polling, as a training loop might
+                time.sleep(0.001)
             handle.wait()
+            assert handle.done()
             trials.append((time.perf_counter() - start) / (2 * alone))
     # Serial, the pass and the work would take the sum, twice the pass.
     assert min(trials) < 0.8, trials

@@ -18,11 +18,6 @@ namespace moec::cpu {
 namespace {
 
 #ifdef MOEC_ELEMENT_AVX2
-bool haveAvx2() {
-  static const bool have = __builtin_cpu_supports("avx2");
-  return have;
-}
-
 __attribute__((target("avx2"))) size_t floatToBf16Avx2(const float *src, uint16_t *dst,
                                                         size_t count) {
   const __m256i absMask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
@@ -59,10 +54,19 @@ __attribute__((target("avx2"))) size_t bf16ToFloatAvx2(const uint16_t *src, floa
 
 } // namespace
 
+bool cpuHasAvx2() {
+#ifdef MOEC_ELEMENT_AVX2
+  static const bool have = __builtin_cpu_supports("avx2");
+  return have;
+#else
+  return false;
+#endif
+}
+
 void floatToBf16(const float *src, uint16_t *dst, size_t count) {
   size_t i = 0;
 #ifdef MOEC_ELEMENT_AVX2
-  if (haveAvx2())
+  if (cpuHasAvx2())
     i = floatToBf16Avx2(src, dst, count);
 #endif
   for (; i < count; ++i)
@@ -72,7 +76,7 @@ void floatToBf16(const float *src, uint16_t *dst, size_t count) {
 void bf16ToFloat(const uint16_t *src, float *dst, size_t count) {
   size_t i = 0;
 #ifdef MOEC_ELEMENT_AVX2
-  if (haveAvx2())
+  if (cpuHasAvx2())
     i = bf16ToFloatAvx2(src, dst, count);
 #endif
   for (; i < count; ++i)

@@ -54,6 +54,10 @@ inline float bf16ToFloat(uint16_t bits) {
 /// Returns `value` rounded to the nearest bf16, as fp32.
 inline float roundToBf16(float value) { return bf16ToFloat(floatToBf16(value)); }
 
+/// True when this CPU has AVX2 (checked once): the kernels' eight-lane
+/// paths, which give the same bits as their scalar forms, run only then.
+bool cpuHasAvx2();
+
 /// Converts `count` floats at `src` to bf16 bits at `dst`.
 void floatToBf16(const float *src, uint16_t *dst, size_t count);
 

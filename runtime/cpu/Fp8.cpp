@@ -157,20 +157,11 @@ __attribute__((target("avx2"))) int64_t decodeAvx2(const uint8_t *codes, int64_t
 }
 #endif
 
-bool vectorized() {
-#ifdef MOEC_FP8_AVX2
-  static const bool have = __builtin_cpu_supports("avx2");
-  return have;
-#else
-  return false;
-#endif
-}
-
 } // namespace
 
 void quantizeRows(const void *src, DType elt, int64_t srcLd, uint8_t *dst, int64_t dstLd,
                   int64_t rowBegin, int64_t rowEnd, int64_t cols) {
-  const bool avx2 = vectorized();
+  const bool avx2 = cpuHasAvx2();
   float values[kFp8Block];
   for (int64_t i = rowBegin; i < rowEnd; ++i) {
     const char *row = static_cast<const char *>(src) + size_t(i * srcLd) * dtypeSize(elt);
@@ -208,7 +199,7 @@ void quantizeRows(const void *src, DType elt, int64_t srcLd, uint8_t *dst, int64
 void dequantizeRows(const uint8_t *src, int64_t srcLd, void *dst, DType elt, int64_t dstLd,
                     int64_t rowBegin, int64_t rowEnd, int64_t cols) {
   const std::array<float, 256> &table = decoded();
-  const bool avx2 = vectorized();
+  const bool avx2 = cpuHasAvx2();
   float values[kFp8Block];
   for (int64_t i = rowBegin; i < rowEnd; ++i) {
     const uint8_t *codes = src + i * srcLd;

@@ -74,6 +74,7 @@ struct Case {
   Granularity granularity = Granularity::PerTileRange;
   Routing routing = Routing::Uniform;
   double capacityFactor = 0; ///< 0: the config's default
+  bool fp8Dispatch = false;  ///< "dispatch_dtype": "fp8_e4m3"
   uint32_t experts() const { return ranks * localExperts; }
   std::string describe() const {
     return "R=" + std::to_string(ranks) + " L=" + std::to_string(localExperts) +
@@ -135,7 +136,7 @@ compile(const Case &c, const char *firstGraph = "graphs/moe_ffn_fwd.json",
                           std::to_string(c.topK) + "_" + std::to_string(c.hidden) + "_" +
                           std::to_string(c.inter) + (c.bf16 ? "_bf16_" : "_f32_") +
                           granularityName(c.granularity) + "_" +
-                          std::to_string(c.capacityFactor);
+                          std::to_string(c.capacityFactor) + (c.fp8Dispatch ? "_fp8" : "");
   const std::string graphKey = key + "_" + firstGraph + "_" + secondGraph;
   if (auto it = cache.find(graphKey); it != cache.end())
     return it->second;
@@ -149,6 +150,8 @@ compile(const Case &c, const char *firstGraph = "graphs/moe_ffn_fwd.json",
         << (c.bf16 ? "bf16" : "fp32") << "\", \"num_cube_cores\": 2, \"num_vector_cores\": 3";
     if (c.capacityFactor > 0)
       out << ", \"capacity_factor\": " << c.capacityFactor;
+    if (c.fp8Dispatch)
+      out << ", \"dispatch_dtype\": \"fp8_e4m3\"";
     out << "}";
   }
   std::shared_ptr<const Program> programs[2];
@@ -995,4 +998,41 @@ TEST_CASE("the cuda backend refuses what it does not do, before it looks for a G
                Catch::Contains("the cuda backend records no task trace (the cpu backend does)"));
   else
     CHECK_THAT(refusal(traced), Catch::Contains("it does not run under MPI"));
+  // FP8 dispatch: no quantize or dequantize kernels there.
+  Case fp8 = c;
+  fp8.fp8Dispatch = true;
+  std::tie(fwd, bwd) = compile(fp8);
+  REQUIRE(fwd->shape().fp8Dispatch);
+  if (std::string(moec::test::testFabricName()) == "in-process")
+    CHECK_THAT(refusal(ContextOptions()), Catch::Contains("the cuda backend has no FP8 dispatch"));
+}
+
+TEST_CASE("an FP8 forward binary is refused when its quantize chain is broken", "[runtime]") {
+  Case c;
+  c.ranks = groupSize(2);
+  c.fp8Dispatch = true;
+  const std::shared_ptr<const Program> fwd = compile(c).first;
+  REQUIRE(fwd->shape().fp8Dispatch);
+  const auto refusal = [](moec::format::TaskProgram program) {
+    std::shared_ptr<const Program> out;
+    const Status s = Program::create(std::move(program), &out);
+    CHECK(out == nullptr);
+    return s.message();
+  };
+  const moec::format::TaskProgram &good = fwd->tasks();
+  uint32_t dequantize = 0;
+  for (uint32_t i = 0; i < good.ops.size(); ++i)
+    if (good.ops[i].kind == moec::format::OpKind::Dequantize)
+      dequantize = i;
+  // Two quantizes and no dequantize.
+  moec::format::TaskProgram p = good;
+  p.ops[dequantize].kind = moec::format::OpKind::Quantize;
+  p.tilings[p.ops[dequantize].tiling].opKind = moec::format::OpKind::Quantize;
+  CHECK_THAT(refusal(p), Catch::Contains("expected a quantize and a dequantize around the "
+                                         "forward's dispatch, or neither"));
+  // Quantized rows of the wrong width.
+  p = good;
+  const uint32_t sent = p.tilings[p.ops[dequantize].tiling].inputSlots[0];
+  p.slots[sent].dims[1] -= 4;
+  CHECK_THAT(refusal(p), Catch::Contains("(quantized dispatched rows) has shape"));
 }

@@ -308,9 +308,9 @@ class _Pending:
 
     what = "pass"
 
-    def __init__(self, module, ticket):
+    def __init__(self, module, ticket, layer):
         self.module = module
-        self.layer = module.layer  # the runtime it runs on (growth replaces module.layer)
+        self.layer = layer  # the runtime it runs on (growth replaces module.layer)
         self.ticket = ticket
         self.waited = False
 
@@ -345,7 +345,7 @@ class ForwardHandle(_Pending):
     what = "forward"
 
     def __init__(self, module, ticket, inputs, squeeze):
-        super().__init__(module, ticket)
+        super().__init__(module, ticket, module.layer)
         self.inputs = inputs      # x, topk_ids, topk_weights (as the op took them)
         self.squeeze = squeeze
         self.step = None          # the runtime's pass, once waited
@@ -378,8 +378,8 @@ class BackwardHandle(_Pending):
 
     what = "backward"
 
-    def __init__(self, module, ticket, main_grads, dy, squeeze):
-        super().__init__(module, ticket)
+    def __init__(self, module, ticket, layer, main_grads, dy, squeeze):
+        super().__init__(module, ticket, layer)
         self.main_grads = main_grads
         self.dy = dy
         self.squeeze = squeeze
@@ -728,9 +728,7 @@ class MoeFFN(torch.nn.Module):
         ticket = handle.layer.submit_backward(
             handle.step, x.detach(), ids, weights.detach(), self.w1.detach(), self.w2.detach(),
             dy.detach(), *(main_grads or (None, None)), [a.detach() for a in self.adapters()])
-        pending = BackwardHandle(self, ticket, main_grads, dy, squeeze)
-        pending.layer = handle.layer
-        return pending
+        return BackwardHandle(self, ticket, handle.layer, main_grads, dy, squeeze)
 
     def _grow(self):
         """Recompiles with room for the routing the runtime just refused (the

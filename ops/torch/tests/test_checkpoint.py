@@ -122,8 +122,8 @@ def test_a_checkpoint_of_another_layer_is_refused_before_anything_is_copied():
     sd["_extra_state"]["layout"] = dict(sd["_extra_state"]["layout"], first_expert=2,
                                         local_experts=2)
     sd["w1"], sd["w2"] = sd["w1"][2:], sd["w2"][2:]
+    b2 = make("full", 1)
     with pytest.raises(ValueError, match="holds experts 2..3 of 4; this layer"):
-        b2 = make("full", 1)
         b2.load_state_dict(sd)
 
 

@@ -1,6 +1,7 @@
 // RUN: moec-opt %graphs/moe_ffn_fwd.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-fp8.json | FileCheck %s --check-prefix=FP8
 // RUN: moec-opt %graphs/moe_ffn_fwd.mlir --moe-graph-pipeline=config=%configs/tiny.json | FileCheck %s --check-prefix=PLAIN
 // RUN: moec-opt %graphs/moe_ffn_bwd.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-fp8.json | FileCheck %s --check-prefix=BWD
+// RUN: not moec-opt %graphs/moe_ffn_fwd.mlir --moe-quantize-dispatch 2>&1 | FileCheck %s --check-prefix=UNRESOLVED
 
 // tiny-fp8.json: tiny.json with hidden_size 200 (two blocks of 128: the last
 // one short) and "dispatch_dtype": "fp8_e4m3". A quantized row is
@@ -27,3 +28,6 @@
 // The backward's dispatch (of dy) is not quantizable: it keeps the compute dtype.
 // BWD-NOT: moe.quantize
 // BWD: moe.dispatch "dispatch"({{.*}}) -> "target" {{.*}}-> !moe.tensor<[256, 200], f32, list, dynamic>
+
+// The pass needs the config's bindings.
+// UNRESOLVED: error: graph 'moe_ffn_fwd' has unresolved shapes: run moe-resolve-shapes first

@@ -19,10 +19,15 @@ namespace moec {
 /// The sizes and capacities of a compiled layer, read from its binary.
 struct LayerShape {
   bool backward = false;        ///< a backward pass
-  uint32_t ranks = 1;           ///< R
+  /// R = P * T, all ranks: P expert-parallel ranks of T tensor-parallel
+  /// ranks each (rank r: EP coordinate r / T, TP coordinate r % T).
+  uint32_t ranks = 1;
+  uint32_t tp = 1;              ///< T
   uint32_t localExperts = 1;    ///< L
   int64_t hidden = 0;           ///< H
-  int64_t inter = 0;            ///< I (the halved intermediate size)
+  /// I of one rank (the halved intermediate size): an expert's
+  /// intermediate size divided by T.
+  int64_t inter = 0;
   int64_t tokens = 0;           ///< S the binary was compiled for (tokens per rank)
   int64_t topK = 0;             ///< K the binary was compiled for
   int64_t rowCapacity = 0;      ///< most (token, k) rows a rank routes: S * K
@@ -44,8 +49,10 @@ struct LayerShape {
   /// scales (a quantize before the dispatch, a dequantize after it).
   bool fp8Dispatch = false;
 
-  /// E = R * L.
-  uint32_t experts() const { return ranks * localExperts; }
+  /// P = R / T, the EP ranks.
+  uint32_t epRanks() const { return ranks / tp; }
+  /// E = P * L.
+  uint32_t experts() const { return epRanks() * localExperts; }
 };
 
 } // namespace moec

@@ -96,6 +96,14 @@ bool fail(std::string *error, const std::string &source,
   return false;
 }
 
+/// What `tp` means, for the messages of configs written when it divided
+/// the tokens.
+constexpr const char *kTpMeaning =
+    "'tp' is expert tensor parallelism on an [ep, tp] mesh of ep * tp ranks: the tp ranks of "
+    "an EP rank share its seq_size tokens and each computes intermediate_size / tp of every "
+    "expert's columns. It no longer divides seq_size; a config that used it that way should "
+    "set seq_size to seq_size / tp and tp to 1";
+
 /// Checks `product` = a * b for overflow; returns false when it overflows.
 bool checkedMul(int64_t a, int64_t b, int64_t *product) {
   return !__builtin_mul_overflow(a, b, product);
@@ -212,7 +220,7 @@ int64_t receiveCapacityRows(const ModelConfig &c) {
   const TaskSplitValue v = deriveTaskSplitValue(c);
   const int64_t balanced = v.perRankSeq;
   const int64_t worst =
-      c.seqSize / c.tp * c.ep * std::min(c.topK, v.singleRankExpertNum);
+      c.seqSize * c.ep * std::min(c.topK, v.singleRankExpertNum);
   const int64_t scaled = int64_t(std::ceil(c.capacityFactor * double(balanced)));
   return std::max(balanced, std::min(scaled, worst));
 }
@@ -256,19 +264,24 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
                 fmt::format("'top_k' ({}) must not exceed 'num_experts' ({})",
                             c.topK, c.numExperts));
 
-  int64_t seqTokens = 0;
-  if (!checkedMul(c.seqSize, c.ep, &seqTokens) ||
-      !checkedMul(seqTokens, c.topK, &seqTokens))
+  if (c.intermediateSize % c.tp != 0)
+    return fail(error, source,
+                fmt::format("'intermediate_size' ({}) must be a multiple of 'tp' ({}): each of "
+                            "an expert's tp tensor-parallel ranks holds intermediate_size / tp "
+                            "of its columns. ({})",
+                            c.intermediateSize, c.tp, kTpMeaning));
+  int64_t ranks = 0;
+  if (!checkedMul(c.ep, c.tp, &ranks) || ranks > (int64_t(1) << 16))
+    return fail(error, source,
+                fmt::format("ep * tp ({} * {}) ranks; at most {} are supported", c.ep, c.tp,
+                            int64_t(1) << 16));
+  int64_t seqAll = 0;
+  if (!checkedMul(c.seqSize, c.ep, &seqAll) ||
+      !checkedMul(seqAll, c.topK, &seqAll))
     return fail(error, source,
                 fmt::format("seq_size * ep * top_k ({} * {} * {}) overflows "
                             "int64",
                             c.seqSize, c.ep, c.topK));
-  if (seqTokens % c.tp != 0)
-    return fail(error, source,
-                fmt::format("seq_size * ep * top_k ({}) must be a multiple of "
-                            "tp ({}) to derive 'seq_all'",
-                            seqTokens, c.tp));
-  int64_t seqAll = seqTokens / c.tp;
   if (seqAll % c.topK != 0)
     return fail(error, source,
                 fmt::format("seq_all ({}) must be a multiple of top_k ({}) to "
@@ -296,7 +309,7 @@ TaskSplitValue deriveTaskSplitValue(const ModelConfig &c) {
   TaskSplitValue v;
   v.allExpertNum = c.numExperts;
   v.singleRankExpertNum = c.numExperts / c.ep;
-  v.seqAll = c.seqSize * c.ep * c.topK / c.tp;
+  v.seqAll = c.seqSize * c.ep * c.topK;
   v.perExpertSeq = v.seqAll / c.topK;
   v.perRankSeq = v.seqAll / c.ep;
   v.perExpertSeqToOther = v.seqAll / (c.ep * c.topK);
@@ -308,6 +321,14 @@ void setDefaultCoreCounts(ModelConfig *c, int64_t cubeCores, int64_t vectorCores
     c->numCubeCores = cubeCores;
   if (c->numVectorCores == 0)
     c->numVectorCores = vectorCores;
+}
+
+std::vector<std::string> configNotes(const ModelConfig &c, const std::string &source) {
+  std::vector<std::string> notes;
+  if (c.tp > 1)
+    notes.push_back(fmt::format("{}: 'tp' is {}: {} ranks ({} EP x {} TP). {}.", source, c.tp,
+                                c.ep * c.tp, c.ep, c.tp, kTpMeaning));
+  return notes;
 }
 
 double loraScaling(const ModelConfig &c) {
@@ -335,7 +356,7 @@ Bindings configBindings(const ModelConfig &c) {
 const std::vector<std::pair<std::string, std::string>> &derivedSymbolDefinitions() {
   static const std::vector<std::pair<std::string, std::string>> defs = {
       {"single_rank_expert_num", "num_experts / ep"},
-      {"seq_all", "seq_size * ep * top_k / tp"},
+      {"seq_all", "seq_size * ep * top_k"},
       {"per_expert_seq", "seq_all / top_k"},
       {"per_rank_seq", "seq_all / ep"},
       {"per_expert_seq_to_other", "seq_all / (ep * top_k)"},

@@ -40,9 +40,12 @@ struct ModelConfig {
   int64_t intermediateSize = 0; ///< "intermediate_size": I (SwiGLU-halved).
   int64_t numExperts = 0;       ///< "num_experts": E.
   int64_t topK = 0;             ///< "top_k": K.
-  int64_t ep = 0;               ///< "ep": expert parallelism.
-  int64_t tp = 0;               ///< "tp": tensor parallelism.
-  int64_t seqSize = 0;          ///< "seq_size": tokens per rank S.
+  int64_t ep = 0;               ///< "ep": expert parallelism P (experts split P ways).
+  /// "tp": expert tensor parallelism T: each expert's intermediate size is
+  /// split over T ranks ([ep, tp] mesh of P * T ranks; w1's gate and up
+  /// columns column-parallel, w2's rows row-parallel).
+  int64_t tp = 0;
+  int64_t seqSize = 0;          ///< "seq_size": tokens per EP rank S (its TP ranks share them).
   DType dtype = DType::BF16;    ///< "dtype": "fp32" | "bf16".
   // Optional keys.
   int64_t numCubeCores = 0;   ///< "num_cube_cores"; 0: the target profile's count.
@@ -76,7 +79,7 @@ struct ModelConfig {
 struct TaskSplitValue {
   int64_t allExpertNum;        ///< E.
   int64_t singleRankExpertNum; ///< E / ep.
-  int64_t seqAll;              ///< seq_size * ep * top_k / tp.
+  int64_t seqAll;              ///< seq_size * ep * top_k.
   int64_t perExpertSeq;        ///< seq_all / top_k.
   int64_t perRankSeq;          ///< seq_all / ep.
   int64_t perExpertSeqToOther; ///< seq_all / (ep * top_k).
@@ -94,7 +97,7 @@ bool parseConfig(std::string_view text, const std::string &source,
 bool loadConfig(const std::string &path, ModelConfig *out, std::string *error);
 
 /// Checks the values of `c`: every count positive, num_experts a multiple of
-/// ep, top_k at most num_experts, and every derived TaskSplitValue field an
+/// ep, intermediate_size a multiple of tp, top_k at most num_experts, and every derived TaskSplitValue field an
 /// exact integer. On failure returns false and sets *error to
 /// "SOURCE: message".
 bool validateConfig(const ModelConfig &c, const std::string &source,
@@ -106,8 +109,13 @@ TaskSplitValue deriveTaskSplitValue(const ModelConfig &c);
 /// The rows of dispatched activations one rank's experts can hold in all (the
 /// capacity of the dynamic tensors): ceil(capacity_factor * per_rank_seq),
 /// but no more than the worst case, when every token of every rank picks
-/// min(top_k, L) of the rank's L experts: seq_size / tp * ep * min(top_k, L).
+/// min(top_k, L) of the rank's L experts: seq_size * ep * min(top_k, L).
 int64_t receiveCapacityRows(const ModelConfig &c);
+
+/// Notes a tool prints for a valid config whose meaning a reader may
+/// mistake: for tp > 1, that tp splits the experts' intermediate size (an
+/// older meaning divided the tokens). Each is "SOURCE: note".
+std::vector<std::string> configNotes(const ModelConfig &c, const std::string &source);
 
 /// Sets num_cube_cores and num_vector_cores where the config leaves them
 /// unset (0) to a target's core counts. A config that sets them pins the

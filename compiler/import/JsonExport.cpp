@@ -138,6 +138,8 @@ FailureOr<json> moec::exportGraphJson(ModuleOp module) {
       o["tiling_position"] = *tiling;
     if (auto dispatch = dyn_cast<DispatchOp>(task.getOperation()); dispatch && dispatch.getQuantizable())
       o["quantizable"] = true;
+    if (auto combine = dyn_cast<CombineOp>(task.getOperation()); combine && combine.getReduceTp())
+      o["reduce_tp"] = true;
     if (auto gmm = dyn_cast<GmmOp>(task.getOperation())) {
       if (gmm.getAccumulate())
         o["accumulate"] = true;

@@ -240,7 +240,8 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
   std::string what = "op " + std::to_string(index) + (name.empty() ? "" : " '" + name + "'");
   if (failed(checkKeys(o, loc, what,
                        keysOf({"name", "op", "inputs", "outputs", "split_value", "split_spec",
-                               "tiling_position", "fill", "accumulate", "scale", "quantizable"}),
+                               "tiling_position", "fill", "accumulate", "scale", "quantizable",
+                               "reduce_tp"}),
                        keysOf({"name", "op", "inputs", "outputs", "split_value", "split_spec"}))))
     return failure();
   if (!o["name"].is_string() || name.empty())
@@ -369,6 +370,12 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
       return error(loc) << what << ": 'quantizable' is a boolean of dispatch ops only";
     if (o["quantizable"].get<bool>())
       attrs.append("quantizable", b.getUnitAttr());
+  }
+  if (o.contains("reduce_tp")) {
+    if (kind != "combine" || !o["reduce_tp"].is_boolean())
+      return error(loc) << what << ": 'reduce_tp' is a boolean of combine ops only";
+    if (o["reduce_tp"].get<bool>())
+      attrs.append("reduce_tp", b.getUnitAttr());
   }
   if (o.contains("accumulate")) {
     if (kind != "gmm" || !o["accumulate"].is_boolean())

@@ -172,10 +172,17 @@ def Moe_CombineOp : Moe_TaskOp<"combine", "ALLTOALL", 0, 0> {
   let description = [{
     The inverse exchange of `moe.dispatch`, with the same operands. Fill
     config as for dispatch.
+
+    `reduce_tp` marks a combine whose rows are partial sums over the
+    config's `tp` tensor-parallel ranks (the down projection's output, or
+    dX, of an expert whose intermediate size is split over them): each tile
+    is put to all `tp` ranks of the EP rank the rows came from, and each of
+    them sums the `tp` partials of a row in TP order. With `tp` > 1, every
+    combine of a graph with expert weights must be marked.
   }];
   let arguments = !con((ins Moe_TensorType:$target_offset, Moe_TensorType:$src,
                             Moe_TensorType:$src_offset, Moe_TensorType:$sizes),
-                       commonAttrs);
+                       commonAttrs, (ins UnitAttr:$reduce_tp));
   let extraClassDeclaration = taskImpl;
 }
 

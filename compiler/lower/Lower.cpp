@@ -44,6 +44,9 @@ struct LoweredOp {
   uint32_t tasks = 0;
   uint32_t perExpertTiles = 0;
   bool isPut = false; ///< dispatch/combine: tile p goes to peer offset p
+  /// A reduce_tp combine: each tile's signals reach the T TP ranks of its
+  /// peer, so an event it signals counts each tile T times.
+  uint32_t fanOut = 1;
 };
 
 class Lowering {
@@ -55,6 +58,7 @@ public:
     for (NamedAttribute a : graph.getBindingsAttr())
       bindings[a.getName().str()] = a.getValue().cast<IntegerAttr>().getInt();
     p.epRanks = uint32_t(bindings.at("ep"));
+    p.tpRanks = uint32_t(bindings.at("tp"));
     p.localExperts = uint32_t(bindings.at("single_rank_expert_num"));
     p.target = p.addString(options.profile.name);
     if (bindings.at("dtype_size") == 2)
@@ -238,6 +242,10 @@ private:
     lowered.tasks = uint32_t(*op.getTasks());
     lowered.perExpertTiles = uint32_t(t.tileCount() / t.experts);
     lowered.isPut = kind == OpKind::Dispatch || kind == OpKind::Combine;
+    if (auto combine = dyn_cast<moe::CombineOp>(raw); combine && combine.getReduceTp()) {
+      t.flags |= kTilingReduceTp;
+      lowered.fanOut = p.tpRanks;
+    }
     if (t.tileCount() != lowered.tasks)
       return raw->emitError() << "'" << op.getOpName() << "': its grid has " << t.tileCount()
                               << " tiles but it has " << lowered.tasks << " tasks";
@@ -276,7 +284,7 @@ private:
     event.name = p.addString(name);
     event.kind = producer.isPut ? EventKind::CrossRank : EventKind::Local;
     event.op = producer.index;
-    event.threshold = last - first + 1;
+    event.threshold = (last - first + 1) * producer.fanOut;
     p.events.push_back(event);
     const TilingRecord &tiling = p.tilings[p.ops[producer.index].tiling];
     for (uint32_t t = first; t <= last; ++t) {
@@ -333,7 +341,7 @@ private:
       for (uint32_t t = 0; t < sink.tasks; ++t) {
         uint32_t peer = sink.isPut ? tileCoord(tiling, t).peer : 0;
         taskSignals[sink.firstTask + t].push_back({index, 1, peer, 0});
-        ++event.threshold;
+        event.threshold += sink.fanOut;
       }
     }
     p.events.push_back(event);

@@ -104,7 +104,7 @@ struct Signaller {
 /// ranks (every rank runs the same tables).
 struct Model {
   explicit Model(const TaskProgram &program)
-      : p(program), R(program.epRanks), T(uint32_t(program.tasks.size())),
+      : p(program), R(program.ranks()), T(uint32_t(program.tasks.size())),
         Q(uint32_t(program.queues.size())), E(uint32_t(program.events.size())) {
     queueOf.assign(T, 0);
     placeOf.assign(T, 0);
@@ -149,7 +149,8 @@ struct Model {
         uint32_t index = task.firstSignal + k;
         const SignalRecord &signal = p.signals[index];
         signallers[signalFill[signal.event]++] = {t, index};
-        signalSum[signal.event] += signal.increment;
+        signalSum[signal.event] +=
+            uint64_t(signal.increment) * (p.tpRanks > 1 && p.reducesTp(task.op) ? p.tpRanks : 1);
       }
     }
     for (uint32_t e = 0; e < E; ++e)
@@ -248,9 +249,12 @@ struct RunState {
   template <typename Arrive, typename Meet, typename Wake>
   void sendSignals(uint32_t rank, uint32_t task, Arrive &&arrive, Meet &&meet, Wake &&wake) {
     const TaskRecord &record = m.p.tasks[task];
+    std::vector<uint32_t> targets(m.p.tpRanks);
     for (uint32_t k = 0; k < record.signalCount; ++k) {
       const SignalRecord &signal = m.p.signals[size_t(record.firstSignal) + k];
-      uint32_t to = m.p.peerRank(rank, signal.peerOffset);
+      const uint32_t reached = m.p.signalRanks(record.op, rank, signal.peerOffset, targets.data());
+      for (uint32_t n = 0; n < reached; ++n) {
+      const uint32_t to = targets[n];
       size_t c = size_t(to) * m.E + signal.event;
       uint64_t value = counter[c] += signal.increment;
       arrive(to, signal.event);
@@ -265,6 +269,7 @@ struct RunState {
           blocked[s] = 0;
           wake(s);
         }
+      }
       }
     }
   }
@@ -362,18 +367,23 @@ std::string explainStuck(const Model &m, const RunState &run) {
     uint64_t pending = 0;
     ChainStep step{at, task, event, unmet->threshold, has, 0, 0};
     int best = -1;
+    std::vector<uint32_t> sources(p.tpRanks);
     for (uint32_t i = m.signallerBegin[event]; i < m.signallerBegin[event + 1]; ++i) {
       const Signaller &s = m.signallers[i];
       const SignalRecord &signal = p.signals[s.signal];
-      uint32_t from = uint32_t((uint64_t(rank) + m.R - signal.peerOffset) % m.R);
-      if (run.hasRun(from, s.task))
-        continue;
-      pending += signal.increment;
-      int score = seenAt[m.queueOf[s.task]] >= 0 ? 2 : from == rank ? 1 : 0;
-      if (score > best) {
-        best = score;
-        step.signaller = s.task;
-        step.signallerRank = from;
+      const uint32_t count =
+          p.signalSources(p.tasks[s.task].op, rank, signal.peerOffset, sources.data());
+      for (uint32_t n = 0; n < count; ++n) {
+        const uint32_t from = sources[n];
+        if (run.hasRun(from, s.task))
+          continue;
+        pending += signal.increment;
+        int score = seenAt[m.queueOf[s.task]] >= 0 ? 2 : from == rank ? 1 : 0;
+        if (score > best) {
+          best = score;
+          step.signaller = s.task;
+          step.signallerRank = from;
+        }
       }
     }
     if (has + pending < unmet->threshold) {

@@ -47,8 +47,10 @@ def VerifyGraph : Pass<"moe-verify-graph", "::mlir::ModuleOp"> {
   let description = [{
     Fails on a cycle (naming the ops on it) and on a split input that is a
     graph input: such an op has no producer tiles to follow, a case the seed
-    silently turned into a task count of 1. Warns about graph inputs that no
-    op reads.
+    silently turned into a task count of 1. With a config whose `tp` is
+    above 1, fails on a combine of a layer graph that is not `reduce_tp`, and
+    on a graph with no expert weights (only dispatches and combines). Warns
+    about graph inputs that no op reads.
   }];
 }
 

@@ -14,6 +14,45 @@ using namespace moec::moe;
 namespace {
 
 struct VerifyGraphPass : moec::moe::impl::VerifyGraphBase<VerifyGraphPass> {
+  /// With the config's tp > 1 (a graph whose shapes are resolved), every
+  /// combine of a layer returns partial sums over the TP ranks and must say
+  /// so; a graph of dispatches and combines alone has no expert weights for
+  /// tp to split.
+  static LogicalResult checkTensorParallel(GraphOp graph) {
+    DictionaryAttr bound = graph.getBindingsAttr();
+    auto tp = bound ? bound.getAs<IntegerAttr>("tp") : IntegerAttr();
+    if (!tp || tp.getInt() <= 1)
+      return success();
+    const bool layer = !graph.getBlock().getOps<GmmOp>().empty();
+    for (GmmOp gmm : graph.getBlock().getOps<GmmOp>())
+      if (gmm.getAddend())
+        return gmm.emitError()
+               << "'" << gmm.getOpName() << "' adds a LoRA adapter's product, and the config's tp is "
+               << tp.getInt()
+               << ": LoRA adapters are not supported with tensor parallelism (their rank-r "
+                  "products would need a TP reduction of their own); use tp 1";
+    for (CombineOp op : graph.getBlock().getOps<CombineOp>()) {
+      if (!layer)
+        return op.emitError() << "graph '" << graph.getSymName() << "': the config's tp is "
+                              << tp.getInt()
+                              << ", but the graph has no expert weights for tp to split (only "
+                                 "dispatches and combines); use a config with tp 1";
+      if (!op.getReduceTp())
+        return op.emitError()
+               << "'" << op.getOpName() << "': the config's tp is " << tp.getInt()
+               << ", so the rows it returns are partial sums over " << tp.getInt()
+               << " tensor-parallel ranks, but it is not marked reduce_tp (mark it, and give "
+                  "the expert weights intermediate_size / tp columns)";
+    }
+    if (!layer)
+      for (DispatchOp op : graph.getBlock().getOps<DispatchOp>())
+        return op.emitError() << "graph '" << graph.getSymName() << "': the config's tp is "
+                              << tp.getInt()
+                              << ", but the graph has no expert weights for tp to split (only "
+                                 "dispatches and combines); use a config with tp 1";
+    return success();
+  }
+
   void runOnOperation() override {
     bool failedAny = false;
     for (GraphOp graph : getOperation().getOps<GraphOp>()) {
@@ -22,6 +61,8 @@ struct VerifyGraphPass : moec::moe::impl::VerifyGraphBase<VerifyGraphPass> {
         failedAny = true;
         continue;
       }
+      if (failed(checkTensorParallel(graph)))
+        failedAny = true;
       for (InputOp input : graph.getBlock().getOps<InputOp>())
         if (input.getResult().use_empty())
           input.emitWarning() << "graph input '" << input.getResultName()

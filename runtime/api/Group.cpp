@@ -24,8 +24,23 @@ struct RankReport {
   int32_t code = 0; ///< the StatusCode of the error, when not ok
   int64_t tokens = 0;
   int64_t topK = 0;
-  char message[488] = {};
+  uint64_t routing = 0; ///< routingFingerprint() of the rank's routing
+  char message[480] = {};
 };
+
+/// FNV-1a over the sorted order and the top-k weights of a routing: equal
+/// for ranks given the same topk_ids and topk_weights.
+uint64_t routingFingerprint(const backend::RankRoute &route) {
+  uint64_t h = 1469598103934665603ull;
+  const auto mix = [&](const void *data, size_t bytes) {
+    const auto *p = static_cast<const unsigned char *>(data);
+    for (size_t i = 0; i < bytes; ++i)
+      h = (h ^ p[i]) * 1099511628211ull;
+  };
+  mix(route.layout.order.data(), route.layout.order.size() * sizeof(int64_t));
+  mix(route.weights.data(), route.weights.size() * sizeof(float));
+  return h;
+}
 static_assert(sizeof(RankReport) == 512, "RankReport layout");
 
 } // namespace
@@ -52,9 +67,9 @@ Status Group::initialize(const LayerShape &shape, const ContextOptions &opts,
   fabric = opts.fabric ? opts.fabric : comm::inProcessFabric(R);
   if (fabric->ranks() != R)
     return Status::error(fmt::format(
-        "{}: the binary is compiled for {} ranks (the config's ep), but the {} fabric has {} "
-        "(e.g. mpirun -np {})",
-        source, R, fabric->name(), fabric->ranks(), R));
+        "{}: the binary is compiled for {} ranks (the config's ep x tp: {} x {}), but the {} "
+        "fabric has {} (e.g. mpirun -np {})",
+        source, R, shape.epRanks(), shape.tp, fabric->name(), fabric->ranks(), R));
   ids.assign(R, Tensor{});
   weights.assign(R, Tensor{});
   return Status::success();
@@ -180,6 +195,8 @@ Status Group::agree(const std::vector<Status> &local,
     if (routes) {
       report.tokens = (*routes)[r].tokens;
       report.topK = (*routes)[r].topK;
+      if (local[i])
+        report.routing = routingFingerprint((*routes)[r]);
     }
     if (!local[i]) {
       report.ok = 0;
@@ -207,6 +224,21 @@ Status Group::agree(const std::vector<Status> &local,
                                 : Status::error(reports[r].message, StatusCode(reports[r].code));
   if (!routes)
     return Status::success();
+  // The TP ranks of an EP rank share its tokens: they exchange the same
+  // rows, and each returns its partial sums to all of them.
+  const uint32_t T = shape().tp;
+  for (uint32_t r = 0; r < R; ++r) {
+    const RankReport &first = reports[r - r % T], &mine = reports[r];
+    if (mine.tokens != first.tokens || mine.topK != first.topK || mine.routing != first.routing)
+      return Status::error(fmt::format(
+          "rank {} (EP rank {}, TP rank {}) routes other tokens than rank {} (TP rank 0): "
+          "{} tokens x top-{} against {} x top-{}{}; the TP ranks of an EP rank must be given "
+          "the same x, topk_ids and topk_weights",
+          r, r / T, r % T, r - r % T, mine.tokens, mine.topK, first.tokens, first.topK,
+          mine.tokens == first.tokens && mine.topK == first.topK
+              ? " (the same sizes, other expert ids or weights)"
+              : ""));
+  }
   for (uint32_t r = 0; r < R; ++r) {
     if (fabric->isLocal(r))
       continue;
@@ -225,7 +257,8 @@ Status Group::agree(const std::vector<Status> &local,
 
 Status Group::checkCapacities(const std::vector<backend::RankRoute> &routes) {
   const LayerShape &s = shape();
-  const uint32_t R = s.ranks, L = s.localExperts;
+  // Over EP ranks: the TP ranks of one route the same rows (agree()).
+  const uint32_t R = s.epRanks(), L = s.localExperts, T = s.tp;
   // One pass: what the routing needs of every capacity, and the first
   // capacity it breaks (puts, then experts, then ranks, in rank order).
   std::string over;
@@ -239,7 +272,7 @@ Status Group::checkCapacities(const std::vector<backend::RankRoute> &routes) {
       const uint32_t g = r * L + e;
       int64_t rows = 0;
       for (uint32_t q = 0; q < R; ++q) {
-        const int64_t n = routes[q].layout.counts[g];
+        const int64_t n = routes[size_t(q) * T].layout.counts[g];
         need.putRows = std::max(need.putRows, n);
         if (n > s.putCapacity)
           exceeded(fmt::format(

@@ -240,7 +240,7 @@ std::string describe(const RankFingerprint &f) {
   else
     text += ", no backward";
   const LayerShape &s = f.shape;
-  return text + fmt::format(" for R {}, L {}, H {}, I {}, S {}, K {}, {}", s.ranks, s.localExperts,
+  return text + fmt::format(" for R {} (TP {}), L {}, H {}, I {}, S {}, K {}, {}", s.ranks, s.tp, s.localExperts,
                             s.hidden, s.inter, s.tokens, s.topK, dtypeName(s.activations));
 }
 

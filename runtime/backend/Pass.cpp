@@ -31,14 +31,33 @@ uint64_t workspaceBytes(const format::TaskProgram &program, const rt::LayerPlan 
   uint64_t needed = 0;
   for (uint32_t slot = 0; slot < program.slots.size(); ++slot)
     if (std::find(caller.begin(), caller.end(), slot) == caller.end())
-      needed += uint64_t(bytes(program.slots[slot])) * ranks;
+      needed += uint64_t(bytes(program.slots[slot])) * slotCopies(program, slot) * ranks;
   return needed;
+}
+
+uint32_t slotCopies(const format::TaskProgram &program, uint32_t slot) {
+  for (uint32_t op = 0; op < program.ops.size(); ++op)
+    if (program.reducesTp(op) && program.tilings[program.ops[op].tiling].outputSlot == slot)
+      return program.tpRanks;
+  return 1;
+}
+
+int64_t slotRows(const format::SlotRecord &slot) {
+  return slot.rank == 0 ? 0
+                        : int64_t((slot.flags & format::kSlotDynamic) ? slot.capacityRows
+                                                                      : slot.dims[0]);
 }
 
 void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &plan,
                        const std::vector<RankRoute> &routes, uint32_t firstRank, uint32_t endRank,
                        const std::function<void *(uint32_t rank, uint32_t slot)> &memory) {
-  const uint32_t R = program.epRanks, L = plan.shape.localExperts, E = R * L;
+  // Ranks are EP ranks here: the TP ranks of an EP rank route the same
+  // tokens (Group::agree checks it) and exchange with their own TP
+  // coordinate's ranks, so every TP coordinate has the same layout.
+  const uint32_t R = program.epRanks, T = program.tpRanks, L = plan.shape.localExperts, E = R * L;
+  const auto ep = [&](uint32_t q) -> const rt::RoutingLayout & {
+    return routes[size_t(q) * T].layout;
+  };
   // rows[r][e]: rows local expert e of rank r receives; start[r][e]: its
   // segment's first row; before[q][g]: rows ranks < q send expert g.
   std::vector<std::vector<int64_t>> rows(R, std::vector<int64_t>(L)), start = rows;
@@ -46,8 +65,8 @@ void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &
   for (uint32_t g = 0; g < E; ++g)
     for (uint32_t q = 0; q < R; ++q) {
       if (q + 1 < R)
-        before[q + 1][g] = before[q][g] + routes[q].layout.counts[g];
-      rows[g / L][g % L] += routes[q].layout.counts[g];
+        before[q + 1][g] = before[q][g] + ep(q).counts[g];
+      rows[g / L][g % L] += ep(q).counts[g];
     }
   for (uint32_t r = 0; r < R; ++r)
     for (uint32_t e = 1; e < L; ++e)
@@ -66,21 +85,22 @@ void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &
       static_cast<int64_t *>(data)[i] = value;
   };
   for (uint32_t r = firstRank; r < endRank; ++r) {
+    const uint32_t me = r / T;
     const rt::RoutingLayout &own = routes[r].layout;
     for (uint32_t g = 0; g < E; ++g) {
       put(r, plan.dSize, g, own.counts[g]);
       put(r, plan.dSrcOffset, g, own.offsets[g]);
-      put(r, plan.dTargetOffset, g, targetOffset(r, g));
+      put(r, plan.dTargetOffset, g, targetOffset(me, g));
     }
     for (uint32_t q = 0; q < R; ++q)
       for (uint32_t e = 0; e < L; ++e) {
-        const uint32_t g = r * L + e, i = q * L + e;
-        put(r, plan.cSize, i, routes[q].layout.counts[g]);
+        const uint32_t g = me * L + e, i = q * L + e;
+        put(r, plan.cSize, i, ep(q).counts[g]);
         put(r, plan.cSrcOffset, i, targetOffset(q, g));
-        put(r, plan.cTargetOffset, i, routes[q].layout.offsets[g]);
+        put(r, plan.cTargetOffset, i, ep(q).offsets[g]);
       }
     for (uint32_t e = 0; e < L; ++e)
-      put(r, plan.glist, e, start[r][e] + rows[r][e]);
+      put(r, plan.glist, e, start[me][e] + rows[me][e]);
   }
 }
 
@@ -91,24 +111,33 @@ namespace {
 void forEachPut(const format::TaskProgram &program, const rt::LayerPlan &plan,
                 const std::vector<RankRoute> &routes,
                 const std::function<void(format::OpKind, uint32_t, uint32_t, uint64_t)> &visit) {
-  const uint32_t R = uint32_t(routes.size()), L = uint32_t(plan.shape.localExperts);
-  for (const format::OpRecord &op : program.ops) {
+  const uint32_t R = program.epRanks, T = program.tpRanks,
+                 L = uint32_t(plan.shape.localExperts);
+  for (uint32_t o = 0; o < program.ops.size(); ++o) {
+    const format::OpRecord &op = program.ops[o];
     if (op.kind != format::OpKind::Dispatch && op.kind != format::OpKind::Combine)
       continue;
     const format::TilingRecord &tiling = program.tilings[op.tiling];
     const uint64_t rowBytes =
         tiling.cols * format::dtypeSize(program.slots[tiling.outputSlot].dtype);
-    // Rows source rank s routes to expert e of rank q: the dispatch puts
-    // them from s to q, the combine returns them from q to s.
+    const bool fanOut = program.reducesTp(o);
+    // Rows EP rank s routes to expert e of EP rank q: the dispatch puts them
+    // from (s, t) to (q, t), the combine returns them from (q, t) to (s, t),
+    // or to every (s, t') when it reduces over TP.
     for (uint32_t s = 0; s < R; ++s)
       for (uint32_t q = 0; q < R; ++q)
         for (uint32_t e = 0; e < L; ++e) {
-          const int64_t rows = routes[s].layout.counts[size_t(q) * L + e];
+          const int64_t rows = routes[size_t(s) * T].layout.counts[size_t(q) * L + e];
           const uint64_t bytes = uint64_t(std::min<int64_t>(rows, int64_t(tiling.rows))) * rowBytes;
-          if (op.kind == format::OpKind::Dispatch)
-            visit(op.kind, s, q, bytes);
-          else
-            visit(op.kind, q, s, bytes);
+          for (uint32_t t = 0; t < T; ++t) {
+            if (op.kind == format::OpKind::Dispatch)
+              visit(op.kind, s * T + t, q * T + t, bytes);
+            else if (!fanOut)
+              visit(op.kind, q * T + t, s * T + t, bytes);
+            else
+              for (uint32_t to = 0; to < T; ++to)
+                visit(op.kind, q * T + t, s * T + to, bytes);
+          }
         }
   }
 }

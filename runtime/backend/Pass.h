@@ -149,8 +149,16 @@ public:
 /// Elements of a slot at its capacity (a dynamic slot at capacityRows).
 uint64_t slotElements(const format::SlotRecord &slot);
 
+/// Rows of dim 0 of a slot at its capacity.
+int64_t slotRows(const format::SlotRecord &slot);
+
+/// The copies of slot `slot` a rank holds: T for the returned rows of a
+/// combine that reduces over TP (one block of partial sums per TP rank,
+/// slotRows() rows apart), else 1.
+uint32_t slotCopies(const format::TaskProgram &program, uint32_t slot);
+
 /// The workspace of `ranks` ranks: `bytes` of every slot the caller does
-/// not bind (LayerPlan::boundSlots), per rank.
+/// not bind (LayerPlan::boundSlots), times its slotCopies(), per rank.
 uint64_t workspaceBytes(const format::TaskProgram &program, const rt::LayerPlan &plan,
                         uint32_t ranks, size_t (*bytes)(const format::SlotRecord &));
 

@@ -65,6 +65,8 @@ struct Pass::OpInfo {
   OpKind kind = OpKind::Gmm;
   const TilingRecord *tiling = nullptr;
   bool wgrad = false, transposeB = false, accumulate = false;
+  /// A combine of partial sums over T > 1 TP ranks: puts to all of them.
+  bool reduceTp = false;
   float scale = 1.0f;                ///< the product's factor (activation form)
   uint32_t addend = format::kNone;   ///< the slot added to an activation-form product
   int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
@@ -90,6 +92,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
     info.wgrad = op.kind == OpKind::Gmm && info.tiling->depth == 0;
     info.transposeB = info.tiling->flags & format::kTilingTransposeB;
     info.accumulate = info.tiling->flags & format::kTilingAccumulate;
+    info.reduceTp = (info.tiling->flags & format::kTilingReduceTp) && program.tpRanks > 1;
     if (info.tiling->flags & format::kTilingScale)
       info.scale = info.tiling->scale;
     if (op.kind == OpKind::Gmm && !info.wgrad && info.tiling->inputCount == 4)
@@ -100,8 +103,8 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
       info.expertStride = int64_t(w.dims[1] * w.dims[2]);
     pass->ops.push_back(info);
   }
-  pass->data.assign(program.epRanks, std::vector<void *>(program.slots.size(), nullptr));
-  pass->sendRows.assign(program.epRanks, 0);
+  pass->data.assign(program.ranks(), std::vector<void *>(program.slots.size(), nullptr));
+  pass->sendRows.assign(program.ranks(), 0);
   pass->windowOf.assign(program.slots.size(), nullptr);
 
   exec::ExecutorOptions eo;
@@ -240,7 +243,7 @@ Status Pass::allocate() {
   for (uint32_t slot : order) {
     if (std::find(caller.begin(), caller.end(), slot) != caller.end())
       continue;
-    const size_t bytes = slotBytes(tasks.slots[slot]);
+    const size_t bytes = slotBytes(tasks.slots[slot]) * backend::slotCopies(tasks, slot);
     if (isWindow[slot]) {
       std::unique_ptr<comm::Window> window;
       if (Status s = fabric.createWindow(bytes, &window); !s)
@@ -367,13 +370,14 @@ Status Pass::combine(const std::vector<RankRoute> &routes, const std::vector<voi
   const comm::Fabric &fabric = *options.fabric;
   const Pieces pieces{fabric.firstLocal(), options.workers};
   const format::SlotRecord &returned = program->slots[plan.returned];
+  const int64_t parts = backend::slotCopies(*program, plan.returned);
   team->run(pieces.count(fabric.localRanks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
     combineRows(ConstMatrix{data[r][plan.returned], returned.dtype, int64_t(returned.dims[1])},
                 route.layout.position.data(), weighted ? route.weights.data() : nullptr,
                 route.topK, Matrix{out[r], act, H}, pieces.range(item, route.tokens),
-                Range{0, H});
+                Range{0, H}, parts, backend::slotRows(returned));
   });
   return Status::success();
 }
@@ -387,6 +391,7 @@ Status Pass::topkWeightGrad(const backend::Pass &forward, const std::vector<Rank
   const comm::Fabric &fabric = *options.fabric;
   const Pieces pieces{fabric.firstLocal(), options.workers};
   const format::SlotRecord &returned = forward.tasks().slots[saved.returned];
+  const int64_t parts = backend::slotCopies(forward.tasks(), saved.returned);
   team->run(pieces.count(fabric.localRanks()), [&](size_t item) {
     const uint32_t r = pieces.rank(item);
     const RankRoute &route = routes[r];
@@ -394,7 +399,7 @@ Status Pass::topkWeightGrad(const backend::Pass &forward, const std::vector<Rank
                       ConstMatrix{forward.slot(r, saved.returned), returned.dtype,
                                   int64_t(returned.dims[1])},
                       route.layout.position.data(), route.topK, pieces.range(item, route.tokens),
-                      H, out[r]);
+                      H, out[r], parts, backend::slotRows(returned));
   });
   return Status::success();
 }
@@ -408,7 +413,7 @@ Status Pass::runPut(const OpInfo &op, uint32_t rank, const format::TileCoord &ti
   const rt::LayerPlan &plan = *layer;
   const TaskProgram &tasks = *program;
   const uint32_t peer = tasks.peerRank(rank, tile.peer);
-  const int64_t i = int64_t(peer) * plan.shape.localExperts + tile.expert;
+  const int64_t i = int64_t(tasks.epOf(peer)) * plan.shape.localExperts + tile.expert;
   const uint32_t sizeSlot = combine ? plan.cSize : plan.dSize;
   const uint32_t srcOffsetSlot = combine ? plan.cSrcOffset : plan.dSrcOffset;
   const uint32_t targetOffsetSlot = combine ? plan.cTargetOffset : plan.dTargetOffset;
@@ -430,10 +435,22 @@ Status Pass::runPut(const OpInfo &op, uint32_t rank, const format::TileCoord &ti
   const int64_t srcRow = index(srcOffsetSlot, i) + begin;
   const int64_t dstRow = index(targetOffsetSlot, i) + begin;
   const size_t col = size_t(tile.colBegin) * elt;
-  return options.fabric->put(*windowOf[to], peer, size_t(dstRow) * dstLd + col, dstLd,
-                             static_cast<const char *>(data[rank][from]) + size_t(srcRow) * srcLd +
-                                 col,
-                             srcLd, size_t(end - begin), size_t(tile.colEnd - tile.colBegin) * elt);
+  const char *rows = static_cast<const char *>(data[rank][from]) + size_t(srcRow) * srcLd + col;
+  const size_t rowBytes = size_t(tile.colEnd - tile.colBegin) * elt;
+  if (!op.reduceTp)
+    return options.fabric->put(*windowOf[to], peer, size_t(dstRow) * dstLd + col, dstLd, rows,
+                               srcLd, size_t(end - begin), rowBytes);
+  // Partial sums over TP: to every TP rank of the peer, into the block of
+  // this rank's TP coordinate.
+  const size_t block = size_t(backend::slotRows(dst)) * dstLd * tasks.tpOf(rank);
+  const uint32_t first = tasks.epOf(peer) * tasks.tpRanks;
+  for (uint32_t t = 0; t < tasks.tpRanks; ++t)
+    if (Status s = options.fabric->put(*windowOf[to], first + t,
+                                       block + size_t(dstRow) * dstLd + col, dstLd, rows, srcLd,
+                                       size_t(end - begin), rowBytes);
+        !s)
+      return s;
+  return Status::success();
 }
 
 Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {

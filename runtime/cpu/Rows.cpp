@@ -28,6 +28,19 @@ void copyRow(const void *src, Elt srcElt, void *dst, Elt dstElt, int64_t cols) {
   }
 }
 
+/// Loads `n` columns from c0 of row `row` of z into `out` as fp32: the sum,
+/// in block order, of its `parts` partial rows `partStride` rows apart.
+void loadRow(ConstMatrix z, int64_t row, int64_t c0, int64_t n, int64_t parts, int64_t partStride,
+             float *out) {
+  loadFloats(z.address(row, c0), z.elt, out, size_t(n));
+  float part[kChunk];
+  for (int64_t p = 1; p < parts; ++p) {
+    loadFloats(z.address(row + p * partStride, c0), z.elt, part, size_t(n));
+    for (int64_t c = 0; c < n; ++c)
+      out[c] += part[c];
+  }
+}
+
 } // namespace
 
 void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const float *weights,
@@ -54,7 +67,7 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
 }
 
 void combineRows(ConstMatrix z, const int64_t *position, const float *weights, int64_t topK,
-                 Matrix y, Range tokens, Range cols) {
+                 Matrix y, Range tokens, Range cols, int64_t parts, int64_t partStride) {
   float sum[kChunk], row[kChunk];
   for (int64_t t = tokens.begin; t < tokens.end; ++t) {
     for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
@@ -63,7 +76,7 @@ void combineRows(ConstMatrix z, const int64_t *position, const float *weights, i
       for (int64_t k = 0; k < topK; ++k) {
         const int64_t id = t * topK + k;
         const float w = weights ? weights[id] : 1.0f;
-        loadFloats(z.address(position[id], c0), z.elt, row, size_t(n));
+        loadRow(z, position[id], c0, n, parts, partStride, row);
         for (int64_t c = 0; c < n; ++c)
           sum[c] += w * row[c];
       }
@@ -73,7 +86,8 @@ void combineRows(ConstMatrix z, const int64_t *position, const float *weights, i
 }
 
 void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, int64_t topK,
-                       Range tokens, int64_t cols, float *dweights) {
+                       Range tokens, int64_t cols, float *dweights, int64_t parts,
+                       int64_t partStride) {
   float grad[kChunk], row[kChunk];
   for (int64_t t = tokens.begin; t < tokens.end; ++t) {
     for (int64_t k = 0; k < topK; ++k) {
@@ -82,7 +96,7 @@ void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, i
       for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
         const int64_t n = std::min(kChunk, cols - c0);
         loadFloats(dy.address(t, c0), dy.elt, grad, size_t(n));
-        loadFloats(z.address(position[id], c0), z.elt, row, size_t(n));
+        loadRow(z, position[id], c0, n, parts, partStride, row);
         for (int64_t c = 0; c < n; ++c)
           dot += grad[c] * row[c];
       }

@@ -16,6 +16,10 @@
 // for dot products), so results are deterministic and, for combineRows, do not
 // depend on how tokens and columns are tiled.
 //
+// Under tensor parallelism the returned rows are `parts` partial sums, one
+// block of rows per TP rank, `partStride` rows apart: a row of Z is then the
+// fp32 sum of its parts in block order, taken before anything else.
+//
 //===----------------------------------------------------------------------===//
 
 #ifndef MOEC_RUNTIME_CPU_ROWS_H
@@ -40,13 +44,14 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
 /// summed in fp32 in ascending k, with w[t, k] = weights[t * topK + k], or 1
 /// when `weights` is null (the backward combine dx[t] = sum_k dX row).
 void combineRows(ConstMatrix z, const int64_t *position, const float *weights, int64_t topK,
-                 Matrix y, Range tokens, Range cols);
+                 Matrix y, Range tokens, Range cols, int64_t parts = 1, int64_t partStride = 0);
 
 /// The gradient of combineRows with respect to its weights, on tokens
 /// `tokens`: dweights[t * topK + k] = sum_{h < cols} dy[t, h] *
 /// z[position[t * topK + k], h], summed in fp32 in ascending h.
 void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, int64_t topK,
-                       Range tokens, int64_t cols, float *dweights);
+                       Range tokens, int64_t cols, float *dweights, int64_t parts = 1,
+                       int64_t partStride = 0);
 
 } // namespace moec::cpu
 

@@ -83,6 +83,11 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
                          "one GPU; it does not run under MPI");
   if (options.trace)
     return Status::error("the cuda backend records no task trace (the cpu backend does)");
+  if (plan.shape.tp > 1)
+    return Status::error(fmt::format(
+        "the cuda backend has no expert tensor parallelism (the binary has {} TP ranks); "
+        "run it on the cpu backend",
+        plan.shape.tp));
   if (plan.shape.fp8Dispatch)
     return Status::error("the cuda backend has no FP8 dispatch (no quantize or dequantize "
                          "kernels); compile without \"dispatch_dtype\": \"fp8_e4m3\", or run "

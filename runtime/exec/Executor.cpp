@@ -168,7 +168,11 @@ struct Executor::Impl {
   struct Signaller {
     uint32_t offset;
     uint64_t total;
+    bool fanOut; ///< from every TP rank of the EP rank `offset` before
   };
+  /// Per task: its signals reach all TP ranks of their peer (a combine that
+  /// reduces over TP).
+  std::vector<uint8_t> fanOut;
   std::vector<std::vector<Signaller>> signallers; ///< [event]: who signals it
   std::vector<uint64_t> inboxValues;    ///< the local inbox as last read, per local rank
   std::vector<uint64_t> inboxSeen;      ///< what of it was delivered
@@ -224,8 +228,10 @@ struct Executor::Impl {
   size_t pickReady() const;
   uint32_t rebalance(uint32_t lq);
   bool headReady(uint32_t lq);
-  Status signal(uint32_t rank, const SignalRecord &signal, std::vector<uint32_t> &woken,
-                const trace::WaitSpan &by, trace::Trace *waits);
+  Status signal(uint32_t rank, const SignalRecord &signal, bool fanOut,
+                std::vector<uint32_t> &woken, const trace::WaitSpan &by, trace::Trace *waits);
+  Status signalOne(uint32_t target, const SignalRecord &signal, std::vector<uint32_t> &woken,
+                   const trace::WaitSpan &by, trace::Trace *waits);
   void addToEvent(uint32_t rank, uint32_t event, uint64_t increment, std::vector<uint32_t> &woken,
                   const trace::WaitSpan &by, trace::Trace *waits);
   bool isLocal(uint32_t rank) const { return rank - firstLocal < localCount; }
@@ -249,7 +255,10 @@ struct Executor::Impl {
 Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
                      const ExecutorOptions &optionsIn)
     : program(std::move(programIn)), runTask(std::move(runTaskIn)), options(optionsIn) {
-  rankCount = program.epRanks;
+  rankCount = program.ranks();
+  fanOut.assign(program.tasks.size(), 0);
+  for (size_t t = 0; t < program.tasks.size(); ++t)
+    fanOut[t] = program.tpRanks > 1 && program.reducesTp(program.tasks[t].op);
   queueCount = uint32_t(program.queues.size());
   eventCount = uint32_t(program.events.size());
   workerCount = options.workers;
@@ -268,22 +277,26 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
     // Every rank runs every task once, so each task's signals reach every
     // rank once in a pass (from the rank peerOffset before it). Tasks may
     // share signal records: count them per task.
-    for (const TaskRecord &task : program.tasks)
+    // A task that fans out reaches every rank once from each TP rank of
+    // the EP rank peerOffset before it.
+    for (size_t t = 0; t < program.tasks.size(); ++t) {
+      const TaskRecord &task = program.tasks[t];
       for (uint32_t i = 0; i < task.signalCount; ++i) {
         const SignalRecord &signal = program.signals[task.firstSignal + i];
-        eventTotal[signal.event] += signal.increment;
-        if (signal.peerOffset % rankCount == 0)
+        eventTotal[signal.event] += uint64_t(signal.increment) * (fanOut[t] ? program.tpRanks : 1);
+        if (signal.peerOffset == 0 && !fanOut[t])
           continue;
         fromPeer[signal.event] = true;
         std::vector<Signaller> &from = signallers[signal.event];
         auto it = std::find_if(from.begin(), from.end(), [&](const Signaller &s) {
-          return s.offset == signal.peerOffset % rankCount;
+          return s.offset == signal.peerOffset && s.fanOut == bool(fanOut[t]);
         });
         if (it == from.end())
-          from.push_back({signal.peerOffset % rankCount, signal.increment});
+          from.push_back({signal.peerOffset, signal.increment, bool(fanOut[t])});
         else
           it->total += signal.increment;
       }
+    }
     for (uint32_t e = 0; e < fromPeer.size(); ++e)
       if (fromPeer[e])
         remoteEvents.push_back(e);
@@ -514,12 +527,23 @@ bool Executor::Impl::headReady(uint32_t lq) {
 /// Sends `signal` of a task that ran on `rank`; appends the logical queues it
 /// wakes (which the caller then owns) to `woken`. A signal for a rank of
 /// another process goes through the inbox.
-Status Executor::Impl::signal(uint32_t rank, const SignalRecord &signal,
+Status Executor::Impl::signal(uint32_t rank, const SignalRecord &signal, bool fanOut,
                               std::vector<uint32_t> &woken, const trace::WaitSpan &by,
                               trace::Trace *waits) {
-  uint32_t target = rank + signal.peerOffset;
-  if (target >= rankCount)
-    target -= rankCount;
+  const uint32_t target = program.peerRank(rank, signal.peerOffset);
+  if (!fanOut)
+    return signalOne(target, signal, woken, by, waits);
+  const uint32_t first = program.epOf(target) * program.tpRanks;
+  for (uint32_t t = 0; t < program.tpRanks; ++t)
+    if (Status s = signalOne(first + t, signal, woken, by, waits); !s)
+      return s;
+  return Status::success();
+}
+
+/// Sends `signal` to rank `target`.
+Status Executor::Impl::signalOne(uint32_t target, const SignalRecord &signal,
+                                 std::vector<uint32_t> &woken, const trace::WaitSpan &by,
+                                 trace::Trace *waits) {
   if (!isLocal(target))
     return inbox->signal(target, signal.event, signal.increment, by.signalTask);
   addToEvent(target, signal.event, signal.increment, woken, by, waits);
@@ -633,7 +657,7 @@ void Executor::Impl::runPass(uint32_t workerIndex) {
     by.signalRank = rank;
     by.signalTask = taskIndex;
     for (uint32_t s = 0; s < task.signalCount && status.ok(); ++s)
-      status = signal(rank, program.signals[task.firstSignal + s], woken, by,
+      status = signal(rank, program.signals[task.firstSignal + s], fanOut[taskIndex], woken, by,
                       tracing ? &worker.trace : nullptr);
     if (tracing)
       worker.trace.tasks.push_back({rank, lq % queueCount, taskIndex, workerIndex, startNs,
@@ -855,9 +879,13 @@ std::string Executor::Impl::describeSignallers(uint32_t rank, uint32_t event) co
     return "";
   std::vector<std::pair<uint32_t, uint64_t>> peers;
   for (const Signaller &from : signallers[event]) {
-    const uint32_t peer = (rank + rankCount - from.offset) % rankCount;
-    if (!isLocal(peer))
-      peers.push_back({peer, from.total});
+    const uint32_t P = program.epRanks, T = program.tpRanks;
+    const uint32_t fromEp = (program.epOf(rank) + P - from.offset) % P;
+    for (uint32_t t = 0; t < T; ++t) {
+      const uint32_t peer = fromEp * T + t;
+      if ((from.fanOut || t == program.tpOf(rank)) && !isLocal(peer))
+        peers.push_back({peer, from.total});
+    }
   }
   std::sort(peers.begin(), peers.end());
   if (peers.empty())
@@ -1009,9 +1037,9 @@ Status Executor::create(TaskProgram program, TaskFunction runTask, const Executo
   Status status = format::validateTaskProgram(program);
   if (!status.ok())
     return status.withPrefix("executor: invalid program: ");
-  if (uint64_t(program.epRanks) * program.queues.size() >= kNil)
+  if (uint64_t(program.ranks()) * program.queues.size() >= kNil)
     return Status::error(fmt::format("executor: {} ranks x {} queues are too many logical queues",
-                                     program.epRanks, program.queues.size()));
+                                     program.ranks(), program.queues.size()));
   std::unique_ptr<Impl> impl;
   try {
     impl = std::make_unique<Impl>(std::move(program), std::move(runTask), options);

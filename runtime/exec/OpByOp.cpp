@@ -13,6 +13,7 @@ format::TaskProgram singleOpProgram(const format::TaskProgram &program, uint32_t
   format::TaskProgram step;
   step.flags = program.flags;
   step.epRanks = program.epRanks;
+  step.tpRanks = program.tpRanks;
   step.localExperts = program.localExperts;
   step.target = program.target;
   step.strings = program.strings;

@@ -127,6 +127,35 @@ TileCoord tileCoord(const TilingRecord &tiling, uint64_t index) {
   return c;
 }
 
+bool TaskProgram::reducesTp(uint32_t op) const {
+  return (tilings[ops[op].tiling].flags & kTilingReduceTp) != 0;
+}
+
+uint32_t TaskProgram::signalRanks(uint32_t op, uint32_t rank, uint32_t peerOffset,
+                                  uint32_t *out) const {
+  const uint32_t peer = peerRank(rank, peerOffset);
+  if (tpRanks == 1 || !reducesTp(op)) {
+    out[0] = peer;
+    return 1;
+  }
+  const uint32_t first = epOf(peer) * tpRanks;
+  for (uint32_t t = 0; t < tpRanks; ++t)
+    out[t] = first + t;
+  return tpRanks;
+}
+
+uint32_t TaskProgram::signalSources(uint32_t op, uint32_t rank, uint32_t peerOffset,
+                                    uint32_t *out) const {
+  const uint32_t fromEp = uint32_t((uint64_t(epOf(rank)) + epRanks - peerOffset) % epRanks);
+  if (tpRanks == 1 || !reducesTp(op)) {
+    out[0] = fromEp * tpRanks + tpOf(rank);
+    return 1;
+  }
+  for (uint32_t t = 0; t < tpRanks; ++t)
+    out[t] = fromEp * tpRanks + t;
+  return tpRanks;
+}
+
 RankTile rankTile(const TaskProgram &program, uint32_t task, uint32_t rank) {
   const OpRecord &op = program.ops[program.tasks[task].op];
   const TilingRecord &tiling = program.tilings[op.tiling];
@@ -165,7 +194,8 @@ bool operator==(const SignalRecord &a, const SignalRecord &b) { return sameBytes
 bool operator==(const QueueRecord &a, const QueueRecord &b) { return sameBytes(a, b); }
 
 bool operator==(const TaskProgram &a, const TaskProgram &b) {
-  return a.flags == b.flags && a.epRanks == b.epRanks && a.localExperts == b.localExperts &&
+  return a.flags == b.flags && a.epRanks == b.epRanks && a.tpRanks == b.tpRanks &&
+         a.localExperts == b.localExperts &&
          a.target == b.target &&
          a.strings == b.strings && a.slots == b.slots && a.ops == b.ops && a.tilings == b.tilings &&
          a.events == b.events && a.tasks == b.tasks && a.waits == b.waits &&
@@ -307,6 +337,11 @@ private:
           fmt::format("header: unknown flag bits {:#x}", p.flags & ~uint32_t(kKnownFileFlags)));
     if (p.epRanks == 0)
       return Status::error("header: the EP group has 0 ranks");
+    if (p.tpRanks == 0)
+      return Status::error("header: each EP rank has 0 TP ranks");
+    if (uint64_t(p.epRanks) * p.tpRanks > (1u << 16))
+      return Status::error(fmt::format("header: {} EP x {} TP ranks; at most {} ranks in all",
+                                       p.epRanks, p.tpRanks, 1u << 16));
     if (Status status = checkName("header: target", p.target); !status)
       return status;
     return Status::success();
@@ -435,8 +470,11 @@ private:
             "{}: a grid of {} experts; it must be 1 or the {} local experts", what,
             tiling.experts, p.localExperts));
       if (tiling.peers != 1 && tiling.peers != p.epRanks)
-        return Status::error(fmt::format("{}: a grid of {} peers; it must be 1 or the {} ranks",
+        return Status::error(fmt::format("{}: a grid of {} peers; it must be 1 or the {} EP ranks",
                                          what, tiling.peers, p.epRanks));
+      if ((tiling.flags & kTilingReduceTp) && tiling.opKind != OpKind::Combine)
+        return Status::error(fmt::format("{}: a {} reduces over TP; only a combine can", what,
+                                         opKindName(tiling.opKind)));
       if (tiling.rowTiles == 0 || tiling.colTiles == 0)
         return Status::error(fmt::format("{}: a grid of {} x {} tiles is empty", what,
                                          tiling.rowTiles, tiling.colTiles));
@@ -618,18 +656,29 @@ private:
     return Status::success();
   }
 
+  /// A rank's event gets each signal of every task once per rank it
+  /// reaches from the EP rank it comes from: once, or T times for a combine
+  /// that reduces over TP (whose signals must then name cross-rank or
+  /// terminate events, as its TP peers are other ranks).
   Status checkThresholds() const {
     std::vector<uint64_t> sums(p.events.size(), 0);
-    for (const TaskRecord &task : p.tasks)
+    for (size_t t = 0; t < p.tasks.size(); ++t) {
+      const TaskRecord &task = p.tasks[t];
+      const bool fanOut = p.tpRanks > 1 && p.reducesTp(task.op);
       for (uint32_t k = 0; k < task.signalCount; ++k) {
         const SignalRecord &signal = p.signals[size_t(task.firstSignal) + k];
-        // Each step adds below 2^32 to a sum at most 2^32 - 1: no wrap.
-        sums[signal.event] += signal.increment;
+        if (fanOut && p.events[signal.event].kind == EventKind::Local)
+          return Status::error(fmt::format(
+              "task {}: signal {} reaches the {} TP ranks of its peer, but {} is a local event", t,
+              k, p.tpRanks, eventLabel(signal.event)));
+        // Each step adds below 2^48 to a sum at most 2^32 - 1: no wrap.
+        sums[signal.event] += uint64_t(signal.increment) * (fanOut ? p.tpRanks : 1);
         if (sums[signal.event] > std::numeric_limits<uint32_t>::max())
           return Status::error(fmt::format(
               "{}: its signals add up to more than {}, above any threshold",
               eventLabel(signal.event), std::numeric_limits<uint32_t>::max()));
       }
+    }
     for (size_t e = 0; e < p.events.size(); ++e)
       if (sums[e] != p.events[e].threshold)
         return Status::error(fmt::format("{}: its signals add up to {}, but its threshold is {}",
@@ -743,6 +792,7 @@ std::vector<uint8_t> writeTaskBinary(const TaskProgram &program) {
   header.flags = program.flags;
   header.fileSize = file.size();
   header.epRanks = program.epRanks;
+  header.tpRanks = program.tpRanks;
   header.localExperts = program.localExperts;
   header.target = program.target;
   header.sectionCount = uint32_t(table.size());
@@ -969,6 +1019,7 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
   TaskProgram program;
   program.flags = header.flags;
   program.epRanks = header.epRanks;
+  program.tpRanks = header.tpRanks == 0 ? 1 : header.tpRanks;
   program.localExperts = header.localExperts;
   program.target = header.target;
   const SectionEntry &strings = entryOf(SectionKind::Strings);

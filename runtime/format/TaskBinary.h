@@ -1,10 +1,13 @@
 //===- TaskBinary.h - The moec task binary: layout, writer, reader -*- C++ -*-===//
 //
 // A task binary holds a compiled program for one pass (forward or backward)
-// of the MoE-FFN layer, for an EP group of R ranks. Every rank loads the same
-// file and runs the same tables; what depends on the rank is written relative
-// to the loading rank (a signal's peer is `(rank + peerOffset) % R`, a tiling
-// descriptor's expert is a local expert index).
+// of the MoE-FFN layer, for a mesh of R = P x T ranks: P expert-parallel
+// (EP) ranks, each of T tensor-parallel (TP) ranks that split every expert's
+// intermediate size (rank r has EP coordinate r / T and TP coordinate
+// r % T). Every rank loads the same file and runs the same tables; what
+// depends on the rank is written relative to the loading rank (a signal's
+// peer is the rank `peerOffset` EP ranks further, with the same TP
+// coordinate; a tiling descriptor's expert is a local expert index).
 //
 // The file is little-endian and sized by its content:
 //
@@ -105,7 +108,12 @@ enum TilingFlag : uint8_t {
   kTilingTransposeB = 1u << 1, ///< B is stored transposed (N x K)
   kTilingAccumulate = 1u << 2, ///< C += result instead of C = result
   kTilingScale = 1u << 3,      ///< the product is multiplied by TilingRecord::scale
-  kKnownTilingFlags = kTilingTransposeA | kTilingTransposeB | kTilingAccumulate | kTilingScale,
+  /// A combine whose rows are partial sums over the TP ranks: each tile is
+  /// put to all T TP ranks of its peer (into the returned rows of block t,
+  /// t the putting rank's TP coordinate), and its signals reach all T.
+  kTilingReduceTp = 1u << 4,
+  kKnownTilingFlags =
+      kTilingTransposeA | kTilingTransposeB | kTilingAccumulate | kTilingScale | kTilingReduceTp,
 };
 
 /// The kind of a section; each kind appears exactly once in a version-1 file.
@@ -155,12 +163,14 @@ using moec::dtypeSize;
 ///   12     4    flags               FileFlag bits; others zero
 ///   16     8    fileSize            size of the whole file in bytes
 ///   24     4    crc32               CRC-32 of the file with this field zero
-///   28     4    epRanks             R, ranks in the EP group (>= 1)
+///   28     4    epRanks             P, the EP ranks (>= 1)
 ///   32     4    localExperts        L, experts per rank
 ///   36     4    sectionCount        entries in the section table (10)
 ///   40     8    sectionTableOffset  offset of SectionEntry[sectionCount]
 ///   48     4    target              string offset of the target profile's name
-///   52    12    reserved[3]         zero
+///   52     4    tpRanks             T, the TP ranks of each EP rank (>= 1; 0 in
+///                                   files written before the field: read as 1)
+///   56     8    reserved[2]         zero
 struct FileHeader {
   char magic[8] = {};
   uint32_t version = 0;
@@ -172,7 +182,8 @@ struct FileHeader {
   uint32_t sectionCount = 0;
   uint64_t sectionTableOffset = 0;
   uint32_t target = 0;
-  uint32_t reserved[3] = {};
+  uint32_t tpRanks = 0;
+  uint32_t reserved[2] = {};
 };
 static_assert(sizeof(FileHeader) == 64 && alignof(FileHeader) == 8, "FileHeader layout");
 static_assert(offsetof(FileHeader, crc32) == 24 && offsetof(FileHeader, epRanks) == 28 &&
@@ -266,8 +277,9 @@ static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 
 /// tile j columns [j*cols/colTiles, (j+1)*cols/colTiles) of the tile's output
 /// (tileCoord() computes both). For a per-expert op (experts == L), rows are
 /// rows of the local expert's segment, which the runtime finds from the
-/// routing and clips the tile to; for a put (dispatch, combine; peers == R),
-/// rows are rows of the segment sent to peer (rank + peer) % R. `depth` is the
+/// routing and clips the tile to; for a put (dispatch, combine; peers == P),
+/// rows are rows of the segment sent to the rank `peer` EP ranks further
+/// (TaskProgram::peerRank). `depth` is the
 /// reduction length of a matmul: K of an activation GMM, or 0 for a weight-
 /// gradient GMM, which reduces over the expert's (dynamic) rows.
 /// `balancedRows` is what the compiler expects a segment to hold when routing
@@ -416,14 +428,16 @@ struct WaitRecord {
 };
 static_assert(sizeof(WaitRecord) == 8 && alignof(WaitRecord) == 4, "WaitRecord layout");
 
-/// A signal: adds `increment` to `event` on rank (rank + peerOffset) % R.
+/// A signal: adds `increment` to `event` on the rank `peerOffset` EP ranks
+/// further (TaskProgram::peerRank; a combine with kTilingReduceTp: on each of
+/// that EP rank's T TP ranks).
 /// peerOffset 0 is the loading rank itself; a nonzero one is a peer, reached
 /// with the task's put, and needs a cross-rank or terminate event.
 ///
 ///   offset size field
 ///    0     4    event       index into events
 ///    4     4    increment
-///    8     4    peerOffset  0..R-1
+///    8     4    peerOffset  0..P-1
 ///   12     4    reserved    zero
 struct SignalRecord {
   uint32_t event = 0;
@@ -473,7 +487,8 @@ bool operator==(const QueueRecord &a, const QueueRecord &b);
 /// The compiler fills one and writes it; the reader fills one from a file.
 struct TaskProgram {
   uint32_t flags = 0;        ///< FileFlag bits
-  uint32_t epRanks = 1;      ///< R
+  uint32_t epRanks = 1;      ///< P
+  uint32_t tpRanks = 1;      ///< T
   uint32_t localExperts = 0; ///< L
   uint32_t target = 0;       ///< string offset of the target profile's name
   std::string strings;       ///< NUL-terminated names, referred to by offset
@@ -499,16 +514,38 @@ struct TaskProgram {
   /// Returns true when the program is a backward pass.
   bool isBackward() const { return (flags & kFlagBackward) != 0; }
 
-  /// Returns the rank a signal with `peerOffset` reaches from `rank`:
-  /// (rank + peerOffset) % R. Both must be below R.
+  /// R = P * T, the ranks that run the program.
+  uint32_t ranks() const { return epRanks * tpRanks; }
+  /// The EP coordinate of `rank`: rank / T.
+  uint32_t epOf(uint32_t rank) const { return rank / tpRanks; }
+  /// The TP coordinate of `rank`: rank % T.
+  uint32_t tpOf(uint32_t rank) const { return rank % tpRanks; }
+
+  /// Returns the rank a signal with `peerOffset` reaches from `rank`: the
+  /// one `peerOffset` EP ranks further, with the same TP coordinate,
+  /// ((epOf(rank) + peerOffset) % P) * T + tpOf(rank). `rank` must be below
+  /// R and `peerOffset` below P.
   uint32_t peerRank(uint32_t rank, uint32_t peerOffset) const {
-    return uint32_t((uint64_t(rank) + peerOffset) % epRanks);
+    return uint32_t((uint64_t(epOf(rank)) + peerOffset) % epRanks) * tpRanks + tpOf(rank);
   }
 
-  /// Returns the global index of local expert `expert` on `rank`: rank * L +
-  /// expert.
+  /// Returns the ranks a signal with `peerOffset` of a task of op `op`
+  /// reaches from `rank`: peerRank() alone, or for a combine that reduces
+  /// over TP (kTilingReduceTp) all T TP ranks of that EP rank, in TP order.
+  /// Returns their count; `out` holds at least T entries.
+  uint32_t signalRanks(uint32_t op, uint32_t rank, uint32_t peerOffset, uint32_t *out) const;
+
+  /// The inverse of signalRanks(): the ranks whose signal with `peerOffset`
+  /// of a task of op `op` reaches `rank`, in rank order. Returns their count.
+  uint32_t signalSources(uint32_t op, uint32_t rank, uint32_t peerOffset, uint32_t *out) const;
+
+  /// True when the tasks of op `op` fan out to all TP ranks of their peer.
+  bool reducesTp(uint32_t op) const;
+
+  /// Returns the global index of local expert `expert` on `rank`:
+  /// epOf(rank) * L + expert.
   uint64_t globalExpert(uint32_t rank, uint32_t expert) const {
-    return uint64_t(rank) * localExperts + expert;
+    return uint64_t(epOf(rank)) * localExperts + expert;
   }
 };
 
@@ -521,8 +558,9 @@ struct RankTile {
   /// of `rank`'s own. Equals coord.expert for a grid of one expert that
   /// covers the whole op (with L > 1), whose expert field says nothing.
   uint64_t expert = 0;
-  /// For a put (a grid with peers == R), the rank its rows go to:
-  /// (rank + coord.peer) % R; else `rank`.
+  /// For a put (a grid with peers == P), the rank its rows go to:
+  /// peerRank(rank, coord.peer); else `rank`. (A combine that reduces over
+  /// TP puts them to that rank's T TP ranks.)
   uint32_t peerRank = 0;
 };
 

@@ -31,10 +31,32 @@ public:
   Status run() {
     LayerShape &shape = plan.shape;
     shape.backward = program.isBackward();
-    shape.ranks = program.epRanks;
+    shape.ranks = program.ranks();
+    shape.tp = program.tpRanks;
     shape.localExperts = program.localExperts;
     if (shape.localExperts == 0)
       return Status::error("the binary has 0 local experts");
+    for (uint32_t op = 0; op < program.ops.size(); ++op)
+      if (program.ops[op].kind == OpKind::Combine &&
+          program.reducesTp(op) != (shape.tp > 1 && program.ops.size() > 1))
+        return Status::error(
+            shape.tp > 1 && program.ops.size() > 1
+                ? fmt::format("op '{}' (combine): the binary runs on {} TP ranks, whose rows it "
+                              "returns are partial sums, but it does not reduce over them",
+                              opName(op), shape.tp)
+                : program.ops.size() == 1
+                      ? fmt::format("op '{}' (combine): a combine alone has no partial sums; "
+                                    "its binary must have 1 TP rank, not {}, and not reduce "
+                                    "over TP",
+                                    opName(op), shape.tp)
+                      : fmt::format("op '{}' (combine) reduces over TP, but the binary has 1 "
+                                    "TP rank",
+                                    opName(op)));
+    if (shape.tp > 1 && program.ops.size() == 1)
+      return Status::error(fmt::format(
+          "a dispatch or combine alone has no expert weights to split over {} TP ranks; its "
+          "binary must have 1 TP rank",
+          shape.tp));
     plan.inputs.resize(program.ops.size());
     for (size_t i = 0; i < program.ops.size(); ++i)
       for (uint32_t k = 0; k < format::kMaxTilingInputs; ++k)
@@ -373,7 +395,7 @@ private:
                                shape.activations);
         !s)
       return s;
-    const int64_t E = int64_t(shape.ranks) * shape.localExperts;
+    const int64_t E = shape.experts();
     for (uint32_t k : {0u, 2u, 3u})
       if (Status s = expectIndex(in(0, k), k == 3 ? "sizes" : "offsets", E); !s)
         return s;
@@ -438,7 +460,7 @@ private:
     shape.inter = int64_t(w1.dims[2] / 2);
     const DType act = shape.activations;
     const int64_t L = shape.localExperts, H = shape.hidden, I = shape.inter;
-    const int64_t E = int64_t(shape.ranks) * L;
+    const int64_t E = shape.experts();
     const uint32_t dispatchOut =
         shape.fp8Dispatch ? out(plan.dequantizeOp) : out(plan.dispatchOp);
     shape.receiveCapacity = rows(dispatchOut);
@@ -573,7 +595,7 @@ private:
                                            "experts",
                                            t.experts, shape.localExperts));
       const bool put = kind == OpKind::Dispatch || kind == OpKind::Combine;
-      if (Status s = expectField(op, "peers", t.peers, put ? shape.ranks : 1); !s)
+      if (Status s = expectField(op, "peers", t.peers, put ? shape.epRanks() : 1); !s)
         return s;
       const bool fp8Put = kind == OpKind::Dispatch && shape.fp8Dispatch;
       if (t.dtype != (fp8Put ? DType::F8E4M3 : shape.activations) &&
@@ -584,7 +606,8 @@ private:
       const uint8_t allowedFlags =
           kind == OpKind::Gmm ? (isWgrad(op) ? format::kTilingTransposeA | format::kTilingAccumulate
                                              : format::kTilingTransposeB | format::kTilingScale)
-                              : 0;
+          : kind == OpKind::Combine ? format::kTilingReduceTp
+                                    : 0;
       if (t.flags & ~allowedFlags)
         return tilingError(op, fmt::format("tiling flags {:#x} are not supported here", t.flags));
       const auto width = [&](uint32_t slot) { return int64_t(program.slots[slot].dims[1]); };
@@ -758,6 +781,7 @@ Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward) {
   const char *pair = "forward and backward";
   if (Status s = sameLayer(pair,
                            {{"ranks", {f.ranks, b.ranks}},
+                            {"TP ranks", {f.tp, b.tp}},
                             {"local experts", {f.localExperts, b.localExperts}},
                             {"hidden size", {f.hidden, b.hidden}},
                             {"intermediate size", {f.inter, b.inter}},

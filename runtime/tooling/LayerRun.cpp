@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <numeric>
 #include <random>
@@ -29,12 +30,13 @@ using format::DType;
 
 void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, LayerData *out) {
   LayerData d;
-  d.ranks = shape.ranks;
+  d.ranks = shape.epRanks();
+  d.tp = shape.tp;
   d.tokens = shape.tokens;
   d.topK = shape.topK;
   d.experts = shape.experts();
   d.hidden = shape.hidden;
-  d.inter = shape.inter;
+  d.inter = shape.inter * shape.tp;
   std::mt19937_64 rng(options.seed);
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
   const auto fill = [&](std::vector<float> &v, size_t n, float scale) {
@@ -107,17 +109,19 @@ Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool
   if (Status s = checkRunManifest(dir); !s)
     return s;
   LayerData d;
-  d.ranks = shape.ranks;
+  d.ranks = shape.epRanks();
+  d.tp = shape.tp;
   d.experts = shape.experts();
   d.hidden = shape.hidden;
-  d.inter = shape.inter;
+  d.inter = shape.inter * shape.tp;
   // S and K come from topk_ids.
   const std::string idsPath = npyPath(dir, "topk_ids");
   npy::NpyArray ids;
   if (Status s = npy::readNpy(idsPath, &ids); !s)
     return s;
   if (ids.shape.size() != 3 || ids.shape[0] != d.ranks)
-    return Status::error(fmt::format("{}: shape {}; expected ({}, S, K) for the binary's {} ranks",
+    return Status::error(fmt::format("{}: shape {}; expected ({}, S, K) for the binary's {} EP "
+                                     "ranks",
                                      idsPath, npy::formatShape(ids.shape), d.ranks, d.ranks));
   d.tokens = ids.shape[1];
   d.topK = ids.shape[2];
@@ -307,7 +311,40 @@ void LayerRun::Buffer::copyOut(float *out) const {
 
 namespace {
 enum Slot { kX, kY, kW1, kW2, kDy, kDx, kDw1, kDw2, kSlotsPerRank };
+
+/// The I / T columns of TP slice `t` of an expert's w1 [H, 2I] (gate
+/// columns, then up columns) and rows of its w2 [I, H], for experts
+/// [first, first + count) of `d`, into w1 [count, H, 2I/T], w2 [count, I/T, H].
+void sliceExperts(const LayerData &d, int64_t first, int64_t count, int64_t t, float *w1,
+                  float *w2) {
+  const int64_t H = d.hidden, I = d.inter, Is = I / d.tp;
+  for (int64_t l = 0; l < count; ++l) {
+    const float *full1 = d.w1.data() + (first + l) * H * 2 * I;
+    for (int64_t h = 0; h < H; ++h) {
+      float *row = w1 + (l * H + h) * 2 * Is;
+      std::copy_n(full1 + h * 2 * I + t * Is, Is, row);
+      std::copy_n(full1 + h * 2 * I + I + t * Is, Is, row + Is);
+    }
+    std::copy_n(d.w2.data() + ((first + l) * I + t * Is) * H, Is * H, w2 + l * Is * H);
+  }
 }
+
+/// The inverse of sliceExperts for gradients: writes TP slice `t` of
+/// experts [first, first + count) into full dw1 [E, H, 2I], dw2 [E, I, H].
+void unsliceExperts(const LayerData &d, int64_t first, int64_t count, int64_t t,
+                    const float *dw1, const float *dw2, float *full1, float *full2) {
+  const int64_t H = d.hidden, I = d.inter, Is = I / d.tp;
+  for (int64_t l = 0; l < count; ++l) {
+    float *to1 = full1 + (first + l) * H * 2 * I;
+    for (int64_t h = 0; h < H; ++h) {
+      const float *row = dw1 + (l * H + h) * 2 * Is;
+      std::copy_n(row, Is, to1 + h * 2 * I + t * Is);
+      std::copy_n(row + Is, Is, to1 + h * 2 * I + I + t * Is);
+    }
+    std::copy_n(dw2 + l * Is * H, Is * H, full2 + ((first + l) * I + t * Is) * H);
+  }
+}
+} // namespace
 
 Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   const rt::LayerShape &shape = context.shape();
@@ -316,31 +353,35 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
         "the binary has LoRA adapters on the experts, and this tool makes no adapter inputs: "
         "run it through the torch op (moec_torch.MoeFFN(lora_rank=...)) or bind lora_a1 .. "
         "dlora_b2 through the runtime API");
-  if (d.ranks != context.ranks() || d.hidden != shape.hidden || d.inter != shape.inter ||
-      d.experts != shape.experts())
+  if (d.ranks != shape.epRanks() || d.tp != shape.tp || d.hidden != shape.hidden ||
+      d.inter != shape.inter * shape.tp || d.experts != shape.experts())
     return Status::error(fmt::format(
-        "the inputs are for {} ranks, {} experts, H = {}, I = {}; the binary is for {} ranks, "
-        "{} experts, H = {}, I = {}",
-        d.ranks, d.experts, d.hidden, d.inter, context.ranks(), shape.experts(), shape.hidden,
-        shape.inter));
+        "the inputs are for {} x {} ranks (EP x TP), {} experts, H = {}, I = {}; the binary is "
+        "for {} x {} ranks, {} experts, H = {}, I = {}",
+        d.ranks, d.tp, d.experts, d.hidden, d.inter, shape.epRanks(), shape.tp, shape.experts(),
+        shape.hidden, shape.inter * shape.tp));
   const DType act = shape.activations;
-  const int64_t S = d.tokens, K = d.topK, H = d.hidden, I = d.inter,
-                L = shape.localExperts;
+  const int64_t S = d.tokens, K = d.topK, H = d.hidden, I = shape.inter,
+                L = shape.localExperts, T = d.tp;
   const bool backward = !d.dy.empty();
-  buffers.assign(size_t(d.ranks) * kSlotsPerRank, Buffer());
-  dtopk.assign(size_t(d.ranks), std::vector<float>(size_t(S * K)));
-  ids.assign(size_t(d.ranks), {});
-  weights.assign(size_t(d.ranks), {});
+  const size_t ranks = size_t(context.ranks());
+  buffers.assign(ranks * kSlotsPerRank, Buffer());
+  dtopk.assign(ranks, std::vector<float>(size_t(S * K)));
+  ids.assign(ranks, {});
+  weights.assign(ranks, {});
   const int64_t first = context.firstLocalRank(), last = first + context.localRanks();
   for (int64_t r = first; r < last; ++r) {
     Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
     const size_t tokensH = size_t(S * H), w1n = size_t(L * H * 2 * I), w2n = size_t(L * I * H);
-    b[kX].assign(d.x.data() + r * S * H, tokensH, act);
+    const int64_t e = r / T, t = r % T;
+    b[kX].assign(d.x.data() + e * S * H, tokensH, act);
     b[kY].zeros(tokensH, act);
-    b[kW1].assign(d.w1.data() + r * w1n, w1n, act);
-    b[kW2].assign(d.w2.data() + r * w2n, w2n, act);
-    ids[size_t(r)].assign(d.ids.begin() + r * S * K, d.ids.begin() + (r + 1) * S * K);
-    weights[size_t(r)].assign(d.weights.begin() + r * S * K, d.weights.begin() + (r + 1) * S * K);
+    std::vector<float> w1(w1n), w2(w2n);
+    sliceExperts(d, e * L, L, t, w1.data(), w2.data());
+    b[kW1].assign(w1.data(), w1n, act);
+    b[kW2].assign(w2.data(), w2n, act);
+    ids[size_t(r)].assign(d.ids.begin() + e * S * K, d.ids.begin() + (e + 1) * S * K);
+    weights[size_t(r)].assign(d.weights.begin() + e * S * K, d.weights.begin() + (e + 1) * S * K);
     const uint32_t rank = uint32_t(r);
     if (Status s = context.setRouting(rank, rt::makeTensor(ids[size_t(r)].data(), DType::I64, {S, K}),
                                       rt::makeTensor(weights[size_t(r)].data(), DType::F32, {S, K}));
@@ -357,7 +398,7 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
       // without one refuses these bindings, which is the error to report.
       const rt::LayerShape *bs = context.backwardShape();
       const DType grad = bs ? bs->weightGrads : act;
-      b[kDy].assign(d.dy.data() + r * S * H, tokensH, act);
+      b[kDy].assign(d.dy.data() + e * S * H, tokensH, act);
       b[kDx].zeros(tokensH, act);
       tensors.insert(tensors.end(),
                      {{"dy", rt::makeTensor(b[kDy].data(), act, {S, H})},
@@ -384,51 +425,84 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
   if (backward)
     if (Status s = context.backward(); !s)
       return s;
-  const int64_t R = d->ranks, S = d->tokens, K = d->topK, H = d->hidden, I = d->inter;
+  // Per rank first (R = P x T ranks, a rank's slice I / T wide), then put
+  // together per EP rank.
+  const int64_t R = context.ranks(), T = d->tp, S = d->tokens, K = d->topK, H = d->hidden,
+                I = context.shape().inter;
   const int64_t L = context.shape().localExperts;
   const bool weightGrads = backward && !context.backwardShape()->frozen;
-  d->y.resize(size_t(R * S * H));
+  std::vector<float> y(size_t(R * S * H)), dx, dtopkAll, dw1, dw2;
   if (backward) {
-    d->dx.resize(size_t(R * S * H));
-    d->dtopk.resize(size_t(R * S * K));
+    dx.resize(size_t(R * S * H));
+    dtopkAll.resize(size_t(R * S * K));
   }
   if (weightGrads) {
-    d->dw1.resize(size_t(R * L * H * 2 * I));
-    d->dw2.resize(size_t(R * L * I * H));
-  } else {
-    d->dw1.clear();
-    d->dw2.clear();
+    dw1.resize(size_t(R * L * H * 2 * I));
+    dw2.resize(size_t(R * L * I * H));
   }
   const int64_t first = context.firstLocalRank(), local = context.localRanks();
   for (int64_t r = first; r < first + local; ++r) {
     const Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
-    b[kY].copyOut(d->y.data() + r * S * H);
+    b[kY].copyOut(y.data() + r * S * H);
     if (!backward)
       continue;
-    b[kDx].copyOut(d->dx.data() + r * S * H);
-    std::copy(dtopk[size_t(r)].begin(), dtopk[size_t(r)].end(), d->dtopk.begin() + r * S * K);
+    b[kDx].copyOut(dx.data() + r * S * H);
+    std::copy(dtopk[size_t(r)].begin(), dtopk[size_t(r)].end(), dtopkAll.begin() + r * S * K);
     if (!weightGrads)
       continue;
-    b[kDw1].copyOut(d->dw1.data() + r * L * H * 2 * I);
-    b[kDw2].copyOut(d->dw2.data() + r * L * I * H);
+    b[kDw1].copyOut(dw1.data() + r * L * H * 2 * I);
+    b[kDw2].copyOut(dw2.data() + r * L * I * H);
   }
-  if (local == R)
+  if (local != R) {
+    // Ranks in other processes: the process of rank 0 collects every
+    // rank's outputs.
+    comm::Fabric &fabric = context.fabric();
+    const auto collect = [&](std::vector<float> &all, int64_t perRank) {
+      std::vector<float> mine(all.begin() + first * perRank,
+                              all.begin() + (first + local) * perRank);
+      return fabric.gather(mine.data(), size_t(perRank * local) * sizeof(float), all.data());
+    };
+    for (const auto &[out, perRank] : {std::pair<std::vector<float> *, int64_t>{&y, S * H},
+                                       {&dx, S * H},
+                                       {&dtopkAll, S * K},
+                                       {&dw1, L * H * 2 * I},
+                                       {&dw2, L * I * H}})
+      if (Status s = out->empty() ? Status::success() : collect(*out, perRank); !s)
+        return s;
+    if (first != 0)
+      return Status::success(); // the outputs are rank 0's to report
+  }
+  // The tokens' outputs: TP rank 0's, which every TP rank must equal.
+  const auto tokens = [&](const std::vector<float> &all, int64_t perRank, const char *name,
+                          std::vector<float> *out) {
+    out->assign(size_t(R / T * perRank), 0.0f);
+    for (int64_t e = 0; e < R / T; ++e) {
+      const float *mine = all.data() + e * T * perRank;
+      for (int64_t t = 1; t < T; ++t)
+        if (std::memcmp(mine, mine + t * perRank, size_t(perRank) * sizeof(float)) != 0)
+          return Status::error(fmt::format(
+              "{}: TP rank {} of EP rank {} (rank {}) differs from its TP rank 0 (rank {}); the "
+              "TP ranks of an EP rank sum the same partials in the same order",
+              name, t, e, e * T + t, e * T));
+      std::copy_n(mine, perRank, out->data() + e * perRank);
+    }
     return Status::success();
-  // Ranks in other processes: the process of rank 0 collects every rank's
-  // outputs.
-  comm::Fabric &fabric = context.fabric();
-  const auto collect = [&](std::vector<float> &all, int64_t perRank) {
-    std::vector<float> mine(all.begin() + first * perRank, all.begin() + (first + local) * perRank);
-    return fabric.gather(mine.data(), size_t(perRank * local) * sizeof(float), all.data());
   };
-  if (Status s = collect(d->y, S * H); !s || !backward)
+  if (Status s = tokens(y, S * H, "y", &d->y); !s || !backward)
     return s;
-  for (const auto &[out, perRank] : {std::pair<std::vector<float> *, int64_t>{&d->dx, S * H},
-                                     {&d->dtopk, S * K},
-                                     {&d->dw1, L * H * 2 * I},
-                                     {&d->dw2, L * I * H}})
-    if (Status s = out->empty() ? Status::success() : collect(*out, perRank); !s)
-      return s;
+  if (Status s = tokens(dx, S * H, "dx", &d->dx); !s)
+    return s;
+  if (Status s = tokens(dtopkAll, S * K, "dtopk_weights", &d->dtopk); !s)
+    return s;
+  d->dw1.clear();
+  d->dw2.clear();
+  if (!weightGrads)
+    return Status::success();
+  d->dw1.assign(size_t(d->experts * H * 2 * d->inter), 0.0f);
+  d->dw2.assign(size_t(d->experts * d->inter * H), 0.0f);
+  for (int64_t r = 0; r < R; ++r)
+    unsliceExperts(*d, r / T * L, L, r % T, dw1.data() + r * L * H * 2 * I,
+                   dw2.data() + r * L * I * H, d->dw1.data(), d->dw2.data());
   return Status::success();
 }
 

@@ -21,9 +21,15 @@
 
 namespace moec::tooling {
 
-/// The layer's tensors for all ranks, fp32 (ids int64), global shapes.
+/// The layer's tensors for all EP ranks, fp32 (ids int64), global shapes:
+/// under tensor parallelism (tp > 1) the full experts, which LayerRun
+/// slices for each TP rank (w1's gate and up columns, w2's rows), and the
+/// tokens of each EP rank, which its TP ranks share.
 struct LayerData {
-  int64_t ranks = 1, tokens = 0, topK = 1, experts = 1, hidden = 0, inter = 0;
+  int64_t ranks = 1; ///< P, the EP ranks
+  int64_t tp = 1;    ///< T, the TP ranks of each
+  int64_t tokens = 0, topK = 1, experts = 1, hidden = 0;
+  int64_t inter = 0; ///< I of a whole expert (T times a rank's)
   std::vector<float> x;         ///< [R, S, H]
   std::vector<int64_t> ids;     ///< [R, S, K]
   std::vector<float> weights;   ///< [R, S, K]
@@ -95,9 +101,13 @@ Status checkRunManifest(const std::string &dir);
 /// context; run() runs the passes and copies the outputs back as fp32.
 class LayerRun {
 public:
-  /// Converts and binds `data`'s inputs (for all ranks) to `context`.
+  /// Converts and binds `data`'s inputs (for all ranks) to `context`: rank
+  /// r gets EP rank r / T's tokens and TP slice r % T of its experts.
   Status bind(rt::Context &context, const LayerData &data);
-  /// Runs forward (and backward) and stores the outputs in `data`.
+  /// Runs forward (and backward) and stores the outputs in `data`: the
+  /// tokens' outputs from TP rank 0 of each EP rank (an error when another
+  /// TP rank's differ in a bit), the weight gradients put together from
+  /// the slices.
   Status run(rt::Context &context, bool backward, LayerData *data);
 
 private:

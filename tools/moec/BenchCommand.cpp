@@ -329,7 +329,7 @@ Status measureTaskOverhead(const format::TaskProgram &program, uint32_t threads,
       return s;
     best = std::min(best, executor->lastPass().seconds);
   }
-  *seconds = best * threads / double(program.tasks.size() * program.epRanks);
+  *seconds = best * threads / double(program.tasks.size() * program.ranks());
   return Status::success();
 }
 

@@ -108,6 +108,10 @@ int runCompile(int argc, char **argv, int first) {
       std::fprintf(stderr, "error: %s\n", status.message().c_str());
       return int(kError);
     }
+    for (const std::string &note : configNotes(result.config, options.configPath)) {
+      Progress::abandonCurrent();
+      std::fprintf(stderr, "note: %s\n", note.c_str());
+    }
     progress->begin("write");
     Clock::time_point mark = Clock::now();
     std::vector<uint8_t> bytes = format::writeTaskBinary(result.program);

@@ -406,10 +406,10 @@ std::string coreCountWarning(const TaskProgram &program, const target::TargetPro
 }
 
 Status checkDumpOptions(const TaskProgram &program, const DumpOptions &options) {
-  if (options.rank && *options.rank >= program.epRanks)
-    return Status::error(fmt::format("--rank {}: the EP group has {} rank{} (0..{})", *options.rank,
-                                     program.epRanks, program.epRanks == 1 ? "" : "s",
-                                     program.epRanks - 1));
+  if (options.rank && *options.rank >= program.ranks())
+    return Status::error(fmt::format("--rank {}: the binary runs on {} rank{} (0..{})",
+                                     *options.rank, program.ranks(),
+                                     program.ranks() == 1 ? "" : "s", program.ranks() - 1));
   if (options.core && shownQueues(program, options).empty()) {
     std::vector<uint32_t> indices;
     for (const QueueRecord &queue : program.queues)
@@ -537,7 +537,10 @@ std::string headerText(const TaskProgram &p, const FileFacts &facts, const DumpO
   out += fmt::format("  file size {} bytes; CRC-32 {:#010x}\n", facts.fileSize, facts.crc32);
   out += fmt::format("  computes: {}\n", computesText(p));
   out +=
-      fmt::format("  EP ranks {}; local experts {} ({} experts in all); target '{}'\n", p.epRanks,
+      fmt::format("  EP ranks {}{}; local experts {} ({} experts in all); target '{}'\n",
+                  p.epRanks,
+                  p.tpRanks > 1 ? fmt::format(" x TP ranks {} ({} ranks)", p.tpRanks, p.ranks())
+                                : std::string(),
                   p.localExperts, uint64_t(p.epRanks) * p.localExperts, p.name(p.target));
   if (a.timed)
     out += fmt::format("  costs from profile '{}'\n", a.profileName);
@@ -678,10 +681,10 @@ std::string statisticsText(const TaskProgram &p, const Analysis &a) {
     out += indentLines(a.run.status.message(), 4) + "\n";
     return out;
   }
-  out += fmt::format("  schedule: deadlock-free (every queue of all {} rank{} drains)\n", p.epRanks,
-                     p.epRanks == 1 ? "" : "s");
+  out += fmt::format("  schedule: deadlock-free (every queue of all {} rank{} drains)\n",
+                     p.ranks(), p.ranks() == 1 ? "" : "s");
   out += fmt::format("  critical path{}: {}, {} task{}: {}\n",
-                     p.epRanks > 1 ? " (ending on rank 0)" : "",
+                     p.ranks() > 1 ? " (ending on rank 0)" : "",
                      amountText(a, a.run.criticalPathSeconds), a.run.criticalPath.size(),
                      a.run.criticalPath.size() == 1 ? "" : "s",
                      summarizePath(p, a.run.criticalPath, a.run.criticalPathRanks));
@@ -817,6 +820,7 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
                  {"crc32", fmt::format("{:#010x}", facts.crc32)},
                  {"computes", computesText(p)},
                  {"ep_ranks", p.epRanks},
+                 {"tp_ranks", p.tpRanks},
                  {"local_experts", p.localExperts},
                  {"target", std::string(p.name(p.target))}};
   out["rank"] = options.rank ? json(*options.rank) : json(nullptr);
@@ -1057,7 +1061,7 @@ std::string dumpOpGraph(const TaskProgram &p) {
       "digraph moec_ops {{\n  rankdir=TB;\n  label={};\n  labelloc=t;\n"
       "  node [fontsize=11];\n",
       dotQuote(fmt::format("{} ({}, {} ranks, {} local experts, {} tasks)", computesText(p),
-                           (p.flags & kFlagBf16) ? "bf16" : "f32", p.epRanks, p.localExperts,
+                           (p.flags & kFlagBf16) ? "bf16" : "f32", p.ranks(), p.localExperts,
                            p.tasks.size())));
   std::vector<uint8_t> used(p.slots.size(), 0);
   for (uint32_t i = 0; i < p.ops.size(); ++i) {

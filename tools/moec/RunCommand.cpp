@@ -65,7 +65,7 @@ const CommandSpec kRunSpec = {
     "  backward binary)\n"
     "\n"
     "options:\n"
-    "  --ranks R        ranks of the EP group; must be the binary's (its config's ep);\n"
+    "  --ranks R        all ranks: the binary's (its config's ep x tp);\n"
     "                   under mpirun, the number of processes (the default there)\n"
     "  --fabric F       inproc (ranks as threads) or mpi (ranks as processes);\n"
     "                   default: mpi when started by mpirun, else inproc\n"
@@ -229,8 +229,12 @@ std::string tracePath(const std::string &path, const char *suffix) {
 }
 
 std::string describe(const rt::LayerShape &s) {
-  return fmt::format("{} ranks x {} local experts, H {}, I {}, {}{}", s.ranks, s.localExperts,
-                     s.hidden, s.inter, format::dtypeName(s.activations),
+  return fmt::format("{} ranks{} x {} local experts, H {}, I {}, {}{}", s.ranks,
+                     s.tp > 1 ? fmt::format(" ({} EP x {} TP)", s.epRanks(), s.tp) : "",
+                     s.localExperts, s.hidden,
+                     s.tp > 1 ? fmt::format("{} ({} per TP rank)", s.inter * s.tp, s.inter)
+                              : fmt::format("{}", s.inter),
+                     format::dtypeName(s.activations),
                      s.fp8Dispatch ? ", FP8 dispatch" : "");
 }
 
@@ -418,13 +422,13 @@ int runRun(int argc, char **argv, int first) {
   const rt::LayerShape &shape = fwd->shape();
   if (fabric && ranks != shape.ranks)
     return fail(Status::error(fmt::format(
-        "mpirun started {} processes, but {} was compiled for {} ranks (its config's ep); "
-        "one binary serves exactly its EP group: run it with mpirun -np {}",
+        "mpirun started {} processes, but {} was compiled for {} ranks (its config's ep x tp); "
+        "one binary serves exactly its ranks: run it with mpirun -np {}",
         ranks, args.positional[0], shape.ranks, shape.ranks)));
   if (ranks != shape.ranks)
     return fail(Status::error(fmt::format(
-        "--ranks {}, but {} was compiled for {} ranks (its config's ep); one binary serves "
-        "exactly its EP group",
+        "--ranks {}, but {} was compiled for {} ranks (its config's ep x tp); one binary serves "
+        "exactly its ranks",
         ranks, args.positional[0], shape.ranks)));
 
   rt::ContextOptions options;

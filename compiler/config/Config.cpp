@@ -345,6 +345,9 @@ Bindings configBindings(const ModelConfig &c) {
       bindings[key.key] = c.*key.field;
   bindings["dtype_size"] = int64_t(dtypeSize(c.dtype));
   bindings["fp8_dispatch"] = c.fp8Dispatch ? 1 : 0;
+  // An independent symbol for dim comparisons (not a derived definition):
+  // shapes over it stay division-free polynomials.
+  bindings["local_intermediate_size"] = c.intermediateSize / c.tp;
   bindings["single_rank_expert_num"] = v.singleRankExpertNum;
   bindings["seq_all"] = v.seqAll;
   bindings["per_expert_seq"] = v.perExpertSeq;

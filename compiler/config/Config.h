@@ -128,7 +128,8 @@ double loraScaling(const ModelConfig &c);
 
 /// Returns every symbol a graph description may use, with its value: the
 /// config keys (hidden_size, intermediate_size, num_experts, top_k, ep, tp,
-/// seq_size, num_cube_cores and num_vector_cores when set, dtype_size) and the derived
+/// seq_size, num_cube_cores and num_vector_cores when set, dtype_size), local_intermediate_size
+/// (intermediate_size / tp: the columns of an expert one TP rank holds) and the derived
 /// values (single_rank_expert_num, seq_all, per_expert_seq, per_rank_seq,
 /// per_expert_seq_to_other). The config must have passed validateConfig().
 Bindings configBindings(const ModelConfig &c);

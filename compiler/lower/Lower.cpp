@@ -242,7 +242,9 @@ private:
     lowered.tasks = uint32_t(*op.getTasks());
     lowered.perExpertTiles = uint32_t(t.tileCount() / t.experts);
     lowered.isPut = kind == OpKind::Dispatch || kind == OpKind::Combine;
-    if (auto combine = dyn_cast<moe::CombineOp>(raw); combine && combine.getReduceTp()) {
+    // With T = 1 a reduce_tp combine has no partial sums: a plain combine.
+    if (auto combine = dyn_cast<moe::CombineOp>(raw);
+        combine && combine.getReduceTp() && p.tpRanks > 1) {
       t.flags |= kTilingReduceTp;
       lowered.fanOut = p.tpRanks;
     }

@@ -227,6 +227,7 @@ c10::Dict<std::string, int64_t> shapeInfo(const moec::rt::LayerShape &s, uint32_
                                           uint32_t localRanks) {
   c10::Dict<std::string, int64_t> d;
   d.insert("ranks", s.ranks);
+  d.insert("tp", s.tp);
   d.insert("first_rank", firstRank);
   d.insert("local_ranks", localRanks);
   d.insert("local_experts", s.localExperts);

@@ -339,9 +339,10 @@ private:
       return Status::error("header: the EP group has 0 ranks");
     if (p.tpRanks == 0)
       return Status::error("header: each EP rank has 0 TP ranks");
-    if (uint64_t(p.epRanks) * p.tpRanks > (1u << 16))
+    if (uint64_t(p.epRanks) * p.tpRanks > std::numeric_limits<uint32_t>::max())
       return Status::error(fmt::format("header: {} EP x {} TP ranks; at most {} ranks in all",
-                                       p.epRanks, p.tpRanks, 1u << 16));
+                                       p.epRanks, p.tpRanks,
+                                       std::numeric_limits<uint32_t>::max()));
     if (Status status = checkName("header: target", p.target); !status)
       return status;
     return Status::success();

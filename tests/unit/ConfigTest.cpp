@@ -114,9 +114,9 @@ TEST_CASE("deepseek-v3.json loads", "[config]") {
 
 TEST_CASE("seed-test.json derives the seed's TaskSplitValue", "[config]") {
   ModelConfig c = loadExample("seed-test.json");
-  CHECK(c.tp == 2);
+  CHECK(c.tp == 1);
   CHECK(c.ep == 2);
-  CHECK(c.seqSize == 1024);
+  CHECK(c.seqSize == 512);
   CHECK(c.numExperts == 16);
   CHECK(c.topK == 8);
   CHECK(c.hiddenSize == 5120);
@@ -133,9 +133,9 @@ TEST_CASE("seed-test.json derives the seed's TaskSplitValue", "[config]") {
 
 TEST_CASE("seed-defaults.json derives the seed's TaskSplitValue", "[config]") {
   ModelConfig c = loadExample("seed-defaults.json");
-  CHECK(c.tp == 4);
+  CHECK(c.tp == 1);
   CHECK(c.ep == 4);
-  CHECK(c.seqSize == 8192);
+  CHECK(c.seqSize == 2048);
   CHECK(c.numExperts == 32);
   CHECK(c.topK == 8);
   CHECK(c.hiddenSize == 7168);
@@ -160,12 +160,13 @@ TEST_CASE("configBindings names every symbol", "[config]") {
       {"num_experts", 16},
       {"top_k", 8},
       {"ep", 2},
-      {"tp", 2},
-      {"seq_size", 1024},
+      {"tp", 1},
+      {"seq_size", 512},
       {"num_cube_cores", 24},
       {"num_vector_cores", 48},
       {"dtype_size", 2},
       {"fp8_dispatch", 0},
+      {"local_intermediate_size", 2048},
       {"single_rank_expert_num", 8},
       {"seq_all", 8192},
       {"per_expert_seq", 1024},
@@ -286,30 +287,42 @@ TEST_CASE("expert counts", "[config]") {
         "src.json: 'top_k' (9) must not exceed 'num_experts' (8)");
 }
 
-TEST_CASE("every derived field must divide exactly", "[config]") {
-  auto withSplit = [](int64_t seq, int64_t ep, int64_t topK, int64_t tp) {
+TEST_CASE("tp must divide the intermediate size, and says what it means", "[config]") {
+  auto withTp = [](int64_t inter, int64_t tp) {
     json j = baseJson();
-    j["seq_size"] = seq;
-    j["ep"] = ep;
-    j["top_k"] = topK;
+    j["intermediate_size"] = inter;
     j["tp"] = tp;
     return parseError(j.dump());
   };
-  CHECK(withSplit(63, 2, 2, 8) ==
-        "src.json: seq_size * ep * top_k (252) must be a multiple of tp (8) "
-        "to derive 'seq_all'");
-  CHECK(withSplit(1, 1, 2, 2) ==
-        "src.json: seq_all (1) must be a multiple of top_k (2) to derive "
-        "'per_expert_seq'");
-  CHECK(withSplit(1, 2, 1, 2) ==
-        "src.json: seq_all (1) must be a multiple of ep (2) to derive "
-        "'per_rank_seq'");
-  CHECK(withSplit(1, 2, 2, 2) ==
-        "src.json: seq_all (2) must be a multiple of ep * top_k (4) to "
-        "derive 'per_expert_seq_to_other'");
-  // Sizes past the supported limits are refused before any product is
-  // formed (so none can overflow).
-  CHECK(withSplit(int64_t(1) << 62, 2, 2, 1) ==
+  const std::string error = withTp(30, 4);
+  CHECK(error.rfind("src.json: 'intermediate_size' (30) must be a multiple of 'tp' (4)", 0) == 0);
+  // The message says what changed for a config written when tp divided the
+  // tokens.
+  CHECK(error.find("It no longer divides seq_size") != std::string::npos);
+  CHECK(error.find("set seq_size to seq_size / tp and tp to 1") != std::string::npos);
+  CHECK(withTp(65536, 65536).find("ep * tp (2 * 65536) ranks; at most 65536") != std::string::npos);
+
+  // A valid tp > 1: seq_all no longer divides by it, and a note says so.
+  json j = baseJson();
+  j["tp"] = 4;
+  ModelConfig c;
+  std::string parseErrorText;
+  REQUIRE(moec::parseConfig(j.dump(), "src.json", &c, &parseErrorText));
+  CHECK(moec::deriveTaskSplitValue(c).seqAll == 128 * 2 * 2);
+  CHECK(moec::receiveCapacityRows(c) == 512); // 2 x the balanced 256, under the worst 512
+  const std::vector<std::string> notes = moec::configNotes(c, "src.json");
+  REQUIRE(notes.size() == 1);
+  CHECK(notes[0].rfind("src.json: 'tp' is 4: 8 ranks (2 EP x 4 TP).", 0) == 0);
+  j["tp"] = 1;
+  REQUIRE(moec::parseConfig(j.dump(), "src.json", &c, &parseErrorText));
+  CHECK(moec::configNotes(c, "src.json").empty());
+}
+
+TEST_CASE("sizes past the supported limits are refused", "[config]") {
+  json j = baseJson();
+  j["seq_size"] = int64_t(1) << 62;
+  // Refused before any product is formed (so none can overflow).
+  CHECK(parseError(j.dump()) ==
         "src.json: 'seq_size' is 4611686018427387904; at most 16777216 is supported");
 }
 
@@ -331,11 +344,9 @@ TEST_CASE("validateConfig checks a config built in code", "[config]") {
   CHECK(moec::validateConfig(c, "code", &error));
   CHECK(error.empty());
 
-  c.seqSize = 3;
-  c.tp = 8;
+  c.tp = 3;
   CHECK_FALSE(moec::validateConfig(c, "code", &error));
-  CHECK(error == "code: seq_size * ep * top_k (12) must be a multiple of tp "
-                 "(8) to derive 'seq_all'");
+  CHECK(error.rfind("code: 'intermediate_size' (32) must be a multiple of 'tp' (3)", 0) == 0);
 }
 
 TEST_CASE("malformed JSON reports line and column", "[config]") {

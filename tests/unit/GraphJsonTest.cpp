@@ -763,12 +763,12 @@ TEST_CASE("mismatched shapes are reported at the op", "[graph-json][errors]") {
     CHECK(d.line == line);
     CHECK(d.col == col);
     CHECK(contains(d.message, "'act_grad': shape mismatch: result 'act_grad_y' dim 1 is "
-                              "'intermediate_size' but rhs (transposed) 'act_grad_weight' dim 1 "
+                              "'local_intermediate_size' but rhs (transposed) 'act_grad_weight' dim 1 "
                               "is 'hidden_size'"));
   }
   SECTION("swiglu output not half its input") {
     json g = fwdGraph();
-    tensorNamed(g, "swiglu_out")["shape"][1] = "2 * intermediate_size";
+    tensorNamed(g, "swiglu_out")["shape"][1] = "2 * local_intermediate_size";
     Diag d = importError(g);
     auto [line, col] = namePos(g.dump(2), "ops", "swiglu");
     CHECK(d.line == line);

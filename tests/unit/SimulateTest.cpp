@@ -528,7 +528,7 @@ TEST_CASE("dump: text", "[dump]") {
     options.core.reset();
     options.rank = 2;
     CHECK(errorOf(dump::checkDumpOptions(program, options)) ==
-          "--rank 2: the EP group has 2 ranks (0..1)");
+          "--rank 2: the binary runs on 2 ranks (0..1)");
   }
 }
 

@@ -327,7 +327,8 @@ TEST_CASE("records have the documented sizes and field offsets", "[task-binary][
   CHECK(offsetof(FileHeader, sectionCount) == 36);
   CHECK(offsetof(FileHeader, sectionTableOffset) == 40);
   CHECK(offsetof(FileHeader, target) == 48);
-  CHECK(offsetof(FileHeader, reserved) == 52);
+  CHECK(offsetof(FileHeader, tpRanks) == 52);
+  CHECK(offsetof(FileHeader, reserved) == 56);
 
   CHECK(sizeof(SectionEntry) == 24);
   CHECK(offsetof(SectionEntry, kind) == 0);
@@ -431,7 +432,7 @@ TEST_CASE("the writer puts each field at its documented offset", "[task-binary][
   auto sectionOffset = [&](SectionKind kind) { return table[entryIndexOf(bytes, kind)].offset; };
 
   CHECK(u32At(48) == program.target);
-  CHECK(u32At(52) == 0);
+  CHECK(u32At(52) == program.tpRanks);
   CHECK(u64At(56) == 0);
 
   uint64_t ops = sectionOffset(SectionKind::Ops);
@@ -932,7 +933,7 @@ TEST_CASE("header fields", "[task-binary][errors]") {
   CHECK(readError(count) == "header: the section table has 9 entries; version 1 has 10");
 
   std::vector<uint8_t> lastReserved = bytes;
-  put<uint32_t>(lastReserved, offsetof(FileHeader, reserved) + 8, 0x100);
+  put<uint32_t>(lastReserved, offsetof(FileHeader, reserved) + 4, 0x100);
   fixHeader(lastReserved);
   CHECK(readError(lastReserved) == "header: reserved bytes are not zero");
 
@@ -1320,8 +1321,10 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
     p.slots[1].flags |= 0x80;
     CHECK(contentError(p) == "slot 1 'dispatched_x': unknown flag bits 0x80");
     p = smallProgram();
-    p.tilings[0].flags = 0x10;
-    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x10");
+    p.tilings[0].flags = 0x20;
+    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x20");
+    p.tilings[0].flags = kTilingReduceTp;
+    CHECK(contentError(p) == "tiling 0: a dispatch reduces over TP; only a combine can");
   }
   SECTION("reserved bytes") {
     p.tasks[2].reserved[1] = 1;
@@ -1419,9 +1422,9 @@ TEST_CASE("ops and their tile grids", "[task-binary][errors][tiles]") {
   }
   SECTION("peers: 1 or R") {
     p.tilings[0].peers = 3;
-    CHECK(contentError(p) == "tiling 0: a grid of 3 peers; it must be 1 or the 2 ranks");
+    CHECK(contentError(p) == "tiling 0: a grid of 3 peers; it must be 1 or the 2 EP ranks");
     p.tilings[0].peers = 0;
-    CHECK(contentError(p) == "tiling 0: a grid of 0 peers; it must be 1 or the 2 ranks");
+    CHECK(contentError(p) == "tiling 0: a grid of 0 peers; it must be 1 or the 2 EP ranks");
     // One peer: the 4 dispatch tasks as 2 experts x 2 row tiles.
     p.tilings[0].peers = 1;
     p.tilings[0].rowTiles = 2;

@@ -136,9 +136,10 @@ def finalize_mpi():
 
 
 def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-range",
-                   fresh=False):
+                   fresh=False, tp=None):
     """Returns the task-binary paths of `graphs` (file names in the graph
-    folder) for `config` (a dict or a JSON path) on `ranks` EP ranks,
+    folder) for `config` (a dict or a JSON path) on `ranks` EP ranks (of
+    `tp` tensor-parallel ranks each; default: the config's tp, else 1),
     compiling them with the compiler library (native.compile) unless the
     cache has them (or `fresh`). The key covers the config, the graphs, the
     target, the granularity and the compiler library itself. A cache entry that is not a set of files is
@@ -146,6 +147,7 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
     config's layer."""
     cfg = _read_config(config)
     cfg["ep"] = int(ranks)
+    cfg["tp"] = int(tp if tp is not None else cfg.get("tp", 1))
     moec = native.library_path()
     folder = native.graphs_dir()
     if not moec.is_file():
@@ -203,7 +205,7 @@ def _lora_suffix(lora_targets):
 
 
 def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False,
-                  frozen=False, lora_targets=None):
+                  frozen=False, lora_targets=None, tp=None):
     """Returns (forward, backward) task-binary paths of the layer (see
     compile_graphs): moe_ffn_fwd.json, and moe_ffn_bwd_frozen.json (no weight
     gradients) with `frozen`, else moe_ffn_bwd.json. With `lora_targets`
@@ -216,7 +218,7 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
     else:
         graphs = ["moe_ffn_fwd.json",
                   "moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json"]
-    return compile_graphs(config, ranks, graphs, target, granularity, fresh)
+    return compile_graphs(config, ranks, graphs, target, granularity, fresh, tp)
 
 
 def _write_atomically(path, write):
@@ -244,6 +246,81 @@ def _check_finite(name, tensor, part, first):
                          + (f" ({part}s {[first + r for r in rows]})" if len(rows) > 1 else ""))
 
 
+class _TpShare(torch.autograd.Function):
+    """The tokens of each EP rank, once per TP rank: [P, ...] -> [P*T, ...]
+    (rank e*T + t gets EP rank e's). Every TP rank returns the whole
+    gradient of the shared tokens, so backward takes TP rank 0's (it does
+    not sum them)."""
+
+    @staticmethod
+    def forward(ctx, t, tp):
+        ctx.tp = tp
+        return t.repeat_interleave(tp, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.unflatten(0, (-1, ctx.tp))[:, 0].contiguous(), None
+
+
+class _TpTake(torch.autograd.Function):
+    """The output of each EP rank from its TP ranks, which all hold the same
+    bits: [P*T, ...] -> [P, ...] (TP rank 0's). Every TP rank's backward
+    needs the whole output gradient, so backward gives it to each."""
+
+    @staticmethod
+    def forward(ctx, t, tp):
+        ctx.tp = tp
+        return t.unflatten(0, (-1, tp))[:, 0].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.repeat_interleave(ctx.tp, 0), None
+
+
+def _to_tp(w1, w2, experts_per_rank, tp):
+    """The weights of every TP rank, from the whole experts of this process's
+    EP ranks: w1 [P*L, H, 2I] (gate columns, then up) -> [P*T*L, H, 2I/T],
+    where TP rank t of an expert holds its gate and up columns
+    t*I/T .. (t+1)*I/T - 1; w2 [P*L, I, H] -> [P*T*L, I/T, H], rows likewise.
+    Rank e*T + t's experts come e*T + t-th. Differentiable (a permuted copy)."""
+    L, T = experts_per_rank, tp
+    n, h, two_i = w1.shape
+    i = two_i // 2
+    w1t = w1.view(n // L, L, h, 2, T, i // T).permute(0, 4, 1, 2, 3, 5) \
+        .reshape(n * T, h, two_i // T)
+    w2t = w2.view(n // L, L, T, i // T, h).permute(0, 2, 1, 3, 4).reshape(n * T, i // T, h)
+    return w1t, w2t
+
+
+def _from_tp(w1t, w2t, experts_per_rank, tp):
+    """The inverse of _to_tp: per-TP-rank slices back to whole experts."""
+    L, T = experts_per_rank, tp
+    nt, h, two_is = w1t.shape
+    n, i = nt // T, two_is // 2 * T
+    w1 = w1t.view(n // L, T, L, h, 2, i // T).permute(0, 2, 3, 4, 1, 5).reshape(n, h, 2 * i)
+    w2 = w2t.view(n // L, T, L, i // T, h).permute(0, 2, 1, 3, 4).reshape(n, i, h)
+    return w1, w2
+
+
+class _TpMainGrads:
+    """main_grad under tensor parallelism in one process: the runtime adds
+    every TP rank's weight-gradient slice into zeroed per-rank buffers, and
+    fold() adds them into the whole experts' main_grad."""
+
+    def __init__(self, weights, experts_per_rank, tp):
+        self.weights, self.experts_per_rank, self.tp = weights, experts_per_rank, tp
+        (n, h, two_i), i = weights[0].shape, weights[1].shape[1]
+        self.buffers = (torch.zeros(n * tp, h, two_i // tp), torch.zeros(n * tp, i // tp, h))
+
+    def __iter__(self):
+        return iter(self.buffers)
+
+    def fold(self):
+        for w, g in zip(self.weights, _from_tp(*self.buffers, self.experts_per_rank, self.tp)):
+            w.main_grad.add_(g)
+            w.grad_added_to_main_grad = True
+
+
 class MoeFFNFunction(torch.autograd.Function):
     """y = MoE-FFN(x) on the moec runtime; backward gives dx, d topk_weights,
     dw1 and dw2 (topk_ids get no gradient). `done`, when given, is the
@@ -269,6 +346,8 @@ class MoeFFNFunction(torch.autograd.Function):
         dx, dtopk, dw1, dw2, dadapters = torch.ops.moec.backward(
             ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2, dy, *main_grads,
             adapters)
+        if isinstance(ctx.main_grads, _TpMainGrads):
+            ctx.main_grads.fold()
         _after_backward(ctx.check, ctx.main_grads, (w1, w2), dy,
                         Gradients(dx, dtopk, dw1, dw2, tuple(dadapters)))
         return (None, dx, None, dtopk, dw1, dw2, None, None, None, None, *dadapters)
@@ -363,11 +442,13 @@ class ForwardHandle(_Pending):
                 raise
             m._grow()
             self.layer = m.layer
-            done = torch.ops.moec.forward(self.layer, x, ids, weights, m.w1, m.w2,
-                                          m.adapters())
+            with torch.no_grad():
+                done = torch.ops.moec.forward(self.layer, *m._mesh(x, ids, weights),
+                                              m.adapters())
         self.step = done[1]
-        y = MoeFFNFunction.apply(self.layer, x, ids, weights, m.w1, m.w2, m.check_finite,
-                                 m.first_rank, m._main_grads(), done, *m.adapters())
+        y = m._unmesh(MoeFFNFunction.apply(self.layer, *m._mesh(x, ids, weights),
+                                           m.check_finite, m.first_rank, m._main_grads(), done,
+                                           *m.adapters()))
         if m.check_finite:
             _check_finite("y", y, "rank", m.first_rank)
         return y.squeeze(0) if self.squeeze else y
@@ -390,6 +471,14 @@ class BackwardHandle(_Pending):
         self._take()
         m = self.module
         dx, dtopk, dw1, dw2, dadapters = self.layer.wait_backward(self.ticket)
+        if m._tp_here():
+            # Every TP rank's dx and dtopk_weights are the whole ones: TP rank
+            # 0's; the weight gradients are slices of the whole experts'.
+            dx, dtopk = (t.unflatten(0, (-1, m.tp))[:, 0].contiguous() for t in (dx, dtopk))
+            if dw1 is not None:
+                dw1, dw2 = _from_tp(dw1, dw2, m.local_experts, m.tp)
+            if isinstance(self.main_grads, _TpMainGrads):
+                self.main_grads.fold()
         grads = Gradients(dx, dtopk, dw1, dw2, tuple(dadapters))
         _after_backward((m.check_finite, m.first_rank, m.local_experts), self.main_grads,
                         (m.w1, m.w2), self.dy, grads)
@@ -401,12 +490,13 @@ class BackwardHandle(_Pending):
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _matches(info, cfg, ranks, frozen=False, lora_targets=()):
-    """True when a built layer's sizes are those of `cfg` on `ranks` ranks."""
+def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1):
+    """True when a built layer's sizes are those of `cfg` on `ranks` EP
+    ranks of `tp` TP ranks each."""
     fp8 = int(cfg.get("dispatch_dtype") == "fp8_e4m3")
     targets = sum(1 << i for i, t in enumerate(LORA_TARGETS) if t in (lora_targets or ()))
-    want = {"ranks": int(ranks), "experts": int(cfg["num_experts"]),
-            "hidden": int(cfg["hidden_size"]), "inter": int(cfg["intermediate_size"]),
+    want = {"ranks": int(ranks) * tp, "tp": tp, "experts": int(cfg["num_experts"]),
+            "hidden": int(cfg["hidden_size"]), "inter": int(cfg["intermediate_size"]) // tp,
             "top_k": int(cfg["top_k"]), "bf16": int(cfg.get("dtype", "bf16") == "bf16"),
             "frozen": int(bool(frozen) or targets != 0),
             "main_grad": int(bool(cfg.get("main_grad", False))),
@@ -417,7 +507,21 @@ def _matches(info, cfg, ranks, frozen=False, lora_targets=()):
 
 class MoeFFN(torch.nn.Module):
     """The MoE-FFN layer of `config` (a dict or a JSON path, see
-    docs/graph-format.md) on an EP group of `ranks` ranks.
+    docs/graph-format.md) on an EP group of `ranks` ranks (``ep=`` is the
+    same argument).
+
+    tp: expert tensor parallelism (default: the config's "tp", else 1): the
+    layer runs on an [ep, tp] mesh of ep * tp ranks, and each expert's
+    intermediate size I is split over the tp ranks of its EP rank (w1's gate
+    and up columns column-parallel, w2's rows row-parallel); the tp ranks of
+    an EP rank share its tokens, and their partial down projections are
+    summed in the combine. In one process the module holds the whole
+    experts and takes the EP ranks' tokens exactly as with tp=1, so the same
+    script runs with either; under MPI process r is EP rank r // tp, TP rank
+    r % tp, gives its EP rank's tokens, and holds w1 [L, H, 2I/tp] (gate then
+    up columns of its slice) and w2 [L, I/tp, H], drawn so that a run with
+    the same seed starts from the same whole weights. LoRA adapters are not
+    supported with tp > 1.
 
     fabric: "inproc" (all ranks in this process) or "mpi" (one rank per
     process, under mpirun); default "mpi" when started by mpirun, else
@@ -491,21 +595,40 @@ class MoeFFN(torch.nn.Module):
     rounded rows, and backward treats the rounding as the identity (the
     gradients are those of the layer at the rounded x)."""
 
-    def __init__(self, config, ranks=None, *, threads=0, target="cpu",
+    def __init__(self, config, ranks=None, *, ep=None, tp=None, threads=0, target="cpu",
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
                  lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False,
                  dispatch_dtype=None):
         super().__init__()
         load_library()
+        if ep is not None:
+            if ranks is not None and int(ranks) != int(ep):
+                raise ValueError(f"moec: ranks={ranks} and ep={ep} name the same thing; "
+                                 "give one")
+            ranks = ep
+        cfg = _read_config(config)
+        tp = int(tp if tp is not None else cfg.get("tp", 1))
+        if tp < 1:
+            raise ValueError(f"moec: tp must be positive, got {tp}")
+        fabric = fabric or ("mpi" if launched_by_mpi() else "inproc")
+        if ranks is None and fabric == "mpi":
+            world = _world_size()
+            if world % tp:
+                raise ValueError(f"moec: {world} MPI processes do not make an [ep, tp] mesh "
+                                 f"with tp={tp} (ep * tp processes are needed)")
+            ranks = world // tp
         fabric, ranks = _group(fabric, ranks, "MoeFFN")
+        if tp > 1 and lora_rank:
+            raise ValueError("moec: LoRA adapters are not supported with tensor parallelism "
+                             f"(tp={tp}): their rank-r products would need a TP reduction of "
+                             "their own; use tp=1")
         if capacity_policy not in ("grow", "error"):
             raise ValueError("moec: capacity_policy must be 'grow' or 'error', "
                              f"got {capacity_policy!r}")
         if frozen and main_grad:
             raise ValueError("moec: a frozen layer has no weight gradients to accumulate "
                              "(frozen=True and main_grad=True)")
-        cfg = _read_config(config)
         if dispatch_dtype is not None:
             if dispatch_dtype not in ("fp8_e4m3", cfg.get("dtype", "bf16")):
                 raise ValueError("moec: dispatch_dtype must be 'fp8_e4m3' or the config's dtype "
@@ -528,6 +651,7 @@ class MoeFFN(torch.nn.Module):
         elif lora_alpha is not None or "lora_rank" in cfg:
             raise ValueError("moec: LoRA adapters are set by lora_rank= (and lora_alpha=) of "
                              "the module, not the config")
+        self.tp = tp
         self.lora_targets = tuple(t for t in LORA_TARGETS if t in lora_targets) \
             if lora_rank else ()
         self.lora_rank = lora_rank
@@ -545,36 +669,41 @@ class MoeFFN(torch.nn.Module):
         self._build = (int(threads), float(timeout_seconds), target, granularity, fabric,
                        bool(trace))
         forward, backward = compile_layer(cfg, ranks, target, granularity, frozen=self.frozen,
-                                          lora_targets=self.lora_targets)
+                                          lora_targets=self.lora_targets, tp=tp)
         _register_finalize(fabric)
         self.layer = self._runtime_layer(forward, backward)
         info = self.layer.info()
-        if not _matches(info, cfg, ranks, self.frozen, self.lora_targets):
+        if not _matches(info, cfg, ranks, self.frozen, self.lora_targets, tp):
             # A cache entry that is not this config's layer: compile anew.
             forward, backward = compile_layer(cfg, ranks, target, granularity, fresh=True,
                                               frozen=self.frozen,
-                                              lora_targets=self.lora_targets)
+                                              lora_targets=self.lora_targets, tp=tp)
             self.layer = self._runtime_layer(forward, backward)
             info = self.layer.info()
-            if not _matches(info, cfg, ranks, self.frozen, self.lora_targets):
+            if not _matches(info, cfg, ranks, self.frozen, self.lora_targets, tp):
                 raise RuntimeError(f"moec: the compiled layer {info} is not the config's {cfg}")
         self.fabric = fabric
-        self.ranks = info["ranks"]
-        self.first_rank = info["first_rank"]
-        self.local_ranks = info["local_ranks"]
+        # EP ranks; the runtime's ranks are the [ep, tp] mesh's.
+        self.ranks = info["ranks"] // tp
+        self.first_rank = info["first_rank"] // tp
+        self.local_ranks = max(1, info["local_ranks"] // tp)
+        # The TP rank this process runs (under MPI), or None (all of them).
+        self.tp_rank = info["first_rank"] % tp if info["local_ranks"] < tp else None
         self.experts = info["experts"]
         self.local_experts = self.experts // self.ranks
         self.hidden = info["hidden"]
-        self.inter = info["inter"]
+        self.inter = info["inter"] * tp
         self.top_k = info["top_k"]
         self.tokens = info["tokens"]
         dtype = torch.bfloat16 if info["bf16"] else torch.float32
         mine = self.local_ranks * self.local_experts
+        # The intermediate columns this process holds: all, or its TP slice.
+        self.local_inter = self.inter if self.tp_rank is None else self.inter // tp
         self.w1 = torch.nn.Parameter(
-            torch.empty(mine, self.hidden, 2 * self.inter, dtype=dtype),
+            torch.empty(mine, self.hidden, 2 * self.local_inter, dtype=dtype),
             requires_grad=not self.frozen)
         self.w2 = torch.nn.Parameter(
-            torch.empty(mine, self.inter, self.hidden, dtype=dtype),
+            torch.empty(mine, self.local_inter, self.hidden, dtype=dtype),
             requires_grad=not self.frozen)
         if self.main_grad:
             for w in (self.w1, self.w2):
@@ -637,11 +766,24 @@ class MoeFFN(torch.nn.Module):
         fills in element order), and keeps this process's experts: the
         process never holds the other ranks' experts."""
         first = self.first_rank * self.local_experts
-        one = torch.empty(1, *param.shape[1:])
+        whole = (self.hidden, 2 * self.inter) if param is self.w1 else \
+            (self.inter, self.hidden) if param is self.w2 else param.shape[1:]
+        one = torch.empty(1, *whole)
         for e in range(self.experts):
             one.uniform_(-bound, bound)
             if first <= e < first + param.shape[0]:
-                param[e - first].copy_(one[0])
+                param[e - first].copy_(self._tp_slice(param, one[0]))
+
+    def _tp_slice(self, param, whole):
+        """This process's TP slice of one expert's whole w1 [H, 2I] (gate and
+        up columns) or w2 [I, H] (rows); the whole when it holds all."""
+        if self.tp_rank is None or not (param is self.w1 or param is self.w2):
+            return whole
+        i, t = self.inter // self.tp, self.tp_rank
+        if param is self.w1:
+            return torch.cat((whole[:, t * i:(t + 1) * i],
+                              whole[:, self.inter + t * i:self.inter + (t + 1) * i]), 1)
+        return whole[t * i:(t + 1) * i]
 
     def reset_parameters(self):
         """Draws the whole [E, ...] weights and keeps this process's experts."""
@@ -655,8 +797,32 @@ class MoeFFN(torch.nn.Module):
                 self._draw(a, 1 / math.sqrt(a.shape[1]))
                 getattr(self, f"{name}_lora_B").zero_()
 
+    def _tp_here(self):
+        """True when this process runs several TP ranks of its EP ranks (one
+        process, tp > 1): its tensors go to the runtime's ranks converted."""
+        return self.tp > 1 and self.tp_rank is None
+
+    def _mesh(self, x, topk_ids, topk_weights):
+        """(x, topk_ids, topk_weights, w1, w2) as the runtime's ranks take them:
+        with several TP ranks here, each EP rank's tokens once per TP rank and
+        each rank's slice of the experts (differentiable)."""
+        if not self._tp_here():
+            return x, topk_ids, topk_weights, self.w1, self.w2
+        T = self.tp
+        w1, w2 = _to_tp(self.w1, self.w2, self.local_experts, T)
+        return (_TpShare.apply(x, T), topk_ids.repeat_interleave(T, 0),
+                _TpShare.apply(topk_weights, T), w1, w2)
+
+    def _unmesh(self, y):
+        """An output of the runtime's ranks as the module gives it."""
+        return _TpTake.apply(y, self.tp) if self._tp_here() else y
+
     def _main_grads(self):
-        return (self.w1.main_grad, self.w2.main_grad) if self.main_grad else None
+        if not self.main_grad:
+            return None
+        if self._tp_here():
+            return _TpMainGrads((self.w1, self.w2), self.local_experts, self.tp)
+        return (self.w1.main_grad, self.w2.main_grad)
 
     def _check_dropped(self):
         """Raises, once, for a submitted pass whose handle was dropped unwaited."""
@@ -684,9 +850,9 @@ class MoeFFN(torch.nn.Module):
         self._check_inputs(x, topk_weights)
         while True:
             try:
-                y = MoeFFNFunction.apply(self.layer, x, topk_ids, topk_weights, self.w1,
-                                         self.w2, self.check_finite, self.first_rank,
-                                         self._main_grads(), None, *self.adapters())
+                y = self._unmesh(MoeFFNFunction.apply(
+                    self.layer, *self._mesh(x, topk_ids, topk_weights), self.check_finite,
+                    self.first_rank, self._main_grads(), None, *self.adapters()))
                 if self.check_finite:
                     _check_finite("y", y, "rank", self.first_rank)
                 return y.squeeze(0) if squeeze else y
@@ -706,9 +872,9 @@ class MoeFFN(torch.nn.Module):
         self._check_dropped()
         squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
         self._check_inputs(x, topk_weights)
-        ticket = self.layer.submit_forward(x.detach(), topk_ids, topk_weights.detach(),
-                                           self.w1.detach(), self.w2.detach(),
-                                           [a.detach() for a in self.adapters()])
+        with torch.no_grad():
+            mesh = self._mesh(x, topk_ids, topk_weights)
+        ticket = self.layer.submit_forward(*mesh, [a.detach() for a in self.adapters()])
         return ForwardHandle(self, ticket, (x, topk_ids, topk_weights), squeeze)
 
     def submit_backward(self, handle, dy):
@@ -725,9 +891,12 @@ class MoeFFN(torch.nn.Module):
         x, ids, weights = handle.inputs
         squeeze, (dy,) = self._unsqueezed(dy) if handle.squeeze else (False, (dy,))
         main_grads = self._main_grads()
+        with torch.no_grad():
+            mesh = self._mesh(x, ids, weights)
+            dy_mesh = dy.repeat_interleave(self.tp, 0) if self._tp_here() else dy
         ticket = handle.layer.submit_backward(
-            handle.step, x.detach(), ids, weights.detach(), self.w1.detach(), self.w2.detach(),
-            dy.detach(), *(main_grads or (None, None)), [a.detach() for a in self.adapters()])
+            handle.step, *mesh, dy_mesh.detach(), *(main_grads or (None, None)),
+            [a.detach() for a in self.adapters()])
         return BackwardHandle(self, ticket, handle.layer, main_grads, dy, squeeze)
 
     def _grow(self):
@@ -742,7 +911,7 @@ class MoeFFN(torch.nn.Module):
             tokens = -(-need["rows_per_rank"] // top_k)
             cfg["seq_size"] = max(int(cfg["seq_size"]), tokens)
             changes.append(f"seq_size {self.tokens} -> {cfg['seq_size']}")
-        balanced = cfg["seq_size"] // int(cfg.get("tp", 1)) * top_k
+        balanced = cfg["seq_size"] * top_k
         needed = need["receive_per_rank"] / max(1, balanced)
         # Room for the routing that was refused, and then some: a router's
         # balance drifts, and each growth costs a compile.
@@ -752,7 +921,8 @@ class MoeFFN(torch.nn.Module):
             changes.append(f"capacity_factor {old_factor:g} -> {cfg['capacity_factor']:g}")
         target, granularity = self._build[2:4]
         forward, backward = compile_layer(cfg, self.ranks, target, granularity,
-                                          frozen=self.frozen, lora_targets=self.lora_targets)
+                                          frozen=self.frozen, lora_targets=self.lora_targets,
+                                          tp=self.tp)
         layer = self._runtime_layer(forward, backward)
         info = layer.info()
         if (info["receive_capacity"] <= need["receive_capacity"]
@@ -824,8 +994,16 @@ class MoeFFN(torch.nn.Module):
         return {"experts": self.experts, "first_expert": first,
                 "local_experts": self.local_ranks * self.local_experts,
                 "hidden": self.hidden, "inter": self.inter, "dtype": str(self.w1.dtype),
+                "columns": self._columns(),
                 "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
                 "lora_scaling": self.lora_scaling, "main_grad": self.main_grad}
+
+    def _columns(self):
+        """[first, end) of the intermediate columns (of I) this process holds."""
+        if self.tp_rank is None:
+            return [0, self.inter]
+        i = self.inter // self.tp
+        return [self.tp_rank * i, (self.tp_rank + 1) * i]
 
     def get_extra_state(self):
         state = {"format": "moec.MoeFFN/1", "layout": self._layout()}
@@ -863,16 +1041,29 @@ class MoeFFN(torch.nn.Module):
             raise ValueError(
                 f"moec: the checkpoint holds experts {lo}..{lo + n - 1} of {theirs['experts']}; "
                 f"this layer (rank {self.first_rank}) holds experts {first}..{first + count - 1}")
-        if (lo, n) == (first, count):
+        held = theirs.get("columns", [0, theirs["inter"]])
+        if held != mine["columns"] and held != [0, self.inter]:
+            raise ValueError(
+                f"moec: the checkpoint holds intermediate columns {held[0]}..{held[1] - 1} of "
+                f"{self.inter} (a TP rank's); this layer (TP rank {self.tp_rank}) holds "
+                f"{mine['columns'][0]}..{mine['columns'][1] - 1}")
+        slicing = held != mine["columns"]
+        if (lo, n) == (first, count) and not slicing:
             return
         # A checkpoint of more experts: keep this process's.
         names = ["w1", "w2"] + [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"]
+        # A checkpoint of the whole experts loaded by one TP rank: its slice.
+        def keep(name, t):
+            t = t[first - lo:first - lo + count]
+            if slicing and name in ("w1", "w2"):
+                t = torch.stack([self._tp_slice(getattr(self, name), e) for e in t])
+            return t
+
         for name in names:
             if prefix + name in state_dict:
-                state_dict[prefix + name] = state_dict[prefix + name][first - lo:first - lo + count]
+                state_dict[prefix + name] = keep(name, state_dict[prefix + name])
         if "main_grad" in extra:
-            extra = dict(extra, main_grad={k: v[first - lo:first - lo + count]
-                                           for k, v in extra["main_grad"].items()})
+            extra = dict(extra, main_grad={k: keep(k, v) for k, v in extra["main_grad"].items()})
             state_dict[prefix + "_extra_state"] = extra
 
     # LoRA adapters in PEFT's layout.
@@ -963,7 +1154,9 @@ class MoeFFN(torch.nn.Module):
                 p[e].copy_(t.t())
 
     def extra_repr(self):
-        return (f"ranks={self.ranks}, fabric={self.fabric}, first_rank={self.first_rank}, "
+        return (f"ranks={self.ranks}, tp={self.tp}, fabric={self.fabric}, "
+                f"first_rank={self.first_rank}, "
+                + (f"tp_rank={self.tp_rank}, " if self.tp_rank is not None else "") +
                 f"local_ranks={self.local_ranks}, experts={self.experts}, hidden={self.hidden}, "
                 f"inter={self.inter}, top_k={self.top_k}, tokens={self.tokens}, "
                 f"dtype={self.w1.dtype}, frozen={self.frozen}, main_grad={self.main_grad}"

@@ -1,0 +1,173 @@
+"""Expert tensor parallelism: MoeFFN(config, ep=P, tp=T) in one process
+against PyTorch autograd in float64 on the whole experts, and against the
+same layer with tp=1 (the same seed gives the same whole weights)."""
+
+import pytest
+import torch
+
+import moec_torch
+from moec_torch import reference
+
+from test_moe_ffn import config, rel_err, routing
+
+# Awkward sizes: H not a multiple of 16, I/T small and odd.
+HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 40, 12, 4, 2, 37
+
+
+def layer(ep, tp, dtype="fp32", seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = config(experts=EXPERTS, top_k=TOP_K, hidden=HIDDEN, inter=INTER, tokens=TOKENS,
+                 dtype=dtype, capacity_factor=8)
+    return moec_torch.MoeFFN(cfg, ep=ep, tp=tp, threads=2, **kw)
+
+
+def data(m, seed=3, hot=0):
+    g = torch.Generator().manual_seed(seed)
+    dtype = m.w1.dtype
+    x = (torch.rand(m.ranks, TOKENS, HIDDEN, generator=g) * 2 - 1).to(dtype)
+    dy = (torch.rand(m.ranks, TOKENS, HIDDEN, generator=g) * 2 - 1).to(dtype)
+    ids, weights = routing(m.ranks, TOKENS, EXPERTS, TOP_K, seed, hot=hot)
+    return x, ids, weights, dy
+
+
+def step(m, x, ids, weights, dy):
+    x = x.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    y = m(x, ids, weights)
+    y.backward(dy)
+    return y.detach(), x.grad, weights.grad
+
+
+def reference_step(m, x, ids, weights, dy, w1=None, w2=None):
+    xd = x.detach().double().requires_grad_()
+    wd = weights.detach().double().requires_grad_()
+    w1 = (m.w1 if w1 is None else w1).detach().double().requires_grad_()
+    w2 = (m.w2 if w2 is None else w2).detach().double().requires_grad_()
+    y = reference.moe_ffn(xd, ids, wd, w1, w2)
+    y.backward(dy.double())
+    return y, xd.grad, wd.grad, w1.grad, w2.grad
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-5), ("bf16", 3e-2)])
+@pytest.mark.parametrize("ep,tp", [(2, 2), (1, 2), (4, 1), (1, 4)])
+def test_against_autograd(ep, tp, dtype, tol):
+    m = layer(ep, tp, dtype)
+    assert (m.ranks, m.tp, m.inter) == (ep, tp, INTER)
+    assert m.w1.shape == (EXPERTS, HIDDEN, 2 * INTER) and m.w2.shape == (EXPERTS, INTER, HIDDEN)
+    x, ids, weights, dy = data(m, hot=1)  # skewed: every first choice is expert 1
+    y, dx, dtopk = step(m, x, ids, weights, dy)
+    want = reference_step(m, x, ids, weights, dy)
+    got = (y, dx, dtopk, m.w1.grad, m.w2.grad)
+    errors = {name: rel_err(g, w) for name, g, w in
+              zip(("y", "dx", "dtopk_weights", "dw1", "dw2"), got, want)}
+    assert all(e <= tol for e in errors.values()), errors
+    assert m.info()["ranks"] == ep * tp and m.info()["tp"] == tp
+
+
+def test_same_weights_and_outputs_as_tp1():
+    """The same seed draws the same whole weights at tp=1 and tp=2; the
+    outputs agree to fp32 rounding (the sums run in other orders)."""
+    one, two = layer(2, 1, seed=7), layer(2, 2, seed=7)
+    assert torch.equal(one.w1, two.w1) and torch.equal(one.w2, two.w2)
+    x, ids, weights, dy = data(one)
+    a, b = step(one, x, ids, weights, dy), step(two, x, ids, weights, dy)
+    for g, w in zip(a + (one.w1.grad, one.w2.grad), b + (two.w1.grad, two.w2.grad)):
+        assert rel_err(g, w.double()) <= 1e-5
+
+
+def test_threads_and_schedule_do_not_change_bits():
+    """The TP partials are summed in TP order: the same bits for 1 or 2
+    workers and for the op-by-op schedule."""
+    runs = []
+    for threads in (1, 2):
+        torch.manual_seed(0)
+        cfg = config(experts=EXPERTS, top_k=TOP_K, hidden=HIDDEN, inter=INTER, tokens=TOKENS,
+                     capacity_factor=8)
+        m = moec_torch.MoeFFN(cfg, ep=2, tp=2, threads=threads)
+        x, ids, weights, dy = data(m)
+        runs.append(step(m, x, ids, weights, dy) + (m.w1.grad, m.w2.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_main_grad_accumulates_whole_experts():
+    m = layer(2, 2, main_grad=True)
+    x, ids, weights, dy = data(m)
+    for _ in range(2):
+        step(m, x, ids, weights, dy)
+    assert m.w1.grad is None and m.w1.grad_added_to_main_grad
+    _, _, _, dw1, dw2 = reference_step(m, x, ids, weights, dy)
+    assert rel_err(m.w1.main_grad, 2 * dw1) <= 1e-5
+    assert rel_err(m.w2.main_grad, 2 * dw2) <= 1e-5
+
+
+def test_frozen_gives_dx_only():
+    m = layer(2, 2, frozen=True)
+    x, ids, weights, dy = data(m)
+    y, dx, dtopk = step(m, x, ids, weights, dy)
+    want = reference_step(m, x, ids, weights, dy)
+    assert m.w1.grad is None
+    for g, w in zip((y, dx, dtopk), want):
+        assert rel_err(g, w) <= 1e-5
+
+
+def test_submitted_passes_match_blocking_ones():
+    m = layer(2, 2)
+    x, ids, weights, dy = data(m)
+    y, dx, dtopk = step(m, x, ids, weights, dy)
+    dw1, dw2 = m.w1.grad.clone(), m.w2.grad.clone()
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.handle = m.submit_forward(x, ids, weights)
+            return ctx.handle.wait()
+
+        @staticmethod
+        def backward(ctx, g):
+            grads = m.submit_backward(ctx.handle, g).wait()
+            return grads.dx
+
+    m.zero_grad()
+    xs = x.clone().requires_grad_()
+    out = Fn.apply(xs)
+    out.backward(dy)
+    assert torch.equal(out, y) and torch.equal(xs.grad, dx)
+    handle = m.submit_forward(x, ids, weights)
+    handle.wait()
+    grads = m.submit_backward(handle, dy).wait()
+    assert torch.equal(grads.dx, dx) and torch.equal(grads.dtopk_weights, dtopk)
+    assert torch.equal(grads.dw1, dw1) and torch.equal(grads.dw2, dw2)
+
+
+def test_fp8_dispatch_with_tp():
+    torch.manual_seed(0)
+    cfg = config(experts=EXPERTS, top_k=TOP_K, hidden=256, inter=INTER, tokens=16,
+                 dtype="bf16", capacity_factor=8)
+    m = moec_torch.MoeFFN(cfg, ep=2, tp=2, threads=2, dispatch_dtype="fp8_e4m3")
+    g = torch.Generator().manual_seed(1)
+    x = (torch.rand(2, 16, 256, generator=g) * 2 - 1).bfloat16()
+    ids, weights = routing(2, 16, EXPERTS, TOP_K, 1)
+    y = m(x, ids, weights)
+    want = reference.moe_ffn(reference.fp8_round_rows(x).double(), ids, weights.double(),
+                             m.w1.detach().double(), m.w2.detach().double())
+    assert rel_err(y, want) <= 3e-2
+
+
+def test_checkpoint_round_trip():
+    m = layer(2, 2, seed=1)
+    state = m.state_dict()
+    assert state["_extra_state"]["layout"]["columns"] == [0, INTER]
+    other = layer(2, 2, seed=2)
+    other.load_state_dict(state)
+    assert torch.equal(other.w1, m.w1) and torch.equal(other.w2, m.w2)
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="LoRA adapters are not supported with tensor"):
+        layer(2, 2, lora_rank=4)
+    with pytest.raises(ValueError, match="name the same thing"):
+        moec_torch.MoeFFN(config(), ranks=2, ep=1)
+    cfg = config(experts=EXPERTS, inter=10)
+    with pytest.raises(RuntimeError, match="must be a multiple of 'tp'"):
+        moec_torch.MoeFFN(cfg, ep=2, tp=4)

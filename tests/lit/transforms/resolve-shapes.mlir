@@ -11,7 +11,7 @@
 // per_expert_seq_to_other 128, single_rank_expert_num 2.
 
 // CHECK-LABEL: moe.graph "resolved"
-// CHECK-SAME: bindings = {dtype_size = 4 : i64, ep = 2 : i64, fp8_dispatch = 0 : i64, hidden_size = 64 : i64, intermediate_size = 32 : i64, num_cube_cores = 2 : i64, num_experts = 4 : i64, num_vector_cores = 4 : i64, per_expert_seq = 256 : i64, per_expert_seq_to_other = 128 : i64, per_rank_seq = 256 : i64, seq_all = 512 : i64, seq_size = 128 : i64, single_rank_expert_num = 2 : i64, top_k = 2 : i64, tp = 1 : i64}
+// CHECK-SAME: bindings = {dtype_size = 4 : i64, ep = 2 : i64, fp8_dispatch = 0 : i64, hidden_size = 64 : i64, intermediate_size = 32 : i64, local_intermediate_size = 32 : i64, num_cube_cores = 2 : i64, num_experts = 4 : i64, num_vector_cores = 4 : i64, per_expert_seq = 256 : i64, per_expert_seq_to_other = 128 : i64, per_rank_seq = 256 : i64, seq_all = 512 : i64, seq_size = 128 : i64, single_rank_expert_num = 2 : i64, top_k = 2 : i64, tp = 1 : i64}
 // CHECK-SAME: edges = {{\[\[}}"up", "act"]]
 moe.graph "resolved" attributes {edges = [["up", "act"]]} {
   // act becomes f32; flags and slots stay.

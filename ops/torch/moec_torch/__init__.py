@@ -303,21 +303,25 @@ def _from_tp(w1t, w2t, experts_per_rank, tp):
 
 
 class _TpMainGrads:
-    """main_grad under tensor parallelism in one process: the runtime adds
-    every TP rank's weight-gradient slice into zeroed per-rank buffers, and
-    fold() adds them into the whole experts' main_grad."""
+    """main_grad under tensor parallelism in one process: when the backward
+    pass starts, the main-grad buffers as the runtime's ranks hold them (each
+    TP rank's slice, a copy); the runtime adds each rank's weight gradient
+    into its slice inside the weight-gradient GMMs, as it adds into a
+    rank's own buffer under MPI (the same bits); fold() copies the slices
+    back into the whole experts' main_grad."""
 
     def __init__(self, weights, experts_per_rank, tp):
         self.weights, self.experts_per_rank, self.tp = weights, experts_per_rank, tp
-        (n, h, two_i), i = weights[0].shape, weights[1].shape[1]
-        self.buffers = (torch.zeros(n * tp, h, two_i // tp), torch.zeros(n * tp, i // tp, h))
+        self.buffers = None
 
     def __iter__(self):
+        self.buffers = tuple(t.contiguous() for t in _to_tp(
+            *(w.main_grad for w in self.weights), self.experts_per_rank, self.tp))
         return iter(self.buffers)
 
     def fold(self):
         for w, g in zip(self.weights, _from_tp(*self.buffers, self.experts_per_rank, self.tp)):
-            w.main_grad.add_(g)
+            w.main_grad.copy_(g)
             w.grad_added_to_main_grad = True
 
 

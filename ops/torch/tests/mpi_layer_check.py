@@ -13,13 +13,18 @@ forward and backward with MoeFFN(fabric="mpi") and checks its outputs:
 Then the same forward and backward through submit_forward / submit_backward
 (bit for bit), and checkpoints (check_checkpoints). Prints "rank r: ok ..." and exits 0, or says what differs and exits 1.
 
-    mpirun -np R python3 mpi_layer_check.py [fp32|bf16] [SEED] [HOT] [VARIANT]
+    mpirun -np R python3 mpi_layer_check.py [fp32|bf16] [SEED] [HOT] [VARIANT] [TP]
 
 VARIANT: full (the default); frozen (frozen=True: no weight gradients);
 main_grad (main_grad=True: the weight gradients of two steps accumulated in
 w.main_grad); lora (LoRA adapters of rank 4 on w1 and w2, nonzero B, base
 frozen: the adapters' gradients are checked); fp8 (dispatch_dtype fp8_e4m3:
 autograd runs on x rounded as the experts receive it).
+
+TP (default 1): expert tensor parallelism, R = EP x TP processes; process r
+is EP rank r // TP and holds TP slice r % TP of its experts (gate and up
+columns of w1, rows of w2), compared with that slice of the one-process
+layer's whole experts.
 """
 
 import os
@@ -46,6 +51,7 @@ def main():
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     hot = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     variant = sys.argv[4] if len(sys.argv) > 4 else "full"
+    tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     options = {"full": {}, "frozen": {"frozen": True}, "main_grad": {"main_grad": True},
                "lora": {"lora_rank": 4, "lora_alpha": 8},
                "fp8": {"dispatch_dtype": "fp8_e4m3"}}[variant]
@@ -54,15 +60,28 @@ def main():
            "num_experts": 0, "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128,
            "dtype": dtype, "capacity_factor": 4}
     torch.manual_seed(seed)
-    layer = moec_torch.MoeFFN(dict(cfg, num_experts=2 * moec_torch._world_size()),
-                              threads=1, fabric="mpi", **options)
+    layer = moec_torch.MoeFFN(dict(cfg, num_experts=2 * moec_torch._world_size() // tp),
+                              tp=tp, threads=1, fabric="mpi", **options)
     R, r, L, S = layer.ranks, layer.first_rank, layer.local_experts, layer.tokens
     E, H = layer.experts, layer.hidden
     torch.manual_seed(seed)
-    single = moec_torch.MoeFFN(dict(cfg, num_experts=E), R, threads=1, fabric="inproc",
-                               **options)
+    single = moec_torch.MoeFFN(dict(cfg, num_experts=E), R, tp=tp, threads=1,
+                               fabric="inproc", **options)
+
+    me = r * tp + (layer.tp_rank or 0)  # the process's rank in the [ep, tp] mesh
+
+    def share(name, whole):
+        """This process's part of a whole-layer tensor of `name`'s kind: its
+        EP rank's experts, and of w1, w2 (and their gradients) its TP slice."""
+        part = whole[r * L:(r + 1) * L]
+        kind = {"dw1": "w1", "dw2": "w2"}.get(name, name)
+        if kind in ("w1", "w2"):
+            part = torch.stack([layer._tp_slice(getattr(layer, kind), e) for e in part])
+        return part
+
     # Same seed, same draws: the MPI layer holds the single layer's experts.
-    assert torch.equal(layer.w1, single.w1[r * L:(r + 1) * L]), "initial w1 differs"
+    assert torch.equal(layer.w1, share("w1", single.w1)), "initial w1 differs"
+    assert torch.equal(layer.w2, share("w2", single.w2)), "initial w2 differs"
     if variant == "lora":
         # Nonzero B (a fresh one is zero), the same global values in both.
         ga = torch.Generator().manual_seed(seed + 2)
@@ -100,7 +119,7 @@ def main():
     whole = run(single, x, ids, weights, dy)              # all ranks, [R, S, H]
     mine = {"y": whole["y"][r], "dx": whole["dx"][r], "dtopk_weights": whole["dtopk_weights"][r]}
     for n in [k for k in got if k.startswith("dw") or k in names]:
-        mine[n] = whole[n][r * L:(r + 1) * L]
+        mine[n] = share(n, whole[n])
     failed = [n for n in got if not torch.equal(got[n], mine[n])]
 
     # FP8 dispatch: autograd runs on x as the experts receive it.
@@ -115,8 +134,7 @@ def main():
     steps = 2 if variant == "main_grad" else 1
     want = {"y": yd[r], "dx": xd.grad[r], "dtopk_weights": wd.grad[r]}
     if variant in ("full", "main_grad", "fp8"):
-        want.update(dw1=steps * w1.grad[r * L:(r + 1) * L],
-                    dw2=steps * w2.grad[r * L:(r + 1) * L])
+        want.update(dw1=steps * share("dw1", w1.grad), dw2=steps * share("dw2", w2.grad))
     for name, a in zip(names, adapters):
         want[name] = a.grad[r * L:(r + 1) * L]
     tol = 1e-4 if dtype == "fp32" else 3e-2
@@ -127,7 +145,7 @@ def main():
     over = [n for n, e in errors.items() if not e <= tol]
     text = ", ".join(f"{n} {e:.1e}" for n, e in errors.items())
     if failed or over:
-        print(f"rank {r}: FAILED: not bitwise equal to the one-process op: {failed}; "
+        print(f"rank {me}: FAILED: not bitwise equal to the one-process op: {failed}; "
               f"over {tol}: {over} ({text})", flush=True)
         return 1
     # The asynchronous calls under MPI: the same bits.
@@ -140,19 +158,19 @@ def main():
             if not torch.equal(grads.dx, got["dx"]):
                 failed.append("dx of submit_backward")
     if failed:
-        print(f"rank {r}: FAILED: the asynchronous calls differ: {failed}", flush=True)
+        print(f"rank {me}: FAILED: the asynchronous calls differ: {failed}", flush=True)
         return 1
-    problem = check_checkpoints(layer, single, cfg, options, seed)
+    problem = check_checkpoints(layer, single, cfg, options, seed, share)
     if problem:
-        print(f"rank {r}: FAILED: checkpoint: {problem}", flush=True)
+        print(f"rank {me}: FAILED: checkpoint: {problem}", flush=True)
         return 1
-    print(f"rank {r}: ok: bitwise equal to the one-process op; against PyTorch autograd: {text}; "
+    print(f"rank {me}: ok: bitwise equal to the one-process op; against PyTorch autograd: {text}; "
           "checkpoints round-trip", flush=True)
     moec_torch.finalize_mpi()
     return 0
 
 
-def check_checkpoints(layer, single, cfg, options, seed):
+def check_checkpoints(layer, single, cfg, options, seed, share):
     """Checkpoints under MPI (collective: every rank runs it): the rank's
     state_dict loads bit for bit into a fresh layer; the one-process layer's
     whole checkpoint loads as this rank's experts; another rank's shard is
@@ -163,7 +181,7 @@ def check_checkpoints(layer, single, cfg, options, seed):
 
     def fresh():
         torch.manual_seed(seed + 11)  # other initial weights
-        return moec_torch.MoeFFN(cfg, threads=1, fabric="mpi", **options)
+        return moec_torch.MoeFFN(cfg, tp=layer.tp, threads=1, fabric="mpi", **options)
 
     mine = layer.state_dict()
     other = fresh()
@@ -176,7 +194,7 @@ def check_checkpoints(layer, single, cfg, options, seed):
     other = fresh()
     other.load_state_dict(single.state_dict())
     for (name, p), (_, q) in zip(other.named_parameters(), single.named_parameters()):
-        if not torch.equal(p, q[r * L:(r + 1) * L]):
+        if not torch.equal(p, share(name, q)):
             return f"{name} is not rank {r}'s slice of the one-process checkpoint"
     if layer.ranks > 1:
         shard = dict(mine)

@@ -75,13 +75,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("ranks,dtype,hot,variant", [
-    (2, "fp32", -1, "full"), (3, "fp32", 0, "full"), (2, "bf16", -1, "full"),
-    (2, "bf16", -1, "main_grad"), (2, "fp32", -1, "frozen"), (2, "bf16", -1, "lora"),
-    (3, "bf16", 1, "fp8"),
-    (3, "fp32", 0, "lora")])
-def test_op_under_mpirun(ranks, dtype, hot, variant):
-    run = mpirun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant)
+@pytest.mark.parametrize("ranks,dtype,hot,variant,tp", [
+    (2, "fp32", -1, "full", 1), (3, "fp32", 0, "full", 1), (2, "bf16", -1, "full", 1),
+    (2, "bf16", -1, "main_grad", 1), (2, "fp32", -1, "frozen", 1), (2, "bf16", -1, "lora", 1),
+    (3, "bf16", 1, "fp8", 1), (3, "fp32", 0, "lora", 1),
+    # Expert tensor parallelism, ranks = ep x tp: [2, 2], [1, 2], [1, 4].
+    (4, "fp32", 1, "full", 2), (4, "bf16", -1, "main_grad", 2), (2, "fp32", -1, "frozen", 2),
+    (4, "bf16", 0, "full", 4)])
+def test_op_under_mpirun(ranks, dtype, hot, variant, tp):
+    run = mpirun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant, tp)
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(ranks):
         assert f"rank {r}: ok: bitwise equal to the one-process op" in run.stdout, run.stdout

@@ -12,7 +12,7 @@
 // Refused with tp > 1: LoRA adapters, and a graph of dispatches and
 // combines alone (no expert weights to split).
 // RUN: moec import %graphs/moe_ffn_fwd_lora.json -o %t.lora.mlir
-// RUN: not moec-opt %t.lora.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2.json 2>&1 | FileCheck %s --check-prefix=LORA
+// RUN: not moec-opt %t.lora.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2-lora.json 2>&1 | FileCheck %s --check-prefix=LORA
 // RUN: moec import %graphs/moe_dispatch.json -o %t.dispatch.mlir
 // RUN: not moec-opt %t.dispatch.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2.json 2>&1 | FileCheck %s --check-prefix=EXCHANGE
 

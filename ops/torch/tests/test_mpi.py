@@ -172,10 +172,12 @@ def test_fabric_errors():
 
 # Across 2 simulated hosts, one rank on each (no memory shared between the
 # ranks): //ops/torch:torch_hosts_test runs these alone (-k across_hosts).
-@pytest.mark.parametrize("dtype,variant", [("fp32", "full"), ("bf16", "main_grad"),
-                                           ("bf16", "lora"), ("fp32", "frozen")])
-def test_op_across_hosts(hosts, dtype, variant):
-    run = mpirun(2, HERE / "mpi_layer_check.py", dtype, 0, -1, variant, hosts=hosts)
+# tp 2: an [ep, tp] = [1, 2] mesh, the TP partials crossing between hosts.
+@pytest.mark.parametrize("dtype,variant,tp", [("fp32", "full", 1), ("bf16", "main_grad", 1),
+                                              ("bf16", "lora", 1), ("fp32", "frozen", 1),
+                                              ("bf16", "full", 2)])
+def test_op_across_hosts(hosts, dtype, variant, tp):
+    run = mpirun(2, HERE / "mpi_layer_check.py", dtype, 0, -1, variant, tp, hosts=hosts)
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(2):
         assert f"rank {r}: ok: bitwise equal to the one-process op" in run.stdout, run.stdout

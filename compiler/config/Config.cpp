@@ -282,26 +282,8 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
                 fmt::format("seq_size * ep * top_k ({} * {} * {}) overflows "
                             "int64",
                             c.seqSize, c.ep, c.topK));
-  if (seqAll % c.topK != 0)
-    return fail(error, source,
-                fmt::format("seq_all ({}) must be a multiple of top_k ({}) to "
-                            "derive 'per_expert_seq'",
-                            seqAll, c.topK));
-  if (seqAll % c.ep != 0)
-    return fail(error, source,
-                fmt::format("seq_all ({}) must be a multiple of ep ({}) to "
-                            "derive 'per_rank_seq'",
-                            seqAll, c.ep));
-  int64_t epTopK = 0;
-  if (!checkedMul(c.ep, c.topK, &epTopK))
-    return fail(
-        error, source,
-        fmt::format("ep * top_k ({} * {}) overflows int64", c.ep, c.topK));
-  if (seqAll % epTopK != 0)
-    return fail(error, source,
-                fmt::format("seq_all ({}) must be a multiple of ep * top_k "
-                            "({}) to derive 'per_expert_seq_to_other'",
-                            seqAll, epTopK));
+  // seq_all = seq_size * ep * top_k: the divisions that derive
+  // per_expert_seq, per_rank_seq and per_expert_seq_to_other are exact.
   return true;
 }
 

@@ -97,8 +97,9 @@ bool parseConfig(std::string_view text, const std::string &source,
 bool loadConfig(const std::string &path, ModelConfig *out, std::string *error);
 
 /// Checks the values of `c`: every count positive, num_experts a multiple of
-/// ep, intermediate_size a multiple of tp, top_k at most num_experts, and every derived TaskSplitValue field an
-/// exact integer. On failure returns false and sets *error to
+/// ep, intermediate_size a multiple of tp, top_k at most num_experts, and
+/// seq_size * ep * top_k within int64 (every derived TaskSplitValue field is
+/// then an exact integer). On failure returns false and sets *error to
 /// "SOURCE: message".
 bool validateConfig(const ModelConfig &c, const std::string &source,
                     std::string *error);

@@ -149,8 +149,7 @@ struct Model {
         uint32_t index = task.firstSignal + k;
         const SignalRecord &signal = p.signals[index];
         signallers[signalFill[signal.event]++] = {t, index};
-        signalSum[signal.event] +=
-            uint64_t(signal.increment) * (p.tpRanks > 1 && p.reducesTp(task.op) ? p.tpRanks : 1);
+        signalSum[signal.event] += uint64_t(signal.increment) * (p.fansOut(task.op) ? p.tpRanks : 1);
       }
     }
     for (uint32_t e = 0; e < E; ++e)
@@ -249,27 +248,25 @@ struct RunState {
   template <typename Arrive, typename Meet, typename Wake>
   void sendSignals(uint32_t rank, uint32_t task, Arrive &&arrive, Meet &&meet, Wake &&wake) {
     const TaskRecord &record = m.p.tasks[task];
-    std::vector<uint32_t> targets(m.p.tpRanks);
     for (uint32_t k = 0; k < record.signalCount; ++k) {
       const SignalRecord &signal = m.p.signals[size_t(record.firstSignal) + k];
-      const uint32_t reached = m.p.signalRanks(record.op, rank, signal.peerOffset, targets.data());
-      for (uint32_t n = 0; n < reached; ++n) {
-      const uint32_t to = targets[n];
-      size_t c = size_t(to) * m.E + signal.event;
-      uint64_t value = counter[c] += signal.increment;
-      arrive(to, signal.event);
-      uint32_t end = m.waiterBegin[signal.event + 1];
-      for (uint32_t &i = met[c]; m.waiterBegin[signal.event] + i < end; ++i) {
-        const Waiter &waiter = m.waiters[m.waiterBegin[signal.event] + i];
-        if (waiter.threshold > value)
-          break;
-        meet(to, signal.event, waiter);
-        size_t s = slot(to, m.queueOf[waiter.task]);
-        if (blocked[s] && head(s) == waiter.task) {
-          blocked[s] = 0;
-          wake(s);
+      const TaskProgram::RankRange reached = m.p.signalRanks(record.op, rank, signal.peerOffset);
+      for (uint32_t to = reached.first; to < reached.first + reached.count; ++to) {
+        size_t c = size_t(to) * m.E + signal.event;
+        uint64_t value = counter[c] += signal.increment;
+        arrive(to, signal.event);
+        uint32_t end = m.waiterBegin[signal.event + 1];
+        for (uint32_t &i = met[c]; m.waiterBegin[signal.event] + i < end; ++i) {
+          const Waiter &waiter = m.waiters[m.waiterBegin[signal.event] + i];
+          if (waiter.threshold > value)
+            break;
+          meet(to, signal.event, waiter);
+          size_t s = slot(to, m.queueOf[waiter.task]);
+          if (blocked[s] && head(s) == waiter.task) {
+            blocked[s] = 0;
+            wake(s);
+          }
         }
-      }
       }
     }
   }
@@ -367,14 +364,12 @@ std::string explainStuck(const Model &m, const RunState &run) {
     uint64_t pending = 0;
     ChainStep step{at, task, event, unmet->threshold, has, 0, 0};
     int best = -1;
-    std::vector<uint32_t> sources(p.tpRanks);
     for (uint32_t i = m.signallerBegin[event]; i < m.signallerBegin[event + 1]; ++i) {
       const Signaller &s = m.signallers[i];
       const SignalRecord &signal = p.signals[s.signal];
-      const uint32_t count =
-          p.signalSources(p.tasks[s.task].op, rank, signal.peerOffset, sources.data());
-      for (uint32_t n = 0; n < count; ++n) {
-        const uint32_t from = sources[n];
+      const TaskProgram::RankRange sources =
+          p.signalSources(p.tasks[s.task].op, rank, signal.peerOffset);
+      for (uint32_t from = sources.first; from < sources.first + sources.count; ++from) {
         if (run.hasRun(from, s.task))
           continue;
         pending += signal.increment;

@@ -37,7 +37,7 @@ uint64_t workspaceBytes(const format::TaskProgram &program, const rt::LayerPlan 
 
 uint32_t slotCopies(const format::TaskProgram &program, uint32_t slot) {
   for (uint32_t op = 0; op < program.ops.size(); ++op)
-    if (program.reducesTp(op) && program.tilings[program.ops[op].tiling].outputSlot == slot)
+    if (program.fansOut(op) && program.tilings[program.ops[op].tiling].outputSlot == slot)
       return program.tpRanks;
   return 1;
 }
@@ -120,23 +120,22 @@ void forEachPut(const format::TaskProgram &program, const rt::LayerPlan &plan,
     const format::TilingRecord &tiling = program.tilings[op.tiling];
     const uint64_t rowBytes =
         tiling.cols * format::dtypeSize(program.slots[tiling.outputSlot].dtype);
-    const bool fanOut = program.reducesTp(o);
     // Rows EP rank s routes to expert e of EP rank q: the dispatch puts them
     // from (s, t) to (q, t), the combine returns them from (q, t) to (s, t),
-    // or to every (s, t') when it reduces over TP.
+    // or to every (s, t') when it fans out (signalRanks: its puts go where
+    // its signals do).
     for (uint32_t s = 0; s < R; ++s)
       for (uint32_t q = 0; q < R; ++q)
         for (uint32_t e = 0; e < L; ++e) {
           const int64_t rows = routes[size_t(s) * T].layout.counts[size_t(q) * L + e];
           const uint64_t bytes = uint64_t(std::min<int64_t>(rows, int64_t(tiling.rows))) * rowBytes;
           for (uint32_t t = 0; t < T; ++t) {
-            if (op.kind == format::OpKind::Dispatch)
-              visit(op.kind, s * T + t, q * T + t, bytes);
-            else if (!fanOut)
-              visit(op.kind, q * T + t, s * T + t, bytes);
-            else
-              for (uint32_t to = 0; to < T; ++to)
-                visit(op.kind, q * T + t, s * T + to, bytes);
+            const bool dispatch = op.kind == format::OpKind::Dispatch;
+            const uint32_t from = (dispatch ? s : q) * T + t;
+            const format::TaskProgram::RankRange to =
+                program.signalRanks(o, from, ((dispatch ? q : s) + R - (dispatch ? s : q)) % R);
+            for (uint32_t k = 0; k < to.count; ++k)
+              visit(op.kind, from, to.first + k, bytes);
           }
         }
   }

@@ -65,8 +65,6 @@ struct Pass::OpInfo {
   OpKind kind = OpKind::Gmm;
   const TilingRecord *tiling = nullptr;
   bool wgrad = false, transposeB = false, accumulate = false;
-  /// A combine of partial sums over T > 1 TP ranks: puts to all of them.
-  bool reduceTp = false;
   float scale = 1.0f;                ///< the product's factor (activation form)
   uint32_t addend = format::kNone;   ///< the slot added to an activation-form product
   int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
@@ -92,7 +90,6 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
     info.wgrad = op.kind == OpKind::Gmm && info.tiling->depth == 0;
     info.transposeB = info.tiling->flags & format::kTilingTransposeB;
     info.accumulate = info.tiling->flags & format::kTilingAccumulate;
-    info.reduceTp = (info.tiling->flags & format::kTilingReduceTp) && program.tpRanks > 1;
     if (info.tiling->flags & format::kTilingScale)
       info.scale = info.tiling->scale;
     if (op.kind == OpKind::Gmm && !info.wgrad && info.tiling->inputCount == 4)
@@ -408,10 +405,12 @@ Status Pass::topkWeightGrad(const backend::Pass &forward, const std::vector<Rank
 // Tiles to kernels
 //===----------------------------------------------------------------------===//
 
-Status Pass::runPut(const OpInfo &op, uint32_t rank, const format::TileCoord &tile,
+Status Pass::runPut(const OpInfo &op, uint32_t opIndex, uint32_t rank,
+                    const format::TileCoord &tile,
                     bool combine) {
   const rt::LayerPlan &plan = *layer;
   const TaskProgram &tasks = *program;
+  const format::TaskProgram::RankRange to = tasks.signalRanks(opIndex, rank, tile.peer);
   const uint32_t peer = tasks.peerRank(rank, tile.peer);
   const int64_t i = int64_t(tasks.epOf(peer)) * plan.shape.localExperts + tile.expert;
   const uint32_t sizeSlot = combine ? plan.cSize : plan.dSize;
@@ -425,8 +424,8 @@ Status Pass::runPut(const OpInfo &op, uint32_t rank, const format::TileCoord &ti
   const int64_t end = std::min<int64_t>(int64_t(tile.rowEnd), count);
   if (end <= begin)
     return Status::success();
-  const uint32_t from = op.tiling->inputSlots[1], to = op.tiling->outputSlot;
-  const format::SlotRecord &src = tasks.slots[from], &dst = tasks.slots[to];
+  const uint32_t from = op.tiling->inputSlots[1], output = op.tiling->outputSlot;
+  const format::SlotRecord &src = tasks.slots[from], &dst = tasks.slots[output];
   if (src.dtype != dst.dtype)
     return Status::error(fmt::format("a put from {} rows to {} rows", dtypeName(src.dtype),
                                      dtypeName(dst.dtype)));
@@ -437,15 +436,13 @@ Status Pass::runPut(const OpInfo &op, uint32_t rank, const format::TileCoord &ti
   const size_t col = size_t(tile.colBegin) * elt;
   const char *rows = static_cast<const char *>(data[rank][from]) + size_t(srcRow) * srcLd + col;
   const size_t rowBytes = size_t(tile.colEnd - tile.colBegin) * elt;
-  if (!op.reduceTp)
-    return options.fabric->put(*windowOf[to], peer, size_t(dstRow) * dstLd + col, dstLd, rows,
-                               srcLd, size_t(end - begin), rowBytes);
-  // Partial sums over TP: to every TP rank of the peer, into the block of
-  // this rank's TP coordinate.
-  const size_t block = size_t(backend::slotRows(dst)) * dstLd * tasks.tpOf(rank);
-  const uint32_t first = tasks.epOf(peer) * tasks.tpRanks;
-  for (uint32_t t = 0; t < tasks.tpRanks; ++t)
-    if (Status s = options.fabric->put(*windowOf[to], first + t,
+  // The rows go where the tile's signals do: to the peer, or for partial
+  // sums over TP to each TP rank of the peer, into the block of this rank's
+  // TP coordinate.
+  const size_t block =
+      to.count > 1 ? size_t(backend::slotRows(dst)) * dstLd * tasks.tpOf(rank) : 0;
+  for (uint32_t k = 0; k < to.count; ++k)
+    if (Status s = options.fabric->put(*windowOf[output], to.first + k,
                                        block + size_t(dstRow) * dstLd + col, dstLd, rows, srcLd,
                                        size_t(end - begin), rowBytes);
         !s)
@@ -460,7 +457,7 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
   const TilingRecord &t = *op.tiling;
   const format::TileCoord tile = format::tileCoord(t, task - tasks.ops[opIndex].firstTask);
   if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine)
-    return runPut(op, rank, tile, op.kind == OpKind::Combine);
+    return runPut(op, opIndex, rank, tile, op.kind == OpKind::Combine);
   if (op.kind == OpKind::Quantize) {
     // Row tiles of the rows to send, up to this pass's count.
     const uint32_t in = t.inputSlots[0], out = t.outputSlot;

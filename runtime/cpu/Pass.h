@@ -123,7 +123,8 @@ private:
   Pass() = default;
   struct OpInfo;
   Status runTile(uint32_t rank, uint32_t task, uint32_t worker);
-  Status runPut(const OpInfo &op, uint32_t rank, const format::TileCoord &tile, bool combine);
+  Status runPut(const OpInfo &op, uint32_t opIndex, uint32_t rank, const format::TileCoord &tile,
+                bool combine);
 
   const format::TaskProgram *program = nullptr;
   const rt::LayerPlan *layer = nullptr;

@@ -168,11 +168,8 @@ struct Executor::Impl {
   struct Signaller {
     uint32_t offset;
     uint64_t total;
-    bool fanOut; ///< from every TP rank of the EP rank `offset` before
+    uint32_t op; ///< an op of the signalling tasks (whose fansOut() they share)
   };
-  /// Per task: its signals reach all TP ranks of their peer (a combine that
-  /// reduces over TP).
-  std::vector<uint8_t> fanOut;
   std::vector<std::vector<Signaller>> signallers; ///< [event]: who signals it
   std::vector<uint64_t> inboxValues;    ///< the local inbox as last read, per local rank
   std::vector<uint64_t> inboxSeen;      ///< what of it was delivered
@@ -228,10 +225,8 @@ struct Executor::Impl {
   size_t pickReady() const;
   uint32_t rebalance(uint32_t lq);
   bool headReady(uint32_t lq);
-  Status signal(uint32_t rank, const SignalRecord &signal, bool fanOut,
+  Status signal(uint32_t rank, uint32_t op, const SignalRecord &signal,
                 std::vector<uint32_t> &woken, const trace::WaitSpan &by, trace::Trace *waits);
-  Status signalOne(uint32_t target, const SignalRecord &signal, std::vector<uint32_t> &woken,
-                   const trace::WaitSpan &by, trace::Trace *waits);
   void addToEvent(uint32_t rank, uint32_t event, uint64_t increment, std::vector<uint32_t> &woken,
                   const trace::WaitSpan &by, trace::Trace *waits);
   bool isLocal(uint32_t rank) const { return rank - firstLocal < localCount; }
@@ -256,9 +251,6 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
                      const ExecutorOptions &optionsIn)
     : program(std::move(programIn)), runTask(std::move(runTaskIn)), options(optionsIn) {
   rankCount = program.ranks();
-  fanOut.assign(program.tasks.size(), 0);
-  for (size_t t = 0; t < program.tasks.size(); ++t)
-    fanOut[t] = program.tpRanks > 1 && program.reducesTp(program.tasks[t].op);
   queueCount = uint32_t(program.queues.size());
   eventCount = uint32_t(program.events.size());
   workerCount = options.workers;
@@ -279,20 +271,20 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
     // share signal records: count them per task.
     // A task that fans out reaches every rank once from each TP rank of
     // the EP rank peerOffset before it.
-    for (size_t t = 0; t < program.tasks.size(); ++t) {
-      const TaskRecord &task = program.tasks[t];
+    for (const TaskRecord &task : program.tasks) {
+      const bool fanOut = program.fansOut(task.op);
       for (uint32_t i = 0; i < task.signalCount; ++i) {
         const SignalRecord &signal = program.signals[task.firstSignal + i];
-        eventTotal[signal.event] += uint64_t(signal.increment) * (fanOut[t] ? program.tpRanks : 1);
-        if (signal.peerOffset == 0 && !fanOut[t])
+        eventTotal[signal.event] += uint64_t(signal.increment) * (fanOut ? program.tpRanks : 1);
+        if (signal.peerOffset == 0 && !fanOut)
           continue;
         fromPeer[signal.event] = true;
         std::vector<Signaller> &from = signallers[signal.event];
         auto it = std::find_if(from.begin(), from.end(), [&](const Signaller &s) {
-          return s.offset == signal.peerOffset && s.fanOut == bool(fanOut[t]);
+          return s.offset == signal.peerOffset && program.fansOut(s.op) == fanOut;
         });
         if (it == from.end())
-          from.push_back({signal.peerOffset, signal.increment, bool(fanOut[t])});
+          from.push_back({signal.peerOffset, signal.increment, task.op});
         else
           it->total += signal.increment;
       }
@@ -527,26 +519,18 @@ bool Executor::Impl::headReady(uint32_t lq) {
 /// Sends `signal` of a task that ran on `rank`; appends the logical queues it
 /// wakes (which the caller then owns) to `woken`. A signal for a rank of
 /// another process goes through the inbox.
-Status Executor::Impl::signal(uint32_t rank, const SignalRecord &signal, bool fanOut,
+Status Executor::Impl::signal(uint32_t rank, uint32_t op, const SignalRecord &signal,
                               std::vector<uint32_t> &woken, const trace::WaitSpan &by,
                               trace::Trace *waits) {
-  const uint32_t target = program.peerRank(rank, signal.peerOffset);
-  if (!fanOut)
-    return signalOne(target, signal, woken, by, waits);
-  const uint32_t first = program.epOf(target) * program.tpRanks;
-  for (uint32_t t = 0; t < program.tpRanks; ++t)
-    if (Status s = signalOne(first + t, signal, woken, by, waits); !s)
-      return s;
-  return Status::success();
-}
-
-/// Sends `signal` to rank `target`.
-Status Executor::Impl::signalOne(uint32_t target, const SignalRecord &signal,
-                                 std::vector<uint32_t> &woken, const trace::WaitSpan &by,
-                                 trace::Trace *waits) {
-  if (!isLocal(target))
-    return inbox->signal(target, signal.event, signal.increment, by.signalTask);
-  addToEvent(target, signal.event, signal.increment, woken, by, waits);
+  const TaskProgram::RankRange to = program.signalRanks(op, rank, signal.peerOffset);
+  for (uint32_t target = to.first; target < to.first + to.count; ++target) {
+    if (!isLocal(target)) {
+      if (Status s = inbox->signal(target, signal.event, signal.increment, by.signalTask); !s)
+        return s;
+      continue;
+    }
+    addToEvent(target, signal.event, signal.increment, woken, by, waits);
+  }
   return Status::success();
 }
 
@@ -657,7 +641,7 @@ void Executor::Impl::runPass(uint32_t workerIndex) {
     by.signalRank = rank;
     by.signalTask = taskIndex;
     for (uint32_t s = 0; s < task.signalCount && status.ok(); ++s)
-      status = signal(rank, program.signals[task.firstSignal + s], fanOut[taskIndex], woken, by,
+      status = signal(rank, task.op, program.signals[task.firstSignal + s], woken, by,
                       tracing ? &worker.trace : nullptr);
     if (tracing)
       worker.trace.tasks.push_back({rank, lq % queueCount, taskIndex, workerIndex, startNs,
@@ -879,13 +863,10 @@ std::string Executor::Impl::describeSignallers(uint32_t rank, uint32_t event) co
     return "";
   std::vector<std::pair<uint32_t, uint64_t>> peers;
   for (const Signaller &from : signallers[event]) {
-    const uint32_t P = program.epRanks, T = program.tpRanks;
-    const uint32_t fromEp = (program.epOf(rank) + P - from.offset) % P;
-    for (uint32_t t = 0; t < T; ++t) {
-      const uint32_t peer = fromEp * T + t;
-      if ((from.fanOut || t == program.tpOf(rank)) && !isLocal(peer))
+    const TaskProgram::RankRange sources = program.signalSources(from.op, rank, from.offset);
+    for (uint32_t peer = sources.first; peer < sources.first + sources.count; ++peer)
+      if (!isLocal(peer))
         peers.push_back({peer, from.total});
-    }
   }
   std::sort(peers.begin(), peers.end());
   if (peers.empty())

@@ -127,33 +127,21 @@ TileCoord tileCoord(const TilingRecord &tiling, uint64_t index) {
   return c;
 }
 
-bool TaskProgram::reducesTp(uint32_t op) const {
-  return (tilings[ops[op].tiling].flags & kTilingReduceTp) != 0;
+bool TaskProgram::fansOut(uint32_t op) const {
+  return tpRanks > 1 && (tilings[ops[op].tiling].flags & kTilingReduceTp) != 0;
 }
 
-uint32_t TaskProgram::signalRanks(uint32_t op, uint32_t rank, uint32_t peerOffset,
-                                  uint32_t *out) const {
+TaskProgram::RankRange TaskProgram::signalRanks(uint32_t op, uint32_t rank,
+                                                uint32_t peerOffset) const {
   const uint32_t peer = peerRank(rank, peerOffset);
-  if (tpRanks == 1 || !reducesTp(op)) {
-    out[0] = peer;
-    return 1;
-  }
-  const uint32_t first = epOf(peer) * tpRanks;
-  for (uint32_t t = 0; t < tpRanks; ++t)
-    out[t] = first + t;
-  return tpRanks;
+  return fansOut(op) ? RankRange{epOf(peer) * tpRanks, tpRanks} : RankRange{peer, 1};
 }
 
-uint32_t TaskProgram::signalSources(uint32_t op, uint32_t rank, uint32_t peerOffset,
-                                    uint32_t *out) const {
+TaskProgram::RankRange TaskProgram::signalSources(uint32_t op, uint32_t rank,
+                                                  uint32_t peerOffset) const {
   const uint32_t fromEp = uint32_t((uint64_t(epOf(rank)) + epRanks - peerOffset) % epRanks);
-  if (tpRanks == 1 || !reducesTp(op)) {
-    out[0] = fromEp * tpRanks + tpOf(rank);
-    return 1;
-  }
-  for (uint32_t t = 0; t < tpRanks; ++t)
-    out[t] = fromEp * tpRanks + t;
-  return tpRanks;
+  return fansOut(op) ? RankRange{fromEp * tpRanks, tpRanks}
+                     : RankRange{fromEp * tpRanks + tpOf(rank), 1};
 }
 
 RankTile rankTile(const TaskProgram &program, uint32_t task, uint32_t rank) {
@@ -665,7 +653,7 @@ private:
     std::vector<uint64_t> sums(p.events.size(), 0);
     for (size_t t = 0; t < p.tasks.size(); ++t) {
       const TaskRecord &task = p.tasks[t];
-      const bool fanOut = p.tpRanks > 1 && p.reducesTp(task.op);
+      const bool fanOut = p.fansOut(task.op);
       for (uint32_t k = 0; k < task.signalCount; ++k) {
         const SignalRecord &signal = p.signals[size_t(task.firstSignal) + k];
         if (fanOut && p.events[signal.event].kind == EventKind::Local)

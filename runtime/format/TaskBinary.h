@@ -529,18 +529,24 @@ struct TaskProgram {
     return uint32_t((uint64_t(epOf(rank)) + peerOffset) % epRanks) * tpRanks + tpOf(rank);
   }
 
-  /// Returns the ranks a signal with `peerOffset` of a task of op `op`
-  /// reaches from `rank`: peerRank() alone, or for a combine that reduces
-  /// over TP (kTilingReduceTp) all T TP ranks of that EP rank, in TP order.
-  /// Returns their count; `out` holds at least T entries.
-  uint32_t signalRanks(uint32_t op, uint32_t rank, uint32_t peerOffset, uint32_t *out) const;
+  /// Ranks first .. first + count - 1.
+  struct RankRange {
+    uint32_t first = 0, count = 1;
+  };
+
+  /// Returns the ranks a signal (and the put) with `peerOffset` of a task of
+  /// op `op` reaches from `rank`: peerRank() alone, or when the op fans out
+  /// (fansOut()) the T TP ranks of that EP rank.
+  RankRange signalRanks(uint32_t op, uint32_t rank, uint32_t peerOffset) const;
 
   /// The inverse of signalRanks(): the ranks whose signal with `peerOffset`
-  /// of a task of op `op` reaches `rank`, in rank order. Returns their count.
-  uint32_t signalSources(uint32_t op, uint32_t rank, uint32_t peerOffset, uint32_t *out) const;
+  /// of a task of op `op` reaches `rank`.
+  RankRange signalSources(uint32_t op, uint32_t rank, uint32_t peerOffset) const;
 
-  /// True when the tasks of op `op` fan out to all TP ranks of their peer.
-  bool reducesTp(uint32_t op) const;
+  /// True when the tasks of op `op` fan out to all T > 1 TP ranks of their
+  /// peer: a combine with kTilingReduceTp, with T > 1. (With T = 1 the flag
+  /// changes nothing.)
+  bool fansOut(uint32_t op) const;
 
   /// Returns the global index of local expert `expert` on `rank`:
   /// epOf(rank) * L + expert.

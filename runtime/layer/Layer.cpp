@@ -36,27 +36,25 @@ public:
     shape.localExperts = program.localExperts;
     if (shape.localExperts == 0)
       return Status::error("the binary has 0 local experts");
-    for (uint32_t op = 0; op < program.ops.size(); ++op)
-      if (program.ops[op].kind == OpKind::Combine &&
-          program.reducesTp(op) != (shape.tp > 1 && program.ops.size() > 1))
-        return Status::error(
-            shape.tp > 1 && program.ops.size() > 1
-                ? fmt::format("op '{}' (combine): the binary runs on {} TP ranks, whose rows it "
-                              "returns are partial sums, but it does not reduce over them",
-                              opName(op), shape.tp)
-                : program.ops.size() == 1
-                      ? fmt::format("op '{}' (combine): a combine alone has no partial sums; "
-                                    "its binary must have 1 TP rank, not {}, and not reduce "
-                                    "over TP",
-                                    opName(op), shape.tp)
-                      : fmt::format("op '{}' (combine) reduces over TP, but the binary has 1 "
-                                    "TP rank",
-                                    opName(op)));
     if (shape.tp > 1 && program.ops.size() == 1)
       return Status::error(fmt::format(
           "a dispatch or combine alone has no expert weights to split over {} TP ranks; its "
           "binary must have 1 TP rank",
           shape.tp));
+    // Under TP every combine returns partial sums, and only then may it
+    // reduce over TP.
+    for (uint32_t op = 0; op < program.ops.size(); ++op) {
+      const bool reduces = tiling(op).flags & format::kTilingReduceTp;
+      if (program.ops[op].kind != OpKind::Combine || reduces == (shape.tp > 1))
+        continue;
+      return Status::error(
+          reduces ? fmt::format("op '{}' (combine) reduces over TP, but the binary has 1 TP "
+                                "rank",
+                                opName(op))
+                  : fmt::format("op '{}' (combine): the binary runs on {} TP ranks, whose rows "
+                                "it returns are partial sums, but it does not reduce over them",
+                                opName(op), shape.tp));
+    }
     plan.inputs.resize(program.ops.size());
     for (size_t i = 0; i < program.ops.size(); ++i)
       for (uint32_t k = 0; k < format::kMaxTilingInputs; ++k)

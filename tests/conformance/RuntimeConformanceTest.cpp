@@ -75,6 +75,7 @@ struct Case {
   Routing routing = Routing::Uniform;
   double capacityFactor = 0; ///< 0: the config's default
   bool fp8Dispatch = false;  ///< "dispatch_dtype": "fp8_e4m3"
+  uint32_t tp = 1;           ///< TP ranks of each of the `ranks` EP ranks
   uint32_t experts() const { return ranks * localExperts; }
   std::string describe() const {
     return "R=" + std::to_string(ranks) + " L=" + std::to_string(localExperts) +
@@ -136,7 +137,8 @@ compile(const Case &c, const char *firstGraph = "graphs/moe_ffn_fwd.json",
                           std::to_string(c.topK) + "_" + std::to_string(c.hidden) + "_" +
                           std::to_string(c.inter) + (c.bf16 ? "_bf16_" : "_f32_") +
                           granularityName(c.granularity) + "_" +
-                          std::to_string(c.capacityFactor) + (c.fp8Dispatch ? "_fp8" : "");
+                          std::to_string(c.capacityFactor) + (c.fp8Dispatch ? "_fp8" : "") +
+                          "_tp" + std::to_string(c.tp);
   const std::string graphKey = key + "_" + firstGraph + "_" + secondGraph;
   if (auto it = cache.find(graphKey); it != cache.end())
     return it->second;
@@ -146,7 +148,7 @@ compile(const Case &c, const char *firstGraph = "graphs/moe_ffn_fwd.json",
     out << "{\"name\": \"case\", \"hidden_size\": " << c.hidden
         << ", \"intermediate_size\": " << c.inter << ", \"num_experts\": " << c.experts()
         << ", \"top_k\": " << c.topK << ", \"ep\": " << c.ranks
-        << ", \"tp\": 1, \"seq_size\": " << c.seq << ", \"dtype\": \""
+        << ", \"tp\": " << c.tp << ", \"seq_size\": " << c.seq << ", \"dtype\": \""
         << (c.bf16 ? "bf16" : "fp32") << "\", \"num_cube_cores\": 2, \"num_vector_cores\": 3";
     if (c.capacityFactor > 0)
       out << ", \"capacity_factor\": " << c.capacityFactor;
@@ -1036,3 +1038,136 @@ TEST_CASE("an FP8 forward binary is refused when its quantize chain is broken", 
   p.slots[sent].dims[1] -= 4;
   CHECK_THAT(refusal(p), Catch::Contains("(quantized dispatched rows) has shape"));
 }
+
+TEST_CASE("expert tensor parallelism: TP ranks agree on the bits, and must route alike",
+          "[runtime]") {
+  // EP x 2 TP ranks: 2 x 2 in process, the job's size under MPI when even.
+  const uint32_t R = groupSize(4);
+  if (R % 2 != 0)
+    return;
+  Case c;
+  c.ranks = R / 2;
+  c.tp = 2;
+  c.inter = 24; // 12 columns per TP rank
+  c.seq = 64;
+  auto [fwd, bwd] = compile(c);
+  REQUIRE(fwd->shape().ranks == R);
+  REQUIRE(fwd->shape().tp == 2);
+  REQUIRE(fwd->shape().inter == 12);
+  std::unique_ptr<Context> ctx;
+  REQUIRE(makeContext(fwd, bwd, {}, &ctx).ok());
+  const int64_t S = c.seq, H = c.hidden, I = 12, L = c.localExperts, K = c.topK;
+  // Every rank: its EP rank's tokens (the same on its TP ranks) and any
+  // weights of its slice's shape.
+  const Inputs in = makeInputs(c, 9);
+  std::vector<std::vector<float>> x(R), y(R, std::vector<float>(size_t(S * H), -7.0f)),
+      w1(R), w2(R), weights(R);
+  std::vector<std::vector<int64_t>> ids(R);
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> uni(-0.2f, 0.2f);
+  const auto bindRank = [&](uint32_t r) {
+    x[r] = in.x[r / 2];
+    ids[r] = in.ids[r / 2];
+    weights[r] = in.weights[r / 2];
+    w1[r].resize(size_t(L * H * 2 * I));
+    w2[r].resize(size_t(L * I * H));
+    for (float &v : w1[r])
+      v = uni(rng);
+    for (float &v : w2[r])
+      v = uni(rng);
+    for (const auto &[name, tensor] :
+         {std::pair<const char *, moec::rt::Tensor>{"x", makeTensor(x[r].data(), DType::F32, {S, H})},
+          {"y", makeTensor(y[r].data(), DType::F32, {S, H})},
+          {"w1", makeTensor(w1[r].data(), DType::F32, {L, H, 2 * I})},
+          {"w2", makeTensor(w2[r].data(), DType::F32, {L, I, H})}})
+      REQUIRE(ctx->bind(r, name, tensor).ok());
+    REQUIRE(ctx->setRouting(r, makeTensor(ids[r].data(), DType::I64, {S, K}),
+                            makeTensor(weights[r].data(), DType::F32, {S, K}))
+                .ok());
+  };
+  for (uint32_t r = ctx->firstLocalRank(); r < ctx->firstLocalRank() + ctx->localRanks(); ++r)
+    bindRank(r);
+
+  SECTION("the TP ranks of an EP rank end with the same bits of y") {
+    Status s = ctx->forward();
+    INFO(s.message());
+    REQUIRE(s.ok());
+    // Gathered on rank 0's process: every rank's y.
+    std::vector<float> all(size_t(R * S * H));
+    const size_t mine = size_t(S * H) * ctx->localRanks();
+    std::vector<float> local(mine);
+    for (uint32_t i = 0; i < ctx->localRanks(); ++i)
+      std::copy(y[ctx->firstLocalRank() + i].begin(), y[ctx->firstLocalRank() + i].end(),
+                local.begin() + i * S * H);
+    REQUIRE(ctx->fabric().gather(local.data(), size_t(S * H) * sizeof(float), all.data()).ok());
+    if (ctx->fabric().isLocal(0))
+      for (uint32_t r = 1; r < R; r += 2)
+        CHECK(std::equal(all.begin() + r * S * H, all.begin() + (r + 1) * S * H,
+                         all.begin() + (r - 1) * S * H));
+    CHECK(std::none_of(y[ctx->firstLocalRank()].begin(), y[ctx->firstLocalRank()].end(),
+                       [](float v) { return v == -7.0f; }));
+  }
+  SECTION("a TP rank routing other tokens is refused before anything is written") {
+    if (ctx->fabric().isLocal(1)) {
+      weights[1][5] += 0.25f; // TP rank 1 of EP rank 0: other top-k weights
+      REQUIRE(ctx->setRouting(1, makeTensor(ids[1].data(), DType::I64, {S, K}),
+                              makeTensor(weights[1].data(), DType::F32, {S, K}))
+                  .ok());
+    }
+    Status s = ctx->forward();
+    CHECK_FALSE(s.ok());
+    CHECK_THAT(s.message(), Catch::Contains("rank 1 (EP rank 0, TP rank 1) routes other tokens "
+                                            "than rank 0 (TP rank 0)"));
+    CHECK_THAT(s.message(), Catch::Contains("the same sizes, other expert ids or weights"));
+    for (uint32_t r = ctx->firstLocalRank(); r < ctx->firstLocalRank() + ctx->localRanks(); ++r)
+      CHECK(std::all_of(y[r].begin(), y[r].end(), [](float v) { return v == -7.0f; }));
+  }
+}
+
+TEST_CASE("a TP binary whose combine disagrees with its TP ranks is refused", "[runtime]") {
+  Case c;
+  c.ranks = 1;
+  c.tp = 2;
+  if (!runs(2))
+    return;
+  const moec::format::TaskProgram good = compile(c).first->tasks();
+  const auto refusal = [](moec::format::TaskProgram program) {
+    std::shared_ptr<const Program> out;
+    const Status s = Program::create(std::move(program), &out);
+    CHECK(out == nullptr);
+    return s.message();
+  };
+  uint32_t combine = 0;
+  for (uint32_t i = 0; i < good.ops.size(); ++i)
+    if (good.ops[i].kind == moec::format::OpKind::Combine)
+      combine = i;
+  // Events whose thresholds are the sums of their signals again (each
+  // counted once per rank it reaches), so that the reader passes the
+  // program and the layer check is what refuses it.
+  const auto rethreshold = [](moec::format::TaskProgram &q) {
+    std::vector<uint32_t> sums(q.events.size(), 0);
+    for (const moec::format::TaskRecord &task : q.tasks)
+      for (uint32_t k = 0; k < task.signalCount; ++k) {
+        const moec::format::SignalRecord &signal = q.signals[task.firstSignal + k];
+        sums[signal.event] += signal.increment * (q.fansOut(task.op) ? q.tpRanks : 1);
+      }
+    for (moec::format::WaitRecord &wait : q.waits)
+      if (wait.threshold == q.events[wait.event].threshold)
+        wait.threshold = sums[wait.event];
+    for (size_t e = 0; e < q.events.size(); ++e)
+      q.events[e].threshold = sums[e];
+  };
+  moec::format::TaskProgram p = good;
+  p.tilings[p.ops[combine].tiling].flags &= uint8_t(~moec::format::kTilingReduceTp);
+  CHECK_THAT(refusal(p), Catch::Contains("its signals add up to"));
+  rethreshold(p);
+  CHECK_THAT(refusal(p), Catch::Contains("op 'combine' (combine): the binary runs on 2 TP ranks, "
+                                         "whose rows it returns are partial sums, but it does not "
+                                         "reduce over them"));
+  p = good;
+  p.tpRanks = 1;
+  rethreshold(p);
+  CHECK_THAT(refusal(p), Catch::Contains("op 'combine' (combine) reduces over TP, but the binary "
+                                         "has 1 TP rank"));
+}
+

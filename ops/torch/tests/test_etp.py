@@ -161,6 +161,16 @@ def test_checkpoint_round_trip():
     other = layer(2, 2, seed=2)
     other.load_state_dict(state)
     assert torch.equal(other.w1, m.w1) and torch.equal(other.w2, m.w2)
+    # A TP rank's checkpoint (a slice of the columns) does not load as the
+    # whole experts, and nothing is copied.
+    shard = dict(state)
+    shard["_extra_state"] = dict(state["_extra_state"], layout=dict(
+        state["_extra_state"]["layout"], columns=[0, INTER // 2]))
+    fresh = layer(2, 2, seed=3)
+    before = fresh.w1.clone()
+    with pytest.raises(ValueError, match=r"holds intermediate columns 0..5 of 12 \(a TP rank's\)"):
+        fresh.load_state_dict(shard)
+    assert torch.equal(fresh.w1, before)
 
 
 def test_refusals():

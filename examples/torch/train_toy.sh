@@ -4,5 +4,5 @@
 # train_toy.py (--steps, --ranks, --dtype, --threads, --seed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-bazel build //tools:moec //tools/libmoec:libmoec.so //ops/torch:moec_torch.so
+bazel build //tools:moec //compiler/api:libmoec.so //ops/torch:moec_torch.so
 exec /usr/bin/python3 examples/torch/train_toy.py "$@"

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ranks=${RANKS:-2}
-bazel build //tools:moec //tools/libmoec:libmoec.so //ops/torch:moec_torch.so 2>&1 | tail -1
+bazel build //tools:moec //compiler/api:libmoec.so //ops/torch:moec_torch.so 2>&1 | tail -1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export MASTER_ADDR=127.0.0.1
 export MASTER_PORT=$(/usr/bin/python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")

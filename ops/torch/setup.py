@@ -3,7 +3,7 @@ libraries it runs on (the op library moec_torch.so and the compiler library
 libmoec.so) and the layer graphs, so that an installed package needs no
 build tree at run time. Build the libraries first, then install offline:
 
-    bazel build //ops/torch:moec_torch.so //tools/libmoec:libmoec.so
+    bazel build //ops/torch:moec_torch.so //compiler/api:libmoec.so
     /usr/bin/python3 -m pip install --no-index --no-build-isolation ops/torch
 
 MOEC_TORCH_LIB, MOEC_LIB and MOEC_GRAPHS name the libraries and the graph
@@ -25,7 +25,7 @@ def _source(env, default):
     path = Path(os.environ.get(env) or default)
     if not path.exists():
         raise SystemExit(f"moec_torch: {path} does not exist; build it first "
-                         "(bazel build //ops/torch:moec_torch.so //tools/libmoec:libmoec.so) "
+                         "(bazel build //ops/torch:moec_torch.so //compiler/api:libmoec.so) "
                          f"or set {env}")
     return path
 
@@ -40,7 +40,7 @@ class BuildWithLibraries(build_py):
         lib = package / "lib"
         lib.mkdir(parents=True, exist_ok=True)
         for env, default in (("MOEC_TORCH_LIB", REPO / "bazel-bin/ops/torch/moec_torch.so"),
-                             ("MOEC_LIB", REPO / "bazel-bin/tools/libmoec/libmoec.so")):
+                             ("MOEC_LIB", REPO / "bazel-bin/compiler/api/libmoec.so")):
             source = _source(env, default)
             target = lib / source.name
             shutil.copyfile(source, target)

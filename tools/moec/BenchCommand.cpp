@@ -28,6 +28,7 @@
 #include "runtime/cpu/Peak.h"
 #include "runtime/api/Runtime.h"
 #include "tools/moec/Cli.h"
+#include "tools/moec/Commands.h"
 #include "runtime/tooling/LayerRun.h"
 #include "tools/moec/Progress.h"
 

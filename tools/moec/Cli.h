@@ -1,7 +1,7 @@
 //===- Cli.h - the moec command line ----------------------------*- C++ -*-===//
 //
-// Argument parsing shared by every moec command, and the commands' entry
-// points. Exit codes: 0 success, 1 error, 2 usage error.
+// The argument library every moec command parses with, and its atomic
+// output writer. Exit codes: 0 success, 1 error, 2 usage error.
 //
 //===----------------------------------------------------------------------===//
 
@@ -49,17 +49,6 @@ void printHelp(const CommandSpec &spec);
 /// so a failed run leaves nothing half-written. "-" writes to stdout.
 /// On failure prints an error and returns false.
 bool writeOutput(const std::string &path, const std::string &content);
-
-// Commands. Each returns an ExitCode.
-int runCheck(int argc, char **argv, int first);
-int runImport(int argc, char **argv, int first);
-int runExport(int argc, char **argv, int first);
-int runCompile(int argc, char **argv, int first);
-int runDump(int argc, char **argv, int first);
-int runRun(int argc, char **argv, int first);
-int runBench(int argc, char **argv, int first);
-
-extern const CommandSpec kCheckSpec, kImportSpec, kExportSpec, kCompileSpec;
 
 } // namespace moec::cli
 

@@ -3,6 +3,7 @@
 #include "compiler/driver/Compile.h"
 #include "runtime/format/TaskBinary.h"
 #include "tools/moec/Cli.h"
+#include "tools/moec/Commands.h"
 #include "tools/moec/GraphFrame.h"
 #include "tools/moec/Progress.h"
 

@@ -5,7 +5,8 @@
 #include "runtime/format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
 #include "tools/moec/Cli.h"
-#include "tools/moec/Dump.h"
+#include "tools/moec/Commands.h"
+#include "compiler/inspect/Dump.h"
 
 #include <fmt/format.h>
 
@@ -84,7 +85,7 @@ int error(const std::string &message) {
 
 /// Reads the size and checksum from the header of the file `path`, which
 /// loadTaskBinaryFile has read and checked.
-bool readFacts(const std::string &path, dump::FileFacts *facts, std::string *message) {
+bool readFacts(const std::string &path, inspect::FileFacts *facts, std::string *message) {
   std::ifstream in(path, std::ios::binary);
   format::FileHeader header;
   if (!in.read(reinterpret_cast<char *>(&header), sizeof(header))) {
@@ -157,7 +158,7 @@ int runDump(int argc, char **argv, int first) {
     printHelp(kDumpSpec);
     return kOk;
   }
-  dump::DumpOptions options;
+  inspect::DumpOptions options;
   int formats = args->has("--json") + args->has("--dot") + args->has("--op-graph") +
                 args->has("--trace");
   if (formats > 1)
@@ -184,8 +185,8 @@ int runDump(int argc, char **argv, int first) {
   }
 
   if (auto core = args->value("--core")) {
-    dump::CoreSelector selector;
-    if (Status status = dump::parseCoreSelector(*core, &selector); !status)
+    inspect::CoreSelector selector;
+    if (Status status = inspect::parseCoreSelector(*core, &selector); !status)
       return usageError(status.message());
     options.core = selector;
   }
@@ -203,10 +204,10 @@ int runDump(int argc, char **argv, int first) {
   format::TaskProgram program;
   if (Status status = format::loadTaskBinaryFile(path, &program); !status)
     return error(status.message());
-  dump::FileFacts facts;
+  inspect::FileFacts facts;
   if (std::string message; !readFacts(path, &facts, &message))
     return error(message);
-  if (Status status = dump::checkDumpOptions(program, options); !status)
+  if (Status status = inspect::checkDumpOptions(program, options); !status)
     return error(fmt::format("{}: {}", path, status.message()));
 
   std::string output;
@@ -215,12 +216,12 @@ int runDump(int argc, char **argv, int first) {
   const std::string outPath = args->value("-o").value_or("-");
   if (args->has("--dot") || args->has("--op-graph")) {
     if (args->has("--op-graph")) {
-      output = dump::dumpOpGraph(program);
+      output = inspect::dumpOpGraph(program);
     } else {
       size_t drawn = 0;
-      if (Status status = dump::dumpDot(program, options, &output, &drawn); !status)
+      if (Status status = inspect::dumpDot(program, options, &output, &drawn); !status)
         return error(fmt::format("{}: {}", path, status.message()));
-      if (drawn > dump::kLargeDotTasks)
+      if (drawn > inspect::kLargeDotTasks)
         std::fprintf(stderr,
                      "moec dump: note: drawing %zu tasks; graphviz lays out graphs this large "
                      "slowly (select with --core KIND:N or --ops NAMES)\n",
@@ -234,16 +235,16 @@ int runDump(int argc, char **argv, int first) {
   } else {
     std::optional<target::TargetProfile> profile;
     std::string note;
-    if (Status status = dump::analysisProfile(program, args->value("--target"), &profile, &note);
+    if (Status status = inspect::analysisProfile(program, args->value("--target"), &profile, &note);
         !status)
       return error(status.message());
     const bool haveProfile = profile.has_value();
     if (args->has("--trace") && !haveProfile)
       return error(fmt::format("{}: --trace needs a profile: {}", path, note));
-    dump::Analysis analysis = dump::analyzeProgram(program, haveProfile ? &*profile : nullptr,
+    inspect::Analysis analysis = inspect::analyzeProgram(program, haveProfile ? &*profile : nullptr,
                                                    note, args->has("--trace"));
     if (args->value("--target"))
-      if (std::string warning = dump::coreCountWarning(program, *profile); !warning.empty())
+      if (std::string warning = inspect::coreCountWarning(program, *profile); !warning.empty())
         analysis.warnings.push_back(warning);
     for (const std::string &warning : analysis.warnings)
       std::fprintf(stderr, "moec dump: warning: %s: %s\n", path.c_str(), warning.c_str());
@@ -260,9 +261,9 @@ int runDump(int argc, char **argv, int first) {
       return kOk;
     }
     output = args->has("--json")
-                 ? dump::dumpJson(program, facts, options, analysis).dump(options.compact ? -1 : 2) +
+                 ? inspect::dumpJson(program, facts, options, analysis).dump(options.compact ? -1 : 2) +
                        "\n"
-                                 : dump::dumpText(program, facts, options, analysis);
+                                 : inspect::dumpText(program, facts, options, analysis);
   }
 
   if (!writeOutput(outPath, output))

@@ -6,6 +6,7 @@
 #include "compiler/target/Profile.h"
 #include "compiler/transforms/Passes.h"
 #include "tools/moec/Cli.h"
+#include "tools/moec/Commands.h"
 #include "tools/moec/GraphFrame.h"
 
 #include "mlir/IR/Diagnostics.h"

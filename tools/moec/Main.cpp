@@ -1,90 +1,11 @@
 //===- Main.cpp - moec: the command dispatcher -----------------------------===//
 
 #include "tools/moec/Cli.h"
+#include "tools/moec/Commands.h"
 
 #include "base/File.h"
 
 #include <cstdio>
-#include <cstring>
-#include <unistd.h>
-
-namespace moec::cli {
-
-std::optional<std::string> Args::value(const std::string &flag) const {
-  auto it = values.find(flag);
-  if (it == values.end())
-    return std::nullopt;
-  return it->second;
-}
-
-static bool contains(const std::vector<std::string> &v, const std::string &s) {
-  for (const std::string &e : v)
-    if (e == s)
-      return true;
-  return false;
-}
-
-std::optional<Args> parseArgs(const CommandSpec &spec, int argc, char **argv, int first) {
-  Args args;
-  auto usageError = [&](const std::string &msg) -> std::optional<Args> {
-    std::fprintf(stderr, "moec %s: %s\nusage: %s\n(see 'moec %s --help')\n", spec.name,
-                 msg.c_str(), spec.usage, spec.name);
-    return std::nullopt;
-  };
-  for (int i = first; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
-      args.help = true;
-      return args;
-    }
-    if (a.size() > 1 && a[0] == '-') {
-      std::string flag = a, value;
-      bool inlineValue = false;
-      if (auto eq = a.find('='); eq != std::string::npos && a.rfind("--", 0) == 0) {
-        flag = a.substr(0, eq);
-        value = a.substr(eq + 1);
-        inlineValue = true;
-      }
-      if (contains(spec.valueFlags, flag)) {
-        if (!inlineValue) {
-          if (i + 1 >= argc)
-            return usageError("option '" + flag + "' needs a value");
-          value = argv[++i];
-        }
-        args.values[flag] = value;
-      } else if (contains(spec.switchFlags, flag) && !inlineValue) {
-        args.switches[flag] = true;
-      } else {
-        return usageError("unknown option '" + a + "'");
-      }
-      continue;
-    }
-    args.positional.push_back(a);
-  }
-  if (args.positional.size() < spec.minPositional)
-    return usageError("missing argument");
-  if (args.positional.size() > spec.maxPositional)
-    return usageError("unexpected argument '" + args.positional.back() + "'");
-  return args;
-}
-
-void printHelp(const CommandSpec &spec) {
-  std::printf("usage: %s\n\n%s", spec.usage, spec.help);
-}
-
-bool writeOutput(const std::string &path, const std::string &content) {
-  if (path == "-") {
-    std::fwrite(content.data(), 1, content.size(), stdout);
-    return true;
-  }
-  if (Status s = writeFileAtomically(path, {{content.data(), content.size()}}); !s) {
-    std::fprintf(stderr, "error: %s\n", s.message().c_str());
-    return false;
-  }
-  return true;
-}
-
-} // namespace moec::cli
 
 namespace {
 

@@ -14,6 +14,7 @@
 #include "runtime/tooling/Profile.h"
 #include "runtime/tooling/Workspace.h"
 #include "tools/moec/Cli.h"
+#include "tools/moec/Commands.h"
 #include "tools/moec/Progress.h"
 
 #include <fmt/format.h>

@@ -27,7 +27,7 @@ Bazel they are found there. These override:
     MOEC_TORCH_LIB   the op library         moec_torch/lib/moec_torch.so, or
                                             bazel-bin/ops/torch/moec_torch.so
     MOEC_LIB         the compiler library   moec_torch/lib/libmoec.so, or
-                                            bazel-bin/tools/libmoec/libmoec.so
+                                            bazel-bin/compiler/api/libmoec.so
     MOEC_GRAPHS      the graph folder       moec_torch/graphs, or graphs/
     MOEC_CACHE_DIR   compiled binaries      ~/.cache/moec
 """
@@ -153,7 +153,7 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
     if not moec.is_file():
         raise RuntimeError(
             f"moec: the compiler library {moec} does not exist; install the moec_torch package, "
-            "build it with 'bazel build //tools/libmoec:libmoec.so', or set MOEC_LIB")
+            "build it with 'bazel build //compiler/api:libmoec.so', or set MOEC_LIB")
     sources = [folder / g for g in graphs]
     key = hashlib.sha256()
     key.update(json.dumps(cfg, sort_keys=True).encode())

@@ -1,5 +1,5 @@
 """moec's compiler and dump tool, called in this process through libmoec.so
-(tools/libmoec/moec.h) with ctypes: no moec executable and no build tree
+(compiler/api/moec.h) with ctypes: no moec executable and no build tree
 are needed at run time.
 
     import moec_torch
@@ -38,7 +38,7 @@ def _find(env, packaged, in_checkout):
 def library_path():
     """The compiler library: $MOEC_LIB, the package's, or the checkout's."""
     return _find("MOEC_LIB", _PACKAGE / "lib/libmoec.so",
-                 _REPO / "bazel-bin/tools/libmoec/libmoec.so")
+                 _REPO / "bazel-bin/compiler/api/libmoec.so")
 
 
 def op_library_path():
@@ -64,7 +64,7 @@ def _library():
             if not path.is_file():
                 raise RuntimeError(
                     f"moec: the compiler library {path} does not exist; install the moec_torch "
-                    "package, build it with 'bazel build //tools/libmoec:libmoec.so', or set "
+                    "package, build it with 'bazel build //compiler/api:libmoec.so', or set "
                     "MOEC_LIB")
             lib = ctypes.CDLL(str(path))
             out = ctypes.POINTER(ctypes.c_void_p)

@@ -1,20 +1,19 @@
-//===- Dump.h - What `moec dump` prints about a task program ---*- C++ -*-===//
+//===- Dump.h - what `moec dump` prints about a task program ---*- C++ -*-===//
 //
 // The formatting behind `moec dump`: a task program's header, tensor slots,
 // ops and their tile grids, events, per-core queues, and statistics (task
 // counts, critical path, simulated makespan, queue balance), as text, as one
-// JSON object, or as the task graph in Graphviz dot. The command reads the
-// file and parses options; everything it prints is made here, so tests can
-// call it on a program built by hand.
+// JSON object, or as the task graph in Graphviz dot (Text.cpp, Json.cpp,
+// Dot.cpp). The command reads the file and parses options; everything it
+// prints is made here, so tests can call it on a program built by hand.
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_TOOLS_MOEC_DUMP_H
-#define MOEC_TOOLS_MOEC_DUMP_H
+#ifndef MOEC_COMPILER_INSPECT_DUMP_H
+#define MOEC_COMPILER_INSPECT_DUMP_H
 
-#include "compiler/target/Profile.h"
-#include "compiler/target/Simulate.h"
 #include "base/Status.h"
+#include "compiler/inspect/Analysis.h"
 #include "runtime/format/TaskBinary.h"
 
 #include <nlohmann/json.hpp>
@@ -25,7 +24,7 @@
 #include <string>
 #include <vector>
 
-namespace moec::dump {
+namespace moec::inspect {
 
 /// One core, as `--core` names it: "cube:3", "vector:0".
 struct CoreSelector {
@@ -78,53 +77,6 @@ inline constexpr const char *kCompactEntryColumns[] = {
     "row_begin", "row_end", "col_begin", "col_end",   "cost",     "start",
     "finish",   "waits",    "signals"};
 
-/// What the statistics are computed from: task costs and the timed
-/// simulation of the whole program.
-struct Analysis {
-  /// True when a profile gave the costs (seconds); false when every task
-  /// costs 1 and the statistics are in task counts.
-  bool timed = false;
-
-  /// The profile's name when timed.
-  std::string profileName;
-
-  /// Why there is no profile when not timed ("" when timed).
-  std::string note;
-
-  /// Per task: its estimated seconds, or 1 when not timed.
-  std::vector<double> costs;
-
-  /// The timed simulation (status: the deadlock proof's verdict).
-  target::TimedRun run;
-
-  /// Per event: the signals and the waits naming it (counted per task).
-  std::vector<uint32_t> signallers, waiters;
-
-  /// What the reader should know about the estimates, e.g. that the
-  /// profile's core counts are not the binary's.
-  std::vector<std::string> warnings;
-};
-
-/// The profile the statistics of `program` are computed with: `target`
-/// (a --target argument) when given, else the one the binary's header
-/// names. Fails only for a bad `target`; when the header's target cannot be
-/// resolved here, *profile is left empty and *note says why.
-Status analysisProfile(const format::TaskProgram &program, const std::optional<std::string> &target,
-                       std::optional<target::TargetProfile> *profile, std::string *note);
-
-/// Computes the analysis of `program`: with `profile`'s cost model (its
-/// shared cores and link), or, when `profile` is null, with unit costs and
-/// `note` saying why. With `recordTrace` and a profile, the simulation
-/// records its trace (run.trace).
-Analysis analyzeProgram(const format::TaskProgram &program, const target::TargetProfile *profile,
-                        const std::string &note = "", bool recordTrace = false);
-
-/// Returns a warning when `profile`'s cube or vector core count differs
-/// from the number of cube or vector queues of `program` (re-costing a
-/// binary with another profile keeps its queues), else "".
-std::string coreCountWarning(const format::TaskProgram &program,
-                             const target::TargetProfile &profile);
-
 /// Checks `options` against `program`: the selected core has a queue (else
 /// "the binary has no cube core 9 (its cube cores are 0..7)") and the rank
 /// is below the EP group's size.
@@ -162,16 +114,6 @@ Status dumpDot(const format::TaskProgram &program, const DumpOptions &options, s
 /// labelled with its tile count.
 std::string dumpOpGraph(const format::TaskProgram &program);
 
-/// Returns "12.3 us", "4.56 ms", "1.20 s" (three significant digits).
-std::string formatSeconds(double seconds);
+} // namespace moec::inspect
 
-/// Returns the ops of a task path as runs of one op: "dispatch x32 → up_proj
-/// x1 → swiglu x4", at most `maxRuns` runs and then "→ ... (N more)". With
-/// `ranks` (one per task, as TimedRun::criticalPathRanks), a run is also of
-/// one rank, and runs not on rank 0 say so: "dispatch x1 on rank 3 → ...".
-std::string summarizePath(const format::TaskProgram &program, const std::vector<uint32_t> &tasks,
-                          const std::vector<uint32_t> &ranks = {}, size_t maxRuns = 12);
-
-} // namespace moec::dump
-
-#endif // MOEC_TOOLS_MOEC_DUMP_H
+#endif // MOEC_COMPILER_INSPECT_DUMP_H

@@ -1,12 +1,12 @@
 //===- Moec.cpp - The compiler and the dump tool as a C library -----------===//
 
-#include "tools/libmoec/moec.h"
+#include "compiler/api/moec.h"
 
 #include "base/File.h"
 #include "compiler/driver/Compile.h"
 #include "runtime/format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
-#include "tools/moec/Dump.h"
+#include "compiler/inspect/Dump.h"
 
 #include <fmt/format.h>
 
@@ -56,20 +56,20 @@ std::optional<std::string> optionalString(const char *text) {
 
 /// Loads `binary` and analyzes it with `target` (or its own).
 Status analyze(const char *binary, const char *target, bool trace, format::TaskProgram *program,
-               dump::Analysis *analysis, std::optional<target::TargetProfile> *profile) {
+               inspect::Analysis *analysis, std::optional<target::TargetProfile> *profile) {
   if (!binary)
     return Status::error("no binary given");
   if (Status status = format::loadTaskBinaryFile(binary, program); !status)
     return status;
   std::string note;
-  if (Status status = dump::analysisProfile(*program, optionalString(target), profile, &note);
+  if (Status status = inspect::analysisProfile(*program, optionalString(target), profile, &note);
       !status)
     return status;
   if (trace && !*profile)
     return Status::error(fmt::format("{}: a simulated trace needs a profile: {}", binary, note));
-  *analysis = dump::analyzeProgram(*program, *profile ? &**profile : nullptr, note, trace);
+  *analysis = inspect::analyzeProgram(*program, *profile ? &**profile : nullptr, note, trace);
   if (target && *profile)
-    if (std::string warning = dump::coreCountWarning(*program, **profile); !warning.empty())
+    if (std::string warning = inspect::coreCountWarning(*program, **profile); !warning.empty())
       analysis->warnings.push_back(warning);
   return Status::success();
 }
@@ -115,17 +115,17 @@ extern "C" int moec_dump_json(const char *binary, const char *target, int rank, 
     *json = nullptr;
   return guarded(error, [&]() -> Status {
     format::TaskProgram program;
-    dump::Analysis analysis;
+    inspect::Analysis analysis;
     std::optional<target::TargetProfile> profile;
     if (Status status = analyze(binary, target, false, &program, &analysis, &profile); !status)
       return status;
-    dump::DumpOptions options;
+    inspect::DumpOptions options;
     if (rank >= 0)
       options.rank = uint32_t(rank);
-    if (Status status = dump::checkDumpOptions(program, options); !status)
+    if (Status status = inspect::checkDumpOptions(program, options); !status)
       return status.withPrefix(fmt::format("{}: ", binary));
     if (json)
-      *json = copyOut(dump::dumpJson(program, dump::factsOf(program, binary), options, analysis)
+      *json = copyOut(inspect::dumpJson(program, inspect::factsOf(program, binary), options, analysis)
                           .dump());
     return Status::success();
   });
@@ -137,7 +137,7 @@ extern "C" int moec_simulate_trace(const char *binary, const char *target, const
     if (!out)
       return Status::error("moec_simulate_trace needs an output path");
     format::TaskProgram program;
-    dump::Analysis analysis;
+    inspect::Analysis analysis;
     std::optional<target::TargetProfile> profile;
     if (Status status = analyze(binary, target, true, &program, &analysis, &profile); !status)
       return status;

@@ -1,0 +1,219 @@
+//===- Describe.cpp - how every view of a task program names its parts ----===//
+
+#include "compiler/inspect/Describe.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace moec::inspect {
+
+using namespace moec::format;
+
+std::string coreLabel(CoreKind kind, uint32_t index) {
+  return fmt::format("{} core {}", coreKindName(kind), index);
+}
+
+std::string queueLabel(const QueueRecord &queue) {
+  return coreLabel(queue.coreKind, queue.coreIndex);
+}
+
+std::vector<uint32_t> queueOrder(const TaskProgram &p) {
+  std::vector<uint32_t> order(p.queues.size());
+  for (uint32_t q = 0; q < order.size(); ++q)
+    order[q] = q;
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    const QueueRecord &x = p.queues[a], &y = p.queues[b];
+    if (x.coreKind != y.coreKind)
+      return uint8_t(x.coreKind) < uint8_t(y.coreKind);
+    return x.coreIndex < y.coreIndex;
+  });
+  return order;
+}
+
+std::vector<uint32_t> shownQueues(const TaskProgram &p, const DumpOptions &options) {
+  std::vector<uint32_t> order = queueOrder(p);
+  if (!options.core)
+    return order;
+  std::vector<uint32_t> shown;
+  for (uint32_t q : order)
+    if (p.queues[q].coreKind == options.core->kind && p.queues[q].coreIndex == options.core->index)
+      shown.push_back(q);
+  return shown;
+}
+
+std::string opCore(const TaskProgram &p, const OpRecord &op) {
+  if (op.taskCount == 0)
+    return "-";
+  CoreKind kind = p.tasks[op.firstTask].coreKind;
+  for (uint32_t t = op.firstTask; t < op.firstTask + op.taskCount; ++t)
+    if (p.tasks[t].coreKind != kind)
+      return "mixed";
+  return coreKindName(kind);
+}
+
+std::string dimsText(const SlotRecord &slot) {
+  std::string out = "[";
+  for (unsigned d = 0; d < slot.rank && d < kMaxTensorRank; ++d)
+    out += fmt::format("{}{}", d ? ", " : "", slot.dims[d]);
+  return out + "]";
+}
+
+std::vector<std::string> tilingFlagNames(const TilingRecord &t) {
+  std::vector<std::string> names;
+  if (t.flags & kTilingTransposeA)
+    names.push_back("transpose_a");
+  if (t.flags & kTilingTransposeB)
+    names.push_back("transpose_b");
+  if (t.flags & kTilingAccumulate)
+    names.push_back("accumulate");
+  if (t.flags & kTilingScale)
+    names.push_back(fmt::format("scale={}", t.scale));
+  return names;
+}
+
+std::string tilingFlagsText(const TilingRecord &t) {
+  const std::vector<std::string> names = tilingFlagNames(t);
+  return names.empty() ? "-" : fmt::format("{}", fmt::join(names, ","));
+}
+
+std::vector<uint32_t> tilingInputs(const TilingRecord &tiling) {
+  std::vector<uint32_t> inputs;
+  for (unsigned k = 0; k < tiling.inputCount && k < kMaxTilingInputs; ++k)
+    inputs.push_back(tiling.inputSlots[k]);
+  return inputs;
+}
+
+ResolvedTile resolvedTile(const TaskProgram &p, uint32_t task, std::optional<uint32_t> rank) {
+  ResolvedTile tile;
+  if (!rank) {
+    const OpRecord &op = p.ops[p.tasks[task].op];
+    tile.coord = tileCoord(p.tilings[op.tiling], task - op.firstTask);
+    tile.expert = tile.coord.expert;
+    tile.peer = tile.coord.peer;
+    return tile;
+  }
+  RankTile resolved = rankTile(p, task, *rank);
+  tile.coord = resolved.coord;
+  tile.expert = resolved.expert;
+  tile.peer = p.tilings[p.ops[p.tasks[task].op].tiling].peers > 1 ? resolved.peerRank
+                                                                   : resolved.coord.peer;
+  return tile;
+}
+
+std::string tileText(const TaskProgram &p, uint32_t task, std::optional<uint32_t> rank) {
+  ResolvedTile t = resolvedTile(p, task, rank);
+  return fmt::format("tile(e{},p{},r{},c{} rows {}..{} cols {}..{})", t.expert, t.peer,
+                     t.coord.rowTile, t.coord.colTile, t.coord.rowBegin, t.coord.rowEnd,
+                     t.coord.colBegin, t.coord.colEnd);
+}
+
+std::string waitsText(const TaskProgram &p, const TaskRecord &task) {
+  std::string out = "[";
+  for (uint32_t k = 0; k < task.waitCount; ++k) {
+    const WaitRecord &wait = p.waits[size_t(task.firstWait) + k];
+    out += fmt::format("{}ev{} {} >= {}", k ? ", " : "", wait.event,
+                       p.name(p.events[wait.event].name), wait.threshold);
+  }
+  return out + "]";
+}
+
+std::string signalsText(const TaskProgram &p, const TaskRecord &task,
+                        std::optional<uint32_t> rank) {
+  std::string out = "[";
+  for (uint32_t k = 0; k < task.signalCount; ++k) {
+    const SignalRecord &signal = p.signals[size_t(task.firstSignal) + k];
+    out += fmt::format("{}ev{} {} +{}", k ? ", " : "", signal.event,
+                       p.name(p.events[signal.event].name), signal.increment);
+    if (signal.peerOffset != 0)
+      out += rank ? fmt::format(" → rank {}", p.peerRank(*rank, signal.peerOffset))
+                  : fmt::format(" → +{}", signal.peerOffset);
+  }
+  return out + "]";
+}
+
+std::string amountText(const Analysis &a, double value) {
+  if (a.timed)
+    return formatSeconds(value);
+  return fmt::format("{:.0f} {}", value, value == 1 ? "step" : "steps");
+}
+
+std::vector<double> queueBusy(const TaskProgram &p, const Analysis &a) {
+  std::vector<double> busy(p.queues.size(), 0.0);
+  for (size_t q = 0; q < p.queues.size(); ++q)
+    for (uint32_t k = 0; k < p.queues[q].entryCount; ++k)
+      busy[q] += a.costs[p.queueEntries[size_t(p.queues[q].firstEntry) + k]];
+  return busy;
+}
+
+std::optional<Balance> balanceOf(const TaskProgram &p, const std::vector<double> &busy,
+                                 CoreKind kind) {
+  Balance b;
+  double sum = 0;
+  for (uint32_t q : queueOrder(p)) {
+    if (p.queues[q].coreKind != kind)
+      continue;
+    if (b.queues == 0 || busy[q] < b.minBusy) {
+      b.minBusy = busy[q];
+      b.minQueue = q;
+    }
+    if (b.queues == 0 || busy[q] > b.maxBusy) {
+      b.maxBusy = busy[q];
+      b.maxQueue = q;
+    }
+    sum += busy[q];
+    ++b.queues;
+  }
+  if (b.queues == 0)
+    return std::nullopt;
+  b.mean = sum / double(b.queues);
+  b.ratio = b.mean > 0 ? b.maxBusy / b.mean : 1.0;
+  return b;
+}
+
+std::pair<uint64_t, uint64_t> taskCounts(const TaskProgram &p) {
+  uint64_t cube = 0, vector = 0;
+  for (const TaskRecord &task : p.tasks)
+    (task.coreKind == CoreKind::Cube ? cube : vector) += 1;
+  return {cube, vector};
+}
+
+std::string computesText(const TaskProgram &p) {
+  if (p.ops.size() == 1 && !p.isBackward() &&
+      (p.ops[0].kind == OpKind::Dispatch || p.ops[0].kind == OpKind::Combine))
+    return p.ops[0].kind == OpKind::Dispatch ? "the dispatch alone" : "the combine alone";
+  // LoRA adapters: a GMM that adds its product to an addend (the base
+  // projection's), from rank-r rows.
+  std::string lora;
+  int adapters = 0;
+  for (const format::OpRecord &op : p.ops) {
+    const format::TilingRecord &t = p.tilings[op.tiling];
+    if (op.kind == OpKind::Gmm && t.depth != 0 && t.inputCount == 4) {
+      ++adapters;
+      lora = fmt::format(" with LoRA adapters on {} projection{} (rank {})", adapters,
+                         adapters == 1 ? "" : "s", t.depth);
+    }
+  }
+  if (!p.isBackward())
+    return "the layer's forward pass" + lora;
+  std::vector<std::string> wgrad;
+  bool accumulate = false;
+  DType dtype = DType::F32;
+  for (const format::OpRecord &op : p.ops) {
+    const format::TilingRecord &t = p.tilings[op.tiling];
+    if (op.kind != OpKind::Gmm || t.depth != 0)
+      continue;
+    wgrad.push_back(std::string(p.name(op.name)));
+    accumulate = accumulate || (t.flags & format::kTilingAccumulate);
+    dtype = p.slots[t.outputSlot].dtype;
+  }
+  if (wgrad.empty())
+    return "the layer's backward pass without weight gradients (frozen weights)" + lora;
+  return fmt::format("the layer's backward pass{}; {}gradients ({}) {} {}", lora,
+                     lora.empty() ? "weight " : "adapter ", fmt::join(wgrad, ", "),
+                     accumulate ? "accumulated into caller buffers of" : "written as",
+                     dtypeName(dtype)) +
+         (accumulate ? " (main_grad)" : "");
+}
+
+} // namespace moec::inspect

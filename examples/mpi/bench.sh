@@ -23,7 +23,7 @@ if [ "${1:-}" = --hosts ]; then
   shift
 fi
 repeat=${1:-5}
-bazel build //tools:moec //runtime/comm:fabric_bench //examples/mpi:exchange_bench 2> /dev/null
+bazel build //tools:moec //tools/bench:fabric_bench //examples/mpi:exchange_bench 2> /dev/null
 moec=$PWD/bazel-bin/tools/moec
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 work=$(mktemp -d)
@@ -101,7 +101,7 @@ if [ "$hosts" = 1 ]; then
     bash scripts/hosts.sh run moec-h0 iperf3 -c "$peer" -t 4 -P "$streams" -f g |
       awk -v n="$streams" '/receiver/ {rate = $(NF-2)} END {printf "iperf3, %d stream(s): %.2f GB/s\n", n, rate / 8}'
   done
-  "${mpi[@]}" -np 2 --map-by node bazel-bin/runtime/comm/fabric_bench 64 10
+  "${mpi[@]}" -np 2 --map-by node bazel-bin/tools/bench/fabric_bench 64 10
 else
-  mpirun --oversubscribe --bind-to none -np 2 bazel-bin/runtime/comm/fabric_bench 64 20
+  mpirun --oversubscribe --bind-to none -np 2 bazel-bin/tools/bench/fabric_bench 64 20
 fi

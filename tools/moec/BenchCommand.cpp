@@ -20,6 +20,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "compiler/driver/Compile.h"
+#include "compiler/target/Calibrate.h"
 #include "compiler/target/Cost.h"
 #include "compiler/target/Profile.h"
 #include "compiler/target/Simulate.h"
@@ -286,32 +287,6 @@ Status measureLayer(const std::string &graphs, uint32_t threads, long repeat,
   return Status::success();
 }
 
-/// The rate classes the calibration fits.
-enum RateClass { kCubeF32, kCubeBf16, kVectorMath, kCopy, kLink, kRateClasses };
-
-/// The class of task `task` and its work in that class's unit (flops,
-/// element accesses or bytes), from the cost model with unit rates.
-std::pair<RateClass, double> taskWork(const format::TaskProgram &program, uint32_t task) {
-  target::TargetProfile unit;
-  unit.cubeFlops = unit.cubeFlopsBf16 = unit.vectorElems = unit.linkBytes = unit.vectorBytes = 1;
-  unit.memoryBytes = std::numeric_limits<double>::infinity();
-  unit.taskOverhead = 0;
-  const format::OpRecord &op = program.ops[program.tasks[task].op];
-  const format::TilingRecord &tiling = program.tilings[op.tiling];
-  switch (op.kind) {
-  case format::OpKind::Gmm:
-    return {tiling.dtype == format::DType::BF16 ? kCubeBf16 : kCubeF32,
-            target::taskSeconds(program, task, unit)};
-  case format::OpKind::Dispatch:
-  case format::OpKind::Combine:
-    return {format::tileCoord(tiling, task - op.firstTask).peer != 0 ? kLink : kCopy,
-            target::taskSeconds(program, task, unit)};
-  default: // SwiGLU(-grad): its element accesses (bytes at an endless streaming rate)
-    unit.vectorBytes = std::numeric_limits<double>::infinity();
-    return {kVectorMath, target::taskSeconds(program, task, unit)};
-  }
-}
-
 /// The executor's cost per task run, beyond the task's work: passes of
 /// `program` whose tasks do nothing, on `threads` workers.
 Status measureTaskOverhead(const format::TaskProgram &program, uint32_t threads,
@@ -391,66 +366,19 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
     }
   progress.end();
 
-  // Rates: the work of a class over the time its tasks took, in the traces
-  // of the layers fitted to.
-  double work[kRateClasses] = {}, busy[kRateClasses] = {};
-  for (const MeasuredLayer &m : layers) {
-    if (!m.layer.fit)
-      continue;
-    for (int pass = 0; pass < 2; ++pass) {
-      const format::TaskProgram &program = m.programs[pass]->tasks();
-      for (const trace::TaskSpan &span : m.traces[pass].tasks) {
-        auto [rateClass, units] = taskWork(program, span.task);
-        work[rateClass] += units;
-        busy[rateClass] += double(span.endNs - span.startNs) * 1e-9;
-      }
-    }
-  }
   target::TargetProfile estimate;
   if (Status s = target::builtinProfile("cpu", &estimate); !s)
     return fail(s);
-  target::TargetProfile calibrated = estimate;
-  calibrated.cubeCores = calibrated.vectorCores = threads;
-  auto rate = [&](RateClass c, double fallback) {
-    return work[c] > 0 && busy[c] > 0 ? work[c] / busy[c] : fallback;
-  };
-  calibrated.cubeFlops = rate(kCubeF32, estimate.cubeFlops);
-  calibrated.cubeFlopsBf16 = rate(kCubeBf16, estimate.cubeFlopsBf16);
-  calibrated.vectorElems = rate(kVectorMath, estimate.vectorElems);
-  calibrated.vectorBytes = rate(kCopy, estimate.vectorBytes);
-  calibrated.linkBytes = rate(kLink, estimate.linkBytes);
-  // A copy reads and writes each byte: operands stream at twice its rate.
-  calibrated.memoryBytes = 2 * calibrated.vectorBytes;
-  // The per-task overhead: what the executor alone costs per task is its
-  // floor; above it, the value that makes the simulated makespans of the
-  // fitted layers add up to the measured ones (the makespan grows with it).
   progress.begin("fitting the task overhead");
   double floor = 0;
   if (Status s = measureTaskOverhead(layers.front().programs[0]->tasks(), threads, &floor); !s)
     return fail(s);
-  auto fittedError = [&](double overhead) {
-    target::TargetProfile p = calibrated;
-    p.taskOverhead = overhead;
-    double simulated = 0, measured = 0;
-    for (const MeasuredLayer &m : layers) {
-      if (!m.layer.fit)
-        continue;
-      for (int pass = 0; pass < 2; ++pass) {
-        const format::TaskProgram &program = m.programs[pass]->tasks();
-        simulated += target::simulateTimed(program, target::costModel(program, p)).makespan;
-        measured += m.seconds[pass];
-      }
-    }
-    return simulated - measured;
-  };
-  double low = floor, high = 100e-6;
-  if (fittedError(low) >= 0)
-    high = low;
-  for (int step = 0; step < 30 && high > low; ++step) {
-    double mid = (low + high) / 2;
-    (fittedError(mid) < 0 ? low : high) = mid;
-  }
-  calibrated.taskOverhead = high;
+  std::vector<target::MeasuredPass> fitted;
+  for (const MeasuredLayer &m : layers)
+    if (m.layer.fit)
+      for (int pass = 0; pass < 2; ++pass)
+        fitted.push_back({&m.programs[pass]->tasks(), &m.traces[pass], m.seconds[pass]});
+  target::TargetProfile calibrated = target::calibrateProfile(estimate, fitted, threads, floor);
   progress.end();
   calibrated.calibrated = fmt::format("moec bench --calibrate: {} worker threads on {}", threads,
                                       cpuModelName());

@@ -4,7 +4,7 @@
 // only spins for a fixed time, and prints the wall time per pass and the
 // executor's overhead per task run:
 //
-//   bazel run //runtime/exec:exec_bench -- FILE [workers [passes [task_us]]]
+//   bazel run //tools/bench:exec_bench -- FILE [workers [passes [task_us]]]
 //
 //===----------------------------------------------------------------------===//
 

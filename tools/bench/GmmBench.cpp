@@ -5,7 +5,7 @@
 // operands, and prints GFLOP/s (2*M*N*K flops per call, best of `reps`) and
 // the largest difference from the naive result.
 //
-//   bazel run //ops/cpu:gmm_bench -- [M N K [reps]]
+//   bazel run //tools/bench:gmm_bench -- [M N K [reps]]
 //
 //===----------------------------------------------------------------------===//
 

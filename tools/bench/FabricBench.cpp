@@ -1,6 +1,6 @@
 //===- FabricBench.cpp - Put bandwidth of a fabric against memcpy -----------===//
 //
-//   mpirun -np 2 bazel-bin/runtime/comm/fabric_bench [MiB [repeats]]
+//   mpirun -np 2 bazel-bin/tools/bench/fabric_bench [MiB [repeats]]
 //
 // Rank 0 puts blocks of 64 KiB .. MiB into rank 1's window (each put made
 // visible with a signal, as a pass does); a put's time runs until its rows

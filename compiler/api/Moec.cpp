@@ -147,4 +147,30 @@ extern "C" int moec_simulate_trace(const char *binary, const char *target, const
   });
 }
 
+extern "C" int moec_capacity_advice(const char *config, long long rows_per_rank,
+                                    long long receive_per_rank, int headroom, char **advice,
+                                    char **error) {
+  if (advice)
+    *advice = nullptr;
+  return guarded(error, [&]() -> Status {
+    if (!config)
+      return Status::error("moec_capacity_advice needs a config");
+    if (rows_per_rank < 0 || receive_per_rank < 0)
+      return Status::error(fmt::format("moec_capacity_advice: row counts must not be negative, "
+                                       "got {} and {}",
+                                       rows_per_rank, receive_per_rank));
+    ModelConfig parsed;
+    std::string message;
+    if (!parseConfig(config, "the config", &parsed, &message))
+      return Status::error(message);
+    const CapacityAdvice a = adviseCapacity(parsed, rows_per_rank, receive_per_rank, headroom);
+    if (advice)
+      *advice = copyOut(fmt::format(
+          "{{\"seq_size\": {}, \"capacity_factor\": {}, \"row_capacity\": {}, "
+          "\"receive_capacity\": {}, \"fits\": {}}}",
+          a.seqSize, a.capacityFactor, a.rowCapacity, a.receiveCapacity, a.fits));
+    return Status::success();
+  });
+}
+
 extern "C" void moec_free(char *text) { std::free(text); }

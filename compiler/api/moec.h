@@ -1,8 +1,9 @@
 /*===- moec.h - The compiler and the dump tool as a C library ------------===*
  *
- * What `moec compile` and `moec dump` do, as calls of libmoec.so, so that a
- * framework (the Python package moec_torch, through ctypes) compiles and
- * inspects layers without a moec executable or a build tree at hand.
+ * What `moec compile` and `moec dump` do, and the capacity arithmetic of a
+ * config, as calls of libmoec.so, so that a framework (the Python package
+ * moec_torch, through ctypes) compiles and inspects layers without a moec
+ * executable or a build tree at hand.
  *
  * Every call returns 0 on success. On failure it returns 1 and, when
  * `error` is not null, sets *error to a message (free it with moec_free);
@@ -35,6 +36,16 @@ int moec_dump_json(const char *binary, const char *target, int rank, char **json
  * the binary's own) to `out` as a Chrome/Perfetto trace: the format the
  * runtime's measured traces have. */
 int moec_simulate_trace(const char *binary, const char *target, const char *out, char **error);
+
+/* Sets *advice to a JSON object saying how to change the config `config`
+ * (JSON text) so that a routing that routes `rows_per_rank` rows from its
+ * fullest rank and puts `receive_per_rank` rows on the experts of its
+ * fullest rank fits (what the runtime reports as a capacity need):
+ * {"seq_size", "capacity_factor", "row_capacity", "receive_capacity",
+ * "fits"}. With `headroom` nonzero the factor grows beyond the need (1.25
+ * times it, at least 1.5 times the config's), as before a recompile. */
+int moec_capacity_advice(const char *config, long long rows_per_rank, long long receive_per_rank,
+                         int headroom, char **advice, char **error);
 
 /* Frees a string the library returned. */
 void moec_free(char *text);

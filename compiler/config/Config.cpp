@@ -225,6 +225,27 @@ int64_t receiveCapacityRows(const ModelConfig &c) {
   return std::max(balanced, std::min(scaled, worst));
 }
 
+CapacityAdvice adviseCapacity(const ModelConfig &c, int64_t rowsPerRank, int64_t receivePerRank,
+                              bool headroom) {
+  const int64_t topK = std::max<int64_t>(1, c.topK);
+  CapacityAdvice advice;
+  advice.seqSize = std::max(c.seqSize, (rowsPerRank + topK - 1) / topK);
+  ModelConfig changed = c;
+  changed.seqSize = advice.seqSize;
+  // capacity_factor scales the balanced load seq_size * top_k.
+  const double balanced = double(std::max<int64_t>(1, deriveTaskSplitValue(changed).perRankSeq));
+  const auto hundredths = [](double f) { return std::ceil(f * 100.0 - 1e-9) / 100.0; };
+  double needed = double(receivePerRank) / balanced;
+  if (headroom)
+    needed = std::max(needed * 1.25, c.capacityFactor * 1.5);
+  changed.capacityFactor = std::min(1024.0, std::max(c.capacityFactor, hundredths(needed)));
+  advice.capacityFactor = changed.capacityFactor;
+  advice.rowCapacity = advice.seqSize * topK;
+  advice.receiveCapacity = receiveCapacityRows(changed);
+  advice.fits = advice.rowCapacity >= rowsPerRank && advice.receiveCapacity >= receivePerRank;
+  return advice;
+}
+
 bool loadConfig(const std::string &path, ModelConfig *out, std::string *error) {
   std::string text;
   return readTextFile(path, &text, error) && parseConfig(text, path, out, error);

@@ -113,6 +113,26 @@ TaskSplitValue deriveTaskSplitValue(const ModelConfig &c);
 /// min(top_k, L) of the rank's L experts: seq_size * ep * min(top_k, L).
 int64_t receiveCapacityRows(const ModelConfig &c);
 
+/// What a config must change to hold a routing that routes `rowsPerRank`
+/// rows from its fullest rank and puts `receivePerRank` rows on the experts
+/// of its fullest rank (runtime CapacityNeed), and what the changed config
+/// holds. The one place that inverts receiveCapacityRows: `moec run`'s hint
+/// and the torch op's recompile (through libmoec) both ask it.
+struct CapacityAdvice {
+  int64_t seqSize = 0;         ///< tokens per rank: the config's, or raised to hold rowsPerRank
+  double capacityFactor = 0;   ///< the config's, or raised to hold receivePerRank (at most 1024)
+  int64_t rowCapacity = 0;     ///< seqSize * top_k: the rows a rank may route
+  int64_t receiveCapacity = 0; ///< receiveCapacityRows of the changed config
+  bool fits = false;           ///< whether the changed config holds the routing
+};
+
+/// With `headroom`, the factor is raised beyond the need (1.25 times it,
+/// and at least 1.5 times the config's): a router's balance drifts, and a
+/// recompile per small growth costs more than the memory. Factors are
+/// rounded up to hundredths.
+CapacityAdvice adviseCapacity(const ModelConfig &c, int64_t rowsPerRank, int64_t receivePerRank,
+                              bool headroom);
+
 /// Notes a tool prints for a valid config whose meaning a reader may
 /// mistake: for tp > 1, that tp splits the experts' intermediate size (an
 /// older meaning divided the tokens). Each is "SOURCE: note".

@@ -34,21 +34,18 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
   };
 
   CompileResult result;
-  std::string error;
-  if (!loadConfig(options.configPath, &result.config, &error))
-    return Status::error(error);
   lower::LowerOptions lowerOptions;
-  if (Status status = target::resolveProfile(options.target, &lowerOptions.profile); !status)
+  if (Status status = target::loadConfigForTarget(options.configPath, options.target,
+                                                  &result.config, &lowerOptions.profile);
+      !status)
     return status;
   lowerOptions.granularity = options.granularity;
   lowerOptions.receiveCapacity = receiveCapacityRows(result.config);
   result.profile = lowerOptions.profile;
-  setDefaultCoreCounts(&result.config, lowerOptions.profile.cubeCores,
-                       lowerOptions.profile.vectorCores);
 
   starting("graph passes");
   mlir::PassManager pm(module.getContext());
-  moe::buildGraphPipeline(pm, options.configPath, options.target);
+  moe::buildGraphPipeline(pm, result.config, options.configPath);
   if (mlir::failed(pm.run(module)))
     return Status::error("the graph passes failed");
   phase("graph passes");

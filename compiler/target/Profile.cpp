@@ -247,4 +247,19 @@ Status resolveProfile(const std::string &spec, TargetProfile *out) {
   return parseProfile(text, spec, out);
 }
 
+Status loadConfigForTarget(const std::string &configPath, const std::string &targetSpec,
+                           ModelConfig *config, TargetProfile *profile) {
+  ModelConfig loaded;
+  std::string error;
+  if (!loadConfig(configPath, &loaded, &error))
+    return Status::error(error);
+  TargetProfile resolved;
+  if (Status status = resolveProfile(targetSpec, &resolved); !status)
+    return status;
+  setDefaultCoreCounts(&loaded, resolved.cubeCores, resolved.vectorCores);
+  *config = std::move(loaded);
+  *profile = std::move(resolved);
+  return Status::success();
+}
+
 } // namespace moec::target

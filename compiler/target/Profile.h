@@ -12,6 +12,7 @@
 #define MOEC_COMPILER_TARGET_PROFILE_H
 
 #include "base/Status.h"
+#include "compiler/config/Config.h"
 
 #include <cstdint>
 #include <string>
@@ -81,6 +82,13 @@ std::string profileJson(const TargetProfile &profile);
 /// Resolves a --target argument: a built-in name, or else a path to a
 /// profile JSON file (anything containing '/' or ending in ".json").
 Status resolveProfile(const std::string &spec, TargetProfile *out);
+
+/// Reads the model config at `configPath` once and resolves the target
+/// `targetSpec` (as resolveProfile): *config gets the target's cube and
+/// vector core counts where it sets none, *profile the target's profile.
+/// What a compile and `moec check` start from.
+Status loadConfigForTarget(const std::string &configPath, const std::string &targetSpec,
+                           ModelConfig *config, TargetProfile *profile);
 
 } // namespace moec::target
 

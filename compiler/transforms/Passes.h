@@ -3,6 +3,7 @@
 #ifndef MOEC_COMPILER_TRANSFORMS_PASSES_H
 #define MOEC_COMPILER_TRANSFORMS_PASSES_H
 
+#include "compiler/config/Config.h"
 #include "compiler/ir/MoeDialect.h"
 
 #include "mlir/IR/BuiltinOps.h"
@@ -20,10 +21,21 @@ namespace moec::moe {
 #define GEN_PASS_REGISTRATION
 #include "compiler/transforms/Passes.h.inc"
 
-/// Adds the graph pipeline: resolve shapes with the config at `configPath`,
-/// verify the graph, assign missing slots, propagate splits.
+/// moe-resolve-shapes with a config the caller loaded, its core counts set
+/// (target::loadConfigForTarget): `source`, its path, names it in messages.
+std::unique_ptr<mlir::Pass> createResolveShapes(const ModelConfig &config,
+                                                const std::string &source);
+
+/// Adds the graph pipeline: resolve shapes with the config at `configPath`
+/// (read by the pass) for `target`, quantize dispatches, verify the graph,
+/// assign missing slots, propagate splits.
 void buildGraphPipeline(mlir::OpPassManager &pm, const std::string &configPath,
                         const std::string &target = "cpu");
+
+/// The same pipeline for a config already loaded (its core counts set):
+/// what a compile runs, so that the config file is read once.
+void buildGraphPipeline(mlir::OpPassManager &pm, const ModelConfig &config,
+                        const std::string &source);
 
 /// Registers the passes and the `moe-graph-pipeline` pipeline with the
 /// global registry (for moec-opt).

@@ -8,16 +8,28 @@ using namespace mlir;
 
 namespace moec::moe {
 
+namespace {
+/// The passes after moe-resolve-shapes.
+void addGraphPasses(OpPassManager &pm) {
+  pm.addPass(createQuantizeDispatch());
+  pm.addPass(createVerifyGraph());
+  pm.addPass(createAssignSlots());
+  pm.addPass(createPropagateSplits());
+}
+} // namespace
+
 void buildGraphPipeline(OpPassManager &pm, const std::string &configPath,
                         const std::string &target) {
   ResolveShapesOptions options;
   options.configPath = configPath;
   options.target = target;
   pm.addPass(createResolveShapes(options));
-  pm.addPass(createQuantizeDispatch());
-  pm.addPass(createVerifyGraph());
-  pm.addPass(createAssignSlots());
-  pm.addPass(createPropagateSplits());
+  addGraphPasses(pm);
+}
+
+void buildGraphPipeline(OpPassManager &pm, const ModelConfig &config, const std::string &source) {
+  pm.addPass(createResolveShapes(config, source));
+  addGraphPasses(pm);
 }
 
 namespace {

@@ -5,6 +5,8 @@
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/transforms/Passes.h"
 
+#include <optional>
+
 namespace moec::moe {
 #define GEN_PASS_DEF_RESOLVESHAPES
 #include "compiler/transforms/Passes.h.inc"
@@ -18,25 +20,32 @@ namespace {
 
 struct ResolveShapesPass : moec::moe::impl::ResolveShapesBase<ResolveShapesPass> {
   using ResolveShapesBase::ResolveShapesBase;
+  /// With a config the caller loaded (its core counts set): `source`, its
+  /// path, names it in messages.
+  ResolveShapesPass(const ModelConfig &config, const std::string &source) : given(config) {
+    configPath = source;
+  }
+
+  std::optional<ModelConfig> given;
 
   void runOnOperation() override {
     ModuleOp module = getOperation();
-    if (configPath.empty()) {
-      module.emitError() << "moe-resolve-shapes needs a config: pass config=PATH";
-      return signalPassFailure();
-    }
     ModelConfig config;
     std::string error;
-    if (!loadConfig(configPath, &config, &error)) {
-      module.emitError() << error;
-      return signalPassFailure();
+    if (given) {
+      config = *given;
+    } else {
+      if (configPath.empty()) {
+        module.emitError() << "moe-resolve-shapes needs a config: pass config=PATH";
+        return signalPassFailure();
+      }
+      target::TargetProfile profile;
+      if (Status status = target::loadConfigForTarget(configPath, target, &config, &profile);
+          !status) {
+        module.emitError() << status.message();
+        return signalPassFailure();
+      }
     }
-    target::TargetProfile profile;
-    if (Status status = target::resolveProfile(target, &profile); !status) {
-      module.emitError() << status.message();
-      return signalPassFailure();
-    }
-    setDefaultCoreCounts(&config, profile.cubeCores, profile.vectorCores);
     Bindings bindings = configBindings(config);
     Builder b(module.getContext());
     Type act = config.dtype == DType::BF16 ? Type(b.getBF16Type()) : Type(b.getF32Type());
@@ -129,3 +138,8 @@ struct ResolveShapesPass : moec::moe::impl::ResolveShapesBase<ResolveShapesPass>
 };
 
 } // namespace
+
+std::unique_ptr<Pass> moec::moe::createResolveShapes(const ModelConfig &config,
+                                                     const std::string &source) {
+  return std::make_unique<ResolveShapesPass>(config, source);
+}

@@ -22,8 +22,7 @@ namespace moec::rt {
 
 struct Exchange::Impl : detail::Group {
   std::shared_ptr<const Program> dispatchProgram, combineProgram;
-  std::unique_ptr<cpu::Pass> dispatchPass, combinePass;
-  std::vector<cpu::Scratch> scratch; ///< per worker
+  std::unique_ptr<backend::Pass> dispatchPass, combinePass;
   std::vector<backend::RankRoute> routes; ///< of the last route()
   std::vector<std::vector<int64_t>> expertRows; ///< per rank (local ones): rows per local expert
   std::vector<int64_t> received;                ///< per rank (local ones): rows in all
@@ -118,23 +117,26 @@ Status Exchange::create(std::shared_ptr<const Program> dispatch,
     return Status::error("an exchange needs a dispatch and a combine program");
   if (Status s = checkExchangeMatch(dispatch->impl().plan, combine->impl().plan); !s)
     return s.withPrefix(fmt::format("{} and {}: ", dispatch->source(), combine->source()));
+  if (options.backend != backend::Kind::Cpu)
+    return Status::error(fmt::format("an exchange runs on the cpu backend only, not on {}",
+                                     backend::kindName(options.backend)));
   auto impl = std::make_unique<Impl>();
   if (Status s = impl->initialize(dispatch->shape(), options, dispatch->source()); !s)
     return s;
-  impl->scratch = std::vector<cpu::Scratch>(impl->workerCount);
   impl->dispatchProgram = std::move(dispatch);
   impl->combineProgram = std::move(combine);
   if (!impl->fabric->allLocal())
     if (Status s = impl->checksums(); !s)
       return s;
   const backend::PassOptions po = impl->passOptions();
-  if (Status s = cpu::Pass::create(impl->dispatchProgram->tasks(),
-                                   impl->dispatchProgram->impl().plan, po, &impl->scratch,
-                                   &impl->dispatchPass);
+  if (Status s = impl->backend->createPass(impl->dispatchProgram->tasks(),
+                                          impl->dispatchProgram->impl().plan, po,
+                                          &impl->dispatchPass);
       !s)
     return s;
-  if (Status s = cpu::Pass::create(impl->combineProgram->tasks(), impl->combineProgram->impl().plan,
-                                   po, &impl->scratch, &impl->combinePass);
+  if (Status s = impl->backend->createPass(impl->combineProgram->tasks(),
+                                          impl->combineProgram->impl().plan, po,
+                                          &impl->combinePass);
       !s)
     return s;
   const uint32_t R = impl->ranks();
@@ -198,7 +200,7 @@ Status Exchange::dispatch(const std::vector<Tensor> &x, const std::vector<Tensor
     return s;
   const int64_t H = im.shape().hidden;
   const DType act = im.shape().activations;
-  cpu::Pass &pass = *im.dispatchPass;
+  backend::Pass &pass = *im.dispatchPass;
   std::vector<const void *> source(im.ranks(), nullptr);
   for (uint32_t r = im.firstLocal(); r < im.lastLocal(); ++r)
     source[r] = x[r - im.firstLocal()].data;
@@ -220,7 +222,7 @@ Status Exchange::combine(const std::vector<Tensor> &expertY, const std::vector<T
   if (Status s = im.checkTokensAndRows("y", y, "expert_y", expertY); !s)
     return s;
   im.combined = false;
-  cpu::Pass &pass = *im.combinePass;
+  backend::Pass &pass = *im.combinePass;
   std::vector<void *> out(im.ranks(), nullptr);
   for (uint32_t r = im.firstLocal(); r < im.lastLocal(); ++r) {
     pass.bindSlot(r, pass.plan().toReturn, expertY[r - im.firstLocal()].data);

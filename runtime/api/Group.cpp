@@ -63,6 +63,8 @@ Status Group::initialize(const LayerShape &shape, const ContextOptions &opts,
   options = opts;
   layer = shape;
   workerCount = opts.workers ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
+  backend = opts.backend == backend::Kind::Cuda ? backend::createCudaBackend()
+                                                 : backend::createCpuBackend(workerCount);
   const uint32_t R = shape.ranks;
   fabric = opts.fabric ? opts.fabric : comm::inProcessFabric(R);
   if (fabric->ranks() != R)

@@ -12,7 +12,7 @@
 #define MOEC_RUNTIME_API_GROUP_H
 
 #include "runtime/api/Runtime.h"
-#include "runtime/cpu/Pass.h"
+#include "runtime/backend/Backend.h"
 #include "runtime/layer/Layer.h"
 
 #include <memory>
@@ -42,15 +42,16 @@ struct Group {
   ContextOptions options;
   uint32_t workerCount = 1;
   std::shared_ptr<comm::Fabric> fabric;
+  std::unique_ptr<backend::Backend> backend; ///< makes the passes (options.backend)
   std::vector<comm::Traffic> trafficMark; ///< markTraffic()
   LayerShape layer;                  ///< sizes and capacities the routing is checked against
   std::vector<Tensor> ids, weights;  ///< per rank; data null until set
   CapacityNeed need;                 ///< what the last checked routing needed
   std::string broken;                ///< why no further pass can run
 
-  /// Sets the options, the worker count and the fabric (in-process unless
-  /// the options name one) for `shape`'s group; `source` names the program
-  /// in errors.
+  /// Sets the options, the worker count, the backend and the fabric
+  /// (in-process unless the options name one) for `shape`'s group; `source`
+  /// names the program in errors.
   Status initialize(const LayerShape &shape, const ContextOptions &options,
                     const std::string &source);
 
@@ -113,7 +114,7 @@ struct Group {
   /// that arrived since markTraffic(), and those it sent.
   Status withTraffic(Status status, const backend::Pass &pass,
                      const std::vector<backend::RankRoute> &routes) const;
-  /// The options of the CPU passes of this group.
+  /// The options of the passes of this group.
   backend::PassOptions passOptions() const {
     backend::PassOptions po;
     po.workers = workerCount;

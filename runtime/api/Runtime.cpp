@@ -1,8 +1,8 @@
 //===- Runtime.cpp - The moec runtime: programs, contexts, the C API ------===//
 //
 // The API half of a pass: programs, contexts, bindings, the routing checks
-// and the order of a pass; the CPU backend (runtime/cpu/Pass.h) does the
-// rest. A pass of a context:
+// and the order of a pass; a backend (runtime/backend: the CPU's or the
+// CUDA one) does the rest. A pass of a context:
 //
 //   prepare  check the routing and the bound tensors of every local rank,
 //            then exchange through the fabric what each rank found (its
@@ -21,8 +21,6 @@
 #include "base/Time.h"
 #include "runtime/api/CApi.h"
 #include "runtime/api/Group.h"
-#include "runtime/cpu/Pass.h"
-#include "runtime/cuda/Pass.h"
 #include "runtime/format/Crc32.h"
 #include "runtime/layer/Layer.h"
 #include "runtime/trace/Trace.h"
@@ -250,7 +248,6 @@ struct Context::Impl : detail::Group {
   std::shared_ptr<const Program> fwdProgram, bwdProgram;
   std::unique_ptr<backend::Pass> fwd, bwd;
   PassTimes fwdTimes, bwdTimes;
-  std::vector<cpu::Scratch> scratch; ///< per worker
   std::vector<std::array<Tensor, kBindingCount>> bound;
   std::vector<backend::RankRoute> routes; ///< what the last forward pass used
   bool haveForward = false;
@@ -545,7 +542,6 @@ Status Context::create(std::shared_ptr<const Program> forward,
   auto impl = std::make_unique<Impl>();
   if (Status s = impl->initialize(forward->shape(), options, forward->source()); !s)
     return s;
-  impl->scratch = std::vector<cpu::Scratch>(impl->workerCount);
   const uint32_t R = forward->shape().ranks;
   impl->bound.assign(R, std::array<Tensor, kBindingCount>{});
   impl->fwdProgram = std::move(forward);
@@ -555,18 +551,7 @@ Status Context::create(std::shared_ptr<const Program> forward,
       return s;
   const backend::PassOptions po = impl->passOptions();
   const auto createPass = [&](const Program &program, std::unique_ptr<backend::Pass> *pass) {
-    if (options.backend == backend::Kind::Cuda) {
-      if (options.schedule == Schedule::OpByOp)
-        return Status::error("the op-by-op schedule runs on the cpu backend only");
-      std::unique_ptr<cuda::Pass> made;
-      Status s = cuda::Pass::create(program.tasks(), program.impl().plan, po, &made);
-      *pass = std::move(made);
-      return s;
-    }
-    std::unique_ptr<cpu::Pass> made;
-    Status s = cpu::Pass::create(program.tasks(), program.impl().plan, po, &impl->scratch, &made);
-    *pass = std::move(made);
-    return s;
+    return impl->backend->createPass(program.tasks(), program.impl().plan, po, pass);
   };
   if (Status s = createPass(*impl->fwdProgram, &impl->fwd); !s)
     return s;
@@ -623,7 +608,7 @@ std::vector<WorkspaceSlot> Context::workspace() const {
   }
   return out;
 }
-size_t Context::scratchBytes() const { return cpu::Scratch::heldBytes(); }
+size_t Context::scratchBytes() const { return body->backend->scratchBytes(); }
 size_t Context::workspaceToAllocate() const {
   return body->fwd->workspaceNeeded() + (body->bwd ? body->bwd->workspaceNeeded() : 0);
 }

@@ -130,7 +130,7 @@ int moec_context_create(const moec_program *forward, const moec_program *backwar
                         uint32_t workers, double timeout_seconds, moec_context **out);
 
 /** moec_context_create on a backend: "cpu" (what moec_context_create uses)
- *  or "cuda" (every rank on one NVIDIA GPU; runtime/cuda/Pass.h). */
+ *  or "cuda" (every rank on one NVIDIA GPU; docs/runtime.md). */
 int moec_context_create_on(const moec_program *forward, const moec_program *backward,
                            uint32_t workers, double timeout_seconds, const char *backend,
                            moec_context **out);
@@ -267,7 +267,7 @@ struct ContextOptions {
   bool trace = false;           ///< record every task run (writeTrace)
   Schedule schedule = Schedule::Fused;
   /// Where the passes run: the CPU (the default), or one NVIDIA GPU
-  /// (runtime/cuda/Pass.h: every rank of the group in this process).
+  /// (docs/runtime.md: every rank of the group in this process).
   backend::Kind backend = backend::Kind::Cpu;
   /// The EP group's fabric (runtime/comm): null runs all R ranks in this
   /// process (the in-process fabric); an MPI fabric (runtime/comm/Mpi.h)

@@ -279,22 +279,18 @@ int runCheck(int argc, char **argv, int first) {
   };
   return runOnGraph(kCheckSpec, argc, argv, first, needsConfig,
                     [](const Args &args, ModuleOp module, std::string &out) {
-                      std::string cfgPath = *args.value("--config"), error;
+                      const std::string cfgPath = *args.value("--config");
                       ModelConfig config;
-                      if (!loadConfig(cfgPath, &config, &error)) {
-                        std::fprintf(stderr, "error: %s\n", error.c_str());
-                        return int(kError);
-                      }
-                      std::string targetSpec = args.value("--target").value_or("cpu");
                       target::TargetProfile profile;
-                      if (Status status = target::resolveProfile(targetSpec, &profile);
+                      if (Status status = target::loadConfigForTarget(
+                              cfgPath, args.value("--target").value_or("cpu"), &config,
+                              &profile);
                           !status) {
                         std::fprintf(stderr, "error: %s\n", status.message().c_str());
                         return int(kError);
                       }
-                      setDefaultCoreCounts(&config, profile.cubeCores, profile.vectorCores);
                       PassManager pm(module.getContext());
-                      buildGraphPipeline(pm, cfgPath, targetSpec);
+                      buildGraphPipeline(pm, config, cfgPath);
                       if (failed(pm.run(module)))
                         return int(kError);
                       GraphOp graph = *module.getOps<GraphOp>().begin();

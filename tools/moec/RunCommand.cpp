@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "base/Memory.h"
+#include "compiler/config/Config.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
 #include "runtime/format/Crc32.h"
@@ -292,14 +293,25 @@ std::string capacityHint(const rt::LayerShape &shape, const rt::CapacityNeed &ne
       "the routing needs: {} rows routed by the fullest rank (the binary: {}), {} rows received "
       "by the experts of the fullest rank (the binary: {})",
       need.rowsPerRank, shape.rowCapacity, need.receivePerRank, shape.receiveCapacity);
-  if (need.rowsPerRank > shape.rowCapacity)
-    return hint + fmt::format("; compile with \"seq_size\" at least {} (tokens per rank)",
-                              (need.rowsPerRank + shape.topK - 1) / std::max<int64_t>(1, shape.topK));
-  // capacity_factor scales the balanced load S * K (the binary's rowCapacity).
-  const double factor =
-      std::ceil(100.0 * double(need.receivePerRank) / double(std::max<int64_t>(1, shape.rowCapacity))) /
-      100.0;
-  return hint + fmt::format("; compile with \"capacity_factor\": {:.2f} or more in the config", factor);
+  // The config the binary was compiled from, as far as its shape tells:
+  // capacity_factor is its receive capacity over the balanced load S * K.
+  ModelConfig config;
+  config.seqSize = shape.tokens;
+  config.topK = shape.topK;
+  config.ep = shape.epRanks();
+  config.tp = shape.tp;
+  config.numExperts = int64_t(shape.localExperts) * shape.epRanks();
+  config.capacityFactor =
+      double(shape.receiveCapacity) / double(std::max<int64_t>(1, shape.rowCapacity));
+  const CapacityAdvice advice = adviseCapacity(config, need.rowsPerRank, need.receivePerRank,
+                                               /*headroom=*/false);
+  if (advice.seqSize > config.seqSize)
+    hint += fmt::format("; compile with \"seq_size\" at least {} (tokens per rank)",
+                        advice.seqSize);
+  if (need.receivePerRank > shape.receiveCapacity)
+    hint += fmt::format("; compile with \"capacity_factor\": {:.2f} or more in the config",
+                        advice.capacityFactor);
+  return hint;
 }
 
 void printTimes(const char *pass, const rt::PassTimes &t, uint64_t repeat) {

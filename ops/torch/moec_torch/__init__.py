@@ -908,20 +908,22 @@ class MoeFFN(torch.nn.Module):
         need it recorded) and rebuilds the runtime; the weights stay."""
         need = self.layer.capacity_need()
         cfg = dict(self.config)
-        top_k = max(1, self.top_k)
-        old_factor = float(cfg.get("capacity_factor", 2))
+        advice = native.capacity_advice(dict(cfg, ep=self.ranks, tp=self.tp),
+                                        need["rows_per_rank"], need["receive_per_rank"],
+                                        headroom=True)
+        if not advice["fits"]:
+            raise RuntimeError(
+                "moec over capacity: the routing needs more than the largest binary for this "
+                f"layer holds ({need['receive_per_rank']} rows on one rank's experts)")
         changes = []
-        if need["rows_per_rank"] > need["row_capacity"]:
-            tokens = -(-need["rows_per_rank"] // top_k)
-            cfg["seq_size"] = max(int(cfg["seq_size"]), tokens)
-            changes.append(f"seq_size {self.tokens} -> {cfg['seq_size']}")
-        balanced = cfg["seq_size"] * top_k
-        needed = need["receive_per_rank"] / max(1, balanced)
-        # Room for the routing that was refused, and then some: a router's
-        # balance drifts, and each growth costs a compile.
-        factor = max(old_factor, math.ceil(max(needed * 1.25, old_factor * 1.5) * 100) / 100)
-        if factor > old_factor or changes:
-            cfg["capacity_factor"] = min(factor, 1024.0)
+        if advice["seq_size"] != int(cfg["seq_size"]):
+            changes.append(f"seq_size {self.tokens} -> {advice['seq_size']}")
+            cfg["seq_size"] = advice["seq_size"]
+        old_factor = float(cfg.get("capacity_factor", 2))
+        if advice["capacity_factor"] != old_factor:
+            # Room for the routing that was refused, and then some: a router's
+            # balance drifts, and each growth costs a compile.
+            cfg["capacity_factor"] = advice["capacity_factor"]
             changes.append(f"capacity_factor {old_factor:g} -> {cfg['capacity_factor']:g}")
         target, granularity = self._build[2:4]
         forward, backward = compile_layer(cfg, self.ranks, target, granularity,
@@ -929,11 +931,6 @@ class MoeFFN(torch.nn.Module):
                                           tp=self.tp)
         layer = self._runtime_layer(forward, backward)
         info = layer.info()
-        if (info["receive_capacity"] <= need["receive_capacity"]
-                and info["tokens"] * top_k <= need["row_capacity"]):
-            raise RuntimeError(
-                "moec over capacity: the routing needs more than the largest binary for this "
-                f"layer holds ({need['receive_per_rank']} rows on one rank's experts)")
         warnings.warn(
             f"moec: a step's routing needed {need['receive_per_rank']} rows on the fullest "
             f"rank's experts (room for {need['receive_capacity']}) and "

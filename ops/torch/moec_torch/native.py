@@ -72,8 +72,11 @@ def _library():
             lib.moec_dump_json.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, out,
                                            out]
             lib.moec_simulate_trace.argtypes = [ctypes.c_char_p] * 3 + [out]
+            lib.moec_capacity_advice.argtypes = [ctypes.c_char_p, ctypes.c_longlong,
+                                                 ctypes.c_longlong, ctypes.c_int, out, out]
             lib.moec_free.argtypes = [ctypes.c_void_p]
-            for f in (lib.moec_compile, lib.moec_dump_json, lib.moec_simulate_trace):
+            for f in (lib.moec_compile, lib.moec_dump_json, lib.moec_simulate_trace,
+                      lib.moec_capacity_advice):
                 f.restype = ctypes.c_int
             _lib = lib
         return _lib
@@ -133,6 +136,19 @@ def simulate_trace(binary, out, target=None):
     to `out` as a Chrome/Perfetto trace in the runtime's format, so that it
     opens beside a measured trace (`moec run --trace`)."""
     _call("moec_simulate_trace", _arg(binary), _arg(target), _arg(out), outputs=0)
+
+
+def capacity_advice(config, rows_per_rank, receive_per_rank, headroom=False):
+    """How to change `config` (a dict, as the config file holds) so that a
+    routing that routes `rows_per_rank` rows from its fullest rank and puts
+    `receive_per_rank` rows on the experts of its fullest rank fits (the
+    runtime's capacity need): a dict of "seq_size", "capacity_factor",
+    "row_capacity", "receive_capacity" and "fits". With `headroom` the
+    factor grows beyond the need, as before a recompile. The compiler's own
+    arithmetic (moec.h), so that it and the binary agree."""
+    (text,) = _call("moec_capacity_advice", json.dumps(config).encode(), int(rows_per_rank),
+                    int(receive_per_rank), int(bool(headroom)))
+    return json.loads(text)
 
 
 def load_trace(path):

@@ -232,13 +232,24 @@ CapacityAdvice adviseCapacity(const ModelConfig &c, int64_t rowsPerRank, int64_t
   advice.seqSize = std::max(c.seqSize, (rowsPerRank + topK - 1) / topK);
   ModelConfig changed = c;
   changed.seqSize = advice.seqSize;
-  // capacity_factor scales the balanced load seq_size * top_k.
+  // capacity_factor scales the balanced load seq_size * top_k, in hundredths:
+  // the least one whose receive capacity holds the need (receiveCapacityRows
+  // rounds up, so (need - 1) / balanced is a lower bound), or with headroom
+  // the need grown.
   const double balanced = double(std::max<int64_t>(1, deriveTaskSplitValue(changed).perRankSeq));
-  const auto hundredths = [](double f) { return std::ceil(f * 100.0 - 1e-9) / 100.0; };
-  double needed = double(receivePerRank) / balanced;
-  if (headroom)
-    needed = std::max(needed * 1.25, c.capacityFactor * 1.5);
-  changed.capacityFactor = std::min(1024.0, std::max(c.capacityFactor, hundredths(needed)));
+  int64_t hundredths;
+  if (headroom) {
+    const double grown =
+        std::max(double(receivePerRank) / balanced * 1.25, c.capacityFactor * 1.5);
+    hundredths = int64_t(std::ceil(grown * 100.0 - 1e-9));
+  } else {
+    hundredths = std::max<int64_t>(100, int64_t(double(receivePerRank - 1) * 100.0 / balanced));
+    for (changed.capacityFactor = double(hundredths) / 100.0;
+         hundredths < 102400 && receiveCapacityRows(changed) < receivePerRank;
+         changed.capacityFactor = double(hundredths) / 100.0)
+      ++hundredths;
+  }
+  changed.capacityFactor = std::min(1024.0, std::max(c.capacityFactor, double(hundredths) / 100.0));
   advice.capacityFactor = changed.capacityFactor;
   advice.rowCapacity = advice.seqSize * topK;
   advice.receiveCapacity = receiveCapacityRows(changed);

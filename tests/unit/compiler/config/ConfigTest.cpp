@@ -318,6 +318,62 @@ TEST_CASE("tp must divide the intermediate size, and says what it means", "[conf
   CHECK(moec::configNotes(c, "src.json").empty());
 }
 
+TEST_CASE("adviseCapacity inverts receiveCapacityRows", "[config][capacity]") {
+  // tiny: seq_size 128, top_k 2, ep 2, 2 local experts: balanced 256 rows a
+  // rank, worst case 512.
+  json j = baseJson();
+  j["capacity_factor"] = 1.0;
+  ModelConfig c;
+  std::string error;
+  REQUIRE(moec::parseConfig(j.dump(), "src.json", &c, &error));
+  REQUIRE(moec::receiveCapacityRows(c) == 256);
+
+  // A routing that fits keeps the config.
+  moec::CapacityAdvice a = moec::adviseCapacity(c, 256, 200, false);
+  CHECK(a.seqSize == 128);
+  CHECK(a.capacityFactor == 1.0);
+  CHECK(a.rowCapacity == 256);
+  CHECK(a.receiveCapacity == 256);
+  CHECK(a.fits);
+
+  // More received rows: the least factor in hundredths that holds them.
+  a = moec::adviseCapacity(c, 256, 300, false); // 300 / 256 = 1.17...
+  CHECK(a.capacityFactor == Approx(1.17));
+  CHECK(a.receiveCapacity == 300); // ceil(1.17 * 256)
+  CHECK(a.fits);
+
+  // More routed rows: seq_size grows to hold them, and the factor scales
+  // the new balanced load (300 rows).
+  a = moec::adviseCapacity(c, 300, 390, false);
+  CHECK(a.seqSize == 150);
+  CHECK(a.rowCapacity == 300);
+  CHECK(a.capacityFactor == Approx(1.3));
+  CHECK(a.receiveCapacity == 390);
+  CHECK(a.fits);
+
+  // With headroom: 1.25 x the need, and at least 1.5 x the config's factor.
+  a = moec::adviseCapacity(c, 256, 300, true);
+  CHECK(a.capacityFactor == Approx(1.5));
+  CHECK(a.receiveCapacity == 384);
+  a = moec::adviseCapacity(c, 256, 400, true); // 400 / 256 * 1.25 = 1.95...
+  CHECK(a.capacityFactor == Approx(1.96));
+
+  // For every need up to the worst case: what it advises holds the routing,
+  // and a hundredth less would not (the advice is the least).
+  for (int64_t receive = 1; receive <= 512; ++receive) {
+    a = moec::adviseCapacity(c, 256, receive, false);
+    INFO("receive " << receive << " factor " << a.capacityFactor);
+    CHECK(a.fits);
+    ModelConfig changed = c;
+    changed.capacityFactor = a.capacityFactor;
+    CHECK(moec::receiveCapacityRows(changed) == a.receiveCapacity);
+    if (a.capacityFactor > c.capacityFactor) {
+      changed.capacityFactor = a.capacityFactor - 0.01;
+      CHECK(moec::receiveCapacityRows(changed) < receive);
+    }
+  }
+}
+
 TEST_CASE("sizes past the supported limits are refused", "[config]") {
   json j = baseJson();
   j["seq_size"] = int64_t(1) << 62;

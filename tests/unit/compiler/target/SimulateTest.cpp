@@ -4,8 +4,8 @@
 #include "compiler/target/Schedule.h"
 #include "compiler/target/Simulate.h"
 #include "runtime/format/TaskBinary.h"
-#include "tests/unit/ProgramBuilder.h"
-#include "tools/moec/Dump.h"
+#include "tests/unit/support/ProgramBuilder.h"
+#include "compiler/inspect/Dump.h"
 
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
@@ -437,32 +437,32 @@ size_t countMatches(const std::string &text, const std::string &pattern) {
 } // namespace
 
 TEST_CASE("dump: core selectors and times", "[dump]") {
-  dump::CoreSelector core;
-  REQUIRE(dump::parseCoreSelector("cube:3", &core).ok());
+  inspect::CoreSelector core;
+  REQUIRE(inspect::parseCoreSelector("cube:3", &core).ok());
   CHECK(core.kind == CoreKind::Cube);
   CHECK(core.index == 3);
-  REQUIRE(dump::parseCoreSelector("vector:0", &core).ok());
+  REQUIRE(inspect::parseCoreSelector("vector:0", &core).ok());
   CHECK(core.kind == CoreKind::Vector);
   for (const char *bad :
        {"cube", "cube:", "gpu:1", "cube:x", "cube:-1", "cube:1:2", ":3", "cube:99999999999"})
-    CHECK_THAT(errorOf(dump::parseCoreSelector(bad, &core)),
+    CHECK_THAT(errorOf(inspect::parseCoreSelector(bad, &core)),
                Catch::Contains("expected cube:N or vector:N"));
 
-  CHECK(dump::formatSeconds(0) == "0 s");
-  CHECK(dump::formatSeconds(1.5e-3) == "1.50 ms");
-  CHECK(dump::formatSeconds(12.34e-6) == "12.3 us");
-  CHECK(dump::formatSeconds(250) == "250 s");
-  CHECK(dump::formatSeconds(5e-9) == "5.00 ns");
+  CHECK(inspect::formatSeconds(0) == "0 s");
+  CHECK(inspect::formatSeconds(1.5e-3) == "1.50 ms");
+  CHECK(inspect::formatSeconds(12.34e-6) == "12.3 us");
+  CHECK(inspect::formatSeconds(250) == "250 s");
+  CHECK(inspect::formatSeconds(5e-9) == "5.00 ns");
 }
 
 TEST_CASE("dump: text", "[dump]") {
   TaskProgram program = twoRankProgram();
   target::TargetProfile profile = testProfile();
-  dump::Analysis analysis = dump::analyzeProgram(program, &profile);
+  inspect::Analysis analysis = inspect::analyzeProgram(program, &profile);
   REQUIRE(analysis.run.ok());
-  dump::FileFacts facts = dump::factsOf(program, "two.moebin");
-  dump::DumpOptions options;
-  std::string text = dump::dumpText(program, facts, options, analysis);
+  inspect::FileFacts facts = inspect::factsOf(program, "two.moebin");
+  inspect::DumpOptions options;
+  std::string text = inspect::dumpText(program, facts, options, analysis);
   INFO(text);
   CHECK_THAT(text, Catch::StartsWith("task binary two.moebin\n"));
   CHECK_THAT(text, Catch::Contains("format version 1; flags 0x0: forward pass, f32 activations"));
@@ -493,15 +493,15 @@ TEST_CASE("dump: text", "[dump]") {
 
   SECTION("long queues are cut without --core") {
     options.queuePreview = 1;
-    std::string cut = dump::dumpText(program, facts, options, analysis);
+    std::string cut = inspect::dumpText(program, facts, options, analysis);
     CHECK_THAT(cut, Catch::Contains("    ... 1 more (--core vector:0 lists them all)\n"));
     CHECK_FALSE(cut.find("    1 dispatch") != std::string::npos);
   }
   SECTION("--core shows one queue in full") {
     options.queuePreview = 1;
-    options.core = dump::CoreSelector{CoreKind::Vector, 0};
-    REQUIRE(dump::checkDumpOptions(program, options).ok());
-    std::string one = dump::dumpText(program, facts, options, analysis);
+    options.core = inspect::CoreSelector{CoreKind::Vector, 0};
+    REQUIRE(inspect::checkDumpOptions(program, options).ok());
+    std::string one = inspect::dumpText(program, facts, options, analysis);
     CHECK_THAT(one, Catch::Contains("queue of vector core 0:\n  vector core 0: 2 tasks"));
     CHECK_THAT(one, Catch::Contains("    0 dispatch"));
     CHECK_THAT(one, Catch::Contains("    1 dispatch"));
@@ -510,7 +510,7 @@ TEST_CASE("dump: text", "[dump]") {
   }
   SECTION("--rank resolves peers and experts") {
     options.rank = 1;
-    std::string resolved = dump::dumpText(program, facts, options, analysis);
+    std::string resolved = inspect::dumpText(program, facts, options, analysis);
     CHECK_THAT(resolved, Catch::Contains("resolved for rank 1"));
     // Tile p1 of rank 1 puts to rank 0: its rows go to rank 0's expert 0,
     // which is expert 0; its own tile p0 stays with expert 1, and rank 1's
@@ -522,21 +522,22 @@ TEST_CASE("dump: text", "[dump]") {
     CHECK_THAT(resolved, Catch::Contains("    2 up_proj tile(e1,p0,"));
   }
   SECTION("options that name nothing") {
-    options.core = dump::CoreSelector{CoreKind::Cube, 5};
-    CHECK(errorOf(dump::checkDumpOptions(program, options)) ==
+    options.core = inspect::CoreSelector{CoreKind::Cube, 5};
+    CHECK(errorOf(inspect::checkDumpOptions(program, options)) ==
           "the binary has no cube core 5 (its cube cores are 0..0)");
     options.core.reset();
     options.rank = 2;
-    CHECK(errorOf(dump::checkDumpOptions(program, options)) ==
+    CHECK(errorOf(inspect::checkDumpOptions(program, options)) ==
           "--rank 2: the binary runs on 2 ranks (0..1)");
   }
 }
 
 TEST_CASE("dump: without a profile, in task counts", "[dump]") {
   TaskProgram program = diamond(true);
-  dump::Analysis analysis = dump::analyzeProgram(program, nullptr, "no profile 'x.json' here");
-  std::string text =
-      dump::dumpText(program, dump::factsOf(program, "d.moebin"), dump::DumpOptions(), analysis);
+  inspect::Analysis analysis =
+      inspect::analyzeProgram(program, nullptr, "no profile 'x.json' here");
+  std::string text = inspect::dumpText(program, inspect::factsOf(program, "d.moebin"),
+                                       inspect::DumpOptions(), analysis);
   INFO(text);
   CHECK_THAT(text, Catch::Contains("statistics (in task counts: every task costs one step):\n"
                                    "  note: no profile 'x.json' here\n"));
@@ -547,27 +548,28 @@ TEST_CASE("dump: without a profile, in task counts", "[dump]") {
 
   // Queue balance: uneven and even.
   program = diamond(false);
-  text = dump::dumpText(program, dump::factsOf(program, "d.moebin"), dump::DumpOptions(),
-                        dump::analyzeProgram(program, nullptr));
+  text = inspect::dumpText(program, inspect::factsOf(program, "d.moebin"), inspect::DumpOptions(),
+                           inspect::analyzeProgram(program, nullptr));
   CHECK_THAT(text, Catch::Contains("    cube: max/mean 1.33 over 2 queues; least cube core 1 (1 "
                                    "step), most cube core 0 (2 steps)\n"));
   program = layeredProgram(2, 3, 32);
-  text = dump::dumpText(program, dump::factsOf(program, "l.moebin"), dump::DumpOptions(),
-                        dump::analyzeProgram(program, nullptr));
+  text = inspect::dumpText(program, inspect::factsOf(program, "l.moebin"), inspect::DumpOptions(),
+                           inspect::analyzeProgram(program, nullptr));
   CHECK_THAT(text, Catch::Contains("    cube: max/mean 1.00 over 16 queues, each 4 steps\n"));
 }
 
 TEST_CASE("dump: a deadlocked program", "[dump]") {
   TaskProgram program = twoQueueCycle();
   target::TargetProfile profile = testProfile();
-  dump::Analysis analysis = dump::analyzeProgram(program, &profile);
+  inspect::Analysis analysis = inspect::analyzeProgram(program, &profile);
   CHECK_FALSE(analysis.run.ok());
-  std::string text =
-      dump::dumpText(program, dump::factsOf(program, "c.moebin"), dump::DumpOptions(), analysis);
+  std::string text = inspect::dumpText(program, inspect::factsOf(program, "c.moebin"),
+                                       inspect::DumpOptions(), analysis);
   CHECK_THAT(text, Catch::Contains("  schedule: DEADLOCK\n    deadlock: "));
-  nlohmann::json j = nlohmann::json::parse(
-      dump::dumpJson(program, dump::factsOf(program, "c.moebin"), dump::DumpOptions(), analysis)
-          .dump());
+  nlohmann::json j =
+      nlohmann::json::parse(inspect::dumpJson(program, inspect::factsOf(program, "c.moebin"),
+                                              inspect::DumpOptions(), analysis)
+                                .dump());
   CHECK(j["statistics"]["deadlock_free"] == false);
   CHECK_THAT(j["statistics"]["deadlock"].get<std::string>(), Catch::Contains("the cycle closes"));
 }
@@ -575,11 +577,12 @@ TEST_CASE("dump: a deadlocked program", "[dump]") {
 TEST_CASE("dump: json", "[dump]") {
   TaskProgram program = twoRankProgram();
   target::TargetProfile profile = testProfile();
-  dump::Analysis analysis = dump::analyzeProgram(program, &profile);
-  dump::DumpOptions options;
+  inspect::Analysis analysis = inspect::analyzeProgram(program, &profile);
+  inspect::DumpOptions options;
   options.queuePreview = 1; // JSON has every task anyway
   nlohmann::json j = nlohmann::json::parse(
-      dump::dumpJson(program, dump::factsOf(program, "two.moebin"), options, analysis).dump(2));
+      inspect::dumpJson(program, inspect::factsOf(program, "two.moebin"), options, analysis)
+          .dump(2));
   CHECK(j["file"]["ep_ranks"] == 2);
   CHECK(j["file"]["target"] == "cpu");
   CHECK(j["file"]["pass"] == "forward");
@@ -605,10 +608,11 @@ TEST_CASE("dump: json", "[dump]") {
   CHECK(j["statistics"]["makespan"].get<double>() > 0);
   CHECK(j["statistics"]["balance"]["vector"]["queues"] == 1);
 
-  options.core = dump::CoreSelector{CoreKind::Cube, 0};
+  options.core = inspect::CoreSelector{CoreKind::Cube, 0};
   options.rank = 1;
   j = nlohmann::json::parse(
-      dump::dumpJson(program, dump::factsOf(program, "two.moebin"), options, analysis).dump());
+      inspect::dumpJson(program, inspect::factsOf(program, "two.moebin"), options, analysis)
+          .dump());
   REQUIRE(j["queues"].size() == 1);
   CHECK(j["rank"] == 1);
   CHECK(j["queues"][0]["entries"][0]["tile"]["expert"] == 1);
@@ -618,7 +622,7 @@ TEST_CASE("dump: json", "[dump]") {
 TEST_CASE("dump: dot", "[dump]") {
   TaskProgram program = twoRankProgram();
   std::string dot;
-  REQUIRE(dump::dumpDot(program, dump::DumpOptions(), &dot).ok());
+  REQUIRE(inspect::dumpDot(program, inspect::DumpOptions(), &dot).ok());
   INFO(dot);
   CHECK_THAT(dot, Catch::StartsWith("digraph moec {"));
   CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 3);
@@ -629,28 +633,28 @@ TEST_CASE("dump: dot", "[dump]") {
   CHECK(countMatches(dot, "\n +ev[0-9]+ -> t[0-9]+;") == 1);
   CHECK_THAT(dot, Catch::Contains("t1 -> ev0 [label=\"+1 → +1\"];"));
 
-  dump::DumpOptions options;
-  options.core = dump::CoreSelector{CoreKind::Cube, 0};
-  REQUIRE(dump::dumpDot(program, options, &dot).ok());
+  inspect::DumpOptions options;
+  options.core = inspect::CoreSelector{CoreKind::Cube, 0};
+  REQUIRE(inspect::dumpDot(program, options, &dot).ok());
   CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 1);
 
   // A large program is drawn whole; the filters select.
   TaskProgram big = layeredProgram(2, 3, 1000);
   size_t drawn = 0;
-  REQUIRE(dump::dumpDot(big, dump::DumpOptions(), &dot, &drawn).ok());
+  REQUIRE(inspect::dumpDot(big, inspect::DumpOptions(), &dot, &drawn).ok());
   CHECK(drawn == 3000);
   CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 3000);
-  options.core = dump::CoreSelector{CoreKind::Vector, 3};
-  REQUIRE(dump::dumpDot(big, options, &dot, &drawn).ok());
+  options.core = inspect::CoreSelector{CoreKind::Vector, 3};
+  REQUIRE(inspect::dumpDot(big, options, &dot, &drawn).ok());
   CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == 63);
   CHECK(drawn == 63);
   options.core.reset();
   options.ops = {std::string(big.name(big.ops[1].name))};
-  REQUIRE(dump::dumpDot(big, options, &dot, &drawn).ok());
+  REQUIRE(inspect::dumpDot(big, options, &dot, &drawn).ok());
   CHECK(drawn == big.ops[1].taskCount);
   CHECK(countMatches(dot, "\n +t[0-9]+ \\[label=") == size_t(big.ops[1].taskCount));
   options.ops = {"no_such_op"};
-  CHECK_THAT(errorOf(dump::dumpDot(big, options, &dot)),
+  CHECK_THAT(errorOf(inspect::dumpDot(big, options, &dot)),
              Catch::StartsWith("--ops: the binary has no op 'no_such_op' (its ops: "));
 }
 
@@ -801,23 +805,23 @@ TEST_CASE("dump: the critical path names its tasks; another profile's core count
   profile.name = "test";
   profile.cubeCores = 1;
   profile.vectorCores = 1;
-  dump::Analysis analysis = dump::analyzeProgram(program, &profile);
+  inspect::Analysis analysis = inspect::analyzeProgram(program, &profile);
   REQUIRE(analysis.run.ok());
-  std::string text = dump::dumpText(program, dump::factsOf(program, "two.moebin"),
-                                    dump::DumpOptions(), analysis);
+  std::string text = inspect::dumpText(program, inspect::factsOf(program, "two.moebin"),
+                                       inspect::DumpOptions(), analysis);
   // The path: rank 1's put to rank 0 (task 1), then rank 0's gmm (task 2).
   CHECK(std::regex_search(text, std::regex("\n +1 +1 +dispatch +tile\\(e0,p0,")));
   CHECK(std::regex_search(text, std::regex("\n +0 +2 +up_proj +tile\\(e0,p0,")));
-  CHECK(dump::coreCountWarning(program, profile).empty());
+  CHECK(inspect::coreCountWarning(program, profile).empty());
   profile.cubeCores = 132;
-  CHECK_THAT(dump::coreCountWarning(program, profile),
+  CHECK_THAT(inspect::coreCountWarning(program, profile),
              Catch::StartsWith("profile 'test' has 132 cube + 1 vector cores per rank, but the "
                                "binary was scheduled for 1 cube + 1 vector queues"));
 }
 
 TEST_CASE("dump: the op graph", "[dump]") {
   TaskProgram program = twoRankProgram();
-  std::string dot = dump::dumpOpGraph(program);
+  std::string dot = inspect::dumpOpGraph(program);
   INFO(dot);
   CHECK_THAT(dot, Catch::StartsWith("digraph moec_ops {"));
   CHECK(countMatches(dot, "\n +op[0-9]+ \\[shape=box") == 2);

@@ -6,7 +6,7 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "tests/unit/GraphTestSupport.h"
+#include "tests/unit/support/GraphTestSupport.h"
 
 #include <catch2/catch.hpp>
 

@@ -13,7 +13,7 @@
 #include "runtime/exec/Executor.h"
 #include "runtime/exec/ThreadTeam.h"
 #include "runtime/format/TaskBinary.h"
-#include "tests/unit/ProgramBuilder.h"
+#include "tests/unit/support/ProgramBuilder.h"
 
 #include <catch2/catch.hpp>
 #include <set>
@@ -845,21 +845,6 @@ TEST_CASE("no trace is kept when tracing is off, and a bad path is an error", "[
   CHECK(executor->trace().waits.empty());
   std::string message = errorOf(executor->writeTrace("/nonexistent-dir/trace.json"));
   CHECK(message == "/nonexistent-dir/trace.json: cannot open for writing: No such file or directory");
-}
-
-TEST_CASE("trace JSON escapes op names", "[exec]") {
-  ProgramBuilder b(1);
-  uint32_t a = b.op("we\"ird\\name", OpKind::Gmm, CoreKind::Cube, 1);
-  b.queue(CoreKind::Cube, 0, {a});
-  TaskProgram program = b.build();
-  trace::Trace events;
-  events.tasks = {{0, 0, a, 0, 1000, 2500}};
-  nlohmann::json trace = nlohmann::json::parse(trace::chromeTraceJson(program, events));
-  const nlohmann::json &last = trace["traceEvents"].back();
-  CHECK(last["name"] == "we\"ird\\name");
-  CHECK(last["ts"].get<double>() == Approx(1.0));
-  CHECK(last["dur"].get<double>() == Approx(1.5));
-  CHECK(last["cat"] == "gmm");
 }
 
 TEST_CASE("a thread team runs every item once, loop after loop", "[exec][team]") {

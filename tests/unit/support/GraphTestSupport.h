@@ -5,8 +5,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_TESTS_UNIT_GRAPHTESTSUPPORT_H
-#define MOEC_TESTS_UNIT_GRAPHTESTSUPPORT_H
+#ifndef MOEC_TESTS_UNIT_SUPPORT_GRAPHTESTSUPPORT_H
+#define MOEC_TESTS_UNIT_SUPPORT_GRAPHTESTSUPPORT_H
 
 #include "compiler/config/Config.h"
 #include "compiler/import/GraphJson.h"
@@ -111,4 +111,4 @@ inline int64_t seedTaskNum(const std::string &type, int64_t sv, const TaskSplitV
 
 } // namespace moec::test
 
-#endif // MOEC_TESTS_UNIT_GRAPHTESTSUPPORT_H
+#endif // MOEC_TESTS_UNIT_SUPPORT_GRAPHTESTSUPPORT_H

@@ -12,7 +12,7 @@
 #include "compiler/target/Schedule.h"
 #include "compiler/target/Simulate.h"
 #include "runtime/format/TaskBinary.h"
-#include "tests/unit/GraphTestSupport.h"
+#include "tests/unit/support/GraphTestSupport.h"
 
 #include <catch2/catch.hpp>
 

@@ -6,8 +6,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_TESTS_UNIT_PROGRAMBUILDER_H
-#define MOEC_TESTS_UNIT_PROGRAMBUILDER_H
+#ifndef MOEC_TESTS_UNIT_SUPPORT_PROGRAMBUILDER_H
+#define MOEC_TESTS_UNIT_SUPPORT_PROGRAMBUILDER_H
 
 #include "runtime/format/TaskBinary.h"
 
@@ -145,4 +145,4 @@ inline void requireValid(const TaskProgram &program) {
 
 } // namespace moec::test
 
-#endif // MOEC_TESTS_UNIT_PROGRAMBUILDER_H
+#endif // MOEC_TESTS_UNIT_SUPPORT_PROGRAMBUILDER_H

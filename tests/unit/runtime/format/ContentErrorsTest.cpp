@@ -1,0 +1,296 @@
+//===- ContentErrorsTest.cpp - The validator's refusals of a program ------===//
+//
+// What validateTaskProgram (and so the reader) refuses in a program's
+// content: out-of-range indices, enum values and reserved bytes, and the
+// consistency of tasks, queues and events. Each error is checked through the
+// reader and the validator alike (contentError).
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/format/Crc32.h"
+#include "runtime/format/TaskBinary.h"
+#include "tests/unit/runtime/format/TaskBinaryTestSupport.h"
+
+#include <catch2/catch.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace moec::format;
+using namespace moec::test;
+using moec::Status;
+
+namespace {
+
+//===----------------------------------------------------------------------===//
+// Content errors
+//===----------------------------------------------------------------------===//
+
+TEST_CASE("out-of-range indices", "[task-binary][errors]") {
+  TaskProgram p = smallProgram();
+
+  SECTION("event in a wait") {
+    p.waits[0].event = 900;
+    CHECK(contentError(p) == "task 4: wait 0 names event 900, but the binary has 2 events");
+  }
+  SECTION("event in a signal") {
+    p.signals[3].event = 2;
+    CHECK(contentError(p) == "task 3: signal 0 names event 2, but the binary has 2 events");
+  }
+  SECTION("event in a wait no task uses") {
+    p.waits.push_back({7, 0});
+    CHECK(contentError(p) == "wait 4 names event 7, but the binary has 2 events");
+  }
+  SECTION("event in a signal no task uses") {
+    p.signals.push_back({9, 1, 0, 0});
+    CHECK(contentError(p) == "signal 8 names event 9, but the binary has 2 events");
+  }
+  SECTION("slot in a tiling input") {
+    p.tilings[1].inputSlots[1] = 40;
+    CHECK(contentError(p) == "tiling 1: input 1 names slot 40, but the binary has 4 slots");
+  }
+  SECTION("slot in a tiling output") {
+    p.tilings[0].outputSlot = 4;
+    CHECK(contentError(p) == "tiling 0: output names slot 4, but the binary has 4 slots");
+  }
+  SECTION("a used input slot set to none") {
+    p.tilings[0].inputSlots[0] = kNone;
+    CHECK(contentError(p) == "tiling 0: input 0 names slot 4294967295, but the binary has 4 slots");
+  }
+  SECTION("an unused input slot that is not none") {
+    p.tilings[0].inputSlots[2] = 1;
+    CHECK(contentError(p) == "tiling 0: input 2 is past the input count 1 but names slot 1 (unused "
+                             "inputs are 0xffffffff)");
+    p = smallProgram();
+    p.tilings[1].inputSlots[3] = 0;
+    CHECK(contentError(p) == "tiling 1: input 3 is past the input count 2 but names slot 0 (unused "
+                             "inputs are 0xffffffff)");
+  }
+  SECTION("all four inputs, and an input count above 4") {
+    p.tilings[1].inputCount = 4;
+    p.tilings[1].inputSlots[2] = 0;
+    p.tilings[1].inputSlots[3] = 3;
+    CHECK(validateTaskProgram(p).ok());
+    p.tilings[1].inputCount = 5;
+    CHECK(contentError(p) == "tiling 1: input count 5 is above 4");
+  }
+  SECTION("tiling in an op") {
+    p.ops[1].tiling = 2;
+    CHECK(contentError(p) == "op 1 'up_proj': names tiling 2, but the binary has 2 tilings");
+    p.ops[1].tiling = kNone;
+    CHECK(contentError(p) ==
+          "op 1 'up_proj': names tiling 4294967295, but the binary has 2 tilings");
+  }
+  SECTION("task in a queue") {
+    p.queueEntries[5] = 17;
+    CHECK(contentError(p) ==
+          "queue 1 (cube core 0): entry 1 names task 17, but the binary has 8 tasks");
+  }
+  SECTION("task in a queue entry no queue uses") {
+    p.queueEntries.push_back(8);
+    CHECK(contentError(p) == "queue entry 8 names task 8, but the binary has 8 tasks");
+  }
+  SECTION("op in a task") {
+    p.tasks[0].op = 2;
+    CHECK(contentError(p) ==
+          "op 0 'dispatch': its task range [0, 4) holds task 0, which names op 2");
+  }
+  SECTION("op in an event") {
+    p.events[1].op = 5;
+    CHECK(contentError(p) == "event 1 'done': names op 5, but the binary has 2 ops");
+  }
+  SECTION("string offset past the end") {
+    p.slots[2].name = 5000;
+    CHECK(contentError(p) == "slot 2: name offset 5000 is past the end of the " +
+                                 std::to_string(p.strings.size()) + "-byte string table");
+  }
+  SECTION("string offset of an op and an event") {
+    p.ops[1].name = uint32_t(p.strings.size());
+    CHECK(contentError(p) == "op 1: name offset " + std::to_string(p.strings.size()) +
+                                 " is past the end of the " + std::to_string(p.strings.size()) +
+                                 "-byte string table");
+    p = smallProgram();
+    p.events[0].name = 1u << 31;
+    CHECK(contentError(p) == "event 0: name offset 2147483648 is past the end of the " +
+                                 std::to_string(p.strings.size()) + "-byte string table");
+  }
+  SECTION("a name that is not terminated") {
+    p.strings.back() = 'x';
+    uint32_t doneOffset = p.events[1].name;
+    CHECK(contentError(p) ==
+          "event 1: the name at offset " + std::to_string(doneOffset) + " is not NUL-terminated");
+  }
+  SECTION("a task's wait range") {
+    p.tasks[7].firstWait = 3;
+    p.tasks[7].waitCount = 2;
+    CHECK(contentError(p) == "task 7: waits [3, 5) run past the 4 waits of the binary");
+  }
+  SECTION("a task's signal range, without overflowing") {
+    p.tasks[0].firstSignal = 0xFFFFFFFFu;
+    p.tasks[0].signalCount = 2;
+    CHECK(contentError(p) ==
+          "task 0: signals [4294967295, 4294967297) run past the 8 signals of the binary");
+  }
+  SECTION("an op's task range") {
+    p.ops[1].firstTask = 5;
+    CHECK(contentError(p) == "op 1 'up_proj': tasks [5, 9) run past the 8 tasks of the binary");
+  }
+  SECTION("a queue's entry range") {
+    p.queues[2].entryCount = 3;
+    CHECK(contentError(p) ==
+          "queue 2 (cube core 1): entries [6, 9) run past the 8 queue entries of the binary");
+  }
+  SECTION("a peer offset") {
+    p.signals[1].peerOffset = 2;
+    CHECK(contentError(p) ==
+          "task 1: signal 0 goes to peer offset 2, but the EP group has 2 ranks");
+  }
+}
+
+TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
+  TaskProgram p = smallProgram();
+  SECTION("op kind") {
+    p.ops[0].kind = OpKind(9);
+    CHECK(contentError(p) == "op 0 'dispatch': kind 9 is not an op kind (1..7)");
+  }
+  SECTION("dtype") {
+    p.slots[0].dtype = DType(0);
+    CHECK(contentError(p) ==
+          "slot 0 'x': dtype 0 is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)");
+  }
+  SECTION("tiling dtype and op kind") {
+    p.tilings[1].dtype = DType(6);
+    CHECK(contentError(p) ==
+          "tiling 1: dtype 6 is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)");
+    p = smallProgram();
+    p.tilings[1].opKind = OpKind(0);
+    CHECK(contentError(p) == "tiling 1: op kind 0 is not an op kind (1..7)");
+  }
+  SECTION("core kind of a task and a queue") {
+    p.tasks[1].coreKind = CoreKind(3);
+    CHECK(contentError(p) == "task 1: core kind 3 is not cube (1) or vector (2)");
+    p = smallProgram();
+    p.queues[0].coreKind = CoreKind(0);
+    CHECK(contentError(p) == "queue 0: core kind 0 is not cube (1) or vector (2)");
+  }
+  SECTION("event kind") {
+    p.events[0].kind = EventKind(7);
+    CHECK(contentError(p) ==
+          "event 0 'dispatch.rows_in': kind 7 is not local (1), cross-rank (2) or terminate (3)");
+  }
+  SECTION("flags") {
+    p.slots[1].flags |= 0x80;
+    CHECK(contentError(p) == "slot 1 'dispatched_x': unknown flag bits 0x80");
+    p = smallProgram();
+    p.tilings[0].flags = 0x20;
+    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x20");
+    p.tilings[0].flags = kTilingReduceTp;
+    CHECK(contentError(p) == "tiling 0: a dispatch reduces over TP; only a combine can");
+  }
+  SECTION("reserved bytes") {
+    p.tasks[2].reserved[1] = 1;
+    CHECK(contentError(p) == "task 2: reserved bytes are not zero");
+    p = smallProgram();
+    p.signals[5].reserved = 3;
+    CHECK(contentError(p) == "task 5: signal 0: reserved bytes are not zero");
+    p = smallProgram();
+    p.slots[3].reserved1 = 3;
+    CHECK(contentError(p) == "slot 3 'y': reserved bytes are not zero");
+    p = smallProgram();
+    p.ops[1].reserved[2] = 1;
+    CHECK(contentError(p) == "op 1 'up_proj': reserved bytes are not zero");
+    p = smallProgram();
+    p.ops[0].reserved2 = 0x10000;
+    CHECK(contentError(p) == "op 0 'dispatch': reserved bytes are not zero");
+    p = smallProgram();
+    p.events[0].reserved[0] = 1;
+    CHECK(contentError(p) == "event 0 'dispatch.rows_in': reserved bytes are not zero");
+    p = smallProgram();
+    p.queues[2].reserved[2] = 1;
+    CHECK(contentError(p) == "queue 2 (cube core 1): reserved bytes are not zero");
+  }
+  SECTION("slot shapes") {
+    p.slots[0].rank = 5;
+    CHECK(contentError(p) == "slot 0 'x': rank 5 is above 4");
+    p = smallProgram();
+    p.slots[0].dims[3] = 2;
+    CHECK(contentError(p) ==
+          "slot 0 'x': dim 3 is 2, but the rank is 2 (dims past the rank must be 0)");
+    p = smallProgram();
+    p.slots[0].capacityRows = 64;
+    CHECK(contentError(p) == "slot 0 'x': capacity rows 64 on a tensor that is not dynamic");
+    p = smallProgram();
+    p.slots[1].rank = 0;
+    p.slots[1].dims[0] = p.slots[1].dims[1] = 0;
+    CHECK(contentError(p) == "slot 1 'dispatched_x': a dynamic tensor needs a rank of at least 1");
+    p = smallProgram();
+    p.slots[3].param = 1;
+    CHECK(contentError(p) == "slot 3 'y': parameter position 1 is also that of slot 2 'w1'");
+  }
+}
+
+TEST_CASE("consistency of tasks, queues and events", "[task-binary][errors]") {
+  TaskProgram p = smallProgram();
+  SECTION("a task in a queue of the other core kind") {
+    p.tasks[1].coreKind = CoreKind::Cube;
+    CHECK(contentError(p) == "queue 0 (vector core 0): entry 1 is task 1, a cube task");
+  }
+  SECTION("a task in two queues") {
+    p.queueEntries.push_back(1);
+    p.queues.push_back({CoreKind::Vector, {}, 1, 8, 1});
+    CHECK(contentError(p) ==
+          "task 1 is in queue 0 (vector core 0) and again in queue 3 (vector core 1)");
+  }
+  SECTION("a task in no queue") {
+    p.queues[2].entryCount = 1;
+    CHECK(contentError(p) == "task 7 is in no queue");
+  }
+  SECTION("two queues for one core") {
+    p.queues.push_back({CoreKind::Cube, {}, 1, 8, 0});
+    CHECK(contentError(p) == "queue 3 (cube core 1): the same core as queue 2");
+  }
+  SECTION("a peer signal to a local event is refused") {
+    p.events[0].kind = EventKind::Local;
+    CHECK(contentError(p) == "task 1: signal 0 goes to peer offset 1, but event 0 "
+                             "'dispatch.rows_in' is a local event, not cross-rank or terminate");
+  }
+  SECTION("a peer signal to a local event no task carries is refused") {
+    p.signals.push_back({1, 1, 1, 0});
+    p.events[1].kind = EventKind::Local;
+    CHECK(contentError(p) == "signal 8 goes to peer offset 1, but event 1 'done' is a local "
+                             "event, not cross-rank or terminate");
+  }
+  SECTION("a peer signal to a terminate event is accepted") {
+    // The gmm tasks of the second column tile end the pass on the peer:
+    // every rank still receives 4 increments of 'done'.
+    p.signals[5].peerOffset = 1;
+    p.signals[7].peerOffset = 1;
+    Status status = validateTaskProgram(p);
+    INFO(status.message());
+    REQUIRE(status.ok());
+    CHECK(readOk(writeTaskBinary(p)) == p);
+    // A put's signals to a terminate event, from a combine-like op.
+    p.events[0].kind = EventKind::Terminate;
+    status = validateTaskProgram(p);
+    INFO(status.message());
+    CHECK(status.ok());
+  }
+  SECTION("a wait beyond the event's final value") {
+    p.waits[3].threshold = 5;
+    CHECK(
+        contentError(p) ==
+        "task 7: wait 0 waits for event 0 'dispatch.rows_in' to reach 5, but its final value is 4");
+  }
+  SECTION("a threshold that the signals do not add up to") {
+    p.events[1].threshold = 3;
+    CHECK(contentError(p) == "event 1 'done': its signals add up to 4, but its threshold is 3");
+  }
+}
+
+} // namespace

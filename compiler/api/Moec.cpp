@@ -56,22 +56,12 @@ std::optional<std::string> optionalString(const char *text) {
 
 /// Loads `binary` and analyzes it with `target` (or its own).
 Status analyze(const char *binary, const char *target, bool trace, format::TaskProgram *program,
-               inspect::Analysis *analysis, std::optional<target::TargetProfile> *profile) {
+               inspect::Analysis *analysis) {
   if (!binary)
     return Status::error("no binary given");
   if (Status status = format::loadTaskBinaryFile(binary, program); !status)
     return status;
-  std::string note;
-  if (Status status = inspect::analysisProfile(*program, optionalString(target), profile, &note);
-      !status)
-    return status;
-  if (trace && !*profile)
-    return Status::error(fmt::format("{}: a simulated trace needs a profile: {}", binary, note));
-  *analysis = inspect::analyzeProgram(*program, *profile ? &**profile : nullptr, note, trace);
-  if (target && *profile)
-    if (std::string warning = inspect::coreCountWarning(*program, **profile); !warning.empty())
-      analysis->warnings.push_back(warning);
-  return Status::success();
+  return inspect::analyzeBinary(*program, optionalString(target), trace, binary, analysis);
 }
 
 } // namespace
@@ -116,8 +106,7 @@ extern "C" int moec_dump_json(const char *binary, const char *target, int rank, 
   return guarded(error, [&]() -> Status {
     format::TaskProgram program;
     inspect::Analysis analysis;
-    std::optional<target::TargetProfile> profile;
-    if (Status status = analyze(binary, target, false, &program, &analysis, &profile); !status)
+    if (Status status = analyze(binary, target, false, &program, &analysis); !status)
       return status;
     inspect::DumpOptions options;
     if (rank >= 0)
@@ -138,8 +127,7 @@ extern "C" int moec_simulate_trace(const char *binary, const char *target, const
       return Status::error("moec_simulate_trace needs an output path");
     format::TaskProgram program;
     inspect::Analysis analysis;
-    std::optional<target::TargetProfile> profile;
-    if (Status status = analyze(binary, target, true, &program, &analysis, &profile); !status)
+    if (Status status = analyze(binary, target, true, &program, &analysis); !status)
       return status;
     if (!analysis.run.ok())
       return analysis.run.status.withPrefix(fmt::format("{}: ", binary));

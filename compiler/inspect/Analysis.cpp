@@ -117,4 +117,19 @@ std::string summarizePath(const TaskProgram &program, const std::vector<uint32_t
   return out;
 }
 
+Status analyzeBinary(const TaskProgram &program, const std::optional<std::string> &target,
+                     bool recordTrace, const std::string &source, Analysis *out) {
+  std::optional<target::TargetProfile> profile;
+  std::string note;
+  if (Status status = analysisProfile(program, target, &profile, &note); !status)
+    return status;
+  if (recordTrace && !profile)
+    return Status::error(fmt::format("{}: a simulated trace needs a profile: {}", source, note));
+  *out = analyzeProgram(program, profile ? &*profile : nullptr, note, recordTrace);
+  if (target && profile)
+    if (std::string warning = coreCountWarning(program, *profile); !warning.empty())
+      out->warnings.push_back(warning);
+  return Status::success();
+}
+
 } // namespace moec::inspect

@@ -71,6 +71,15 @@ Analysis analyzeProgram(const format::TaskProgram &program, const target::Target
 std::string coreCountWarning(const format::TaskProgram &program,
                              const target::TargetProfile &profile);
 
+/// The analysis `moec dump` and libmoec make of `program` (read from the
+/// file `source`): with the profile of `target` (a --target argument) or
+/// else of the binary's header (analysisProfile), and a warning when a
+/// given target's core counts are not the binary's (coreCountWarning).
+/// With `recordTrace` the simulation records its trace, which needs a
+/// profile: without one it fails, naming `source` and why.
+Status analyzeBinary(const format::TaskProgram &program, const std::optional<std::string> &target,
+                     bool recordTrace, const std::string &source, Analysis *out);
+
 /// Returns "12.3 us", "4.56 ms", "1.20 s" (three significant digits).
 std::string formatSeconds(double seconds);
 

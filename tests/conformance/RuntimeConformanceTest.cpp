@@ -903,6 +903,12 @@ TEST_CASE("exchange: dispatch, combine and the top-k weight gradient", "[runtime
   std::unique_ptr<moec::rt::Exchange> wrong;
   CHECK_THAT(moec::rt::Exchange::create(dispatch, dispatch, options, &wrong).message(),
              Catch::Contains("the combine program is not a combine alone"));
+  // An exchange runs on the CPU backend alone, and says so.
+  ContextOptions onGpu = options;
+  onGpu.backend = moec::backend::Kind::Cuda;
+  CHECK(moec::rt::Exchange::create(dispatch, combine, onGpu, &wrong).message() ==
+        "an exchange runs on the cpu backend only, not on cuda");
+  CHECK(wrong == nullptr);
   std::unique_ptr<Context> ctx;
   CHECK_THAT(makeContext(dispatch, nullptr, {}, &ctx).message(),
              Catch::Contains("the binary is the dispatch alone"));

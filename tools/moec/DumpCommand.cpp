@@ -233,19 +233,12 @@ int runDump(int argc, char **argv, int first) {
       return kOk;
     }
   } else {
-    std::optional<target::TargetProfile> profile;
-    std::string note;
-    if (Status status = inspect::analysisProfile(program, args->value("--target"), &profile, &note);
+    inspect::Analysis analysis;
+    if (Status status =
+            inspect::analyzeBinary(program, args->value("--target"), args->has("--trace"), path,
+                                   &analysis);
         !status)
       return error(status.message());
-    const bool haveProfile = profile.has_value();
-    if (args->has("--trace") && !haveProfile)
-      return error(fmt::format("{}: --trace needs a profile: {}", path, note));
-    inspect::Analysis analysis = inspect::analyzeProgram(program, haveProfile ? &*profile : nullptr,
-                                                   note, args->has("--trace"));
-    if (args->value("--target"))
-      if (std::string warning = inspect::coreCountWarning(program, *profile); !warning.empty())
-        analysis.warnings.push_back(warning);
     for (const std::string &warning : analysis.warnings)
       std::fprintf(stderr, "moec dump: warning: %s: %s\n", path.c_str(), warning.c_str());
     if (!analysis.run.ok()) {

@@ -348,6 +348,21 @@ def test_capacity_grows_when_routing_collapses():
     assert layer.config["capacity_factor"] > 1.5
 
 
+def test_capacity_advice_is_the_compilers_arithmetic():
+    # What libmoec advises for a need is what a binary compiled with the
+    # advice holds: one function behind the advice and the compile.
+    cfg = config(experts=8, top_k=2, capacity_factor=1)
+    info = moec_torch.MoeFFN(cfg, 2, threads=1).layer.info()
+    need = info["receive_capacity"] + 5
+    advice = moec_torch.native.capacity_advice(dict(cfg, ep=2), info["tokens"] * 2, need)
+    assert advice["fits"] and advice["seq_size"] == info["tokens"]
+    assert advice["capacity_factor"] > 1
+    grown = moec_torch.MoeFFN(dict(cfg, capacity_factor=advice["capacity_factor"]), 2, threads=1)
+    assert grown.layer.info()["receive_capacity"] == advice["receive_capacity"] >= need
+    with pytest.raises(RuntimeError, match="'top_k'"):
+        moec_torch.native.capacity_advice(dict(cfg, ep=2, top_k=0), 1, 1)
+
+
 def test_more_tokens_than_compiled_grows_seq_size():
     layer = moec_torch.MoeFFN(config(experts=4, top_k=2, tokens=128), 2, threads=2)
     with pytest.warns(RuntimeWarning, match=r"recompiled with seq_size 128 -> 129"):

@@ -229,7 +229,13 @@ CapacityAdvice adviseCapacity(const ModelConfig &c, int64_t rowsPerRank, int64_t
                               bool headroom) {
   const int64_t topK = std::max<int64_t>(1, c.topK);
   CapacityAdvice advice;
-  advice.seqSize = std::max(c.seqSize, (rowsPerRank + topK - 1) / topK);
+  // Needs beyond any config's sizes (seq_size is at most 2^24) are held to
+  // just past them, so that no product below overflows; such a need does
+  // not fit.
+  constexpr int64_t kBeyond = int64_t(1) << 40;
+  rowsPerRank = std::clamp<int64_t>(rowsPerRank, 0, kBeyond);
+  receivePerRank = std::clamp<int64_t>(receivePerRank, 0, kBeyond);
+  advice.seqSize = std::max(c.seqSize, rowsPerRank / topK + (rowsPerRank % topK != 0));
   ModelConfig changed = c;
   changed.seqSize = advice.seqSize;
   // capacity_factor scales the balanced load seq_size * top_k, in hundredths:
@@ -241,9 +247,10 @@ CapacityAdvice adviseCapacity(const ModelConfig &c, int64_t rowsPerRank, int64_t
   if (headroom) {
     const double grown =
         std::max(double(receivePerRank) / balanced * 1.25, c.capacityFactor * 1.5);
-    hundredths = int64_t(std::ceil(grown * 100.0 - 1e-9));
+    hundredths = int64_t(std::ceil(std::min(grown, 1025.0) * 100.0 - 1e-9));
   } else {
-    hundredths = std::max<int64_t>(100, int64_t(double(receivePerRank - 1) * 100.0 / balanced));
+    hundredths = std::max<int64_t>(
+        100, int64_t(std::min(1025.0, double(receivePerRank - 1) / balanced) * 100.0));
     for (changed.capacityFactor = double(hundredths) / 100.0;
          hundredths < 102400 && receiveCapacityRows(changed) < receivePerRank;
          changed.capacityFactor = double(hundredths) / 100.0)
@@ -253,7 +260,9 @@ CapacityAdvice adviseCapacity(const ModelConfig &c, int64_t rowsPerRank, int64_t
   advice.capacityFactor = changed.capacityFactor;
   advice.rowCapacity = advice.seqSize * topK;
   advice.receiveCapacity = receiveCapacityRows(changed);
-  advice.fits = advice.rowCapacity >= rowsPerRank && advice.receiveCapacity >= receivePerRank;
+  // A config takes seq_size up to 2^24 (kIntKeys) and capacity_factor up to 1024.
+  advice.fits = advice.rowCapacity >= rowsPerRank && advice.receiveCapacity >= receivePerRank &&
+                advice.seqSize <= (int64_t(1) << 24);
   return advice;
 }
 

@@ -124,7 +124,7 @@ Status analyzeBinary(const TaskProgram &program, const std::optional<std::string
   if (Status status = analysisProfile(program, target, &profile, &note); !status)
     return status;
   if (recordTrace && !profile)
-    return Status::error(fmt::format("{}: a simulated trace needs a profile: {}", source, note));
+    return Status::error(fmt::format("{}: a simulated trace (--trace) needs a profile: {}", source, note));
   *out = analyzeProgram(program, profile ? &*profile : nullptr, note, recordTrace);
   if (target && profile)
     if (std::string warning = coreCountWarning(program, *profile); !warning.empty())

@@ -4,7 +4,9 @@
 #define MOEC_COMPILER_INSPECT_TABLE_H
 
 #include <algorithm>
+#include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moec::inspect {

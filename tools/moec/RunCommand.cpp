@@ -305,6 +305,9 @@ std::string capacityHint(const rt::LayerShape &shape, const rt::CapacityNeed &ne
       double(shape.receiveCapacity) / double(std::max<int64_t>(1, shape.rowCapacity));
   const CapacityAdvice advice = adviseCapacity(config, need.rowsPerRank, need.receivePerRank,
                                                /*headroom=*/false);
+  if (!advice.fits)
+    return hint + "; no config of this layer holds it (seq_size is at most 16777216 and "
+                  "capacity_factor at most 1024): route fewer rows to one rank";
   if (advice.seqSize > config.seqSize)
     hint += fmt::format("; compile with \"seq_size\" at least {} (tokens per rank)",
                         advice.seqSize);

@@ -925,6 +925,10 @@ class MoeFFN(torch.nn.Module):
             # balance drifts, and each growth costs a compile.
             cfg["capacity_factor"] = advice["capacity_factor"]
             changes.append(f"capacity_factor {old_factor:g} -> {cfg['capacity_factor']:g}")
+        if not changes:
+            raise RuntimeError(
+                "moec over capacity: the routing needs no more than the config holds, yet the "
+                f"runtime refused it ({need}); this is a bug in moec")
         target, granularity = self._build[2:4]
         forward, backward = compile_layer(cfg, self.ranks, target, granularity,
                                           frozen=self.frozen, lora_targets=self.lora_targets,

@@ -4,6 +4,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <limits>
+
 using moec::ModelConfig;
 using nlohmann::json;
 
@@ -357,6 +359,13 @@ TEST_CASE("adviseCapacity inverts receiveCapacityRows", "[config][capacity]") {
   CHECK(a.receiveCapacity == 384);
   a = moec::adviseCapacity(c, 256, 400, true); // 400 / 256 * 1.25 = 1.95...
   CHECK(a.capacityFactor == Approx(1.96));
+
+  // A need past any config's sizes does not fit, and overflows nothing.
+  a = moec::adviseCapacity(c, std::numeric_limits<int64_t>::max(), 10, false);
+  CHECK_FALSE(a.fits);
+  a = moec::adviseCapacity(c, 256, std::numeric_limits<int64_t>::max(), true);
+  CHECK_FALSE(a.fits);
+  CHECK(a.capacityFactor == 1024.0);
 
   // For every need up to the worst case: what it advises holds the routing,
   // and a hundredth less would not (the advice is the least).

@@ -361,6 +361,8 @@ def test_capacity_advice_is_the_compilers_arithmetic():
     assert grown.layer.info()["receive_capacity"] == advice["receive_capacity"] >= need
     with pytest.raises(RuntimeError, match="'top_k'"):
         moec_torch.native.capacity_advice(dict(cfg, ep=2, top_k=0), 1, 1)
+    with pytest.raises(RuntimeError, match="row counts must not be negative, got -1 and 1"):
+        moec_torch.native.capacity_advice(dict(cfg, ep=2), -1, 1)
 
 
 def test_more_tokens_than_compiled_grows_seq_size():

@@ -2,6 +2,8 @@
 
 #include "runtime/cpu/Gmm.h"
 
+#include "runtime/cpu/Tile.h"
+
 #include <oneapi/dnnl/dnnl.h>
 #include <omp.h>
 
@@ -84,6 +86,32 @@ bool nativeBf16Gemm() {
   return native;
 }
 
+GemmKernel gemmKernel() {
+  static const GemmKernel chosen = [] {
+    const char *value = std::getenv("MOEC_GEMM");
+    if (!value || !*value || std::strcmp(value, "auto") == 0)
+      return GemmKernel::Auto;
+    if (std::strcmp(value, "moec") == 0)
+      return GemmKernel::Moec;
+    if (std::strcmp(value, "onednn") == 0)
+      return GemmKernel::OneDnn;
+    std::fprintf(stderr,
+                 "moec: MOEC_GEMM=%s is none of 'auto', 'moec', 'onednn'; using 'auto'\n",
+                 value);
+    return GemmKernel::Auto;
+  }();
+  return chosen;
+}
+
+bool moecTile(bool bf16) {
+  switch (gemmKernel()) {
+  case GemmKernel::Auto: return bf16 && tile::available(true);
+  case GemmKernel::Moec: return tile::available(bf16);
+  case GemmKernel::OneDnn: return false;
+  }
+  return false;
+}
+
 const char *gemmConfig() {
   static const std::string text = [] {
     const dnnl_version_t *v = dnnl_version();
@@ -97,7 +125,14 @@ const char *gemmConfig() {
     case dnnl_cpu_isa_avx2: isa = "avx2"; break;
     default: break;
     }
-    return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
+    std::string own;
+    if (moecTile(false) && moecTile(true))
+      own = "moec's AVX-512 tile for fp32 and bf16 (avx512_bf16); otherwise ";
+    else if (moecTile(true))
+      own = "moec's avx512_bf16 tile for bf16; otherwise ";
+    else if (moecTile(false))
+      own = "moec's AVX-512 tile for fp32; otherwise ";
+    return own + "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
            std::to_string(v->patch) + " GEMM, CPU ISA " + isa + ", one OpenMP thread per call; " +
            (nativeBf16Gemm() ? "bf16 products on bf16 dot-product instructions"
                              : "bf16 operands widened to fp32 (no bf16 dot products)");
@@ -294,6 +329,40 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     const Panel pb = panel(b, 0, 0, bRows, bCols, base + aSize);
     gemmTile(m, n, k, ConstMatrix{pa.data, Elt::F32, pa.ld}, transA,
              ConstMatrix{pb.data, Elt::F32, pb.ld}, transB, c, accumulate, scratch, alpha);
+    return;
+  }
+  // moec's own tile: packs its operands per depth block, so aliasing strides
+  // cost it nothing. It sums into fp32 C in place, or into fp32 scratch when
+  // C is bf16 or the product is scaled.
+  if (moecTile(a.elt == Elt::BF16)) {
+    static thread_local Scratch threadScratch;
+    Scratch &mem = scratch ? *scratch : threadScratch;
+    const bool bf16 = a.elt == Elt::BF16, cBf16 = c.elt == Elt::BF16;
+    // The tile writes C itself unless it must add a bf16 C or scale.
+    const bool direct = alpha == 1.0f && !(cBf16 && accumulate);
+    const size_t packFloats =
+        lineRound(int64_t(tile::packBytes(m, n, k, transA, bf16, direct && cBf16) / 4 + 1));
+    float *base = mem.floats(packFloats + (direct ? 0 : lineRound(m * n) + lineRound(n)));
+    if (direct) {
+      tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, c.data, c.ld, cBf16,
+                 accumulate, base);
+      return;
+    }
+    float *product = base + packFloats, *row = product + lineRound(m * n);
+    tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, product, n, false,
+               false, base);
+    for (int64_t i = 0; i < m; ++i) {
+      float *p = product + i * n;
+      if (accumulate) {
+        loadFloats(c.address(i, 0), c.elt, row, size_t(n));
+        for (int64_t j = 0; j < n; ++j)
+          p[j] = row[j] + alpha * p[j];
+      } else {
+        for (int64_t j = 0; j < n; ++j)
+          p[j] = alpha * p[j];
+      }
+      storeFloats(p, c.address(i, 0), c.elt, size_t(n));
+    }
     return;
   }
   // B (the weight of a forward tile) stored k x n with rows that alias in

@@ -19,7 +19,9 @@
 // Storage: every operand is fp32 or bf16, independently; products accumulate
 // in fp32 and C is rounded once, when it is stored.
 //
-// Speed: every kernel runs on oneDNN's GEMM (Debian libdnnl-dev), one thread
+// Speed: bf16 x bf16 tiles on a CPU with avx512_bf16 run on moec's own tile
+// (runtime/cpu/Tile.h; see gemmKernel below), which writes C (fp32 or bf16)
+// itself. The rest run on oneDNN's GEMM (Debian libdnnl-dev), one thread
 // per call: the runtime runs many tiles at once on its own workers, so each
 // call sets OpenMP (oneDNN's threading) to one thread on its calling thread
 // and puts the count back after, leaving a host's own threads alone.
@@ -99,6 +101,22 @@ private:
   ZeroedPages buffer;
   size_t size = 0;
 };
+
+/// The GEMM that runs the tiles, from MOEC_GEMM in the environment (read
+/// once):
+///  - auto (the default): moec's own tile (runtime/cpu/Tile.h) for bf16
+///    operands on a CPU with avx512_bf16, oneDNN for the rest. On the
+///    qwen3 tile shapes (gmm_bench --layer) moec's bf16 tile is ahead of
+///    oneDNN's on the weight gradients and level elsewhere; its fp32 tile
+///    is behind oneDNN's sgemm.
+///  - moec: moec's tile for fp32 and bf16 wherever the CPU has AVX-512.
+///  - onednn: oneDNN for every tile.
+enum class GemmKernel { Auto, Moec, OneDnn };
+GemmKernel gemmKernel();
+
+/// Whether a tile of fp32 (or, with `bf16`, bf16) operands runs on moec's
+/// own tile.
+bool moecTile(bool bf16);
 
 /// Describes the GEMM library (oneDNN's version and the CPU ISA it runs
 /// on), for benchmark reports.

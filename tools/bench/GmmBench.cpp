@@ -3,9 +3,16 @@
 // Times one M x N x K tile (default 512^3) on the calling thread: the naive
 // triple loop (reference::matmul), then gemmTile with fp32 and with bf16
 // operands, and prints GFLOP/s (2*M*N*K flops per call, best of `reps`) and
-// the largest difference from the naive result.
+// the largest difference from the naive result. With `experts` > 1 it then
+// times the bf16 and fp32 tiles as a layer meets them: one call on each of
+// `experts` distinct pairs of A and B in turn (each expert's weight new to
+// the caches), and prints the rate over all of them.
 //
-//   bazel run //tools/bench:gmm_bench -- [M N K [reps]]
+//   bazel run //tools/bench:gmm_bench -- [M N K [reps [experts]]]
+//
+// `gmm_bench --layer [experts [reps]]` times the six tile shapes of the
+// qwen3-30b-a3b layer (H 2048, I 768, 128 rows an expert, the strides and
+// transposes its binaries give the tiles) the same way, in fp32 and bf16.
 //
 //===----------------------------------------------------------------------===//
 
@@ -20,6 +27,7 @@
 #include <cstdlib>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace moec::cpu;
@@ -46,9 +54,83 @@ float maxDiff(const std::vector<float> &a, const std::vector<float> &b) {
   return d;
 }
 
+/// One tile shape of a layer: C (m x n, ldc) = op(A) op(B), A stored with
+/// lda, B with ldb.
+struct Shape {
+  const char *name;
+  int64_t m, n, k, lda, ldb, ldc;
+  bool transA, transB;
+};
+
+/// The tiles of qwen3-30b-a3b at 128 rows an expert (moec dump of its
+/// binaries at ep 2, S 1024): forward up/down projections, the backward's
+/// two activation gradients (transposed weights) and two weight gradients
+/// (transposed activations, the depth the expert's rows).
+constexpr Shape kLayer[] = {
+    {"up_proj", 128, 768, 2048, 2048, 1536, 1536, false, false},
+    {"down_proj", 128, 1024, 768, 768, 2048, 2048, false, false},
+    {"act_grad", 128, 384, 2048, 2048, 2048, 768, false, true},
+    {"gate_grad", 128, 1024, 1536, 1536, 1536, 2048, false, true},
+    {"dw2", 768, 1024, 128, 768, 2048, 2048, true, false},
+    {"dw1", 1024, 1536, 128, 2048, 1536, 1536, true, false},
+};
+
+/// Times every shape of kLayer over `experts` distinct operand sets (C
+/// stored in the operands' type, as the layer stores it) and prints GFLOP/s.
+int layerShapes(int experts, int reps) {
+  std::printf("GEMM: %s\n", gemmConfig());
+  std::printf("qwen3-30b-a3b tiles, one thread, %d experts' operands in turn, best of %d\n",
+              experts, reps);
+  std::printf("  %-10s %-22s %10s %10s\n", "tile", "m x n x k", "f32", "bf16");
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  Scratch scratch;
+  for (const Shape &s : kLayer) {
+    const int64_t aSize = (s.transA ? s.k : s.m) * s.lda;
+    const int64_t bSize = (s.transB ? s.n : s.k) * s.ldb;
+    const int64_t cSize = s.m * s.ldc;
+    std::printf("  %-10s %5lld x %5lld x %5lld", s.name, (long long)s.m, (long long)s.n,
+                (long long)s.k);
+    for (const Elt elt : {Elt::F32, Elt::BF16}) {
+      const size_t bytes = dtypeSize(elt);
+      std::vector<std::vector<char>> as, bs;
+      for (int e = 0; e < experts; ++e) {
+        std::vector<float> a(static_cast<size_t>(aSize)), b(static_cast<size_t>(bSize));
+        for (float &x : a)
+          x = dist(rng);
+        for (float &x : b)
+          x = dist(rng);
+        as.emplace_back(size_t(aSize) * bytes);
+        bs.emplace_back(size_t(bSize) * bytes);
+        storeFloats(a.data(), as.back().data(), elt, a.size());
+        storeFloats(b.data(), bs.back().data(), elt, b.size());
+      }
+      std::vector<char> c(size_t(cSize) * bytes);
+      const double t = bestSeconds(reps, [&] {
+        for (int e = 0; e < experts; ++e)
+          gemmTile(s.m, s.n, s.k, ConstMatrix{as[size_t(e)].data(), elt, s.lda}, s.transA,
+                   ConstMatrix{bs[size_t(e)].data(), elt, s.ldb}, s.transB,
+                   Matrix{c.data(), elt, s.ldc}, false, &scratch);
+      });
+      std::printf("%*s%8.1f", 3, "", 2.0 * double(s.m * s.n * s.k) * experts / t * 1e-9);
+    }
+    std::printf("   GFLOP/s\n");
+  }
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--layer") {
+    const int experts = argc >= 3 ? std::atoi(argv[2]) : 32;
+    const int reps = argc >= 4 ? std::atoi(argv[3]) : 3;
+    if (experts <= 0 || reps <= 0) {
+      std::fprintf(stderr, "usage: gmm_bench --layer [experts [reps]] (positive)\n");
+      return 2;
+    }
+    return layerShapes(experts, reps);
+  }
   int64_t m = 512, n = 512, k = 512;
   int reps = 5;
   if (argc >= 4) {
@@ -56,10 +138,13 @@ int main(int argc, char **argv) {
     n = std::atoll(argv[2]);
     k = std::atoll(argv[3]);
   }
+  int experts = 1;
   if (argc >= 5)
     reps = std::atoi(argv[4]);
-  if (m <= 0 || n <= 0 || k <= 0 || reps <= 0) {
-    std::fprintf(stderr, "usage: gmm_bench [M N K [reps]] (all positive)\n");
+  if (argc >= 6)
+    experts = std::atoi(argv[5]);
+  if (m <= 0 || n <= 0 || k <= 0 || reps <= 0 || experts <= 0) {
+    std::fprintf(stderr, "usage: gmm_bench [M N K [reps [experts]]] (all positive)\n");
     return 2;
   }
 
@@ -95,5 +180,25 @@ int main(int argc, char **argv) {
               "vs naive %.2e)\n",
               tBf16 * 1e3, flops / tBf16 * 1e-9, double(maxDiff(fast16, naive)));
   std::printf("speed-up f32 over naive: %.1fx\n", tNaive / tFast);
+  if (experts > 1) {
+    // Distinct operands per expert: A m x k and B k x n, in both storages.
+    std::vector<GemmOperands> each;
+    for (int e = 0; e < experts; ++e)
+      each.push_back(randomGemmOperands(m, n, k));
+    for (const bool bf16 : {false, true}) {
+      const double t = bestSeconds(reps, [&] {
+        for (const GemmOperands &x : each)
+          gemmTile(m, n, k,
+                   bf16 ? ConstMatrix{x.a16.data(), Elt::BF16, k}
+                        : ConstMatrix{x.a.data(), Elt::F32, k},
+                   false,
+                   bf16 ? ConstMatrix{x.b16.data(), Elt::BF16, n}
+                        : ConstMatrix{x.b.data(), Elt::F32, n},
+                   false, Matrix{fast.data(), Elt::F32, n}, false, &scratch);
+      });
+      std::printf("%d experts %s  %9.3f ms  %8.2f GFLOP/s\n", experts, bf16 ? "bf16" : "f32 ",
+                  t * 1e3, flops * experts / t * 1e-9);
+    }
+  }
   return 0;
 }

@@ -2,7 +2,9 @@
 # Runs the CPU kernel tests once for every oneDNN ISA this CPU has, capping
 # oneDNN at it (DNNL_MAX_CPU_ISA): AVX2, AVX-512 (no bf16 dot products),
 # avx512_bf16 and AMX. Every kernel path the runtime picks at run time is
-# then checked against the plain loops on this machine.
+# then checked against the plain loops on this machine. Where the CPU has
+# AVX-512, the tests also run with MOEC_GEMM=moec (moec's tile for fp32 too)
+# and MOEC_GEMM=onednn (oneDNN for bf16 too; runtime/cpu/Gmm.h).
 #
 #   run_isa.sh CPU_KERNELS_TEST
 set -euo pipefail
@@ -31,5 +33,16 @@ for entry in "${isas[@]}"; do
     failed=$((failed + 1))
   fi
 done
+if has avx512f avx512bw avx512vl; then
+  for gemm in moec onednn; do
+    echo "== MOEC_GEMM=$gemm"
+    if MOEC_GEMM="$gemm" "$test_binary" "[gmm]"; then
+      echo "ok: MOEC_GEMM=$gemm"
+    else
+      echo "FAILED: MOEC_GEMM=$gemm"
+      failed=$((failed + 1))
+    fi
+  done
+fi
 echo "kernel ISAs: ${#isas[@]} run, $failed failed"
 [[ $failed -eq 0 ]]

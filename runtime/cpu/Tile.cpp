@@ -1,0 +1,444 @@
+//===- Tile.cpp - moec's own AVX-512 GEMM tile ----------------------------===//
+
+#include "runtime/cpu/Tile.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define MOEC_TILE_X86 1
+#include <immintrin.h>
+// GCC 12 reports the undefined vectors its own AVX-512 headers start some
+// intrinsics from (_mm512_undefined_*) as maybe uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#endif
+
+namespace moec::cpu::tile {
+
+namespace {
+
+/// Columns of a packed panel (three 16-lane vectors) and rows of C per
+/// micro-kernel call.
+constexpr int kPanel = 48;
+constexpr int kRows = 8;
+/// Depth units per block: the panel, 128 x 48 units, is 24 KiB.
+constexpr int64_t kBlockUnits = 128;
+/// Columns of C a pass over the whole depth covers (4 panels): its fp32
+/// sums (128 rows: 96 KiB) and the block's panels (96 KiB) stay in L2.
+constexpr int64_t kGroup = 4 * kPanel;
+
+/// Depth elements per 32-bit unit.
+int64_t perUnit(bool bf16) { return bf16 ? 2 : 1; }
+
+int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/// The row stride, in units, of op(A) packed for `transA`: m rounded up to
+/// whole vectors.
+int64_t packedARowUnits(int64_t m) { return ceilDiv(m, 16) * 16; }
+
+/// Bytes of one block's packed B panels, rounded to cache lines.
+size_t panelBytes(int64_t n) { return size_t(ceilDiv(n, kPanel) * kPanel * kBlockUnits) * 4; }
+
+} // namespace
+
+/// Bytes of op(A) packed (transA), rounded to cache lines.
+size_t packedABytes(int64_t m, int64_t k, bool transA, bool bf16) {
+  return transA ? size_t(ceilDiv(k, perUnit(bf16)) * packedARowUnits(m)) * 4 : 0;
+}
+
+size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16) {
+  const int64_t width = std::min(n, kGroup);
+  size_t bytes = panelBytes(width) + packedABytes(m, k, transA, bf16);
+  // bf16 C over more than one depth block: fp32 partial sums.
+  if (cBf16 && k > kBlockUnits * perUnit(bf16))
+    bytes += size_t(m * width) * 4;
+  return bytes;
+}
+
+#ifdef MOEC_TILE_X86
+
+#define MOEC_TILE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace {
+
+/// The lanes of a 16-lane vector that hold columns [16 * part, cols).
+MOEC_TILE_TARGET inline __mmask16 laneMask(int cols, int part) {
+  const int left = cols - 16 * part;
+  if (left <= 0)
+    return 0;
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+/// Units [0, units) of the rows [p0, p1) of a row-major matrix `src` (stride
+/// `ld` elements), columns [0, cols): unit (t, column j) goes to
+/// dst[(j / panelCols) * panelStride + t * dstLd + j % panelCols], and the
+/// lanes of the last vector past `cols` are zero. A bf16 unit is the pair of
+/// rows p0 + 2t (low half) and p0 + 2t + 1 (high half; zero past p1). Rows
+/// are read whole, one after the other.
+MOEC_TILE_TARGET void packRows(const void *src, int64_t ld, int64_t p0, int64_t p1,
+                               int64_t cols, bool bf16, uint32_t *dst, int64_t dstLd,
+                               int64_t panelCols, int64_t panelStride) {
+  const int64_t units = ceilDiv(p1 - p0, perUnit(bf16));
+  for (int64_t t = 0; t < units; ++t) {
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 mask = laneMask(int(std::min<int64_t>(cols - c, 16)), 0);
+      __m512i v;
+      if (bf16) {
+        const uint16_t *base = static_cast<const uint16_t *>(src) + c;
+        const int64_t r0 = p0 + 2 * t, r1 = r0 + 1;
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, base + r0 * ld));
+        __m512i hi = _mm512_setzero_si512();
+        if (r1 < p1)
+          hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, base + r1 * ld));
+        v = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+      } else {
+        const float *base = static_cast<const float *>(src) + c;
+        v = _mm512_maskz_loadu_epi32(mask, base + (p0 + t) * ld);
+      }
+      _mm512_storeu_si512(dst + (c / panelCols) * panelStride + t * dstLd + c % panelCols, v);
+    }
+  }
+}
+
+/// Transposes the 16 x 16 block of 32-bit values in r (row s of the result
+/// is column s of the input).
+MOEC_TILE_TARGET inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4g + x]: column 4L + x of rows 4g..4g+3, in 128-bit lane L.
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int x = 0; x < 4; ++x) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[x], u[4 + x], 0x88);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[x], u[4 + x], 0xDD);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[8 + x], u[12 + x], 0x88);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + x], u[12 + x], 0xDD);
+    r[x] = _mm512_shuffle_i32x4(v0, v1, 0x88);
+    r[8 + x] = _mm512_shuffle_i32x4(v0, v1, 0xDD);
+    r[4 + x] = _mm512_shuffle_i32x4(w0, w1, 0x88);
+    r[12 + x] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
+  }
+}
+
+/// The unit (column j, unit t) of op(B) = B^T for B stored n x k (row j
+/// holds op(B)'s column j along the depth), depth block [p0, p1); zero past
+/// n, and a bf16 pair's high half zero past p1.
+uint32_t transposedUnit(const void *b, int64_t ldb, int64_t n, int64_t p0, int64_t p1,
+                        int64_t j, int64_t t, bool bf16) {
+  if (j >= n)
+    return 0;
+  if (!bf16) {
+    uint32_t v;
+    std::memcpy(&v, static_cast<const float *>(b) + j * ldb + p0 + t, 4);
+    return v;
+  }
+  const uint16_t *row = static_cast<const uint16_t *>(b) + j * ldb;
+  const int64_t p = p0 + 2 * t;
+  return uint32_t(row[p]) | (p + 1 < p1 ? uint32_t(row[p + 1]) << 16 : 0u);
+}
+
+/// Packs the depth block [p0, p1) of op(B) = B^T (B stored n x k) into
+/// panels: 16 x 16 blocks of units by transposes, the edges one by one.
+MOEC_TILE_TARGET void packTransposed(const void *b, int64_t ldb, int64_t n, int64_t p0,
+                                     int64_t p1, bool bf16, uint32_t *dst) {
+  const int64_t per = perUnit(bf16);
+  const int64_t units = ceilDiv(p1 - p0, per);
+  const int64_t fullUnits = (p1 - p0) / per; // units with no half past p1
+  const size_t elt = bf16 ? 2 : 4;
+  for (int64_t q = 0; q * kPanel < n; ++q) {
+    uint32_t *panel = dst + q * kBlockUnits * kPanel;
+    for (int jj = 0; jj < kPanel; jj += 16) {
+      const int64_t j0 = q * kPanel + jj;
+      int64_t t = 0;
+      if (j0 + 16 <= n) {
+        for (; t + 16 <= fullUnits; t += 16) {
+          __m512i r[16];
+          for (int s = 0; s < 16; ++s)
+            r[s] = _mm512_loadu_si512(static_cast<const char *>(b) +
+                                      size_t((j0 + s) * ldb + p0 + t * per) * elt);
+          transpose16(r);
+          for (int s = 0; s < 16; ++s)
+            _mm512_storeu_si512(panel + (t + s) * kPanel + jj, r[s]);
+        }
+      }
+      for (; t < units; ++t)
+        for (int s = 0; s < 16; ++s)
+          panel[t * kPanel + jj + s] = transposedUnit(b, ldb, n, p0, p1, j0 + s, t, bf16);
+    }
+  }
+}
+
+/// One unit of the micro-kernel: acc[r][x] += A's unit of row r times the
+/// panel's vector x (a bf16 dot product of two pairs, or an FMA).
+template <int MR, bool BF16>
+MOEC_TILE_TARGET __attribute__((always_inline)) inline void
+step(__m512 (&acc)[MR][3], const __m512i (&bv)[3], const __m512i (&av)[MR]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 3
+    for (int x = 0; x < 3; ++x) {
+      if constexpr (BF16)
+        acc[r][x] = _mm512_dpbf16_ps(acc[r][x], (__m512bh)av[r], (__m512bh)bv[x]);
+      else
+        acc[r][x] =
+            _mm512_fmadd_ps(_mm512_castsi512_ps(av[r]), _mm512_castsi512_ps(bv[x]), acc[r][x]);
+    }
+}
+
+/// Rounds 16 floats to bf16 bits (nearest, ties to even; NaNs quiet),
+/// the bits floatToBf16 gives (runtime/cpu/Element.h), and stores the lanes
+/// of `mask` at `out`.
+MOEC_TILE_TARGET inline void storeBf16(uint16_t *out, __mmask16 mask, __m512 value) {
+  const __m512i x = _mm512_castps_si512(value);
+  const __m512i high = _mm512_srli_epi32(x, 16);
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)),
+                       _mm512_and_si512(high, _mm512_set1_epi32(1))),
+      16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+      _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  const __m512i r =
+      _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
+  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(r));
+}
+
+/// out[r, 0:cols) (r < MR) = (in ? in[r, 0:cols) : 0) + the sum over
+/// `units` of A's unit times the panel's, A's unit (row r, unit t) at
+/// a + r * aRow + t * aUnit (bytes). `out` is fp32, or bf16 bits with
+/// `outBf16` (rounded once, here); `in` is fp32 and may be `out`. With
+/// `halfLast`, A's last unit is a lone bf16 value (its pair would lie past
+/// the depth), read as such.
+template <int MR, bool BF16>
+MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t aUnit,
+                            bool halfLast, const uint32_t *panel, const float *in, int64_t ldIn,
+                            void *out, int64_t ldOut, bool outBf16, int cols) {
+  __m512 acc[MR][3];
+  const __mmask16 m0 = laneMask(cols, 0), m1 = laneMask(cols, 1), m2 = laneMask(cols, 2);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    if (in) {
+      acc[r][0] = _mm512_maskz_loadu_ps(m0, in + r * ldIn);
+      acc[r][1] = _mm512_maskz_loadu_ps(m1, in + r * ldIn + 16);
+      acc[r][2] = _mm512_maskz_loadu_ps(m2, in + r * ldIn + 32);
+    } else {
+      acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+    }
+  }
+  const char *rows[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+    rows[r] = a + r * aRow;
+  const int64_t whole = halfLast ? units - 1 : units;
+  for (int64_t t = 0; t < whole; ++t) {
+    const __m512i bv[3] = {_mm512_load_si512(panel), _mm512_load_si512(panel + 16),
+                           _mm512_load_si512(panel + 32)};
+    panel += kPanel;
+    __m512i av[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      uint32_t v;
+      std::memcpy(&v, rows[r] + t * aUnit, 4);
+      av[r] = _mm512_set1_epi32(int(v));
+    }
+    step<MR, BF16>(acc, bv, av);
+  }
+  if (halfLast) {
+    const __m512i bv[3] = {_mm512_load_si512(panel), _mm512_load_si512(panel + 16),
+                           _mm512_load_si512(panel + 32)};
+    __m512i av[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      uint16_t v;
+      std::memcpy(&v, rows[r] + whole * aUnit, 2);
+      av[r] = _mm512_set1_epi32(int(v));
+    }
+    step<MR, BF16>(acc, bv, av);
+  }
+  if (outBf16) {
+    uint16_t *o = static_cast<uint16_t *>(out);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      storeBf16(o + r * ldOut, m0, acc[r][0]);
+      storeBf16(o + r * ldOut + 16, m1, acc[r][1]);
+      storeBf16(o + r * ldOut + 32, m2, acc[r][2]);
+    }
+    return;
+  }
+  float *o = static_cast<float *>(out);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(o + r * ldOut, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(o + r * ldOut + 16, m1, acc[r][1]);
+    _mm512_mask_storeu_ps(o + r * ldOut + 32, m2, acc[r][2]);
+  }
+}
+
+/// Walks the cache lines of a set of equally long rows (`rows` rows of
+/// `bytes` bytes, `stride` bytes apart) and prefetches them into L2, a few
+/// at a time: the next depth block's operands, fetched while this block
+/// computes, so the GEMM does not wait on memory at each block's start.
+class Prefetch {
+public:
+  Prefetch() = default;
+  Prefetch(const char *base, int64_t rows, int64_t bytes, int64_t stride)
+      : base(base), rows(rows), lines((bytes + 63) / 64), stride(stride) {}
+
+  int64_t totalLines() const { return rows * lines; }
+
+  /// Prefetches the next `count` lines.
+  void next(int64_t count) {
+    for (; count > 0 && row < rows; --count) {
+      _mm_prefetch(base + row * stride + line * 64, _MM_HINT_T1);
+      if (++line == lines) {
+        line = 0;
+        ++row;
+      }
+    }
+  }
+
+private:
+  const char *base = nullptr;
+  int64_t rows = 0, lines = 0, stride = 0;
+  int64_t row = 0, line = 0;
+};
+
+using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, const uint32_t *,
+                       const float *, int64_t, void *, int64_t, bool, int);
+
+template <bool BF16> Micro microFor(int rows) {
+  static constexpr Micro table[kRows] = {micro<1, BF16>, micro<2, BF16>, micro<3, BF16>,
+                                         micro<4, BF16>, micro<5, BF16>, micro<6, BF16>,
+                                         micro<7, BF16>, micro<8, BF16>};
+  return table[rows - 1];
+}
+
+} // namespace
+
+bool available(bool bf16) {
+  static const bool f32 = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  static const bool dot = f32 && __builtin_cpu_supports("avx512bf16");
+  return bf16 ? dot : f32;
+}
+
+void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
+          const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
+          bool load, void *pack) {
+  const int64_t per = perUnit(bf16), depth = kBlockUnits * per;
+  const int64_t elt = bf16 ? 2 : 4, cElt = cBf16 ? 2 : 4;
+  const int64_t width = std::min(n, kGroup);
+  uint32_t *panels = static_cast<uint32_t *>(pack);
+  // op(A) stored k x m: packed once for the whole depth, rows of units
+  // [t][i] with stride aLd units.
+  const int64_t aLd = packedARowUnits(m);
+  char *after = static_cast<char *>(pack) + panelBytes(width);
+  uint32_t *packedA = reinterpret_cast<uint32_t *>(after);
+  if (transA)
+    packRows(a, lda, 0, k, m, bf16, packedA, aLd, aLd, 0);
+  // Where the sums of the blocks before the last one live: C itself when it
+  // is fp32, else fp32 partial sums (m x width).
+  float *partialBase = reinterpret_cast<float *>(after + packedABytes(m, k, transA, bf16));
+  const char *aBytes = static_cast<const char *>(a), *bBytes = static_cast<const char *>(b);
+  // The rows of B's column group at j0 (nb wide), depth [q0, q1), and of A
+  // (read in place) at depth [q0, q1): what a later block will pack or read.
+  auto bRegion = [&](int64_t j0, int64_t nb, int64_t q0, int64_t q1) {
+    return transB ? Prefetch(bBytes + (j0 * ldb + q0) * elt, nb, (q1 - q0) * elt, ldb * elt)
+                  : Prefetch(bBytes + (q0 * ldb + j0) * elt, q1 - q0, nb * elt, ldb * elt);
+  };
+  auto aRegion = [&](int64_t q0, int64_t q1) {
+    return transA ? Prefetch() : Prefetch(aBytes + q0 * elt, m, (q1 - q0) * elt, lda * elt);
+  };
+  const Micro kernelFull = bf16 ? microFor<true>(kRows) : microFor<false>(kRows);
+  // Column groups of kGroup, each over the whole depth: its partial sums and
+  // panels stay in L2 while the depth passes.
+  for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
+    const int64_t nb = std::min(kGroup, n - j0);
+    const void *bGroup = bBytes + (transB ? j0 * ldb : j0) * elt;
+    char *cGroup = static_cast<char *>(c) + j0 * cElt;
+    float *partial = cBf16 ? partialBase : reinterpret_cast<float *>(cGroup);
+    const int64_t ldPartial = cBf16 ? nb : ldc;
+    for (int64_t p0 = 0; p0 < k; p0 += depth) {
+      const int64_t p1 = std::min(k, p0 + depth);
+      const int64_t units = ceilDiv(p1 - p0, per);
+      if (transB)
+        packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels);
+      else
+        packRows(bGroup, ldb, p0, p1, nb, bf16, panels, kPanel, kPanel, kBlockUnits * kPanel);
+      // A's unit (row i, unit t) of this block, in bytes.
+      const char *aBlock;
+      int64_t aRow, aUnit;
+      bool halfLast = false;
+      if (transA) {
+        aBlock = reinterpret_cast<const char *>(packedA + (p0 / per) * aLd);
+        aRow = 4;
+        aUnit = aLd * 4;
+      } else {
+        aBlock = aBytes + p0 * elt;
+        aRow = lda * elt;
+        aUnit = 4;
+        halfLast = bf16 && (p1 - p0) % 2 == 1;
+      }
+      // This block adds onto C (load) or onto the blocks before it; the
+      // last block writes C.
+      const float *in =
+          p0 > 0 ? partial : load ? reinterpret_cast<const float *>(cGroup) : nullptr;
+      const int64_t ldIn = p0 > 0 ? ldPartial : ldc;
+      const bool last = p1 == k;
+      char *out = last ? cGroup : reinterpret_cast<char *>(partial);
+      const int64_t ldOut = last ? ldc : ldPartial;
+      const bool outBf16 = last && cBf16;
+      const int64_t outElt = outBf16 ? 2 : 4;
+      // What comes next: this group's next block, or the next group's first.
+      Prefetch nextB, nextA;
+      if (p1 < k) {
+        nextB = bRegion(j0, nb, p1, std::min(k, p1 + depth));
+        nextA = aRegion(p1, std::min(k, p1 + depth));
+      } else if (j0 + kGroup < n) {
+        nextB = bRegion(j0 + kGroup, std::min(kGroup, n - j0 - kGroup), 0, std::min(k, depth));
+        nextA = aRegion(0, std::min(k, depth));
+      }
+      const int64_t calls = ceilDiv(nb, kPanel) * ceilDiv(m, kRows);
+      const int64_t perCall = ceilDiv(nextB.totalLines() + nextA.totalLines(), calls);
+      for (int64_t q = 0; q * kPanel < nb; ++q) {
+        const int cols = int(std::min<int64_t>(kPanel, nb - q * kPanel));
+        const uint32_t *panel = panels + q * kBlockUnits * kPanel;
+        for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+          const int rows = int(std::min<int64_t>(kRows, m - i0));
+          const Micro kernel =
+              rows == kRows ? kernelFull : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
+          nextB.next(perCall);
+          nextA.next(perCall);
+          kernel(units, aBlock + i0 * aRow, aRow, aUnit, halfLast, panel,
+                 in ? in + i0 * ldIn + q * kPanel : nullptr, ldIn,
+                 out + (i0 * ldOut + q * kPanel) * outElt, ldOut, outBf16, cols);
+        }
+      }
+    }
+  }
+}
+
+#else // !MOEC_TILE_X86
+
+bool available(bool) { return false; }
+
+void gemm(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool,
+          bool, void *, int64_t, bool, bool, void *) {
+  std::fprintf(stderr, "moec: the AVX-512 tile was called on a CPU without it\n");
+  std::abort();
+}
+
+#endif // MOEC_TILE_X86
+
+} // namespace moec::cpu::tile

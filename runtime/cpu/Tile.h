@@ -1,0 +1,65 @@
+//===- Tile.h - moec's own AVX-512 GEMM tile --------------------*- C++ -*-===//
+//
+// One matmul tile on the calling thread, with moec's own AVX-512 micro-kernel:
+//
+//   C[i, j] = (load ? C[i, j] : 0) + sum_p opA(i, p) * opB(p, j)
+//
+// for i < m, j < n, p < k, C fp32 or bf16 (m x n, row stride ldc; a bf16 C
+// is rounded once, from the fp32 sums, and is never loaded), A and B both fp32
+// or both bf16 (bf16 products on the bf16 dot-product instruction,
+// avx512_bf16). opA(i, p) = a(i, p), or a(p, i) when `transA`; opB(p, j) =
+// b(p, j), or b(j, p) when `transB` (strides in elements, as in gemmTile).
+//
+// How it runs (the shape of BLIS/GotoBLAS, on 32-bit units: one fp32 value,
+// or a pair of bf16 values along the depth, which is what one lane of the
+// bf16 dot product takes):
+//  - the depth is cut into blocks of kBlockUnits units (128 fp32 values,
+//    256 bf16 ones);
+//  - per block, op(B)'s rows are packed into panels 48 columns wide, units
+//    interleaved (a bf16 pair of rows becomes one 32-bit unit per column),
+//    columns past n zero; op(A) is read in place when it is row-major, else
+//    packed the same way, once for the whole depth;
+//  - the micro-kernel holds an 8 x 48 block of C in 24 zmm registers and, per
+//    unit, loads three 16-lane vectors of the panel and broadcasts one unit
+//    of each of the 8 rows of A: 24 dot products (or FMAs) per 11 loads, the
+//    panel (24 KiB) in L1 while every row block of A passes over it.
+//
+// Order of the sums, hence the bits: C[i, j] is the sum over the blocks in
+// depth order of each block's sum, which adds its units in depth order into
+// one fp32 accumulator (a bf16 unit adds its two products in one instruction,
+// as the CPU rounds them). Nothing depends on m, n, the tile's place in C or
+// the thread: every tiling of a matmul and every thread count gives the
+// same bits on a CPU.
+//
+// The packing needs packBytes(...) bytes of memory, 64-byte aligned, from the
+// caller (kernels keep it in their Scratch).
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_CPU_TILE_H
+#define MOEC_RUNTIME_CPU_TILE_H
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moec::cpu::tile {
+
+/// Whether this CPU runs the tile: AVX-512 (F) for fp32, and bf16 dot
+/// products (avx512_bf16) for bf16. Checked once.
+bool available(bool bf16);
+
+/// Bytes of working memory gemm() needs for these shapes (packed panels,
+/// and fp32 partial sums for a bf16 C deeper than one block).
+size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16);
+
+/// C = (load ? C : 0) + op(A) op(B), as the header says. `bf16` says the
+/// storage of A and B (uint16_t bf16 bits, else float), `cBf16` that of C.
+/// Requires available(bf16), m, n, k > 0, not both `cBf16` and `load`, and
+/// `pack` of packBytes() bytes, 64-byte aligned.
+void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
+          const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
+          bool load, void *pack);
+
+} // namespace moec::cpu::tile
+
+#endif // MOEC_RUNTIME_CPU_TILE_H

@@ -1,0 +1,187 @@
+//===- TileTest.cpp - moec's own AVX-512 GEMM tile ------------------------===//
+//
+// The tile (runtime/cpu/Tile.h) against a loop in double precision, on
+// shapes that cut its panels, depth blocks, column groups and bf16 pairs
+// unevenly; the bits of a tile against those of the same matmul cut into
+// other tiles; and a bf16 C against floatToBf16 of the fp32 one. On a CPU
+// without AVX-512 (or, for bf16, without avx512_bf16) the tile is not there
+// and the cases say so.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/cpu/Element.h"
+#include "runtime/cpu/Tile.h"
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+using namespace moec::cpu;
+
+namespace {
+
+/// A stored matrix of `rows` x `cols` values (row stride `ld`), fp32 or
+/// bf16; `value` holds what each element is exactly, as a float.
+struct Stored {
+  bool bf16 = false;
+  int64_t rows = 0, cols = 0, ld = 0;
+  std::vector<float> f32;
+  std::vector<uint16_t> b16;
+
+  Stored(bool bf16, int64_t rows, int64_t cols, int64_t pad)
+      : bf16(bf16), rows(rows), cols(cols), ld(cols + pad) {
+    f32.assign(size_t(rows * ld), 0.0f);
+    b16.assign(size_t(rows * ld), 0);
+  }
+  void set(int64_t i, int64_t j, float v) {
+    b16[size_t(i * ld + j)] = floatToBf16(v);
+    f32[size_t(i * ld + j)] = bf16 ? bf16ToFloat(b16[size_t(i * ld + j)]) : v;
+  }
+  float value(int64_t i, int64_t j) const { return f32[size_t(i * ld + j)]; }
+  const void *data() const {
+    return bf16 ? static_cast<const void *>(b16.data()) : f32.data();
+  }
+  void randomize(std::mt19937 &rng) {
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        set(i, j, dist(rng));
+  }
+};
+
+/// The operands of C (m x n) = op(A) op(B) over depth k.
+struct Product {
+  int64_t m, n, k;
+  bool transA, transB;
+  Stored a, b;
+
+  Product(int64_t m, int64_t n, int64_t k, bool transA, bool transB, bool bf16, uint32_t seed)
+      : m(m), n(n), k(k), transA(transA), transB(transB),
+        a(bf16, transA ? k : m, transA ? m : k, 3), b(bf16, transB ? n : k, transB ? k : n, 5) {
+    std::mt19937 rng(seed);
+    a.randomize(rng);
+    b.randomize(rng);
+  }
+  float opA(int64_t i, int64_t p) const { return transA ? a.value(p, i) : a.value(i, p); }
+  float opB(int64_t p, int64_t j) const { return transB ? b.value(j, p) : b.value(p, j); }
+
+  /// Runs the tile on rows [i0, i0 + rows) and columns [j0, j0 + cols) of C
+  /// (fp32, row stride ldc, already holding what `load` adds onto).
+  void run(float *c, int64_t ldc, bool load, int64_t i0, int64_t rows, int64_t j0,
+           int64_t cols) const {
+    const size_t elt = a.bf16 ? 2 : 4;
+    const char *aAt = static_cast<const char *>(a.data()) + (transA ? i0 : i0 * a.ld) * elt;
+    const char *bAt = static_cast<const char *>(b.data()) + (transB ? j0 * b.ld : j0) * elt;
+    std::vector<uint8_t> pack(tile::packBytes(rows, cols, k, transA, a.bf16, false) + 64);
+    void *aligned = pack.data() + (64 - reinterpret_cast<uintptr_t>(pack.data()) % 64) % 64;
+    tile::gemm(rows, cols, k, aAt, a.ld, transA, bAt, b.ld, transB, a.bf16, c + i0 * ldc + j0,
+               ldc, false, load, aligned);
+  }
+};
+
+} // namespace
+
+TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {
+  struct Shape {
+    int64_t m, n, k;
+  };
+  // Tails of the 8-row blocks and 48-column panels, the 192-column groups,
+  // depth blocks (128 fp32 values, 256 bf16 ones) and odd bf16 depths.
+  const Shape shapes[] = {{1, 1, 1},   {7, 5, 3},     {9, 50, 257},
+                          {17, 97, 513}, {33, 200, 300}, {8, 193, 129}};
+  uint32_t seed = 1;
+  for (const bool bf16 : {false, true}) {
+    if (!tile::available(bf16)) {
+      WARN("this CPU lacks " << (bf16 ? "avx512_bf16" : "AVX-512") << ": the tile is not run");
+      continue;
+    }
+    for (const Shape &s : shapes)
+      for (const bool transA : {false, true})
+        for (const bool transB : {false, true})
+          for (const bool load : {false, true}) {
+            INFO((bf16 ? "bf16 " : "fp32 ") << s.m << " x " << s.n << " x " << s.k
+                                            << (transA ? " transA" : "")
+                                            << (transB ? " transB" : "") << (load ? " load" : ""));
+            const Product x(s.m, s.n, s.k, transA, transB, bf16, ++seed);
+            const int64_t ldc = s.n + 2;
+            std::vector<float> c(size_t(s.m * ldc), 0.25f);
+            x.run(c.data(), ldc, load, 0, s.m, 0, s.n);
+            int64_t bad = 0;
+            for (int64_t i = 0; i < s.m; ++i) {
+              for (int64_t j = 0; j < s.n; ++j) {
+                double want = load ? 0.25 : 0.0, scale = load ? 0.25 : 0.0;
+                for (int64_t p = 0; p < s.k; ++p) {
+                  const double term = double(x.opA(i, p)) * double(x.opB(p, j));
+                  want += term;
+                  scale += std::fabs(term);
+                }
+                // fp32 sums of k terms: a few units of 2^-24 per term.
+                if (std::fabs(double(c[size_t(i * ldc + j)]) - want) >
+                    1e-6 * scale * std::sqrt(double(s.k)) + 1e-30)
+                  ++bad;
+              }
+              // The columns past n are left alone.
+              CHECK(c[size_t(i * ldc + s.n)] == 0.25f);
+            }
+            CHECK(bad == 0);
+          }
+  }
+}
+
+TEST_CASE("moec's tile gives the same bits however the matmul is cut", "[cpu][tile]") {
+  for (const bool bf16 : {false, true}) {
+    if (!tile::available(bf16)) {
+      WARN("this CPU lacks " << (bf16 ? "avx512_bf16" : "AVX-512") << ": the tile is not run");
+      continue;
+    }
+    for (const bool transA : {false, true})
+      for (const bool transB : {false, true}) {
+        INFO((bf16 ? "bf16" : "fp32") << (transA ? " transA" : "") << (transB ? " transB" : ""));
+        const int64_t m = 40, n = 250, k = 600;
+        const Product x(m, n, k, transA, transB, bf16, 77);
+        std::vector<float> whole(size_t(m * n)), cut(size_t(m * n));
+        x.run(whole.data(), n, false, 0, m, 0, n);
+        // Four tiles, cut off the 8-row blocks, the panels and the groups.
+        for (const auto &[i0, rows] : {std::pair<int64_t, int64_t>{0, 13}, {13, m - 13}})
+          for (const auto &[j0, cols] : {std::pair<int64_t, int64_t>{0, 61}, {61, n - 61}})
+            x.run(cut.data(), n, false, i0, rows, j0, cols);
+        CHECK(std::memcmp(whole.data(), cut.data(), whole.size() * sizeof(float)) == 0);
+      }
+  }
+}
+
+TEST_CASE("moec's tile rounds a bf16 C as floatToBf16 does", "[cpu][tile]") {
+  if (!tile::available(true)) {
+    WARN("this CPU lacks avx512_bf16: the tile is not run");
+    return;
+  }
+  for (const int64_t k : {100, 700}) { // one depth block, and several
+    INFO("k " << k);
+    const int64_t m = 19, n = 70;
+    Product x(m, n, k, false, false, true, 5);
+    // Rows that make infinities and NaNs: inf times a non-zero, inf - inf.
+    x.a.set(2, 0, std::numeric_limits<float>::infinity());
+    x.a.set(3, 0, std::numeric_limits<float>::infinity());
+    x.a.set(3, 1, -std::numeric_limits<float>::infinity());
+    x.b.set(1, 5, 0.0f);
+    std::vector<float> wide(size_t(m * n));
+    x.run(wide.data(), n, false, 0, m, 0, n);
+    std::vector<uint16_t> narrow(size_t(m * n));
+    std::vector<uint8_t> pack(tile::packBytes(m, n, k, false, true, true) + 64);
+    void *aligned = pack.data() + (64 - reinterpret_cast<uintptr_t>(pack.data()) % 64) % 64;
+    tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, true,
+               narrow.data(), n, true, false, aligned);
+    int64_t bad = 0, nans = 0;
+    for (size_t i = 0; i < wide.size(); ++i) {
+      bad += narrow[i] != floatToBf16(wide[i]);
+      nans += std::isnan(wide[i]);
+    }
+    CHECK(bad == 0);
+    CHECK(nans > 0);
+  }
+}

@@ -179,11 +179,26 @@ MOEC_TILE_TARGET void packTransposed(const void *b, int64_t ldb, int64_t n, int6
   }
 }
 
+/// Broadcasts A's unit at `offset` bytes into each of the MR rows: 32 bits,
+/// or with HALF a lone bf16 value (the high half zero).
+template <int MR, bool HALF>
+MOEC_TILE_TARGET __attribute__((always_inline)) inline void
+broadcast(__m512i (&av)[MR], const char *const (&rows)[MR], int64_t offset) {
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    uint32_t v = 0;
+    std::memcpy(&v, rows[r] + offset, HALF ? 2 : 4);
+    av[r] = _mm512_set1_epi32(int(v));
+  }
+}
+
 /// One unit of the micro-kernel: acc[r][x] += A's unit of row r times the
 /// panel's vector x (a bf16 dot product of two pairs, or an FMA).
 template <int MR, bool BF16>
 MOEC_TILE_TARGET __attribute__((always_inline)) inline void
-step(__m512 (&acc)[MR][3], const __m512i (&bv)[3], const __m512i (&av)[MR]) {
+step(__m512 (&acc)[MR][3], const uint32_t *panel, const __m512i (&av)[MR]) {
+  const __m512i bv[3] = {_mm512_load_si512(panel), _mm512_load_si512(panel + 16),
+                         _mm512_load_si512(panel + 32)};
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 3
@@ -240,30 +255,14 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
   for (int r = 0; r < MR; ++r)
     rows[r] = a + r * aRow;
   const int64_t whole = halfLast ? units - 1 : units;
-  for (int64_t t = 0; t < whole; ++t) {
-    const __m512i bv[3] = {_mm512_load_si512(panel), _mm512_load_si512(panel + 16),
-                           _mm512_load_si512(panel + 32)};
-    panel += kPanel;
-    __m512i av[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      uint32_t v;
-      std::memcpy(&v, rows[r] + t * aUnit, 4);
-      av[r] = _mm512_set1_epi32(int(v));
-    }
-    step<MR, BF16>(acc, bv, av);
+  __m512i av[MR];
+  for (int64_t t = 0; t < whole; ++t, panel += kPanel) {
+    broadcast<MR, false>(av, rows, t * aUnit);
+    step<MR, BF16>(acc, panel, av);
   }
   if (halfLast) {
-    const __m512i bv[3] = {_mm512_load_si512(panel), _mm512_load_si512(panel + 16),
-                           _mm512_load_si512(panel + 32)};
-    __m512i av[MR];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      uint16_t v;
-      std::memcpy(&v, rows[r] + whole * aUnit, 2);
-      av[r] = _mm512_set1_epi32(int(v));
-    }
-    step<MR, BF16>(acc, bv, av);
+    broadcast<MR, true>(av, rows, whole * aUnit);
+    step<MR, BF16>(acc, panel, av);
   }
   if (outBf16) {
     uint16_t *o = static_cast<uint16_t *>(out);

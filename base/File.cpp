@@ -8,8 +8,11 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
+#include <string>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -17,29 +20,131 @@
 
 namespace moec {
 
-Status readWholeFile(const std::string &path, std::vector<uint8_t> *out) {
-  std::unique_ptr<std::FILE, int (*)(std::FILE *)> file(std::fopen(path.c_str(), "rb"),
-                                                        std::fclose);
-  if (!file)
-    return Status::error(path + ": cannot open: " + std::strerror(errno));
-  struct stat info {};
-  if (::fstat(::fileno(file.get()), &info) != 0)
-    return Status::error(path + ": cannot stat: " + std::strerror(errno));
-  if (S_ISDIR(info.st_mode))
-    return Status::error(path + ": is a directory, not a file");
-  std::vector<uint8_t> bytes;
-  // A regular file's size is known; a pipe's is read to its end.
-  if (S_ISREG(info.st_mode) && info.st_size > 0) {
-    bytes.resize(size_t(info.st_size));
-    bytes.resize(std::fread(bytes.data(), 1, bytes.size(), file.get()));
+namespace {
+
+/// What a file of this mode is, for a message: "a character device".
+const char *kindOfFile(mode_t mode) {
+  if (S_ISDIR(mode))
+    return "a directory";
+  if (S_ISCHR(mode))
+    return "a character device";
+  if (S_ISBLK(mode))
+    return "a block device";
+  if (S_ISFIFO(mode))
+    return "a FIFO";
+  if (S_ISSOCK(mode))
+    return "a socket";
+  return "not a regular file";
+}
+
+/// Closes a file descriptor at the end of a scope.
+struct FdCloser {
+  int fd;
+  ~FdCloser() {
+    if (fd >= 0)
+      ::close(fd);
   }
-  std::vector<uint8_t> buffer(size_t(1) << 16);
-  size_t got;
-  while ((got = std::fread(buffer.data(), 1, buffer.size(), file.get())) > 0)
-    bytes.insert(bytes.end(), buffer.begin(), buffer.begin() + std::ptrdiff_t(got));
-  if (std::ferror(file.get()))
-    return Status::error(path + ": cannot read: " + std::strerror(errno));
+};
+
+/// Reads the regular file at `path` into `*out` (a byte vector or a string).
+template <typename Bytes> Status readInto(const std::string &path, Bytes *out, uint64_t maxBytes) {
+  if (path.empty())
+    return Status::error("an empty path names no file to read");
+  // "-" is standard input, whatever it is (a pipe is read to its end, within
+  // the bound). Anything else opens only as a regular file. O_NONBLOCK:
+  // opening a FIFO that no process writes returns at once, to be refused
+  // below, instead of waiting for a writer.
+  const bool standardInput = path == "-";
+  const int fd = standardInput ? 0 : ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  const std::string name = standardInput ? std::string("standard input") : path;
+  if (fd < 0)
+    return Status::error(path + ": cannot open: " + std::strerror(errno));
+  FdCloser closer{standardInput ? -1 : fd};
+  struct stat info {};
+  if (::fstat(fd, &info) != 0)
+    return Status::error(name + ": cannot stat: " + std::strerror(errno));
+  if (S_ISDIR(info.st_mode))
+    return Status::error(name + ": is a directory, not a file");
+  if (!S_ISREG(info.st_mode) && !standardInput)
+    return Status::error(path + ": is " + kindOfFile(info.st_mode) + ", not a regular file");
+  if (!S_ISREG(info.st_mode))
+    info.st_size = 0;
+  auto tooLarge = [&](uint64_t bytes) {
+    return Status::error(name + ": holds " + (bytes > 0 ? std::to_string(bytes) : "more") +
+                         " bytes, more than the " + std::to_string(maxBytes) +
+                         " an input of this kind may hold");
+  };
+  if (uint64_t(info.st_size) > maxBytes)
+    return tooLarge(uint64_t(info.st_size));
+  Bytes bytes;
+  size_t have = 0;
+  try {
+    // The size a regular file states; one that grows, or a kernel file that
+    // states 0, is read on in steps up to the bound.
+    bytes.resize(size_t(info.st_size));
+    while (true) {
+      if (have == bytes.size()) {
+        if (have >= maxBytes) {
+          char extra;
+          ssize_t more;
+          while ((more = ::read(fd, &extra, 1)) < 0 && errno == EINTR) {
+          }
+          if (more > 0)
+            return tooLarge(0); // more than the bound, by how much is not read
+          break;
+        }
+        bytes.resize(size_t(std::min<uint64_t>(maxBytes, std::max<uint64_t>(have * 2, 1 << 16))));
+      }
+      const ssize_t got = ::read(fd, &bytes[have], bytes.size() - have);
+      if (got < 0) {
+        if (errno == EINTR)
+          continue;
+        return Status::error(name + ": cannot read: " + std::strerror(errno));
+      }
+      if (got == 0)
+        break;
+      have += size_t(got);
+    }
+    bytes.resize(have);
+  } catch (const std::bad_alloc &) {
+    return Status::error(name + ": cannot hold its " + std::to_string(info.st_size) +
+                         " bytes in memory");
+  }
   *out = std::move(bytes);
+  return Status::success();
+}
+
+} // namespace
+
+Status readWholeFile(const std::string &path, std::vector<uint8_t> *out, uint64_t maxBytes) {
+  return readInto(path, out, maxBytes);
+}
+
+Status readTextFile(const std::string &path, std::string *out, uint64_t maxBytes) {
+  return readInto(path, out, maxBytes);
+}
+
+bool sameFile(const std::string &a, const std::string &b) {
+  struct stat first {}, second {};
+  return !a.empty() && !b.empty() && ::stat(a.c_str(), &first) == 0 &&
+         ::stat(b.c_str(), &second) == 0 && first.st_dev == second.st_dev &&
+         first.st_ino == second.st_ino;
+}
+
+Status checkOutputPath(const std::string &what, const std::string &path,
+                       const std::vector<std::string> &inputs) {
+  if (path.empty())
+    return Status::error(what + ": an empty path names no file to write");
+  if (path == "-")
+    return Status::success();
+  struct stat info {};
+  // Writing into a device or a FIFO changes no input file.
+  if (::stat(path.c_str(), &info) == 0 && (S_ISCHR(info.st_mode) || S_ISFIFO(info.st_mode)))
+    return Status::success();
+  for (const std::string &input : inputs)
+    if (input != "-" && sameFile(path, input))
+      return Status::error(what + " " + path + ": is the same file as the input " + input +
+                           "; writing it would destroy that input, so give another path");
   return Status::success();
 }
 
@@ -103,10 +208,101 @@ bool writeAll(int fd, const void *data, size_t size) {
 
 } // namespace
 
+namespace {
+
+/// Writes `parts` into the character device or FIFO at `path`, which is not
+/// replaced: it is a stream, not a file to swap.
+Status writeInto(const std::string &path, std::initializer_list<ByteSpan> parts) {
+  // O_NONBLOCK: a FIFO that no process reads is refused (ENXIO) instead of
+  // waited on; the writes then block as usual.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) {
+    const int code = errno;
+    return Status::error(path + ": cannot open for writing: " +
+                         (code == ENXIO ? std::string("a FIFO that no process reads")
+                                        : std::string(std::strerror(code))));
+  }
+  FdCloser closer{fd};
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  for (const ByteSpan &part : parts)
+    if (!writeAll(fd, part.data, part.size))
+      return Status::error(path + ": cannot write: " + std::strerror(errno));
+  return Status::success();
+}
+
+/// Where writeFileAtomically puts the file named by `path`: `path` itself,
+/// or the file a symlink there names; `*stream` is set for a device or FIFO.
+Status resolveOutput(const std::string &path, std::string *target, bool *stream) {
+  *target = path;
+  *stream = false;
+  if (path.empty())
+    return Status::error("an empty path names no file to write");
+  struct stat link {};
+  if (::lstat(path.c_str(), &link) != 0)
+    return Status::success(); // a new file (or a folder missing: open says so)
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) {
+    const int code = errno;
+    if (code == ELOOP)
+      return Status::error(path + ": is a loop of symbolic links");
+    if (code == ENOENT && S_ISLNK(link.st_mode))
+      return Status::error(path + ": is a symbolic link to a file that does not exist");
+    return Status::error(path + ": cannot stat: " + std::strerror(code));
+  }
+  if (S_ISCHR(info.st_mode) || S_ISFIFO(info.st_mode)) {
+    *stream = true;
+    return Status::success();
+  }
+  if (S_ISDIR(info.st_mode))
+    return Status::error(path + ": is a directory, not a file");
+  if (!S_ISREG(info.st_mode))
+    return Status::error(path + ": is " + kindOfFile(info.st_mode) + ", not a file to write");
+  if (S_ISLNK(link.st_mode)) {
+    std::unique_ptr<char, void (*)(void *)> real(::realpath(path.c_str(), nullptr), std::free);
+    if (!real)
+      return Status::error(path + ": cannot resolve its symbolic link: " + std::strerror(errno));
+    *target = real.get();
+  }
+  return Status::success();
+}
+
+} // namespace
+
+Status checkWritable(const std::string &path) {
+  if (path == "-")
+    return Status::success();
+  std::string target;
+  bool stream = false;
+  if (Status s = resolveOutput(path, &target, &stream); !s)
+    return s;
+  if (stream)
+    return Status::success();
+  const size_t slash = target.find_last_of('/');
+  const std::string folder =
+      slash == std::string::npos ? "." : slash == 0 ? "/" : target.substr(0, slash);
+  struct stat info {};
+  int code = 0;
+  if (::stat(folder.c_str(), &info) != 0)
+    code = errno;
+  else if (!S_ISDIR(info.st_mode))
+    code = ENOTDIR;
+  else if (::access(folder.c_str(), W_OK) != 0)
+    code = errno;
+  if (code != 0)
+    return Status::error(path + ": cannot open for writing: " + std::strerror(code));
+  return Status::success();
+}
+
 Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSpan> parts) {
+  std::string target;
+  bool stream = false;
+  if (Status s = resolveOutput(path, &target, &stream); !s)
+    return s;
+  if (stream)
+    return writeInto(path, parts);
   static std::atomic<uint64_t> counter{0};
   const std::string temporary =
-      path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
+      target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
   const int slot = registerTemporary(temporary);
   const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
   if (fd < 0) {
@@ -120,7 +316,7 @@ Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSp
   const int writeErrno = errno;
   const bool closed = ::close(fd) == 0;
   int code = written ? (closed ? 0 : errno) : writeErrno;
-  if (code == 0 && std::rename(temporary.c_str(), path.c_str()) != 0)
+  if (code == 0 && std::rename(temporary.c_str(), target.c_str()) != 0)
     code = errno;
   if (code != 0)
     ::unlink(temporary.c_str());

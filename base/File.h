@@ -1,15 +1,21 @@
 //===- File.h - Reading and writing whole files -----------------*- C++ -*-===//
 //
 // The one place that reads an input file into memory (task binaries, .npy
-// files). It refuses what is not a regular file (a directory, a device)
-// with a message, instead of trusting the size a seek reports, and reads a
-// pipe or a growing file to its end.
+// files, graphs, configs, target profiles, manifests). It opens only regular
+// files, after following symlinks: a directory, a device (/dev/zero), a FIFO
+// or a socket is refused with a message, never read without end or waited
+// on, and it reads no more than a bound.
 //
 // And the one place that writes an output file: into a temporary file
 // beside it, renamed over the target when whole, so that a reader never sees
-// half a file. A process that installs removeTemporariesOnSignal() also
-// removes the temporaries it is writing when SIGINT, SIGTERM, SIGHUP or
-// SIGQUIT ends it.
+// half a file. A symlink is written through to the regular file it names
+// (the link stays), and a character device or a FIFO (/dev/null,
+// /proc/self/fd/1) is written into, never replaced. A process that installs
+// removeTemporariesOnSignal() also removes the temporaries it is writing
+// when SIGINT, SIGTERM, SIGHUP or SIGQUIT ends it.
+//
+// checkOutputPaths() is the one check that an output of a command names
+// none of its inputs (the same file under any name).
 //
 //===----------------------------------------------------------------------===//
 
@@ -26,10 +32,41 @@
 
 namespace moec {
 
-/// Reads the file at `path` into *out. Errors start with the path: "PATH:
-/// cannot open: No such file or directory", "PATH: is a directory, not a
-/// file".
-Status readWholeFile(const std::string &path, std::vector<uint8_t> *out);
+/// The most bytes readWholeFile reads unless told otherwise: task binaries
+/// and .npy files of real layers are gigabytes.
+constexpr uint64_t kMaxInputBytes = uint64_t(1) << 40;
+
+/// The most bytes a text input (a graph, a config, a target profile, a
+/// manifest) may hold.
+constexpr uint64_t kMaxTextBytes = uint64_t(1) << 28;
+
+/// Reads the regular file at `path` (symlinks followed; "-": standard input)
+/// into *out, refusing
+/// one over `maxBytes`. Errors start with the path: "PATH: cannot open: No
+/// such file or directory", "PATH: is a directory, not a file", "PATH: is a
+/// character device, not a regular file", "PATH: holds N bytes, more than
+/// the M an input may hold".
+Status readWholeFile(const std::string &path, std::vector<uint8_t> *out,
+                     uint64_t maxBytes = kMaxInputBytes);
+
+/// readWholeFile into a string, bounded by kMaxTextBytes.
+Status readTextFile(const std::string &path, std::string *out,
+                    uint64_t maxBytes = kMaxTextBytes);
+
+/// Refuses an output path that cannot be one: empty, or naming an existing
+/// file that is also one of `inputs` (compared by device and inode, so any
+/// name of it counts). `what` names the output in the message, e.g. "-o".
+/// "-" (standard output) is always fine.
+Status checkOutputPath(const std::string &what, const std::string &path,
+                       const std::vector<std::string> &inputs);
+
+/// Refuses an output path that writeFileAtomically could not write, before
+/// any work is done: a directory, a symlink loop or one to nothing, a folder
+/// that does not exist or cannot be written. "-" is always fine.
+Status checkWritable(const std::string &path);
+
+/// True when `a` and `b` both exist and are the same file.
+bool sameFile(const std::string &a, const std::string &b);
 
 /// A span of bytes to write.
 struct ByteSpan {
@@ -39,7 +76,10 @@ struct ByteSpan {
 
 /// Writes the concatenation of `parts` to `path` through a temporary
 /// "PATH.tmp.PID.N" renamed over it. On failure `path` is as it was, no
-/// temporary is left, and the error starts with the path.
+/// temporary is left, and the error starts with the path. A `path` that is
+/// a symlink is written through to the file it names; one that names a
+/// character device or a FIFO is written into directly; a symlink loop, a
+/// dangling symlink and an empty path are refused.
 Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSpan> parts);
 
 /// Installs handlers for SIGINT, SIGTERM, SIGHUP and SIGQUIT that remove

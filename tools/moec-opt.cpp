@@ -1,11 +1,15 @@
 //===- moec-opt.cpp - run moe graph passes on .mlir files ------------------===//
 //
 // The mlir-opt driver of the moe dialect: only moe is registered, with its
-// passes and the moe-graph-pipeline. It reads its input itself so that text
-// nested too deep for MLIR's recursive parser is refused first.
+// passes and the moe-graph-pipeline. It reads its input itself (a regular
+// file or standard input, bounded, as moec reads its inputs) so that text nested too deep for MLIR's
+// recursive parser is refused first, and writes its output only when every
+// pass succeeded, through a temporary file: a failure leaves the output
+// path as it was, and an output that is the input is refused.
 //
 //===----------------------------------------------------------------------===//
 
+#include "base/File.h"
 #include "compiler/ir/MoeDialect.h"
 #include "compiler/support/Nesting.h"
 #include "compiler/transforms/Passes.h"
@@ -20,13 +24,17 @@
 #include "llvm/Support/CommandLine.h"
 #include "llvm/Support/InitLLVM.h"
 #include "llvm/Support/MemoryBuffer.h"
-#include "llvm/Support/ToolOutputFile.h"
+#include "llvm/Support/raw_ostream.h"
 #include "llvm/Support/WithColor.h"
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <optional>
 #include <string>
 
 namespace cl = llvm::cl;
+
 
 int main(int argc, char **argv) {
   llvm::InitLLVM init(argc, argv);
@@ -48,34 +56,43 @@ int main(int argc, char **argv) {
   mlir::PassPipelineCLParser passPipeline("", "Compiler passes to run", "p");
   cl::ParseCommandLineOptions(argc, argv, "moec-opt: moe graph passes\n");
 
-  std::string error;
-  std::unique_ptr<llvm::MemoryBuffer> input = mlir::openInputFile(inputFilename, &error);
-  if (!input) {
-    llvm::WithColor::error(llvm::errs(), "moec-opt") << error << "\n";
+  auto fail = [](const std::string &message) {
+    llvm::WithColor::error(llvm::errs(), "moec-opt") << message << "\n";
     return 1;
-  }
-  const llvm::StringRef text = input->getBuffer();
-  if (std::optional<moec::DeepNesting> deep =
-          moec::findDeepNesting(std::string_view(text.data(), text.size()))) {
+  };
+  if (moec::Status s = moec::checkOutputPath("-o", outputFilename, {inputFilename}); !s)
+    return fail(s.message());
+  std::string content;
+  if (moec::Status s = moec::readTextFile(inputFilename, &content); !s)
+    return fail(s.message());
+  if (std::optional<moec::DeepNesting> deep = moec::findDeepNesting(content)) {
     llvm::errs() << inputFilename << ":" << deep->line << ":" << deep->column
                  << ": error: " << deep->message << "\n";
     return 1;
   }
-  std::unique_ptr<llvm::ToolOutputFile> output = mlir::openOutputFile(outputFilename, &error);
-  if (!output) {
-    llvm::WithColor::error(llvm::errs(), "moec-opt") << error << "\n";
-    return 1;
-  }
+  std::unique_ptr<llvm::MemoryBuffer> input = llvm::MemoryBuffer::getMemBufferCopy(
+      content, inputFilename == "-" ? "<stdin>" : inputFilename.getValue());
+  std::string rendered;
+  llvm::raw_string_ostream os(rendered);
   mlir::DialectRegistry registry;
   registry.insert<moec::moe::MoeDialect>();
-  if (mlir::failed(mlir::MlirOptMain(output->os(), std::move(input), passPipeline, registry,
+  if (mlir::failed(mlir::MlirOptMain(os, std::move(input), passPipeline, registry,
                                      splitInputFile, verifyDiagnostics, verifyPasses,
                                      /*allowUnregisteredDialects=*/false,
                                      /*preloadDialectsInContext=*/false,
                                      /*emitBytecode=*/false,
                                      /*implicitModule=*/true))) // top-level moe.graph ops
                                                                 // get a module around them
-    return 1; // the output file is removed: it was not kept
-  output->keep();
+    return 1; // nothing is written
+  os.flush();
+  if (outputFilename == "-") {
+    if (std::fwrite(rendered.data(), 1, rendered.size(), stdout) != rendered.size() ||
+        std::fflush(stdout) != 0)
+      return fail(std::string("standard output: cannot write: ") + std::strerror(errno));
+    return 0;
+  }
+  if (moec::Status s = moec::writeFileAtomically(outputFilename, {{rendered.data(), rendered.size()}});
+      !s)
+    return fail(s.message());
   return 0;
 }

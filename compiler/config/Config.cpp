@@ -2,6 +2,7 @@
 
 #include "compiler/config/Config.h"
 #include "compiler/support/Json.h"
+#include "base/File.h"
 
 #include <fmt/format.h>
 
@@ -268,7 +269,12 @@ CapacityAdvice adviseCapacity(const ModelConfig &c, int64_t rowsPerRank, int64_t
 
 bool loadConfig(const std::string &path, ModelConfig *out, std::string *error) {
   std::string text;
-  return readTextFile(path, &text, error) && parseConfig(text, path, out, error);
+  if (Status status = readTextFile(path, &text); !status) {
+    if (error)
+      *error = status.message();
+    return false;
+  }
+  return parseConfig(text, path, out, error);
 }
 
 bool validateConfig(const ModelConfig &c, const std::string &source,

@@ -4,6 +4,7 @@
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/support/Expr.h"
 #include "compiler/support/Json.h"
+#include "base/File.h"
 #include "compiler/support/Nesting.h"
 
 #include "mlir/IR/Builders.h"
@@ -541,18 +542,17 @@ OwningOpRef<ModuleOp> moec::importGraphJson(std::string_view text, const std::st
 
 OwningOpRef<ModuleOp> moec::loadGraph(const std::string &path, MLIRContext *context) {
   context->getOrLoadDialect<MoeDialect>();
-  std::string error;
-  std::unique_ptr<llvm::MemoryBuffer> file = openInputFile(path, &error);
-  if (!file) {
-    mlir::emitError(UnknownLoc::get(context)) << "cannot read '" << path << "': " << error;
+  std::string content;
+  if (moec::Status status = moec::readTextFile(path, &content); !status) {
+    mlir::emitError(UnknownLoc::get(context)) << status.message();
     return nullptr;
   }
   // JSON by its name, or by its first character under any other name (an
   // MLIR file never starts with '{'): a graph.txt is still a graph.
-  const llvm::StringRef text = file->getBuffer();
+  const llvm::StringRef text = content;
   if (llvm::StringRef(path).endswith(".json") ||
       (!llvm::StringRef(path).endswith(".mlir") && text.ltrim().startswith("{")))
-    return importGraphJson(text.str(), path, context);
+    return importGraphJson(content, path, context);
   return parseGraphMlir(text, path, context);
 }
 

@@ -59,31 +59,4 @@ bool parseJson(std::string_view text, const std::string &source, nlohmann::json 
   return true;
 }
 
-bool readTextFile(const std::string &path, std::string *out, std::string *error) {
-  auto cannotRead = [&](int code) {
-    if (error)
-      *error = "cannot read '" + path + "': " + std::strerror(code);
-    return false;
-  };
-  FILE *file = std::fopen(path.c_str(), "rb");
-  if (!file)
-    return cannotRead(errno);
-  std::string text;
-  char buffer[65536];
-  while (true) {
-    size_t n = std::fread(buffer, 1, sizeof(buffer), file);
-    text.append(buffer, n);
-    if (n < sizeof(buffer))
-      break;
-  }
-  if (std::ferror(file)) {
-    int code = errno;
-    std::fclose(file);
-    return cannotRead(code);
-  }
-  std::fclose(file);
-  *out = std::move(text);
-  return true;
-}
-
 } // namespace moec

@@ -117,10 +117,6 @@ std::pair<size_t, size_t> lineAndColumn(std::string_view text, size_t byte);
 bool parseJson(std::string_view text, const std::string &source, nlohmann::json *out,
                std::string *error);
 
-/// Reads the whole file `path` into *out; on failure sets *error to
-/// "cannot read 'PATH': <reason>".
-bool readTextFile(const std::string &path, std::string *out, std::string *error);
-
 } // namespace moec
 
 #endif // MOEC_COMPILER_SUPPORT_JSON_H

@@ -4,6 +4,7 @@
 
 #include "compiler/support/Expr.h"
 #include "compiler/support/Json.h"
+#include "base/File.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -241,9 +242,9 @@ Status resolveProfile(const std::string &spec, TargetProfile *out) {
                 (spec.size() > 5 && spec.compare(spec.size() - 5, 5, ".json") == 0);
   if (!isFile)
     return builtinProfile(spec, out);
-  std::string text, error;
-  if (!readTextFile(spec, &text, &error))
-    return Status::error(error);
+  std::string text;
+  if (Status status = readTextFile(spec, &text); !status)
+    return status;
   return parseProfile(text, spec, out);
 }
 

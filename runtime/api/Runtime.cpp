@@ -33,6 +33,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <system_error>
 #include <thread>
 
 namespace moec::rt {
@@ -675,23 +676,28 @@ Status Context::backward() {
   return body->tracked(&Impl::backward);
 }
 
-Status Context::submitForward() {
-  if (Status s = body->idle(); !s)
+namespace {
+
+/// Runs `pass` of `impl` on a thread of its own, for wait() to join.
+template <typename Impl, typename Pass> Status submitPass(Impl *impl, Pass pass) {
+  if (Status s = impl->idle(); !s)
     return s;
-  body->inFlight = true;
-  body->submitted = std::thread(
-      [impl = body.get()] { impl->submittedResult = impl->tracked(&Impl::forward); });
+  try {
+    impl->submitted =
+        std::thread([impl, pass] { impl->submittedResult = impl->tracked(pass); });
+  } catch (const std::system_error &error) {
+    return Status::error(std::string("cannot start the thread of a submitted pass: ") +
+                         error.what());
+  }
+  impl->inFlight = true;
   return Status::success();
 }
 
-Status Context::submitBackward() {
-  if (Status s = body->idle(); !s)
-    return s;
-  body->inFlight = true;
-  body->submitted = std::thread(
-      [impl = body.get()] { impl->submittedResult = impl->tracked(&Impl::backward); });
-  return Status::success();
-}
+} // namespace
+
+Status Context::submitForward() { return submitPass(body.get(), &Impl::forward); }
+
+Status Context::submitBackward() { return submitPass(body.get(), &Impl::backward); }
 
 Status Context::wait() {
   if (!body->inFlight)

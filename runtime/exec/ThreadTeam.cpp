@@ -3,13 +3,22 @@
 #include "runtime/exec/ThreadTeam.h"
 
 #include <algorithm>
+#include <system_error>
 
 namespace moec::exec {
 
 ThreadTeam::ThreadTeam(uint32_t threads) {
   helpers.reserve(threads > 1 ? threads - 1 : 0);
-  for (uint32_t t = 1; t < threads; ++t)
-    helpers.emplace_back([this, t] { helperMain(t); });
+  // A system that will not start another thread (a process or memory
+  // limit) gets a smaller team: the loops run on fewer threads, not at all
+  // differently.
+  for (uint32_t t = 1; t < threads; ++t) {
+    try {
+      helpers.emplace_back([this, t] { helperMain(t); });
+    } catch (const std::system_error &) {
+      break;
+    }
+  }
 }
 
 ThreadTeam::~ThreadTeam() {

@@ -23,7 +23,8 @@ namespace moec::exec {
 class ThreadTeam {
 public:
   /// A team of `threads` threads in all: the caller of run() and
-  /// threads - 1 helpers, started here.
+  /// threads - 1 helpers, started here (fewer where the system starts no
+  /// more threads: size() says how many).
   explicit ThreadTeam(uint32_t threads);
   ~ThreadTeam();
   ThreadTeam(const ThreadTeam &) = delete;

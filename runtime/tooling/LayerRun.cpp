@@ -17,12 +17,17 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <numeric>
 #include <random>
 #include <set>
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 namespace moec::tooling {
 
@@ -104,10 +109,28 @@ Status readFloats(const std::string &dir, const char *name, const std::vector<in
 
 } // namespace
 
+std::vector<std::string> layerInputFiles(bool backward) {
+  std::vector<std::string> names = {"x.npy", "topk_ids.npy", "topk_weights.npy", "w1.npy",
+                                    "w2.npy"};
+  if (backward)
+    names.push_back("dy.npy");
+  return names;
+}
+
 Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool backward,
                        LayerData *out) {
-  if (Status s = checkRunManifest(dir); !s)
+  std::optional<std::set<std::string>> listed;
+  if (Status s = checkRunManifest(dir, &listed); !s)
     return s;
+  // A folder with a manifest is one run's: a file it does not list (left by
+  // an earlier run, or put there since) is not read as that run's.
+  if (listed)
+    for (const std::string &name : layerInputFiles(backward))
+      if (!listed->count(name))
+        return Status::error(fmt::format(
+            "{}/{}: not listed in {}/{}, so it is not of the run that wrote the folder; remove "
+            "the manifest to use the folder's files as they are, or give another --inputs folder",
+            dir, name, dir, kRunManifest));
   LayerData d;
   d.ranks = shape.epRanks();
   d.tp = shape.tp;
@@ -221,24 +244,55 @@ std::string crcText(const std::vector<uint8_t> &bytes) {
 
 } // namespace
 
-Status beginRunFolder(const std::string &dir) {
+/// Every name a run writes into its folder, inputs (of --random) and
+/// outputs.
+const char *const kRunFileNames[] = {"x.npy",  "topk_ids.npy", "topk_weights.npy", "w1.npy",
+                                     "w2.npy", "dy.npy",       "y.npy",            "dx.npy",
+                                     "dtopk_weights.npy", "dw1.npy", "dw2.npy"};
+
+Status RunFolder::open(const std::string &dir, std::unique_ptr<RunFolder> *out) {
+  if (dir.empty())
+    return Status::error("--outputs: an empty path names no folder");
+  std::unique_ptr<RunFolder> folder(new RunFolder());
+  folder->dir = dir;
   std::error_code ec;
-  std::filesystem::remove(dir + "/" + kRunManifest, ec);
-  if (ec) // a file where the folder or one of its parents should be, say
+  const bool existed = std::filesystem::exists(dir, ec);
+  if (!existed && !std::filesystem::create_directories(dir, ec) && ec)
     return Status::error(fmt::format("{}: cannot be the outputs folder: {}", dir, ec.message()));
-  return Status::success();
-}
-
-Status createRunFolder(const std::string &dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
+  folder->created = !existed;
+  folder->fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (folder->fd < 0)
+    return Status::error(fmt::format("{}: cannot be the outputs folder: {}", dir,
+                                     std::strerror(errno)));
+  if (::flock(folder->fd, LOCK_EX | LOCK_NB) != 0)
+    return Status::error(fmt::format(
+        "{}: another moec run is writing this folder now; give this run another --outputs "
+        "folder, or wait for that run to end",
+        dir));
+  std::filesystem::remove(dir + "/" + kRunManifest, ec);
   if (ec)
-    return Status::error(fmt::format("{}: cannot create: {}", dir, ec.message()));
+    return Status::error(fmt::format("{}: cannot be the outputs folder: {}", dir, ec.message()));
+  *out = std::move(folder);
   return Status::success();
 }
 
-Status writeRunManifest(const std::string &dir, const std::vector<std::string> &files,
-                        const std::string &run) {
+RunFolder::~RunFolder() {
+  if (created) // only when empty: a failed run leaves no folder it made
+    ::rmdir(dir.c_str());
+  if (fd >= 0)
+    ::close(fd); // and the lock with it
+}
+
+Status RunFolder::finish(const std::vector<std::string> &files, const std::string &run) {
+  for (const char *name : kRunFileNames)
+    if (std::find(files.begin(), files.end(), name) == files.end()) {
+      std::error_code ec;
+      std::filesystem::remove(dir + "/" + name, ec);
+      if (ec)
+        return Status::error(
+            fmt::format("{}/{}: cannot remove this file of an earlier run: {}", dir, name,
+                        ec.message()));
+    }
   nlohmann::ordered_json manifest;
   manifest["run"] = run;
   manifest["files"] = nlohmann::ordered_json::array();
@@ -249,17 +303,23 @@ Status writeRunManifest(const std::string &dir, const std::vector<std::string> &
     manifest["files"].push_back({{"name", name}, {"bytes", bytes.size()}, {"crc32", crcText(bytes)}});
   }
   const std::string text = manifest.dump(2) + "\n";
-  return writeFileAtomically(dir + "/" + kRunManifest, {{text.data(), text.size()}});
+  if (Status s = writeFileAtomically(dir + "/" + kRunManifest, {{text.data(), text.size()}}); !s)
+    return s;
+  created = false; // the run's folder now
+  return Status::success();
 }
 
-Status checkRunManifest(const std::string &dir) {
+Status checkRunManifest(const std::string &dir, std::optional<std::set<std::string>> *listed) {
   const std::string path = dir + "/" + kRunManifest;
   std::error_code ec;
+  if (listed)
+    listed->reset();
   if (!std::filesystem::exists(path, ec))
     return Status::success();
   std::vector<uint8_t> text;
-  if (Status s = readWholeFile(path, &text); !s)
+  if (Status s = readWholeFile(path, &text, kMaxTextBytes); !s)
     return s;
+  std::set<std::string> names;
   const nlohmann::json manifest = nlohmann::json::parse(text.begin(), text.end(), nullptr, false);
   if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_array())
     return Status::error(path + ": not a run manifest (an object with a 'files' list)");
@@ -268,6 +328,10 @@ Status checkRunManifest(const std::string &dir) {
         !file.contains("crc32") || !file["crc32"].is_string())
       return Status::error(path + ": a 'files' entry lacks its 'name' or 'crc32'");
     const std::string name = file["name"].get<std::string>();
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+      return Status::error(fmt::format(
+          "{}: lists '{}', which is not the name of a file in the folder", path, name));
+    names.insert(name);
     std::vector<uint8_t> bytes;
     if (Status s = readWholeFile(dir + "/" + name, &bytes); !s)
       return s.withPrefix(path + " lists " + name + ", but ");
@@ -277,6 +341,8 @@ Status checkRunManifest(const std::string &dir) {
           "two runs, or one was changed after its run; to use the files as they are, remove {}",
           dir, name, kRunManifest, crcText(bytes), file["crc32"].get<std::string>(), path));
   }
+  if (listed)
+    *listed = std::move(names);
   return Status::success();
 }
 
@@ -300,6 +366,11 @@ void LayerRun::Buffer::zeros(size_t count, DType type) {
     bf16.assign(count, 0);
   else
     f32.assign(count, 0.0f);
+}
+
+void LayerRun::Buffer::clear() {
+  std::fill(f32.begin(), f32.end(), 0.0f);
+  std::fill(bf16.begin(), bf16.end(), uint16_t(0));
 }
 
 void LayerRun::Buffer::copyOut(float *out) const {
@@ -422,9 +493,16 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
 Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
   if (Status s = context.forward(); !s)
     return s;
-  if (backward)
+  if (backward) {
+    // A main_grad binary adds its weight gradients into dw1 and dw2: each
+    // run starts them from zero, so that a repeated run gives one step's.
+    for (int64_t r = context.firstLocalRank(); r < context.firstLocalRank() + context.localRanks();
+         ++r)
+      for (Slot slot : {kDw1, kDw2})
+        buffers[size_t(r) * kSlotsPerRank + slot].clear();
     if (Status s = context.backward(); !s)
       return s;
+  }
   // Per rank first (R = P x T ranks, a rank's slice I / T wide), then put
   // together per EP rank.
   const int64_t R = context.ranks(), T = d->tp, S = d->tokens, K = d->topK, H = d->hidden,

@@ -16,6 +16,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -59,6 +62,10 @@ void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, 
 /// Reads x, topk_ids, topk_weights, w1, w2 (and dy when `backward`) from
 /// DIR/*.npy and checks their shapes against each other and `shape`.
 /// Errors name the file and what was expected.
+/// The files of a layer's inputs in a folder: x, topk_ids, topk_weights, w1,
+/// w2 (.npy), and dy with a backward pass.
+std::vector<std::string> layerInputFiles(bool backward);
+
 Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool backward,
                        LayerData *data);
 
@@ -79,23 +86,36 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool bac
 /// check.
 inline constexpr const char *kRunManifest = "manifest.json";
 
-/// Removes the manifest of `dir` when there is one: from here until
-/// writeRunManifest, the folder is not a run's.
-Status beginRunFolder(const std::string &dir);
+/// The outputs folder of a run, from the run's start to its manifest. open()
+/// creates the folder when missing, locks it (a second run writing the same
+/// folder at once is refused, naming it) and removes the old manifest: from
+/// then on the folder is not a run's. finish() removes the files of earlier
+/// runs that this one did not write (only the names a run writes: an
+/// outputs folder holds exactly one run's files) and writes the manifest.
+/// A folder that open() created and a failed run left empty is removed.
+class RunFolder {
+public:
+  static Status open(const std::string &dir, std::unique_ptr<RunFolder> *out);
+  ~RunFolder();
+  RunFolder(const RunFolder &) = delete;
+  RunFolder &operator=(const RunFolder &) = delete;
 
-/// Creates `dir` when missing, just before the first file goes into it (a
-/// run that fails before then leaves no folder behind).
-Status createRunFolder(const std::string &dir);
+  /// Writes DIR/manifest.json for `files` (names in the folder), with `run`
+  /// describing what ran, after removing other runs' files.
+  Status finish(const std::vector<std::string> &files, const std::string &run);
 
-/// Writes DIR/manifest.json for `files` (names in `dir`), with `run`
-/// describing what ran.
-Status writeRunManifest(const std::string &dir, const std::vector<std::string> &files,
-                        const std::string &run);
+private:
+  RunFolder() = default;
+  std::string dir;
+  int fd = -1;
+  bool created = false;
+};
 
 /// When `dir` holds a manifest: checks that every file it lists is there
-/// with its size and CRC-32. A folder without one passes (inputs need not
-/// come from moec).
-Status checkRunManifest(const std::string &dir);
+/// with its size and CRC-32, and sets *listed to their names. A folder
+/// without one passes with *listed empty (inputs need not come from moec).
+Status checkRunManifest(const std::string &dir,
+                        std::optional<std::set<std::string>> *listed = nullptr);
 
 /// The inputs of a LayerData in the binary's storage types, bound to a
 /// context; run() runs the passes and copies the outputs back as fp32.
@@ -117,6 +137,8 @@ private:
     format::DType dtype = format::DType::F32;
     void assign(const float *values, size_t count, format::DType type);
     void zeros(size_t count, format::DType type);
+    /// Sets every element to zero where it is (a bound tensor stays bound).
+    void clear();
     void *data() { return dtype == format::DType::BF16 ? (void *)bf16.data() : f32.data(); }
     void copyOut(float *out) const;
   };

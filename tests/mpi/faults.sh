@@ -7,6 +7,9 @@
 #     shared-memory path and on the path of ranks that share no memory
 #   - a rank given a different binary, or a binary for another EP size
 #   - routing over capacity on one rank
+#   - ranks given inputs of other shapes, other inputs, other seeds, skew
+#     or options: refused on every rank before any pass, naming both ranks
+#   - a rank stopped by SIGSTOP: the others' watchdog names it
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 passed=0
@@ -136,6 +139,89 @@ edit_ids "$in" "ids[1, 5, 1] = 9"
 fails bad-id "\[process of rank 0\] rank 1: topk_ids\[5\]\[1\] = 9 is not an expert" \
   "${RUN[@]}" 2 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --inputs "$in" \
   --outputs "$WORK/bad-id" "${S[@]}"
+
+# Ranks given other inputs or options: refused on every rank before any
+# pass, naming both ranks and what differs; never a crash, never outputs
+# that no single set of inputs gives.
+full="$WORK/full-in"
+"$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --ranks 2 --random 1 \
+  --outputs "$full" --threads 1 > /dev/null
+half="$WORK/half-in" # the same tokens, S 64 of the binary's 128
+cp -r "$full" "$half"
+rm -f "$half/manifest.json"
+/usr/bin/python3 -c "
+import sys, numpy as np
+for name in ('x', 'topk_ids', 'topk_weights', 'dy'):
+    path = f'{sys.argv[1]}/{name}.npy'
+    np.save(path, np.load(path)[:, :64])" "$half"
+rerouted="$WORK/rerouted-in"
+cp -r "$full" "$rerouted"
+edit_ids "$rerouted" "ids[0, 3, :] = ids[0, 3, ::-1]"
+# on_ranks NAME PATTERN RANK0_OPTIONS -- RANK1_OPTIONS: the small layer's
+# forward and backward, rank 0 and rank 1 with their own options.
+on_ranks() {
+  local name=$1 pattern=$2 first=() second=()
+  shift 2
+  while [ "$1" != "--" ]; do first+=("$1"); shift; done
+  shift
+  second=("$@")
+  fails "$name" "$pattern" "${RUN[@]}" 1 "$MOEC" run "$WORK/small/fwd.moebin" \
+    "$WORK/small/bwd.moebin" --outputs "$WORK/$name" "${S[@]}" "${first[@]}" : \
+    -np 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" \
+    --outputs "$WORK/$name" "${S[@]}" "${second[@]}"
+}
+on_ranks other-shape-first "rank 1 read inputs of another shape than rank 0: R 2, S 128, .* against R 2, S 64" \
+  --inputs "$half" -- --inputs "$full"
+on_ranks other-shape-second "rank 1 read inputs of another shape than rank 0: R 2, S 64, .* against R 2, S 128" \
+  --inputs "$full" -- --inputs "$half"
+on_ranks other-inputs-folder "rank 1 read another topk_ids.npy than rank 0" \
+  --inputs "$full" -- --inputs "$rerouted"
+on_ranks other-seed "rank 1 read another x.npy than rank 0" --random 1 -- --random 2
+on_ranks hot-share-on-one-rank "rank 1 was started with other options than rank 0: '--hot-share 0.5' against '\(none\)'" \
+  --random 1 -- --random 1 --hot-share 0.5
+on_ranks local-puts-on-one-rank "rank 1 was started with other options than rank 0: '--local-puts' against '\(none\)'" \
+  --random 1 -- --random 1 --local-puts
+on_ranks op-by-op-on-one-rank "rank 1 was started with other options than rank 0: '--op-by-op' against '\(none\)'" \
+  --random 1 -- --random 1 --op-by-op
+
+# A rank stopped by SIGSTOP in the middle of the passes: rank 0's watchdog
+# names rank 1, and the job ends in bounded time.
+out="$WORK/stopped"
+"${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" --random 1 \
+  --outputs "$out" --repeat 100000 "${S[@]}" > "$WORK/stopped.log" 2>&1 &
+job=$!
+victim=""
+for _ in $(seq 1 100); do
+  sleep 0.2
+  for pid in $(pgrep -f "moec run $WORK/big/fwd.moebin" || true); do
+    if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
+      victim=$pid
+    fi
+  done
+  [ -n "$victim" ] && break
+done
+sleep 2
+if [ -z "$victim" ]; then
+  bad "stopped rank: rank 1 never started"
+  kill "$job" 2> /dev/null || true
+else
+  start=$(date +%s)
+  kill -STOP "$victim" || true
+  ( sleep 60; kill -9 "$victim" 2> /dev/null ) &
+  reaper=$!
+  if wait "$job"; then
+    bad "stopped rank: mpirun exited 0" "$WORK/stopped.log"
+  elif [ $(($(date +%s) - start)) -gt 55 ]; then
+    bad "stopped rank: the job took more than 55 s to end" "$WORK/stopped.log"
+  else
+    expect "stopped rank" "$WORK/stopped.log" "rank 1" "$out"
+    if grep -q "0 queues on 0 ranks" "$WORK/stopped.log"; then
+      bad "stopped rank: the report names no rank" "$WORK/stopped.log"
+    fi
+  fi
+  kill -9 "$victim" 2> /dev/null || true
+  kill "$reaper" 2> /dev/null || true
+fi
 
 echo
 echo "mpi faults: ${passed} passed, ${failed} failed"

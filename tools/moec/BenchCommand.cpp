@@ -19,6 +19,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "base/File.h"
 #include "compiler/driver/Compile.h"
 #include "compiler/target/Calibrate.h"
 #include "compiler/target/Cost.h"
@@ -36,10 +37,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -47,6 +50,10 @@
 #include <unistd.h>
 
 namespace moec::cli {
+
+// The shipped graphs (tools/BUILD.bazel's bench_graphs).
+extern const char kBenchForwardGraph[];
+extern const char kBenchBackwardGraph[];
 
 using namespace moec::tooling;
 
@@ -74,7 +81,7 @@ const CommandSpec kBenchSpec = {
     "  --hot-share F    skewed routing: the share of tokens whose first expert is\n"
     "                   expert 0 (default 0.5)\n"
     "  --graphs DIR     the folder with moe_ffn_fwd.json and moe_ffn_bwd.json\n"
-    "                   (default: graphs)\n"
+    "                   (default: the shipped graphs, built into moec)\n"
     "  --skip-layers    only the peak and the GMM tiles\n"
     "\n"
     "calibration:\n"
@@ -98,7 +105,9 @@ const CommandSpec kBenchSpec = {
     {"--config", "--ranks", "--threads", "--repeat", "--hot-share", "--graphs", "-o", "--check"},
     {"--skip-layers", "--calibrate", "--progress", "--no-progress"},
     0,
-    0};
+    0,
+    {"-o"},
+    {"--config"}};
 
 namespace {
 
@@ -168,29 +177,32 @@ Status layerConfig(const std::optional<std::string> &userConfig, uint32_t ranks,
   return Status::success();
 }
 
-/// Compiles both graphs for the config text `json`.
+/// Compiles both graphs, from the folder `graphs` or, when it is empty, the
+/// ones built into moec, for the config text `json`.
 Status compileLayer(const std::string &graphs, const std::string &json,
                     std::shared_ptr<const rt::Program> programs[2]) {
-  const std::string path = fmt::format("{}/moec-bench-{}.json",
-                                       std::filesystem::temp_directory_path().string(), getpid());
-  {
-    std::ofstream out(path);
-    out << json;
-    if (!out)
-      return Status::error("cannot write " + path);
-  }
+  std::string folder = std::filesystem::temp_directory_path().string() + "/moec-bench-XXXXXX";
+  if (!::mkdtemp(folder.data()))
+    return Status::error(fmt::format("{}: cannot create a temporary folder: {}", folder,
+                                     std::strerror(errno)));
   const char *names[2] = {"moe_ffn_fwd.json", "moe_ffn_bwd.json"};
-  Status status;
+  const char *builtIn[2] = {kBenchForwardGraph, kBenchBackwardGraph};
+  const std::string config = folder + "/config.json";
+  Status status = writeFileAtomically(config, {{json.data(), json.size()}});
+  for (int i = 0; i < 2 && status.ok() && graphs.empty(); ++i)
+    status = writeFileAtomically(folder + "/" + names[i],
+                                 {{builtIn[i], std::strlen(builtIn[i])}});
   for (int i = 0; i < 2 && status.ok(); ++i) {
     driver::CompileOptions options;
-    options.configPath = path;
+    options.configPath = config;
     driver::CompileResult result;
-    status = driver::compileGraphFile(graphs + "/" + names[i], options, &result);
+    status = driver::compileGraphFile((graphs.empty() ? folder : graphs) + "/" + names[i],
+                                      options, &result);
     if (status)
       status = rt::Program::create(std::move(result.program), &programs[i]);
   }
   std::error_code ec;
-  std::filesystem::remove(path, ec);
+  std::filesystem::remove_all(folder, ec);
   return status;
 }
 
@@ -449,6 +461,8 @@ int runBench(int argc, char **argv, int first) {
     printHelp(kBenchSpec);
     return kOk;
   }
+  if (int code = checkOutputs(kBenchSpec, args); code != kOk)
+    return code;
   std::vector<uint32_t> rankCounts = {1, 2, 4};
   if (auto r = args.value("--ranks"); r && !parseRanks(*r, &rankCounts))
     return usage("--ranks must be a comma-separated list of positive integers");
@@ -474,7 +488,23 @@ int runBench(int argc, char **argv, int first) {
     if (h->empty() || *end || !(hotShare >= 0 && hotShare <= 1))
       return usage("--hot-share must be a number in [0, 1]");
   }
-  const std::string graphs = args.value("--graphs").value_or("graphs");
+  // Empty: the graphs built into moec.
+  const std::string graphs = args.value("--graphs").value_or("");
+  if (!graphs.empty())
+    for (const char *name : {"moe_ffn_fwd.json", "moe_ffn_bwd.json"})
+      if (!std::filesystem::is_regular_file(graphs + "/" + name))
+        return usage(fmt::format("--graphs {}: holds no {} (leave --graphs out to use the graphs "
+                                 "built into moec)",
+                                 graphs, name));
+  // A bad --config is refused before anything is measured.
+  for (uint32_t ranks : rankCounts) {
+    ModelConfig config;
+    std::string json;
+    if (args.has("--calibrate"))
+      break;
+    if (Status s = layerConfig(args.value("--config"), ranks, &config, &json); !s)
+      return fail(s);
+  }
   if (args.has("--progress") && args.has("--no-progress"))
     return usage("--progress and --no-progress exclude each other");
   // Every line goes out as it is measured.

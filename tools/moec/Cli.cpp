@@ -66,12 +66,35 @@ std::optional<Args> parseArgs(const CommandSpec &spec, int argc, char **argv, in
   return args;
 }
 
+int checkOutputs(const CommandSpec &spec, const Args &args) {
+  std::vector<std::string> inputs = args.positional;
+  for (const std::string &flag : spec.inputFlags)
+    if (std::optional<std::string> path = args.value(flag))
+      inputs.push_back(*path);
+  for (const std::string &flag : spec.outputFlags) {
+    std::optional<std::string> path = args.value(flag);
+    if (!path)
+      continue;
+    if (Status s = checkOutputPath(flag, *path, inputs); !s) {
+      std::fprintf(stderr, "moec %s: %s\n", spec.name, s.message().c_str());
+      return kUsage;
+    }
+    if (Status s = checkWritable(*path); !s) {
+      std::fprintf(stderr, "moec %s: %s %s\n", spec.name, flag.c_str(), s.message().c_str());
+      return kError;
+    }
+  }
+  return kOk;
+}
+
 void printHelp(const CommandSpec &spec) {
   std::printf("usage: %s\n\n%s", spec.usage, spec.help);
 }
 
 bool writeOutput(const std::string &path, const std::string &content) {
   if (path == "-") {
+    // A failed write to standard output is reported when the command ends
+    // (main checks the stream).
     std::fwrite(content.data(), 1, content.size(), stdout);
     return true;
   }

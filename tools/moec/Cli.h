@@ -25,6 +25,11 @@ struct CommandSpec {
   std::vector<std::string> valueFlags;
   std::vector<std::string> switchFlags;
   unsigned minPositional, maxPositional;
+  /// Value flags that name a file the command writes ("-o", "--trace"), and
+  /// those that name a file it reads besides its positional arguments:
+  /// checkOutputs refuses an output that is one of the inputs.
+  std::vector<std::string> outputFlags = {};
+  std::vector<std::string> inputFlags = {};
 };
 
 /// Parsed arguments of one command.
@@ -41,6 +46,11 @@ struct Args {
 /// Parses argv[first..] for `spec`. On a usage error prints the message and
 /// the usage line to stderr and returns std::nullopt.
 std::optional<Args> parseArgs(const CommandSpec &spec, int argc, char **argv, int first);
+
+/// Checks every output path of `args` before the command does any work: not
+/// empty and not one of the inputs (kUsage), and writable where it points
+/// (kError). Prints the error and returns its exit code, or kOk.
+int checkOutputs(const CommandSpec &spec, const Args &args);
 
 /// Prints `spec`'s usage and help to stdout.
 void printHelp(const CommandSpec &spec);

@@ -47,7 +47,9 @@ const CommandSpec kCompileSpec = {
     {"--config", "--target", "--granularity", "-o"},
     {"--time", "--progress", "--no-progress"},
     1,
-    1};
+    1,
+    {"-o"},
+    {"--config", "--target"}};
 
 int runCompile(int argc, char **argv, int first) {
   std::optional<Progress> progress;
@@ -78,16 +80,6 @@ int runCompile(int argc, char **argv, int first) {
                    kCompileSpec.usage);
       return false;
     }
-    // The binary must not replace an input (the same file under any name).
-    std::error_code ec;
-    const std::string out = *args.value("-o");
-    const std::string config = *args.value("--config");
-    for (const std::string &input : {args.positional[0], config})
-      if (std::filesystem::exists(out, ec) && std::filesystem::equivalent(out, input, ec)) {
-        std::fprintf(stderr, "moec compile: -o %s is the input %s; write the binary elsewhere\n",
-                     out.c_str(), input.c_str());
-        return false;
-      }
     progress.emplace("moec compile", progressMode(args.has("--progress"), args.has("--no-progress")));
     progress->begin("load");
     return true;

@@ -66,7 +66,9 @@ const CommandSpec kDumpSpec = {
     {"--core", "--rank", "--target", "--ops", "-o"},
     {"--json", "--compact", "--dot", "--op-graph", "--trace"},
     1,
-    1};
+    1,
+    {"-o"},
+    {"--target"}};
 
 namespace {
 
@@ -167,6 +169,8 @@ int runDump(int argc, char **argv, int first) {
     return usageError("--trace writes a file: give -o FILE");
   if (args->value("--ops") && !args->has("--dot"))
     return usageError("--ops selects what --dot draws; add --dot");
+  if (int code = checkOutputs(kDumpSpec, *args); code != kOk)
+    return code;
   if (args->has("--compact") && !args->has("--json"))
     return usageError("--compact is a form of --json; add --json");
   options.compact = args->has("--compact");

@@ -44,7 +44,9 @@ const CommandSpec kCheckSpec = {
     {"--config", "--target", "-o"},
     {"--json", "--print-ir"},
     1,
-    1};
+    1,
+    {"-o"},
+    {"--config", "--target"}};
 
 const CommandSpec kImportSpec = {
     "import",
@@ -57,7 +59,8 @@ const CommandSpec kImportSpec = {
     {"-o"},
     {},
     1,
-    1};
+    1,
+    {"-o"}};
 
 const CommandSpec kExportSpec = {
     "export",
@@ -70,7 +73,8 @@ const CommandSpec kExportSpec = {
     {"-o"},
     {},
     1,
-    1};
+    1,
+    {"-o"}};
 
 namespace {
 
@@ -253,6 +257,8 @@ int runOnGraph(const CommandSpec &spec, int argc, char **argv, int first,
   }
   if (!checkArgs(*args))
     return kUsage;
+  if (int code = checkOutputs(spec, *args); code != kOk)
+    return code;
   MLIRContext ctx;
   ctx.printOpOnDiagnostic(false);
   DiagnosticPrinter printer(ctx);

@@ -5,7 +5,12 @@
 
 #include "base/File.h"
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 namespace {
 
@@ -15,8 +20,8 @@ const char *kTopHelp =
     "moec compiles graph descriptions of fused MoE-FFN layers (forward and\n"
     "backward) for a model/parallel config into task binaries: per-core task\n"
     "queues, events and tiling descriptors that one EP group runs on cube and\n"
-    "vector cores, and runs them on the CPU runtime: R ranks in one process,\n"
-    "logical cores multiplexed onto worker threads.\n"
+    "vector cores, and runs them on the CPU runtime: R ranks in one process or\n"
+    "one per MPI process, logical cores multiplexed onto worker threads.\n"
     "\n"
     "commands:\n"
     "  check    resolve shapes for a config, verify the graph, propagate splits,\n"
@@ -24,8 +29,9 @@ const char *kTopHelp =
     "  compile  compile a graph for a config and target into a task binary\n"
     "  dump     print what a task binary holds: header, slots, ops, events,\n"
     "           per-core queues, critical path, makespan and queue balance\n"
-    "  run      run a forward (and backward) binary on R in-process ranks, on\n"
-    "           .npy or random inputs; --verify checks against the reference\n"
+    "  run      run a forward (and backward) binary on R ranks, in one process\n"
+    "           or one per process under mpirun (across hosts too), on .npy or\n"
+    "           random inputs; --verify checks against the reference\n"
     "  bench    measure the FMA peak, GMM tiles as a share of it, and whole\n"
     "           layers fused against op by op, uniform and skewed, 1/2/4 ranks\n"
     "  import   convert a JSON graph description to the moe dialect (.mlir)\n"
@@ -34,11 +40,42 @@ const char *kTopHelp =
     "'moec <command> --help' describes a command. Exit codes: 0 success,\n"
     "1 error, 2 usage error.\n";
 
+/// Holds the standard descriptors a parent closed with a file that cannot be
+/// written, so that no file moec opens becomes its standard output by
+/// accident, and a print to a closed stdout fails (and is reported).
+void holdClosedStandardDescriptors() {
+  for (int fd = 0; fd <= 2; ++fd)
+    if (::fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+      const int held = ::open("/dev/null", O_RDONLY);
+      if (held >= 0 && held != fd) {
+        ::dup2(held, fd);
+        ::close(held);
+      }
+    }
+}
+
+int dispatch(int argc, char **argv);
+
 } // namespace
 
 int main(int argc, char **argv) {
-  using namespace moec::cli;
+  holdClosedStandardDescriptors();
   moec::removeTemporariesOnSignal();
+  const int code = dispatch(argc, argv);
+  // What a command printed must have reached its reader: a full disk or a
+  // closed stdout is an error, not a success.
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    std::fprintf(stderr, "moec: cannot write to standard output: %s\n",
+                 errno ? std::strerror(errno) : "write error");
+    return code == moec::cli::kOk ? moec::cli::kError : code;
+  }
+  return code;
+}
+
+namespace {
+
+int dispatch(int argc, char **argv) {
+  using namespace moec::cli;
   if (argc < 2) {
     std::fputs(kTopHelp, stderr);
     return kUsage;
@@ -65,3 +102,5 @@ int main(int argc, char **argv) {
   std::fprintf(stderr, "moec: unknown command '%s'\n\n%s", cmd.c_str(), kTopHelp);
   return kUsage;
 }
+
+} // namespace

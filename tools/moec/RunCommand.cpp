@@ -6,6 +6,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "base/File.h"
 #include "base/Memory.h"
 #include "compiler/config/Config.h"
 #include "runtime/api/Runtime.h"
@@ -137,7 +138,8 @@ const CommandSpec kRunSpec = {
     {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress", "--profile",
      "--workspace"},
     1,
-    2};
+    2,
+    {"--trace"}};
 
 namespace {
 
@@ -160,8 +162,13 @@ int usage(const char *message) {
 comm::Fabric *jobFabric = nullptr;
 double reportSeconds = 10;
 
+/// The outputs folder while the run holds it: released (and removed when
+/// the run made it and wrote nothing) before an error ends the job.
+std::unique_ptr<RunFolder> runFolder;
+
 int fail(const Status &status) {
   Progress::abandonCurrent();
+  runFolder.reset();
   if (jobFabric) {
     // Rank 0 prints its error and the report of every rank; another rank
     // prints its own only where rank 0 did not take it.
@@ -186,6 +193,56 @@ int fail(const Status &status) {
 /// would run another layer, or overrun its buffers). Each process sends the
 /// shape and a CRC-32 of each input to every other, and each refuses a
 /// difference, naming the ranks and the input.
+/// The options that decide what a run computes and how, as text: under MPI
+/// every rank must be given the same. Left out: the binaries (the context
+/// compares the layers the ranks run), what only one process acts on or
+/// that may differ by host (--threads, --timeout, progress, the outputs
+/// folder, the inputs folder and seed, which checkSameInputs compares by
+/// content, and --trace's path, compared by presence), and --repeat: ranks
+/// that run different numbers of passes end in the watchdog's report, which
+/// names the rank that stopped early.
+std::string runOptionsText(const Args &args) {
+  std::string text;
+  for (const auto &[flag, value] : args.values)
+    if (flag != "--threads" && flag != "--timeout" && flag != "--outputs" &&
+        flag != "--inputs" && flag != "--random" && flag != "--repeat")
+      text += flag + (flag == "--trace" ? std::string() : " " + value) + " ";
+  for (const auto &[flag, on] : args.switches)
+    if (on && flag != "--progress" && flag != "--no-progress")
+      text += flag + " ";
+  if (!text.empty())
+    text.pop_back();
+  return text.empty() ? "(none)" : text;
+}
+
+/// Refuses a job whose ranks were started with other options, naming both
+/// ranks and their options; before anything else is exchanged, so that no
+/// rank waits in a step another rank does not take.
+Status checkSameOptions(comm::Fabric &fabric, const std::string &options,
+                        double timeoutSeconds) {
+  struct Fingerprint {
+    uint32_t crc;
+    char text[508]; // the start of the options, for the message
+  };
+  Fingerprint mine{format::crc32(reinterpret_cast<const uint8_t *>(options.data()), options.size()),
+                   {}};
+  std::memcpy(mine.text, options.data(), std::min(options.size(), sizeof mine.text - 1));
+  std::vector<Fingerprint> all(fabric.ranks());
+  if (Status s = fabric.exchange(&mine, sizeof mine, all.data(), timeoutSeconds); !s)
+    return s.withPrefix("comparing the options of the ranks: ");
+  const uint32_t me = fabric.firstLocal();
+  for (uint32_t p = 0; p < fabric.ranks(); ++p)
+    if (p != me && all[p].crc != mine.crc)
+      return Status::error(fmt::format(
+          "rank {} was started with other options than rank {}: '{}' against '{}' (every rank "
+          "of the job needs the same options; only --threads, --timeout, --repeat, --outputs "
+          "and the progress options may differ)",
+          p, me, std::string(all[p].text, strnlen(all[p].text, sizeof all[p].text)), options));
+  return Status::success();
+}
+
+/// Refuses a job whose ranks read other inputs (shapes and CRC-32s), naming
+/// both ranks and what differs.
 Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeoutSeconds) {
   struct Fingerprint {
     int64_t shape[6];
@@ -211,15 +268,16 @@ Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeo
     if (std::memcmp(mine.shape, theirs.shape, sizeof mine.shape) != 0)
       return Status::error(fmt::format(
           "rank {} read inputs of another shape than rank {}: R {}, S {}, K {}, E {}, H {}, I {} "
-          "against R {}, S {}, K {}, E {}, H {}, I {} (every host needs the same input folder)",
+          "against R {}, S {}, K {}, E {}, H {}, I {} (every rank needs the same input folder "
+          "and the same --random seed)",
           p, me, theirs.shape[0], theirs.shape[1], theirs.shape[2], theirs.shape[3],
           theirs.shape[4], theirs.shape[5], mine.shape[0], mine.shape[1], mine.shape[2],
           mine.shape[3], mine.shape[4], mine.shape[5]));
     for (int i = 0; i < 6; ++i)
       if (mine.crc[i] != theirs.crc[i])
         return Status::error(fmt::format(
-            "rank {} read another {} than rank {} (CRC-32 {:08x} against {:08x}; every host "
-            "needs the same input folder)",
+            "rank {} read another {} than rank {} (CRC-32 {:08x} against {:08x}; every rank "
+            "needs the same input folder, or the same --random seed and --hot-share)",
             p, kNames[i], me, theirs.crc[i], mine.crc[i]));
   }
   return Status::success();
@@ -334,6 +392,11 @@ int runRun(int argc, char **argv, int first) {
     printHelp(kRunSpec);
     return kOk;
   }
+  if (int code = checkOutputs(kRunSpec, args); code != kOk)
+    return code;
+  for (const char *flag : {"--outputs", "--inputs"})
+    if (args.value(flag) && args.value(flag)->empty())
+      return usage(fmt::format("{} needs a folder; the path given is empty", flag).c_str());
   // Every line of the report goes out as it is printed, so a run that is
   // killed (out of memory, a job's time limit) keeps the times it measured.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -414,6 +477,8 @@ int runRun(int argc, char **argv, int first) {
     else if (ranks != fabric->ranks())
       return fail(Status::error(fmt::format("--ranks {}, but mpirun started {} processes", ranks,
                                             fabric->ranks())));
+    if (Status s = checkSameOptions(*fabric, runOptionsText(args), timeout); !s)
+      return fail(s);
   }
   // Under MPI only the process of rank 0 prints the report and writes files.
   const bool report = !fabric || fabric->firstLocal() == 0;
@@ -505,12 +570,13 @@ int runRun(int argc, char **argv, int first) {
     if (!backward)
       data.dy.clear();
   }
-  if (fabric && !fabric->allLocal())
+  if (fabric)
     if (Status s = checkSameInputs(*fabric, data, timeout); !s)
       return fail(s);
-  // The folder stops being an earlier run's before this run writes to it.
+  // The folder stops being an earlier run's before this run writes to it,
+  // and no other run writes it meanwhile.
   if (report && !localPuts)
-    if (Status s = beginRunFolder(outputs); !s)
+    if (Status s = RunFolder::open(outputs, &runFolder); !s)
       return fail(s);
 
   progress.end();
@@ -624,18 +690,21 @@ int runRun(int argc, char **argv, int first) {
   }
   std::vector<std::string> written;
   progress.begin("write outputs");
-  if (Status s = createRunFolder(outputs); !s)
-    return fail(s);
   if (args.value("--random"))
     if (Status s = writeLayerInputs(outputs, data, backward, &written); !s)
       return fail(s);
   if (Status s = writeLayerOutputs(outputs, data, backward, &written); !s)
     return fail(s);
+  // Inputs read from the outputs folder are this run's files too.
+  if (auto inputs = args.value("--inputs"); inputs && sameFile(*inputs, outputs))
+    for (const std::string &name : layerInputFiles(backward))
+      written.push_back(name);
   std::string command = "moec run";
   for (int i = first; i < argc; ++i)
     command += std::string(" ") + argv[i];
-  if (Status s = writeRunManifest(outputs, written, command); !s)
+  if (Status s = runFolder->finish(written, command); !s)
     return fail(s);
+  runFolder.reset();
   progress.end();
   std::printf("outputs: %s/{y%s}.npy\n", outputs.c_str(),
               !backward            ? ""

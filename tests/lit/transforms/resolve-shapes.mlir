@@ -117,6 +117,6 @@ moe.graph "op_result" {
 
 // NOCONFIG: error: moe-resolve-shapes needs a config: pass config=PATH
 
-// NOFILE: error: cannot read '{{.*}}Inputs/no-such-config.json': No such file or directory
+// NOFILE: error: {{.*}}Inputs/no-such-config.json: cannot open: No such file or directory
 
 // BADCONFIG: error: {{.*}}Inputs/misspelled-key.json: unknown key 'hidden_sise' (did you mean 'hidden_size'?)

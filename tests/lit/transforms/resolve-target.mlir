@@ -31,4 +31,4 @@
 // PINNED-SAME: num_vector_cores = 4 : i64
 
 // UNKNOWN: error: unknown target 'ascend910b' (known: cpu, ascend-910b, h100, or a profile JSON file); did you mean 'ascend-910b'?
-// MISSING: error: cannot read '{{.*}}.missing.json': No such file or directory
+// MISSING: error: {{.*}}.missing.json: cannot open: No such file or directory

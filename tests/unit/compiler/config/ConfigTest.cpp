@@ -438,10 +438,10 @@ TEST_CASE("loadConfig reports unreadable files", "[config]") {
   ModelConfig c;
   std::string error;
   CHECK_FALSE(moec::loadConfig("examples/configs/no-such.json", &c, &error));
-  CHECK(error == "cannot read 'examples/configs/no-such.json': No such file or "
+  CHECK(error == "examples/configs/no-such.json: cannot open: No such file or "
                  "directory");
   CHECK_FALSE(moec::loadConfig("examples/configs", &c, &error));
-  CHECK(error == "cannot read 'examples/configs': Is a directory");
+  CHECK(error == "examples/configs: is a directory, not a file");
 }
 
 TEST_CASE("derived symbol definitions agree with the derived values", "[config]") {

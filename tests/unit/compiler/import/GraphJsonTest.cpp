@@ -849,7 +849,7 @@ TEST_CASE("a missing config file fails the pipeline", "[graph-json][errors]") {
   std::vector<Diag> errors =
       pipelineErrors(readFile("graphs/moe_ffn_fwd.json"), "examples/configs/no-such.json");
   REQUIRE(errors.size() == 1);
-  CHECK(contains(errors[0].message, "cannot read 'examples/configs/no-such.json'"));
+  CHECK(contains(errors[0].message, "examples/configs/no-such.json: cannot open"));
 }
 
 /// Imports `text`, runs the graph pipeline with config `configPath` (which
@@ -942,7 +942,7 @@ TEST_CASE("loadGraph errors", "[graph-json][errors]") {
     Harness h;
     CHECK(!moec::loadGraph("graphs/no-such-graph.json", &h.ctx));
     REQUIRE(h.errors().size() == 1);
-    CHECK(contains(h.errors()[0].message, "cannot read 'graphs/no-such-graph.json'"));
+    CHECK(contains(h.errors()[0].message, "graphs/no-such-graph.json: cannot open"));
   }
   SECTION("MLIR without a graph") {
     std::string path = writeTemp("empty.mlir", "module {\n}\n");

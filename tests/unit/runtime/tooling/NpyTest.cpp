@@ -525,11 +525,11 @@ TEST_CASE("writing refuses bad arrays and leaves nothing behind", "[npy]") {
   CHECK(writeNpy(nowhere, makeArray(NpyType::I32, {2})).message() ==
         nowhere + ": cannot open for writing: No such file or directory");
 
-  // The target is a folder: the rename fails and the temporary file goes.
+  // The target is a folder: refused, and no temporary file is left.
   std::string folder = dir + "/taken";
   REQUIRE(mkdir(folder.c_str(), 0777) == 0);
   Status status = writeNpy(folder, makeArray(NpyType::I32, {2}));
-  CHECK(status.message() == folder + ": cannot write: Is a directory");
+  CHECK(status.message() == folder + ": is a directory, not a file");
   CHECK(listFolder(dir) == std::vector<std::string>{"taken"});
 
   // A successful write leaves only the file, and replaces an old one.

@@ -84,6 +84,44 @@ at::ScalarType torchType(DType dtype) {
   return at::kFloat;
 }
 
+/// A torch dtype in the runtime's words ("f32", "i64"), which its messages
+/// use; torch's name for one without a short name.
+std::string dtypeName(at::ScalarType type) {
+  switch (type) {
+  case at::kFloat:
+    return "f32";
+  case at::kBFloat16:
+    return "bf16";
+  case at::kInt:
+    return "i32";
+  case at::kLong:
+    return "i64";
+  case at::kDouble:
+    return "f64";
+  case at::kHalf:
+    return "f16";
+  case at::kShort:
+    return "i16";
+  case at::kChar:
+    return "i8";
+  case at::kByte:
+    return "u8";
+  case at::kBool:
+    return "bool";
+  default:
+    return c10::toString(type);
+  }
+}
+
+/// The dtypes a tensor named `name` may have, for a message.
+const char *acceptedDTypes(const std::string &name) {
+  if (name == "topk_ids")
+    return "i32 or i64";
+  if (name == "topk_weights" || name == "dtopk_weights")
+    return "f32";
+  return "f32 or bf16";
+}
+
 DType moecType(const at::Tensor &t, const char *name) {
   switch (t.scalar_type()) {
   case at::kFloat:
@@ -95,10 +133,27 @@ DType moecType(const at::Tensor &t, const char *name) {
   case at::kLong:
     return DType::I64;
   default:
-    TORCH_CHECK(false, "moec: '", name, "' is ", t.scalar_type(),
-                "; expected float32, bfloat16, int32 or int64");
+    TORCH_CHECK(false, "moec: '", name, "' is ", dtypeName(t.scalar_type()), "; expected ",
+                acceptedDTypes(name));
   }
   return DType::F32;
+}
+
+/// The routing's dtypes, checked before anything else looks at them, in the
+/// words of the runtime's own routing checks.
+void expectRoutingDTypes(const at::Tensor &ids, const at::Tensor &weights) {
+  TORCH_CHECK(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong,
+              "moec: topk_ids is ", dtypeName(ids.scalar_type()), "; expected i32 or i64");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat, "moec: topk_weights is ",
+              dtypeName(weights.scalar_type()), "; expected f32");
+}
+
+/// Checks that `t` (x, a weight, an adapter, expert rows) has the layer's
+/// dtype `want`.
+void expectLayerDType(const at::Tensor &t, const char *name, DType want) {
+  TORCH_CHECK(t.scalar_type() == torchType(want), "moec: '", name, "' is ",
+              dtypeName(t.scalar_type()), "; expected ", dtypeName(torchType(want)),
+              ", the layer's dtype");
 }
 
 /// Rank r's part of `t` (the r-th of `parts` equal slices along dim 0) as a
@@ -630,9 +685,14 @@ private:
     TORCH_CHECK(adapters.size() == names.size(), "moec: this layer takes ", names.size(),
                 " LoRA adapter tensors (", fmt::format("{}", fmt::join(names, ", ")), "); got ",
                 adapters.size());
+    expectRoutingDTypes(ids, weights);
+    expectLayerDType(x, "x", s.activations);
+    expectLayerDType(w1, "w1", s.activations);
+    expectLayerDType(w2, "w2", s.activations);
     std::vector<at::Tensor> contiguous;
     for (size_t i = 0; i < adapters.size(); ++i) {
       expectInput(adapters[i], names[i].c_str(), 3, E, experts);
+      expectLayerDType(adapters[i], names[i].c_str(), s.activations);
       contiguous.push_back(adapters[i].contiguous());
     }
     return {x.contiguous(), ids.contiguous(), weights.contiguous(), w1.contiguous(),
@@ -830,6 +890,7 @@ private:
     expectInput(t, name, 3, ex().localRanks(), "this process's ranks");
     TORCH_CHECK(t.size(2) == ex().shape().hidden, "moec: '", name, "' has shape ", t.sizes(),
                 "; expected the hidden size ", ex().shape().hidden, " last");
+    expectLayerDType(t, name, ex().shape().activations);
     return t.contiguous();
   }
 
@@ -839,6 +900,7 @@ private:
     TORCH_CHECK(t.dim() == 2 && t.size(0) == totalRows() && t.size(1) == ex().shape().hidden,
                 "moec: '", name, "' has shape ", t.sizes(), "; expected [", totalRows(), ", ",
                 ex().shape().hidden, "] (the rows the dispatch gave, by rank and expert)");
+    expectLayerDType(t, name, ex().shape().activations);
     return t.contiguous();
   }
 
@@ -884,6 +946,7 @@ private:
     const int64_t P = ex().localRanks();
     expectInput(idsIn, "topk_ids", 3, P, "this process's ranks");
     expectInput(weightsIn, "topk_weights", 3, P, "this process's ranks");
+    expectRoutingDTypes(idsIn, weightsIn);
     ids = idsIn.contiguous();
     weights = weightsIn.contiguous();
     current = -1;

@@ -5,7 +5,8 @@
 # the repository and with no MOEC_* variable set, a few training steps of a
 # MoeFFN layer (the loss falls), compiling through the library, dump() as a
 # dict, a simulated trace and its loader, and a compile error as an
-# exception.
+# exception. The install builds out of tree: the source folder must hold
+# the same files after it (no build/, no *.egg-info).
 #   package_test.sh OP_LIBRARY COMPILER_LIBRARY
 set -euo pipefail
 op_lib="$(realpath "$1")"
@@ -14,9 +15,16 @@ scratch="${TEST_TMPDIR:-$(mktemp -d)}/package"
 rm -rf "$scratch" && mkdir -p "$scratch/src" "$scratch/elsewhere"
 cp ops/torch/setup.py "$scratch/src/"
 cp -r ops/torch/moec_torch "$scratch/src/"
+(cd "$scratch/src" && find . | sort) > "$scratch/src-before.txt"
 MOEC_TORCH_LIB="$op_lib" MOEC_LIB="$moec_lib" MOEC_GRAPHS="$PWD/graphs" PIP_NO_CACHE_DIR=1 \
   /usr/bin/python3 -m pip install --quiet --no-index --no-build-isolation --no-deps \
   --root-user-action=ignore --prefix "$scratch/prefix" "$scratch/src"
+(cd "$scratch/src" && find . | sort) > "$scratch/src-after.txt"
+if ! diff -u "$scratch/src-before.txt" "$scratch/src-after.txt"; then
+  echo "package_test: pip install wrote into the source folder (above); setup.py must build" \
+    "out of tree (no build/, no *.egg-info)" >&2
+  exit 1
+fi
 site="$(dirname "$(find "$scratch/prefix" -path '*-packages/moec_torch/__init__.py' | head -1)")"
 site="$(dirname "$site")"
 [ -f "$site/moec_torch/lib/libmoec.so" ] && [ -f "$site/moec_torch/lib/moec_torch.so" ]

@@ -8,14 +8,26 @@ build tree at run time. Build the libraries first, then install offline:
 
 MOEC_TORCH_LIB, MOEC_LIB and MOEC_GRAPHS name the libraries and the graph
 folder to package instead of the checkout's.
+
+The build is out of tree: build/ and moec_torch.egg-info go to a scratch
+folder, removed when setup.py ends, so an install leaves the source tree as
+it was (--build-base and --egg-base still choose other folders).
 """
 
+import atexit
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.egg_info import egg_info
+
+try:
+    from setuptools.command.build import build
+except ImportError:  # setuptools < 62.4
+    from distutils.command.build import build
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -28,6 +40,33 @@ def _source(env, default):
                          "(bazel build //ops/torch:moec_torch.so //compiler/api:libmoec.so) "
                          f"or set {env}")
     return path
+
+
+_scratch = []
+
+
+def _scratch_folder():
+    """This run's folder for build/ and the egg-info, removed at exit."""
+    if not _scratch:
+        _scratch.append(tempfile.mkdtemp(prefix="moec_torch-build-"))
+        atexit.register(shutil.rmtree, _scratch[0], True)
+    return _scratch[0]
+
+
+class OutOfTreeBuild(build):
+    """build, with build/ in the scratch folder (bdist_wheel's folder follows)."""
+
+    def initialize_options(self):
+        super().initialize_options()
+        self.build_base = os.path.join(_scratch_folder(), "build")
+
+
+class OutOfTreeEggInfo(egg_info):
+    """egg_info, with moec_torch.egg-info in the scratch folder."""
+
+    def initialize_options(self):
+        super().initialize_options()
+        self.egg_base = _scratch_folder()
 
 
 class BuildWithLibraries(build_py):
@@ -57,6 +96,7 @@ setup(
     description="moec's fused MoE-FFN layer (forward and backward) as a PyTorch module",
     packages=["moec_torch"],
     python_requires=">=3.9",
-    cmdclass={"build_py": BuildWithLibraries},
+    cmdclass={"build": OutOfTreeBuild, "build_py": BuildWithLibraries,
+              "egg_info": OutOfTreeEggInfo},
     zip_safe=False,
 )

@@ -16,9 +16,13 @@ fabric), holds only its L experts, and passes its own tokens:
     layer = moec_torch.MoeFFN("examples/configs/tiny.json")   # R = the processes
     y = layer(x, topk_ids, topk_weights)      # x [S, H] -> y [S, H]; w1 [L, H, 2I]
     ...
-    moec_torch.finalize_mpi()                 # at the end (also run at exit) Forward and backward run the task
-binaries that ``moec compile`` makes of graphs/moe_ffn_{fwd,bwd}.json for the
-config; they are compiled once per config and cached on disk.
+    moec_torch.finalize_mpi()                 # at the end (also run at exit)
+
+Forward and backward run the task binaries that ``moec compile`` makes of
+graphs/moe_ffn_{fwd,bwd}.json for the config; they are compiled once per
+config and cached on disk. A layer cannot be copied or pickled: save
+``layer.state_dict()`` and rebuild it with MoeFFN(config, ...) +
+load_state_dict.
 
 Where things are found: an installed package (pip install ops/torch, see
 docs/torch.md) carries its libraries and graphs; in a checkout built with
@@ -34,22 +38,25 @@ Bazel they are found there. These override:
 
 import atexit
 import collections
+import errno
 import hashlib
-import shutil
 import json
-import warnings
 import math
 import os
+import re
+import shutil
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import torch
 
-from . import native, reference
+from . import checks, native, reference
 from .native import compile, dump, load_trace, simulate_trace
 
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
-           "MoeFFN", "MoeFFNFunction", "compile", "compile_graphs",
+           "MoeFFN", "MoeFFNFunction", "checks", "compile", "compile_graphs",
            "compile_layer", "dump", "finalize_mpi", "launched_by_mpi", "load_library",
            "load_trace", "native", "reference", "simulate_trace"]
 
@@ -73,18 +80,6 @@ def load_library():
                 "build it with 'bazel build //ops/torch:moec_torch.so', or set MOEC_TORCH_LIB")
         torch.ops.load_library(str(lib))
         _loaded = True
-
-
-def _read_config(config):
-    if isinstance(config, dict):
-        return dict(config)
-    path = Path(config)
-    try:
-        return json.loads(path.read_text())
-    except OSError as e:
-        raise ValueError(f"moec: cannot read config '{path}': {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"moec: config '{path}' is not JSON: {e}") from None
 
 
 _compiled = {}
@@ -115,7 +110,7 @@ def _group(fabric, ranks, who):
         if fabric != "mpi":
             raise ValueError(f"moec: {who} needs ranks= (the EP group's size)")
         ranks = _world_size()
-    return fabric, ranks
+    return fabric, checks.integer(ranks, f"{who}: argument 'ranks'", minimum=1)
 
 
 def _register_finalize(fabric):
@@ -142,12 +137,20 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
     `tp` tensor-parallel ranks each; default: the config's tp, else 1),
     compiling them with the compiler library (native.compile) unless the
     cache has them (or `fresh`). The key covers the config, the graphs, the
-    target, the granularity and the compiler library itself. A cache entry that is not a set of files is
-    compiled anew; MoeFFN also checks that the binaries it gets are the
-    config's layer."""
-    cfg = _read_config(config)
-    cfg["ep"] = int(ranks)
-    cfg["tp"] = int(tp if tp is not None else cfg.get("tp", 1))
+    target, the granularity and the compiler library itself.
+
+    A cache entry is a folder of the binaries, the config they were compiled
+    for and manifest.json (each binary's size and sha256). A compile writes
+    into a scratch folder beside it and renames that into place when every
+    binary is there, so a failed compile leaves nothing behind. An entry
+    whose binaries do not match its manifest (cut short, changed, missing)
+    is removed and compiled anew, with a RuntimeWarning. MoeFFN also checks
+    that the binaries it gets load and are the config's layer."""
+    cfg = checks.read_config(config)
+    cfg["ep"] = checks.integer(ranks, "compile_graphs: argument 'ranks'", minimum=1)
+    cfg["tp"] = checks.integer(tp, "compile_graphs: argument 'tp'", minimum=1) \
+        if tp is not None else checks.integer(cfg.get("tp", 1), "moec: config key 'tp'",
+                                              minimum=1)
     moec = native.library_path()
     folder = native.graphs_dir()
     if not moec.is_file():
@@ -167,29 +170,140 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
     digest = key.hexdigest()[:24]
     if digest in _compiled and not fresh:
         return _compiled[digest]
-    cache = _path("MOEC_CACHE_DIR", Path.home() / ".cache/moec") / digest
-    outputs = tuple(cache / (Path(g).stem + ".moebin") for g in graphs)
-    for p in outputs:
-        # Whatever stands where a binary belongs and is not one goes.
-        if (fresh or not p.is_file()) and (p.exists() or p.is_symlink()):
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    if not all(p.is_file() for p in outputs):
-        cache.mkdir(parents=True, exist_ok=True)
-        # Compile into a scratch folder and move the files in, so a failed or
-        # concurrent compile never leaves a half-written binary in the cache.
-        with tempfile.TemporaryDirectory(dir=cache) as scratch:
-            cfg_path = Path(scratch) / "config.json"
-            cfg_path.write_text(json.dumps(cfg, indent=2))
-            for source, out in zip(sources, outputs):
-                tmp = Path(scratch) / out.name
-                try:
-                    native.compile(source, cfg_path, tmp, target=target, granularity=granularity)
-                except RuntimeError as e:
-                    raise RuntimeError(f"moec compile {source.name} failed:\n{e}") from None
-                os.replace(tmp, out)
-            os.replace(cfg_path, cache / "config.json")
+    entry = _path("MOEC_CACHE_DIR", Path.home() / ".cache/moec") / digest
+    outputs = tuple(entry / (Path(g).stem + ".moebin") for g in graphs)
+    problem = "fresh" if fresh else _entry_problem(entry, outputs)
+    if problem is not None:
+        if problem not in ("fresh", "missing"):
+            warnings.warn(f"moec: the compile cache entry {entry} is damaged ({problem}); "
+                          "removed, compiling it anew", RuntimeWarning, stacklevel=3)
+        _compile_entry(entry, sources, outputs, cfg, target, granularity, fresh)
     _compiled[digest] = tuple(str(p) for p in outputs)
     return _compiled[digest]
+
+
+MANIFEST = "manifest.json"
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _entry_problem(entry, outputs):
+    """None when the cache entry `entry` holds `outputs` as its manifest
+    lists them; "missing" when there is no entry; else what is wrong."""
+    if not os.path.lexists(entry):
+        return "missing"
+    if not entry.is_dir():
+        return "it is not a folder"
+    try:
+        manifest = json.loads(checks.read_small_file(entry / MANIFEST, "manifest"))
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"no readable {MANIFEST}: an unfinished compile, or an older moec_torch's"
+    for out in outputs:
+        listed = files.get(out.name) if isinstance(files, dict) else None
+        if not isinstance(listed, dict):
+            return f"{MANIFEST} does not list {out.name}"
+        if out.is_symlink() or not out.is_file():
+            return f"{out.name} is missing or not a file"
+        size = out.stat().st_size
+        if size != listed.get("bytes"):
+            return f"{out.name} has {size} bytes; {listed.get('bytes')} were written"
+        if _sha256(out) != listed.get("sha256"):
+            return f"{out.name} is not the binary that was written (its sha256 differs)"
+    return None
+
+
+def _remove(path):
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def _compile_entry(entry, sources, outputs, cfg, target, granularity, fresh):
+    """Compiles `sources` for `cfg` into a scratch folder beside `entry`,
+    writes the manifest last, and renames the folder into place. An entry
+    already there is replaced, unless it is whole and another process
+    finished it while this one compiled (ranks of an MPI job share the
+    cache)."""
+    root = entry.parent
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.time_ns()
+    scratch = Path(tempfile.mkdtemp(dir=root, prefix=f".{entry.name}.compiling."))
+    try:
+        cfg_path = scratch / "config.json"
+        cfg_path.write_text(json.dumps(cfg, indent=2))
+        files = {}
+        for source, out in zip(sources, outputs):
+            tmp = scratch / out.name
+            try:
+                native.compile(source, cfg_path, tmp, target=target, granularity=granularity)
+            except RuntimeError as e:
+                message = str(e).replace(str(cfg_path), "the config")
+                raise RuntimeError(f"moec compile {source.name} failed:\n{message}") from None
+            files[out.name] = {"bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
+        (scratch / MANIFEST).write_text(json.dumps(
+            {"written_ns": time.time_ns(), "files": files}, indent=2))
+        for _ in range(8):
+            try:
+                os.rename(scratch, entry)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                    raise
+            if _entry_problem(entry, outputs) is None:
+                try:
+                    written = json.loads((entry / MANIFEST).read_text())["written_ns"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    written = 0
+                if not fresh or written >= started:
+                    return  # a whole entry another process made: keep it
+            # Move the old entry aside (a rename: a process reading it keeps
+            # its open files), then take its place.
+            trash = Path(tempfile.mkdtemp(dir=root, prefix=f".{entry.name}.old."))
+            try:
+                os.rename(entry, trash / "entry")
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(trash, ignore_errors=True)
+        raise RuntimeError(f"moec: cannot put the compiled binaries into {entry}: other "
+                           "processes keep replacing it")
+    finally:
+        _remove(scratch)
+
+
+# How the op library reports a binary it cannot load (Program::load).
+_BINARY_ERROR = re.compile(r"moec (forward|backward|dispatch|combine) binary: ")
+
+
+def _from_cache(compiled, make, problem_of=lambda runtime: None):
+    """make(*compiled(False)): a runtime object over binaries from the
+    compile cache. When they do not load (damaged after this process took
+    them: the cache in memory does not look at the files again), or
+    problem_of(runtime) names something wrong with them, warns and builds it
+    again over binaries compiled anew (compiled(True))."""
+    try:
+        runtime = make(*compiled(False))
+        problem = problem_of(runtime)
+    except RuntimeError as e:
+        if not _BINARY_ERROR.search(str(e)):
+            raise
+        runtime, problem = None, str(e).strip().splitlines()[0]
+    if problem is None:
+        return runtime
+    warnings.warn(f"moec: the cached binaries cannot be used ({problem}); compiling them anew",
+                  RuntimeWarning, stacklevel=3)
+    runtime = make(*compiled(True))
+    problem = problem_of(runtime)
+    if problem is not None:
+        raise RuntimeError(f"moec: {problem}")
+    return runtime
 
 
 LORA_TARGETS = ("w1", "w2")
@@ -544,7 +658,14 @@ class MoeFFN(torch.nn.Module):
     draws the same numbers, so a run under MPI starts from the same weights
     as a run in one process with the same seed.
 
-    threads: the runtime's worker threads (0: the hardware threads).
+    threads: the runtime's worker threads (0: the hardware threads, at most
+    1024). ranks, ep, tp, threads and lora_rank are integers (an int, or a
+    numpy or torch integer scalar): a float or a bool raises TypeError
+    naming the argument, nothing is rounded.
+
+    config: a dict, or the path of a regular file of at most 1 MiB; both go
+    through checks.read_config (numpy scalars become numbers; non-finite
+    numbers and values JSON cannot hold are refused naming the key).
 
     capacity_policy: what a step whose routing needs more rows than the
     compiled binary holds does (the config's ``capacity_factor``, and
@@ -586,7 +707,9 @@ class MoeFFN(torch.nn.Module):
     ±1/sqrt(fan_in), PEFT's kaiming_uniform(a=√5)), B to zero, so a fresh
     layer computes the base layer. The base weights are frozen (requires_grad
     False): backward gives dx, d topk_weights and the adapters' gradients
-    only. lora_alpha defaults to lora_rank (a scaling of 1). The adapters are
+    only. lora_alpha defaults to lora_rank (a scaling of 1); it must be a
+    positive finite number, and the config must not set lora_rank or
+    lora_alpha (the module sets them). The adapters are
     graph nodes (graphs/moe_ffn_{fwd,bwd}_lora*.json), compiled and scheduled
     with the rest. merge_adapters() folds them into w1 and w2.
 
@@ -597,7 +720,11 @@ class MoeFFN(torch.nn.Module):
     compute dtype. The default (None) takes the config's "dispatch_dtype",
     which defaults to the compute dtype. The experts then compute on the
     rounded rows, and backward treats the rounding as the identity (the
-    gradients are those of the layer at the rounded x)."""
+    gradients are those of the layer at the rounded x).
+
+    A layer cannot be copied or pickled (copy.deepcopy, pickle, torch.save
+    of the module raise TypeError): it owns a runtime. Its state is
+    state_dict(); rebuild with MoeFFN(config, ...) and load_state_dict."""
 
     def __init__(self, config, ranks=None, *, ep=None, tp=None, threads=0, target="cpu",
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
@@ -606,15 +733,21 @@ class MoeFFN(torch.nn.Module):
                  dispatch_dtype=None):
         super().__init__()
         load_library()
+        arg = "MoeFFN: argument "
+        if ranks is not None:
+            ranks = checks.integer(ranks, arg + "'ranks'", minimum=1)
         if ep is not None:
-            if ranks is not None and int(ranks) != int(ep):
+            ep = checks.integer(ep, arg + "'ep'", minimum=1)
+            if ranks is not None and ranks != ep:
                 raise ValueError(f"moec: ranks={ranks} and ep={ep} name the same thing; "
                                  "give one")
             ranks = ep
-        cfg = _read_config(config)
-        tp = int(tp if tp is not None else cfg.get("tp", 1))
-        if tp < 1:
-            raise ValueError(f"moec: tp must be positive, got {tp}")
+        threads = checks.integer(threads, arg + "'threads'", minimum=0, maximum=1024)
+        timeout_seconds = checks.number(timeout_seconds, arg + "'timeout_seconds'")
+        lora_rank = checks.integer(lora_rank, arg + "'lora_rank'", minimum=0)
+        cfg = checks.read_config(config)
+        tp = checks.integer(tp, arg + "'tp'", minimum=1) if tp is not None else \
+            checks.integer(cfg.get("tp", 1), "moec: config key 'tp'", minimum=1)
         fabric = fabric or ("mpi" if launched_by_mpi() else "inproc")
         if ranks is None and fabric == "mpi":
             world = _world_size()
@@ -639,22 +772,21 @@ class MoeFFN(torch.nn.Module):
                                  f"({cfg.get('dtype', 'bf16')!r}), got {dispatch_dtype!r}")
             cfg["dispatch_dtype"] = dispatch_dtype
         self.dispatch_dtype = cfg.get("dispatch_dtype", cfg.get("dtype", "bf16"))
-        lora_rank = int(lora_rank)
-        if lora_rank < 0:
-            raise ValueError(f"moec: lora_rank must be positive, got {lora_rank}")
+        lora_keys = [k for k in ("lora_rank", "lora_alpha") if k in cfg]
+        if lora_keys:
+            raise ValueError("moec: LoRA adapters are set by lora_rank= (and lora_alpha=) of "
+                             f"the module, not the config (it sets {', '.join(lora_keys)})")
         if lora_rank:
             _lora_suffix(lora_targets)
             if main_grad:
                 raise ValueError("moec: main_grad buffers with LoRA adapters are not supported "
                                  "(the adapters' gradients go to .grad)")
             cfg["lora_rank"] = lora_rank
-            cfg["lora_alpha"] = float(lora_alpha if lora_alpha is not None else lora_rank)
-            if not cfg["lora_alpha"] > 0:
-                raise ValueError(f"moec: lora_alpha must be positive, got {lora_alpha}")
+            cfg["lora_alpha"] = checks.number(lora_alpha, arg + "'lora_alpha'") \
+                if lora_alpha is not None else float(lora_rank)
             frozen = True
-        elif lora_alpha is not None or "lora_rank" in cfg:
-            raise ValueError("moec: LoRA adapters are set by lora_rank= (and lora_alpha=) of "
-                             "the module, not the config")
+        elif lora_alpha is not None:
+            raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
         self.tp = tp
         self.lora_targets = tuple(t for t in LORA_TARGETS if t in lora_targets) \
             if lora_rank else ()
@@ -670,22 +802,21 @@ class MoeFFN(torch.nn.Module):
         self.check_finite = check_finite
         self.frozen = bool(frozen)
         self.main_grad = bool(main_grad)
-        self._build = (int(threads), float(timeout_seconds), target, granularity, fabric,
-                       bool(trace))
-        forward, backward = compile_layer(cfg, ranks, target, granularity, frozen=self.frozen,
-                                          lora_targets=self.lora_targets, tp=tp)
+        self._build = (threads, timeout_seconds, target, granularity, fabric, bool(trace))
         _register_finalize(fabric)
-        self.layer = self._runtime_layer(forward, backward)
-        info = self.layer.info()
-        if not _matches(info, cfg, ranks, self.frozen, self.lora_targets, tp):
-            # A cache entry that is not this config's layer: compile anew.
-            forward, backward = compile_layer(cfg, ranks, target, granularity, fresh=True,
-                                              frozen=self.frozen,
-                                              lora_targets=self.lora_targets, tp=tp)
-            self.layer = self._runtime_layer(forward, backward)
-            info = self.layer.info()
+
+        def compiled(fresh):
+            return compile_layer(cfg, ranks, target, granularity, fresh=fresh,
+                                 frozen=self.frozen, lora_targets=self.lora_targets, tp=tp)
+
+        def other_layer(layer):
+            info = layer.info()
             if not _matches(info, cfg, ranks, self.frozen, self.lora_targets, tp):
-                raise RuntimeError(f"moec: the compiled layer {info} is not the config's {cfg}")
+                return f"the compiled layer {dict(info)} is not the config's {cfg}"
+            return None
+
+        self.layer = _from_cache(compiled, self._runtime_layer, other_layer)
+        info = self.layer.info()
         self.fabric = fabric
         # EP ranks; the runtime's ranks are the [ep, tp] mesh's.
         self.ranks = info["ranks"] // tp
@@ -930,10 +1061,11 @@ class MoeFFN(torch.nn.Module):
                 "moec over capacity: the routing needs no more than the config holds, yet the "
                 f"runtime refused it ({need}); this is a bug in moec")
         target, granularity = self._build[2:4]
-        forward, backward = compile_layer(cfg, self.ranks, target, granularity,
-                                          frozen=self.frozen, lora_targets=self.lora_targets,
-                                          tp=self.tp)
-        layer = self._runtime_layer(forward, backward)
+        layer = _from_cache(
+            lambda fresh: compile_layer(cfg, self.ranks, target, granularity, fresh=fresh,
+                                        frozen=self.frozen, lora_targets=self.lora_targets,
+                                        tp=self.tp),
+            self._runtime_layer)
         info = layer.info()
         warnings.warn(
             f"moec: a step's routing needed {need['receive_per_rank']} rows on the fullest "
@@ -1127,11 +1259,11 @@ class MoeFFN(torch.nn.Module):
         if not self.lora_rank:
             raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
         directory = Path(directory)
+        path = directory / "adapter_config.json"
         try:
-            config = json.loads((directory / "adapter_config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"moec: cannot read {directory / 'adapter_config.json'}: {e}") \
-                from None
+            config = json.loads(checks.read_small_file(path, "adapter config"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"moec: cannot read {path}: {e}") from None
         want = {"r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
                 "target_modules": sorted(self.PEFT_MODULES[t] for t in self.lora_targets)}
         got = {"r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
@@ -1159,15 +1291,36 @@ class MoeFFN(torch.nn.Module):
                 p[e].copy_(t.t())
 
     def extra_repr(self):
+        # A LoRA layer's base weights are frozen and its adapters train: say
+        # that, not frozen=True (the frozen= argument's layer trains nothing).
         return (f"ranks={self.ranks}, tp={self.tp}, fabric={self.fabric}, "
                 f"first_rank={self.first_rank}, "
                 + (f"tp_rank={self.tp_rank}, " if self.tp_rank is not None else "") +
                 f"local_ranks={self.local_ranks}, experts={self.experts}, hidden={self.hidden}, "
                 f"inter={self.inter}, top_k={self.top_k}, tokens={self.tokens}, "
-                f"dtype={self.w1.dtype}, frozen={self.frozen}, main_grad={self.main_grad}"
-                + (", dispatch_dtype=fp8_e4m3" if self.dispatch_dtype == "fp8_e4m3" else "")
-                + (f", lora_rank={self.lora_rank}, lora_targets={self.lora_targets}, "
-                   f"lora_scaling={self.lora_scaling:g}" if self.lora_rank else ""))
+                f"dtype={self.w1.dtype}, "
+                + (f"lora_rank={self.lora_rank}, lora_targets={self.lora_targets}, "
+                   f"lora_scaling={self.lora_scaling:g} (base weights frozen, adapters "
+                   "trained)" if self.lora_rank else
+                   f"frozen={self.frozen}, main_grad={self.main_grad}")
+                + (", dispatch_dtype=fp8_e4m3" if self.dispatch_dtype == "fp8_e4m3" else ""))
+
+    # A layer owns a runtime (compiled binaries, worker threads, under MPI a
+    # place in a collective order) that cannot be copied or pickled; its
+    # state is state_dict().
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(_NOT_PICKLED.format(what="a MoeFFN layer"))
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NOT_PICKLED.format(what="a MoeFFN layer"))
+
+
+_NOT_PICKLED = (
+    "moec: {what} cannot be copied or pickled (copy.deepcopy, pickle, torch.save of the "
+    "module): it owns a runtime of compiled binaries and threads. Save its state instead, "
+    "torch.save(layer.state_dict(), path), and rebuild it with the same arguments: "
+    "layer = moec_torch.MoeFFN(config, ...); layer.load_state_dict(torch.load(path))")
 
 
 class DispatchHandle:
@@ -1249,13 +1402,17 @@ class Exchange:
     def __init__(self, config, ranks=None, *, threads=0, target="cpu",
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None):
         load_library()
+        threads = checks.integer(threads, "Exchange: argument 'threads'", minimum=0,
+                                 maximum=1024)
+        timeout_seconds = checks.number(timeout_seconds, "Exchange: argument 'timeout_seconds'")
         fabric, ranks = _group(fabric, ranks, "Exchange")
-        cfg = _read_config(config)
-        dispatch, combine = compile_graphs(cfg, ranks, ["moe_dispatch.json", "moe_combine.json"],
-                                           target, granularity)
+        cfg = checks.read_config(config)
         _register_finalize(fabric)
-        self.runtime = torch.classes.moec.Exchange(dispatch, combine, int(threads),
-                                                   float(timeout_seconds), fabric)
+        self.runtime = _from_cache(
+            lambda fresh: compile_graphs(cfg, ranks, ["moe_dispatch.json", "moe_combine.json"],
+                                         target, granularity, fresh),
+            lambda dispatch, combine: torch.classes.moec.Exchange(
+                dispatch, combine, threads, timeout_seconds, fabric))
         info = self.runtime.info()
         self.fabric = fabric
         self.ranks = info["ranks"]
@@ -1287,6 +1444,11 @@ class Exchange:
         y = _CombineFunction.apply(self.runtime, handle.route, handle.topk_ids, expert_y,
                                    handle.topk_weights)
         return y.squeeze(0) if handle.squeeze else y
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("moec: an Exchange cannot be copied or pickled: it owns a runtime of "
+                        "compiled binaries and threads; make another with "
+                        "moec_torch.Exchange(config, ...)")
 
     def times(self):
         """Seconds of the last dispatch and combine task programs."""

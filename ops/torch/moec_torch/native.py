@@ -18,8 +18,11 @@ override.
 import ctypes
 import json
 import os
+import tempfile
 import threading
 from pathlib import Path
+
+from . import checks
 
 __all__ = ["compile", "dump", "simulate_trace", "load_trace", "library_path", "op_library_path",
            "graphs_dir"]
@@ -109,15 +112,29 @@ def _call(function, *args, outputs=1):
 
 def compile(graph, config, out, target="cpu", granularity="per-tile-range"):
     """Compiles the graph description `graph` (.json or .mlir; a bare name
-    such as "moe_ffn_fwd.json" is looked up in graphs_dir()) for the config
-    file `config` into the task binary `out`, as `moec compile` does.
+    such as "moe_ffn_fwd.json" is looked up in graphs_dir()) for `config`
+    into the task binary `out`, as `moec compile` does. `config` is the path
+    of a config file, which the compiler reads, or a dict, which goes
+    through the same checks as MoeFFN's (checks.read_config) first.
     Returns the one-line summary. Raises RuntimeError with the compiler's
     message (file, line, op) on bad input; `out` is then left alone."""
     graph = Path(graph)
     if not graph.exists() and not graph.is_absolute() and len(graph.parts) == 1:
         graph = graphs_dir() / graph
-    (summary,) = _call("moec_compile", _arg(graph), _arg(config), _arg(target), _arg(granularity),
-                       _arg(out))
+    if not isinstance(config, dict):
+        (summary,) = _call("moec_compile", _arg(graph), _arg(config), _arg(target),
+                           _arg(granularity), _arg(out))
+        return summary
+    cfg = checks.read_config(config)
+    with tempfile.TemporaryDirectory(prefix="moec-config-") as scratch:
+        path = Path(scratch) / "config.json"
+        path.write_text(json.dumps(cfg, indent=2))
+        try:
+            (summary,) = _call("moec_compile", _arg(graph), _arg(path), _arg(target),
+                               _arg(granularity), _arg(out))
+        except RuntimeError as e:
+            # The file is gone when the caller reads this: name the dict.
+            raise RuntimeError(str(e).replace(str(path), "the config dict")) from None
     return summary
 
 
@@ -127,7 +144,8 @@ def dump(binary, target=None, rank=None):
     finish), "statistics" (critical path, makespan, balance), "warnings".
     `target` re-costs with another profile; `rank` resolves rank-relative
     fields for that rank."""
-    (text,) = _call("moec_dump_json", _arg(binary), _arg(target), -1 if rank is None else int(rank))
+    rank = -1 if rank is None else checks.integer(rank, "dump: argument 'rank'", minimum=0)
+    (text,) = _call("moec_dump_json", _arg(binary), _arg(target), rank)
     return json.loads(text)
 
 

@@ -145,7 +145,7 @@ def test_lora_checks():
         moec_torch.MoeFFN(config(), ranks=2, lora_rank=4, lora_targets=("w3",))
     with pytest.raises(ValueError, match="not the config"):
         moec_torch.MoeFFN(config(lora_rank=4), ranks=2)
-    with pytest.raises(ValueError, match="lora_alpha must be positive"):
+    with pytest.raises(ValueError, match="'lora_alpha' must be a positive finite number"):
         moec_torch.MoeFFN(config(), ranks=2, lora_rank=4, lora_alpha=-1)
     layer = moec_torch.MoeFFN(config(), ranks=2, threads=2, lora_rank=4, lora_targets=("w2",))
     x, ids, weights, _ = inputs(layer, seed=0)

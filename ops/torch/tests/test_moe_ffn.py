@@ -254,7 +254,7 @@ def good(layer):
 
 def test_error_wrong_dtype(tiny):
     x, ids, weights = good(tiny)
-    with pytest.raises(RuntimeError, match="'x' is Double"):
+    with pytest.raises(RuntimeError, match="'x' is f64; expected f32, the layer's dtype"):
         tiny(x.double(), ids, weights)
     with pytest.raises(RuntimeError, match="topk_weights is bf16; expected f32"):
         tiny(x, ids, weights.bfloat16())

@@ -1,0 +1,364 @@
+"""Bad arguments to the torch op, each refused with a message that names the
+argument, the config key or the file: integer arguments that are floats or
+bools, config values JSON cannot hold (and numpy scalars, which it can once
+converted), config paths that are not regular files, tensors of the wrong
+dtype, copies and pickles of a layer, and a compile cache with a failed
+compile or a damaged entry in it. Also what print(layer) says of a LoRA
+layer."""
+
+import copy
+import io
+import os
+import pickle
+import re
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import moec_torch
+from test_moe_ffn import config, inputs
+
+RANKS = 2
+
+
+@pytest.fixture(scope="module")
+def layer():
+    torch.manual_seed(0)
+    return moec_torch.MoeFFN(config(), RANKS, threads=2)
+
+
+# --- integer and number arguments -------------------------------------------------
+
+@pytest.mark.parametrize("name,value", [
+    ("ranks", 2.9), ("ranks", 2.0), ("ranks", "2"), ("ranks", True), ("ep", 2.5),
+    ("tp", 1.5), ("tp", True), ("threads", 1.7), ("threads", True),
+    ("threads", np.float64(2.0)), ("lora_rank", 2.7), ("lora_rank", True),
+    ("lora_rank", np.bool_(True)), ("lora_rank", torch.tensor(4.0)),
+])
+def test_integer_arguments_refuse_floats_and_bools(name, value):
+    kwargs = {"ranks": RANKS, name: value}
+    if name == "ep":
+        del kwargs["ranks"]
+    with pytest.raises(TypeError, match=f"MoeFFN: argument '{name}' must be an integer, "
+                                        f"got {re.escape(repr(value))}"):
+        moec_torch.MoeFFN(config(), **kwargs)
+
+
+@pytest.mark.parametrize("name,value,bound", [
+    ("ranks", 0, "positive"), ("tp", 0, "positive"), ("threads", -1, "0 to 1024"),
+    ("threads", 1025, "0 to 1024"), ("lora_rank", -4, "at least 0"),
+])
+def test_integer_arguments_out_of_range(name, value, bound):
+    with pytest.raises(ValueError, match=f"MoeFFN: argument '{name}' must be {bound}, "
+                                         f"got {value}"):
+        moec_torch.MoeFFN(config(), **{"ranks": RANKS, name: value})
+
+
+def test_integer_arguments_take_numpy_and_torch_integers():
+    layer = moec_torch.MoeFFN(config(), np.int64(2), threads=np.int32(2),
+                              lora_rank=torch.tensor(4), lora_alpha=np.float32(8.0))
+    assert (layer.ranks, layer.lora_rank, layer.lora_scaling) == (2, 4, 2.0)
+    assert type(layer.lora_rank) is int and layer.info()["workers"] == 2
+    assert moec_torch.MoeFFN(config(), ep=np.int16(2), tp=np.uint8(1)).ranks == 2
+
+
+@pytest.mark.parametrize("value", [0, -8, 0.0, float("inf"), float("nan")])
+def test_lora_alpha_argument_must_be_positive_and_finite(value):
+    with pytest.raises(ValueError, match="MoeFFN: argument 'lora_alpha' must be a positive "
+                                         f"finite number, got {value!r}"):
+        moec_torch.MoeFFN(config(), RANKS, lora_rank=4, lora_alpha=value)
+
+
+def test_number_arguments_refuse_bools_and_strings():
+    for name, value in (("timeout_seconds", "60"), ("timeout_seconds", True),
+                        ("lora_alpha", True)):
+        with pytest.raises(TypeError, match=f"argument '{name}' must be a number"):
+            moec_torch.MoeFFN(config(), RANKS, lora_rank=4, **{name: value})
+
+
+def test_other_integer_arguments(tmp_path):
+    with pytest.raises(TypeError, match="Exchange: argument 'ranks' must be an integer, got 2.5"):
+        moec_torch.Exchange(config(), 2.5)
+    with pytest.raises(TypeError, match="Exchange: argument 'threads' must be an integer"):
+        moec_torch.Exchange(config(), RANKS, threads=1.5)
+    with pytest.raises(TypeError, match="compile_graphs: argument 'ranks' must be an integer"):
+        moec_torch.compile_layer(config(), 2.5)
+    with pytest.raises(TypeError, match="compile_graphs: argument 'tp' must be an integer"):
+        moec_torch.compile_layer(config(), RANKS, tp=1.0)
+    with pytest.raises(TypeError, match="config key 'tp' must be an integer, got 1.5"):
+        moec_torch.compile_layer(config(tp=1.5), RANKS)
+    forward, _ = moec_torch.compile_layer(config(), RANKS)
+    with pytest.raises(TypeError, match="dump: argument 'rank' must be an integer, got 1.5"):
+        moec_torch.dump(forward, rank=1.5)
+
+
+# --- config dicts and files ---------------------------------------------------------
+
+@pytest.mark.parametrize("alpha", [0, 0.0, -8])
+def test_config_lora_alpha_zero_is_refused_like_negative(alpha, tmp_path):
+    cfg = config(lora_rank=4, lora_alpha=alpha)
+    with pytest.raises(ValueError, match="config key 'lora_alpha' must be a positive number, "
+                                         f"got {alpha!r}"):
+        moec_torch.compile("moe_ffn_fwd_lora.json", cfg, tmp_path / "l.bin")
+    # The module sets the adapters' keys itself, and refuses a config that does.
+    with pytest.raises(ValueError, match=r"not the config \(it sets lora_alpha\)"):
+        moec_torch.MoeFFN(config(lora_alpha=8), RANKS)
+    with pytest.raises(ValueError, match="config key 'lora_alpha' must be a positive number"):
+        moec_torch.MoeFFN(config(lora_alpha=alpha), RANKS, lora_rank=4)
+    assert not (tmp_path / "l.bin").exists()
+    # A positive alpha compiles.
+    moec_torch.compile("moe_ffn_fwd_lora.json", config(lora_rank=4, lora_alpha=8),
+                       tmp_path / "l.bin")
+
+
+@pytest.mark.parametrize("key,value", [("capacity_factor", float("inf")),
+                                       ("capacity_factor", float("nan")),
+                                       ("capacity_factor", np.float32("inf"))])
+def test_config_non_finite_numbers_name_the_key(key, value):
+    with pytest.raises(ValueError, match=f"config key '{key}' must be a finite number"):
+        moec_torch.MoeFFN(config(**{key: value}), RANKS)
+    with pytest.raises(ValueError, match=f"config key '{key}' must be a finite number"):
+        moec_torch.compile("moe_ffn_fwd.json", config(**{key: value}), "never.bin")
+
+
+def test_config_takes_numpy_and_torch_scalars(tmp_path):
+    cfg = config(hidden=np.int64(64), inter=np.int32(32), experts=torch.tensor(4),
+                 capacity_factor=np.float32(2.0), ep=np.int64(2))
+    layer = moec_torch.MoeFFN(cfg, RANKS, threads=2)
+    assert layer.hidden == 64 and layer.experts == 4
+    assert type(layer.config["hidden_size"]) is int
+    assert type(layer.config["capacity_factor"]) is float
+    # compile() takes the same dict, through the same normalization.
+    summary = moec_torch.compile("moe_ffn_fwd.json", dict(cfg, ep=2), tmp_path / "f.bin")
+    assert "moe_ffn_fwd" in summary and (tmp_path / "f.bin").is_file()
+
+
+def test_config_values_json_cannot_hold_name_the_key():
+    with pytest.raises(TypeError, match=r"config key 'dtype' must be a JSON value .*"
+                                        r"got torch.float32 \(dtype\)"):
+        moec_torch.MoeFFN(config(dtype=torch.float32), RANKS)
+    with pytest.raises(TypeError, match="config keys must be strings, got 3"):
+        moec_torch.MoeFFN({**config(), 3: 4}, RANKS)
+
+
+def test_compile_error_of_a_config_dict_names_the_dict(tmp_path):
+    with pytest.raises(RuntimeError, match=r"the config dict: 'num_experts' \(3\) must be a "
+                                           r"multiple of 'ep' \(2\)"):
+        moec_torch.compile("moe_ffn_fwd.json", config(experts=3, top_k=1, ep=2),
+                           tmp_path / "f.bin")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_config_file_checks(tmp_path):
+    nan = tmp_path / "nan.json"
+    nan.write_text('{"hidden_size": NaN}')
+    with pytest.raises(ValueError, match=f"config '{re.escape(str(nan))}': NaN is not a JSON number"):
+        moec_torch.MoeFFN(nan, RANKS)
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"seq_size": 64, "seq_size": 128}')
+    with pytest.raises(ValueError, match=f"config '{re.escape(str(twice))}': key 'seq_size' appears twice"):
+        moec_torch.MoeFFN(twice, RANKS)
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f"config '{re.escape(str(listed))}' must hold a JSON object"):
+        moec_torch.MoeFFN(listed, RANKS)
+
+
+def test_config_path_must_be_a_regular_file(tmp_path):
+    with pytest.raises(ValueError, match=f"config '{re.escape(str(tmp_path))}' is a directory, not a regular "
+                                         "file"):
+        moec_torch.MoeFFN(tmp_path, RANKS)
+    with pytest.raises(ValueError, match="config '/dev/null' is a character device, not a "
+                                         "regular file"):
+        moec_torch.MoeFFN("/dev/null", RANKS)
+    link = tmp_path / "link.json"
+    link.symlink_to("/dev/null")
+    with pytest.raises(ValueError, match=f"config '{re.escape(str(link))}' \\(a link to '/dev/null'\\) is a "
+                                         "character device"):
+        moec_torch.MoeFFN(link, RANKS)
+    big = tmp_path / "big.json"
+    big.write_text('{"name": "' + "x" * (1 << 20) + '"}')
+    with pytest.raises(ValueError, match=f"config '{re.escape(str(big))}' has {big.stat().st_size} bytes; a "
+                                         "config of more than 1048576 bytes is refused"):
+        moec_torch.MoeFFN(big, RANKS)
+
+
+def test_config_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def build():
+        try:
+            moec_torch.MoeFFN(fifo, RANKS)
+        except Exception as e:  # noqa: BLE001 - the test looks at what it was
+            outcome.append(e)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    thread.join(20)
+    if thread.is_alive():
+        # A reader blocked in open(): a writer that closes at once lets it go.
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(20)
+        pytest.fail("MoeFFN blocked on a FIFO as its config")
+    assert len(outcome) == 1 and isinstance(outcome[0], ValueError), outcome
+    assert f"config '{fifo}' is a FIFO (named pipe), not a regular file" in str(outcome[0])
+
+
+# --- tensor dtypes ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,name", [(torch.int16, "i16"), (torch.uint8, "u8"),
+                                        (torch.bool, "bool"), (torch.float32, "f32"),
+                                        (torch.float64, "f64")])
+def test_topk_ids_dtype_message_says_what_is_accepted(layer, dtype, name):
+    x, ids, weights, _ = inputs(layer, seed=1)
+    with pytest.raises(RuntimeError, match=f"topk_ids is {name}; expected i32 or i64$"):
+        layer(x, ids.to(dtype), weights)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.float64, "f64"), (torch.bfloat16, "bf16"),
+                                        (torch.int32, "i32"), (torch.float16, "f16")])
+def test_topk_weights_and_x_dtype_messages(layer, dtype, name):
+    x, ids, weights, _ = inputs(layer, seed=1)
+    with pytest.raises(RuntimeError, match=f"topk_weights is {name}; expected f32$"):
+        layer(x, ids, weights.to(dtype))
+    with pytest.raises(RuntimeError, match=f"'x' is {name}; expected f32, the layer's dtype$"):
+        layer(x.to(dtype), ids, weights)
+    with pytest.raises(RuntimeError, match=f"'w1' is {name}; expected f32, the layer's dtype$"):
+        torch.ops.moec.forward(layer.layer, x, ids, weights, layer.w1.detach().to(dtype),
+                               layer.w2.detach(), [])
+
+
+def test_exchange_dtype_messages(layer):
+    ex = moec_torch.Exchange(config(), RANKS, threads=2)
+    x, ids, weights, _ = inputs(layer, seed=1)
+    with pytest.raises(RuntimeError, match="topk_ids is u8; expected i32 or i64$"):
+        ex.dispatch(x, ids.to(torch.uint8), weights)
+    with pytest.raises(RuntimeError, match="topk_weights is f64; expected f32$"):
+        ex.dispatch(x, ids, weights.double())
+    with pytest.raises(RuntimeError, match="'x' is f64; expected f32, the layer's dtype$"):
+        ex.dispatch(x.double(), ids, weights)
+    expert_x, _, handle = ex.dispatch(x, ids, weights)
+    with pytest.raises(RuntimeError, match="'expert_y' is bf16; expected f32, the layer's dtype$"):
+        ex.combine(expert_x.bfloat16(), handle)
+    with pytest.raises(TypeError, match="an Exchange cannot be copied or pickled"):
+        pickle.dumps(ex)
+
+
+# --- copies, pickles and checkpoints ------------------------------------------------
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle", "torch.save"])
+def test_layer_copies_and_pickles_are_refused_with_the_way_to_save(layer, how):
+    save = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": pickle.dumps,
+            "torch.save": lambda m: torch.save(m, io.BytesIO())}[how]
+    with pytest.raises(TypeError, match=r"a MoeFFN layer cannot be copied or pickled.*"
+                                        r"torch.save\(layer.state_dict\(\), path\).*"
+                                        r"MoeFFN\(config, ...\); layer.load_state_dict"):
+        save(layer)
+    # A model holding the layer says the same (a shallow copy copies no layer).
+    if how == "copy":
+        return
+    with pytest.raises(TypeError, match="a MoeFFN layer cannot be copied or pickled"):
+        save(torch.nn.Sequential(torch.nn.Identity(), layer))
+
+
+def test_state_dict_saves_and_rebuilds_the_layer(tmp_path):
+    torch.manual_seed(5)
+    layer = moec_torch.MoeFFN(config(), RANKS, threads=2, lora_rank=4, lora_alpha=8)
+    with torch.no_grad():
+        for a in layer.adapters():
+            a.uniform_(-0.1, 0.1)
+    torch.save(layer.state_dict(), tmp_path / "layer.pt")
+    torch.manual_seed(6)
+    rebuilt = moec_torch.MoeFFN(config(), RANKS, threads=2, lora_rank=4, lora_alpha=8)
+    assert not torch.equal(rebuilt.w1, layer.w1)
+    rebuilt.load_state_dict(torch.load(tmp_path / "layer.pt"))
+    for name, p in layer.named_parameters():
+        assert torch.equal(p, dict(rebuilt.named_parameters())[name]), name
+    x, ids, weights, _ = inputs(layer, seed=2)
+    assert torch.equal(layer(x, ids, weights), rebuilt(x, ids, weights))
+
+
+# --- the compile cache --------------------------------------------------------------
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(moec_torch, "_compiled", {})
+    return tmp_path / "cache"
+
+
+def test_a_failed_compile_leaves_nothing_in_the_cache(cache):
+    with pytest.raises(RuntimeError, match=r"'num_experts' \(3\) must be a multiple of 'ep'"):
+        moec_torch.MoeFFN(config(experts=3, top_k=1), RANKS)
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def damage(path):
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[:len(data) // 2])
+    return len(data)
+
+
+def test_a_truncated_cache_entry_is_compiled_anew(cache):
+    forward, backward = moec_torch.compile_layer(config(), RANKS)
+    entry = Path(forward).parent
+    assert sorted(p.name for p in entry.iterdir()) == [
+        "config.json", "manifest.json", "moe_ffn_bwd.moebin", "moe_ffn_fwd.moebin"]
+    assert [p.name for p in cache.iterdir()] == [entry.name]  # no scratch folder left
+    size = damage(forward)
+    # Another process's view: the cache in memory is empty, the entry on disk
+    # is checked against its manifest.
+    moec_torch._compiled.clear()
+    with pytest.warns(RuntimeWarning, match=f"compile cache entry {re.escape(str(entry))} is damaged "
+                                            r"\(moe_ffn_fwd.moebin has \d+ bytes; "
+                                            f"{size} were written\\); removed, compiling it anew"):
+        layer = moec_torch.MoeFFN(config(), RANKS, threads=2)
+    assert Path(forward).stat().st_size == size
+    assert [p.name for p in cache.iterdir()] == [entry.name]
+    # Damaged after this process took the entry: the load fails, and the
+    # layer compiles it anew.
+    damage(backward)
+    with pytest.warns(RuntimeWarning, match=r"cached binaries cannot be used \(moec backward "
+                                            r"binary: .*truncated.*\); compiling them anew"):
+        again = moec_torch.MoeFFN(config(), RANKS, threads=2)
+    x, ids, weights, dy = inputs(layer, seed=3)
+    with torch.no_grad():
+        again.w1.copy_(layer.w1)
+        again.w2.copy_(layer.w2)
+    y = again(x, ids, weights)
+    y.backward(dy)
+    assert torch.equal(y, layer(x, ids, weights)) and again.w1.grad is not None
+    # A whole entry is taken as it is, without a warning.
+    moec_torch._compiled.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert moec_torch.compile_layer(config(), RANKS) == (forward, backward)
+
+
+def test_an_entry_without_manifest_is_compiled_anew(cache):
+    forward, _ = moec_torch.compile_layer(config(), RANKS)
+    (Path(forward).parent / "manifest.json").unlink()
+    moec_torch._compiled.clear()
+    with pytest.warns(RuntimeWarning, match="no readable manifest.json"):
+        moec_torch.compile_layer(config(), RANKS)
+    assert (Path(forward).parent / "manifest.json").is_file()
+
+
+# --- print(layer) -------------------------------------------------------------------
+
+def test_repr_says_what_trains():
+    lora = repr(moec_torch.MoeFFN(config(), RANKS, lora_rank=4, lora_alpha=8,
+                                  lora_targets=("w2",)))
+    assert "frozen=True" not in lora and "main_grad" not in lora, lora
+    assert ("lora_rank=4, lora_targets=('w2',), lora_scaling=2 (base weights frozen, "
+            "adapters trained)") in lora, lora
+    assert "frozen=True, main_grad=False" in repr(moec_torch.MoeFFN(config(), RANKS,
+                                                                    frozen=True))
+    assert "frozen=False, main_grad=True" in repr(moec_torch.MoeFFN(config(), RANKS,
+                                                                    main_grad=True))

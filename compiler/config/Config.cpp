@@ -189,6 +189,11 @@ bool parseConfig(std::string_view text, const std::string &source,
       return fail(error, source,
                   fmt::format("key '{}' must be a number, got {}", key, it->dump()));
     config.*field = it->get<double>();
+    // 0 stands for "not given" inside (the default: lora_rank); written
+    // out, lora_alpha must be a scale.
+    if (field == &ModelConfig::loraAlpha && !(config.loraAlpha > 0))
+      return fail(error, source,
+                  fmt::format("key '{}' must be a positive number, got {}", key, it->dump()));
   }
 
   auto mainGrad = json.find(kMainGradKey);
@@ -301,6 +306,15 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
   if (!std::isfinite(c.loraAlpha) || c.loraAlpha < 0)
     return fail(error, source,
                 fmt::format("'lora_alpha' must be a positive number, got {}", c.loraAlpha));
+  if (c.loraRank > 0) {
+    // The adapters' scale travels as a float32: it must be one, and normal.
+    const float scale = float(loraScaling(c));
+    if (!std::isfinite(scale) || std::fpclassify(scale) != FP_NORMAL)
+      return fail(error, source,
+                  fmt::format("'lora_alpha' / 'lora_rank' = {} / {} = {:g} is not a scale a "
+                              "float32 holds (a normal number, about 1.2e-38 to 3.4e38)",
+                              c.loraAlpha, c.loraRank, loraScaling(c)));
+  }
   if (c.numExperts % c.ep != 0)
     return fail(error, source,
                 fmt::format("'num_experts' ({}) must be a multiple of 'ep' "

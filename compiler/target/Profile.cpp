@@ -150,6 +150,14 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
 
   TargetProfile p = cpuProfile(); // rates not given are the cpu profile's
   p.name = json["name"].get<std::string>();
+  // A binary records its profile's name, and `moec dump` resolves that name:
+  // a file named like a built-in profile would be taken for the built-in one.
+  const std::vector<std::string> &builtins = builtinProfileNames();
+  if (std::find(builtins.begin(), builtins.end(), p.name) != builtins.end())
+    return fail(fmt::format("'name' is '{}', the name of a built-in profile: binaries compiled "
+                            "with this file would be taken for that profile's; give it a name "
+                            "of its own (say '{}-calibrated')",
+                            p.name, p.name));
   p.sharing = CoreSharing::None;
   p.calibrated.clear();
 

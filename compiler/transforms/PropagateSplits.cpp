@@ -109,18 +109,19 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       std::optional<int64_t> tasks = taskCount(op, bindings);
       if (!tasks)
         return failure();
+      // The tasks of one tile each of every local expert (and, for a put,
+      // of every peer).
+      const int64_t unit =
+          isa<QuantizeOp>(op.getOperation())
+              ? 1
+              : bindings.at("single_rank_expert_num") *
+                    (isa<DispatchOp, CombineOp>(op.getOperation()) ? bindings.at("ep") : 1);
       // A count the split value derives (no task_num) is rounded up to what
       // the op's grid needs: every local expert (and, for a put, every peer)
       // gets the same number of tiles. It changes only counts that did not
       // fit before; an explicit task_num is taken as written.
-      if (!op.getSplit().getTaskNum()) {
-        const int64_t unit =
-            isa<QuantizeOp>(op.getOperation())
-                ? 1
-                : bindings.at("single_rank_expert_num") *
-                      (isa<DispatchOp, CombineOp>(op.getOperation()) ? bindings.at("ep") : 1);
+      if (!op.getSplit().getTaskNum())
         *tasks = (*tasks + unit - 1) / unit * unit;
-      }
       // Tasks are records of the binary and queue entries of the runtime:
       // a count past this is a split value far too small for the shape.
       constexpr int64_t kMaxTasksPerOp = int64_t(1) << 20;
@@ -129,7 +130,18 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
                         << kMaxTasksPerOp << " per op are supported (raise its split value)";
         return failure();
       }
-      std::optional<Grid> grid = gridOf(op, *tasks, bindings);
+      std::optional<Grid> grid;
+      if (taskNumFromCores(op)) {
+        // A count from the target's core count (a task per core) is capped
+        // at the tiles the op has: a small layer on a many-core target
+        // leaves cores idle instead of failing to compile.
+        ScopedDiagnosticHandler quiet(op.getContext(), [](Diagnostic &) { return success(); });
+        for (int64_t n = *tasks / unit * unit; n >= unit && !grid; n -= unit)
+          if ((grid = gridOf(op, n, bindings)))
+            *tasks = n;
+      }
+      if (!grid)
+        grid = gridOf(op, *tasks, bindings);
       if (!grid)
         return failure();
       grids[op] = *grid;
@@ -158,6 +170,13 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       op.setDepsValue(b.getArrayAttr(maps));
     }
     return success();
+  }
+
+  /// True when the op's task_num counts the target's cores.
+  static bool taskNumFromCores(TaskOpInterface op) {
+    StringAttr expr = op.getSplit().getTaskNum();
+    return expr && (expr.getValue().contains("num_cube_cores") ||
+                    expr.getValue().contains("num_vector_cores"));
   }
 
   /// For each consumer tile, the range of producer tiles it needs.
@@ -252,7 +271,7 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
         if (best == INFINITY) {
           op->emitError() << "'" << op.getOpName() << "': " << perExpert
                           << " tasks per expert cannot tile its " << g.rows << " x " << g.cols
-                          << " result without empty tiles";
+                          << " result without empty tiles; lower its task_num";
           return std::nullopt;
         }
       } else {
@@ -274,7 +293,7 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
         if (g.rowTiles == 0) {
           op->emitError() << "'" << op.getOpName() << "': " << perExpert
                           << " tasks per expert cannot tile its " << g.cols
-                          << " result columns without empty tiles";
+                          << " result columns without empty tiles; lower its task_num";
           return std::nullopt;
         }
         g.colTiles = perExpert / g.rowTiles;

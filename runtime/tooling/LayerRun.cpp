@@ -434,7 +434,11 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   const DType act = shape.activations;
   const int64_t S = d.tokens, K = d.topK, H = d.hidden, I = shape.inter,
                 L = shape.localExperts, T = d.tp;
-  const bool backward = !d.dy.empty();
+  // The context's passes decide what is bound (dy is empty at S = 0 tokens).
+  const bool backward = context.backwardShape() != nullptr;
+  if (backward && d.dy.size() != size_t(d.ranks * S * H))
+    return Status::error(fmt::format("dy holds {} values; the backward pass needs {} ({} x {} x {})",
+                                     d.dy.size(), d.ranks * S * H, d.ranks, S, H));
   const size_t ranks = size_t(context.ranks());
   buffers.assign(ranks * kSlotsPerRank, Buffer());
   dtopk.assign(ranks, std::vector<float>(size_t(S * K)));

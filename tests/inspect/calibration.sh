@@ -41,4 +41,8 @@ set -e
   --target "$profile" -o "$TEST_TMPDIR/fwd.bin" 2>/dev/null
 "$moec" dump "$TEST_TMPDIR/fwd.bin" --target "$profile" 2>/dev/null | grep -q "simulated makespan"
 grep -q '"calibrated": "moec bench --calibrate' "$profile"
+# The profile has a name of its own: a binary compiled with it is not taken
+# for one of the built-in cpu profile's.
+grep -q '"name": "cpu-calibrated"' "$profile"
+"$moec" dump "$TEST_TMPDIR/fwd.bin" 2>&1 | grep -q "the binary's target 'cpu-calibrated' cannot be resolved here"
 echo "calibration test passed"

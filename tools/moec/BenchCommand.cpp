@@ -392,6 +392,9 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
         fitted.push_back({&m.programs[pass]->tasks(), &m.traces[pass], m.seconds[pass]});
   target::TargetProfile calibrated = target::calibrateProfile(estimate, fitted, threads, floor);
   progress.end();
+  // Its own name: a binary compiled with it records the name, and the
+  // built-in profile's would stand for the estimates.
+  calibrated.name = estimate.name + "-calibrated";
   calibrated.calibrated = fmt::format("moec bench --calibrate: {} worker threads on {}", threads,
                                       cpuModelName());
   std::printf("\ncalibrated rates (per core; built-in estimates in brackets):\n");

@@ -22,7 +22,8 @@ namespace moec::cli {
 
 const CommandSpec kCompileSpec = {
     "compile",
-    "moec compile GRAPH --config CFG [--target PROFILE] [--granularity G] -o OUT [--time]",
+    "moec compile GRAPH --config CFG [--target PROFILE] [--granularity G] -o OUT [--time] "
+    "[--progress | --no-progress]",
     "Compiles GRAPH (.json graph description or .mlir) for the model/parallel config\n"
     "CFG into a task binary: the graph pipeline (shapes, verification, slots, split\n"
     "propagation), then tile tasks with tiling descriptors, events from the tile\n"

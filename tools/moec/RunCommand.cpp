@@ -36,7 +36,7 @@ using namespace moec::tooling;
 const CommandSpec kRunSpec = {
     "run",
     "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
-    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--profile] [--workspace] [--threads N] [--repeat N] [--hot-share F] [--progress | --no-progress]",
+    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--profile] [--workspace] [--threads N] [--repeat N] [--warmup N] [--hot-share F] [--progress | --no-progress]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
     "given, on the R ranks of its EP group with the CPU runtime (or, with\n"
     "--backend cuda, on one NVIDIA GPU): every rank's\n"
@@ -119,21 +119,23 @@ const CommandSpec kRunSpec = {
     "                   core's measured peak; per worker its busy and idle time;\n"
     "                   the waits of parked cores by event and signalling rank;\n"
     "                   the prepare, tasks and finish phases (under MPI: rank 0's\n"
-    "                   process). With --repeat 2 or more: a first pass also pays\n"
-    "                   for first touches of memory and oneDNN's first calls\n"
+    "                   process)\n"
     "  --workspace      print the workspace slot by slot: each pass's tensors at\n"
     "                   their capacity, the pages resident after the run, the\n"
     "                   backward slots kept in dead forward ones, kernel scratch\n"
     "                   (the report always prints the totals)\n"
     "  --threads N      worker threads, 1 to 4096 (default: the hardware threads)\n"
     "  --repeat N       run the passes N times and report the best time (default 1)\n"
+    "  --warmup N       run the passes N times more before those, untimed and not\n"
+    "                   traced (default 1: a first pass pays for first touches of\n"
+    "                   memory and the GEMM libraries' first calls; 0 times it)\n"
     "  --hot-share F    with --random: the share of tokens whose first expert is\n"
     "                   expert 0 (skewed routing); default 0\n"
     "  --progress       print progress (phases, a bar, an ETA) on stderr even when it\n"
     "                   is not a terminal (a line per phase, and every 5 s); on a\n"
     "                   terminal it is on by default\n"
     "  --no-progress    no progress output\n",
-    {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat",
+    {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat", "--warmup",
      "--hot-share", "--fabric", "--timeout", "--verify-sample", "--backend"},
     {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress", "--profile",
      "--workspace"},
@@ -423,13 +425,15 @@ int runRun(int argc, char **argv, int first) {
     return usage("missing --outputs DIR");
   if (args.value("--inputs").has_value() == args.value("--random").has_value())
     return usage("give exactly one of --inputs DIR and --random SEED");
-  uint64_t ranks = 0, threads = 0, repeat = 1, seed = 0;
+  uint64_t ranks = 0, threads = 0, repeat = 1, warmup = 1, seed = 0;
   if (auto r = args.value("--ranks"); r && (!parseCount(*r, 1u << 16, &ranks) || ranks == 0))
     return usage("--ranks must be a positive integer");
   if (auto t = args.value("--threads"); t && (!parseCount(*t, 4096, &threads) || threads == 0))
     return usage("--threads must be an integer from 1 to 4096");
   if (auto r = args.value("--repeat"); r && (!parseCount(*r, 1000000, &repeat) || repeat == 0))
     return usage("--repeat must be a positive integer");
+  if (auto w = args.value("--warmup"); w && !parseCount(*w, 1000000, &warmup))
+    return usage("--warmup must be a number of passes, 0 or more");
   if (auto s = args.value("--random");
       s && !parseCount(*s, std::numeric_limits<uint64_t>::max() / 2, &seed))
     return usage("--random SEED must be a non-negative integer");
@@ -603,18 +607,20 @@ int runRun(int argc, char **argv, int first) {
   // Steps: passes, each counted by the share of its task runs done.
   const uint64_t passesBefore = context->passesEnded();
   progress.begin(backward ? "passes (forward + backward)" : "passes",
-                 double(repeat * (backward ? 2 : 1)), [&context, passesBefore] {
+                 double((warmup + repeat) * (backward ? 2 : 1)), [&context, passesBefore] {
                    const double share = context->passShare();
                    return double(context->passesEnded() - passesBefore) + (share < 1 ? share : 0);
                  });
   rt::PassTimes bestFwd, bestBwd;
   bestFwd.prepare = bestBwd.prepare = std::numeric_limits<double>::infinity();
-  for (uint64_t i = 0; i < repeat; ++i) {
+  for (uint64_t i = 0; i < warmup + repeat; ++i) {
     if (Status s = run.run(*context, backward, &data); !s) {
       if (s.code() == StatusCode::OverCapacity)
         return fail(Status::error(s.message() + "\n" + capacityHint(shape, context->capacityNeed())));
       return fail(s);
     }
+    if (i < warmup)
+      continue;
     if (context->forwardTimes().total() < bestFwd.total())
       bestFwd = context->forwardTimes();
     if (backward && context->backwardTimes().total() < bestBwd.total())
@@ -623,7 +629,11 @@ int runRun(int argc, char **argv, int first) {
   progress.end();
   if (report) {
     reportNonFinite(data, backward, true);
-    std::printf("time (wall, %s):\n", fabric ? "the process of rank 0" : "all ranks");
+    std::printf("time (wall, %s%s):\n", fabric ? "the process of rank 0" : "all ranks",
+                warmup ? fmt::format("; after {} untimed warm-up pass{}", warmup,
+                                     warmup == 1 ? "" : "es")
+                             .c_str()
+                       : "; the first pass is cold");
     printTimes("forward", bestFwd, repeat);
     if (backward)
       printTimes("backward", bestBwd, repeat);

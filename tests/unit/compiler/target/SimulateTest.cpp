@@ -834,7 +834,16 @@ TEST_CASE("a profile round-trips through its JSON", "[profile]") {
   for (const std::string &name : target::builtinProfileNames()) {
     target::TargetProfile builtin, parsed;
     REQUIRE(target::builtinProfile(name, &builtin).ok());
+    // A file under a built-in profile's name is refused: binaries record the
+    // name, and it would stand for the built-in one.
     Status status = target::parseProfile(target::profileJson(builtin), "p.json", &parsed);
+    CHECK(status.message() ==
+          "p.json: 'name' is '" + name +
+              "', the name of a built-in profile: binaries compiled with this file would be "
+              "taken for that profile's; give it a name of its own (say '" + name +
+              "-calibrated')");
+    builtin.name += "-copy";
+    status = target::parseProfile(target::profileJson(builtin), "p.json", &parsed);
     INFO(status.message());
     REQUIRE(status.ok());
     CHECK(target::profileJson(parsed) == target::profileJson(builtin));

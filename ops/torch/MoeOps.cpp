@@ -48,6 +48,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <future>
 #include <map>
 #include <memory>
@@ -331,6 +332,43 @@ public:
       mpiSlots.push_back(slot);
     }
     reportSeconds = std::min(timeoutSeconds, 10.0);
+    agreeSeconds = timeoutSeconds;
+  }
+
+  /// The most bytes of text a process brings to agree().
+  static constexpr size_t kAgreeBytes = 4096;
+
+  /// Every process's `text` (at most kAgreeBytes bytes), in rank order: one
+  /// bounded exchange over the layer's fabric (timeout_seconds; the error
+  /// names the ranks that did not come), through which the Python side
+  /// agrees on what the binaries do not say (capacity_policy, whether to
+  /// grow the layer after an over-capacity error). Collective under MPI, in
+  /// the order of the passes; in one process (every rank here) it returns
+  /// {text}.
+  std::vector<std::string> agree(const std::string &text) {
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    live();
+    TORCH_CHECK(text.size() <= kAgreeBytes, "moec: agree() takes at most ", kAgreeBytes,
+                " bytes, got ", text.size());
+    moec::comm::Fabric &fabric = slot->context->fabric();
+    if (fabric.allLocal())
+      return {text};
+    TORCH_CHECK(fabric.localRanks() == 1, "moec: agree() under a fabric of several processes "
+                "with several ranks each");
+    const size_t block = 8 + kAgreeBytes;
+    std::vector<char> mine(block, 0), all(block * fabric.ranks(), 0);
+    const uint64_t bytes = text.size();
+    std::memcpy(mine.data(), &bytes, 8);
+    std::memcpy(mine.data() + 8, text.data(), text.size());
+    check(fabric.exchange(mine.data(), block, all.data(), agreeSeconds),
+          "agreement between the ranks");
+    std::vector<std::string> out;
+    for (uint32_t r = 0; r < fabric.ranks(); ++r) {
+      uint64_t theirs = 0;
+      std::memcpy(&theirs, all.data() + r * block, 8);
+      out.emplace_back(all.data() + r * block + 8, std::min<uint64_t>(theirs, kAgreeBytes));
+    }
+    return out;
   }
 
   /// The layer's sizes, for the Python side.
@@ -760,6 +798,7 @@ private:
   int64_t passes = 0;  ///< forward passes run
   int64_t step = -1;   ///< the pass whose state the runtime holds; -1: none
   double reportSeconds = 10; ///< how long rank 0 waits for the peers' reports
+  double agreeSeconds = 60;  ///< how long agree() waits for the peers
   double forwardCall = 0, backwardCall = 0; ///< seconds of the last op calls
   // Submitted passes by ticket, until waited (declared last: the destructor
   // waits for them while the rest is still whole).
@@ -1013,6 +1052,7 @@ TORCH_LIBRARY(moec, m) {
       .def("info", &Layer::info)
       .def("write_trace", &Layer::writeTrace)
       .def("capacity_need", &Layer::capacityNeed)
+      .def("agree", &Layer::agree)
       .def("times", &Layer::times)
       .def("profile", &Layer::profile)
       .def("workspace", &Layer::workspace)

@@ -27,9 +27,10 @@
 // a timeout is an error that names the ranks that did not arrive; a pass's
 // waits for peers' signals are bounded by the executor's watchdog. Creating
 // windows and inboxes and destroying them are plain MPI collectives without a
-// timeout: a rank that dies there ends the job through mpirun, and a job
-// meets in finish() before it destroys them, so that none waits there for a
-// rank that stopped. A rank whose job failed calls stopJob(): its peers'
+// timeout: the MPI fabric enters a creation (and its own, Mpi.h) only after
+// bounded meetings of every rank, a rank that dies there ends the job through
+// mpirun, and a job meets in finish() before it destroys them, so that none
+// waits there for a rank that stopped. A rank whose job failed calls stopJob(): its peers'
 // waits fail, and rank 0 prints every rank's report. A fabric's collectives
 // (creation, exchange, barrier, finish, gather, destruction) are called from
 // one thread at a time, in the same order on every rank; put() and

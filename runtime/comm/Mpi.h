@@ -74,9 +74,15 @@ struct MpiOptions {
 
 /// Initializes MPI (with MPI_THREAD_MULTIPLE) unless the program has, and
 /// creates the fabric of MPI_COMM_WORLD: its size is R, its rank the rank
-/// this process runs. Errors: MPI initialized at a lower thread level.
-/// MOEC_MPI_NO_SHARED_MEMORY=1 in the environment sets
-/// options.noSharedMemory.
+/// this process runs. Collective: every rank creates its fabrics in the same
+/// order. Before the collectives that make the fabric's communicators and
+/// its first window (which have no timeout), the ranks meet with
+/// point-to-point messages, each wait bounded by options.timeoutSeconds
+/// (<= 0: no limit): a rank whose peers do not come to create the same
+/// fabric (their N-th, counted per process) gets an error naming them
+/// instead of waiting without end. Errors: MPI initialized at a lower
+/// thread level; ranks that did not come. MOEC_MPI_NO_SHARED_MEMORY=1 in
+/// the environment sets options.noSharedMemory.
 Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options = {});
 
 /// True when this process was started by an MPI launcher (mpirun sets

@@ -22,6 +22,21 @@ layer big 512 512 4 2 2 fp32
 layer tight 64 32 2 2 2 fp32 ', "capacity_factor": 1'
 S=(--threads 1 --timeout 5)
 
+# rank_one_pid: the pid of rank 1 of a job running the big layer, once it
+# has started (within 20 s); empty if it never does.
+rank_one_pid() {
+  local pid
+  for _ in $(seq 1 100); do
+    sleep 0.2
+    for pid in $(pgrep -f "moec run $WORK/big/fwd.moebin" || true); do
+      if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
+        echo "$pid"
+        return
+      fi
+    done
+  done
+}
+
 # A rank killed with SIGKILL while passes run: mpirun ends the job and names
 # it; nothing is written.
 out="$WORK/killed"
@@ -29,16 +44,7 @@ start=$(date +%s)
 "${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" --random 1 \
   --outputs "$out" --repeat 100000 "${S[@]}" > "$WORK/killed.log" 2>&1 &
 job=$!
-victim=""
-for _ in $(seq 1 100); do
-  sleep 0.2
-  for pid in $(pgrep -f "moec run $WORK/big/fwd.moebin" || true); do
-    if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
-      victim=$pid
-    fi
-  done
-  [ -n "$victim" ] && break
-done
+victim=$(rank_one_pid)
 sleep 2 # well inside the passes (each takes milliseconds; 100000 of them)
 if [ -z "$victim" ]; then
   bad "killed rank: rank 1 never started"
@@ -190,17 +196,14 @@ out="$WORK/stopped"
 "${MPIRUN[@]}" -np 2 "$MOEC" run "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" --random 1 \
   --outputs "$out" --repeat 100000 "${S[@]}" > "$WORK/stopped.log" 2>&1 &
 job=$!
-victim=""
+victim=$(rank_one_pid)
+# Stopped in the passes, not in MPI's start-up (which has no bound of
+# moec's): rank 0 prints the schedule once every rank has its inputs.
 for _ in $(seq 1 100); do
+  grep -q "^schedule:" "$WORK/stopped.log" && break
   sleep 0.2
-  for pid in $(pgrep -f "moec run $WORK/big/fwd.moebin" || true); do
-    if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
-      victim=$pid
-    fi
-  done
-  [ -n "$victim" ] && break
 done
-sleep 2
+sleep 1
 if [ -z "$victim" ]; then
   bad "stopped rank: rank 1 never started"
   kill "$job" 2> /dev/null || true

@@ -555,10 +555,9 @@ class ForwardHandle(_Pending):
         try:
             done = self.layer.wait_forward(self.ticket)
         except RuntimeError as error:
-            if m.capacity_policy != "grow" or "moec over capacity:" not in str(error) \
-                    or self.layer is not m.layer:
+            if "moec over capacity:" not in str(error) or self.layer is not m.layer:
                 raise
-            m._grow()
+            m._grow(error)  # grows, or raises (the ranks decide together)
             self.layer = m.layer
             with torch.no_grad():
                 done = torch.ops.moec.forward(self.layer, *m._mesh(x, ids, weights),
@@ -606,6 +605,13 @@ class BackwardHandle(_Pending):
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+CAPACITY_POLICIES = ("grow", "error")
+
+
+def _check_policy(policy):
+    if not isinstance(policy, str) or policy not in CAPACITY_POLICIES:
+        raise ValueError(f"moec: capacity_policy must be 'grow' or 'error', got {policy!r}")
 
 
 def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1):
@@ -673,8 +679,12 @@ class MoeFFN(torch.nn.Module):
     compiles (or takes from the cache) binaries with room for it, rebuilds
     the runtime, runs the step again and warns once per growth; the capacity
     never shrinks. "error" raises the runtime's over-capacity error instead.
-    Under MPI every rank sees the same routing needs, so every rank grows
-    alike.
+    Under MPI growing is collective: every rank gets the error at the same
+    pass, the ranks exchange their policy and need (bounded by
+    timeout_seconds) before any recompiles, and either all grow or all
+    raise, naming the ranks whose policy refused. The ranks must be given
+    the same capacity_policy (a layer whose ranks differ raises ValueError
+    on every rank, naming each rank's value).
 
     check_finite: raise a ValueError naming the tensor and rank (or expert)
     when an input, the output or a gradient holds NaN or infinity (they
@@ -760,9 +770,7 @@ class MoeFFN(torch.nn.Module):
             raise ValueError("moec: LoRA adapters are not supported with tensor parallelism "
                              f"(tp={tp}): their rank-r products would need a TP reduction of "
                              "their own; use tp=1")
-        if capacity_policy not in ("grow", "error"):
-            raise ValueError("moec: capacity_policy must be 'grow' or 'error', "
-                             f"got {capacity_policy!r}")
+        _check_policy(capacity_policy)
         if frozen and main_grad:
             raise ValueError("moec: a frozen layer has no weight gradients to accumulate "
                              "(frozen=True and main_grad=True)")
@@ -818,6 +826,11 @@ class MoeFFN(torch.nn.Module):
         self.layer = _from_cache(compiled, self._runtime_layer, other_layer)
         info = self.layer.info()
         self.fabric = fabric
+        # Ranks in other processes (MPI): what the binaries do not carry is
+        # agreed through the fabric's bounded exchange.
+        self._collective = fabric == "mpi" and info["local_ranks"] < info["ranks"]
+        if self._collective:
+            self._agree_options({"capacity_policy": capacity_policy})
         # EP ranks; the runtime's ranks are the [ep, tp] mesh's.
         self.ranks = info["ranks"] // tp
         self.first_rank = info["first_rank"] // tp
@@ -992,9 +1005,9 @@ class MoeFFN(torch.nn.Module):
                     _check_finite("y", y, "rank", self.first_rank)
                 return y.squeeze(0) if squeeze else y
             except RuntimeError as error:
-                if self.capacity_policy != "grow" or "moec over capacity:" not in str(error):
+                if "moec over capacity:" not in str(error):
                     raise
-                self._grow()
+                self._grow(error)  # grows, or raises (the ranks decide together)
 
     def submit_forward(self, x, topk_ids, topk_weights):
         """Starts forward(x, topk_ids, topk_weights) on a thread of its own and
@@ -1034,10 +1047,85 @@ class MoeFFN(torch.nn.Module):
             [a.detach() for a in self.adapters()])
         return BackwardHandle(self, ticket, handle.layer, main_grads, dy, squeeze)
 
-    def _grow(self):
-        """Recompiles with room for the routing the runtime just refused (the
-        need it recorded) and rebuilds the runtime; the weights stay."""
-        need = self.layer.capacity_need()
+    @property
+    def capacity_policy(self):
+        """"grow" or "error" (see the class); may be set after construction.
+        Under MPI the ranks decide together at each over-capacity error."""
+        return self._capacity_policy
+
+    @capacity_policy.setter
+    def capacity_policy(self, value):
+        _check_policy(value)
+        self._capacity_policy = value
+
+    def _agree(self, mine, what):
+        """Every process's `mine` (a dict, sent as JSON), in rank order:
+        one bounded exchange over the layer's fabric (timeout_seconds); a
+        failure raises RuntimeError("`what`: ...") naming the ranks that did
+        not come. Collective under MPI: every rank calls it at the same
+        point of its passes."""
+        try:
+            texts = self.layer.agree(json.dumps(mine, sort_keys=True))
+        except RuntimeError as e:
+            raise RuntimeError(f"{what}: {e}") from None
+        views = []
+        for r, text in enumerate(texts):
+            try:
+                view = json.loads(text)
+            except ValueError:
+                view = None
+            if not isinstance(view, dict):
+                raise RuntimeError(f"{what}: rank {r} sent {text[:200]!r}, not a moec_torch "
+                                   "agreement (the ranks run different moec_torch)")
+            views.append(view)
+        return views
+
+    def _agree_options(self, options):
+        """Refuses, on every rank, options that differ between the ranks of
+        an MPI layer (naming every rank's value): they decide what a rank
+        does at a collective point (capacity_policy: whether it grows)."""
+        views = self._agree(options, "moec: making the layer: the ranks could not compare "
+                            "their options")
+        for key, value in options.items():
+            values = [v.get(key) for v in views]
+            if any(v != value for v in values):
+                raise ValueError(
+                    f"moec: the ranks of an MPI layer must be given the same {key} (growing "
+                    "the layer is collective: every rank grows, or none does); got "
+                    + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(values)))
+
+    def _grow(self, error):
+        """After a pass the runtime refused for capacity (`error`; under
+        MPI every rank gets it at the same pass), either raises or
+        recompiles with room for the routing (the need the runtime recorded)
+        and rebuilds the runtime; the weights stay. In one process that is
+        capacity_policy's choice. Under MPI it is every rank's: before any
+        rank recompiles, the ranks exchange their policy and need (bounded
+        by timeout_seconds), and all grow only when every rank's policy is
+        "grow", else every rank raises, naming the ranks whose policy
+        refused; after compiling they exchange whether each could, so that
+        none builds the grown runtime alone."""
+        message = str(error)
+        need = dict(self.layer.capacity_need())
+        if self._collective:
+            views = self._agree({"policy": self.capacity_policy, "need": need},
+                                f"{message}. The ranks could not decide whether to grow the "
+                                "layer")
+            policies = [v.get("policy") for v in views]
+            refusing = [r for r, p in enumerate(policies) if p != "grow"]
+            if len(refusing) == len(policies):
+                raise error  # every rank's policy is "error": each raises it
+            if refusing:
+                raise RuntimeError(
+                    f"{message}. No rank grows the layer: capacity_policy "
+                    + ", ".join(f"{policies[r]!r} on rank {r}" for r in refusing)
+                    + " refuses it, and the ranks grow together or not at all ("
+                    + ", ".join(f"{p!r} on rank {r}" for r, p in enumerate(policies)
+                                if r not in refusing) + ")") from None
+            for key in ("rows_per_rank", "receive_per_rank"):
+                need[key] = max(int(v.get("need", {}).get(key, 0)) for v in views)
+        elif self.capacity_policy != "grow":
+            raise error
         cfg = dict(self.config)
         advice = native.capacity_advice(dict(cfg, ep=self.ranks, tp=self.tp),
                                         need["rows_per_rank"], need["receive_per_rank"],
@@ -1061,11 +1149,31 @@ class MoeFFN(torch.nn.Module):
                 "moec over capacity: the routing needs no more than the config holds, yet the "
                 f"runtime refused it ({need}); this is a bug in moec")
         target, granularity = self._build[2:4]
-        layer = _from_cache(
-            lambda fresh: compile_layer(cfg, self.ranks, target, granularity, fresh=fresh,
-                                        frozen=self.frozen, lora_targets=self.lora_targets,
-                                        tp=self.tp),
-            self._runtime_layer)
+
+        def compiled(fresh):
+            return compile_layer(cfg, self.ranks, target, granularity, fresh=fresh,
+                                 frozen=self.frozen, lora_targets=self.lora_targets, tp=self.tp)
+
+        if self._collective:
+            # Every rank compiles; none builds the grown runtime (whose fabric
+            # every rank creates together) unless all could.
+            try:
+                paths, failure = compiled(False), None
+            except Exception as e:  # noqa: BLE001 - every failure is told to the peers
+                paths, failure = None, f"{type(e).__name__}: {e}"
+            # (500 characters fit agree()'s 4096 bytes even as JSON escapes.)
+            views = self._agree({"compiled": failure is None, "error": (failure or "")[:500]},
+                                f"{message}. The ranks could not tell each other whether "
+                                "they compiled the grown layer")
+            failed = [(r, v.get("error")) for r, v in enumerate(views) if not v.get("compiled")]
+            if failed:
+                raise RuntimeError(
+                    f"{message}. The layer grows on no rank: compiling the grown layer failed on "
+                    + "; ".join(f"rank {r}: {e}" for r, e in failed)) from None
+        else:
+            paths = compiled(False)
+        layer = _from_cache(lambda fresh: compiled(True) if fresh else paths,
+                            self._runtime_layer)
         info = layer.info()
         warnings.warn(
             f"moec: a step's routing needed {need['receive_per_rank']} rows on the fullest "

@@ -382,6 +382,12 @@ def test_capacity_policy_error():
         layer(x, ids, weights)
     with pytest.raises(ValueError, match="capacity_policy must be 'grow' or 'error'"):
         moec_torch.MoeFFN(config(experts=4, top_k=2), 2, capacity_policy="shrink")
+    # The policy may change later, checked as at construction.
+    with pytest.raises(ValueError, match="capacity_policy must be 'grow' or 'error', got None"):
+        layer.capacity_policy = None
+    layer.capacity_policy = "grow"
+    with pytest.warns(RuntimeWarning, match="recompiled with"):
+        layer(x, ids, weights)
 
 
 def test_check_finite_names_the_tensor_and_rank():

@@ -11,6 +11,12 @@ per process (moec's MPI fabric).
     one-process run with the same seed;
   - a put lost on its way (a test hook): every rank's forward raises, and
     rank 0's error carries the report of every rank (mpi_stop_check.py);
+  - growing a layer's capacity is collective (mpi_capacity_check.py): all
+    ranks grow (bitwise the one-process result), or, with another
+    capacity_policy on one rank, a failed compile on one rank, or a layer
+    only one rank makes (or makes after the other gave up), every rank that
+    waits gets an error naming the rank and the reason within the timeout,
+    and the job ends;
   - across 2 simulated hosts: the op, the toy training and the report."""
 
 import os
@@ -18,6 +24,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,6 +160,79 @@ def stopped_job_reports_every_rank(hosts=None):
 
 def test_stopped_job_reports_every_rank():
     stopped_job_reports_every_rank()
+
+
+def capacity_check(mode):
+    """mpi_capacity_check.py MODE under mpirun -np 2 (timeout_seconds 3): the
+    job must end well within a minute, each rank saying it is done."""
+    start = time.monotonic()
+    try:
+        run = mpirun(2, HERE / "mpi_capacity_check.py", mode, timeout=60)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the job did not end within 60 s:\n{e.stdout}\n{e.stderr}")
+    out = run.stdout
+    assert run.returncode == 0, out + run.stderr
+    assert time.monotonic() - start < 60
+    for r in range(2):
+        assert f"rank {r}: done in" in out, out + run.stderr
+    return out
+
+
+def test_capacity_grows_on_every_rank():
+    out = capacity_check("grow")
+    for r in range(2):
+        assert f"rank {r}: ok: grew (receive capacity 256 -> " in out, out
+        assert "bitwise equal to the one-process op" in out, out
+
+
+def test_ranks_with_other_capacity_policies_are_refused():
+    out = capacity_check("mixed-construct")
+    for r in range(2):
+        assert (f"rank {r}: raised ValueError: moec: the ranks of an MPI layer must be given "
+                "the same capacity_policy") in out, out
+    assert out.count("got 'grow' on rank 0, 'error' on rank 1") == 2, out
+
+
+def test_growth_refused_by_one_rank_fails_on_every_rank():
+    # The hostile case: rank 1's policy is "error" when the step overflows.
+    out = capacity_check("mixed-grow")
+    for r in range(2):
+        assert (f"rank {r}: raised RuntimeError: moec over capacity: routing over capacity: "
+                "the experts of rank 0 receive 512 rows") in out, out
+        assert f"rank {r}: ok: a step that fits ran after" in out, out
+    assert out.count("No rank grows the layer: capacity_policy 'error' on rank 1 refuses it, "
+                     "and the ranks grow together or not at all ('grow' on rank 0)") == 2, out
+
+
+def test_growth_whose_compile_fails_on_one_rank_fails_on_every_rank():
+    out = capacity_check("compile-fails")
+    for r in range(2):
+        assert f"rank {r}: raised RuntimeError: moec over capacity: " in out, out
+        assert f"rank {r}: ok: a step that fits ran after" in out, out
+    assert out.count("The layer grows on no rank: compiling the grown layer failed on rank 1: "
+                     "RuntimeError: moec compile moe_ffn_fwd.json failed") == 2, out
+
+
+def test_fabric_only_one_rank_creates_fails_within_the_timeout():
+    # Rank 0 makes a layer that rank 1 does not: its fabric's communicators
+    # would never be created; rank 0 gets an error after timeout_seconds.
+    out = capacity_check("extra-layer")
+    found = re.search(r"rank 0: raised RuntimeError after ([\d.]+) s: moec MPI fabric: rank 0: "
+                      r"rank 1 did not come to create MPI fabric #2 within 3 s", out)
+    assert found, out
+    assert float(found.group(1)) < 15, out
+    assert "rank 1: ok: made one layer" in out, out
+
+
+def test_fabric_a_rank_makes_too_late_fails_on_both_ranks():
+    # Rank 1 comes to the second layer after rank 0 gave up: it must not
+    # enter MPI's communicator creation alone either.
+    out = capacity_check("late-layer")
+    assert re.search(r"rank 0: raised RuntimeError after [\d.]+ s: moec MPI fabric: rank 0: "
+                     r"rank 1 did not come to create MPI fabric #2 within 3 s", out), out
+    found = re.search(r"rank 1: raised RuntimeError after ([\d.]+) s: moec MPI fabric: rank 1: "
+                      r"rank 0 came to create MPI fabric #2 but did not go on within 3 s", out)
+    assert found and float(found.group(1)) < 15, out
 
 
 def test_fabric_errors():

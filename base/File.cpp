@@ -46,8 +46,12 @@ struct FdCloser {
   }
 };
 
-/// Reads the regular file at `path` into `*out` (a byte vector or a string).
-template <typename Bytes> Status readInto(const std::string &path, Bytes *out, uint64_t maxBytes) {
+/// Reads the regular file at `path` into `*out` (a byte vector or a string):
+/// all of it, refusing more than `maxBytes`, or with `head` its first
+/// `maxBytes` bytes, setting *fileSize to the size the file states.
+template <typename Bytes>
+Status readInto(const std::string &path, Bytes *out, uint64_t maxBytes, bool head = false,
+                uint64_t *fileSize = nullptr) {
   if (path.empty())
     return Status::error("an empty path names no file to read");
   // "-" is standard input, whatever it is (a pipe is read to its end, within
@@ -57,8 +61,13 @@ template <typename Bytes> Status readInto(const std::string &path, Bytes *out, u
   const bool standardInput = path == "-";
   const int fd = standardInput ? 0 : ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   const std::string name = standardInput ? std::string("standard input") : path;
-  if (fd < 0)
-    return Status::error(path + ": cannot open: " + std::strerror(errno));
+  if (fd < 0) {
+    const int code = errno;
+    struct stat info {};
+    if (::stat(path.c_str(), &info) == 0 && !S_ISREG(info.st_mode) && !S_ISDIR(info.st_mode))
+      return Status::error(path + ": is " + kindOfFile(info.st_mode) + ", not a regular file");
+    return Status::error(path + ": cannot open: " + std::strerror(code));
+  }
   FdCloser closer{standardInput ? -1 : fd};
   struct stat info {};
   if (::fstat(fd, &info) != 0)
@@ -69,6 +78,10 @@ template <typename Bytes> Status readInto(const std::string &path, Bytes *out, u
     return Status::error(path + ": is " + kindOfFile(info.st_mode) + ", not a regular file");
   if (!S_ISREG(info.st_mode))
     info.st_size = 0;
+  if (fileSize)
+    *fileSize = uint64_t(info.st_size);
+  if (head)
+    info.st_size = std::min<off_t>(info.st_size, off_t(maxBytes));
   auto tooLarge = [&](uint64_t bytes) {
     return Status::error(name + ": holds " + (bytes > 0 ? std::to_string(bytes) : "more") +
                          " bytes, more than the " + std::to_string(maxBytes) +
@@ -85,6 +98,8 @@ template <typename Bytes> Status readInto(const std::string &path, Bytes *out, u
     while (true) {
       if (have == bytes.size()) {
         if (have >= maxBytes) {
+          if (head)
+            break;
           char extra;
           ssize_t more;
           while ((more = ::read(fd, &extra, 1)) < 0 && errno == EINTR) {
@@ -124,6 +139,11 @@ Status readTextFile(const std::string &path, std::string *out, uint64_t maxBytes
   return readInto(path, out, maxBytes);
 }
 
+Status readFileHead(const std::string &path, uint64_t maxBytes, std::vector<uint8_t> *out,
+                    uint64_t *fileSize) {
+  return readInto(path, out, maxBytes, /*head=*/true, fileSize);
+}
+
 bool sameFile(const std::string &a, const std::string &b) {
   struct stat first {}, second {};
   return !a.empty() && !b.empty() && ::stat(a.c_str(), &first) == 0 &&
@@ -135,9 +155,18 @@ Status checkOutputPath(const std::string &what, const std::string &path,
                        const std::vector<std::string> &inputs) {
   if (path.empty())
     return Status::error(what + ": an empty path names no file to write");
-  if (path == "-")
-    return Status::success();
   struct stat info {};
+  if (path == "-") {
+    // Standard output redirected onto an input (`>> graph.json`).
+    struct stat out {}, in {};
+    if (::fstat(1, &out) == 0 && S_ISREG(out.st_mode))
+      for (const std::string &input : inputs)
+        if (input != "-" && ::stat(input.c_str(), &in) == 0 && in.st_dev == out.st_dev &&
+            in.st_ino == out.st_ino)
+          return Status::error("standard output is the input " + input +
+                               "; writing it would change that input, so redirect it elsewhere");
+    return Status::success();
+  }
   // Writing into a device or a FIFO changes no input file.
   if (::stat(path.c_str(), &info) == 0 && (S_ISCHR(info.st_mode) || S_ISFIFO(info.st_mode)))
     return Status::success();
@@ -286,8 +315,19 @@ Status checkWritable(const std::string &path) {
     code = errno;
   else if (!S_ISDIR(info.st_mode))
     code = ENOTDIR;
-  else if (::access(folder.c_str(), W_OK) != 0)
-    code = errno;
+  if (code == 0) {
+    // What the write will do, tried now: a temporary beside the target,
+    // removed at once (a folder the kernel does not let files into, a name
+    // too long, a read-only file system all fail here).
+    const std::string probe = target + ".tmp." + std::to_string(::getpid()) + ".probe";
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) {
+      code = errno;
+    } else {
+      ::close(fd);
+      ::unlink(probe.c_str());
+    }
+  }
   if (code != 0)
     return Status::error(path + ": cannot open for writing: " + std::strerror(code));
   return Status::success();
@@ -329,6 +369,10 @@ Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSp
 void removeTemporariesOnSignal() {
   for (int signal : {SIGINT, SIGTERM, SIGHUP, SIGQUIT})
     std::signal(signal, removeTemporariesAndDie);
+  // A file past the process's size limit: the write fails (EFBIG) and is
+  // reported, and its temporary removed, instead of the signal ending the
+  // process with the temporary left behind.
+  std::signal(SIGXFSZ, SIG_IGN);
 }
 
 } // namespace moec

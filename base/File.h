@@ -49,6 +49,12 @@ constexpr uint64_t kMaxTextBytes = uint64_t(1) << 28;
 Status readWholeFile(const std::string &path, std::vector<uint8_t> *out,
                      uint64_t maxBytes = kMaxInputBytes);
 
+/// The first `maxBytes` bytes of the regular file at `path` (all of a
+/// shorter one), and in *fileSize the size the file states: a loader checks
+/// a header against the size before it reads the rest.
+Status readFileHead(const std::string &path, uint64_t maxBytes, std::vector<uint8_t> *out,
+                    uint64_t *fileSize);
+
 /// readWholeFile into a string, bounded by kMaxTextBytes.
 Status readTextFile(const std::string &path, std::string *out,
                     uint64_t maxBytes = kMaxTextBytes);
@@ -56,7 +62,7 @@ Status readTextFile(const std::string &path, std::string *out,
 /// Refuses an output path that cannot be one: empty, or naming an existing
 /// file that is also one of `inputs` (compared by device and inode, so any
 /// name of it counts). `what` names the output in the message, e.g. "-o".
-/// "-" (standard output) is always fine.
+/// "-" (standard output) is refused when it is redirected onto an input.
 Status checkOutputPath(const std::string &what, const std::string &path,
                        const std::vector<std::string> &inputs);
 
@@ -84,7 +90,8 @@ Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSp
 
 /// Installs handlers for SIGINT, SIGTERM, SIGHUP and SIGQUIT that remove
 /// the temporaries writeFileAtomically is writing, then end the process as
-/// the signal would have. For command-line tools: a host that handles these
+/// the signal would have; and ignores SIGXFSZ, so that a write past the
+/// file size limit fails as an error. For command-line tools: a host that handles these
 /// signals itself (Python) keeps its own handlers.
 void removeTemporariesOnSignal();
 

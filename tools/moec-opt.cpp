@@ -32,6 +32,8 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace cl = llvm::cl;
 
@@ -60,8 +62,26 @@ int main(int argc, char **argv) {
     llvm::WithColor::error(llvm::errs(), "moec-opt") << message << "\n";
     return 1;
   };
-  if (moec::Status s = moec::checkOutputPath("-o", outputFilename, {inputFilename}); !s)
-    return fail(s.message());
+  // The inputs: the graph, and the configs its passes read (config=PATH in
+  // a pass's options). The outputs: -o, standard output, and MLIR's crash
+  // reproducer.
+  std::vector<std::string> inputs = {inputFilename};
+  std::vector<std::pair<std::string, std::string>> outputs = {{"-o", outputFilename},
+                                                              {"standard output", "-"}};
+  const std::string reproducerFlag = "--mlir-pass-pipeline-crash-reproducer=";
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    for (size_t at = arg.find("config="); at != std::string::npos;
+         at = arg.find("config=", at + 1)) {
+      const size_t from = at + 7, to = arg.find_first_of(" ,}'\"", from);
+      inputs.push_back(arg.substr(from, to == std::string::npos ? std::string::npos : to - from));
+    }
+    if (arg.rfind(reproducerFlag, 0) == 0)
+      outputs.push_back({"the crash reproducer", arg.substr(reproducerFlag.size())});
+  }
+  for (const auto &[what, path] : outputs)
+    if (moec::Status s = moec::checkOutputPath(what, path, inputs); !s)
+      return fail(s.message());
   std::string content;
   if (moec::Status s = moec::readTextFile(inputFilename, &content); !s)
     return fail(s.message());

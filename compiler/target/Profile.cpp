@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <thread>
 
@@ -150,6 +151,14 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
 
   TargetProfile p = cpuProfile(); // rates not given are the cpu profile's
   p.name = json["name"].get<std::string>();
+  // A name goes into binaries and onto terminals: letters, digits, '.',
+  // '_', '+' and '-' only.
+  if (p.name.size() > 64 || !std::all_of(p.name.begin(), p.name.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '+' ||
+               c == '-';
+      }))
+    return fail(fmt::format("'name' must be 1 to 64 letters, digits, '.', '_', '+' or '-', got {}",
+                            json["name"].dump()));
   // A binary records its profile's name, and `moec dump` resolves that name:
   // a file named like a built-in profile would be taken for the built-in one.
   const std::vector<std::string> &builtins = builtinProfileNames();
@@ -176,12 +185,16 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
                               it->dump()));
     *c.field = uint32_t(it->get<int64_t>());
   }
+  // Rates and the overhead within what a device could have (and a cost
+  // model can add up without overflowing its nanoseconds): from 1e-6 to 1e6
+  // in the key's units; 0 where it means "none".
   struct Rate {
     const char *key;
     double *field;
     double scale;
     bool zeroAllowed;
   };
+  constexpr double kLeast = 1e-6, kMost = 1e6;
   for (Rate r : {Rate{"cube_tflops", &p.cubeFlops, 1e12, false},
                  Rate{"cube_tflops_bf16", &p.cubeFlopsBf16, 1e12, false},
                  Rate{"memory_gbps", &p.memoryBytes, 1e9, false},
@@ -193,11 +206,11 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
     auto it = json.find(r.key);
     if (it == json.end())
       continue;
-    if (!it->is_number() || !std::isfinite(it->get<double>()) || it->get<double>() < 0 ||
-        (!r.zeroAllowed && it->get<double>() == 0))
-      return fail(fmt::format("'{}' must be a {} number, got {}", r.key,
-                              r.zeroAllowed ? "non-negative" : "positive", it->dump()));
-    *r.field = it->get<double>() * r.scale;
+    const double v = it->is_number() ? it->get<double>() : -1;
+    if (!(v == 0 && r.zeroAllowed) && !(v >= kLeast && v <= kMost))
+      return fail(fmt::format("'{}' must be a number from {:g} to {:g}{}, got {}", r.key, kLeast,
+                              kMost, r.zeroAllowed ? " (or 0)" : "", it->dump()));
+    *r.field = v * r.scale;
   }
   if (auto it = json.find("core_sharing"); it != json.end()) {
     std::string value = it->is_string() ? it->get<std::string>() : "";

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -1291,6 +1292,56 @@ int launcherRank() {
   return 0;
 }
 
+int launcherSize() {
+  for (const char *name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
+    if (const char *value = std::getenv(name))
+      return std::max(1, std::atoi(value));
+  return 1;
+}
+
+namespace {
+
+/// MPI_Init_thread under a watchdog: MPI's start-up waits for every process
+/// of the job, without a bound of its own, so a job one of whose processes
+/// never starts MPI (another program given to mpirun, a process that
+/// failed before it) would wait for ever. After `seconds` (> 0) the
+/// watchdog says so and ends the process.
+int initMpiBounded(int *provided, double seconds) {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread watchdog;
+  if (seconds > 0) {
+    try {
+      watchdog = std::thread([&] {
+        std::unique_lock<std::mutex> lock(mutex);
+        if (cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return done; }))
+          return;
+        std::fprintf(stderr,
+                     "error: [process of rank %d] MPI's start-up did not end within %g s: some "
+                     "process of the job did not start MPI (every process mpirun starts must "
+                     "run the layer: moec run, or a program that makes it)\n",
+                     launcherRank(), seconds);
+        std::fflush(stderr);
+        std::_Exit(1);
+      });
+    } catch (const std::system_error &) {
+      // No watchdog: the start-up as MPI does it.
+    }
+  }
+  const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, provided);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    done = true;
+  }
+  cv.notify_all();
+  if (watchdog.joinable())
+    watchdog.join();
+  return rc;
+}
+
+} // namespace
+
 Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
@@ -1299,8 +1350,7 @@ Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options) 
     return Status::error("mpi fabric: MPI is already finalized");
   int provided = 0;
   if (!initialized) {
-    if (int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-        rc != MPI_SUCCESS)
+    if (int rc = initMpiBounded(&provided, options.timeoutSeconds); rc != MPI_SUCCESS)
       return Status::error("mpi fabric: MPI_Init_thread: " + mpiError(rc));
     initializedByUs = true;
   } else {

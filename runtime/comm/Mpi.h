@@ -94,6 +94,9 @@ bool launchedByMpi();
 /// environment (before MPI is initialized), or 0.
 int launcherRank();
 
+/// The number of processes the launcher started (1 when not started by one).
+int launcherSize();
+
 /// Ends every rank of the job at once (MPI_Abort), for a rank that hit an
 /// error the others cannot learn of in a bounded time.
 [[noreturn]] void abortMpi(int code);

@@ -937,10 +937,14 @@ std::string Executor::Impl::describeStuck() const {
   }
   std::vector<std::string> listed = std::move(blocked);
   listed.insert(listed.end(), ready.begin(), ready.end());
-  std::string out = fmt::format(
-      "{} of {} task runs completed; {} queue{} on {} rank{} did not drain ({} task runs left)",
-      totalTasks - left, totalTasks, undrained, undrained == 1 ? "" : "s", ranksStuck,
-      ranksStuck == 1 ? "" : "s", left);
+  std::string out =
+      undrained == 0
+          ? fmt::format("{} of {} task runs completed; every queue of this process drained",
+                        totalTasks - left, totalTasks)
+          : fmt::format("{} of {} task runs completed; {} queue{} on {} rank{} did not drain ({} "
+                        "task runs left)",
+                        totalTasks - left, totalTasks, undrained, undrained == 1 ? "" : "s",
+                        ranksStuck, ranksStuck == 1 ? "" : "s", left);
   uint32_t shown = uint32_t(std::min(limit, listed.size()));
   for (uint32_t i = 0; i < shown; ++i)
     out += (i == 0 ? ". Stuck: " : "; ") + listed[i];

@@ -1031,8 +1031,23 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
 }
 
 Status loadTaskBinaryFile(const std::string &path, TaskProgram *out) {
+  if (path == "-")
+    return Status::error("-: a task binary is read from a file, not from standard input");
+  // The header first: a file longer than it says (bytes appended, a sparse
+  // tail of gigabytes) is refused before the rest is read.
   std::vector<uint8_t> bytes;
-  if (Status s = readWholeFile(path, &bytes); !s)
+  uint64_t fileSize = 0;
+  if (Status s = readFileHead(path, sizeof(FileHeader), &bytes, &fileSize); !s)
+    return s;
+  if (bytes.size() == sizeof(FileHeader) && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0) {
+    FileHeader header;
+    std::memcpy(&header, bytes.data(), sizeof(header));
+    if (header.version == kFormatVersion && header.fileSize < fileSize)
+      return Status::error(
+          fmt::format("{}: file size mismatch: the header says {} bytes, but the file has {}",
+                      path, header.fileSize, fileSize));
+  }
+  if (Status s = readWholeFile(path, &bytes, std::max<uint64_t>(fileSize, sizeof(FileHeader))); !s)
     return s;
   return readTaskBinary(bytes.data(), bytes.size(), out).withPrefix(path + ": ");
 }

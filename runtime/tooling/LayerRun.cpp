@@ -27,6 +27,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace moec::tooling {
@@ -250,12 +251,24 @@ const char *const kRunFileNames[] = {"x.npy",  "topk_ids.npy", "topk_weights.npy
                                      "w2.npy", "dy.npy",       "y.npy",            "dx.npy",
                                      "dtopk_weights.npy", "dw1.npy", "dw2.npy"};
 
-Status RunFolder::open(const std::string &dir, std::unique_ptr<RunFolder> *out) {
+bool isRunFileName(const std::string &name) {
+  return name == kRunManifest || std::find_if(std::begin(kRunFileNames), std::end(kRunFileNames),
+                                              [&](const char *n) { return name == n; }) !=
+                                     std::end(kRunFileNames);
+}
+
+Status RunFolder::open(const std::string &dir, const std::vector<std::string> &writes,
+                       const std::vector<std::string> &inputs, std::unique_ptr<RunFolder> *out) {
   if (dir.empty())
     return Status::error("--outputs: an empty path names no folder");
   std::unique_ptr<RunFolder> folder(new RunFolder());
   folder->dir = dir;
   std::error_code ec;
+  struct stat link {};
+  if (::lstat(dir.c_str(), &link) == 0 && S_ISLNK(link.st_mode) &&
+      !std::filesystem::exists(dir, ec))
+    return Status::error(fmt::format(
+        "{}: cannot be the outputs folder: it is a symbolic link to nothing (or a loop)", dir));
   const bool existed = std::filesystem::exists(dir, ec);
   if (!existed && !std::filesystem::create_directories(dir, ec) && ec)
     return Status::error(fmt::format("{}: cannot be the outputs folder: {}", dir, ec.message()));
@@ -269,6 +282,23 @@ Status RunFolder::open(const std::string &dir, std::unique_ptr<RunFolder> *out) 
         "{}: another moec run is writing this folder now; give this run another --outputs "
         "folder, or wait for that run to end",
         dir));
+  // The run writes its files into the folder, never through it.
+  for (const std::string &name : writes) {
+    const std::string path = dir + "/" + name;
+    struct stat info {};
+    if (::lstat(path.c_str(), &info) != 0)
+      continue;
+    if (!S_ISREG(info.st_mode))
+      return Status::error(fmt::format(
+          "{}: is {}; the run writes {} as a file of the outputs folder, so move that away "
+          "or give another --outputs folder",
+          path, S_ISLNK(info.st_mode) ? "a symbolic link" : "not a regular file", name));
+    for (const std::string &input : inputs)
+      if (sameFile(path, input))
+        return Status::error(fmt::format(
+            "{}: is the input {}; the run would write over it, so give another --outputs folder",
+            path, input));
+  }
   std::filesystem::remove(dir + "/" + kRunManifest, ec);
   if (ec)
     return Status::error(fmt::format("{}: cannot be the outputs folder: {}", dir, ec.message()));
@@ -277,8 +307,10 @@ Status RunFolder::open(const std::string &dir, std::unique_ptr<RunFolder> *out) 
 }
 
 RunFolder::~RunFolder() {
-  if (created) // only when empty: a failed run leaves no folder it made
-    ::rmdir(dir.c_str());
+  if (created) { // a failed run leaves no folder it made
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  }
   if (fd >= 0)
     ::close(fd); // and the lock with it
 }

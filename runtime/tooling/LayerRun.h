@@ -86,16 +86,24 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool bac
 /// check.
 inline constexpr const char *kRunManifest = "manifest.json";
 
+/// True for the names a run writes into its folder (its .npy files and the
+/// manifest).
+bool isRunFileName(const std::string &name);
+
 /// The outputs folder of a run, from the run's start to its manifest. open()
 /// creates the folder when missing, locks it (a second run writing the same
-/// folder at once is refused, naming it) and removes the old manifest: from
-/// then on the folder is not a run's. finish() removes the files of earlier
-/// runs that this one did not write (only the names a run writes: an
-/// outputs folder holds exactly one run's files) and writes the manifest.
-/// A folder that open() created and a failed run left empty is removed.
+/// folder at once is refused, naming it), refuses it when a file the run
+/// will write (`writes`, names in the folder) is there as a symbolic link
+/// or another kind of file, or is one of `inputs` under another name, and
+/// removes the old manifest: from then on the folder is not a run's.
+/// finish() removes the files of earlier runs that this one did not write
+/// (only the names a run writes: an outputs folder holds exactly one run's
+/// files) and writes the manifest. A folder that open() created is removed
+/// with what a failed run put in it.
 class RunFolder {
 public:
-  static Status open(const std::string &dir, std::unique_ptr<RunFolder> *out);
+  static Status open(const std::string &dir, const std::vector<std::string> &writes,
+                     const std::vector<std::string> &inputs, std::unique_ptr<RunFolder> *out);
   ~RunFolder();
   RunFolder(const RunFolder &) = delete;
   RunFolder &operator=(const RunFolder &) = delete;

@@ -514,38 +514,39 @@ uint64_t readLittleEndian(const uint8_t *bytes, size_t size) {
 
 /// Parses a whole .npy file held in `bytes`. On success moves the elements
 /// out of `bytes` into `*out`. Errors have no path.
-Status parseNpyBytes(std::vector<uint8_t> &bytes, NpyArray *out) {
-  size_t size = bytes.size();
-  if (size < kMagicSize || std::memcmp(bytes.data(), kMagic, kMagicSize) != 0)
+/// The header of a .npy file of `fileSize` bytes whose first `have` bytes
+/// are at `bytes` (at least the whole header, or all of a shorter file):
+/// its type, shape and where the data starts, checked against the size.
+Status parseNpyHead(const uint8_t *bytes, size_t have, uint64_t fileSize, NpyType *type,
+                    std::vector<int64_t> *shape, size_t *offset) {
+  if (have < kMagicSize || std::memcmp(bytes, kMagic, kMagicSize) != 0)
     return Status::error("not a .npy file (bad magic)");
-  if (size < kMagicSize + 2)
-    return Status::error(fmt::format("truncated: {} bytes, too short for a .npy header", size));
+  if (have < kMagicSize + 2)
+    return Status::error(fmt::format("truncated: {} bytes, too short for a .npy header", fileSize));
   unsigned major = bytes[6], minor = bytes[7];
   if (minor != 0 || major < 1 || major > 3)
     return Status::error(
         fmt::format("unsupported .npy version {}.{}: expected 1.0, 2.0 or 3.0", major, minor));
   size_t lengthSize = major == 1 ? 2 : 4;
   size_t prefix = kMagicSize + 2 + lengthSize;
-  if (size < prefix)
-    return Status::error(fmt::format("truncated: {} bytes, too short for a .npy header", size));
-  uint64_t headerSize = readLittleEndian(bytes.data() + kMagicSize + 2, lengthSize);
-  if (headerSize > size - prefix)
+  if (have < prefix)
+    return Status::error(fmt::format("truncated: {} bytes, too short for a .npy header", fileSize));
+  uint64_t headerSize = readLittleEndian(bytes + kMagicSize + 2, lengthSize);
+  if (headerSize > fileSize - prefix)
     return Status::error(fmt::format("truncated: header says {} bytes of header, file has {}",
-                                     headerSize, size - prefix));
-  std::string_view header(reinterpret_cast<const char *>(bytes.data()) + prefix,
-                          size_t(headerSize));
-
-  NpyType type = NpyType::F32;
-  std::vector<int64_t> shape;
-  if (Status status = parseHeader(header, &type, &shape); !status)
+                                     headerSize, fileSize - prefix));
+  if (headerSize > have - prefix)
+    return Status::error(fmt::format("a header of {} bytes; at most {} are read", headerSize,
+                                     have - prefix));
+  std::string_view header(reinterpret_cast<const char *>(bytes) + prefix, size_t(headerSize));
+  if (Status status = parseHeader(header, type, shape); !status)
     return status;
   int64_t elements;
   size_t dataBytes;
-  if (Status status = checkShape(shape, npyTypeSize(type), &elements, &dataBytes); !status)
+  if (Status status = checkShape(*shape, npyTypeSize(*type), &elements, &dataBytes); !status)
     return status.withPrefix("bad header: ");
-
-  size_t offset = prefix + size_t(headerSize);
-  size_t available = size - offset;
+  *offset = prefix + size_t(headerSize);
+  uint64_t available = fileSize - *offset;
   if (available < dataBytes)
     return Status::error(
         fmt::format("truncated: header says {} bytes of data, file has {}", dataBytes, available));
@@ -553,7 +554,15 @@ Status parseNpyBytes(std::vector<uint8_t> &bytes, NpyArray *out) {
     return Status::error(
         fmt::format("{} bytes after the data: header says {} bytes of data, file has {}",
                     available - dataBytes, dataBytes, available));
+  return Status::success();
+}
 
+Status parseNpyBytes(std::vector<uint8_t> &bytes, NpyArray *out) {
+  NpyType type = NpyType::F32;
+  std::vector<int64_t> shape;
+  size_t offset = 0;
+  if (Status s = parseNpyHead(bytes.data(), bytes.size(), bytes.size(), &type, &shape, &offset); !s)
+    return s;
   bytes.erase(bytes.begin(), bytes.begin() + std::ptrdiff_t(offset));
   out->type = type;
   out->shape = std::move(shape);
@@ -632,8 +641,19 @@ std::string formatShape(const std::vector<int64_t> &shape) {
 Status parseNpy(std::vector<uint8_t> &bytes, NpyArray *out) { return parseNpyBytes(bytes, out); }
 
 Status readNpy(const std::string &path, NpyArray *out) {
+  // The header first: its shape says how large the file is, and a file of
+  // another size is refused before the rest is read.
+  constexpr uint64_t kHeadBytes = uint64_t(1) << 20;
   std::vector<uint8_t> bytes;
-  if (Status s = readWholeFile(path, &bytes); !s)
+  uint64_t fileSize = 0;
+  if (Status s = readFileHead(path, kHeadBytes, &bytes, &fileSize); !s)
+    return s;
+  NpyType type = NpyType::F32;
+  std::vector<int64_t> shape;
+  size_t offset = 0;
+  if (Status s = parseNpyHead(bytes.data(), bytes.size(), fileSize, &type, &shape, &offset); !s)
+    return s.withPrefix(path + ": ");
+  if (Status s = readWholeFile(path, &bytes, fileSize); !s)
     return s;
   return parseNpyBytes(bytes, out).withPrefix(path + ": ");
 }

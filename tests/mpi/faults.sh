@@ -75,20 +75,20 @@ fails() {
 RUN=("${MPIRUN[@]}" -np)
 
 # A rank that never submits the pass the others wait for: rank 1 runs the
-# layer twice, rank 0 once. Rank 1's watchdog names rank 0.
-fails silent-rank "rank 1: rank 0 did not reach the exchange within 5 s" \
+# layer twice, rank 0 once. Whichever waits out the timeout first names the
+# other: rank 1 names rank 0 at its exchange (rank 0 ended its job), or rank
+# 0 names rank 1 at the end of the job (it runs more passes).
+fails silent-rank "rank 1: rank 0 did not reach the exchange within 5 s|rank 0: rank 1 did not reach the end of the job within 5 s" \
   "${RUN[@]}" 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --random 1 \
   --outputs "$WORK/silent-rank" --repeat 1 "${S[@]}" : \
   -np 1 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --random 1 \
   --outputs "$WORK/silent-rank" --repeat 2 "${S[@]}"
 
-# The report of that job, on rank 0: rank 1's part (the exchange it waited
-# for, and why: rank 0 ended its job), and rank 0's (stopped by rank 1, or
-# its own wait for rank 1 at the end of the job, whichever ends first).
+# The report of that job, on rank 0: both ranks' parts, each saying why.
 expect_all silent-rank-report "$WORK/silent-rank.log" "$WORK/silent-rank" \
   "^report of the 2 ranks, gathered on rank 0:" \
   "^  \[rank 0\] at the end of the job: (rank 1 stopped the job: rank 1: rank 0 did not reach the exchange|rank 0: rank 1 did not reach the end of the job within 5 s)" \
-  "^  \[rank 1\] rank 1: rank 0 did not reach the exchange within 5 s \(rank 0 reached the end of the job: it ran fewer passes than this rank\)"
+  "^  \[rank 1\] (rank 1: rank 0 did not reach the exchange within 5 s \(rank 0 reached the end of the job: it ran fewer passes than this rank\)|rank 0 stopped the job: at the end of the job: rank 0: rank 1 did not reach the end of the job)"
 
 # A put lost on its way: rank 1 drops its second put to rank 0 and the
 # signal after it. Rank 0's watchdog fires; the report names the event, the
@@ -190,6 +190,16 @@ on_ranks local-puts-on-one-rank "rank 1 was started with other options than rank
 on_ranks op-by-op-on-one-rank "rank 1 was started with other options than rank 0: '--op-by-op' against '\(none\)'" \
   --random 1 -- --random 1 --op-by-op
 
+# A job one of whose processes is no moec run: MPI's start-up waits for it
+# without a bound of its own, and moec's watchdog ends the job.
+fails peer-not-moec "MPI's start-up did not end within 5 s: some process of the job did not start MPI|exiting improperly" \
+  "${RUN[@]}" 1 "$MOEC" run "$WORK/small/fwd.moebin" --random 1 --outputs "$WORK/peer-not-moec" \
+  "${S[@]}" : -np 1 "$MOEC" dump "$WORK/small/fwd.moebin"
+# The in-process fabric under mpirun: each process would run the whole layer.
+fails inproc-under-mpirun "fabric inproc runs every rank in this process, but mpirun started 2 processes" \
+  "${RUN[@]}" 2 "$MOEC" run "$WORK/small/fwd.moebin" --ranks 2 --fabric inproc --random 1 \
+  --outputs "$WORK/inproc-under-mpirun" "${S[@]}"
+
 # A rank stopped by SIGSTOP in the middle of the passes: rank 0's watchdog
 # names rank 1, and the job ends in bounded time.
 out="$WORK/stopped"
@@ -217,7 +227,7 @@ else
   elif [ $(($(date +%s) - start)) -gt 55 ]; then
     bad "stopped rank: the job took more than 55 s to end" "$WORK/stopped.log"
   else
-    expect "stopped rank" "$WORK/stopped.log" "rank 1" "$out"
+    expect "stopped rank" "$WORK/stopped.log" "(signalled by|from) rank 1" "$out"
     if grep -q "0 queues on 0 ranks" "$WORK/stopped.log"; then
       bad "stopped rank: the report names no rank" "$WORK/stopped.log"
     fi

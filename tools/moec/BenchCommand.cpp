@@ -107,7 +107,7 @@ const CommandSpec kBenchSpec = {
     0,
     0,
     {"-o"},
-    {"--config"}};
+    {"--config", "--graphs"}};
 
 namespace {
 
@@ -464,7 +464,11 @@ int runBench(int argc, char **argv, int first) {
     printHelp(kBenchSpec);
     return kOk;
   }
-  if (int code = checkOutputs(kBenchSpec, args); code != kOk)
+  std::vector<std::string> graphFiles;
+  if (auto dir = args.value("--graphs"))
+    for (const char *name : {"moe_ffn_fwd.json", "moe_ffn_bwd.json"})
+      graphFiles.push_back(*dir + "/" + name);
+  if (int code = checkOutputs(kBenchSpec, args, graphFiles); code != kOk)
     return code;
   std::vector<uint32_t> rankCounts = {1, 2, 4};
   if (auto r = args.value("--ranks"); r && !parseRanks(*r, &rankCounts))

@@ -66,21 +66,37 @@ std::optional<Args> parseArgs(const CommandSpec &spec, int argc, char **argv, in
   return args;
 }
 
-int checkOutputs(const CommandSpec &spec, const Args &args) {
+int checkOutputs(const CommandSpec &spec, const Args &args,
+                 const std::vector<std::string> &moreInputs,
+                 const std::vector<std::pair<std::string, std::string>> &moreOutputs) {
+  const auto usageError = [&](const std::string &message) {
+    std::fprintf(stderr, "moec %s: %s\n", spec.name, message.c_str());
+    return int(kUsage);
+  };
   std::vector<std::string> inputs = args.positional;
+  for (size_t i = 0; i < args.positional.size(); ++i)
+    if (args.positional[i].empty())
+      return usageError("argument " + std::to_string(i + 1) +
+                        " is an empty path, which names no file");
   for (const std::string &flag : spec.inputFlags)
-    if (std::optional<std::string> path = args.value(flag))
+    if (std::optional<std::string> path = args.value(flag)) {
+      if (path->empty())
+        return usageError(flag + " needs a path; the path given is empty");
       inputs.push_back(*path);
-  for (const std::string &flag : spec.outputFlags) {
-    std::optional<std::string> path = args.value(flag);
-    if (!path)
-      continue;
-    if (Status s = checkOutputPath(flag, *path, inputs); !s) {
-      std::fprintf(stderr, "moec %s: %s\n", spec.name, s.message().c_str());
-      return kUsage;
     }
-    if (Status s = checkWritable(*path); !s) {
-      std::fprintf(stderr, "moec %s: %s %s\n", spec.name, flag.c_str(), s.message().c_str());
+  inputs.insert(inputs.end(), moreInputs.begin(), moreInputs.end());
+  std::vector<std::pair<std::string, std::string>> outputs;
+  for (const std::string &flag : spec.outputFlags)
+    if (std::optional<std::string> path = args.value(flag))
+      outputs.push_back({flag, *path});
+  outputs.insert(outputs.end(), moreOutputs.begin(), moreOutputs.end());
+  // Standard output carries every command's report or result.
+  outputs.push_back({"standard output", "-"});
+  for (const auto &[what, path] : outputs) {
+    if (Status s = checkOutputPath(what, path, inputs); !s)
+      return usageError(s.message());
+    if (Status s = checkWritable(path); !s) {
+      std::fprintf(stderr, "moec %s: %s %s\n", spec.name, what.c_str(), s.message().c_str());
       return kError;
     }
   }

@@ -11,6 +11,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moec::cli {
@@ -47,10 +48,15 @@ struct Args {
 /// the usage line to stderr and returns std::nullopt.
 std::optional<Args> parseArgs(const CommandSpec &spec, int argc, char **argv, int first);
 
-/// Checks every output path of `args` before the command does any work: not
-/// empty and not one of the inputs (kUsage), and writable where it points
-/// (kError). Prints the error and returns its exit code, or kOk.
-int checkOutputs(const CommandSpec &spec, const Args &args);
+/// Checks every path of `args` before the command does any work: no input
+/// path empty, every output (the spec's output flags, `moreOutputs` as
+/// {what, path}, and standard output) none of the inputs (the positional
+/// arguments, the spec's input flags and `moreInputs`) under any name
+/// (kUsage), and every output writable where it points (kError). Prints the
+/// error and returns its exit code, or kOk.
+int checkOutputs(const CommandSpec &spec, const Args &args,
+                 const std::vector<std::string> &moreInputs = {},
+                 const std::vector<std::pair<std::string, std::string>> &moreOutputs = {});
 
 /// Prints `spec`'s usage and help to stdout.
 void printHelp(const CommandSpec &spec);

@@ -15,8 +15,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
+#include <vector>
 
 using namespace moec;
 
@@ -112,10 +114,21 @@ const char *renderedFormat(const std::string &path) {
 }
 
 /// Renders the dot text `dot` with graphviz into `path` (its format from
-/// the suffix), through a temporary file beside it, so that a failure
-/// leaves nothing half-written.
+/// the suffix): in a temporary folder of its own, then written to `path` as
+/// every output is (whole or not at all, through a symlink, into a device).
 Status renderDot(const std::string &dot, const std::string &path) {
-  std::string dotFile = path + ".tmp.dot", rendered = path + ".tmp";
+  std::string folder = std::filesystem::temp_directory_path().string() + "/moec-dot-XXXXXX";
+  if (!::mkdtemp(folder.data()))
+    return Status::error(fmt::format("{}: cannot create a temporary folder: {}", folder,
+                                     std::strerror(errno)));
+  struct Cleanup {
+    std::string folder;
+    ~Cleanup() {
+      std::error_code ec;
+      std::filesystem::remove_all(folder, ec);
+    }
+  } cleanup{folder};
+  const std::string dotFile = folder + "/graph.dot", rendered = folder + "/graph.out";
   if (Status status = writeFileAtomically(dotFile, {{dot.data(), dot.size()}}); !status)
     return status;
   auto quote = [](const std::string &text) {
@@ -134,20 +147,17 @@ Status renderDot(const std::string &dot, const std::string &path) {
       messages.append(buffer, n);
     code = pclose(pipe);
   }
-  std::remove(dotFile.c_str());
   if (code != 0) {
-    std::remove(rendered.c_str());
     if (code == 127 << 8 || messages.find("not found") != std::string::npos)
       return Status::error(fmt::format("{}: rendering needs graphviz's 'dot' on the PATH (Debian "
                                        "package graphviz); or write dot text to a .dot file",
                                        path));
     return Status::error(fmt::format("{}: graphviz's dot failed: {}", path, messages));
   }
-  if (std::rename(rendered.c_str(), path.c_str()) != 0) {
-    std::remove(rendered.c_str());
-    return Status::error(fmt::format("{}: cannot write it: {}", path, std::strerror(errno)));
-  }
-  return Status::success();
+  std::vector<uint8_t> bytes;
+  if (Status status = readWholeFile(rendered, &bytes); !status)
+    return status;
+  return writeFileAtomically(path, {{bytes.data(), bytes.size()}});
 }
 
 } // namespace

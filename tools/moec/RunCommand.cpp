@@ -106,8 +106,8 @@ const CommandSpec kRunSpec = {
     "                   --verify and no output files\n"
     "  --timeout S      the watchdog: a pass (or, under MPI, a wait for another\n"
     "                   rank) that makes no progress for S seconds stops with an\n"
-    "                   error naming what it waited for (default 60); under MPI\n"
-    "                   rank 0 then prints the report of every rank\n"
+    "                   error naming what it waited for (0.001 to 1000000, default\n"
+    "                   60); under MPI rank 0 then prints the report of every rank\n"
     "  --trace FILE     write a Chrome/Perfetto trace of the last timed forward pass\n"
     "                   to FILE (and of the backward pass to FILE with '.bwd' before\n"
     "                   its extension): tasks with their tiles, waits naming their\n"
@@ -285,6 +285,19 @@ Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeo
   return Status::success();
 }
 
+/// The names a run writes into its outputs folder: its outputs, and the
+/// inputs it made with --random.
+std::vector<std::string> runFolderWrites(bool backward, bool random) {
+  std::vector<std::string> names = {"y.npy"};
+  if (backward)
+    names.insert(names.end(), {"dx.npy", "dtopk_weights.npy", "dw1.npy", "dw2.npy"});
+  if (random)
+    for (const std::string &name : layerInputFiles(backward))
+      names.push_back(name);
+  names.push_back(kRunManifest);
+  return names;
+}
+
 std::string tracePath(const std::string &path, const char *suffix) {
   const std::filesystem::path p(path);
   return (p.parent_path() / (p.stem().string() + suffix + p.extension().string())).string();
@@ -394,11 +407,39 @@ int runRun(int argc, char **argv, int first) {
     printHelp(kRunSpec);
     return kOk;
   }
-  if (int code = checkOutputs(kRunSpec, args); code != kOk)
-    return code;
   for (const char *flag : {"--outputs", "--inputs"})
     if (args.value(flag) && args.value(flag)->empty())
       return usage(fmt::format("{} needs a folder; the path given is empty", flag).c_str());
+  {
+    // The files of the inputs folder are inputs too, and a backward trace
+    // goes to a second path.
+    std::vector<std::string> inputFiles;
+    if (auto dir = args.value("--inputs")) {
+      for (const std::string &name : layerInputFiles(true))
+        inputFiles.push_back(*dir + "/" + name);
+      inputFiles.push_back(*dir + "/" + kRunManifest);
+    }
+    std::vector<std::pair<std::string, std::string>> traces;
+    if (auto trace = args.value("--trace"); trace && args.positional.size() == 2)
+      traces.push_back({"--trace (its backward pass)", tracePath(*trace, ".bwd")});
+    if (int code = checkOutputs(kRunSpec, args, inputFiles, traces); code != kOk)
+      return code;
+    // Nor is a trace one of the files the run writes into its folder.
+    if (auto trace = args.value("--trace"); trace && args.value("--outputs")) {
+      std::error_code ec;
+      const std::filesystem::path folder =
+          std::filesystem::weakly_canonical(*args.value("--outputs"), ec);
+      traces.push_back({"--trace", *trace});
+      for (const auto &[what, path] : traces) {
+        const std::filesystem::path p = std::filesystem::weakly_canonical(path, ec);
+        if (p.parent_path() == folder && isRunFileName(p.filename().string()))
+          return usage(fmt::format("{} {}: is a file the run writes into its --outputs folder; "
+                                   "give the trace another path",
+                                   what, path)
+                           .c_str());
+      }
+    }
+  }
   // Every line of the report goes out as it is printed, so a run that is
   // killed (out of memory, a job's time limit) keeps the times it measured.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -406,6 +447,12 @@ int runRun(int argc, char **argv, int first) {
       args.value("--fabric").value_or(comm::launchedByMpi() ? "mpi" : "inproc");
   if (fabricName != "inproc" && fabricName != "mpi")
     return usage("--fabric must be inproc or mpi");
+  if (fabricName == "inproc" && comm::launcherSize() > 1)
+    return usage(fmt::format("--fabric inproc runs every rank in this process, but mpirun started "
+                             "{} processes: each would run the whole layer on its own; leave "
+                             "--fabric out (mpi is the default under mpirun)",
+                             comm::launcherSize())
+                     .c_str());
   const bool mpi = fabricName == "mpi";
   if (!args.value("--ranks") && !mpi)
     return usage("missing --ranks R");
@@ -441,8 +488,9 @@ int runRun(int argc, char **argv, int first) {
   if (auto t = args.value("--timeout")) {
     char *end = nullptr;
     timeout = std::strtod(t->c_str(), &end);
-    if (t->empty() || *end != '\0' || !(timeout > 0 && timeout < 1e6))
-      return usage("--timeout must be a positive number of seconds");
+    // Below a millisecond the watchdog's clock cannot tell it from none.
+    if (t->empty() || *end != '\0' || !(timeout >= 1e-3 && timeout <= 1e6))
+      return usage("--timeout must be a number of seconds from 0.001 to 1000000");
   }
   backend::Kind backendKind = backend::Kind::Cpu;
   if (auto b = args.value("--backend")) {
@@ -580,7 +628,9 @@ int runRun(int argc, char **argv, int first) {
   // The folder stops being an earlier run's before this run writes to it,
   // and no other run writes it meanwhile.
   if (report && !localPuts)
-    if (Status s = RunFolder::open(outputs, &runFolder); !s)
+    if (Status s = RunFolder::open(outputs, runFolderWrites(backward, args.value("--random").has_value()),
+                                   args.positional, &runFolder);
+        !s)
       return fail(s);
 
   progress.end();

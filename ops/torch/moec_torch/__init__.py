@@ -45,6 +45,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 import warnings
@@ -59,11 +60,6 @@ __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gra
            "MoeFFN", "MoeFFNFunction", "checks", "compile", "compile_graphs",
            "compile_layer", "dump", "finalize_mpi", "launched_by_mpi", "load_library",
            "load_trace", "native", "reference", "simulate_trace"]
-
-
-def _path(env, default):
-    value = os.environ.get(env)
-    return Path(value) if value else default
 
 
 _loaded = False
@@ -137,7 +133,9 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
     `tp` tensor-parallel ranks each; default: the config's tp, else 1),
     compiling them with the compiler library (native.compile) unless the
     cache has them (or `fresh`). The key covers the config, the graphs, the
-    target, the granularity and the compiler library itself.
+    target (a profile file's contents, not only its path), the granularity
+    and the compiler library itself. The cache is the folder $MOEC_CACHE_DIR
+    (default ~/.cache/moec); one that is not a folder raises ValueError.
 
     A cache entry is a folder of the binaries, the config they were compiled
     for and manifest.json (each binary's size and sha256). A compile writes
@@ -146,6 +144,7 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
     whose binaries do not match its manifest (cut short, changed, missing)
     is removed and compiled anew, with a RuntimeWarning. MoeFFN also checks
     that the binaries it gets load and are the config's layer."""
+    fresh = checks.boolean(fresh, "compile_graphs: argument 'fresh'")
     cfg = checks.read_config(config)
     cfg["ep"] = checks.integer(ranks, "compile_graphs: argument 'ranks'", minimum=1)
     cfg["tp"] = checks.integer(tp, "compile_graphs: argument 'tp'", minimum=1) \
@@ -158,28 +157,61 @@ def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-ra
             f"moec: the compiler library {moec} does not exist; install the moec_torch package, "
             "build it with 'bazel build //compiler/api:libmoec.so', or set MOEC_LIB")
     sources = [folder / g for g in graphs]
+    # A target profile file: its contents are part of the key (an edited
+    # profile is another target), and the compile reads this copy of them.
+    profile_path = checks.target_file(target)
+    profile = None if profile_path is None else \
+        checks.read_small_file(profile_path, "target profile")
     key = hashlib.sha256()
     key.update(json.dumps(cfg, sort_keys=True).encode())
     # The cpu target takes its core counts from this machine.
     key.update(f"{target}|{granularity}|{os.cpu_count()}".encode())
-    stat = moec.stat()
-    key.update(f"{moec.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    if profile is not None:
+        key.update(b"profile|" + hashlib.sha256(profile).hexdigest().encode())
+    lib = moec.stat()
+    key.update(f"{moec.resolve()}|{lib.st_size}|{lib.st_mtime_ns}".encode())
     for source in sources:
         key.update(source.name.encode())
         key.update(source.read_bytes())
     digest = key.hexdigest()[:24]
     if digest in _compiled and not fresh:
         return _compiled[digest]
-    entry = _path("MOEC_CACHE_DIR", Path.home() / ".cache/moec") / digest
+    entry = _cache_root() / digest
     outputs = tuple(entry / (Path(g).stem + ".moebin") for g in graphs)
     problem = "fresh" if fresh else _entry_problem(entry, outputs)
     if problem is not None:
         if problem not in ("fresh", "missing"):
             warnings.warn(f"moec: the compile cache entry {entry} is damaged ({problem}); "
                           "removed, compiling it anew", RuntimeWarning, stacklevel=3)
-        _compile_entry(entry, sources, outputs, cfg, target, granularity, fresh)
+        _compile_entry(entry, sources, outputs, cfg, target, granularity, fresh, profile)
     _compiled[digest] = tuple(str(p) for p in outputs)
     return _compiled[digest]
+
+
+def _cache_root():
+    """The compile cache's folder: $MOEC_CACHE_DIR, else ~/.cache/moec. One
+    that is there and is not a folder (a file, /dev/null) raises ValueError
+    naming the variable and what it points at."""
+    value = os.environ.get("MOEC_CACHE_DIR")
+    root = Path(value) if value else Path.home() / ".cache/moec"
+    where = f"MOEC_CACHE_DIR '{value}'" if value else \
+        f"the compile cache folder '{root}' (MOEC_CACHE_DIR is not set)"
+    real = os.path.realpath(root)
+    if real != os.path.abspath(root):
+        where += f" (a link to '{real}')"
+    try:
+        mode = os.stat(root).st_mode
+    except FileNotFoundError:
+        return root  # made at the first compile
+    except OSError as e:
+        raise ValueError(f"moec: {where} cannot be used as the compile cache: "
+                         f"{e.strerror}") from None
+    if not stat.S_ISDIR(mode):
+        kind = checks._kind(mode) or "a regular file"
+        raise ValueError(f"moec: {where} is {kind}, not a folder; the compile cache is a "
+                         "folder of compiled binaries: point MOEC_CACHE_DIR at a folder (it "
+                         "is made if missing)")
+    return root
 
 
 MANIFEST = "manifest.json"
@@ -226,26 +258,41 @@ def _remove(path):
         path.unlink()
 
 
-def _compile_entry(entry, sources, outputs, cfg, target, granularity, fresh):
+def _compile_entry(entry, sources, outputs, cfg, target, granularity, fresh, profile=None):
     """Compiles `sources` for `cfg` into a scratch folder beside `entry`,
     writes the manifest last, and renames the folder into place. An entry
     already there is replaced, unless it is whole and another process
     finished it while this one compiled (ranks of an MPI job share the
-    cache)."""
+    cache). `profile`: the bytes of the target profile file (the key's),
+    compiled from a copy in the scratch folder."""
     root = entry.parent
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=root, prefix=f".{entry.name}.compiling."))
+    except OSError as e:
+        value = os.environ.get("MOEC_CACHE_DIR")
+        where = f"MOEC_CACHE_DIR '{value}'" if value else f"the compile cache folder '{root}'"
+        raise ValueError(f"moec: {where} cannot be used as the compile cache: cannot write "
+                         f"{e.filename or root}: {e.strerror}") from None
     started = time.time_ns()
-    scratch = Path(tempfile.mkdtemp(dir=root, prefix=f".{entry.name}.compiling."))
     try:
         cfg_path = scratch / "config.json"
         cfg_path.write_text(json.dumps(cfg, indent=2))
+        profile_path = None
+        if profile is not None:
+            profile_path = scratch / "target.json"
+            profile_path.write_bytes(profile)
         files = {}
         for source, out in zip(sources, outputs):
             tmp = scratch / out.name
             try:
-                native.compile(source, cfg_path, tmp, target=target, granularity=granularity)
+                native.compile(source, cfg_path, tmp,
+                               target=target if profile_path is None else profile_path,
+                               granularity=granularity)
             except RuntimeError as e:
                 message = str(e).replace(str(cfg_path), "the config")
+                if profile_path is not None:
+                    message = message.replace(str(profile_path), os.fspath(target))
                 raise RuntimeError(f"moec compile {source.name} failed:\n{message}") from None
             files[out.name] = {"bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
         (scratch / MANIFEST).write_text(json.dumps(
@@ -309,13 +356,37 @@ def _from_cache(compiled, make, problem_of=lambda runtime: None):
 LORA_TARGETS = ("w1", "w2")
 
 
+def _lora_targets(lora_targets):
+    """`lora_targets` as a tuple of names: one name ("w1") is one target, not
+    its letters; a list, tuple or set is taken as it is. What is neither
+    raises TypeError; the names are checked by _lora_suffix."""
+    if isinstance(lora_targets, str):
+        return (lora_targets,)
+    if not isinstance(lora_targets, (bytes, bytearray)):
+        try:
+            return tuple(lora_targets)
+        except TypeError:
+            pass
+    raise TypeError(f"moec: lora_targets must be a name or a tuple of names, some of "
+                    f"{LORA_TARGETS}, got {lora_targets!r} ({type(lora_targets).__name__})")
+
+
 def _lora_suffix(lora_targets):
     """The graphs' name suffix for adapters on `lora_targets`."""
+    lora_targets = _lora_targets(lora_targets)
     targets = tuple(t for t in LORA_TARGETS if t in lora_targets)
-    if not targets or len(targets) != len(set(lora_targets)):
+    if not targets or any(t not in LORA_TARGETS for t in lora_targets):
         raise ValueError(f"moec: lora_targets must name some of {LORA_TARGETS}, "
-                         f"got {tuple(lora_targets)!r}")
+                         f"got {lora_targets!r}")
     return "_lora" if targets == LORA_TARGETS else "_lora_" + targets[0]
+
+
+def _layer_graphs(frozen, lora_targets):
+    """The graph files of a layer (compile_layer)."""
+    if lora_targets:
+        suffix = _lora_suffix(lora_targets)
+        return [f"moe_ffn_fwd{suffix}.json", f"moe_ffn_bwd{suffix}.json"]
+    return ["moe_ffn_fwd.json", "moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json"]
 
 
 def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False,
@@ -325,13 +396,12 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
     gradients) with `frozen`, else moe_ffn_bwd.json. With `lora_targets`
     (some of "w1", "w2"; the config sets lora_rank): the graphs with LoRA
     adapters on those projections, moe_ffn_{fwd,bwd}_lora.json (both) or
-    moe_ffn_{fwd,bwd}_lora_w1.json / _w2.json."""
-    if lora_targets:
-        suffix = _lora_suffix(lora_targets)
-        graphs = [f"moe_ffn_fwd{suffix}.json", f"moe_ffn_bwd{suffix}.json"]
-    else:
-        graphs = ["moe_ffn_fwd.json",
-                  "moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json"]
+    moe_ffn_{fwd,bwd}_lora_w1.json / _w2.json; one name ("w1") is one
+    target. `frozen` and `fresh` are bools."""
+    frozen = checks.boolean(frozen, "compile_layer: argument 'frozen'")
+    fresh = checks.boolean(fresh, "compile_layer: argument 'fresh'")
+    lora_targets = _lora_targets(lora_targets) if lora_targets else ()
+    graphs = _layer_graphs(frozen, lora_targets)
     return compile_graphs(config, ranks, graphs, target, granularity, fresh, tp)
 
 
@@ -667,7 +737,16 @@ class MoeFFN(torch.nn.Module):
     threads: the runtime's worker threads (0: the hardware threads, at most
     1024). ranks, ep, tp, threads and lora_rank are integers (an int, or a
     numpy or torch integer scalar): a float or a bool raises TypeError
-    naming the argument, nothing is rounded.
+    naming the argument, nothing is rounded. check_finite, frozen,
+    main_grad and trace are bools (a Python or numpy bool, or a 0-dim torch
+    bool tensor): "no", 1 or None raises TypeError naming the argument, no
+    value is taken as truthy. timeout_seconds is the watchdog of a pass (and
+    under MPI of each wait for the other ranks): 0.001 to 1000000 seconds,
+    as the CLI's --timeout, else ValueError.
+
+    Tensors (x, topk_ids, topk_weights, dy, the weights and adapters) must
+    be dense: a sparse, mkldnn or nested tensor raises ValueError naming it
+    and its layout, a meta tensor RuntimeError, before any work.
 
     config: a dict, or the path of a regular file of at most 1 MiB; both go
     through checks.read_config (numpy scalars become numbers; non-finite
@@ -710,7 +789,8 @@ class MoeFFN(torch.nn.Module):
 
     lora_rank, lora_alpha, lora_targets: LoRA adapters on the experts, as
     PEFT puts them on a linear layer: for each target projection W ("w1",
-    the gate/up projection, and/or "w2", the down projection) of each
+    the gate/up projection, and/or "w2", the down projection; one name,
+    lora_targets="w1", is that one target) of each
     expert, Y = X W + (lora_alpha / lora_rank) (X A) B with parameters
     w1_lora_A [P*L, H, r], w1_lora_B [P*L, r, 2I], w2_lora_A [P*L, I, r],
     w2_lora_B [P*L, r, H]. A is initialised as PEFT does (uniform in
@@ -753,9 +833,16 @@ class MoeFFN(torch.nn.Module):
                                  "give one")
             ranks = ep
         threads = checks.integer(threads, arg + "'threads'", minimum=0, maximum=1024)
-        timeout_seconds = checks.number(timeout_seconds, arg + "'timeout_seconds'")
+        timeout_seconds = checks.seconds(timeout_seconds, arg + "'timeout_seconds'")
         lora_rank = checks.integer(lora_rank, arg + "'lora_rank'", minimum=0)
+        check_finite = checks.boolean(check_finite, arg + "'check_finite'")
+        frozen = checks.boolean(frozen, arg + "'frozen'")
+        main_grad = checks.boolean(main_grad, arg + "'main_grad'")
+        trace = checks.boolean(trace, arg + "'trace'")
         cfg = checks.read_config(config)
+        # The files the layer reads, which no file it writes may be.
+        self._config_file = None if isinstance(config, dict) else os.fspath(config)
+        self._target_file = checks.target_file(target)
         tp = checks.integer(tp, arg + "'tp'", minimum=1) if tp is not None else \
             checks.integer(cfg.get("tp", 1), "moec: config key 'tp'", minimum=1)
         fabric = fabric or ("mpi" if launched_by_mpi() else "inproc")
@@ -785,6 +872,7 @@ class MoeFFN(torch.nn.Module):
             raise ValueError("moec: LoRA adapters are set by lora_rank= (and lora_alpha=) of "
                              f"the module, not the config (it sets {', '.join(lora_keys)})")
         if lora_rank:
+            lora_targets = _lora_targets(lora_targets)
             _lora_suffix(lora_targets)
             if main_grad:
                 raise ValueError("moec: main_grad buffers with LoRA adapters are not supported "
@@ -810,7 +898,7 @@ class MoeFFN(torch.nn.Module):
         self.check_finite = check_finite
         self.frozen = bool(frozen)
         self.main_grad = bool(main_grad)
-        self._build = (threads, timeout_seconds, target, granularity, fabric, bool(trace))
+        self._build = (threads, timeout_seconds, target, granularity, fabric, trace)
         _register_finalize(fabric)
 
         def compiled(fresh):
@@ -824,7 +912,9 @@ class MoeFFN(torch.nn.Module):
             return None
 
         self.layer = _from_cache(compiled, self._runtime_layer, other_layer)
+        self._binaries = self._made
         info = self.layer.info()
+        self._writes_trace = info["first_rank"] == 0  # under MPI, rank 0 writes
         self.fabric = fabric
         # Ranks in other processes (MPI): what the binaries do not carry is
         # agreed through the fabric's bounded exchange.
@@ -992,8 +1082,17 @@ class MoeFFN(torch.nn.Module):
             for name, t in (("w1", self.w1), ("w2", self.w2)):
                 _check_finite(name, t, "expert", self.first_rank * self.local_experts)
 
+    def _check_dense(self, **tensors):
+        """Refuses (checks.dense) an input, weight or adapter that is not a
+        dense tensor with data (sparse, mkldnn, nested, meta), naming it."""
+        for name, t in tensors.items():
+            checks.dense(t, name)
+        for name in ("w1", "w2", *(f"{t}_lora_{m}" for t in self.lora_targets for m in "AB")):
+            checks.dense(getattr(self, name), name)
+
     def forward(self, x, topk_ids, topk_weights):
         self._check_dropped()
+        self._check_dense(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
         squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
         self._check_inputs(x, topk_weights)
         while True:
@@ -1018,6 +1117,7 @@ class MoeFFN(torch.nn.Module):
         module's next call raise (its pass still runs to its end first).
         Passes of one module run one at a time, in the order submitted."""
         self._check_dropped()
+        self._check_dense(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
         squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
         self._check_inputs(x, topk_weights)
         with torch.no_grad():
@@ -1036,6 +1136,7 @@ class MoeFFN(torch.nn.Module):
             raise ValueError("moec: submit_backward takes a ForwardHandle of this module")
         if handle.step is None:
             raise RuntimeError("moec: wait() the forward handle before submitting its backward")
+        self._check_dense(dy=dy)
         x, ids, weights = handle.inputs
         squeeze, (dy,) = self._unsqueezed(dy) if handle.squeeze else (False, (dy,))
         main_grads = self._main_grads()
@@ -1182,11 +1283,51 @@ class MoeFFN(torch.nn.Module):
             f"recompiled with {', '.join(changes)}", RuntimeWarning, stacklevel=3)
         self.config = cfg
         self.layer = layer
+        self._binaries = self._made
         self.tokens = info["tokens"]
 
     def _runtime_layer(self, forward, backward):
         threads, timeout, _, _, fabric, trace = self._build
-        return torch.classes.moec.Layer(forward, backward, threads, timeout, fabric, trace)
+        layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric, trace)
+        self._made = (forward, backward)
+        return layer
+
+    def _read_files(self):
+        """(what, path) of every file the layer reads: its config file (when
+        given as a path), the target profile file, the task binaries, the
+        graphs they were compiled from and the libraries. A file the layer
+        writes (write_trace, save_adapters) must be none of them."""
+        files = [("config", self._config_file), ("target profile", self._target_file)]
+        files += [(f"{kind} binary", path)
+                  for kind, path in zip(("forward", "backward"), self._binaries)]
+        files += [("graph", native.graphs_dir() / g)
+                  for g in _layer_graphs(self.frozen, self.lora_targets)]
+        files += [("op library", native.op_library_path()),
+                  ("compiler library", native.library_path())]
+        return files
+
+    def _output(self, path, who, argument, writes=True, collective=False):
+        """`path` checked (checks.output_path) by the process that writes
+        it (`writes`). For a collective call under MPI (`collective`) the
+        ranks then agree, so that a path rank 0 refuses is refused on every
+        rank rather than leaving the others waiting for it."""
+        problem = None
+        if writes:
+            try:
+                path = checks.output_path(path, who, argument, self._read_files())
+            except ValueError as e:
+                problem = str(e)
+        if collective and self._collective:
+            # (1000 characters fit agree()'s 4096 bytes even as JSON escapes.)
+            views = self._agree({"refused": problem and problem[:1000]},
+                                f"moec: {who}: the ranks could not "
+                                "compare whether the path can be written")
+            refused = [(r, v.get("refused")) for r, v in enumerate(views) if v.get("refused")]
+            if refused and problem is None:
+                problem = "; ".join(f"{text} (on rank {r})" for r, text in refused)
+        if problem is not None:
+            raise ValueError(problem)
+        return os.fspath(path)
 
     def times(self):
         """Seconds of the last passes: forward and backward, each as
@@ -1202,8 +1343,15 @@ class MoeFFN(torch.nn.Module):
         ended them, the prepare, tasks and finish phases). Needs
         ``trace=True`` at construction. Under MPI it is collective: every
         process calls it, and rank 0 writes one trace of every rank to
-        `path` (the others write nothing)."""
-        self.layer.write_trace(os.fspath(path), which)
+        `path` (the others write nothing).
+
+        `path` is checked before the trace is gathered or built: its folder
+        must exist, and it must not be the same file (links followed) as
+        the config file, the target profile, the binaries, the graphs or
+        the libraries the layer reads (ValueError naming both)."""
+        path = self._output(path, "write_trace", "the trace path", self._writes_trace,
+                            collective=True)
+        self.layer.write_trace(path, which)
 
     def profile(self, which="forward"):
         """Where the last "forward" or "backward" pass's time went, as the
@@ -1338,11 +1486,15 @@ class MoeFFN(torch.nn.Module):
             raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {name: p[e].detach().t().contiguous().clone()
-                   for p, e, name in self._peft_names(module_prefix)}
         sharded = self.local_ranks != self.ranks
         weights = directory / (f"adapter_model-rank{self.first_rank}-of-{self.ranks}.bin"
                                if sharded else "adapter_model.bin")
+        # Neither file may be one the layer reads (its config file, ...).
+        for path in [weights] + ([directory / "adapter_config.json"]
+                                 if self.first_rank == 0 else []):
+            self._output(path, "save_adapters", "the adapter file")
+        tensors = {name: p[e].detach().t().contiguous().clone()
+                   for p, e, name in self._peft_names(module_prefix)}
         written = [weights]
         _write_atomically(weights, lambda f: torch.save(tensors, f))
         if self.first_rank == 0:
@@ -1512,7 +1664,8 @@ class Exchange:
         load_library()
         threads = checks.integer(threads, "Exchange: argument 'threads'", minimum=0,
                                  maximum=1024)
-        timeout_seconds = checks.number(timeout_seconds, "Exchange: argument 'timeout_seconds'")
+        timeout_seconds = checks.seconds(timeout_seconds,
+                                         "Exchange: argument 'timeout_seconds'")
         fabric, ranks = _group(fabric, ranks, "Exchange")
         cfg = checks.read_config(config)
         _register_finalize(fabric)
@@ -1535,6 +1688,8 @@ class Exchange:
 
     def dispatch(self, x, topk_ids, topk_weights):
         """-> (expert_x [rows, H], tokens_per_expert [P*L], handle)."""
+        for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            checks.dense(t, name)
         squeeze = x.dim() == 2 and self.local_ranks == 1
         if squeeze:
             x, topk_ids, topk_weights = x.unsqueeze(0), topk_ids.unsqueeze(0), \
@@ -1549,6 +1704,7 @@ class Exchange:
         """-> y [P, S, H] (or [S, H] when the dispatch took [S, H])."""
         if handle.exchange is not self:
             raise ValueError("moec: the handle is another exchange's")
+        checks.dense(expert_y, "expert_y")
         y = _CombineFunction.apply(self.runtime, handle.route, handle.topk_ids, expert_y,
                                    handle.topk_weights)
         return y.squeeze(0) if handle.squeeze else y

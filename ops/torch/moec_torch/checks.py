@@ -4,6 +4,16 @@ argument, the config key or the file:
     integer(value, what)    an int argument (Python int, or a numpy or torch
                             integer scalar); bools and floats are refused
     number(value, what)     a positive finite number argument
+    boolean(value, what)    a bool argument (a Python or numpy bool, or a
+                            0-dim torch bool tensor); "no", 1 and None are
+                            refused, not taken as truthy
+    seconds(value, what)    a timeout: 0.001 to 1000000 seconds, as the
+                            CLI's --timeout
+    dense(tensor, name)     a tensor input: strided, with storage (not
+                            sparse, mkldnn, nested or meta)
+    output_path(path, ...)  a path to write: its folder exists, and it is
+                            not the same file as one that is read
+    target_file(target)     the profile file a target names, or None
     read_config(config)     a config dict or JSON file as a plain dict, the
                             one normalization MoeFFN, Exchange,
                             compile_graphs and compile() share
@@ -19,7 +29,8 @@ import stat
 
 import torch
 
-__all__ = ["CONFIG_LIMIT", "integer", "number", "read_config", "read_small_file"]
+__all__ = ["CONFIG_LIMIT", "TIMEOUT_RANGE", "boolean", "dense", "integer", "number",
+           "output_path", "read_config", "read_small_file", "seconds", "target_file"]
 
 # A config is a few hundred bytes; one of more than this is not a config.
 CONFIG_LIMIT = 1 << 20
@@ -68,6 +79,119 @@ def number(value, what):
     if not (math.isfinite(result) and result > 0):
         raise ValueError(f"{what} must be a positive finite number, got {value!r}")
     return result
+
+
+def boolean(value, what):
+    """`value` as a Python bool: a bool, a numpy bool_ or a 0-dim torch
+    bool tensor. Anything else (a string such as "no" or "false", an int,
+    None) raises TypeError naming `what` ("MoeFFN: argument 'frozen'"): a
+    truthy value is not taken for True."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, torch.Tensor):
+        if (value.dtype == torch.bool and value.dim() == 0 and value.layout == torch.strided
+                and not value.is_meta):
+            return bool(value)
+    elif _is_bool(value):
+        return bool(value)
+    raise TypeError(f"{what} must be a bool (True or False), got {value!r} "
+                    f"({type(value).__name__})")
+
+
+# What a timeout may be, in seconds: the range of the CLI's --timeout
+# (tools/moec/RunCommand.cpp). Under a millisecond the runtime's watchdog
+# would round it to nothing (off); past 1e6 s (11 days) it guards nothing.
+TIMEOUT_RANGE = (0.001, 1e6)
+
+
+def seconds(value, what):
+    """`value` as a float number of seconds from 0.001 to 1000000 (a
+    timeout; the CLI's --timeout takes the same). A bool or a string raises
+    TypeError, a number outside the range (or NaN) ValueError."""
+    rule = "a number of seconds from 0.001 to 1000000"
+    if _is_bool(value) or isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be {rule}, got {value!r}")
+    try:
+        result = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{what} must be {rule}, got {value!r}") from None
+    if not TIMEOUT_RANGE[0] <= result <= TIMEOUT_RANGE[1]:
+        raise ValueError(f"{what} must be {rule}, got {value!r}")
+    return result
+
+
+def dense(tensor, name):
+    """Refuses a tensor input the op cannot read element by element, before
+    any work: not a tensor (TypeError); a sparse (COO, CSR, CSC, BSR, BSC),
+    mkldnn or nested tensor (ValueError); a meta tensor, which holds no
+    data (RuntimeError, the op library's own words for it). `name` names
+    it ("x", "topk_ids")."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"moec: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    layout = tensor.layout
+    if layout != torch.strided:
+        kind = "sparse" if "sparse" in str(layout) else \
+            "mkldnn" if "mkldnn" in str(layout) else "non-strided"
+        raise ValueError(f"moec: {name} is a {kind} ({layout}) tensor; expected a dense one")
+    if getattr(tensor, "is_nested", False):
+        raise ValueError(f"moec: {name} is a nested tensor; expected a dense one")
+    if tensor.is_meta:
+        raise RuntimeError(f"moec: '{name}' is on meta; the moec runtime runs on the CPU")
+    return tensor
+
+
+def target_file(target):
+    """The profile file `target` names, as the compiler tells (a path: it
+    holds a '/' or ends in .json), or None for a built-in profile ("cpu")."""
+    if target is None:
+        return None
+    spec = os.fspath(target)
+    if isinstance(spec, bytes):
+        spec = os.fsdecode(spec)
+    return spec if "/" in spec or (len(spec) > 5 and spec.endswith(".json")) else None
+
+
+def _shown(path):
+    """'path', with where a link leads."""
+    real = os.path.realpath(path)
+    if real != os.path.abspath(path):
+        return f"'{path}' (a link to '{real}')"
+    return f"'{path}'"
+
+
+def output_path(path, who, argument, inputs=()):
+    """`path` (a str), a file `who` ("compile") is about to write, checked
+    before any work: it is not empty, its folder exists, it is not a
+    folder, and it is not the same file (os.path.samefile: links followed,
+    hard links too) as any of `inputs`, (what, path) pairs of the files the
+    call reads ("config", ...; a None path is skipped): writing it would
+    overwrite that input. ValueError naming `argument` ("the output"), the
+    path and the input."""
+    path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path:
+        raise ValueError(f"moec: {who}: {argument} is an empty path")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        there = "is not a folder" if os.path.exists(folder) else "does not exist"
+        raise ValueError(f"moec: {who}: the folder '{folder}' of {argument} '{path}' {there}")
+    if os.path.isdir(path):
+        raise ValueError(f"moec: {who}: {argument} {_shown(path)} is a directory, not a file")
+    if not os.path.exists(path):
+        return path  # nothing there yet: no input it could be
+    for what, other in inputs:
+        if other is None:
+            continue
+        try:
+            same = os.path.samefile(path, other)
+        except (OSError, ValueError):
+            continue  # an input that is not there is not overwritten
+        if same:
+            raise ValueError(f"moec: {who}: {argument} {_shown(path)} is the same file as the "
+                             f"{what} {_shown(os.fspath(other))}; writing it would overwrite "
+                             f"the {what}")
+    return path
 
 
 def _kind(mode):

@@ -117,10 +117,18 @@ def compile(graph, config, out, target="cpu", granularity="per-tile-range"):
     of a config file, which the compiler reads, or a dict, which goes
     through the same checks as MoeFFN's (checks.read_config) first.
     Returns the one-line summary. Raises RuntimeError with the compiler's
-    message (file, line, op) on bad input; `out` is then left alone."""
+    message (file, line, op) on bad input; `out` is then left alone.
+
+    `out` is checked before anything is compiled: its folder must exist,
+    and it must not be the same file (links followed) as the graph, the
+    config file, the target profile file or the compiler library, which
+    writing it would overwrite (ValueError naming both)."""
     graph = Path(graph)
     if not graph.exists() and not graph.is_absolute() and len(graph.parts) == 1:
         graph = graphs_dir() / graph
+    out = checks.output_path(out, "compile", "the output", [
+        ("graph", graph), ("config", None if isinstance(config, dict) else config),
+        ("target profile", checks.target_file(target)), ("compiler library", library_path())])
     if not isinstance(config, dict):
         (summary,) = _call("moec_compile", _arg(graph), _arg(config), _arg(target),
                            _arg(granularity), _arg(out))
@@ -152,7 +160,12 @@ def dump(binary, target=None, rank=None):
 def simulate_trace(binary, out, target=None):
     """Writes the simulated run of `binary` on `target` (default: its own)
     to `out` as a Chrome/Perfetto trace in the runtime's format, so that it
-    opens beside a measured trace (`moec run --trace`)."""
+    opens beside a measured trace (`moec run --trace`). `out` must not be
+    the binary, the target profile file or the compiler library (ValueError),
+    and its folder must exist."""
+    out = checks.output_path(out, "simulate_trace", "the output", [
+        ("binary", binary), ("target profile", checks.target_file(target)),
+        ("compiler library", library_path())])
     _call("moec_simulate_trace", _arg(binary), _arg(target), _arg(out), outputs=0)
 
 
@@ -165,7 +178,8 @@ def capacity_advice(config, rows_per_rank, receive_per_rank, headroom=False):
     factor grows beyond the need, as before a recompile. The compiler's own
     arithmetic (moec.h), so that it and the binary agree."""
     (text,) = _call("moec_capacity_advice", json.dumps(config).encode(), int(rows_per_rank),
-                    int(receive_per_rank), int(bool(headroom)))
+                    int(receive_per_rank),
+                    int(checks.boolean(headroom, "capacity_advice: argument 'headroom'")))
     return json.loads(text)
 
 

@@ -8,6 +8,7 @@ layer."""
 
 import copy
 import io
+import json
 import os
 import pickle
 import re
@@ -362,3 +363,261 @@ def test_repr_says_what_trains():
                                                                     frozen=True))
     assert "frozen=False, main_grad=True" in repr(moec_torch.MoeFFN(config(), RANKS,
                                                                     main_grad=True))
+
+
+# --- files written over files read -----------------------------------------------
+
+@pytest.fixture
+def graphs(tmp_path, monkeypatch):
+    """A copy of the graph folder as MOEC_GRAPHS, so that a test that writes
+    over a graph writes over the copy."""
+    folder = tmp_path / "graphs"
+    folder.mkdir()
+    for g in Path(moec_torch.native.graphs_dir()).glob("*.json"):
+        (folder / g.name).write_bytes(g.read_bytes())
+    monkeypatch.setenv("MOEC_GRAPHS", str(folder))
+    monkeypatch.setattr(moec_torch, "_compiled", {})
+    return folder
+
+
+PROFILE = '{"name": "p", "cube_cores": 2, "vector_cores": 2}'
+
+
+def test_compile_refuses_an_output_that_is_one_of_its_inputs(tmp_path, graphs):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(config(ep=2)))
+    text = cfg.read_text()
+    with pytest.raises(ValueError, match=f"compile: the output '{re.escape(str(cfg))}' is the "
+                                         f"same file as the config '{re.escape(str(cfg))}'"):
+        moec_torch.compile("moe_ffn_fwd.json", cfg, cfg)
+    link = tmp_path / "link.bin"
+    link.symlink_to(cfg)
+    with pytest.raises(ValueError, match=f"the output '{re.escape(str(link))}' \\(a link to "
+                                         f"'{re.escape(str(cfg))}'\\) is the same file as the "
+                                         "config"):
+        moec_torch.compile("moe_ffn_fwd.json", cfg, link)
+    hard = tmp_path / "hard.bin"
+    os.link(cfg, hard)
+    with pytest.raises(ValueError, match="is the same file as the config"):
+        moec_torch.compile("moe_ffn_fwd.json", cfg, hard)
+    assert cfg.read_text() == text
+    # The shipped graph, named bare (looked up in MOEC_GRAPHS) or by path.
+    graph = graphs / "moe_ffn_fwd.json"
+    before = graph.read_bytes()
+    for name in ("moe_ffn_fwd.json", graph):
+        with pytest.raises(ValueError, match=f"the output '{re.escape(str(graph))}' is the same "
+                                             f"file as the graph '{re.escape(str(graph))}'"):
+            moec_torch.compile(name, cfg, graph)
+    assert graph.read_bytes() == before
+    # A target profile file, and a dict config with the graph.
+    profile = tmp_path / "p.json"
+    profile.write_text(PROFILE)
+    with pytest.raises(ValueError, match="is the same file as the target profile"):
+        moec_torch.compile("moe_ffn_fwd.json", cfg, profile, target=str(profile))
+    with pytest.raises(ValueError, match="is the same file as the graph"):
+        moec_torch.compile(graph, config(ep=2), graph)
+    assert profile.read_text() == PROFILE and graph.read_bytes() == before
+    # Refused before compiling: a folder that is not there, or a folder.
+    with pytest.raises(ValueError, match=f"compile: the folder '{re.escape(str(tmp_path))}/no' "
+                                         "of the output .*/no/f.bin' does not exist"):
+        moec_torch.compile("moe_ffn_fwd.json", cfg, tmp_path / "no/f.bin")
+    with pytest.raises(ValueError, match="compile: the output .* is a directory, not a file"):
+        moec_torch.compile("moe_ffn_fwd.json", cfg, tmp_path)
+    # An output that is another file is written.
+    moec_torch.compile("moe_ffn_fwd.json", cfg, tmp_path / "f.bin")
+    with pytest.raises(ValueError, match="simulate_trace: the output .* is the same file as the "
+                                         "binary"):
+        moec_torch.simulate_trace(tmp_path / "f.bin", tmp_path / "f.bin")
+    with pytest.raises(ValueError, match="simulate_trace: the folder .* does not exist"):
+        moec_torch.simulate_trace(tmp_path / "f.bin", tmp_path / "no/t.json")
+
+
+def test_write_trace_refuses_files_the_layer_reads(tmp_path, graphs):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(config()))
+    text = cfg.read_text()
+    layer = moec_torch.MoeFFN(cfg, RANKS, threads=2, trace=True)
+    x, ids, weights, _ = inputs(layer, seed=1)
+    layer(x, ids, weights)
+    with pytest.raises(ValueError, match=f"write_trace: the trace path '{re.escape(str(cfg))}' "
+                                         f"is the same file as the config '{re.escape(str(cfg))}'"):
+        layer.write_trace(cfg)
+    link = tmp_path / "t.json"
+    link.symlink_to(cfg)
+    with pytest.raises(ValueError, match=r"\(a link to .*cfg.json'\) is the same file as "
+                                         "the config"):
+        layer.write_trace(link)
+    assert cfg.read_text() == text
+    forward, _ = layer._binaries
+    size = Path(forward).stat().st_size
+    with pytest.raises(ValueError, match="is the same file as the forward binary"):
+        layer.write_trace(forward)
+    with pytest.raises(ValueError, match="is the same file as the graph"):
+        layer.write_trace(graphs / "moe_ffn_fwd.json")
+    assert Path(forward).stat().st_size == size
+    # The folder is checked before the trace is built.
+    with pytest.raises(ValueError, match=f"write_trace: the folder '{re.escape(str(tmp_path))}/no' "
+                                         "of the trace path .* does not exist"):
+        layer.write_trace(tmp_path / "no/t.json")
+    layer.write_trace(tmp_path / "trace.json")
+    assert moec_torch.load_trace(tmp_path / "trace.json")["tasks"]
+
+
+def test_save_adapters_refuses_the_config_file(tmp_path):
+    cfg = tmp_path / "adapter_config.json"
+    cfg.write_text(json.dumps(config()))
+    text = cfg.read_text()
+    layer = moec_torch.MoeFFN(cfg, RANKS, lora_rank=4)
+    with pytest.raises(ValueError, match="save_adapters: the adapter file .*adapter_config.json' "
+                                         "is the same file as the config"):
+        layer.save_adapters(tmp_path)
+    assert cfg.read_text() == text and not (tmp_path / "adapter_model.bin").exists()
+
+
+# --- boolean arguments ------------------------------------------------------------
+
+@pytest.mark.parametrize("name,value", [
+    ("main_grad", "no"), ("frozen", "false"), ("trace", "no"), ("check_finite", "yes"),
+    ("frozen", 1), ("main_grad", 0), ("trace", None), ("check_finite", 1.0),
+    ("frozen", torch.tensor([True])), ("trace", torch.tensor(1)),
+])
+def test_boolean_arguments_must_be_bools(name, value):
+    with pytest.raises(TypeError, match=f"MoeFFN: argument '{name}' must be a bool \\(True or "
+                                        f"False\\), got {re.escape(repr(value))} "
+                                        f"\\({type(value).__name__}\\)"):
+        moec_torch.MoeFFN(config(), RANKS, **{name: value})
+
+
+def test_boolean_arguments_take_numpy_and_torch_bools():
+    layer = moec_torch.MoeFFN(config(), RANKS, frozen=np.bool_(True), trace=torch.tensor(False),
+                              check_finite=np.bool_(False))
+    assert layer.frozen is True and layer.check_finite is False
+    assert moec_torch.MoeFFN(config(), RANKS, main_grad=torch.tensor(True)).main_grad is True
+
+
+def test_other_boolean_arguments():
+    with pytest.raises(TypeError, match="compile_layer: argument 'frozen' must be a bool"):
+        moec_torch.compile_layer(config(), RANKS, frozen="no")
+    with pytest.raises(TypeError, match="compile_layer: argument 'fresh' must be a bool"):
+        moec_torch.compile_layer(config(), RANKS, fresh="false")
+    with pytest.raises(TypeError, match="compile_graphs: argument 'fresh' must be a bool"):
+        moec_torch.compile_graphs(config(), RANKS, ["moe_ffn_fwd.json"], fresh=1)
+    with pytest.raises(TypeError, match="capacity_advice: argument 'headroom' must be a bool"):
+        moec_torch.native.capacity_advice(config(ep=2), 64, 64, headroom="no")
+
+
+# --- timeouts ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [1e-300, 0.0009, 0, -1, 1e300, 1000001, float("inf"),
+                                   float("nan"), np.float64(1e-4)])
+def test_timeout_must_be_from_a_millisecond_to_a_million_seconds(value):
+    for who, make in (("MoeFFN", moec_torch.MoeFFN), ("Exchange", moec_torch.Exchange)):
+        with pytest.raises(ValueError, match=f"{who}: argument 'timeout_seconds' must be a number "
+                                             "of seconds from 0.001 to 1000000, got "
+                                             f"{re.escape(repr(value))}$"):
+            make(config(), RANKS, timeout_seconds=value)
+
+
+def test_timeout_bounds_are_taken():
+    for value in (0.001, 1e6, np.float32(30)):
+        moec_torch.MoeFFN(config(), RANKS, threads=2, timeout_seconds=value)
+
+
+# --- the compile cache: target profiles and MOEC_CACHE_DIR ------------------------
+
+def test_cache_key_covers_the_target_profile_file(cache, tmp_path):
+    profile = tmp_path / "p.json"
+    profile.write_text(PROFILE)
+    first = moec_torch.compile_layer(config(), RANKS, target=str(profile))
+    assert json.loads(profile.read_text())["cube_cores"] == 2
+    profile.write_text(PROFILE.replace('"cube_cores": 2', '"cube_cores": 3'))
+    moec_torch._compiled.clear()  # another process's view
+    second = moec_torch.compile_layer(config(), RANKS, target=str(profile))
+    assert Path(second[0]).parent != Path(first[0]).parent
+    # The same contents again: the first entry.
+    profile.write_text(PROFILE)
+    moec_torch._compiled.clear()
+    assert moec_torch.compile_layer(config(), RANKS, target=str(profile)) == first
+    # A profile the compiler refuses names the file, not the cache's copy.
+    profile.write_text('{"name": "p", "cube_cores": 0, "vector_cores": 2}')
+    with pytest.raises(RuntimeError, match=re.escape(str(profile))):
+        moec_torch.compile_layer(config(), RANKS, target=str(profile))
+    profile.unlink()
+    with pytest.raises(ValueError, match="cannot read target profile .*p.json'"):
+        moec_torch.compile_layer(config(), RANKS, target=str(profile))
+
+
+@pytest.mark.parametrize("where", ["/dev/null", "file", "under-a-file"])
+def test_cache_dir_that_is_not_a_folder(where, tmp_path, monkeypatch):
+    monkeypatch.setattr(moec_torch, "_compiled", {})
+    (tmp_path / "file").write_text("x")
+    value = {"/dev/null": "/dev/null", "file": str(tmp_path / "file"),
+             "under-a-file": str(tmp_path / "file/cache")}[where]
+    monkeypatch.setenv("MOEC_CACHE_DIR", value)
+    message = {"/dev/null": "is a character device, not a folder",
+               "file": "is a regular file, not a folder",
+               "under-a-file": "cannot be used as the compile cache: Not a directory"}[where]
+    with pytest.raises(ValueError, match=f"MOEC_CACHE_DIR '{re.escape(value)}' {message}"):
+        moec_torch.MoeFFN(config(), RANKS)
+
+
+# --- lora_targets -----------------------------------------------------------------
+
+def test_lora_targets_takes_one_name():
+    layer = moec_torch.MoeFFN(config(), RANKS, lora_rank=4, lora_targets="w1")
+    assert layer.lora_targets == ("w1",) and [p.shape[0] for p in layer.adapters()] == [4, 4]
+    assert moec_torch.MoeFFN(config(), RANKS, lora_rank=4, lora_targets=["w2"]).lora_targets \
+        == ("w2",)
+    with pytest.raises(ValueError, match=r"lora_targets must name some of \('w1', 'w2'\), got "
+                                         r"\('gate',\)"):
+        moec_torch.MoeFFN(config(), RANKS, lora_rank=4, lora_targets="gate")
+    with pytest.raises(TypeError, match="lora_targets must be a name or a tuple of names, .*"
+                                        "got 5 \\(int\\)"):
+        moec_torch.MoeFFN(config(), RANKS, lora_rank=4, lora_targets=5)
+    forward, _ = moec_torch.compile_layer(config(lora_rank=4), RANKS, lora_targets="w2")
+    assert moec_torch.dump(forward)["ops"]
+
+
+# --- tensors that are not dense -------------------------------------------------------
+
+LAYOUTS = {"sparse": (lambda t: t.to_sparse(), r"a sparse \(torch.sparse_coo\) tensor"),
+           "mkldnn": (lambda t: t.float().to_mkldnn(), r"a mkldnn \(torch._mkldnn\) tensor"),
+           "meta": (lambda t: t.to("meta"), None)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("which", ["x", "topk_ids", "topk_weights"])
+def test_tensors_that_are_not_dense_are_refused(layer, layout, which):
+    make, kind = LAYOUTS[layout]
+    if layout == "mkldnn" and which == "topk_ids":
+        pytest.skip("mkldnn holds no integers")
+    args = dict(zip(("x", "topk_ids", "topk_weights"), inputs(layer, seed=1)[:3]))
+    args[which] = make(args[which])
+    # A meta tensor: the op library's words, said before any work (check_finite
+    # would otherwise fail on it with torch's "item() ... meta tensors").
+    error, message = (RuntimeError, f"moec: '{which}' is on meta; the moec runtime runs on "
+                                     "the CPU$") if kind is None else \
+        (ValueError, f"moec: {which} is {kind}; expected a dense one$")
+    checked = moec_torch.MoeFFN(config(), RANKS, threads=2, check_finite=True)
+    for call in (layer, layer.submit_forward, checked,
+                 moec_torch.Exchange(config(), RANKS, threads=2).dispatch):
+        with pytest.raises(error, match=message):
+            call(**args)
+
+
+def test_weights_and_gradients_that_are_not_dense_are_refused(layer):
+    x, ids, weights, dy = inputs(layer, seed=1)
+    with pytest.raises(TypeError, match="moec: x must be a torch.Tensor, got list"):
+        layer(x.tolist(), ids, weights)
+    handle = layer.submit_forward(x, ids, weights)
+    handle.wait()
+    with pytest.raises(ValueError, match=r"moec: dy is a sparse \(torch.sparse_coo\) tensor"):
+        layer.submit_backward(handle, dy.to_sparse())
+    ex = moec_torch.Exchange(config(), RANKS, threads=2)
+    expert_x, _, h = ex.dispatch(x, ids, weights)
+    with pytest.raises(ValueError, match=r"moec: expert_y is a sparse \(torch.sparse_coo\)"):
+        ex.combine(expert_x.to_sparse(), h)
+    other = moec_torch.MoeFFN(config(), RANKS, threads=2)
+    other.w1 = torch.nn.Parameter(other.w1.detach().to_sparse())
+    with pytest.raises(ValueError, match=r"moec: w1 is a sparse \(torch.sparse_coo\) tensor"):
+        other(x, ids, weights)

@@ -11,6 +11,7 @@
 #include "llvm/ADT/StringSet.h"
 
 #include <cmath>
+#include <cstdio>
 #include <regex>
 #include <set>
 
@@ -175,8 +176,32 @@ DimRelation moec::moe::compareDims(const Expr &a, const Expr &b) {
 
 RegionKind GraphOp::getRegionKind(unsigned) { return RegionKind::Graph; }
 
+/// The position of the first control character of `name` (names go into
+/// binaries and onto terminals), or npos.
+static size_t controlCharacterAt(llvm::StringRef name) {
+  for (size_t i = 0; i < name.size(); ++i)
+    if (static_cast<unsigned char>(name[i]) < 0x20 || name[i] == 0x7f)
+      return i;
+  return llvm::StringRef::npos;
+}
+
+/// Refuses a name with a control character, naming where and which one
+/// (never printing it).
+static LogicalResult checkPrintable(Operation *op, const char *what, llvm::StringRef name) {
+  const size_t at = controlCharacterAt(name);
+  if (at == llvm::StringRef::npos)
+    return success();
+  char code[8];
+  std::snprintf(code, sizeof code, "U+%04X", unsigned(static_cast<unsigned char>(name[at])));
+  return op->emitOpError() << what << " holds control character " << code << " at byte " << at
+                           << "; names are printed to terminals and written into binaries, so "
+                           << "use printable characters";
+}
+
 LogicalResult GraphOp::verifyRegions() {
   llvm::StringMap<Operation *> tensors, opNames;
+  if (failed(checkPrintable(*this, "the graph's name", getSymName())))
+    return failure();
   auto verifyEdges = [&]() -> LogicalResult {
     if (!getEdgesAttr())
       return success();
@@ -204,6 +229,8 @@ LogicalResult GraphOp::verifyRegions() {
     auto def = dyn_cast<TensorDefOpInterface>(&op);
     if (!def)
       return op.emitOpError() << "is not allowed in a moe.graph (only moe ops are)";
+    if (failed(checkPrintable(&op, "a tensor name", def.getResultName())))
+      return failure();
     auto [it, fresh] = tensors.try_emplace(def.getResultName(), &op);
     if (!fresh)
       return op.emitOpError() << "defines tensor '" << def.getResultName()
@@ -221,6 +248,8 @@ LogicalResult GraphOp::verifyRegions() {
     auto task = dyn_cast<TaskOpInterface>(&op);
     if (!task)
       continue;
+    if (failed(checkPrintable(&op, "an op name", task.getOpName())))
+      return failure();
     auto [n, freshName] = opNames.try_emplace(task.getOpName(), &op);
     if (!freshName)
       return op.emitOpError() << "op name '" << task.getOpName() << "' is used twice";

@@ -247,14 +247,20 @@ std::string crcText(const std::vector<uint8_t> &bytes) {
 
 /// Every name a run writes into its folder, inputs (of --random) and
 /// outputs.
-const char *const kRunFileNames[] = {"x.npy",  "topk_ids.npy", "topk_weights.npy", "w1.npy",
-                                     "w2.npy", "dy.npy",       "y.npy",            "dx.npy",
-                                     "dtopk_weights.npy", "dw1.npy", "dw2.npy"};
+std::vector<std::string> runFolderFiles(bool backward, bool inputs) {
+  std::vector<std::string> names = {"y.npy"};
+  if (backward)
+    names.insert(names.end(), {"dx.npy", "dtopk_weights.npy", "dw1.npy", "dw2.npy"});
+  if (inputs)
+    for (const std::string &name : layerInputFiles(backward))
+      names.push_back(name);
+  names.push_back(kRunManifest);
+  return names;
+}
 
 bool isRunFileName(const std::string &name) {
-  return name == kRunManifest || std::find_if(std::begin(kRunFileNames), std::end(kRunFileNames),
-                                              [&](const char *n) { return name == n; }) !=
-                                     std::end(kRunFileNames);
+  const std::vector<std::string> all = runFolderFiles(true, true);
+  return std::find(all.begin(), all.end(), name) != all.end();
 }
 
 Status RunFolder::open(const std::string &dir, const std::vector<std::string> &writes,
@@ -316,8 +322,8 @@ RunFolder::~RunFolder() {
 }
 
 Status RunFolder::finish(const std::vector<std::string> &files, const std::string &run) {
-  for (const char *name : kRunFileNames)
-    if (std::find(files.begin(), files.end(), name) == files.end()) {
+  for (const std::string &name : runFolderFiles(true, true))
+    if (name != kRunManifest && std::find(files.begin(), files.end(), name) == files.end()) {
       std::error_code ec;
       std::filesystem::remove(dir + "/" + name, ec);
       if (ec)

@@ -86,8 +86,12 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool bac
 /// check.
 inline constexpr const char *kRunManifest = "manifest.json";
 
-/// True for the names a run writes into its folder (its .npy files and the
-/// manifest).
+/// The names a run writes into its outputs folder: y (and dx,
+/// dtopk_weights, dw1, dw2 with a backward pass), the inputs when it made
+/// them (`inputs`: --random), and the manifest.
+std::vector<std::string> runFolderFiles(bool backward, bool inputs);
+
+/// True for a name any run writes into its folder.
 bool isRunFileName(const std::string &name);
 
 /// The outputs folder of a run, from the run's start to its manifest. open()

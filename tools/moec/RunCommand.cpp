@@ -285,19 +285,6 @@ Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeo
   return Status::success();
 }
 
-/// The names a run writes into its outputs folder: its outputs, and the
-/// inputs it made with --random.
-std::vector<std::string> runFolderWrites(bool backward, bool random) {
-  std::vector<std::string> names = {"y.npy"};
-  if (backward)
-    names.insert(names.end(), {"dx.npy", "dtopk_weights.npy", "dw1.npy", "dw2.npy"});
-  if (random)
-    for (const std::string &name : layerInputFiles(backward))
-      names.push_back(name);
-  names.push_back(kRunManifest);
-  return names;
-}
-
 std::string tracePath(const std::string &path, const char *suffix) {
   const std::filesystem::path p(path);
   return (p.parent_path() / (p.stem().string() + suffix + p.extension().string())).string();
@@ -628,7 +615,7 @@ int runRun(int argc, char **argv, int first) {
   // The folder stops being an earlier run's before this run writes to it,
   // and no other run writes it meanwhile.
   if (report && !localPuts)
-    if (Status s = RunFolder::open(outputs, runFolderWrites(backward, args.value("--random").has_value()),
+    if (Status s = RunFolder::open(outputs, runFolderFiles(backward, args.value("--random").has_value()),
                                    args.positional, &runFolder);
         !s)
       return fail(s);

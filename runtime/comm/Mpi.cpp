@@ -558,11 +558,28 @@ public:
           if (flag)
             ended.push_back(p);
         }
+        // Every block came in, but a peer took no block of ours: it stopped
+        // after sending (a rendezvous send waits for the receiver).
+        std::vector<uint32_t> stuck;
+        if (absent.empty())
+          for (uint32_t p = 0; p < count; ++p) {
+            int done = 1;
+            if (sends[p] != MPI_REQUEST_NULL)
+              MPI_Test(&sends[p], &done, MPI_STATUS_IGNORE);
+            if (!done)
+              stuck.push_back(p);
+          }
         std::lock_guard<std::mutex> lock(progressMutex);
         abandoned.push_back(std::move(*message));
-        if (absent.empty())
+        if (absent.empty() && stuck.empty())
           return breakDown(fmt::format(
               "rank {}: the exchange's blocks did not leave within {:.3g} s", me, timeoutSeconds));
+        if (absent.empty())
+          return breakDown(fmt::format(
+              "rank {}: the exchange's block to rank{} {} did not leave within {:.3g} s (rank{} "
+              "{} stopped taking messages: it died, hangs, or its link is down)",
+              me, stuck.size() == 1 ? "" : "s", fmt::join(stuck, ", "), timeoutSeconds,
+              stuck.size() == 1 ? "" : "s", fmt::join(stuck, ", ")));
         return breakDown(fmt::format(
             "rank {}: rank{} {} did not reach the exchange within {:.3g} s ({})", me,
             absent.size() == 1 ? "" : "s", fmt::join(absent, ", "), timeoutSeconds,

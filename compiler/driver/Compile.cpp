@@ -15,9 +15,119 @@
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Pass/PassManager.h"
 
+#include <fmt/format.h>
+
 #include <chrono>
+#include <functional>
 
 namespace moec::driver {
+
+namespace {
+
+using LowerAndSchedule =
+    std::function<Status(format::TaskProgram *, target::ScheduleEstimate *)>;
+
+} // namespace
+
+std::string splitNotes(const CompileResult &result) {
+  std::string text = fmt::format(
+      "automatic splits: {} candidates tried; of those within 2% of the shortest estimated "
+      "makespan, the shortest critical path, then the fewest tasks, was taken (*)\n"
+      "  cube tasks/core  vector tasks/core  put rows   tasks  makespan ms  critical path ms",
+      result.candidates.size());
+  for (size_t i = 0; i < result.candidates.size(); ++i) {
+    const SplitCandidate &c = result.candidates[i];
+    text += fmt::format("\n{} {:>15} {:>18} {:>9} {:>7} {:>12.3f} {:>17.3f}",
+                        i == result.chosen ? '*' : ' ', c.cubeTasksPerCore,
+                        c.vectorTasksPerCore, c.putRows, c.tasks, c.makespan * 1e3,
+                        c.criticalPath * 1e3);
+  }
+  return text;
+}
+
+namespace {
+
+/// The automatic splits' options to try: GMM tiles per cube core first (at
+/// the pass's defaults for the rest), then SwiGLU tiles per vector core and
+/// rows per put tile around the best so far. Each candidate reruns split
+/// propagation, lowering and scheduling. Of the candidates whose estimated
+/// makespan is within 2% of the shortest, the one with the shortest
+/// critical path wins (the least exposed to a late tile), then the one with
+/// the fewest tasks.
+Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSchedule,
+                    CompileResult *result) {
+  moe::PropagateSplitsOptions defaults;
+  std::vector<format::TaskProgram> programs;
+  std::vector<target::ScheduleEstimate> estimates;
+  result->candidates = {{defaults.cubeTasksPerCore, defaults.vectorTasksPerCore,
+                         defaults.putRows, result->estimate.makespan,
+                         result->estimate.criticalPath, result->program.tasks.size()}};
+  programs.push_back(std::move(result->program));
+  estimates.push_back(result->estimate);
+  auto fastest = [&] {
+    size_t best = 0;
+    for (size_t i = 1; i < result->candidates.size(); ++i)
+      if (result->candidates[i].makespan < result->candidates[best].makespan)
+        best = i;
+    return result->candidates[best];
+  };
+  auto tryOptions = [&](int64_t cube, int64_t vector, int64_t putRows) -> Status {
+    for (const SplitCandidate &c : result->candidates)
+      if (c.cubeTasksPerCore == cube && c.vectorTasksPerCore == vector && c.putRows == putRows)
+        return Status::success();
+    mlir::PassManager pm(module.getContext());
+    pm.addPass(moe::createPropagateSplits(moe::PropagateSplitsOptions{cube, vector, putRows}));
+    if (mlir::failed(pm.run(module)))
+      return Status::error("the graph passes failed");
+    format::TaskProgram program;
+    target::ScheduleEstimate estimate;
+    if (Status status = lowerAndSchedule(&program, &estimate); !status)
+      return status;
+    result->candidates.push_back(
+        {cube, vector, putRows, estimate.makespan, estimate.criticalPath, program.tasks.size()});
+    programs.push_back(std::move(program));
+    estimates.push_back(estimate);
+    return Status::success();
+  };
+  for (int64_t cube : {1, 4, 8})
+    if (Status s = tryOptions(cube, defaults.vectorTasksPerCore, defaults.putRows); !s)
+      return s;
+  for (int64_t vector : {1, 4})
+    if (Status s = tryOptions(fastest().cubeTasksPerCore, vector, defaults.putRows); !s)
+      return s;
+  for (int64_t putRows : {64, 1024}) {
+    const SplitCandidate at = fastest();
+    if (Status s = tryOptions(at.cubeTasksPerCore, at.vectorTasksPerCore, putRows); !s)
+      return s;
+  }
+  const double bound = fastest().makespan * 1.02;
+  size_t chosen = 0;
+  bool any = false;
+  for (size_t i = 0; i < result->candidates.size(); ++i) {
+    const SplitCandidate &c = result->candidates[i], &b = result->candidates[chosen];
+    if (c.makespan > bound)
+      continue;
+    if (!any || c.criticalPath < b.criticalPath * 0.99 ||
+        (c.criticalPath <= b.criticalPath * 1.01 && c.tasks < b.tasks))
+      chosen = i;
+    any = true;
+  }
+  result->chosen = chosen;
+  result->program = std::move(programs[chosen]);
+  result->estimate = estimates[chosen];
+  result->program.flags |= format::kFlagNotes;
+  result->program.notes = result->program.addString(splitNotes(*result));
+  // The module ends with the chosen splits, as the program has them.
+  const SplitCandidate &c = result->candidates[chosen];
+  mlir::PassManager pm(module.getContext());
+  pm.addPass(moe::createPropagateSplits(
+      moe::PropagateSplitsOptions{c.cubeTasksPerCore, c.vectorTasksPerCore, c.putRows}));
+  if (mlir::failed(pm.run(module)))
+    return Status::error("the graph passes failed");
+  return Status::success();
+}
+
+} // namespace
 
 Status compileModule(mlir::ModuleOp module, const CompileOptions &options, CompileResult *out) {
   using Clock = std::chrono::steady_clock;
@@ -54,17 +164,42 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
     return Status::error("the module holds no moe.graph");
   moe::GraphOp graph = *graphs.begin();
   result.graphName = graph.getSymName().str();
-  starting("lower");
-  if (mlir::failed(lower::lowerGraph(graph, lowerOptions, &result.program)))
-    return Status::error("lowering failed");
-  phase("lower");
-  starting("schedule");
-  if (Status status = target::scheduleQueues(
-          &result.program, lowerOptions.profile, uint32_t(result.config.numCubeCores),
-          uint32_t(result.config.numVectorCores), &result.estimate);
-      !status)
+  // Lowers and schedules the graph as its splits now stand; `timed` marks
+  // the phases.
+  auto lowerAndSchedule = [&](format::TaskProgram *program, target::ScheduleEstimate *estimate,
+                              bool timed) -> Status {
+    if (timed)
+      starting("lower");
+    if (mlir::failed(lower::lowerGraph(graph, lowerOptions, program)))
+      return Status::error("lowering failed");
+    if (timed) {
+      phase("lower");
+      starting("schedule");
+    }
+    if (Status status = target::scheduleQueues(program, lowerOptions.profile,
+                                               uint32_t(result.config.numCubeCores),
+                                               uint32_t(result.config.numVectorCores), estimate);
+        !status)
+      return status;
+    if (timed)
+      phase("schedule");
+    return Status::success();
+  };
+  if (Status status = lowerAndSchedule(&result.program, &result.estimate, true); !status)
     return status;
-  phase("schedule");
+  if (llvm::any_of(graph.getBlock().getOps<moe::TaskOpInterface>(),
+                   [](moe::TaskOpInterface op) { return op.isAutoSplit(); })) {
+    starting("choose splits");
+    if (Status status = chooseSplits(
+            module,
+            [&](format::TaskProgram *program, target::ScheduleEstimate *estimate) {
+              return lowerAndSchedule(program, estimate, false);
+            },
+            &result);
+        !status)
+      return status;
+    phase("choose splits");
+  }
   starting("deadlock proof");
   if (Status status = target::proveDeadlockFree(result.program); !status)
     return status;

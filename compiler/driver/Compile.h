@@ -33,19 +33,36 @@ struct CompileOptions {
   std::string target = "cpu"; ///< profile name or profile JSON path
   lower::Granularity granularity = lower::Granularity::PerTileRange;
   /// Told the name of each step as it starts ("graph passes", "lower",
-  /// "schedule", "deadlock proof"): a progress display; may be empty.
+  /// "schedule", "choose splits" for a graph with automatic splits,
+  /// "deadlock proof"): a progress display; may be empty.
   std::function<void(const char *step)> onStep;
 };
 
 /// A compiled program and what was learnt on the way.
+/// One setting of the automatic splits' options that the compiler tried,
+/// and the schedule it gave.
+struct SplitCandidate {
+  int64_t cubeTasksPerCore = 0, vectorTasksPerCore = 0, putRows = 0;
+  double makespan = 0, criticalPath = 0; ///< seconds, the scheduler's estimate
+  uint64_t tasks = 0;
+};
+
 struct CompileResult {
   format::TaskProgram program;
   target::ScheduleEstimate estimate;
+  /// With automatic splits: every candidate tried, in order, and the one
+  /// taken (its program is `program`). Empty for a graph without them.
+  std::vector<SplitCandidate> candidates;
+  size_t chosen = 0;
   ModelConfig config;                    ///< with core counts filled in
   target::TargetProfile profile;
   std::string graphName;
   std::vector<std::pair<const char *, double>> phases; ///< milliseconds each
 };
+
+/// The table of the automatic splits' candidates that a binary keeps in
+/// its notes (TaskProgram::notes) and `moec dump` shows.
+std::string splitNotes(const CompileResult &result);
 
 /// Compiles the graph in `module` (which the pipeline rewrites). Returns an
 /// error for a bad config, profile, schedule or proof; errors the passes

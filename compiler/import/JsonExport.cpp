@@ -120,7 +120,10 @@ FailureOr<json> moec::exportGraphJson(ModuleOp module) {
     for (Value v : task->getOperands())
       o["inputs"].push_back(tensorName(v).str());
     o["outputs"] = {tensorName(task->getResult(0)).str()};
-    o["split_value"] = task.getSplitValue();
+    if (task.isAutoSplit())
+      o["split_value"] = "auto";
+    else
+      o["split_value"] = task.getSplitValue();
     SplitAttr split = task.getSplit();
     json spec;
     if (split.isSource()) {

@@ -304,8 +304,10 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
                       << result.producer << "'";
   result.producer = name;
   // Split value and spec.
-  if (!o["split_value"].is_number_integer() || o["split_value"].get<int64_t>() <= 0)
-    return error(loc) << what << ": 'split_value' must be a positive integer, got "
+  const bool autoSplit = o["split_value"].is_string() && o["split_value"] == "auto";
+  if (!autoSplit &&
+      (!o["split_value"].is_number_integer() || o["split_value"].get<int64_t>() <= 0))
+    return error(loc) << what << ": 'split_value' must be a positive integer or \"auto\", got "
                       << o["split_value"].dump();
   const json &spec = o["split_spec"];
   if (failed(checkKeys(spec, loc, what + " split_spec",
@@ -337,6 +339,9 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
       return error(loc) << what << ": 'task_num' must be an expression string, e.g. "
                         << "\"num_cube_cores * single_rank_expert_num\"";
     taskNum = b.getStringAttr(spec["task_num"].get<std::string>());
+    if (autoSplit)
+      return error(loc) << what << ": 'task_num' and 'split_value' \"auto\" exclude each "
+                        << "other: with \"auto\" the compiler chooses the task count";
   }
   OpDecl decl{name, kind, loc, {}, *out, {}};
   for (const json &in : o["inputs"])
@@ -346,7 +351,9 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
   attrs.append("result_name", b.getStringAttr(result.name));
   if (result.slot)
     attrs.append("slot", b.getI64IntegerAttr(*result.slot));
-  attrs.append("split_value", b.getI64IntegerAttr(o["split_value"].get<int64_t>()));
+  attrs.append("split_value", b.getI64IntegerAttr(autoSplit ? 0 : o["split_value"].get<int64_t>()));
+  if (autoSplit)
+    attrs.append("auto_split", b.getUnitAttr());
   attrs.append("split", SplitAttr::get(ctx, pairs, outDims, taskNum));
   if (o.contains("tiling_position")) {
     if (!o["tiling_position"].is_number_integer())

@@ -69,6 +69,8 @@ std::vector<std::string> tilingFlagNames(const TilingRecord &t) {
     names.push_back("accumulate");
   if (t.flags & kTilingScale)
     names.push_back(fmt::format("scale={}", t.scale));
+  if (t.flags & kTilingShareRows)
+    names.push_back("share_rows");
   return names;
 }
 
@@ -103,6 +105,17 @@ ResolvedTile resolvedTile(const TaskProgram &p, uint32_t task, std::optional<uin
 
 std::string tileText(const TaskProgram &p, uint32_t task, std::optional<uint32_t> rank) {
   ResolvedTile t = resolvedTile(p, task, rank);
+  const TilingRecord &tiling = p.tilings[p.ops[p.tasks[task].op].tiling];
+  // Shared-out rows depend on the routing: the tile's share, and its rows
+  // when routing is balanced.
+  if (tiling.flags & kTilingShareRows) {
+    TileRows balanced = tileRows(tiling, t.coord, tiling.balancedRows);
+    return fmt::format("tile(e{},p{},r{},c{} rows: share {} of {} of those present, "
+                       "{}..{} when balanced; cols {}..{})",
+                       t.expert, t.peer, t.coord.rowTile, t.coord.colTile, t.coord.rowTile + 1,
+                       tiling.rowTiles, balanced.begin, balanced.end, t.coord.colBegin,
+                       t.coord.colEnd);
+  }
   return fmt::format("tile(e{},p{},r{},c{} rows {}..{} cols {}..{})", t.expert, t.peer,
                      t.coord.rowTile, t.coord.colTile, t.coord.rowBegin, t.coord.rowEnd,
                      t.coord.colBegin, t.coord.colEnd);

@@ -104,6 +104,7 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
                  {"tp_ranks", p.tpRanks},
                  {"local_experts", p.localExperts},
                  {"target", std::string(p.name(p.target))}};
+  out["notes"] = (p.flags & kFlagNotes) ? json(std::string(p.name(p.notes))) : json(nullptr);
   out["rank"] = options.rank ? json(*options.rank) : json(nullptr);
   if (options.compact)
     out["entry_columns"] = kCompactEntryColumns;

@@ -52,6 +52,22 @@ std::string headerText(const TaskProgram &p, const FileFacts &facts, const DumpO
                   p.localExperts, uint64_t(p.epRanks) * p.localExperts, p.name(p.target));
   if (a.timed)
     out += fmt::format("  costs from profile '{}'\n", a.profileName);
+  if (p.flags & kFlagNotes) {
+    // The compiler's notes, line by line; control characters a damaged or
+    // foreign binary may hold are shown as '?'.
+    std::string notes(p.name(p.notes));
+    for (char &c : notes)
+      if ((unsigned char)c < 0x20 && c != '\n')
+        c = '?';
+    size_t begin = 0;
+    while (begin <= notes.size()) {
+      size_t end = notes.find('\n', begin);
+      if (end == std::string::npos)
+        end = notes.size();
+      out += fmt::format("  {}\n", notes.substr(begin, end - begin));
+      begin = end + 1;
+    }
+  }
   if (options.rank)
     out += fmt::format("  resolved for rank {}: tile e = global expert, p = peer rank; signals "
                        "name peer ranks\n",

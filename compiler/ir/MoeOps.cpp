@@ -459,9 +459,14 @@ LogicalResult verifyFill(Checker &c) {
 LogicalResult verifyTaskCommon(TaskOpInterface op) {
   Checker c(op);
   auto splitValue = op->getAttrOfType<IntegerAttr>("split_value");
-  if (splitValue.getInt() <= 0)
-    return c.error() << "split_value must be positive, got " << splitValue.getInt();
   SplitAttr split = op.getSplit();
+  if (op.isAutoSplit()) {
+    if (split.getTaskNum())
+      return c.error() << "an automatic split (split_value \"auto\") has no task_num: the "
+                          "compiler chooses the task count";
+  } else if (splitValue.getInt() <= 0) {
+    return c.error() << "split_value must be positive, got " << splitValue.getInt();
+  }
   if (split.getInputPairs().size() % 2)
     return c.error() << "split inputs must be (operand, dim) pairs";
   for (unsigned i = 0; i < split.getNumSplitInputs(); ++i) {

@@ -232,8 +232,12 @@ private:
     } else { // a put: A is the source rows
       t.lda = last(raw->getOperand(1));
     }
-    if (!(kind == OpKind::Gmm && t.depth == 0))
+    if (!(kind == OpKind::Gmm && t.depth == 0)) {
       t.balancedRows = uint32_t(std::min<uint64_t>(t.balancedRows, t.rows));
+      // A split the compiler chose shares out the rows present.
+      if (op.isAutoSplit())
+        t.flags |= kTilingShareRows;
+    }
 
     LoweredOp lowered;
     lowered.name = op.getOpName().str();

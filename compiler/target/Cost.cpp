@@ -19,8 +19,7 @@ double padded(double n, uint32_t granule) {
 
 /// The rows a tile holds when every segment has its balanced size.
 double balancedTileRows(const TilingRecord &tiling, const TileCoord &tile) {
-  return double(std::min<uint64_t>(tile.rowEnd, tiling.balancedRows) -
-                std::min<uint64_t>(tile.rowBegin, tiling.balancedRows));
+  return double(tileRows(tiling, tile, tiling.balancedRows).size());
 }
 
 /// The bytes a put task sends: its tile at balanced size.

@@ -107,7 +107,25 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
     needs every producer tile. The maps are stored in the op's `deps`
     attribute, the grid in `grid` and the count in `tasks`. Needs
     `moe-resolve-shapes` first.
+
+    An op with `split_value` "auto" has its grid chosen here instead, from
+    the config's shapes and core counts and this pass's options (the
+    compiler tries several and keeps the one whose schedule is fastest):
+    its row tiles share out the rows there are at run time
+    (kTilingShareRows), a power of two of them so that row-wise neighbours
+    map tile to tile; a put aims for `put-rows` rows a tile under balanced
+    routing; a SwiGLU(-grad) for `vector-tasks-per-core` tiles per vector
+    core; a GMM for `cube-tasks-per-core` tiles per cube core, over rows
+    first (at least 128 rows a tile when balanced), then over columns.
   }];
+  let options = [
+    Option<"cubeTasksPerCore", "cube-tasks-per-core", "int64_t", /*default=*/"2",
+           "automatic splits: GMM tiles per cube core">,
+    Option<"vectorTasksPerCore", "vector-tasks-per-core", "int64_t", /*default=*/"2",
+           "automatic splits: SwiGLU tiles per vector core">,
+    Option<"putRows", "put-rows", "int64_t", /*default=*/"256",
+           "automatic splits: rows a put tile holds under balanced routing">,
+  ];
   let statistics = [
     Statistic<"numTasks", "tasks", "Number of tile tasks over all ops">,
   ];

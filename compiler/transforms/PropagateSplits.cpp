@@ -50,6 +50,7 @@ struct Grid {
   int64_t rows = 1, cols = 1;
   bool perExpert = false; ///< rows are rows of an expert's token segment
   bool reducesRows = false; ///< reads all of its expert's rows (weight gradient, put)
+  bool shareRows = false; ///< row tiles share out the rows present (kTilingShareRows)
 
   int64_t perExpertTiles() const { return peers * rowTiles * colTiles; }
   int64_t tiles() const { return experts * perExpertTiles(); }
@@ -71,7 +72,19 @@ SmallVector<int64_t> divisors(int64_t n) {
   return d;
 }
 
+/// The largest power of two at most max(n, 1).
+int64_t powerOfTwoAtMost(int64_t n) {
+  int64_t p = 1;
+  while (p * 2 <= n)
+    p *= 2;
+  return p;
+}
+
+int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplitsPass> {
+  using PropagateSplitsBase::PropagateSplitsBase;
+
   void runOnOperation() override {
     for (GraphOp graph : getOperation().getOps<GraphOp>())
       if (failed(propagate(graph)))
@@ -106,6 +119,13 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     llvm::DenseMap<Operation *, Grid> grids;
     Builder b(graph.getContext());
     for (TaskOpInterface op : order) {
+      if (op.isAutoSplit()) {
+        std::optional<Grid> grid = autoGrid(op, bindings);
+        if (!grid)
+          return failure();
+        record(op, *grid, grids, b);
+        continue;
+      }
       std::optional<int64_t> tasks = taskCount(op, bindings);
       if (!tasks)
         return failure();
@@ -144,11 +164,21 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
         grid = gridOf(op, *tasks, bindings);
       if (!grid)
         return failure();
-      grids[op] = *grid;
-      op.setTasksValue(*tasks);
+      record(op, *grid, grids, b);
+    }
+    return success();
+  }
+
+  /// Sets the op's task count, grid and tile maps.
+  void record(TaskOpInterface op, const Grid &grid, llvm::DenseMap<Operation *, Grid> &grids,
+              Builder &b) {
+    {
+      const int64_t tasks = grid.tiles();
+      grids[op] = grid;
+      op.setTasksValue(tasks);
       op.setGridValue(
-          {grid->experts, grid->peers, grid->rowTiles, grid->colTiles, grid->rows, grid->cols});
-      numTasks += *tasks;
+          {grid.experts, grid.peers, grid.rowTiles, grid.colTiles, grid.rows, grid.cols});
+      numTasks += tasks;
 
       SmallVector<Attribute> maps;
       for (OpOperand &use : op->getOpOperands()) {
@@ -156,20 +186,87 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
         if (!producer)
           continue;
         SmallVector<int64_t> first, last;
-        tileMap(grids[producer], *grid, first, last);
-        maps.push_back(TileMapAttr::get(graph.getContext(), use.getOperandNumber(),
+        tileMap(grids[producer], grid, first, last);
+        maps.push_back(TileMapAttr::get(op.getContext(), use.getOperandNumber(),
                                         b.getStringAttr(producer.getOpName()), first, last));
       }
       for (TaskOpInterface producer : orderingPredecessors(op)) {
         if (llvm::any_of(op->getOperands(), [&](Value v) { return producerOf(v) == producer; }))
           continue; // the data edge's map already orders them
-        SmallVector<int64_t> first(*tasks, 0), last(*tasks, grids[producer].tiles() - 1);
-        maps.push_back(TileMapAttr::get(graph.getContext(), /*operand=*/-1,
+        SmallVector<int64_t> first(tasks, 0), last(tasks, grids[producer].tiles() - 1);
+        maps.push_back(TileMapAttr::get(op.getContext(), /*operand=*/-1,
                                         b.getStringAttr(producer.getOpName()), first, last));
       }
       op.setDepsValue(b.getArrayAttr(maps));
     }
-    return success();
+  }
+
+  /// The grid of an op with an automatic split (see Passes.td), from the
+  /// shapes, the core counts and the pass options; nullopt with an error
+  /// when the bindings lack what it needs.
+  std::optional<Grid> autoGrid(TaskOpInterface op, const Bindings &bindings) {
+    for (const char *symbol : {"num_cube_cores", "num_vector_cores"})
+      if (!bindings.count(symbol) || bindings.at(symbol) <= 0) {
+        op->emitError() << "'" << op.getOpName() << "': an automatic split needs the core "
+                        << "count '" << symbol << "' (from the config or the target)";
+        return std::nullopt;
+      }
+    if (cubeTasksPerCore <= 0 || vectorTasksPerCore <= 0 || putRows <= 0) {
+      op->emitError() << "'" << op.getOpName() << "': the automatic split's options must be "
+                      << "positive";
+      return std::nullopt;
+    }
+    Operation *raw = op;
+    const int64_t L = bindings.at("single_rank_expert_num"), R = bindings.at("ep");
+    const int64_t cube = bindings.at("num_cube_cores");
+    const int64_t vector = bindings.at("num_vector_cores");
+    // Rows an expert's segment holds under balanced routing.
+    const int64_t balanced = std::max<int64_t>(1, bindings.at("per_rank_seq") / L);
+    Value result = raw->getResult(0);
+    Grid g;
+    g.experts = L;
+    g.perExpert = true;
+    g.shareRows = true;
+    if (isa<DispatchOp, CombineOp>(raw)) {
+      // Rows a rank sends one expert when balanced: S * K / E.
+      const int64_t sent = std::max<int64_t>(1, balanced / R);
+      g.peers = R;
+      g.rows = bindings.at("per_expert_seq_to_other");
+      g.cols = extentOf(result, 1);
+      g.reducesRows = true;
+      g.rowTiles = std::min(powerOfTwoAtMost(sent / putRows), powerOfTwoAtMost(g.rows));
+    } else if (isa<SwigluOp, SwigluGradOp, DequantizeOp>(raw)) {
+      g.rows = bindings.at("per_expert_seq");
+      g.cols = extentOf(result, 1);
+      // At least 16 rows a tile when balanced.
+      g.rowTiles = std::min(powerOfTwoAtMost(ceilDiv(vectorTasksPerCore * vector, L)),
+                            powerOfTwoAtMost(balanced / 16));
+    } else if (auto gmm = dyn_cast<GmmOp>(raw)) {
+      const int64_t perExpert = ceilDiv(cubeTasksPerCore * cube, L);
+      if (gmm.isWeightGradient()) {
+        g.shareRows = false;
+        // The most square grid of at most perExpert tiles that tiles the
+        // result without empty tiles.
+        ScopedDiagnosticHandler quiet(op.getContext(), [](Diagnostic &) { return success(); });
+        for (int64_t n = perExpert; n >= 1; --n)
+          if (std::optional<Grid> w = gridOf(op, n * L, bindings))
+            return w;
+        return gridOf(op, L, bindings);
+      }
+      g.rows = bindings.at("per_expert_seq");
+      g.cols = extentOf(result, 1);
+      // Rows first, at least 128 a tile when balanced; then columns, at
+      // least 128 a tile.
+      g.rowTiles = std::min(powerOfTwoAtMost(perExpert), powerOfTwoAtMost(balanced / 128));
+      g.colTiles = std::max<int64_t>(
+          1, std::min(ceilDiv(perExpert, g.rowTiles), std::max<int64_t>(1, g.cols / 128)));
+    } else {
+      op->emitError() << "'" << op.getOpName() << "': a " << raw->getName()
+                      << " cannot have an automatic split";
+      return std::nullopt;
+    }
+    g.rowTiles = std::max<int64_t>(1, std::min(g.rowTiles, g.rows));
+    return g;
   }
 
   /// True when the op's task_num counts the target's cores.
@@ -187,6 +284,11 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     // consumer reads whole rows of the producer's result.
     bool rowWise = sameExperts && !prod.reducesRows && !cons.reducesRows && prod.peers == 1 &&
                    cons.peers == 1 && prod.rows == cons.rows;
+    // Shared-out rows move with the segment's size: tile to tile only when
+    // both share and one row tile count divides the other.
+    if (prod.shareRows || cons.shareRows)
+      rowWise = rowWise && prod.shareRows && cons.shareRows &&
+                (prod.rowTiles % cons.rowTiles == 0 || cons.rowTiles % prod.rowTiles == 0);
     for (int64_t t = 0; t < cons.tiles(); ++t) {
       if (!sameExperts) { // nothing finer to follow: every producer tile
         first.push_back(0);
@@ -201,6 +303,22 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
         continue;
       }
       int64_t rowTile = (t % cons.perExpertTiles()) / cons.colTiles;
+      if (cons.shareRows) {
+        // Row tile c of ct covers [c*n/ct, (c+1)*n/ct) of the n rows
+        // present: inside producer tile c / (ct/pt), or exactly producer
+        // tiles [c*q, (c+1)*q) with q = pt/ct.
+        int64_t lo, hi;
+        if (cons.rowTiles >= prod.rowTiles) {
+          lo = hi = rowTile / (cons.rowTiles / prod.rowTiles);
+        } else {
+          const int64_t q = prod.rowTiles / cons.rowTiles;
+          lo = rowTile * q;
+          hi = (rowTile + 1) * q - 1;
+        }
+        first.push_back(base + lo * prod.colTiles);
+        last.push_back(base + (hi + 1) * prod.colTiles - 1);
+        continue;
+      }
       int64_t lo = cons.rowBegin(rowTile), hi = cons.rowBegin(rowTile + 1);
       first.push_back(base + prod.rowTileOf(lo) * prod.colTiles);
       last.push_back(base + (prod.rowTileOf(hi - 1) + 1) * prod.colTiles - 1);

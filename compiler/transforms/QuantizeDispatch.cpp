@@ -102,9 +102,14 @@ struct QuantizeDispatchPass : moec::moe::impl::QuantizeDispatchBase<QuantizeDisp
     OpBuilder ob(op);
     // The rows to send are a graph input: the quantize is a source op whose
     // tiles cut its own rows.
+    // With an automatic split, the quantize cuts its rows in tiles of 128
+    // and the dequantize's split is automatic too.
+    const bool automatic = op.getAutoSplit();
+    IntegerAttr split = automatic ? b.getI64IntegerAttr(128) : op.getSplitValueAttr();
+    UnitAttr autoSplit = automatic ? b.getUnitAttr() : UnitAttr();
     auto quantize = ob.create<QuantizeOp>(
         op.getLoc(), *srcType, src, b.getStringAttr(name + "_quantize"),
-        b.getStringAttr(tensorName(src) + "_fp8"), IntegerAttr(), op.getSplitValueAttr(),
+        b.getStringAttr(tensorName(src) + "_fp8"), IntegerAttr(), split, UnitAttr(),
         rowTiles(""), IntegerAttr(), DictionaryAttr(), IntegerAttr(), DenseI64ArrayAttr(),
         ArrayAttr());
     op.getSrcMutable().assign(quantize.getResult());
@@ -113,8 +118,9 @@ struct QuantizeDispatchPass : moec::moe::impl::QuantizeDispatchBase<QuantizeDisp
     // read them, and the runtime's roles, stay as they were.
     auto dequantize = ob.create<DequantizeOp>(
         op.getLoc(), target.getType(), target, b.getStringAttr(name + "_dequantize"),
-        b.getStringAttr(targetName), op.getSlotAttr(), op.getSplitValueAttr(),
-        rowTiles("(per_expert_seq / split_value) * single_rank_expert_num"), IntegerAttr(),
+        b.getStringAttr(targetName), op.getSlotAttr(), op.getSplitValueAttr(), autoSplit,
+        rowTiles(automatic ? "" : "(per_expert_seq / split_value) * single_rank_expert_num"),
+        IntegerAttr(),
         DictionaryAttr(), IntegerAttr(), DenseI64ArrayAttr(), ArrayAttr());
     target.replaceAllUsesExcept(dequantize.getResult(), dequantize);
     target.setType(*targetType);

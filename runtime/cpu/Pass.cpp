@@ -419,9 +419,9 @@ Status Pass::runPut(const OpInfo &op, uint32_t opIndex, uint32_t rank,
   const auto index = [&](uint32_t slot, int64_t at) {
     return loadIndex(data[rank][slot], tasks.slots[slot].dtype, at);
   };
-  const int64_t count = index(sizeSlot, i);
-  const int64_t begin = int64_t(tile.rowBegin);
-  const int64_t end = std::min<int64_t>(int64_t(tile.rowEnd), count);
+  const format::TileRows share =
+      format::tileRows(*op.tiling, tile, uint64_t(std::max<int64_t>(index(sizeSlot, i), 0)));
+  const int64_t begin = int64_t(share.begin), end = int64_t(share.end);
   if (end <= begin)
     return Status::success();
   const uint32_t from = op.tiling->inputSlots[1], output = op.tiling->outputSlot;
@@ -461,11 +461,12 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
   if (op.kind == OpKind::Quantize) {
     // Row tiles of the rows to send, up to this pass's count.
     const uint32_t in = t.inputSlots[0], out = t.outputSlot;
-    const int64_t end = std::min<int64_t>(int64_t(tile.rowEnd), sendRows[rank]);
-    if (end > int64_t(tile.rowBegin))
+    const format::TileRows share =
+        format::tileRows(t, tile, uint64_t(std::max<int64_t>(sendRows[rank], 0)));
+    if (share.size() > 0)
       quantizeRows(data[rank][in], tasks.slots[in].dtype, int64_t(tasks.slots[in].dims[1]),
                    static_cast<uint8_t *>(data[rank][out]), int64_t(tasks.slots[out].dims[1]),
-                   int64_t(tile.rowBegin), end, int64_t(t.cols));
+                   int64_t(share.begin), int64_t(share.end), int64_t(t.cols));
     return Status::success();
   }
 
@@ -483,7 +484,12 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
   const int64_t segBegin =
       tile.expert == 0 ? 0 : loadIndex(data[rank][glist], dtype(glist), tile.expert - 1);
   const Segment segment{segBegin, segEnd - segBegin};
-  const Range rows{int64_t(tile.rowBegin), int64_t(tile.rowEnd)};
+  // A weight gradient's rows are rows of its result; other ops' rows are
+  // rows of the segment, clipped to it or shared out over it.
+  const format::TileRows share =
+      format::tileRows(t, tile, uint64_t(std::max<int64_t>(segment.rows, 0)));
+  const Range rows = op.wgrad ? Range{int64_t(tile.rowBegin), int64_t(tile.rowEnd)}
+                              : Range{int64_t(share.begin), int64_t(share.end)};
   const Range cols{int64_t(tile.colBegin), int64_t(tile.colEnd)};
   const uint32_t a = t.inputSlots[0], b = t.inputSlots[1], c = t.outputSlot;
   Scratch *tileScratch = &(*scratch)[worker];

@@ -442,14 +442,24 @@ __device__ void gemm(const Gemm &g, Smem &s) {
 //===----------------------------------------------------------------------===//
 
 struct Tile {
-  uint32_t expert, peer;
+  uint32_t expert, peer, rowTile;
   int64_t rowBegin, rowEnd, colBegin, colEnd;
 };
+
+/// With kTilingShareRows, a row tile covers its share of the `present` rows
+/// it cuts (format::tileRows); otherwise its fixed rows stay.
+__device__ void shareOut(const Op &op, Tile &t, int64_t present) {
+  if (!op.shareRows || present < 0)
+    return;
+  t.rowBegin = int64_t(uint64_t(t.rowTile) * uint64_t(present) / op.rowTiles);
+  t.rowEnd = int64_t(uint64_t(t.rowTile + 1) * uint64_t(present) / op.rowTiles);
+}
 
 __device__ Tile tileOf(const Op &op, uint32_t index) {
   Tile t;
   const uint32_t colTile = index % op.colTiles;
   const uint32_t rowTile = (index / op.colTiles) % op.rowTiles;
+  t.rowTile = rowTile;
   t.peer = (index / (op.colTiles * op.rowTiles)) % op.peers;
   t.expert = index / (op.colTiles * op.rowTiles * op.peers);
   t.rowBegin = int64_t(uint64_t(rowTile) * op.rows / op.rowTiles);
@@ -492,7 +502,7 @@ __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(
 __device__ void runTask(const Program &P, uint32_t rank, uint32_t taskIndex, Smem &s) {
   const Task task = P.tasks[taskIndex];
   const Op &op = P.ops[task.op];
-  const Tile tile = tileOf(op, taskIndex - op.firstTask);
+  Tile tile = tileOf(op, taskIndex - op.firstTask);
   void *const *data = P.data + size_t(rank) * P.slots;
   const auto slotType = [&](uint32_t slot) { return P.slotInfo[slot].dtype; };
   const auto slotLd = [&](uint32_t slot) { return P.slotInfo[slot].ld; };
@@ -504,6 +514,7 @@ __device__ void runTask(const Program &P, uint32_t rank, uint32_t taskIndex, Sme
     const uint32_t peer = uint32_t((uint64_t(rank) + tile.peer) % P.ranks);
     const int64_t i = int64_t(peer) * P.localExperts + tile.expert;
     const int64_t count = index(op.sizeSlot, i);
+    shareOut(op, tile, count);
     const int64_t end = min(tile.rowEnd, count);
     if (end <= tile.rowBegin)
       return;
@@ -522,6 +533,8 @@ __device__ void runTask(const Program &P, uint32_t rank, uint32_t taskIndex, Sme
   const int64_t segEnd = index(P.glist, tile.expert);
   const int64_t segBegin = tile.expert == 0 ? 0 : index(P.glist, tile.expert - 1);
   const int64_t segRows = segEnd - segBegin;
+  if (!op.wgrad)
+    shareOut(op, tile, segRows);
 
   if (op.kind == kGmm) {
     Gemm g;

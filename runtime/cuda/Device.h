@@ -57,6 +57,7 @@ enum OpKind : uint32_t { kDispatch = 1, kCombine = 2, kGmm = 3, kSwiglu = 4, kSw
 struct Op {
   uint32_t kind = 0;
   uint32_t wgrad = 0, transposeB = 0, accumulate = 0;
+  uint32_t shareRows = 0; ///< kTilingShareRows: row tiles share out the rows present
   uint32_t experts = 1, peers = 1, rowTiles = 1, colTiles = 1;
   uint64_t rows = 0, cols = 0, depth = 0;
   uint32_t a = 0, b = 0, c = 0;    ///< slots: inputs 0 and 1, the output

@@ -119,6 +119,7 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     d.wgrad = op.kind == OpKind::Gmm && t.depth == 0;
     d.transposeB = (t.flags & format::kTilingTransposeB) != 0;
     d.accumulate = (t.flags & format::kTilingAccumulate) != 0;
+    d.shareRows = (t.flags & format::kTilingShareRows) != 0;
     d.experts = t.experts;
     d.peers = t.peers;
     d.rowTiles = t.rowTiles;

@@ -184,7 +184,7 @@ bool operator==(const QueueRecord &a, const QueueRecord &b) { return sameBytes(a
 bool operator==(const TaskProgram &a, const TaskProgram &b) {
   return a.flags == b.flags && a.epRanks == b.epRanks && a.tpRanks == b.tpRanks &&
          a.localExperts == b.localExperts &&
-         a.target == b.target &&
+         a.target == b.target && a.notes == b.notes &&
          a.strings == b.strings && a.slots == b.slots && a.ops == b.ops && a.tilings == b.tilings &&
          a.events == b.events && a.tasks == b.tasks && a.waits == b.waits &&
          a.signals == b.signals && a.queues == b.queues && a.queueEntries == b.queueEntries;
@@ -333,6 +333,12 @@ private:
                                        std::numeric_limits<uint32_t>::max()));
     if (Status status = checkName("header: target", p.target); !status)
       return status;
+    if (p.flags & kFlagNotes) {
+      if (Status status = checkName("header: notes", p.notes); !status)
+        return status;
+    } else if (p.notes != 0) {
+      return Status::error("header: notes are named without the notes flag");
+    }
     return Status::success();
   }
 
@@ -464,6 +470,9 @@ private:
       if ((tiling.flags & kTilingReduceTp) && tiling.opKind != OpKind::Combine)
         return Status::error(fmt::format("{}: a {} reduces over TP; only a combine can", what,
                                          opKindName(tiling.opKind)));
+      if ((tiling.flags & kTilingShareRows) && tiling.opKind == OpKind::Gmm && tiling.depth == 0)
+        return Status::error(
+            fmt::format("{}: a weight-gradient GMM tiles its result; it shares out no rows", what));
       if (tiling.rowTiles == 0 || tiling.colTiles == 0)
         return Status::error(fmt::format("{}: a grid of {} x {} tiles is empty", what,
                                          tiling.rowTiles, tiling.colTiles));
@@ -784,6 +793,7 @@ std::vector<uint8_t> writeTaskBinary(const TaskProgram &program) {
   header.tpRanks = program.tpRanks;
   header.localExperts = program.localExperts;
   header.target = program.target;
+  header.notes = program.notes;
   header.sectionCount = uint32_t(table.size());
   header.sectionTableOffset = tableOffset;
   std::memcpy(file.data(), &header, sizeof(header));
@@ -992,7 +1002,7 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
       return Status::error(fmt::format("bad checksum: header says {:#010x}, content gives {:#010x}",
                                        header.crc32, crc));
   }
-  if (!allZero(header.reserved, sizeof(header.reserved)))
+  if (header.reserved != 0)
     return Status::error("header: reserved bytes are not zero");
   if (header.sectionCount != kSectionKindCount)
     return Status::error(fmt::format("header: the section table has {} entries; version {} has {}",
@@ -1011,6 +1021,7 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
   program.tpRanks = header.tpRanks == 0 ? 1 : header.tpRanks;
   program.localExperts = header.localExperts;
   program.target = header.target;
+  program.notes = header.notes;
   const SectionEntry &strings = entryOf(SectionKind::Strings);
   program.strings.assign(reinterpret_cast<const char *>(data + strings.offset),
                          size_t(strings.count));

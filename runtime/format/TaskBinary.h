@@ -67,7 +67,8 @@ inline constexpr uint32_t kMaxTilingInputs = 4;
 enum FileFlag : uint32_t {
   kFlagBackward = 1u << 0, ///< the program is a backward pass
   kFlagBf16 = 1u << 1,     ///< activations are stored as bf16 (else f32)
-  kKnownFileFlags = kFlagBackward | kFlagBf16,
+  kFlagNotes = 1u << 2,    ///< the header's `notes` names the compiler's notes
+  kKnownFileFlags = kFlagBackward | kFlagBf16 | kFlagNotes,
 };
 
 /// Element type of a tensor slot or a tiling descriptor (base/DType.h).
@@ -112,8 +113,14 @@ enum TilingFlag : uint8_t {
   /// put to all T TP ranks of its peer (into the returned rows of block t,
   /// t the putting rank's TP coordinate), and its signals reach all T.
   kTilingReduceTp = 1u << 4,
-  kKnownTilingFlags =
-      kTilingTransposeA | kTilingTransposeB | kTilingAccumulate | kTilingScale | kTilingReduceTp,
+  /// Row tiles cut the rows there are, not a fixed bound: row tile i of n
+  /// rows covers [i*n/rowTiles, (i+1)*n/rowTiles), n known at run time (the
+  /// local expert's segment, or for a put the rows sent to the peer). Every
+  /// tile gets its share whatever the routing; `rows` stays the bound.
+  /// Not on a weight-gradient GMM, which tiles its result (see tileRows()).
+  kTilingShareRows = 1u << 5,
+  kKnownTilingFlags = kTilingTransposeA | kTilingTransposeB | kTilingAccumulate | kTilingScale |
+                      kTilingReduceTp | kTilingShareRows,
 };
 
 /// The kind of a section; each kind appears exactly once in a version-1 file.
@@ -170,7 +177,10 @@ using moec::dtypeSize;
 ///   48     4    target              string offset of the target profile's name
 ///   52     4    tpRanks             T, the TP ranks of each EP rank (>= 1; 0 in
 ///                                   files written before the field: read as 1)
-///   56     8    reserved[2]         zero
+///   56     4    notes               with kFlagNotes, string offset of what the
+///                                   compiler says of its choices (the automatic
+///                                   splits it tried), else zero
+///   60     4    reserved            zero
 struct FileHeader {
   char magic[8] = {};
   uint32_t version = 0;
@@ -183,7 +193,8 @@ struct FileHeader {
   uint64_t sectionTableOffset = 0;
   uint32_t target = 0;
   uint32_t tpRanks = 0;
-  uint32_t reserved[2] = {};
+  uint32_t notes = 0;
+  uint32_t reserved = 0;
 };
 static_assert(sizeof(FileHeader) == 64 && alignof(FileHeader) == 8, "FileHeader layout");
 static_assert(offsetof(FileHeader, crc32) == 24 && offsetof(FileHeader, epRanks) == 28 &&
@@ -367,6 +378,21 @@ inline uint64_t tileBegin(uint64_t i, uint64_t extent, uint64_t tiles) {
   return i * extent / tiles;
 }
 
+/// The rows [begin, end) tile `tile` of `tiling` works on when the rows it
+/// cuts (the local expert's segment, or for a put the rows sent to the
+/// peer) hold `present` rows: its fixed rows clipped to them, or with
+/// kTilingShareRows its share of them. Empty when begin >= end.
+struct TileRows {
+  uint64_t begin = 0, end = 0;
+  uint64_t size() const { return end > begin ? end - begin : 0; }
+};
+inline TileRows tileRows(const TilingRecord &tiling, const TileCoord &tile, uint64_t present) {
+  if (tiling.flags & kTilingShareRows)
+    return {tileBegin(tile.rowTile, present, tiling.rowTiles),
+            tileBegin(uint64_t(tile.rowTile) + 1, present, tiling.rowTiles)};
+  return {tile.rowBegin, tile.rowEnd < present ? tile.rowEnd : present};
+}
+
 /// An event: a monotone counter, one per rank, zero at the start of a pass.
 /// threshold is its final value: the sum of the increments of every signal
 /// that names it, counted once per task that carries the signal.
@@ -491,6 +517,7 @@ struct TaskProgram {
   uint32_t tpRanks = 1;      ///< T
   uint32_t localExperts = 0; ///< L
   uint32_t target = 0;       ///< string offset of the target profile's name
+  uint32_t notes = 0;        ///< with kFlagNotes: string offset of the compiler's notes
   std::string strings;       ///< NUL-terminated names, referred to by offset
   std::vector<SlotRecord> slots;
   std::vector<OpRecord> ops;

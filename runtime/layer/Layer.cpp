@@ -601,11 +601,14 @@ private:
         return tilingError(op, fmt::format("tiling dtype {}; the activations are {}",
                                            format::dtypeName(t.dtype),
                                            format::dtypeName(shape.activations)));
+      // Every row-tiled op may share out the rows present.
       const uint8_t allowedFlags =
-          kind == OpKind::Gmm ? (isWgrad(op) ? format::kTilingTransposeA | format::kTilingAccumulate
-                                             : format::kTilingTransposeB | format::kTilingScale)
-          : kind == OpKind::Combine ? format::kTilingReduceTp
-                                    : 0;
+          kind == OpKind::Gmm
+              ? (isWgrad(op) ? format::kTilingTransposeA | format::kTilingAccumulate
+                             : format::kTilingTransposeB | format::kTilingScale |
+                                   format::kTilingShareRows)
+          : kind == OpKind::Combine ? format::kTilingReduceTp | format::kTilingShareRows
+                                    : format::kTilingShareRows;
       if (t.flags & ~allowedFlags)
         return tilingError(op, fmt::format("tiling flags {:#x} are not supported here", t.flags));
       const auto width = [&](uint32_t slot) { return int64_t(program.slots[slot].dims[1]); };

@@ -77,9 +77,9 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
       rows += (*routed[q])[size_t(rank) * L + expert];
     return rows;
   };
-  const auto clip = [](const format::TileCoord &tile, int64_t rows) {
-    return double(std::max<int64_t>(0, std::min<int64_t>(int64_t(tile.rowEnd), rows) -
-                                           int64_t(tile.rowBegin)));
+  const auto clip = [](const format::TilingRecord &tiling, const format::TileCoord &tile,
+                       int64_t rows) {
+    return double(format::tileRows(tiling, tile, uint64_t(std::max<int64_t>(rows, 0))).size());
   };
 
   std::vector<OpLine> ops(tasks.ops.size());
@@ -101,19 +101,19 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     switch (op.kind) {
     case OpKind::Gmm:
       if (tiling.depth > 0)
-        line.flops += 2 * clip(tile, int64_t(segment)) * cols * double(tiling.depth);
+        line.flops += 2 * clip(tiling, tile, int64_t(segment)) * cols * double(tiling.depth);
       else // a weight gradient: reduces over the expert's rows
         line.flops += 2 * double(tile.rowEnd - tile.rowBegin) * cols * segment;
       break;
     case OpKind::Swiglu:
     case OpKind::SwigluGrad:
-      line.bytes += clip(tile, int64_t(segment)) * cols *
+      line.bytes += clip(tiling, tile, int64_t(segment)) * cols *
                     double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype)) *
                     double(tiling.inputCount + 1);
       break;
     case OpKind::Quantize:
     case OpKind::Dequantize: // read one type, write the other
-      line.bytes += clip(tile, int64_t(segment)) * cols *
+      line.bytes += clip(tiling, tile, int64_t(segment)) * cols *
                     double(format::dtypeSize(tasks.slots[tiling.inputSlots[0]].dtype) +
                            format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
       break;
@@ -123,7 +123,7 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
       const int64_t rows = op.kind == OpKind::Dispatch
                                ? (*routed[span.rank])[size_t(peer) * L + tile.expert]
                                : (*routed[peer])[size_t(span.rank) * L + tile.expert];
-      line.bytes += clip(tile, rows) * cols *
+      line.bytes += clip(tiling, tile, rows) * cols *
                     double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
       break;
     }

@@ -621,7 +621,7 @@ TEST_CASE("op errors name the op and its line", "[graph-json][errors]") {
     opNamed(g, "swiglu")["split_value"] = 0;
     Diag d = importError(g);
     checkAt(d, "swiglu");
-    CHECK(contains(d.message, "'split_value' must be a positive integer, got 0"));
+    CHECK(contains(d.message, "'split_value' must be a positive integer or \"auto\", got 0"));
   }
   SECTION("split spec missing split_output_dims") {
     opNamed(g, "swiglu")["split_spec"].erase("split_output_dims");

@@ -188,8 +188,17 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
     p.slots[1].flags |= 0x80;
     CHECK(contentError(p) == "slot 1 'dispatched_x': unknown flag bits 0x80");
     p = smallProgram();
-    p.tilings[0].flags = 0x20;
-    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x20");
+    p.tilings[0].flags = 0x40;
+    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x40");
+    // Shared-out rows: on a put or an activation GMM; not on a weight
+    // gradient, which tiles its result.
+    p = smallProgram();
+    p.tilings[0].flags = kTilingShareRows;
+    p.tilings[1].flags |= kTilingShareRows;
+    CHECK(validateTaskProgram(p).ok());
+    p.tilings[1].depth = 0;
+    CHECK(contentError(p) ==
+          "tiling 1: a weight-gradient GMM tiles its result; it shares out no rows");
     p.tilings[0].flags = kTilingReduceTp;
     CHECK(contentError(p) == "tiling 0: a dispatch reduces over TP; only a combine can");
   }

@@ -122,7 +122,7 @@ TEST_CASE("the size field must match the file", "[task-binary][errors]") {
 TEST_CASE("header fields", "[task-binary][errors]") {
   std::vector<uint8_t> bytes = writeTaskBinary(smallProgram());
   std::vector<uint8_t> reserved = bytes;
-  put<uint32_t>(reserved, offsetof(FileHeader, reserved) + 4, 1);
+  put<uint32_t>(reserved, offsetof(FileHeader, reserved), 1);
   fixHeader(reserved);
   CHECK(readError(reserved) == "header: reserved bytes are not zero");
 
@@ -132,9 +132,25 @@ TEST_CASE("header fields", "[task-binary][errors]") {
   CHECK(readError(count) == "header: the section table has 9 entries; version 1 has 10");
 
   std::vector<uint8_t> lastReserved = bytes;
-  put<uint32_t>(lastReserved, offsetof(FileHeader, reserved) + 4, 0x100);
+  put<uint32_t>(lastReserved, offsetof(FileHeader, reserved), 0x100);
   fixHeader(lastReserved);
   CHECK(readError(lastReserved) == "header: reserved bytes are not zero");
+
+  // Notes: named only with their flag, and at a name of the string table.
+  std::vector<uint8_t> notes = bytes;
+  put<uint32_t>(notes, offsetof(FileHeader, notes), 1);
+  fixHeader(notes);
+  CHECK(readError(notes) == "header: notes are named without the notes flag");
+  TaskProgram noted = smallProgram();
+  noted.flags |= kFlagNotes;
+  noted.notes = uint32_t(noted.strings.size() + 5);
+  CHECK(readError(writeTaskBinary(noted)).find("header: notes: name offset") == 0);
+  noted.notes = 0;
+  noted.notes = noted.addString("automatic splits: one candidate");
+  TaskProgram back;
+  const std::vector<uint8_t> notedBytes = writeTaskBinary(noted);
+  REQUIRE(readTaskBinary(notedBytes.data(), notedBytes.size(), &back).ok());
+  CHECK(back.name(back.notes) == "automatic splits: one candidate");
 
   TaskProgram program = smallProgram();
   program.flags = 0x10 | kFlagBackward;

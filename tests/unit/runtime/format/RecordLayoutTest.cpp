@@ -64,7 +64,8 @@ TEST_CASE("records have the documented sizes and field offsets", "[task-binary][
   CHECK(offsetof(FileHeader, sectionTableOffset) == 40);
   CHECK(offsetof(FileHeader, target) == 48);
   CHECK(offsetof(FileHeader, tpRanks) == 52);
-  CHECK(offsetof(FileHeader, reserved) == 56);
+  CHECK(offsetof(FileHeader, notes) == 56);
+  CHECK(offsetof(FileHeader, reserved) == 60);
 
   CHECK(sizeof(SectionEntry) == 24);
   CHECK(offsetof(SectionEntry, kind) == 0);

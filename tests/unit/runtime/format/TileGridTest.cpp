@@ -348,4 +348,31 @@ TEST_CASE("a grid holds at most 2^32 - 1 tiles", "[task-binary][errors][tiles]")
   }
 }
 
+TEST_CASE("a tile's rows: fixed and clipped, or shared out", "[task-binary][tiles]") {
+  TilingRecord tiling;
+  tiling.rowTiles = 4;
+  tiling.rows = 1000;
+  // Fixed rows: tile 1 is rows 250..500 of the bound, clipped to those there
+  // are.
+  TileCoord tile = tileCoord(tiling, 1);
+  CHECK(tileRows(tiling, tile, 1000).begin == 250);
+  CHECK(tileRows(tiling, tile, 1000).end == 500);
+  CHECK(tileRows(tiling, tile, 300).end == 300);
+  CHECK(tileRows(tiling, tile, 100).size() == 0);
+  // Shared out: tile 1 of 4 takes its quarter of the rows there are, and
+  // the four tiles cover them exactly whatever their number.
+  tiling.flags = kTilingShareRows;
+  CHECK(tileRows(tiling, tile, 100).begin == 25);
+  CHECK(tileRows(tiling, tile, 100).end == 50);
+  for (uint64_t present : {0, 1, 3, 7, 100, 1001, 5000}) {
+    uint64_t next = 0;
+    for (uint64_t i = 0; i < tiling.rowTiles; ++i) {
+      TileRows rows = tileRows(tiling, tileCoord(tiling, i), present);
+      CHECK(rows.begin == next);
+      next = std::max(next, rows.end);
+    }
+    CHECK(next == present);
+  }
+}
+
 } // namespace

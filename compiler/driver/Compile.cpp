@@ -33,12 +33,13 @@ std::string splitNotes(const CompileResult &result) {
   std::string text = fmt::format(
       "automatic splits: {} candidates tried; of those within 2% of the shortest estimated "
       "makespan, the shortest critical path, then the fewest tasks, was taken (*)\n"
-      "  cube tasks/core  vector tasks/core  put rows   tasks  makespan ms  critical path ms",
+      "  cube tasks/core  gmm rows  vector tasks/core  put rows   tasks  makespan ms  "
+      "critical path ms",
       result.candidates.size());
   for (size_t i = 0; i < result.candidates.size(); ++i) {
     const SplitCandidate &c = result.candidates[i];
-    text += fmt::format("\n{} {:>15} {:>18} {:>9} {:>7} {:>12.3f} {:>17.3f}",
-                        i == result.chosen ? '*' : ' ', c.cubeTasksPerCore,
+    text += fmt::format("\n{} {:>15} {:>9} {:>18} {:>9} {:>7} {:>12.3f} {:>17.3f}",
+                        i == result.chosen ? '*' : ' ', c.cubeTasksPerCore, c.gmmRows,
                         c.vectorTasksPerCore, c.putRows, c.tasks, c.makespan * 1e3,
                         c.criticalPath * 1e3);
   }
@@ -47,20 +48,26 @@ std::string splitNotes(const CompileResult &result) {
 
 namespace {
 
-/// The automatic splits' options to try: GMM tiles per cube core first (at
-/// the pass's defaults for the rest), then SwiGLU tiles per vector core and
-/// rows per put tile around the best so far. Each candidate reruns split
-/// propagation, lowering and scheduling. Of the candidates whose estimated
-/// makespan is within 2% of the shortest, the one with the shortest
-/// critical path wins (the least exposed to a late tile), then the one with
-/// the fewest tasks.
+/// The pass options of a candidate.
+moe::PropagateSplitsOptions optionsOf(const SplitCandidate &c) {
+  return moe::PropagateSplitsOptions{c.cubeTasksPerCore, c.vectorTasksPerCore, c.putRows,
+                                     c.gmmRows};
+}
+
+/// The automatic splits' options to try: GMM tiles per cube core and rows
+/// per GMM tile first (at the pass's defaults for the rest), then SwiGLU
+/// tiles per vector core and rows per put tile around the best so far.
+/// Each candidate reruns split propagation, lowering and scheduling. Of the
+/// candidates whose estimated makespan is within 2% of the shortest, the one
+/// with the shortest critical path wins (the least exposed to a late
+/// tile), then the one with the fewest tasks.
 Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSchedule,
                     CompileResult *result) {
-  moe::PropagateSplitsOptions defaults;
+  const moe::PropagateSplitsOptions defaults;
   std::vector<format::TaskProgram> programs;
   std::vector<target::ScheduleEstimate> estimates;
   result->candidates = {{defaults.cubeTasksPerCore, defaults.vectorTasksPerCore,
-                         defaults.putRows, result->estimate.makespan,
+                         defaults.putRows, defaults.gmmRows, result->estimate.makespan,
                          result->estimate.criticalPath, result->program.tasks.size()}};
   programs.push_back(std::move(result->program));
   estimates.push_back(result->estimate);
@@ -71,33 +78,45 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
         best = i;
     return result->candidates[best];
   };
-  auto tryOptions = [&](int64_t cube, int64_t vector, int64_t putRows) -> Status {
-    for (const SplitCandidate &c : result->candidates)
-      if (c.cubeTasksPerCore == cube && c.vectorTasksPerCore == vector && c.putRows == putRows)
+  auto tryCandidate = [&](SplitCandidate c) -> Status {
+    for (const SplitCandidate &d : result->candidates)
+      if (d.cubeTasksPerCore == c.cubeTasksPerCore && d.gmmRows == c.gmmRows &&
+          d.vectorTasksPerCore == c.vectorTasksPerCore && d.putRows == c.putRows)
         return Status::success();
     mlir::PassManager pm(module.getContext());
-    pm.addPass(moe::createPropagateSplits(moe::PropagateSplitsOptions{cube, vector, putRows}));
+    pm.addPass(moe::createPropagateSplits(optionsOf(c)));
     if (mlir::failed(pm.run(module)))
       return Status::error("the graph passes failed");
     format::TaskProgram program;
     target::ScheduleEstimate estimate;
     if (Status status = lowerAndSchedule(&program, &estimate); !status)
       return status;
-    result->candidates.push_back(
-        {cube, vector, putRows, estimate.makespan, estimate.criticalPath, program.tasks.size()});
+    c.makespan = estimate.makespan;
+    c.criticalPath = estimate.criticalPath;
+    c.tasks = program.tasks.size();
+    result->candidates.push_back(c);
     programs.push_back(std::move(program));
     estimates.push_back(estimate);
     return Status::success();
   };
-  for (int64_t cube : {1, 4, 8})
-    if (Status s = tryOptions(cube, defaults.vectorTasksPerCore, defaults.putRows); !s)
+  for (int64_t cube : {1, 2, 4})
+    for (int64_t rows : {int64_t(128), int64_t(1024)}) {
+      SplitCandidate c = result->candidates[0];
+      c.cubeTasksPerCore = cube;
+      c.gmmRows = rows;
+      if (Status s = tryCandidate(c); !s)
+        return s;
+    }
+  for (int64_t vector : {1, 4}) {
+    SplitCandidate c = fastest();
+    c.vectorTasksPerCore = vector;
+    if (Status s = tryCandidate(c); !s)
       return s;
-  for (int64_t vector : {1, 4})
-    if (Status s = tryOptions(fastest().cubeTasksPerCore, vector, defaults.putRows); !s)
-      return s;
+  }
   for (int64_t putRows : {64, 1024}) {
-    const SplitCandidate at = fastest();
-    if (Status s = tryOptions(at.cubeTasksPerCore, at.vectorTasksPerCore, putRows); !s)
+    SplitCandidate c = fastest();
+    c.putRows = putRows;
+    if (Status s = tryCandidate(c); !s)
       return s;
   }
   const double bound = fastest().makespan * 1.02;
@@ -118,10 +137,8 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
   result->program.flags |= format::kFlagNotes;
   result->program.notes = result->program.addString(splitNotes(*result));
   // The module ends with the chosen splits, as the program has them.
-  const SplitCandidate &c = result->candidates[chosen];
   mlir::PassManager pm(module.getContext());
-  pm.addPass(moe::createPropagateSplits(
-      moe::PropagateSplitsOptions{c.cubeTasksPerCore, c.vectorTasksPerCore, c.putRows}));
+  pm.addPass(moe::createPropagateSplits(optionsOf(result->candidates[chosen])));
   if (mlir::failed(pm.run(module)))
     return Status::error("the graph passes failed");
   return Status::success();

@@ -42,7 +42,7 @@ struct CompileOptions {
 /// One setting of the automatic splits' options that the compiler tried,
 /// and the schedule it gave.
 struct SplitCandidate {
-  int64_t cubeTasksPerCore = 0, vectorTasksPerCore = 0, putRows = 0;
+  int64_t cubeTasksPerCore = 0, vectorTasksPerCore = 0, putRows = 0, gmmRows = 0;
   double makespan = 0, criticalPath = 0; ///< seconds, the scheduler's estimate
   uint64_t tasks = 0;
 };

@@ -39,9 +39,10 @@ constexpr size_t kMaxPathLines = 32;
 std::string headerText(const TaskProgram &p, const FileFacts &facts, const DumpOptions &options,
                        const Analysis &a) {
   std::string out = fmt::format("task binary {}\n", facts.path);
-  out += fmt::format("  format version {}; flags {:#x}: {} pass, {} activations\n", kFormatVersion,
-                     p.flags, p.isBackward() ? "backward" : "forward",
-                     (p.flags & kFlagBf16) ? "bf16" : "f32");
+  out += fmt::format("  format version {}; flags {:#x}: {} pass, {} activations{}\n",
+                     kFormatVersion, p.flags, p.isBackward() ? "backward" : "forward",
+                     (p.flags & kFlagBf16) ? "bf16" : "f32",
+                     (p.flags & kFlagNotes) ? ", the compiler's notes" : "");
   out += fmt::format("  file size {} bytes; CRC-32 {:#010x}\n", facts.fileSize, facts.crc32);
   out += fmt::format("  computes: {}\n", computesText(p));
   out +=

@@ -116,7 +116,8 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
     map tile to tile; a put aims for `put-rows` rows a tile under balanced
     routing; a SwiGLU(-grad) for `vector-tasks-per-core` tiles per vector
     core; a GMM for `cube-tasks-per-core` tiles per cube core, over rows
-    first (at least 128 rows a tile when balanced), then over columns.
+    first (at least `gmm-rows` rows a tile when balanced), then over
+    columns (at least 128 a tile).
   }];
   let options = [
     Option<"cubeTasksPerCore", "cube-tasks-per-core", "int64_t", /*default=*/"2",
@@ -125,6 +126,8 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
            "automatic splits: SwiGLU tiles per vector core">,
     Option<"putRows", "put-rows", "int64_t", /*default=*/"256",
            "automatic splits: rows a put tile holds under balanced routing">,
+    Option<"gmmRows", "gmm-rows", "int64_t", /*default=*/"128",
+           "automatic splits: rows a GMM tile holds at least under balanced routing">,
   ];
   let statistics = [
     Statistic<"numTasks", "tasks", "Number of tile tasks over all ops">,

@@ -72,6 +72,10 @@ SmallVector<int64_t> divisors(int64_t n) {
   return d;
 }
 
+/// Tasks are records of the binary and queue entries of the runtime: at
+/// most this many per op.
+constexpr int64_t kMaxTasksPerOp = int64_t(1) << 20;
+
 /// The largest power of two at most max(n, 1).
 int64_t powerOfTwoAtMost(int64_t n) {
   int64_t p = 1;
@@ -142,9 +146,8 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       // fit before; an explicit task_num is taken as written.
       if (!op.getSplit().getTaskNum())
         *tasks = (*tasks + unit - 1) / unit * unit;
-      // Tasks are records of the binary and queue entries of the runtime:
-      // a count past this is a split value far too small for the shape.
-      constexpr int64_t kMaxTasksPerOp = int64_t(1) << 20;
+      // A count past kMaxTasksPerOp is a split value far too small for the
+      // shape.
       if (*tasks > kMaxTasksPerOp) {
         op->emitError() << "'" << op.getOpName() << "': " << *tasks << " tasks; at most "
                         << kMaxTasksPerOp << " per op are supported (raise its split value)";
@@ -211,7 +214,7 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
                         << "count '" << symbol << "' (from the config or the target)";
         return std::nullopt;
       }
-    if (cubeTasksPerCore <= 0 || vectorTasksPerCore <= 0 || putRows <= 0) {
+    if (cubeTasksPerCore <= 0 || vectorTasksPerCore <= 0 || putRows <= 0 || gmmRows <= 0) {
       op->emitError() << "'" << op.getOpName() << "': the automatic split's options must be "
                       << "positive";
       return std::nullopt;
@@ -255,9 +258,9 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       }
       g.rows = bindings.at("per_expert_seq");
       g.cols = extentOf(result, 1);
-      // Rows first, at least 128 a tile when balanced; then columns, at
-      // least 128 a tile.
-      g.rowTiles = std::min(powerOfTwoAtMost(perExpert), powerOfTwoAtMost(balanced / 128));
+      // Rows first, at least gmmRows a tile when balanced; then columns,
+      // at least 128 a tile.
+      g.rowTiles = std::min(powerOfTwoAtMost(perExpert), powerOfTwoAtMost(balanced / gmmRows));
       g.colTiles = std::max<int64_t>(
           1, std::min(ceilDiv(perExpert, g.rowTiles), std::max<int64_t>(1, g.cols / 128)));
     } else {
@@ -266,6 +269,11 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       return std::nullopt;
     }
     g.rowTiles = std::max<int64_t>(1, std::min(g.rowTiles, g.rows));
+    if (g.tiles() > kMaxTasksPerOp) {
+      op->emitError() << "'" << op.getOpName() << "': " << g.tiles() << " tasks; at most "
+                      << kMaxTasksPerOp << " per op are supported";
+      return std::nullopt;
+    }
     return g;
   }
 

@@ -1,9 +1,9 @@
-// RUN: moec-opt %graphs/moe_ffn_fwd.mlir --moe-graph-pipeline=config=%configs/tiny.json | FileCheck %s --check-prefix=FWD
-// RUN: moec-opt %graphs/moe_ffn_bwd.mlir --moe-graph-pipeline=config=%configs/tiny.json | FileCheck %s --check-prefix=BWD
-// RUN: moec-opt %graphs/moe_ffn_fwd.mlir --moe-graph-pipeline="config=%configs/seed-test.json target=ascend-910b" | FileCheck %s --check-prefix=SEED-FWD
-// RUN: moec-opt %graphs/moe_ffn_bwd.mlir --moe-graph-pipeline="config=%configs/seed-test.json target=ascend-910b" | FileCheck %s --check-prefix=SEED-BWD
+// RUN: moec-opt %graphs/seed/moe_ffn_fwd.mlir --moe-graph-pipeline=config=%configs/tiny.json | FileCheck %s --check-prefix=FWD
+// RUN: moec-opt %graphs/seed/moe_ffn_bwd.mlir --moe-graph-pipeline=config=%configs/tiny.json | FileCheck %s --check-prefix=BWD
+// RUN: moec-opt %graphs/seed/moe_ffn_fwd.mlir --moe-graph-pipeline="config=%configs/seed-test.json target=ascend-910b" | FileCheck %s --check-prefix=SEED-FWD
+// RUN: moec-opt %graphs/seed/moe_ffn_bwd.mlir --moe-graph-pipeline="config=%configs/seed-test.json target=ascend-910b" | FileCheck %s --check-prefix=SEED-BWD
 // RUN: moec-opt %s --split-input-file --verify-diagnostics --moe-graph-pipeline=config=%configs/tiny.json | FileCheck %s
-// RUN: not moec-opt %graphs/moe_ffn_fwd.mlir --moe-propagate-splits 2>&1 | FileCheck %s --check-prefix=UNRESOLVED
+// RUN: not moec-opt %graphs/seed/moe_ffn_fwd.mlir --moe-propagate-splits 2>&1 | FileCheck %s --check-prefix=UNRESOLVED
 
 // tiny.json: L = single_rank_expert_num 2, R = ep 2, per_expert_seq 256,
 // per_rank_seq 256, per_expert_seq_to_other 128, num_experts 4,

@@ -1,7 +1,7 @@
-// RUN: moec-opt %graphs/moe_ffn_fwd.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-fp8.json | FileCheck %s --check-prefix=FP8
-// RUN: moec-opt %graphs/moe_ffn_fwd.mlir --moe-graph-pipeline=config=%configs/tiny.json | FileCheck %s --check-prefix=PLAIN
-// RUN: moec-opt %graphs/moe_ffn_bwd.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-fp8.json | FileCheck %s --check-prefix=BWD
-// RUN: not moec-opt %graphs/moe_ffn_fwd.mlir --moe-quantize-dispatch 2>&1 | FileCheck %s --check-prefix=UNRESOLVED
+// RUN: moec-opt %graphs/seed/moe_ffn_fwd.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-fp8.json | FileCheck %s --check-prefix=FP8
+// RUN: moec-opt %graphs/seed/moe_ffn_fwd.mlir --moe-graph-pipeline=config=%configs/tiny.json | FileCheck %s --check-prefix=PLAIN
+// RUN: moec-opt %graphs/seed/moe_ffn_bwd.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-fp8.json | FileCheck %s --check-prefix=BWD
+// RUN: not moec-opt %graphs/seed/moe_ffn_fwd.mlir --moe-quantize-dispatch 2>&1 | FileCheck %s --check-prefix=UNRESOLVED
 
 // tiny-fp8.json: tiny.json with hidden_size 200 (two blocks of 128: the last
 // one short) and "dispatch_dtype": "fp8_e4m3". A quantized row is

@@ -31,7 +31,10 @@ using moec::TaskSplitValue;
 using moec::moe::GraphOp;
 using moec::moe::TaskOpInterface;
 
-inline const char *const kGraphs[] = {"graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd.json"};
+/// The layer's graphs in the seed's form: hand-set split values and task_num
+/// formulas, which the seed-count tests check against the seed.
+inline const char *const kGraphs[] = {"graphs/seed/moe_ffn_fwd.json",
+                                      "graphs/seed/moe_ffn_bwd.json"};
 
 /// A context with the graph pipeline's result for one graph and config.
 class PipelineRun {

@@ -160,8 +160,8 @@ json &opNamed(json &g, const std::string &name) {
 }
 
 /// The shipped forward / backward graphs as JSON, for tests to modify.
-json fwdGraph() { return loadJson("graphs/moe_ffn_fwd.json"); }
-json bwdGraph() { return loadJson("graphs/moe_ffn_bwd.json"); }
+json fwdGraph() { return loadJson("graphs/seed/moe_ffn_fwd.json"); }
+json bwdGraph() { return loadJson("graphs/seed/moe_ffn_bwd.json"); }
 
 /// Imports `text` as "bad.json", which must fail with exactly one error (and
 /// nothing else); returns that error.
@@ -227,7 +227,7 @@ nlohmann::json unordered(const json &j) { return nlohmann::json::parse(j.dump())
 //===----------------------------------------------------------------------===//
 
 TEST_CASE("shipped graphs round-trip through the dialect unchanged", "[graph-json]") {
-  for (const char *path : {"graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd.json"}) {
+  for (const char *path : {"graphs/seed/moe_ffn_fwd.json", "graphs/seed/moe_ffn_bwd.json"}) {
     INFO("graph: " << path);
     std::string text = readFile(path);
     json expected = json::parse(text);
@@ -313,7 +313,7 @@ TEST_CASE("export(import(x)) is a fixed point for hand-written JSON", "[graph-js
 }
 
 TEST_CASE("the .mlir beside each graph exports to the same JSON", "[graph-json]") {
-  for (const char *stem : {"graphs/moe_ffn_fwd", "graphs/moe_ffn_bwd"}) {
+  for (const char *stem : {"graphs/seed/moe_ffn_fwd", "graphs/seed/moe_ffn_bwd"}) {
     INFO("graph: " << stem);
     Harness h;
     mlir::OwningOpRef<mlir::ModuleOp> module = moec::loadGraph(std::string(stem) + ".mlir", &h.ctx);
@@ -328,19 +328,19 @@ TEST_CASE("the .mlir beside each graph exports to the same JSON", "[graph-json]"
 
 TEST_CASE("loadGraph reads JSON by extension", "[graph-json]") {
   Harness h;
-  mlir::OwningOpRef<mlir::ModuleOp> module = moec::loadGraph("graphs/moe_ffn_bwd.json", &h.ctx);
+  mlir::OwningOpRef<mlir::ModuleOp> module = moec::loadGraph("graphs/seed/moe_ffn_bwd.json", &h.ctx);
   REQUIRE(module);
   auto graphs = module->getOps<GraphOp>();
   REQUIRE(std::distance(graphs.begin(), graphs.end()) == 1);
   GraphOp graph = *graphs.begin();
   CHECK(graph.getSymName() == "moe_ffn_bwd");
   // Ops carry the location of their JSON object.
-  std::string text = readFile("graphs/moe_ffn_bwd.json");
+  std::string text = readFile("graphs/seed/moe_ffn_bwd.json");
   for (auto task : graph.getBlock().getOps<moec::moe::TaskOpInterface>()) {
     INFO("op " << task.getOpName().str());
     auto loc = task->getLoc().dyn_cast<mlir::FileLineColLoc>();
     REQUIRE(loc);
-    CHECK(loc.getFilename().getValue() == "graphs/moe_ffn_bwd.json");
+    CHECK(loc.getFilename().getValue() == "graphs/seed/moe_ffn_bwd.json");
     auto [line, col] = namePos(text, "ops", task.getOpName().str());
     CHECK(loc.getLine() == line);
     CHECK(loc.getColumn() == col);
@@ -349,7 +349,7 @@ TEST_CASE("loadGraph reads JSON by extension", "[graph-json]") {
 
 TEST_CASE("export fails on a tensor read both transposed and not", "[graph-json]") {
   Harness h;
-  mlir::OwningOpRef<mlir::ModuleOp> module = moec::loadGraph("graphs/moe_ffn_bwd.json", &h.ctx);
+  mlir::OwningOpRef<mlir::ModuleOp> module = moec::loadGraph("graphs/seed/moe_ffn_bwd.json", &h.ctx);
   REQUIRE(module);
   // act_grad reads 'target' as its plain lhs; make w1_grad read it transposed.
   GraphOp graph = *module->getOps<GraphOp>().begin();
@@ -364,8 +364,8 @@ TEST_CASE("export fails on a tensor read both transposed and not", "[graph-json]
   REQUIRE(errors.size() == 1);
   CHECK(contains(errors[0].message, "tensor 'target' is read transposed by one grouped matmul "
                                     "and not by another"));
-  auto [line, col] = namePos(readFile("graphs/moe_ffn_bwd.json"), "ops", "w1_grad");
-  CHECK(errors[0].file == "graphs/moe_ffn_bwd.json");
+  auto [line, col] = namePos(readFile("graphs/seed/moe_ffn_bwd.json"), "ops", "w1_grad");
+  CHECK(errors[0].file == "graphs/seed/moe_ffn_bwd.json");
   CHECK(errors[0].line == line);
   CHECK(errors[0].col == col);
 }
@@ -840,14 +840,14 @@ TEST_CASE("a bad config value fails the pipeline with loadConfig's error",
   CHECK(contains(loadError, path));
   CHECK(contains(loadError, "'num_experts' (4) must be a multiple of 'ep' (3)"));
 
-  std::vector<Diag> errors = pipelineErrors(readFile("graphs/moe_ffn_fwd.json"), path);
+  std::vector<Diag> errors = pipelineErrors(readFile("graphs/seed/moe_ffn_fwd.json"), path);
   REQUIRE(errors.size() == 1);
   CHECK(errors[0].message == loadError);
 }
 
 TEST_CASE("a missing config file fails the pipeline", "[graph-json][errors]") {
   std::vector<Diag> errors =
-      pipelineErrors(readFile("graphs/moe_ffn_fwd.json"), "examples/configs/no-such.json");
+      pipelineErrors(readFile("graphs/seed/moe_ffn_fwd.json"), "examples/configs/no-such.json");
   REQUIRE(errors.size() == 1);
   CHECK(contains(errors[0].message, "examples/configs/no-such.json: cannot open"));
 }
@@ -890,7 +890,7 @@ TEST_CASE("a split value that does not divide its dim counts one more, smaller t
   }
   SECTION("counts that divide stay the seed's") {
     const std::map<std::string, uint64_t> tasks =
-        pipelineTasks(readFile("graphs/moe_ffn_fwd.json"), "examples/configs/tiny.json");
+        pipelineTasks(readFile("graphs/seed/moe_ffn_fwd.json"), "examples/configs/tiny.json");
     // 4 * (128 / 128), (256 / 128) * 2.
     CHECK(tasks.at("dispatch") == 4);
     CHECK(tasks.at("swiglu") == 4);

@@ -105,7 +105,7 @@ TEST_CASE("per-expert binaries hold the seed's task counts", "[lower]") {
 }
 
 TEST_CASE("tiling descriptors follow the graph's shapes", "[lower]") {
-  Compiled fwd = compile("graphs/moe_ffn_fwd.json", "examples/configs/tiny.json", "cpu",
+  Compiled fwd = compile("graphs/seed/moe_ffn_fwd.json", "examples/configs/tiny.json", "cpu",
                          lower::Granularity::PerTileRange);
   const TaskProgram &p = fwd.program;
   CHECK_FALSE(p.isBackward());
@@ -153,7 +153,7 @@ TEST_CASE("tiling descriptors follow the graph's shapes", "[lower]") {
   CHECK(last.rowBegin == 128);
   CHECK(last.rowEnd == 256);
 
-  Compiled bwd = compile("graphs/moe_ffn_bwd.json", "examples/configs/tiny.json", "cpu",
+  Compiled bwd = compile("graphs/seed/moe_ffn_bwd.json", "examples/configs/tiny.json", "cpu",
                          lower::Granularity::PerTileRange);
   const TaskProgram &b = bwd.program;
   CHECK(b.isBackward());
@@ -169,7 +169,7 @@ TEST_CASE("tiling descriptors follow the graph's shapes", "[lower]") {
 }
 
 TEST_CASE("per-expert events: one per producer and expert", "[lower]") {
-  Compiled c = compile("graphs/moe_ffn_fwd.json", "examples/configs/tiny.json", "cpu",
+  Compiled c = compile("graphs/seed/moe_ffn_fwd.json", "examples/configs/tiny.json", "cpu",
                        lower::Granularity::PerExpert);
   const TaskProgram &p = c.program;
   // dispatch.e<l> on the receiving rank counts the tiles of expert l from
@@ -210,7 +210,7 @@ TEST_CASE("per-expert events: one per producer and expert", "[lower]") {
 }
 
 TEST_CASE("backward sinks and the ordering edge", "[lower]") {
-  Compiled c = compile("graphs/moe_ffn_bwd.json", "examples/configs/tiny.json", "cpu",
+  Compiled c = compile("graphs/seed/moe_ffn_bwd.json", "examples/configs/tiny.json", "cpu",
                        lower::Granularity::PerExpert);
   const TaskProgram &p = c.program;
   // Sinks: combine, w1_grad and w2_grad (their results leave the graph).
@@ -229,7 +229,7 @@ TEST_CASE("per-tile-range events let a consumer start on its rows", "[lower]") {
   // expert (128 balanced rows each), like swiglu.
   nlohmann::json graph;
   {
-    std::ifstream in("graphs/moe_ffn_fwd.json");
+    std::ifstream in("graphs/seed/moe_ffn_fwd.json");
     in >> graph;
   }
   for (auto &op : graph["ops"])
@@ -271,7 +271,7 @@ TEST_CASE("per-tile-range events let a consumer start on its rows", "[lower]") {
 }
 
 TEST_CASE("queues: every task once, balanced, puts rotated by peer", "[lower]") {
-  Compiled c = compile("graphs/moe_ffn_fwd.json", "examples/configs/seed-test.json",
+  Compiled c = compile("graphs/seed/moe_ffn_fwd.json", "examples/configs/seed-test.json",
                        "ascend-910b", lower::Granularity::PerExpert);
   const TaskProgram &p = c.program;
   CHECK(p.queues.size() == 72);

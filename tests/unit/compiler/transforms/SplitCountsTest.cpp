@@ -88,14 +88,14 @@ TEST_CASE("task counts of the seed configs, literally", "[split-counts]") {
   for (Expected e : {Expected{"examples/configs/seed-test.json", 64, 192, 64},
                      Expected{"examples/configs/seed-defaults.json", 512, 192, 512}}) {
     INFO("config " << e.config);
-    PipelineRun bwd("graphs/moe_ffn_bwd.json", e.config);
+    PipelineRun bwd("graphs/seed/moe_ffn_bwd.json", e.config);
     CHECK(tasksOf(bwd.op("dispatch")) == e.allToAll);
     CHECK(tasksOf(bwd.op("combine")) == e.allToAll);
     for (const char *gmm : {"act_grad", "w1_grad", "gate_grad", "w2_grad"})
       CHECK(tasksOf(bwd.op(gmm)) == e.gmm);
     CHECK(tasksOf(bwd.op("swiglu_grad")) == e.swiglu);
 
-    PipelineRun fwd("graphs/moe_ffn_fwd.json", e.config);
+    PipelineRun fwd("graphs/seed/moe_ffn_fwd.json", e.config);
     CHECK(tasksOf(fwd.op("dispatch")) == e.allToAll);
     CHECK(tasksOf(fwd.op("combine")) == e.allToAll);
     CHECK(tasksOf(fwd.op("up_proj")) == e.gmm);
@@ -108,7 +108,7 @@ TEST_CASE("backward graph slots and edges match the seed", "[split-counts]") {
   for (const char *configPath :
        {"examples/configs/seed-test.json", "examples/configs/seed-defaults.json"}) {
     INFO("config " << configPath);
-    PipelineRun run("graphs/moe_ffn_bwd.json", configPath);
+    PipelineRun run("graphs/seed/moe_ffn_bwd.json", configPath);
     // Seed: OperatorNode param_positions (inputs | output) and tiling_position.
     const std::map<std::string, std::pair<std::vector<int64_t>, int64_t>> seed = {
         {"dispatch", {{1, 2, 3, 4, 0}, -1}},   {"act_grad", {{0, 7, 19, 8}, 20}},
@@ -151,7 +151,7 @@ TEST_CASE("backward graph slots and edges match the seed", "[split-counts]") {
 
 TEST_CASE("an ordering edge without data waits for every producer tile", "[split-counts]") {
   // Seed: add_edge(gate_grad, w2_grad); w2_grad reads swiglu_out, not gate_grad's output.
-  PipelineRun run("graphs/moe_ffn_bwd.json", "examples/configs/seed-test.json");
+  PipelineRun run("graphs/seed/moe_ffn_bwd.json", "examples/configs/seed-test.json");
   TaskOpInterface w2 = run.op("w2_grad");
   int64_t gateTiles = tasksOf(run.op("gate_grad"));
   int64_t tiles = tasksOf(w2);
@@ -185,7 +185,7 @@ TileMapAttr mapFrom(TaskOpInterface op, const std::string &producer) {
 
 TEST_CASE("tiny forward graph: tiles follow expert segments", "[split-counts]") {
   // tiny: L = 2 local experts, R = 2 ranks, per_expert_seq 256, 2 cube cores.
-  PipelineRun run("graphs/moe_ffn_fwd.json", "examples/configs/tiny.json", "cpu");
+  PipelineRun run("graphs/seed/moe_ffn_fwd.json", "examples/configs/tiny.json", "cpu");
   TaskOpInterface dispatch = run.op("dispatch"), upProj = run.op("up_proj"),
                   swiglu = run.op("swiglu"), downProj = run.op("down_proj"),
                   combine = run.op("combine");

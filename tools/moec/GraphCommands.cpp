@@ -153,7 +153,7 @@ json reportJson(GraphOp graph, const ModelConfig &config) {
     o["name"] = op.getOpName().str();
     o["type"] = op.getSeedOpType().str();
     o["core"] = op.isCubeWork() ? "cube" : "vector";
-    o["split_value"] = op.getSplitValue();
+    o["split_value"] = op.isAutoSplit() ? json("auto") : json(op.getSplitValue());
     o["tasks"] = *op.getTasks();
     o["grid"] = op.getGridAttr().asArrayRef().vec();
     SplitAttr split = op.getSplit();
@@ -228,11 +228,17 @@ std::string reportText(GraphOp graph, const ModelConfig &config, const std::stri
     ArrayRef<int64_t> grid = op.getGridAttr().asArrayRef();
     out += fmt::format("{:<14} {:<12} {:<6} {:>6} {:>6}  {:<13} {:<10} {:<8} {:<6} {:<16} {}\n",
                        op.getOpName().str(), op.getSeedOpType().str(),
-                       op.isCubeWork() ? "cube" : "vector", op.getSplitValue(), *op.getTasks(),
+                       op.isCubeWork() ? "cube" : "vector",
+                       op.isAutoSplit() ? std::string("auto") : std::to_string(op.getSplitValue()),
+                       *op.getTasks(),
                        fmt::format("{}x{}x{}x{}", grid[0], grid[1], grid[2], grid[3]), splitIn, "[" + outDims + "]", *op.getTilingSlotValue(), slots, deps);
     total += *op.getTasks();
   }
   out += fmt::format("\n{} ops, {} tile tasks\n", tilesOf.size(), total);
+  if (llvm::any_of(graph.getBlock().getOps<TaskOpInterface>(),
+                   [](TaskOpInterface op) { return op.isAutoSplit(); }))
+    out += "automatic splits (\"auto\") are shown at the pass's default options; moec compile "
+           "tries several and keeps the fastest (moec dump shows which)\n";
   return out;
 }
 

@@ -71,12 +71,13 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
                          result->estimate.criticalPath, result->program.tasks.size()}};
   programs.push_back(std::move(result->program));
   estimates.push_back(result->estimate);
+  // The index of the candidate with the shortest estimated makespan.
   auto fastest = [&] {
     size_t best = 0;
     for (size_t i = 1; i < result->candidates.size(); ++i)
       if (result->candidates[i].makespan < result->candidates[best].makespan)
         best = i;
-    return result->candidates[best];
+    return best;
   };
   auto tryCandidate = [&](SplitCandidate c) -> Status {
     for (const SplitCandidate &d : result->candidates)
@@ -108,28 +109,27 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
         return s;
     }
   for (int64_t vector : {1, 4}) {
-    SplitCandidate c = fastest();
+    SplitCandidate c = result->candidates[fastest()];
     c.vectorTasksPerCore = vector;
     if (Status s = tryCandidate(c); !s)
       return s;
   }
   for (int64_t putRows : {64, 1024}) {
-    SplitCandidate c = fastest();
+    SplitCandidate c = result->candidates[fastest()];
     c.putRows = putRows;
     if (Status s = tryCandidate(c); !s)
       return s;
   }
-  const double bound = fastest().makespan * 1.02;
+  // From the first candidate within the bound, in the order tried.
+  const double bound = result->candidates[fastest()].makespan * 1.02;
   size_t chosen = 0;
-  bool any = false;
-  for (size_t i = 0; i < result->candidates.size(); ++i) {
+  while (result->candidates[chosen].makespan > bound)
+    ++chosen;
+  for (size_t i = chosen + 1; i < result->candidates.size(); ++i) {
     const SplitCandidate &c = result->candidates[i], &b = result->candidates[chosen];
-    if (c.makespan > bound)
-      continue;
-    if (!any || c.criticalPath < b.criticalPath * 0.99 ||
-        (c.criticalPath <= b.criticalPath * 1.01 && c.tasks < b.tasks))
+    if (c.makespan <= bound && (c.criticalPath < b.criticalPath * 0.99 ||
+                                (c.criticalPath <= b.criticalPath * 1.01 && c.tasks < b.tasks)))
       chosen = i;
-    any = true;
   }
   result->chosen = chosen;
   result->program = std::move(programs[chosen]);

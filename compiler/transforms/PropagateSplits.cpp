@@ -175,33 +175,31 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
   /// Sets the op's task count, grid and tile maps.
   void record(TaskOpInterface op, const Grid &grid, llvm::DenseMap<Operation *, Grid> &grids,
               Builder &b) {
-    {
-      const int64_t tasks = grid.tiles();
-      grids[op] = grid;
-      op.setTasksValue(tasks);
-      op.setGridValue(
-          {grid.experts, grid.peers, grid.rowTiles, grid.colTiles, grid.rows, grid.cols});
-      numTasks += tasks;
+    const int64_t tasks = grid.tiles();
+    grids[op] = grid;
+    op.setTasksValue(tasks);
+    op.setGridValue(
+        {grid.experts, grid.peers, grid.rowTiles, grid.colTiles, grid.rows, grid.cols});
+    numTasks += tasks;
 
-      SmallVector<Attribute> maps;
-      for (OpOperand &use : op->getOpOperands()) {
-        TaskOpInterface producer = producerOf(use.get());
-        if (!producer)
-          continue;
-        SmallVector<int64_t> first, last;
-        tileMap(grids[producer], grid, first, last);
-        maps.push_back(TileMapAttr::get(op.getContext(), use.getOperandNumber(),
-                                        b.getStringAttr(producer.getOpName()), first, last));
-      }
-      for (TaskOpInterface producer : orderingPredecessors(op)) {
-        if (llvm::any_of(op->getOperands(), [&](Value v) { return producerOf(v) == producer; }))
-          continue; // the data edge's map already orders them
-        SmallVector<int64_t> first(tasks, 0), last(tasks, grids[producer].tiles() - 1);
-        maps.push_back(TileMapAttr::get(op.getContext(), /*operand=*/-1,
-                                        b.getStringAttr(producer.getOpName()), first, last));
-      }
-      op.setDepsValue(b.getArrayAttr(maps));
+    SmallVector<Attribute> maps;
+    for (OpOperand &use : op->getOpOperands()) {
+      TaskOpInterface producer = producerOf(use.get());
+      if (!producer)
+        continue;
+      SmallVector<int64_t> first, last;
+      tileMap(grids[producer], grid, first, last);
+      maps.push_back(TileMapAttr::get(op.getContext(), use.getOperandNumber(),
+                                      b.getStringAttr(producer.getOpName()), first, last));
     }
+    for (TaskOpInterface producer : orderingPredecessors(op)) {
+      if (llvm::any_of(op->getOperands(), [&](Value v) { return producerOf(v) == producer; }))
+        continue; // the data edge's map already orders them
+      SmallVector<int64_t> first(tasks, 0), last(tasks, grids[producer].tiles() - 1);
+      maps.push_back(TileMapAttr::get(op.getContext(), /*operand=*/-1,
+                                      b.getStringAttr(producer.getOpName()), first, last));
+    }
+    op.setDepsValue(b.getArrayAttr(maps));
   }
 
   /// The grid of an op with an automatic split (see Passes.td), from the

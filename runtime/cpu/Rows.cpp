@@ -11,6 +11,9 @@ namespace {
 
 /// Columns widened to fp32 at a time.
 constexpr int64_t kChunk = 256;
+/// Partial sums of a dot product (a multiple of 16 columns, kChunk's
+/// divisor, so that every chunk but the last starts at lane 0).
+constexpr int64_t kLanes = 16;
 
 /// Copies `cols` elements from `src` to `dst`, converting the storage type.
 void copyRow(const void *src, Elt srcElt, void *dst, Elt dstElt, int64_t cols) {
@@ -92,15 +95,26 @@ void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, i
   for (int64_t t = tokens.begin; t < tokens.end; ++t) {
     for (int64_t k = 0; k < topK; ++k) {
       const int64_t id = t * topK + k;
-      float dot = 0.0f;
+      // Column c adds into lane c % kLanes, in column order; the lanes are
+      // then summed pairwise. A fixed order (the same bits on every thread
+      // count), and independent lanes the compiler keeps in vectors: one
+      // running sum would chain every add on the one before.
+      float lanes[kLanes] = {};
       for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
         const int64_t n = std::min(kChunk, cols - c0);
         loadFloats(dy.address(t, c0), dy.elt, grad, size_t(n));
         loadRow(z, position[id], c0, n, parts, partStride, row);
-        for (int64_t c = 0; c < n; ++c)
-          dot += grad[c] * row[c];
+        int64_t c = 0;
+        for (; c + kLanes <= n; c += kLanes)
+          for (int64_t l = 0; l < kLanes; ++l)
+            lanes[l] += grad[c + l] * row[c + l];
+        for (int64_t l = 0; c + l < n; ++l)
+          lanes[l] += grad[c + l] * row[c + l];
       }
-      dweights[id] = dot;
+      for (int64_t width = kLanes / 2; width > 0; width /= 2)
+        for (int64_t l = 0; l < width; ++l)
+          lanes[l] += lanes[l + width];
+      dweights[id] = lanes[0];
     }
   }
 }

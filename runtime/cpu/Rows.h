@@ -48,7 +48,9 @@ void combineRows(ConstMatrix z, const int64_t *position, const float *weights, i
 
 /// The gradient of combineRows with respect to its weights, on tokens
 /// `tokens`: dweights[t * topK + k] = sum_{h < cols} dy[t, h] *
-/// z[position[t * topK + k], h], summed in fp32 in ascending h.
+/// z[position[t * topK + k], h], summed in fp32 in a fixed order: column h
+/// into partial sum h % 16 in ascending h, then the 16 partial sums pairwise
+/// (lane l + 8 into l, then l + 4, l + 2, l + 1).
 void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, int64_t topK,
                        Range tokens, int64_t cols, float *dweights, int64_t parts = 1,
                        int64_t partStride = 0);

@@ -10,9 +10,11 @@
 //
 //   bazel run //tools/bench:gmm_bench -- [M N K [reps [experts]]]
 //
-// `gmm_bench --layer [experts [reps]]` times the six tile shapes of the
-// qwen3-30b-a3b layer (H 2048, I 768, 128 rows an expert, the strides and
-// transposes its binaries give the tiles) the same way, in fp32 and bf16.
+// `gmm_bench --layer [experts [reps [threads]]]` times the six tile shapes
+// of the qwen3-30b-a3b layer (H 2048, I 768, 128 rows an expert, the
+// strides and transposes its binaries give the tiles) the same way, in fp32
+// and bf16, on `threads` threads at once (each on operands of its own, as
+// the layer's workers run).
 //
 //===----------------------------------------------------------------------===//
 
@@ -28,6 +30,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace moec::cpu;
@@ -62,55 +65,81 @@ struct Shape {
   bool transA, transB;
 };
 
-/// The tiles of qwen3-30b-a3b at 128 rows an expert (moec dump of its
-/// binaries at ep 2, S 1024): forward up/down projections, the backward's
-/// two activation gradients (transposed weights) and two weight gradients
+/// The tiles of qwen3-30b-a3b at 128 rows an expert, as the shipped graphs'
+/// automatic splits cut them (moec dump of the binaries at ep 2, S 1024: one
+/// tile per expert and op): forward up/down projections, the backward's two
+/// activation gradients (transposed weights) and two weight gradients
 /// (transposed activations, the depth the expert's rows).
 constexpr Shape kLayer[] = {
-    {"up_proj", 128, 768, 2048, 2048, 1536, 1536, false, false},
-    {"down_proj", 128, 1024, 768, 768, 2048, 2048, false, false},
-    {"act_grad", 128, 384, 2048, 2048, 2048, 768, false, true},
-    {"gate_grad", 128, 1024, 1536, 1536, 1536, 2048, false, true},
-    {"dw2", 768, 1024, 128, 768, 2048, 2048, true, false},
-    {"dw1", 1024, 1536, 128, 2048, 1536, 1536, true, false},
+    {"up_proj", 128, 1536, 2048, 2048, 1536, 1536, false, false},
+    {"down_proj", 128, 2048, 768, 768, 2048, 2048, false, false},
+    {"act_grad", 128, 768, 2048, 2048, 2048, 768, false, true},
+    {"gate_grad", 128, 2048, 1536, 1536, 1536, 2048, false, true},
+    {"dw2", 768, 2048, 128, 768, 2048, 2048, true, false},
+    {"dw1", 2048, 1536, 128, 2048, 1536, 1536, true, false},
 };
 
+/// One thread's operands of a shape, `experts` distinct sets in the
+/// operands' storage, and its C.
+struct Operands {
+  std::vector<std::vector<char>> a, b;
+  std::vector<char> c;
+};
+
+Operands makeOperands(const Shape &s, Elt elt, int experts, std::mt19937 &rng) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  const int64_t aSize = (s.transA ? s.k : s.m) * s.lda;
+  const int64_t bSize = (s.transB ? s.n : s.k) * s.ldb;
+  const size_t bytes = dtypeSize(elt);
+  Operands o;
+  for (int e = 0; e < experts; ++e) {
+    std::vector<float> a(static_cast<size_t>(aSize)), b(static_cast<size_t>(bSize));
+    for (float &x : a)
+      x = dist(rng);
+    for (float &x : b)
+      x = dist(rng);
+    o.a.emplace_back(size_t(aSize) * bytes);
+    o.b.emplace_back(size_t(bSize) * bytes);
+    storeFloats(a.data(), o.a.back().data(), elt, a.size());
+    storeFloats(b.data(), o.b.back().data(), elt, b.size());
+  }
+  o.c.resize(size_t(s.m * s.ldc) * bytes);
+  return o;
+}
+
 /// Times every shape of kLayer over `experts` distinct operand sets (C
-/// stored in the operands' type, as the layer stores it) and prints GFLOP/s.
-int layerShapes(int experts, int reps) {
+/// stored in the operands' type, as the layer stores it) on `threads`
+/// threads at once, each on operands of its own (as the layer's workers
+/// meet different experts' weights), and prints GFLOP/s per thread.
+int layerShapes(int experts, int reps, int threads) {
   std::printf("GEMM: %s\n", gemmConfig());
-  std::printf("qwen3-30b-a3b tiles, one thread, %d experts' operands in turn, best of %d\n",
-              experts, reps);
+  std::printf("qwen3-30b-a3b tiles, %d thread%s at once, %d experts' operands each in turn, best "
+              "of %d; GFLOP/s per thread\n",
+              threads, threads == 1 ? "" : "s", experts, reps);
   std::printf("  %-10s %-22s %10s %10s\n", "tile", "m x n x k", "f32", "bf16");
   std::mt19937 rng(1);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  Scratch scratch;
   for (const Shape &s : kLayer) {
-    const int64_t aSize = (s.transA ? s.k : s.m) * s.lda;
-    const int64_t bSize = (s.transB ? s.n : s.k) * s.ldb;
-    const int64_t cSize = s.m * s.ldc;
     std::printf("  %-10s %5lld x %5lld x %5lld", s.name, (long long)s.m, (long long)s.n,
                 (long long)s.k);
     for (const Elt elt : {Elt::F32, Elt::BF16}) {
-      const size_t bytes = dtypeSize(elt);
-      std::vector<std::vector<char>> as, bs;
-      for (int e = 0; e < experts; ++e) {
-        std::vector<float> a(static_cast<size_t>(aSize)), b(static_cast<size_t>(bSize));
-        for (float &x : a)
-          x = dist(rng);
-        for (float &x : b)
-          x = dist(rng);
-        as.emplace_back(size_t(aSize) * bytes);
-        bs.emplace_back(size_t(bSize) * bytes);
-        storeFloats(a.data(), as.back().data(), elt, a.size());
-        storeFloats(b.data(), bs.back().data(), elt, b.size());
-      }
-      std::vector<char> c(size_t(cSize) * bytes);
-      const double t = bestSeconds(reps, [&] {
+      std::vector<Operands> mine;
+      for (int t = 0; t < threads; ++t)
+        mine.push_back(makeOperands(s, elt, experts, rng));
+      std::vector<Scratch> scratch(static_cast<size_t>(threads));
+      auto run = [&](int t) {
+        Operands &o = mine[size_t(t)];
         for (int e = 0; e < experts; ++e)
-          gemmTile(s.m, s.n, s.k, ConstMatrix{as[size_t(e)].data(), elt, s.lda}, s.transA,
-                   ConstMatrix{bs[size_t(e)].data(), elt, s.ldb}, s.transB,
-                   Matrix{c.data(), elt, s.ldc}, false, &scratch);
+          gemmTile(s.m, s.n, s.k, ConstMatrix{o.a[size_t(e)].data(), elt, s.lda}, s.transA,
+                   ConstMatrix{o.b[size_t(e)].data(), elt, s.ldb}, s.transB,
+                   Matrix{o.c.data(), elt, s.ldc}, false, &scratch[size_t(t)]);
+      };
+      const double t = bestSeconds(reps, [&] {
+        std::vector<std::thread> others;
+        for (int i = 1; i < threads; ++i)
+          others.emplace_back(run, i);
+        run(0);
+        for (std::thread &x : others)
+          x.join();
       });
       std::printf("%*s%8.1f", 3, "", 2.0 * double(s.m * s.n * s.k) * experts / t * 1e-9);
     }
@@ -125,11 +154,12 @@ int main(int argc, char **argv) {
   if (argc >= 2 && std::string(argv[1]) == "--layer") {
     const int experts = argc >= 3 ? std::atoi(argv[2]) : 32;
     const int reps = argc >= 4 ? std::atoi(argv[3]) : 3;
-    if (experts <= 0 || reps <= 0) {
-      std::fprintf(stderr, "usage: gmm_bench --layer [experts [reps]] (positive)\n");
+    const int threads = argc >= 5 ? std::atoi(argv[4]) : 1;
+    if (experts <= 0 || reps <= 0 || threads <= 0) {
+      std::fprintf(stderr, "usage: gmm_bench --layer [experts [reps [threads]]] (positive)\n");
       return 2;
     }
-    return layerShapes(experts, reps);
+    return layerShapes(experts, reps, threads);
   }
   int64_t m = 512, n = 512, k = 512;
   int reps = 5;

@@ -11,8 +11,9 @@ namespace {
 
 /// Columns widened to fp32 at a time.
 constexpr int64_t kChunk = 256;
-/// Partial sums of a dot product (a multiple of 16 columns, kChunk's
-/// divisor, so that every chunk but the last starts at lane 0).
+/// Columns per block of the loops below, and partial sums of a dot
+/// product. It divides kChunk, so column h of a row always adds into the
+/// partial sum h % kLanes.
 constexpr int64_t kLanes = 16;
 
 /// Calls f(c) for c in [0, n): in blocks of kLanes, whose fixed trip count

@@ -717,14 +717,17 @@ TEST_CASE("gatherTokenRows dispatches token rows, optionally weighted", "[cpu][r
   RoutingLayout layout;
   REQUIRE(buildRoutingLayout(ids.data(), 3, 2, 3, &layout).ok());
   const std::vector<float> weights = {0.5f, 0.25f, 2.0f, -1.0f, 0.75f, 1.5f};
+  // Columns past a 256-column chunk, whose second chunk has a whole block of
+  // 16 and a rest (the kernels' vector and scalar paths).
+  const int64_t cols = 275;
   for (Elt elt : {Elt::F32, Elt::BF16}) {
-    Buffer x(elt, 3, 10, 1), plain(elt, 6, 10), scaled(Elt::F32, 6, 10);
+    Buffer x(elt, 3, cols, 1), plain(elt, 6, cols), scaled(Elt::F32, 6, cols);
     x.randomize(rng);
-    gatherTokenRows(x.cview(), layout.order.data(), 2, nullptr, plain.view(), 6, 10);
-    gatherTokenRows(x.cview(), layout.order.data(), 2, weights.data(), scaled.view(), 6, 10);
+    gatherTokenRows(x.cview(), layout.order.data(), 2, nullptr, plain.view(), 6, cols);
+    gatherTokenRows(x.cview(), layout.order.data(), 2, weights.data(), scaled.view(), 6, cols);
     for (int64_t i = 0; i < 6; ++i) {
       const int64_t id = layout.order[size_t(i)], t = id / 2;
-      for (int64_t j = 0; j < 10; ++j) {
+      for (int64_t j = 0; j < cols; ++j) {
         CHECK(plain.get(i, j) == x.get(t, j));
         CHECK(scaled.get(i, j) == weights[size_t(id)] * x.get(t, j));
       }
@@ -734,7 +737,8 @@ TEST_CASE("gatherTokenRows dispatches token rows, optionally weighted", "[cpu][r
 
 TEST_CASE("combineRows and combineWeightGrad match the loops", "[cpu][rows]") {
   std::mt19937 rng(53);
-  const int64_t tokens = 11, topK = 3, experts = 5, hidden = 270;
+  // hidden: a 256-column chunk, then a block of 16 and a rest of 3.
+  const int64_t tokens = 11, topK = 3, experts = 5, hidden = 275;
   std::vector<int64_t> ids(size_t(tokens * topK));
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t k = 0; k < topK; ++k)

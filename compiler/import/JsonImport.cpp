@@ -16,7 +16,6 @@
 #include "llvm/Support/MemoryBuffer.h"
 #include "llvm/Support/SourceMgr.h"
 
-#include <regex>
 
 using namespace mlir;
 using namespace moec;
@@ -54,25 +53,54 @@ private:
   /// The location of the `occurrence`-th `"name": "<name>"` inside the
   /// section `"<section>"`, or of the section, or of the file start.
   Location locOf(const std::string &section, const std::string &name, unsigned occurrence = 0) {
-    size_t from = 0;
-    std::smatch m;
-    std::string s(text);
-    std::regex sectionRe("\"" + section + "\"\\s*:");
-    if (std::regex_search(s, m, sectionRe))
-      from = m.position(0);
+    size_t from = 0, after = 0;
+    if (size_t at = findKey(section, 0, &after); at != std::string_view::npos)
+      from = at;
     if (name.empty())
       return locAt(from);
-    std::string escaped = std::regex_replace(name, std::regex(R"([.^$|()\[\]{}*+?\\])"), R"(\$&)");
-    std::regex nameRe("\"name\"\\s*:\\s*\"" + escaped + "\"");
-    size_t found = std::string::npos;
+    const std::string quoted = "\"" + name + "\"";
+    size_t found = std::string_view::npos;
     for (unsigned i = 0; i <= occurrence; ++i) {
-      std::string rest = s.substr(from);
-      if (!std::regex_search(rest, m, nameRe))
+      size_t at = from, next = std::string_view::npos;
+      while ((at = findKey("name", at, &after)) != std::string_view::npos) {
+        const size_t value = skipSpace(after);
+        if (text.compare(value, quoted.size(), quoted) == 0) {
+          next = at;
+          from = value + quoted.size();
+          break;
+        }
+        at = after;
+      }
+      if (next == std::string_view::npos)
         break;
-      found = from + m.position(0);
-      from = found + m.length(0);
+      found = next;
     }
-    return found == std::string::npos ? locAt(from) : locAt(found);
+    return found == std::string_view::npos ? locAt(from) : locAt(found);
+  }
+
+  /// The first offset at or after `offset` that is not JSON whitespace.
+  size_t skipSpace(size_t offset) const {
+    while (offset < text.size() &&
+           (text[offset] == ' ' || text[offset] == '\t' || text[offset] == '\n' ||
+            text[offset] == '\r'))
+      ++offset;
+    return offset;
+  }
+
+  /// The offset of the first `"<key>"` at or after `from` that a colon
+  /// follows (whitespace between), with `*after` just past the colon; npos
+  /// when there is none.
+  size_t findKey(const std::string &key, size_t from, size_t *after) const {
+    const std::string quoted = "\"" + key + "\"";
+    for (size_t at = text.find(quoted, from); at != std::string_view::npos;
+         at = text.find(quoted, at + 1)) {
+      const size_t colon = skipSpace(at + quoted.size());
+      if (colon < text.size() && text[colon] == ':') {
+        *after = colon + 1;
+        return at;
+      }
+    }
+    return std::string_view::npos;
   }
 
   InFlightDiagnostic error(Location loc) { return mlir::emitError(loc); }

@@ -279,15 +279,19 @@ private:
   //===--------------------------------------------------------------------===//
 
   /// Returns the event that producer tiles [first, last] of `producer`
-  /// signal, creating it (and the producer tiles' signals) on first use.
+  /// signal, creating it (and the producer tiles' signals) on first use. Its
+  /// name: "op[first..last]", or with `expert` (>= 0) "op.e<expert>".
   uint32_t rangeEvent(const LoweredOp &producer, uint32_t first, uint32_t last,
-                      const std::string &name) {
+                      int64_t expert = -1) {
     auto key = std::make_tuple(producer.index, first, last);
     auto [it, inserted] = eventOf.try_emplace(key, uint32_t(p.events.size()));
     if (!inserted)
       return it->second;
     EventRecord event;
-    event.name = p.addString(name);
+    event.name = p.addString(expert >= 0 ? fmt::format("{}.e{}", producer.name, expert)
+                             : first == last
+                                 ? fmt::format("{}[{}]", producer.name, first)
+                                 : fmt::format("{}[{}..{}]", producer.name, first, last));
     event.kind = producer.isPut ? EventKind::CrossRank : EventKind::Local;
     event.op = producer.index;
     event.threshold = (last - first + 1) * producer.fanOut;
@@ -313,17 +317,12 @@ private:
           std::vector<WaitRecord> &waits = taskWaits[consumer.firstTask + j];
           auto wait = [&](uint32_t event) { waits.push_back({event, p.events[event].threshold}); };
           if (options.granularity == Granularity::PerTileRange) {
-            std::string name = first[j] == last[j]
-                                   ? fmt::format("{}[{}]", producer.name, first[j])
-                                   : fmt::format("{}[{}..{}]", producer.name,
-                                                 first[j], last[j]);
-            wait(rangeEvent(producer, uint32_t(first[j]), uint32_t(last[j]), name));
+            wait(rangeEvent(producer, uint32_t(first[j]), uint32_t(last[j])));
             continue;
           }
           uint32_t per = producer.perExpertTiles;
           for (uint32_t e = uint32_t(first[j]) / per; e <= uint32_t(last[j]) / per; ++e)
-            wait(rangeEvent(producer, e * per, (e + 1) * per - 1,
-                            fmt::format("{}.e{}", producer.name, e)));
+            wait(rangeEvent(producer, e * per, (e + 1) * per - 1, e));
         }
       }
     }

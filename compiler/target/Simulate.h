@@ -39,11 +39,17 @@ namespace moec::target {
 /// Proves that every rank of `program`'s EP group runs every task of its
 /// queues to completion, whatever the timing.
 ///
-/// All R ranks are simulated, each with its own copy of every event counter:
-/// a queue's head runs as soon as each of its waits is met on its own rank,
-/// and its signals then add their increments on the ranks they reach. The
+/// A queue's head runs as soon as each of its waits is met on its own rank,
+/// and its signals then add their increments on the ranks they reach. Every
+/// EP rank runs the same tables and signals name peer offsets, so the proof
+/// runs one EP rank (with its TP ranks) for all of them: a signal to the
+/// rank `peerOffset` ahead counts on this rank, as the same signal from the
+/// rank that far behind would. That run is one in which all EP ranks run
+/// the same task at once; it drains exactly when the group's runs do. The
 /// run is event driven (a counter's change re-checks only the queue heads
-/// waiting on it), so it takes time linear in R x (tasks + waits + signals).
+/// waiting on it), so it takes time linear in T x (tasks + waits + signals)
+/// for T TP ranks, whatever the EP degree. Only a run that gets stuck is
+/// redone on all R ranks, to name the ranks in its explanation.
 ///
 /// After every queue drained, it also checks that every event of every rank
 /// ended exactly at its threshold, which for a terminate event means that it

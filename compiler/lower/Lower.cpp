@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <map>
+#include <string>
 #include <tuple>
+#include <unordered_map>
 
 using namespace mlir;
 using namespace moec::format;
@@ -353,29 +355,29 @@ private:
   }
 
   /// Gives every task its waits and signals, sorted and without repeats, and
-  /// lets tasks with the same lists share one copy of them.
+  /// lets tasks with the same lists share one copy of them (a list's key is
+  /// its records' bytes: the records have no padding).
   void packWaitsAndSignals() {
-    std::map<std::vector<uint32_t>, uint32_t> waitLists, signalLists;
+    std::unordered_map<std::string, uint32_t> waitLists, signalLists;
+    auto bytesOf = [](const auto &records) {
+      return std::string(reinterpret_cast<const char *>(records.data()),
+                         records.size() * sizeof(records[0]));
+    };
     for (size_t t = 0; t < p.tasks.size(); ++t) {
       std::vector<WaitRecord> &waits = taskWaits[t];
       std::sort(waits.begin(), waits.end(), [](const WaitRecord &a, const WaitRecord &b) {
         return std::tie(a.event, a.threshold) < std::tie(b.event, b.threshold);
       });
       waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
-      std::vector<uint32_t> key;
-      for (const WaitRecord &w : waits)
-        key.insert(key.end(), {w.event, w.threshold});
-      auto [it, inserted] = waitLists.try_emplace(key, uint32_t(p.waits.size()));
+      auto [it, inserted] = waitLists.try_emplace(bytesOf(waits), uint32_t(p.waits.size()));
       if (inserted)
         p.waits.insert(p.waits.end(), waits.begin(), waits.end());
       p.tasks[t].firstWait = waits.empty() ? 0 : it->second;
       p.tasks[t].waitCount = uint32_t(waits.size());
 
       std::vector<SignalRecord> &signals = taskSignals[t];
-      key.clear();
-      for (const SignalRecord &s : signals)
-        key.insert(key.end(), {s.event, s.increment, s.peerOffset});
-      auto [sit, sinserted] = signalLists.try_emplace(key, uint32_t(p.signals.size()));
+      auto [sit, sinserted] =
+          signalLists.try_emplace(bytesOf(signals), uint32_t(p.signals.size()));
       if (sinserted)
         p.signals.insert(p.signals.end(), signals.begin(), signals.end());
       p.tasks[t].firstSignal = signals.empty() ? 0 : sit->second;

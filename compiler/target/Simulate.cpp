@@ -252,7 +252,7 @@ struct RunState {
   }
 
   /// Sends the signals of `task` run on `rank`. For each signal, calls
-  /// arrive(target rank, event) after adding its increment, and then
+  /// arrive(target rank, event, peer offset) after adding its increment, and then
   /// meet(target rank, event, waiter) for each wait that the new value meets
   /// for the first time; a blocked slot whose head has such a wait is
   /// unblocked and passed to wake(slot).
@@ -265,7 +265,7 @@ struct RunState {
       for (uint32_t to = reached.first; to < reached.first + reached.count; ++to) {
         size_t c = size_t(to) * m.E + signal.event;
         uint64_t value = counter[c] += signal.increment;
-        arrive(to, signal.event);
+        arrive(to, signal.event, signal.peerOffset);
         uint32_t end = m.waiterBegin[signal.event + 1];
         for (uint32_t &i = met[c]; m.waiterBegin[signal.event] + i < end; ++i) {
           const Waiter &waiter = m.waiters[m.waiterBegin[signal.event] + i];
@@ -496,7 +496,7 @@ void runGreedy(const Model &m, RunState *run) {
   work.reserve(slots);
   for (size_t s = slots; s-- > 0;)
     work.push_back(s);
-  auto none = [](uint32_t, uint32_t) {};
+  auto none = [](uint32_t, uint32_t, uint32_t) {};
   auto noMeet = [](uint32_t, uint32_t, const Waiter &) {};
   auto wake = [&](size_t s) { work.push_back(s); };
   while (!work.empty()) {
@@ -566,7 +566,10 @@ TimedRun simulateTimed(const TaskProgram &program, const CostModel &model, bool 
         fmt::format("{} task costs for a program of {} tasks", costs.size(), program.tasks.size()));
     return result;
   }
-  Model m(program);
+  // The group's ranks run alike (see proveDeadlockFree) unless one pool of
+  // cores serves them all; then, or to trace every rank, all are run.
+  const bool fold = program.epRanks > 1 && !recordTrace && model.sharing != CoreSharing::Group;
+  Model m(program, fold);
   RunState run(m);
   const size_t T = m.T;
 
@@ -580,6 +583,10 @@ TimedRun simulateTimed(const TaskProgram &program, const CostModel &model, bool 
   std::vector<uint64_t> pathPred(size_t(m.R) * T, kNoNode);
   std::vector<double> eventPath(size_t(m.R) * m.E, 0.0);
   std::vector<uint64_t> eventPred(size_t(m.R) * m.E, kNoNode);
+  // Folded: how many EP ranks behind its successor a predecessor ran (the
+  // peer offset of the signal between them).
+  std::vector<uint32_t> pathShift(fold ? size_t(m.R) * T : 0, 0);
+  std::vector<uint32_t> eventShift(fold ? size_t(m.R) * m.E : 0, 0);
 
   result.start.assign(T, 0.0);
   result.finish.assign(T, 0.0);
@@ -688,12 +695,14 @@ TimedRun simulateTimed(const TaskProgram &program, const CostModel &model, bool 
     double chain = pathStart[node] + costs[task];
     run.sendSignals(
         rank, task,
-        [&](uint32_t to, uint32_t event) {
+        [&](uint32_t to, uint32_t event, uint32_t peerOffset) {
           size_t c = size_t(to) * m.E + event;
           // On a tie, the later arrival: the one that held the waiters up.
           if (eventPred[c] == kNoNode || chain >= eventPath[c]) {
             eventPath[c] = chain;
             eventPred[c] = node;
+            if (fold)
+              eventShift[c] = peerOffset;
           }
         },
         [&](uint32_t to, uint32_t event, const Waiter &waiter) {
@@ -706,6 +715,8 @@ TimedRun simulateTimed(const TaskProgram &program, const CostModel &model, bool 
           if (pathPred[waiterNode] == kNoNode || eventPath[c] >= pathStart[waiterNode]) {
             pathStart[waiterNode] = eventPath[c];
             pathPred[waiterNode] = eventPred[c];
+            if (fold)
+              pathShift[waiterNode] = eventShift[c];
           }
         },
         [&](size_t s) { woken.push_back(s); });
@@ -729,12 +740,14 @@ TimedRun simulateTimed(const TaskProgram &program, const CostModel &model, bool 
   }
 
   TimedRun failed;
-  if (run.ran != totalRuns(m)) {
-    failed.status = Status::error(explainStuck(m, run));
-    return failed;
-  }
-  if (Status status = checkFinalCounters(m, run); !status) {
-    failed.status = status;
+  if (run.ran != totalRuns(m) || !checkFinalCounters(m, run).ok()) {
+    // The proof's message, which names the ranks (the folded run cannot).
+    failed.status = fold ? proveDeadlockFree(program)
+                  : run.ran != totalRuns(m) ? Status::error(explainStuck(m, run))
+                                            : checkFinalCounters(m, run);
+    if (failed.status.ok())
+      failed.status = Status::error("internal error: the timed simulation got stuck where the "
+                                    "deadlock proof did not");
     return failed;
   }
 
@@ -762,11 +775,19 @@ TimedRun simulateTimed(const TaskProgram &program, const CostModel &model, bool 
   }
   if (last != kNoNode) {
     result.criticalPathSeconds = longest;
-    uint32_t lastRank = uint32_t(last / T);
+    // Folded, a node's rank is its TP coordinate on EP rank `ep`, which
+    // steps back by each signal's peer offset along the path.
+    const uint32_t groupRanks = program.ranks();
+    uint32_t lastRank = uint32_t(last / T), ep = 0;
     for (uint64_t node = last; node != kNoNode; node = pathPred[node]) {
       result.criticalPath.push_back(uint32_t(node % T));
       uint32_t rank = uint32_t(node / T);
-      result.criticalPathRanks.push_back(uint32_t((uint64_t(rank) + m.R - lastRank) % m.R));
+      if (fold) {
+        rank = ep * program.tpRanks + rank;
+        ep = (ep + program.epRanks - pathShift[node]) % program.epRanks;
+      }
+      result.criticalPathRanks.push_back(
+          uint32_t((uint64_t(rank) + groupRanks - lastRank) % groupRanks));
     }
     std::reverse(result.criticalPath.begin(), result.criticalPath.end());
     std::reverse(result.criticalPathRanks.begin(), result.criticalPathRanks.end());

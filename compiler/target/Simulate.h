@@ -120,7 +120,12 @@ struct TimedRun {
 /// its wait threshold needs has arrived; a task's signals arrive when it
 /// finishes. The program's tables are the same on every rank and a signal's
 /// target is relative to its sender, so every rank's timing is the same;
-/// the per-queue and per-task times are rank 0's.
+/// the per-queue and per-task times are rank 0's. As in proveDeadlockFree,
+/// one EP rank (with its TP ranks) is run for all of them, with a signal's
+/// arrival on the rank `peerOffset` ahead counted on itself, unless a trace
+/// is recorded or one pool of cores serves the whole group; then all R
+/// ranks are run. (Where several ranks' tasks end at the same instant, the
+/// two may order a pool's waiting queues differently.)
 ///
 /// The critical path follows dependencies only, not queue order: task b
 /// depends on task a when a carries a signal (on the rank that signal

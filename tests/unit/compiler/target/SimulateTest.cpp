@@ -435,7 +435,9 @@ bool drainsOnEveryRank(const TaskProgram &p) {
 
 } // namespace
 
-TEST_CASE("the proof runs one rank for all, and agrees with running every rank", "[simulate]") {
+TEST_CASE("the proof and the timed simulation run one rank for all, and agree with running every "
+          "rank",
+          "[simulate]") {
   // Random programs of 2 to 5 ranks: tasks that signal random events on
   // random peers and wait for random counts of random events, in random
   // queues. Many deadlock (across ranks or within one), many complete.
@@ -478,6 +480,23 @@ TEST_CASE("the proof runs one rank for all, and agrees with running every rank",
     INFO("trial " << trial << ": " << status.message());
     REQUIRE(status.ok() == drains);
     (drains ? completes : deadlocks) += 1;
+    // The timed simulation folds the ranks the same way unless it records
+    // a trace; with no shared cores or link the two runs must agree.
+    target::CostModel model;
+    for (size_t t = 0; t < program.tasks.size(); ++t)
+      model.costs.push_back(0.5 + double(pick(1000)) / 1000);
+    TimedRun folded = simulateTimed(program, model, false);
+    TimedRun all = simulateTimed(program, model, true);
+    REQUIRE(folded.ok() == drains);
+    REQUIRE(all.ok() == drains);
+    if (!drains) {
+      CHECK(folded.status.message() == all.status.message());
+      continue;
+    }
+    CHECK(folded.makespan == Approx(all.makespan).epsilon(1e-12));
+    CHECK(folded.criticalPathSeconds == Approx(all.criticalPathSeconds).epsilon(1e-12));
+    CHECK(folded.start == all.start);
+    CHECK(folded.criticalPath.size() == all.criticalPath.size());
   }
   CHECK(completes > 300);
   CHECK(deadlocks > 300);

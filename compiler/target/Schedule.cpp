@@ -52,8 +52,16 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
   if (cubeCores == 0 || vectorCores == 0)
     return Status::error("a schedule needs at least one cube and one vector core");
   const size_t n = p.tasks.size();
-  std::vector<double> cost = taskCosts(p, profile);
+  const CostModel model = costModel(p, profile);
+  const std::vector<double> &cost = model.costs;
   DependencyGraph g = buildGraph(p);
+  // A rank's puts to its peers share its link: an op's puts take at least
+  // their bytes over the link's rate, after the first of them starts.
+  const bool linkShared = model.linkTotalBytes > 0;
+  std::vector<double> opLinkSeconds(p.ops.size(), 0.0);
+  if (linkShared)
+    for (uint32_t t = 0; t < n; ++t)
+      opLinkSeconds[p.tasks[t].op] += model.linkBytes[t] / model.linkTotalBytes;
 
   // Topological order of the tasks (Kahn), counting unfinished waits.
   std::vector<uint32_t> waitsLeft(n, 0);
@@ -93,7 +101,8 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
     double after = 0;
     for (uint32_t s = 0; s < task.signalCount; ++s)
       after = std::max(after, eventLevel[p.signals[task.firstSignal + s].event]);
-    level[t] = cost[t] + after;
+    // A put's remaining time counts the link time of its op's puts.
+    level[t] = std::max(cost[t], model.linkBytes[t] > 0 ? opLinkSeconds[task.op] : 0.0) + after;
     for (uint32_t w = 0; w < task.waitCount; ++w) {
       uint32_t event = p.waits[task.firstWait + w].event;
       eventLevel[event] = std::max(eventLevel[event], level[t]);
@@ -129,9 +138,18 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
     for (uint32_t c = 0; c < k.cores; ++c)
       k.free.push({0.0, c});
   }
+  // Where a rank's cube and vector queues share its cores (an H100 SM runs
+  // either kind of task), a task also takes one of the pool's cores: when
+  // each frees up, earliest first.
+  const bool pooled = profile.sharing == CoreSharing::Rank;
+  std::priority_queue<double, std::vector<double>, std::greater<>> pool;
+  if (pooled)
+    for (uint32_t c = 0; c < std::max(cubeCores, vectorCores); ++c)
+      pool.push(0.0);
   auto kindOf = [&](uint32_t t) { return p.tasks[t].coreKind == CoreKind::Cube ? 0 : 1; };
 
   std::vector<double> readyAt(n, 0), finish(n, 0), eventDone(p.events.size(), 0);
+  double linkFree = 0; // when the rank's link has sent the puts placed so far
   signalsLeft = g.pendingSignals;
   for (uint32_t t = 0; t < n; ++t)
     waitsLeft[t] = p.tasks[t].waitCount;
@@ -150,6 +168,8 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
       if (kinds[k].pending.empty() && ready[k].empty())
         continue;
       double t = kinds[k].free.top().first;
+      if (pooled)
+        t = std::max(t, pool.top());
       if (ready[k].empty())
         t = std::max(t, kinds[k].pending.top().first);
       if (pick < 0 || t < pickTime) {
@@ -169,10 +189,20 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
     auto [coreFree, core] = k.free.top();
     k.free.pop();
     double start = std::max(coreFree, readyAt[t]);
+    if (pooled) {
+      start = std::max(start, pool.top());
+      pool.pop();
+    }
     finish[t] = start + cost[t];
+    if (linkShared && model.linkBytes[t] > 0) {
+      linkFree = std::max(linkFree, start) + model.linkBytes[t] / model.linkTotalBytes;
+      finish[t] = std::max(finish[t], linkFree);
+    }
     makespan = std::max(makespan, finish[t]);
     k.busy += cost[t];
     k.free.push({finish[t], core});
+    if (pooled)
+      pool.push(finish[t]);
     k.queues[core].push_back(t);
     ++placed;
     const TaskRecord &task = p.tasks[t];

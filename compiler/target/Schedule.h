@@ -3,7 +3,10 @@
 // Orders a task program's tasks into one in-order queue per logical core by
 // list scheduling on the cost model: the task with the longest remaining
 // path to the end of the pass (critical path first) goes to the core of its
-// kind that frees up first (load balance). Puts are numbered peer offset by
+// kind that frees up first (load balance). It sees what the timed simulation
+// (Simulate.h) sees: a rank's puts share its link, and on a profile with
+// CoreSharing::Rank a task also takes one of the cores a rank's cube and
+// vector queues share. Puts are numbered peer offset by
 // peer offset (the tile grid), and equal priorities keep that order, so at
 // any step rank r puts to rank r + k: the ranks of the group target
 // different peers at once, which is the seed's rank-aware reordering written

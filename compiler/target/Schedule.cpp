@@ -21,25 +21,40 @@ namespace {
 /// The dependency graph of one rank, every rank taken alike: a task waits on
 /// events, an event is complete once all its signals arrived.
 struct DependencyGraph {
-  std::vector<std::vector<uint32_t>> signallers; ///< event -> tasks signalling it
-  std::vector<std::vector<uint32_t>> waiters;    ///< event -> tasks waiting on it
-  std::vector<uint32_t> pendingSignals;          ///< event -> signals before complete
+  std::vector<uint32_t> waiterBegin;    ///< event -> offset into waiters (E + 1)
+  std::vector<uint32_t> waiters;        ///< the tasks waiting on each event, by event
+  std::vector<uint32_t> pendingSignals; ///< event -> signals before complete
+
+  /// The tasks that wait on `event`, as a range.
+  struct Range {
+    const uint32_t *first, *last;
+    const uint32_t *begin() const { return first; }
+    const uint32_t *end() const { return last; }
+  };
+  Range waitersOf(uint32_t event) const {
+    return {waiters.data() + waiterBegin[event], waiters.data() + waiterBegin[event + 1]};
+  }
 };
 
 DependencyGraph buildGraph(const TaskProgram &p) {
   DependencyGraph g;
-  g.signallers.resize(p.events.size());
-  g.waiters.resize(p.events.size());
-  g.pendingSignals.assign(p.events.size(), 0);
+  const size_t E = p.events.size();
+  g.waiterBegin.assign(E + 1, 0);
+  g.pendingSignals.assign(E, 0);
+  for (const TaskRecord &task : p.tasks) {
+    for (uint32_t i = 0; i < task.signalCount; ++i)
+      ++g.pendingSignals[p.signals[task.firstSignal + i].event];
+    for (uint32_t i = 0; i < task.waitCount; ++i)
+      ++g.waiterBegin[p.waits[task.firstWait + i].event + 1];
+  }
+  for (size_t e = 0; e < E; ++e)
+    g.waiterBegin[e + 1] += g.waiterBegin[e];
+  g.waiters.resize(g.waiterBegin[E]);
+  std::vector<uint32_t> fill(g.waiterBegin.begin(), g.waiterBegin.end() - 1);
   for (uint32_t t = 0; t < p.tasks.size(); ++t) {
     const TaskRecord &task = p.tasks[t];
-    for (uint32_t i = 0; i < task.signalCount; ++i) {
-      uint32_t event = p.signals[task.firstSignal + i].event;
-      g.signallers[event].push_back(t);
-      ++g.pendingSignals[event];
-    }
     for (uint32_t i = 0; i < task.waitCount; ++i)
-      g.waiters[p.waits[task.firstWait + i].event].push_back(t);
+      g.waiters[fill[p.waits[task.firstWait + i].event]++] = t;
   }
   return g;
 }
@@ -78,7 +93,7 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
     for (uint32_t s = 0; s < task.signalCount; ++s) {
       uint32_t event = p.signals[task.firstSignal + s].event;
       if (--signalsLeft[event] == 0)
-        for (uint32_t w : g.waiters[event])
+        for (uint32_t w : g.waitersOf(event))
           if (--waitsLeft[w] == 0)
             order.push_back(w);
     }
@@ -211,7 +226,7 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
       eventDone[event] = std::max(eventDone[event], finish[t]);
       if (--signalsLeft[event] > 0)
         continue;
-      for (uint32_t w : g.waiters[event]) {
+      for (uint32_t w : g.waitersOf(event)) {
         readyAt[w] = std::max(readyAt[w], eventDone[event]);
         if (--waitsLeft[w] == 0)
           kinds[kindOf(w)].pending.push({readyAt[w], w});

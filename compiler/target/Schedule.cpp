@@ -108,19 +108,28 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
         n - order.size(), n, stuck, p.name(p.ops[p.tasks[stuck].op].name)));
   }
 
-  // Bottom levels: a task's cost plus the longest path after it.
+  // Bottom levels: a task's cost plus the longest path after it, the
+  // priority; for a put, the link time of its op's puts if longer. The
+  // critical path is the longest chain of costs alone.
   std::vector<double> eventLevel(p.events.size(), 0), level(n, 0);
+  std::vector<double> eventChain(p.events.size(), 0);
+  double criticalPath = 0;
   for (size_t i = n; i-- > 0;) {
     uint32_t t = order[i];
     const TaskRecord &task = p.tasks[t];
-    double after = 0;
-    for (uint32_t s = 0; s < task.signalCount; ++s)
-      after = std::max(after, eventLevel[p.signals[task.firstSignal + s].event]);
-    // A put's remaining time counts the link time of its op's puts.
+    double after = 0, chainAfter = 0;
+    for (uint32_t s = 0; s < task.signalCount; ++s) {
+      const uint32_t event = p.signals[task.firstSignal + s].event;
+      after = std::max(after, eventLevel[event]);
+      chainAfter = std::max(chainAfter, eventChain[event]);
+    }
     level[t] = std::max(cost[t], model.linkBytes[t] > 0 ? opLinkSeconds[task.op] : 0.0) + after;
+    const double chain = cost[t] + chainAfter;
+    criticalPath = std::max(criticalPath, chain);
     for (uint32_t w = 0; w < task.waitCount; ++w) {
       uint32_t event = p.waits[task.firstWait + w].event;
       eventLevel[event] = std::max(eventLevel[event], level[t]);
+      eventChain[event] = std::max(eventChain[event], chain);
     }
   }
 
@@ -248,9 +257,7 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
     }
   if (estimate) {
     estimate->makespan = makespan;
-    estimate->criticalPath = 0;
-    for (uint32_t t = 0; t < n; ++t)
-      estimate->criticalPath = std::max(estimate->criticalPath, level[t]);
+    estimate->criticalPath = criticalPath;
     estimate->cubeBusy = kinds[0].busy;
     estimate->vectorBusy = kinds[1].busy;
   }

@@ -16,7 +16,6 @@
 #include "llvm/Support/MemoryBuffer.h"
 #include "llvm/Support/SourceMgr.h"
 
-
 using namespace mlir;
 using namespace moec;
 using namespace moec::moe;

@@ -263,13 +263,11 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       g.rowTiles = std::min(powerOfTwoAtMost(perExpert), powerOfTwoAtMost(balanced / gmmRows));
       const int64_t maxCols =
           std::max<int64_t>(1, std::min(ceilDiv(perExpert, g.rowTiles), g.cols / 128));
+      const int64_t rowTiles = L * g.rowTiles; // of all experts
       g.colTiles = 1;
-      for (int64_t c = 2; c <= maxCols; ++c) {
-        // waves(c) / c < waves(best) / best, in integers.
-        const int64_t tiles = L * g.rowTiles;
-        if (ceilDiv(tiles * c, cube) * g.colTiles <= ceilDiv(tiles * g.colTiles, cube) * c)
+      for (int64_t c = 2; c <= maxCols; ++c) // waves(c) / c <= waves(best) / best
+        if (ceilDiv(rowTiles * c, cube) * g.colTiles <= ceilDiv(rowTiles * g.colTiles, cube) * c)
           g.colTiles = c;
-      }
     } else {
       op->emitError() << "'" << op.getOpName() << "': a " << raw->getName()
                       << " cannot have an automatic split";

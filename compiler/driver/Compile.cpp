@@ -8,6 +8,7 @@
 
 #include "compiler/import/GraphJson.h"
 #include "compiler/ir/MoeDialect.h"
+#include "compiler/target/Cost.h"
 #include "compiler/target/Simulate.h"
 #include "compiler/transforms/Passes.h"
 
@@ -19,6 +20,7 @@
 
 #include <chrono>
 #include <functional>
+#include <optional>
 
 namespace moec::driver {
 
@@ -32,16 +34,18 @@ using LowerAndSchedule =
 std::string splitNotes(const CompileResult &result) {
   std::string text = fmt::format(
       "automatic splits: {} candidates tried; of those within 2% of the shortest estimated "
-      "makespan, the shortest critical path, then the fewest tasks, was taken (*)\n"
-      "  cube tasks/core  gmm rows  vector tasks/core  put rows   tasks  makespan ms  "
-      "critical path ms",
+      "makespan, the shortest critical path, then the fewest tasks, was taken (*); one with "
+      "peer groups only if its simulated run beats the best without\n"
+      "  cube tasks/core  gmm rows  vector tasks/core  put rows  peer groups   tasks  "
+      "makespan ms  critical path ms  simulated ms",
       result.candidates.size());
   for (size_t i = 0; i < result.candidates.size(); ++i) {
     const SplitCandidate &c = result.candidates[i];
-    text += fmt::format("\n{} {:>15} {:>9} {:>18} {:>9} {:>7} {:>12.3f} {:>17.3f}",
+    text += fmt::format("\n{} {:>15} {:>9} {:>18} {:>9} {:>12} {:>7} {:>12.3f} {:>17.3f} {:>13}",
                         i == result.chosen ? '*' : ' ', c.cubeTasksPerCore, c.gmmRows,
-                        c.vectorTasksPerCore, c.putRows, c.tasks, c.makespan * 1e3,
-                        c.criticalPath * 1e3);
+                        c.vectorTasksPerCore, c.putRows, c.peerGroups, c.tasks,
+                        c.makespan * 1e3, c.criticalPath * 1e3,
+                        c.simulated > 0 ? fmt::format("{:.3f}", c.simulated * 1e3) : "-");
   }
   return text;
 }
@@ -50,27 +54,25 @@ namespace {
 
 /// The pass options of a candidate.
 moe::PropagateSplitsOptions optionsOf(const SplitCandidate &c) {
-  return moe::PropagateSplitsOptions{c.cubeTasksPerCore, c.vectorTasksPerCore, c.putRows,
-                                     c.gmmRows};
+  return moe::PropagateSplitsOptions{c.cubeTasksPerCore, c.vectorTasksPerCore, c.putRows, c.gmmRows,
+                                     c.peerGroups};
 }
 
 /// The automatic splits' options to try: GMM tiles per cube core and rows
-/// per GMM tile first (at the pass's defaults for the rest), then SwiGLU
-/// tiles per vector core and rows per put tile around the best so far.
-/// Each candidate reruns split propagation, lowering and scheduling. Of the
-/// candidates whose estimated makespan is within 2% of the shortest, the one
-/// with the shortest critical path wins (the least exposed to a late
-/// tile), then the one with the fewest tasks.
+/// per GMM tile (at the pass's defaults for the rest), then peer groups
+/// (when the caller fixed none), SwiGLU tiles per vector core and rows per
+/// put tile, each around the best so far. Each candidate
+/// reruns split propagation, lowering and scheduling. Of the candidates
+/// whose estimated makespan is within 2% of the shortest, the one with the
+/// shortest critical path wins (the least exposed to a late tile), then the
+/// one with the fewest tasks.
 Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSchedule,
+                    int64_t peerGroups, int64_t epRanks, const target::TargetProfile &profile,
                     CompileResult *result) {
   const moe::PropagateSplitsOptions defaults;
   std::vector<format::TaskProgram> programs;
   std::vector<target::ScheduleEstimate> estimates;
-  result->candidates = {{defaults.cubeTasksPerCore, defaults.vectorTasksPerCore,
-                         defaults.putRows, defaults.gmmRows, result->estimate.makespan,
-                         result->estimate.criticalPath, result->program.tasks.size()}};
-  programs.push_back(std::move(result->program));
-  estimates.push_back(result->estimate);
+  result->candidates.clear();
   // The index of the candidate with the shortest estimated makespan.
   auto fastest = [&] {
     size_t best = 0;
@@ -82,16 +84,23 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
   auto tryCandidate = [&](SplitCandidate c) -> Status {
     for (const SplitCandidate &d : result->candidates)
       if (d.cubeTasksPerCore == c.cubeTasksPerCore && d.gmmRows == c.gmmRows &&
-          d.vectorTasksPerCore == c.vectorTasksPerCore && d.putRows == c.putRows)
+          d.vectorTasksPerCore == c.vectorTasksPerCore && d.putRows == c.putRows &&
+          d.peerGroups == c.peerGroups)
         return Status::success();
-    mlir::PassManager pm(module.getContext());
-    pm.addPass(moe::createPropagateSplits(optionsOf(c)));
-    if (mlir::failed(pm.run(module)))
-      return Status::error("the graph passes failed");
     format::TaskProgram program;
     target::ScheduleEstimate estimate;
-    if (Status status = lowerAndSchedule(&program, &estimate); !status)
-      return status;
+    if (result->candidates.empty() && c.peerGroups == defaults.peerGroups) {
+      // The graph pipeline ran the pass at its defaults.
+      program = std::move(result->program);
+      estimate = result->estimate;
+    } else {
+      mlir::PassManager pm(module.getContext());
+      pm.addPass(moe::createPropagateSplits(optionsOf(c)));
+      if (mlir::failed(pm.run(module)))
+        return Status::error("the graph passes failed");
+      if (Status status = lowerAndSchedule(&program, &estimate); !status)
+        return status;
+    }
     c.makespan = estimate.makespan;
     c.criticalPath = estimate.criticalPath;
     c.tasks = program.tasks.size();
@@ -100,14 +109,28 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
     estimates.push_back(estimate);
     return Status::success();
   };
+  SplitCandidate first{defaults.cubeTasksPerCore, defaults.vectorTasksPerCore, defaults.putRows,
+                       defaults.gmmRows, peerGroups > 0 ? peerGroups : defaults.peerGroups};
+  if (Status s = tryCandidate(first); !s)
+    return s;
   for (int64_t cube : {1, 2, 4})
     for (int64_t rows : {int64_t(128), int64_t(1024)}) {
-      SplitCandidate c = result->candidates[0];
+      SplitCandidate c = first;
       c.cubeTasksPerCore = cube;
       c.gmmRows = rows;
       if (Status s = tryCandidate(c); !s)
         return s;
     }
+  if (peerGroups == 0) {
+    const SplitCandidate best = result->candidates[fastest()];
+    for (int64_t groups : {int64_t(4), int64_t(16)})
+      if (epRanks > groups / 4) { // 4 from EP 2, 16 from EP 5
+        SplitCandidate c = best;
+        c.peerGroups = std::min(groups, epRanks);
+        if (Status s = tryCandidate(c); !s)
+          return s;
+      }
+  }
   for (int64_t vector : {1, 4}) {
     SplitCandidate c = result->candidates[fastest()];
     c.vectorTasksPerCore = vector;
@@ -120,17 +143,48 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
     if (Status s = tryCandidate(c); !s)
       return s;
   }
-  // From the first candidate within the bound, in the order tried.
-  const double bound = result->candidates[fastest()].makespan * 1.02;
-  size_t chosen = 0;
-  while (result->candidates[chosen].makespan > bound)
-    ++chosen;
-  for (size_t i = chosen + 1; i < result->candidates.size(); ++i) {
-    const SplitCandidate &c = result->candidates[i], &b = result->candidates[chosen];
-    if (c.makespan <= bound && (c.criticalPath < b.criticalPath * 0.99 ||
-                                (c.criticalPath <= b.criticalPath * 1.01 && c.tasks < b.tasks)))
-      chosen = i;
-  }
+  // Of the candidates `eligible` admits, the first within 2% of the
+  // shortest estimate, in the order tried, then the shortest critical path,
+  // then the fewest tasks.
+  auto pick = [&](const std::function<bool(const SplitCandidate &)> &eligible) {
+    std::optional<size_t> best;
+    for (size_t i = 0; i < result->candidates.size(); ++i)
+      if (eligible(result->candidates[i]) &&
+          (!best || result->candidates[i].makespan < result->candidates[*best].makespan))
+        best = i;
+    if (!best)
+      return best;
+    const double bound = result->candidates[*best].makespan * 1.02;
+    std::optional<size_t> chosen;
+    for (size_t i = 0; i < result->candidates.size(); ++i) {
+      const SplitCandidate &c = result->candidates[i];
+      if (!eligible(c) || c.makespan > bound)
+        continue;
+      if (!chosen)
+        chosen = i;
+      const SplitCandidate &b = result->candidates[*chosen];
+      if (c.criticalPath < b.criticalPath * 0.99 ||
+          (c.criticalPath <= b.criticalPath * 1.01 && c.tasks < b.tasks))
+        chosen = i;
+    }
+    return chosen;
+  };
+  size_t chosen = *pick([](const SplitCandidate &) { return true; });
+  // Peer groups make more cross-rank events, whose timing the estimate sees
+  // less well: the best with them and the best without are both simulated
+  // (in-order queues, shared cores and link), and the shorter run wins.
+  if (result->candidates[chosen].peerGroups > 1)
+    if (std::optional<size_t> plain =
+            pick([](const SplitCandidate &c) { return c.peerGroups == 1; })) {
+      for (size_t i : {chosen, *plain}) {
+        target::TimedRun run =
+            target::simulateTimed(programs[i], target::costModel(programs[i], profile));
+        result->candidates[i].simulated = run.ok() ? run.makespan : 0;
+      }
+      const SplitCandidate &g = result->candidates[chosen], &p = result->candidates[*plain];
+      if (p.simulated > 0 && (g.simulated == 0 || p.simulated < g.simulated))
+        chosen = *plain;
+    }
   result->chosen = chosen;
   result->program = std::move(programs[chosen]);
   result->estimate = estimates[chosen];
@@ -212,7 +266,7 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
             [&](format::TaskProgram *program, target::ScheduleEstimate *estimate) {
               return lowerAndSchedule(program, estimate, false);
             },
-            &result);
+            options.peerGroups, result.config.ep, lowerOptions.profile, &result);
         !status)
       return status;
     phase("choose splits");

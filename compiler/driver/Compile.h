@@ -32,6 +32,9 @@ struct CompileOptions {
   std::string configPath;  ///< model/parallel config (JSON)
   std::string target = "cpu"; ///< profile name or profile JSON path
   lower::Granularity granularity = lower::Granularity::PerTileRange;
+  /// Automatic splits: the peer groups each expert's rows are cut into
+  /// (1: none); 0 lets the compiler choose.
+  int64_t peerGroups = 0;
   /// Told the name of each step as it starts ("graph passes", "lower",
   /// "schedule", "choose splits" for a graph with automatic splits,
   /// "deadlock proof"): a progress display; may be empty.
@@ -43,7 +46,9 @@ struct CompileOptions {
 /// and the schedule it gave.
 struct SplitCandidate {
   int64_t cubeTasksPerCore = 0, vectorTasksPerCore = 0, putRows = 0, gmmRows = 0;
+  int64_t peerGroups = 1;
   double makespan = 0, criticalPath = 0; ///< seconds, the scheduler's estimate
+  double simulated = 0; ///< seconds, the timed simulation's makespan (0: not run)
   uint64_t tasks = 0;
 };
 

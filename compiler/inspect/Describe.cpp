@@ -98,8 +98,10 @@ ResolvedTile resolvedTile(const TaskProgram &p, uint32_t task, std::optional<uin
   RankTile resolved = rankTile(p, task, *rank);
   tile.coord = resolved.coord;
   tile.expert = resolved.expert;
-  tile.peer = p.tilings[p.ops[p.tasks[task].op].tiling].peers > 1 ? resolved.peerRank
-                                                                   : resolved.coord.peer;
+  tile.peer =
+      p.tilings[p.ops[p.tasks[task].op].tiling].peers > 1 && isPut(p.ops[p.tasks[task].op].kind)
+          ? resolved.peerRank
+          : resolved.coord.peer;
   return tile;
 }
 
@@ -192,8 +194,7 @@ std::pair<uint64_t, uint64_t> taskCounts(const TaskProgram &p) {
 }
 
 std::string computesText(const TaskProgram &p) {
-  if (p.ops.size() == 1 && !p.isBackward() &&
-      (p.ops[0].kind == OpKind::Dispatch || p.ops[0].kind == OpKind::Combine))
+  if (p.ops.size() == 1 && !p.isBackward() && isPut(p.ops[0].kind))
     return p.ops[0].kind == OpKind::Dispatch ? "the dispatch alone" : "the combine alone";
   // LoRA adapters: a GMM that adds its product to an addend (the base
   // projection's), from rank-r rows.

@@ -248,7 +248,7 @@ private:
     lowered.firstTask = uint32_t(p.tasks.size());
     lowered.tasks = uint32_t(*op.getTasks());
     lowered.perExpertTiles = uint32_t(t.tileCount() / t.experts);
-    lowered.isPut = kind == OpKind::Dispatch || kind == OpKind::Combine;
+    lowered.isPut = isPut(kind);
     // With T = 1 a reduce_tp combine has no partial sums: a plain combine.
     if (auto combine = dyn_cast<moe::CombineOp>(raw);
         combine && combine.getReduceTp() && p.tpRanks > 1) {

@@ -95,7 +95,7 @@ CostModel costModel(const TaskProgram &program, const TargetProfile &profile) {
   model.linkBytes.assign(program.tasks.size(), 0.0);
   for (uint32_t t = 0; t < program.tasks.size(); ++t) {
     const OpRecord &op = program.ops[program.tasks[t].op];
-    if (op.kind != OpKind::Dispatch && op.kind != OpKind::Combine)
+    if (!isPut(op.kind))
       continue;
     TileCoord tile = tileCoord(program.tilings[op.tiling], t - op.firstTask);
     if (tile.peer != 0)

@@ -117,7 +117,13 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
     routing; a SwiGLU(-grad) for `vector-tasks-per-core` tiles per vector
     core; a GMM for `cube-tasks-per-core` tiles per cube core, over rows
     first (at least `gmm-rows` rows a tile when balanced), then over
-    columns (at least 128 a tile).
+    columns (at least 128 a tile). With `peer-groups` G > 1 (at most the EP
+    degree), the GMM, SwiGLU(-grad) and dequantize tiles of an expert are
+    cut first by the source rank of their rows: group g holds the rows that
+    came from the ranks p EP ranks behind, g*R/G <= p < (g+1)*R/G, and needs
+    only the dispatch tiles that put them; a combine tile needs only the
+    group of the rank it returns rows to. Weight gradients still reduce over
+    all of an expert's rows.
   }];
   let options = [
     Option<"cubeTasksPerCore", "cube-tasks-per-core", "int64_t", /*default=*/"2",
@@ -128,6 +134,8 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
            "automatic splits: rows a put tile holds under balanced routing">,
     Option<"gmmRows", "gmm-rows", "int64_t", /*default=*/"128",
            "automatic splits: rows a GMM tile holds at least under balanced routing">,
+    Option<"peerGroups", "peer-groups", "int64_t", /*default=*/"1",
+           "automatic splits: groups of source ranks each expert's rows are cut into">,
   ];
   let statistics = [
     Statistic<"numTasks", "tasks", "Number of tile tasks over all ops">,

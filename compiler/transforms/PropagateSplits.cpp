@@ -17,6 +17,11 @@
 //   gmm, weight grad   L x 1 x mt x nt over each expert's [K, N] result, as
 //                      square as the counts allow
 //
+// With automatic splits and peer groups (G > 1), the activation GMM,
+// SwiGLU(-grad) and dequantize grids are L x G x mt x nt: group g holds the
+// rows of the expert's segment that came from the ranks p behind, for
+// g*R/G <= p < (g+1)*R/G (format::peerGroupRows).
+//
 // A tile map then says, for each consumer tile, which producer tiles (a
 // contiguous range in the producer's task order) it needs.
 //
@@ -24,6 +29,7 @@
 
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/transforms/Passes.h"
+#include "runtime/format/TaskBinary.h"
 
 #include "llvm/ADT/DenseMap.h"
 
@@ -50,7 +56,12 @@ struct Grid {
   int64_t rows = 1, cols = 1;
   bool perExpert = false; ///< rows are rows of an expert's token segment
   bool reducesRows = false; ///< reads all of its expert's rows (weight gradient, put)
-  bool shareRows = false; ///< row tiles share out the rows present (kTilingShareRows)
+  bool shareRows = false;   ///< row tiles share out the rows present (kTilingShareRows)
+  bool dispatch = false, combine = false; ///< a put: tile p goes to peer offset p
+
+  bool put() const { return dispatch || combine; }
+  /// Peer groups: tiles of the rows from a range of source ranks.
+  bool grouped() const { return peers > 1 && !put(); }
 
   int64_t perExpertTiles() const { return peers * rowTiles * colTiles; }
   int64_t tiles() const { return experts * perExpertTiles(); }
@@ -212,7 +223,8 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
                         << "count '" << symbol << "' (from the config or the target)";
         return std::nullopt;
       }
-    if (cubeTasksPerCore <= 0 || vectorTasksPerCore <= 0 || putRows <= 0 || gmmRows <= 0) {
+    if (cubeTasksPerCore <= 0 || vectorTasksPerCore <= 0 || putRows <= 0 || gmmRows <= 0 ||
+        peerGroups <= 0) {
       op->emitError() << "'" << op.getOpName() << "': the automatic split's options must be "
                       << "positive";
       return std::nullopt;
@@ -221,17 +233,23 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
     const int64_t L = bindings.at("single_rank_expert_num"), R = bindings.at("ep");
     const int64_t cube = bindings.at("num_cube_cores");
     const int64_t vector = bindings.at("num_vector_cores");
-    // Rows an expert's segment holds under balanced routing.
-    const int64_t balanced = std::max<int64_t>(1, bindings.at("per_rank_seq") / L);
+    // Rows an expert's segment holds under balanced routing, and the peer
+    // groups it is cut into (at most one a rank), each of balanced / G rows.
+    const int64_t groups = std::min(peerGroups.getValue(), R);
+    const int64_t segment = std::max<int64_t>(1, bindings.at("per_rank_seq") / L);
+    const int64_t balanced = std::max<int64_t>(1, segment / groups);
     Value result = raw->getResult(0);
     Grid g;
     g.experts = L;
+    g.peers = groups;
     g.perExpert = true;
     g.shareRows = true;
     if (isa<DispatchOp, CombineOp>(raw)) {
       // Rows a rank sends one expert when balanced: S * K / E.
-      const int64_t sent = std::max<int64_t>(1, balanced / R);
+      const int64_t sent = std::max<int64_t>(1, segment / R);
       g.peers = R;
+      g.dispatch = isa<DispatchOp>(raw);
+      g.combine = !g.dispatch;
       g.rows = bindings.at("per_expert_seq_to_other");
       g.cols = extentOf(result, 1);
       g.reducesRows = true;
@@ -240,20 +258,21 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       g.rows = bindings.at("per_expert_seq");
       g.cols = extentOf(result, 1);
       // At least 16 rows a tile when balanced.
-      g.rowTiles = std::min(powerOfTwoAtMost(ceilDiv(vectorTasksPerCore * vector, L)),
+      g.rowTiles = std::min(powerOfTwoAtMost(ceilDiv(vectorTasksPerCore * vector, L * groups)),
                             powerOfTwoAtMost(balanced / 16));
     } else if (auto gmm = dyn_cast<GmmOp>(raw)) {
-      const int64_t perExpert = ceilDiv(cubeTasksPerCore * cube, L);
       if (gmm.isWeightGradient()) {
-        g.shareRows = false;
         // The most square grid of at most perExpert tiles that tiles the
         // result without empty tiles.
+        const int64_t perExpert = ceilDiv(cubeTasksPerCore * cube, L);
         ScopedDiagnosticHandler quiet(op.getContext(), [](Diagnostic &) { return success(); });
         for (int64_t n = perExpert; n >= 1; --n)
           if (std::optional<Grid> w = gridOf(op, n * L, bindings))
             return w;
         return gridOf(op, L, bindings);
       }
+      // Tiles of one peer group of an expert.
+      const int64_t perExpert = ceilDiv(cubeTasksPerCore * cube, L * groups);
       g.rows = bindings.at("per_expert_seq");
       g.cols = extentOf(result, 1);
       // Rows first, at least gmmRows a tile when balanced; then columns,
@@ -263,7 +282,7 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       g.rowTiles = std::min(powerOfTwoAtMost(perExpert), powerOfTwoAtMost(balanced / gmmRows));
       const int64_t maxCols =
           std::max<int64_t>(1, std::min(ceilDiv(perExpert, g.rowTiles), g.cols / 128));
-      const int64_t rowTiles = L * g.rowTiles; // of all experts
+      const int64_t rowTiles = L * groups * g.rowTiles; // of all experts
       g.colTiles = 1;
       for (int64_t c = 2; c <= maxCols; ++c) // waves(c) / c <= waves(best) / best
         if (ceilDiv(rowTiles * c, cube) * g.colTiles <= ceilDiv(rowTiles * g.colTiles, cube) * c)
@@ -293,15 +312,22 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
   static void tileMap(const Grid &prod, const Grid &cons, SmallVectorImpl<int64_t> &first,
                       SmallVectorImpl<int64_t> &last) {
     bool sameExperts = prod.perExpert && cons.perExpert && prod.experts == cons.experts;
-    // Row-wise: both cut the same expert segments into row tiles, and the
-    // consumer reads whole rows of the producer's result.
-    bool rowWise = sameExperts && !prod.reducesRows && !cons.reducesRows && prod.peers == 1 &&
-                   cons.peers == 1 && prod.rows == cons.rows;
+    // Row-wise: both cut the same expert segments (and peer groups) into row
+    // tiles, and the consumer reads whole rows of the producer's result.
+    bool rowWise = sameExperts && !prod.reducesRows && !cons.reducesRows && !prod.put() &&
+                   !cons.put() && prod.peers == cons.peers && prod.rows == cons.rows;
     // Shared-out rows move with the segment's size: tile to tile only when
     // both share and one row tile count divides the other.
     if (prod.shareRows || cons.shareRows)
       rowWise = rowWise && prod.shareRows && cons.shareRows &&
                 (prod.rowTiles % cons.rowTiles == 0 || cons.rowTiles % prod.rowTiles == 0);
+    // A peer group's rows are put by the dispatch tiles of its peer offsets;
+    // a combine tile returns the rows of one peer group.
+    const bool groupFromDispatch = sameExperts && cons.grouped() && prod.dispatch;
+    const bool combineFromGroup = sameExperts && prod.grouped() && cons.combine;
+    const int64_t prodCell = prod.rowTiles * prod.colTiles; // tiles of one (expert, peer)
+    const int64_t consCell = cons.rowTiles * cons.colTiles;
+    const int64_t R = prod.put() ? prod.peers : cons.peers; // the EP degree, with a put
     for (int64_t t = 0; t < cons.tiles(); ++t) {
       if (!sameExperts) { // nothing finer to follow: every producer tile
         first.push_back(0);
@@ -309,13 +335,27 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
         continue;
       }
       int64_t expert = t / cons.perExpertTiles();
+      int64_t peer = (t % cons.perExpertTiles()) / consCell;
       int64_t base = expert * prod.perExpertTiles();
+      if (groupFromDispatch) { // group g: peer offsets [g*R/G, (g+1)*R/G)
+        first.push_back(base + format::tileBegin(peer, R, cons.peers) * prodCell);
+        last.push_back(base + format::tileBegin(peer + 1, R, cons.peers) * prodCell - 1);
+        continue;
+      }
+      if (combineFromGroup) { // rows to rank p ahead came from the rank R - p behind
+        int64_t group =
+            format::peerGroupOf(uint32_t((R - peer) % R), uint32_t(R), uint32_t(prod.peers));
+        first.push_back(base + group * prodCell);
+        last.push_back(base + (group + 1) * prodCell - 1);
+        continue;
+      }
       if (!rowWise) { // the whole of the expert's tiles (puts arrive from every peer)
         first.push_back(base);
         last.push_back(base + prod.perExpertTiles() - 1);
         continue;
       }
-      int64_t rowTile = (t % cons.perExpertTiles()) / cons.colTiles;
+      base += peer * prodCell;
+      int64_t rowTile = (t % consCell) / cons.colTiles;
       if (cons.shareRows) {
         // Row tile c of ct covers [c*n/ct, (c+1)*n/ct) of the n rows
         // present: inside producer tile c / (ct/pt), or exactly producer
@@ -359,6 +399,8 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       if (tasks % (experts * ranks) != 0)
         return notMultiple(experts * ranks, "local experts x ranks");
       g.peers = ranks;
+      g.dispatch = isa<DispatchOp>(raw);
+      g.combine = !g.dispatch;
       g.rowTiles = tasks / (experts * ranks);
       // A rank sends an expert at most one row per token.
       g.rows = bindings.at("per_expert_seq_to_other");

@@ -104,6 +104,19 @@ void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &
   }
 }
 
+std::vector<int64_t> segmentSourceStarts(const format::TaskProgram &program,
+                                         const rt::LayerPlan &plan,
+                                         const std::vector<RankRoute> &routes, uint32_t epRank) {
+  const uint32_t R = program.epRanks, T = program.tpRanks, L = plan.shape.localExperts;
+  std::vector<int64_t> starts(size_t(L) * (R + 1));
+  for (uint32_t e = 0; e < L; ++e) {
+    int64_t *expert = &starts[size_t(e) * (R + 1)];
+    for (uint32_t q = 0; q < R; ++q)
+      expert[q + 1] = expert[q] + routes[size_t(q) * T].layout.counts[size_t(epRank) * L + e];
+  }
+  return starts;
+}
+
 namespace {
 
 /// Calls visit(op, from, to, bytes) for the rows each put op of `program`
@@ -115,7 +128,7 @@ void forEachPut(const format::TaskProgram &program, const rt::LayerPlan &plan,
                  L = uint32_t(plan.shape.localExperts);
   for (uint32_t o = 0; o < program.ops.size(); ++o) {
     const format::OpRecord &op = program.ops[o];
-    if (op.kind != format::OpKind::Dispatch && op.kind != format::OpKind::Combine)
+    if (!format::isPut(op.kind))
       continue;
     const format::TilingRecord &tiling = program.tilings[op.tiling];
     const uint64_t rowBytes =

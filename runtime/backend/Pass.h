@@ -170,6 +170,14 @@ void fillLayoutTensors(const format::TaskProgram &program, const rt::LayerPlan &
                        const std::vector<RankRoute> &routes, uint32_t firstRank, uint32_t endRank,
                        const std::function<void *(uint32_t rank, uint32_t slot)> &memory);
 
+/// Where each source EP rank's rows start in each local expert's segment on
+/// EP rank `epRank`, from every rank's routing: entry e * (R + 1) + q for
+/// q = 0..R (entry R: the segment's size). Tiles with peer groups take
+/// their rows from these (format::peerGroupRows()).
+std::vector<int64_t> segmentSourceStarts(const format::TaskProgram &program,
+                                         const rt::LayerPlan &plan,
+                                         const std::vector<RankRoute> &routes, uint32_t epRank);
+
 /// The bytes of rows every rank's puts (the program's dispatch and combine
 /// ops) write into the windows of rank `rank` in one pass of `program`,
 /// from the routing of every rank: [peer] (the entry of `rank` itself is its

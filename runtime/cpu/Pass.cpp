@@ -6,9 +6,9 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "runtime/cpu/Pass.h"
 #include "base/Memory.h"
 #include "base/Time.h"
-#include "runtime/cpu/Pass.h"
 
 #include "runtime/cpu/Fp8.h"
 #include "runtime/cpu/Rows.h"
@@ -196,7 +196,7 @@ Status Pass::allocate() {
   // The slots peers put into: the outputs of the puts.
   std::vector<bool> isWindow(tasks.slots.size(), false);
   for (const OpInfo &op : ops)
-    if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine)
+    if (format::isPut(op.kind))
       isWindow[op.tiling->outputSlot] = true;
   // The lender's plain slots that are dead between its passes: not bound,
   // not a window, not read by a backward, not layout.
@@ -301,6 +301,9 @@ Status Pass::fillLayout(const std::vector<RankRoute> &routes) {
   backend::fillLayoutTensors(*program, *layer, routes, fabric.firstLocal(),
                              fabric.firstLocal() + fabric.localRanks(),
                              [&](uint32_t rank, uint32_t slot) { return data[rank][slot]; });
+  sourceStarts.resize(data.size());
+  for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r)
+    sourceStarts[r] = backend::segmentSourceStarts(*program, *layer, routes, program->epOf(r));
   return Status::success();
 }
 
@@ -456,7 +459,7 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
   const OpInfo &op = ops[opIndex];
   const TilingRecord &t = *op.tiling;
   const format::TileCoord tile = format::tileCoord(t, task - tasks.ops[opIndex].firstTask);
-  if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine)
+  if (format::isPut(op.kind))
     return runPut(op, opIndex, rank, tile, op.kind == OpKind::Combine);
   if (op.kind == OpKind::Quantize) {
     // Row tiles of the rows to send, up to this pass's count.
@@ -484,67 +487,72 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
   const int64_t segBegin =
       tile.expert == 0 ? 0 : loadIndex(data[rank][glist], dtype(glist), tile.expert - 1);
   const Segment segment{segBegin, segEnd - segBegin};
-  // A weight gradient's rows are rows of its result; other ops' rows are
-  // rows of the segment, clipped to it or shared out over it.
-  const format::TileRows share =
-      format::tileRows(t, tile, uint64_t(std::max<int64_t>(segment.rows, 0)));
-  const Range rows = op.wgrad ? Range{int64_t(tile.rowBegin), int64_t(tile.rowEnd)}
-                              : Range{int64_t(share.begin), int64_t(share.end)};
   const Range cols{int64_t(tile.colBegin), int64_t(tile.colEnd)};
   const uint32_t a = t.inputSlots[0], b = t.inputSlots[1], c = t.outputSlot;
   Scratch *tileScratch = &(*scratch)[worker];
 
-  switch (op.kind) {
-  case OpKind::Gmm: {
-    if (op.wgrad) {
-      Matrix cm{static_cast<char *>(data[rank][c]) +
-                    op.expertStride * tile.expert * dtypeSize(dtype(c)),
-                dtype(c), int64_t(t.ldc)};
-      gmmWgradTile(in(a), in(b), cm, segment, rows, cols, op.accumulate, tileScratch);
-      return Status::success();
-    }
-    const ConstMatrix bm{static_cast<const char *>(data[rank][b]) +
-                             op.expertStride * tile.expert * dtypeSize(dtype(b)),
-                         dtype(b), int64_t(t.ldb)};
-    Epilogue epilogue;
-    epilogue.scale = op.scale;
-    if (op.addend != format::kNone)
-      epilogue.addend = in(op.addend);
-    if (op.transposeB)
-      gmmDgradTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch,
-                   epilogue);
-    else
-      gmmForwardTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch,
-                     epilogue);
+  if (op.wgrad) { // rows of its result, reduced over the whole segment
+    Matrix cm{static_cast<char *>(data[rank][c]) +
+                  op.expertStride * tile.expert * dtypeSize(dtype(c)),
+              dtype(c), int64_t(t.ldc)};
+    gmmWgradTile(in(a), in(b), cm, segment, Range{int64_t(tile.rowBegin), int64_t(tile.rowEnd)},
+                 cols, op.accumulate, tileScratch);
     return Status::success();
   }
-  case OpKind::Swiglu:
-  case OpKind::SwigluGrad:
-  case OpKind::Dequantize: {
-    const int64_t end = std::min(rows.end, segment.rows);
+  // Other ops' rows are rows of the segment, clipped to it or shared out over
+  // it (or over the rows of the tile's peer group): up to two runs.
+  format::TileRowRuns runs;
+  if (t.peers > 1) {
+    const uint32_t R = tasks.epRanks;
+    runs = format::peerGroupRows(t, tile, tasks.epOf(rank), R,
+                                 &sourceStarts[rank][size_t(tile.expert) * (R + 1)]);
+  } else {
+    runs.runs[0] = format::tileRows(t, tile, uint64_t(std::max<int64_t>(segment.rows, 0)));
+    runs.count = 1;
+  }
+  for (uint32_t k = 0; k < runs.count; ++k) {
+    const int64_t end = std::min(int64_t(runs.runs[k].end), segment.rows);
+    const Range rows{int64_t(runs.runs[k].begin), end};
     if (end <= rows.begin)
-      return Status::success();
+      continue;
     const Range absolute{segBegin + rows.begin, segBegin + end};
-    if (op.kind == OpKind::Dequantize) {
+    switch (op.kind) {
+    case OpKind::Gmm: {
+      const ConstMatrix bm{static_cast<const char *>(data[rank][b]) +
+                               op.expertStride * tile.expert * dtypeSize(dtype(b)),
+                           dtype(b), int64_t(t.ldb)};
+      Epilogue epilogue;
+      epilogue.scale = op.scale;
+      if (op.addend != format::kNone)
+        epilogue.addend = in(op.addend);
+      if (op.transposeB)
+        gmmDgradTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch,
+                     epilogue);
+      else
+        gmmForwardTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch,
+                       epilogue);
+      break;
+    }
+    case OpKind::Dequantize:
       dequantizeRows(static_cast<const uint8_t *>(data[rank][a]), int64_t(tasks.slots[a].dims[1]),
                      data[rank][c], dtype(c), int64_t(tasks.slots[c].dims[1]), absolute.begin,
                      absolute.end, int64_t(t.cols));
-      return Status::success();
-    }
-    const int64_t inter = layer->shape.inter;
-    if (op.kind == OpKind::Swiglu) {
-      swigluForward(in(a), out(c), inter, absolute, cols);
-    } else {
+      break;
+    case OpKind::Swiglu:
+      swigluForward(in(a), out(c), layer->shape.inter, absolute, cols);
+      break;
+    case OpKind::SwigluGrad: {
       // Output columns [c0, c1) of dY [., 2I] map to gate/up pairs.
-      const int64_t width = int64_t(t.cols);
+      const int64_t inter = layer->shape.inter, width = int64_t(t.cols);
       const Range pairs{cols.begin * inter / width, cols.end * inter / width};
       swigluBackward(in(b), in(a), out(c), inter, absolute, pairs);
+      break;
     }
-    return Status::success();
+    default:
+      return Status::error(fmt::format("op kind {} has no CPU kernel", int(op.kind)));
+    }
   }
-  default:
-    return Status::error(fmt::format("op kind {} has no CPU kernel", int(op.kind)));
-  }
+  return Status::success();
 }
 
 } // namespace moec::cpu

@@ -136,6 +136,9 @@ private:
   /// Per rank: the rows to send this pass (tokens * top-k), set by
   /// gatherSendRows; a quantize tile clips its rows to them.
   std::vector<int64_t> sendRows;
+  /// Per rank: where each source rank's rows start in each local expert's
+  /// segment (backend::segmentSourceStarts), set by fillLayout.
+  std::vector<std::vector<int64_t>> sourceStarts;
   std::vector<ZeroedPages> owned;
   std::vector<std::unique_ptr<comm::Window>> windows;
   std::vector<const comm::Window *> windowOf; ///< per slot: its window, or null

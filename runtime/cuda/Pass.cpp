@@ -92,6 +92,12 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     return Status::error("the cuda backend has no FP8 dispatch (no quantize or dequantize "
                          "kernels); compile without \"dispatch_dtype\": \"fp8_e4m3\", or run "
                          "on the cpu backend");
+  for (const format::OpRecord &op : program.ops)
+    if (!format::isPut(op.kind) && program.tilings[op.tiling].peers > 1)
+      return Status::error(fmt::format(
+          "op '{}' cuts its experts' rows into {} groups by source rank, which the cuda "
+          "backend does not run; compile with --peer-groups 1, or run on the cpu backend",
+          program.name(op.name), program.tilings[op.tiling].peers));
   std::string gpu;
   if (Status s = describeDevice(&gpu); !s)
     return s.withPrefix("the cuda backend: ");
@@ -144,7 +150,7 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     d.sizeSlot = combine ? plan.cSize : plan.dSize;
     d.srcOffsetSlot = combine ? plan.cSrcOffset : plan.dSrcOffset;
     d.targetOffsetSlot = combine ? plan.cTargetOffset : plan.dTargetOffset;
-    if (op.kind == OpKind::Dispatch || op.kind == OpKind::Combine) {
+    if (format::isPut(op.kind)) {
       const format::SlotRecord &from = program.slots[d.b], &to = program.slots[d.c];
       if (from.dtype != to.dtype)
         return Status::error(fmt::format("op '{}': a put from {} rows to {} rows",

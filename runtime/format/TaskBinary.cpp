@@ -15,8 +15,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -127,6 +127,43 @@ TileCoord tileCoord(const TilingRecord &tiling, uint64_t index) {
   return c;
 }
 
+TileRowRuns peerGroupRows(const TilingRecord &tiling, const TileCoord &tile, uint32_t epRank,
+                          uint32_t epRanks, const int64_t *sourceStart) {
+  const auto rows = [](int64_t n) { return uint64_t(n > 0 ? n : 0); };
+  TileRowRuns out;
+  if (tiling.peers <= 1 || isPut(tiling.opKind)) {
+    out.runs[0] = tileRows(tiling, tile, rows(sourceStart[epRanks]));
+    out.count = out.runs[0].size() > 0 ? 1 : 0;
+    return out;
+  }
+  const uint64_t R = epRanks;
+  const uint64_t p0 = tileBegin(tile.peer, R, tiling.peers);
+  const uint64_t p1 = tileBegin(uint64_t(tile.peer) + 1, R, tiling.peers);
+  // Sources (rank - p) mod R for p in [p0, p1): the cyclic range from
+  // `low` up to `high`.
+  const uint64_t low = (epRank + R - (p1 - 1)) % R, high = (epRank + R - p0) % R;
+  TileRows whole[2];
+  uint32_t parts = 0;
+  if (low <= high) {
+    whole[parts++] = {rows(sourceStart[low]), rows(sourceStart[high + 1])};
+  } else { // wraps past rank R - 1: the high ranks' rows, then the low ones'
+    whole[parts++] = {rows(sourceStart[low]), rows(sourceStart[R])};
+    whole[parts++] = {rows(sourceStart[0]), rows(sourceStart[high + 1])};
+  }
+  const uint64_t present = whole[0].size() + (parts > 1 ? whole[1].size() : 0);
+  const TileRows share = tileRows(tiling, tile, present);
+  // The share [begin, end) of the group's rows, laid over its runs.
+  uint64_t skipped = 0;
+  for (uint32_t k = 0; k < parts; ++k) {
+    const uint64_t n = whole[k].size();
+    const uint64_t begin = std::max(share.begin, skipped), end = std::min(share.end, skipped + n);
+    if (begin < end)
+      out.runs[out.count++] = {whole[k].begin + begin - skipped, whole[k].begin + end - skipped};
+    skipped += n;
+  }
+  return out;
+}
+
 bool TaskProgram::fansOut(uint32_t op) const {
   return tpRanks > 1 && (tilings[ops[op].tiling].flags & kTilingReduceTp) != 0;
 }
@@ -149,7 +186,8 @@ RankTile rankTile(const TaskProgram &program, uint32_t task, uint32_t rank) {
   const TilingRecord &tiling = program.tilings[op.tiling];
   RankTile tile;
   tile.coord = tileCoord(tiling, task - op.firstTask);
-  tile.peerRank = tiling.peers > 1 ? program.peerRank(rank, tile.coord.peer) : rank;
+  tile.peerRank =
+      tiling.peers > 1 && isPut(op.kind) ? program.peerRank(rank, tile.coord.peer) : rank;
   // A dispatch tile's rows go to an expert of the peer; every other
   // per-expert tile holds rows of this rank's experts.
   uint32_t owner = op.kind == OpKind::Dispatch ? tile.peerRank : rank;
@@ -461,12 +499,19 @@ private:
       if (Status status = checkSlotIndex(what, "output", tiling.outputSlot); !status)
         return status;
       if (tiling.experts != 1 && tiling.experts != p.localExperts)
+        return Status::error(
+            fmt::format("{}: a grid of {} experts; it must be 1 or the {} local experts", what,
+                        tiling.experts, p.localExperts));
+      if (isPut(tiling.opKind) ? tiling.peers != 1 && tiling.peers != p.epRanks
+                               : tiling.peers == 0 || tiling.peers > p.epRanks)
         return Status::error(fmt::format(
-            "{}: a grid of {} experts; it must be 1 or the {} local experts", what,
-            tiling.experts, p.localExperts));
-      if (tiling.peers != 1 && tiling.peers != p.epRanks)
-        return Status::error(fmt::format("{}: a grid of {} peers; it must be 1 or the {} EP ranks",
-                                         what, tiling.peers, p.epRanks));
+            "{}: a grid of {} peers; it must be 1 or the {} EP ranks{}", what, tiling.peers,
+            p.epRanks, isPut(tiling.opKind) ? "" : " (or peer groups, at most as many)"));
+      if (!isPut(tiling.opKind) && tiling.peers > 1 &&
+          (!(tiling.flags & kTilingShareRows) || tiling.experts != p.localExperts))
+        return Status::error(fmt::format(
+            "{}: {} peer groups of a {} need per-expert tiles that share out their rows", what,
+            tiling.peers, opKindName(tiling.opKind)));
       if ((tiling.flags & kTilingReduceTp) && tiling.opKind != OpKind::Combine)
         return Status::error(fmt::format("{}: a {} reduces over TP; only a combine can", what,
                                          opKindName(tiling.opKind)));

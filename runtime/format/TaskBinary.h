@@ -290,7 +290,12 @@ static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 
 /// rows of the local expert's segment, which the runtime finds from the
 /// routing and clips the tile to; for a put (dispatch, combine; peers == P),
 /// rows are rows of the segment sent to the rank `peer` EP ranks further
-/// (TaskProgram::peerRank). `depth` is the
+/// (TaskProgram::peerRank). A per-expert op that is not a put may also have
+/// peers == G in 2..R (peer groups; needs kTilingShareRows, not a weight
+/// gradient): its tiles of group g hold the rows of the expert's segment
+/// that came from the EP ranks (rank - p) mod R for p in
+/// [g*R/G, (g+1)*R/G) (the dispatch tiles of those peer offsets put them),
+/// and its row tiles share out those rows (peerGroupRows()). `depth` is the
 /// reduction length of a matmul: K of an activation GMM, or 0 for a weight-
 /// gradient GMM, which reduces over the expert's (dynamic) rows.
 /// `balancedRows` is what the compiler expects a segment to hold when routing
@@ -303,7 +308,8 @@ static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 
 ///    2     1    flags          TilingFlag bits
 ///    3     1    inputCount     inputs used, 0..4
 ///    4     4    experts        grid: 1, or L for a per-expert op
-///    8     4    peers          grid: 1, or R for a put
+///    8     4    peers          grid: 1, or R for a put, or G (2..R) peer
+///                              groups of a per-expert op
 ///   12     4    rowTiles       grid: >= 1
 ///   16     4    colTiles       grid: >= 1
 ///   20     4    outputSlot     index into slots
@@ -392,6 +398,35 @@ inline TileRows tileRows(const TilingRecord &tiling, const TileCoord &tile, uint
             tileBegin(uint64_t(tile.rowTile) + 1, present, tiling.rowTiles)};
   return {tile.rowBegin, tile.rowEnd < present ? tile.rowEnd : present};
 }
+
+/// True for the ops whose tiles put rows into a peer's memory.
+inline bool isPut(OpKind kind) { return kind == OpKind::Dispatch || kind == OpKind::Combine; }
+
+/// The peer group of a put's peer offset `peer` for a grid of `groups`
+/// groups over `ranks` EP ranks: the g with g*R/G <= peer < (g+1)*R/G.
+inline uint32_t peerGroupOf(uint32_t peer, uint32_t ranks, uint32_t groups) {
+  return uint32_t(((uint64_t(peer) + 1) * groups - 1) / ranks);
+}
+
+/// The rows of a tile of a per-expert op, as up to two runs of the
+/// expert's segment (in the segment's order).
+struct TileRowRuns {
+  TileRows runs[2];
+  uint32_t count = 0;
+  uint64_t size() const {
+    return count == 0 ? 0 : runs[0].size() + (count > 1 ? runs[1].size() : 0);
+  }
+};
+
+/// The rows tile `tile` of a per-expert op works on, on EP rank `epRank` of
+/// `epRanks`, when `sourceStart[q]` (q = 0..R) is the first row of the
+/// expert's segment that came from EP rank q (the segment holds them by
+/// source rank; sourceStart[R] is its size). Without peer groups: the
+/// tileRows() of the whole segment. With them: the tile's share of its
+/// group's rows, which come from a cyclic range of source ranks, so from up
+/// to two runs of the segment.
+TileRowRuns peerGroupRows(const TilingRecord &tiling, const TileCoord &tile, uint32_t epRank,
+                          uint32_t epRanks, const int64_t *sourceStart);
 
 /// An event: a monotone counter, one per rank, zero at the start of a pass.
 /// threshold is its final value: the sum of the increments of every signal

@@ -60,8 +60,7 @@ public:
       for (uint32_t k = 0; k < format::kMaxTilingInputs; ++k)
         plan.inputs[i][k] = tiling(uint32_t(i)).inputSlots[k];
 
-    if (program.ops.size() == 1 && !program.isBackward() &&
-        (program.ops[0].kind == OpKind::Dispatch || program.ops[0].kind == OpKind::Combine))
+    if (program.ops.size() == 1 && !program.isBackward() && format::isPut(program.ops[0].kind))
       return exchange();
     if (Status s = findOps(); !s)
       return s;
@@ -198,10 +197,10 @@ private:
           bwd ? "swiglu_grad" : "swiglu", counts[1], counts[4], counts[5], counts[2]));
     for (uint32_t i = 0; i < program.ops.size(); ++i) {
       const OpKind kind = program.ops[i].kind;
-      const uint32_t needed = kind == OpKind::Dispatch || kind == OpKind::Combine ? 4
-                              : kind == OpKind::Gmm                               ? 3
-                              : kind == OpKind::SwigluGrad                        ? 2
-                                                                                  : 1;
+      const uint32_t needed = format::isPut(kind)          ? 4
+                              : kind == OpKind::Gmm        ? 3
+                              : kind == OpKind::SwigluGrad ? 2
+                                                           : 1;
       if (kind == OpKind::Quantize)
         plan.quantizeOp = i;
       if (kind == OpKind::Dequantize)
@@ -592,9 +591,18 @@ private:
         return tilingError(op, fmt::format("a grid over {} experts; the binary has {} local "
                                            "experts",
                                            t.experts, shape.localExperts));
-      const bool put = kind == OpKind::Dispatch || kind == OpKind::Combine;
-      if (Status s = expectField(op, "peers", t.peers, put ? shape.epRanks() : 1); !s)
-        return s;
+      const bool put = format::isPut(kind);
+      if (put) {
+        if (Status s = expectField(op, "peers", t.peers, shape.epRanks()); !s)
+          return s;
+      } else if (t.peers > 1 &&
+                 (t.peers > uint64_t(shape.epRanks()) || !(t.flags & format::kTilingShareRows) ||
+                  (kind == OpKind::Gmm && isWgrad(op)))) {
+        // Peer groups: row tiles of the rows from a range of source ranks.
+        return tilingError(op, fmt::format("{} peer groups need shared-out rows of an "
+                                           "activation op and at most the {} EP ranks",
+                                           t.peers, shape.epRanks()));
+      }
       const bool fp8Put = kind == OpKind::Dispatch && shape.fp8Dispatch;
       if (t.dtype != (fp8Put ? DType::F8E4M3 : shape.activations) &&
           !(kind == OpKind::Gmm && isWgrad(op)))

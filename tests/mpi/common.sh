@@ -11,16 +11,19 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MPIRUN=(mpirun --oversubscribe --bind-to none)
 
 # layer NAME H I L K EP DTYPE [extra config JSON]: compiles both graphs
-# into $WORK/NAME/{fwd,bwd}.moebin (granularity from $GRANULARITY).
+# into $WORK/NAME/{fwd,bwd}.moebin (granularity from $GRANULARITY, peer
+# groups from $PEER_GROUPS).
 layer() {
   local name=$1 H=$2 I=$3 L=$4 K=$5 EP=$6 DT=$7 extra=${8:-}
   local dir="$WORK/$name"
   mkdir -p "$dir"
   echo "{\"name\": \"$name\", \"hidden_size\": $H, \"intermediate_size\": $I, \"num_experts\": $((L * EP)), \"top_k\": $K, \"ep\": $EP, \"tp\": 1, \"seq_size\": 128, \"dtype\": \"$DT\", \"num_cube_cores\": 2, \"num_vector_cores\": 2$extra}" > "$dir/config.json"
   "$MOEC" compile "$GRAPHS/moe_ffn_fwd.json" --config "$dir/config.json" \
-    --granularity "${GRANULARITY:-per-tile-range}" -o "$dir/fwd.moebin" > /dev/null
+    --granularity "${GRANULARITY:-per-tile-range}" ${PEER_GROUPS:+--peer-groups "$PEER_GROUPS"} \
+    -o "$dir/fwd.moebin" > /dev/null
   "$MOEC" compile "$GRAPHS/moe_ffn_bwd.json" --config "$dir/config.json" \
-    --granularity "${GRANULARITY:-per-tile-range}" -o "$dir/bwd.moebin" > /dev/null
+    --granularity "${GRANULARITY:-per-tile-range}" ${PEER_GROUPS:+--peer-groups "$PEER_GROUPS"} \
+    -o "$dir/bwd.moebin" > /dev/null
 }
 
 fail() {

@@ -3,7 +3,8 @@
 # this machine) against the reference, and bit for bit against the
 # in-process fabric on the same inputs: forward and backward, fp32 and bf16,
 # skewed routing, experts and ranks that receive no rows, both event
-# granularities, several passes of one context (--repeat), FP8 dispatch.
+# granularities, several passes of one context (--repeat), FP8 dispatch, tiles
+# cut by peer groups.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 passed=0
@@ -31,6 +32,10 @@ check wide 2
 # processes, the same bits as in process.
 layer fp8 300 32 2 2 3 bf16 ', "dispatch_dtype": "fp8_e4m3"'
 check fp8 3 --hot-share 0.5
+# Each expert's rows cut into peer groups (tiles of the rows from some source
+# ranks only; on 3 ranks a group's sources wrap past the last rank).
+PEER_GROUPS=2 layer groups 64 32 2 2 3 bf16
+check groups 3 --hot-share 0.5
 # One trace of the whole job.
 check_trace f32-2 2
 # The path between nodes (two-sided messages) on this one machine: no rank
@@ -38,6 +43,7 @@ check_trace f32-2 2
 MPIRUN+=(-x MOEC_MPI_NO_SHARED_MEMORY=1)
 check f32-3 3 --hot-share 0.5
 check bf16-4 4
+check groups 3
 check_trace f32-3 3
 
 echo

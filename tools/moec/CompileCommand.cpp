@@ -10,9 +10,9 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <optional>
-#include <cstdio>
 
 using namespace mlir;
 using namespace moec;
@@ -22,8 +22,8 @@ namespace moec::cli {
 
 const CommandSpec kCompileSpec = {
     "compile",
-    "moec compile GRAPH --config CFG [--target PROFILE] [--granularity G] -o OUT [--time] "
-    "[--progress | --no-progress]",
+    "moec compile GRAPH --config CFG [--target PROFILE] [--granularity G] [--peer-groups N] "
+    "-o OUT [--time] [--progress | --no-progress]",
     "Compiles GRAPH (.json graph description or .mlir) for the model/parallel config\n"
     "CFG into a task binary: the graph pipeline (shapes, verification, slots, split\n"
     "propagation), then tile tasks with tiling descriptors, events from the tile\n"
@@ -39,18 +39,34 @@ const CommandSpec kCompileSpec = {
     "  --granularity G    per-tile-range (default): a consumer tile waits only for the\n"
     "                     producer tiles it reads; per-expert: for every producer tile\n"
     "                     of the experts it touches, as the seed does\n"
+    "  --peer-groups N    automatic splits: cut each expert's rows into N groups by the\n"
+    "                     rank they came from, so that a group's tiles start when its\n"
+    "                     ranks' rows have arrived (1: no groups; past the EP degree, one a\n"
+    "                     rank; default: the compiler tries 1, 4 and 16, keeps the fastest)\n"
     "  -o OUT             the task binary to write (required; written whole or not at all)\n"
     "  --time             print the time each phase took to stderr\n"
     "  --progress         print each step on stderr as it ends, even when stderr is not\n"
     "                     a terminal (on a terminal, a step that takes over half a\n"
     "                     second is shown as it runs)\n"
     "  --no-progress      no progress output\n",
-    {"--config", "--target", "--granularity", "-o"},
+    {"--config", "--target", "--granularity", "--peer-groups", "-o"},
     {"--time", "--progress", "--no-progress"},
     1,
     1,
     {"-o"},
     {"--config", "--target"}};
+
+namespace {
+/// A --peer-groups value: 1..65536.
+std::optional<int64_t> parsePeerGroups(const std::string &text) {
+  if (text.empty() || text.size() > 5 || text.find_first_not_of("0123456789") != std::string::npos)
+    return std::nullopt;
+  const int64_t n = std::stoll(text);
+  if (n < 1 || n > 65536)
+    return std::nullopt;
+  return n;
+}
+} // namespace
 
 int runCompile(int argc, char **argv, int first) {
   std::optional<Progress> progress;
@@ -75,6 +91,13 @@ int runCompile(int argc, char **argv, int first) {
                    g->c_str(), kCompileSpec.usage);
       return false;
     }
+    if (auto g = args.value("--peer-groups"); g && !parsePeerGroups(*g)) {
+      std::fprintf(stderr,
+                   "moec compile: --peer-groups must be a whole number from 1 to 65536, got "
+                   "'%s'\nusage: %s\n",
+                   g->c_str(), kCompileSpec.usage);
+      return false;
+    }
     if (*args.value("-o") == "-") {
       std::fprintf(stderr, "moec compile: -o needs a file; a task binary is not for a terminal\n"
                            "usage: %s\n",
@@ -95,6 +118,8 @@ int runCompile(int argc, char **argv, int first) {
     options.target = args.value("--target").value_or("cpu");
     options.granularity =
         *lower::parseGranularity(args.value("--granularity").value_or("per-tile-range"));
+    if (auto g = args.value("--peer-groups"))
+      options.peerGroups = *parsePeerGroups(*g);
     options.onStep = [&progress](const char *step) { progress->begin(step); };
     driver::CompileResult result;
     if (Status status = driver::compileModule(module, options, &result); !status) {

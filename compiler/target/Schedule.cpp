@@ -123,7 +123,7 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
       after = std::max(after, eventLevel[event]);
       chainAfter = std::max(chainAfter, eventChain[event]);
     }
-    level[t] = std::max(cost[t], model.linkBytes[t] > 0 ? opLinkSeconds[task.op] : 0.0) + after;
+    level[t] = std::max(cost[t], isPut(p.ops[task.op].kind) ? opLinkSeconds[task.op] : 0.0) + after;
     const double chain = cost[t] + chainAfter;
     criticalPath = std::max(criticalPath, chain);
     for (uint32_t w = 0; w < task.waitCount; ++w) {

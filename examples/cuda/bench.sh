@@ -32,7 +32,7 @@ json.dump(c, open(sys.argv[2], "w"))
 PY
     for g in fwd bwd; do
       bazel-bin/tools/moec compile "graphs/moe_ffn_$g.json" --config "$bins/q$s.json" \
-        --target h100 -o "$bins/q$s.$g.moebin" --no-progress
+        --target h100 --peer-groups 1 -o "$bins/q$s.$g.moebin" --no-progress
     done
   done
 fi

@@ -507,11 +507,6 @@ private:
         return Status::error(fmt::format(
             "{}: a grid of {} peers; it must be 1 or the {} EP ranks{}", what, tiling.peers,
             p.epRanks, isPut(tiling.opKind) ? "" : " (or peer groups, at most as many)"));
-      if (!isPut(tiling.opKind) && tiling.peers > 1 &&
-          (!(tiling.flags & kTilingShareRows) || tiling.experts != p.localExperts))
-        return Status::error(fmt::format(
-            "{}: {} peer groups of a {} need per-expert tiles that share out their rows", what,
-            tiling.peers, opKindName(tiling.opKind)));
       if ((tiling.flags & kTilingReduceTp) && tiling.opKind != OpKind::Combine)
         return Status::error(fmt::format("{}: a {} reduces over TP; only a combine can", what,
                                          opKindName(tiling.opKind)));
@@ -541,6 +536,11 @@ private:
       if (tiles > kMaxRecords)
         return Status::error(fmt::format("{}: a grid of {} tiles is above the {} a binary holds",
                                          what, tiles, kMaxRecords));
+      if (!isPut(tiling.opKind) && tiling.peers > 1 &&
+          (!(tiling.flags & kTilingShareRows) || tiling.experts != p.localExperts))
+        return Status::error(fmt::format(
+            "{}: {} peer groups of a {} need per-expert tiles that share out their rows", what,
+            tiling.peers, opKindName(tiling.opKind)));
       if (tiling.flags & kTilingScale) {
         if (!std::isfinite(tiling.scale) || tiling.scale == 0)
           return Status::error(

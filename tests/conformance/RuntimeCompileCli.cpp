@@ -1,7 +1,9 @@
 //===- RuntimeCompileCli.cpp - compileLayer by running `moec compile` -----===//
 //
 // Runs `$MOEC compile GRAPH --config CFG --granularity G -o OUT`, with OUT
-// next to the config and moec's stderr in OUT.log, and loads OUT.
+// next to the config and moec's stderr in OUT.log, and loads OUT. For the
+// cuda backend (MOEC_TEST_BACKEND=cuda), which runs no peer-group tiles, with
+// --peer-groups 1.
 //
 //===----------------------------------------------------------------------===//
 
@@ -26,17 +28,17 @@ namespace moec::test {
 namespace {
 
 /// The file of a compiled layer in the folder MOEC_BINARY_CACHE: named by
-/// an FNV-1a hash of the graph's name, the config's text and the
-/// granularity. Empty without the variable.
+/// an FNV-1a hash of the graph's name, the config's text, the granularity
+/// and the extra options. Empty without the variable.
 std::string cachedPath(const std::string &graphPath, const std::string &configPath,
-                       const std::string &granularity) {
+                       const std::string &granularity, const std::string &extra) {
   const char *dir = std::getenv("MOEC_BINARY_CACHE");
   if (!dir || !*dir)
     return {};
   std::ostringstream config;
   config << std::ifstream(configPath).rdbuf();
   uint64_t hash = 1469598103934665603ull;
-  for (const std::string &part : {graphPath, config.str(), granularity})
+  for (const std::string &part : {graphPath, config.str(), granularity, extra})
     for (char ch : part + '\0') {
       hash ^= uint8_t(ch);
       hash *= 1099511628211ull;
@@ -46,13 +48,20 @@ std::string cachedPath(const std::string &graphPath, const std::string &configPa
   return std::string(dir) + "/" + name;
 }
 
+/// The cuda backend runs no peer-group tiles.
+bool forCuda() {
+  const char *backend = std::getenv("MOEC_TEST_BACKEND");
+  return backend && std::strcmp(backend, "cuda") == 0;
+}
+
 } // namespace
 
 Status compileLayer(const std::string &graphPath, const std::string &configPath,
                     const std::string &granularity, format::TaskProgram *out) {
   // MOEC_BINARY_CACHE: compiled layers are kept there, and taken from there
   // when present (so the suite can run where no moec binary can).
-  const std::string cached = cachedPath(graphPath, configPath, granularity);
+  const std::string extra = forCuda() ? "--peer-groups 1" : "";
+  const std::string cached = cachedPath(graphPath, configPath, granularity, extra);
   if (!cached.empty() && std::ifstream(cached).good())
     return format::loadTaskBinaryFile(cached, out);
   const char *moec = std::getenv("MOEC");
@@ -67,6 +76,8 @@ Status compileLayer(const std::string &graphPath, const std::string &configPath,
   std::vector<std::string> args = {moec,        "compile",  graphPath,
                                    "--config",  configPath, "--granularity",
                                    granularity, "-o",       output};
+  if (forCuda())
+    args.insert(args.end() - 2, {"--peer-groups", "1"});
   std::vector<char *> argv;
   for (std::string &a : args)
     argv.push_back(a.data());

@@ -226,6 +226,20 @@ TEST_CASE("ops and their tile grids", "[task-binary][errors][tiles]") {
     p.tilings[0].rowTiles = 2;
     CHECK(validateTaskProgram(p).ok());
   }
+  SECTION("peer groups: 2 to R, of per-expert tiles that share out their rows") {
+    p.tilings[1].peers = 2; // up_proj's 4 tasks: 2 experts x 2 groups x 1 x 1
+    p.tilings[1].colTiles = 1;
+    CHECK(contentError(p) == "tiling 1: 2 peer groups of a gmm need per-expert tiles that share "
+                             "out their rows");
+    p.tilings[1].flags |= kTilingShareRows;
+    Status status = validateTaskProgram(p);
+    INFO(status.message());
+    CHECK(status.ok());
+    p.tilings[1].peers = 4;
+    p.tilings[1].experts = 1;
+    CHECK(contentError(p) == "tiling 1: a grid of 4 peers; it must be 1 or the 2 EP ranks (or "
+                             "peer groups, at most as many)");
+  }
   SECTION("an empty grid") {
     p.tilings[1].rowTiles = 0;
     CHECK(contentError(p) == "tiling 1: a grid of 0 x 2 tiles is empty");
@@ -293,7 +307,9 @@ TEST_CASE("a grid holds at most 2^32 - 1 tiles", "[task-binary][errors][tiles]")
     TaskProgram p = bareProgram(1u << 16, 1u << 16);
     TilingRecord tiling;
     tiling.experts = 1u << 16;
-    tiling.peers = 1u << 16;
+    tiling.peers = 1u << 16; // peer groups of an activation GMM: rows shared out
+    tiling.flags = kTilingShareRows;
+    tiling.depth = 1;
     p.tilings.push_back(tiling);
     CHECK(contentError(p) == "tiling 0: a grid of 4294967296 tiles is above the 4294967295 a "
                              "binary holds");
@@ -346,6 +362,60 @@ TEST_CASE("a grid holds at most 2^32 - 1 tiles", "[task-binary][errors][tiles]")
     INFO(status.message());
     CHECK(status.ok());
   }
+}
+
+TEST_CASE("a peer group's rows come from its source ranks", "[task-binary][tiles]") {
+  // 5 EP ranks; an expert's segment holds 3, 0, 4, 2 and 5 rows from ranks
+  // 0..4, so the rows from rank q start at starts[q].
+  const uint32_t R = 5;
+  const int64_t starts[R + 1] = {0, 3, 3, 7, 9, 14};
+  TilingRecord tiling;
+  tiling.opKind = OpKind::Swiglu;
+  tiling.flags = kTilingShareRows;
+  tiling.peers = 2; // offsets [0, 2) and [2, 5)
+  tiling.rowTiles = 2;
+  tiling.rows = 64;
+  // On rank 0, group 0 holds the rows from ranks 4 and 0 (offsets 1 and 0
+  // behind): 5 + 3 rows in two runs, rank 4's first; two tiles of 4 rows.
+  TileRowRuns first = peerGroupRows(tiling, tileCoord(tiling, 0), 0, R, starts);
+  REQUIRE(first.count == 1);
+  CHECK((first.runs[0].begin == 9 && first.runs[0].end == 13));
+  TileRowRuns second = peerGroupRows(tiling, tileCoord(tiling, 1), 0, R, starts);
+  REQUIRE(second.count == 2);
+  CHECK((second.runs[0].begin == 13 && second.runs[0].end == 14));
+  CHECK((second.runs[1].begin == 0 && second.runs[1].end == 3));
+  CHECK(second.size() == 4);
+  // On rank 1, group 1 holds the rows from ranks 4, 3 and 2: one run.
+  TileRowRuns later = peerGroupRows(tiling, tileCoord(tiling, 2), 1, R, starts);
+  REQUIRE(later.count == 1);
+  CHECK((later.runs[0].begin == 3 && later.runs[0].end == 8));
+  // On every rank, the tiles of all groups hold each row of the segment
+  // once, each from a group whose offsets include the row's source.
+  tiling.rowTiles = 3;
+  for (uint32_t rank = 0; rank < R; ++rank) {
+    std::vector<int> seen(14, 0);
+    for (uint64_t t = 0; t < tiling.tileCount(); ++t) {
+      TileCoord tile = tileCoord(tiling, t);
+      TileRowRuns runs = peerGroupRows(tiling, tile, rank, R, starts);
+      for (uint32_t k = 0; k < runs.count; ++k)
+        for (uint64_t row = runs.runs[k].begin; row < runs.runs[k].end; ++row) {
+          ++seen[row];
+          uint32_t source = 0;
+          while (int64_t(row) >= starts[source + 1])
+            ++source;
+          const uint32_t offset = (rank + R - source) % R;
+          INFO("rank " << rank << " row " << row << " from rank " << source);
+          CHECK(peerGroupOf(offset, R, tiling.peers) == tile.peer);
+        }
+    }
+    for (int count : seen)
+      CHECK(count == 1);
+  }
+  // Without groups: the tile's share of the whole segment.
+  tiling.peers = 1;
+  TileRowRuns whole = peerGroupRows(tiling, tileCoord(tiling, 2), 3, R, starts);
+  REQUIRE(whole.count == 1);
+  CHECK((whole.runs[0].begin == 9 && whole.runs[0].end == 14));
 }
 
 TEST_CASE("a tile's rows: fixed and clipped, or shared out", "[task-binary][tiles]") {

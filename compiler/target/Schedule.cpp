@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <algorithm>
 #include <functional>
 #include <queue>
@@ -153,10 +154,20 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
       return level[a] < level[b];
     return a > b;
   };
-  Kind kinds[2] = {{CoreKind::Cube, cubeCores, {}, {}, {}, 0},
-                   {CoreKind::Vector, vectorCores, {}, {}, {}, 0}};
+  // Where a rank's puts share a link, they take only as many vector queues
+  // as it takes to fill it (the first ones), and the other vector work the
+  // rest: more puts at once would only wait for the link, holding cores.
+  uint32_t putQueues = 0;
+  if (linkShared && profile.linkBytes > 0) {
+    const double fill = 2 * std::ceil(model.linkTotalBytes / profile.linkBytes);
+    if (fill < vectorCores)
+      putQueues = uint32_t(std::max(1.0, fill));
+  }
+  Kind kinds[3] = {{CoreKind::Cube, cubeCores, {}, {}, {}, 0},
+                   {CoreKind::Vector, vectorCores - putQueues, {}, {}, {}, 0},
+                   {CoreKind::Vector, putQueues, {}, {}, {}, 0}};
   std::vector<std::priority_queue<uint32_t, std::vector<uint32_t>, decltype(higher)>> ready(
-      2, std::priority_queue<uint32_t, std::vector<uint32_t>, decltype(higher)>(higher));
+      3, std::priority_queue<uint32_t, std::vector<uint32_t>, decltype(higher)>(higher));
   for (Kind &k : kinds) {
     k.queues.resize(k.cores);
     for (uint32_t c = 0; c < k.cores; ++c)
@@ -170,7 +181,11 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
   if (pooled)
     for (uint32_t c = 0; c < std::max(cubeCores, vectorCores); ++c)
       pool.push(0.0);
-  auto kindOf = [&](uint32_t t) { return p.tasks[t].coreKind == CoreKind::Cube ? 0 : 1; };
+  auto kindOf = [&](uint32_t t) {
+    return p.tasks[t].coreKind == CoreKind::Cube       ? 0
+           : putQueues > 0 && isPut(p.ops[p.tasks[t].op].kind) ? 2
+                                                               : 1;
+  };
 
   std::vector<double> readyAt(n, 0), finish(n, 0), eventDone(p.events.size(), 0);
   double linkFree = 0; // when the rank's link has sent the puts placed so far
@@ -188,7 +203,7 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
     // the earliest ready task if that is later.
     int pick = -1;
     double pickTime = 0;
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < 3; ++k) {
       if (kinds[k].pending.empty() && ready[k].empty())
         continue;
       double t = kinds[k].free.top().first;
@@ -245,21 +260,22 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
 
   p.queues.clear();
   p.queueEntries.clear();
-  for (Kind &k : kinds)
-    for (uint32_t c = 0; c < k.cores; ++c) {
+  // Vector queues 0 .. putQueues - 1 are the puts'.
+  for (Kind *k : {&kinds[0], &kinds[2], &kinds[1]})
+    for (uint32_t c = 0; c < k->cores; ++c) {
       QueueRecord queue;
-      queue.coreKind = k.kind;
-      queue.coreIndex = c;
+      queue.coreKind = k->kind;
+      queue.coreIndex = k == &kinds[1] ? putQueues + c : c;
       queue.firstEntry = uint32_t(p.queueEntries.size());
-      queue.entryCount = uint32_t(k.queues[c].size());
-      p.queueEntries.insert(p.queueEntries.end(), k.queues[c].begin(), k.queues[c].end());
+      queue.entryCount = uint32_t(k->queues[c].size());
+      p.queueEntries.insert(p.queueEntries.end(), k->queues[c].begin(), k->queues[c].end());
       p.queues.push_back(queue);
     }
   if (estimate) {
     estimate->makespan = makespan;
     estimate->criticalPath = criticalPath;
     estimate->cubeBusy = kinds[0].busy;
-    estimate->vectorBusy = kinds[1].busy;
+    estimate->vectorBusy = kinds[1].busy + kinds[2].busy;
   }
   return Status::success();
 }

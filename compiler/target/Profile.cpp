@@ -56,6 +56,7 @@ TargetProfile ascend910bProfile() {
   p.linkTotalBytes = 196e9;      // 7 HCCS links
   p.taskOverhead = 1e-6;
   p.sharing = CoreSharing::None; // AIC and AIV are separate cores
+  p.sharedCache = true;          // 192 MB of L2
   return p;
 }
 
@@ -79,6 +80,7 @@ TargetProfile h100Profile() {
   p.linkTotalBytes = 450e9; // NVLink 4, one direction
   p.taskOverhead = 2e-6;
   p.sharing = CoreSharing::Rank;
+  p.sharedCache = true; // 50 MB of L2
   return p;
 }
 
@@ -134,7 +136,7 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
       "name",        "cube_cores",       "vector_cores", "tile_m",      "tile_n",
       "tile_k",      "pad_m",            "pad_n",        "pad_k",       "cube_tflops",
       "cube_tflops_bf16", "memory_gbps", "vector_gbps",  "vector_gelems", "link_gbps",   "link_total_gbps",
-      "task_overhead_us", "core_sharing", "calibrated"};
+      "task_overhead_us", "core_sharing", "shared_cache", "calibrated"};
   for (const auto &item : json.items())
     if (std::find(keys.begin(), keys.end(), item.key()) == keys.end()) {
       std::string message = fmt::format("unknown key '{}'", item.key());
@@ -224,6 +226,11 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
       return fail(fmt::format("'core_sharing' must be \"none\", \"rank\" or \"group\", got {}",
                               it->dump()));
   }
+  if (auto it = json.find("shared_cache"); it != json.end()) {
+    if (!it->is_boolean())
+      return fail(fmt::format("'shared_cache' must be true or false, got {}", it->dump()));
+    p.sharedCache = it->get<bool>();
+  }
   if (auto it = json.find("calibrated"); it != json.end()) {
     if (!it->is_string())
       return fail(fmt::format("'calibrated' must be a string, got {}", it->dump()));
@@ -241,6 +248,7 @@ std::string profileJson(const TargetProfile &p) {
   j["cube_cores"] = p.cubeCores;
   j["vector_cores"] = p.vectorCores;
   j["core_sharing"] = coreSharingName(p.sharing);
+  j["shared_cache"] = p.sharedCache;
   j["tile_m"] = p.tileM;
   j["tile_n"] = p.tileN;
   j["tile_k"] = p.tileK;

@@ -54,6 +54,10 @@ struct TargetProfile {
   double linkTotalBytes = 0;  ///< bytes/s all puts of a rank share; 0: no limit
   double taskOverhead = 1e-6; ///< seconds every task costs besides its work
   CoreSharing sharing = CoreSharing::None;
+  /// The cube cores read their operands through a cache they share (an
+  /// H100's or a 910B's L2): the GMM tiles that run at once and read the
+  /// same operand panel load it from memory once between them.
+  bool sharedCache = false;
   /// Where the rates come from: "" for estimates, or what measured them
   /// ("moec bench --calibrate on ...").
   std::string calibrated;

@@ -92,15 +92,15 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     return Status::error("the cuda backend has no FP8 dispatch (no quantize or dequantize "
                          "kernels); compile without \"dispatch_dtype\": \"fp8_e4m3\", or run "
                          "on the cpu backend");
+  std::string gpu;
+  if (Status s = describeDevice(&gpu); !s)
+    return s.withPrefix("the cuda backend: ");
   for (const format::OpRecord &op : program.ops)
     if (!format::isPut(op.kind) && program.tilings[op.tiling].peers > 1)
       return Status::error(fmt::format(
           "op '{}' cuts its experts' rows into {} groups by source rank, which the cuda "
           "backend does not run; compile with --peer-groups 1, or run on the cpu backend",
           program.name(op.name), program.tilings[op.tiling].peers));
-  std::string gpu;
-  if (Status s = describeDevice(&gpu); !s)
-    return s.withPrefix("the cuda backend: ");
   std::unique_ptr<Pass> pass(new Pass());
   pass->program = &program;
   pass->layer = &plan;

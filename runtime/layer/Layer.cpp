@@ -592,17 +592,9 @@ private:
                                            "experts",
                                            t.experts, shape.localExperts));
       const bool put = format::isPut(kind);
-      if (put) {
+      if (put)
         if (Status s = expectField(op, "peers", t.peers, shape.epRanks()); !s)
           return s;
-      } else if (t.peers > 1 &&
-                 (t.peers > uint64_t(shape.epRanks()) || !(t.flags & format::kTilingShareRows) ||
-                  (kind == OpKind::Gmm && isWgrad(op)))) {
-        // Peer groups: row tiles of the rows from a range of source ranks.
-        return tilingError(op, fmt::format("{} peer groups need shared-out rows of an "
-                                           "activation op and at most the {} EP ranks",
-                                           t.peers, shape.epRanks()));
-      }
       const bool fp8Put = kind == OpKind::Dispatch && shape.fp8Dispatch;
       if (t.dtype != (fp8Put ? DType::F8E4M3 : shape.activations) &&
           !(kind == OpKind::Gmm && isWgrad(op)))
@@ -619,6 +611,13 @@ private:
                                     : format::kTilingShareRows;
       if (t.flags & ~allowedFlags)
         return tilingError(op, fmt::format("tiling flags {:#x} are not supported here", t.flags));
+      if (!put && t.peers > 1 &&
+          (t.peers > uint64_t(shape.epRanks()) || !(t.flags & format::kTilingShareRows) ||
+           (kind == OpKind::Gmm && isWgrad(op))))
+        // Peer groups: row tiles of the rows from a range of source ranks.
+        return tilingError(op, fmt::format("{} peer groups need shared-out rows of an "
+                                           "activation op and at most the {} EP ranks",
+                                           t.peers, shape.epRanks()));
       const auto width = [&](uint32_t slot) { return int64_t(program.slots[slot].dims[1]); };
       if (put) {
         const uint64_t rowWidth = uint64_t(fp8Put ? fp8RowBytes(shape.hidden) : shape.hidden);

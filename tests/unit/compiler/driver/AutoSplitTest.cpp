@@ -82,10 +82,31 @@ Pass compile(const std::string &graph, const std::string &config, int64_t ep,
 /// critical path in a makespan.
 struct Spread {
   double worstRatio = 0, worstCriticalShare = 0;
+  /// The worst ratio of a degree's makespan to the larger of the best
+  /// degree's and its own link bound (linkBound()).
+  double worstBoundRatio = 0;
   /// The largest gap between the scheduler's estimate and the simulation,
   /// as a share of the simulated makespan.
   double worstEstimateGap = 0;
 };
+
+/// The least time `config` at `ep` spends on the link of one rank in a
+/// pass on `target`: the rows the dispatch and the combine move to other
+/// ranks (S * K rows of H, (R - 1) / R of them remote under balanced
+/// routing), over the rank's shared link rate; 0 without one.
+double linkBound(const std::string &config, int64_t ep, const std::string &target) {
+  std::ifstream in("examples/configs/" + config + ".json");
+  const nlohmann::json c = nlohmann::json::parse(in);
+  target::TargetProfile profile;
+  REQUIRE(target::builtinProfile(target, &profile).ok());
+  if (profile.linkTotalBytes <= 0)
+    return 0;
+  const double element = c.at("dtype") == "bf16" ? 2 : 4;
+  const double rows = c.at("seq_size").get<double>() * c.at("top_k").get<double>();
+  const double remote = rows * c.at("hidden_size").get<double>() * element * double(ep - 1) /
+                        double(ep);
+  return 2 * remote / profile.linkTotalBytes;
+}
 
 Spread spread(const std::string &graph, const std::string &config,
               const std::vector<int64_t> &eps, const std::string &target) {
@@ -98,12 +119,15 @@ Spread spread(const std::string &graph, const std::string &config,
   Spread s;
   for (size_t i = 0; i < passes.size(); ++i) {
     const Pass &p = passes[i];
-    UNSCOPED_INFO(fmt::format("{} {} ep {} {}: {} tasks, makespan {:.3f} ms ({:.2f}x the best), "
-                              "critical path {:.0f}%, compiled in {:.1f} ms",
+    const double bound = linkBound(config, eps[i], target);
+    UNSCOPED_INFO(fmt::format("{} {} ep {} {}: {} tasks, makespan {:.3f} ms ({:.2f}x the best; "
+                              "link bound {:.3f} ms), critical path {:.0f}%, estimate {:.3f} ms, "
+                              "compiled in {:.1f} ms",
                               graph, config, eps[i], target, p.tasks, p.makespan * 1e3,
-                              p.makespan / best, 100 * p.criticalPath / p.makespan,
-                              p.compileMs));
+                              p.makespan / best, bound * 1e3, 100 * p.criticalPath / p.makespan,
+                              p.estimate * 1e3, p.compileMs));
     s.worstRatio = std::max(s.worstRatio, p.makespan / best);
+    s.worstBoundRatio = std::max(s.worstBoundRatio, p.makespan / std::max(best, bound));
     s.worstCriticalShare = std::max(s.worstCriticalShare, p.criticalPath / p.makespan);
     s.worstEstimateGap = std::max(s.worstEstimateGap, std::abs(p.estimate / p.makespan - 1));
   }
@@ -126,37 +150,48 @@ TEST_CASE("deepseek-v3 on ascend-910b: the pass holds from EP 8 to EP 256",
 }
 
 TEST_CASE("deepseek-v3 on h100: the pass holds from EP 8 to EP 256", "[auto-split][scale]") {
-  // With one expert a rank (EP 256) every up-GMM tile waits for the whole
-  // dispatch and the combine for the whole down-GMM: the link's two
-  // transfers (1 ms each) do not overlap compute, 1.28x EP 8's pass.
-  Spread fwd = spread("graphs/moe_ffn_fwd.json", "deepseek-v3", kDeepseekEps, "h100");
-  CHECK(fwd.worstRatio <= 1.30);
-  CHECK(fwd.worstCriticalShare <= 0.42);
-  // The backward's makespan holds; its weight gradients reduce over all of
-  // an expert's rows, a chain of up to 46% of it with one to four experts
-  // a rank.
-  Spread bwd = spread("graphs/moe_ffn_bwd.json", "deepseek-v3", kDeepseekEps, "h100");
-  CHECK(bwd.worstRatio <= 1.25);
-  CHECK(bwd.worstCriticalShare <= 0.50);
-  // The scheduler sees the SMs that cube and vector tasks share and the
-  // link: its estimate stays near the simulation.
-  CHECK(fwd.worstEstimateGap <= 0.10);
-  CHECK(bwd.worstEstimateGap <= 0.10);
+  // With one or two experts a rank, peer groups let an expert's first tiles
+  // start while later ranks' rows arrive, and the combine return a group's
+  // rows as soon as they are done.
+  for (const char *graph : {"graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd.json"}) {
+    Spread s = spread(graph, "deepseek-v3", kDeepseekEps, "h100");
+    CHECK(s.worstRatio <= 1.25);
+    CHECK(s.worstCriticalShare <= 0.40);
+    // The scheduler sees the SMs that cube and vector tasks share and the
+    // link, but not the order in which a freed SM takes the queues that
+    // wait for one: its estimate is up to 15% short where peer groups make
+    // many puts and tiles ready at once (the compiler simulates its
+    // finalists for that reason).
+    CHECK(s.worstEstimateGap <= 0.16);
+  }
 }
 
-TEST_CASE("qwen3-30b-a3b from EP 2 to EP 128: bounded, not yet flat", "[auto-split][scale]") {
-  // Most of the rows cross the link past EP 8, and with one expert a rank the
-  // up-GMM waits for every peer's rows: the pass grows with the link's share
-  // (docs/performance.md). The expert tiles are few and large (a smaller
-  // tile reads its expert's weights again), so the critical path is most of
-  // a short pass. These bounds hold the present schedules.
+TEST_CASE("qwen3-30b-a3b from EP 2 to EP 128: near the best degree, or the link",
+          "[auto-split][scale]") {
+  // qwen3's experts are small (H 2048, I 768), so moving the rows is much of
+  // the pass: at EP 2 half of a rank's rows stay on it, at EP 128 all but
+  // 1/128 cross the link. Where the link alone (linkBound) takes longer than
+  // the best degree's pass, the pass is held to the link's time instead.
+  struct Goal {
+    const char *target, *graph;
+    double ratio, criticalShare;
+  };
   const std::vector<int64_t> eps = {2, 4, 8, 16, 32, 64, 128};
-  for (const char *target : {"ascend-910b", "h100"})
-    for (const char *graph : {"graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd.json"}) {
-      Spread s = spread(graph, "qwen3-30b-a3b", eps, target);
-      CHECK(s.worstRatio <= 2.5);
-      CHECK(s.worstCriticalShare <= 0.85);
-    }
+  for (const Goal &goal : {
+           Goal{"ascend-910b", "graphs/moe_ffn_fwd.json", 1.25, 0.40},
+           Goal{"ascend-910b", "graphs/moe_ffn_bwd.json", 1.25, 0.40},
+           // Not yet the goal of 40%: the forward's expert tiles are few
+           // and large, so one chain of them is 43-47% of its short pass.
+           Goal{"h100", "graphs/moe_ffn_fwd.json", 1.25, 0.50},
+           // Not yet the goal of 1.25x: the backward grows to 1.37x of EP
+           // 8's pass at EP 128, well above its link bound.
+           Goal{"h100", "graphs/moe_ffn_bwd.json", 1.45, 0.40},
+       }) {
+    Spread s = spread(goal.graph, "qwen3-30b-a3b", eps, goal.target);
+    INFO(goal.target << " " << goal.graph);
+    CHECK(s.worstBoundRatio <= goal.ratio);
+    CHECK(s.worstCriticalShare <= goal.criticalShare);
+  }
 }
 
 TEST_CASE("at EP 256 the chosen splits beat the seed's hand-set ones", "[auto-split][scale]") {

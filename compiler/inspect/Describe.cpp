@@ -112,11 +112,17 @@ std::string tileText(const TaskProgram &p, uint32_t task, std::optional<uint32_t
   // when routing is balanced.
   if (tiling.flags & kTilingShareRows) {
     TileRows balanced = tileRows(tiling, t.coord, tiling.balancedRows);
-    return fmt::format("tile(e{},p{},r{},c{} rows: share {} of {} of those present, "
+    // A peer group's rows are those from the ranks its peer offsets behind.
+    const bool group = tiling.peers > 1 && !isPut(p.ops[p.tasks[task].op].kind);
+    const std::string present =
+        group ? fmt::format("from peer offsets {}..{}", tileBegin(t.coord.peer, p.epRanks, tiling.peers),
+                            tileBegin(uint64_t(t.coord.peer) + 1, p.epRanks, tiling.peers) - 1)
+              : "present";
+    return fmt::format("tile(e{},{}{},r{},c{} rows: share {} of {} of those {}, "
                        "{}..{} when balanced; cols {}..{})",
-                       t.expert, t.peer, t.coord.rowTile, t.coord.colTile, t.coord.rowTile + 1,
-                       tiling.rowTiles, balanced.begin, balanced.end, t.coord.colBegin,
-                       t.coord.colEnd);
+                       t.expert, group ? "g" : "p", t.peer, t.coord.rowTile, t.coord.colTile,
+                       t.coord.rowTile + 1, tiling.rowTiles, present, balanced.begin,
+                       balanced.end, t.coord.colBegin, t.coord.colEnd);
   }
   return fmt::format("tile(e{},p{},r{},c{} rows {}..{} cols {}..{})", t.expert, t.peer,
                      t.coord.rowTile, t.coord.colTile, t.coord.rowBegin, t.coord.rowEnd,

@@ -70,12 +70,12 @@ std::string headerText(const TaskProgram &p, const FileFacts &facts, const DumpO
     }
   }
   if (options.rank)
-    out += fmt::format("  resolved for rank {}: tile e = global expert, p = peer rank; signals "
-                       "name peer ranks\n",
+    out += fmt::format("  resolved for rank {}: tile e = global expert, p = peer rank, g = "
+                       "peer group; signals name peer ranks\n",
                        *options.rank);
   else
-    out += "  rank-relative: tile e = local expert, p = peer offset; signals name peer offsets "
-           "(--rank R resolves them)\n";
+    out += "  rank-relative: tile e = local expert, p = peer offset, g = peer group; signals name "
+           "peer offsets (--rank R resolves them)\n";
   return out;
 }
 

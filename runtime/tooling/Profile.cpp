@@ -77,9 +77,19 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
       rows += (*routed[q])[size_t(rank) * L + expert];
     return rows;
   };
-  const auto clip = [](const format::TilingRecord &tiling, const format::TileCoord &tile,
-                       int64_t rows) {
-    return double(format::tileRows(tiling, tile, uint64_t(std::max<int64_t>(rows, 0))).size());
+  // The rows of a tile of `rank`: of the `rows` it cuts, or with peer groups
+  // of its group's (format::peerGroupRows, from the rows each EP rank sent).
+  const uint32_t epRanks = tasks.epRanks, tp = tasks.tpRanks;
+  std::vector<int64_t> starts(epRanks + 1);
+  const auto clip = [&](const format::TilingRecord &tiling, const format::TileCoord &tile,
+                        int64_t rows, uint32_t rank) {
+    if (tiling.peers <= 1 || format::isPut(tiling.opKind))
+      return double(format::tileRows(tiling, tile, uint64_t(std::max<int64_t>(rows, 0))).size());
+    const size_t expert = size_t(tasks.epOf(rank)) * L + tile.expert;
+    for (uint32_t q = 0; q < epRanks; ++q)
+      starts[q + 1] = starts[q] + (*routed[size_t(q) * tp])[expert];
+    return double(
+        format::peerGroupRows(tiling, tile, tasks.epOf(rank), epRanks, starts.data()).size());
   };
 
   std::vector<OpLine> ops(tasks.ops.size());
@@ -101,19 +111,20 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     switch (op.kind) {
     case OpKind::Gmm:
       if (tiling.depth > 0)
-        line.flops += 2 * clip(tiling, tile, int64_t(segment)) * cols * double(tiling.depth);
+        line.flops +=
+            2 * clip(tiling, tile, int64_t(segment), span.rank) * cols * double(tiling.depth);
       else // a weight gradient: reduces over the expert's rows
         line.flops += 2 * double(tile.rowEnd - tile.rowBegin) * cols * segment;
       break;
     case OpKind::Swiglu:
     case OpKind::SwigluGrad:
-      line.bytes += clip(tiling, tile, int64_t(segment)) * cols *
+      line.bytes += clip(tiling, tile, int64_t(segment), span.rank) * cols *
                     double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype)) *
                     double(tiling.inputCount + 1);
       break;
     case OpKind::Quantize:
     case OpKind::Dequantize: // read one type, write the other
-      line.bytes += clip(tiling, tile, int64_t(segment)) * cols *
+      line.bytes += clip(tiling, tile, int64_t(segment), span.rank) * cols *
                     double(format::dtypeSize(tasks.slots[tiling.inputSlots[0]].dtype) +
                            format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
       break;
@@ -123,7 +134,7 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
       const int64_t rows = op.kind == OpKind::Dispatch
                                ? (*routed[span.rank])[size_t(peer) * L + tile.expert]
                                : (*routed[peer])[size_t(span.rank) * L + tile.expert];
-      line.bytes += clip(tiling, tile, rows) * cols *
+      line.bytes += clip(tiling, tile, rows, span.rank) * cols *
                     double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
       break;
     }

@@ -59,9 +59,10 @@ fi
 kill -9 "$job" 2> /dev/null || true
 pkill -9 -f "moec run $WORK/big/fwd.moebin" 2> /dev/null || true
 
-# The remote host's link cut while passes run. Rank 0's put, gather or
-# watchdog gives up after --timeout (naming rank 1, except for a watchdog
-# that fires once every local queue drained); rank 1 gives up on its own.
+# The remote host's link cut while passes run. Rank 0's put, gather, routing
+# exchange (between passes) or watchdog gives up after --timeout (naming rank
+# 1, except for a watchdog that fires once every local queue drained); rank 1
+# gives up on its own.
 # mpirun itself may wait for the unreachable host's daemon (OpenMPI's
 # out-of-band channel has no keepalive), so the test waits for the ranks.
 out="$WORK/cut"
@@ -84,7 +85,7 @@ if [ -n "$(ranks_of "$WORK/big/fwd.moebin")" ]; then
 else
   sleep 1
   expect_all "link cut (ranks stopped in $(($(date +%s) - start)) s)" "$WORK/cut.log" "$out" \
-    "process of rank 0\] .*(signalled by rank 1|to rank 1 did not leave|from rank 1 did not arrive|watchdog: no task completed)" \
+    "process of rank 0\] .*(signalled by rank 1|to rank 1 did not leave|from rank 1 did not arrive|rank 1 did not reach the exchange|watchdog: no task completed)" \
     "^  \[rank 1\] no report within 5 s"
 fi
 kill -9 "$job" 2> /dev/null || true

@@ -54,6 +54,17 @@ std::string splitNotes(const CompileResult &result) {
 
 namespace {
 
+/// The tile grids of every op of the module's graph, in order: candidates
+/// with the same grids lower to the same program.
+std::vector<int64_t> gridsOf(mlir::ModuleOp module) {
+  std::vector<int64_t> grids;
+  for (moe::GraphOp graph : module.getOps<moe::GraphOp>())
+    for (moe::TaskOpInterface op : graph.getBlock().getOps<moe::TaskOpInterface>())
+      if (mlir::DenseI64ArrayAttr grid = op.getGridAttr())
+        grids.insert(grids.end(), grid.asArrayRef().begin(), grid.asArrayRef().end());
+  return grids;
+}
+
 /// The pass options of a candidate.
 moe::PropagateSplitsOptions optionsOf(const SplitCandidate &c) {
   return moe::PropagateSplitsOptions{c.cubeTasksPerCore, c.vectorTasksPerCore, c.putRows, c.gmmRows,
@@ -74,6 +85,7 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
   const moe::PropagateSplitsOptions defaults;
   std::vector<format::TaskProgram> programs;
   std::vector<target::ScheduleEstimate> estimates;
+  std::vector<std::vector<int64_t>> grids; // of each candidate
   result->candidates.clear();
   // The index of the candidate with the shortest estimated makespan.
   auto fastest = [&] {
@@ -95,13 +107,22 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
       // The graph pipeline ran the pass at its defaults.
       program = std::move(result->program);
       estimate = result->estimate;
+      grids.push_back(gridsOf(module));
     } else {
       mlir::PassManager pm(module.getContext());
       pm.addPass(moe::createPropagateSplits(optionsOf(c)));
       if (mlir::failed(pm.run(module)))
         return Status::error("the graph passes failed");
-      if (Status status = lowerAndSchedule(&program, &estimate); !status)
+      grids.push_back(gridsOf(module));
+      // Options that cut every op as an earlier candidate did give its
+      // program again.
+      const auto same = std::find(grids.begin(), grids.end() - 1, grids.back());
+      if (same != grids.end() - 1) {
+        program = programs[size_t(same - grids.begin())];
+        estimate = estimates[size_t(same - grids.begin())];
+      } else if (Status status = lowerAndSchedule(&program, &estimate); !status) {
         return status;
+      }
     }
     c.makespan = estimate.makespan;
     c.criticalPath = estimate.criticalPath;

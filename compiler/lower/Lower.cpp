@@ -10,8 +10,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <map>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -381,9 +381,13 @@ private:
     std::vector<SignalRecord> signalRecords;
     byTask(taskWaits, waitBegin, waitRecords);
     byTask(taskSignals, signalBegin, signalRecords);
-    std::unordered_map<std::string, uint32_t> waitLists, signalLists;
+    // The keys view the records in place: the two vectors are not resized
+    // from here on.
+    std::unordered_map<std::string_view, uint32_t> waitLists, signalLists;
+    waitLists.reserve(p.tasks.size());
+    signalLists.reserve(p.tasks.size());
     auto bytesOf = [](const auto *records, size_t count) {
-      return std::string(reinterpret_cast<const char *>(records), count * sizeof(*records));
+      return std::string_view(reinterpret_cast<const char *>(records), count * sizeof(*records));
     };
     for (size_t t = 0; t < p.tasks.size(); ++t) {
       WaitRecord *waits = waitRecords.data() + waitBegin[t];
@@ -416,7 +420,15 @@ private:
   Bindings bindings;
   llvm::DenseMap<Value, uint32_t> slotOf;
   llvm::StringMap<LoweredOp> byName;
-  std::map<std::tuple<uint32_t, uint32_t, uint32_t>, uint32_t> eventOf;
+  /// (producer op, first tile, last tile) to its event.
+  struct RangeHash {
+    size_t operator()(const std::tuple<uint32_t, uint32_t, uint32_t> &k) const {
+      const uint64_t h = (uint64_t(std::get<0>(k)) * 0x9e3779b97f4a7c15ull) ^
+                         (uint64_t(std::get<1>(k)) << 32 | std::get<2>(k));
+      return std::hash<uint64_t>()(h * 0xff51afd7ed558ccdull);
+    }
+  };
+  std::unordered_map<std::tuple<uint32_t, uint32_t, uint32_t>, uint32_t, RangeHash> eventOf;
   /// (task, wait) and (task, signal) in the order made.
   std::vector<std::pair<uint32_t, WaitRecord>> taskWaits;
   std::vector<std::pair<uint32_t, SignalRecord>> taskSignals;

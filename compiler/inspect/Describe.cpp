@@ -98,10 +98,7 @@ ResolvedTile resolvedTile(const TaskProgram &p, uint32_t task, std::optional<uin
   RankTile resolved = rankTile(p, task, *rank);
   tile.coord = resolved.coord;
   tile.expert = resolved.expert;
-  tile.peer =
-      p.tilings[p.ops[p.tasks[task].op].tiling].peers > 1 && isPut(p.ops[p.tasks[task].op].kind)
-          ? resolved.peerRank
-          : resolved.coord.peer;
+  tile.peer = isPut(p.ops[p.tasks[task].op].kind) ? resolved.peerRank : resolved.coord.peer;
   return tile;
 }
 
@@ -113,7 +110,7 @@ std::string tileText(const TaskProgram &p, uint32_t task, std::optional<uint32_t
   if (tiling.flags & kTilingShareRows) {
     TileRows balanced = tileRows(tiling, t.coord, tiling.balancedRows);
     // A peer group's rows are those from the ranks its peer offsets behind.
-    const bool group = tiling.peers > 1 && !isPut(p.ops[p.tasks[task].op].kind);
+    const bool group = hasPeerGroups(tiling);
     const std::string present =
         group ? fmt::format("from peer offsets {}..{}", tileBegin(t.coord.peer, p.epRanks, tiling.peers),
                             tileBegin(uint64_t(t.coord.peer) + 1, p.epRanks, tiling.peers) - 1)

@@ -56,14 +56,14 @@ double taskSeconds(const TaskProgram &program, uint32_t task, const TargetProfil
     double flops = 2.0 * padded(m, profile.padM) * padded(n, profile.padN) * padded(k, profile.padK);
     // The A panel (m x k) is the tile's alone but for the column tiles of its
     // rows; the B panel (k x n) for the row tiles of its columns (of every
-    // peer group). With a shared cache, the ones that run at once load it
-    // once between them: up to a core each.
+    // peer group; a weight gradient has none). With a shared cache, the ones
+    // that run at once load it once between them: up to a core each.
     double shareA = 1, shareB = 1;
     if (profile.sharedCache) {
       const double cores = std::max<uint32_t>(profile.cubeCores, 1);
       shareA = std::min<double>(tiling.colTiles, cores);
-      const double rowTiles = double(tiling.rowTiles) * (tiling.depth > 0 ? tiling.peers : 1);
-      shareB = std::min(rowTiles, std::max(1.0, std::floor(cores / shareA)));
+      shareB = std::min<double>(tiling.rowTiles * tiling.peers,
+                                std::max(1.0, std::floor(cores / shareA)));
     }
     double bytes = element * (m * k / shareA + k * n / shareB) +
                    dtypeSize(program.slots[tiling.outputSlot].dtype) * m * n *

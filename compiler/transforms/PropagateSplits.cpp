@@ -184,9 +184,11 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
   }
 
   /// Sets the op's task count, grid and tile maps.
-  void record(TaskOpInterface op, const Grid &grid, llvm::DenseMap<Operation *, Grid> &grids,
+  void record(TaskOpInterface op, Grid grid, llvm::DenseMap<Operation *, Grid> &grids,
               Builder &b) {
     const int64_t tasks = grid.tiles();
+    grid.dispatch = isa<DispatchOp>(op.getOperation());
+    grid.combine = isa<CombineOp>(op.getOperation());
     grids[op] = grid;
     op.setTasksValue(tasks);
     op.setGridValue(
@@ -248,8 +250,6 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       // Rows a rank sends one expert when balanced: S * K / E.
       const int64_t sent = std::max<int64_t>(1, segment / R);
       g.peers = R;
-      g.dispatch = isa<DispatchOp>(raw);
-      g.combine = !g.dispatch;
       g.rows = bindings.at("per_expert_seq_to_other");
       g.cols = extentOf(result, 1);
       g.reducesRows = true;
@@ -399,8 +399,6 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       if (tasks % (experts * ranks) != 0)
         return notMultiple(experts * ranks, "local experts x ranks");
       g.peers = ranks;
-      g.dispatch = isa<DispatchOp>(raw);
-      g.combine = !g.dispatch;
       g.rowTiles = tasks / (experts * ranks);
       // A rank sends an expert at most one row per token.
       g.rows = bindings.at("per_expert_seq_to_other");

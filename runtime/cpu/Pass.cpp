@@ -501,21 +501,12 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
   }
   // Other ops' rows are rows of the segment, clipped to it or shared out over
   // it (or over the rows of the tile's peer group): up to two runs.
-  format::TileRowRuns runs;
-  if (t.peers > 1) {
-    const uint32_t R = tasks.epRanks;
-    runs = format::peerGroupRows(t, tile, tasks.epOf(rank), R,
-                                 &sourceStarts[rank][size_t(tile.expert) * (R + 1)]);
-  } else {
-    runs.runs[0] = format::tileRows(t, tile, uint64_t(std::max<int64_t>(segment.rows, 0)));
-    runs.count = 1;
-  }
+  const uint32_t R = tasks.epRanks;
+  const format::TileRowRuns runs = format::peerGroupRows(
+      t, tile, tasks.epOf(rank), R, &sourceStarts[rank][size_t(tile.expert) * (R + 1)]);
   for (uint32_t k = 0; k < runs.count; ++k) {
-    const int64_t end = std::min(int64_t(runs.runs[k].end), segment.rows);
-    const Range rows{int64_t(runs.runs[k].begin), end};
-    if (end <= rows.begin)
-      continue;
-    const Range absolute{segBegin + rows.begin, segBegin + end};
+    const Range rows{int64_t(runs.runs[k].begin), int64_t(runs.runs[k].end)};
+    const Range absolute{segBegin + rows.begin, segBegin + rows.end};
     switch (op.kind) {
     case OpKind::Gmm: {
       const ConstMatrix bm{static_cast<const char *>(data[rank][b]) +

@@ -96,7 +96,7 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
   if (Status s = describeDevice(&gpu); !s)
     return s.withPrefix("the cuda backend: ");
   for (const format::OpRecord &op : program.ops)
-    if (!format::isPut(op.kind) && program.tilings[op.tiling].peers > 1)
+    if (format::hasPeerGroups(program.tilings[op.tiling]))
       return Status::error(fmt::format(
           "op '{}' cuts its experts' rows into {} groups by source rank, which the cuda "
           "backend does not run; compile with --peer-groups 1, or run on the cpu backend",

@@ -131,7 +131,7 @@ TileRowRuns peerGroupRows(const TilingRecord &tiling, const TileCoord &tile, uin
                           uint32_t epRanks, const int64_t *sourceStart) {
   const auto rows = [](int64_t n) { return uint64_t(n > 0 ? n : 0); };
   TileRowRuns out;
-  if (tiling.peers <= 1 || isPut(tiling.opKind)) {
+  if (!hasPeerGroups(tiling)) {
     out.runs[0] = tileRows(tiling, tile, rows(sourceStart[epRanks]));
     out.count = out.runs[0].size() > 0 ? 1 : 0;
     return out;
@@ -186,8 +186,7 @@ RankTile rankTile(const TaskProgram &program, uint32_t task, uint32_t rank) {
   const TilingRecord &tiling = program.tilings[op.tiling];
   RankTile tile;
   tile.coord = tileCoord(tiling, task - op.firstTask);
-  tile.peerRank =
-      tiling.peers > 1 && isPut(op.kind) ? program.peerRank(rank, tile.coord.peer) : rank;
+  tile.peerRank = isPut(op.kind) ? program.peerRank(rank, tile.coord.peer) : rank;
   // A dispatch tile's rows go to an expert of the peer; every other
   // per-expert tile holds rows of this rank's experts.
   uint32_t owner = op.kind == OpKind::Dispatch ? tile.peerRank : rank;
@@ -536,7 +535,7 @@ private:
       if (tiles > kMaxRecords)
         return Status::error(fmt::format("{}: a grid of {} tiles is above the {} a binary holds",
                                          what, tiles, kMaxRecords));
-      if (!isPut(tiling.opKind) && tiling.peers > 1 &&
+      if (hasPeerGroups(tiling) &&
           (!(tiling.flags & kTilingShareRows) || tiling.experts != p.localExperts))
         return Status::error(fmt::format(
             "{}: {} peer groups of a {} need per-expert tiles that share out their rows", what,

@@ -402,6 +402,12 @@ inline TileRows tileRows(const TilingRecord &tiling, const TileCoord &tile, uint
 /// True for the ops whose tiles put rows into a peer's memory.
 inline bool isPut(OpKind kind) { return kind == OpKind::Dispatch || kind == OpKind::Combine; }
 
+/// True when the tiles of `tiling` are cut by peer groups: a per-expert op
+/// that is not a put, with peers > 1 (see TilingRecord).
+inline bool hasPeerGroups(const TilingRecord &tiling) {
+  return tiling.peers > 1 && !isPut(tiling.opKind);
+}
+
 /// The peer group of a put's peer offset `peer` for a grid of `groups`
 /// groups over `ranks` EP ranks: the g with g*R/G <= peer < (g+1)*R/G.
 inline uint32_t peerGroupOf(uint32_t peer, uint32_t ranks, uint32_t groups) {

@@ -611,7 +611,7 @@ private:
                                     : format::kTilingShareRows;
       if (t.flags & ~allowedFlags)
         return tilingError(op, fmt::format("tiling flags {:#x} are not supported here", t.flags));
-      if (!put && t.peers > 1 &&
+      if (format::hasPeerGroups(t) &&
           (t.peers > uint64_t(shape.epRanks()) || !(t.flags & format::kTilingShareRows) ||
            (kind == OpKind::Gmm && isWgrad(op))))
         // Peer groups: row tiles of the rows from a range of source ranks.

@@ -83,7 +83,7 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
   std::vector<int64_t> starts(epRanks + 1);
   const auto clip = [&](const format::TilingRecord &tiling, const format::TileCoord &tile,
                         int64_t rows, uint32_t rank) {
-    if (tiling.peers <= 1 || format::isPut(tiling.opKind))
+    if (!format::hasPeerGroups(tiling))
       return double(format::tileRows(tiling, tile, uint64_t(std::max<int64_t>(rows, 0))).size());
     const size_t expert = size_t(tasks.epOf(rank)) * L + tile.expert;
     for (uint32_t q = 0; q < epRanks; ++q)

@@ -954,6 +954,7 @@ TEST_CASE("a profile round-trips through its JSON", "[profile]") {
     REQUIRE(status.ok());
     CHECK(target::profileJson(parsed) == target::profileJson(builtin));
     CHECK(parsed.sharing == builtin.sharing);
+    CHECK(parsed.sharedCache == builtin.sharedCache);
   }
   target::TargetProfile p;
   CHECK_THAT(target::parseProfile(R"({"name": "x", "cube_cores": 1, "vector_cores": 1,
@@ -961,6 +962,49 @@ TEST_CASE("a profile round-trips through its JSON", "[profile]") {
                                   "p.json", &p)
                  .message(),
              Catch::Contains("'core_sharing' must be \"none\", \"rank\" or \"group\""));
+  CHECK_THAT(target::parseProfile(R"({"name": "x", "cube_cores": 1, "vector_cores": 1,
+                                      "shared_cache": 1})",
+                                  "p.json", &p)
+                 .message(),
+             Catch::Contains("'shared_cache' must be true or false, got 1"));
+}
+
+TEST_CASE("the cost model: with a shared cache, tiles that run at once share a panel",
+          "[cost]") {
+  // A weight-gradient tile of a 12 x 11 grid on 132 cores, reduced over
+  // 32768 rows: memory-bound when each tile loads both of its panels.
+  ProgramBuilder b(1, 1);
+  uint32_t g = b.op("w2_grad", OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t done = b.event("done", EventKind::Terminate);
+  b.signal(g, done);
+  b.queue(CoreKind::Cube, 0, {g});
+  TaskProgram program = b.build();
+  TilingRecord &t = program.tilings[program.ops[0].tiling];
+  t.dtype = DType::BF16;
+  t.rows = 12 * 128;
+  t.cols = 11 * 128;
+  t.rowTiles = 12;
+  t.colTiles = 11;
+  t.depth = 0;
+  t.balancedRows = 32768;
+  target::TargetProfile profile;
+  REQUIRE(target::builtinProfile("h100", &profile).ok());
+  profile.taskOverhead = 0;
+  profile.cubeFlopsBf16 = 1e18; // memory-bound: bytes alone
+  const double m = 128, n = 128, k = 32768;
+  const double out = double(dtypeSize(program.slots[t.outputSlot].dtype)) * m * n;
+  profile.sharedCache = false;
+  CHECK(target::taskSeconds(program, 0, profile) ==
+        Approx((2.0 * (m * k + k * n) + out) / profile.memoryBytes));
+  // The A panel is shared by the 11 column tiles, the B panel by the 12 row
+  // tiles (132 cores / 11 = 12 of them run at once).
+  profile.sharedCache = true;
+  CHECK(target::taskSeconds(program, 0, profile) ==
+        Approx((2.0 * (m * k / 11 + k * n / 12) + out) / profile.memoryBytes));
+  // On 22 cores, only 2 row tiles run beside each column's 11.
+  profile.cubeCores = 22;
+  CHECK(target::taskSeconds(program, 0, profile) ==
+        Approx((2.0 * (m * k / 11 + k * n / 2) + out) / profile.memoryBytes));
 }
 
 TEST_CASE("the cost model: a narrow GMM tile pays for the padded columns", "[cost]") {

@@ -431,6 +431,20 @@ TEST_CASE("tiling checks name the op and the field", "[layer][errors]") {
     tilingOf(p, "swiglu").flags = format::kTilingAccumulate;
     CHECK(analyzeError(p) == "op 'swiglu' (swiglu): tiling flags 0x4 are not supported here");
   }
+  SECTION("peer groups: at most the EP ranks, of activation tiles that share out rows") {
+    format::TilingRecord &t = tilingOf(p, "swiglu");
+    t.peers = 3; // of 2 EP ranks
+    CHECK(analyzeError(p) == "op 'swiglu' (swiglu): 3 peer groups need shared-out rows of an "
+                             "activation op and at most the 2 EP ranks");
+    t.peers = 2;
+    t.flags = 0;
+    CHECK(analyzeError(p) == "op 'swiglu' (swiglu): 2 peer groups need shared-out rows of an "
+                             "activation op and at most the 2 EP ranks");
+    TaskProgram b = tiny("moe_ffn_bwd.json");
+    tilingOf(b, "w1_grad").peers = 2; // a weight gradient reduces over all rows
+    CHECK(analyzeError(b) == "op 'w1_grad' (gmm): 2 peer groups need shared-out rows of an "
+                             "activation op and at most the 2 EP ranks");
+  }
   SECTION("a combine that does not reduce over TP ranks") {
     p.tpRanks = 2;
     CHECK(analyzeError(p) ==

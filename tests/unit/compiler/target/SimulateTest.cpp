@@ -969,16 +969,21 @@ TEST_CASE("a profile round-trips through its JSON", "[profile]") {
              Catch::Contains("'shared_cache' must be true or false, got 1"));
 }
 
+/// A program of one GMM task, `name`, of one tile.
+static TaskProgram oneGmmTask(const char *name) {
+  ProgramBuilder b(1, 1);
+  uint32_t g = b.op(name, OpKind::Gmm, CoreKind::Cube, 1);
+  uint32_t done = b.event("done", EventKind::Terminate);
+  b.signal(g, done);
+  b.queue(CoreKind::Cube, 0, {g});
+  return b.build();
+}
+
 TEST_CASE("the cost model: with a shared cache, tiles that run at once share a panel",
           "[cost]") {
   // A weight-gradient tile of a 12 x 11 grid on 132 cores, reduced over
   // 32768 rows: memory-bound when each tile loads both of its panels.
-  ProgramBuilder b(1, 1);
-  uint32_t g = b.op("w2_grad", OpKind::Gmm, CoreKind::Cube, 1);
-  uint32_t done = b.event("done", EventKind::Terminate);
-  b.signal(g, done);
-  b.queue(CoreKind::Cube, 0, {g});
-  TaskProgram program = b.build();
+  TaskProgram program = oneGmmTask("w2_grad");
   TilingRecord &t = program.tilings[program.ops[0].tiling];
   t.dtype = DType::BF16;
   t.rows = 12 * 128;
@@ -1008,12 +1013,7 @@ TEST_CASE("the cost model: with a shared cache, tiles that run at once share a p
 }
 
 TEST_CASE("the cost model: a narrow GMM tile pays for the padded columns", "[cost]") {
-  ProgramBuilder b(1, 1);
-  uint32_t g = b.op("up_proj", OpKind::Gmm, CoreKind::Cube, 1);
-  uint32_t done = b.event("done", EventKind::Terminate);
-  b.signal(g, done);
-  b.queue(CoreKind::Cube, 0, {g});
-  TaskProgram program = b.build();
+  TaskProgram program = oneGmmTask("up_proj");
   TilingRecord &t = program.tilings[program.ops[0].tiling];
   t.rows = 8192;
   t.cols = 31;

@@ -35,16 +35,20 @@ using LowerAndSchedule =
 std::string splitNotes(const CompileResult &result) {
   std::string text = fmt::format(
       "automatic splits: {} candidates tried; of those within 2% of the shortest estimated "
-      "makespan, the shortest critical path, then the fewest tasks, was picked; of the pick, the "
-      "best without peer groups and the two shortest estimates, simulated, the shortest run (over "
-      "1% shorter than the pick's) was taken (*)\n"
-      "  cube tasks/core  gmm rows  vector tasks/core  put rows  peer groups   tasks  "
-      "makespan ms  critical path ms  simulated ms",
+      "makespan, the shortest critical path, then the fewest tasks, was picked; where the target "
+      "shares a link or its cores, the pick, the best without peer groups, the two shortest "
+      "estimates and those within 20% of the shortest estimate with a critical path over 1% "
+      "shorter than the pick's were simulated, and the same rule, within 3%, picked among their runs "
+      "(*)\n"
+      "  cube tasks/core  gmm rows  wgrad tasks/core  vector tasks/core  put rows  peer groups  "
+      " tasks  makespan ms  critical path ms  simulated ms",
       result.candidates.size());
   for (size_t i = 0; i < result.candidates.size(); ++i) {
     const SplitCandidate &c = result.candidates[i];
-    text += fmt::format("\n{} {:>15} {:>9} {:>18} {:>9} {:>12} {:>7} {:>12.3f} {:>17.3f} {:>13}",
+    text += fmt::format("\n{} {:>15} {:>9} {:>17} {:>18} {:>9} {:>12} {:>7} {:>12.3f} {:>17.3f} "
+                        "{:>13}",
                         i == result.chosen ? '*' : ' ', c.cubeTasksPerCore, c.gmmRows,
+                        c.weightGradPerCore(),
                         c.vectorTasksPerCore, c.putRows, c.peerGroups, c.tasks,
                         c.makespan * 1e3, c.criticalPath * 1e3,
                         c.simulated > 0 ? fmt::format("{:.3f}", c.simulated * 1e3) : "-");
@@ -65,24 +69,38 @@ std::vector<int64_t> gridsOf(mlir::ModuleOp module) {
   return grids;
 }
 
-/// The pass options of a candidate.
-moe::PropagateSplitsOptions optionsOf(const SplitCandidate &c) {
-  return moe::PropagateSplitsOptions{c.cubeTasksPerCore, c.vectorTasksPerCore, c.putRows, c.gmmRows,
-                                     c.peerGroups};
+/// The pass options of a candidate on `profile`.
+moe::PropagateSplitsOptions optionsOf(const SplitCandidate &c,
+                                      const target::TargetProfile &profile) {
+  moe::PropagateSplitsOptions options = moe::splitOptionsFor(profile);
+  options.cubeTasksPerCore = c.cubeTasksPerCore;
+  options.vectorTasksPerCore = c.vectorTasksPerCore;
+  options.putRows = c.putRows;
+  options.gmmRows = c.gmmRows;
+  options.peerGroups = c.peerGroups;
+  options.weightGradTasksPerCore = c.weightGradTasksPerCore;
+  return options;
 }
 
 /// The automatic splits' options to try: GMM tiles per cube core and rows
 /// per GMM tile (at the pass's defaults for the rest), then peer groups
-/// (when the caller fixed none), SwiGLU tiles per vector core and rows per
-/// put tile, each around the best so far. Each candidate
-/// reruns split propagation, lowering and scheduling. Of the candidates
-/// whose estimated makespan is within 2% of the shortest, the one with the
-/// shortest critical path wins (the least exposed to a late tile), then the
-/// one with the fewest tasks.
+/// (when the caller fixed none), twice the weight-gradient tiles (a graph
+/// with weight gradients), SwiGLU tiles per vector core and rows per put
+/// tile, each around the best so far. Each candidate reruns split
+/// propagation, lowering and scheduling. Of the candidates whose estimated
+/// makespan is within 2% of the shortest, the one with the shortest
+/// critical path wins (the least exposed to a late tile), then the one with
+/// the fewest tasks; where the target shares a link or its cores, the same
+/// rule then picks among the timed runs of finalists (below).
 Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSchedule,
-                    int64_t peerGroups, int64_t epRanks, const target::TargetProfile &profile,
+                    int64_t peerGroups, const ModelConfig &config,
+                    const target::TargetProfile &profile,
                     CompileResult *result) {
-  const moe::PropagateSplitsOptions defaults;
+  const moe::PropagateSplitsOptions defaults = moe::splitOptionsFor(profile);
+  const TaskSplitValue split = deriveTaskSplitValue(config);
+  const int64_t epRanks = config.ep;
+  // The rows an expert's segment holds under balanced routing.
+  const int64_t segmentRows = split.perRankSeq / std::max<int64_t>(1, split.singleRankExpertNum);
   std::vector<format::TaskProgram> programs;
   std::vector<target::ScheduleEstimate> estimates;
   std::vector<std::vector<int64_t>> grids; // of each candidate
@@ -99,7 +117,7 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
     for (const SplitCandidate &d : result->candidates)
       if (d.cubeTasksPerCore == c.cubeTasksPerCore && d.gmmRows == c.gmmRows &&
           d.vectorTasksPerCore == c.vectorTasksPerCore && d.putRows == c.putRows &&
-          d.peerGroups == c.peerGroups)
+          d.peerGroups == c.peerGroups && d.weightGradTasksPerCore == c.weightGradTasksPerCore)
         return Status::success();
     format::TaskProgram program;
     target::ScheduleEstimate estimate;
@@ -110,7 +128,7 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
       grids.push_back(gridsOf(module));
     } else {
       mlir::PassManager pm(module.getContext());
-      pm.addPass(moe::createPropagateSplits(optionsOf(c)));
+      pm.addPass(moe::createPropagateSplits(optionsOf(c, profile)));
       if (mlir::failed(pm.run(module)))
         return Status::error("the graph passes failed");
       grids.push_back(gridsOf(module));
@@ -132,8 +150,10 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
     estimates.push_back(estimate);
     return Status::success();
   };
+  // Peer groups as the pass takes them: at most one a rank.
   SplitCandidate first{defaults.cubeTasksPerCore, defaults.vectorTasksPerCore, defaults.putRows,
-                       defaults.gmmRows, peerGroups > 0 ? peerGroups : defaults.peerGroups};
+                       defaults.gmmRows,
+                       peerGroups > 0 ? std::min(peerGroups, epRanks) : defaults.peerGroups};
   if (Status s = tryCandidate(first); !s)
     return s;
   for (int64_t cube : {1, 2, 4})
@@ -145,14 +165,33 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
         return s;
     }
   if (peerGroups == 0) {
+    // At most one group a rank, and at least the candidate's gmm-rows
+    // balanced rows a group: a smaller GMM tile packs its weight panel for
+    // too few rows (the cost model's tiles are compute-bound there, a CPU's
+    // are not). The pass itself takes any count up to one a rank.
     const SplitCandidate best = result->candidates[fastest()];
     for (int64_t groups : {int64_t(4), int64_t(16)})
       if (epRanks > groups / 4) { // 4 from EP 2, 16 from EP 5
         SplitCandidate c = best;
-        c.peerGroups = std::min(groups, epRanks);
+        c.peerGroups = std::max<int64_t>(
+            1, std::min({groups, epRanks, segmentRows / std::max<int64_t>(1, c.gmmRows)}));
         if (Status s = tryCandidate(c); !s)
           return s;
       }
+  }
+  const bool weightGradients = llvm::any_of(
+      module.getOps<moe::GraphOp>(), [](moe::GraphOp graph) {
+        return llvm::any_of(graph.getBlock().getOps<moe::GmmOp>(),
+                            [](moe::GmmOp gmm) { return gmm.isWeightGradient(); });
+      });
+  if (weightGradients) {
+    // A weight gradient reduces over all of its expert's rows, so with few
+    // experts a rank its tiles are long and come last: twice the tiles may
+    // share the cores better, or read their operands too often.
+    SplitCandidate c = result->candidates[fastest()];
+    c.weightGradTasksPerCore = 2 * c.cubeTasksPerCore;
+    if (Status s = tryCandidate(c); !s)
+      return s;
   }
   for (int64_t vector : {1, 4}) {
     SplitCandidate c = result->candidates[fastest()];
@@ -160,28 +199,31 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
     if (Status s = tryCandidate(c); !s)
       return s;
   }
-  for (int64_t putRows : {64, 1024}) {
+  for (int64_t putRows : {64, 128, 1024}) {
     SplitCandidate c = result->candidates[fastest()];
     c.putRows = putRows;
     if (Status s = tryCandidate(c); !s)
       return s;
   }
-  // Of the candidates `eligible` admits, the first within 2% of the
-  // shortest estimate, in the order tried, then the shortest critical path,
-  // then the fewest tasks.
-  auto pick = [&](const std::function<bool(const SplitCandidate &)> &eligible) {
+  // Of the candidates `eligible` admits, the first within `tolerance` of
+  // the shortest makespan (`makespanOf`), in the order tried, then the
+  // shortest critical path, then the fewest tasks.
+  using Makespan = std::function<double(const SplitCandidate &)>;
+  const Makespan estimated = [](const SplitCandidate &c) { return c.makespan; };
+  auto pick = [&](const std::function<bool(const SplitCandidate &)> &eligible,
+                  const Makespan &makespanOf, double tolerance) {
     std::optional<size_t> best;
     for (size_t i = 0; i < result->candidates.size(); ++i)
       if (eligible(result->candidates[i]) &&
-          (!best || result->candidates[i].makespan < result->candidates[*best].makespan))
+          (!best || makespanOf(result->candidates[i]) < makespanOf(result->candidates[*best])))
         best = i;
     if (!best)
       return best;
-    const double bound = result->candidates[*best].makespan * 1.02;
+    const double bound = makespanOf(result->candidates[*best]) * (1 + tolerance);
     std::optional<size_t> chosen;
     for (size_t i = 0; i < result->candidates.size(); ++i) {
       const SplitCandidate &c = result->candidates[i];
-      if (!eligible(c) || c.makespan > bound)
+      if (!eligible(c) || makespanOf(c) > bound)
         continue;
       if (!chosen)
         chosen = i;
@@ -192,21 +234,24 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
     }
     return chosen;
   };
-  size_t chosen = *pick([](const SplitCandidate &) { return true; });
+  auto any = [](const SplitCandidate &) { return true; };
+  size_t chosen = *pick(any, estimated, 0.02);
   // Where puts share a link or cube and vector tasks share cores, the
   // estimate (a list schedule) can be off by several percent from the timed
-  // run of the fixed queues: the finalists are simulated, and a shorter run
-  // than the pick's by over 1% wins. They are the pick, the pick without
-  // peer groups, and the two shortest estimates.
+  // run of the fixed queues: the finalists are simulated, and the same rule
+  // picks among their runs, within 3% of the shortest: a critical path a
+  // third shorter is worth that much, as a late tile (a skewed expert, a
+  // slow peer) then delays the pass less. The finalists are the pick, the
+  // pick without peer groups, the two shortest estimates and those within
+  // 20% of the shortest estimate with a critical path over 1% shorter than
+  // the pick's.
   if (profile.linkTotalBytes > 0 || profile.sharing == target::CoreSharing::Rank) {
     std::vector<size_t> finalists = {chosen};
-    auto add = [&](size_t i) {
-      if (std::find(finalists.begin(), finalists.end(), i) == finalists.end())
-        finalists.push_back(i);
+    auto add = [&](std::optional<size_t> i) {
+      if (i && std::find(finalists.begin(), finalists.end(), *i) == finalists.end())
+        finalists.push_back(*i);
     };
-    if (std::optional<size_t> plain =
-            pick([](const SplitCandidate &c) { return c.peerGroups == 1; }))
-      add(*plain);
+    add(pick([](const SplitCandidate &c) { return c.peerGroups == 1; }, estimated, 0.02));
     std::vector<size_t> byEstimate(result->candidates.size());
     for (size_t i = 0; i < byEstimate.size(); ++i)
       byEstimate[i] = i;
@@ -215,18 +260,20 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
     });
     for (size_t k = 0; k < std::min<size_t>(2, byEstimate.size()); ++k)
       add(byEstimate[k]);
-    size_t best = chosen;
+    const double near = result->candidates[byEstimate[0]].makespan * 1.2;
+    const double shorter = result->candidates[chosen].criticalPath * 0.99;
+    for (size_t i = 0; i < result->candidates.size(); ++i)
+      if (result->candidates[i].makespan <= near && result->candidates[i].criticalPath < shorter)
+        add(i);
     for (size_t i : finalists) {
       target::TimedRun run =
           target::simulateTimed(programs[i], target::costModel(programs[i], profile));
       result->candidates[i].simulated = run.ok() ? run.makespan : 0;
-      const double s = result->candidates[i].simulated, b = result->candidates[best].simulated;
-      if (s > 0 && (b == 0 || s < b))
-        best = i;
     }
-    if (result->candidates[best].simulated < result->candidates[chosen].simulated * 0.99 ||
-        result->candidates[chosen].simulated == 0)
-      chosen = best;
+    if (std::optional<size_t> best =
+            pick([](const SplitCandidate &c) { return c.simulated > 0; },
+                 [](const SplitCandidate &c) { return c.simulated; }, 0.03))
+      chosen = *best;
   }
   result->chosen = chosen;
   result->program = std::move(programs[chosen]);
@@ -235,7 +282,7 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
   result->program.notes = result->program.addString(splitNotes(*result));
   // The module ends with the chosen splits, as the program has them.
   mlir::PassManager pm(module.getContext());
-  pm.addPass(moe::createPropagateSplits(optionsOf(result->candidates[chosen])));
+  pm.addPass(moe::createPropagateSplits(optionsOf(result->candidates[chosen], profile)));
   if (mlir::failed(pm.run(module)))
     return Status::error("the graph passes failed");
   return Status::success();
@@ -269,7 +316,8 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
 
   starting("graph passes");
   mlir::PassManager pm(module.getContext());
-  moe::buildGraphPipeline(pm, result.config, options.configPath);
+  moe::buildGraphPipeline(pm, result.config, options.configPath,
+                          moe::splitOptionsFor(lowerOptions.profile));
   if (mlir::failed(pm.run(module)))
     return Status::error("the graph passes failed");
   phase("graph passes");
@@ -309,7 +357,7 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
             [&](format::TaskProgram *program, target::ScheduleEstimate *estimate) {
               return lowerAndSchedule(program, estimate, false);
             },
-            options.peerGroups, result.config.ep, lowerOptions.profile, &result);
+            options.peerGroups, result.config, lowerOptions.profile, &result);
         !status)
       return status;
     phase("choose splits");

@@ -47,9 +47,16 @@ struct CompileOptions {
 struct SplitCandidate {
   int64_t cubeTasksPerCore = 0, vectorTasksPerCore = 0, putRows = 0, gmmRows = 0;
   int64_t peerGroups = 1;
+  int64_t weightGradTasksPerCore = 0; ///< 0: cubeTasksPerCore
   double makespan = 0, criticalPath = 0; ///< seconds, the scheduler's estimate
   double simulated = 0; ///< seconds, the timed simulation's makespan (0: not run)
   uint64_t tasks = 0;
+
+  /// Weight-gradient GMM tiles per cube core (moe-propagate-splits'
+  /// weight-grad-tasks-per-core, 0 taking cube-tasks-per-core).
+  int64_t weightGradPerCore() const {
+    return weightGradTasksPerCore > 0 ? weightGradTasksPerCore : cubeTasksPerCore;
+  }
 };
 
 struct CompileResult {

@@ -11,12 +11,6 @@ using namespace moec::format;
 
 namespace {
 
-/// `n` rounded up to a multiple of `granule` (at least 1).
-double padded(double n, uint32_t granule) {
-  double g = std::max<uint32_t>(granule, 1);
-  return std::ceil(n / g) * g;
-}
-
 /// The rows a tile holds when every segment has its balanced size.
 double balancedTileRows(const TilingRecord &tiling, const TileCoord &tile) {
   return double(tileRows(tiling, tile, tiling.balancedRows).size());
@@ -53,7 +47,8 @@ double taskSeconds(const TaskProgram &program, uint32_t task, const TargetProfil
     if (m == 0 || k == 0)
       break;
     double rate = tiling.dtype == DType::BF16 ? profile.cubeFlopsBf16 : profile.cubeFlops;
-    double flops = 2.0 * padded(m, profile.padM) * padded(n, profile.padN) * padded(k, profile.padK);
+    double flops = 2.0 * paddedTo(m, profile.padM) * paddedTo(n, profile.padN) *
+                   paddedTo(k, profile.padK);
     // The A panel (m x k) is the tile's alone but for the column tiles of its
     // rows; the B panel (k x n) for the row tiles of its columns (of every
     // peer group; a weight gradient has none). With a shared cache, the ones

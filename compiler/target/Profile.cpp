@@ -86,6 +86,11 @@ TargetProfile h100Profile() {
 
 } // namespace
 
+double paddedTo(double n, uint32_t granule) {
+  const double g = std::max<uint32_t>(granule, 1);
+  return std::ceil(n / g) * g;
+}
+
 const char *coreSharingName(CoreSharing sharing) {
   switch (sharing) {
   case CoreSharing::None:

@@ -63,6 +63,10 @@ struct TargetProfile {
   std::string calibrated;
 };
 
+/// `n` rounded up to a multiple of `granule` (a profile's padM, padN or
+/// padK; 0 counts as 1): what a cube core computes for `n`.
+double paddedTo(double n, uint32_t granule);
+
 /// The names of the built-in profiles: "cpu", "ascend-910b", "h100".
 const std::vector<std::string> &builtinProfileNames();
 

@@ -5,6 +5,7 @@
 
 #include "compiler/config/Config.h"
 #include "compiler/ir/MoeDialect.h"
+#include "compiler/target/Profile.h"
 
 #include "mlir/IR/BuiltinOps.h"
 #include "mlir/Pass/Pass.h"
@@ -33,9 +34,14 @@ void buildGraphPipeline(mlir::OpPassManager &pm, const std::string &configPath,
                         const std::string &target = "cpu");
 
 /// The same pipeline for a config already loaded (its core counts set):
-/// what a compile runs, so that the config file is read once.
+/// what a compile runs, so that the config file is read once. `splits`
+/// are moe-propagate-splits' options.
 void buildGraphPipeline(mlir::OpPassManager &pm, const ModelConfig &config,
-                        const std::string &source);
+                        const std::string &source, const PropagateSplitsOptions &splits);
+
+/// moe-propagate-splits' options for `profile`: its defaults, with the GMM
+/// kernel's blocks (pad_m, pad_n) the automatic splits cut tiles to.
+PropagateSplitsOptions splitOptionsFor(const target::TargetProfile &profile);
 
 /// Registers the passes and the `moe-graph-pipeline` pipeline with the
 /// global registry (for moec-opt).

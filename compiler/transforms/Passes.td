@@ -117,7 +117,11 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
     routing; a SwiGLU(-grad) for `vector-tasks-per-core` tiles per vector
     core; a GMM for `cube-tasks-per-core` tiles per cube core, over rows
     first (at least `gmm-rows` rows a tile when balanced), then over
-    columns (at least 128 a tile). With `peer-groups` G > 1 (at most the EP
+    columns (at least 128 a tile), the counts whose tiles, padded to the
+    kernel's blocks (`pad-m` x `pad-n`), take the fewest waves of the cube
+    cores; a weight gradient for `weight-grad-tasks-per-core` tiles per cube
+    core (0: as many as the activation GMMs), the grid whose padded tiles
+    the cube cores would finish soonest. With `peer-groups` G > 1 (at most the EP
     degree), the GMM, SwiGLU(-grad) and dequantize tiles of an expert are
     cut first by the source rank of their rows: group g holds the rows that
     came from the ranks p EP ranks behind, g*R/G <= p < (g+1)*R/G, and needs
@@ -136,6 +140,14 @@ def PropagateSplits : Pass<"moe-propagate-splits", "::mlir::ModuleOp"> {
            "automatic splits: rows a GMM tile holds at least under balanced routing">,
     Option<"peerGroups", "peer-groups", "int64_t", /*default=*/"1",
            "automatic splits: groups of source ranks each expert's rows are cut into">,
+    Option<"weightGradTasksPerCore", "weight-grad-tasks-per-core", "int64_t", /*default=*/"0",
+           "automatic splits: weight-gradient GMM tiles per cube core (0: cube-tasks-per-core)">,
+    Option<"padM", "pad-m", "int64_t", /*default=*/"1",
+           "automatic splits: the rows of the blocks a GMM kernel computes whole "
+           "(the target's pad_m)">,
+    Option<"padN", "pad-n", "int64_t", /*default=*/"1",
+           "automatic splits: the columns of the blocks a GMM kernel computes whole "
+           "(the target's pad_n)">,
   ];
   let statistics = [
     Statistic<"numTasks", "tasks", "Number of tile tasks over all ops">,

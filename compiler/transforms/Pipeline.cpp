@@ -10,13 +10,20 @@ namespace moec::moe {
 
 namespace {
 /// The passes after moe-resolve-shapes.
-void addGraphPasses(OpPassManager &pm) {
+void addGraphPasses(OpPassManager &pm, const PropagateSplitsOptions &splits) {
   pm.addPass(createQuantizeDispatch());
   pm.addPass(createVerifyGraph());
   pm.addPass(createAssignSlots());
-  pm.addPass(createPropagateSplits());
+  pm.addPass(createPropagateSplits(splits));
 }
 } // namespace
+
+PropagateSplitsOptions splitOptionsFor(const target::TargetProfile &profile) {
+  PropagateSplitsOptions options;
+  options.padM = profile.padM;
+  options.padN = profile.padN;
+  return options;
+}
 
 void buildGraphPipeline(OpPassManager &pm, const std::string &configPath,
                         const std::string &target) {
@@ -24,12 +31,16 @@ void buildGraphPipeline(OpPassManager &pm, const std::string &configPath,
   options.configPath = configPath;
   options.target = target;
   pm.addPass(createResolveShapes(options));
-  addGraphPasses(pm);
+  // A target that does not resolve fails in moe-resolve-shapes.
+  target::TargetProfile profile;
+  addGraphPasses(pm, target::resolveProfile(target, &profile) ? splitOptionsFor(profile)
+                                                              : PropagateSplitsOptions{});
 }
 
-void buildGraphPipeline(OpPassManager &pm, const ModelConfig &config, const std::string &source) {
+void buildGraphPipeline(OpPassManager &pm, const ModelConfig &config, const std::string &source,
+                        const PropagateSplitsOptions &splits) {
   pm.addPass(createResolveShapes(config, source));
-  addGraphPasses(pm);
+  addGraphPasses(pm, splits);
 }
 
 namespace {

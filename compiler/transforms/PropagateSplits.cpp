@@ -70,6 +70,11 @@ struct Grid {
   int64_t rowTileOf(int64_t r) const { return ((r + 1) * rowTiles - 1) / rows; }
 };
 
+/// How far tiles of rows/mt x cols/nt are from square (0: square).
+double squareSkew(int64_t rows, int64_t cols, int64_t mt, int64_t nt) {
+  return std::abs(std::log(double(rows) / double(mt)) - std::log(double(cols) / double(nt)));
+}
+
 /// The divisors of n, ascending.
 SmallVector<int64_t> divisors(int64_t n) {
   SmallVector<int64_t> d;
@@ -226,9 +231,9 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
         return std::nullopt;
       }
     if (cubeTasksPerCore <= 0 || vectorTasksPerCore <= 0 || putRows <= 0 || gmmRows <= 0 ||
-        peerGroups <= 0) {
+        peerGroups <= 0 || padM <= 0 || padN <= 0 || weightGradTasksPerCore < 0) {
       op->emitError() << "'" << op.getOpName() << "': the automatic split's options must be "
-                      << "positive";
+                      << "positive (weight-grad-tasks-per-core may be 0)";
       return std::nullopt;
     }
     Operation *raw = op;
@@ -262,14 +267,35 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
                             powerOfTwoAtMost(balanced / 16));
     } else if (auto gmm = dyn_cast<GmmOp>(raw)) {
       if (gmm.isWeightGradient()) {
-        // The most square grid of at most perExpert tiles that tiles the
-        // result without empty tiles.
-        const int64_t perExpert = ceilDiv(cubeTasksPerCore * cube, L);
-        ScopedDiagnosticHandler quiet(op.getContext(), [](Diagnostic &) { return success(); });
-        for (int64_t n = perExpert; n >= 1; --n)
-          if (std::optional<Grid> w = gridOf(op, n * L, bindings))
-            return w;
-        return gridOf(op, L, bindings);
+        // Of the grids of at most the tiles asked for, none empty, the one
+        // the cube cores finish soonest when it runs alone: its tiles' work,
+        // padded to the kernel's blocks, shared over the cores, plus one
+        // tile (a list schedule's bound); on a tie, the most square tiles
+        // (the least operand traffic).
+        std::optional<Grid> w = gridOf(op, L, bindings);
+        if (!w)
+          return std::nullopt;
+        const int64_t perCore = std::min<int64_t>(
+            weightGradTasksPerCore > 0 ? weightGradTasksPerCore.getValue() : cubeTasksPerCore,
+            kMaxTasksPerOp);
+        const int64_t perExpert = std::min(ceilDiv(perCore * cube, L), kMaxTasksPerOp / L);
+        const Grid one = *w;
+        double bestTime = INFINITY, bestSkew = 0;
+        for (int64_t mt = 1; mt <= std::min(one.rows, perExpert); ++mt)
+          for (int64_t nt = 1; nt <= std::min(one.cols, perExpert / mt); ++nt) {
+            Grid c = one;
+            c.rowTiles = mt;
+            c.colTiles = nt;
+            const double area = paddedTile(c);
+            const double time = double(L * mt * nt) * area / double(cube) + area;
+            const double skew = squareSkew(c.rows, c.cols, mt, nt);
+            if (time < bestTime || (time == bestTime && skew < bestSkew)) {
+              *w = c;
+              bestTime = time;
+              bestSkew = skew;
+            }
+          }
+        return w;
       }
       // Tiles of one peer group of an expert.
       const int64_t perExpert = ceilDiv(cubeTasksPerCore * cube, L * groups);
@@ -277,15 +303,19 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       g.cols = extentOf(result, 1);
       // Rows first, at least gmmRows a tile when balanced; then columns,
       // at least 128 a tile: up to the tiles asked for, the count whose
-      // tiles fill the cube cores' waves best (the fewest waves per tile of
-      // an expert's work; on a tie, the most tiles).
+      // tiles, padded to the kernel's blocks, fill the cube cores' waves
+      // best (the fewest waves of padded columns; on a tie, the most tiles).
       g.rowTiles = std::min(powerOfTwoAtMost(perExpert), powerOfTwoAtMost(balanced / gmmRows));
       const int64_t maxCols =
           std::max<int64_t>(1, std::min(ceilDiv(perExpert, g.rowTiles), g.cols / 128));
       const int64_t rowTiles = L * groups * g.rowTiles; // of all experts
+      auto waves = [&](int64_t c) {
+        return double(ceilDiv(rowTiles * c, cube)) *
+               target::paddedTo(double(ceilDiv(g.cols, c)), uint32_t(padN));
+      };
       g.colTiles = 1;
-      for (int64_t c = 2; c <= maxCols; ++c) // waves(c) / c <= waves(best) / best
-        if (ceilDiv(rowTiles * c, cube) * g.colTiles <= ceilDiv(rowTiles * g.colTiles, cube) * c)
+      for (int64_t c = 2; c <= maxCols; ++c)
+        if (waves(c) <= waves(g.colTiles))
           g.colTiles = c;
     } else {
       op->emitError() << "'" << op.getOpName() << "': a " << raw->getName()
@@ -299,6 +329,13 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
       return std::nullopt;
     }
     return g;
+  }
+
+  /// The elements of a grid's largest tile, its rows and columns padded to
+  /// the GMM kernel's blocks (pad-m x pad-n).
+  double paddedTile(const Grid &g) const {
+    return target::paddedTo(double(ceilDiv(g.rows, g.rowTiles)), uint32_t(padM)) *
+           target::paddedTo(double(ceilDiv(g.cols, g.colTiles)), uint32_t(padN));
   }
 
   /// True when the op's task_num counts the target's cores.
@@ -432,7 +469,7 @@ struct PropagateSplitsPass : moec::moe::impl::PropagateSplitsBase<PropagateSplit
           int64_t nt = perExpert / mt;
           if (mt > g.rows || nt > g.cols)
             continue;
-          double skew = std::abs(std::log(double(g.rows) / mt) - std::log(double(g.cols) / nt));
+          double skew = squareSkew(g.rows, g.cols, mt, nt);
           if (skew < best) {
             best = skew;
             g.rowTiles = mt;

@@ -302,7 +302,7 @@ int runCheck(int argc, char **argv, int first) {
                         return int(kError);
                       }
                       PassManager pm(module.getContext());
-                      buildGraphPipeline(pm, config, cfgPath);
+                      buildGraphPipeline(pm, config, cfgPath, splitOptionsFor(profile));
                       if (failed(pm.run(module)))
                         return int(kError);
                       GraphOp graph = *module.getOps<GraphOp>().begin();

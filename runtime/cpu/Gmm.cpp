@@ -304,7 +304,8 @@ void zeroTile(Matrix c, int64_t m, int64_t n) {
 } // namespace
 
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
-              bool transB, Matrix c, bool accumulate, Scratch *scratch, float alpha) {
+              bool transB, Matrix c, bool accumulate, Scratch *scratch, float alpha,
+              bool streamC) {
   if (m <= 0 || n <= 0)
     return;
   if (k <= 0) {
@@ -328,7 +329,8 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     const Panel pa = panel(a, 0, 0, aRows, aCols, base);
     const Panel pb = panel(b, 0, 0, bRows, bCols, base + aSize);
     gemmTile(m, n, k, ConstMatrix{pa.data, Elt::F32, pa.ld}, transA,
-             ConstMatrix{pb.data, Elt::F32, pb.ld}, transB, c, accumulate, scratch, alpha);
+             ConstMatrix{pb.data, Elt::F32, pb.ld}, transB, c, accumulate, scratch, alpha,
+             streamC);
     return;
   }
   // moec's own tile: packs its operands per depth block, so aliasing strides
@@ -345,7 +347,7 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     float *base = mem.floats(packFloats + (direct ? 0 : lineRound(m * n) + lineRound(n)));
     if (direct) {
       tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, c.data, c.ld, cBf16,
-                 accumulate, base);
+                 accumulate, base, streamC && !accumulate);
       return;
     }
     float *product = base + packFloats, *row = product + lineRound(m * n);
@@ -376,7 +378,7 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     const size_t bytes = size_t(k * copyStride(n, dtypeSize(b.elt))) * dtypeSize(b.elt);
     const ConstMatrix copy =
         realigned(b, k, n, copies.floats((bytes + sizeof(float) - 1) / sizeof(float)));
-    gemmTile(m, n, k, a, transA, copy, transB, c, accumulate, scratch, alpha);
+    gemmTile(m, n, k, a, transA, copy, transB, c, accumulate, scratch, alpha, streamC);
     return;
   }
   // A and B of one storage type, C fp32: one GEMM on the buffers in place.
@@ -460,7 +462,7 @@ void gmmWgradTile(ConstMatrix a, ConstMatrix b, Matrix c, Segment segment, Range
   const int64_t m = std::max<int64_t>(segment.rows, 0);
   gemmTile(rows.size(), cols.size(), m, shifted(a, segment.offset, rows.begin), true,
            shifted(b, segment.offset, cols.begin), false, shifted(c, rows.begin, cols.begin),
-           accumulate, scratch);
+           accumulate, scratch, 1.0f, /*streamC=*/!accumulate);
 }
 
 } // namespace moec::cpu

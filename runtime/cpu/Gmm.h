@@ -136,9 +136,11 @@ bool nativeBf16Gemm();
 /// opB(p, j) = b(p, j), or b(j, p) when `transB` (B stored n x k). C is
 /// m x n at c. With `accumulate`, the product is added to C, else C is
 /// overwritten (also when k is 0: C becomes zero). `scratch` may be null.
+/// `streamC` says that nobody reads C soon (a weight gradient): moec's tile
+/// then writes it past the caches (tile::gemm's `stream`); the same bits.
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
               bool transB, Matrix c, bool accumulate, Scratch *scratch = nullptr,
-              float alpha = 1.0f);
+              float alpha = 1.0f, bool streamC = false);
 
 /// What an activation-form tile (gmmForwardTile, gmmDgradTile) makes of its
 /// product P: C = addend + scale * P, where addend (when its data is not

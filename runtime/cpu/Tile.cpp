@@ -312,6 +312,17 @@ private:
   int64_t row = 0, line = 0;
 };
 
+/// Copies `bytes` bytes from `src` to `dst` with non-temporal stores, past
+/// the caches, in whole 64-byte lines where `dst` is line-aligned; the rest
+/// (an unaligned `dst`, the last partial line) with plain stores.
+MOEC_TILE_TARGET void streamRow(char *dst, const char *src, int64_t bytes) {
+  int64_t b = 0;
+  if ((reinterpret_cast<uintptr_t>(dst) & 63) == 0)
+    for (; b + 64 <= bytes; b += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i *>(dst + b), _mm512_loadu_si512(src + b));
+  std::memcpy(dst + b, src + b, size_t(bytes - b));
+}
+
 using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, const uint32_t *,
                        const float *, int64_t, void *, int64_t, bool, int);
 
@@ -334,7 +345,7 @@ bool available(bool bf16) {
 
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
           const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
-          bool load, void *pack) {
+          bool load, void *pack, bool stream) {
   const int64_t per = perUnit(bf16), depth = kBlockUnits * per;
   const int64_t elt = bf16 ? 2 : 4, cElt = cBf16 ? 2 : 4;
   const int64_t width = std::min(n, kGroup);
@@ -360,6 +371,8 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
     return transA ? Prefetch() : Prefetch(aBytes + q0 * elt, m, (q1 - q0) * elt, lda * elt);
   };
   const Micro kernelFull = bf16 ? microFor<true>(kRows) : microFor<false>(kRows);
+  // With `stream`: a row block's sums over a column group, on their way to C.
+  alignas(64) float stage[kRows * kGroup];
   // Column groups of kGroup, each over the whole depth: its partial sums and
   // panels stay in L2 while the depth passes.
   for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
@@ -410,22 +423,40 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       }
       const int64_t calls = ceilDiv(nb, kPanel) * ceilDiv(m, kRows);
       const int64_t perCall = ceilDiv(nextB.totalLines() + nextA.totalLines(), calls);
-      for (int64_t q = 0; q * kPanel < nb; ++q) {
+      auto call = [&](int64_t q, int64_t i0, char *to, int64_t ldTo) {
         const int cols = int(std::min<int64_t>(kPanel, nb - q * kPanel));
-        const uint32_t *panel = panels + q * kBlockUnits * kPanel;
+        const int rows = int(std::min<int64_t>(kRows, m - i0));
+        const Micro kernel =
+            rows == kRows ? kernelFull : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
+        nextB.next(perCall);
+        nextA.next(perCall);
+        kernel(units, aBlock + i0 * aRow, aRow, aUnit, halfLast,
+               panels + q * kBlockUnits * kPanel, in ? in + i0 * ldIn + q * kPanel : nullptr,
+               ldIn, to + q * kPanel * outElt, ldTo, outBf16, cols);
+      };
+      if (last && stream) {
+        // Row block by row block: the group's columns of kRows rows are
+        // summed into `stage`, then written to C whole, around the caches.
         for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-          const int rows = int(std::min<int64_t>(kRows, m - i0));
-          const Micro kernel =
-              rows == kRows ? kernelFull : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
-          nextB.next(perCall);
-          nextA.next(perCall);
-          kernel(units, aBlock + i0 * aRow, aRow, aUnit, halfLast, panel,
-                 in ? in + i0 * ldIn + q * kPanel : nullptr, ldIn,
-                 out + (i0 * ldOut + q * kPanel) * outElt, ldOut, outBf16, cols);
+          for (int64_t q = 0; q * kPanel < nb; ++q)
+            call(q, i0, reinterpret_cast<char *>(stage), nb);
+          for (int64_t r = 0; r < std::min<int64_t>(kRows, m - i0); ++r)
+            streamRow(out + (i0 + r) * ldOut * outElt,
+                      reinterpret_cast<const char *>(stage) + r * nb * outElt, nb * outElt);
         }
+      } else {
+        // Panel by panel: the panel stays in L1 while every row block of A
+        // passes over it.
+        for (int64_t q = 0; q * kPanel < nb; ++q)
+          for (int64_t i0 = 0; i0 < m; i0 += kRows)
+            call(q, i0, out + i0 * ldOut * outElt, ldOut);
       }
     }
   }
+  // The streamed stores reach memory before anything the caller stores
+  // after this (the event that says the tile is done).
+  if (stream)
+    _mm_sfence();
 }
 
 #else // !MOEC_TILE_X86
@@ -433,7 +464,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
 bool available(bool) { return false; }
 
 void gemm(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool,
-          bool, void *, int64_t, bool, bool, void *) {
+          bool, void *, int64_t, bool, bool, void *, bool) {
   std::fprintf(stderr, "moec: the AVX-512 tile was called on a CPU without it\n");
   std::abort();
 }

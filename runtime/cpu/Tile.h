@@ -55,10 +55,13 @@ size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool c
 /// C = (load ? C : 0) + op(A) op(B), as the header says. `bf16` says the
 /// storage of A and B (uint16_t bf16 bits, else float), `cBf16` that of C.
 /// Requires available(bf16), m, n, k > 0, not both `cBf16` and `load`, and
-/// `pack` of packBytes() bytes, 64-byte aligned.
+/// `pack` of packBytes() bytes, 64-byte aligned. With `stream`, C is written
+/// with non-temporal stores, whole rows of a column group at a time, past the
+/// caches: for a C nobody reads soon (a weight gradient), whose lines would
+/// otherwise be read from memory before they are written. The same bits.
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
           const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
-          bool load, void *pack);
+          bool load, void *pack, bool stream = false);
 
 } // namespace moec::cpu::tile
 

@@ -2,8 +2,9 @@
 //
 // The exponential is a polynomial (Cephes' expf: range reduction by ln 2, a
 // degree-7 polynomial, the power of two put into the exponent bits), within
-// about 2 ulp of expf, in two forms that give the same bits: eight lanes at
-// a time with AVX2 and FMA (chosen at run time), and one element at a time
+// about 2 ulp of expf, in three forms that give the same bits: sixteen
+// lanes at a time with AVX-512, eight with AVX2 and FMA (chosen at run
+// time), and one element at a time
 // with std::fma (correctly rounded, like the vector FMA) for tails and
 // other CPUs. So an element's result does not depend on the tiling, nor on
 // whether it fell into a vector or a tail.
@@ -131,6 +132,59 @@ __attribute__((target("avx2,fma"))) void siluBackAvx2(const float *g, const floa
   siluBackScalar(g + i, u + i, d + i, dGate + i, dUp + i, n - i);
 }
 
+// The same operations as sigmoid8 and its callers, sixteen lanes at a
+// time: the same bits, twice the work per instruction where the CPU has
+// 512-bit vectors.
+#define MOEC_SWIGLU_AVX512 __attribute__((target("avx512f")))
+
+MOEC_SWIGLU_AVX512 __m512 sigmoid16(__m512 x) {
+  x = _mm512_sub_ps(_mm512_setzero_ps(), x);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLo)), _mm512_set1_ps(kExpHi));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kP0), r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, one));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_div_ps(one, _mm512_fmadd_ps(p, _mm512_castsi512_ps(bits), one));
+}
+
+MOEC_SWIGLU_AVX512 void siluTimesAvx512(const float *g, const float *u, float *out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 gs = _mm512_mul_ps(gv, sigmoid16(gv));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(gs, _mm512_loadu_ps(u + i)));
+  }
+  siluTimesAvx2(g + i, u + i, out + i, n - i);
+}
+
+MOEC_SWIGLU_AVX512 void siluBackAvx512(const float *g, const float *u, const float *d,
+                                       float *dGate, float *dUp, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i), dv = _mm512_loadu_ps(d + i);
+    const __m512 s = sigmoid16(gv);
+    const __m512 grad = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
+    _mm512_storeu_ps(dGate + i, _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_loadu_ps(u + i)), grad));
+    _mm512_storeu_ps(dUp + i, _mm512_mul_ps(dv, _mm512_mul_ps(gv, s)));
+  }
+  siluBackAvx2(g + i, u + i, d + i, dGate + i, dUp + i, n - i);
+}
+
+bool haveAvx512() {
+  static const bool have = __builtin_cpu_supports("avx512f");
+  return have;
+}
+
 bool haveAvx2() {
   static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return have;
@@ -139,6 +193,8 @@ bool haveAvx2() {
 
 void siluTimes(const float *g, const float *u, float *out, int64_t n) {
 #ifdef MOEC_SWIGLU_AVX2
+  if (haveAvx512())
+    return siluTimesAvx512(g, u, out, n);
   if (haveAvx2())
     return siluTimesAvx2(g, u, out, n);
 #endif
@@ -148,6 +204,8 @@ void siluTimes(const float *g, const float *u, float *out, int64_t n) {
 void siluBack(const float *g, const float *u, const float *d, float *dGate, float *dUp,
               int64_t n) {
 #ifdef MOEC_SWIGLU_AVX2
+  if (haveAvx512())
+    return siluBackAvx512(g, u, d, dGate, dUp, n);
   if (haveAvx2())
     return siluBackAvx2(g, u, d, dGate, dUp, n);
 #endif

@@ -622,11 +622,13 @@ TEST_CASE("silu and its derivative", "[cpu][swiglu]") {
 
 TEST_CASE("swiglu gives the same bits whatever the tiling (vector lanes or tails)",
           "[cpu][swiglu]") {
-  // 67 columns: one tile runs 8 vectors of 8 lanes and a tail of 3; tiles
-  // of one column run every element alone. The results must be equal bit
-  // for bit, and silu()/siluGrad() (the scalar forms) must agree with them.
+  // 75 columns: one tile runs 4 vectors of 16 lanes (AVX-512), one of 8
+  // (AVX2) and a tail of 3 (or, on a CPU without AVX-512, 9 vectors of 8 and
+  // the tail); tiles of one column run every element alone. The results
+  // must be equal bit for bit, and silu()/siluGrad() (the scalar forms) must
+  // agree with them.
   std::mt19937 rng(5);
-  const int64_t rows = 9, inter = 67;
+  const int64_t rows = 9, inter = 75;
   Buffer y(Elt::F32, rows, 2 * inter, 0), da(Elt::F32, rows, inter, 0);
   y.randomize(rng, 12.0f);
   da.randomize(rng);

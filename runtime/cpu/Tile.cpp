@@ -36,9 +36,12 @@ int64_t perUnit(bool bf16) { return bf16 ? 2 : 1; }
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/// The row stride, in units, of op(A) packed for `transA`: m rounded up to
-/// whole vectors.
-int64_t packedARowUnits(int64_t m) { return ceilDiv(m, 16) * 16; }
+/// Rows of op(A) per panel when it is packed (`transA`): one 16-lane vector
+/// of a unit, two row blocks of the micro-kernel.
+constexpr int64_t kAPanel = 16;
+
+/// m rounded up to whole panels of packed op(A).
+int64_t packedARowUnits(int64_t m) { return ceilDiv(m, kAPanel) * kAPanel; }
 
 /// Bytes of one block's packed B panels, rounded to cache lines.
 size_t panelBytes(int64_t n) { return size_t(ceilDiv(n, kPanel) * kPanel * kBlockUnits) * 4; }
@@ -350,13 +353,16 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   const int64_t elt = bf16 ? 2 : 4, cElt = cBf16 ? 2 : 4;
   const int64_t width = std::min(n, kGroup);
   uint32_t *panels = static_cast<uint32_t *>(pack);
-  // op(A) stored k x m: packed once for the whole depth, rows of units
-  // [t][i] with stride aLd units.
-  const int64_t aLd = packedARowUnits(m);
+  // op(A) stored k x m: packed once for the whole depth, in panels of
+  // kAPanel rows, each [t][i] over all units: a row block's units lie one
+  // after the other, 64 bytes apart, as the micro-kernel walks them (rows of
+  // units m wide would put them a multiple of 4 KiB apart, on one set of
+  // the L1 cache).
+  const int64_t aPanelUnits = ceilDiv(k, per) * kAPanel;
   char *after = static_cast<char *>(pack) + panelBytes(width);
   uint32_t *packedA = reinterpret_cast<uint32_t *>(after);
   if (transA)
-    packRows(a, lda, 0, k, m, bf16, packedA, aLd, aLd, 0);
+    packRows(a, lda, 0, k, m, bf16, packedA, kAPanel, kAPanel, aPanelUnits);
   // Where the sums of the blocks before the last one live: C itself when it
   // is fp32, else fp32 partial sums (m x width).
   float *partialBase = reinterpret_cast<float *>(after + packedABytes(m, k, transA, bf16));
@@ -388,20 +394,24 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels);
       else
         packRows(bGroup, ldb, p0, p1, nb, bf16, panels, kPanel, kPanel, kBlockUnits * kPanel);
-      // A's unit (row i, unit t) of this block, in bytes.
-      const char *aBlock;
+      // A's unit (row i0 + r, unit t) of this block lies at
+      // aRows(i0) + r * aRow + t * aUnit bytes.
       int64_t aRow, aUnit;
       bool halfLast = false;
       if (transA) {
-        aBlock = reinterpret_cast<const char *>(packedA + (p0 / per) * aLd);
         aRow = 4;
-        aUnit = aLd * 4;
+        aUnit = kAPanel * 4;
       } else {
-        aBlock = aBytes + p0 * elt;
         aRow = lda * elt;
         aUnit = 4;
         halfLast = bf16 && (p1 - p0) % 2 == 1;
       }
+      auto aRows = [&](int64_t i0) {
+        if (!transA)
+          return aBytes + p0 * elt + i0 * aRow;
+        return reinterpret_cast<const char *>(packedA + (i0 / kAPanel) * aPanelUnits +
+                                              (p0 / per) * kAPanel + i0 % kAPanel);
+      };
       // This block adds onto C (load) or onto the blocks before it; the
       // last block writes C.
       const float *in =
@@ -430,7 +440,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
             rows == kRows ? kernelFull : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
         nextB.next(perCall);
         nextA.next(perCall);
-        kernel(units, aBlock + i0 * aRow, aRow, aUnit, halfLast,
+        kernel(units, aRows(i0), aRow, aUnit, halfLast,
                panels + q * kBlockUnits * kPanel, in ? in + i0 * ldIn + q * kPanel : nullptr,
                ldIn, to + q * kPanel * outElt, ldTo, outBf16, cols);
       };

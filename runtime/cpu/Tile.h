@@ -18,7 +18,7 @@
 //  - per block, op(B)'s rows are packed into panels 48 columns wide, units
 //    interleaved (a bf16 pair of rows becomes one 32-bit unit per column),
 //    columns past n zero; op(A) is read in place when it is row-major, else
-//    packed the same way, once for the whole depth;
+//    packed the same way into panels of 16 rows, once for the whole depth;
 //  - the micro-kernel holds an 8 x 48 block of C in 24 zmm registers and, per
 //    unit, loads three 16-lane vectors of the panel and broadcasts one unit
 //    of each of the 8 rows of A: 24 dot products (or FMAs) per 11 loads, the

@@ -115,9 +115,7 @@ Status chooseSplits(mlir::ModuleOp module, const LowerAndSchedule &lowerAndSched
   };
   auto tryCandidate = [&](SplitCandidate c) -> Status {
     for (const SplitCandidate &d : result->candidates)
-      if (d.cubeTasksPerCore == c.cubeTasksPerCore && d.gmmRows == c.gmmRows &&
-          d.vectorTasksPerCore == c.vectorTasksPerCore && d.putRows == c.putRows &&
-          d.peerGroups == c.peerGroups && d.weightGradTasksPerCore == c.weightGradTasksPerCore)
+      if (d.sameOptions(c))
         return Status::success();
     format::TaskProgram program;
     target::ScheduleEstimate estimate;

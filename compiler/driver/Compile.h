@@ -57,6 +57,13 @@ struct SplitCandidate {
   int64_t weightGradPerCore() const {
     return weightGradTasksPerCore > 0 ? weightGradTasksPerCore : cubeTasksPerCore;
   }
+
+  /// Whether `o` asks moe-propagate-splits for the same splits.
+  bool sameOptions(const SplitCandidate &o) const {
+    return cubeTasksPerCore == o.cubeTasksPerCore && gmmRows == o.gmmRows &&
+           vectorTasksPerCore == o.vectorTasksPerCore && putRows == o.putRows &&
+           peerGroups == o.peerGroups && weightGradPerCore() == o.weightGradPerCore();
+  }
 };
 
 struct CompileResult {

@@ -6,6 +6,9 @@
 // RUN: echo '{"name": "mini", "cube_cores": 3, "vector_cores": 5}' > %t.json
 // RUN: moec-opt %graphs/moe_ffn_fwd.mlir --moe-resolve-shapes="config=%configs/seed-test.json target=%t.json" | FileCheck %s --check-prefix=FILE
 // RUN: not moec-opt %graphs/moe_ffn_fwd.mlir --moe-resolve-shapes="config=%configs/seed-test.json target=ascend910b" 2>&1 | FileCheck %s --check-prefix=UNKNOWN
+// The pipeline reads the target's kernel blocks for the split pass too; an
+// unknown target is still moe-resolve-shapes' error.
+// RUN: not moec-opt %graphs/moe_ffn_fwd.mlir --moe-graph-pipeline="config=%configs/seed-test.json target=ascend910b" 2>&1 | FileCheck %s --check-prefix=UNKNOWN
 // RUN: not moec-opt %graphs/moe_ffn_fwd.mlir --moe-resolve-shapes="config=%configs/seed-test.json target=%t.missing.json" 2>&1 | FileCheck %s --check-prefix=MISSING
 
 // seed-test.json sets no core counts: the target gives them.

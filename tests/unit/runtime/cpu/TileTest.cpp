@@ -54,6 +54,16 @@ struct Stored {
   }
 };
 
+/// `size` bytes of `fill`, starting on a 64-byte line (the tile's working
+/// memory, or a C placed on or off a line).
+struct Aligned {
+  std::vector<uint8_t> bytes;
+  explicit Aligned(size_t size, uint8_t fill = 0) : bytes(size + 64, fill) {}
+  uint8_t *data() {
+    return bytes.data() + (64 - reinterpret_cast<uintptr_t>(bytes.data()) % 64) % 64;
+  }
+};
+
 /// The operands of C (m x n) = op(A) op(B) over depth k.
 struct Product {
   int64_t m, n, k;
@@ -77,10 +87,9 @@ struct Product {
     const size_t elt = a.bf16 ? 2 : 4;
     const char *aAt = static_cast<const char *>(a.data()) + (transA ? i0 : i0 * a.ld) * elt;
     const char *bAt = static_cast<const char *>(b.data()) + (transB ? j0 * b.ld : j0) * elt;
-    std::vector<uint8_t> pack(tile::packBytes(rows, cols, k, transA, a.bf16, false) + 64);
-    void *aligned = pack.data() + (64 - reinterpret_cast<uintptr_t>(pack.data()) % 64) % 64;
+    Aligned pack(tile::packBytes(rows, cols, k, transA, a.bf16, false));
     tile::gemm(rows, cols, k, aAt, a.ld, transA, bAt, b.ld, transB, a.bf16, c + i0 * ldc + j0,
-               ldc, false, load, aligned);
+               ldc, false, load, pack.data());
   }
 };
 
@@ -172,10 +181,9 @@ TEST_CASE("moec's tile rounds a bf16 C as floatToBf16 does", "[cpu][tile]") {
     std::vector<float> wide(size_t(m * n));
     x.run(wide.data(), n, false, 0, m, 0, n);
     std::vector<uint16_t> narrow(size_t(m * n));
-    std::vector<uint8_t> pack(tile::packBytes(m, n, k, false, true, true) + 64);
-    void *aligned = pack.data() + (64 - reinterpret_cast<uintptr_t>(pack.data()) % 64) % 64;
+    Aligned pack(tile::packBytes(m, n, k, false, true, true));
     tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, true,
-               narrow.data(), n, true, false, aligned);
+               narrow.data(), n, true, false, pack.data());
     int64_t bad = 0, nans = 0;
     for (size_t i = 0; i < wide.size(); ++i) {
       bad += narrow[i] != floatToBf16(wide[i]);
@@ -206,17 +214,13 @@ TEST_CASE("moec's tile writes the same bits to a streamed C", "[cpu][tile]") {
           const int64_t m = 21, n = 410, ldc = 448; // n: two groups and a part
           const Product x(m, n, k, true, false, bf16, 11);
           const size_t elt = cBf16 ? 2 : 4;
-          std::vector<uint8_t> cached(size_t(m * ldc) * elt + 128, 0x5A),
-              streamed(cached.size(), 0x5A);
-          auto at = [&](std::vector<uint8_t> &v) {
-            uint8_t *line = v.data() + (64 - reinterpret_cast<uintptr_t>(v.data()) % 64) % 64;
-            return line + offset * elt;
-          };
-          std::vector<uint8_t> pack(tile::packBytes(m, n, k, true, bf16, cBf16) + 64);
-          void *aligned = pack.data() + (64 - reinterpret_cast<uintptr_t>(pack.data()) % 64) % 64;
+          Aligned cached(size_t(m * ldc + offset) * elt, 0x5A),
+              streamed(cached.bytes.size() - 64, 0x5A);
+          auto at = [&](Aligned &v) { return v.data() + offset * elt; };
+          Aligned pack(tile::packBytes(m, n, k, true, bf16, cBf16));
           for (const bool stream : {false, true})
             tile::gemm(m, n, k, x.a.data(), x.a.ld, true, x.b.data(), x.b.ld, false, bf16,
-                       at(stream ? streamed : cached), ldc, cBf16, false, aligned, stream);
+                       at(stream ? streamed : cached), ldc, cBf16, false, pack.data(), stream);
           CHECK(std::memcmp(at(cached), at(streamed), size_t(m * ldc) * elt) == 0);
           // The cached C is right (the case above checks its values), and the
           // columns past n kept their bytes.

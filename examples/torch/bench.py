@@ -18,7 +18,10 @@ GEMM rate on a 1024^3 product (one thread, and the library that serves it)
 next to moec's GMM tile rate on the same product (`moec bench
 --skip-layers`). Where PyTorch's rate is below half of moec's, it prints no
 speed-up for that dtype, and says why (e.g. a reference BLAS as
-libblas.so.3: install libopenblas0-pthread).
+libblas.so.3: install libopenblas0-pthread). The shares of the peak are of
+moec's probe (`moec bench --skip-layers`: register-only FMA and bf16
+dot-product chains); beside it goes that command's independent check, the
+core's clock times the flops a cycle its vendor documents.
 
 --memory measures moec's memory instead: for each dtype, in a process of
 its own, the peak RSS of the process (ru_maxrss, the layer's making
@@ -259,6 +262,9 @@ def moec_tile_rates(moec):
     one, else the fp32 FMA peak), from `moec bench --skip-layers`."""
     out = subprocess.run([moec, "bench", "--skip-layers", "--no-progress"], check=True,
                          text=True, stdout=subprocess.PIPE).stdout
+    check = re.search(r"^independent check: .*$", out, re.M)
+    if check:
+        CHECK.append(check.group(0))
     fp32 = re.search(r"fp32 FMA peak, one core: ([0-9.]+) GFLOP/s", out)
     bf16 = re.search(r"bf16 dot-product peak, one core: ([0-9.]+) GFLOP/s", out)
     if fp32:
@@ -273,6 +279,7 @@ def moec_tile_rates(moec):
 
 
 PEAKS = {}  # dtype -> one core's peak GFLOP/s, set by moec_tile_rates
+CHECK = []  # moec bench's independent check of those peaks (one core), if any
 
 
 def fair_baseline(moec):
@@ -354,6 +361,8 @@ def main():
           + ", ".join(f"{d} {p * args.threads:.1f} GFLOP/s" for d, p in PEAKS.items())
           + ("" if PEAKS.get("bf16") != PEAKS.get("fp32") else
              " (no bf16 dot products: bf16 is judged against the fp32 peak)"))
+    for line in CHECK:
+        print(f"{line} (one core)")
     print(f"{'dtype':6} {'moec s':>9} {'torch s':>9} {'moec GFLOP/s':>13} {'of peak':>8} "
           f"{'torch GFLOP/s':>14} {'speed-up':>9}")
     for dtype in args.dtypes.split(","):

@@ -239,6 +239,93 @@ std::optional<FmaPeak> measureBf16DotPeak(double seconds) {
   return measureKernels(kernels, seconds);
 }
 
+ClockPeak documentedWidth(bool amd, bool intel, unsigned family, unsigned model, bool avx2Fma,
+                          bool avx512f, bool avx512Bf16) {
+  ClockPeak c;
+  auto set = [&](const char *core, const char *units, int fp32, int bf16) {
+    c.core = core;
+    c.units = units;
+    c.fp32PerCycle = fp32;
+    c.bf16PerCycle = avx512Bf16 ? bf16 : 0;
+  };
+  // A bf16 dot product is 4 flops per fp32 lane: two products, two sums.
+  if (amd && family == 0x1A && avx512f)
+    set("AMD family 1Ah (Zen 5)", "two 512-bit FMA pipes", 64, 128);
+  else if (amd && family == 0x19 && avx512f)
+    set("AMD family 19h (Zen 4)", "two 256-bit FMA pipes, a 512-bit op in two halves", 32, 64);
+  else if (amd && family == 0x19 && avx2Fma)
+    set("AMD family 19h (Zen 3)", "two 256-bit FMA pipes", 32, 0);
+  else if (amd && family == 0x17 && model >= 0x30 && avx2Fma)
+    set("AMD family 17h (Zen 2)", "two 256-bit FMA pipes", 32, 0);
+  else if (amd && family == 0x17 && avx2Fma)
+    set("AMD family 17h (Zen, Zen+)", "two 128-bit FMA pipes", 16, 0);
+  else if (intel && family == 6 && avx512f)
+    // Its bf16 dot-product rate is not in the table.
+    set("Intel family 6 with AVX-512", "two 512-bit FMA units", 64, 0);
+  else if (intel && family == 6 && avx2Fma)
+    set("Intel family 6 with AVX2", "two 256-bit FMA units", 32, 0);
+  return c;
+}
+
+#if defined(__x86_64__)
+namespace {
+
+/// 16 x `iters` adds of a register to itself, each waiting for the one
+/// before: one cycle each, so the loop takes 16 x `iters` cycles.
+__attribute__((noinline)) uint64_t addChain(int64_t iters) {
+  uint64_t x = 1;
+  asm volatile("1:\n\t"
+               ".rept 16\n\t"
+               "add %0, %0\n\t"
+               ".endr\n\t"
+               "dec %1\n\t"
+               "jnz 1b"
+               : "+r"(x), "+r"(iters)
+               :
+               : "cc");
+  return x;
+}
+
+} // namespace
+#endif
+
+ClockPeak measureClockPeak(double seconds) {
+  ClockPeak c;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
+  unsigned family = (eax >> 8) & 0xF, model = (eax >> 4) & 0xF;
+  if (family == 0xF)
+    family += (eax >> 20) & 0xFF;
+  if (family == 0x6 || family >= 0xF)
+    model |= ((eax >> 16) & 0xF) << 4;
+  c = documentedWidth(__builtin_cpu_is("amd"), __builtin_cpu_is("intel"), family, model,
+                      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+                      __builtin_cpu_supports("avx512f"),
+                      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"));
+  // Trials of about a millisecond, the fastest of them: the clock the core
+  // reaches, as the FMA probe reports the best of its trials.
+  const auto start = Clock::now();
+  int64_t iters = 1024;
+  while (true) {
+    const auto t0 = Clock::now();
+    addChain(iters);
+    const double took = secondsSince(t0);
+    if (took < 5e-4) {
+      iters *= 2;
+      continue;
+    }
+    c.ghz = std::max(c.ghz, 16.0 * double(iters) / took * 1e-9);
+    if (secondsSince(start) >= seconds)
+      break;
+  }
+#else
+  (void)seconds;
+#endif
+  return c;
+}
+
 GemmOperands randomGemmOperands(int64_t m, int64_t n, int64_t k) {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);

@@ -5,6 +5,10 @@
 // measured rather than computed from a nominal clock and a table of core
 // types (turbo, power limits and virtualisation make both unreliable).
 //
+// measureClockPeak gives a second opinion from other facts: a clock timed on
+// dependent adds, times the flops a cycle the vendor documents for the
+// core (a table of core families).
+//
 // The measurement runs independent chains of vector FMAs, acc = acc * m + c,
 // entirely in registers: no loads, no stores, nothing that depends on
 // memory. Each chain has to wait for its previous FMA (latency about 4
@@ -71,6 +75,40 @@ FmaPeak measureFmaPeak(double seconds = 0.2);
 /// avx512_bf16. AMX tiles would have their own peak; this code has no AMX
 /// kernel yet.
 std::optional<FmaPeak> measureBf16DotPeak(double seconds = 0.2);
+
+/// A second opinion on the measured peaks, from other facts than theirs:
+/// the core's clock, timed on a chain of dependent register adds (one a
+/// cycle on every x86-64 core, whatever its vector units), times the flops
+/// a cycle the vendor documents for the core's FMA and bf16 dot-product
+/// units. A measured peak well under it means the core runs its vector
+/// units below the clock of its scalar code (a lower AVX-512 clock, a power
+/// limit) or the table's assumption does not hold for this part; one well
+/// over it, that the table is wrong. Either way the two disagree, and a
+/// percentage of the measured peak says less.
+struct ClockPeak {
+  /// The measured clock of the calling thread's core; 0 off x86.
+  double ghz = 0;
+  /// What the table knows the core as and its vector units (null: a core
+  /// the table does not know).
+  const char *core = nullptr;
+  const char *units = nullptr;
+  /// Documented flops a cycle of one core: fp32 FMAs (2 per lane) and bf16
+  /// dot products (4 per fp32 lane); 0 where unknown or absent.
+  int fp32PerCycle = 0;
+  int bf16PerCycle = 0;
+
+  double fp32Gflops() const { return ghz * fp32PerCycle; }
+  double bf16Gflops() const { return ghz * bf16PerCycle; }
+};
+
+/// The table behind ClockPeak: what the vendor documents for a core of
+/// this vendor, family and model with these instruction sets (its `ghz` 0).
+ClockPeak documentedWidth(bool amd, bool intel, unsigned family, unsigned model, bool avx2Fma,
+                          bool avx512f, bool avx512Bf16);
+
+/// Measures the clock of the calling thread's core for about `seconds` (best
+/// of short trials) and looks up its core in documentedWidth's table.
+ClockPeak measureClockPeak(double seconds = 0.1);
 
 /// Random operands of an m x k by k x n product, uniform in [-1, 1), as
 /// fp32 and rounded to bf16, for the matmul benchmarks.

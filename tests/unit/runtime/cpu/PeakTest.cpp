@@ -91,3 +91,48 @@ TEST_CASE("bf16 dot-product peak: present exactly with avx512_bf16, not below bf
   }
   CHECK(peak->gflops > measureFmaPeak(0.2).gflops);
 }
+
+TEST_CASE("clock check: the table's widths by core", "[peak]") {
+  // AMD: Zen 5 (two 512-bit pipes), Zen 4 (a 512-bit op in two 256-bit
+  // halves), Zen 3, Zen 2, Zen; a bf16 figure only with avx512_bf16.
+  const ClockPeak zen5 = documentedWidth(true, false, 0x1A, 0x02, true, true, true);
+  CHECK(zen5.fp32PerCycle == 64);
+  CHECK(zen5.bf16PerCycle == 128);
+  const ClockPeak zen4 = documentedWidth(true, false, 0x19, 0x11, true, true, true);
+  CHECK(zen4.fp32PerCycle == 32);
+  CHECK(zen4.bf16PerCycle == 64);
+  CHECK(documentedWidth(true, false, 0x19, 0x11, true, true, false).bf16PerCycle == 0);
+  const ClockPeak zen3 = documentedWidth(true, false, 0x19, 0x01, true, false, false);
+  CHECK(zen3.fp32PerCycle == 32);
+  CHECK(std::string(zen3.core).find("Zen 3") != std::string::npos);
+  CHECK(documentedWidth(true, false, 0x17, 0x31, true, false, false).fp32PerCycle == 32);
+  CHECK(documentedWidth(true, false, 0x17, 0x01, true, false, false).fp32PerCycle == 16);
+  // Intel: the FMA units by instruction set; no bf16 figure.
+  const ClockPeak intel = documentedWidth(false, true, 6, 0x8F, true, true, true);
+  CHECK(intel.fp32PerCycle == 64);
+  CHECK(intel.bf16PerCycle == 0);
+  CHECK(documentedWidth(false, true, 6, 0x3C, true, false, false).fp32PerCycle == 32);
+  // A core the table does not know: no figure, no name.
+  const ClockPeak unknown = documentedWidth(true, false, 0x15, 0x02, true, false, false);
+  CHECK(unknown.core == nullptr);
+  CHECK(unknown.fp32PerCycle == 0);
+  CHECK(documentedWidth(false, false, 6, 0x8F, true, true, true).core == nullptr);
+}
+
+TEST_CASE("clock check: a clock a core can have", "[peak]") {
+  const ClockPeak c = measureClockPeak(0.05);
+#if defined(__x86_64__)
+  INFO("core clock " << c.ghz << " GHz, " << (c.core ? c.core : "unknown core"));
+  // Dependent adds at one a cycle: a clock between 0.3 and 8 GHz (a broken
+  // loop, one the compiler shortened, or a unit error lands outside).
+  CHECK(c.ghz > 0.3);
+  CHECK(c.ghz < 8.0);
+  if (c.fp32PerCycle) {
+    const FmaPeak fp32 = measureFmaPeak(0.05);
+    INFO("probe " << fp32.gflops << " GFLOP/s, clock x width " << c.fp32Gflops());
+    CHECK(c.fp32Gflops() == Approx(c.ghz * c.fp32PerCycle));
+  }
+#else
+  CHECK(c.ghz == 0);
+#endif
+}

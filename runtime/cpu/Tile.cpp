@@ -237,10 +237,18 @@ MOEC_TILE_TARGET inline void storeBf16(uint16_t *out, __mmask16 mask, __m512 val
 /// `outBf16` (rounded once, here); `in` is fp32 and may be `out`. With
 /// `halfLast`, A's last unit is a lone bf16 value (its pair would lie past
 /// the depth), read as such.
-template <int MR, bool BF16>
+///
+/// With PACK (bf16 only), the panel is not read but made as this call goes,
+/// unit by unit as packRows makes it, and written for the calls after this
+/// one: unit t pairs rows 2t and 2t + 1 of `src` (row stride `ldSrc`
+/// elements, at the panel's first column; the high half zero past `srcRows`
+/// rows). Its loads then run among the dot products, instead of in a pass of
+/// their own that waits on memory with nothing else to do.
+template <int MR, bool BF16, bool PACK>
 MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t aUnit,
-                            bool halfLast, const uint32_t *panel, const float *in, int64_t ldIn,
-                            void *out, int64_t ldOut, bool outBf16, int cols) {
+                            bool halfLast, uint32_t *panel, const float *in, int64_t ldIn,
+                            void *out, int64_t ldOut, bool outBf16, int cols,
+                            const uint16_t *src, int64_t ldSrc, int64_t srcRows) {
   __m512 acc[MR][3];
   const __mmask16 m0 = laneMask(cols, 0), m1 = laneMask(cols, 1), m2 = laneMask(cols, 2);
 #pragma GCC unroll 8
@@ -259,13 +267,35 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     rows[r] = a + r * aRow;
   const int64_t whole = halfLast ? units - 1 : units;
   __m512i av[MR];
-  for (int64_t t = 0; t < whole; ++t, panel += kPanel) {
-    broadcast<MR, false>(av, rows, t * aUnit);
-    step<MR, BF16>(acc, panel, av);
-  }
-  if (halfLast) {
-    broadcast<MR, true>(av, rows, whole * aUnit);
-    step<MR, BF16>(acc, panel, av);
+  if constexpr (PACK) {
+    const __mmask16 masks[3] = {m0, m1, m2};
+    for (int64_t t = 0; t < units; ++t, panel += kPanel) {
+      const uint16_t *r0 = src + 2 * t * ldSrc, *r1 = r0 + ldSrc;
+      const bool pair = 2 * t + 1 < srcRows;
+#pragma GCC unroll 3
+      for (int x = 0; x < 3; ++x) {
+        const __m512i lo =
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(masks[x], r0 + 16 * x));
+        const __m512i hi =
+            pair ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(masks[x], r1 + 16 * x))
+                 : _mm512_setzero_si512();
+        _mm512_store_si512(panel + 16 * x, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+      if (t < whole)
+        broadcast<MR, false>(av, rows, t * aUnit);
+      else
+        broadcast<MR, true>(av, rows, t * aUnit);
+      step<MR, BF16>(acc, panel, av);
+    }
+  } else {
+    for (int64_t t = 0; t < whole; ++t, panel += kPanel) {
+      broadcast<MR, false>(av, rows, t * aUnit);
+      step<MR, BF16>(acc, panel, av);
+    }
+    if (halfLast) {
+      broadcast<MR, true>(av, rows, whole * aUnit);
+      step<MR, BF16>(acc, panel, av);
+    }
   }
   if (outBf16) {
     uint16_t *o = static_cast<uint16_t *>(out);
@@ -326,13 +356,13 @@ MOEC_TILE_TARGET void streamRow(char *dst, const char *src, int64_t bytes) {
   std::memcpy(dst + b, src + b, size_t(bytes - b));
 }
 
-using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, const uint32_t *,
-                       const float *, int64_t, void *, int64_t, bool, int);
+using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, uint32_t *, const float *,
+                       int64_t, void *, int64_t, bool, int, const uint16_t *, int64_t, int64_t);
 
-template <bool BF16> Micro microFor(int rows) {
-  static constexpr Micro table[kRows] = {micro<1, BF16>, micro<2, BF16>, micro<3, BF16>,
-                                         micro<4, BF16>, micro<5, BF16>, micro<6, BF16>,
-                                         micro<7, BF16>, micro<8, BF16>};
+template <bool BF16, bool PACK = false> Micro microFor(int rows) {
+  static constexpr Micro table[kRows] = {
+      micro<1, BF16, PACK>, micro<2, BF16, PACK>, micro<3, BF16, PACK>, micro<4, BF16, PACK>,
+      micro<5, BF16, PACK>, micro<6, BF16, PACK>, micro<7, BF16, PACK>, micro<8, BF16, PACK>};
   return table[rows - 1];
 }
 
@@ -390,9 +420,14 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
     for (int64_t p0 = 0; p0 < k; p0 += depth) {
       const int64_t p1 = std::min(k, p0 + depth);
       const int64_t units = ceilDiv(p1 - p0, per);
+      // A bf16 op(B) stored k x n is packed by the first row block's calls
+      // (micro's PACK), where its loads overlap the dot products; the others
+      // here. (A transposed op(B) packed by the calls, 16 units of its 48
+      // rows at a time by transposes, was not faster.)
+      const bool packInCall = bf16 && !transB;
       if (transB)
         packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels);
-      else
+      else if (!packInCall)
         packRows(bGroup, ldb, p0, p1, nb, bf16, panels, kPanel, kPanel, kBlockUnits * kPanel);
       // A's unit (row i0 + r, unit t) of this block lies at
       // aRows(i0) + r * aRow + t * aUnit bytes.
@@ -437,12 +472,17 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         const int cols = int(std::min<int64_t>(kPanel, nb - q * kPanel));
         const int rows = int(std::min<int64_t>(kRows, m - i0));
         const Micro kernel =
-            rows == kRows ? kernelFull : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
+            packInCall && i0 == 0 ? microFor<true, true>(rows)
+            : rows == kRows       ? kernelFull
+                                  : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
         nextB.next(perCall);
         nextA.next(perCall);
-        kernel(units, aRows(i0), aRow, aUnit, halfLast,
-               panels + q * kBlockUnits * kPanel, in ? in + i0 * ldIn + q * kPanel : nullptr,
-               ldIn, to + q * kPanel * outElt, ldTo, outBf16, cols);
+        kernel(units, aRows(i0), aRow, aUnit, halfLast, panels + q * kBlockUnits * kPanel,
+               in ? in + i0 * ldIn + q * kPanel : nullptr, ldIn, to + q * kPanel * outElt, ldTo,
+               outBf16, cols,
+               packInCall ? static_cast<const uint16_t *>(bGroup) + p0 * ldb + q * kPanel
+                          : nullptr,
+               ldb, p1 - p0);
       };
       if (last && stream) {
         // Row block by row block: the group's columns of kRows rows are

@@ -17,7 +17,9 @@
 //    256 bf16 ones);
 //  - per block, op(B)'s rows are packed into panels 48 columns wide, units
 //    interleaved (a bf16 pair of rows becomes one 32-bit unit per column),
-//    columns past n zero; op(A) is read in place when it is row-major, else
+//    columns past n zero: a bf16 op(B) stored k x n by the micro-kernel
+//    calls of the block's first row block as they go, the others before
+//    the block; op(A) is read in place when it is row-major, else
 //    packed the same way into panels of 16 rows, once for the whole depth;
 //  - the micro-kernel holds an 8 x 48 block of C in 24 zmm registers and, per
 //    unit, loads three 16-lane vectors of the panel and broadcasts one unit

@@ -403,6 +403,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
     return transB ? Prefetch(bBytes + (j0 * ldb + q0) * elt, nb, (q1 - q0) * elt, ldb * elt)
                   : Prefetch(bBytes + (q0 * ldb + j0) * elt, q1 - q0, nb * elt, ldb * elt);
   };
+  // The rows of C's column group at j0, nb wide.
+  auto cRegion = [&](int64_t j0, int64_t nb) {
+    return Prefetch(static_cast<const char *>(c) + j0 * cElt, m, nb * cElt, ldc * cElt);
+  };
   auto aRegion = [&](int64_t q0, int64_t q1) {
     return transA ? Prefetch() : Prefetch(aBytes + q0 * elt, m, (q1 - q0) * elt, lda * elt);
   };
@@ -458,16 +462,23 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       const bool outBf16 = last && cBf16;
       const int64_t outElt = outBf16 ? 2 : 4;
       // What comes next: this group's next block, or the next group's first.
-      Prefetch nextB, nextA;
+      // When that block reads C or writes it through the caches, C's lines
+      // too, so that its stores do not wait for them to come from memory.
+      Prefetch nextB, nextA, nextC;
       if (p1 < k) {
         nextB = bRegion(j0, nb, p1, std::min(k, p1 + depth));
         nextA = aRegion(p1, std::min(k, p1 + depth));
+        if (p1 + depth >= k && !stream)
+          nextC = cRegion(j0, nb);
       } else if (j0 + kGroup < n) {
         nextB = bRegion(j0 + kGroup, std::min(kGroup, n - j0 - kGroup), 0, std::min(k, depth));
         nextA = aRegion(0, std::min(k, depth));
+        if ((k <= depth || load) && !stream)
+          nextC = cRegion(j0 + kGroup, std::min(kGroup, n - j0 - kGroup));
       }
       const int64_t calls = ceilDiv(nb, kPanel) * ceilDiv(m, kRows);
-      const int64_t perCall = ceilDiv(nextB.totalLines() + nextA.totalLines(), calls);
+      const int64_t perCall =
+          ceilDiv(nextB.totalLines() + nextA.totalLines() + nextC.totalLines(), calls);
       auto call = [&](int64_t q, int64_t i0, char *to, int64_t ldTo) {
         const int cols = int(std::min<int64_t>(kPanel, nb - q * kPanel));
         const int rows = int(std::min<int64_t>(kRows, m - i0));
@@ -477,6 +488,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
                                   : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
         nextB.next(perCall);
         nextA.next(perCall);
+        nextC.next(perCall);
         kernel(units, aRows(i0), aRow, aUnit, halfLast, panels + q * kBlockUnits * kPanel,
                in ? in + i0 * ldIn + q * kPanel : nullptr, ldIn, to + q * kPanel * outElt, ldTo,
                outBf16, cols,

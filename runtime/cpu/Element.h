@@ -111,6 +111,14 @@ struct ConstMatrix {
   }
   /// Returns element (i, j) as fp32.
   float at(int64_t i, int64_t j) const { return loadFloat(data, elt, i * ld + j); }
+  /// Asks for elements (i, j) .. (i, j + count - 1) in L2: a row about to be
+  /// read at a place no hardware prefetcher can guess (the next routed row,
+  /// the next row of a tile another core just wrote).
+  void prefetch(int64_t i, int64_t j, int64_t count) const {
+    const char *p = static_cast<const char *>(address(i, j));
+    for (int64_t b = 0; b < count * int64_t(dtypeSize(elt)); b += 64)
+      __builtin_prefetch(p + b, 0, 2);
+  }
 };
 
 /// A writable row-major matrix view; see ConstMatrix.

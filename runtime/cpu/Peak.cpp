@@ -7,9 +7,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -324,6 +327,42 @@ ClockPeak measureClockPeak(double seconds) {
   (void)seconds;
 #endif
   return c;
+}
+
+std::string clockCheckText(const ClockPeak &clock, double fp32Gflops,
+                           std::optional<double> bf16Gflops) {
+  if (clock.ghz <= 0)
+    return "";
+  char buffer[512];
+  std::string text;
+  auto add = [&](const char *format, auto... values) {
+    std::snprintf(buffer, sizeof buffer, format, values...);
+    text += buffer;
+  };
+  add("independent check: core clock %.2f GHz (a chain of dependent adds)", clock.ghz);
+  if (!clock.core || clock.fp32PerCycle == 0) {
+    text += "; no documented flops a cycle for this core, so no check of the peaks\n";
+    return text;
+  }
+  add("; %s, %s: fp32 %d flops a cycle = %.1f GFLOP/s, the probe %.1f%% of it", clock.core,
+      clock.units, clock.fp32PerCycle, clock.fp32Gflops(),
+      100.0 * fp32Gflops / clock.fp32Gflops());
+  double worst = std::abs(fp32Gflops / clock.fp32Gflops() - 1);
+  if (bf16Gflops && clock.bf16PerCycle) {
+    add("; bf16 %d = %.1f GFLOP/s, the probe %.1f%%", clock.bf16PerCycle, clock.bf16Gflops(),
+        100.0 * *bf16Gflops / clock.bf16Gflops());
+    worst = std::max(worst, std::abs(*bf16Gflops / clock.bf16Gflops() - 1));
+  } else if (bf16Gflops) {
+    text += "; no documented bf16 figure for this core";
+  }
+  text += "\n";
+  if (worst > 0.1)
+    add("warning: the probe and the clock's figure differ by %.0f%%: the core runs its vector "
+        "units at another clock than its scalar code (an AVX-512 clock, a power limit), or this "
+        "part's units are not the table's; shares of the peak below are of the probe's "
+        "figure\n",
+        100.0 * worst);
+  return text;
 }
 
 GemmOperands randomGemmOperands(int64_t m, int64_t n, int64_t k) {

@@ -41,6 +41,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace moec::cpu {
@@ -109,6 +110,14 @@ ClockPeak documentedWidth(bool amd, bool intel, unsigned family, unsigned model,
 /// Measures the clock of the calling thread's core for about `seconds` (best
 /// of short trials) and looks up its core in documentedWidth's table.
 ClockPeak measureClockPeak(double seconds = 0.1);
+
+/// What `moec bench` prints of the check: a line "independent check: core
+/// clock ... GHz ..." with the clock's figures and the probe's shares of
+/// them (`fp32Gflops`, and `bf16Gflops` where there is a bf16 probe), or
+/// one that says the core is not in the table; then, when a share is off
+/// by more than 10%, a line "warning: ...". Empty without a clock (off x86).
+std::string clockCheckText(const ClockPeak &clock, double fp32Gflops,
+                           std::optional<double> bf16Gflops);
 
 /// Random operands of an m x k by k x n product, uniform in [-1, 1), as
 /// fp32 and rounded to bf16, for the matmul benchmarks.

@@ -56,15 +56,6 @@ void loadRow(ConstMatrix z, int64_t row, int64_t c0, int64_t n, int64_t parts, i
   }
 }
 
-/// Prefetches `bytes` bytes from `from` into L2: rows about to be read at
-/// a place no hardware prefetcher can guess (a token's row, a routed row's
-/// place in the returned rows).
-inline void prefetchBytes(const void *from, int64_t bytes) {
-  const char *p = static_cast<const char *>(from);
-  for (int64_t b = 0; b < bytes; b += 64)
-    __builtin_prefetch(p + b, 0, 2);
-}
-
 } // namespace
 
 void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const float *weights,
@@ -75,12 +66,11 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
   // Two rows ahead: a row takes about as long to copy as memory takes to
   // answer.
   constexpr int64_t kAhead = 2;
-  const int64_t rowBytes = cols * int64_t(dtypeSize(src.elt));
   for (int64_t i = 0; i < std::min(rows, kAhead); ++i)
-    prefetchBytes(src.address(rowIds[i] / topK, 0), rowBytes);
+    src.prefetch(rowIds[i] / topK, 0, cols);
   for (int64_t i = 0; i < rows; ++i) {
     if (i + kAhead < rows)
-      prefetchBytes(src.address(rowIds[i + kAhead] / topK, 0), rowBytes);
+      src.prefetch(rowIds[i + kAhead] / topK, 0, cols);
     const int64_t id = rowIds[i];
     const void *from = src.address(id / topK, 0);
     if (!weights) {
@@ -100,14 +90,13 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
 void combineRows(ConstMatrix z, const int64_t *position, const float *weights, int64_t topK,
                  Matrix y, Range tokens, Range cols, int64_t parts, int64_t partStride) {
   float sum[kChunk], row[kChunk];
-  const int64_t elt = int64_t(dtypeSize(z.elt));
   for (int64_t t = tokens.begin; t < tokens.end; ++t) {
     for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);
       // The next token's rows, a chunk at a time, a token ahead.
       if (t + 1 < tokens.end)
         for (int64_t k = 0; k < topK; ++k)
-          prefetchBytes(z.address(position[(t + 1) * topK + k], c0), n * elt);
+          z.prefetch(position[(t + 1) * topK + k], c0, n);
       std::fill(sum, sum + n, 0.0f);
       for (int64_t k = 0; k < topK; ++k) {
         const int64_t id = t * topK + k;
@@ -124,13 +113,12 @@ void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, i
                        Range tokens, int64_t cols, float *dweights, int64_t parts,
                        int64_t partStride) {
   float grad[kChunk], row[kChunk];
-  const int64_t rowBytes = cols * int64_t(dtypeSize(z.elt));
   for (int64_t t = tokens.begin; t < tokens.end; ++t) {
     for (int64_t k = 0; k < topK; ++k) {
       const int64_t id = t * topK + k;
       // The next routed row, whole, while this one is summed.
       if (id + 1 < tokens.end * topK)
-        prefetchBytes(z.address(position[id + 1], 0), rowBytes);
+        z.prefetch(position[id + 1], 0, cols);
       // Column c adds into lane c % kLanes, in column order; the lanes are
       // then summed pairwise. A fixed order (the same bits on every thread
       // count), and independent lanes the compiler keeps in vectors: one

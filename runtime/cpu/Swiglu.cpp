@@ -16,11 +16,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <initializer_list>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define MOEC_SWIGLU_AVX2 1
+// GCC 12 reports the undefined vectors its own AVX-512 headers start some
+// intrinsics from (_mm512_undefined_*) as uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace moec::cpu {
@@ -222,27 +227,17 @@ float siluGrad(float x) {
   return s * std::fma(x, 1.0f - s, 1.0f);
 }
 
-namespace {
-
-/// Prefetches `bytes` bytes from each of `starts` into L2: the next row's
-/// gate, up (and gradient) columns, while this row is computed. A tile's
-/// rows were written moments before, often by another core; without this,
-/// each row's loads waited for them (the forward's SwiGLU tasks took 9.4 ms
-/// of the qwen3 step's busy time, 5.8 with it).
-void prefetchRow(std::initializer_list<const void *> starts, int64_t bytes) {
-  for (const void *start : starts)
-    for (int64_t b = 0; b < bytes; b += 64)
-      __builtin_prefetch(static_cast<const char *>(start) + b, 0, 2);
-}
-
-} // namespace
-
 void swigluForward(ConstMatrix y, Matrix a, int64_t inter, Range rows, Range cols) {
   float gate[kChunk], up[kChunk], out[kChunk];
-  const int64_t bytes = cols.size() * int64_t(dtypeSize(y.elt));
   for (int64_t m = rows.begin; m < rows.end; ++m) {
-    if (m + 1 < rows.end)
-      prefetchRow({y.address(m + 1, cols.begin), y.address(m + 1, inter + cols.begin)}, bytes);
+    // The next row's gate and up columns, while this row is computed: a
+    // tile's rows were written moments before, often by another core, and
+    // each row's loads waited for them (the forward's SwiGLU tasks took 9.4
+    // ms of the qwen3 step's busy time, 5.8 with the prefetch).
+    if (m + 1 < rows.end) {
+      y.prefetch(m + 1, cols.begin, cols.size());
+      y.prefetch(m + 1, inter + cols.begin, cols.size());
+    }
     for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);
       loadFloats(y.address(m, c0), y.elt, gate, size_t(n));
@@ -256,13 +251,12 @@ void swigluForward(ConstMatrix y, Matrix a, int64_t inter, Range rows, Range col
 void swigluBackward(ConstMatrix y, ConstMatrix da, Matrix dy, int64_t inter, Range rows,
                     Range cols) {
   float gate[kChunk], up[kChunk], grad[kChunk], dGate[kChunk], dUp[kChunk];
-  const int64_t bytes =
-      cols.size() * int64_t(std::max(dtypeSize(y.elt), dtypeSize(da.elt)));
   for (int64_t m = rows.begin; m < rows.end; ++m) {
-    if (m + 1 < rows.end)
-      prefetchRow({y.address(m + 1, cols.begin), y.address(m + 1, inter + cols.begin),
-                   da.address(m + 1, cols.begin)},
-                  bytes);
+    if (m + 1 < rows.end) { // as in swigluForward
+      y.prefetch(m + 1, cols.begin, cols.size());
+      y.prefetch(m + 1, inter + cols.begin, cols.size());
+      da.prefetch(m + 1, cols.begin, cols.size());
+    }
     for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);
       loadFloats(y.address(m, c0), y.elt, gate, size_t(n));

@@ -455,44 +455,6 @@ int runCalibrate(const Args &args, uint32_t threads, long repeat, const std::str
   return kOk;
 }
 
-/// The independent check of the measured peaks: the core's clock times the
-/// flops a cycle its vendor documents, and how far the probe's figures are
-/// from that.
-void printClockCheck(const cpu::ClockPeak &clock, const cpu::FmaPeak &fp32,
-                     const std::optional<cpu::FmaPeak> &bf16) {
-  if (clock.ghz <= 0) {
-    std::printf("\n");
-    return;
-  }
-  if (!clock.core || clock.fp32PerCycle == 0) {
-    std::printf("independent check: core clock %.2f GHz (a chain of dependent adds); no "
-                "documented flops a cycle for this core, so no check of the peaks\n\n",
-                clock.ghz);
-    return;
-  }
-  std::string line = fmt::format(
-      "independent check: core clock {:.2f} GHz (a chain of dependent adds); {}, {}: fp32 {} "
-      "flops a cycle = {:.1f} GFLOP/s, the probe {:.1f}% of it",
-      clock.ghz, clock.core, clock.units, clock.fp32PerCycle, clock.fp32Gflops(),
-      100.0 * fp32.gflops / clock.fp32Gflops());
-  double worst = std::abs(fp32.gflops / clock.fp32Gflops() - 1);
-  if (bf16 && clock.bf16PerCycle) {
-    line += fmt::format("; bf16 {} = {:.1f} GFLOP/s, the probe {:.1f}%", clock.bf16PerCycle,
-                        clock.bf16Gflops(), 100.0 * bf16->gflops / clock.bf16Gflops());
-    worst = std::max(worst, std::abs(bf16->gflops / clock.bf16Gflops() - 1));
-  } else if (bf16) {
-    line += "; no documented bf16 figure for this core";
-  }
-  std::printf("%s\n", line.c_str());
-  if (worst > 0.1)
-    std::printf("warning: the probe and the clock's figure differ by %.0f%%: the core runs its "
-                "vector units at another clock than its scalar code (an AVX-512 clock, a power "
-                "limit), or this part's units are not the table's; shares of the peak below "
-                "are of the probe's figure\n",
-                100.0 * worst);
-  std::printf("\n");
-}
-
 } // namespace
 
 int runBench(int argc, char **argv, int first) {
@@ -588,7 +550,11 @@ int runBench(int argc, char **argv, int first) {
   else
     std::printf("bf16 dot-product peak: none (no avx512_bf16, no AMX): bf16 tiles widen to fp32 "
                 "and are measured against the fp32 peak\n");
-  printClockCheck(cpu::measureClockPeak(0.2), peak, bf16Peak);
+  // Beside the probe, an independent check of it.
+  std::printf("%s\n", cpu::clockCheckText(cpu::measureClockPeak(0.2), peak.gflops,
+                                          bf16Peak ? std::optional<double>(bf16Peak->gflops)
+                                                   : std::nullopt)
+                          .c_str());
   const double bf16Denominator =
       bf16Peak && cpu::nativeBf16Gemm() ? bf16Peak->gflops : peak.gflops;
   progress.end();

@@ -93,6 +93,14 @@ struct Product {
   }
 };
 
+/// Whether this CPU runs the tile on `bf16` operands; a warning when not.
+bool tileRuns(bool bf16) {
+  if (tile::available(bf16))
+    return true;
+  WARN("this CPU lacks " << (bf16 ? "avx512_bf16" : "AVX-512") << ": the tile is not run");
+  return false;
+}
+
 } // namespace
 
 TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {
@@ -105,10 +113,8 @@ TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {
                           {17, 97, 513}, {33, 200, 300}, {8, 193, 129}};
   uint32_t seed = 1;
   for (const bool bf16 : {false, true}) {
-    if (!tile::available(bf16)) {
-      WARN("this CPU lacks " << (bf16 ? "avx512_bf16" : "AVX-512") << ": the tile is not run");
+    if (!tileRuns(bf16))
       continue;
-    }
     for (const Shape &s : shapes)
       for (const bool transA : {false, true})
         for (const bool transB : {false, true})
@@ -144,10 +150,8 @@ TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {
 
 TEST_CASE("moec's tile gives the same bits however the matmul is cut", "[cpu][tile]") {
   for (const bool bf16 : {false, true}) {
-    if (!tile::available(bf16)) {
-      WARN("this CPU lacks " << (bf16 ? "avx512_bf16" : "AVX-512") << ": the tile is not run");
+    if (!tileRuns(bf16))
       continue;
-    }
     for (const bool transA : {false, true})
       for (const bool transB : {false, true}) {
         INFO((bf16 ? "bf16" : "fp32") << (transA ? " transA" : "") << (transB ? " transB" : ""));
@@ -165,10 +169,8 @@ TEST_CASE("moec's tile gives the same bits however the matmul is cut", "[cpu][ti
 }
 
 TEST_CASE("moec's tile rounds a bf16 C as floatToBf16 does", "[cpu][tile]") {
-  if (!tile::available(true)) {
-    WARN("this CPU lacks avx512_bf16: the tile is not run");
+  if (!tileRuns(true))
     return;
-  }
   for (const int64_t k : {100, 700}) { // one depth block, and several
     INFO("k " << k);
     const int64_t m = 19, n = 70;
@@ -201,10 +203,8 @@ TEST_CASE("moec's tile writes the same bits to a streamed C", "[cpu][tile]") {
   // line-aligned C and one that is not (its rows then go by plain stores),
   // columns that end mid-line, and nothing written past the tile's columns.
   for (const bool bf16 : {false, true}) {
-    if (!tile::available(bf16)) {
-      WARN("this CPU lacks " << (bf16 ? "avx512_bf16" : "AVX-512") << ": the tile is not run");
+    if (!tileRuns(bf16))
       continue;
-    }
     for (const bool cBf16 : {false, true})
       for (const int64_t k : {int64_t(60), int64_t(700)})
         for (const int64_t offset : {int64_t(0), int64_t(1)}) { // elements off a line

@@ -98,6 +98,16 @@ struct Range {
   bool empty() const { return end <= begin; }
 };
 
+/// Asks for the bytes [p, p + bytes) in L2: a row about to be read at a
+/// place no hardware prefetcher can guess (the next routed row, the next row
+/// of a tile another core just wrote). The callers pass an address they
+/// computed (`m.address(i, j)`): GCC 12 drops the prefetches of this loop
+/// when it is a ConstMatrix member that computes the address itself.
+inline void prefetchBytes(const void *p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    __builtin_prefetch(static_cast<const char *>(p) + b, 0, 2);
+}
+
 /// A read-only row-major matrix view: element (i, j) is element i * ld + j of
 /// the array of type `elt` at `data`.
 struct ConstMatrix {
@@ -111,14 +121,6 @@ struct ConstMatrix {
   }
   /// Returns element (i, j) as fp32.
   float at(int64_t i, int64_t j) const { return loadFloat(data, elt, i * ld + j); }
-  /// Asks for elements (i, j) .. (i, j + count - 1) in L2: a row about to be
-  /// read at a place no hardware prefetcher can guess (the next routed row,
-  /// the next row of a tile another core just wrote).
-  void prefetch(int64_t i, int64_t j, int64_t count) const {
-    const char *p = static_cast<const char *>(address(i, j));
-    for (int64_t b = 0; b < count * int64_t(dtypeSize(elt)); b += 64)
-      __builtin_prefetch(p + b, 0, 2);
-  }
 };
 
 /// A writable row-major matrix view; see ConstMatrix.

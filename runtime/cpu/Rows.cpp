@@ -66,11 +66,12 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
   // Two rows ahead: a row takes about as long to copy as memory takes to
   // answer.
   constexpr int64_t kAhead = 2;
+  const int64_t rowBytes = cols * int64_t(dtypeSize(src.elt));
   for (int64_t i = 0; i < std::min(rows, kAhead); ++i)
-    src.prefetch(rowIds[i] / topK, 0, cols);
+    prefetchBytes(src.address(rowIds[i] / topK, 0), rowBytes);
   for (int64_t i = 0; i < rows; ++i) {
     if (i + kAhead < rows)
-      src.prefetch(rowIds[i + kAhead] / topK, 0, cols);
+      prefetchBytes(src.address(rowIds[i + kAhead] / topK, 0), rowBytes);
     const int64_t id = rowIds[i];
     const void *from = src.address(id / topK, 0);
     if (!weights) {
@@ -90,13 +91,14 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
 void combineRows(ConstMatrix z, const int64_t *position, const float *weights, int64_t topK,
                  Matrix y, Range tokens, Range cols, int64_t parts, int64_t partStride) {
   float sum[kChunk], row[kChunk];
+  const int64_t elt = int64_t(dtypeSize(z.elt));
   for (int64_t t = tokens.begin; t < tokens.end; ++t) {
     for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);
       // The next token's rows, a chunk at a time, a token ahead.
       if (t + 1 < tokens.end)
         for (int64_t k = 0; k < topK; ++k)
-          z.prefetch(position[(t + 1) * topK + k], c0, n);
+          prefetchBytes(z.address(position[(t + 1) * topK + k], c0), n * elt);
       std::fill(sum, sum + n, 0.0f);
       for (int64_t k = 0; k < topK; ++k) {
         const int64_t id = t * topK + k;
@@ -113,12 +115,13 @@ void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, i
                        Range tokens, int64_t cols, float *dweights, int64_t parts,
                        int64_t partStride) {
   float grad[kChunk], row[kChunk];
+  const int64_t rowBytes = cols * int64_t(dtypeSize(z.elt));
   for (int64_t t = tokens.begin; t < tokens.end; ++t) {
     for (int64_t k = 0; k < topK; ++k) {
       const int64_t id = t * topK + k;
       // The next routed row, whole, while this one is summed.
       if (id + 1 < tokens.end * topK)
-        z.prefetch(position[id + 1], 0, cols);
+        prefetchBytes(z.address(position[id + 1], 0), rowBytes);
       // Column c adds into lane c % kLanes, in column order; the lanes are
       // then summed pairwise. A fixed order (the same bits on every thread
       // count), and independent lanes the compiler keeps in vectors: one

@@ -229,14 +229,15 @@ float siluGrad(float x) {
 
 void swigluForward(ConstMatrix y, Matrix a, int64_t inter, Range rows, Range cols) {
   float gate[kChunk], up[kChunk], out[kChunk];
+  const int64_t bytes = cols.size() * int64_t(dtypeSize(y.elt));
   for (int64_t m = rows.begin; m < rows.end; ++m) {
     // The next row's gate and up columns, while this row is computed: a
     // tile's rows were written moments before, often by another core, and
     // each row's loads waited for them (the forward's SwiGLU tasks took 9.4
     // ms of the qwen3 step's busy time, 5.8 with the prefetch).
     if (m + 1 < rows.end) {
-      y.prefetch(m + 1, cols.begin, cols.size());
-      y.prefetch(m + 1, inter + cols.begin, cols.size());
+      prefetchBytes(y.address(m + 1, cols.begin), bytes);
+      prefetchBytes(y.address(m + 1, inter + cols.begin), bytes);
     }
     for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);
@@ -251,11 +252,13 @@ void swigluForward(ConstMatrix y, Matrix a, int64_t inter, Range rows, Range col
 void swigluBackward(ConstMatrix y, ConstMatrix da, Matrix dy, int64_t inter, Range rows,
                     Range cols) {
   float gate[kChunk], up[kChunk], grad[kChunk], dGate[kChunk], dUp[kChunk];
+  const int64_t bytes = cols.size() * int64_t(dtypeSize(y.elt));
+  const int64_t gradBytes = cols.size() * int64_t(dtypeSize(da.elt));
   for (int64_t m = rows.begin; m < rows.end; ++m) {
     if (m + 1 < rows.end) { // as in swigluForward
-      y.prefetch(m + 1, cols.begin, cols.size());
-      y.prefetch(m + 1, inter + cols.begin, cols.size());
-      da.prefetch(m + 1, cols.begin, cols.size());
+      prefetchBytes(y.address(m + 1, cols.begin), bytes);
+      prefetchBytes(y.address(m + 1, inter + cols.begin), bytes);
+      prefetchBytes(da.address(m + 1, cols.begin), gradBytes);
     }
     for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define MOEC_TILE_X86 1
@@ -322,9 +323,11 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
 /// computes, so the GEMM does not wait on memory at each block's start.
 ///
 /// Each call takes whole rows, the same number each time, so that the loops'
-/// branches are predicted. (A walk of a fixed number of lines, wrapping to
-/// the next row at a different line each call, cost the tile a tenth of its
-/// time in mispredicted branches when the lines were already cached.)
+/// branches repeat from call to call. A walk of a fixed number of lines,
+/// wrapping to the next row at a different line each call, cost a tile whose
+/// operands were already cached a tenth of its time, as much with its
+/// prefetches left out as with them: the walk, not the prefetching (most
+/// likely its mispredicted row wraps; this was measured, not counted).
 class Prefetch {
 public:
   Prefetch() = default;

@@ -812,6 +812,11 @@ class MoeFFN(torch.nn.Module):
     rounded rows, and backward treats the rounding as the identity (the
     gradients are those of the layer at the rounded x).
 
+    init_weights: False leaves w1, w2 and the adapters uninitialized
+    (torch.empty), for a caller that fills them (moec_torch.hf does, from a
+    model or a checkpoint); drawing the whole experts costs seconds at a
+    real model's size.
+
     A layer cannot be copied or pickled (copy.deepcopy, pickle, torch.save
     of the module raise TypeError): it owns a runtime. Its state is
     state_dict(); rebuild with MoeFFN(config, ...) and load_state_dict."""
@@ -820,7 +825,7 @@ class MoeFFN(torch.nn.Module):
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
                  lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False,
-                 dispatch_dtype=None):
+                 dispatch_dtype=None, init_weights=True):
         super().__init__()
         load_library()
         arg = "MoeFFN: argument "
@@ -839,6 +844,7 @@ class MoeFFN(torch.nn.Module):
         frozen = checks.boolean(frozen, arg + "'frozen'")
         main_grad = checks.boolean(main_grad, arg + "'main_grad'")
         trace = checks.boolean(trace, arg + "'trace'")
+        init_weights = checks.boolean(init_weights, arg + "'init_weights'")
         cfg = checks.read_config(config)
         # The files the layer reads, which no file it writes may be.
         self._config_file = None if isinstance(config, dict) else os.fspath(config)
@@ -953,7 +959,8 @@ class MoeFFN(torch.nn.Module):
                 torch.empty(mine, k, lora_rank, dtype=dtype)))
             setattr(self, f"{name}_lora_B", torch.nn.Parameter(
                 torch.empty(mine, lora_rank, n, dtype=dtype)))
-        self.reset_parameters()
+        if init_weights:
+            self.reset_parameters()
         self._register_load_state_dict_pre_hook(self._check_checkpoint)
 
     def _projection(self, name):

@@ -1,0 +1,861 @@
+"""moec in Hugging Face-structured MoE models: patch the experts of a model,
+fill them from a checkpoint, save PEFT adapters and merged checkpoints.
+
+    import moec_torch.hf as mhf
+    names = mhf.patch_model(model, ranks=2, threads=2, lora_rank=16, lora_alpha=32)
+    mhf.load_experts(model, "Qwen3-30B-A3B/")      # or load_checkpoint: every tensor
+    ...train...
+    mhf.save_adapters(model, "adapter/")           # adapter_config.json + adapter_model.safetensors
+    mhf.load_adapters(model, "adapter/")
+    mhf.save_pretrained(model, "merged/", max_shard_size="5GB")
+
+A model is "Hugging Face-structured" when its MoE blocks are transformers'
+classes (or classes with their names, attributes and forward math, as
+moec_torch.hf_models' stand-ins): Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2,
+DeepSeek-V3 and OLMoE, with experts either as per-expert modules
+(``experts.<e>.gate_proj/up_proj/down_proj``, Mixtral ``w1/w3/w2``;
+transformers v4) or fused parameters (``experts.gate_up_proj [E, 2I, H]``,
+``experts.down_proj [E, H, I]``; transformers v5).
+
+patch_model replaces each block's experts with a MoecExperts module that runs
+a moec MoeFFN layer: the block's router and shared experts stay the model's
+own; in the v5 layout the block's forward is untouched (its experts module
+is called as the model calls it), in the v4 layout the block's forward (or
+DeepSeek's ``moe`` method) is replaced by one with the same routing math that
+calls the moec experts. The model's expert weights are converted once into
+the layer's w1 [E, H, 2I] / w2 [E, I, H] and the model's copies are freed.
+
+LoRA: PEFT puts one adapter on each targeted nn.Linear, so gate_proj and
+up_proj have an A and a B each. The moec layer holds them as one adapter of
+rank r * (gate/up targets) on its fused w1, with A = [A_gate | A_up] and a
+block-diagonal B, and one of the same rank on w2 whose columns past r are
+zero; a gradient hook keeps the zero blocks zero, so the layer computes
+exactly PEFT's per-module adapters. save_adapters writes them under PEFT's
+names for the unpatched model.
+"""
+
+import json
+import math
+import os
+import re
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import checks, safetensors
+
+__all__ = ["FAMILIES", "MoecExperts", "load_adapters", "load_checkpoint", "load_experts",
+           "patch_model", "save_adapters", "save_pretrained"]
+
+
+# --- families ---------------------------------------------------------------
+
+class Family:
+    """What moec needs to know of a model family: its MoE block classes, its
+    experts' projection names in checkpoints (gate, up, down), the config
+    fields of its sizes, and how its v4 block routes."""
+
+    def __init__(self, name, model_types, blocks, projections, experts_key, inter_key,
+                 routing, checkpoint_block=None):
+        self.name = name
+        self.model_types = model_types
+        self.blocks = blocks
+        self.projections = projections       # (gate, up, down) module names
+        self.experts_key = experts_key       # config fields for E, first found
+        self.inter_key = inter_key
+        self.routing = routing               # "softmax" (forward replaced) or "moe_method"
+        # The block's name in checkpoints when the module tree names it
+        # otherwise (transformers v5's Mixtral calls block_sparse_moe mlp).
+        self.checkpoint_block = checkpoint_block
+
+    def __repr__(self):
+        return f"Family({self.name})"
+
+
+FAMILIES = [
+    Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeSparseMoeBlock",),
+           ("gate_proj", "up_proj", "down_proj"), ("num_experts",), "moe_intermediate_size",
+           "softmax"),
+    Family("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeSparseMoeBlock",),
+           ("gate_proj", "up_proj", "down_proj"), ("num_experts",), "moe_intermediate_size",
+           "softmax"),
+    Family("mixtral", ("mixtral",), ("MixtralSparseMoeBlock",), ("w1", "w3", "w2"),
+           ("num_local_experts",), "intermediate_size", "softmax",
+           checkpoint_block="block_sparse_moe"),
+    Family("deepseek_v2", ("deepseek_v2",), ("DeepseekV2MoE",),
+           ("gate_proj", "up_proj", "down_proj"), ("n_routed_experts",),
+           "moe_intermediate_size", "moe_method"),
+    Family("deepseek_v3", ("deepseek_v3",), ("DeepseekV3MoE",),
+           ("gate_proj", "up_proj", "down_proj"), ("n_routed_experts",),
+           "moe_intermediate_size", "moe_method"),
+    Family("olmoe", ("olmoe",), ("OlmoeSparseMoeBlock",), ("gate_proj", "up_proj", "down_proj"),
+           ("num_experts",), "intermediate_size", "softmax"),
+]
+_BY_BLOCK = {cls: f for f in FAMILIES for cls in f.blocks}
+
+
+def _known():
+    return ", ".join(f"{f.name} ({'/'.join(f.blocks)})" for f in FAMILIES)
+
+
+def _looks_like_moe(module):
+    """A module that holds experts and a router, whatever its class."""
+    return hasattr(module, "experts") and (hasattr(module, "gate") or hasattr(module, "router"))
+
+
+def find_blocks(model):
+    """[(name, block, family)] of every MoE block of `model`, in module
+    order. A module that looks like an MoE block (experts and a gate) of
+    an unknown class is refused, naming it and the known families."""
+    found = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f + ".") for f, _, _ in found):
+            continue
+        family = _BY_BLOCK.get(type(module).__name__)
+        if family is not None:
+            found.append((name, module, family))
+        elif isinstance(module, MoecExperts):
+            raise ValueError(f"moec: the model is patched already ('{name}' is moec's experts)")
+        elif _looks_like_moe(module) and not isinstance(module, torch.nn.ModuleList):
+            raise ValueError(
+                f"moec: '{name}' ({type(module).__name__}) looks like an MoE block (it has "
+                f"experts and a router) but is not one moec knows; known: {_known()}")
+    return found
+
+
+# --- the experts' weights ---------------------------------------------------
+
+def _fused(experts):
+    return not isinstance(experts, torch.nn.ModuleList) and hasattr(experts, "gate_up_proj")
+
+
+def _expert_sizes(block, family, where):
+    """(E, H, I) of a block's experts, from their weights."""
+    ex = block.experts
+    if _fused(ex):
+        e, two_i, h = ex.gate_up_proj.shape
+        if two_i % 2 or tuple(ex.down_proj.shape) != (e, h, two_i // 2):
+            raise ValueError(f"moec: '{where}.experts': gate_up_proj {list(ex.gate_up_proj.shape)}"
+                             f" and down_proj {list(ex.down_proj.shape)} are not [E, 2I, H] "
+                             "and [E, H, I]")
+        return e, h, two_i // 2
+    if not isinstance(ex, torch.nn.ModuleList) or len(ex) == 0:
+        raise ValueError(f"moec: '{where}.experts' is neither a ModuleList of experts nor "
+                         "fused gate_up_proj/down_proj parameters")
+    g, u, d = family.projections
+    first = ex[0]
+    for p in (g, u, d):
+        if not isinstance(getattr(first, p, None), torch.nn.Linear):
+            raise ValueError(f"moec: '{where}.experts.0' has no nn.Linear '{p}' "
+                             f"({family.name} experts have {', '.join(family.projections)})")
+    i, h = getattr(first, g).weight.shape
+    return len(ex), h, i
+
+
+def _expert_weights(block, family, e):
+    """(w1 [H, 2I], w2 [I, H]) of expert e, views where the layout allows."""
+    ex = block.experts
+    if _fused(ex):
+        return ex.gate_up_proj[e].t(), ex.down_proj[e].t()
+    g, u, d = (getattr(ex[e], p).weight for p in family.projections)
+    return torch.cat((g.t(), u.t()), 1), d.t()
+
+
+def _dtype_name(dtype, where):
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    if dtype not in names:
+        raise ValueError(f"moec: {where}: the layer computes in float32 or bfloat16, not {dtype}; "
+                         "pass dtype=torch.float32 or torch.bfloat16")
+    return names[dtype]
+
+
+# --- LoRA in PEFT's layout --------------------------------------------------
+
+class _Lora:
+    """PEFT's per-module adapters of one family on the layer's fused ones.
+
+    targets: the family's module names targeted, among (gate, up, down).
+    The layer's rank is r * max(1, gate/up targets); w1's A columns
+    [j r, (j+1) r) and B rows of the same range over the j-th gate/up
+    target's columns are its adapter; w2's first r columns of A and rows of
+    B are down's. Masks keep the rest zero."""
+
+    def __init__(self, family, targets, r, alpha):
+        g, u, d = family.projections
+        self.family = family
+        self.r = r
+        self.alpha = alpha
+        self.w1_targets = [t for t in (g, u) if t in targets]
+        self.down = d if d in targets else None
+        self.rank = r * max(1, len(self.w1_targets))
+        self.moec_targets = (("w1",) if self.w1_targets else ()) + (("w2",) if self.down else ())
+
+    def pieces(self, inter):
+        """[(module, moec target, A column slice, B row slice, B column slice)]:
+        where each PEFT module's adapter lives in the layer's A [K, rank]
+        and B [rank, N]."""
+        out = []
+        g = self.family.projections[0]
+        for j, t in enumerate(self.w1_targets):
+            rows = slice(j * self.r, (j + 1) * self.r)
+            cols = slice(0, inter) if t == g else slice(inter, 2 * inter)
+            out.append((t, "w1", rows, rows, cols))
+        if self.down:
+            rows = slice(0, self.r)
+            out.append((self.down, "w2", rows, rows, slice(None)))
+        return out
+
+    def masks(self, layer):
+        """{parameter name: 0/1 mask} of the entries that belong to an adapter."""
+        masks = {}
+        for target in self.moec_targets:
+            a = getattr(layer, f"{target}_lora_A")
+            b = getattr(layer, f"{target}_lora_B")
+            masks[f"{target}_lora_A"] = torch.zeros(1, 1, a.shape[2], dtype=a.dtype)
+            masks[f"{target}_lora_B"] = torch.zeros(1, *b.shape[1:], dtype=b.dtype)
+        for _, target, acols, brows, bcols in self.pieces(layer.inter):
+            masks[f"{target}_lora_A"][..., acols] = 1
+            masks[f"{target}_lora_B"][:, brows, bcols] = 1
+        return masks
+
+
+# --- the moec experts module ------------------------------------------------
+
+class MoecExperts(torch.nn.Module):
+    """A block's routed experts on a moec MoeFFN layer, called as transformers
+    v5 calls its experts module: forward(hidden_states [N, H], top_k_index
+    [N, K], top_k_weights [N, K]) -> [N, H], in hidden_states' dtype.
+
+    In one process with R in-process ranks the N tokens are shared out over
+    the ranks, ceil(N / R) each, the last padded with tokens of zero weight
+    that add exact zeros; under mpirun each process passes its own tokens.
+    `layer` is the MoeFFN; `family` the model family; `lora` the PEFT layout
+    of its adapters, or None."""
+
+    def __init__(self, layer, family, lora=None):
+        super().__init__()
+        self.layer = layer
+        self.family = family
+        self.num_experts = layer.experts
+        self.lora = lora
+        self._masks = lora.masks(layer) if lora else {}
+        for name, mask in self._masks.items():
+            getattr(layer, name).register_hook(lambda g, m=mask: g * m.to(g.dtype))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        layer = self.layer
+        n, h = hidden_states.shape
+        k = top_k_index.shape[-1]
+        x = hidden_states.to(layer.w1.dtype)
+        weights = top_k_weights.float()
+        ids = top_k_index.long()
+        if layer.local_ranks == layer.ranks and layer.ranks > 1 or n == 0:
+            r = layer.ranks
+            s = max(1, -(-n // r))
+            pad = r * s - n
+            if pad:
+                x = torch.cat((x, x.new_zeros(pad, h)))
+                weights = torch.cat((weights, weights.new_zeros(pad, k)))
+                spread = (torch.arange(pad).unsqueeze(1) * k + torch.arange(k)) % layer.experts
+                ids = torch.cat((ids, spread))
+            y = layer(x.view(r, s, h), ids.view(r, s, k), weights.view(r, s, k))
+            y = y.reshape(r * s, h)[:n]
+        else:
+            y = layer(x, ids, weights)
+        return y.to(hidden_states.dtype)
+
+    def extra_repr(self):
+        lora = f", lora r={self.lora.r} on {'/'.join(self.lora.w1_targets + ([self.lora.down] if self.lora.down else []))}" \
+            if self.lora else ""
+        return f"family={self.family.name}{lora}"
+
+
+def _route_softmax(block, hidden_states):
+    """transformers v4's Qwen2/3-MoE, Mixtral and OLMoE routing: softmax in
+    fp32 over all experts, top-k, renormalized (Mixtral always, the others
+    when norm_topk_prob), cast back to the hidden dtype."""
+    logits = block.gate(hidden_states)
+    weights = F.softmax(logits, dim=1, dtype=torch.float)
+    weights, selected = torch.topk(weights, block.top_k, dim=-1)
+    if getattr(block, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, selected, weights.to(hidden_states.dtype)
+
+
+def _softmax_block_forward(self, hidden_states):
+    """The v4 block's forward with moec's experts: the same routing, shared
+    expert and return value ((hidden states, router logits))."""
+    batch, seq, hidden = hidden_states.shape
+    if self.training and getattr(self, "jitter_noise", 0) > 0:  # Mixtral
+        hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+            1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+    flat = hidden_states.view(-1, hidden)
+    logits, selected, weights = _route_softmax(self, flat)
+    out = self.experts(flat, selected, weights)
+    if hasattr(self, "shared_expert"):  # Qwen2-MoE
+        shared = self.shared_expert(flat)
+        out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
+    return out.reshape(batch, seq, hidden), logits
+
+
+def _moe_method(self, hidden_states, topk_indices, topk_weights):
+    """DeepSeek's v4 ``moe`` method (the routed experts' sum) on moec's
+    experts; the block's forward (router, shared experts) stays its own."""
+    return self.experts(hidden_states, topk_indices, topk_weights).to(hidden_states.dtype)
+
+
+# --- patching ---------------------------------------------------------------
+
+def _config_of(model):
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("moec: the model has no .config (a Hugging Face model carries its "
+                         "PretrainedConfig as model.config)")
+    return config
+
+
+def _family_of_config(config):
+    model_type = getattr(config, "model_type", None)
+    for f in FAMILIES:
+        if model_type in f.model_types:
+            return f
+    return None
+
+
+def _top_k(block, config):
+    for source in (block, getattr(block, "gate", None), config):
+        for key in ("top_k", "num_experts_per_tok"):
+            value = getattr(source, key, None) if source is not None else None
+            if isinstance(value, int) and value > 0:
+                return value
+    raise ValueError("moec: cannot tell the block's top-k (no top_k or num_experts_per_tok)")
+
+
+def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256,
+                lora_rank=0, lora_alpha=None, lora_targets=None, **options):
+    """Replaces the routed experts of every MoE block of `model` with a moec
+    layer, in place, and returns the names of the blocks it replaced.
+
+    ranks: the EP group's size (default 1 in one process; under mpirun, the
+    processes); threads: the runtime's workers per block (0: the hardware
+    threads); dtype: the layer's (default the experts' weights', float32 or
+    bfloat16); tokens_per_rank: the capacity compiled first (it grows with
+    the batches). lora_rank, lora_alpha, lora_targets: LoRA adapters as PEFT
+    puts them on the experts' projections (lora_targets: the family's module
+    names, default all three: gate_proj, up_proj, down_proj, Mixtral w1, w3,
+    w2; lora_alpha defaults to lora_rank); the experts' base weights are then
+    frozen. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
+    capacity_policy, timeout_seconds, fabric, target, check_finite, trace).
+
+    The model's expert weights (on any device but meta) are converted once
+    into the layer's and freed; a model built with its experts on the meta
+    device is patched with empty experts, for load_experts to fill."""
+    config = _config_of(model)
+    blocks = find_blocks(model)
+    if not blocks:
+        family = _family_of_config(config)
+        what = f"a {family.name} model" if family else \
+            f"model_type {getattr(config, 'model_type', None)!r}"
+        raise ValueError(f"moec: found no MoE block in {type(model).__name__} ({what}); "
+                         f"known blocks: {_known()}")
+    lora_rank = checks.integer(lora_rank, "patch_model: argument 'lora_rank'", minimum=0)
+    tokens_per_rank = checks.integer(tokens_per_rank, "patch_model: argument 'tokens_per_rank'",
+                                     minimum=1)
+    if lora_alpha is not None and not lora_rank:
+        raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
+    alpha = checks.number(lora_alpha, "patch_model: argument 'lora_alpha'") \
+        if lora_alpha is not None else float(lora_rank)
+    from . import MoeFFN, launched_by_mpi  # the package imports this module lazily
+    if ranks is None and not launched_by_mpi() and options.get("fabric") != "mpi":
+        ranks = 1
+    # Check every block before changing any.
+    plans = []
+    for name, block, family in blocks:
+        e, h, i = _expert_sizes(block, family, name)
+        k = _top_k(block, config)
+        weight = block.experts.gate_up_proj if _fused(block.experts) else \
+            getattr(block.experts[0], family.projections[0]).weight
+        layer_dtype = dtype or weight.dtype
+        targets = None
+        if lora_rank:
+            targets = tuple(lora_targets) if lora_targets is not None else family.projections
+            if isinstance(lora_targets, str):
+                targets = (lora_targets,)
+            unknown = [t for t in targets if t not in family.projections]
+            if unknown or not targets:
+                raise ValueError(f"moec: lora_targets {list(targets)} of '{name}': {family.name} "
+                                 f"experts have {', '.join(family.projections)}")
+        cfg = {"name": f"hf-{family.name}", "hidden_size": h, "intermediate_size": i,
+               "num_experts": e, "top_k": k, "seq_size": tokens_per_rank,
+               "dtype": _dtype_name(layer_dtype, f"'{name}'")}
+        plans.append((name, block, family, cfg, weight.is_meta, targets))
+    names = []
+    for name, block, family, cfg, empty, targets in plans:
+        lora = _Lora(family, targets, lora_rank, alpha) if lora_rank else None
+        lora_args = dict(lora_rank=lora.rank, lora_alpha=alpha * lora.rank / lora_rank,
+                         lora_targets=lora.moec_targets) if lora else {}
+        layer = MoeFFN(cfg, ranks, threads=threads, init_weights=False, **lora_args, **options)
+        _copy_in(layer, block, family, empty)
+        if lora:
+            _init_lora(layer, lora)
+        fused = _fused(block.experts)
+        block.experts = MoecExperts(layer, family, lora)
+        if not fused:
+            if family.routing == "moe_method":
+                block.moe = types.MethodType(_moe_method, block)
+            else:
+                block.forward = types.MethodType(_softmax_block_forward, block)
+        names.append(name)
+    return names
+
+
+def _local_experts(layer):
+    first = layer.first_rank * layer.local_experts
+    return range(first, first + layer.w1.shape[0])
+
+
+def _copy_in(layer, block, family, empty):
+    """Copies this process's experts of `block` into the layer (unless the
+    model's are on meta), one expert at a time."""
+    with torch.no_grad():
+        if empty:
+            layer.w1.zero_()
+            layer.w2.zero_()
+            return
+        for j, e in enumerate(_local_experts(layer)):
+            w1, w2 = _expert_weights(block, family, e)
+            layer.w1[j].copy_(w1)
+            layer.w2[j].copy_(w2)
+
+
+def _init_lora(layer, lora):
+    """PEFT's start: each module's A uniform in ±1/sqrt(in) (its
+    kaiming_uniform(a=sqrt(5))), drawn for every expert of the model so that
+    every process draws the same; B zero; the entries of no adapter zero."""
+    masks = lora.masks(layer)
+    with torch.no_grad():
+        for target in lora.moec_targets:
+            getattr(layer, f"{target}_lora_A").zero_()
+            getattr(layer, f"{target}_lora_B").zero_()
+        local = _local_experts(layer)
+        for e in range(layer.experts):
+            for module, target, acols, _, _ in lora.pieces(layer.inter):
+                a = getattr(layer, f"{target}_lora_A")
+                draw = torch.empty(a.shape[1], lora.r).uniform_(-1, 1) / math.sqrt(a.shape[1])
+                if e in local:
+                    a[e - local.start][:, acols] = draw.to(a.dtype)
+        for name, mask in masks.items():
+            getattr(layer, name).mul_(mask)
+
+
+def _patched(model):
+    """[(name, block, experts)] of the patched blocks; raises if none."""
+    out = [(name, m, m.experts) for name, m in model.named_modules()
+           if isinstance(getattr(m, "experts", None), MoecExperts)]
+    if not out:
+        raise ValueError("moec: the model has no moec experts; call patch_model(model) first")
+    return out
+
+
+def _checkpoint_prefix(name, family):
+    """The block's name in checkpoints ("model.layers.3.mlp")."""
+    if family.checkpoint_block:
+        parent, _, last = name.rpartition(".")
+        if last != family.checkpoint_block:
+            return f"{parent}.{family.checkpoint_block}" if parent else family.checkpoint_block
+    return name
+
+
+# --- checkpoints in -----------------------------------------------------------
+
+def _open(checkpoint):
+    """A checkpoint folder (or an open one) as safetensors.Checkpoint."""
+    return checkpoint if isinstance(checkpoint, safetensors.Checkpoint) \
+        else safetensors.Checkpoint(checkpoint)
+
+
+def _dequantize_fp8(weight, scale_inv, name, block=128):
+    """DeepSeek-V3's FP8 weight: e4m3 codes [out, in] times the fp32
+    weight_scale_inv of each block x block tile."""
+    w = safetensors.fp8_e4m3_to_float(weight)
+    rows, cols = w.shape
+    want = (-(-rows // block), -(-cols // block))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"moec: '{name}_scale_inv' has shape {list(scale_inv.shape)}; a "
+                         f"{list(w.shape)} weight in {block}x{block} blocks needs {list(want)}")
+    s = scale_inv.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return w * s
+
+
+def _read_weight(ckpt, name):
+    """A checkpoint weight as a float or bf16 tensor: FP8 ones dequantized
+    with their weight_scale_inv."""
+    if ckpt.dtype(name) == "F8_E4M3":
+        scale = name + "_scale_inv"
+        if scale not in ckpt:
+            raise ValueError(f"moec: '{name}' is F8_E4M3 and the checkpoint has no "
+                             f"'{scale}' to dequantize it")
+        return _dequantize_fp8(ckpt.get_tensor(name), ckpt.get_tensor(scale), name)
+    return ckpt.get_tensor(name)
+
+
+def load_experts(model, checkpoint, *, strict=True):
+    """Fills a patched model's experts from a Hugging Face checkpoint folder
+    (config.json, model.safetensors or shards with model.safetensors.index.json),
+    one block at a time and, under mpirun, each process only its own experts.
+    FP8 weights (F8_E4M3 with weight_scale_inv per 128x128 block, as
+    DeepSeek-V3 ships) are dequantized to the layer's dtype. Every name and
+    shape a block needs is checked before any of its experts is copied.
+    Returns the names of the tensors read."""
+    ckpt = _open(checkpoint)
+    read = []
+    for name, block, experts in _patched(model):
+        layer, family = experts.layer, experts.family
+        prefix = _checkpoint_prefix(name, family)
+        g, u, d = family.projections
+        local = _local_experts(layer)
+        wanted = {e: [f"{prefix}.experts.{e}.{p}.weight" for p in (g, u, d)] for e in local}
+        shapes = {g: (layer.inter, layer.hidden), u: (layer.inter, layer.hidden),
+                  d: (layer.hidden, layer.inter)}
+        for e, keys in wanted.items():
+            for key, p in zip(keys, (g, u, d)):
+                if key not in ckpt:
+                    raise ValueError(f"moec: {ckpt.where(key)} has no '{key}' (expert {e} of "
+                                     f"'{name}')")
+                if tuple(ckpt.shape(key)) != shapes[p]:
+                    raise ValueError(f"moec: '{key}' in {ckpt.where(key)} has shape "
+                                     f"{list(ckpt.shape(key))}; the model's is {list(shapes[p])}")
+        with torch.no_grad():
+            for j, e in enumerate(local):
+                gw, uw, dw = (_read_weight(ckpt, key) for key in wanted[e])
+                layer.w1[j, :, :layer.inter].copy_(gw.t())
+                layer.w1[j, :, layer.inter:].copy_(uw.t())
+                layer.w2[j].copy_(dw.t())
+                read.extend(wanted[e])
+    return read
+
+
+def load_checkpoint(model, checkpoint):
+    """Loads every tensor of a checkpoint folder into a patched model: the
+    experts through load_experts, every other parameter and buffer by its
+    name (FP8 ones dequantized). A name the model has and the checkpoint
+    lacks (but a tied lm_head.weight), or one the checkpoint has and the
+    model lacks, is an error, raised before anything is copied."""
+    ckpt = _open(checkpoint)
+    blocks = _patched(model)
+    own = _non_expert_state(model)
+    if getattr(_config_of(model), "tie_word_embeddings", False):
+        own.pop("lm_head.weight", None)
+    ranks = blocks[0][2].layer.ranks
+    known = set(own) | {n for r in range(ranks) for n, _, _ in _expert_entries(blocks, r)}
+    missing = [k for k in own if k not in ckpt]
+    extra = [k for k in ckpt.keys() if k not in known
+             and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in known)]
+    for names, what in ((missing, "the checkpoint {where} has no '{name}'"),
+                        (extra, "the model has no '{name}' of {where}")):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise ValueError("moec: " + what.format(name=names[0], where=ckpt.where(names[0]))
+                             + more)
+    for key, t in own.items():
+        if tuple(ckpt.shape(key)) != tuple(t.shape):
+            raise ValueError(f"moec: '{key}' in {ckpt.where(key)} has shape "
+                             f"{list(ckpt.shape(key))}; the model's is {list(t.shape)}")
+    load_experts(model, ckpt)
+    with torch.no_grad():
+        for key, t in own.items():
+            t.copy_(_read_weight(ckpt, key))
+
+
+def _non_expert_state(model):
+    """The model's state_dict without moec's layers (tensors share storage)."""
+    return {k: v for k, v in model.state_dict(keep_vars=True).items()
+            if ".experts.layer." not in f".{k}" and not k.startswith("experts.layer.")}
+
+
+# --- adapters out and in -----------------------------------------------------
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _lora_of(model):
+    """The patched blocks' common PEFT layout (r, alpha, targets)."""
+    blocks = _patched(model)
+    loras = {(b.lora.r, b.lora.alpha) if b.lora else None for _, _, b in blocks}
+    if None in loras:
+        raise ValueError("moec: the model's moec experts have no LoRA adapters; patch it with "
+                         "lora_rank=")
+    return blocks
+
+
+def _adapter_tensors(name, experts):
+    """(PEFT name, layer parameter, expert index in the layer, A or B, the
+    parameter's [rows, cols] of this module) of every adapter tensor of one
+    block this process holds."""
+    layer, lora = experts.layer, experts.lora
+    prefix = _checkpoint_prefix(name, experts.family)
+    for j, e in enumerate(_local_experts(layer)):
+        for module, target, acols, brows, bcols in lora.pieces(layer.inter):
+            base = f"base_model.model.{prefix}.experts.{e}.{module}"
+            yield f"{base}.lora_A.weight", getattr(layer, f"{target}_lora_A"), j, \
+                (slice(None), acols)
+            yield f"{base}.lora_B.weight", getattr(layer, f"{target}_lora_B"), j, (brows, bcols)
+
+
+def _target_regex(blocks):
+    """PEFT's target_modules as a regex (PEFT fullmatches a string against
+    each module name): the routed experts' projections only, not the
+    shared experts' or a dense MLP's of the same names."""
+    parents = sorted({re.sub(r"\.\d+\.", r".\\d+.", _checkpoint_prefix(n, b.family))
+                      .replace(".", r"\.").replace(r"\\d+\.", r"\d+\.")
+                      for n, _, b in blocks})
+    modules = sorted({m for _, _, b in blocks for m, *_ in b.lora.pieces(b.layer.inter)})
+    return rf"^(?:{'|'.join(parents)})\.experts\.\d+\.(?:{'|'.join(modules)})$"
+
+
+def save_adapters(model, directory):
+    """Writes the LoRA adapters of a patched model as PEFT saves a LoRA of the
+    unpatched one: adapter_config.json (peft_type LORA, r, lora_alpha,
+    target_modules: a regex of the experts' projections) and
+    adapter_model.safetensors with ``base_model.model.<block>.experts.<e>.
+    <module>.lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r] for each
+    module (gate_proj, up_proj, down_proj; Mixtral w1, w3, w2). Under mpirun
+    each process writes its experts to adapter_model-<rank>-of-<ranks>.safetensors
+    and rank 0 the config (PEFT reads one file: merge_adapter_shards joins
+    them). Returns the files written."""
+    blocks = _lora_of(model)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    layer = blocks[0][2].layer
+    sharded = layer.local_ranks != layer.ranks
+    tensors = {}
+    for name, _, experts in blocks:
+        for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
+            t = p[j][rows, cols]
+            tensors[key] = t.detach().t().contiguous().clone()
+    weights = directory / (f"adapter_model-{layer.first_rank:05d}-of-{layer.ranks:05d}"
+                           ".safetensors" if sharded else ADAPTER_FILE)
+    safetensors.save_file(tensors, weights, metadata={"format": "pt"})
+    written = [weights]
+    if layer.first_rank == 0:
+        lora = blocks[0][2].lora
+        base = getattr(_config_of(model), "_name_or_path", None) or None
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
+                  "base_model_name_or_path": base, "r": lora.r, "lora_alpha": lora.alpha,
+                  "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+                  "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+                  "use_rslora": False, "use_dora": False, "rank_pattern": {},
+                  "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
+                  "target_modules": _target_regex(blocks)}
+        path = directory / ADAPTER_CONFIG
+        safetensors.write_atomically(path, json.dumps(config, indent=2).encode())
+        written.insert(0, path)
+    return written
+
+
+def _adapter_files(directory):
+    """The adapter weight files of a folder: adapter_model.safetensors, or
+    the per-rank shards, or (read with weights_only) adapter_model.bin."""
+    single = directory / ADAPTER_FILE
+    if single.exists():
+        return [single]
+    shards = sorted(directory.glob("adapter_model-*-of-*.safetensors"))
+    if shards:
+        return shards
+    legacy = directory / "adapter_model.bin"
+    if legacy.exists():
+        return [legacy]
+    raise ValueError(f"moec: {directory} holds no {ADAPTER_FILE} (nor adapter_model.bin)")
+
+
+def read_adapter_file(path):
+    """The tensors of an adapter weight file: safetensors, or a .bin read
+    with torch.load(weights_only=True), which runs no pickled code (a file
+    that would is refused)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        return safetensors.load_file(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's unpickler names what it refused
+        raise ValueError(f"moec: {path} is not a plain dict of tensors (weights_only load "
+                         f"refused it: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                         ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"moec: {path} is not a dict of tensors")
+    return state
+
+
+def load_adapters(model, directory):
+    """Loads adapters that save_adapters (or PEFT, for the unpatched model)
+    wrote into a patched model's experts: checks peft_type, r and lora_alpha
+    against the model, finds every tensor of this process's experts with
+    its shape, and only then copies. Tensors of other modules in the file
+    (say, attention adapters) are not moec's and are returned, not loaded."""
+    blocks = _lora_of(model)
+    directory = Path(directory)
+    path = directory / ADAPTER_CONFIG
+    try:
+        config = json.loads(checks.read_small_file(path, "adapter config"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"moec: cannot read {path}: {e}") from None
+    lora = blocks[0][2].lora
+    want = {"peft_type": "LORA", "r": lora.r, "lora_alpha": lora.alpha}
+    got = {k: config.get(k) for k in want}
+    if got != want:
+        raise ValueError(f"moec: the adapters in {directory} are {got}; the model's are {want}")
+    tensors = {}
+    for f in _adapter_files(directory):
+        tensors.update(read_adapter_file(f))
+    updates, used = [], set()
+    for name, _, experts in blocks:
+        for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
+            t = tensors.get(key)
+            shape = tuple(p[j][rows, cols].shape)[::-1]
+            if t is None:
+                raise ValueError(f"moec: the adapters in {directory} have no '{key}'")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"moec: '{key}' in {directory} has shape {list(t.shape)}; "
+                                 f"expected {list(shape)}")
+            updates.append((p, j, rows, cols, t))
+            used.add(key)
+    with torch.no_grad():
+        for p, j, rows, cols, t in updates:
+            p[j][rows, cols] = t.t().to(p.dtype)
+    return sorted(k for k in tensors if k not in used and ".experts." not in k)
+
+
+# --- merged checkpoints out ----------------------------------------------------
+
+def _parse_size(size):
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*", str(size), re.I)
+    if not m:
+        raise ValueError(f"moec: max_shard_size {size!r} is not a size such as 5GB or 500MB")
+    units = {None: 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    return int(float(m.group(1)) * units[m.group(2).upper() if m.group(2) else None])
+
+
+def _merged_experts(name, experts):
+    """{checkpoint name: tensor} of one block's merged experts this process
+    holds (adapters folded in), in the model's layout [out, in]."""
+    layer = experts.layer
+    w1, w2 = layer.merged_weights() if layer.lora_rank else (layer.w1, layer.w2)
+    prefix = _checkpoint_prefix(name, experts.family)
+    g, u, d = experts.family.projections
+    out = {}
+    for j, e in enumerate(_local_experts(layer)):
+        out[f"{prefix}.experts.{e}.{g}.weight"] = w1[j, :, :layer.inter].t()
+        out[f"{prefix}.experts.{e}.{u}.weight"] = w1[j, :, layer.inter:].t()
+        out[f"{prefix}.experts.{e}.{d}.weight"] = w2[j].t()
+    return out
+
+
+def _expert_entries(blocks, rank):
+    """[(checkpoint name, dtype, shape)] of rank `rank`'s experts of every
+    patched block: what that rank writes."""
+    out = []
+    for name, _, experts in blocks:
+        layer = experts.layer
+        prefix = _checkpoint_prefix(name, experts.family)
+        g, u, d = experts.family.projections
+        first = rank * layer.local_experts
+        for e in range(first, first + layer.local_experts):
+            for p, shape in ((g, (layer.inter, layer.hidden)), (u, (layer.inter, layer.hidden)),
+                             (d, (layer.hidden, layer.inter))):
+                out.append((f"{prefix}.experts.{e}.{p}.weight", layer.w1.dtype, shape))
+    return out
+
+
+def _nbytes(dtype, shape):
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def shard_plan(entries, limit):
+    """Shards of at most `limit` bytes for [(name, dtype, shape, owner)] in
+    order: a shard holds one owner's tensors (the process that writes it),
+    and a tensor larger than the limit gets a shard of its own, as
+    transformers does. Returns [(file name, owner, [names])]; one shard is
+    model.safetensors, more are model-00001-of-0000N.safetensors."""
+    shards = []
+    size = 0
+    for name, dtype, shape, owner in entries:
+        n = _nbytes(dtype, shape)
+        if not shards or shards[-1][0] != owner or size + n > limit and shards[-1][1]:
+            shards.append((owner, []))
+            size = 0
+        shards[-1][1].append(name)
+        size += n
+    count = len(shards)
+    if count == 1:
+        return [("model.safetensors", shards[0][0], shards[0][1])]
+    return [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", owner, names)
+            for i, (owner, names) in enumerate(shards)]
+
+
+def save_pretrained(model, directory, max_shard_size="5GB"):
+    """Writes a patched model as a Hugging Face checkpoint: config.json, the
+    weights with their original names (the experts per expert, the adapters
+    merged in) in safetensors shards of at most max_shard_size, and
+    model.safetensors.index.json (one model.safetensors, no index, when it
+    fits one shard), as transformers' save_pretrained does. Under mpirun
+    every process writes its experts' shards and rank 0 the rest, the config
+    and the index, so that the folder is one checkpoint. A source
+    checkpoint's quantization_config is dropped: the weights are written in
+    the model's dtype. Returns the files this process wrote."""
+    blocks = _patched(model)
+    config = _config_of(model)
+    directory = Path(directory)
+    limit = _parse_size(max_shard_size)
+    layer = blocks[0][2].layer
+    rest = {k: v.detach() for k, v in _non_expert_state(model).items()}
+    if getattr(config, "tie_word_embeddings", False):
+        rest.pop("lm_head.weight", None)
+    entries = [(k, v.dtype, tuple(v.shape), 0) for k, v in rest.items()]
+    for r in range(layer.ranks):
+        entries += [(n, dt, shape, r) for n, dt, shape in _expert_entries(blocks, r)]
+    plan = shard_plan(entries, limit)
+    mine = range(layer.first_rank, layer.first_rank + layer.local_ranks)
+    for path in ([directory / f for f, owner, _ in plan if owner in mine]
+                 + ([directory / "config.json", directory / INDEX] if 0 in mine else [])):
+        checks.output_path(path, "save_pretrained", "the checkpoint file")
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = dict(rest) if 0 in mine else {}
+    for name, _, experts in blocks:
+        tensors.update(_merged_experts(name, experts))
+    written = []
+    for file, owner, names in plan:
+        if owner in mine:
+            safetensors.save_file({n: tensors[n].contiguous() for n in names}, directory / file,
+                                  metadata={"format": "pt"})
+            written.append(directory / file)
+    if 0 in mine:
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        cfg.pop("quantization_config", None)
+        path = directory / "config.json"
+        safetensors.write_atomically(path, json.dumps(cfg, indent=2, sort_keys=True).encode())
+        written.insert(0, path)
+        if len(plan) > 1:
+            index = {"metadata": {"total_size": sum(_nbytes(dt, s) for _, dt, s, _ in entries)},
+                     "weight_map": {n: f for f, _, names in plan for n in sorted(names)}}
+            index["weight_map"] = dict(sorted(index["weight_map"].items()))
+            safetensors.write_atomically(directory / INDEX,
+                                         json.dumps(index, indent=2).encode())
+            written.append(directory / INDEX)
+    _barrier(layer, "save_pretrained")
+    return written
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _barrier(layer, what):
+    """Under mpirun, waits (bounded by the layer's timeout) until every
+    process got here."""
+    if layer._collective:
+        layer._agree({"at": what}, f"moec {what}: the ranks could not meet at the end")

@@ -53,13 +53,13 @@ from pathlib import Path
 
 import torch
 
-from . import checks, native, reference
+from . import checks, native, reference, safetensors
 from .native import compile, dump, load_trace, simulate_trace
 
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
            "MoeFFN", "MoeFFNFunction", "checks", "compile", "compile_graphs",
            "compile_layer", "dump", "finalize_mpi", "launched_by_mpi", "load_library",
-           "load_trace", "native", "reference", "simulate_trace"]
+           "load_trace", "native", "reference", "safetensors", "simulate_trace"]
 
 
 _loaded = False
@@ -1483,19 +1483,21 @@ class MoeFFN(torch.nn.Module):
     def save_adapters(self, directory, module_prefix="experts"):
         """Writes the LoRA adapters as PEFT saves a LoRA model: adapter_config.json
         (r, lora_alpha, target_modules: "gate_up_proj" for w1, the fused
-        gate/up projection, "down_proj" for w2) and adapter_model.bin, a
-        torch.save'd dict of ``base_model.model.{module_prefix}.{expert}.{module}
-        .lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r] (nn.Linear's
-        layout: A and B transposed). Under mpirun each process writes its own
-        experts to adapter_model-rank{r}-of-{R}.bin and rank 0 the config;
+        gate/up projection, "down_proj" for w2) and adapter_model.safetensors
+        with ``base_model.model.{module_prefix}.{expert}.{module}.lora_A.weight``
+        [r, in] and ``lora_B.weight`` [out, r] (nn.Linear's layout: A and B
+        transposed). These are the names of this layer's own fused modules;
+        for a Hugging Face model's gate_proj/up_proj/down_proj adapters see
+        moec_torch.hf. Under mpirun each process writes its own experts to
+        adapter_model-rank{r}-of-{R}.safetensors and rank 0 the config;
         load_adapters reads either form. Returns the files written."""
         if not self.lora_rank:
             raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         sharded = self.local_ranks != self.ranks
-        weights = directory / (f"adapter_model-rank{self.first_rank}-of-{self.ranks}.bin"
-                               if sharded else "adapter_model.bin")
+        weights = directory / (f"adapter_model-rank{self.first_rank}-of-{self.ranks}"
+                               ".safetensors" if sharded else "adapter_model.safetensors")
         # Neither file may be one the layer reads (its config file, ...).
         for path in [weights] + ([directory / "adapter_config.json"]
                                  if self.first_rank == 0 else []):
@@ -1503,7 +1505,7 @@ class MoeFFN(torch.nn.Module):
         tensors = {name: p[e].detach().t().contiguous().clone()
                    for p, e, name in self._peft_names(module_prefix)}
         written = [weights]
-        _write_atomically(weights, lambda f: torch.save(tensors, f))
+        safetensors.save_file(tensors, weights, metadata={"format": "pt"})
         if self.first_rank == 0:
             config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None,
                       "r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
@@ -1520,9 +1522,10 @@ class MoeFFN(torch.nn.Module):
     def load_adapters(self, directory, module_prefix="experts"):
         """Loads adapters that save_adapters (or PEFT, with the same names)
         wrote: checks r, lora_alpha and the target modules against this layer,
-        reads this process's experts from adapter_model.bin or the rank
-        files, and copies them in only when every tensor is there with its
-        shape."""
+        reads this process's experts from adapter_model.safetensors or the
+        rank files (an adapter_model*.bin with torch.load(weights_only=True),
+        which runs no code from the file), and copies them in only when every
+        tensor is there with its shape."""
         if not self.lora_rank:
             raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
         directory = Path(directory)
@@ -1538,12 +1541,13 @@ class MoeFFN(torch.nn.Module):
         if config.get("peft_type") != "LORA" or got != want:
             raise ValueError(f"moec: the adapters in {directory} are {got} "
                              f"(peft_type {config.get('peft_type')!r}); this layer's are {want}")
-        tensors = {}
-        files = sorted(directory.glob("adapter_model*.bin"))
+        files = sorted(directory.glob("adapter_model*.safetensors")) or \
+            sorted(directory.glob("adapter_model*.bin"))
         if not files:
-            raise ValueError(f"moec: {directory} holds no adapter_model*.bin")
+            raise ValueError(f"moec: {directory} holds no adapter_model*.safetensors")
+        tensors = {}
         for f in files:
-            tensors.update(torch.load(f, map_location="cpu"))
+            tensors.update(safetensors.load_tensors(f))
         updates = []
         for p, e, name in self._peft_names(module_prefix):
             t = tensors.get(name)

@@ -46,8 +46,9 @@ import torch.nn.functional as F
 
 from . import checks, safetensors
 
-__all__ = ["FAMILIES", "MoecExperts", "load_adapters", "load_checkpoint", "load_experts",
-           "patch_model", "save_adapters", "save_pretrained"]
+__all__ = ["FAMILIES", "MoecExperts", "all_sum", "barrier", "find_blocks", "load_adapters",
+           "load_checkpoint", "load_experts", "patch_model",
+           "save_adapters", "save_pretrained", "shard_plan"]
 
 
 # --- families ---------------------------------------------------------------
@@ -114,10 +115,10 @@ def find_blocks(model):
         if any(name.startswith(f + ".") for f, _, _ in found):
             continue
         family = _BY_BLOCK.get(type(module).__name__)
+        if isinstance(getattr(module, "experts", None), MoecExperts):
+            raise ValueError(f"moec: the model is patched already ('{name}.experts' is moec's)")
         if family is not None:
             found.append((name, module, family))
-        elif isinstance(module, MoecExperts):
-            raise ValueError(f"moec: the model is patched already ('{name}' is moec's experts)")
         elif _looks_like_moe(module) and not isinstance(module, torch.nn.ModuleList):
             raise ValueError(
                 f"moec: '{name}' ({type(module).__name__}) looks like an MoE block (it has "
@@ -286,18 +287,19 @@ def _route_softmax(block, hidden_states):
 
 def _softmax_block_forward(self, hidden_states):
     """The v4 block's forward with moec's experts: the same routing, shared
-    expert and return value ((hidden states, router logits))."""
-    batch, seq, hidden = hidden_states.shape
+    expert and return value ((hidden states, router logits)), for hidden
+    states of any shape [..., H]."""
+    shape = hidden_states.shape
     if self.training and getattr(self, "jitter_noise", 0) > 0:  # Mixtral
         hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
             1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-    flat = hidden_states.view(-1, hidden)
+    flat = hidden_states.reshape(-1, shape[-1])
     logits, selected, weights = _route_softmax(self, flat)
     out = self.experts(flat, selected, weights)
     if hasattr(self, "shared_expert"):  # Qwen2-MoE
         shared = self.shared_expert(flat)
         out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
-    return out.reshape(batch, seq, hidden), logits
+    return out.reshape(shape), logits
 
 
 def _moe_method(self, hidden_states, topk_indices, topk_weights):
@@ -501,39 +503,48 @@ def _read_weight(ckpt, name):
     return ckpt.get_tensor(name)
 
 
-def load_experts(model, checkpoint, *, strict=True):
-    """Fills a patched model's experts from a Hugging Face checkpoint folder
-    (config.json, model.safetensors or shards with model.safetensors.index.json),
-    one block at a time and, under mpirun, each process only its own experts.
-    FP8 weights (F8_E4M3 with weight_scale_inv per 128x128 block, as
-    DeepSeek-V3 ships) are dequantized to the layer's dtype. Every name and
-    shape a block needs is checked before any of its experts is copied.
-    Returns the names of the tensors read."""
-    ckpt = _open(checkpoint)
-    read = []
-    for name, block, experts in _patched(model):
+def _expert_keys(model, ckpt):
+    """[(layer, [(expert index in the layer, gate, up, down checkpoint names)])]
+    for every patched block, each name checked in `ckpt` with its shape."""
+    plan = []
+    for name, _, experts in _patched(model):
         layer, family = experts.layer, experts.family
         prefix = _checkpoint_prefix(name, family)
-        g, u, d = family.projections
-        local = _local_experts(layer)
-        wanted = {e: [f"{prefix}.experts.{e}.{p}.weight" for p in (g, u, d)] for e in local}
-        shapes = {g: (layer.inter, layer.hidden), u: (layer.inter, layer.hidden),
-                  d: (layer.hidden, layer.inter)}
-        for e, keys in wanted.items():
-            for key, p in zip(keys, (g, u, d)):
+        shapes = ((layer.inter, layer.hidden), (layer.inter, layer.hidden),
+                  (layer.hidden, layer.inter))
+        keys = []
+        for j, e in enumerate(_local_experts(layer)):
+            names = [f"{prefix}.experts.{e}.{p}.weight" for p in family.projections]
+            for key, shape in zip(names, shapes):
                 if key not in ckpt:
-                    raise ValueError(f"moec: {ckpt.where(key)} has no '{key}' (expert {e} of "
-                                     f"'{name}')")
-                if tuple(ckpt.shape(key)) != shapes[p]:
+                    raise ValueError(f"moec: the checkpoint {ckpt.where(key)} has no '{key}' "
+                                     f"(expert {e} of '{name}')")
+                if tuple(ckpt.shape(key)) != shape:
                     raise ValueError(f"moec: '{key}' in {ckpt.where(key)} has shape "
-                                     f"{list(ckpt.shape(key))}; the model's is {list(shapes[p])}")
-        with torch.no_grad():
-            for j, e in enumerate(local):
-                gw, uw, dw = (_read_weight(ckpt, key) for key in wanted[e])
-                layer.w1[j, :, :layer.inter].copy_(gw.t())
-                layer.w1[j, :, layer.inter:].copy_(uw.t())
-                layer.w2[j].copy_(dw.t())
-                read.extend(wanted[e])
+                                     f"{list(ckpt.shape(key))}; the model's is {list(shape)}")
+            keys.append((j, *names))
+        plan.append((layer, keys))
+    return plan
+
+
+def load_experts(model, checkpoint):
+    """Fills a patched model's experts from a Hugging Face checkpoint folder
+    (config.json, model.safetensors or shards with model.safetensors.index.json),
+    under mpirun each process only its own experts. Every name and shape is
+    checked first; then the experts are read one at a time from the mapped
+    files into the layers, so no block's experts are held twice. FP8 weights
+    (F8_E4M3 with weight_scale_inv per 128x128 block, as DeepSeek-V3 ships)
+    are dequantized to the layer's dtype. Returns the names read."""
+    ckpt = _open(checkpoint)
+    plan = _expert_keys(model, ckpt)
+    read = []
+    with torch.no_grad():
+        for layer, keys in plan:
+            for j, g, u, d in keys:
+                layer.w1[j, :, :layer.inter].copy_(_read_weight(ckpt, g).t())
+                layer.w1[j, :, layer.inter:].copy_(_read_weight(ckpt, u).t())
+                layer.w2[j].copy_(_read_weight(ckpt, d).t())
+                read += [g, u, d]
     return read
 
 
@@ -563,6 +574,7 @@ def load_checkpoint(model, checkpoint):
         if tuple(ckpt.shape(key)) != tuple(t.shape):
             raise ValueError(f"moec: '{key}' in {ckpt.where(key)} has shape "
                              f"{list(ckpt.shape(key))}; the model's is {list(t.shape)}")
+    _expert_keys(model, ckpt)
     load_experts(model, ckpt)
     with torch.no_grad():
         for key, t in own.items():
@@ -623,23 +635,40 @@ def save_adapters(model, directory):
     adapter_model.safetensors with ``base_model.model.<block>.experts.<e>.
     <module>.lora_A.weight`` [r, in] and ``lora_B.weight`` [out, r] for each
     module (gate_proj, up_proj, down_proj; Mixtral w1, w3, w2). Under mpirun
-    each process writes its experts to adapter_model-<rank>-of-<ranks>.safetensors
-    and rank 0 the config (PEFT reads one file: merge_adapter_shards joins
-    them). Returns the files written."""
+    each process writes its experts to adapter_model-<rank>-of-<ranks>.safetensors;
+    once every process has, rank 0 joins them into adapter_model.safetensors
+    (the one file PEFT reads; the folder must be one that every process
+    sees) and writes the config. Returns the files written."""
     blocks = _lora_of(model)
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     layer = blocks[0][2].layer
     sharded = layer.local_ranks != layer.ranks
+    whole = directory / ADAPTER_FILE
+    mine = directory / (f"adapter_model-{layer.first_rank:05d}-of-{layer.ranks:05d}"
+                        ".safetensors" if sharded else ADAPTER_FILE)
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in [mine] + ([whole, directory / ADAPTER_CONFIG] if layer.first_rank == 0 else []):
+        checks.output_path(path, "save_adapters", "the adapter file")
     tensors = {}
     for name, _, experts in blocks:
         for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
-            t = p[j][rows, cols]
-            tensors[key] = t.detach().t().contiguous().clone()
-    weights = directory / (f"adapter_model-{layer.first_rank:05d}-of-{layer.ranks:05d}"
-                           ".safetensors" if sharded else ADAPTER_FILE)
-    safetensors.save_file(tensors, weights, metadata={"format": "pt"})
-    written = [weights]
+            tensors[key] = p[j][rows, cols].detach().t().contiguous().clone()
+    safetensors.save_file(tensors, mine, metadata={"format": "pt"})
+    written = [mine]
+    if sharded:
+        barrier(model)
+        if layer.first_rank == 0:
+            parts = [directory / f"adapter_model-{r:05d}-of-{layer.ranks:05d}.safetensors"
+                     for r in range(layer.ranks)]
+            joined = {}
+            for part in parts:
+                joined.update(safetensors.load_file(part))
+            safetensors.save_file(joined, whole, metadata={"format": "pt"})
+            for part in parts:
+                part.unlink()
+            written = [whole]
+        else:
+            written = []
     if layer.first_rank == 0:
         lora = blocks[0][2].lora
         base = getattr(_config_of(model), "_name_or_path", None) or None
@@ -653,6 +682,8 @@ def save_adapters(model, directory):
         path = directory / ADAPTER_CONFIG
         safetensors.write_atomically(path, json.dumps(config, indent=2).encode())
         written.insert(0, path)
+    if sharded:
+        barrier(model)
     return written
 
 
@@ -669,24 +700,6 @@ def _adapter_files(directory):
     if legacy.exists():
         return [legacy]
     raise ValueError(f"moec: {directory} holds no {ADAPTER_FILE} (nor adapter_model.bin)")
-
-
-def read_adapter_file(path):
-    """The tensors of an adapter weight file: safetensors, or a .bin read
-    with torch.load(weights_only=True), which runs no pickled code (a file
-    that would is refused)."""
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        return safetensors.load_file(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch's unpickler names what it refused
-        raise ValueError(f"moec: {path} is not a plain dict of tensors (weights_only load "
-                         f"refused it: {str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                         ) from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"moec: {path} is not a dict of tensors")
-    return state
 
 
 def load_adapters(model, directory):
@@ -709,7 +722,7 @@ def load_adapters(model, directory):
         raise ValueError(f"moec: the adapters in {directory} are {got}; the model's are {want}")
     tensors = {}
     for f in _adapter_files(directory):
-        tensors.update(read_adapter_file(f))
+        tensors.update(safetensors.load_tensors(f))
     updates, used = [], set()
     for name, _, experts in blocks:
         for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
@@ -821,10 +834,10 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
         entries += [(n, dt, shape, r) for n, dt, shape in _expert_entries(blocks, r)]
     plan = shard_plan(entries, limit)
     mine = range(layer.first_rank, layer.first_rank + layer.local_ranks)
+    directory.mkdir(parents=True, exist_ok=True)
     for path in ([directory / f for f, owner, _ in plan if owner in mine]
                  + ([directory / "config.json", directory / INDEX] if 0 in mine else [])):
         checks.output_path(path, "save_pretrained", "the checkpoint file")
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = dict(rest) if 0 in mine else {}
     for name, _, experts in blocks:
         tensors.update(_merged_experts(name, experts))
@@ -847,15 +860,31 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
             safetensors.write_atomically(directory / INDEX,
                                          json.dumps(index, indent=2).encode())
             written.append(directory / INDEX)
-    _barrier(layer, "save_pretrained")
+    barrier(model)
     return written
 
 
 INDEX = "model.safetensors.index.json"
 
 
-def _barrier(layer, what):
-    """Under mpirun, waits (bounded by the layer's timeout) until every
-    process got here."""
+def _first_layer(model):
+    return _patched(model)[0][2].layer
+
+
+def barrier(model):
+    """Under mpirun, returns once every process of the patched model's EP
+    group has called it (bounded by the layers' timeout_seconds); in one
+    process, at once."""
+    layer = _first_layer(model)
     if layer._collective:
-        layer._agree({"at": what}, f"moec {what}: the ranks could not meet at the end")
+        layer._agree({"at": "barrier"}, "moec barrier: the ranks could not meet")
+
+
+def all_sum(model, value):
+    """The sum of a number over the processes of the patched model's EP group
+    (under mpirun; in one process, the number), e.g. a loss."""
+    layer = _first_layer(model)
+    if not layer._collective:
+        return float(value)
+    views = layer._agree({"value": float(value)}, "moec all_sum: the ranks could not meet")
+    return math.fsum(v["value"] for v in views)

@@ -471,7 +471,7 @@ def test_save_adapters_refuses_the_config_file(tmp_path):
     with pytest.raises(ValueError, match="save_adapters: the adapter file .*adapter_config.json' "
                                          "is the same file as the config"):
         layer.save_adapters(tmp_path)
-    assert cfg.read_text() == text and not (tmp_path / "adapter_model.bin").exists()
+    assert cfg.read_text() == text and not (tmp_path / "adapter_model.safetensors").exists()
 
 
 # --- boolean arguments ------------------------------------------------------------

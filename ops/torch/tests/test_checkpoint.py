@@ -133,11 +133,11 @@ def test_peft_layout_of_the_adapters(tmp_path):
         for p in a.adapters():
             p.uniform_(-0.5, 0.5)
     files = a.save_adapters(tmp_path, module_prefix="model.layers.3.mlp.experts")
-    assert sorted(f.name for f in files) == ["adapter_config.json", "adapter_model.bin"]
+    assert sorted(f.name for f in files) == ["adapter_config.json", "adapter_model.safetensors"]
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
     assert cfg["target_modules"] == ["gate_up_proj", "down_proj"]
-    tensors = torch.load(tmp_path / "adapter_model.bin")
+    tensors = moec_torch.safetensors.load_file(tmp_path / "adapter_model.safetensors")
     H, I, r = a.hidden, a.inter, 4
     assert len(tensors) == 4 * a.experts
     A = tensors["base_model.model.model.layers.3.mlp.experts.1.gate_up_proj.lora_A.weight"]

@@ -1,0 +1,211 @@
+"""LoRA fine-tuning of a Hugging Face-format MoE model with moec's layer, end
+to end, against the same model with PEFT's LoRA in plain PyTorch.
+
+    finetune.py make-checkpoint DIR     a small Qwen3-MoE checkpoint (config.json,
+                                        safetensors shards, index), random weights
+    finetune.py train DIR               patch the model, load the checkpoint, train
+                                        LoRA adapters on a synthetic task beside the
+                                        plain-PyTorch LoRA model, save the adapters
+                                        and the merged checkpoint
+    finetune.py check DIR               in a fresh process: reload the adapters and
+                                        check the logits; load the merged checkpoint
+                                        into the unpatched model and check them again
+
+DIR holds ckpt/, adapter/, merged/ and probe.safetensors (the trained model's
+logits on a probe batch). Under mpirun (-np R) `train` and `check` run one
+rank per process, each with its share of the batch; make-checkpoint runs in
+one process. The model is moec_torch.hf_models' stand-in of transformers'
+Qwen3MoeForCausalLM; with transformers installed, the same calls take
+AutoModelForCausalLM.from_pretrained(...) (docs/hf.md).
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops/torch"))
+import moec_torch  # noqa: E402
+import moec_torch.hf as mhf  # noqa: E402
+from moec_torch import hf_lora, hf_models, safetensors  # noqa: E402
+
+CONFIG = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=128,
+              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, initializer_range=0.1, tie_word_embeddings=False)
+
+
+def world():
+    """(rank, size) under mpirun, else (0, 1)."""
+    return (int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)),
+            int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
+
+
+def log(*args):
+    if world()[0] == 0:
+        print(*args, flush=True)
+
+
+def batch(step, args, vocab):
+    """The synthetic task: each label is a fixed permutation of its token."""
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(7))
+    return ids, perm[ids]
+
+
+def loss_of(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                             labels.reshape(-1), reduction="sum")
+
+
+def make_checkpoint(args):
+    torch.manual_seed(args.seed)
+    config = hf_models.config_from_dict(CONFIG)
+    model = hf_models.model_from_config(config).to(args.torch_dtype)
+    out = args.dir / "ckpt"
+    out.mkdir(parents=True, exist_ok=True)
+    config.torch_dtype = str(args.torch_dtype).replace("torch.", "")
+    config.save_pretrained(out)
+    state = {k: v.detach().contiguous() for k, v in
+             hf_models.checkpoint_state_dict(model).items()}
+    safetensors.save_sharded(state, out, args.shard_bytes)
+    log(f"checkpoint: {out} ({len(os.listdir(out))} files, {len(state)} tensors)")
+
+
+def load_model(args, lora=True):
+    """The stand-in model from the checkpoint's config, its experts on the meta
+    device, patched, filled from the checkpoint."""
+    config = hf_models.config_from_pretrained(args.dir / "ckpt")
+    model = hf_models.model_from_config(config).to(args.torch_dtype)
+    for _, block, _ in mhf.find_blocks(model):
+        block.experts.to(device="meta")
+    kwargs = dict(lora_rank=args.rank, lora_alpha=2 * args.rank) if lora else {}
+    ranks = None if world()[1] > 1 else args.ranks
+    mhf.patch_model(model, ranks=ranks, threads=args.threads, **kwargs)
+    mhf.load_checkpoint(model, args.dir / "ckpt")
+    return model
+
+
+def my_rows(t):
+    """This process's share of a batch's sequences (all of it in one process)."""
+    rank, size = world()
+    return t.chunk(size)[rank] if size > 1 else t
+
+
+def train(args):
+    rank, size = world()
+    model = load_model(args)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapters = [p for _, _, ex in mhf._patched(model) for p in ex.layer.adapters()]
+    for p in adapters:
+        p.requires_grad_(True)
+    # The judge: the unpatched model with PEFT's LoRA, from the same start.
+    start = args.dir / "adapter-start"
+    mhf.save_adapters(model, start)
+    mhf.barrier(model)
+    judge = hf_models.model_from_config(hf_models.config_from_pretrained(args.dir / "ckpt"))
+    judge = judge.to(args.torch_dtype)
+    state = safetensors.Checkpoint(args.dir / "ckpt")
+    hf_models.load_checkpoint_state_dict(judge, {k: state.get_tensor(k) for k in state.keys()})
+    hf_lora.load_lora(judge, start)
+    judge_params = [p for p in judge.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(adapters, lr=args.lr)
+    judge_opt = torch.optim.AdamW(judge_params, lr=args.lr)
+    vocab = CONFIG["vocab_size"]
+    log(f"{'step':>4} {'moec loss':>10} {'PyTorch+LoRA loss':>18} {'moec s':>7} {'PyTorch s':>9}")
+    first = last = None
+    for step in range(args.steps):
+        ids, labels = batch(step, args, vocab)
+        n = labels.numel()
+        t0 = time.perf_counter()
+        loss = loss_of(model(my_rows(ids)).logits, my_rows(labels)) / n
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t1 = time.perf_counter()
+        total = mhf.all_sum(model, loss.item())
+        t2 = time.perf_counter()
+        want = loss_of(judge(ids).logits, labels) / n
+        want.backward()
+        judge_opt.step()
+        judge_opt.zero_grad()
+        t3 = time.perf_counter()
+        first = first if first is not None else total
+        last = total
+        if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
+            log(f"{step:4d} {total:10.5f} {want.item():18.5f} {t1 - t0:7.3f} {t3 - t2:9.3f}")
+    log(f"loss {first:.4f} -> {last:.4f}")
+    files = mhf.save_adapters(model, args.dir / "adapter")
+    log("adapters:", ", ".join(str(f) for f in files))
+    ids, _ = batch(-1, args, vocab)
+    with torch.no_grad():
+        probe = model(my_rows(ids)).logits.float()
+    safetensors.save_file({"logits": probe.contiguous()},
+                          args.dir / f"probe-{rank}-of-{size}.safetensors")
+    files = mhf.save_pretrained(model, args.dir / "merged", max_shard_size=args.shard_bytes)
+    log(f"merged checkpoint: {args.dir / 'merged'}")
+    if last >= first:
+        sys.exit("finetune: the loss did not fall")
+
+
+def check(args):
+    """A fresh process: the adapters reload onto a freshly patched model and
+    give the probe's logits bit for bit; the merged checkpoint loads into
+    the unpatched model and gives them within rounding."""
+    rank, size = world()
+    probe = safetensors.load_file(args.dir / f"probe-{rank}-of-{size}.safetensors")["logits"]
+    vocab = CONFIG["vocab_size"]
+    ids, _ = batch(-1, args, vocab)
+    model = load_model(args)
+    mhf.load_adapters(model, args.dir / "adapter")
+    with torch.no_grad():
+        got = model(my_rows(ids)).logits.float()
+    if not torch.equal(got, probe):
+        sys.exit(f"check: rank {rank}: reloaded adapters give other logits "
+                 f"(max difference {(got - probe).abs().max().item():.3g})")
+    log("check: reloaded adapters give the trained model's logits bit for bit")
+    merged = hf_models.model_from_config(hf_models.config_from_pretrained(args.dir / "merged"))
+    merged = merged.to(args.torch_dtype)
+    ckpt = safetensors.Checkpoint(args.dir / "merged")
+    hf_models.load_checkpoint_state_dict(merged, {k: ckpt.get_tensor(k) for k in ckpt.keys()})
+    with torch.no_grad():
+        plain = merged(my_rows(ids)).logits.float()
+    err = (plain - probe).abs().max().item() / probe.abs().max().item()
+    tol = 1e-5 if args.torch_dtype == torch.float32 else 3e-2
+    if err > tol:
+        sys.exit(f"check: rank {rank}: the merged checkpoint's logits differ by {err:.3g} "
+                 f"of their scale (tolerance {tol})")
+    log(f"check: the unpatched model on the merged checkpoint: logits within {err:.2g} of "
+        "their scale")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["make-checkpoint", "train", "check"])
+    p.add_argument("dir", type=Path, help="the work folder")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--ranks", type=int, default=2, help="in-process ranks (one process)")
+    p.add_argument("--threads", type=int, default=1, help="moec workers per MoE block")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank r (lora_alpha = 2r)")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--batch", type=int, default=6, help="sequences per step")
+    p.add_argument("--seq", type=int, default=11, help="tokens per sequence")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--shard-bytes", type=int, default=200_000,
+                   help="largest safetensors shard of the checkpoints")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    args.torch_dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    torch.set_num_threads(1)
+    {"make-checkpoint": make_checkpoint, "train": train, "check": check}[args.command](args)
+    moec_torch.finalize_mpi()
+
+
+if __name__ == "__main__":
+    main()

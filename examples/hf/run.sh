@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# LoRA fine-tuning of a small Qwen3-MoE-format checkpoint with moec's layer,
+# end to end (finetune.py): make the checkpoint, patch the model and train
+# beside the plain-PyTorch LoRA model, save the adapters and the merged
+# checkpoint, then reload both in a fresh process and check the logits.
+#   bash examples/hf/run.sh [--dtype bf16] [--steps N] [--ranks R] ...
+# The work folder is $WORKDIR (default: a new temporary folder).
+# RANKS=2 bash examples/hf/run.sh runs train and check under mpirun -np 2.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+bazel build //compiler/api:libmoec.so //ops/torch:moec_torch.so 2>&1 | tail -1
+work=${WORKDIR:-$(mktemp -d)}
+py=(/usr/bin/python3 examples/hf/finetune.py)
+"${py[@]}" make-checkpoint "$work" "$@"
+if [ -n "${RANKS:-}" ]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  mpi=(mpirun --oversubscribe --bind-to none -np "$RANKS")
+  "${mpi[@]}" "${py[@]}" train "$work" "$@"
+  "${mpi[@]}" "${py[@]}" check "$work" "$@"
+else
+  "${py[@]}" train "$work" "$@"
+  "${py[@]}" check "$work" "$@"
+fi
+echo "finetune: passed ($work)"

@@ -1,0 +1,484 @@
+"""moec_torch.hf against the unpatched stand-in models (moec_torch.hf_models):
+every family and both expert layouts, fp32 and bf16, skewed routing and a
+token count that is no multiple of anything; adapters against PEFT's LoRA in
+plain PyTorch (moec_torch.hf_lora); checkpoints in (bf16, FP8) and out."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import moec_torch
+import moec_torch.hf as mhf
+from moec_torch import hf_lora, hf_models, safetensors
+
+FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe"]
+LAYOUTS = ["modules", "fused"]
+
+
+def make_config(family, layout="modules", **extra):
+    """A tiny config of the family: H 32, expert I 16, 8 experts, top-2,
+    2 layers (DeepSeek's first dense), vocab 64."""
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, experts_layout=layout, initializer_range=0.05)
+    sizes = {
+        "qwen2_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+                          num_experts_per_tok=2, shared_expert_intermediate_size=24,
+                          norm_topk_prob=False),
+        "qwen3_moe": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+                          num_experts_per_tok=2, norm_topk_prob=True),
+        "mixtral": dict(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2),
+        "deepseek_v2": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+                            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                            n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                            routed_scaling_factor=1.5),
+        "deepseek_v3": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+                            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                            n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                            norm_topk_prob=True),
+        "olmoe": dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=False),
+    }[family]
+    return hf_models.config_from_dict({"model_type": family, **common, **sizes, **extra})
+
+
+def make_model(family, layout="modules", dtype=torch.float32, seed=0, skew=True, **extra):
+    """The stand-in model, its routers skewed so that a few experts take most
+    tokens (and some experts none)."""
+    torch.manual_seed(seed)
+    model = hf_models.model_from_config(make_config(family, layout, **extra)).to(dtype)
+    if skew:
+        with torch.no_grad():
+            for name, m in model.named_modules():
+                gate = getattr(m, "gate", None)
+                w = getattr(gate, "weight", None)
+                if w is not None and w.dim() == 2 and w.shape[0] == 8:
+                    w[:2] += 3 * w[2:].mean(0, keepdim=True) + 0.2 * torch.randn_like(w[:2])
+                    w[5:] *= 0.1
+    return model
+
+
+def tokens(n_batch=3, n_seq=7, vocab=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n_batch, n_seq), generator=g)
+
+
+def expert_grads(model, family):
+    """{(block name, expert): (dW1 [H, 2I], dW2 [I, H])} of an unpatched model."""
+    out = {}
+    for name, block, fam in mhf.find_blocks(model):
+        ex = block.experts
+        for e in range(fam_experts(block)):
+            if isinstance(ex, torch.nn.ModuleList):
+                g, u, d = (grad_or_zero(getattr(ex[e], p).weight) for p in fam.projections)
+                out[name, e] = (torch.cat((g.t(), u.t()), 1), d.t())
+            else:
+                out[name, e] = (ex.gate_up_proj.grad[e].t(), ex.down_proj.grad[e].t())
+    return out
+
+
+def grad_or_zero(p):
+    """An expert that no token reached has no .grad in the unpatched model."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def fam_experts(block):
+    ex = block.experts
+    return len(ex) if isinstance(ex, torch.nn.ModuleList) else ex.gate_up_proj.shape[0]
+
+
+def scale_of(t):
+    return t.detach().abs().max().item()
+
+
+def close(a, b, tol, what):
+    err = (a.detach().float() - b.detach().float()).abs().max().item()
+    assert err <= tol * max(scale_of(b.float()), 1e-30), f"{what}: {err} vs scale {scale_of(b)}"
+
+
+def run_both(family, layout, dtype, ranks, tol, ids=None, **options):
+    ref = make_model(family, layout, dtype)
+    model = copy.deepcopy(ref)
+    names = mhf.patch_model(model, ranks=ranks, threads=1, **options)
+    assert names == [n for n, _, _ in mhf.find_blocks(ref)]
+    ids = tokens() if ids is None else ids
+    out, want = model(ids), ref(ids)
+    close(out.logits, want.logits, tol, "logits")
+    g = torch.randn_like(want.logits)
+    out.logits.backward(g)
+    want.logits.backward(g)
+    return ref, model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_patched_model_matches_the_stand_in(family, layout):
+    """fp32: logits and the gradients of every trainable parameter (the
+    embedding's is the inputs') within 1e-5 of their scale, 21 tokens on 2
+    ranks (a padded last rank), skewed routing."""
+    ref, model = run_both(family, layout, torch.float32, 2, 1e-5)
+    params = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        if ".experts." in name or name.startswith("experts."):
+            continue
+        assert name in params, name
+        close(params[name].grad, p.grad, 1e-5, name)
+    want = expert_grads(ref, family)
+    for name, block, experts in mhf._patched(model):
+        layer = experts.layer
+        for e in range(layer.experts):
+            close(layer.w1.grad[e], want[name, e][0], 1e-5, f"{name} expert {e} w1")
+            close(layer.w2.grad[e], want[name, e][1], 1e-5, f"{name} expert {e} w2")
+
+
+def err_of(a, b):
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16(family):
+    """bf16: judged against the fp32 model, the patched model's logits and
+    input gradients are as close as the unpatched model's in bf16 (a bf16
+    model's error is bf16's, whoever computes it: a near tie in a router
+    may even pick another expert), and within 3e-2 of their scale."""
+    ref32 = make_model(family, "modules", torch.float32)
+    ref = copy.deepcopy(ref32).to(torch.bfloat16)
+    model = copy.deepcopy(ref)
+    mhf.patch_model(model, ranks=2, threads=1)
+    ids = tokens()
+    outs = [m(ids).logits for m in (model, ref, ref32)]
+    g = torch.randn_like(outs[2])
+    for out in outs:
+        out.backward(g.to(out.dtype))
+    grads = [m.model.embed_tokens.weight.grad for m in (model, ref, ref32)]
+    for (a, b, c), what in ((outs, "logits"), (grads, "input gradient")):
+        scale = scale_of(c)
+        assert err_of(a, c) <= 1.5 * err_of(b, c) + 2e-3 * scale, what
+        assert err_of(a, c) <= 3e-2 * scale, what
+
+
+def test_any_batch_shape_and_size():
+    """One process, 3 ranks: batches of 1, 5 and 40 tokens, [T, H] blocks
+    fed directly, and the same model after a batch of another size."""
+    ref = make_model("qwen3_moe")
+    model = copy.deepcopy(ref)
+    mhf.patch_model(model, ranks=4, threads=1, tokens_per_rank=4)
+    for shape in [(1, 1), (1, 5), (4, 10), (2, 3)]:
+        ids = tokens(*shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the layer grows
+            close(model(ids).logits, ref(ids).logits, 1e-5, f"batch {shape}")
+    block = model.model.layers[0].mlp
+    h = torch.randn(13, 32)
+    out, logits = block(h)
+    want, _ = ref.model.layers[0].mlp(h.view(1, 13, 32))
+    assert out.shape == (13, 32)
+    close(out, want.view(13, 32), 1e-5, "[T, H] input")
+
+
+def test_refusals():
+    model = make_model("qwen3_moe")
+
+    class Mystery(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(4, 2)
+            self.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    model.model.layers[1].mlp = Mystery()
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp' \(Mystery\) looks like an MoE "
+                                         r"block.*known: qwen2_moe"):
+        mhf.patch_model(model, ranks=1)
+    # nothing was patched: the first block keeps its experts
+    assert isinstance(model.model.layers[0].mlp.experts, torch.nn.ModuleList)
+    dense = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    dense.config = make_config("qwen3_moe")
+    with pytest.raises(ValueError, match="found no MoE block"):
+        mhf.patch_model(dense)
+    with pytest.raises(ValueError, match="patch_model\\(model\\) first"):
+        mhf.save_adapters(make_model("qwen3_moe"), "/tmp/never")
+    patched = make_model("qwen3_moe")
+    mhf.patch_model(patched, ranks=1, threads=1)
+    with pytest.raises(ValueError, match="patched already"):
+        mhf.patch_model(patched)
+    with pytest.raises(ValueError, match="lora_targets.*gate_proj, up_proj, down_proj"):
+        mhf.patch_model(make_model("qwen3_moe"), lora_rank=4, lora_targets=("w1",))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        mhf.patch_model(make_model("qwen3_moe", dtype=torch.float16))
+
+
+def lora_pair(tmp_path, family="qwen3_moe", layout="modules", targets=None, r=4, alpha=8,
+              ranks=2):
+    """A patched model with adapters trained away from zero, and the
+    unpatched stand-in with PEFT's LoRA loaded from what save_adapters
+    wrote."""
+    ref = make_model(family, layout)
+    model = copy.deepcopy(ref)
+    mhf.patch_model(model, ranks=ranks, threads=1, lora_rank=r, lora_alpha=alpha,
+                    lora_targets=targets)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapters = [p for _, _, ex in mhf._patched(model) for p in ex.layer.adapters()]
+    for p in adapters:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(adapters, lr=0.05)
+    ids = tokens(seed=5)
+    for _ in range(3):
+        out = model(ids)
+        out.logits.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    files = mhf.save_adapters(model, tmp_path / "adapter")
+    ref = as_modules(ref)
+    hf_lora.load_lora(ref, tmp_path / "adapter")
+    return ref, model, files, trainable
+
+
+def as_modules(model):
+    """The same model with per-expert modules (v4), which PEFT's LoRA on
+    nn.Linear targets: a fused (v5) model's adapters are saved under the
+    per-expert names of its checkpoints."""
+    if model.config.experts_layout == "modules":
+        return model
+    config = hf_models.config_from_dict({**model.config.to_dict(), "experts_layout": "modules"})
+    out = hf_models.model_from_config(config).to(next(model.parameters()).dtype)
+    hf_models.load_checkpoint_state_dict(out, hf_models.checkpoint_state_dict(model))
+    return out
+
+
+@pytest.mark.parametrize("family,layout,targets", [
+    ("qwen3_moe", "modules", None), ("qwen3_moe", "fused", ("gate_proj", "down_proj")),
+    ("mixtral", "modules", ("w1", "w3")), ("deepseek_v3", "fused", ("up_proj",)),
+    ("qwen2_moe", "modules", ("down_proj",))])
+def test_adapters_load_onto_the_unpatched_model(tmp_path, family, layout, targets):
+    """PEFT's LoRA on the unpatched model, loaded by name from the saved file,
+    gives the patched model's logits; after one more step on both, the
+    adapters' gradients agree; the zero blocks stayed zero."""
+    ref, model, files, _ = lora_pair(tmp_path, family, layout, targets)
+    config = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    names = safetensors.load_file(tmp_path / "adapter/adapter_model.safetensors")
+    proj = mhf._BY_BLOCK[type(mhf.find_blocks(make_model(family, layout))[0][1]).__name__] \
+        .projections
+    wanted = set(targets or proj)
+    assert {k.split(".")[-3] for k in names} == wanted
+    prefix = "base_model.model.model.layers.1." + ("block_sparse_moe" if family == "mixtral"
+                                                   else "mlp")
+    key = f"{prefix}.experts.7.{sorted(wanted)[0]}.lora_A.weight"
+    assert key in names and names[key].shape[0] == 4
+    # PEFT's target regex hits exactly the routed experts' projections
+    lora_modules = {n for n, m in ref.named_modules() if isinstance(m, hf_lora.LoraLinear)}
+    assert all(".experts." in n and ".shared_expert" not in n for n in lora_modules)
+    assert len(lora_modules) == len(names) // 2
+    ids = tokens(seed=9)
+    out, want = model(ids), ref(ids)
+    close(out.logits, want.logits, 1e-5, "logits with adapters")
+    g = torch.randn_like(out.logits)
+    out.logits.backward(g)
+    want.logits.backward(g)
+    grads = {k: grad_or_zero(p) for k, p in hf_lora.lora_state_dict(ref).items()}
+    for name, _, experts in mhf._patched(model):
+        for key, p, j, (rows, cols) in mhf._adapter_tensors(name, experts):
+            close(p.grad[j][rows, cols].t(), grads[key], 1e-5, key)
+        for pname, mask in experts._masks.items():
+            p = getattr(experts.layer, pname)
+            assert torch.count_nonzero(p.detach() * (1 - mask)) == 0, pname
+            assert torch.count_nonzero(p.grad * (1 - mask)) == 0, pname
+
+
+def test_adapters_round_trip_and_refusals(tmp_path):
+    ref, model, files, _ = lora_pair(tmp_path)
+    ids = tokens(seed=3)
+    before = model(ids).logits.detach()
+    fresh = make_model("qwen3_moe")
+    mhf.patch_model(fresh, ranks=2, threads=1, lora_rank=4, lora_alpha=8)
+    assert mhf.load_adapters(fresh, tmp_path / "adapter") == []
+    assert torch.equal(fresh(ids).logits, before)
+    # another r is refused before anything is copied
+    other = make_model("qwen3_moe")
+    mhf.patch_model(other, ranks=2, threads=1, lora_rank=2, lora_alpha=8)
+    state = [p.detach().clone() for _, _, ex in mhf._patched(other) for p in ex.layer.adapters()]
+    with pytest.raises(ValueError, match="'r': 4.*the model's are.*'r': 2"):
+        mhf.load_adapters(other, tmp_path / "adapter")
+    # a tensor of the wrong shape: refused, nothing copied
+    tensors = safetensors.load_file(tmp_path / "adapter/adapter_model.safetensors")
+    bad = sorted(tensors)[-1]
+    tensors = {k: v.clone() for k, v in tensors.items()}
+    tensors[bad] = tensors[bad][:, :-1].contiguous()
+    safetensors.save_file(tensors, tmp_path / "adapter/adapter_model.safetensors")
+    target = make_model("qwen3_moe")
+    mhf.patch_model(target, ranks=2, threads=1, lora_rank=4, lora_alpha=8)
+    state = [p.detach().clone() for _, _, ex in mhf._patched(target) for p in ex.layer.adapters()]
+    with pytest.raises(ValueError, match=f"'{bad}'.*has shape"):
+        mhf.load_adapters(target, tmp_path / "adapter")
+    after = [p.detach() for _, _, ex in mhf._patched(target) for p in ex.layer.adapters()]
+    assert all(torch.equal(a, b) for a, b in zip(state, after))
+
+
+def test_pickled_adapter_runs_no_code(tmp_path):
+    """An adapter_model.bin whose pickle would run a command is refused, and
+    the command does not run."""
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    folder = tmp_path / "evil"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]}))
+    torch.save({"x": torch.zeros(1), "y": Evil()}, folder / "adapter_model.bin")
+    model = make_model("qwen3_moe")
+    mhf.patch_model(model, ranks=1, threads=1, lora_rank=4, lora_alpha=8)
+    with pytest.raises(ValueError, match="weights_only load refused it"):
+        mhf.load_adapters(model, folder)
+    assert not marker.exists()
+    # and MoeFFN's own loader reads the same way
+    layer = moec_torch.MoeFFN("examples/configs/tiny.json", ranks=2, threads=1, lora_rank=4)
+    layer.save_adapters(tmp_path / "layer")
+    os.remove(tmp_path / "layer/adapter_model.safetensors")
+    torch.save({"x": Evil()}, tmp_path / "layer/adapter_model.bin")
+    with pytest.raises(ValueError, match="weights_only load refused it"):
+        layer.load_adapters(tmp_path / "layer")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", "modules"), ("mixtral", "fused"),
+                                           ("deepseek_v3", "modules")])
+def test_save_pretrained_loads_into_the_unpatched_model(tmp_path, family, layout):
+    """The merged checkpoint, in several shards, loads by name into the
+    unpatched stand-in, which then gives the patched model's logits."""
+    ref, model, _, _ = lora_pair(tmp_path, family, layout)
+    files = mhf.save_pretrained(model, tmp_path / "merged", max_shard_size=20_000)
+    index = json.loads((tmp_path / "merged/model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert all(os.path.getsize(tmp_path / "merged" / s) <= 20_000 + 4096 or
+               len(safetensors.load_file(tmp_path / "merged" / s)) == 1 for s in shards)
+    fresh = hf_models.model_from_config(
+        hf_models.config_from_pretrained(tmp_path / "merged"))
+    state = {k: safetensors.load_file(tmp_path / "merged" / f)[k]
+             for k, f in index["weight_map"].items()}
+    hf_models.load_checkpoint_state_dict(fresh, state)
+    ids = tokens(seed=4)
+    close(fresh(ids).logits, model(ids).logits, 1e-5, "merged checkpoint")
+
+
+def write_checkpoint(model, folder, max_shard_size=30_000, fp8=False):
+    """The unpatched model as a Hugging Face checkpoint folder; with fp8, the
+    routed experts' weights as F8_E4M3 codes with a weight_scale_inv per
+    128x128 block, as DeepSeek-V3 ships them (the codes from the format's
+    definition: moec_torch.reference's e4m3 rounding)."""
+    state = {k: v.detach().contiguous() for k, v in
+             hf_models.checkpoint_state_dict(model).items()}
+    dtypes = {}
+    if fp8:
+        for k in [k for k in state if ".experts." in k and k.endswith(".weight")]:
+            w = state[k].float()
+            scale = torch.zeros(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+            codes = torch.empty(w.shape, dtype=torch.uint8)
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+                    s = block.abs().max().clamp_min(1e-12) / 448
+                    scale[i, j] = s
+                    codes[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = \
+                        safetensors.float_to_fp8_e4m3(block / s)
+            state[k] = codes
+            state[k + "_scale_inv"] = scale
+            dtypes[k] = "F8_E4M3"
+    os.makedirs(folder, exist_ok=True)
+    model.config.save_pretrained(folder)
+    safetensors.save_sharded(state, folder, max_shard_size, dtypes=dtypes)
+    return state
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_load_checkpoint_fills_a_meta_model(tmp_path, layout):
+    """A model built with its experts on the meta device, patched, and filled
+    from a sharded bf16 checkpoint gives the source model's logits."""
+    src = make_model("qwen3_moe", layout, torch.bfloat16)
+    write_checkpoint(src, tmp_path / "ckpt")
+    empty = make_model("qwen3_moe", layout, torch.bfloat16, seed=7)
+    for _, block, _ in mhf.find_blocks(empty):
+        block.experts.to(device="meta")
+    mhf.patch_model(empty, ranks=2, threads=1)
+    mhf.load_checkpoint(empty, tmp_path / "ckpt")
+    ids = tokens()
+    assert torch.equal(empty(ids).logits.float().isnan().any(), torch.tensor(False))
+    close(empty(ids).logits, src(ids).logits, 3e-2, "after load_checkpoint")
+    # the experts only: a patched copy of another model takes the source's experts
+    other = make_model("qwen3_moe", layout, torch.bfloat16, seed=8)
+    mhf.patch_model(other, ranks=1, threads=1)
+    read = mhf.load_experts(other, tmp_path / "ckpt")
+    assert len(read) == 2 * 8 * 3 and all(".experts." in k for k in read)
+    layer = other.model.layers[0].mlp.experts.layer
+    assert torch.equal(layer.w2[3], src.model.layers[0].mlp.experts.down_proj[3].t()
+                       if layout == "fused" else
+                       src.model.layers[0].mlp.experts[3].down_proj.weight.t())
+
+
+def test_fp8_checkpoint_is_dequantized(tmp_path):
+    """DeepSeek-V3's FP8 experts (H 256 so that a weight spans two 128-wide
+    blocks) read into a bf16 layer equal the dequantized reference."""
+    src = make_model("deepseek_v3", hidden_size=256, moe_intermediate_size=160,
+                     num_attention_heads=4)
+    state = write_checkpoint(src, tmp_path / "ckpt", max_shard_size=400_000, fp8=True)
+    model = make_model("deepseek_v3", hidden_size=256, moe_intermediate_size=160,
+                       num_attention_heads=4, seed=3)
+    mhf.patch_model(model, ranks=2, threads=1)
+    mhf.load_checkpoint(model, tmp_path / "ckpt")
+    key = "model.layers.1.mlp.experts.5.up_proj.weight"
+    codes, scale = state[key], state[key + "_scale_inv"]
+    want = safetensors.fp8_e4m3_to_float(codes) * \
+        scale.repeat_interleave(128, 0)[:codes.shape[0]].repeat_interleave(128, 1)[:, :256]
+    layer = model.model.layers[1].mlp.experts.layer
+    assert torch.equal(layer.w1[5, :, 160:], want.t())
+    # within e4m3's rounding of the source weights
+    close(layer.w1[5, :, 160:], src.model.layers[1].mlp.experts[5].up_proj.weight.t(), 0.07,
+          "fp8 weight")
+    # a weight without its scale is refused, naming it
+    del state[key + "_scale_inv"]
+    os.makedirs(tmp_path / "bad")
+    src.config.save_pretrained(tmp_path / "bad")
+    safetensors.save_sharded(state, tmp_path / "bad", 400_000,
+                             dtypes={k: "F8_E4M3" for k, v in state.items()
+                                     if v.dtype == torch.uint8})
+    with pytest.raises(ValueError, match=f"'{key}' is F8_E4M3.*no '{key}_scale_inv'"):
+        mhf.load_checkpoint(model, tmp_path / "bad")
+
+
+def test_load_checkpoint_refusals(tmp_path):
+    src = make_model("qwen3_moe")
+    state = write_checkpoint(src, tmp_path / "ckpt")
+    model = make_model("qwen3_moe")
+    mhf.patch_model(model, ranks=2, threads=1)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()
+              if isinstance(v, torch.Tensor)}
+    for change, message in [
+            (lambda s: s.pop("model.layers.1.mlp.experts.6.up_proj.weight"),
+             "no 'model.layers.1.mlp.experts.6.up_proj.weight'"),
+            (lambda s: s.update({"model.layers.0.mlp.gate.weight": torch.zeros(8, 31)}),
+             "'model.layers.0.mlp.gate.weight'.*has shape \\[8, 31\\]"),
+            (lambda s: s.update({"model.layers.0.mlp.experts.0.gate_proj.weight":
+                                 torch.zeros(16, 33)}),
+             "'model.layers.0.mlp.experts.0.gate_proj.weight'.*has shape"),
+            (lambda s: s.update({"model.extra.weight": torch.zeros(2)}),
+             "the model has no 'model.extra.weight'")]:
+        bad = {k: v.clone() for k, v in state.items()}
+        change(bad)
+        folder = tmp_path / f"bad{len(os.listdir(tmp_path))}"
+        os.makedirs(folder)
+        src.config.save_pretrained(folder)
+        safetensors.save_sharded(bad, folder, 30_000)
+        with pytest.raises(ValueError, match=message):
+            mhf.load_checkpoint(model, folder)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)

@@ -318,20 +318,19 @@ def save_file(tensors, filename, metadata=None, dtypes=None):
                                   + f"; safetensors takes {', '.join(DTYPES)}")
         t = t.detach().cpu()
         if t.numel():
-            lo = t.storage_offset() * t.element_size()
-            span = (t.storage().data_ptr() + lo,
-                    t.storage().data_ptr() + lo + t.numel() * t.element_size())
-            for other, (a, b) in spans:
-                if span[0] < b and a < span[1]:
-                    raise SafetensorError(f"{filename}: '{name}' and '{other}' share memory; "
-                                          "save a clone of one")
-            spans.append((name, span))
-        data = t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes() \
+            lo = t.data_ptr()
+            spans.append((lo, lo + t.numel() * t.element_size(), name))
+        data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() \
             if t.numel() else b""
         header[name] = {"dtype": kind, "shape": list(t.shape),
                         "data_offsets": [at, at + len(data)]}
         arrays.append(data)
         at += len(data)
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise SafetensorError(f"{filename}: '{first}' and '{second}' share memory; save "
+                                  "a clone of one")
     if metadata:
         header = {"__metadata__": metadata, **header}
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -488,6 +487,6 @@ def float_to_fp8_e4m3(values):
     lo = (hi - 1).clamp(min=0)
     d_lo, d_hi = a - finite[lo], finite[hi] - a
     pick = torch.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
-    codes = pick.to(torch.uint8) | ((v < 0).to(torch.uint8) << 7)
+    codes = pick.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 7)
     codes[torch.isnan(v)] = 0x7F
     return codes.reshape(values.shape)

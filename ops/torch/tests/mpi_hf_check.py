@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moec_torch  # noqa: E402
 import moec_torch.hf as mhf  # noqa: E402
 from moec_torch import hf_lora, hf_models, safetensors  # noqa: E402
-from test_hf import close, grad_or_zero, make_model, tokens, write_checkpoint  # noqa: E402
+from test_hf import as_modules, close, grad_or_zero, make_model, tokens, write_checkpoint  # noqa: E402
 
 
 def main():
@@ -45,6 +45,7 @@ def main():
             with torch.no_grad():
                 p.copy_(whole[rank * p.shape[0]:(rank + 1) * p.shape[0]] * mask)
     mhf.save_adapters(model, work / "start")
+    ref = as_modules(ref)
     hf_lora.load_lora(ref, work / "start")
     # 3 sequences of 7 tokens each for rank 0, 2 for rank 1, ...
     ids = tokens(n_batch=sum(3 - r % 2 for r in range(ranks)), n_seq=7)

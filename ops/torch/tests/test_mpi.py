@@ -17,6 +17,8 @@ per process (moec's MPI fabric).
     only one rank makes (or makes after the other gave up), every rank that
     waits gets an error naming the rank and the reason within the timeout,
     and the job ends;
+  - a patched Hugging Face-structured model (mpi_hf_check.py) and the
+    fine-tuning example (examples/hf/finetune.py);
   - across 2 simulated hosts: the op, the toy training and the report."""
 
 import os
@@ -102,6 +104,33 @@ def test_exchange_under_mpirun(ranks, dtype):
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(ranks):
         assert f"rank {r}: ok: bitwise equal to the one-process exchange" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("family,layout,ranks", [("qwen3_moe", "modules", 2),
+                                                  ("deepseek_v3", "fused", 2),
+                                                  ("mixtral", "modules", 4)])
+def test_hf_model_under_mpirun(tmp_path, family, layout, ranks):
+    """A patched Hugging Face-structured model, one rank per process, each
+    with its own number of tokens, against the unpatched model on the whole
+    batch; load_experts, save_adapters and save_pretrained make one
+    checkpoint (mpi_hf_check.py)."""
+    run = mpirun(ranks, HERE / "mpi_hf_check.py", family, layout, tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(ranks):
+        assert f"rank {r}: hf ok" in run.stdout, run.stdout
+
+
+def test_hf_example_under_mpirun(tmp_path):
+    """examples/hf/finetune.py's train and check under mpirun -np 2: the
+    losses of PEFT's LoRA in one process, the adapters reloaded."""
+    from test_hf import FINETUNE
+    one = subprocess.run([sys.executable, str(FINETUNE), "make-checkpoint", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stdout + one.stderr
+    for command in ("train", "check"):
+        run = mpirun(2, FINETUNE, command, tmp_path, "--steps", "8")
+        assert run.returncode == 0, run.stdout + run.stderr
+    assert "bit for bit" in run.stdout, run.stdout
 
 
 def toy_training_matches_one_process(tmp_path, hosts=None):

@@ -18,6 +18,8 @@ argument, the config key or the file:
                             one normalization MoeFFN, Exchange,
                             compile_graphs and compile() share
     read_small_file(path)   the bytes of a regular file of bounded size
+    strict_json(data, where)  a JSON document: UTF-8, no duplicate keys, no
+                            NaN or Infinity
 """
 
 import json
@@ -30,7 +32,8 @@ import stat
 import torch
 
 __all__ = ["CONFIG_LIMIT", "TIMEOUT_RANGE", "boolean", "dense", "integer", "number",
-           "output_path", "read_config", "read_small_file", "seconds", "target_file"]
+           "output_path", "read_config", "read_small_file", "seconds", "strict_json",
+           "target_file"]
 
 # A config is a few hundred bytes; one of more than this is not a config.
 CONFIG_LIMIT = 1 << 20
@@ -243,31 +246,36 @@ def read_small_file(path, what="config", limit=CONFIG_LIMIT):
     return data
 
 
-def _parse_json(data, where):
-    """A JSON document: no duplicate keys and no NaN or Infinity (the
-    compiler's reader takes neither), else ValueError naming `where`."""
+def strict_json(data, where, error=ValueError, what="a config"):
+    """The JSON document of `data` (bytes): UTF-8, no duplicate keys and no
+    NaN or Infinity (the compiler's reader takes neither), else `error`
+    naming `where` ("moec: config 'c.json'", "the header")."""
 
     def pairs(items):
         seen = {}
         for key, value in items:
             if key in seen:
-                raise ValueError(f"moec: {where}: key '{key}' appears twice")
+                raise error(f"{where}: key '{key}' appears twice")
             seen[key] = value
         return seen
 
     def constant(name):
-        raise ValueError(f"moec: {where}: {name} is not a JSON number (numbers must be finite)")
+        raise error(f"{where}: {name} is not a JSON number (numbers must be finite)")
 
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"moec: {where} is not UTF-8 text: {e}") from None
+        raise error(f"{where} is not UTF-8 text: {e}") from None
     try:
         return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
     except json.JSONDecodeError as e:
-        raise ValueError(f"moec: {where} is not JSON: {e}") from None
+        raise error(f"{where} is not JSON: {e}") from None
     except RecursionError:
-        raise ValueError(f"moec: {where} is nested too deeply to be a config") from None
+        raise error(f"{where} is nested too deeply to be {what}") from None
+
+
+def _parse_json(data, where):
+    return strict_json(data, f"moec: {where}")
 
 
 def _plain(value, key, where):

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from . import checks
+
 __all__ = ["Checkpoint", "SafetensorError", "fp8_e4m3_to_float", "float_to_fp8_e4m3",
            "load_file", "load_tensors", "parse_header", "safe_open", "save_file", "save_sharded",
            "write_atomically", "INDEX_NAME", "MAX_HEADER"]
@@ -70,15 +72,6 @@ class Entry:
         self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
 
 
-def _no_duplicates(pairs):
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise SafetensorError(f"the header names '{key}' twice")
-        seen[key] = value
-    return seen
-
-
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -87,17 +80,7 @@ def parse_header(header, data_bytes):
     """(entries sorted by offset, metadata) of a header's bytes, checked
     against a data area of `data_bytes`; SafetensorError saying what is
     wrong and, where one is, naming the tensor."""
-    try:
-        text = header.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise SafetensorError(f"the header is not UTF-8 (byte {e.start})") from None
-    try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates,
-                         parse_constant=lambda c: _bad_constant(c))
-    except SafetensorError:
-        raise
-    except (ValueError, RecursionError) as e:
-        raise SafetensorError(f"the header is not JSON: {e}") from None
+    doc = checks.strict_json(header, "the header", SafetensorError, "a header")
     if not isinstance(doc, dict):
         raise SafetensorError(f"the header is a JSON {type(doc).__name__}, not an object")
     metadata = doc.pop("__metadata__", None)
@@ -147,10 +130,6 @@ def parse_header(header, data_bytes):
         raise SafetensorError(f"the tensors end at byte {at} of a data area of {data_bytes} "
                               "bytes (trailing bytes, or a damaged header)")
     return entries, metadata or {}
-
-
-def _bad_constant(c):
-    raise SafetensorError(f"the header holds {c}, which JSON does not")
 
 
 def _open_regular(path):
@@ -391,11 +370,9 @@ class Checkpoint:
         index = self.folder / INDEX_NAME
         self._files = {}
         if index.exists():
-            try:
-                doc = json.loads(index.read_bytes().decode("utf-8"),
-                                 object_pairs_hook=_no_duplicates)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise SafetensorError(f"{index}: not a JSON index: {e}") from None
+            doc = checks.strict_json(checks.read_small_file(index, "checkpoint index",
+                                                            64 << 20), str(index),
+                                     SafetensorError, "an index")
             wmap = doc.get("weight_map") if isinstance(doc, dict) else None
             if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
                 raise SafetensorError(f"{index}: no weight_map of tensor names to files")

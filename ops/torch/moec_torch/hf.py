@@ -54,19 +54,17 @@ __all__ = ["FAMILIES", "MoecExperts", "all_sum", "barrier", "find_blocks", "load
 # --- families ---------------------------------------------------------------
 
 class Family:
-    """What moec needs to know of a model family: its MoE block classes, its
-    experts' projection names in checkpoints (gate, up, down), the config
-    fields of its sizes, and how its v4 block routes."""
+    """What moec needs to know of a model family: its config's model_type,
+    its MoE block classes, its experts' projection names in checkpoints
+    (gate, up, down), and how its v4 block routes: "softmax" (the block's
+    forward is replaced by one with the same routing) or "moe_method"
+    (DeepSeek: the block's ``moe`` method is)."""
 
-    def __init__(self, name, model_types, blocks, projections, experts_key, inter_key,
-                 routing, checkpoint_block=None):
+    def __init__(self, name, blocks, projections, routing, checkpoint_block=None):
         self.name = name
-        self.model_types = model_types
         self.blocks = blocks
-        self.projections = projections       # (gate, up, down) module names
-        self.experts_key = experts_key       # config fields for E, first found
-        self.inter_key = inter_key
-        self.routing = routing               # "softmax" (forward replaced) or "moe_method"
+        self.projections = projections
+        self.routing = routing
         # The block's name in checkpoints when the module tree names it
         # otherwise (transformers v5's Mixtral calls block_sparse_moe mlp).
         self.checkpoint_block = checkpoint_block
@@ -75,24 +73,15 @@ class Family:
         return f"Family({self.name})"
 
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 FAMILIES = [
-    Family("qwen2_moe", ("qwen2_moe",), ("Qwen2MoeSparseMoeBlock",),
-           ("gate_proj", "up_proj", "down_proj"), ("num_experts",), "moe_intermediate_size",
-           "softmax"),
-    Family("qwen3_moe", ("qwen3_moe",), ("Qwen3MoeSparseMoeBlock",),
-           ("gate_proj", "up_proj", "down_proj"), ("num_experts",), "moe_intermediate_size",
-           "softmax"),
-    Family("mixtral", ("mixtral",), ("MixtralSparseMoeBlock",), ("w1", "w3", "w2"),
-           ("num_local_experts",), "intermediate_size", "softmax",
+    Family("qwen2_moe", ("Qwen2MoeSparseMoeBlock",), PROJECTIONS, "softmax"),
+    Family("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), PROJECTIONS, "softmax"),
+    Family("mixtral", ("MixtralSparseMoeBlock",), ("w1", "w3", "w2"), "softmax",
            checkpoint_block="block_sparse_moe"),
-    Family("deepseek_v2", ("deepseek_v2",), ("DeepseekV2MoE",),
-           ("gate_proj", "up_proj", "down_proj"), ("n_routed_experts",),
-           "moe_intermediate_size", "moe_method"),
-    Family("deepseek_v3", ("deepseek_v3",), ("DeepseekV3MoE",),
-           ("gate_proj", "up_proj", "down_proj"), ("n_routed_experts",),
-           "moe_intermediate_size", "moe_method"),
-    Family("olmoe", ("olmoe",), ("OlmoeSparseMoeBlock",), ("gate_proj", "up_proj", "down_proj"),
-           ("num_experts",), "intermediate_size", "softmax"),
+    Family("deepseek_v2", ("DeepseekV2MoE",), PROJECTIONS, "moe_method"),
+    Family("deepseek_v3", ("DeepseekV3MoE",), PROJECTIONS, "moe_method"),
+    Family("olmoe", ("OlmoeSparseMoeBlock",), PROJECTIONS, "softmax"),
 ]
 _BY_BLOCK = {cls: f for f in FAMILIES for cls in f.blocks}
 
@@ -252,25 +241,26 @@ class MoecExperts(torch.nn.Module):
         x = hidden_states.to(layer.w1.dtype)
         weights = top_k_weights.float()
         ids = top_k_index.long()
-        if layer.local_ranks == layer.ranks and layer.ranks > 1 or n == 0:
-            r = layer.ranks
-            s = max(1, -(-n // r))
-            pad = r * s - n
-            if pad:
-                x = torch.cat((x, x.new_zeros(pad, h)))
-                weights = torch.cat((weights, weights.new_zeros(pad, k)))
-                spread = (torch.arange(pad).unsqueeze(1) * k + torch.arange(k)) % layer.experts
-                ids = torch.cat((ids, spread))
-            y = layer(x.view(r, s, h), ids.view(r, s, k), weights.view(r, s, k))
-            y = y.reshape(r * s, h)[:n]
-        else:
-            y = layer(x, ids, weights)
-        return y.to(hidden_states.dtype)
+        # The ranks this process runs: all of them in one process, its own
+        # under mpirun. Each gets ceil(n / r) tokens (at least one).
+        r = layer.local_ranks
+        s = max(1, -(-n // r))
+        pad = r * s - n
+        if pad:
+            x = torch.cat((x, x.new_zeros(pad, h)))
+            weights = torch.cat((weights, weights.new_zeros(pad, k)))
+            spread = (torch.arange(pad).unsqueeze(1) * k + torch.arange(k)) % layer.experts
+            ids = torch.cat((ids, spread))
+        if r == 1:
+            return layer(x, ids, weights)[:n].to(hidden_states.dtype)
+        y = layer(x.view(r, s, h), ids.view(r, s, k), weights.view(r, s, k))
+        return y.reshape(r * s, h)[:n].to(hidden_states.dtype)
 
     def extra_repr(self):
-        lora = f", lora r={self.lora.r} on {'/'.join(self.lora.w1_targets + ([self.lora.down] if self.lora.down else []))}" \
-            if self.lora else ""
-        return f"family={self.family.name}{lora}"
+        if not self.lora:
+            return f"family={self.family.name}"
+        modules = self.lora.w1_targets + ([self.lora.down] if self.lora.down else [])
+        return f"family={self.family.name}, lora r={self.lora.r} on {'/'.join(modules)}"
 
 
 def _route_softmax(block, hidden_states):
@@ -320,10 +310,7 @@ def _config_of(model):
 
 def _family_of_config(config):
     model_type = getattr(config, "model_type", None)
-    for f in FAMILIES:
-        if model_type in f.model_types:
-            return f
-    return None
+    return next((f for f in FAMILIES if f.name == model_type), None)
 
 
 def _top_k(block, config):
@@ -369,14 +356,19 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
     alpha = checks.number(lora_alpha, "patch_model: argument 'lora_alpha'") \
         if lora_alpha is not None else float(lora_rank)
-    from . import MoeFFN, launched_by_mpi  # the package imports this module lazily
+    from . import MoeFFN, _world_size, launched_by_mpi  # the package imports this lazily
     if ranks is None and not launched_by_mpi() and options.get("fabric") != "mpi":
         ranks = 1
+    group = checks.integer(ranks, "patch_model: argument 'ranks'", minimum=1) \
+        if ranks is not None else _world_size()
     # Check every block before changing any.
     plans = []
     for name, block, family in blocks:
         e, h, i = _expert_sizes(block, family, name)
         k = _top_k(block, config)
+        if e % group:
+            raise ValueError(f"moec: the {e} experts of '{name}' do not divide over {group} "
+                             "ranks (each rank holds the same number of experts)")
         weight = block.experts.gate_up_proj if _fused(block.experts) else \
             getattr(block.experts[0], family.projections[0]).weight
         layer_dtype = dtype or weight.dtype

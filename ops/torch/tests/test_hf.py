@@ -180,6 +180,8 @@ def test_any_batch_shape_and_size():
     want, _ = ref.model.layers[0].mlp(h.view(1, 13, 32))
     assert out.shape == (13, 32)
     close(out, want.view(13, 32), 1e-5, "[T, H] input")
+    empty, logits = block(torch.randn(2, 0, 32))
+    assert empty.shape == (2, 0, 32) and logits.shape == (0, 8)
 
 
 def test_refusals():
@@ -211,6 +213,9 @@ def test_refusals():
         mhf.patch_model(make_model("qwen3_moe"), lora_rank=4, lora_targets=("w1",))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         mhf.patch_model(make_model("qwen3_moe", dtype=torch.float16))
+    with pytest.raises(ValueError, match="the 8 experts of 'model.layers.0.mlp' do not divide "
+                                         "over 3 ranks"):
+        mhf.patch_model(make_model("qwen3_moe"), ranks=3)
 
 
 def lora_pair(tmp_path, family="qwen3_moe", layout="modules", targets=None, r=4, alpha=8,

@@ -545,7 +545,10 @@ def load_checkpoint(model, checkpoint):
     experts through load_experts, every other parameter and buffer by its
     name (FP8 ones dequantized). A name the model has and the checkpoint
     lacks (but a tied lm_head.weight), or one the checkpoint has and the
-    model lacks, is an error, raised before anything is copied."""
+    model lacks, is an error, raised before anything is copied. The model
+    may be wholly on the meta device (made without memory, then patched):
+    its parameters and buffers get memory here, tied ones staying tied, so
+    no weight is ever in memory twice."""
     ckpt = _open(checkpoint)
     blocks = _patched(model)
     own = _non_expert_state(model)
@@ -568,15 +571,49 @@ def load_checkpoint(model, checkpoint):
                              f"{list(ckpt.shape(key))}; the model's is {list(t.shape)}")
     _expert_keys(model, ckpt)
     load_experts(model, ckpt)
+    if any(t.is_meta for t in own.values()):
+        _materialize(model, {id(t) for t in own.values()})
+        own = {k: v for k, v in _non_expert_state(model).items() if k in own}
     with torch.no_grad():
         for key, t in own.items():
             t.copy_(_read_weight(ckpt, key))
+    if getattr(_config_of(model), "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()  # transformers' models tie lm_head to the embedding here
+
+
+def _materialize(model, wanted):
+    """Gives the meta parameters and buffers of `model` whose ids are in
+    `wanted` CPU memory (uninitialized, for the checkpoint to fill); a
+    tensor that several modules share (tied embeddings) stays shared."""
+    made = {}
+    for module in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for n, t in list(getattr(module, kind).items()):
+                if t is None or not t.is_meta or id(t) not in wanted:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty(t.shape, dtype=t.dtype)
+                    made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else new
+                getattr(module, kind)[n] = made[id(t)]
 
 
 def _non_expert_state(model):
-    """The model's state_dict without moec's layers (tensors share storage)."""
-    return {k: v for k, v in model.state_dict(keep_vars=True).items()
-            if ".experts.layer." not in f".{k}" and not k.startswith("experts.layer.")}
+    """{checkpoint name: tensor} of the model's state_dict without moec's
+    layers (the tensors themselves); a block that the module tree names
+    otherwise than checkpoints do (v5's Mixtral mlp) under its checkpoint
+    name."""
+    renames = [(n + ".", _checkpoint_prefix(n, ex.family) + ".") for n, _, ex in _patched(model)
+               if _checkpoint_prefix(n, ex.family) != n]
+    out = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if ".experts.layer." in f".{k}":
+            continue
+        for old, new in renames:
+            if k.startswith(old):
+                k = new + k[len(old):]
+        out[k] = v
+    return out
 
 
 # --- adapters out and in -----------------------------------------------------

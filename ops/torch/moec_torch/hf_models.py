@@ -615,9 +615,14 @@ class ForCausalLM(nn.Module):
         self.config = config
         self.model = Model(config, type(self))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         self.init_weights()
+
+    def tie_weights(self):
+        """lm_head shares the embedding's weight when tie_word_embeddings, as
+        transformers' PreTrainedModel.tie_weights does."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
     def sparse(config, idx):

@@ -443,6 +443,21 @@ def test_load_checkpoint_fills_a_meta_model(tmp_path, layout):
                        src.model.layers[0].mlp.experts[3].down_proj.weight.t())
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_load_checkpoint_fills_a_model_wholly_on_meta(tmp_path, tied):
+    """Made on the meta device, patched, filled: every weight is read once,
+    tied embeddings stay tied, and the logits are the source's."""
+    src = make_model("mixtral", "fused", tie_word_embeddings=tied)
+    write_checkpoint(src, tmp_path / "ckpt")
+    model = make_model("mixtral", "fused", seed=4, tie_word_embeddings=tied).to("meta")
+    mhf.patch_model(model, ranks=2, threads=1)
+    mhf.load_checkpoint(model, tmp_path / "ckpt")
+    assert not any(t.is_meta for t in model.state_dict().values() if torch.is_tensor(t))
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    ids = tokens()
+    close(model(ids).logits, src(ids).logits, 1e-5, "logits")
+
+
 def test_fp8_checkpoint_is_dequantized(tmp_path):
     """DeepSeek-V3's FP8 experts (H 256 so that a weight spans two 128-wide
     blocks) read into a bf16 layer equal the dequantized reference."""

@@ -369,6 +369,14 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         if e % group:
             raise ValueError(f"moec: the {e} experts of '{name}' do not divide over {group} "
                              "ranks (each rank holds the same number of experts)")
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"moec: the experts of '{name}' use hidden_act {act!r}; the layer "
+                             "computes SwiGLU (silu(gate) * up) only")
+        if not _fused(block.experts) and family.routing == "moe_method" and \
+                not callable(getattr(block, "moe", None)):
+            raise ValueError(f"moec: '{name}' ({type(block).__name__}) has no moe method to "
+                             "replace; this version of the block is not one moec knows")
         weight = block.experts.gate_up_proj if _fused(block.experts) else \
             getattr(block.experts[0], family.projections[0]).weight
         layer_dtype = dtype or weight.dtype

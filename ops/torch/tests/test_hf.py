@@ -228,6 +228,14 @@ def test_refusals():
     with pytest.raises(ValueError, match="the 8 experts of 'model.layers.0.mlp' do not divide "
                                          "over 3 ranks"):
         mhf.patch_model(make_model("qwen3_moe"), ranks=3)
+    gelu = make_model("qwen3_moe")
+    gelu.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act 'gelu'; the layer computes SwiGLU"):
+        mhf.patch_model(gelu)
+    old = make_model("deepseek_v3")
+    old.model.layers[1].mlp.moe = None  # a version of the block without the method
+    with pytest.raises(ValueError, match="has no moe method to replace"):
+        mhf.patch_model(old)
 
 
 def lora_pair(tmp_path, family="qwen3_moe", layout="modules", targets=None, r=4, alpha=8,

@@ -81,5 +81,21 @@ try:
 except RuntimeError as e:
     assert "missing.json" in str(e), e
 assert not Path("bad.moebin").exists()
-print(f"package ok: {tasks} tasks, simulated makespan {info['statistics']['makespan'] * 1e6:.1f} us")
+
+# Hugging Face models from the installed package: patch, adapters, merged checkpoint.
+import moec_torch.hf as mhf
+from moec_torch import hf_models, safetensors
+model = hf_models.model_from_config(dict(model_type="qwen3_moe", vocab_size=32, hidden_size=32,
+                                         moe_intermediate_size=16, num_experts=4,
+                                         num_hidden_layers=1))
+ids = torch.randint(0, 32, (2, 5))
+want = model(ids).logits
+assert mhf.patch_model(model, ranks=2, threads=1, lora_rank=2) == ["model.layers.0.mlp"]
+assert torch.allclose(model(ids).logits, want, atol=1e-5)
+mhf.save_adapters(model, "adapter")
+assert len(safetensors.load_file("adapter/adapter_model.safetensors")) == 4 * 3 * 2
+mhf.save_pretrained(model, "merged")
+assert "model.layers.0.mlp.experts.3.down_proj.weight" in safetensors.Checkpoint("merged").keys()
+print(f"package ok: {tasks} tasks, simulated makespan {info['statistics']['makespan'] * 1e6:.1f} us;"
+      " a Hugging Face-structured model patched")
 PY

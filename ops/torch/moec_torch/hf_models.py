@@ -478,12 +478,13 @@ class TopKRouter(nn.Module):
     weights as _softmax_topk makes them, cast to the logits' dtype."""
 
     num_experts_field = "num_experts"
+    always_renormalize = False  # Mixtral
 
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.num_experts = getattr(config, self.num_experts_field)
-        self.norm_topk_prob = getattr(config, "norm_topk_prob", True)
+        self.norm_topk_prob = self.always_renormalize or config.norm_topk_prob
         self.hidden_dim = config.hidden_size
         self.weight = nn.Parameter(torch.zeros(self.num_experts, self.hidden_dim))
 
@@ -512,7 +513,7 @@ class OlmoeTopKRouter(TopKRouter):
 
 class MixtralTopKRouter(TopKRouter):
     """Always renormalizes, and (unlike the others and v4) leaves the weights in fp32."""
-    num_experts_field = "num_local_experts"
+    num_experts_field, always_renormalize = "num_local_experts", True
 
     def weights_dtype(self, router_logits):
         return None
@@ -530,6 +531,7 @@ class SparseMoeBlock(nn.Module):
 
     mlp_class, experts_class, router_class = MLP, Experts, TopKRouter
     num_experts_field, intermediate_field = "num_experts", "moe_intermediate_size"
+    always_renormalize = False  # Mixtral
 
     def __init__(self, config):
         super().__init__()
@@ -540,12 +542,9 @@ class SparseMoeBlock(nn.Module):
             return
         self.num_experts = getattr(config, self.num_experts_field)
         self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = self.renormalizes(config)
+        self.norm_topk_prob = self.always_renormalize or config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, self.num_experts, bias=False)
         self.experts = nn.ModuleList([self.make_expert(config) for _ in range(self.num_experts)])
-
-    def renormalizes(self, config):
-        return config.norm_topk_prob
 
     def make_expert(self, config):
         return self.mlp_class(config, intermediate_size=getattr(config, self.intermediate_field))
@@ -601,14 +600,12 @@ class MixtralSparseMoeBlock(SparseMoeBlock):
 
     experts_class, router_class = MixtralExperts, MixtralTopKRouter
     num_experts_field, intermediate_field = "num_local_experts", "intermediate_size"
+    always_renormalize = True
 
     def __init__(self, config):
         super().__init__(config)
         self.top_k = config.num_experts_per_tok
         self.jitter_noise = config.router_jitter_noise
-
-    def renormalizes(self, config):
-        return True
 
     def make_expert(self, config):
         return MixtralBlockSparseTop2MLP(config)
@@ -839,8 +836,8 @@ class CausalLMOutput:
 
 def load_balancing_loss_func(gate_logits, num_experts, top_k):
     """transformers' Switch-Transformer load-balancing loss (no attention
-    mask): num_experts * sum_e (share of the top-k picks that go to e) *
-    (mean router probability of e), over all layers' tokens."""
+    mask): num_experts * sum_e (fraction of the tokens that have e among
+    their top k) * (mean router probability of e), over all layers' tokens."""
     routing_weights = F.softmax(torch.cat(gate_logits, dim=0), dim=-1)
     _, selected = torch.topk(routing_weights, top_k, dim=-1)
     tokens_per_expert = F.one_hot(selected, num_experts).float().mean(dim=0)
@@ -852,7 +849,8 @@ class ForCausalLM(nn.Module):
     """<Family>ForCausalLM: model (embed_tokens, layers, norm) and lm_head.
 
     XForCausalLM(config, seed=None) (or X.from_config(config)) builds it and
-    initializes it with init_weights(seed). forward(input_ids, labels=None,
+    initializes it with init_weights(seed); seed None takes one from the
+    global generator (torch.manual_seed). forward(input_ids, labels=None,
     output_router_logits=None) -> CausalLMOutput: loss is the cross entropy
     of logits[:, :-1] (in fp32) against labels[:, 1:] (-100 ignored), plus
     router_aux_loss_coef * aux_loss when router logits are output (default:
@@ -869,6 +867,8 @@ class ForCausalLM(nn.Module):
 
     def __init__(self, config, seed=None):
         super().__init__()
+        if seed is None:  # drawn before the modules' own init draws, which differ by layout
+            seed = int(torch.randint(0, 2 ** 62, ()))
         self.config = config
         self.vocab_size = config.vocab_size
         self.model = MoeModel(config, type(self))

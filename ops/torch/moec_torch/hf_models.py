@@ -17,11 +17,11 @@ are dense; RMSNorm (variance in fp32); the shifted cross-entropy loss and,
 for the families that have one, the router load-balancing loss added to it.
 
 Two expert layouts, picked by the config's ``experts_layout`` (see
-PretrainedConfig): transformers v4 (4.5x) with per-expert nn.Linear modules,
-and transformers v5 with fused expert parameters and routers as modules.
-Given the same weights both compute the same, but where transformers itself
-changed (DeepSeek-V3's masking of the groups not kept, noted at
-DeepseekV3TopkRouter; Mixtral's v5 routing weights kept in fp32).
+PretrainedConfig): transformers v4 (4.5x), per-expert nn.Linear modules, and
+v5, fused expert parameters and routers as modules. Given the same weights
+they compute the same, but where transformers itself changed: DeepSeek-V3's
+masking of the groups not kept (see DeepseekV3TopkRouter) and Mixtral's v5
+routing weights, left in fp32.
 
 Simplified, since moec does not touch them: attention is plain causal
 multi-head attention with grouped KV heads and rotary embeddings (eager
@@ -1073,9 +1073,9 @@ def checkpoint_state_dict(model):
     writes into the model."""
     fused = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
     # Blocks that the module tree names otherwise than checkpoints (v5 Mixtral's mlp).
-    renames = [(f"model.layers.{i}.{layer.ffn_name}.", f"model.layers.{i}.{model.checkpoint_block}.")
-               for i, layer in enumerate(model.model.layers)
-               if layer.ffn_name != model.checkpoint_block]
+    want = model.checkpoint_block
+    renames = [(f"model.layers.{i}.{layer.ffn_name}.", f"model.layers.{i}.{want}.")
+               for i, layer in enumerate(model.model.layers) if layer.ffn_name != want]
     out = {}
     for key, t in model.state_dict().items():
         owner, _, leaf = key.rpartition(".")

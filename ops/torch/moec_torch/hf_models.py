@@ -57,6 +57,8 @@ __all__ = ["CONFIGS", "MODELS", "CausalLMOutput", "checkpoint_state_dict", "conf
 
 
 # --- configs -------------------------------------------------------------------
+# models/<family>/configuration_<family>.py, 4.5x (fields, defaults) and 5.x
+# (Qwen2-MoE's qkv_bias, rope_parameters, the attribute_map aliases).
 
 class PretrainedConfig:
     """transformers' PretrainedConfig, reduced: the family's fields with its
@@ -250,6 +252,8 @@ def config_from_pretrained(folder):
 
 
 # --- shared modules ----------------------------------------------------------------
+# <Family>RMSNorm, <Family>MLP, MixtralBlockSparseTop2MLP (4.5x) and the v5
+# <Family>Experts (5.x, the eager forward of @use_experts_implementation).
 
 ACT2FN = {"silu": nn.SiLU, "swish": nn.SiLU, "gelu": nn.GELU, "relu": nn.ReLU,
           "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh")}
@@ -461,6 +465,9 @@ class DeepseekV3Experts(Experts):
 
 
 # --- the softmax-routed blocks: Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE -------------------
+# v4: <Family>SparseMoeBlock of modeling_{qwen2_moe,qwen3_moe,mixtral,olmoe}.py,
+# 4.5x (qwen3_moe, mixtral at 00d4b3d); v5: the same files' <Family>TopKRouter
+# and <Family>SparseMoeBlock, 5.x (c0ce2e4).
 
 def _softmax_topk(router_logits, top_k, renormalize, dtype):
     """Softmax over the experts in fp32, top-k, divided by the k's sum when
@@ -618,6 +625,11 @@ class MixtralSparseMoeBlock(SparseMoeBlock):
 
 
 # --- DeepSeek ------------------------------------------------------------------------
+# v4: DeepseekV3TopkRouter and DeepseekV3MoE of modeling_deepseek_v3.py at
+# 00b676f (4.54-4.55), DeepseekV2MoEGate and DeepseekV2MoE of
+# modular_deepseek_v2.py (4.5x); v5: DeepseekV3TopkRouter, DeepseekV3Experts,
+# DeepseekV3MoE, DeepseekV2TopkRouter, DeepseekV2Experts, DeepseekV2Moe of
+# modeling_deepseek_v{3,2}.py, 5.x (c0ce2e4).
 
 def _limit_to_groups(scores, n_group, topk_group, group_score, fill):
     """scores [N, E] with the experts outside the topk_group best of n_group
@@ -784,6 +796,8 @@ class DeepseekV2Moe(DeepseekV2MoE):
 
 
 # --- models ----------------------------------------------------------------------------
+# <Family>DecoderLayer, <Family>Model, <Family>ForCausalLM (4.5x; 5.x alike
+# but for Mixtral's mlp), load_balancing_loss_func, ForCausalLMLoss.
 
 class DecoderLayer(nn.Module):
     """<Family>DecoderLayer: h += self_attn(input_layernorm(h)); h +=

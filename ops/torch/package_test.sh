@@ -87,7 +87,8 @@ import moec_torch.hf as mhf
 from moec_torch import hf_models, safetensors
 model = hf_models.model_from_config(dict(model_type="qwen3_moe", vocab_size=32, hidden_size=32,
                                          moe_intermediate_size=16, num_experts=4,
-                                         num_hidden_layers=1))
+                                         num_experts_per_tok=2, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=1))
 ids = torch.randint(0, 32, (2, 5))
 want = model(ids).logits
 assert mhf.patch_model(model, ranks=2, threads=1, lora_rank=2) == ["model.layers.0.mlp"]

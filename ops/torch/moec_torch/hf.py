@@ -79,7 +79,7 @@ FAMILIES = [
     Family("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), PROJECTIONS, "softmax"),
     Family("mixtral", ("MixtralSparseMoeBlock",), ("w1", "w3", "w2"), "softmax",
            checkpoint_block="block_sparse_moe"),
-    Family("deepseek_v2", ("DeepseekV2MoE",), PROJECTIONS, "moe_method"),
+    Family("deepseek_v2", ("DeepseekV2MoE", "DeepseekV2Moe"), PROJECTIONS, "moe_method"),
     Family("deepseek_v3", ("DeepseekV3MoE",), PROJECTIONS, "moe_method"),
     Family("olmoe", ("OlmoeSparseMoeBlock",), PROJECTIONS, "softmax"),
 ]

@@ -279,6 +279,10 @@ Status parseHeader(std::string_view header, uint64_t dataBytes, Header *out) {
   if (size_t bad = firstNonUtf8(header); bad != std::string_view::npos)
     return Status::error(fmt::format("the header is not UTF-8 text (byte 0x{:02x} at offset {})",
                                      unsigned(uint8_t(header[bad])), bad));
+  // nlohmann takes a NUL byte for the end of the input and would ignore
+  // what follows it; JSON text holds none.
+  if (size_t nul = header.find('\0'); nul != std::string_view::npos)
+    return Status::error(fmt::format("the header is not JSON: a NUL byte at offset {}", nul));
   json doc;
   try {
     doc = parseJsonLimited<json>(header);

@@ -1073,8 +1073,8 @@ std::string safetensorsReadHeaderOp(int64_t fd, int64_t fileBytes) {
 /// The header bytes `header` (uint8) checked against a data area of
 /// `data_bytes`, as safetensorsReadHeaderOp returns them.
 std::string safetensorsParseHeaderOp(const at::Tensor &header, int64_t dataBytes) {
-  TORCH_CHECK(header.device().is_cpu() && header.scalar_type() == at::kByte &&
-                  header.dim() == 1 && header.is_contiguous() && dataBytes >= 0,
+  TORCH_CHECK(header.device().is_cpu() && header.scalar_type() == at::kByte && header.dim() == 1 &&
+                  header.is_contiguous() && dataBytes >= 0,
               "moec: safetensors_parse_header takes the header as a 1-d uint8 CPU tensor and "
               "the size of the data area");
   moec::safetensors::Header out;
@@ -1123,6 +1123,5 @@ TORCH_LIBRARY(moec, m) {
         backwardOp);
   m.def("finalize_mpi() -> ()", finalizeMpiOp);
   m.def("safetensors_read_header(int fd, int file_bytes) -> str", safetensorsReadHeaderOp);
-  m.def("safetensors_parse_header(Tensor header, int data_bytes) -> str",
-        safetensorsParseHeaderOp);
+  m.def("safetensors_parse_header(Tensor header, int data_bytes) -> str", safetensorsParseHeaderOp);
 }

@@ -37,10 +37,10 @@ struct DtypeInfo {
 };
 
 constexpr DtypeInfo kDtypes[] = {
-    {Dtype::F64, "F64", 8},         {Dtype::F32, "F32", 4}, {Dtype::F16, "F16", 2},
-    {Dtype::BF16, "BF16", 2},       {Dtype::F8_E4M3, "F8_E4M3", 1},
-    {Dtype::I64, "I64", 8},         {Dtype::I32, "I32", 4}, {Dtype::I16, "I16", 2},
-    {Dtype::I8, "I8", 1},           {Dtype::U8, "U8", 1},   {Dtype::BOOL, "BOOL", 1},
+    {Dtype::F64, "F64", 8},   {Dtype::F32, "F32", 4},         {Dtype::F16, "F16", 2},
+    {Dtype::BF16, "BF16", 2}, {Dtype::F8_E4M3, "F8_E4M3", 1}, {Dtype::I64, "I64", 8},
+    {Dtype::I32, "I32", 4},   {Dtype::I16, "I16", 2},         {Dtype::I8, "I8", 1},
+    {Dtype::U8, "U8", 1},     {Dtype::BOOL, "BOOL", 1},
 };
 
 /// The key of the metadata object.
@@ -135,8 +135,7 @@ bool asSize(const json &value, uint64_t max, uint64_t *out) {
 
 /// Checks the entry `spec` of the tensor `name` on its own, against a data
 /// area of `dataBytes`, into *out.
-Status parseEntry(const std::string &name, const json &spec, uint64_t dataBytes,
-                  TensorEntry *out) {
+Status parseEntry(const std::string &name, const json &spec, uint64_t dataBytes, TensorEntry *out) {
   const std::string where = fmt::format("tensor '{}'", name);
   if (!spec.is_object())
     return Status::error(fmt::format("{}: its entry is {}, not an object", where, kindOf(spec)));
@@ -145,19 +144,19 @@ Status parseEntry(const std::string &name, const json &spec, uint64_t dataBytes,
       return Status::error(fmt::format("{}: no '{}'", where, key));
   for (const auto &item : spec.items())
     if (item.key() != "dtype" && item.key() != "shape" && item.key() != "data_offsets")
-      return Status::error(fmt::format(
-          "{}: unknown key '{}' (an entry holds dtype, shape and data_offsets)", where,
-          item.key()));
+      return Status::error(
+          fmt::format("{}: unknown key '{}' (an entry holds dtype, shape and data_offsets)", where,
+                      item.key()));
 
   const json &dtype = spec["dtype"];
   if (!dtype.is_string() || !dtypeFromName(dtype.get_ref<const std::string &>(), &out->dtype)) {
     std::vector<const char *> known;
     for (const DtypeInfo &info : kDtypes)
       known.push_back(info.name);
-    return Status::error(fmt::format("{}: unknown dtype {} (known: {})", where,
-                                     dtype.is_string() ? "'" + dtype.get<std::string>() + "'"
-                                                       : quote(dtype),
-                                     fmt::join(known, ", ")));
+    return Status::error(
+        fmt::format("{}: unknown dtype {} (known: {})", where,
+                    dtype.is_string() ? "'" + dtype.get<std::string>() + "'" : quote(dtype),
+                    fmt::join(known, ", ")));
   }
 
   const json &shape = spec["shape"];
@@ -263,19 +262,19 @@ Status checkHeaderLength(uint64_t headerBytes, uint64_t fileBytes) {
     return Status::error(
         fmt::format("{} bytes, shorter than the {}-byte header length", fileBytes, kLengthBytes));
   if (headerBytes > kMaxHeaderBytes)
-    return Status::error(fmt::format("a header of {} bytes, over the {}-byte limit", headerBytes,
-                                     kMaxHeaderBytes));
+    return Status::error(
+        fmt::format("a header of {} bytes, over the {}-byte limit", headerBytes, kMaxHeaderBytes));
   if (headerBytes > fileBytes - kLengthBytes)
-    return Status::error(fmt::format(
-        "a header of {} bytes in a file of {} (truncated, or not safetensors)", headerBytes,
-        fileBytes));
+    return Status::error(
+        fmt::format("a header of {} bytes in a file of {} (truncated, or not safetensors)",
+                    headerBytes, fileBytes));
   return Status::success();
 }
 
 Status parseHeader(std::string_view header, uint64_t dataBytes, Header *out) {
   if (header.size() > kMaxHeaderBytes)
-    return Status::error(fmt::format("a header of {} bytes, over the {}-byte limit",
-                                     header.size(), kMaxHeaderBytes));
+    return Status::error(fmt::format("a header of {} bytes, over the {}-byte limit", header.size(),
+                                     kMaxHeaderBytes));
   if (size_t bad = firstNonUtf8(header); bad != std::string_view::npos)
     return Status::error(fmt::format("the header is not UTF-8 text (byte 0x{:02x} at offset {})",
                                      unsigned(uint8_t(header[bad])), bad));
@@ -287,9 +286,8 @@ Status parseHeader(std::string_view header, uint64_t dataBytes, Header *out) {
   try {
     doc = parseJsonLimited<json>(header);
   } catch (const json::parse_error &e) {
-    return Status::error(
-        fmt::format("the header is not JSON: at offset {}: {}", e.byte ? e.byte - 1 : 0,
-                    jsonParseMessage(e)));
+    return Status::error(fmt::format("the header is not JSON: at offset {}: {}",
+                                     e.byte ? e.byte - 1 : 0, jsonParseMessage(e)));
   } catch (const JsonRefused &e) {
     return Status::error(fmt::format("the header: {} (at offset {})", e.what(), e.byte));
   } catch (const json::exception &e) {
@@ -309,8 +307,8 @@ Status parseHeader(std::string_view header, uint64_t dataBytes, Header *out) {
       if (metadata.is_null())
         continue;
       if (!metadata.is_object())
-        return Status::error(fmt::format("{} is {}, not an object of strings", kMetadataKey,
-                                         kindOf(metadata)));
+        return Status::error(
+            fmt::format("{} is {}, not an object of strings", kMetadataKey, kindOf(metadata)));
       for (const auto &entry : metadata.items()) {
         if (!entry.value().is_string())
           return Status::error(fmt::format("{}: the value of '{}' is {} ({}), not a string",
@@ -335,15 +333,15 @@ Status parseHeader(std::string_view header, uint64_t dataBytes, Header *out) {
   const TensorEntry *before = nullptr;
   for (const TensorEntry &e : result.tensors) {
     if (e.begin < at)
-      return Status::error(fmt::format(
-          "tensor '{}': data_offsets [{}, {}] overlap those of tensor '{}', [{}, {}]", e.name,
-          e.begin, e.end, before->name, before->begin, before->end));
+      return Status::error(
+          fmt::format("tensor '{}': data_offsets [{}, {}] overlap those of tensor '{}', [{}, {}]",
+                      e.name, e.begin, e.end, before->name, before->begin, before->end));
     if (e.begin > at)
-      return Status::error(fmt::format(
-          "tensor '{}': data_offsets [{}, {}] leave a gap of {} bytes {}", e.name, e.begin, e.end,
-          e.begin - at,
-          before ? fmt::format("after tensor '{}', which ends at {}", before->name, at)
-                 : std::string("at the start of the data area")));
+      return Status::error(
+          fmt::format("tensor '{}': data_offsets [{}, {}] leave a gap of {} bytes {}", e.name,
+                      e.begin, e.end, e.begin - at,
+                      before ? fmt::format("after tensor '{}', which ends at {}", before->name, at)
+                             : std::string("at the start of the data area")));
     at = e.end;
     before = &e;
   }
@@ -372,9 +370,9 @@ Status readHeader(int fd, uint64_t fileBytes, Header *out, uint64_t *dataStart) 
     return s;
   std::string text(size_t(length), '\0');
   if (!preadAll(fd, text.data(), text.size(), kLengthBytes))
-    return Status::error(fmt::format("cannot read the header of {} bytes: {}", length,
-                                     errno ? std::strerror(errno)
-                                           : "the file ends early (was it truncated?)"));
+    return Status::error(
+        fmt::format("cannot read the header of {} bytes: {}", length,
+                    errno ? std::strerror(errno) : "the file ends early (was it truncated?)"));
   if (Status s = parseHeader(text, fileBytes - kLengthBytes - length, out); !s)
     return s;
   *dataStart = kLengthBytes + length;

@@ -31,9 +31,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   const uint64_t dataBytes = size - kLengthBytes - length;
   Header header;
-  status = parseHeader(std::string_view(reinterpret_cast<const char *>(data) + kLengthBytes,
-                                        size_t(length)),
-                       dataBytes, &header);
+  status = parseHeader(
+      std::string_view(reinterpret_cast<const char *>(data) + kLengthBytes, size_t(length)),
+      dataBytes, &header);
   if (!status) {
     if (status.message().empty() || !header.tensors.empty())
       std::abort();

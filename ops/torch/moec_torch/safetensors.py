@@ -124,7 +124,18 @@ def _open_regular(path):
     return fd, st.st_size
 
 
-class safe_open:
+class _Closable:
+    """A context manager that calls close() on leaving."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class safe_open(_Closable):
     """One safetensors file, mapped: keys(), metadata(), get_tensor(name),
     dtype(name), shape(name), close(); a context manager, as
     safetensors.safe_open. Only framework "pt" and device "cpu" are
@@ -153,13 +164,6 @@ class safe_open:
         finally:
             os.close(fd)
         self._open = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
     def close(self):
         """Forgets the file; tensors already made keep their mapping alive."""
@@ -459,7 +463,7 @@ def load_index(folder, name=INDEX_NAME):
     return {"metadata": metadata, "weight_map": wmap}
 
 
-class Checkpoint:
+class Checkpoint(_Closable):
     """A Hugging Face checkpoint folder: model.safetensors or, without one
     (transformers looks in this order), the shards that
     model.safetensors.index.json names, each opened (its header read and
@@ -483,13 +487,6 @@ class Checkpoint:
         else:
             raise SafetensorError(f"{self.folder} holds neither {INDEX_NAME} nor "
                                   "model.safetensors")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
     def close(self):
         """Forgets the open shards; tensors already made keep theirs mapped."""

@@ -28,6 +28,12 @@ std::string entry(const std::string &dtype, const std::string &shape, uint64_t b
          std::to_string(begin) + ", " + std::to_string(end) + "]}";
 }
 
+/// The text of a header of one tensor, 'x'.
+std::string onlyX(const std::string &dtype, const std::string &shape, uint64_t begin,
+                  uint64_t end) {
+  return "{\"x\": " + entry(dtype, shape, begin, end) + "}";
+}
+
 /// parseHeader's error message for `header` over `dataBytes`; fails the test
 /// when it accepts the header.
 std::string refusal(const std::string &header, uint64_t dataBytes) {
@@ -77,6 +83,17 @@ struct ScratchFile {
     ::unlink(path.c_str());
   }
 };
+
+/// readHeader's error message for a file of `bytes` said to be `size` bytes
+/// long; fails the test when it accepts the file.
+std::string readRefusal(const std::string &bytes, uint64_t size) {
+  ScratchFile f(bytes);
+  Header h;
+  uint64_t start = 0;
+  Status s = readHeader(f.fd, size, &h, &start);
+  REQUIRE_FALSE(s.ok());
+  return s.message();
+}
 
 } // namespace
 
@@ -150,9 +167,9 @@ TEST_CASE("good headers: shapes, metadata, padding, empty tensors", "[safetensor
   }
   SECTION("no tensors, no data") { CHECK(accepted("{}", 0).tensors.empty()); }
   SECTION("empty tensors anywhere, a zero extent beside a huge one") {
-    Header h = accepted("{\"b\": " + entry("F32", "[2]", 0, 8) + ", \"a\": " +
-                            entry("F32", "[0, 4]", 0, 0) + ", \"c\": " +
-                            entry("I64", "[9223372036854775807, 0]", 8, 8) + "}",
+    Header h = accepted("{\"b\": " + entry("F32", "[2]", 0, 8) +
+                            ", \"a\": " + entry("F32", "[0, 4]", 0, 0) +
+                            ", \"c\": " + entry("I64", "[9223372036854775807, 0]", 8, 8) + "}",
                         8);
     REQUIRE(h.tensors.size() == 3);
     CHECK(h.tensors[0].name == "a");
@@ -162,16 +179,15 @@ TEST_CASE("good headers: shapes, metadata, padding, empty tensors", "[safetensor
 }
 
 TEST_CASE("headerToJson: the normalized header", "[safetensors]") {
-  Header h = accepted("{\"__metadata__\": {\"format\": \"pt\"}, \"y\": " +
-                          entry("I8", "[3]", 8, 11) + ", \"x\": " + entry("F32", "[2]", 0, 8) + "}",
-                      11);
+  Header h =
+      accepted("{\"__metadata__\": {\"format\": \"pt\"}, \"y\": " + entry("I8", "[3]", 8, 11) +
+                   ", \"x\": " + entry("F32", "[2]", 0, 8) + "}",
+               11);
   nlohmann::json doc = nlohmann::json::parse(headerToJson(h));
   REQUIRE(doc["tensors"].size() == 2);
-  CHECK(doc["tensors"][0] == nlohmann::json({{"name", "x"},
-                                             {"dtype", "F32"},
-                                             {"shape", {2}},
-                                             {"begin", 0},
-                                             {"end", 8}}));
+  CHECK(
+      doc["tensors"][0] ==
+      nlohmann::json({{"name", "x"}, {"dtype", "F32"}, {"shape", {2}}, {"begin", 0}, {"end", 8}}));
   CHECK(doc["tensors"][1]["name"] == "y");
   CHECK(doc["metadata"] == nlohmann::json({{"format", "pt"}}));
   CHECK(nlohmann::json::parse(headerToJson(accepted("{}", 0)))["metadata"].is_null());
@@ -197,9 +213,8 @@ TEST_CASE("the text of the header", "[safetensors]") {
     CHECK_THAT(refusal(big, 0), Contains("over the 100000000-byte limit"));
   }
   SECTION("not UTF-8") {
-    for (const std::string &bad :
-         {"{\"\xff\": 1}"s, "{\"\xc0\xaf\": 1}"s, "{\"\xed\xa0\x80\": 1}"s,
-          "{\"\xf4\x90\x80\x80\": 1}"s, "{\"\xe2\x82\": 1}"s, "{} \xc3"s})
+    for (const std::string &bad : {"{\"\xff\": 1}"s, "{\"\xc0\xaf\": 1}"s, "{\"\xed\xa0\x80\": 1}"s,
+                                   "{\"\xf4\x90\x80\x80\": 1}"s, "{\"\xe2\x82\": 1}"s, "{} \xc3"s})
       CHECK_THAT(refusal(bad, 0), Contains("the header is not UTF-8 text"));
     CHECK_THAT(refusal("{\"\xff\": 1}", 0), Contains("byte 0xff at offset 2"));
   }
@@ -252,25 +267,24 @@ TEST_CASE("one entry's fields", "[safetensors]") {
                Contains("tensor 'x': unknown key 'scale'"));
   }
   SECTION("dtypes") {
-    CHECK_THAT(refusal("{\"x\": " + entry("C64", "[1]", 0, 8) + "}", 8),
+    CHECK_THAT(refusal(onlyX("C64", "[1]", 0, 8), 8),
                Contains("tensor 'x': unknown dtype 'C64' (known: F64, F32, F16, BF16, F8_E4M3, "
                         "I64, I32, I16, I8, U8, BOOL)"));
     CHECK_THAT(refusal("{\"x\": {\"dtype\": 4, \"shape\": [1], \"data_offsets\": [0, 4]}}", 4),
                Contains("tensor 'x': unknown dtype 4"));
   }
   SECTION("shapes") {
-    for (const char *shape :
-         {"[-2]", "[2.0]", "[true]", "2", "null", "[[2]]", "[\"2\"]", "[9223372036854775808]",
-          "[18446744073709551616]"})
-      CHECK_THAT(refusal("{\"x\": " + entry("U8", shape, 0, 2) + "}", 2),
+    for (const char *shape : {"[-2]", "[2.0]", "[true]", "2", "null", "[[2]]", "[\"2\"]",
+                              "[9223372036854775808]", "[18446744073709551616]"})
+      CHECK_THAT(refusal(onlyX("U8", shape, 0, 2), 2),
                  Contains("tensor 'x': shape") && Contains("is not a list of sizes >= 0"));
-    CHECK_THAT(refusal("{\"x\": " + entry("U8", "[-2]", 0, 2) + "}", 2),
+    CHECK_THAT(refusal(onlyX("U8", "[-2]", 0, 2), 2),
                Contains("tensor 'x': shape [-2] is not a list"));
   }
   SECTION("a shape whose byte count overflows") {
-    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[4611686018427387904, 4]", 0, 0) + "}", 0),
+    CHECK_THAT(refusal(onlyX("F32", "[4611686018427387904, 4]", 0, 0), 0),
                Contains("tensor 'x': shape [4611686018427387904, 4] of F32 has too many elements"));
-    CHECK_THAT(refusal("{\"x\": " + entry("F64", "[2305843009213693952]", 0, 0) + "}", 0),
+    CHECK_THAT(refusal(onlyX("F64", "[2305843009213693952]", 0, 0), 0),
                Contains("has too many elements"));
   }
   SECTION("offsets that are not two sizes") {
@@ -282,60 +296,58 @@ TEST_CASE("one entry's fields", "[safetensors]") {
                  Contains("tensor 'x': data_offsets") && Contains("is not [begin, end]"));
   }
   SECTION("offsets that end before they begin") {
-    CHECK_THAT(refusal("{\"x\": " + entry("U8", "[0]", 4, 0) + "}", 4),
+    CHECK_THAT(refusal(onlyX("U8", "[0]", 4, 0), 4),
                Contains("tensor 'x': data_offsets [4, 0] end before they begin"));
   }
   SECTION("offsets past the data area") {
-    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[4]", 0, 16) + "}", 10),
+    CHECK_THAT(refusal(onlyX("F32", "[4]", 0, 16), 10),
                Contains("tensor 'x': data_offsets [0, 16] run past the data area of 10 bytes "
                         "(a truncated file?)"));
-    CHECK_THAT(refusal("{\"x\": " + entry("U8", "[1]", 18446744073709551614ull,
-                                          18446744073709551615ull) +
-                           "}",
-                       1),
+    CHECK_THAT(refusal(onlyX("U8", "[1]", 18446744073709551614ull, 18446744073709551615ull), 1),
                Contains("run past the data area"));
   }
   SECTION("bytes that disagree with the shape") {
-    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[3]", 0, 8) + "}", 8),
-               Contains("tensor 'x': shape [3] of F32 is 12 bytes; its data_offsets [0, 8] hold 8"));
-    CHECK_THAT(refusal("{\"x\": " + entry("BF16", "[]", 0, 4) + "}", 4),
+    CHECK_THAT(
+        refusal(onlyX("F32", "[3]", 0, 8), 8),
+        Contains("tensor 'x': shape [3] of F32 is 12 bytes; its data_offsets [0, 8] hold 8"));
+    CHECK_THAT(refusal(onlyX("BF16", "[]", 0, 4), 4),
                Contains("tensor 'x': shape [] of BF16 is 2 bytes"));
   }
 }
 
 TEST_CASE("the entries together tile the data area", "[safetensors]") {
   SECTION("an overlap names both tensors") {
-    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[2]", 0, 8) + ", \"y\": " +
-                           entry("F32", "[1]", 4, 8) + "}",
+    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[2]", 0, 8) +
+                           ", \"y\": " + entry("F32", "[1]", 4, 8) + "}",
                        8),
                Contains("tensor 'y': data_offsets [4, 8] overlap those of tensor 'x', [0, 8]"));
   }
   SECTION("the same range twice") {
-    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[1]", 0, 4) + ", \"y\": " +
-                           entry("F32", "[1]", 0, 4) + "}",
+    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[1]", 0, 4) +
+                           ", \"y\": " + entry("F32", "[1]", 0, 4) + "}",
                        8),
                Contains("tensor 'y': data_offsets [0, 4] overlap those of tensor 'x'"));
   }
   SECTION("an empty tensor inside another") {
-    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[2]", 0, 8) + ", \"e\": " +
-                           entry("F32", "[0]", 4, 4) + "}",
+    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[2]", 0, 8) +
+                           ", \"e\": " + entry("F32", "[0]", 4, 4) + "}",
                        8),
                Contains("tensor 'e'") && Contains("overlap those of tensor 'x'"));
   }
   SECTION("a gap between two") {
-    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[1]", 0, 4) + ", \"y\": " +
-                           entry("F32", "[1]", 8, 12) + "}",
+    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[1]", 0, 4) +
+                           ", \"y\": " + entry("F32", "[1]", 8, 12) + "}",
                        12),
                Contains("tensor 'y': data_offsets [8, 12] leave a gap of 4 bytes after tensor "
                         "'x', which ends at 4"));
   }
   SECTION("a gap at the start") {
-    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[1]", 4, 8) + "}", 8),
+    CHECK_THAT(refusal(onlyX("F32", "[1]", 4, 8), 8),
                Contains("tensor 'x': data_offsets [4, 8] leave a gap of 4 bytes at the start of "
                         "the data area"));
   }
   SECTION("bytes after the last") {
-    CHECK_THAT(refusal("{\"x\": " + entry("F32", "[2]", 0, 8) + "}", 12),
+    CHECK_THAT(refusal(onlyX("F32", "[2]", 0, 8), 12),
                Contains("the tensors end at byte 8 of a data area of 12 bytes: the 4 bytes after "
                         "tensor 'x' belong to none"));
   }
@@ -357,7 +369,7 @@ TEST_CASE("metadata", "[safetensors]") {
 }
 
 TEST_CASE("an error leaves the output as it was", "[safetensors]") {
-  Header h = accepted("{\"x\": " + entry("U8", "[1]", 0, 1) + "}", 1);
+  Header h = accepted(onlyX("U8", "[1]", 0, 1), 1);
   CHECK_FALSE(parseHeader("{\"y\": " + entry("U8", "[2]", 0, 2) + "}", 1, &h).ok());
   REQUIRE(h.tensors.size() == 1);
   CHECK(h.tensors[0].name == "x");
@@ -375,39 +387,24 @@ TEST_CASE("readHeader: a file's length field and header", "[safetensors]") {
     CHECK(h.tensors[0].shape == std::vector<int64_t>{2});
   }
   SECTION("a file shorter than its length field") {
-    ScratchFile f("\1\2\3");
-    Header h;
-    uint64_t start = 0;
-    CHECK_THAT(readHeader(f.fd, 3, &h, &start).message(),
+    CHECK_THAT(readRefusal("\1\2\3", 3),
                Contains("3 bytes, shorter than the 8-byte header length"));
   }
   SECTION("a header longer than the file") {
-    ScratchFile f(fileBytes("{}", 0, 4096));
-    Header h;
-    uint64_t start = 0;
-    CHECK_THAT(readHeader(f.fd, 10, &h, &start).message(),
+    CHECK_THAT(readRefusal(fileBytes("{}", 0, 4096), 10),
                Contains("a header of 4096 bytes in a file of 10"));
   }
   SECTION("a header over the limit") {
-    ScratchFile f(fileBytes("{}", 0, 200'000'000));
-    Header h;
-    uint64_t start = 0;
-    CHECK_THAT(readHeader(f.fd, 1ull << 40, &h, &start).message(),
+    CHECK_THAT(readRefusal(fileBytes("{}", 0, 200'000'000), 1ull << 40),
                Contains("over the 100000000-byte limit"));
   }
   SECTION("a truncated data area") {
-    const std::string header = "{\"x\": " + entry("F32", "[100]", 0, 400) + "}";
-    ScratchFile f(fileBytes(header, 100));
-    Header h;
-    uint64_t start = 0;
-    CHECK_THAT(readHeader(f.fd, 8 + header.size() + 100, &h, &start).message(),
+    const std::string header = onlyX("F32", "[100]", 0, 400);
+    CHECK_THAT(readRefusal(fileBytes(header, 100), 8 + header.size() + 100),
                Contains("tensor 'x': data_offsets [0, 400] run past the data area of 100 bytes"));
   }
   SECTION("a file that is shorter than it was said to be") {
-    ScratchFile f(fileBytes("{}", 0, 64));
-    Header h;
-    uint64_t start = 0;
-    CHECK_THAT(readHeader(f.fd, 100, &h, &start).message(),
+    CHECK_THAT(readRefusal(fileBytes("{}", 0, 64), 100),
                Contains("cannot read the header of 64 bytes: the file ends early"));
   }
 }

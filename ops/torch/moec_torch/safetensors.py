@@ -96,8 +96,9 @@ def parse_header(header, data_bytes):
     what is wrong and, where one is, naming the tensor."""
     data = torch.frombuffer(bytearray(header), dtype=torch.uint8) if header else \
         torch.empty(0, dtype=torch.uint8)
+    ops = _checker()
     try:
-        return _entries(_checker().safetensors_parse_header(data, data_bytes))
+        return _entries(ops.safetensors_parse_header(data, data_bytes))
     except RuntimeError as e:
         raise SafetensorError(str(e)) from None
 
@@ -147,11 +148,11 @@ class safe_open(_Closable):
         if str(device) != "cpu":
             raise SafetensorError(f"{filename}: device {device!r}: only 'cpu' is served")
         self.path = Path(filename)
+        ops = _checker()
         fd, size = _open_regular(self.path)
         try:
             try:
-                entries, self._metadata = _entries(
-                    _checker().safetensors_read_header(fd, size))
+                entries, self._metadata = _entries(ops.safetensors_read_header(fd, size))
             except RuntimeError as e:
                 raise SafetensorError(f"{self.path}: {e}") from None
             self._entries = {e.name: e for e in entries}
@@ -477,16 +478,19 @@ class Checkpoint(_Closable):
         if not self.folder.is_dir():
             raise SafetensorError(f"{self.folder} is not a checkpoint folder (not a folder)")
         self._files = {}
+        self._map, self._metadata = {}, None
         if (self.folder / "model.safetensors").exists():
             f = self._file("model.safetensors")
             self._map = {k: "model.safetensors" for k in f.keys()}
-            self._metadata = None
         elif (self.folder / INDEX_NAME).exists():
             index = load_index(self.folder)
             self._map, self._metadata = index["weight_map"], index["metadata"]
         else:
             raise SafetensorError(f"{self.folder} holds neither {INDEX_NAME} nor "
                                   "model.safetensors")
+        self._held = {}  # shard: the names the index puts in it
+        for name, shard in self._map.items():
+            self._held.setdefault(shard, []).append(name)
 
     def close(self):
         """Forgets the open shards; tensors already made keep theirs mapped."""
@@ -499,11 +503,12 @@ class Checkpoint(_Closable):
         in it."""
         f = self._files.get(shard)
         if f is None:
-            f = self._files[shard] = safe_open(self.folder / shard)
-            for name, where in getattr(self, "_map", {}).items():
-                if where == shard and name not in f:
+            f = safe_open(self.folder / shard)
+            for name in getattr(self, "_held", {}).get(shard, ()):
+                if name not in f:
                     raise SafetensorError(f"{self.folder / shard}: the index names '{name}' in "
                                           "this shard, which does not hold it")
+            self._files[shard] = f
         return f
 
     def _open(self, name):

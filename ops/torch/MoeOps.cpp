@@ -32,11 +32,20 @@
 // Every check of the runtime (dtypes, shapes, expert ids, capacities) fails
 // with its message as a c10::Error, which Python sees as a RuntimeError.
 //
+// And the safetensors header checker for moec_torch.safetensors:
+//
+//   moec::safetensors_read_header(int fd, int file_bytes) -> str
+//   moec::safetensors_parse_header(Tensor header, int data_bytes) -> str
+//
+// return a header, checked, as normalized JSON (tensors in offset order,
+// metadata), or fail with the checker's message.
+//
 //===----------------------------------------------------------------------===//
 
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
 #include "runtime/tooling/Profile.h"
+#include "runtime/tooling/Safetensors.h"
 #include "runtime/tooling/Workspace.h"
 
 #include <ATen/ATen.h>
@@ -50,10 +59,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -1044,6 +1055,37 @@ void finalizeMpiOp() {
   moec::comm::finalizeMpi();
 }
 
+/// The header of the open safetensors file `fd` of `file_bytes` bytes,
+/// checked (moec::safetensors::readHeader), as normalized JSON for
+/// moec_torch.safetensors, which maps the data area itself; the checker's
+/// message as a RuntimeError.
+std::string safetensorsReadHeaderOp(int64_t fd, int64_t fileBytes) {
+  TORCH_CHECK(fd >= 0 && fd <= std::numeric_limits<int>::max() && fileBytes >= 0,
+              "moec: safetensors_read_header takes an open file and its size");
+  moec::safetensors::Header header;
+  uint64_t dataStart = 0;
+  moec::Status status =
+      moec::safetensors::readHeader(int(fd), uint64_t(fileBytes), &header, &dataStart);
+  TORCH_CHECK(status.ok(), status.message());
+  return moec::safetensors::headerToJson(header);
+}
+
+/// The header bytes `header` (uint8) checked against a data area of
+/// `data_bytes`, as safetensorsReadHeaderOp returns them.
+std::string safetensorsParseHeaderOp(const at::Tensor &header, int64_t dataBytes) {
+  TORCH_CHECK(header.device().is_cpu() && header.scalar_type() == at::kByte && header.dim() == 1 &&
+                  header.is_contiguous() && dataBytes >= 0,
+              "moec: safetensors_parse_header takes the header as a 1-d uint8 CPU tensor and "
+              "the size of the data area");
+  moec::safetensors::Header out;
+  moec::Status status = moec::safetensors::parseHeader(
+      std::string_view(reinterpret_cast<const char *>(header.data_ptr<uint8_t>()),
+                       size_t(header.numel())),
+      uint64_t(dataBytes), &out);
+  TORCH_CHECK(status.ok(), status.message());
+  return moec::safetensors::headerToJson(out);
+}
+
 } // namespace
 
 TORCH_LIBRARY(moec, m) {
@@ -1080,4 +1122,6 @@ TORCH_LIBRARY(moec, m) {
         "(Tensor, Tensor, Tensor?, Tensor?, Tensor[])",
         backwardOp);
   m.def("finalize_mpi() -> ()", finalizeMpiOp);
+  m.def("safetensors_read_header(int fd, int file_bytes) -> str", safetensorsReadHeaderOp);
+  m.def("safetensors_parse_header(Tensor header, int data_bytes) -> str", safetensorsParseHeaderOp);
 }

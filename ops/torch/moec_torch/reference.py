@@ -66,6 +66,18 @@ FP8_BLOCK = 128
 FP8_MAX = 448.0
 
 
+def e4m3_round(v):
+    """float32 values rounded to the nearest e4m3 number (3 mantissa bits,
+    exponents down to 2^-6, subnormal steps of 2^-9, ties to even,
+    saturating at +-448; NaN stays NaN), written from the format's
+    definition."""
+    # The e4m3 step at |v|: 2^(e - 3) for a normal of exponent e >= -6,
+    # else the subnormal step 2^-9. frexp gives v = m 2^E, 0.5 <= |m| < 1.
+    _, exponent = torch.frexp(v)
+    step = torch.pow(2.0, (torch.clamp(exponent - 1, min=-6) - 3).float())
+    return torch.clamp(torch.round(v / step) * step, -FP8_MAX, FP8_MAX)
+
+
 def fp8_round_rows(x):
     """x's rows as an FP8 dispatch delivers them, written from the format's
     definition with plain torch ops (no moec code): each row of the last dim
@@ -81,11 +93,5 @@ def fp8_round_rows(x):
         block = values[..., begin:begin + FP8_BLOCK]
         amax = block.abs().amax(dim=-1, keepdim=True)
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        v = block / scale
-        # The e4m3 step at |v|: 2^(e - 3) for a normal of exponent e >= -6,
-        # else the subnormal step 2^-9. frexp gives v = m 2^E, 0.5 <= |m| < 1.
-        _, exponent = torch.frexp(v)
-        step = torch.pow(2.0, (torch.clamp(exponent - 1, min=-6) - 3).float())
-        q = torch.clamp(torch.round(v / step) * step, -FP8_MAX, FP8_MAX)
-        out[..., begin:begin + FP8_BLOCK] = q * scale
+        out[..., begin:begin + FP8_BLOCK] = e4m3_round(block / scale) * scale
     return out.to(x.dtype)

@@ -20,33 +20,36 @@ F8_E4M3 tensor is read as uint8 codes (``dtype(name)`` says "F8_E4M3";
 ``fp8_e4m3_to_float`` decodes them) and written from uint8 with
 ``dtypes={name: "F8_E4M3"}``.
 
-Reading maps the file (copy-on-write): a tensor's pages are read when it
-is used, so a 60 GB checkpoint is never read whole; a tensor is copied only
-when its offset is not a multiple of its element size. Every header is
-checked before any tensor is made, and a bad file raises SafetensorError
-naming the file and, where one is at fault, the tensor. Writing goes
-through a scratch file renamed into place: a failed write leaves nothing.
+The header is checked by the op library's checker (runtime/tooling/
+Safetensors.cpp, through torch.ops.moec.safetensors_read_header) before
+any tensor is made; a bad file raises SafetensorError naming the file and,
+where one is at fault, the tensor. Reading maps the file (copy-on-write):
+a tensor is a view of the mapping, whose pages are read when it is used, so
+a 60 GB checkpoint is never read whole; a tensor is copied only when its
+offset is not a multiple of its element size. Writing goes through a
+scratch file renamed into place: a failed write leaves nothing.
 """
 
 import json
 import math
 import mmap
 import os
-import stat
+import re
+import secrets
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
 
-from . import checks
+from . import checks, reference
 
 __all__ = ["Checkpoint", "SafetensorError", "fp8_e4m3_to_float", "float_to_fp8_e4m3",
-           "load_file", "load_tensors", "parse_header", "safe_open", "save_file", "save_sharded",
-           "write_atomically", "INDEX_NAME", "MAX_HEADER"]
+           "load_file", "load_index", "load_tensors", "parse_header", "safe_open", "save_file",
+           "save_sharded", "write_atomically", "INDEX_NAME", "MAX_HEADER"]
 
-MAX_HEADER = 100 * 1000 * 1000   # the safetensors package's limit
+MAX_HEADER = 100 * 1000 * 1000   # the safetensors package's limit, and the checker's
 INDEX_NAME = "model.safetensors.index.json"
+INDEX_LIMIT = 64 << 20           # an index of a million tensors is ~100 MB of names; 64 MB
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "F8_E4M3": torch.uint8, "I64": torch.int64,
@@ -72,86 +75,72 @@ class Entry:
         self.name, self.dtype, self.shape, self.begin, self.end = name, dtype, shape, begin, end
 
 
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
+def _checker():
+    """torch.ops.moec, the op library that holds the header checker."""
+    from . import load_library
+    load_library()
+    return torch.ops.moec
+
+
+def _entries(normalized):
+    """(entries in offset order, metadata or None) of the checker's JSON."""
+    doc = json.loads(normalized)
+    entries = [Entry(t["name"], t["dtype"], tuple(t["shape"]), t["begin"], t["end"])
+               for t in doc["tensors"]]
+    return entries, doc["metadata"]
 
 
 def parse_header(header, data_bytes):
-    """(entries sorted by offset, metadata) of a header's bytes, checked
-    against a data area of `data_bytes`; SafetensorError saying what is
-    wrong and, where one is, naming the tensor."""
-    doc = checks.strict_json(header, "the header", SafetensorError, "a header")
-    if not isinstance(doc, dict):
-        raise SafetensorError(f"the header is a JSON {type(doc).__name__}, not an object")
-    metadata = doc.pop("__metadata__", None)
-    if metadata is not None:
-        if not isinstance(metadata, dict) or \
-                not all(isinstance(v, str) for v in metadata.values()):
-            raise SafetensorError("__metadata__ must be an object of strings")
-    entries = []
-    for name, spec in doc.items():
-        where = f"tensor '{name}'"
-        if not isinstance(spec, dict):
-            raise SafetensorError(f"{where}: its entry is not an object")
-        unknown = set(spec) - {"dtype", "shape", "data_offsets"}
-        missing = {"dtype", "shape", "data_offsets"} - set(spec)
-        if missing or unknown:
-            raise SafetensorError(f"{where}: " + (f"no {sorted(missing)[0]!r}" if missing else
-                                                  f"unknown key {sorted(unknown)[0]!r}"))
-        dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-        if dtype not in DTYPES:
-            raise SafetensorError(f"{where}: unknown dtype {dtype!r} (known: "
-                                  f"{', '.join(DTYPES)})")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise SafetensorError(f"{where}: shape {shape!r} is not a list of sizes >= 0")
-        if not isinstance(offsets, list) or len(offsets) != 2 or \
-                not all(_is_int(o) and o >= 0 for o in offsets):
-            raise SafetensorError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
-        begin, end = offsets
-        if begin > end:
-            raise SafetensorError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
-        if end > data_bytes:
-            raise SafetensorError(f"{where}: data_offsets [{begin}, {end}] run past the data "
-                                  f"area of {data_bytes} bytes (a truncated file?)")
-        nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        if nbytes != end - begin:
-            raise SafetensorError(f"{where}: shape {shape} of {dtype} is {nbytes} bytes; its "
-                                  f"data_offsets [{begin}, {end}] hold {end - begin}")
-        entries.append(Entry(name, dtype, tuple(shape), begin, end))
-    entries.sort(key=lambda e: (e.begin, e.end))
-    at = 0
-    for e in entries:
-        if e.begin != at:
-            what = "overlaps the tensor before it" if e.begin < at else \
-                f"leaves a gap of {e.begin - at} bytes before it"
-            raise SafetensorError(f"tensor '{e.name}': data_offsets [{e.begin}, {e.end}] {what}")
-        at = e.end
-    if at != data_bytes:
-        raise SafetensorError(f"the tensors end at byte {at} of a data area of {data_bytes} "
-                              "bytes (trailing bytes, or a damaged header)")
-    return entries, metadata or {}
+    """(entries in offset order, metadata or None) of a header's bytes,
+    checked against a data area of `data_bytes`; SafetensorError saying
+    what is wrong and, where one is, naming the tensor."""
+    data = torch.frombuffer(bytearray(header), dtype=torch.uint8) if header else \
+        torch.empty(0, dtype=torch.uint8)
+    ops = _checker()
+    try:
+        return _entries(ops.safetensors_parse_header(data, data_bytes))
+    except RuntimeError as e:
+        raise SafetensorError(str(e)) from None
 
 
 def _open_regular(path):
-    """An fd of `path`, a regular file (links followed); SafetensorError
-    otherwise, naming it."""
+    """(an fd of `path`, its size): a regular file (links followed), refused
+    before it is opened otherwise (a FIFO would block, a device never end);
+    SafetensorError naming it."""
+    def refuse(st):
+        kind = checks._kind(st.st_mode)
+        if kind is not None:
+            raise SafetensorError(f"{path} is {kind}, not a regular file")
     try:
-        st = os.stat(path)
+        refuse(os.stat(path))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise SafetensorError(f"{path}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise SafetensorError(f"{path} is {kind}")
+        raise SafetensorError(f"{path}: cannot open: {e.strerror}") from None
     try:
-        return os.open(path, os.O_RDONLY), st.st_size
-    except OSError as e:
-        raise SafetensorError(f"{path}: {e.strerror}") from None
+        st = os.fstat(fd)
+        refuse(st)  # what was opened may not be what was checked
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
 
 
-class safe_open:
+class _Closable:
+    """A context manager that calls close() on leaving."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class safe_open(_Closable):
     """One safetensors file, mapped: keys(), metadata(), get_tensor(name),
-    dtype(name), shape(name); a context manager, as safetensors.safe_open.
-    Only framework "pt" and device "cpu" are served."""
+    dtype(name), shape(name), close(); a context manager, as
+    safetensors.safe_open. Only framework "pt" and device "cpu" are
+    served."""
 
     def __init__(self, filename, framework="pt", device="cpu"):
         if framework not in ("pt", "torch"):
@@ -159,44 +148,38 @@ class safe_open:
         if str(device) != "cpu":
             raise SafetensorError(f"{filename}: device {device!r}: only 'cpu' is served")
         self.path = Path(filename)
+        ops = _checker()
         fd, size = _open_regular(self.path)
         try:
-            if size < 8:
-                raise SafetensorError(f"{self.path}: {size} bytes, shorter than the 8-byte "
-                                      "header length")
-            (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-            if n > MAX_HEADER:
-                raise SafetensorError(f"{self.path}: a header of {n} bytes, over the "
-                                      f"{MAX_HEADER}-byte limit")
-            if 8 + n > size:
-                raise SafetensorError(f"{self.path}: a header of {n} bytes in a file of "
-                                      f"{size} (truncated, or not safetensors)")
-            header = os.pread(fd, n, 8)
             try:
-                entries, self._metadata = parse_header(header, size - 8 - n)
-            except SafetensorError as e:
+                entries, self._metadata = _entries(ops.safetensors_read_header(fd, size))
+            except RuntimeError as e:
                 raise SafetensorError(f"{self.path}: {e}") from None
-            self._start = 8 + n
             self._entries = {e.name: e for e in entries}
-            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if size > self._start \
-                else None
+            # The tensors tile the data area, which ends the file.
+            self._start = size - (entries[-1].end if entries else 0)
+            # Private and writable: a tensor written to changes this process's
+            # copy of its pages, never the file.
+            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) \
+                if size > self._start else None
         finally:
             os.close(fd)
+        self._open = True
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    def close(self):
+        """Forgets the file; tensors already made keep their mapping alive."""
+        self._open, self._map = False, None
 
     def keys(self):
-        return list(self._entries)
+        """The tensors' names, sorted."""
+        return sorted(self._entries)
 
     def __contains__(self, name):
         return name in self._entries
 
     def metadata(self):
-        return dict(self._metadata)
+        """The header's __metadata__ ({str: str}), or None without one."""
+        return None if self._metadata is None else dict(self._metadata)
 
     def _entry(self, name):
         try:
@@ -212,22 +195,28 @@ class safe_open:
         return list(self._entry(name).shape)
 
     def get_tensor(self, name):
-        """The tensor, a view of the mapped file (copied when misaligned)."""
+        """The tensor, a view of the mapped file (a copy when its offset is
+        not a multiple of its element size)."""
         e = self._entry(name)
+        if not self._open:
+            raise SafetensorError(f"{self.path} was closed; open it again to read '{name}'")
         dtype = DTYPES[e.dtype]
-        count = math.prod(e.shape)
-        if count == 0:
+        if e.begin == e.end:
             return torch.empty(e.shape, dtype=dtype)
-        t = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._start + e.begin)
-        if (self._start + e.begin) % ITEMSIZE[e.dtype]:
-            t = t.clone()
+        offset = self._start + e.begin
+        if offset % ITEMSIZE[e.dtype]:
+            # Copied as bytes into memory of torch's alignment, then viewed.
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=e.end - e.begin,
+                                   offset=offset)
+            return raw.clone().view(dtype).view(e.shape)
+        t = torch.frombuffer(self._map, dtype=dtype, count=math.prod(e.shape), offset=offset)
         return t.view(e.shape)
 
 
 def load_file(filename, device="cpu"):
     """{name: tensor} of a file, each a view of its mapped bytes."""
-    f = safe_open(filename, "pt", device)
-    return {name: f.get_tensor(name) for name in f.keys()}
+    with safe_open(filename, "pt", device) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
 
 
 def load_tensors(path):
@@ -252,12 +241,18 @@ def load_tensors(path):
     return state
 
 
+# --- writing -------------------------------------------------------------------
+
 def write_atomically(path, data):
     """Writes `data` (bytes, or a function of the open file) to `path`
-    through a scratch file in its folder, synced and renamed into place: a
-    failed write leaves neither."""
+    through a scratch file in its folder, synced and renamed into place (a
+    link is written through to its file): a failed write leaves neither.
+    The file's mode is the umask's, as open() gives."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    tmp = path.parent / f".{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -270,149 +265,267 @@ def write_atomically(path, data):
     except BaseException:
         os.unlink(tmp)
         raise
+    try:  # the rename itself, on disk
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    except OSError:
+        pass
 
 
-def save_file(tensors, filename, metadata=None, dtypes=None):
-    """Writes {name: tensor} (CPU, dense) as a safetensors file, in name
-    order. metadata: {str: str}; dtypes: {name: "F8_E4M3"} for uint8 codes
-    to be stored as FP8. Tensors that share memory are refused, as the
-    safetensors package refuses them (save a clone)."""
-    dtypes = dtypes or {}
+def _span(t):
+    """(device, first byte, byte past the last) of the memory a tensor reads."""
+    reach = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return str(t.device), t.data_ptr(), t.data_ptr() + reach * t.element_size()
+
+
+def _check_tensors(tensors, where, metadata=None, dtypes=None):
+    """[(name, tensor, file dtype)] of {name: tensor} to write, in the order
+    the safetensors package lays them out (larger elements first, then by
+    name: after an 8-aligned header every tensor is aligned), or
+    SafetensorError naming `where` and the tensor: a name that is not a str
+    or starts with '__', something that is not a dense tensor, a dtype the
+    format lacks, a dtypes override that does not fit, tensors that share
+    memory, metadata that is not str to str."""
+    if not isinstance(tensors, dict):
+        raise SafetensorError(f"{where}: tensors must be a dict of names to tensors, got "
+                              f"{type(tensors).__name__}")
     if metadata is not None and (not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise SafetensorError(f"{filename}: metadata must be a dict of str to str")
-    header, arrays, at, spans = {}, [], 0, []
-    for name in sorted(tensors):
-        t = tensors[name]
+        raise SafetensorError(f"{where}: metadata must be a dict of str to str")
+    dtypes = dtypes or {}
+    for name in dtypes:
+        if name not in tensors:
+            raise SafetensorError(f"{where}: dtypes names '{name}', which is not one of the "
+                                  "tensors")
+    out, spans = [], []
+    for name, t in tensors.items():
         if not isinstance(name, str) or name.startswith("__"):
-            raise SafetensorError(f"{filename}: {name!r} is not a tensor name (a str not "
+            raise SafetensorError(f"{where}: {name!r} is not a tensor name (a str not "
                                   "starting with '__')")
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
-            raise SafetensorError(f"{filename}: '{name}' is not a dense tensor")
-        kind = dtypes.get(name) or NAMES.get(t.dtype)
-        if kind is None or kind == "F8_E4M3" and t.dtype != torch.uint8 or \
-                kind not in DTYPES:
-            raise SafetensorError(f"{filename}: '{name}' is {t.dtype}"
+            raise SafetensorError(f"{where}: '{name}' is not a dense tensor")
+        own = NAMES.get(t.dtype)
+        kind = dtypes.get(name, own)
+        if own is None or not (kind == own or kind == "F8_E4M3" and t.dtype == torch.uint8):
+            raise SafetensorError(f"{where}: '{name}' is {t.dtype}"
                                   + (f" marked {dtypes[name]}" if name in dtypes else "")
-                                  + f"; safetensors takes {', '.join(DTYPES)}")
-        t = t.detach().cpu()
+                                  + f"; safetensors takes {', '.join(NAMES.values())} "
+                                  "(and uint8 marked F8_E4M3)")
         if t.numel():
-            lo = t.data_ptr()
-            spans.append((lo, lo + t.numel() * t.element_size(), name))
-        data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() \
-            if t.numel() else b""
-        header[name] = {"dtype": kind, "shape": list(t.shape),
-                        "data_offsets": [at, at + len(data)]}
-        arrays.append(data)
-        at += len(data)
+            spans.append(_span(t) + (name,))
+        out.append((name, t, kind))
     spans.sort()
-    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
-        if begin < end:
-            raise SafetensorError(f"{filename}: '{first}' and '{second}' share memory; save "
-                                  "a clone of one")
+    reach = None
+    for device, begin, end, name in spans:
+        if reach and reach[0] == device and begin < reach[1]:
+            raise SafetensorError(f"{where}: '{reach[2]}' and '{name}' share memory; save a "
+                                  "clone of one (the safetensors package refuses them too)")
+        if not reach or reach[0] != device or end > reach[1]:
+            reach = (device, end, name)
+    out.sort(key=lambda item: (-ITEMSIZE[item[2]], item[0]))
+    return out
+
+
+def _write(filename, items, metadata):
+    """Writes checked [(name, tensor, file dtype)] as a safetensors file."""
+    header, arrays, at = {}, [], 0
     if metadata:
-        header = {"__metadata__": metadata, **header}
-    text = json.dumps(header, separators=(",", ":")).encode()
+        header["__metadata__"] = metadata
+    for name, t, kind in items:
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
+        size = data.numel() if data is not None else 0
+        header[name] = {"dtype": kind, "shape": list(t.shape), "data_offsets": [at, at + size]}
+        if data is not None:
+            arrays.append(data)
+        at += size
+    try:
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SafetensorError(f"{filename}: a name or metadata string is not UTF-8 text: "
+                              f"{e}") from None
     text += b" " * (-len(text) % 8)   # the data area starts 8-aligned
 
     def write(f):
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for data in arrays:
-            f.write(data)
+            f.write(memoryview(data.numpy()))
     write_atomically(filename, write)
 
 
-def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None):
-    """Writes {name: tensor} into `folder` as transformers saves a model: one
-    model.safetensors when it fits in max_shard_bytes, else shards
-    model-00001-of-0000N.safetensors in name order, each at most
-    max_shard_bytes (a larger tensor alone), and model.safetensors.index.json
-    (metadata.total_size and weight_map). Returns the files written."""
-    folder = Path(folder)
-    shards, size = [[]], 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
+def save_file(tensors, filename, metadata=None, dtypes=None):
+    """Writes {name: tensor} as a safetensors file (a strided tensor is
+    written as its contiguous copy). metadata: {str: str}; dtypes:
+    {name: "F8_E4M3"} for uint8 codes to be stored as FP8. Tensors that
+    share memory are refused, as the safetensors package refuses them
+    (save a clone)."""
+    _write(filename, _check_tensors(tensors, filename, metadata, dtypes), metadata)
+
+
+def _plan_shards(sizes, limit):
+    """Lists of names, one per shard, of [(name, bytes)] in order, as
+    huggingface_hub's split_state_dict_into_shards (which transformers'
+    save_pretrained uses) makes them: a tensor joins the current shard
+    unless that would take it past `limit`, which starts a new one; a
+    tensor larger than `limit` gets a shard of its own, placed before the
+    current shard."""
+    shards, current, size = [], [], 0
+    for name, n in sizes:
+        if n > limit:
+            shards.append([name])
+            continue
+        if size + n > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
         size += n
-    dtypes = dtypes or {}
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, prefix="model"):
+    """Writes {name: tensor} into `folder` as transformers' save_pretrained
+    saves a model: one PREFIX.safetensors when it fits in max_shard_bytes,
+    else PREFIX-00001-of-0000N.safetensors, split in the dict's order (see
+    _plan_shards), and PREFIX.safetensors.index.json ({"metadata":
+    {"total_size"}, "weight_map"}, keys sorted, indent 2). Every file's
+    metadata is {"format": "pt"} and `metadata`. Everything is checked
+    before anything is written. Then the files of an earlier save under
+    the same prefix that this one did not write (other shards, the single
+    file or the index of the other layout) are removed, as transformers
+    removes stale shards, so the folder holds one checkpoint. Returns the
+    files written."""
+    folder = Path(folder)
+    limit = checks.integer(max_shard_bytes, "save_sharded: max_shard_bytes", minimum=1)
+    items = _check_tensors(tensors, folder, metadata, dtypes)
+    if not folder.is_dir():
+        raise SafetensorError(f"{folder} is not a folder")
+    checked = {name: (t, kind) for name, t, kind in items}
+    shards = _plan_shards([(name, t.numel() * t.element_size()) for name, t in tensors.items()],
+                          limit)
+    meta = {"format": "pt", **(metadata or {})}
+    by_offset = [name for name, _, _ in items]
+    index_path = folder / f"{prefix}.safetensors.index.json"
     if len(shards) == 1:
-        path = folder / "model.safetensors"
-        save_file(tensors, path, {"format": "pt", **(metadata or {})}, dtypes)
-        return [path]
-    files, weight_map = [], {}
-    for i, names in enumerate(shards):
-        path = folder / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, path, {"format": "pt", **(metadata or {})},
-                  {n: dtypes[n] for n in names if n in dtypes})
+        files = [folder / f"{prefix}.safetensors"]
+    else:
+        files = [folder / f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                 for i in range(len(shards))]
+    weight_map = {}
+    for path, names in zip(files, shards):
+        chosen = set(names)
+        _write(path, [(n, *checked[n]) for n in by_offset if n in chosen], meta)
         weight_map.update({n: path.name for n in names})
-        files.append(path)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_atomically(folder / INDEX_NAME, json.dumps(index, indent=2).encode())
-    return files + [folder / INDEX_NAME]
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        write_atomically(index_path, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+        files.append(index_path)
+    stale = re.compile(re.escape(prefix) + r"-\d{5}-of-\d{5}\.safetensors")
+    for old in folder.iterdir():
+        if old not in files and (stale.fullmatch(old.name) or old.name in (
+                f"{prefix}.safetensors", index_path.name)) and old.is_file():
+            old.unlink()
+    return files
 
 
-class Checkpoint:
-    """A Hugging Face checkpoint folder: model.safetensors, or the shards
-    that model.safetensors.index.json names (each mapped when first used).
-    keys(), `name in`, dtype(name), shape(name), get_tensor(name), and
-    where(name), the file that holds it (for messages)."""
+# --- checkpoints: a folder with one file, or shards and their index ------------
+
+def load_index(folder, name=INDEX_NAME):
+    """The index of a sharded checkpoint in `folder`, checked:
+    {"metadata": {...}, "weight_map": {tensor: shard file}}. A shard must be
+    a file of the folder (a relative path, no '..') that exists;
+    SafetensorError naming the index and the tensor otherwise."""
+    index = Path(folder) / name
+    try:
+        data = checks.read_small_file(index, "checkpoint index", INDEX_LIMIT)
+    except ValueError as e:
+        raise SafetensorError(str(e)) from None
+    doc = checks.strict_json(data, str(index), SafetensorError, "an index")
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+        raise SafetensorError(f"{index}: no weight_map of tensor names to files")
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise SafetensorError(f"{index}: metadata is not an object")
+    for tensor, shard in wmap.items():
+        if os.path.isabs(shard) or os.path.normpath(shard) != shard or \
+                shard.split(os.sep)[0] == "..":
+            raise SafetensorError(f"{index}: '{tensor}' is in '{shard}', which is not a file "
+                                  "of the folder")
+    for shard in sorted(set(wmap.values())):
+        if not (Path(folder) / shard).is_file():
+            raise SafetensorError(f"{index} names the shard '{shard}', which {folder} does "
+                                  "not hold")
+    return {"metadata": metadata, "weight_map": wmap}
+
+
+class Checkpoint(_Closable):
+    """A Hugging Face checkpoint folder: model.safetensors or, without one
+    (transformers looks in this order), the shards that
+    model.safetensors.index.json names, each opened (its header read and
+    checked, its file mapped) once, when first used. keys(), `name in`,
+    dtype(name), shape(name), get_tensor(name), metadata() (the index's),
+    where(name) (the file that holds it, for messages), close(); a context
+    manager."""
 
     def __init__(self, folder):
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise SafetensorError(f"{self.folder} is not a checkpoint folder (not a folder)")
-        index = self.folder / INDEX_NAME
         self._files = {}
-        if index.exists():
-            doc = checks.strict_json(checks.read_small_file(index, "checkpoint index",
-                                                            64 << 20), str(index),
-                                     SafetensorError, "an index")
-            wmap = doc.get("weight_map") if isinstance(doc, dict) else None
-            if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
-                raise SafetensorError(f"{index}: no weight_map of tensor names to files")
-            for name, shard in wmap.items():
-                if os.path.isabs(shard) or os.path.normpath(shard) != shard or \
-                        shard.startswith(".."):
-                    raise SafetensorError(f"{index}: '{name}' is in '{shard}', which is not a "
-                                          "file of the folder")
-            self._map = dict(wmap)
-            for shard in sorted(set(wmap.values())):
-                if not (self.folder / shard).is_file():
-                    raise SafetensorError(f"{index} names the shard '{shard}', which "
-                                          f"{self.folder} does not hold")
-        elif (self.folder / "model.safetensors").exists():
+        self._map, self._metadata = {}, None
+        if (self.folder / "model.safetensors").exists():
             f = self._file("model.safetensors")
             self._map = {k: "model.safetensors" for k in f.keys()}
+        elif (self.folder / INDEX_NAME).exists():
+            index = load_index(self.folder)
+            self._map, self._metadata = index["weight_map"], index["metadata"]
         else:
             raise SafetensorError(f"{self.folder} holds neither {INDEX_NAME} nor "
                                   "model.safetensors")
+        self._held = {}  # shard: the names the index puts in it
+        for name, shard in self._map.items():
+            self._held.setdefault(shard, []).append(name)
+
+    def close(self):
+        """Forgets the open shards; tensors already made keep theirs mapped."""
+        for f in self._files.values():
+            f.close()
+        self._files = {}
 
     def _file(self, shard):
-        if shard not in self._files:
-            self._files[shard] = safe_open(self.folder / shard)
-        return self._files[shard]
+        """The open shard; on first use, checked to hold what the index puts
+        in it."""
+        f = self._files.get(shard)
+        if f is None:
+            f = safe_open(self.folder / shard)
+            for name in getattr(self, "_held", {}).get(shard, ()):
+                if name not in f:
+                    raise SafetensorError(f"{self.folder / shard}: the index names '{name}' in "
+                                          "this shard, which does not hold it")
+            self._files[shard] = f
+        return f
 
     def _open(self, name):
         try:
-            f = self._file(self._map[name])
+            return self._file(self._map[name])
         except KeyError:
             raise SafetensorError(f"{self.folder} has no tensor '{name}'") from None
-        if name not in f:
-            raise SafetensorError(f"{self.where(name)}: the index names '{name}' in this "
-                                  "shard, which does not hold it")
-        return f
 
     def keys(self):
         return list(self._map)
 
     def __contains__(self, name):
         return name in self._map
+
+    def metadata(self):
+        """The index's metadata ({"total_size": ...}); None for one file."""
+        return None if self._metadata is None else dict(self._metadata)
 
     def where(self, name):
         shard = self._map.get(name)
@@ -449,21 +562,18 @@ E4M3 = _e4m3_table()
 
 def fp8_e4m3_to_float(codes):
     """float32 values of uint8 e4m3 codes, decoded by table."""
-    if codes.dtype != torch.uint8:
-        raise SafetensorError(f"fp8_e4m3_to_float: codes are {codes.dtype}, not uint8")
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise SafetensorError(f"fp8_e4m3_to_float: codes are "
+                              f"{getattr(codes, 'dtype', type(codes).__name__)}, not uint8")
     return E4M3[codes.long()]
 
 
 def float_to_fp8_e4m3(values):
     """uint8 e4m3 codes of float values: the nearest e4m3 value (ties to the
-    even code), saturating at +-448; NaN to 0x7F."""
-    v = values.float().reshape(-1)
-    finite = E4M3[:127]  # 0x00 .. 0x7E: the non-negative values, ascending
-    a = v.abs().clamp(max=448.0)
-    hi = torch.searchsorted(finite, a).clamp(max=126)
-    lo = (hi - 1).clamp(min=0)
-    d_lo, d_hi = a - finite[lo], finite[hi] - a
-    pick = torch.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
-    codes = pick.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 7)
+    even code, saturating at +-448; reference.e4m3_round), NaN to 0x7F."""
+    v = values.float()
+    rounded = reference.e4m3_round(v).abs()
+    codes = torch.searchsorted(E4M3[:127], rounded.reshape(-1)).clamp(max=126)
+    codes = codes.to(torch.uint8).reshape(v.shape) | (torch.signbit(v).to(torch.uint8) << 7)
     codes[torch.isnan(v)] = 0x7F
-    return codes.reshape(values.shape)
+    return codes

@@ -4,11 +4,13 @@ trips bit for bit; reading maps the file; every class of bad file raises
 SafetensorError naming the file and the tensor; shards and their index;
 writes are atomic; and a bounded fuzz run of the header parser."""
 
+import gc
 import json
 import math
 import os
 import random
 import resource
+import stat
 import struct
 import time
 
@@ -63,7 +65,7 @@ def test_reads_a_file_made_from_the_spec(tmp_path):
     assert torch.equal(t["b"], torch.tensor([-1, 1 << 40]))
     assert torch.equal(t["c"], torch.tensor([1.5, -8.0], dtype=torch.bfloat16))
     with st.safe_open(path, framework="pt") as f:
-        assert sorted(f.keys()) == ["a", "b", "c"] and f.metadata() == {"format": "pt"}
+        assert f.keys() == ["a", "b", "c"] and f.metadata() == {"format": "pt"}
         assert f.dtype("c") == "BF16" and f.shape("a") == [2, 2]
 
 
@@ -81,11 +83,36 @@ def test_every_dtype_round_trips_bit_for_bit(tmp_path):
         assert same_bits(back[k], v.contiguous()), k
     with st.safe_open(path) as f:
         assert f.dtype("fp8") == "F8_E4M3" and f.metadata() == {"note": "é"}
-    # the header is the spec's: data offsets contiguous in name order, 8-aligned data
-    n = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    # the header is the package's: compact JSON, __metadata__ first, then the
+    # tensors in offset order (larger elements first, then by name), padded
+    # with spaces to 8 bytes; every tensor is aligned to its element size
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
     assert n % 8 == 0
-    header = json.loads(path.read_bytes()[8:8 + n])
-    assert header["fp8"]["dtype"] == "F8_E4M3" and header["scalar"]["shape"] == []
+    text = data[8:8 + n].decode()
+    header = json.loads(text)
+    assert text.rstrip(" ") == json.dumps(header, separators=(",", ":"), ensure_ascii=False)
+    assert list(header)[0] == "__metadata__" and header["fp8"]["dtype"] == "F8_E4M3"
+    assert header["scalar"]["shape"] == []
+    names = list(header)[1:]
+    assert [header[k]["data_offsets"][0] for k in names] == \
+        sorted(header[k]["data_offsets"][0] for k in names)
+    assert names == sorted(names, key=lambda k: (-st.ITEMSIZE[header[k]["dtype"]], k))
+    for k in names:
+        assert (8 + n + header[k]["data_offsets"][0]) % st.ITEMSIZE[header[k]["dtype"]] == 0, k
+
+
+def test_a_large_tensor_round_trips_unaligned_neighbours_and_all(tmp_path):
+    """32 MB of float32 beside a single byte: the writer's layout keeps it
+    aligned, so it reads back as a view of the mapping, bit for bit."""
+    big = torch.randn(8 * 1024 * 1024)
+    path = tmp_path / "big.safetensors"
+    st.save_file({"a": torch.tensor([7], dtype=torch.uint8), "big": big}, path)
+    with st.safe_open(path) as f:
+        back = f.get_tensor("big")
+        byte = f.get_tensor("a")
+    assert same_bits(back, big) and byte.tolist() == [7]
+    assert byte.data_ptr() - back.data_ptr() == big.numel() * 4  # one mapping, no copy
 
 
 def test_fp8_e4m3_codes():
@@ -128,6 +155,27 @@ def test_reading_maps_the_file(tmp_path):
     assert lazy.data_ptr() - small.data_ptr() == 16  # both views of one mapping
 
 
+def test_tensors_outlive_their_file_object(tmp_path):
+    """The mapping lives as long as a tensor made from it: after close(),
+    after the safe_open object is gone, and after the file is replaced (a
+    write renames a new file into place). Writing to a tensor changes this
+    process's copy of the page, not the file."""
+    path = tmp_path / "t.safetensors"
+    st.save_file({"a": torch.arange(4.0), "b": torch.ones(2, 2)}, path)
+    f = st.safe_open(path)
+    a = f.get_tensor("a")
+    f.close()
+    with pytest.raises(SafetensorError, match="t.safetensors was closed; open it again to read 'b'"):
+        f.get_tensor("b")
+    b = st.load_file(path)["b"]
+    del f
+    gc.collect()
+    st.save_file({"a": torch.zeros(4), "b": torch.zeros(2, 2)}, path)
+    assert a.tolist() == [0.0, 1.0, 2.0, 3.0] and b.sum().item() == 4.0
+    a += 1
+    assert st.load_file(path)["a"].tolist() == [0.0] * 4
+
+
 def test_misaligned_tensor_is_copied(tmp_path):
     header = {"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
               "b": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]}}
@@ -137,25 +185,35 @@ def test_misaligned_tensor_is_copied(tmp_path):
 
 
 F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+F32_1 = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
 
 
 @pytest.mark.parametrize("case,header,data,length,message", [
     ("short", None, b"", None, "shorter than the 8-byte header length"),
     ("huge header", {"x": F32}, b"\0" * 8, 200_000_000, "over the 100000000-byte limit"),
     ("header past the file", {"x": F32}, b"", 4096, "a header of 4096 bytes in a file of"),
-    ("not utf-8", b'{"\xff": 1}', b"", None, "the header is not UTF-8 text"),
-    ("not json", b'{"x": ', b"", None, "not JSON"),
-    ("not an object", b"[1, 2]", b"", None, "JSON list, not an object"),
-    ("nan", b'{"x": NaN}', b"", None, "NaN is not a JSON number"),
+    ("not utf-8", b'{"\xff": 1}', b"", None, "the header is not UTF-8 text \\(byte 0xff at "
+                                              "offset 2\\)"),
+    ("not json", b'{"x": ', b"", None, "the header is not JSON: at offset"),
+    ("nul", b'{}\0{"x": 1}', b"", None, "the header is not JSON: a NUL byte at offset 2"),
+    ("not an object", b"[1, 2]", b"", None, "the header is an array, not an object"),
+    ("nan", b'{"x": NaN}', b"", None, "the header is not JSON"),
     ("duplicate", b'{"x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
                   b'"x": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}', b"\0", None,
      "the header: key 'x' appears twice"),
+    ("entry not an object", {"x": [1]}, b"", None, "tensor 'x': its entry is an array"),
+    ("unknown key", {"x": {**F32_1, "scale": 2}}, b"\0" * 4, None,
+     "tensor 'x': unknown key 'scale'"),
     ("unknown dtype", {"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8,
      None, "tensor 'x': unknown dtype 'C64'"),
     ("missing key", {"x": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, None,
      "tensor 'x': no 'data_offsets'"),
     ("bad shape", {"x": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8,
-     None, "tensor 'x': shape \\[-2\\]"),
+     None, "tensor 'x': shape \\[-2\\] is not a list of sizes"),
+    ("shape overflows", {"x": {"dtype": "F32", "shape": [2 ** 62, 4], "data_offsets": [0, 0]}},
+     b"", None, "tensor 'x': shape \\[4611686018427387904, 4\\] of F32 has too many elements"),
+    ("offsets not two", {"x": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, b"\0" * 4,
+     None, "tensor 'x': data_offsets \\[0\\] is not \\[begin, end\\]"),
     ("bool shape", {"x": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}},
      b"\0" * 4, None, "tensor 'x': shape"),
     ("out of range", {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4,
@@ -166,15 +224,21 @@ F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
      b"\0" * 8, None, "tensor 'x': shape \\[3\\] of F32 is 12 bytes.*hold 8"),
     ("overlap", {"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
                  "y": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8, None,
-     "tensor 'y'.*overlaps"),
+     "tensor 'y': data_offsets \\[4, 8\\] overlap those of tensor 'x', \\[0, 8\\]"),
     ("gap", {"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
              "y": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, b"\0" * 12, None,
-     "tensor 'y'.*gap of 4 bytes"),
-    ("trailing", {"x": F32}, b"\0" * 12, None, "end at byte 8 of a data area of 12"),
+     "tensor 'y'.*gap of 4 bytes after tensor 'x'"),
+    ("gap at the start", {"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}},
+     b"\0" * 8, None, "tensor 'x'.*gap of 4 bytes at the start of the data area"),
+    ("trailing", {"x": F32}, b"\0" * 12, None,
+     "end at byte 8 of a data area of 12 bytes: the 4 bytes after tensor 'x' belong to none"),
+    ("data and no tensors", {}, b"\0" * 3, None, "no tensors, but a data area of 3 bytes"),
     ("truncated", {"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 10,
      None, "tensor 'x'.*run past the data area of 10 bytes \\(a truncated file\\?\\)"),
     ("metadata not strings", {"__metadata__": {"a": 1}, "x": F32}, b"\0" * 8, None,
-     "__metadata__ must be an object of strings"),
+     "__metadata__: the value of 'a' is a number \\(1\\), not a string"),
+    ("metadata not an object", {"__metadata__": ["a"]}, b"", None,
+     "__metadata__ is an array, not an object of strings"),
 ])
 def test_bad_files_are_refused(tmp_path, case, header, data, length, message):
     path = tmp_path / "bad.safetensors"
@@ -191,10 +255,17 @@ def test_not_a_regular_file(tmp_path):
     with pytest.raises(SafetensorError, match="is a directory"):
         st.load_file(tmp_path)
     os.mkfifo(tmp_path / "fifo")
-    with pytest.raises(SafetensorError, match="fifo is not a regular file"):
+    with pytest.raises(SafetensorError, match="fifo is a FIFO \\(named pipe\\), not a regular"):
         st.load_file(tmp_path / "fifo")
-    with pytest.raises(SafetensorError, match="No such file"):
+    with pytest.raises(SafetensorError, match="none.safetensors: cannot open: No such file"):
         st.load_file(tmp_path / "none.safetensors")
+    with pytest.raises(SafetensorError, match="null is a character device"):
+        st.load_file("/dev/null")
+    # a link is followed to its file
+    good = tmp_path / "good.safetensors"
+    st.save_file({"a": torch.ones(2)}, good)
+    (tmp_path / "link.safetensors").symlink_to(good)
+    assert torch.equal(st.load_file(tmp_path / "link.safetensors")["a"], torch.ones(2))
 
 
 def test_writer_refusals_leave_nothing(tmp_path):
@@ -205,7 +276,21 @@ def test_writer_refusals_leave_nothing(tmp_path):
             ({"a": torch.zeros(2, dtype=torch.complex64)}, {}, "complex64"),
             ({"__x": torch.zeros(1)}, {}, "not a tensor name"),
             ({"a": torch.zeros(1)}, {"metadata": {"k": 1}}, "metadata must be"),
-            ({"a": torch.zeros(1)}, {"dtypes": {"a": "F8_E4M3"}}, "float32 marked F8_E4M3")]:
+            ({"a": torch.zeros(1)}, {"dtypes": {"a": "F8_E4M3"}}, "float32 marked F8_E4M3"),
+            ({"a": torch.zeros(1)}, {"dtypes": {"a": "I32"}}, "float32 marked I32"),
+            ({"a": torch.zeros(1)}, {"dtypes": {"b": "F8_E4M3"}}, "dtypes names 'b', which is "
+                                                                  "not one of the tensors"),
+            ({"col": torch.zeros(3, 4)[:, 1], "row": None}, {}, "share memory"),
+            ({"a": torch.zeros(2).expand(3, 2), "b": None}, {}, "share memory"),
+            ({"a": torch.zeros(1, device="meta")}, {}, "'a' is not a dense tensor"),
+            ({"a": torch.zeros(2).to_sparse()}, {}, "'a' is not a dense tensor"),
+            ({"a": [1.0]}, {}, "'a' is not a dense tensor"),
+            ({1: torch.zeros(1)}, {}, "1 is not a tensor name"),
+            ([torch.zeros(1)], {}, "tensors must be a dict")]:
+        if isinstance(tensors, dict) and None in tensors.values():  # a view and its base
+            first, second = tensors
+            base = tensors[first]._base
+            tensors = {first: tensors[first], second: base}
         with pytest.raises(SafetensorError, match=message):
             st.save_file(tensors, path, **kw)
     assert list(tmp_path.iterdir()) == []
@@ -222,6 +307,35 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_write_failing_midway_leaves_nothing(tmp_path, monkeypatch):
+    """The header is written, then the data fails: neither the file nor
+    the scratch file is left, and an older file of the name is kept."""
+    path = tmp_path / "out.safetensors"
+    st.save_file({"old": torch.ones(2)}, path)
+    before = path.read_bytes()
+
+    def fail(_):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(st, "memoryview", fail, raising=False)
+    with pytest.raises(OSError, match="Input/output error"):
+        st.save_file({"a": torch.zeros(4), "b": torch.zeros(3)}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]
+    assert path.read_bytes() == before
+
+
+def test_written_files_follow_the_umask_and_links(tmp_path):
+    old = os.umask(0o022)
+    try:
+        st.save_file({"a": torch.ones(1)}, tmp_path / "m.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "m.safetensors").st_mode) == 0o644
+    (tmp_path / "link.safetensors").symlink_to("m.safetensors")
+    st.save_file({"b": torch.ones(1)}, tmp_path / "link.safetensors")
+    assert (tmp_path / "link.safetensors").is_symlink()
+    assert st.load_file(tmp_path / "m.safetensors").keys() == {"b"}
+
+
 def test_shards_and_index(tmp_path):
     """save_sharded splits as transformers does; Checkpoint reads through the
     index; a bad index is refused naming the shard or the tensor."""
@@ -229,16 +343,27 @@ def test_shards_and_index(tmp_path):
     files = st.save_sharded(tensors, tmp_path, max_shard_bytes=1000)
     assert [f.name for f in files] == [f"model-0000{i}-of-00005.safetensors" for i in
                                        range(1, 6)] + ["model.safetensors.index.json"]
-    index = json.loads((tmp_path / st.INDEX_NAME).read_text())
-    assert index["metadata"]["total_size"] == 4000
-    assert index["weight_map"]["w3"] == "model-00002-of-00005.safetensors"
+    # the index as transformers writes it: sorted keys, indent 2, a newline
+    text = (tmp_path / st.INDEX_NAME).read_text()
+    index = {"metadata": {"total_size": 4000},
+             "weight_map": {f"w{i}": f"model-0000{i // 2 + 1}-of-00005.safetensors"
+                            for i in range(10)}}
+    assert text == json.dumps(index, indent=2, sort_keys=True) + "\n"
+    with st.safe_open(tmp_path / "model-00002-of-00005.safetensors") as f:
+        assert f.keys() == ["w2", "w3"] and f.metadata() == {"format": "pt"}
     ckpt = st.Checkpoint(tmp_path)
     assert sorted(ckpt.keys()) == sorted(tensors) and "w9" in ckpt
     assert torch.equal(ckpt.get_tensor("w7"), tensors["w7"]) and ckpt.dtype("w7") == "F32"
+    assert ckpt.metadata() == {"total_size": 4000}
+    assert st.load_index(tmp_path) == index
+    w7 = ckpt.get_tensor("w7")
+    ckpt.close()
+    assert torch.equal(w7, tensors["w7"])  # still mapped
     one = tmp_path / "one"
     one.mkdir()
     assert [f.name for f in st.save_sharded(tensors, one, 10 ** 6)] == ["model.safetensors"]
     assert torch.equal(st.Checkpoint(one).get_tensor("w2"), tensors["w2"])
+    assert st.Checkpoint(one).metadata() is None
     for wmap, message in [({"w0": "../x.safetensors"}, "not a file of the folder"),
                           ({"w0": "/etc/passwd"}, "not a file of the folder"),
                           ({"w0": "missing.safetensors"}, "does not hold"),
@@ -248,11 +373,49 @@ def test_shards_and_index(tmp_path):
             with pytest.raises(SafetensorError, match=message):
                 st.Checkpoint(tmp_path)
         else:
-            with pytest.raises(SafetensorError, match="names 'nope' in this shard"):
-                st.Checkpoint(tmp_path).get_tensor("nope")
+            ckpt = st.Checkpoint(tmp_path)
+            for _ in range(2):  # and again: a shard that failed its check is not kept
+                with pytest.raises(SafetensorError, match="names 'nope' in this shard"):
+                    ckpt.get_tensor("nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(SafetensorError, match="holds neither"):
         st.Checkpoint(tmp_path / "empty")
+
+
+def test_shards_split_as_huggingface_hub_does(tmp_path):
+    """In the dict's order; a tensor over the limit alone in a shard placed
+    before the shard being filled; shared memory refused across shards;
+    a prefix; stale files of an earlier save under the prefix removed."""
+    t = {"a": torch.zeros(100), "huge": torch.zeros(1000), "b": torch.zeros(100),
+         "c": torch.zeros(100)}  # 400, 4000, 400, 400 bytes
+    st.save_sharded(t, tmp_path, 1000, metadata={"note": "x"})
+    wmap = st.load_index(tmp_path)["weight_map"]
+    assert wmap == {"huge": "model-00001-of-00003.safetensors",
+                    "a": "model-00002-of-00003.safetensors",
+                    "b": "model-00002-of-00003.safetensors",
+                    "c": "model-00003-of-00003.safetensors"}
+    with st.safe_open(tmp_path / wmap["a"]) as f:
+        assert f.metadata() == {"format": "pt", "note": "x"}
+    # one file now: the shards and the index of the earlier save go
+    st.save_sharded(t, tmp_path, 10 ** 6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    # shards again: the single file goes, so Checkpoint cannot read it stale
+    st.save_sharded(t, tmp_path, 1000)
+    assert "model.safetensors" not in {p.name for p in tmp_path.iterdir()}
+    assert torch.equal(st.Checkpoint(tmp_path).get_tensor("c"), t["c"])
+    # a prefix of its own, beside them, touches nothing of theirs
+    files = st.save_sharded(t, tmp_path, 1000, prefix="adapter_model")
+    assert [f.name for f in files] == [f"adapter_model-0000{i}-of-00003.safetensors"
+                                       for i in (1, 2, 3)] + \
+        ["adapter_model.safetensors.index.json"]
+    assert len(list(tmp_path.iterdir())) == 8
+    base = torch.zeros(300)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(SafetensorError, match="'a' and 'c' share memory"):
+        st.save_sharded({"a": base[:100], "b": base[100:], "c": base[50:60]}, tmp_path, 400)
+    with pytest.raises(ValueError, match="max_shard_bytes must be positive"):
+        st.save_sharded(t, tmp_path, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_load_tensors_reads_bin_without_running_code(tmp_path):

@@ -1,7 +1,7 @@
 //===- Config.cpp - Model and parallel config of an MoE-FFN layer ---------===//
 
 #include "compiler/config/Config.h"
-#include "compiler/support/Json.h"
+#include "base/Json.h"
 #include "base/File.h"
 
 #include <fmt/format.h>

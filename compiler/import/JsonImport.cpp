@@ -3,7 +3,7 @@
 #include "compiler/import/GraphJson.h"
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/support/Expr.h"
-#include "compiler/support/Json.h"
+#include "base/Json.h"
 #include "base/File.h"
 #include "compiler/support/Nesting.h"
 

@@ -3,7 +3,7 @@
 #include "compiler/target/Profile.h"
 
 #include "compiler/support/Expr.h"
-#include "compiler/support/Json.h"
+#include "base/Json.h"
 #include "base/File.h"
 
 #include <fmt/format.h>

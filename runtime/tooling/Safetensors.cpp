@@ -11,7 +11,7 @@
 
 #include "runtime/tooling/Safetensors.h"
 
-#include "compiler/support/Json.h"
+#include "base/Json.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

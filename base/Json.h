@@ -1,13 +1,14 @@
 //===- Json.h - Parsing JSON text with located errors ----------*- C++ -*-===//
 //
-// The compiler reads several JSON inputs (graphs, configs, target profiles);
-// this is how each of them turns nlohmann's parse errors into messages that
-// name the file, line and column.
+// The compiler reads several JSON inputs (graphs, configs, target profiles)
+// and the runtime's tooling one (safetensors headers); this is how each of
+// them is parsed within bounds and turns nlohmann's parse errors into
+// messages that name the file, line and column.
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_COMPILER_SUPPORT_JSON_H
-#define MOEC_COMPILER_SUPPORT_JSON_H
+#ifndef MOEC_BASE_JSON_H
+#define MOEC_BASE_JSON_H
 
 #include <nlohmann/json.hpp>
 
@@ -119,4 +120,4 @@ bool parseJson(std::string_view text, const std::string &source, nlohmann::json 
 
 } // namespace moec
 
-#endif // MOEC_COMPILER_SUPPORT_JSON_H
+#endif // MOEC_BASE_JSON_H

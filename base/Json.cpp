@@ -1,6 +1,6 @@
 //===- Json.cpp - Parsing JSON text with located errors -------------------===//
 
-#include "compiler/support/Json.h"
+#include "base/Json.h"
 
 #include <cerrno>
 #include <cstring>

@@ -48,7 +48,7 @@ from . import checks, safetensors
 
 __all__ = ["FAMILIES", "MoecExperts", "all_sum", "barrier", "find_blocks", "load_adapters",
            "load_checkpoint", "load_experts", "patch_model",
-           "save_adapters", "save_pretrained", "shard_plan"]
+           "save_adapters", "save_pretrained"]
 
 
 # --- families ---------------------------------------------------------------
@@ -631,10 +631,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _lora_of(model):
-    """The patched blocks' common PEFT layout (r, alpha, targets)."""
+    """The patched blocks, which must all carry LoRA adapters."""
     blocks = _patched(model)
-    loras = {(b.lora.r, b.lora.alpha) if b.lora else None for _, _, b in blocks}
-    if None in loras:
+    if any(b.lora is None for _, _, b in blocks):
         raise ValueError("moec: the model's moec experts have no LoRA adapters; patch it with "
                          "lora_rank=")
     return blocks
@@ -781,14 +780,16 @@ def load_adapters(model, directory):
 # --- merged checkpoints out ----------------------------------------------------
 
 def _parse_size(size):
-    if isinstance(size, int):
-        return size
+    """Bytes of a shard size: a positive int, or text such as "5GB", "500MiB"."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        return checks.integer(size, "save_pretrained: argument 'max_shard_size'", minimum=1)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*", str(size), re.I)
-    if not m:
-        raise ValueError(f"moec: max_shard_size {size!r} is not a size such as 5GB or 500MB")
     units = {None: 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    return int(float(m.group(1)) * units[m.group(2).upper() if m.group(2) else None])
+    n = int(float(m.group(1)) * units[m.group(2).upper() if m.group(2) else None]) if m else 0
+    if n < 1:
+        raise ValueError(f"moec: max_shard_size {size!r} is not a size such as 5GB or 500MB")
+    return n
 
 
 def _merged_experts(name, experts):
@@ -826,28 +827,6 @@ def _nbytes(dtype, shape):
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def shard_plan(entries, limit):
-    """Shards of at most `limit` bytes for [(name, dtype, shape, owner)] in
-    order: a shard holds one owner's tensors (the process that writes it),
-    and a tensor larger than the limit gets a shard of its own, as
-    transformers does. Returns [(file name, owner, [names])]; one shard is
-    model.safetensors, more are model-00001-of-0000N.safetensors."""
-    shards = []
-    size = 0
-    for name, dtype, shape, owner in entries:
-        n = _nbytes(dtype, shape)
-        if not shards or shards[-1][0] != owner or size + n > limit and shards[-1][1]:
-            shards.append((owner, []))
-            size = 0
-        shards[-1][1].append(name)
-        size += n
-    count = len(shards)
-    if count == 1:
-        return [("model.safetensors", shards[0][0], shards[0][1])]
-    return [(f"model-{i + 1:05d}-of-{count:05d}.safetensors", owner, names)
-            for i, (owner, names) in enumerate(shards)]
-
-
 def save_pretrained(model, directory, max_shard_size="5GB"):
     """Writes a patched model as a Hugging Face checkpoint: config.json, the
     weights with their original names (the experts per expert, the adapters
@@ -869,17 +848,20 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
     entries = [(k, v.dtype, tuple(v.shape), 0) for k, v in rest.items()]
     for r in range(layer.ranks):
         entries += [(n, dt, shape, r) for n, dt, shape in _expert_entries(blocks, r)]
-    plan = shard_plan(entries, limit)
+    # Every process plans every rank's shards alike (the shapes are known to
+    # all), so rank 0's index names the files the other processes write.
+    plan = safetensors.plan_shards([(n, _nbytes(dt, s), r) for n, dt, s, r in entries], limit)
+    files = safetensors.shard_files(len(plan))
     mine = range(layer.first_rank, layer.first_rank + layer.local_ranks)
     directory.mkdir(parents=True, exist_ok=True)
-    for path in ([directory / f for f, owner, _ in plan if owner in mine]
+    for path in ([directory / f for f, (owner, _) in zip(files, plan) if owner in mine]
                  + ([directory / "config.json", directory / INDEX] if 0 in mine else [])):
         checks.output_path(path, "save_pretrained", "the checkpoint file")
     tensors = dict(rest) if 0 in mine else {}
     for name, _, experts in blocks:
         tensors.update(_merged_experts(name, experts))
     written = []
-    for file, owner, names in plan:
+    for file, (owner, names) in zip(files, plan):
         if owner in mine:
             safetensors.save_file({n: tensors[n].contiguous() for n in names}, directory / file,
                                   metadata={"format": "pt"})
@@ -891,12 +873,9 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
         safetensors.write_atomically(path, json.dumps(cfg, indent=2, sort_keys=True).encode())
         written.insert(0, path)
         if len(plan) > 1:
-            index = {"metadata": {"total_size": sum(_nbytes(dt, s) for _, dt, s, _ in entries)},
-                     "weight_map": {n: f for f, _, names in plan for n in sorted(names)}}
-            index["weight_map"] = dict(sorted(index["weight_map"].items()))
-            safetensors.write_atomically(directory / INDEX,
-                                         json.dumps(index, indent=2).encode())
-            written.append(directory / INDEX)
+            total = sum(_nbytes(dt, s) for _, dt, s, _ in entries)
+            written.append(safetensors.write_index(
+                directory, {n: f for f, (_, names) in zip(files, plan) for n in names}, total))
     barrier(model)
     return written
 

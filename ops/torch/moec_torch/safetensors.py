@@ -44,8 +44,9 @@ import torch
 from . import checks, reference
 
 __all__ = ["Checkpoint", "SafetensorError", "fp8_e4m3_to_float", "float_to_fp8_e4m3",
-           "load_file", "load_index", "load_tensors", "parse_header", "safe_open", "save_file",
-           "save_sharded", "write_atomically", "INDEX_NAME", "MAX_HEADER"]
+           "load_file", "load_index", "load_tensors", "parse_header", "plan_shards", "safe_open",
+           "save_file", "save_sharded", "shard_files", "write_atomically", "write_index",
+           "INDEX_NAME", "MAX_HEADER"]
 
 MAX_HEADER = 100 * 1000 * 1000   # the safetensors package's limit, and the checker's
 INDEX_NAME = "model.safetensors.index.json"
@@ -365,33 +366,53 @@ def save_file(tensors, filename, metadata=None, dtypes=None):
     _write(filename, _check_tensors(tensors, filename, metadata, dtypes), metadata)
 
 
-def _plan_shards(sizes, limit):
-    """Lists of names, one per shard, of [(name, bytes)] in order, as
-    huggingface_hub's split_state_dict_into_shards (which transformers'
+def plan_shards(sizes, limit):
+    """[(owner, [names])], one per shard, of [(name, bytes, owner)] in order,
+    as huggingface_hub's split_state_dict_into_shards (which transformers'
     save_pretrained uses) makes them: a tensor joins the current shard
     unless that would take it past `limit`, which starts a new one; a
     tensor larger than `limit` gets a shard of its own, placed before the
-    current shard."""
-    shards, current, size = [], [], 0
-    for name, n in sizes:
-        if n > limit:
-            shards.append([name])
-            continue
-        if size + n > limit:
-            shards.append(current)
+    current shard. A shard holds one owner's tensors (the process that
+    writes it, under mpirun): another owner starts a new shard."""
+    shards, current, size, holder = [], [], 0, None
+    for name, n, owner in sizes:
+        if current and (owner != holder or size + n > limit and n <= limit):
+            shards.append((holder, current))
             current, size = [], 0
+        if n > limit:
+            shards.append((owner, [name]))
+            continue
         current.append(name)
         size += n
+        holder = owner
     if current or not shards:
-        shards.append(current)
+        shards.append((holder, current))
     return shards
+
+
+def shard_files(count, prefix="model"):
+    """The file names of `count` shards: PREFIX.safetensors alone, else
+    PREFIX-00001-of-0000N.safetensors, ..."""
+    if count == 1:
+        return [f"{prefix}.safetensors"]
+    return [f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_index(folder, weight_map, total_size, prefix="model"):
+    """Writes PREFIX.safetensors.index.json as transformers does ({"metadata":
+    {"total_size"}, "weight_map"}, keys sorted, indent 2) and returns its
+    path."""
+    path = Path(folder) / f"{prefix}.safetensors.index.json"
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    write_atomically(path, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    return path
 
 
 def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, prefix="model"):
     """Writes {name: tensor} into `folder` as transformers' save_pretrained
     saves a model: one PREFIX.safetensors when it fits in max_shard_bytes,
     else PREFIX-00001-of-0000N.safetensors, split in the dict's order (see
-    _plan_shards), and PREFIX.safetensors.index.json ({"metadata":
+    plan_shards), and PREFIX.safetensors.index.json ({"metadata":
     {"total_size"}, "weight_map"}, keys sorted, indent 2). Every file's
     metadata is {"format": "pt"} and `metadata`. Everything is checked
     before anything is written. Then the files of an earlier save under
@@ -405,16 +426,12 @@ def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, p
     if not folder.is_dir():
         raise SafetensorError(f"{folder} is not a folder")
     checked = {name: (t, kind) for name, t, kind in items}
-    shards = _plan_shards([(name, t.numel() * t.element_size()) for name, t in tensors.items()],
-                          limit)
+    shards = [names for _, names in plan_shards(
+        [(name, t.numel() * t.element_size(), None) for name, t in tensors.items()], limit)]
     meta = {"format": "pt", **(metadata or {})}
     by_offset = [name for name, _, _ in items]
     index_path = folder / f"{prefix}.safetensors.index.json"
-    if len(shards) == 1:
-        files = [folder / f"{prefix}.safetensors"]
-    else:
-        files = [folder / f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                 for i in range(len(shards))]
+    files = [folder / f for f in shard_files(len(shards), prefix)]
     weight_map = {}
     for path, names in zip(files, shards):
         chosen = set(names)
@@ -422,9 +439,7 @@ def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, p
         weight_map.update({n: path.name for n in names})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_atomically(index_path, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-        files.append(index_path)
+        files.append(write_index(folder, weight_map, total, prefix))
     stale = re.compile(re.escape(prefix) + r"-\d{5}-of-\d{5}\.safetensors")
     for old in folder.iterdir():
         if old not in files and (stale.fullmatch(old.name) or old.name in (

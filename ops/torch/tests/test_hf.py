@@ -550,3 +550,28 @@ def test_the_example_end_to_end(tmp_path):
                 assert abs(float(row[1]) - float(row[2])) <= 1e-4 * float(row[2]), row
             assert float(rows[-1][1]) < float(rows[0][1]) - 0.5
     assert "bit for bit" in out.stdout and "merged checkpoint" in out.stdout
+
+
+def test_adapter_and_checkpoint_error_paths(tmp_path):
+    """The refusals that the other tests do not reach, each before anything
+    is written or copied."""
+    plain = make_model("qwen3_moe")
+    mhf.patch_model(plain, ranks=1, threads=1)
+    with pytest.raises(ValueError, match="have no LoRA adapters; patch it with lora_rank="):
+        mhf.save_adapters(plain, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    for size in ("big", "0MB", 0, -5):
+        with pytest.raises(ValueError, match="max_shard_size|must be"):
+            mhf.save_pretrained(plain, tmp_path / "m", max_shard_size=size)
+    assert not (tmp_path / "m").exists()
+    _, model, _, _ = lora_pair(tmp_path)
+    tensors = safetensors.load_file(tmp_path / "adapter/adapter_model.safetensors")
+    gone = sorted(tensors)[0]
+    safetensors.save_file({k: v.clone() for k, v in tensors.items() if k != gone},
+                          tmp_path / "adapter/adapter_model.safetensors")
+    with pytest.raises(ValueError, match=f"have no '{gone}'"):
+        mhf.load_adapters(model, tmp_path / "adapter")
+    codes = safetensors.float_to_fp8_e4m3(torch.ones(130, 200))
+    with pytest.raises(ValueError, match=r"'w_scale_inv' has shape \[1, 2\]; a \[130, 200\] "
+                                         r"weight in 128x128 blocks needs \[2, 2\]"):
+        mhf._dequantize_fp8(codes, torch.ones(1, 2), "w")

@@ -493,3 +493,18 @@ def fuzz(seconds, folder, seed=0):
 
 def test_fuzz_the_header_parser(tmp_path):
     assert fuzz(float(os.environ.get("MOEC_FUZZ_SECONDS", "10")), tmp_path) > 1000
+
+
+def test_plan_shards_splits_as_huggingface_hub_and_by_owner():
+    """The one shard planner (save_sharded and hf.save_pretrained): a new
+    shard past the limit, an oversized tensor alone before the shard being
+    filled, and never two owners (processes) in one shard."""
+    plan = st.plan_shards([("a", 4, None), ("b", 4, None), ("c", 3, None), ("big", 20, None),
+                           ("d", 2, None)], 10)
+    assert plan == [(None, ["a", "b"]), (None, ["big"]), (None, ["c", "d"])]
+    plan = st.plan_shards([("a", 2, 0), ("b", 2, 0), ("c", 2, 1), ("d", 2, 1), ("e", 9, 1)], 10)
+    assert plan == [(0, ["a", "b"]), (1, ["c", "d"]), (1, ["e"])]
+    assert st.plan_shards([], 10) == [(None, [])]
+    assert st.shard_files(1) == ["model.safetensors"]
+    assert st.shard_files(2, "x") == ["x-00001-of-00002.safetensors",
+                                      "x-00002-of-00002.safetensors"]

@@ -12,6 +12,7 @@
 
 #include "base/DType.h"
 
+#include <array>
 #include <cstdint>
 
 namespace moec {
@@ -48,11 +49,27 @@ struct LayerShape {
   /// The forward's dispatched rows travel as FP8 e4m3 with fp32 block
   /// scales (a quantize before the dispatch, a dequantize after it).
   bool fp8Dispatch = false;
+  /// The base weights are stored with each expert's matrix transposed:
+  /// w1 [L, 2I, H] (gate rows, then up) and w2 [L, H, I], the layout of
+  /// Hugging Face's fused experts (gate_up_proj, down_proj). The forward
+  /// GMMs read them transposed and the backward ones as they are; only a
+  /// layer without base weight gradients (frozen, or LoRA) has it.
+  bool weightsTransposed = false;
 
   /// P = R / T, the EP ranks.
   uint32_t epRanks() const { return ranks / tp; }
   /// E = P * L.
   uint32_t experts() const { return epRanks() * localExperts; }
+  /// The dims of one rank's w1: [L, H, 2I], or [L, 2I, H] transposed.
+  std::array<int64_t, 3> w1Dims() const {
+    return weightsTransposed ? std::array<int64_t, 3>{localExperts, 2 * inter, hidden}
+                             : std::array<int64_t, 3>{localExperts, hidden, 2 * inter};
+  }
+  /// The dims of one rank's w2: [L, I, H], or [L, H, I] transposed.
+  std::array<int64_t, 3> w2Dims() const {
+    return weightsTransposed ? std::array<int64_t, 3>{localExperts, hidden, inter}
+                             : std::array<int64_t, 3>{localExperts, inter, hidden};
+  }
 };
 
 } // namespace moec

@@ -334,13 +334,14 @@ Status Context::Impl::forward() {
     return st;
   const Clock::time_point t0 = Clock::now();
   const LayerShape &s = shape();
-  const int64_t H = s.hidden, I = s.inter, L = s.localExperts;
+  const int64_t H = s.hidden;
+  const std::array<int64_t, 3> w1 = s.w1Dims(), w2 = s.w2Dims();
   const auto bindings = [&](uint32_t r, const backend::RankRoute &route) {
     const int64_t S = route.tokens;
     for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kX, {S, H}},
                                   {kY, {S, H}},
-                                  {kW1, {L, H, 2 * I}},
-                                  {kW2, {L, I, H}}})
+                                  {kW1, {w1.begin(), w1.end()}},
+                                  {kW2, {w2.begin(), w2.end()}}})
       if (Status st = checkBinding(r, b, dims); !st)
         return st;
     for (const AdapterBinding &a : adapterBindings(s, fwd->plan(), false))
@@ -401,6 +402,7 @@ Status Context::Impl::backward() {
   const Clock::time_point t0 = Clock::now();
   const LayerShape &s = shape();
   const int64_t H = s.hidden, I = s.inter, L = s.localExperts;
+  const std::array<int64_t, 3> w1 = s.w1Dims(), w2 = s.w2Dims();
   // A frozen layer's backward has no weight gradients to bind.
   const bool frozen = bwd->plan().shape.frozen;
   std::vector<Status> local;
@@ -410,8 +412,8 @@ Status Context::Impl::backward() {
     for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kDy, {S, H}},
                                   {kDx, {S, H}},
                                   {kDtopk, {S, K}},
-                                  {kW1, {L, H, 2 * I}},
-                                  {kW2, {L, I, H}},
+                                  {kW1, {w1.begin(), w1.end()}},
+                                  {kW2, {w2.begin(), w2.end()}},
                                   {kDw1, {L, H, 2 * I}},
                                   {kDw2, {L, I, H}}}) {
       if (frozen && (b == kDw1 || b == kDw2))

@@ -262,6 +262,17 @@ private:
     plan.glist = in(p1.base, 2);
     std::vector<uint32_t> gmms = {p1.base, p2.base};
     LayerShape &shape = plan.shape;
+    // The base weights' layout: each expert's matrix stored transposed
+    // (w1 [L, 2I, H], w2 [L, H, I]) is read transposed by the forward and as
+    // it is by the backward, the other way round from [L, H, 2I], [L, I, H].
+    const bool readsW1T = tiling(p1.base).flags & format::kTilingTransposeB,
+               readsW2T = tiling(p2.base).flags & format::kTilingTransposeB;
+    if (readsW1T != readsW2T)
+      return notLayer(fmt::format("{} reads w1 {}transposed and {} reads w2 {}transposed; both "
+                                  "base weights must have one layout",
+                                  describe(p1.base), readsW1T ? "" : "un", describe(p2.base),
+                                  readsW2T ? "" : "un"));
+    shape.weightsTransposed = bwd ? !readsW1T : readsW1T;
     for (int t = 0; t < 2; ++t) {
       const Projection &p = t == 0 ? p1 : p2;
       if (!p.lora())
@@ -452,12 +463,21 @@ private:
       return Status::error(fmt::format("slot '{}' is {}; activations must be f32 or bf16",
                                        slotName(plan.src), format::dtypeName(src.dtype)));
     const SlotRecord &w1 = program.slots[plan.w1];
-    if (w1.rank != 3 || w1.dims[2] % 2 != 0)
-      return Status::error(fmt::format("slot '{}' (w1) must be [L, H, 2I]", slotName(plan.w1)));
-    shape.inter = int64_t(w1.dims[2] / 2);
+    const int twoI = shape.weightsTransposed ? 1 : 2; // the dim of w1 that is 2I
+    if (w1.rank != 3 || w1.dims[twoI] % 2 != 0)
+      return Status::error(fmt::format("slot '{}' (w1) must be {}", slotName(plan.w1),
+                                       shape.weightsTransposed ? "[L, 2I, H] (stored transposed)"
+                                                               : "[L, H, 2I]"));
+    if (shape.weightsTransposed && shape.backward && !shape.frozen)
+      return Status::error(fmt::format(
+          "slot '{}' (w1) is stored transposed, and this backward computes the base weights' "
+          "gradients: a layer with transposed weights must be frozen or LoRA (no dw1, dw2)",
+          slotName(plan.w1)));
+    shape.inter = int64_t(w1.dims[twoI] / 2);
     const DType act = shape.activations;
     const int64_t L = shape.localExperts, H = shape.hidden, I = shape.inter;
     const int64_t E = shape.experts();
+    const std::array<int64_t, 3> w1Dims = shape.w1Dims(), w2Dims = shape.w2Dims();
     const uint32_t dispatchOut =
         shape.fp8Dispatch ? out(plan.dequantizeOp) : out(plan.dispatchOp);
     shape.receiveCapacity = rows(dispatchOut);
@@ -470,7 +490,8 @@ private:
     };
     std::vector<Expect> expects = {
         {plan.src, "rows to send", {N, H}},       {dispatchOut, "dispatched rows", {T, H}},
-        {plan.w1, "w1", {L, H, 2 * I}},           {plan.w2, "w2", {L, I, H}},
+        {plan.w1, "w1", {w1Dims.begin(), w1Dims.end()}},
+        {plan.w2, "w2", {w2Dims.begin(), w2Dims.end()}},
         {plan.upOut, "Y", {T, 2 * I}},            {in(plan.combineOp, 1), "rows to return", {T, H}},
         {plan.returned, "returned rows", {N, H}},
     };
@@ -798,7 +819,8 @@ Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward) {
                             {"expert capacity", {f.expertCapacity, b.expertCapacity}},
                             {"put capacity", {f.putCapacity, b.putCapacity}},
                             {"LoRA targets (bit 0: w1, bit 1: w2)", {f.loraTargets, b.loraTargets}},
-                            {"LoRA rank", {f.loraRank, b.loraRank}}});
+                            {"LoRA rank", {f.loraRank, b.loraRank}},
+                            {"transposed weights", {f.weightsTransposed, b.weightsTransposed}}});
       !s)
     return s;
   if (f.loraScaling != b.loraScaling)

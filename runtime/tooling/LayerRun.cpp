@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -453,6 +454,19 @@ void unsliceExperts(const LayerData &d, int64_t first, int64_t count, int64_t t,
     std::copy_n(dw2 + l * Is * H, Is * H, full2 + ((first + l) * I + t * Is) * H);
   }
 }
+
+/// Each of `count` row-major [rows, cols] matrices at `m`, transposed in
+/// place to [cols, rows] (a binary that stores its weights transposed).
+void transposeEach(float *m, int64_t count, int64_t rows, int64_t cols) {
+  std::vector<float> one(size_t(rows * cols));
+  for (int64_t l = 0; l < count; ++l) {
+    float *at = m + l * rows * cols;
+    std::copy_n(at, rows * cols, one.data());
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        at[j * rows + i] = one[size_t(i * cols + j)];
+  }
+}
 } // namespace
 
 Status LayerRun::bind(rt::Context &context, const LayerData &d) {
@@ -473,6 +487,7 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   const int64_t S = d.tokens, K = d.topK, H = d.hidden, I = shape.inter,
                 L = shape.localExperts, T = d.tp;
   // The context's passes decide what is bound (dy is empty at S = 0 tokens).
+  const std::array<int64_t, 3> w1Dims = shape.w1Dims(), w2Dims = shape.w2Dims();
   const bool backward = context.backwardShape() != nullptr;
   if (backward && d.dy.size() != size_t(d.ranks * S * H))
     return Status::error(fmt::format("dy holds {} values; the backward pass needs {} ({} x {} x {})",
@@ -491,6 +506,10 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
     b[kY].zeros(tokensH, act);
     std::vector<float> w1(w1n), w2(w2n);
     sliceExperts(d, e * L, L, t, w1.data(), w2.data());
+    if (shape.weightsTransposed) { // w1 [L, 2I, H], w2 [L, H, I]
+      transposeEach(w1.data(), L, H, 2 * I);
+      transposeEach(w2.data(), L, I, H);
+    }
     b[kW1].assign(w1.data(), w1n, act);
     b[kW2].assign(w2.data(), w2n, act);
     ids[size_t(r)].assign(d.ids.begin() + e * S * K, d.ids.begin() + (e + 1) * S * K);
@@ -503,8 +522,8 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
     std::vector<std::pair<const char *, rt::Tensor>> tensors = {
         {"x", rt::makeTensor(b[kX].data(), act, {S, H})},
         {"y", rt::makeTensor(b[kY].data(), act, {S, H})},
-        {"w1", rt::makeTensor(b[kW1].data(), act, {L, H, 2 * I})},
-        {"w2", rt::makeTensor(b[kW2].data(), act, {L, I, H})},
+        {"w1", rt::makeTensor(b[kW1].data(), act, {w1Dims[0], w1Dims[1], w1Dims[2]})},
+        {"w2", rt::makeTensor(b[kW2].data(), act, {w2Dims[0], w2Dims[1], w2Dims[2]})},
     };
     if (backward) {
       // The weight-gradient dtype is the backward binary's; a context

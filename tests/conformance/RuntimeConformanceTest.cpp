@@ -933,6 +933,112 @@ TEST_CASE("a frozen layer's backward takes no weight gradients", "[runtime][gpu]
              Catch::Contains("backward program has none (frozen weights)"));
 }
 
+TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", "[runtime]") {
+  // w1 [L, 2I, H] and w2 [L, H, I], each expert's matrix transposed (the
+  // layout of Hugging Face's fused experts), run by the *_transposed graphs:
+  // the forward and the frozen backward give what the [L, H, 2I] layout's
+  // binaries give on the same weights.
+  for (const bool bf16 : {false, true}) {
+    Case c;
+    c.ranks = groupSize(2);
+    c.bf16 = bf16;
+    c.routing = Routing::Skewed;
+    c.capacityFactor = 2 * c.ranks;
+    c.hidden = 48; // not 2I: the two layouts' dims differ
+    INFO(c.describe());
+    if (!runs(c.ranks))
+      return;
+    auto [fwd, bwd] = compile(c, "graphs/moe_ffn_fwd.json", "graphs/moe_ffn_bwd_frozen.json");
+    auto [fwdT, bwdT] = compile(c, "graphs/moe_ffn_fwd_transposed.json",
+                                "graphs/moe_ffn_bwd_frozen_transposed.json");
+    REQUIRE(fwdT->shape().weightsTransposed);
+    REQUIRE(bwdT->shape().weightsTransposed);
+    REQUIRE_FALSE(fwd->shape().weightsTransposed);
+    // A transposed forward does not pair with an untransposed backward.
+    std::unique_ptr<Context> mixed;
+    CHECK_THAT(makeContext(fwdT, bwd, {}, &mixed).message(),
+               Catch::Contains("transposed weights"));
+    const Inputs in = makeInputs(c, 11);
+    const int64_t H = c.hidden, I = c.inter, L = c.localExperts;
+    Run plain = prepare(c, in, bwd->shape());
+    Run swapped = prepare(c, in, bwdT->shape());
+    for (uint32_t r = 0; r < c.ranks; ++r) { // each expert's matrices transposed
+      std::vector<float> w1 = plain.w1[r].values(), w2 = plain.w2[r].values();
+      std::vector<float> t1(w1.size()), t2(w2.size());
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < 2 * I; ++j)
+            t1[size_t((l * 2 * I + j) * H + h)] = w1[size_t((l * H + h) * 2 * I + j)];
+        for (int64_t i = 0; i < I; ++i)
+          for (int64_t h = 0; h < H; ++h)
+            t2[size_t((l * H + h) * I + i)] = w2[size_t((l * I + i) * H + h)];
+      }
+      swapped.w1[r] = Stored(t1, bf16);
+      swapped.w2[r] = Stored(t2, bf16);
+    }
+    uint32_t firstLocal = 0, localRanks = 0;
+    for (auto [fp, bp, run, transposed] :
+         {std::tuple{fwd, bwd, &plain, false}, std::tuple{fwdT, bwdT, &swapped, true}}) {
+      std::unique_ptr<Context> ctx;
+      REQUIRE(makeContext(fp, bp, {}, &ctx).ok());
+      firstLocal = ctx->firstLocalRank();
+      localRanks = ctx->localRanks();
+      for (uint32_t r = ctx->firstLocalRank(); r < ctx->firstLocalRank() + ctx->localRanks();
+           ++r) {
+        const int64_t S = int64_t(run->ids[r].size()) / c.topK;
+        const int64_t d1[3] = {L, transposed ? 2 * I : H, transposed ? H : 2 * I};
+        const int64_t d2[3] = {L, transposed ? H : I, transposed ? I : H};
+        for (const auto &[name, tensor] : {
+                 std::pair{"x", makeTensor(run->x[r].data(), run->x[r].dtype(), {S, H})},
+                 std::pair{"y", makeTensor(run->y[r].data(), run->y[r].dtype(), {S, H})},
+                 std::pair{"w1", makeTensor(run->w1[r].data(), run->w1[r].dtype(),
+                                            {d1[0], d1[1], d1[2]})},
+                 std::pair{"w2", makeTensor(run->w2[r].data(), run->w2[r].dtype(),
+                                            {d2[0], d2[1], d2[2]})},
+                 std::pair{"dy", makeTensor(run->dy[r].data(), run->dy[r].dtype(), {S, H})},
+                 std::pair{"dx", makeTensor(run->dx[r].data(), run->dx[r].dtype(), {S, H})},
+                 std::pair{"dtopk_weights",
+                           makeTensor(run->dtopk[r].data(), DType::F32, {S, c.topK})}}) {
+          Status bound = ctx->bind(r, name, tensor);
+          INFO(name << ": " << bound.message());
+          REQUIRE(bound.ok());
+        }
+        REQUIRE(ctx->setRouting(r, makeTensor(run->ids[r].data(), DType::I64, {S, c.topK}),
+                                makeTensor(run->weights[r].data(), DType::F32, {S, c.topK}))
+                    .ok());
+      }
+      if (transposed) { // the [L, H, 2I] dims are refused, naming the expected ones
+        const uint32_t r = firstLocal;
+        std::vector<float> wrong(size_t(L * H * 2 * I));
+        REQUIRE(ctx->bind(r, "w1", makeTensor(wrong.data(), DType::F32, {L, H, 2 * I})).ok() ==
+                !bf16);
+        if (!bf16)
+          CHECK_THAT(ctx->forward().message(),
+                     Catch::Contains("[" + std::to_string(L) + ", " + std::to_string(2 * I) +
+                                     ", " + std::to_string(H) + "]"));
+        REQUIRE(ctx->bind(r, "w1", makeTensor(run->w1[r].data(), run->w1[r].dtype(),
+                                              {L, 2 * I, H}))
+                    .ok());
+      }
+      Status f = ctx->forward();
+      INFO("forward: " << f.message());
+      REQUIRE(f.ok());
+      Status b2 = ctx->backward();
+      INFO("backward: " << b2.message());
+      REQUIRE(b2.ok());
+    }
+    const double tol = bf16 ? 2e-2 : 1e-5;
+    for (uint32_t r = firstLocal; r < firstLocal + localRanks; ++r) {
+      const auto close = [&](const std::vector<float> &a, const std::vector<float> &b) {
+        return relError(a, std::vector<double>(b.begin(), b.end())) < tol;
+      };
+      CHECK(close(swapped.y[r].values(), plain.y[r].values()));
+      CHECK(close(swapped.dx[r].values(), plain.dx[r].values()));
+      CHECK(close(swapped.dtopk[r], plain.dtopk[r]));
+    }
+  }
+}
+
 TEST_CASE("a binary whose event is never reached ends in an error naming the wait", "[runtime][gpu]") {
   Case c;
   c.ranks = groupSize(2);
@@ -1013,6 +1119,13 @@ TEST_CASE("the cuda backend refuses what it does not do, before it looks for a G
   REQUIRE(fwd->shape().fp8Dispatch);
   if (std::string(moec::test::testFabricName()) == "in-process")
     CHECK_THAT(refusal(ContextOptions()), Catch::Contains("the cuda backend has no FP8 dispatch"));
+  // Base weights stored transposed (Hugging Face's fused experts).
+  std::tie(fwd, bwd) =
+      compile(c, "graphs/moe_ffn_fwd_transposed.json", "graphs/moe_ffn_bwd_frozen_transposed.json");
+  REQUIRE(fwd->shape().weightsTransposed);
+  if (std::string(moec::test::testFabricName()) == "in-process")
+    CHECK_THAT(refusal(ContextOptions()),
+               Catch::Contains("the cuda backend does not take base weights stored transposed"));
 }
 
 TEST_CASE("an FP8 forward binary is refused when its quantize chain is broken", "[runtime]") {

@@ -21,7 +21,8 @@
 // micro-batches) instead.
 //
 // Shapes carry this process's ranks first: x, y, dy, dx [P, S, H]; topk_ids
-// and topk_weights [P, S, K]; w1 [P*L, H, 2I]; w2 [P*L, I, H] (in process,
+// and topk_weights [P, S, K]; w1 [P*L, H, 2I]; w2 [P*L, I, H], or w1
+// [P*L, 2I, H] and w2 [P*L, H, I] for binaries with transposed weights (in process,
 // P*L = E, the global tensors of `moec run`). Rank r's slices are views into
 // them (rank r owns experts r*L .. r*L+L-1), so nothing is copied on the way
 // in. The runtime keeps what backward needs from the last forward
@@ -396,6 +397,7 @@ public:
     d.insert("lora_targets", s.loraTargets);
     d.insert("lora_rank", s.loraRank);
     d.insert("fp8_dispatch", s.fp8Dispatch);
+    d.insert("weights_transposed", s.weightsTransposed);
     // Bytes of rows the last passes' puts moved between ranks (all ranks).
     const moec::rt::PassTimes &f = slot->context->forwardTimes(),
                               &b = slot->context->backwardTimes();

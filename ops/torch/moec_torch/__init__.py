@@ -381,27 +381,40 @@ def _lora_suffix(lora_targets):
     return "_lora" if targets == LORA_TARGETS else "_lora_" + targets[0]
 
 
-def _layer_graphs(frozen, lora_targets):
+def _layer_graphs(frozen, lora_targets, transposed=False):
     """The graph files of a layer (compile_layer)."""
     if lora_targets:
         suffix = _lora_suffix(lora_targets)
-        return [f"moe_ffn_fwd{suffix}.json", f"moe_ffn_bwd{suffix}.json"]
-    return ["moe_ffn_fwd.json", "moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json"]
+        graphs = [f"moe_ffn_fwd{suffix}.json", f"moe_ffn_bwd{suffix}.json"]
+    else:
+        graphs = ["moe_ffn_fwd.json",
+                  "moe_ffn_bwd_frozen.json" if frozen else "moe_ffn_bwd.json"]
+    if transposed:
+        if not (frozen or lora_targets):
+            raise ValueError("moec: weights stored transposed (weights_transposed=True) need a "
+                             "frozen or LoRA layer: the base weights' gradients are computed "
+                             "in the [E, H, 2I] layout only")
+        graphs = [g.replace(".json", "_transposed.json") for g in graphs]
+    return graphs
 
 
 def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False,
-                  frozen=False, lora_targets=None, tp=None):
+                  frozen=False, lora_targets=None, tp=None, weights_transposed=False):
     """Returns (forward, backward) task-binary paths of the layer (see
     compile_graphs): moe_ffn_fwd.json, and moe_ffn_bwd_frozen.json (no weight
     gradients) with `frozen`, else moe_ffn_bwd.json. With `lora_targets`
     (some of "w1", "w2"; the config sets lora_rank): the graphs with LoRA
     adapters on those projections, moe_ffn_{fwd,bwd}_lora.json (both) or
     moe_ffn_{fwd,bwd}_lora_w1.json / _w2.json; one name ("w1") is one
-    target. `frozen` and `fresh` are bools."""
+    target. `weights_transposed`: their *_transposed.json forms, whose base
+    weights are stored w1 [E, 2I, H], w2 [E, H, I] (frozen or LoRA only).
+    `frozen`, `fresh` and `weights_transposed` are bools."""
     frozen = checks.boolean(frozen, "compile_layer: argument 'frozen'")
     fresh = checks.boolean(fresh, "compile_layer: argument 'fresh'")
+    weights_transposed = checks.boolean(weights_transposed,
+                                        "compile_layer: argument 'weights_transposed'")
     lora_targets = _lora_targets(lora_targets) if lora_targets else ()
-    graphs = _layer_graphs(frozen, lora_targets)
+    graphs = _layer_graphs(frozen, lora_targets, weights_transposed)
     return compile_graphs(config, ranks, graphs, target, granularity, fresh, tp)
 
 
@@ -684,7 +697,7 @@ def _check_policy(policy):
         raise ValueError(f"moec: capacity_policy must be 'grow' or 'error', got {policy!r}")
 
 
-def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1):
+def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1, transposed=False):
     """True when a built layer's sizes are those of `cfg` on `ranks` EP
     ranks of `tp` TP ranks each."""
     fp8 = int(cfg.get("dispatch_dtype") == "fp8_e4m3")
@@ -695,7 +708,7 @@ def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1):
             "frozen": int(bool(frozen) or targets != 0),
             "main_grad": int(bool(cfg.get("main_grad", False))),
             "lora_targets": targets, "lora_rank": int(cfg.get("lora_rank", 0)) if targets else 0,
-            "fp8_dispatch": fp8}
+            "fp8_dispatch": fp8, "weights_transposed": int(bool(transposed))}
     return all(int(info[k]) == v for k, v in want.items())
 
 
@@ -812,6 +825,16 @@ class MoeFFN(torch.nn.Module):
     rounded rows, and backward treats the rounding as the identity (the
     gradients are those of the layer at the rounded x).
 
+    weights_transposed: the base weights are stored with each expert's
+    matrix transposed, w1 [P*L, 2I, H] (gate rows, then up) and w2
+    [P*L, H, I]: the layout of Hugging Face's fused experts (transformers
+    v5's gate_up_proj and down_proj), which the layer then reads in place
+    (its forward GMMs read them transposed, its backward ones as they are;
+    graphs/*_transposed.json). For a frozen or LoRA layer with tp=1 only
+    (ValueError otherwise): the base weights' gradients are computed in the
+    [P*L, H, 2I] layout. The adapters keep their layout (A [P*L, K, r],
+    B [P*L, r, N] on the projection X W, W [K, N]).
+
     init_weights: False leaves w1, w2 and the adapters uninitialized
     (torch.empty), for a caller that fills them (moec_torch.hf does, from a
     model or a checkpoint); drawing the whole experts costs seconds at a
@@ -825,7 +848,7 @@ class MoeFFN(torch.nn.Module):
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
                  lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False,
-                 dispatch_dtype=None, init_weights=True):
+                 dispatch_dtype=None, init_weights=True, weights_transposed=False):
         super().__init__()
         load_library()
         arg = "MoeFFN: argument "
@@ -845,6 +868,7 @@ class MoeFFN(torch.nn.Module):
         main_grad = checks.boolean(main_grad, arg + "'main_grad'")
         trace = checks.boolean(trace, arg + "'trace'")
         init_weights = checks.boolean(init_weights, arg + "'init_weights'")
+        weights_transposed = checks.boolean(weights_transposed, arg + "'weights_transposed'")
         cfg = checks.read_config(config)
         # The files the layer reads, which no file it writes may be.
         self._config_file = None if isinstance(config, dict) else os.fspath(config)
@@ -889,6 +913,14 @@ class MoeFFN(torch.nn.Module):
             frozen = True
         elif lora_alpha is not None:
             raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
+        if weights_transposed and not frozen:
+            raise ValueError("moec: weights_transposed=True needs a frozen or LoRA layer "
+                             "(frozen=True or lora_rank=): the base weights' gradients are "
+                             "computed in the [E, H, 2I] layout only")
+        if weights_transposed and tp > 1:
+            raise ValueError(f"moec: weights_transposed=True is not supported with tensor "
+                             f"parallelism (tp={tp}); use tp=1")
+        self.weights_transposed = weights_transposed
         self.tp = tp
         self.lora_targets = tuple(t for t in LORA_TARGETS if t in lora_targets) \
             if lora_rank else ()
@@ -909,11 +941,13 @@ class MoeFFN(torch.nn.Module):
 
         def compiled(fresh):
             return compile_layer(cfg, ranks, target, granularity, fresh=fresh,
-                                 frozen=self.frozen, lora_targets=self.lora_targets, tp=tp)
+                                 frozen=self.frozen, lora_targets=self.lora_targets, tp=tp,
+                                 weights_transposed=weights_transposed)
 
         def other_layer(layer):
             info = layer.info()
-            if not _matches(info, cfg, ranks, self.frozen, self.lora_targets, tp):
+            if not _matches(info, cfg, ranks, self.frozen, self.lora_targets, tp,
+                            weights_transposed):
                 return f"the compiled layer {dict(info)} is not the config's {cfg}"
             return None
 
@@ -943,12 +977,13 @@ class MoeFFN(torch.nn.Module):
         mine = self.local_ranks * self.local_experts
         # The intermediate columns this process holds: all, or its TP slice.
         self.local_inter = self.inter if self.tp_rank is None else self.inter // tp
-        self.w1 = torch.nn.Parameter(
-            torch.empty(mine, self.hidden, 2 * self.local_inter, dtype=dtype),
-            requires_grad=not self.frozen)
-        self.w2 = torch.nn.Parameter(
-            torch.empty(mine, self.local_inter, self.hidden, dtype=dtype),
-            requires_grad=not self.frozen)
+        w1, w2 = (self.hidden, 2 * self.local_inter), (self.local_inter, self.hidden)
+        if weights_transposed:
+            w1, w2 = w1[::-1], w2[::-1]
+        self.w1 = torch.nn.Parameter(torch.empty(mine, *w1, dtype=dtype),
+                                     requires_grad=not self.frozen)
+        self.w2 = torch.nn.Parameter(torch.empty(mine, *w2, dtype=dtype),
+                                     requires_grad=not self.frozen)
         if self.main_grad:
             for w in (self.w1, self.w2):
                 w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
@@ -967,6 +1002,17 @@ class MoeFFN(torch.nn.Module):
         """(K, N) of projection "w1" [L, H, 2I] or "w2" [L, I, H]."""
         return (self.hidden, 2 * self.inter) if name == "w1" else (self.inter, self.hidden)
 
+    def projections(self, w1=None, w2=None):
+        """(gate [N, I, H], up [N, I, H], down [N, H, I]): views of w1 and w2
+        (default the layer's) as the experts' nn.Linear weights [out, in],
+        whichever layout the layer stores them in."""
+        w1 = self.w1 if w1 is None else w1
+        w2 = self.w2 if w2 is None else w2
+        i = self.local_inter
+        if self.weights_transposed:
+            return w1[:, :i], w1[:, i:], w2
+        return w1[:, :, :i].transpose(1, 2), w1[:, :, i:].transpose(1, 2), w2.transpose(1, 2)
+
     def adapters(self):
         """The LoRA parameters in the order the op takes them: A then B, on
         w1 then w2 (those in lora_targets)."""
@@ -982,7 +1028,10 @@ class MoeFFN(torch.nn.Module):
                 if name in self.lora_targets:
                     a = getattr(self, f"{name}_lora_A").float()
                     b = getattr(self, f"{name}_lora_B").float()
-                    w = (w.float() + self.lora_scaling * torch.bmm(a, b)).to(w.dtype)
+                    ab = torch.bmm(a, b)
+                    if self.weights_transposed:
+                        ab = ab.transpose(1, 2)
+                    w = (w.float() + self.lora_scaling * ab).to(w.dtype)
                 merged.append(w.detach().clone())
         return tuple(merged)
 
@@ -1017,7 +1066,10 @@ class MoeFFN(torch.nn.Module):
         for e in range(self.experts):
             one.uniform_(-bound, bound)
             if first <= e < first + param.shape[0]:
-                param[e - first].copy_(self._tp_slice(param, one[0]))
+                drawn = self._tp_slice(param, one[0])
+                if self.weights_transposed and (param is self.w1 or param is self.w2):
+                    drawn = drawn.t()
+                param[e - first].copy_(drawn)
 
     def _tp_slice(self, param, whole):
         """This process's TP slice of one expert's whole w1 [H, 2I] (gate and
@@ -1396,7 +1448,8 @@ class MoeFFN(torch.nn.Module):
                 "hidden": self.hidden, "inter": self.inter, "dtype": str(self.w1.dtype),
                 "columns": self._columns(),
                 "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
-                "lora_scaling": self.lora_scaling, "main_grad": self.main_grad}
+                "lora_scaling": self.lora_scaling, "main_grad": self.main_grad,
+                "weights_transposed": self.weights_transposed}
 
     def _columns(self):
         """[first, end) of the intermediate columns (of I) this process holds."""
@@ -1427,8 +1480,9 @@ class MoeFFN(torch.nn.Module):
         if not isinstance(extra, dict) or extra.get("format") != "moec.MoeFFN/1":
             raise ValueError(f"moec: '{prefix}_extra_state' is not a moec MoeFFN checkpoint's")
         theirs, mine = extra["layout"], self._layout()
+        theirs.setdefault("weights_transposed", False)
         for key in ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
-                    "lora_scaling"):
+                    "lora_scaling", "weights_transposed"):
             if theirs[key] != mine[key]:
                 raise ValueError(f"moec: the checkpoint is of another layer: its {key} is "
                                  f"{theirs[key]!r}, this layer's {mine[key]!r}")
@@ -1574,7 +1628,8 @@ class MoeFFN(torch.nn.Module):
                    f"lora_scaling={self.lora_scaling:g} (base weights frozen, adapters "
                    "trained)" if self.lora_rank else
                    f"frozen={self.frozen}, main_grad={self.main_grad}")
-                + (", dispatch_dtype=fp8_e4m3" if self.dispatch_dtype == "fp8_e4m3" else ""))
+                + (", dispatch_dtype=fp8_e4m3" if self.dispatch_dtype == "fp8_e4m3" else "")
+                + (", weights_transposed=True" if self.weights_transposed else ""))
 
     # A layer owns a runtime (compiled binaries, worker threads, under MPI a
     # place in a collective order) that cannot be copied or pickled; its

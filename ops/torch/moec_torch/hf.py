@@ -22,8 +22,13 @@ a moec MoeFFN layer: the block's router and shared experts stay the model's
 own; in the v5 layout the block's forward is untouched (its experts module
 is called as the model calls it), in the v4 layout the block's forward (or
 DeepSeek's ``moe`` method) is replaced by one with the same routing math that
-calls the moec experts. The model's expert weights are converted once into
-the layer's w1 [E, H, 2I] / w2 [E, I, H] and the model's copies are freed.
+calls the moec experts. Fused (v5) experts of a frozen or LoRA layer stay
+where they are: the layer stores its weights transposed (MoeFFN
+weights_transposed=True) and takes the model's gate_up_proj and down_proj
+as its w1 and w2, the same tensors, when it holds every expert in their
+dtype on the CPU (else it copies them once, in that layout). Otherwise the
+model's expert weights are converted once into the layer's w1 [E, H, 2I] /
+w2 [E, I, H] and the model's copies are freed.
 
 LoRA: PEFT puts one adapter on each targeted nn.Linear, so gate_proj and
 up_proj have an A and a B each. The moec layer holds them as one adapter of
@@ -145,12 +150,13 @@ def _expert_sizes(block, family, where):
 
 
 def _expert_weights(block, family, e):
-    """(w1 [H, 2I], w2 [I, H]) of expert e, views where the layout allows."""
+    """(gate [I, H], up [I, H], down [H, I]) of expert e, as nn.Linear
+    weights [out, in]: views of the model's tensors."""
     ex = block.experts
     if _fused(ex):
-        return ex.gate_up_proj[e].t(), ex.down_proj[e].t()
-    g, u, d = (getattr(ex[e], p).weight for p in family.projections)
-    return torch.cat((g.t(), u.t()), 1), d.t()
+        i = ex.gate_up_proj.shape[1] // 2
+        return ex.gate_up_proj[e, :i], ex.gate_up_proj[e, i:], ex.down_proj[e]
+    return tuple(getattr(ex[e], p).weight for p in family.projections)
 
 
 def _dtype_name(dtype, where):
@@ -339,8 +345,10 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
     capacity_policy, timeout_seconds, fabric, target, check_finite, trace).
 
     The model's expert weights (on any device but meta) are converted once
-    into the layer's and freed; a model built with its experts on the meta
-    device is patched with empty experts, for load_experts to fill."""
+    into the layer's and freed, except fused (v5) experts of a frozen or
+    LoRA layer, which the layer reads in place (the module docstring); a
+    model built with its experts on the meta device is patched with empty
+    experts, for load_experts to fill."""
     config = _config_of(model)
     blocks = find_blocks(model)
     if not blocks:
@@ -398,11 +406,17 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         lora = _Lora(family, targets, lora_rank, alpha) if lora_rank else None
         lora_args = dict(lora_rank=lora.rank, lora_alpha=alpha * lora.rank / lora_rank,
                          lora_targets=lora.moec_targets) if lora else {}
-        layer = MoeFFN(cfg, ranks, threads=threads, init_weights=False, **lora_args, **options)
-        _copy_in(layer, block, family, empty)
+        # Fused experts of a frozen or LoRA layer stay in the model's layout
+        # (gate_up_proj [E, 2I, H], down_proj [E, H, I]), which the layer
+        # reads in place.
+        fused = _fused(block.experts)
+        transposed = fused and (bool(lora) or bool(options.get("frozen")))
+        layer = MoeFFN(cfg, ranks, threads=threads, init_weights=False,
+                       weights_transposed=transposed, **lora_args, **options)
+        if not (transposed and _adopt(layer, block.experts)):
+            _copy_in(layer, block, family, empty)
         if lora:
             _init_lora(layer, lora)
-        fused = _fused(block.experts)
         block.experts = MoecExperts(layer, family, lora)
         if not fused:
             if family.routing == "moe_method":
@@ -418,6 +432,23 @@ def _local_experts(layer):
     return range(first, first + layer.w1.shape[0])
 
 
+def _adopt(layer, experts):
+    """Makes the model's fused gate_up_proj and down_proj the layer's w1 and
+    w2 (the same tensors: nothing is copied) where the layer holds every
+    expert in that layout and dtype; returns whether it did."""
+    w1, w2 = experts.gate_up_proj, experts.down_proj
+    if not all(isinstance(w, torch.nn.Parameter) and not w.is_meta and w.device.type == "cpu"
+               and w.dtype == layer.w1.dtype and w.is_contiguous()
+               for w in (w1, w2)):
+        return False
+    if tuple(w1.shape) != tuple(layer.w1.shape) or tuple(w2.shape) != tuple(layer.w2.shape):
+        return False  # under mpirun the layer holds its rank's experts only
+    w1.requires_grad_(False)
+    w2.requires_grad_(False)
+    layer.w1, layer.w2 = w1, w2
+    return True
+
+
 def _copy_in(layer, block, family, empty):
     """Copies this process's experts of `block` into the layer (unless the
     model's are on meta), one expert at a time."""
@@ -426,10 +457,10 @@ def _copy_in(layer, block, family, empty):
             layer.w1.zero_()
             layer.w2.zero_()
             return
+        mine = layer.projections()
         for j, e in enumerate(_local_experts(layer)):
-            w1, w2 = _expert_weights(block, family, e)
-            layer.w1[j].copy_(w1)
-            layer.w2[j].copy_(w2)
+            for to, w in zip(mine, _expert_weights(block, family, e)):
+                to[j].copy_(w)
 
 
 def _init_lora(layer, lora):
@@ -541,9 +572,8 @@ def load_experts(model, checkpoint):
     with torch.no_grad():
         for layer, keys in plan:
             for j, g, u, d in keys:
-                layer.w1[j, :, :layer.inter].copy_(_read_weight(ckpt, g).t())
-                layer.w1[j, :, layer.inter:].copy_(_read_weight(ckpt, u).t())
-                layer.w2[j].copy_(_read_weight(ckpt, d).t())
+                for to, name in zip(layer.projections(), (g, u, d)):
+                    to[j].copy_(_read_weight(ckpt, name))
                 read += [g, u, d]
     return read
 
@@ -796,14 +826,14 @@ def _merged_experts(name, experts):
     """{checkpoint name: tensor} of one block's merged experts this process
     holds (adapters folded in), in the model's layout [out, in]."""
     layer = experts.layer
-    w1, w2 = layer.merged_weights() if layer.lora_rank else (layer.w1, layer.w2)
+    gate, up, down = layer.projections(*layer.merged_weights()) if layer.lora_rank \
+        else layer.projections()
     prefix = _checkpoint_prefix(name, experts.family)
     g, u, d = experts.family.projections
     out = {}
     for j, e in enumerate(_local_experts(layer)):
-        out[f"{prefix}.experts.{e}.{g}.weight"] = w1[j, :, :layer.inter].t()
-        out[f"{prefix}.experts.{e}.{u}.weight"] = w1[j, :, layer.inter:].t()
-        out[f"{prefix}.experts.{e}.{d}.weight"] = w2[j].t()
+        for p, w in zip((g, u, d), (gate, up, down)):
+            out[f"{prefix}.experts.{e}.{p}.weight"] = w[j]
     return out
 
 

@@ -919,6 +919,12 @@ class ForCausalLM(nn.Module):
     def block_name(cls, config):
         return "mlp"
 
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
     def tie_weights(self):
         """lm_head shares the embedding's weight when tie_word_embeddings."""
         if self.config.tie_word_embeddings:

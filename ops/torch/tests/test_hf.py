@@ -137,6 +137,60 @@ def test_patched_model_matches_the_stand_in(family, layout):
             close(layer.w2.grad[e], want[name, e][1], 1e-5, f"{name} expert {e} w2")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["frozen", "lora"])
+def test_fused_experts_of_a_frozen_layer_are_read_in_place(family, mode):
+    """v5 fused experts of a frozen or LoRA layer: the layer's w1 and w2 are
+    the model's gate_up_proj and down_proj, the same tensors (no copy, the
+    model holds its experts once), and the patched model still gives the
+    stand-in's logits and input gradients (fp32, within 1e-5)."""
+    ref = make_model(family, "fused")
+    model = copy.deepcopy(ref)
+    before = {name: (b.experts.gate_up_proj, b.experts.down_proj)
+              for name, b, _ in mhf.find_blocks(model)}
+    params = sum(p.numel() for p in model.parameters())
+    options = dict(frozen=True) if mode == "frozen" else dict(lora_rank=2, lora_alpha=4)
+    mhf.patch_model(model, ranks=2, threads=1, **options)
+    for name, block, experts in mhf._patched(model):
+        layer = experts.layer
+        assert layer.weights_transposed
+        assert layer.w1 is before[name][0] and layer.w2 is before[name][1]
+        assert not layer.w1.requires_grad and not layer.w2.requires_grad
+    adapters = sum(p.numel() for n, p in model.named_parameters() if "_lora_" in n)
+    assert sum(p.numel() for p in model.parameters()) == params + adapters
+    ids = tokens()
+    embed_ref, embed = (m.get_input_embeddings() for m in (ref, model))
+    out, want = model(ids), ref(ids)
+    close(out.logits, want.logits, 1e-5, "logits")
+    g = torch.randn_like(want.logits)
+    out.logits.backward(g)
+    want.logits.backward(g)
+    close(embed.weight.grad, embed_ref.weight.grad, 1e-5, "embedding gradient")
+
+
+def test_where_the_experts_cannot_be_read_in_place():
+    """Per-expert (v4) modules and trained fused experts convert to the
+    [E, H, 2I] layout; fused experts of another dtype are copied once into
+    the transposed layout; each still gives the stand-in's logits."""
+    ids = tokens()
+    for layout, options, transposed in (("modules", dict(frozen=True), False),
+                                        ("fused", {}, False),
+                                        ("fused", dict(frozen=True, dtype=torch.bfloat16), True)):
+        ref = make_model("qwen3_moe", layout)
+        model = copy.deepcopy(ref)
+        mhf.patch_model(model, ranks=2, threads=1, **options)
+        for name, block, experts in mhf._patched(model):
+            layer = experts.layer
+            assert layer.weights_transposed == transposed, (layout, options)
+            want = dict(ref.named_modules())[name].experts
+            if layout == "fused":
+                assert not any(p is want.gate_up_proj for p in model.parameters())
+                gate = want.gate_up_proj[:, :layer.inter].to(layer.w1.dtype)
+                assert torch.equal(layer.projections()[0], gate)
+        tol = 1e-5 if "dtype" not in options else 5e-2
+        close(model(ids).logits.float(), ref(ids).logits, tol, f"{layout} {options}")
+
+
 def err_of(a, b):
     return (a.detach().float() - b.detach().float()).abs().max().item()
 

@@ -27,18 +27,26 @@ def reference_step(layer, x, ids, weights, dy):
     weights = weights.double().requires_grad_()
     adapters = [p.detach().double().requires_grad_() for p in layer.adapters()]
     lora = {name: tuple(adapters[2 * i:2 * i + 2]) for i, name in enumerate(layer.lora_targets)}
-    y = reference.moe_ffn(x, ids, weights, layer.w1.detach().double(),
-                          layer.w2.detach().double(), lora, layer.lora_scaling)
+    w1, w2 = (w.detach().double() for w in (layer.w1, layer.w2))
+    if layer.weights_transposed:  # [E, 2I, H], [E, H, I]
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    y = reference.moe_ffn(x, ids, weights, w1, w2, lora, layer.lora_scaling)
     y.backward(dy.double())
     return y.detach(), x.grad, weights.grad, [a.grad for a in adapters]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("targets", [("w1", "w2"), ("w1",), ("w2",)])
-def test_lora_matches_autograd(dtype, targets):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_lora_matches_autograd(dtype, targets, transposed):
+    """transposed: the base weights stored w1 [E, 2I, H], w2 [E, H, I]
+    (weights_transposed=True, Hugging Face's fused layout)."""
     torch.manual_seed(3)
     layer = moec_torch.MoeFFN(config(dtype=dtype), ranks=2, threads=2, lora_rank=4,
-                              lora_alpha=8, lora_targets=targets)
+                              lora_alpha=8, lora_targets=targets,
+                              weights_transposed=transposed)
+    h, i = layer.hidden, layer.inter
+    assert layer.w1.shape[1:] == ((2 * i, h) if transposed else (h, 2 * i))
     assert layer.lora_scaling == 2.0 and layer.frozen
     assert not layer.w1.requires_grad and not layer.w2.requires_grad
     assert [n for n, _ in layer.named_parameters() if "lora" in n] == \
@@ -64,7 +72,8 @@ def test_lora_matches_autograd(dtype, targets):
     # The adapters change the output (the test above would pass with them
     # ignored only if they did nothing).
     base = reference.moe_ffn(x.detach().double(), ids, weights.detach().double(),
-                             layer.w1.double(), layer.w2.double())
+                             *(w.double().transpose(1, 2) if transposed else w.double()
+                               for w in (layer.w1, layer.w2)))
     assert rel_err(base, want_y) > 10 * tol
 
     # Bitwise reproducible.
@@ -72,6 +81,45 @@ def test_lora_matches_autograd(dtype, targets):
         p.grad = None
     y2 = layer(x.detach(), ids, weights.detach())
     assert torch.equal(y2, y.detach())
+
+
+def test_transposed_weights_compute_the_same_layer():
+    """weights_transposed=True draws the same weights, transposed, and gives
+    the same outputs, gradients and merged weights as the [E, H, 2I] layout
+    (within fp32 rounding: the GEMMs read their operands in another order);
+    a checkpoint of one layout is refused by the other; trained base
+    weights and tp > 1 are refused."""
+    torch.manual_seed(7)
+    plain = moec_torch.MoeFFN(config(), ranks=2, threads=2, lora_rank=4, lora_alpha=8)
+    torch.manual_seed(7)
+    swapped = moec_torch.MoeFFN(config(), ranks=2, threads=2, lora_rank=4, lora_alpha=8,
+                                weights_transposed=True)
+    assert swapped.info()["weights_transposed"] and not plain.info()["weights_transposed"]
+    assert torch.equal(swapped.w1, plain.w1.transpose(1, 2))
+    assert torch.equal(swapped.w2, plain.w2.transpose(1, 2))
+    for a, b in zip(plain.projections(), swapped.projections()):
+        assert torch.equal(a, b)
+    randomize_adapters(plain, seed=4)
+    randomize_adapters(swapped, seed=4)
+    x, ids, weights, dy = inputs(plain, seed=5)
+    ys = []
+    for layer in (plain, swapped):
+        xi = x.clone().requires_grad_()
+        y = layer(xi, ids, weights)
+        y.backward(dy)
+        ys.append((y.detach(), xi.grad, [p.grad for p in layer.adapters()]))
+    (y0, dx0, da0), (y1, dx1, da1) = ys
+    assert rel_err(y1, y0.double()) < FP32_TOL and rel_err(dx1, dx0.double()) < FP32_TOL
+    for a, b in zip(da1, da0):
+        assert rel_err(a, b.double()) < FP32_TOL
+    for a, b in zip(swapped.merged_weights(), plain.merged_weights()):
+        assert torch.equal(a, b.transpose(1, 2))
+    with pytest.raises(ValueError, match="weights_transposed"):
+        plain.load_state_dict(swapped.state_dict())
+    with pytest.raises(ValueError, match="frozen or LoRA layer"):
+        moec_torch.MoeFFN(config(), ranks=2, weights_transposed=True)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        moec_torch.MoeFFN(config(), ranks=2, tp=2, frozen=True, weights_transposed=True)
 
 
 def test_fresh_adapters_compute_the_base_layer_and_merge():

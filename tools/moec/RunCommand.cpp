@@ -63,6 +63,8 @@ const CommandSpec kRunSpec = {
     "inputs (.npy, float32 even for bf16 binaries; converted at the edges):\n"
     "  x [R,S,H]  topk_ids [R,S,K] (int32 or int64)  topk_weights [R,S,K]\n"
     "  w1 [E,H,2I]  w2 [E,I,H]  and dy [R,S,H] with a backward binary\n"
+    "  (a binary of the *_transposed graphs, whose weights are stored [E,2I,H] and\n"
+    "  [E,H,I], takes the same files and transposes them when it binds)\n"
     "outputs (.npy, float32): y [R,S,H]; with a backward binary also dx [R,S,H],\n"
     "  dtopk_weights [R,S,K], dw1 [E,H,2I], dw2 [E,I,H] (none for a frozen layer's\n"
     "  backward binary)\n"

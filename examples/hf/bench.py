@@ -4,6 +4,8 @@ the same model unpatched with PEFT's LoRA in plain PyTorch, same threads.
 
     bench.py [--layers 2] [--tokens 2048] [--threads 2] [--steps 3]   # step times, side by side
     bench.py --memory                                                  # peak RSS of each, alone
+    bench.py --memory --layout fused      # moec's model with transformers v5's fused experts
+    bench.py --layouts                    # moec's model, per-expert modules against fused
 
 The model is moec_torch.hf_models' stand-in of Qwen3MoeForCausalLM (its MoE
 blocks are transformers v4's: the per-expert loop; attention simplified),
@@ -15,6 +17,11 @@ steps, the two variants alternating in one process. --memory runs each
 variant alone in a process of its own and reports its peak RSS once the
 model is made (and patched), and after two steps, beside the bytes of the
 model's parameters.
+
+--layout fused builds moec's model with transformers v5's fused experts
+(gate_up_proj [E, 2I, H], down_proj [E, H, I]), which the LoRA layer reads
+in place; the PyTorch variant keeps the per-expert modules PEFT's LoRA
+targets (the same weights and math).
 """
 
 import argparse
@@ -36,13 +43,14 @@ from moec_torch import hf_lora, hf_models  # noqa: E402
 TARGETS = r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)$"
 
 
-def make(args, variant):
+def make(args, variant, layout=None):
     torch.manual_seed(0)
     config = hf_models.config_from_dict(dict(
         model_type="qwen3_moe", vocab_size=args.vocab, hidden_size=2048,
         intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=args.layers,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128))
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        experts_layout=(layout or args.layout) if variant == "moec" else "modules"))
     torch.set_default_dtype(torch.bfloat16)  # made in bf16, as from_pretrained(torch_dtype=)
     try:
         model = hf_models.model_from_config(config)
@@ -82,7 +90,11 @@ def data(args):
 
 def side_by_side(args):
     ids, labels = data(args)
-    variants = {v: make(args, v) for v in ("moec", "pytorch")}
+    if args.layouts:
+        variants = {f"moec {layout}": make(args, "moec", layout)
+                    for layout in ("modules", "fused")}
+    else:
+        variants = {v: make(args, v) for v in ("moec", "pytorch")}
     times = {v: [] for v in variants}
     for i in range(args.steps + 2):
         for v, (model, opt) in variants.items():
@@ -92,12 +104,16 @@ def side_by_side(args):
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), "?")
     print(f"{cpu}, {os.cpu_count()} cores; threads {args.threads}; {args.layers} layers, "
-          f"{args.tokens} tokens, bf16, LoRA r 16 on 128 experts x 3 projections a layer")
+          f"{args.tokens} tokens, bf16, LoRA r 16 on 128 experts x 3 projections a layer; "
+          f"moec's experts {'modules, fused' if args.layouts else args.layout}")
     med = {v: statistics.median(t) for v, t in times.items()}
     for v, t in times.items():
-        print(f"{v:8s} step {med[v]:.3f} s  (median of {len(t)}: "
+        print(f"{v:12s} step {med[v]:.3f} s  (median of {len(t)}: "
               f"{', '.join(f'{x:.3f}' for x in t)})")
-    print(f"speed-up: {med['pytorch'] / med['moec']:.2f}x")
+    if args.layouts:
+        print(f"fused / modules: {med['moec fused'] / med['moec modules']:.3f}")
+    else:
+        print(f"speed-up: {med['pytorch'] / med['moec']:.2f}x")
 
 
 def peak_rss():
@@ -115,6 +131,7 @@ def alone(args):
 
 
 def memory(args):
+    print(f"moec's experts: {args.layout}")
     print(f"{'variant':8s} {'peak RSS made, GB':>18s} {'after 2 steps, GB':>18s} "
           f"{'parameters, GB':>15s}")
     for v in ("moec", "pytorch"):
@@ -134,6 +151,10 @@ def main():
     p.add_argument("--ranks", type=int, default=2, help="moec's in-process EP ranks")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--memory", action="store_true")
+    p.add_argument("--layout", choices=["modules", "fused"], default="modules",
+                   help="moec's model's experts: per-expert modules (v4) or fused (v5)")
+    p.add_argument("--layouts", action="store_true",
+                   help="time moec's model with both layouts instead of against PyTorch")
     p.add_argument("--variant", choices=["moec", "pytorch"], help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -80,6 +80,7 @@ def load_model(args, lora=True):
     """The stand-in model from the checkpoint's config, its experts on the meta
     device, patched, filled from the checkpoint."""
     config = hf_models.config_from_pretrained(args.dir / "ckpt")
+    config.experts_layout = args.layout
     model = hf_models.model_from_config(config).to(args.torch_dtype)
     for _, block, _ in mhf.find_blocks(model):
         block.experts.to(device="meta")
@@ -197,6 +198,10 @@ def main():
     p.add_argument("--batch", type=int, default=6, help="sequences per step")
     p.add_argument("--seq", type=int, default=11, help="tokens per sequence")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--layout", choices=["modules", "fused"], default="modules",
+                   help="the patched model's experts: per-expert modules (transformers v4) "
+                        "or fused gate_up_proj/down_proj (v5, which the LoRA layer reads "
+                        "in place)")
     p.add_argument("--shard-bytes", type=int, default=200_000,
                    help="largest safetensors shard of the checkpoints")
     p.add_argument("--seed", type=int, default=0)

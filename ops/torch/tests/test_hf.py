@@ -589,12 +589,14 @@ def run_example(command, work, *args, launcher=()):
                           timeout=300, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
 
 
-def test_the_example_end_to_end(tmp_path):
+@pytest.mark.parametrize("layout", ["modules", "fused"])
+def test_the_example_end_to_end(tmp_path, layout):
     """examples/hf/finetune.py: checkpoint, patched fine-tune beside PEFT's
     LoRA (the same losses), adapters reloaded in a fresh process (the same
-    logits), the merged checkpoint in the unpatched model."""
+    logits), the merged checkpoint in the unpatched model; with the patched
+    model's experts as per-expert modules, and fused (read in place)."""
     for command in ("make-checkpoint", "train", "check"):
-        out = run_example(command, tmp_path)
+        out = run_example(command, tmp_path, "--layout", layout)
         assert out.returncode == 0, out.stdout + out.stderr
         if command == "train":
             rows = [line.split() for line in out.stdout.splitlines()

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the graphs of a layer whose base weights are stored transposed.
+"""Writes the graphs of a layer whose base weights are stored transposed,
+and their FP8 forms.
 
 Hugging Face's fused experts (transformers v5) keep each expert's weights as
 `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`: the matrices of moec's
@@ -12,6 +13,13 @@ gradients have such a form (frozen and LoRA layers):
   moe_ffn_fwd.json        -> moe_ffn_fwd_transposed.json
   moe_ffn_bwd_frozen.json -> moe_ffn_bwd_frozen_transposed.json
   moe_ffn_{fwd,bwd}_lora{,_w1,_w2}.json -> ..._transposed.json
+
+and, from each, `..._transposed_fp8.json`: the base weights stored as FP8
+e4m3 codes in that layout, each with an fp32 scale per 128 x 128 block
+(`<weight>_scale [L, d1 / 128, d2 / 128]`, the fourth input of its GMMs):
+DeepSeek-V3's `weight` and `weight_scale_inv`, as checkpoints ship them
+([out, in], which is the transposed layout). Their sizes (H, and I of a
+rank) must be multiples of 128, as in every model that ships FP8 blocks.
 
     python3 graphs/transpose_weights.py          # writes them beside this file
     python3 graphs/transpose_weights.py --check  # exits 1 where one differs
@@ -48,6 +56,31 @@ def transposed(graph):
     return graph
 
 
+def fp8(graph):
+    """The transposed graph with its base weights as FP8 codes and scales."""
+    tensors = {t["name"]: t for t in graph["tensors"]}
+    position = 1 + max(t.get("param_position", -1) for t in graph["tensors"])
+    scales = {}
+    for op in graph["ops"]:
+        if op["op"] != "gmm" or op["name"] not in BASE_GMMS:
+            continue
+        name = op["inputs"][1]
+        weight = tensors[name]
+        if name not in scales:
+            weight["dtype"] = "fp8_e4m3"
+            scale = {"name": f"{name}_scale",
+                     "shape": [weight["shape"][0]] + [f"({d}) / 128" for d in weight["shape"][1:]],
+                     "dtype": "fp32", "param_position": position, "list": True}
+            position += 1
+            graph["tensors"].append(scale)
+            scales[name] = scale["name"]
+        if len(op["inputs"]) != 3:
+            raise ValueError(f"gmm '{op['name']}' has {len(op['inputs'])} inputs; expected 3")
+        op["inputs"].append(scales[name])
+    graph["name"] += "_fp8"
+    return graph
+
+
 def text(graph):
     return json.dumps(graph, indent=2) + "\n"
 
@@ -60,19 +93,21 @@ def main():
     args = parser.parse_args()
     stale = []
     for name in SOURCES:
-        source = json.loads((args.dir / f"{name}.json").read_text())
-        want = text(transposed(source))
-        path = args.dir / f"{name}_transposed.json"
-        if args.check:
-            if not path.exists() or path.read_text() != want:
-                stale.append(path.name)
-        else:
-            path.write_text(want)
+        made = transposed(json.loads((args.dir / f"{name}.json").read_text()))
+        outputs = {f"{name}_transposed.json": text(made)}
+        outputs[f"{name}_transposed_fp8.json"] = text(fp8(made))
+        for file, want in outputs.items():
+            path = args.dir / file
+            if args.check:
+                if not path.exists() or path.read_text() != want:
+                    stale.append(path.name)
+            else:
+                path.write_text(want)
     if stale:
         print(f"stale: {', '.join(stale)}; run python3 graphs/transpose_weights.py",
               file=sys.stderr)
         return 1
-    print(f"{len(SOURCES)} transposed graphs {'up to date' if args.check else 'written'}")
+    print(f"{2 * len(SOURCES)} graphs {'up to date' if args.check else 'written'}")
     return 0
 
 

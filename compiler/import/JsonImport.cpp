@@ -295,7 +295,8 @@ LogicalResult Importer::importOp(const json &o, unsigned index) {
   // Inputs and output.
   if (!o["inputs"].is_array())
     return error(loc) << what << ": 'inputs' must be an array of tensor names";
-  // A gmm takes an optional fourth input: the addend.
+  // A gmm takes an optional fourth input: the addend (or, when its weight is
+  // FP8 e4m3, the weight's block scales).
   const bool addend = kind == "gmm" && o["inputs"].size() == kindIt->second + 1;
   if (o["inputs"].size() != kindIt->second && !addend)
     return error(loc) << what << ": a " << kind << " op takes " << kindIt->second

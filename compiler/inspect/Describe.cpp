@@ -71,6 +71,8 @@ std::vector<std::string> tilingFlagNames(const TilingRecord &t) {
     names.push_back(fmt::format("scale={}", t.scale));
   if (t.flags & kTilingShareRows)
     names.push_back("share_rows");
+  if (t.flags & kTilingBlockScaledB)
+    names.push_back("fp8_block128_b");
   return names;
 }
 
@@ -205,12 +207,18 @@ std::string computesText(const TaskProgram &p) {
   int adapters = 0;
   for (const format::OpRecord &op : p.ops) {
     const format::TilingRecord &t = p.tilings[op.tiling];
-    if (op.kind == OpKind::Gmm && t.depth != 0 && t.inputCount == 4) {
+    if (op.kind == OpKind::Gmm && t.depth != 0 && t.inputCount == 4 &&
+        !(t.flags & kTilingBlockScaledB)) {
       ++adapters;
       lora = fmt::format(" with LoRA adapters on {} projection{} (rank {})", adapters,
                          adapters == 1 ? "" : "s", t.depth);
     }
   }
+  for (const format::OpRecord &op : p.ops)
+    if (p.tilings[op.tiling].flags & kTilingBlockScaledB) {
+      lora += " (frozen FP8 weights, fp32 scales per 128 x 128 block)";
+      break;
+    }
   if (!p.isBackward())
     return "the layer's forward pass" + lora;
   std::vector<std::string> wgrad;

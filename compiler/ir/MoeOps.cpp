@@ -545,11 +545,42 @@ LogicalResult GmmOp::verify() {
     return failure();
   Checker c(*this);
   Value lhs = getLhs(), rhs = getRhs(), groups = getGroupList(), result = getResult();
+  // A frozen weight stored as FP8 e4m3 codes: its fourth operand is the
+  // codes' fp32 scales, one per 128 x 128 block (not an addend).
+  const bool blockScaled = isFp8(rhs.getType().cast<MoeTensorType>().getElementType());
   if (failed(c.rank("group_list", groups, 1)) ||
       failed(c.elementType("group_list", groups, isIndexType, "i32 or i64")) ||
       failed(c.rank("lhs", lhs, 2)) || failed(c.elementType("lhs", lhs, isDataType, kDataTypes)) ||
-      failed(c.sameElementType("lhs", lhs, "rhs", rhs)))
+      (!blockScaled && failed(c.sameElementType("lhs", lhs, "rhs", rhs))))
     return failure();
+  if (isFp8(result.getType().cast<MoeTensorType>().getElementType()))
+    return c.error() << c.describe("result", result)
+                     << " is f8E4M3FN: an FP8 weight is frozen, no gmm writes one";
+  if (blockScaled) {
+    if (rhs.getType().cast<MoeTensorType>().getRank() != 3)
+      return c.error() << c.describe("rhs", rhs)
+                       << " is f8E4M3FN: FP8 weights are expert weights (rank 3), read by the "
+                          "activation form";
+    Value scales = getAddend();
+    if (!scales)
+      return c.error() << c.describe("rhs", rhs)
+                       << " is f8E4M3FN and the gmm has no fourth operand: FP8 weights need "
+                          "their fp32 scales, one per 128 x 128 block";
+    if (getScaleAttr())
+      return c.error() << "an FP8 weight's gmm takes no scale attribute";
+    const auto blocks = [&](unsigned i) {
+      std::string error;
+      return *Expr::parse("(" + dimExpr(rhs.getType().cast<MoeTensorType>(), i).text() +
+                              ") / 128",
+                          &error);
+    };
+    if (failed(c.rank("scales", scales, 3)) ||
+        failed(c.elementType("scales", scales, [](Type t) { return t.isF32(); }, "f32")) ||
+        failed(c.dimsEqual("scales", scales, 0, "rhs", rhs, 0)) ||
+        failed(c.dimIs("scales", scales, 1, blocks(1), "the 128-row blocks of rhs")) ||
+        failed(c.dimIs("scales", scales, 2, blocks(2), "the 128-column blocks of rhs")))
+      return failure();
+  }
   if (Attribute scale = getScaleAttr()) {
     auto text = scale.dyn_cast<StringAttr>();
     auto number = scale.dyn_cast<FloatAttr>();
@@ -571,7 +602,7 @@ LogicalResult GmmOp::verify() {
                        << c.describe("rhs", rhs) << " has rank 3";
     if (getAccumulate())
       return c.error() << "accumulate needs the weight-gradient form (a rank-2 rhs)";
-    if (Value addend = getAddend())
+    if (Value addend = blockScaled ? Value() : getAddend())
       if (failed(c.rank("addend", addend, 2)) ||
           failed(c.sameElementType("addend", addend, "result", result)) ||
           failed(c.dimsEqual("addend", addend, 0, "result", result, 0)) ||

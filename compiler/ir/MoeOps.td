@@ -207,6 +207,12 @@ def Moe_GmmOp : Moe_TaskOp<"gmm", "GMM", 1, 1> {
     output). `scale` multiplies the product: a number, or "lora_scaling"
     (lora_alpha / lora_rank of the config, bound by moe-resolve-shapes).
 
+    A frozen weight may be stored as FP8 e4m3 codes (`rhs` f8E4M3FN, rank
+    3): the fourth operand is then not an addend but its fp32 scales, one
+    per 128 x 128 block of `rhs` as stored, `[G, d1 / 128, d2 / 128]`
+    (DeepSeek-V3's `weight_scale_inv`; d1 and d2 multiples of 128); the
+    weight's value is code x scale. No gmm may write an FP8 tensor.
+
     `group_list[G]` (i64) holds the per-expert row counts. Fill config:
     `offset_inputs`, `rank_in_event`, `global_trigger`, `out_offset`,
     `advance` ("cube", "cube_only", "cube_custom"), `event_delta`,

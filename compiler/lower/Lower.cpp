@@ -210,6 +210,8 @@ private:
         t.flags |= kTilingTransposeB;
       if (gmm.getAccumulate())
         t.flags |= kTilingAccumulate;
+      if (typeOf(gmm.getRhs()).getElementType().isa<Float8E4M3FNType>())
+        t.flags |= kTilingBlockScaledB;
       if (Attribute scale = gmm.getScaleAttr()) {
         auto number = scale.dyn_cast<FloatAttr>();
         if (!number)

@@ -25,7 +25,8 @@ struct VerifyGraphPass : moec::moe::impl::VerifyGraphBase<VerifyGraphPass> {
       return success();
     const bool layer = !graph.getBlock().getOps<GmmOp>().empty();
     for (GmmOp gmm : graph.getBlock().getOps<GmmOp>())
-      if (gmm.getAddend())
+      if (gmm.getAddend() &&
+          !gmm.getRhs().getType().cast<MoeTensorType>().getElementType().isa<Float8E4M3FNType>())
         return gmm.emitError()
                << "'" << gmm.getOpName() << "' adds a LoRA adapter's product, and the config's tp is "
                << tp.getInt()

@@ -509,6 +509,10 @@ private:
       if ((tiling.flags & kTilingReduceTp) && tiling.opKind != OpKind::Combine)
         return Status::error(fmt::format("{}: a {} reduces over TP; only a combine can", what,
                                          opKindName(tiling.opKind)));
+      if ((tiling.flags & kTilingBlockScaledB) &&
+          (tiling.opKind != OpKind::Gmm || tiling.depth == 0 || tiling.inputCount != 4))
+        return Status::error(fmt::format(
+            "{}: block-scaled weights need an activation GMM with their scales as input 3", what));
       if ((tiling.flags & kTilingShareRows) && tiling.opKind == OpKind::Gmm && tiling.depth == 0)
         return Status::error(
             fmt::format("{}: a weight-gradient GMM tiles its result; it shares out no rows", what));

@@ -119,8 +119,13 @@ enum TilingFlag : uint8_t {
   /// tile gets its share whatever the routing; `rows` stays the bound.
   /// Not on a weight-gradient GMM, which tiles its result (see tileRows()).
   kTilingShareRows = 1u << 5,
+  /// An activation GMM whose weight B is FP8 e4m3 codes with one fp32 scale
+  /// per 128 x 128 block of B as stored (DeepSeek-V3's weight and
+  /// weight_scale_inv): input 3 is the scales, [G, ceil(rows / 128),
+  /// ceil(cols / 128)] of B's [G, rows, cols], and B's value is code x scale.
+  kTilingBlockScaledB = 1u << 6,
   kKnownTilingFlags = kTilingTransposeA | kTilingTransposeB | kTilingAccumulate | kTilingScale |
-                      kTilingReduceTp | kTilingShareRows,
+                      kTilingReduceTp | kTilingShareRows | kTilingBlockScaledB,
 };
 
 /// The kind of a section; each kind appears exactly once in a version-1 file.

@@ -348,3 +348,47 @@ moe.graph "g" {
   // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' must have rank 3 (expert weights) or rank 2 (weight-gradient form), got 1}}
   %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[hidden_size], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
 }
+
+// -----
+
+// FP8 e4m3 weights: the fourth operand is their fp32 block scales.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], f8E4M3FN>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' is f8E4M3FN and the gmm has no fourth operand: FP8 weights need their fp32 scales, one per 128 x 128 block}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], f8E4M3FN>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], f8E4M3FN>
+  %s = moe.input "s" : !moe.tensor<[2, 2, 8], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: scales 's' dim 2 is '8' but the 128-column blocks of rhs is '(512) / 128'}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], f8E4M3FN>, !moe.tensor<[2], i64>, !moe.tensor<[2, 2, 8], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], f8E4M3FN>
+  %s = moe.input "s" : !moe.tensor<[single_rank_expert_num, "(2 * intermediate_size) / 128", "hidden_size / 128"], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' must have element type f32, got bf16}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], f8E4M3FN>, !moe.tensor<[single_rank_expert_num], i64>, !moe.tensor<[single_rank_expert_num, "(2 * intermediate_size) / 128", "hidden_size / 128"], bf16>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// -----
+
+// No gmm writes an FP8 weight (a weight gradient into a quantized weight).
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %dy = moe.input "dy" : !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': result 'dw' is f8E4M3FN: an FP8 weight is frozen, no gmm writes one}}
+  %dw = moe.gmm "m"(%x, %dy, %gl) -> "dw" {transpose_lhs, split = #moe.split<inputs = [1:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], f8E4M3FN>
+}

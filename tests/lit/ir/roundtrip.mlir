@@ -29,3 +29,14 @@ moe.graph "roundtrip" attributes {edges = [["dispatch", "up"]]} {
   // CHECK-SAME: transpose_lhs
   %dw = moe.gmm "wgrad"(%x, %y, %g) -> "dw" {accumulate, transpose_lhs, split = #moe.split<inputs = [1:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act, list>, !moe.tensor<[per_rank_seq, "intermediate_size * 2"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, "2*intermediate_size"], act>
 }
+
+// FP8 e4m3 weights with their fp32 block scales as the fourth operand.
+// CHECK-LABEL: moe.graph "fp8"
+moe.graph "fp8" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], f8E4M3FN>
+  %s = moe.input "s" : !moe.tensor<[single_rank_expert_num, "(2 * intermediate_size) / 128", "(hidden_size) / 128"], f32>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // CHECK: moe.gmm "m"(%{{.*}}, %{{.*}}, %{{.*}}, %{{.*}})
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], f8E4M3FN>, !moe.tensor<[single_rank_expert_num], i64>, !moe.tensor<[single_rank_expert_num, "(2 * intermediate_size) / 128", "(hidden_size) / 128"], f32>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}

@@ -17,6 +17,20 @@
 
 namespace moec {
 
+/// How a layer's base weights w1 and w2 are stored.
+enum class WeightFormat : uint8_t {
+  /// Values of the activations' dtype.
+  Dense = 0,
+  /// FP8 e4m3 codes with an fp32 scale per 128 x 128 block of each expert's
+  /// matrix as stored (runtime/cpu/Fp8.h; frozen weights only).
+  Fp8Block128 = 1,
+};
+
+/// "dense" or "fp8_block128".
+inline const char *weightFormatName(WeightFormat f) {
+  return f == WeightFormat::Fp8Block128 ? "fp8_block128" : "dense";
+}
+
 /// The sizes and capacities of a compiled layer, read from its binary.
 struct LayerShape {
   bool backward = false;        ///< a backward pass
@@ -55,6 +69,14 @@ struct LayerShape {
   /// GMMs read them transposed and the backward ones as they are; only a
   /// layer without base weight gradients (frozen, or LoRA) has it.
   bool weightsTransposed = false;
+  /// The base weights' storage; a format other than Dense has scales
+  /// (w1_scale, w2_scale) and no gradients.
+  WeightFormat weightFormat = WeightFormat::Dense;
+  /// The dims of one rank's scales of w1 (or w2) as stored:
+  /// [L, ceil(d1 / 128), ceil(d2 / 128)] of its [L, d1, d2].
+  static std::array<int64_t, 3> blockScaleDims(const std::array<int64_t, 3> &w) {
+    return {w[0], (w[1] + 127) / 128, (w[2] + 127) / 128};
+  }
 
   /// P = R / T, the EP ranks.
   uint32_t epRanks() const { return ranks / tp; }

@@ -129,12 +129,14 @@ enum Binding : uint32_t {
   kX, kW1, kW2, kY, kDy, kDx, kDtopk, kDw1, kDw2,
   // LoRA adapters, per target t (0: w1, 1: w2): A, B, and their gradients.
   kLoraA1, kLoraB1, kLoraA2, kLoraB2, kDLoraA1, kDLoraB1, kDLoraA2, kDLoraB2,
+  // The block scales of FP8 base weights (LayerShape::weightFormat).
+  kW1Scale, kW2Scale,
   kBindingCount
 };
 constexpr const char *kBindingNames[kBindingCount] = {
     "x",       "w1",      "w2",      "y",        "dy",       "dx",       "dtopk_weights",
     "dw1",     "dw2",     "lora_a1", "lora_b1",  "lora_a2",  "lora_b2",  "dlora_a1",
-    "dlora_b1", "dlora_a2", "dlora_b2"};
+    "dlora_b1", "dlora_a2", "dlora_b2", "w1_scale", "w2_scale"};
 
 bool isAdapterGrad(Binding b) { return b >= kDLoraA1 && b <= kDLoraB2; }
 bool isAdapter(Binding b) { return b >= kLoraA1 && b <= kDLoraB2; }
@@ -143,8 +145,10 @@ int adapterTarget(Binding b) { return ((b - kLoraA1) / 2) % 2; }
 
 /// The dtype a binding must have.
 DType bindingDType(Binding b, const LayerShape &fwd, const LayerShape *bwd) {
-  if (b == kDtopk)
+  if (b == kDtopk || b == kW1Scale || b == kW2Scale)
     return DType::F32;
+  if ((b == kW1 || b == kW2) && fwd.weightFormat == WeightFormat::Fp8Block128)
+    return DType::F8E4M3;
   if (b == kDw1 || b == kDw2 || isAdapterGrad(b))
     return bwd ? bwd->weightGrads : DType::F32;
   return fwd.activations;
@@ -347,6 +351,12 @@ Status Context::Impl::forward() {
     for (const AdapterBinding &a : adapterBindings(s, fwd->plan(), false))
       if (Status st = checkBinding(r, a.binding, a.dims); !st)
         return st;
+    if (s.weightFormat != WeightFormat::Dense)
+      for (const auto &[b, dims] :
+           {std::pair{kW1Scale, LayerShape::blockScaleDims(w1)},
+            std::pair{kW2Scale, LayerShape::blockScaleDims(w2)}})
+        if (Status st = checkBinding(r, b, {dims.begin(), dims.end()}); !st)
+          return st;
     return Status::success();
   };
   // Every check passes on every rank before state and outputs change.
@@ -362,6 +372,10 @@ Status Context::Impl::forward() {
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
     pass.bindSlot(r, plan.w1, bound[r][kW1].data);
     pass.bindSlot(r, plan.w2, bound[r][kW2].data);
+    if (plan.w1Scale != kNoSlot) {
+      pass.bindSlot(r, plan.w1Scale, bound[r][kW1Scale].data);
+      pass.bindSlot(r, plan.w2Scale, bound[r][kW2Scale].data);
+    }
     for (const AdapterBinding &a : adapterBindings(s, plan, false))
       pass.bindSlot(r, a.slot, bound[r][a.binding].data);
     x[r] = bound[r][kX].data;
@@ -425,6 +439,12 @@ Status Context::Impl::backward() {
       for (const AdapterBinding &a : adapterBindings(s, bwd->plan(), gradients))
         if (st && !(st = checkBinding(r, a.binding, a.dims)))
           break;
+    if (s.weightFormat != WeightFormat::Dense)
+      for (const auto &[b, dims] :
+           {std::pair{kW1Scale, LayerShape::blockScaleDims(w1)},
+            std::pair{kW2Scale, LayerShape::blockScaleDims(w2)}})
+        if (st && !(st = checkBinding(r, b, {dims.begin(), dims.end()})))
+          break;
     local.push_back(st);
   }
   if (Status st = agree(local, nullptr); !st)
@@ -442,6 +462,10 @@ Status Context::Impl::backward() {
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
     pass.bindSlot(r, plan.w1, bound[r][kW1].data);
     pass.bindSlot(r, plan.w2, bound[r][kW2].data);
+    if (plan.w1Scale != kNoSlot) {
+      pass.bindSlot(r, plan.w1Scale, bound[r][kW1Scale].data);
+      pass.bindSlot(r, plan.w2Scale, bound[r][kW2Scale].data);
+    }
     pass.bindSlot(r, plan.upOut, fwd->slot(r, saved.upOut));
     if (!frozen) {
       pass.bindSlot(r, plan.dw1, bound[r][kDw1].data);
@@ -644,6 +668,10 @@ Status Context::bind(uint32_t rank, std::string_view name, const Tensor &tensor)
   if (backwardOnly && !body->bwd)
     return Status::error(fmt::format("rank {}: '{}' is a backward tensor, and this context has "
                                      "no backward program",
+                                     rank, name));
+  if ((b == kW1Scale || b == kW2Scale) && shape().weightFormat == WeightFormat::Dense)
+    return Status::error(fmt::format("rank {}: '{}' is the block scales of FP8 weights, and "
+                                     "this context's weights are dense",
                                      rank, name));
   if ((b == kDw1 || b == kDw2) && body->bwd->plan().shape.frozen)
     return Status::error(fmt::format("rank {}: '{}' is a weight gradient, and this context's "

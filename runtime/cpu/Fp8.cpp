@@ -221,4 +221,57 @@ void dequantizeRows(const uint8_t *src, int64_t srcLd, void *dst, DType elt, int
   }
 }
 
+void quantizeBlocks(const float *src, int64_t srcLd, int64_t rows, int64_t cols, uint8_t *codes,
+                    float *scales) {
+  const int64_t B = kFp8WeightBlock, colBlocks = (cols + B - 1) / B;
+  for (int64_t bi = 0; bi * B < rows; ++bi)
+    for (int64_t bj = 0; bj < colBlocks; ++bj) {
+      const int64_t r0 = bi * B, r1 = std::min(rows, r0 + B);
+      const int64_t c0 = bj * B, c1 = std::min(cols, c0 + B);
+      float amax = 0;
+      bool finite = true;
+      for (int64_t i = r0; i < r1; ++i)
+        for (int64_t j = c0; j < c1; ++j) {
+          const float v = src[i * srcLd + j];
+          finite = finite && std::isfinite(v);
+          amax = std::max(amax, std::fabs(v));
+        }
+      const float scale = !finite     ? std::numeric_limits<float>::quiet_NaN()
+                          : amax > 0 ? amax / kFp8Max
+                                     : 1.0f;
+      scales[bi * colBlocks + bj] = scale;
+      for (int64_t i = r0; i < r1; ++i)
+        for (int64_t j = c0; j < c1; ++j)
+          codes[i * cols + j] = floatToE4m3(src[i * srcLd + j] / scale);
+    }
+}
+
+void dequantizeBlocks(const uint8_t *codes, const float *scales, int64_t cols, int64_t rowBegin,
+                      int64_t rowEnd, int64_t colBegin, int64_t colEnd, void *dst, DType elt,
+                      int64_t dstLd) {
+  const std::array<float, 256> &table = decoded();
+  const bool avx2 = cpuHasAvx2();
+  const int64_t B = kFp8WeightBlock, colBlocks = (cols + B - 1) / B;
+  float values[kFp8WeightBlock];
+  for (int64_t i = rowBegin; i < rowEnd; ++i) {
+    const uint8_t *row = codes + i * cols;
+    const float *rowScales = scales + (i / B) * colBlocks;
+    char *out = static_cast<char *>(dst) + size_t((i - rowBegin) * dstLd) * dtypeSize(elt);
+    // Runs of columns within one block: one scale each.
+    for (int64_t j0 = colBegin; j0 < colEnd;) {
+      const int64_t j1 = std::min(colEnd, (j0 / B + 1) * B), n = j1 - j0;
+      const float scale = rowScales[j0 / B];
+      int64_t j = 0;
+#ifdef MOEC_FP8_AVX2
+      if (avx2)
+        j = decodeAvx2(row + j0, n, scale, table.data(), values);
+#endif
+      for (; j < n; ++j)
+        values[j] = table[row[j0 + j]] * scale;
+      storeFloats(values, out + size_t(j0 - colBegin) * dtypeSize(elt), elt, size_t(n));
+      j0 = j1;
+    }
+  }
+}
+
 } // namespace moec::cpu

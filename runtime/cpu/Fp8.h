@@ -49,6 +49,29 @@ void quantizeRows(const void *src, DType elt, int64_t srcLd, uint8_t *dst, int64
 void dequantizeRows(const uint8_t *src, int64_t srcLd, void *dst, DType elt, int64_t dstLd,
                     int64_t rowBegin, int64_t rowEnd, int64_t cols);
 
+/// FP8 weights in 128 x 128 blocks (DeepSeek-V3's `weight` and
+/// `weight_scale_inv`): a [rows, cols] matrix is e4m3 codes [rows, cols]
+/// and fp32 scales [ceil(rows / 128), ceil(cols / 128)], and value (i, j) is
+/// code(i, j) x scale(i / 128, j / 128). A block's scale is amax / 448 as
+/// for rows (1 for a block of zeros, NaN for one that holds a NaN or an
+/// infinity).
+constexpr int64_t kFp8WeightBlock = 128;
+
+/// Quantizes the fp32 matrix `src` [rows, cols] (row stride srcLd) into
+/// `codes` [rows, cols] (contiguous) and `scales` [ceil(rows / 128),
+/// ceil(cols / 128)] (contiguous).
+void quantizeBlocks(const float *src, int64_t srcLd, int64_t rows, int64_t cols, uint8_t *codes,
+                    float *scales);
+
+/// Rows [rowBegin, rowEnd) and columns [colBegin, colEnd) of a block-scaled
+/// FP8 matrix [rows, cols] (codes contiguous, scales as quantizeBlocks
+/// writes them) as values of type `elt` (F32 or BF16; code x scale rounded
+/// once) into `dst`, row i, column j at (i - rowBegin) * dstLd + (j -
+/// colBegin).
+void dequantizeBlocks(const uint8_t *codes, const float *scales, int64_t cols, int64_t rowBegin,
+                      int64_t rowEnd, int64_t colBegin, int64_t colEnd, void *dst, DType elt,
+                      int64_t dstLd);
+
 } // namespace moec::cpu
 
 #endif // MOEC_RUNTIME_CPU_FP8_H

@@ -67,6 +67,8 @@ struct Pass::OpInfo {
   bool wgrad = false, transposeB = false, accumulate = false;
   float scale = 1.0f;                ///< the product's factor (activation form)
   uint32_t addend = format::kNone;   ///< the slot added to an activation-form product
+  /// The block scales of an FP8 weight B (kTilingBlockScaledB), or kNone.
+  uint32_t weightScales = format::kNone;
   int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
 };
 
@@ -82,6 +84,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
   pass->layer = &plan;
   pass->options = options;
   pass->scratch = scratch;
+  pass->weightScratch = std::make_unique<Scratch[]>(scratch->size());
   pass->team = std::make_unique<exec::ThreadTeam>(options.workers);
   for (const format::OpRecord &op : program.ops) {
     OpInfo info;
@@ -93,7 +96,8 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
     if (info.tiling->flags & format::kTilingScale)
       info.scale = info.tiling->scale;
     if (op.kind == OpKind::Gmm && !info.wgrad && info.tiling->inputCount == 4)
-      info.addend = info.tiling->inputSlots[3];
+      (info.tiling->flags & format::kTilingBlockScaledB ? info.weightScales : info.addend) =
+          info.tiling->inputSlots[3];
     const format::SlotRecord &w =
         program.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
     if (op.kind == OpKind::Gmm)
@@ -453,6 +457,27 @@ Status Pass::runPut(const OpInfo &op, uint32_t opIndex, uint32_t rank,
   return Status::success();
 }
 
+const void *Pass::dequantizeWeightTile(const OpInfo &op, uint32_t rank, uint32_t expert,
+                                       Range cols, DType elt, uint32_t worker) {
+  const TaskProgram &tasks = *program;
+  const uint32_t b = op.tiling->inputSlots[1];
+  const int64_t d1 = int64_t(tasks.slots[b].dims[1]), d2 = int64_t(tasks.slots[b].dims[2]);
+  const int64_t blocks = ((d1 + kFp8WeightBlock - 1) / kFp8WeightBlock) *
+                         ((d2 + kFp8WeightBlock - 1) / kFp8WeightBlock);
+  const uint8_t *codes = static_cast<const uint8_t *>(data[rank][b]) + op.expertStride * expert;
+  const float *scales = static_cast<const float *>(data[rank][op.weightScales]) + blocks * expert;
+  const int64_t n = cols.end - cols.begin;
+  // Transposed B is stored [N, K]: the tile's rows of it, all of K; else
+  // [K, N]: all of K, the tile's columns.
+  const size_t values = size_t(n * (op.transposeB ? d2 : d1));
+  void *buffer = weightScratch[worker].floats((values * dtypeSize(elt) + 3) / 4);
+  if (op.transposeB)
+    dequantizeBlocks(codes, scales, d2, cols.begin, cols.end, 0, d2, buffer, elt, d2);
+  else
+    dequantizeBlocks(codes, scales, d2, 0, d1, cols.begin, cols.end, buffer, elt, n);
+  return buffer;
+}
+
 Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
   const TaskProgram &tasks = *program;
   const uint32_t opIndex = tasks.tasks[task].op;
@@ -504,23 +529,38 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
   const uint32_t R = tasks.epRanks;
   const format::TileRowRuns runs = format::peerGroupRows(
       t, tile, tasks.epOf(rank), R, &sourceStarts[rank][size_t(tile.expert) * (R + 1)]);
+  const void *dequantized = nullptr; // an FP8 weight's part, once per tile
   for (uint32_t k = 0; k < runs.count; ++k) {
     const Range rows{int64_t(runs.runs[k].begin), int64_t(runs.runs[k].end)};
     const Range absolute{segBegin + rows.begin, segBegin + rows.end};
     switch (op.kind) {
     case OpKind::Gmm: {
-      const ConstMatrix bm{static_cast<const char *>(data[rank][b]) +
-                               op.expertStride * tile.expert * dtypeSize(dtype(b)),
-                           dtype(b), int64_t(t.ldb)};
+      ConstMatrix bm{static_cast<const char *>(data[rank][b]) +
+                         op.expertStride * tile.expert * dtypeSize(dtype(b)),
+                     dtype(b), int64_t(t.ldb)};
+      Matrix cm = out(c);
+      Range tileCols = cols;
+      if (op.weightScales != format::kNone) {
+        // FP8 codes with block scales: the part of the expert's B this tile
+        // reads, dequantized to the activations' dtype once per tile, which
+        // the GEMM then reads as a dense B of its own whose columns start at
+        // the tile's; C is addressed from the tile's first column.
+        if (!dequantized)
+          dequantized = dequantizeWeightTile(op, rank, tile.expert, cols, dtype(a), worker);
+        const int64_t n = cols.end - cols.begin;
+        bm = ConstMatrix{dequantized, dtype(a), op.transposeB ? int64_t(t.depth) : n};
+        cm.data = static_cast<char *>(cm.data) + size_t(cols.begin) * dtypeSize(dtype(c));
+        tileCols = Range{0, n};
+      }
       Epilogue epilogue;
       epilogue.scale = op.scale;
       if (op.addend != format::kNone)
         epilogue.addend = in(op.addend);
       if (op.transposeB)
-        gmmDgradTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch,
+        gmmDgradTile(in(a), bm, cm, int64_t(t.depth), segment, rows, tileCols, tileScratch,
                      epilogue);
       else
-        gmmForwardTile(in(a), bm, out(c), int64_t(t.depth), segment, rows, cols, tileScratch,
+        gmmForwardTile(in(a), bm, cm, int64_t(t.depth), segment, rows, tileCols, tileScratch,
                        epilogue);
       break;
     }

@@ -92,6 +92,10 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     return Status::error("the cuda backend has no FP8 dispatch (no quantize or dequantize "
                          "kernels); compile without \"dispatch_dtype\": \"fp8_e4m3\", or run "
                          "on the cpu backend");
+  if (plan.shape.weightFormat != WeightFormat::Dense)
+    return Status::error(fmt::format("the cuda backend does not take {} weights; run on the cpu "
+                                     "backend",
+                                     weightFormatName(plan.shape.weightFormat)));
   if (plan.shape.weightsTransposed)
     return Status::error("the cuda backend does not take base weights stored transposed "
                          "(w1 [L, 2I, H], w2 [L, H, I], the *_transposed graphs); compile the "

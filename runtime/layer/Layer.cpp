@@ -135,6 +135,11 @@ private:
     return op != kNoSlot && program.ops[op].kind == OpKind::Gmm && !isWgrad(op);
   }
 
+  /// A GMM whose weight is FP8 codes with block scales (input 3).
+  bool blockScaled(uint32_t op) const {
+    return tiling(op).flags & format::kTilingBlockScaledB;
+  }
+
   /// One projection of the layer (Y = X W, or dX = dY W^T): its base GMM
   /// and, with a LoRA adapter, the GMM of the rank-r product (U = s X A, or
   /// V = s dY B^T) and the GMM that adds the adapter's second product to the
@@ -152,7 +157,7 @@ private:
     if (!isActivationGmm(last))
       return notLayer(fmt::format("slot '{}' is not written by a gmm (the {})", slotName(result),
                                   role));
-    if (tiling(last).inputCount == 4) { // an adapter: Y = Y_base + U B
+    if (tiling(last).inputCount == 4 && !blockScaled(last)) { // an adapter: Y = Y_base + U B
       p->add = last;
       p->base = producer(in(last, 3));
       p->rankIn = producer(in(last, 0));
@@ -161,7 +166,8 @@ private:
       for (const auto &[op, input, what] : {std::tuple<uint32_t, uint32_t, const char *>{
                                                 p->base, 3, "base"},
                                             {p->rankIn, 0, "rank-r"}})
-        if (!isActivationGmm(op) || tiling(op).inputCount != 3 || in(op, 0) != lhs)
+        if (!isActivationGmm(op) || in(op, 0) != lhs ||
+            tiling(op).inputCount != (blockScaled(op) && op == p->base ? 4 : 3))
           return notLayer(fmt::format("{} reads '{}' (input {}), which is not written by the "
                                       "{} gmm of the {} reading '{}'",
                                       describe(last), slotName(in(last, input)), input, what,
@@ -273,6 +279,22 @@ private:
                                   describe(p1.base), readsW1T ? "" : "un", describe(p2.base),
                                   readsW2T ? "" : "un"));
     shape.weightsTransposed = bwd ? !readsW1T : readsW1T;
+    // Block-scaled FP8 base weights: both or neither, and only the base GMMs.
+    if (blockScaled(p1.base) != blockScaled(p2.base))
+      return notLayer(fmt::format("{} reads w1 {} and {} reads w2 {}; both base weights must "
+                                  "have one format",
+                                  describe(p1.base), blockScaled(p1.base) ? "as FP8" : "dense",
+                                  describe(p2.base), blockScaled(p2.base) ? "as FP8" : "dense"));
+    for (uint32_t i = 0; i < program.ops.size(); ++i)
+      if (program.ops[i].kind == OpKind::Gmm && blockScaled(i) && i != p1.base && i != p2.base)
+        return notLayer(fmt::format("{} reads an FP8 weight with block scales; only the base "
+                                    "projections' GMMs may",
+                                    describe(i)));
+    if (blockScaled(p1.base)) {
+      shape.weightFormat = WeightFormat::Fp8Block128;
+      plan.w1Scale = in(p1.base, 3);
+      plan.w2Scale = in(p2.base, 3);
+    }
     for (int t = 0; t < 2; ++t) {
       const Projection &p = t == 0 ? p1 : p2;
       if (!p.lora())
@@ -468,6 +490,11 @@ private:
       return Status::error(fmt::format("slot '{}' (w1) must be {}", slotName(plan.w1),
                                        shape.weightsTransposed ? "[L, 2I, H] (stored transposed)"
                                                                : "[L, H, 2I]"));
+    if (shape.weightFormat != WeightFormat::Dense && shape.backward && !shape.frozen)
+      return Status::error(fmt::format(
+          "slot '{}' (w1) is stored as {}, and this backward computes the base weights' "
+          "gradients: a layer with quantized weights must be frozen or LoRA (no dw1, dw2)",
+          slotName(plan.w1), weightFormatName(shape.weightFormat)));
     if (shape.weightsTransposed && shape.backward && !shape.frozen)
       return Status::error(fmt::format(
           "slot '{}' (w1) is stored transposed, and this backward computes the base weights' "
@@ -490,8 +517,6 @@ private:
     };
     std::vector<Expect> expects = {
         {plan.src, "rows to send", {N, H}},       {dispatchOut, "dispatched rows", {T, H}},
-        {plan.w1, "w1", {w1Dims.begin(), w1Dims.end()}},
-        {plan.w2, "w2", {w2Dims.begin(), w2Dims.end()}},
         {plan.upOut, "Y", {T, 2 * I}},            {in(plan.combineOp, 1), "rows to return", {T, H}},
         {plan.returned, "returned rows", {N, H}},
     };
@@ -535,6 +560,26 @@ private:
     for (const Expect &e : expects)
       if (Status s = expectShape(e.slot, e.role, e.dims, act); !s)
         return s;
+    // The base weights: the activations' dtype, or FP8 codes and their
+    // fp32 scales per 128 x 128 block.
+    const bool fp8 = shape.weightFormat == WeightFormat::Fp8Block128;
+    const DType weights = fp8 ? DType::F8E4M3 : act;
+    if (Status s = expectShape(plan.w1, "w1", {w1Dims.begin(), w1Dims.end()}, weights); !s)
+      return s;
+    if (Status s = expectShape(plan.w2, "w2", {w2Dims.begin(), w2Dims.end()}, weights); !s)
+      return s;
+    if (fp8) {
+      const std::array<int64_t, 3> s1 = LayerShape::blockScaleDims(w1Dims),
+                                   s2 = LayerShape::blockScaleDims(w2Dims);
+      if (Status s = expectShape(plan.w1Scale, "w1's block scales", {s1.begin(), s1.end()},
+                                 DType::F32);
+          !s)
+        return s;
+      if (Status s = expectShape(plan.w2Scale, "w2's block scales", {s2.begin(), s2.end()},
+                                 DType::F32);
+          !s)
+        return s;
+    }
     if (shape.fp8Dispatch) {
       const int64_t W = fp8RowBytes(H);
       if (Status s = expectShape(plan.srcFp8, "quantized rows to send", {N, W}, DType::F8E4M3); !s)
@@ -627,7 +672,7 @@ private:
           kind == OpKind::Gmm
               ? (isWgrad(op) ? format::kTilingTransposeA | format::kTilingAccumulate
                              : format::kTilingTransposeB | format::kTilingScale |
-                                   format::kTilingShareRows)
+                                   format::kTilingShareRows | format::kTilingBlockScaledB)
           : kind == OpKind::Combine ? format::kTilingReduceTp | format::kTilingShareRows
                                     : format::kTilingShareRows;
       if (t.flags & ~allowedFlags)
@@ -684,7 +729,7 @@ private:
       if (Status s = expectField(op, "cols", t.cols, uint64_t(width(c))); !s)
         return s;
       if (kind == OpKind::Gmm) {
-        if (t.inputCount == 4) {
+        if (t.inputCount == 4 && !(t.flags & format::kTilingBlockScaledB)) {
           const SlotRecord &cs = program.slots[c];
           if (Status s = expectShape(in(op, 3), "addend", {rows(c), int64_t(cs.dims[1])},
                                      cs.dtype);
@@ -737,7 +782,7 @@ std::vector<uint32_t> LayerPlan::boundSlots() const {
     slots = {toReturn};
   if (kind != PlanKind::Layer)
     return slots;
-  slots = {w1, w2};
+  slots = {w1, w2, w1Scale, w2Scale};
   for (const LoraSlots &l : lora)
     slots.insert(slots.end(), {l.a, l.b});
   if (shape.backward) {
@@ -820,7 +865,9 @@ Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward) {
                             {"put capacity", {f.putCapacity, b.putCapacity}},
                             {"LoRA targets (bit 0: w1, bit 1: w2)", {f.loraTargets, b.loraTargets}},
                             {"LoRA rank", {f.loraRank, b.loraRank}},
-                            {"transposed weights", {f.weightsTransposed, b.weightsTransposed}}});
+                            {"transposed weights", {f.weightsTransposed, b.weightsTransposed}},
+                            {"weight format (0 dense, 1 fp8_block128)",
+                             {int64_t(f.weightFormat), int64_t(b.weightFormat)}}});
       !s)
     return s;
   if (f.loraScaling != b.loraScaling)

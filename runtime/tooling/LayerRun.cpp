@@ -420,7 +420,7 @@ void LayerRun::Buffer::copyOut(float *out) const {
 }
 
 namespace {
-enum Slot { kX, kY, kW1, kW2, kDy, kDx, kDw1, kDw2, kSlotsPerRank };
+enum Slot { kX, kY, kW1, kW2, kDy, kDx, kDw1, kDw2, kW1Scale, kW2Scale, kSlotsPerRank };
 
 /// The I / T columns of TP slice `t` of an expert's w1 [H, 2I] (gate
 /// columns, then up columns) and rows of its w2 [I, H], for experts
@@ -455,6 +455,26 @@ void unsliceExperts(const LayerData &d, int64_t first, int64_t count, int64_t t,
   }
 }
 
+/// Expert `e`'s matrix [rows, cols] at `m` (row-major, or stored transposed
+/// [cols, rows] with `transposed`) quantized in 128 x 128 blocks of the form
+/// stored: codes and scales of the stored form, and with `round` the matrix
+/// replaced by its dequantized values.
+void quantizeStored(float *m, int64_t rows, int64_t cols, bool transposed, uint8_t *codes,
+                    float *scales, bool round) {
+  std::vector<float> stored(size_t(rows * cols));
+  const int64_t r = transposed ? cols : rows, c = transposed ? rows : cols;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      stored[size_t(transposed ? j * rows + i : i * cols + j)] = m[i * cols + j];
+  cpu::quantizeBlocks(stored.data(), c, r, c, codes, scales);
+  if (!round)
+    return;
+  cpu::dequantizeBlocks(codes, scales, c, 0, r, 0, c, stored.data(), DType::F32, c);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      m[i * cols + j] = stored[size_t(transposed ? j * rows + i : i * cols + j)];
+}
+
 /// Each of `count` row-major [rows, cols] matrices at `m`, transposed in
 /// place to [cols, rows] (a binary that stores its weights transposed).
 void transposeEach(float *m, int64_t count, int64_t rows, int64_t cols) {
@@ -468,6 +488,25 @@ void transposeEach(float *m, int64_t count, int64_t rows, int64_t cols) {
   }
 }
 } // namespace
+
+Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *d) {
+  if (shape.weightFormat == WeightFormat::Dense)
+    return Status::success();
+  if (shape.tp > 1)
+    return Status::error(fmt::format("{} weights with tensor parallelism ({} TP ranks) are not "
+                                     "supported: their blocks are of a whole expert",
+                                     weightFormatName(shape.weightFormat), shape.tp));
+  const int64_t H = d->hidden, I = d->inter;
+  for (const auto &[w, rows, cols] : {std::tuple{&d->w1, H, 2 * I}, std::tuple{&d->w2, I, H}}) {
+    const int64_t E = int64_t(w->size()) / std::max<int64_t>(rows * cols, 1);
+    std::vector<uint8_t> codes(size_t(rows * cols));
+    std::vector<float> scales(size_t(((rows + 127) / 128) * ((cols + 127) / 128)));
+    for (int64_t e = 0; e < E; ++e)
+      quantizeStored(w->data() + e * rows * cols, rows, cols, shape.weightsTransposed,
+                     codes.data(), scales.data(), true);
+  }
+  return Status::success();
+}
 
 Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   const rt::LayerShape &shape = context.shape();
@@ -506,12 +545,29 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
     b[kY].zeros(tokensH, act);
     std::vector<float> w1(w1n), w2(w2n);
     sliceExperts(d, e * L, L, t, w1.data(), w2.data());
-    if (shape.weightsTransposed) { // w1 [L, 2I, H], w2 [L, H, I]
-      transposeEach(w1.data(), L, H, 2 * I);
-      transposeEach(w2.data(), L, I, H);
+    if (shape.weightFormat == WeightFormat::Fp8Block128) {
+      // FP8 codes and block scales of each expert's matrix as stored.
+      for (const auto &[w, slot, scale, rows, cols] :
+           {std::tuple{&w1, kW1, kW1Scale, H, 2 * I}, std::tuple{&w2, kW2, kW2Scale, I, H}}) {
+        const std::array<int64_t, 3> dims = LayerShape::blockScaleDims(
+            slot == kW1 ? shape.w1Dims() : shape.w2Dims());
+        Buffer &codes = b[slot], &scales = b[scale];
+        codes.dtype = DType::F8E4M3;
+        codes.bytes.assign(size_t(L * rows * cols), 0);
+        scales.zeros(size_t(dims[0] * dims[1] * dims[2]), DType::F32);
+        for (int64_t l = 0; l < L; ++l)
+          quantizeStored(w->data() + l * rows * cols, rows, cols, shape.weightsTransposed,
+                         codes.bytes.data() + l * rows * cols,
+                         scales.f32.data() + l * dims[1] * dims[2], false);
+      }
+    } else {
+      if (shape.weightsTransposed) { // w1 [L, 2I, H], w2 [L, H, I]
+        transposeEach(w1.data(), L, H, 2 * I);
+        transposeEach(w2.data(), L, I, H);
+      }
+      b[kW1].assign(w1.data(), w1n, act);
+      b[kW2].assign(w2.data(), w2n, act);
     }
-    b[kW1].assign(w1.data(), w1n, act);
-    b[kW2].assign(w2.data(), w2n, act);
     ids[size_t(r)].assign(d.ids.begin() + e * S * K, d.ids.begin() + (e + 1) * S * K);
     weights[size_t(r)].assign(d.weights.begin() + e * S * K, d.weights.begin() + (e + 1) * S * K);
     const uint32_t rank = uint32_t(r);
@@ -522,9 +578,17 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
     std::vector<std::pair<const char *, rt::Tensor>> tensors = {
         {"x", rt::makeTensor(b[kX].data(), act, {S, H})},
         {"y", rt::makeTensor(b[kY].data(), act, {S, H})},
-        {"w1", rt::makeTensor(b[kW1].data(), act, {w1Dims[0], w1Dims[1], w1Dims[2]})},
-        {"w2", rt::makeTensor(b[kW2].data(), act, {w2Dims[0], w2Dims[1], w2Dims[2]})},
+        {"w1", rt::makeTensor(b[kW1].data(), b[kW1].dtype, {w1Dims[0], w1Dims[1], w1Dims[2]})},
+        {"w2", rt::makeTensor(b[kW2].data(), b[kW2].dtype, {w2Dims[0], w2Dims[1], w2Dims[2]})},
     };
+    if (shape.weightFormat != WeightFormat::Dense) {
+      const std::array<int64_t, 3> s1 = LayerShape::blockScaleDims(w1Dims),
+                                   s2 = LayerShape::blockScaleDims(w2Dims);
+      tensors.push_back({"w1_scale", rt::makeTensor(b[kW1Scale].data(), DType::F32,
+                                                    {s1[0], s1[1], s1[2]})});
+      tensors.push_back({"w2_scale", rt::makeTensor(b[kW2Scale].data(), DType::F32,
+                                                    {s2[0], s2[1], s2[2]})});
+    }
     if (backward) {
       // The weight-gradient dtype is the backward binary's; a context
       // without one refuses these bindings, which is the error to report.

@@ -129,6 +129,13 @@ private:
 Status checkRunManifest(const std::string &dir,
                         std::optional<std::set<std::string>> *listed = nullptr);
 
+/// Where `shape`'s base weights are stored quantized (FP8 blocks), replaces
+/// w1 and w2 of `data` by the values the layer computes with: each expert's
+/// matrix, as the binary stores it, quantized and dequantized. The inputs a
+/// run writes and the reference it is verified against then hold those.
+/// An error where the format does not go with the layout (TP > 1).
+Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *data);
+
 /// The inputs of a LayerData in the binary's storage types, bound to a
 /// context; run() runs the passes and copies the outputs back as fp32.
 class LayerRun {
@@ -146,15 +153,20 @@ private:
   struct Buffer {
     std::vector<float> f32;
     std::vector<uint16_t> bf16;
+    std::vector<uint8_t> bytes; ///< FP8 codes (dtype F8E4M3)
     format::DType dtype = format::DType::F32;
     void assign(const float *values, size_t count, format::DType type);
     void zeros(size_t count, format::DType type);
     /// Sets every element to zero where it is (a bound tensor stays bound).
     void clear();
-    void *data() { return dtype == format::DType::BF16 ? (void *)bf16.data() : f32.data(); }
+    void *data() {
+      return dtype == format::DType::BF16     ? (void *)bf16.data()
+             : dtype == format::DType::F8E4M3 ? (void *)bytes.data()
+                                              : f32.data();
+    }
     void copyOut(float *out) const;
   };
-  std::vector<Buffer> buffers; ///< per rank: x, y, w1, w2, dy, dx, dw1, dw2
+  std::vector<Buffer> buffers; ///< per rank: x, y, w1, w2, dy, dx, dw1, dw2, scales
   std::vector<std::vector<float>> dtopk;
   std::vector<std::vector<int64_t>> ids;
   std::vector<std::vector<float>> weights;

@@ -611,6 +611,10 @@ int runRun(int argc, char **argv, int first) {
     if (!backward)
       data.dy.clear();
   }
+  // Quantized weights: the values the layer computes with, which the
+  // inputs written and the reference then hold.
+  if (Status s = roundWeightsToFormat(shape, &data); !s)
+    return fail(s);
   if (fabric)
     if (Status s = checkSameInputs(*fabric, data, timeout); !s)
       return fail(s);

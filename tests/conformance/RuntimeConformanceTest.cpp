@@ -19,6 +19,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/cpu/Element.h"
+#include "runtime/cpu/Fp8.h"
 #include "runtime/tooling/Reference.h"
 #include "runtime/api/Runtime.h"
 #include "tests/conformance/RuntimeCompile.h"
@@ -1035,6 +1036,133 @@ TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", 
       CHECK(close(swapped.y[r].values(), plain.y[r].values()));
       CHECK(close(swapped.dx[r].values(), plain.dx[r].values()));
       CHECK(close(swapped.dtopk[r], plain.dtopk[r]));
+    }
+  }
+}
+
+TEST_CASE("FP8 base weights in 128 x 128 blocks: the dense layer on the dequantized weights",
+          "[runtime]") {
+  // w1 [L, 2I, H] and w2 [L, H, I] as FP8 e4m3 codes with an fp32 scale per
+  // block (graphs/*_transposed_fp8.json) against the dense transposed
+  // binaries on the same weights dequantized: the forward and the frozen
+  // backward agree within the dtype's tolerance, in fp32 and bf16.
+  for (const bool bf16 : {false, true}) {
+    Case c;
+    c.ranks = groupSize(2);
+    c.bf16 = bf16;
+    c.hidden = 256; // multiples of 128: whole blocks
+    c.inter = 128;
+    c.seq = 64;
+    c.routing = Routing::Skewed;
+    c.capacityFactor = 2 * c.ranks;
+    INFO(c.describe());
+    if (!runs(c.ranks))
+      return;
+    auto [fwd, bwd] = compile(c, "graphs/moe_ffn_fwd_transposed.json",
+                              "graphs/moe_ffn_bwd_frozen_transposed.json");
+    auto [fwd8, bwd8] = compile(c, "graphs/moe_ffn_fwd_transposed_fp8.json",
+                                "graphs/moe_ffn_bwd_frozen_transposed_fp8.json");
+    REQUIRE(fwd8->shape().weightFormat == moec::WeightFormat::Fp8Block128);
+    REQUIRE(bwd8->shape().weightFormat == moec::WeightFormat::Fp8Block128);
+    const int64_t H = c.hidden, I = c.inter, L = c.localExperts;
+    const Inputs in = makeInputs(c, 17);
+    // Per rank: codes and scales of each expert's stored matrices, and the
+    // dequantized values for the dense run.
+    std::vector<std::vector<uint8_t>> codes1(c.ranks), codes2(c.ranks);
+    std::vector<std::vector<float>> scales1(c.ranks), scales2(c.ranks);
+    Run dense = prepare(c, in, bwd->shape()), quantized = prepare(c, in, bwd8->shape());
+    for (uint32_t r = 0; r < c.ranks; ++r) {
+      std::vector<float> w1 = dense.w1[r].values(), w2 = dense.w2[r].values();
+      std::vector<float> t1(w1.size()), t2(w2.size());
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < 2 * I; ++j)
+            t1[size_t((l * 2 * I + j) * H + h)] = w1[size_t((l * H + h) * 2 * I + j)];
+        for (int64_t i = 0; i < I; ++i)
+          for (int64_t h = 0; h < H; ++h)
+            t2[size_t((l * H + h) * I + i)] = w2[size_t((l * I + i) * H + h)];
+      }
+      codes1[r].resize(t1.size());
+      codes2[r].resize(t2.size());
+      scales1[r].resize(size_t(L * (2 * I / 128) * (H / 128)));
+      scales2[r].resize(size_t(L * (H / 128) * (I / 128)));
+      for (int64_t l = 0; l < L; ++l) {
+        moec::cpu::quantizeBlocks(t1.data() + l * 2 * I * H, H, 2 * I, H,
+                                  codes1[r].data() + l * 2 * I * H,
+                                  scales1[r].data() + l * (2 * I / 128) * (H / 128));
+        moec::cpu::quantizeBlocks(t2.data() + l * H * I, I, H, I, codes2[r].data() + l * H * I,
+                                  scales2[r].data() + l * (H / 128) * (I / 128));
+        moec::cpu::dequantizeBlocks(codes1[r].data() + l * 2 * I * H,
+                                    scales1[r].data() + l * (2 * I / 128) * (H / 128), H, 0,
+                                    2 * I, 0, H, t1.data() + l * 2 * I * H, DType::F32, H);
+        moec::cpu::dequantizeBlocks(codes2[r].data() + l * H * I,
+                                    scales2[r].data() + l * (H / 128) * (I / 128), I, 0, H, 0, I,
+                                    t2.data() + l * H * I, DType::F32, I);
+      }
+      dense.w1[r] = Stored(t1, bf16);
+      dense.w2[r] = Stored(t2, bf16);
+    }
+    uint32_t firstLocal = 0, localRanks = 0;
+    for (const bool fp8 : {false, true}) {
+      Run &run = fp8 ? quantized : dense;
+      std::unique_ptr<Context> ctx;
+      REQUIRE(makeContext(fp8 ? fwd8 : fwd, fp8 ? bwd8 : bwd, {}, &ctx).ok());
+      firstLocal = ctx->firstLocalRank();
+      localRanks = ctx->localRanks();
+      for (uint32_t r = firstLocal; r < firstLocal + localRanks; ++r) {
+        const int64_t S = int64_t(run.ids[r].size()) / c.topK;
+        const DType wt = fp8 ? DType::F8E4M3 : run.w1[r].dtype();
+        void *w1 = fp8 ? static_cast<void *>(codes1[r].data()) : run.w1[r].data();
+        void *w2 = fp8 ? static_cast<void *>(codes2[r].data()) : run.w2[r].data();
+        std::vector<std::pair<const char *, moec::rt::Tensor>> tensors = {
+            {"x", makeTensor(run.x[r].data(), run.x[r].dtype(), {S, H})},
+            {"y", makeTensor(run.y[r].data(), run.y[r].dtype(), {S, H})},
+            {"w1", makeTensor(w1, wt, {L, 2 * I, H})},
+            {"w2", makeTensor(w2, wt, {L, H, I})},
+            {"dy", makeTensor(run.dy[r].data(), run.dy[r].dtype(), {S, H})},
+            {"dx", makeTensor(run.dx[r].data(), run.dx[r].dtype(), {S, H})},
+            {"dtopk_weights", makeTensor(run.dtopk[r].data(), DType::F32, {S, c.topK})}};
+        if (fp8) {
+          tensors.push_back({"w1_scale", makeTensor(scales1[r].data(), DType::F32,
+                                                    {L, 2 * I / 128, H / 128})});
+          tensors.push_back({"w2_scale", makeTensor(scales2[r].data(), DType::F32,
+                                                    {L, H / 128, I / 128})});
+        }
+        for (const auto &[name, tensor] : tensors) {
+          Status bound = ctx->bind(r, name, tensor);
+          INFO(name << ": " << bound.message());
+          REQUIRE(bound.ok());
+        }
+        REQUIRE(ctx->setRouting(r, makeTensor(run.ids[r].data(), DType::I64, {S, c.topK}),
+                                makeTensor(run.weights[r].data(), DType::F32, {S, c.topK}))
+                    .ok());
+      }
+      if (fp8) { // scales of the wrong shape are refused, naming them
+        std::vector<float> wrong(size_t(L * 2 * I / 128 * H / 64));
+        REQUIRE(ctx->bind(firstLocal, "w1_scale",
+                          makeTensor(wrong.data(), DType::F32, {L, 2 * I / 128, H / 64}))
+                    .ok());
+        CHECK_THAT(ctx->forward().message(), Catch::Contains("w1_scale"));
+        REQUIRE(ctx->bind(firstLocal, "w1_scale",
+                          makeTensor(scales1[firstLocal].data(), DType::F32,
+                                     {L, 2 * I / 128, H / 128}))
+                    .ok());
+      }
+      Status f = ctx->forward();
+      INFO("forward: " << f.message());
+      REQUIRE(f.ok());
+      Status b = ctx->backward();
+      INFO("backward: " << b.message());
+      REQUIRE(b.ok());
+    }
+    const double tol = bf16 ? 2e-2 : 1e-5;
+    for (uint32_t r = firstLocal; r < firstLocal + localRanks; ++r) {
+      const auto close = [&](const std::vector<float> &a, const std::vector<float> &b) {
+        return relError(a, std::vector<double>(b.begin(), b.end())) < tol;
+      };
+      CHECK(close(quantized.y[r].values(), dense.y[r].values()));
+      CHECK(close(quantized.dx[r].values(), dense.dx[r].values()));
+      CHECK(close(quantized.dtopk[r], dense.dtopk[r]));
     }
   }
 }

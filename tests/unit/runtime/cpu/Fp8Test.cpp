@@ -12,6 +12,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -213,4 +214,51 @@ TEST_CASE("quantizeRows gives floatToE4m3's codes lane for lane (its vector path
         REQUIRE(back[size_t(i * width + j)] == e4m3ToFloat(code) * scale);
       }
   }
+}
+
+TEST_CASE("weights in 128 x 128 blocks: one scale per block, any sub-block dequantized alike") {
+  // A 200 x 300 matrix: partial blocks on both edges, a zero block, and
+  // blocks of very different magnitudes.
+  const int64_t rows = 200, cols = 300, rb = 2, cb = 3;
+  std::vector<float> w(size_t(rows * cols));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      w[size_t(i * cols + j)] =
+          (i < 128 && j >= 256) ? 0.0f : normal(rng) * (i >= 128 ? 1e-3f : 10.0f);
+  std::vector<uint8_t> codes(w.size());
+  std::vector<float> scales(size_t(rb * cb));
+  moec::cpu::quantizeBlocks(w.data(), cols, rows, cols, codes.data(), scales.data());
+  // Each scale is its block's amax / 448 (1 for the zero block).
+  for (int64_t bi = 0; bi < rb; ++bi)
+    for (int64_t bj = 0; bj < cb; ++bj) {
+      float amax = 0;
+      for (int64_t i = bi * 128; i < std::min(rows, bi * 128 + 128); ++i)
+        for (int64_t j = bj * 128; j < std::min(cols, bj * 128 + 128); ++j)
+          amax = std::max(amax, std::fabs(w[size_t(i * cols + j)]));
+      CHECK(scales[size_t(bi * cb + bj)] == (amax > 0 ? amax / 448.0f : 1.0f));
+    }
+  // The whole matrix back: within e4m3's resolution of each block.
+  std::vector<float> back(w.size());
+  moec::cpu::dequantizeBlocks(codes.data(), scales.data(), cols, 0, rows, 0, cols, back.data(),
+                              moec::DType::F32, cols);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      const float scale = scales[size_t((i / 128) * cb + j / 128)];
+      const float v = w[size_t(i * cols + j)], got = back[size_t(i * cols + j)];
+      CHECK(got == moec::cpu::e4m3ToFloat(codes[size_t(i * cols + j)]) * scale);
+      CHECK(std::fabs(got - v) <= std::max(std::fabs(v) / 16.0f, scale / 512.0f));
+    }
+  // A sub-block that crosses block edges, into a strided buffer, in bf16:
+  // the same values as the whole, rounded once.
+  const int64_t r0 = 100, r1 = 170, c0 = 120, c1 = 290, ld = 200;
+  std::vector<uint16_t> part(size_t((r1 - r0) * ld), 0xFFFF);
+  moec::cpu::dequantizeBlocks(codes.data(), scales.data(), cols, r0, r1, c0, c1, part.data(),
+                              moec::DType::BF16, ld);
+  for (int64_t i = r0; i < r1; ++i)
+    for (int64_t j = c0; j < c1; ++j)
+      CHECK(part[size_t((i - r0) * ld + (j - c0))] ==
+            moec::cpu::floatToBf16(back[size_t(i * cols + j)]));
+  CHECK(part[size_t(ld - 1)] == 0xFFFF); // nothing past the columns asked for
 }

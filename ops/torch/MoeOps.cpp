@@ -175,7 +175,8 @@ void expectLayerDType(const at::Tensor &t, const char *name, DType want) {
 moec::rt::Tensor slice(const at::Tensor &t, const char *name, int64_t parts, int64_t r,
                        bool keepDim0) {
   moec::rt::Tensor out{};
-  out.dtype = moec_dtype(moecType(t, name));
+  // uint8 holds FP8 e4m3 codes (torch 1.13 has no float8 type).
+  out.dtype = moec_dtype(t.scalar_type() == at::kByte ? DType::F8E4M3 : moecType(t, name));
   const int64_t per = t.size(0) / parts;
   if (keepDim0) {
     out.ndim = int32_t(t.dim());
@@ -398,6 +399,7 @@ public:
     d.insert("lora_rank", s.loraRank);
     d.insert("fp8_dispatch", s.fp8Dispatch);
     d.insert("weights_transposed", s.weightsTransposed);
+    d.insert("weight_format", int64_t(s.weightFormat)); // 0 dense, 1 fp8_block128
     // Bytes of rows the last passes' puts moved between ranks (all ranks).
     const moec::rt::PassTimes &f = slot->context->forwardTimes(),
                               &b = slot->context->backwardTimes();
@@ -487,8 +489,9 @@ public:
     }
     // The adapters' gradients, in the order of their adapters.
     std::vector<at::Tensor> adapterGrads;
-    for (const at::Tensor &a : in.adapters)
-      adapterGrads.push_back(pool.take(a.sizes(), a.options().dtype(torchType(bs->weightGrads))));
+    for (size_t i = 0; i < loraCount(); ++i)
+      adapterGrads.push_back(pool.take(in.adapters[i].sizes(),
+                                       in.adapters[i].options().dtype(torchType(bs->weightGrads))));
     bindInputs(in);
     for (int64_t p = 0; p < P; ++p) {
       const uint32_t r = uint32_t(first + p);
@@ -703,12 +706,20 @@ private:
 
   struct Inputs {
     at::Tensor x, ids, weights, w1, w2;
-    std::vector<at::Tensor> adapters; ///< named adapterNames()
+    /// named adapterNames(): the LoRA adapters, then the block scales of
+    /// FP8 weights
+    std::vector<at::Tensor> adapters;
   };
 
-  /// The runtime's names of the layer's LoRA adapters, in the order the op
-  /// takes them: A and B on w1, then on w2, for the projections that have
-  /// them.
+  /// How many of adapterNames() are LoRA adapters (the rest are scales).
+  size_t loraCount() const {
+    const uint8_t targets = slot->context->shape().loraTargets;
+    return 2 * size_t((targets & 1) + (targets >> 1 & 1));
+  }
+
+  /// The runtime's names of the layer's further tensors, in the order the
+  /// op takes them: the LoRA adapters (A and B on w1, then on w2, for the
+  /// projections that have them), then w1_scale and w2_scale for FP8 weights.
   std::vector<std::string> adapterNames() const {
     std::vector<std::string> names;
     const uint8_t targets = slot->context->shape().loraTargets;
@@ -716,6 +727,8 @@ private:
       if (targets >> t & 1)
         for (const char *m : {"a", "b"})
           names.push_back(fmt::format("lora_{}{}", m, t + 1));
+    if (slot->context->shape().weightFormat != moec::WeightFormat::Dense)
+      names.insert(names.end(), {"w1_scale", "w2_scale"});
     return names;
   }
 
@@ -734,16 +747,25 @@ private:
     expectInput(w2, "w2", 3, E, experts);
     const std::vector<std::string> names = adapterNames();
     TORCH_CHECK(adapters.size() == names.size(), "moec: this layer takes ", names.size(),
-                " LoRA adapter tensors (", fmt::format("{}", fmt::join(names, ", ")), "); got ",
-                adapters.size());
+                names.size() == loraCount() ? " LoRA adapter tensors ("
+                                            : " LoRA adapter and weight-scale tensors (",
+                fmt::format("{}", fmt::join(names, ", ")), "); got ", adapters.size());
     expectRoutingDTypes(ids, weights);
     expectLayerDType(x, "x", s.activations);
-    expectLayerDType(w1, "w1", s.activations);
-    expectLayerDType(w2, "w2", s.activations);
+    if (s.weightFormat == moec::WeightFormat::Fp8Block128) {
+      for (const auto &[w, name] : {std::pair{&w1, "w1"}, std::pair{&w2, "w2"}})
+        TORCH_CHECK(w->scalar_type() == at::kByte, "moec: '", name, "' is ",
+                    dtypeName(w->scalar_type()),
+                    "; expected uint8, the FP8 e4m3 codes of the layer's fp8_block128 weights");
+    } else {
+      expectLayerDType(w1, "w1", s.activations);
+      expectLayerDType(w2, "w2", s.activations);
+    }
     std::vector<at::Tensor> contiguous;
     for (size_t i = 0; i < adapters.size(); ++i) {
       expectInput(adapters[i], names[i].c_str(), 3, E, experts);
-      expectLayerDType(adapters[i], names[i].c_str(), s.activations);
+      expectLayerDType(adapters[i], names[i].c_str(),
+                       i < loraCount() ? s.activations : DType::F32);
       contiguous.push_back(adapters[i].contiguous());
     }
     return {x.contiguous(), ids.contiguous(), weights.contiguous(), w1.contiguous(),

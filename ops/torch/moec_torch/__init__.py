@@ -53,13 +53,13 @@ from pathlib import Path
 
 import torch
 
-from . import checks, native, reference, safetensors
+from . import checks, native, quant, reference, safetensors
 from .native import compile, dump, load_trace, simulate_trace
 
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
            "MoeFFN", "MoeFFNFunction", "checks", "compile", "compile_graphs",
            "compile_layer", "dump", "finalize_mpi", "launched_by_mpi", "load_library",
-           "load_trace", "native", "reference", "safetensors", "simulate_trace"]
+           "load_trace", "native", "quant", "reference", "safetensors", "simulate_trace"]
 
 
 _loaded = False
@@ -381,7 +381,7 @@ def _lora_suffix(lora_targets):
     return "_lora" if targets == LORA_TARGETS else "_lora_" + targets[0]
 
 
-def _layer_graphs(frozen, lora_targets, transposed=False):
+def _layer_graphs(frozen, lora_targets, transposed=False, weight_format=None):
     """The graph files of a layer (compile_layer)."""
     if lora_targets:
         suffix = _lora_suffix(lora_targets)
@@ -395,11 +395,20 @@ def _layer_graphs(frozen, lora_targets, transposed=False):
                              "frozen or LoRA layer: the base weights' gradients are computed "
                              "in the [E, H, 2I] layout only")
         graphs = [g.replace(".json", "_transposed.json") for g in graphs]
+    if weight_format is not None:
+        if weight_format not in quant.WEIGHT_FORMATS:
+            raise ValueError(f"moec: weight_format must be one of {quant.WEIGHT_FORMATS} or "
+                             f"None, got {weight_format!r}")
+        if not transposed:
+            raise ValueError(f"moec: {weight_format} weights are stored as checkpoints ship "
+                             "them, [out, in]: the transposed layout (weights_transposed=True)")
+        graphs = [g.replace(".json", "_fp8.json") for g in graphs]
     return graphs
 
 
 def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fresh=False,
-                  frozen=False, lora_targets=None, tp=None, weights_transposed=False):
+                  frozen=False, lora_targets=None, tp=None, weights_transposed=False,
+                  weight_format=None):
     """Returns (forward, backward) task-binary paths of the layer (see
     compile_graphs): moe_ffn_fwd.json, and moe_ffn_bwd_frozen.json (no weight
     gradients) with `frozen`, else moe_ffn_bwd.json. With `lora_targets`
@@ -408,13 +417,15 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
     moe_ffn_{fwd,bwd}_lora_w1.json / _w2.json; one name ("w1") is one
     target. `weights_transposed`: their *_transposed.json forms, whose base
     weights are stored w1 [E, 2I, H], w2 [E, H, I] (frozen or LoRA only).
+    `weight_format` "fp8_block128": their *_transposed_fp8.json forms (FP8
+    codes with a scale per 128 x 128 block; transposed layout only).
     `frozen`, `fresh` and `weights_transposed` are bools."""
     frozen = checks.boolean(frozen, "compile_layer: argument 'frozen'")
     fresh = checks.boolean(fresh, "compile_layer: argument 'fresh'")
     weights_transposed = checks.boolean(weights_transposed,
                                         "compile_layer: argument 'weights_transposed'")
     lora_targets = _lora_targets(lora_targets) if lora_targets else ()
-    graphs = _layer_graphs(frozen, lora_targets, weights_transposed)
+    graphs = _layer_graphs(frozen, lora_targets, weights_transposed, weight_format)
     return compile_graphs(config, ranks, graphs, target, granularity, fresh, tp)
 
 
@@ -551,7 +562,8 @@ class MoeFFNFunction(torch.autograd.Function):
             ctx.main_grads.fold()
         _after_backward(ctx.check, ctx.main_grads, (w1, w2), dy,
                         Gradients(dx, dtopk, dw1, dw2, tuple(dadapters)))
-        return (None, dx, None, dtopk, dw1, dw2, None, None, None, None, *dadapters)
+        scales = [None] * (len(adapters) - len(dadapters))  # quantized weights' scales
+        return (None, dx, None, dtopk, dw1, dw2, None, None, None, None, *dadapters, *scales)
 
 
 Gradients = collections.namedtuple("Gradients",
@@ -644,11 +656,11 @@ class ForwardHandle(_Pending):
             self.layer = m.layer
             with torch.no_grad():
                 done = torch.ops.moec.forward(self.layer, *m._mesh(x, ids, weights),
-                                              m.adapters())
+                                              m._bound())
         self.step = done[1]
         y = m._unmesh(MoeFFNFunction.apply(self.layer, *m._mesh(x, ids, weights),
                                            m.check_finite, m.first_rank, m._main_grads(), done,
-                                           *m.adapters()))
+                                           *m._bound()))
         if m.check_finite:
             _check_finite("y", y, "rank", m.first_rank)
         return y.squeeze(0) if self.squeeze else y
@@ -697,7 +709,8 @@ def _check_policy(policy):
         raise ValueError(f"moec: capacity_policy must be 'grow' or 'error', got {policy!r}")
 
 
-def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1, transposed=False):
+def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1, transposed=False,
+             weight_format=None):
     """True when a built layer's sizes are those of `cfg` on `ranks` EP
     ranks of `tp` TP ranks each."""
     fp8 = int(cfg.get("dispatch_dtype") == "fp8_e4m3")
@@ -708,7 +721,8 @@ def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1, transposed=F
             "frozen": int(bool(frozen) or targets != 0),
             "main_grad": int(bool(cfg.get("main_grad", False))),
             "lora_targets": targets, "lora_rank": int(cfg.get("lora_rank", 0)) if targets else 0,
-            "fp8_dispatch": fp8, "weights_transposed": int(bool(transposed))}
+            "fp8_dispatch": fp8, "weights_transposed": int(bool(transposed)),
+            "weight_format": quant.FORMAT_CODES[weight_format]}
     return all(int(info[k]) == v for k, v in want.items())
 
 
@@ -835,6 +849,16 @@ class MoeFFN(torch.nn.Module):
     [P*L, H, 2I] layout. The adapters keep their layout (A [P*L, K, r],
     B [P*L, r, N] on the projection X W, W [K, N]).
 
+    weight_format: "fp8_block128" stores the frozen base weights as FP8 e4m3
+    codes (w1, w2: uint8 [P*L, 2I, H], [P*L, H, I], the transposed layout,
+    which weight_format implies) with one fp32 scale per 128 x 128 block
+    (w1_scale [P*L, 2I/128, H/128], w2_scale [P*L, H/128, I/128]):
+    DeepSeek-V3's weight and weight_scale_inv as its checkpoint ships them,
+    half the bytes of bf16. Each tile dequantizes the part it reads to the
+    layer's dtype; outputs are those of the dense layer on the dequantized
+    weights (dequantized_weights()). A frozen or LoRA layer only, H and I
+    multiples of 128, tp=1. quantize_weights() makes one from a dense layer.
+
     init_weights: False leaves w1, w2 and the adapters uninitialized
     (torch.empty), for a caller that fills them (moec_torch.hf does, from a
     model or a checkpoint); drawing the whole experts costs seconds at a
@@ -848,7 +872,8 @@ class MoeFFN(torch.nn.Module):
                  granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
                  lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False,
-                 dispatch_dtype=None, init_weights=True, weights_transposed=False):
+                 dispatch_dtype=None, init_weights=True, weights_transposed=False,
+                 weight_format=None):
         super().__init__()
         load_library()
         arg = "MoeFFN: argument "
@@ -913,6 +938,16 @@ class MoeFFN(torch.nn.Module):
             frozen = True
         elif lora_alpha is not None:
             raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
+        if weight_format is not None:
+            if weight_format not in quant.WEIGHT_FORMATS:
+                raise ValueError(f"moec: weight_format must be one of {quant.WEIGHT_FORMATS} or "
+                                 f"None, got {weight_format!r}")
+            if not frozen:
+                raise ValueError(f"moec: weight_format={weight_format!r} needs a frozen or LoRA "
+                                 "layer (frozen=True or lora_rank=): quantized weights get no "
+                                 "gradients")
+            weights_transposed = True
+        self.weight_format = weight_format
         if weights_transposed and not frozen:
             raise ValueError("moec: weights_transposed=True needs a frozen or LoRA layer "
                              "(frozen=True or lora_rank=): the base weights' gradients are "
@@ -942,12 +977,13 @@ class MoeFFN(torch.nn.Module):
         def compiled(fresh):
             return compile_layer(cfg, ranks, target, granularity, fresh=fresh,
                                  frozen=self.frozen, lora_targets=self.lora_targets, tp=tp,
-                                 weights_transposed=weights_transposed)
+                                 weights_transposed=weights_transposed,
+                                 weight_format=weight_format)
 
         def other_layer(layer):
             info = layer.info()
             if not _matches(info, cfg, ranks, self.frozen, self.lora_targets, tp,
-                            weights_transposed):
+                            weights_transposed, weight_format):
                 return f"the compiled layer {dict(info)} is not the config's {cfg}"
             return None
 
@@ -974,16 +1010,23 @@ class MoeFFN(torch.nn.Module):
         self.top_k = info["top_k"]
         self.tokens = info["tokens"]
         dtype = torch.bfloat16 if info["bf16"] else torch.float32
+        self.dtype = dtype  # of the activations and the computation
         mine = self.local_ranks * self.local_experts
         # The intermediate columns this process holds: all, or its TP slice.
         self.local_inter = self.inter if self.tp_rank is None else self.inter // tp
         w1, w2 = (self.hidden, 2 * self.local_inter), (self.local_inter, self.hidden)
         if weights_transposed:
             w1, w2 = w1[::-1], w2[::-1]
-        self.w1 = torch.nn.Parameter(torch.empty(mine, *w1, dtype=dtype),
+        stored = torch.uint8 if weight_format else dtype
+        self.w1 = torch.nn.Parameter(torch.empty(mine, *w1, dtype=stored),
                                      requires_grad=not self.frozen)
-        self.w2 = torch.nn.Parameter(torch.empty(mine, *w2, dtype=dtype),
+        self.w2 = torch.nn.Parameter(torch.empty(mine, *w2, dtype=stored),
                                      requires_grad=not self.frozen)
+        if weight_format:  # one fp32 scale per 128 x 128 block
+            for name, (a, b) in (("w1_scale", w1), ("w2_scale", w2)):
+                setattr(self, name, torch.nn.Parameter(
+                    torch.empty(mine, -(-a // quant.BLOCK), -(-b // quant.BLOCK)),
+                    requires_grad=False))
         if self.main_grad:
             for w in (self.w1, self.w2):
                 w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
@@ -1018,13 +1061,18 @@ class MoeFFN(torch.nn.Module):
         w1 then w2 (those in lora_targets)."""
         return [getattr(self, f"{name}_lora_{m}") for name in self.lora_targets for m in "AB"]
 
+    def _bound(self):
+        """What the op takes after w1 and w2: the adapters, then the block
+        scales of quantized weights."""
+        scales = [self.w1_scale, self.w2_scale] if self.weight_format else []
+        return self.adapters() + scales
+
     def merged_weights(self):
         """(w1, w2) with the adapters folded in: W + (lora_alpha / r) A B per
         expert, computed in float32 and returned in the weights' dtype."""
         merged = []
         with torch.no_grad():
-            for name in LORA_TARGETS:
-                w = getattr(self, name)
+            for name, w in zip(LORA_TARGETS, self.dequantized_weights()):
                 if name in self.lora_targets:
                     a = getattr(self, f"{name}_lora_A").float()
                     b = getattr(self, f"{name}_lora_B").float()
@@ -1035,10 +1083,49 @@ class MoeFFN(torch.nn.Module):
                 merged.append(w.detach().clone())
         return tuple(merged)
 
+    def dequantized_weights(self):
+        """(w1, w2) as the layer computes with them, in its dtype: the
+        weights themselves, or for quantized ones code x scale (views of the
+        parameters where they are dense)."""
+        if not self.weight_format:
+            return self.w1, self.w2
+        return tuple(quant.dequantize_fp8_blocks(getattr(self, n), getattr(self, n + "_scale"),
+                                                 self.dtype) for n in LORA_TARGETS)
+
+    def quantize_weights(self, weight_format="fp8_block128"):
+        """A new layer with this one's configuration and options, its base
+        weights quantized to `weight_format` (frozen, in the transposed
+        layout) and its adapters copied: the fine-tuning form of a dense
+        layer. This layer is left as it is."""
+        threads, timeout, target, granularity, fabric, trace = self._build
+        config = {k: v for k, v in self.config.items()
+                  if k not in ("lora_rank", "lora_alpha", "main_grad")}
+        options = dict(lora_rank=self.lora_rank, lora_targets=self.lora_targets,
+                       lora_alpha=self.lora_scaling * self.lora_rank) if self.lora_rank \
+            else dict(frozen=True)
+        layer = MoeFFN(config, self.ranks, tp=self.tp, threads=threads, target=target,
+                       granularity=granularity, timeout_seconds=timeout, fabric=fabric,
+                       capacity_policy=self.capacity_policy, check_finite=self.check_finite,
+                       trace=trace, init_weights=False, weight_format=weight_format, **options)
+        with torch.no_grad():
+            for name, w in zip(LORA_TARGETS, self.dequantized_weights()):
+                if not self.weights_transposed:
+                    w = w.transpose(1, 2)
+                codes, scales = quant.quantize_fp8_blocks(w)
+                getattr(layer, name).copy_(codes)
+                getattr(layer, name + "_scale").copy_(scales)
+            for mine, theirs in zip(self.adapters(), layer.adapters()):
+                theirs.copy_(mine)
+        return layer
+
     def merge_adapters(self):
         """Folds the adapters into w1 and w2 (merged_weights()) and zeroes
         the B matrices, so the layer computes the same function with the
         adapters contributing nothing; training may go on from there."""
+        if self.weight_format:
+            raise ValueError(f"moec: the adapters cannot be folded into {self.weight_format} "
+                             "weights (the merged weights are dense): merged_weights() gives "
+                             "them")
         w1, w2 = self.merged_weights()
         with torch.no_grad():
             self.w1.copy_(w1)
@@ -1054,20 +1141,23 @@ class MoeFFN(torch.nn.Module):
             w.main_grad.zero_()
             w.grad_added_to_main_grad = False
 
-    def _draw(self, param, bound):
+    def _draw(self, param, bound, weight=None):
         """Draws the whole [E, ...] tensor uniform in ±bound, one expert at a
         time (the same numbers as one draw of the whole: the CPU generator
         fills in element order), and keeps this process's experts: the
-        process never holds the other ranks' experts."""
+        process never holds the other ranks' experts. `weight` ("w1", "w2")
+        names the weight `param` holds the values of, where it is not that
+        parameter itself (a quantized weight's dense values)."""
         first = self.first_rank * self.local_experts
-        whole = (self.hidden, 2 * self.inter) if param is self.w1 else \
-            (self.inter, self.hidden) if param is self.w2 else param.shape[1:]
+        weight = weight or ("w1" if param is self.w1 else "w2" if param is self.w2 else None)
+        whole = (self.hidden, 2 * self.inter) if weight == "w1" else \
+            (self.inter, self.hidden) if weight == "w2" else param.shape[1:]
         one = torch.empty(1, *whole)
         for e in range(self.experts):
             one.uniform_(-bound, bound)
             if first <= e < first + param.shape[0]:
                 drawn = self._tp_slice(param, one[0])
-                if self.weights_transposed and (param is self.w1 or param is self.w2):
+                if self.weights_transposed and weight:
                     drawn = drawn.t()
                 param[e - first].copy_(drawn)
 
@@ -1085,8 +1175,17 @@ class MoeFFN(torch.nn.Module):
     def reset_parameters(self):
         """Draws the whole [E, ...] weights and keeps this process's experts."""
         with torch.no_grad():
-            self._draw(self.w1, 1 / math.sqrt(self.hidden))
-            self._draw(self.w2, 1 / math.sqrt(self.inter))
+            for name, bound in (("w1", 1 / math.sqrt(self.hidden)),
+                                ("w2", 1 / math.sqrt(self.inter))):
+                param = getattr(self, name)
+                if not self.weight_format:
+                    self._draw(param, bound)
+                    continue
+                dense = torch.empty(param.shape)  # drawn, then quantized
+                self._draw(dense, bound, name)
+                codes, scales = quant.quantize_fp8_blocks(dense)
+                param.copy_(codes)
+                getattr(self, name + "_scale").copy_(scales)
             for name in self.lora_targets:
                 # PEFT: A kaiming_uniform(a=sqrt(5)) over fan_in K, i.e.
                 # uniform in ±1/sqrt(K); B zero.
@@ -1158,7 +1257,7 @@ class MoeFFN(torch.nn.Module):
             try:
                 y = self._unmesh(MoeFFNFunction.apply(
                     self.layer, *self._mesh(x, topk_ids, topk_weights), self.check_finite,
-                    self.first_rank, self._main_grads(), None, *self.adapters()))
+                    self.first_rank, self._main_grads(), None, *self._bound()))
                 if self.check_finite:
                     _check_finite("y", y, "rank", self.first_rank)
                 return y.squeeze(0) if squeeze else y
@@ -1181,7 +1280,7 @@ class MoeFFN(torch.nn.Module):
         self._check_inputs(x, topk_weights)
         with torch.no_grad():
             mesh = self._mesh(x, topk_ids, topk_weights)
-        ticket = self.layer.submit_forward(*mesh, [a.detach() for a in self.adapters()])
+        ticket = self.layer.submit_forward(*mesh, [a.detach() for a in self._bound()])
         return ForwardHandle(self, ticket, (x, topk_ids, topk_weights), squeeze)
 
     def submit_backward(self, handle, dy):
@@ -1204,7 +1303,7 @@ class MoeFFN(torch.nn.Module):
             dy_mesh = dy.repeat_interleave(self.tp, 0) if self._tp_here() else dy
         ticket = handle.layer.submit_backward(
             handle.step, *mesh, dy_mesh.detach(), *(main_grads or (None, None)),
-            [a.detach() for a in self.adapters()])
+            [a.detach() for a in self._bound()])
         return BackwardHandle(self, ticket, handle.layer, main_grads, dy, squeeze)
 
     @property
@@ -1312,7 +1411,9 @@ class MoeFFN(torch.nn.Module):
 
         def compiled(fresh):
             return compile_layer(cfg, self.ranks, target, granularity, fresh=fresh,
-                                 frozen=self.frozen, lora_targets=self.lora_targets, tp=self.tp)
+                                 frozen=self.frozen, lora_targets=self.lora_targets, tp=self.tp,
+                                 weights_transposed=self.weights_transposed,
+                                 weight_format=self.weight_format)
 
         if self._collective:
             # Every rank compiles; none builds the grown runtime (whose fabric
@@ -1360,7 +1461,8 @@ class MoeFFN(torch.nn.Module):
         files += [(f"{kind} binary", path)
                   for kind, path in zip(("forward", "backward"), self._binaries)]
         files += [("graph", native.graphs_dir() / g)
-                  for g in _layer_graphs(self.frozen, self.lora_targets)]
+                  for g in _layer_graphs(self.frozen, self.lora_targets, self.weights_transposed,
+                                         self.weight_format)]
         files += [("op library", native.op_library_path()),
                   ("compiler library", native.library_path())]
         return files
@@ -1445,11 +1547,12 @@ class MoeFFN(torch.nn.Module):
         first = self.first_rank * self.local_experts
         return {"experts": self.experts, "first_expert": first,
                 "local_experts": self.local_ranks * self.local_experts,
-                "hidden": self.hidden, "inter": self.inter, "dtype": str(self.w1.dtype),
+                "hidden": self.hidden, "inter": self.inter, "dtype": str(self.dtype),
                 "columns": self._columns(),
                 "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
                 "lora_scaling": self.lora_scaling, "main_grad": self.main_grad,
-                "weights_transposed": self.weights_transposed}
+                "weights_transposed": self.weights_transposed,
+                "weight_format": self.weight_format}
 
     def _columns(self):
         """[first, end) of the intermediate columns (of I) this process holds."""
@@ -1481,8 +1584,9 @@ class MoeFFN(torch.nn.Module):
             raise ValueError(f"moec: '{prefix}_extra_state' is not a moec MoeFFN checkpoint's")
         theirs, mine = extra["layout"], self._layout()
         theirs.setdefault("weights_transposed", False)
+        theirs.setdefault("weight_format", None)
         for key in ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
-                    "lora_scaling", "weights_transposed"):
+                    "lora_scaling", "weight_format", "weights_transposed"):
             if theirs[key] != mine[key]:
                 raise ValueError(f"moec: the checkpoint is of another layer: its {key} is "
                                  f"{theirs[key]!r}, this layer's {mine[key]!r}")
@@ -1623,13 +1727,14 @@ class MoeFFN(torch.nn.Module):
                 + (f"tp_rank={self.tp_rank}, " if self.tp_rank is not None else "") +
                 f"local_ranks={self.local_ranks}, experts={self.experts}, hidden={self.hidden}, "
                 f"inter={self.inter}, top_k={self.top_k}, tokens={self.tokens}, "
-                f"dtype={self.w1.dtype}, "
+                f"dtype={self.dtype}, "
                 + (f"lora_rank={self.lora_rank}, lora_targets={self.lora_targets}, "
                    f"lora_scaling={self.lora_scaling:g} (base weights frozen, adapters "
                    "trained)" if self.lora_rank else
                    f"frozen={self.frozen}, main_grad={self.main_grad}")
                 + (", dispatch_dtype=fp8_e4m3" if self.dispatch_dtype == "fp8_e4m3" else "")
-                + (", weights_transposed=True" if self.weights_transposed else ""))
+                + (", weights_transposed=True" if self.weights_transposed else "")
+                + (f", weight_format={self.weight_format}" if self.weight_format else ""))
 
     # A layer owns a runtime (compiled binaries, worker threads, under MPI a
     # place in a collective order) that cannot be copied or pickled; its

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import checks, safetensors
+from . import checks, quant, safetensors
 
 __all__ = ["FAMILIES", "MoecExperts", "all_sum", "barrier", "find_blocks", "load_adapters",
            "load_checkpoint", "load_experts", "patch_model",
@@ -244,7 +244,7 @@ class MoecExperts(torch.nn.Module):
         layer = self.layer
         n, h = hidden_states.shape
         k = top_k_index.shape[-1]
-        x = hidden_states.to(layer.w1.dtype)
+        x = hidden_states.to(layer.dtype)
         weights = top_k_weights.float()
         ids = top_k_index.long()
         # The ranks this process runs: all of them in one process, its own
@@ -509,17 +509,13 @@ def _open(checkpoint):
         else safetensors.Checkpoint(checkpoint)
 
 
-def _dequantize_fp8(weight, scale_inv, name, block=128):
+def _dequantize_fp8(weight, scale_inv, name):
     """DeepSeek-V3's FP8 weight: e4m3 codes [out, in] times the fp32
-    weight_scale_inv of each block x block tile."""
-    w = safetensors.fp8_e4m3_to_float(weight)
-    rows, cols = w.shape
-    want = (-(-rows // block), -(-cols // block))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(f"moec: '{name}_scale_inv' has shape {list(scale_inv.shape)}; a "
-                         f"{list(w.shape)} weight in {block}x{block} blocks needs {list(want)}")
-    s = scale_inv.float().repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
-    return w * s
+    weight_scale_inv of each 128 x 128 tile."""
+    try:
+        return quant.dequantize_fp8_blocks(weight, scale_inv)
+    except ValueError as e:
+        raise ValueError(f"moec: '{name}_scale_inv': {str(e).removeprefix('moec: ')}") from None
 
 
 def _read_weight(ckpt, name):

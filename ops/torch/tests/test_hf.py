@@ -628,6 +628,6 @@ def test_adapter_and_checkpoint_error_paths(tmp_path):
     with pytest.raises(ValueError, match=f"have no '{gone}'"):
         mhf.load_adapters(model, tmp_path / "adapter")
     codes = safetensors.float_to_fp8_e4m3(torch.ones(130, 200))
-    with pytest.raises(ValueError, match=r"'w_scale_inv' has shape \[1, 2\]; a \[130, 200\] "
-                                         r"weight in 128x128 blocks needs \[2, 2\]"):
+    with pytest.raises(ValueError, match=r"'w_scale_inv': the scales have shape \[1, 2\]; codes "
+                                         r"of shape \[130, 200\] in 128x128 blocks need \[2, 2\]"):
         mhf._dequantize_fp8(codes, torch.ones(1, 2), "w")

@@ -74,7 +74,7 @@ def check_step(layer, x, ids, weights, dy, tol, reference_x=None, errors_out=Non
 def inputs(layer, seed, tokens=None, **route):
     tokens = tokens or layer.tokens
     g = torch.Generator().manual_seed(seed + 1000)
-    dtype = layer.w1.dtype
+    dtype = layer.dtype
     x = (torch.rand(layer.ranks, tokens, layer.hidden, generator=g) * 2 - 1).to(dtype)
     dy = (torch.rand(layer.ranks, tokens, layer.hidden, generator=g) * 2 - 1).to(dtype)
     ids, weights = routing(layer.ranks, tokens, layer.experts, layer.top_k, seed, **route)

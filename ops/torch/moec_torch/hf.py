@@ -342,7 +342,11 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
     names, default all three: gate_proj, up_proj, down_proj, Mixtral w1, w3,
     w2; lora_alpha defaults to lora_rank); the experts' base weights are then
     frozen. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
-    capacity_policy, timeout_seconds, fabric, target, check_finite, trace).
+    capacity_policy, timeout_seconds, fabric, target, check_finite, trace,
+    weight_format). With weight_format="fp8_block128" (frozen or LoRA) the
+    experts are held as FP8 e4m3 codes with a scale per 128 x 128 block:
+    load_experts copies an FP8 checkpoint's weight and weight_scale_inv as
+    they are, and quantizes a bf16 or fp32 one.
 
     The model's expert weights (on any device but meta) are converted once
     into the layer's and freed, except fused (v5) experts of a frozen or
@@ -410,10 +414,11 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         # (gate_up_proj [E, 2I, H], down_proj [E, H, I]), which the layer
         # reads in place.
         fused = _fused(block.experts)
-        transposed = fused and (bool(lora) or bool(options.get("frozen")))
+        transposed = (fused and (bool(lora) or bool(options.get("frozen")))) or \
+            bool(options.get("weight_format"))
         layer = MoeFFN(cfg, ranks, threads=threads, init_weights=False,
                        weights_transposed=transposed, **lora_args, **options)
-        if not (transposed and _adopt(layer, block.experts)):
+        if not (fused and transposed and _adopt(layer, block.experts)):
             _copy_in(layer, block, family, empty)
         if lora:
             _init_lora(layer, lora)
@@ -449,18 +454,31 @@ def _adopt(layer, experts):
     return True
 
 
+def _set_expert(layer, j, gate, up, down):
+    """Expert j of the layer from its nn.Linear weights [out, in]: copied,
+    or for quantized weights quantized (FP8 blocks of the stored matrices,
+    gate and up rows stacked)."""
+    if not layer.weight_format:
+        for to, w in zip(layer.projections(), (gate, up, down)):
+            to[j].copy_(w)
+        return
+    for name, w in (("w1", torch.cat((gate, up))), ("w2", down)):
+        codes, scales = quant.quantize_fp8_blocks(w.unsqueeze(0))
+        getattr(layer, name)[j].copy_(codes[0])
+        getattr(layer, name + "_scale")[j].copy_(scales[0])
+
+
 def _copy_in(layer, block, family, empty):
     """Copies this process's experts of `block` into the layer (unless the
     model's are on meta), one expert at a time."""
     with torch.no_grad():
         if empty:
-            layer.w1.zero_()
-            layer.w2.zero_()
+            for p in (layer.w1, layer.w2, *([layer.w1_scale, layer.w2_scale]
+                                            if layer.weight_format else [])):
+                p.zero_()
             return
-        mine = layer.projections()
         for j, e in enumerate(_local_experts(layer)):
-            for to, w in zip(mine, _expert_weights(block, family, e)):
-                to[j].copy_(w)
+            _set_expert(layer, j, *_expert_weights(block, family, e))
 
 
 def _init_lora(layer, lora):
@@ -568,10 +586,39 @@ def load_experts(model, checkpoint):
     with torch.no_grad():
         for layer, keys in plan:
             for j, g, u, d in keys:
-                for to, name in zip(layer.projections(), (g, u, d)):
-                    to[j].copy_(_read_weight(ckpt, name))
+                if not _copy_fp8_expert(layer, j, ckpt, g, u, d):
+                    _set_expert(layer, j, *(_read_weight(ckpt, n) for n in (g, u, d)))
                 read += [g, u, d]
     return read
+
+
+def _copy_fp8_expert(layer, j, ckpt, g, u, d):
+    """An FP8 checkpoint's expert into an fp8_block128 layer as it is: the
+    codes and weight_scale_inv copied, nothing dequantized. Where the blocks
+    do not line up (I not a multiple of 128: gate's last block and up's first
+    would share a block of the layer's w1) returns False, and the expert is
+    dequantized and quantized again."""
+    names = (g, u, d)
+    if layer.weight_format != "fp8_block128" or layer.inter % quant.BLOCK or \
+            any(ckpt.dtype(n) != "F8_E4M3" for n in names):
+        return False
+    i, b = layer.inter, layer.inter // quant.BLOCK
+    for n in names:
+        if n + "_scale_inv" not in ckpt:
+            raise ValueError(f"moec: '{n}' is F8_E4M3 and the checkpoint has no "
+                             f"'{n}_scale_inv' to go with it")
+    for (name, rows, blocks), n in zip((("w1", slice(0, i), slice(0, b)),
+                                        ("w1", slice(i, 2 * i), slice(b, 2 * b)),
+                                        ("w2", slice(None), slice(None))), names):
+        codes, scales = ckpt.get_tensor(n), ckpt.get_tensor(n + "_scale_inv")
+        want = tuple(getattr(layer, name + "_scale")[j, blocks].shape)
+        if tuple(scales.shape) != want:
+            raise ValueError(f"moec: '{n}_scale_inv' in {ckpt.where(n + '_scale_inv')} has "
+                             f"shape {list(scales.shape)}; a {list(codes.shape)} weight in "
+                             f"128x128 blocks needs {list(want)}")
+        getattr(layer, name)[j, rows].copy_(codes)
+        getattr(layer, name + "_scale")[j, blocks].copy_(scales)
+    return True
 
 
 def load_checkpoint(model, checkpoint):
@@ -822,8 +869,8 @@ def _merged_experts(name, experts):
     """{checkpoint name: tensor} of one block's merged experts this process
     holds (adapters folded in), in the model's layout [out, in]."""
     layer = experts.layer
-    gate, up, down = layer.projections(*layer.merged_weights()) if layer.lora_rank \
-        else layer.projections()
+    gate, up, down = layer.projections(*(layer.merged_weights() if layer.lora_rank
+                                         else layer.dequantized_weights()))
     prefix = _checkpoint_prefix(name, experts.family)
     g, u, d = experts.family.projections
     out = {}
@@ -845,7 +892,7 @@ def _expert_entries(blocks, rank):
         for e in range(first, first + layer.local_experts):
             for p, shape in ((g, (layer.inter, layer.hidden)), (u, (layer.inter, layer.hidden)),
                              (d, (layer.hidden, layer.inter))):
-                out.append((f"{prefix}.experts.{e}.{p}.weight", layer.w1.dtype, shape))
+                out.append((f"{prefix}.experts.{e}.{p}.weight", layer.dtype, shape))
     return out
 
 

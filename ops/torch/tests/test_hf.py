@@ -16,7 +16,7 @@ import torch
 
 import moec_torch
 import moec_torch.hf as mhf
-from moec_torch import hf_lora, hf_models, safetensors
+from moec_torch import hf_lora, hf_models, quant, safetensors
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe"]
 LAYOUTS = ["modules", "fused"]
@@ -548,6 +548,50 @@ def test_fp8_checkpoint_is_dequantized(tmp_path):
                                      if v.dtype == torch.uint8})
     with pytest.raises(ValueError, match=f"'{key}' is F8_E4M3.*no '{key}_scale_inv'"):
         mhf.load_checkpoint(model, tmp_path / "bad")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_checkpoint_stays_fp8(tmp_path, layout):
+    """DeepSeek-V3's FP8 experts into a LoRA layer with
+    weight_format="fp8_block128" (H 256, I 128: whole blocks): the codes and
+    weight_scale_inv are copied as they are (nothing dequantized), and the
+    patched model's logits and embedding gradient are the unpatched model's
+    on the dequantized weights. A bf16 checkpoint is quantized on load."""
+    sizes = dict(hidden_size=256, moe_intermediate_size=128, num_attention_heads=4)
+    src = make_model("deepseek_v3", layout, **sizes)
+    state = write_checkpoint(src, tmp_path / "ckpt", max_shard_size=400_000, fp8=True)
+    model = make_model("deepseek_v3", layout, seed=3, **sizes)
+    mhf.patch_model(model, ranks=2, threads=1, lora_rank=2, lora_alpha=4,
+                    weight_format="fp8_block128")
+    mhf.load_checkpoint(model, tmp_path / "ckpt")
+    layer = model.model.layers[1].mlp.experts.layer
+    assert layer.weight_format == "fp8_block128" and layer.w1.dtype == torch.uint8
+    key = "model.layers.1.mlp.experts.5.{}_proj.weight"
+    assert torch.equal(layer.w1[5, :128], state[key.format("gate")])
+    assert torch.equal(layer.w1[5, 128:], state[key.format("up")])
+    assert torch.equal(layer.w2[5], state[key.format("down")])
+    assert torch.equal(layer.w1_scale[5, 1:], state[key.format("up") + "_scale_inv"])
+    assert torch.equal(layer.w2_scale[5], state[key.format("down") + "_scale_inv"])
+    # The judge: the unpatched model on the dequantized checkpoint.
+    ref = make_model("deepseek_v3", "modules", seed=5, **sizes)
+    dense = {k: quant.dequantize_fp8_blocks(v, state[k + "_scale_inv"]) if v.dtype == torch.uint8
+             else v for k, v in state.items() if not k.endswith("_scale_inv")}
+    hf_models.load_checkpoint_state_dict(ref, dense)
+    ids = tokens()
+    out, want = model(ids), ref(ids)
+    close(out.logits, want.logits, 1e-5, "logits")
+    g = torch.randn_like(want.logits)
+    out.logits.backward(g)
+    want.logits.backward(g)
+    close(model.get_input_embeddings().weight.grad, ref.get_input_embeddings().weight.grad, 1e-5,
+          "embedding gradient")
+    # A bf16 (here fp32) checkpoint is quantized as it loads.
+    write_checkpoint(src, tmp_path / "dense", max_shard_size=400_000)
+    mhf.load_checkpoint(model, tmp_path / "dense")
+    (_, block, family), = [b for b in mhf.find_blocks(src) if b[0] == "model.layers.1.mlp"]
+    gate = mhf._expert_weights(block, family, 5)[0]
+    codes, scales = quant.quantize_fp8_blocks(gate.unsqueeze(0))
+    assert torch.equal(layer.w1[5, :128], codes[0]) and torch.equal(layer.w1_scale[5, :1], scales[0])
 
 
 def test_load_checkpoint_refusals(tmp_path):

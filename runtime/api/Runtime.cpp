@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -300,6 +301,20 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
   if (have != dims)
     return Status::error(fmt::format("rank {}: tensor '{}' has shape {}; expected [{}]", rank,
                                      kBindingNames[b], shapeString(t), fmt::join(dims, ", ")));
+  if (b == kW1Scale || b == kW2Scale) {
+    // An FP8 weight's block scales multiply its codes: each must be a
+    // finite positive number (a NaN or zero scale would make every value
+    // of its block NaN or zero without a word).
+    const float *scales = static_cast<const float *>(t.data);
+    const int64_t perExpert = dims[1] * dims[2];
+    for (int64_t i = 0; i < dims[0] * perExpert; ++i)
+      if (!(std::isfinite(scales[i]) && scales[i] > 0))
+        return Status::error(fmt::format(
+            "rank {}: tensor '{}' (FP8 block scales) holds {} at local expert {}, block [{}, {}]; "
+            "a scale must be a finite positive number",
+            rank, kBindingNames[b], scales[i], i / perExpert, i % perExpert / dims[2],
+            i % dims[2]));
+  }
   return Status::success();
 }
 

@@ -947,6 +947,11 @@ class MoeFFN(torch.nn.Module):
                                  "layer (frozen=True or lora_rank=): quantized weights get no "
                                  "gradients")
             weights_transposed = True
+            sizes = {k: cfg.get(k) for k in ("hidden_size", "intermediate_size")}
+            if any(not isinstance(v, int) or v % quant.BLOCK for v in sizes.values()):
+                raise ValueError(f"moec: weight_format={weight_format!r} holds whole 128 x 128 "
+                                 f"blocks: hidden_size and intermediate_size must be multiples "
+                                 f"of 128; the config has {sizes}")
         self.weight_format = weight_format
         if weights_transposed and not frozen:
             raise ValueError("moec: weights_transposed=True needs a frozen or LoRA layer "

@@ -38,7 +38,9 @@ adapters' gradients only), and split: moec_torch.Exchange's dispatch, the
 experts in plain PyTorch (one matmul pair per expert on unbind slices), and
 its combine. It prints each one's step time and backward pass time (moec's
 passes), and their ratios to the full layer's: split's step ratio is what
-fusing the layer saves.
+fusing the layer saves. frozen_fp8 and lora_fp8 (not run by default) are
+the frozen and lora layers with their base weights quantized to FP8 e4m3
+blocks (weight_format="fp8_block128").
 """
 
 import argparse
@@ -111,6 +113,9 @@ def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
 
 VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
             "lora": {"lora_rank": 16, "lora_alpha": 32}}
+# FP8 forms of the frozen and LoRA variants: their layer's weights quantized
+# (quantize_weights: FP8 e4m3 codes, a scale per 128 x 128 block).
+FP8_VARIANTS = {"frozen_fp8": "frozen", "lora_fp8": "lora"}
 
 
 def bench_training(cfg, ranks, dtype, threads, repeat, variants):
@@ -133,6 +138,11 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
         elif layers:
             layer.load_state_dict(layers["full"].state_dict(), strict=False)
         layers[name] = layer
+    for name in (v for v in variants if v in FP8_VARIANTS):
+        dense = layers.get(FP8_VARIANTS[name])
+        if dense is None:
+            raise SystemExit(f"bench.py: variant {name} needs {FP8_VARIANTS[name]} before it")
+        layers[name] = dense.quantize_weights("fp8_block128")
     x, ids, weights, dy = make_inputs(layers["full"], ranks)
     exchange = moec_torch.Exchange(cfg, ranks, threads=threads)
     full = layers["full"]
@@ -318,7 +328,9 @@ def main():
                    help="the moec CLI, for its GMM tile rate (default: $MOEC_BIN or bazel-bin)")
     p.add_argument("--variants", default="full,main_grad,frozen,lora,split",
                    help="with --training: the variants to compare (full always runs; each "
-                        "variant holds its own layer, so fewer fit a smaller machine)")
+                        "variant holds its own layer, so fewer fit a smaller machine); also "
+                        "frozen_fp8 and lora_fp8, the frozen and lora layers with their "
+                        "weights as FP8 blocks")
     p.add_argument("--memory", action="store_true",
                    help="measure moec alone: peak RSS of --repeat training steps (each dtype "
                         "in a process of its own) against the bytes the layer must hold, "

@@ -262,3 +262,24 @@ TEST_CASE("weights in 128 x 128 blocks: one scale per block, any sub-block dequa
             moec::cpu::floatToBf16(back[size_t(i * cols + j)]));
   CHECK(part[size_t(ld - 1)] == 0xFFFF); // nothing past the columns asked for
 }
+
+TEST_CASE("dequantizing gives every code's table value times its scale, NaN for NaN codes") {
+  // All 256 codes in a row, twice (a vector path takes 16 at a time), in a
+  // block with an awkward scale.
+  const int64_t cols = 512;
+  std::vector<uint8_t> codes(static_cast<size_t>(cols));
+  for (int64_t j = 0; j < cols; ++j)
+    codes[size_t(j)] = uint8_t(j % 256);
+  const float scales[4] = {0.3f, 1e-20f, 7.0f, 2.5e-3f};
+  std::vector<float> out(static_cast<size_t>(cols));
+  moec::cpu::dequantizeBlocks(codes.data(), scales, cols, 0, 1, 0, cols, out.data(),
+                              moec::DType::F32, cols);
+  for (int64_t j = 0; j < cols; ++j) {
+    const float want = moec::cpu::e4m3ToFloat(codes[size_t(j)]) * scales[j / 128];
+    INFO("code " << j % 256 << " scale " << scales[j / 128]);
+    if (std::isnan(want))
+      CHECK(std::isnan(out[size_t(j)]));
+    else
+      CHECK(std::memcmp(&out[size_t(j)], &want, 4) == 0); // -0.0 stays -0.0
+  }
+}

@@ -39,12 +39,19 @@
 //   moec::safetensors_parse_header(Tensor header, int data_bytes) -> str
 //
 // return a header, checked, as normalized JSON (tensors in offset order,
-// metadata), or fail with the checker's message.
+// metadata), or fail with the checker's message. And the FP8 block
+// quantizer of frozen weights (runtime/cpu/Fp8.h) for moec_torch.quant:
+//
+//   moec::quantize_fp8_blocks(Tensor w) -> (Tensor codes, Tensor scales)
+//
+// w float32 [N, R, C] -> codes uint8 [N, R, C], scales float32
+// [N, ceil(R / 128), ceil(C / 128)].
 //
 //===----------------------------------------------------------------------===//
 
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
+#include "runtime/cpu/Fp8.h"
 #include "runtime/tooling/Profile.h"
 #include "runtime/tooling/Safetensors.h"
 #include "runtime/tooling/Workspace.h"
@@ -1094,6 +1101,22 @@ std::string safetensorsReadHeaderOp(int64_t fd, int64_t fileBytes) {
   return moec::safetensors::headerToJson(header);
 }
 
+/// FP8 codes and 128 x 128 block scales of each matrix of `w` [N, R, C].
+std::tuple<at::Tensor, at::Tensor> quantizeFp8BlocksOp(const at::Tensor &w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 3,
+              "moec: quantize_fp8_blocks takes a float32 CPU tensor [N, R, C]");
+  const at::Tensor in = w.contiguous();
+  const int64_t n = in.size(0), rows = in.size(1), cols = in.size(2);
+  const int64_t B = moec::cpu::kFp8WeightBlock, rb = (rows + B - 1) / B, cb = (cols + B - 1) / B;
+  at::Tensor codes = at::empty({n, rows, cols}, in.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({n, rb, cb}, in.options());
+  for (int64_t i = 0; i < n; ++i)
+    moec::cpu::quantizeBlocks(in.data_ptr<float>() + i * rows * cols, cols, rows, cols,
+                              codes.data_ptr<uint8_t>() + i * rows * cols,
+                              scales.data_ptr<float>() + i * rb * cb);
+  return {codes, scales};
+}
+
 /// The header bytes `header` (uint8) checked against a data area of
 /// `data_bytes`, as safetensorsReadHeaderOp returns them.
 std::string safetensorsParseHeaderOp(const at::Tensor &header, int64_t dataBytes) {
@@ -1148,4 +1171,5 @@ TORCH_LIBRARY(moec, m) {
   m.def("finalize_mpi() -> ()", finalizeMpiOp);
   m.def("safetensors_read_header(int fd, int file_bytes) -> str", safetensorsReadHeaderOp);
   m.def("safetensors_parse_header(Tensor header, int data_bytes) -> str", safetensorsParseHeaderOp);
+  m.def("quantize_fp8_blocks(Tensor w) -> (Tensor, Tensor)", quantizeFp8BlocksOp);
 }

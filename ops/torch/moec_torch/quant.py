@@ -28,19 +28,14 @@ def _blocks(n):
 
 def quantize_fp8_blocks(w):
     """(codes uint8 [..., R, C], scales float32 [..., ceil(R/128), ceil(C/128)])
-    of w [..., R, C], block by block of its last two dims."""
-    w = w.detach().float()
+    of w [..., R, C], block by block of its last two dims: the runtime's
+    quantizer (torch.ops.moec.quantize_fp8_blocks), one matrix at a time."""
+    from . import load_library  # the package imports this module first
+    load_library()
     *lead, rows, cols = w.shape
-    pad = (0, _blocks(cols) * BLOCK - cols, 0, _blocks(rows) * BLOCK - rows)
-    padded = torch.nn.functional.pad(w, pad)
-    blocks = padded.reshape(*lead, _blocks(rows), BLOCK, _blocks(cols), BLOCK)
-    amax = blocks.abs().amax(dim=(-3, -1))
-    finite = torch.isfinite(blocks).all(dim=-3).all(dim=-1)
-    scales = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
-    spread = scales.repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
-    codes = safetensors.float_to_fp8_e4m3(padded / spread)
-    return codes[..., :rows, :cols].contiguous(), scales.contiguous()
+    codes, scales = torch.ops.moec.quantize_fp8_blocks(
+        w.detach().float().reshape(-1, rows, cols).contiguous())
+    return codes.reshape(w.shape), scales.reshape(*lead, *scales.shape[1:])
 
 
 def dequantize_fp8_blocks(codes, scales, dtype=torch.float32):

@@ -934,6 +934,23 @@ TEST_CASE("a frozen layer's backward takes no weight gradients", "[runtime][gpu]
              Catch::Contains("backward program has none (frozen weights)"));
 }
 
+/// Each expert's w1 [H, 2I] and w2 [I, H] of `L` experts, transposed: the
+/// [L, 2I, H] and [L, H, I] layout of Hugging Face's fused experts.
+std::pair<std::vector<float>, std::vector<float>>
+transposeExperts(const std::vector<float> &w1, const std::vector<float> &w2, int64_t L, int64_t H,
+                 int64_t I) {
+  std::vector<float> t1(w1.size()), t2(w2.size());
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t j = 0; j < 2 * I; ++j)
+        t1[size_t((l * 2 * I + j) * H + h)] = w1[size_t((l * H + h) * 2 * I + j)];
+    for (int64_t i = 0; i < I; ++i)
+      for (int64_t h = 0; h < H; ++h)
+        t2[size_t((l * H + h) * I + i)] = w2[size_t((l * I + i) * H + h)];
+  }
+  return {std::move(t1), std::move(t2)};
+}
+
 TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", "[runtime]") {
   // w1 [L, 2I, H] and w2 [L, H, I], each expert's matrix transposed (the
   // layout of Hugging Face's fused experts), run by the *_transposed graphs:
@@ -964,16 +981,7 @@ TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", 
     Run plain = prepare(c, in, bwd->shape());
     Run swapped = prepare(c, in, bwdT->shape());
     for (uint32_t r = 0; r < c.ranks; ++r) { // each expert's matrices transposed
-      std::vector<float> w1 = plain.w1[r].values(), w2 = plain.w2[r].values();
-      std::vector<float> t1(w1.size()), t2(w2.size());
-      for (int64_t l = 0; l < L; ++l) {
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t j = 0; j < 2 * I; ++j)
-            t1[size_t((l * 2 * I + j) * H + h)] = w1[size_t((l * H + h) * 2 * I + j)];
-        for (int64_t i = 0; i < I; ++i)
-          for (int64_t h = 0; h < H; ++h)
-            t2[size_t((l * H + h) * I + i)] = w2[size_t((l * I + i) * H + h)];
-      }
+      auto [t1, t2] = transposeExperts(plain.w1[r].values(), plain.w2[r].values(), L, H, I);
       swapped.w1[r] = Stored(t1, bf16);
       swapped.w2[r] = Stored(t2, bf16);
     }
@@ -1072,16 +1080,7 @@ TEST_CASE("FP8 base weights in 128 x 128 blocks: the dense layer on the dequanti
     std::vector<std::vector<float>> scales1(c.ranks), scales2(c.ranks);
     Run dense = prepare(c, in, bwd->shape()), quantized = prepare(c, in, bwd8->shape());
     for (uint32_t r = 0; r < c.ranks; ++r) {
-      std::vector<float> w1 = dense.w1[r].values(), w2 = dense.w2[r].values();
-      std::vector<float> t1(w1.size()), t2(w2.size());
-      for (int64_t l = 0; l < L; ++l) {
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t j = 0; j < 2 * I; ++j)
-            t1[size_t((l * 2 * I + j) * H + h)] = w1[size_t((l * H + h) * 2 * I + j)];
-        for (int64_t i = 0; i < I; ++i)
-          for (int64_t h = 0; h < H; ++h)
-            t2[size_t((l * H + h) * I + i)] = w2[size_t((l * I + i) * H + h)];
-      }
+      auto [t1, t2] = transposeExperts(dense.w1[r].values(), dense.w2[r].values(), L, H, I);
       codes1[r].resize(t1.size());
       codes2[r].resize(t2.size());
       scales1[r].resize(size_t(L * (2 * I / 128) * (H / 128)));

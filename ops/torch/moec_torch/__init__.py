@@ -395,10 +395,7 @@ def _layer_graphs(frozen, lora_targets, transposed=False, weight_format=None):
                              "frozen or LoRA layer: the base weights' gradients are computed "
                              "in the [E, H, 2I] layout only")
         graphs = [g.replace(".json", "_transposed.json") for g in graphs]
-    if weight_format is not None:
-        if weight_format not in quant.WEIGHT_FORMATS:
-            raise ValueError(f"moec: weight_format must be one of {quant.WEIGHT_FORMATS} or "
-                             f"None, got {weight_format!r}")
+    if quant.check_format(weight_format) is not None:
         if not transposed:
             raise ValueError(f"moec: {weight_format} weights are stored as checkpoints ship "
                              "them, [out, in]: the transposed layout (weights_transposed=True)")
@@ -938,10 +935,7 @@ class MoeFFN(torch.nn.Module):
             frozen = True
         elif lora_alpha is not None:
             raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
-        if weight_format is not None:
-            if weight_format not in quant.WEIGHT_FORMATS:
-                raise ValueError(f"moec: weight_format must be one of {quant.WEIGHT_FORMATS} or "
-                                 f"None, got {weight_format!r}")
+        if quant.check_format(weight_format) is not None:
             if not frozen:
                 raise ValueError(f"moec: weight_format={weight_format!r} needs a frozen or LoRA "
                                  "layer (frozen=True or lora_rank=): quantized weights get no "

@@ -14,12 +14,21 @@ import torch
 
 from . import safetensors
 
-__all__ = ["BLOCK", "WEIGHT_FORMATS", "dequantize_fp8_blocks", "quantize_fp8_blocks"]
+__all__ = ["BLOCK", "WEIGHT_FORMATS", "check_format", "dequantize_fp8_blocks",
+           "quantize_fp8_blocks"]
 
 BLOCK = 128
 WEIGHT_FORMATS = ("fp8_block128",)
 # The runtime's codes of the formats (LayerShape::weightFormat; info()).
 FORMAT_CODES = {None: 0, "fp8_block128": 1}
+
+
+def check_format(weight_format):
+    """`weight_format` (None: dense), or ValueError naming the formats."""
+    if weight_format is not None and weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"moec: weight_format must be one of {WEIGHT_FORMATS} or None, got "
+                         f"{weight_format!r}")
+    return weight_format
 
 
 def _blocks(n):

@@ -188,8 +188,14 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
     p.slots[1].flags |= 0x80;
     CHECK(contentError(p) == "slot 1 'dispatched_x': unknown flag bits 0x80");
     p = smallProgram();
-    p.tilings[0].flags = 0x40;
-    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x40");
+    p.tilings[0].flags = 0x80;
+    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x80");
+    // Block-scaled FP8 weights: on an activation GMM with the scales as
+    // input 3 only (tiling 0 is the dispatch's).
+    p = smallProgram();
+    p.tilings[0].flags = kTilingBlockScaledB;
+    CHECK(contentError(p) ==
+          "tiling 0: block-scaled weights need an activation GMM with their scales as input 3");
     // Shared-out rows: on a put or an activation GMM; not on a weight
     // gradient, which tiles its result.
     p = smallProgram();

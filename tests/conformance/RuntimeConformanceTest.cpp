@@ -1253,6 +1253,16 @@ TEST_CASE("the cuda backend refuses what it does not do, before it looks for a G
   if (std::string(moec::test::testFabricName()) == "in-process")
     CHECK_THAT(refusal(ContextOptions()),
                Catch::Contains("the cuda backend does not take base weights stored transposed"));
+  // FP8 weights in blocks.
+  Case fp8w = c;
+  fp8w.hidden = 256;
+  fp8w.inter = 128;
+  std::tie(fwd, bwd) = compile(fp8w, "graphs/moe_ffn_fwd_transposed_fp8.json",
+                               "graphs/moe_ffn_bwd_frozen_transposed_fp8.json");
+  REQUIRE(fwd->shape().weightFormat == moec::WeightFormat::Fp8Block128);
+  if (std::string(moec::test::testFabricName()) == "in-process")
+    CHECK_THAT(refusal(ContextOptions()),
+               Catch::Contains("the cuda backend does not take fp8_block128 weights"));
 }
 
 TEST_CASE("an FP8 forward binary is refused when its quantize chain is broken", "[runtime]") {

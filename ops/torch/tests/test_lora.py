@@ -22,15 +22,16 @@ def randomize_adapters(layer, seed):
 
 def reference_step(layer, x, ids, weights, dy):
     """y, dx, dtopk_weights and the adapters' gradients of plain autograd in
-    float64 on the layer's values."""
+    float64 on the layer's values (its weights as it computes with them:
+    dequantized where they are stored quantized, in either layout)."""
     x = x.double().requires_grad_()
     weights = weights.double().requires_grad_()
     adapters = [p.detach().double().requires_grad_() for p in layer.adapters()]
     lora = {name: tuple(adapters[2 * i:2 * i + 2]) for i, name in enumerate(layer.lora_targets)}
-    w1, w2 = (w.detach().double() for w in (layer.w1, layer.w2))
+    w1, w2 = (w.detach().double() for w in layer.dequantized_weights())
     if layer.weights_transposed:  # [E, 2I, H], [E, H, I]
         w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
-    y = reference.moe_ffn(x, ids, weights, w1, w2, lora, layer.lora_scaling)
+    y = reference.moe_ffn(x, ids, weights, w1, w2, lora or None, layer.lora_scaling or 1.0)
     y.backward(dy.double())
     return y.detach(), x.grad, weights.grad, [a.grad for a in adapters]
 

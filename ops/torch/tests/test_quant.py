@@ -7,28 +7,15 @@ import pytest
 import torch
 
 import moec_torch
-from moec_torch import quant, reference
+from moec_torch import quant
 
-from test_lora import randomize_adapters
+from test_lora import randomize_adapters, reference_step
 from test_moe_ffn import BF16_TOL, FP32_TOL, config, inputs, rel_err
 
 
 def fp8_config(dtype):
     # H and I multiples of 128: whole blocks.
     return config(hidden=256, inter=128, tokens=64, dtype=dtype)
-
-
-def reference_step(layer, x, ids, weights, dy):
-    """y, dx, dtopk_weights and the adapters' gradients of autograd in float64
-    on the layer's dequantized weights."""
-    x = x.double().requires_grad_()
-    weights = weights.double().requires_grad_()
-    adapters = [p.detach().double().requires_grad_() for p in layer.adapters()]
-    lora = {name: tuple(adapters[2 * i:2 * i + 2]) for i, name in enumerate(layer.lora_targets)}
-    w1, w2 = (w.double().transpose(1, 2) for w in layer.dequantized_weights())
-    y = reference.moe_ffn(x, ids, weights, w1, w2, lora or None, layer.lora_scaling or 1.0)
-    y.backward(dy.double())
-    return y.detach(), x.grad, weights.grad, [a.grad for a in adapters]
 
 
 def test_blocks_round_trip():

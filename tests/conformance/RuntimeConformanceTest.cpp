@@ -934,6 +934,32 @@ TEST_CASE("a frozen layer's backward takes no weight gradients", "[runtime][gpu]
              Catch::Contains("backward program has none (frozen weights)"));
 }
 
+/// Binds rank r's tensors of `run` but its weights, which are `w1` and
+/// `w2` as given (another layout or format), with `extra` tensors (block
+/// scales), and its routing; a frozen backward's, so no weight gradients.
+void bindRank(Context &ctx, const Case &c, Run &run, uint32_t r, const moec::rt::Tensor &w1,
+              const moec::rt::Tensor &w2,
+              const std::vector<std::pair<const char *, moec::rt::Tensor>> &extra = {}) {
+  const int64_t S = int64_t(run.ids[r].size()) / c.topK, H = c.hidden;
+  std::vector<std::pair<const char *, moec::rt::Tensor>> tensors = {
+      {"x", makeTensor(run.x[r].data(), run.x[r].dtype(), {S, H})},
+      {"y", makeTensor(run.y[r].data(), run.y[r].dtype(), {S, H})},
+      {"w1", w1},
+      {"w2", w2},
+      {"dy", makeTensor(run.dy[r].data(), run.dy[r].dtype(), {S, H})},
+      {"dx", makeTensor(run.dx[r].data(), run.dx[r].dtype(), {S, H})},
+      {"dtopk_weights", makeTensor(run.dtopk[r].data(), DType::F32, {S, c.topK})}};
+  tensors.insert(tensors.end(), extra.begin(), extra.end());
+  for (const auto &[name, tensor] : tensors) {
+    Status bound = ctx.bind(r, name, tensor);
+    INFO(name << ": " << bound.message());
+    REQUIRE(bound.ok());
+  }
+  REQUIRE(ctx.setRouting(r, makeTensor(run.ids[r].data(), DType::I64, {S, c.topK}),
+                         makeTensor(run.weights[r].data(), DType::F32, {S, c.topK}))
+              .ok());
+}
+
 /// Each expert's w1 [H, 2I] and w2 [I, H] of `L` experts, transposed: the
 /// [L, 2I, H] and [L, H, I] layout of Hugging Face's fused experts.
 std::pair<std::vector<float>, std::vector<float>>
@@ -994,27 +1020,11 @@ TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", 
       localRanks = ctx->localRanks();
       for (uint32_t r = ctx->firstLocalRank(); r < ctx->firstLocalRank() + ctx->localRanks();
            ++r) {
-        const int64_t S = int64_t(run->ids[r].size()) / c.topK;
         const int64_t d1[3] = {L, transposed ? 2 * I : H, transposed ? H : 2 * I};
         const int64_t d2[3] = {L, transposed ? H : I, transposed ? I : H};
-        for (const auto &[name, tensor] : {
-                 std::pair{"x", makeTensor(run->x[r].data(), run->x[r].dtype(), {S, H})},
-                 std::pair{"y", makeTensor(run->y[r].data(), run->y[r].dtype(), {S, H})},
-                 std::pair{"w1", makeTensor(run->w1[r].data(), run->w1[r].dtype(),
-                                            {d1[0], d1[1], d1[2]})},
-                 std::pair{"w2", makeTensor(run->w2[r].data(), run->w2[r].dtype(),
-                                            {d2[0], d2[1], d2[2]})},
-                 std::pair{"dy", makeTensor(run->dy[r].data(), run->dy[r].dtype(), {S, H})},
-                 std::pair{"dx", makeTensor(run->dx[r].data(), run->dx[r].dtype(), {S, H})},
-                 std::pair{"dtopk_weights",
-                           makeTensor(run->dtopk[r].data(), DType::F32, {S, c.topK})}}) {
-          Status bound = ctx->bind(r, name, tensor);
-          INFO(name << ": " << bound.message());
-          REQUIRE(bound.ok());
-        }
-        REQUIRE(ctx->setRouting(r, makeTensor(run->ids[r].data(), DType::I64, {S, c.topK}),
-                                makeTensor(run->weights[r].data(), DType::F32, {S, c.topK}))
-                    .ok());
+        bindRank(*ctx, c, *run, r,
+                 makeTensor(run->w1[r].data(), run->w1[r].dtype(), {d1[0], d1[1], d1[2]}),
+                 makeTensor(run->w2[r].data(), run->w2[r].dtype(), {d2[0], d2[1], d2[2]}));
       }
       if (transposed) { // the [L, H, 2I] dims are refused, naming the expected ones
         const uint32_t r = firstLocal;
@@ -1109,32 +1119,17 @@ TEST_CASE("FP8 base weights in 128 x 128 blocks: the dense layer on the dequanti
       firstLocal = ctx->firstLocalRank();
       localRanks = ctx->localRanks();
       for (uint32_t r = firstLocal; r < firstLocal + localRanks; ++r) {
-        const int64_t S = int64_t(run.ids[r].size()) / c.topK;
         const DType wt = fp8 ? DType::F8E4M3 : run.w1[r].dtype();
         void *w1 = fp8 ? static_cast<void *>(codes1[r].data()) : run.w1[r].data();
         void *w2 = fp8 ? static_cast<void *>(codes2[r].data()) : run.w2[r].data();
-        std::vector<std::pair<const char *, moec::rt::Tensor>> tensors = {
-            {"x", makeTensor(run.x[r].data(), run.x[r].dtype(), {S, H})},
-            {"y", makeTensor(run.y[r].data(), run.y[r].dtype(), {S, H})},
-            {"w1", makeTensor(w1, wt, {L, 2 * I, H})},
-            {"w2", makeTensor(w2, wt, {L, H, I})},
-            {"dy", makeTensor(run.dy[r].data(), run.dy[r].dtype(), {S, H})},
-            {"dx", makeTensor(run.dx[r].data(), run.dx[r].dtype(), {S, H})},
-            {"dtopk_weights", makeTensor(run.dtopk[r].data(), DType::F32, {S, c.topK})}};
-        if (fp8) {
-          tensors.push_back({"w1_scale", makeTensor(scales1[r].data(), DType::F32,
-                                                    {L, 2 * I / 128, H / 128})});
-          tensors.push_back({"w2_scale", makeTensor(scales2[r].data(), DType::F32,
-                                                    {L, H / 128, I / 128})});
-        }
-        for (const auto &[name, tensor] : tensors) {
-          Status bound = ctx->bind(r, name, tensor);
-          INFO(name << ": " << bound.message());
-          REQUIRE(bound.ok());
-        }
-        REQUIRE(ctx->setRouting(r, makeTensor(run.ids[r].data(), DType::I64, {S, c.topK}),
-                                makeTensor(run.weights[r].data(), DType::F32, {S, c.topK}))
-                    .ok());
+        std::vector<std::pair<const char *, moec::rt::Tensor>> scales;
+        if (fp8)
+          scales = {{"w1_scale", makeTensor(scales1[r].data(), DType::F32,
+                                            {L, 2 * I / 128, H / 128})},
+                    {"w2_scale", makeTensor(scales2[r].data(), DType::F32,
+                                            {L, H / 128, I / 128})}};
+        bindRank(*ctx, c, run, r, makeTensor(w1, wt, {L, 2 * I, H}),
+                 makeTensor(w2, wt, {L, H, I}), scales);
       }
       if (fp8) { // scales of the wrong shape are refused, naming them
         std::vector<float> wrong(size_t(L * 2 * I / 128 * H / 64));

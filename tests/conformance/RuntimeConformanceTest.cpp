@@ -960,6 +960,30 @@ void bindRank(Context &ctx, const Case &c, Run &run, uint32_t r, const moec::rt:
               .ok());
 }
 
+/// A forward and a backward pass of `ctx`, both required to succeed.
+void runPasses(Context &ctx) {
+  Status f = ctx.forward();
+  INFO("forward: " << f.message());
+  REQUIRE(f.ok());
+  Status b = ctx.backward();
+  INFO("backward: " << b.message());
+  REQUIRE(b.ok());
+}
+
+/// y, dx and dtopk_weights of `got` within `tol` of `want`'s (relative to
+/// their scale) on ranks [first, first + count).
+void checkClose(const Run &got, const Run &want, uint32_t first, uint32_t count, double tol) {
+  const auto close = [&](const std::vector<float> &a, const std::vector<float> &b) {
+    return relError(a, std::vector<double>(b.begin(), b.end())) < tol;
+  };
+  for (uint32_t r = first; r < first + count; ++r) {
+    INFO("rank " << r);
+    CHECK(close(got.y[r].values(), want.y[r].values()));
+    CHECK(close(got.dx[r].values(), want.dx[r].values()));
+    CHECK(close(got.dtopk[r], want.dtopk[r]));
+  }
+}
+
 /// Each expert's w1 [H, 2I] and w2 [I, H] of `L` experts, transposed: the
 /// [L, 2I, H] and [L, H, I] layout of Hugging Face's fused experts.
 std::pair<std::vector<float>, std::vector<float>>
@@ -1039,22 +1063,9 @@ TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", 
                                               {L, 2 * I, H}))
                     .ok());
       }
-      Status f = ctx->forward();
-      INFO("forward: " << f.message());
-      REQUIRE(f.ok());
-      Status b2 = ctx->backward();
-      INFO("backward: " << b2.message());
-      REQUIRE(b2.ok());
+      runPasses(*ctx);
     }
-    const double tol = bf16 ? 2e-2 : 1e-5;
-    for (uint32_t r = firstLocal; r < firstLocal + localRanks; ++r) {
-      const auto close = [&](const std::vector<float> &a, const std::vector<float> &b) {
-        return relError(a, std::vector<double>(b.begin(), b.end())) < tol;
-      };
-      CHECK(close(swapped.y[r].values(), plain.y[r].values()));
-      CHECK(close(swapped.dx[r].values(), plain.dx[r].values()));
-      CHECK(close(swapped.dtopk[r], plain.dtopk[r]));
-    }
+    checkClose(swapped, plain, firstLocal, localRanks, bf16 ? 2e-2 : 1e-5);
   }
 }
 
@@ -1142,22 +1153,9 @@ TEST_CASE("FP8 base weights in 128 x 128 blocks: the dense layer on the dequanti
                                      {L, 2 * I / 128, H / 128}))
                     .ok());
       }
-      Status f = ctx->forward();
-      INFO("forward: " << f.message());
-      REQUIRE(f.ok());
-      Status b = ctx->backward();
-      INFO("backward: " << b.message());
-      REQUIRE(b.ok());
+      runPasses(*ctx);
     }
-    const double tol = bf16 ? 2e-2 : 1e-5;
-    for (uint32_t r = firstLocal; r < firstLocal + localRanks; ++r) {
-      const auto close = [&](const std::vector<float> &a, const std::vector<float> &b) {
-        return relError(a, std::vector<double>(b.begin(), b.end())) < tol;
-      };
-      CHECK(close(quantized.y[r].values(), dense.y[r].values()));
-      CHECK(close(quantized.dx[r].values(), dense.dx[r].values()));
-      CHECK(close(quantized.dtopk[r], dense.dtopk[r]));
-    }
+    checkClose(quantized, dense, firstLocal, localRanks, bf16 ? 2e-2 : 1e-5);
   }
 }
 

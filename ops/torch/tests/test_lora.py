@@ -36,6 +36,29 @@ def reference_step(layer, x, ids, weights, dy):
     return y.detach(), x.grad, weights.grad, [a.grad for a in adapters]
 
 
+def check_step(layer, seed, tol):
+    """One forward + backward of `layer` against reference_step: y, dx,
+    d topk_weights and every adapter's gradient (in its parameter's dtype)
+    within `tol`; no gradient for the base weights. Returns (x, ids,
+    weights, y) and the reference's y."""
+    x, ids, weights, dy = inputs(layer, seed=seed)
+    x = x.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    y = layer(x, ids, weights)
+    y.backward(dy)
+    want_y, want_dx, want_dw, want_adapters = reference_step(layer, x.detach(), ids,
+                                                             weights.detach(), dy)
+    assert rel_err(y, want_y) < tol
+    assert rel_err(x.grad, want_dx) < tol
+    assert rel_err(weights.grad, want_dw) < tol
+    names = [f"{t}_lora_{m}" for t in layer.lora_targets for m in "AB"]
+    for p, want, name in zip(layer.adapters(), want_adapters, names):
+        assert p.grad is not None and p.grad.dtype == p.dtype, name
+        assert rel_err(p.grad, want) < tol, name
+    assert layer.w1.grad is None and layer.w2.grad is None
+    return (x.detach(), ids, weights.detach(), y.detach()), want_y
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("targets", [("w1", "w2"), ("w1",), ("w2",)])
 @pytest.mark.parametrize("transposed", [False, True])
@@ -53,22 +76,8 @@ def test_lora_matches_autograd(dtype, targets, transposed):
     assert [n for n, _ in layer.named_parameters() if "lora" in n] == \
         [f"{t}_lora_{m}" for t in targets for m in "AB"]
     randomize_adapters(layer, seed=1)
-    x, ids, weights, dy = inputs(layer, seed=2)
-    x = x.clone().requires_grad_()
-    weights = weights.clone().requires_grad_()
-    y = layer(x, ids, weights)
-    y.backward(dy)
-    want_y, want_dx, want_dw, want_adapters = reference_step(layer, x.detach(), ids,
-                                                             weights.detach(), dy)
     tol = BF16_TOL if dtype == "bf16" else FP32_TOL
-    assert rel_err(y, want_y) < tol
-    assert rel_err(x.grad, want_dx) < tol
-    assert rel_err(weights.grad, want_dw) < tol
-    for p, want, name in zip(layer.adapters(), want_adapters,
-                             [f"{t}_lora_{m}" for t in targets for m in "AB"]):
-        assert p.grad is not None and p.grad.dtype == p.dtype, name
-        assert rel_err(p.grad, want) < tol, name
-    assert layer.w1.grad is None and layer.w2.grad is None
+    (x, ids, weights, y), want_y = check_step(layer, 2, tol)
 
     # The adapters change the output (the test above would pass with them
     # ignored only if they did nothing).

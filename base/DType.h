@@ -3,7 +3,8 @@
 // One enum for every tensor's element type: the task binary stores it (one
 // byte, these values), the runtime's C API mirrors it (moec_dtype, checked
 // equal at compile time), the kernels switch on it, and the config's "fp32" /
-// "bf16" parse into it. F8E4M3 is the dtype of quantized dispatch rows only. bf16 is the upper half of an IEEE-754 binary32, kept
+// "bf16" parse into it. F8E4M3 is the dtype of quantized dispatch rows and of FP8 weights, I8 and I4
+// those of quantized weights. bf16 is the upper half of an IEEE-754 binary32, kept
 // as uint16_t bits; arithmetic on it is always fp32.
 //
 //===----------------------------------------------------------------------===//
@@ -23,9 +24,13 @@ enum class DType : uint8_t {
   I64 = 4,
   F8E4M3 = 5, ///< fp8 e4m3 codes (runtime/cpu/Fp8.h): rows quantized in
               ///< blocks, each row followed by its fp32 block scales
+  I8 = 6,     ///< int8 codes of a quantized weight (runtime/cpu/Quant.h)
+  /// 4-bit codes of a quantized weight, two a byte: a tensor's dims count
+  /// codes, its bytes are half as many along its last dim (int4Bytes).
+  I4 = 7,
 };
 
-/// Returns "f32", "bf16", "i32" or "i64", or "unknown".
+/// Returns "f32", "bf16", "i32", "i64", "f8e4m3", "i8" or "i4", or "unknown".
 inline const char *dtypeName(DType dtype) {
   switch (dtype) {
   case DType::F32:
@@ -38,6 +43,10 @@ inline const char *dtypeName(DType dtype) {
     return "i64";
   case DType::F8E4M3:
     return "f8e4m3";
+  case DType::I8:
+    return "i8";
+  case DType::I4:
+    return "i4";
   }
   return "unknown";
 }
@@ -53,10 +62,17 @@ inline constexpr uint32_t dtypeSize(DType dtype) {
   case DType::I64:
     return 8;
   case DType::F8E4M3:
+  case DType::I8:
     return 1;
+  case DType::I4: // two a byte: see int4Bytes
+    return 0;
   }
   return 0;
 }
+
+/// Bytes of a row of `cols` I4 codes: two a byte, the last byte's high half
+/// unused when `cols` is odd.
+inline constexpr int64_t int4Bytes(int64_t cols) { return (cols + 1) / 2; }
 
 /// Values per fp32 scale of a row of F8E4M3 codes.
 inline constexpr int64_t kFp8Block = 128;

@@ -14,22 +14,26 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace moec {
 
-/// How a layer's base weights w1 and w2 are stored.
+/// How a layer's base weights w1 and w2 are stored. A format other than
+/// Dense is frozen (it has no gradients) and has fp32 scales, for each
+/// expert's matrix [rows, cols] as stored (runtime/cpu/Quant.h):
 enum class WeightFormat : uint8_t {
   /// Values of the activations' dtype.
   Dense = 0,
-  /// FP8 e4m3 codes with an fp32 scale per 128 x 128 block of each expert's
-  /// matrix as stored (runtime/cpu/Fp8.h; frozen weights only).
+  /// FP8 e4m3 codes with a scale per 128 x 128 block (runtime/cpu/Fp8.h).
   Fp8Block128 = 1,
+  /// int8 codes with a scale per row (symmetric).
+  Int8Channel = 2,
+  /// 4-bit codes, two a byte, with a scale per group of
+  /// LayerShape::weightGroup values along a row, and a zero point per
+  /// group (LayerShape::weightZeroPoints) or the zero point 8.
+  Int4Group = 3,
 };
-
-/// "dense" or "fp8_block128".
-inline const char *weightFormatName(WeightFormat f) {
-  return f == WeightFormat::Fp8Block128 ? "fp8_block128" : "dense";
-}
 
 /// The sizes and capacities of a compiled layer, read from its binary.
 struct LayerShape {
@@ -72,10 +76,63 @@ struct LayerShape {
   /// The base weights' storage; a format other than Dense has scales
   /// (w1_scale, w2_scale) and no gradients.
   WeightFormat weightFormat = WeightFormat::Dense;
-  /// The dims of one rank's scales of w1 (or w2) as stored:
-  /// [L, ceil(d1 / 128), ceil(d2 / 128)] of its [L, d1, d2].
-  static std::array<int64_t, 3> blockScaleDims(const std::array<int64_t, 3> &w) {
-    return {w[0], (w[1] + 127) / 128, (w[2] + 127) / 128};
+  /// Int4Group: the values per group (32, 64 or 128), and whether each
+  /// group has a zero point of its own (else 8).
+  int64_t weightGroup = 0;
+  bool weightZeroPoints = false;
+
+  /// The format's name: "dense", "fp8_block128", "int8", or "int4_g<group>"
+  /// with "_zp" when the groups have zero points (MoeFFN's weight_format).
+  std::string weightFormatName() const {
+    switch (weightFormat) {
+    case WeightFormat::Dense:
+      break;
+    case WeightFormat::Fp8Block128:
+      return "fp8_block128";
+    case WeightFormat::Int8Channel:
+      return "int8";
+    case WeightFormat::Int4Group:
+      return "int4_g" + std::to_string(weightGroup) + (weightZeroPoints ? "_zp" : "");
+    }
+    return "dense";
+  }
+  /// The element type of w1 and w2.
+  DType weightDType() const {
+    switch (weightFormat) {
+    case WeightFormat::Dense:
+      break;
+    case WeightFormat::Fp8Block128:
+      return DType::F8E4M3;
+    case WeightFormat::Int8Channel:
+      return DType::I8;
+    case WeightFormat::Int4Group:
+      return DType::I4;
+    }
+    return activations;
+  }
+  /// The dims of a bound w1 or w2 of dims `w`: `w`, with the last halved
+  /// (rounded up) for 4-bit codes, two a byte.
+  std::vector<int64_t> storedDims(const std::array<int64_t, 3> &w) const {
+    return {w[0], w[1], weightFormat == WeightFormat::Int4Group ? int4Bytes(w[2]) : w[2]};
+  }
+  /// The dims of the scales of a weight of dims `w` = [L, d1, d2] as
+  /// stored: [L, ceil(d1 / 128), ceil(d2 / 128)] (FP8 blocks), [L, d1]
+  /// (int8 rows), [L, d1, d2 / group] or [L, d1, d2 / group, 2] (int4
+  /// groups, with zero points); none when dense.
+  std::vector<int64_t> scaleDims(const std::array<int64_t, 3> &w) const {
+    switch (weightFormat) {
+    case WeightFormat::Dense:
+      break;
+    case WeightFormat::Fp8Block128:
+      return {w[0], (w[1] + 127) / 128, (w[2] + 127) / 128};
+    case WeightFormat::Int8Channel:
+      return {w[0], w[1]};
+    case WeightFormat::Int4Group:
+      if (weightZeroPoints)
+        return {w[0], w[1], w[2] / weightGroup, 2};
+      return {w[0], w[1], w[2] / weightGroup};
+    }
+    return {};
   }
 
   /// P = R / T, the EP ranks.

@@ -14,18 +14,27 @@ gradients have such a form (frozen and LoRA layers):
   moe_ffn_bwd_frozen.json -> moe_ffn_bwd_frozen_transposed.json
   moe_ffn_{fwd,bwd}_lora{,_w1,_w2}.json -> ..._transposed.json
 
-and, from each, `..._transposed_fp8.json`: the base weights stored as FP8
-e4m3 codes in that layout, each with an fp32 scale per 128 x 128 block
-(`<weight>_scale [L, d1 / 128, d2 / 128]`, the fourth input of its GMMs):
-DeepSeek-V3's `weight` and `weight_scale_inv`, as checkpoints ship them
-([out, in], which is the transposed layout). Their sizes (H, and I of a
-rank) must be multiples of 128, as in every model that ships FP8 blocks.
+and, from each, the base weights stored quantized in that layout ([out,
+in], as checkpoints ship them), each with its fp32 scales `<weight>_scale`
+as the fourth input of its GMMs (runtime/cpu/Quant.h):
+
+  ..._transposed_fp8.json     FP8 e4m3 codes, a scale per 128 x 128 block
+                              ([L, d1 / 128, d2 / 128]): DeepSeek-V3's
+                              `weight` and `weight_scale_inv`; H, and I of a
+                              rank, multiples of 128
+  ..._transposed_int8.json    int8 codes, a scale per row ([L, d1])
+  ..._transposed_int4.json    4-bit codes, a scale per group of the
+                              config's `weight_group` values along a row
+                              ([L, d1, d2 / weight_group])
+  ..._transposed_int4zp.json  the same with a zero point per group
+                              ([L, d1, d2 / weight_group, 2])
 
     python3 graphs/transpose_weights.py          # writes them beside this file
     python3 graphs/transpose_weights.py --check  # exits 1 where one differs
 """
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -56,8 +65,21 @@ def transposed(graph):
     return graph
 
 
-def fp8(graph):
-    """The transposed graph with its base weights as FP8 codes and scales."""
+# The quantized forms: the file suffix, the codes' dtype, and the scales'
+# dims from the weight's [L, d1, d2].
+FORMATS = {
+    "fp8": ("fp8_e4m3", lambda d0, d1, d2: [d0, f"({d1}) / 128", f"({d2}) / 128"]),
+    "int8": ("int8", lambda d0, d1, d2: [d0, d1]),
+    "int4": ("int4", lambda d0, d1, d2: [d0, d1, f"({d2}) / weight_group"]),
+    "int4zp": ("int4", lambda d0, d1, d2: [d0, d1, f"({d2}) / weight_group", 2]),
+}
+
+
+def quantized(graph, form):
+    """The transposed graph with its base weights as codes of `form` (a key
+    of FORMATS) and their scales."""
+    graph = copy.deepcopy(graph)
+    dtype, scale_dims = FORMATS[form]
     tensors = {t["name"]: t for t in graph["tensors"]}
     position = 1 + max(t.get("param_position", -1) for t in graph["tensors"])
     scales = {}
@@ -67,9 +89,8 @@ def fp8(graph):
         name = op["inputs"][1]
         weight = tensors[name]
         if name not in scales:
-            weight["dtype"] = "fp8_e4m3"
-            scale = {"name": f"{name}_scale",
-                     "shape": [weight["shape"][0]] + [f"({d}) / 128" for d in weight["shape"][1:]],
+            weight["dtype"] = dtype
+            scale = {"name": f"{name}_scale", "shape": scale_dims(*weight["shape"]),
                      "dtype": "fp32", "param_position": position, "list": True}
             position += 1
             graph["tensors"].append(scale)
@@ -77,7 +98,7 @@ def fp8(graph):
         if len(op["inputs"]) != 3:
             raise ValueError(f"gmm '{op['name']}' has {len(op['inputs'])} inputs; expected 3")
         op["inputs"].append(scales[name])
-    graph["name"] += "_fp8"
+    graph["name"] += "_" + form
     return graph
 
 
@@ -95,7 +116,8 @@ def main():
     for name in SOURCES:
         made = transposed(json.loads((args.dir / f"{name}.json").read_text()))
         outputs = {f"{name}_transposed.json": text(made)}
-        outputs[f"{name}_transposed_fp8.json"] = text(fp8(made))
+        for form in FORMATS:
+            outputs[f"{name}_transposed_{form}.json"] = text(quantized(made, form))
         for file, want in outputs.items():
             path = args.dir / file
             if args.check:
@@ -107,7 +129,8 @@ def main():
         print(f"stale: {', '.join(stale)}; run python3 graphs/transpose_weights.py",
               file=sys.stderr)
         return 1
-    print(f"{2 * len(SOURCES)} graphs {'up to date' if args.check else 'written'}")
+    print(f"{(1 + len(FORMATS)) * len(SOURCES)} graphs "
+          f"{'up to date' if args.check else 'written'}")
     return 0
 
 

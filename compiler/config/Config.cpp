@@ -60,6 +60,7 @@ const IntKey kIntKeys[] = {
     {"num_cube_cores", &ModelConfig::numCubeCores, true, int64_t(1) << 16},
     {"num_vector_cores", &ModelConfig::numVectorCores, true, int64_t(1) << 16},
     {"lora_rank", &ModelConfig::loraRank, true, int64_t(1) << 16},
+    {"weight_group", &ModelConfig::weightGroup, true, int64_t(1) << 16},
 };
 
 constexpr const char *kDTypeKey = "dtype";

@@ -73,6 +73,11 @@ struct ModelConfig {
   /// ops, moe-quantize-dispatch); unset or the config's "dtype": rows
   /// travel in the compute dtype. Default false.
   bool fp8Dispatch = false;
+  /// "weight_group": the values per group of int4 base weights (the
+  /// graph's `weight_group` symbol: 32, 64 or 128, which the gmm's
+  /// verifier checks); 0: unset (a graph that uses it then fails to
+  /// resolve).
+  int64_t weightGroup = 0;
 };
 
 /// The task-split values derived from a config.

@@ -28,6 +28,10 @@ std::string dtypeJson(Type t) {
     return "bf16";
   if (t.isa<Float8E4M3FNType>())
     return "fp8_e4m3";
+  if (t.isInteger(8))
+    return "int8";
+  if (t.isInteger(4))
+    return "int4";
   return t.isInteger(32) ? "i32" : "i64";
 }
 

@@ -204,13 +204,17 @@ LogicalResult Importer::importTensor(const json &t, unsigned index) {
     elt = b.getBF16Type();
   else if (dtype == "fp8_e4m3")
     elt = b.getFloat8E4M3FNType();
+  else if (dtype == "int8")
+    elt = b.getIntegerType(8);
+  else if (dtype == "int4")
+    elt = b.getIntegerType(4);
   else if (dtype == "i32")
     elt = b.getI32Type();
   else if (dtype == "i64")
     elt = b.getI64Type();
   else
     return error(loc) << what << ": unknown dtype '" << dtype
-                      << "' (expected act, fp32, bf16, fp8_e4m3, i32 or i64)";
+                      << "' (expected act, fp32, bf16, fp8_e4m3, int8, int4, i32 or i64)";
   auto flag = [&](const char *key, bool *out) -> LogicalResult {
     *out = false;
     if (!t.contains(key))

@@ -71,8 +71,8 @@ std::vector<std::string> tilingFlagNames(const TilingRecord &t) {
     names.push_back(fmt::format("scale={}", t.scale));
   if (t.flags & kTilingShareRows)
     names.push_back("share_rows");
-  if (t.flags & kTilingBlockScaledB)
-    names.push_back("fp8_block128_b");
+  if (t.flags & kTilingQuantizedB)
+    names.push_back("quantized_b");
   return names;
 }
 
@@ -208,17 +208,27 @@ std::string computesText(const TaskProgram &p) {
   for (const format::OpRecord &op : p.ops) {
     const format::TilingRecord &t = p.tilings[op.tiling];
     if (op.kind == OpKind::Gmm && t.depth != 0 && t.inputCount == 4 &&
-        !(t.flags & kTilingBlockScaledB)) {
+        !(t.flags & kTilingQuantizedB)) {
       ++adapters;
       lora = fmt::format(" with LoRA adapters on {} projection{} (rank {})", adapters,
                          adapters == 1 ? "" : "s", t.depth);
     }
   }
-  for (const format::OpRecord &op : p.ops)
-    if (p.tilings[op.tiling].flags & kTilingBlockScaledB) {
+  for (const format::OpRecord &op : p.ops) {
+    const TilingRecord &t = p.tilings[op.tiling];
+    if (!(t.flags & kTilingQuantizedB))
+      continue;
+    const format::SlotRecord &w = p.slots[t.inputSlots[1]], &s = p.slots[t.inputSlots[3]];
+    if (w.dtype == DType::F8E4M3)
       lora += " (frozen FP8 weights, fp32 scales per 128 x 128 block)";
-      break;
-    }
+    else if (w.dtype == DType::I8)
+      lora += " (frozen int8 weights, an fp32 scale per row)";
+    else
+      lora += fmt::format(" (frozen int4 weights, fp32 scales{} per group of {})",
+                          s.rank == 4 ? " and zero points" : "",
+                          s.rank >= 3 && s.dims[2] ? w.dims[2] / s.dims[2] : 0);
+    break;
+  }
   if (!p.isBackward())
     return "the layer's forward pass" + lora;
   std::vector<std::string> wgrad;

@@ -152,8 +152,10 @@ LogicalResult MoeTensorType::verify(function_ref<InFlightDiagnostic()> emitError
                                  Type elementType, bool, bool) {
   if (!elementType.isa<ActType>() && !elementType.isF32() && !elementType.isBF16() &&
       !elementType.isInteger(32) && !elementType.isInteger(64) &&
-      !elementType.isa<Float8E4M3FNType>())
-    return emitError() << "tensor element type must be act, f32, bf16, f8E4M3FN, i32 or i64, got "
+      !elementType.isa<Float8E4M3FNType>() && !elementType.isInteger(8) &&
+      !elementType.isInteger(4))
+    return emitError() << "tensor element type must be act, f32, bf16, f8E4M3FN, i8, i4, i32 or "
+                          "i64, got "
                        << elementType;
   if (dims.empty())
     return emitError() << "tensor must have at least one dim";

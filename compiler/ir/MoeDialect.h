@@ -27,6 +27,11 @@ inline constexpr int64_t kMaxSlot = 65535;
 /// The symbolic gmm scale that moe-resolve-shapes binds to the config's
 /// lora_alpha / lora_rank (PEFT's `scaling`).
 inline constexpr const char *kLoraScaling = "lora_scaling";
+/// The element types of a frozen weight stored quantized (a gmm's rhs with
+/// fp32 scales as its fourth operand): f8E4M3FN, i8 or i4 codes.
+inline bool isQuantizedWeightType(mlir::Type t) {
+  return t.isa<mlir::Float8E4M3FNType>() || t.isInteger(8) || t.isInteger(4);
+}
 } // namespace moec::moe
 
 #include "compiler/ir/MoeDialect.h.inc"

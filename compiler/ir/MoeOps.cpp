@@ -540,47 +540,88 @@ LogicalResult CombineOp::verify() {
   return verifyAllToAll(*this, getTargetOffset(), getSrc(), getSrcOffset(), getSizes(), false);
 }
 
+namespace {
+/// The scales of a gmm's quantized weight `rhs` (codes of `elt`): present,
+/// fp32, one per 128 x 128 block (FP8), per row (i8), or per group of 32,
+/// 64 or 128 along a row, optionally with zero points (i4).
+LogicalResult verifyQuantizedWeight(Checker &c, Value rhs, Type elt, Value scales,
+                                    Attribute scale) {
+  auto type = rhs.getType().cast<MoeTensorType>();
+  if (type.getRank() != 3)
+    return c.error() << c.describe("rhs", rhs) << " is " << elt
+                     << " codes: quantized weights are expert weights (rank 3), read by the "
+                        "activation form";
+  const char *what = elt.isa<Float8E4M3FNType>() ? "one per 128 x 128 block"
+                     : elt.isInteger(8)           ? "one per row"
+                                                  : "one per group of 32, 64 or 128 along a row";
+  if (!scales)
+    return c.error() << c.describe("rhs", rhs) << " is " << elt
+                     << " codes and the gmm has no fourth operand: quantized weights need their "
+                        "fp32 scales, "
+                     << what;
+  if (scale)
+    return c.error() << "a quantized weight's gmm takes no scale attribute";
+  if (failed(c.elementType("scales", scales, [](Type t) { return t.isF32(); }, "f32")) ||
+      failed(c.dimsEqual("scales", scales, 0, "rhs", rhs, 0)))
+    return failure();
+  if (elt.isa<Float8E4M3FNType>()) {
+    const auto blocks = [&](unsigned i) {
+      std::string error;
+      return *Expr::parse("(" + dimExpr(type, i).text() + ") / 128", &error);
+    };
+    return success(succeeded(c.rank("scales", scales, 3)) &&
+                   succeeded(c.dimIs("scales", scales, 1, blocks(1), "the 128-row blocks of rhs")) &&
+                   succeeded(c.dimIs("scales", scales, 2, blocks(2),
+                                     "the 128-column blocks of rhs")));
+  }
+  if (elt.isInteger(8))
+    return success(succeeded(c.rank("scales", scales, 2)) &&
+                   succeeded(c.dimsEqual("scales", scales, 1, "rhs", rhs, 1)));
+  auto st = scales.getType().cast<MoeTensorType>();
+  if (st.getRank() != 3 && st.getRank() != 4)
+    return c.error() << c.describe("scales", scales)
+                     << " must have rank 3 ([G, rows, groups]) or 4 ([G, rows, groups, 2]: "
+                        "scales and zero points), got rank "
+                     << st.getRank();
+  if (failed(c.dimsEqual("scales", scales, 1, "rhs", rhs, 1)))
+    return failure();
+  if (st.getRank() == 4 && st.getDimValue(3) && *st.getDimValue(3) != 2)
+    return c.error() << c.describe("scales", scales)
+                     << " dim 3 must be 2 (a scale and a zero point per group), got "
+                     << *st.getDimValue(3);
+  // The group size, where both lengths are known.
+  const std::optional<int64_t> cols = type.getDimValue(2), count = st.getDimValue(2);
+  if (cols && count) {
+    const int64_t group = *count > 0 ? *cols / *count : 0;
+    if (group * *count != *cols || !(group == 32 || group == 64 || group == 128))
+      return c.error() << c.describe("scales", scales) << " holds " << *count
+                       << " groups for rows of " << *cols
+                       << " values: an int4 weight's groups are 32, 64 or 128 values each";
+  }
+  return success();
+}
+} // namespace
+
 LogicalResult GmmOp::verify() {
   if (failed(verifyTaskCommon(*this)))
     return failure();
   Checker c(*this);
   Value lhs = getLhs(), rhs = getRhs(), groups = getGroupList(), result = getResult();
-  // A frozen weight stored as FP8 e4m3 codes: its fourth operand is the
-  // codes' fp32 scales, one per 128 x 128 block (not an addend).
-  const bool blockScaled = isFp8(rhs.getType().cast<MoeTensorType>().getElementType());
+  // A frozen weight stored quantized (FP8, int8 or int4 codes): its fourth
+  // operand is the codes' fp32 scales (not an addend).
+  Type rhsElt = rhs.getType().cast<MoeTensorType>().getElementType();
+  const bool quantized = isQuantizedWeightType(rhsElt);
   if (failed(c.rank("group_list", groups, 1)) ||
       failed(c.elementType("group_list", groups, isIndexType, "i32 or i64")) ||
       failed(c.rank("lhs", lhs, 2)) || failed(c.elementType("lhs", lhs, isDataType, kDataTypes)) ||
-      (!blockScaled && failed(c.sameElementType("lhs", lhs, "rhs", rhs))))
+      (!quantized && failed(c.sameElementType("lhs", lhs, "rhs", rhs))))
     return failure();
-  if (isFp8(result.getType().cast<MoeTensorType>().getElementType()))
-    return c.error() << c.describe("result", result)
-                     << " is f8E4M3FN: an FP8 weight is frozen, no gmm writes one";
-  if (blockScaled) {
-    if (rhs.getType().cast<MoeTensorType>().getRank() != 3)
-      return c.error() << c.describe("rhs", rhs)
-                       << " is f8E4M3FN: FP8 weights are expert weights (rank 3), read by the "
-                          "activation form";
-    Value scales = getAddend();
-    if (!scales)
-      return c.error() << c.describe("rhs", rhs)
-                       << " is f8E4M3FN and the gmm has no fourth operand: FP8 weights need "
-                          "their fp32 scales, one per 128 x 128 block";
-    if (getScaleAttr())
-      return c.error() << "an FP8 weight's gmm takes no scale attribute";
-    const auto blocks = [&](unsigned i) {
-      std::string error;
-      return *Expr::parse("(" + dimExpr(rhs.getType().cast<MoeTensorType>(), i).text() +
-                              ") / 128",
-                          &error);
-    };
-    if (failed(c.rank("scales", scales, 3)) ||
-        failed(c.elementType("scales", scales, [](Type t) { return t.isF32(); }, "f32")) ||
-        failed(c.dimsEqual("scales", scales, 0, "rhs", rhs, 0)) ||
-        failed(c.dimIs("scales", scales, 1, blocks(1), "the 128-row blocks of rhs")) ||
-        failed(c.dimIs("scales", scales, 2, blocks(2), "the 128-column blocks of rhs")))
-      return failure();
-  }
+  Type resultElt = result.getType().cast<MoeTensorType>().getElementType();
+  if (isQuantizedWeightType(resultElt))
+    return c.error() << c.describe("result", result) << " is " << resultElt
+                     << ": a quantized weight is frozen, no gmm writes one";
+  if (quantized && failed(verifyQuantizedWeight(c, rhs, rhsElt, getAddend(), getScaleAttr())))
+    return failure();
   if (Attribute scale = getScaleAttr()) {
     auto text = scale.dyn_cast<StringAttr>();
     auto number = scale.dyn_cast<FloatAttr>();
@@ -602,7 +643,7 @@ LogicalResult GmmOp::verify() {
                        << c.describe("rhs", rhs) << " has rank 3";
     if (getAccumulate())
       return c.error() << "accumulate needs the weight-gradient form (a rank-2 rhs)";
-    if (Value addend = blockScaled ? Value() : getAddend())
+    if (Value addend = quantized ? Value() : getAddend())
       if (failed(c.rank("addend", addend, 2)) ||
           failed(c.sameElementType("addend", addend, "result", result)) ||
           failed(c.dimsEqual("addend", addend, 0, "result", result, 0)) ||

@@ -97,6 +97,10 @@ private:
       return DType::I64;
     if (type.isa<Float8E4M3FNType>())
       return DType::F8E4M3;
+    if (type.isInteger(8))
+      return DType::I8;
+    if (type.isInteger(4))
+      return DType::I4;
     return std::nullopt;
   }
 
@@ -210,8 +214,8 @@ private:
         t.flags |= kTilingTransposeB;
       if (gmm.getAccumulate())
         t.flags |= kTilingAccumulate;
-      if (typeOf(gmm.getRhs()).getElementType().isa<Float8E4M3FNType>())
-        t.flags |= kTilingBlockScaledB;
+      if (moe::isQuantizedWeightType(typeOf(gmm.getRhs()).getElementType()))
+        t.flags |= kTilingQuantizedB;
       if (Attribute scale = gmm.getScaleAttr()) {
         auto number = scale.dyn_cast<FloatAttr>();
         if (!number)

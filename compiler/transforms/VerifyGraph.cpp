@@ -26,7 +26,7 @@ struct VerifyGraphPass : moec::moe::impl::VerifyGraphBase<VerifyGraphPass> {
     const bool layer = !graph.getBlock().getOps<GmmOp>().empty();
     for (GmmOp gmm : graph.getBlock().getOps<GmmOp>())
       if (gmm.getAddend() &&
-          !gmm.getRhs().getType().cast<MoeTensorType>().getElementType().isa<Float8E4M3FNType>())
+          !isQuantizedWeightType(gmm.getRhs().getType().cast<MoeTensorType>().getElementType()))
         return gmm.emitError()
                << "'" << gmm.getOpName() << "' adds a LoRA adapter's product, and the config's tp is "
                << tp.getInt()

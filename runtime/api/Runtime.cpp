@@ -130,7 +130,7 @@ enum Binding : uint32_t {
   kX, kW1, kW2, kY, kDy, kDx, kDtopk, kDw1, kDw2,
   // LoRA adapters, per target t (0: w1, 1: w2): A, B, and their gradients.
   kLoraA1, kLoraB1, kLoraA2, kLoraB2, kDLoraA1, kDLoraB1, kDLoraA2, kDLoraB2,
-  // The block scales of FP8 base weights (LayerShape::weightFormat).
+  // The scales of quantized base weights (LayerShape::weightFormat).
   kW1Scale, kW2Scale,
   kBindingCount
 };
@@ -148,8 +148,8 @@ int adapterTarget(Binding b) { return ((b - kLoraA1) / 2) % 2; }
 DType bindingDType(Binding b, const LayerShape &fwd, const LayerShape *bwd) {
   if (b == kDtopk || b == kW1Scale || b == kW2Scale)
     return DType::F32;
-  if ((b == kW1 || b == kW2) && fwd.weightFormat == WeightFormat::Fp8Block128)
-    return DType::F8E4M3;
+  if (b == kW1 || b == kW2)
+    return fwd.weightDType();
   if (b == kDw1 || b == kDw2 || isAdapterGrad(b))
     return bwd ? bwd->weightGrads : DType::F32;
   return fwd.activations;
@@ -302,18 +302,41 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
     return Status::error(fmt::format("rank {}: tensor '{}' has shape {}; expected [{}]", rank,
                                      kBindingNames[b], shapeString(t), fmt::join(dims, ", ")));
   if (b == kW1Scale || b == kW2Scale) {
-    // An FP8 weight's block scales multiply its codes: each must be a
-    // finite positive number (a NaN or zero scale would make every value
-    // of its block NaN or zero without a word).
+    // A quantized weight's scales multiply its codes: each must be a finite
+    // positive number (a NaN or zero scale would make every value it
+    // scales NaN or zero without a word); a zero point is a code, 0 to 15.
+    const LayerShape &s = shape();
     const float *scales = static_cast<const float *>(t.data);
-    const int64_t perExpert = dims[1] * dims[2];
-    for (int64_t i = 0; i < dims[0] * perExpert; ++i)
-      if (!(std::isfinite(scales[i]) && scales[i] > 0))
-        return Status::error(fmt::format(
-            "rank {}: tensor '{}' (FP8 block scales) holds {} at local expert {}, block [{}, {}]; "
-            "a scale must be a finite positive number",
-            rank, kBindingNames[b], scales[i], i / perExpert, i % perExpert / dims[2],
-            i % dims[2]));
+    int64_t count = 1;
+    for (int64_t d : dims)
+      count *= d;
+    const bool pairs = s.weightFormat == WeightFormat::Int4Group && s.weightZeroPoints;
+    for (int64_t i = 0; i < count; ++i) {
+      const bool zero = pairs && i % 2 == 1;
+      const float v = scales[i];
+      if (zero ? std::isfinite(v) && v >= 0 && v <= 15 : std::isfinite(v) && v > 0)
+        continue;
+      // Where: the local expert, then the block, row, or row and group.
+      const int64_t at = pairs ? i / 2 : i, perExpert = count / dims[0] / (pairs ? 2 : 1);
+      const int64_t e = at / perExpert, within = at % perExpert;
+      std::string where;
+      if (s.weightFormat == WeightFormat::Int8Channel)
+        where = fmt::format("row {}", within);
+      else
+        where = fmt::format(s.weightFormat == WeightFormat::Fp8Block128 ? "block [{}, {}]"
+                                                                         : "row {}, group {}",
+                            within / dims[2], within % dims[2]);
+      const std::string what = s.weightFormat == WeightFormat::Fp8Block128 ? "FP8 block scales"
+                               : s.weightFormat == WeightFormat::Int8Channel
+                                   ? "int8 row scales"
+                               : zero ? "int4 zero points"
+                                      : "int4 group scales";
+      return Status::error(
+          fmt::format("rank {}: tensor '{}' ({}) holds {} at local expert {}, {}; {}", rank,
+                      kBindingNames[b], what, v, e, where,
+                      zero ? "a zero point must be a finite number from 0 to 15"
+                           : "a scale must be a finite positive number"));
+    }
   }
   return Status::success();
 }
@@ -359,8 +382,8 @@ Status Context::Impl::forward() {
     const int64_t S = route.tokens;
     for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kX, {S, H}},
                                   {kY, {S, H}},
-                                  {kW1, {w1.begin(), w1.end()}},
-                                  {kW2, {w2.begin(), w2.end()}}})
+                                  {kW1, s.storedDims(w1)},
+                                  {kW2, s.storedDims(w2)}})
       if (Status st = checkBinding(r, b, dims); !st)
         return st;
     for (const AdapterBinding &a : adapterBindings(s, fwd->plan(), false))
@@ -368,9 +391,8 @@ Status Context::Impl::forward() {
         return st;
     if (s.weightFormat != WeightFormat::Dense)
       for (const auto &[b, dims] :
-           {std::pair{kW1Scale, LayerShape::blockScaleDims(w1)},
-            std::pair{kW2Scale, LayerShape::blockScaleDims(w2)}})
-        if (Status st = checkBinding(r, b, {dims.begin(), dims.end()}); !st)
+           {std::pair{kW1Scale, s.scaleDims(w1)}, std::pair{kW2Scale, s.scaleDims(w2)}})
+        if (Status st = checkBinding(r, b, dims); !st)
           return st;
     return Status::success();
   };
@@ -441,8 +463,8 @@ Status Context::Impl::backward() {
     for (const auto &[b, dims] : {std::pair<Binding, std::vector<int64_t>>{kDy, {S, H}},
                                   {kDx, {S, H}},
                                   {kDtopk, {S, K}},
-                                  {kW1, {w1.begin(), w1.end()}},
-                                  {kW2, {w2.begin(), w2.end()}},
+                                  {kW1, s.storedDims(w1)},
+                                  {kW2, s.storedDims(w2)},
                                   {kDw1, {L, H, 2 * I}},
                                   {kDw2, {L, I, H}}}) {
       if (frozen && (b == kDw1 || b == kDw2))
@@ -456,9 +478,8 @@ Status Context::Impl::backward() {
           break;
     if (s.weightFormat != WeightFormat::Dense)
       for (const auto &[b, dims] :
-           {std::pair{kW1Scale, LayerShape::blockScaleDims(w1)},
-            std::pair{kW2Scale, LayerShape::blockScaleDims(w2)}})
-        if (st && !(st = checkBinding(r, b, {dims.begin(), dims.end()})))
+           {std::pair{kW1Scale, s.scaleDims(w1)}, std::pair{kW2Scale, s.scaleDims(w2)}})
+        if (st && !(st = checkBinding(r, b, dims)))
           break;
     local.push_back(st);
   }

@@ -11,6 +11,7 @@
 #include "base/Time.h"
 
 #include "runtime/cpu/Fp8.h"
+#include "runtime/cpu/Quant.h"
 #include "runtime/cpu/Rows.h"
 #include "runtime/cpu/Swiglu.h"
 #include "runtime/exec/OpByOp.h"
@@ -60,7 +61,7 @@ size_t slotBytes(const format::SlotRecord &slot) {
 
 } // namespace
 
-/// The columns of a block-scaled FP8 weight dequantized at a time: a
+/// The columns of a quantized weight dequantized at a time: a
 /// multiple of the bf16 tile's 48-column panels, and small enough that the
 /// part (192 x K values: 768 KiB of bf16 at K 2048) stays in a core's L2
 /// while the GEMM reads it. (48 and 192 ran the qwen3 forward alike; 96 no
@@ -74,13 +75,13 @@ struct Pass::OpInfo {
   bool wgrad = false, transposeB = false, accumulate = false;
   float scale = 1.0f;                ///< the product's factor (activation form)
   uint32_t addend = format::kNone;   ///< the slot added to an activation-form product
-  /// The block scales of an FP8 weight B (kTilingBlockScaledB), or kNone.
+  /// The scales of a quantized weight B (kTilingQuantizedB), or kNone.
   uint32_t weightScales = format::kNone;
   int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
 };
 
 namespace {
-/// The row stride of an FP8 weight's dequantized part of n columns: K for
+/// The row stride of a quantized weight's dequantized part of n columns: K for
 /// a transposed B ([n, K]), else n; padded off a multiple of 1 KiB, whose
 /// rows would fall into a few cache sets as the GEMM packs them.
 int64_t dequantizedStride(bool transposeB, int64_t depth, int64_t n) {
@@ -113,7 +114,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
     if (info.tiling->flags & format::kTilingScale)
       info.scale = info.tiling->scale;
     if (op.kind == OpKind::Gmm && !info.wgrad && info.tiling->inputCount == 4)
-      (info.tiling->flags & format::kTilingBlockScaledB ? info.weightScales : info.addend) =
+      (info.tiling->flags & format::kTilingQuantizedB ? info.weightScales : info.addend) =
           info.tiling->inputSlots[3];
     const format::SlotRecord &w =
         program.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
@@ -478,21 +479,30 @@ const void *Pass::dequantizeWeightTile(uint32_t opIndex, uint32_t rank, uint32_t
                                        Range cols, DType elt, uint32_t worker) {
   const TaskProgram &tasks = *program;
   const OpInfo &op = ops[opIndex];
+  const LayerShape &shape = layer->shape;
   const uint32_t b = op.tiling->inputSlots[1];
-  const int64_t d1 = int64_t(tasks.slots[b].dims[1]), d2 = int64_t(tasks.slots[b].dims[2]);
-  const int64_t blocks = ((d1 + kFp8WeightBlock - 1) / kFp8WeightBlock) *
-                         ((d2 + kFp8WeightBlock - 1) / kFp8WeightBlock);
-  const uint8_t *codes = static_cast<const uint8_t *>(data[rank][b]) + op.expertStride * expert;
-  const float *scales = static_cast<const float *>(data[rank][op.weightScales]) + blocks * expert;
+  QuantizedMatrix m;
+  m.format = shape.weightFormat;
+  m.rows = int64_t(tasks.slots[b].dims[1]);
+  m.cols = int64_t(tasks.slots[b].dims[2]);
+  m.group = shape.weightGroup;
+  m.zeroPoints = shape.weightZeroPoints;
+  const std::array<int64_t, 3> dims{1, m.rows, m.cols};
+  const std::vector<int64_t> stored = shape.storedDims(dims), scaleDims = shape.scaleDims(dims);
+  int64_t scalesPerExpert = 1;
+  for (int64_t d : scaleDims)
+    scalesPerExpert *= d;
+  m.codes = static_cast<const char *>(data[rank][b]) + stored[1] * stored[2] * int64_t(expert);
+  m.scales = static_cast<const float *>(data[rank][op.weightScales]) + scalesPerExpert * expert;
   const int64_t n = cols.end - cols.begin, ld = dequantizedStride(op.transposeB, int64_t(op.tiling->depth), n);
   // Transposed B is stored [N, K]: the tile's rows of it, all of K; else
   // [K, N]: all of K, the tile's columns.
-  const size_t values = size_t((op.transposeB ? n : d1) * ld);
+  const size_t values = size_t((op.transposeB ? n : m.rows) * ld);
   void *buffer = weightScratch[worker].floats((values * dtypeSize(elt) + 3) / 4);
   if (op.transposeB)
-    dequantizeBlocks(codes, scales, d2, cols.begin, cols.end, 0, d2, buffer, elt, ld);
+    dequantize(m, cols.begin, cols.end, 0, m.cols, buffer, elt, ld);
   else
-    dequantizeBlocks(codes, scales, d2, 0, d1, cols.begin, cols.end, buffer, elt, ld);
+    dequantize(m, 0, m.rows, cols.begin, cols.end, buffer, elt, ld);
   return buffer;
 }
 
@@ -571,8 +581,8 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
         gemm(bm, out(c), cols);
         break;
       }
-      // FP8 codes with block scales: a few columns at a time, the part of
-      // the expert's B they read dequantized to the activations' dtype (it
+      // Quantized codes with their scales: a few columns at a time, the
+      // part of the expert's B they read dequantized to the activations' dtype (it
       // stays in cache while the GEMM reads it), then multiplied as a dense
       // B of their own; C is addressed from their first column. Each
       // column's sums are those of one call over all the columns.

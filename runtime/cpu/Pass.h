@@ -123,8 +123,8 @@ private:
   Pass() = default;
   struct OpInfo;
   Status runTile(uint32_t rank, uint32_t task, uint32_t worker);
-  /// Dequantizes the part of `expert`'s FP8 weight B that columns `cols`
-  /// of a block-scaled GMM read into weightScratch[worker], and returns it:
+  /// Dequantizes the part of `expert`'s quantized weight B that columns
+  /// `cols` of its GMM read into weightScratch[worker], and returns it:
   /// [n, K] for a transposed B, else [K, n] (n the columns).
   const void *dequantizeWeightTile(uint32_t opIndex, uint32_t rank, uint32_t expert,
                                    Range cols, DType elt, uint32_t worker);

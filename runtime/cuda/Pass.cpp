@@ -95,7 +95,7 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
   if (plan.shape.weightFormat != WeightFormat::Dense)
     return Status::error(fmt::format("the cuda backend does not take {} weights; run on the cpu "
                                      "backend",
-                                     weightFormatName(plan.shape.weightFormat)));
+                                     plan.shape.weightFormatName()));
   if (plan.shape.weightsTransposed)
     return Status::error("the cuda backend does not take base weights stored transposed "
                          "(w1 [L, 2I, H], w2 [L, H, I], the *_transposed graphs); compile the "

@@ -274,7 +274,7 @@ bool allZero(const void *bytes, size_t size) {
   return std::all_of(p, p + size, [](uint8_t byte) { return byte == 0; });
 }
 
-bool validDType(DType dtype) { return uint8_t(dtype) >= 1 && uint8_t(dtype) <= 5; }
+bool validDType(DType dtype) { return uint8_t(dtype) >= 1 && uint8_t(dtype) <= 7; }
 bool validOpKind(OpKind kind) { return uint8_t(kind) >= 1 && uint8_t(kind) <= 7; }
 bool validCoreKind(CoreKind kind) { return uint8_t(kind) >= 1 && uint8_t(kind) <= 2; }
 bool validEventKind(EventKind kind) { return uint8_t(kind) >= 1 && uint8_t(kind) <= 3; }
@@ -389,7 +389,7 @@ private:
       std::string what = label("slot", i, slot.name);
       if (!validDType(slot.dtype))
         return Status::error(
-            fmt::format("{}: dtype {} is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)", what,
+            fmt::format("{}: dtype {} is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5), i8 (6), i4 (7)", what,
                         unsigned(slot.dtype)));
       if (slot.flags & ~unsigned(kKnownSlotFlags))
         return Status::error(fmt::format("{}: unknown flag bits {:#x}", what,
@@ -475,7 +475,7 @@ private:
             fmt::format("{}: op kind {} is not an op kind (1..7)", what, unsigned(tiling.opKind)));
       if (!validDType(tiling.dtype))
         return Status::error(
-            fmt::format("{}: dtype {} is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)", what,
+            fmt::format("{}: dtype {} is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5), i8 (6), i4 (7)", what,
                         unsigned(tiling.dtype)));
       if (tiling.flags & ~unsigned(kKnownTilingFlags))
         return Status::error(fmt::format("{}: unknown flag bits {:#x}", what,
@@ -509,10 +509,10 @@ private:
       if ((tiling.flags & kTilingReduceTp) && tiling.opKind != OpKind::Combine)
         return Status::error(fmt::format("{}: a {} reduces over TP; only a combine can", what,
                                          opKindName(tiling.opKind)));
-      if ((tiling.flags & kTilingBlockScaledB) &&
+      if ((tiling.flags & kTilingQuantizedB) &&
           (tiling.opKind != OpKind::Gmm || tiling.depth == 0 || tiling.inputCount != 4))
         return Status::error(fmt::format(
-            "{}: block-scaled weights need an activation GMM with their scales as input 3", what));
+            "{}: quantized weights need an activation GMM with their scales as input 3", what));
       if ((tiling.flags & kTilingShareRows) && tiling.opKind == OpKind::Gmm && tiling.depth == 0)
         return Status::error(
             fmt::format("{}: a weight-gradient GMM tiles its result; it shares out no rows", what));

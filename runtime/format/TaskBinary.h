@@ -119,13 +119,21 @@ enum TilingFlag : uint8_t {
   /// tile gets its share whatever the routing; `rows` stays the bound.
   /// Not on a weight-gradient GMM, which tiles its result (see tileRows()).
   kTilingShareRows = 1u << 5,
-  /// An activation GMM whose weight B is FP8 e4m3 codes with one fp32 scale
-  /// per 128 x 128 block of B as stored (DeepSeek-V3's weight and
-  /// weight_scale_inv): input 3 is the scales, [G, ceil(rows / 128),
-  /// ceil(cols / 128)] of B's [G, rows, cols], and B's value is code x scale.
-  kTilingBlockScaledB = 1u << 6,
+  /// An activation GMM whose weight B is stored quantized: input 3 is its
+  /// fp32 scales, and B's slot dtype with their dims says the format, for
+  /// B's [G, rows, cols] as stored (LayerShape's WeightFormat):
+  ///  - F8E4M3 codes, scales [G, ceil(rows / 128), ceil(cols / 128)]: one
+  ///    per 128 x 128 block (DeepSeek-V3's weight and weight_scale_inv);
+  ///    value = code x scale;
+  ///  - I8 codes, scales [G, rows]: one per row (an output channel of a
+  ///    weight stored [out, in]); value = code x scale;
+  ///  - I4 codes (two a byte), scales [G, rows, cols / g] for groups of g
+  ///    (32, 64 or 128) along a row, value = (code - 8) x scale; or
+  ///    [G, rows, cols / g, 2], (scale, zero point) pairs, value = (code -
+  ///    zero) x scale.
+  kTilingQuantizedB = 1u << 6,
   kKnownTilingFlags = kTilingTransposeA | kTilingTransposeB | kTilingAccumulate | kTilingScale |
-                      kTilingReduceTp | kTilingShareRows | kTilingBlockScaledB,
+                      kTilingReduceTp | kTilingShareRows | kTilingQuantizedB,
 };
 
 /// The kind of a section; each kind appears exactly once in a version-1 file.

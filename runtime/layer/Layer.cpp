@@ -135,9 +135,45 @@ private:
     return op != kNoSlot && program.ops[op].kind == OpKind::Gmm && !isWgrad(op);
   }
 
-  /// A GMM whose weight is FP8 codes with block scales (input 3).
-  bool blockScaled(uint32_t op) const {
-    return tiling(op).flags & format::kTilingBlockScaledB;
+  /// A GMM whose weight is stored quantized, its scales input 3.
+  bool quantized(uint32_t op) const {
+    return tiling(op).flags & format::kTilingQuantizedB;
+  }
+
+  /// The format of the quantized weight `op` reads (kTilingQuantizedB),
+  /// from the weight's dtype and its scales' dims, into shape.
+  Status readWeightFormat(uint32_t op) {
+    LayerShape &shape = plan.shape;
+    const SlotRecord &w = program.slots[in(op, 1)], &scales = program.slots[in(op, 3)];
+    switch (w.dtype) {
+    case DType::F8E4M3:
+      shape.weightFormat = WeightFormat::Fp8Block128;
+      return Status::success();
+    case DType::I8:
+      shape.weightFormat = WeightFormat::Int8Channel;
+      return Status::success();
+    case DType::I4: {
+      shape.weightFormat = WeightFormat::Int4Group;
+      shape.weightZeroPoints = scales.rank == 4;
+      const uint64_t groups = scales.rank >= 3 ? scales.dims[2] : 0;
+      const uint64_t group = groups ? w.dims[2] / groups : 0;
+      if (w.rank != 3 || !(group == 32 || group == 64 || group == 128) ||
+          group * groups != w.dims[2])
+        return Status::error(fmt::format(
+            "{}: slot '{}' holds 4-bit codes of rows of {} values and slot '{}' their scales, "
+            "[{}]: the scales must be [L, rows, cols / g] (or [L, rows, cols / g, 2] with "
+            "zero points) for groups of g = 32, 64 or 128",
+            describe(op), slotName(in(op, 1)), w.dims[2], slotName(in(op, 3)),
+            fmt::join(scales.dims, scales.dims + scales.rank, ", ")));
+      shape.weightGroup = int64_t(group);
+      return Status::success();
+    }
+    default:
+      return Status::error(fmt::format("{}: slot '{}' is {}; a quantized weight is f8e4m3, i8 "
+                                       "or i4 codes",
+                                       describe(op), slotName(in(op, 1)),
+                                       format::dtypeName(w.dtype)));
+    }
   }
 
   /// One projection of the layer (Y = X W, or dX = dY W^T): its base GMM
@@ -157,7 +193,7 @@ private:
     if (!isActivationGmm(last))
       return notLayer(fmt::format("slot '{}' is not written by a gmm (the {})", slotName(result),
                                   role));
-    if (tiling(last).inputCount == 4 && !blockScaled(last)) { // an adapter: Y = Y_base + U B
+    if (tiling(last).inputCount == 4 && !quantized(last)) { // an adapter: Y = Y_base + U B
       p->add = last;
       p->base = producer(in(last, 3));
       p->rankIn = producer(in(last, 0));
@@ -167,7 +203,7 @@ private:
                                                 p->base, 3, "base"},
                                             {p->rankIn, 0, "rank-r"}})
         if (!isActivationGmm(op) || in(op, 0) != lhs ||
-            tiling(op).inputCount != (blockScaled(op) && op == p->base ? 4 : 3))
+            tiling(op).inputCount != (quantized(op) && op == p->base ? 4 : 3))
           return notLayer(fmt::format("{} reads '{}' (input {}), which is not written by the "
                                       "{} gmm of the {} reading '{}'",
                                       describe(last), slotName(in(last, input)), input, what,
@@ -279,21 +315,28 @@ private:
                                   describe(p1.base), readsW1T ? "" : "un", describe(p2.base),
                                   readsW2T ? "" : "un"));
     shape.weightsTransposed = bwd ? !readsW1T : readsW1T;
-    // Block-scaled FP8 base weights: both or neither, and only the base GMMs.
-    if (blockScaled(p1.base) != blockScaled(p2.base))
+    // Quantized base weights: both or neither, in one format, and only the
+    // base GMMs.
+    const auto storage = [&](uint32_t op) {
+      return quantized(op) ? fmt::format("as {} codes", format::dtypeName(
+                                                            program.slots[in(op, 1)].dtype))
+                           : std::string("dense");
+    };
+    if (storage(p1.base) != storage(p2.base))
       return notLayer(fmt::format("{} reads w1 {} and {} reads w2 {}; both base weights must "
                                   "have one format",
-                                  describe(p1.base), blockScaled(p1.base) ? "as FP8" : "dense",
-                                  describe(p2.base), blockScaled(p2.base) ? "as FP8" : "dense"));
+                                  describe(p1.base), storage(p1.base), describe(p2.base),
+                                  storage(p2.base)));
     for (uint32_t i = 0; i < program.ops.size(); ++i)
-      if (program.ops[i].kind == OpKind::Gmm && blockScaled(i) && i != p1.base && i != p2.base)
-        return notLayer(fmt::format("{} reads an FP8 weight with block scales; only the base "
-                                    "projections' GMMs may",
+      if (program.ops[i].kind == OpKind::Gmm && quantized(i) && i != p1.base && i != p2.base)
+        return notLayer(fmt::format("{} reads a quantized weight; only the base projections' "
+                                    "GMMs may",
                                     describe(i)));
-    if (blockScaled(p1.base)) {
-      shape.weightFormat = WeightFormat::Fp8Block128;
+    if (quantized(p1.base)) {
       plan.w1Scale = in(p1.base, 3);
       plan.w2Scale = in(p2.base, 3);
+      if (Status s = readWeightFormat(p1.base); !s)
+        return s;
     }
     for (int t = 0; t < 2; ++t) {
       const Projection &p = t == 0 ? p1 : p2;
@@ -494,7 +537,7 @@ private:
       return Status::error(fmt::format(
           "slot '{}' (w1) is stored as {}, and this backward computes the base weights' "
           "gradients: a layer with quantized weights must be frozen or LoRA (no dw1, dw2)",
-          slotName(plan.w1), weightFormatName(shape.weightFormat)));
+          slotName(plan.w1), shape.weightFormatName()));
     if (shape.weightsTransposed && shape.backward && !shape.frozen)
       return Status::error(fmt::format(
           "slot '{}' (w1) is stored transposed, and this backward computes the base weights' "
@@ -560,23 +603,18 @@ private:
     for (const Expect &e : expects)
       if (Status s = expectShape(e.slot, e.role, e.dims, act); !s)
         return s;
-    // The base weights: the activations' dtype, or FP8 codes and their
-    // fp32 scales per 128 x 128 block.
-    const bool fp8 = shape.weightFormat == WeightFormat::Fp8Block128;
-    const DType weights = fp8 ? DType::F8E4M3 : act;
+    // The base weights: the activations' dtype, or codes and their fp32
+    // scales.
+    const DType weights = shape.weightDType();
     if (Status s = expectShape(plan.w1, "w1", {w1Dims.begin(), w1Dims.end()}, weights); !s)
       return s;
     if (Status s = expectShape(plan.w2, "w2", {w2Dims.begin(), w2Dims.end()}, weights); !s)
       return s;
-    if (fp8) {
-      const std::array<int64_t, 3> s1 = LayerShape::blockScaleDims(w1Dims),
-                                   s2 = LayerShape::blockScaleDims(w2Dims);
-      if (Status s = expectShape(plan.w1Scale, "w1's block scales", {s1.begin(), s1.end()},
-                                 DType::F32);
+    if (shape.weightFormat != WeightFormat::Dense) {
+      if (Status s = expectShape(plan.w1Scale, "w1's scales", shape.scaleDims(w1Dims), DType::F32);
           !s)
         return s;
-      if (Status s = expectShape(plan.w2Scale, "w2's block scales", {s2.begin(), s2.end()},
-                                 DType::F32);
+      if (Status s = expectShape(plan.w2Scale, "w2's scales", shape.scaleDims(w2Dims), DType::F32);
           !s)
         return s;
     }
@@ -672,7 +710,7 @@ private:
           kind == OpKind::Gmm
               ? (isWgrad(op) ? format::kTilingTransposeA | format::kTilingAccumulate
                              : format::kTilingTransposeB | format::kTilingScale |
-                                   format::kTilingShareRows | format::kTilingBlockScaledB)
+                                   format::kTilingShareRows | format::kTilingQuantizedB)
           : kind == OpKind::Combine ? format::kTilingReduceTp | format::kTilingShareRows
                                     : format::kTilingShareRows;
       if (t.flags & ~allowedFlags)
@@ -729,7 +767,7 @@ private:
       if (Status s = expectField(op, "cols", t.cols, uint64_t(width(c))); !s)
         return s;
       if (kind == OpKind::Gmm) {
-        if (t.inputCount == 4 && !(t.flags & format::kTilingBlockScaledB)) {
+        if (t.inputCount == 4 && !(t.flags & format::kTilingQuantizedB)) {
           const SlotRecord &cs = program.slots[c];
           if (Status s = expectShape(in(op, 3), "addend", {rows(c), int64_t(cs.dims[1])},
                                      cs.dtype);
@@ -866,8 +904,10 @@ Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward) {
                             {"LoRA targets (bit 0: w1, bit 1: w2)", {f.loraTargets, b.loraTargets}},
                             {"LoRA rank", {f.loraRank, b.loraRank}},
                             {"transposed weights", {f.weightsTransposed, b.weightsTransposed}},
-                            {"weight format (0 dense, 1 fp8_block128)",
-                             {int64_t(f.weightFormat), int64_t(b.weightFormat)}}});
+                            {"weight format (0 dense, 1 fp8_block128, 2 int8, 3 int4)",
+                             {int64_t(f.weightFormat), int64_t(b.weightFormat)}},
+                            {"int4 group", {f.weightGroup, b.weightGroup}},
+                            {"int4 zero points", {f.weightZeroPoints, b.weightZeroPoints}}});
       !s)
     return s;
   if (f.loraScaling != b.loraScaling)

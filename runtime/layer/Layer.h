@@ -85,7 +85,7 @@ struct LayerPlan {
 
   // Slots bound to the caller's tensors.
   uint32_t w1 = kNoSlot, w2 = kNoSlot;   ///< [L, H, 2I], [L, I, H]
-  /// The scales of block-scaled FP8 weights (LayerShape::weightFormat).
+  /// The scales of quantized base weights (LayerShape::weightFormat).
   uint32_t w1Scale = kNoSlot, w2Scale = kNoSlot;
   uint32_t dw1 = kNoSlot, dw2 = kNoSlot; ///< backward
 

@@ -9,6 +9,7 @@
 #include "base/File.h"
 #include "runtime/cpu/Element.h"
 #include "runtime/cpu/Fp8.h"
+#include "runtime/cpu/Quant.h"
 #include "runtime/format/Crc32.h"
 #include "runtime/tooling/Reference.h"
 #include "runtime/tooling/Npy.h"
@@ -456,23 +457,47 @@ void unsliceExperts(const LayerData &d, int64_t first, int64_t count, int64_t t,
 }
 
 /// Expert `e`'s matrix [rows, cols] at `m` (row-major, or stored transposed
-/// [cols, rows] with `transposed`) quantized in 128 x 128 blocks of the form
-/// stored: codes and scales of the stored form, and with `round` the matrix
-/// replaced by its dequantized values.
-void quantizeStored(float *m, int64_t rows, int64_t cols, bool transposed, uint8_t *codes,
-                    float *scales, bool round) {
+/// [cols, rows] with `transposed`) quantized in `shape`'s weight format, of
+/// the form stored: its codes and scales (shape.storedDims and scaleDims of
+/// one expert), and with `round` the matrix replaced by its dequantized
+/// values.
+void quantizeStored(const rt::LayerShape &shape, float *m, int64_t rows, int64_t cols,
+                    bool transposed, void *codes, float *scales, bool round) {
   std::vector<float> stored(size_t(rows * cols));
-  const int64_t r = transposed ? cols : rows, c = transposed ? rows : cols;
+  cpu::QuantizedMatrix q;
+  q.format = shape.weightFormat;
+  q.rows = transposed ? cols : rows;
+  q.cols = transposed ? rows : cols;
+  q.group = shape.weightGroup;
+  q.zeroPoints = shape.weightZeroPoints;
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j)
       stored[size_t(transposed ? j * rows + i : i * cols + j)] = m[i * cols + j];
-  cpu::quantizeBlocks(stored.data(), c, r, c, codes, scales);
+  cpu::quantize(q, stored.data(), q.cols, codes, scales);
   if (!round)
     return;
-  cpu::dequantizeBlocks(codes, scales, c, 0, r, 0, c, stored.data(), DType::F32, c);
+  q.codes = codes;
+  q.scales = scales;
+  cpu::dequantize(q, 0, q.rows, 0, q.cols, stored.data(), DType::F32, q.cols);
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j)
       m[i * cols + j] = stored[size_t(transposed ? j * rows + i : i * cols + j)];
+}
+
+/// A runtime tensor of `dims` (at most four) at `data`.
+rt::Tensor tensorOf(void *data, DType dtype, const std::vector<int64_t> &dims) {
+  rt::Tensor t = rt::makeTensor(data, dtype, {});
+  for (int64_t d : dims)
+    t.dims[t.ndim++] = d;
+  return t;
+}
+
+/// The product of `dims`.
+int64_t count(const std::vector<int64_t> &dims) {
+  int64_t n = 1;
+  for (int64_t d : dims)
+    n *= d;
+  return n;
 }
 
 /// Each of `count` row-major [rows, cols] matrices at `m`, transposed in
@@ -494,15 +519,18 @@ Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *d) {
     return Status::success();
   if (shape.tp > 1)
     return Status::error(fmt::format("{} weights with tensor parallelism ({} TP ranks) are not "
-                                     "supported: their blocks are of a whole expert",
-                                     weightFormatName(shape.weightFormat), shape.tp));
+                                     "supported: their scales are of a whole expert",
+                                     shape.weightFormatName(), shape.tp));
   const int64_t H = d->hidden, I = d->inter;
   for (const auto &[w, rows, cols] : {std::tuple{&d->w1, H, 2 * I}, std::tuple{&d->w2, I, H}}) {
     const int64_t E = int64_t(w->size()) / std::max<int64_t>(rows * cols, 1);
-    std::vector<uint8_t> codes(size_t(rows * cols));
-    std::vector<float> scales(size_t(((rows + 127) / 128) * ((cols + 127) / 128)));
+    const std::array<int64_t, 3> one =
+        shape.weightsTransposed ? std::array<int64_t, 3>{1, cols, rows}
+                                : std::array<int64_t, 3>{1, rows, cols};
+    std::vector<uint8_t> codes(size_t(count(shape.storedDims(one))));
+    std::vector<float> scales(size_t(count(shape.scaleDims(one))));
     for (int64_t e = 0; e < E; ++e)
-      quantizeStored(w->data() + e * rows * cols, rows, cols, shape.weightsTransposed,
+      quantizeStored(shape, w->data() + e * rows * cols, rows, cols, shape.weightsTransposed,
                      codes.data(), scales.data(), true);
   }
   return Status::success();
@@ -545,20 +573,21 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
     b[kY].zeros(tokensH, act);
     std::vector<float> w1(w1n), w2(w2n);
     sliceExperts(d, e * L, L, t, w1.data(), w2.data());
-    if (shape.weightFormat == WeightFormat::Fp8Block128) {
-      // FP8 codes and block scales of each expert's matrix as stored.
+    if (shape.weightFormat != WeightFormat::Dense) {
+      // Codes and scales of each expert's matrix as stored.
       for (const auto &[w, slot, scale, rows, cols] :
            {std::tuple{&w1, kW1, kW1Scale, H, 2 * I}, std::tuple{&w2, kW2, kW2Scale, I, H}}) {
-        const std::array<int64_t, 3> dims = LayerShape::blockScaleDims(
-            slot == kW1 ? shape.w1Dims() : shape.w2Dims());
+        const std::array<int64_t, 3> dims = slot == kW1 ? shape.w1Dims() : shape.w2Dims();
+        const int64_t codeBytes = count(shape.storedDims(dims)) / L,
+                      scaleCount = count(shape.scaleDims(dims)) / L;
         Buffer &codes = b[slot], &scales = b[scale];
-        codes.dtype = DType::F8E4M3;
-        codes.bytes.assign(size_t(L * rows * cols), 0);
-        scales.zeros(size_t(dims[0] * dims[1] * dims[2]), DType::F32);
+        codes.dtype = shape.weightDType();
+        codes.bytes.assign(size_t(L * codeBytes), 0);
+        scales.zeros(size_t(L * scaleCount), DType::F32);
         for (int64_t l = 0; l < L; ++l)
-          quantizeStored(w->data() + l * rows * cols, rows, cols, shape.weightsTransposed,
-                         codes.bytes.data() + l * rows * cols,
-                         scales.f32.data() + l * dims[1] * dims[2], false);
+          quantizeStored(shape, w->data() + l * rows * cols, rows, cols, shape.weightsTransposed,
+                         codes.bytes.data() + l * codeBytes, scales.f32.data() + l * scaleCount,
+                         false);
       }
     } else {
       if (shape.weightsTransposed) { // w1 [L, 2I, H], w2 [L, H, I]
@@ -578,16 +607,14 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
     std::vector<std::pair<const char *, rt::Tensor>> tensors = {
         {"x", rt::makeTensor(b[kX].data(), act, {S, H})},
         {"y", rt::makeTensor(b[kY].data(), act, {S, H})},
-        {"w1", rt::makeTensor(b[kW1].data(), b[kW1].dtype, {w1Dims[0], w1Dims[1], w1Dims[2]})},
-        {"w2", rt::makeTensor(b[kW2].data(), b[kW2].dtype, {w2Dims[0], w2Dims[1], w2Dims[2]})},
+        {"w1", tensorOf(b[kW1].data(), b[kW1].dtype, shape.storedDims(w1Dims))},
+        {"w2", tensorOf(b[kW2].data(), b[kW2].dtype, shape.storedDims(w2Dims))},
     };
     if (shape.weightFormat != WeightFormat::Dense) {
-      const std::array<int64_t, 3> s1 = LayerShape::blockScaleDims(w1Dims),
-                                   s2 = LayerShape::blockScaleDims(w2Dims);
-      tensors.push_back({"w1_scale", rt::makeTensor(b[kW1Scale].data(), DType::F32,
-                                                    {s1[0], s1[1], s1[2]})});
-      tensors.push_back({"w2_scale", rt::makeTensor(b[kW2Scale].data(), DType::F32,
-                                                    {s2[0], s2[1], s2[2]})});
+      tensors.push_back(
+          {"w1_scale", tensorOf(b[kW1Scale].data(), DType::F32, shape.scaleDims(w1Dims))});
+      tensors.push_back(
+          {"w2_scale", tensorOf(b[kW2Scale].data(), DType::F32, shape.scaleDims(w2Dims))});
     }
     if (backward) {
       // The weight-gradient dtype is the backward binary's; a context

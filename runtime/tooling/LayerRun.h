@@ -153,16 +153,16 @@ private:
   struct Buffer {
     std::vector<float> f32;
     std::vector<uint16_t> bf16;
-    std::vector<uint8_t> bytes; ///< FP8 codes (dtype F8E4M3)
+    std::vector<uint8_t> bytes; ///< codes of a quantized weight (F8E4M3, I8, I4)
     format::DType dtype = format::DType::F32;
     void assign(const float *values, size_t count, format::DType type);
     void zeros(size_t count, format::DType type);
     /// Sets every element to zero where it is (a bound tensor stays bound).
     void clear();
     void *data() {
-      return dtype == format::DType::BF16     ? (void *)bf16.data()
-             : dtype == format::DType::F8E4M3 ? (void *)bytes.data()
-                                              : f32.data();
+      return dtype == format::DType::BF16  ? (void *)bf16.data()
+             : dtype == format::DType::F32 ? (void *)f32.data()
+                                           : bytes.data();
     }
     void copyOut(float *out) const;
   };

@@ -162,12 +162,13 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
   SECTION("dtype") {
     p.slots[0].dtype = DType(0);
     CHECK(contentError(p) ==
-          "slot 0 'x': dtype 0 is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)");
+          "slot 0 'x': dtype 0 is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5), i8 (6), "
+          "i4 (7)");
   }
   SECTION("tiling dtype and op kind") {
-    p.tilings[1].dtype = DType(6);
-    CHECK(contentError(p) ==
-          "tiling 1: dtype 6 is not one of f32 (1), bf16 (2), i32 (3), i64 (4), f8e4m3 (5)");
+    p.tilings[1].dtype = DType(8);
+    CHECK(contentError(p) == "tiling 1: dtype 8 is not one of f32 (1), bf16 (2), i32 (3), i64 (4), "
+                             "f8e4m3 (5), i8 (6), i4 (7)");
     p = smallProgram();
     p.tilings[1].opKind = OpKind(0);
     CHECK(contentError(p) == "tiling 1: op kind 0 is not an op kind (1..7)");
@@ -190,12 +191,12 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
     p = smallProgram();
     p.tilings[0].flags = 0x80;
     CHECK(contentError(p) == "tiling 0: unknown flag bits 0x80");
-    // Block-scaled FP8 weights: on an activation GMM with the scales as
-    // input 3 only (tiling 0 is the dispatch's).
+    // Quantized weights: on an activation GMM with the scales as input 3
+    // only (tiling 0 is the dispatch's).
     p = smallProgram();
-    p.tilings[0].flags = kTilingBlockScaledB;
+    p.tilings[0].flags = kTilingQuantizedB;
     CHECK(contentError(p) ==
-          "tiling 0: block-scaled weights need an activation GMM with their scales as input 3");
+          "tiling 0: quantized weights need an activation GMM with their scales as input 3");
     // Shared-out rows: on a put or an activation GMM; not on a weight
     // gradient, which tiles its result.
     p = smallProgram();

@@ -1,0 +1,78 @@
+//===- Quant.h - Quantized weights: int8 rows, int4 groups ------*- C++ -*-===//
+//
+// The storage of a frozen weight matrix [rows, cols] in the formats other
+// than FP8 blocks (runtime/cpu/Fp8.h), and one reader for all of them
+// (LayerShape's WeightFormat). A weight stored as Hugging Face's linear
+// weights ([out, in]) has a row per output channel and its groups along
+// the input dimension.
+//
+//  - int8 rows (WeightFormat::Int8Channel): int8 codes [rows, cols] and one
+//    fp32 scale per row; value = code x scale. quantizeInt8Rows takes
+//    scale = amax / 127 and code = the nearest integer to value / scale
+//    (ties to even), so codes lie in -127..127.
+//  - int4 groups (WeightFormat::Int4Group): 4-bit codes 0..15, two a byte,
+//    [rows, ceil(cols / 2)] bytes: value j of a row is the low half of byte
+//    j / 2 when j is even, the high half when odd (GPTQ's order within its
+//    int32 words, which hold values 8j..8j+7 from the low bits up on a
+//    little-endian CPU; the matrix is stored [out, in], not GPTQ's [in, out]).
+//    A group is g consecutive values of a row (g = 32, 64 or 128, dividing
+//    cols); its scale, and with zero points its zero point, are fp32:
+//    scales [rows, cols / g], or (scale, zero) pairs [rows, cols / g, 2].
+//    value = (code - zero) x scale, zero 8 without zero points.
+//    quantizeInt4Groups: without zero points scale = amax / 7 and code =
+//    8 + round(value / scale) clamped to 0..15; with them the group's range
+//    with 0 in it, [lo, hi], gives scale = (hi - lo) / 15, zero =
+//    round(-lo / scale) (AWQ's min-max rounding) and code = round(value /
+//    scale) + zero clamped to 0..15.
+// A group (or row) of zeros has scale 1. Values are computed in fp32
+// (float(code - zero) x scale) and rounded once to the output type.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_CPU_QUANT_H
+#define MOEC_RUNTIME_CPU_QUANT_H
+
+#include "base/DType.h"
+#include "base/LayerShape.h"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moec::cpu {
+
+/// One expert's quantized weight matrix as stored.
+struct QuantizedMatrix {
+  WeightFormat format = WeightFormat::Dense;
+  const void *codes = nullptr;   ///< [rows, cols] codes (bytes; int4: two a byte)
+  const float *scales = nullptr; ///< as the format says
+  int64_t rows = 0, cols = 0;
+  int64_t group = 0;       ///< Int4Group: values per group
+  bool zeroPoints = false; ///< Int4Group: scales are (scale, zero) pairs
+};
+
+/// Quantizes the fp32 matrix `src` [rows, cols] (row stride srcLd) into
+/// int8 `codes` [rows, cols] and `scales` [rows].
+void quantizeInt8Rows(const float *src, int64_t srcLd, int64_t rows, int64_t cols, int8_t *codes,
+                      float *scales);
+
+/// Quantizes the fp32 matrix `src` [rows, cols] into 4-bit `codes`
+/// [rows, ceil(cols / 2)] bytes and `scales` [rows, cols / group] (or
+/// pairs [rows, cols / group, 2] with `zeroPoints`). `group` divides cols.
+void quantizeInt4Groups(const float *src, int64_t srcLd, int64_t rows, int64_t cols,
+                        int64_t group, bool zeroPoints, uint8_t *codes, float *scales);
+
+/// Quantizes the fp32 matrix `src` [m.rows, m.cols] (row stride srcLd) into
+/// `codes` and `scales`, of m's format (m.codes and m.scales are ignored):
+/// the three functions above by format.
+void quantize(const QuantizedMatrix &m, const float *src, int64_t srcLd, void *codes,
+              float *scales);
+
+/// Rows [rowBegin, rowEnd) and columns [colBegin, colEnd) of `m` as values
+/// of type `elt` (F32 or BF16) into `dst`, row i, column j at (i - rowBegin)
+/// * dstLd + (j - colBegin). Every format, FP8 blocks included.
+void dequantize(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd, int64_t colBegin,
+                int64_t colEnd, void *dst, DType elt, int64_t dstLd);
+
+} // namespace moec::cpu
+
+#endif // MOEC_RUNTIME_CPU_QUANT_H

@@ -179,11 +179,15 @@ void expectLayerDType(const at::Tensor &t, const char *name, DType want) {
 /// Rank r's part of `t` (the r-th of `parts` equal slices along dim 0) as a
 /// runtime tensor of the remaining dims (dim 0 divided by `parts` when
 /// `keepDim0`).
+/// `codes` is the dtype of the layer's quantized weights (w1, w2), whose
+/// codes are int8 or uint8 tensors.
 moec::rt::Tensor slice(const at::Tensor &t, const char *name, int64_t parts, int64_t r,
-                       bool keepDim0) {
+                       bool keepDim0, DType codes = DType::F8E4M3) {
   moec::rt::Tensor out{};
-  // uint8 holds FP8 e4m3 codes (torch 1.13 has no float8 type).
-  out.dtype = moec_dtype(t.scalar_type() == at::kByte ? DType::F8E4M3 : moecType(t, name));
+  // uint8 holds FP8 e4m3 codes (torch 1.13 has no float8 type) or 4-bit
+  // codes two a byte; int8 holds int8 codes.
+  const bool bytes = t.scalar_type() == (codes == DType::I8 ? at::kChar : at::kByte);
+  out.dtype = moec_dtype(bytes ? codes : moecType(t, name));
   const int64_t per = t.size(0) / parts;
   if (keepDim0) {
     out.ndim = int32_t(t.dim());
@@ -406,7 +410,11 @@ public:
     d.insert("lora_rank", s.loraRank);
     d.insert("fp8_dispatch", s.fp8Dispatch);
     d.insert("weights_transposed", s.weightsTransposed);
-    d.insert("weight_format", int64_t(s.weightFormat)); // 0 dense, 1 fp8_block128
+    // 0 dense, 1 fp8_block128, 2 int8, 3 int4 (of weight_group values, with
+    // zero points or not)
+    d.insert("weight_format", int64_t(s.weightFormat));
+    d.insert("weight_group", s.weightGroup);
+    d.insert("weight_zero_points", s.weightZeroPoints);
     // Bytes of rows the last passes' puts moved between ranks (all ranks).
     const moec::rt::PassTimes &f = slot->context->forwardTimes(),
                               &b = slot->context->backwardTimes();
@@ -726,7 +734,8 @@ private:
 
   /// The runtime's names of the layer's further tensors, in the order the
   /// op takes them: the LoRA adapters (A and B on w1, then on w2, for the
-  /// projections that have them), then w1_scale and w2_scale for FP8 weights.
+  /// projections that have them), then w1_scale and w2_scale for quantized
+  /// weights.
   std::vector<std::string> adapterNames() const {
     std::vector<std::string> names;
     const uint8_t targets = slot->context->shape().loraTargets;
@@ -759,18 +768,25 @@ private:
                 fmt::format("{}", fmt::join(names, ", ")), "); got ", adapters.size());
     expectRoutingDTypes(ids, weights);
     expectLayerDType(x, "x", s.activations);
-    if (s.weightFormat == moec::WeightFormat::Fp8Block128) {
+    if (s.weightFormat != moec::WeightFormat::Dense) {
+      const bool int8 = s.weightFormat == moec::WeightFormat::Int8Channel;
+      const char *codes = s.weightFormat == moec::WeightFormat::Fp8Block128 ? "FP8 e4m3 codes"
+                          : int8                                           ? "int8 codes"
+                                 : "4-bit codes, two a byte,";
       for (const auto &[w, name] : {std::pair{&w1, "w1"}, std::pair{&w2, "w2"}})
-        TORCH_CHECK(w->scalar_type() == at::kByte, "moec: '", name, "' is ",
-                    dtypeName(w->scalar_type()),
-                    "; expected uint8, the FP8 e4m3 codes of the layer's fp8_block128 weights");
+        TORCH_CHECK(w->scalar_type() == (int8 ? at::kChar : at::kByte), "moec: '", name, "' is ",
+                    dtypeName(w->scalar_type()), "; expected ", int8 ? "int8" : "uint8", ", the ",
+                    codes, " of the layer's ", s.weightFormatName(), " weights");
     } else {
       expectLayerDType(w1, "w1", s.activations);
       expectLayerDType(w2, "w2", s.activations);
     }
     std::vector<at::Tensor> contiguous;
     for (size_t i = 0; i < adapters.size(); ++i) {
-      expectInput(adapters[i], names[i].c_str(), 3, E, experts);
+      // Adapters are [E, K, r] or [E, r, N]; the runtime checks the scales'
+      // shape, whose rank is the format's.
+      expectInput(adapters[i], names[i].c_str(),
+                  i < loraCount() ? 3 : int64_t(s.scaleDims(s.w1Dims()).size()), E, experts);
       expectLayerDType(adapters[i], names[i].c_str(),
                        i < loraCount() ? s.activations : DType::F32);
       contiguous.push_back(adapters[i].contiguous());
@@ -802,8 +818,9 @@ private:
                                 slice(in.weights, "topk_weights", P, p, false)),
             "routing");
       check(slot->context->bind(r, "x", slice(in.x, "x", P, p, false)), "bind x");
-      check(slot->context->bind(r, "w1", slice(in.w1, "w1", P, p, true)), "bind w1");
-      check(slot->context->bind(r, "w2", slice(in.w2, "w2", P, p, true)), "bind w2");
+      const DType codes = slot->context->shape().weightDType();
+      check(slot->context->bind(r, "w1", slice(in.w1, "w1", P, p, true, codes)), "bind w1");
+      check(slot->context->bind(r, "w2", slice(in.w2, "w2", P, p, true, codes)), "bind w2");
       const std::vector<std::string> names = adapterNames();
       for (size_t i = 0; i < names.size(); ++i)
         check(slot->context->bind(r, names[i], slice(in.adapters[i], names[i].c_str(), P, p, true)),

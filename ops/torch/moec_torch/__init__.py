@@ -395,11 +395,12 @@ def _layer_graphs(frozen, lora_targets, transposed=False, weight_format=None):
                              "frozen or LoRA layer: the base weights' gradients are computed "
                              "in the [E, H, 2I] layout only")
         graphs = [g.replace(".json", "_transposed.json") for g in graphs]
-    if quant.check_format(weight_format) is not None:
+    fmt = quant.parse(weight_format)
+    if fmt is not None:
         if not transposed:
             raise ValueError(f"moec: {weight_format} weights are stored as checkpoints ship "
                              "them, [out, in]: the transposed layout (weights_transposed=True)")
-        graphs = [g.replace(".json", "_fp8.json") for g in graphs]
+        graphs = [g.replace(".json", fmt.graph_suffix + ".json") for g in graphs]
     return graphs
 
 
@@ -414,8 +415,9 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
     moe_ffn_{fwd,bwd}_lora_w1.json / _w2.json; one name ("w1") is one
     target. `weights_transposed`: their *_transposed.json forms, whose base
     weights are stored w1 [E, 2I, H], w2 [E, H, I] (frozen or LoRA only).
-    `weight_format` "fp8_block128": their *_transposed_fp8.json forms (FP8
-    codes with a scale per 128 x 128 block; transposed layout only).
+    `weight_format` (quant.WEIGHT_FORMATS): their quantized forms,
+    *_transposed_{fp8,int8,int4,int4zp}.json (transposed layout only; an
+    int4 format needs the config's weight_group).
     `frozen`, `fresh` and `weights_transposed` are bools."""
     frozen = checks.boolean(frozen, "compile_layer: argument 'frozen'")
     fresh = checks.boolean(fresh, "compile_layer: argument 'fresh'")
@@ -711,6 +713,7 @@ def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1, transposed=F
     """True when a built layer's sizes are those of `cfg` on `ranks` EP
     ranks of `tp` TP ranks each."""
     fp8 = int(cfg.get("dispatch_dtype") == "fp8_e4m3")
+    fmt = quant.parse(weight_format)
     targets = sum(1 << i for i, t in enumerate(LORA_TARGETS) if t in (lora_targets or ()))
     want = {"ranks": int(ranks) * tp, "tp": tp, "experts": int(cfg["num_experts"]),
             "hidden": int(cfg["hidden_size"]), "inter": int(cfg["intermediate_size"]) // tp,
@@ -719,7 +722,9 @@ def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1, transposed=F
             "main_grad": int(bool(cfg.get("main_grad", False))),
             "lora_targets": targets, "lora_rank": int(cfg.get("lora_rank", 0)) if targets else 0,
             "fp8_dispatch": fp8, "weights_transposed": int(bool(transposed)),
-            "weight_format": quant.FORMAT_CODES[weight_format]}
+            "weight_format": quant.FORMAT_CODES[fmt.kind if fmt else None],
+            "weight_group": fmt.group if fmt else 0,
+            "weight_zero_points": int(bool(fmt and fmt.zero_points))}
     return all(int(info[k]) == v for k, v in want.items())
 
 
@@ -846,15 +851,23 @@ class MoeFFN(torch.nn.Module):
     [P*L, H, 2I] layout. The adapters keep their layout (A [P*L, K, r],
     B [P*L, r, N] on the projection X W, W [K, N]).
 
-    weight_format: "fp8_block128" stores the frozen base weights as FP8 e4m3
-    codes (w1, w2: uint8 [P*L, 2I, H], [P*L, H, I], the transposed layout,
-    which weight_format implies) with one fp32 scale per 128 x 128 block
-    (w1_scale [P*L, 2I/128, H/128], w2_scale [P*L, H/128, I/128]):
-    DeepSeek-V3's weight and weight_scale_inv as its checkpoint ships them,
-    half the bytes of bf16. Each tile dequantizes the part it reads to the
-    layer's dtype; outputs are those of the dense layer on the dequantized
-    weights (dequantized_weights()). A frozen or LoRA layer only, H and I
-    multiples of 128, tp=1. quantize_weights() makes one from a dense layer.
+    weight_format: stores the frozen base weights quantized, in the
+    transposed layout (which weight_format implies), as codes w1, w2 and
+    fp32 scales w1_scale, w2_scale (moec_torch.quant says each format):
+      "fp8_block128": FP8 e4m3 codes (uint8 [P*L, 2I, H], [P*L, H, I]) with
+        a scale per 128 x 128 block ([P*L, 2I/128, H/128], [P*L, H/128,
+        I/128]): DeepSeek-V3's weight and weight_scale_inv as its checkpoint
+        ships them; H and I multiples of 128;
+      "int8": int8 codes with a scale per row ([P*L, 2I], [P*L, H]);
+      "int4_g32", "int4_g64", "int4_g128": 4-bit codes two a byte (uint8
+        [P*L, 2I, H/2], [P*L, H, I/2]) with a scale per group of G values
+        along a row ([P*L, 2I, H/G], [P*L, H, I/G]); "int4_gG_zp": with a
+        zero point per group too ([..., 2] pairs); H and I multiples of G.
+    FP8 and int8 hold half the bytes of bf16, int4 a quarter (plus the
+    scales). Each tile dequantizes the part it reads to the layer's dtype;
+    outputs are those of the dense layer on the dequantized weights
+    (dequantized_weights()). A frozen or LoRA layer only, tp=1.
+    quantize_weights(weight_format) makes one from a dense layer.
 
     init_weights: False leaves w1, w2 and the adapters uninitialized
     (torch.empty), for a caller that fills them (moec_torch.hf does, from a
@@ -935,17 +948,19 @@ class MoeFFN(torch.nn.Module):
             frozen = True
         elif lora_alpha is not None:
             raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
-        if quant.check_format(weight_format) is not None:
+        fmt = quant.parse(weight_format)
+        if fmt is not None:
             if not frozen:
                 raise ValueError(f"moec: weight_format={weight_format!r} needs a frozen or LoRA "
                                  "layer (frozen=True or lora_rank=): quantized weights get no "
                                  "gradients")
             weights_transposed = True
-            sizes = {k: cfg.get(k) for k in ("hidden_size", "intermediate_size")}
-            if any(not isinstance(v, int) or v % quant.BLOCK for v in sizes.values()):
-                raise ValueError(f"moec: weight_format={weight_format!r} holds whole 128 x 128 "
-                                 f"blocks: hidden_size and intermediate_size must be multiples "
-                                 f"of 128; the config has {sizes}")
+            fmt.check_sizes(cfg.get("hidden_size"), cfg.get("intermediate_size"))
+            for key, value in fmt.config().items():
+                if cfg.get(key, value) != value:
+                    raise ValueError(f"moec: the config's {key!r} is {cfg[key]!r}, and "
+                                     f"weight_format={weight_format!r} says {value}")
+                cfg[key] = value
         self.weight_format = weight_format
         if weights_transposed and not frozen:
             raise ValueError("moec: weights_transposed=True needs a frozen or LoRA layer "
@@ -1016,16 +1031,17 @@ class MoeFFN(torch.nn.Module):
         w1, w2 = (self.hidden, 2 * self.local_inter), (self.local_inter, self.hidden)
         if weights_transposed:
             w1, w2 = w1[::-1], w2[::-1]
-        stored = torch.uint8 if weight_format else dtype
-        self.w1 = torch.nn.Parameter(torch.empty(mine, *w1, dtype=stored),
-                                     requires_grad=not self.frozen)
-        self.w2 = torch.nn.Parameter(torch.empty(mine, *w2, dtype=stored),
-                                     requires_grad=not self.frozen)
-        if weight_format:  # one fp32 scale per 128 x 128 block
-            for name, (a, b) in (("w1_scale", w1), ("w2_scale", w2)):
+        stored = fmt.codes_dtype if fmt else dtype
+        self.w1 = torch.nn.Parameter(
+            torch.empty(mine, *(fmt.stored_shape(*w1) if fmt else w1), dtype=stored),
+            requires_grad=not self.frozen)
+        self.w2 = torch.nn.Parameter(
+            torch.empty(mine, *(fmt.stored_shape(*w2) if fmt else w2), dtype=stored),
+            requires_grad=not self.frozen)
+        if fmt:  # the codes' fp32 scales (quant)
+            for name, shape in (("w1_scale", w1), ("w2_scale", w2)):
                 setattr(self, name, torch.nn.Parameter(
-                    torch.empty(mine, -(-a // quant.BLOCK), -(-b // quant.BLOCK)),
-                    requires_grad=False))
+                    torch.empty(mine, *fmt.scale_shape(*shape)), requires_grad=False))
         if self.main_grad:
             for w in (self.w1, self.w2):
                 w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
@@ -1088,8 +1104,9 @@ class MoeFFN(torch.nn.Module):
         parameters where they are dense)."""
         if not self.weight_format:
             return self.w1, self.w2
-        return tuple(quant.dequantize_fp8_blocks(getattr(self, n), getattr(self, n + "_scale"),
-                                                 self.dtype) for n in LORA_TARGETS)
+        return tuple(quant.dequantize(self.weight_format, getattr(self, n),
+                                      getattr(self, n + "_scale"), self.dtype)
+                     for n in LORA_TARGETS)
 
     def quantize_weights(self, weight_format="fp8_block128"):
         """A new layer with this one's configuration and options, its base
@@ -1110,7 +1127,7 @@ class MoeFFN(torch.nn.Module):
             for name, w in zip(LORA_TARGETS, self.dequantized_weights()):
                 if not self.weights_transposed:
                     w = w.transpose(1, 2)
-                codes, scales = quant.quantize_fp8_blocks(w)
+                codes, scales = quant.quantize(weight_format, w)
                 getattr(layer, name).copy_(codes)
                 getattr(layer, name + "_scale").copy_(scales)
             for mine, theirs in zip(self.adapters(), layer.adapters()):
@@ -1180,9 +1197,10 @@ class MoeFFN(torch.nn.Module):
                 if not self.weight_format:
                     self._draw(param, bound)
                     continue
-                dense = torch.empty(param.shape)  # drawn, then quantized
+                # Drawn, then quantized: [out, in] (the transposed layout).
+                dense = torch.empty(param.shape[0], *self._projection(name)[::-1])
                 self._draw(dense, bound, name)
-                codes, scales = quant.quantize_fp8_blocks(dense)
+                codes, scales = quant.quantize(self.weight_format, dense)
                 param.copy_(codes)
                 getattr(self, name + "_scale").copy_(scales)
             for name in self.lora_targets:

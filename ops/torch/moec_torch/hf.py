@@ -343,10 +343,12 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
     w2; lora_alpha defaults to lora_rank); the experts' base weights are then
     frozen. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
     capacity_policy, timeout_seconds, fabric, target, check_finite, trace,
-    weight_format). With weight_format="fp8_block128" (frozen or LoRA) the
-    experts are held as FP8 e4m3 codes with a scale per 128 x 128 block:
-    load_experts copies an FP8 checkpoint's weight and weight_scale_inv as
-    they are, and quantizes a bf16 or fp32 one.
+    weight_format). With a weight_format (frozen or LoRA; quant.WEIGHT_FORMATS)
+    the experts are held quantized: "fp8_block128" as FP8 e4m3 codes with a
+    scale per 128 x 128 block, for which load_experts copies an FP8
+    checkpoint's weight and weight_scale_inv as they are; "int8" and
+    "int4_g*" (and an FP8 layer from a bf16 or fp32 checkpoint) quantize the
+    experts as they are loaded.
 
     The model's expert weights (on any device but meta) are converted once
     into the layer's and freed, except fused (v5) experts of a frozen or
@@ -456,14 +458,14 @@ def _adopt(layer, experts):
 
 def _set_expert(layer, j, gate, up, down):
     """Expert j of the layer from its nn.Linear weights [out, in]: copied,
-    or for quantized weights quantized (FP8 blocks of the stored matrices,
-    gate and up rows stacked)."""
+    or for quantized weights quantized (the stored matrices, gate and up
+    rows stacked, in the layer's format)."""
     if not layer.weight_format:
         for to, w in zip(layer.projections(), (gate, up, down)):
             to[j].copy_(w)
         return
     for name, w in (("w1", torch.cat((gate, up))), ("w2", down)):
-        codes, scales = quant.quantize_fp8_blocks(w.unsqueeze(0))
+        codes, scales = quant.quantize(layer.weight_format, w.unsqueeze(0))
         getattr(layer, name)[j].copy_(codes[0])
         getattr(layer, name + "_scale")[j].copy_(scales[0])
 

@@ -1,33 +1,109 @@
 """Frozen expert weights in the formats checkpoints ship.
 
-fp8_block128: FP8 e4m3 codes (uint8 tensors: torch 1.13 has no float8 type)
-with one fp32 scale per 128 x 128 block of each expert's matrix as stored,
-value = code x scale: DeepSeek-V3's ``weight`` and ``weight_scale_inv``. A
-block's scale is amax / 448 (1 for a block of zeros, NaN for one holding a
-NaN or an infinity), as the runtime's quantizeBlocks (runtime/cpu/Fp8.h).
+Each format stores an expert's matrix [rows, cols] as stored (the layer's
+transposed layout: nn.Linear's [out, in]) as codes and fp32 scales, as the
+runtime reads them (runtime/cpu/Quant.h):
 
-    codes, scales = quantize_fp8_blocks(w)        # w [E, R, C] -> uint8, f32 [E, R/128, C/128]
-    w = dequantize_fp8_blocks(codes, scales)      # float32 [E, R, C]
+  fp8_block128   FP8 e4m3 codes (uint8: torch 1.13 has no float8 type), a
+                 scale per 128 x 128 block [.., ceil(R/128), ceil(C/128)];
+                 value = code x scale: DeepSeek-V3's ``weight`` and
+                 ``weight_scale_inv``. A block's scale is amax / 448.
+  int8           int8 codes, a scale per row [.., R] (an output channel);
+                 value = code x scale, scale = amax / 127.
+  int4_g<G>      4-bit codes 0..15, two a byte (uint8 [.., R, C/2]; value j
+                 of a row in the low half of byte j/2 when j is even, the
+                 high half when odd: GPTQ's order within its int32 words), a
+                 scale per group of G = 32, 64 or 128 values along a row
+                 [.., R, C/G]; value = (code - 8) x scale, scale = amax / 7.
+  int4_g<G>_zp   the same with a zero point per group: (scale, zero) pairs
+                 [.., R, C/G, 2]; value = (code - zero) x scale, from the
+                 group's range with 0 in it (AWQ's min-max): scale = range /
+                 15, zero = round(-min / scale).
+
+A run of zeros has scale 1; one holding a NaN or an infinity gets a NaN
+scale (the layer refuses it). Values are computed in float32 and rounded
+once to the layer's dtype.
+
+    codes, scales = quantize("int4_g128", w)       # w [E, R, C]
+    w = dequantize("int4_g128", codes, scales)     # float32 [E, R, C]
 """
+
+import collections
+import re
 
 import torch
 
 from . import safetensors
 
-__all__ = ["BLOCK", "WEIGHT_FORMATS", "check_format", "dequantize_fp8_blocks",
-           "quantize_fp8_blocks"]
+__all__ = ["BLOCK", "WEIGHT_FORMATS", "Format", "check_format", "dequantize",
+           "dequantize_fp8_blocks", "parse", "quantize", "quantize_fp8_blocks"]
 
 BLOCK = 128
-WEIGHT_FORMATS = ("fp8_block128",)
+GROUPS = (32, 64, 128)
+WEIGHT_FORMATS = ("fp8_block128", "int8") + tuple(
+    f"int4_g{g}{zp}" for zp in ("", "_zp") for g in GROUPS)
 # The runtime's codes of the formats (LayerShape::weightFormat; info()).
-FORMAT_CODES = {None: 0, "fp8_block128": 1}
+FORMAT_CODES = {None: 0, "fp8": 1, "int8": 2, "int4": 3}
+
+
+class Format(collections.namedtuple("Format", "name kind group zero_points")):
+    """A weight format: kind "fp8", "int8" or "int4"; group and zero_points
+    for int4."""
+
+    @property
+    def codes_dtype(self):
+        return torch.int8 if self.kind == "int8" else torch.uint8
+
+    @property
+    def graph_suffix(self):
+        """The suffix of its graphs (graphs/transpose_weights.py)."""
+        return "_int4zp" if self.zero_points else "_" + self.kind
+
+    def stored_shape(self, rows, cols):
+        """The codes' shape of a [rows, cols] matrix."""
+        return (rows, -(-cols // 2)) if self.kind == "int4" else (rows, cols)
+
+    def scale_shape(self, rows, cols):
+        """The scales' shape of a [rows, cols] matrix."""
+        if self.kind == "fp8":
+            return (_blocks(rows), _blocks(cols))
+        if self.kind == "int8":
+            return (rows,)
+        return (rows, cols // self.group) + ((2,) if self.zero_points else ())
+
+    def config(self):
+        """What the layer's config gets: the int4 group (weight_group)."""
+        return {"weight_group": self.group} if self.kind == "int4" else {}
+
+    def check_sizes(self, hidden, inter):
+        """ValueError unless the stored matrices ([2I, H], [H, I]) hold
+        whole blocks (fp8) or groups (int4)."""
+        unit = BLOCK if self.kind == "fp8" else self.group if self.kind == "int4" else 1
+        sizes = {"hidden_size": hidden, "intermediate_size": inter}
+        if any(not isinstance(v, int) or v % unit for v in sizes.values()):
+            what = "whole 128 x 128 blocks" if self.kind == "fp8" else \
+                f"whole groups of {unit} values along a row"
+            raise ValueError(f"moec: weight_format={self.name!r} holds {what}: hidden_size and "
+                             f"intermediate_size must be multiples of {unit}; the config has "
+                             f"{sizes}")
+
+
+def parse(weight_format):
+    """The Format of a name (None: dense), or ValueError naming the formats."""
+    if weight_format is None:
+        return None
+    if not isinstance(weight_format, str) or weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"moec: weight_format must be one of {WEIGHT_FORMATS} or None, got "
+                         f"{weight_format!r}")
+    m = re.fullmatch(r"int4_g(\d+)(_zp)?", weight_format)
+    if m:
+        return Format(weight_format, "int4", int(m.group(1)), bool(m.group(2)))
+    return Format(weight_format, "fp8" if weight_format.startswith("fp8") else "int8", 0, False)
 
 
 def check_format(weight_format):
     """`weight_format` (None: dense), or ValueError naming the formats."""
-    if weight_format is not None and weight_format not in WEIGHT_FORMATS:
-        raise ValueError(f"moec: weight_format must be one of {WEIGHT_FORMATS} or None, got "
-                         f"{weight_format!r}")
+    parse(weight_format)
     return weight_format
 
 
@@ -59,3 +135,63 @@ def dequantize_fp8_blocks(codes, scales, dtype=torch.float32):
     spread = scales.float().repeat_interleave(BLOCK, -2)[..., :rows, :]
     spread = spread.repeat_interleave(BLOCK, -1)[..., :cols]
     return (safetensors.fp8_e4m3_to_float(codes) * spread).to(dtype)
+
+
+def _finite_scale(scale, values, dim):
+    """`scale` with NaN where the run of `values` along `dim` holds a NaN or
+    an infinity (the runtime's quantizers do the same)."""
+    return torch.where(torch.isfinite(values).all(dim), scale, torch.full_like(scale, float("nan")))
+
+
+def quantize(weight_format, w):
+    """(codes, scales) of w [..., R, C] in `weight_format`, matrix by
+    matrix of its last two dims (the module docstring)."""
+    fmt = parse(weight_format)
+    if fmt.kind == "fp8":
+        return quantize_fp8_blocks(w)
+    w = w.detach().float()
+    if fmt.kind == "int8":
+        amax = w.abs().amax(-1)
+        scale = _finite_scale(torch.where(amax > 0, amax / 127, torch.ones_like(amax)), w, -1)
+        codes = torch.round(w / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        return codes, scale
+    *lead, rows, cols = w.shape
+    g = w.reshape(*lead, rows, cols // fmt.group, fmt.group)
+    lo = g.amin(-1).clamp(max=0)
+    hi = g.amax(-1).clamp(min=0)
+    if fmt.zero_points:
+        scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+        scale = _finite_scale(scale, g, -1)
+        zero = torch.round(-lo / scale).clamp(0, 15)
+        zero = torch.where(torch.isfinite(scale), zero, torch.zeros_like(zero))
+        scales = torch.stack((scale, zero), -1)
+    else:
+        amax = torch.maximum(-lo, hi)
+        scale = _finite_scale(torch.where(amax > 0, amax / 7, torch.ones_like(amax)), g, -1)
+        zero = torch.full_like(scale, 8.0)
+        scales = scale
+    codes = (torch.round(g / scale.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp(0, 15)
+    codes = codes.to(torch.uint8).reshape(*lead, rows, cols)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
+
+
+def dequantize(weight_format, codes, scales, dtype=torch.float32):
+    """The values of `codes` and `scales` in `weight_format`, in `dtype`
+    (rounded once from float32)."""
+    fmt = parse(weight_format)
+    if fmt.kind == "fp8":
+        return dequantize_fp8_blocks(codes, scales, dtype)
+    *lead, rows, stored = codes.shape
+    cols = 2 * stored if fmt.kind == "int4" else stored
+    want = tuple(lead) + fmt.scale_shape(rows, cols)
+    if tuple(scales.shape) != want:
+        raise ValueError(f"moec: the scales have shape {list(scales.shape)}; {weight_format} "
+                         f"codes of shape {list(codes.shape)} need {list(want)}")
+    if fmt.kind == "int8":
+        return (codes.float() * scales.float().unsqueeze(-1)).to(dtype)
+    values = torch.stack((codes & 0xF, codes >> 4), -1).reshape(*lead, rows, cols).float()
+    scales = scales.float()
+    scale, zero = (scales[..., 0], scales[..., 1]) if fmt.zero_points else \
+        (scales, torch.full_like(scales, 8.0))
+    spread = lambda t: t.repeat_interleave(fmt.group, -1)  # noqa: E731
+    return ((values - spread(zero)) * spread(scale)).to(dtype)

@@ -1626,7 +1626,8 @@ class MoeFFN(torch.nn.Module):
         if (lo, n) == (first, count) and not slicing:
             return
         # A checkpoint of more experts: keep this process's.
-        names = ["w1", "w2"] + [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"]
+        names = ["w1", "w2"] + (["w1_scale", "w2_scale"] if self.weight_format else []) + \
+            [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"]
         # A checkpoint of the whole experts loaded by one TP rank: its slice.
         def keep(name, t):
             t = t[first - lo:first - lo + count]

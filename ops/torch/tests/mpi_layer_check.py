@@ -19,7 +19,10 @@ VARIANT: full (the default); frozen (frozen=True: no weight gradients);
 main_grad (main_grad=True: the weight gradients of two steps accumulated in
 w.main_grad); lora (LoRA adapters of rank 4 on w1 and w2, nonzero B, base
 frozen: the adapters' gradients are checked); fp8 (dispatch_dtype fp8_e4m3:
-autograd runs on x rounded as the experts receive it).
+autograd runs on x rounded as the experts receive it); a weight format
+(moec_torch.quant.WEIGHT_FORMATS: the base weights stored quantized, with
+LoRA adapters as for lora; autograd runs on the dequantized weights; H 256
+and I 128, whole blocks and groups).
 
 TP (default 1): expert tensor parallelism, R = EP x TP processes; process r
 is EP rank r // TP and holds TP slice r % TP of its experts (gate and up
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 import moec_torch
-from moec_torch import reference
+from moec_torch import quant, reference
 
 
 def routing(ranks, tokens, experts, top_k, g, hot):
@@ -52,13 +55,17 @@ def main():
     hot = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     variant = sys.argv[4] if len(sys.argv) > 4 else "full"
     tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    quantized = variant in quant.WEIGHT_FORMATS
     options = {"full": {}, "frozen": {"frozen": True}, "main_grad": {"main_grad": True},
                "lora": {"lora_rank": 4, "lora_alpha": 8},
-               "fp8": {"dispatch_dtype": "fp8_e4m3"}}[variant]
+               "fp8": {"dispatch_dtype": "fp8_e4m3"}}.get(variant) or \
+        {"lora_rank": 4, "lora_alpha": 8, "weight_format": variant}
     torch.set_num_threads(1)
     cfg = {"name": "mpi-check", "hidden_size": 64, "intermediate_size": 32,
            "num_experts": 0, "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128,
            "dtype": dtype, "capacity_factor": 4}
+    if quantized:
+        cfg.update(hidden_size=256, intermediate_size=128)
     torch.manual_seed(seed)
     layer = moec_torch.MoeFFN(dict(cfg, num_experts=2 * moec_torch._world_size() // tp),
                               tp=tp, threads=1, fabric="mpi", **options)
@@ -82,7 +89,7 @@ def main():
     # Same seed, same draws: the MPI layer holds the single layer's experts.
     assert torch.equal(layer.w1, share("w1", single.w1)), "initial w1 differs"
     assert torch.equal(layer.w2, share("w2", single.w2)), "initial w2 differs"
-    if variant == "lora":
+    if "lora_rank" in options:
         # Nonzero B (a fresh one is zero), the same global values in both.
         ga = torch.Generator().manual_seed(seed + 2)
         with torch.no_grad():
@@ -93,7 +100,7 @@ def main():
     names = [f"{t}_lora_{m}" for t in layer.lora_targets for m in "AB"]
 
     g = torch.Generator().manual_seed(seed + 1)
-    tdt = layer.w1.dtype
+    tdt = layer.dtype
     x = (torch.rand(R, S, H, generator=g) * 2 - 1).to(tdt)
     ids, weights = routing(R, S, E, 2, g, hot)
     dy = (torch.rand(R, S, H, generator=g) * 2 - 1).to(tdt)
@@ -125,8 +132,11 @@ def main():
     # FP8 dispatch: autograd runs on x as the experts receive it.
     xd = (reference.fp8_round_rows(x) if variant == "fp8" else x).double().requires_grad_()
     wd = weights.double().requires_grad_()
-    w1 = single.w1.detach().double().requires_grad_()
-    w2 = single.w2.detach().double().requires_grad_()
+    w1, w2 = single.w1.detach(), single.w2.detach()
+    if quantized:  # the values the layer computes with, as [E, H, 2I], [E, I, H]
+        w1, w2 = (w.transpose(1, 2) for w in single.dequantized_weights())
+    w1 = w1.double().requires_grad_()
+    w2 = w2.double().requires_grad_()
     adapters = [p.detach().double().requires_grad_() for p in single.adapters()]
     lora = {t: tuple(adapters[2 * i:2 * i + 2]) for i, t in enumerate(single.lora_targets)}
     yd = reference.moe_ffn(xd, ids, wd, w1, w2, lora, single.lora_scaling)
@@ -212,7 +222,7 @@ def check_checkpoints(layer, single, cfg, options, seed, share):
         folder = Path(os.environ["MOEC_CACHE_DIR"]) / f"adapters-{seed}-{layer.ranks}"
         layer.save_adapters(folder)
         other = fresh()
-        other(torch.zeros(layer.tokens, layer.hidden, dtype=layer.w1.dtype),
+        other(torch.zeros(layer.tokens, layer.hidden, dtype=layer.dtype),
               torch.zeros(layer.tokens, 2, dtype=torch.long) + torch.tensor([0, 1]),
               torch.ones(layer.tokens, 2))  # collective: every rank has written its file
         other.load_adapters(folder)

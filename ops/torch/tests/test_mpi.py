@@ -90,7 +90,10 @@ def free_port():
     (3, "bf16", 1, "fp8", 1), (3, "fp32", 0, "lora", 1),
     # Expert tensor parallelism, ranks = ep x tp: [2, 2], [1, 2], [1, 4].
     (4, "fp32", 1, "full", 2), (4, "bf16", -1, "main_grad", 2), (2, "fp32", -1, "frozen", 2),
-    (4, "bf16", 0, "full", 4)])
+    (4, "bf16", 0, "full", 4),
+    # Quantized frozen base weights with LoRA adapters.
+    (2, "bf16", -1, "fp8_block128", 1), (2, "fp32", 0, "int8", 1),
+    (3, "bf16", -1, "int4_g64_zp", 1)])
 def test_op_under_mpirun(ranks, dtype, hot, variant, tp):
     run = mpirun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant, tp)
     assert run.returncode == 0, run.stdout + run.stderr

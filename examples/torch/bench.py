@@ -38,9 +38,10 @@ adapters' gradients only), and split: moec_torch.Exchange's dispatch, the
 experts in plain PyTorch (one matmul pair per expert on unbind slices), and
 its combine. It prints each one's step time and backward pass time (moec's
 passes), and their ratios to the full layer's: split's step ratio is what
-fusing the layer saves. frozen_fp8 and lora_fp8 (not run by default) are
-the frozen and lora layers with their base weights quantized to FP8 e4m3
-blocks (weight_format="fp8_block128").
+fusing the layer saves. frozen_<format> and lora_<format> (not run by
+default) are the frozen and lora layers with their base weights quantized
+(quantize_weights) to a weight format: fp8 (FP8 e4m3 blocks,
+"fp8_block128"), int8, int4_g128, int4_g64_zp, ... (moec_torch.quant).
 """
 
 import argparse
@@ -57,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "torch"))
 import moec_torch  # noqa: E402
-from moec_torch import reference  # noqa: E402
+from moec_torch import quant, reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -113,15 +114,28 @@ def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
 
 VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
             "lora": {"lora_rank": 16, "lora_alpha": 32}}
-# FP8 forms of the frozen and LoRA variants: their layer's weights quantized
-# (quantize_weights: FP8 e4m3 codes, a scale per 128 x 128 block).
-FP8_VARIANTS = {"frozen_fp8": "frozen", "lora_fp8": "lora"}
+
+
+def quantized_variant(name):
+    """(dense variant, weight format) of a quantized variant, "frozen_int8"
+    or "lora_fp8" (fp8: "fp8_block128"), or None for another name."""
+    base, _, form = name.partition("_")
+    form = "fp8_block128" if form == "fp8" else form
+    if base in ("frozen", "lora") and form in quant.WEIGHT_FORMATS:
+        return base, form
+    return None
 
 
 def bench_training(cfg, ranks, dtype, threads, repeat, variants):
     """Median step and backward seconds of each training variant, run
     alternately on the same inputs and weights."""
     cfg = dict(cfg, dtype=dtype)
+    unknown = [v for v in variants if v not in VARIANTS and v != "split"
+               and not quantized_variant(v)]
+    if unknown:
+        raise SystemExit(f"bench.py: unknown variants {unknown}; known: {list(VARIANTS)}, split, "
+                         f"frozen_<format> and lora_<format> for a format of "
+                         f"{('fp8',) + quant.WEIGHT_FORMATS[1:]}")
     # The same base weights in every variant, shared (one copy per
     # requires_grad): four copies of a large layer's weights and gradients
     # would not fit a small machine. LoRA's adapters stay its own.
@@ -138,11 +152,11 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
         elif layers:
             layer.load_state_dict(layers["full"].state_dict(), strict=False)
         layers[name] = layer
-    for name in (v for v in variants if v in FP8_VARIANTS):
-        dense = layers.get(FP8_VARIANTS[name])
-        if dense is None:
-            raise SystemExit(f"bench.py: variant {name} needs {FP8_VARIANTS[name]} before it")
-        layers[name] = dense.quantize_weights("fp8_block128")
+    for name in (v for v in variants if quantized_variant(v)):
+        base, form = quantized_variant(name)
+        if base not in layers:
+            raise SystemExit(f"bench.py: variant {name} needs {base} before it")
+        layers[name] = layers[base].quantize_weights(form)
     x, ids, weights, dy = make_inputs(layers["full"], ranks)
     exchange = moec_torch.Exchange(cfg, ranks, threads=threads)
     full = layers["full"]
@@ -329,8 +343,8 @@ def main():
     p.add_argument("--variants", default="full,main_grad,frozen,lora,split",
                    help="with --training: the variants to compare (full always runs; each "
                         "variant holds its own layer, so fewer fit a smaller machine); also "
-                        "frozen_fp8 and lora_fp8, the frozen and lora layers with their "
-                        "weights as FP8 blocks")
+                        "frozen_<format> and lora_<format>, the frozen and lora layers with "
+                        "their weights quantized: fp8, int8, int4_g128, int4_g64_zp, ...")
     p.add_argument("--memory", action="store_true",
                    help="measure moec alone: peak RSS of --repeat training steps (each dtype "
                         "in a process of its own) against the bytes the layer must hold, "
@@ -358,14 +372,14 @@ def main():
         return 0
     if args.training:
         fair_baseline(args.moec)  # the GEMM rate of split's PyTorch experts
-        print(f"{'dtype':6} {'variant':10} {'step s':>8} {'step / full':>12} "
+        print(f"{'dtype':6} {'variant':18} {'step s':>8} {'step / full':>12} "
               f"{'backward s':>11} {'backward / full':>16}")
         for dtype in args.dtypes.split(","):
             result = bench_training(cfg, args.ranks, dtype, args.threads, args.repeat,
                                     args.variants.split(","))
             full_step, full_backward = result["full"]
             for name, (step_s, backward_s) in result.items():
-                print(f"{dtype:6} {name:10} {step_s:8.3f} {step_s / full_step:12.2f} "
+                print(f"{dtype:6} {name:18} {step_s:8.3f} {step_s / full_step:12.2f} "
                       f"{backward_s:11.3f} {backward_s / full_backward:16.2f}", flush=True)
         return 0
     unfair = fair_baseline(args.moec)

@@ -77,7 +77,7 @@ def make_inputs(layer, ranks):
     """x, topk_ids (uniform random), topk_weights, dy for `layer`."""
     S, H, E, K = layer.tokens, layer.hidden, layer.experts, layer.top_k
     g = torch.Generator().manual_seed(0)
-    tdt = layer.w1.dtype
+    tdt = layer.dtype
     x = (torch.rand(ranks, S, H, generator=g) * 2 - 1).to(tdt)
     dy = (torch.rand(ranks, S, H, generator=g) * 2 - 1).to(tdt)
     ids = torch.rand(ranks * S, E, generator=g).argsort(dim=1)[:, :K].reshape(ranks, S, K)
@@ -195,31 +195,41 @@ def rss_bytes(field="VmRSS"):
     return 0
 
 
-def memory_one(cfg, ranks, dtype, threads, steps):
-    """In this process: makes the layer, runs `steps` training steps and
-    prints the peak RSS (ru_maxrss: the whole process, the layer's making
-    included) against the bytes the layer must hold."""
+def memory_one(cfg, ranks, dtype, threads, steps, variant="full"):
+    """In this process: makes the layer of `variant` (full, frozen, lora, or
+    frozen_<format> / lora_<format>: made quantized, an expert at a time),
+    runs `steps` training steps and prints the peak RSS (ru_maxrss: the
+    whole process, the layer's making included) against the bytes the layer
+    must hold."""
     import resource
     moec_torch.load_library()
     base = rss_bytes()
     cfg = dict(cfg, dtype=dtype)
-    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads)
+    base_variant, form = quantized_variant(variant) or (variant, None)
+    if base_variant not in VARIANTS:
+        raise SystemExit(f"bench.py: --memory-variant {variant!r} is not a variant")
+    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, weight_format=form,
+                              **VARIANTS[base_variant])
     x, ids, weights, dy = make_inputs(layer, ranks)
     for _ in range(steps):
         layer.zero_grad(set_to_none=True)
         step(layer, x, ids, weights, dy)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    size = layer.w1.element_size()
-    weights_b = (layer.w1.numel() + layer.w2.numel()) * size
+    size = x.element_size()
+    stored = [layer.w1, layer.w2] + ([layer.w1_scale, layer.w2_scale] if form else [])
+    weights_b = sum(t.numel() * t.element_size() for t in stored)
+    grads_b = weights_b if layer.w1.requires_grad else 0
+    adapters_b = 2 * sum(t.numel() * t.element_size() for t in layer.adapters())  # and grads
     rows = ranks * layer.tokens * layer.top_k
     saved = rows * (layer.hidden + 3 * layer.inter) * size  # X [T, H], Y [T, 2I], A [T, I]
     xydy = 3 * x.numel() * size
-    need = 2 * weights_b + xydy + saved
+    need = weights_b + grads_b + adapters_b + xydy + saved
     info = layer.info()
     gib = 1 << 30
-    print(f"{dtype:6} peak RSS {peak / gib:6.2f} GiB; must hold {need / gib:6.2f} GiB "
-          f"(weights {weights_b / gib:.2f}, gradients {weights_b / gib:.2f}, x/y/dy "
-          f"{xydy / gib:.3f}, saved rows X/Y/A {saved / gib:.3f}); ratio {peak / need:.2f}")
+    print(f"{dtype:6} {variant}: peak RSS {peak / gib:6.2f} GiB; must hold {need / gib:6.2f} GiB "
+          f"(weights {weights_b / gib:.2f}, gradients {grads_b / gib:.2f}, adapters and "
+          f"theirs {adapters_b / gib:.3f}, x/y/dy {xydy / gib:.3f}, saved rows X/Y/A "
+          f"{saved / gib:.3f}); ratio {peak / need:.2f}")
     print(f"       else held: the process before the layer (Python, torch, libraries) "
           f"{base / gib:.2f} GiB; workspace resident {info['workspace_resident'] / gib:.2f} GiB "
           f"(allocated {info['workspace_bytes'] / gib:.2f}; the saved rows are part of it); "
@@ -350,6 +360,9 @@ def main():
                         "in a process of its own) against the bytes the layer must hold, "
                         "and the workspace table")
     p.add_argument("--memory-one", help=argparse.SUPPRESS)
+    p.add_argument("--memory-variant", default="full",
+                   help="with --memory: the layer measured: full (the default), frozen, lora, "
+                        "or frozen_<format> / lora_<format> (see --variants)")
     p.add_argument("--training", action="store_true",
                    help="compare moec's training variants (full, main_grad, frozen, lora, "
                         "split) instead")
@@ -358,7 +371,8 @@ def main():
     cfg["seq_size"] = args.tokens
     torch.set_num_threads(args.threads)
     if args.memory_one:
-        memory_one(cfg, args.ranks, args.memory_one, args.threads, args.repeat)
+        memory_one(cfg, args.ranks, args.memory_one, args.threads, args.repeat,
+                   args.memory_variant)
         return 0
     print(f"command: {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}")
     print(f"config {cfg.get('name', args.config)}: H {cfg['hidden_size']}, "
@@ -367,8 +381,10 @@ def main():
           f"median of {args.repeat} steps (forward + backward)")
     if args.memory:
         for dtype in args.dtypes.split(","):
-            subprocess.run([sys.executable, sys.argv[0]] + sys.argv[1:] + ["--memory-one", dtype],
-                           check=True)
+            rc = subprocess.run([sys.executable, sys.argv[0]] + sys.argv[1:] +
+                                ["--memory-one", dtype]).returncode
+            if rc:
+                return rc  # the child said why
         return 0
     if args.training:
         fair_baseline(args.moec)  # the GEMM rate of split's PyTorch experts

@@ -1127,9 +1127,10 @@ class MoeFFN(torch.nn.Module):
             for name, w in zip(LORA_TARGETS, self.dequantized_weights()):
                 if not self.weights_transposed:
                     w = w.transpose(1, 2)
-                codes, scales = quant.quantize(weight_format, w)
-                getattr(layer, name).copy_(codes)
-                getattr(layer, name + "_scale").copy_(scales)
+                for j in range(w.shape[0]):  # an expert at a time: no float copy of all
+                    codes, scales = quant.quantize(weight_format, w[j:j + 1])
+                    getattr(layer, name)[j].copy_(codes[0])
+                    getattr(layer, name + "_scale")[j].copy_(scales[0])
             for mine, theirs in zip(self.adapters(), layer.adapters()):
                 theirs.copy_(mine)
         return layer
@@ -1157,17 +1158,20 @@ class MoeFFN(torch.nn.Module):
             w.main_grad.zero_()
             w.grad_added_to_main_grad = False
 
-    def _draw(self, param, bound, weight=None):
+    def _draw(self, param, bound, weight=None, store=None):
         """Draws the whole [E, ...] tensor uniform in ±bound, one expert at a
         time (the same numbers as one draw of the whole: the CPU generator
         fills in element order), and keeps this process's experts: the
         process never holds the other ranks' experts. `weight` ("w1", "w2")
-        names the weight `param` holds the values of, where it is not that
-        parameter itself (a quantized weight's dense values)."""
+        names the weight whose values are drawn where `param` is not that
+        parameter itself, and `store(j, values)` then keeps local expert
+        j's values (a quantized weight's codes and scales) instead of
+        param[j].copy_(values)."""
         first = self.first_rank * self.local_experts
         weight = weight or ("w1" if param is self.w1 else "w2" if param is self.w2 else None)
         whole = (self.hidden, 2 * self.inter) if weight == "w1" else \
             (self.inter, self.hidden) if weight == "w2" else param.shape[1:]
+        store = store or (lambda j, values: param[j].copy_(values))
         one = torch.empty(1, *whole)
         for e in range(self.experts):
             one.uniform_(-bound, bound)
@@ -1175,7 +1179,7 @@ class MoeFFN(torch.nn.Module):
                 drawn = self._tp_slice(param, one[0])
                 if self.weights_transposed and weight:
                     drawn = drawn.t()
-                param[e - first].copy_(drawn)
+                store(e - first, drawn)
 
     def _tp_slice(self, param, whole):
         """This process's TP slice of one expert's whole w1 [H, 2I] (gate and
@@ -1197,12 +1201,16 @@ class MoeFFN(torch.nn.Module):
                 if not self.weight_format:
                     self._draw(param, bound)
                     continue
-                # Drawn, then quantized: [out, in] (the transposed layout).
-                dense = torch.empty(param.shape[0], *self._projection(name)[::-1])
-                self._draw(dense, bound, name)
-                codes, scales = quant.quantize(self.weight_format, dense)
-                param.copy_(codes)
-                getattr(self, name + "_scale").copy_(scales)
+                # Drawn, then quantized, an expert at a time ([out, in], the
+                # transposed layout): no dense copy of the whole weight.
+                scale = getattr(self, name + "_scale")
+
+                def store(j, values, param=param, scale=scale):
+                    codes, scales = quant.quantize(self.weight_format, values.unsqueeze(0))
+                    param[j].copy_(codes[0])
+                    scale[j].copy_(scales[0])
+
+                self._draw(param, bound, name, store)
             for name in self.lora_targets:
                 # PEFT: A kaiming_uniform(a=sqrt(5)) over fan_in K, i.e.
                 # uniform in ±1/sqrt(K); B zero.

@@ -207,11 +207,15 @@ def Moe_GmmOp : Moe_TaskOp<"gmm", "GMM", 1, 1> {
     output). `scale` multiplies the product: a number, or "lora_scaling"
     (lora_alpha / lora_rank of the config, bound by moe-resolve-shapes).
 
-    A frozen weight may be stored as FP8 e4m3 codes (`rhs` f8E4M3FN, rank
-    3): the fourth operand is then not an addend but its fp32 scales, one
-    per 128 x 128 block of `rhs` as stored, `[G, d1 / 128, d2 / 128]`
-    (DeepSeek-V3's `weight_scale_inv`; d1 and d2 multiples of 128); the
-    weight's value is code x scale. No gmm may write an FP8 tensor.
+    A frozen weight may be stored quantized (`rhs` of rank 3 [G, d1, d2]
+    holding f8E4M3FN, i8 or i4 codes): the fourth operand is then not an
+    addend but its fp32 scales: one per 128 x 128 block, `[G, d1 / 128,
+    d2 / 128]` (f8E4M3FN: DeepSeek-V3's `weight_scale_inv`; value = code x
+    scale); one per row, `[G, d1]` (i8; value = code x scale); one per
+    group of g = 32, 64 or 128 values along a row, `[G, d1, d2 / g]` (i4,
+    two codes a byte; value = (code - 8) x scale), or with zero points
+    `[G, d1, d2 / g, 2]` ((scale, zero) pairs; value = (code - zero) x
+    scale). No gmm may write a quantized tensor.
 
     `group_list[G]` (i64) holds the per-expert row counts. Fill config:
     `offset_inputs`, `rank_in_event`, `global_trigger`, `out_offset`,

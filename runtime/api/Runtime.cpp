@@ -706,7 +706,7 @@ Status Context::bind(uint32_t rank, std::string_view name, const Tensor &tensor)
                                      "no backward program",
                                      rank, name));
   if ((b == kW1Scale || b == kW2Scale) && shape().weightFormat == WeightFormat::Dense)
-    return Status::error(fmt::format("rank {}: '{}' is the block scales of FP8 weights, and "
+    return Status::error(fmt::format("rank {}: '{}' is the scales of quantized weights, and "
                                      "this context's weights are dense",
                                      rank, name));
   if ((b == kDw1 || b == kDw2) && body->bwd->plan().shape.frozen)

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -18,11 +19,22 @@ namespace moec::cpu {
 namespace {
 
 /// The scale of a run whose largest magnitude is `amax`, for codes up to
-/// `top`: 1 for zeros, NaN when the run holds a NaN or an infinity.
+/// `top`: 1 for zeros, NaN when the run holds a NaN or an infinity, and at
+/// least the smallest positive float (amax / top of a run of tiny values
+/// would round to 0, which no scale may be).
 float symmetricScale(float amax, bool finite, float top) {
   if (!finite)
     return std::nanf("");
-  return amax > 0 ? amax / top : 1.0f;
+  return amax > 0 ? std::max(amax / top, std::numeric_limits<float>::denorm_min()) : 1.0f;
+}
+
+/// The code of a value whose quotient by its scale is `q`: the nearest
+/// integer (ties to even) plus `zero`, clamped to [lo, hi]; 0 for a NaN
+/// quotient (a NaN scale, or 0 / 0 under a scale that underflowed to 0),
+/// which has no integer (converting NaN to one is undefined).
+int toCode(float q, float zero, float lo, float hi) {
+  const float code = std::nearbyint(q) + zero;
+  return std::isnan(code) ? 0 : int(std::clamp(code, lo, hi));
 }
 
 /// Values per decoded run: a whole int4 group, a part of an int8 row.
@@ -115,8 +127,7 @@ void quantizeInt8Rows(const float *src, int64_t srcLd, int64_t rows, int64_t col
     const float scale = symmetricScale(amax, finite, 127.0f);
     scales[i] = scale;
     for (int64_t j = 0; j < cols; ++j)
-      codes[i * cols + j] =
-          int8_t(std::clamp(std::nearbyint(row[j] / scale), -127.0f, 127.0f));
+      codes[i * cols + j] = int8_t(toCode(row[j] / scale, 0.0f, -127.0f, 127.0f));
   }
 }
 
@@ -138,7 +149,9 @@ void quantizeInt4Groups(const float *src, int64_t srcLd, int64_t rows, int64_t c
       }
       float scale, zero;
       if (zeroPoints) {
-        scale = !finite ? std::nanf("") : hi > lo ? (hi - lo) / 15.0f : 1.0f;
+        scale = !finite  ? std::nanf("")
+                : hi > lo ? std::max((hi - lo) / 15.0f, std::numeric_limits<float>::denorm_min())
+                          : 1.0f;
         zero = finite ? std::clamp(std::nearbyint(-lo / scale), 0.0f, 15.0f) : 0.0f;
         scales[2 * (i * groups + g)] = scale;
         scales[2 * (i * groups + g) + 1] = zero;
@@ -148,7 +161,7 @@ void quantizeInt4Groups(const float *src, int64_t srcLd, int64_t rows, int64_t c
         scales[i * groups + g] = scale;
       }
       for (int64_t j = 0; j < group; ++j) {
-        const int code = int(std::clamp(std::nearbyint(v[j] / scale) + zero, 0.0f, 15.0f));
+        const int code = toCode(v[j] / scale, zero, 0.0f, 15.0f);
         const int64_t at = g * group + j;
         out[at / 2] |= uint8_t(at % 2 ? code << 4 : code);
       }

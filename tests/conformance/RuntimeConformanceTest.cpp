@@ -19,7 +19,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/cpu/Element.h"
-#include "runtime/cpu/Fp8.h"
+#include "runtime/cpu/Quant.h"
 #include "runtime/tooling/Reference.h"
 #include "runtime/api/Runtime.h"
 #include "tests/conformance/RuntimeCompile.h"
@@ -28,10 +28,13 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -77,6 +80,7 @@ struct Case {
   double capacityFactor = 0; ///< 0: the config's default
   bool fp8Dispatch = false;  ///< "dispatch_dtype": "fp8_e4m3"
   uint32_t tp = 1;           ///< TP ranks of each of the `ranks` EP ranks
+  int64_t weightGroup = 0;   ///< "weight_group" (int4 weights' group); 0: unset
   uint32_t experts() const { return ranks * localExperts; }
   std::string describe() const {
     return "R=" + std::to_string(ranks) + " L=" + std::to_string(localExperts) +
@@ -139,7 +143,7 @@ compile(const Case &c, const char *firstGraph = "graphs/moe_ffn_fwd.json",
                           std::to_string(c.inter) + (c.bf16 ? "_bf16_" : "_f32_") +
                           granularityName(c.granularity) + "_" +
                           std::to_string(c.capacityFactor) + (c.fp8Dispatch ? "_fp8" : "") +
-                          "_tp" + std::to_string(c.tp);
+                          "_tp" + std::to_string(c.tp) + "_g" + std::to_string(c.weightGroup);
   const std::string graphKey = key + "_" + firstGraph + "_" + secondGraph;
   if (auto it = cache.find(graphKey); it != cache.end())
     return it->second;
@@ -155,6 +159,8 @@ compile(const Case &c, const char *firstGraph = "graphs/moe_ffn_fwd.json",
       out << ", \"capacity_factor\": " << c.capacityFactor;
     if (c.fp8Dispatch)
       out << ", \"dispatch_dtype\": \"fp8_e4m3\"";
+    if (c.weightGroup > 0)
+      out << ", \"weight_group\": " << c.weightGroup;
     out << "}";
   }
   std::shared_ptr<const Program> programs[2];
@@ -1069,93 +1075,302 @@ TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", 
   }
 }
 
-TEST_CASE("FP8 base weights in 128 x 128 blocks: the dense layer on the dequantized weights",
+namespace {
+
+/// A runtime tensor of `dims` (at most four) at `data`.
+moec::rt::Tensor tensorOf(void *data, DType dtype, const std::vector<int64_t> &dims) {
+  moec::rt::Tensor t = makeTensor(data, dtype, {});
+  for (int64_t d : dims)
+    t.dims[t.ndim++] = d;
+  return t;
+}
+
+/// The product of `dims`.
+int64_t product(const std::vector<int64_t> &dims) {
+  return std::accumulate(dims.begin(), dims.end(), int64_t(1), std::multiplies<int64_t>());
+}
+
+/// "[2, 3, 4]".
+std::string dimsString(const std::vector<int64_t> &dims) {
+  std::string out = "[";
+  for (size_t i = 0; i < dims.size(); ++i)
+    out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+/// A quantized format of the base weights: the suffix of its graphs
+/// (graphs/moe_ffn_{fwd,bwd_frozen}_transposed_<suffix>.json), the config's
+/// weight_group, the name the binaries give the format
+/// (LayerShape::weightFormatName), and H and I whose rows hold whole
+/// blocks or groups (H differs from 2I, so swapped dims are caught).
+struct QuantizedFormat {
+  const char *suffix;
+  int64_t group;
+  const char *name;
+  int64_t hidden, inter;
+};
+
+const QuantizedFormat kQuantizedFormats[] = {
+    {"fp8", 0, "fp8_block128", 128, 128},
+    {"int8", 0, "int8", 48, 40},
+    {"int4", 64, "int4_g64", 128, 128},
+    {"int4zp", 32, "int4_g32_zp", 96, 32},
+};
+
+/// A case of `format`'s sizes and group.
+Case quantizedCase(const QuantizedFormat &format) {
+  Case c;
+  c.ranks = groupSize(2);
+  c.hidden = format.hidden;
+  c.inter = format.inter;
+  c.weightGroup = format.group;
+  c.seq = 64;
+  c.routing = Routing::Skewed;
+  c.capacityFactor = 2 * c.ranks;
+  return c;
+}
+
+/// The forward and frozen backward of `format`'s transposed graphs.
+std::pair<std::shared_ptr<const Program>, std::shared_ptr<const Program>>
+compileQuantized(const Case &c, const QuantizedFormat &format) {
+  const std::string fwd = std::string("graphs/moe_ffn_fwd_transposed_") + format.suffix + ".json",
+                    bwd = std::string("graphs/moe_ffn_bwd_frozen_transposed_") + format.suffix +
+                          ".json";
+  auto programs = compile(c, fwd.c_str(), bwd.c_str());
+  REQUIRE(programs.first->shape().weightFormatName() == format.name);
+  REQUIRE(programs.second->shape().weightFormatName() == format.name);
+  REQUIRE(programs.first->shape().weightsTransposed);
+  REQUIRE(programs.second->shape().frozen);
+  return programs;
+}
+
+/// One rank's weight [L, rows, cols] in `shape`'s format: its codes and
+/// scales, and their dims as bound (LayerShape::storedDims, scaleDims).
+struct QuantizedWeight {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  std::vector<int64_t> codeDims, scaleDims;
+  moec::rt::Tensor codesTensor(const moec::rt::LayerShape &shape) {
+    return tensorOf(codes.data(), shape.weightDType(), codeDims);
+  }
+  moec::rt::Tensor scalesTensor() { return tensorOf(scales.data(), DType::F32, scaleDims); }
+};
+
+/// Quantizes each expert's matrix of `values` ([L, rows, cols] = `dims`) in
+/// `shape`'s format, and replaces `values` by the dequantized values.
+QuantizedWeight quantizeExperts(const moec::rt::LayerShape &shape, std::vector<float> &values,
+                                const std::array<int64_t, 3> &dims) {
+  QuantizedWeight q;
+  q.codeDims = shape.storedDims(dims);
+  q.scaleDims = shape.scaleDims(dims);
+  const int64_t L = dims[0], rows = dims[1], cols = dims[2];
+  const int64_t codeBytes = product(q.codeDims) / L, scaleCount = product(q.scaleDims) / L;
+  q.codes.resize(size_t(L * codeBytes));
+  q.scales.resize(size_t(L * scaleCount));
+  moec::cpu::QuantizedMatrix m;
+  m.format = shape.weightFormat;
+  m.rows = rows;
+  m.cols = cols;
+  m.group = shape.weightGroup;
+  m.zeroPoints = shape.weightZeroPoints;
+  for (int64_t l = 0; l < L; ++l) {
+    float *w = values.data() + l * rows * cols;
+    uint8_t *codes = q.codes.data() + l * codeBytes;
+    float *scales = q.scales.data() + l * scaleCount;
+    moec::cpu::quantize(m, w, cols, codes, scales);
+    m.codes = codes;
+    m.scales = scales;
+    moec::cpu::dequantize(m, 0, rows, 0, cols, w, DType::F32, cols);
+  }
+  return q;
+}
+
+/// Per rank: w1 and w2 of `dense` transposed and quantized in `shape`'s
+/// format, `dense`'s weights replaced by their dequantized values.
+std::pair<std::vector<QuantizedWeight>, std::vector<QuantizedWeight>>
+quantizeRun(const Case &c, const moec::rt::LayerShape &shape, Run &dense) {
+  const int64_t H = c.hidden, I = c.inter, L = c.localExperts;
+  std::vector<QuantizedWeight> q1(c.ranks), q2(c.ranks);
+  for (uint32_t r = 0; r < c.ranks; ++r) {
+    auto [t1, t2] = transposeExperts(dense.w1[r].values(), dense.w2[r].values(), L, H, I);
+    q1[r] = quantizeExperts(shape, t1, {L, 2 * I, H});
+    q2[r] = quantizeExperts(shape, t2, {L, H, I});
+    dense.w1[r] = Stored(t1, c.bf16);
+    dense.w2[r] = Stored(t2, c.bf16);
+  }
+  return {std::move(q1), std::move(q2)};
+}
+
+} // namespace
+
+TEST_CASE("quantized base weights (FP8 blocks, int8 rows, int4 groups): the dense layer on the "
+          "dequantized weights",
           "[runtime]") {
-  // w1 [L, 2I, H] and w2 [L, H, I] as FP8 e4m3 codes with an fp32 scale per
-  // block (graphs/*_transposed_fp8.json) against the dense transposed
+  // w1 [L, 2I, H] and w2 [L, H, I] as codes with their fp32 scales
+  // (graphs/*_transposed_<format>.json) against the dense transposed
   // binaries on the same weights dequantized: the forward and the frozen
-  // backward agree within the dtype's tolerance, in fp32 and bf16.
-  for (const bool bf16 : {false, true}) {
-    Case c;
-    c.ranks = groupSize(2);
-    c.bf16 = bf16;
-    c.hidden = 256; // multiples of 128: whole blocks
-    c.inter = 128;
-    c.seq = 64;
-    c.routing = Routing::Skewed;
-    c.capacityFactor = 2 * c.ranks;
-    INFO(c.describe());
+  // backward agree within the dtype's tolerance, in fp32 and bf16, for FP8
+  // blocks, int8 rows and int4 groups of 64 and (with zero points) of 32.
+  for (const QuantizedFormat &format : kQuantizedFormats)
+    for (const bool bf16 : {false, true}) {
+      Case c = quantizedCase(format);
+      c.bf16 = bf16;
+      INFO(format.name << " " << c.describe());
+      if (!runs(c.ranks))
+        return;
+      auto [fwd, bwd] = compile(c, "graphs/moe_ffn_fwd_transposed.json",
+                                "graphs/moe_ffn_bwd_frozen_transposed.json");
+      auto [fwdQ, bwdQ] = compileQuantized(c, format);
+      const moec::rt::LayerShape &shape = fwdQ->shape();
+      const int64_t H = c.hidden, I = c.inter, L = c.localExperts;
+      const Inputs in = makeInputs(c, 17);
+      Run dense = prepare(c, in, bwd->shape()), quantized = prepare(c, in, bwdQ->shape());
+      auto [q1, q2] = quantizeRun(c, shape, dense);
+      uint32_t firstLocal = 0, localRanks = 0;
+      for (const bool isQuantized : {false, true}) {
+        Run &run = isQuantized ? quantized : dense;
+        std::unique_ptr<Context> ctx;
+        REQUIRE(makeContext(isQuantized ? fwdQ : fwd, isQuantized ? bwdQ : bwd, {}, &ctx).ok());
+        firstLocal = ctx->firstLocalRank();
+        localRanks = ctx->localRanks();
+        for (uint32_t r = firstLocal; r < firstLocal + localRanks; ++r)
+          if (isQuantized)
+            bindRank(*ctx, c, run, r, q1[r].codesTensor(shape), q2[r].codesTensor(shape),
+                     {{"w1_scale", q1[r].scalesTensor()}, {"w2_scale", q2[r].scalesTensor()}});
+          else
+            bindRank(*ctx, c, run, r,
+                     makeTensor(run.w1[r].data(), run.w1[r].dtype(), {L, 2 * I, H}),
+                     makeTensor(run.w2[r].data(), run.w2[r].dtype(), {L, H, I}));
+        if (isQuantized) {
+          QuantizedWeight &w1 = q1[firstLocal];
+          // Weights of the activations' dtype are refused when bound.
+          CHECK_THAT(ctx->bind(firstLocal, "w1",
+                               makeTensor(run.w1[firstLocal].data(), run.w1[firstLocal].dtype(),
+                                          {L, 2 * I, H}))
+                         .message(),
+                     Catch::Contains(std::string("expected ") +
+                                     moec::format::dtypeName(shape.weightDType())));
+          // Scales of the wrong shape (int8: twice the rows; int4: of groups
+          // half as long; FP8: blocks of 64 columns) are refused, naming the
+          // expected shape.
+          std::vector<int64_t> wrongDims = w1.scaleDims;
+          wrongDims[wrongDims.size() >= 3 ? 2 : 1] *= 2;
+          std::vector<float> wrong(size_t(product(wrongDims)), 1.0f);
+          REQUIRE(ctx->bind(firstLocal, "w1_scale", tensorOf(wrong.data(), DType::F32, wrongDims))
+                      .ok());
+          std::string refused = ctx->forward().message();
+          CHECK_THAT(refused, Catch::Contains("tensor 'w1_scale' has shape " +
+                                              dimsString(wrongDims) + "; expected " +
+                                              dimsString(w1.scaleDims)));
+          REQUIRE(ctx->bind(firstLocal, "w1_scale", w1.scalesTensor()).ok());
+          // 4-bit codes are bound two a byte: [L, 2I, H / 2], not [L, 2I, H].
+          if (shape.weightFormat == moec::WeightFormat::Int4Group) {
+            std::vector<uint8_t> unpacked(size_t(L * 2 * I * H));
+            REQUIRE(ctx->bind(firstLocal, "w1",
+                              makeTensor(unpacked.data(), DType::I4, {L, 2 * I, H}))
+                        .ok());
+            refused = ctx->forward().message();
+            CHECK_THAT(refused, Catch::Contains("tensor 'w1' has shape " +
+                                                dimsString({L, 2 * I, H}) + "; expected " +
+                                                dimsString({L, 2 * I, H / 2})));
+            REQUIRE(ctx->bind(firstLocal, "w1", w1.codesTensor(shape)).ok());
+          }
+          CHECK(run.sameOutputs(prepare(c, in, bwdQ->shape()))); // nothing written yet
+        }
+        runPasses(*ctx);
+      }
+      checkClose(quantized, dense, firstLocal, localRanks, bf16 ? 2e-2 : 1e-5);
+    }
+}
+
+TEST_CASE("quantized weights' scales out of range and zero points outside 0..15 are refused, "
+          "naming where",
+          "[runtime]") {
+  // Rank 1's scales hold a bad value (under MPI in its process only); every
+  // rank's forward (and a backward after a good forward) stops with rank 1's
+  // message, outputs untouched; the good value back, both passes run.
+  struct Bad {
+    const char *format;   ///< kQuantizedFormats' name
+    bool w2;              ///< w2_scale, else w1_scale
+    int64_t expert, row, col; ///< FP8: block [row, col]; int4: group col
+    bool zeroPoint;       ///< the zero point of the pair, else the scale
+    float value;
+    const char *text;     ///< the message, after "rank 1: "
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  const Bad bads[] = {
+      {"int4_g32_zp", true, 1, 3, 0, true, 16.0f,
+       "tensor 'w2_scale' (int4 zero points) holds 16 at local expert 1, row 3, group 0; a zero "
+       "point must be a finite number from 0 to 15"},
+      {"int4_g32_zp", false, 0, 5, 2, true, -1.0f,
+       "tensor 'w1_scale' (int4 zero points) holds -1 at local expert 0, row 5, group 2; a zero "
+       "point must be a finite number from 0 to 15"},
+      {"int4_g32_zp", false, 1, 0, 1, true, std::nanf(""),
+       "tensor 'w1_scale' (int4 zero points) holds nan at local expert 1, row 0, group 1; a zero "
+       "point must be a finite number from 0 to 15"},
+      {"int4_g32_zp", true, 0, 7, 0, false, 0.0f,
+       "tensor 'w2_scale' (int4 group scales) holds 0 at local expert 0, row 7, group 0; a scale "
+       "must be a finite positive number"},
+      {"int4_g64", false, 1, 2, 1, false, -0.5f,
+       "tensor 'w1_scale' (int4 group scales) holds -0.5 at local expert 1, row 2, group 1; a "
+       "scale must be a finite positive number"},
+      {"int8", true, 1, 5, 0, false, 0.0f,
+       "tensor 'w2_scale' (int8 row scales) holds 0 at local expert 1, row 5; a scale must be a "
+       "finite positive number"},
+      {"int8", false, 0, 9, 0, false, -inf,
+       "tensor 'w1_scale' (int8 row scales) holds -inf at local expert 0, row 9; a scale must be "
+       "a finite positive number"},
+      {"fp8_block128", false, 1, 1, 0, false, std::nanf(""),
+       "tensor 'w1_scale' (FP8 block scales) holds nan at local expert 1, block [1, 0]; a scale "
+       "must be a finite positive number"},
+  };
+  for (const Bad &bad : bads) {
+    const QuantizedFormat &format = *std::find_if(
+        std::begin(kQuantizedFormats), std::end(kQuantizedFormats),
+        [&](const QuantizedFormat &f) { return std::string(f.name) == bad.format; });
+    Case c = quantizedCase(format);
+    INFO(bad.text);
     if (!runs(c.ranks))
       return;
-    auto [fwd, bwd] = compile(c, "graphs/moe_ffn_fwd_transposed.json",
-                              "graphs/moe_ffn_bwd_frozen_transposed.json");
-    auto [fwd8, bwd8] = compile(c, "graphs/moe_ffn_fwd_transposed_fp8.json",
-                                "graphs/moe_ffn_bwd_frozen_transposed_fp8.json");
-    REQUIRE(fwd8->shape().weightFormat == moec::WeightFormat::Fp8Block128);
-    REQUIRE(bwd8->shape().weightFormat == moec::WeightFormat::Fp8Block128);
-    const int64_t H = c.hidden, I = c.inter, L = c.localExperts;
-    const Inputs in = makeInputs(c, 17);
-    // Per rank: codes and scales of each expert's stored matrices, and the
-    // dequantized values for the dense run.
-    std::vector<std::vector<uint8_t>> codes1(c.ranks), codes2(c.ranks);
-    std::vector<std::vector<float>> scales1(c.ranks), scales2(c.ranks);
-    Run dense = prepare(c, in, bwd->shape()), quantized = prepare(c, in, bwd8->shape());
-    for (uint32_t r = 0; r < c.ranks; ++r) {
-      auto [t1, t2] = transposeExperts(dense.w1[r].values(), dense.w2[r].values(), L, H, I);
-      codes1[r].resize(t1.size());
-      codes2[r].resize(t2.size());
-      scales1[r].resize(size_t(L * (2 * I / 128) * (H / 128)));
-      scales2[r].resize(size_t(L * (H / 128) * (I / 128)));
-      for (int64_t l = 0; l < L; ++l) {
-        moec::cpu::quantizeBlocks(t1.data() + l * 2 * I * H, H, 2 * I, H,
-                                  codes1[r].data() + l * 2 * I * H,
-                                  scales1[r].data() + l * (2 * I / 128) * (H / 128));
-        moec::cpu::quantizeBlocks(t2.data() + l * H * I, I, H, I, codes2[r].data() + l * H * I,
-                                  scales2[r].data() + l * (H / 128) * (I / 128));
-        moec::cpu::dequantizeBlocks(codes1[r].data() + l * 2 * I * H,
-                                    scales1[r].data() + l * (2 * I / 128) * (H / 128), H, 0,
-                                    2 * I, 0, H, t1.data() + l * 2 * I * H, DType::F32, H);
-        moec::cpu::dequantizeBlocks(codes2[r].data() + l * H * I,
-                                    scales2[r].data() + l * (H / 128) * (I / 128), I, 0, H, 0, I,
-                                    t2.data() + l * H * I, DType::F32, I);
-      }
-      dense.w1[r] = Stored(t1, bf16);
-      dense.w2[r] = Stored(t2, bf16);
+    auto [fwd, bwd] = compileQuantized(c, format);
+    const moec::rt::LayerShape &shape = fwd->shape();
+    const Inputs in = makeInputs(c, 29);
+    Run run = prepare(c, in, bwd->shape());
+    auto [q1, q2] = quantizeRun(c, shape, run);
+    std::unique_ptr<Context> ctx;
+    REQUIRE(makeContext(fwd, bwd, {}, &ctx).ok());
+    for (uint32_t r = ctx->firstLocalRank(); r < ctx->firstLocalRank() + ctx->localRanks(); ++r)
+      bindRank(*ctx, c, run, r, q1[r].codesTensor(shape), q2[r].codesTensor(shape),
+               {{"w1_scale", q1[r].scalesTensor()}, {"w2_scale", q2[r].scalesTensor()}});
+    // The element of rank 1's scales: [L, d1, n] or [L, d1, n, 2] (int4
+    // with zero points), [L, d1] (int8), [L, blocks, blocks] (FP8).
+    QuantizedWeight &w = bad.w2 ? q2[1] : q1[1];
+    const std::vector<int64_t> &d = w.scaleDims;
+    REQUIRE(bad.expert < d[0]);
+    REQUIRE(bad.row < d[1]);
+    int64_t at = bad.expert * d[1] + bad.row;
+    if (d.size() >= 3) {
+      REQUIRE(bad.col < d[2]);
+      at = at * d[2] + bad.col;
     }
-    uint32_t firstLocal = 0, localRanks = 0;
-    for (const bool fp8 : {false, true}) {
-      Run &run = fp8 ? quantized : dense;
-      std::unique_ptr<Context> ctx;
-      REQUIRE(makeContext(fp8 ? fwd8 : fwd, fp8 ? bwd8 : bwd, {}, &ctx).ok());
-      firstLocal = ctx->firstLocalRank();
-      localRanks = ctx->localRanks();
-      for (uint32_t r = firstLocal; r < firstLocal + localRanks; ++r) {
-        const DType wt = fp8 ? DType::F8E4M3 : run.w1[r].dtype();
-        void *w1 = fp8 ? static_cast<void *>(codes1[r].data()) : run.w1[r].data();
-        void *w2 = fp8 ? static_cast<void *>(codes2[r].data()) : run.w2[r].data();
-        std::vector<std::pair<const char *, moec::rt::Tensor>> scales;
-        if (fp8)
-          scales = {{"w1_scale", makeTensor(scales1[r].data(), DType::F32,
-                                            {L, 2 * I / 128, H / 128})},
-                    {"w2_scale", makeTensor(scales2[r].data(), DType::F32,
-                                            {L, H / 128, I / 128})}};
-        bindRank(*ctx, c, run, r, makeTensor(w1, wt, {L, 2 * I, H}),
-                 makeTensor(w2, wt, {L, H, I}), scales);
-      }
-      if (fp8) { // scales of the wrong shape are refused, naming them
-        std::vector<float> wrong(size_t(L * 2 * I / 128 * H / 64));
-        REQUIRE(ctx->bind(firstLocal, "w1_scale",
-                          makeTensor(wrong.data(), DType::F32, {L, 2 * I / 128, H / 64}))
-                    .ok());
-        CHECK_THAT(ctx->forward().message(), Catch::Contains("w1_scale"));
-        REQUIRE(ctx->bind(firstLocal, "w1_scale",
-                          makeTensor(scales1[firstLocal].data(), DType::F32,
-                                     {L, 2 * I / 128, H / 128}))
-                    .ok());
-      }
-      runPasses(*ctx);
-    }
-    checkClose(quantized, dense, firstLocal, localRanks, bf16 ? 2e-2 : 1e-5);
+    if (d.size() == 4)
+      at = at * 2 + (bad.zeroPoint ? 1 : 0);
+    const float good = w.scales[size_t(at)];
+    const std::string message = std::string("rank 1: ") + bad.text;
+    const Run pristine = run;
+    w.scales[size_t(at)] = bad.value;
+    Status f = ctx->forward();
+    CHECK_FALSE(f.ok());
+    CHECK_THAT(f.message(), Catch::Contains(message));
+    CHECK(run.sameOutputs(pristine));
+    w.scales[size_t(at)] = good;
+    REQUIRE(ctx->forward().ok());
+    w.scales[size_t(at)] = bad.value;
+    Status b = ctx->backward();
+    CHECK_FALSE(b.ok());
+    CHECK_THAT(b.message(), Catch::Contains(message));
+    w.scales[size_t(at)] = good;
+    runPasses(*ctx);
   }
 }
 
@@ -1246,16 +1461,14 @@ TEST_CASE("the cuda backend refuses what it does not do, before it looks for a G
   if (std::string(moec::test::testFabricName()) == "in-process")
     CHECK_THAT(refusal(ContextOptions()),
                Catch::Contains("the cuda backend does not take base weights stored transposed"));
-  // FP8 weights in blocks.
-  Case fp8w = c;
-  fp8w.hidden = 256;
-  fp8w.inter = 128;
-  std::tie(fwd, bwd) = compile(fp8w, "graphs/moe_ffn_fwd_transposed_fp8.json",
-                               "graphs/moe_ffn_bwd_frozen_transposed_fp8.json");
-  REQUIRE(fwd->shape().weightFormat == moec::WeightFormat::Fp8Block128);
-  if (std::string(moec::test::testFabricName()) == "in-process")
-    CHECK_THAT(refusal(ContextOptions()),
-               Catch::Contains("the cuda backend does not take fp8_block128 weights"));
+  // Quantized weights: FP8 blocks, int8 rows, int4 groups.
+  for (const QuantizedFormat &format : kQuantizedFormats) {
+    std::tie(fwd, bwd) = compileQuantized(quantizedCase(format), format);
+    if (std::string(moec::test::testFabricName()) == "in-process")
+      CHECK_THAT(refusal(ContextOptions()),
+                 Catch::Contains(std::string("the cuda backend does not take ") + format.name +
+                                 " weights"));
+  }
 }
 
 TEST_CASE("an FP8 forward binary is refused when its quantize chain is broken", "[runtime]") {

@@ -138,8 +138,11 @@ def dequantize_fp8_blocks(codes, scales, dtype=torch.float32):
 
 
 def _finite_scale(scale, values, dim):
-    """`scale` with NaN where the run of `values` along `dim` holds a NaN or
-    an infinity (the runtime's quantizers do the same)."""
+    """`scale`, at least the smallest positive float (a run of tiny values
+    would get 0, which no scale may be), with NaN where the run of `values`
+    along `dim` holds a NaN or an infinity (the runtime's quantizers do the
+    same)."""
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny * 2 ** -23)
     return torch.where(torch.isfinite(values).all(dim), scale, torch.full_like(scale, float("nan")))
 
 

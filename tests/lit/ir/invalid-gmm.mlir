@@ -356,7 +356,7 @@ moe.graph "g" {
   %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
   %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], f8E4M3FN>
   %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
-  // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' is f8E4M3FN and the gmm has no fourth operand: FP8 weights need their fp32 scales, one per 128 x 128 block}}
+  // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' is 'f8E4M3FN' codes and the gmm has no fourth operand: quantized weights need their fp32 scales, one per 128 x 128 block}}
   %r = moe.gmm "m"(%x, %w, %gl) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], f8E4M3FN>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
 }
 
@@ -389,6 +389,264 @@ moe.graph "g" {
   %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
   %dy = moe.input "dy" : !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
   %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
-  // expected-error@+1 {{'moe.gmm' op 'm': result 'dw' is f8E4M3FN: an FP8 weight is frozen, no gmm writes one}}
+  // expected-error@+1 {{'moe.gmm' op 'm': result 'dw' is 'f8E4M3FN': a quantized weight is frozen, no gmm writes one}}
   %dw = moe.gmm "m"(%x, %dy, %gl) -> "dw" {transpose_lhs, split = #moe.split<inputs = [1:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], f8E4M3FN>
+}
+
+// -----
+
+// int8 codes (a scale per row) and int4 codes (a scale per group of 32, 64
+// or 128 along a row, or (scale, zero point) pairs): the fourth operand is
+// their fp32 scales, [G, rows], [G, rows, groups] or [G, rows, groups, 2].
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i8>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' is 'i8' codes and the gmm has no fourth operand: quantized weights need their fp32 scales, one per row}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i8>, !moe.tensor<[2], i64>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' is 'i4' codes and the gmm has no fourth operand: quantized weights need their fp32 scales, one per group of 32, 64 or 128 along a row}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i8>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 4], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' must have rank 2, got rank 3}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i8>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 4], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i8>
+  %s = moe.input "s" : !moe.tensor<[2, 512], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: scales 's' dim 1 is '512' but rhs 'w' dim 1 is '256'}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i8>, !moe.tensor<[2], i64>, !moe.tensor<[2, 512], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i8>
+  %s = moe.input "s" : !moe.tensor<[4, 256], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: scales 's' dim 0 is '4' but rhs 'w' dim 0 is '2'}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i8>, !moe.tensor<[2], i64>, !moe.tensor<[4, 256], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i8>
+  %s = moe.input "s" : !moe.tensor<[2, 256], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' must have element type f32, got bf16}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i8>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256], bf16>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+// A quantized weight's product is not scaled (its scales are its own).
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i8>
+  %s = moe.input "s" : !moe.tensor<[2, 256], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': a quantized weight's gmm takes no scale attribute}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, scale = 5.000000e-01 : f64, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i8>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 4, 2], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': a quantized weight's gmm takes no scale attribute}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, scale = "lora_scaling", split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 4, 2], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+// Groups of 48, 16, and a count that does not divide the row.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 96], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 96], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 2], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' holds 2 groups for rows of 96 values: an int4 weight's groups are 32, 64 or 128 values each}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 96], act>, !moe.tensor<[2, 256, 96], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 2], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 32], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' holds 32 groups for rows of 512 values: an int4 weight's groups are 32, 64 or 128 values each}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 32], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 3], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' holds 3 groups for rows of 512 values: an int4 weight's groups are 32, 64 or 128 values each}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 3], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+// With zero points the groups are checked alike.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 96], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 96], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 2, 2], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' holds 2 groups for rows of 96 values: an int4 weight's groups are 32, 64 or 128 values each}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 96], act>, !moe.tensor<[2, 256, 96], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 2, 2], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 8, 3], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' dim 3 must be 2 (a scale and a zero point per group), got 3}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 8, 3], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 8, 1], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' dim 3 must be 2 (a scale and a zero point per group), got 1}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 8, 1], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' must have rank 3 ([G, rows, groups]) or 4 ([G, rows, groups, 2]: scales and zero points), got rank 2}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 8, 2, 1], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' must have rank 3 ([G, rows, groups]) or 4 ([G, rows, groups, 2]: scales and zero points), got rank 5}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 8, 2, 1], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 512, 8], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: scales 's' dim 1 is '512' but rhs 'w' dim 1 is '256'}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 512, 8], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 8], i64>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': scales 's' must have element type f32, got i64}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 8], i64>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+// Codes are weights only: an lhs of codes is refused.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], i8>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i8>
+  %s = moe.input "s" : !moe.tensor<[2, 256], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': lhs 'x' must have element type act, f32 or bf16, got i8}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], i8>, !moe.tensor<[2, 256, 512], i8>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256], f32>) -> !moe.tensor<[64, 256], act>
+}
+
+// -----
+
+// No gmm writes an int8 or int4 weight either.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %dy = moe.input "dy" : !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': result 'dw' is 'i8': a quantized weight is frozen, no gmm writes one}}
+  %dw = moe.gmm "m"(%x, %dy, %gl) -> "dw" {transpose_lhs, split = #moe.split<inputs = [1:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], i8>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  %dy = moe.input "dy" : !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': result 'dw' is 'i4': a quantized weight is frozen, no gmm writes one}}
+  %dw = moe.gmm "m"(%x, %dy, %gl) -> "dw" {transpose_lhs, split = #moe.split<inputs = [1:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>, !moe.tensor<[single_rank_expert_num], i64>) -> !moe.tensor<[single_rank_expert_num, hidden_size, "2 * intermediate_size"], i4>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i8>
+  %s = moe.input "s" : !moe.tensor<[2, 256], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': result 'r' is 'i8': a quantized weight is frozen, no gmm writes one}}
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i8>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256], f32>) -> !moe.tensor<[64, 256], i8>
+}
+
+// -----
+
+// Codes are expert weights: a rank-2 rhs of codes (the weight-gradient form) is refused.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[64, 256], i4>
+  %s = moe.input "s" : !moe.tensor<[64, 8], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' is 'i4' codes: quantized weights are expert weights (rank 3), read by the activation form}}
+  %dw = moe.gmm "m"(%x, %w, %gl, %s) -> "dw" {transpose_lhs, split = #moe.split<inputs = [1:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[64, 256], i4>, !moe.tensor<[2], i64>, !moe.tensor<[64, 8], f32>) -> !moe.tensor<[2, 512, 256], act>
 }

@@ -4,14 +4,14 @@
 // #moe.split and #moe.tile_map attribute parsers.
 
 moe.graph "g" {
-  // expected-error@+1 {{tensor element type must be act, f32, bf16, f8E4M3FN, i32 or i64, got 'f16'}}
+  // expected-error@+1 {{tensor element type must be act, f32, bf16, f8E4M3FN, i8, i4, i32 or i64, got 'f16'}}
   %a = moe.input "a" : !moe.tensor<[4], f16>
 }
 
 // -----
 
 moe.graph "g" {
-  // expected-error@+1 {{tensor element type must be act, f32, bf16, f8E4M3FN, i32 or i64, got 'index'}}
+  // expected-error@+1 {{tensor element type must be act, f32, bf16, f8E4M3FN, i8, i4, i32 or i64, got 'index'}}
   %a = moe.input "a" : !moe.tensor<[4], index>
 }
 

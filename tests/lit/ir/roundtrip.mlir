@@ -40,3 +40,69 @@ moe.graph "fp8" {
   // CHECK: moe.gmm "m"(%{{.*}}, %{{.*}}, %{{.*}}, %{{.*}})
   %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], f8E4M3FN>, !moe.tensor<[single_rank_expert_num], i64>, !moe.tensor<[single_rank_expert_num, "(2 * intermediate_size) / 128", "(hidden_size) / 128"], f32>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
 }
+
+// int8 codes with an fp32 scale per row: scales [G, rows].
+// CHECK-LABEL: moe.graph "int8"
+moe.graph "int8" {
+  %x = moe.input "x" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  // CHECK: moe.input "w" : <[single_rank_expert_num, "2 * intermediate_size", hidden_size], i8>
+  %w = moe.input "w" : !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], i8>
+  // CHECK: moe.input "s" : <[single_rank_expert_num, "2 * intermediate_size"], f32>
+  %s = moe.input "s" : !moe.tensor<[single_rank_expert_num, "2 * intermediate_size"], f32>
+  %gl = moe.input "gl" : !moe.tensor<[single_rank_expert_num], i64>
+  // CHECK: moe.gmm "m"(%{{.*}}, %{{.*}}, %{{.*}}, %{{.*}}) -> "r"
+  // CHECK-SAME: transpose_rhs
+  // CHECK-SAME: <[single_rank_expert_num, "2 * intermediate_size", hidden_size], i8>
+  // CHECK-SAME: <[single_rank_expert_num, "2 * intermediate_size"], f32>
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], i8>, !moe.tensor<[single_rank_expert_num], i64>, !moe.tensor<[single_rank_expert_num, "2 * intermediate_size"], f32>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// int4 codes with an fp32 scale per group along a row: scales [G, rows,
+// groups], groups of 64 and 32 where the dims are known, of the config's
+// weight_group where they are symbolic.
+// CHECK-LABEL: moe.graph "int4"
+moe.graph "int4" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  // CHECK: moe.input "w" : <[2, 256, 512], i4>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  // CHECK: moe.input "s64" : <[2, 256, 8], f32>
+  %s64 = moe.input "s64" : !moe.tensor<[2, 256, 8], f32>
+  // CHECK: moe.input "s32" : <[2, 256, 16], f32>
+  %s32 = moe.input "s32" : !moe.tensor<[2, 256, 16], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // CHECK: moe.gmm "g64"(%{{.*}}, %{{.*}}, %{{.*}}, %{{.*}}) -> "r64"
+  // CHECK-SAME: <[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 8], f32>
+  %r64 = moe.gmm "g64"(%x, %w, %gl, %s64) -> "r64" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 8], f32>) -> !moe.tensor<[64, 256], act>
+  // CHECK: moe.gmm "g32"(%{{.*}}, %{{.*}}, %{{.*}}, %{{.*}}) -> "r32"
+  // CHECK-SAME: !moe.tensor<[2, 256, 16], f32>
+  %r32 = moe.gmm "g32"(%x, %w, %gl, %s32) -> "r32" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 16], f32>) -> !moe.tensor<[64, 256], act>
+  %xs = moe.input "xs" : !moe.tensor<[per_rank_seq, hidden_size], act>
+  // CHECK: moe.input "ws" : <[single_rank_expert_num, "2 * intermediate_size", hidden_size], i4>
+  %ws = moe.input "ws" : !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], i4>
+  // CHECK: moe.input "ss" : <[single_rank_expert_num, "2 * intermediate_size", "(hidden_size) / weight_group"], f32>
+  %ss = moe.input "ss" : !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", "(hidden_size) / weight_group"], f32>
+  %gls = moe.input "gls" : !moe.tensor<[single_rank_expert_num], i64>
+  // CHECK: moe.gmm "gs"(%{{.*}}, %{{.*}}, %{{.*}}, %{{.*}}) -> "rs"
+  %rs = moe.gmm "gs"(%xs, %ws, %gls, %ss) -> "rs" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, hidden_size], act>, !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", hidden_size], i4>, !moe.tensor<[single_rank_expert_num], i64>, !moe.tensor<[single_rank_expert_num, "2 * intermediate_size", "(hidden_size) / weight_group"], f32>) -> !moe.tensor<[per_rank_seq, "2 * intermediate_size"], act>
+}
+
+// int4 codes with (scale, zero point) pairs per group: scales [G, rows,
+// groups, 2], here groups of 128; and symbolic.
+// CHECK-LABEL: moe.graph "int4zp"
+moe.graph "int4zp" {
+  %x = moe.input "x" : !moe.tensor<[64, 512], act>
+  %w = moe.input "w" : !moe.tensor<[2, 256, 512], i4>
+  // CHECK: moe.input "s" : <[2, 256, 4, 2], f32>
+  %s = moe.input "s" : !moe.tensor<[2, 256, 4, 2], f32>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // CHECK: moe.gmm "m"(%{{.*}}, %{{.*}}, %{{.*}}, %{{.*}}) -> "r"
+  // CHECK-SAME: <[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 4, 2], f32>
+  %r = moe.gmm "m"(%x, %w, %gl, %s) -> "r" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[2, 256, 512], i4>, !moe.tensor<[2], i64>, !moe.tensor<[2, 256, 4, 2], f32>) -> !moe.tensor<[64, 256], act>
+  %xs = moe.input "xs" : !moe.tensor<[per_rank_seq, intermediate_size], act>
+  %ws = moe.input "ws" : !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], i4>
+  // CHECK: moe.input "ss" : <[single_rank_expert_num, hidden_size, "(intermediate_size) / weight_group", 2], f32>
+  %ss = moe.input "ss" : !moe.tensor<[single_rank_expert_num, hidden_size, "(intermediate_size) / weight_group", 2], f32>
+  %gls = moe.input "gls" : !moe.tensor<[single_rank_expert_num], i64>
+  // CHECK: moe.gmm "gs"(%{{.*}}, %{{.*}}, %{{.*}}, %{{.*}}) -> "rs"
+  %rs = moe.gmm "gs"(%xs, %ws, %gls, %ss) -> "rs" {transpose_rhs, split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[per_rank_seq, intermediate_size], act>, !moe.tensor<[single_rank_expert_num, hidden_size, intermediate_size], i4>, !moe.tensor<[single_rank_expert_num], i64>, !moe.tensor<[single_rank_expert_num, hidden_size, "(intermediate_size) / weight_group", 2], f32>) -> !moe.tensor<[per_rank_seq, hidden_size], act>
+}

@@ -461,7 +461,7 @@ TEST_CASE("tensor errors name the tensor and its line", "[graph-json][errors]") 
     Diag d = importError(g);
     checkAtSrc(d, g.dump(2) + "\n");
     CHECK(contains(d.message, expectWhat + ": unknown dtype 'f16'"));
-    CHECK(contains(d.message, "act, fp32, bf16, fp8_e4m3, i32 or i64"));
+    CHECK(contains(d.message, "act, fp32, bf16, fp8_e4m3, int8, int4, i32 or i64"));
   }
   SECTION("non-positive dim") {
     tensorNamed(g, "src")["shape"][1] = 0;

@@ -343,13 +343,14 @@ moec::rt::ContextOptions contextOptions(int64_t workers, double timeoutSeconds,
 class Layer : public torch::CustomClassHolder {
 public:
   Layer(std::string forwardPath, std::string backwardPath, int64_t workers,
-        double timeoutSeconds, std::string fabric, bool trace) {
+        double timeoutSeconds, std::string fabric, bool trace, bool packWeights) {
     std::shared_ptr<const moec::rt::Program> fwd, bwd;
     check(moec::rt::Program::load(forwardPath, &fwd), "forward binary");
     if (!backwardPath.empty())
       check(moec::rt::Program::load(backwardPath, &bwd), "backward binary");
     moec::rt::ContextOptions options = contextOptions(workers, timeoutSeconds, fabric);
     options.trace = trace;
+    options.packWeights = packWeights;
     check(moec::rt::Context::create(fwd, bwd, options, &slot->context), "context");
     if (fabric == "mpi") {
       std::lock_guard<std::mutex> lock(mpiSlotsMutex);
@@ -650,6 +651,17 @@ public:
   }
 
   /// The workspace table (runtime/tooling/Workspace.h).
+  /// The layer's weights were written where PyTorch does not count it
+  /// (through .data): every packed weight is packed again.
+  void weightsChanged() {
+    TORCH_CHECK(pending() == 0, "moec: weights_changed() while a submitted pass has not been "
+                "waited for: wait for it first (the pass reads the weights)");
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    live();
+    for (auto &[name, last] : seen)
+      check(slot->context->weightChanged(name), "weights changed");
+  }
+
   std::string workspace() const {
     live();
     return moec::tooling::workspaceText(*slot->context);
@@ -810,8 +822,35 @@ private:
     return t;
   }
 
+  /// What the packed-weight store (ContextOptions::packWeights) knows of a
+  /// weight tensor: the tensor, its memory and its version counter (which
+  /// PyTorch bumps at every in-place write, an optimizer's among them).
+  struct Seen {
+    const void *impl = nullptr, *data = nullptr;
+    int64_t version = -1;
+  };
+
+  /// Tells the runtime which weights changed since the last pass: a weight
+  /// whose tensor or version is not the one last seen is packed again.
+  void noteWeights(const Inputs &in) {
+    std::vector<std::pair<std::string, const at::Tensor *>> weights{{"w1", &in.w1},
+                                                                    {"w2", &in.w2}};
+    const std::vector<std::string> names = adapterNames();
+    for (size_t i = 0; i < loraCount(); ++i)
+      weights.emplace_back(names[i], &in.adapters[i]);
+    for (const auto &[name, t] : weights) {
+      const Seen now{t->unsafeGetTensorImpl(), t->data_ptr(), int64_t(t->_version())};
+      Seen &last = seen[name];
+      if (last.version >= 0 &&
+          (now.impl != last.impl || now.data != last.data || now.version != last.version))
+        check(slot->context->weightChanged(name), "weight changed");
+      last = now;
+    }
+  }
+
   void bindInputs(const Inputs &in) {
     const int64_t P = slot->context->localRanks(), first = slot->context->firstLocalRank();
+    noteWeights(in);
     for (int64_t p = 0; p < P; ++p) {
       const uint32_t r = uint32_t(first + p);
       check(slot->context->setRouting(r, slice(in.ids, "topk_ids", P, p, false),
@@ -854,6 +893,7 @@ private:
   }
 
   std::shared_ptr<Slot> slot = std::make_shared<Slot>();
+  std::map<std::string, Seen> seen; ///< per weight: as the last pass bound it
   int64_t passes = 0;  ///< forward passes run
   int64_t step = -1;   ///< the pass whose state the runtime holds; -1: none
   double reportSeconds = 10; ///< how long rank 0 waits for the peers' reports
@@ -1154,8 +1194,9 @@ std::string safetensorsParseHeaderOp(const at::Tensor &header, int64_t dataBytes
 
 TORCH_LIBRARY(moec, m) {
   m.class_<Layer>("Layer")
-      .def(torch::init<std::string, std::string, int64_t, double, std::string, bool>())
+      .def(torch::init<std::string, std::string, int64_t, double, std::string, bool, bool>())
       .def("info", &Layer::info)
+      .def("weights_changed", &Layer::weightsChanged)
       .def("write_trace", &Layer::writeTrace)
       .def("capacity_need", &Layer::capacityNeed)
       .def("agree", &Layer::agree)

@@ -121,6 +121,7 @@ struct Group {
     po.timeoutSeconds = options.timeoutSeconds;
     po.trace = options.trace;
     po.opByOp = options.schedule == Schedule::OpByOp;
+    po.packWeights = options.packWeights;
     po.fabric = fabric;
     return po;
   }

@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <atomic>
 #include <chrono>
@@ -669,6 +670,31 @@ std::vector<WorkspaceSlot> Context::workspace() const {
   return out;
 }
 size_t Context::scratchBytes() const { return body->backend->scratchBytes(); }
+size_t Context::packedWeightBytes() const {
+  return body->fwd->packedWeightBytes() + (body->bwd ? body->bwd->packedWeightBytes() : 0);
+}
+Status Context::weightChanged(std::string_view name) {
+  static const std::array<Binding, 6> weights{kW1, kW2, kLoraA1, kLoraB1, kLoraA2, kLoraB2};
+  const auto *found = std::find_if(weights.begin(), weights.end(),
+                                   [&](Binding b) { return name == kBindingNames[b]; });
+  if (found == weights.end())
+    return Status::error(fmt::format("weightChanged: '{}' is not a weight; expected one of w1, "
+                                     "w2, lora_a1, lora_b1, lora_a2, lora_b2",
+                                     name));
+  for (backend::Pass *pass : {body->fwd.get(), body->bwd.get()}) {
+    if (!pass)
+      continue;
+    const LayerPlan &plan = pass->plan();
+    const Binding b = *found;
+    const uint32_t slot = b == kW1 ? plan.w1
+                          : b == kW2 ? plan.w2
+                          : b == kLoraA1 || b == kLoraA2 ? plan.lora[adapterTarget(b)].a
+                                                         : plan.lora[adapterTarget(b)].b;
+    if (slot != kNoSlot)
+      pass->weightChanged(slot);
+  }
+  return Status::success();
+}
 size_t Context::workspaceToAllocate() const {
   return body->fwd->workspaceNeeded() + (body->bwd ? body->bwd->workspaceNeeded() : 0);
 }

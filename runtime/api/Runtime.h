@@ -274,6 +274,14 @@ struct ContextOptions {
   /// runs one rank per process. Under MPI, creating a context, forward()
   /// and backward() are collective: every rank calls them in the same order.
   std::shared_ptr<comm::Fabric> fabric;
+  /// Keep the weights the passes' matmuls read (w1, w2 and the LoRA
+  /// adapters, in the compute dtype) packed in the tile's layout, each packed
+  /// once, by the first tile that reads it, and again only when another
+  /// tensor is bound or after weightsChanged(): the same bits as packing
+  /// them in every tile, for the memory of a copy of each (CPU, where moec's
+  /// tile runs the product; docs/runtime.md). A host that writes a bound
+  /// weight in place must call weightsChanged() before the next pass.
+  bool packWeights = false;
 };
 
 /// Which pass Context::writeTrace writes.
@@ -376,6 +384,13 @@ public:
   std::vector<WorkspaceSlot> workspace() const;
   /// Bytes the kernels' scratch holds now (fp32 blocks of bf16 matmuls).
   size_t scratchBytes() const;
+  /// Bytes of the packed weights (ContextOptions::packWeights) now.
+  size_t packedWeightBytes() const;
+  /// Says that the bound weight `name` (w1, w2, lora_a1, lora_b1, lora_a2 or
+  /// lora_b2), on every local rank, was written in place: the passes pack it
+  /// again at their next run (ContextOptions::packWeights; nothing without
+  /// it). Not while a pass is in flight.
+  Status weightChanged(std::string_view name);
   /// Bytes of workspace the passes not run yet will allocate at their first
   /// run (so a caller can check the machine's memory before).
   size_t workspaceToAllocate() const;

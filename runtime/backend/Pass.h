@@ -79,6 +79,11 @@ struct PassOptions {
   double timeoutSeconds = 60; ///< watchdog; <= 0 turns it off
   bool trace = false;         ///< record every task run (CPU)
   bool opByOp = false;        ///< one op at a time, a barrier between ops (CPU)
+  /// Keep the weights the GMMs read (w1, w2, the LoRA adapters) packed in
+  /// the tile's layout, each packed by the first tile that reads it and
+  /// again only after weightsChanged() or when another tensor is bound
+  /// (CPU; the same bits).
+  bool packWeights = false;
   std::shared_ptr<comm::Fabric> fabric; ///< the EP group (required)
 };
 
@@ -106,6 +111,12 @@ public:
   virtual void borrowFrom(const Pass &forward) { (void)forward; }
   /// The bytes allocate() takes (0 once it has).
   virtual uint64_t workspaceNeeded() const = 0;
+  /// The host changed the weight bound to slot `slot` in place
+  /// (PassOptions::packWeights): what was packed of it is stale, and the
+  /// next run packs it again.
+  virtual void weightChanged(uint32_t slot) { (void)slot; }
+  /// Bytes held by the packed copies of the weights (PassOptions::packWeights).
+  virtual size_t packedWeightBytes() const { return 0; }
 
   /// The memory of slot `slot` of local rank `rank` (null before allocate(),
   /// or for a slot the caller binds). The backend's own memory: a backward

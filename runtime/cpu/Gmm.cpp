@@ -303,9 +303,13 @@ void zeroTile(Matrix c, int64_t m, int64_t n) {
 
 } // namespace
 
+bool packedTile(Elt a, Elt b) {
+  return a == b && !(a == Elt::BF16 && !nativeBf16Gemm()) && moecTile(a == Elt::BF16);
+}
+
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
               bool transB, Matrix c, bool accumulate, Scratch *scratch, float alpha,
-              bool streamC) {
+              bool streamC, const void *packedB) {
   if (m <= 0 || n <= 0)
     return;
   if (k <= 0) {
@@ -347,12 +351,12 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     float *base = mem.floats(packFloats + (direct ? 0 : lineRound(m * n) + lineRound(n)));
     if (direct) {
       tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, c.data, c.ld, cBf16,
-                 accumulate, base, streamC && !accumulate);
+                 accumulate, base, streamC && !accumulate, packedB);
       return;
     }
     float *product = base + packFloats, *row = product + lineRound(m * n);
     tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, product, n, false,
-               false, base);
+               false, base, false, packedB);
     for (int64_t i = 0; i < m; ++i) {
       float *p = product + i * n;
       if (accumulate) {
@@ -425,7 +429,7 @@ Range clipToSegment(Range rows, Segment segment) {
 /// `rows` (clipped) and `cols`; op(B) = B, or B^T when `transB`.
 void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t depth,
                     Segment segment, Range rows, Range cols, Scratch *scratch,
-                    const Epilogue &epilogue) {
+                    const Epilogue &epilogue, const void *packedB) {
   const Range r = clipToSegment(rows, segment);
   if (r.empty() || cols.empty())
     return;
@@ -440,19 +444,21 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
   }
   gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false,
            transB ? shifted(b, cols.begin, 0) : shifted(b, 0, cols.begin), transB, out, add,
-           scratch, epilogue.scale);
+           scratch, epilogue.scale, false, packedB);
 }
 
 } // namespace
 
 void gmmForwardTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
-                    Range rows, Range cols, Scratch *scratch, const Epilogue &epilogue) {
-  activationTile(a, b, false, c, depth, segment, rows, cols, scratch, epilogue);
+                    Range rows, Range cols, Scratch *scratch, const Epilogue &epilogue,
+                    const void *packedB) {
+  activationTile(a, b, false, c, depth, segment, rows, cols, scratch, epilogue, packedB);
 }
 
 void gmmDgradTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
-                  Range rows, Range cols, Scratch *scratch, const Epilogue &epilogue) {
-  activationTile(a, b, true, c, depth, segment, rows, cols, scratch, epilogue);
+                  Range rows, Range cols, Scratch *scratch, const Epilogue &epilogue,
+                  const void *packedB) {
+  activationTile(a, b, true, c, depth, segment, rows, cols, scratch, epilogue, packedB);
 }
 
 void gmmWgradTile(ConstMatrix a, ConstMatrix b, Matrix c, Segment segment, Range rows, Range cols,

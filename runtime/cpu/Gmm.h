@@ -138,9 +138,17 @@ bool nativeBf16Gemm();
 /// overwritten (also when k is 0: C becomes zero). `scratch` may be null.
 /// `streamC` says that nobody reads C soon (a weight gradient): moec's tile
 /// then writes it past the caches (tile::gemm's `stream`); the same bits.
+///
+/// `packedB`, when not null, is op(B) packed whole by tile::packB for these
+/// n and k: honoured only where packedTile(a.elt, b.elt) (moec's tile runs
+/// the product; the same bits), ignored elsewhere.
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
               bool transB, Matrix c, bool accumulate, Scratch *scratch = nullptr,
-              float alpha = 1.0f, bool streamC = false);
+              float alpha = 1.0f, bool streamC = false, const void *packedB = nullptr);
+
+/// Whether gemmTile runs a product of these operand types on moec's tile,
+/// which reads a B packed beforehand (`packedB`).
+bool packedTile(Elt a, Elt b);
 
 /// What an activation-form tile (gmmForwardTile, gmmDgradTile) makes of its
 /// product P: C = addend + scale * P, where addend (when its data is not
@@ -161,18 +169,19 @@ struct Epilogue {
 /// a tile past the expert's last row writes nothing: the runtime can pass the
 /// tile of a capacity-sized grid as it is. `b` is the expert's weight
 /// [depth, N]; `cols` is a column range of it (not clipped). `epilogue`
-/// scales the product and adds a matrix to it.
+/// scales the product and adds a matrix to it. `packedB`, when not null, is
+/// the weight's columns `cols` packed whole (gemmTile's `packedB`).
 void gmmForwardTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
                     Range rows, Range cols, Scratch *scratch = nullptr,
-                    const Epilogue &epilogue = {});
+                    const Epilogue &epilogue = {}, const void *packedB = nullptr);
 
 /// Data-gradient tile of one expert: C[m, n] = sum_{k < depth} A[m, k] *
 /// B[n, k], i.e. C = A B^T with the weight stored [N, depth] (w1[e] is
 /// [H, 2I] and gives dX from dY; w2[e] is [I, H] and gives dA from dZ).
-/// Rows, segment, columns and epilogue as for gmmForwardTile.
+/// Rows, segment, columns, epilogue and packedB as for gmmForwardTile.
 void gmmDgradTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
                   Range rows, Range cols, Scratch *scratch = nullptr,
-                  const Epilogue &epilogue = {});
+                  const Epilogue &epilogue = {}, const void *packedB = nullptr);
 
 /// Weight-gradient tile of one expert: for k in `rows` and n in `cols`,
 ///

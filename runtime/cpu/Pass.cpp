@@ -14,6 +14,7 @@
 #include "runtime/cpu/Quant.h"
 #include "runtime/cpu/Rows.h"
 #include "runtime/cpu/Swiglu.h"
+#include "runtime/cpu/Tile.h"
 #include "runtime/exec/OpByOp.h"
 
 #include <fmt/format.h>
@@ -78,7 +79,18 @@ struct Pass::OpInfo {
   /// The scales of a quantized weight B (kTilingQuantizedB), or kNone.
   uint32_t weightScales = format::kNone;
   int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
+  /// Its B is a weight kept packed (PassOptions::packWeights).
+  bool packable = false;
 };
+
+struct Pass::PackedWeight {
+  std::atomic<int> state{0}; ///< kUnpacked, kPacking or kPacked
+  ZeroedPages pages;
+};
+
+namespace {
+constexpr int kUnpacked = 0, kPacking = 1, kPacked = 2;
+} // namespace
 
 namespace {
 /// The row stride of a quantized weight's dequantized part of n columns: K for
@@ -120,9 +132,22 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
         program.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
     if (op.kind == OpKind::Gmm)
       info.expertStride = int64_t(w.dims[1] * w.dims[2]);
+    if (options.packWeights && op.kind == OpKind::Gmm && !info.wgrad &&
+        info.weightScales == format::kNone) {
+      const uint32_t b = info.tiling->inputSlots[1];
+      bool weight = b == plan.w1 || b == plan.w2;
+      for (const rt::LoraSlots &l : plan.lora)
+        weight = weight || b == l.a || b == l.b;
+      info.packable =
+          weight && packedTile(program.slots[info.tiling->inputSlots[0]].dtype, program.slots[b].dtype);
+    }
     pass->ops.push_back(info);
   }
   pass->data.assign(program.ranks(), std::vector<void *>(program.slots.size(), nullptr));
+  pass->packed.resize(program.ops.size());
+  pass->packedFrom.resize(program.ops.size());
+  pass->packedGeneration.assign(program.ops.size(), 0);
+  pass->slotGeneration.assign(program.slots.size(), 0);
   pass->sendRows.assign(program.ranks(), 0);
   pass->windowOf.assign(program.slots.size(), nullptr);
 
@@ -357,6 +382,7 @@ Status Pass::runTasks() {
   tasksStart = t0;
   taskSpans = trace::Trace();
   comm::Fabric &fabric = *options.fabric;
+  preparePackedWeights();
   for (size_t step = 0; step < executors.size(); ++step) {
     const std::unique_ptr<exec::Executor> &executor = executors[step];
     this->step.store(step, std::memory_order_relaxed);
@@ -475,6 +501,63 @@ Status Pass::runPut(const OpInfo &op, uint32_t opIndex, uint32_t rank,
   return Status::success();
 }
 
+void Pass::preparePackedWeights() {
+  const comm::Fabric &fabric = *options.fabric;
+  for (size_t o = 0; o < ops.size(); ++o) {
+    if (!ops[o].packable)
+      continue;
+    const TilingRecord &t = *ops[o].tiling;
+    const uint64_t generation = slotGeneration[t.inputSlots[1]];
+    const bool stale = packedGeneration[o] != generation;
+    packedGeneration[o] = generation;
+    const size_t cells = size_t(t.experts) * t.colTiles;
+    packed[o].resize(data.size());
+    packedFrom[o].resize(data.size(), nullptr);
+    for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r) {
+      const void *from = data[r][t.inputSlots[1]];
+      if (!packed[o][r])
+        packed[o][r] = std::make_unique<PackedWeight[]>(cells);
+      else if (from == packedFrom[o][r] && !stale)
+        continue;
+      for (size_t c = 0; c < cells; ++c)
+        packed[o][r][c].state.store(kUnpacked, std::memory_order_relaxed);
+      packedFrom[o][r] = from;
+    }
+  }
+}
+
+const void *Pass::packedWeight(uint32_t opIndex, uint32_t rank, const format::TileCoord &tile,
+                               ConstMatrix b, int64_t depth) {
+  const OpInfo &op = ops[opIndex];
+  if (!op.packable)
+    return nullptr;
+  PackedWeight &cell =
+      packed[opIndex][rank][size_t(tile.expert) * op.tiling->colTiles + tile.colTile];
+  int state = cell.state.load(std::memory_order_acquire);
+  if (state == kPacked)
+    return cell.pages.data();
+  if (state != kUnpacked ||
+      !cell.state.compare_exchange_strong(state, kPacking, std::memory_order_acq_rel))
+    return nullptr;
+  const int64_t n = int64_t(tile.colEnd - tile.colBegin);
+  const bool bf16 = b.elt == Elt::BF16;
+  const size_t bytes = tile::packedBBytes(n, depth, bf16);
+  if (cell.pages.bytes() < bytes) {
+    packedBytes -= cell.pages.bytes();
+    cell.pages = ZeroedPages(bytes);
+    if (!cell.pages.data()) { // no memory now: this tile and the next read B as it is
+      cell.state.store(kUnpacked, std::memory_order_release);
+      return nullptr;
+    }
+    packedBytes += bytes;
+  }
+  const int64_t c0 = int64_t(tile.colBegin);
+  tile::packB(n, depth, op.transposeB ? b.address(c0, 0) : b.address(0, c0), b.ld, op.transposeB,
+              bf16, cell.pages.data());
+  cell.state.store(kPacked, std::memory_order_release);
+  return cell.pages.data();
+}
+
 const void *Pass::dequantizeWeightTile(uint32_t opIndex, uint32_t rank, uint32_t expert,
                                        Range cols, DType elt, uint32_t worker) {
   const TaskProgram &tasks = *program;
@@ -569,16 +652,20 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
       epilogue.scale = op.scale;
       if (op.addend != format::kNone)
         epilogue.addend = in(op.addend);
-      const auto gemm = [&](ConstMatrix weight, Matrix result, Range resultCols) {
+      const auto gemm = [&](ConstMatrix weight, Matrix result, Range resultCols,
+                            const void *packedB) {
         if (op.transposeB)
           gmmDgradTile(in(a), weight, result, int64_t(t.depth), segment, rows, resultCols,
-                       tileScratch, epilogue);
+                       tileScratch, epilogue, packedB);
         else
           gmmForwardTile(in(a), weight, result, int64_t(t.depth), segment, rows, resultCols,
-                         tileScratch, epilogue);
+                         tileScratch, epilogue, packedB);
       };
       if (op.weightScales == format::kNone) {
-        gemm(bm, out(c), cols);
+        // A tile with no rows of the segment leaves the packing to one that has.
+        const bool work = std::min(rows.end, segment.rows) > std::max<int64_t>(rows.begin, 0);
+        gemm(bm, out(c), cols,
+             work ? packedWeight(opIndex, rank, tile, bm, int64_t(t.depth)) : nullptr);
         break;
       }
       // Quantized codes with their scales: a few columns at a time, the
@@ -593,7 +680,7 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
         cm.data = static_cast<char *>(cm.data) + size_t(chunk.begin) * dtypeSize(dtype(c));
         gemm(ConstMatrix{dequantizeWeightTile(opIndex, rank, tile.expert, chunk, dtype(a), worker),
                          dtype(a), dequantizedStride(op.transposeB, int64_t(t.depth), n)},
-             cm, Range{0, n});
+             cm, Range{0, n}, nullptr);
       }
       break;
     }

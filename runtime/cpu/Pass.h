@@ -94,6 +94,13 @@ public:
   double tasksShare() const override;
   /// The bytes allocate() takes (0 once it has).
   uint64_t workspaceNeeded() const override;
+  void weightChanged(uint32_t slot) override {
+    if (slot < slotGeneration.size())
+      ++slotGeneration[slot];
+  }
+  size_t packedWeightBytes() const override {
+    return packedBytes.load(std::memory_order_relaxed);
+  }
 
   /// Reduces each local rank's returned rows into `out[rank]` ([S, H]),
   /// weighted by the top-k weights when `weighted` (forward: y; backward:
@@ -128,6 +135,20 @@ private:
   /// [n, K] for a transposed B, else [K, n] (n the columns).
   const void *dequantizeWeightTile(uint32_t opIndex, uint32_t rank, uint32_t expert,
                                    Range cols, DType elt, uint32_t worker);
+  /// The packed-weight store (PassOptions::packWeights): per GMM whose B is
+  /// a weight and that runs on moec's tile, per local rank, expert and
+  /// column tile, op(B)'s columns of the tile packed whole
+  /// (tile::packB). The first tile that reads a cell packs it; tiles that
+  /// find it being packed read B as it is (the same bits), so none waits.
+  struct PackedWeight;
+  /// Before a run: drops what was packed from memory no longer bound, or
+  /// before weightChanged() of its slot.
+  void preparePackedWeights();
+  /// The packed op(B) of `tile` (B the expert's weight `b`, depth `depth`),
+  /// packing it now if nobody has; null when the op keeps no packed copies
+  /// or another tile is packing it.
+  const void *packedWeight(uint32_t opIndex, uint32_t rank, const format::TileCoord &tile,
+                           ConstMatrix b, int64_t depth);
   Status runPut(const OpInfo &op, uint32_t opIndex, uint32_t rank, const format::TileCoord &tile,
                 bool combine);
 
@@ -139,6 +160,14 @@ private:
   std::unique_ptr<Scratch[]> weightScratch;
   std::unique_ptr<exec::ThreadTeam> team; ///< the loops outside the task queues
   std::vector<OpInfo> ops;
+  /// The packed-weight store: [op][rank] cells (expert-major, then column
+  /// tile), the memory each rank's cells were packed from, and per op the
+  /// generation of its B slot they hold (slotGeneration counts each slot's
+  /// weightChanged calls).
+  std::vector<std::vector<std::unique_ptr<PackedWeight[]>>> packed;
+  std::vector<std::vector<const void *>> packedFrom;
+  std::vector<uint64_t> packedGeneration, slotGeneration;
+  std::atomic<size_t> packedBytes{0};
   std::vector<std::vector<void *>> data; ///< [rank][slot]
   /// Per rank: the rows to send this pass (tokens * top-k), set by
   /// gatherSendRows; a quantize tile clips its rows to them.

@@ -54,6 +54,10 @@ size_t packedABytes(int64_t m, int64_t k, bool transA, bool bf16) {
   return transA ? size_t(ceilDiv(k, perUnit(bf16)) * packedARowUnits(m)) * 4 : 0;
 }
 
+size_t packedBBytes(int64_t n, int64_t k, bool bf16) {
+  return size_t(ceilDiv(n, kPanel) * kPanel * ceilDiv(k, perUnit(bf16))) * 4;
+}
+
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16) {
   const int64_t width = std::min(n, kGroup);
   size_t bytes = panelBytes(width) + packedABytes(m, k, transA, bf16);
@@ -153,15 +157,16 @@ uint32_t transposedUnit(const void *b, int64_t ldb, int64_t n, int64_t p0, int64
 }
 
 /// Packs the depth block [p0, p1) of op(B) = B^T (B stored n x k) into
-/// panels: 16 x 16 blocks of units by transposes, the edges one by one.
+/// panels `panelStride` units apart: 16 x 16 blocks of units by transposes,
+/// the edges one by one.
 MOEC_TILE_TARGET void packTransposed(const void *b, int64_t ldb, int64_t n, int64_t p0,
-                                     int64_t p1, bool bf16, uint32_t *dst) {
+                                     int64_t p1, bool bf16, uint32_t *dst, int64_t panelStride) {
   const int64_t per = perUnit(bf16);
   const int64_t units = ceilDiv(p1 - p0, per);
   const int64_t fullUnits = (p1 - p0) / per; // units with no half past p1
   const size_t elt = bf16 ? 2 : 4;
   for (int64_t q = 0; q * kPanel < n; ++q) {
-    uint32_t *panel = dst + q * kBlockUnits * kPanel;
+    uint32_t *panel = dst + q * panelStride;
     for (int jj = 0; jj < kPanel; jj += 16) {
       const int64_t j0 = q * kPanel + jj;
       int64_t t = 0;
@@ -386,8 +391,12 @@ bool available(bool bf16) {
 
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
           const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
-          bool load, void *pack, bool stream) {
+          bool load, void *pack, bool stream, const void *packedB) {
   const int64_t per = perUnit(bf16), depth = kBlockUnits * per;
+  // With packedB: op(B) packed whole (packB), panel Q of the columns at
+  // [Q][unit over the whole depth][kPanel]; nothing is packed here.
+  const uint32_t *prepacked = static_cast<const uint32_t *>(packedB);
+  const int64_t allUnits = ceilDiv(k, per);
   const int64_t elt = bf16 ? 2 : 4, cElt = cBf16 ? 2 : 4;
   const int64_t width = std::min(n, kGroup);
   uint32_t *panels = static_cast<uint32_t *>(pack);
@@ -408,6 +417,11 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // The rows of B's column group at j0 (nb wide), depth [q0, q1), and of A
   // (read in place) at depth [q0, q1): what a later block will pack or read.
   auto bRegion = [&](int64_t j0, int64_t nb, int64_t q0, int64_t q1) {
+    if (prepacked)
+      return Prefetch(reinterpret_cast<const char *>(prepacked +
+                                                     ((j0 / kPanel) * allUnits + q0 / per) * kPanel),
+                      ceilDiv(nb, kPanel), ceilDiv(q1 - q0, per) * kPanel * 4,
+                      allUnits * kPanel * 4);
     return transB ? Prefetch(bBytes + (j0 * ldb + q0) * elt, nb, (q1 - q0) * elt, ldb * elt)
                   : Prefetch(bBytes + (q0 * ldb + j0) * elt, q1 - q0, nb * elt, ldb * elt);
   };
@@ -436,9 +450,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       // (micro's PACK), where its loads overlap the dot products; the others
       // here. (A transposed op(B) packed by the calls, 16 units of its 48
       // rows at a time by transposes, was not faster.)
-      const bool packInCall = bf16 && !transB;
-      if (transB)
-        packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels);
+      const bool packInCall = bf16 && !transB && !prepacked;
+      if (prepacked) {
+      } else if (transB)
+        packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels, kBlockUnits * kPanel);
       else if (!packInCall)
         packRows(bGroup, ldb, p0, p1, nb, bf16, panels, kPanel, kPanel, kBlockUnits * kPanel);
       // A's unit (row i0 + r, unit t) of this block lies at
@@ -497,7 +512,11 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         nextB.next();
         nextA.next();
         nextC.next();
-        kernel(units, aRows(i0), aRow, aUnit, halfLast, panels + q * kBlockUnits * kPanel,
+        uint32_t *panel =
+            prepacked ? const_cast<uint32_t *>(prepacked) +
+                            ((j0 / kPanel + q) * allUnits + p0 / per) * kPanel
+                      : panels + q * kBlockUnits * kPanel;
+        kernel(units, aRows(i0), aRow, aUnit, halfLast, panel,
                in ? in + i0 * ldIn + q * kPanel : nullptr, ldIn, to + q * kPanel * outElt, ldTo,
                outBf16, cols,
                packInCall ? static_cast<const uint16_t *>(bGroup) + p0 * ldb + q * kPanel
@@ -529,15 +548,35 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
     _mm_sfence();
 }
 
+void packB(int64_t n, int64_t k, const void *b, int64_t ldb, bool transB, bool bf16, void *dst) {
+  const int64_t per = perUnit(bf16), depth = kBlockUnits * per, allUnits = ceilDiv(k, per);
+  uint32_t *out = static_cast<uint32_t *>(dst);
+  if (!transB) {
+    packRows(b, ldb, 0, k, n, bf16, out, kPanel, kPanel, allUnits * kPanel);
+    return;
+  }
+  for (int64_t p0 = 0; p0 < k; p0 += depth)
+    packTransposed(b, ldb, n, p0, std::min(k, p0 + depth), bf16, out + (p0 / per) * kPanel,
+                   allUnits * kPanel);
+}
+
 #else // !MOEC_TILE_X86
 
 bool available(bool) { return false; }
 
-void gemm(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool,
-          bool, void *, int64_t, bool, bool, void *, bool) {
+namespace {
+[[noreturn]] void absent() {
   std::fprintf(stderr, "moec: the AVX-512 tile was called on a CPU without it\n");
   std::abort();
 }
+} // namespace
+
+void gemm(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool,
+          bool, void *, int64_t, bool, bool, void *, bool, const void *) {
+  absent();
+}
+
+void packB(int64_t, int64_t, const void *, int64_t, bool, bool, void *) { absent(); }
 
 #endif // MOEC_TILE_X86
 

@@ -36,6 +36,11 @@
 // The packing needs packBytes(...) bytes of memory, 64-byte aligned, from the
 // caller (kernels keep it in their Scratch).
 //
+// A weight that many calls read (the layer's packed-weight store,
+// runtime/cpu/Pass.h) can be packed once, whole, by packB, and handed to
+// gemm as `packedB`: the calls then pack nothing of B. The panels are
+// those gemm would make block by block, so the bits are the same.
+//
 //===----------------------------------------------------------------------===//
 
 #ifndef MOEC_RUNTIME_CPU_TILE_H
@@ -63,7 +68,20 @@ size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool c
 /// otherwise be read from memory before they are written. The same bits.
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
           const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
-          bool load, void *pack, bool stream = false);
+          bool load, void *pack, bool stream = false, const void *packedB = nullptr);
+
+/// Bytes of an op(B) of k x n packed whole by packB: n rounded up to whole
+/// 48-column panels, times k in 32-bit units (an fp32 value, or a bf16 pair
+/// along the depth).
+size_t packedBBytes(int64_t n, int64_t k, bool bf16);
+
+/// Packs op(B) (k x n: b(p, j), or b(j, p) when `transB`, stride `ldb`
+/// elements) whole into `dst` (packedBBytes(n, k, bf16) bytes, 64-byte
+/// aligned, zero): per 48-column panel, every unit of the depth in order,
+/// 48 units a row, columns past n zero. gemm(..., packedB = dst) on any rows
+/// of A then reads these panels for op(B) columns [0, n). Requires
+/// available(bf16).
+void packB(int64_t n, int64_t k, const void *b, int64_t ldb, bool transB, bool bf16, void *dst);
 
 } // namespace moec::cpu::tile
 

@@ -18,14 +18,19 @@ WorkspaceTotals workspaceTotals(const rt::Context &context) {
     t.resident += w.resident;
   }
   t.scratch = context.scratchBytes();
+  t.packed = context.packedWeightBytes();
   return t;
 }
 
 std::string totalsText(const WorkspaceTotals &t) {
   if (!t.itemized)
     return fmt::format("{:.1f} MiB allocated", mib(t.allocated));
-  return fmt::format("{:.1f} MiB allocated, {:.1f} MiB resident; kernel scratch {:.1f} MiB",
-                     mib(t.allocated), mib(t.resident), mib(t.scratch));
+  std::string text =
+      fmt::format("{:.1f} MiB allocated, {:.1f} MiB resident; kernel scratch {:.1f} MiB",
+                  mib(t.allocated), mib(t.resident), mib(t.scratch));
+  if (t.packed)
+    text += fmt::format("; packed weights {:.1f} MiB", mib(t.packed));
+  return text;
 }
 
 std::string workspaceText(const rt::Context &context) {

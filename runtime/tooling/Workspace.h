@@ -22,6 +22,7 @@ struct WorkspaceTotals {
   uint64_t allocated = 0; ///< own slots at capacity (Context::workspaceBytes)
   uint64_t resident = 0;  ///< of those, in memory (when itemized)
   uint64_t scratch = 0;   ///< the CPU kernels' scratch
+  uint64_t packed = 0;    ///< the packed weights (ContextOptions::packWeights)
   bool itemized = false;  ///< the backend lists its slots (the CPU backend does)
 };
 WorkspaceTotals workspaceTotals(const rt::Context &context);

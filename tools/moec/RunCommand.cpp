@@ -98,6 +98,10 @@ const CommandSpec kRunSpec = {
     "                   (thread blocks run the queues, events are counters in\n"
     "                   device memory); inputs and outputs stay .npy files on the\n"
     "                   host. Not under MPI, and no --trace or --op-by-op\n"
+    "  --pack-weights   keep the weights packed in the GEMM tile's layout, each\n"
+    "                   packed by the first tile that reads it (the torch op's\n"
+    "                   default, pack_weights=True); without it every tile packs\n"
+    "                   the part it reads. The same bits either way\n"
     "  --op-by-op       run the same tasks one op at a time, with a barrier over\n"
     "                   all ranks between ops (the baseline fusion is measured\n"
     "                   against)\n"
@@ -140,7 +144,7 @@ const CommandSpec kRunSpec = {
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat", "--warmup",
      "--hot-share", "--fabric", "--timeout", "--verify-sample", "--backend"},
     {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress", "--profile",
-     "--workspace"},
+     "--workspace", "--pack-weights"},
     1,
     2,
     {"--trace"}};
@@ -556,6 +560,7 @@ int runRun(int argc, char **argv, int first) {
   rt::ContextOptions options;
   options.workers = uint32_t(threads);
   options.trace = args.value("--trace").has_value() || args.has("--profile");
+  options.packWeights = args.has("--pack-weights");
   options.fabric = fabric;
   options.timeoutSeconds = timeout;
   options.backend = backendKind;

@@ -869,6 +869,20 @@ class MoeFFN(torch.nn.Module):
     (dequantized_weights()). A frozen or LoRA layer only, tp=1.
     quantize_weights(weight_format) makes one from a dense layer.
 
+    pack_weights: keep the weights the layer's matmuls read (w1, w2 and the
+    adapters) packed in the layout of moec's GEMM tile, each packed once,
+    by the first tile that reads it, and again only when it changed
+    (True, the default): frozen weights are packed at the first pass and
+    never again, trained ones once per optimizer step. PyTorch counts
+    every in-place write to a tensor (an optimizer's, a copy_ into it or a
+    view of it) and the layer reads that count at each pass; a write it
+    does not count, through a parameter's .data, needs weights_changed()
+    before the next pass. Costs a copy of each packed weight (and, for
+    the backward's transposed reads, another: docs/performance.md); the
+    outputs are the same bits as with False. Only where moec's tile runs
+    the product (bf16 on a CPU with avx512_bf16; quantized base weights
+    are not packed).
+
     init_weights: False leaves w1, w2 and the adapters uninitialized
     (torch.empty), for a caller that fills them (moec_torch.hf does, from a
     model or a checkpoint); drawing the whole experts costs seconds at a
@@ -883,7 +897,7 @@ class MoeFFN(torch.nn.Module):
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
                  lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False,
                  dispatch_dtype=None, init_weights=True, weights_transposed=False,
-                 weight_format=None):
+                 weight_format=None, pack_weights=True):
         super().__init__()
         load_library()
         arg = "MoeFFN: argument "
@@ -904,6 +918,7 @@ class MoeFFN(torch.nn.Module):
         trace = checks.boolean(trace, arg + "'trace'")
         init_weights = checks.boolean(init_weights, arg + "'init_weights'")
         weights_transposed = checks.boolean(weights_transposed, arg + "'weights_transposed'")
+        pack_weights = checks.boolean(pack_weights, arg + "'pack_weights'")
         cfg = checks.read_config(config)
         # The files the layer reads, which no file it writes may be.
         self._config_file = None if isinstance(config, dict) else os.fspath(config)
@@ -986,6 +1001,7 @@ class MoeFFN(torch.nn.Module):
         self.frozen = bool(frozen)
         self.main_grad = bool(main_grad)
         self._build = (threads, timeout_seconds, target, granularity, fabric, trace)
+        self.pack_weights = pack_weights
         _register_finalize(fabric)
 
         def compiled(fresh):
@@ -1108,6 +1124,12 @@ class MoeFFN(torch.nn.Module):
                                       getattr(self, n + "_scale"), self.dtype)
                      for n in LORA_TARGETS)
 
+    def weights_changed(self):
+        """Says that the layer's weights were written where PyTorch does not
+        count it (through a parameter's .data): the next pass packs them
+        again (pack_weights). Writes PyTorch counts need no call."""
+        self.layer.weights_changed()
+
     def quantize_weights(self, weight_format="fp8_block128"):
         """A new layer with this one's configuration and options, its base
         weights quantized to `weight_format` (frozen, in the transposed
@@ -1122,7 +1144,8 @@ class MoeFFN(torch.nn.Module):
         layer = MoeFFN(config, self.ranks, tp=self.tp, threads=threads, target=target,
                        granularity=granularity, timeout_seconds=timeout, fabric=fabric,
                        capacity_policy=self.capacity_policy, check_finite=self.check_finite,
-                       trace=trace, init_weights=False, weight_format=weight_format, **options)
+                       trace=trace, init_weights=False, weight_format=weight_format,
+                       pack_weights=self.pack_weights, **options)
         with torch.no_grad():
             for name, w in zip(LORA_TARGETS, self.dequantized_weights()):
                 if not self.weights_transposed:
@@ -1473,7 +1496,8 @@ class MoeFFN(torch.nn.Module):
 
     def _runtime_layer(self, forward, backward):
         threads, timeout, _, _, fabric, trace = self._build
-        layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric, trace)
+        layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric, trace,
+                                         self.pack_weights)
         self._made = (forward, backward)
         return layer
 

@@ -14,6 +14,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -231,5 +232,58 @@ TEST_CASE("moec's tile writes the same bits to a streamed C", "[cpu][tile]") {
                 touched += at(streamed)[size_t(i * ldc + j) * elt + b] != 0x5A;
           CHECK(touched == 0);
         }
+  }
+}
+
+TEST_CASE("moec's tile gives the same bits on a B packed whole beforehand", "[cpu][tile]") {
+  // packB packs op(B) once, the panels gemm would make block by block: the
+  // same bits for every form of B and A, depths that end a block or a bf16
+  // pair unevenly, columns that end a panel and a group unevenly, any rows of
+  // A (the rows of other tiles read the same packed B), loading C or not,
+  // and a bf16 C.
+  for (const bool bf16 : {false, true}) {
+    if (!tileRuns(bf16))
+      continue;
+    for (const bool transB : {false, true})
+      for (const bool transA : {false, true})
+        for (const int64_t k : {int64_t(7), int64_t(257), int64_t(600)})
+          for (const int64_t n : {int64_t(13), int64_t(200), int64_t(410)})
+            for (const bool cBf16 : {false, true}) {
+              INFO((bf16 ? "bf16" : "fp32") << ", transA " << transA << ", transB " << transB
+                                            << ", k " << k << ", n " << n << ", C "
+                                            << (cBf16 ? "bf16" : "fp32"));
+              const int64_t m = 19;
+              const Product x(m, n, k, transA, transB, bf16, uint32_t(k + n));
+              Aligned packedB(tile::packedBBytes(n, k, bf16));
+              tile::packB(n, k, x.b.data(), x.b.ld, transB, bf16, packedB.data());
+              const size_t elt = cBf16 ? 2 : 4, aElt = bf16 ? 2 : 4;
+              for (const int64_t i0 : {int64_t(0), int64_t(5)}) {
+                const int64_t rows = m - i0;
+                const char *aAt =
+                    static_cast<const char *>(x.a.data()) + (transA ? i0 : i0 * x.a.ld) * aElt;
+                const bool load = !cBf16 && i0 == 5;
+                Aligned plain(size_t(rows * n) * elt, 0x11), packed(size_t(rows * n) * elt, 0x11);
+                Aligned pack(tile::packBytes(rows, n, k, transA, bf16, cBf16));
+                tile::gemm(rows, n, k, aAt, x.a.ld, transA, x.b.data(), x.b.ld, transB, bf16,
+                           plain.data(), n, cBf16, load, pack.data());
+                tile::gemm(rows, n, k, aAt, x.a.ld, transA, x.b.data(), x.b.ld, transB, bf16,
+                           packed.data(), n, cBf16, load, pack.data(), false, packedB.data());
+                CHECK(std::memcmp(plain.data(), packed.data(), size_t(rows * n) * elt) == 0);
+                // And the values are the product's (a packed B that were all
+                // zero, or misplaced, would give bits both calls could not share).
+                if (!cBf16 && !load) {
+                  const float *c = reinterpret_cast<const float *>(packed.data());
+                  double worst = 0;
+                  for (int64_t i = 0; i < rows; ++i)
+                    for (int64_t j = 0; j < n; ++j) {
+                      double want = 0;
+                      for (int64_t p = 0; p < k; ++p)
+                        want += double(x.opA(i0 + i, p)) * x.opB(p, j);
+                      worst = std::max(worst, std::abs(want - c[i * n + j]));
+                    }
+                  CHECK(worst < 1e-3 * double(k));
+                }
+              }
+            }
   }
 }

@@ -1,0 +1,95 @@
+"""MoeFFN(pack_weights=True), the default: the weights packed once in the
+GEMM tile's layout give the bits of packing them in every tile, through
+optimizer steps (PyTorch's version counters say which weight changed), a
+parameter replaced, and writes through .data with weights_changed()."""
+
+import pytest
+import torch
+
+import moec_torch
+
+from test_lora import randomize_adapters
+from test_moe_ffn import config, inputs
+
+
+def packs(layer):
+    """Whether the layer holds packed weights (moec's bf16 tile runs here)."""
+    return "packed weights" in layer.layer.workspace()
+
+
+def twins(**options):
+    """A bf16 layer with packed weights and one without, the same values.
+    Depths past one 256-value block and ending mid-pair, columns cut into
+    48-column panels unevenly."""
+    cfg = config(experts=4, top_k=2, hidden=301, inter=70, tokens=48, dtype="bf16")
+    torch.manual_seed(3)
+    packed = moec_torch.MoeFFN(cfg, 2, threads=2, **options)
+    plain = moec_torch.MoeFFN(cfg, 2, threads=2, pack_weights=False, **options)
+    if packed.lora_rank:
+        randomize_adapters(packed, 5)
+    plain.load_state_dict(packed.state_dict())
+    return packed, plain
+
+
+def step(layer, x, ids, weights, dy):
+    """y, and the gradients of x, the top-k weights and every parameter."""
+    x = x.clone().requires_grad_()
+    weights = weights.clone().requires_grad_()
+    layer.zero_grad()
+    y = layer(x, ids, weights)
+    y.backward(dy)
+    return [y.detach(), x.grad, weights.grad] + [p.grad for p in layer.parameters()
+                                                  if p.grad is not None]
+
+
+def same(a, b):
+    return all(torch.equal(u, v) for u, v in zip(a, b)) and len(a) == len(b)
+
+
+@pytest.mark.parametrize("options", [{}, {"lora_rank": 8}], ids=["full", "lora"])
+def test_optimizer_steps_give_the_bits_of_unpacked_weights(options):
+    packed, plain = twins(**options)
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+                  for m in (packed, plain)]
+    for s in range(3):
+        data = inputs(packed, seed=s)
+        results = [step(m, *data) for m in (packed, plain)]
+        assert same(*results), f"step {s}"
+        for opt in optimizers:
+            opt.step()
+    # The steps changed what the layers compute (the optimizer's writes were
+    # seen), and both changed alike.
+    assert not torch.equal(results[0][0], step(packed, *inputs(packed, seed=0))[0])
+    if packs(packed):
+        assert not packs(plain)
+
+
+def test_writes_through_data_need_weights_changed():
+    packed, plain = twins()
+    data = inputs(packed, seed=1)
+    assert same(step(packed, *data), step(plain, *data))
+    if not packs(packed):
+        pytest.skip("moec's bf16 tile does not run on this CPU: nothing is packed")
+    for m in (packed, plain):
+        m.w1.data.mul_(-1)  # PyTorch does not count a write through .data
+    assert not same(step(packed, *data), step(plain, *data))
+    packed.weights_changed()
+    assert same(step(packed, *data), step(plain, *data))
+
+
+def test_a_replaced_parameter_is_packed_anew():
+    packed, plain = twins()
+    data = inputs(packed, seed=2)
+    assert same(step(packed, *data), step(plain, *data))
+    for m in (packed, plain):
+        m.w2 = torch.nn.Parameter(m.w2.detach() * 0.5)
+    assert same(step(packed, *data), step(plain, *data))
+
+
+def test_weights_changed_while_a_pass_is_pending_is_refused():
+    packed, _ = twins()
+    x, ids, weights, _ = inputs(packed, seed=4)
+    handle = packed.submit_forward(x, ids, weights)
+    with pytest.raises(RuntimeError, match="weights_changed\\(\\) while a submitted pass"):
+        packed.weights_changed()
+    handle.wait()

@@ -42,6 +42,14 @@ fusing the layer saves. frozen_<format> and lora_<format> (not run by
 default) are the frozen and lora layers with their base weights quantized
 (quantize_weights) to a weight format: fp8 (FP8 e4m3 blocks,
 "fp8_block128"), int8, int4_g128, int4_g64_zp, ... (moec_torch.quant).
+Each dense variant has an "_unpacked" twin (full_unpacked, lora_unpacked,
+...): the same layer with pack_weights=False, whose tiles pack the part of
+the weights they read every time.
+
+Before each timed step every trained parameter gets an in-place write of
+its own values (x * 1), as an optimizer step would: a layer that keeps its
+weights packed (pack_weights, the default) then packs its trained weights
+again each step, as in training, and only its frozen ones once.
 """
 
 import argparse
@@ -73,6 +81,17 @@ def step(fn, x, ids, weights, dy):
     return time.perf_counter() - start
 
 
+def optimizer_write(layer):
+    """What an optimizer step does to the trained parameters, as far as the
+    layer can tell: an in-place write (x * 1: the same values). A layer that
+    keeps its weights packed (pack_weights) then packs the trained ones
+    again at the next step, as it would in training."""
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.requires_grad:
+                p.mul_(1)
+
+
 def make_inputs(layer, ranks):
     """x, topk_ids (uniform random), topk_weights, dy for `layer`."""
     S, H, E, K = layer.tokens, layer.hidden, layer.experts, layer.top_k
@@ -98,13 +117,14 @@ def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
 
     runs = (("moec", layer), ("torch", plain)) if with_torch else (("moec", layer),)
     times = {"moec": [], "torch": []}
-    # One warm-up step each (workspace, page faults), then alternate.
-    for name, fn in runs:
+    # Two warm-up steps each (workspace, page faults), then alternate.
+    for name, fn in runs * 2:
         layer.zero_grad(set_to_none=True)
         step(fn, x, ids, weights, dy)
     for _ in range(repeat):
         for name, fn in runs:
             layer.zero_grad(set_to_none=True)
+            optimizer_write(layer)
             times[name].append(step(fn, x, ids, weights, dy))
     moec_s = statistics.median(times["moec"])
     torch_s = statistics.median(times["torch"]) if with_torch else float("nan")
@@ -114,6 +134,16 @@ def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
 
 VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
             "lora": {"lora_rank": 16, "lora_alpha": 32}}
+
+
+def variant_options(name):
+    """MoeFFN's options of a dense variant, "lora" or "lora_unpacked" (the
+    same with pack_weights=False), or None for another name."""
+    base, unpacked = (name[:-len("_unpacked")], True) if name.endswith("_unpacked") \
+        else (name, False)
+    if base not in VARIANTS:
+        return None
+    return dict(VARIANTS[base], pack_weights=False) if unpacked else VARIANTS[base]
 
 
 def quantized_variant(name):
@@ -130,17 +160,19 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
     """Median step and backward seconds of each training variant, run
     alternately on the same inputs and weights."""
     cfg = dict(cfg, dtype=dtype)
-    unknown = [v for v in variants if v not in VARIANTS and v != "split"
+    unknown = [v for v in variants if variant_options(v) is None and v != "split"
                and not quantized_variant(v)]
     if unknown:
-        raise SystemExit(f"bench.py: unknown variants {unknown}; known: {list(VARIANTS)}, split, "
+        raise SystemExit(f"bench.py: unknown variants {unknown}; known: {list(VARIANTS)} (and "
+                         f"each with _unpacked: pack_weights=False), split, "
                          f"frozen_<format> and lora_<format> for a format of "
                          f"{('fp8',) + quant.WEIGHT_FORMATS[1:]}")
     # The same base weights in every variant, shared (one copy per
     # requires_grad): four copies of a large layer's weights and gradients
     # would not fit a small machine. LoRA's adapters stay its own.
     layers = {}
-    for name, options in ((n, VARIANTS[n]) for n in ["full"] + [v for v in variants if v in VARIANTS and v != "full"]):
+    dense = ["full"] + [v for v in variants if variant_options(v) is not None and v != "full"]
+    for name, options in ((n, variant_options(n)) for n in dense):
         layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, **options)
         donor = next((d for d in layers.values()
                       if d.w1.requires_grad == layer.w1.requires_grad), None)
@@ -173,13 +205,14 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
     runs = dict(layers, split=split) if "split" in variants else dict(layers)
     steps = {name: [] for name in runs}
     backward = {name: [] for name in runs}
-    for rep in range(repeat + 1):  # the first round warms up
+    for rep in range(repeat + 2):  # the first two rounds warm up
         for name, fn in runs.items():
             full.zero_grad(set_to_none=True)
             if name != "split":
                 fn.zero_grad(set_to_none=True)
+                optimizer_write(fn)
             seconds = step(fn, x, ids, weights, dy)
-            if rep:
+            if rep >= 2:
                 steps[name].append(seconds)
                 backward[name].append(sum(fn.times()["backward"]) if name != "split"
                                       else float("nan"))

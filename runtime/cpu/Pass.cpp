@@ -146,6 +146,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
   pass->data.assign(program.ranks(), std::vector<void *>(program.slots.size(), nullptr));
   pass->packed.resize(program.ops.size());
   pass->packedFrom.resize(program.ops.size());
+  pass->packNow.resize(program.ops.size());
   pass->packedGeneration.assign(program.ops.size(), 0);
   pass->slotGeneration.assign(program.slots.size(), 0);
   pass->sendRows.assign(program.ranks(), 0);
@@ -510,17 +511,29 @@ void Pass::preparePackedWeights() {
     const uint64_t generation = slotGeneration[t.inputSlots[1]];
     const bool stale = packedGeneration[o] != generation;
     packedGeneration[o] = generation;
+    // Several tiles of a run read each cell (row tiles, peer groups).
+    const bool shared = uint64_t(t.rowTiles) * t.peers > 1;
     const size_t cells = size_t(t.experts) * t.colTiles;
     packed[o].resize(data.size());
     packedFrom[o].resize(data.size(), nullptr);
+    packNow[o].resize(data.size(), 0);
     for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r) {
       const void *from = data[r][t.inputSlots[1]];
-      if (!packed[o][r])
-        packed[o][r] = std::make_unique<PackedWeight[]>(cells);
-      else if (from == packedFrom[o][r] && !stale)
+      const bool changed = !packed[o][r] || from != packedFrom[o][r] || stale;
+      // A weight new to this pass, or changed since its last run, that one
+      // tile of the run reads is read as it is: packing it would cost a
+      // pass over it that no other tile pays back, and a trained weight
+      // changes every step. One unchanged since the last run (a frozen
+      // one) is packed.
+      packNow[o][r] = !changed || shared;
+      if (!changed)
         continue;
-      for (size_t c = 0; c < cells; ++c)
-        packed[o][r][c].state.store(kUnpacked, std::memory_order_relaxed);
+      if (!packed[o][r]) {
+        packed[o][r] = std::make_unique<PackedWeight[]>(cells);
+      } else {
+        for (size_t c = 0; c < cells; ++c)
+          packed[o][r][c].state.store(kUnpacked, std::memory_order_relaxed);
+      }
       packedFrom[o][r] = from;
     }
   }
@@ -529,7 +542,7 @@ void Pass::preparePackedWeights() {
 const void *Pass::packedWeight(uint32_t opIndex, uint32_t rank, const format::TileCoord &tile,
                                ConstMatrix b, int64_t depth) {
   const OpInfo &op = ops[opIndex];
-  if (!op.packable)
+  if (!op.packable || !packNow[opIndex][rank])
     return nullptr;
   PackedWeight &cell =
       packed[opIndex][rank][size_t(tile.expert) * op.tiling->colTiles + tile.colTile];

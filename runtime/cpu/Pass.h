@@ -140,6 +140,8 @@ private:
   /// column tile, op(B)'s columns of the tile packed whole
   /// (tile::packB). The first tile that reads a cell packs it; tiles that
   /// find it being packed read B as it is (the same bits), so none waits.
+  /// A run packs a weight that is unchanged since the pass's last run, or
+  /// that several tiles read (preparePackedWeights says why).
   struct PackedWeight;
   /// Before a run: drops what was packed from memory no longer bound, or
   /// before weightChanged() of its slot.
@@ -166,6 +168,7 @@ private:
   /// weightChanged calls).
   std::vector<std::vector<std::unique_ptr<PackedWeight[]>>> packed;
   std::vector<std::vector<const void *>> packedFrom;
+  std::vector<std::vector<char>> packNow; ///< [op][rank]: this run packs (and reads) cells
   std::vector<uint64_t> packedGeneration, slotGeneration;
   std::atomic<size_t> packedBytes{0};
   std::vector<std::vector<void *>> data; ///< [rank][slot]

@@ -598,86 +598,6 @@ TEST_CASE("backward keeps slots in the forward's dead ones; a second backward gi
   CHECK(ctx->workspaceBytes() == own);
 }
 
-TEST_CASE("packed weights: the bits of packing in every tile, packed again when a weight "
-          "changes or another is bound", "[runtime]") {
-  if (testBackend() != moec::backend::Kind::Cpu)
-    return; // the store is the CPU backend's
-  Case c;
-  c.ranks = groupSize(2);
-  c.localExperts = 3;
-  c.topK = 2;
-  c.bf16 = true;
-  // Depths over one 256-value block and ending mid-pair, columns cut into
-  // tiles and 48-column panels unevenly.
-  c.hidden = 301;
-  c.inter = 70;
-  c.seq = 64;
-  auto [fwd, bwd] = compile(c);
-  const Inputs in = makeInputs(c, 41);
-  ContextOptions plainOptions;
-  plainOptions.workers = 2;
-  ContextOptions packedOptions = plainOptions;
-  packedOptions.packWeights = true;
-  std::unique_ptr<Context> plain, packed;
-  REQUIRE(makeContext(fwd, bwd, plainOptions, &plain).ok());
-  REQUIRE(makeContext(fwd, bwd, packedOptions, &packed).ok());
-  Run a = prepare(c, in, bwd->shape()), b = prepare(c, in, bwd->shape());
-  REQUIRE(bindAll(*plain, c, a).ok());
-  REQUIRE(bindAll(*packed, c, b).ok());
-  runPasses(*plain);
-  runPasses(*packed);
-  CHECK(b.sameOutputs(a));
-  // A second step reads what the first packed.
-  runPasses(*packed);
-  CHECK(b.sameOutputs(a));
-  CHECK(plain->packedWeightBytes() == 0);
-  if (!moec::cpu::packedTile(DType::BF16, DType::BF16)) {
-    WARN("moec's bf16 tile does not run on this CPU: nothing is packed");
-    CHECK(packed->packedWeightBytes() == 0);
-    return;
-  }
-  // w1 and w2 packed for the forward, and again for the backward's
-  // transposed reads: at least the weights' bytes twice.
-  const uint64_t weightBytes = uint64_t(c.experts() * 3 * c.hidden * c.inter) * 2;
-  CHECK(packed->packedWeightBytes() >= 2 * weightBytes);
-
-  // The weights written in place (every third value negated), as an
-  // optimizer step would: a context not told reads its packed copies still.
-  const auto step = [](Run &run) {
-    for (std::vector<Stored> *w : {&run.w1, &run.w2})
-      for (Stored &rank : *w)
-        for (size_t i = 0; i < rank.bf16.size(); i += 3)
-          rank.bf16[i] ^= 0x8000;
-  };
-  step(a);
-  step(b);
-  runPasses(*plain);
-  runPasses(*packed);
-  CHECK_FALSE(b.sameOutputs(a));
-  // Told, it packs them again: the same bits as the plain context.
-  REQUIRE(packed->weightChanged("w1").ok());
-  REQUIRE(packed->weightChanged("w2").ok());
-  runPasses(*packed);
-  CHECK(b.sameOutputs(a));
-
-  // Another tensor bound for w2 is packed anew without being told.
-  for (Run *run : {&a, &b})
-    for (Stored &rank : run->w2)
-      for (size_t i = 1; i < rank.bf16.size(); i += 5)
-        rank.bf16[i] ^= 0x8000;
-  std::vector<Stored> moved = b.w2;
-  const int64_t L = c.localExperts, H = c.hidden, I = c.inter;
-  for (uint32_t r = packed->firstLocalRank(); r < packed->firstLocalRank() + packed->localRanks();
-       ++r)
-    REQUIRE(packed->bind(r, "w2", makeTensor(moved[r].data(), DType::BF16, {L, I, H})).ok());
-  runPasses(*plain);
-  runPasses(*packed);
-  CHECK(b.sameOutputs(a));
-
-  CHECK_THAT(packed->weightChanged("x").message(),
-             Catch::Contains("'x' is not a weight; expected one of w1, w2, lora_a1"));
-}
-
 TEST_CASE("runtime submit and wait", "[runtime]") {
   Case c;
   c.ranks = groupSize(2);
@@ -1086,6 +1006,86 @@ transposeExperts(const std::vector<float> &w1, const std::vector<float> &w2, int
         t2[size_t((l * H + h) * I + i)] = w2[size_t((l * I + i) * H + h)];
   }
   return {std::move(t1), std::move(t2)};
+}
+
+TEST_CASE("packed weights: the bits of packing in every tile, packed again when a weight "
+          "changes or another is bound", "[runtime]") {
+  if (testBackend() != moec::backend::Kind::Cpu)
+    return; // the store is the CPU backend's
+  Case c;
+  c.ranks = groupSize(2);
+  c.localExperts = 3;
+  c.topK = 2;
+  c.bf16 = true;
+  // Depths over one 256-value block and ending mid-pair, columns cut into
+  // tiles and 48-column panels unevenly.
+  c.hidden = 301;
+  c.inter = 70;
+  c.seq = 64;
+  auto [fwd, bwd] = compile(c);
+  const Inputs in = makeInputs(c, 41);
+  ContextOptions plainOptions;
+  plainOptions.workers = 2;
+  ContextOptions packedOptions = plainOptions;
+  packedOptions.packWeights = true;
+  std::unique_ptr<Context> plain, packed;
+  REQUIRE(makeContext(fwd, bwd, plainOptions, &plain).ok());
+  REQUIRE(makeContext(fwd, bwd, packedOptions, &packed).ok());
+  Run a = prepare(c, in, bwd->shape()), b = prepare(c, in, bwd->shape());
+  REQUIRE(bindAll(*plain, c, a).ok());
+  REQUIRE(bindAll(*packed, c, b).ok());
+  runPasses(*plain);
+  runPasses(*packed);
+  CHECK(b.sameOutputs(a));
+  // A second step reads what the first packed.
+  runPasses(*packed);
+  CHECK(b.sameOutputs(a));
+  CHECK(plain->packedWeightBytes() == 0);
+  if (!moec::cpu::packedTile(DType::BF16, DType::BF16)) {
+    WARN("moec's bf16 tile does not run on this CPU: nothing is packed");
+    CHECK(packed->packedWeightBytes() == 0);
+    return;
+  }
+  // w1 and w2 packed for the forward, and again for the backward's
+  // transposed reads: at least the weights' bytes twice.
+  const uint64_t weightBytes = uint64_t(c.experts() * 3 * c.hidden * c.inter) * 2;
+  CHECK(packed->packedWeightBytes() >= 2 * weightBytes);
+
+  // The weights written in place (every third value negated), as an
+  // optimizer step would: a context not told reads its packed copies still.
+  const auto step = [](Run &run) {
+    for (std::vector<Stored> *w : {&run.w1, &run.w2})
+      for (Stored &rank : *w)
+        for (size_t i = 0; i < rank.bf16.size(); i += 3)
+          rank.bf16[i] ^= 0x8000;
+  };
+  step(a);
+  step(b);
+  runPasses(*plain);
+  runPasses(*packed);
+  CHECK_FALSE(b.sameOutputs(a));
+  // Told, it packs them again: the same bits as the plain context.
+  REQUIRE(packed->weightChanged("w1").ok());
+  REQUIRE(packed->weightChanged("w2").ok());
+  runPasses(*packed);
+  CHECK(b.sameOutputs(a));
+
+  // Another tensor bound for w2 is packed anew without being told.
+  for (Run *run : {&a, &b})
+    for (Stored &rank : run->w2)
+      for (size_t i = 1; i < rank.bf16.size(); i += 5)
+        rank.bf16[i] ^= 0x8000;
+  std::vector<Stored> moved = b.w2;
+  const int64_t L = c.localExperts, H = c.hidden, I = c.inter;
+  for (uint32_t r = packed->firstLocalRank(); r < packed->firstLocalRank() + packed->localRanks();
+       ++r)
+    REQUIRE(packed->bind(r, "w2", makeTensor(moved[r].data(), DType::BF16, {L, I, H})).ok());
+  runPasses(*plain);
+  runPasses(*packed);
+  CHECK(b.sameOutputs(a));
+
+  CHECK_THAT(packed->weightChanged("x").message(),
+             Catch::Contains("'x' is not a weight; expected one of w1, w2, lora_a1"));
 }
 
 TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", "[runtime]") {

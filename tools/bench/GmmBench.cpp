@@ -14,12 +14,17 @@
 // of the qwen3-30b-a3b layer (H 2048, I 768, 128 rows an expert, the
 // strides and transposes its binaries give the tiles) the same way, in fp32
 // and bf16, on `threads` threads at once (each on operands of its own, as
-// the layer's workers run).
+// the layer's workers run); and, for the tiles whose B is a weight, bf16
+// with each expert's B packed beforehand (tile::packB: the layer's
+// packed-weight store, ContextOptions::packWeights), the plain and packed
+// runs alternating.
 //
 //===----------------------------------------------------------------------===//
 
 #include "runtime/cpu/Gmm.h"
 #include "runtime/cpu/Peak.h"
+#include "runtime/cpu/Tile.h"
+#include "base/Memory.h"
 #include "runtime/tooling/Reference.h"
 
 #include <algorithm>
@@ -116,32 +121,62 @@ int layerShapes(int experts, int reps, int threads) {
   std::printf("qwen3-30b-a3b tiles, %d thread%s at once, %d experts' operands each in turn, best "
               "of %d; GFLOP/s per thread\n",
               threads, threads == 1 ? "" : "s", experts, reps);
-  std::printf("  %-10s %-22s %10s %10s\n", "tile", "m x n x k", "f32", "bf16");
+  std::printf("  %-10s %-22s %10s %10s %10s\n", "tile", "m x n x k", "f32", "bf16",
+              "bf16 packed");
   std::mt19937 rng(1);
   for (const Shape &s : kLayer) {
     std::printf("  %-10s %5lld x %5lld x %5lld", s.name, (long long)s.m, (long long)s.n,
                 (long long)s.k);
+    // The weight tiles (B not transposed-A's partner: the weight gradients'
+    // B is an activation) also run on B packed beforehand.
+    const bool weightB = !s.transA;
     for (const Elt elt : {Elt::F32, Elt::BF16}) {
       std::vector<Operands> mine;
       for (int t = 0; t < threads; ++t)
         mine.push_back(makeOperands(s, elt, experts, rng));
+      const bool packable = elt == Elt::BF16 && weightB && packedTile(elt, elt);
+      // [thread][expert]: each expert's op(B) packed whole.
+      std::vector<std::vector<moec::ZeroedPages>> packed(static_cast<size_t>(threads));
+      if (packable)
+        for (int t = 0; t < threads; ++t)
+          for (int e = 0; e < experts; ++e) {
+            packed[size_t(t)].emplace_back(tile::packedBBytes(s.n, s.k, true));
+            tile::packB(s.n, s.k, mine[size_t(t)].b[size_t(e)].data(), s.ldb, s.transB, true,
+                        packed[size_t(t)].back().data());
+          }
       std::vector<Scratch> scratch(static_cast<size_t>(threads));
-      auto run = [&](int t) {
+      auto run = [&](int t, bool usePacked) {
         Operands &o = mine[size_t(t)];
         for (int e = 0; e < experts; ++e)
           gemmTile(s.m, s.n, s.k, ConstMatrix{o.a[size_t(e)].data(), elt, s.lda}, s.transA,
                    ConstMatrix{o.b[size_t(e)].data(), elt, s.ldb}, s.transB,
-                   Matrix{o.c.data(), elt, s.ldc}, false, &scratch[size_t(t)]);
+                   Matrix{o.c.data(), elt, s.ldc}, false, &scratch[size_t(t)], 1.0f, false,
+                   usePacked ? packed[size_t(t)][size_t(e)].data() : nullptr);
       };
-      const double t = bestSeconds(reps, [&] {
+      auto all = [&](bool usePacked) {
         std::vector<std::thread> others;
         for (int i = 1; i < threads; ++i)
-          others.emplace_back(run, i);
-        run(0);
+          others.emplace_back(run, i, usePacked);
+        run(0, usePacked);
         for (std::thread &x : others)
           x.join();
-      });
-      std::printf("%*s%8.1f", 3, "", 2.0 * double(s.m * s.n * s.k) * experts / t * 1e-9);
+      };
+      // Plain and packed alternate, each keeping its best.
+      double best[2] = {1e30, 1e30};
+      for (int r = 0; r < reps; ++r)
+        for (const bool usePacked : {false, true}) {
+          if (usePacked && !packable)
+            continue;
+          best[usePacked] = std::min(best[usePacked], bestSeconds(1, [&] { all(usePacked); }));
+        }
+      const double flops = 2.0 * double(s.m * s.n * s.k) * experts;
+      std::printf("%*s%8.1f", 3, "", flops / best[0] * 1e-9);
+      if (elt == Elt::BF16) {
+        if (packable)
+          std::printf("%*s%8.1f", 3, "", flops / best[1] * 1e-9);
+        else
+          std::printf("%*s%8s", 3, "", "-");
+      }
     }
     std::printf("   GFLOP/s\n");
   }

@@ -36,7 +36,7 @@ using namespace moec::tooling;
 const CommandSpec kRunSpec = {
     "run",
     "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
-    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] [--op-by-op] [--local-puts] [--timeout SECONDS] [--trace FILE] [--profile] [--workspace] [--threads N] [--repeat N] [--warmup N] [--hot-share F] [--progress | --no-progress]",
+    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] [--op-by-op] [--local-puts] [--pack-weights] [--timeout SECONDS] [--trace FILE] [--profile] [--workspace] [--threads N] [--repeat N] [--warmup N] [--hot-share F] [--progress | --no-progress]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
     "given, on the R ranks of its EP group with the CPU runtime (or, with\n"
     "--backend cuda, on one NVIDIA GPU): every rank's\n"

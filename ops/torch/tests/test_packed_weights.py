@@ -67,7 +67,9 @@ def test_optimizer_steps_give_the_bits_of_unpacked_weights(options):
 def test_writes_through_data_need_weights_changed():
     packed, plain = twins()
     data = inputs(packed, seed=1)
-    assert same(step(packed, *data), step(plain, *data))
+    # The second pass packs what the first found unchanged.
+    for _ in range(2):
+        assert same(step(packed, *data), step(plain, *data))
     if not packs(packed):
         pytest.skip("moec's bf16 tile does not run on this CPU: nothing is packed")
     for m in (packed, plain):

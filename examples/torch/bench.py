@@ -182,7 +182,9 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
                     getattr(donor, w).main_grad = getattr(layer, w).main_grad
                 setattr(layer, w, getattr(donor, w))
         elif layers:
-            layer.load_state_dict(layers["full"].state_dict(), strict=False)
+            with torch.no_grad():
+                for w in ("w1", "w2"):
+                    getattr(layer, w).copy_(getattr(layers["full"], w))
         layers[name] = layer
     for name in (v for v in variants if quantized_variant(v)):
         base, form = quantized_variant(name)

@@ -276,11 +276,12 @@ struct ContextOptions {
   std::shared_ptr<comm::Fabric> fabric;
   /// Keep the weights the passes' matmuls read (w1, w2 and the LoRA
   /// adapters, in the compute dtype) packed in the tile's layout, each packed
-  /// once, by the first tile that reads it, and again only when another
-  /// tensor is bound or after weightsChanged(): the same bits as packing
-  /// them in every tile, for the memory of a copy of each (CPU, where moec's
-  /// tile runs the product; docs/runtime.md). A host that writes a bound
-  /// weight in place must call weightsChanged() before the next pass.
+  /// by the first tile that reads it, and again only when another tensor is
+  /// bound or after weightChanged(): the same bits as packing them in every
+  /// tile, for the memory of a copy of each (CPU, where moec's tile runs the
+  /// product; docs/runtime.md says which weights a run packs). A host that
+  /// writes a bound weight in place must call weightChanged() before the
+  /// next pass.
   bool packWeights = false;
 };
 

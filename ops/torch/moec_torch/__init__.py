@@ -872,8 +872,9 @@ class MoeFFN(torch.nn.Module):
     pack_weights: keep the weights the layer's matmuls read (w1, w2 and the
     adapters) packed in the layout of moec's GEMM tile, each packed once,
     by the first tile that reads it, and again only when it changed
-    (True, the default): frozen weights are packed at the first pass and
-    never again, trained ones once per optimizer step. PyTorch counts
+    (True, the default): frozen weights are packed at the second pass and
+    never again; trained ones once per optimizer step where several tiles
+    read each part of them, else not at all. PyTorch counts
     every in-place write to a tensor (an optimizer's, a copy_ into it or a
     view of it) and the layer reads that count at each pass; a write it
     does not count, through a parameter's .data, needs weights_changed()

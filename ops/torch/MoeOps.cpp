@@ -99,6 +99,10 @@ at::ScalarType torchType(DType dtype) {
     return at::kInt;
   case DType::I64:
     return at::kLong;
+  case DType::F8E4M3:
+  case DType::I8:
+  case DType::I4:
+    break; // codes: the torch op holds them as bytes, never as this dtype
   }
   TORCH_CHECK(false, "moec: no torch type for dtype ", int(dtype));
   return at::kFloat;

@@ -1047,8 +1047,9 @@ TEST_CASE("packed weights: the bits of packing in every tile, packed again when 
     return;
   }
   // w1 and w2 packed for the forward, and again for the backward's
-  // transposed reads: at least the weights' bytes twice.
-  const uint64_t weightBytes = uint64_t(c.experts() * 3 * c.hidden * c.inter) * 2;
+  // transposed reads: at least this process's ranks' weights' bytes twice.
+  const uint64_t weightBytes =
+      uint64_t(packed->localRanks() * c.localExperts * 3 * c.hidden * c.inter) * 2;
   CHECK(packed->packedWeightBytes() >= 2 * weightBytes);
 
   // The weights written in place (every third value negated), as an

@@ -56,9 +56,10 @@ def main():
     variant = sys.argv[4] if len(sys.argv) > 4 else "full"
     tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     quantized = variant in quant.WEIGHT_FORMATS
-    options = {"full": {}, "frozen": {"frozen": True}, "main_grad": {"main_grad": True},
-               "lora": {"lora_rank": 4, "lora_alpha": 8},
-               "fp8": {"dispatch_dtype": "fp8_e4m3"}}.get(variant) or \
+    dense = {"full": {}, "frozen": {"frozen": True}, "main_grad": {"main_grad": True},
+             "lora": {"lora_rank": 4, "lora_alpha": 8},
+             "fp8": {"dispatch_dtype": "fp8_e4m3"}}
+    options = dense[variant] if variant in dense else \
         {"lora_rank": 4, "lora_alpha": 8, "weight_format": variant}
     torch.set_num_threads(1)
     cfg = {"name": "mpi-check", "hidden_size": 64, "intermediate_size": 32,

@@ -274,7 +274,7 @@ def test_fabric_errors():
            "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128, "dtype": "fp32"}
     forward, backward = moec_torch.compile_layer(cfg, 2)
     with pytest.raises(RuntimeError, match="fabric must be 'inproc' or 'mpi', got 'tcp'"):
-        torch.classes.moec.Layer(forward, backward, 1, 60.0, "tcp", False)
+        torch.classes.moec.Layer(forward, backward, 1, 60.0, "tcp", False, True)
     with pytest.raises(ValueError, match="fabric must be 'inproc' or 'mpi'"):
         moec_torch.MoeFFN(cfg, 2, fabric="tcp")
     if not moec_torch.launched_by_mpi():

@@ -18,6 +18,11 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+// GCC 12 reports the undefined vectors its own AVX-512 headers start some
+// intrinsics from (_mm512_undefined_*) as maybe uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #define MOEC_FP8_AVX2 1
 #endif
 
@@ -161,8 +166,9 @@ __attribute__((target("avx2"))) int64_t decodeAvx2(const uint8_t *codes, int64_t
 /// are its value times 2^-120 (exactly; a subnormal code is computed as its
 /// mantissa times 2^-9), so the product with `scale` is the table's, bit
 /// for bit. Returns how many it did (a multiple of 16).
-__attribute__((target("avx512f"))) int64_t decodeAvx512(const uint8_t *codes, int64_t n,
-                                                        float scale, float *values) {
+template <bool BF16>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t
+decodeAvx512(const uint8_t *codes, int64_t n, float scale, void *out) {
   const __m512 s = _mm512_set1_ps(scale), up = _mm512_set1_ps(0x1p120f),
                tiny = _mm512_set1_ps(0x1p-9f),
                nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
@@ -180,13 +186,18 @@ __attribute__((target("avx512f"))) int64_t decodeAvx512(const uint8_t *codes, in
     v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(m, magnitude), nan);
     v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v),
                                             _mm512_slli_epi32(_mm512_and_si512(c, sign), 24)));
-    _mm512_storeu_ps(values + j, _mm512_mul_ps(v, s));
+    if constexpr (BF16)
+      storeBf16x16(static_cast<uint16_t *>(out) + j, 0xFFFF, _mm512_mul_ps(v, s));
+    else
+      _mm512_storeu_ps(static_cast<float *>(out) + j, _mm512_mul_ps(v, s));
   }
   return j;
 }
 
 bool cpuHasAvx512() {
-  static const bool have = __builtin_cpu_supports("avx512f");
+  static const bool have = __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl");
   return have;
 }
 #endif
@@ -201,12 +212,30 @@ void decodeRun(const uint8_t *codes, int64_t n, float scale, float *values) {
   int64_t j = 0;
 #ifdef MOEC_FP8_AVX2
   if (cpuHasAvx512())
-    j = decodeAvx512(codes, n, scale, values);
+    j = decodeAvx512<false>(codes, n, scale, values);
   else if (cpuHasAvx2())
     j = decodeAvx2(codes, n, scale, table.data(), values);
 #endif
   for (; j < n; ++j)
     values[j] = table[codes[j]] * scale;
+}
+
+/// decodeRun into `dst` of `elt`: a bf16 value rounded once (floatToBf16),
+/// in registers with AVX-512 (the same bits).
+void decodeRunTo(const uint8_t *codes, int64_t n, float scale, void *dst, DType elt) {
+  if (elt != DType::BF16) {
+    decodeRun(codes, n, scale, static_cast<float *>(dst));
+    return;
+  }
+  const std::array<float, 256> &table = decoded();
+  uint16_t *out = static_cast<uint16_t *>(dst);
+  int64_t j = 0;
+#ifdef MOEC_FP8_AVX2
+  if (cpuHasAvx512())
+    j = decodeAvx512<true>(codes, n, scale, out);
+#endif
+  for (; j < n; ++j)
+    out[j] = floatToBf16(table[codes[j]] * scale);
 }
 } // namespace
 
@@ -293,7 +322,6 @@ void dequantizeBlocks(const uint8_t *codes, const float *scales, int64_t cols, i
                       int64_t rowEnd, int64_t colBegin, int64_t colEnd, void *dst, DType elt,
                       int64_t dstLd) {
   const int64_t B = kFp8WeightBlock, colBlocks = (cols + B - 1) / B;
-  float values[kFp8WeightBlock];
   for (int64_t i = rowBegin; i < rowEnd; ++i) {
     const uint8_t *row = codes + i * cols;
     const float *rowScales = scales + (i / B) * colBlocks;
@@ -302,8 +330,7 @@ void dequantizeBlocks(const uint8_t *codes, const float *scales, int64_t cols, i
     for (int64_t j0 = colBegin; j0 < colEnd;) {
       const int64_t j1 = std::min(colEnd, (j0 / B + 1) * B), n = j1 - j0;
       const float scale = rowScales[j0 / B];
-      decodeRun(row + j0, n, scale, values);
-      storeFloats(values, out + size_t(j0 - colBegin) * dtypeSize(elt), elt, size_t(n));
+      decodeRunTo(row + j0, n, scale, out + size_t(j0 - colBegin) * dtypeSize(elt), elt);
       j0 = j1;
     }
   }

@@ -11,6 +11,11 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+// GCC 12 reports the undefined vectors its own AVX-512 headers start some
+// intrinsics from (_mm512_undefined_*) as maybe uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #define MOEC_QUANT_AVX512 1
 #endif
 
@@ -37,38 +42,58 @@ int toCode(float q, float zero, float lo, float hi) {
   return std::isnan(code) ? 0 : int(std::clamp(code, lo, hi));
 }
 
-/// Values per decoded run: a whole int4 group, a part of an int8 row.
-constexpr int64_t kRun = 128;
+/// Where decoded values go: fp32, or bf16 rounded once (floatToBf16).
+struct Out {
+  void *base;
+  Elt elt;
+  void put(int64_t j, float value) const {
+    if (elt == Elt::BF16)
+      static_cast<uint16_t *>(base)[j] = floatToBf16(value);
+    else
+      static_cast<float *>(base)[j] = value;
+  }
+};
 
 #ifdef MOEC_QUANT_AVX512
+#define MOEC_QUANT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+
 bool avx512() {
-  static const bool have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  static const bool have = __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl");
   return have;
 }
 
-/// values[j] = codes[j] x scale, 16 at a time. Returns how many it did.
-__attribute__((target("avx512f,avx512bw"))) int64_t decodeInt8Avx512(const int8_t *codes,
-                                                                     int64_t n, float scale,
-                                                                     float *values) {
+/// Stores 16 values at element j of `out`: fp32, or rounded to bf16 in
+/// registers (the bits of Out::put).
+MOEC_QUANT_TARGET inline void store16(const Out &out, int64_t j, __m512 v) {
+  if (out.elt == Elt::BF16)
+    storeBf16x16(static_cast<uint16_t *>(out.base) + j, 0xFFFF, v);
+  else
+    _mm512_storeu_ps(static_cast<float *>(out.base) + j, v);
+}
+
+/// Value j = codes[j] x scale, 16 at a time. Returns how many it did.
+MOEC_QUANT_TARGET int64_t decodeInt8Avx512(const int8_t *codes, int64_t n, float scale,
+                                           const Out &out) {
   const __m512 s = _mm512_set1_ps(scale);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     const __m512i c =
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + j)));
-    _mm512_storeu_ps(values + j, _mm512_mul_ps(_mm512_cvtepi32_ps(c), s));
+    store16(out, j, _mm512_mul_ps(_mm512_cvtepi32_ps(c), s));
   }
   return j;
 }
 
-/// values[j] = (code j - zero) x scale for the codes of bytes[0 .. n / 2),
-/// 32 values (16 bytes) at a time. Returns how many values it did.
-__attribute__((target("avx512f,avx512bw"))) int64_t decodeInt4Avx512(const uint8_t *bytes,
-                                                                     int64_t n, float scale,
-                                                                     float zero, float *values) {
+/// Value j = (code j - zero) x scale for the codes of bytes[0 .. n / 2),
+/// 16 values (8 bytes) at a time. Returns how many values it did.
+MOEC_QUANT_TARGET int64_t decodeInt4Avx512(const uint8_t *bytes, int64_t n, float scale,
+                                           float zero, const Out &out) {
   const __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
   const __m512i low = _mm512_set1_epi32(0xF);
-  // Lane i of the 16 codes of 8 bytes: byte i / 2, its high half when i is
-  // odd.
+  // Lane 2k takes byte k's low half, lane 2k + 1 its high half (GPTQ's
+  // order: value j in byte j / 2, low half first).
   const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
   const __m512i pick = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   int64_t j = 0;
@@ -77,36 +102,40 @@ __attribute__((target("avx512f,avx512bw"))) int64_t decodeInt4Avx512(const uint8
         _mm_loadl_epi64(reinterpret_cast<const __m128i *>(bytes + j / 2)));
     const __m512i c =
         _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(pick, b), shifts), low);
-    _mm512_storeu_ps(values + j, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c), z), s));
+    store16(out, j, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c), z), s));
   }
   return j;
 }
 #endif
 
-void decodeInt8(const int8_t *codes, int64_t n, float scale, float *values) {
+/// Values [0, n) of `out` = codes[j] x scale.
+void decodeInt8(const int8_t *codes, int64_t n, float scale, const Out &out) {
   int64_t j = 0;
 #ifdef MOEC_QUANT_AVX512
   if (avx512())
-    j = decodeInt8Avx512(codes, n, scale, values);
+    j = decodeInt8Avx512(codes, n, scale, out);
 #endif
   for (; j < n; ++j)
-    values[j] = float(codes[j]) * scale;
+    out.put(j, float(codes[j]) * scale);
 }
 
-/// Values [j0, j0 + n) of a row of 4-bit codes.
+/// Values [j0, j0 + n) of a row of 4-bit codes, to out[0, n).
 void decodeInt4(const uint8_t *row, int64_t j0, int64_t n, float scale, float zero,
-                float *values) {
+                const Out &out) {
   const auto one = [&](int64_t j) {
     const uint8_t byte = row[(j0 + j) / 2];
     const int code = (j0 + j) % 2 ? byte >> 4 : byte & 0xF;
-    values[j] = (float(code) - zero) * scale;
+    out.put(j, (float(code) - zero) * scale);
   };
   int64_t j = 0;
   if (j0 % 2 == 1 && n > 0) // from an even value on, bytes hold whole pairs
     one(j++);
 #ifdef MOEC_QUANT_AVX512
-  if (avx512())
-    j += decodeInt4Avx512(row + (j0 + j) / 2, n - j, scale, zero, values + j);
+  if (avx512()) {
+    const size_t elt = dtypeSize(out.elt);
+    j += decodeInt4Avx512(row + (j0 + j) / 2, n - j, scale, zero,
+                          Out{static_cast<char *>(out.base) + size_t(j) * elt, out.elt});
+  }
 #endif
   for (; j < n; ++j)
     one(j);
@@ -194,24 +223,24 @@ void dequantize(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd, int6
                      colBegin, colEnd, dst, elt, dstLd);
     return;
   }
-  float values[kRun];
   for (int64_t i = rowBegin; i < rowEnd; ++i) {
-    char *out = static_cast<char *>(dst) + size_t((i - rowBegin) * dstLd) * dtypeSize(elt);
-    // Runs of columns under one scale (an int4 group), at most kRun long.
+    char *row = static_cast<char *>(dst) + size_t((i - rowBegin) * dstLd) * dtypeSize(elt);
+    const auto at = [&](int64_t j) {
+      return Out{row + size_t(j - colBegin) * dtypeSize(elt), elt};
+    };
+    if (m.format == WeightFormat::Int8Channel) {
+      decodeInt8(static_cast<const int8_t *>(m.codes) + i * m.cols + colBegin, colEnd - colBegin,
+                 m.scales[i], at(colBegin));
+      continue;
+    }
+    // Int4: runs of columns under one scale (a group).
     for (int64_t j0 = colBegin; j0 < colEnd;) {
-      int64_t j1 = std::min(colEnd, j0 + kRun);
-      if (m.format == WeightFormat::Int8Channel) {
-        decodeInt8(static_cast<const int8_t *>(m.codes) + i * m.cols + j0, j1 - j0, m.scales[i],
-                   values);
-      } else {
-        const int64_t g = j0 / m.group, at = i * (m.cols / m.group) + g;
-        j1 = std::min(j1, (g + 1) * m.group);
-        const float scale = m.zeroPoints ? m.scales[2 * at] : m.scales[at];
-        const float zero = m.zeroPoints ? m.scales[2 * at + 1] : 8.0f;
-        decodeInt4(static_cast<const uint8_t *>(m.codes) + i * int4Bytes(m.cols), j0, j1 - j0,
-                   scale, zero, values);
-      }
-      storeFloats(values, out + size_t(j0 - colBegin) * dtypeSize(elt), elt, size_t(j1 - j0));
+      const int64_t g = j0 / m.group, where = i * (m.cols / m.group) + g;
+      const int64_t j1 = std::min(colEnd, (g + 1) * m.group);
+      const float scale = m.zeroPoints ? m.scales[2 * where] : m.scales[where];
+      const float zero = m.zeroPoints ? m.scales[2 * where + 1] : 8.0f;
+      decodeInt4(static_cast<const uint8_t *>(m.codes) + i * int4Bytes(m.cols), j0, j1 - j0,
+                 scale, zero, at(j0));
       j0 = j1;
     }
   }

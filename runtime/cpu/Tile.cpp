@@ -2,6 +2,8 @@
 
 #include "runtime/cpu/Tile.h"
 
+#include "runtime/cpu/Element.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -220,23 +222,6 @@ step(__m512 (&acc)[MR][3], const uint32_t *panel, const __m512i (&av)[MR]) {
     }
 }
 
-/// Rounds 16 floats to bf16 bits (nearest, ties to even; NaNs quiet),
-/// the bits floatToBf16 gives (runtime/cpu/Element.h), and stores the lanes
-/// of `mask` at `out`.
-MOEC_TILE_TARGET inline void storeBf16(uint16_t *out, __mmask16 mask, __m512 value) {
-  const __m512i x = _mm512_castps_si512(value);
-  const __m512i high = _mm512_srli_epi32(x, 16);
-  const __m512i rounded = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)),
-                       _mm512_and_si512(high, _mm512_set1_epi32(1))),
-      16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-      _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
-  const __m512i r =
-      _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
-  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(r));
-}
-
 /// out[r, 0:cols) (r < MR) = (in ? in[r, 0:cols) : 0) + the sum over
 /// `units` of A's unit times the panel's, A's unit (row r, unit t) at
 /// a + r * aRow + t * aUnit (bytes). `out` is fp32, or bf16 bits with
@@ -307,9 +292,9 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     uint16_t *o = static_cast<uint16_t *>(out);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      storeBf16(o + r * ldOut, m0, acc[r][0]);
-      storeBf16(o + r * ldOut + 16, m1, acc[r][1]);
-      storeBf16(o + r * ldOut + 32, m2, acc[r][2]);
+      storeBf16x16(o + r * ldOut, m0, acc[r][0]);
+      storeBf16x16(o + r * ldOut + 16, m1, acc[r][1]);
+      storeBf16x16(o + r * ldOut + 32, m2, acc[r][2]);
     }
     return;
   }

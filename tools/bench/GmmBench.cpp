@@ -19,9 +19,15 @@
 // packed-weight store, ContextOptions::packWeights), the plain and packed
 // runs alternating.
 //
+// `gmm_bench --dequantize [reps]` times the CPU backend's dequantization of
+// a quantized weight (runtime/cpu/Quant.h) into bf16 as a forward tile of
+// the qwen3 layer asks for it: w1 stored [2I, H] = [1536, 2048], 192 rows
+// at a time, each format, one thread; nanoseconds a value, best of `reps`.
+//
 //===----------------------------------------------------------------------===//
 
 #include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Quant.h"
 #include "runtime/cpu/Peak.h"
 #include "runtime/cpu/Tile.h"
 #include "base/Memory.h"
@@ -183,9 +189,56 @@ int layerShapes(int experts, int reps, int threads) {
   return 0;
 }
 
+/// Times dequantize() into bf16 of a [1536, 2048] weight in each format,
+/// 192 rows at a time (a tile's chunk), and prints ns a value.
+int dequantizeRates(int reps) {
+  const int64_t rows = 1536, cols = 2048, chunk = 192;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.0f, 0.02f);
+  std::vector<float> w(size_t(rows * cols));
+  for (float &x : w)
+    x = dist(rng);
+  struct Format {
+    const char *name;
+    moec::WeightFormat format;
+    int64_t group;
+    bool zeroPoints;
+  };
+  const Format formats[] = {{"fp8_block128", moec::WeightFormat::Fp8Block128, 0, false},
+                            {"int8", moec::WeightFormat::Int8Channel, 0, false},
+                            {"int4_g128", moec::WeightFormat::Int4Group, 128, false},
+                            {"int4_g64_zp", moec::WeightFormat::Int4Group, 64, true},
+                            {"int4_g32", moec::WeightFormat::Int4Group, 32, false}};
+  std::vector<uint16_t> out(size_t(chunk * cols));
+  std::printf("dequantize into bf16, [%lld, %lld] weight, %lld rows at a time, one thread, best "
+              "of %d\n",
+              (long long)rows, (long long)cols, (long long)chunk, reps);
+  for (const Format &f : formats) {
+    QuantizedMatrix m;
+    m.format = f.format;
+    m.rows = rows;
+    m.cols = cols;
+    m.group = f.group;
+    m.zeroPoints = f.zeroPoints;
+    std::vector<uint8_t> codes(size_t(rows * cols));
+    std::vector<float> scales(size_t(rows * cols)); // more than any format needs
+    quantize(m, w.data(), cols, codes.data(), scales.data());
+    m.codes = codes.data();
+    m.scales = scales.data();
+    const double t = bestSeconds(reps, [&] {
+      for (int64_t r = 0; r < rows; r += chunk)
+        dequantize(m, r, r + chunk, 0, cols, out.data(), Elt::BF16, cols);
+    });
+    std::printf("  %-14s %6.3f ns a value\n", f.name, t / double(rows * cols) * 1e9);
+  }
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--dequantize")
+    return dequantizeRates(argc >= 3 ? std::max(1, std::atoi(argv[2])) : 10);
   if (argc >= 2 && std::string(argv[1]) == "--layer") {
     const int experts = argc >= 3 ? std::atoi(argv[2]) : 32;
     const int reps = argc >= 4 ? std::atoi(argv[3]) : 3;

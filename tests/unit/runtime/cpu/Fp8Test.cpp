@@ -282,4 +282,13 @@ TEST_CASE("dequantizing gives every code's table value times its scale, NaN for 
     else
       CHECK(std::memcmp(&out[size_t(j)], &want, 4) == 0); // -0.0 stays -0.0
   }
+  // Into bf16 (rounded in registers by the vector path): each value's fp32
+  // bits rounded once, NaNs and signed zeros included.
+  std::vector<uint16_t> out16(static_cast<size_t>(cols));
+  moec::cpu::dequantizeBlocks(codes.data(), scales, cols, 0, 1, 0, cols, out16.data(),
+                              moec::DType::BF16, cols);
+  for (int64_t j = 0; j < cols; ++j) {
+    INFO("code " << j % 256 << " scale " << scales[j / 128]);
+    CHECK(out16[size_t(j)] == moec::cpu::floatToBf16(out[size_t(j)]));
+  }
 }

@@ -42,13 +42,14 @@ fusing the layer saves. frozen_<format> and lora_<format> (not run by
 default) are the frozen and lora layers with their base weights quantized
 (quantize_weights) to a weight format: fp8 (FP8 e4m3 blocks,
 "fp8_block128"), int8, int4_g128, int4_g64_zp, ... (moec_torch.quant).
-Each dense variant has an "_unpacked" twin (full_unpacked, lora_unpacked,
-...): the same layer with pack_weights=False, whose tiles pack the part of
-the weights they read every time.
+Each dense variant has a "_packed" twin (frozen_packed, lora_packed, ...):
+the same layer with pack_weights=True, which keeps its weights packed in
+the GEMM tile's layout instead of packing the part each tile reads every
+time ("_unpacked" says pack_weights=False, the default, explicitly).
 
 Before each timed step every trained parameter gets an in-place write of
 its own values (x * 1), as an optimizer step would: a layer that keeps its
-weights packed (pack_weights, the default) then packs its trained weights
+weights packed (pack_weights=True) then packs its trained weights
 again each step, as in training, and only its frozen ones once.
 """
 
@@ -137,13 +138,13 @@ VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": T
 
 
 def variant_options(name):
-    """MoeFFN's options of a dense variant, "lora" or "lora_unpacked" (the
-    same with pack_weights=False), or None for another name."""
-    base, unpacked = (name[:-len("_unpacked")], True) if name.endswith("_unpacked") \
-        else (name, False)
-    if base not in VARIANTS:
-        return None
-    return dict(VARIANTS[base], pack_weights=False) if unpacked else VARIANTS[base]
+    """MoeFFN's options of a dense variant, "lora", "lora_packed" (the same
+    with pack_weights=True) or "lora_unpacked" (pack_weights=False), or None
+    for another name."""
+    for suffix, pack in (("_packed", True), ("_unpacked", False)):
+        if name.endswith(suffix) and name[:-len(suffix)] in VARIANTS:
+            return dict(VARIANTS[name[:-len(suffix)]], pack_weights=pack)
+    return VARIANTS.get(name)
 
 
 def quantized_variant(name):
@@ -164,7 +165,7 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
                and not quantized_variant(v)]
     if unknown:
         raise SystemExit(f"bench.py: unknown variants {unknown}; known: {list(VARIANTS)} (and "
-                         f"each with _unpacked: pack_weights=False), split, "
+                         f"each with _packed or _unpacked: pack_weights=True or False), split, "
                          f"frozen_<format> and lora_<format> for a format of "
                          f"{('fp8',) + quant.WEIGHT_FORMATS[1:]}")
     # The same base weights in every variant, shared (one copy per
@@ -188,9 +189,11 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
         layers[name] = layer
     for name in (v for v in variants if quantized_variant(v)):
         base, form = quantized_variant(name)
-        if base not in layers:
-            raise SystemExit(f"bench.py: variant {name} needs {base} before it")
-        layers[name] = layers[base].quantize_weights(form)
+        donor = next((layers[n] for n in layers if n.split("_")[0] == base), None)
+        if donor is None:
+            raise SystemExit(f"bench.py: variant {name} needs {base} (or {base}_packed) "
+                             "before it")
+        layers[name] = donor.quantize_weights(form)
     x, ids, weights, dy = make_inputs(layers["full"], ranks)
     exchange = moec_torch.Exchange(cfg, ranks, threads=threads)
     full = layers["full"]
@@ -241,10 +244,10 @@ def memory_one(cfg, ranks, dtype, threads, steps, variant="full"):
     base = rss_bytes()
     cfg = dict(cfg, dtype=dtype)
     base_variant, form = quantized_variant(variant) or (variant, None)
-    if base_variant not in VARIANTS:
+    options = variant_options(base_variant)
+    if options is None:
         raise SystemExit(f"bench.py: --memory-variant {variant!r} is not a variant")
-    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, weight_format=form,
-                              **VARIANTS[base_variant])
+    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, weight_format=form, **options)
     x, ids, weights, dy = make_inputs(layer, ranks)
     for _ in range(steps):
         layer.zero_grad(set_to_none=True)

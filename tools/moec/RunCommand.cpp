@@ -100,7 +100,7 @@ const CommandSpec kRunSpec = {
     "                   host. Not under MPI, and no --trace or --op-by-op\n"
     "  --pack-weights   keep the weights packed in the GEMM tile's layout, each\n"
     "                   packed by the first tile that reads it (the torch op's\n"
-    "                   default, pack_weights=True); without it every tile packs\n"
+    "                   pack_weights=True); without it every tile packs\n"
     "                   the part it reads. The same bits either way\n"
     "  --op-by-op       run the same tasks one op at a time, with a barrier over\n"
     "                   all ranks between ops (the baseline fusion is measured\n"

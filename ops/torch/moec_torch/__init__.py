@@ -869,18 +869,19 @@ class MoeFFN(torch.nn.Module):
     (dequantized_weights()). A frozen or LoRA layer only, tp=1.
     quantize_weights(weight_format) makes one from a dense layer.
 
-    pack_weights: keep the weights the layer's matmuls read (w1, w2 and the
-    adapters) packed in the layout of moec's GEMM tile, each packed once,
-    by the first tile that reads it, and again only when it changed
-    (True, the default): frozen weights are packed at the second pass and
-    never again; trained ones once per optimizer step where several tiles
-    read each part of them, else not at all. PyTorch counts
+    pack_weights: True keeps the weights the layer's matmuls read (w1, w2
+    and the adapters) packed in the layout of moec's GEMM tile, each packed
+    once, by the first tile that reads it, and again only when it changed:
+    frozen weights are packed at the second pass and never again; trained
+    ones once per optimizer step where several tiles read each part of
+    them, else not at all. Off by default: it buys a frozen layer's step
+    about 7% for two more copies of its frozen weights' bytes
+    (docs/performance.md). PyTorch counts
     every in-place write to a tensor (an optimizer's, a copy_ into it or a
     view of it) and the layer reads that count at each pass; a write it
     does not count, through a parameter's .data, needs weights_changed()
-    before the next pass. Costs a copy of each packed weight (and, for
-    the backward's transposed reads, another: docs/performance.md); the
-    outputs are the same bits as with False. Only where moec's tile runs
+    before the next pass. The outputs are the same bits as with False.
+    Only where moec's tile runs
     the product (bf16 on a CPU with avx512_bf16; quantized base weights
     are not packed).
 
@@ -898,7 +899,7 @@ class MoeFFN(torch.nn.Module):
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
                  lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False,
                  dispatch_dtype=None, init_weights=True, weights_transposed=False,
-                 weight_format=None, pack_weights=True):
+                 weight_format=None, pack_weights=False):
         super().__init__()
         load_library()
         arg = "MoeFFN: argument "

@@ -1,4 +1,4 @@
-"""MoeFFN(pack_weights=True), the default: the weights packed once in the
+"""MoeFFN(pack_weights=True): the weights packed once in the
 GEMM tile's layout give the bits of packing them in every tile, through
 optimizer steps (PyTorch's version counters say which weight changed), a
 parameter replaced, and writes through .data with weights_changed()."""
@@ -23,7 +23,7 @@ def twins(**options):
     48-column panels unevenly."""
     cfg = config(experts=4, top_k=2, hidden=301, inter=70, tokens=48, dtype="bf16")
     torch.manual_seed(3)
-    packed = moec_torch.MoeFFN(cfg, 2, threads=2, **options)
+    packed = moec_torch.MoeFFN(cfg, 2, threads=2, pack_weights=True, **options)
     plain = moec_torch.MoeFFN(cfg, 2, threads=2, pack_weights=False, **options)
     if packed.lora_rank:
         randomize_adapters(packed, 5)

@@ -343,7 +343,7 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
     w2; lora_alpha defaults to lora_rank); the experts' base weights are then
     frozen. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
     capacity_policy, timeout_seconds, fabric, target, check_finite, trace,
-    weight_format). With a weight_format (frozen or LoRA; quant.WEIGHT_FORMATS)
+    weight_format, pack_weights). With a weight_format (frozen or LoRA; quant.WEIGHT_FORMATS)
     the experts are held quantized: "fp8_block128" as FP8 e4m3 codes with a
     scale per 128 x 128 block, for which load_experts copies an FP8
     checkpoint's weight and weight_scale_inv as they are; "int8" and

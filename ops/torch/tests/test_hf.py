@@ -675,3 +675,28 @@ def test_adapter_and_checkpoint_error_paths(tmp_path):
     with pytest.raises(ValueError, match=r"'w_scale_inv': the scales have shape \[1, 2\]; codes "
                                          r"of shape \[130, 200\] in 128x128 blocks need \[2, 2\]"):
         mhf._dequantize_fp8(codes, torch.ones(1, 2), "w")
+
+
+def test_pack_weights_reaches_the_layers_and_keeps_the_bits():
+    """patch_model(pack_weights=True) hands it to every block's layer, whose
+    logits and input gradients are then the bits of the unpacked layer's,
+    over two steps (the second reads the frozen base packed)."""
+    ref = make_model("qwen3_moe", "modules", torch.bfloat16)
+    packed, plain = copy.deepcopy(ref), copy.deepcopy(ref)
+    torch.manual_seed(5)  # the adapters' A is drawn: the same in both
+    mhf.patch_model(packed, ranks=2, threads=1, lora_rank=2, lora_alpha=4, pack_weights=True)
+    torch.manual_seed(5)
+    mhf.patch_model(plain, ranks=2, threads=1, lora_rank=2, lora_alpha=4)
+    assert all(e.layer.pack_weights for _, _, e in mhf._patched(packed))
+    assert not any(e.layer.pack_weights for _, _, e in mhf._patched(plain))
+    ids = tokens()
+    for _ in range(2):
+        outs = [m(ids).logits for m in (packed, plain)]
+        assert torch.equal(outs[0], outs[1])
+        g = torch.randn_like(outs[1])
+        for out in outs:
+            out.backward(g)
+    grads = [[p.grad for n, p in m.named_parameters() if p.grad is not None]
+             for m in (packed, plain)]
+    assert len(grads[0]) == len(grads[1]) > 0
+    assert all(torch.equal(x, y) for x, y in zip(*grads))

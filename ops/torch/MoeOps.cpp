@@ -355,6 +355,7 @@ public:
     moec::rt::ContextOptions options = contextOptions(workers, timeoutSeconds, fabric);
     options.trace = trace;
     options.packWeights = packWeights;
+    this->packWeights = packWeights;
     check(moec::rt::Context::create(fwd, bwd, options, &slot->context), "context");
     if (fabric == "mpi") {
       std::lock_guard<std::mutex> lock(mpiSlotsMutex);
@@ -837,6 +838,8 @@ private:
   /// Tells the runtime which weights changed since the last pass: a weight
   /// whose tensor or version is not the one last seen is packed again.
   void noteWeights(const Inputs &in) {
+    if (!packWeights)
+      return; // nothing is packed to go stale
     std::vector<std::pair<std::string, const at::Tensor *>> weights{{"w1", &in.w1},
                                                                     {"w2", &in.w2}};
     const std::vector<std::string> names = adapterNames();
@@ -897,6 +900,7 @@ private:
   }
 
   std::shared_ptr<Slot> slot = std::make_shared<Slot>();
+  bool packWeights = false;          ///< ContextOptions::packWeights
   std::map<std::string, Seen> seen; ///< per weight: as the last pass bound it
   int64_t passes = 0;  ///< forward passes run
   int64_t step = -1;   ///< the pass whose state the runtime holds; -1: none

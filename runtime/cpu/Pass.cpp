@@ -90,9 +90,7 @@ struct Pass::PackedWeight {
 
 namespace {
 constexpr int kUnpacked = 0, kPacking = 1, kPacked = 2;
-} // namespace
 
-namespace {
 /// The row stride of a quantized weight's dequantized part of n columns: K for
 /// a transposed B ([n, K]), else n; padded off a multiple of 1 KiB, whose
 /// rows would fall into a few cache sets as the GEMM packs them.
@@ -145,9 +143,6 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
   }
   pass->data.assign(program.ranks(), std::vector<void *>(program.slots.size(), nullptr));
   pass->packed.resize(program.ops.size());
-  pass->packedFrom.resize(program.ops.size());
-  pass->packNow.resize(program.ops.size());
-  pass->packedGeneration.assign(program.ops.size(), 0);
   pass->slotGeneration.assign(program.slots.size(), 0);
   pass->sendRows.assign(program.ranks(), 0);
   pass->windowOf.assign(program.slots.size(), nullptr);
@@ -508,33 +503,33 @@ void Pass::preparePackedWeights() {
     if (!ops[o].packable)
       continue;
     const TilingRecord &t = *ops[o].tiling;
+    PackedOp &op = packed[o];
     const uint64_t generation = slotGeneration[t.inputSlots[1]];
-    const bool stale = packedGeneration[o] != generation;
-    packedGeneration[o] = generation;
+    const bool stale = op.generation != generation;
+    op.generation = generation;
     // Several tiles of a run read each cell (row tiles, peer groups).
     const bool shared = uint64_t(t.rowTiles) * t.peers > 1;
     const size_t cells = size_t(t.experts) * t.colTiles;
-    packed[o].resize(data.size());
-    packedFrom[o].resize(data.size(), nullptr);
-    packNow[o].resize(data.size(), 0);
+    op.ranks.resize(data.size());
     for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r) {
+      PackedRank &rank = op.ranks[r];
       const void *from = data[r][t.inputSlots[1]];
-      const bool changed = !packed[o][r] || from != packedFrom[o][r] || stale;
+      const bool changed = !rank.cells || from != rank.from || stale;
       // A weight new to this pass, or changed since its last run, that one
       // tile of the run reads is read as it is: packing it would cost a
       // pass over it that no other tile pays back, and a trained weight
       // changes every step. One unchanged since the last run (a frozen
       // one) is packed.
-      packNow[o][r] = !changed || shared;
+      rank.now = !changed || shared;
       if (!changed)
         continue;
-      if (!packed[o][r]) {
-        packed[o][r] = std::make_unique<PackedWeight[]>(cells);
+      if (!rank.cells) {
+        rank.cells = std::make_unique<PackedWeight[]>(cells);
       } else {
         for (size_t c = 0; c < cells; ++c)
-          packed[o][r][c].state.store(kUnpacked, std::memory_order_relaxed);
+          rank.cells[c].state.store(kUnpacked, std::memory_order_relaxed);
       }
-      packedFrom[o][r] = from;
+      rank.from = from;
     }
   }
 }
@@ -542,10 +537,10 @@ void Pass::preparePackedWeights() {
 const void *Pass::packedWeight(uint32_t opIndex, uint32_t rank, const format::TileCoord &tile,
                                ConstMatrix b, int64_t depth) {
   const OpInfo &op = ops[opIndex];
-  if (!op.packable || !packNow[opIndex][rank])
+  if (!op.packable || !packed[opIndex].ranks[rank].now)
     return nullptr;
   PackedWeight &cell =
-      packed[opIndex][rank][size_t(tile.expert) * op.tiling->colTiles + tile.colTile];
+      packed[opIndex].ranks[rank].cells[size_t(tile.expert) * op.tiling->colTiles + tile.colTile];
   int state = cell.state.load(std::memory_order_acquire);
   if (state == kPacked)
     return cell.pages.data();

@@ -162,14 +162,20 @@ private:
   std::unique_ptr<Scratch[]> weightScratch;
   std::unique_ptr<exec::ThreadTeam> team; ///< the loops outside the task queues
   std::vector<OpInfo> ops;
-  /// The packed-weight store: [op][rank] cells (expert-major, then column
-  /// tile), the memory each rank's cells were packed from, and per op the
-  /// generation of its B slot they hold (slotGeneration counts each slot's
-  /// weightChanged calls).
-  std::vector<std::vector<std::unique_ptr<PackedWeight[]>>> packed;
-  std::vector<std::vector<const void *>> packedFrom;
-  std::vector<std::vector<char>> packNow; ///< [op][rank]: this run packs (and reads) cells
-  std::vector<uint64_t> packedGeneration, slotGeneration;
+  /// A local rank's cells of an op (expert-major, then column tile), the
+  /// memory they were packed from, and whether this run packs and reads them.
+  struct PackedRank {
+    std::unique_ptr<PackedWeight[]> cells;
+    const void *from = nullptr;
+    bool now = false;
+  };
+  /// An op's store: per rank, and the generation of its B slot it holds.
+  struct PackedOp {
+    std::vector<PackedRank> ranks;
+    uint64_t generation = 0;
+  };
+  std::vector<PackedOp> packed;        ///< per op (empty unless packable)
+  std::vector<uint64_t> slotGeneration; ///< per slot: its weightChanged calls
   std::atomic<size_t> packedBytes{0};
   std::vector<std::vector<void *>> data; ///< [rank][slot]
   /// Per rank: the rows to send this pass (tokens * top-k), set by

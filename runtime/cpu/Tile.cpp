@@ -436,10 +436,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       // here. (A transposed op(B) packed by the calls, 16 units of its 48
       // rows at a time by transposes, was not faster.)
       const bool packInCall = bf16 && !transB && !prepacked;
-      if (prepacked) {
-      } else if (transB)
+      // (A B packed beforehand is read where packB put it.)
+      if (!prepacked && transB)
         packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels, kBlockUnits * kPanel);
-      else if (!packInCall)
+      else if (!prepacked && !packInCall)
         packRows(bGroup, ldb, p0, p1, nb, bf16, panels, kPanel, kPanel, kBlockUnits * kPanel);
       // A's unit (row i0 + r, unit t) of this block lies at
       // aRows(i0) + r * aRow + t * aUnit bytes.

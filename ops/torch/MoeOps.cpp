@@ -49,6 +49,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "ops/torch/GroupFabric.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
 #include "runtime/cpu/Fp8.h"
@@ -324,22 +325,46 @@ c10::Dict<std::string, int64_t> shapeInfo(const moec::rt::LayerShape &s, uint32_
   return d;
 }
 
+/// The fabric of a context or an exchange and what it runs over: "inproc",
+/// "mpi", or "group" with a torch.distributed group's c10d::ProcessGroup
+/// (`group`, from moec_process_group, a reference this takes over) and
+/// that group's timeout.
+struct FabricChoice {
+  std::string name;
+  int64_t group = 0;
+  double groupTimeoutSeconds = 0;
+};
+
 /// The options of a context or an exchange, checked, with its fabric.
 moec::rt::ContextOptions contextOptions(int64_t workers, double timeoutSeconds,
-                                        const std::string &fabric) {
+                                        const FabricChoice &fabric) {
+  // Taken over first, so that no check below leaks the reference.
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  if (fabric.group != 0)
+    group = c10::intrusive_ptr<c10d::ProcessGroup>::reclaim(
+        reinterpret_cast<c10d::ProcessGroup *>(fabric.group));
   TORCH_CHECK(workers >= 0 && workers <= kMaxWorkers, "moec: workers must be 0 (the hardware "
               "threads) to ", kMaxWorkers, ", got ", workers);
   TORCH_CHECK(std::isfinite(timeoutSeconds) && timeoutSeconds > 0,
               "moec: timeout_seconds must be a positive number of seconds, got ", timeoutSeconds);
-  TORCH_CHECK(fabric == "inproc" || fabric == "mpi", "moec: fabric must be 'inproc' or 'mpi', got '",
-              fabric, "'");
+  TORCH_CHECK(fabric.name == "inproc" || fabric.name == "mpi" || fabric.name == "group",
+              "moec: fabric must be 'inproc', 'mpi' or 'group', got '", fabric.name, "'");
+  TORCH_CHECK((fabric.name == "group") == bool(group),
+              "moec: the fabric 'group' takes a process group, and only it");
   moec::rt::ContextOptions options;
   options.workers = uint32_t(workers);
   options.timeoutSeconds = timeoutSeconds;
-  if (fabric == "mpi") {
+  if (fabric.name == "mpi") {
     moec::comm::MpiOptions mpi;
     mpi.timeoutSeconds = timeoutSeconds;
     check(moec::comm::createMpiFabric(&options.fabric, mpi), "MPI fabric");
+  } else if (fabric.name == "group") {
+    TORCH_CHECK(std::isfinite(fabric.groupTimeoutSeconds) && fabric.groupTimeoutSeconds > 0,
+                "moec: the process group's timeout must be positive, got ",
+                fabric.groupTimeoutSeconds);
+    check(moec::torchop::groupFabric(group, timeoutSeconds, fabric.groupTimeoutSeconds,
+                                     &options.fabric),
+          "process-group fabric");
   }
   return options;
 }
@@ -347,12 +372,14 @@ moec::rt::ContextOptions contextOptions(int64_t workers, double timeoutSeconds,
 class Layer : public torch::CustomClassHolder {
 public:
   Layer(std::string forwardPath, std::string backwardPath, int64_t workers,
-        double timeoutSeconds, std::string fabric, bool trace, bool packWeights) {
+        double timeoutSeconds, std::string fabric, bool trace, bool packWeights, int64_t group,
+        double groupTimeoutSeconds) {
+    moec::rt::ContextOptions options =
+        contextOptions(workers, timeoutSeconds, {fabric, group, groupTimeoutSeconds});
     std::shared_ptr<const moec::rt::Program> fwd, bwd;
     check(moec::rt::Program::load(forwardPath, &fwd), "forward binary");
     if (!backwardPath.empty())
       check(moec::rt::Program::load(backwardPath, &bwd), "backward binary");
-    moec::rt::ContextOptions options = contextOptions(workers, timeoutSeconds, fabric);
     options.trace = trace;
     options.packWeights = packWeights;
     this->packWeights = packWeights;
@@ -926,11 +953,12 @@ private:
 class Exchange : public torch::CustomClassHolder {
 public:
   Exchange(std::string dispatchPath, std::string combinePath, int64_t workers,
-           double timeoutSeconds, std::string fabric) {
+           double timeoutSeconds, std::string fabric, int64_t group, double groupTimeoutSeconds) {
+    moec::rt::ContextOptions options =
+        contextOptions(workers, timeoutSeconds, {fabric, group, groupTimeoutSeconds});
     std::shared_ptr<const moec::rt::Program> dispatch, combine;
     check(moec::rt::Program::load(dispatchPath, &dispatch), "dispatch binary");
     check(moec::rt::Program::load(combinePath, &combine), "combine binary");
-    moec::rt::ContextOptions options = contextOptions(workers, timeoutSeconds, fabric);
     check(moec::rt::Exchange::create(dispatch, combine, options, &slot->exchange), "exchange");
     if (fabric == "mpi") {
       std::lock_guard<std::mutex> lock(mpiSlotsMutex);
@@ -1151,6 +1179,10 @@ void finalizeMpiOp() {
   moec::comm::finalizeMpi();
 }
 
+/// Ends the process-group fabrics (moec::torchop::closeGroupFabrics).
+/// Collective over each group: every rank calls it once, at the end.
+void closeGroupsOp(double seconds) { moec::torchop::closeGroupFabrics(seconds); }
+
 /// The header of the open safetensors file `fd` of `file_bytes` bytes,
 /// checked (moec::safetensors::readHeader), as normalized JSON for
 /// moec_torch.safetensors, which maps the data area itself; the checker's
@@ -1202,7 +1234,8 @@ std::string safetensorsParseHeaderOp(const at::Tensor &header, int64_t dataBytes
 
 TORCH_LIBRARY(moec, m) {
   m.class_<Layer>("Layer")
-      .def(torch::init<std::string, std::string, int64_t, double, std::string, bool, bool>())
+      .def(torch::init<std::string, std::string, int64_t, double, std::string, bool, bool, int64_t,
+                       double>())
       .def("info", &Layer::info)
       .def("weights_changed", &Layer::weightsChanged)
       .def("write_trace", &Layer::writeTrace)
@@ -1219,7 +1252,7 @@ TORCH_LIBRARY(moec, m) {
       .def("ready", &Layer::ready)
       .def("pending", &Layer::pending);
   m.class_<Exchange>("Exchange")
-      .def(torch::init<std::string, std::string, int64_t, double, std::string>())
+      .def(torch::init<std::string, std::string, int64_t, double, std::string, int64_t, double>())
       .def("info", &Exchange::info)
       .def("dispatch", &Exchange::dispatch)
       .def("combine", &Exchange::combine)
@@ -1235,6 +1268,7 @@ TORCH_LIBRARY(moec, m) {
         "(Tensor, Tensor, Tensor?, Tensor?, Tensor[])",
         backwardOp);
   m.def("finalize_mpi() -> ()", finalizeMpiOp);
+  m.def("close_groups(float seconds) -> ()", closeGroupsOp);
   m.def("safetensors_read_header(int fd, int file_bytes) -> str", safetensorsReadHeaderOp);
   m.def("safetensors_parse_header(Tensor header, int data_bytes) -> str", safetensorsParseHeaderOp);
   m.def("quantize_fp8_blocks(Tensor w) -> (Tensor, Tensor)", quantizeFp8BlocksOp);

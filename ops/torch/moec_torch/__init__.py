@@ -58,7 +58,7 @@ from .native import compile, dump, load_trace, simulate_trace
 
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
            "MoeFFN", "MoeFFNFunction", "checks", "compile", "compile_graphs",
-           "compile_layer", "dump", "finalize_mpi", "launched_by_mpi", "load_library",
+           "compile_layer", "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "load_library",
            "load_trace", "native", "quant", "reference", "safetensors", "simulate_trace"]
 
 
@@ -94,28 +94,83 @@ def _world_size():
 
 
 _finalize_registered = False
+_groups_registered = False
 
 
-def _group(fabric, ranks, who):
-    """The fabric ("inproc" or "mpi"; default "mpi" under mpirun) and the EP
-    group's size (default under MPI: the processes)."""
-    fabric = fabric or ("mpi" if launched_by_mpi() else "inproc")
-    if fabric not in ("inproc", "mpi"):
-        raise ValueError(f"moec: fabric must be 'inproc' or 'mpi', got {fabric!r}")
+def _distributed():
+    """True when torch.distributed is initialized in this process."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
+def _fabric(fabric, group, ranks, tp, who):
+    """(fabric, ranks, group): the fabric ("inproc", "mpi" or "group"), the
+    EP group's size and the torch.distributed group the ranks are (for
+    "group"). Default: "mpi" when mpirun started the process, else "group"
+    over the world group when torch.distributed is initialized, else
+    "inproc". Under "mpi" and "group" the ranks default to the processes
+    (the group's size) over tp; one process runs one rank of the [ep, tp]
+    mesh, rank r of the group the mesh's rank r (ep rank r // tp, tp rank
+    r % tp)."""
+    if group is not None:
+        if fabric not in (None, "group"):
+            raise ValueError(f"moec: {who}: group= runs the ranks over a torch.distributed "
+                             f"group, and fabric={fabric!r} says otherwise (leave it out, or "
+                             "pass fabric='group')")
+        fabric = "group"
+    if fabric is None:
+        fabric = "mpi" if launched_by_mpi() else "group" if _distributed() else "inproc"
+    if fabric not in ("inproc", "mpi", "group"):
+        raise ValueError(f"moec: fabric must be 'inproc', 'mpi' or 'group', got {fabric!r}")
+    processes = None
+    if fabric == "mpi":
+        processes = _world_size() if ranks is None else None
+    elif fabric == "group":
+        import torch.distributed as dist
+        if group is None:
+            if not _distributed():
+                raise ValueError(f"moec: {who}: fabric='group' needs torch.distributed "
+                                 "initialized (torch.distributed.init_process_group, as "
+                                 "torchrun's scripts do) or group=")
+            group = dist.group.WORLD
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"moec: {who}: group must be a torch.distributed process group "
+                            f"(torch.distributed.new_group, or group.WORLD), got "
+                            f"{type(group).__name__}")
+        processes = group.size()
+        if ranks is not None and ranks * tp != processes:
+            raise ValueError(f"moec: {who}: ranks={ranks} with tp={tp} is a mesh of "
+                             f"{ranks * tp} ranks, and the group has {processes} processes "
+                             "(one rank each)")
     if ranks is None:
-        if fabric != "mpi":
+        if processes is None:
             raise ValueError(f"moec: {who} needs ranks= (the EP group's size)")
-        ranks = _world_size()
-    return fabric, checks.integer(ranks, f"{who}: argument 'ranks'", minimum=1)
+        if processes % tp:
+            raise ValueError(f"moec: {processes} processes do not make an [ep, tp] mesh with "
+                             f"tp={tp} (ep * tp processes are needed)")
+        ranks = processes // tp
+    return fabric, checks.integer(ranks, f"{who}: argument 'ranks'", minimum=1), group
+
+
+def _fabric_args(fabric, group):
+    """The constructor arguments that name the fabric's group: its handle
+    and timeout (native.group_handle) for "group", else none."""
+    if fabric != "group":
+        return 0, 0.0
+    return native.group_handle(group)
 
 
 def _register_finalize(fabric):
-    """Runs finalize_mpi at exit once an MPI runtime object exists; called
+    """Runs finalize_mpi at exit once an MPI runtime object exists, and
+    close_groups once one over a torch.distributed group does; called
     before creating one, whose construction may start MPI and then fail."""
-    global _finalize_registered
+    global _finalize_registered, _groups_registered
     if fabric == "mpi" and not _finalize_registered:
         atexit.register(finalize_mpi)
         _finalize_registered = True
+    if fabric == "group" and not _groups_registered:
+        atexit.register(close_groups)
+        _groups_registered = True
 
 
 def finalize_mpi():
@@ -124,6 +179,16 @@ def finalize_mpi():
     passes after. Registered to run at exit once an MPI layer exists."""
     if _loaded:
         torch.ops.moec.finalize_mpi()
+
+
+def close_groups(seconds=10.0):
+    """Ends moec's fabrics over torch.distributed groups: tells every peer
+    and waits at most `seconds` for theirs (collectively: every rank calls
+    this once, at the end, before torch.distributed.destroy_process_group).
+    Layers over a group fail their passes after. Registered to run at exit
+    once such a layer exists."""
+    if _loaded:
+        torch.ops.moec.close_groups(float(seconds))
 
 
 def compile_graphs(config, ranks, graphs, target="cpu", granularity="per-tile-range",
@@ -899,7 +964,7 @@ class MoeFFN(torch.nn.Module):
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
                  lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False,
                  dispatch_dtype=None, init_weights=True, weights_transposed=False,
-                 weight_format=None, pack_weights=False):
+                 weight_format=None, pack_weights=False, group=None):
         super().__init__()
         load_library()
         arg = "MoeFFN: argument "
@@ -927,14 +992,7 @@ class MoeFFN(torch.nn.Module):
         self._target_file = checks.target_file(target)
         tp = checks.integer(tp, arg + "'tp'", minimum=1) if tp is not None else \
             checks.integer(cfg.get("tp", 1), "moec: config key 'tp'", minimum=1)
-        fabric = fabric or ("mpi" if launched_by_mpi() else "inproc")
-        if ranks is None and fabric == "mpi":
-            world = _world_size()
-            if world % tp:
-                raise ValueError(f"moec: {world} MPI processes do not make an [ep, tp] mesh "
-                                 f"with tp={tp} (ep * tp processes are needed)")
-            ranks = world // tp
-        fabric, ranks = _group(fabric, ranks, "MoeFFN")
+        fabric, ranks, group = _fabric(fabric, group, ranks, tp, "MoeFFN")
         if tp > 1 and lora_rank:
             raise ValueError("moec: LoRA adapters are not supported with tensor parallelism "
                              f"(tp={tp}): their rank-r products would need a TP reduction of "
@@ -1003,6 +1061,7 @@ class MoeFFN(torch.nn.Module):
         self.frozen = bool(frozen)
         self.main_grad = bool(main_grad)
         self._build = (threads, timeout_seconds, target, granularity, fabric, trace)
+        self.group = group
         self.pack_weights = pack_weights
         _register_finalize(fabric)
 
@@ -1026,7 +1085,7 @@ class MoeFFN(torch.nn.Module):
         self.fabric = fabric
         # Ranks in other processes (MPI): what the binaries do not carry is
         # agreed through the fabric's bounded exchange.
-        self._collective = fabric == "mpi" and info["local_ranks"] < info["ranks"]
+        self._collective = fabric in ("mpi", "group") and info["local_ranks"] < info["ranks"]
         if self._collective:
             self._agree_options({"capacity_policy": capacity_policy})
         # EP ranks; the runtime's ranks are the [ep, tp] mesh's.
@@ -1145,7 +1204,7 @@ class MoeFFN(torch.nn.Module):
             else dict(frozen=True)
         layer = MoeFFN(config, self.ranks, tp=self.tp, threads=threads, target=target,
                        granularity=granularity, timeout_seconds=timeout, fabric=fabric,
-                       capacity_policy=self.capacity_policy, check_finite=self.check_finite,
+                       group=self.group, capacity_policy=self.capacity_policy, check_finite=self.check_finite,
                        trace=trace, init_weights=False, weight_format=weight_format,
                        pack_weights=self.pack_weights, **options)
         with torch.no_grad():
@@ -1499,7 +1558,7 @@ class MoeFFN(torch.nn.Module):
     def _runtime_layer(self, forward, backward):
         threads, timeout, _, _, fabric, trace = self._build
         layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric, trace,
-                                         self.pack_weights)
+                                         self.pack_weights, *_fabric_args(fabric, self.group))
         self._made = (forward, backward)
         return layer
 
@@ -1883,20 +1942,21 @@ class Exchange:
     ("moec over capacity: ..."): raise capacity_factor in the config."""
 
     def __init__(self, config, ranks=None, *, threads=0, target="cpu",
-                 granularity="per-tile-range", timeout_seconds=60.0, fabric=None):
+                 granularity="per-tile-range", timeout_seconds=60.0, fabric=None, group=None):
         load_library()
         threads = checks.integer(threads, "Exchange: argument 'threads'", minimum=0,
                                  maximum=1024)
         timeout_seconds = checks.seconds(timeout_seconds,
                                          "Exchange: argument 'timeout_seconds'")
-        fabric, ranks = _group(fabric, ranks, "Exchange")
+        fabric, ranks, group = _fabric(fabric, group, ranks, 1, "Exchange")
         cfg = checks.read_config(config)
         _register_finalize(fabric)
         self.runtime = _from_cache(
             lambda fresh: compile_graphs(cfg, ranks, ["moe_dispatch.json", "moe_combine.json"],
                                          target, granularity, fresh),
             lambda dispatch, combine: torch.classes.moec.Exchange(
-                dispatch, combine, threads, timeout_seconds, fabric))
+                dispatch, combine, threads, timeout_seconds, fabric,
+                *_fabric_args(fabric, group)))
         info = self.runtime.info()
         self.fabric = fabric
         self.ranks = info["ranks"]

@@ -333,8 +333,8 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
     """Replaces the routed experts of every MoE block of `model` with a moec
     layer, in place, and returns the names of the blocks it replaced.
 
-    ranks: the EP group's size (default 1 in one process; under mpirun, the
-    processes); threads: the runtime's workers per block (0: the hardware
+    ranks: the EP group's size (default 1 in one process; under mpirun or
+    over a torch.distributed group, the processes); threads: the runtime's workers per block (0: the hardware
     threads); dtype: the layer's (default the experts' weights', float32 or
     bfloat16); tokens_per_rank: the capacity compiled first (it grows with
     the batches). lora_rank, lora_alpha, lora_targets: LoRA adapters as PEFT
@@ -342,7 +342,7 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
     names, default all three: gate_proj, up_proj, down_proj, Mixtral w1, w3,
     w2; lora_alpha defaults to lora_rank); the experts' base weights are then
     frozen. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
-    capacity_policy, timeout_seconds, fabric, target, check_finite, trace,
+    capacity_policy, timeout_seconds, fabric, group, target, check_finite, trace,
     weight_format, pack_weights). With a weight_format (frozen or LoRA; quant.WEIGHT_FORMATS)
     the experts are held quantized: "fp8_block128" as FP8 e4m3 codes with a
     scale per 128 x 128 block, for which load_experts copies an FP8
@@ -370,11 +370,16 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
     alpha = checks.number(lora_alpha, "patch_model: argument 'lora_alpha'") \
         if lora_alpha is not None else float(lora_rank)
-    from . import MoeFFN, _world_size, launched_by_mpi  # the package imports this lazily
-    if ranks is None and not launched_by_mpi() and options.get("fabric") != "mpi":
-        ranks = 1
-    group = checks.integer(ranks, "patch_model: argument 'ranks'", minimum=1) \
-        if ranks is not None else _world_size()
+    from . import MoeFFN, _distributed, _fabric, launched_by_mpi  # imported lazily
+    fabric = options.get("fabric")
+    if ranks is None:
+        # The processes under mpirun or over a torch.distributed group,
+        # else 1.
+        spread = launched_by_mpi() or fabric in ("mpi", "group") or \
+            options.get("group") is not None or (fabric is None and _distributed())
+        ranks = _fabric(fabric, options.get("group"), None, options.get("tp", 1),
+                        "patch_model")[1] if spread else 1
+    group = checks.integer(ranks, "patch_model: argument 'ranks'", minimum=1)
     # Check every block before changing any.
     plans = []
     for name, block, family in blocks:

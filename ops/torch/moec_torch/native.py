@@ -57,6 +57,27 @@ def graphs_dir():
 
 _lib = None
 _lock = threading.Lock()
+_group_lib = None
+
+
+def group_handle(group):
+    """The c10d::ProcessGroup behind the torch.distributed group `group`,
+    as an integer that a Layer or Exchange constructor takes over (one more
+    reference of the C++ group; pass it to exactly one constructor), and the
+    group's own timeout in seconds. TypeError when `group` is not one."""
+    global _group_lib
+    with _lock:
+        if _group_lib is None:
+            # PyDLL: the call keeps the GIL (it reads a Python object) and
+            # raises the Python error it sets.
+            _group_lib = ctypes.PyDLL(str(op_library_path()))
+            _group_lib.moec_process_group.argtypes = [ctypes.py_object]
+            _group_lib.moec_process_group.restype = ctypes.c_void_p
+    handle = _group_lib.moec_process_group(group)
+    options = getattr(group, "options", None)
+    timeout = getattr(options, "_timeout", None)
+    seconds = timeout.total_seconds() if timeout is not None else 1800.0
+    return handle, seconds
 
 
 def _library():

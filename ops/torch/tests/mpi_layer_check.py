@@ -1,8 +1,9 @@
-"""Run under mpirun (by test_mpi.py): the moec op with one rank per process.
+"""Run under mpirun or torchrun (by test_mpi.py, test_torchrun.py): the moec
+op with one rank per process, on the MPI fabric or over torch.distributed.
 
 Every process draws the same global inputs from a seed and keeps its rank's
 share: x, topk_ids, topk_weights [S, ...] and its L experts' w1, w2. It runs
-forward and backward with MoeFFN(fabric="mpi") and checks its outputs:
+forward and backward with MoeFFN(fabric="mpi" or "group") and checks its outputs:
 
   - against plain PyTorch autograd (moec_torch.reference) in float64 on the
     global inputs, its rank's slice, within 1e-4 (fp32) or 3e-2 (bf16) of
@@ -14,6 +15,8 @@ Then the same forward and backward through submit_forward / submit_backward
 (bit for bit), and checkpoints (check_checkpoints). Prints "rank r: ok ..." and exits 0, or says what differs and exits 1.
 
     mpirun -np R python3 mpi_layer_check.py [fp32|bf16] [SEED] [HOT] [VARIANT] [TP]
+    torchrun --nproc_per_node R --tee 2 --redirects 2 --log_dir DIR \
+        mpi_layer_check.py [...]
 
 VARIANT: full (the default); frozen (frozen=True: no weight gradients);
 main_grad (main_grad=True: the weight gradients of two steps accumulated in
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+import launcher
 import moec_torch
 from moec_torch import quant, reference
 
@@ -68,8 +72,8 @@ def main():
     if quantized:
         cfg.update(hidden_size=256, intermediate_size=128)
     torch.manual_seed(seed)
-    layer = moec_torch.MoeFFN(dict(cfg, num_experts=2 * moec_torch._world_size() // tp),
-                              tp=tp, threads=1, fabric="mpi", **options)
+    layer = moec_torch.MoeFFN(dict(cfg, num_experts=2 * launcher.processes() // tp),
+                              tp=tp, threads=1, fabric=launcher.fabric(), **options)
     R, r, L, S = layer.ranks, layer.first_rank, layer.local_experts, layer.tokens
     E, H = layer.experts, layer.hidden
     torch.manual_seed(seed)
@@ -177,7 +181,7 @@ def main():
         return 1
     print(f"rank {me}: ok: bitwise equal to the one-process op; against PyTorch autograd: {text}; "
           "checkpoints round-trip", flush=True)
-    moec_torch.finalize_mpi()
+    launcher.finish()
     return 0
 
 
@@ -192,7 +196,8 @@ def check_checkpoints(layer, single, cfg, options, seed, share):
 
     def fresh():
         torch.manual_seed(seed + 11)  # other initial weights
-        return moec_torch.MoeFFN(cfg, tp=layer.tp, threads=1, fabric="mpi", **options)
+        return moec_torch.MoeFFN(cfg, tp=layer.tp, threads=1, fabric=launcher.fabric(),
+                                 **options)
 
     mine = layer.state_dict()
     other = fresh()

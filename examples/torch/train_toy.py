@@ -14,20 +14,25 @@ in a process of their own, and the dense layers' gradients are the sum of
 the ranks' gradients. So the same script runs:
 
   - in one process: the R ranks are threads of the moec runtime;
-  - under mpirun -np R: each process is one rank (moec's MPI fabric), holds
-    its L experts and its share of every batch, and the dense gradients are
-    summed over the processes (torch.distributed, gloo, over loopback: the
-    launcher sets MASTER_ADDR and MASTER_PORT). With R = 2 and one torch
-    thread (--torch-threads 1) its parameters are bitwise those of the
-    one-process run with the same seed (--save writes them to compare).
+  - under torchrun --nproc_per_node R: each process is one rank of the
+    world group torch.distributed makes (gloo), which moec's layer runs
+    over (its default once torch.distributed is initialized), holds its L
+    experts and its share of every batch; the dense gradients are summed
+    over the same group;
+  - under mpirun -np R: likewise on moec's MPI fabric, the dense gradients
+    summed through torch.distributed (gloo, over loopback: the launcher
+    sets MASTER_ADDR and MASTER_PORT).
+  With R = 2 and one torch thread (--torch-threads 1) the parameters are
+  bitwise those of the one-process run with the same seed (--save writes
+  them to compare), under either launcher.
 
     examples/torch/train_toy.py [--steps N] [--ranks R] [--dtype fp32|bf16]
                                 [--threads N] [--torch-threads N] [--seed S]
                                 [--save FILE]
 
 Run from a checkout after `bazel build //tools:moec //ops/torch:moec_torch.so`
-(examples/torch/train_toy.sh does both; examples/torch/train_toy_mpi.sh runs
-it under mpirun). Exits 1 if the loss did not fall to under half its first
+(examples/torch/train_toy.sh does both; examples/torch/train_toy_torchrun.sh
+runs it under torchrun, examples/torch/train_toy_mpi.sh under mpirun). Exits 1 if the loss did not fall to under half its first
 value.
 """
 
@@ -96,16 +101,21 @@ def make_task(features, clusters, seed):
 
 def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out=print,
           fabric=None, save=None):
-    """Trains and returns the losses, one per step (under MPI, of all ranks).
+    """Trains and returns the losses, one per step (one rank per process:
+    of all ranks).
     With `save`, writes the parameters (this process's) to that file."""
     torch.manual_seed(seed)
     features = 16
     model = ToyModel(ranks, dtype, features, threads, fabric)
     moe = model.moe
-    mpi = moe.fabric == "mpi"
-    if mpi:
+    # One rank per process: the dense gradients are summed over the
+    # processes through torch.distributed (under torchrun, initialized
+    # before the layer, which runs over its world group).
+    spread = moe.fabric in ("mpi", "group")
+    if spread:
         import torch.distributed as dist
-        dist.init_process_group("gloo", rank=moe.first_rank, world_size=moe.ranks)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=moe.first_rank, world_size=moe.ranks)
     mine = slice(moe.first_rank, moe.first_rank + moe.local_ranks)
     dense = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
     batch = make_task(features, clusters=8, seed=seed)
@@ -124,7 +134,7 @@ def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out
         opt.zero_grad()
         loss.backward()
         total = loss.detach().clone()
-        if mpi:
+        if spread:
             for p in dense:
                 dist.all_reduce(p.grad)
             dist.all_reduce(total)
@@ -133,11 +143,13 @@ def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out
         if step % log_every == 0 or step == steps - 1:
             out(f"step {step:4d}  loss {losses[-1]:.4f}")
     out(f"{steps} steps in {time.perf_counter() - start:.2f} s "
-        f"({moe.ranks} ranks{', one per process' if mpi else ''}, {moe.experts} experts, "
+        f"({moe.ranks} ranks{', one per process' if spread else ''}, {moe.experts} experts, "
         f"top-{moe.top_k}, {moe.w1.dtype})")
     if save:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, save)
-    if mpi:
+    if spread:
+        if moe.fabric == "group":
+            moec_torch.close_groups()  # before the group it runs over goes
         dist.destroy_process_group()
     return losses
 
@@ -151,20 +163,29 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch's intra-op threads (0: torch's default)")
-    p.add_argument("--fabric", choices=["inproc", "mpi"], default=None,
-                   help="default: mpi under mpirun, else inproc")
+    p.add_argument("--fabric", choices=["inproc", "mpi", "group"], default=None,
+                   help="default: mpi under mpirun, group (torch.distributed's world group) "
+                        "under torchrun, else inproc")
     p.add_argument("--save", help="write the parameters after training to this file "
-                                  "(under MPI: FILE.rankN)")
+                                  "(one rank per process: FILE.rankN)")
     args = p.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    mpi = (args.fabric or ("mpi" if moec_torch.launched_by_mpi() else "inproc")) == "mpi"
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) if mpi else 0
-    save = f"{args.save}.rank{rank}" if args.save and mpi else args.save
-    # Under MPI every process trains; only rank 0 prints.
+    fabric = args.fabric or ("mpi" if moec_torch.launched_by_mpi() else
+                             "group" if "TORCHELASTIC_RUN_ID" in os.environ else "inproc")
+    rank = 0
+    if fabric == "group":
+        import torch.distributed as dist
+        dist.init_process_group("gloo")  # torchrun's rendezvous (env://)
+        rank = dist.get_rank()
+    elif fabric == "mpi":
+        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    spread = fabric != "inproc"
+    save = f"{args.save}.rank{rank}" if args.save and spread else args.save
+    # One rank per process: every process trains; only rank 0 prints.
     out = print if rank == 0 else (lambda line: None)
     losses = train(args.steps, args.ranks, args.dtype, args.threads, args.seed, out=out,
-                   fabric=args.fabric, save=save)
+                   fabric=fabric, save=save)
     first, last = losses[0], sum(losses[-5:]) / len(losses[-5:])
     out(f"loss {first:.4f} -> {last:.4f} (mean of the last 5 steps)")
     if args.steps >= 50 and not last < 0.5 * first:

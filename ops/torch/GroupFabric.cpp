@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -60,6 +62,16 @@ struct Control {
   uint32_t tag;
   uint32_t task;
 };
+
+/// The test hook MOEC_TEST_DROP_PUT=RANK:N, as on the MPI fabric: rank RANK
+/// drops the N-th put it makes to a peer, and the signal that follows it
+/// from the same thread to the same peer (the peer then waits for that
+/// signal, as it would for a lost message).
+struct DropPut {
+  int64_t rank = -1;
+  uint64_t nth = 0;
+};
+thread_local int64_t dropNextSignalTo = -1;
 
 class GroupFabricImpl;
 
@@ -207,6 +219,10 @@ public:
     const size_t bytes = rows * rowBytes;
     if (bytes == 0)
       return Status::success();
+    if (drop.rank == int64_t(me) && putsToPeers.fetch_add(1) + 1 == drop.nth) {
+      dropNextSignalTo = peer;
+      return Status::success();
+    }
     std::vector<char> data(bytes);
     copyRows(data.data(), rowBytes, static_cast<const char *>(src), srcStride, rows, rowBytes);
     const int tag = nextDataTag(peer);
@@ -228,6 +244,10 @@ public:
                     uint32_t task) {
     if (Status s = usable(); !s)
       return s;
+    if (dropNextSignalTo == int64_t(peer)) {
+      dropNextSignalTo = -1;
+      return Status::success();
+    }
     std::lock_guard<std::mutex> lock(*links[peer].sending);
     return sendControl(peer, Control{Kind::Signal, inbox, event, delta, 0, 0, 0, task},
                        "a signal");
@@ -723,6 +743,11 @@ private:
     }
   }
 
+public:
+  DropPut drop;
+
+private:
+  std::atomic<uint64_t> putsToPeers{0};
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   const uint32_t me, count;
   const double timeoutSeconds;
@@ -795,6 +820,15 @@ Status groupFabric(const c10::intrusive_ptr<c10d::ProcessGroup> &group, double t
     return Status::success();
   }
   auto fabric = std::make_shared<GroupFabricImpl>(group, timeoutSeconds);
+  if (const char *value = std::getenv("MOEC_TEST_DROP_PUT")) {
+    long long rank = -1;
+    unsigned long long nth = 0;
+    if (std::sscanf(value, "%lld:%llu", &rank, &nth) != 2 || rank < 0 || nth == 0)
+      return Status::error(fmt::format("MOEC_TEST_DROP_PUT='{}': expected RANK:N (N >= 1), "
+                                       "e.g. 1:3 for the third put rank 1 makes to a peer",
+                                       value));
+    fabric->drop = DropPut{rank, nth};
+  }
   // gloo closes a group's connections when a receive waits longer than the
   // group's timeout (30 minutes unless the program set it): a message goes
   // to every peer well before.

@@ -1,4 +1,4 @@
-"""Run under mpirun (by test_mpi.py): moec_torch.Exchange with one rank per
+"""Run under mpirun or torchrun (by test_mpi.py, test_torchrun.py): moec_torch.Exchange with one rank per
 process. Every process draws the same global inputs and expert weights from
 a seed, dispatches its rank's tokens, runs its own experts in plain PyTorch,
 combines, and runs backward; it checks every result bit for bit against the
@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+import launcher
 import moec_torch
 from moec_torch import reference
 
@@ -23,11 +24,11 @@ from test_exchange import plain_experts
 def main():
     dtype = sys.argv[1] if len(sys.argv) > 1 else "fp32"
     torch.set_num_threads(1)
-    R = moec_torch._world_size()
+    R = launcher.processes()
     cfg = {"name": "mpi-exchange", "hidden_size": 64, "intermediate_size": 32,
            "num_experts": 2 * R, "top_k": 2, "ep": 1, "tp": 1, "seq_size": 64,
            "dtype": dtype, "capacity_factor": 4}
-    ex = moec_torch.Exchange(cfg, threads=1, fabric="mpi")
+    ex = moec_torch.Exchange(cfg, threads=1, fabric=launcher.fabric())
     single = moec_torch.Exchange(cfg, R, threads=1, fabric="inproc")
     r, L, S, E, H, I = ex.first_rank, ex.local_experts, ex.tokens, ex.experts, ex.hidden, 32
     g = torch.Generator().manual_seed(1)
@@ -71,7 +72,7 @@ def main():
         return 1
     print(f"rank {r}: ok: bitwise equal to the one-process exchange; y against autograd "
           f"{err:.1e}", flush=True)
-    moec_torch.finalize_mpi()
+    launcher.finish()
     return 0
 
 

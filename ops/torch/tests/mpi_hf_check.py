@@ -1,4 +1,5 @@
-"""moec_torch.hf under mpirun (one rank per process), run by test_mpi.py:
+"""moec_torch.hf under mpirun or torchrun (one rank per process), run by
+test_mpi.py and test_torchrun.py:
 
     mpirun -np R python3 mpi_hf_check.py FAMILY LAYOUT WORKDIR
 
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import launcher  # noqa: E402
 import moec_torch  # noqa: E402
 import moec_torch.hf as mhf  # noqa: E402
 from moec_torch import hf_lora, hf_models, safetensors  # noqa: E402
@@ -28,13 +30,14 @@ from test_hf import as_modules, close, grad_or_zero, make_model, tokens, write_c
 
 def main():
     family, layout, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    launcher.fabric()  # under torchrun: torch.distributed before the model is patched
     torch.set_num_threads(1)
     ref = make_model(family, layout)
     model = copy.deepcopy(ref)
     mhf.patch_model(model, threads=1, lora_rank=4, lora_alpha=8)
     layer = mhf._patched(model)[0][2].layer
     rank, ranks = layer.first_rank, layer.ranks
-    assert layer.local_ranks == 1 and layer.fabric == "mpi"
+    assert layer.local_ranks == 1 and layer.fabric in ("mpi", "group")
     # Adapters away from zero, the same on every process (a seeded draw of
     # the whole, of which each keeps its experts), so that they take part.
     torch.manual_seed(11)
@@ -90,7 +93,7 @@ def main():
             close(fresh(ids).logits, ref(ids).logits, 1e-5, "merged checkpoint")
     mhf.barrier(model)
     print(f"rank {rank}: hf ok", flush=True)
-    moec_torch.finalize_mpi()
+    launcher.finish()
 
 
 def ref_base(family, layout):

@@ -1,0 +1,75 @@
+"""Faults of a job over a torch.distributed group, under torchrun with 2
+processes (by test_torchrun.py), timeout_seconds 3:
+
+    group_fault_check.py kill      rank 1 dies (SIGKILL) while a pass runs
+    group_fault_check.py configs   rank 1's layer has another config
+    group_fault_check.py passes    every rank runs passes until its link
+                                   is cut (across simulated hosts)
+
+Each rank prints "rank r: raised after T s: <the error>" (or "rank r: no
+error") and ends the process at once (the group is not usable after)."""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import launcher
+import moec_torch
+
+
+def config(seq=128):
+    return {"name": "group-fault", "hidden_size": 64, "intermediate_size": 32,
+            "num_experts": 4, "top_k": 2, "ep": 2, "tp": 1, "seq_size": seq,
+            "dtype": "fp32", "capacity_factor": 4}
+
+
+def inputs(rank, seq=128):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(seq, 64, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(seq)])
+    return x, ids, torch.rand(seq, 2, generator=g)
+
+
+def main():
+    mode = sys.argv[1]
+    launcher.fabric()
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    try:
+        if mode == "configs":
+            seq = 128 if rank == 0 else 64
+            moec_torch.MoeFFN(config(seq), threads=1, timeout_seconds=3.0)
+        elif mode == "kill":
+            layer = moec_torch.MoeFFN(config(), threads=1, timeout_seconds=3.0)
+            layer(*inputs(rank))  # one whole pass first
+            start = time.monotonic()
+            handle = layer.submit_forward(*inputs(rank))
+            if rank == 1:
+                time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGKILL)
+            handle.wait()
+        elif mode == "passes":
+            layer = moec_torch.MoeFFN(config(), threads=1, timeout_seconds=3.0)
+            x = inputs(rank)
+            print(f"rank {rank}: passes run", flush=True)
+            while True:
+                start = time.monotonic()
+                layer(*x)
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+        print(f"rank {rank}: no error", flush=True)
+        code = 1
+    except RuntimeError as e:
+        print(f"rank {rank}: raised after {time.monotonic() - start:.1f} s: {e}", flush=True)
+        code = 0
+    sys.stdout.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

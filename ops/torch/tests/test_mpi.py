@@ -273,10 +273,18 @@ def test_fabric_errors():
     cfg = {"name": "t", "hidden_size": 64, "intermediate_size": 32, "num_experts": 4,
            "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128, "dtype": "fp32"}
     forward, backward = moec_torch.compile_layer(cfg, 2)
-    with pytest.raises(RuntimeError, match="fabric must be 'inproc' or 'mpi', got 'tcp'"):
-        torch.classes.moec.Layer(forward, backward, 1, 60.0, "tcp", False, True)
-    with pytest.raises(ValueError, match="fabric must be 'inproc' or 'mpi'"):
+    with pytest.raises(RuntimeError, match="fabric must be 'inproc', 'mpi' or 'group', got 'tcp'"):
+        torch.classes.moec.Layer(forward, backward, 1, 60.0, "tcp", False, True, 0, 0.0)
+    with pytest.raises(RuntimeError, match="the fabric 'group' takes a process group"):
+        torch.classes.moec.Layer(forward, backward, 1, 60.0, "group", False, True, 0, 0.0)
+    with pytest.raises(ValueError, match="fabric must be 'inproc', 'mpi' or 'group'"):
         moec_torch.MoeFFN(cfg, 2, fabric="tcp")
+    with pytest.raises(ValueError, match="fabric='group' needs torch.distributed initialized"):
+        moec_torch.MoeFFN(cfg, 2, fabric="group")
+    with pytest.raises(TypeError, match="group must be a torch.distributed process group"):
+        moec_torch.MoeFFN(cfg, 2, group="world")
+    with pytest.raises(ValueError, match="group= runs the ranks over a torch.distributed group"):
+        moec_torch.MoeFFN(cfg, 2, fabric="mpi", group=object())
     if not moec_torch.launched_by_mpi():
         with pytest.raises(ValueError, match="needs ranks="):
             moec_torch.MoeFFN(cfg)

@@ -1,0 +1,230 @@
+"""The torch op in jobs that torchrun starts, one rank per process over
+torch.distributed's world group (gloo): moec's process-group fabric.
+
+  - the op's forward and backward, bit for bit against the one-process op
+    and against autograd (mpi_layer_check.py, which runs under either
+    launcher): fp32 and bf16, LoRA, main_grad, frozen, FP8 dispatch, ETP,
+    a quantized base;
+  - dispatch and combine as ops of their own (mpi_exchange_check.py);
+  - the toy training (examples/torch/train_toy.py): bitwise the one-process
+    run after 4 steps, and the loss falls; a patched Hugging Face-structured
+    model (mpi_hf_check.py);
+  - faults: a put lost on its way (every rank raises, rank 0 reports every
+    rank), a rank killed mid-pass (rank 0 raises naming it, torchrun ends
+    the job), ranks whose configs differ (both raise, naming the ranks);
+  - across 2 simulated hosts, torchrun on each with the c10d rendezvous:
+    1 + 1 and 2 + 2 ranks, the toy training, a link cut mid-pass
+    (//ops/torch:torch_hosts_test runs these, -k across_hosts).
+
+Debian's torchrun (PyTorch 1.13, Python 3.11) needs --tee and --redirects
+to name a stream each (the default "0" maps to none on Python 3.11 and
+torchrun stops in to_map): every call here passes "--tee 2 --redirects 2"."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_mpi import HERE, TOY, free_port, hosts  # noqa: F401 (hosts: a fixture)
+
+TORCHRUN = shutil.which("torchrun") or "torchrun"
+
+
+def torchrun(ranks, *args, timeout=240, extra_env=None, logs=None, options=()):
+    """torchrun --standalone --nproc_per_node RANKS ARGS on this machine."""
+    env = dict(os.environ, **(extra_env or {}))
+    logs = logs or Path(os.environ.get("TEST_TMPDIR", "/tmp")) / f"torchrun-{uuid.uuid4().hex}"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(ranks), "--tee", "2",
+           "--redirects", "2", "--log_dir", str(logs), *options, *map(str, args)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("ranks,dtype,hot,variant,tp", [
+    (2, "fp32", -1, "full", 1), (3, "bf16", 0, "full", 1), (2, "bf16", -1, "lora", 1),
+    (2, "fp32", -1, "main_grad", 1), (2, "bf16", -1, "frozen", 1), (2, "bf16", -1, "fp8", 1),
+    (4, "fp32", 1, "full", 2), (2, "bf16", -1, "fp8_block128", 1)])
+def test_op_under_torchrun(ranks, dtype, hot, variant, tp):
+    run = torchrun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant, tp)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(ranks):
+        assert f"rank {r}: ok: bitwise equal to the one-process op" in run.stdout, run.stdout
+
+
+def test_exchange_under_torchrun():
+    run = torchrun(2, HERE / "mpi_exchange_check.py", "bf16")
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(2):
+        assert f"rank {r}: ok: bitwise equal to the one-process exchange" in run.stdout, run.stdout
+
+
+def test_hf_model_under_torchrun(tmp_path):
+    run = torchrun(2, HERE / "mpi_hf_check.py", "qwen3_moe", "modules", tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(2):
+        assert f"rank {r}: hf ok" in run.stdout, run.stdout
+
+
+def one_process_toy(tmp_path):
+    single = tmp_path / "single.pt"
+    one = subprocess.run([sys.executable, str(TOY), "--steps", "4", "--threads", "1",
+                          "--torch-threads", "1", "--fabric", "inproc", "--save", str(single)],
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stdout + one.stderr
+    return torch.load(single)
+
+
+def check_toy(want, saved, ranks):
+    """The parameters of a run with `ranks` processes (files `saved`.rankN)
+    against the one-process run's: each process holds its experts."""
+    got_ranks = [torch.load(f"{saved}.rank{r}") for r in range(ranks)]
+    for name, value in want.items():
+        if name.startswith("moe."):
+            got = torch.cat([g[name] for g in got_ranks])
+        else:
+            got = got_ranks[0][name]
+            for g in got_ranks[1:]:
+                assert torch.equal(g[name], got), f"{name} differs between the ranks"
+        assert torch.equal(got, value), f"{name} is not bitwise that of the one-process run"
+
+
+def test_toy_training_under_torchrun_matches_one_process(tmp_path):
+    want = one_process_toy(tmp_path)
+    run = torchrun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads",
+                   "1", "--save", tmp_path / "group.pt")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "one per process" in run.stdout, run.stdout
+    check_toy(want, tmp_path / "group.pt", 2)
+
+
+def test_toy_training_loss_falls_under_torchrun():
+    run = torchrun(2, TOY, "--steps", "60", "--ranks", "2", "--threads", "1")
+    assert run.returncode == 0, run.stdout + run.stderr
+    losses = [float(line.split()[-1]) for line in run.stdout.splitlines()
+              if line.startswith("step")]
+    assert losses and losses[-1] < 0.2 * losses[0], run.stdout
+
+
+def test_stopped_job_under_torchrun_reports_every_rank():
+    run = torchrun(2, HERE / "mpi_stop_check.py", timeout=120,
+                   extra_env={"MOEC_TEST_DROP_PUT": "1:2"})
+    out = run.stdout
+    assert "rank 0: raised: moec forward: [rank 0]" in out, out + run.stderr
+    assert "rank 1: raised: moec forward: [rank 1]" in out, out + run.stderr
+    assert "report of the 2 ranks, gathered on rank 0:" in out, out
+    assert re.search(r"^  \[rank 0\] .*waits for event \d+ 'dispatch\[[\d.]+\]' .*"
+                     r"signalled by rank 1 \(\d+ of \d+ arrived, 1 missing\)", out, re.M), out
+    assert re.search(r"^  \[rank 1\] .*signalled by rank 0 \(\d+ of \d+ arrived", out, re.M), out
+
+
+def test_rank_killed_mid_pass_under_torchrun():
+    start = time.monotonic()
+    run = torchrun(2, HERE / "group_fault_check.py", "kill", timeout=120)
+    out = run.stdout + run.stderr
+    assert time.monotonic() - start < 60, out
+    found = re.search(r"rank 0: raised after ([\d.]+) s: moec forward: \[rank 0\] .*the "
+                      r"connection to rank 1 failed \(rank 1 died, or its link is down\)", out)
+    assert found and float(found.group(1)) < 3, out
+    assert "[rank 1] no report within" in out, out
+    # torchrun's own handling: the job fails, naming the killed rank.
+    assert run.returncode != 0, out
+    assert re.search(r"exitcode: -9\) local_rank: 1", out), out
+
+
+def test_ranks_with_other_configs_under_torchrun():
+    run = torchrun(2, HERE / "group_fault_check.py", "configs", timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    for r in range(2):
+        assert re.search(rf"rank {r}: raised after [\d.]+ s: moec context: ranks 0 and 1 run "
+                         "different layers", out), out
+
+
+# Across 2 simulated hosts: torchrun on each, the c10d rendezvous on
+# moec-h0. //ops/torch:torch_hosts_test runs these alone (-k across_hosts).
+def torchrun_on_hosts(bed, per_host, *args, timeout=240, logs=None, wait=True):
+    """torchrun on moec-h0 and moec-h1, `per_host` processes each, over the
+    c10d rendezvous on moec-h0. Returns the two Popen (`wait` False) or
+    their (returncode, output) pairs."""
+    sh = os.environ["MOEC_HOSTS_SH"]
+    port = free_port()
+    run_id = uuid.uuid4().hex[:8]
+    env = dict(os.environ, PATH=os.environ["PATH"] + ":/usr/sbin:/sbin", GLOO_SOCKET_IFNAME="eth0")
+    logs = logs or Path(os.environ.get("TEST_TMPDIR", "/tmp")) / f"torchrun-{run_id}"
+    procs = []
+    for host in range(2):
+        cmd = ["bash", sh, "run", f"moec-h{host}", TORCHRUN, "--nnodes", "2",
+               "--nproc_per_node", str(per_host), "--rdzv_backend", "c10d", "--rdzv_endpoint",
+               f"moec-h0:{port}", "--rdzv_id", run_id, "--tee", "2", "--redirects", "2",
+               "--log_dir", f"{logs}/h{host}", *map(str, args)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    if not wait:
+        return procs
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += "\n(timed out)"
+        results.append((p.returncode, out))
+    return results
+
+
+@pytest.mark.parametrize("per_host,dtype,variant,tp", [(1, "fp32", "full", 1),
+                                                       (1, "bf16", "lora", 1),
+                                                       (2, "bf16", "full", 1),
+                                                       (2, "fp32", "main_grad", 2)])
+def test_op_across_hosts_under_torchrun(hosts, per_host, dtype, variant, tp):  # noqa: F811
+    results = torchrun_on_hosts(hosts, per_host, HERE / "mpi_layer_check.py", dtype, 0, -1,
+                                variant, tp)
+    out = "\n".join(o for _, o in results)
+    assert all(code == 0 for code, _ in results), out
+    for r in range(2 * per_host):
+        assert f"rank {r}: ok: bitwise equal to the one-process op" in out, out
+
+
+def test_toy_training_across_hosts_under_torchrun(hosts, tmp_path):  # noqa: F811
+    want = one_process_toy(tmp_path)
+    results = torchrun_on_hosts(hosts, 1, TOY, "--steps", "4", "--ranks", "2", "--threads", "1",
+                                "--torch-threads", "1", "--save", tmp_path / "hosts.pt")
+    out = "\n".join(o for _, o in results)
+    assert all(code == 0 for code, _ in results), out
+    check_toy(want, tmp_path / "hosts.pt", 2)
+
+
+def test_link_cut_across_hosts_under_torchrun(hosts, tmp_path):  # noqa: F811
+    """moec-h1's link cut while both ranks run passes: each rank raises
+    within the timeout (3 s, and the time to report), naming its peer."""
+    procs = torchrun_on_hosts(hosts, 1, HERE / "group_fault_check.py", "passes", wait=False)
+    sh = os.environ["MOEC_HOSTS_SH"]
+    env = dict(os.environ, PATH=os.environ["PATH"] + ":/usr/sbin:/sbin")
+    outs = ["", ""]
+    try:
+        time.sleep(8)  # the layer made and passes running
+        subprocess.run(["bash", sh, "run", "moec-h1", "ip", "link", "set", "eth0", "down"],
+                       env=env, check=True)
+        cut = time.monotonic()
+        for i, p in enumerate(procs):
+            try:
+                outs[i], _ = p.communicate(timeout=max(1, 60 - (time.monotonic() - cut)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                outs[i] = p.communicate()[0] + "\n(still running 60 s after the cut)"
+    finally:
+        subprocess.run(["bash", sh, "run", "moec-h1", "ip", "link", "set", "eth0", "up"], env=env)
+        for p in procs:
+            p.kill()
+    out = "\n".join(outs)
+    assert "rank 0: passes run" in out and "rank 1: passes run" in out, out
+    for r, peer in ((0, 1), (1, 0)):
+        found = re.search(rf"rank {r}: raised after ([\d.]+) s: moec forward: .*rank {peer}", out)
+        assert found and float(found.group(1)) < 30, out

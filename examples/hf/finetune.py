@@ -12,9 +12,9 @@ to end, against the same model with PEFT's LoRA in plain PyTorch.
                                         into the unpatched model and check them again
 
 DIR holds ckpt/, adapter/, merged/ and probe.safetensors (the trained model's
-logits on a probe batch). Under mpirun (-np R) `train` and `check` run one
-rank per process, each with its share of the batch; make-checkpoint runs in
-one process. The model is moec_torch.hf_models' stand-in of transformers'
+logits on a probe batch). Under torchrun (--nproc_per_node R) or mpirun
+(-np R) `train` and `check` run one rank per process, each with its share
+of the batch; make-checkpoint runs in one process. The model is moec_torch.hf_models' stand-in of transformers'
 Qwen3MoeForCausalLM; with transformers installed, the same calls take
 AutoModelForCausalLM.from_pretrained(...) (docs/hf.md).
 """
@@ -39,7 +39,9 @@ CONFIG = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, intermediat
 
 
 def world():
-    """(rank, size) under mpirun, else (0, 1)."""
+    """(rank, size) under torchrun or mpirun, else (0, 1)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return (int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)),
             int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
 
@@ -208,7 +210,16 @@ def main():
     args = p.parse_args()
     args.torch_dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     torch.set_num_threads(1)
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if torchrun:
+        # The patched model's layers run over torch.distributed's world
+        # group (the default once it is initialized).
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
     {"make-checkpoint": make_checkpoint, "train": train, "check": check}[args.command](args)
+    if torchrun:
+        moec_torch.close_groups()
+        dist.destroy_process_group()
     moec_torch.finalize_mpi()
 
 

@@ -5,7 +5,10 @@
 # checkpoint, then reload both in a fresh process and check the logits.
 #   bash examples/hf/run.sh [--dtype bf16] [--steps N] [--ranks R] [--layout fused] ...
 # The work folder is $WORKDIR (default: a new temporary folder).
-# RANKS=2 bash examples/hf/run.sh runs train and check under mpirun -np 2.
+# RANKS=2 bash examples/hf/run.sh runs train and check under torchrun
+# --nproc_per_node 2 (LAUNCHER=mpirun: under mpirun -np 2). Debian's torchrun
+# needs "--tee 2 --redirects 2" (on Python 3.11 its default "0" maps to no
+# stream and it stops at once; examples/torch/train_toy_torchrun.sh says more).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bazel build //compiler/api:libmoec.so //ops/torch:moec_torch.so 2>&1 | tail -1
@@ -13,10 +16,16 @@ work=${WORKDIR:-$(mktemp -d)}
 py=(/usr/bin/python3 examples/hf/finetune.py)
 "${py[@]}" make-checkpoint "$work" "$@"
 if [ -n "${RANKS:-}" ]; then
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-  mpi=(mpirun --oversubscribe --bind-to none -np "$RANKS")
-  "${mpi[@]}" "${py[@]}" train "$work" "$@"
-  "${mpi[@]}" "${py[@]}" check "$work" "$@"
+  if [ "${LAUNCHER:-torchrun}" = mpirun ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    launch=(mpirun --oversubscribe --bind-to none -np "$RANKS")
+  else
+    launch=(torchrun --standalone --nproc_per_node "$RANKS" --tee 2 --redirects 2
+      --log_dir "$work/torchrun-logs")
+    py=(examples/hf/finetune.py)
+  fi
+  "${launch[@]}" "${py[@]}" train "$work" "$@"
+  "${launch[@]}" "${py[@]}" check "$work" "$@"
 else
   "${py[@]}" train "$work" "$@"
   "${py[@]}" check "$work" "$@"

@@ -71,6 +71,20 @@ def test_hf_model_under_torchrun(tmp_path):
         assert f"rank {r}: hf ok" in run.stdout, run.stdout
 
 
+def test_hf_example_under_torchrun(tmp_path):
+    """examples/hf/finetune.py's train and check under torchrun
+    --nproc_per_node 2: the losses of PEFT's LoRA in one process, the
+    adapters reloaded bit for bit."""
+    from test_hf import FINETUNE
+    one = subprocess.run([sys.executable, str(FINETUNE), "make-checkpoint", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stdout + one.stderr
+    for command in ("train", "check"):
+        run = torchrun(2, FINETUNE, command, tmp_path, "--steps", "8")
+        assert run.returncode == 0, run.stdout + run.stderr
+    assert "bit for bit" in run.stdout, run.stdout
+
+
 def one_process_toy(tmp_path):
     single = tmp_path / "single.pt"
     one = subprocess.run([sys.executable, str(TOY), "--steps", "4", "--threads", "1",

@@ -8,7 +8,8 @@ torch.distributed's world group (gloo): moec's process-group fabric.
   - dispatch and combine as ops of their own (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py): bitwise the one-process
     run after 4 steps, and the loss falls; a patched Hugging Face-structured
-    model (mpi_hf_check.py);
+    model (mpi_hf_check.py) and the fine-tuning example
+    (examples/hf/finetune.py);
   - faults: a put lost on its way (every rank raises, rank 0 reports every
     rank), a rank killed mid-pass (rank 0 raises naming it, torchrun ends
     the job), ranks whose configs differ (both raise, naming the ranks);

@@ -38,6 +38,13 @@ constexpr int kTagControl = kTagBase;
 /// message, so a wrap is harmless).
 constexpr int kTagFirstData = kTagBase + 16;
 constexpr uint32_t kDataTags = 1u << 24;
+/// Rows up to this size travel inside their put's control message (the
+/// receive of a control message has room for them; a message may be
+/// shorter than its receive): one message instead of two, and no wait for
+/// the receiver to post the second.
+constexpr size_t kInlineBytes = 256 * 1024;
+/// The `tag` of a put whose rows are inline.
+constexpr uint32_t kInlineTag = 0;
 
 /// What a control message says.
 enum class Kind : uint32_t {
@@ -150,6 +157,7 @@ public:
     for (uint32_t p = 0; p < count; ++p)
       if (p != me)
         receivers.emplace_back([this, p] { receive(p); });
+    completer = std::thread([this] { complete(); });
     keepAlive = std::thread([this, aliveSeconds] { sendAlive(aliveSeconds); });
     return exchange(nullptr, 0, nullptr, timeoutSeconds);
   }
@@ -209,7 +217,7 @@ public:
   Status put(const Window &window, uint32_t peer, size_t offset, size_t dstStride,
              const void *src, size_t srcStride, size_t rows, size_t rowBytes) override {
     const auto &w = static_cast<const GroupWindow &>(window);
-    if (peer == me) {
+    if (peer == me || localPuts) {
       copyRows(w.memory.get() + offset, dstStride, static_cast<const char *>(src), srcStride,
                rows, rowBytes);
       return Status::success();
@@ -223,19 +231,28 @@ public:
       dropNextSignalTo = peer;
       return Status::success();
     }
-    std::vector<char> data(bytes);
-    copyRows(data.data(), rowBytes, static_cast<const char *>(src), srcStride, rows, rowBytes);
-    const int tag = nextDataTag(peer);
-    const Control header{Kind::Put, w.id, offset, dstStride, rows, rowBytes, uint32_t(tag), 0};
-    // Both messages leave on the same connection in this order only per
-    // tag, so the peer waits for the rows by their tag: the header may
-    // come first or not, either way the rows land before the next control
-    // message is taken.
+    const bool inline_ = bytes <= kInlineBytes;
+    const size_t head = inline_ ? sizeof(Control) : 0;
+    std::vector<char> data(head + bytes);
+    copyRows(data.data() + head, rowBytes, static_cast<const char *>(src), srcStride, rows,
+             rowBytes);
     std::lock_guard<std::mutex> lock(*links[peer].sending);
-    if (Status s = sendControl(peer, header, "a put's header"); !s)
-      return s;
-    if (Status s = send(peer, std::move(data), tag, "a put's rows"); !s)
-      return s;
+    if (inline_) {
+      const Control header{Kind::Put, w.id, offset, dstStride, rows, rowBytes, kInlineTag, 0};
+      std::memcpy(data.data(), &header, sizeof header);
+      if (Status s = send(peer, std::move(data), kTagControl, "a put"); !s)
+        return s;
+    } else {
+      // The rows go on a tag of their own, which the peer receives once
+      // it took the header, before its next control message: they land
+      // before a signal this thread sends after.
+      const int tag = nextDataTag(peer);
+      const Control header{Kind::Put, w.id, offset, dstStride, rows, rowBytes, uint32_t(tag), 0};
+      if (Status s = sendControl(peer, header, "a put's header"); !s)
+        return s;
+      if (Status s = send(peer, std::move(data), tag, "a put's rows"); !s)
+        return s;
+    }
     sentBytes[peer] += bytes;
     return Status::success();
   }
@@ -404,6 +421,13 @@ public:
       return true;
     });
     lock.unlock();
+    {
+      std::lock_guard<std::mutex> out(outMutex);
+      outStop = true;
+    }
+    outCv.notify_all();
+    if (completer.joinable())
+      completer.join(); // each send it still waits for: at most sendTimeoutSeconds
     size_t i = 0;
     bool detached = false;
     for (uint32_t p = 0; p < count; ++p) {
@@ -481,6 +505,11 @@ private:
   /// Sends `message` to `peer` on `tag` and waits, bounded, until it left.
   /// On a failure the message and its work are kept: the group may still
   /// hold them.
+  /// Sends `message` to `peer` on `tag`: issues the send and returns; the
+  /// completing thread waits for it to leave, bounded (sendTimeoutSeconds),
+  /// and keeps the message until then. Sends to one peer on one tag leave
+  /// in the order issued, so a thread's put, then its signal, arrive in
+  /// that order without waiting between them.
   Status send(uint32_t peer, std::vector<char> message, int tag, const char *what) {
     auto buffer = std::make_shared<std::vector<char>>(std::move(message));
     std::vector<at::Tensor> tensors{at::from_blob(buffer->data(), {int64_t(buffer->size())},
@@ -488,25 +517,62 @@ private:
     c10::intrusive_ptr<c10d::Work> work;
     try {
       work = group->send(tensors, int(peer), tag);
-      const double seconds = sendTimeoutSeconds;
-      if (seconds > 0)
-        work->wait(std::chrono::milliseconds(int64_t(seconds * 1000)));
-      else
-        work->wait();
     } catch (const std::exception &e) {
-      {
-        std::lock_guard<std::mutex> lock(mailMutex);
-        abandoned.emplace_back(buffer, work);
-      }
-      std::string text = e.what();
-      if (const size_t cut = text.find('\n'); cut != std::string::npos)
-        text.resize(cut);
-      return breakDown(fmt::format("rank {}: {} to rank {} did not leave within {:.3g} s (rank {} "
-                                   "stopped taking messages: it died, hangs, or its link is "
+      return breakDown(fmt::format("rank {}: {} to rank {} failed (rank {} died, or its link is "
                                    "down): {}",
-                                   me, what, peer, double(sendTimeoutSeconds), peer, text));
+                                   me, what, peer, peer, firstLine(e.what())));
     }
+    {
+      std::lock_guard<std::mutex> lock(outMutex);
+      outgoing.push_back(Outgoing{std::move(buffer), std::move(work), peer, what});
+    }
+    outCv.notify_one();
     return Status::success();
+  }
+
+  static std::string firstLine(std::string text) {
+    if (const size_t cut = text.find('\n'); cut != std::string::npos)
+      text.resize(cut);
+    return text;
+  }
+
+  /// The completing thread: waits, in the order issued, for each send to
+  /// leave, at most sendTimeoutSeconds each; a send that does not breaks
+  /// the fabric (naming the peer) and its message is kept (the group may
+  /// still read it). Ends once close() asked and every send is done.
+  void complete() {
+    std::unique_lock<std::mutex> lock(outMutex);
+    for (;;) {
+      outCv.wait(lock, [&] { return !outgoing.empty() || outStop; });
+      if (outgoing.empty())
+        return;
+      Outgoing out = std::move(outgoing.front());
+      outgoing.pop_front();
+      lock.unlock();
+      const double seconds = sendTimeoutSeconds;
+      const Clock::time_point start = Clock::now();
+      try {
+        if (seconds > 0)
+          out.work->wait(std::chrono::milliseconds(int64_t(seconds * 1000)));
+        else
+          out.work->wait();
+      } catch (const std::exception &e) {
+        {
+          std::lock_guard<std::mutex> mail(mailMutex);
+          abandoned.emplace_back(out.buffer, out.work);
+        }
+        // A timeout, or a connection that failed before it.
+        const bool late = seconds > 0 && secondsSince(start) >= 0.9 * seconds;
+        (void)breakDown(
+            late ? fmt::format("rank {}: {} to rank {} did not leave within {:.3g} s (rank {} "
+                               "stopped taking messages: it died, hangs, or its link is down): {}",
+                               me, out.what, out.peer, seconds, out.peer, firstLine(e.what()))
+                 : fmt::format("rank {}: {} to rank {} failed (rank {} died, or its link is "
+                               "down): {}",
+                               me, out.what, out.peer, out.peer, firstLine(e.what())));
+      }
+      lock.lock();
+    }
   }
 
   Status sendControl(uint32_t peer, const Control &control, const char *what) {
@@ -603,75 +669,75 @@ private:
     return Status::success();
   }
 
-  /// Receives one message of `bytes` from `peer` on `tag` into `data`. A
-  /// receive that times out in the group is waited for again only if the
-  /// connection survived it.
-  bool receiveInto(uint32_t peer, void *data, size_t bytes, int tag, std::string *error) {
+  /// Posts a receive of one message of at most `bytes` from `peer` on
+  /// `tag` into `data`; null with `error` set when the group refuses.
+  c10::intrusive_ptr<c10d::Work> post(uint32_t peer, void *data, size_t bytes, int tag,
+                                      std::string *error) {
     std::vector<at::Tensor> tensors{
         at::from_blob(data, {int64_t(bytes)}, at::TensorOptions().dtype(at::kByte))};
     try {
-      c10::intrusive_ptr<c10d::Work> work = group->recv(tensors, int(peer), tag);
+      return group->recv(tensors, int(peer), tag);
+    } catch (const std::exception &e) {
+      *error = firstLine(e.what());
+      return {};
+    }
+  }
+
+  /// Waits, without a bound (see the header), for a posted receive.
+  static bool await(const c10::intrusive_ptr<c10d::Work> &work, std::string *error) {
+    if (!work)
+      return false;
+    try {
       work->wait();
       return true;
     } catch (const std::exception &e) {
-      *error = e.what();
-      if (const size_t cut = error->find('\n'); cut != std::string::npos)
-        error->resize(cut);
+      *error = firstLine(e.what());
       return false;
     }
   }
 
+  /// Receives one message of `bytes` from `peer` on `tag` into `data`.
+  bool receiveInto(uint32_t peer, void *data, size_t bytes, int tag, std::string *error) {
+    return await(post(peer, data, bytes, tag, error), error);
+  }
+
+  /// Control receives kept posted per peer: a sender's messages leave once
+  /// the receiver posted their receive, so several posted let several
+  /// messages travel at once.
+  static constexpr size_t kControlRing = 8;
+
   /// The receiving thread of `peer`: takes its control messages in order.
   void receive(uint32_t peer) {
     std::string error;
-    for (;;) {
-      Control c;
-      if (!receiveInto(peer, &c, sizeof c, kTagControl, &error))
+    // Each a control message, and the rows of an inline put after it; they
+    // outlive the thread (the group may hold receives still posted when it
+    // ends), so they are never freed.
+    struct Ring {
+      std::vector<char> buffer[kControlRing];
+      c10::intrusive_ptr<c10d::Work> work[kControlRing];
+    };
+    Ring &ring = *new Ring;
+    for (size_t i = 0; i < kControlRing; ++i) {
+      ring.buffer[i].resize(sizeof(Control) + kInlineBytes);
+      ring.work[i] = post(peer, ring.buffer[i].data(), ring.buffer[i].size(), kTagControl,
+                          &error);
+    }
+    for (size_t head = 0;; head = (head + 1) % kControlRing) {
+      if (!await(ring.work[head], &error))
         break;
+      std::vector<char> &message = ring.buffer[head];
+      Control c;
+      std::memcpy(&c, message.data(), sizeof c);
       if (c.kind == Kind::Close) {
         std::lock_guard<std::mutex> lock(mailMutex);
         closedBy[peer] = true;
         mailCv.notify_all();
         return;
       }
-      if (c.kind == Kind::Alive)
-        continue;
-      if (c.kind == Kind::Put) {
-        if (!land(peer, c, &error))
-          break;
-        continue;
-      }
-      if (c.kind == Kind::Signal) {
-        std::lock_guard<std::mutex> lock(objectsMutex);
-        auto it = inboxes.find(c.object);
-        if (it == inboxes.end() || c.offset >= it->second->count) {
-          noteError(fmt::format("rank {}: rank {} signalled event {} of inbox {}, which this rank "
-                                "does not have (the ranks run different programs)",
-                                me, peer, c.offset, c.object));
-          continue;
-        }
-        it->second->apply(peer, uint32_t(c.offset), c.stride, c.task);
-        continue;
-      }
-      if (c.kind == Kind::Block || c.kind == Kind::Stop) {
-        std::vector<char> data(c.rows);
-        const int tag = c.kind == Kind::Stop ? kTagControl + 1 : int(c.tag);
-        if (c.rows && !receiveInto(peer, data.data(), data.size(), tag, &error))
-          break;
-        std::lock_guard<std::mutex> lock(mailMutex);
-        if (c.kind == Kind::Stop) {
-          if (stopped.empty())
-            stopped = fmt::format("rank {} stopped the job: {}", peer,
-                                  std::string(data.begin(), data.end()));
-        } else {
-          mail[{c.object, peer}].emplace_back(c.offset, std::move(data));
-        }
-        mailCv.notify_all();
-        continue;
-      }
-      noteError(fmt::format("rank {}: an unknown message ({}) from rank {}", me,
-                            uint32_t(c.kind), peer));
-      break;
+      // What the message carries is used before its buffer is posted again.
+      if (!take(peer, c, message.data() + sizeof c, &error))
+        break;
+      ring.work[head] = post(peer, message.data(), message.size(), kTagControl, &error);
     }
     // The connection failed: the peer died, or its link is down.
     std::lock_guard<std::mutex> lock(mailMutex);
@@ -685,9 +751,52 @@ private:
     mailCv.notify_all();
   }
 
-  /// Receives a put's rows into its window (through a buffer when the
-  /// window's rows are apart).
-  bool land(uint32_t peer, const Control &c, std::string *error) {
+  /// Takes a control message of `peer` (not Close); `inline_` is what
+  /// followed it in its message. False when the connection failed.
+  bool take(uint32_t peer, const Control &c, const char *inline_, std::string *error) {
+    switch (c.kind) {
+    case Kind::Alive:
+      return true;
+    case Kind::Put:
+      return land(peer, c, inline_, error);
+    case Kind::Signal: {
+      std::lock_guard<std::mutex> lock(objectsMutex);
+      auto it = inboxes.find(c.object);
+      if (it == inboxes.end() || c.offset >= it->second->count)
+        noteError(fmt::format("rank {}: rank {} signalled event {} of inbox {}, which this rank "
+                              "does not have (the ranks run different programs)",
+                              me, peer, c.offset, c.object));
+      else
+        it->second->apply(peer, uint32_t(c.offset), c.stride, c.task);
+      return true;
+    }
+    case Kind::Block:
+    case Kind::Stop: {
+      std::vector<char> data(c.rows);
+      const int tag = c.kind == Kind::Stop ? kTagControl + 1 : int(c.tag);
+      if (c.rows && !receiveInto(peer, data.data(), data.size(), tag, error))
+        return false;
+      std::lock_guard<std::mutex> lock(mailMutex);
+      if (c.kind == Kind::Stop) {
+        if (stopped.empty())
+          stopped = fmt::format("rank {} stopped the job: {}", peer,
+                                std::string(data.begin(), data.end()));
+      } else {
+        mail[{c.object, peer}].emplace_back(c.offset, std::move(data));
+      }
+      mailCv.notify_all();
+      return true;
+    }
+    default:
+      *error = fmt::format("an unknown message ({})", uint32_t(c.kind));
+      return false;
+    }
+  }
+
+  /// Lands a put's rows in its window: from `inline_` (the control
+  /// message's rows) or received on their own tag (through a buffer when
+  /// the window's rows are apart).
+  bool land(uint32_t peer, const Control &c, const char *inline_, std::string *error) {
     const size_t bytes = c.rows * c.rowBytes;
     char *dst = nullptr;
     {
@@ -697,7 +806,16 @@ private:
       if (it != windows.end() && c.offset <= it->second->size && span <= it->second->size - c.offset)
         dst = it->second->memory.get() + c.offset;
     }
-    if (dst && c.stride == c.rowBytes) {
+    if (c.tag == kInlineTag) {
+      if (bytes > kInlineBytes || !dst) {
+        noteError(fmt::format("rank {}: rank {} put {} bytes at offset {} of window {}, which "
+                              "this rank does not have or is smaller (the ranks run different "
+                              "programs)",
+                              me, peer, bytes, c.offset, c.object));
+        return true;
+      }
+      copyRows(dst, c.stride, inline_, c.rowBytes, c.rows, c.rowBytes);
+    } else if (dst && c.stride == c.rowBytes) {
       if (!receiveInto(peer, dst, bytes, int(c.tag), error))
         return false;
     } else {
@@ -745,6 +863,11 @@ private:
 
 public:
   DropPut drop;
+  /// A measurement mode (MOEC_LOCAL_PUTS=1 when the fabric is made), as the
+  /// MPI fabric's MpiOptions::localPuts: puts copy into this process's own
+  /// window, signals still cross; a pass's time against a normal one is
+  /// the communication it leaves exposed. The outputs are wrong.
+  bool localPuts = false;
 
 private:
   std::atomic<uint64_t> putsToPeers{0};
@@ -773,6 +896,19 @@ private:
   std::vector<Link> links;
   std::vector<std::pair<std::shared_ptr<std::vector<char>>, c10::intrusive_ptr<c10d::Work>>>
       abandoned;
+
+  /// Sends issued and not yet known to have left (complete()).
+  struct Outgoing {
+    std::shared_ptr<std::vector<char>> buffer;
+    c10::intrusive_ptr<c10d::Work> work;
+    uint32_t peer;
+    const char *what;
+  };
+  std::mutex outMutex;
+  std::condition_variable outCv;
+  std::deque<Outgoing> outgoing;
+  bool outStop = false;
+  std::thread completer;
 
   std::vector<std::thread> receivers;
   std::thread keepAlive;
@@ -829,6 +965,8 @@ Status groupFabric(const c10::intrusive_ptr<c10d::ProcessGroup> &group, double t
                                        value));
     fabric->drop = DropPut{rank, nth};
   }
+  if (const char *value = std::getenv("MOEC_LOCAL_PUTS"))
+    fabric->localPuts = std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
   // gloo closes a group's connections when a receive waits longer than the
   // group's timeout (30 minutes unless the program set it): a message goes
   // to every peer well before.

@@ -13,10 +13,14 @@
 //             is collective: the ranks meet through a bounded exchange that
 //             also checks the sizes)
 //   put       a control message on the fabric's control tag (window,
-//             offset, stride, rows, and the tag of the data), then the rows
-//             packed into one message on a tag of their own; put() returns
-//             once both left this process
-//   signal    a control message on the control tag, after the thread's puts
+//             offset, stride, rows) with the rows after it, up to 256 KiB;
+//             larger ones: the control message with the tag of the data,
+//             then the rows in one message on that tag; put() returns
+//             once both are issued (the copy frees the source), and a
+//             completing thread waits, bounded, for them to leave
+//   signal    a control message on the control tag, issued after the
+//             thread's puts: sends to one peer on one tag leave in the
+//             order issued, so no wait between them
 //   progress  a receiving thread per peer, started with the fabric: it keeps
 //             a receive of the peer's next control message posted, and takes
 //             the messages in order; a put's rows it receives before the next
@@ -32,8 +36,8 @@
 //   stop      a control message to every peer; their waits fail at once,
 //             and the reports go to rank 0 as under MPI
 //
-// Every wait a caller makes is bounded by the timeout: sends (Work::wait
-// with a timeout), exchanges, gathers and the end of the job. The receiving
+// Every wait is bounded by the timeout: sends (Work::wait with a timeout,
+// on the completing thread), exchanges, gathers and the end of the job. The receiving
 // threads wait without a bound but are no caller's wait: a peer that dies
 // closes its connection (their receive fails, the fabric breaks, and every
 // later wait fails naming the peer); a peer that hangs is found by the

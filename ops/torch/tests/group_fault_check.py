@@ -20,15 +20,15 @@ import launcher
 import moec_torch
 
 
-def config(seq=128):
-    return {"name": "group-fault", "hidden_size": 64, "intermediate_size": 32,
+def config(seq=128, hidden=64, inter=32):
+    return {"name": "group-fault", "hidden_size": hidden, "intermediate_size": inter,
             "num_experts": 4, "top_k": 2, "ep": 2, "tp": 1, "seq_size": seq,
             "dtype": "fp32", "capacity_factor": 4}
 
 
-def inputs(rank, seq=128):
+def inputs(rank, seq=128, hidden=64):
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(seq, 64, generator=g)
+    x = torch.randn(seq, hidden, generator=g)
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(seq)])
     return x, ids, torch.rand(seq, 2, generator=g)
 
@@ -45,12 +45,14 @@ def main():
             seq = 128 if rank == 0 else 64
             moec_torch.MoeFFN(config(seq), threads=1, timeout_seconds=3.0)
         elif mode == "kill":
-            layer = moec_torch.MoeFFN(config(), threads=1, timeout_seconds=3.0)
-            layer(*inputs(rank))  # one whole pass first
+            # A pass of a few hundred ms, so that rank 1 dies inside it.
+            layer = moec_torch.MoeFFN(config(2048, 512, 1024), threads=1, timeout_seconds=3.0)
+            x = inputs(rank, 2048, 512)
+            layer(*x)  # one whole pass first
             start = time.monotonic()
-            handle = layer.submit_forward(*inputs(rank))
+            handle = layer.submit_forward(*x)
             if rank == 1:
-                time.sleep(0.01)
+                time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
             handle.wait()
         elif mode == "passes":

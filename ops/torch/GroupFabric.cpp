@@ -42,7 +42,7 @@ constexpr uint32_t kDataTags = 1u << 24;
 /// receive of a control message has room for them; a message may be
 /// shorter than its receive): one message instead of two, and no wait for
 /// the receiver to post the second.
-constexpr size_t kInlineBytes = 256 * 1024;
+constexpr size_t kInlineBytes = 32 * 1024;
 /// The `tag` of a put whose rows are inline.
 constexpr uint32_t kInlineTag = 0;
 

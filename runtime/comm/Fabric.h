@@ -13,7 +13,8 @@
 //             creation); it is also the point where ranks meet
 //   barrier   complete every put and wait for every rank
 //
-// Two fabrics implement it:
+// Two fabrics of the runtime implement it (a third, over a torch.distributed
+// process group, lives with the torch op: ops/torch/GroupFabric.h):
 //
 //   in-process (inProcessFabric, here): all R ranks are threads of this
 //     process; a window is R buffers, a put is a memcpy, events never leave
@@ -112,7 +113,7 @@ class Fabric {
 public:
   virtual ~Fabric() = default;
 
-  /// "in-process" or "mpi".
+  /// "in-process", "mpi" or "process-group".
   virtual const char *name() const = 0;
   /// R, the ranks of the group.
   virtual uint32_t ranks() const = 0;

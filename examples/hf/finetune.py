@@ -40,7 +40,7 @@ CONFIG = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, intermediat
 
 def world():
     """(rank, size) under torchrun or mpirun, else (0, 1)."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if moec_torch.launched_by_torchrun():
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return (int(os.environ.get("OMPI_COMM_WORLD_RANK", 0)),
             int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
@@ -210,7 +210,7 @@ def main():
     args = p.parse_args()
     args.torch_dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     torch.set_num_threads(1)
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    torchrun = moec_torch.launched_by_torchrun()
     if torchrun:
         # The patched model's layers run over torch.distributed's world
         # group (the default once it is initialized).

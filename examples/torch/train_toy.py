@@ -172,7 +172,7 @@ def main():
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     fabric = args.fabric or ("mpi" if moec_torch.launched_by_mpi() else
-                             "group" if "TORCHELASTIC_RUN_ID" in os.environ else "inproc")
+                             "group" if moec_torch.launched_by_torchrun() else "inproc")
     rank = 0
     if fabric == "group":
         import torch.distributed as dist

@@ -350,9 +350,8 @@ public:
     for (uint32_t p = 0; p < count; ++p)
       if (p != me) {
         std::lock_guard<std::mutex> lock(*links[p].sending);
-        if (sendControl(p, Control{Kind::Stop, 0, 0, 0, reason.size(), 0, 0, 0}, "a stop"))
-          (void)send(p, std::vector<char>(reason.begin(), reason.end()), kTagControl + 1,
-                     "a stop's reason");
+        (void)sendWith(p, Control{Kind::Stop, 0, 0, 0, reason.size(), 0, 0, 0}, reason.data(),
+                       reason.size(), "a stop");
       }
     std::string out;
     if (me != 0) {
@@ -581,18 +580,29 @@ private:
     return send(peer, std::move(message), kTagControl, what);
   }
 
+  /// Sends control message `c` with `bytes` of `data`: inline up to
+  /// kInlineBytes, else on a tag of their own after it (c.rows says how
+  /// many). The caller holds the peer's sending lock.
+  Status sendWith(uint32_t peer, Control c, const void *data, size_t bytes, const char *what) {
+    const char *from = static_cast<const char *>(data);
+    if (bytes <= kInlineBytes) {
+      c.tag = kInlineTag;
+      std::vector<char> message(sizeof c + bytes);
+      std::memcpy(message.data(), &c, sizeof c);
+      if (bytes)
+        std::memcpy(message.data() + sizeof c, from, bytes);
+      return send(peer, std::move(message), kTagControl, what);
+    }
+    c.tag = uint32_t(nextDataTag(peer));
+    if (Status s = sendControl(peer, c, what); !s)
+      return s;
+    return send(peer, std::vector<char>(from, from + bytes), int(c.tag), what);
+  }
+
   Status sendBlock(uint32_t peer, BlockKind kind, uint64_t seq, const void *data, size_t bytes) {
     std::lock_guard<std::mutex> lock(*links[peer].sending);
-    const int tag = nextDataTag(peer);
-    if (Status s = sendControl(peer, Control{Kind::Block, uint32_t(kind), seq, 0, bytes, 0,
-                                             uint32_t(tag), 0},
-                               "a block");
-        !s)
-      return s;
-    if (bytes == 0)
-      return Status::success();
-    const char *from = static_cast<const char *>(data);
-    return send(peer, std::vector<char>(from, from + bytes), tag, "a block");
+    return sendWith(peer, Control{Kind::Block, uint32_t(kind), seq, 0, bytes, 0, 0, 0}, data,
+                    bytes, "a block");
   }
 
   /// Waits, bounded, for the block `seq` of `kind` from each of `peers`;
@@ -772,10 +782,18 @@ private:
     }
     case Kind::Block:
     case Kind::Stop: {
-      std::vector<char> data(c.rows);
-      const int tag = c.kind == Kind::Stop ? kTagControl + 1 : int(c.tag);
-      if (c.rows && !receiveInto(peer, data.data(), data.size(), tag, error))
-        return false;
+      std::vector<char> data;
+      if (c.tag == kInlineTag) {
+        if (c.rows > kInlineBytes) {
+          *error = fmt::format("a block of {} bytes inline", c.rows);
+          return false;
+        }
+        data.assign(inline_, inline_ + c.rows);
+      } else {
+        data.resize(c.rows);
+        if (c.rows && !receiveInto(peer, data.data(), data.size(), int(c.tag), error))
+          return false;
+      }
       std::lock_guard<std::mutex> lock(mailMutex);
       if (c.kind == Kind::Stop) {
         if (stopped.empty())

@@ -58,7 +58,7 @@ from .native import compile, dump, load_trace, simulate_trace
 
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
            "MoeFFN", "MoeFFNFunction", "checks", "compile", "compile_graphs",
-           "compile_layer", "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "load_library",
+           "compile_layer", "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "launched_by_torchrun", "load_library",
            "load_trace", "native", "quant", "reference", "safetensors", "simulate_trace"]
 
 
@@ -84,6 +84,13 @@ _compiled = {}
 def launched_by_mpi():
     """True when this process was started by mpirun (or another PMI launcher)."""
     return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+def launched_by_torchrun():
+    """True when torchrun (torch.distributed.run, torch's elastic agent)
+    started this process: it sets TORCHELASTIC_RUN_ID, RANK and WORLD_SIZE
+    for torch.distributed's env:// rendezvous."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _world_size():

@@ -2,15 +2,13 @@
 (the MPI fabric) or torchrun (the fabric over torch.distributed's world
 group, gloo). The same script runs under either."""
 
-import os
-
 import moec_torch
 
 
 def fabric():
     """"group" under torchrun (torch.distributed initialized here, gloo),
     else "mpi"."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not moec_torch.launched_by_torchrun():
         return "mpi"
     import torch.distributed as dist
     if not dist.is_initialized():

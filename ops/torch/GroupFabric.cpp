@@ -231,21 +231,31 @@ public:
       dropNextSignalTo = peer;
       return Status::success();
     }
-    const bool inline_ = bytes <= kInlineBytes;
-    const size_t head = inline_ ? sizeof(Control) : 0;
-    std::vector<char> data(head + bytes);
-    copyRows(data.data() + head, rowBytes, static_cast<const char *>(src), srcStride, rows,
-             rowBytes);
+    const char *from = static_cast<const char *>(src);
     std::lock_guard<std::mutex> lock(*links[peer].sending);
-    if (inline_) {
-      const Control header{Kind::Put, w.id, offset, dstStride, rows, rowBytes, kInlineTag, 0};
-      std::memcpy(data.data(), &header, sizeof header);
-      if (Status s = send(peer, std::move(data), kTagControl, "a put"); !s)
-        return s;
+    if (rowBytes <= kInlineBytes) {
+      // Whole rows inline, as many messages as it takes: each goes once
+      // one of the peer's posted receives takes it, with no receive of its
+      // own to wait for.
+      const size_t perMessage = kInlineBytes / rowBytes;
+      for (size_t first = 0; first < rows; first += perMessage) {
+        const size_t n = std::min(perMessage, rows - first);
+        std::vector<char> message(sizeof(Control) + n * rowBytes);
+        const Control header{Kind::Put, w.id,       offset + first * dstStride, dstStride, n,
+                             rowBytes,  kInlineTag, 0};
+        std::memcpy(message.data(), &header, sizeof header);
+        copyRows(message.data() + sizeof header, rowBytes, from + first * srcStride, srcStride,
+                 n, rowBytes);
+        if (Status s = send(peer, std::move(message), kTagControl, "a put"); !s)
+          return s;
+      }
     } else {
-      // The rows go on a tag of their own, which the peer receives once
-      // it took the header, before its next control message: they land
-      // before a signal this thread sends after.
+      // Rows longer than a control message's room: the rows on a tag of
+      // their own, which the peer receives once it took the header, before
+      // its next control message (so before a signal this thread sends
+      // after).
+      std::vector<char> data(bytes);
+      copyRows(data.data(), rowBytes, from, srcStride, rows, rowBytes);
       const int tag = nextDataTag(peer);
       const Control header{Kind::Put, w.id, offset, dstStride, rows, rowBytes, uint32_t(tag), 0};
       if (Status s = sendControl(peer, header, "a put's header"); !s)

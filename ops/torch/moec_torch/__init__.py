@@ -110,12 +110,25 @@ def _distributed():
     return dist.is_available() and dist.is_initialized()
 
 
+def _default_fabric():
+    """"mpi" when mpirun started the process, else "group" when
+    torch.distributed is initialized with more than one process, else
+    "inproc"."""
+    if launched_by_mpi():
+        return "mpi"
+    if _distributed():
+        import torch.distributed as dist
+        if dist.get_world_size() > 1:
+            return "group"
+    return "inproc"
+
+
 def _fabric(fabric, group, ranks, tp, who):
     """(fabric, ranks, group): the fabric ("inproc", "mpi" or "group"), the
     EP group's size and the torch.distributed group the ranks are (for
     "group"). Default: "mpi" when mpirun started the process, else "group"
-    over the world group when torch.distributed is initialized, else
-    "inproc". Under "mpi" and "group" the ranks default to the processes
+    over the world group when torch.distributed is initialized with more
+    than one process, else "inproc". Under "mpi" and "group" the ranks default to the processes
     (the group's size) over tp; one process runs one rank of the [ep, tp]
     mesh, rank r of the group the mesh's rank r (ep rank r // tp, tp rank
     r % tp)."""
@@ -126,7 +139,7 @@ def _fabric(fabric, group, ranks, tp, who):
                              "pass fabric='group')")
         fabric = "group"
     if fabric is None:
-        fabric = "mpi" if launched_by_mpi() else "group" if _distributed() else "inproc"
+        fabric = _default_fabric()
     if fabric not in ("inproc", "mpi", "group"):
         raise ValueError(f"moec: fabric must be 'inproc', 'mpi' or 'group', got {fabric!r}")
     processes = None

@@ -370,13 +370,13 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
     alpha = checks.number(lora_alpha, "patch_model: argument 'lora_alpha'") \
         if lora_alpha is not None else float(lora_rank)
-    from . import MoeFFN, _distributed, _fabric, launched_by_mpi  # imported lazily
+    from . import MoeFFN, _default_fabric, _fabric  # the package imports this lazily
     fabric = options.get("fabric")
     if ranks is None:
         # The processes under mpirun or over a torch.distributed group,
         # else 1.
-        spread = launched_by_mpi() or fabric in ("mpi", "group") or \
-            options.get("group") is not None or (fabric is None and _distributed())
+        spread = options.get("group") is not None or \
+            (fabric or _default_fabric()) in ("mpi", "group")
         ranks = _fabric(fabric, options.get("group"), None, options.get("tp", 1),
                         "patch_model")[1] if spread else 1
     group = checks.integer(ranks, "patch_model: argument 'ranks'", minimum=1)

@@ -161,6 +161,45 @@ def test_ranks_with_other_configs_under_torchrun():
                          "different layers", out), out
 
 
+GROUP_OF_ONE = """
+import sys, torch, torch.distributed as dist, moec_torch
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+cfg = {"name": "one", "hidden_size": 64, "intermediate_size": 32, "num_experts": 4,
+       "top_k": 2, "ep": 1, "tp": 1, "seq_size": 64, "dtype": "fp32"}
+torch.manual_seed(0)
+two = moec_torch.MoeFFN(cfg, 2, threads=1)          # a world of one: in process
+print("default with ranks=2:", two.fabric, two.ranks)
+torch.manual_seed(0)
+group = moec_torch.MoeFFN(cfg, fabric="group", threads=1)
+torch.manual_seed(0)
+single = moec_torch.MoeFFN(cfg, 1, fabric="inproc", threads=1)
+print("group:", group.fabric, group.ranks)
+g = torch.Generator().manual_seed(1)
+x = torch.randn(64, 64, generator=g)
+ids = torch.rand(64, 4, generator=g).argsort(dim=1)[:, :2]
+w = torch.rand(64, 2, generator=g)
+print("bitwise:", torch.equal(group(x, ids, w), single(x[None], ids[None], w[None])[0]))
+try:
+    moec_torch.MoeFFN(cfg, 2, group=dist.group.WORLD)
+except ValueError as e:
+    print("refused:", e)
+moec_torch.close_groups()
+"""
+
+
+def test_group_of_one_process(tmp_path):
+    """torch.distributed initialized with one process: MoeFFN(cfg, 2) stays
+    in process; fabric="group" runs one rank over it, bitwise the
+    in-process layer; ranks that the group cannot hold are refused."""
+    run = subprocess.run([sys.executable, "-c", GROUP_OF_ONE, str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "default with ranks=2: inproc 2" in run.stdout, run.stdout
+    assert "group: group 1" in run.stdout and "bitwise: True" in run.stdout, run.stdout
+    assert "refused: moec: MoeFFN: ranks=2 with tp=1 is a mesh of 2 ranks, and the group has 1 " \
+           "processes" in run.stdout, run.stdout
+
+
 # Across 2 simulated hosts: torchrun on each, the c10d rendezvous on
 # moec-h0. //ops/torch:torch_hosts_test runs these alone (-k across_hosts).
 def torchrun_on_hosts(bed, per_host, *args, timeout=240, logs=None, wait=True):

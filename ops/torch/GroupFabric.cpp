@@ -42,7 +42,7 @@ constexpr uint32_t kDataTags = 1u << 24;
 /// receive of a control message has room for them; a message may be
 /// shorter than its receive): one message instead of two, and no wait for
 /// the receiver to post the second.
-constexpr size_t kInlineBytes = 32 * 1024;
+constexpr size_t kInlineBytes = 256 * 1024;
 /// The `tag` of a put whose rows are inline.
 constexpr uint32_t kInlineTag = 0;
 
@@ -231,36 +231,27 @@ public:
       dropNextSignalTo = peer;
       return Status::success();
     }
-    const char *from = static_cast<const char *>(src);
+    // One message up to kInlineBytes of rows, else the header and the rows
+    // on a tag of their own, which the peer receives once it took the
+    // header, before its next control message (so before a signal this
+    // thread sends after). (Rows cut into several inline messages instead
+    // were slower: more messages.)
+    const bool inline_ = bytes <= kInlineBytes;
+    const size_t head = inline_ ? sizeof(Control) : 0;
+    std::vector<char> data(head + bytes);
+    copyRows(data.data() + head, rowBytes, static_cast<const char *>(src), srcStride, rows,
+             rowBytes);
     std::lock_guard<std::mutex> lock(*links[peer].sending);
-    if (rowBytes <= kInlineBytes) {
-      // Whole rows inline, as many messages as it takes: each goes once
-      // one of the peer's posted receives takes it, with no receive of its
-      // own to wait for.
-      const size_t perMessage = kInlineBytes / rowBytes;
-      for (size_t first = 0; first < rows; first += perMessage) {
-        const size_t n = std::min(perMessage, rows - first);
-        std::vector<char> message(sizeof(Control) + n * rowBytes);
-        const Control header{Kind::Put, w.id,       offset + first * dstStride, dstStride, n,
-                             rowBytes,  kInlineTag, 0};
-        std::memcpy(message.data(), &header, sizeof header);
-        copyRows(message.data() + sizeof header, rowBytes, from + first * srcStride, srcStride,
-                 n, rowBytes);
-        if (Status s = send(peer, std::move(message), kTagControl, "a put"); !s)
-          return s;
-      }
+    Control header{Kind::Put, w.id, offset, dstStride, rows, rowBytes, kInlineTag, 0};
+    if (inline_) {
+      std::memcpy(data.data(), &header, sizeof header);
+      if (Status s = send(peer, std::move(data), kTagControl, "a put"); !s)
+        return s;
     } else {
-      // Rows longer than a control message's room: the rows on a tag of
-      // their own, which the peer receives once it took the header, before
-      // its next control message (so before a signal this thread sends
-      // after).
-      std::vector<char> data(bytes);
-      copyRows(data.data(), rowBytes, from, srcStride, rows, rowBytes);
-      const int tag = nextDataTag(peer);
-      const Control header{Kind::Put, w.id, offset, dstStride, rows, rowBytes, uint32_t(tag), 0};
+      header.tag = uint32_t(nextDataTag(peer));
       if (Status s = sendControl(peer, header, "a put's header"); !s)
         return s;
-      if (Status s = send(peer, std::move(data), tag, "a put's rows"); !s)
+      if (Status s = send(peer, std::move(data), int(header.tag), "a put's rows"); !s)
         return s;
     }
     sentBytes[peer] += bytes;

@@ -13,7 +13,7 @@
 //             is collective: the ranks meet through a bounded exchange that
 //             also checks the sizes)
 //   put       a control message on the fabric's control tag (window,
-//             offset, stride, rows) with the rows after it, up to 32 KiB;
+//             offset, stride, rows) with the rows after it, up to 256 KiB;
 //             larger ones: the control message with the tag of the data,
 //             then the rows in one message on that tag; put() returns
 //             once both are issued (the copy frees the source), and a

@@ -6,6 +6,8 @@
 
 #include "ops/torch/GroupFabric.h"
 
+#include "runtime/comm/DropPut.h"
+
 #include "base/Time.h"
 
 #include <ATen/ATen.h>
@@ -69,16 +71,6 @@ struct Control {
   uint32_t tag;
   uint32_t task;
 };
-
-/// The test hook MOEC_TEST_DROP_PUT=RANK:N, as on the MPI fabric: rank RANK
-/// drops the N-th put it makes to a peer, and the signal that follows it
-/// from the same thread to the same peer (the peer then waits for that
-/// signal, as it would for a lost message).
-struct DropPut {
-  int64_t rank = -1;
-  uint64_t nth = 0;
-};
-thread_local int64_t dropNextSignalTo = -1;
 
 class GroupFabricImpl;
 
@@ -168,43 +160,43 @@ public:
   uint32_t localRanks() const override { return 1; }
 
   Status createWindow(size_t bytes, std::unique_ptr<Window> *out) override {
-    uint32_t id;
-    {
-      std::lock_guard<std::mutex> lock(objectsMutex);
-      id = nextObject++;
-    }
-    if (Status s = agreeOnObject("window", id, bytes); !s)
-      return s;
-    std::unique_ptr<GroupWindow> window;
-    try {
-      window = std::make_unique<GroupWindow>(*this, id, bytes);
-    } catch (const std::bad_alloc &) {
-      return Status::error(fmt::format("rank {}: process-group fabric: out of memory for a "
-                                       "window of {} bytes",
-                                       me, bytes));
-    }
-    {
-      std::lock_guard<std::mutex> lock(objectsMutex);
-      windows[id] = window.get();
-    }
-    *out = std::move(window);
-    return Status::success();
+    return create("window", bytes, windows, out, [&](uint32_t id) {
+      return std::make_unique<GroupWindow>(*this, id, bytes);
+    });
   }
 
   Status createInbox(uint32_t events, std::unique_ptr<Inbox> *out) override {
+    return create("inbox", events, inboxes, out, [&](uint32_t id) {
+      return std::make_unique<GroupInbox>(*this, id, events);
+    });
+  }
+
+  /// Makes object `what` of `size` (a window's bytes, an inbox's events)
+  /// with make(id): numbered in creation order, the same on every rank
+  /// (agreed, bounded), and entered in `registry` for the receiving threads.
+  template <typename Object, typename Base, typename Make>
+  Status create(const char *what, uint64_t size, std::map<uint32_t, Object *> &registry,
+                std::unique_ptr<Base> *out, Make make) {
     uint32_t id;
     {
       std::lock_guard<std::mutex> lock(objectsMutex);
       id = nextObject++;
     }
-    if (Status s = agreeOnObject("inbox", id, events); !s)
+    if (Status s = agreeOnObject(what, id, size); !s)
       return s;
-    auto inbox = std::make_unique<GroupInbox>(*this, id, events);
+    std::unique_ptr<Object> object;
+    try {
+      object = make(id);
+    } catch (const std::bad_alloc &) {
+      return Status::error(fmt::format("rank {}: process-group fabric: out of memory for {} {} "
+                                       "of size {}",
+                                       me, what, id, size));
+    }
     {
       std::lock_guard<std::mutex> lock(objectsMutex);
-      inboxes[id] = inbox.get();
+      registry[id] = object.get();
     }
-    *out = std::move(inbox);
+    *out = std::move(object);
     return Status::success();
   }
 
@@ -227,10 +219,8 @@ public:
     const size_t bytes = rows * rowBytes;
     if (bytes == 0)
       return Status::success();
-    if (drop.rank == int64_t(me) && putsToPeers.fetch_add(1) + 1 == drop.nth) {
-      dropNextSignalTo = peer;
+    if (drop.dropsPut(me, peer, putsToPeers)) // a test hook
       return Status::success();
-    }
     // One message up to kInlineBytes of rows, else the header and the rows
     // on a tag of their own, which the peer receives once it took the
     // header, before its next control message (so before a signal this
@@ -262,10 +252,8 @@ public:
                     uint32_t task) {
     if (Status s = usable(); !s)
       return s;
-    if (dropNextSignalTo == int64_t(peer)) {
-      dropNextSignalTo = -1;
+    if (comm::DropPut::dropsSignal(peer))
       return Status::success();
-    }
     std::lock_guard<std::mutex> lock(*links[peer].sending);
     return sendControl(peer, Control{Kind::Signal, inbox, event, delta, 0, 0, 0, task},
                        "a signal");
@@ -881,7 +869,7 @@ private:
   }
 
 public:
-  DropPut drop;
+  comm::DropPut drop; ///< the test hook MOEC_TEST_DROP_PUT
   /// A measurement mode (MOEC_LOCAL_PUTS=1 when the fabric is made), as the
   /// MPI fabric's MpiOptions::localPuts: puts copy into this process's own
   /// window, signals still cross; a pass's time against a normal one is
@@ -975,15 +963,8 @@ Status groupFabric(const c10::intrusive_ptr<c10d::ProcessGroup> &group, double t
     return Status::success();
   }
   auto fabric = std::make_shared<GroupFabricImpl>(group, timeoutSeconds);
-  if (const char *value = std::getenv("MOEC_TEST_DROP_PUT")) {
-    long long rank = -1;
-    unsigned long long nth = 0;
-    if (std::sscanf(value, "%lld:%llu", &rank, &nth) != 2 || rank < 0 || nth == 0)
-      return Status::error(fmt::format("MOEC_TEST_DROP_PUT='{}': expected RANK:N (N >= 1), "
-                                       "e.g. 1:3 for the third put rank 1 makes to a peer",
-                                       value));
-    fabric->drop = DropPut{rank, nth};
-  }
+  if (Status s = comm::DropPut::fromEnvironment(&fabric->drop); !s)
+    return s;
   if (const char *value = std::getenv("MOEC_LOCAL_PUTS"))
     fabric->localPuts = std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
   // gloo closes a group's connections when a receive waits longer than the

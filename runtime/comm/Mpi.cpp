@@ -9,6 +9,7 @@
 #include "runtime/comm/Mpi.h"
 
 #include "base/Time.h"
+#include "runtime/comm/DropPut.h"
 
 #include <fmt/format.h>
 #include <mpi.h>
@@ -96,16 +97,6 @@ struct Control {
   uint32_t unused = 0;
 };
 constexpr size_t kControlBytes = sizeof(Control) + kInlineBytes;
-
-/// A put the test hook MOEC_TEST_DROP_PUT=RANK:N drops: the N-th put rank
-/// RANK makes to another rank, and the signal that follows it from the same
-/// thread to the same peer (a peer then waits for that signal, as it would
-/// for a lost message).
-struct DropPut {
-  int64_t rank = -1;
-  uint64_t nth = 0;
-};
-thread_local int64_t dropNextSignalTo = -1;
 
 /// Copies `rows` rows of `rowBytes` from `src` (`srcStride` apart) to `dst`
 /// (`dstStride` apart).
@@ -331,10 +322,8 @@ public:
       copyRows(shared.memory.base + offset, dstStride, from, srcStride, rows, rowBytes);
       return Status::success();
     }
-    if (drop.rank == int64_t(me) && putsToPeers.fetch_add(1) + 1 == drop.nth) {
-      dropNextSignalTo = peer;
+    if (drop.dropsPut(me, peer, putsToPeers))
       return Status::success();
-    }
     sentBytes[peer].fetch_add(rows * rowBytes);
     if (sharesMemory(peer)) {
       copyRows(shared.memory.peer[peer] + offset, dstStride, from, srcStride, rows, rowBytes);
@@ -1060,10 +1049,8 @@ uint64_t MpiInbox::lastSignaller(uint32_t, uint32_t event) const {
 }
 
 Status MpiInbox::signal(uint32_t peer, uint32_t event, uint64_t delta, uint32_t task) {
-  if (dropNextSignalTo == int64_t(peer)) {
-    dropNextSignalTo = -1;
+  if (DropPut::dropsSignal(peer))
     return Status::success();
-  }
   if (owner.sharesMemory(peer)) {
     // After this thread's stores of the rows (seq_cst orders them).
     uint64_t *theirs = reinterpret_cast<uint64_t *>(memory.peer[peer]);
@@ -1382,15 +1369,8 @@ Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options) 
     if (std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0)
       chosen.noSharedMemory = true;
   DropPut drop;
-  if (const char *value = std::getenv("MOEC_TEST_DROP_PUT")) {
-    long long rank = -1;
-    unsigned long long nth = 0;
-    if (std::sscanf(value, "%lld:%llu", &rank, &nth) != 2 || rank < 0 || nth == 0)
-      return Status::error(fmt::format("MOEC_TEST_DROP_PUT='{}': expected RANK:N (N >= 1), "
-                                       "e.g. 1:3 for the third put rank 1 makes to a peer",
-                                       value));
-    drop = DropPut{rank, nth};
-  }
+  if (Status s = DropPut::fromEnvironment(&drop); !s)
+    return s;
   // Every rank meets the others, bounded, before the collectives that
   // create the fabric (which have no timeout).
   std::lock_guard<std::mutex> lock(meeting().mutex);

@@ -2,6 +2,10 @@
 (the MPI fabric) or torchrun (the fabric over torch.distributed's world
 group, gloo). The same script runs under either."""
 
+import os
+import sys
+import time
+
 import moec_torch
 
 
@@ -30,3 +34,20 @@ def finish():
         moec_torch.close_groups()
     else:
         moec_torch.finalize_mpi()
+
+
+def expect_error(rank, run):
+    """Calls run(mark); prints "rank r: raised after T s: <the error>" for
+    the RuntimeError it raises (T since run's start, or since its last
+    call of mark()), or "rank r: no error", and ends the process at once
+    with 0 or 1 (the job's fabric is not usable after a failure)."""
+    start = [time.monotonic()]
+    try:
+        run(lambda: start.__setitem__(0, time.monotonic()))
+        print(f"rank {rank}: no error", flush=True)
+        code = 1
+    except RuntimeError as e:
+        print(f"rank {rank}: raised after {time.monotonic() - start[0]:.1f} s: {e}", flush=True)
+        code = 0
+    sys.stdout.flush()
+    os._exit(code)

@@ -3,11 +3,8 @@ test_torchrun.py) with MOEC_TEST_DROP_PUT=1:2: rank
 1 drops its second put to rank 0 and the signal after it, so rank 0's
 forward pass waits for it until the watchdog (timeout_seconds=3) fires.
 Every rank's forward must raise; rank 0's error must carry the report of
-both ranks. Prints "rank r: raised: <the error>" and ends the process at
-once (the job's fabric is not usable after a stop)."""
-
-import os
-import sys
+both ranks. Prints "rank r: raised after T s: <the error>" and ends the
+process at once (the job's fabric is not usable after a stop)."""
 
 import torch
 
@@ -26,15 +23,7 @@ def main():
     x = torch.randn(128, 64, generator=g)
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(128)])
     weights = torch.rand(128, 2, generator=g)
-    try:
-        layer(x, ids, weights)
-        print(f"rank {rank}: no error", flush=True)
-        code = 1
-    except RuntimeError as e:
-        print(f"rank {rank}: raised: {e}", flush=True)
-        code = 0
-    sys.stdout.flush()
-    os._exit(code)
+    launcher.expect_error(rank, lambda mark: layer(x, ids, weights))
 
 
 if __name__ == "__main__":

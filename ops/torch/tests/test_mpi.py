@@ -123,17 +123,22 @@ def test_hf_model_under_mpirun(tmp_path, family, layout, ranks):
         assert f"rank {r}: hf ok" in run.stdout, run.stdout
 
 
-def test_hf_example_under_mpirun(tmp_path):
-    """examples/hf/finetune.py's train and check under mpirun -np 2: the
-    losses of PEFT's LoRA in one process, the adapters reloaded."""
+def hf_example_runs(tmp_path, launch):
+    """examples/hf/finetune.py's train and check in 2 processes that
+    `launch` (mpirun, or test_torchrun's torchrun) starts: the losses of
+    PEFT's LoRA in one process, the adapters reloaded bit for bit."""
     from test_hf import FINETUNE
     one = subprocess.run([sys.executable, str(FINETUNE), "make-checkpoint", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert one.returncode == 0, one.stdout + one.stderr
     for command in ("train", "check"):
-        run = mpirun(2, FINETUNE, command, tmp_path, "--steps", "8")
+        run = launch(2, FINETUNE, command, tmp_path, "--steps", "8")
         assert run.returncode == 0, run.stdout + run.stderr
     assert "bit for bit" in run.stdout, run.stdout
+
+
+def test_hf_example_under_mpirun(tmp_path):
+    hf_example_runs(tmp_path, mpirun)
 
 
 def toy_training_matches_one_process(tmp_path, hosts=None):
@@ -179,9 +184,16 @@ def stopped_job_reports_every_rank(hosts=None):
     did not arrive."""
     run = mpirun(2, HERE / "mpi_stop_check.py", hosts=hosts, timeout=120,
                  extra_env={"MOEC_TEST_DROP_PUT": "1:2"})
+    check_stop_report(run)
+
+
+def check_stop_report(run):
+    """The output of mpi_stop_check.py with a put dropped (under mpirun or
+    torchrun): what stopped_job_reports_every_rank says."""
     out = run.stdout
-    assert "rank 0: raised: moec forward: [rank 0]" in out, out + run.stderr
-    assert "rank 1: raised: moec forward: [rank 1]" in out, out + run.stderr
+    for r in range(2):
+        assert re.search(rf"rank {r}: raised after [\d.]+ s: moec forward: \[rank {r}\]", out), \
+            out + run.stderr
     assert "report of the 2 ranks, gathered on rank 0:" in out, out
     assert re.search(r"^  \[rank 0\] .*waits for event \d+ 'dispatch\[[\d.]+\]' .*"
                      r"signalled by rank 1 \(\d+ of \d+ arrived, 1 missing\)", out, re.M), out

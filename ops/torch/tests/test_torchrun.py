@@ -33,7 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_mpi import HERE, TOY, free_port, hosts  # noqa: F401 (hosts: a fixture)
+from test_mpi import (HERE, TOY, check_stop_report, free_port, hf_example_runs,  # noqa: F401
+                      hosts)  # (a fixture)
 
 TORCHRUN = shutil.which("torchrun") or "torchrun"
 
@@ -73,17 +74,7 @@ def test_hf_model_under_torchrun(tmp_path):
 
 
 def test_hf_example_under_torchrun(tmp_path):
-    """examples/hf/finetune.py's train and check under torchrun
-    --nproc_per_node 2: the losses of PEFT's LoRA in one process, the
-    adapters reloaded bit for bit."""
-    from test_hf import FINETUNE
-    one = subprocess.run([sys.executable, str(FINETUNE), "make-checkpoint", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert one.returncode == 0, one.stdout + one.stderr
-    for command in ("train", "check"):
-        run = torchrun(2, FINETUNE, command, tmp_path, "--steps", "8")
-        assert run.returncode == 0, run.stdout + run.stderr
-    assert "bit for bit" in run.stdout, run.stdout
+    hf_example_runs(tmp_path, torchrun)
 
 
 def one_process_toy(tmp_path):
@@ -127,15 +118,8 @@ def test_toy_training_loss_falls_under_torchrun():
 
 
 def test_stopped_job_under_torchrun_reports_every_rank():
-    run = torchrun(2, HERE / "mpi_stop_check.py", timeout=120,
-                   extra_env={"MOEC_TEST_DROP_PUT": "1:2"})
-    out = run.stdout
-    assert "rank 0: raised: moec forward: [rank 0]" in out, out + run.stderr
-    assert "rank 1: raised: moec forward: [rank 1]" in out, out + run.stderr
-    assert "report of the 2 ranks, gathered on rank 0:" in out, out
-    assert re.search(r"^  \[rank 0\] .*waits for event \d+ 'dispatch\[[\d.]+\]' .*"
-                     r"signalled by rank 1 \(\d+ of \d+ arrived, 1 missing\)", out, re.M), out
-    assert re.search(r"^  \[rank 1\] .*signalled by rank 0 \(\d+ of \d+ arrived", out, re.M), out
+    check_stop_report(torchrun(2, HERE / "mpi_stop_check.py", timeout=120,
+                               extra_env={"MOEC_TEST_DROP_PUT": "1:2"}))
 
 
 def test_rank_killed_mid_pass_under_torchrun():

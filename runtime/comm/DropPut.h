@@ -1,0 +1,42 @@
+//===- DropPut.h - The test hook that loses a put ---------------*- C++ -*-===//
+//
+// MOEC_TEST_DROP_PUT=RANK:N makes rank RANK drop the N-th put it makes to
+// another rank, and the signal that follows it from the same thread to the
+// same peer: the peer then waits for that signal as it would for a message
+// lost on its way, which is how the tests reach the watchdog and the report
+// of a stopped job. The fabrics of several processes honour it (the MPI
+// fabric, and the torch op's fabric over a torch.distributed group).
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_COMM_DROPPUT_H
+#define MOEC_RUNTIME_COMM_DROPPUT_H
+
+#include "base/Status.h"
+
+#include <atomic>
+#include <cstdint>
+
+namespace moec::comm {
+
+struct DropPut {
+  int64_t rank = -1; ///< -1: no put is dropped
+  uint64_t nth = 0;
+
+  /// The hook as MOEC_TEST_DROP_PUT says (none when it is unset); an error
+  /// naming the value when it is not RANK:N with N >= 1.
+  static Status fromEnvironment(DropPut *out);
+
+  /// Counts, in `puts`, a put that rank `me` makes to `peer`: true when it
+  /// is the one to drop; the calling thread's next signal to `peer` is then
+  /// dropped too (dropsSignal).
+  bool dropsPut(uint32_t me, uint32_t peer, std::atomic<uint64_t> &puts) const;
+
+  /// True, once, for the calling thread's signal to `peer` after a dropped
+  /// put.
+  static bool dropsSignal(uint32_t peer);
+};
+
+} // namespace moec::comm
+
+#endif // MOEC_RUNTIME_COMM_DROPPUT_H

@@ -4,7 +4,7 @@ torch.distributed's world group (gloo): moec's process-group fabric.
   - the op's forward and backward, bit for bit against the one-process op
     and against autograd (mpi_layer_check.py, which runs under either
     launcher): fp32 and bf16, LoRA, main_grad, frozen, FP8 dispatch, ETP,
-    a quantized base;
+    a quantized base; two EP groups of new_group inside a world of 4;
   - dispatch and combine as ops of their own (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py): bitwise the one-process
     run after 4 steps, and the loss falls; a patched Hugging Face-structured
@@ -57,6 +57,16 @@ def test_op_under_torchrun(ranks, dtype, hot, variant, tp):
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(ranks):
         assert f"rank {r}: ok: bitwise equal to the one-process op" in run.stdout, run.stdout
+
+
+def test_ep_groups_inside_data_parallelism_under_torchrun():
+    """4 processes, two EP groups of 2 (new_group([0, 1]), new_group([2,
+    3])), each layer over its own group: bitwise the one-process layer on
+    that group's inputs (group_subgroups_check.py)."""
+    run = torchrun(4, HERE / "group_subgroups_check.py")
+    assert run.returncode == 0, run.stdout + run.stderr
+    for world, (g, r) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        assert f"rank {world} (group {g}, rank {r}): ok" in run.stdout, run.stdout
 
 
 def test_exchange_under_torchrun():

@@ -4,7 +4,8 @@ torch.distributed's world group (gloo): moec's process-group fabric.
   - the op's forward and backward, bit for bit against the one-process op
     and against autograd (mpi_layer_check.py, which runs under either
     launcher): fp32 and bf16, LoRA, main_grad, frozen, FP8 dispatch, ETP,
-    a quantized base; two EP groups of new_group inside a world of 4;
+    a quantized base; two EP groups of new_group inside a world of 4; a
+    layer idle longer than its group's timeout;
   - dispatch and combine as ops of their own (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py): bitwise the one-process
     run after 4 steps, and the loss falls; a patched Hugging Face-structured
@@ -67,6 +68,16 @@ def test_ep_groups_inside_data_parallelism_under_torchrun():
     assert run.returncode == 0, run.stdout + run.stderr
     for world, (g, r) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
         assert f"rank {world} (group {g}, rank {r}): ok" in run.stdout, run.stdout
+
+
+def test_layer_idle_longer_than_the_group_timeout():
+    """A group with a 2 s timeout, 7 s without a pass between two passes:
+    the fabric's keep-alive messages keep gloo from closing the group
+    (group_idle_check.py; without them the second pass fails)."""
+    run = torchrun(2, HERE / "group_idle_check.py", timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(2):
+        assert f"rank {r}: idle ok" in run.stdout, run.stdout
 
 
 def test_exchange_under_torchrun():

@@ -6,9 +6,8 @@
 
 #include "ops/torch/GroupFabric.h"
 
-#include "runtime/comm/DropPut.h"
-
 #include "base/Time.h"
+#include "runtime/comm/Hooks.h"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -22,6 +21,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -29,6 +29,7 @@ namespace moec::torchop {
 
 namespace {
 
+using comm::copyRows;
 using comm::Fabric;
 using comm::Inbox;
 using comm::Traffic;
@@ -71,6 +72,9 @@ struct Control {
   uint32_t tag;
   uint32_t task;
 };
+
+/// What awaitBlocks got: per rank, its block, or none.
+using Blocks = std::vector<std::optional<std::vector<char>>>;
 
 class GroupFabricImpl;
 
@@ -134,14 +138,7 @@ public:
       : group(std::move(group)), me(uint32_t(this->group->getRank())),
         count(uint32_t(this->group->getSize())), timeoutSeconds(timeoutSeconds),
         sentBytes(count), arrivedBytes(count), dataTag(count), closedBy(count, false),
-        links(count) {
-    for (auto &v : sentBytes)
-      v = 0;
-    for (auto &v : arrivedBytes)
-      v = 0;
-    for (auto &v : dataTag)
-      v = 0;
-  }
+        links(count) {}
 
   /// Starts the receiving threads and the keep-alive (a message to every
   /// peer each `aliveSeconds`), then meets every rank (bounded).
@@ -267,7 +264,7 @@ public:
       if (p != me)
         if (Status s = sendBlock(p, BlockKind::Exchange, seq, mine, bytes); !s)
           return s;
-    std::vector<std::vector<char>> blocks;
+    Blocks blocks;
     if (Status s = awaitBlocks(BlockKind::Exchange, seq, allPeers(), timeoutSeconds, &blocks,
                                "the exchange");
         !s)
@@ -275,12 +272,12 @@ public:
     for (uint32_t p = 0; p < count; ++p) {
       if (p == me)
         continue;
-      if (blocks[p].size() != bytes)
+      if (blocks[p]->size() != bytes)
         return Status::error(fmt::format("rank {}: rank {} contributed {} bytes to exchange {}, "
                                          "this rank {} bytes (the ranks run different programs)",
-                                         me, p, blocks[p].size(), seq, bytes));
+                                         me, p, blocks[p]->size(), seq, bytes));
       if (bytes)
-        std::memcpy(static_cast<char *>(all) + size_t(p) * bytes, blocks[p].data(), bytes);
+        std::memcpy(static_cast<char *>(all) + size_t(p) * bytes, blocks[p]->data(), bytes);
     }
     return Status::success();
   }
@@ -298,17 +295,17 @@ public:
       return sendBlock(0, BlockKind::Gather, seq, mine, bytes);
     if (bytes)
       std::memcpy(all, mine, bytes);
-    std::vector<std::vector<char>> blocks;
+    Blocks blocks;
     if (Status s = awaitBlocks(BlockKind::Gather, seq, allPeers(), timeoutSeconds, &blocks,
                                "the gather on rank 0");
         !s)
       return s;
     for (uint32_t p = 1; p < count; ++p) {
-      if (blocks[p].size() != bytes)
+      if (blocks[p]->size() != bytes)
         return Status::error(fmt::format("rank 0: rank {} gathered {} bytes, this rank {}", p,
-                                         blocks[p].size(), bytes));
+                                         blocks[p]->size(), bytes));
       if (bytes)
-        std::memcpy(static_cast<char *>(all) + size_t(p) * bytes, blocks[p].data(), bytes);
+        std::memcpy(static_cast<char *>(all) + size_t(p) * bytes, blocks[p]->data(), bytes);
     }
     return Status::success();
   }
@@ -325,7 +322,7 @@ public:
       if (p != me)
         if (Status s = sendBlock(p, BlockKind::Finish, seq, nullptr, 0); !s)
           return s;
-    std::vector<std::vector<char>> blocks;
+    Blocks blocks;
     return awaitBlocks(BlockKind::Finish, seq, allPeers(), timeoutSeconds, &blocks,
                        "the end of the job");
   }
@@ -334,8 +331,7 @@ public:
     std::string reason = report.substr(0, std::min(report.find("; "), report.find(". ")));
     if (reason.size() > 300)
       reason = reason.substr(0, 300) + "...";
-    const double saved = timeoutSeconds;
-    sendTimeoutSeconds = std::min(saved, seconds);
+    sendTimeoutSeconds = std::min(timeoutSeconds, seconds);
     for (uint32_t p = 0; p < count; ++p)
       if (p != me) {
         std::lock_guard<std::mutex> lock(*links[p].sending);
@@ -346,7 +342,7 @@ public:
     if (me != 0) {
       bool taken = false;
       if (sendBlock(0, BlockKind::Report, 1, report.data(), report.size())) {
-        std::vector<std::vector<char>> blocks;
+        Blocks blocks;
         taken = bool(awaitBlocks(BlockKind::Taken, 1, {0}, seconds, &blocks, "the report",
                                  /*evenIfStopped=*/true));
       }
@@ -355,7 +351,7 @@ public:
                           "died, or cannot be reached)\n",
                           me, seconds);
     } else {
-      std::vector<std::vector<char>> blocks;
+      Blocks blocks;
       std::vector<uint32_t> peers = allPeers();
       (void)awaitBlocks(BlockKind::Report, 1, peers, seconds, &blocks, "the reports",
                         /*evenIfStopped=*/true);
@@ -363,9 +359,9 @@ public:
       for (uint32_t p = 0; p < count; ++p) {
         if (p == me) {
           out += fmt::format("  [rank {}] {}\n", p, report);
-        } else if (!blocks.empty() && haveBlock[p]) {
+        } else if (blocks[p]) {
           out += fmt::format("  [rank {}] {}\n", p,
-                             std::string(blocks[p].begin(), blocks[p].end()));
+                             std::string(blocks[p]->begin(), blocks[p]->end()));
           (void)sendBlock(p, BlockKind::Taken, 1, nullptr, 0);
         } else {
           out += fmt::format("  [rank {}] no report within {:.3g} s (it died, waits outside "
@@ -452,16 +448,6 @@ private:
     std::atomic<bool> down{false};
   };
 
-  static void copyRows(char *dst, size_t dstStride, const char *src, size_t srcStride,
-                       size_t rows, size_t rowBytes) {
-    if (rowBytes == srcStride && rowBytes == dstStride) {
-      std::memcpy(dst, src, rows * rowBytes);
-      return;
-    }
-    for (size_t i = 0; i < rows; ++i)
-      std::memcpy(dst + i * dstStride, src + i * srcStride, rowBytes);
-  }
-
   std::vector<uint32_t> allPeers() const {
     std::vector<uint32_t> peers;
     for (uint32_t p = 0; p < count; ++p)
@@ -490,9 +476,6 @@ private:
     return Status::error(broken);
   }
 
-  /// Sends `message` to `peer` on `tag` and waits, bounded, until it left.
-  /// On a failure the message and its work are kept: the group may still
-  /// hold them.
   /// Sends `message` to `peer` on `tag`: issues the send and returns; the
   /// completing thread waits for it to leave, bounded (sendTimeoutSeconds),
   /// and keeps the message until then. Sends to one peer on one tag leave
@@ -599,16 +582,15 @@ private:
   /// peer stops the job (unless `evenIfStopped`); the error names the peers
   /// that did not come.
   Status awaitBlocks(BlockKind kind, uint64_t seq, const std::vector<uint32_t> &peers,
-                     double seconds, std::vector<std::vector<char>> *blocks, const char *what,
+                     double seconds, Blocks *blocks, const char *what,
                      bool evenIfStopped = false) {
-    blocks->assign(count, {});
-    haveBlock.assign(count, false);
+    blocks->assign(count, std::nullopt);
     const Clock::time_point start = Clock::now();
     std::unique_lock<std::mutex> lock(mailMutex);
     for (;;) {
       std::vector<uint32_t> absent;
       for (uint32_t p : peers) {
-        if (haveBlock[p])
+        if ((*blocks)[p])
           continue;
         auto &queue = mail[{uint32_t(kind), p}];
         // Blocks of an earlier round that failed are skipped.
@@ -617,7 +599,6 @@ private:
         if (!queue.empty() && queue.front().first == seq) {
           (*blocks)[p] = std::move(queue.front().second);
           queue.pop_front();
-          haveBlock[p] = true;
         } else if (!queue.empty()) {
           return Status::error(fmt::format("rank {}: rank {} is at {} {} of kind {}, this rank "
                                            "at {} (the ranks run different programs)",
@@ -813,14 +794,15 @@ private:
       if (it != windows.end() && c.offset <= it->second->size && span <= it->second->size - c.offset)
         dst = it->second->memory.get() + c.offset;
     }
+    const auto noWindow = [&] {
+      noteError(fmt::format("rank {}: rank {} put {} bytes at offset {} of window {}, which this "
+                            "rank does not have or is smaller (the ranks run different programs)",
+                            me, peer, bytes, c.offset, c.object));
+      return true; // the connection is fine
+    };
     if (c.tag == kInlineTag) {
-      if (bytes > kInlineBytes || !dst) {
-        noteError(fmt::format("rank {}: rank {} put {} bytes at offset {} of window {}, which "
-                              "this rank does not have or is smaller (the ranks run different "
-                              "programs)",
-                              me, peer, bytes, c.offset, c.object));
-        return true;
-      }
+      if (bytes > kInlineBytes || !dst)
+        return noWindow();
       copyRows(dst, c.stride, inline_, c.rowBytes, c.rows, c.rowBytes);
     } else if (dst && c.stride == c.rowBytes) {
       if (!receiveInto(peer, dst, bytes, int(c.tag), error))
@@ -829,13 +811,8 @@ private:
       std::vector<char> rows(bytes);
       if (!receiveInto(peer, rows.data(), bytes, int(c.tag), error))
         return false;
-      if (!dst) {
-        noteError(fmt::format("rank {}: rank {} put {} bytes at offset {} of window {}, which "
-                              "this rank does not have or is smaller (the ranks run different "
-                              "programs)",
-                              me, peer, bytes, c.offset, c.object));
-        return true;
-      }
+      if (!dst)
+        return noWindow();
       copyRows(dst, c.stride, rows.data(), c.rowBytes, c.rows, c.rowBytes);
     }
     arrivedBytes[peer] += bytes;
@@ -870,11 +847,7 @@ private:
 
 public:
   comm::DropPut drop; ///< the test hook MOEC_TEST_DROP_PUT
-  /// A measurement mode (MOEC_LOCAL_PUTS=1 when the fabric is made), as the
-  /// MPI fabric's MpiOptions::localPuts: puts copy into this process's own
-  /// window, signals still cross; a pass's time against a normal one is
-  /// the communication it leaves exposed. The outputs are wrong.
-  bool localPuts = false;
+  bool localPuts = false; ///< the measurement mode MOEC_LOCAL_PUTS (comm/Hooks.h)
 
 private:
   std::atomic<uint64_t> putsToPeers{0};
@@ -897,7 +870,6 @@ private:
   std::mutex mailMutex;
   std::condition_variable mailCv;
   std::map<std::pair<uint32_t, uint32_t>, std::deque<std::pair<uint64_t, std::vector<char>>>> mail;
-  std::vector<bool> haveBlock;
   std::string broken, stopped, downReason;
   std::vector<bool> closedBy;
   std::vector<Link> links;
@@ -965,8 +937,7 @@ Status groupFabric(const c10::intrusive_ptr<c10d::ProcessGroup> &group, double t
   auto fabric = std::make_shared<GroupFabricImpl>(group, timeoutSeconds);
   if (Status s = comm::DropPut::fromEnvironment(&fabric->drop); !s)
     return s;
-  if (const char *value = std::getenv("MOEC_LOCAL_PUTS"))
-    fabric->localPuts = std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+  fabric->localPuts = comm::localPutsRequested();
   // gloo closes a group's connections when a receive waits longer than the
   // group's timeout (30 minutes unless the program set it): a message goes
   // to every peer well before.

@@ -51,6 +51,7 @@
 
 #include "ops/torch/GroupFabric.h"
 #include "runtime/api/Runtime.h"
+#include "runtime/comm/Hooks.h"
 #include "runtime/comm/Mpi.h"
 #include "runtime/cpu/Fp8.h"
 #include "runtime/tooling/Profile.h"
@@ -357,10 +358,7 @@ moec::rt::ContextOptions contextOptions(int64_t workers, double timeoutSeconds,
   if (fabric.name == "mpi") {
     moec::comm::MpiOptions mpi;
     mpi.timeoutSeconds = timeoutSeconds;
-    // A measurement mode: puts into this process's own memory
-    // (MpiOptions::localPuts; the process-group fabric reads it too).
-    if (const char *value = std::getenv("MOEC_LOCAL_PUTS"))
-      mpi.localPuts = std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+    mpi.localPuts = moec::comm::localPutsRequested(); // a measurement mode
     check(moec::comm::createMpiFabric(&options.fabric, mpi), "MPI fabric");
   } else if (fabric.name == "group") {
     TORCH_CHECK(std::isfinite(fabric.groupTimeoutSeconds) && fabric.groupTimeoutSeconds > 0,

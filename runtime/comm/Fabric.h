@@ -48,6 +48,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 namespace moec::comm {
@@ -189,6 +190,18 @@ public:
     return report;
   }
 };
+
+/// Copies `rows` rows of `rowBytes` from `src` (`srcStride` apart) to `dst`
+/// (`dstStride` apart): a put's rows, for the fabrics.
+inline void copyRows(char *dst, size_t dstStride, const char *src, size_t srcStride,
+                     size_t rows, size_t rowBytes) {
+  if (rowBytes == srcStride && rowBytes == dstStride) {
+    std::memcpy(dst, src, rows * rowBytes);
+    return;
+  }
+  for (size_t i = 0; i < rows; ++i)
+    std::memcpy(dst + i * dstStride, src + i * srcStride, rowBytes);
+}
 
 /// Returns the in-process fabric of `ranks` ranks, all run by this process.
 std::shared_ptr<Fabric> inProcessFabric(uint32_t ranks);

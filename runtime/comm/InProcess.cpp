@@ -82,14 +82,8 @@ public:
 
   Status put(const Window &window, uint32_t peer, size_t offset, size_t dstStride,
              const void *src, size_t srcStride, size_t rows, size_t rowBytes) override {
-    char *dst = static_cast<char *>(window.local(peer)) + offset;
-    const char *from = static_cast<const char *>(src);
-    if (rowBytes == srcStride && rowBytes == dstStride) {
-      std::memcpy(dst, from, rows * rowBytes);
-      return Status::success();
-    }
-    for (size_t i = 0; i < rows; ++i)
-      std::memcpy(dst + i * dstStride, from + i * srcStride, rowBytes);
+    copyRows(static_cast<char *>(window.local(peer)) + offset, dstStride,
+             static_cast<const char *>(src), srcStride, rows, rowBytes);
     return Status::success();
   }
 

@@ -9,7 +9,7 @@
 #include "runtime/comm/Mpi.h"
 
 #include "base/Time.h"
-#include "runtime/comm/DropPut.h"
+#include "runtime/comm/Hooks.h"
 
 #include <fmt/format.h>
 #include <mpi.h>
@@ -97,18 +97,6 @@ struct Control {
   uint32_t unused = 0;
 };
 constexpr size_t kControlBytes = sizeof(Control) + kInlineBytes;
-
-/// Copies `rows` rows of `rowBytes` from `src` (`srcStride` apart) to `dst`
-/// (`dstStride` apart).
-void copyRows(char *dst, size_t dstStride, const char *src, size_t srcStride, size_t rows,
-              size_t rowBytes) {
-  if (rowBytes == srcStride && rowBytes == dstStride) {
-    std::memcpy(dst, src, rows * rowBytes);
-    return;
-  }
-  for (size_t i = 0; i < rows; ++i)
-    std::memcpy(dst + i * dstStride, src + i * srcStride, rowBytes);
-}
 
 /// An hvector of `rows` blocks of `rowBytes` bytes, `stride` apart, or
 /// MPI_BYTE (with *count the byte count) when the rows are contiguous.

@@ -1,10 +1,11 @@
 """Faults of a job over a torch.distributed group, under torchrun with 2
 processes (by test_torchrun.py), timeout_seconds 3:
 
-    group_fault_check.py kill      rank 1 dies (SIGKILL) while a pass runs
-    group_fault_check.py configs   rank 1's layer has another config
-    group_fault_check.py passes    every rank runs passes until its link
-                                   is cut (across simulated hosts)
+    group_fault_check.py kill         rank 1 dies (SIGKILL) while a pass runs
+    group_fault_check.py configs      rank 1's layer has another config
+    group_fault_check.py extra-layer  rank 0 makes a layer rank 1 does not
+    group_fault_check.py passes       every rank runs passes until its link
+                                      is cut (across simulated hosts)
 
 Each rank prints "rank r: raised after T s: <the error>" (or "rank r: no
 error") and ends the process at once (the group is not usable after)."""
@@ -55,6 +56,15 @@ def main():
                 time.sleep(0.05)
                 os.kill(os.getpid(), signal.SIGKILL)
             handle.wait()
+        elif mode == "extra-layer":
+            # Rank 0 makes a second layer that rank 1 never makes.
+            moec_torch.MoeFFN(config(), threads=1, timeout_seconds=3.0)
+            if rank == 1:
+                print("rank 1: ok: made one layer", flush=True)
+                time.sleep(8)
+                os._exit(0)
+            mark()
+            moec_torch.MoeFFN(config(), threads=1, timeout_seconds=3.0)
         elif mode == "passes":
             layer = moec_torch.MoeFFN(config(), threads=1, timeout_seconds=3.0)
             x = inputs(rank)

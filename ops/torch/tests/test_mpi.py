@@ -141,27 +141,40 @@ def test_hf_example_under_mpirun(tmp_path):
     hf_example_runs(tmp_path, mpirun)
 
 
-def toy_training_matches_one_process(tmp_path, hosts=None):
-    """The toy training, 4 steps, under mpirun -np 2 (on `hosts` when given):
-    every parameter bit for bit that of the one-process run."""
+def one_process_toy(tmp_path):
+    """The toy training's parameters after 4 steps in one process."""
     single = tmp_path / "single.pt"
     one = subprocess.run([sys.executable, str(TOY), "--steps", "4", "--threads", "1",
                           "--torch-threads", "1", "--fabric", "inproc", "--save", str(single)],
                          capture_output=True, text=True, timeout=240)
     assert one.returncode == 0, one.stdout + one.stderr
-    run = mpirun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads", "1",
-                 "--save", tmp_path / "mpi.pt", hosts=hosts)
+    return torch.load(single, weights_only=True)
+
+
+def check_toy(want, run, saved, ranks):
+    """The toy training `run` with a process per rank (files `saved`.rankN,
+    each process's parameters: its experts) against the one-process run's
+    parameters `want`, bit for bit."""
     assert run.returncode == 0, run.stdout + run.stderr
     assert "one per process" in run.stdout, run.stdout
-    want = torch.load(single)
-    ranks = [torch.load(tmp_path / f"mpi.pt.rank{r}") for r in range(2)]
+    got_ranks = [torch.load(f"{saved}.rank{r}", weights_only=True) for r in range(ranks)]
     for name, value in want.items():
         if name.startswith("moe."):
-            got = torch.cat([ranks[0][name], ranks[1][name]])  # each rank's experts
+            got = torch.cat([g[name] for g in got_ranks])  # each rank's experts
         else:
-            got = ranks[0][name]
-            assert torch.equal(ranks[1][name], got), f"{name} differs between the ranks"
+            got = got_ranks[0][name]
+            for g in got_ranks[1:]:
+                assert torch.equal(g[name], got), f"{name} differs between the ranks"
         assert torch.equal(got, value), f"{name} is not bitwise that of the one-process run"
+
+
+def toy_training_matches_one_process(tmp_path, hosts=None):
+    """The toy training, 4 steps, under mpirun -np 2 (on `hosts` when given):
+    every parameter bit for bit that of the one-process run."""
+    want = one_process_toy(tmp_path)
+    run = mpirun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads", "1",
+                 "--save", tmp_path / "mpi.pt", hosts=hosts)
+    check_toy(want, run, tmp_path / "mpi.pt", 2)
 
 
 def test_toy_training_matches_one_process(tmp_path):

@@ -13,7 +13,8 @@ torch.distributed's world group (gloo): moec's process-group fabric.
     (examples/hf/finetune.py);
   - faults: a put lost on its way (every rank raises, rank 0 reports every
     rank), a rank killed mid-pass (rank 0 raises naming it, torchrun ends
-    the job), ranks whose configs differ (both raise, naming the ranks);
+    the job), ranks whose configs differ (both raise, naming the ranks), a
+    layer only rank 0 makes (rank 0 raises after the timeout, naming rank 1);
   - across 2 simulated hosts, torchrun on each with the c10d rendezvous:
     1 + 1 and 2 + 2 ranks, the toy training, a link cut mid-pass
     (//ops/torch:torch_hosts_test runs these, -k across_hosts).
@@ -30,12 +31,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from test_mpi import (HERE, TOY, check_stop_report, free_port, hf_example_runs,  # noqa: F401
-                      hosts)  # (a fixture)
+from test_mpi import (HERE, TOY, check_stop_report, check_toy, free_port,  # noqa: F401
+                      hf_example_runs, hosts, one_process_toy)  # (hosts: a fixture)
 
 TORCHRUN = shutil.which("torchrun") or "torchrun"
 
@@ -98,36 +100,11 @@ def test_hf_example_under_torchrun(tmp_path):
     hf_example_runs(tmp_path, torchrun)
 
 
-def one_process_toy(tmp_path):
-    single = tmp_path / "single.pt"
-    one = subprocess.run([sys.executable, str(TOY), "--steps", "4", "--threads", "1",
-                          "--torch-threads", "1", "--fabric", "inproc", "--save", str(single)],
-                         capture_output=True, text=True, timeout=240)
-    assert one.returncode == 0, one.stdout + one.stderr
-    return torch.load(single)
-
-
-def check_toy(want, saved, ranks):
-    """The parameters of a run with `ranks` processes (files `saved`.rankN)
-    against the one-process run's: each process holds its experts."""
-    got_ranks = [torch.load(f"{saved}.rank{r}") for r in range(ranks)]
-    for name, value in want.items():
-        if name.startswith("moe."):
-            got = torch.cat([g[name] for g in got_ranks])
-        else:
-            got = got_ranks[0][name]
-            for g in got_ranks[1:]:
-                assert torch.equal(g[name], got), f"{name} differs between the ranks"
-        assert torch.equal(got, value), f"{name} is not bitwise that of the one-process run"
-
-
 def test_toy_training_under_torchrun_matches_one_process(tmp_path):
     want = one_process_toy(tmp_path)
     run = torchrun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads",
                    "1", "--save", tmp_path / "group.pt")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "one per process" in run.stdout, run.stdout
-    check_toy(want, tmp_path / "group.pt", 2)
+    check_toy(want, run, tmp_path / "group.pt", 2)
 
 
 def test_toy_training_loss_falls_under_torchrun():
@@ -205,6 +182,18 @@ def test_group_of_one_process(tmp_path):
            "processes" in run.stdout, run.stdout
 
 
+def test_layer_only_one_rank_makes_under_torchrun():
+    """Rank 0 makes a second layer that rank 1 never makes: rank 0 gets an
+    error naming rank 1 after timeout_seconds (3), not a wait without end."""
+    run = torchrun(2, HERE / "group_fault_check.py", "extra-layer", timeout=120)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert "rank 1: ok: made one layer" in out, out
+    found = re.search(r"rank 0: raised after ([\d.]+) s: moec context: .*rank 0: rank 1 did not "
+                      r"reach the exchange within 3 s", out)
+    assert found and float(found.group(1)) < 15, out
+
+
 # Across 2 simulated hosts: torchrun on each, the c10d rendezvous on
 # moec-h0. //ops/torch:torch_hosts_test runs these alone (-k across_hosts).
 def torchrun_on_hosts(bed, per_host, *args, timeout=240, logs=None, wait=True):
@@ -255,9 +244,9 @@ def test_toy_training_across_hosts_under_torchrun(hosts, tmp_path):  # noqa: F81
     want = one_process_toy(tmp_path)
     results = torchrun_on_hosts(hosts, 1, TOY, "--steps", "4", "--ranks", "2", "--threads", "1",
                                 "--torch-threads", "1", "--save", tmp_path / "hosts.pt")
-    out = "\n".join(o for _, o in results)
-    assert all(code == 0 for code, _ in results), out
-    check_toy(want, tmp_path / "hosts.pt", 2)
+    both = SimpleNamespace(returncode=max(code for code, _ in results), stderr="",
+                           stdout="\n".join(o for _, o in results))
+    check_toy(want, both, tmp_path / "hosts.pt", 2)
 
 
 def test_link_cut_across_hosts_under_torchrun(hosts, tmp_path):  # noqa: F811

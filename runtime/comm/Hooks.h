@@ -1,16 +1,25 @@
-//===- DropPut.h - The test hook that loses a put ---------------*- C++ -*-===//
+//===- Hooks.h - Test and measurement hooks of the fabrics ------*- C++ -*-===//
+//
+// What the environment asks of the fabrics of several processes (the MPI
+// fabric, and the torch op's fabric over a torch.distributed group), for
+// tests and measurements, never for real runs.
 //
 // MOEC_TEST_DROP_PUT=RANK:N makes rank RANK drop the N-th put it makes to
 // another rank, and the signal that follows it from the same thread to the
 // same peer: the peer then waits for that signal as it would for a message
 // lost on its way, which is how the tests reach the watchdog and the report
-// of a stopped job. The fabrics of several processes honour it (the MPI
-// fabric, and the torch op's fabric over a torch.distributed group).
+// of a stopped job.
+//
+// MOEC_LOCAL_PUTS=1 makes every put copy into the process's own window (at
+// the offset it would have in the peer's) while the signals still cross: a
+// pass keeps its schedule and moves no rows, so its time against a normal
+// pass is the communication the schedule leaves exposed. The outputs are
+// wrong.
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_RUNTIME_COMM_DROPPUT_H
-#define MOEC_RUNTIME_COMM_DROPPUT_H
+#ifndef MOEC_RUNTIME_COMM_HOOKS_H
+#define MOEC_RUNTIME_COMM_HOOKS_H
 
 #include "base/Status.h"
 
@@ -37,6 +46,10 @@ struct DropPut {
   static bool dropsSignal(uint32_t peer);
 };
 
+/// True when MOEC_LOCAL_PUTS asks for puts into the process's own memory
+/// (set, and neither empty nor "0").
+bool localPutsRequested();
+
 } // namespace moec::comm
 
-#endif // MOEC_RUNTIME_COMM_DROPPUT_H
+#endif // MOEC_RUNTIME_COMM_HOOKS_H

@@ -1,9 +1,10 @@
-//===- DropPut.cpp - The test hook that loses a put ----------------------===//
+//===- Hooks.cpp - Test and measurement hooks of the fabrics -------------===//
 
-#include "runtime/comm/DropPut.h"
+#include "runtime/comm/Hooks.h"
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace moec::comm {
@@ -39,6 +40,11 @@ bool DropPut::dropsSignal(uint32_t peer) {
     return false;
   dropNextSignalTo = -1;
   return true;
+}
+
+bool localPutsRequested() {
+  const char *value = std::getenv("MOEC_LOCAL_PUTS");
+  return value && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
 }
 
 } // namespace moec::comm

@@ -169,8 +169,12 @@ public:
   }
 
   /// Makes object `what` of `size` (a window's bytes, an inbox's events)
-  /// with make(id): numbered in creation order, the same on every rank
-  /// (agreed, bounded), and entered in `registry` for the receiving threads.
+  /// with make(id): numbered in creation order, entered in `registry` for
+  /// the receiving threads, then agreed with every rank (bounded). Entered
+  /// first: a peer that is through the agreement may put or signal at
+  /// once, and it is through only once this rank's part came, which this
+  /// rank sends after entering the object. (An object whose agreement
+  /// fails leaves the registry as it is destroyed.)
   template <typename Object, typename Base, typename Make>
   Status create(const char *what, uint64_t size, std::map<uint32_t, Object *> &registry,
                 std::unique_ptr<Base> *out, Make make) {
@@ -179,8 +183,6 @@ public:
       std::lock_guard<std::mutex> lock(objectsMutex);
       id = nextObject++;
     }
-    if (Status s = agreeOnObject(what, id, size); !s)
-      return s;
     std::unique_ptr<Object> object;
     try {
       object = make(id);
@@ -193,6 +195,8 @@ public:
       std::lock_guard<std::mutex> lock(objectsMutex);
       registry[id] = object.get();
     }
+    if (Status s = agreeOnObject(what, id, size); !s)
+      return s;
     *out = std::move(object);
     return Status::success();
   }

@@ -15,7 +15,8 @@ if [ "${1:-}" = --hosts ]; then
   shift
 fi
 repeat=${1:-5}
-bazel build //tools:moec //compiler/api:libmoec.so //ops/torch:moec_torch.so 2>&1 | tail -1
+# --config=hooks: the measurement hook MOEC_LOCAL_PUTS (runtime/comm/Hooks.h).
+bazel build --config=hooks //tools:moec //compiler/api:libmoec.so //ops/torch:moec_torch.so 2>&1 | tail -1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export MOEC_TORCH_LIB=$PWD/bazel-bin/ops/torch/moec_torch.so MOEC_LIB=$PWD/bazel-bin/compiler/api/libmoec.so
 export MOEC_GRAPHS=$PWD/graphs PYTHONPATH=$PWD/ops/torch

@@ -939,7 +939,7 @@ Status groupFabric(const c10::intrusive_ptr<c10d::ProcessGroup> &group, double t
     return Status::success();
   }
   auto fabric = std::make_shared<GroupFabricImpl>(group, timeoutSeconds);
-  if (Status s = comm::DropPut::fromEnvironment(&fabric->drop); !s)
+  if (Status s = comm::DropPut::fromEnvironment(fabric->ranks(), &fabric->drop); !s)
     return s;
   fabric->localPuts = comm::localPutsRequested();
   // gloo closes a group's connections when a receive waits longer than the

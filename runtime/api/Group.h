@@ -106,8 +106,11 @@ struct Group {
   /// An error when an earlier error left the ranks out of step.
   Status usable() const;
   /// Under a fabric of several processes: notes the bytes moved so far
-  /// between this rank and each peer (before a pass's exchange, after which
-  /// peers may put the pass's rows).
+  /// between this rank and each peer: before a pass's exchange, after which
+  /// peers may put the pass's rows, and at the end of every pass that
+  /// succeeded (a backward has no exchange). A peer whose tasks ended
+  /// first may put rows of its next pass before this rank's pass is over:
+  /// a report then counts those few in the pass before.
   void markTraffic();
   /// `status`, the error of a pass of `pass` over `routes` that did not end,
   /// with the bytes of rows this rank expected from each peer against those

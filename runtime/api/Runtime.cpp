@@ -355,6 +355,12 @@ Status Context::Impl::runTasks(backend::Pass &pass, PassTimes &times) {
   const Status status = pass.runTasks();
   stage.store(2);
   times.tasks = pass.tasksSeconds();
+  if (status) {
+    // A backward pass has no exchange of its own: its rows are counted
+    // from the end of the pass before it.
+    markTraffic();
+    return status;
+  }
   return fatal(withTraffic(status, pass, routes));
 }
 

@@ -16,6 +16,11 @@
 // pass is the communication the schedule leaves exposed. The outputs are
 // wrong.
 //
+// Both are compiled in only with the Bazel define moec_test_hooks=1, which
+// `bazel test` sets (.bazelrc, --config=hooks): a release build ignores the
+// variables and says so once on stderr, so that a user's environment cannot
+// drop a put of a real job or make its outputs wrong.
+//
 //===----------------------------------------------------------------------===//
 
 #ifndef MOEC_RUNTIME_COMM_HOOKS_H
@@ -32,13 +37,14 @@ struct DropPut {
   int64_t rank = -1; ///< -1: no put is dropped
   uint64_t nth = 0;
 
-  /// The hook as MOEC_TEST_DROP_PUT says (none when it is unset); an error
-  /// naming the value when it is not RANK:N with N >= 1.
-  static Status fromEnvironment(DropPut *out);
+  /// The hook as MOEC_TEST_DROP_PUT says for a group of `ranks` ranks (none
+  /// when it is unset or empty, or in a build without test hooks); an error
+  /// naming the value when it is not RANK:N with RANK < ranks and N >= 1.
+  static Status fromEnvironment(uint32_t ranks, DropPut *out);
 
   /// Counts, in `puts`, a put that rank `me` makes to `peer`: true when it
-  /// is the one to drop; the calling thread's next signal to `peer` is then
-  /// dropped too (dropsSignal).
+  /// is the one to drop (said on stderr, naming the variable); the calling
+  /// thread's next signal to `peer` is then dropped too (dropsSignal).
   bool dropsPut(uint32_t me, uint32_t peer, std::atomic<uint64_t> &puts) const;
 
   /// True, once, for the calling thread's signal to `peer` after a dropped
@@ -47,8 +53,11 @@ struct DropPut {
 };
 
 /// True when MOEC_LOCAL_PUTS asks for puts into the process's own memory
-/// (set, and neither empty nor "0").
+/// (set, and neither empty nor "0"), in a build with test hooks.
 bool localPutsRequested();
+
+/// True when this build has the hooks (the moec_test_hooks define).
+bool testHooksBuilt();
 
 } // namespace moec::comm
 

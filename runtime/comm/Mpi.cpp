@@ -1356,8 +1356,10 @@ Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options) 
   if (const char *value = std::getenv("MOEC_MPI_NO_SHARED_MEMORY"))
     if (std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0)
       chosen.noSharedMemory = true;
+  int worldSize = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &worldSize);
   DropPut drop;
-  if (Status s = DropPut::fromEnvironment(&drop); !s)
+  if (Status s = DropPut::fromEnvironment(uint32_t(worldSize), &drop); !s)
     return s;
   // Every rank meets the others, bounded, before the collectives that
   // create the fabric (which have no timeout).

@@ -103,10 +103,36 @@ for path in shared-memory no-shared-memory; do
     "${DROPPED_PUT_REPORT[@]}"
 done
 
-# The test hook itself refuses what it cannot read.
+# A put dropped in a backward pass (the 10th put of rank 1 lands in the
+# backward of the big layer): the report counts the bytes of that pass
+# alone, never more arrived than expected (a backward has no exchange of its
+# own to count from).
+log="$WORK/dropped-put-backward.log"
+if "${RUN[@]}" 2 -x MOEC_TEST_DROP_PUT=1:10 "$MOEC" run "$WORK/big/fwd.moebin" \
+    "$WORK/big/bwd.moebin" --random 1 --outputs "$WORK/dropped-put-backward" "${S[@]}" \
+    > "$log" 2>&1; then
+  bad "dropped-put-backward: the job exited 0" "$log"
+elif ! grep -qE "op '(act_grad|gate_grad|down_grad|up_grad|swiglu_grad)[^']*'" "$log"; then
+  bad "dropped-put-backward: the report names no op of the backward" "$log"
+elif ! grep -q "MOEC_TEST_DROP_PUT=1:10: this rank's put number 10" "$log"; then
+  bad "dropped-put-backward: the log does not say that the test hook dropped the put" "$log"
+elif grep -oE "arrived from rank [0-9]+ [0-9]+ of [0-9]+" "$log" |
+    awk '$5 > $7 { bad = 1 } END { exit !bad }'; then
+  bad "dropped-put-backward: more bytes arrived than the pass expects" "$log"
+elif ! grep -qE "arrived from rank 1 [0-9]+ of [0-9]+ \(short\)" "$log"; then
+  bad "dropped-put-backward: the report does not say the rows from rank 1 are short" "$log"
+else
+  ok dropped-put-backward
+fi
+
+# The test hook itself refuses what it cannot read, and a rank the group
+# does not have.
 fails bad-hook "MOEC_TEST_DROP_PUT='1': expected RANK:N" \
   "${RUN[@]}" 2 -x MOEC_TEST_DROP_PUT=1 "$MOEC" run "$WORK/small/fwd.moebin" --random 1 \
   --outputs "$WORK/bad-hook" "${S[@]}"
+fails hook-rank-out-of-range "MOEC_TEST_DROP_PUT='5:1': there is no rank 5 \(the group has 2 ranks\)" \
+  "${RUN[@]}" 2 -x MOEC_TEST_DROP_PUT=5:1 "$MOEC" run "$WORK/small/fwd.moebin" --random 1 \
+  --outputs "$WORK/hook-rank-out-of-range" "${S[@]}"
 
 # A rank given another binary: refused when the context is created, naming
 # both ranks' binaries.

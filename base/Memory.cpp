@@ -2,6 +2,8 @@
 
 #include "base/Memory.h"
 
+#include "base/Env.h"
+
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -64,20 +66,23 @@ MemoryLimit memoryLimit() {
   if (readNumber("/sys/fs/cgroup/memory.max", &cgroup) ||
       readNumber("/sys/fs/cgroup/memory/memory.limit_in_bytes", &cgroup))
     lower(cgroup, "the cgroup allows");
-  if (const char *env = std::getenv("MOEC_MEMORY_LIMIT")) {
+  if (const char *env = envValue("MOEC_MEMORY_LIMIT")) {
     uint64_t bytes = 0;
+    const std::string shown = envShown("MOEC_MEMORY_LIMIT", env);
     if (parseBytes(env, &bytes))
-      lower(bytes, "MOEC_MEMORY_LIMIT is");
+      lower(bytes, (shown + " allows").c_str());
     else
-      limit.error = std::string("MOEC_MEMORY_LIMIT is '") + env +
-                    "'; expected a positive number of bytes, optionally with a K, M or G suffix";
+      limit.error = shown + ": expected a positive number of bytes, optionally with a K, M or "
+                            "G suffix";
   }
   return limit;
 }
 
 std::string memoryText(double bytes) {
   char text[32];
-  if (bytes < double(1 << 30))
+  if (bytes < double(1 << 20))
+    std::snprintf(text, sizeof text, "%.1f KiB", bytes / double(1 << 10));
+  else if (bytes < double(1 << 30))
     std::snprintf(text, sizeof text, "%.1f MiB", bytes / double(1 << 20));
   else
     std::snprintf(text, sizeof text, "%.1f GiB", bytes / double(uint64_t(1) << 30));

@@ -20,14 +20,14 @@ namespace moec {
 
 struct MemoryLimit {
   uint64_t bytes = 0;  ///< 0: unknown (no check)
-  std::string source;  ///< "the machine has", "the cgroup allows", "MOEC_MEMORY_LIMIT is"
+  std::string source;  ///< "the machine has", "the cgroup allows", "MOEC_MEMORY_LIMIT='8G' allows"
   std::string error;   ///< set when MOEC_MEMORY_LIMIT is not a size: callers refuse to run
 };
 
 /// The memory this process may use (see above).
 MemoryLimit memoryLimit();
 
-/// "12.3 GiB", or "45.6 MiB" below a GiB.
+/// "12.3 GiB", "45.6 MiB" below a GiB, "7.0 KiB" below a MiB.
 std::string memoryText(double bytes);
 
 /// Zeroed memory of `bytes` bytes (page-aligned), taken from the kernel as

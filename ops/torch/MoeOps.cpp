@@ -49,6 +49,7 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "base/Time.h"
 #include "ops/torch/GroupFabric.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Hooks.h"
@@ -172,6 +173,19 @@ void expectRoutingDTypes(const at::Tensor &ids, const at::Tensor &weights) {
               "moec: topk_ids is ", dtypeName(ids.scalar_type()), "; expected i32 or i64");
   TORCH_CHECK(weights.scalar_type() == at::kFloat, "moec: topk_weights is ",
               dtypeName(weights.scalar_type()), "; expected f32");
+}
+
+/// The routing against x [P, S, H]: one row of expert ids and of weights
+/// per token of x, and as many weights as ids; the tensor that disagrees is
+/// the one named.
+void expectRoutingFor(const at::Tensor &x, const at::Tensor &ids, const at::Tensor &weights) {
+  for (const auto &[t, name] : {std::pair{&ids, "topk_ids"}, std::pair{&weights, "topk_weights"}})
+    TORCH_CHECK(t->size(1) == x.size(1), "moec: '", name, "' has shape ", t->sizes(), ", but x ",
+                x.sizes(), " has ", x.size(1), " tokens a rank: ", name,
+                " needs one row per token of x");
+  TORCH_CHECK(weights.size(2) == ids.size(2), "moec: 'topk_weights' has shape ", weights.sizes(),
+              ", but topk_ids ", ids.sizes(), " routes each token to ", ids.size(2),
+              " experts: topk_weights needs one weight per expert id");
 }
 
 /// Checks that `t` (x, a weight, an adapter, expert rows) has the layer's
@@ -346,8 +360,9 @@ moec::rt::ContextOptions contextOptions(int64_t workers, double timeoutSeconds,
         reinterpret_cast<c10d::ProcessGroup *>(fabric.group));
   TORCH_CHECK(workers >= 0 && workers <= kMaxWorkers, "moec: workers must be 0 (the hardware "
               "threads) to ", kMaxWorkers, ", got ", workers);
-  TORCH_CHECK(std::isfinite(timeoutSeconds) && timeoutSeconds > 0,
-              "moec: timeout_seconds must be a positive number of seconds, got ", timeoutSeconds);
+  TORCH_CHECK(moec::timeoutInRange(timeoutSeconds), "moec: timeout_seconds must be from ",
+              moec::kTimeoutMinSeconds, " to ", moec::kTimeoutMaxSeconds, " seconds, got ",
+              timeoutSeconds);
   TORCH_CHECK(fabric.name == "inproc" || fabric.name == "mpi" || fabric.name == "group",
               "moec: fabric must be 'inproc', 'mpi' or 'group', got '", fabric.name, "'");
   TORCH_CHECK((fabric.name == "group") == bool(group),
@@ -805,6 +820,7 @@ private:
     expectInput(x, "x", 3, P, ranks);
     expectInput(ids, "topk_ids", 3, P, ranks);
     expectInput(weights, "topk_weights", 3, P, ranks);
+    expectRoutingFor(x, ids, weights);
     expectInput(w1, "w1", 3, E, experts);
     expectInput(w2, "w2", 3, E, experts);
     const std::vector<std::string> names = adapterNames();
@@ -979,6 +995,9 @@ public:
     std::lock_guard<std::mutex> lock(slot->mutex);
     live();
     const at::Tensor xc = tokens(x, "x");
+    expectInput(ids, "topk_ids", 3, ex().localRanks(), "this process's ranks");
+    expectInput(weights, "topk_weights", 3, ex().localRanks(), "this process's ranks");
+    expectRoutingFor(xc, ids, weights);
     setRoute(++routes, ids, weights);
     const int64_t P = ex().localRanks(), L = ex().shape().localExperts;
     at::Tensor counts = at::empty({P * L}, at::kLong);

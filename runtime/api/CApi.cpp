@@ -9,6 +9,8 @@
 #include "runtime/api/CApi.h"
 #include "runtime/api/Runtime.h"
 
+#include "base/Time.h"
+
 #include <fmt/format.h>
 
 #include <cstring>
@@ -100,9 +102,14 @@ int moec_context_create_on(const moec_program *forward, const moec_program *back
                            moec_context **out) {
   if (!backend)
     return report(moec::Status::error("moec_context_create: null argument"));
+  if (timeout_seconds != 0 && !moec::timeoutInRange(timeout_seconds))
+    return report(moec::Status::error(fmt::format(
+        "moec_context_create: timeout_seconds is {}; it must be from {} to {} seconds, or 0 "
+        "for the default (60)",
+        timeout_seconds, moec::kTimeoutMinSeconds, moec::kTimeoutMaxSeconds)));
   moec::rt::ContextOptions options;
   options.workers = workers;
-  options.timeoutSeconds = timeout_seconds > 0 ? timeout_seconds : 60;
+  options.timeoutSeconds = timeout_seconds != 0 ? timeout_seconds : 60;
   if (std::string_view(backend) == "cuda")
     options.backend = moec::backend::Kind::Cuda;
   else if (std::string_view(backend) != "cpu")

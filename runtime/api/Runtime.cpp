@@ -269,6 +269,12 @@ struct Context::Impl : detail::Group {
 
 
   Status checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const;
+  /// Refuses an output of a pass (in `outputs`) whose memory overlaps
+  /// another tensor the pass reads or writes (`used`, and the routing), of
+  /// rank `rank` or of a local rank before it (the ranks of one process
+  /// share its memory); the error names both tensors and their ranks.
+  Status checkOverlaps(uint32_t rank, const std::vector<Binding> &used,
+                       const std::vector<Binding> &outputs) const;
   Status runTasks(backend::Pass &pass, PassTimes &times);
   static void countPuts(const backend::Pass &pass, const std::vector<backend::RankRoute> &routes,
                         PassTimes *times);
@@ -292,6 +298,46 @@ struct Context::Impl : detail::Group {
     return Status::success();
   }
 };
+
+Status Context::Impl::checkOverlaps(uint32_t rank, const std::vector<Binding> &used,
+                                    const std::vector<Binding> &outputs) const {
+  struct Range {
+    uint32_t rank;
+    const char *name;
+    bool output;
+    uintptr_t begin, end;
+  };
+  std::vector<Range> ranges;
+  const auto add = [&](uint32_t q, const char *name, bool output, const Tensor &t) {
+    const int64_t n = elementCount(t);
+    if (t.data && n > 0 && t.ndim >= 0) {
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data);
+      ranges.push_back({q, name, output, begin,
+                        begin + uintptr_t(n) * format::dtypeSize(DType(t.dtype))});
+    }
+  };
+  for (uint32_t q = firstLocal(); q <= rank; ++q) {
+    for (Binding b : used)
+      add(q, kBindingNames[b],
+          std::find(outputs.begin(), outputs.end(), b) != outputs.end(), bound[q][b]);
+    add(q, "topk_ids", false, ids[q]);
+    add(q, "topk_weights", false, weights[q]);
+  }
+  for (size_t i = 0; i < ranges.size(); ++i)
+    for (size_t j = 0; j < i; ++j) {
+      const Range &a = ranges[i], &b = ranges[j];
+      if (!(a.output || b.output) || (a.rank != rank && b.rank != rank) ||
+          a.begin >= b.end || b.begin >= a.end)
+        continue;
+      const Range &out = a.output ? a : b, &other = a.output ? b : a;
+      return Status::error(fmt::format(
+          "rank {}: output '{}' shares memory with {} '{}'{}: an output of a pass must have "
+          "memory of its own (no output over an input or over another output)",
+          out.rank, out.name, other.output ? "output" : "input", other.name,
+          other.rank != out.rank ? fmt::format(" of rank {}", other.rank) : ""));
+    }
+  return Status::success();
+}
 
 Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const {
   const Tensor &t = bound[rank][b];
@@ -401,7 +447,12 @@ Status Context::Impl::forward() {
            {std::pair{kW1Scale, s.scaleDims(w1)}, std::pair{kW2Scale, s.scaleDims(w2)}})
         if (Status st = checkBinding(r, b, dims); !st)
           return st;
-    return Status::success();
+    std::vector<Binding> used = {kX, kY, kW1, kW2};
+    for (const AdapterBinding &a : adapterBindings(s, fwd->plan(), false))
+      used.push_back(a.binding);
+    if (s.weightFormat != WeightFormat::Dense)
+      used.insert(used.end(), {kW1Scale, kW2Scale});
+    return checkOverlaps(r, used, {kY});
   };
   // Every check passes on every rank before state and outputs change.
   if (Status st = route(&routes, bindings); !st)
@@ -488,6 +539,21 @@ Status Context::Impl::backward() {
            {std::pair{kW1Scale, s.scaleDims(w1)}, std::pair{kW2Scale, s.scaleDims(w2)}})
         if (st && !(st = checkBinding(r, b, dims)))
           break;
+    if (st) {
+      std::vector<Binding> used = {kDy, kDx, kDtopk, kW1, kW2}, outputs = {kDx, kDtopk};
+      if (!frozen)
+        for (Binding b : {kDw1, kDw2})
+          used.push_back(b), outputs.push_back(b);
+      for (bool gradients : {false, true})
+        for (const AdapterBinding &a : adapterBindings(s, bwd->plan(), gradients)) {
+          used.push_back(a.binding);
+          if (gradients)
+            outputs.push_back(a.binding);
+        }
+      if (s.weightFormat != WeightFormat::Dense)
+        used.insert(used.end(), {kW1Scale, kW2Scale});
+      st = checkOverlaps(r, used, outputs);
+    }
     local.push_back(st);
   }
   if (Status st = agree(local, nullptr); !st)
@@ -594,6 +660,10 @@ Status Context::create(std::shared_ptr<const Program> forward,
                        std::unique_ptr<Context> *out) {
   if (!forward)
     return Status::error("a context needs a forward program");
+  if (options.timeoutSeconds != 0 && !timeoutInRange(options.timeoutSeconds))
+    return Status::error(fmt::format(
+        "the timeout is {} s; it must be from {} to {} seconds (or 0: no watchdog)",
+        options.timeoutSeconds, kTimeoutMinSeconds, kTimeoutMaxSeconds));
   for (const Program *p : {forward.get(), backward.get()})
     if (p && p->impl().plan.kind != PlanKind::Layer)
       return Status::error(fmt::format(

@@ -47,7 +47,22 @@
  *      submit/wait.
  *
  * Tensors are dense, row-major, and owned by the caller; the context keeps
- * only pointers, which must stay valid until the pass that uses them returns.
+ * only pointers, which must stay valid until the pass that uses them returns
+ * (for moec_submit_*, until moec_wait returns), and whose contents must not
+ * change meanwhile: a pass reads its inputs while it runs, so a caller that
+ * refills x or a weight before the pass returns gets a result of old and new
+ * values mixed. An output (y; dx, dtopk_weights, dw1, dw2, the adapters'
+ * gradients) must have memory of its own: a pass refuses, before it writes
+ * anything, an output that overlaps an input or another output of any rank
+ * this process runs, naming both tensors. There is no in-place form.
+ *
+ * Ownership: moec_program_load and moec_context_create* hand the caller a
+ * handle that the caller frees exactly once, with moec_program_free or
+ * moec_context_free (null is accepted and does nothing). A freed handle is
+ * gone: freeing it again, or passing it to any call, is undefined (as for
+ * free()); set the pointer to null after freeing. A context keeps its own
+ * reference to its programs, so a program may be freed as soon as the
+ * contexts that use it are created.
  *
  * A pass checks everything before it writes anything: bindings (shapes and
  * dtypes, named by rank and tensor), and the routing of all ranks (expert ids
@@ -120,12 +135,14 @@ const char *moec_last_error(void);
 /** Loads and validates the task binary at `path`. */
 int moec_program_load(const char *path, moec_program **out);
 
-/** Frees a program (a context that uses it keeps its own reference). */
+/** Frees a program (a context that uses it keeps its own reference); once
+ *  per handle, null does nothing. */
 void moec_program_free(moec_program *program);
 
 /** Creates a context for `forward` and, when not null, `backward`, with
  *  `workers` threads (0: the hardware threads) and a watchdog of
- *  `timeout_seconds` (<= 0: 60 s). */
+ *  `timeout_seconds`: 0.001 to 1000000, or 0 for the default, 60 s; any
+ *  other value (negative, NaN, infinite) is an error. */
 int moec_context_create(const moec_program *forward, const moec_program *backward,
                         uint32_t workers, double timeout_seconds, moec_context **out);
 
@@ -135,7 +152,8 @@ int moec_context_create_on(const moec_program *forward, const moec_program *back
                            uint32_t workers, double timeout_seconds, const char *backend,
                            moec_context **out);
 
-/** Frees a context, waiting for a submitted pass first. */
+/** Frees a context, waiting for a submitted pass first; once per handle,
+ *  null does nothing. */
 void moec_context_free(moec_context *context);
 
 /** What the last forward pass's routing needed, valid after it ran or was
@@ -263,7 +281,7 @@ enum class Schedule {
 /// Options of a context.
 struct ContextOptions {
   uint32_t workers = 0;         ///< worker threads; 0: the hardware threads
-  double timeoutSeconds = 60;   ///< watchdog; <= 0 turns it off
+  double timeoutSeconds = 60;   ///< watchdog, 0.001 to 10^6 s (base/Time.h); 0 turns it off
   bool trace = false;           ///< record every task run (writeTrace)
   Schedule schedule = Schedule::Fused;
   /// Where the passes run: the CPU (the default), or one NVIDIA GPU

@@ -2,6 +2,8 @@
 
 #include "runtime/comm/Hooks.h"
 
+#include "base/Env.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,8 +18,8 @@ thread_local int64_t dropNextSignalTo = -1;
 /// The variable's value, or null when it is unset or empty. In a build
 /// without hooks, null always, and a set variable is said once on stderr.
 const char *hookVariable(const char *name) {
-  const char *value = std::getenv(name);
-  if (!value || !*value)
+  const char *value = envValue(name);
+  if (!value)
     return nullptr;
   if (testHooksBuilt())
     return value;
@@ -49,11 +51,11 @@ Status DropPut::fromEnvironment(uint32_t ranks, DropPut *out) {
   unsigned long long nth = 0;
   char end = 0;
   if (std::sscanf(value, "%lld:%llu%c", &rank, &nth, &end) != 2 || rank < 0 || nth == 0)
-    return Status::error("MOEC_TEST_DROP_PUT='" + std::string(value).substr(0, 64) +
-                         "': expected RANK:N (N >= 1), e.g. 1:3 for the third put rank 1 makes "
+    return Status::error(envShown("MOEC_TEST_DROP_PUT", value) +
+                         ": expected RANK:N (N >= 1), e.g. 1:3 for the third put rank 1 makes "
                          "to a peer");
   if (rank >= ranks)
-    return Status::error("MOEC_TEST_DROP_PUT='" + std::string(value) + "': there is no rank " +
+    return Status::error(envShown("MOEC_TEST_DROP_PUT", value) + ": there is no rank " +
                          std::to_string(rank) + " (the group has " + std::to_string(ranks) +
                          " ranks)");
   *out = DropPut{rank, nth};

@@ -8,6 +8,7 @@
 
 #include "runtime/comm/Mpi.h"
 
+#include "base/Env.h"
 #include "base/Time.h"
 #include "runtime/comm/Hooks.h"
 
@@ -1353,8 +1354,8 @@ Status createMpiFabric(std::shared_ptr<Fabric> *out, const MpiOptions &options) 
                          "moec's workers put and signal from several threads (initialize MPI "
                          "with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...))");
   MpiOptions chosen = options;
-  if (const char *value = std::getenv("MOEC_MPI_NO_SHARED_MEMORY"))
-    if (std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0)
+  if (const char *value = envValue("MOEC_MPI_NO_SHARED_MEMORY"))
+    if (std::strcmp(value, "0") != 0)
       chosen.noSharedMemory = true;
   int worldSize = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &worldSize);

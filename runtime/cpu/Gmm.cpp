@@ -2,6 +2,8 @@
 
 #include "runtime/cpu/Gmm.h"
 
+#include "base/Env.h"
+
 #include "runtime/cpu/Tile.h"
 
 #include <oneapi/dnnl/dnnl.h>
@@ -88,16 +90,15 @@ bool nativeBf16Gemm() {
 
 GemmKernel gemmKernel() {
   static const GemmKernel chosen = [] {
-    const char *value = std::getenv("MOEC_GEMM");
-    if (!value || !*value || std::strcmp(value, "auto") == 0)
+    const char *value = envValue("MOEC_GEMM");
+    if (!value || std::strcmp(value, "auto") == 0)
       return GemmKernel::Auto;
     if (std::strcmp(value, "moec") == 0)
       return GemmKernel::Moec;
     if (std::strcmp(value, "onednn") == 0)
       return GemmKernel::OneDnn;
-    std::fprintf(stderr,
-                 "moec: MOEC_GEMM=%s is none of 'auto', 'moec', 'onednn'; using 'auto'\n",
-                 value);
+    std::fprintf(stderr, "moec: %s is none of 'auto', 'moec', 'onednn'; using 'auto'\n",
+                 envShown("MOEC_GEMM", value).c_str());
     return GemmKernel::Auto;
   }();
   return chosen;

@@ -150,7 +150,9 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
   exec::ExecutorOptions eo;
   eo.workers = options.workers;
   eo.timeout = std::chrono::nanoseconds(
-      options.timeoutSeconds > 0 ? int64_t(options.timeoutSeconds * 1e9) : 0);
+      options.timeoutSeconds > 0
+          ? int64_t(std::min(options.timeoutSeconds, kTimeoutMaxSeconds) * 1e9)
+          : 0);
   eo.trace = options.trace;
   eo.fabric = options.fabric;
   Pass *p = pass.get();

@@ -11,6 +11,8 @@
 
 #include "runtime/cuda/Device.h"
 
+#include "base/Env.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -409,7 +411,7 @@ Status Pass::runTasks() {
   device::RunResult result;
   if (Status s = check(device::run(device->program, options.timeoutSeconds, &result)); !s)
     return s;
-  if (const char *profile = std::getenv("MOEC_CUDA_PROFILE"); profile && *profile == '1') {
+  if (const char *profile = envValue("MOEC_CUDA_PROFILE"); profile && *profile == '1') {
     // Where the blocks' time went: each op's tasks, and finding no ready queue.
     std::string text = fmt::format("moec cuda: {} pass: kernel {:.3f} ms on {} blocks; "
                                    "block-ms per op:",

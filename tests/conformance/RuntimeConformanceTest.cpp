@@ -751,6 +751,13 @@ TEST_CASE("runtime C API", "[runtime]") {
   CHECK(moec_program_load("/nonexistent.moebin", &f) != 0);
   CHECK_THAT(moec_last_error(), Catch::Contains("/nonexistent.moebin"));
   moec_context *ctx = nullptr;
+  // One range for every timeout: 0.001 to 10^6 s, or 0 for the default.
+  for (double bad : {std::nan(""), HUGE_VAL, -HUGE_VAL, 1e300, 1e-9, -1.0}) {
+    CHECK(moec_context_create(f, b, 2, bad, &ctx) != 0);
+    CHECK_THAT(moec_last_error(), Catch::Contains("timeout_seconds is") &&
+                                      Catch::Contains("from 0.001 to 1000000 seconds"));
+    CHECK(ctx == nullptr);
+  }
   CHECK(moec_context_create_on(f, b, 2, 10, "tpu", &ctx) != 0);
   CHECK_THAT(moec_last_error(), Catch::Contains("no backend is named 'tpu'; expected cpu or cuda"));
   CHECK(ctx == nullptr);
@@ -784,6 +791,50 @@ TEST_CASE("runtime C API", "[runtime]") {
   CHECK(need[1] > 0);
   CHECK(moec_backward(ctx) == MOEC_ERROR); // dy etc. not bound
   CHECK_THAT(moec_last_error(), Catch::Contains("tensor 'dy' is not bound"));
+
+  // An output over an input or over another output is refused before the
+  // pass writes anything, naming both.
+  const auto bindBackward = [&](const char *dxOver, const char *dw1Over) {
+    for (uint32_t r = first; r < first + local; ++r) {
+      const std::pair<const char *, moec_tensor> t[] = {
+          {"dy", makeTensor(run.dy[r].data(), DType::F32, {S, H})},
+          {"dx", makeTensor(dxOver ? run.dy[r].data() : run.dx[r].data(), DType::F32, {S, H})},
+          {"dtopk_weights", makeTensor(run.dtopk[r].data(), DType::F32, {S, K})},
+          {"dw1", makeTensor(dw1Over ? run.w1[r].data() : run.dw1[r].data(), DType::F32,
+                             {2, H, 2 * c.inter})},
+          {"dw2", makeTensor(run.dw2[r].data(), DType::F32, {2, c.inter, H})},
+      };
+      for (const auto &[name, tensor] : t)
+        REQUIRE(moec_bind(ctx, r, name, &tensor) == 0);
+    }
+  };
+  bindBackward("dy", nullptr);
+  CHECK(moec_backward(ctx) == MOEC_ERROR);
+  CHECK_THAT(moec_last_error(), Catch::Contains("output 'dx' shares memory with input 'dy'"));
+  bindBackward(nullptr, "w1");
+  CHECK(moec_backward(ctx) == MOEC_ERROR);
+  CHECK_THAT(moec_last_error(), Catch::Contains("output 'dw1' shares memory with input 'w1'"));
+  for (uint32_t r = first; r < first + local; ++r) {
+    moec_tensor yOverX = makeTensor(run.x[r].data(), DType::F32, {S, H});
+    REQUIRE(moec_bind(ctx, r, "y", &yOverX) == 0);
+  }
+  CHECK(moec_forward(ctx) == MOEC_ERROR);
+  CHECK_THAT(moec_last_error(), Catch::Contains("output 'y' shares memory with input 'x'"));
+  for (uint32_t r = first; r < first + local; ++r) {
+    moec_tensor y = makeTensor(run.y[r].data(), DType::F32, {S, H});
+    REQUIRE(moec_bind(ctx, r, "y", &y) == 0);
+  }
+  if (local > 1) {
+    // Rank 1's y over rank 0's x: the ranks of one process share memory.
+    moec_tensor yOverRank0 = makeTensor(run.x[first].data(), DType::F32, {S, H});
+    REQUIRE(moec_bind(ctx, first + 1, "y", &yOverRank0) == 0);
+    CHECK(moec_forward(ctx) == MOEC_ERROR);
+    CHECK_THAT(moec_last_error(),
+               Catch::Contains("output 'y' shares memory with input 'x' of rank 0"));
+    moec_tensor y = makeTensor(run.y[first + 1].data(), DType::F32, {S, H});
+    REQUIRE(moec_bind(ctx, first + 1, "y", &y) == 0);
+  }
+  REQUIRE(moec_forward(ctx) == 0);
 
   // A routing over capacity has its own return code: one token more than
   // compiled on rank 0.

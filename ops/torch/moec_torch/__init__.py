@@ -277,9 +277,9 @@ def _cache_root():
     """The compile cache's folder: $MOEC_CACHE_DIR, else ~/.cache/moec. One
     that is there and is not a folder (a file, /dev/null) raises ValueError
     naming the variable and what it points at."""
-    value = os.environ.get("MOEC_CACHE_DIR")
+    value = checks.env_value("MOEC_CACHE_DIR")
     root = Path(value) if value else Path.home() / ".cache/moec"
-    where = f"MOEC_CACHE_DIR '{value}'" if value else \
+    where = checks.env_shown("MOEC_CACHE_DIR", value) if value else \
         f"the compile cache folder '{root}' (MOEC_CACHE_DIR is not set)"
     real = os.path.realpath(root)
     if real != os.path.abspath(root):
@@ -355,8 +355,9 @@ def _compile_entry(entry, sources, outputs, cfg, target, granularity, fresh, pro
         root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(dir=root, prefix=f".{entry.name}.compiling."))
     except OSError as e:
-        value = os.environ.get("MOEC_CACHE_DIR")
-        where = f"MOEC_CACHE_DIR '{value}'" if value else f"the compile cache folder '{root}'"
+        value = checks.env_value("MOEC_CACHE_DIR")
+        where = checks.env_shown("MOEC_CACHE_DIR", value) if value else \
+            f"the compile cache folder '{root}'"
         raise ValueError(f"moec: {where} cannot be used as the compile cache: cannot write "
                          f"{e.filename or root}: {e.strerror}") from None
     started = time.time_ns()

@@ -20,6 +20,11 @@ argument, the config key or the file:
     read_small_file(path)   the bytes of a regular file of bounded size
     strict_json(data, where)  a JSON document: UTF-8, no duplicate keys, no
                             NaN or Infinity
+    env_value(name)         an environment variable's value, None when it is
+                            unset or empty (one rule for every variable, as
+                            the runtime's base/Env.h)
+    env_shown(name, value)  NAME='value' for a message: the value cut to 200
+                            characters, control characters escaped
 """
 
 import json
@@ -31,7 +36,8 @@ import stat
 
 import torch
 
-__all__ = ["CONFIG_LIMIT", "TIMEOUT_RANGE", "boolean", "dense", "integer", "number",
+__all__ = ["CONFIG_LIMIT", "TIMEOUT_RANGE", "boolean", "dense", "env_shown", "env_value",
+           "integer", "number",
            "output_path", "read_config", "read_small_file", "seconds", "strict_json",
            "target_file"]
 
@@ -340,3 +346,20 @@ def read_config(config):
         raise ValueError(f"moec: {where}key 'lora_alpha' must be a positive number, got "
                          f"{data['lora_alpha']!r} (leave it out for lora_alpha = lora_rank)")
     return cfg
+
+
+def env_value(name):
+    """The value of environment variable `name`, or None when it is unset or
+    empty: an empty value means the default, for every variable moec reads."""
+    return os.environ.get(name) or None
+
+
+_SHOWN = 200
+
+
+def env_shown(name, value):
+    """NAME='value' for a message, as the user gave it: at most 200
+    characters (then "... (N characters)"), control characters as \\xNN."""
+    text = "".join(c if " " <= c != "\x7f" else f"\\x{ord(c):02x}" for c in value[:_SHOWN])
+    more = f"... ({len(value)} characters)" if len(value) > _SHOWN else ""
+    return f"{name}='{text}'{more}"

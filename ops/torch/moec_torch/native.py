@@ -18,6 +18,7 @@ override.
 import ctypes
 import json
 import os
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -31,28 +32,39 @@ _PACKAGE = Path(__file__).resolve().parent
 _REPO = _PACKAGE.parents[2]
 
 
-def _find(env, packaged, in_checkout):
-    value = os.environ.get(env)
-    if value:
-        return Path(value)
-    return packaged if packaged.exists() else in_checkout
+def _find(env, packaged, in_checkout, what, folder=False):
+    """$env when set (it must name an existing file, or folder), else the
+    package's copy, else the checkout's."""
+    value = checks.env_value(env)
+    if value is None:
+        return packaged if packaged.exists() else in_checkout
+    try:
+        mode = os.stat(value).st_mode
+    except OSError as e:
+        raise FileNotFoundError(f"moec: {checks.env_shown(env, value)} names {what}, which "
+                                f"cannot be found: {e.strerror}") from None
+    if stat.S_ISDIR(mode) != folder:
+        raise FileNotFoundError(f"moec: {checks.env_shown(env, value)} names {what}, but it "
+                                f"is {'not a folder' if folder else 'a folder'}")
+    return Path(value)
 
 
 def library_path():
     """The compiler library: $MOEC_LIB, the package's, or the checkout's."""
     return _find("MOEC_LIB", _PACKAGE / "lib/libmoec.so",
-                 _REPO / "bazel-bin/compiler/api/libmoec.so")
+                 _REPO / "bazel-bin/compiler/api/libmoec.so", "the compiler library libmoec.so")
 
 
 def op_library_path():
     """The op library: $MOEC_TORCH_LIB, the package's, or the checkout's."""
     return _find("MOEC_TORCH_LIB", _PACKAGE / "lib/moec_torch.so",
-                 _REPO / "bazel-bin/ops/torch/moec_torch.so")
+                 _REPO / "bazel-bin/ops/torch/moec_torch.so", "the op library moec_torch.so")
 
 
 def graphs_dir():
     """The layer graphs: $MOEC_GRAPHS, the package's, or the checkout's."""
-    return _find("MOEC_GRAPHS", _PACKAGE / "graphs", _REPO / "graphs")
+    return _find("MOEC_GRAPHS", _PACKAGE / "graphs", _REPO / "graphs",
+                 "the folder of the layer graphs (moe_ffn_fwd.json, ...)", folder=True)
 
 
 _lib = None

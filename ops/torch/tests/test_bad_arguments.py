@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import moec_torch
+from moec_torch import checks
 from test_moe_ffn import config, inputs
 
 RANKS = 2
@@ -557,7 +558,7 @@ def test_cache_dir_that_is_not_a_folder(where, tmp_path, monkeypatch):
     message = {"/dev/null": "is a character device, not a folder",
                "file": "is a regular file, not a folder",
                "under-a-file": "cannot be used as the compile cache: Not a directory"}[where]
-    with pytest.raises(ValueError, match=f"MOEC_CACHE_DIR '{re.escape(value)}' {message}"):
+    with pytest.raises(ValueError, match=f"MOEC_CACHE_DIR='{re.escape(value)}' {message}"):
         moec_torch.MoeFFN(config(), RANKS)
 
 
@@ -621,3 +622,42 @@ def test_weights_and_gradients_that_are_not_dense_are_refused(layer):
     other.w1 = torch.nn.Parameter(other.w1.detach().to_sparse())
     with pytest.raises(ValueError, match=r"moec: w1 is a sparse \(torch.sparse_coo\) tensor"):
         other(x, ids, weights)
+
+
+# --- environment variables ----------------------------------------------------------
+
+def test_graphs_folder_variable_that_names_nothing(monkeypatch):
+    monkeypatch.setattr(moec_torch, "_compiled", {})
+    monkeypatch.setenv("MOEC_GRAPHS", "abc")
+    with pytest.raises(FileNotFoundError, match="MOEC_GRAPHS='abc' names the folder of the "
+                                                "layer graphs .*cannot be found"):
+        moec_torch.MoeFFN(config(), RANKS)
+
+
+@pytest.mark.parametrize("env", ["MOEC_LIB", "MOEC_TORCH_LIB"])
+def test_library_variable_too_long_is_named_and_cut(env, monkeypatch):
+    from moec_torch import native
+    monkeypatch.setenv(env, "x" * 5000)
+    find = native.library_path if env == "MOEC_LIB" else native.op_library_path
+    with pytest.raises(FileNotFoundError) as error:
+        find()
+    message = str(error.value)
+    assert f"{env}='{'x' * 200}'... (5000 characters) names the" in message
+    assert "File name too long" in message and len(message) < 500
+
+
+def test_empty_variable_means_the_default(monkeypatch):
+    from moec_torch import native
+    default = native.graphs_dir()
+    monkeypatch.setenv("MOEC_GRAPHS", "")
+    monkeypatch.delenv("MOEC_GRAPHS")
+    unset = native.graphs_dir()
+    monkeypatch.setenv("MOEC_GRAPHS", "")
+    assert native.graphs_dir() == unset
+    monkeypatch.setenv("MOEC_CACHE_DIR", "")
+    assert moec_torch._cache_root() == Path.home() / ".cache/moec"
+    assert default.is_dir()
+
+
+def test_shown_values_escape_control_characters():
+    assert checks.env_shown("MOEC_X", "a\nb\x1b") == "MOEC_X='a\\x0ab\\x1b'"

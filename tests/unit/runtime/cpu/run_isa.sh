@@ -46,7 +46,7 @@ if has avx512f avx512bw avx512vl; then
 fi
 # A value MOEC_GEMM does not know warns once and runs as auto.
 if MOEC_GEMM=bogus "$test_binary" "[gmm]" 2> "${TEST_TMPDIR:-/tmp}/moec_gemm_bogus.$$" &&
-  grep -q "MOEC_GEMM=bogus is none of 'auto', 'moec', 'onednn'; using 'auto'" "${TEST_TMPDIR:-/tmp}/moec_gemm_bogus.$$"; then
+  grep -q "MOEC_GEMM='bogus' is none of 'auto', 'moec', 'onednn'; using 'auto'" "${TEST_TMPDIR:-/tmp}/moec_gemm_bogus.$$"; then
   echo "ok: MOEC_GEMM=bogus warns and runs as auto"
 else
   echo "FAILED: MOEC_GEMM=bogus"

@@ -79,6 +79,8 @@
 #include <tuple>
 #include <vector>
 
+#include <unistd.h>
+
 namespace {
 
 using moec::DType;
@@ -314,6 +316,28 @@ struct Slot {
   std::unique_ptr<moec::rt::Context> context;
   std::unique_ptr<moec::rt::Exchange> exchange;
   std::shared_ptr<BufferPool> outputs = std::make_shared<BufferPool>();
+  /// The process that made it: its worker threads, its watchdog and any
+  /// pass in flight live there only. A child of fork() has a copy of the
+  /// memory and none of the threads (a lock held then stays held for ever).
+  const pid_t creator = ::getpid();
+
+  /// Refuses a call from a child of fork(), before any lock.
+  void sameProcess(const char *what) const {
+    const pid_t me = ::getpid();
+    TORCH_CHECK(me == creator, "moec: this ", what, " was created in process ", creator,
+                "; this is process ", me, ", a child of fork(), which has none of its "
+                "threads. Build a new ", what, " in this process (one made after fork() works), "
+                "or start workers with the 'spawn' or 'forkserver' start method");
+  }
+
+  ~Slot() {
+    // In a child of fork(), freeing the runtime would join threads that do
+    // not exist here: the copy is left to the process's end.
+    if (::getpid() != creator) {
+      (void)context.release();
+      (void)exchange.release();
+    }
+  }
 };
 
 std::mutex mpiSlotsMutex;
@@ -420,8 +444,8 @@ public:
   /// the order of the passes; in one process (every rank here) it returns
   /// {text}.
   std::vector<std::string> agree(const std::string &text) {
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     TORCH_CHECK(text.size() <= kAgreeBytes, "moec: agree() takes at most ", kAgreeBytes,
                 " bytes, got ", text.size());
     moec::comm::Fabric &fabric = slot->context->fabric();
@@ -485,8 +509,8 @@ public:
                                           const at::Tensor &weights, const at::Tensor &w1,
                                           const at::Tensor &w2,
                                           const std::vector<at::Tensor> &adapters) {
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     const auto start = std::chrono::steady_clock::now();
     const Inputs in = inputs(x, ids, weights, w1, w2, adapters);
     at::Tensor y = slot->outputs->take(in.x.sizes(), in.x.options());
@@ -502,8 +526,8 @@ public:
            const at::Tensor &weights, const at::Tensor &w1, const at::Tensor &w2,
            const at::Tensor &dyIn, const c10::optional<at::Tensor> &mainGrad1,
            const c10::optional<at::Tensor> &mainGrad2, const std::vector<at::Tensor> &adapters) {
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     // The op call's time, set on every return (an error's too).
     struct Timer {
       std::chrono::steady_clock::time_point start;
@@ -622,6 +646,7 @@ public:
   /// Waits for a submitted pass and drops its result and error; false when
   /// the ticket was already waited.
   bool discard(int64_t ticket) {
+    slot->sameProcess("layer");
     std::unique_lock<std::mutex> lock(pendingMutex);
     const bool forward = pendingForwards.count(ticket) != 0;
     if (!forward && !pendingBackwards.count(ticket))
@@ -641,6 +666,7 @@ public:
   /// True when the submitted pass `ticket` has ended (its wait will not
   /// block), and for a ticket already waited.
   bool ready(int64_t ticket) {
+    slot->sameProcess("layer");
     std::lock_guard<std::mutex> lock(pendingMutex);
     const auto ended = [](const auto &future) {
       return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
@@ -654,11 +680,19 @@ public:
 
   /// Submitted passes not yet waited.
   int64_t pending() {
+    slot->sameProcess("layer");
     std::lock_guard<std::mutex> lock(pendingMutex);
     return int64_t(pendingForwards.size() + pendingBackwards.size());
   }
 
   ~Layer() override {
+    // A child of fork() has none of the threads its submitted passes ran
+    // on: their futures would wait for ever; left to the process's end.
+    if (::getpid() != slot->creator) {
+      (void)new decltype(pendingForwards)(std::move(pendingForwards));
+      (void)new decltype(pendingBackwards)(std::move(pendingBackwards));
+      return;
+    }
     // A pass still running uses this object: wait for it.
     for (auto &p : pendingForwards)
       p.second.wait();
@@ -688,8 +722,8 @@ public:
   /// Writes the trace of the last forward, backward or either pass (which:
   /// "forward", "backward", "last") as Chrome/Perfetto JSON.
   void writeTrace(const std::string &path, const std::string &which) {
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     TORCH_CHECK(which == "forward" || which == "backward" || which == "last",
                 "moec: the pass to trace must be 'forward', 'backward' or 'last', got '", which,
                 "'");
@@ -705,8 +739,8 @@ public:
   void weightsChanged() {
     TORCH_CHECK(pending() == 0, "moec: weights_changed() while a submitted pass has not been "
                 "waited for: wait for it first (the pass reads the weights)");
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     for (auto &[name, last] : seen)
       check(slot->context->weightChanged(name), "weights changed");
   }
@@ -719,8 +753,8 @@ public:
   /// The profile (runtime/tooling/Profile.h) of the last "forward" or
   /// "backward" pass (trace=True), and the op call's time around it.
   std::string profile(const std::string &which) {
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     TORCH_CHECK(which == "forward" || which == "backward",
                 "moec: the pass to profile must be 'forward' or 'backward', got '", which, "'");
     const bool backward = which == "backward";
@@ -751,6 +785,7 @@ public:
 
 private:
   void live() const {
+    slot->sameProcess("layer");
     TORCH_CHECK(slot->context, "moec: this layer was released (moec_torch.finalize_mpi)");
   }
 
@@ -771,6 +806,7 @@ private:
   template <class Result>
   std::future<Result> takePending(std::map<int64_t, std::future<Result>> &pending,
                                   int64_t ticket, const char *what) {
+    slot->sameProcess("layer");
     std::lock_guard<std::mutex> lock(pendingMutex);
     auto it = pending.find(ticket);
     TORCH_CHECK(it != pending.end(), "moec: the ", what, " handle ", ticket,
@@ -992,8 +1028,8 @@ public:
   /// -> (expert_x [rows, H], tokens_per_expert [P*L], route)
   std::tuple<at::Tensor, at::Tensor, int64_t> dispatch(const at::Tensor &x, const at::Tensor &ids,
                                                        const at::Tensor &weights) {
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     const at::Tensor xc = tokens(x, "x");
     expectInput(ids, "topk_ids", 3, ex().localRanks(), "this process's ranks");
     expectInput(weights, "topk_weights", 3, ex().localRanks(), "this process's ranks");
@@ -1013,8 +1049,8 @@ public:
   /// -> (y [P, S, H], combine step)
   std::tuple<at::Tensor, int64_t> combine(int64_t route, const at::Tensor &ids,
                                           const at::Tensor &weights, const at::Tensor &expertY) {
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     setRoute(route, ids, weights);
     const at::Tensor rows = expertRowsIn(expertY, "expert_y");
     at::Tensor y = at::empty({ex().localRanks(), ids.size(1), ex().shape().hidden}, rows.options());
@@ -1026,8 +1062,8 @@ public:
   /// gradient of the expert rows.
   at::Tensor dispatchBackward(int64_t route, const at::Tensor &ids, const at::Tensor &weights,
                               const at::Tensor &dExpertX) {
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     setRoute(route, ids, weights);
     const at::Tensor rows = expertRowsIn(dExpertX, "the gradient of expert_x");
     at::Tensor dx = at::empty({ex().localRanks(), ids.size(1), ex().shape().hidden}, rows.options());
@@ -1045,8 +1081,8 @@ public:
                                                      const at::Tensor &weights,
                                                      const at::Tensor &expertY,
                                                      const at::Tensor &dyIn) {
-    std::lock_guard<std::mutex> lock(slot->mutex);
     live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
     setRoute(route, ids, weights);
     const at::Tensor rows = expertRowsIn(expertY, "expert_y");
     // The returned rows of this combine: run it again when the runtime no
@@ -1077,6 +1113,7 @@ private:
   moec::rt::Exchange &ex() const { return *slot->exchange; }
 
   void live() const {
+    slot->sameProcess("exchange");
     TORCH_CHECK(slot->exchange, "moec: this exchange was released (moec_torch.finalize_mpi)");
   }
 
@@ -1191,6 +1228,7 @@ void finalizeMpiOp() {
   {
     std::lock_guard<std::mutex> lock(mpiSlotsMutex);
     for (const std::shared_ptr<Slot> &slot : mpiSlots) {
+      slot->sameProcess("layer");
       std::lock_guard<std::mutex> passLock(slot->mutex);
       slot->context.reset();
       slot->exchange.reset();

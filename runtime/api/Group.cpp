@@ -78,6 +78,11 @@ Status Group::initialize(const LayerShape &shape, const ContextOptions &opts,
 }
 
 Status Group::usable() const {
+  if (const pid_t me = ::getpid(); me != creator)
+    return Status::error(fmt::format(
+        "this context was created in process {}; this is process {}, a child of fork(), "
+        "which has none of its threads: create a new context in this process",
+        creator, me));
   if (!broken.empty())
     return Status::error("the context cannot run another pass (an earlier error left the ranks "
                          "out of step): " + broken);

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 namespace moec::rt {
 
 struct Program::Impl {
@@ -48,6 +50,7 @@ struct Group {
   std::vector<Tensor> ids, weights;  ///< per rank; data null until set
   CapacityNeed need;                 ///< what the last checked routing needed
   std::string broken;                ///< why no further pass can run
+  pid_t creator = ::getpid();        ///< a child of fork() runs no pass (usable())
 
   /// Sets the options, the worker count, the backend and the fabric
   /// (in-process unless the options name one) for `shape`'s group; `source`

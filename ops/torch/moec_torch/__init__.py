@@ -685,11 +685,28 @@ class _Pending:
 
     what = "pass"
 
-    def __init__(self, module, ticket, layer):
+    def __init__(self, module, ticket, layer, reads=()):
         self.module = module
         self.layer = layer  # the runtime it runs on (growth replaces module.layer)
         self.ticket = ticket
         self.waited = False
+        # What the pass reads while it runs, with each tensor's version
+        # counter (bumped by every in-place change, as autograd's saved
+        # tensors are checked): a change before wait() is an error there.
+        self.reads = [(name, t, t._version) for name, t in reads if t is not None]
+
+    def _check_unchanged(self):
+        """Raises when a tensor the pass read was changed in place between
+        submit and wait: the result would mix old and new values."""
+        changed = [name for name, t, version in self.reads if t._version != version]
+        if changed:
+            raise RuntimeError(
+                f"moec: {', '.join(repr(n) for n in changed)} changed in place after "
+                f"submit_{self.what} and before wait(): the pass reads its inputs and weights "
+                "while it runs, so its result would mix old and new values and is dropped. "
+                "Keep every tensor a submitted pass reads (x, topk_ids, topk_weights, dy, the "
+                "weights, adapters and scales) unchanged until wait() returns; to reuse a "
+                "buffer, submit a clone")
 
     def done(self):
         """True once the pass has ended: wait() then returns at once."""
@@ -722,7 +739,9 @@ class ForwardHandle(_Pending):
     what = "forward"
 
     def __init__(self, module, ticket, inputs, squeeze):
-        super().__init__(module, ticket, module.layer)
+        super().__init__(module, ticket, module.layer,
+                         list(zip(("x", "topk_ids", "topk_weights"), inputs)) +
+                         module._read_parameters())
         self.inputs = inputs      # x, topk_ids, topk_weights (as the op took them)
         self.squeeze = squeeze
         self.step = None          # the runtime's pass, once waited
@@ -737,11 +756,13 @@ class ForwardHandle(_Pending):
         except RuntimeError as error:
             if "moec over capacity:" not in str(error) or self.layer is not m.layer:
                 raise
+            self._check_unchanged()
             m._grow(error)  # grows, or raises (the ranks decide together)
             self.layer = m.layer
             with torch.no_grad():
                 done = torch.ops.moec.forward(self.layer, *m._mesh(x, ids, weights),
                                               m._bound())
+        self._check_unchanged()
         self.step = done[1]
         y = m._unmesh(MoeFFNFunction.apply(self.layer, *m._mesh(x, ids, weights),
                                            m.check_finite, m.first_rank, m._main_grads(), done,
@@ -756,8 +777,10 @@ class BackwardHandle(_Pending):
 
     what = "backward"
 
-    def __init__(self, module, ticket, layer, main_grads, dy, squeeze):
-        super().__init__(module, ticket, layer)
+    def __init__(self, module, ticket, layer, main_grads, dy, squeeze, inputs):
+        super().__init__(module, ticket, layer,
+                         [("dy", dy)] + list(zip(("x", "topk_ids", "topk_weights"), inputs)) +
+                         module._read_parameters())
         self.main_grads = main_grads
         self.dy = dy
         self.squeeze = squeeze
@@ -768,6 +791,7 @@ class BackwardHandle(_Pending):
         self._take()
         m = self.module
         dx, dtopk, dw1, dw2, dadapters = self.layer.wait_backward(self.ticket)
+        self._check_unchanged()
         if m._tp_here():
             # Every TP rank's dx and dtopk_weights are the whole ones: TP rank
             # 0's; the weight gradients are slices of the whole experts'.
@@ -1174,6 +1198,14 @@ class MoeFFN(torch.nn.Module):
         w1 then w2 (those in lora_targets)."""
         return [getattr(self, f"{name}_lora_{m}") for name in self.lora_targets for m in "AB"]
 
+    def _read_parameters(self):
+        """(name, tensor) of the parameters a pass reads: w1, w2, the
+        adapters, the scales."""
+        return [("w1", self.w1), ("w2", self.w2)] + \
+            [(n, getattr(self, n)) for n in (
+                [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"] +
+                (["w1_scale", "w2_scale"] if self.weight_format else []))]
+
     def _bound(self):
         """What the op takes after w1 and w2: the adapters, then the block
         scales of quantized weights."""
@@ -1434,7 +1466,8 @@ class MoeFFN(torch.nn.Module):
         ticket = handle.layer.submit_backward(
             handle.step, *mesh, dy_mesh.detach(), *(main_grads or (None, None)),
             [a.detach() for a in self._bound()])
-        return BackwardHandle(self, ticket, handle.layer, main_grads, dy, squeeze)
+        return BackwardHandle(self, ticket, handle.layer, main_grads, dy, squeeze,
+                              handle.inputs)
 
     @property
     def capacity_policy(self):

@@ -194,3 +194,111 @@ def test_backward_handle_of_an_older_forward_recomputes_it():
     layer(xr, ids, weights).backward(dy)
     assert torch.equal(g.dx, xr.grad)
     assert torch.equal(g.dw1, layer.w1.grad)
+
+
+# --- inputs changed while a submitted pass runs ---------------------------------------
+
+@pytest.mark.parametrize("change", ["x", "topk_weights", "w2", "adapters"])
+def test_an_input_changed_before_wait_is_an_error(change, tmp_path):
+    lora = change == "adapters"
+    layer = moec_torch.MoeFFN(config(), ranks=2, threads=1,
+                              **({"lora_rank": 4} if lora else {}))
+    x, ids, weights, _ = inputs(layer, 3)
+    if lora:
+        layer.save_adapters(tmp_path)
+    handle = layer.submit_forward(x, ids, weights)
+    with torch.no_grad():
+        if change == "x":
+            x.fill_(float("nan"))
+        elif change == "topk_weights":
+            weights.mul_(2)
+        elif change == "w2":
+            layer.w2.zero_()
+        else:
+            layer.load_adapters(tmp_path)
+    name = {"adapters": "w1_lora_A"}.get(change, change)
+    with pytest.raises(RuntimeError, match=f"'{name}'.* changed in place after submit_forward "
+                                           "and before wait"):
+        handle.wait()
+    # The layer goes on: the next pass runs on the inputs as they are now.
+    x2, ids2, weights2, _ = inputs(layer, 4)
+    assert torch.isfinite(layer.submit_forward(x2, ids2, weights2).wait()).all()
+
+
+def test_dy_changed_before_the_backward_wait_is_an_error():
+    layer = make()
+    x, ids, weights, dy = inputs(layer, 5)
+    with torch.no_grad():
+        forward = layer.submit_forward(x, ids, weights)
+        forward.wait()
+    backward = layer.submit_backward(forward, dy)
+    dy.zero_()
+    with pytest.raises(RuntimeError, match="'dy' changed in place after submit_backward"):
+        backward.wait()
+
+
+def test_inputs_left_alone_until_wait_give_the_result():
+    layer = make()
+    x, ids, weights, _ = inputs(layer, 6)
+    want = layer(x, ids, weights)
+    handle = layer.submit_forward(x, ids, weights)
+    x_copy = x.clone()
+    x_copy.fill_(1)  # a clone may change: the pass reads x
+    assert torch.equal(handle.wait(), want)
+
+
+# --- fork -------------------------------------------------------------------------------
+
+FORK_CHILD = r"""
+import os, sys, time
+import torch
+import moec_torch
+sys.path.insert(0, os.environ["TESTS"])
+from test_moe_ffn import config, inputs
+layer = moec_torch.MoeFFN(config(), ranks=2, threads=1, timeout_seconds=5)
+x, ids, weights, _ = inputs(layer, 1)
+want = layer(x, ids, weights)
+pending = layer.submit_forward(x, ids, weights) if sys.argv[1] == "in-flight" else None
+pid = os.fork()
+if pid == 0:
+    code = 0
+    for call in ("forward", "submit"):
+        start = time.time()
+        try:
+            layer(x, ids, weights) if call == "forward" else layer.submit_forward(x, ids, weights)
+            print(f"child: {call} returned", flush=True)
+            code = 3
+        except RuntimeError as e:
+            print(f"child: {call}: {e}", flush=True)
+            if time.time() - start > 2 or "a child of fork()" not in str(e):
+                code = 4
+    # A layer made after the fork works.
+    fresh = moec_torch.MoeFFN(config(), ranks=2, threads=1)
+    fresh.load_state_dict(layer.state_dict())
+    if not torch.equal(fresh(x, ids, weights), want):
+        code = 5
+    print("child: done", flush=True)
+    os._exit(code) if sys.argv[2] == "os-exit" else sys.exit(code)
+_, status = os.waitpid(pid, 0)
+if pending is not None:
+    assert torch.equal(pending.wait(), want)
+print("parent: child exit", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["idle", "in-flight"])
+@pytest.mark.parametrize("end", ["os-exit", "sys-exit"])
+def test_a_layer_in_a_forked_child_is_refused_at_once(when, end, tmp_path):
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "fork.py"
+    script.write_text(FORK_CHILD)
+    env = dict(os.environ, TESTS=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script), when, end], env=env, timeout=120,
+                          capture_output=True, text=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "parent: child exit 0" in out, out
+    assert "child: forward: moec: this layer was created in process" in out, out
+    assert "a child of fork()" in out and "child: done" in out, out

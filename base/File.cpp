@@ -10,10 +10,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <new>
 #include <string>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -333,6 +335,28 @@ Status checkWritable(const std::string &path) {
   return Status::success();
 }
 
+void removeStaleTemporaries(const std::string &dir, const std::string &prefix) {
+  std::unique_ptr<DIR, int (*)(DIR *)> folder(::opendir(dir.c_str()), ::closedir);
+  if (!folder)
+    return;
+  std::vector<std::string> stale;
+  while (const dirent *entry = ::readdir(folder.get())) {
+    const std::string name = entry->d_name;
+    if (name.size() <= prefix.size() || name.compare(0, prefix.size(), prefix) != 0)
+      continue;
+    char *end = nullptr;
+    const long pid = std::strtol(name.c_str() + prefix.size(), &end, 10);
+    if (end == name.c_str() + prefix.size() || pid <= 0 || pid == long(::getpid()))
+      continue;
+    if (::kill(pid_t(pid), 0) != 0 && errno == ESRCH)
+      stale.push_back(dir + "/" + name);
+  }
+  for (const std::string &path : stale) {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+}
+
 Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSpan> parts) {
   std::string target;
   bool stream = false;
@@ -340,6 +364,11 @@ Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSp
     return s;
   if (stream)
     return writeInto(path, parts);
+  {
+    const std::filesystem::path t(target);
+    removeStaleTemporaries(t.has_parent_path() ? t.parent_path().string() : ".",
+                           t.filename().string() + ".tmp.");
+  }
   static std::atomic<uint64_t> counter{0};
   const std::string temporary =
       target + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(counter++);
@@ -353,7 +382,10 @@ Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSp
   bool written = true;
   for (const ByteSpan &part : parts)
     written = written && writeAll(fd, part.data, part.size);
-  const int writeErrno = errno;
+  int writeErrno = errno;
+  // On disk before the rename: a crash leaves the old file or the new one.
+  if (written && ::fdatasync(fd) != 0 && errno != EINVAL && errno != EROFS)
+    written = false, writeErrno = errno;
   const bool closed = ::close(fd) == 0;
   int code = written ? (closed ? 0 : errno) : writeErrno;
   if (code == 0 && std::rename(temporary.c_str(), target.c_str()) != 0)

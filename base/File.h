@@ -81,12 +81,19 @@ struct ByteSpan {
 };
 
 /// Writes the concatenation of `parts` to `path` through a temporary
-/// "PATH.tmp.PID.N" renamed over it. On failure `path` is as it was, no
-/// temporary is left, and the error starts with the path. A `path` that is
+/// "PATH.tmp.PID.N", flushed to disk and renamed over it. On failure `path`
+/// is as it was, no temporary is left, and the error starts with the path;
+/// temporaries of writers of `path` that died are removed first. A `path` that is
 /// a symlink is written through to the file it names; one that names a
 /// character device or a FIFO is written into directly; a symlink loop, a
 /// dangling symlink and an empty path are refused.
 Status writeFileAtomically(const std::string &path, std::initializer_list<ByteSpan> parts);
+
+/// Removes the entries of folder `dir` named `prefix` + PID + anything,
+/// where PID is a process of this machine that no longer runs: what a
+/// writer killed by SIGKILL (or a power cut) left behind. writeFileAtomically
+/// calls it for its temporaries, a run's outputs folder for its new folder.
+void removeStaleTemporaries(const std::string &dir, const std::string &prefix);
 
 /// Installs handlers for SIGINT, SIGTERM, SIGHUP and SIGQUIT that remove
 /// the temporaries writeFileAtomically is writing, then end the process as

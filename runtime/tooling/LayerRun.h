@@ -59,15 +59,16 @@ struct RandomOptions {
 /// in (0.2, 1), distinct experts per token.
 void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, LayerData *data);
 
-/// Reads x, topk_ids, topk_weights, w1, w2 (and dy when `backward`) from
-/// DIR/*.npy and checks their shapes against each other and `shape`.
-/// Errors name the file and what was expected.
 /// The files of a layer's inputs in a folder: x, topk_ids, topk_weights, w1,
 /// w2 (.npy), and dy with a backward pass.
 std::vector<std::string> layerInputFiles(bool backward);
 
+/// Reads x, topk_ids, topk_weights, w1, w2 (and dy when `backward`) from
+/// DIR/*.npy and checks their shapes against each other and `shape`. The
+/// folder must be a run's, as its manifest says (checkRunManifest), unless
+/// `handMade`. Errors name the file and what was expected.
 Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool backward,
-                       LayerData *data);
+                       bool handMade, LayerData *data);
 
 /// Writes the inputs (with dy when `backward`) to DIR/*.npy; appends the
 /// names of the files to *written.
@@ -81,9 +82,8 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool bac
 
 /// A folder of outputs is one run's when it holds this manifest, which the
 /// run writes last: what ran, and each file it wrote with its size and
-/// CRC-32. A run starts by removing the old manifest, so a folder that a
-/// killed run left behind, or a mix of two runs, has none or fails its
-/// check.
+/// CRC-32. A run replaces its outputs folder whole (RunFolder), so a folder
+/// holds one run's files and its manifest, or an earlier run's.
 inline constexpr const char *kRunManifest = "manifest.json";
 
 /// The names a run writes into its outputs folder: y (and dx,
@@ -94,16 +94,19 @@ std::vector<std::string> runFolderFiles(bool backward, bool inputs);
 /// True for a name any run writes into its folder.
 bool isRunFileName(const std::string &name);
 
-/// The outputs folder of a run, from the run's start to its manifest. open()
-/// creates the folder when missing, locks it (a second run writing the same
-/// folder at once is refused, naming it), refuses it when a file the run
-/// will write (`writes`, names in the folder) is there as a symbolic link
-/// or another kind of file, or is one of `inputs` under another name, and
-/// removes the old manifest: from then on the folder is not a run's.
-/// finish() removes the files of earlier runs that this one did not write
-/// (only the names a run writes: an outputs folder holds exactly one run's
-/// files) and writes the manifest. A folder that open() created is removed
-/// with what a failed run put in it.
+/// The outputs folder of a run, replaced whole or not at all. open() creates
+/// the folder when missing, locks it (a second run writing the same folder
+/// at once is refused, naming it), refuses it when it holds a file no run
+/// writes (the user's own, an input binary), a file the run will write
+/// (`writes`) as a symbolic link or another kind of file, or one of
+/// `inputs` under another name; removes new folders of runs that died
+/// (".NAME.moec-new.PID" beside it, PID no longer running) and makes this
+/// run's. The run writes its files into path(); finish() links in the files
+/// of the old folder that are this run's too (`kept`: inputs read from it),
+/// writes the manifest and swaps the new folder with the old one in one
+/// step (renameat2 RENAME_EXCHANGE), then removes the old. A run that fails
+/// or is killed leaves the folder as it was (and, killed, a new folder that
+/// the next run removes).
 class RunFolder {
 public:
   static Status open(const std::string &dir, const std::vector<std::string> &writes,
@@ -112,20 +115,28 @@ public:
   RunFolder(const RunFolder &) = delete;
   RunFolder &operator=(const RunFolder &) = delete;
 
-  /// Writes DIR/manifest.json for `files` (names in the folder), with `run`
-  /// describing what ran, after removing other runs' files.
-  Status finish(const std::vector<std::string> &files, const std::string &run);
+  /// Where the run writes its files until finish().
+  const std::string &path() const { return staging; }
+
+  /// Writes the manifest for `files` (names in path()) with `run`
+  /// describing what ran, carries `kept` over, and puts the new folder in
+  /// place of the old.
+  Status finish(const std::vector<std::string> &files, const std::string &run,
+                const std::vector<std::string> &kept = {});
 
 private:
   RunFolder() = default;
-  std::string dir;
+  std::string dir;     ///< as given
+  std::string target;  ///< the real folder (symbolic links resolved)
+  std::string staging; ///< the new folder beside it
   int fd = -1;
   bool created = false;
 };
 
-/// When `dir` holds a manifest: checks that every file it lists is there
-/// with its size and CRC-32, and sets *listed to their names. A folder
-/// without one passes with *listed empty (inputs need not come from moec).
+/// Checks the manifest of `dir`: every file it lists is there with its size
+/// and CRC-32; sets *listed to their names. A folder without one is refused
+/// (a run killed before it swapped its folder in leaves none: readers are
+/// told to say --hand-made for a folder they made themselves).
 Status checkRunManifest(const std::string &dir,
                         std::optional<std::set<std::string>> *listed = nullptr);
 

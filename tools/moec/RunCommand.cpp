@@ -36,7 +36,7 @@ using namespace moec::tooling;
 const CommandSpec kRunSpec = {
     "run",
     "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
-    "[--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] [--op-by-op] [--local-puts] [--pack-weights] [--timeout SECONDS] [--trace FILE] [--profile] [--workspace] [--threads N] [--repeat N] [--warmup N] [--hot-share F] [--progress | --no-progress]",
+    "[--hand-made] [--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] [--op-by-op] [--local-puts] [--pack-weights] [--timeout SECONDS] [--trace FILE] [--profile] [--workspace] [--threads N] [--repeat N] [--warmup N] [--hot-share F] [--progress | --no-progress]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
     "given, on the R ranks of its EP group with the CPU runtime (or, with\n"
     "--backend cuda, on one NVIDIA GPU): every rank's\n"
@@ -74,13 +74,19 @@ const CommandSpec kRunSpec = {
     "                   under mpirun, the number of processes (the default there)\n"
     "  --fabric F       inproc (ranks as threads) or mpi (ranks as processes);\n"
     "                   default: mpi when started by mpirun, else inproc\n"
-    "  --inputs DIR     read the inputs from DIR\n"
+    "  --inputs DIR     read the inputs from DIR, a folder a run wrote: its\n"
+    "                   manifest.json must list every file with its size and\n"
+    "                   CRC-32 (a folder without one is refused)\n"
+    "  --hand-made      with --inputs: the folder was made by hand or another tool\n"
+    "                   (no manifest, or files changed since): read as it is\n"
     "  --random SEED    make random inputs (S and K as compiled, uniform routing\n"
     "                   unless --hot-share) and write them to the outputs folder\n"
     "                   too, so that the run can be replayed with --inputs\n"
-    "  --outputs DIR    where the outputs go (created if missing); manifest.json,\n"
-    "                   written last, lists the run's files with their CRC-32s,\n"
-    "                   and --inputs checks a folder against its manifest\n"
+    "  --outputs DIR    where the outputs go (created if missing): the run writes a\n"
+    "                   new folder beside DIR and swaps it in when every file and\n"
+    "                   manifest.json (the files with sizes and CRC-32s) is\n"
+    "                   written, so DIR holds one run's files, never a mix; DIR\n"
+    "                   may hold a run's files only\n"
     "  --verify         run the reference layer (plain loops, in double) on the\n"
     "                   same inputs and print each output's max absolute and\n"
     "                   relative error; exit 1 when one is above tolerance\n"
@@ -144,7 +150,7 @@ const CommandSpec kRunSpec = {
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat", "--warmup",
      "--hot-share", "--fabric", "--timeout", "--verify-sample", "--backend"},
     {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress", "--profile",
-     "--workspace", "--pack-weights"},
+     "--workspace", "--pack-weights", "--hand-made"},
     1,
     2,
     {"--trace"}};
@@ -461,6 +467,8 @@ int runRun(int argc, char **argv, int first) {
     return usage("--local-puts makes the outputs wrong; it cannot be verified");
   if (args.has("--progress") && args.has("--no-progress"))
     return usage("--progress and --no-progress exclude each other");
+  if (args.has("--hand-made") && !args.value("--inputs"))
+    return usage("--hand-made says how the --inputs folder was made; it needs --inputs DIR");
   if (!args.value("--outputs"))
     return usage("missing --outputs DIR");
   if (args.value("--inputs").has_value() == args.value("--random").has_value())
@@ -603,7 +611,7 @@ int runRun(int argc, char **argv, int first) {
   const std::string outputs = *args.value("--outputs");
   progress.begin("inputs");
   if (auto dir = args.value("--inputs")) {
-    if (Status s = readLayerInputs(*dir, shape, backward, &data); !s)
+    if (Status s = readLayerInputs(*dir, shape, backward, args.has("--hand-made"), &data); !s)
       return fail(s);
   } else {
     RandomOptions random;
@@ -749,18 +757,19 @@ int runRun(int argc, char **argv, int first) {
   std::vector<std::string> written;
   progress.begin("write outputs");
   if (args.value("--random"))
-    if (Status s = writeLayerInputs(outputs, data, backward, &written); !s)
+    if (Status s = writeLayerInputs(runFolder->path(), data, backward, &written); !s)
       return fail(s);
-  if (Status s = writeLayerOutputs(outputs, data, backward, &written); !s)
+  if (Status s = writeLayerOutputs(runFolder->path(), data, backward, &written); !s)
     return fail(s);
   // Inputs read from the outputs folder are this run's files too.
+  std::vector<std::string> kept;
   if (auto inputs = args.value("--inputs"); inputs && sameFile(*inputs, outputs))
     for (const std::string &name : layerInputFiles(backward))
-      written.push_back(name);
+      kept.push_back(name), written.push_back(name);
   std::string command = "moec run";
   for (int i = first; i < argc; ++i)
     command += std::string(" ") + argv[i];
-  if (Status s = runFolder->finish(written, command); !s)
+  if (Status s = runFolder->finish(written, command, kept); !s)
     return fail(s);
   runFolder.reset();
   progress.end();

@@ -631,7 +631,9 @@ private:
           return Status::error("timed out");
         return Status::error(fmt::format(
             "rank {}: rank{} {} did not reach {} within {:.3g} s (a rank that stopped, never "
-            "submitted the pass, runs another program, or cannot be reached)",
+            "submitted the pass, runs another program, cannot be reached, or is still starting: "
+            "making a layer starts its worker threads, which with thousands of them or on a "
+            "loaded machine takes a while; a longer timeout_seconds waits for it)",
             me, absent.size() == 1 ? "" : "s", fmt::join(absent, ", "), what, seconds));
       }
       mailCv.wait_for(lock, std::chrono::duration<double>(std::min(left, 1.0)));

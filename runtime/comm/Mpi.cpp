@@ -562,7 +562,10 @@ public:
             "rank {}: rank{} {} did not reach the exchange within {:.3g} s ({})", me,
             absent.size() == 1 ? "" : "s", fmt::join(absent, ", "), timeoutSeconds,
             ended.empty() ? "a rank that stopped, never submitted the pass, runs another "
-                            "program, or cannot be reached"
+                            "program, cannot be reached, or is still starting: making a layer "
+                            "starts its worker threads, which with thousands of them or on a "
+                            "loaded machine takes a while (a longer --timeout / timeout_seconds "
+                            "waits for it)"
                           : fmt::format("rank{} {} reached the end of the job: it ran fewer "
                                         "passes than this rank",
                                         ended.size() == 1 ? "" : "s", fmt::join(ended, ", "))));
@@ -783,7 +786,8 @@ public:
     if (me != 0)
       return reportTaken ? std::string()
                          : fmt::format("rank 0 did not take the report of rank {} within {:.3g} "
-                                       "s (rank 0 died, or cannot be reached)\n",
+                                       "s (rank 0 died, is still busy or starting, or cannot be "
+                                       "reached)\n",
                                        me, seconds);
     std::string out = fmt::format("report of the {} ranks, gathered on rank 0:\n", count);
     requests.clear();
@@ -794,7 +798,7 @@ public:
           send(p, ControlKind::ReportTaken, std::string());
       } else {
         out += fmt::format("  [rank {}] no report within {:.3g} s (it died, waits outside moec, "
-                           "or cannot be reached)\n",
+                           "is still starting, or cannot be reached)\n",
                            p, seconds);
       }
     }

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# moec_torch as an installed package: `pip install --no-index
-# --no-build-isolation` of ops/torch (with the op and compiler libraries and
-# the graphs it packages) into a scratch prefix, then, from a folder outside
+# moec_torch as an installed package, the way docs/torch.md installs it: a
+# venv made with `python3 -m venv --system-site-packages --without-pip`, then
+# its python's `pip install --no-index --no-build-isolation` of ops/torch
+# (with the op and compiler libraries and the graphs it packages), then,
+# from a folder outside
 # the repository and with no MOEC_* variable set, a few training steps of a
 # MoeFFN layer (the loss falls), compiling through the library, dump() as a
 # dict, a simulated trace and its loader, and a compile error as an
@@ -16,23 +18,25 @@ rm -rf "$scratch" && mkdir -p "$scratch/src" "$scratch/elsewhere"
 cp ops/torch/setup.py "$scratch/src/"
 cp -r ops/torch/moec_torch "$scratch/src/"
 (cd "$scratch/src" && find . | sort) > "$scratch/src-before.txt"
+venv="$scratch/venv"
+/usr/bin/python3 -m venv --system-site-packages --without-pip "$venv"
 MOEC_TORCH_LIB="$op_lib" MOEC_LIB="$moec_lib" MOEC_GRAPHS="$PWD/graphs" PIP_NO_CACHE_DIR=1 \
-  /usr/bin/python3 -m pip install --quiet --no-index --no-build-isolation --no-deps \
-  --root-user-action=ignore --prefix "$scratch/prefix" "$scratch/src"
+  "$venv/bin/python" -m pip install --quiet --no-index --no-build-isolation \
+  --root-user-action=ignore "$scratch/src"
 (cd "$scratch/src" && find . | sort) > "$scratch/src-after.txt"
 if ! diff -u "$scratch/src-before.txt" "$scratch/src-after.txt"; then
   echo "package_test: pip install wrote into the source folder (above); setup.py must build" \
     "out of tree (no build/, no *.egg-info)" >&2
   exit 1
 fi
-site="$(dirname "$(find "$scratch/prefix" -path '*-packages/moec_torch/__init__.py' | head -1)")"
+site="$(dirname "$(find "$venv" -path '*-packages/moec_torch/__init__.py' | head -1)")"
 site="$(dirname "$site")"
 [ -f "$site/moec_torch/lib/libmoec.so" ] && [ -f "$site/moec_torch/lib/moec_torch.so" ]
 [ -f "$site/moec_torch/graphs/moe_ffn_fwd.json" ]
 cd "$scratch/elsewhere"
-env -u MOEC_TORCH_LIB -u MOEC_LIB -u MOEC_GRAPHS -u MOEC_BIN \
-  MOEC_CACHE_DIR="$scratch/cache" PYTHONPATH="$site" PYTHONDONTWRITEBYTECODE=1 \
-  /usr/bin/python3 - "$site" <<'PY'
+env -u MOEC_TORCH_LIB -u MOEC_LIB -u MOEC_GRAPHS -u MOEC_BIN -u PYTHONPATH \
+  MOEC_CACHE_DIR="$scratch/cache" PYTHONDONTWRITEBYTECODE=1 \
+  "$venv/bin/python" - "$site" <<'PY'
 import json, sys
 from pathlib import Path
 import torch

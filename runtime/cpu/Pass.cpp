@@ -113,7 +113,10 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
   pass->options = options;
   pass->scratch = scratch;
   pass->weightScratch = std::make_unique<Scratch[]>(scratch->size());
-  pass->team = std::make_unique<exec::ThreadTeam>(options.workers);
+  // The process's team: the executor's workers are its helpers, the loops
+  // outside the task queues run on the caller and options.workers - 1 of
+  // them. Every layer of the process with this many workers shares it.
+  pass->team = exec::ThreadTeam::shared(options.workers + 1);
   for (const format::OpRecord &op : program.ops) {
     OpInfo info;
     info.kind = op.kind;
@@ -149,6 +152,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
 
   exec::ExecutorOptions eo;
   eo.workers = options.workers;
+  eo.team = pass->team;
   eo.timeout = std::chrono::nanoseconds(
       options.timeoutSeconds > 0
           ? int64_t(std::min(options.timeoutSeconds, kTimeoutMaxSeconds) * 1e9)
@@ -371,7 +375,7 @@ Status Pass::gatherSendRows(const std::vector<RankRoute> &routes,
     gatherTokenRows(ConstMatrix{source[r], act, H}, route.layout.order.data() + part.begin,
                     route.topK, weighted ? route.weights.data() : nullptr,
                     Matrix{src.address(part.begin, 0), src.elt, src.ld}, part.size(), H);
-  });
+  }, options.workers);
   return Status::success();
 }
 
@@ -424,7 +428,7 @@ Status Pass::combine(const std::vector<RankRoute> &routes, const std::vector<voi
                 route.layout.position.data(), weighted ? route.weights.data() : nullptr,
                 route.topK, Matrix{out[r], act, H}, pieces.range(item, route.tokens),
                 Range{0, H}, parts, backend::slotRows(returned));
-  });
+  }, options.workers);
   return Status::success();
 }
 
@@ -446,7 +450,7 @@ Status Pass::topkWeightGrad(const backend::Pass &forward, const std::vector<Rank
                                   int64_t(returned.dims[1])},
                       route.layout.position.data(), route.topK, pieces.range(item, route.tokens),
                       H, out[r], parts, backend::slotRows(returned));
-  });
+  }, options.workers);
   return Status::success();
 }
 

@@ -160,7 +160,7 @@ private:
   std::vector<Scratch> *scratch = nullptr;
   /// Per worker: the dequantized part of an FP8 weight a tile reads.
   std::unique_ptr<Scratch[]> weightScratch;
-  std::unique_ptr<exec::ThreadTeam> team; ///< the loops outside the task queues
+  std::shared_ptr<exec::ThreadTeam> team; ///< the process's: the workers and the other loops
   std::vector<OpInfo> ops;
   /// A local rank's cells of an op (expert-major, then column tile), the
   /// memory they were packed from, and whether this run packs and reads them.

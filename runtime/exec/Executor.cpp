@@ -12,14 +12,16 @@
 //   threshold (`minWaiting`), then re-reading the counter, all seq_cst; a
 //   signaller adds to the counter and then reads `minWaiting`, both seq_cst.
 //   Whichever runs second sees the other, so a wake-up is never lost.
-// - Between passes the workers sleep on `startCv`, so run() resets all
-//   state single-threaded.
+// - The workers are the helpers of a thread team (ThreadTeam, the process's
+//   when the options give one): run() resets all state single-threaded,
+//   then launches one worker per helper and joins them at the end.
 //
 //===----------------------------------------------------------------------===//
 
 #include "runtime/exec/Executor.h"
 
 #include "base/File.h"
+#include "runtime/exec/ThreadTeam.h"
 
 #include <fmt/format.h>
 
@@ -108,7 +110,6 @@ struct alignas(64) QueueState {
 
 /// A worker thread and what it keeps between tasks.
 struct alignas(64) Worker {
-  std::thread thread;
   std::vector<uint32_t> woken;            ///< queues its last task's signals woke
   trace::Trace trace;                     ///< tasks it ran, waits it ended (with tracing)
   std::atomic<uint64_t> current{kIdle};   ///< (logical queue << 32 | task) running
@@ -150,8 +151,8 @@ struct Executor::Impl {
   Impl(TaskProgram programIn, TaskFunction runTaskIn, const ExecutorOptions &optionsIn);
   ~Impl();
 
-  /// Starts the worker threads.
-  Status startWorkers();
+  /// The threads the workers run on: the options' team, or one of its own.
+  std::shared_ptr<ThreadTeam> team;
 
   // The program and its derived tables (read-only once created).
   TaskProgram program;
@@ -189,15 +190,12 @@ struct Executor::Impl {
   // The ready FIFO and the pass's bookkeeping, guarded by `mutex` (the
   // atomics are also read without it).
   std::mutex mutex;
-  std::condition_variable startCv; ///< workers wait here between passes
   std::condition_variable workCv;  ///< idle workers wait here for ready queues
   std::condition_variable doneCv;  ///< run() waits here for the workers
   std::vector<uint32_t> ring;      ///< the ready FIFO, R x Q slots
   size_t ringHead = 0;
   size_t ringSize = 0;
   std::atomic<size_t> readyCount{0}; ///< ringSize, for spinning workers
-  uint64_t generation = 0;           ///< bumped by each run()
-  bool shutdown = false;
   uint32_t inPass = 0;   ///< workers that have not left the pass
   uint32_t busy = 0;     ///< workers that own a logical queue
   uint32_t sleepers = 0; ///< workers waiting on workCv
@@ -215,7 +213,7 @@ struct Executor::Impl {
   trace::Trace remoteWaits; ///< waits signals from peers ended (with tracing)
 
   // Workers.
-  void workerMain(uint32_t worker);
+  void workerMain(uint32_t worker); ///< one pass of one worker
   void runPass(uint32_t worker);
   uint32_t acquire(bool wasBusy);
   void pushReady(const std::vector<uint32_t> &lqs);
@@ -317,49 +315,17 @@ Executor::Impl::Impl(TaskProgram programIn, TaskFunction runTaskIn,
     workers[w].woken.reserve(64);
 }
 
-Status Executor::Impl::startWorkers() {
-  for (uint32_t w = 0; w < workerCount; ++w) {
-    try {
-      workers[w].thread = std::thread([this, w] { workerMain(w); });
-    } catch (const std::system_error &error) {
-      // The destructor joins the workers already started.
-      return Status::error(fmt::format("executor: cannot start worker thread {} of {}: {}", w,
-                                       workerCount, error.what()));
-    }
-  }
-  return Status::success();
-}
-
-Executor::Impl::~Impl() {
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    shutdown = true;
-  }
-  startCv.notify_all();
-  for (uint32_t w = 0; w < workerCount; ++w)
-    if (workers[w].thread.joinable())
-      workers[w].thread.join();
-}
+Executor::Impl::~Impl() = default;
 
 //===----------------------------------------------------------------------===//
 // Workers
 //===----------------------------------------------------------------------===//
 
 void Executor::Impl::workerMain(uint32_t worker) {
-  uint64_t seen = 0;
-  for (;;) {
-    {
-      std::unique_lock<std::mutex> lock(mutex);
-      startCv.wait(lock, [&] { return shutdown || generation != seen; });
-      if (shutdown)
-        return;
-      seen = generation;
-    }
-    runPass(worker);
-    std::lock_guard<std::mutex> lock(mutex);
-    if (--inPass == 0)
-      doneCv.notify_all();
-  }
+  runPass(worker);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (--inPass == 0)
+    doneCv.notify_all();
 }
 
 /// Returns a ready logical queue from the FIFO, which the caller then owns,
@@ -1036,9 +1002,14 @@ Status Executor::create(TaskProgram program, TaskFunction runTask, const Executo
     if (!status.ok())
       return status.withPrefix("executor: ");
   }
-  status = impl->startWorkers();
-  if (!status.ok())
-    return status;
+  // The workers are the team's helpers: the options' team (the process's,
+  // shared by the passes of every layer), or one of the executor's own.
+  impl->team = options.team ? options.team
+                            : std::make_shared<ThreadTeam>(impl->workerCount + 1);
+  impl->workerCount = std::min(impl->workerCount, impl->team->size() - 1);
+  if (impl->workerCount == 0)
+    return Status::error("executor: cannot start a worker thread (the system starts no more "
+                         "threads)");
   out->reset(new Executor(std::move(impl)));
   return Status::success();
 }
@@ -1052,13 +1023,14 @@ Status Executor::run() {
   {
     std::lock_guard<std::mutex> lock(state.mutex);
     state.inPass = state.workerCount;
-    ++state.generation;
   }
-  state.startCv.notify_all();
+  state.team->launch(state.workerCount,
+                     [&state](size_t worker) { state.workerMain(uint32_t(worker)); });
   if (state.remote)
     state.superviseRemote();
   else
     state.supervise();
+  state.team->join();
   Clock::time_point end = Clock::now();
 
   state.stats.tasksRun = state.totalTasks - state.remaining.load();

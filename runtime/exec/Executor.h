@@ -80,6 +80,7 @@
 #include "runtime/comm/Fabric.h"
 #include "runtime/format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
+#include "runtime/exec/ThreadTeam.h"
 
 #include <chrono>
 #include <cstdint>
@@ -103,6 +104,13 @@ using TaskFunction = std::function<Status(uint32_t rank, uint32_t task, uint32_t
 struct ExecutorOptions {
   /// Worker threads; 0 means std::thread::hardware_concurrency() (at least 1).
   uint32_t workers = 0;
+
+  /// The threads the workers run on: a team whose helpers (size() - 1, at
+  /// least `workers`) each run one worker during run(), held by the
+  /// executor from the start of a pass to its end. Null: the executor makes
+  /// a team of its own. The CPU backend gives the process's team
+  /// (ThreadTeam::shared), so that every layer's passes share one set.
+  std::shared_ptr<ThreadTeam> team;
 
   /// The watchdog fires when no task completes for this long; zero or less
   /// turns it off.

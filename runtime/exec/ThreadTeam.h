@@ -1,9 +1,11 @@
 //===- ThreadTeam.h - Persistent threads for parallel loops -----*- C++ -*-===//
 //
 // The parallel loops of a pass outside its task queues (routing layout,
-// gathering the rows to send, combine, the top-k weight gradient) run on a
-// team of threads made once with the pass and parked between loops, so a
-// pass starts no thread.
+// gathering the rows to send, combine, the top-k weight gradient) and the
+// executor's workers run on a team of threads parked between jobs, so a pass
+// starts no thread. A team is the process's (shared()): every pass of every
+// layer and exchange that asks for the same size takes turns on one set of
+// threads, so that a model of 48 layers does not start 48 sets.
 //
 //===----------------------------------------------------------------------===//
 
@@ -14,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -30,26 +33,42 @@ public:
   ThreadTeam(const ThreadTeam &) = delete;
   ThreadTeam &operator=(const ThreadTeam &) = delete;
 
+  /// The process's team of `threads` threads, made at the first call and
+  /// kept while someone holds it; every caller asking for the same size
+  /// shares it, taking turns (run(), and launch() to join(), hold it).
+  static std::shared_ptr<ThreadTeam> shared(uint32_t threads);
+
   uint32_t size() const { return uint32_t(helpers.size()) + 1; }
 
   /// Runs fn(i) for every i in [0, count) and returns when all are done.
-  /// Thread t of the n = min(size(), count) taking part (the caller is
-  /// thread 0) runs i = t, t + n, t + 2n, ...: items must be independent.
-  /// One run at a time.
-  void run(size_t count, const std::function<void(size_t)> &fn);
+  /// Thread t of the n = min(size(), count, limit) taking part (limit 0: no
+  /// limit; the caller is thread 0) runs i = t, t + n, t + 2n, ...: items
+  /// must be independent. Callers take turns.
+  void run(size_t count, const std::function<void(size_t)> &fn, uint32_t limit = 0);
+
+  /// Starts fn(i) for i in [0, count) on the helpers alone, one item each
+  /// (count <= size() - 1), and returns at once; join() waits for them. The
+  /// caller holds the team from launch() to join() (other callers wait).
+  void launch(size_t count, const std::function<void(size_t)> &fn);
+  void join();
 
 private:
   void helperMain(uint32_t index);
 
+  std::mutex turn;                       ///< held through a run() or launch()..join()
+  std::unique_lock<std::mutex> launched; ///< the turn, from launch() to join()
+  std::function<void(size_t)> launchedFn;
+
   std::mutex mutex;
-  std::condition_variable wake; ///< helpers: a new loop, or stop
+  std::condition_variable wake; ///< helpers: a new job, or stop
   std::condition_variable done; ///< the caller: the helpers finished
-  uint64_t generation = 0;      ///< loops started
+  uint64_t generation = 0;      ///< jobs started
   bool stopping = false;
   const std::function<void(size_t)> *job = nullptr;
   size_t jobCount = 0;
-  uint32_t jobThreads = 0; ///< threads taking part in the current loop
-  uint32_t busy = 0;       ///< helpers of the current loop not yet done
+  uint32_t jobThreads = 0; ///< run(): threads taking part; launch(): helpers taking part
+  bool jobOnHelpers = false; ///< a launch() job: helper t runs item t - 1 only
+  uint32_t busy = 0;         ///< helpers of the current job not yet done
   std::vector<std::thread> helpers;
 };
 

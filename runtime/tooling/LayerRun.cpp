@@ -298,11 +298,6 @@ Status RunFolder::open(const std::string &dir, const std::vector<std::string> &w
   for (const std::filesystem::directory_entry &entry :
        std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string(), path = dir + "/" + name;
-    for (const std::string &input : inputs)
-      if (sameFile(path, input))
-        return Status::error(fmt::format(
-            "{}: is the input {}; the run would write over it, so give another --outputs folder",
-            path, input));
     struct stat info {};
     if (::lstat(path.c_str(), &info) != 0)
       continue;
@@ -311,6 +306,11 @@ Status RunFolder::open(const std::string &dir, const std::vector<std::string> &w
           "{}: is {}; the run writes {} as a file of the outputs folder, so move that away "
           "or give another --outputs folder",
           path, S_ISLNK(info.st_mode) ? "a symbolic link" : "not a regular file", name));
+    for (const std::string &input : inputs)
+      if (sameFile(path, input))
+        return Status::error(fmt::format(
+            "{}: is the input {}; the run would write over it, so give another --outputs folder",
+            path, input));
     if (!isRunFileName(name))
       return Status::error(fmt::format(
           "{}: holds '{}', which no run writes; a run replaces its outputs folder whole (a new "
@@ -336,6 +336,16 @@ Status RunFolder::open(const std::string &dir, const std::vector<std::string> &w
                                      ec ? ec.message() : std::string("it exists")));
   *out = std::move(folder);
   return Status::success();
+}
+
+Status RunFolder::named(const Status &status) const {
+  if (status || staging.empty())
+    return status;
+  std::string message = status.message();
+  for (size_t at = message.find(staging); at != std::string::npos;
+       at = message.find(staging, at + dir.size()))
+    message.replace(at, staging.size(), dir);
+  return Status::error(message, status.code());
 }
 
 RunFolder::~RunFolder() {
@@ -398,6 +408,11 @@ Status checkRunManifest(const std::string &dir, std::optional<std::set<std::stri
   std::error_code ec;
   if (listed)
     listed->reset();
+  if (!std::filesystem::is_directory(dir, ec))
+    return Status::error(fmt::format("{}: {}", dir,
+                                     std::filesystem::exists(dir, ec)
+                                         ? "is not a folder; --inputs takes the folder of a run"
+                                         : "no such folder"));
   if (!std::filesystem::exists(path, ec))
     return Status::error(fmt::format(
         "{}: has no {}, so it is not a folder that a moec run wrote whole (a run killed while "

@@ -118,6 +118,10 @@ public:
   /// Where the run writes its files until finish().
   const std::string &path() const { return staging; }
 
+  /// `status` with the new folder's path in its message replaced by the
+  /// outputs folder's, as the user named it.
+  Status named(const Status &status) const;
+
   /// Writes the manifest for `files` (names in path()) with `run`
   /// describing what ran, carries `kept` over, and puts the new folder in
   /// place of the old.

@@ -98,7 +98,7 @@ on moec-h1 ip link set eth0 up
 "$MOEC" run "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" --ranks 2 --random 2 \
   --outputs "$WORK/in-moec-h1" --threads 1 > /dev/null
 per_host() {
-  "${ONE[@]}" /bin/sh -c 'exec "$0" run "$1" "$2" --inputs "$3-$(hostname)" --outputs "$4" --threads 1 --timeout 10' \
+  "${ONE[@]}" /bin/sh -c 'exec "$0" run "$1" "$2" --inputs "$3-$(hostname)" --hand-made --outputs "$4" --threads 1 --timeout 10' \
     "$MOEC" "$WORK/big/fwd.moebin" "$WORK/big/bwd.moebin" "$WORK/in" "$1"
 }
 if per_host "$WORK/values" > "$WORK/values.log" 2>&1; then

@@ -162,14 +162,14 @@ in="$WORK/capacity-in"
 # anything is written.
 edit_ids "$in" "ids[1, :, 0] = 0; ids[1, :, 1] = 1"
 fails over-capacity "\[process of rank 0\] routing over capacity: the experts of rank 0 receive" \
-  "${RUN[@]}" 2 "$MOEC" run "$WORK/tight/fwd.moebin" "$WORK/tight/bwd.moebin" --inputs "$in" \
+  "${RUN[@]}" 2 "$MOEC" run "$WORK/tight/fwd.moebin" "$WORK/tight/bwd.moebin" --inputs "$in" --hand-made \
   --outputs "$WORK/over-capacity" "${S[@]}"
 
 # An expert id out of range in rank 1's routing only: rank 0 stops with
 # rank 1's message.
 edit_ids "$in" "ids[1, 5, 1] = 9"
 fails bad-id "\[process of rank 0\] rank 1: topk_ids\[5\]\[1\] = 9 is not an expert" \
-  "${RUN[@]}" 2 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --inputs "$in" \
+  "${RUN[@]}" 2 "$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --inputs "$in" --hand-made \
   --outputs "$WORK/bad-id" "${S[@]}"
 
 # Ranks given other inputs or options: refused on every rank before any
@@ -203,11 +203,11 @@ on_ranks() {
     --outputs "$WORK/$name" "${S[@]}" "${second[@]}"
 }
 on_ranks other-shape-first "rank 1 read inputs of another shape than rank 0: R 2, S 128, .* against R 2, S 64" \
-  --inputs "$half" -- --inputs "$full"
+  --inputs "$half" --hand-made -- --inputs "$full" --hand-made
 on_ranks other-shape-second "rank 1 read inputs of another shape than rank 0: R 2, S 64, .* against R 2, S 128" \
-  --inputs "$full" -- --inputs "$half"
+  --inputs "$full" --hand-made -- --inputs "$half" --hand-made
 on_ranks other-inputs-folder "rank 1 read another topk_ids.npy than rank 0" \
-  --inputs "$full" -- --inputs "$rerouted"
+  --inputs "$full" --hand-made -- --inputs "$rerouted" --hand-made
 on_ranks other-seed "rank 1 read another x.npy than rank 0" --random 1 -- --random 2
 on_ranks hot-share-on-one-rank "rank 1 was started with other options than rank 0: '--hot-share 0.5' against '\(none\)'" \
   --random 1 -- --random 1 --hot-share 0.5

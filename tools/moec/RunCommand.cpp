@@ -758,9 +758,9 @@ int runRun(int argc, char **argv, int first) {
   progress.begin("write outputs");
   if (args.value("--random"))
     if (Status s = writeLayerInputs(runFolder->path(), data, backward, &written); !s)
-      return fail(s);
+      return fail(runFolder->named(s));
   if (Status s = writeLayerOutputs(runFolder->path(), data, backward, &written); !s)
-    return fail(s);
+    return fail(runFolder->named(s));
   // Inputs read from the outputs folder are this run's files too.
   std::vector<std::string> kept;
   if (auto inputs = args.value("--inputs"); inputs && sameFile(*inputs, outputs))
@@ -770,7 +770,7 @@ int runRun(int argc, char **argv, int first) {
   for (int i = first; i < argc; ++i)
     command += std::string(" ") + argv[i];
   if (Status s = runFolder->finish(written, command, kept); !s)
-    return fail(s);
+    return fail(runFolder->named(s));
   runFolder.reset();
   progress.end();
   std::printf("outputs: %s/{y%s}.npy\n", outputs.c_str(),

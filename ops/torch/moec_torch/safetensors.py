@@ -64,7 +64,11 @@ NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 
 
 class SafetensorError(ValueError):
-    """A safetensors file (or index) that is not one, or not this model's."""
+    """A safetensors file (or index) that is not one, or not this model's;
+    the message starts "moec: " as every moec error does."""
+
+    def __init__(self, message):
+        super().__init__(message if message.startswith("moec: ") else f"moec: {message}")
 
 
 class Entry:
@@ -105,24 +109,9 @@ def parse_header(header, data_bytes):
 
 
 def _open_regular(path):
-    """(an fd of `path`, its size): a regular file (links followed), refused
-    before it is opened otherwise (a FIFO would block, a device never end);
-    SafetensorError naming it."""
-    def refuse(st):
-        kind = checks._kind(st.st_mode)
-        if kind is not None:
-            raise SafetensorError(f"{path} is {kind}, not a regular file")
-    try:
-        refuse(os.stat(path))
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise SafetensorError(f"{path}: cannot open: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        refuse(st)  # what was opened may not be what was checked
-    except BaseException:
-        os.close(fd)
-        raise
+    """(an fd of `path`, its size): checks.open_regular, refusing anything
+    but a regular file before it is opened, with SafetensorError."""
+    fd, st = checks.open_regular(path, None, SafetensorError)
     return fd, st.st_size
 
 
@@ -473,7 +462,7 @@ def load_index(folder, name=INDEX_NAME):
             raise SafetensorError(f"{index}: '{tensor}' is in '{shard}', which is not a file "
                                   "of the folder")
     for shard in sorted(set(wmap.values())):
-        if not (Path(folder) / shard).is_file():
+        if not os.path.lexists(Path(folder) / shard):  # what it is: checked when opened
             raise SafetensorError(f"{index} names the shard '{shard}', which {folder} does "
                                   "not hold")
     return {"metadata": metadata, "weight_map": wmap}
@@ -494,10 +483,10 @@ class Checkpoint(_Closable):
             raise SafetensorError(f"{self.folder} is not a checkpoint folder (not a folder)")
         self._files = {}
         self._map, self._metadata = {}, None
-        if (self.folder / "model.safetensors").exists():
+        if os.path.lexists(self.folder / "model.safetensors"):
             f = self._file("model.safetensors")
             self._map = {k: "model.safetensors" for k in f.keys()}
-        elif (self.folder / INDEX_NAME).exists():
+        elif os.path.lexists(self.folder / INDEX_NAME):
             index = load_index(self.folder)
             self._map, self._metadata = index["weight_map"], index["metadata"]
         else:

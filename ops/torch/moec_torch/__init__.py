@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from . import checks, native, quant, reference, safetensors
+from . import adapters, checks, native, quant, reference, safetensors
 from .native import compile, dump, load_trace, simulate_trace
 
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
@@ -1759,15 +1759,18 @@ class MoeFFN(torch.nn.Module):
 
     PEFT_MODULES = {"w1": "gate_up_proj", "w2": "down_proj"}
 
-    def _peft_names(self, module_prefix):
-        """(parameter, expert, PEFT name) of every adapter tensor this process holds."""
+    def _peft_names(self, module_prefix, experts=None):
+        """(parameter, expert, PEFT name) of every adapter tensor this process
+        holds; with `experts` (a range of global experts), the names of
+        those experts (the parameter and index are then of no use)."""
         first = self.first_rank * self.local_experts
+        held = range(first, first + self.local_ranks * self.local_experts)
         for target in self.lora_targets:
             module = self.PEFT_MODULES[target]
             for m in "AB":
-                for e in range(self.local_ranks * self.local_experts):
-                    yield (getattr(self, f"{target}_lora_{m}"), e,
-                           f"base_model.model.{module_prefix}.{first + e}.{module}.lora_{m}.weight")
+                for e in (held if experts is None else experts):
+                    yield (getattr(self, f"{target}_lora_{m}"), e - first,
+                           f"base_model.model.{module_prefix}.{e}.{module}.lora_{m}.weight")
 
     def save_adapters(self, directory, module_prefix="experts"):
         """Writes the LoRA adapters as PEFT saves a LoRA model: adapter_config.json
@@ -1810,41 +1813,52 @@ class MoeFFN(torch.nn.Module):
 
     def load_adapters(self, directory, module_prefix="experts"):
         """Loads adapters that save_adapters (or PEFT, with the same names)
-        wrote: checks r, lora_alpha and the target modules against this layer,
-        reads this process's experts from adapter_model.safetensors or the
-        rank files (an adapter_model*.bin with torch.load(weights_only=True),
-        which runs no code from the file), and copies them in only when every
-        tensor is there with its shape."""
+        wrote. adapter_config.json is checked (adapters.read_config: every
+        field of its type) and must match this layer: r, lora_alpha, the
+        target modules and, where save_adapters recorded them, the number
+        of experts and the module prefix. Only the files the config names
+        are read (adapter_model.safetensors, else adapter_model.bin with
+        torch.load(weights_only=True), which runs no code from the file;
+        the rank files that hold this process's experts), never another
+        file of the folder. Every tensor of this process's experts must be
+        there, floating point and of its shape, and no tensor may name an
+        expert the layer lacks, before any is copied."""
         if not self.lora_rank:
             raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
         directory = Path(directory)
-        path = directory / "adapter_config.json"
-        try:
-            config = json.loads(checks.read_small_file(path, "adapter config"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"moec: cannot read {path}: {e}") from None
+        config = adapters.read_config(directory)
+        shown = f"moec: {checks.where(directory / adapters.CONFIG, 'adapter config')}"
         want = {"r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
                 "target_modules": sorted(self.PEFT_MODULES[t] for t in self.lora_targets)}
-        got = {"r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
-               "target_modules": sorted(config.get("target_modules") or [])}
-        if config.get("peft_type") != "LORA" or got != want:
+        targets = config["target_modules"]
+        got = {"r": config["r"], "lora_alpha": config["lora_alpha"],
+               "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+        if config["peft_type"] != "LORA" or got != want:
             raise ValueError(f"moec: the adapters in {directory} are {got} "
-                             f"(peft_type {config.get('peft_type')!r}); this layer's are {want}")
-        files = sorted(directory.glob("adapter_model*.safetensors")) or \
-            sorted(directory.glob("adapter_model*.bin"))
-        if not files:
-            raise ValueError(f"moec: {directory} holds no adapter_model*.safetensors")
-        tensors = {}
-        for f in files:
-            tensors.update(safetensors.load_tensors(f))
+                             f"(peft_type {config['peft_type']!r}); this layer's are {want}")
+        moec = config.get("moec")
+        first = self.first_rank * self.local_experts
+        count = self.local_ranks * self.local_experts
+        ranks = None
+        if moec is not None:
+            if moec["experts"] != self.experts:
+                raise ValueError(f"{shown}: the adapters are of a layer of {moec['experts']} "
+                                 f"experts; this layer has {self.experts}")
+            if moec["module_prefix"] != module_prefix:
+                raise ValueError(f"{shown}: the adapters were saved with module_prefix "
+                                 f"{moec['module_prefix']!r}; loading with {module_prefix!r}")
+            # The rank files that hold this process's experts.
+            per = moec["experts"] // moec["ranks"]
+            ranks = range(first // per, (first + count - 1) // per + 1)
+        tensors = adapters.read_tensors(adapters.weight_files(directory, config, ranks))
+        known = {name for _, _, name in self._peft_names(module_prefix, range(self.experts))}
+        adapters.unknown_experts(tensors, f"base_model.model.{module_prefix}.", known,
+                                 self.experts)
         updates = []
         for p, e, name in self._peft_names(module_prefix):
-            t = tensors.get(name)
+            t = adapters.tensor(tensors, name, p.shape[1:][::-1])
             if t is None:
                 raise ValueError(f"moec: {directory} has no '{name}'")
-            if tuple(t.shape) != tuple(p.shape[1:][::-1]):
-                raise ValueError(f"moec: '{name}' has shape {list(t.shape)}; expected "
-                                 f"{list(p.shape[1:][::-1])}")
             updates.append((p, e, t))
         with torch.no_grad():
             for p, e, t in updates:

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import checks, quant, safetensors
+from . import adapters, checks, quant, safetensors
 
 __all__ = ["FAMILIES", "MoecExperts", "all_sum", "barrier", "find_blocks", "load_adapters",
            "load_checkpoint", "load_experts", "patch_model",
@@ -706,8 +706,8 @@ def _non_expert_state(model):
 
 # --- adapters out and in -----------------------------------------------------
 
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = adapters.WEIGHTS
+ADAPTER_CONFIG = adapters.CONFIG
 
 
 def _lora_of(model):
@@ -803,58 +803,56 @@ def save_adapters(model, directory):
     return written
 
 
-def _adapter_files(directory):
-    """The adapter weight files of a folder: adapter_model.safetensors, or
-    the per-rank shards, or (read with weights_only) adapter_model.bin."""
-    single = directory / ADAPTER_FILE
-    if single.exists():
-        return [single]
-    shards = sorted(directory.glob("adapter_model-*-of-*.safetensors"))
-    if shards:
-        return shards
-    legacy = directory / "adapter_model.bin"
-    if legacy.exists():
-        return [legacy]
-    raise ValueError(f"moec: {directory} holds no {ADAPTER_FILE} (nor adapter_model.bin)")
+def _all_adapter_names(blocks):
+    """The PEFT names of every adapter of every expert of the blocks (all
+    processes' experts)."""
+    names = set()
+    for name, _, experts in blocks:
+        prefix = _checkpoint_prefix(name, experts.family)
+        for e in range(experts.layer.experts):
+            for module, *_ in experts.lora.pieces(experts.layer.inter):
+                names |= {f"base_model.model.{prefix}.experts.{e}.{module}.lora_{m}.weight"
+                          for m in "AB"}
+    return names
 
 
 def load_adapters(model, directory):
     """Loads adapters that save_adapters (or PEFT, for the unpatched model)
-    wrote into a patched model's experts: checks peft_type, r and lora_alpha
-    against the model, finds every tensor of this process's experts with
-    its shape, and only then copies. Tensors of other modules in the file
-    (say, attention adapters) are not moec's and are returned, not loaded."""
+    wrote into a patched model's experts. adapter_config.json is checked
+    (adapters.read_config: every field of its type; peft_type, r and
+    lora_alpha must be the model's); only adapter_model.safetensors is read
+    (or, where the folder has none, adapter_model.bin with weights_only),
+    never another file of the folder. Every tensor of this process's
+    experts must be there, floating point and of its shape, and no tensor
+    may name an expert or a module the blocks' adapters lack, before any
+    is copied. Tensors of other modules in the file (say, attention
+    adapters) are not moec's and are returned, not loaded."""
     blocks = _lora_of(model)
     directory = Path(directory)
-    path = directory / ADAPTER_CONFIG
-    try:
-        config = json.loads(checks.read_small_file(path, "adapter config"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"moec: cannot read {path}: {e}") from None
+    config = adapters.read_config(directory)
     lora = blocks[0][2].lora
     want = {"peft_type": "LORA", "r": lora.r, "lora_alpha": lora.alpha}
     got = {k: config.get(k) for k in want}
     if got != want:
         raise ValueError(f"moec: the adapters in {directory} are {got}; the model's are {want}")
-    tensors = {}
-    for f in _adapter_files(directory):
-        tensors.update(safetensors.load_tensors(f))
+    tensors = adapters.read_tensors(adapters.weight_files(directory, config))
+    known = _all_adapter_names(blocks)
+    for name, _, experts in blocks:
+        adapters.unknown_experts(
+            tensors, f"base_model.model.{_checkpoint_prefix(name, experts.family)}.experts.",
+            known, experts.layer.experts)
     updates, used = [], set()
     for name, _, experts in blocks:
         for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
-            t = tensors.get(key)
-            shape = tuple(p[j][rows, cols].shape)[::-1]
+            t = adapters.tensor(tensors, key, tuple(p[j][rows, cols].shape)[::-1])
             if t is None:
                 raise ValueError(f"moec: the adapters in {directory} have no '{key}'")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"moec: '{key}' in {directory} has shape {list(t.shape)}; "
-                                 f"expected {list(shape)}")
             updates.append((p, j, rows, cols, t))
             used.add(key)
     with torch.no_grad():
         for p, j, rows, cols, t in updates:
             p[j][rows, cols] = t.t().to(p.dtype)
-    return sorted(k for k in tensors if k not in used and ".experts." not in k)
+    return sorted(k for k in tensors if k not in used and k not in known)
 
 
 # --- merged checkpoints out ----------------------------------------------------

@@ -34,9 +34,11 @@ import json
 import math
 import mmap
 import os
+import pickle
 import re
 import secrets
 import struct
+import zipfile
 from pathlib import Path
 
 import torch
@@ -209,22 +211,70 @@ def load_file(filename, device="cpu"):
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
+def _not_torch_save(f, size):
+    """What is wrong with an open file that should be torch.save's, before
+    torch.load reads it (whose own errors on a damaged file are an EOFError,
+    an OSError "Invalid argument" or a KeyError naming no file), or None:
+    empty; neither a zip archive (torch.save's format) nor a pickle (its
+    legacy format); a zip archive that is damaged (a truncated file has no
+    central directory) or lacks the members torch.save writes."""
+    if size == 0:
+        return "is empty, not a torch.save file"
+    magic = f.read(4)
+    f.seek(0)
+    if magic[:1] == b"\x80":
+        return None  # a pickle: the legacy format, checked as torch.load reads it
+    if magic != b"PK\x03\x04":
+        return f"is not a torch.save file (neither a zip archive nor a pickle; it starts {magic!r})"
+    try:
+        with zipfile.ZipFile(f) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        return f"is a damaged zip archive, not a whole torch.save file (truncated?): {e}"
+    finally:
+        f.seek(0)
+    roots = {n.split("/", 1)[0] for n in names}
+    if len(roots) != 1 or not {f"{r}/data.pkl" for r in roots} <= set(names):
+        return ("is a zip archive without the members of a torch.save file (one folder "
+                f"holding data.pkl; it holds {sorted(names)[:4]})")
+    return None
+
+
+def _load_pickled(path):
+    """The object of a torch.save'd file, read from the file checks.open_regular
+    opened with torch.load(weights_only=True), which refuses a pickle that
+    would call anything but tensor rebuilds (and, in PyTorch 1.13, floats).
+    A file that is not torch.save's, or damaged, or refused raises
+    SafetensorError naming the file and what is wrong with it."""
+    fd, st = checks.open_regular(path, None, SafetensorError)
+    shown = checks.where(path)
+    with os.fdopen(fd, "rb") as f:
+        problem = _not_torch_save(f, st.st_size)
+        if problem:
+            raise SafetensorError(f"{shown}: {problem}")
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # EOFError, RuntimeError, KeyError, OSError, UnpicklingError
+            text = str(e).strip()
+            detail = text.rsplit("WeightsUnpickler error: ", 1)[-1].strip().splitlines()
+            detail = detail[0] if detail else type(e).__name__
+            if isinstance(e, pickle.UnpicklingError) and \
+                    re.search("[Uu]nsupported|instantiate", detail):
+                # torch's unpickler names what it refused to call
+                raise SafetensorError(f"{shown}: not a plain dict of tensors (the weights_only "
+                                      f"load refused it: {detail})") from None
+            raise SafetensorError(f"{shown}: a damaged torch.save file (truncated?): torch.load "
+                                  f"failed: {type(e).__name__}: {detail}") from None
+
+
 def load_tensors(path):
     """{name: tensor} of a weights file without running code from it: a
-    .safetensors file, or a torch.save'd dict (.bin, .pt) read with
-    torch.load(weights_only=True), which refuses a pickle that would call
-    anything but tensor rebuilds (SafetensorError naming the file)."""
+    .safetensors file, or a torch.save'd dict (.bin, .pt) read by
+    _load_pickled. SafetensorError naming the file otherwise."""
     path = Path(path)
     if path.suffix == ".safetensors":
         return load_file(path)
-    fd, _ = _open_regular(path)
-    os.close(fd)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch's unpickler names what it refused
-        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise SafetensorError(f"{path}: not a plain dict of tensors (the weights_only load "
-                              f"refused it: {first})") from None
+    state = _load_pickled(path)
     if not isinstance(state, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise SafetensorError(f"{path}: not a dict of tensors")

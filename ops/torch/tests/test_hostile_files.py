@@ -196,3 +196,213 @@ def test_a_socket_or_a_directory_for_the_adapters_is_refused(tmp_path, kind, sai
         error = without_blocking(load)
         assert isinstance(error, ValueError), error
         assert f"{folder / name}: is {said}, not a regular file" in str(error), error
+
+
+def test_a_fifo_beside_the_adapters_is_not_read(tmp_path):
+    """A FIFO named like a backup (adapter_model.old.bin) or a shard beside
+    the files the config names: they load, and the FIFO is never opened."""
+    layer, folder = moec_folder(tmp_path, "bin")
+    os.mkfifo(folder / "adapter_model.old.bin")
+    os.mkfifo(folder / "adapter_model-rank0-of-2.safetensors")
+    fresh = lora_layer(seed=1)
+    assert without_blocking(lambda: fresh.load_adapters(folder), folder /
+                            "adapter_model.old.bin") is None
+    assert all(torch.equal(a, b) for a, b in zip(layer.adapters(), fresh.adapters()))
+
+
+# --- 3. adapters of another layer, of another dtype, in other files --------------
+
+def test_adapters_of_a_layer_of_more_experts_are_refused(tmp_path):
+    big = lora_layer(experts=8)
+    big.save_adapters(tmp_path)
+    small = lora_layer(seed=1)
+    before = snapshot(small)
+    with pytest.raises(ValueError, match="adapter_config.json': the adapters are of a layer of 8 "
+                                         "experts; this layer has 4"):
+        small.load_adapters(tmp_path)
+    assert_unchanged(before, small)
+    # Without save_adapters' record (PEFT's config): the tensors of experts 4..7.
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    del cfg["moec"]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: 'base_model.model.experts"
+                                         r".[4-7].* is not an adapter of this layer \(expert "
+                                         r"[4-7]; the layer has 4 experts\)"):
+        small.load_adapters(tmp_path)
+    assert_unchanged(before, small)
+
+
+def test_hf_adapters_of_a_model_of_more_experts_are_refused(tmp_path):
+    mhf.save_adapters(hf_lora_model(), tmp_path)
+    small = hf_lora_model(seed=1, num_experts=4)
+    before = [p.detach().clone() for p in hf_adapters(small)]
+    with pytest.raises(ValueError, match=r"is not an adapter of this layer \(expert [4-7]; the "
+                                         r"layer has 4 experts\)"):
+        mhf.load_adapters(small, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(before, hf_adapters(small)))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])
+def test_adapters_of_a_non_float_dtype_are_refused(tmp_path, dtype):
+    layer, folder = moec_folder(tmp_path)
+    path = folder / "adapter_model.safetensors"
+    tensors = safetensors.load_file(path)
+    safetensors.save_file({k: (v * 100).to(dtype) for k, v in tensors.items()}, path)
+    fresh = lora_layer(seed=1)
+    before = snapshot(fresh)
+    with pytest.raises(ValueError, match=f"adapter_model.safetensors: '.*' is {dtype}; an "
+                                         "adapter is a floating-point tensor"):
+        fresh.load_adapters(folder)
+    assert_unchanged(before, fresh)
+    model = hf_lora_model()
+    mhf.save_adapters(model, tmp_path / "hf")
+    path = tmp_path / "hf/adapter_model.safetensors"
+    tensors = safetensors.load_file(path)
+    safetensors.save_file({k: (v * 100).to(dtype) for k, v in tensors.items()}, path)
+    before = [p.detach().clone() for p in hf_adapters(model)]
+    with pytest.raises(ValueError, match=f"is {dtype}; an adapter is a floating-point tensor"):
+        mhf.load_adapters(model, tmp_path / "hf")
+    assert all(torch.equal(a, b) for a, b in zip(before, hf_adapters(model)))
+
+
+def test_only_the_files_the_config_names_are_read(tmp_path):
+    """A backup adapter_model.old.bin (older adapters) beside the newer
+    adapter_model.bin, a stray adapter_model-copy.safetensors of garbage,
+    stale rank files of another layout: none is read."""
+    new, folder = moec_folder(tmp_path, "bin")
+    old = lora_layer(seed=5)
+    torch.save({name: p[e].detach().t().contiguous().clone()
+                for p, e, name in old._peft_names("experts")}, folder / "adapter_model.old.bin")
+    (folder / "adapter_model-copy.safetensors").write_bytes(os.urandom(100))
+    (folder / "adapter_model-rank0-of-4.safetensors").write_bytes(os.urandom(100))
+    fresh = lora_layer(seed=1)
+    fresh.load_adapters(folder)
+    assert all(torch.equal(a, b) for a, b in zip(new.adapters(), fresh.adapters()))
+    # The rank files the config names, and no other.
+    new, folder = moec_folder(tmp_path / "sharded", sharded=True)
+    (folder / "adapter_model.safetensors").write_bytes(os.urandom(100))
+    (folder / "adapter_model-rank2-of-4.safetensors").write_bytes(os.urandom(100))
+    fresh = lora_layer(seed=1)
+    fresh.load_adapters(folder)
+    assert all(torch.equal(a, b) for a, b in zip(new.adapters(), fresh.adapters()))
+    os.remove(folder / "adapter_model-rank1-of-2.safetensors")
+    with pytest.raises(ValueError, match="adapter_model-rank1-of-2.safetensors: cannot open: "
+                                         "No such file"):
+        fresh.load_adapters(folder)
+
+
+def test_hf_reads_only_adapter_model_safetensors_or_bin(tmp_path):
+    model = hf_lora_model()
+    mhf.save_adapters(model, tmp_path)
+    tensors = safetensors.load_file(tmp_path / "adapter_model.safetensors")
+    # A backup .bin of other values, and the parts of an unfinished sharded save.
+    torch.save({k: torch.zeros_like(v) for k, v in tensors.items()},
+               tmp_path / "adapter_model.old.bin")
+    (tmp_path / "adapter_model-00000-of-00002.safetensors").write_bytes(os.urandom(64))
+    fresh = hf_lora_model(seed=1)
+    mhf.load_adapters(fresh, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(hf_adapters(model), hf_adapters(fresh)))
+    os.remove(tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="adapter_model.safetensors: cannot open: No such file"):
+        mhf.load_adapters(fresh, tmp_path)
+
+
+# --- 5. damaged files -----------------------------------------------------------
+
+def zip_bytes(members):
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buffer.getvalue()
+
+
+def torch_bytes(obj, legacy=False):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, _use_new_zipfile_serialization=not legacy)
+    return buffer.getvalue()
+
+
+GOOD_BIN = torch_bytes({"a": torch.ones(1000)})
+BAD_BINS = {
+    "truncated": (GOOD_BIN[:len(GOOD_BIN) // 2], "a damaged zip archive, not a whole torch.save "
+                                                 "file \\(truncated\\?\\)"),
+    "random bytes": (bytes(range(7, 255)) * 20, "is not a torch.save file \\(neither a zip "
+                                                "archive nor a pickle"),
+    "empty": (b"", "is empty, not a torch.save file"),
+    "a zip without data.pkl": (zip_bytes({"archive/version": b"3"}),
+                               "a zip archive without the members of a torch.save file"),
+    "a zip without its storages": (zip_bytes({
+        n: zipfile.ZipFile(io.BytesIO(GOOD_BIN)).read(n) for n in
+        zipfile.ZipFile(io.BytesIO(GOOD_BIN)).namelist() if "/data/" not in n}),
+        "a damaged torch.save file \\(truncated\\?\\): torch.load failed"),
+    "a truncated pickle": (torch_bytes({"a": torch.ones(3)}, legacy=True)[:30],
+                           "a damaged torch.save file \\(truncated\\?\\): torch.load failed"),
+    "not a dict": (torch_bytes([torch.ones(2)]), "not a dict of tensors"),
+}
+
+
+@pytest.mark.parametrize("damage", list(BAD_BINS))
+@pytest.mark.parametrize("who", ["moec", "hf"])
+def test_a_damaged_bin_names_the_file_and_the_damage(tmp_path, damage, who):
+    build = "moec-bin" if who == "moec" else "hf-bin"
+    folder, load = loader(tmp_path, build)
+    data, message = BAD_BINS[damage]
+    (folder / "adapter_model.bin").write_bytes(data)
+    with pytest.raises(ValueError) as error:
+        load()
+    text = str(error.value)
+    assert text.startswith(f"moec: {folder / 'adapter_model.bin'}: "), text
+    assert re.search(message, text), text
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random bytes", "empty"])
+def test_a_damaged_safetensors_names_the_file(tmp_path, damage):
+    folder, load = loader(tmp_path, "moec")
+    path = folder / "adapter_model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[:len(data) // 2], "random bytes": os.urandom(5000),
+                      "empty": b""}[damage])
+    with pytest.raises(ValueError, match=f"^moec: {path}: "):
+        load()
+
+
+CONFIG_DAMAGE = {
+    "target_modules 5": (dict(target_modules=5),
+                         "'target_modules' must be a list of module names or a regex, got 5"),
+    "target_modules [1]": (dict(target_modules=[1]), "'target_modules' must be a list"),
+    "r 'x'": (dict(r="x"), "'r' must be a positive integer, got 'x'"),
+    "r true": (dict(r=True), "'r' must be a positive integer, got True"),
+    "lora_alpha null": (dict(lora_alpha=None), "'lora_alpha' must be a positive number, got None"),
+    "peft_type 7": (dict(peft_type=7), "'peft_type' must be a string"),
+    "moec 3": (dict(moec=3), "'moec' must be an object"),
+    "moec.experts '8'": (dict(moec={"experts": "8", "ranks": 2, "module_prefix": "experts",
+                                    "shards": False}), "'moec.experts' must be a positive integer"),
+    "moec.ranks 3": (dict(moec={"experts": 4, "ranks": 3, "module_prefix": "experts",
+                                "shards": False}), r"'moec.experts' \(4\) is not a multiple of"),
+}
+
+
+@pytest.mark.parametrize("damage", list(CONFIG_DAMAGE) + ["a list", "not JSON", "NaN"])
+@pytest.mark.parametrize("who", ["moec", "hf"])
+def test_a_config_of_wrong_types_names_the_file_and_the_field(tmp_path, damage, who):
+    folder, load = loader(tmp_path, who)
+    path = folder / "adapter_config.json"
+    cfg = json.loads(path.read_text())
+    if damage == "a list":
+        path.write_text("[1, 2]")
+        message = "must hold a JSON object, got list"
+    elif damage == "not JSON":
+        path.write_text('{"r": 4,')
+        message = "is not JSON"
+    elif damage == "NaN":
+        path.write_text(json.dumps(dict(cfg, lora_alpha=float("nan"))))
+        message = "NaN is not a JSON number"
+    else:
+        change, message = CONFIG_DAMAGE[damage]
+        path.write_text(json.dumps(dict(cfg, **change)))
+    with pytest.raises(ValueError) as error:
+        load()
+    assert str(error.value).startswith(f"moec: adapter config '{path}'"), str(error.value)
+    assert message in str(error.value) or re.search(message, str(error.value)), \
+        str(error.value)

@@ -21,8 +21,8 @@ fabric), holds only its L experts, and passes its own tokens:
 Forward and backward run the task binaries that ``moec compile`` makes of
 graphs/moe_ffn_{fwd,bwd}.json for the config; they are compiled once per
 config and cached on disk. A layer cannot be copied or pickled: save
-``layer.state_dict()`` and rebuild it with MoeFFN(config, ...) +
-load_state_dict.
+``layer.state_dict()`` (save_state writes it whole or not at all) and
+rebuild it with MoeFFN(config, ...) + load_state_dict.
 
 Where things are found: an installed package (pip install ops/torch, see
 docs/torch.md) carries its libraries and graphs; in a checkout built with
@@ -40,6 +40,7 @@ import atexit
 import collections
 import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -59,7 +60,8 @@ from .native import compile, dump, load_trace, simulate_trace
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
            "MoeFFN", "MoeFFNFunction", "checks", "compile", "compile_graphs",
            "compile_layer", "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "launched_by_torchrun", "load_library",
-           "load_trace", "native", "quant", "reference", "safetensors", "simulate_trace"]
+           "load_trace", "native", "quant", "reference", "safetensors", "save_state",
+           "simulate_trace"]
 
 
 _loaded = False
@@ -513,18 +515,21 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
     return compile_graphs(config, ranks, graphs, target, granularity, fresh, tp)
 
 
-def _write_atomically(path, write):
-    """Writes `path` through a scratch file in its folder, so that a failed
-    write leaves no half-written file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def save_state(obj, path):
+    """torch.save(obj, path) with the file replaced whole or not at all: a
+    checkpoint (layer.state_dict(), an optimizer's, a dict of them) for
+    torch.load. torch.save writes into memory, and the bytes go through
+    safetensors.write_atomically (a scratch file in the folder, synced,
+    renamed into place): a save that fails (a full disk) raises OSError
+    naming the file and leaves the old file as it was. torch.save straight
+    to a path cannot: in PyTorch 1.13 a failed write ends the process
+    (its zip writer throws again as it is destroyed). The serialized bytes
+    are held in memory once. Returns the path."""
+    path = checks.output_path(path, "save_state", "the checkpoint")
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    safetensors.write_atomically(path, buffer.getbuffer())
+    return Path(path)
 
 
 def _check_finite(name, tensor, part, first):
@@ -1782,22 +1787,23 @@ class MoeFFN(torch.nn.Module):
         for a Hugging Face model's gate_proj/up_proj/down_proj adapters see
         moec_torch.hf. Under mpirun each process writes its own experts to
         adapter_model-rank{r}-of-{R}.safetensors and rank 0 the config;
-        load_adapters reads either form. Returns the files written."""
+        load_adapters reads either form. The files are replaced whole or
+        not at all (safetensors.write_together: written under scratch names,
+        then renamed, the config last). Returns the files written."""
         if not self.lora_rank:
             raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         sharded = self.local_ranks != self.ranks
-        weights = directory / (f"adapter_model-rank{self.first_rank}-of-{self.ranks}"
-                               ".safetensors" if sharded else "adapter_model.safetensors")
+        weights = directory / (adapters.rank_file(self.first_rank, self.ranks) if sharded
+                               else adapters.WEIGHTS)
         # Neither file may be one the layer reads (its config file, ...).
-        for path in [weights] + ([directory / "adapter_config.json"]
+        for path in [weights] + ([directory / adapters.CONFIG]
                                  if self.first_rank == 0 else []):
             self._output(path, "save_adapters", "the adapter file")
         tensors = {name: p[e].detach().t().contiguous().clone()
                    for p, e, name in self._peft_names(module_prefix)}
-        written = [weights]
-        safetensors.save_file(tensors, weights, metadata={"format": "pt"})
+        writes = [(weights, safetensors.file_writer(tensors, weights, {"format": "pt"}))]
         if self.first_rank == 0:
             config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None,
                       "r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
@@ -1806,10 +1812,10 @@ class MoeFFN(torch.nn.Module):
                       "target_modules": [self.PEFT_MODULES[t] for t in self.lora_targets],
                       "moec": {"experts": self.experts, "ranks": self.ranks,
                                "module_prefix": module_prefix, "shards": sharded}}
-            path = directory / "adapter_config.json"
-            _write_atomically(path, lambda f: f.write(json.dumps(config, indent=2).encode()))
-            written.insert(0, path)
-        return written
+            writes.append((directory / adapters.CONFIG,
+                           json.dumps(config, indent=2).encode()))
+        safetensors.write_together(writes)
+        return [path for path, _ in writes[::-1]]
 
     def load_adapters(self, directory, module_prefix="experts"):
         """Loads adapters that save_adapters (or PEFT, with the same names)

@@ -754,7 +754,10 @@ def save_adapters(model, directory):
     each process writes its experts to adapter_model-<rank>-of-<ranks>.safetensors;
     once every process has, rank 0 joins them into adapter_model.safetensors
     (the one file PEFT reads; the folder must be one that every process
-    sees) and writes the config. Returns the files written."""
+    sees) and writes the config. adapter_model.safetensors and the config
+    are replaced whole or not at all (safetensors.write_together: written
+    under scratch names, then renamed, the config last). Returns the files
+    written."""
     blocks = _lora_of(model)
     directory = Path(directory)
     layer = blocks[0][2].layer
@@ -769,23 +772,18 @@ def save_adapters(model, directory):
     for name, _, experts in blocks:
         for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
             tensors[key] = p[j][rows, cols].detach().t().contiguous().clone()
-    safetensors.save_file(tensors, mine, metadata={"format": "pt"})
-    written = [mine]
+    writes, parts = [], []
     if sharded:
+        safetensors.save_file(tensors, mine, metadata={"format": "pt"})
         barrier(model)
         if layer.first_rank == 0:
             parts = [directory / f"adapter_model-{r:05d}-of-{layer.ranks:05d}.safetensors"
                      for r in range(layer.ranks)]
-            joined = {}
+            tensors = {}
             for part in parts:
-                joined.update(safetensors.load_file(part))
-            safetensors.save_file(joined, whole, metadata={"format": "pt"})
-            for part in parts:
-                part.unlink()
-            written = [whole]
-        else:
-            written = []
+                tensors.update(safetensors.load_file(part))
     if layer.first_rank == 0:
+        writes.append((whole, safetensors.file_writer(tensors, whole, {"format": "pt"})))
         lora = blocks[0][2].lora
         base = getattr(_config_of(model), "_name_or_path", None) or None
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
@@ -795,12 +793,13 @@ def save_adapters(model, directory):
                   "use_rslora": False, "use_dora": False, "rank_pattern": {},
                   "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
                   "target_modules": _target_regex(blocks)}
-        path = directory / ADAPTER_CONFIG
-        safetensors.write_atomically(path, json.dumps(config, indent=2).encode())
-        written.insert(0, path)
+        writes.append((directory / ADAPTER_CONFIG, json.dumps(config, indent=2).encode()))
+        safetensors.write_together(writes)
+        for part in parts:
+            part.unlink()
     if sharded:
         barrier(model)
-    return written
+    return [path for path, _ in writes[::-1]]
 
 
 def _all_adapter_names(blocks):
@@ -914,7 +913,9 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
     every process writes its experts' shards and rank 0 the rest, the config
     and the index, so that the folder is one checkpoint. A source
     checkpoint's quantization_config is dropped: the weights are written in
-    the model's dtype. Returns the files this process wrote."""
+    the model's dtype. Each process's files are replaced whole or not at
+    all (safetensors.write_together; the index and config last). Returns
+    the files this process wrote."""
     blocks = _patched(model)
     config = _config_of(model)
     directory = Path(directory)
@@ -938,24 +939,28 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
     tensors = dict(rest) if 0 in mine else {}
     for name, _, experts in blocks:
         tensors.update(_merged_experts(name, experts))
-    written = []
-    for file, (owner, names) in zip(files, plan):
-        if owner in mine:
-            safetensors.save_file({n: tensors[n].contiguous() for n in names}, directory / file,
-                                  metadata={"format": "pt"})
-            written.append(directory / file)
+    def shard(path, names):
+        # The contiguous copies of one shard's tensors, made as it is written.
+        return lambda f: safetensors.file_writer({n: tensors[n].contiguous() for n in names},
+                                                 path, {"format": "pt"})(f)
+
+    writes = [(directory / file, shard(directory / file, names))
+              for file, (owner, names) in zip(files, plan) if owner in mine]
     if 0 in mine:
-        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-        cfg.pop("quantization_config", None)
-        path = directory / "config.json"
-        safetensors.write_atomically(path, json.dumps(cfg, indent=2, sort_keys=True).encode())
-        written.insert(0, path)
         if len(plan) > 1:
             total = sum(_nbytes(dt, s) for _, dt, s, _ in entries)
-            written.append(safetensors.write_index(
-                directory, {n: f for f, (_, names) in zip(files, plan) for n in names}, total))
+            writes.append((directory / INDEX, safetensors.index_data(
+                {n: f for f, (_, names) in zip(files, plan) for n in names}, total)))
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        cfg.pop("quantization_config", None)
+        writes.append((directory / "config.json",
+                       json.dumps(cfg, indent=2, sort_keys=True).encode()))
+    # This process's files, replaced together: written under scratch names,
+    # then renamed, the index and the config last.
+    safetensors.write_together(writes)
     barrier(model)
-    return written
+    written = [path for path, _ in writes]
+    return written[-1:] + written[:-1] if 0 in mine else written
 
 
 INDEX = "model.safetensors.index.json"

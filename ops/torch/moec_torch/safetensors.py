@@ -27,7 +27,9 @@ where one is at fault, the tensor. Reading maps the file (copy-on-write):
 a tensor is a view of the mapping, whose pages are read when it is used, so
 a 60 GB checkpoint is never read whole; a tensor is copied only when its
 offset is not a multiple of its element size. Writing goes through a
-scratch file renamed into place: a failed write leaves nothing.
+scratch file renamed into place (write_together: several files, all written
+before any is renamed): a failed write leaves the old files, and the scratch
+files of dead writers are removed by the next write into the folder.
 """
 
 import json
@@ -37,6 +39,7 @@ import os
 import pickle
 import re
 import secrets
+import socket
 import struct
 import zipfile
 from pathlib import Path
@@ -45,9 +48,10 @@ import torch
 
 from . import checks, reference
 
-__all__ = ["Checkpoint", "SafetensorError", "fp8_e4m3_to_float", "float_to_fp8_e4m3",
-           "load_file", "load_index", "load_tensors", "parse_header", "plan_shards", "safe_open",
-           "save_file", "save_sharded", "shard_files", "write_atomically", "write_index",
+__all__ = ["Checkpoint", "SafetensorError", "file_writer", "fp8_e4m3_to_float",
+           "float_to_fp8_e4m3", "index_data", "load_file", "load_index", "load_tensors",
+           "parse_header", "plan_shards", "remove_stale_scratch", "safe_open", "save_file",
+           "save_sharded", "shard_files", "write_atomically", "write_index", "write_together",
            "INDEX_NAME", "MAX_HEADER"]
 
 MAX_HEADER = 100 * 1000 * 1000   # the safetensors package's limit, and the checker's
@@ -283,36 +287,108 @@ def load_tensors(path):
 
 # --- writing -------------------------------------------------------------------
 
-def write_atomically(path, data):
-    """Writes `data` (bytes, or a function of the open file) to `path`
-    through a scratch file in its folder, synced and renamed into place (a
-    link is written through to its file): a failed write leaves neither.
-    The file's mode is the umask's, as open() gives."""
-    path = Path(path)
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
-    tmp = path.parent / f".{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+# A scratch file: .NAME.tmp.HOST.PID.RANDOM beside the file NAME it becomes.
+_HOST = re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname()) or "host"
+_SCRATCH = re.compile(r"\..+\.tmp\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}")
+
+
+def _alive(pid):
+    """Whether a process of this id runs on this host."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    try:  # the rename itself, on disk
-        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's, or an id too large to ask about: left alone
+    return True
+
+
+def remove_stale_scratch(folder):
+    """Removes the scratch files in `folder` that writers on this host
+    (by host name) left when they died: those whose process id no process
+    has. A living writer's, and another host's (a folder that several
+    hosts share), are left. Returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        m = _SCRATCH.fullmatch(name)
+        if m and m["host"] == _HOST and not _alive(int(m["pid"])):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(Path(folder) / name)
+            except OSError:
+                pass
+    return removed
+
+
+def _sync_folder(folder):
+    """fsync of a folder: its renames, on disk."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.fsync(folder)
+            os.fsync(fd)
         finally:
-            os.close(folder)
+            os.close(fd)
     except OSError:
         pass
+
+
+def write_together(files):
+    """Writes [(path, data)] (data: bytes, or a function of the open file)
+    so that each file is replaced whole or not at all: each is written to
+    a scratch file in its folder (.NAME.tmp.HOST.PID.RANDOM) and synced;
+    only once all are written are they renamed into place, in the order
+    given, and the folders synced. A failure while writing (a full disk)
+    removes the scratch files and leaves every old file as it was; a crash
+    before the renames leaves the old files and a scratch file that the
+    next write into the folder removes (remove_stale_scratch, done first);
+    a crash between two renames leaves the earlier files new and the later
+    ones old, each whole. A link is written through to its file; a new
+    file's mode is the umask's, as open() gives."""
+    targets = []
+    for path, data in files:
+        path = Path(path)
+        if path.is_symlink():
+            path = Path(os.path.realpath(path))
+        targets.append((path, data))
+    for folder in sorted({str(path.parent) for path, _ in targets}):
+        remove_stale_scratch(folder)
+    staged, renamed, path = [], 0, None
+    try:
+        for path, data in targets:
+            tmp = path.parent / f".{path.name}.tmp.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            staged.append(tmp)
+            with os.fdopen(fd, "wb") as f:
+                if callable(data):
+                    data(f)
+                else:
+                    f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, (path, _) in zip(staged, targets):
+            os.replace(tmp, path)
+            renamed += 1
+    except BaseException as e:
+        for tmp in staged[renamed:]:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(e, OSError) and e.filename is None and path is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e  # which file could not be written
+        raise
+    for folder in sorted({str(path.parent) for path, _ in targets}):
+        _sync_folder(folder)
+
+
+def write_atomically(path, data):
+    """Writes `data` (bytes, or a function of the open file) to `path`,
+    replaced whole or not at all (write_together of one file)."""
+    write_together([(path, data)])
 
 
 def _span(t):
@@ -369,17 +445,16 @@ def _check_tensors(tensors, where, metadata=None, dtypes=None):
     return out
 
 
-def _write(filename, items, metadata):
-    """Writes checked [(name, tensor, file dtype)] as a safetensors file."""
-    header, arrays, at = {}, [], 0
+def _writer(filename, items, metadata):
+    """The function that writes checked [(name, tensor, file dtype)] as a
+    safetensors file into an open file (for write_together); each tensor's
+    bytes are made as they are written."""
+    header, at = {}, 0
     if metadata:
         header["__metadata__"] = metadata
     for name, t, kind in items:
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
-        size = data.numel() if data is not None else 0
+        size = t.numel() * t.element_size()
         header[name] = {"dtype": kind, "shape": list(t.shape), "data_offsets": [at, at + size]}
-        if data is not None:
-            arrays.append(data)
         at += size
     try:
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -391,18 +466,27 @@ def _write(filename, items, metadata):
     def write(f):
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for data in arrays:
-            f.write(memoryview(data.numpy()))
-    write_atomically(filename, write)
+        for _, t, _ in items:
+            if t.numel():
+                data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))
+    return write
+
+
+def file_writer(tensors, filename, metadata=None, dtypes=None):
+    """save_file's checks, and the function that writes the file into an
+    open file: for write_together, which writes several files (a
+    safetensors file and its config) replaced together."""
+    return _writer(filename, _check_tensors(tensors, filename, metadata, dtypes), metadata)
 
 
 def save_file(tensors, filename, metadata=None, dtypes=None):
     """Writes {name: tensor} as a safetensors file (a strided tensor is
-    written as its contiguous copy). metadata: {str: str}; dtypes:
-    {name: "F8_E4M3"} for uint8 codes to be stored as FP8. Tensors that
-    share memory are refused, as the safetensors package refuses them
-    (save a clone)."""
-    _write(filename, _check_tensors(tensors, filename, metadata, dtypes), metadata)
+    written as its contiguous copy), replaced whole or not at all
+    (write_atomically). metadata: {str: str}; dtypes: {name: "F8_E4M3"}
+    for uint8 codes to be stored as FP8. Tensors that share memory are
+    refused, as the safetensors package refuses them (save a clone)."""
+    write_atomically(filename, file_writer(tensors, filename, metadata, dtypes))
 
 
 def plan_shards(sizes, limit):
@@ -442,9 +526,14 @@ def write_index(folder, weight_map, total_size, prefix="model"):
     {"total_size"}, "weight_map"}, keys sorted, indent 2) and returns its
     path."""
     path = Path(folder) / f"{prefix}.safetensors.index.json"
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    write_atomically(path, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    write_atomically(path, index_data(weight_map, total_size))
     return path
+
+
+def index_data(weight_map, total_size):
+    """The bytes of an index as transformers writes it."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
 def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, prefix="model"):
@@ -454,11 +543,13 @@ def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, p
     plan_shards), and PREFIX.safetensors.index.json ({"metadata":
     {"total_size"}, "weight_map"}, keys sorted, indent 2). Every file's
     metadata is {"format": "pt"} and `metadata`. Everything is checked
-    before anything is written. Then the files of an earlier save under
-    the same prefix that this one did not write (other shards, the single
-    file or the index of the other layout) are removed, as transformers
-    removes stale shards, so the folder holds one checkpoint. Returns the
-    files written."""
+    before anything is written; the files are written together
+    (write_together: all written under scratch names, then renamed, the
+    index last), so a failed save leaves the old checkpoint. Then the files
+    of an earlier save under the same prefix that this one did not write
+    (other shards, the single file or the index of the other layout) are
+    removed, as transformers removes stale shards, so the folder holds one
+    checkpoint. Returns the files written."""
     folder = Path(folder)
     limit = checks.integer(max_shard_bytes, "save_sharded: max_shard_bytes", minimum=1)
     items = _check_tensors(tensors, folder, metadata, dtypes)
@@ -471,14 +562,17 @@ def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, p
     by_offset = [name for name, _, _ in items]
     index_path = folder / f"{prefix}.safetensors.index.json"
     files = [folder / f for f in shard_files(len(shards), prefix)]
-    weight_map = {}
+    weight_map, writes = {}, []
     for path, names in zip(files, shards):
         chosen = set(names)
-        _write(path, [(n, *checked[n]) for n in by_offset if n in chosen], meta)
+        writes.append((path, _writer(path, [(n, *checked[n]) for n in by_offset if n in chosen],
+                                     meta)))
         weight_map.update({n: path.name for n in names})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        files.append(write_index(folder, weight_map, total, prefix))
+        files.append(index_path)
+        writes.append((index_path, index_data(weight_map, total)))
+    write_together(writes)
     stale = re.compile(re.escape(prefix) + r"-\d{5}-of-\d{5}\.safetensors")
     for old in folder.iterdir():
         if old not in files and (stale.fullmatch(old.name) or old.name in (

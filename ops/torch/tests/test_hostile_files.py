@@ -210,6 +210,133 @@ def test_a_fifo_beside_the_adapters_is_not_read(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(layer.adapters(), fresh.adapters()))
 
 
+# --- 2. a save into a full filesystem -------------------------------------------
+
+def fail_on_sync(monkeypatch, which):
+    """os.fsync raising ENOSPC (a full disk) on its `which`th call."""
+    calls = []
+    real = os.fsync
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == which:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def folder_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir())}
+
+
+@pytest.mark.parametrize("saver,which", [(s, w) for s in ("moec", "hf", "hf-pretrained",
+                                                           "save_sharded") for w in (1, 2)]
+                         + [("save_state", 1)])
+def test_a_failed_save_leaves_the_old_files(tmp_path, monkeypatch, saver, which):
+    """A save whose first or second file fails to be written (ENOSPC)
+    raises OSError naming the file, leaves every old file as it was (not
+    the new weights beside the old config) and no scratch file."""
+    folder = tmp_path / "out"
+    if saver == "moec":
+        layer = lora_layer()
+        save = lambda: layer.save_adapters(folder)  # noqa: E731
+    elif saver == "hf":
+        model = hf_lora_model()
+        save = lambda: mhf.save_adapters(model, folder)  # noqa: E731
+    elif saver == "hf-pretrained":
+        model = make_model("qwen3_moe")
+        mhf.patch_model(model, ranks=2, threads=1)
+        save = lambda: mhf.save_pretrained(model, folder, max_shard_size=30_000)  # noqa: E731
+    elif saver == "save_sharded":
+        state = {f"w{i}": torch.randn(64, 64) for i in range(4)}
+        save = lambda: safetensors.save_sharded(state, folder, 20_000)  # noqa: E731
+    else:
+        state = {"w": torch.randn(64, 64)}
+        save = lambda: moec_torch.save_state(state, folder / "state.pt")  # noqa: E731
+    folder.mkdir()
+    save()
+    old = folder_bytes(folder)
+    assert len(old) >= (1 if saver == "save_state" else 2)
+    if saver == "moec":
+        with torch.no_grad():
+            layer.w1_lora_A.add_(1)
+    elif saver == "hf":
+        with torch.no_grad():
+            hf_adapters(model)[0].add_(1)
+    elif saver == "hf-pretrained":
+        with torch.no_grad():
+            model.lm_head.weight.add_(1)
+    else:
+        state["w0" if saver == "save_sharded" else "w"].add_(1)
+    fail_on_sync(monkeypatch, which)
+    with pytest.raises(OSError, match="No space left on device") as error:
+        save()
+    assert error.value.filename and str(folder) in error.value.filename
+    monkeypatch.undo()
+    assert folder_bytes(folder) == old
+
+
+SCRIPT = """
+import os, sys, torch
+import moec_torch
+folder = sys.argv[1]
+moec_torch.save_state({"w": torch.zeros(4)}, folder + "/state.pt")
+fd = os.open(folder + "/filler", os.O_WRONLY | os.O_CREAT)   # the rest of the filesystem
+try:
+    while True:
+        os.write(fd, b"x" * 4096)
+except OSError:
+    os.close(fd)
+try:
+    SAVE({"w": torch.ones(100000)}, folder + "/state.pt")
+except OSError as e:
+    print("refused:", e)
+print("alive")
+"""
+
+
+def test_a_save_into_a_full_tmpfs_leaves_a_live_process(tmp_path):
+    """On a real full filesystem (a tmpfs of 256 KiB: needs root), save_state
+    raises OSError and the process goes on, the old file whole; torch.save
+    to the path ends the process (SIGABRT: PyTorch's zip writer throws as
+    it is destroyed), which is why save_state writes through memory."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        results = {}
+        for name, save in (("save_state", "moec_torch.save_state"), ("torch.save", "torch.save")):
+            for p in mount.iterdir():
+                p.unlink()
+            results[name] = subprocess.run(
+                [sys.executable, "-c", SCRIPT.replace("SAVE", save), str(mount)],
+                capture_output=True, text=True, timeout=120)
+            if name == "save_state":
+                assert results[name].returncode == 0, results[name].stderr
+                assert "refused: [Errno 28] No space left on device" in results[name].stdout
+                assert "alive" in results[name].stdout
+                assert torch.equal(torch.load(mount / "state.pt")["w"], torch.zeros(4))
+                assert sorted(p.name for p in mount.iterdir()) == ["filler", "state.pt"]
+        assert results["torch.save"].returncode in (-6, 134), results["torch.save"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_the_toy_training_saves_through_save_state(tmp_path, monkeypatch):
+    """examples/torch/train_toy.py --save writes whole or not at all."""
+    import train_toy
+    fail_on_sync(monkeypatch, 1)
+    (tmp_path / "p.pt").write_bytes(b"old")
+    with pytest.raises(OSError, match="No space left on device"):
+        train_toy.train(steps=1, ranks=2, save=str(tmp_path / "p.pt"), log_every=1,
+                        out=lambda *_: None)
+    assert (tmp_path / "p.pt").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.pt"]
+
+
 # --- 3. adapters of another layer, of another dtype, in other files --------------
 
 def test_adapters_of_a_layer_of_more_experts_are_refused(tmp_path):
@@ -406,3 +533,65 @@ def test_a_config_of_wrong_types_names_the_file_and_the_field(tmp_path, damage, 
     assert str(error.value).startswith(f"moec: adapter config '{path}'"), str(error.value)
     assert message in str(error.value) or re.search(message, str(error.value)), \
         str(error.value)
+
+
+# --- 6. interrupted writes and the scratch files they leave ------------------------
+
+CRASH = """
+import os, sys, torch
+sys.path[:0] = sys.argv[2:]
+from test_hostile_files import lora_layer
+layer = lora_layer(seed=int(sys.argv[1].rsplit("-", 1)[1]))
+real, calls = os.replace, []
+def crash(a, b):
+    calls.append(b)
+    if len(calls) == CRASH_AT:
+        os._exit(9)   # as a kill: no cleanup
+    real(a, b)
+os.replace = crash
+layer.save_adapters(sys.argv[1].rsplit("-", 1)[0])
+"""
+
+
+@pytest.mark.parametrize("crash_at", [1, 2])
+def test_a_save_killed_midway_leaves_whole_files_and_its_scratch_is_removed(tmp_path,
+                                                                            crash_at):
+    """A writer killed before its renames leaves the old adapters (and
+    scratch files); killed between the renames, the new weights beside the
+    old config, each whole. The next save removes the dead writer's
+    scratch files."""
+    folder = tmp_path / "adapters"
+    old = lora_layer(seed=0)
+    old.save_adapters(folder)
+    done = subprocess.run([sys.executable, "-c", CRASH.replace("CRASH_AT", str(crash_at)),
+                           f"{folder}-3", *sys.path], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 9, done.stderr
+    scratch = [p.name for p in folder.iterdir() if p.name.startswith(".")]
+    assert len(scratch) == 2 - (crash_at - 1), scratch
+    fresh = lora_layer(seed=1)
+    fresh.load_adapters(folder)
+    want = old if crash_at == 1 else lora_layer(seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(want.adapters(), fresh.adapters()))
+    old.save_adapters(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json",
+                                                        "adapter_model.safetensors"]
+
+
+def test_only_dead_writers_scratch_files_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = safetensors._HOST
+    names = {
+        f".adapter_model.safetensors.tmp.{host}.{dead.pid}.0123abcd": False,  # removed
+        f".adapter_config.json.tmp.{host}.{dead.pid}.89abcdef": False,
+        f".model.safetensors.tmp.{host}.{os.getpid()}.0123abcd": True,       # alive: kept
+        f".adapter_model.safetensors.tmp.otherhost.{dead.pid}.0123abcd": True,  # elsewhere
+        "adapter_model.safetensors.tmp.x": True,                              # not scratch
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    lora_layer().save_adapters(tmp_path)
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {n for n, kept in names.items() if kept} | {"adapter_config.json",
+                                                                "adapter_model.safetensors"}

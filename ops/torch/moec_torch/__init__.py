@@ -1709,15 +1709,75 @@ class MoeFFN(torch.nn.Module):
                 self.w1.main_grad.copy_(state["main_grad"]["w1"])
                 self.w2.main_grad.copy_(state["main_grad"]["w2"])
 
-    def _check_checkpoint(self, state_dict, prefix, *_):
-        """Before load_state_dict copies anything: the checkpoint's layout must
-        be this layer's, with this process's experts among its experts."""
-        extra = state_dict.get(prefix + "_extra_state")
-        if extra is None:
-            return  # a plain dict of tensors: load_state_dict checks the shapes
+    def _own_state(self):
+        """{name: tensor} of what load_state_dict copies into this layer
+        (its parameters and persistent buffers), as nn.Module finds them."""
+        state = {n: p for n, p in self._parameters.items() if p is not None}
+        state.update({n: b for n, b in self._buffers.items()
+                      if b is not None and n not in self._non_persistent_buffers_set})
+        return state
+
+    def _check_checkpoint(self, state_dict, prefix, local_metadata, strict, *_):
+        """Before load_state_dict copies anything: every refusal is raised
+        here, so that a refused checkpoint leaves the layer untouched
+        (nn.Module's own checks raise only after copying what fits). The
+        checkpoint's layout must be this layer's, with this process's
+        experts among its experts; strictly, no key may be missing (the
+        layout, _extra_state, included) or unknown; every tensor given must
+        be a tensor of this layer's shape and dtype, its main-grad buffers
+        too."""
+        name = prefix + "_extra_state"
+        own = self._own_state()
+        for n in own:
+            t = state_dict.get(prefix + n)
+            if prefix + n in state_dict and not isinstance(t, torch.Tensor):
+                raise ValueError(f"moec: '{prefix}{n}' is a {type(t).__name__}, not a tensor")
+        extra = None
+        if name in state_dict:
+            self._check_layout(state_dict[name], prefix, state_dict)
+            extra = state_dict[name]
+        if strict:
+            missing = [prefix + n for n in list(own) + ["_extra_state"]
+                       if prefix + n not in state_dict]
+            unexpected = [k for k in state_dict if k.startswith(prefix) and
+                          k[len(prefix):].split(".", 1)[0] not in
+                          {*own, *self._modules, "_extra_state"}]
+            if missing or unexpected:
+                raise ValueError(
+                    "moec: the state dict does not fit the layer: "
+                    + "; ".join(f"{what} {keys[:3]}{' ...' if len(keys) > 3 else ''}"
+                                for what, keys in (("missing", missing),
+                                                   ("unexpected", unexpected)) if keys)
+                    + (f" ('{name}' is the layout a MoeFFN checkpoint records: load the "
+                       "layer's state_dict(), or strict=False for its tensors alone)"
+                       if name in missing else ""))
+        given = [(prefix + n, state_dict[prefix + n], t) for n, t in own.items()
+                 if prefix + n in state_dict]
+        if extra is not None and extra.get("main_grad") is not None:
+            given += [(f"{name}['main_grad']['{w}']", extra["main_grad"][w],
+                       getattr(self, w).main_grad) for w in ("w1", "w2")]
+        for key, t, mine in given:
+            if tuple(t.shape) != tuple(mine.shape):
+                raise ValueError(f"moec: '{key}' has shape {list(t.shape)}; this layer's is "
+                                 f"{list(mine.shape)}")
+            if t.dtype != mine.dtype:
+                raise ValueError(f"moec: '{key}' is {t.dtype}; this layer's is {mine.dtype}")
+
+    def _check_layout(self, extra, prefix, state_dict):
+        """The checks of a checkpoint's extra state (its layout) against this
+        layer; a checkpoint of more experts (or of the whole intermediate
+        columns, loaded by one TP rank) is sliced in `state_dict` to this
+        process's part."""
+        name = prefix + "_extra_state"
         if not isinstance(extra, dict) or extra.get("format") != "moec.MoeFFN/1":
-            raise ValueError(f"moec: '{prefix}_extra_state' is not a moec MoeFFN checkpoint's")
-        theirs, mine = extra["layout"], self._layout()
+            raise ValueError(f"moec: '{name}' is not a moec MoeFFN checkpoint's")
+        layout = extra.get("layout")
+        keys = ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
+                "lora_scaling", "first_expert", "local_experts")
+        if not isinstance(layout, dict) or any(k not in layout for k in keys):
+            raise ValueError(f"moec: '{name}' is not a moec MoeFFN checkpoint's: its layout "
+                             f"lacks {[k for k in keys if k not in (layout or {})]}")
+        theirs, mine = dict(layout), self._layout()
         theirs.setdefault("weights_transposed", False)
         theirs.setdefault("weight_format", None)
         for key in ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
@@ -1725,10 +1785,17 @@ class MoeFFN(torch.nn.Module):
             if theirs[key] != mine[key]:
                 raise ValueError(f"moec: the checkpoint is of another layer: its {key} is "
                                  f"{theirs[key]!r}, this layer's {mine[key]!r}")
-        if extra.get("main_grad") is not None and not self.main_grad:
+        grads = extra.get("main_grad")
+        if grads is not None and not self.main_grad:
             raise ValueError("moec: the checkpoint holds main-grad buffers; this layer has "
                              "none (main_grad=False)")
+        if grads is not None and not (isinstance(grads, dict) and all(
+                isinstance(grads.get(w), torch.Tensor) for w in ("w1", "w2"))):
+            raise ValueError(f"moec: '{name}': its main_grad is not a dict of tensors w1 and w2")
         lo, n = theirs["first_expert"], theirs["local_experts"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, n)):
+            raise ValueError(f"moec: '{name}': its first_expert and local_experts are not "
+                             f"integers: {lo!r}, {n!r}")
         first, count = mine["first_expert"], mine["local_experts"]
         if not (lo <= first and first + count <= lo + n):
             raise ValueError(
@@ -1746,19 +1813,22 @@ class MoeFFN(torch.nn.Module):
         # A checkpoint of more experts: keep this process's.
         names = ["w1", "w2"] + (["w1_scale", "w2_scale"] if self.weight_format else []) + \
             [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"]
+
         # A checkpoint of the whole experts loaded by one TP rank: its slice.
         def keep(name, t):
+            if t.shape[:1] != (n,):
+                raise ValueError(f"moec: '{prefix}{name}' has shape {list(t.shape)}; the "
+                                 f"checkpoint's layout holds {n} experts")
             t = t[first - lo:first - lo + count]
             if slicing and name in ("w1", "w2"):
                 t = torch.stack([self._tp_slice(getattr(self, name), e) for e in t])
             return t
 
-        for name in names:
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = keep(name, state_dict[prefix + name])
-        if "main_grad" in extra:
-            extra = dict(extra, main_grad={k: keep(k, v) for k, v in extra["main_grad"].items()})
-            state_dict[prefix + "_extra_state"] = extra
+        for param in names:
+            if prefix + param in state_dict:
+                state_dict[prefix + param] = keep(param, state_dict[prefix + param])
+        if grads is not None:
+            state_dict[name] = dict(extra, main_grad={k: keep(k, v) for k, v in grads.items()})
 
     # LoRA adapters in PEFT's layout.
 

@@ -555,9 +555,43 @@ def _read_weight(ckpt, name):
     return ckpt.get_tensor(name)
 
 
+FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+def _check_weight(ckpt, key, shape, dtype):
+    """Refuses, before anything is copied, a checkpoint tensor that cannot
+    fill a model tensor of `shape` and `dtype`: another shape; for a
+    floating-point tensor, an integer or bool one (its values would be
+    cast), or an F8_E4M3 one without a floating-point weight_scale_inv of
+    its 128 x 128 blocks; for an integer one, another dtype. ValueError
+    naming the tensor and its file."""
+    where = ckpt.where(key)
+    if tuple(ckpt.shape(key)) != tuple(shape):
+        raise ValueError(f"moec: '{key}' in {where} has shape {list(ckpt.shape(key))}; the "
+                         f"model's is {list(shape)}")
+    kind = ckpt.dtype(key)
+    if not dtype.is_floating_point:
+        if safetensors.DTYPES[kind] != dtype or kind == "F8_E4M3":
+            raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype}")
+    elif kind == "F8_E4M3":
+        scale = key + "_scale_inv"
+        if scale not in ckpt:
+            raise ValueError(f"moec: '{key}' is F8_E4M3 (in {where}) and the checkpoint has "
+                             f"no '{scale}' to dequantize it")
+        want = [quant._blocks(n) for n in shape[-2:]] if len(shape) == 2 else None
+        if want is None or ckpt.shape(scale) != want or ckpt.dtype(scale) not in FLOATS:
+            raise ValueError(f"moec: '{scale}' in {ckpt.where(scale)} is {ckpt.dtype(scale)} "
+                             f"{ckpt.shape(scale)}; an F8_E4M3 weight of shape {list(shape)} "
+                             f"needs floating-point scales of its 128x128 blocks, {want}")
+    elif kind not in FLOATS:
+        raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype} (a "
+                         "floating-point tensor)")
+
+
 def _expert_keys(model, ckpt):
     """[(layer, [(expert index in the layer, gate, up, down checkpoint names)])]
-    for every patched block, each name checked in `ckpt` with its shape."""
+    for every patched block, each name checked in `ckpt` with its shape and
+    dtype (_check_weight)."""
     plan = []
     for name, _, experts in _patched(model):
         layer, family = experts.layer, experts.family
@@ -571,9 +605,7 @@ def _expert_keys(model, ckpt):
                 if key not in ckpt:
                     raise ValueError(f"moec: the checkpoint {ckpt.where(key)} has no '{key}' "
                                      f"(expert {e} of '{name}')")
-                if tuple(ckpt.shape(key)) != shape:
-                    raise ValueError(f"moec: '{key}' in {ckpt.where(key)} has shape "
-                                     f"{list(ckpt.shape(key))}; the model's is {list(shape)}")
+                _check_weight(ckpt, key, shape, layer.dtype)
             keys.append((j, *names))
         plan.append((layer, keys))
     return plan
@@ -654,9 +686,7 @@ def load_checkpoint(model, checkpoint):
             raise ValueError("moec: " + what.format(name=names[0], where=ckpt.where(names[0]))
                              + more)
     for key, t in own.items():
-        if tuple(ckpt.shape(key)) != tuple(t.shape):
-            raise ValueError(f"moec: '{key}' in {ckpt.where(key)} has shape "
-                             f"{list(ckpt.shape(key))}; the model's is {list(t.shape)}")
+        _check_weight(ckpt, key, t.shape, t.dtype)
     _expert_keys(model, ckpt)
     load_experts(model, ckpt)
     if any(t.is_meta for t in own.values()):

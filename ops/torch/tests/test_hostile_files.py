@@ -434,6 +434,69 @@ def test_hf_reads_only_adapter_model_safetensors_or_bin(tmp_path):
         mhf.load_adapters(fresh, tmp_path)
 
 
+# --- 4. a refused state dict leaves the layer untouched ---------------------------
+
+def refusals(layer):
+    """(what, state dict, strict, message) of every refusal of a state dict
+    made from the layer's own."""
+    sd = layer.state_dict()
+    out = []
+
+    def case(what, change, message, strict=True):
+        bad = dict(sd)
+        change(bad)
+        out.append((what, bad, strict, message))
+
+    case("missing _extra_state", lambda s: s.pop("_extra_state"), r"missing \['_extra_state'\]")
+    case("missing w2", lambda s: s.pop("w2"), r"missing \['w2'\]")
+    case("an unexpected key", lambda s: s.update(extra=torch.zeros(1)),
+         r"unexpected \['extra'\]")
+    for strict in (True, False):
+        case("w2 of another shape", lambda s: s.update(w2=s["w2"][:, :-1]),
+             "'w2' has shape", strict)
+        case("w2 of another dtype", lambda s: s.update(w2=s["w2"].double()),
+             "'w2' is torch.float64", strict)
+        case("w2 of integers", lambda s: s.update(w2=s["w2"].int()), "'w2' is torch.int32",
+             strict)
+        case("w2 not a tensor", lambda s: s.update(w2=[1.0]), "'w2' is a list, not a tensor",
+             strict)
+        case("a layout of another layer",
+             lambda s: s.update(_extra_state=dict(s["_extra_state"], layout=dict(
+                 s["_extra_state"]["layout"], hidden=32))), "its hidden is 32", strict)
+        case("a layout without its keys",
+             lambda s: s.update(_extra_state=dict(s["_extra_state"], layout={})),
+             "its layout lacks", strict)
+    if layer.main_grad:
+        case("main_grad of another shape", lambda s: s.update(_extra_state=dict(
+            s["_extra_state"], main_grad={"w1": s["_extra_state"]["main_grad"]["w1"],
+                                          "w2": torch.zeros(3)})),
+             r"main_grad'\]\['w2'\]' has shape \[3\]")
+    if layer.lora_rank:
+        case("an adapter of another shape",
+             lambda s: s.update(w2_lora_B=s["w2_lora_B"][..., :-1]), "'w2_lora_B' has shape")
+    return out
+
+
+@pytest.mark.parametrize("variant", [{}, {"main_grad": True}, {"lora_rank": 4}])
+def test_a_refused_state_dict_leaves_the_layer_bitwise_untouched(variant):
+    torch.manual_seed(0)
+    source = moec_torch.MoeFFN(config(), ranks=2, threads=1, **variant)
+    if source.main_grad:
+        source.w1.main_grad.uniform_()
+        source.w2.main_grad.uniform_()
+    torch.manual_seed(1)
+    layer = moec_torch.MoeFFN(config(), ranks=2, threads=1, **variant)
+    before = snapshot(layer)
+    assert not torch.equal(before["w1"], source.w1)
+    for what, sd, strict, message in refusals(source):
+        with pytest.raises(ValueError, match=message):
+            layer.load_state_dict(sd, strict=strict)
+        assert_unchanged(before, layer)
+    # What it refused, a good checkpoint loads.
+    layer.load_state_dict(source.state_dict())
+    assert torch.equal(layer.w2, source.w2)
+
+
 # --- 5. damaged files -----------------------------------------------------------
 
 def zip_bytes(members):
@@ -533,6 +596,30 @@ def test_a_config_of_wrong_types_names_the_file_and_the_field(tmp_path, damage, 
     assert str(error.value).startswith(f"moec: adapter config '{path}'"), str(error.value)
     assert message in str(error.value) or re.search(message, str(error.value)), \
         str(error.value)
+
+
+def test_checkpoint_tensors_of_a_non_float_dtype_are_refused(tmp_path):
+    src = make_model("qwen3_moe")
+    state = write_checkpoint(src, tmp_path / "good")
+    model = make_model("qwen3_moe", seed=1)
+    mhf.patch_model(model, ranks=2, threads=1)
+    before = snapshot(model)
+    for key in ("model.layers.0.mlp.experts.3.down_proj.weight", "model.norm.weight"):
+        bad = {k: (v.int() if k == key else v).clone() for k, v in state.items()}
+        folder = tmp_path / key
+        folder.mkdir()
+        src.config.save_pretrained(folder)
+        safetensors.save_sharded(bad, folder, 30_000)
+        with pytest.raises(ValueError, match=f"'{key}' in .* is I32; the model's is "
+                                             "torch.float32"):
+            mhf.load_checkpoint(model, folder)
+        assert_unchanged(before, model)
+    plain = make_model("qwen3_moe")
+    with pytest.raises(ValueError, match="hf_models: 'model.norm.weight' is torch.int32"):
+        hf_models.load_checkpoint_state_dict(plain, dict(state, **{
+            "model.norm.weight": state["model.norm.weight"].int()}))
+    with pytest.raises(ValueError, match="'model.norm.weight' is a list, not a tensor"):
+        hf_models.load_checkpoint_state_dict(plain, dict(state, **{"model.norm.weight": [1]}))
 
 
 # --- 6. interrupted writes and the scratch files they leave ------------------------

@@ -146,7 +146,7 @@ def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out
         f"({moe.ranks} ranks{', one per process' if spread else ''}, {moe.experts} experts, "
         f"top-{moe.top_k}, {moe.w1.dtype})")
     if save:
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, save)
+        moec_torch.save_state({n: p.detach().clone() for n, p in model.named_parameters()}, save)
     if spread:
         if moe.fabric == "group":
             moec_torch.close_groups()  # before the group it runs over goes

@@ -21,8 +21,8 @@ fabric), holds only its L experts, and passes its own tokens:
 Forward and backward run the task binaries that ``moec compile`` makes of
 graphs/moe_ffn_{fwd,bwd}.json for the config; they are compiled once per
 config and cached on disk. A layer cannot be copied or pickled: save
-``layer.state_dict()`` and rebuild it with MoeFFN(config, ...) +
-load_state_dict.
+``layer.state_dict()`` (save_state writes it whole or not at all) and
+rebuild it with MoeFFN(config, ...) + load_state_dict.
 
 Where things are found: an installed package (pip install ops/torch, see
 docs/torch.md) carries its libraries and graphs; in a checkout built with
@@ -40,6 +40,7 @@ import atexit
 import collections
 import errno
 import hashlib
+import io
 import json
 import math
 import os
@@ -53,13 +54,14 @@ from pathlib import Path
 
 import torch
 
-from . import checks, native, quant, reference, safetensors
+from . import adapters, checks, native, quant, reference, safetensors
 from .native import compile, dump, load_trace, simulate_trace
 
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
            "MoeFFN", "MoeFFNFunction", "checks", "compile", "compile_graphs",
            "compile_layer", "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "launched_by_torchrun", "load_library",
-           "load_trace", "native", "quant", "reference", "safetensors", "simulate_trace"]
+           "load_trace", "native", "quant", "reference", "safetensors", "save_state",
+           "simulate_trace"]
 
 
 _loaded = False
@@ -514,18 +516,21 @@ def compile_layer(config, ranks, target="cpu", granularity="per-tile-range", fre
     return compile_graphs(config, ranks, graphs, target, granularity, fresh, tp)
 
 
-def _write_atomically(path, write):
-    """Writes `path` through a scratch file in its folder, so that a failed
-    write leaves no half-written file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def save_state(obj, path):
+    """torch.save(obj, path) with the file replaced whole or not at all: a
+    checkpoint (layer.state_dict(), an optimizer's, a dict of them) for
+    torch.load. torch.save writes into memory, and the bytes go through
+    safetensors.write_atomically (a scratch file in the folder, synced,
+    renamed into place): a save that fails (a full disk) raises OSError
+    naming the file and leaves the old file as it was. torch.save straight
+    to a path cannot: in PyTorch 1.13 a failed write ends the process
+    (its zip writer throws again as it is destroyed). The serialized bytes
+    are held in memory once. Returns the path."""
+    path = checks.output_path(path, "save_state", "the checkpoint")
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    safetensors.write_atomically(path, buffer.getbuffer())
+    return Path(path)
 
 
 def _check_finite(name, tensor, part, first):
@@ -1738,15 +1743,75 @@ class MoeFFN(torch.nn.Module):
                 self.w1.main_grad.copy_(state["main_grad"]["w1"])
                 self.w2.main_grad.copy_(state["main_grad"]["w2"])
 
-    def _check_checkpoint(self, state_dict, prefix, *_):
-        """Before load_state_dict copies anything: the checkpoint's layout must
-        be this layer's, with this process's experts among its experts."""
-        extra = state_dict.get(prefix + "_extra_state")
-        if extra is None:
-            return  # a plain dict of tensors: load_state_dict checks the shapes
+    def _own_state(self):
+        """{name: tensor} of what load_state_dict copies into this layer
+        (its parameters and persistent buffers), as nn.Module finds them."""
+        state = {n: p for n, p in self._parameters.items() if p is not None}
+        state.update({n: b for n, b in self._buffers.items()
+                      if b is not None and n not in self._non_persistent_buffers_set})
+        return state
+
+    def _check_checkpoint(self, state_dict, prefix, local_metadata, strict, *_):
+        """Before load_state_dict copies anything: every refusal is raised
+        here, so that a refused checkpoint leaves the layer untouched
+        (nn.Module's own checks raise only after copying what fits). The
+        checkpoint's layout must be this layer's, with this process's
+        experts among its experts; strictly, no key may be missing (the
+        layout, _extra_state, included) or unknown; every tensor given must
+        be a tensor of this layer's shape and dtype, its main-grad buffers
+        too."""
+        name = prefix + "_extra_state"
+        own = self._own_state()
+        for n in own:
+            t = state_dict.get(prefix + n)
+            if prefix + n in state_dict and not isinstance(t, torch.Tensor):
+                raise ValueError(f"moec: '{prefix}{n}' is a {type(t).__name__}, not a tensor")
+        extra = None
+        if name in state_dict:
+            self._check_layout(state_dict[name], prefix, state_dict)
+            extra = state_dict[name]
+        if strict:
+            missing = [prefix + n for n in list(own) + ["_extra_state"]
+                       if prefix + n not in state_dict]
+            unexpected = [k for k in state_dict if k.startswith(prefix) and
+                          k[len(prefix):].split(".", 1)[0] not in
+                          {*own, *self._modules, "_extra_state"}]
+            if missing or unexpected:
+                raise ValueError(
+                    "moec: the state dict does not fit the layer: "
+                    + "; ".join(f"{what} {keys[:3]}{' ...' if len(keys) > 3 else ''}"
+                                for what, keys in (("missing", missing),
+                                                   ("unexpected", unexpected)) if keys)
+                    + (f" ('{name}' is the layout a MoeFFN checkpoint records: load the "
+                       "layer's state_dict(), or strict=False for its tensors alone)"
+                       if name in missing else ""))
+        given = [(prefix + n, state_dict[prefix + n], t) for n, t in own.items()
+                 if prefix + n in state_dict]
+        if extra is not None and extra.get("main_grad") is not None:
+            given += [(f"{name}['main_grad']['{w}']", extra["main_grad"][w],
+                       getattr(self, w).main_grad) for w in ("w1", "w2")]
+        for key, t, mine in given:
+            if tuple(t.shape) != tuple(mine.shape):
+                raise ValueError(f"moec: '{key}' has shape {list(t.shape)}; this layer's is "
+                                 f"{list(mine.shape)}")
+            if t.dtype != mine.dtype:
+                raise ValueError(f"moec: '{key}' is {t.dtype}; this layer's is {mine.dtype}")
+
+    def _check_layout(self, extra, prefix, state_dict):
+        """The checks of a checkpoint's extra state (its layout) against this
+        layer; a checkpoint of more experts (or of the whole intermediate
+        columns, loaded by one TP rank) is sliced in `state_dict` to this
+        process's part."""
+        name = prefix + "_extra_state"
         if not isinstance(extra, dict) or extra.get("format") != "moec.MoeFFN/1":
-            raise ValueError(f"moec: '{prefix}_extra_state' is not a moec MoeFFN checkpoint's")
-        theirs, mine = extra["layout"], self._layout()
+            raise ValueError(f"moec: '{name}' is not a moec MoeFFN checkpoint's")
+        layout = extra.get("layout")
+        keys = ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
+                "lora_scaling", "first_expert", "local_experts")
+        if not isinstance(layout, dict) or any(k not in layout for k in keys):
+            raise ValueError(f"moec: '{name}' is not a moec MoeFFN checkpoint's: its layout "
+                             f"lacks {[k for k in keys if k not in (layout or {})]}")
+        theirs, mine = dict(layout), self._layout()
         theirs.setdefault("weights_transposed", False)
         theirs.setdefault("weight_format", None)
         for key in ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
@@ -1754,10 +1819,17 @@ class MoeFFN(torch.nn.Module):
             if theirs[key] != mine[key]:
                 raise ValueError(f"moec: the checkpoint is of another layer: its {key} is "
                                  f"{theirs[key]!r}, this layer's {mine[key]!r}")
-        if extra.get("main_grad") is not None and not self.main_grad:
+        grads = extra.get("main_grad")
+        if grads is not None and not self.main_grad:
             raise ValueError("moec: the checkpoint holds main-grad buffers; this layer has "
                              "none (main_grad=False)")
+        if grads is not None and not (isinstance(grads, dict) and all(
+                isinstance(grads.get(w), torch.Tensor) for w in ("w1", "w2"))):
+            raise ValueError(f"moec: '{name}': its main_grad is not a dict of tensors w1 and w2")
         lo, n = theirs["first_expert"], theirs["local_experts"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, n)):
+            raise ValueError(f"moec: '{name}': its first_expert and local_experts are not "
+                             f"integers: {lo!r}, {n!r}")
         first, count = mine["first_expert"], mine["local_experts"]
         if not (lo <= first and first + count <= lo + n):
             raise ValueError(
@@ -1775,33 +1847,39 @@ class MoeFFN(torch.nn.Module):
         # A checkpoint of more experts: keep this process's.
         names = ["w1", "w2"] + (["w1_scale", "w2_scale"] if self.weight_format else []) + \
             [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"]
+
         # A checkpoint of the whole experts loaded by one TP rank: its slice.
         def keep(name, t):
+            if t.shape[:1] != (n,):
+                raise ValueError(f"moec: '{prefix}{name}' has shape {list(t.shape)}; the "
+                                 f"checkpoint's layout holds {n} experts")
             t = t[first - lo:first - lo + count]
             if slicing and name in ("w1", "w2"):
                 t = torch.stack([self._tp_slice(getattr(self, name), e) for e in t])
             return t
 
-        for name in names:
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = keep(name, state_dict[prefix + name])
-        if "main_grad" in extra:
-            extra = dict(extra, main_grad={k: keep(k, v) for k, v in extra["main_grad"].items()})
-            state_dict[prefix + "_extra_state"] = extra
+        for param in names:
+            if prefix + param in state_dict:
+                state_dict[prefix + param] = keep(param, state_dict[prefix + param])
+        if grads is not None:
+            state_dict[name] = dict(extra, main_grad={k: keep(k, v) for k, v in grads.items()})
 
     # LoRA adapters in PEFT's layout.
 
     PEFT_MODULES = {"w1": "gate_up_proj", "w2": "down_proj"}
 
-    def _peft_names(self, module_prefix):
-        """(parameter, expert, PEFT name) of every adapter tensor this process holds."""
+    def _peft_names(self, module_prefix, experts=None):
+        """(parameter, expert, PEFT name) of every adapter tensor this process
+        holds; with `experts` (a range of global experts), the names of
+        those experts (the parameter and index are then of no use)."""
         first = self.first_rank * self.local_experts
+        held = range(first, first + self.local_ranks * self.local_experts)
         for target in self.lora_targets:
             module = self.PEFT_MODULES[target]
             for m in "AB":
-                for e in range(self.local_ranks * self.local_experts):
-                    yield (getattr(self, f"{target}_lora_{m}"), e,
-                           f"base_model.model.{module_prefix}.{first + e}.{module}.lora_{m}.weight")
+                for e in (held if experts is None else experts):
+                    yield (getattr(self, f"{target}_lora_{m}"), e - first,
+                           f"base_model.model.{module_prefix}.{e}.{module}.lora_{m}.weight")
 
     def save_adapters(self, directory, module_prefix="experts"):
         """Writes the LoRA adapters as PEFT saves a LoRA model: adapter_config.json
@@ -1813,22 +1891,23 @@ class MoeFFN(torch.nn.Module):
         for a Hugging Face model's gate_proj/up_proj/down_proj adapters see
         moec_torch.hf. Under mpirun each process writes its own experts to
         adapter_model-rank{r}-of-{R}.safetensors and rank 0 the config;
-        load_adapters reads either form. Returns the files written."""
+        load_adapters reads either form. The files are replaced whole or
+        not at all (safetensors.write_together: written under scratch names,
+        then renamed, the config last). Returns the files written."""
         if not self.lora_rank:
             raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         sharded = self.local_ranks != self.ranks
-        weights = directory / (f"adapter_model-rank{self.first_rank}-of-{self.ranks}"
-                               ".safetensors" if sharded else "adapter_model.safetensors")
+        weights = directory / (adapters.rank_file(self.first_rank, self.ranks) if sharded
+                               else adapters.WEIGHTS)
         # Neither file may be one the layer reads (its config file, ...).
-        for path in [weights] + ([directory / "adapter_config.json"]
+        for path in [weights] + ([directory / adapters.CONFIG]
                                  if self.first_rank == 0 else []):
             self._output(path, "save_adapters", "the adapter file")
         tensors = {name: p[e].detach().t().contiguous().clone()
                    for p, e, name in self._peft_names(module_prefix)}
-        written = [weights]
-        safetensors.save_file(tensors, weights, metadata={"format": "pt"})
+        writes = [(weights, safetensors.file_writer(tensors, weights, {"format": "pt"}))]
         if self.first_rank == 0:
             config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None,
                       "r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
@@ -1837,48 +1916,59 @@ class MoeFFN(torch.nn.Module):
                       "target_modules": [self.PEFT_MODULES[t] for t in self.lora_targets],
                       "moec": {"experts": self.experts, "ranks": self.ranks,
                                "module_prefix": module_prefix, "shards": sharded}}
-            path = directory / "adapter_config.json"
-            _write_atomically(path, lambda f: f.write(json.dumps(config, indent=2).encode()))
-            written.insert(0, path)
-        return written
+            writes.append((directory / adapters.CONFIG,
+                           json.dumps(config, indent=2).encode()))
+        safetensors.write_together(writes)
+        return [path for path, _ in writes[::-1]]
 
     def load_adapters(self, directory, module_prefix="experts"):
         """Loads adapters that save_adapters (or PEFT, with the same names)
-        wrote: checks r, lora_alpha and the target modules against this layer,
-        reads this process's experts from adapter_model.safetensors or the
-        rank files (an adapter_model*.bin with torch.load(weights_only=True),
-        which runs no code from the file), and copies them in only when every
-        tensor is there with its shape."""
+        wrote. adapter_config.json is checked (adapters.read_config: every
+        field of its type) and must match this layer: r, lora_alpha, the
+        target modules and, where save_adapters recorded them, the number
+        of experts and the module prefix. Only the files the config names
+        are read (adapter_model.safetensors, else adapter_model.bin with
+        torch.load(weights_only=True), which runs no code from the file;
+        the rank files that hold this process's experts), never another
+        file of the folder. Every tensor of this process's experts must be
+        there, floating point and of its shape, and no tensor may name an
+        expert the layer lacks, before any is copied."""
         if not self.lora_rank:
             raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
         directory = Path(directory)
-        path = directory / "adapter_config.json"
-        try:
-            config = json.loads(checks.read_small_file(path, "adapter config"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"moec: cannot read {path}: {e}") from None
+        config = adapters.read_config(directory)
+        shown = f"moec: {checks.where(directory / adapters.CONFIG, 'adapter config')}"
         want = {"r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
                 "target_modules": sorted(self.PEFT_MODULES[t] for t in self.lora_targets)}
-        got = {"r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
-               "target_modules": sorted(config.get("target_modules") or [])}
-        if config.get("peft_type") != "LORA" or got != want:
+        targets = config["target_modules"]
+        got = {"r": config["r"], "lora_alpha": config["lora_alpha"],
+               "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+        if config["peft_type"] != "LORA" or got != want:
             raise ValueError(f"moec: the adapters in {directory} are {got} "
-                             f"(peft_type {config.get('peft_type')!r}); this layer's are {want}")
-        files = sorted(directory.glob("adapter_model*.safetensors")) or \
-            sorted(directory.glob("adapter_model*.bin"))
-        if not files:
-            raise ValueError(f"moec: {directory} holds no adapter_model*.safetensors")
-        tensors = {}
-        for f in files:
-            tensors.update(safetensors.load_tensors(f))
+                             f"(peft_type {config['peft_type']!r}); this layer's are {want}")
+        moec = config.get("moec")
+        first = self.first_rank * self.local_experts
+        count = self.local_ranks * self.local_experts
+        ranks = None
+        if moec is not None:
+            if moec["experts"] != self.experts:
+                raise ValueError(f"{shown}: the adapters are of a layer of {moec['experts']} "
+                                 f"experts; this layer has {self.experts}")
+            if moec["module_prefix"] != module_prefix:
+                raise ValueError(f"{shown}: the adapters were saved with module_prefix "
+                                 f"{moec['module_prefix']!r}; loading with {module_prefix!r}")
+            # The rank files that hold this process's experts.
+            per = moec["experts"] // moec["ranks"]
+            ranks = range(first // per, (first + count - 1) // per + 1)
+        tensors = adapters.read_tensors(adapters.weight_files(directory, config, ranks))
+        known = {name for _, _, name in self._peft_names(module_prefix, range(self.experts))}
+        adapters.unknown_experts(tensors, f"base_model.model.{module_prefix}.", known,
+                                 self.experts)
         updates = []
         for p, e, name in self._peft_names(module_prefix):
-            t = tensors.get(name)
+            t = adapters.tensor(tensors, name, p.shape[1:][::-1])
             if t is None:
                 raise ValueError(f"moec: {directory} has no '{name}'")
-            if tuple(t.shape) != tuple(p.shape[1:][::-1]):
-                raise ValueError(f"moec: '{name}' has shape {list(t.shape)}; expected "
-                                 f"{list(p.shape[1:][::-1])}")
             updates.append((p, e, t))
         with torch.no_grad():
             for p, e, t in updates:

@@ -17,6 +17,8 @@ argument, the config key or the file:
     read_config(config)     a config dict or JSON file as a plain dict, the
                             one normalization MoeFFN, Exchange,
                             compile_graphs and compile() share
+    open_regular(path, what)  an fd of a regular file, anything else (a FIFO,
+                            a device, a directory) refused before it is opened
     read_small_file(path)   the bytes of a regular file of bounded size
     strict_json(data, where)  a JSON document: UTF-8, no duplicate keys, no
                             NaN or Infinity
@@ -37,9 +39,8 @@ import stat
 import torch
 
 __all__ = ["CONFIG_LIMIT", "TIMEOUT_RANGE", "boolean", "dense", "env_shown", "env_value",
-           "integer", "number",
-           "output_path", "read_config", "read_small_file", "seconds", "strict_json",
-           "target_file"]
+           "integer", "number", "open_regular", "output_path", "read_config", "read_small_file",
+           "seconds", "strict_json", "target_file", "where"]
 
 # A config is a few hundred bytes; one of more than this is not a config.
 CONFIG_LIMIT = 1 << 20
@@ -160,12 +161,17 @@ def target_file(target):
     return spec if "/" in spec or (len(spec) > 5 and spec.endswith(".json")) else None
 
 
-def _shown(path):
-    """'path', with where a link leads."""
+def where(path, what=None):
+    """How a message names a file: "WHAT 'PATH'" (without `what`, the bare
+    path, as the C++ readers name a file), and where a link leads."""
+    path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    shown = f"{what} '{path}'" if what else path
     real = os.path.realpath(path)
     if real != os.path.abspath(path):
-        return f"'{path}' (a link to '{real}')"
-    return f"'{path}'"
+        shown += f" (a link to '{real}')"
+    return shown
 
 
 def output_path(path, who, argument, inputs=()):
@@ -186,7 +192,7 @@ def output_path(path, who, argument, inputs=()):
         there = "is not a folder" if os.path.exists(folder) else "does not exist"
         raise ValueError(f"moec: {who}: the folder '{folder}' of {argument} '{path}' {there}")
     if os.path.isdir(path):
-        raise ValueError(f"moec: {who}: {argument} {_shown(path)} is a directory, not a file")
+        raise ValueError(f"moec: {who}: {where(path, argument)} is a directory, not a file")
     if not os.path.exists(path):
         return path  # nothing there yet: no input it could be
     for what, other in inputs:
@@ -197,8 +203,8 @@ def output_path(path, who, argument, inputs=()):
         except (OSError, ValueError):
             continue  # an input that is not there is not overwritten
         if same:
-            raise ValueError(f"moec: {who}: {argument} {_shown(path)} is the same file as the "
-                             f"{what} {_shown(os.fspath(other))}; writing it would overwrite "
+            raise ValueError(f"moec: {who}: {where(path, argument)} is the same file as the "
+                             f"{where(other, what)}; writing it would overwrite "
                              f"the {what}")
     return path
 
@@ -206,48 +212,56 @@ def output_path(path, who, argument, inputs=()):
 def _kind(mode):
     """What a file that is not a regular file is, or None for a regular file."""
     for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return kind
     return None if stat.S_ISREG(mode) else "not a regular file"
 
 
-def read_small_file(path, what="config", limit=CONFIG_LIMIT):
-    """The bytes of the file `path` (symlinks followed), which must be a
-    regular file of at most `limit` bytes: a directory, a device, a FIFO or
-    a socket is refused before it is opened (a FIFO would block, /dev/zero
-    never end), and nothing past the limit is read. Raises ValueError
-    naming `what` and the path."""
-    path = os.fspath(path)
-    where = f"{what} '{path}'"
-    real = os.path.realpath(path)
-    if real != os.path.abspath(path):
-        where += f" (a link to '{real}')"
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise ValueError(f"moec: cannot read {where}: {e.strerror}") from None
+def open_regular(path, what=None, error=ValueError):
+    """(a read-only fd of `path`, its os.stat_result): the file (links
+    followed) must be a regular file, and anything else (a directory, a
+    device, a FIFO, a socket) is refused before it is opened, as the C++
+    readers refuse it: a FIFO would block the reader for ever, /dev/zero
+    never end. The fd is opened not blocking and checked again (what was
+    opened may not be what was checked). Raises `error` ("moec: WHAT
+    'PATH': is a FIFO, not a regular file"; "...: cannot open: No such file
+    or directory"). Every loader of moec_torch opens its files here."""
+    shown = where(path, what)
 
     def refuse(st):
         kind = _kind(st.st_mode)
         if kind is not None:
-            raise ValueError(f"moec: {where} is {kind}, not a regular file")
-        if st.st_size > limit:
-            raise ValueError(f"moec: {where} has {st.st_size} bytes; a {what} of more than "
-                             f"{limit} bytes is refused")
+            raise error(f"moec: {shown}: is {kind}, not a regular file")
 
-    refuse(st)
     try:
-        # Not blocking: what is opened may no longer be what was checked.
+        refuse(os.stat(path))
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise ValueError(f"moec: cannot read {where}: {e.strerror}") from None
+        raise error(f"moec: {shown}: cannot open: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        refuse(st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_small_file(path, what="config", limit=CONFIG_LIMIT):
+    """The bytes of the file `path` (open_regular: a regular file, links
+    followed) of at most `limit` bytes; nothing past the limit is read.
+    Raises ValueError naming `what` and the path."""
+    fd, st = open_regular(path, what)
+    shown = where(path, what)
     with os.fdopen(fd, "rb") as f:
-        refuse(os.fstat(fd))
+        if st.st_size > limit:
+            raise ValueError(f"moec: {shown} has {st.st_size} bytes; a {what} of more than "
+                             f"{limit} bytes is refused")
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise ValueError(f"moec: {where} has more than {limit} bytes; a {what} of more than "
+        raise ValueError(f"moec: {shown} has more than {limit} bytes; a {what} of more than "
                          f"{limit} bytes is refused")
     return data
 

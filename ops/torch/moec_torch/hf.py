@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import checks, quant, safetensors
+from . import adapters, checks, quant, safetensors
 
 __all__ = ["FAMILIES", "MoecExperts", "all_sum", "barrier", "find_blocks", "load_adapters",
            "load_checkpoint", "load_experts", "patch_model",
@@ -555,9 +555,43 @@ def _read_weight(ckpt, name):
     return ckpt.get_tensor(name)
 
 
+FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+def _check_weight(ckpt, key, shape, dtype):
+    """Refuses, before anything is copied, a checkpoint tensor that cannot
+    fill a model tensor of `shape` and `dtype`: another shape; for a
+    floating-point tensor, an integer or bool one (its values would be
+    cast), or an F8_E4M3 one without a floating-point weight_scale_inv of
+    its 128 x 128 blocks; for an integer one, another dtype. ValueError
+    naming the tensor and its file."""
+    where = ckpt.where(key)
+    if tuple(ckpt.shape(key)) != tuple(shape):
+        raise ValueError(f"moec: '{key}' in {where} has shape {list(ckpt.shape(key))}; the "
+                         f"model's is {list(shape)}")
+    kind = ckpt.dtype(key)
+    if not dtype.is_floating_point:
+        if safetensors.DTYPES[kind] != dtype or kind == "F8_E4M3":
+            raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype}")
+    elif kind == "F8_E4M3":
+        scale = key + "_scale_inv"
+        if scale not in ckpt:
+            raise ValueError(f"moec: '{key}' is F8_E4M3 (in {where}) and the checkpoint has "
+                             f"no '{scale}' to dequantize it")
+        want = [quant._blocks(n) for n in shape[-2:]] if len(shape) == 2 else None
+        if want is None or ckpt.shape(scale) != want or ckpt.dtype(scale) not in FLOATS:
+            raise ValueError(f"moec: '{scale}' in {ckpt.where(scale)} is {ckpt.dtype(scale)} "
+                             f"{ckpt.shape(scale)}; an F8_E4M3 weight of shape {list(shape)} "
+                             f"needs floating-point scales of its 128x128 blocks, {want}")
+    elif kind not in FLOATS:
+        raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype} (a "
+                         "floating-point tensor)")
+
+
 def _expert_keys(model, ckpt):
     """[(layer, [(expert index in the layer, gate, up, down checkpoint names)])]
-    for every patched block, each name checked in `ckpt` with its shape."""
+    for every patched block, each name checked in `ckpt` with its shape and
+    dtype (_check_weight)."""
     plan = []
     for name, _, experts in _patched(model):
         layer, family = experts.layer, experts.family
@@ -571,9 +605,7 @@ def _expert_keys(model, ckpt):
                 if key not in ckpt:
                     raise ValueError(f"moec: the checkpoint {ckpt.where(key)} has no '{key}' "
                                      f"(expert {e} of '{name}')")
-                if tuple(ckpt.shape(key)) != shape:
-                    raise ValueError(f"moec: '{key}' in {ckpt.where(key)} has shape "
-                                     f"{list(ckpt.shape(key))}; the model's is {list(shape)}")
+                _check_weight(ckpt, key, shape, layer.dtype)
             keys.append((j, *names))
         plan.append((layer, keys))
     return plan
@@ -654,9 +686,7 @@ def load_checkpoint(model, checkpoint):
             raise ValueError("moec: " + what.format(name=names[0], where=ckpt.where(names[0]))
                              + more)
     for key, t in own.items():
-        if tuple(ckpt.shape(key)) != tuple(t.shape):
-            raise ValueError(f"moec: '{key}' in {ckpt.where(key)} has shape "
-                             f"{list(ckpt.shape(key))}; the model's is {list(t.shape)}")
+        _check_weight(ckpt, key, t.shape, t.dtype)
     _expert_keys(model, ckpt)
     load_experts(model, ckpt)
     if any(t.is_meta for t in own.values()):
@@ -706,8 +736,8 @@ def _non_expert_state(model):
 
 # --- adapters out and in -----------------------------------------------------
 
-ADAPTER_FILE = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILE = adapters.WEIGHTS
+ADAPTER_CONFIG = adapters.CONFIG
 
 
 def _lora_of(model):
@@ -754,7 +784,10 @@ def save_adapters(model, directory):
     each process writes its experts to adapter_model-<rank>-of-<ranks>.safetensors;
     once every process has, rank 0 joins them into adapter_model.safetensors
     (the one file PEFT reads; the folder must be one that every process
-    sees) and writes the config. Returns the files written."""
+    sees) and writes the config. adapter_model.safetensors and the config
+    are replaced whole or not at all (safetensors.write_together: written
+    under scratch names, then renamed, the config last). Returns the files
+    written."""
     blocks = _lora_of(model)
     directory = Path(directory)
     layer = blocks[0][2].layer
@@ -769,23 +802,18 @@ def save_adapters(model, directory):
     for name, _, experts in blocks:
         for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
             tensors[key] = p[j][rows, cols].detach().t().contiguous().clone()
-    safetensors.save_file(tensors, mine, metadata={"format": "pt"})
-    written = [mine]
+    writes, parts = [], []
     if sharded:
+        safetensors.save_file(tensors, mine, metadata={"format": "pt"})
         barrier(model)
         if layer.first_rank == 0:
             parts = [directory / f"adapter_model-{r:05d}-of-{layer.ranks:05d}.safetensors"
                      for r in range(layer.ranks)]
-            joined = {}
+            tensors = {}
             for part in parts:
-                joined.update(safetensors.load_file(part))
-            safetensors.save_file(joined, whole, metadata={"format": "pt"})
-            for part in parts:
-                part.unlink()
-            written = [whole]
-        else:
-            written = []
+                tensors.update(safetensors.load_file(part))
     if layer.first_rank == 0:
+        writes.append((whole, safetensors.file_writer(tensors, whole, {"format": "pt"})))
         lora = blocks[0][2].lora
         base = getattr(_config_of(model), "_name_or_path", None) or None
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM",
@@ -795,66 +823,65 @@ def save_adapters(model, directory):
                   "use_rslora": False, "use_dora": False, "rank_pattern": {},
                   "alpha_pattern": {}, "layers_to_transform": None, "layers_pattern": None,
                   "target_modules": _target_regex(blocks)}
-        path = directory / ADAPTER_CONFIG
-        safetensors.write_atomically(path, json.dumps(config, indent=2).encode())
-        written.insert(0, path)
+        writes.append((directory / ADAPTER_CONFIG, json.dumps(config, indent=2).encode()))
+        safetensors.write_together(writes)
+        for part in parts:
+            part.unlink()
     if sharded:
         barrier(model)
-    return written
+    return [path for path, _ in writes[::-1]]
 
 
-def _adapter_files(directory):
-    """The adapter weight files of a folder: adapter_model.safetensors, or
-    the per-rank shards, or (read with weights_only) adapter_model.bin."""
-    single = directory / ADAPTER_FILE
-    if single.exists():
-        return [single]
-    shards = sorted(directory.glob("adapter_model-*-of-*.safetensors"))
-    if shards:
-        return shards
-    legacy = directory / "adapter_model.bin"
-    if legacy.exists():
-        return [legacy]
-    raise ValueError(f"moec: {directory} holds no {ADAPTER_FILE} (nor adapter_model.bin)")
+def _all_adapter_names(blocks):
+    """The PEFT names of every adapter of every expert of the blocks (all
+    processes' experts)."""
+    names = set()
+    for name, _, experts in blocks:
+        prefix = _checkpoint_prefix(name, experts.family)
+        for e in range(experts.layer.experts):
+            for module, *_ in experts.lora.pieces(experts.layer.inter):
+                names |= {f"base_model.model.{prefix}.experts.{e}.{module}.lora_{m}.weight"
+                          for m in "AB"}
+    return names
 
 
 def load_adapters(model, directory):
     """Loads adapters that save_adapters (or PEFT, for the unpatched model)
-    wrote into a patched model's experts: checks peft_type, r and lora_alpha
-    against the model, finds every tensor of this process's experts with
-    its shape, and only then copies. Tensors of other modules in the file
-    (say, attention adapters) are not moec's and are returned, not loaded."""
+    wrote into a patched model's experts. adapter_config.json is checked
+    (adapters.read_config: every field of its type; peft_type, r and
+    lora_alpha must be the model's); only adapter_model.safetensors is read
+    (or, where the folder has none, adapter_model.bin with weights_only),
+    never another file of the folder. Every tensor of this process's
+    experts must be there, floating point and of its shape, and no tensor
+    may name an expert or a module the blocks' adapters lack, before any
+    is copied. Tensors of other modules in the file (say, attention
+    adapters) are not moec's and are returned, not loaded."""
     blocks = _lora_of(model)
     directory = Path(directory)
-    path = directory / ADAPTER_CONFIG
-    try:
-        config = json.loads(checks.read_small_file(path, "adapter config"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"moec: cannot read {path}: {e}") from None
+    config = adapters.read_config(directory)
     lora = blocks[0][2].lora
     want = {"peft_type": "LORA", "r": lora.r, "lora_alpha": lora.alpha}
     got = {k: config.get(k) for k in want}
     if got != want:
         raise ValueError(f"moec: the adapters in {directory} are {got}; the model's are {want}")
-    tensors = {}
-    for f in _adapter_files(directory):
-        tensors.update(safetensors.load_tensors(f))
+    tensors = adapters.read_tensors(adapters.weight_files(directory, config))
+    known = _all_adapter_names(blocks)
+    for name, _, experts in blocks:
+        adapters.unknown_experts(
+            tensors, f"base_model.model.{_checkpoint_prefix(name, experts.family)}.experts.",
+            known, experts.layer.experts)
     updates, used = [], set()
     for name, _, experts in blocks:
         for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
-            t = tensors.get(key)
-            shape = tuple(p[j][rows, cols].shape)[::-1]
+            t = adapters.tensor(tensors, key, tuple(p[j][rows, cols].shape)[::-1])
             if t is None:
                 raise ValueError(f"moec: the adapters in {directory} have no '{key}'")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"moec: '{key}' in {directory} has shape {list(t.shape)}; "
-                                 f"expected {list(shape)}")
             updates.append((p, j, rows, cols, t))
             used.add(key)
     with torch.no_grad():
         for p, j, rows, cols, t in updates:
             p[j][rows, cols] = t.t().to(p.dtype)
-    return sorted(k for k in tensors if k not in used and ".experts." not in k)
+    return sorted(k for k in tensors if k not in used and k not in known)
 
 
 # --- merged checkpoints out ----------------------------------------------------
@@ -916,7 +943,9 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
     every process writes its experts' shards and rank 0 the rest, the config
     and the index, so that the folder is one checkpoint. A source
     checkpoint's quantization_config is dropped: the weights are written in
-    the model's dtype. Returns the files this process wrote."""
+    the model's dtype. Each process's files are replaced whole or not at
+    all (safetensors.write_together; the index and config last). Returns
+    the files this process wrote."""
     blocks = _patched(model)
     config = _config_of(model)
     directory = Path(directory)
@@ -940,24 +969,28 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
     tensors = dict(rest) if 0 in mine else {}
     for name, _, experts in blocks:
         tensors.update(_merged_experts(name, experts))
-    written = []
-    for file, (owner, names) in zip(files, plan):
-        if owner in mine:
-            safetensors.save_file({n: tensors[n].contiguous() for n in names}, directory / file,
-                                  metadata={"format": "pt"})
-            written.append(directory / file)
+    def shard(path, names):
+        # The contiguous copies of one shard's tensors, made as it is written.
+        return lambda f: safetensors.file_writer({n: tensors[n].contiguous() for n in names},
+                                                 path, {"format": "pt"})(f)
+
+    writes = [(directory / file, shard(directory / file, names))
+              for file, (owner, names) in zip(files, plan) if owner in mine]
     if 0 in mine:
-        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-        cfg.pop("quantization_config", None)
-        path = directory / "config.json"
-        safetensors.write_atomically(path, json.dumps(cfg, indent=2, sort_keys=True).encode())
-        written.insert(0, path)
         if len(plan) > 1:
             total = sum(_nbytes(dt, s) for _, dt, s, _ in entries)
-            written.append(safetensors.write_index(
-                directory, {n: f for f, (_, names) in zip(files, plan) for n in names}, total))
+            writes.append((directory / INDEX, safetensors.index_data(
+                {n: f for f, (_, names) in zip(files, plan) for n in names}, total)))
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+        cfg.pop("quantization_config", None)
+        writes.append((directory / "config.json",
+                       json.dumps(cfg, indent=2, sort_keys=True).encode()))
+    # This process's files, replaced together: written under scratch names,
+    # then renamed, the index and the config last.
+    safetensors.write_together(writes)
     barrier(model)
-    return written
+    written = [path for path, _ in writes]
+    return written[-1:] + written[:-1] if 0 in mine else written
 
 
 INDEX = "model.safetensors.index.json"

@@ -1119,8 +1119,10 @@ def checkpoint_state_dict(model):
 def load_checkpoint_state_dict(model, state):
     """Copies checkpoint-named tensors (the Hub's v4 names, as
     checkpoint_state_dict gives them) into the model, in either layout:
-    strictly, every name of the model and no other, each of its shape, before
-    anything is copied. A tied lm_head.weight in `state` is ignored."""
+    strictly, every name of the model and no other, each a tensor of its
+    shape (and floating point where the model's is, else of its dtype),
+    before anything is copied. A tied lm_head.weight in `state` is
+    ignored."""
     own = checkpoint_state_dict(model)
     state = dict(state)
     if model.config.tie_word_embeddings:
@@ -1131,9 +1133,17 @@ def load_checkpoint_state_dict(model, state):
                          f"{missing[:3]}{' ...' if len(missing) > 3 else ''}, unexpected "
                          f"{unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}")
     for key, t in own.items():
-        if tuple(state[key].shape) != tuple(t.shape):
-            raise ValueError(f"hf_models: '{key}' has shape {list(state[key].shape)}; the "
+        given = state[key]
+        if not isinstance(given, torch.Tensor):
+            raise ValueError(f"hf_models: '{key}' is a {type(given).__name__}, not a tensor")
+        if tuple(given.shape) != tuple(t.shape):
+            raise ValueError(f"hf_models: '{key}' has shape {list(given.shape)}; the "
                              f"model's is {list(t.shape)}")
+        # A float tensor takes any float (cast, as transformers' torch_dtype); an
+        # integer one its own dtype.
+        if given.is_floating_point() != t.is_floating_point() or \
+                not t.is_floating_point() and given.dtype != t.dtype:
+            raise ValueError(f"hf_models: '{key}' is {given.dtype}; the model's is {t.dtype}")
     with torch.no_grad():
         for key, t in own.items():
             t.copy_(state[key])

@@ -27,25 +27,31 @@ where one is at fault, the tensor. Reading maps the file (copy-on-write):
 a tensor is a view of the mapping, whose pages are read when it is used, so
 a 60 GB checkpoint is never read whole; a tensor is copied only when its
 offset is not a multiple of its element size. Writing goes through a
-scratch file renamed into place: a failed write leaves nothing.
+scratch file renamed into place (write_together: several files, all written
+before any is renamed): a failed write leaves the old files, and the scratch
+files of dead writers are removed by the next write into the folder.
 """
 
 import json
 import math
 import mmap
 import os
+import pickle
 import re
 import secrets
+import socket
 import struct
+import zipfile
 from pathlib import Path
 
 import torch
 
 from . import checks, reference
 
-__all__ = ["Checkpoint", "SafetensorError", "fp8_e4m3_to_float", "float_to_fp8_e4m3",
-           "load_file", "load_index", "load_tensors", "parse_header", "plan_shards", "safe_open",
-           "save_file", "save_sharded", "shard_files", "write_atomically", "write_index",
+__all__ = ["Checkpoint", "SafetensorError", "file_writer", "fp8_e4m3_to_float",
+           "float_to_fp8_e4m3", "index_data", "load_file", "load_index", "load_tensors",
+           "parse_header", "plan_shards", "remove_stale_scratch", "safe_open", "save_file",
+           "save_sharded", "shard_files", "write_atomically", "write_index", "write_together",
            "INDEX_NAME", "MAX_HEADER"]
 
 MAX_HEADER = 100 * 1000 * 1000   # the safetensors package's limit, and the checker's
@@ -64,7 +70,11 @@ NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 
 
 class SafetensorError(ValueError):
-    """A safetensors file (or index) that is not one, or not this model's."""
+    """A safetensors file (or index) that is not one, or not this model's;
+    the message starts "moec: " as every moec error does."""
+
+    def __init__(self, message):
+        super().__init__(message if message.startswith("moec: ") else f"moec: {message}")
 
 
 class Entry:
@@ -105,24 +115,9 @@ def parse_header(header, data_bytes):
 
 
 def _open_regular(path):
-    """(an fd of `path`, its size): a regular file (links followed), refused
-    before it is opened otherwise (a FIFO would block, a device never end);
-    SafetensorError naming it."""
-    def refuse(st):
-        kind = checks._kind(st.st_mode)
-        if kind is not None:
-            raise SafetensorError(f"{path} is {kind}, not a regular file")
-    try:
-        refuse(os.stat(path))
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise SafetensorError(f"{path}: cannot open: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        refuse(st)  # what was opened may not be what was checked
-    except BaseException:
-        os.close(fd)
-        raise
+    """(an fd of `path`, its size): checks.open_regular, refusing anything
+    but a regular file before it is opened, with SafetensorError."""
+    fd, st = checks.open_regular(path, None, SafetensorError)
     return fd, st.st_size
 
 
@@ -220,22 +215,70 @@ def load_file(filename, device="cpu"):
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
+def _not_torch_save(f, size):
+    """What is wrong with an open file that should be torch.save's, before
+    torch.load reads it (whose own errors on a damaged file are an EOFError,
+    an OSError "Invalid argument" or a KeyError naming no file), or None:
+    empty; neither a zip archive (torch.save's format) nor a pickle (its
+    legacy format); a zip archive that is damaged (a truncated file has no
+    central directory) or lacks the members torch.save writes."""
+    if size == 0:
+        return "is empty, not a torch.save file"
+    magic = f.read(4)
+    f.seek(0)
+    if magic[:1] == b"\x80":
+        return None  # a pickle: the legacy format, checked as torch.load reads it
+    if magic != b"PK\x03\x04":
+        return f"is not a torch.save file (neither a zip archive nor a pickle; it starts {magic!r})"
+    try:
+        with zipfile.ZipFile(f) as z:
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        return f"is a damaged zip archive, not a whole torch.save file (truncated?): {e}"
+    finally:
+        f.seek(0)
+    roots = {n.split("/", 1)[0] for n in names}
+    if len(roots) != 1 or not {f"{r}/data.pkl" for r in roots} <= set(names):
+        return ("is a zip archive without the members of a torch.save file (one folder "
+                f"holding data.pkl; it holds {sorted(names)[:4]})")
+    return None
+
+
+def _load_pickled(path):
+    """The object of a torch.save'd file, read from the file checks.open_regular
+    opened with torch.load(weights_only=True), which refuses a pickle that
+    would call anything but tensor rebuilds (and, in PyTorch 1.13, floats).
+    A file that is not torch.save's, or damaged, or refused raises
+    SafetensorError naming the file and what is wrong with it."""
+    fd, st = checks.open_regular(path, None, SafetensorError)
+    shown = checks.where(path)
+    with os.fdopen(fd, "rb") as f:
+        problem = _not_torch_save(f, st.st_size)
+        if problem:
+            raise SafetensorError(f"{shown}: {problem}")
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # EOFError, RuntimeError, KeyError, OSError, UnpicklingError
+            text = str(e).strip()
+            detail = text.rsplit("WeightsUnpickler error: ", 1)[-1].strip().splitlines()
+            detail = detail[0] if detail else type(e).__name__
+            if isinstance(e, pickle.UnpicklingError) and \
+                    re.search("[Uu]nsupported|instantiate", detail):
+                # torch's unpickler names what it refused to call
+                raise SafetensorError(f"{shown}: not a plain dict of tensors (the weights_only "
+                                      f"load refused it: {detail})") from None
+            raise SafetensorError(f"{shown}: a damaged torch.save file (truncated?): torch.load "
+                                  f"failed: {type(e).__name__}: {detail}") from None
+
+
 def load_tensors(path):
     """{name: tensor} of a weights file without running code from it: a
-    .safetensors file, or a torch.save'd dict (.bin, .pt) read with
-    torch.load(weights_only=True), which refuses a pickle that would call
-    anything but tensor rebuilds (SafetensorError naming the file)."""
+    .safetensors file, or a torch.save'd dict (.bin, .pt) read by
+    _load_pickled. SafetensorError naming the file otherwise."""
     path = Path(path)
     if path.suffix == ".safetensors":
         return load_file(path)
-    fd, _ = _open_regular(path)
-    os.close(fd)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch's unpickler names what it refused
-        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise SafetensorError(f"{path}: not a plain dict of tensors (the weights_only load "
-                              f"refused it: {first})") from None
+    state = _load_pickled(path)
     if not isinstance(state, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise SafetensorError(f"{path}: not a dict of tensors")
@@ -244,36 +287,108 @@ def load_tensors(path):
 
 # --- writing -------------------------------------------------------------------
 
-def write_atomically(path, data):
-    """Writes `data` (bytes, or a function of the open file) to `path`
-    through a scratch file in its folder, synced and renamed into place (a
-    link is written through to its file): a failed write leaves neither.
-    The file's mode is the umask's, as open() gives."""
-    path = Path(path)
-    if path.is_symlink():
-        path = Path(os.path.realpath(path))
-    tmp = path.parent / f".{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+# A scratch file: .NAME.tmp.HOST.PID.RANDOM beside the file NAME it becomes.
+_HOST = re.sub(r"[^A-Za-z0-9-]", "_", socket.gethostname()) or "host"
+_SCRATCH = re.compile(r"\..+\.tmp\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}")
+
+
+def _alive(pid):
+    """Whether a process of this id runs on this host."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    try:  # the rename itself, on disk
-        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's, or an id too large to ask about: left alone
+    return True
+
+
+def remove_stale_scratch(folder):
+    """Removes the scratch files in `folder` that writers on this host
+    (by host name) left when they died: those whose process id no process
+    has. A living writer's, and another host's (a folder that several
+    hosts share), are left. Returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        m = _SCRATCH.fullmatch(name)
+        if m and m["host"] == _HOST and not _alive(int(m["pid"])):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(Path(folder) / name)
+            except OSError:
+                pass
+    return removed
+
+
+def _sync_folder(folder):
+    """fsync of a folder: its renames, on disk."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.fsync(folder)
+            os.fsync(fd)
         finally:
-            os.close(folder)
+            os.close(fd)
     except OSError:
         pass
+
+
+def write_together(files):
+    """Writes [(path, data)] (data: bytes, or a function of the open file)
+    so that each file is replaced whole or not at all: each is written to
+    a scratch file in its folder (.NAME.tmp.HOST.PID.RANDOM) and synced;
+    only once all are written are they renamed into place, in the order
+    given, and the folders synced. A failure while writing (a full disk)
+    removes the scratch files and leaves every old file as it was; a crash
+    before the renames leaves the old files and a scratch file that the
+    next write into the folder removes (remove_stale_scratch, done first);
+    a crash between two renames leaves the earlier files new and the later
+    ones old, each whole. A link is written through to its file; a new
+    file's mode is the umask's, as open() gives."""
+    targets = []
+    for path, data in files:
+        path = Path(path)
+        if path.is_symlink():
+            path = Path(os.path.realpath(path))
+        targets.append((path, data))
+    for folder in sorted({str(path.parent) for path, _ in targets}):
+        remove_stale_scratch(folder)
+    staged, renamed, path = [], 0, None
+    try:
+        for path, data in targets:
+            tmp = path.parent / f".{path.name}.tmp.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            staged.append(tmp)
+            with os.fdopen(fd, "wb") as f:
+                if callable(data):
+                    data(f)
+                else:
+                    f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, (path, _) in zip(staged, targets):
+            os.replace(tmp, path)
+            renamed += 1
+    except BaseException as e:
+        for tmp in staged[renamed:]:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if isinstance(e, OSError) and e.filename is None and path is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e  # which file could not be written
+        raise
+    for folder in sorted({str(path.parent) for path, _ in targets}):
+        _sync_folder(folder)
+
+
+def write_atomically(path, data):
+    """Writes `data` (bytes, or a function of the open file) to `path`,
+    replaced whole or not at all (write_together of one file)."""
+    write_together([(path, data)])
 
 
 def _span(t):
@@ -330,17 +445,16 @@ def _check_tensors(tensors, where, metadata=None, dtypes=None):
     return out
 
 
-def _write(filename, items, metadata):
-    """Writes checked [(name, tensor, file dtype)] as a safetensors file."""
-    header, arrays, at = {}, [], 0
+def _writer(filename, items, metadata):
+    """The function that writes checked [(name, tensor, file dtype)] as a
+    safetensors file into an open file (for write_together); each tensor's
+    bytes are made as they are written."""
+    header, at = {}, 0
     if metadata:
         header["__metadata__"] = metadata
     for name, t, kind in items:
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
-        size = data.numel() if data is not None else 0
+        size = t.numel() * t.element_size()
         header[name] = {"dtype": kind, "shape": list(t.shape), "data_offsets": [at, at + size]}
-        if data is not None:
-            arrays.append(data)
         at += size
     try:
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -352,18 +466,27 @@ def _write(filename, items, metadata):
     def write(f):
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for data in arrays:
-            f.write(memoryview(data.numpy()))
-    write_atomically(filename, write)
+        for _, t, _ in items:
+            if t.numel():
+                data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))
+    return write
+
+
+def file_writer(tensors, filename, metadata=None, dtypes=None):
+    """save_file's checks, and the function that writes the file into an
+    open file: for write_together, which writes several files (a
+    safetensors file and its config) replaced together."""
+    return _writer(filename, _check_tensors(tensors, filename, metadata, dtypes), metadata)
 
 
 def save_file(tensors, filename, metadata=None, dtypes=None):
     """Writes {name: tensor} as a safetensors file (a strided tensor is
-    written as its contiguous copy). metadata: {str: str}; dtypes:
-    {name: "F8_E4M3"} for uint8 codes to be stored as FP8. Tensors that
-    share memory are refused, as the safetensors package refuses them
-    (save a clone)."""
-    _write(filename, _check_tensors(tensors, filename, metadata, dtypes), metadata)
+    written as its contiguous copy), replaced whole or not at all
+    (write_atomically). metadata: {str: str}; dtypes: {name: "F8_E4M3"}
+    for uint8 codes to be stored as FP8. Tensors that share memory are
+    refused, as the safetensors package refuses them (save a clone)."""
+    write_atomically(filename, file_writer(tensors, filename, metadata, dtypes))
 
 
 def plan_shards(sizes, limit):
@@ -403,9 +526,14 @@ def write_index(folder, weight_map, total_size, prefix="model"):
     {"total_size"}, "weight_map"}, keys sorted, indent 2) and returns its
     path."""
     path = Path(folder) / f"{prefix}.safetensors.index.json"
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    write_atomically(path, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    write_atomically(path, index_data(weight_map, total_size))
     return path
+
+
+def index_data(weight_map, total_size):
+    """The bytes of an index as transformers writes it."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
 
 
 def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, prefix="model"):
@@ -415,11 +543,13 @@ def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, p
     plan_shards), and PREFIX.safetensors.index.json ({"metadata":
     {"total_size"}, "weight_map"}, keys sorted, indent 2). Every file's
     metadata is {"format": "pt"} and `metadata`. Everything is checked
-    before anything is written. Then the files of an earlier save under
-    the same prefix that this one did not write (other shards, the single
-    file or the index of the other layout) are removed, as transformers
-    removes stale shards, so the folder holds one checkpoint. Returns the
-    files written."""
+    before anything is written; the files are written together
+    (write_together: all written under scratch names, then renamed, the
+    index last), so a failed save leaves the old checkpoint. Then the files
+    of an earlier save under the same prefix that this one did not write
+    (other shards, the single file or the index of the other layout) are
+    removed, as transformers removes stale shards, so the folder holds one
+    checkpoint. Returns the files written."""
     folder = Path(folder)
     limit = checks.integer(max_shard_bytes, "save_sharded: max_shard_bytes", minimum=1)
     items = _check_tensors(tensors, folder, metadata, dtypes)
@@ -432,14 +562,17 @@ def save_sharded(tensors, folder, max_shard_bytes, metadata=None, dtypes=None, p
     by_offset = [name for name, _, _ in items]
     index_path = folder / f"{prefix}.safetensors.index.json"
     files = [folder / f for f in shard_files(len(shards), prefix)]
-    weight_map = {}
+    weight_map, writes = {}, []
     for path, names in zip(files, shards):
         chosen = set(names)
-        _write(path, [(n, *checked[n]) for n in by_offset if n in chosen], meta)
+        writes.append((path, _writer(path, [(n, *checked[n]) for n in by_offset if n in chosen],
+                                     meta)))
         weight_map.update({n: path.name for n in names})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        files.append(write_index(folder, weight_map, total, prefix))
+        files.append(index_path)
+        writes.append((index_path, index_data(weight_map, total)))
+    write_together(writes)
     stale = re.compile(re.escape(prefix) + r"-\d{5}-of-\d{5}\.safetensors")
     for old in folder.iterdir():
         if old not in files and (stale.fullmatch(old.name) or old.name in (
@@ -473,7 +606,7 @@ def load_index(folder, name=INDEX_NAME):
             raise SafetensorError(f"{index}: '{tensor}' is in '{shard}', which is not a file "
                                   "of the folder")
     for shard in sorted(set(wmap.values())):
-        if not (Path(folder) / shard).is_file():
+        if not os.path.lexists(Path(folder) / shard):  # what it is: checked when opened
             raise SafetensorError(f"{index} names the shard '{shard}', which {folder} does "
                                   "not hold")
     return {"metadata": metadata, "weight_map": wmap}
@@ -494,10 +627,10 @@ class Checkpoint(_Closable):
             raise SafetensorError(f"{self.folder} is not a checkpoint folder (not a folder)")
         self._files = {}
         self._map, self._metadata = {}, None
-        if (self.folder / "model.safetensors").exists():
+        if os.path.lexists(self.folder / "model.safetensors"):
             f = self._file("model.safetensors")
             self._map = {k: "model.safetensors" for k in f.keys()}
-        elif (self.folder / INDEX_NAME).exists():
+        elif os.path.lexists(self.folder / INDEX_NAME):
             index = load_index(self.folder)
             self._map, self._metadata = index["weight_map"], index["metadata"]
         else:

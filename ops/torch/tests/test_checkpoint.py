@@ -180,6 +180,13 @@ def test_peft_load_refuses_other_adapters(tmp_path):
                                 lora_targets=("w1",))
     with pytest.raises(ValueError, match="target_modules"):
         only_w1.load_adapters(tmp_path)
+    with pytest.raises(ValueError, match="saved with module_prefix 'experts'; loading with "
+                                         "'mlp.experts'"):
+        make("lora", 1).load_adapters(tmp_path, module_prefix="mlp.experts")
+    # Without save_adapters' record of the prefix (as PEFT writes the config).
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    del cfg["moec"]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="has no 'base_model.model.mlp.experts.0"):
         make("lora", 1).load_adapters(tmp_path, module_prefix="mlp.experts")
     with pytest.raises(RuntimeError, match="no LoRA adapters"):

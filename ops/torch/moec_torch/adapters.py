@@ -1,0 +1,149 @@
+"""LoRA adapter folders as PEFT saves them, read and written for
+MoeFFN.save_adapters / load_adapters and moec_torch.hf.save_adapters /
+load_adapters:
+
+    config = read_config(folder)            # adapter_config.json, its fields checked
+    files = weight_files(folder, config)    # exactly the files it names, never a glob
+    tensors = read_tensors(files)           # {name: (tensor, file)}
+    t = tensor(tensors, name, shape)        # floating point, of that shape
+
+A folder holds adapter_config.json and adapter_model.safetensors (or, as
+older PEFT wrote it, adapter_model.bin, read with weights_only); a MoeFFN
+layer whose processes each saved their own experts leaves
+adapter_model-rank{r}-of-{R}.safetensors instead, which the config's "moec"
+section records ({"experts", "ranks", "module_prefix", "shards"}). Any other
+file of the folder (a backup adapter_model.old.bin, a stray copy) is never
+read. Every error is a ValueError naming the file and what is wrong.
+"""
+
+import math
+import os
+from pathlib import Path
+
+from . import checks, safetensors
+
+__all__ = ["CONFIG", "LEGACY", "WEIGHTS", "rank_file", "read_config", "read_tensors",
+           "tensor", "unknown_experts", "weight_files"]
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+LEGACY = "adapter_model.bin"
+
+
+def rank_file(rank, ranks):
+    """The file of one process's experts: adapter_model-rank{r}-of-{R}.safetensors."""
+    return f"adapter_model-rank{rank}-of-{ranks}.safetensors"
+
+
+def _positive_int(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def read_config(directory):
+    """The JSON object of `directory`/adapter_config.json (a regular file
+    of at most 1 MiB; strict JSON), its fields checked by type: peft_type
+    a string; r a positive integer; lora_alpha a positive finite number;
+    target_modules a list of module names or a regex (a string), or
+    absent (PEFT's default for the model's type); "moec",
+    where present, an object of experts and ranks (positive integers, the
+    ranks dividing the experts), module_prefix (a string) and shards (a
+    bool). ValueError "moec: adapter config 'PATH': ..." otherwise."""
+    path = Path(directory) / CONFIG
+    shown = f"moec: {checks.where(path, 'adapter config')}"
+    doc = checks.strict_json(checks.read_small_file(path, "adapter config"), shown)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{shown} must hold a JSON object, got {type(doc).__name__}")
+
+    def refuse(key, rule):
+        raise ValueError(f"{shown}: '{key}' must be {rule}, got {doc.get(key)!r}")
+
+    if not isinstance(doc.get("peft_type"), str):
+        refuse("peft_type", "a string (\"LORA\")")
+    if not _positive_int(doc.get("r")):
+        refuse("r", "a positive integer")
+    alpha = doc.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or \
+            not (math.isfinite(alpha) and alpha > 0):
+        refuse("lora_alpha", "a positive number")
+    targets = doc.get("target_modules")
+    if targets is not None and not isinstance(targets, str) and not (
+            isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        refuse("target_modules", "a list of module names or a regex")
+    moec = doc.get("moec")
+    if moec is not None:
+        if not isinstance(moec, dict):
+            refuse("moec", "an object (experts, ranks, module_prefix, shards)")
+        for key, ok, rule in (("experts", _positive_int, "a positive integer"),
+                              ("ranks", _positive_int, "a positive integer"),
+                              ("module_prefix", lambda v: isinstance(v, str), "a string"),
+                              ("shards", lambda v: isinstance(v, bool), "true or false")):
+            if not ok(moec.get(key)):
+                raise ValueError(f"{shown}: 'moec.{key}' must be {rule}, got "
+                                 f"{moec.get(key)!r}")
+        if moec["experts"] % moec["ranks"]:
+            raise ValueError(f"{shown}: 'moec.experts' ({moec['experts']}) is not a multiple of "
+                             f"'moec.ranks' ({moec['ranks']})")
+    return doc
+
+
+def weight_files(directory, config, ranks=None):
+    """The weight files the config names, and only those: where its "moec"
+    section says shards, the rank files of `ranks` (default: all of them);
+    else adapter_model.safetensors, or, where the folder has none,
+    adapter_model.bin. A file that the config names and the folder lacks
+    is reported when it is opened."""
+    directory = Path(directory)
+    moec = config.get("moec")
+    if moec and moec["shards"]:
+        ranks = range(moec["ranks"]) if ranks is None else ranks
+        return [directory / rank_file(r, moec["ranks"]) for r in ranks]
+    single = directory / WEIGHTS
+    if os.path.lexists(single) or not os.path.lexists(directory / LEGACY):
+        return [single]
+    return [directory / LEGACY]
+
+
+def read_tensors(files):
+    """{name: (tensor, file)} of the weight files (safetensors, or a .bin
+    read with weights_only; each opened by checks.open_regular), a name
+    held by two of them refused."""
+    out = {}
+    for path in files:
+        for name, t in safetensors.load_tensors(path).items():
+            if name in out:
+                raise ValueError(f"moec: {path}: holds '{name}', which {out[name][1]} "
+                                 "holds too")
+            out[name] = (t, path)
+    return out
+
+
+def tensor(tensors, name, shape):
+    """The tensor `name` of read_tensors' dict, checked to be floating
+    point (an integer or bool adapter would be cast, its values lost) and
+    of `shape`; None where no file holds it."""
+    found = tensors.get(name)
+    if found is None:
+        return None
+    t, path = found
+    if not t.is_floating_point():
+        raise ValueError(f"moec: {path}: '{name}' is {t.dtype}; an adapter "
+                         "is a floating-point tensor")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"moec: {path}: '{name}' has shape {list(t.shape)}; "
+                         f"expected {list(shape)}")
+    return t
+
+
+def unknown_experts(tensors, stem, known, experts):
+    """Refuses a tensor whose name starts with `stem` (the experts' names
+    up to the expert number: "base_model.model.mlp.experts.") that is not
+    one of `known`, the names of every adapter of the layer's `experts`
+    experts: an adapter of another layer (more experts, other modules)."""
+    for name, (_, path) in tensors.items():
+        if name.startswith(stem) and name not in known:
+            number = name[len(stem):].split(".", 1)[0]
+            what = (f"expert {number}; the layer has {experts} experts"
+                    if number.isdigit() and int(number) >= experts else
+                    "a module the layer has no adapter for")
+            raise ValueError(f"moec: {path}: '{name}' is not an adapter of "
+                             f"this layer ({what})")

@@ -1006,10 +1006,11 @@ Status Executor::create(TaskProgram program, TaskFunction runTask, const Executo
   // shared by the passes of every layer), or one of the executor's own.
   impl->team = options.team ? options.team
                             : std::make_shared<ThreadTeam>(impl->workerCount + 1);
-  impl->workerCount = std::min(impl->workerCount, impl->team->size() - 1);
-  if (impl->workerCount == 0)
-    return Status::error("executor: cannot start a worker thread (the system starts no more "
-                         "threads)");
+  if (impl->team->size() - 1 < impl->workerCount)
+    return Status::error(fmt::format(
+        "executor: cannot start worker thread {} of {}: {} (the system starts no more threads: "
+        "a memory or process limit; ask for fewer)",
+        impl->team->size() - 1, impl->workerCount, impl->team->whyFewer()));
   out->reset(new Executor(std::move(impl)));
   return Status::success();
 }

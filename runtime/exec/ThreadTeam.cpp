@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <map>
+#include <utility>
+
+#include <unistd.h>
 #include <system_error>
 
 namespace moec::exec {
@@ -16,7 +19,8 @@ ThreadTeam::ThreadTeam(uint32_t threads) {
   for (uint32_t t = 1; t < threads; ++t) {
     try {
       helpers.emplace_back([this, t] { helperMain(t); });
-    } catch (const std::system_error &) {
+    } catch (const std::system_error &error) {
+      startError = error.what();
       break;
     }
   }
@@ -34,9 +38,11 @@ ThreadTeam::~ThreadTeam() {
 
 std::shared_ptr<ThreadTeam> ThreadTeam::shared(uint32_t threads) {
   static std::mutex registryMutex;
-  static std::map<uint32_t, std::weak_ptr<ThreadTeam>> registry;
+  static std::map<std::pair<pid_t, uint32_t>, std::weak_ptr<ThreadTeam>> registry;
   std::lock_guard<std::mutex> lock(registryMutex);
-  std::weak_ptr<ThreadTeam> &slot = registry[threads];
+  // By process too: a child of fork() has a copy of the registry but none
+  // of the parent's threads.
+  std::weak_ptr<ThreadTeam> &slot = registry[{::getpid(), threads}];
   std::shared_ptr<ThreadTeam> team = slot.lock();
   if (!team) {
     team = std::make_shared<ThreadTeam>(threads);

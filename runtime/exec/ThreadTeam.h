@@ -18,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -39,6 +40,9 @@ public:
   static std::shared_ptr<ThreadTeam> shared(uint32_t threads);
 
   uint32_t size() const { return uint32_t(helpers.size()) + 1; }
+
+  /// Why the team has fewer threads than asked for ("" when it has all).
+  const std::string &whyFewer() const { return startError; }
 
   /// Runs fn(i) for every i in [0, count) and returns when all are done.
   /// Thread t of the n = min(size(), count, limit) taking part (limit 0: no
@@ -70,6 +74,7 @@ private:
   bool jobOnHelpers = false; ///< a launch() job: helper t runs item t - 1 only
   uint32_t busy = 0;         ///< helpers of the current job not yet done
   std::vector<std::thread> helpers;
+  std::string startError;
 };
 
 } // namespace moec::exec

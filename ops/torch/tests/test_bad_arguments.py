@@ -12,7 +12,6 @@ import json
 import os
 import pickle
 import re
-import threading
 import warnings
 from pathlib import Path
 
@@ -190,26 +189,12 @@ def test_config_path_must_be_a_regular_file(tmp_path):
 
 
 def test_config_fifo_is_refused_without_blocking(tmp_path):
+    from test_hostile_files import without_blocking
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)
-    outcome = []
-
-    def build():
-        try:
-            moec_torch.MoeFFN(fifo, RANKS)
-        except Exception as e:  # noqa: BLE001 - the test looks at what it was
-            outcome.append(e)
-
-    thread = threading.Thread(target=build, daemon=True)
-    thread.start()
-    thread.join(20)
-    if thread.is_alive():
-        # A reader blocked in open(): a writer that closes at once lets it go.
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        thread.join(20)
-        pytest.fail("MoeFFN blocked on a FIFO as its config")
-    assert len(outcome) == 1 and isinstance(outcome[0], ValueError), outcome
-    assert f"config '{fifo}': is a FIFO, not a regular file" in str(outcome[0])
+    error = without_blocking(lambda: moec_torch.MoeFFN(fifo, RANKS), fifo)
+    assert isinstance(error, ValueError), error
+    assert f"config '{fifo}': is a FIFO, not a regular file" in str(error)
 
 
 # --- tensor dtypes ------------------------------------------------------------------

@@ -221,8 +221,19 @@ def load_trace(path):
     lists "tasks" (rank, core, task, op, tile, start_us, dur_us), "waits"
     (rank, core, task, event_name, start_us, dur_us, signal_rank,
     signal_task), "phases" (name, start_us, dur_us) and "arrows"
-    ((rank, core, ts_us) of the signal, (rank, core, ts_us) of the waiter)."""
-    data = json.loads(Path(path).read_text())
+    ((rank, core, ts_us) of the signal, (rank, core, ts_us) of the waiter).
+    A file that is not a regular file (checks.open_regular) or not a JSON
+    trace raises ValueError naming it."""
+    fd, _ = checks.open_regular(path, "trace")
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read()
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"moec: {checks.where(path, 'trace')}: not a JSON trace: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"moec: {checks.where(path, 'trace')}: not a JSON trace (an object "
+                         "with 'traceEvents')")
     cores = {}
     tasks, waits, phases, flows = [], [], [], {}
     for ev in data.get("traceEvents", []):

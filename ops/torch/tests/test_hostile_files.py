@@ -682,3 +682,24 @@ def test_only_dead_writers_scratch_files_are_removed(tmp_path):
     left = {p.name for p in tmp_path.iterdir()}
     assert left == {n for n, kept in names.items() if kept} | {"adapter_config.json",
                                                                 "adapter_model.safetensors"}
+
+
+# --- a trace to load -------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "not-json", "a-list"])
+def test_load_trace_refuses_what_is_not_a_trace(kind, tmp_path):
+    path = tmp_path / "trace.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "not-json":
+        path.write_bytes(b"\xff\xfe not json")
+    else:
+        path.write_text("[1, 2]")
+    message = {"fifo": "is a FIFO, not a regular file", "directory": "is a directory",
+               "not-json": "not a JSON trace", "a-list": "not a JSON trace"}[kind]
+    error = without_blocking(lambda: moec_torch.load_trace(path),
+                             path if kind == "fifo" else None)
+    assert isinstance(error, ValueError) and f"trace '{path}'" in str(error), error
+    assert message in str(error), error

@@ -5,10 +5,14 @@
 set -uo pipefail
 suite="$(realpath "$1")"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# The suite writes its scratch files under TEST_TMPDIR, which mpirun does not
+# pass to the processes it starts unless told (-x): else they land in /tmp.
+export TEST_TMPDIR="${TEST_TMPDIR:-$(mktemp -d)}"
 failed=0
 for np in 2 3 4; do
-  log="${TEST_TMPDIR:-$(mktemp -d)}/np$np.log"
-  if timeout 900 mpirun --oversubscribe --bind-to none -np "$np" "$suite" --use-colour no > "$log" 2>&1; then
+  log="$TEST_TMPDIR/np$np.log"
+  if timeout 900 mpirun --oversubscribe --bind-to none -x TEST_TMPDIR -np "$np" "$suite" \
+      --use-colour no > "$log" 2>&1; then
     echo "ok: mpirun -np $np: $(grep -m1 -E '^All tests passed' "$log")"
   else
     cat "$log"

@@ -12,8 +12,8 @@
  *
  *===---------------------------------------------------------------------===*/
 
-#ifndef MOEC_TOOLS_LIBMOEC_MOEC_H
-#define MOEC_TOOLS_LIBMOEC_MOEC_H
+#ifndef MOEC_COMPILER_API_MOEC_H
+#define MOEC_COMPILER_API_MOEC_H
 
 #ifdef __cplusplus
 extern "C" {
@@ -54,4 +54,4 @@ void moec_free(char *text);
 }
 #endif
 
-#endif /* MOEC_TOOLS_LIBMOEC_MOEC_H */
+#endif /* MOEC_COMPILER_API_MOEC_H */

@@ -1,7 +1,8 @@
 /*===- Runtime.h - The moec runtime: C and C++ API ---------------*- C++ -*-===//
  *
  * The runtime runs compiled task binaries of the MoE-FFN layer (forward and
- * backward) for an EP group of R ranks on the CPU: all R ranks inside one
+ * backward) for an EP group of R ranks, on a backend (the CPU's, or one
+ * NVIDIA GPU's: moec_context_create_on): all R ranks inside one
  * process (the in-process fabric, the default), or one rank per process
  * under MPI (ContextOptions::fabric; runtime/comm/Mpi.h). This
  * one header has a C API (the moec_* functions) and a C++ API (namespace

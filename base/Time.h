@@ -20,6 +20,8 @@ using Clock = std::chrono::steady_clock;
 /// APIs and the torch op all check against it (timeoutInRange).
 constexpr double kTimeoutMinSeconds = 1e-3;
 constexpr double kTimeoutMaxSeconds = 1e6;
+/// The timeout when none is given (every API's default).
+constexpr double kDefaultTimeoutSeconds = 60;
 
 /// True for a timeout in the range above (false for NaN and infinities).
 inline bool timeoutInRange(double seconds) {

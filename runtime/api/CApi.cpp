@@ -57,6 +57,15 @@ namespace moec::rt::detail {
 
 int reportC(const Status &status) { return report(status); }
 
+Status cTimeout(double seconds, const char *who, double *out) {
+  if (seconds != 0 && !timeoutInRange(seconds))
+    return Status::error(fmt::format(
+        "{}: timeout_seconds is {}; it must be from {} to {} seconds, or 0 for the default ({})",
+        who, seconds, kTimeoutMinSeconds, kTimeoutMaxSeconds, kDefaultTimeoutSeconds));
+  *out = seconds != 0 ? seconds : kDefaultTimeoutSeconds;
+  return Status::success();
+}
+
 int createCContext(const moec_program *forward, const moec_program *backward,
                    const ContextOptions &options, const char *who, moec_context **out) {
   if (!forward || !out)
@@ -102,14 +111,12 @@ int moec_context_create_on(const moec_program *forward, const moec_program *back
                            moec_context **out) {
   if (!backend)
     return report(moec::Status::error("moec_context_create: null argument"));
-  if (timeout_seconds != 0 && !moec::timeoutInRange(timeout_seconds))
-    return report(moec::Status::error(fmt::format(
-        "moec_context_create: timeout_seconds is {}; it must be from {} to {} seconds, or 0 "
-        "for the default (60)",
-        timeout_seconds, moec::kTimeoutMinSeconds, moec::kTimeoutMaxSeconds)));
   moec::rt::ContextOptions options;
   options.workers = workers;
-  options.timeoutSeconds = timeout_seconds != 0 ? timeout_seconds : 60;
+  if (moec::Status s = moec::rt::detail::cTimeout(timeout_seconds, "moec_context_create",
+                                                  &options.timeoutSeconds);
+      !s)
+    return report(s);
   if (std::string_view(backend) == "cuda")
     options.backend = moec::backend::Kind::Cuda;
   else if (std::string_view(backend) != "cpu")

@@ -24,6 +24,11 @@ int createCContext(const moec_program *forward, const moec_program *backward,
 /// moec_last_error() set.
 int reportC(const Status &status);
 
+/// The timeout a C entry point `who` was given: 0 is the default
+/// (kDefaultTimeoutSeconds), else it must be in base/Time.h's range; the
+/// error names `who`.
+Status cTimeout(double seconds, const char *who, double *out);
+
 } // namespace moec::rt::detail
 
 #endif // MOEC_RUNTIME_API_CAPI_H

@@ -204,6 +204,7 @@ int moec_wait(moec_context *context);
 #include "runtime/backend/Pass.h"
 #include "runtime/comm/Fabric.h"
 #include "base/Status.h"
+#include "base/Time.h"
 #include "runtime/format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
 
@@ -282,7 +283,7 @@ enum class Schedule {
 /// Options of a context.
 struct ContextOptions {
   uint32_t workers = 0;         ///< worker threads; 0: the hardware threads
-  double timeoutSeconds = 60;   ///< watchdog, 0.001 to 10^6 s (base/Time.h); 0 turns it off
+  double timeoutSeconds = kDefaultTimeoutSeconds; ///< watchdog, 0.001 to 10^6 s (base/Time.h); 0 turns it off
   bool trace = false;           ///< record every task run (writeTrace)
   Schedule schedule = Schedule::Fused;
   /// Where the passes run: the CPU (the default), or one NVIDIA GPU

@@ -11,7 +11,10 @@ int moec_context_create_mpi(const moec_program *forward, const moec_program *bac
                             uint32_t workers, double timeout_seconds, moec_context **out) {
   moec::rt::ContextOptions options;
   options.workers = workers;
-  options.timeoutSeconds = timeout_seconds > 0 ? timeout_seconds : 60;
+  if (moec::Status s = moec::rt::detail::cTimeout(timeout_seconds, "moec_context_create_mpi",
+                                                  &options.timeoutSeconds);
+      !s)
+    return moec::rt::detail::reportC(s);
   moec::comm::MpiOptions mpi;
   mpi.timeoutSeconds = options.timeoutSeconds;
   if (moec::Status s = moec::comm::createMpiFabric(&options.fabric, mpi); !s)

@@ -23,7 +23,8 @@ extern "C" {
 /** Creates a context of `forward` and, when not null, `backward` whose EP
  *  group is MPI_COMM_WORLD (its size must be the binaries' R), with
  *  `workers` threads in this process (0: the hardware threads) and a
- *  watchdog and MPI waits of `timeout_seconds` (<= 0: 60 s). Initializes
+ *  watchdog and MPI waits of `timeout_seconds` (0.001 to 10^6, or 0: the
+ *  default, 60 s; anything else is an error, as moec_context_create). Initializes
  *  MPI with MPI_THREAD_MULTIPLE unless the program has (then it must have
  *  asked for that level). Collective. */
 int moec_context_create_mpi(const moec_program *forward, const moec_program *backward,

@@ -32,6 +32,7 @@
 #define MOEC_RUNTIME_BACKEND_PASS_H
 
 #include "base/Status.h"
+#include "base/Time.h"
 #include "runtime/comm/Fabric.h"
 #include "runtime/layer/Routing.h"
 #include "runtime/format/TaskBinary.h"
@@ -76,7 +77,7 @@ struct SlotMemory {
 /// How a pass runs.
 struct PassOptions {
   uint32_t workers = 1;       ///< worker threads (CPU)
-  double timeoutSeconds = 60; ///< watchdog; <= 0 turns it off
+  double timeoutSeconds = kDefaultTimeoutSeconds; ///< watchdog; <= 0 turns it off
   bool trace = false;         ///< record every task run (CPU)
   bool opByOp = false;        ///< one op at a time, a barrier between ops (CPU)
   /// Keep the weights the GMMs read (w1, w2, the LoRA adapters) packed in

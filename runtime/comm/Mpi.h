@@ -45,6 +45,7 @@
 #ifndef MOEC_RUNTIME_COMM_MPI_H
 #define MOEC_RUNTIME_COMM_MPI_H
 
+#include "base/Time.h"
 #include "runtime/comm/Fabric.h"
 
 #include <string>
@@ -64,7 +65,7 @@ struct MpiOptions {
   /// How long a put or a signal to a peer on another node may wait for its
   /// messages to leave, and a barrier for the puts it expects to land;
   /// then it fails with an error naming the peer. <= 0: no limit.
-  double timeoutSeconds = 60;
+  double timeoutSeconds = kDefaultTimeoutSeconds;
 
   /// Treat every peer as one on another node (no shared memory between
   /// processes), as if each rank ran on a host of its own: tests the

@@ -77,6 +77,7 @@
 #define MOEC_RUNTIME_EXEC_EXECUTOR_H
 
 #include "base/Status.h"
+#include "base/Time.h"
 #include "runtime/comm/Fabric.h"
 #include "runtime/format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
@@ -114,7 +115,8 @@ struct ExecutorOptions {
 
   /// The watchdog fires when no task completes for this long; zero or less
   /// turns it off.
-  std::chrono::nanoseconds timeout = std::chrono::seconds(60);
+  std::chrono::nanoseconds timeout =
+      std::chrono::nanoseconds(int64_t(kDefaultTimeoutSeconds * 1e9));
 
   /// Report at once a pass in which every unfinished queue is parked on an
   /// event and no task is running (which can never go on, since all ranks

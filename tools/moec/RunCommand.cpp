@@ -8,6 +8,7 @@
 
 #include "base/File.h"
 #include "base/Memory.h"
+#include "base/Time.h"
 #include "compiler/config/Config.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
@@ -485,7 +486,7 @@ int runRun(int argc, char **argv, int first) {
   if (auto s = args.value("--random");
       s && !parseCount(*s, std::numeric_limits<uint64_t>::max() / 2, &seed))
     return usage("--random SEED must be a non-negative integer");
-  double timeout = 60;
+  double timeout = kDefaultTimeoutSeconds;
   if (auto t = args.value("--timeout")) {
     char *end = nullptr;
     timeout = std::strtod(t->c_str(), &end);

@@ -316,18 +316,21 @@ Status Context::Impl::checkOverlaps(uint32_t rank, const std::vector<Binding> &u
                         begin + uintptr_t(n) * format::dtypeSize(DType(t.dtype))});
     }
   };
+  size_t mine = 0; ///< ranges[mine..]: rank `rank`'s (added last)
   for (uint32_t q = firstLocal(); q <= rank; ++q) {
+    mine = ranges.size();
     for (Binding b : used)
       add(q, kBindingNames[b],
           std::find(outputs.begin(), outputs.end(), b) != outputs.end(), bound[q][b]);
     add(q, "topk_ids", false, ids[q]);
     add(q, "topk_weights", false, weights[q]);
   }
-  for (size_t i = 0; i < ranges.size(); ++i)
+  // Each pair with a range of this rank once (those of earlier ranks were
+  // checked with theirs): a pass checks R x (its tensors) x (all tensors).
+  for (size_t i = mine; i < ranges.size(); ++i)
     for (size_t j = 0; j < i; ++j) {
       const Range &a = ranges[i], &b = ranges[j];
-      if (!(a.output || b.output) || (a.rank != rank && b.rank != rank) ||
-          a.begin >= b.end || b.begin >= a.end)
+      if (!(a.output || b.output) || a.begin >= b.end || b.begin >= a.end)
         continue;
       const Range &out = a.output ? a : b, &other = a.output ? b : a;
       return Status::error(fmt::format(

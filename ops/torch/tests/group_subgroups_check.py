@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import moec_torch
+from mpi_capacity_check import step  # the same step, over a group
 
 
 def main():
@@ -33,15 +34,8 @@ def main():
     w = torch.rand(2, 64, 2, generator=gen)
     dy = torch.randn(2, 64, 64, generator=gen)
 
-    def run(m, xs, idss, ws, dys):
-        xs = xs.clone().requires_grad_()
-        ws = ws.clone().requires_grad_()
-        y = m(xs, idss, ws)
-        y.backward(dys)
-        return y.detach(), xs.grad, ws.grad, m.w1.grad, m.w2.grad
-
-    got = run(layer, x[r], ids[r], w[r], dy[r])
-    want = run(single, x, ids, w, dy)
+    got = step(layer, x[r], ids[r], w[r], dy[r])
+    want = step(single, x, ids, w, dy)
     want = (want[0][r], want[1][r], want[2][r], want[3][r * L:(r + 1) * L],
             want[4][r * L:(r + 1) * L])
     names = ("y", "dx", "dtopk_weights", "dw1", "dw2")

@@ -310,7 +310,7 @@ bool packedTile(Elt a, Elt b) {
 
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
               bool transB, Matrix c, bool accumulate, Scratch *scratch, float alpha,
-              bool streamC, const void *packedB) {
+              bool streamC, const void *packedB, const tile::DecodedB *decodedB) {
   if (m <= 0 || n <= 0)
     return;
   if (k <= 0) {
@@ -347,17 +347,17 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     const bool bf16 = a.elt == Elt::BF16, cBf16 = c.elt == Elt::BF16;
     // The tile writes C itself unless it must add a bf16 C or scale.
     const bool direct = alpha == 1.0f && !(cBf16 && accumulate);
-    const size_t packFloats =
-        lineRound(int64_t(tile::packBytes(m, n, k, transA, bf16, direct && cBf16) / 4 + 1));
+    const size_t packFloats = lineRound(
+        int64_t(tile::packBytes(m, n, k, transA, bf16, direct && cBf16, decodedB) / 4 + 1));
     float *base = mem.floats(packFloats + (direct ? 0 : lineRound(m * n) + lineRound(n)));
     if (direct) {
       tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, c.data, c.ld, cBf16,
-                 accumulate, base, streamC && !accumulate, packedB);
+                 accumulate, base, streamC && !accumulate, packedB, decodedB);
       return;
     }
     float *product = base + packFloats, *row = product + lineRound(m * n);
     tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, product, n, false,
-               false, base, false, packedB);
+               false, base, false, packedB, decodedB);
     for (int64_t i = 0; i < m; ++i) {
       float *p = product + i * n;
       if (accumulate) {
@@ -430,7 +430,8 @@ Range clipToSegment(Range rows, Segment segment) {
 /// `rows` (clipped) and `cols`; op(B) = B, or B^T when `transB`.
 void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t depth,
                     Segment segment, Range rows, Range cols, Scratch *scratch,
-                    const Epilogue &epilogue, const void *packedB) {
+                    const Epilogue &epilogue, const void *packedB,
+                    const tile::DecodedB *decodedB) {
   const Range r = clipToSegment(rows, segment);
   if (r.empty() || cols.empty())
     return;
@@ -443,23 +444,31 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
     for (int64_t i = 0; i < r.size(); ++i)
       std::memcpy(out.address(i, 0), from.address(i, 0), bytes);
   }
+  // A decoded B is shifted in the decoder's coordinates; its data is not read.
+  tile::DecodedB decodedCols;
+  if (decodedB) {
+    decodedCols = *decodedB;
+    (transB ? decodedCols.rowOffset : decodedCols.colOffset) += cols.begin;
+  }
   gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false,
-           transB ? shifted(b, cols.begin, 0) : shifted(b, 0, cols.begin), transB, out, add,
-           scratch, epilogue.scale, false, packedB);
+           decodedB ? b : transB ? shifted(b, cols.begin, 0) : shifted(b, 0, cols.begin), transB,
+           out, add, scratch, epilogue.scale, false, packedB, decodedB ? &decodedCols : nullptr);
 }
 
 } // namespace
 
 void gmmForwardTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
                     Range rows, Range cols, Scratch *scratch, const Epilogue &epilogue,
-                    const void *packedB) {
-  activationTile(a, b, false, c, depth, segment, rows, cols, scratch, epilogue, packedB);
+                    const void *packedB, const tile::DecodedB *decodedB) {
+  activationTile(a, b, false, c, depth, segment, rows, cols, scratch, epilogue, packedB,
+                 decodedB);
 }
 
 void gmmDgradTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
                   Range rows, Range cols, Scratch *scratch, const Epilogue &epilogue,
-                  const void *packedB) {
-  activationTile(a, b, true, c, depth, segment, rows, cols, scratch, epilogue, packedB);
+                  const void *packedB, const tile::DecodedB *decodedB) {
+  activationTile(a, b, true, c, depth, segment, rows, cols, scratch, epilogue, packedB,
+                 decodedB);
 }
 
 void gmmWgradTile(ConstMatrix a, ConstMatrix b, Matrix c, Segment segment, Range rows, Range cols,

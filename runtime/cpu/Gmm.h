@@ -67,6 +67,10 @@
 
 namespace moec::cpu {
 
+namespace tile {
+struct DecodedB;
+} // namespace tile
+
 /// The rows of one expert in an expert-major activation buffer:
 /// [offset, offset + rows). `rows` may be 0.
 struct Segment {
@@ -142,9 +146,14 @@ bool nativeBf16Gemm();
 /// `packedB`, when not null, is op(B) packed whole by tile::packB for these
 /// n and k: honoured only where packedTile(a.elt, b.elt) (moec's tile runs
 /// the product; the same bits), ignored elsewhere.
+///
+/// `decodedB`, when not null, gives B through a decoder (tile::DecodedB: a
+/// quantized weight), and `b`'s data is not read. Only where
+/// packedTile(a.elt, b.elt) with both bf16: the caller checks.
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
               bool transB, Matrix c, bool accumulate, Scratch *scratch = nullptr,
-              float alpha = 1.0f, bool streamC = false, const void *packedB = nullptr);
+              float alpha = 1.0f, bool streamC = false, const void *packedB = nullptr,
+              const tile::DecodedB *decodedB = nullptr);
 
 /// Whether gemmTile runs a product of these operand types on moec's tile,
 /// which reads a B packed beforehand (`packedB`).
@@ -170,18 +179,22 @@ struct Epilogue {
 /// tile of a capacity-sized grid as it is. `b` is the expert's weight
 /// [depth, N]; `cols` is a column range of it (not clipped). `epilogue`
 /// scales the product and adds a matrix to it. `packedB`, when not null, is
-/// the weight's columns `cols` packed whole (gemmTile's `packedB`).
+/// the weight's columns `cols` packed whole (gemmTile's `packedB`);
+/// `decodedB`, the whole weight through a decoder (gemmTile's `decodedB`).
 void gmmForwardTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
                     Range rows, Range cols, Scratch *scratch = nullptr,
-                    const Epilogue &epilogue = {}, const void *packedB = nullptr);
+                    const Epilogue &epilogue = {}, const void *packedB = nullptr,
+                    const tile::DecodedB *decodedB = nullptr);
 
 /// Data-gradient tile of one expert: C[m, n] = sum_{k < depth} A[m, k] *
 /// B[n, k], i.e. C = A B^T with the weight stored [N, depth] (w1[e] is
 /// [H, 2I] and gives dX from dY; w2[e] is [I, H] and gives dA from dZ).
-/// Rows, segment, columns, epilogue and packedB as for gmmForwardTile.
+/// Rows, segment, columns, epilogue, packedB and decodedB as for
+/// gmmForwardTile.
 void gmmDgradTile(ConstMatrix a, ConstMatrix b, Matrix c, int64_t depth, Segment segment,
                   Range rows, Range cols, Scratch *scratch = nullptr,
-                  const Epilogue &epilogue = {}, const void *packedB = nullptr);
+                  const Epilogue &epilogue = {}, const void *packedB = nullptr,
+                  const tile::DecodedB *decodedB = nullptr);
 
 /// Weight-gradient tile of one expert: for k in `rows` and n in `cols`,
 ///

@@ -572,8 +572,7 @@ const void *Pass::packedWeight(uint32_t opIndex, uint32_t rank, const format::Ti
   return cell.pages.data();
 }
 
-const void *Pass::dequantizeWeightTile(uint32_t opIndex, uint32_t rank, uint32_t expert,
-                                       Range cols, DType elt, uint32_t worker) {
+QuantizedMatrix Pass::quantizedWeight(uint32_t opIndex, uint32_t rank, uint32_t expert) const {
   const TaskProgram &tasks = *program;
   const OpInfo &op = ops[opIndex];
   const LayerShape &shape = layer->shape;
@@ -591,6 +590,13 @@ const void *Pass::dequantizeWeightTile(uint32_t opIndex, uint32_t rank, uint32_t
     scalesPerExpert *= d;
   m.codes = static_cast<const char *>(data[rank][b]) + stored[1] * stored[2] * int64_t(expert);
   m.scales = static_cast<const float *>(data[rank][op.weightScales]) + scalesPerExpert * expert;
+  return m;
+}
+
+const void *Pass::dequantizeWeightTile(uint32_t opIndex, uint32_t rank, uint32_t expert,
+                                       Range cols, DType elt, uint32_t worker) {
+  const OpInfo &op = ops[opIndex];
+  const QuantizedMatrix m = quantizedWeight(opIndex, rank, expert);
   const int64_t n = cols.end - cols.begin, ld = dequantizedStride(op.transposeB, int64_t(op.tiling->depth), n);
   // Transposed B is stored [N, K]: the tile's rows of it, all of K; else
   // [K, N]: all of K, the tile's columns.
@@ -682,7 +688,23 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
              work ? packedWeight(opIndex, rank, tile, bm, int64_t(t.depth)) : nullptr);
         break;
       }
-      // Quantized codes with their scales: a few columns at a time, the
+      // Quantized codes with their scales, on moec's bf16 tile: the tile
+      // decodes each depth block's panel of B into L1 as it goes.
+      if (dtype(a) == DType::BF16 && packedTile(DType::BF16, DType::BF16)) {
+        const QuantizedMatrix codes = quantizedWeight(opIndex, rank, tile.expert);
+        tile::DecodedB decoded;
+        decoded.decode = [](const void *m, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                            uint16_t *dst, int64_t ld) {
+          dequantize(*static_cast<const QuantizedMatrix *>(m), r0, r1, c0, c1, dst, DType::BF16,
+                     ld);
+        };
+        decoded.context = &codes;
+        const auto tileGemm = op.transposeB ? gmmDgradTile : gmmForwardTile;
+        tileGemm(in(a), ConstMatrix{codes.codes, DType::BF16, 0}, out(c), int64_t(t.depth),
+                 segment, rows, cols, tileScratch, epilogue, nullptr, &decoded);
+        break;
+      }
+      // Elsewhere a few columns at a time, the
       // part of the expert's B they read dequantized to the activations' dtype (it
       // stays in cache while the GEMM reads it), then multiplied as a dense
       // B of their own; C is addressed from their first column. Each

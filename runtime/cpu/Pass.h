@@ -30,6 +30,7 @@
 #include "runtime/backend/Pass.h"
 #include "runtime/comm/Fabric.h"
 #include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Quant.h"
 #include "runtime/layer/Routing.h"
 #include "runtime/exec/Executor.h"
 #include "runtime/exec/ThreadTeam.h"
@@ -130,6 +131,9 @@ private:
   Pass() = default;
   struct OpInfo;
   Status runTile(uint32_t rank, uint32_t task, uint32_t worker);
+  /// `expert`'s quantized weight B of op `opIndex` as stored (its codes and
+  /// scales).
+  QuantizedMatrix quantizedWeight(uint32_t opIndex, uint32_t rank, uint32_t expert) const;
   /// Dequantizes the part of `expert`'s quantized weight B that columns
   /// `cols` of its GMM read into weightScratch[worker], and returns it:
   /// [n, K] for a transposed B, else [K, n] (n the columns).

@@ -49,6 +49,18 @@ int64_t packedARowUnits(int64_t m) { return ceilDiv(m, kAPanel) * kAPanel; }
 /// Bytes of one block's packed B panels, rounded to cache lines.
 size_t panelBytes(int64_t n) { return size_t(ceilDiv(n, kPanel) * kPanel * kBlockUnits) * 4; }
 
+/// The row stride, in bf16 values, of one panel's part of a decoded B per
+/// depth block: a transposed B's kPanel rows of a block's depth, padded off
+/// a multiple of 512 bytes (whose rows would share a few L1 sets as the
+/// transposes read them); else a block's depth rows of kPanel columns.
+int64_t decodedLd(bool transB) { return transB ? 2 * kBlockUnits + 32 : kPanel; }
+
+/// Bytes of one panel's part of a decoded B, rounded to cache lines.
+size_t decodedBytes(bool transB) {
+  const int64_t rows = transB ? kPanel : 2 * kBlockUnits;
+  return size_t(ceilDiv(rows * decodedLd(transB) * 2, 64) * 64);
+}
+
 } // namespace
 
 /// Bytes of op(A) packed (transA), rounded to cache lines.
@@ -60,12 +72,16 @@ size_t packedBBytes(int64_t n, int64_t k, bool bf16) {
   return size_t(ceilDiv(n, kPanel) * kPanel * ceilDiv(k, perUnit(bf16))) * 4;
 }
 
-size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16) {
+size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
+                 bool decodedB) {
   const int64_t width = std::min(n, kGroup);
   size_t bytes = panelBytes(width) + packedABytes(m, k, transA, bf16);
   // bf16 C over more than one depth block: fp32 partial sums.
   if (cBf16 && k > kBlockUnits * perUnit(bf16))
     bytes += size_t(m * width) * 4;
+  // The larger of the two forms: packBytes does not know transB.
+  if (decodedB)
+    bytes += std::max(decodedBytes(true), decodedBytes(false));
   return bytes;
 }
 
@@ -376,7 +392,7 @@ bool available(bool bf16) {
 
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
           const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
-          bool load, void *pack, bool stream, const void *packedB) {
+          bool load, void *pack, bool stream, const void *packedB, const DecodedB *decodedB) {
   const int64_t per = perUnit(bf16), depth = kBlockUnits * per;
   // With packedB: op(B) packed whole (packB), panel Q of the columns at
   // [Q][unit over the whole depth][kPanel]; nothing is packed here.
@@ -398,10 +414,18 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // Where the sums of the blocks before the last one live: C itself when it
   // is fp32, else fp32 partial sums (m x width).
   float *partialBase = reinterpret_cast<float *>(after + packedABytes(m, k, transA, bf16));
+  // With decodedB: one panel's part of B per depth block, decoded (after
+  // the partial sums, which a bf16 C deeper than one block needs).
+  const size_t partialBytes =
+      cBf16 && k > depth ? size_t(m * width) * 4 : 0;
+  uint16_t *decoded = reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(partialBase) +
+                                                   partialBytes);
   const char *aBytes = static_cast<const char *>(a), *bBytes = static_cast<const char *>(b);
   // The rows of B's column group at j0 (nb wide), depth [q0, q1), and of A
   // (read in place) at depth [q0, q1): what a later block will pack or read.
   auto bRegion = [&](int64_t j0, int64_t nb, int64_t q0, int64_t q1) {
+    if (decodedB) // its storage is the decoder's
+      return Prefetch();
     if (prepacked)
       return Prefetch(reinterpret_cast<const char *>(prepacked +
                                                      ((j0 / kPanel) * allUnits + q0 / per) * kPanel),
@@ -424,7 +448,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // panels stay in L2 while the depth passes.
   for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
     const int64_t nb = std::min(kGroup, n - j0);
-    const void *bGroup = bBytes + (transB ? j0 * ldb : j0) * elt;
+    const void *bGroup = decodedB ? nullptr : bBytes + (transB ? j0 * ldb : j0) * elt;
     char *cGroup = static_cast<char *>(c) + j0 * cElt;
     float *partial = cBf16 ? partialBase : reinterpret_cast<float *>(cGroup);
     const int64_t ldPartial = cBf16 ? nb : ldc;
@@ -435,9 +459,28 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       // (micro's PACK), where its loads overlap the dot products; the others
       // here. (A transposed op(B) packed by the calls, 16 units of its 48
       // rows at a time by transposes, was not faster.)
-      const bool packInCall = bf16 && !transB && !prepacked;
+      const bool packInCall = bf16 && !transB && !prepacked && !decodedB;
       // (A B packed beforehand is read where packB put it.)
-      if (!prepacked && transB)
+      if (decodedB) {
+        // Panel by panel: its part of B decoded, then packed from L1.
+        const int64_t ld = decodedLd(transB);
+        for (int64_t q = 0; q * kPanel < nb; ++q) {
+          const int64_t c0 = j0 + q * kPanel, cols = std::min<int64_t>(kPanel, nb - q * kPanel);
+          uint32_t *panel = panels + q * kBlockUnits * kPanel;
+          if (transB) {
+            decodedB->decode(decodedB->context, decodedB->rowOffset + c0,
+                             decodedB->rowOffset + c0 + cols, decodedB->colOffset + p0,
+                             decodedB->colOffset + p1, decoded, ld);
+            packTransposed(decoded, ld, cols, 0, p1 - p0, true, panel, kBlockUnits * kPanel);
+          } else {
+            decodedB->decode(decodedB->context, decodedB->rowOffset + p0,
+                             decodedB->rowOffset + p1, decodedB->colOffset + c0,
+                             decodedB->colOffset + c0 + cols, decoded, ld);
+            packRows(decoded, ld, 0, p1 - p0, cols, true, panel, kPanel, kPanel,
+                     kBlockUnits * kPanel);
+          }
+        }
+      } else if (!prepacked && transB)
         packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels, kBlockUnits * kPanel);
       else if (!prepacked && !packInCall)
         packRows(bGroup, ldb, p0, p1, nb, bf16, panels, kPanel, kPanel, kBlockUnits * kPanel);
@@ -557,7 +600,7 @@ namespace {
 } // namespace
 
 void gemm(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool,
-          bool, void *, int64_t, bool, bool, void *, bool, const void *) {
+          bool, void *, int64_t, bool, bool, void *, bool, const void *, const DecodedB *) {
   absent();
 }
 

@@ -41,6 +41,13 @@
 // gemm as `packedB`: the calls then pack nothing of B. The panels are
 // those gemm would make block by block, so the bits are the same.
 //
+// A bf16 B held in another form (a quantized weight's codes and scales) is
+// handed to gemm as `decodedB`: a function that writes any rectangle of B, as
+// stored, as bf16 values. Per depth block, gemm decodes one panel's part of B
+// at a time into its working memory (24 KiB, in L1) and packs the panel from
+// there, so no dequantized copy of B is made beyond it. The panels are those
+// of the decoded B, so the bits are those of gemm on that B.
+//
 //===----------------------------------------------------------------------===//
 
 #ifndef MOEC_RUNTIME_CPU_TILE_H
@@ -51,13 +58,27 @@
 
 namespace moec::cpu::tile {
 
+/// A bf16 B given by a decoder (the header says how gemm reads it). B is
+/// stored k x n, or n x k with `transB`, as for gemm's `b`; its element
+/// (i, j) is the decoder's (rowOffset + i, colOffset + j).
+struct DecodedB {
+  /// Writes rows [r0, r1) and columns [c0, c1) of the decoder's matrix as
+  /// bf16 bits into dst, row i, column j at (i - r0) * ld + (j - c0).
+  void (*decode)(const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                 uint16_t *dst, int64_t ld) = nullptr;
+  const void *context = nullptr;
+  int64_t rowOffset = 0, colOffset = 0;
+};
+
 /// Whether this CPU runs the tile: AVX-512 (F) for fp32, and bf16 dot
 /// products (avx512_bf16) for bf16. Checked once.
 bool available(bool bf16);
 
 /// Bytes of working memory gemm() needs for these shapes (packed panels,
-/// and fp32 partial sums for a bf16 C deeper than one block).
-size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16);
+/// fp32 partial sums for a bf16 C deeper than one block, and with `decodedB`
+/// one panel's part of B decoded).
+size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
+                 bool decodedB = false);
 
 /// C = (load ? C : 0) + op(A) op(B), as the header says. `bf16` says the
 /// storage of A and B (uint16_t bf16 bits, else float), `cBf16` that of C.
@@ -66,9 +87,12 @@ size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool c
 /// with non-temporal stores, whole rows of a column group at a time, past the
 /// caches: for a C nobody reads soon (a weight gradient), whose lines would
 /// otherwise be read from memory before they are written. The same bits.
+/// With `decodedB` (bf16 only, not with `packedB`), B is read through it and
+/// `b`, `ldb` are not read; `pack` then holds packBytes(..., true) bytes.
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
           const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
-          bool load, void *pack, bool stream = false, const void *packedB = nullptr);
+          bool load, void *pack, bool stream = false, const void *packedB = nullptr,
+          const DecodedB *decodedB = nullptr);
 
 /// Bytes of an op(B) of k x n packed whole by packB: n rounded up to whole
 /// 48-column panels, times k in 32-bit units (an fp32 value, or a bf16 pair

@@ -107,6 +107,37 @@ def test_layer_matches_autograd_on_the_dequantized_weights(weight_format, dtype,
     assert layer.w1_scale.grad is None
 
 
+@pytest.mark.parametrize("weight_format", list(FORMATS))
+def test_a_quantized_bf16_layer_gives_the_bits_of_its_dequantized_weights(weight_format):
+    """moec's bf16 tile decodes a quantized weight's codes into its panels as
+    it goes: the panels, hence the bits of y, dx and dtopk_weights, are those
+    of a dense frozen layer holding the dequantized bf16 weights (both
+    layouts of B: the forward reads w stored [out, in] transposed, the
+    backward's dX reads it as it is)."""
+    with open("/proc/cpuinfo") as f:
+        if "avx512_bf16" not in f.read():
+            pytest.skip("this CPU has no avx512_bf16: moec's bf16 tile does not run")
+    torch.manual_seed(11)
+    layer = moec_torch.MoeFFN(fp8_config("bf16"), ranks=2, threads=2, frozen=True,
+                              weight_format=weight_format)
+    dense = moec_torch.MoeFFN(fp8_config("bf16"), ranks=2, threads=2, frozen=True,
+                              weights_transposed=True, init_weights=False)
+    w1, w2 = layer.dequantized_weights()
+    with torch.no_grad():
+        dense.w1.copy_(w1)
+        dense.w2.copy_(w2)
+    x, ids, weights, dy = inputs(layer, seed=12)
+    outputs = []
+    for each in (layer, dense):
+        xg, wg = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        y = each(xg, ids, wg)
+        y.backward(dy)
+        outputs.append((y, xg.grad, wg.grad))
+    for name, q, d in zip(("y", "dx", "dtopk_weights"), *outputs):
+        assert torch.equal(q, d), name
+    assert outputs[0][0].abs().max() > 0 and outputs[0][1].abs().max() > 0
+
+
 @pytest.mark.parametrize("weight_format,bounds", [("fp8_block128", (1e-4, 0.1)),
                                                   ("int8", (1e-5, 0.02)),
                                                   ("int4_g64_zp", (1e-3, 0.3))])

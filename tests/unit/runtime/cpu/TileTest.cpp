@@ -287,3 +287,51 @@ TEST_CASE("moec's tile gives the same bits on a B packed whole beforehand", "[cp
             }
   }
 }
+
+TEST_CASE("moec's tile gives the same bits on a B read through a decoder", "[cpu][tile]") {
+  // A decoded B (a quantized weight's codes) is decoded a panel and a depth
+  // block at a time and packed from there: the bits of gemm on the decoded
+  // B itself, for both forms of B, depths and columns that end a block, a
+  // bf16 pair, a panel and a group unevenly, and B's columns from an offset
+  // (a tile's columns of the weight).
+  if (!tileRuns(true))
+    return;
+  struct Source {
+    const Stored *b;
+    int64_t calls = 0;
+  };
+  const auto decode = [](const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                         uint16_t *dst, int64_t ld) {
+    auto &s = *static_cast<Source *>(const_cast<void *>(context));
+    ++s.calls;
+    REQUIRE((r0 >= 0 && r1 <= s.b->rows && c0 >= 0 && c1 <= s.b->cols));
+    for (int64_t i = r0; i < r1; ++i)
+      std::memcpy(dst + (i - r0) * ld, s.b->b16.data() + i * s.b->ld + c0,
+                  size_t(c1 - c0) * 2);
+  };
+  for (const bool transB : {false, true})
+    for (const int64_t k : {int64_t(7), int64_t(257), int64_t(600)})
+      for (const int64_t n : {int64_t(13), int64_t(200), int64_t(410)})
+        for (const bool cBf16 : {false, true}) {
+          INFO("transB " << transB << ", k " << k << ", n " << n << ", C "
+                         << (cBf16 ? "bf16" : "fp32"));
+          const int64_t m = 19, j0 = std::min<int64_t>(21, n / 3); // columns [j0, n)
+          const Product x(m, n, k, false, transB, true, uint32_t(3 * k + n));
+          const int64_t cols = n - j0;
+          const uint16_t *bAt = x.b.b16.data() + (transB ? j0 * x.b.ld : j0);
+          const size_t elt = cBf16 ? 2 : 4;
+          Aligned plain(size_t(m * cols) * elt, 0x11), decoded(size_t(m * cols) * elt, 0x22);
+          Aligned pack(tile::packBytes(m, cols, k, false, true, cBf16, true));
+          tile::gemm(m, cols, k, x.a.data(), x.a.ld, false, bAt, x.b.ld, transB, true,
+                     plain.data(), cols, cBf16, false, pack.data());
+          Source source{&x.b};
+          tile::DecodedB d;
+          d.decode = decode;
+          d.context = &source;
+          (transB ? d.rowOffset : d.colOffset) = j0;
+          tile::gemm(m, cols, k, x.a.data(), x.a.ld, false, nullptr, 0, transB, true,
+                     decoded.data(), cols, cBf16, false, pack.data(), false, nullptr, &d);
+          CHECK(source.calls > 0);
+          CHECK(std::memcmp(plain.data(), decoded.data(), size_t(m * cols) * elt) == 0);
+        }
+}

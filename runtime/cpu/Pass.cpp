@@ -688,23 +688,20 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
              work ? packedWeight(opIndex, rank, tile, bm, int64_t(t.depth)) : nullptr);
         break;
       }
-      // Quantized codes with their scales, on moec's bf16 tile: the tile
-      // decodes each depth block's panel of B into L1 as it goes.
-      if (dtype(a) == DType::BF16 && packedTile(DType::BF16, DType::BF16)) {
+      // Quantized codes with their scales, B as stored (the backward's dX
+      // and dA), on moec's bf16 tile: the tile decodes each depth block's
+      // panel of B into L1 as it goes. (B transposed, the forward's, ran
+      // 2-5% slower that way than from the copy below: `gmm_bench
+      // --quantized`, docs/performance.md.)
+      if (!op.transposeB && dtype(a) == DType::BF16 && packedTile(DType::BF16, DType::BF16)) {
         const QuantizedMatrix codes = quantizedWeight(opIndex, rank, tile.expert);
-        tile::DecodedB decoded;
-        decoded.decode = [](const void *m, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
-                            uint16_t *dst, int64_t ld) {
-          dequantize(*static_cast<const QuantizedMatrix *>(m), r0, r1, c0, c1, dst, DType::BF16,
-                     ld);
-        };
-        decoded.context = &codes;
-        const auto tileGemm = op.transposeB ? gmmDgradTile : gmmForwardTile;
-        tileGemm(in(a), ConstMatrix{codes.codes, DType::BF16, 0}, out(c), int64_t(t.depth),
-                 segment, rows, cols, tileScratch, epilogue, nullptr, &decoded);
+        const tile::DecodedB decoded = decodedB(codes);
+        gmmForwardTile(in(a), ConstMatrix{codes.codes, DType::BF16, 0}, out(c),
+                       int64_t(t.depth), segment, rows, cols, tileScratch, epilogue, nullptr,
+                       &decoded);
         break;
       }
-      // Elsewhere a few columns at a time, the
+      // Else a few columns at a time, the
       // part of the expert's B they read dequantized to the activations' dtype (it
       // stays in cache while the GEMM reads it), then multiplied as a dense
       // B of their own; C is addressed from their first column. Each

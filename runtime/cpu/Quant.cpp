@@ -246,4 +246,18 @@ void dequantize(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd, int6
   }
 }
 
+tile::DecodedB decodedB(const QuantizedMatrix &m) {
+  tile::DecodedB d;
+  d.decode = [](const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                uint16_t *dst, int64_t ld) {
+    dequantize(*static_cast<const QuantizedMatrix *>(context), r0, r1, c0, c1, dst, DType::BF16,
+               ld);
+  };
+  d.context = &m;
+  d.codes = static_cast<const uint8_t *>(m.codes);
+  d.halfBytes = m.format == WeightFormat::Int4Group;
+  d.codesLd = d.halfBytes ? int4Bytes(m.cols) : m.cols;
+  return d;
+}
+
 } // namespace moec::cpu

@@ -34,6 +34,7 @@
 
 #include "base/DType.h"
 #include "base/LayerShape.h"
+#include "runtime/cpu/Tile.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -72,6 +73,11 @@ void quantize(const QuantizedMatrix &m, const float *src, int64_t srcLd, void *c
 /// * dstLd + (j - colBegin). Every format, FP8 blocks included.
 void dequantize(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd, int64_t colBegin,
                 int64_t colEnd, void *dst, DType elt, int64_t dstLd);
+
+/// `m` as a bf16 B that moec's tile decodes as it goes (tile::DecodedB:
+/// dequantize() into bf16, its codes prefetched). It refers to `m`, which
+/// must outlive its use.
+tile::DecodedB decodedB(const QuantizedMatrix &m);
 
 } // namespace moec::cpu
 

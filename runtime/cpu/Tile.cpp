@@ -424,8 +424,16 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // The rows of B's column group at j0 (nb wide), depth [q0, q1), and of A
   // (read in place) at depth [q0, q1): what a later block will pack or read.
   auto bRegion = [&](int64_t j0, int64_t nb, int64_t q0, int64_t q1) {
-    if (decodedB) // its storage is the decoder's
-      return Prefetch();
+    if (decodedB) { // the decoder's codes of those rows and columns
+      const DecodedB &d = *decodedB;
+      if (!d.codes)
+        return Prefetch();
+      const auto at = [&](int64_t v) { return d.halfBytes ? v / 2 : v; };
+      const int64_t r0 = d.rowOffset + (transB ? j0 : q0), rows = transB ? nb : q1 - q0;
+      const int64_t c0 = d.colOffset + (transB ? q0 : j0), cols = transB ? q1 - q0 : nb;
+      return Prefetch(reinterpret_cast<const char *>(d.codes) + r0 * d.codesLd + at(c0), rows,
+                      at(c0 + cols - 1) - at(c0) + 1, d.codesLd);
+    }
     if (prepacked)
       return Prefetch(reinterpret_cast<const char *>(prepacked +
                                                      ((j0 / kPanel) * allUnits + q0 / per) * kPanel),

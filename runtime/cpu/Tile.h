@@ -68,6 +68,12 @@ struct DecodedB {
                  uint16_t *dst, int64_t ld) = nullptr;
   const void *context = nullptr;
   int64_t rowOffset = 0, colOffset = 0;
+  /// Where the decoder reads the matrix, so that gemm prefetches the next
+  /// depth block's part while a block computes: a byte a value (half a
+  /// byte with `halfBytes`), rows `codesLd` bytes apart. Null: no prefetch.
+  const uint8_t *codes = nullptr;
+  int64_t codesLd = 0;
+  bool halfBytes = false;
 };
 
 /// Whether this CPU runs the tile: AVX-512 (F) for fp32, and bf16 dot

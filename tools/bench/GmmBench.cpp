@@ -24,6 +24,15 @@
 // the qwen3 layer asks for it: w1 stored [2I, H] = [1536, 2048], 192 rows
 // at a time, each format, one thread; nanoseconds a value, best of `reps`.
 //
+// `gmm_bench --quantized [experts [reps]]` times the qwen3 tiles whose B is
+// a quantized weight (the transposed layout: w1 [2I, H], w2 [H, I]; the
+// forward reads them transposed, the backward's dX and dA as stored), bf16,
+// one thread, 128 rows an expert over `experts` experts in turn, three ways
+// alternating: a dense bf16 B (the tile packs it), the codes dequantized a
+// tile's 192 columns at a time into a bf16 copy that the tile then packs,
+// and the codes decoded by the tile into its panels as it goes
+// (tile::DecodedB). GFLOP/s counting the bf16-equivalent work.
+//
 //===----------------------------------------------------------------------===//
 
 #include "runtime/cpu/Gmm.h"
@@ -234,9 +243,122 @@ int dequantizeRates(int reps) {
   return 0;
 }
 
+/// The `--quantized` mode (the header says what it times).
+int quantizedTiles(int experts, int reps) {
+  if (!tile::available(true)) {
+    std::printf("this CPU has no avx512_bf16: moec's bf16 tile does not run\n");
+    return 0;
+  }
+  struct Shape {
+    const char *name;
+    int64_t n, k;
+    bool transB; // B stored n x k (the forward), else k x n
+  };
+  const Shape shapes[] = {{"up_proj (w1, fwd)", 1536, 2048, true},
+                          {"down_proj (w2, fwd)", 2048, 768, true},
+                          {"dA = dZ w2", 768, 2048, false},
+                          {"dX = dA' w1", 2048, 1536, false}};
+  struct Format {
+    const char *name;
+    moec::WeightFormat format;
+    int64_t group;
+  };
+  const Format formats[] = {{"int8", moec::WeightFormat::Int8Channel, 0},
+                            {"fp8_block128", moec::WeightFormat::Fp8Block128, 0},
+                            {"int4_g128", moec::WeightFormat::Int4Group, 128}};
+  const int64_t m = 128, chunk = 192;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist(0.0f, 0.02f);
+  std::printf("quantized B, bf16, one thread, m %lld, %d experts in turn, best of %d, GFLOP/s:\n"
+              "%-22s %-13s %9s %14s %14s\n",
+              (long long)m, experts, reps, "tile", "format", "dense B", "dequantized",
+              "decoded");
+  for (const Shape &s : shapes) {
+    const int64_t rows = s.transB ? s.n : s.k, cols = s.transB ? s.k : s.n;
+    std::vector<float> w(size_t(rows * cols));
+    for (float &x : w)
+      x = dist(rng);
+    std::vector<std::vector<uint16_t>> a(static_cast<size_t>(experts)),
+        dense(static_cast<size_t>(experts));
+    for (int e = 0; e < experts; ++e) {
+      a[size_t(e)].resize(size_t(m * s.k));
+      for (uint16_t &x : a[size_t(e)])
+        x = floatToBf16(dist(rng) * 50);
+      dense[size_t(e)].resize(size_t(rows * cols));
+      for (size_t i = 0; i < w.size(); ++i)
+        dense[size_t(e)][i] = floatToBf16(w[i]);
+    }
+    std::vector<float> c(size_t(m * s.n));
+    Scratch scratch;
+    std::vector<uint16_t> copy(size_t(rows * cols));
+    const double flops = 2.0 * double(m) * double(s.n) * double(s.k) * experts;
+    for (const Format &f : formats) {
+      QuantizedMatrix q;
+      q.format = f.format;
+      q.rows = rows;
+      q.cols = cols;
+      q.group = f.group;
+      std::vector<std::vector<uint8_t>> codes(static_cast<size_t>(experts));
+      std::vector<std::vector<float>> scales(static_cast<size_t>(experts));
+      std::vector<QuantizedMatrix> matrices(size_t(experts), q);
+      for (int e = 0; e < experts; ++e) {
+        codes[size_t(e)].resize(size_t(rows * cols));
+        scales[size_t(e)].resize(size_t(rows * cols / 16 + 64));
+        quantize(q, w.data(), cols, codes[size_t(e)].data(), scales[size_t(e)].data());
+        matrices[size_t(e)].codes = codes[size_t(e)].data();
+        matrices[size_t(e)].scales = scales[size_t(e)].data();
+      }
+      const auto run = [&](int way) {
+        for (int e = 0; e < experts; ++e) {
+          const ConstMatrix am{a[size_t(e)].data(), Elt::BF16, s.k};
+          const Matrix cm{c.data(), Elt::F32, s.n};
+          if (way == 0) {
+            gemmTile(m, s.n, s.k, am, false,
+                     ConstMatrix{dense[size_t(e)].data(), Elt::BF16, cols}, s.transB, cm, false,
+                     &scratch);
+          } else if (way == 1) {
+            for (int64_t c0 = 0; c0 < s.n; c0 += chunk) {
+              const int64_t nb = std::min(chunk, s.n - c0);
+              const int64_t ld = s.transB ? s.k + 32 : nb + (nb % 512 ? 0 : 32);
+              if (s.transB)
+                dequantize(matrices[size_t(e)], c0, c0 + nb, 0, cols, copy.data(), Elt::BF16,
+                           ld);
+              else
+                dequantize(matrices[size_t(e)], 0, rows, c0, c0 + nb, copy.data(), Elt::BF16,
+                           ld);
+              gemmTile(m, nb, s.k, am, false, ConstMatrix{copy.data(), Elt::BF16, ld}, s.transB,
+                       Matrix{c.data() + c0, Elt::F32, s.n}, false, &scratch);
+            }
+          } else {
+            const tile::DecodedB d = decodedB(matrices[size_t(e)]);
+            gemmTile(m, s.n, s.k, am, false, ConstMatrix{codes[size_t(e)].data(), Elt::BF16, 0},
+                     s.transB, cm, false, &scratch, 1.0f, false, nullptr, &d);
+          }
+        }
+      };
+      double best[3] = {1e30, 1e30, 1e30};
+      for (int r = 0; r < reps; ++r)
+        for (int way = 0; way < 3; ++way)
+          best[way] = std::min(best[way], bestSeconds(1, [&] { run(way); }));
+      std::printf("%-22s %-13s %9.1f %14.1f %14.1f\n", s.name, f.name, flops / best[0] * 1e-9,
+                  flops / best[1] * 1e-9, flops / best[2] * 1e-9);
+    }
+  }
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--quantized") {
+    const int experts = argc >= 3 ? std::atoi(argv[2]) : 16;
+    const int reps = argc >= 4 ? std::atoi(argv[3]) : 5;
+    if (experts <= 0 || reps <= 0) {
+      std::fprintf(stderr, "usage: gmm_bench --quantized [experts [reps]] (positive)\n");
+      return 2;
+    }
+    return quantizedTiles(experts, reps);
+  }
   if (argc >= 2 && std::string(argv[1]) == "--dequantize")
     return dequantizeRates(argc >= 3 ? std::max(1, std::atoi(argv[2])) : 10);
   if (argc >= 2 && std::string(argv[1]) == "--layer") {

@@ -13,6 +13,8 @@
 #define MOEC_BASE_DTYPE_H
 
 #include <cstdint>
+#include <optional>
+#include <string_view>
 
 namespace moec {
 
@@ -30,44 +32,58 @@ enum class DType : uint8_t {
   I4 = 7,
 };
 
-/// Returns "f32", "bf16", "i32", "i64", "f8e4m3", "i8" or "i4", or "unknown".
-inline const char *dtypeName(DType dtype) {
-  switch (dtype) {
-  case DType::F32:
-    return "f32";
-  case DType::BF16:
-    return "bf16";
-  case DType::I32:
-    return "i32";
-  case DType::I64:
-    return "i64";
-  case DType::F8E4M3:
-    return "f8e4m3";
-  case DType::I8:
-    return "i8";
-  case DType::I4:
-    return "i4";
-  }
-  return "unknown";
+/// Each element type's facts, in one table: its name in messages, dumps
+/// and binaries ("f32"), its name in a model config ("fp32"; null for the
+/// types a config cannot name) and its size in bytes (0 for I4: two a byte,
+/// see int4Bytes).
+struct DTypeInfo {
+  DType dtype;
+  const char *name;
+  const char *configName;
+  uint32_t size;
+};
+
+inline constexpr DTypeInfo kDTypes[] = {
+    {DType::F32, "f32", "fp32", 4},      {DType::BF16, "bf16", "bf16", 2},
+    {DType::I32, "i32", nullptr, 4},     {DType::I64, "i64", nullptr, 8},
+    {DType::F8E4M3, "f8e4m3", nullptr, 1}, {DType::I8, "i8", nullptr, 1},
+    {DType::I4, "i4", nullptr, 0},
+};
+
+/// The table's entry of `dtype`, or null for a value outside the enum.
+inline constexpr const DTypeInfo *dtypeInfo(DType dtype) {
+  for (const DTypeInfo &info : kDTypes)
+    if (info.dtype == dtype)
+      return &info;
+  return nullptr;
 }
 
-/// Returns the size in bytes of one element of `dtype` (0 for an unknown one).
+/// Returns "f32", "bf16", "i32", "i64", "f8e4m3", "i8" or "i4", or "unknown".
+inline constexpr const char *dtypeName(DType dtype) {
+  const DTypeInfo *info = dtypeInfo(dtype);
+  return info ? info->name : "unknown";
+}
+
+/// Returns the size in bytes of one element of `dtype` (0 for I4 and for an
+/// unknown one).
 inline constexpr uint32_t dtypeSize(DType dtype) {
-  switch (dtype) {
-  case DType::F32:
-  case DType::I32:
-    return 4;
-  case DType::BF16:
-    return 2;
-  case DType::I64:
-    return 8;
-  case DType::F8E4M3:
-  case DType::I8:
-    return 1;
-  case DType::I4: // two a byte: see int4Bytes
-    return 0;
-  }
-  return 0;
+  const DTypeInfo *info = dtypeInfo(dtype);
+  return info ? info->size : 0;
+}
+
+/// The config's name of a compute dtype: "fp32" or "bf16" ("unknown" for a
+/// type a config cannot name).
+inline constexpr const char *configDTypeName(DType dtype) {
+  const DTypeInfo *info = dtypeInfo(dtype);
+  return info && info->configName ? info->configName : "unknown";
+}
+
+/// Parses a config's "dtype" value ("fp32", "bf16"); nothing for any other.
+inline constexpr std::optional<DType> parseDType(std::string_view name) {
+  for (const DTypeInfo &info : kDTypes)
+    if (info.configName && name == info.configName)
+      return info.dtype;
+  return std::nullopt;
 }
 
 /// Bytes of a row of `cols` I4 codes: two a byte, the last byte's high half

@@ -16,25 +16,6 @@
 
 namespace moec {
 
-const char *configDTypeName(DType dtype) {
-  switch (dtype) {
-  case DType::F32:
-    return "fp32";
-  case DType::BF16:
-    return "bf16";
-  default:
-    return "unknown";
-  }
-}
-
-std::optional<DType> parseDType(std::string_view name) {
-  if (name == "fp32")
-    return DType::F32;
-  if (name == "bf16")
-    return DType::BF16;
-  return std::nullopt;
-}
-
 namespace {
 
 /// An integer-valued config key.

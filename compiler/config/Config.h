@@ -25,13 +25,8 @@
 
 namespace moec {
 
-/// Returns the config spelling of the activation type `dtype` (F32 or BF16,
-/// base/DType.h): "fp32" or "bf16".
-const char *configDTypeName(DType dtype);
-
-/// Returns the activation type spelled `name` ("fp32" or "bf16"), or
-/// std::nullopt.
-std::optional<DType> parseDType(std::string_view name);
+// The config's spellings of a dtype ("fp32", "bf16"): configDTypeName and
+// parseDType, in base/DType.h's table.
 
 /// The model/parallel config of an MoE-FFN layer.
 struct ModelConfig {

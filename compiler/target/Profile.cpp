@@ -5,6 +5,7 @@
 #include "compiler/support/Expr.h"
 #include "base/Json.h"
 #include "base/File.h"
+#include "base/Names.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -91,17 +92,12 @@ double paddedTo(double n, uint32_t granule) {
   return std::ceil(n / g) * g;
 }
 
-const char *coreSharingName(CoreSharing sharing) {
-  switch (sharing) {
-  case CoreSharing::None:
-    return "none";
-  case CoreSharing::Rank:
-    return "rank";
-  case CoreSharing::Group:
-    return "group";
-  }
-  return "?";
-}
+namespace {
+constexpr Named<CoreSharing> kCoreSharingNames[] = {
+    {CoreSharing::None, "none"}, {CoreSharing::Rank, "rank"}, {CoreSharing::Group, "group"}};
+} // namespace
+
+const char *coreSharingName(CoreSharing sharing) { return nameIn(kCoreSharingNames, sharing, "?"); }
 
 const std::vector<std::string> &builtinProfileNames() {
   static const std::vector<std::string> names = {"cpu", "ascend-910b", "h100"};
@@ -220,13 +216,9 @@ Status parseProfile(const std::string &text, const std::string &source, TargetPr
     *r.field = v * r.scale;
   }
   if (auto it = json.find("core_sharing"); it != json.end()) {
-    std::string value = it->is_string() ? it->get<std::string>() : "";
-    if (value == "none")
-      p.sharing = CoreSharing::None;
-    else if (value == "rank")
-      p.sharing = CoreSharing::Rank;
-    else if (value == "group")
-      p.sharing = CoreSharing::Group;
+    const std::string value = it->is_string() ? it->get<std::string>() : "";
+    if (const std::optional<CoreSharing> sharing = valueIn(kCoreSharingNames, value))
+      p.sharing = *sharing;
     else
       return fail(fmt::format("'core_sharing' must be \"none\", \"rank\" or \"group\", got {}",
                               it->dump()));

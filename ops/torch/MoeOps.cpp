@@ -71,6 +71,7 @@
 #include <cstring>
 #include <future>
 #include <limits>
+#include <optional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -94,52 +95,37 @@ void check(const moec::Status &status, const char *what) {
   TORCH_CHECK(status.ok(), "moec ", what, ": ", status.message());
 }
 
+/// torch's scalar types in the runtime's words ("f32", "i64"), which its
+/// messages use, and the runtime dtype each is bound as (the codes of
+/// quantized weights are bound as bytes, never through this table).
+struct TorchType {
+  at::ScalarType type;
+  const char *name;
+  std::optional<DType> dtype;
+};
+const TorchType kTorchTypes[] = {
+    {at::kFloat, "f32", DType::F32},  {at::kBFloat16, "bf16", DType::BF16},
+    {at::kInt, "i32", DType::I32},    {at::kLong, "i64", DType::I64},
+    {at::kDouble, "f64", std::nullopt}, {at::kHalf, "f16", std::nullopt},
+    {at::kShort, "i16", std::nullopt}, {at::kChar, "i8", std::nullopt},
+    {at::kByte, "u8", std::nullopt},  {at::kBool, "bool", std::nullopt},
+};
+
 at::ScalarType torchType(DType dtype) {
-  switch (dtype) {
-  case DType::F32:
-    return at::kFloat;
-  case DType::BF16:
-    return at::kBFloat16;
-  case DType::I32:
-    return at::kInt;
-  case DType::I64:
-    return at::kLong;
-  case DType::F8E4M3:
-  case DType::I8:
-  case DType::I4:
-    break; // codes: the torch op holds them as bytes, never as this dtype
-  }
-  TORCH_CHECK(false, "moec: no torch type for dtype ", int(dtype));
+  for (const TorchType &t : kTorchTypes)
+    if (t.dtype == dtype)
+      return t.type;
+  TORCH_CHECK(false, "moec: no torch type for dtype ", dtypeName(dtype));
   return at::kFloat;
 }
 
-/// A torch dtype in the runtime's words ("f32", "i64"), which its messages
-/// use; torch's name for one without a short name.
+/// A torch dtype in the runtime's words; torch's name for one without a
+/// short name.
 std::string dtypeName(at::ScalarType type) {
-  switch (type) {
-  case at::kFloat:
-    return "f32";
-  case at::kBFloat16:
-    return "bf16";
-  case at::kInt:
-    return "i32";
-  case at::kLong:
-    return "i64";
-  case at::kDouble:
-    return "f64";
-  case at::kHalf:
-    return "f16";
-  case at::kShort:
-    return "i16";
-  case at::kChar:
-    return "i8";
-  case at::kByte:
-    return "u8";
-  case at::kBool:
-    return "bool";
-  default:
-    return c10::toString(type);
-  }
+  for (const TorchType &t : kTorchTypes)
+    if (t.type == type)
+      return t.name;
+  return c10::toString(type);
 }
 
 /// The dtypes a tensor named `name` may have, for a message.
@@ -152,19 +138,11 @@ const char *acceptedDTypes(const std::string &name) {
 }
 
 DType moecType(const at::Tensor &t, const char *name) {
-  switch (t.scalar_type()) {
-  case at::kFloat:
-    return DType::F32;
-  case at::kBFloat16:
-    return DType::BF16;
-  case at::kInt:
-    return DType::I32;
-  case at::kLong:
-    return DType::I64;
-  default:
-    TORCH_CHECK(false, "moec: '", name, "' is ", dtypeName(t.scalar_type()), "; expected ",
-                acceptedDTypes(name));
-  }
+  for (const TorchType &k : kTorchTypes)
+    if (k.type == t.scalar_type() && k.dtype)
+      return *k.dtype;
+  TORCH_CHECK(false, "moec: '", name, "' is ", dtypeName(t.scalar_type()), "; expected ",
+              acceptedDTypes(name));
   return DType::F32;
 }
 

@@ -9,6 +9,7 @@
 #include "runtime/format/TaskBinary.h"
 
 #include "base/File.h"
+#include "base/Names.h"
 
 #include "runtime/format/Crc32.h"
 
@@ -44,72 +45,62 @@ static_assert(
 // Names
 //===----------------------------------------------------------------------===//
 
+namespace {
+constexpr Named<SectionKind> kSectionKindNames[] = {
+    {SectionKind::Strings, "strings"},
+    {SectionKind::Slots, "slots"},
+    {SectionKind::Ops, "ops"},
+    {SectionKind::Tilings, "tilings"},
+    {SectionKind::Events, "events"},
+    {SectionKind::Tasks, "tasks"},
+    {SectionKind::Waits, "waits"},
+    {SectionKind::Signals, "signals"},
+    {SectionKind::Queues, "queues"},
+    {SectionKind::QueueEntries, "queue entries"},
+};
+} // namespace
+
 const char *sectionKindName(SectionKind kind) {
-  switch (kind) {
-  case SectionKind::Strings:
-    return "strings";
-  case SectionKind::Slots:
-    return "slots";
-  case SectionKind::Ops:
-    return "ops";
-  case SectionKind::Tilings:
-    return "tilings";
-  case SectionKind::Events:
-    return "events";
-  case SectionKind::Tasks:
-    return "tasks";
-  case SectionKind::Waits:
-    return "waits";
-  case SectionKind::Signals:
-    return "signals";
-  case SectionKind::Queues:
-    return "queues";
-  case SectionKind::QueueEntries:
-    return "queue entries";
-  }
-  return "unknown";
+  return nameIn(kSectionKindNames, kind);
 }
+
+namespace {
+constexpr Named<OpKind> kOpKindNames[] = {
+    {OpKind::Dispatch, "dispatch"},
+    {OpKind::Combine, "combine"},
+    {OpKind::Gmm, "gmm"},
+    {OpKind::Swiglu, "swiglu"},
+    {OpKind::SwigluGrad, "swiglu_grad"},
+    {OpKind::Quantize, "quantize"},
+    {OpKind::Dequantize, "dequantize"},
+};
+} // namespace
 
 const char *opKindName(OpKind kind) {
-  switch (kind) {
-  case OpKind::Dispatch:
-    return "dispatch";
-  case OpKind::Combine:
-    return "combine";
-  case OpKind::Gmm:
-    return "gmm";
-  case OpKind::Swiglu:
-    return "swiglu";
-  case OpKind::SwigluGrad:
-    return "swiglu_grad";
-  case OpKind::Quantize:
-    return "quantize";
-  case OpKind::Dequantize:
-    return "dequantize";
-  }
-  return "unknown";
+  return nameIn(kOpKindNames, kind);
 }
+
+namespace {
+constexpr Named<CoreKind> kCoreKindNames[] = {
+    {CoreKind::Cube, "cube"},
+    {CoreKind::Vector, "vector"},
+};
+} // namespace
 
 const char *coreKindName(CoreKind kind) {
-  switch (kind) {
-  case CoreKind::Cube:
-    return "cube";
-  case CoreKind::Vector:
-    return "vector";
-  }
-  return "unknown";
+  return nameIn(kCoreKindNames, kind);
 }
 
+namespace {
+constexpr Named<EventKind> kEventKindNames[] = {
+    {EventKind::Local, "local"},
+    {EventKind::CrossRank, "cross-rank"},
+    {EventKind::Terminate, "terminate"},
+};
+} // namespace
+
 const char *eventKindName(EventKind kind) {
-  switch (kind) {
-  case EventKind::Local:
-    return "local";
-  case EventKind::CrossRank:
-    return "cross-rank";
-  case EventKind::Terminate:
-    return "terminate";
-  }
-  return "unknown";
+  return nameIn(kEventKindNames, kind);
 }
 
 TileCoord tileCoord(const TilingRecord &tiling, uint64_t index) {

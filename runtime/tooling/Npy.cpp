@@ -89,20 +89,28 @@ bool isKnownType(NpyType type) {
          type == NpyType::I64;
 }
 
-/// Returns the descr np.save writes for `type`: "<f4".
-const char *descrOf(NpyType type) {
-  switch (type) {
-  case NpyType::F32:
-    return "<f4";
-  case NpyType::F64:
-    return "<f8";
-  case NpyType::I32:
-    return "<i4";
-  case NpyType::I64:
-    return "<i8";
-  }
-  return "?";
+/// Each type's NumPy name, the two characters of its descr after the byte
+/// order ("<f4"), and its size.
+struct NpyTypeInfo {
+  NpyType type;
+  const char *name;
+  const char *code;
+  size_t size;
+};
+constexpr NpyTypeInfo kNpyTypes[] = {{NpyType::F32, "float32", "f4", 4},
+                                     {NpyType::F64, "float64", "f8", 8},
+                                     {NpyType::I32, "int32", "i4", 4},
+                                     {NpyType::I64, "int64", "i8", 8}};
+
+const NpyTypeInfo &npyTypeInfo(NpyType type) {
+  for (const NpyTypeInfo &info : kNpyTypes)
+    if (info.type == type)
+      return info;
+  return kNpyTypes[0];
 }
+
+/// Returns the descr np.save writes for `type`: "<f4".
+std::string descrOf(NpyType type) { return std::string("<") + npyTypeInfo(type).code; }
 
 //===----------------------------------------------------------------------===//
 // The header dict as a Python literal
@@ -413,17 +421,12 @@ Status parseDescr(const Value &value, NpyType *type) {
   if (descr.size() == 3 && (descr[0] == '<' || descr[0] == '=' || descr[0] == '>')) {
     std::string_view code(descr.data() + 1, 2);
     NpyType found = NpyType::F32;
-    bool known = true;
-    if (code == "f4")
-      found = NpyType::F32;
-    else if (code == "f8")
-      found = NpyType::F64;
-    else if (code == "i4")
-      found = NpyType::I32;
-    else if (code == "i8")
-      found = NpyType::I64;
-    else
-      known = false;
+    bool known = false;
+    for (const NpyTypeInfo &info : kNpyTypes)
+      if (code == info.code) {
+        found = info.type;
+        known = true;
+      }
     if (known && descr[0] == '>')
       return Status::error(fmt::format(
           "big-endian dtype '{}' is not supported; save with a.astype('<{}')", descr, code));
@@ -609,21 +612,9 @@ std::string makeHeader(NpyType type, const std::vector<int64_t> &shape) {
 // Public functions
 //===----------------------------------------------------------------------===//
 
-const char *npyTypeName(NpyType type) {
-  switch (type) {
-  case NpyType::F32:
-    return "float32";
-  case NpyType::F64:
-    return "float64";
-  case NpyType::I32:
-    return "int32";
-  case NpyType::I64:
-    return "int64";
-  }
-  return "unknown";
-}
+const char *npyTypeName(NpyType type) { return npyTypeInfo(type).name; }
 
-size_t npyTypeSize(NpyType type) { return type == NpyType::F64 || type == NpyType::I64 ? 8 : 4; }
+size_t npyTypeSize(NpyType type) { return npyTypeInfo(type).size; }
 
 int64_t NpyArray::elements() const {
   int64_t count = 1;

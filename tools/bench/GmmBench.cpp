@@ -48,6 +48,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -198,6 +199,35 @@ int layerShapes(int experts, int reps, int threads) {
   return 0;
 }
 
+/// A weight format the benches quantize into.
+struct Format {
+  const char *name;
+  moec::WeightFormat format;
+  int64_t group = 0;
+  bool zeroPoints = false;
+};
+
+/// A [rows, cols] fp32 weight quantized in a format: the codes, the scales
+/// and the matrix that names them.
+struct Quantized {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  QuantizedMatrix m;
+
+  Quantized(const Format &f, const std::vector<float> &w, int64_t rows, int64_t cols)
+      : codes(size_t(rows * cols)), scales(size_t(rows * cols)) { // more than any format needs
+    m.format = f.format;
+    m.rows = rows;
+    m.cols = cols;
+    m.group = f.group;
+    m.zeroPoints = f.zeroPoints;
+    quantize(m, w.data(), cols, codes.data(), scales.data());
+    m.codes = codes.data();
+    m.scales = scales.data();
+  }
+  Quantized(const Quantized &) = delete; // m points into the vectors
+};
+
 /// Times dequantize() into bf16 of a [1536, 2048] weight in each format,
 /// 192 rows at a time (a tile's chunk), and prints ns a value.
 int dequantizeRates(int reps) {
@@ -207,12 +237,6 @@ int dequantizeRates(int reps) {
   std::vector<float> w(size_t(rows * cols));
   for (float &x : w)
     x = dist(rng);
-  struct Format {
-    const char *name;
-    moec::WeightFormat format;
-    int64_t group;
-    bool zeroPoints;
-  };
   const Format formats[] = {{"fp8_block128", moec::WeightFormat::Fp8Block128, 0, false},
                             {"int8", moec::WeightFormat::Int8Channel, 0, false},
                             {"int4_g128", moec::WeightFormat::Int4Group, 128, false},
@@ -223,17 +247,8 @@ int dequantizeRates(int reps) {
               "of %d\n",
               (long long)rows, (long long)cols, (long long)chunk, reps);
   for (const Format &f : formats) {
-    QuantizedMatrix m;
-    m.format = f.format;
-    m.rows = rows;
-    m.cols = cols;
-    m.group = f.group;
-    m.zeroPoints = f.zeroPoints;
-    std::vector<uint8_t> codes(size_t(rows * cols));
-    std::vector<float> scales(size_t(rows * cols)); // more than any format needs
-    quantize(m, w.data(), cols, codes.data(), scales.data());
-    m.codes = codes.data();
-    m.scales = scales.data();
+    const Quantized q(f, w, rows, cols);
+    const QuantizedMatrix &m = q.m;
     const double t = bestSeconds(reps, [&] {
       for (int64_t r = 0; r < rows; r += chunk)
         dequantize(m, r, r + chunk, 0, cols, out.data(), Elt::BF16, cols);
@@ -258,11 +273,6 @@ int quantizedTiles(int experts, int reps) {
                           {"down_proj (w2, fwd)", 2048, 768, true},
                           {"dA = dZ w2", 768, 2048, false},
                           {"dX = dA' w1", 2048, 1536, false}};
-  struct Format {
-    const char *name;
-    moec::WeightFormat format;
-    int64_t group;
-  };
   const Format formats[] = {{"int8", moec::WeightFormat::Int8Channel, 0},
                             {"fp8_block128", moec::WeightFormat::Fp8Block128, 0},
                             {"int4_g128", moec::WeightFormat::Int4Group, 128}};
@@ -293,21 +303,9 @@ int quantizedTiles(int experts, int reps) {
     std::vector<uint16_t> copy(size_t(rows * cols));
     const double flops = 2.0 * double(m) * double(s.n) * double(s.k) * experts;
     for (const Format &f : formats) {
-      QuantizedMatrix q;
-      q.format = f.format;
-      q.rows = rows;
-      q.cols = cols;
-      q.group = f.group;
-      std::vector<std::vector<uint8_t>> codes(static_cast<size_t>(experts));
-      std::vector<std::vector<float>> scales(static_cast<size_t>(experts));
-      std::vector<QuantizedMatrix> matrices(size_t(experts), q);
-      for (int e = 0; e < experts; ++e) {
-        codes[size_t(e)].resize(size_t(rows * cols));
-        scales[size_t(e)].resize(size_t(rows * cols / 16 + 64));
-        quantize(q, w.data(), cols, codes[size_t(e)].data(), scales[size_t(e)].data());
-        matrices[size_t(e)].codes = codes[size_t(e)].data();
-        matrices[size_t(e)].scales = scales[size_t(e)].data();
-      }
+      std::vector<std::unique_ptr<Quantized>> quantized(static_cast<size_t>(experts));
+      for (auto &q : quantized)
+        q = std::make_unique<Quantized>(f, w, rows, cols);
       const auto run = [&](int way) {
         for (int e = 0; e < experts; ++e) {
           const ConstMatrix am{a[size_t(e)].data(), Elt::BF16, s.k};
@@ -321,17 +319,17 @@ int quantizedTiles(int experts, int reps) {
               const int64_t nb = std::min(chunk, s.n - c0);
               const int64_t ld = s.transB ? s.k + 32 : nb + (nb % 512 ? 0 : 32);
               if (s.transB)
-                dequantize(matrices[size_t(e)], c0, c0 + nb, 0, cols, copy.data(), Elt::BF16,
+                dequantize(quantized[size_t(e)]->m, c0, c0 + nb, 0, cols, copy.data(), Elt::BF16,
                            ld);
               else
-                dequantize(matrices[size_t(e)], 0, rows, c0, c0 + nb, copy.data(), Elt::BF16,
+                dequantize(quantized[size_t(e)]->m, 0, rows, c0, c0 + nb, copy.data(), Elt::BF16,
                            ld);
               gemmTile(m, nb, s.k, am, false, ConstMatrix{copy.data(), Elt::BF16, ld}, s.transB,
                        Matrix{c.data() + c0, Elt::F32, s.n}, false, &scratch);
             }
           } else {
-            const tile::DecodedB d = decodedB(matrices[size_t(e)]);
-            gemmTile(m, s.n, s.k, am, false, ConstMatrix{codes[size_t(e)].data(), Elt::BF16, 0},
+            const tile::DecodedB d = decodedB(quantized[size_t(e)]->m);
+            gemmTile(m, s.n, s.k, am, false, ConstMatrix{quantized[size_t(e)]->codes.data(), Elt::BF16, 0},
                      s.transB, cm, false, &scratch, 1.0f, false, nullptr, &d);
           }
         }

@@ -131,7 +131,7 @@ def mode_mixed_grow(rank, compile_fails=False):
     if rank == 1 and compile_fails:
         def compile_layer(*args, **kwargs):
             raise RuntimeError("moec compile moe_ffn_fwd.json failed:\nno space left (a test)")
-        moec_torch.compile_layer = compile_layer
+        moec_torch.cache.compile_layer = compile_layer
     before = dict(layer.config)
     x, ids, weights, _ = global_inputs(layer.ranks, layer.tokens, layer.hidden)
     try:

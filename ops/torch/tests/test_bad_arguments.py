@@ -276,7 +276,7 @@ def test_state_dict_saves_and_rebuilds_the_layer(tmp_path):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(moec_torch, "_compiled", {})
+    monkeypatch.setattr(moec_torch.cache, "_compiled", {})
     return tmp_path / "cache"
 
 
@@ -301,7 +301,7 @@ def test_a_truncated_cache_entry_is_compiled_anew(cache):
     size = damage(forward)
     # Another process's view: the cache in memory is empty, the entry on disk
     # is checked against its manifest.
-    moec_torch._compiled.clear()
+    moec_torch.cache._compiled.clear()
     with pytest.warns(RuntimeWarning, match=f"compile cache entry {re.escape(str(entry))} is damaged "
                                             r"\(moe_ffn_fwd.moebin has \d+ bytes; "
                                             f"{size} were written\\); removed, compiling it anew"):
@@ -322,7 +322,7 @@ def test_a_truncated_cache_entry_is_compiled_anew(cache):
     y.backward(dy)
     assert torch.equal(y, layer(x, ids, weights)) and again.w1.grad is not None
     # A whole entry is taken as it is, without a warning.
-    moec_torch._compiled.clear()
+    moec_torch.cache._compiled.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert moec_torch.compile_layer(config(), RANKS) == (forward, backward)
@@ -331,7 +331,7 @@ def test_a_truncated_cache_entry_is_compiled_anew(cache):
 def test_an_entry_without_manifest_is_compiled_anew(cache):
     forward, _ = moec_torch.compile_layer(config(), RANKS)
     (Path(forward).parent / "manifest.json").unlink()
-    moec_torch._compiled.clear()
+    moec_torch.cache._compiled.clear()
     with pytest.warns(RuntimeWarning, match="no readable manifest.json"):
         moec_torch.compile_layer(config(), RANKS)
     assert (Path(forward).parent / "manifest.json").is_file()
@@ -362,7 +362,7 @@ def graphs(tmp_path, monkeypatch):
     for g in Path(moec_torch.native.graphs_dir()).glob("*.json"):
         (folder / g.name).write_bytes(g.read_bytes())
     monkeypatch.setenv("MOEC_GRAPHS", str(folder))
-    monkeypatch.setattr(moec_torch, "_compiled", {})
+    monkeypatch.setattr(moec_torch.cache, "_compiled", {})
     return folder
 
 
@@ -517,12 +517,12 @@ def test_cache_key_covers_the_target_profile_file(cache, tmp_path):
     first = moec_torch.compile_layer(config(), RANKS, target=str(profile))
     assert json.loads(profile.read_text())["cube_cores"] == 2
     profile.write_text(PROFILE.replace('"cube_cores": 2', '"cube_cores": 3'))
-    moec_torch._compiled.clear()  # another process's view
+    moec_torch.cache._compiled.clear()  # another process's view
     second = moec_torch.compile_layer(config(), RANKS, target=str(profile))
     assert Path(second[0]).parent != Path(first[0]).parent
     # The same contents again: the first entry.
     profile.write_text(PROFILE)
-    moec_torch._compiled.clear()
+    moec_torch.cache._compiled.clear()
     assert moec_torch.compile_layer(config(), RANKS, target=str(profile)) == first
     # A profile the compiler refuses names the file, not the cache's copy.
     profile.write_text('{"name": "p", "cube_cores": 0, "vector_cores": 2}')
@@ -535,7 +535,7 @@ def test_cache_key_covers_the_target_profile_file(cache, tmp_path):
 
 @pytest.mark.parametrize("where", ["/dev/null", "file", "under-a-file"])
 def test_cache_dir_that_is_not_a_folder(where, tmp_path, monkeypatch):
-    monkeypatch.setattr(moec_torch, "_compiled", {})
+    monkeypatch.setattr(moec_torch.cache, "_compiled", {})
     (tmp_path / "file").write_text("x")
     value = {"/dev/null": "/dev/null", "file": str(tmp_path / "file"),
              "under-a-file": str(tmp_path / "file/cache")}[where]
@@ -612,7 +612,7 @@ def test_weights_and_gradients_that_are_not_dense_are_refused(layer):
 # --- environment variables ----------------------------------------------------------
 
 def test_graphs_folder_variable_that_names_nothing(monkeypatch):
-    monkeypatch.setattr(moec_torch, "_compiled", {})
+    monkeypatch.setattr(moec_torch.cache, "_compiled", {})
     monkeypatch.setenv("MOEC_GRAPHS", "abc")
     with pytest.raises(FileNotFoundError, match="MOEC_GRAPHS='abc' names the folder of the "
                                                 "layer graphs .*cannot be found"):

@@ -232,11 +232,25 @@ def test_compile_cache():
     mtime = [os.stat(p).st_mtime_ns for p in first]
     assert moec_torch.compile_layer(dict(cfg), 2) == first
     # A new process's view: the in-memory cache cleared, the disk cache hit.
-    moec_torch._compiled.clear()
+    moec_torch.cache._compiled.clear()
     assert moec_torch.compile_layer(cfg, 2) == first
     assert [os.stat(p).st_mtime_ns for p in first] == mtime
     other = moec_torch.compile_layer(cfg, 1)
     assert other != first and all(Path(p).is_file() for p in other)
+
+
+def test_the_package_names_its_modules_state():
+    """The package re-exports its modules' names: the in-memory compile
+    cache is the cache module's dict, the launch flags are read from
+    _launch, and a star import leaves the builtin compile alone."""
+    assert moec_torch._compiled is moec_torch.cache._compiled
+    moec_torch.load_library()
+    assert moec_torch._loaded is True and "_loaded" in dir(moec_torch)
+    assert moec_torch.compile is moec_torch.native.compile
+    assert "compile" not in moec_torch.__all__
+    names = {}
+    exec("from moec_torch import *", names)
+    assert "compile" not in names and set(moec_torch.__all__) <= set(names)
 
 
 # Errors cross into Python as exceptions with the runtime's message.
@@ -422,21 +436,21 @@ def test_compile_cache_checks_what_it_finds(tmp_path, monkeypatch):
     """A cache entry holding another layer's binaries, or a directory where a
     binary belongs, is compiled anew instead of trusted."""
     monkeypatch.setenv("MOEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(moec_torch, "_compiled", {})
+    monkeypatch.setattr(moec_torch.cache, "_compiled", {})
     small, big = config(hidden=64), config(hidden=128)
     fwd_small, bwd_small = moec_torch.compile_layer(small, 2)
     fwd_big, bwd_big = moec_torch.compile_layer(big, 2)
     # Plant H=128 binaries in the entry of the H=64 config.
     Path(fwd_small).write_bytes(Path(fwd_big).read_bytes())
     Path(bwd_small).write_bytes(Path(bwd_big).read_bytes())
-    monkeypatch.setattr(moec_torch, "_compiled", {})
+    monkeypatch.setattr(moec_torch.cache, "_compiled", {})
     layer = moec_torch.MoeFFN(small, 2, threads=2)
     assert layer.hidden == 64
     check_step(layer, *inputs(layer, seed=8), tol=FP32_TOL)
     # A directory where the forward binary belongs.
     Path(fwd_small).unlink()
     Path(fwd_small).mkdir()
-    monkeypatch.setattr(moec_torch, "_compiled", {})
+    monkeypatch.setattr(moec_torch.cache, "_compiled", {})
     assert moec_torch.MoeFFN(small, 2, threads=2).hidden == 64
 
 

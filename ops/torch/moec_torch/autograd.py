@@ -1,0 +1,158 @@
+"""The layer's autograd: MoeFFNFunction (a forward and backward pass of
+the runtime), the tensor-parallel conversions of one process (tokens shared
+by the TP ranks, weights sliced per TP rank, main-grad buffers), what every
+backward does after its pass, and the finite checks."""
+
+import collections
+
+import torch
+
+
+def _check_finite(name, tensor, part, first):
+    """Raises naming `name` and the first of its dim-0 slices (ranks from
+    `first`, or experts) that holds NaN or infinity."""
+    bad = ~torch.isfinite(tensor.detach())
+    if bad.any():
+        rows = bad.reshape(tensor.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+        raise ValueError(f"moec: '{name}' of {part} {first + rows[0]} holds "
+                         f"{int(bad.sum())} NaN/inf value(s) in all"
+                         + (f" ({part}s {[first + r for r in rows]})" if len(rows) > 1 else ""))
+
+
+class _TpShare(torch.autograd.Function):
+    """The tokens of each EP rank, once per TP rank: [P, ...] -> [P*T, ...]
+    (rank e*T + t gets EP rank e's). Every TP rank returns the whole
+    gradient of the shared tokens, so backward takes TP rank 0's (it does
+    not sum them)."""
+
+    @staticmethod
+    def forward(ctx, t, tp):
+        ctx.tp = tp
+        return t.repeat_interleave(tp, 0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.unflatten(0, (-1, ctx.tp))[:, 0].contiguous(), None
+
+
+class _TpTake(torch.autograd.Function):
+    """The output of each EP rank from its TP ranks, which all hold the same
+    bits: [P*T, ...] -> [P, ...] (TP rank 0's). Every TP rank's backward
+    needs the whole output gradient, so backward gives it to each."""
+
+    @staticmethod
+    def forward(ctx, t, tp):
+        ctx.tp = tp
+        return t.unflatten(0, (-1, tp))[:, 0].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.repeat_interleave(ctx.tp, 0), None
+
+
+def _to_tp(w1, w2, experts_per_rank, tp):
+    """The weights of every TP rank, from the whole experts of this process's
+    EP ranks: w1 [P*L, H, 2I] (gate columns, then up) -> [P*T*L, H, 2I/T],
+    where TP rank t of an expert holds its gate and up columns
+    t*I/T .. (t+1)*I/T - 1; w2 [P*L, I, H] -> [P*T*L, I/T, H], rows likewise.
+    Rank e*T + t's experts come e*T + t-th. Differentiable (a permuted copy)."""
+    L, T = experts_per_rank, tp
+    n, h, two_i = w1.shape
+    i = two_i // 2
+    w1t = w1.view(n // L, L, h, 2, T, i // T).permute(0, 4, 1, 2, 3, 5) \
+        .reshape(n * T, h, two_i // T)
+    w2t = w2.view(n // L, L, T, i // T, h).permute(0, 2, 1, 3, 4).reshape(n * T, i // T, h)
+    return w1t, w2t
+
+
+def _from_tp(w1t, w2t, experts_per_rank, tp):
+    """The inverse of _to_tp: per-TP-rank slices back to whole experts."""
+    L, T = experts_per_rank, tp
+    nt, h, two_is = w1t.shape
+    n, i = nt // T, two_is // 2 * T
+    w1 = w1t.view(n // L, T, L, h, 2, i // T).permute(0, 2, 3, 4, 1, 5).reshape(n, h, 2 * i)
+    w2 = w2t.view(n // L, T, L, i // T, h).permute(0, 2, 1, 3, 4).reshape(n, i, h)
+    return w1, w2
+
+
+class _TpMainGrads:
+    """main_grad under tensor parallelism in one process: when the backward
+    pass starts, the main-grad buffers as the runtime's ranks hold them (each
+    TP rank's slice, a copy); the runtime adds each rank's weight gradient
+    into its slice inside the weight-gradient GMMs, as it adds into a
+    rank's own buffer under MPI (the same bits); fold() copies the slices
+    back into the whole experts' main_grad."""
+
+    def __init__(self, weights, experts_per_rank, tp):
+        self.weights, self.experts_per_rank, self.tp = weights, experts_per_rank, tp
+        self.buffers = None
+
+    def __iter__(self):
+        self.buffers = tuple(t.contiguous() for t in _to_tp(
+            *(w.main_grad for w in self.weights), self.experts_per_rank, self.tp))
+        return iter(self.buffers)
+
+    def fold(self):
+        for w, g in zip(self.weights, _from_tp(*self.buffers, self.experts_per_rank, self.tp)):
+            w.main_grad.copy_(g)
+            w.grad_added_to_main_grad = True
+
+
+class MoeFFNFunction(torch.autograd.Function):
+    """y = MoE-FFN(x) on the moec runtime; backward gives dx, d topk_weights,
+    dw1 and dw2 (topk_ids get no gradient). `done`, when given, is the
+    (y, step) a submitted forward pass already gave (ForwardHandle.wait)."""
+
+    @staticmethod
+    def forward(ctx, layer, x, topk_ids, topk_weights, w1, w2, check_finite=False,
+                first_rank=0, main_grads=None, done=None, *adapters):
+        y, step = done if done is not None else torch.ops.moec.forward(
+            layer, x, topk_ids, topk_weights, w1, w2, list(adapters))
+        ctx.layer = layer
+        ctx.step = step
+        ctx.main_grads = main_grads
+        ctx.check = (check_finite, first_rank, w1.shape[0] // max(1, x.shape[0]))
+        ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, *adapters)
+        ctx.mark_non_differentiable()
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, topk_ids, topk_weights, w1, w2, *adapters = ctx.saved_tensors
+        main_grads = ctx.main_grads or (None, None)
+        dx, dtopk, dw1, dw2, dadapters = torch.ops.moec.backward(
+            ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2, dy, *main_grads,
+            adapters)
+        if isinstance(ctx.main_grads, _TpMainGrads):
+            ctx.main_grads.fold()
+        _after_backward(ctx.check, ctx.main_grads, (w1, w2), dy,
+                        Gradients(dx, dtopk, dw1, dw2, tuple(dadapters)))
+        scales = [None] * (len(adapters) - len(dadapters))  # quantized weights' scales
+        return (None, dx, None, dtopk, dw1, dw2, None, None, None, None, *dadapters, *scales)
+
+
+Gradients = collections.namedtuple("Gradients",
+                                   ["dx", "dtopk_weights", "dw1", "dw2", "adapters"])
+Gradients.__doc__ = """What a backward pass gives: dx, dtopk_weights, dw1 and dw2 (None for a
+frozen or LoRA layer, and with main_grad=True, whose gradients went into
+w1.main_grad and w2.main_grad), and the adapters' gradients (A then B,
+w1's then w2's; empty without LoRA)."""
+
+
+def _after_backward(check, main_grads, weights, dy, grads):
+    """What every backward does after the runtime's pass: Megatron's flag
+    on main-grad weights, and the finite checks (check_finite)."""
+    if main_grads:
+        # Megatron's flag: the gradient went into main_grad, not .grad.
+        for w in weights:
+            w.grad_added_to_main_grad = True
+    check_finite, first, local_experts = check
+    if check_finite:
+        _check_finite("dy", dy, "rank", first)
+        for name, t in (("dx", grads.dx), ("dtopk_weights", grads.dtopk_weights)):
+            _check_finite(name, t, "rank", first)
+        for name, t in zip(("dw1", "dw2"), main_grads or (grads.dw1, grads.dw2)):
+            if t is not None:
+                _check_finite(name, t, "expert", first * local_experts)
+        for i, t in enumerate(grads.adapters):
+            _check_finite(f"adapter gradient {i}", t, "expert", first * local_experts)

@@ -1,0 +1,195 @@
+"""Checkpoints: save_state, which replaces a file whole or not at all, and
+MoeFFN's state dict. A layer's state_dict() holds w1, w2 and the adapters
+(this process's experts) and, as the module's extra state, the layout they
+belong to and the main-grad buffers; load_state_dict() checks the layout
+before it copies anything, and takes this process's experts out of a
+checkpoint of more (a one-process checkpoint loaded under mpirun)."""
+
+import io
+from pathlib import Path
+
+import torch
+
+from . import checks, safetensors
+
+
+def save_state(obj, path):
+    """torch.save(obj, path) with the file replaced whole or not at all: a
+    checkpoint (layer.state_dict(), an optimizer's, a dict of them) for
+    torch.load. torch.save writes into memory, and the bytes go through
+    safetensors.write_atomically (a scratch file in the folder, synced,
+    renamed into place): a save that fails (a full disk) raises OSError
+    naming the file and leaves the old file as it was. torch.save straight
+    to a path cannot: in PyTorch 1.13 a failed write ends the process
+    (its zip writer throws again as it is destroyed). The serialized bytes
+    are held in memory once. Returns the path."""
+    path = checks.output_path(path, "save_state", "the checkpoint")
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    safetensors.write_atomically(path, buffer.getbuffer())
+    return Path(path)
+
+
+def layout_of(module):
+    """The layout of the MoeFFN `module`'s tensors that its checkpoints
+    record: the experts and intermediate columns this process holds, the
+    sizes, the dtype and what the layer was built with."""
+    first = module.first_rank * module.local_experts
+    return {"experts": module.experts, "first_expert": first,
+            "local_experts": module.local_ranks * module.local_experts,
+            "hidden": module.hidden, "inter": module.inter, "dtype": str(module.dtype),
+            "columns": _columns(module),
+            "lora_rank": module.lora_rank, "lora_targets": list(module.lora_targets),
+            "lora_scaling": module.lora_scaling, "main_grad": module.main_grad,
+            "weights_transposed": module.weights_transposed,
+            "weight_format": module.weight_format}
+
+
+def _columns(module):
+    """[first, end) of the intermediate columns (of I) this process holds."""
+    if module.tp_rank is None:
+        return [0, module.inter]
+    i = module.inter // module.tp
+    return [module.tp_rank * i, (module.tp_rank + 1) * i]
+
+
+def extra_state(module):
+    """MoeFFN.get_extra_state: the format, the layout and the main-grad
+    buffers."""
+    state = {"format": "moec.MoeFFN/1", "layout": layout_of(module)}
+    if module.main_grad:
+        state["main_grad"] = {"w1": module.w1.main_grad, "w2": module.w2.main_grad}
+    return state
+
+
+def load_extra_state(module, state):
+    """MoeFFN.set_extra_state: copies the main-grad buffers."""
+    # check_state_dict has checked the layout and sliced the buffers.
+    if module.main_grad and "main_grad" in state:
+        with torch.no_grad():
+            module.w1.main_grad.copy_(state["main_grad"]["w1"])
+            module.w2.main_grad.copy_(state["main_grad"]["w2"])
+
+
+def _own_state(module):
+    """{name: tensor} of what load_state_dict copies into this layer
+    (its parameters and persistent buffers), as nn.Module finds them."""
+    state = {n: p for n, p in module._parameters.items() if p is not None}
+    state.update({n: b for n, b in module._buffers.items()
+                  if b is not None and n not in module._non_persistent_buffers_set})
+    return state
+
+
+def check_state_dict(module, state_dict, prefix, strict):
+    """Before load_state_dict copies anything: every refusal is raised
+    here, so that a refused checkpoint leaves the layer untouched
+    (nn.Module's own checks raise only after copying what fits). The
+    checkpoint's layout must be this layer's, with this process's
+    experts among its experts; strictly, no key may be missing (the
+    layout, _extra_state, included) or unknown; every tensor given must
+    be a tensor of this layer's shape and dtype, its main-grad buffers
+    too."""
+    name = prefix + "_extra_state"
+    own = _own_state(module)
+    for n in own:
+        t = state_dict.get(prefix + n)
+        if prefix + n in state_dict and not isinstance(t, torch.Tensor):
+            raise ValueError(f"moec: '{prefix}{n}' is a {type(t).__name__}, not a tensor")
+    extra = None
+    if name in state_dict:
+        _check_layout(module, state_dict[name], prefix, state_dict)
+        extra = state_dict[name]
+    if strict:
+        missing = [prefix + n for n in list(own) + ["_extra_state"]
+                   if prefix + n not in state_dict]
+        unexpected = [k for k in state_dict if k.startswith(prefix) and
+                      k[len(prefix):].split(".", 1)[0] not in
+                      {*own, *module._modules, "_extra_state"}]
+        if missing or unexpected:
+            raise ValueError(
+                "moec: the state dict does not fit the layer: "
+                + "; ".join(f"{what} {keys[:3]}{' ...' if len(keys) > 3 else ''}"
+                            for what, keys in (("missing", missing),
+                                               ("unexpected", unexpected)) if keys)
+                + (f" ('{name}' is the layout a MoeFFN checkpoint records: load the "
+                   "layer's state_dict(), or strict=False for its tensors alone)"
+                   if name in missing else ""))
+    given = [(prefix + n, state_dict[prefix + n], t) for n, t in own.items()
+             if prefix + n in state_dict]
+    if extra is not None and extra.get("main_grad") is not None:
+        given += [(f"{name}['main_grad']['{w}']", extra["main_grad"][w],
+                   getattr(module, w).main_grad) for w in ("w1", "w2")]
+    for key, t, mine in given:
+        if tuple(t.shape) != tuple(mine.shape):
+            raise ValueError(f"moec: '{key}' has shape {list(t.shape)}; this layer's is "
+                             f"{list(mine.shape)}")
+        if t.dtype != mine.dtype:
+            raise ValueError(f"moec: '{key}' is {t.dtype}; this layer's is {mine.dtype}")
+
+
+def _check_layout(module, extra, prefix, state_dict):
+    """The checks of a checkpoint's extra state (its layout) against this
+    layer; a checkpoint of more experts (or of the whole intermediate
+    columns, loaded by one TP rank) is sliced in `state_dict` to this
+    process's part."""
+    name = prefix + "_extra_state"
+    if not isinstance(extra, dict) or extra.get("format") != "moec.MoeFFN/1":
+        raise ValueError(f"moec: '{name}' is not a moec MoeFFN checkpoint's")
+    layout = extra.get("layout")
+    keys = ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
+            "lora_scaling", "first_expert", "local_experts")
+    if not isinstance(layout, dict) or any(k not in layout for k in keys):
+        raise ValueError(f"moec: '{name}' is not a moec MoeFFN checkpoint's: its layout "
+                         f"lacks {[k for k in keys if k not in (layout or {})]}")
+    theirs, mine = dict(layout), layout_of(module)
+    theirs.setdefault("weights_transposed", False)
+    theirs.setdefault("weight_format", None)
+    for key in ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
+                "lora_scaling", "weight_format", "weights_transposed"):
+        if theirs[key] != mine[key]:
+            raise ValueError(f"moec: the checkpoint is of another layer: its {key} is "
+                             f"{theirs[key]!r}, this layer's {mine[key]!r}")
+    grads = extra.get("main_grad")
+    if grads is not None and not module.main_grad:
+        raise ValueError("moec: the checkpoint holds main-grad buffers; this layer has "
+                         "none (main_grad=False)")
+    if grads is not None and not (isinstance(grads, dict) and all(
+            isinstance(grads.get(w), torch.Tensor) for w in ("w1", "w2"))):
+        raise ValueError(f"moec: '{name}': its main_grad is not a dict of tensors w1 and w2")
+    lo, n = theirs["first_expert"], theirs["local_experts"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, n)):
+        raise ValueError(f"moec: '{name}': its first_expert and local_experts are not "
+                         f"integers: {lo!r}, {n!r}")
+    first, count = mine["first_expert"], mine["local_experts"]
+    if not (lo <= first and first + count <= lo + n):
+        raise ValueError(
+            f"moec: the checkpoint holds experts {lo}..{lo + n - 1} of {theirs['experts']}; "
+            f"this layer (rank {module.first_rank}) holds experts {first}..{first + count - 1}")
+    held = theirs.get("columns", [0, theirs["inter"]])
+    if held != mine["columns"] and held != [0, module.inter]:
+        raise ValueError(
+            f"moec: the checkpoint holds intermediate columns {held[0]}..{held[1] - 1} of "
+            f"{module.inter} (a TP rank's); this layer (TP rank {module.tp_rank}) holds "
+            f"{mine['columns'][0]}..{mine['columns'][1] - 1}")
+    slicing = held != mine["columns"]
+    if (lo, n) == (first, count) and not slicing:
+        return
+    # A checkpoint of more experts: keep this process's.
+    names = ["w1", "w2"] + (["w1_scale", "w2_scale"] if module.weight_format else []) + \
+        [f"{t}_lora_{m}" for t in module.lora_targets for m in "AB"]
+
+    # A checkpoint of the whole experts loaded by one TP rank: its slice.
+    def keep(name, t):
+        if t.shape[:1] != (n,):
+            raise ValueError(f"moec: '{prefix}{name}' has shape {list(t.shape)}; the "
+                             f"checkpoint's layout holds {n} experts")
+        t = t[first - lo:first - lo + count]
+        if slicing and name in ("w1", "w2"):
+            t = torch.stack([module._tp_slice(getattr(module, name), e) for e in t])
+        return t
+
+    for param in names:
+        if prefix + param in state_dict:
+            state_dict[prefix + param] = keep(param, state_dict[prefix + param])
+    if grads is not None:
+        state_dict[name] = dict(extra, main_grad={k: keep(k, v) for k, v in grads.items()})

@@ -161,4 +161,10 @@ extern "C" int moec_capacity_advice(const char *config, long long rows_per_rank,
   });
 }
 
-extern "C" void moec_free(char *text) { std::free(text); }
+extern "C" const char *moec_compiler_version(unsigned *binary_format) {
+  if (binary_format)
+    *binary_format = moec::format::kFormatVersion;
+  return MOEC_VERSION_STRING;
+}
+
+void moec_free(char *text) { std::free(text); }

@@ -15,9 +15,17 @@
 #ifndef MOEC_COMPILER_API_MOEC_H
 #define MOEC_COMPILER_API_MOEC_H
 
+#include "base/Version.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* The version of the compiler library this program runs against,
+ * "MAJOR.MINOR.PATCH" (base/Version.h: compare with MOEC_VERSION_STRING, the
+ * header's), and, when `binary_format` is not null, the task binary format
+ * version it writes. */
+const char *moec_compiler_version(unsigned *binary_format);
 
 /* Compiles the graph description `graph` (.json or .mlir) for the config
  * file `config` into the task binary `out` (written whole or not at all):

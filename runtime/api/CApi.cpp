@@ -87,6 +87,12 @@ extern "C" {
 
 const char *moec_last_error(void) { return lastError.c_str(); }
 
+const char *moec_runtime_version(uint32_t *binary_format) {
+  if (binary_format)
+    *binary_format = moec::format::kFormatVersion;
+  return MOEC_VERSION_STRING;
+}
+
 int moec_program_load(const char *path, moec_program **out) {
   if (!path || !out)
     return report(moec::Status::error("moec_program_load: null argument"));

@@ -96,6 +96,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/Version.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -132,6 +134,12 @@ typedef struct moec_context moec_context; /**< an EP group's runtime state */
 
 /** The message of the calling thread's last failed call ("" if none). */
 const char *moec_last_error(void);
+
+/** The version of the runtime library this program runs against,
+ *  "MAJOR.MINOR.PATCH" (base/Version.h: compare with MOEC_VERSION_STRING,
+ *  the header's), and, when `binary_format` is not null, the task binary
+ *  format version it reads. */
+const char *moec_runtime_version(uint32_t *binary_format);
 
 /** Loads and validates the task binary at `path`. */
 int moec_program_load(const char *path, moec_program **out);

@@ -745,6 +745,11 @@ TEST_CASE("runtime C API", "[runtime]") {
   const std::string fwdPath = tempPath("c_api_fwd.moebin"), bwdPath = tempPath("c_api_bwd.moebin");
   REQUIRE(moec::format::writeTaskBinaryFile(fwd->tasks(), fwdPath).ok());
   REQUIRE(moec::format::writeTaskBinaryFile(bwd->tasks(), bwdPath).ok());
+  // The library's version is the header's, with the format it reads.
+  uint32_t format = 0;
+  CHECK(std::string(moec_runtime_version(&format)) == MOEC_VERSION_STRING);
+  CHECK(format == moec::format::kFormatVersion);
+  CHECK(moec_runtime_version(nullptr) == std::string(MOEC_VERSION_STRING));
   moec_program *f = nullptr, *b = nullptr;
   REQUIRE(moec_program_load(fwdPath.c_str(), &f) == 0);
   REQUIRE(moec_program_load(bwdPath.c_str(), &b) == 0);

@@ -4,6 +4,8 @@
 #include "tools/moec/Commands.h"
 
 #include "base/File.h"
+#include "base/Version.h"
+#include "runtime/format/TaskBinary.h"
 
 #include <cerrno>
 #include <cstdio>
@@ -37,8 +39,9 @@ const char *kTopHelp =
     "  import   convert a JSON graph description to the moe dialect (.mlir)\n"
     "  export   convert a moe dialect graph (.mlir) to a JSON description\n"
     "\n"
-    "'moec <command> --help' describes a command. Exit codes: 0 success,\n"
-    "1 error, 2 usage error.\n";
+    "'moec <command> --help' describes a command; 'moec --version' prints\n"
+    "moec's version and the task binary format it writes and reads. Exit\n"
+    "codes: 0 success, 1 error, 2 usage error.\n";
 
 /// Holds the standard descriptors a parent closed with a file that cannot be
 /// written, so that no file moec opens becomes its standard output by
@@ -83,6 +86,11 @@ int dispatch(int argc, char **argv) {
   std::string cmd = argv[1];
   if (cmd == "--help" || cmd == "-h" || cmd == "help") {
     std::fputs(kTopHelp, stdout);
+    return kOk;
+  }
+  if (cmd == "--version") {
+    std::printf("moec %s (task binary format %u)\n", MOEC_VERSION_STRING,
+                unsigned(moec::format::kFormatVersion));
     return kOk;
   }
   if (cmd == "check")

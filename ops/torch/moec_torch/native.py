@@ -26,7 +26,7 @@ from pathlib import Path
 from . import checks
 
 __all__ = ["compile", "dump", "simulate_trace", "load_trace", "library_path", "op_library_path",
-           "graphs_dir"]
+           "graphs_dir", "library_version"]
 
 _PACKAGE = Path(__file__).resolve().parent
 _REPO = _PACKAGE.parents[2]
@@ -111,6 +111,8 @@ def _library():
             lib.moec_capacity_advice.argtypes = [ctypes.c_char_p, ctypes.c_longlong,
                                                  ctypes.c_longlong, ctypes.c_int, out, out]
             lib.moec_free.argtypes = [ctypes.c_void_p]
+            lib.moec_compiler_version.argtypes = [ctypes.POINTER(ctypes.c_uint)]
+            lib.moec_compiler_version.restype = ctypes.c_char_p
             for f in (lib.moec_compile, lib.moec_dump_json, lib.moec_simulate_trace,
                       lib.moec_capacity_advice):
                 f.restype = ctypes.c_int
@@ -141,6 +143,16 @@ def _call(function, *args, outputs=1):
     if rc != 0:
         raise RuntimeError(f"moec: {message or function + ' failed'}")
     return texts
+
+
+def library_version():
+    """The version of the compiler library in use ("MAJOR.MINOR.PATCH",
+    base/Version.h) and the task binary format it writes:
+    {"version": "0.1.0", "binary_format": 1}."""
+    lib = _library()
+    fmt = ctypes.c_uint(0)
+    version = lib.moec_compiler_version(ctypes.byref(fmt)).decode()
+    return {"version": version, "binary_format": fmt.value}
 
 
 def compile(graph, config, out, target="cpu", granularity="per-tile-range"):

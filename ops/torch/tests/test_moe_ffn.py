@@ -239,6 +239,23 @@ def test_compile_cache():
     assert other != first and all(Path(p).is_file() for p in other)
 
 
+def test_the_version_is_base_versions_everywhere(tmp_path):
+    """The compiler library reports base/Version.h's version and the task
+    binary format that a binary it compiles carries; the package installs
+    under the same version."""
+    repo = Path(__file__).resolve().parents[3]
+    header = (repo / "base" / "Version.h").read_text()
+    want = re.search(r'#define MOEC_VERSION_STRING "([0-9.]+)"', header).group(1)
+    got = moec_torch.native.library_version()
+    assert got["version"] == want
+    setup = (repo / "ops" / "torch" / "setup.py").read_text()
+    assert re.search(r'version="([0-9.]+)"', setup).group(1) == want
+    out = tmp_path / "fwd.moebin"
+    moec_torch.compile(str(repo / "graphs" / "moe_ffn_fwd.json"),
+                       str(repo / "examples" / "configs" / "tiny.json"), str(out))
+    assert moec_torch.dump(str(out))["file"]["format_version"] == got["binary_format"] >= 1
+
+
 def test_the_package_names_its_modules_state():
     """The package re-exports its modules' names: the in-memory compile
     cache is the cache module's dict, the launch flags are read from

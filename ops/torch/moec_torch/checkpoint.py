@@ -33,16 +33,26 @@ def save_state(obj, path):
 def layout_of(module):
     """The layout of the MoeFFN `module`'s tensors that its checkpoints
     record: the experts and intermediate columns this process holds, the
-    sizes, the dtype and what the layer was built with."""
+    sizes, the dtype and what the layer was built with. Every value is an
+    int, a str, a bool, None or a list of them, which torch.load(...,
+    weights_only=True) reads (PyTorch 1.13's reader has no floats): the
+    LoRA scaling is its repr, which gives the float back exactly."""
     first = module.first_rank * module.local_experts
     return {"experts": module.experts, "first_expert": first,
             "local_experts": module.local_ranks * module.local_experts,
             "hidden": module.hidden, "inter": module.inter, "dtype": str(module.dtype),
             "columns": _columns(module),
             "lora_rank": module.lora_rank, "lora_targets": list(module.lora_targets),
-            "lora_scaling": module.lora_scaling, "main_grad": module.main_grad,
+            "lora_scaling": _scaling(module.lora_scaling), "main_grad": module.main_grad,
             "weights_transposed": module.weights_transposed,
             "weight_format": module.weight_format}
+
+
+def _scaling(value):
+    """The LoRA scaling as a checkpoint records it: repr(float), also for the
+    float an earlier checkpoint recorded."""
+    return repr(float(value)) if isinstance(value, (int, float)) and \
+        not isinstance(value, bool) else value
 
 
 def _columns(module):
@@ -144,6 +154,7 @@ def _check_layout(module, extra, prefix, state_dict):
     theirs, mine = dict(layout), layout_of(module)
     theirs.setdefault("weights_transposed", False)
     theirs.setdefault("weight_format", None)
+    theirs["lora_scaling"] = _scaling(theirs["lora_scaling"])
     for key in ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
                 "lora_scaling", "weight_format", "weights_transposed"):
         if theirs[key] != mine[key]:

@@ -962,5 +962,6 @@ class MoeFFN(torch.nn.Module):
 _NOT_PICKLED = (
     "moec: {what} cannot be copied or pickled (copy.deepcopy, pickle, torch.save of the "
     "module): it owns a runtime of compiled binaries and threads. Save its state instead, "
-    "torch.save(layer.state_dict(), path), and rebuild it with the same arguments: "
-    "layer = moec_torch.MoeFFN(config, ...); layer.load_state_dict(torch.load(path))")
+    "moec_torch.save_state(layer.state_dict(), path), and rebuild it with the same "
+    "arguments: layer = moec_torch.MoeFFN(config, ...); "
+    "layer.load_state_dict(torch.load(path, weights_only=True))")

@@ -62,11 +62,13 @@ def test_state_dict_round_trips_bitwise(variant, dtype, tmp_path):
         x, ids, weights, dy = inputs(a, 2)
         a(x, ids, weights).backward(dy)
         assert a.w1.main_grad.abs().sum() > 0
-    torch.save(a.state_dict(), tmp_path / "layer.pt")
+    # As the docs say to: written whole, read as tensors only (PyTorch 1.13's
+    # weights-only reader refuses anything else, floats included).
+    moec_torch.save_state(a.state_dict(), tmp_path / "layer.pt")
 
     b = make(variant, 7, dtype)  # other initial weights
     assert not torch.equal(a.w1, b.w1)
-    b.load_state_dict(torch.load(tmp_path / "layer.pt"))
+    b.load_state_dict(torch.load(tmp_path / "layer.pt", weights_only=True))
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), name
     if variant == "main_grad":
@@ -125,6 +127,17 @@ def test_a_checkpoint_of_another_layer_is_refused_before_anything_is_copied():
     b2 = make("full", 1)
     with pytest.raises(ValueError, match="holds experts 2..3 of 4; this layer"):
         b2.load_state_dict(sd)
+    # The LoRA scaling: recorded as its repr; a float (as earlier checkpoints
+    # recorded it) is read as the same value; another scaling is refused.
+    lora = make("lora", 0)
+    sd = lora.state_dict()
+    assert sd["_extra_state"]["layout"]["lora_scaling"] == repr(lora.lora_scaling)
+    sd["_extra_state"]["layout"] = dict(sd["_extra_state"]["layout"],
+                                        lora_scaling=lora.lora_scaling)
+    make("lora", 1).load_state_dict(sd)
+    sd["_extra_state"]["layout"] = dict(sd["_extra_state"]["layout"], lora_scaling=0.5)
+    with pytest.raises(ValueError, match="its lora_scaling is '0.5', this layer's '2.0'"):
+        make("lora", 1).load_state_dict(sd)
 
 
 def test_peft_layout_of_the_adapters(tmp_path):

@@ -55,6 +55,12 @@ size_t panelBytes(int64_t n) { return size_t(ceilDiv(n, kPanel) * kPanel * kBloc
 /// transposes read them); else a block's depth rows of kPanel columns.
 int64_t decodedLd(bool transB) { return transB ? 2 * kBlockUnits + 32 : kPanel; }
 
+/// Bytes of the fp32 partial sums gemm keeps for a bf16 C deeper than one
+/// depth block (m x the column group's width), else none.
+size_t partialBytes(int64_t m, int64_t n, int64_t k, bool bf16, bool cBf16) {
+  return cBf16 && k > kBlockUnits * perUnit(bf16) ? size_t(m * std::min(n, kGroup)) * 4 : 0;
+}
+
 /// Bytes of one panel's part of a decoded B, rounded to cache lines.
 size_t decodedBytes(bool transB) {
   const int64_t rows = transB ? kPanel : 2 * kBlockUnits;
@@ -75,10 +81,8 @@ size_t packedBBytes(int64_t n, int64_t k, bool bf16) {
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
                  bool decodedB) {
   const int64_t width = std::min(n, kGroup);
-  size_t bytes = panelBytes(width) + packedABytes(m, k, transA, bf16);
-  // bf16 C over more than one depth block: fp32 partial sums.
-  if (cBf16 && k > kBlockUnits * perUnit(bf16))
-    bytes += size_t(m * width) * 4;
+  size_t bytes = panelBytes(width) + packedABytes(m, k, transA, bf16) +
+                 partialBytes(m, n, k, bf16, cBf16);
   // The larger of the two forms: packBytes does not know transB.
   if (decodedB)
     bytes += std::max(decodedBytes(true), decodedBytes(false));
@@ -416,10 +420,8 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   float *partialBase = reinterpret_cast<float *>(after + packedABytes(m, k, transA, bf16));
   // With decodedB: one panel's part of B per depth block, decoded (after
   // the partial sums, which a bf16 C deeper than one block needs).
-  const size_t partialBytes =
-      cBf16 && k > depth ? size_t(m * width) * 4 : 0;
   uint16_t *decoded = reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(partialBase) +
-                                                   partialBytes);
+                                                   partialBytes(m, n, k, bf16, cBf16));
   const char *aBytes = static_cast<const char *>(a), *bBytes = static_cast<const char *>(b);
   // The rows of B's column group at j0 (nb wide), depth [q0, q1), and of A
   // (read in place) at depth [q0, q1): what a later block will pack or read.
@@ -476,14 +478,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
           const int64_t c0 = j0 + q * kPanel, cols = std::min<int64_t>(kPanel, nb - q * kPanel);
           uint32_t *panel = panels + q * kBlockUnits * kPanel;
           if (transB) {
-            decodedB->decode(decodedB->context, decodedB->rowOffset + c0,
-                             decodedB->rowOffset + c0 + cols, decodedB->colOffset + p0,
-                             decodedB->colOffset + p1, decoded, ld);
+            decodedB->read(c0, c0 + cols, p0, p1, decoded, ld);
             packTransposed(decoded, ld, cols, 0, p1 - p0, true, panel, kBlockUnits * kPanel);
           } else {
-            decodedB->decode(decodedB->context, decodedB->rowOffset + p0,
-                             decodedB->rowOffset + p1, decodedB->colOffset + c0,
-                             decodedB->colOffset + c0 + cols, decoded, ld);
+            decodedB->read(p0, p1, c0, c0 + cols, decoded, ld);
             packRows(decoded, ld, 0, p1 - p0, cols, true, panel, kPanel, kPanel,
                      kBlockUnits * kPanel);
           }

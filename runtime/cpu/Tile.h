@@ -74,6 +74,12 @@ struct DecodedB {
   const uint8_t *codes = nullptr;
   int64_t codesLd = 0;
   bool halfBytes = false;
+
+  /// decode() of B's rows [r0, r1) and columns [c0, c1), in B's own
+  /// coordinates (the offsets added).
+  void read(int64_t r0, int64_t r1, int64_t c0, int64_t c1, uint16_t *dst, int64_t ld) const {
+    decode(context, rowOffset + r0, rowOffset + r1, colOffset + c0, colOffset + c1, dst, ld);
+  }
 };
 
 /// Whether this CPU runs the tile: AVX-512 (F) for fp32, and bf16 dot

@@ -261,11 +261,11 @@ def test_state_dict_saves_and_rebuilds_the_layer(tmp_path):
     with torch.no_grad():
         for a in layer.adapters():
             a.uniform_(-0.1, 0.1)
-    torch.save(layer.state_dict(), tmp_path / "layer.pt")
+    moec_torch.save_state(layer.state_dict(), tmp_path / "layer.pt")
     torch.manual_seed(6)
     rebuilt = moec_torch.MoeFFN(config(), RANKS, threads=2, lora_rank=4, lora_alpha=8)
     assert not torch.equal(rebuilt.w1, layer.w1)
-    rebuilt.load_state_dict(torch.load(tmp_path / "layer.pt"))
+    rebuilt.load_state_dict(torch.load(tmp_path / "layer.pt", weights_only=True))
     for name, p in layer.named_parameters():
         assert torch.equal(p, dict(rebuilt.named_parameters())[name]), name
     x, ids, weights, _ = inputs(layer, seed=2)

@@ -4,7 +4,7 @@
 
 #include "base/File.h"
 #include "compiler/driver/Compile.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
 #include "compiler/inspect/Dump.h"
 

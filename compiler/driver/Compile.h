@@ -16,7 +16,7 @@
 #include "compiler/target/Profile.h"
 #include "compiler/target/Schedule.h"
 #include "base/Status.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include "mlir/IR/BuiltinOps.h"
 

@@ -14,7 +14,7 @@
 #include "base/Status.h"
 #include "compiler/target/Profile.h"
 #include "compiler/target/Simulate.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <cstddef>
 #include <cstdint>

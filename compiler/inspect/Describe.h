@@ -11,7 +11,7 @@
 
 #include "compiler/inspect/Analysis.h"
 #include "compiler/inspect/Dump.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <cstdint>
 #include <optional>

@@ -14,7 +14,7 @@
 
 #include "base/Status.h"
 #include "compiler/inspect/Analysis.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <nlohmann/json.hpp>
 

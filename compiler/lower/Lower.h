@@ -1,7 +1,7 @@
 //===- Lower.h - A split-propagated graph to a task program -----*- C++ -*-===//
 //
 // The step from the graph level (the moe dialect, after moe-propagate-splits)
-// to the tile level (a plain C++ task program, runtime/format): every op's
+// to the tile level (a plain C++ task program, format): every op's
 // tile grid becomes tasks on its core kind with a tiling descriptor, every
 // tile map becomes events that producer tiles signal and consumer tiles wait
 // on, and a terminate event collects the graph's sink tiles and the returning
@@ -14,7 +14,7 @@
 
 #include "compiler/ir/MoeDialect.h"
 #include "compiler/target/Profile.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include "mlir/Support/LogicalResult.h"
 

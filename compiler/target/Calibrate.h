@@ -15,7 +15,7 @@
 #define MOEC_COMPILER_TARGET_CALIBRATE_H
 
 #include "compiler/target/Profile.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
 
 #include <cstdint>

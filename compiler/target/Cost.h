@@ -28,7 +28,7 @@
 #define MOEC_COMPILER_TARGET_COST_H
 
 #include "compiler/target/Profile.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <vector>
 

@@ -18,7 +18,7 @@
 #define MOEC_COMPILER_TARGET_SCHEDULE_H
 
 #include "compiler/target/Profile.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 namespace moec::target {
 

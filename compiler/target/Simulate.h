@@ -28,7 +28,7 @@
 
 #include "base/Status.h"
 #include "compiler/target/Cost.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
 
 #include <cstdint>

@@ -29,7 +29,7 @@
 
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/transforms/Passes.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include "llvm/ADT/DenseMap.h"
 

@@ -22,7 +22,7 @@
 #include "base/Time.h"
 #include "runtime/api/CApi.h"
 #include "runtime/api/Group.h"
-#include "runtime/format/Crc32.h"
+#include "format/Crc32.h"
 #include "runtime/layer/Layer.h"
 #include "runtime/trace/Trace.h"
 

@@ -208,12 +208,12 @@ int moec_wait(moec_context *context);
  * C++ API
  *===----------------------------------------------------------------------===*/
 
-#include "base/LayerShape.h"
+#include "format/LayerShape.h"
 #include "runtime/backend/Pass.h"
 #include "runtime/comm/Fabric.h"
 #include "base/Status.h"
 #include "base/Time.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
 
 #include <array>
@@ -233,7 +233,7 @@ Tensor makeTensor(void *data, format::DType dtype, std::initializer_list<int64_t
 /// Returns "[2, 3, 4]".
 std::string shapeString(const Tensor &tensor);
 
-/// The sizes and capacities of a compiled layer (base/LayerShape.h).
+/// The sizes and capacities of a compiled layer (format/LayerShape.h).
 using LayerShape = moec::LayerShape;
 
 /// What a routing needs of a binary's capacities (LayerShape's rowCapacity,

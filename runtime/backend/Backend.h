@@ -13,7 +13,7 @@
 
 #include "base/Status.h"
 #include "runtime/backend/Pass.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "runtime/layer/Layer.h"
 
 #include <cstddef>

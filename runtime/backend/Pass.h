@@ -35,7 +35,7 @@
 #include "base/Time.h"
 #include "runtime/comm/Fabric.h"
 #include "runtime/layer/Routing.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "runtime/layer/Layer.h"
 #include "runtime/trace/Trace.h"
 

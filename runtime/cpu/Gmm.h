@@ -4,7 +4,7 @@
 // a time. The activations of all local experts share one buffer, grouped by
 // expert (expert-major): expert e owns the rows [offset, offset + rows) of
 // it, its Segment. A tile is a row range x column range of the expert's
-// output, as a TilingRecord cuts it (runtime/format/TaskBinary.h).
+// output, as a TilingRecord cuts it (format/TaskBinary.h).
 //
 //   kernel           computes (m: segment rows, K: depth)        weight B
 //   gmmForwardTile   C[m, n]  = sum_k A[m, k] * B[k, n]          [K, N]

@@ -33,7 +33,7 @@
 #define MOEC_RUNTIME_CPU_QUANT_H
 
 #include "base/DType.h"
-#include "base/LayerShape.h"
+#include "format/LayerShape.h"
 #include "runtime/cpu/Tile.h"
 
 #include <cstddef>

@@ -79,7 +79,7 @@
 #include "base/Status.h"
 #include "base/Time.h"
 #include "runtime/comm/Fabric.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
 #include "runtime/exec/ThreadTeam.h"
 

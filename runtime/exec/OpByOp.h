@@ -13,7 +13,7 @@
 #ifndef MOEC_RUNTIME_EXEC_OPBYOP_H
 #define MOEC_RUNTIME_EXEC_OPBYOP_H
 
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 namespace moec::exec {
 

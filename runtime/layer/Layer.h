@@ -31,9 +31,9 @@
 #ifndef MOEC_RUNTIME_LAYER_LAYER_H
 #define MOEC_RUNTIME_LAYER_LAYER_H
 
-#include "base/LayerShape.h"
+#include "format/LayerShape.h"
 #include "base/Status.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <array>
 #include <vector>

@@ -10,7 +10,7 @@
 #include "runtime/cpu/Element.h"
 #include "runtime/cpu/Fp8.h"
 #include "runtime/cpu/Quant.h"
-#include "runtime/format/Crc32.h"
+#include "format/Crc32.h"
 #include "runtime/tooling/Reference.h"
 #include "runtime/tooling/Npy.h"
 

@@ -30,7 +30,7 @@
 #ifndef MOEC_RUNTIME_CPU_REFERENCE_H
 #define MOEC_RUNTIME_CPU_REFERENCE_H
 
-#include "base/LayerShape.h"
+#include "format/LayerShape.h"
 #include "base/Status.h"
 
 #include <cstdint>
@@ -40,7 +40,7 @@
 
 namespace moec::reference {
 
-/// The sizes of the layer (base/LayerShape.h: R, L, H, I, S, K; the
+/// The sizes of the layer (format/LayerShape.h: R, L, H, I, S, K; the
 /// reference reads no capacity or dtype of it).
 using LayerShape = moec::LayerShape;
 

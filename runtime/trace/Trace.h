@@ -38,7 +38,7 @@
 #define MOEC_RUNTIME_TRACE_TRACE_H
 
 #include "base/Status.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <cstdint>
 #include <limits>

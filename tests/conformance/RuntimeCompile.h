@@ -18,7 +18,7 @@
 #define MOEC_TESTS_CONFORMANCE_RUNTIMECOMPILE_H
 
 #include "base/Status.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <string>
 

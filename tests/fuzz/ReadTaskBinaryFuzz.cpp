@@ -10,12 +10,12 @@
 // its sections out differently from the writer).
 //
 //   clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -I. \
-//     tests/fuzz/ReadTaskBinaryFuzz.cpp runtime/format/TaskBinary.cpp \
-//     runtime/format/Crc32.cpp -lfmt -o read_task_binary_fuzz
+//     tests/fuzz/ReadTaskBinaryFuzz.cpp format/TaskBinary.cpp \
+//     format/Crc32.cpp -lfmt -o read_task_binary_fuzz
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <cstdint>
 #include <cstdlib>

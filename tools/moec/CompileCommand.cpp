@@ -1,7 +1,7 @@
 //===- CompileCommand.cpp - moec compile -----------------------------------===//
 
 #include "compiler/driver/Compile.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "tools/moec/Cli.h"
 #include "tools/moec/Commands.h"
 #include "tools/moec/GraphFrame.h"

@@ -2,7 +2,7 @@
 
 #include "base/File.h"
 #include "compiler/target/Profile.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
 #include "tools/moec/Cli.h"
 #include "tools/moec/Commands.h"

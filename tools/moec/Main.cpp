@@ -5,7 +5,7 @@
 
 #include "base/File.h"
 #include "base/Version.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <cerrno>
 #include <cstdio>

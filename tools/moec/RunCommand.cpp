@@ -12,7 +12,7 @@
 #include "compiler/config/Config.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
-#include "runtime/format/Crc32.h"
+#include "format/Crc32.h"
 #include "runtime/tooling/LayerRun.h"
 #include "runtime/tooling/Profile.h"
 #include "runtime/tooling/Workspace.h"

@@ -9,7 +9,7 @@
 #ifndef MOEC_TESTS_UNIT_SUPPORT_PROGRAMBUILDER_H
 #define MOEC_TESTS_UNIT_SUPPORT_PROGRAMBUILDER_H
 
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <catch2/catch.hpp>
 

@@ -15,7 +15,7 @@
 #include "compiler/target/Cost.h"
 #include "compiler/target/Profile.h"
 #include "compiler/target/Simulate.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <catch2/catch.hpp>
 #include <fmt/format.h>

@@ -11,7 +11,7 @@
 #include "compiler/lower/Lower.h"
 #include "compiler/target/Schedule.h"
 #include "compiler/target/Simulate.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "tests/unit/support/GraphTestSupport.h"
 
 #include <catch2/catch.hpp>

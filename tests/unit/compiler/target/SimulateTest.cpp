@@ -3,7 +3,7 @@
 
 #include "compiler/target/Schedule.h"
 #include "compiler/target/Simulate.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "tests/unit/support/ProgramBuilder.h"
 #include "compiler/inspect/Dump.h"
 

@@ -14,7 +14,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/cpu/Quant.h"
-#include "base/LayerShape.h"
+#include "format/LayerShape.h"
 #include "runtime/cpu/Fp8.h"
 
 #include <catch2/catch.hpp>

@@ -12,7 +12,7 @@
 
 #include "runtime/exec/Executor.h"
 #include "runtime/exec/ThreadTeam.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "tests/unit/support/ProgramBuilder.h"
 
 #include <catch2/catch.hpp>

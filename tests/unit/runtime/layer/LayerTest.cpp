@@ -12,7 +12,7 @@
 
 #include "runtime/layer/Layer.h"
 #include "compiler/driver/Compile.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include <catch2/catch.hpp>
 

@@ -10,7 +10,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/trace/Trace.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 #include "tests/unit/support/ProgramBuilder.h"
 
 #include <catch2/catch.hpp>

@@ -7,9 +7,9 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/format/Crc32.h"
-#include "runtime/format/TaskBinary.h"
-#include "tests/unit/runtime/format/TaskBinaryTestSupport.h"
+#include "format/Crc32.h"
+#include "format/TaskBinary.h"
+#include "tests/unit/format/TaskBinaryTestSupport.h"
 
 #include <catch2/catch.hpp>
 

@@ -7,8 +7,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_BASE_LAYERSHAPE_H
-#define MOEC_BASE_LAYERSHAPE_H
+#ifndef MOEC_FORMAT_LAYERSHAPE_H
+#define MOEC_FORMAT_LAYERSHAPE_H
 
 #include "base/DType.h"
 
@@ -153,4 +153,4 @@ struct LayerShape {
 
 } // namespace moec
 
-#endif // MOEC_BASE_LAYERSHAPE_H
+#endif // MOEC_FORMAT_LAYERSHAPE_H

@@ -4,7 +4,7 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/format/Crc32.h"
+#include "format/Crc32.h"
 
 #include <array>
 

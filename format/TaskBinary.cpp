@@ -6,12 +6,12 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/format/TaskBinary.h"
+#include "format/TaskBinary.h"
 
 #include "base/File.h"
 #include "base/Names.h"
 
-#include "runtime/format/Crc32.h"
+#include "format/Crc32.h"
 
 #include <fmt/format.h>
 

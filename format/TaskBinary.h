@@ -27,8 +27,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_RUNTIME_FORMAT_TASKBINARY_H
-#define MOEC_RUNTIME_FORMAT_TASKBINARY_H
+#ifndef MOEC_FORMAT_TASKBINARY_H
+#define MOEC_FORMAT_TASKBINARY_H
 
 #include "base/DType.h"
 #include "base/Status.h"
@@ -717,4 +717,4 @@ uint32_t taskBinaryChecksum(const uint8_t *data, size_t size);
 
 } // namespace moec::format
 
-#endif // MOEC_RUNTIME_FORMAT_TASKBINARY_H
+#endif // MOEC_FORMAT_TASKBINARY_H

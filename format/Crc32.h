@@ -6,8 +6,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_RUNTIME_FORMAT_CRC32_H
-#define MOEC_RUNTIME_FORMAT_CRC32_H
+#ifndef MOEC_FORMAT_CRC32_H
+#define MOEC_FORMAT_CRC32_H
 
 #include <cstddef>
 #include <cstdint>
@@ -26,4 +26,4 @@ uint32_t crc32Zeros(size_t size, uint32_t crc);
 
 } // namespace moec::format
 
-#endif // MOEC_RUNTIME_FORMAT_CRC32_H
+#endif // MOEC_FORMAT_CRC32_H

@@ -9,8 +9,8 @@
 #ifndef MOEC_TESTS_UNIT_RUNTIME_FORMAT_TASKBINARYTESTSUPPORT_H
 #define MOEC_TESTS_UNIT_RUNTIME_FORMAT_TASKBINARYTESTSUPPORT_H
 
-#include "runtime/format/Crc32.h"
-#include "runtime/format/TaskBinary.h"
+#include "format/Crc32.h"
+#include "format/TaskBinary.h"
 
 #include <catch2/catch.hpp>
 

@@ -46,7 +46,7 @@ struct DTypeInfo {
 inline constexpr DTypeInfo kDTypes[] = {
     {DType::F32, "f32", "fp32", 4},      {DType::BF16, "bf16", "bf16", 2},
     {DType::I32, "i32", nullptr, 4},     {DType::I64, "i64", nullptr, 8},
-    {DType::F8E4M3, "f8e4m3", nullptr, 1}, {DType::I8, "i8", nullptr, 1},
+    {DType::F8E4M3, "f8e4m3", "fp8_e4m3", 1}, {DType::I8, "i8", nullptr, 1},
     {DType::I4, "i4", nullptr, 0},
 };
 
@@ -71,14 +71,16 @@ inline constexpr uint32_t dtypeSize(DType dtype) {
   return info ? info->size : 0;
 }
 
-/// The config's name of a compute dtype: "fp32" or "bf16" ("unknown" for a
-/// type a config cannot name).
+/// The config's name of a dtype: "fp32" or "bf16" (a compute dtype, "dtype"),
+/// or "fp8_e4m3" (the rows of a quantized dispatch, "dispatch_dtype");
+/// "unknown" for a type a config cannot name.
 inline constexpr const char *configDTypeName(DType dtype) {
   const DTypeInfo *info = dtypeInfo(dtype);
   return info && info->configName ? info->configName : "unknown";
 }
 
-/// Parses a config's "dtype" value ("fp32", "bf16"); nothing for any other.
+/// Parses a config's name of a dtype ("fp32", "bf16", "fp8_e4m3"); nothing
+/// for any other.
 inline constexpr std::optional<DType> parseDType(std::string_view name) {
   for (const DTypeInfo &info : kDTypes)
     if (info.configName && name == info.configName)

@@ -11,6 +11,7 @@
 #define MOEC_FORMAT_LAYERSHAPE_H
 
 #include "base/DType.h"
+#include "format/Capacity.h"
 
 #include <array>
 #include <cstdint>
@@ -53,6 +54,9 @@ struct LayerShape {
   int64_t receiveCapacity = 0;  ///< most rows a rank's experts receive in all
   int64_t expertCapacity = 0;   ///< most rows one expert receives
   int64_t putCapacity = 0;      ///< most rows one rank sends one expert
+  /// The config's capacity_factor (the binary's layer record): what
+  /// receiveCapacity follows from.
+  double capacityFactor = 0;
   DType activations = DType::F32; ///< x, y, w1, w2, dy, dx
   DType weightGrads = DType::F32; ///< dw1, dw2
   bool accumulateWeightGrads = false; ///< dw1, dw2 are added to, not written
@@ -133,6 +137,17 @@ struct LayerShape {
       return {w[0], w[1], w[2] / weightGroup};
     }
     return {};
+  }
+
+  /// What the capacities follow from (format/Capacity.h).
+  format::CapacityInputs capacityInputs() const {
+    format::CapacityInputs c;
+    c.seqSize = tokens;
+    c.topK = topK;
+    c.epRanks = epRanks();
+    c.localExperts = localExperts;
+    c.capacityFactor = capacityFactor;
+    return c;
   }
 
   /// P = R / T, the EP ranks.

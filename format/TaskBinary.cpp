@@ -57,6 +57,7 @@ constexpr Named<SectionKind> kSectionKindNames[] = {
     {SectionKind::Signals, "signals"},
     {SectionKind::Queues, "queues"},
     {SectionKind::QueueEntries, "queue entries"},
+    {SectionKind::Layer, "layer"},
 };
 } // namespace
 
@@ -208,6 +209,7 @@ bool operator==(const TaskRecord &a, const TaskRecord &b) { return sameBytes(a, 
 bool operator==(const WaitRecord &a, const WaitRecord &b) { return sameBytes(a, b); }
 bool operator==(const SignalRecord &a, const SignalRecord &b) { return sameBytes(a, b); }
 bool operator==(const QueueRecord &a, const QueueRecord &b) { return sameBytes(a, b); }
+bool operator==(const LayerRecord &a, const LayerRecord &b) { return sameBytes(a, b); }
 
 bool operator==(const TaskProgram &a, const TaskProgram &b) {
   return a.flags == b.flags && a.epRanks == b.epRanks && a.tpRanks == b.tpRanks &&
@@ -215,12 +217,24 @@ bool operator==(const TaskProgram &a, const TaskProgram &b) {
          a.target == b.target && a.notes == b.notes &&
          a.strings == b.strings && a.slots == b.slots && a.ops == b.ops && a.tilings == b.tilings &&
          a.events == b.events && a.tasks == b.tasks && a.waits == b.waits &&
-         a.signals == b.signals && a.queues == b.queues && a.queueEntries == b.queueEntries;
+         a.signals == b.signals && a.queues == b.queues && a.queueEntries == b.queueEntries &&
+         a.layer == b.layer;
 }
 
 //===----------------------------------------------------------------------===//
 // TaskProgram
 //===----------------------------------------------------------------------===//
+
+CapacityInputs capacityInputs(const LayerRecord &layer, uint32_t epRanks,
+                              uint32_t localExperts) {
+  CapacityInputs c;
+  c.seqSize = layer.seqSize;
+  c.topK = layer.topK;
+  c.epRanks = epRanks;
+  c.localExperts = localExperts;
+  c.capacityFactor = layer.capacityFactor;
+  return c;
+}
 
 uint32_t TaskProgram::addString(std::string_view text) {
   uint32_t offset = uint32_t(strings.size());
@@ -281,7 +295,8 @@ public:
   Status run() {
     Status status;
     // Tilings before ops: an op's checks read its tiling's kind and grid.
-    if (!(status = checkCounts()) || !(status = checkHeader()) || !(status = checkSlots()) ||
+    if (!(status = checkCounts()) || !(status = checkHeader()) || !(status = checkLayer()) ||
+        !(status = checkSlots()) ||
         !(status = checkTilings()) || !(status = checkOps()) || !(status = checkEvents()) ||
         !(status = checkTasks()) || !(status = checkWaitsAndSignals()) ||
         !(status = checkQueues()) || !(status = checkThresholds()))
@@ -367,6 +382,56 @@ private:
     } else if (p.notes != 0) {
       return Status::error("header: notes are named without the notes flag");
     }
+    return Status::success();
+  }
+
+  /// The layer record agrees with itself and the header: sizes positive, E
+  /// = P * L, I a multiple of T, the capacities those of format/Capacity.h.
+  Status checkLayer() const {
+    if (!p.layer)
+      return Status::success();
+    const LayerRecord &l = *p.layer;
+    auto bad = [](std::string what) { return Status::error("the layer record: " + what); };
+    if (l.flags & ~uint32_t(kKnownLayerFlags))
+      return bad(fmt::format("unknown flag bits {:#x}", l.flags & ~uint32_t(kKnownLayerFlags)));
+    for (uint8_t byte : l.reserved)
+      if (byte != 0)
+        return bad("reserved bytes are not zero");
+    const std::pair<const char *, int64_t> sizes[] = {{"hidden", l.hidden},
+                                                      {"intermediate", l.intermediate},
+                                                      {"seq_size", l.seqSize},
+                                                      {"top_k", l.topK},
+                                                      {"experts", l.experts}};
+    for (const auto &[name, value] : sizes)
+      if (value <= 0)
+        return bad(fmt::format("{} is {}; it must be positive", name, value));
+    if (uint64_t(l.experts) != uint64_t(p.epRanks) * p.localExperts)
+      return bad(fmt::format("{} experts, but the header has {} EP ranks of {} experts",
+                             l.experts, p.epRanks, p.localExperts));
+    if (l.topK > l.experts)
+      return bad(fmt::format("top_k {} is more than the {} experts", l.topK, l.experts));
+    if (l.intermediate % p.tpRanks != 0)
+      return bad(fmt::format("intermediate size {} is not a multiple of the {} TP ranks",
+                             l.intermediate, p.tpRanks));
+    if (l.seqSize > kMaxSeqSize)
+      return bad(fmt::format("seq_size {} is past {}", l.seqSize, kMaxSeqSize));
+    if (!(l.capacityFactor >= kMinCapacityFactor && l.capacityFactor <= kMaxCapacityFactor))
+      return bad(fmt::format("capacity factor {} is not between {} and {}", l.capacityFactor,
+                             kMinCapacityFactor, kMaxCapacityFactor));
+    if (!(l.loraAlpha >= 0 && std::isfinite(l.loraAlpha)) || (l.loraAlpha > 0 && l.loraRank == 0))
+      return bad(fmt::format("LoRA alpha {} with rank {}", l.loraAlpha, l.loraRank));
+    if (l.dtype != DType::F32 && l.dtype != DType::BF16)
+      return bad(fmt::format("activations of dtype {}; f32 or bf16", unsigned(l.dtype)));
+    if (l.dispatchDtype != l.dtype && l.dispatchDtype != DType::F8E4M3)
+      return bad(fmt::format("dispatched rows of dtype {}; the activations' ({}) or f8e4m3",
+                             unsigned(l.dispatchDtype), dtypeName(l.dtype)));
+    const CapacityInputs c = capacityInputs(l, p.epRanks, p.localExperts);
+    if (l.rowCapacity != rowCapacityRows(c))
+      return bad(fmt::format("row capacity {}, but seq_size x top_k is {}", l.rowCapacity,
+                             rowCapacityRows(c)));
+    if (l.receiveCapacity != receiveCapacityRows(c))
+      return bad(fmt::format("receive capacity {}, but capacity factor {} gives {}",
+                             l.receiveCapacity, l.capacityFactor, receiveCapacityRows(c)));
     return Status::success();
   }
 
@@ -760,6 +825,8 @@ uint32_t recordSizeOf(SectionKind kind) {
     return sizeof(QueueRecord);
   case SectionKind::QueueEntries:
     return sizeof(uint32_t);
+  case SectionKind::Layer:
+    return sizeof(LayerRecord);
   }
   return 0;
 }
@@ -782,7 +849,9 @@ std::vector<SectionData> sectionsOf(const TaskProgram &program) {
           {SectionKind::Waits, program.waits.data(), program.waits.size()},
           {SectionKind::Signals, program.signals.data(), program.signals.size()},
           {SectionKind::Queues, program.queues.data(), program.queues.size()},
-          {SectionKind::QueueEntries, program.queueEntries.data(), program.queueEntries.size()}};
+          {SectionKind::QueueEntries, program.queueEntries.data(), program.queueEntries.size()},
+          {SectionKind::Layer, program.layer ? &*program.layer : nullptr,
+           program.layer ? 1u : 0u}};
 }
 
 /// Rounds `value` up to a multiple of kSectionAlignment.
@@ -1026,9 +1095,12 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
   FileHeader header;
   std::memcpy(&header, data, sizeof(header));
   if (header.version != kFormatVersion)
-    return Status::error(
-        fmt::format("format version {} is not supported (this reader reads version {})",
-                    header.version, kFormatVersion));
+    return Status::error(fmt::format(
+        "format version {} is not supported (this reader reads version {}){}", header.version,
+        kFormatVersion,
+        header.version >= 1 && header.version < kFormatVersion
+            ? "; compile the graph again with this moec (version 2 added the layer record)"
+            : ""));
   if (header.fileSize > size)
     return Status::error(truncationMessage(data, size, header));
   if (header.fileSize < size)
@@ -1073,6 +1145,14 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
   copySection(data, entryOf(SectionKind::Signals), &program.signals);
   copySection(data, entryOf(SectionKind::Queues), &program.queues);
   copySection(data, entryOf(SectionKind::QueueEntries), &program.queueEntries);
+  const SectionEntry &layer = entryOf(SectionKind::Layer);
+  if (layer.count > 1)
+    return Status::error(fmt::format("section 'layer' has {} records; a program has at most one",
+                                     layer.count));
+  if (layer.count == 1) {
+    program.layer.emplace();
+    std::memcpy(&*program.layer, data + layer.offset, sizeof(LayerRecord));
+  }
 
   if (Status status = validateTaskProgram(program); !status)
     return status;

@@ -32,9 +32,11 @@
 
 #include "base/DType.h"
 #include "base/Status.h"
+#include "format/Capacity.h"
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -48,8 +50,9 @@ namespace moec::format {
 /// The first 8 bytes of every task binary.
 inline constexpr char kMagic[8] = {'M', 'O', 'E', 'C', 'B', 'I', 'N', '\0'};
 
-/// The format version this code writes and the only one it reads.
-inline constexpr uint32_t kFormatVersion = 1;
+/// The format version this code writes and the only one it reads. Version 2
+/// added the layer section (LayerRecord).
+inline constexpr uint32_t kFormatVersion = 2;
 
 /// The value of an optional u32 index that names nothing.
 inline constexpr uint32_t kNone = 0xFFFFFFFFu;
@@ -136,7 +139,7 @@ enum TilingFlag : uint8_t {
                       kTilingReduceTp | kTilingShareRows | kTilingQuantizedB,
 };
 
-/// The kind of a section; each kind appears exactly once in a version-1 file.
+/// The kind of a section; each kind appears exactly once in a version-2 file.
 enum class SectionKind : uint32_t {
   Strings = 1,      ///< bytes: NUL-terminated names
   Slots = 2,        ///< SlotRecord
@@ -147,11 +150,12 @@ enum class SectionKind : uint32_t {
   Waits = 7,        ///< WaitRecord
   Signals = 8,      ///< SignalRecord
   Queues = 9,       ///< QueueRecord
-  QueueEntries = 10 ///< uint32_t task index
+  QueueEntries = 10, ///< uint32_t task index
+  Layer = 11,        ///< LayerRecord: none, or one
 };
 
-/// The number of section kinds (and of sections in a version-1 file).
-inline constexpr uint32_t kSectionKindCount = 10;
+/// The number of section kinds (and of sections in a version-2 file).
+inline constexpr uint32_t kSectionKindCount = 11;
 
 /// Returns the name of a section kind as error messages spell it ("tasks",
 /// "queue entries"), or "unknown" for a value outside the enum.
@@ -549,6 +553,73 @@ static_assert(sizeof(QueueRecord) == 16 && alignof(QueueRecord) == 4, "QueueReco
 static_assert(offsetof(QueueRecord, coreIndex) == 4 && offsetof(QueueRecord, firstEntry) == 8,
               "QueueRecord layout");
 
+/// Bits of LayerRecord::flags.
+enum LayerFlag : uint8_t {
+  /// "main_grad": a backward's weight gradients are added to fp32 buffers
+  /// the caller keeps across micro-batches, not written.
+  kLayerMainGrad = 1u << 0,
+  kKnownLayerFlags = kLayerMainGrad,
+};
+
+/// The layer a program computes, as its config asked for it: the compiler
+/// writes one into every program it compiles from a config (the layer
+/// section holds it), and runtime/layer checks the program's slots and
+/// tilings against it and takes what they cannot say from it (the capacity
+/// factor, the experts E, LoRA's alpha). A hand-made task program that is
+/// no layer's has none. P, T and L are the header's.
+///
+///   offset size field
+///    0     8    hidden           H ("hidden_size")
+///    8     8    intermediate     I of one expert ("intermediate_size"); a
+///                                rank holds I / T of it
+///   16     8    seqSize          S ("seq_size"): tokens of one rank
+///   24     8    topK             K ("top_k")
+///   32     8    experts          E ("num_experts"); P * L
+///   40     8    rowCapacity      the rows a rank routes: S * K
+///   48     8    receiveCapacity  the rows one rank's experts hold in all:
+///                                format/Capacity.h's receiveCapacityRows
+///   56     8    capacityFactor   f64 ("capacity_factor"), 1 to 1024
+///   64     8    loraAlpha        f64 ("lora_alpha"); 0: unset (= lora_rank)
+///   72     4    loraRank         r ("lora_rank"); 0: unset
+///   76     4    weightGroup      ("weight_group"): values per group of int4
+///                                base weights; 0: unset
+///   80     1    dtype            DType of the activations ("dtype"): F32, BF16
+///   81     1    dispatchDtype    DType the dispatched rows travel in
+///                                ("dispatch_dtype"): dtype, or F8E4M3
+///   82     1    flags            LayerFlag bits
+///   83     5    reserved[5]      zero
+struct LayerRecord {
+  int64_t hidden = 0;
+  int64_t intermediate = 0;
+  int64_t seqSize = 0;
+  int64_t topK = 0;
+  int64_t experts = 0;
+  int64_t rowCapacity = 0;
+  int64_t receiveCapacity = 0;
+  double capacityFactor = 0;
+  double loraAlpha = 0;
+  uint32_t loraRank = 0;
+  uint32_t weightGroup = 0;
+  DType dtype = DType::F32;
+  DType dispatchDtype = DType::F32;
+  uint8_t flags = 0;
+  uint8_t reserved[5] = {};
+
+  bool mainGrad() const { return (flags & kLayerMainGrad) != 0; }
+  /// LoRA's scaling, lora_alpha / lora_rank (PEFT's `scaling`): 1 when
+  /// alpha is unset, 0 without a rank.
+  double loraScaling() const {
+    return loraRank == 0 ? 0.0 : (loraAlpha > 0 ? loraAlpha : double(loraRank)) / double(loraRank);
+  }
+};
+static_assert(sizeof(LayerRecord) == 88 && alignof(LayerRecord) == 8, "LayerRecord layout");
+static_assert(offsetof(LayerRecord, capacityFactor) == 56 && offsetof(LayerRecord, loraRank) == 72 &&
+                  offsetof(LayerRecord, dtype) == 80 && offsetof(LayerRecord, reserved) == 83,
+              "LayerRecord layout");
+
+/// What a layer record's capacities follow from, on P EP ranks of L experts.
+CapacityInputs capacityInputs(const LayerRecord &layer, uint32_t epRanks, uint32_t localExperts);
+
 /// Records compare equal when all their bytes (reserved ones included) do.
 bool operator==(const SlotRecord &a, const SlotRecord &b);
 bool operator==(const OpRecord &a, const OpRecord &b);
@@ -558,6 +629,7 @@ bool operator==(const TaskRecord &a, const TaskRecord &b);
 bool operator==(const WaitRecord &a, const WaitRecord &b);
 bool operator==(const SignalRecord &a, const SignalRecord &b);
 bool operator==(const QueueRecord &a, const QueueRecord &b);
+bool operator==(const LayerRecord &a, const LayerRecord &b);
 
 //===----------------------------------------------------------------------===//
 // The in-memory program
@@ -582,6 +654,8 @@ struct TaskProgram {
   std::vector<SignalRecord> signals;
   std::vector<QueueRecord> queues;
   std::vector<uint32_t> queueEntries; ///< task indices
+  /// The layer record (the layer section's one record), or none.
+  std::optional<LayerRecord> layer;
 
   /// Appends `text` and a NUL to the strings and returns its offset. `text`
   /// should not contain a NUL (the name would end there).

@@ -151,7 +151,8 @@ extern "C" int moec_capacity_advice(const char *config, long long rows_per_rank,
     std::string message;
     if (!parseConfig(config, "the config", &parsed, &message))
       return Status::error(message);
-    const CapacityAdvice a = adviseCapacity(parsed, rows_per_rank, receive_per_rank, headroom);
+    const format::CapacityAdvice a =
+        format::adviseCapacity(capacityInputs(parsed), rows_per_rank, receive_per_rank, headroom);
     if (advice)
       *advice = copyOut(fmt::format(
           "{{\"seq_size\": {}, \"capacity_factor\": {}, \"row_capacity\": {}, "

@@ -37,7 +37,7 @@ const IntKey kIntKeys[] = {
     {"top_k", &ModelConfig::topK, false, int64_t(1) << 16},
     {"ep", &ModelConfig::ep, false, int64_t(1) << 16},
     {"tp", &ModelConfig::tp, false, int64_t(1) << 16},
-    {"seq_size", &ModelConfig::seqSize, false, int64_t(1) << 24},
+    {"seq_size", &ModelConfig::seqSize, false, format::kMaxSeqSize},
     {"num_cube_cores", &ModelConfig::numCubeCores, true, int64_t(1) << 16},
     {"num_vector_cores", &ModelConfig::numVectorCores, true, int64_t(1) << 16},
     {"lora_rank", &ModelConfig::loraRank, true, int64_t(1) << 16},
@@ -146,7 +146,7 @@ bool parseConfig(std::string_view text, const std::string &source,
   std::optional<DType> parsedDType;
   if (dtype.is_string())
     parsedDType = parseDType(dtype.get<std::string>());
-  if (!parsedDType)
+  if (!parsedDType || (*parsedDType != DType::F32 && *parsedDType != DType::BF16))
     return fail(error, source,
                 fmt::format("'dtype' must be \"fp32\" or \"bf16\", got {}",
                             dtype.dump()));
@@ -190,7 +190,7 @@ bool parseConfig(std::string_view text, const std::string &source,
   auto wire = json.find(kDispatchDTypeKey);
   if (wire != json.end()) {
     const std::string value = wire->is_string() ? wire->get<std::string>() : "";
-    if (value == "fp8_e4m3")
+    if (value == configDTypeName(DType::F8E4M3))
       config.fp8Dispatch = true;
     else if (value != configDTypeName(config.dtype))
       return fail(error, source,
@@ -204,54 +204,34 @@ bool parseConfig(std::string_view text, const std::string &source,
   return true;
 }
 
-int64_t receiveCapacityRows(const ModelConfig &c) {
-  const TaskSplitValue v = deriveTaskSplitValue(c);
-  const int64_t balanced = v.perRankSeq;
-  const int64_t worst =
-      c.seqSize * c.ep * std::min(c.topK, v.singleRankExpertNum);
-  const int64_t scaled = int64_t(std::ceil(c.capacityFactor * double(balanced)));
-  return std::max(balanced, std::min(scaled, worst));
+format::CapacityInputs capacityInputs(const ModelConfig &c) {
+  format::CapacityInputs inputs;
+  inputs.seqSize = c.seqSize;
+  inputs.topK = c.topK;
+  inputs.epRanks = c.ep;
+  inputs.localExperts = c.ep > 0 ? c.numExperts / c.ep : 0;
+  inputs.capacityFactor = c.capacityFactor;
+  return inputs;
 }
 
-CapacityAdvice adviseCapacity(const ModelConfig &c, int64_t rowsPerRank, int64_t receivePerRank,
-                              bool headroom) {
-  const int64_t topK = std::max<int64_t>(1, c.topK);
-  CapacityAdvice advice;
-  // Needs beyond any config's sizes (seq_size is at most 2^24) are held to
-  // just past them, so that no product below overflows; such a need does
-  // not fit.
-  constexpr int64_t kBeyond = int64_t(1) << 40;
-  rowsPerRank = std::clamp<int64_t>(rowsPerRank, 0, kBeyond);
-  receivePerRank = std::clamp<int64_t>(receivePerRank, 0, kBeyond);
-  advice.seqSize = std::max(c.seqSize, rowsPerRank / topK + (rowsPerRank % topK != 0));
-  ModelConfig changed = c;
-  changed.seqSize = advice.seqSize;
-  // capacity_factor scales the balanced load seq_size * top_k, in hundredths:
-  // the least one whose receive capacity holds the need (receiveCapacityRows
-  // rounds up, so (need - 1) / balanced is a lower bound), or with headroom
-  // the need grown.
-  const double balanced = double(std::max<int64_t>(1, deriveTaskSplitValue(changed).perRankSeq));
-  int64_t hundredths;
-  if (headroom) {
-    const double grown =
-        std::max(double(receivePerRank) / balanced * 1.25, c.capacityFactor * 1.5);
-    hundredths = int64_t(std::ceil(std::min(grown, 1025.0) * 100.0 - 1e-9));
-  } else {
-    hundredths = std::max<int64_t>(
-        100, int64_t(std::min(1025.0, double(receivePerRank - 1) / balanced) * 100.0));
-    for (changed.capacityFactor = double(hundredths) / 100.0;
-         hundredths < 102400 && receiveCapacityRows(changed) < receivePerRank;
-         changed.capacityFactor = double(hundredths) / 100.0)
-      ++hundredths;
-  }
-  changed.capacityFactor = std::min(1024.0, std::max(c.capacityFactor, double(hundredths) / 100.0));
-  advice.capacityFactor = changed.capacityFactor;
-  advice.rowCapacity = advice.seqSize * topK;
-  advice.receiveCapacity = receiveCapacityRows(changed);
-  // A config takes seq_size up to 2^24 (kIntKeys) and capacity_factor up to 1024.
-  advice.fits = advice.rowCapacity >= rowsPerRank && advice.receiveCapacity >= receivePerRank &&
-                advice.seqSize <= (int64_t(1) << 24);
-  return advice;
+format::LayerRecord layerRecord(const ModelConfig &c) {
+  format::LayerRecord r;
+  r.hidden = c.hiddenSize;
+  r.intermediate = c.intermediateSize;
+  r.seqSize = c.seqSize;
+  r.topK = c.topK;
+  r.experts = c.numExperts;
+  const format::CapacityInputs inputs = capacityInputs(c);
+  r.rowCapacity = format::rowCapacityRows(inputs);
+  r.receiveCapacity = format::receiveCapacityRows(inputs);
+  r.capacityFactor = c.capacityFactor;
+  r.loraAlpha = c.loraAlpha;
+  r.loraRank = uint32_t(c.loraRank);
+  r.weightGroup = uint32_t(c.weightGroup);
+  r.dtype = c.dtype;
+  r.dispatchDtype = c.fp8Dispatch ? DType::F8E4M3 : c.dtype;
+  r.flags = c.mainGrad ? format::kLayerMainGrad : 0;
+  return r;
 }
 
 bool loadConfig(const std::string &path, ModelConfig *out, std::string *error) {
@@ -279,9 +259,11 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
     return fail(error, source,
                 fmt::format("'dtype' has an invalid value ({})",
                             static_cast<int>(c.dtype)));
-  if (!(c.capacityFactor >= 1.0 && c.capacityFactor <= 1024.0))
+  if (!(c.capacityFactor >= format::kMinCapacityFactor &&
+        c.capacityFactor <= format::kMaxCapacityFactor))
     return fail(error, source,
-                fmt::format("'capacity_factor' must be between 1 and 1024, got {}",
+                fmt::format("'capacity_factor' must be between {} and {}, got {}",
+                            format::kMinCapacityFactor, format::kMaxCapacityFactor,
                             c.capacityFactor));
   if (c.loraAlpha != 0 && c.loraRank == 0)
     return fail(error, source, "'lora_alpha' needs 'lora_rank' (the adapters' rank)");
@@ -356,11 +338,7 @@ std::vector<std::string> configNotes(const ModelConfig &c, const std::string &so
   return notes;
 }
 
-double loraScaling(const ModelConfig &c) {
-  if (c.loraRank <= 0)
-    return 0;
-  return (c.loraAlpha > 0 ? c.loraAlpha : double(c.loraRank)) / double(c.loraRank);
-}
+double loraScaling(const ModelConfig &c) { return layerRecord(c).loraScaling(); }
 
 Bindings configBindings(const ModelConfig &c) {
   TaskSplitValue v = deriveTaskSplitValue(c);

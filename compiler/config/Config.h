@@ -13,6 +13,7 @@
 #include "compiler/support/Expr.h"
 
 #include "base/DType.h"
+#include "format/TaskBinary.h"
 
 #include <nlohmann/json.hpp>
 
@@ -48,7 +49,7 @@ struct ModelConfig {
   std::string name;            ///< "name": free text.
   /// "capacity_factor": the rows a rank's experts can receive in all, as a
   /// multiple of the balanced load per_rank_seq (at most the worst case,
-  /// see receiveCapacityRows). Default 2.
+  /// see format/Capacity.h). Default 2.
   double capacityFactor = 2.0;
   /// "main_grad": weight gradients accumulate into fp32 buffers the caller
   /// keeps across micro-batches (C += AᵀB inside the weight-gradient GMMs,
@@ -107,31 +108,13 @@ bool validateConfig(const ModelConfig &c, const std::string &source,
 /// Returns the task-split values of a config that passed validateConfig().
 TaskSplitValue deriveTaskSplitValue(const ModelConfig &c);
 
-/// The rows of dispatched activations one rank's experts can hold in all (the
-/// capacity of the dynamic tensors): ceil(capacity_factor * per_rank_seq),
-/// but no more than the worst case, when every token of every rank picks
-/// min(top_k, L) of the rank's L experts: seq_size * ep * min(top_k, L).
-int64_t receiveCapacityRows(const ModelConfig &c);
+/// The config's values its capacities follow from (format/Capacity.h: the
+/// compiler sizes the dynamic tensors with receiveCapacityRows of these).
+format::CapacityInputs capacityInputs(const ModelConfig &c);
 
-/// What a config must change to hold a routing that routes `rowsPerRank`
-/// rows from its fullest rank and puts `receivePerRank` rows on the experts
-/// of its fullest rank (runtime CapacityNeed), and what the changed config
-/// holds. The one place that inverts receiveCapacityRows: `moec run`'s hint
-/// and the torch op's recompile (through libmoec) both ask it.
-struct CapacityAdvice {
-  int64_t seqSize = 0;         ///< tokens per rank: the config's, or raised to hold rowsPerRank
-  double capacityFactor = 0;   ///< the config's, or raised to hold receivePerRank (at most 1024)
-  int64_t rowCapacity = 0;     ///< seqSize * top_k: the rows a rank may route
-  int64_t receiveCapacity = 0; ///< receiveCapacityRows of the changed config
-  bool fits = false;           ///< whether the changed config holds the routing
-};
-
-/// With `headroom`, the factor is raised beyond the need (1.25 times it,
-/// and at least 1.5 times the config's): a router's balance drifts, and a
-/// recompile per small growth costs more than the memory. Factors are
-/// rounded up to hundredths.
-CapacityAdvice adviseCapacity(const ModelConfig &c, int64_t rowsPerRank, int64_t receivePerRank,
-                              bool headroom);
+/// The layer record a program compiled from `c` carries (the config's
+/// values, and the capacities they give).
+format::LayerRecord layerRecord(const ModelConfig &c);
 
 /// Notes a tool prints for a valid config whose meaning a reader may
 /// mistake: for tp > 1, that tp splits the experts' intermediate size (an

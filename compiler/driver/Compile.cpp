@@ -309,7 +309,7 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
       !status)
     return status;
   lowerOptions.granularity = options.granularity;
-  lowerOptions.receiveCapacity = receiveCapacityRows(result.config);
+  lowerOptions.layer = layerRecord(result.config);
   result.profile = lowerOptions.profile;
 
   starting("graph passes");

@@ -51,6 +51,25 @@ std::string headerText(const TaskProgram &p, const FileFacts &facts, const DumpO
                   p.tpRanks > 1 ? fmt::format(" x TP ranks {} ({} ranks)", p.tpRanks, p.ranks())
                                 : std::string(),
                   p.localExperts, uint64_t(p.epRanks) * p.localExperts, p.name(p.target));
+  if (p.layer) {
+    const LayerRecord &l = *p.layer;
+    out += fmt::format("  layer: hidden {}, intermediate {}, top_k {} of {} experts, seq_size {}, "
+                       "{}{}{}\n",
+                       l.hidden, l.intermediate, l.topK, l.experts, l.seqSize,
+                       configDTypeName(l.dtype),
+                       l.dispatchDtype != l.dtype
+                           ? fmt::format(" (dispatched as {})", configDTypeName(l.dispatchDtype))
+                           : std::string(),
+                       l.mainGrad() ? ", main_grad" : "");
+    out += fmt::format("  capacity: factor {}: {} rows routed a rank, {} received by its experts"
+                       "{}\n",
+                       l.capacityFactor, l.rowCapacity, l.receiveCapacity,
+                       l.loraRank ? fmt::format("; LoRA rank {}, scaling {}", l.loraRank,
+                                                l.loraScaling())
+                                  : std::string());
+  } else {
+    out += "  layer: no layer record (a task program not compiled from a config)\n";
+  }
   if (a.timed)
     out += fmt::format("  costs from profile '{}'\n", a.profileName);
   if (p.flags & kFlagNotes) {

@@ -64,6 +64,7 @@ public:
     p.tpRanks = uint32_t(bindings.at("tp"));
     p.localExperts = uint32_t(bindings.at("single_rank_expert_num"));
     p.target = p.addString(options.profile.name);
+    p.layer = options.layer;
     if (bindings.at("dtype_size") == 2)
       p.flags |= kFlagBf16;
 
@@ -131,8 +132,8 @@ private:
         slot.flags |= kSlotList;
       if (type.getIsDynamic()) {
         slot.flags |= kSlotDynamic;
-        if (options.receiveCapacity > 0)
-          slot.dims[0] = uint64_t(options.receiveCapacity);
+        if (options.layer)
+          slot.dims[0] = uint64_t(options.layer->receiveCapacity);
         slot.capacityRows = slot.dims[0];
       }
       slotOf[def.getTensor()] = uint32_t(p.slots.size());

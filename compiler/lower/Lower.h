@@ -43,9 +43,12 @@ const char *granularityName(Granularity granularity);
 struct LowerOptions {
   Granularity granularity = Granularity::PerTileRange;
   target::TargetProfile profile; ///< kernel block sizes; its name goes in the header
-  /// Rows of the dynamic tensors (dispatched activations of a rank): their
-  /// capacity and dim 0 in the binary. 0 keeps the graph's dim 0.
-  int64_t receiveCapacity = 0;
+  /// The layer the graph computes, as its config asked for it: the
+  /// program's layer record. Its receive capacity is the rows of the
+  /// dynamic tensors (dispatched activations of a rank): their capacity
+  /// and dim 0 in the binary. None keeps the graph's dim 0 and writes no
+  /// record.
+  std::optional<format::LayerRecord> layer;
 };
 
 /// Lowers `graph`, which must have been through the graph pipeline (shapes

@@ -806,9 +806,72 @@ private:
 
 } // namespace
 
+namespace {
+
+/// Checks what `program`'s ops say of the layer against its layer record,
+/// and takes from the record what they cannot say.
+Status checkLayerRecord(const TaskProgram &program, LayerPlan &plan) {
+  if (!program.layer)
+    return Status::error("the binary has no layer record: only a program compiled from a "
+                         "config (moec compile) runs as a layer");
+  const format::LayerRecord &r = *program.layer;
+  LayerShape &shape = plan.shape;
+  std::initializer_list<std::tuple<const char *, int64_t, int64_t>> sizes = {
+      {"hidden size", r.hidden, shape.hidden},
+      {"tokens per rank", r.seqSize, shape.tokens},
+      {"top_k", r.topK, shape.topK},
+      {"row capacity", r.rowCapacity, shape.rowCapacity},
+      {"receive capacity", r.receiveCapacity, shape.receiveCapacity}};
+  for (const auto &[what, record, ops] : sizes)
+    if (record != ops)
+      return Status::error(fmt::format("the binary's layer record says {} {}, but its ops "
+                                       "have {}",
+                                       what, record, ops));
+  if (r.dtype != shape.activations)
+    return Status::error(fmt::format("the binary's layer record says activations of {}, but "
+                                     "its ops have {}",
+                                     format::dtypeName(r.dtype),
+                                     format::dtypeName(shape.activations)));
+  if (plan.kind == PlanKind::Layer) {
+    const int64_t inter = r.intermediate / int64_t(shape.tp);
+    if (inter != shape.inter)
+      return Status::error(fmt::format("the binary's layer record says an intermediate size "
+                                       "of {} ({} a TP rank), but its ops have {}",
+                                       r.intermediate, inter, shape.inter));
+    // FP8 dispatch quantizes the forward's rows; the backward's travel as
+    // they are.
+    if (!shape.backward && (r.dispatchDtype == DType::F8E4M3) != shape.fp8Dispatch)
+      return Status::error(fmt::format("the binary's layer record says the dispatched rows "
+                                       "travel as {}, but its ops send {}",
+                                       format::dtypeName(r.dispatchDtype),
+                                       shape.fp8Dispatch ? "f8e4m3" : "them as they are"));
+    if (shape.backward && !shape.frozen && r.mainGrad() != shape.accumulateWeightGrads)
+      return Status::error(fmt::format("the binary's layer record says main_grad is {}, but "
+                                       "its weight-gradient GMMs {} into dw1 and dw2",
+                                       r.mainGrad(), shape.accumulateWeightGrads ? "add" : "write"));
+    if (shape.loraTargets != 0 && (int64_t(r.loraRank) != shape.loraRank ||
+                                   float(r.loraScaling()) != shape.loraScaling))
+      return Status::error(fmt::format("the binary's layer record says LoRA rank {} and scaling "
+                                       "{}, but its adapters have rank {} and scaling {}",
+                                       r.loraRank, r.loraScaling(), shape.loraRank,
+                                       shape.loraScaling));
+    if (shape.weightFormat == WeightFormat::Int4Group && int64_t(r.weightGroup) != shape.weightGroup)
+      return Status::error(fmt::format("the binary's layer record says int4 groups of {}, but "
+                                       "its weights' scales have groups of {}",
+                                       r.weightGroup, shape.weightGroup));
+  }
+  shape.capacityFactor = r.capacityFactor;
+  plan.record = r;
+  return Status::success();
+}
+
+} // namespace
+
 Status analyzeLayer(const TaskProgram &program, LayerPlan *out) {
   LayerPlan plan;
   if (Status s = Analyzer(program, plan).run(); !s)
+    return s;
+  if (Status s = checkLayerRecord(program, plan); !s)
     return s;
   *out = std::move(plan);
   return Status::success();

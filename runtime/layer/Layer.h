@@ -60,6 +60,8 @@ struct LoraSlots {
 /// of a dispatch or combine binary.
 struct LayerPlan {
   LayerShape shape;
+  /// The binary's layer record, which the shape was checked against.
+  format::LayerRecord record;
   PlanKind kind = PlanKind::Layer;
 
   uint32_t dispatchOp = 0, combineOp = 0;
@@ -116,7 +118,9 @@ struct LayerPlan {
   std::vector<uint32_t> readByBackward() const;
 };
 
-/// Finds the roles of `program`'s slots and checks its shapes and tilings.
+/// Finds the roles of `program`'s slots, checks its shapes and tilings, and
+/// checks what they say of the layer against the program's layer record
+/// (which it must have), taking the capacity factor from it.
 /// A program of one dispatch op, or of one combine op, is the communication
 /// half of the layer alone (PlanKind::Dispatch, PlanKind::Combine): H, R, L,
 /// S and the capacities are set; I is 0.

@@ -9,9 +9,9 @@
 #include "base/File.h"
 #include "base/Memory.h"
 #include "base/Time.h"
-#include "compiler/config/Config.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
+#include "format/Capacity.h"
 #include "format/Crc32.h"
 #include "runtime/tooling/LayerRun.h"
 #include "runtime/tooling/Profile.h"
@@ -366,22 +366,15 @@ std::string capacityHint(const rt::LayerShape &shape, const rt::CapacityNeed &ne
       "the routing needs: {} rows routed by the fullest rank (the binary: {}), {} rows received "
       "by the experts of the fullest rank (the binary: {})",
       need.rowsPerRank, shape.rowCapacity, need.receivePerRank, shape.receiveCapacity);
-  // The config the binary was compiled from, as far as its shape tells:
-  // capacity_factor is its receive capacity over the balanced load S * K.
-  ModelConfig config;
-  config.seqSize = shape.tokens;
-  config.topK = shape.topK;
-  config.ep = shape.epRanks();
-  config.tp = shape.tp;
-  config.numExperts = int64_t(shape.localExperts) * shape.epRanks();
-  config.capacityFactor =
-      double(shape.receiveCapacity) / double(std::max<int64_t>(1, shape.rowCapacity));
-  const CapacityAdvice advice = adviseCapacity(config, need.rowsPerRank, need.receivePerRank,
-                                               /*headroom=*/false);
+  // What the config the binary was compiled from (its layer record) must
+  // change.
+  const format::CapacityAdvice advice = format::adviseCapacity(
+      shape.capacityInputs(), need.rowsPerRank, need.receivePerRank, /*headroom=*/false);
   if (!advice.fits)
-    return hint + "; no config of this layer holds it (seq_size is at most 16777216 and "
-                  "capacity_factor at most 1024): route fewer rows to one rank";
-  if (advice.seqSize > config.seqSize)
+    return hint + fmt::format("; no config of this layer holds it (seq_size is at most {} and "
+                              "capacity_factor at most {}): route fewer rows to one rank",
+                              format::kMaxSeqSize, format::kMaxCapacityFactor);
+  if (advice.seqSize > shape.tokens)
     hint += fmt::format("; compile with \"seq_size\" at least {} (tokens per rank)",
                         advice.seqSize);
   if (need.receivePerRank > shape.receiveCapacity)

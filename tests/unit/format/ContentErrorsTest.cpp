@@ -153,6 +153,70 @@ TEST_CASE("out-of-range indices", "[task-binary][errors]") {
   }
 }
 
+TEST_CASE("the layer record", "[task-binary][errors][layer]") {
+  TaskProgram p = smallProgram();
+  const std::string bad = "the layer record: ";
+
+  SECTION("none: a task program that is no layer's") {
+    p.layer.reset();
+    CHECK(validateTaskProgram(p).ok());
+    TaskProgram read;
+    const std::vector<uint8_t> bytes = writeTaskBinary(p);
+    REQUIRE(readTaskBinary(bytes.data(), bytes.size(), &read).ok());
+    CHECK_FALSE(read.layer);
+  }
+  SECTION("a size not positive") {
+    p.layer->hidden = 0;
+    CHECK(contentError(p) == bad + "hidden is 0; it must be positive");
+  }
+  SECTION("experts the header's ranks do not hold") {
+    p.layer->experts = 6;
+    CHECK(contentError(p) == bad + "6 experts, but the header has 2 EP ranks of 2 experts");
+  }
+  SECTION("top_k past the experts") {
+    p.layer->topK = 5;
+    CHECK(contentError(p) == bad + "top_k 5 is more than the 4 experts");
+  }
+  SECTION("an intermediate size the TP ranks do not divide") {
+    p.tpRanks = 3;
+    p.layer->intermediate = 32;
+    CHECK(contentError(p) == bad + "intermediate size 32 is not a multiple of the 3 TP ranks");
+  }
+  SECTION("a capacity factor out of range or not a number") {
+    p.layer->capacityFactor = 0.5;
+    CHECK(contentError(p) == bad + "capacity factor 0.5 is not between 1 and 1024");
+    p.layer->capacityFactor = std::numeric_limits<double>::quiet_NaN();
+    CHECK(contentError(p) == bad + "capacity factor nan is not between 1 and 1024");
+  }
+  SECTION("capacities that are not those of its values") {
+    p.layer->rowCapacity = 65;
+    CHECK(contentError(p) == bad + "row capacity 65, but seq_size x top_k is 64");
+    p.layer->rowCapacity = 64;
+    p.layer->receiveCapacity = 100;
+    CHECK(contentError(p) == bad + "receive capacity 100, but capacity factor 2 gives 128");
+  }
+  SECTION("dtypes") {
+    p.layer->dtype = DType::I8;
+    CHECK(contentError(p) == bad + "activations of dtype 6; f32 or bf16");
+    p.layer->dtype = DType::BF16;
+    p.layer->dispatchDtype = DType::F32;
+    CHECK(contentError(p) == bad + "dispatched rows of dtype 1; the activations' (bf16) or f8e4m3");
+    p.layer->dispatchDtype = DType::F8E4M3;
+    CHECK(validateTaskProgram(p).ok());
+  }
+  SECTION("LoRA alpha without a rank") {
+    p.layer->loraAlpha = 16;
+    CHECK(contentError(p) == bad + "LoRA alpha 16 with rank 0");
+  }
+  SECTION("flags and reserved bytes") {
+    p.layer->flags = 0x80;
+    CHECK(contentError(p) == bad + "unknown flag bits 0x80");
+    p.layer->flags = kLayerMainGrad;
+    p.layer->reserved[4] = 1;
+    CHECK(contentError(p) == bad + "reserved bytes are not zero");
+  }
+}
+
 TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
   TaskProgram p = smallProgram();
   SECTION("op kind") {

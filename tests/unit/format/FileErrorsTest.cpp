@@ -54,11 +54,15 @@ TEST_CASE("a file shorter than the header", "[task-binary][errors]") {
 TEST_CASE("wrong version", "[task-binary][errors]") {
   std::vector<uint8_t> bytes = writeTaskBinary(smallProgram());
   put<uint32_t>(bytes, offsetof(FileHeader, version), 7);
-  CHECK(readError(bytes) == "format version 7 is not supported (this reader reads version 1)");
+  CHECK(readError(bytes) == "format version 7 is not supported (this reader reads version 2)");
   fixHeader(bytes);
-  CHECK(readError(bytes) == "format version 7 is not supported (this reader reads version 1)");
+  CHECK(readError(bytes) == "format version 7 is not supported (this reader reads version 2)");
+  put<uint32_t>(bytes, offsetof(FileHeader, version), 1);
+  CHECK(readError(bytes) == "format version 1 is not supported (this reader reads version 2); "
+                            "compile the graph again with this moec (version 2 added the layer "
+                            "record)");
   put<uint32_t>(bytes, offsetof(FileHeader, version), 0);
-  CHECK(readError(bytes) == "format version 0 is not supported (this reader reads version 1)");
+  CHECK(readError(bytes) == "format version 0 is not supported (this reader reads version 2)");
 }
 
 TEST_CASE("bad checksum", "[task-binary][errors]") {
@@ -129,7 +133,7 @@ TEST_CASE("header fields", "[task-binary][errors]") {
   std::vector<uint8_t> count = bytes;
   put<uint32_t>(count, offsetof(FileHeader, sectionCount), 9);
   fixHeader(count);
-  CHECK(readError(count) == "header: the section table has 9 entries; version 1 has 10");
+  CHECK(readError(count) == "header: the section table has 9 entries; version 2 has 11");
 
   std::vector<uint8_t> lastReserved = bytes;
   put<uint32_t>(lastReserved, offsetof(FileHeader, reserved), 0x100);
@@ -237,7 +241,7 @@ TEST_CASE("truncation at every section boundary", "[task-binary][errors]") {
   for (uint64_t cut : {uint64_t(64), uint64_t(64 + 24 * 3 + 5)}) {
     std::vector<uint8_t> part(bytes.begin(), bytes.begin() + cut);
     std::string where =
-        "truncated: the section table (offset 64, 240 bytes) ends past the end of the " +
+        "truncated: the section table (offset 64, 264 bytes) ends past the end of the " +
         std::to_string(cut) + "-byte file";
     CHECK(readError(part) ==
           where + " (the header says the file has " + std::to_string(bytes.size()) + " bytes)");
@@ -279,7 +283,7 @@ TEST_CASE("misaligned, overlapping and misplaced sections", "[task-binary][error
     put<uint64_t>(b, opsOffsetField, 64 + 8 * 24);
     fixHeader(b);
     CHECK(readError(b) ==
-          "the section table (offset 64, 240 bytes) overlaps section 'ops' (offset 256, 48 bytes)");
+          "the section table (offset 64, 264 bytes) overlaps section 'ops' (offset 256, 48 bytes)");
   }
   SECTION("inside the header") {
     std::vector<uint8_t> b = bytes;
@@ -292,7 +296,7 @@ TEST_CASE("misaligned, overlapping and misplaced sections", "[task-binary][error
     put<uint64_t>(b, offsetof(FileHeader, sectionTableOffset), 8);
     fixHeader(b);
     CHECK(readError(b) ==
-          "the section table (offset 8, 240 bytes) starts inside the 64-byte header");
+          "the section table (offset 8, 264 bytes) starts inside the 64-byte header");
     put<uint64_t>(b, offsetof(FileHeader, sectionTableOffset), 68);
     fixHeader(b);
     CHECK(readError(b) == "the section table: offset 68 is not 8-byte aligned");
@@ -302,7 +306,7 @@ TEST_CASE("misaligned, overlapping and misplaced sections", "[task-binary][error
     put<uint32_t>(b, entryOffset(b, ops) + offsetof(SectionEntry, kind), 42);
     fixHeader(b);
     CHECK(readError(b) == "section table entry " + std::to_string(ops) +
-                              ": kind 42 is not a section kind of version 1");
+                              ": kind 42 is not a section kind of version 2");
     put<uint32_t>(b, entryOffset(b, ops) + offsetof(SectionEntry, kind),
                   uint32_t(SectionKind::Slots));
     fixHeader(b);
@@ -312,19 +316,19 @@ TEST_CASE("misaligned, overlapping and misplaced sections", "[task-binary][error
     b = bytes;
     put<uint32_t>(b, entryOffset(b, ops) + offsetof(SectionEntry, recordSize), 16);
     fixHeader(b);
-    CHECK(readError(b) == "section 'ops': record size 16, but version 1 ops records are 24 bytes");
+    CHECK(readError(b) == "section 'ops': record size 16, but version 2 ops records are 24 bytes");
     b = bytes;
     size_t tilings = entryIndexOf(b, SectionKind::Tilings);
     put<uint32_t>(b, entryOffset(b, tilings) + offsetof(SectionEntry, recordSize), 88);
     fixHeader(b);
     CHECK(readError(b) ==
-          "section 'tilings': record size 88, but version 1 tilings records are 96 bytes");
+          "section 'tilings': record size 88, but version 2 tilings records are 96 bytes");
     b = bytes;
     size_t tasks = entryIndexOf(b, SectionKind::Tasks);
     put<uint32_t>(b, entryOffset(b, tasks) + offsetof(SectionEntry, recordSize), 28);
     fixHeader(b);
     CHECK(readError(b) ==
-          "section 'tasks': record size 28, but version 1 tasks records are 24 bytes");
+          "section 'tasks': record size 28, but version 2 tasks records are 24 bytes");
   }
   SECTION("empty sections may sit anywhere past the header") {
     TaskProgram program = smallProgram();
@@ -371,7 +375,7 @@ TEST_CASE("record counts that overflow or exceed 32-bit indices", "[task-binary]
   b = bytes;
   put<uint64_t>(b, offsetof(FileHeader, sectionTableOffset), ~uint64_t(0) - 7);
   fixHeader(b);
-  CHECK(readError(b) == "truncated: the section table (offset 18446744073709551608, 240 bytes) "
+  CHECK(readError(b) == "truncated: the section table (offset 18446744073709551608, 264 bytes) "
                         "ends past the end of the " +
                             std::to_string(b.size()) + "-byte file");
 }

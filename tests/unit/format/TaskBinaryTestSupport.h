@@ -6,8 +6,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_TESTS_UNIT_RUNTIME_FORMAT_TASKBINARYTESTSUPPORT_H
-#define MOEC_TESTS_UNIT_RUNTIME_FORMAT_TASKBINARYTESTSUPPORT_H
+#ifndef MOEC_TESTS_UNIT_FORMAT_TASKBINARYTESTSUPPORT_H
+#define MOEC_TESTS_UNIT_FORMAT_TASKBINARYTESTSUPPORT_H
 
 #include "format/Crc32.h"
 #include "format/TaskBinary.h"
@@ -39,12 +39,30 @@ using moec::Status;
 /// Every section is non-empty, and every task has its own waits and signals.
 /// Queues: vector core 0 runs tasks 0..3, cube core 0 tasks 4 and 6, cube
 /// core 1 tasks 5 and 7.
+/// A layer record that agrees with smallProgram's header (2 EP ranks of 2
+/// experts, bf16).
+inline LayerRecord smallLayer() {
+  LayerRecord l;
+  l.hidden = 128;
+  l.intermediate = 32;
+  l.seqSize = 32;
+  l.topK = 2;
+  l.experts = 4;
+  l.capacityFactor = 2;
+  l.rowCapacity = 64;
+  l.receiveCapacity = 128; // 2 x 64, the worst case 32 x 2 x min(2, 2)
+  l.dtype = DType::BF16;
+  l.dispatchDtype = DType::BF16;
+  return l;
+}
+
 inline TaskProgram smallProgram() {
   TaskProgram p;
   p.flags = kFlagBf16;
   p.epRanks = 2;
   p.localExperts = 2;
   p.target = p.addString("ascend-910b");
+  p.layer = smallLayer();
 
   SlotRecord x;
   x.name = p.addString("x");
@@ -296,4 +314,4 @@ inline std::string tempPath(const std::string &name) {
 
 } // namespace moec::test
 
-#endif // MOEC_TESTS_UNIT_RUNTIME_FORMAT_TASKBINARYTESTSUPPORT_H
+#endif // MOEC_TESTS_UNIT_FORMAT_TASKBINARYTESTSUPPORT_H

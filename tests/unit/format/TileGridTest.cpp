@@ -214,6 +214,8 @@ TEST_CASE("ops and their tile grids", "[task-binary][errors][tiles]") {
     // With L = 1, only a grid of 1 expert will do.
     p = smallProgram();
     p.localExperts = 1;
+    p.layer->experts = 2;
+    p.layer->receiveCapacity = 64; // the worst case: 32 x 2 x min(2, 1)
     CHECK(contentError(p) == "tiling 0: a grid of 2 experts; it must be 1 or the 1 local experts");
   }
   SECTION("peers: 1 or R") {

@@ -311,7 +311,7 @@ TEST_CASE("tp must divide the intermediate size, and says what it means", "[conf
   std::string parseErrorText;
   REQUIRE(moec::parseConfig(j.dump(), "src.json", &c, &parseErrorText));
   CHECK(moec::deriveTaskSplitValue(c).seqAll == 128 * 2 * 2);
-  CHECK(moec::receiveCapacityRows(c) == 512); // 2 x the balanced 256, under the worst 512
+  CHECK(moec::format::receiveCapacityRows(moec::capacityInputs(c)) == 512); // 2 x the balanced 256, under the worst 512
   const std::vector<std::string> notes = moec::configNotes(c, "src.json");
   REQUIRE(notes.size() == 1);
   CHECK(notes[0].rfind("src.json: 'tp' is 4: 8 ranks (2 EP x 4 TP).", 0) == 0);
@@ -320,67 +320,42 @@ TEST_CASE("tp must divide the intermediate size, and says what it means", "[conf
   CHECK(moec::configNotes(c, "src.json").empty());
 }
 
-TEST_CASE("adviseCapacity inverts receiveCapacityRows", "[config][capacity]") {
-  // tiny: seq_size 128, top_k 2, ep 2, 2 local experts: balanced 256 rows a
-  // rank, worst case 512.
+TEST_CASE("a config's layer record: its values and the capacities they give", "[config][capacity]") {
   json j = baseJson();
-  j["capacity_factor"] = 1.0;
+  j["capacity_factor"] = 1.17;
+  j["dtype"] = "bf16";
+  j["dispatch_dtype"] = "fp8_e4m3";
+  j["main_grad"] = true;
+  j["lora_rank"] = 8;
+  j["lora_alpha"] = 16;
   ModelConfig c;
   std::string error;
   REQUIRE(moec::parseConfig(j.dump(), "src.json", &c, &error));
-  REQUIRE(moec::receiveCapacityRows(c) == 256);
-
-  // A routing that fits keeps the config.
-  moec::CapacityAdvice a = moec::adviseCapacity(c, 256, 200, false);
-  CHECK(a.seqSize == 128);
-  CHECK(a.capacityFactor == 1.0);
-  CHECK(a.rowCapacity == 256);
-  CHECK(a.receiveCapacity == 256);
-  CHECK(a.fits);
-
-  // More received rows: the least factor in hundredths that holds them.
-  a = moec::adviseCapacity(c, 256, 300, false); // 300 / 256 = 1.17...
-  CHECK(a.capacityFactor == Approx(1.17));
-  CHECK(a.receiveCapacity == 300); // ceil(1.17 * 256)
-  CHECK(a.fits);
-
-  // More routed rows: seq_size grows to hold them, and the factor scales
-  // the new balanced load (300 rows).
-  a = moec::adviseCapacity(c, 300, 390, false);
-  CHECK(a.seqSize == 150);
-  CHECK(a.rowCapacity == 300);
-  CHECK(a.capacityFactor == Approx(1.3));
-  CHECK(a.receiveCapacity == 390);
-  CHECK(a.fits);
-
-  // With headroom: 1.25 x the need, and at least 1.5 x the config's factor.
-  a = moec::adviseCapacity(c, 256, 300, true);
-  CHECK(a.capacityFactor == Approx(1.5));
-  CHECK(a.receiveCapacity == 384);
-  a = moec::adviseCapacity(c, 256, 400, true); // 400 / 256 * 1.25 = 1.95...
-  CHECK(a.capacityFactor == Approx(1.96));
-
-  // A need past any config's sizes does not fit, and overflows nothing.
-  a = moec::adviseCapacity(c, std::numeric_limits<int64_t>::max(), 10, false);
-  CHECK_FALSE(a.fits);
-  a = moec::adviseCapacity(c, 256, std::numeric_limits<int64_t>::max(), true);
-  CHECK_FALSE(a.fits);
-  CHECK(a.capacityFactor == 1024.0);
-
-  // For every need up to the worst case: what it advises holds the routing,
-  // and a hundredth less would not (the advice is the least).
-  for (int64_t receive = 1; receive <= 512; ++receive) {
-    a = moec::adviseCapacity(c, 256, receive, false);
-    INFO("receive " << receive << " factor " << a.capacityFactor);
-    CHECK(a.fits);
-    ModelConfig changed = c;
-    changed.capacityFactor = a.capacityFactor;
-    CHECK(moec::receiveCapacityRows(changed) == a.receiveCapacity);
-    if (a.capacityFactor > c.capacityFactor) {
-      changed.capacityFactor = a.capacityFactor - 0.01;
-      CHECK(moec::receiveCapacityRows(changed) < receive);
-    }
-  }
+  const moec::format::LayerRecord r = moec::layerRecord(c);
+  CHECK(r.hidden == 64);
+  CHECK(r.intermediate == 32);
+  CHECK(r.seqSize == 128);
+  CHECK(r.topK == 2);
+  CHECK(r.experts == 4);
+  CHECK(r.capacityFactor == 1.17);
+  CHECK(r.rowCapacity == 256);
+  CHECK(r.receiveCapacity == 300); // ceil(1.17 * 256), under the worst 512
+  CHECK(r.dtype == moec::DType::BF16);
+  CHECK(r.dispatchDtype == moec::DType::F8E4M3);
+  CHECK(r.mainGrad());
+  CHECK(r.loraRank == 8);
+  CHECK(r.loraScaling() == 2.0);
+  CHECK(moec::loraScaling(c) == 2.0);
+  const moec::format::CapacityInputs in = moec::capacityInputs(c);
+  CHECK(in.epRanks == 2);
+  CHECK(in.localExperts == 2);
+  // The record passes the format's checks on its ranks.
+  moec::format::TaskProgram p;
+  p.epRanks = 2;
+  p.localExperts = 2;
+  p.target = p.addString("cpu");
+  p.layer = r;
+  CHECK(moec::format::validateTaskProgram(p).ok());
 }
 
 TEST_CASE("sizes past the supported limits are refused", "[config]") {

@@ -375,6 +375,53 @@ TEST_CASE("dispatch and combine binaries alone are the halves of one exchange", 
 // What analyzeLayer refuses
 //===----------------------------------------------------------------------===//
 
+TEST_CASE("the layer record: required, checked against the ops, and read", "[layer][record]") {
+  const TaskProgram &fwd = tiny("moe_ffn_fwd.json");
+  const LayerPlan plan = analyzeOk(fwd);
+  REQUIRE(fwd.layer);
+  CHECK(plan.record == *fwd.layer);
+  CHECK(plan.shape.capacityFactor == fwd.layer->capacityFactor);
+  CHECK(plan.shape.receiveCapacity == fwd.layer->receiveCapacity);
+  TaskProgram p = fwd;
+
+  SECTION("none") {
+    p.layer.reset();
+    CHECK(analyzeError(p) == "the binary has no layer record: only a program compiled from a "
+                             "config (moec compile) runs as a layer");
+  }
+  SECTION("a hidden size the ops do not have") {
+    p.layer->hidden = 128;
+    CHECK(analyzeError(p) == "the binary's layer record says hidden size 128, but its ops have 64");
+  }
+  SECTION("another top_k") {
+    p.layer->topK = 1;
+    CHECK(analyzeError(p) == "the binary's layer record says top_k 1, but its ops have 2");
+  }
+  SECTION("another intermediate size") {
+    p.layer->intermediate = 64;
+    CHECK(analyzeError(p) == "the binary's layer record says an intermediate size of 64 (64 a "
+                             "TP rank), but its ops have 32");
+  }
+  SECTION("FP8 dispatch the ops do not do") {
+    p.layer->dispatchDtype = DType::F8E4M3;
+    CHECK(analyzeError(p) == "the binary's layer record says the dispatched rows travel as "
+                             "f8e4m3, but its ops send them as they are");
+  }
+  SECTION("main_grad the weight gradients do not do") {
+    TaskProgram bwd = tiny("moe_ffn_bwd.json");
+    REQUIRE(analyzeOk(bwd).record == *bwd.layer);
+    bwd.layer->flags |= moec::format::kLayerMainGrad;
+    CHECK(analyzeError(bwd) == "the binary's layer record says main_grad is true, but its "
+                               "weight-gradient GMMs write into dw1 and dw2");
+  }
+  SECTION("another dtype") {
+    p.layer->dtype = DType::BF16;
+    p.layer->dispatchDtype = DType::BF16;
+    CHECK(analyzeError(p) == "the binary's layer record says activations of bf16, but its ops "
+                             "have f32");
+  }
+}
+
 TEST_CASE("shape checks name the slot, its role and both shapes", "[layer][errors]") {
   const TaskProgram &fwd = tiny("moe_ffn_fwd.json");
   TaskProgram p = fwd;

@@ -225,6 +225,22 @@ bool operator==(const TaskProgram &a, const TaskProgram &b) {
 // TaskProgram
 //===----------------------------------------------------------------------===//
 
+std::string layerRecordJson(const LayerRecord &l) {
+  // A double as the shortest text that reads back the same, with a point.
+  auto real = [](double value) {
+    std::string text = fmt::format("{}", value);
+    return text.find_first_of(".e") == std::string::npos ? text + ".0" : text;
+  };
+  return fmt::format(
+      "{{\"hidden_size\": {}, \"intermediate_size\": {}, \"num_experts\": {}, "
+      "\"top_k\": {}, \"seq_size\": {}, \"capacity_factor\": {}, \"row_capacity\": {}, "
+      "\"receive_capacity\": {}, \"dtype\": \"{}\", \"dispatch_dtype\": \"{}\", "
+      "\"main_grad\": {}, \"lora_rank\": {}, \"lora_alpha\": {}, \"weight_group\": {}}}",
+      l.hidden, l.intermediate, l.experts, l.topK, l.seqSize, real(l.capacityFactor),
+      l.rowCapacity, l.receiveCapacity, configDTypeName(l.dtype), configDTypeName(l.dispatchDtype),
+      l.mainGrad() ? "true" : "false", l.loraRank, real(l.loraAlpha), l.weightGroup);
+}
+
 CapacityInputs capacityInputs(const LayerRecord &layer, uint32_t epRanks,
                               uint32_t localExperts) {
   CapacityInputs c;

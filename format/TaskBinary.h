@@ -617,6 +617,11 @@ static_assert(offsetof(LayerRecord, capacityFactor) == 56 && offsetof(LayerRecor
                   offsetof(LayerRecord, dtype) == 80 && offsetof(LayerRecord, reserved) == 83,
               "LayerRecord layout");
 
+/// The layer record as a JSON object in the config's keys ("hidden_size",
+/// "capacity_factor", "dispatch_dtype", ...; with "row_capacity" and
+/// "receive_capacity"): what `moec dump --json` and the torch op show.
+std::string layerRecordJson(const LayerRecord &layer);
+
 /// What a layer record's capacities follow from, on P EP ranks of L experts.
 CapacityInputs capacityInputs(const LayerRecord &layer, uint32_t epRanks, uint32_t localExperts);
 

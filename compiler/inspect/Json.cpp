@@ -104,26 +104,8 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
                  {"tp_ranks", p.tpRanks},
                  {"local_experts", p.localExperts},
                  {"target", std::string(p.name(p.target))}};
-  if (p.layer) {
-    // The layer record, in the config's keys.
-    const LayerRecord &l = *p.layer;
-    out["layer"] = {{"hidden_size", l.hidden},
-                    {"intermediate_size", l.intermediate},
-                    {"num_experts", l.experts},
-                    {"top_k", l.topK},
-                    {"seq_size", l.seqSize},
-                    {"capacity_factor", l.capacityFactor},
-                    {"row_capacity", l.rowCapacity},
-                    {"receive_capacity", l.receiveCapacity},
-                    {"dtype", configDTypeName(l.dtype)},
-                    {"dispatch_dtype", configDTypeName(l.dispatchDtype)},
-                    {"main_grad", l.mainGrad()},
-                    {"lora_rank", l.loraRank},
-                    {"lora_alpha", l.loraAlpha},
-                    {"weight_group", l.weightGroup}};
-  } else {
-    out["layer"] = nullptr;
-  }
+  // The layer record, in the config's keys.
+  out["layer"] = p.layer ? json::parse(layerRecordJson(*p.layer)) : json(nullptr);
   out["notes"] = (p.flags & kFlagNotes) ? json(std::string(p.name(p.notes))) : json(nullptr);
   out["rank"] = options.rank ? json(*options.rank) : json(nullptr);
   if (options.compact)

@@ -51,6 +51,8 @@
 
 #include "base/Time.h"
 #include "ops/torch/GroupFabric.h"
+#include "format/Capacity.h"
+#include "format/TaskBinary.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Hooks.h"
 #include "runtime/comm/Mpi.h"
@@ -678,6 +680,25 @@ public:
       p.second.wait();
   }
 
+  /// The binaries' layer record: the config they were compiled from, as
+  /// JSON in the config's keys (format/TaskBinary.h, layerRecordJson).
+  std::string layerRecord() const {
+    live();
+    return moec::format::layerRecordJson(slot->context->layerRecord());
+  }
+
+  /// What the config of the binaries must change to hold a routing of
+  /// `rowsPerRank` routed and `receivePerRank` received rows (format/
+  /// Capacity.h, from the layer record): (seq_size, capacity_factor,
+  /// row_capacity, receive_capacity, fits).
+  std::tuple<int64_t, double, int64_t, int64_t, bool>
+  capacityAdvice(int64_t rowsPerRank, int64_t receivePerRank, bool headroom) const {
+    live();
+    const moec::format::CapacityAdvice a = moec::format::adviseCapacity(
+        slot->context->shape().capacityInputs(), rowsPerRank, receivePerRank, headroom);
+    return {a.seqSize, a.capacityFactor, a.rowCapacity, a.receiveCapacity, a.fits};
+  }
+
   /// What the last forward pass's routing needed (every rank), and the
   /// binary's capacities: for growing the layer after an over-capacity error.
   c10::Dict<std::string, int64_t> capacityNeed() const {
@@ -1277,6 +1298,8 @@ TORCH_LIBRARY(moec, m) {
       .def("weights_changed", &Layer::weightsChanged)
       .def("write_trace", &Layer::writeTrace)
       .def("capacity_need", &Layer::capacityNeed)
+      .def("layer_record", &Layer::layerRecord)
+      .def("capacity_advice", &Layer::capacityAdvice)
       .def("agree", &Layer::agree)
       .def("times", &Layer::times)
       .def("profile", &Layer::profile)

@@ -703,6 +703,7 @@ Status Context::create(std::shared_ptr<const Program> forward,
 }
 
 const LayerShape &Context::shape() const { return body->shape(); }
+const format::LayerRecord &Context::layerRecord() const { return body->fwd->plan().record; }
 const LayerShape *Context::backwardShape() const {
   return body->bwd ? &body->bwd->plan().shape : nullptr;
 }

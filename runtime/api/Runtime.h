@@ -358,6 +358,9 @@ public:
   const LayerShape &shape() const;
   /// The backward program's shape, or null without a backward program.
   const LayerShape *backwardShape() const;
+  /// The forward program's layer record: the config it was compiled from
+  /// (the backward's was checked to be the same layer).
+  const format::LayerRecord &layerRecord() const;
   /// Ranks of the group.
   uint32_t ranks() const;
   /// Worker threads.

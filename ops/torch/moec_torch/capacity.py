@@ -4,7 +4,7 @@ process and, collectively, under MPI."""
 
 import warnings
 
-from . import cache, native
+from . import cache
 
 CAPACITY_POLICIES = ("grow", "error")
 
@@ -47,9 +47,11 @@ def grow(module, error):
     elif module.capacity_policy != "grow":
         raise error
     cfg = dict(module.config)
-    advice = native.capacity_advice(dict(cfg, ep=module.ranks, tp=module.tp),
-                                    need["rows_per_rank"], need["receive_per_rank"],
-                                    headroom=True)
+    # The binaries' own arithmetic (format/Capacity.h), on the config they
+    # were compiled from (their layer record).
+    advice = dict(zip(("seq_size", "capacity_factor", "row_capacity", "receive_capacity", "fits"),
+                      module.layer.capacity_advice(need["rows_per_rank"],
+                                                   need["receive_per_rank"], True)))
     if not advice["fits"]:
         raise RuntimeError(
             "moec over capacity: the routing needs more than the largest binary for this "

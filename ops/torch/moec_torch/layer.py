@@ -18,22 +18,22 @@ from .handles import BackwardHandle, ForwardHandle
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _matches(info, cfg, ranks, frozen=False, lora_targets=(), tp=1, transposed=False,
+def _matches(layer, cfg, ranks, frozen=False, lora_targets=(), tp=1, transposed=False,
              weight_format=None):
-    """True when a built layer's sizes are those of `cfg` on `ranks` EP
-    ranks of `tp` TP ranks each."""
-    fp8 = int(cfg.get("dispatch_dtype") == "fp8_e4m3")
+    """True when a built layer's binaries are those of `cfg` on `ranks` EP
+    ranks of `tp` TP ranks each: their layer record (the config they were
+    compiled from) holds every value `cfg` gives, and their ops are the graph
+    asked for."""
+    record = json.loads(layer.layer_record())
+    if any(record[k] != cfg[k] for k in record if k in cfg):
+        return False
+    info = layer.info()
     fmt = quant.parse(weight_format)
     targets = sum(1 << i for i, t in enumerate(LORA_TARGETS) if t in (lora_targets or ()))
-    want = {"ranks": int(ranks) * tp, "tp": tp, "experts": int(cfg["num_experts"]),
-            "hidden": int(cfg["hidden_size"]), "inter": int(cfg["intermediate_size"]) // tp,
-            "top_k": int(cfg["top_k"]), "bf16": int(cfg.get("dtype", "bf16") == "bf16"),
-            "frozen": int(bool(frozen) or targets != 0),
-            "main_grad": int(bool(cfg.get("main_grad", False))),
-            "lora_targets": targets, "lora_rank": int(cfg.get("lora_rank", 0)) if targets else 0,
-            "fp8_dispatch": fp8, "weights_transposed": int(bool(transposed)),
+    want = {"ranks": int(ranks) * tp, "tp": tp,
+            "frozen": int(bool(frozen) or targets != 0), "lora_targets": targets,
+            "weights_transposed": int(bool(transposed)),
             "weight_format": quant.FORMAT_CODES[fmt.kind if fmt else None],
-            "weight_group": fmt.group if fmt else 0,
             "weight_zero_points": int(bool(fmt and fmt.zero_points))}
     return all(int(info[k]) == v for k, v in want.items())
 
@@ -251,7 +251,6 @@ class MoeFFN(torch.nn.Module):
                 raise ValueError("moec: dispatch_dtype must be 'fp8_e4m3' or the config's dtype "
                                  f"({cfg.get('dtype', 'bf16')!r}), got {dispatch_dtype!r}")
             cfg["dispatch_dtype"] = dispatch_dtype
-        self.dispatch_dtype = cfg.get("dispatch_dtype", cfg.get("dtype", "bf16"))
         lora_keys = [k for k in ("lora_rank", "lora_alpha") if k in cfg]
         if lora_keys:
             raise ValueError("moec: LoRA adapters are set by lora_rank= (and lora_alpha=) of "
@@ -317,15 +316,17 @@ class MoeFFN(torch.nn.Module):
                                  weight_format=weight_format)
 
         def other_layer(layer):
-            info = layer.info()
-            if not _matches(info, cfg, ranks, self.frozen, self.lora_targets, tp,
+            if not _matches(layer, cfg, ranks, self.frozen, self.lora_targets, tp,
                             weights_transposed, weight_format):
-                return f"the compiled layer {dict(info)} is not the config's {cfg}"
+                return (f"the compiled layer (its config {layer.layer_record()}, its sizes "
+                        f"{dict(layer.info())}) is not the config's {cfg}")
             return None
 
         self.layer = _from_cache(compiled, self._runtime_layer, other_layer)
         self._binaries = self._made
         info = self.layer.info()
+        # "fp8_e4m3", or the dtype: the config's as compiled (its layer record).
+        self.dispatch_dtype = json.loads(self.layer.layer_record())["dispatch_dtype"]
         self._writes_trace = info["first_rank"] == 0  # under MPI, rank 0 writes
         self.fabric = fabric
         # Ranks in other processes (MPI): what the binaries do not carry is

@@ -381,11 +381,17 @@ def test_capacity_grows_when_routing_collapses():
 
 def test_capacity_advice_is_the_compilers_arithmetic():
     # What libmoec advises for a need is what a binary compiled with the
-    # advice holds: one function behind the advice and the compile.
+    # advice holds, and what the runtime advises from the binary's layer
+    # record: one function behind the advice and the compile.
     cfg = config(experts=8, top_k=2, capacity_factor=1)
-    info = moec_torch.MoeFFN(cfg, 2, threads=1).layer.info()
+    layer = moec_torch.MoeFFN(cfg, 2, threads=1).layer
+    info = layer.info()
     need = info["receive_capacity"] + 5
     advice = moec_torch.native.capacity_advice(dict(cfg, ep=2), info["tokens"] * 2, need)
+    for headroom in (False, True):
+        assert list(layer.capacity_advice(info["tokens"] * 2, need, headroom)) == list(
+            moec_torch.native.capacity_advice(dict(cfg, ep=2), info["tokens"] * 2, need,
+                                              headroom).values())
     assert advice["fits"] and advice["seq_size"] == info["tokens"]
     assert advice["capacity_factor"] > 1
     grown = moec_torch.MoeFFN(dict(cfg, capacity_factor=advice["capacity_factor"]), 2, threads=1)
@@ -394,6 +400,26 @@ def test_capacity_advice_is_the_compilers_arithmetic():
         moec_torch.native.capacity_advice(dict(cfg, ep=2, top_k=0), 1, 1)
     with pytest.raises(RuntimeError, match="row counts must not be negative, got -1 and 1"):
         moec_torch.native.capacity_advice(dict(cfg, ep=2), -1, 1)
+
+
+def test_the_binaries_carry_the_config_they_were_compiled_from():
+    # The layer record: the config's values as compiled, read back from the
+    # binaries, whatever the config left to its defaults.
+    cfg = config(experts=8, top_k=2, dtype="bf16", capacity_factor=1.25,
+                 dispatch_dtype="fp8_e4m3")
+    layer = moec_torch.MoeFFN(cfg, 2, threads=1, main_grad=True)
+    record = json.loads(layer.layer.layer_record())
+    for key in ("hidden_size", "intermediate_size", "num_experts", "top_k", "seq_size",
+                "dtype", "capacity_factor", "dispatch_dtype"):
+        assert record[key] == cfg[key], key
+    assert record["main_grad"] is True and record["lora_rank"] == 0
+    assert record["row_capacity"] == 128 * 2
+    assert record["receive_capacity"] == layer.layer.info()["receive_capacity"] == 320
+    assert layer.dispatch_dtype == "fp8_e4m3"
+    lora = moec_torch.MoeFFN(config(), 1, threads=1, lora_rank=4, lora_alpha=8)
+    record = json.loads(lora.layer.layer_record())
+    assert (record["lora_rank"], record["lora_alpha"]) == (4, 8.0)
+    assert record["capacity_factor"] == 2.0 and record["dispatch_dtype"] == "fp32"
 
 
 def test_more_tokens_than_compiled_grows_seq_size():

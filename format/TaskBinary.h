@@ -57,6 +57,10 @@ inline constexpr uint32_t kFormatVersion = 2;
 /// The value of an optional u32 index that names nothing.
 inline constexpr uint32_t kNone = 0xFFFFFFFFu;
 
+/// The most records a section holds, and the most tiles a grid has: indices
+/// are u32.
+inline constexpr uint64_t kMaxRecords = 0xFFFFFFFFu;
+
 /// Every section, and the section table, starts at a multiple of this.
 inline constexpr uint32_t kSectionAlignment = 8;
 

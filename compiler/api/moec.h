@@ -51,7 +51,9 @@ int moec_simulate_trace(const char *binary, const char *target, const char *out,
  * fullest rank fits (what the runtime reports as a capacity need):
  * {"seq_size", "capacity_factor", "row_capacity", "receive_capacity",
  * "fits"}. With `headroom` nonzero the factor grows beyond the need (1.25
- * times it, at least 1.5 times the config's), as before a recompile. */
+ * times it, at least 1.5 times the config's), as before a recompile. The
+ * arithmetic is format/Capacity.h's, which the compiler sizes binaries
+ * with and the runtime advises from a binary's layer record. */
 int moec_capacity_advice(const char *config, long long rows_per_rank, long long receive_per_rank,
                          int headroom, char **advice, char **error);
 

@@ -128,6 +128,13 @@ struct LayerPlan {
 /// but its input 'target' has rows of 64".
 Status analyzeLayer(const format::TaskProgram &program, LayerPlan *out);
 
+/// Checks what a plan's shape says of the layer against `program`'s layer
+/// record (which it must have: "the binary's layer record says hidden size
+/// 128, but its ops have 64"), and takes from the record what the ops
+/// cannot say (the capacity factor; LayerPlan::record). analyzeLayer ends
+/// with it.
+Status checkLayerRecord(const format::TaskProgram &program, LayerPlan &plan);
+
 /// Checks that a backward plan can take the tensors a forward plan saves:
 /// same ranks, experts, sizes, dtypes and capacities.
 Status checkPassesMatch(const LayerPlan &forward, const LayerPlan &backward);

@@ -13,13 +13,24 @@
 
 using namespace moec::format;
 
-TEST_CASE("receiveCapacityRows: the balanced load scaled, within the worst case", "[format][capacity]") {
+namespace {
+
+/// tiny.json's layer: seq_size 128, top_k 2, ep 2, 2 local experts (the
+/// balanced load 256 rows a rank, the worst case 512), with `factor`.
+CapacityInputs tiny(double factor) {
   CapacityInputs c;
   c.seqSize = 128;
   c.topK = 2;
   c.epRanks = 2;
   c.localExperts = 2;
-  c.capacityFactor = 2.0;
+  c.capacityFactor = factor;
+  return c;
+}
+
+} // namespace
+
+TEST_CASE("receiveCapacityRows: the balanced load scaled, within the worst case", "[format][capacity]") {
+  CapacityInputs c = tiny(2.0);
   CHECK(rowCapacityRows(c) == 256);
   CHECK(receiveCapacityRows(c) == 512); // 2 x 256: the worst case, 128 x 2 x min(2, 2)
   c.capacityFactor = 4.0;
@@ -32,14 +43,7 @@ TEST_CASE("receiveCapacityRows: the balanced load scaled, within the worst case"
 }
 
 TEST_CASE("adviseCapacity inverts receiveCapacityRows", "[format][capacity]") {
-  // tiny: seq_size 128, top_k 2, ep 2, 2 local experts: balanced 256 rows a
-  // rank, worst case 512.
-  CapacityInputs c;
-  c.seqSize = 128;
-  c.topK = 2;
-  c.epRanks = 2;
-  c.localExperts = 2;
-  c.capacityFactor = 1.0;
+  const CapacityInputs c = tiny(1.0);
   REQUIRE(receiveCapacityRows(c) == 256);
 
   // A routing that fits keeps the config.

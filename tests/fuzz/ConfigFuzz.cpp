@@ -25,7 +25,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   const moec::TaskSplitValue v = moec::deriveTaskSplitValue(config);
   if (v.singleRankExpertNum <= 0 || v.perRankSeq <= 0 || v.perExpertSeqToOther <= 0)
     std::abort();
-  if (moec::receiveCapacityRows(config) < v.perRankSeq)
+  const moec::format::LayerRecord record = moec::layerRecord(config);
+  if (record.receiveCapacity < v.perRankSeq || record.rowCapacity != v.perRankSeq ||
+      record.receiveCapacity != moec::format::receiveCapacityRows(moec::capacityInputs(config)))
     std::abort();
   return 0;
 }

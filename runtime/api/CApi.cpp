@@ -10,6 +10,7 @@
 #include "runtime/api/Runtime.h"
 
 #include "base/Time.h"
+#include "format/TaskBinary.h"
 
 #include <fmt/format.h>
 

@@ -5,8 +5,9 @@
  * NVIDIA GPU's: moec_context_create_on): all R ranks inside one
  * process (the in-process fabric, the default), or one rank per process
  * under MPI (ContextOptions::fabric; runtime/comm/Mpi.h). This
- * one header has a C API (the moec_* functions) and a C++ API (namespace
- * moec::rt, when compiled as C++); the C API is a thin layer over the C++ one.
+ * header has the C++ API (namespace moec::rt) and includes the C API
+ * (moec_runtime.h: the moec_* functions, a thin layer over the C++ one),
+ * which a C program includes alone.
  *
  * A user:
  *
@@ -93,134 +94,40 @@
 #ifndef MOEC_RUNTIME_API_RUNTIME_H
 #define MOEC_RUNTIME_API_RUNTIME_H
 
-#include <stddef.h>
-#include <stdint.h>
-
-#include "base/Version.h"
+#include "runtime/api/moec_runtime.h"
 
 #ifdef __cplusplus
-extern "C" {
-#endif
-
-/*===----------------------------------------------------------------------===*
- * C API
- *===----------------------------------------------------------------------===*/
-
-/** Element types; the values equal the task binary's DType. */
-typedef enum moec_dtype {
-  MOEC_F32 = 1,
-  MOEC_BF16 = 2, /**< bfloat16 bits, stored as uint16_t */
-  MOEC_I32 = 3,
-  MOEC_I64 = 4
-} moec_dtype;
-
-/** The most dims a tensor has. */
-#define MOEC_MAX_DIMS 4
-
-/** A dense row-major tensor the caller owns. */
-typedef struct moec_tensor {
-  void *data;
-  moec_dtype dtype;
-  int32_t ndim;                  /**< 0 .. MOEC_MAX_DIMS */
-  int64_t dims[MOEC_MAX_DIMS];   /**< dims[i] for i < ndim */
-} moec_tensor;
-
-typedef struct moec_program moec_program; /**< a loaded task binary */
-typedef struct moec_context moec_context; /**< an EP group's runtime state */
-
-/** What a failed C call returns (0 is success). */
-#define MOEC_ERROR 1
-#define MOEC_OVER_CAPACITY 2 /**< the routing needs more capacity than the binary has */
-
-/** The message of the calling thread's last failed call ("" if none). */
-const char *moec_last_error(void);
-
-/** The version of the runtime library this program runs against,
- *  "MAJOR.MINOR.PATCH" (base/Version.h: compare with MOEC_VERSION_STRING,
- *  the header's), and, when `binary_format` is not null, the task binary
- *  format version it reads. */
-const char *moec_runtime_version(uint32_t *binary_format);
-
-/** Loads and validates the task binary at `path`. */
-int moec_program_load(const char *path, moec_program **out);
-
-/** Frees a program (a context that uses it keeps its own reference); once
- *  per handle, null does nothing. */
-void moec_program_free(moec_program *program);
-
-/** Creates a context for `forward` and, when not null, `backward`, with
- *  `workers` threads (0: the hardware threads) and a watchdog of
- *  `timeout_seconds`: 0.001 to 1000000, or 0 for the default, 60 s; any
- *  other value (negative, NaN, infinite) is an error. */
-int moec_context_create(const moec_program *forward, const moec_program *backward,
-                        uint32_t workers, double timeout_seconds, moec_context **out);
-
-/** moec_context_create on a backend: "cpu" (what moec_context_create uses)
- *  or "cuda" (every rank on one NVIDIA GPU; docs/runtime.md). */
-int moec_context_create_on(const moec_program *forward, const moec_program *backward,
-                           uint32_t workers, double timeout_seconds, const char *backend,
-                           moec_context **out);
-
-/** Frees a context, waiting for a submitted pass first; once per handle,
- *  null does nothing. */
-void moec_context_free(moec_context *context);
-
-/** What the last forward pass's routing needed, valid after it ran or was
- *  refused for capacity: need[0] (token, k) rows of the fullest rank (the
- *  binary's limit: S * K), need[1] rows the experts of the fullest rank
- *  receive, need[2] rows the fullest expert receives, need[3] rows the
- *  largest put carries (one rank to one expert). */
-int moec_capacity_need(const moec_context *context, int64_t need[4]);
-
-/** The number of ranks of the context's EP group. */
-uint32_t moec_context_ranks(const moec_context *context);
-
-/** The ranks this process runs: moec_context_first_rank ..
- *  + moec_context_local_ranks - 1 (all R in-process; one under MPI,
- *  runtime/api/RuntimeMpi.h). */
-uint32_t moec_context_first_rank(const moec_context *context);
-uint32_t moec_context_local_ranks(const moec_context *context);
-
-/** Sets rank `rank`'s routing: topk_ids [S, K] (int32 or int64) and
- *  topk_weights [S, K] (f32). The data is read when a pass runs. */
-int moec_set_routing(moec_context *context, uint32_t rank, const moec_tensor *topk_ids,
-                     const moec_tensor *topk_weights);
-
-/** Binds rank `rank`'s tensor `name` (see the table above). */
-int moec_bind(moec_context *context, uint32_t rank, const char *name, const moec_tensor *tensor);
-
-/** Runs the forward pass on every rank and returns when it is done. */
-int moec_forward(moec_context *context);
-
-/** Runs the backward pass (after a forward pass with the same routing). */
-int moec_backward(moec_context *context);
-
-/** Starts the forward (or backward) pass on a thread of the context and
- *  returns; moec_wait returns its result. */
-int moec_submit_forward(moec_context *context);
-int moec_submit_backward(moec_context *context);
-int moec_wait(moec_context *context);
-
-#ifdef __cplusplus
-} /* extern "C" */
 
 /*===----------------------------------------------------------------------===*
  * C++ API
  *===----------------------------------------------------------------------===*/
 
-#include "format/LayerShape.h"
-#include "runtime/backend/Pass.h"
-#include "runtime/comm/Fabric.h"
+#include "base/DType.h"
 #include "base/Status.h"
 #include "base/Time.h"
-#include "format/TaskBinary.h"
-#include "runtime/trace/Trace.h"
+#include "format/LayerShape.h"
+#include "runtime/backend/Kind.h"
 
 #include <array>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
+
+// What the API names but does not show: a program's tables (format/
+// TaskBinary.h), the fabric (runtime/comm/Fabric.h), a pass's trace
+// (runtime/trace/Trace.h). A caller that uses them includes those headers.
+namespace moec::format {
+using moec::DType; // as format/TaskBinary.h names it
+struct TaskProgram;
+struct LayerRecord;
+} // namespace moec::format
+namespace moec::comm {
+class Fabric;
+} // namespace moec::comm
+namespace moec::trace {
+struct Trace;
+} // namespace moec::trace
 
 namespace moec::rt {
 

@@ -1,6 +1,6 @@
 /*===- RuntimeMpi.h - The C API of contexts whose ranks are MPI processes -===*
  *
- * The C API of runtime/api/Runtime.h makes in-process contexts; this one,
+ * The C API of runtime/api/moec_runtime.h makes in-process contexts; this one,
  * in a library of its own (//runtime/api:mpi, which links MPI), makes a
  * context whose ranks are the processes of MPI_COMM_WORLD (the MPI fabric,
  * runtime/comm/Mpi.h: shared memory between ranks of a node, two-sided
@@ -14,7 +14,7 @@
 #ifndef MOEC_RUNTIME_API_RUNTIMEMPI_H
 #define MOEC_RUNTIME_API_RUNTIMEMPI_H
 
-#include "runtime/api/Runtime.h"
+#include "runtime/api/moec_runtime.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -8,16 +8,6 @@
 
 namespace moec::backend {
 
-const char *kindName(Kind kind) {
-  switch (kind) {
-  case Kind::Cpu:
-    return "cpu";
-  case Kind::Cuda:
-    return "cuda";
-  }
-  return "unknown";
-}
-
 uint64_t slotElements(const format::SlotRecord &slot) {
   uint64_t count = 1;
   for (uint32_t i = 0; i < slot.rank; ++i)

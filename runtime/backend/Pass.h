@@ -33,6 +33,7 @@
 
 #include "base/Status.h"
 #include "base/Time.h"
+#include "runtime/backend/Kind.h"
 #include "runtime/comm/Fabric.h"
 #include "runtime/layer/Routing.h"
 #include "format/TaskBinary.h"
@@ -46,15 +47,6 @@
 #include <vector>
 
 namespace moec::backend {
-
-/// The backends a context can run its passes on.
-enum class Kind : uint8_t {
-  Cpu,  ///< runtime/cpu: worker threads on this machine's cores
-  Cuda, ///< runtime/cuda: one persistent kernel on an NVIDIA GPU
-};
-
-/// "cpu" or "cuda".
-const char *kindName(Kind kind);
 
 /// A rank's routing, checked and laid out. For a rank another process runs,
 /// only tokens, topK, layout.counts and layout.offsets are known.

@@ -11,6 +11,8 @@
 #include "runtime/cpu/Fp8.h"
 #include "runtime/cpu/Quant.h"
 #include "format/Crc32.h"
+#include "format/TaskBinary.h"
+#include "runtime/comm/Fabric.h"
 #include "runtime/tooling/Reference.h"
 #include "runtime/tooling/Npy.h"
 

@@ -2,7 +2,9 @@
 
 #include "runtime/tooling/Profile.h"
 
+#include "format/TaskBinary.h"
 #include "runtime/cpu/Peak.h"
+#include "runtime/trace/Trace.h"
 
 #include <fmt/format.h>
 

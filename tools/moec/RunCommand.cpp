@@ -9,6 +9,7 @@
 #include "base/File.h"
 #include "base/Memory.h"
 #include "base/Time.h"
+#include "format/TaskBinary.h"
 #include "runtime/api/Runtime.h"
 #include "runtime/comm/Mpi.h"
 #include "format/Capacity.h"

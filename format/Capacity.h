@@ -21,7 +21,7 @@ inline constexpr int64_t kMaxSeqSize = int64_t(1) << 24;
 inline constexpr double kMinCapacityFactor = 1.0;
 inline constexpr double kMaxCapacityFactor = 1024.0;
 
-/// The config's values a layer's capacities follow from.
+/// The config's values a layer's capacities follow from, in this order.
 struct CapacityInputs {
   int64_t seqSize = 0;       ///< S: tokens per EP rank ("seq_size")
   int64_t topK = 0;          ///< K ("top_k")

@@ -141,13 +141,7 @@ struct LayerShape {
 
   /// What the capacities follow from (format/Capacity.h).
   format::CapacityInputs capacityInputs() const {
-    format::CapacityInputs c;
-    c.seqSize = tokens;
-    c.topK = topK;
-    c.epRanks = epRanks();
-    c.localExperts = localExperts;
-    c.capacityFactor = capacityFactor;
-    return c;
+    return {tokens, topK, epRanks(), localExperts, capacityFactor};
   }
 
   /// P = R / T, the EP ranks.

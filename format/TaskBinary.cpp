@@ -241,13 +241,7 @@ std::string layerRecordJson(const LayerRecord &l) {
 
 CapacityInputs capacityInputs(const LayerRecord &layer, uint32_t epRanks,
                               uint32_t localExperts) {
-  CapacityInputs c;
-  c.seqSize = layer.seqSize;
-  c.topK = layer.topK;
-  c.epRanks = epRanks;
-  c.localExperts = localExperts;
-  c.capacityFactor = layer.capacityFactor;
-  return c;
+  return {layer.seqSize, layer.topK, epRanks, localExperts, layer.capacityFactor};
 }
 
 uint32_t TaskProgram::addString(std::string_view text) {

@@ -205,13 +205,7 @@ bool parseConfig(std::string_view text, const std::string &source,
 }
 
 format::CapacityInputs capacityInputs(const ModelConfig &c) {
-  format::CapacityInputs inputs;
-  inputs.seqSize = c.seqSize;
-  inputs.topK = c.topK;
-  inputs.epRanks = c.ep;
-  inputs.localExperts = c.ep > 0 ? c.numExperts / c.ep : 0;
-  inputs.capacityFactor = c.capacityFactor;
-  return inputs;
+  return {c.seqSize, c.topK, c.ep, c.ep > 0 ? c.numExperts / c.ep : 0, c.capacityFactor};
 }
 
 format::LayerRecord layerRecord(const ModelConfig &c) {

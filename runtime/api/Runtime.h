@@ -1,4 +1,4 @@
-/*===- Runtime.h - The moec runtime: C and C++ API ---------------*- C++ -*-===//
+/*===- Runtime.h - The moec runtime: C++ API, on the C one ------*- C++ -*-===//
  *
  * The runtime runs compiled task binaries of the MoE-FFN layer (forward and
  * backward) for an EP group of R ranks, on a backend (the CPU's, or one

@@ -392,6 +392,102 @@ void printTimes(const char *pass, const rt::PassTimes &t, uint64_t repeat) {
 
 } // namespace
 
+/// The options of `moec run` past the files it reads and writes, checked.
+struct RunOptions {
+  bool mpi = false;           ///< --fabric mpi (the default under mpirun)
+  bool localPuts = false;     ///< --local-puts
+  bool verify = false;        ///< --verify, or --verify-sample
+  uint64_t sampleTokens = 0;  ///< --verify-sample
+  uint64_t ranks = 0, threads = 0, repeat = 1, warmup = 1, seed = 0;
+  double timeout = kDefaultTimeoutSeconds;
+  backend::Kind backend = backend::Kind::Cpu;
+  double hotShare = 0;        ///< --hot-share
+};
+
+/// Checks `args`' options into *o; returns kOk, or the usage error's code
+/// after printing it.
+int parseRunOptions(const Args &args, RunOptions *o) {
+  const std::string fabricName =
+      args.value("--fabric").value_or(comm::launchedByMpi() ? "mpi" : "inproc");
+  if (fabricName != "inproc" && fabricName != "mpi")
+    return usage("--fabric must be inproc or mpi");
+  if (fabricName == "inproc" && comm::launcherSize() > 1)
+    return usage(fmt::format("--fabric inproc runs every rank in this process, but mpirun started "
+                             "{} processes: each would run the whole layer on its own; leave "
+                             "--fabric out (mpi is the default under mpirun)",
+                             comm::launcherSize())
+                     .c_str());
+  o->mpi = fabricName == "mpi";
+  const bool mpi = o->mpi;
+  if (!args.value("--ranks") && !mpi)
+    return usage("missing --ranks R");
+  o->localPuts = args.has("--local-puts");
+  const bool localPuts = o->localPuts;
+  if (localPuts && !mpi)
+    return usage("--local-puts needs the MPI fabric (run under mpirun)");
+  uint64_t &sampleTokens = o->sampleTokens;
+  if (auto n = args.value("--verify-sample");
+      n && (!parseCount(*n, uint64_t(1) << 40, &sampleTokens) || sampleTokens == 0))
+    return usage("--verify-sample must be a positive number of tokens");
+  o->verify = args.has("--verify") || sampleTokens > 0;
+  const bool verify = o->verify;
+  if (localPuts && verify)
+    return usage("--local-puts makes the outputs wrong; it cannot be verified");
+  if (args.has("--progress") && args.has("--no-progress"))
+    return usage("--progress and --no-progress exclude each other");
+  if (args.has("--hand-made") && !args.value("--inputs"))
+    return usage("--hand-made says how the --inputs folder was made; it needs --inputs DIR");
+  if (!args.value("--outputs"))
+    return usage("missing --outputs DIR");
+  if (args.value("--inputs").has_value() == args.value("--random").has_value())
+    return usage("give exactly one of --inputs DIR and --random SEED");
+  uint64_t &ranks = o->ranks, &threads = o->threads, &repeat = o->repeat, &warmup = o->warmup,
+           &seed = o->seed;
+  if (auto r = args.value("--ranks"); r && (!parseCount(*r, 1u << 16, &ranks) || ranks == 0))
+    return usage("--ranks must be a positive integer");
+  if (auto t = args.value("--threads"); t && (!parseCount(*t, 4096, &threads) || threads == 0))
+    return usage("--threads must be an integer from 1 to 4096");
+  if (auto r = args.value("--repeat"); r && (!parseCount(*r, 1000000, &repeat) || repeat == 0))
+    return usage("--repeat must be a positive integer");
+  if (auto w = args.value("--warmup"); w && !parseCount(*w, 1000000, &warmup))
+    return usage("--warmup must be a number of passes, 0 or more");
+  if (auto s = args.value("--random");
+      s && !parseCount(*s, std::numeric_limits<uint64_t>::max() / 2, &seed))
+    return usage("--random SEED must be a non-negative integer");
+  double &timeout = o->timeout;
+  if (auto t = args.value("--timeout")) {
+    char *end = nullptr;
+    timeout = std::strtod(t->c_str(), &end);
+    // Below a millisecond the watchdog's clock cannot tell it from none.
+    if (t->empty() || *end != '\0' || !(timeout >= 1e-3 && timeout <= 1e6))
+      return usage("--timeout must be a number of seconds from 0.001 to 1000000");
+  }
+  backend::Kind &backendKind = o->backend;
+  if (auto b = args.value("--backend")) {
+    if (*b == "cuda")
+      backendKind = backend::Kind::Cuda;
+    else if (*b != "cpu")
+      return usage("--backend must be cpu or cuda");
+    if (backendKind == backend::Kind::Cuda && mpi)
+      return usage("--backend cuda runs every rank in one process; it does not run under MPI");
+    if (backendKind == backend::Kind::Cuda && args.has("--op-by-op"))
+      return usage("--op-by-op runs on the cpu backend only");
+    if (backendKind == backend::Kind::Cuda && (args.value("--trace") || args.has("--profile")))
+      return usage("--trace and --profile run on the cpu backend only");
+  }
+  double &hotShare = o->hotShare;
+  if (auto h = args.value("--hot-share")) {
+    if (!args.value("--random"))
+      return usage("--hot-share needs --random");
+    char *end = nullptr;
+    hotShare = std::strtod(h->c_str(), &end);
+    if (h->empty() || *end != '\0' || !(hotShare >= 0 && hotShare <= 1))
+      return usage("--hot-share must be a number in [0, 1]");
+  }
+
+  return kOk;
+}
+
 int runRun(int argc, char **argv, int first) {
   std::optional<Args> parsed = parseArgs(kRunSpec, argc, argv, first);
   if (!parsed)
@@ -437,79 +533,15 @@ int runRun(int argc, char **argv, int first) {
   // Every line of the report goes out as it is printed, so a run that is
   // killed (out of memory, a job's time limit) keeps the times it measured.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  const std::string fabricName =
-      args.value("--fabric").value_or(comm::launchedByMpi() ? "mpi" : "inproc");
-  if (fabricName != "inproc" && fabricName != "mpi")
-    return usage("--fabric must be inproc or mpi");
-  if (fabricName == "inproc" && comm::launcherSize() > 1)
-    return usage(fmt::format("--fabric inproc runs every rank in this process, but mpirun started "
-                             "{} processes: each would run the whole layer on its own; leave "
-                             "--fabric out (mpi is the default under mpirun)",
-                             comm::launcherSize())
-                     .c_str());
-  const bool mpi = fabricName == "mpi";
-  if (!args.value("--ranks") && !mpi)
-    return usage("missing --ranks R");
-  const bool localPuts = args.has("--local-puts");
-  if (localPuts && !mpi)
-    return usage("--local-puts needs the MPI fabric (run under mpirun)");
-  uint64_t sampleTokens = 0;
-  if (auto n = args.value("--verify-sample");
-      n && (!parseCount(*n, uint64_t(1) << 40, &sampleTokens) || sampleTokens == 0))
-    return usage("--verify-sample must be a positive number of tokens");
-  const bool verify = args.has("--verify") || sampleTokens > 0;
-  if (localPuts && verify)
-    return usage("--local-puts makes the outputs wrong; it cannot be verified");
-  if (args.has("--progress") && args.has("--no-progress"))
-    return usage("--progress and --no-progress exclude each other");
-  if (args.has("--hand-made") && !args.value("--inputs"))
-    return usage("--hand-made says how the --inputs folder was made; it needs --inputs DIR");
-  if (!args.value("--outputs"))
-    return usage("missing --outputs DIR");
-  if (args.value("--inputs").has_value() == args.value("--random").has_value())
-    return usage("give exactly one of --inputs DIR and --random SEED");
-  uint64_t ranks = 0, threads = 0, repeat = 1, warmup = 1, seed = 0;
-  if (auto r = args.value("--ranks"); r && (!parseCount(*r, 1u << 16, &ranks) || ranks == 0))
-    return usage("--ranks must be a positive integer");
-  if (auto t = args.value("--threads"); t && (!parseCount(*t, 4096, &threads) || threads == 0))
-    return usage("--threads must be an integer from 1 to 4096");
-  if (auto r = args.value("--repeat"); r && (!parseCount(*r, 1000000, &repeat) || repeat == 0))
-    return usage("--repeat must be a positive integer");
-  if (auto w = args.value("--warmup"); w && !parseCount(*w, 1000000, &warmup))
-    return usage("--warmup must be a number of passes, 0 or more");
-  if (auto s = args.value("--random");
-      s && !parseCount(*s, std::numeric_limits<uint64_t>::max() / 2, &seed))
-    return usage("--random SEED must be a non-negative integer");
-  double timeout = kDefaultTimeoutSeconds;
-  if (auto t = args.value("--timeout")) {
-    char *end = nullptr;
-    timeout = std::strtod(t->c_str(), &end);
-    // Below a millisecond the watchdog's clock cannot tell it from none.
-    if (t->empty() || *end != '\0' || !(timeout >= 1e-3 && timeout <= 1e6))
-      return usage("--timeout must be a number of seconds from 0.001 to 1000000");
-  }
-  backend::Kind backendKind = backend::Kind::Cpu;
-  if (auto b = args.value("--backend")) {
-    if (*b == "cuda")
-      backendKind = backend::Kind::Cuda;
-    else if (*b != "cpu")
-      return usage("--backend must be cpu or cuda");
-    if (backendKind == backend::Kind::Cuda && mpi)
-      return usage("--backend cuda runs every rank in one process; it does not run under MPI");
-    if (backendKind == backend::Kind::Cuda && args.has("--op-by-op"))
-      return usage("--op-by-op runs on the cpu backend only");
-    if (backendKind == backend::Kind::Cuda && (args.value("--trace") || args.has("--profile")))
-      return usage("--trace and --profile run on the cpu backend only");
-  }
-  double hotShare = 0;
-  if (auto h = args.value("--hot-share")) {
-    if (!args.value("--random"))
-      return usage("--hot-share needs --random");
-    char *end = nullptr;
-    hotShare = std::strtod(h->c_str(), &end);
-    if (h->empty() || *end != '\0' || !(hotShare >= 0 && hotShare <= 1))
-      return usage("--hot-share must be a number in [0, 1]");
-  }
+  RunOptions o;
+  if (int code = parseRunOptions(args, &o); code != kOk)
+    return code;
+  const bool mpi = o.mpi, localPuts = o.localPuts, verify = o.verify;
+  const uint64_t sampleTokens = o.sampleTokens, repeat = o.repeat, warmup = o.warmup,
+                 seed = o.seed, threads = o.threads;
+  uint64_t ranks = o.ranks;
+  const double timeout = o.timeout, hotShare = o.hotShare;
+  const backend::Kind backendKind = o.backend;
 
   std::shared_ptr<comm::Fabric> fabric;
   if (mpi) {

@@ -65,6 +65,21 @@ TEST_CASE("wrong version", "[task-binary][errors]") {
   CHECK(readError(bytes) == "format version 0 is not supported (this reader reads version 2)");
 }
 
+TEST_CASE("a second layer record", "[task-binary][errors][layer]") {
+  // The layer section is the last: a copy of its record appended, and the
+  // section's count made 2, gives a file whose every extent is sound.
+  std::vector<uint8_t> bytes = writeTaskBinary(smallProgram());
+  const size_t index = entryIndexOf(bytes, SectionKind::Layer);
+  const SectionEntry layer = sectionTableOf(bytes)[index];
+  REQUIRE(layer.count == 1);
+  REQUIRE(layer.offset + sizeof(LayerRecord) == bytes.size());
+  std::vector<uint8_t> record(bytes.begin() + layer.offset, bytes.end());
+  bytes.insert(bytes.end(), record.begin(), record.end());
+  put<uint64_t>(bytes, entryOffset(bytes, index) + offsetof(SectionEntry, count), 2);
+  fixHeader(bytes);
+  CHECK(readError(bytes) == "section 'layer' has 2 records; a program has at most one");
+}
+
 TEST_CASE("bad checksum", "[task-binary][errors]") {
   std::vector<uint8_t> bytes = writeTaskBinary(smallProgram());
   FileHeader header = headerOf(bytes);

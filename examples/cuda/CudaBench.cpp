@@ -1,8 +1,13 @@
 //===- CudaBench.cpp - The cuda backend's tiles and layer, timed ------------===//
 //
-//   cuda_bench gmm [M N K ...]        the persistent kernel's GMM tile function
-//                                     on bf16 products (C bf16), 128 x 128
-//                                     tiles, one thread block each: TFLOP/s
+//   cuda_bench gmm [[G*]MxNxK[:ab] ...]
+//                                     the persistent kernel's GMM tile function
+//                                     on bf16 products (C bf16; G of them in
+//                                     one launch; a, b: n as read, t stored
+//                                     transposed), 128 x 256 tiles, one thread
+//                                     block each: TFLOP/s, and a check (every
+//                                     element written, sampled ones against
+//                                     an fp32 reference)
 //   cuda_bench layer FWD BWD [--repeat N] [--hot-share F] [--sample N]
 //                                     the layer, forward and backward, every
 //                                     rank on the GPU, tensors in device
@@ -35,24 +40,77 @@ using namespace moec;
 
 namespace {
 
+/// `cuda_bench gmm`'s products without arguments: the layouts on odd
+/// shapes (the check), square anchors, then qwen3-30b-a3b's grouped
+/// products, EP 8 on one GPU (128 experts), at 1024 and 4096 tokens per
+/// rank (512 and 2048 rows an expert): the forward's gate/up and down
+/// projections, the backward's input gradient (nt) and weight gradient (tn).
+const char *const kDefaultProducts[] = {
+    "3*184x200x136:nn",     "3*184x200x136:nt",     "3*184x200x136:tn",
+    "3*184x200x136:tt",     "2*136x48x520:nn",      "2*136x96x520:tt",
+    "4096x4096x4096",       "8192x8192x8192",       "128*512x1536x2048",
+    "128*512x2048x768",     "128*512x2048x1536:nt", "128*2048x1536x512:tn",
+    "128*2048x1536x2048",   "128*2048x2048x768",    "128*2048x2048x1536:nt",
+    "128*2048x1536x2048:tn"};
+
 int fail(const Status &s) {
   std::fprintf(stderr, "cuda_bench: %s\n", s.message().c_str());
   return 1;
 }
 
-int gmm(const std::vector<int64_t> &shapes) {
-  std::printf("%-22s %10s %10s\n", "M x N x K (bf16)", "ms", "TFLOP/s");
-  for (size_t i = 0; i + 2 < shapes.size(); i += 3) {
-    const int64_t m = shapes[i], n = shapes[i + 1], k = shapes[i + 2];
-    double seconds = 0;
-    const cuda::device::Error e = cuda::device::benchGemm(m, n, k, uint32_t(DType::BF16),
-                                              uint32_t(DType::BF16), 128, 128, 20, &seconds);
-    if (!e.empty())
-      return fail(Status::error(e));
-    std::printf("%-22s %10.3f %10.1f\n", fmt::format("{} x {} x {}", m, n, k).c_str(),
-                seconds * 1e3, 2.0 * m * n * k / seconds / 1e12);
+/// A product of `cuda_bench gmm`: [G*]MxNxK[:ab], a and b each n (stored
+/// as the product reads it: A m x k, B k x n) or t (stored transposed).
+bool parseProduct(const std::string &text, cuda::device::GemmBenchCase *out) {
+  cuda::device::GemmBenchCase c;
+  std::string shape = text, layout = "nn";
+  if (const size_t colon = text.find(':'); colon != std::string::npos) {
+    shape = text.substr(0, colon);
+    layout = text.substr(colon + 1);
   }
-  return 0;
+  if (layout.size() != 2 || (layout[0] != 'n' && layout[0] != 't') ||
+      (layout[1] != 'n' && layout[1] != 't'))
+    return false;
+  long long g = 1, m = 0, n = 0, k = 0;
+  char tail = 0;
+  if (shape.find('*') != std::string::npos) {
+    if (std::sscanf(shape.c_str(), "%lld*%lldx%lldx%lld%c", &g, &m, &n, &k, &tail) != 4)
+      return false;
+  } else if (std::sscanf(shape.c_str(), "%lldx%lldx%lld%c", &m, &n, &k, &tail) != 3) {
+    return false;
+  }
+  if (g < 1 || m < 1 || n < 1 || k < 1)
+    return false;
+  c.groups = g;
+  c.m = m;
+  c.n = n;
+  c.k = k;
+  c.transA = layout[0] == 't';
+  c.transB = layout[1] == 't';
+  c.type = c.cType = uint32_t(DType::BF16);
+  *out = c;
+  return true;
+}
+
+int gmm(const std::vector<std::string> &products) {
+  std::printf("%-26s %10s %10s %10s %s\n", "G*MxNxK:ab (bf16)", "ms", "TFLOP/s", "error",
+              "check");
+  int failed = 0;
+  for (const std::string &text : products) {
+    cuda::device::GemmBenchCase c;
+    if (!parseProduct(text, &c))
+      return fail(Status::error("'" + text + "' is no product: give [G*]MxNxK[:ab], a and b n or t"));
+    cuda::device::GemmBenchResult r;
+    if (const cuda::device::Error e = cuda::device::benchGemm(c, &r); !e.empty())
+      return fail(Status::error(text + ": " + e));
+    // bf16 output: about 2^-8 of the largest value; an unwritten or wrong
+    // element is far over it.
+    const bool ok = r.unwritten == 0 && r.error < 1e-2;
+    failed += ok ? 0 : 1;
+    std::printf("%-26s %10.3f %10.1f %10.2e %s\n", text.c_str(), r.seconds * 1e3,
+                2.0 * c.groups * c.m * c.n * c.k / r.seconds / 1e12, r.error,
+                ok ? "ok" : fmt::format("FAILED ({} unwritten)", r.unwritten).c_str());
+  }
+  return failed ? 1 : 0;
 }
 
 /// A tensor of the layer in device memory, converted from fp32.
@@ -210,18 +268,14 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
 int main(int argc, char **argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "gmm") {
-    std::vector<int64_t> shapes;
-    for (int i = 2; i < argc; ++i)
-      shapes.push_back(std::atoll(argv[i]));
-    if (shapes.empty())
-      shapes = {128, 128, 2048, 1024, 1536, 2048, 4096, 4096, 4096, 8192, 8192, 8192};
-    if (shapes.size() % 3)
-      return fail(Status::error("give M N K triples"));
+    std::vector<std::string> products(argv + 2, argv + argc);
+    if (products.empty())
+      products = {kDefaultProducts, kDefaultProducts + sizeof(kDefaultProducts) / sizeof(char *)};
     std::string gpu;
     if (Status s = cuda::describeDevice(&gpu); !s)
       return fail(s);
     std::printf("GPU: %s\n", gpu.c_str());
-    return gmm(shapes);
+    return gmm(products);
   }
   if (mode == "layer" && argc >= 4) {
     int repeat = 5;
@@ -240,7 +294,7 @@ int main(int argc, char **argv) {
     }
     return layer(argv[2], argv[3], repeat, hot, sample);
   }
-  std::fprintf(stderr, "usage: cuda_bench gmm [M N K ...]\n"
+  std::fprintf(stderr, "usage: cuda_bench gmm [[G*]MxNxK[:ab] ...]\n"
                        "       cuda_bench layer FWD BWD [--repeat N] [--hot-share F] "
                        "[--sample N]\n");
   return mode == "--help" || mode == "-h" ? 0 : 2;

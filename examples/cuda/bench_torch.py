@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """PyTorch's side of the cuda backend's benchmark (examples/cuda/bench.sh):
 
-  bench_torch.py gmm [M N K ...]
-      cuBLAS (torch.matmul, bf16 in and out) on the same products as
-      `cuda_bench gmm`: TFLOP/s.
+  bench_torch.py gmm [[G*]MxNxK[:ab] ...]
+      cuBLAS (torch.matmul, torch.bmm for G products; bf16 in and out) on
+      the same products as `cuda_bench gmm`: TFLOP/s.
   bench_torch.py layer --ranks R --tokens S [--config CFG] [--repeat N]
       the layer's step (forward + backward) in PyTorch eager on the GPU, on
       R * S tokens: moec_torch.reference.moe_ffn (rows sorted by expert
@@ -46,13 +46,54 @@ def timed(fn, repeat):
     return statistics.median(times)
 
 
-def gmm(shapes):
-    print(f"{'M x N x K (bf16)':22s} {'ms':>10s} {'TFLOP/s':>10s}")
-    for m, n, k in zip(shapes[0::3], shapes[1::3], shapes[2::3]):
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        seconds = timed(lambda: torch.matmul(a, b), 20)
-        print(f"{f'{m} x {n} x {k}':22s} {seconds * 1e3:10.3f} {2 * m * n * k / seconds / 1e12:10.1f}")
+DEFAULT_PRODUCTS = [
+    "4096x4096x4096", "8192x8192x8192", "128*512x1536x2048", "128*512x2048x768",
+    "128*512x2048x1536:nt", "128*2048x1536x512:tn", "128*2048x1536x2048", "128*2048x2048x768",
+    "128*2048x2048x1536:nt", "128*2048x1536x2048:tn",
+]
+
+
+def parse_product(text):
+    """[G*]MxNxK[:ab] as cuda_bench gmm reads it: (G, M, N, K, a, b)."""
+    shape, _, layout = text.partition(":")
+    layout = layout or "nn"
+    groups, _, mnk = shape.rpartition("*")
+    m, n, k = (int(v) for v in mnk.split("x"))
+    if len(layout) != 2 or set(layout) - {"n", "t"}:
+        raise SystemExit(f"bench_torch.py: '{text}' is no product: give [G*]MxNxK[:ab]")
+    return int(groups or 1), m, n, k, layout[0] == "t", layout[1] == "t"
+
+
+def timed_events(fn, repeat):
+    """Median of `repeat` calls, each timed by CUDA events, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return statistics.median(times)
+
+
+def gmm(products):
+    """cuBLAS on the products: torch.bmm for G of them (strided batched), torch.matmul for one;
+    a transposed operand is a transposed view of its storage, as cuBLAS reads it."""
+    print(f"{'G*MxNxK:ab (bf16)':26s} {'ms':>10s} {'TFLOP/s':>10s}")
+    for text in products or DEFAULT_PRODUCTS:
+        g, m, n, k, ta, tb = parse_product(text)
+        def operand(rows, cols, transposed):
+            stored = (rows, cols) if not transposed else (cols, rows)
+            x = (torch.rand(g, *stored, device="cuda") * 2 - 1).to(torch.bfloat16)
+            return x.transpose(1, 2) if transposed else x
+
+        a, b = operand(m, k, ta), operand(k, n, tb)
+        fn = (lambda: torch.matmul(a[0], b[0])) if g == 1 else (lambda: torch.bmm(a, b))
+        seconds = timed_events(fn, 20)
+        print(f"{text:26s} {seconds * 1e3:10.3f} {2 * g * m * n * k / seconds / 1e12:10.1f}")
+        del a, b
 
 
 def layer(args):
@@ -88,14 +129,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["gmm", "layer"])
-    parser.add_argument("shapes", nargs="*", type=int)
+    parser.add_argument("shapes", nargs="*", help="gmm: products, [G*]MxNxK[:ab]")
     parser.add_argument("--config", default=str(REPO / "examples/configs/qwen3-30b-a3b.json"))
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=10)
     args = parser.parse_args()
     if args.mode == "gmm":
-        gmm(args.shapes or [128, 128, 2048, 1024, 1536, 2048, 4096, 4096, 4096, 8192, 8192, 8192])
+        gmm(args.shapes)
     else:
         layer(args)
 

@@ -13,17 +13,17 @@
 // a program the compiler proved deadlock-free on the CPU's in-order queues
 // cannot deadlock here either.
 //
-// Tiles: GMM tiles run on tensor cores when both operands are bf16 (fp32
-// accumulate): mma.sync m16n8k16 fed by cp.async (three stages, 64 deep)
-// and ldmatrix where the operands are 16-byte aligned and the tile is over
-// 32 columns wide, else wmma; other operand types run as fp32 FMA. 256
-// threads, blocks of 128 x 128 (or narrower) of the tile's output at a
-// time. Every sum has a fixed order, so a run's bits do not change from
-// pass to pass.
+// Tiles: gemm() (Gemm.cuh) on tensor cores when both operands are bf16
+// (fp32 accumulate): wgmma on Hopper, mma.sync or wmma elsewhere; other
+// operand types as fp32 FMA. 256 threads, blocks of 128 x 256 (or
+// narrower) of the tile's output at a time. Every sum has a fixed order,
+// so a run's bits do not change from pass to pass.
 //
 //===----------------------------------------------------------------------===//
 
 #include "runtime/cuda/Device.h"
+#include "runtime/cuda/CudaError.cuh"
+#include "runtime/cuda/Gemm.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -38,404 +38,6 @@ namespace moec::cuda::device {
 
 namespace {
 
-constexpr uint32_t kF32 = 1, kBF16 = 2, kI32 = 3;
-constexpr int kThreads = 256;
-constexpr int kBM = 128, kBN = 128, kBK = 32;
-
-Error cudaText(const std::string &what, cudaError_t e) {
-  return what + ": " + cudaGetErrorString(e);
-}
-
-#define MOEC_CUDA(what, call)                                                                      \
-  do {                                                                                             \
-    const cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess)                                                                         \
-      return cudaText(what, e_);                                                                   \
-  } while (0)
-
-__device__ __forceinline__ uint32_t eltSize(uint32_t t) { return t == kBF16 ? 2 : 4; }
-
-__device__ __forceinline__ float loadElt(const void *p, int64_t i, uint32_t t) {
-  return t == kBF16 ? __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i])
-                    : static_cast<const float *>(p)[i];
-}
-
-__device__ __forceinline__ void storeElt(void *p, int64_t i, uint32_t t, float v) {
-  if (t == kBF16)
-    static_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(v);
-  else
-    static_cast<float *>(p)[i] = v;
-}
-
-__device__ __forceinline__ int64_t loadIndex(const void *p, uint32_t t, int64_t i) {
-  return t == kI32 ? static_cast<const int32_t *>(p)[i] : static_cast<const int64_t *>(p)[i];
-}
-
-__device__ __forceinline__ const char *offsetBytes(const void *p, int64_t elements, uint32_t t) {
-  return static_cast<const char *>(p) + elements * int64_t(eltSize(t));
-}
-
-//===----------------------------------------------------------------------===//
-// The tile matmul
-//===----------------------------------------------------------------------===//
-
-/// An operand as the product reads it: op(i, p) = trans ? p[p * ld + i] :
-/// p[i * ld + p].
-struct Mat {
-  const void *p;
-  uint32_t type;
-  int64_t ld;
-  bool trans;
-  __device__ int64_t at(int64_t row, int64_t col) const {
-    return trans ? col * ld + row : row * ld + col;
-  }
-};
-
-/// C[m, n] (+)= D + scale * opA opB over k, at the tile's origin.
-struct Gemm {
-  Mat a, b;
-  void *c;
-  uint32_t cType;
-  int64_t ldc;
-  const void *d; ///< addend (activation form), or null
-  uint32_t dType;
-  int64_t ldd;
-  int64_t m, n, k;
-  float scale;
-  bool accumulate;
-};
-
-constexpr int kTcBK = 64; ///< the tensor-core path's depth per shared-memory step
-
-struct SmemTc {
-  __nv_bfloat16 a[kBM][kTcBK + 8];
-  __nv_bfloat16 b[kTcBK][kBN + 8];
-  float stage[kThreads / 32][16 * 16];
-};
-struct SmemF32 {
-  float a[kBK][kBM + 4]; ///< transposed: [p][i]
-  float b[kBK][kBN + 4];
-};
-/// The mma.sync path: kStages stages of A and B, each operand 128 x kMmaBK
-/// (or kMmaBK x 128) bf16 with its rows padded by 8 elements.
-constexpr int kMmaBK = 64, kStages = 3;
-constexpr int kOperandElems = 128 * (kMmaBK + 8); // >= kMmaBK * (128 + 8)
-struct SmemMma {
-  uint16_t operand[kStages][2][kOperandElems]; ///< [stage][A, B]
-};
-union Smem {
-  SmemTc tc;
-  SmemF32 f;
-  SmemMma mma;
-};
-
-__device__ __forceinline__ void epilogue(const Gemm &g, int64_t i, int64_t j, float v) {
-  const int64_t at = i * g.ldc + j;
-  if (g.accumulate) {
-    storeElt(g.c, at, g.cType, loadElt(g.c, at, g.cType) + v);
-    return;
-  }
-  v *= g.scale;
-  if (g.d)
-    v += loadElt(g.d, i * g.ldd + j, g.dType);
-  storeElt(g.c, at, g.cType, v);
-}
-
-/// Loads a kRows x kCols block of op(M) at (r0, c0) into shared bf16,
-/// zero outside [0, rows) x [0, cols).
-template <int kRows, int kCols, int kLd>
-__device__ __forceinline__ void loadBf16(const Mat &x, int64_t r0, int64_t c0, int64_t rows,
-                                         int64_t cols, __nv_bfloat16 (*s)[kLd]) {
-  const uint16_t *p = static_cast<const uint16_t *>(x.p);
-  const int tid = threadIdx.x;
-  const bool vector = !x.trans && (x.ld % 8) == 0 && (reinterpret_cast<uintptr_t>(p) % 16) == 0;
-  if (vector) {
-    constexpr int kVecPerRow = kCols / 8;
-    for (int v = tid; v < kRows * kVecPerRow; v += kThreads) {
-      const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
-      const int64_t gr = r0 + r, gc = c0 + c;
-      uint4 value = make_uint4(0, 0, 0, 0);
-      if (gr < rows && gc + 8 <= cols) {
-        value = *reinterpret_cast<const uint4 *>(p + gr * x.ld + gc);
-      } else if (gr < rows && gc < cols) {
-        uint16_t tmp[8] = {};
-        for (int e = 0; e < 8 && gc + e < cols; ++e)
-          tmp[e] = p[gr * x.ld + gc + e];
-        value = *reinterpret_cast<uint4 *>(tmp);
-      }
-      *reinterpret_cast<uint4 *>(&s[r][c]) = value;
-    }
-    return;
-  }
-  if (x.trans && (x.ld % 8) == 0 && (reinterpret_cast<uintptr_t>(p) % 16) == 0) {
-    // Stored transposed: 8 consecutive rows of op(M) are contiguous; load
-    // them as one vector and store them down a column of the block.
-    constexpr int kVecPerCol = kRows / 8;
-    for (int v = tid; v < kCols * kVecPerCol; v += kThreads) {
-      const int c = v / kVecPerCol, r = (v % kVecPerCol) * 8;
-      const int64_t gr = r0 + r, gc = c0 + c;
-      uint16_t tmp[8] = {};
-      if (gc < cols && gr + 8 <= rows) {
-        *reinterpret_cast<uint4 *>(tmp) = *reinterpret_cast<const uint4 *>(p + gc * x.ld + gr);
-      } else if (gc < cols) {
-        for (int e = 0; e < 8 && gr + e < rows; ++e)
-          tmp[e] = p[gc * x.ld + gr + e];
-      }
-      for (int e = 0; e < 8; ++e)
-        reinterpret_cast<uint16_t *>(&s[r + e][0])[c] = tmp[e];
-    }
-    return;
-  }
-  // Unaligned: consecutive threads walk the stored rows.
-  for (int e = tid; e < kRows * kCols; e += kThreads) {
-    const int r = x.trans ? e % kRows : e / kCols;
-    const int c = x.trans ? e / kRows : e % kCols;
-    const int64_t gr = r0 + r, gc = c0 + c;
-    uint16_t v = 0;
-    if (gr < rows && gc < cols)
-      v = p[x.at(gr, gc)];
-    reinterpret_cast<uint16_t *>(&s[r][0])[c] = v;
-  }
-}
-
-/// Blocks of 128 x kN of C: 8 warps as (8 / (kN / 32)) x (kN / 32), each
-/// warp 16 x 16 fragments over its (128 / warpsM) x 32 part.
-template <int kN> __device__ void gemmTensorCores(const Gemm &g, SmemTc &s) {
-  using namespace nvcuda;
-  constexpr int kWarpsN = kN / 32, kWarpsM = 8 / kWarpsN, kFragsM = kBM / kWarpsM / 16;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
-  for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
-    for (int64_t j0 = 0; j0 < g.n; j0 += kN) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kFragsM][2];
-      for (int x = 0; x < kFragsM; ++x)
-        for (int y = 0; y < 2; ++y)
-          wmma::fill_fragment(acc[x][y], 0.0f);
-      for (int64_t p0 = 0; p0 < g.k; p0 += kTcBK) {
-        __syncthreads();
-        loadBf16<kBM, kTcBK, kTcBK + 8>(g.a, i0, p0, g.m, g.k, s.a);
-        loadBf16<kTcBK, kN, kBN + 8>(g.b, p0, j0, g.k, g.n, s.b);
-        __syncthreads();
-        for (int kk = 0; kk < kTcBK; kk += 16) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[kFragsM];
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb[2];
-          for (int x = 0; x < kFragsM; ++x)
-            wmma::load_matrix_sync(fa[x], &s.a[wm * (kBM / kWarpsM) + x * 16][kk], kTcBK + 8);
-          for (int y = 0; y < 2; ++y)
-            wmma::load_matrix_sync(fb[y], &s.b[kk][wn * 32 + y * 16], kBN + 8);
-          for (int x = 0; x < kFragsM; ++x)
-            for (int y = 0; y < 2; ++y)
-              wmma::mma_sync(acc[x][y], fa[x], fb[y], acc[x][y]);
-        }
-      }
-      float *stage = s.stage[warp];
-      for (int x = 0; x < kFragsM; ++x)
-        for (int y = 0; y < 2; ++y) {
-          wmma::store_matrix_sync(stage, acc[x][y], 16, wmma::mem_row_major);
-          __syncwarp();
-          const int64_t bi = i0 + wm * (kBM / kWarpsM) + x * 16, bj = j0 + wn * 32 + y * 16;
-          for (int e = lane; e < 256; e += 32) {
-            const int64_t i = bi + e / 16, j = bj + e % 16;
-            if (i < g.m && j < g.n)
-              epilogue(g, i, j, stage[e]);
-          }
-          __syncwarp();
-        }
-    }
-  __syncthreads();
-}
-
-__device__ void gemmFp32(const Gemm &g, SmemF32 &s) {
-  const int tid = threadIdx.x;
-  const int ty = tid / 16, tx = tid % 16; // 16 x 16 threads of 8 x 8
-  for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
-    for (int64_t j0 = 0; j0 < g.n; j0 += kBN) {
-      float acc[8][8] = {};
-      for (int64_t p0 = 0; p0 < g.k; p0 += kBK) {
-        __syncthreads();
-        for (int e = tid; e < kBM * kBK; e += kThreads) {
-          const int i = g.a.trans ? e % kBM : e / kBK, p = g.a.trans ? e / kBM : e % kBK;
-          const int64_t gi = i0 + i, gp = p0 + p;
-          s.a[p][i] = gi < g.m && gp < g.k ? loadElt(g.a.p, g.a.at(gi, gp), g.a.type) : 0.0f;
-        }
-        for (int e = tid; e < kBK * kBN; e += kThreads) {
-          const int p = g.b.trans ? e % kBK : e / kBN, j = g.b.trans ? e / kBK : e % kBN;
-          const int64_t gp = p0 + p, gj = j0 + j;
-          s.b[p][j] = gp < g.k && gj < g.n ? loadElt(g.b.p, g.b.at(gp, gj), g.b.type) : 0.0f;
-        }
-        __syncthreads();
-        for (int p = 0; p < kBK; ++p) {
-          float av[8], bv[8];
-          for (int x = 0; x < 8; ++x)
-            av[x] = s.a[p][ty * 8 + x];
-          for (int y = 0; y < 8; ++y)
-            bv[y] = s.b[p][tx * 8 + y];
-          for (int x = 0; x < 8; ++x)
-            for (int y = 0; y < 8; ++y)
-              acc[x][y] = fmaf(av[x], bv[y], acc[x][y]);
-        }
-      }
-      for (int x = 0; x < 8; ++x)
-        for (int y = 0; y < 8; ++y) {
-          const int64_t i = i0 + ty * 8 + x, j = j0 + tx * 8 + y;
-          if (i < g.m && j < g.n)
-            epilogue(g, i, j, acc[x][y]);
-        }
-    }
-  __syncthreads();
-}
-
-//===----------------------------------------------------------------------===//
-// The mma.sync path: cp.async double buffering, ldmatrix, m16n8k16
-//===----------------------------------------------------------------------===//
-
-__device__ __forceinline__ uint32_t sharedAddress(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-/// Whether an operand can be copied 16 bytes at a time: bf16, its stride
-/// and address 16-byte aligned, its contiguous extent a multiple of 8.
-__device__ __forceinline__ bool vectorizable(const Mat &x, int64_t contiguousExtent) {
-  return x.type == kBF16 && x.ld % 8 == 0 && reinterpret_cast<uintptr_t>(x.p) % 16 == 0 &&
-         contiguousExtent % 8 == 0;
-}
-
-/// Starts the copy of the kOpRows x kOpCols block of op(x) at (r0, c0)
-/// into `dst`, laid out [non-contiguous][contiguous] with rows padded by 8
-/// (a row-major operand: [row][col]; a transposed one: [col][row]). Vectors
-/// outside rows x cols are zero-filled.
-template <int kOpRows, int kOpCols>
-__device__ __forceinline__ void copyStage(const Mat &x, int64_t r0, int64_t c0, int64_t rows,
-                                          int64_t cols, uint16_t *dst) {
-  const uint16_t *base = static_cast<const uint16_t *>(x.p);
-  const int contig = x.trans ? kOpRows : kOpCols, nonContig = x.trans ? kOpCols : kOpRows;
-  const int vectors = contig / 8, ld = contig + 8;
-  for (int v = threadIdx.x; v < nonContig * vectors; v += kThreads) {
-    const int nc = v / vectors, c = (v % vectors) * 8;
-    // Global (op row, op col) of the vector's first element.
-    const int64_t gr = x.trans ? r0 + c : r0 + nc, gc = x.trans ? c0 + nc : c0 + c;
-    const bool in = gr < rows && gc < cols;
-    const uint16_t *src = in ? base + x.at(gr, gc) : base;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                     sharedAddress(dst + nc * ld + c)),
-                 "l"(src), "r"(in ? 16 : 0));
-  }
-}
-
-__device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], const uint16_t *p, bool trans) {
-  if (trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(sharedAddress(p)));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(sharedAddress(p)));
-}
-
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-               "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-/// C in blocks of 128 x kN, kMmaBK deep, with kStages - 1 stages in flight:
-/// 8 warps as (8 / (kN / 32)) x (kN / 32), each (128 / warpsM) x 32 of C as
-/// mma tiles of 16 x 8.
-template <int kN> __device__ void gemmMma(const Gemm &g, SmemMma &s) {
-  constexpr int kWarpsN = kN / 32, kWarpsM = 8 / kWarpsN, kFragsM = kBM / kWarpsM / 16;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
-  const int q = lane / 8, r = lane % 8;
-  // Row strides (elements) of the stage layouts.
-  const int aLd = g.a.trans ? kBM + 8 : kMmaBK + 8;
-  const int bLd = g.b.trans ? kMmaBK + 8 : kN + 8;
-  const int64_t steps = (g.k + kMmaBK - 1) / kMmaBK;
-  for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
-    for (int64_t j0 = 0; j0 < g.n; j0 += kN) {
-      float acc[kFragsM][4][4] = {};
-      __syncthreads();
-      for (int st = 0; st < kStages - 1; ++st) {
-        if (st < steps) {
-          copyStage<kBM, kMmaBK>(g.a, i0, st * kMmaBK, g.m, g.k, s.operand[st][0]);
-          copyStage<kMmaBK, kN>(g.b, st * kMmaBK, j0, g.k, g.n, s.operand[st][1]);
-        }
-        asm volatile("cp.async.commit_group;\n" ::);
-      }
-      for (int64_t step = 0; step < steps; ++step) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
-        __syncthreads();
-        // The stage computed last step is free: load kStages - 1 ahead.
-        if (const int64_t next = step + kStages - 1; next < steps) {
-          const int slot = int(next % kStages);
-          copyStage<kBM, kMmaBK>(g.a, i0, next * kMmaBK, g.m, g.k, s.operand[slot][0]);
-          copyStage<kMmaBK, kN>(g.b, next * kMmaBK, j0, g.k, g.n, s.operand[slot][1]);
-        }
-        asm volatile("cp.async.commit_group;\n" ::);
-        const int stage = int(step % kStages);
-        const uint16_t *sa = s.operand[stage][0], *sb = s.operand[stage][1];
-        for (int kk = 0; kk < kMmaBK; kk += 16) {
-          uint32_t af[kFragsM][4], bf[2][4];
-          for (int mf = 0; mf < kFragsM; ++mf) {
-            const int i = wm * (kBM / kWarpsM) + mf * 16;
-            // Matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7,
-            // k 8-15), (rows 8-15, k 8-15).
-            if (g.a.trans)
-              ldmatrix4(af[mf], sa + (kk + r + (q / 2) * 8) * aLd + i + (q % 2) * 8, true);
-            else
-              ldmatrix4(af[mf], sa + (i + r + (q % 2) * 8) * aLd + kk + (q / 2) * 8, false);
-          }
-          for (int nf = 0; nf < 2; ++nf) {
-            const int j = wn * 32 + nf * 16;
-            // Matrices: (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15),
-            // (k 8-15, n 8-15): two n8 fragments of two registers each.
-            if (g.b.trans)
-              ldmatrix4(bf[nf], sb + (j + r + (q / 2) * 8) * bLd + kk + (q % 2) * 8, false);
-            else
-              ldmatrix4(bf[nf], sb + (kk + r + (q % 2) * 8) * bLd + j + (q / 2) * 8, true);
-          }
-          for (int mf = 0; mf < kFragsM; ++mf)
-            for (int nf = 0; nf < 4; ++nf)
-              mma16816(acc[mf][nf], af[mf], bf[nf / 2][(nf % 2) * 2], bf[nf / 2][(nf % 2) * 2 + 1]);
-        }
-      }
-      asm volatile("cp.async.wait_group 0;\n" ::);
-      for (int mf = 0; mf < kFragsM; ++mf)
-        for (int nf = 0; nf < 4; ++nf)
-          for (int h = 0; h < 4; ++h) {
-            const int64_t i = i0 + wm * (kBM / kWarpsM) + mf * 16 + lane / 4 + (h / 2) * 8;
-            const int64_t j = j0 + wn * 32 + nf * 8 + (lane % 4) * 2 + h % 2;
-            if (i < g.m && j < g.n)
-              epilogue(g, i, j, acc[mf][nf][h]);
-          }
-    }
-  __syncthreads();
-}
-
-__device__ void gemm(const Gemm &g, Smem &s) {
-  if (g.m <= 0 || g.n <= 0)
-    return;
-  if (g.a.type == kBF16 && g.b.type == kBF16) {
-    // Wide tiles of 16-byte-aligned operands take the pipelined path;
-    // narrow tiles (a column split over many cores) narrower wmma blocks.
-    const bool aligned = vectorizable(g.a, g.a.trans ? g.m : g.k) &&
-                         vectorizable(g.b, g.b.trans ? g.k : g.n);
-    if (aligned && g.n > 64)
-      gemmMma<128>(g, s.mma);
-    else if (aligned && g.n > 32)
-      gemmMma<64>(g, s.mma);
-    else if (g.n <= 32)
-      gemmTensorCores<32>(g, s.tc);
-    else if (g.n <= 64)
-      gemmTensorCores<64>(g, s.tc);
-    else
-      gemmTensorCores<128>(g, s.tc);
-  }
-  else
-    gemmFp32(g, s.f);
-}
 
 //===----------------------------------------------------------------------===//
 // Tiles of a task program
@@ -861,28 +463,6 @@ __global__ void weightGradKernel(const void *dy, uint32_t dyType, const void *z,
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    benchKernel(Gemm g, int64_t tileM, int64_t tileN, int64_t tilesN) {
-  extern __shared__ __align__(16) unsigned char dynamicSmem[];
-  Smem &smem = *reinterpret_cast<Smem *>(dynamicSmem);
-  const int64_t ti = blockIdx.x / tilesN, tj = blockIdx.x % tilesN;
-  const int64_t i0 = ti * tileM, j0 = tj * tileN;
-  Gemm t = g;
-  t.a.p = offsetBytes(g.a.p, i0 * g.a.ld, g.a.type);
-  t.b.p = offsetBytes(g.b.p, j0, g.b.type);
-  t.c = const_cast<char *>(offsetBytes(g.c, i0 * g.ldc + j0, g.cType));
-  t.m = min(tileM, g.m - i0);
-  t.n = min(tileN, g.n - j0);
-  gemm(t, smem);
-}
-
-/// Lets `kernel` take sizeof(Smem) of dynamic shared memory (over the
-/// default 48 KiB).
-template <typename Kernel> cudaError_t allowSmem(Kernel kernel) {
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              int(sizeof(Smem)));
-}
-
 unsigned gridFor(int64_t items) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(items, 65535)));
 }
@@ -955,10 +535,11 @@ Error run(const Program &program, double timeoutSeconds, RunResult *out) {
   MOEC_CUDA("cudaGetDevice", cudaGetDevice(&device));
   MOEC_CUDA("cudaDeviceGetAttribute",
             cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  MOEC_CUDA("cudaFuncSetAttribute", allowSmem(persistentKernel));
+  const size_t smem = smemBytes();
+  MOEC_CUDA("cudaFuncSetAttribute", allowSmem(persistentKernel, smem));
   MOEC_CUDA("cudaOccupancyMaxActiveBlocksPerMultiprocessor",
             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, persistentKernel, kThreads,
-                                                          sizeof(Smem)));
+                                                          smem));
   if (perSm < 1)
     return "the persistent kernel does not fit on a multiprocessor";
   const uint32_t blocks = std::min<uint32_t>(logical, uint32_t(perSm) * uint32_t(sms));
@@ -994,8 +575,8 @@ Error run(const Program &program, double timeoutSeconds, RunResult *out) {
       total += q.entryCount;
     total *= program.ranks;
   }
-  persistentKernel<<<blocks, kThreads, sizeof(Smem)>>>(program, logical, heads, heads + logical,
-                                                       control, total, timeoutNs);
+  persistentKernel<<<blocks, kThreads, smem>>>(program, logical, heads, heads + logical, control,
+                                               total, timeoutNs);
   cudaError_t e = cudaGetLastError();
   cudaEventRecord(stop);
   // The device's watchdog ends the kernel; the host waits a little longer
@@ -1074,62 +655,6 @@ Error combineWeightGrad(const void *dy, uint32_t dyType, const void *z, uint32_t
   weightGradKernel<<<gridFor(tokens * topK), kThreads>>>(dy, dyType, z, zType, zLd, position,
                                                          topK, tokens, cols, out);
   MOEC_CUDA("the top-k weight gradient kernel", cudaGetLastError());
-  return {};
-}
-
-Error benchGemm(int64_t m, int64_t n, int64_t k, uint32_t type, uint32_t cType, int64_t tileM,
-                int64_t tileN, int repeats, double *seconds) {
-  const size_t elt = type == kBF16 ? 2 : 4, celt = cType == kBF16 ? 2 : 4;
-  void *a = nullptr, *b = nullptr, *c = nullptr;
-  Error err = allocate(size_t(m * k) * elt, &a);
-  if (err.empty())
-    err = allocate(size_t(k * n) * elt, &b);
-  if (err.empty())
-    err = allocate(size_t(m * n) * celt, &c);
-  if (!err.empty()) {
-    release(a);
-    release(b);
-    return err;
-  }
-  Gemm g;
-  g.a = Mat{a, type, k, false};
-  g.b = Mat{b, type, n, false};
-  g.c = c;
-  g.cType = cType;
-  g.ldc = n;
-  g.d = nullptr;
-  g.dType = kF32;
-  g.ldd = 0;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  g.scale = 1.0f;
-  g.accumulate = false;
-  const int64_t tilesN = (n + tileN - 1) / tileN, tiles = ((m + tileM - 1) / tileM) * tilesN;
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  if (const cudaError_t e = allowSmem(benchKernel); e != cudaSuccess) {
-    release(a);
-    release(b);
-    release(c);
-    return cudaText("cudaFuncSetAttribute", e);
-  }
-  benchKernel<<<unsigned(tiles), kThreads, sizeof(Smem)>>>(g, tileM, tileN, tilesN);
-  cudaEventRecord(start);
-  for (int r = 0; r < repeats; ++r)
-    benchKernel<<<unsigned(tiles), kThreads, sizeof(Smem)>>>(g, tileM, tileN, tilesN);
-  cudaEventRecord(stop);
-  const cudaError_t e = cudaEventSynchronize(stop);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, start, stop);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  release(a);
-  release(b);
-  release(c);
-  MOEC_CUDA("the tile benchmark", e == cudaSuccess ? cudaGetLastError() : e);
-  *seconds = ms / 1e3 / repeats;
   return {};
 }
 

@@ -156,12 +156,24 @@ Error combineWeightGrad(const void *dy, uint32_t dyType, const void *z, uint32_t
                         int64_t zLd, const int64_t *position, int64_t topK, int64_t tokens,
                         int64_t cols, float *out);
 
-/// The GMM tile function of the persistent kernel on one product, for
-/// benchmarks: C[m, n] = A[m, k] B[k, n], A and B row-major of `type`, C of
-/// `cType`, cut into tileM x tileN tiles, one thread block each. Returns the
-/// mean seconds of `repeats` launches (after one warm-up).
-Error benchGemm(int64_t m, int64_t n, int64_t k, uint32_t type, uint32_t cType, int64_t tileM,
-                int64_t tileN, int repeats, double *seconds);
+/// A benchmark of the GMM tile function: `groups` products of m x n x k in
+/// one launch, C_g = op(A_g) op(B_g), A_g stored k x m when transA (else
+/// m x k), B_g stored n x k when transB (else k x n), of `type`, C of
+/// `cType`, cut into tileM x tileN tiles, one thread block each. Operands
+/// are random in [-1, 1); C is poisoned with NaN before the first launch.
+struct GemmBenchCase {
+  int64_t groups = 1, m = 0, n = 0, k = 0;
+  bool transA = false, transB = false;
+  uint32_t type = 0, cType = 0;
+  int64_t tileM = 128, tileN = 256;
+  int repeats = 20;
+};
+struct GemmBenchResult {
+  double seconds = 0;   ///< median of `repeats` launches, after one warm-up
+  double error = 0;     ///< max |C - ref| / max |ref| over sampled elements
+  int64_t unwritten = 0; ///< elements of C still NaN after the first launch
+};
+Error benchGemm(const GemmBenchCase &spec, GemmBenchResult *out);
 
 } // namespace moec::cuda::device
 

@@ -34,8 +34,6 @@ Error combineWeightGrad(const void *, uint32_t, const void *, uint32_t, int64_t,
                         int64_t, int64_t, int64_t, float *) {
   return kMissing;
 }
-Error benchGemm(int64_t, int64_t, int64_t, uint32_t, uint32_t, int64_t, int64_t, int, double *) {
-  return kMissing;
-}
+Error benchGemm(const GemmBenchCase &, GemmBenchResult *) { return kMissing; }
 
 } // namespace moec::cuda::device

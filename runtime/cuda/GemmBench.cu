@@ -1,0 +1,207 @@
+//===- GemmBench.cu - The GMM tile function, timed and checked ------------===//
+//
+// See benchGemm in Device.h: random operands, C poisoned with NaN, one
+// launch checked (every element written; sampled elements against an fp32
+// reference computed on the GPU), then timed launches.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/cuda/CudaError.cuh"
+#include "runtime/cuda/Device.h"
+#include "runtime/cuda/Gemm.cuh"
+
+#include <algorithm>
+#include <vector>
+
+namespace moec::cuda::device {
+
+namespace {
+
+constexpr int kSamples = 1 << 14;
+
+__device__ __forceinline__ uint32_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return uint32_t(x);
+}
+
+__global__ void fillRandom(void *p, uint32_t type, int64_t count, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x)
+    storeElt(p, i, type, float(mix(seed * 0x9E3779B97F4A7C15ull + uint64_t(i)) >> 8) / 8388608.0f -
+                             1.0f);
+}
+
+__global__ void fillNan(void *p, uint32_t type, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x)
+    storeElt(p, i, type, __int_as_float(0x7fc00000));
+}
+
+__global__ void countNan(const void *p, uint32_t type, int64_t count, unsigned long long *out) {
+  unsigned long long n = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x)
+    n += isnan(loadElt(p, i, type)) ? 1 : 0;
+  if (n)
+    atomicAdd(out, n);
+}
+
+/// Group g's product: its operands' and output's offsets in elements.
+struct Groups {
+  int64_t a, b, c;
+};
+
+/// sample s: |C - ref| and |ref| at a pseudo-random element (the first
+/// samples are the corners of the first and last group).
+__global__ void checkSamples(Gemm g, Groups stride, int64_t groups, float *err, float *ref) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= kSamples)
+    return;
+  const uint32_t h = mix(uint64_t(s) * 7919u + 17u);
+  int64_t grp = h % groups, i = mix(h) % g.m, j = mix(h + 1) % g.n;
+  if (s < 8) {
+    grp = s < 4 ? 0 : groups - 1;
+    i = (s & 1) ? g.m - 1 : 0;
+    j = (s & 2) ? g.n - 1 : 0;
+  }
+  Mat a = g.a, b = g.b;
+  a.p = offsetBytes(a.p, grp * stride.a, a.type);
+  b.p = offsetBytes(b.p, grp * stride.b, b.type);
+  float sum = 0.0f;
+  for (int64_t p = 0; p < g.k; ++p)
+    sum += loadElt(a.p, a.at(i, p), a.type) * loadElt(b.p, b.at(p, j), b.type);
+  const float c = loadElt(offsetBytes(g.c, grp * stride.c, g.cType), i * g.ldc + j, g.cType);
+  err[s] = isnan(c) ? INFINITY : fabsf(c - sum);
+  ref[s] = fabsf(sum);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    benchKernel(Gemm g, Groups stride, int64_t tileM, int64_t tileN, int64_t tilesM,
+                int64_t tilesN) {
+  extern __shared__ __align__(16) unsigned char dynamicSmem[];
+  Smem &smem = *reinterpret_cast<Smem *>(dynamicSmem);
+  const int64_t perGroup = tilesM * tilesN, grp = blockIdx.x / perGroup,
+                tile = blockIdx.x % perGroup;
+  const int64_t i0 = (tile / tilesN) * tileM, j0 = (tile % tilesN) * tileN;
+  Gemm t = g;
+  t.a.p = offsetBytes(g.a.p, grp * stride.a + g.a.at(i0, 0), g.a.type);
+  t.b.p = offsetBytes(g.b.p, grp * stride.b + g.b.at(0, j0), g.b.type);
+  t.c = const_cast<char *>(offsetBytes(g.c, grp * stride.c + i0 * g.ldc + j0, g.cType));
+  t.m = min(tileM, g.m - i0);
+  t.n = min(tileN, g.n - j0);
+  gemm(t, smem);
+}
+
+/// Device memory released on every path out.
+struct Buffers {
+  std::vector<void *> held;
+  ~Buffers() {
+    for (void *p : held)
+      release(p);
+  }
+  Error get(size_t bytes, void **out) {
+    if (Error e = allocate(bytes, out); !e.empty())
+      return e;
+    held.push_back(*out);
+    return {};
+  }
+};
+
+} // namespace
+
+Error benchGemm(const GemmBenchCase &spec, GemmBenchResult *out) {
+  *out = GemmBenchResult();
+  const int64_t G = spec.groups, m = spec.m, n = spec.n, k = spec.k;
+  if (G < 1 || m < 1 || n < 1 || k < 1 || spec.tileM < 1 || spec.tileN < 1)
+    return "benchGemm: groups, m, n, k and the tile must be positive";
+  const size_t elt = spec.type == kBF16 ? 2 : 4, celt = spec.cType == kBF16 ? 2 : 4;
+  Buffers buffers;
+  void *a = nullptr, *b = nullptr, *c = nullptr, *scratch = nullptr;
+  if (Error e = buffers.get(size_t(G * m * k) * elt, &a); !e.empty())
+    return e;
+  if (Error e = buffers.get(size_t(G * k * n) * elt, &b); !e.empty())
+    return e;
+  if (Error e = buffers.get(size_t(G * m * n) * celt, &c); !e.empty())
+    return e;
+  if (Error e = buffers.get(2 * kSamples * sizeof(float) + 16, &scratch); !e.empty())
+    return e;
+  Gemm g;
+  g.a = Mat{a, spec.type, spec.transA ? m : k, spec.transA};
+  g.b = Mat{b, spec.type, spec.transB ? k : n, spec.transB};
+  g.c = c;
+  g.cType = spec.cType;
+  g.ldc = n;
+  g.d = nullptr;
+  g.dType = kF32;
+  g.ldd = 0;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.scale = 1.0f;
+  g.accumulate = false;
+  const Groups stride{m * k, k * n, m * n};
+  fillRandom<<<1024, 256>>>(a, spec.type, G * m * k, 1);
+  fillRandom<<<1024, 256>>>(b, spec.type, G * k * n, 2);
+  fillNan<<<1024, 256>>>(c, spec.cType, G * m * n);
+  MOEC_CUDA("filling the operands", cudaGetLastError());
+
+  const int64_t tilesM = (m + spec.tileM - 1) / spec.tileM,
+                tilesN = (n + spec.tileN - 1) / spec.tileN, blocks = G * tilesM * tilesN;
+  if (blocks > int64_t(INT32_MAX))
+    return "benchGemm: too many tiles for one launch";
+  const size_t smem = smemBytes();
+  MOEC_CUDA("cudaFuncSetAttribute", allowSmem(benchKernel, smem));
+  const auto launch = [&] {
+    benchKernel<<<unsigned(blocks), kThreads, smem>>>(g, stride, spec.tileM, spec.tileN, tilesM,
+                                                      tilesN);
+  };
+  launch();
+  MOEC_CUDA("the tile benchmark", cudaGetLastError());
+  MOEC_CUDA("the tile benchmark", cudaDeviceSynchronize());
+
+  // The check.
+  float *err = static_cast<float *>(scratch), *ref = err + kSamples;
+  auto *nan = reinterpret_cast<unsigned long long *>(ref + kSamples);
+  MOEC_CUDA("cudaMemset", cudaMemset(nan, 0, sizeof(unsigned long long)));
+  countNan<<<1024, 256>>>(c, spec.cType, G * m * n, nan);
+  checkSamples<<<kSamples / 128, 128>>>(g, stride, G, err, ref);
+  MOEC_CUDA("the check", cudaGetLastError());
+  std::vector<float> hostErr(kSamples), hostRef(kSamples);
+  unsigned long long unwritten = 0;
+  MOEC_CUDA("reading the check", cudaMemcpy(hostErr.data(), err, kSamples * sizeof(float),
+                                            cudaMemcpyDeviceToHost));
+  MOEC_CUDA("reading the check", cudaMemcpy(hostRef.data(), ref, kSamples * sizeof(float),
+                                            cudaMemcpyDeviceToHost));
+  MOEC_CUDA("reading the check",
+            cudaMemcpy(&unwritten, nan, sizeof(unwritten), cudaMemcpyDeviceToHost));
+  const float maxRef = *std::max_element(hostRef.begin(), hostRef.end());
+  const float maxErr = *std::max_element(hostErr.begin(), hostErr.end());
+  out->error = maxRef > 0 ? double(maxErr) / maxRef : double(maxErr);
+  out->unwritten = int64_t(unwritten);
+
+  // The timing: one event pair per launch, the median.
+  std::vector<cudaEvent_t> events(2 * size_t(std::max(1, spec.repeats)));
+  for (cudaEvent_t &e : events)
+    MOEC_CUDA("cudaEventCreate", cudaEventCreate(&e));
+  for (size_t r = 0; r < events.size() / 2; ++r) {
+    cudaEventRecord(events[2 * r]);
+    launch();
+    cudaEventRecord(events[2 * r + 1]);
+  }
+  const cudaError_t done = cudaEventSynchronize(events.back());
+  std::vector<float> ms(events.size() / 2);
+  for (size_t r = 0; r < ms.size(); ++r)
+    cudaEventElapsedTime(&ms[r], events[2 * r], events[2 * r + 1]);
+  for (cudaEvent_t &e : events)
+    cudaEventDestroy(e);
+  MOEC_CUDA("the tile benchmark", done == cudaSuccess ? cudaGetLastError() : done);
+  std::nth_element(ms.begin(), ms.begin() + ms.size() / 2, ms.end());
+  out->seconds = ms[ms.size() / 2] / 1e3;
+  return {};
+}
+
+} // namespace moec::cuda::device

@@ -1,0 +1,307 @@
+//===- GemmSm90.cuh - GMM tiles on Hopper's warpgroup matrix instructions ===//
+//
+// The tile path of compute capability 9.0 (built for sm_90a: wgmma exists
+// nowhere else; Gemm.cuh takes it only where __CUDA_ARCH_FEAT_SM90_ALL is
+// defined). A block of 128 x kN of the tile's output is two warpgroups of
+// 64 x kN, each a chain of wgmma.mma_async m64nNk16 with both operands in
+// shared memory and its accumulators in registers (kN / 2 floats a thread:
+// no operand fragments in registers, so the persistent kernel keeps room).
+//
+// Operands reach shared memory by cp.async, 16 bytes a thread, in the
+// layouts wgmma reads with 128-byte swizzling: 64 deep a stage, each
+// operand either K-major (rows of 64 k, 128 bytes, the 16-byte chunks of
+// row r at chunk ^ (r % 8)) or MN-major (for every 64 of M or N, 64 rows
+// of k, the same swizzle by k % 8), whichever its storage gives, so every
+// copy is a contiguous 16-byte vector and zero-filled outside the tile.
+// kWgStages stages, kWgStages - 2 copies ahead: the stage a step fills was
+// read by the wgmma two steps back, which each warpgroup has waited for
+// (wgmma.wait_group 1) before the barrier that opens the step.
+//
+// The sums run in a fixed order (k ascending), so a run's bits do not
+// change from pass to pass.
+//
+//===----------------------------------------------------------------------===//
+#ifndef MOEC_RUNTIME_CUDA_GEMMSM90_CUH
+#define MOEC_RUNTIME_CUDA_GEMMSM90_CUH
+
+#include "runtime/cuda/Tile.cuh"
+
+namespace moec::cuda::device {
+namespace {
+
+constexpr int kWgBK = 64;      ///< k per stage: one 128-byte swizzle row of bf16
+constexpr int kWgMaxN = 256;   ///< the widest block
+/// Shared memory of the path: stages of A (128 x 64) and B (64 x kN), and
+/// 1 KiB to align the stages to the swizzle's 1024-byte atoms.
+constexpr int kWgSmemBytes = 4 * (kBM + kWgMaxN) * kWgBK * 2 + 1024;
+
+template <int kN> struct WgShape {
+  static constexpr int kABytes = kBM * kWgBK * 2, kBBytes = kN * kWgBK * 2;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kFit = (kWgSmemBytes - 1024) / kStageBytes;
+  static constexpr int kStages = kFit > 6 ? 6 : kFit;
+};
+
+/// A shared-memory matrix descriptor with 128-byte swizzling: the start
+/// address, the leading and the stride byte offsets (16-byte units).
+__device__ __forceinline__ uint64_t wgDescriptor(uint32_t address, uint32_t leading,
+                                                 uint32_t stride) {
+  return uint64_t((address & 0x3FFFF) >> 4) | uint64_t((leading >> 4) & 0x3FFF) << 16 |
+         uint64_t((stride >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+
+__device__ __forceinline__ void cpAsync16(uint32_t dst, const void *src, bool in) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(in ? 16 : 0));
+}
+
+/// The K-major stage of an operand: kRows rows of M (or N) from mn0, each
+/// 64 of k from k0, 128 bytes a row, swizzled. `mnIsRow`: M (or N) is
+/// op(x)'s row (A), else its column (B).
+template <int kRows>
+__device__ __forceinline__ void wgStageK(const Mat &x, bool mnIsRow, int64_t mn0, int64_t k0,
+                                         int64_t mnEnd, int64_t kEnd, uint32_t dst) {
+  const uint16_t *base = static_cast<const uint16_t *>(x.p);
+  for (int v = threadIdx.x; v < kRows * 8; v += kThreads) {
+    const int r = v >> 3, c = v & 7;
+    const int64_t mn = mn0 + r, k = k0 + c * 8;
+    const bool in = mn < mnEnd && k < kEnd;
+    const uint16_t *src = in ? base + (mnIsRow ? x.at(mn, k) : x.at(k, mn)) : base;
+    cpAsync16(dst + uint32_t(r * 128 + ((c ^ (r & 7)) << 4)), src, in);
+  }
+}
+
+/// The MN-major stage: for each 64 of the kCols of M (or N) from mn0, 64
+/// rows of k from k0, 128 bytes a row, swizzled by k.
+template <int kCols>
+__device__ __forceinline__ void wgStageMN(const Mat &x, bool mnIsRow, int64_t mn0, int64_t k0,
+                                          int64_t mnEnd, int64_t kEnd, uint32_t dst) {
+  const uint16_t *base = static_cast<const uint16_t *>(x.p);
+  constexpr int kChunks = kCols / 8;
+  for (int v = threadIdx.x; v < kWgBK * kChunks; v += kThreads) {
+    const int r = v / kChunks, cc = v % kChunks, block = cc >> 3, c = cc & 7;
+    const int64_t mn = mn0 + cc * 8, k = k0 + r;
+    const bool in = mn < mnEnd && k < kEnd;
+    const uint16_t *src = in ? base + (mnIsRow ? x.at(mn, k) : x.at(k, mn)) : base;
+    cpAsync16(dst + uint32_t(block * kWgBK * 128 + r * 128 + ((c ^ (r & 7)) << 4)), src, in);
+  }
+}
+
+__device__ __forceinline__ void wgFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int kPending> __device__ __forceinline__ void wgWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+template <int kTA, int kTB>
+__device__ __forceinline__ void wgmma64(float (&d)[32], uint64_t a, uint64_t b) {
+  asm volatile("{\n"
+               ".reg .pred p;\n"
+               "setp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+               "}, %32, %33, p, 1, 1, %35, %36;\n"
+               "}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                 "+f"(d[30]), "+f"(d[31])
+               : "l"(a), "l"(b), "r"(1), "n"(kTA), "n"(kTB));
+}
+
+template <int kTA, int kTB>
+__device__ __forceinline__ void wgmma128(float (&d)[64], uint64_t a, uint64_t b) {
+  asm volatile("{\n"
+               ".reg .pred p;\n"
+               "setp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+               "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+               "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+               "}, %64, %65, p, 1, 1, %67, %68;\n"
+               "}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                 "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                 "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                 "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                 "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                 "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               : "l"(a), "l"(b), "r"(1), "n"(kTA), "n"(kTB));
+}
+
+template <int kTA, int kTB>
+__device__ __forceinline__ void wgmma256(float (&d)[128], uint64_t a, uint64_t b) {
+  asm volatile("{\n"
+               ".reg .pred p;\n"
+               "setp.ne.b32 p, %130, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+               "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+               "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+               "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+               "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+               "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+               "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+               "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+               "}, %128, %129, p, 1, 1, %131, %132;\n"
+               "}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                 "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                 "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                 "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                 "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                 "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                 "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+                 "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+                 "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+                 "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+                 "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
+                 "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+                 "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),
+                 "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+                 "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+                 "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+                 "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+                 "+f"(d[126]), "+f"(d[127])
+               : "l"(a), "l"(b), "r"(1), "n"(kTA), "n"(kTB));
+}
+
+template <int kN, int kTA, int kTB>
+__device__ __forceinline__ void wgmmaN(float (&d)[kN / 2], uint64_t a, uint64_t b) {
+  if constexpr (kN == 64)
+    wgmma64<kTA, kTB>(d, a, b);
+  else if constexpr (kN == 128)
+    wgmma128<kTA, kTB>(d, a, b);
+  else
+    wgmma256<kTA, kTB>(d, a, b);
+}
+
+/// Two values of C at (i, j) and (i, j + 1), j + 1 < n: one 4-byte store
+/// where C is bf16 and written plainly, else one at a time.
+__device__ __forceinline__ void epiloguePair(const Gemm &g, int64_t i, int64_t j, float v0,
+                                             float v1) {
+  if (!g.accumulate && !g.d && g.cType == kBF16 && g.scale == 1.0f) {
+    const int64_t at = i * g.ldc + j;
+    __nv_bfloat16 *c = static_cast<__nv_bfloat16 *>(g.c) + at;
+    if ((reinterpret_cast<uintptr_t>(c) & 3) == 0) {
+      *reinterpret_cast<__nv_bfloat162 *>(c) = __floats2bfloat162_rn(v0, v1);
+      return;
+    }
+  }
+  epilogue(g, i, j, v0);
+  epilogue(g, i, j + 1, v1);
+}
+
+/// C in blocks of 128 x kN: warpgroup w computes rows 64w .. 64w + 63.
+/// kTA / kTB: A / B is MN-major in shared memory (wgmma's transpose bit).
+template <int kN, int kTA, int kTB>
+__device__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
+  using Shape = WgShape<kN>;
+  constexpr int kS = Shape::kStages;
+  const uint32_t base = (sharedAddress(smem) + 1023u) & ~1023u;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int64_t steps = (g.k + kWgBK - 1) / kWgBK;
+  for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
+    for (int64_t j0 = 0; j0 < g.n; j0 += kN) {
+      const auto load = [&](int64_t step) {
+        const uint32_t a = base + uint32_t(step % kS) * Shape::kStageBytes;
+        const uint32_t b = a + Shape::kABytes;
+        const int64_t k0 = step * kWgBK;
+        if (kTA)
+          wgStageMN<kBM>(g.a, true, i0, k0, g.m, g.k, a);
+        else
+          wgStageK<kBM>(g.a, true, i0, k0, g.m, g.k, a);
+        if (kTB)
+          wgStageMN<kN>(g.b, false, j0, k0, g.n, g.k, b);
+        else
+          wgStageK<kN>(g.b, false, j0, k0, g.n, g.k, b);
+      };
+      float acc[kN / 2];
+#pragma unroll
+      for (int e = 0; e < kN / 2; ++e)
+        acc[e] = 0.0f;
+      __syncthreads();
+      for (int st = 0; st < kS - 2; ++st) {
+        if (st < steps)
+          load(st);
+        asm volatile("cp.async.commit_group;\n" ::);
+      }
+      for (int64_t step = 0; step < steps; ++step) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(kS - 3));
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        if (step + kS - 2 < steps)
+          load(step + kS - 2);
+        asm volatile("cp.async.commit_group;\n" ::);
+        const uint32_t a = base + uint32_t(step % kS) * Shape::kStageBytes;
+        const uint32_t b = a + Shape::kABytes;
+        wgFence();
+#pragma unroll
+        for (int kk = 0; kk < kWgBK / 16; ++kk) {
+          // K-major: 16 of k are 32 bytes along a swizzled row; MN-major:
+          // two 8-row groups of k (1024 bytes each).
+          const uint64_t da =
+              kTA ? wgDescriptor(a + wg * kWgBK * 128 + kk * 2048, kWgBK * 128, 1024)
+                  : wgDescriptor(a + wg * 64 * 128 + kk * 32, 16, 1024);
+          const uint64_t db = kTB ? wgDescriptor(b + kk * 2048, kWgBK * 128, 1024)
+                                  : wgDescriptor(b + kk * 32, 16, 1024);
+          wgmmaN<kN, kTA, kTB>(acc, da, db);
+        }
+        wgCommit();
+        wgWait<1>();
+      }
+      wgWait<0>();
+      asm volatile("cp.async.wait_group 0;\n" ::);
+      // Accumulator e of a thread: n8 block e / 4; rows +8 for e % 4 >= 2,
+      // columns +1 for odd e.
+      const int64_t row = i0 + wg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+      for (int e = 0; e < kN / 2; e += 2) {
+        const int64_t i = row + ((e % 4) >= 2 ? 8 : 0);
+        const int64_t j = j0 + (e / 4) * 8 + (lane % 4) * 2;
+        if (i < g.m && j + 1 < g.n)
+          epiloguePair(g, i, j, acc[e], acc[e + 1]);
+        else if (i < g.m && j < g.n)
+          epilogue(g, i, j, acc[e]);
+      }
+    }
+  __syncthreads();
+}
+
+/// The wgmma path for aligned bf16 operands (vectorizable in Tile.cuh).
+template <int kN> __device__ void gemmWgmma(const Gemm &g, unsigned char *smem) {
+  // A row-major A and a transposed B are K-major; the others MN-major.
+  if (g.a.trans) {
+    if (g.b.trans)
+      gemmWgmmaT<kN, 1, 0>(g, smem);
+    else
+      gemmWgmmaT<kN, 1, 1>(g, smem);
+  } else {
+    if (g.b.trans)
+      gemmWgmmaT<kN, 0, 0>(g, smem);
+    else
+      gemmWgmmaT<kN, 0, 1>(g, smem);
+  }
+}
+
+} // namespace
+} // namespace moec::cuda::device
+
+#endif // MOEC_RUNTIME_CUDA_GEMMSM90_CUH

@@ -1,10 +1,10 @@
 //===- CudaBench.cpp - The cuda backend's tiles and layer, timed ------------===//
 //
-//   cuda_bench gmm [[G*]MxNxK[:ab] ...]
+//   cuda_bench gmm [--tile-n N] [[G*]MxNxK[:ab] ...]
 //                                     the persistent kernel's GMM tile function
 //                                     on bf16 products (C bf16; G of them in
 //                                     one launch; a, b: n as read, t stored
-//                                     transposed), 128 x 256 tiles, one thread
+//                                     transposed), 128 x N tiles (256), one thread
 //                                     block each: TFLOP/s, and a check (every
 //                                     element written, sampled ones against
 //                                     an fp32 reference)
@@ -91,7 +91,7 @@ bool parseProduct(const std::string &text, cuda::device::GemmBenchCase *out) {
   return true;
 }
 
-int gmm(const std::vector<std::string> &products) {
+int gmm(const std::vector<std::string> &products, int64_t tileN) {
   std::printf("%-26s %10s %10s %10s %s\n", "G*MxNxK:ab (bf16)", "ms", "TFLOP/s", "error",
               "check");
   int failed = 0;
@@ -99,6 +99,7 @@ int gmm(const std::vector<std::string> &products) {
     cuda::device::GemmBenchCase c;
     if (!parseProduct(text, &c))
       return fail(Status::error("'" + text + "' is no product: give [G*]MxNxK[:ab], a and b n or t"));
+    c.tileN = tileN;
     cuda::device::GemmBenchResult r;
     if (const cuda::device::Error e = cuda::device::benchGemm(c, &r); !e.empty())
       return fail(Status::error(text + ": " + e));
@@ -268,14 +269,23 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
 int main(int argc, char **argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "gmm") {
-    std::vector<std::string> products(argv + 2, argv + argc);
+    std::vector<std::string> products;
+    int64_t tileN = 256;
+    for (int i = 2; i < argc; ++i) {
+      if (std::string(argv[i]) == "--tile-n" && i + 1 < argc)
+        tileN = std::atoll(argv[++i]);
+      else
+        products.push_back(argv[i]);
+    }
+    if (tileN < 1)
+      return fail(Status::error("--tile-n takes a positive column count"));
     if (products.empty())
       products = {kDefaultProducts, kDefaultProducts + sizeof(kDefaultProducts) / sizeof(char *)};
     std::string gpu;
     if (Status s = cuda::describeDevice(&gpu); !s)
       return fail(s);
     std::printf("GPU: %s\n", gpu.c_str());
-    return gmm(products);
+    return gmm(products, tileN);
   }
   if (mode == "layer" && argc >= 4) {
     int repeat = 5;
@@ -294,7 +304,7 @@ int main(int argc, char **argv) {
     }
     return layer(argv[2], argv[3], repeat, hot, sample);
   }
-  std::fprintf(stderr, "usage: cuda_bench gmm [[G*]MxNxK[:ab] ...]\n"
+  std::fprintf(stderr, "usage: cuda_bench gmm [--tile-n N] [[G*]MxNxK[:ab] ...]\n"
                        "       cuda_bench layer FWD BWD [--repeat N] [--hot-share F] "
                        "[--sample N]\n");
   return mode == "--help" || mode == "-h" ? 0 : 2;

@@ -13,6 +13,8 @@
 // row r at chunk ^ (r % 8)) or MN-major (for every 64 of M or N, 64 rows
 // of k, the same swizzle by k % 8), whichever its storage gives, so every
 // copy is a contiguous 16-byte vector and zero-filled outside the tile.
+// Each thread's vectors keep one swizzle phase, so its addresses are set
+// once a block (WgCopy) and a step adds one stride.
 // kWgStages stages, kWgStages - 2 copies ahead: the stage a step fills was
 // read by the wgmma two steps back, which each warpgroup has waited for
 // (wgmma.wait_group 1) before the barrier that opens the step.
@@ -55,36 +57,71 @@ __device__ __forceinline__ void cpAsync16(uint32_t dst, const void *src, bool in
                "r"(in ? 16 : 0));
 }
 
-/// The K-major stage of an operand: kRows rows of M (or N) from mn0, each
-/// 64 of k from k0, 128 bytes a row, swizzled. `mnIsRow`: M (or N) is
-/// op(x)'s row (A), else its column (B).
-template <int kRows>
-__device__ __forceinline__ void wgStageK(const Mat &x, bool mnIsRow, int64_t mn0, int64_t k0,
-                                         int64_t mnEnd, int64_t kEnd, uint32_t dst) {
-  const uint16_t *base = static_cast<const uint16_t *>(x.p);
-  for (int v = threadIdx.x; v < kRows * 8; v += kThreads) {
-    const int r = v >> 3, c = v & 7;
-    const int64_t mn = mn0 + r, k = k0 + c * 8;
-    const bool in = mn < mnEnd && k < kEnd;
-    const uint16_t *src = in ? base + (mnIsRow ? x.at(mn, k) : x.at(k, mn)) : base;
-    cpAsync16(dst + uint32_t(r * 128 + ((c ^ (r & 7)) << 4)), src, in);
+/// One thread's share of an operand's stage copies for a block of the tile:
+/// kVectors 16-byte vectors, `srcVector` elements and `dstVector` bytes
+/// apart; a step moves the source by `srcStep` elements. Vector i at step s
+/// reads k = kAt + 64 s + i kVector, and is inside when i < live and k < kEnd
+/// (outside: zero-filled).
+template <int kVectors> struct WgCopy {
+  const uint16_t *base, *src;
+  int64_t srcVector, srcStep, kAt, kEnd;
+  uint32_t dst, dstVector;
+  int live, kVector;
+
+  __device__ __forceinline__ void issue(int64_t step, uint32_t stage) const {
+    const uint16_t *from = src + step * srcStep;
+    const int64_t k = kAt + step * kWgBK;
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) {
+      const bool in = i < live && k + i * kVector < kEnd;
+      cpAsync16(stage + dst + i * dstVector, in ? from + i * srcVector : base, in);
+    }
   }
+};
+
+/// A K-major operand (stored [mn][k], `ld` apart): kRows rows of M (or N)
+/// from mn0, each 64 of k a step, 128 bytes a row, chunk c of row r at
+/// c ^ (r % 8). A thread copies chunk tid % 8 of rows tid / 8 + 32 i.
+template <int kRows>
+__device__ __forceinline__ WgCopy<kRows / 32> wgCopyK(const Mat &x, int64_t mn0, int64_t mnEnd,
+                                                      int64_t kEnd) {
+  WgCopy<kRows / 32> w;
+  const int c = threadIdx.x & 7, r = threadIdx.x >> 3;
+  w.base = static_cast<const uint16_t *>(x.p);
+  w.src = w.base + (mn0 + r) * x.ld + c * 8;
+  w.srcVector = 32 * x.ld;
+  w.srcStep = kWgBK;
+  w.dst = uint32_t(r * 128 + ((c ^ (r & 7)) << 4));
+  w.dstVector = 32 * 128;
+  const int64_t rowsLeft = mnEnd - mn0 - r; // rows from this thread's first
+  w.live = rowsLeft <= 0 ? 0 : rowsLeft >= kRows ? kRows / 32 : int((rowsLeft + 31) / 32);
+  w.kAt = c * 8;
+  w.kVector = 0;
+  w.kEnd = kEnd;
+  return w;
 }
 
-/// The MN-major stage: for each 64 of the kCols of M (or N) from mn0, 64
-/// rows of k from k0, 128 bytes a row, swizzled by k.
+/// An MN-major operand (stored [k][mn], `ld` apart): for each 64 of the
+/// kCols of M (or N) from mn0, 64 rows of k a step, 128 bytes a row,
+/// swizzled by k. A thread copies chunk tid % (kCols / 8) of k rows
+/// tid / (kCols / 8) + (256 / (kCols / 8)) i.
 template <int kCols>
-__device__ __forceinline__ void wgStageMN(const Mat &x, bool mnIsRow, int64_t mn0, int64_t k0,
-                                          int64_t mnEnd, int64_t kEnd, uint32_t dst) {
-  const uint16_t *base = static_cast<const uint16_t *>(x.p);
-  constexpr int kChunks = kCols / 8;
-  for (int v = threadIdx.x; v < kWgBK * kChunks; v += kThreads) {
-    const int r = v / kChunks, cc = v % kChunks, block = cc >> 3, c = cc & 7;
-    const int64_t mn = mn0 + cc * 8, k = k0 + r;
-    const bool in = mn < mnEnd && k < kEnd;
-    const uint16_t *src = in ? base + (mnIsRow ? x.at(mn, k) : x.at(k, mn)) : base;
-    cpAsync16(dst + uint32_t(block * kWgBK * 128 + r * 128 + ((c ^ (r & 7)) << 4)), src, in);
-  }
+__device__ __forceinline__ WgCopy<kCols / 32> wgCopyMN(const Mat &x, int64_t mn0, int64_t mnEnd,
+                                                       int64_t kEnd) {
+  constexpr int kChunks = kCols / 8, kRowsPerPass = kThreads / kChunks;
+  WgCopy<kCols / 32> w;
+  const int cc = threadIdx.x % kChunks, r = threadIdx.x / kChunks, c = cc & 7;
+  w.base = static_cast<const uint16_t *>(x.p);
+  w.src = w.base + r * x.ld + mn0 + cc * 8;
+  w.srcVector = kRowsPerPass * x.ld;
+  w.srcStep = kWgBK * x.ld;
+  w.dst = uint32_t((cc >> 3) * kWgBK * 128 + r * 128 + ((c ^ (r & 7)) << 4));
+  w.dstVector = kRowsPerPass * 128;
+  w.live = mn0 + cc * 8 < mnEnd ? kCols / 32 : 0;
+  w.kAt = r;
+  w.kVector = kRowsPerPass;
+  w.kEnd = kEnd;
+  return w;
 }
 
 __device__ __forceinline__ void wgFence() {
@@ -212,7 +249,7 @@ __device__ __forceinline__ void epiloguePair(const Gemm &g, int64_t i, int64_t j
 /// C in blocks of 128 x kN: warpgroup w computes rows 64w .. 64w + 63.
 /// kTA / kTB: A / B is MN-major in shared memory (wgmma's transpose bit).
 template <int kN, int kTA, int kTB>
-__device__ __noinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
+__device__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
   using Shape = WgShape<kN>;
   constexpr int kS = Shape::kStages;
   const uint32_t base = (sharedAddress(smem) + 1023u) & ~1023u;
@@ -220,18 +257,22 @@ __device__ __noinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
   const int64_t steps = (g.k + kWgBK - 1) / kWgBK;
   for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
     for (int64_t j0 = 0; j0 < g.n; j0 += kN) {
+      const auto copyA = [&] {
+        if constexpr (kTA != 0)
+          return wgCopyMN<kBM>(g.a, i0, g.m, g.k);
+        else
+          return wgCopyK<kBM>(g.a, i0, g.m, g.k);
+      }();
+      const auto copyB = [&] {
+        if constexpr (kTB != 0)
+          return wgCopyMN<kN>(g.b, j0, g.n, g.k);
+        else
+          return wgCopyK<kN>(g.b, j0, g.n, g.k);
+      }();
       const auto load = [&](int64_t step) {
         const uint32_t a = base + uint32_t(step % kS) * Shape::kStageBytes;
-        const uint32_t b = a + Shape::kABytes;
-        const int64_t k0 = step * kWgBK;
-        if (kTA)
-          wgStageMN<kBM>(g.a, true, i0, k0, g.m, g.k, a);
-        else
-          wgStageK<kBM>(g.a, true, i0, k0, g.m, g.k, a);
-        if (kTB)
-          wgStageMN<kN>(g.b, false, j0, k0, g.n, g.k, b);
-        else
-          wgStageK<kN>(g.b, false, j0, k0, g.n, g.k, b);
+        copyA.issue(step, a);
+        copyB.issue(step, a + Shape::kABytes);
       };
       float acc[kN / 2];
 #pragma unroll

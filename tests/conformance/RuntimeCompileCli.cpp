@@ -3,7 +3,8 @@
 // Runs `$MOEC compile GRAPH --config CFG --granularity G -o OUT`, with OUT
 // next to the config and moec's stderr in OUT.log, and loads OUT. For the
 // cuda backend (MOEC_TEST_BACKEND=cuda), which runs no peer-group tiles, with
-// --peer-groups 1.
+// --peer-groups 1; MOEC_TEST_COMPILE_FOR=cuda compiles so on any backend,
+// to fill MOEC_BINARY_CACHE for a GPU machine from a run on the CPU.
 //
 //===----------------------------------------------------------------------===//
 
@@ -50,8 +51,10 @@ std::string cachedPath(const std::string &graphPath, const std::string &configPa
 
 /// The cuda backend runs no peer-group tiles.
 bool forCuda() {
-  const char *backend = std::getenv("MOEC_TEST_BACKEND");
-  return backend && std::strcmp(backend, "cuda") == 0;
+  for (const char *name : {"MOEC_TEST_BACKEND", "MOEC_TEST_COMPILE_FOR"})
+    if (const char *value = std::getenv(name); value && std::strcmp(value, "cuda") == 0)
+      return true;
+  return false;
 }
 
 } // namespace

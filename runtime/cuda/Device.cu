@@ -101,7 +101,7 @@ __device__ void copyRows(const char *src, int64_t srcLd, char *dst, int64_t dstL
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-__device__ void runTask(const Program &P, uint32_t rank, uint32_t taskIndex, Smem &s) {
+__device__ __forceinline__ void runTask(const Program &P, uint32_t rank, uint32_t taskIndex, Smem &s) {
   const Task task = P.tasks[taskIndex];
   const Op &op = P.ops[task.op];
   Tile tile = tileOf(op, taskIndex - op.firstTask);

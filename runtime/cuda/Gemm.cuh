@@ -30,7 +30,7 @@ union Smem {
   unsigned char wg[kWgSmemBytes];
 };
 
-__device__ void gemm(const Gemm &g, Smem &s) {
+__device__ __forceinline__ void gemm(const Gemm &g, Smem &s) {
   if (g.m <= 0 || g.n <= 0)
     return;
   if (g.a.type == kBF16 && g.b.type == kBF16) {

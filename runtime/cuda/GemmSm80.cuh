@@ -5,9 +5,9 @@
 // for wide tiles of 16-byte-aligned bf16 operands, wmma for the others,
 // fp32 FMA for other operand types. 256 threads, blocks of 128 x 128 (or
 // narrower) of the tile's output at a time. Every sum has a fixed order.
-// The wmma and FMA paths are out of line (__noinline__): they are the
-// fallbacks, and inlined into the persistent kernel they only add to the
-// registers the fast paths' accumulators compete with.
+// Every path is inlined (__forceinline__, as is gemm() and the task
+// runner): on Hopper a function call anywhere in the persistent kernel
+// makes ptxas serialize every wgmma in it (warning C7510).
 //
 //===----------------------------------------------------------------------===//
 #ifndef MOEC_RUNTIME_CUDA_GEMMSM80_CUH
@@ -98,7 +98,7 @@ __device__ __forceinline__ void loadBf16(const Mat &x, int64_t r0, int64_t c0, i
 
 /// Blocks of 128 x kN of C: 8 warps as (8 / (kN / 32)) x (kN / 32), each
 /// warp 16 x 16 fragments over its (128 / warpsM) x 32 part.
-template <int kN> __device__ __noinline__ void gemmTensorCores(const Gemm &g, SmemTc &s) {
+template <int kN> __device__ __forceinline__ void gemmTensorCores(const Gemm &g, SmemTc &s) {
   using namespace nvcuda;
   constexpr int kWarpsN = kN / 32, kWarpsM = 8 / kWarpsN, kFragsM = kBM / kWarpsM / 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -143,7 +143,7 @@ template <int kN> __device__ __noinline__ void gemmTensorCores(const Gemm &g, Sm
   __syncthreads();
 }
 
-__device__ __noinline__ void gemmFp32(const Gemm &g, SmemF32 &s) {
+__device__ __forceinline__ void gemmFp32(const Gemm &g, SmemF32 &s) {
   const int tid = threadIdx.x;
   const int ty = tid / 16, tx = tid % 16; // 16 x 16 threads of 8 x 8
   for (int64_t i0 = 0; i0 < g.m; i0 += kBM)
@@ -231,7 +231,7 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 /// C in blocks of 128 x kN, kMmaBK deep, with kStages - 1 stages in flight:
 /// 8 warps as (8 / (kN / 32)) x (kN / 32), each (128 / warpsM) x 32 of C as
 /// mma tiles of 16 x 8.
-template <int kN> __device__ void gemmMma(const Gemm &g, SmemMma &s) {
+template <int kN> __device__ __forceinline__ void gemmMma(const Gemm &g, SmemMma &s) {
   constexpr int kWarpsN = kN / 32, kWarpsM = 8 / kWarpsN, kFragsM = kBM / kWarpsM / 16;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = warp / kWarpsN, wn = warp % kWarpsN;

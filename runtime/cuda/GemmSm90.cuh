@@ -249,7 +249,7 @@ __device__ __forceinline__ void epiloguePair(const Gemm &g, int64_t i, int64_t j
 /// C in blocks of 128 x kN: warpgroup w computes rows 64w .. 64w + 63.
 /// kTA / kTB: A / B is MN-major in shared memory (wgmma's transpose bit).
 template <int kN, int kTA, int kTB>
-__device__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
+__device__ __forceinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
   using Shape = WgShape<kN>;
   constexpr int kS = Shape::kStages;
   const uint32_t base = (sharedAddress(smem) + 1023u) & ~1023u;
@@ -327,7 +327,7 @@ __device__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
 }
 
 /// The wgmma path for aligned bf16 operands (vectorizable in Tile.cuh).
-template <int kN> __device__ void gemmWgmma(const Gemm &g, unsigned char *smem) {
+template <int kN> __device__ __forceinline__ void gemmWgmma(const Gemm &g, unsigned char *smem) {
   // A row-major A and a transposed B are K-major; the others MN-major.
   if (g.a.trans) {
     if (g.b.trans)

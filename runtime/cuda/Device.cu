@@ -101,6 +101,15 @@ __device__ void copyRows(const char *src, int64_t srcLd, char *dst, int64_t dstL
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+/// Whether rows of bf16 can be read 8 at a time: both pointers 16-byte
+/// aligned, every column offset, width and stride (or-ed into `offsets`) a
+/// multiple of 8, and the element count within an int.
+__device__ __forceinline__ bool bf16Vectors(const void *p, const void *q, int64_t offsets,
+                                            int64_t elements) {
+  return (reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(q)) % 16 == 0 &&
+         offsets % 8 == 0 && elements / 8 < int64_t(INT32_MAX);
+}
+
 __device__ __forceinline__ void runTask(const Program &P, uint32_t rank, uint32_t taskIndex, Smem &s) {
   const Task task = P.tasks[taskIndex];
   const Op &op = P.ops[task.op];
@@ -212,6 +221,30 @@ __device__ __forceinline__ void runTask(const Program &P, uint32_t rank, uint32_
     const uint32_t yt = slotType(op.a), at = slotType(op.c);
     const int64_t yld = slotLd(op.a), ald = slotLd(op.c);
     const int64_t cols = tile.colEnd - tile.colBegin;
+    if (yt == kBF16 && at == kBF16 &&
+        bf16Vectors(y, a, cols | tile.colBegin | I | yld | ald, rows * cols)) {
+      // 8 columns a thread: 16-byte loads of gate and up, one store.
+      const int vectors = int(cols / 8);
+      const auto *yb = static_cast<const __nv_bfloat16 *>(y);
+      auto *ab = static_cast<__nv_bfloat16 *>(a);
+      for (int e = threadIdx.x; e < int(rows) * vectors; e += kThreads) {
+        const int64_t m = r0 + e / vectors, c = tile.colBegin + (e % vectors) * 8;
+        const uint4 gv = *reinterpret_cast<const uint4 *>(yb + m * yld + c);
+        const uint4 uv = *reinterpret_cast<const uint4 *>(yb + m * yld + I + c);
+        uint4 out;
+        const auto *g2 = reinterpret_cast<const __nv_bfloat162 *>(&gv);
+        const auto *u2 = reinterpret_cast<const __nv_bfloat162 *>(&uv);
+        auto *o2 = reinterpret_cast<__nv_bfloat162 *>(&out);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float2 gate = __bfloat1622float2(g2[k]), up = __bfloat1622float2(u2[k]);
+          o2[k] = __floats2bfloat162_rn(gate.x * sigmoidf(gate.x) * up.x,
+                                        gate.y * sigmoidf(gate.y) * up.y);
+        }
+        *reinterpret_cast<uint4 *>(ab + m * ald + c) = out;
+      }
+      return;
+    }
     for (int64_t e = threadIdx.x; e < rows * cols; e += kThreads) {
       const int64_t m = r0 + e / cols, c = tile.colBegin + e % cols;
       const float gate = loadElt(y, m * yld + c, yt), up = loadElt(y, m * yld + I + c, yt);
@@ -227,6 +260,38 @@ __device__ __forceinline__ void runTask(const Program &P, uint32_t rank, uint32_
   const uint32_t yt = slotType(op.b), dat = slotType(op.a), dyt = slotType(op.c);
   const int64_t yld = slotLd(op.b), dald = slotLd(op.a), dyld = slotLd(op.c);
   const int64_t cols = p1 - p0;
+  if (yt == kBF16 && dat == kBF16 && dyt == kBF16 &&
+      bf16Vectors(y, dy, cols | p0 | I | yld | dald | dyld, rows * cols) &&
+      reinterpret_cast<uintptr_t>(da) % 16 == 0) {
+    const int vectors = int(cols / 8);
+    const auto *yb = static_cast<const __nv_bfloat16 *>(y);
+    const auto *gb = static_cast<const __nv_bfloat16 *>(da);
+    auto *db = static_cast<__nv_bfloat16 *>(dy);
+    for (int e = threadIdx.x; e < int(rows) * vectors; e += kThreads) {
+      const int64_t m = r0 + e / vectors, c = p0 + (e % vectors) * 8;
+      const uint4 gv = *reinterpret_cast<const uint4 *>(yb + m * yld + c);
+      const uint4 uv = *reinterpret_cast<const uint4 *>(yb + m * yld + I + c);
+      const uint4 av = *reinterpret_cast<const uint4 *>(gb + m * dald + c);
+      uint4 dGate, dUp;
+      const auto *g2 = reinterpret_cast<const __nv_bfloat162 *>(&gv);
+      const auto *u2 = reinterpret_cast<const __nv_bfloat162 *>(&uv);
+      const auto *a2 = reinterpret_cast<const __nv_bfloat162 *>(&av);
+      auto *dg2 = reinterpret_cast<__nv_bfloat162 *>(&dGate);
+      auto *du2 = reinterpret_cast<__nv_bfloat162 *>(&dUp);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 gate = __bfloat1622float2(g2[k]), up = __bfloat1622float2(u2[k]),
+                     grad = __bfloat1622float2(a2[k]);
+        const float sx = sigmoidf(gate.x), sy = sigmoidf(gate.y);
+        dg2[k] = __floats2bfloat162_rn(grad.x * up.x * (sx * (1.0f + gate.x * (1.0f - sx))),
+                                       grad.y * up.y * (sy * (1.0f + gate.y * (1.0f - sy))));
+        du2[k] = __floats2bfloat162_rn(grad.x * (gate.x * sx), grad.y * (gate.y * sy));
+      }
+      *reinterpret_cast<uint4 *>(db + m * dyld + c) = dGate;
+      *reinterpret_cast<uint4 *>(db + m * dyld + I + c) = dUp;
+    }
+    return;
+  }
   for (int64_t e = threadIdx.x; e < rows * cols; e += kThreads) {
     const int64_t m = r0 + e / cols, c = p0 + e % cols;
     const float gate = loadElt(y, m * yld + c, yt), up = loadElt(y, m * yld + I + c, yt);
@@ -412,13 +477,51 @@ __global__ void __launch_bounds__(kThreads)
 // Row kernels
 //===----------------------------------------------------------------------===//
 
+/// Eight bf16 of a 16-byte vector as floats, and back.
+__device__ __forceinline__ void unpack8(const uint4 &v, float (&f)[8]) {
+  const auto *h = reinterpret_cast<const __nv_bfloat162 *>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 x = __bfloat1622float2(h[k]);
+    f[2 * k] = x.x;
+    f[2 * k + 1] = x.y;
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  uint4 v;
+  auto *h = reinterpret_cast<__nv_bfloat162 *>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    h[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+  return v;
+}
+
+/// Row kernels read bf16 rows 8 at a time where the types, the widths, the
+/// strides and the pointers allow (`vector`), else one element at a time.
 __global__ void gatherKernel(const void *src, uint32_t srcType, const int64_t *order,
                              int64_t topK, const float *weights, void *dst, uint32_t dstType,
-                             int64_t dstLd, int64_t rows, int64_t cols) {
+                             int64_t dstLd, int64_t rows, int64_t cols, bool vector) {
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const int64_t id = order[i];
     const float w = weights ? weights[id] : 1.0f;
     const int64_t from = (id / topK) * cols;
+    if (vector) {
+      const auto *in = reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(src) + from);
+      auto *to = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(dst) + i * dstLd);
+      for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+        uint4 v = in[c];
+        if (weights) {
+          float f[8];
+          unpack8(v, f);
+#pragma unroll
+          for (int k = 0; k < 8; ++k)
+            f[k] *= w;
+          v = pack8(f);
+        }
+        to[c] = v;
+      }
+      continue;
+    }
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
       const float v = loadElt(src, from + c, srcType);
       storeElt(dst, i * dstLd + c, dstType, weights ? v * w : v);
@@ -428,8 +531,26 @@ __global__ void gatherKernel(const void *src, uint32_t srcType, const int64_t *o
 
 __global__ void combineKernel(const void *z, uint32_t zType, int64_t zLd, const int64_t *position,
                               const float *weights, int64_t topK, void *out, uint32_t outType,
-                              int64_t tokens, int64_t cols) {
-  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x)
+                              int64_t tokens, int64_t cols, bool vector) {
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    if (vector) {
+      for (int64_t c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+        float sum[8] = {};
+        for (int64_t k = 0; k < topK; ++k) {
+          const int64_t id = t * topK + k;
+          const float w = weights ? weights[id] : 1.0f;
+          float f[8];
+          unpack8(reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(z) +
+                                                  position[id] * zLd)[c],
+                  f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e)
+            sum[e] += w * f[e];
+        }
+        reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + t * cols)[c] = pack8(sum);
+      }
+      continue;
+    }
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
       float sum = 0.0f;
       for (int64_t k = 0; k < topK; ++k) {
@@ -439,28 +560,48 @@ __global__ void combineKernel(const void *z, uint32_t zType, int64_t zLd, const 
       }
       storeElt(out, t * cols + c, outType, sum);
     }
+  }
 }
 
+/// One warp a (token, k): lanes sum strided columns (8 at a time where
+/// `vector`), then a fixed shuffle tree.
 __global__ void weightGradKernel(const void *dy, uint32_t dyType, const void *z, uint32_t zType,
                                  int64_t zLd, const int64_t *position, int64_t topK,
-                                 int64_t tokens, int64_t cols, float *out) {
-  __shared__ float partial[kThreads];
-  for (int64_t id = blockIdx.x; id < tokens * topK; id += gridDim.x) {
+                                 int64_t tokens, int64_t cols, float *out, bool vector) {
+  const int lane = threadIdx.x % 32, warps = kThreads / 32;
+  for (int64_t id = int64_t(blockIdx.x) * warps + threadIdx.x / 32; id < tokens * topK;
+       id += int64_t(gridDim.x) * warps) {
     const int64_t t = id / topK, row = position[id];
     float dot = 0.0f;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-      dot += loadElt(dy, t * cols + c, dyType) * loadElt(z, row * zLd + c, zType);
-    partial[threadIdx.x] = dot;
-    __syncthreads();
-    for (int half = kThreads / 2; half > 0; half /= 2) {
-      if (int(threadIdx.x) < half)
-        partial[threadIdx.x] += partial[threadIdx.x + half];
-      __syncthreads();
+    if (vector) {
+      const auto *a = reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(dy) + t * cols);
+      const auto *b = reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(z) + row * zLd);
+      for (int64_t c = lane; c < cols / 8; c += 32) {
+        float x[8], y[8];
+        unpack8(a[c], x);
+        unpack8(b[c], y);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          dot += x[e] * y[e];
+      }
+    } else {
+      for (int64_t c = lane; c < cols; c += 32)
+        dot += loadElt(dy, t * cols + c, dyType) * loadElt(z, row * zLd + c, zType);
     }
-    if (threadIdx.x == 0)
-      out[id] = partial[0];
-    __syncthreads();
+#pragma unroll
+    for (int half = 16; half > 0; half /= 2)
+      dot += __shfl_xor_sync(0xffffffffu, dot, half);
+    if (lane == 0)
+      out[id] = dot;
   }
+}
+
+/// Whether rows of bf16 at `p` and `q` (row strides in elements) can be
+/// moved 8 at a time.
+bool rowVectors(const void *p, uint32_t pType, int64_t pLd, const void *q, uint32_t qType,
+                int64_t qLd, int64_t cols) {
+  return pType == kBF16 && qType == kBF16 && cols % 8 == 0 && pLd % 8 == 0 && qLd % 8 == 0 &&
+         (reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(q)) % 16 == 0;
 }
 
 unsigned gridFor(int64_t items) {
@@ -630,8 +771,9 @@ Error gatherRows(const void *src, uint32_t srcType, const int64_t *order, int64_
                  int64_t cols) {
   if (rows <= 0 || cols <= 0)
     return {};
+  const bool vector = rowVectors(src, srcType, cols, dst, dstType, dstLd, cols);
   gatherKernel<<<gridFor(rows), kThreads>>>(src, srcType, order, topK, weights, dst, dstType,
-                                            dstLd, rows, cols);
+                                            dstLd, rows, cols, vector);
   MOEC_CUDA("the gather kernel", cudaGetLastError());
   return {};
 }
@@ -641,8 +783,9 @@ Error combineRows(const void *z, uint32_t zType, int64_t zLd, const int64_t *pos
                   int64_t cols) {
   if (tokens <= 0 || cols <= 0)
     return {};
+  const bool vector = rowVectors(z, zType, zLd, out, outType, cols, cols);
   combineKernel<<<gridFor(tokens), kThreads>>>(z, zType, zLd, position, weights, topK, out,
-                                               outType, tokens, cols);
+                                               outType, tokens, cols, vector);
   MOEC_CUDA("the combine kernel", cudaGetLastError());
   return {};
 }
@@ -652,8 +795,10 @@ Error combineWeightGrad(const void *dy, uint32_t dyType, const void *z, uint32_t
                         int64_t cols, float *out) {
   if (tokens <= 0)
     return {};
-  weightGradKernel<<<gridFor(tokens * topK), kThreads>>>(dy, dyType, z, zType, zLd, position,
-                                                         topK, tokens, cols, out);
+  const bool vector = rowVectors(dy, dyType, cols, z, zType, zLd, cols);
+  const int64_t warps = kThreads / 32;
+  weightGradKernel<<<gridFor((tokens * topK + warps - 1) / warps), kThreads>>>(
+      dy, dyType, z, zType, zLd, position, topK, tokens, cols, out, vector);
   MOEC_CUDA("the top-k weight gradient kernel", cudaGetLastError());
   return {};
 }

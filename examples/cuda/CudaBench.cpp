@@ -97,8 +97,7 @@ int gmm(const std::vector<std::string> &products, int64_t tileN) {
   int failed = 0;
   for (const std::string &text : products) {
     cuda::device::GemmBenchCase c;
-    if (!parseProduct(text, &c))
-      return fail(Status::error("'" + text + "' is no product: give [G*]MxNxK[:ab], a and b n or t"));
+    parseProduct(text, &c); // checked in main
     c.tileN = tileN;
     cuda::device::GemmBenchResult r;
     if (const cuda::device::Error e = cuda::device::benchGemm(c, &r); !e.empty())
@@ -205,7 +204,7 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
   std::printf("layer: R %lld, L %lld, S %lld, K %lld, H %lld, I %lld, %s, hot share %.2f\n",
               (long long)R, (long long)L, (long long)S, (long long)K, (long long)H, (long long)I,
               dtypeName(act), hotShare);
-  std::vector<double> steps, kernels;
+  std::vector<double> steps, kernels, before, after;
   for (int i = 0; i < repeat + 1; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     if (Status s = context->forward(); !s)
@@ -216,15 +215,23 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
     if (i == 0)
       continue; // warm-up: workspace, first launches
     steps.push_back(step);
-    kernels.push_back(context->forwardTimes().tasks + context->backwardTimes().tasks);
+    const rt::PassTimes &f = context->forwardTimes(), &b = context->backwardTimes();
+    kernels.push_back(f.tasks + b.tasks);
+    before.push_back(f.prepare + b.prepare);
+    after.push_back(f.finish + b.finish);
   }
-  std::sort(steps.begin(), steps.end());
-  std::sort(kernels.begin(), kernels.end());
-  const double step = steps[steps.size() / 2], kernel = kernels[kernels.size() / 2];
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double step = median(steps), kernel = median(kernels);
   const double flops = 3.0 * 2 * double(R) * S * K * (H * 2.0 * I + double(I) * H);
   std::printf("moec cuda step (fwd+bwd): median %.3f ms over %d (%.1f TFLOP/s); the task "
               "programs' part %.3f ms\n",
               step * 1e3, repeat, flops / step / 1e12, kernel * 1e3);
+  std::printf("  around them: %.3f ms before (checks, routing layout, gathering the rows to send), "
+              "%.3f ms after (combine, top-k weight gradient)\n",
+              median(before) * 1e3, median(after) * 1e3);
 
   if (sample > 0) {
     data.y.assign(size_t(R * S * H), 0);
@@ -281,6 +288,10 @@ int main(int argc, char **argv) {
       return fail(Status::error("--tile-n takes a positive column count"));
     if (products.empty())
       products = {kDefaultProducts, kDefaultProducts + sizeof(kDefaultProducts) / sizeof(char *)};
+    for (const std::string &text : products)
+      if (cuda::device::GemmBenchCase c; !parseProduct(text, &c))
+        return fail(Status::error("'" + text +
+                                  "' is no product: give [G*]MxNxK[:ab], a and b n or t"));
     std::string gpu;
     if (Status s = cuda::describeDevice(&gpu); !s)
       return fail(s);

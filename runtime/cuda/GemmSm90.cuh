@@ -134,6 +134,10 @@ template <int kPending> __device__ __forceinline__ void wgWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
+/// D += A B over k 16, m 64, n 64 / 128 / 256: A and B by descriptor, D in
+/// the warpgroup's registers (N / 2 a thread). One function a shape: the
+/// asm statement names every accumulator register, so the three differ
+/// only in that count; kTA / kTB are the transpose bits (MN-major).
 template <int kTA, int kTB>
 __device__ __forceinline__ void wgmma64(float (&d)[32], uint64_t a, uint64_t b) {
   asm volatile("{\n"

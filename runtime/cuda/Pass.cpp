@@ -318,8 +318,25 @@ Status Pass::writeOut(void *out, size_t bytes, Buffer *staging,
   return check(device::copy(out, staging->memory, bytes));
 }
 
+namespace {
+
+/// MOEC_CUDA_PROFILE=1: the passes print where their time went.
+bool profiling() {
+  const char *profile = envValue("MOEC_CUDA_PROFILE");
+  return profile && *profile == '1';
+}
+
+double msSince(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+} // namespace
+
 Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
   const rt::LayerPlan &plan = *layer;
+  const Clock::time_point began = Clock::now();
+  double filled = 0;
+  size_t uploaded = 0;
   for (uint32_t slot : plan.layoutSlots())
     for (uint32_t r = 0; r < program->epRanks; ++r)
       layoutHost[r][slot].assign(slotSize(program->slots[slot]), 0);
@@ -327,14 +344,18 @@ Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
                              [&](uint32_t rank, uint32_t slot) -> void * {
                                return layoutHost[rank][slot].data();
                              });
+  filled = msSince(began);
   for (uint32_t r = 0; r < program->epRanks; ++r) {
-    for (uint32_t slot = 0; slot < program->slots.size(); ++slot)
-      if (!layoutHost[r][slot].empty())
-        if (Status s = check(device::copy(data[r][slot], layoutHost[r][slot].data(),
-                                          layoutHost[r][slot].size()),
-                             "the layout tensors");
-            !s)
-          return s;
+    for (uint32_t slot = 0; slot < program->slots.size(); ++slot) {
+      if (layoutHost[r][slot].empty())
+        continue;
+      uploaded += layoutHost[r][slot].size();
+      if (Status s = check(device::copy(data[r][slot], layoutHost[r][slot].data(),
+                                        layoutHost[r][slot].size()),
+                           "the layout tensors");
+          !s)
+        return s;
+    }
     const rt::RoutingLayout &layout = routes[r].layout;
     const size_t ids = layout.order.size() * sizeof(int64_t);
     if (Status s = grow(&order[r], ids); !s)
@@ -351,7 +372,14 @@ Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
                                       routes[r].weights.size() * sizeof(float)));
         !s)
       return s;
+    uploaded += 2 * ids + routes[r].weights.size() * sizeof(float);
   }
+  if (profiling())
+    std::fprintf(stderr,
+                 "moec cuda: %s pass: routing layout filled on the host in %.3f ms, %.1f MB "
+                 "of it uploaded in %.3f ms\n",
+                 program->isBackward() ? "backward" : "forward", filled, uploaded / 1e6,
+                 msSince(began) - filled);
   return Status::success();
 }
 
@@ -411,7 +439,7 @@ Status Pass::runTasks() {
   device::RunResult result;
   if (Status s = check(device::run(device->program, options.timeoutSeconds, &result)); !s)
     return s;
-  if (const char *profile = envValue("MOEC_CUDA_PROFILE"); profile && *profile == '1') {
+  if (profiling()) {
     // Where the blocks' time went: each op's tasks, and finding no ready queue.
     std::string text = fmt::format("moec cuda: {} pass: kernel {:.3f} ms on {} blocks; "
                                    "block-ms per op:",

@@ -4,7 +4,8 @@
 #   examples/cuda/bench.sh [CUDA_BENCH [BINARIES]]
 #
 # 1. GMM tiles: the persistent kernel's tile function on bf16 products
-#    (cuda_bench gmm) and cuBLAS on the same products (torch.matmul).
+#    (cuda_bench gmm: square anchors and qwen3-30b-a3b's grouped products,
+#    each checked) and cuBLAS on the same products (torch.matmul, torch.bmm).
 # 2. The qwen3-30b-a3b layer, forward + backward, EP 8 on the one GPU, with
 #    S = 1024 and 4096 tokens per rank: moec (cuda_bench layer, tensors in
 #    device memory, a sampled check against the reference) and PyTorch eager

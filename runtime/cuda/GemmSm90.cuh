@@ -15,9 +15,13 @@
 // copy is a contiguous 16-byte vector and zero-filled outside the tile.
 // Each thread's vectors keep one swizzle phase, so its addresses are set
 // once a block (WgCopy) and a step adds one stride.
-// kWgStages stages, kWgStages - 2 copies ahead: the stage a step fills was
-// read by the wgmma two steps back, which each warpgroup has waited for
-// (wgmma.wait_group 1) before the barrier that opens the step.
+// WgShape::kStages stages (4 at 256 wide, 6 narrower), kStages - 2 copies
+// ahead: the stage a step fills was read by the wgmma two steps back, which
+// each warpgroup has waited for (wgmma.wait_group 1) before the barrier
+// that opens the step.
+//
+// Everything here is inlined into its kernel: a function call anywhere in
+// a kernel that issues wgmma makes ptxas serialize all of them (C7510).
 //
 // The sums run in a fixed order (k ascending), so a run's bits do not
 // change from pass to pass.

@@ -58,10 +58,15 @@ def parse_product(text):
     shape, _, layout = text.partition(":")
     layout = layout or "nn"
     groups, _, mnk = shape.rpartition("*")
-    m, n, k = (int(v) for v in mnk.split("x"))
-    if len(layout) != 2 or set(layout) - {"n", "t"}:
-        raise SystemExit(f"bench_torch.py: '{text}' is no product: give [G*]MxNxK[:ab]")
-    return int(groups or 1), m, n, k, layout[0] == "t", layout[1] == "t"
+    try:
+        g = int(groups or 1)
+        m, n, k = (int(v) for v in mnk.split("x"))
+    except ValueError:
+        g = m = n = k = 0
+    if min(g, m, n, k) < 1 or len(layout) != 2 or set(layout) - {"n", "t"}:
+        raise SystemExit(f"bench_torch.py: '{text}' is no product: give [G*]MxNxK[:ab], "
+                         "a and b n or t")
+    return g, m, n, k, layout[0] == "t", layout[1] == "t"
 
 
 def timed_events(fn, repeat):

@@ -103,9 +103,10 @@ __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(
 
 /// Whether rows of bf16 can be read 8 at a time: both pointers 16-byte
 /// aligned, every column offset, width and stride (or-ed into `offsets`) a
-/// multiple of 8, and the element count within an int.
-__device__ __forceinline__ bool bf16Vectors(const void *p, const void *q, int64_t offsets,
-                                            int64_t elements) {
+/// multiple of 8, and the element count within an int. The persistent
+/// kernel's element tasks and the row kernels' launches both ask.
+__host__ __device__ __forceinline__ bool bf16Vectors(const void *p, const void *q,
+                                                     int64_t offsets, int64_t elements) {
   return (reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(q)) % 16 == 0 &&
          offsets % 8 == 0 && elements / 8 < int64_t(INT32_MAX);
 }
@@ -597,11 +598,10 @@ __global__ void weightGradKernel(const void *dy, uint32_t dyType, const void *z,
 }
 
 /// Whether rows of bf16 at `p` and `q` (row strides in elements) can be
-/// moved 8 at a time.
+/// moved 8 at a time by the row kernels.
 bool rowVectors(const void *p, uint32_t pType, int64_t pLd, const void *q, uint32_t qType,
                 int64_t qLd, int64_t cols) {
-  return pType == kBF16 && qType == kBF16 && cols % 8 == 0 && pLd % 8 == 0 && qLd % 8 == 0 &&
-         (reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(q)) % 16 == 0;
+  return pType == kBF16 && qType == kBF16 && bf16Vectors(p, q, cols | pLd | qLd, 0);
 }
 
 unsigned gridFor(int64_t items) {

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# cuda_bench's arguments, checked where there is no GPU too: a product that
+# is no [G*]MxNxK[:ab] is refused by name before any GPU is looked for, and
+# --tile-n takes a positive count.
+set -uo pipefail
+bench="$1"
+fails=0
+expect() { # expect WANT-IN-STDERR ARGS...
+  local want="$1"
+  shift
+  local err rc
+  err="$("$bench" "$@" 2>&1 >/dev/null)"
+  rc=$?
+  if [ $rc -ne 1 ] || [[ "$err" != *"$want"* ]]; then
+    echo "FAIL: cuda_bench $* -> exit $rc, '$err' (wanted exit 1 and '$want')"
+    fails=$((fails + 1))
+  fi
+}
+for bad in 12x3 8x8x8:tq 0*8x8x8 8x0x8 2*8x8 x8x8x8 8x8x8:n; do
+  expect "'$bad' is no product: give [G*]MxNxK[:ab], a and b n or t" gmm 4x4x4 "$bad"
+done
+expect "--tile-n takes a positive column count" gmm --tile-n 0 8x8x8
+"$bench" --help >/dev/null 2>&1 || { echo "FAIL: cuda_bench --help exits non-zero"; fails=$((fails + 1)); }
+[ $fails -eq 0 ] && echo "cuda_bench arguments: all checks passed"
+exit $((fails > 0))

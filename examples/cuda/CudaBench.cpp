@@ -204,7 +204,7 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
   std::printf("layer: R %lld, L %lld, S %lld, K %lld, H %lld, I %lld, %s, hot share %.2f\n",
               (long long)R, (long long)L, (long long)S, (long long)K, (long long)H, (long long)I,
               dtypeName(act), hotShare);
-  std::vector<double> steps, kernels, before, after;
+  std::vector<double> steps, kernels, before, checks, after;
   for (int i = 0; i < repeat + 1; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     if (Status s = context->forward(); !s)
@@ -218,6 +218,7 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
     const rt::PassTimes &f = context->forwardTimes(), &b = context->backwardTimes();
     kernels.push_back(f.tasks + b.tasks);
     before.push_back(f.prepare + b.prepare);
+    checks.push_back(f.checks + b.checks);
     after.push_back(f.finish + b.finish);
   }
   const auto median = [](std::vector<double> v) {
@@ -229,9 +230,10 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
   std::printf("moec cuda step (fwd+bwd): median %.3f ms over %d (%.1f TFLOP/s); the task "
               "programs' part %.3f ms\n",
               step * 1e3, repeat, flops / step / 1e12, kernel * 1e3);
-  std::printf("  around them: %.3f ms before (checks, routing layout, gathering the rows to send), "
-              "%.3f ms after (combine, top-k weight gradient)\n",
-              median(before) * 1e3, median(after) * 1e3);
+  std::printf("  around them: %.3f ms before (of it %.3f ms the checks, routing layout and "
+              "agreement; then the layout's upload and the gather of the rows to send), %.3f ms "
+              "after (combine, top-k weight gradient)\n",
+              median(before) * 1e3, median(checks) * 1e3, median(after) * 1e3);
 
   if (sample > 0) {
     data.y.assign(size_t(R * S * H), 0);

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <system_error>
 #include <thread>
 
 namespace moec::rt::detail {
@@ -28,17 +29,19 @@ struct RankReport {
   char message[480] = {};
 };
 
-/// FNV-1a over the sorted order and the top-k weights of a routing: equal
-/// for ranks given the same topk_ids and topk_weights.
+/// FNV-1a, a 64-bit word at a time, over the sorted order and the top-k
+/// weights of a routing: equal for ranks given the same topk_ids and
+/// topk_weights.
 uint64_t routingFingerprint(const backend::RankRoute &route) {
   uint64_t h = 1469598103934665603ull;
-  const auto mix = [&](const void *data, size_t bytes) {
-    const auto *p = static_cast<const unsigned char *>(data);
-    for (size_t i = 0; i < bytes; ++i)
-      h = (h ^ p[i]) * 1099511628211ull;
-  };
-  mix(route.layout.order.data(), route.layout.order.size() * sizeof(int64_t));
-  mix(route.weights.data(), route.weights.size() * sizeof(float));
+  for (int64_t row : route.layout.order)
+    h = (h ^ uint64_t(row)) * 1099511628211ull;
+  const std::vector<float> &w = route.weights;
+  for (size_t i = 0; i < w.size(); i += 2) {
+    uint64_t word = 0;
+    std::memcpy(&word, w.data() + i, std::min<size_t>(2, w.size() - i) * sizeof(float));
+    h = (h ^ word) * 1099511628211ull;
+  }
   return h;
 }
 static_assert(sizeof(RankReport) == 512, "RankReport layout");
@@ -164,8 +167,8 @@ Status Group::checkRoute(uint32_t r, backend::RankRoute *out) const {
   const Tensor &idsT = ids[r];
   if (idsT.ndim != 2)
     return Status::error(fmt::format("rank {}: no routing set (setRouting)", r));
+  // *out's vectors keep their storage from the pass before (route()).
   backend::RankRoute &route = *out;
-  route = backend::RankRoute();
   route.tokens = idsT.dims[0];
   route.topK = idsT.dims[1];
   if (route.tokens * route.topK > s.rowCapacity)
@@ -187,6 +190,37 @@ Status Group::checkRoute(uint32_t r, backend::RankRoute *out) const {
   return Status::success();
 }
 
+void Group::forEachLocalRank(const std::function<void(uint32_t)> &work) const {
+  const uint32_t first = firstLocal(), count = lastLocal() - first;
+  int64_t rows = 0;
+  for (uint32_t r = first; r < first + count; ++r)
+    if (ids[r].ndim == 2)
+      rows += ids[r].dims[0] * ids[r].dims[1];
+  // Below this a thread's start costs more than the routing it lays out.
+  constexpr int64_t kRowsForThreads = 65536;
+  const uint32_t threads = rows < kRowsForThreads
+                               ? 1
+                               : std::min(count, std::max(1u, std::thread::hardware_concurrency()));
+  const auto share = [&](uint32_t t) {
+    for (uint32_t i = t; i < count; i += threads)
+      work(first + i);
+  };
+  std::vector<std::thread> started;
+  uint32_t t = 1;
+  for (; t < threads; ++t) {
+    try {
+      started.emplace_back(share, t);
+    } catch (const std::system_error &) {
+      break; // no thread to be had: the rest run here
+    }
+  }
+  share(0);
+  for (std::thread &thread : started)
+    thread.join();
+  for (; t < threads; ++t)
+    share(t);
+}
+
 /// Tells every rank what the local checks found (`local`, one per local
 /// rank) and, in `routes` (all ranks; the local ones filled), the routing
 /// sizes and per-expert counts of every rank. Returns the error of the first
@@ -202,7 +236,8 @@ Status Group::agree(const std::vector<Status> &local,
     if (routes) {
       report.tokens = (*routes)[r].tokens;
       report.topK = (*routes)[r].topK;
-      if (local[i])
+      // Only the TP ranks of an EP rank compare their routings.
+      if (local[i] && shape().tp > 1)
         report.routing = routingFingerprint((*routes)[r]);
     }
     if (!local[i]) {

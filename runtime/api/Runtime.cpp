@@ -460,6 +460,7 @@ Status Context::Impl::forward() {
   // Every check passes on every rank before state and outputs change.
   if (Status st = route(&routes, bindings); !st)
     return st;
+  fwdTimes.checks = secondsSince(t0);
   haveForward = false;
   backend::Pass &pass = *fwd;
   if (Status st = pass.allocate(); !st)
@@ -561,6 +562,7 @@ Status Context::Impl::backward() {
   }
   if (Status st = agree(local, nullptr); !st)
     return st;
+  bwdTimes.checks = secondsSince(t0);
 
   backend::Pass &pass = *bwd;
   pass.borrowFrom(*fwd);

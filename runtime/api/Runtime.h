@@ -226,6 +226,7 @@ enum class TracedPass { Last, Forward, Backward };
 /// Wall times of the last pass, in seconds.
 struct PassTimes {
   double prepare = 0; ///< checks, routing layout, gathering rows to send
+  double checks = 0;  ///< of prepare: the checks, the routing's layout and the ranks' agreement
   double tasks = 0;   ///< the task program on all ranks
   double finish = 0;  ///< combine-reduce (and dtopk_weights)
   /// Bytes of rows the pass's puts moved between different ranks, over the

@@ -44,6 +44,13 @@ Error allocate(size_t bytes, void **out);
 void release(void *memory);
 /// A copy in any direction (unified addressing tells which).
 Error copy(void *dst, const void *src, size_t bytes);
+/// A copy of pageable host memory `src` to device memory `dst`, queued
+/// behind the work already launched (the kernels after it see it) without
+/// waiting for that work: the driver copies `src` to a staging buffer
+/// before it returns, so `src` may change as soon as this returns (CUDA's
+/// "API synchronization behavior" for cudaMemcpyAsync from pageable memory).
+/// Not for pinned (page-locked) memory, which the copy reads later.
+Error upload(void *dst, const void *src, size_t bytes);
 /// Whether `memory` is device memory (else host memory).
 bool isDevice(const void *memory);
 

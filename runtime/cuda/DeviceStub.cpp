@@ -20,6 +20,7 @@ Error probe(Info *) { return kMissing; }
 Error allocate(size_t, void **) { return kMissing; }
 void release(void *) {}
 Error copy(void *, const void *, size_t) { return kMissing; }
+Error upload(void *, const void *, size_t) { return kMissing; }
 bool isDevice(const void *) { return false; }
 Error run(const Program &, double, RunResult *) { return kMissing; }
 Error gatherRows(const void *, uint32_t, const int64_t *, int64_t, const float *, void *, uint32_t,

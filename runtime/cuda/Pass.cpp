@@ -19,6 +19,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
+#include <utility>
 
 namespace moec::cuda {
 
@@ -68,7 +70,7 @@ Pass::~Pass() {
   for (auto &rank : staged)
     for (Staged &s : rank)
       device::release(s.device.memory);
-  for (auto *list : {&order, &position, &weights, &rows, &results})
+  for (auto *list : {&ownRouting.order, &ownRouting.position, &ownRouting.weights, &rows, &results})
     for (Buffer &b : *list)
       device::release(b.memory);
   if (device) {
@@ -123,7 +125,8 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     rank.resize(S);
   pass->isOutput.assign(S, false);
   pass->layoutHost.assign(R, std::vector<std::vector<uint8_t>>(S));
-  for (auto *list : {&pass->order, &pass->position, &pass->weights, &pass->rows, &pass->results})
+  for (auto *list : {&pass->ownRouting.order, &pass->ownRouting.position, &pass->ownRouting.weights,
+                     &pass->rows, &pass->results})
     list->resize(R);
 
   // The records the kernel reads.
@@ -332,6 +335,13 @@ double msSince(Clock::time_point t) {
 
 } // namespace
 
+void Pass::borrowFrom(const backend::Pass &forward) {
+  // A backward pass runs on the routing of its forward pass's last
+  // fillLayout (the runtime routes only in forward passes).
+  if (forward.kind() == backend::Kind::Cuda)
+    routing = &static_cast<const Pass &>(forward).ownRouting;
+}
+
 Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
   const rt::LayerPlan &plan = *layer;
   const Clock::time_point began = Clock::now();
@@ -350,29 +360,29 @@ Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
       if (layoutHost[r][slot].empty())
         continue;
       uploaded += layoutHost[r][slot].size();
-      if (Status s = check(device::copy(data[r][slot], layoutHost[r][slot].data(),
-                                        layoutHost[r][slot].size()),
-                           "the layout tensors");
+      if (Status s = check(
+              device::upload(data[r][slot], layoutHost[r][slot].data(), layoutHost[r][slot].size()),
+              "the layout tensors");
           !s)
         return s;
     }
+    if (routing != &ownRouting)
+      continue; // the forward pass's, of the same routing
     const rt::RoutingLayout &layout = routes[r].layout;
     const size_t ids = layout.order.size() * sizeof(int64_t);
-    if (Status s = grow(&order[r], ids); !s)
-      return s;
-    if (Status s = grow(&position[r], ids); !s)
-      return s;
-    if (Status s = grow(&weights[r], routes[r].weights.size() * sizeof(float)); !s)
-      return s;
-    if (Status s = check(device::copy(order[r].memory, layout.order.data(), ids)); !s)
-      return s;
-    if (Status s = check(device::copy(position[r].memory, layout.position.data(), ids)); !s)
-      return s;
-    if (Status s = check(device::copy(weights[r].memory, routes[r].weights.data(),
-                                      routes[r].weights.size() * sizeof(float)));
-        !s)
-      return s;
-    uploaded += 2 * ids + routes[r].weights.size() * sizeof(float);
+    const size_t topk = routes[r].weights.size() * sizeof(float);
+    Routing &own = ownRouting;
+    for (const auto &[buffer, bytes] :
+         {std::pair{&own.order[r], ids}, {&own.position[r], ids}, {&own.weights[r], topk}})
+      if (Status s = grow(buffer, bytes); !s)
+        return s;
+    for (const auto &[buffer, from, bytes] :
+         {std::tuple<Buffer *, const void *, size_t>{&own.order[r], layout.order.data(), ids},
+          {&own.position[r], layout.position.data(), ids},
+          {&own.weights[r], routes[r].weights.data(), topk}})
+      if (Status s = check(device::upload(buffer->memory, from, bytes)); !s)
+        return s;
+    uploaded += 2 * ids + topk;
   }
   if (profiling())
     std::fprintf(stderr,
@@ -396,9 +406,10 @@ Status Pass::gatherSendRows(const std::vector<backend::RankRoute> &routes,
         !s)
       return s;
     if (Status s = check(device::gatherRows(
-            from, uint32_t(act), static_cast<const int64_t *>(order[r].memory), route.topK,
-            weighted ? static_cast<const float *>(weights[r].memory) : nullptr, data[r][plan.src],
-            uint32_t(src.dtype), int64_t(src.dims[1]), route.tokens * route.topK, H));
+            from, uint32_t(act), static_cast<const int64_t *>(routing->order[r].memory), route.topK,
+            weighted ? static_cast<const float *>(routing->weights[r].memory) : nullptr,
+            data[r][plan.src], uint32_t(src.dtype), int64_t(src.dims[1]), route.tokens * route.topK,
+            H));
         !s)
       return s;
   }
@@ -433,7 +444,7 @@ Status Pass::runTasks() {
                                          program->name(program->slots[slot].name)));
       table.push_back(data[r][slot]);
     }
-  if (Status s = check(device::copy(device->dataTable.memory, table.data(), bytesOf(table))); !s)
+  if (Status s = check(device::upload(device->dataTable.memory, table.data(), bytesOf(table))); !s)
     return s;
 
   device::RunResult result;
@@ -489,16 +500,15 @@ Status Pass::combine(const std::vector<backend::RankRoute> &routes, const std::v
   const format::SlotRecord &returned = program->slots[plan.returned];
   for (uint32_t r = 0; r < program->epRanks; ++r) {
     const backend::RankRoute &route = routes[r];
-    if (Status s = writeOut(out[r], size_t(route.tokens * H) * dtypeSize(act), &results[r],
-                            [&](void *to) {
-                              return device::combineRows(
-                                  data[r][plan.returned], uint32_t(returned.dtype),
-                                  int64_t(returned.dims[1]),
-                                  static_cast<const int64_t *>(position[r].memory),
-                                  weighted ? static_cast<const float *>(weights[r].memory)
-                                           : nullptr,
-                                  route.topK, to, uint32_t(act), route.tokens, H);
-                            });
+    if (Status s = writeOut(
+            out[r], size_t(route.tokens * H) * dtypeSize(act), &results[r],
+            [&](void *to) {
+              return device::combineRows(
+                  data[r][plan.returned], uint32_t(returned.dtype), int64_t(returned.dims[1]),
+                  static_cast<const int64_t *>(routing->position[r].memory),
+                  weighted ? static_cast<const float *>(routing->weights[r].memory) : nullptr,
+                  route.topK, to, uint32_t(act), route.tokens, H);
+            });
         !s)
       return s;
   }
@@ -521,14 +531,13 @@ Status Pass::topkWeightGrad(const backend::Pass &forward,
     if (Status s = onDevice(dy[r], size_t(route.tokens * H) * dtypeSize(act), &rows[r], &grad);
         !s)
       return s;
-    if (Status s = writeOut(out[r], size_t(route.tokens * route.topK) * sizeof(float),
-                            &results[r],
+    if (Status s = writeOut(out[r], size_t(route.tokens * route.topK) * sizeof(float), &results[r],
                             [&](void *to) {
                               return device::combineWeightGrad(
                                   grad, uint32_t(act), forward.slot(r, saved.returned),
                                   uint32_t(returned.dtype), int64_t(returned.dims[1]),
-                                  static_cast<const int64_t *>(position[r].memory), route.topK,
-                                  route.tokens, H, static_cast<float *>(to));
+                                  static_cast<const int64_t *>(routing->position[r].memory),
+                                  route.topK, route.tokens, H, static_cast<float *>(to));
                             });
         !s)
       return s;

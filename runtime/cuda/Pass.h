@@ -51,6 +51,7 @@ public:
   const format::TaskProgram &tasks() const override { return *program; }
   const rt::LayerPlan &plan() const override { return *layer; }
   Status allocate() override;
+  void borrowFrom(const backend::Pass &forward) override;
   size_t workspaceBytes() const override { return ownedBytes; }
   uint64_t workspaceNeeded() const override;
   void *slot(uint32_t rank, uint32_t slot) const override { return data[rank][slot]; }
@@ -101,7 +102,16 @@ private:
   std::vector<std::vector<Staged>> staged;  ///< [rank][slot]
   std::vector<bool> isOutput;               ///< per slot: an op writes it
   std::vector<std::vector<std::vector<uint8_t>>> layoutHost; ///< [rank][slot] layout tensors
-  std::vector<Buffer> order, position, weights, rows, results; ///< per rank, grow-only
+  /// The routing on the GPU, per rank (grow-only): the sorted rows' order,
+  /// their positions and the top-k weights.
+  struct Routing {
+    std::vector<Buffer> order, position, weights;
+  };
+  Routing ownRouting; ///< uploaded by fillLayout
+  /// ownRouting, or a backward pass's forward pass's (borrowFrom): the same
+  /// routing, uploaded once a step.
+  const Routing *routing = &ownRouting;
+  std::vector<Buffer> rows, results; ///< per rank, grow-only
   size_t ownedBytes = 0;
   bool allocated = false;
   double taskTime = 0;

@@ -50,7 +50,9 @@ struct RoutingLayout {
 /// negative size; an id outside [0, experts), e.g. "topk_ids[3][1] = 9 is
 /// not an expert: expected 0 <= id < 8"; and an expert named twice in a
 /// token's top-k, e.g. "topk_ids: token 3 routes to expert 5 twice (top-k
-/// positions 0 and 2)". Takes O(S*K + E) time.
+/// positions 0 and 2)". Takes O(S*K + E) time; *out's vectors keep their
+/// storage, so a layout rebuilt in the same object every pass allocates
+/// nothing new once it has held as many rows.
 Status buildRoutingLayout(const int32_t *topkIds, int64_t tokens, int64_t topK, int64_t experts,
                           RoutingLayout *out);
 

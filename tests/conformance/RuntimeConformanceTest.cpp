@@ -39,6 +39,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <unistd.h>
 
 namespace {
@@ -548,6 +549,49 @@ TEST_CASE("runtime is deterministic across passes, workers and schedules", "[run
   }
   CHECK(runs[0].sameOutputs(runs[1]));
   CHECK(runs[0].sameOutputs(runs[2]));
+}
+
+TEST_CASE("a routing of 65536 rows is laid out on threads, and each new routing replaces the "
+          "last",
+          "[runtime][gpu]") {
+  // 2 ranks x 4096 tokens x top-8: the runtime lays out the ranks' routings
+  // on threads of their own (in process), into the storage of the routing
+  // before last. Three passes of one context give the same bits, and so
+  // do routings A, B, A in one context against fresh contexts.
+  Case c;
+  c.ranks = 2;
+  c.localExperts = 4;
+  c.topK = 8;
+  c.seq = 4096;
+  c.hidden = 16;
+  c.inter = 8;
+  checkAgainstReference(c, 41, 2, 3);
+  if (!runs(c.ranks))
+    return;
+  auto [fwd, bwd] = compile(c);
+  const Inputs a = makeInputs(c, 42), b = makeInputs(c, 43);
+  const auto fresh = [&, fwd = fwd, bwd = bwd](const Inputs &in) {
+    std::unique_ptr<Context> ctx;
+    REQUIRE(makeContext(fwd, bwd, ContextOptions(), &ctx).ok());
+    Run run = prepare(c, in, bwd->shape());
+    REQUIRE(bindAll(*ctx, c, run).ok());
+    REQUIRE(ctx->forward().ok());
+    REQUIRE(ctx->backward().ok());
+    return run;
+  };
+  const Run wantA = fresh(a), wantB = fresh(b);
+  CHECK_FALSE(wantA.sameOutputs(wantB));
+  std::unique_ptr<Context> ctx;
+  REQUIRE(makeContext(fwd, bwd, ContextOptions(), &ctx).ok());
+  for (const auto &[in, want, name] : {std::tuple{&a, &wantA, "A"}, std::tuple{&b, &wantB, "B"},
+                                       std::tuple{&a, &wantA, "A again"}}) {
+    INFO("routing " << name);
+    Run run = prepare(c, *in, bwd->shape());
+    REQUIRE(bindAll(*ctx, c, run).ok());
+    REQUIRE(ctx->forward().ok());
+    REQUIRE(ctx->backward().ok());
+    CHECK(run.sameOutputs(*want));
+  }
 }
 
 TEST_CASE("backward keeps slots in the forward's dead ones; a second backward gives the "

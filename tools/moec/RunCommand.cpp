@@ -385,8 +385,8 @@ std::string capacityHint(const rt::LayerShape &shape, const rt::CapacityNeed &ne
 }
 
 void printTimes(const char *pass, const rt::PassTimes &t, uint64_t repeat) {
-  std::printf("  %-8s %9.3f ms   prepare %.3f  tasks %.3f  finish %.3f%s\n", pass,
-              t.total() * 1e3, t.prepare * 1e3, t.tasks * 1e3, t.finish * 1e3,
+  std::printf("  %-8s %9.3f ms   prepare %.3f (checks %.3f)  tasks %.3f  finish %.3f%s\n", pass,
+              t.total() * 1e3, t.prepare * 1e3, t.checks * 1e3, t.tasks * 1e3, t.finish * 1e3,
               repeat > 1 ? fmt::format("   (best of {})", repeat).c_str() : "");
 }
 

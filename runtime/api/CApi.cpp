@@ -11,6 +11,7 @@
 
 #include "base/Time.h"
 #include "format/TaskBinary.h"
+#include "runtime/backend/Registry.h"
 
 #include <fmt/format.h>
 
@@ -124,11 +125,12 @@ int moec_context_create_on(const moec_program *forward, const moec_program *back
                                                   &options.timeoutSeconds);
       !s)
     return report(s);
-  if (std::string_view(backend) == "cuda")
-    options.backend = moec::backend::Kind::Cuda;
-  else if (std::string_view(backend) != "cpu")
-    return report(moec::Status::error(fmt::format(
-        "moec_context_create: no backend is named '{}'; expected cpu or cuda", backend)));
+  const moec::backend::BackendInfo *named = moec::backend::findBackend(std::string_view(backend));
+  if (!named)
+    return report(moec::Status::error(
+        fmt::format("moec_context_create: no backend is named '{}'; expected {}", backend,
+                    moec::backend::backendNames())));
+  options.backend = named->kind;
   return moec::rt::detail::createCContext(forward, backward, options, "moec_context_create", out);
 }
 

@@ -10,6 +10,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/api/Group.h"
+#include "runtime/backend/Registry.h"
 
 #include <fmt/format.h>
 
@@ -117,9 +118,9 @@ Status Exchange::create(std::shared_ptr<const Program> dispatch,
     return Status::error("an exchange needs a dispatch and a combine program");
   if (Status s = checkExchangeMatch(dispatch->impl().plan, combine->impl().plan); !s)
     return s.withPrefix(fmt::format("{} and {}: ", dispatch->source(), combine->source()));
-  if (options.backend != backend::Kind::Cpu)
-    return Status::error(fmt::format("an exchange runs on the cpu backend only, not on {}",
-                                     backend::kindName(options.backend)));
+  if (Status s = backend::requireFeature(options.backend, backend::Feature::Exchange); !s)
+    return Status::error(
+        fmt::format("{}, not on {}", s.message(), backend::kindName(options.backend)));
   auto impl = std::make_unique<Impl>();
   if (Status s = impl->initialize(dispatch->shape(), options, dispatch->source()); !s)
     return s;

@@ -6,6 +6,8 @@
 
 #include "runtime/api/Group.h"
 
+#include "runtime/backend/Registry.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -66,8 +68,16 @@ Status Group::initialize(const LayerShape &shape, const ContextOptions &opts,
   options = opts;
   layer = shape;
   workerCount = opts.workers ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
-  backend = opts.backend == backend::Kind::Cuda ? backend::createCudaBackend()
-                                                 : backend::createCpuBackend(workerCount);
+  const backend::BackendInfo *made = backend::findBackend(opts.backend);
+  if (!made)
+    return Status::error(fmt::format("{}: this build has no {} backend (it has {})", source,
+                                     backend::kindName(opts.backend), backend::backendNames()));
+  if (opts.packWeights)
+    if (Status s = backend::requireFeature(opts.backend, backend::Feature::PackedWeights); !s)
+      return s.withPrefix(source + ": ");
+  backend::BackendOptions backendOptions;
+  backendOptions.workers = workerCount;
+  backend = made->create(backendOptions);
   const uint32_t R = shape.ranks;
   fabric = opts.fabric ? opts.fabric : comm::inProcessFabric(R);
   if (fabric->ranks() != R)

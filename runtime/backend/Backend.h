@@ -3,8 +3,9 @@
 // A context (or an exchange) of the runtime API holds one Backend: it makes
 // the context's passes (Pass.h) and owns what they share, e.g. the CPU
 // backend's per-worker scratch. The runtime API reaches every backend
-// through this header and Pass.h alone; each backend's folder implements
-// its create function (runtime/cpu/Backend.cpp, runtime/cuda/Backend.cpp).
+// through this header, Pass.h and Registry.h alone; each backend's folder
+// implements its Backend and registers it (runtime/cpu/Backend.cpp,
+// runtime/cuda/Backend.cpp).
 //
 //===----------------------------------------------------------------------===//
 
@@ -41,12 +42,6 @@ public:
   /// worker's packing buffers, process-wide).
   virtual size_t scratchBytes() const { return 0; }
 };
-
-/// The CPU backend (runtime/cpu): passes on `workers` worker threads.
-std::unique_ptr<Backend> createCpuBackend(uint32_t workers);
-
-/// The CUDA backend (runtime/cuda): every rank on one NVIDIA GPU.
-std::unique_ptr<Backend> createCudaBackend();
 
 } // namespace moec::backend
 

@@ -1,6 +1,6 @@
 //===- Backend.cpp - The CPU backend behind the seam ----------------------===//
 
-#include "runtime/backend/Backend.h"
+#include "runtime/backend/Registry.h"
 #include "runtime/cpu/Pass.h"
 
 #include <vector>
@@ -36,8 +36,12 @@ private:
 
 namespace moec::backend {
 
-std::unique_ptr<Backend> createCpuBackend(uint32_t workers) {
-  return std::make_unique<cpu::CpuBackend>(workers);
-}
+MOEC_REGISTER_BACKEND(cpu, BackendInfo{Kind::Cpu,
+                                       kindName(Kind::Cpu),
+                                       "worker threads on this machine's cores",
+                                       {},
+                                       [](const BackendOptions &options) {
+                                         return std::make_unique<cpu::CpuBackend>(options.workers);
+                                       }});
 
 } // namespace moec::backend

@@ -1,6 +1,6 @@
 //===- Backend.cpp - The CUDA backend behind the seam ---------------------===//
 
-#include "runtime/backend/Backend.h"
+#include "runtime/backend/Registry.h"
 #include "runtime/cuda/Pass.h"
 
 namespace moec::cuda {
@@ -15,7 +15,7 @@ public:
                     const backend::PassOptions &options,
                     std::unique_ptr<backend::Pass> *out) override {
     if (options.opByOp)
-      return Status::error("the op-by-op schedule runs on the cpu backend only");
+      return backend::requireFeature(backend::Kind::Cuda, backend::Feature::OpByOp);
     std::unique_ptr<Pass> made;
     Status s = Pass::create(program, plan, options, &made);
     *out = std::move(made);
@@ -28,6 +28,13 @@ public:
 
 namespace moec::backend {
 
-std::unique_ptr<Backend> createCudaBackend() { return std::make_unique<cuda::CudaBackend>(); }
+MOEC_REGISTER_BACKEND(
+    cuda,
+    BackendInfo{Kind::Cuda,
+                kindName(Kind::Cuda),
+                "every rank on one NVIDIA GPU, the task program as one persistent kernel",
+                {Feature::MultiProcess, Feature::OpByOp, Feature::TaskTrace, Feature::PackedWeights,
+                 Feature::Exchange, Feature::SlotItems},
+                [](const BackendOptions &) { return std::make_unique<cuda::CudaBackend>(); }});
 
 } // namespace moec::backend

@@ -18,11 +18,12 @@
 //
 //===----------------------------------------------------------------------===//
 
+#include "runtime/api/Runtime.h"
+#include "runtime/backend/Registry.h"
 #include "runtime/cpu/Element.h"
 #include "runtime/cpu/Gmm.h"
 #include "runtime/cpu/Quant.h"
 #include "runtime/tooling/Reference.h"
-#include "runtime/api/Runtime.h"
 #include "tests/conformance/RuntimeCompile.h"
 #include "tests/conformance/TestFabric.h"
 
@@ -116,8 +117,16 @@ uint32_t groupSize(uint32_t preferred) {
 /// on the GPU (tests/cuda/run_gpu.sh); the default is the CPU.
 moec::backend::Kind testBackend() {
   const char *name = std::getenv("MOEC_TEST_BACKEND");
-  return name && std::string(name) == "cuda" ? moec::backend::Kind::Cuda
-                                             : moec::backend::Kind::Cpu;
+  const moec::backend::BackendInfo *b = moec::backend::findBackend(name ? name : "cpu");
+  REQUIRE(b != nullptr); // MOEC_TEST_BACKEND names a backend of this build
+  return b->kind;
+}
+
+/// Whether the backend under test has `feature`: a case of a feature it
+/// lacks (the registry says which, Registry.h) checks what it can and skips
+/// the rest.
+bool testBackendHas(moec::backend::Feature feature) {
+  return moec::backend::findBackend(testBackend())->has(feature);
 }
 
 /// Context::create on the fabric and backend under test.
@@ -621,7 +630,7 @@ TEST_CASE("backward keeps slots in the forward's dead ones; a second backward gi
   REQUIRE(ctx->backward().ok());
   CHECK(run.sameOutputs(first));
 
-  if (testBackend() != moec::backend::Kind::Cpu)
+  if (!testBackendHas(moec::backend::Feature::SlotItems))
     return;
   const std::vector<moec::rt::WorkspaceSlot> slots = ctx->workspace();
   size_t borrowed = 0, own = 0;
@@ -1112,8 +1121,8 @@ transposeExperts(const std::vector<float> &w1, const std::vector<float> &w2, int
 
 TEST_CASE("packed weights: the bits of packing in every tile, packed again when a weight "
           "changes or another is bound", "[runtime]") {
-  if (testBackend() != moec::backend::Kind::Cpu)
-    return; // the store is the CPU backend's
+  if (!testBackendHas(moec::backend::Feature::PackedWeights))
+    return;
   Case c;
   c.ranks = groupSize(2);
   c.localExperts = 3;
@@ -1608,6 +1617,36 @@ TEST_CASE("a binary whose event is never reached ends in an error naming the wai
   CHECK_THAT(f.message(), Catch::Contains("rank "));
 }
 
+TEST_CASE("backends register themselves, with what each lacks", "[runtime]") {
+  using moec::backend::Feature;
+  using moec::backend::Kind;
+  const std::vector<const moec::backend::BackendInfo *> all = moec::backend::registeredBackends();
+  REQUIRE(all.size() == 2);
+  CHECK(all[0]->kind == Kind::Cpu);
+  CHECK(all[1]->kind == Kind::Cuda);
+  CHECK(moec::backend::backendNames() == "cpu or cuda");
+  CHECK(moec::backend::findBackend("cuda") == all[1]);
+  CHECK(moec::backend::findBackend("tpu") == nullptr);
+  for (Feature f : {Feature::MultiProcess, Feature::OpByOp, Feature::TaskTrace,
+                    Feature::PackedWeights, Feature::Exchange, Feature::SlotItems}) {
+    INFO(moec::backend::featureName(f));
+    CHECK(all[0]->has(f)); // the CPU backend has everything
+    CHECK(moec::backend::requireFeature(Kind::Cpu, f).ok());
+    CHECK_FALSE(all[1]->has(f));
+    CHECK(moec::backend::backendsWith(f) == "cpu");
+  }
+  CHECK(moec::backend::requireFeature(Kind::Cuda, Feature::OpByOp).message() ==
+        "the op-by-op schedule runs on the cpu backend only");
+  // Every backend makes its Backend through the registry.
+  for (const moec::backend::BackendInfo *b : all) {
+    moec::backend::BackendOptions options;
+    options.workers = 2;
+    const std::unique_ptr<moec::backend::Backend> made = b->create(options);
+    REQUIRE(made != nullptr);
+    CHECK(made->kind() == b->kind);
+  }
+}
+
 TEST_CASE("the cuda backend refuses what it does not do, before it looks for a GPU", "[runtime]") {
   Case c;
   c.ranks = groupSize(2);
@@ -1631,6 +1670,10 @@ TEST_CASE("the cuda backend refuses what it does not do, before it looks for a G
                Catch::Contains("the cuda backend records no task trace (the cpu backend does)"));
   else
     CHECK_THAT(refusal(traced), Catch::Contains("it does not run under MPI"));
+  ContextOptions packed;
+  packed.packWeights = true;
+  CHECK_THAT(refusal(packed),
+             Catch::Contains("the packed-weight store runs on the cpu backend only"));
   // FP8 dispatch: no quantize or dequantize kernels there.
   Case fp8 = c;
   fp8.fp8Dispatch = true;

@@ -9,11 +9,12 @@
 #include "base/File.h"
 #include "base/Memory.h"
 #include "base/Time.h"
-#include "format/TaskBinary.h"
-#include "runtime/api/Runtime.h"
-#include "runtime/comm/Mpi.h"
 #include "format/Capacity.h"
 #include "format/Crc32.h"
+#include "format/TaskBinary.h"
+#include "runtime/api/Runtime.h"
+#include "runtime/backend/Registry.h"
+#include "runtime/comm/Mpi.h"
 #include "runtime/tooling/LayerRun.h"
 #include "runtime/tooling/Profile.h"
 #include "runtime/tooling/Workspace.h"
@@ -105,7 +106,8 @@ const CommandSpec kRunSpec = {
     "                   one NVIDIA GPU, the task program as one persistent kernel\n"
     "                   (thread blocks run the queues, events are counters in\n"
     "                   device memory); inputs and outputs stay .npy files on the\n"
-    "                   host. Not under MPI, and no --trace or --op-by-op\n"
+    "                   host. Not under MPI, and no --trace, --profile,\n"
+    "                   --op-by-op or --pack-weights\n"
     "  --pack-weights   keep the weights packed in the GEMM tile's layout, each\n"
     "                   packed by the first tile that reads it (the torch op's\n"
     "                   pack_weights=True); without it every tile packs\n"
@@ -464,16 +466,28 @@ int parseRunOptions(const Args &args, RunOptions *o) {
   }
   backend::Kind &backendKind = o->backend;
   if (auto b = args.value("--backend")) {
-    if (*b == "cuda")
-      backendKind = backend::Kind::Cuda;
-    else if (*b != "cpu")
-      return usage("--backend must be cpu or cuda");
-    if (backendKind == backend::Kind::Cuda && mpi)
-      return usage("--backend cuda runs every rank in one process; it does not run under MPI");
-    if (backendKind == backend::Kind::Cuda && args.has("--op-by-op"))
-      return usage("--op-by-op runs on the cpu backend only");
-    if (backendKind == backend::Kind::Cuda && (args.value("--trace") || args.has("--profile")))
-      return usage("--trace and --profile run on the cpu backend only");
+    const backend::BackendInfo *named = backend::findBackend(*b);
+    if (!named)
+      return usage(fmt::format("--backend must be {}", backend::backendNames()).c_str());
+    backendKind = named->kind;
+    // What the named backend lacks, refused by the option that asks for it.
+    using backend::Feature;
+    const std::pair<bool, std::pair<Feature, std::string>> asked[] = {
+        {mpi,
+         {Feature::MultiProcess,
+          fmt::format("--backend {} runs every rank in one process; it does not run under MPI",
+                      named->name)}},
+        {args.has("--op-by-op"), {Feature::OpByOp, "--op-by-op runs"}},
+        {args.value("--trace") || args.has("--profile"),
+         {Feature::TaskTrace, "--trace and --profile run"}},
+        {args.has("--pack-weights"), {Feature::PackedWeights, "--pack-weights runs"}}};
+    for (const auto &[wanted, what] : asked)
+      if (wanted && !named->has(what.first))
+        return usage((what.first == Feature::MultiProcess
+                          ? what.second
+                          : fmt::format("{} on the {} backend only", what.second,
+                                        backend::backendsWith(what.first)))
+                         .c_str());
   }
   double &hotShare = o->hotShare;
   if (auto h = args.value("--hot-share")) {

@@ -14,7 +14,7 @@
 //   barrier   complete every put and wait for every rank
 //
 // Two fabrics of the runtime implement it (a third, over a torch.distributed
-// process group, lives with the torch op: ops/torch/GroupFabric.h):
+// process group, lives with the torch op: ops/torch/csrc/GroupFabric.h):
 //
 //   in-process (inProcessFabric, here): all R ranks are threads of this
 //     process; a window is R buffers, a put is a memcpy, events never leave

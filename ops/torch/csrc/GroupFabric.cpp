@@ -4,7 +4,7 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "ops/torch/GroupFabric.h"
+#include "ops/torch/csrc/GroupFabric.h"
 
 #include "base/Time.h"
 #include "runtime/comm/Hooks.h"
@@ -131,14 +131,12 @@ public:
   std::vector<std::atomic<uint64_t>> counters;
 };
 
-class GroupFabricImpl final : public Fabric,
-                              public std::enable_shared_from_this<GroupFabricImpl> {
+class GroupFabricImpl final : public Fabric, public std::enable_shared_from_this<GroupFabricImpl> {
 public:
   GroupFabricImpl(c10::intrusive_ptr<c10d::ProcessGroup> group, double timeoutSeconds)
       : group(std::move(group)), me(uint32_t(this->group->getRank())),
-        count(uint32_t(this->group->getSize())), timeoutSeconds(timeoutSeconds),
-        sentBytes(count), arrivedBytes(count), dataTag(count), closedBy(count, false),
-        links(count) {}
+        count(uint32_t(this->group->getSize())), timeoutSeconds(timeoutSeconds), sentBytes(count),
+        arrivedBytes(count), dataTag(count), closedBy(count, false), links(count) {}
 
   /// Starts the receiving threads and the keep-alive (a message to every
   /// peer each `aliveSeconds`), then meets every rank (bounded).
@@ -157,15 +155,13 @@ public:
   uint32_t localRanks() const override { return 1; }
 
   Status createWindow(size_t bytes, std::unique_ptr<Window> *out) override {
-    return create("window", bytes, windows, out, [&](uint32_t id) {
-      return std::make_unique<GroupWindow>(*this, id, bytes);
-    });
+    return create("window", bytes, windows, out,
+                  [&](uint32_t id) { return std::make_unique<GroupWindow>(*this, id, bytes); });
   }
 
   Status createInbox(uint32_t events, std::unique_ptr<Inbox> *out) override {
-    return create("inbox", events, inboxes, out, [&](uint32_t id) {
-      return std::make_unique<GroupInbox>(*this, id, events);
-    });
+    return create("inbox", events, inboxes, out,
+                  [&](uint32_t id) { return std::make_unique<GroupInbox>(*this, id, events); });
   }
 
   /// Makes object `what` of `size` (a window's bytes, an inbox's events)
@@ -207,12 +203,12 @@ public:
     inboxes.erase(id);
   }
 
-  Status put(const Window &window, uint32_t peer, size_t offset, size_t dstStride,
-             const void *src, size_t srcStride, size_t rows, size_t rowBytes) override {
+  Status put(const Window &window, uint32_t peer, size_t offset, size_t dstStride, const void *src,
+             size_t srcStride, size_t rows, size_t rowBytes) override {
     const auto &w = static_cast<const GroupWindow &>(window);
     if (peer == me || localPuts) {
-      copyRows(w.memory.get() + offset, dstStride, static_cast<const char *>(src), srcStride,
-               rows, rowBytes);
+      copyRows(w.memory.get() + offset, dstStride, static_cast<const char *>(src), srcStride, rows,
+               rowBytes);
       return Status::success();
     }
     if (Status s = usable(); !s)
@@ -249,15 +245,13 @@ public:
     return Status::success();
   }
 
-  Status sendSignal(uint32_t inbox, uint32_t peer, uint32_t event, uint64_t delta,
-                    uint32_t task) {
+  Status sendSignal(uint32_t inbox, uint32_t peer, uint32_t event, uint64_t delta, uint32_t task) {
     if (Status s = usable(); !s)
       return s;
     if (comm::DropPut::dropsSignal(peer))
       return Status::success();
     std::lock_guard<std::mutex> lock(*links[peer].sending);
-    return sendControl(peer, Control{Kind::Signal, inbox, event, delta, 0, 0, 0, task},
-                       "a signal");
+    return sendControl(peer, Control{Kind::Signal, inbox, event, delta, 0, 0, 0, task}, "a signal");
   }
 
   Status exchange(const void *mine, size_t bytes, void *all, double timeoutSeconds) override {
@@ -364,8 +358,8 @@ public:
         if (p == me) {
           out += fmt::format("  [rank {}] {}\n", p, report);
         } else if (blocks[p]) {
-          out += fmt::format("  [rank {}] {}\n", p,
-                             std::string(blocks[p]->begin(), blocks[p]->end()));
+          out +=
+              fmt::format("  [rank {}] {}\n", p, std::string(blocks[p]->begin(), blocks[p]->end()));
           (void)sendBlock(p, BlockKind::Taken, 1, nullptr, 0);
         } else {
           out += fmt::format("  [rank {}] no report within {:.3g} s (it died, waits outside "
@@ -577,8 +571,8 @@ private:
 
   Status sendBlock(uint32_t peer, BlockKind kind, uint64_t seq, const void *data, size_t bytes) {
     std::lock_guard<std::mutex> lock(*links[peer].sending);
-    return sendWith(peer, Control{Kind::Block, uint32_t(kind), seq, 0, bytes, 0, 0, 0}, data,
-                    bytes, "a block");
+    return sendWith(peer, Control{Kind::Block, uint32_t(kind), seq, 0, bytes, 0, 0, 0}, data, bytes,
+                    "a block");
   }
 
   /// Waits, bounded, for the block `seq` of `kind` from each of `peers`;
@@ -586,8 +580,7 @@ private:
   /// peer stops the job (unless `evenIfStopped`); the error names the peers
   /// that did not come.
   Status awaitBlocks(BlockKind kind, uint64_t seq, const std::vector<uint32_t> &peers,
-                     double seconds, Blocks *blocks, const char *what,
-                     bool evenIfStopped = false) {
+                     double seconds, Blocks *blocks, const char *what, bool evenIfStopped = false) {
     blocks->assign(count, std::nullopt);
     const Clock::time_point start = Clock::now();
     std::unique_lock<std::mutex> lock(mailMutex);
@@ -705,8 +698,7 @@ private:
     Ring &ring = *new Ring;
     for (size_t i = 0; i < kControlRing; ++i) {
       ring.buffer[i].resize(sizeof(Control) + kInlineBytes);
-      ring.work[i] = post(peer, ring.buffer[i].data(), ring.buffer[i].size(), kTagControl,
-                          &error);
+      ring.work[i] = post(peer, ring.buffer[i].data(), ring.buffer[i].size(), kTagControl, &error);
     }
     for (size_t head = 0;; head = (head + 1) % kControlRing) {
       if (!await(ring.work[head], &error))
@@ -797,7 +789,8 @@ private:
       std::lock_guard<std::mutex> lock(objectsMutex);
       auto it = windows.find(c.object);
       const size_t span = c.rows ? (c.rows - 1) * c.stride + c.rowBytes : 0;
-      if (it != windows.end() && c.offset <= it->second->size && span <= it->second->size - c.offset)
+      if (it != windows.end() && c.offset <= it->second->size &&
+          span <= it->second->size - c.offset)
         dst = it->second->memory.get() + c.offset;
     }
     const auto noWindow = [&] {
@@ -852,7 +845,7 @@ private:
   }
 
 public:
-  comm::DropPut drop; ///< the test hook MOEC_TEST_DROP_PUT
+  comm::DropPut drop;     ///< the test hook MOEC_TEST_DROP_PUT
   bool localPuts = false; ///< the measurement mode MOEC_LOCAL_PUTS (comm/Hooks.h)
 
 private:

@@ -47,8 +47,8 @@
 //
 //===----------------------------------------------------------------------===//
 
-#ifndef MOEC_OPS_TORCH_GROUPFABRIC_H
-#define MOEC_OPS_TORCH_GROUPFABRIC_H
+#ifndef MOEC_OPS_TORCH_CSRC_GROUPFABRIC_H
+#define MOEC_OPS_TORCH_CSRC_GROUPFABRIC_H
 
 #include "runtime/comm/Fabric.h"
 
@@ -79,4 +79,4 @@ void closeGroupFabrics(double seconds);
 
 } // namespace moec::torchop
 
-#endif // MOEC_OPS_TORCH_GROUPFABRIC_H
+#endif // MOEC_OPS_TORCH_CSRC_GROUPFABRIC_H

@@ -31,7 +31,8 @@ extern "C" __attribute__((visibility("default"))) void *moec_process_group(PyObj
     return pg;
   } catch (const std::exception &e) {
     const std::string text = std::string("moec: group must be a torch.distributed process group "
-                                         "(ProcessGroup): ") + e.what();
+                                         "(ProcessGroup): ") +
+                             e.what();
     PyErr_SetString(PyExc_TypeError, text.c_str());
     return nullptr;
   }

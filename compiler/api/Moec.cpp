@@ -162,6 +162,18 @@ extern "C" int moec_capacity_advice(const char *config, long long rows_per_rank,
   });
 }
 
+extern "C" int moec_config_check(const char *config, char **error) {
+  return guarded(error, [&]() -> Status {
+    if (!config)
+      return Status::error("moec_config_check needs a config");
+    ModelConfig parsed;
+    std::string message;
+    if (!parseConfig(config, "the config", &parsed, &message))
+      return Status::error(message);
+    return Status::success();
+  });
+}
+
 extern "C" const char *moec_compiler_version(unsigned *binary_format) {
   if (binary_format)
     *binary_format = moec::format::kFormatVersion;

@@ -57,6 +57,13 @@ int moec_simulate_trace(const char *binary, const char *target, const char *out,
 int moec_capacity_advice(const char *config, long long rows_per_rank, long long receive_per_rank,
                          int headroom, char **advice, char **error);
 
+/* Checks the config `config` (JSON text) as `moec compile` does (its keys,
+ * their types and ranges, and the rules between them, e.g. that
+ * "dispatch_dtype" is "fp8_e4m3" or the config's dtype). Returns 0, or
+ * nonzero with *error set to the compiler's message, which names the config
+ * as "the config". */
+int moec_config_check(const char *config, char **error);
+
 /* Frees a string the library returned. */
 void moec_free(char *text);
 

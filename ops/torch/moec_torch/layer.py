@@ -247,10 +247,10 @@ class MoeFFN(torch.nn.Module):
             raise ValueError("moec: a frozen layer has no weight gradients to accumulate "
                              "(frozen=True and main_grad=True)")
         if dispatch_dtype is not None:
-            if dispatch_dtype not in ("fp8_e4m3", cfg.get("dtype", "bf16")):
-                raise ValueError("moec: dispatch_dtype must be 'fp8_e4m3' or the config's dtype "
-                                 f"({cfg.get('dtype', 'bf16')!r}), got {dispatch_dtype!r}")
+            # The compiler's rule, checked now (ValueError) rather than at
+            # the first compile.
             cfg["dispatch_dtype"] = dispatch_dtype
+            native.check_config(cfg)
         lora_keys = [k for k in ("lora_rank", "lora_alpha") if k in cfg]
         if lora_keys:
             raise ValueError("moec: LoRA adapters are set by lora_rank= (and lora_alpha=) of "

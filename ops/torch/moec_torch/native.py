@@ -110,11 +110,12 @@ def _library():
             lib.moec_simulate_trace.argtypes = [ctypes.c_char_p] * 3 + [out]
             lib.moec_capacity_advice.argtypes = [ctypes.c_char_p, ctypes.c_longlong,
                                                  ctypes.c_longlong, ctypes.c_int, out, out]
+            lib.moec_config_check.argtypes = [ctypes.c_char_p, out]
             lib.moec_free.argtypes = [ctypes.c_void_p]
             lib.moec_compiler_version.argtypes = [ctypes.POINTER(ctypes.c_uint)]
             lib.moec_compiler_version.restype = ctypes.c_char_p
             for f in (lib.moec_compile, lib.moec_dump_json, lib.moec_simulate_trace,
-                      lib.moec_capacity_advice):
+                      lib.moec_capacity_advice, lib.moec_config_check):
                 f.restype = ctypes.c_int
             _lib = lib
         return _lib
@@ -226,6 +227,15 @@ def capacity_advice(config, rows_per_rank, receive_per_rank, headroom=False):
                     int(receive_per_rank),
                     int(checks.boolean(headroom, "capacity_advice: argument 'headroom'")))
     return json.loads(text)
+
+
+def check_config(config):
+    """Checks a config dict as `moec compile` does (the compiler's own rules,
+    moec.h's moec_config_check); raises ValueError with its message."""
+    try:
+        _call("moec_config_check", json.dumps(config).encode(), outputs=0)
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
 
 
 def load_trace(path):

@@ -4,6 +4,8 @@ independently in moec_torch.reference.fp8_round_rows), the stated tolerance
 on the unrounded inputs, bit-equal repeated steps, and the bytes the
 dispatch puts between ranks against the compute dtype's."""
 
+import re
+
 import pytest
 import torch
 
@@ -98,5 +100,8 @@ def test_dispatch_bytes_shrink_to_the_quantized_width():
 
 
 def test_bad_dispatch_dtype_is_refused():
-    with pytest.raises(ValueError, match="dispatch_dtype must be 'fp8_e4m3' or the config's dtype"):
+    # The compiler's rule and message (moec_config_check), at construction.
+    want = ("moec: the config: 'dispatch_dtype' must be \"fp8_e4m3\" or the config's dtype "
+            '("fp32"), got "fp8_e5m2"')
+    with pytest.raises(ValueError, match=re.escape(want)):
         moec_torch.MoeFFN(config(), ranks=2, dispatch_dtype="fp8_e5m2")

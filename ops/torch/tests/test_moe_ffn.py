@@ -398,6 +398,18 @@ def test_capacity_advice_is_the_compilers_arithmetic():
     assert grown.layer.info()["receive_capacity"] == advice["receive_capacity"] >= need
     with pytest.raises(RuntimeError, match="'top_k'"):
         moec_torch.native.capacity_advice(dict(cfg, ep=2, top_k=0), 1, 1)
+
+
+def test_config_check_is_the_compilers():
+    # native.check_config runs the compiler's checks (moec_config_check):
+    # what compiles passes, and what would not is refused with its message.
+    cfg = dict(config(experts=8, top_k=2), ep=2)
+    moec_torch.native.check_config(cfg)
+    moec_torch.native.check_config(dict(cfg, dispatch_dtype="fp8_e4m3"))
+    with pytest.raises(ValueError, match="the config: 'top_k'"):
+        moec_torch.native.check_config(dict(cfg, top_k=0))
+    with pytest.raises(ValueError, match="the config: 'dispatch_dtype' must be"):
+        moec_torch.native.check_config(dict(cfg, dispatch_dtype="int8"))
     with pytest.raises(RuntimeError, match="row counts must not be negative, got -1 and 1"):
         moec_torch.native.capacity_advice(dict(cfg, ep=2), -1, 1)
 

@@ -1,4 +1,5 @@
-"""What the stand-ins' blocks share: RMSNorm, attention, expert MLPs, experts. See the package's docstring."""
+"""What the stand-ins' blocks share: RMSNorm, attention, expert MLPs, experts. See the package's
+docstring."""
 
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,5 @@
-"""The stand-ins' MoE blocks and routers: softmax-routed families, DeepSeek. See the package's docstring."""
+"""The stand-ins' MoE blocks and routers: softmax-routed families, DeepSeek. See the package's
+docstring."""
 
 import torch
 import torch.nn.functional as F

@@ -1,0 +1,223 @@
+"""Checkpoints in: a model's experts read (FP8 blocks kept or dequantized), the rest loaded. See
+the package's docstring."""
+
+import torch
+
+from .. import quant, safetensors
+
+from .patch import (
+    _checkpoint_prefix,
+    _config_of,
+    _expert_entries,
+    _local_experts,
+    _patched,
+    _set_expert,
+)
+
+
+# --- checkpoints in -----------------------------------------------------------
+
+def _open(checkpoint):
+    """A checkpoint folder (or an open one) as safetensors.Checkpoint."""
+    return checkpoint if isinstance(checkpoint, safetensors.Checkpoint) \
+        else safetensors.Checkpoint(checkpoint)
+
+
+def _dequantize_fp8(weight, scale_inv, name):
+    """DeepSeek-V3's FP8 weight: e4m3 codes [out, in] times the fp32
+    weight_scale_inv of each 128 x 128 tile."""
+    try:
+        return quant.dequantize_fp8_blocks(weight, scale_inv)
+    except ValueError as e:
+        raise ValueError(f"moec: '{name}_scale_inv': {str(e).removeprefix('moec: ')}") from None
+
+
+def _read_weight(ckpt, name):
+    """A checkpoint weight as a float or bf16 tensor: FP8 ones dequantized
+    with their weight_scale_inv."""
+    if ckpt.dtype(name) == "F8_E4M3":
+        scale = name + "_scale_inv"
+        if scale not in ckpt:
+            raise ValueError(f"moec: '{name}' is F8_E4M3 and the checkpoint has no "
+                             f"'{scale}' to dequantize it")
+        return _dequantize_fp8(ckpt.get_tensor(name), ckpt.get_tensor(scale), name)
+    return ckpt.get_tensor(name)
+
+
+FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+def _check_weight(ckpt, key, shape, dtype):
+    """Refuses, before anything is copied, a checkpoint tensor that cannot
+    fill a model tensor of `shape` and `dtype`: another shape; for a
+    floating-point tensor, an integer or bool one (its values would be
+    cast), or an F8_E4M3 one without a floating-point weight_scale_inv of
+    its 128 x 128 blocks; for an integer one, another dtype. ValueError
+    naming the tensor and its file."""
+    where = ckpt.where(key)
+    if tuple(ckpt.shape(key)) != tuple(shape):
+        raise ValueError(f"moec: '{key}' in {where} has shape {list(ckpt.shape(key))}; the "
+                         f"model's is {list(shape)}")
+    kind = ckpt.dtype(key)
+    if not dtype.is_floating_point:
+        if safetensors.DTYPES[kind] != dtype or kind == "F8_E4M3":
+            raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype}")
+    elif kind == "F8_E4M3":
+        scale = key + "_scale_inv"
+        if scale not in ckpt:
+            raise ValueError(f"moec: '{key}' is F8_E4M3 (in {where}) and the checkpoint has "
+                             f"no '{scale}' to dequantize it")
+        want = [quant._blocks(n) for n in shape[-2:]] if len(shape) == 2 else None
+        if want is None or ckpt.shape(scale) != want or ckpt.dtype(scale) not in FLOATS:
+            raise ValueError(f"moec: '{scale}' in {ckpt.where(scale)} is {ckpt.dtype(scale)} "
+                             f"{ckpt.shape(scale)}; an F8_E4M3 weight of shape {list(shape)} "
+                             f"needs floating-point scales of its 128x128 blocks, {want}")
+    elif kind not in FLOATS:
+        raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype} (a "
+                         "floating-point tensor)")
+
+
+def _expert_keys(model, ckpt):
+    """[(layer, [(expert index in the layer, gate, up, down checkpoint names)])]
+    for every patched block, each name checked in `ckpt` with its shape and
+    dtype (_check_weight)."""
+    plan = []
+    for name, _, experts in _patched(model):
+        layer, family = experts.layer, experts.family
+        prefix = _checkpoint_prefix(name, family)
+        shapes = ((layer.inter, layer.hidden), (layer.inter, layer.hidden),
+                  (layer.hidden, layer.inter))
+        keys = []
+        for j, e in enumerate(_local_experts(layer)):
+            names = [f"{prefix}.experts.{e}.{p}.weight" for p in family.projections]
+            for key, shape in zip(names, shapes):
+                if key not in ckpt:
+                    raise ValueError(f"moec: the checkpoint {ckpt.where(key)} has no '{key}' "
+                                     f"(expert {e} of '{name}')")
+                _check_weight(ckpt, key, shape, layer.dtype)
+            keys.append((j, *names))
+        plan.append((layer, keys))
+    return plan
+
+
+def load_experts(model, checkpoint):
+    """Fills a patched model's experts from a Hugging Face checkpoint folder
+    (config.json, model.safetensors or shards with model.safetensors.index.json),
+    under mpirun each process only its own experts. Every name and shape is
+    checked first; then the experts are read one at a time from the mapped
+    files into the layers, so no block's experts are held twice. FP8 weights
+    (F8_E4M3 with weight_scale_inv per 128x128 block, as DeepSeek-V3 ships)
+    are dequantized to the layer's dtype. Returns the names read."""
+    ckpt = _open(checkpoint)
+    plan = _expert_keys(model, ckpt)
+    read = []
+    with torch.no_grad():
+        for layer, keys in plan:
+            for j, g, u, d in keys:
+                if not _copy_fp8_expert(layer, j, ckpt, g, u, d):
+                    _set_expert(layer, j, *(_read_weight(ckpt, n) for n in (g, u, d)))
+                read += [g, u, d]
+    return read
+
+
+def _copy_fp8_expert(layer, j, ckpt, g, u, d):
+    """An FP8 checkpoint's expert into an fp8_block128 layer as it is: the
+    codes and weight_scale_inv copied, nothing dequantized. Where the blocks
+    do not line up (I not a multiple of 128: gate's last block and up's first
+    would share a block of the layer's w1) returns False, and the expert is
+    dequantized and quantized again."""
+    names = (g, u, d)
+    if layer.weight_format != "fp8_block128" or layer.inter % quant.BLOCK or \
+            any(ckpt.dtype(n) != "F8_E4M3" for n in names):
+        return False
+    i, b = layer.inter, layer.inter // quant.BLOCK
+    for n in names:
+        if n + "_scale_inv" not in ckpt:
+            raise ValueError(f"moec: '{n}' is F8_E4M3 and the checkpoint has no "
+                             f"'{n}_scale_inv' to go with it")
+    for (name, rows, blocks), n in zip((("w1", slice(0, i), slice(0, b)),
+                                        ("w1", slice(i, 2 * i), slice(b, 2 * b)),
+                                        ("w2", slice(None), slice(None))), names):
+        codes, scales = ckpt.get_tensor(n), ckpt.get_tensor(n + "_scale_inv")
+        want = tuple(getattr(layer, name + "_scale")[j, blocks].shape)
+        if tuple(scales.shape) != want:
+            raise ValueError(f"moec: '{n}_scale_inv' in {ckpt.where(n + '_scale_inv')} has "
+                             f"shape {list(scales.shape)}; a {list(codes.shape)} weight in "
+                             f"128x128 blocks needs {list(want)}")
+        getattr(layer, name)[j, rows].copy_(codes)
+        getattr(layer, name + "_scale")[j, blocks].copy_(scales)
+    return True
+
+
+def load_checkpoint(model, checkpoint):
+    """Loads every tensor of a checkpoint folder into a patched model: the
+    experts through load_experts, every other parameter and buffer by its
+    name (FP8 ones dequantized). A name the model has and the checkpoint
+    lacks (but a tied lm_head.weight), or one the checkpoint has and the
+    model lacks, is an error, raised before anything is copied. The model
+    may be wholly on the meta device (made without memory, then patched):
+    its parameters and buffers get memory here, tied ones staying tied, so
+    no weight is ever in memory twice."""
+    ckpt = _open(checkpoint)
+    blocks = _patched(model)
+    own = _non_expert_state(model)
+    if getattr(_config_of(model), "tie_word_embeddings", False):
+        own.pop("lm_head.weight", None)
+    ranks = blocks[0][2].layer.ranks
+    known = set(own) | {n for r in range(ranks) for n, _, _ in _expert_entries(blocks, r)}
+    missing = [k for k in own if k not in ckpt]
+    extra = [k for k in ckpt.keys() if k not in known
+             and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in known)]
+    for names, what in ((missing, "the checkpoint {where} has no '{name}'"),
+                        (extra, "the model has no '{name}' of {where}")):
+        if names:
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise ValueError("moec: " + what.format(name=names[0], where=ckpt.where(names[0]))
+                             + more)
+    for key, t in own.items():
+        _check_weight(ckpt, key, t.shape, t.dtype)
+    _expert_keys(model, ckpt)
+    load_experts(model, ckpt)
+    if any(t.is_meta for t in own.values()):
+        _materialize(model, {id(t) for t in own.values()})
+        own = {k: v for k, v in _non_expert_state(model).items() if k in own}
+    with torch.no_grad():
+        for key, t in own.items():
+            t.copy_(_read_weight(ckpt, key))
+    if getattr(_config_of(model), "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()  # transformers' models tie lm_head to the embedding here
+
+
+def _materialize(model, wanted):
+    """Gives the meta parameters and buffers of `model` whose ids are in
+    `wanted` CPU memory (uninitialized, for the checkpoint to fill); a
+    tensor that several modules share (tied embeddings) stays shared."""
+    made = {}
+    for module in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for n, t in list(getattr(module, kind).items()):
+                if t is None or not t.is_meta or id(t) not in wanted:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty(t.shape, dtype=t.dtype)
+                    made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else new
+                getattr(module, kind)[n] = made[id(t)]
+
+
+def _non_expert_state(model):
+    """{checkpoint name: tensor} of the model's state_dict without moec's
+    layers (the tensors themselves); a block that the module tree names
+    otherwise than checkpoints do (v5's Mixtral mlp) under its checkpoint
+    name."""
+    renames = [(n + ".", _checkpoint_prefix(n, ex.family) + ".") for n, _, ex in _patched(model)
+               if _checkpoint_prefix(n, ex.family) != n]
+    out = {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if ".experts.layer." in f".{k}":
+            continue
+        for old, new in renames:
+            if k.startswith(old):
+                k = new + k[len(old):]
+        out[k] = v
+    return out

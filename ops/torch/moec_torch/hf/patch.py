@@ -1,0 +1,420 @@
+"""patch_model: a model's MoE blocks on moec's layer (LoRA in PEFT's layout); its EP group. See
+the package's docstring."""
+
+import math
+import types
+
+import torch
+import torch.nn.functional as F
+
+from .. import checks, quant
+
+from .families import (
+    FAMILIES,
+    _dtype_name,
+    _expert_sizes,
+    _expert_weights,
+    _fused,
+    _known,
+    find_blocks,
+)
+
+
+# --- LoRA in PEFT's layout --------------------------------------------------
+
+class _Lora:
+    """PEFT's per-module adapters of one family on the layer's fused ones.
+
+    targets: the family's module names targeted, among (gate, up, down).
+    The layer's rank is r * max(1, gate/up targets); w1's A columns
+    [j r, (j+1) r) and B rows of the same range over the j-th gate/up
+    target's columns are its adapter; w2's first r columns of A and rows of
+    B are down's. Masks keep the rest zero."""
+
+    def __init__(self, family, targets, r, alpha):
+        g, u, d = family.projections
+        self.family = family
+        self.r = r
+        self.alpha = alpha
+        self.w1_targets = [t for t in (g, u) if t in targets]
+        self.down = d if d in targets else None
+        self.rank = r * max(1, len(self.w1_targets))
+        self.moec_targets = (("w1",) if self.w1_targets else ()) + (("w2",) if self.down else ())
+
+    def pieces(self, inter):
+        """[(module, moec target, A column slice, B row slice, B column slice)]:
+        where each PEFT module's adapter lives in the layer's A [K, rank]
+        and B [rank, N]."""
+        out = []
+        g = self.family.projections[0]
+        for j, t in enumerate(self.w1_targets):
+            rows = slice(j * self.r, (j + 1) * self.r)
+            cols = slice(0, inter) if t == g else slice(inter, 2 * inter)
+            out.append((t, "w1", rows, rows, cols))
+        if self.down:
+            rows = slice(0, self.r)
+            out.append((self.down, "w2", rows, rows, slice(None)))
+        return out
+
+    def masks(self, layer):
+        """{parameter name: 0/1 mask} of the entries that belong to an adapter."""
+        masks = {}
+        for target in self.moec_targets:
+            a = getattr(layer, f"{target}_lora_A")
+            b = getattr(layer, f"{target}_lora_B")
+            masks[f"{target}_lora_A"] = torch.zeros(1, 1, a.shape[2], dtype=a.dtype)
+            masks[f"{target}_lora_B"] = torch.zeros(1, *b.shape[1:], dtype=b.dtype)
+        for _, target, acols, brows, bcols in self.pieces(layer.inter):
+            masks[f"{target}_lora_A"][..., acols] = 1
+            masks[f"{target}_lora_B"][:, brows, bcols] = 1
+        return masks
+
+
+# --- the moec experts module ------------------------------------------------
+
+class MoecExperts(torch.nn.Module):
+    """A block's routed experts on a moec MoeFFN layer, called as transformers
+    v5 calls its experts module: forward(hidden_states [N, H], top_k_index
+    [N, K], top_k_weights [N, K]) -> [N, H], in hidden_states' dtype.
+
+    In one process with R in-process ranks the N tokens are shared out over
+    the ranks, ceil(N / R) each, the last padded with tokens of zero weight
+    that add exact zeros; under mpirun each process passes its own tokens.
+    `layer` is the MoeFFN; `family` the model family; `lora` the PEFT layout
+    of its adapters, or None."""
+
+    def __init__(self, layer, family, lora=None):
+        super().__init__()
+        self.layer = layer
+        self.family = family
+        self.num_experts = layer.experts
+        self.lora = lora
+        self._masks = lora.masks(layer) if lora else {}
+        for name, mask in self._masks.items():
+            getattr(layer, name).register_hook(lambda g, m=mask: g * m.to(g.dtype))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        layer = self.layer
+        n, h = hidden_states.shape
+        k = top_k_index.shape[-1]
+        x = hidden_states.to(layer.dtype)
+        weights = top_k_weights.float()
+        ids = top_k_index.long()
+        # The ranks this process runs: all of them in one process, its own
+        # under mpirun. Each gets ceil(n / r) tokens (at least one).
+        r = layer.local_ranks
+        s = max(1, -(-n // r))
+        pad = r * s - n
+        if pad:
+            x = torch.cat((x, x.new_zeros(pad, h)))
+            weights = torch.cat((weights, weights.new_zeros(pad, k)))
+            spread = (torch.arange(pad).unsqueeze(1) * k + torch.arange(k)) % layer.experts
+            ids = torch.cat((ids, spread))
+        if r == 1:
+            return layer(x, ids, weights)[:n].to(hidden_states.dtype)
+        y = layer(x.view(r, s, h), ids.view(r, s, k), weights.view(r, s, k))
+        return y.reshape(r * s, h)[:n].to(hidden_states.dtype)
+
+    def extra_repr(self):
+        if not self.lora:
+            return f"family={self.family.name}"
+        modules = self.lora.w1_targets + ([self.lora.down] if self.lora.down else [])
+        return f"family={self.family.name}, lora r={self.lora.r} on {'/'.join(modules)}"
+
+
+def _route_softmax(block, hidden_states):
+    """transformers v4's Qwen2/3-MoE, Mixtral and OLMoE routing: softmax in
+    fp32 over all experts, top-k, renormalized (Mixtral always, the others
+    when norm_topk_prob), cast back to the hidden dtype."""
+    logits = block.gate(hidden_states)
+    weights = F.softmax(logits, dim=1, dtype=torch.float)
+    weights, selected = torch.topk(weights, block.top_k, dim=-1)
+    if getattr(block, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, selected, weights.to(hidden_states.dtype)
+
+
+def _softmax_block_forward(self, hidden_states):
+    """The v4 block's forward with moec's experts: the same routing, shared
+    expert and return value ((hidden states, router logits)), for hidden
+    states of any shape [..., H]."""
+    shape = hidden_states.shape
+    if self.training and getattr(self, "jitter_noise", 0) > 0:  # Mixtral
+        hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+            1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+    flat = hidden_states.reshape(-1, shape[-1])
+    logits, selected, weights = _route_softmax(self, flat)
+    out = self.experts(flat, selected, weights)
+    if hasattr(self, "shared_expert"):  # Qwen2-MoE
+        shared = self.shared_expert(flat)
+        out = out + torch.sigmoid(self.shared_expert_gate(flat)) * shared
+    return out.reshape(shape), logits
+
+
+def _moe_method(self, hidden_states, topk_indices, topk_weights):
+    """DeepSeek's v4 ``moe`` method (the routed experts' sum) on moec's
+    experts; the block's forward (router, shared experts) stays its own."""
+    return self.experts(hidden_states, topk_indices, topk_weights).to(hidden_states.dtype)
+
+
+# --- patching ---------------------------------------------------------------
+
+def _config_of(model):
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("moec: the model has no .config (a Hugging Face model carries its "
+                         "PretrainedConfig as model.config)")
+    return config
+
+
+def _family_of_config(config):
+    model_type = getattr(config, "model_type", None)
+    return next((f for f in FAMILIES if f.name == model_type), None)
+
+
+def _top_k(block, config):
+    for source in (block, getattr(block, "gate", None), config):
+        for key in ("top_k", "num_experts_per_tok"):
+            value = getattr(source, key, None) if source is not None else None
+            if isinstance(value, int) and value > 0:
+                return value
+    raise ValueError("moec: cannot tell the block's top-k (no top_k or num_experts_per_tok)")
+
+
+def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256,
+                lora_rank=0, lora_alpha=None, lora_targets=None, **options):
+    """Replaces the routed experts of every MoE block of `model` with a moec
+    layer, in place, and returns the names of the blocks it replaced.
+
+    ranks: the EP group's size (default 1 in one process; under mpirun or
+    over a torch.distributed group, the processes); threads: the runtime's workers per block (0: the hardware
+    threads); dtype: the layer's (default the experts' weights', float32 or
+    bfloat16); tokens_per_rank: the capacity compiled first (it grows with
+    the batches). lora_rank, lora_alpha, lora_targets: LoRA adapters as PEFT
+    puts them on the experts' projections (lora_targets: the family's module
+    names, default all three: gate_proj, up_proj, down_proj, Mixtral w1, w3,
+    w2; lora_alpha defaults to lora_rank); the experts' base weights are then
+    frozen. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
+    capacity_policy, timeout_seconds, fabric, group, target, check_finite, trace,
+    weight_format, pack_weights). With a weight_format (frozen or LoRA; quant.WEIGHT_FORMATS)
+    the experts are held quantized: "fp8_block128" as FP8 e4m3 codes with a
+    scale per 128 x 128 block, for which load_experts copies an FP8
+    checkpoint's weight and weight_scale_inv as they are; "int8" and
+    "int4_g*" (and an FP8 layer from a bf16 or fp32 checkpoint) quantize the
+    experts as they are loaded.
+
+    The model's expert weights (on any device but meta) are converted once
+    into the layer's and freed, except fused (v5) experts of a frozen or
+    LoRA layer, which the layer reads in place (the module docstring); a
+    model built with its experts on the meta device is patched with empty
+    experts, for load_experts to fill."""
+    config = _config_of(model)
+    blocks = find_blocks(model)
+    if not blocks:
+        family = _family_of_config(config)
+        what = f"a {family.name} model" if family else \
+            f"model_type {getattr(config, 'model_type', None)!r}"
+        raise ValueError(f"moec: found no MoE block in {type(model).__name__} ({what}); "
+                         f"known blocks: {_known()}")
+    lora_rank = checks.integer(lora_rank, "patch_model: argument 'lora_rank'", minimum=0)
+    tokens_per_rank = checks.integer(tokens_per_rank, "patch_model: argument 'tokens_per_rank'",
+                                     minimum=1)
+    if lora_alpha is not None and not lora_rank:
+        raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
+    alpha = checks.number(lora_alpha, "patch_model: argument 'lora_alpha'") \
+        if lora_alpha is not None else float(lora_rank)
+    from .. import MoeFFN, _default_fabric, _fabric  # the package imports this lazily
+    fabric = options.get("fabric")
+    if ranks is None:
+        # The processes under mpirun or over a torch.distributed group,
+        # else 1.
+        spread = options.get("group") is not None or \
+            (fabric or _default_fabric()) in ("mpi", "group")
+        ranks = _fabric(fabric, options.get("group"), None, options.get("tp", 1),
+                        "patch_model")[1] if spread else 1
+    group = checks.integer(ranks, "patch_model: argument 'ranks'", minimum=1)
+    # Check every block before changing any.
+    plans = []
+    for name, block, family in blocks:
+        e, h, i = _expert_sizes(block, family, name)
+        k = _top_k(block, config)
+        if e % group:
+            raise ValueError(f"moec: the {e} experts of '{name}' do not divide over {group} "
+                             "ranks (each rank holds the same number of experts)")
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"moec: the experts of '{name}' use hidden_act {act!r}; the layer "
+                             "computes SwiGLU (silu(gate) * up) only")
+        if not _fused(block.experts) and family.routing == "moe_method" and \
+                not callable(getattr(block, "moe", None)):
+            raise ValueError(f"moec: '{name}' ({type(block).__name__}) has no moe method to "
+                             "replace; this version of the block is not one moec knows")
+        weight = block.experts.gate_up_proj if _fused(block.experts) else \
+            getattr(block.experts[0], family.projections[0]).weight
+        layer_dtype = dtype or weight.dtype
+        targets = None
+        if lora_rank:
+            targets = tuple(lora_targets) if lora_targets is not None else family.projections
+            if isinstance(lora_targets, str):
+                targets = (lora_targets,)
+            unknown = [t for t in targets if t not in family.projections]
+            if unknown or not targets:
+                raise ValueError(f"moec: lora_targets {list(targets)} of '{name}': {family.name} "
+                                 f"experts have {', '.join(family.projections)}")
+        cfg = {"name": f"hf-{family.name}", "hidden_size": h, "intermediate_size": i,
+               "num_experts": e, "top_k": k, "seq_size": tokens_per_rank,
+               "dtype": _dtype_name(layer_dtype, f"'{name}'")}
+        plans.append((name, block, family, cfg, weight.is_meta, targets))
+    names = []
+    for name, block, family, cfg, empty, targets in plans:
+        lora = _Lora(family, targets, lora_rank, alpha) if lora_rank else None
+        lora_args = dict(lora_rank=lora.rank, lora_alpha=alpha * lora.rank / lora_rank,
+                         lora_targets=lora.moec_targets) if lora else {}
+        # Fused experts of a frozen or LoRA layer stay in the model's layout
+        # (gate_up_proj [E, 2I, H], down_proj [E, H, I]), which the layer
+        # reads in place.
+        fused = _fused(block.experts)
+        transposed = (fused and (bool(lora) or bool(options.get("frozen")))) or \
+            bool(options.get("weight_format"))
+        layer = MoeFFN(cfg, ranks, threads=threads, init_weights=False,
+                       weights_transposed=transposed, **lora_args, **options)
+        if not (fused and transposed and _adopt(layer, block.experts)):
+            _copy_in(layer, block, family, empty)
+        if lora:
+            _init_lora(layer, lora)
+        block.experts = MoecExperts(layer, family, lora)
+        if not fused:
+            if family.routing == "moe_method":
+                block.moe = types.MethodType(_moe_method, block)
+            else:
+                block.forward = types.MethodType(_softmax_block_forward, block)
+        names.append(name)
+    return names
+
+
+def _local_experts(layer):
+    first = layer.first_rank * layer.local_experts
+    return range(first, first + layer.w1.shape[0])
+
+
+def _adopt(layer, experts):
+    """Makes the model's fused gate_up_proj and down_proj the layer's w1 and
+    w2 (the same tensors: nothing is copied) where the layer holds every
+    expert in that layout and dtype; returns whether it did."""
+    w1, w2 = experts.gate_up_proj, experts.down_proj
+    if not all(isinstance(w, torch.nn.Parameter) and not w.is_meta and w.device.type == "cpu"
+               and w.dtype == layer.w1.dtype and w.is_contiguous()
+               for w in (w1, w2)):
+        return False
+    if tuple(w1.shape) != tuple(layer.w1.shape) or tuple(w2.shape) != tuple(layer.w2.shape):
+        return False  # under mpirun the layer holds its rank's experts only
+    w1.requires_grad_(False)
+    w2.requires_grad_(False)
+    layer.w1, layer.w2 = w1, w2
+    return True
+
+
+def _set_expert(layer, j, gate, up, down):
+    """Expert j of the layer from its nn.Linear weights [out, in]: copied,
+    or for quantized weights quantized (the stored matrices, gate and up
+    rows stacked, in the layer's format)."""
+    if not layer.weight_format:
+        for to, w in zip(layer.projections(), (gate, up, down)):
+            to[j].copy_(w)
+        return
+    for name, w in (("w1", torch.cat((gate, up))), ("w2", down)):
+        codes, scales = quant.quantize(layer.weight_format, w.unsqueeze(0))
+        getattr(layer, name)[j].copy_(codes[0])
+        getattr(layer, name + "_scale")[j].copy_(scales[0])
+
+
+def _copy_in(layer, block, family, empty):
+    """Copies this process's experts of `block` into the layer (unless the
+    model's are on meta), one expert at a time."""
+    with torch.no_grad():
+        if empty:
+            for p in (layer.w1, layer.w2, *([layer.w1_scale, layer.w2_scale]
+                                            if layer.weight_format else [])):
+                p.zero_()
+            return
+        for j, e in enumerate(_local_experts(layer)):
+            _set_expert(layer, j, *_expert_weights(block, family, e))
+
+
+def _init_lora(layer, lora):
+    """PEFT's start: each module's A uniform in ±1/sqrt(in) (its
+    kaiming_uniform(a=sqrt(5))), drawn for every expert of the model so that
+    every process draws the same; B zero; the entries of no adapter zero."""
+    masks = lora.masks(layer)
+    with torch.no_grad():
+        for target in lora.moec_targets:
+            getattr(layer, f"{target}_lora_A").zero_()
+            getattr(layer, f"{target}_lora_B").zero_()
+        local = _local_experts(layer)
+        for e in range(layer.experts):
+            for module, target, acols, _, _ in lora.pieces(layer.inter):
+                a = getattr(layer, f"{target}_lora_A")
+                draw = torch.empty(a.shape[1], lora.r).uniform_(-1, 1) / math.sqrt(a.shape[1])
+                if e in local:
+                    a[e - local.start][:, acols] = draw.to(a.dtype)
+        for name, mask in masks.items():
+            getattr(layer, name).mul_(mask)
+
+
+def _patched(model):
+    """[(name, block, experts)] of the patched blocks; raises if none."""
+    out = [(name, m, m.experts) for name, m in model.named_modules()
+           if isinstance(getattr(m, "experts", None), MoecExperts)]
+    if not out:
+        raise ValueError("moec: the model has no moec experts; call patch_model(model) first")
+    return out
+
+
+def _checkpoint_prefix(name, family):
+    """The block's name in checkpoints ("model.layers.3.mlp")."""
+    if family.checkpoint_block:
+        parent, _, last = name.rpartition(".")
+        if last != family.checkpoint_block:
+            return f"{parent}.{family.checkpoint_block}" if parent else family.checkpoint_block
+    return name
+
+
+def _expert_entries(blocks, rank):
+    """[(checkpoint name, dtype, shape)] of rank `rank`'s experts of every
+    patched block: what that rank writes."""
+    out = []
+    for name, _, experts in blocks:
+        layer = experts.layer
+        prefix = _checkpoint_prefix(name, experts.family)
+        g, u, d = experts.family.projections
+        first = rank * layer.local_experts
+        for e in range(first, first + layer.local_experts):
+            for p, shape in ((g, (layer.inter, layer.hidden)), (u, (layer.inter, layer.hidden)),
+                             (d, (layer.hidden, layer.inter))):
+                out.append((f"{prefix}.experts.{e}.{p}.weight", layer.dtype, shape))
+    return out
+
+
+# --- the EP group of a patched model ------------------------------------------
+
+def _first_layer(model):
+    return _patched(model)[0][2].layer
+
+
+def barrier(model):
+    """Under mpirun, returns once every process of the patched model's EP
+    group has called it (bounded by the layers' timeout_seconds); in one
+    process, at once."""
+    layer = _first_layer(model)
+    if layer._collective:
+        layer._agree({"at": "barrier"}, "moec barrier: the ranks could not meet")
+
+
+def all_sum(model, value):
+    """The sum of a number over the processes of the patched model's EP group
+    (under mpirun; in one process, the number), e.g. a loss."""
+    layer = _first_layer(model)
+    if not layer._collective:
+        return float(value)
+    views = layer._agree({"value": float(value)}, "moec all_sum: the ranks could not meet")
+    return math.fsum(v["value"] for v in views)

@@ -43,7 +43,6 @@ from .families import (  # noqa: F401
     Family,
     _known,
     _looks_like_moe,
-    find_blocks,
     _fused,
     _expert_sizes,
     _expert_weights,
@@ -53,6 +52,7 @@ from .families import (  # noqa: F401
     _BY_BLOCK,
 )
 from .patch import (  # noqa: F401
+    find_blocks,
     _expert_entries,
     _Lora,
     MoecExperts,

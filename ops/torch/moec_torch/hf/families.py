@@ -48,28 +48,6 @@ def _looks_like_moe(module):
     return hasattr(module, "experts") and (hasattr(module, "gate") or hasattr(module, "router"))
 
 
-def find_blocks(model):
-    """[(name, block, family)] of every MoE block of `model`, in module
-    order. A module that looks like an MoE block (experts and a gate) of
-    an unknown class is refused, naming it and the known families."""
-    from .patch import MoecExperts  # patch.py builds on this module
-
-    found = []
-    for name, module in model.named_modules():
-        if any(name.startswith(f + ".") for f, _, _ in found):
-            continue
-        family = _BY_BLOCK.get(type(module).__name__)
-        if isinstance(getattr(module, "experts", None), MoecExperts):
-            raise ValueError(f"moec: the model is patched already ('{name}.experts' is moec's)")
-        if family is not None:
-            found.append((name, module, family))
-        elif _looks_like_moe(module) and not isinstance(module, torch.nn.ModuleList):
-            raise ValueError(
-                f"moec: '{name}' ({type(module).__name__}) looks like an MoE block (it has "
-                f"experts and a router) but is not one moec knows; known: {_known()}")
-    return found
-
-
 # --- the experts' weights ---------------------------------------------------
 
 def _fused(experts):

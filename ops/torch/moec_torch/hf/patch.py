@@ -15,8 +15,9 @@ from .families import (
     _expert_sizes,
     _expert_weights,
     _fused,
+    _BY_BLOCK,
     _known,
-    find_blocks,
+    _looks_like_moe,
 )
 
 
@@ -155,6 +156,27 @@ def _moe_method(self, hidden_states, topk_indices, topk_weights):
     """DeepSeek's v4 ``moe`` method (the routed experts' sum) on moec's
     experts; the block's forward (router, shared experts) stays its own."""
     return self.experts(hidden_states, topk_indices, topk_weights).to(hidden_states.dtype)
+
+
+
+def find_blocks(model):
+    """[(name, block, family)] of every MoE block of `model`, in module
+    order. A module that looks like an MoE block (experts and a gate) of
+    an unknown class is refused, naming it and the known families."""
+    found = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f + ".") for f, _, _ in found):
+            continue
+        family = _BY_BLOCK.get(type(module).__name__)
+        if isinstance(getattr(module, "experts", None), MoecExperts):
+            raise ValueError(f"moec: the model is patched already ('{name}.experts' is moec's)")
+        if family is not None:
+            found.append((name, module, family))
+        elif _looks_like_moe(module) and not isinstance(module, torch.nn.ModuleList):
+            raise ValueError(
+                f"moec: '{name}' ({type(module).__name__}) looks like an MoE block (it has "
+                f"experts and a router) but is not one moec knows; known: {_known()}")
+    return found
 
 
 # --- patching ---------------------------------------------------------------

@@ -200,6 +200,12 @@ struct Context::Impl : detail::Group {
   Status checkOverlaps(uint32_t rank, const std::vector<Binding> &used,
                        const std::vector<Binding> &outputs) const;
   Status runTasks(backend::Pass &pass, PassTimes &times);
+  /// The steps every pass takes after its checks and bindings: the layout,
+  /// the rows each rank sends (`source`, weighted by the top-k weights or
+  /// not), then the task program; `times` gets prepare (since `t0`), the
+  /// bytes of the puts and tasks.
+  Status layoutAndRun(backend::Pass &pass, const std::vector<const void *> &source, bool weighted,
+                      Clock::time_point t0, PassTimes &times);
   static void countPuts(const backend::Pass &pass, const std::vector<backend::RankRoute> &routes,
                         PassTimes *times);
   void recordTrace(const backend::Pass &pass, Clock::time_point t0, Clock::time_point t1,

@@ -163,6 +163,17 @@ void Context::Impl::recordTrace(const backend::Pass &pass, Clock::time_point t0,
   out->phases.push_back({host, "finish", finishBegin, finishBegin + int64_t(times.finish * 1e9)});
 }
 
+Status Context::Impl::layoutAndRun(backend::Pass &pass, const std::vector<const void *> &source,
+                                   bool weighted, Clock::time_point t0, PassTimes &times) {
+  if (Status st = pass.fillLayout(routes); !st)
+    return fatal(st);
+  if (Status st = pass.gatherSendRows(routes, source, weighted); !st)
+    return fatal(st);
+  times.prepare = secondsSince(t0);
+  countPuts(pass, routes, &times);
+  return runTasks(pass, times);
+}
+
 Status Context::Impl::forward() {
   if (Status st = usable(); !st)
     return st;
@@ -216,14 +227,7 @@ Status Context::Impl::forward() {
     x[r] = bound[r][kX].data;
     y[r] = bound[r][kY].data;
   }
-  if (Status st = pass.fillLayout(routes); !st)
-    return fatal(st);
-  if (Status st = pass.gatherSendRows(routes, x, false); !st)
-    return fatal(st);
-  fwdTimes.prepare = secondsSince(t0);
-  countPuts(pass, routes, &fwdTimes);
-
-  if (Status st = runTasks(pass, fwdTimes); !st)
+  if (Status st = layoutAndRun(pass, x, false, t0, fwdTimes); !st)
     return st;
 
   const Clock::time_point t1 = Clock::now();
@@ -336,14 +340,7 @@ Status Context::Impl::backward() {
     dx[r] = bound[r][kDx].data;
     dtopk[r] = static_cast<float *>(bound[r][kDtopk].data);
   }
-  if (Status st = pass.fillLayout(routes); !st)
-    return fatal(st);
-  if (Status st = pass.gatherSendRows(routes, dy, true); !st)
-    return fatal(st);
-  bwdTimes.prepare = secondsSince(t0);
-  countPuts(pass, routes, &bwdTimes);
-
-  if (Status st = runTasks(pass, bwdTimes); !st)
+  if (Status st = layoutAndRun(pass, dy, true, t0, bwdTimes); !st)
     return st;
 
   const Clock::time_point t1 = Clock::now();

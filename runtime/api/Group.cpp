@@ -68,10 +68,9 @@ Status Group::initialize(const LayerShape &shape, const ContextOptions &opts,
   options = opts;
   layer = shape;
   workerCount = opts.workers ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
-  const backend::BackendInfo *made = backend::findBackend(opts.backend);
-  if (!made)
-    return Status::error(fmt::format("{}: this build has no {} backend (it has {})", source,
-                                     backend::kindName(opts.backend), backend::backendNames()));
+  const backend::BackendInfo *made = nullptr;
+  if (Status s = backend::lookupBackend(opts.backend, &made); !s)
+    return s.withPrefix(source + ": ");
   if (opts.packWeights)
     if (Status s = backend::requireFeature(opts.backend, backend::Feature::PackedWeights); !s)
       return s.withPrefix(source + ": ");

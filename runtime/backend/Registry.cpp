@@ -106,11 +106,18 @@ std::string backendsWith(Feature feature) {
   return orList(names);
 }
 
-Status requireFeature(Kind kind, Feature feature) {
-  const BackendInfo *b = findBackend(kind);
-  if (!b)
+Status lookupBackend(Kind kind, const BackendInfo **out) {
+  *out = findBackend(kind);
+  if (!*out)
     return Status::error(
         fmt::format("this build has no {} backend (it has {})", kindName(kind), backendNames()));
+  return Status::success();
+}
+
+Status requireFeature(Kind kind, Feature feature) {
+  const BackendInfo *b = nullptr;
+  if (Status s = lookupBackend(kind, &b); !s)
+    return s;
   if (b->has(feature))
     return Status::success();
   const std::string with = backendsWith(feature);

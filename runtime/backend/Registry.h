@@ -63,6 +63,9 @@ bool registerBackend(BackendInfo info);
 std::vector<const BackendInfo *> registeredBackends();
 /// The backend of `kind`, or null when this build has none.
 const BackendInfo *findBackend(Kind kind);
+/// The backend of `kind` into *out; an error naming the backends this build
+/// has when it has none of that kind.
+Status lookupBackend(Kind kind, const BackendInfo **out);
 /// The backend named `name`, or null.
 const BackendInfo *findBackend(std::string_view name);
 /// "cpu or cuda": the registered backends' names, for a message.

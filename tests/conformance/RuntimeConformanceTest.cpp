@@ -1627,6 +1627,9 @@ TEST_CASE("backends register themselves, with what each lacks", "[runtime]") {
   CHECK(moec::backend::backendNames() == "cpu or cuda");
   CHECK(moec::backend::findBackend("cuda") == all[1]);
   CHECK(moec::backend::findBackend("tpu") == nullptr);
+  const moec::backend::BackendInfo *cuda = nullptr;
+  REQUIRE(moec::backend::lookupBackend(Kind::Cuda, &cuda).ok());
+  CHECK(cuda == all[1]);
   for (Feature f : {Feature::MultiProcess, Feature::OpByOp, Feature::TaskTrace,
                     Feature::PackedWeights, Feature::Exchange, Feature::SlotItems}) {
     INFO(moec::backend::featureName(f));

@@ -200,6 +200,9 @@ struct Context::Impl : detail::Group {
   Status checkOverlaps(uint32_t rank, const std::vector<Binding> &used,
                        const std::vector<Binding> &outputs) const;
   Status runTasks(backend::Pass &pass, PassTimes &times);
+  /// Binds rank `r`'s base weights (w1, w2, and their scales when quantized)
+  /// to `pass`.
+  void bindBaseWeights(backend::Pass &pass, uint32_t r) const;
   /// The steps every pass takes after its checks and bindings: the layout,
   /// the rows each rank sends (`source`, weighted by the top-k weights or
   /// not), then the task program; `times` gets prepare (since `t0`), the

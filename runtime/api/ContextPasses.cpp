@@ -163,6 +163,16 @@ void Context::Impl::recordTrace(const backend::Pass &pass, Clock::time_point t0,
   out->phases.push_back({host, "finish", finishBegin, finishBegin + int64_t(times.finish * 1e9)});
 }
 
+void Context::Impl::bindBaseWeights(backend::Pass &pass, uint32_t r) const {
+  const LayerPlan &plan = pass.plan();
+  pass.bindSlot(r, plan.w1, bound[r][kW1].data);
+  pass.bindSlot(r, plan.w2, bound[r][kW2].data);
+  if (plan.w1Scale != kNoSlot) {
+    pass.bindSlot(r, plan.w1Scale, bound[r][kW1Scale].data);
+    pass.bindSlot(r, plan.w2Scale, bound[r][kW2Scale].data);
+  }
+}
+
 Status Context::Impl::layoutAndRun(backend::Pass &pass, const std::vector<const void *> &source,
                                    bool weighted, Clock::time_point t0, PassTimes &times) {
   if (Status st = pass.fillLayout(routes); !st)
@@ -216,12 +226,7 @@ Status Context::Impl::forward() {
   std::vector<const void *> x(ranks(), nullptr);
   std::vector<void *> y(ranks(), nullptr);
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
-    pass.bindSlot(r, plan.w1, bound[r][kW1].data);
-    pass.bindSlot(r, plan.w2, bound[r][kW2].data);
-    if (plan.w1Scale != kNoSlot) {
-      pass.bindSlot(r, plan.w1Scale, bound[r][kW1Scale].data);
-      pass.bindSlot(r, plan.w2Scale, bound[r][kW2Scale].data);
-    }
+    bindBaseWeights(pass, r);
     for (const AdapterBinding &a : adapterBindings(s, plan, false))
       pass.bindSlot(r, a.slot, bound[r][a.binding].data);
     x[r] = bound[r][kX].data;
@@ -313,12 +318,7 @@ Status Context::Impl::backward() {
   std::vector<void *> dx(ranks(), nullptr);
   std::vector<float *> dtopk(ranks(), nullptr);
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
-    pass.bindSlot(r, plan.w1, bound[r][kW1].data);
-    pass.bindSlot(r, plan.w2, bound[r][kW2].data);
-    if (plan.w1Scale != kNoSlot) {
-      pass.bindSlot(r, plan.w1Scale, bound[r][kW1Scale].data);
-      pass.bindSlot(r, plan.w2Scale, bound[r][kW2Scale].data);
-    }
+    bindBaseWeights(pass, r);
     pass.bindSlot(r, plan.upOut, fwd->slot(r, saved.upOut));
     if (!frozen) {
       pass.bindSlot(r, plan.dw1, bound[r][kDw1].data);

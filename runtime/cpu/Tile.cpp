@@ -341,8 +341,13 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
 class Prefetch {
 public:
   Prefetch() = default;
-  Prefetch(const char *base, int64_t rows, int64_t bytes, int64_t stride)
-      : base(base), rows(rows), lines((bytes + 63) / 64), stride(stride) {}
+  /// `rows` rows of `bytes` bytes, `stride` bytes apart; with `pieces`, each
+  /// row is taken as that many runs of whole lines, one after the other (a
+  /// long row, such as a packed panel's depth block, spread over the calls
+  /// like many short ones).
+  Prefetch(const char *base, int64_t rows, int64_t bytes, int64_t stride, int64_t pieces = 1)
+      : base(base), rows(rows * pieces), pieces(pieces), lines(ceilDiv(ceilDiv(bytes, 64), pieces)),
+        total(ceilDiv(bytes, 64)), stride(stride) {}
 
   /// Spreads the rows over `calls` calls of next().
   void spread(int64_t calls) { perCall = ceilDiv(rows, calls); }
@@ -351,15 +356,17 @@ public:
   void next() {
     const int64_t end = std::min(rows, row + perCall);
     for (; row < end; ++row) {
-      const char *line = base + row * stride;
-      for (int64_t l = 0; l < lines; ++l)
+      const int64_t first = (row % pieces) * lines;
+      const char *line = base + (row / pieces) * stride + first * 64;
+      const int64_t count = std::min(lines, total - first);
+      for (int64_t l = 0; l < count; ++l)
         _mm_prefetch(line + l * 64, _MM_HINT_T1);
     }
   }
 
 private:
   const char *base = nullptr;
-  int64_t rows = 0, lines = 0, stride = 0;
+  int64_t rows = 0, pieces = 1, lines = 0, total = 0, stride = 0;
   int64_t perCall = 0, row = 0;
 };
 
@@ -437,10 +444,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
                       at(c0 + cols - 1) - at(c0) + 1, d.codesLd);
     }
     if (prepacked)
-      return Prefetch(reinterpret_cast<const char *>(prepacked +
-                                                     ((j0 / kPanel) * allUnits + q0 / per) * kPanel),
+      return Prefetch(reinterpret_cast<const char *>(
+                          prepacked + ((j0 / kPanel) * allUnits + q0 / per) * kPanel),
                       ceilDiv(nb, kPanel), ceilDiv(q1 - q0, per) * kPanel * 4,
-                      allUnits * kPanel * 4);
+                      allUnits * kPanel * 4, ceilDiv(ceilDiv(q1 - q0, per) * kPanel * 4, 1024));
     return transB ? Prefetch(bBytes + (j0 * ldb + q0) * elt, nb, (q1 - q0) * elt, ldb * elt)
                   : Prefetch(bBytes + (q0 * ldb + j0) * elt, q1 - q0, nb * elt, ldb * elt);
   };

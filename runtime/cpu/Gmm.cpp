@@ -309,10 +309,27 @@ bool packedTile(Elt a, Elt b) {
 }
 
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
-              bool transB, Matrix c, bool accumulate, Scratch *scratch, float alpha,
-              bool streamC, const void *packedB, const tile::DecodedB *decodedB) {
+              bool transB, Matrix c, bool accumulate, Scratch *scratch, float alpha, bool streamC,
+              const void *packedB, const tile::DecodedB *decodedB, ConstMatrix addend) {
   if (m <= 0 || n <= 0)
     return;
+  const bool cBf16 = c.elt == Elt::BF16;
+  // moec's own tile writes C itself unless it must scale or add onto a bf16
+  // C: then its last depth block does (tile::AddScaled), from the sums in
+  // registers. Any other way adds onto C: a separate addend is copied there
+  // first.
+  const bool ownTile = k > 0 && a.elt == b.elt && !(a.elt == Elt::BF16 && !nativeBf16Gemm()) &&
+                       moecTile(a.elt == Elt::BF16);
+  const bool direct = alpha == 1.0f && !(cBf16 && (accumulate || addend.data));
+  if (addend.data && addend.data != c.data && !(ownTile && !direct)) {
+    for (int64_t i = 0; i < m; ++i)
+      std::memcpy(c.address(i, 0), addend.address(i, 0), size_t(n) * dtypeSize(c.elt));
+    accumulate = true;
+    addend = ConstMatrix{};
+  } else if (addend.data) {
+    accumulate = addend.data == c.data;
+    addend = accumulate ? ConstMatrix{} : addend;
+  }
   if (k <= 0) {
     if (!accumulate)
       zeroTile(c, m, n);
@@ -340,36 +357,24 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
   }
   // moec's own tile: packs its operands per depth block, so aliasing strides
   // cost it nothing. It sums into fp32 C in place, or into fp32 scratch when
-  // C is bf16 or the product is scaled.
-  if (moecTile(a.elt == Elt::BF16)) {
+  // C is bf16 or the sums are scaled or added onto.
+  if (ownTile) {
     static thread_local Scratch threadScratch;
     Scratch &mem = scratch ? *scratch : threadScratch;
-    const bool bf16 = a.elt == Elt::BF16, cBf16 = c.elt == Elt::BF16;
-    // The tile writes C itself unless it must add a bf16 C or scale.
-    const bool direct = alpha == 1.0f && !(cBf16 && accumulate);
-    const size_t packFloats = lineRound(
-        int64_t(tile::packBytes(m, n, k, transA, bf16, direct && cBf16, decodedB) / 4 + 1));
-    float *base = mem.floats(packFloats + (direct ? 0 : lineRound(m * n) + lineRound(n)));
+    const bool bf16 = a.elt == Elt::BF16;
+    float *base = mem.floats(lineRound(
+        int64_t(tile::packBytes(m, n, k, transA, bf16, cBf16, decodedB, !direct) / 4 + 1)));
     if (direct) {
       tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, c.data, c.ld, cBf16,
                  accumulate, base, streamC && !accumulate, packedB, decodedB);
       return;
     }
-    float *product = base + packFloats, *row = product + lineRound(m * n);
-    tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, product, n, false,
-               false, base, false, packedB, decodedB);
-    for (int64_t i = 0; i < m; ++i) {
-      float *p = product + i * n;
-      if (accumulate) {
-        loadFloats(c.address(i, 0), c.elt, row, size_t(n));
-        for (int64_t j = 0; j < n; ++j)
-          p[j] = row[j] + alpha * p[j];
-      } else {
-        for (int64_t j = 0; j < n; ++j)
-          p[j] = alpha * p[j];
-      }
-      storeFloats(p, c.address(i, 0), c.elt, size_t(n));
-    }
+    // C = (C or the addend, or nothing) + alpha * the sums, as the sums
+    // leave the registers.
+    const tile::AddScaled epilogue{alpha, accumulate ? c.data : addend.data,
+                                   accumulate ? c.ld : addend.ld};
+    tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, c.data, c.ld, cBf16,
+               false, base, false, packedB, decodedB, &epilogue);
     return;
   }
   // B (the weight of a forward tile) stored k x n with rows that alias in
@@ -437,13 +442,8 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
     return;
   const int64_t first = segment.offset + r.begin;
   const Matrix out = shifted(c, first, cols.begin);
-  const bool add = epilogue.addend.data != nullptr;
-  if (add && epilogue.addend.data != c.data) {
-    const ConstMatrix from = shifted(epilogue.addend, first, cols.begin);
-    const size_t bytes = size_t(cols.size()) * dtypeSize(c.elt);
-    for (int64_t i = 0; i < r.size(); ++i)
-      std::memcpy(out.address(i, 0), from.address(i, 0), bytes);
-  }
+  const ConstMatrix addend =
+      epilogue.addend.data ? shifted(epilogue.addend, first, cols.begin) : ConstMatrix{};
   // A decoded B is shifted in the decoder's coordinates; its data is not read.
   tile::DecodedB decodedCols;
   if (decodedB) {
@@ -451,8 +451,11 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
     (transB ? decodedCols.rowOffset : decodedCols.colOffset) += cols.begin;
   }
   gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false,
-           decodedB ? b : transB ? shifted(b, cols.begin, 0) : shifted(b, 0, cols.begin), transB,
-           out, add, scratch, epilogue.scale, false, packedB, decodedB ? &decodedCols : nullptr);
+           decodedB ? b
+           : transB ? shifted(b, cols.begin, 0)
+                    : shifted(b, 0, cols.begin),
+           transB, out, false, scratch, epilogue.scale, false, packedB,
+           decodedB ? &decodedCols : nullptr, addend);
 }
 
 } // namespace

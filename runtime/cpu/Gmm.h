@@ -150,10 +150,17 @@ bool nativeBf16Gemm();
 /// `decodedB`, when not null, gives B through a decoder (tile::DecodedB: a
 /// quantized weight), and `b`'s data is not read. Only where
 /// packedTile(a.elt, b.elt) with both bf16: the caller checks.
+///
+/// `addend`, when its data is not null, is an m x n matrix of C's type (it
+/// may be C itself): C = addend + alpha * the sum instead (`accumulate` is
+/// then not read). On moec's tile: with alpha 1 and an fp32 C, the sum
+/// starts from the addend; else (bf16 C, or alpha not 1) the sum is made
+/// from zero, scaled, then added, in fp32, and rounded once into C. On
+/// oneDNN's GEMM, the addend is copied into C and the product added to it.
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
               bool transB, Matrix c, bool accumulate, Scratch *scratch = nullptr,
               float alpha = 1.0f, bool streamC = false, const void *packedB = nullptr,
-              const tile::DecodedB *decodedB = nullptr);
+              const tile::DecodedB *decodedB = nullptr, ConstMatrix addend = {});
 
 /// Whether gemmTile runs a product of these operand types on moec's tile,
 /// which reads a B packed beforehand (`packedB`).

@@ -55,10 +55,11 @@ size_t panelBytes(int64_t n) { return size_t(ceilDiv(n, kPanel) * kPanel * kBloc
 /// transposes read them); else a block's depth rows of kPanel columns.
 int64_t decodedLd(bool transB) { return transB ? 2 * kBlockUnits + 32 : kPanel; }
 
-/// Bytes of the fp32 partial sums gemm keeps for a bf16 C deeper than one
-/// depth block (m x the column group's width), else none.
-size_t partialBytes(int64_t m, int64_t n, int64_t k, bool bf16, bool cBf16) {
-  return cBf16 && k > kBlockUnits * perUnit(bf16) ? size_t(m * std::min(n, kGroup)) * 4 : 0;
+/// Bytes of the fp32 partial sums gemm keeps apart from C (`apart`: a bf16
+/// C, or one the last block adds them onto) deeper than one depth block (m x
+/// the column group's width), else none.
+size_t partialBytes(int64_t m, int64_t n, int64_t k, bool bf16, bool apart) {
+  return apart && k > kBlockUnits * perUnit(bf16) ? size_t(m * std::min(n, kGroup)) * 4 : 0;
 }
 
 /// Bytes of one panel's part of a decoded B, rounded to cache lines.
@@ -78,11 +79,11 @@ size_t packedBBytes(int64_t n, int64_t k, bool bf16) {
   return size_t(ceilDiv(n, kPanel) * kPanel * ceilDiv(k, perUnit(bf16))) * 4;
 }
 
-size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
-                 bool decodedB) {
+size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16, bool decodedB,
+                 bool addScaled) {
   const int64_t width = std::min(n, kGroup);
   size_t bytes = panelBytes(width) + packedABytes(m, k, transA, bf16) +
-                 partialBytes(m, n, k, bf16, cBf16);
+                 partialBytes(m, n, k, bf16, cBf16 || addScaled);
   // The larger of the two forms: packBytes does not know transB.
   if (decodedB)
     bytes += std::max(decodedBytes(true), decodedBytes(false));
@@ -247,7 +248,10 @@ step(__m512 (&acc)[MR][3], const uint32_t *panel, const __m512i (&av)[MR]) {
 /// a + r * aRow + t * aUnit (bytes). `out` is fp32, or bf16 bits with
 /// `outBf16` (rounded once, here); `in` is fp32 and may be `out`. With
 /// `halfLast`, A's last unit is a lone bf16 value (its pair would lie past
-/// the depth), read as such.
+/// the depth), read as such. With `scaled` (gemm's AddScaled), the sums are
+/// multiplied by its alpha and, where `addend` is not null, added to
+/// addend[r, 0:cols) (row stride scaled->ld, out's storage type) before
+/// they are stored.
 ///
 /// With PACK (bf16 only), the panel is not read but made as this call goes,
 /// unit by unit as packRows makes it, and written for the calls after this
@@ -258,8 +262,9 @@ step(__m512 (&acc)[MR][3], const uint32_t *panel, const __m512i (&av)[MR]) {
 template <int MR, bool BF16, bool PACK>
 MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t aUnit,
                             bool halfLast, uint32_t *panel, const float *in, int64_t ldIn,
-                            void *out, int64_t ldOut, bool outBf16, int cols,
-                            const uint16_t *src, int64_t ldSrc, int64_t srcRows) {
+                            void *out, int64_t ldOut, bool outBf16, int cols, const uint16_t *src,
+                            int64_t ldSrc, int64_t srcRows, const AddScaled *scaled,
+                            const char *addend) {
   __m512 acc[MR][3];
   const __mmask16 m0 = laneMask(cols, 0), m1 = laneMask(cols, 1), m2 = laneMask(cols, 2);
 #pragma GCC unroll 8
@@ -307,6 +312,31 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
       broadcast<MR, true>(av, rows, whole * aUnit);
       step<MR, BF16>(acc, panel, av);
     }
+  }
+  if (scaled) {
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 alpha = _mm512_set1_ps(scaled->alpha);
+    const __mmask16 masks[3] = {m0, m1, m2};
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 3
+      for (int x = 0; x < 3; ++x) {
+        // Rounded one operation at a time, as the header says: the
+        // explicitly rounded forms, which the compiler does not contract
+        // into a fused multiply-add.
+        acc[r][x] = _mm512_mul_round_ps(alpha, acc[r][x], kNearest);
+        if (!addend)
+          continue;
+        const char *row = addend + r * scaled->ld * (outBf16 ? 2 : 4);
+        const __m512 add =
+            outBf16
+                ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                          masks[x], reinterpret_cast<const uint16_t *>(row) + 16 * x)),
+                      16))
+                : _mm512_maskz_loadu_ps(masks[x], reinterpret_cast<const float *>(row) + 16 * x);
+        acc[r][x] = _mm512_add_round_ps(add, acc[r][x], kNearest);
+      }
   }
   if (outBf16) {
     uint16_t *o = static_cast<uint16_t *>(out);
@@ -382,7 +412,8 @@ MOEC_TILE_TARGET void streamRow(char *dst, const char *src, int64_t bytes) {
 }
 
 using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, uint32_t *, const float *,
-                       int64_t, void *, int64_t, bool, int, const uint16_t *, int64_t, int64_t);
+                       int64_t, void *, int64_t, bool, int, const uint16_t *, int64_t, int64_t,
+                       const AddScaled *, const char *);
 
 template <bool BF16, bool PACK = false> Micro microFor(int rows) {
   static constexpr Micro table[kRows] = {
@@ -401,9 +432,10 @@ bool available(bool bf16) {
   return bf16 ? dot : f32;
 }
 
-void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
-          const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
-          bool load, void *pack, bool stream, const void *packedB, const DecodedB *decodedB) {
+void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA, const void *b,
+          int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,
+          void *pack, bool stream, const void *packedB, const DecodedB *decodedB,
+          const AddScaled *addScaled) {
   const int64_t per = perUnit(bf16), depth = kBlockUnits * per;
   // With packedB: op(B) packed whole (packB), panel Q of the columns at
   // [Q][unit over the whole depth][kPanel]; nothing is packed here.
@@ -423,12 +455,13 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   if (transA)
     packRows(a, lda, 0, k, m, bf16, packedA, kAPanel, kAPanel, aPanelUnits);
   // Where the sums of the blocks before the last one live: C itself when it
-  // is fp32, else fp32 partial sums (m x width).
+  // is fp32 and they are its values, else fp32 partial sums (m x width).
+  const bool apart = cBf16 || addScaled;
   float *partialBase = reinterpret_cast<float *>(after + packedABytes(m, k, transA, bf16));
   // With decodedB: one panel's part of B per depth block, decoded (after
   // the partial sums, which a bf16 C deeper than one block needs).
   uint16_t *decoded = reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(partialBase) +
-                                                   partialBytes(m, n, k, bf16, cBf16));
+                                                   partialBytes(m, n, k, bf16, apart));
   const char *aBytes = static_cast<const char *>(a), *bBytes = static_cast<const char *>(b);
   // The rows of B's column group at j0 (nb wide), depth [q0, q1), and of A
   // (read in place) at depth [q0, q1): what a later block will pack or read.
@@ -467,8 +500,8 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
     const int64_t nb = std::min(kGroup, n - j0);
     const void *bGroup = decodedB ? nullptr : bBytes + (transB ? j0 * ldb : j0) * elt;
     char *cGroup = static_cast<char *>(c) + j0 * cElt;
-    float *partial = cBf16 ? partialBase : reinterpret_cast<float *>(cGroup);
-    const int64_t ldPartial = cBf16 ? nb : ldc;
+    float *partial = apart ? partialBase : reinterpret_cast<float *>(cGroup);
+    const int64_t ldPartial = apart ? nb : ldc;
     for (int64_t p0 = 0; p0 < k; p0 += depth) {
       const int64_t p1 = std::min(k, p0 + depth);
       const int64_t units = ceilDiv(p1 - p0, per);
@@ -557,12 +590,16 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
             prepacked ? const_cast<uint32_t *>(prepacked) +
                             ((j0 / kPanel + q) * allUnits + p0 / per) * kPanel
                       : panels + q * kBlockUnits * kPanel;
+        const AddScaled *scaled = last ? addScaled : nullptr;
+        const char *addend = scaled && scaled->addend
+                                 ? static_cast<const char *>(scaled->addend) +
+                                       (i0 * scaled->ld + j0 + q * kPanel) * cElt
+                                 : nullptr;
         kernel(units, aRows(i0), aRow, aUnit, halfLast, panel,
                in ? in + i0 * ldIn + q * kPanel : nullptr, ldIn, to + q * kPanel * outElt, ldTo,
                outBf16, cols,
-               packInCall ? static_cast<const uint16_t *>(bGroup) + p0 * ldb + q * kPanel
-                          : nullptr,
-               ldb, p1 - p0);
+               packInCall ? static_cast<const uint16_t *>(bGroup) + p0 * ldb + q * kPanel : nullptr,
+               ldb, p1 - p0, scaled, addend);
       };
       if (last && stream) {
         // Row block by row block: the group's columns of kRows rows are
@@ -612,8 +649,9 @@ namespace {
 }
 } // namespace
 
-void gemm(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool,
-          bool, void *, int64_t, bool, bool, void *, bool, const void *, const DecodedB *) {
+void gemm(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool, bool,
+          void *, int64_t, bool, bool, void *, bool, const void *, const DecodedB *,
+          const AddScaled *) {
   absent();
 }
 

@@ -82,15 +82,28 @@ struct DecodedB {
   }
 };
 
+/// What gemm makes of its sums S, when given one: C = addend + alpha * S, or
+/// alpha * S with no addend, in fp32 (a multiply, then an add), rounded once
+/// into C's type. The addend is an m x n matrix of C's storage type, row
+/// stride `ld` elements; it may be C itself (each element is read before it
+/// is written). This is the layer's LoRA epilogue (the adapter's product
+/// onto the base's output, a scaled rank-r product) in the tile's last depth
+/// block, where the sums are still in registers.
+struct AddScaled {
+  float alpha = 1.0f;
+  const void *addend = nullptr;
+  int64_t ld = 0;
+};
+
 /// Whether this CPU runs the tile: AVX-512 (F) for fp32, and bf16 dot
 /// products (avx512_bf16) for bf16. Checked once.
 bool available(bool bf16);
 
 /// Bytes of working memory gemm() needs for these shapes (packed panels,
-/// fp32 partial sums for a bf16 C deeper than one block, and with `decodedB`
-/// one panel's part of B decoded).
+/// fp32 partial sums for a bf16 C, or any C with `addScaled`, deeper than
+/// one block, and with `decodedB` one panel's part of B decoded).
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
-                 bool decodedB = false);
+                 bool decodedB = false, bool addScaled = false);
 
 /// C = (load ? C : 0) + op(A) op(B), as the header says. `bf16` says the
 /// storage of A and B (uint16_t bf16 bits, else float), `cBf16` that of C.
@@ -101,10 +114,13 @@ size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool c
 /// otherwise be read from memory before they are written. The same bits.
 /// With `decodedB` (bf16 only, not with `packedB`), B is read through it and
 /// `b`, `ldb` are not read; `pack` then holds packBytes(..., true) bytes.
-void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
-          const void *b, int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16,
-          bool load, void *pack, bool stream = false, const void *packedB = nullptr,
-          const DecodedB *decodedB = nullptr);
+/// With `addScaled` (not with `load` or `stream`), C = addend + alpha * the
+/// sums, as AddScaled says; `pack` then holds packBytes(..., addScaled =
+/// true) bytes.
+void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA, const void *b,
+          int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,
+          void *pack, bool stream = false, const void *packedB = nullptr,
+          const DecodedB *decodedB = nullptr, const AddScaled *addScaled = nullptr);
 
 /// Bytes of an op(B) of k x n packed whole by packB: n rounded up to whole
 /// 48-column panels, times k in 32-bit units (an fp32 value, or a bf16 pair

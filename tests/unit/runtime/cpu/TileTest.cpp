@@ -335,3 +335,83 @@ TEST_CASE("moec's tile gives the same bits on a B read through a decoder", "[cpu
           CHECK(std::memcmp(plain.data(), decoded.data(), size_t(m * cols) * elt) == 0);
         }
 }
+
+TEST_CASE("moec's tile scales and adds onto its sums as they leave the registers", "[cpu][tile]") {
+  // tile::AddScaled: C = addend + alpha * S in fp32, a multiply and then an
+  // add, rounded once into C: the bits of the fp32 sums S (the plain tile)
+  // finished by that formula, for fp32 and bf16 C, one depth block and
+  // several, alpha 1 and not, no addend, a separate one, and C itself as the
+  // addend.
+  for (const bool bf16 : {false, true}) {
+    if (!tileRuns(bf16))
+      continue;
+    for (const bool cBf16 : {false, true})
+      for (const int64_t k : {int64_t(16), int64_t(700)})
+        for (const float alpha : {1.0f, 2.5f})
+          for (const int addendKind : {0, 1, 2}) { // none, separate, C itself
+            INFO((bf16 ? "bf16" : "fp32") << " operands, " << (cBf16 ? "bf16" : "fp32") << " C, k "
+                                          << k << ", alpha " << alpha << ", addend " << addendKind);
+            const int64_t m = 21, n = 250, ldc = 256, lda = 260;
+            const Product x(m, n, k, false, false, bf16, 13);
+            std::vector<float> sums(size_t(m * n));
+            x.run(sums.data(), n, false, 0, m, 0, n);
+            std::mt19937 rng(17);
+            std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+            // The addend as stored (C's type) and as the floats it holds.
+            std::vector<float> add32(size_t(m * lda), 0.0f);
+            std::vector<uint16_t> add16(size_t(m * lda), 0);
+            for (size_t i = 0; i < add32.size(); ++i) {
+              add16[i] = floatToBf16(dist(rng));
+              add32[i] = cBf16 ? bf16ToFloat(add16[i]) : dist(rng);
+            }
+            const size_t elt = cBf16 ? 2 : 4;
+            std::vector<uint8_t> c(size_t(m * ldc) * elt, 0x5A);
+            const void *addendData = nullptr;
+            int64_t addendLd = 0;
+            if (addendKind == 1) {
+              addendData = cBf16 ? static_cast<const void *>(add16.data()) : add32.data();
+              addendLd = lda;
+            } else if (addendKind == 2) {
+              for (int64_t i = 0; i < m; ++i)
+                std::memcpy(c.data() + size_t(i * ldc) * elt,
+                            cBf16 ? static_cast<const void *>(&add16[size_t(i * lda)])
+                                  : &add32[size_t(i * lda)],
+                            size_t(n) * elt);
+              addendData = c.data();
+              addendLd = ldc;
+            }
+            const tile::AddScaled epilogue{alpha, addendData, addendLd};
+            Aligned pack(tile::packBytes(m, n, k, false, bf16, cBf16, false, true));
+            tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, bf16,
+                       c.data(), ldc, cBf16, false, pack.data(), false, nullptr, nullptr,
+                       &epilogue);
+            int64_t bad = 0;
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = 0; j < n; ++j) {
+                const volatile float scaled = alpha * sums[size_t(i * n + j)];
+                const float want = addendKind == 0 ? scaled : add32[size_t(i * lda + j)] + scaled;
+                const uint8_t *got = c.data() + size_t(i * ldc + j) * elt;
+                if (cBf16) {
+                  uint16_t v;
+                  std::memcpy(&v, got, 2);
+                  bad += v != floatToBf16(want);
+                } else {
+                  float v;
+                  std::memcpy(&v, got, 4);
+                  uint32_t vb, wb;
+                  std::memcpy(&vb, &v, 4);
+                  std::memcpy(&wb, &want, 4);
+                  bad += vb != wb;
+                }
+              }
+            CHECK(bad == 0);
+            // Nothing past the tile's columns.
+            int64_t touched = 0;
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = n; j < ldc; ++j)
+                for (size_t b = 0; b < elt; ++b)
+                  touched += c[size_t(i * ldc + j) * elt + b] != 0x5A;
+            CHECK(touched == 0);
+          }
+  }
+}

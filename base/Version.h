@@ -12,9 +12,9 @@
 #define MOEC_BASE_VERSION_H
 
 #define MOEC_VERSION_MAJOR 0
-#define MOEC_VERSION_MINOR 1
+#define MOEC_VERSION_MINOR 2
 #define MOEC_VERSION_PATCH 0
 /** "MAJOR.MINOR.PATCH" of the macros above. */
-#define MOEC_VERSION_STRING "0.1.0"
+#define MOEC_VERSION_STRING "0.2.0"
 
 #endif /* MOEC_BASE_VERSION_H */

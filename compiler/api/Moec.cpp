@@ -2,17 +2,19 @@
 
 #include "compiler/api/moec.h"
 
+#include "base/CStatus.h"
 #include "base/File.h"
 #include "compiler/driver/Compile.h"
+#include "compiler/inspect/Dump.h"
 #include "format/TaskBinary.h"
 #include "runtime/trace/Trace.h"
-#include "compiler/inspect/Dump.h"
 
 #include <fmt/format.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <optional>
 #include <string>
 
@@ -20,34 +22,14 @@ using namespace moec;
 
 namespace {
 
-/// A malloc'ed copy of `text`, for the caller to moec_free.
+/// A malloc'ed copy of `text`, for the caller to moec_free (std::bad_alloc,
+/// which guardedC reports, if there is no memory for it).
 char *copyOut(const std::string &text) {
   char *out = static_cast<char *>(std::malloc(text.size() + 1));
-  if (out)
-    std::memcpy(out, text.c_str(), text.size() + 1);
+  if (!out)
+    throw std::bad_alloc();
+  std::memcpy(out, text.c_str(), text.size() + 1);
   return out;
-}
-
-/// Reports `status`: 0, or 1 with the message in *error.
-int report(const Status &status, char **error) {
-  if (status.ok())
-    return 0;
-  if (error)
-    *error = copyOut(status.message());
-  return 1;
-}
-
-/// Runs `body`, turning an exception into an error.
-template <typename Body> int guarded(char **error, Body &&body) {
-  if (error)
-    *error = nullptr;
-  try {
-    return report(body(), error);
-  } catch (const std::exception &e) {
-    return report(Status::error(std::string("internal error: ") + e.what()), error);
-  } catch (...) {
-    return report(Status::error("internal error"), error);
-  }
 }
 
 std::optional<std::string> optionalString(const char *text) {
@@ -66,12 +48,11 @@ Status analyze(const char *binary, const char *target, bool trace, format::TaskP
 
 } // namespace
 
-extern "C" int moec_compile(const char *graph, const char *config, const char *target,
-                            const char *granularity, const char *out, char **summary,
-                            char **error) {
+extern "C" moec_status_t moec_compile(const char *graph, const char *config, const char *target,
+                                      const char *granularity, const char *out, char **summary) {
   if (summary)
     *summary = nullptr;
-  return guarded(error, [&]() -> Status {
+  return guardedC([&]() -> Status {
     if (!graph || !config || !out)
       return Status::error("moec_compile needs a graph, a config and an output path");
     driver::CompileOptions options;
@@ -99,11 +80,11 @@ extern "C" int moec_compile(const char *graph, const char *config, const char *t
   });
 }
 
-extern "C" int moec_dump_json(const char *binary, const char *target, int rank, char **json,
-                              char **error) {
+extern "C" moec_status_t moec_dump_json(const char *binary, const char *target, int rank,
+                                        char **json) {
   if (json)
     *json = nullptr;
-  return guarded(error, [&]() -> Status {
+  return guardedC([&]() -> Status {
     format::TaskProgram program;
     inspect::Analysis analysis;
     if (Status status = analyze(binary, target, false, &program, &analysis); !status)
@@ -120,9 +101,9 @@ extern "C" int moec_dump_json(const char *binary, const char *target, int rank, 
   });
 }
 
-extern "C" int moec_simulate_trace(const char *binary, const char *target, const char *out,
-                                   char **error) {
-  return guarded(error, [&]() -> Status {
+extern "C" moec_status_t moec_simulate_trace(const char *binary, const char *target,
+                                             const char *out) {
+  return guardedC([&]() -> Status {
     if (!out)
       return Status::error("moec_simulate_trace needs an output path");
     format::TaskProgram program;
@@ -135,12 +116,12 @@ extern "C" int moec_simulate_trace(const char *binary, const char *target, const
   });
 }
 
-extern "C" int moec_capacity_advice(const char *config, long long rows_per_rank,
-                                    long long receive_per_rank, int headroom, char **advice,
-                                    char **error) {
+extern "C" moec_status_t moec_capacity_advice(const char *config, long long rows_per_rank,
+                                              long long receive_per_rank, int headroom,
+                                              char **advice) {
   if (advice)
     *advice = nullptr;
-  return guarded(error, [&]() -> Status {
+  return guardedC([&]() -> Status {
     if (!config)
       return Status::error("moec_capacity_advice needs a config");
     if (rows_per_rank < 0 || receive_per_rank < 0)
@@ -162,8 +143,8 @@ extern "C" int moec_capacity_advice(const char *config, long long rows_per_rank,
   });
 }
 
-extern "C" int moec_config_check(const char *config, char **error) {
-  return guarded(error, [&]() -> Status {
+extern "C" moec_status_t moec_config_check(const char *config) {
+  return guardedC([&]() -> Status {
     if (!config)
       return Status::error("moec_config_check needs a config");
     ModelConfig parsed;

@@ -5,10 +5,11 @@
  * moec_torch, through ctypes) compiles and inspects layers without a moec
  * executable or a build tree at hand.
  *
- * Every call returns 0 on success. On failure it returns 1 and, when
- * `error` is not null, sets *error to a message (free it with moec_free);
- * nothing is written then. Strings the library returns are freed with
- * moec_free. The calls may run from several threads at once.
+ * Every call that can fail returns a moec_status_t (base/moec_status.h, the
+ * runtime's C API's too): MOEC_OK (NULL) on success, else an error the
+ * caller frees with moec_status_free, whose moec_status_message() says what
+ * was wrong; nothing is written then. Strings the library returns are freed
+ * with moec_free. The calls may run from several threads at once.
  *
  *===---------------------------------------------------------------------===*/
 
@@ -16,6 +17,7 @@
 #define MOEC_COMPILER_API_MOEC_H
 
 #include "base/Version.h"
+#include "base/moec_status.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -32,18 +34,18 @@ const char *moec_compiler_version(unsigned *binary_format);
  * `target` is a profile name or profile JSON path (NULL: "cpu"),
  * `granularity` "per-tile-range" or "per-expert" (NULL: the first). With
  * `summary`, *summary is the one-line summary `moec compile` prints. */
-int moec_compile(const char *graph, const char *config, const char *target,
-                 const char *granularity, const char *out, char **summary, char **error);
+moec_status_t moec_compile(const char *graph, const char *config, const char *target,
+                           const char *granularity, const char *out, char **summary);
 
 /* Sets *json to what `moec dump BIN --json` prints: the binary's header,
  * slots, ops, events, every queue and the statistics, with `target` (NULL:
  * the binary's own) and resolved for `rank` (negative: rank-relative). */
-int moec_dump_json(const char *binary, const char *target, int rank, char **json, char **error);
+moec_status_t moec_dump_json(const char *binary, const char *target, int rank, char **json);
 
 /* Writes the simulated run of the binary (every rank) on `target` (NULL:
  * the binary's own) to `out` as a Chrome/Perfetto trace: the format the
  * runtime's measured traces have. */
-int moec_simulate_trace(const char *binary, const char *target, const char *out, char **error);
+moec_status_t moec_simulate_trace(const char *binary, const char *target, const char *out);
 
 /* Sets *advice to a JSON object saying how to change the config `config`
  * (JSON text) so that a routing that routes `rows_per_rank` rows from its
@@ -54,15 +56,14 @@ int moec_simulate_trace(const char *binary, const char *target, const char *out,
  * times it, at least 1.5 times the config's), as before a recompile. The
  * arithmetic is format/Capacity.h's, which the compiler sizes binaries
  * with and the runtime advises from a binary's layer record. */
-int moec_capacity_advice(const char *config, long long rows_per_rank, long long receive_per_rank,
-                         int headroom, char **advice, char **error);
+moec_status_t moec_capacity_advice(const char *config, long long rows_per_rank,
+                                   long long receive_per_rank, int headroom, char **advice);
 
 /* Checks the config `config` (JSON text) as `moec compile` does (its keys,
  * their types and ranges, and the rules between them, e.g. that
- * "dispatch_dtype" is "fp8_e4m3" or the config's dtype). Returns 0, or
- * nonzero with *error set to the compiler's message, which names the config
- * as "the config". */
-int moec_config_check(const char *config, char **error);
+ * "dispatch_dtype" is "fp8_e4m3" or the config's dtype). An error's message
+ * is the compiler's, which names the config as "the config". */
+moec_status_t moec_config_check(const char *config);
 
 /* Frees a string the library returned. */
 void moec_free(char *text);

@@ -92,7 +92,7 @@ class BuildWithLibraries(build_py):
 
 setup(
     name="moec_torch",
-    version="0.1.0",  # base/Version.h's MOEC_VERSION_STRING (test_moe_ffn checks they agree)
+    version="0.2.0",  # base/Version.h's MOEC_VERSION_STRING (test_moe_ffn checks they agree)
     description="moec's fused MoE-FFN layer (forward and backward) as a PyTorch module",
     packages=["moec_torch", "moec_torch.hf", "moec_torch.hf_models"],
     python_requires=">=3.9",

@@ -1,14 +1,15 @@
 //===- CApi.cpp - The runtime's C API over the C++ one ---------------------===//
 //
-// The moec_* functions of Runtime.h: handles that own a Program or a
-// Context, errors as codes with the message in moec_last_error() (per
-// thread), and no exception crossing into C.
+// The moec_* functions of moec_runtime.h: handles that own a Program or a
+// Context, errors as moec_status_t (base/moec_status.h), and no exception
+// crossing into C.
 //
 //===----------------------------------------------------------------------===//
 
 #include "runtime/api/CApi.h"
 #include "runtime/api/Runtime.h"
 
+#include "base/CStatus.h"
 #include "base/Time.h"
 #include "format/TaskBinary.h"
 #include "runtime/backend/Registry.h"
@@ -33,31 +34,7 @@ struct moec_context {
   std::unique_ptr<moec::rt::Context> context;
 };
 
-namespace {
-
-thread_local std::string lastError;
-
-int report(const moec::Status &status) {
-  if (status.ok())
-    return 0;
-  lastError = status.message();
-  return int(status.code());
-}
-
-/// Runs `fn` (which returns a Status), turning exceptions into errors.
-template <typename Fn> int guarded(const Fn &fn) {
-  try {
-    return report(fn());
-  } catch (const std::exception &e) {
-    return report(moec::Status::error(std::string("internal error: ") + e.what()));
-  }
-}
-
-} // namespace
-
 namespace moec::rt::detail {
-
-int reportC(const Status &status) { return report(status); }
 
 Status cTimeout(double seconds, const char *who, double *out) {
   if (seconds != 0 && !timeoutInRange(seconds))
@@ -68,11 +45,11 @@ Status cTimeout(double seconds, const char *who, double *out) {
   return Status::success();
 }
 
-int createCContext(const moec_program *forward, const moec_program *backward,
-                   const ContextOptions &options, const char *who, moec_context **out) {
+moec_status_t createCContext(const moec_program *forward, const moec_program *backward,
+                             const ContextOptions &options, const char *who, moec_context **out) {
   if (!forward || !out)
-    return report(Status::error(fmt::format("{}: null argument", who)));
-  return guarded([&] {
+    return toCStatus(Status::error(fmt::format("{}: null argument", who)));
+  return guardedC([&] {
     auto context = std::make_unique<moec_context>();
     if (Status s = Context::create(forward->program, backward ? backward->program : nullptr,
                                    options, &context->context);
@@ -87,18 +64,16 @@ int createCContext(const moec_program *forward, const moec_program *backward,
 
 extern "C" {
 
-const char *moec_last_error(void) { return lastError.c_str(); }
-
 const char *moec_runtime_version(uint32_t *binary_format) {
   if (binary_format)
     *binary_format = moec::format::kFormatVersion;
   return MOEC_VERSION_STRING;
 }
 
-int moec_program_load(const char *path, moec_program **out) {
+moec_status_t moec_program_load(const char *path, moec_program **out) {
   if (!path || !out)
-    return report(moec::Status::error("moec_program_load: null argument"));
-  return guarded([&] {
+    return moec::toCStatus(moec::Status::error("moec_program_load: null argument"));
+  return moec::guardedC([&] {
     auto program = std::make_unique<moec_program>();
     if (moec::Status s = moec::rt::Program::load(path, &program->program); !s)
       return s;
@@ -109,25 +84,25 @@ int moec_program_load(const char *path, moec_program **out) {
 
 void moec_program_free(moec_program *program) { delete program; }
 
-int moec_context_create(const moec_program *forward, const moec_program *backward,
-                        uint32_t workers, double timeout_seconds, moec_context **out) {
+moec_status_t moec_context_create(const moec_program *forward, const moec_program *backward,
+                                  uint32_t workers, double timeout_seconds, moec_context **out) {
   return moec_context_create_on(forward, backward, workers, timeout_seconds, "cpu", out);
 }
 
-int moec_context_create_on(const moec_program *forward, const moec_program *backward,
-                           uint32_t workers, double timeout_seconds, const char *backend,
-                           moec_context **out) {
+moec_status_t moec_context_create_on(const moec_program *forward, const moec_program *backward,
+                                     uint32_t workers, double timeout_seconds, const char *backend,
+                                     moec_context **out) {
   if (!backend)
-    return report(moec::Status::error("moec_context_create: null argument"));
+    return moec::toCStatus(moec::Status::error("moec_context_create: null argument"));
   moec::rt::ContextOptions options;
   options.workers = workers;
   if (moec::Status s = moec::rt::detail::cTimeout(timeout_seconds, "moec_context_create",
                                                   &options.timeoutSeconds);
       !s)
-    return report(s);
+    return moec::toCStatus(s);
   const moec::backend::BackendInfo *named = moec::backend::findBackend(std::string_view(backend));
   if (!named)
-    return report(moec::Status::error(
+    return moec::toCStatus(moec::Status::error(
         fmt::format("moec_context_create: no backend is named '{}'; expected {}", backend,
                     moec::backend::backendNames())));
   options.backend = named->kind;
@@ -136,15 +111,15 @@ int moec_context_create_on(const moec_program *forward, const moec_program *back
 
 void moec_context_free(moec_context *context) { delete context; }
 
-int moec_capacity_need(const moec_context *context, int64_t need[4]) {
+moec_status_t moec_capacity_need(const moec_context *context, int64_t need[4]) {
   if (!context || !need)
-    return report(moec::Status::error("moec_capacity_need: null argument"));
+    return moec::toCStatus(moec::Status::error("moec_capacity_need: null argument"));
   const moec::rt::CapacityNeed &n = context->context->capacityNeed();
   need[0] = n.rowsPerRank;
   need[1] = n.receivePerRank;
   need[2] = n.rowsPerExpert;
   need[3] = n.putRows;
-  return 0;
+  return MOEC_OK;
 }
 
 uint32_t moec_context_ranks(const moec_context *context) {
@@ -159,24 +134,26 @@ uint32_t moec_context_local_ranks(const moec_context *context) {
   return context ? context->context->localRanks() : 0;
 }
 
-int moec_set_routing(moec_context *context, uint32_t rank, const moec_tensor *topk_ids,
-                     const moec_tensor *topk_weights) {
+moec_status_t moec_set_routing(moec_context *context, uint32_t rank, const moec_tensor *topk_ids,
+                               const moec_tensor *topk_weights) {
   if (!context || !topk_ids || !topk_weights)
-    return report(moec::Status::error("moec_set_routing: null argument"));
-  return guarded([&] { return context->context->setRouting(rank, *topk_ids, *topk_weights); });
+    return moec::toCStatus(moec::Status::error("moec_set_routing: null argument"));
+  return moec::guardedC(
+      [&] { return context->context->setRouting(rank, *topk_ids, *topk_weights); });
 }
 
-int moec_bind(moec_context *context, uint32_t rank, const char *name, const moec_tensor *tensor) {
+moec_status_t moec_bind(moec_context *context, uint32_t rank, const char *name,
+                        const moec_tensor *tensor) {
   if (!context || !name || !tensor)
-    return report(moec::Status::error("moec_bind: null argument"));
-  return guarded([&] { return context->context->bind(rank, name, *tensor); });
+    return moec::toCStatus(moec::Status::error("moec_bind: null argument"));
+  return moec::guardedC([&] { return context->context->bind(rank, name, *tensor); });
 }
 
-#define MOEC_CONTEXT_CALL(fn, method)                                                           \
-  int fn(moec_context *context) {                                                               \
-    if (!context)                                                                               \
-      return report(moec::Status::error(#fn ": null context"));                                 \
-    return guarded([&] { return context->context->method(); });                                 \
+#define MOEC_CONTEXT_CALL(fn, method)                                                              \
+  moec_status_t fn(moec_context *context) {                                                        \
+    if (!context)                                                                                  \
+      return moec::toCStatus(moec::Status::error(#fn ": null context"));                           \
+    return moec::guardedC([&] { return context->context->method(); });                             \
   }
 
 MOEC_CONTEXT_CALL(moec_forward, forward)

@@ -15,14 +15,10 @@
 namespace moec::rt::detail {
 
 /// Creates a context of `forward` and `backward` (may be null) with
-/// `options` into *out, as the C API does: 0, or an error code with
-/// moec_last_error() set (its message starts with `who`).
-int createCContext(const moec_program *forward, const moec_program *backward,
-                   const ContextOptions &options, const char *who, moec_context **out);
-
-/// Reports `status` as the C API does: 0, or its code with
-/// moec_last_error() set.
-int reportC(const Status &status);
+/// `options` into *out, as the C API does: MOEC_OK, or an error whose
+/// message starts with `who`.
+moec_status_t createCContext(const moec_program *forward, const moec_program *backward,
+                             const ContextOptions &options, const char *who, moec_context **out);
 
 /// The timeout a C entry point `who` was given: 0 is the default
 /// (kDefaultTimeoutSeconds), else it must be in base/Time.h's range; the

@@ -80,10 +80,12 @@
  * After an error inside a running pass under MPI the context refuses further
  * passes (the peers' state is unknown); a tool ends the job (MPI_Abort).
  *
- * Errors: C++ calls return a moec::Status; C calls return 0 on success and
- * nonzero on error (MOEC_OVER_CAPACITY for a routing over the binary's
- * capacity, MOEC_ERROR for anything else), with the message in
- * moec_last_error() (per thread). After an over-capacity error,
+ * Errors: C++ calls return a moec::Status; C calls return a moec_status_t
+ * (base/moec_status.h, the compiler library's too): MOEC_OK (NULL) on
+ * success, else an error the caller frees with moec_status_free, whose
+ * moec_status_code() is MOEC_OVER_CAPACITY for a routing over the binary's
+ * capacity and MOEC_ERROR for anything else, and whose
+ * moec_status_message() says what was wrong. After an over-capacity error,
  * Context::capacityNeed() (moec_capacity_need) says what the routing needs,
  * so a caller can compile a binary with more capacity and run the step again.
  *

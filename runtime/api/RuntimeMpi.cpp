@@ -2,23 +2,25 @@
 
 #include "runtime/api/RuntimeMpi.h"
 
+#include "base/CStatus.h"
 #include "runtime/api/CApi.h"
 #include "runtime/comm/Mpi.h"
 
 extern "C" {
 
-int moec_context_create_mpi(const moec_program *forward, const moec_program *backward,
-                            uint32_t workers, double timeout_seconds, moec_context **out) {
+moec_status_t moec_context_create_mpi(const moec_program *forward, const moec_program *backward,
+                                      uint32_t workers, double timeout_seconds,
+                                      moec_context **out) {
   moec::rt::ContextOptions options;
   options.workers = workers;
   if (moec::Status s = moec::rt::detail::cTimeout(timeout_seconds, "moec_context_create_mpi",
                                                   &options.timeoutSeconds);
       !s)
-    return moec::rt::detail::reportC(s);
+    return moec::toCStatus(s);
   moec::comm::MpiOptions mpi;
   mpi.timeoutSeconds = options.timeoutSeconds;
   if (moec::Status s = moec::comm::createMpiFabric(&options.fabric, mpi); !s)
-    return moec::rt::detail::reportC(s.withPrefix("moec_context_create_mpi: "));
+    return moec::toCStatus(s.withPrefix("moec_context_create_mpi: "));
   return moec::rt::detail::createCContext(forward, backward, options, "moec_context_create_mpi",
                                           out);
 }

@@ -27,8 +27,8 @@ extern "C" {
  *  default, 60 s; anything else is an error, as moec_context_create). Initializes
  *  MPI with MPI_THREAD_MULTIPLE unless the program has (then it must have
  *  asked for that level). Collective. */
-int moec_context_create_mpi(const moec_program *forward, const moec_program *backward,
-                            uint32_t workers, double timeout_seconds, moec_context **out);
+moec_status_t moec_context_create_mpi(const moec_program *forward, const moec_program *backward,
+                                      uint32_t workers, double timeout_seconds, moec_context **out);
 
 /** Finalizes MPI if moec initialized it; call once every context is freed. */
 void moec_mpi_finalize(void);

@@ -2,8 +2,10 @@
  *
  * The C face of the runtime (runtime/api/Runtime.h has the whole story and
  * the C++ API, of which this is a thin layer): programs, contexts, tensor
- * binding by name, routing, passes, errors. It includes nothing of moec's
- * but base/Version.h, and compiles as C or C++.
+ * binding by name, routing, passes. Every call that can fail returns a
+ * moec_status_t (base/moec_status.h): MOEC_OK (NULL), or an error the
+ * caller frees with moec_status_free. It includes nothing of moec's but
+ * base/Version.h and base/moec_status.h, and compiles as C or C++.
  *
  *===----------------------------------------------------------------------===*/
 
@@ -14,6 +16,7 @@
 #include <stdint.h>
 
 #include "base/Version.h"
+#include "base/moec_status.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -45,13 +48,6 @@ typedef struct moec_tensor {
 typedef struct moec_program moec_program; /**< a loaded task binary */
 typedef struct moec_context moec_context; /**< an EP group's runtime state */
 
-/** What a failed C call returns (0 is success). */
-#define MOEC_ERROR 1
-#define MOEC_OVER_CAPACITY 2 /**< the routing needs more capacity than the binary has */
-
-/** The message of the calling thread's last failed call ("" if none). */
-const char *moec_last_error(void);
-
 /** The version of the runtime library this program runs against,
  *  "MAJOR.MINOR.PATCH" (base/Version.h: compare with MOEC_VERSION_STRING,
  *  the header's), and, when `binary_format` is not null, the task binary
@@ -59,7 +55,7 @@ const char *moec_last_error(void);
 const char *moec_runtime_version(uint32_t *binary_format);
 
 /** Loads and validates the task binary at `path`. */
-int moec_program_load(const char *path, moec_program **out);
+moec_status_t moec_program_load(const char *path, moec_program **out);
 
 /** Frees a program (a context that uses it keeps its own reference); once
  *  per handle, null does nothing. */
@@ -69,14 +65,14 @@ void moec_program_free(moec_program *program);
  *  `workers` threads (0: the hardware threads) and a watchdog of
  *  `timeout_seconds`: 0.001 to 1000000, or 0 for the default, 60 s; any
  *  other value (negative, NaN, infinite) is an error. */
-int moec_context_create(const moec_program *forward, const moec_program *backward,
-                        uint32_t workers, double timeout_seconds, moec_context **out);
+moec_status_t moec_context_create(const moec_program *forward, const moec_program *backward,
+                                  uint32_t workers, double timeout_seconds, moec_context **out);
 
 /** moec_context_create on a backend: "cpu" (what moec_context_create uses)
  *  or "cuda" (every rank on one NVIDIA GPU; docs/runtime.md). */
-int moec_context_create_on(const moec_program *forward, const moec_program *backward,
-                           uint32_t workers, double timeout_seconds, const char *backend,
-                           moec_context **out);
+moec_status_t moec_context_create_on(const moec_program *forward, const moec_program *backward,
+                                     uint32_t workers, double timeout_seconds, const char *backend,
+                                     moec_context **out);
 
 /** Frees a context, waiting for a submitted pass first; once per handle,
  *  null does nothing. */
@@ -87,7 +83,7 @@ void moec_context_free(moec_context *context);
  *  binary's limit: S * K), need[1] rows the experts of the fullest rank
  *  receive, need[2] rows the fullest expert receives, need[3] rows the
  *  largest put carries (one rank to one expert). */
-int moec_capacity_need(const moec_context *context, int64_t need[4]);
+moec_status_t moec_capacity_need(const moec_context *context, int64_t need[4]);
 
 /** The number of ranks of the context's EP group. */
 uint32_t moec_context_ranks(const moec_context *context);
@@ -100,23 +96,24 @@ uint32_t moec_context_local_ranks(const moec_context *context);
 
 /** Sets rank `rank`'s routing: topk_ids [S, K] (int32 or int64) and
  *  topk_weights [S, K] (f32). The data is read when a pass runs. */
-int moec_set_routing(moec_context *context, uint32_t rank, const moec_tensor *topk_ids,
-                     const moec_tensor *topk_weights);
+moec_status_t moec_set_routing(moec_context *context, uint32_t rank, const moec_tensor *topk_ids,
+                               const moec_tensor *topk_weights);
 
 /** Binds rank `rank`'s tensor `name` (see the table above). */
-int moec_bind(moec_context *context, uint32_t rank, const char *name, const moec_tensor *tensor);
+moec_status_t moec_bind(moec_context *context, uint32_t rank, const char *name,
+                        const moec_tensor *tensor);
 
 /** Runs the forward pass on every rank and returns when it is done. */
-int moec_forward(moec_context *context);
+moec_status_t moec_forward(moec_context *context);
 
 /** Runs the backward pass (after a forward pass with the same routing). */
-int moec_backward(moec_context *context);
+moec_status_t moec_backward(moec_context *context);
 
 /** Starts the forward (or backward) pass on a thread of the context and
  *  returns; moec_wait returns its result. */
-int moec_submit_forward(moec_context *context);
-int moec_submit_backward(moec_context *context);
-int moec_wait(moec_context *context);
+moec_status_t moec_submit_forward(moec_context *context);
+moec_status_t moec_submit_backward(moec_context *context);
+moec_status_t moec_wait(moec_context *context);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -18,13 +18,23 @@ int main(void) {
             (unsigned)format);
     return 1;
   }
-  /* An error is readable from C: a binary that is not there. */
+  /* An error is readable from C: a binary that is not there gives a status
+   * the caller owns, with its code and message; success is NULL. */
   moec_program *program = NULL;
-  if (moec_program_load("/nonexistent/fwd.moebin", &program) == 0 || program != NULL ||
-      strstr(moec_last_error(), "/nonexistent/fwd.moebin") == NULL) {
-    fprintf(stderr, "moec_program_load of a missing file: %s\n", moec_last_error());
+  moec_status_t status = moec_program_load("/nonexistent/fwd.moebin", &program);
+  if (status == MOEC_OK || program != NULL || moec_status_code(status) != MOEC_ERROR ||
+      strstr(moec_status_message(status), "/nonexistent/fwd.moebin") == NULL) {
+    fprintf(stderr, "moec_program_load of a missing file: %s\n", moec_status_message(status));
+    moec_status_free(status);
     return 1;
   }
+  moec_status_free(status);
+  if (moec_status_code(MOEC_OK) != MOEC_STATUS_OK ||
+      strcmp(moec_status_message(MOEC_OK), "") != 0) {
+    fprintf(stderr, "the success status is not NULL's\n");
+    return 1;
+  }
+  moec_status_free(MOEC_OK);
   printf("C API %s, task binary format %u\n", version, (unsigned)format);
   return 0;
 }

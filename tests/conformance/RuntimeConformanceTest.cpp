@@ -788,12 +788,32 @@ TEST_CASE("runtime refuses bad input and leaves outputs untouched", "[runtime][g
   }
 }
 
+/// A C call's status, taken: its code and message, the status freed.
+struct CStatus {
+  moec_status_code_t code = MOEC_STATUS_OK;
+  std::string message;
+};
+
+CStatus take(moec_status_t status) {
+  CStatus taken{moec_status_code(status), moec_status_message(status)};
+  moec_status_free(status);
+  return taken;
+}
+
+/// "" for a call that succeeded, else its message (the status freed).
+std::string failure(moec_status_t status) {
+  const CStatus taken = take(status);
+  return taken.code == MOEC_STATUS_OK ? "" : taken.message.empty() ? "(no message)" : taken.message;
+}
+
 TEST_CASE("runtime C API", "[runtime]") {
   // In-process: moec_context_create; under MPI: moec_context_create_mpi,
   // each process binding and routing its own rank.
   Case c;
   if (!runs(c.ranks))
     return;
+  // A failed call's status, taken (its code and message kept, it freed).
+  CStatus last;
   auto [fwd, bwd] = compile(c);
   const std::string fwdPath = tempPath("c_api_fwd.moebin"), bwdPath = tempPath("c_api_bwd.moebin");
   REQUIRE(moec::format::writeTaskBinaryFile(fwd->tasks(), fwdPath).ok());
@@ -804,24 +824,24 @@ TEST_CASE("runtime C API", "[runtime]") {
   CHECK(format == moec::format::kFormatVersion);
   CHECK(moec_runtime_version(nullptr) == std::string(MOEC_VERSION_STRING));
   moec_program *f = nullptr, *b = nullptr;
-  REQUIRE(moec_program_load(fwdPath.c_str(), &f) == 0);
-  REQUIRE(moec_program_load(bwdPath.c_str(), &b) == 0);
-  CHECK(moec_program_load("/nonexistent.moebin", &f) != 0);
-  CHECK_THAT(moec_last_error(), Catch::Contains("/nonexistent.moebin"));
+  REQUIRE(failure(moec_program_load(fwdPath.c_str(), &f)) == "");
+  REQUIRE(failure(moec_program_load(bwdPath.c_str(), &b)) == "");
+  CHECK((last = take(moec_program_load("/nonexistent.moebin", &f))).code != MOEC_STATUS_OK);
+  CHECK_THAT(last.message, Catch::Contains("/nonexistent.moebin"));
   moec_context *ctx = nullptr;
   // One range for every timeout: 0.001 to 10^6 s, or 0 for the default;
   // through the fabric's entry point (moec_context_create, or under mpirun
   // moec_context_create_mpi), refused before any fabric is made.
   for (double bad : {std::nan(""), HUGE_VAL, -HUGE_VAL, 1e300, 1e-9, -1.0}) {
-    CHECK(moec::test::testCContext(f, b, 2, bad, &ctx) != 0);
-    CHECK_THAT(moec_last_error(), Catch::Contains("timeout_seconds is") &&
-                                      Catch::Contains("from 0.001 to 1000000 seconds"));
+    CHECK((last = take(moec::test::testCContext(f, b, 2, bad, &ctx))).code != MOEC_STATUS_OK);
+    CHECK_THAT(last.message, Catch::Contains("timeout_seconds is") &&
+                                 Catch::Contains("from 0.001 to 1000000 seconds"));
     CHECK(ctx == nullptr);
   }
-  CHECK(moec_context_create_on(f, b, 2, 10, "tpu", &ctx) != 0);
-  CHECK_THAT(moec_last_error(), Catch::Contains("no backend is named 'tpu'; expected cpu or cuda"));
+  CHECK((last = take(moec_context_create_on(f, b, 2, 10, "tpu", &ctx))).code != MOEC_STATUS_OK);
+  CHECK_THAT(last.message, Catch::Contains("no backend is named 'tpu'; expected cpu or cuda"));
   CHECK(ctx == nullptr);
-  REQUIRE(moec::test::testCContext(f, b, 2, 10, &ctx) == 0);
+  REQUIRE(failure(moec::test::testCContext(f, b, 2, 10, &ctx)) == "");
   moec_program_free(f);
   moec_program_free(b);
   REQUIRE(moec_context_ranks(ctx) == c.ranks);
@@ -834,7 +854,7 @@ TEST_CASE("runtime C API", "[runtime]") {
   for (uint32_t r = first; r < first + local; ++r) {
     moec_tensor ids = makeTensor(run.ids[r].data(), DType::I64, {S, K});
     moec_tensor w = makeTensor(run.weights[r].data(), DType::F32, {S, K});
-    REQUIRE(moec_set_routing(ctx, r, &ids, &w) == 0);
+    REQUIRE(failure(moec_set_routing(ctx, r, &ids, &w)) == "");
     const std::pair<const char *, moec_tensor> t[] = {
         {"x", makeTensor(run.x[r].data(), DType::F32, {S, H})},
         {"y", makeTensor(run.y[r].data(), DType::F32, {S, H})},
@@ -842,15 +862,15 @@ TEST_CASE("runtime C API", "[runtime]") {
         {"w2", makeTensor(run.w2[r].data(), DType::F32, {2, c.inter, H})},
     };
     for (const auto &[name, tensor] : t)
-      REQUIRE(moec_bind(ctx, r, name, &tensor) == 0);
+      REQUIRE(failure(moec_bind(ctx, r, name, &tensor)) == "");
   }
-  REQUIRE(moec_forward(ctx) == 0);
+  REQUIRE(failure(moec_forward(ctx)) == "");
   int64_t need[4] = {};
-  REQUIRE(moec_capacity_need(ctx, need) == 0);
+  REQUIRE(failure(moec_capacity_need(ctx, need)) == "");
   CHECK(need[0] == S * K);
   CHECK(need[1] > 0);
-  CHECK(moec_backward(ctx) == MOEC_ERROR); // dy etc. not bound
-  CHECK_THAT(moec_last_error(), Catch::Contains("tensor 'dy' is not bound"));
+  CHECK((last = take(moec_backward(ctx))).code == MOEC_ERROR); // dy etc. not bound
+  CHECK_THAT(last.message, Catch::Contains("tensor 'dy' is not bound"));
 
   // An output over an input or over another output is refused before the
   // pass writes anything, naming both.
@@ -865,36 +885,35 @@ TEST_CASE("runtime C API", "[runtime]") {
           {"dw2", makeTensor(run.dw2[r].data(), DType::F32, {2, c.inter, H})},
       };
       for (const auto &[name, tensor] : t)
-        REQUIRE(moec_bind(ctx, r, name, &tensor) == 0);
+        REQUIRE(failure(moec_bind(ctx, r, name, &tensor)) == "");
     }
   };
   bindBackward("dy", nullptr);
-  CHECK(moec_backward(ctx) == MOEC_ERROR);
-  CHECK_THAT(moec_last_error(), Catch::Contains("output 'dx' shares memory with input 'dy'"));
+  CHECK((last = take(moec_backward(ctx))).code == MOEC_ERROR);
+  CHECK_THAT(last.message, Catch::Contains("output 'dx' shares memory with input 'dy'"));
   bindBackward(nullptr, "w1");
-  CHECK(moec_backward(ctx) == MOEC_ERROR);
-  CHECK_THAT(moec_last_error(), Catch::Contains("output 'dw1' shares memory with input 'w1'"));
+  CHECK((last = take(moec_backward(ctx))).code == MOEC_ERROR);
+  CHECK_THAT(last.message, Catch::Contains("output 'dw1' shares memory with input 'w1'"));
   for (uint32_t r = first; r < first + local; ++r) {
     moec_tensor yOverX = makeTensor(run.x[r].data(), DType::F32, {S, H});
-    REQUIRE(moec_bind(ctx, r, "y", &yOverX) == 0);
+    REQUIRE(failure(moec_bind(ctx, r, "y", &yOverX)) == "");
   }
-  CHECK(moec_forward(ctx) == MOEC_ERROR);
-  CHECK_THAT(moec_last_error(), Catch::Contains("output 'y' shares memory with input 'x'"));
+  CHECK((last = take(moec_forward(ctx))).code == MOEC_ERROR);
+  CHECK_THAT(last.message, Catch::Contains("output 'y' shares memory with input 'x'"));
   for (uint32_t r = first; r < first + local; ++r) {
     moec_tensor y = makeTensor(run.y[r].data(), DType::F32, {S, H});
-    REQUIRE(moec_bind(ctx, r, "y", &y) == 0);
+    REQUIRE(failure(moec_bind(ctx, r, "y", &y)) == "");
   }
   if (local > 1) {
     // Rank 1's y over rank 0's x: the ranks of one process share memory.
     moec_tensor yOverRank0 = makeTensor(run.x[first].data(), DType::F32, {S, H});
-    REQUIRE(moec_bind(ctx, first + 1, "y", &yOverRank0) == 0);
-    CHECK(moec_forward(ctx) == MOEC_ERROR);
-    CHECK_THAT(moec_last_error(),
-               Catch::Contains("output 'y' shares memory with input 'x' of rank 0"));
+    REQUIRE(failure(moec_bind(ctx, first + 1, "y", &yOverRank0)) == "");
+    CHECK((last = take(moec_forward(ctx))).code == MOEC_ERROR);
+    CHECK_THAT(last.message, Catch::Contains("output 'y' shares memory with input 'x' of rank 0"));
     moec_tensor y = makeTensor(run.y[first + 1].data(), DType::F32, {S, H});
-    REQUIRE(moec_bind(ctx, first + 1, "y", &y) == 0);
+    REQUIRE(failure(moec_bind(ctx, first + 1, "y", &y)) == "");
   }
-  REQUIRE(moec_forward(ctx) == 0);
+  REQUIRE(failure(moec_forward(ctx)) == "");
 
   // A routing over capacity has its own return code: one token more than
   // compiled on rank 0.
@@ -905,10 +924,10 @@ TEST_CASE("runtime C API", "[runtime]") {
   moec_tensor more = makeTensor(moreIds.data(), DType::I64, {S + 1, K});
   moec_tensor moreW = makeTensor(moreWeights.data(), DType::F32, {S + 1, K});
   if (first == 0)
-    REQUIRE(moec_set_routing(ctx, 0, &more, &moreW) == 0);
-  CHECK(moec_forward(ctx) == MOEC_OVER_CAPACITY);
-  CHECK_THAT(moec_last_error(), Catch::Contains("rank 0: routing over capacity: 129 tokens"));
-  REQUIRE(moec_capacity_need(ctx, need) == 0);
+    REQUIRE(failure(moec_set_routing(ctx, 0, &more, &moreW)) == "");
+  CHECK((last = take(moec_forward(ctx))).code == MOEC_OVER_CAPACITY);
+  CHECK_THAT(last.message, Catch::Contains("rank 0: routing over capacity: 129 tokens"));
+  REQUIRE(failure(moec_capacity_need(ctx, need)) == "");
   CHECK(need[0] == (S + 1) * K);
 
   // The same forward through the C++ API gives the same bits.
@@ -919,10 +938,10 @@ TEST_CASE("runtime C API", "[runtime]") {
   REQUIRE(cpp->forward().ok());
   for (uint32_t r = first; r < first + local; ++r)
     CHECK(again.y[r] == run.y[r]);
-  CHECK(moec_bind(ctx, 0, nullptr, nullptr) != 0);
-  CHECK_THAT(moec_last_error(), Catch::Contains("moec_bind: null argument"));
-  CHECK(moec_wait(ctx) != 0);
-  CHECK_THAT(moec_last_error(), Catch::Contains("no pass was submitted"));
+  CHECK((last = take(moec_bind(ctx, 0, nullptr, nullptr))).code != MOEC_STATUS_OK);
+  CHECK_THAT(last.message, Catch::Contains("moec_bind: null argument"));
+  CHECK((last = take(moec_wait(ctx))).code != MOEC_STATUS_OK);
+  CHECK_THAT(last.message, Catch::Contains("no pass was submitted"));
   moec_context_free(ctx);
 }
 

@@ -33,8 +33,8 @@ const char *testFabricName();
 
 /// Creates a context through the C API on this fabric: moec_context_create
 /// in-process, moec_context_create_mpi (runtime/api/RuntimeMpi.h) under MPI.
-int testCContext(const moec_program *forward, const moec_program *backward, uint32_t workers,
-                 double timeoutSeconds, moec_context **out);
+moec_status_t testCContext(const moec_program *forward, const moec_program *backward,
+                           uint32_t workers, double timeoutSeconds, moec_context **out);
 
 } // namespace moec::test
 

@@ -11,8 +11,8 @@ std::shared_ptr<comm::Fabric> testFabric(uint32_t, bool *runs) {
 
 const char *testFabricName() { return "in-process"; }
 
-int testCContext(const moec_program *forward, const moec_program *backward, uint32_t workers,
-                 double timeoutSeconds, moec_context **out) {
+moec_status_t testCContext(const moec_program *forward, const moec_program *backward,
+                           uint32_t workers, double timeoutSeconds, moec_context **out) {
   return moec_context_create(forward, backward, workers, timeoutSeconds, out);
 }
 

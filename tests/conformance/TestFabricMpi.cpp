@@ -40,8 +40,8 @@ std::shared_ptr<comm::Fabric> testFabric(uint32_t ranks, bool *runs) {
 
 const char *testFabricName() { return "mpi"; }
 
-int testCContext(const moec_program *forward, const moec_program *backward, uint32_t workers,
-                 double timeoutSeconds, moec_context **out) {
+moec_status_t testCContext(const moec_program *forward, const moec_program *backward,
+                           uint32_t workers, double timeoutSeconds, moec_context **out) {
   return moec_context_create_mpi(forward, backward, workers, timeoutSeconds, out);
 }
 

@@ -3,9 +3,10 @@
 # sanitizers) and runs each for a bounded time from its seed corpus. Fails on
 # any crash, sanitizer report, leak or timeout the fuzzer finds.
 #
-#   run_fuzzer.sh SECONDS TARGET.cpp=CORPUS_DIR... -- SOURCE_OR_FLAG...
+#   run_fuzzer.sh SECONDS TARGET.cpp=CORPUS_DIR... -- SOURCE_OR_FLAG|@LIST...
 #
-# The sources after "--" are compiled once (in parallel) and linked into
+# @LIST is a file of sources, one a line (a cc_sources target's list:
+# bazel/sources.bzl). The sources after "--" are compiled once (in parallel) and linked into
 # every target; flags there go to the compile (-I, -D, ...) or the link
 # (-L, -l, -Wl,...). Each target runs for SECONDS on a copy of its corpus.
 set -euo pipefail
@@ -22,6 +23,7 @@ flags=()     # for the compile
 linkflags=() # for the link
 for arg in "$@"; do
   case "$arg" in
+    @*) mapfile -t listed < "${arg#@}" && sources+=("${listed[@]}") ;;
     -l* | -L* | -Wl,*) linkflags+=("$arg") ;;
     -*) flags+=("$arg") ;;
     *) sources+=("$arg") ;;

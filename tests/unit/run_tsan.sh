@@ -3,9 +3,10 @@
 # outside Bazel's toolchain, and runs it. Fails on any data race the
 # sanitizer reports (halt_on_error) or any failing test.
 #
-#   run_tsan.sh REPEATS SOURCE... [-lLIB...]
+#   run_tsan.sh REPEATS SOURCE|@LIST... [-lLIB...]
 #
-# Each SOURCE is compiled on its own, as many at a time as there are CPUs;
+# @LIST is a file of sources, one a line (a cc_sources target's list:
+# bazel/sources.bzl). Each source is compiled on its own, as many at a time as there are CPUs;
 # the -l arguments are linked after them (besides -lfmt and -pthread). Code
 # that is not built here (libstdc++, fmt, oneDNN, a subprocess) is not
 # instrumented: the sanitizer sees its locks and threads, not its accesses.
@@ -17,6 +18,7 @@ libs=()
 for arg in "$@"; do
   case "$arg" in
     -l*) libs+=("$arg") ;;
+    @*) mapfile -t listed < "${arg#@}" && sources+=("${listed[@]}") ;;
     *) sources+=("$arg") ;;
   esac
 done

@@ -104,19 +104,23 @@ def _library():
                     "MOEC_LIB")
             lib = ctypes.CDLL(str(path))
             out = ctypes.POINTER(ctypes.c_void_p)
-            lib.moec_compile.argtypes = [ctypes.c_char_p] * 5 + [out, out]
-            lib.moec_dump_json.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, out,
-                                           out]
-            lib.moec_simulate_trace.argtypes = [ctypes.c_char_p] * 3 + [out]
+            lib.moec_compile.argtypes = [ctypes.c_char_p] * 5 + [out]
+            lib.moec_dump_json.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, out]
+            lib.moec_simulate_trace.argtypes = [ctypes.c_char_p] * 3
             lib.moec_capacity_advice.argtypes = [ctypes.c_char_p, ctypes.c_longlong,
-                                                 ctypes.c_longlong, ctypes.c_int, out, out]
-            lib.moec_config_check.argtypes = [ctypes.c_char_p, out]
+                                                 ctypes.c_longlong, ctypes.c_int, out]
+            lib.moec_config_check.argtypes = [ctypes.c_char_p]
             lib.moec_free.argtypes = [ctypes.c_void_p]
             lib.moec_compiler_version.argtypes = [ctypes.POINTER(ctypes.c_uint)]
             lib.moec_compiler_version.restype = ctypes.c_char_p
+            # Calls that can fail return a moec_status_t (base/moec_status.h):
+            # NULL, or an error this module reads and frees.
             for f in (lib.moec_compile, lib.moec_dump_json, lib.moec_simulate_trace,
                       lib.moec_capacity_advice, lib.moec_config_check):
-                f.restype = ctypes.c_int
+                f.restype = ctypes.c_void_p
+            lib.moec_status_message.argtypes = [ctypes.c_void_p]
+            lib.moec_status_message.restype = ctypes.c_char_p
+            lib.moec_status_free.argtypes = [ctypes.c_void_p]
             _lib = lib
         return _lib
 
@@ -137,11 +141,11 @@ def _take(lib, pointer):
 def _call(function, *args, outputs=1):
     lib = _library()
     results = [ctypes.c_void_p() for _ in range(outputs)]
-    error = ctypes.c_void_p()
-    rc = getattr(lib, function)(*args, *[ctypes.byref(r) for r in results], ctypes.byref(error))
+    status = getattr(lib, function)(*args, *[ctypes.byref(r) for r in results])
     texts = [_take(lib, r) for r in results]
-    message = _take(lib, error)
-    if rc != 0:
+    if status:
+        message = lib.moec_status_message(status).decode("utf-8", "replace")
+        lib.moec_status_free(status)
         raise RuntimeError(f"moec: {message or function + ' failed'}")
     return texts
 
@@ -149,7 +153,7 @@ def _call(function, *args, outputs=1):
 def library_version():
     """The version of the compiler library in use ("MAJOR.MINOR.PATCH",
     base/Version.h) and the task binary format it writes:
-    {"version": "0.1.0", "binary_format": 1}."""
+    {"version": "0.2.0", "binary_format": 2}."""
     lib = _library()
     fmt = ctypes.c_uint(0)
     version = lib.moec_compiler_version(ctypes.byref(fmt)).decode()

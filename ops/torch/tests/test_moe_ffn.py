@@ -1,6 +1,7 @@
 """MoeFFN against plain PyTorch autograd (moec_torch.reference) on the same
 inputs: forward output and the gradients of x, topk_weights, w1 and w2."""
 
+import ctypes
 import json
 import os
 import re
@@ -412,6 +413,24 @@ def test_config_check_is_the_compilers():
         moec_torch.native.check_config(dict(cfg, dispatch_dtype="int8"))
     with pytest.raises(RuntimeError, match="row counts must not be negative, got -1 and 1"):
         moec_torch.native.capacity_advice(dict(cfg, ep=2), -1, 1)
+
+
+def test_the_compiler_library_returns_a_status_a_caller_owns():
+    # libmoec's calls return a moec_status_t (base/moec_status.h): NULL on
+    # success, else an error with its code and message, freed by the caller.
+    lib = moec_torch.native._library()
+    lib.moec_status_code.argtypes = [ctypes.c_void_p]
+    lib.moec_status_code.restype = ctypes.c_int
+    assert lib.moec_config_check(json.dumps(dict(config(experts=8, top_k=2), ep=2)).encode()) is None
+    status = lib.moec_config_check(None)
+    assert status
+    assert lib.moec_status_code(status) == 1  # MOEC_ERROR
+    assert lib.moec_status_message(status) == b"moec_config_check needs a config"
+    lib.moec_status_free(status)
+    assert lib.moec_status_code(None) == 0 and lib.moec_status_message(None) == b""
+    lib.moec_status_free(None)
+    with pytest.raises(RuntimeError, match="moec_simulate_trace needs an output path"):
+        moec_torch.native._call("moec_simulate_trace", b"x.moebin", None, None, outputs=0)
 
 
 def test_the_binaries_carry_the_config_they_were_compiled_from():

@@ -205,29 +205,25 @@ void Group::forEachLocalRank(const std::function<void(uint32_t)> &work) const {
   for (uint32_t r = first; r < first + count; ++r)
     if (ids[r].ndim == 2)
       rows += ids[r].dims[0] * ids[r].dims[1];
-  // Below this a thread's start costs more than the routing it lays out.
+  // Below this a thread's share costs more than the routing it lays out.
   constexpr int64_t kRowsForThreads = 65536;
   const uint32_t threads = rows < kRowsForThreads
                                ? 1
                                : std::min(count, std::max(1u, std::thread::hardware_concurrency()));
-  const auto share = [&](uint32_t t) {
-    for (uint32_t i = t; i < count; i += threads)
-      work(first + i);
-  };
-  std::vector<std::thread> started;
-  uint32_t t = 1;
-  for (; t < threads; ++t) {
-    try {
-      started.emplace_back(share, t);
-    } catch (const std::system_error &) {
-      break; // no thread to be had: the rest run here
-    }
+  if (threads <= 1) {
+    for (uint32_t r = first; r < first + count; ++r)
+      work(r);
+    return;
   }
-  share(0);
-  for (std::thread &thread : started)
-    thread.join();
-  for (; t < threads; ++t)
-    share(t);
+  // The process's team of that size (exec::ThreadTeam::shared), kept: no
+  // thread is started per pass, and a system that starts fewer threads
+  // gets a smaller team that runs every rank all the same.
+  if (!team || teamThreads != threads) {
+    team = exec::ThreadTeam::shared(threads);
+    teamThreads = threads;
+  }
+  team->run(
+      count, [&](size_t i) { work(first + uint32_t(i)); }, threads);
 }
 
 /// Tells every rank what the local checks found (`local`, one per local

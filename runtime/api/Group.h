@@ -13,6 +13,7 @@
 
 #include "runtime/api/Runtime.h"
 #include "runtime/backend/Backend.h"
+#include "runtime/exec/ThreadTeam.h"
 #include "runtime/layer/Layer.h"
 
 #include <functional>
@@ -51,6 +52,9 @@ struct Group {
   std::vector<Tensor> ids, weights;  ///< per rank; data null until set
   CapacityNeed need;                 ///< what the last checked routing needed
   std::vector<backend::RankRoute> spareRoutes; ///< route()'s storage for the next routing
+  /// forEachLocalRank()'s threads: the process's team of `teamThreads`.
+  mutable std::shared_ptr<exec::ThreadTeam> team;
+  mutable uint32_t teamThreads = 0;
   std::string broken;                ///< why no further pass can run
   pid_t creator = ::getpid();        ///< a child of fork() runs no pass (usable())
 
@@ -71,10 +75,11 @@ struct Group {
   Status setRouting(uint32_t rank, const Tensor &topkIds, const Tensor &topkWeights);
   /// Checks and lays out the routing of local rank `rank`.
   Status checkRoute(uint32_t rank, backend::RankRoute *out) const;
-  /// Calls `work(rank)` for every local rank: on threads of their own when
-  /// the ranks route enough rows between them for threads to pay (8 ranks
-  /// of 4096 tokens x top-8 on one GPU's host), else one after the other.
-  /// `work` must only write what belongs to its rank.
+  /// Calls `work(rank)` for every local rank: on the process's thread team
+  /// (exec::ThreadTeam) when the ranks route enough rows between them for
+  /// threads to pay (8 ranks of 4096 tokens x top-8 on one GPU's host),
+  /// else one after the other. `work` must only write what belongs to its
+  /// rank.
   void forEachLocalRank(const std::function<void(uint32_t)> &work) const;
   /// Tells every rank what the local checks found (`local`, one per local
   /// rank) and, in `routes` (all ranks; the local ones filled), the routing

@@ -11,14 +11,15 @@
 
 namespace moec::exec {
 
-ThreadTeam::ThreadTeam(uint32_t threads) {
+ThreadTeam::ThreadTeam(uint32_t threads, const Starter &start) {
   helpers.reserve(threads > 1 ? threads - 1 : 0);
   // A system that will not start another thread (a process or memory
   // limit) gets a smaller team: the loops run on fewer threads, not at all
   // differently.
   for (uint32_t t = 1; t < threads; ++t) {
     try {
-      helpers.emplace_back([this, t] { helperMain(t); });
+      std::function<void()> body = [this, t] { helperMain(t); };
+      helpers.push_back(start ? start(std::move(body)) : std::thread(std::move(body)));
     } catch (const std::system_error &error) {
       startError = error.what();
       break;

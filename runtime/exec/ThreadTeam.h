@@ -26,10 +26,17 @@ namespace moec::exec {
 
 class ThreadTeam {
 public:
+  /// What starts a helper thread running `body`: a std::thread, or (a test
+  /// of the fallback) a function that throws std::system_error as a system
+  /// out of threads does.
+  using Starter = std::function<std::thread(std::function<void()> body)>;
+
   /// A team of `threads` threads in all: the caller of run() and
-  /// threads - 1 helpers, started here (fewer where the system starts no
-  /// more threads: size() says how many).
-  explicit ThreadTeam(uint32_t threads);
+  /// threads - 1 helpers, started here by `start` (null: std::thread), fewer
+  /// where the system starts no more threads (size() says how many,
+  /// whyFewer() why): the loops then run on fewer threads, not at all
+  /// differently.
+  explicit ThreadTeam(uint32_t threads, const Starter &start = nullptr);
   ~ThreadTeam();
   ThreadTeam(const ThreadTeam &) = delete;
   ThreadTeam &operator=(const ThreadTeam &) = delete;

@@ -564,7 +564,7 @@ TEST_CASE("a routing of 65536 rows is laid out on threads, and each new routing 
           "last",
           "[runtime][gpu]") {
   // 2 ranks x 4096 tokens x top-8: the runtime lays out the ranks' routings
-  // on threads of their own (in process), into the storage of the routing
+  // on the process's thread team (in process), into the storage of the routing
   // before last. Three passes of one context give the same bits, and so
   // do routings A, B, A in one context against fresh contexts.
   Case c;

@@ -30,6 +30,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -865,4 +866,35 @@ TEST_CASE("a thread team runs every item once, loop after loop", "[exec][team]")
       CHECK(ids.size() <= std::min<size_t>(threads, std::max<size_t>(count, 1)));
     }
   }
+}
+
+TEST_CASE("a thread team the system starts fewer threads for runs every item all the same",
+          "[exec][team]") {
+  // A starter that gives `startable` threads, then fails as a system out of
+  // threads does (std::thread throws std::system_error): the team is
+  // smaller, says why, and its loops still run every item once.
+  for (uint32_t startable : {0u, 1u, 2u}) {
+    INFO("threads the system starts: " << startable);
+    uint32_t started = 0;
+    const moec::exec::ThreadTeam::Starter start = [&](std::function<void()> body) {
+      if (started == startable)
+        throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again),
+                                "no thread to be had");
+      ++started;
+      return std::thread(std::move(body));
+    };
+    moec::exec::ThreadTeam team(4, start);
+    CHECK(team.size() == startable + 1);
+    CHECK_THAT(team.whyFewer(), Catch::Contains("no thread to be had"));
+    for (size_t count : {size_t(1), size_t(5), size_t(100)}) {
+      std::vector<std::atomic<int>> seen(count);
+      team.run(count, [&](size_t i) { seen[i].fetch_add(1); });
+      for (size_t i = 0; i < count; ++i)
+        CHECK(seen[i].load() == 1);
+    }
+  }
+  moec::exec::ThreadTeam all(
+      3, [](std::function<void()> body) { return std::thread(std::move(body)); });
+  CHECK(all.size() == 3);
+  CHECK(all.whyFewer().empty());
 }

@@ -216,7 +216,7 @@ MOEC_TILE_TARGET void packTransposed(const void *b, int64_t ldb, int64_t n, int6
 template <int MR, bool HALF>
 MOEC_TILE_TARGET __attribute__((always_inline)) inline void
 broadcast(__m512i (&av)[MR], const char *const (&rows)[MR], int64_t offset) {
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
     uint32_t v = 0;
     std::memcpy(&v, rows[r] + offset, HALF ? 2 : 4);
@@ -225,16 +225,19 @@ broadcast(__m512i (&av)[MR], const char *const (&rows)[MR], int64_t offset) {
 }
 
 /// One unit of the micro-kernel: acc[r][x] += A's unit of row r times the
-/// panel's vector x (a bf16 dot product of two pairs, or an FMA).
-template <int MR, bool BF16>
+/// panel's vector x (a bf16 dot product of two pairs, or an FMA), for the
+/// panel's first NV vectors.
+template <int MR, int NV, bool BF16>
 MOEC_TILE_TARGET __attribute__((always_inline)) inline void
-step(__m512 (&acc)[MR][3], const uint32_t *panel, const __m512i (&av)[MR]) {
-  const __m512i bv[3] = {_mm512_load_si512(panel), _mm512_load_si512(panel + 16),
-                         _mm512_load_si512(panel + 32)};
-#pragma GCC unroll 8
+step(__m512 (&acc)[MR][NV], const uint32_t *panel, const __m512i (&av)[MR]) {
+  __m512i bv[NV];
+#pragma GCC unroll 3
+  for (int x = 0; x < NV; ++x)
+    bv[x] = _mm512_load_si512(panel + 16 * x);
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 3
-    for (int x = 0; x < 3; ++x) {
+    for (int x = 0; x < NV; ++x) {
       if constexpr (BF16)
         acc[r][x] = _mm512_dpbf16_ps(acc[r][x], (__m512bh)av[r], (__m512bh)bv[x]);
       else
@@ -259,32 +262,32 @@ step(__m512 (&acc)[MR][3], const uint32_t *panel, const __m512i (&av)[MR]) {
 /// elements, at the panel's first column; the high half zero past `srcRows`
 /// rows). Its loads then run among the dot products, instead of in a pass of
 /// their own that waits on memory with nothing else to do.
-template <int MR, bool BF16, bool PACK>
+///
+/// NV is the number of 16-lane vectors of the panel the call computes: 3 (48
+/// columns, MR up to kRows), or 1 for a C at most 16 columns wide (a LoRA
+/// adapter's rank-r product), where MR goes up to kNarrowRows.
+template <int MR, bool BF16, bool PACK, int NV = 3>
 MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t aUnit,
                             bool halfLast, uint32_t *panel, const float *in, int64_t ldIn,
                             void *out, int64_t ldOut, bool outBf16, int cols, const uint16_t *src,
                             int64_t ldSrc, int64_t srcRows, const AddScaled *scaled,
                             const char *addend) {
-  __m512 acc[MR][3];
-  const __mmask16 m0 = laneMask(cols, 0), m1 = laneMask(cols, 1), m2 = laneMask(cols, 2);
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    if (in) {
-      acc[r][0] = _mm512_maskz_loadu_ps(m0, in + r * ldIn);
-      acc[r][1] = _mm512_maskz_loadu_ps(m1, in + r * ldIn + 16);
-      acc[r][2] = _mm512_maskz_loadu_ps(m2, in + r * ldIn + 32);
-    } else {
-      acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
-    }
-  }
+  static_assert(NV == 3 || !PACK, "the panel is packed in the call 48 columns at a time");
+  __m512 acc[MR][NV];
+  const __mmask16 masks[3] = {laneMask(cols, 0), laneMask(cols, 1), laneMask(cols, 2)};
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 3
+    for (int x = 0; x < NV; ++x)
+      acc[r][x] =
+          in ? _mm512_maskz_loadu_ps(masks[x], in + r * ldIn + 16 * x) : _mm512_setzero_ps();
   const char *rows[MR];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
     rows[r] = a + r * aRow;
   const int64_t whole = halfLast ? units - 1 : units;
   __m512i av[MR];
   if constexpr (PACK) {
-    const __mmask16 masks[3] = {m0, m1, m2};
     for (int64_t t = 0; t < units; ++t, panel += kPanel) {
       const uint16_t *r0 = src + 2 * t * ldSrc, *r1 = r0 + ldSrc;
       const bool pair = 2 * t + 1 < srcRows;
@@ -301,26 +304,25 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
         broadcast<MR, false>(av, rows, t * aUnit);
       else
         broadcast<MR, true>(av, rows, t * aUnit);
-      step<MR, BF16>(acc, panel, av);
+      step<MR, NV, BF16>(acc, panel, av);
     }
   } else {
     for (int64_t t = 0; t < whole; ++t, panel += kPanel) {
       broadcast<MR, false>(av, rows, t * aUnit);
-      step<MR, BF16>(acc, panel, av);
+      step<MR, NV, BF16>(acc, panel, av);
     }
     if (halfLast) {
       broadcast<MR, true>(av, rows, whole * aUnit);
-      step<MR, BF16>(acc, panel, av);
+      step<MR, NV, BF16>(acc, panel, av);
     }
   }
   if (scaled) {
     constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const __m512 alpha = _mm512_set1_ps(scaled->alpha);
-    const __mmask16 masks[3] = {m0, m1, m2};
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 3
-      for (int x = 0; x < 3; ++x) {
+      for (int x = 0; x < NV; ++x) {
         // Rounded one operation at a time, as the header says: the
         // explicitly rounded forms, which the compiler does not contract
         // into a fused multiply-add.
@@ -340,21 +342,19 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
   }
   if (outBf16) {
     uint16_t *o = static_cast<uint16_t *>(out);
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      storeBf16x16(o + r * ldOut, m0, acc[r][0]);
-      storeBf16x16(o + r * ldOut + 16, m1, acc[r][1]);
-      storeBf16x16(o + r * ldOut + 32, m2, acc[r][2]);
-    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 3
+      for (int x = 0; x < NV; ++x)
+        storeBf16x16(o + r * ldOut + 16 * x, masks[x], acc[r][x]);
     return;
   }
   float *o = static_cast<float *>(out);
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(o + r * ldOut, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(o + r * ldOut + 16, m1, acc[r][1]);
-    _mm512_mask_storeu_ps(o + r * ldOut + 32, m2, acc[r][2]);
-  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 3
+    for (int x = 0; x < NV; ++x)
+      _mm512_mask_storeu_ps(o + r * ldOut + 16 * x, masks[x], acc[r][x]);
 }
 
 /// Walks the cache lines of a set of equally long rows (`rows` rows of
@@ -414,6 +414,22 @@ MOEC_TILE_TARGET void streamRow(char *dst, const char *src, int64_t bytes) {
 using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, uint32_t *, const float *,
                        int64_t, void *, int64_t, bool, int, const uint16_t *, int64_t, int64_t,
                        const AddScaled *, const char *);
+
+/// Rows of C per micro-kernel call for a C at most 16 columns wide (one
+/// vector of the panel: kNarrowRows accumulators).
+constexpr int kNarrowRows = 16;
+
+/// The micro-kernel of a bf16 C at most 16 columns wide, `rows` rows.
+Micro microNarrowFor(int rows) {
+  static constexpr Micro table[kNarrowRows] = {
+      micro<1, true, false, 1>,  micro<2, true, false, 1>,  micro<3, true, false, 1>,
+      micro<4, true, false, 1>,  micro<5, true, false, 1>,  micro<6, true, false, 1>,
+      micro<7, true, false, 1>,  micro<8, true, false, 1>,  micro<9, true, false, 1>,
+      micro<10, true, false, 1>, micro<11, true, false, 1>, micro<12, true, false, 1>,
+      micro<13, true, false, 1>, micro<14, true, false, 1>, micro<15, true, false, 1>,
+      micro<16, true, false, 1>};
+  return table[rows - 1];
+}
 
 template <bool BF16, bool PACK = false> Micro microFor(int rows) {
   static constexpr Micro table[kRows] = {
@@ -491,9 +507,16 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   auto aRegion = [&](int64_t q0, int64_t q1) {
     return transA ? Prefetch() : Prefetch(aBytes + q0 * elt, m, (q1 - q0) * elt, lda * elt);
   };
-  const Micro kernelFull = bf16 ? microFor<true>(kRows) : microFor<false>(kRows);
+  // A bf16 C at most 16 columns wide (a LoRA adapter's rank-r product) is
+  // computed kNarrowRows rows a call on the panel's first vector, not
+  // kRows rows on all three, two of them empty.
+  const bool narrow = bf16 && n <= 16;
+  const int64_t rowStep = narrow ? kNarrowRows : kRows;
+  const Micro kernelFull = narrow ? microNarrowFor(kNarrowRows)
+                           : bf16 ? microFor<true>(kRows)
+                                  : microFor<false>(kRows);
   // With `stream`: a row block's sums over a column group, on their way to C.
-  alignas(64) float stage[kRows * kGroup];
+  alignas(64) float stage[std::max<int64_t>(kRows * kGroup, kNarrowRows * 16)];
   // Column groups of kGroup, each over the whole depth: its partial sums and
   // panels stay in L2 while the depth passes.
   for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
@@ -509,7 +532,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       // (micro's PACK), where its loads overlap the dot products; the others
       // here. (A transposed op(B) packed by the calls, 16 units of its 48
       // rows at a time by transposes, was not faster.)
-      const bool packInCall = bf16 && !transB && !prepacked && !decodedB;
+      const bool packInCall = bf16 && !transB && !prepacked && !decodedB && !narrow;
       // (A B packed beforehand is read where packB put it.)
       if (decodedB) {
         // Panel by panel: its part of B decoded, then packed from L1.
@@ -573,16 +596,16 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         if ((k <= depth || load) && !stream)
           nextC = cRegion(j0 + kGroup, std::min(kGroup, n - j0 - kGroup));
       }
-      const int64_t calls = ceilDiv(nb, kPanel) * ceilDiv(m, kRows);
+      const int64_t calls = ceilDiv(nb, kPanel) * ceilDiv(m, rowStep);
       for (Prefetch *next : {&nextB, &nextA, &nextC})
         next->spread(calls);
       auto call = [&](int64_t q, int64_t i0, char *to, int64_t ldTo) {
         const int cols = int(std::min<int64_t>(kPanel, nb - q * kPanel));
-        const int rows = int(std::min<int64_t>(kRows, m - i0));
-        const Micro kernel =
-            packInCall && i0 == 0 ? microFor<true, true>(rows)
-            : rows == kRows       ? kernelFull
-                                  : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
+        const int rows = int(std::min<int64_t>(rowStep, m - i0));
+        const Micro kernel = packInCall && i0 == 0 ? microFor<true, true>(rows)
+                             : rows == rowStep     ? kernelFull
+                             : narrow              ? microNarrowFor(rows)
+                                      : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
         nextB.next();
         nextA.next();
         nextC.next();
@@ -604,10 +627,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       if (last && stream) {
         // Row block by row block: the group's columns of kRows rows are
         // summed into `stage`, then written to C whole, around the caches.
-        for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+        for (int64_t i0 = 0; i0 < m; i0 += rowStep) {
           for (int64_t q = 0; q * kPanel < nb; ++q)
             call(q, i0, reinterpret_cast<char *>(stage), nb);
-          for (int64_t r = 0; r < std::min<int64_t>(kRows, m - i0); ++r)
+          for (int64_t r = 0; r < std::min<int64_t>(rowStep, m - i0); ++r)
             streamRow(out + (i0 + r) * ldOut * outElt,
                       reinterpret_cast<const char *>(stage) + r * nb * outElt, nb * outElt);
         }
@@ -615,7 +638,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         // Panel by panel: the panel stays in L1 while every row block of A
         // passes over it.
         for (int64_t q = 0; q * kPanel < nb; ++q)
-          for (int64_t i0 = 0; i0 < m; i0 += kRows)
+          for (int64_t i0 = 0; i0 < m; i0 += rowStep)
             call(q, i0, out + i0 * ldOut * outElt, ldOut);
       }
     }

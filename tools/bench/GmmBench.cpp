@@ -12,7 +12,8 @@
 //
 // `gmm_bench --layer [experts [reps [threads]]]` times the six tile shapes
 // of the qwen3-30b-a3b layer (H 2048, I 768, 128 rows an expert, the
-// strides and transposes its binaries give the tiles) the same way, in fp32
+// strides and transposes its binaries give the tiles), and two of a rank-16
+// LoRA adapter's (16 columns wide), the same way, in fp32
 // and bf16, on `threads` threads at once (each on operands of its own, as
 // the layer's workers run); and, for the tiles whose B is a weight, bf16
 // with each expert's B packed beforehand (tile::packB: the layer's
@@ -98,6 +99,10 @@ constexpr Shape kLayer[] = {
     {"gate_grad", 128, 2048, 1536, 1536, 1536, 2048, false, true},
     {"dw2", 768, 2048, 128, 768, 2048, 2048, true, false},
     {"dw1", 2048, 1536, 128, 2048, 1536, 1536, true, false},
+    // A LoRA adapter of rank 16 on up_proj: u = x·A (16 columns), and A's
+    // weight gradient x^T·du.
+    {"lora_a", 128, 16, 2048, 2048, 16, 16, false, false},
+    {"lora_a_grad", 2048, 16, 128, 2048, 16, 16, true, false},
 };
 
 /// One thread's operands of a shape, `experts` distinct sets in the

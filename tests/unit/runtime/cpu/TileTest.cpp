@@ -109,9 +109,10 @@ TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {
     int64_t m, n, k;
   };
   // Tails of the 8-row blocks and 48-column panels, the 192-column groups,
-  // depth blocks (128 fp32 values, 256 bf16 ones) and odd bf16 depths.
-  const Shape shapes[] = {{1, 1, 1},   {7, 5, 3},     {9, 50, 257},
-                          {17, 97, 513}, {33, 200, 300}, {8, 193, 129}};
+  // depth blocks (128 fp32 values, 256 bf16 ones) and odd bf16 depths; a
+  // bf16 C at most 16 columns wide, in blocks of 16 rows and their tails.
+  const Shape shapes[] = {{1, 1, 1},      {7, 5, 3},     {9, 50, 257},  {17, 97, 513},
+                          {33, 200, 300}, {8, 193, 129}, {40, 16, 300}, {19, 13, 257}};
   uint32_t seed = 1;
   for (const bool bf16 : {false, true}) {
     if (!tileRuns(bf16))
@@ -160,9 +161,11 @@ TEST_CASE("moec's tile gives the same bits however the matmul is cut", "[cpu][ti
         const Product x(m, n, k, transA, transB, bf16, 77);
         std::vector<float> whole(size_t(m * n)), cut(size_t(m * n));
         x.run(whole.data(), n, false, 0, m, 0, n);
-        // Four tiles, cut off the 8-row blocks, the panels and the groups.
+        // Six tiles, cut off the 8-row blocks, the panels and the groups,
+        // and 16 columns (a bf16 C that narrow runs on the narrow kernel).
         for (const auto &[i0, rows] : {std::pair<int64_t, int64_t>{0, 13}, {13, m - 13}})
-          for (const auto &[j0, cols] : {std::pair<int64_t, int64_t>{0, 61}, {61, n - 61}})
+          for (const auto &[j0, cols] :
+               {std::pair<int64_t, int64_t>{0, 61}, {61, 16}, {77, n - 77}})
             x.run(cut.data(), n, false, i0, rows, j0, cols);
         CHECK(std::memcmp(whole.data(), cut.data(), whole.size() * sizeof(float)) == 0);
       }
@@ -348,70 +351,72 @@ TEST_CASE("moec's tile scales and adds onto its sums as they leave the registers
     for (const bool cBf16 : {false, true})
       for (const int64_t k : {int64_t(16), int64_t(700)})
         for (const float alpha : {1.0f, 2.5f})
-          for (const int addendKind : {0, 1, 2}) { // none, separate, C itself
-            INFO((bf16 ? "bf16" : "fp32") << " operands, " << (cBf16 ? "bf16" : "fp32") << " C, k "
-                                          << k << ", alpha " << alpha << ", addend " << addendKind);
-            const int64_t m = 21, n = 250, ldc = 256, lda = 260;
-            const Product x(m, n, k, false, false, bf16, 13);
-            std::vector<float> sums(size_t(m * n));
-            x.run(sums.data(), n, false, 0, m, 0, n);
-            std::mt19937 rng(17);
-            std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
-            // The addend as stored (C's type) and as the floats it holds.
-            std::vector<float> add32(size_t(m * lda), 0.0f);
-            std::vector<uint16_t> add16(size_t(m * lda), 0);
-            for (size_t i = 0; i < add32.size(); ++i) {
-              add16[i] = floatToBf16(dist(rng));
-              add32[i] = cBf16 ? bf16ToFloat(add16[i]) : dist(rng);
-            }
-            const size_t elt = cBf16 ? 2 : 4;
-            std::vector<uint8_t> c(size_t(m * ldc) * elt, 0x5A);
-            const void *addendData = nullptr;
-            int64_t addendLd = 0;
-            if (addendKind == 1) {
-              addendData = cBf16 ? static_cast<const void *>(add16.data()) : add32.data();
-              addendLd = lda;
-            } else if (addendKind == 2) {
-              for (int64_t i = 0; i < m; ++i)
-                std::memcpy(c.data() + size_t(i * ldc) * elt,
-                            cBf16 ? static_cast<const void *>(&add16[size_t(i * lda)])
-                                  : &add32[size_t(i * lda)],
-                            size_t(n) * elt);
-              addendData = c.data();
-              addendLd = ldc;
-            }
-            const tile::AddScaled epilogue{alpha, addendData, addendLd};
-            Aligned pack(tile::packBytes(m, n, k, false, bf16, cBf16, false, true));
-            tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, bf16,
-                       c.data(), ldc, cBf16, false, pack.data(), false, nullptr, nullptr,
-                       &epilogue);
-            int64_t bad = 0;
-            for (int64_t i = 0; i < m; ++i)
-              for (int64_t j = 0; j < n; ++j) {
-                const volatile float scaled = alpha * sums[size_t(i * n + j)];
-                const float want = addendKind == 0 ? scaled : add32[size_t(i * lda + j)] + scaled;
-                const uint8_t *got = c.data() + size_t(i * ldc + j) * elt;
-                if (cBf16) {
-                  uint16_t v;
-                  std::memcpy(&v, got, 2);
-                  bad += v != floatToBf16(want);
-                } else {
-                  float v;
-                  std::memcpy(&v, got, 4);
-                  uint32_t vb, wb;
-                  std::memcpy(&vb, &v, 4);
-                  std::memcpy(&wb, &want, 4);
-                  bad += vb != wb;
-                }
+          for (const int addendKind : {0, 1, 2})                  // none, separate, C itself
+            for (const int64_t n : {int64_t(250), int64_t(16)}) { // 16: the narrow kernel
+              INFO((bf16 ? "bf16" : "fp32")
+                   << " operands, " << (cBf16 ? "bf16" : "fp32") << " C, k " << k << ", alpha "
+                   << alpha << ", addend " << addendKind << ", n " << n);
+              const int64_t m = 21, ldc = 256, lda = 260;
+              const Product x(m, n, k, false, false, bf16, 13);
+              std::vector<float> sums(size_t(m * n));
+              x.run(sums.data(), n, false, 0, m, 0, n);
+              std::mt19937 rng(17);
+              std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+              // The addend as stored (C's type) and as the floats it holds.
+              std::vector<float> add32(size_t(m * lda), 0.0f);
+              std::vector<uint16_t> add16(size_t(m * lda), 0);
+              for (size_t i = 0; i < add32.size(); ++i) {
+                add16[i] = floatToBf16(dist(rng));
+                add32[i] = cBf16 ? bf16ToFloat(add16[i]) : dist(rng);
               }
-            CHECK(bad == 0);
-            // Nothing past the tile's columns.
-            int64_t touched = 0;
-            for (int64_t i = 0; i < m; ++i)
-              for (int64_t j = n; j < ldc; ++j)
-                for (size_t b = 0; b < elt; ++b)
-                  touched += c[size_t(i * ldc + j) * elt + b] != 0x5A;
-            CHECK(touched == 0);
-          }
+              const size_t elt = cBf16 ? 2 : 4;
+              std::vector<uint8_t> c(size_t(m * ldc) * elt, 0x5A);
+              const void *addendData = nullptr;
+              int64_t addendLd = 0;
+              if (addendKind == 1) {
+                addendData = cBf16 ? static_cast<const void *>(add16.data()) : add32.data();
+                addendLd = lda;
+              } else if (addendKind == 2) {
+                for (int64_t i = 0; i < m; ++i)
+                  std::memcpy(c.data() + size_t(i * ldc) * elt,
+                              cBf16 ? static_cast<const void *>(&add16[size_t(i * lda)])
+                                    : &add32[size_t(i * lda)],
+                              size_t(n) * elt);
+                addendData = c.data();
+                addendLd = ldc;
+              }
+              const tile::AddScaled epilogue{alpha, addendData, addendLd};
+              Aligned pack(tile::packBytes(m, n, k, false, bf16, cBf16, false, true));
+              tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, bf16,
+                         c.data(), ldc, cBf16, false, pack.data(), false, nullptr, nullptr,
+                         &epilogue);
+              int64_t bad = 0;
+              for (int64_t i = 0; i < m; ++i)
+                for (int64_t j = 0; j < n; ++j) {
+                  const volatile float scaled = alpha * sums[size_t(i * n + j)];
+                  const float want = addendKind == 0 ? scaled : add32[size_t(i * lda + j)] + scaled;
+                  const uint8_t *got = c.data() + size_t(i * ldc + j) * elt;
+                  if (cBf16) {
+                    uint16_t v;
+                    std::memcpy(&v, got, 2);
+                    bad += v != floatToBf16(want);
+                  } else {
+                    float v;
+                    std::memcpy(&v, got, 4);
+                    uint32_t vb, wb;
+                    std::memcpy(&vb, &v, 4);
+                    std::memcpy(&wb, &want, 4);
+                    bad += vb != wb;
+                  }
+                }
+              CHECK(bad == 0);
+              // Nothing past the tile's columns.
+              int64_t touched = 0;
+              for (int64_t i = 0; i < m; ++i)
+                for (int64_t j = n; j < ldc; ++j)
+                  for (size_t b = 0; b < elt; ++b)
+                    touched += c[size_t(i * ldc + j) * elt + b] != 0x5A;
+              CHECK(touched == 0);
+            }
   }
 }

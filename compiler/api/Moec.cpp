@@ -68,14 +68,20 @@ extern "C" moec_status_t moec_compile(const char *graph, const char *config, con
     if (Status status = driver::compileGraphFile(graph, options, &result); !status)
       return status;
     std::vector<uint8_t> bytes = format::writeTaskBinary(result.program);
-    if (Status status = writeFileAtomically(out, {{bytes.data(), bytes.size()}}); !status)
+    // The summary is made before the file, so that a failure leaves neither.
+    char *text = summary ? copyOut(fmt::format(
+                               "{}: {}, {} ops, {} tasks, {} events, {} bytes; estimated {:.3f} "
+                               "ms per pass on {}",
+                               out, result.graphName, result.program.ops.size(),
+                               result.program.tasks.size(), result.program.events.size(),
+                               bytes.size(), result.estimate.makespan * 1e3, result.profile.name))
+                         : nullptr;
+    if (Status status = writeFileAtomically(out, {{bytes.data(), bytes.size()}}); !status) {
+      std::free(text);
       return status;
+    }
     if (summary)
-      *summary = copyOut(fmt::format(
-          "{}: {}, {} ops, {} tasks, {} events, {} bytes; estimated {:.3f} ms per pass on {}", out,
-          result.graphName, result.program.ops.size(), result.program.tasks.size(),
-          result.program.events.size(), bytes.size(), result.estimate.makespan * 1e3,
-          result.profile.name));
+      *summary = text;
     return Status::success();
   });
 }

@@ -7,6 +7,9 @@ load_adapters:
     tensors = read_tensors(files)           # {name: (tensor, file)}
     t = tensor(tensors, name, shape)        # floating point, of that shape
 
+    save_layer(layer, folder, "experts")    # a MoeFFN's own adapters (its save_adapters)
+    load_layer(layer, folder, "experts")    # and back (its load_adapters)
+
 A folder holds adapter_config.json and adapter_model.safetensors (or, as
 older PEFT wrote it, adapter_model.bin, read with weights_only); a MoeFFN
 layer whose processes each saved their own experts leaves
@@ -16,14 +19,17 @@ file of the folder (a backup adapter_model.old.bin, a stray copy) is never
 read. Every error is a ValueError naming the file and what is wrong.
 """
 
+import json
 import math
 import os
 from pathlib import Path
 
+import torch
+
 from . import checks, safetensors
 
-__all__ = ["CONFIG", "LEGACY", "WEIGHTS", "rank_file", "read_config", "read_tensors",
-           "tensor", "unknown_experts", "weight_files"]
+__all__ = ["CONFIG", "LEGACY", "WEIGHTS", "load_layer", "rank_file", "read_config",
+           "read_tensors", "save_layer", "tensor", "unknown_experts", "weight_files"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -147,3 +153,76 @@ def unknown_experts(tensors, stem, known, experts):
                     "a module the layer has no adapter for")
             raise ValueError(f"moec: {path}: '{name}' is not an adapter of "
                              f"this layer ({what})")
+
+
+# A MoeFFN layer's own adapters (MoeFFN.save_adapters and load_adapters say
+# what they do; these are their bodies).
+
+def save_layer(layer, directory, module_prefix):
+    """MoeFFN.save_adapters."""
+    if not layer.lora_rank:
+        raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    sharded = layer.local_ranks != layer.ranks
+    weights = directory / (rank_file(layer.first_rank, layer.ranks) if sharded else WEIGHTS)
+    # Neither file may be one the layer reads (its config file, ...).
+    for path in [weights] + ([directory / CONFIG] if layer.first_rank == 0 else []):
+        layer._output(path, "save_adapters", "the adapter file")
+    tensors = {name: p[e].detach().t().contiguous().clone()
+               for p, e, name in layer._peft_names(module_prefix)}
+    writes = [(weights, safetensors.file_writer(tensors, weights, {"format": "pt"}))]
+    if layer.first_rank == 0:
+        config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None,
+                  "r": layer.lora_rank, "lora_alpha": layer.lora_scaling * layer.lora_rank,
+                  "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+                  "inference_mode": True, "modules_to_save": None,
+                  "target_modules": [layer.PEFT_MODULES[t] for t in layer.lora_targets],
+                  "moec": {"experts": layer.experts, "ranks": layer.ranks,
+                           "module_prefix": module_prefix, "shards": sharded}}
+        writes.append((directory / CONFIG, json.dumps(config, indent=2).encode()))
+    safetensors.write_together(writes)
+    return [path for path, _ in writes[::-1]]
+
+
+def load_layer(layer, directory, module_prefix):
+    """MoeFFN.load_adapters."""
+    if not layer.lora_rank:
+        raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
+    directory = Path(directory)
+    config = read_config(directory)
+    shown = f"moec: {checks.where(directory / CONFIG, 'adapter config')}"
+    want = {"r": layer.lora_rank, "lora_alpha": layer.lora_scaling * layer.lora_rank,
+            "target_modules": sorted(layer.PEFT_MODULES[t] for t in layer.lora_targets)}
+    targets = config["target_modules"]
+    got = {"r": config["r"], "lora_alpha": config["lora_alpha"],
+           "target_modules": sorted(targets) if isinstance(targets, list) else targets}
+    if config["peft_type"] != "LORA" or got != want:
+        raise ValueError(f"moec: the adapters in {directory} are {got} "
+                         f"(peft_type {config['peft_type']!r}); this layer's are {want}")
+    moec = config.get("moec")
+    first = layer.first_rank * layer.local_experts
+    count = layer.local_ranks * layer.local_experts
+    ranks = None
+    if moec is not None:
+        if moec["experts"] != layer.experts:
+            raise ValueError(f"{shown}: the adapters are of a layer of {moec['experts']} "
+                             f"experts; this layer has {layer.experts}")
+        if moec["module_prefix"] != module_prefix:
+            raise ValueError(f"{shown}: the adapters were saved with module_prefix "
+                             f"{moec['module_prefix']!r}; loading with {module_prefix!r}")
+        # The rank files that hold this process's experts.
+        per = moec["experts"] // moec["ranks"]
+        ranks = range(first // per, (first + count - 1) // per + 1)
+    tensors = read_tensors(weight_files(directory, config, ranks))
+    known = {name for _, _, name in layer._peft_names(module_prefix, range(layer.experts))}
+    unknown_experts(tensors, f"base_model.model.{module_prefix}.", known, layer.experts)
+    updates = []
+    for p, e, name in layer._peft_names(module_prefix):
+        t = tensor(tensors, name, p.shape[1:][::-1])
+        if t is None:
+            raise ValueError(f"moec: {directory} has no '{name}'")
+        updates.append((p, e, t))
+    with torch.no_grad():
+        for p, e, t in updates:
+            p[e].copy_(t.t())

@@ -3,11 +3,10 @@
 import json
 import math
 import os
-from pathlib import Path
 
 import torch
 
-from . import adapters, capacity, checkpoint, checks, native, quant, safetensors
+from . import adapters, capacity, checkpoint, checks, native, quant
 from ._launch import _fabric, _fabric_args, _register_finalize, load_library
 from .autograd import MoeFFNFunction, _check_finite, _to_tp, _TpMainGrads, _TpShare, _TpTake
 from .cache import LORA_TARGETS, _from_cache, _layer_graphs, _lora_suffix, _lora_targets, \
@@ -852,32 +851,7 @@ class MoeFFN(torch.nn.Module):
         load_adapters reads either form. The files are replaced whole or
         not at all (safetensors.write_together: written under scratch names,
         then renamed, the config last). Returns the files written."""
-        if not self.lora_rank:
-            raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        sharded = self.local_ranks != self.ranks
-        weights = directory / (adapters.rank_file(self.first_rank, self.ranks) if sharded
-                               else adapters.WEIGHTS)
-        # Neither file may be one the layer reads (its config file, ...).
-        for path in [weights] + ([directory / adapters.CONFIG]
-                                 if self.first_rank == 0 else []):
-            self._output(path, "save_adapters", "the adapter file")
-        tensors = {name: p[e].detach().t().contiguous().clone()
-                   for p, e, name in self._peft_names(module_prefix)}
-        writes = [(weights, safetensors.file_writer(tensors, weights, {"format": "pt"}))]
-        if self.first_rank == 0:
-            config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None,
-                      "r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
-                      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-                      "inference_mode": True, "modules_to_save": None,
-                      "target_modules": [self.PEFT_MODULES[t] for t in self.lora_targets],
-                      "moec": {"experts": self.experts, "ranks": self.ranks,
-                               "module_prefix": module_prefix, "shards": sharded}}
-            writes.append((directory / adapters.CONFIG,
-                           json.dumps(config, indent=2).encode()))
-        safetensors.write_together(writes)
-        return [path for path, _ in writes[::-1]]
+        return adapters.save_layer(self, directory, module_prefix)
 
     def load_adapters(self, directory, module_prefix="experts"):
         """Loads adapters that save_adapters (or PEFT, with the same names)
@@ -891,46 +865,7 @@ class MoeFFN(torch.nn.Module):
         file of the folder. Every tensor of this process's experts must be
         there, floating point and of its shape, and no tensor may name an
         expert the layer lacks, before any is copied."""
-        if not self.lora_rank:
-            raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
-        directory = Path(directory)
-        config = adapters.read_config(directory)
-        shown = f"moec: {checks.where(directory / adapters.CONFIG, 'adapter config')}"
-        want = {"r": self.lora_rank, "lora_alpha": self.lora_scaling * self.lora_rank,
-                "target_modules": sorted(self.PEFT_MODULES[t] for t in self.lora_targets)}
-        targets = config["target_modules"]
-        got = {"r": config["r"], "lora_alpha": config["lora_alpha"],
-               "target_modules": sorted(targets) if isinstance(targets, list) else targets}
-        if config["peft_type"] != "LORA" or got != want:
-            raise ValueError(f"moec: the adapters in {directory} are {got} "
-                             f"(peft_type {config['peft_type']!r}); this layer's are {want}")
-        moec = config.get("moec")
-        first = self.first_rank * self.local_experts
-        count = self.local_ranks * self.local_experts
-        ranks = None
-        if moec is not None:
-            if moec["experts"] != self.experts:
-                raise ValueError(f"{shown}: the adapters are of a layer of {moec['experts']} "
-                                 f"experts; this layer has {self.experts}")
-            if moec["module_prefix"] != module_prefix:
-                raise ValueError(f"{shown}: the adapters were saved with module_prefix "
-                                 f"{moec['module_prefix']!r}; loading with {module_prefix!r}")
-            # The rank files that hold this process's experts.
-            per = moec["experts"] // moec["ranks"]
-            ranks = range(first // per, (first + count - 1) // per + 1)
-        tensors = adapters.read_tensors(adapters.weight_files(directory, config, ranks))
-        known = {name for _, _, name in self._peft_names(module_prefix, range(self.experts))}
-        adapters.unknown_experts(tensors, f"base_model.model.{module_prefix}.", known,
-                                 self.experts)
-        updates = []
-        for p, e, name in self._peft_names(module_prefix):
-            t = adapters.tensor(tensors, name, p.shape[1:][::-1])
-            if t is None:
-                raise ValueError(f"moec: {directory} has no '{name}'")
-            updates.append((p, e, t))
-        with torch.no_grad():
-            for p, e, t in updates:
-                p[e].copy_(t.t())
+        adapters.load_layer(self, directory, module_prefix)
 
     def extra_repr(self):
         # A LoRA layer's base weights are frozen and its adapters train: say

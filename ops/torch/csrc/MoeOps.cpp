@@ -104,6 +104,12 @@ void finalizeMpiOp() {
 /// Collective over each group: every rank calls it once, at the end.
 void closeGroupsOp(double seconds) { moec::torchop::closeGroupFabrics(seconds); }
 
+/// A pass timeout's least, most and default seconds (base/Time.h), which
+/// the Python package checks and defaults with.
+std::vector<double> timeoutLimitsOp() {
+  return {moec::kTimeoutMinSeconds, moec::kTimeoutMaxSeconds, moec::kDefaultTimeoutSeconds};
+}
+
 /// The header of the open safetensors file `fd` of `file_bytes` bytes,
 /// checked (moec::safetensors::readHeader), as normalized JSON for
 /// moec_torch.safetensors, which maps the data area itself; the checker's
@@ -195,6 +201,7 @@ TORCH_LIBRARY(moec, m) {
         backwardOp);
   m.def("finalize_mpi() -> ()", finalizeMpiOp);
   m.def("close_groups(float seconds) -> ()", closeGroupsOp);
+  m.def("timeout_limits() -> float[]", timeoutLimitsOp);
   m.def("safetensors_read_header(int fd, int file_bytes) -> str", safetensorsReadHeaderOp);
   m.def("safetensors_parse_header(Tensor header, int data_bytes) -> str", safetensorsParseHeaderOp);
   m.def("quantize_fp8_blocks(Tensor w) -> (Tensor, Tensor)", quantizeFp8BlocksOp);

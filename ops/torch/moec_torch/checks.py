@@ -7,6 +7,8 @@ argument, the config key or the file:
     boolean(value, what)    a bool argument (a Python or numpy bool, or a
                             0-dim torch bool tensor); "no", 1 and None are
                             refused, not taken as truthy
+    timeout_limits()        a timeout's least, most and default seconds
+                            (base/Time.h, from the op library)
     seconds(value, what)    a timeout: 0.001 to 1000000 seconds, as the
                             CLI's --timeout
     dense(tensor, name)     a tensor input: strided, with storage (not
@@ -38,7 +40,7 @@ import stat
 
 import torch
 
-__all__ = ["CONFIG_LIMIT", "TIMEOUT_RANGE", "boolean", "dense", "env_shown", "env_value",
+__all__ = ["CONFIG_LIMIT", "TIMEOUT_RANGE", "timeout_limits", "boolean", "dense", "env_shown", "env_value",
            "integer", "number", "open_regular", "output_path", "read_config", "read_small_file",
            "seconds", "strict_json", "target_file", "where"]
 
@@ -108,24 +110,43 @@ def boolean(value, what):
                     f"({type(value).__name__})")
 
 
-# What a timeout may be, in seconds: the range of the CLI's --timeout
-# (tools/moec/RunCommand.cpp). Under a millisecond the runtime's watchdog
-# would round it to nothing (off); past 1e6 s (11 days) it guards nothing.
-TIMEOUT_RANGE = (0.001, 1e6)
+def timeout_limits():
+    """A pass timeout's (least, most, default) seconds: base/Time.h's, which
+    the runtime, the CLI's --timeout and the op library check with, read
+    from the op library (loaded first). Under a millisecond the watchdog
+    would round a timeout to nothing; past 1e6 s (11 days) it guards
+    nothing."""
+    least, most, default = torch.ops.moec.timeout_limits()
+    return least, most, default
+
+
+def __getattr__(name):
+    # TIMEOUT_RANGE, (least, most): read from the op library when asked for.
+    if name == "TIMEOUT_RANGE":
+        return timeout_limits()[:2]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _number(x):
+    return int(x) if float(x).is_integer() else x
 
 
 def seconds(value, what):
-    """`value` as a float number of seconds from 0.001 to 1000000 (a
-    timeout; the CLI's --timeout takes the same). A bool or a string raises
-    TypeError, a number outside the range (or NaN) ValueError."""
-    rule = "a number of seconds from 0.001 to 1000000"
+    """`value` as a float number of seconds in timeout_limits()'s range
+    (0.001 to 1000000: the CLI's --timeout takes the same), or None for the
+    default (60). A bool or a string raises TypeError, a number outside the
+    range (or NaN) ValueError."""
+    least, most, default = timeout_limits()
+    if value is None:
+        return default
+    rule = f"a number of seconds from {_number(least)} to {_number(most)}"
     if _is_bool(value) or isinstance(value, (str, bytes)):
         raise TypeError(f"{what} must be {rule}, got {value!r}")
     try:
         result = float(value)
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{what} must be {rule}, got {value!r}") from None
-    if not TIMEOUT_RANGE[0] <= result <= TIMEOUT_RANGE[1]:
+    if not least <= result <= most:
         raise ValueError(f"{what} must be {rule}, got {value!r}")
     return result
 

@@ -85,7 +85,7 @@ class Exchange:
     ("moec over capacity: ..."): raise capacity_factor in the config."""
 
     def __init__(self, config, ranks=None, *, threads=0, target="cpu",
-                 granularity="per-tile-range", timeout_seconds=60.0, fabric=None, group=None):
+                 granularity="per-tile-range", timeout_seconds=None, fabric=None, group=None):
         load_library()
         threads = checks.integer(threads, "Exchange: argument 'threads'", minimum=0,
                                  maximum=1024)

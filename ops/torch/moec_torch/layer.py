@@ -80,7 +80,8 @@ class MoeFFN(torch.nn.Module):
     bool tensor): "no", 1 or None raises TypeError naming the argument, no
     value is taken as truthy. timeout_seconds is the watchdog of a pass (and
     under MPI of each wait for the other ranks): 0.001 to 1000000 seconds,
-    as the CLI's --timeout, else ValueError.
+    as the CLI's --timeout, else ValueError; None, the default, is the
+    runtime's (60 s; base/Time.h, checks.timeout_limits()).
 
     Tensors (x, topk_ids, topk_weights, dy, the weights and adapters) must
     be dense: a sparse, mkldnn or nested tensor raises ValueError naming it
@@ -204,7 +205,7 @@ class MoeFFN(torch.nn.Module):
     state_dict(); rebuild with MoeFFN(config, ...) and load_state_dict."""
 
     def __init__(self, config, ranks=None, *, ep=None, tp=None, threads=0, target="cpu",
-                 granularity="per-tile-range", timeout_seconds=60.0, fabric=None,
+                 granularity="per-tile-range", timeout_seconds=None, fabric=None,
                  capacity_policy="grow", check_finite=False, frozen=False, main_grad=False,
                  lora_rank=0, lora_alpha=None, lora_targets=LORA_TARGETS, trace=False,
                  dispatch_dtype=None, init_weights=True, weights_transposed=False,

@@ -415,6 +415,23 @@ def test_config_check_is_the_compilers():
         moec_torch.native.capacity_advice(dict(cfg, ep=2), -1, 1)
 
 
+def test_the_timeout_has_one_range_and_one_default():
+    # base/Time.h's, read through the op library: the Python package writes
+    # none of its own, and a layer left to the default gets the runtime's.
+    header = (Path(__file__).resolve().parents[3] / "base" / "Time.h").read_text()
+    want = [float(re.search(rf"constexpr double {n} = ([0-9.e+-]+);", header).group(1))
+            for n in ("kTimeoutMinSeconds", "kTimeoutMaxSeconds", "kDefaultTimeoutSeconds")]
+    moec_torch.load_library()
+    assert list(moec_torch.checks.timeout_limits()) == want
+    assert moec_torch.checks.TIMEOUT_RANGE == tuple(want[:2])
+    assert moec_torch.checks.seconds(None, "t") == want[2]
+    cfg = dict(config(experts=8, top_k=2), ep=2)
+    layer = moec_torch.MoeFFN(cfg, 2, threads=1)
+    assert layer._build[1] == want[2]
+    with pytest.raises(ValueError, match="from 0.001 to 1000000, got 2000000"):
+        moec_torch.MoeFFN(cfg, 2, threads=1, timeout_seconds=2e6)
+
+
 def test_the_compiler_library_returns_a_status_a_caller_owns():
     # libmoec's calls return a moec_status_t (base/moec_status.h): NULL on
     # success, else an error with its code and message, freed by the caller.

@@ -318,8 +318,7 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
   // C: then its last depth block does (tile::AddScaled), from the sums in
   // registers. Any other way adds onto C: a separate addend is copied there
   // first.
-  const bool ownTile = k > 0 && a.elt == b.elt && !(a.elt == Elt::BF16 && !nativeBf16Gemm()) &&
-                       moecTile(a.elt == Elt::BF16);
+  const bool ownTile = k > 0 && packedTile(a.elt, b.elt);
   const bool direct = alpha == 1.0f && !(cBf16 && (accumulate || addend.data));
   if (addend.data && addend.data != c.data && !(ownTile && !direct)) {
     for (int64_t i = 0; i < m; ++i)

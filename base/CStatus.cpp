@@ -32,6 +32,15 @@ moec_status_t toCStatus(const Status &status) {
   }
 }
 
+moec_status_t internalErrorCStatus(const char *what) noexcept {
+  try {
+    return toCStatus(
+        Status::error(what ? std::string("internal error: ") + what : "internal error"));
+  } catch (...) {
+    return &outOfMemory;
+  }
+}
+
 } // namespace moec
 
 extern "C" moec_status_code_t moec_status_code(moec_status_t status) {

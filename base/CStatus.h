@@ -22,15 +22,20 @@ namespace moec {
 /// that moec_status_free leaves alone).
 moec_status_t toCStatus(const Status &status);
 
+/// The error status "internal error: `what`" ("internal error" for null);
+/// never throws (the static out-of-memory status when memory is short).
+moec_status_t internalErrorCStatus(const char *what) noexcept;
+
 /// Runs `body` (which returns a Status) and returns its result as a
-/// moec_status_t; an exception becomes an "internal error: ..." status.
-template <typename Body> moec_status_t guardedC(Body &&body) {
+/// moec_status_t; an exception becomes an "internal error: ..." status, and
+/// none leaves (not even one from making that status).
+template <typename Body> moec_status_t guardedC(Body &&body) noexcept {
   try {
     return toCStatus(body());
   } catch (const std::exception &e) {
-    return toCStatus(Status::error(std::string("internal error: ") + e.what()));
+    return internalErrorCStatus(e.what());
   } catch (...) {
-    return toCStatus(Status::error("internal error"));
+    return internalErrorCStatus(nullptr);
   }
 }
 

@@ -20,8 +20,15 @@ using Clock = std::chrono::steady_clock;
 /// APIs and the torch op all check against it (timeoutInRange).
 constexpr double kTimeoutMinSeconds = 1e-3;
 constexpr double kTimeoutMaxSeconds = 1e6;
-/// The timeout when none is given (every API's default).
+/// The timeout when none is given (every API's default). A timeout of 0
+/// means this default in every API (the C and C++ APIs, the CLI, the torch
+/// op); there is no "off": 10^6 s is the longest wait.
 constexpr double kDefaultTimeoutSeconds = 60;
+
+/// `seconds`, or the default when it is 0.
+inline double timeoutOrDefault(double seconds) {
+  return seconds == 0 ? kDefaultTimeoutSeconds : seconds;
+}
 
 /// True for a timeout in the range above (false for NaN and infinities).
 inline bool timeoutInRange(double seconds) {

@@ -41,7 +41,7 @@ Status cTimeout(double seconds, const char *who, double *out) {
     return Status::error(fmt::format(
         "{}: timeout_seconds is {}; it must be from {} to {} seconds, or 0 for the default ({})",
         who, seconds, kTimeoutMinSeconds, kTimeoutMaxSeconds, kDefaultTimeoutSeconds));
-  *out = seconds != 0 ? seconds : kDefaultTimeoutSeconds;
+  *out = timeoutOrDefault(seconds);
   return Status::success();
 }
 

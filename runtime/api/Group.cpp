@@ -66,6 +66,7 @@ int64_t elementCount(const Tensor &t) {
 Status Group::initialize(const LayerShape &shape, const ContextOptions &opts,
                          const std::string &source) {
   options = opts;
+  options.timeoutSeconds = timeoutOrDefault(opts.timeoutSeconds);
   layer = shape;
   workerCount = opts.workers ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
   const backend::BackendInfo *made = nullptr;

@@ -99,8 +99,8 @@ Status Context::create(std::shared_ptr<const Program> forward,
     return Status::error("a context needs a forward program");
   if (options.timeoutSeconds != 0 && !timeoutInRange(options.timeoutSeconds))
     return Status::error(fmt::format(
-        "the timeout is {} s; it must be from {} to {} seconds (or 0: no watchdog)",
-        options.timeoutSeconds, kTimeoutMinSeconds, kTimeoutMaxSeconds));
+        "the timeout is {} s; it must be from {} to {} seconds, or 0 for the default ({})",
+        options.timeoutSeconds, kTimeoutMinSeconds, kTimeoutMaxSeconds, kDefaultTimeoutSeconds));
   for (const Program *p : {forward.get(), backward.get()})
     if (p && p->impl().plan.kind != PlanKind::Layer)
       return Status::error(fmt::format(
@@ -143,6 +143,7 @@ const LayerShape *Context::backwardShape() const {
 }
 uint32_t Context::ranks() const { return body->ranks(); }
 uint32_t Context::workers() const { return body->workerCount; }
+double Context::timeoutSeconds() const { return body->options.timeoutSeconds; }
 uint32_t Context::firstLocalRank() const { return body->firstLocal(); }
 uint32_t Context::localRanks() const { return body->fabric->localRanks(); }
 bool Context::outOfStep() const { return !body->broken.empty(); }

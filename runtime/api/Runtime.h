@@ -200,7 +200,8 @@ enum class Schedule {
 /// Options of a context.
 struct ContextOptions {
   uint32_t workers = 0;         ///< worker threads; 0: the hardware threads
-  double timeoutSeconds = kDefaultTimeoutSeconds; ///< watchdog, 0.001 to 10^6 s (base/Time.h); 0 turns it off
+  double timeoutSeconds =
+      kDefaultTimeoutSeconds;   ///< watchdog, 0.001 to 10^6 s (base/Time.h); 0: the default
   bool trace = false;           ///< record every task run (writeTrace)
   Schedule schedule = Schedule::Fused;
   /// Where the passes run: the CPU (the default), or one NVIDIA GPU
@@ -275,6 +276,8 @@ public:
   uint32_t ranks() const;
   /// Worker threads.
   uint32_t workers() const;
+  /// The watchdog's timeout in seconds (the options' or, for 0, the default).
+  double timeoutSeconds() const;
   /// The ranks this process runs (setRouting and bind take only these):
   /// firstLocalRank() .. firstLocalRank() + localRanks() - 1. All R ranks
   /// with the in-process fabric; one under MPI.

@@ -1623,9 +1623,21 @@ TEST_CASE("a binary whose event is never reached ends in an error naming the wai
 
   const Inputs in = makeInputs(c, 3);
   ContextOptions options;
-  options.timeoutSeconds = 2;
+  // A timeout of 0 is the default in the C++ API as in the C API; out of
+  // range is refused with the range and the default.
   std::unique_ptr<Context> ctx;
+  options.timeoutSeconds = 0;
   REQUIRE(makeContext(program, bwd, options, &ctx).ok());
+  CHECK(ctx->timeoutSeconds() == moec::kDefaultTimeoutSeconds);
+  for (double bad : {-1.0, 1e-9, 1e7, std::nan("")}) {
+    options.timeoutSeconds = bad;
+    const Status refused = makeContext(program, bwd, options, &ctx);
+    CHECK_THAT(refused.message(), Catch::Contains("from 0.001 to 1000000 seconds, or 0 for the "
+                                                  "default (60)"));
+  }
+  options.timeoutSeconds = 2;
+  REQUIRE(makeContext(program, bwd, options, &ctx).ok());
+  CHECK(ctx->timeoutSeconds() == 2);
   Run run = prepare(c, in, bwd->shape());
   REQUIRE(bindAll(*ctx, c, run).ok());
   const Status f = ctx->forward();

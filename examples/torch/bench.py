@@ -20,8 +20,11 @@ next to moec's GMM tile rate on the same product (`moec bench
 speed-up for that dtype, and says why (e.g. a reference BLAS as
 libblas.so.3: install libopenblas0-pthread). The shares of the peak are of
 moec's probe (`moec bench --skip-layers`: register-only FMA and bf16
-dot-product chains); beside it goes that command's independent check, the
-core's clock times the flops a cycle its vendor documents.
+dot-product chains): one core alone times the threads ("of peak"), and the
+threads' cores all measuring at once ("of at once"), which is less where
+the cores share a clock or power budget; beside them goes that command's
+independent check, the core's clock times the flops a cycle its vendor
+documents.
 
 --memory measures moec's memory instead: for each dtype, in a process of
 its own, the peak RSS of the process (ru_maxrss, the layer's making
@@ -328,12 +331,13 @@ def blas_library():
     return ", ".join(os.path.realpath(p) for p in paths) or "none mapped"
 
 
-def moec_tile_rates(moec):
+def moec_tile_rates(moec, threads):
     """moec's one-thread GMM tile rate on 1024^3, per dtype, and its probe's
     one-core peak per dtype (the bf16 dot-product peak where the CPU has
-    one, else the fp32 FMA peak), from `moec bench --skip-layers`."""
-    out = subprocess.run([moec, "bench", "--skip-layers", "--no-progress"], check=True,
-                         text=True, stdout=subprocess.PIPE).stdout
+    one, else the fp32 FMA peak) and `threads` cores' at once, from `moec
+    bench --skip-layers`."""
+    out = subprocess.run([moec, "bench", "--skip-layers", "--no-progress", "--threads",
+                          str(threads)], check=True, text=True, stdout=subprocess.PIPE).stdout
     check = re.search(r"^independent check: .*$", out, re.M)
     if check:
         CHECK.append(check.group(0))
@@ -342,6 +346,12 @@ def moec_tile_rates(moec):
     if fp32:
         PEAKS["fp32"] = float(fp32.group(1))
         PEAKS["bf16"] = float(bf16.group(1)) if bf16 else PEAKS["fp32"]
+    for name, dtype in (("fp32 FMA", "fp32"), ("bf16 dot-product", "bf16")):
+        m = re.search(name + r" peak, \d+ cores at once: ([0-9.]+) GFLOP/s", out)
+        if m:
+            TOGETHER[dtype] = float(m.group(1))
+    if "bf16" not in TOGETHER and "fp32" in TOGETHER and not bf16:
+        TOGETHER["bf16"] = TOGETHER["fp32"]
     rates = {}
     for line in out.splitlines():
         m = re.match(r"\s*(f32|bf16)\s+1024 x 1024 x 1024\s+([0-9.]+)", line)
@@ -351,15 +361,16 @@ def moec_tile_rates(moec):
 
 
 PEAKS = {}  # dtype -> one core's peak GFLOP/s, set by moec_tile_rates
+TOGETHER = {}  # dtype -> the threads' cores' peak GFLOP/s, all at once (threads > 1)
 CHECK = []  # moec bench's independent check of those peaks (one core), if any
 
 
-def fair_baseline(moec):
+def fair_baseline(moec, threads):
     """Prints both GEMM rates; returns {dtype: reason} for each dtype whose
     PyTorch GEMM is under half of moec's tile rate (no speed-up then)."""
     torch_rates = {"fp32": torch_gemm_rate(torch.float32),
                    "bf16": torch_gemm_rate(torch.bfloat16)}
-    moec_rates = moec_tile_rates(moec)
+    moec_rates = moec_tile_rates(moec, threads)
     blas = blas_library()
     print(f"GEMM 1024^3, one thread, GFLOP/s: PyTorch fp32 {torch_rates['fp32']:.1f} "
           f"(BLAS: {blas}), bf16 {torch_rates['bf16']:.1f} (oneDNN); moec GMM tile fp32 "
@@ -375,6 +386,20 @@ def fair_baseline(moec):
                 why += "not a fair baseline on this machine"
             unfair[dtype] = why
     return unfair
+
+
+def print_peaks(threads):
+    """The peaks moec's probe measured: `threads` x one core alone, and the
+    `threads` cores at once."""
+    print(f"peak of {threads} cores (moec's probe): "
+          + ", ".join(f"{d} {p * threads:.1f} GFLOP/s" for d, p in PEAKS.items())
+          + ("" if PEAKS.get("bf16") != PEAKS.get("fp32") else
+             " (no bf16 dot products: bf16 is judged against the fp32 peak)"))
+    if TOGETHER:
+        print(f"the {threads} cores at once: "
+              + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in TOGETHER.items()))
+    for line in CHECK:
+        print(f"{line} (one core)")
 
 
 def main():
@@ -425,7 +450,8 @@ def main():
                 return rc  # the child said why
         return 0
     if args.training:
-        fair_baseline(args.moec)  # the GEMM rate of split's PyTorch experts
+        fair_baseline(args.moec, args.threads)  # the GEMM rate of split's PyTorch experts
+        print_peaks(args.threads)
         print(f"{'dtype':6} {'variant':18} {'step s':>8} {'step / full':>12} "
               f"{'backward s':>11} {'backward / full':>16}")
         for dtype in args.dtypes.split(","):
@@ -436,15 +462,10 @@ def main():
                 print(f"{dtype:6} {name:18} {step_s:8.3f} {step_s / full_step:12.2f} "
                       f"{backward_s:11.3f} {backward_s / full_backward:16.2f}", flush=True)
         return 0
-    unfair = fair_baseline(args.moec)
-    print(f"peak of {args.threads} cores (moec's probe): "
-          + ", ".join(f"{d} {p * args.threads:.1f} GFLOP/s" for d, p in PEAKS.items())
-          + ("" if PEAKS.get("bf16") != PEAKS.get("fp32") else
-             " (no bf16 dot products: bf16 is judged against the fp32 peak)"))
-    for line in CHECK:
-        print(f"{line} (one core)")
+    unfair = fair_baseline(args.moec, args.threads)
+    print_peaks(args.threads)
     print(f"{'dtype':6} {'moec s':>9} {'torch s':>9} {'moec GFLOP/s':>13} {'of peak':>8} "
-          f"{'torch GFLOP/s':>14} {'speed-up':>9}")
+          f"{'of at once':>11} {'torch GFLOP/s':>14} {'speed-up':>9}")
     for dtype in args.dtypes.split(","):
         # An unfair baseline is not timed (PyTorch's bf16 on a CPU without
         # bf16 dot products takes minutes a step).
@@ -452,8 +473,9 @@ def main():
                                        with_torch=dtype not in unfair)
         ratio = "  refused" if dtype in unfair else f"{torch_s / moec_s:8.2f}x"
         peak = PEAKS.get(dtype, float("nan")) * args.threads * 1e9
+        together = TOGETHER.get(dtype, PEAKS.get(dtype, float("nan")) * args.threads) * 1e9
         print(f"{dtype:6} {moec_s:9.3f} {torch_s:9.3f} {flops / moec_s / 1e9:13.1f} "
-              f"{100 * flops / moec_s / peak:7.1f}% "
+              f"{100 * flops / moec_s / peak:7.1f}% {100 * flops / moec_s / together:10.1f}% "
               f"{flops / torch_s / 1e9:14.1f} {ratio}", flush=True)
     for dtype, why in unfair.items():
         print(f"no {dtype} speed-up: {why}")

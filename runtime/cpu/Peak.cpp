@@ -6,6 +6,7 @@
 #include "runtime/cpu/Gmm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +14,8 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -240,6 +243,42 @@ std::optional<FmaPeak> measureBf16DotPeak(double seconds) {
   if (kernels.empty())
     return std::nullopt;
   return measureKernels(kernels, seconds);
+}
+
+std::optional<TogetherPeak> measurePeakTogether(unsigned threads, bool bf16, double seconds) {
+  const std::vector<Kernel> kernels = bf16 ? bf16Kernels() : supportedKernels();
+  if (kernels.empty() || threads == 0)
+    return std::nullopt;
+  std::vector<double> gflops(threads, 0.0);
+  std::atomic<unsigned> ready{0};
+  const auto measure = [&](unsigned t) {
+    // Every thread waits for the others, so that their trials overlap.
+    ready.fetch_add(1);
+    while (ready.load() < threads)
+      std::this_thread::yield();
+    gflops[t] = measureKernels(kernels, seconds).gflops;
+  };
+  std::vector<std::thread> others;
+  for (unsigned t = 1; t < threads; ++t) {
+    try {
+      others.emplace_back(measure, t);
+    } catch (const std::system_error &) {
+      ready.fetch_add(threads - t); // the missing ones: nobody waits for them
+      break;
+    }
+  }
+  measure(0);
+  for (std::thread &x : others)
+    x.join();
+  if (others.size() + 1 < threads)
+    return std::nullopt;
+  TogetherPeak peak;
+  peak.least = gflops[0];
+  for (double g : gflops) {
+    peak.gflops += g;
+    peak.least = std::min(peak.least, g);
+  }
+  return peak;
 }
 
 ClockPeak documentedWidth(bool amd, bool intel, unsigned family, unsigned model, bool avx2Fma,

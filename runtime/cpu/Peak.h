@@ -77,6 +77,19 @@ FmaPeak measureFmaPeak(double seconds = 0.2);
 /// kernel yet.
 std::optional<FmaPeak> measureBf16DotPeak(double seconds = 0.2);
 
+/// What `threads` threads sustain together, each measuring as above (the
+/// bf16 dot-product peak with `bf16`, else the fp32 FMA peak) at the same
+/// time, started together: the sum of their peaks, in GFLOP/s, and the
+/// smallest of them. On a machine whose cores share a power or clock
+/// budget (a VM's, a socket's) the sum is under `threads` times one thread
+/// alone; a share of "the N-core peak" is fairest against this sum. Nothing
+/// for bf16 without avx512_bf16, or for no threads.
+struct TogetherPeak {
+  double gflops = 0; ///< the sum over the threads
+  double least = 0;  ///< the smallest thread's
+};
+std::optional<TogetherPeak> measurePeakTogether(unsigned threads, bool bf16, double seconds = 0.3);
+
 /// A second opinion on the measured peaks, from other facts than theirs:
 /// the core's clock, timed on a chain of dependent register adds (one a
 /// cycle on every x86-64 core, whatever its vector units), times the flops

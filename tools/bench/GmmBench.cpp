@@ -20,6 +20,14 @@
 // packed-weight store, ContextOptions::packWeights), the plain and packed
 // runs alternating.
 //
+// `gmm_bench --ladder [reps]` says where a bf16 tile's time goes, one
+// thread, B packed beforehand, rung by rung against the probe's peak (Peak.h):
+// one depth block whose operands fit in L1; one column group over one depth
+// block from L2; one column group over the whole depth; the up_proj tile of the qwen3 layer (128 x
+// 1536 x 2048) warm in the caches (one expert's operands again and again); the same on 32 experts'
+// operands in turn, each new to the caches as in a layer's pass. The rungs alternate, each keeping
+// its best of `reps`.
+//
 // `gmm_bench --dequantize [reps]` times the CPU backend's dequantization of
 // a quantized weight (runtime/cpu/Quant.h) into bf16 as a forward tile of
 // the qwen3 layer asks for it: w1 stored [2I, H] = [1536, 2048], 192 rows
@@ -50,6 +58,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -350,9 +359,93 @@ int quantizedTiles(int experts, int reps) {
   return 0;
 }
 
+/// One rung of --ladder: a bf16 product C (m x n, fp32 or bf16) of A (m x k)
+/// and B packed beforehand, over `experts` operand sets in turn, each call
+/// repeated `calls` times.
+struct Rung {
+  const char *name;
+  int64_t m, n, k;
+  bool cBf16;
+  int experts, calls;
+};
+
+/// gmm_bench --ladder: see the header.
+int ladder(int reps) {
+  if (!packedTile(Elt::BF16, Elt::BF16)) {
+    std::fprintf(stderr, "gmm_bench --ladder: this CPU has no avx512_bf16 tile\n");
+    return 1;
+  }
+  const std::optional<FmaPeak> peak = measureBf16DotPeak(0.3);
+  if (!peak) {
+    std::fprintf(stderr, "gmm_bench --ladder: no bf16 dot-product peak on this CPU\n");
+    return 1;
+  }
+  const Rung rungs[] = {
+      {"one depth block in L1 (8 x 48 x 256)", 8, 48, 256, false, 1, 4000},
+      {"one column group, one block, L2 (128 x 192 x 256)", 128, 192, 256, false, 1, 200},
+      {"one column group, the whole depth (128 x 192 x 2048)", 128, 192, 2048, true, 1, 25},
+      {"up_proj warm (128 x 1536 x 2048, one expert)", 128, 1536, 2048, true, 1, 4},
+      {"up_proj cold (the same, 32 experts in turn)", 128, 1536, 2048, true, 32, 1},
+  };
+  struct Set {
+    std::vector<std::vector<char>> a;
+    std::vector<moec::ZeroedPages> packed;
+    std::vector<char> c;
+  };
+  std::mt19937 rng(7);
+  std::vector<Set> sets;
+  for (const Rung &r : rungs) {
+    const Shape shape{r.name, r.m, r.n, r.k, r.k, r.n, r.n, false, false};
+    Operands o = makeOperands(shape, Elt::BF16, r.experts, rng);
+    Set set;
+    set.a = std::move(o.a);
+    for (const std::vector<char> &b : o.b) {
+      set.packed.emplace_back(tile::packedBBytes(r.n, r.k, true));
+      tile::packB(r.n, r.k, b.data(), r.n, false, true, set.packed.back().data());
+    }
+    set.c.resize(size_t(r.m * r.n) * (r.cBf16 ? 2 : 4));
+    sets.push_back(std::move(set));
+  }
+  Scratch scratch;
+  std::vector<double> best(std::size(rungs), 1e30);
+  for (int rep = 0; rep < reps; ++rep)
+    for (size_t i = 0; i < std::size(rungs); ++i) {
+      const Rung &r = rungs[i];
+      Set &set = sets[i];
+      best[i] = std::min(best[i], bestSeconds(1, [&] {
+                           for (int e = 0; e < r.experts; ++e)
+                             for (int call = 0; call < r.calls; ++call)
+                               gemmTile(r.m, r.n, r.k,
+                                        ConstMatrix{set.a[size_t(e)].data(), Elt::BF16, r.k}, false,
+                                        ConstMatrix{nullptr, Elt::BF16, r.n}, false,
+                                        Matrix{set.c.data(), r.cBf16 ? Elt::BF16 : Elt::F32, r.n},
+                                        false, &scratch, 1.0f, false, set.packed[size_t(e)].data());
+                         }));
+    }
+  std::printf("GEMM: %s\n", gemmConfig());
+  std::printf("where a bf16 tile's time goes: one thread, B packed beforehand, best of %d; "
+              "the probe's peak %.1f GFLOP/s (%s)\n",
+              reps, peak->gflops, peak->isa);
+  std::printf("  %-52s %10s %8s\n", "rung", "GFLOP/s", "of peak");
+  for (size_t i = 0; i < std::size(rungs); ++i) {
+    const Rung &r = rungs[i];
+    const double rate = 2.0 * double(r.m * r.n * r.k) * r.experts * r.calls / best[i] * 1e-9;
+    std::printf("  %-52s %10.1f %7.1f%%\n", r.name, rate, 100 * rate / peak->gflops);
+  }
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--ladder") {
+    const int reps = argc >= 3 ? std::atoi(argv[2]) : 5;
+    if (reps <= 0) {
+      std::fprintf(stderr, "usage: gmm_bench --ladder [reps] (positive)\n");
+      return 2;
+    }
+    return ladder(reps);
+  }
   if (argc >= 2 && std::string(argv[1]) == "--quantized") {
     const int experts = argc >= 3 ? std::atoi(argv[2]) : 16;
     const int reps = argc >= 4 ? std::atoi(argv[3]) : 5;

@@ -550,6 +550,18 @@ int runBench(int argc, char **argv, int first) {
   else
     std::printf("bf16 dot-product peak: none (no avx512_bf16, no AMX): bf16 tiles widen to fp32 "
                 "and are measured against the fp32 peak\n");
+  // The cores the layer runs on, all measuring at once: the fair peak of
+  // several threads where cores share a clock or power budget.
+  if (threads > 1)
+    for (const bool bf16 : {false, true})
+      if (const std::optional<cpu::TogetherPeak> together =
+              cpu::measurePeakTogether(threads, bf16, 0.3))
+        std::printf("%s peak, %u cores at once: %.1f GFLOP/s (%.1f a core; %.1f%% of %u x one "
+                    "core alone)\n",
+                    bf16 ? "bf16 dot-product" : "fp32 FMA", threads, together->gflops,
+                    together->gflops / threads,
+                    100.0 * together->gflops / (threads * (bf16 ? bf16Peak->gflops : peak.gflops)),
+                    threads);
   // Beside the probe, an independent check of it.
   std::printf("%s\n", cpu::clockCheckText(cpu::measureClockPeak(0.2), peak.gflops,
                                           bf16Peak ? std::optional<double>(bf16Peak->gflops)

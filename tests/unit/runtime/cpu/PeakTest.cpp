@@ -171,3 +171,24 @@ TEST_CASE("clock check: the text moec bench prints", "[peak]") {
   // No clock (off x86): nothing.
   CHECK(clockCheckText(ClockPeak{}, 100.0, std::nullopt).empty());
 }
+
+TEST_CASE("the peak of several threads at once: their sum, each near one alone", "[peak]") {
+  CHECK_FALSE(measurePeakTogether(0, false).has_value());
+  const FmaPeak alone = measureFmaPeak(0.1);
+  const std::optional<TogetherPeak> one = measurePeakTogether(1, false, 0.1);
+  REQUIRE(one.has_value());
+  CHECK(one->gflops == one->least);
+  CHECK(one->gflops > 0.5 * alone.gflops);
+  CHECK(one->gflops < 1.5 * alone.gflops);
+  // Two threads sum two peaks, whatever the cores: on one core (or two
+  // sharing a clock budget) each gets less than alone, never more than
+  // alone with room for noise.
+  const std::optional<TogetherPeak> two = measurePeakTogether(2, false, 0.1);
+  REQUIRE(two.has_value());
+  CHECK(two->least > 0);
+  CHECK(two->gflops >= 2 * two->least);
+  CHECK(two->gflops < 2 * 1.5 * alone.gflops);
+  __builtin_cpu_init();
+  const bool bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  CHECK(measurePeakTogether(2, true, 0.05).has_value() == bf16);
+}

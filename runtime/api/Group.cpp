@@ -65,6 +65,12 @@ int64_t elementCount(const Tensor &t) {
 
 Status Group::initialize(const LayerShape &shape, const ContextOptions &opts,
                          const std::string &source) {
+  // The one check of a context's and an exchange's timeout (the C API's
+  // entry points check before they make a fabric).
+  if (opts.timeoutSeconds != 0 && !timeoutInRange(opts.timeoutSeconds))
+    return Status::error(fmt::format(
+        "the timeout is {} s; it must be from {} to {} seconds, or 0 for the default ({})",
+        opts.timeoutSeconds, kTimeoutMinSeconds, kTimeoutMaxSeconds, kDefaultTimeoutSeconds));
   options = opts;
   options.timeoutSeconds = timeoutOrDefault(opts.timeoutSeconds);
   layer = shape;

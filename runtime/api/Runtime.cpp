@@ -97,10 +97,6 @@ Status Context::create(std::shared_ptr<const Program> forward,
                        std::unique_ptr<Context> *out) {
   if (!forward)
     return Status::error("a context needs a forward program");
-  if (options.timeoutSeconds != 0 && !timeoutInRange(options.timeoutSeconds))
-    return Status::error(fmt::format(
-        "the timeout is {} s; it must be from {} to {} seconds, or 0 for the default ({})",
-        options.timeoutSeconds, kTimeoutMinSeconds, kTimeoutMaxSeconds, kDefaultTimeoutSeconds));
   for (const Program *p : {forward.get(), backward.get()})
     if (p && p->impl().plan.kind != PlanKind::Layer)
       return Status::error(fmt::format(

@@ -1047,6 +1047,12 @@ TEST_CASE("exchange: dispatch, combine and the top-k weight gradient", "[runtime
   CHECK(moec::rt::Exchange::create(dispatch, combine, onGpu, &wrong).message() ==
         "an exchange runs on the cpu backend only, not on cuda");
   CHECK(wrong == nullptr);
+  // Its timeout has the context's range, checked in the same place.
+  ContextOptions noWatchdog = options;
+  noWatchdog.timeoutSeconds = -1;
+  CHECK_THAT(moec::rt::Exchange::create(dispatch, combine, noWatchdog, &wrong).message(),
+             Catch::Contains("the timeout is -1 s; it must be from 0.001 to 1000000 seconds"));
+  CHECK(wrong == nullptr);
   std::unique_ptr<Context> ctx;
   CHECK_THAT(makeContext(dispatch, nullptr, {}, &ctx).message(),
              Catch::Contains("the binary is the dispatch alone"));

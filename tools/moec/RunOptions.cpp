@@ -6,6 +6,7 @@
 
 #include "tools/moec/RunOptions.h"
 
+#include "base/Time.h"
 #include "runtime/backend/Registry.h"
 #include "runtime/comm/Mpi.h"
 #include "runtime/tooling/LayerRun.h"
@@ -248,9 +249,11 @@ int parseRunOptions(const Args &args, RunOptions *o) {
   if (auto t = args.value("--timeout")) {
     char *end = nullptr;
     timeout = std::strtod(t->c_str(), &end);
-    // Below a millisecond the watchdog's clock cannot tell it from none.
-    if (t->empty() || *end != '\0' || !(timeout >= 1e-3 && timeout <= 1e6))
-      return usage("--timeout must be a number of seconds from 0.001 to 1000000");
+    // base/Time.h's range, the one every API checks against.
+    if (t->empty() || *end != '\0' || !timeoutInRange(timeout))
+      return usage(fmt::format("--timeout must be a number of seconds from {} to {}",
+                               kTimeoutMinSeconds, kTimeoutMaxSeconds)
+                       .c_str());
   }
   backend::Kind &backendKind = o->backend;
   if (auto b = args.value("--backend")) {

@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/api/CApi.h"
+#include "runtime/api/Group.h"
 #include "runtime/api/Runtime.h"
 
 #include "base/CStatus.h"
@@ -37,10 +38,8 @@ struct moec_context {
 namespace moec::rt::detail {
 
 Status cTimeout(double seconds, const char *who, double *out) {
-  if (seconds != 0 && !timeoutInRange(seconds))
-    return Status::error(fmt::format(
-        "{}: timeout_seconds is {}; it must be from {} to {} seconds, or 0 for the default ({})",
-        who, seconds, kTimeoutMinSeconds, kTimeoutMaxSeconds, kDefaultTimeoutSeconds));
+  if (Status s = checkTimeout(seconds, fmt::format("{}: timeout_seconds", who)); !s)
+    return s;
   *out = timeoutOrDefault(seconds);
   return Status::success();
 }

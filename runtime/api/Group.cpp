@@ -63,14 +63,18 @@ int64_t elementCount(const Tensor &t) {
   return n;
 }
 
+Status checkTimeout(double seconds, const std::string &what) {
+  if (seconds == 0 || timeoutInRange(seconds))
+    return Status::success();
+  return Status::error(
+      fmt::format("{} is {} s; it must be from {} to {} seconds, or 0 for the default ({})", what,
+                  seconds, kTimeoutMinSeconds, kTimeoutMaxSeconds, kDefaultTimeoutSeconds));
+}
+
 Status Group::initialize(const LayerShape &shape, const ContextOptions &opts,
                          const std::string &source) {
-  // The one check of a context's and an exchange's timeout (the C API's
-  // entry points check before they make a fabric).
-  if (opts.timeoutSeconds != 0 && !timeoutInRange(opts.timeoutSeconds))
-    return Status::error(fmt::format(
-        "the timeout is {} s; it must be from {} to {} seconds, or 0 for the default ({})",
-        opts.timeoutSeconds, kTimeoutMinSeconds, kTimeoutMaxSeconds, kDefaultTimeoutSeconds));
+  if (Status s = checkTimeout(opts.timeoutSeconds, "the timeout"); !s)
+    return s;
   options = opts;
   options.timeoutSeconds = timeoutOrDefault(opts.timeoutSeconds);
   layer = shape;

@@ -42,6 +42,11 @@ void copyText(char *dst, size_t size, const std::string &text);
 /// Elements of a tensor.
 int64_t elementCount(const Tensor &tensor);
 
+/// The one check of a timeout the runtime's APIs take (a context's, an
+/// exchange's, the C API's before it makes a fabric): 0 (the default) or
+/// base/Time.h's range; the error names `what` ("the timeout").
+Status checkTimeout(double seconds, const std::string &what);
+
 struct Group {
   ContextOptions options;
   uint32_t workerCount = 1;

@@ -512,9 +512,11 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // kRows rows on all three, two of them empty.
   const bool narrow = bf16 && n <= 16;
   const int64_t rowStep = narrow ? kNarrowRows : kRows;
-  const Micro kernelFull = narrow ? microNarrowFor(kNarrowRows)
-                           : bf16 ? microFor<true>(kRows)
-                                  : microFor<false>(kRows);
+  // The micro-kernel of a call of `rows` rows (not the first row block's of
+  // a B packed in the call).
+  auto kernelFor = [&](int rows) {
+    return narrow ? microNarrowFor(rows) : bf16 ? microFor<true>(rows) : microFor<false>(rows);
+  };
   // With `stream`: a row block's sums over a column group, on their way to C.
   alignas(64) float stage[std::max<int64_t>(kRows * kGroup, kNarrowRows * 16)];
   // Column groups of kGroup, each over the whole depth: its partial sums and
@@ -602,10 +604,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       auto call = [&](int64_t q, int64_t i0, char *to, int64_t ldTo) {
         const int cols = int(std::min<int64_t>(kPanel, nb - q * kPanel));
         const int rows = int(std::min<int64_t>(rowStep, m - i0));
-        const Micro kernel = packInCall && i0 == 0 ? microFor<true, true>(rows)
-                             : rows == rowStep     ? kernelFull
-                             : narrow              ? microNarrowFor(rows)
-                                      : (bf16 ? microFor<true>(rows) : microFor<false>(rows));
+        const Micro kernel = packInCall && i0 == 0 ? microFor<true, true>(rows) : kernelFor(rows);
         nextB.next();
         nextA.next();
         nextC.next();

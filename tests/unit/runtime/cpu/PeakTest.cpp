@@ -186,7 +186,7 @@ TEST_CASE("the peak of several threads at once: their sum, each near one alone",
   const std::optional<TogetherPeak> two = measurePeakTogether(2, false, 0.1);
   REQUIRE(two.has_value());
   CHECK(two->least > 0);
-  CHECK(two->gflops >= 2 * two->least);
+  CHECK(two->gflops > 0.5 * alone.gflops);
   CHECK(two->gflops < 2 * 1.5 * alone.gflops);
   __builtin_cpu_init();
   const bool bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");

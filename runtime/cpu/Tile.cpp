@@ -2,6 +2,8 @@
 
 #include "runtime/cpu/Tile.h"
 
+#include "runtime/cpu/TilePack.h"
+
 #include "runtime/cpu/Element.h"
 
 #include <algorithm>
@@ -14,30 +16,21 @@
 #define MOEC_TILE_X86 1
 #include <immintrin.h>
 // GCC 12 reports the undefined vectors its own AVX-512 headers start some
-// intrinsics from (_mm512_undefined_*) as maybe uninitialized.
+// intrinsics from (_mm512_undefined_*) as (maybe) uninitialized.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #endif
 
 namespace moec::cpu::tile {
 
+using namespace detail;
+
 namespace {
 
-/// Columns of a packed panel (three 16-lane vectors) and rows of C per
-/// micro-kernel call.
-constexpr int kPanel = 48;
+/// Rows of C per micro-kernel call.
 constexpr int kRows = 8;
-/// Depth units per block: the panel, 128 x 48 units, is 24 KiB.
-constexpr int64_t kBlockUnits = 128;
-/// Columns of C a pass over the whole depth covers (4 panels): its fp32
-/// sums (128 rows: 96 KiB) and the block's panels (96 KiB) stay in L2.
-constexpr int64_t kGroup = 4 * kPanel;
-
-/// Depth elements per 32-bit unit.
-int64_t perUnit(bool bf16) { return bf16 ? 2 : 1; }
-
-int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// Rows of op(A) per panel when it is packed (`transA`): one 16-lane vector
 /// of a unit, two row blocks of the micro-kernel.
@@ -49,23 +42,11 @@ int64_t packedARowUnits(int64_t m) { return ceilDiv(m, kAPanel) * kAPanel; }
 /// Bytes of one block's packed B panels, rounded to cache lines.
 size_t panelBytes(int64_t n) { return size_t(ceilDiv(n, kPanel) * kPanel * kBlockUnits) * 4; }
 
-/// The row stride, in bf16 values, of one panel's part of a decoded B per
-/// depth block: a transposed B's kPanel rows of a block's depth, padded off
-/// a multiple of 512 bytes (whose rows would share a few L1 sets as the
-/// transposes read them); else a block's depth rows of kPanel columns.
-int64_t decodedLd(bool transB) { return transB ? 2 * kBlockUnits + 32 : kPanel; }
-
 /// Bytes of the fp32 partial sums gemm keeps apart from C (`apart`: a bf16
 /// C, or one the last block adds them onto) deeper than one depth block (m x
 /// the column group's width), else none.
 size_t partialBytes(int64_t m, int64_t n, int64_t k, bool bf16, bool apart) {
   return apart && k > kBlockUnits * perUnit(bf16) ? size_t(m * std::min(n, kGroup)) * 4 : 0;
-}
-
-/// Bytes of one panel's part of a decoded B, rounded to cache lines.
-size_t decodedBytes(bool transB) {
-  const int64_t rows = transB ? kPanel : 2 * kBlockUnits;
-  return size_t(ceilDiv(rows * decodedLd(transB) * 2, 64) * 64);
 }
 
 } // namespace
@@ -81,6 +62,8 @@ size_t packedBBytes(int64_t n, int64_t k, bool bf16) {
 
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16, bool decodedB,
                  bool addScaled) {
+  if (bf16 && amx())
+    return amxPackBytes(m, n, k, transA, decodedB);
   const int64_t width = std::min(n, kGroup);
   size_t bytes = panelBytes(width) + packedABytes(m, k, transA, bf16) +
                  partialBytes(m, n, k, bf16, cBf16 || addScaled);
@@ -103,6 +86,10 @@ MOEC_TILE_TARGET inline __mmask16 laneMask(int cols, int part) {
     return 0;
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
 }
+
+} // namespace
+
+namespace detail {
 
 /// Units [0, units) of the rows [p0, p1) of a row-major matrix `src` (stride
 /// `ld` elements), columns [0, cols): unit (t, column j) goes to
@@ -137,7 +124,7 @@ MOEC_TILE_TARGET void packRows(const void *src, int64_t ld, int64_t p0, int64_t 
 
 /// Transposes the 16 x 16 block of 32-bit values in r (row s of the result
 /// is column s of the input).
-MOEC_TILE_TARGET inline void transpose16(__m512i (&r)[16]) {
+MOEC_TILE_TARGET void transpose16(__m512i (&r)[16]) {
   __m512i t[16], u[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -210,6 +197,10 @@ MOEC_TILE_TARGET void packTransposed(const void *b, int64_t ldb, int64_t n, int6
     }
   }
 }
+
+} // namespace detail
+
+namespace {
 
 /// Broadcasts A's unit at `offset` bytes into each of the MR rows: 32 bits,
 /// or with HALF a lone bf16 value (the high half zero).
@@ -452,6 +443,9 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
           int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,
           void *pack, bool stream, const void *packedB, const DecodedB *decodedB,
           const AddScaled *addScaled) {
+  if (bf16 && amx())
+    return gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, stream,
+                   packedB, decodedB, addScaled);
   const int64_t per = perUnit(bf16), depth = kBlockUnits * per;
   // With packedB: op(B) packed whole (packB), panel Q of the columns at
   // [Q][unit over the whole depth][kPanel]; nothing is packed here.

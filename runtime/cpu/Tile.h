@@ -41,6 +41,18 @@
 // gemm as `packedB`: the calls then pack nothing of B. The panels are
 // those gemm would make block by block, so the bits are the same.
 //
+// On a CPU with AMX-BF16 (amx()), bf16 operands run on AMX tiles instead
+// (TileAmx.cpp), on the same panels of op(B), packed for a column group's
+// whole depth (or read where packB put them): C in blocks of 32 x 32, four
+// tile registers, summed over the whole depth in the registers 16 units a
+// step. Order of the sums there: C[i, j] is the sum, from zero, of its steps
+// in depth order, each one tile dot product of 16 units (as the CPU rounds
+// it; units past the depth are zero); then, with `load`, C's value plus that
+// sum. These bits are not those of the AVX-512 micro-kernel, but again
+// depend on nothing but the operands, so every tiling and thread count of a
+// matmul on one CPU gives the same bits. MOEC_AMX=off in the environment
+// keeps the AVX-512 micro-kernel.
+//
 // A bf16 B held in another form (a quantized weight's codes and scales) is
 // handed to gemm as `decodedB`: a function that writes any rectangle of B, as
 // stored, as bf16 values. Per depth block, gemm decodes one panel's part of B
@@ -98,6 +110,12 @@ struct AddScaled {
 /// Whether this CPU runs the tile: AVX-512 (F) for fp32, and bf16 dot
 /// products (avx512_bf16) for bf16. Checked once.
 bool available(bool bf16);
+
+/// Whether bf16 gemm runs on AMX tiles (TileAmx.cpp) rather than on the
+/// AVX-512 micro-kernel: the CPU has AMX-BF16, the kernel lets this process
+/// use its tile registers, and the environment's MOEC_AMX is not "off". Fixed
+/// at the first call.
+bool amx();
 
 /// Bytes of working memory gemm() needs for these shapes (packed panels,
 /// fp32 partial sums for a bf16 C, or any C with `addScaled`, deeper than

@@ -1,0 +1,423 @@
+//===- TileAmx.cpp - moec's bf16 tile on AMX tiles ------------------------===//
+//
+// tile::gemm for bf16 A and B on a CPU with AMX-BF16 (Tile.h's AMX
+// paragraph says the order of the sums). It reads op(B) in the panels the
+// AVX-512 micro-kernel reads (TilePack.h): a panel's 16 columns of 16 units
+// are one B tile, rows 192 bytes apart, so a weight packed once (packB) is
+// read as it lies.
+//
+// Tile registers: C in 0-3 (row tile r, column tile c: 2r + c), A in 4-5,
+// B in 6-7; every register 16 rows of 64 bytes. A block of C is 32 x 32
+// (two row tiles by two column tiles) summed over the whole depth in the
+// registers, 16 units a step, then written once.
+//
+//===----------------------------------------------------------------------===//
+
+#include "runtime/cpu/TilePack.h"
+
+#include "base/Env.h"
+#include "runtime/cpu/Element.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+#if defined(__x86_64__)
+#define MOEC_AMX_X86 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#endif
+
+namespace moec::cpu::tile::detail {
+
+namespace {
+
+/// Units a tile step covers (one 64-byte row of an A tile, 16 rows of a B
+/// tile) and rows of a tile.
+constexpr int64_t kStep = 16;
+constexpr int64_t kTileRows = 16;
+/// Rows and column tiles of C per block.
+constexpr int64_t kBlockRows = 2 * kTileRows;
+/// Bytes of one tile.
+constexpr size_t kTileBytes = 1024;
+
+size_t lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/// The working memory of gemmAmx, in order.
+struct AmxLayout {
+  size_t panels, tail, packedA, aStage, cStage, decoded;
+  AmxLayout(int64_t m, int64_t n, int64_t k, bool transA, bool decodedB) {
+    const int64_t units = ceilDiv(k, 2), steps = ceilDiv(units, kStep);
+    const int64_t width = std::min(n, kGroup);
+    panels = lines(size_t(ceilDiv(width, kPanel) * kPanel * units) * 4);
+    tail = size_t(ceilDiv(width, kPanel)) * kStep * kPanel * 4;
+    packedA = transA ? size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes : 0;
+    aStage = 2 * kTileBytes;
+    cStage = kTileBytes;
+    decoded = decodedB ? std::max(decodedBytes(true), decodedBytes(false)) : 0;
+  }
+  size_t total() const { return panels + tail + packedA + aStage + cStage + decoded; }
+};
+
+} // namespace
+
+size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool transA, bool decodedB) {
+  return AmxLayout(m, n, k, transA, decodedB).total();
+}
+
+#ifdef MOEC_AMX_X86
+
+#define MOEC_AMX_TARGET                                                                            \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace {
+
+/// The tile configuration: palette 1, every register 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, startRow = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = kTileRows;
+    }
+  }
+};
+
+/// Asks the kernel for the AMX tile data state (Linux 5.16 and later):
+/// without it the first tile instruction faults.
+bool osGrantsAmx() {
+  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+}
+
+/// The lanes [0, count) of a 16-lane vector.
+inline __mmask16 firstLanes(int64_t count) {
+  return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << std::max<int64_t>(count, 0)) - 1);
+}
+
+/// What every block of one gemmAmx call reads.
+struct Operands {
+  int64_t m, k, units, steps, fullSteps;
+  // A: in place (row stride lda elements), or packed (transA) into tiles.
+  const uint16_t *a;
+  int64_t lda;
+  const uint32_t *packedA;
+  uint16_t *aStage; // two tiles
+  // B of the column group: panels [q][units][kPanel], and the last step's
+  // units of each panel, zero past `units`, [q][kStep][kPanel].
+  const uint32_t *panels;
+  const uint32_t *tail;
+};
+
+/// Where row tile `r` (rows i.. of C) reads A at step s, and its row stride
+/// in bytes: in place where 16 rows and 32 depth values are there, else
+/// copied into stage `r` with zeros past the rows and the depth.
+MOEC_AMX_TARGET inline const void *aTile(const Operands &x, int64_t i, int64_t s, int r,
+                                         int64_t &stride) {
+  if (x.packedA) {
+    stride = 64;
+    return x.packedA + ((i / kTileRows) * x.steps + s) * kStep * kTileRows;
+  }
+  const int64_t p = 2 * kStep * s;
+  if (i + kTileRows <= x.m && p + 2 * kStep <= x.k) {
+    stride = x.lda * 2;
+    return x.a + i * x.lda + p;
+  }
+  uint16_t *stage = x.aStage + r * kTileRows * 2 * kStep;
+  const __mmask32 values =
+      x.k - p >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (x.k - p)) - 1);
+  for (int64_t row = 0; row < kTileRows; ++row) {
+    const __m512i v = i + row < x.m ? _mm512_maskz_loadu_epi16(values, x.a + (i + row) * x.lda + p)
+                                    : _mm512_setzero_si512();
+    _mm512_store_si512(stage + row * 2 * kStep, v);
+  }
+  stride = 64;
+  return stage;
+}
+
+/// Where column tile `c` of the group reads B at step s (rows 192 bytes
+/// apart): its panel's 16 columns, or the tail's at the last, partial step.
+inline const void *bTile(const Operands &x, int64_t c, int64_t s) {
+  const int64_t q = c / 3, lane = (c % 3) * 16;
+  if (s < x.fullSteps)
+    return x.panels + (q * x.units + s * kStep) * kPanel + lane;
+  return x.tail + q * kStep * kPanel + lane;
+}
+
+/// The sums of the block at rows i0.., column tiles c0.. of the group, over
+/// the whole depth, left in C's tile registers (RT row tiles, CT column
+/// tiles).
+template <int RT, int CT> MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0) {
+  _tile_zero(0);
+  if constexpr (CT == 2)
+    _tile_zero(1);
+  if constexpr (RT == 2) {
+    _tile_zero(2);
+    if constexpr (CT == 2)
+      _tile_zero(3);
+  }
+  constexpr int64_t kBStride = kPanel * 4;
+  for (int64_t s = 0; s < x.steps; ++s) {
+    _tile_loadd(6, bTile(x, c0, s), kBStride);
+    if constexpr (CT == 2)
+      _tile_loadd(7, bTile(x, c0 + 1, s), kBStride);
+    int64_t stride;
+    const void *a0 = aTile(x, i0, s, 0, stride);
+    _tile_loadd(4, a0, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (CT == 2)
+      _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT == 2) {
+      const void *a1 = aTile(x, i0 + kTileRows, s, 1, stride);
+      _tile_loadd(5, a1, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (CT == 2)
+        _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+/// Stores C's tile register `t` into `stage` (16 x 16 fp32).
+MOEC_AMX_TARGET inline void storeTile(int t, float *stage) {
+  switch (t) {
+  case 0:
+    _tile_stored(0, stage, 64);
+    break;
+  case 1:
+    _tile_stored(1, stage, 64);
+    break;
+  case 2:
+    _tile_stored(2, stage, 64);
+    break;
+  default:
+    _tile_stored(3, stage, 64);
+    break;
+  }
+}
+
+/// What the block's sums become in C: gemm's `load`, `addScaled` and the
+/// rounding to a bf16 C, per row of a 16 x 16 tile of sums in `stage`.
+struct Epilogue {
+  char *c;
+  int64_t ldc;
+  bool cBf16, load, stream;
+  const AddScaled *scaled;
+
+  /// Writes the sums of `stage` to C rows [i, i + rows), columns [j, j + cols).
+  MOEC_AMX_TARGET void write(const float *stage, int64_t i, int64_t rows, int64_t j,
+                             int64_t cols) const {
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __mmask16 mask = firstLanes(cols);
+    const int64_t elt = cBf16 ? 2 : 4;
+    for (int64_t row = 0; row < rows; ++row) {
+      __m512 v = _mm512_load_ps(stage + row * 16);
+      char *at = c + ((i + row) * ldc + j) * elt;
+      if (load)
+        v = _mm512_add_round_ps(_mm512_maskz_loadu_ps(mask, reinterpret_cast<const float *>(at)), v,
+                                kNearest);
+      if (scaled) {
+        // A multiply, then an add, each rounded (the explicitly rounded
+        // forms, which the compiler does not contract).
+        v = _mm512_mul_round_ps(_mm512_set1_ps(scaled->alpha), v, kNearest);
+        if (scaled->addend) {
+          const char *add =
+              static_cast<const char *>(scaled->addend) + ((i + row) * scaled->ld + j) * elt;
+          const __m512 addend =
+              cBf16 ? _mm512_castsi512_ps(
+                          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                                                mask, reinterpret_cast<const uint16_t *>(add))),
+                                            16))
+                    : _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float *>(add));
+          v = _mm512_add_round_ps(addend, v, kNearest);
+        }
+      }
+      if (cBf16)
+        storeBf16x16(reinterpret_cast<uint16_t *>(at), mask, v);
+      else if (stream && cols == 16 && (reinterpret_cast<uintptr_t>(at) & 63) == 0)
+        _mm512_stream_ps(reinterpret_cast<float *>(at), v);
+      else
+        _mm512_mask_storeu_ps(reinterpret_cast<float *>(at), mask, v);
+    }
+  }
+};
+
+/// Packs op(A) = a^T (a stored k x m, bf16, row stride lda) into tiles:
+/// row tile P, step s at dst + (P * steps + s) * 256 units, row i's 16 units
+/// one after the other; zero past m and past the depth.
+MOEC_AMX_TARGET void packATransposed(const uint16_t *a, int64_t lda, int64_t m, int64_t k,
+                                     int64_t steps, uint32_t *dst) {
+  for (int64_t i0 = 0; i0 < m; i0 += kTileRows) {
+    const __mmask16 rowsMask = firstLanes(m - i0);
+    for (int64_t s = 0; s < steps; ++s) {
+      __m512i r[16];
+      for (int64_t t = 0; t < kStep; ++t) {
+        const int64_t p = 2 * (s * kStep + t);
+        const __m512i lo =
+            p < k ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(rowsMask, a + p * lda + i0))
+                  : _mm512_setzero_si512();
+        const __m512i hi =
+            p + 1 < k
+                ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(rowsMask, a + (p + 1) * lda + i0))
+                : _mm512_setzero_si512();
+        r[t] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+      }
+      transpose16(r);
+      uint32_t *tileAt = dst + ((i0 / kTileRows) * steps + s) * kStep * kTileRows;
+      for (int64_t row = 0; row < kTileRows; ++row)
+        _mm512_store_si512(tileAt + row * kStep, r[row]);
+    }
+  }
+}
+
+} // namespace
+
+} // namespace moec::cpu::tile::detail
+
+namespace moec::cpu::tile {
+
+bool amx() {
+  static const bool on = [] {
+    const char *value = envValue("MOEC_AMX");
+    if (value && std::strcmp(value, "off") == 0)
+      return false;
+    if (value && std::strcmp(value, "auto") != 0)
+      std::fprintf(stderr, "moec: %s is neither 'auto' nor 'off'; using 'auto'\n",
+                   envShown("MOEC_AMX", value).c_str());
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+           available(true) && detail::osGrantsAmx();
+  }();
+  return on;
+}
+
+} // namespace moec::cpu::tile
+
+namespace moec::cpu::tile::detail {
+
+MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda,
+                             bool transA, const void *b, int64_t ldb, bool transB, void *c,
+                             int64_t ldc, bool cBf16, bool load, void *pack, bool stream,
+                             const void *packedB, const DecodedB *decodedB,
+                             const AddScaled *addScaled) {
+  const AmxLayout layout(m, n, k, transA, decodedB != nullptr);
+  char *at = static_cast<char *>(pack);
+  uint32_t *panels = reinterpret_cast<uint32_t *>(at);
+  uint32_t *tail = reinterpret_cast<uint32_t *>(at += layout.panels);
+  uint32_t *packedA = reinterpret_cast<uint32_t *>(at += layout.tail);
+  uint16_t *aStage = reinterpret_cast<uint16_t *>(at += layout.packedA);
+  float *cStage = reinterpret_cast<float *>(at += layout.aStage);
+  uint16_t *decoded = reinterpret_cast<uint16_t *>(at += layout.cStage);
+
+  Operands x;
+  x.m = m;
+  x.k = k;
+  x.units = ceilDiv(k, 2);
+  x.steps = ceilDiv(x.units, kStep);
+  x.fullSteps = x.units / kStep;
+  x.a = static_cast<const uint16_t *>(a);
+  x.lda = lda;
+  x.packedA = transA ? packedA : nullptr;
+  x.aStage = aStage;
+  x.tail = tail;
+  const TileConfig config;
+  _tile_loadconfig(&config);
+  if (transA)
+    packATransposed(x.a, lda, m, k, x.steps, packedA);
+  const Epilogue epilogue{static_cast<char *>(c), ldc, cBf16, load, stream, addScaled};
+  for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
+    const int64_t nb = std::min(kGroup, n - j0);
+    const int64_t groupPanels = ceilDiv(nb, kPanel);
+    const int64_t panelStride = x.units * kPanel;
+    if (packedB) {
+      x.panels = static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
+    } else {
+      x.panels = panels;
+      const int64_t depth = 2 * kBlockUnits;
+      if (decodedB) {
+        const int64_t ld = decodedLd(transB);
+        for (int64_t p0 = 0; p0 < k; p0 += depth) {
+          const int64_t p1 = std::min(k, p0 + depth);
+          for (int64_t q = 0; q < groupPanels; ++q) {
+            const int64_t c0 = j0 + q * kPanel, cols = std::min<int64_t>(kPanel, nb - q * kPanel);
+            uint32_t *to = panels + q * panelStride + (p0 / 2) * kPanel;
+            if (transB) {
+              decodedB->read(c0, c0 + cols, p0, p1, decoded, ld);
+              packTransposed(decoded, ld, cols, 0, p1 - p0, true, to, panelStride);
+            } else {
+              decodedB->read(p0, p1, c0, c0 + cols, decoded, ld);
+              packRows(decoded, ld, 0, p1 - p0, cols, true, to, kPanel, kPanel, panelStride);
+            }
+          }
+        }
+      } else {
+        const uint16_t *bGroup = static_cast<const uint16_t *>(b) + (transB ? j0 * ldb : j0);
+        if (transB)
+          for (int64_t p0 = 0; p0 < k; p0 += depth)
+            packTransposed(bGroup, ldb, nb, p0, std::min(k, p0 + depth), true,
+                           panels + (p0 / 2) * kPanel, panelStride);
+        else
+          packRows(bGroup, ldb, 0, k, nb, true, panels, kPanel, kPanel, panelStride);
+      }
+    }
+    // The last step's units of each panel, zero past the depth: a B tile
+    // reads 16 rows, and those past a panel's depth are the next panel's.
+    if (x.fullSteps < x.steps) {
+      const int64_t first = x.fullSteps * kStep, count = x.units - first;
+      for (int64_t q = 0; q < groupPanels; ++q) {
+        uint32_t *to = tail + q * kStep * kPanel;
+        std::memcpy(to, x.panels + q * panelStride + first * kPanel, size_t(count * kPanel) * 4);
+        std::memset(to + count * kPanel, 0, size_t((kStep - count) * kPanel) * 4);
+      }
+    }
+    const int64_t colTiles = ceilDiv(nb, 16);
+    for (int64_t i0 = 0; i0 < m; i0 += kBlockRows) {
+      const int rowTiles = m - i0 > kTileRows ? 2 : 1;
+      for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
+        const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
+        if (rowTiles == 2)
+          colTilesHere == 2 ? block<2, 2>(x, i0, c0) : block<2, 1>(x, i0, c0);
+        else
+          colTilesHere == 2 ? block<1, 2>(x, i0, c0) : block<1, 1>(x, i0, c0);
+        for (int r = 0; r < rowTiles; ++r)
+          for (int ct = 0; ct < colTilesHere; ++ct) {
+            storeTile(2 * r + ct, cStage);
+            const int64_t i = i0 + r * kTileRows, j = 16 * (c0 + ct);
+            epilogue.write(cStage, i, std::min(kTileRows, m - i), j0 + j,
+                           std::min<int64_t>(16, nb - j));
+          }
+      }
+    }
+  }
+  _tile_release();
+  // The streamed stores reach memory before anything the caller stores
+  // after this (the event that says the tile is done).
+  if (stream)
+    _mm_sfence();
+}
+
+#else // !MOEC_AMX_X86
+
+} // namespace moec::cpu::tile::detail
+
+namespace moec::cpu::tile {
+bool amx() { return false; }
+} // namespace moec::cpu::tile
+
+namespace moec::cpu::tile::detail {
+
+void gemmAmx(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool,
+             void *, int64_t, bool, bool, void *, bool, const void *, const DecodedB *,
+             const AddScaled *) {
+  std::fprintf(stderr, "moec: the AMX tile was called on a CPU without it\n");
+  std::abort();
+}
+
+#endif // MOEC_AMX_X86
+
+} // namespace moec::cpu::tile::detail

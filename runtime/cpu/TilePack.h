@@ -1,0 +1,82 @@
+//===- TilePack.h - The tile's panels, shared by its micro-kernels -*- C++ -*-===//
+//
+// Internal to runtime/cpu's tile (Tile.cpp, TileAmx.cpp): the packed panels
+// of op(B) that both micro-kernels read (Tile.h says their layout), the
+// functions that make them, and the AMX form of gemm. Not part of the
+// kernels' interface.
+//
+//===----------------------------------------------------------------------===//
+
+#ifndef MOEC_RUNTIME_CPU_TILEPACK_H
+#define MOEC_RUNTIME_CPU_TILEPACK_H
+
+#include "runtime/cpu/Tile.h"
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace moec::cpu::tile::detail {
+
+/// Columns of a packed panel (three 16-lane vectors).
+constexpr int kPanel = 48;
+/// Depth units per block: the panel, 128 x 48 units, is 24 KiB.
+constexpr int64_t kBlockUnits = 128;
+/// Columns of C a pass over the whole depth covers (4 panels): its fp32
+/// sums (128 rows: 96 KiB) and the block's panels (96 KiB) stay in L2.
+constexpr int64_t kGroup = 4 * kPanel;
+
+/// Depth elements per 32-bit unit.
+inline int64_t perUnit(bool bf16) { return bf16 ? 2 : 1; }
+
+inline int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/// The row stride, in bf16 values, of one panel's part of a decoded B per
+/// depth block: a transposed B's kPanel rows of a block's depth, padded off
+/// a multiple of 512 bytes (whose rows would share a few L1 sets as the
+/// transposes read them); else a block's depth rows of kPanel columns.
+inline int64_t decodedLd(bool transB) { return transB ? 2 * kBlockUnits + 32 : kPanel; }
+
+/// Bytes of one panel's part of a decoded B, rounded to cache lines.
+inline size_t decodedBytes(bool transB) {
+  const int64_t rows = transB ? kPanel : 2 * kBlockUnits;
+  return size_t(ceilDiv(rows * decodedLd(transB) * 2, 64) * 64);
+}
+
+/// Units [0, units) of the rows [p0, p1) of a row-major matrix `src` (stride
+/// `ld` elements), columns [0, cols): unit (t, column j) goes to
+/// dst[(j / panelCols) * panelStride + t * dstLd + j % panelCols], and the
+/// lanes of the last vector past `cols` are zero. A bf16 unit is the pair of
+/// rows p0 + 2t (low half) and p0 + 2t + 1 (high half; zero past p1). Rows
+/// are read whole, one after the other. (AVX-512: callers check available.)
+void packRows(const void *src, int64_t ld, int64_t p0, int64_t p1, int64_t cols, bool bf16,
+              uint32_t *dst, int64_t dstLd, int64_t panelCols, int64_t panelStride);
+
+/// Packs the depth block [p0, p1) of op(B) = B^T (B stored n x k) into
+/// panels `panelStride` units apart: 16 x 16 blocks of units by transposes,
+/// the edges one by one.
+void packTransposed(const void *b, int64_t ldb, int64_t n, int64_t p0, int64_t p1, bool bf16,
+                    uint32_t *dst, int64_t panelStride);
+
+#if defined(__x86_64__) || defined(__i386__)
+/// Transposes the 16 x 16 block of 32-bit values in r (row s of the result
+/// is column s of the input). (AVX-512.)
+void transpose16(__m512i (&r)[16]);
+#endif
+
+/// packBytes of the AMX form (bf16 A and B).
+size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool transA, bool decodedB);
+
+/// gemm on AMX tiles, bf16 A and B only: the arguments and results of
+/// tile::gemm, with the order of the sums of Tile.h's AMX paragraph.
+void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
+             const void *b, int64_t ldb, bool transB, void *c, int64_t ldc, bool cBf16, bool load,
+             void *pack, bool stream, const void *packedB, const DecodedB *decodedB,
+             const AddScaled *addScaled);
+
+} // namespace moec::cpu::tile::detail
+
+#endif // MOEC_RUNTIME_CPU_TILEPACK_H

@@ -127,10 +127,11 @@ const char *gemmConfig() {
     default: break;
     }
     std::string own;
+    const std::string bf16Tile = tile::amx() ? "AMX tiles" : "avx512_bf16";
     if (moecTile(false) && moecTile(true))
-      own = "moec's AVX-512 tile for fp32 and bf16 (avx512_bf16); otherwise ";
+      own = "moec's tile for fp32 (AVX-512) and bf16 (" + bf16Tile + "); otherwise ";
     else if (moecTile(true))
-      own = "moec's avx512_bf16 tile for bf16; otherwise ";
+      own = "moec's tile for bf16 (" + bf16Tile + "); otherwise ";
     else if (moecTile(false))
       own = "moec's AVX-512 tile for fp32; otherwise ";
     return own + "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +

@@ -4,6 +4,7 @@
 
 #include "base/Time.h"
 #include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Tile.h"
 
 #include <algorithm>
 #include <atomic>
@@ -115,6 +116,52 @@ template <int N> __attribute__((target("avx512f,avx512bf16"))) void runAvx512Bf1
   sinkAvx512(acc);
 }
 
+/// AMX tile dot products (tdpbf16ps): each adds a 16 x 16 block of fp32
+/// sums of 32 bf16 products, 16384 flops; the Kernel counts it as 8192
+/// "lanes" of one FMA. N accumulator tiles (at most 6), A and B in the last
+/// two registers, small values as above.
+template <int N>
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void runAmxBf16(int64_t iters) {
+  static_assert(N >= 1 && N <= 6, "tiles 6 and 7 hold A and B");
+  struct alignas(64) {
+    uint8_t palette = 1, startRow = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  alignas(64) uint16_t values[16 * 32];
+  std::fill(std::begin(values), std::end(values), uint16_t(0x3A83)); // about 1e-3
+  alignas(64) float out[16 * 16];
+  _tile_loadconfig(&config);
+  _tile_loadd(6, values, 64);
+  _tile_loadd(7, values, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 24
+    for (int p = 0; p < kPasses; ++p) {
+      _tile_dpbf16ps(0, 6, 7);
+      if constexpr (N > 1)
+        _tile_dpbf16ps(1, 6, 7);
+      if constexpr (N > 2)
+        _tile_dpbf16ps(2, 6, 7);
+      if constexpr (N > 3)
+        _tile_dpbf16ps(3, 6, 7);
+      if constexpr (N > 4)
+        _tile_dpbf16ps(4, 6, 7);
+      if constexpr (N > 5)
+        _tile_dpbf16ps(5, 6, 7);
+    }
+  }
+  _tile_stored(0, out, 64);
+  _tile_release();
+  sink = out[0];
+}
+
 #endif // MOEC_PEAK_X86
 
 /// The portable fallback: a multiply and an add per step (2 flops, whether
@@ -158,7 +205,8 @@ std::vector<Kernel> supportedKernels() {
   return kernels;
 }
 
-/// The bf16 dot-product kernels this CPU can run (none without avx512_bf16).
+/// The bf16 dot-product kernels this CPU can run (none without avx512_bf16):
+/// vdpbf16ps, and AMX tiles where the bf16 tile runs on them (tile::amx()).
 std::vector<Kernel> bf16Kernels() {
   std::vector<Kernel> kernels;
 #ifdef MOEC_PEAK_X86
@@ -167,6 +215,10 @@ std::vector<Kernel> bf16Kernels() {
     kernels.push_back({"avx512_bf16", 32, 8, runAvx512Bf16<8>});
     kernels.push_back({"avx512_bf16", 32, 12, runAvx512Bf16<12>});
     kernels.push_back({"avx512_bf16", 32, 16, runAvx512Bf16<16>});
+  }
+  if (tile::amx()) {
+    kernels.push_back({"amx_bf16", 8192, 4, runAmxBf16<4>});
+    kernels.push_back({"amx_bf16", 8192, 6, runAmxBf16<6>});
   }
 #endif
   return kernels;

@@ -71,10 +71,10 @@ struct FmaPeak {
 FmaPeak measureFmaPeak(double seconds = 0.2);
 
 /// The same for bf16 dot products (avx512_bf16's vdpbf16ps: 2 products per
-/// fp32 lane, 64 flops per instruction; `lanes` is 32 then): the peak bf16
-/// GMM tiles run against where the CPU has them. Nothing without
-/// avx512_bf16. AMX tiles would have their own peak; this code has no AMX
-/// kernel yet.
+/// fp32 lane, 64 flops per instruction; `lanes` is 32 then), and, where the
+/// bf16 tile runs on AMX (tile::amx()), AMX tile dot products (tdpbf16ps:
+/// 16384 flops per instruction, `isa` "amx_bf16", `lanes` 8192): the peak
+/// bf16 GMM tiles run against. Nothing without avx512_bf16.
 std::optional<FmaPeak> measureBf16DotPeak(double seconds = 0.2);
 
 /// What `threads` threads sustain together, each measuring as above (the

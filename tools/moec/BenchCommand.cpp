@@ -545,10 +545,10 @@ int runBench(int argc, char **argv, int first) {
   // run on those instructions, else against the fp32 peak (widened).
   const std::optional<cpu::FmaPeak> bf16Peak = cpu::measureBf16DotPeak(0.5);
   if (bf16Peak)
-    std::printf("bf16 dot-product peak, one core: %.1f GFLOP/s (%s; no AMX kernel yet)\n",
-                bf16Peak->gflops, bf16Peak->isa);
+    std::printf("bf16 dot-product peak, one core: %.1f GFLOP/s (%s)\n", bf16Peak->gflops,
+                bf16Peak->isa);
   else
-    std::printf("bf16 dot-product peak: none (no avx512_bf16, no AMX): bf16 tiles widen to fp32 "
+    std::printf("bf16 dot-product peak: none (no avx512_bf16): bf16 tiles widen to fp32 "
                 "and are measured against the fp32 peak\n");
   // The cores the layer runs on, all measuring at once: the fair peak of
   // several threads where cores share a clock or power budget.

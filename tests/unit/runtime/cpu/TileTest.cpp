@@ -5,7 +5,9 @@
 // unevenly; the bits of a tile against those of the same matmul cut into
 // other tiles; and a bf16 C against floatToBf16 of the fp32 one. On a CPU
 // without AVX-512 (or, for bf16, without avx512_bf16) the tile is not there
-// and the cases say so.
+// and the cases say so. bf16 runs on AMX tiles where the CPU has them;
+// tile_avx512_test runs the same cases with MOEC_AMX=off (the AVX-512
+// micro-kernel).
 //
 //===----------------------------------------------------------------------===//
 
@@ -17,9 +19,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 using namespace moec::cpu;
@@ -103,6 +108,34 @@ bool tileRuns(bool bf16) {
 }
 
 } // namespace
+
+TEST_CASE("the bf16 tile runs on AMX exactly where the CPU has it and MOEC_AMX allows",
+          "[cpu][tile]") {
+  // /proc/cpuinfo's flags (what the kernel says the CPU has and it supports),
+  // not the code's own CPUID reading.
+  std::string flags;
+  if (std::FILE *f = std::fopen("/proc/cpuinfo", "r")) {
+    char line[8192];
+    while (std::fgets(line, sizeof line, f))
+      if (std::strncmp(line, "flags", 5) == 0) {
+        flags = std::string(" ") + (std::strchr(line, ':') + 1);
+        break;
+      }
+    std::fclose(f);
+  }
+  const auto has = [&](const char *flag) {
+    return flags.find(std::string(" ") + flag + " ") != std::string::npos ||
+           flags.find(std::string(" ") + flag + "\n") != std::string::npos;
+  };
+  if (flags.empty()) {
+    WARN("no /proc/cpuinfo flags: nothing to compare");
+    return;
+  }
+  const char *setting = std::getenv("MOEC_AMX");
+  const bool off = setting && std::strcmp(setting, "off") == 0;
+  INFO("MOEC_AMX=" << (setting ? setting : "(unset)"));
+  CHECK(tile::amx() == (has("amx_bf16") && has("amx_tile") && has("avx512_bf16") && !off));
+}
 
 TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {
   struct Shape {

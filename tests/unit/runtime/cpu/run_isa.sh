@@ -4,7 +4,8 @@
 # avx512_bf16 and AMX. Every kernel path the runtime picks at run time is
 # then checked against the plain loops on this machine. Where the CPU has
 # AVX-512, the tests also run with MOEC_GEMM=moec (moec's tile for fp32 too)
-# and MOEC_GEMM=onednn (oneDNN for bf16 too; runtime/cpu/Gmm.h).
+# and MOEC_GEMM=onednn (oneDNN for bf16 too; runtime/cpu/Gmm.h); where it
+# has AMX, also with MOEC_AMX=off (bf16 on the AVX-512 micro-kernel).
 #
 #   run_isa.sh CPU_KERNELS_TEST
 set -euo pipefail
@@ -43,6 +44,16 @@ if has avx512f avx512bw avx512vl; then
       failed=$((failed + 1))
     fi
   done
+fi
+# Where bf16 runs on AMX tiles, the GEMM tests also on the AVX-512 micro-kernel.
+if has amx_bf16 amx_tile avx512_bf16; then
+  echo "== MOEC_AMX=off"
+  if MOEC_AMX=off "$test_binary" "[gmm]"; then
+    echo "ok: MOEC_AMX=off"
+  else
+    echo "FAILED: MOEC_AMX=off"
+    failed=$((failed + 1))
+  fi
 fi
 # A value MOEC_GEMM does not know warns once and runs as auto.
 if MOEC_GEMM=bogus "$test_binary" "[gmm]" 2> "${TEST_TMPDIR:-/tmp}/moec_gemm_bogus.$$" &&

@@ -63,7 +63,7 @@ size_t packedBBytes(int64_t n, int64_t k, bool bf16) {
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16, bool decodedB,
                  bool addScaled) {
   if (bf16 && amx())
-    return amxPackBytes(m, n, k, transA, decodedB);
+    return amxPackBytes(m, n, k, decodedB);
   const int64_t width = std::min(n, kGroup);
   size_t bytes = panelBytes(width) + packedABytes(m, k, transA, bf16) +
                  partialBytes(m, n, k, bf16, cBf16 || addScaled);

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -44,29 +45,40 @@ constexpr int64_t kTileRows = 16;
 constexpr int64_t kBlockRows = 2 * kTileRows;
 /// Bytes of one tile.
 constexpr size_t kTileBytes = 1024;
+/// Steps of a depth chunk: a row block's chunk of A (32 rows, 128 units:
+/// 16 KiB) stays in L1 while the group's column tiles pass over it. (8
+/// steps ran 5-15% faster than 16, 32 or the whole depth on the layer's
+/// tiles: `gmm_bench --layer`.)
+constexpr int64_t kChunkSteps = 8;
 
 size_t lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-/// The working memory of gemmAmx, in order.
+/// Column tiles of a column group.
+constexpr int64_t kGroupTiles = kGroup / 16;
+
+/// The working memory of gemmAmx, in order: the column group's panels over
+/// the whole depth, the last step's units of each, op(A) in tiles, the
+/// sums of the depth chunks before the last (m x the group, in tiles), a
+/// tile of sums on its way to C, one panel's part of a decoded B.
 struct AmxLayout {
-  size_t panels, tail, packedA, aStage, cStage, decoded;
-  AmxLayout(int64_t m, int64_t n, int64_t k, bool transA, bool decodedB) {
+  size_t panels, tail, packedA, sums, cStage, decoded;
+  AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB) {
     const int64_t units = ceilDiv(k, 2), steps = ceilDiv(units, kStep);
     const int64_t width = std::min(n, kGroup);
     panels = lines(size_t(ceilDiv(width, kPanel) * kPanel * units) * 4);
     tail = size_t(ceilDiv(width, kPanel)) * kStep * kPanel * 4;
-    packedA = transA ? size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes : 0;
-    aStage = 2 * kTileBytes;
+    packedA = size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes;
+    sums = steps > kChunkSteps ? size_t(ceilDiv(m, kTileRows) * kGroupTiles) * kTileBytes : 0;
     cStage = kTileBytes;
     decoded = decodedB ? std::max(decodedBytes(true), decodedBytes(false)) : 0;
   }
-  size_t total() const { return panels + tail + packedA + aStage + cStage + decoded; }
+  size_t total() const { return panels + tail + packedA + sums + cStage + decoded; }
 };
 
 } // namespace
 
-size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool transA, bool decodedB) {
-  return AmxLayout(m, n, k, transA, decodedB).total();
+size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB) {
+  return AmxLayout(m, n, k, decodedB).total();
 }
 
 #ifdef MOEC_AMX_X86
@@ -104,42 +116,18 @@ inline __mmask16 firstLanes(int64_t count) {
 
 /// What every block of one gemmAmx call reads.
 struct Operands {
-  int64_t m, k, units, steps, fullSteps;
-  // A: in place (row stride lda elements), or packed (transA) into tiles.
-  const uint16_t *a;
-  int64_t lda;
+  int64_t units, steps, fullSteps;
+  // op(A) in tiles: row tile P, step s at packedA + (P * steps + s) * 256.
   const uint32_t *packedA;
-  uint16_t *aStage; // two tiles
   // B of the column group: panels [q][units][kPanel], and the last step's
   // units of each panel, zero past `units`, [q][kStep][kPanel].
   const uint32_t *panels;
   const uint32_t *tail;
 };
 
-/// Where row tile `r` (rows i.. of C) reads A at step s, and its row stride
-/// in bytes: in place where 16 rows and 32 depth values are there, else
-/// copied into stage `r` with zeros past the rows and the depth.
-MOEC_AMX_TARGET inline const void *aTile(const Operands &x, int64_t i, int64_t s, int r,
-                                         int64_t &stride) {
-  if (x.packedA) {
-    stride = 64;
-    return x.packedA + ((i / kTileRows) * x.steps + s) * kStep * kTileRows;
-  }
-  const int64_t p = 2 * kStep * s;
-  if (i + kTileRows <= x.m && p + 2 * kStep <= x.k) {
-    stride = x.lda * 2;
-    return x.a + i * x.lda + p;
-  }
-  uint16_t *stage = x.aStage + r * kTileRows * 2 * kStep;
-  const __mmask32 values =
-      x.k - p >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (x.k - p)) - 1);
-  for (int64_t row = 0; row < kTileRows; ++row) {
-    const __m512i v = i + row < x.m ? _mm512_maskz_loadu_epi16(values, x.a + (i + row) * x.lda + p)
-                                    : _mm512_setzero_si512();
-    _mm512_store_si512(stage + row * 2 * kStep, v);
-  }
-  stride = 64;
-  return stage;
+/// Where the row tile at rows i.. reads A at step s (rows 64 bytes apart).
+inline const void *aTile(const Operands &x, int64_t i, int64_t s) {
+  return x.packedA + ((i / kTileRows) * x.steps + s) * kStep * kTileRows;
 }
 
 /// Where column tile `c` of the group reads B at step s (rows 192 bytes
@@ -151,32 +139,61 @@ inline const void *bTile(const Operands &x, int64_t c, int64_t s) {
   return x.tail + q * kStep * kPanel + lane;
 }
 
-/// The sums of the block at rows i0.., column tiles c0.. of the group, over
-/// the whole depth, left in C's tile registers (RT row tiles, CT column
-/// tiles).
-template <int RT, int CT> MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0) {
-  _tile_zero(0);
-  if constexpr (CT == 2)
-    _tile_zero(1);
-  if constexpr (RT == 2) {
-    _tile_zero(2);
+/// Loads (or, with `store`, stores) C's tile registers of a block of RT x CT
+/// tiles from `sums`: row tile r, column tile c at sums + (r * kGroupTiles +
+/// c) * 256.
+template <int RT, int CT> MOEC_AMX_TARGET inline void moveSums(float *sums, bool store) {
+  constexpr int64_t kRowTile = kGroupTiles * 256;
+  if (store) {
+    _tile_stored(0, sums, 64);
     if constexpr (CT == 2)
-      _tile_zero(3);
+      _tile_stored(1, sums + 256, 64);
+    if constexpr (RT == 2) {
+      _tile_stored(2, sums + kRowTile, 64);
+      if constexpr (CT == 2)
+        _tile_stored(3, sums + kRowTile + 256, 64);
+    }
+    return;
+  }
+  _tile_loadd(0, sums, 64);
+  if constexpr (CT == 2)
+    _tile_loadd(1, sums + 256, 64);
+  if constexpr (RT == 2) {
+    _tile_loadd(2, sums + kRowTile, 64);
+    if constexpr (CT == 2)
+      _tile_loadd(3, sums + kRowTile + 256, 64);
+  }
+}
+
+/// The sums of the block at rows i0.., column tiles c0.. of the group over
+/// steps [s0, s1), added onto `sums` (moveSums' layout; null: onto zero),
+/// left in C's tile registers (RT row tiles, CT column tiles).
+template <int RT, int CT>
+MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0, int64_t s0, int64_t s1,
+                           float *sums) {
+  if (sums)
+    moveSums<RT, CT>(sums, false);
+  else {
+    _tile_zero(0);
+    if constexpr (CT == 2)
+      _tile_zero(1);
+    if constexpr (RT == 2) {
+      _tile_zero(2);
+      if constexpr (CT == 2)
+        _tile_zero(3);
+    }
   }
   constexpr int64_t kBStride = kPanel * 4;
-  for (int64_t s = 0; s < x.steps; ++s) {
+  for (int64_t s = s0; s < s1; ++s) {
+    _tile_loadd(4, aTile(x, i0, s), 64);
     _tile_loadd(6, bTile(x, c0, s), kBStride);
-    if constexpr (CT == 2)
-      _tile_loadd(7, bTile(x, c0 + 1, s), kBStride);
-    int64_t stride;
-    const void *a0 = aTile(x, i0, s, 0, stride);
-    _tile_loadd(4, a0, stride);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (CT == 2)
+    if constexpr (CT == 2) {
+      _tile_loadd(7, bTile(x, c0 + 1, s), kBStride);
       _tile_dpbf16ps(1, 4, 7);
+    }
     if constexpr (RT == 2) {
-      const void *a1 = aTile(x, i0 + kTileRows, s, 1, stride);
-      _tile_loadd(5, a1, stride);
+      _tile_loadd(5, aTile(x, i0 + kTileRows, s), 64);
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (CT == 2)
         _tile_dpbf16ps(3, 5, 7);
@@ -276,6 +293,24 @@ MOEC_AMX_TARGET void packATransposed(const uint16_t *a, int64_t lda, int64_t m, 
   }
 }
 
+/// Packs op(A) = a (stored m x k, bf16, row stride lda) into tiles, as
+/// packATransposed lays them out.
+MOEC_AMX_TARGET void packARows(const uint16_t *a, int64_t lda, int64_t m, int64_t k, int64_t steps,
+                               uint32_t *dst) {
+  for (int64_t i0 = 0; i0 < m; i0 += kTileRows)
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t p = 2 * kStep * s;
+      const __mmask32 values =
+          k - p >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (k - p)) - 1);
+      uint32_t *tileAt = dst + ((i0 / kTileRows) * steps + s) * kStep * kTileRows;
+      for (int64_t row = 0; row < kTileRows; ++row) {
+        const __m512i v = i0 + row < m ? _mm512_maskz_loadu_epi16(values, a + (i0 + row) * lda + p)
+                                       : _mm512_setzero_si512();
+        _mm512_store_si512(tileAt + row * kStep, v);
+      }
+    }
+}
+
 } // namespace
 
 } // namespace moec::cpu::tile::detail
@@ -305,30 +340,31 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
                              int64_t ldc, bool cBf16, bool load, void *pack, bool stream,
                              const void *packedB, const DecodedB *decodedB,
                              const AddScaled *addScaled) {
-  const AmxLayout layout(m, n, k, transA, decodedB != nullptr);
+  constexpr int64_t chunk = kChunkSteps;
+  const AmxLayout layout(m, n, k, decodedB != nullptr);
   char *at = static_cast<char *>(pack);
   uint32_t *panels = reinterpret_cast<uint32_t *>(at);
   uint32_t *tail = reinterpret_cast<uint32_t *>(at += layout.panels);
   uint32_t *packedA = reinterpret_cast<uint32_t *>(at += layout.tail);
-  uint16_t *aStage = reinterpret_cast<uint16_t *>(at += layout.packedA);
-  float *cStage = reinterpret_cast<float *>(at += layout.aStage);
+  float *sums = reinterpret_cast<float *>(at += layout.packedA);
+  float *cStage = reinterpret_cast<float *>(at += layout.sums);
   uint16_t *decoded = reinterpret_cast<uint16_t *>(at += layout.cStage);
 
   Operands x;
-  x.m = m;
-  x.k = k;
   x.units = ceilDiv(k, 2);
   x.steps = ceilDiv(x.units, kStep);
   x.fullSteps = x.units / kStep;
-  x.a = static_cast<const uint16_t *>(a);
-  x.lda = lda;
-  x.packedA = transA ? packedA : nullptr;
-  x.aStage = aStage;
+  x.packedA = packedA;
   x.tail = tail;
   const TileConfig config;
   _tile_loadconfig(&config);
+  // op(A) into tiles once for every column group: a tile's rows then lie
+  // 64 bytes apart, not a row of A apart (a multiple of 4 KiB for the
+  // layer's widths, on one set of the L1 cache).
   if (transA)
-    packATransposed(x.a, lda, m, k, x.steps, packedA);
+    packATransposed(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
+  else
+    packARows(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
   const Epilogue epilogue{static_cast<char *>(c), ldc, cBf16, load, stream, addScaled};
   for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
     const int64_t nb = std::min(kGroup, n - j0);
@@ -375,22 +411,46 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
         std::memset(to + count * kPanel, 0, size_t((kStep - count) * kPanel) * 4);
       }
     }
+    // Per depth chunk, each row block of A (its chunk in L1) passes over
+    // the group's columns; the sums of a chunk before the last wait in
+    // `sums`, the last chunk's go to C.
     const int64_t colTiles = ceilDiv(nb, 16);
-    for (int64_t i0 = 0; i0 < m; i0 += kBlockRows) {
-      const int rowTiles = m - i0 > kTileRows ? 2 : 1;
-      for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
-        const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
-        if (rowTiles == 2)
-          colTilesHere == 2 ? block<2, 2>(x, i0, c0) : block<2, 1>(x, i0, c0);
-        else
-          colTilesHere == 2 ? block<1, 2>(x, i0, c0) : block<1, 1>(x, i0, c0);
-        for (int r = 0; r < rowTiles; ++r)
-          for (int ct = 0; ct < colTilesHere; ++ct) {
-            storeTile(2 * r + ct, cStage);
-            const int64_t i = i0 + r * kTileRows, j = 16 * (c0 + ct);
-            epilogue.write(cStage, i, std::min(kTileRows, m - i), j0 + j,
-                           std::min<int64_t>(16, nb - j));
+    for (int64_t s0 = 0; s0 < x.steps; s0 += chunk) {
+      const int64_t s1 = std::min(x.steps, s0 + chunk);
+      for (int64_t i0 = 0; i0 < m; i0 += kBlockRows) {
+        const int rowTiles = m - i0 > kTileRows ? 2 : 1;
+        for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
+          const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
+          float *blockSums = sums + ((i0 / kTileRows) * kGroupTiles + c0) * 256;
+          float *from = s0 > 0 ? blockSums : nullptr;
+          const bool last = s1 == x.steps;
+          if (rowTiles == 2 && colTilesHere == 2) {
+            block<2, 2>(x, i0, c0, s0, s1, from);
+            if (!last)
+              moveSums<2, 2>(blockSums, true);
+          } else if (rowTiles == 2) {
+            block<2, 1>(x, i0, c0, s0, s1, from);
+            if (!last)
+              moveSums<2, 1>(blockSums, true);
+          } else if (colTilesHere == 2) {
+            block<1, 2>(x, i0, c0, s0, s1, from);
+            if (!last)
+              moveSums<1, 2>(blockSums, true);
+          } else {
+            block<1, 1>(x, i0, c0, s0, s1, from);
+            if (!last)
+              moveSums<1, 1>(blockSums, true);
           }
+          if (!last)
+            continue;
+          for (int r = 0; r < rowTiles; ++r)
+            for (int ct = 0; ct < colTilesHere; ++ct) {
+              storeTile(2 * r + ct, cStage);
+              const int64_t i = i0 + r * kTileRows, j = 16 * (c0 + ct);
+              epilogue.write(cStage, i, std::min(kTileRows, m - i), j0 + j,
+                             std::min<int64_t>(16, nb - j));
+            }
+        }
       }
     }
   }

@@ -68,7 +68,7 @@ void transpose16(__m512i (&r)[16]);
 #endif
 
 /// packBytes of the AMX form (bf16 A and B).
-size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool transA, bool decodedB);
+size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB);
 
 /// gemm on AMX tiles, bf16 A and B only: the arguments and results of
 /// tile::gemm, with the order of the sums of Tile.h's AMX paragraph.

@@ -643,15 +643,16 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
 }
 
 void packB(int64_t n, int64_t k, const void *b, int64_t ldb, bool transB, bool bf16, void *dst) {
-  const int64_t per = perUnit(bf16), depth = kBlockUnits * per, allUnits = ceilDiv(k, per);
+  const int64_t per = perUnit(bf16), allUnits = ceilDiv(k, per);
   uint32_t *out = static_cast<uint32_t *>(dst);
   if (!transB) {
     packRows(b, ldb, 0, k, n, bf16, out, kPanel, kPanel, allUnits * kPanel);
     return;
   }
-  for (int64_t p0 = 0; p0 < k; p0 += depth)
-    packTransposed(b, ldb, n, p0, std::min(k, p0 + depth), bf16, out + (p0 / per) * kPanel,
-                   allUnits * kPanel);
+  // The whole depth at once: each of 16 rows of B read from its start to its
+  // end (streams the hardware prefetcher follows), not in a depth block's
+  // pieces, every row again per block.
+  packTransposed(b, ldb, n, 0, k, bf16, out, allUnits * kPanel);
 }
 
 #else // !MOEC_TILE_X86

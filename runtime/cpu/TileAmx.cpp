@@ -65,7 +65,7 @@ struct AmxLayout {
   AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB) {
     const int64_t units = ceilDiv(k, 2), steps = ceilDiv(units, kStep);
     const int64_t width = std::min(n, kGroup);
-    panels = lines(size_t(ceilDiv(width, kPanel) * kPanel * units) * 4);
+    panels = lines(packedBBytes(n, k, true));
     tail = size_t(ceilDiv(width, kPanel)) * kStep * kPanel * 4;
     packedA = size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes;
     sums = steps > kChunkSteps ? size_t(ceilDiv(m, kTileRows) * kGroupTiles) * kTileBytes : 0;
@@ -297,18 +297,20 @@ MOEC_AMX_TARGET void packATransposed(const uint16_t *a, int64_t lda, int64_t m, 
 /// packATransposed lays them out.
 MOEC_AMX_TARGET void packARows(const uint16_t *a, int64_t lda, int64_t m, int64_t k, int64_t steps,
                                uint32_t *dst) {
-  for (int64_t i0 = 0; i0 < m; i0 += kTileRows)
+  // Row by row, each read from its start to its end (streams the hardware
+  // prefetcher follows), a tile's row at a time.
+  const int64_t rowTiles = ceilDiv(m, kTileRows);
+  for (int64_t i = 0; i < rowTiles * kTileRows; ++i) {
+    uint32_t *rowAt = dst + (i / kTileRows) * steps * kStep * kTileRows + (i % kTileRows) * kStep;
     for (int64_t s = 0; s < steps; ++s) {
       const int64_t p = 2 * kStep * s;
       const __mmask32 values =
           k - p >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (k - p)) - 1);
-      uint32_t *tileAt = dst + ((i0 / kTileRows) * steps + s) * kStep * kTileRows;
-      for (int64_t row = 0; row < kTileRows; ++row) {
-        const __m512i v = i0 + row < m ? _mm512_maskz_loadu_epi16(values, a + (i0 + row) * lda + p)
-                                       : _mm512_setzero_si512();
-        _mm512_store_si512(tileAt + row * kStep, v);
-      }
+      const __m512i v =
+          i < m ? _mm512_maskz_loadu_epi16(values, a + i * lda + p) : _mm512_setzero_si512();
+      _mm512_store_si512(rowAt + s * kStep * kTileRows, v);
     }
+  }
 }
 
 } // namespace
@@ -365,42 +367,40 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     packATransposed(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
   else
     packARows(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
+  // B as stored, or through a decoder: packed whole, once, into the panels
+  // packB makes (B's rows read from start to end), then read as a B packed
+  // beforehand. (Packed a column group at a time, B's rows were read in
+  // pieces of a group's width and the packing took more time than the
+  // products.) A decoded B goes a panel and a depth block at a time
+  // through `decoded` (in L1).
+  if (decodedB) {
+    const int64_t ld = decodedLd(transB), depth = 2 * kBlockUnits, panelStride = x.units * kPanel;
+    for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
+      const int64_t cols = std::min<int64_t>(kPanel, n - c0);
+      uint32_t *panel = panels + (c0 / kPanel) * panelStride;
+      for (int64_t p0 = 0; p0 < k; p0 += depth) {
+        const int64_t p1 = std::min(k, p0 + depth);
+        uint32_t *to = panel + (p0 / 2) * kPanel;
+        if (transB) {
+          decodedB->read(c0, c0 + cols, p0, p1, decoded, ld);
+          packTransposed(decoded, ld, cols, 0, p1 - p0, true, to, panelStride);
+        } else {
+          decodedB->read(p0, p1, c0, c0 + cols, decoded, ld);
+          packRows(decoded, ld, 0, p1 - p0, cols, true, to, kPanel, kPanel, panelStride);
+        }
+      }
+    }
+    packedB = panels;
+  } else if (!packedB) {
+    packB(n, k, b, ldb, transB, true, panels);
+    packedB = panels;
+  }
   const Epilogue epilogue{static_cast<char *>(c), ldc, cBf16, load, stream, addScaled};
   for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
     const int64_t nb = std::min(kGroup, n - j0);
     const int64_t groupPanels = ceilDiv(nb, kPanel);
     const int64_t panelStride = x.units * kPanel;
-    if (packedB) {
-      x.panels = static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
-    } else {
-      x.panels = panels;
-      const int64_t depth = 2 * kBlockUnits;
-      if (decodedB) {
-        const int64_t ld = decodedLd(transB);
-        for (int64_t p0 = 0; p0 < k; p0 += depth) {
-          const int64_t p1 = std::min(k, p0 + depth);
-          for (int64_t q = 0; q < groupPanels; ++q) {
-            const int64_t c0 = j0 + q * kPanel, cols = std::min<int64_t>(kPanel, nb - q * kPanel);
-            uint32_t *to = panels + q * panelStride + (p0 / 2) * kPanel;
-            if (transB) {
-              decodedB->read(c0, c0 + cols, p0, p1, decoded, ld);
-              packTransposed(decoded, ld, cols, 0, p1 - p0, true, to, panelStride);
-            } else {
-              decodedB->read(p0, p1, c0, c0 + cols, decoded, ld);
-              packRows(decoded, ld, 0, p1 - p0, cols, true, to, kPanel, kPanel, panelStride);
-            }
-          }
-        }
-      } else {
-        const uint16_t *bGroup = static_cast<const uint16_t *>(b) + (transB ? j0 * ldb : j0);
-        if (transB)
-          for (int64_t p0 = 0; p0 < k; p0 += depth)
-            packTransposed(bGroup, ldb, nb, p0, std::min(k, p0 + depth), true,
-                           panels + (p0 / 2) * kPanel, panelStride);
-        else
-          packRows(bGroup, ldb, 0, k, nb, true, panels, kPanel, kPanel, panelStride);
-      }
-    }
+    x.panels = static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
     // The last step's units of each panel, zero past the depth: a B tile
     // reads 16 rows, and those past a panel's depth are the next panel's.
     if (x.fullSteps < x.steps) {

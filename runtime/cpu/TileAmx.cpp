@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #define MOEC_AMX_X86 1
@@ -139,30 +140,34 @@ inline const void *bTile(const Operands &x, int64_t c, int64_t s) {
   return x.tail + q * kStep * kPanel + lane;
 }
 
+/// Loads C's tile register `t` (0-3) from `at` (16 rows 64 bytes apart), or
+/// with `store` stores it there. (The tile instructions name their
+/// registers in the instruction: one case each.)
+MOEC_AMX_TARGET inline void moveTile(int t, float *at, bool store) {
+#define MOEC_AMX_MOVE(T)                                                                           \
+  case T:                                                                                          \
+    if (store)                                                                                     \
+      _tile_stored(T, at, 64);                                                                     \
+    else                                                                                           \
+      _tile_loadd(T, at, 64);                                                                      \
+    break;
+  switch (t) {
+    MOEC_AMX_MOVE(0)
+    MOEC_AMX_MOVE(1)
+    MOEC_AMX_MOVE(2)
+    MOEC_AMX_MOVE(3)
+  }
+#undef MOEC_AMX_MOVE
+}
+
 /// Loads (or, with `store`, stores) C's tile registers of a block of RT x CT
 /// tiles from `sums`: row tile r, column tile c at sums + (r * kGroupTiles +
 /// c) * 256.
 template <int RT, int CT> MOEC_AMX_TARGET inline void moveSums(float *sums, bool store) {
   constexpr int64_t kRowTile = kGroupTiles * 256;
-  if (store) {
-    _tile_stored(0, sums, 64);
-    if constexpr (CT == 2)
-      _tile_stored(1, sums + 256, 64);
-    if constexpr (RT == 2) {
-      _tile_stored(2, sums + kRowTile, 64);
-      if constexpr (CT == 2)
-        _tile_stored(3, sums + kRowTile + 256, 64);
-    }
-    return;
-  }
-  _tile_loadd(0, sums, 64);
-  if constexpr (CT == 2)
-    _tile_loadd(1, sums + 256, 64);
-  if constexpr (RT == 2) {
-    _tile_loadd(2, sums + kRowTile, 64);
-    if constexpr (CT == 2)
-      _tile_loadd(3, sums + kRowTile + 256, 64);
-  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c)
+      moveTile(2 * r + c, sums + r * kRowTile + c * 256, store);
 }
 
 /// The sums of the block at rows i0.., column tiles c0.. of the group over
@@ -198,24 +203,6 @@ MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0, int64_t s0
       if constexpr (CT == 2)
         _tile_dpbf16ps(3, 5, 7);
     }
-  }
-}
-
-/// Stores C's tile register `t` into `stage` (16 x 16 fp32).
-MOEC_AMX_TARGET inline void storeTile(int t, float *stage) {
-  switch (t) {
-  case 0:
-    _tile_stored(0, stage, 64);
-    break;
-  case 1:
-    _tile_stored(1, stage, 64);
-    break;
-  case 2:
-    _tile_stored(2, stage, 64);
-    break;
-  default:
-    _tile_stored(3, stage, 64);
-    break;
   }
 }
 
@@ -424,28 +411,22 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
           float *blockSums = sums + ((i0 / kTileRows) * kGroupTiles + c0) * 256;
           float *from = s0 > 0 ? blockSums : nullptr;
           const bool last = s1 == x.steps;
-          if (rowTiles == 2 && colTilesHere == 2) {
-            block<2, 2>(x, i0, c0, s0, s1, from);
+          const auto run = [&](auto rows, auto cols) {
+            block<rows(), cols()>(x, i0, c0, s0, s1, from);
             if (!last)
-              moveSums<2, 2>(blockSums, true);
-          } else if (rowTiles == 2) {
-            block<2, 1>(x, i0, c0, s0, s1, from);
-            if (!last)
-              moveSums<2, 1>(blockSums, true);
-          } else if (colTilesHere == 2) {
-            block<1, 2>(x, i0, c0, s0, s1, from);
-            if (!last)
-              moveSums<1, 2>(blockSums, true);
-          } else {
-            block<1, 1>(x, i0, c0, s0, s1, from);
-            if (!last)
-              moveSums<1, 1>(blockSums, true);
-          }
+              moveSums<rows(), cols()>(blockSums, true);
+          };
+          using One = std::integral_constant<int, 1>;
+          using Two = std::integral_constant<int, 2>;
+          if (rowTiles == 2)
+            colTilesHere == 2 ? run(Two(), Two()) : run(Two(), One());
+          else
+            colTilesHere == 2 ? run(One(), Two()) : run(One(), One());
           if (!last)
             continue;
           for (int r = 0; r < rowTiles; ++r)
             for (int ct = 0; ct < colTilesHere; ++ct) {
-              storeTile(2 * r + ct, cStage);
+              moveTile(2 * r + ct, cStage, true);
               const int64_t i = i0 + r * kTileRows, j = 16 * (c0 + ct);
               epilogue.write(cStage, i, std::min(kTileRows, m - i), j0 + j,
                              std::min<int64_t>(16, nb - j));

@@ -149,23 +149,6 @@ MOEC_TILE_TARGET void transpose16(__m512i (&r)[16]) {
   }
 }
 
-/// The unit (column j, unit t) of op(B) = B^T for B stored n x k (row j
-/// holds op(B)'s column j along the depth), depth block [p0, p1); zero past
-/// n, and a bf16 pair's high half zero past p1.
-uint32_t transposedUnit(const void *b, int64_t ldb, int64_t n, int64_t p0, int64_t p1,
-                        int64_t j, int64_t t, bool bf16) {
-  if (j >= n)
-    return 0;
-  if (!bf16) {
-    uint32_t v;
-    std::memcpy(&v, static_cast<const float *>(b) + j * ldb + p0 + t, 4);
-    return v;
-  }
-  const uint16_t *row = static_cast<const uint16_t *>(b) + j * ldb;
-  const int64_t p = p0 + 2 * t;
-  return uint32_t(row[p]) | (p + 1 < p1 ? uint32_t(row[p + 1]) << 16 : 0u);
-}
-
 /// Packs the depth block [p0, p1) of op(B) = B^T (B stored n x k) into
 /// panels `panelStride` units apart: 16 x 16 blocks of units by transposes,
 /// the edges one by one.
@@ -179,21 +162,31 @@ MOEC_TILE_TARGET void packTransposed(const void *b, int64_t ldb, int64_t n, int6
     uint32_t *panel = dst + q * panelStride;
     for (int jj = 0; jj < kPanel; jj += 16) {
       const int64_t j0 = q * kPanel + jj;
-      int64_t t = 0;
-      if (j0 + 16 <= n) {
-        for (; t + 16 <= fullUnits; t += 16) {
-          __m512i r[16];
-          for (int s = 0; s < 16; ++s)
-            r[s] = _mm512_loadu_si512(static_cast<const char *>(b) +
-                                      size_t((j0 + s) * ldb + p0 + t * per) * elt);
-          transpose16(r);
-          for (int s = 0; s < 16; ++s)
-            _mm512_storeu_si512(panel + (t + s) * kPanel + jj, r[s]);
+      // 16 units of 16 rows at a time, by a transpose; the rows past n and
+      // the values past p1 read as zero (masked loads): units past n are
+      // zero, and a bf16 pair's high half past p1.
+      for (int64_t t = 0; t < units; t += 16) {
+        const int64_t left = p1 - (p0 + t * per); // values of a row from here
+        const bool whole = j0 + 16 <= n && t + 16 <= fullUnits;
+        __m512i r[16];
+        for (int s = 0; s < 16; ++s) {
+          const char *row =
+              static_cast<const char *>(b) + size_t((j0 + s) * ldb + p0 + t * per) * elt;
+          if (whole)
+            r[s] = _mm512_loadu_si512(row);
+          else if (j0 + s >= n)
+            r[s] = _mm512_setzero_si512();
+          else if (bf16)
+            r[s] = _mm512_maskz_loadu_epi16(
+                left >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1), row);
+          else
+            r[s] = _mm512_maskz_loadu_epi32(laneMask(int(std::min<int64_t>(left, 16)), 0), row);
         }
+        transpose16(r);
+        const int64_t count = std::min<int64_t>(16, units - t);
+        for (int s = 0; s < count; ++s)
+          _mm512_storeu_si512(panel + (t + s) * kPanel + jj, r[s]);
       }
-      for (; t < units; ++t)
-        for (int s = 0; s < 16; ++s)
-          panel[t * kPanel + jj + s] = transposedUnit(b, ldb, n, p0, p1, j0 + s, t, bf16);
     }
   }
 }

@@ -1,6 +1,7 @@
-//===- Tile.h - moec's own AVX-512 GEMM tile --------------------*- C++ -*-===//
+//===- Tile.h - moec's own GEMM tile (AVX-512, AMX) -------------*- C++ -*-===//
 //
-// One matmul tile on the calling thread, with moec's own AVX-512 micro-kernel:
+// One matmul tile on the calling thread, with moec's own AVX-512 micro-kernel
+// (bf16 on AMX tiles where the CPU has them; the AMX paragraph below):
 //
 //   C[i, j] = (load ? C[i, j] : 0) + sum_p opA(i, p) * opB(p, j)
 //

@@ -43,10 +43,10 @@
 // those gemm would make block by block, so the bits are the same.
 //
 // On a CPU with AMX-BF16 (amx()), bf16 operands run on AMX tiles instead
-// (TileAmx.cpp), on the same panels of op(B), packed for a column group's
-// whole depth (or read where packB put them): C in blocks of 32 x 32, four
-// tile registers, summed over the whole depth in the registers 16 units a
-// step. Order of the sums there: C[i, j] is the sum, from zero, of its steps
+// (TileAmx.cpp), on the same panels of op(B), packed whole once per call
+// (or read where packB put them): C in blocks of 32 x 32, four tile
+// registers, summed 16 units a step in depth chunks, the sums kept exactly
+// between chunks. Order of the sums there: C[i, j] is the sum, from zero, of its steps
 // in depth order, each one tile dot product of 16 units (as the CPU rounds
 // it; units past the depth are zero); then, with `load`, C's value plus that
 // sum. These bits are not those of the AVX-512 micro-kernel, but again

@@ -8,8 +8,9 @@
 //
 // Tile registers: C in 0-3 (row tile r, column tile c: 2r + c), A in 4-5,
 // B in 6-7; every register 16 rows of 64 bytes. A block of C is 32 x 32
-// (two row tiles by two column tiles) summed over the whole depth in the
-// registers, 16 units a step, then written once.
+// (two row tiles by two column tiles), summed 16 units a step over a depth
+// chunk in the registers; its sums wait in memory (fp32, exact) between
+// chunks and are written to C after the last.
 //
 //===----------------------------------------------------------------------===//
 
@@ -57,10 +58,11 @@ size_t lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
 /// Column tiles of a column group.
 constexpr int64_t kGroupTiles = kGroup / 16;
 
-/// The working memory of gemmAmx, in order: the column group's panels over
-/// the whole depth, the last step's units of each, op(A) in tiles, the
-/// sums of the depth chunks before the last (m x the group, in tiles), a
-/// tile of sums on its way to C, one panel's part of a decoded B.
+/// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
+/// layout; unused when B comes packed), the last step's units of a column
+/// group's panels, op(A) in tiles, the sums of the depth chunks before the
+/// last (m x a column group, in tiles), a tile of sums on its way to C, one
+/// panel's part of a decoded B.
 struct AmxLayout {
   size_t panels, tail, packedA, sums, cStage, decoded;
   AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB) {

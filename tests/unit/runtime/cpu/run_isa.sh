@@ -55,6 +55,18 @@ if has amx_bf16 amx_tile avx512_bf16; then
     failed=$((failed + 1))
   fi
 fi
+# A value MOEC_AMX does not know warns and runs as auto (read at the first
+# bf16 product of moec's tile: where the CPU has avx512_bf16).
+if has avx512f avx512bw avx512vl avx512_bf16; then
+  if MOEC_AMX=bogus "$test_binary" "[gmm]" 2> "${TEST_TMPDIR:-/tmp}/moec_amx_bogus.$$" &&
+    grep -q "MOEC_AMX='bogus' is neither 'auto' nor 'off'; using 'auto'" "${TEST_TMPDIR:-/tmp}/moec_amx_bogus.$$"; then
+    echo "ok: MOEC_AMX=bogus warns and runs as auto"
+  else
+    echo "FAILED: MOEC_AMX=bogus"
+    failed=$((failed + 1))
+  fi
+  rm -f "${TEST_TMPDIR:-/tmp}/moec_amx_bogus.$$"
+fi
 # A value MOEC_GEMM does not know warns once and runs as auto.
 if MOEC_GEMM=bogus "$test_binary" "[gmm]" 2> "${TEST_TMPDIR:-/tmp}/moec_gemm_bogus.$$" &&
   grep -q "MOEC_GEMM='bogus' is none of 'auto', 'moec', 'onednn'; using 'auto'" "${TEST_TMPDIR:-/tmp}/moec_gemm_bogus.$$"; then

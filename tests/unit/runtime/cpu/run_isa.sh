@@ -55,26 +55,23 @@ if has amx_bf16 amx_tile avx512_bf16; then
     failed=$((failed + 1))
   fi
 fi
-# A value MOEC_AMX does not know warns and runs as auto (read at the first
-# bf16 product of moec's tile: where the CPU has avx512_bf16).
-if has avx512f avx512bw avx512vl avx512_bf16; then
-  if MOEC_AMX=bogus "$test_binary" "[gmm]" 2> "${TEST_TMPDIR:-/tmp}/moec_amx_bogus.$$" &&
-    grep -q "MOEC_AMX='bogus' is neither 'auto' nor 'off'; using 'auto'" "${TEST_TMPDIR:-/tmp}/moec_amx_bogus.$$"; then
-    echo "ok: MOEC_AMX=bogus warns and runs as auto"
+# A value a setting does not know warns and runs as auto:
+#   warns_as_auto VARIABLE "the warning"
+warns_as_auto() {
+  local out="${TEST_TMPDIR:-/tmp}/moec_bogus.$$"
+  if env "$1=bogus" "$test_binary" "[gmm]" 2> "$out" && grep -q "$2" "$out"; then
+    echo "ok: $1=bogus warns and runs as auto"
   else
-    echo "FAILED: MOEC_AMX=bogus"
+    echo "FAILED: $1=bogus"
     failed=$((failed + 1))
   fi
-  rm -f "${TEST_TMPDIR:-/tmp}/moec_amx_bogus.$$"
+  rm -f "$out"
+}
+warns_as_auto MOEC_GEMM "MOEC_GEMM='bogus' is none of 'auto', 'moec', 'onednn'; using 'auto'"
+# (MOEC_AMX is read at the first bf16 product of moec's tile: where the CPU
+# has avx512_bf16.)
+if has avx512f avx512bw avx512vl avx512_bf16; then
+  warns_as_auto MOEC_AMX "MOEC_AMX='bogus' is neither 'auto' nor 'off'; using 'auto'"
 fi
-# A value MOEC_GEMM does not know warns once and runs as auto.
-if MOEC_GEMM=bogus "$test_binary" "[gmm]" 2> "${TEST_TMPDIR:-/tmp}/moec_gemm_bogus.$$" &&
-  grep -q "MOEC_GEMM='bogus' is none of 'auto', 'moec', 'onednn'; using 'auto'" "${TEST_TMPDIR:-/tmp}/moec_gemm_bogus.$$"; then
-  echo "ok: MOEC_GEMM=bogus warns and runs as auto"
-else
-  echo "FAILED: MOEC_GEMM=bogus"
-  failed=$((failed + 1))
-fi
-rm -f "${TEST_TMPDIR:-/tmp}/moec_gemm_bogus.$$"
 echo "kernel ISAs: ${#isas[@]} run, $failed failed"
 [[ $failed -eq 0 ]]

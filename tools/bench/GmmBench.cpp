@@ -94,6 +94,9 @@ struct Shape {
   const char *name;
   int64_t m, n, k, lda, ldb, ldc;
   bool transA, transB;
+  /// A LoRA adapter's rank-deep product: C = addend + 2 * the sums (the
+  /// layer's scaled product onto the base's output), the addend m x n.
+  bool addScaled = false;
 };
 
 /// The tiles of qwen3-30b-a3b at 128 rows an expert, as the shipped graphs'
@@ -112,13 +115,16 @@ constexpr Shape kLayer[] = {
     // weight gradient x^T·du.
     {"lora_a", 128, 16, 2048, 2048, 16, 16, false, false},
     {"lora_a_grad", 2048, 16, 128, 2048, 16, 16, true, false},
+    // ... and its B product onto up_proj's output: y = y_base + 2 u·B^T
+    // (B stored [2I, 16]), 16 deep.
+    {"lora_b", 128, 1536, 16, 16, 16, 1536, false, true, true},
 };
 
 /// One thread's operands of a shape, `experts` distinct sets in the
 /// operands' storage, and its C.
 struct Operands {
   std::vector<std::vector<char>> a, b;
-  std::vector<char> c;
+  std::vector<char> c, addend;
 };
 
 Operands makeOperands(const Shape &s, Elt elt, int experts, std::mt19937 &rng) {
@@ -139,6 +145,13 @@ Operands makeOperands(const Shape &s, Elt elt, int experts, std::mt19937 &rng) {
     storeFloats(b.data(), o.b.back().data(), elt, b.size());
   }
   o.c.resize(size_t(s.m * s.ldc) * bytes);
+  if (s.addScaled) {
+    std::vector<float> add(size_t(s.m * s.ldc));
+    for (float &x : add)
+      x = dist(rng);
+    o.addend.resize(add.size() * bytes);
+    storeFloats(add.data(), o.addend.data(), elt, add.size());
+  }
   return o;
 }
 
@@ -180,8 +193,10 @@ int layerShapes(int experts, int reps, int threads) {
         for (int e = 0; e < experts; ++e)
           gemmTile(s.m, s.n, s.k, ConstMatrix{o.a[size_t(e)].data(), elt, s.lda}, s.transA,
                    ConstMatrix{o.b[size_t(e)].data(), elt, s.ldb}, s.transB,
-                   Matrix{o.c.data(), elt, s.ldc}, false, &scratch[size_t(t)], 1.0f, false,
-                   usePacked ? packed[size_t(t)][size_t(e)].data() : nullptr);
+                   Matrix{o.c.data(), elt, s.ldc}, false, &scratch[size_t(t)],
+                   s.addScaled ? 2.0f : 1.0f, false,
+                   usePacked ? packed[size_t(t)][size_t(e)].data() : nullptr, nullptr,
+                   s.addScaled ? ConstMatrix{o.addend.data(), elt, s.ldc} : ConstMatrix{});
       };
       auto all = [&](bool usePacked) {
         std::vector<std::thread> others;

@@ -5,6 +5,7 @@
 #include "base/Time.h"
 #include "runtime/cpu/Gmm.h"
 #include "runtime/cpu/Tile.h"
+#include "runtime/cpu/TilePack.h"
 
 #include <algorithm>
 #include <atomic>
@@ -123,16 +124,10 @@ template <int N> __attribute__((target("avx512f,avx512bf16"))) void runAvx512Bf1
 template <int N>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void runAmxBf16(int64_t iters) {
   static_assert(N >= 1 && N <= 6, "tiles 6 and 7 hold A and B");
-  struct alignas(64) {
-    uint8_t palette = 1, startRow = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-  } config;
   alignas(64) uint16_t values[16 * 32];
   std::fill(std::begin(values), std::end(values), uint16_t(0x3A83)); // about 1e-3
   alignas(64) float out[16 * 16];
-  _tile_loadconfig(&config);
+  tile::detail::configureAmxTiles();
   _tile_loadd(6, values, 64);
   _tile_loadd(7, values, 64);
   _tile_zero(0);

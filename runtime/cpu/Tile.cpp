@@ -89,14 +89,10 @@ MOEC_TILE_TARGET inline __mmask16 laneMask(int cols, int part) {
 
 } // namespace
 
+// The panels' packing, shared with the AMX form: TilePack.h says what each
+// function makes.
 namespace detail {
 
-/// Units [0, units) of the rows [p0, p1) of a row-major matrix `src` (stride
-/// `ld` elements), columns [0, cols): unit (t, column j) goes to
-/// dst[(j / panelCols) * panelStride + t * dstLd + j % panelCols], and the
-/// lanes of the last vector past `cols` are zero. A bf16 unit is the pair of
-/// rows p0 + 2t (low half) and p0 + 2t + 1 (high half; zero past p1). Rows
-/// are read whole, one after the other.
 MOEC_TILE_TARGET void packRows(const void *src, int64_t ld, int64_t p0, int64_t p1,
                                int64_t cols, bool bf16, uint32_t *dst, int64_t dstLd,
                                int64_t panelCols, int64_t panelStride) {
@@ -122,8 +118,6 @@ MOEC_TILE_TARGET void packRows(const void *src, int64_t ld, int64_t p0, int64_t 
   }
 }
 
-/// Transposes the 16 x 16 block of 32-bit values in r (row s of the result
-/// is column s of the input).
 MOEC_TILE_TARGET void transpose16(__m512i (&r)[16]) {
   __m512i t[16], u[16];
   for (int i = 0; i < 8; ++i) {
@@ -149,9 +143,6 @@ MOEC_TILE_TARGET void transpose16(__m512i (&r)[16]) {
   }
 }
 
-/// Packs the depth block [p0, p1) of op(B) = B^T (B stored n x k) into
-/// panels `panelStride` units apart: 16 x 16 blocks of units by transposes,
-/// the edges one by one.
 MOEC_TILE_TARGET void packTransposed(const void *b, int64_t ldb, int64_t n, int64_t p0,
                                      int64_t p1, bool bf16, uint32_t *dst, int64_t panelStride) {
   const int64_t per = perUnit(bf16);
@@ -301,28 +292,14 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     }
   }
   if (scaled) {
-    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m512 alpha = _mm512_set1_ps(scaled->alpha);
+    const int64_t elt = outBf16 ? 2 : 4;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 3
-      for (int x = 0; x < NV; ++x) {
-        // Rounded one operation at a time, as the header says: the
-        // explicitly rounded forms, which the compiler does not contract
-        // into a fused multiply-add.
-        acc[r][x] = _mm512_mul_round_ps(alpha, acc[r][x], kNearest);
-        if (!addend)
-          continue;
-        const char *row = addend + r * scaled->ld * (outBf16 ? 2 : 4);
-        const __m512 add =
-            outBf16
-                ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
-                          masks[x], reinterpret_cast<const uint16_t *>(row) + 16 * x)),
-                      16))
-                : _mm512_maskz_loadu_ps(masks[x], reinterpret_cast<const float *>(row) + 16 * x);
-        acc[r][x] = _mm512_add_round_ps(add, acc[r][x], kNearest);
-      }
+      for (int x = 0; x < NV; ++x)
+        acc[r][x] = scaleAdd16(acc[r][x], scaled->alpha,
+                               addend ? addend + (r * scaled->ld + 16 * x) * elt : nullptr, outBf16,
+                               masks[x]);
   }
   if (outBf16) {
     uint16_t *o = static_cast<uint16_t *>(out);

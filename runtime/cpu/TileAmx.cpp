@@ -91,20 +91,6 @@ size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB) {
 
 namespace {
 
-/// The tile configuration: palette 1, every register 16 rows of 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, startRow = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = kTileRows;
-    }
-  }
-};
-
 /// Asks the kernel for the AMX tile data state (Linux 5.16 and later):
 /// without it the first tile instruction faults.
 bool osGrantsAmx() {
@@ -228,22 +214,12 @@ struct Epilogue {
       if (load)
         v = _mm512_add_round_ps(_mm512_maskz_loadu_ps(mask, reinterpret_cast<const float *>(at)), v,
                                 kNearest);
-      if (scaled) {
-        // A multiply, then an add, each rounded (the explicitly rounded
-        // forms, which the compiler does not contract).
-        v = _mm512_mul_round_ps(_mm512_set1_ps(scaled->alpha), v, kNearest);
-        if (scaled->addend) {
-          const char *add =
-              static_cast<const char *>(scaled->addend) + ((i + row) * scaled->ld + j) * elt;
-          const __m512 addend =
-              cBf16 ? _mm512_castsi512_ps(
-                          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
-                                                mask, reinterpret_cast<const uint16_t *>(add))),
-                                            16))
-                    : _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float *>(add));
-          v = _mm512_add_round_ps(addend, v, kNearest);
-        }
-      }
+      if (scaled)
+        v = scaleAdd16(v, scaled->alpha,
+                       scaled->addend ? static_cast<const char *>(scaled->addend) +
+                                            ((i + row) * scaled->ld + j) * elt
+                                      : nullptr,
+                       cBf16, mask);
       if (cBf16)
         storeBf16x16(reinterpret_cast<uint16_t *>(at), mask, v);
       else if (stream && cols == 16 && (reinterpret_cast<uintptr_t>(at) & 63) == 0)
@@ -326,6 +302,17 @@ bool amx() {
 
 namespace moec::cpu::tile::detail {
 
+MOEC_AMX_TARGET void configureAmxTiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, startRow = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  static_assert(kTileRows == 16 && kStep * 4 == 64, "a register is 16 rows of 64 bytes");
+  _tile_loadconfig(&config);
+}
+
 MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda,
                              bool transA, const void *b, int64_t ldb, bool transB, void *c,
                              int64_t ldc, bool cBf16, bool load, void *pack, bool stream,
@@ -347,8 +334,9 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   x.fullSteps = x.units / kStep;
   x.packedA = packedA;
   x.tail = tail;
-  const TileConfig config;
-  _tile_loadconfig(&config);
+  // Panels (packB's layout) lie this many units apart.
+  const int64_t panelStride = x.units * kPanel;
+  configureAmxTiles();
   // op(A) into tiles once for every column group: a tile's rows then lie
   // 64 bytes apart, not a row of A apart (a multiple of 4 KiB for the
   // layer's widths, on one set of the L1 cache).
@@ -363,7 +351,7 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   // products.) A decoded B goes a panel and a depth block at a time
   // through `decoded` (in L1).
   if (decodedB) {
-    const int64_t ld = decodedLd(transB), depth = 2 * kBlockUnits, panelStride = x.units * kPanel;
+    const int64_t ld = decodedLd(transB), depth = 2 * kBlockUnits;
     for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
       const int64_t cols = std::min<int64_t>(kPanel, n - c0);
       uint32_t *panel = panels + (c0 / kPanel) * panelStride;
@@ -388,7 +376,6 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
     const int64_t nb = std::min(kGroup, n - j0);
     const int64_t groupPanels = ceilDiv(nb, kPanel);
-    const int64_t panelStride = x.units * kPanel;
     x.panels = static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
     // The last step's units of each panel, zero past the depth: a B tile
     // reads 16 rows, and those past a panel's depth are the next panel's.

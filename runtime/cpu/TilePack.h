@@ -57,7 +57,8 @@ void packRows(const void *src, int64_t ld, int64_t p0, int64_t p1, int64_t cols,
 
 /// Packs the depth block [p0, p1) of op(B) = B^T (B stored n x k) into
 /// panels `panelStride` units apart: 16 x 16 blocks of units by transposes,
-/// the edges one by one.
+/// the edges too (masked loads: units past n zero, and a bf16 pair's high
+/// half past p1).
 void packTransposed(const void *b, int64_t ldb, int64_t n, int64_t p0, int64_t p1, bool bf16,
                     uint32_t *dst, int64_t panelStride);
 
@@ -65,6 +66,30 @@ void packTransposed(const void *b, int64_t ldb, int64_t n, int64_t p0, int64_t p
 /// Transposes the 16 x 16 block of 32-bit values in r (row s of the result
 /// is column s of the input). (AVX-512.)
 void transpose16(__m512i (&r)[16]);
+
+/// AddScaled's step on 16 sums as they leave the registers: alpha * sums,
+/// then, where `addend` is not null, + the 16 values there (bf16 or fp32
+/// as `bf16` says; the lanes of `mask`), each rounded: the explicitly
+/// rounded forms, which the compiler does not contract into a fused
+/// multiply-add. Both forms of the tile finish a LoRA product with it.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512
+scaleAdd16(__m512 sums, float alpha, const char *addend, bool bf16, __mmask16 mask) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m512 v = _mm512_mul_round_ps(_mm512_set1_ps(alpha), sums, kNearest);
+  if (!addend)
+    return v;
+  const __m512 add = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                                    mask, reinterpret_cast<const uint16_t *>(addend))),
+                                16))
+                          : _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float *>(addend));
+  return _mm512_add_round_ps(add, v, kNearest);
+}
+
+/// Loads the AMX tile configuration both AMX users run with (palette 1,
+/// eight registers of 16 rows of 64 bytes) on the calling thread: the tile
+/// and the peak probe. Requires tile::amx(). (TileAmx.cpp.)
+void configureAmxTiles();
 #endif
 
 /// packBytes of the AMX form (bf16 A and B).

@@ -20,8 +20,10 @@
 // packed-weight store, ContextOptions::packWeights), the plain and packed
 // runs alternating.
 //
-// `gmm_bench --ladder [reps]` says where a bf16 tile's time goes, one
-// thread, B packed beforehand, rung by rung against the probe's peak (Peak.h):
+// `gmm_bench --ladder [reps [bf16|f32]]` says where a tile's time goes (bf16
+// unless told), one thread, B packed beforehand, rung by rung against the
+// probe's peak of that type (Peak.h; f32 needs moec's fp32 tile:
+// MOEC_GEMM=moec):
 // one depth block whose operands fit in L1; one column group over one depth
 // block from L2; one column group over the whole depth; the up_proj tile of the qwen3 layer (128 x
 // 1536 x 2048) warm in the caches (one expert's operands again and again); the same on 32 experts'
@@ -374,9 +376,9 @@ int quantizedTiles(int experts, int reps) {
   return 0;
 }
 
-/// One rung of --ladder: a bf16 product C (m x n, fp32 or bf16) of A (m x k)
-/// and B packed beforehand, over `experts` operand sets in turn, each call
-/// repeated `calls` times.
+/// One rung of --ladder: a product C (m x n; fp32, or bf16 where cBf16 asks
+/// and the operands are bf16) of A (m x k) and B packed beforehand, over `experts` operand sets in
+/// turn, each call repeated `calls` times.
 struct Rung {
   const char *name;
   int64_t m, n, k;
@@ -385,12 +387,16 @@ struct Rung {
 };
 
 /// gmm_bench --ladder: see the header.
-int ladder(int reps) {
-  if (!packedTile(Elt::BF16, Elt::BF16)) {
-    std::fprintf(stderr, "gmm_bench --ladder: this CPU has no avx512_bf16 tile\n");
+int ladder(int reps, Elt elt) {
+  const bool bf16 = elt == Elt::BF16;
+  if (!packedTile(elt, elt)) {
+    std::fprintf(stderr, bf16 ? "gmm_bench --ladder: this CPU has no avx512_bf16 tile\n"
+                              : "gmm_bench --ladder f32: moec's fp32 tile is not chosen (it needs "
+                                "AVX-512 and MOEC_GEMM=moec)\n");
     return 1;
   }
-  const std::optional<FmaPeak> peak = measureBf16DotPeak(0.3);
+  const std::optional<FmaPeak> peak =
+      bf16 ? measureBf16DotPeak(0.3) : std::optional<FmaPeak>(measureFmaPeak(0.3));
   if (!peak) {
     std::fprintf(stderr, "gmm_bench --ladder: no bf16 dot-product peak on this CPU\n");
     return 1;
@@ -411,14 +417,14 @@ int ladder(int reps) {
   std::vector<Set> sets;
   for (const Rung &r : rungs) {
     const Shape shape{r.name, r.m, r.n, r.k, r.k, r.n, r.n, false, false};
-    Operands o = makeOperands(shape, Elt::BF16, r.experts, rng);
+    Operands o = makeOperands(shape, elt, r.experts, rng);
     Set set;
     set.a = std::move(o.a);
     for (const std::vector<char> &b : o.b) {
-      set.packed.emplace_back(tile::packedBBytes(r.n, r.k, true));
-      tile::packB(r.n, r.k, b.data(), r.n, false, true, set.packed.back().data());
+      set.packed.emplace_back(tile::packedBBytes(r.n, r.k, bf16));
+      tile::packB(r.n, r.k, b.data(), r.n, false, bf16, set.packed.back().data());
     }
-    set.c.resize(size_t(r.m * r.n) * (r.cBf16 ? 2 : 4));
+    set.c.resize(size_t(r.m * r.n) * (r.cBf16 && bf16 ? 2 : 4));
     sets.push_back(std::move(set));
   }
   Scratch scratch;
@@ -431,16 +437,17 @@ int ladder(int reps) {
                            for (int e = 0; e < r.experts; ++e)
                              for (int call = 0; call < r.calls; ++call)
                                gemmTile(r.m, r.n, r.k,
-                                        ConstMatrix{set.a[size_t(e)].data(), Elt::BF16, r.k}, false,
-                                        ConstMatrix{nullptr, Elt::BF16, r.n}, false,
-                                        Matrix{set.c.data(), r.cBf16 ? Elt::BF16 : Elt::F32, r.n},
+                                        ConstMatrix{set.a[size_t(e)].data(), elt, r.k}, false,
+                                        ConstMatrix{nullptr, elt, r.n}, false,
+                                        Matrix{set.c.data(), r.cBf16 && bf16 ? Elt::BF16 : Elt::F32,
+                                               r.n},
                                         false, &scratch, 1.0f, false, set.packed[size_t(e)].data());
                          }));
     }
   std::printf("GEMM: %s\n", gemmConfig());
-  std::printf("where a bf16 tile's time goes: one thread, B packed beforehand, best of %d; "
+  std::printf("where a %s tile's time goes: one thread, B packed beforehand, best of %d; "
               "the probe's peak %.1f GFLOP/s (%s)\n",
-              reps, peak->gflops, peak->isa);
+              bf16 ? "bf16" : "fp32", reps, peak->gflops, peak->isa);
   std::printf("  %-52s %10s %8s\n", "rung", "GFLOP/s", "of peak");
   for (size_t i = 0; i < std::size(rungs); ++i) {
     const Rung &r = rungs[i];
@@ -453,13 +460,25 @@ int ladder(int reps) {
 } // namespace
 
 int main(int argc, char **argv) {
+  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::printf(
+        "usage: gmm_bench [M N K [reps [experts]]]      one tile, fp32 and bf16, one thread\n"
+        "       gmm_bench --layer [experts [reps [threads]]]  the qwen3 layer's tile shapes\n"
+        "       gmm_bench --ladder [reps [bf16|f32]]    where a tile's time goes, rung by rung\n"
+        "       gmm_bench --quantized [experts [reps]]  tiles whose B is a quantized weight\n"
+        "       gmm_bench --dequantize [reps]           the dequantizer's rate, each format\n"
+        "The head of tools/bench/GmmBench.cpp says what each times. MOEC_GEMM (auto, moec,\n"
+        "onednn) and MOEC_AMX (auto, off) choose the kernels (docs/runtime.md).\n");
+    return 0;
+  }
   if (argc >= 2 && std::string(argv[1]) == "--ladder") {
     const int reps = argc >= 3 ? std::atoi(argv[2]) : 5;
-    if (reps <= 0) {
-      std::fprintf(stderr, "usage: gmm_bench --ladder [reps] (positive)\n");
+    const std::string type = argc >= 4 ? argv[3] : "bf16";
+    if (reps <= 0 || (type != "bf16" && type != "f32")) {
+      std::fprintf(stderr, "usage: gmm_bench --ladder [reps [bf16|f32]] (reps positive)\n");
       return 2;
     }
-    return ladder(reps);
+    return ladder(reps, type == "f32" ? Elt::F32 : Elt::BF16);
   }
   if (argc >= 2 && std::string(argv[1]) == "--quantized") {
     const int experts = argc >= 3 ? std::atoi(argv[2]) : 16;

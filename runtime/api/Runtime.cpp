@@ -174,6 +174,8 @@ std::vector<WorkspaceSlot> Context::workspace() const {
       w.resident = m.resident;
       w.window = m.window;
       w.borrowed = m.borrowed;
+      if (m.over != kNoSlot)
+        w.over = std::string(pass->tasks().name(pass->tasks().slots[m.over].name));
       w.layout = m.layout;
       out.push_back(std::move(w));
     }

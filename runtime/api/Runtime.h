@@ -247,6 +247,10 @@ struct WorkspaceSlot {
   uint64_t resident = 0;  ///< of those, in memory now (0 when borrowed)
   bool window = false;    ///< peers put into it
   bool borrowed = false;  ///< in a dead slot of the forward pass: no memory of its own
+  /// The tensor whose memory it takes, written over it (a LoRA product's
+  /// sums onto its addend, the base's output): no memory of its own; else
+  /// empty.
+  std::string over;
   bool layout = false;    ///< a routing layout tensor (sizes and offsets)
 };
 

@@ -16,13 +16,53 @@ uint64_t slotElements(const format::SlotRecord &slot) {
 }
 
 uint64_t workspaceBytes(const format::TaskProgram &program, const rt::LayerPlan &plan,
-                        uint32_t ranks, size_t (*bytes)(const format::SlotRecord &)) {
+                        uint32_t ranks, size_t (*bytes)(const format::SlotRecord &),
+                        const std::vector<uint32_t> *sharing) {
   const std::vector<uint32_t> caller = plan.boundSlots();
   uint64_t needed = 0;
   for (uint32_t slot = 0; slot < program.slots.size(); ++slot)
-    if (std::find(caller.begin(), caller.end(), slot) == caller.end())
+    if (std::find(caller.begin(), caller.end(), slot) == caller.end() &&
+        !(sharing && (*sharing)[slot] != rt::kNoSlot))
       needed += uint64_t(bytes(program.slots[slot])) * slotCopies(program, slot) * ranks;
   return needed;
+}
+
+std::vector<uint32_t> sumsOverAddends(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                                      size_t (*bytes)(const format::SlotRecord &)) {
+  const size_t slots = program.slots.size();
+  std::vector<uint32_t> over(slots, rt::kNoSlot);
+  // The slots that are not plain workspace: bound, layout, windows.
+  std::vector<bool> plain(slots, true);
+  for (const std::vector<uint32_t> &list : {plan.boundSlots(), plan.layoutSlots()})
+    for (uint32_t slot : list)
+      plain[slot] = false;
+  std::vector<int> readers(slots, 0);
+  for (const format::OpRecord &op : program.ops) {
+    const format::TilingRecord &t = program.tilings[op.tiling];
+    if (format::isPut(op.kind))
+      plain[t.outputSlot] = false;
+    for (uint32_t i = 0; i < t.inputCount; ++i)
+      ++readers[t.inputSlots[i]];
+  }
+  // An addend's contents end with the product: not one a backward reads.
+  std::vector<bool> dies = plain;
+  if (!plan.shape.backward)
+    for (uint32_t slot : plan.readByBackward())
+      dies[slot] = false;
+  for (const format::OpRecord &op : program.ops) {
+    const format::TilingRecord &t = program.tilings[op.tiling];
+    // An activation-form GMM's fourth input is its addend, unless B is
+    // quantized (then it is B's scales).
+    if (op.kind != format::OpKind::Gmm || t.depth == 0 || t.inputCount != 4 ||
+        (t.flags & format::kTilingQuantizedB))
+      continue;
+    const uint32_t addend = t.inputSlots[3], out = t.outputSlot;
+    if (dies[addend] && plain[out] && readers[addend] == 1 &&
+        bytes(program.slots[addend]) == bytes(program.slots[out]) &&
+        slotCopies(program, addend) == slotCopies(program, out))
+      over[out] = addend;
+  }
+  return over;
 }
 
 uint32_t slotCopies(const format::TaskProgram &program, uint32_t slot) {

@@ -63,6 +63,9 @@ struct SlotMemory {
   uint64_t resident = 0; ///< of those, in memory now (0 when borrowed: the lender's pages)
   bool window = false;   ///< peers put into it
   bool borrowed = false; ///< lives in another pass's dead slot (borrowFrom)
+  /// Written over this slot's memory (sumsOverAddends), none of its own; 0
+  /// bytes of its own.
+  uint32_t over = rt::kNoSlot;
   bool layout = false;   ///< a routing layout tensor
 };
 
@@ -161,10 +164,23 @@ int64_t slotRows(const format::SlotRecord &slot);
 /// slotRows() rows apart), else 1.
 uint32_t slotCopies(const format::TaskProgram &program, uint32_t slot);
 
+/// Per slot of `program`: the slot whose memory it takes, or rt::kNoSlot.
+/// The output of an activation-form product, C = addend + scale * A op(B)
+/// (a LoRA adapter's second product, onto the base's output), is written
+/// over its addend, in place, where the addend is a workspace slot that no
+/// other op reads and no later pass needs (not bound by the caller, not a
+/// routing layout tensor, not a put's window, not read by a backward) and
+/// the output is a workspace slot of the same bytes: the sums go onto the
+/// base's output where it lies, and the pass holds one tensor, not two.
+std::vector<uint32_t> sumsOverAddends(const format::TaskProgram &program, const rt::LayerPlan &plan,
+                                      size_t (*bytes)(const format::SlotRecord &));
+
 /// The workspace of `ranks` ranks: `bytes` of every slot the caller does
-/// not bind (LayerPlan::boundSlots), times its slotCopies(), per rank.
+/// not bind (LayerPlan::boundSlots), times its slotCopies(), per rank; with
+/// `sharing` (sumsOverAddends), not those that take another's memory.
 uint64_t workspaceBytes(const format::TaskProgram &program, const rt::LayerPlan &plan,
-                        uint32_t ranks, size_t (*bytes)(const format::SlotRecord &));
+                        uint32_t ranks, size_t (*bytes)(const format::SlotRecord &),
+                        const std::vector<uint32_t> *sharing = nullptr);
 
 /// Writes the routing layout tensors (runtime/layer/Layer.h: size_d,
 /// src_offset, target_offset, their combine twins, glist) of ranks

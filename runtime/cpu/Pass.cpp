@@ -149,6 +149,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
   pass->slotGeneration.assign(program.slots.size(), 0);
   pass->sendRows.assign(program.ranks(), 0);
   pass->windowOf.assign(program.slots.size(), nullptr);
+  pass->sharesWith = backend::sumsOverAddends(program, plan, slotBytes);
 
   exec::ExecutorOptions eo;
   eo.workers = options.workers;
@@ -193,7 +194,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
 uint64_t Pass::workspaceNeeded() const {
   return allocated ? 0
                    : backend::workspaceBytes(*program, *layer, options.fabric->localRanks(),
-                                             slotBytes);
+                                             slotBytes, &sharesWith);
 }
 
 double Pass::tasksShare() const {
@@ -256,7 +257,12 @@ Status Pass::allocate() {
     for (const std::vector<uint32_t> &more : {theirs.readByBackward(), theirs.layoutSlots()})
       live.insert(live.end(), more.begin(), more.end());
     for (uint32_t slot = 0; slot < lender->program->slots.size(); ++slot) {
-      if (lender->windowOf[slot] || std::find(live.begin(), live.end(), slot) != live.end())
+      // (A slot whose memory a live one was written over is live too; one
+      // written over another's has no memory of its own to lend.)
+      if (lender->windowOf[slot] || std::find(live.begin(), live.end(), slot) != live.end() ||
+          lender->sharesWith[slot] != rt::kNoSlot ||
+          std::any_of(live.begin(), live.end(),
+                      [&](uint32_t s) { return lender->sharesWith[s] == slot; }))
         continue;
       for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r)
         if (lender->data[r][slot])
@@ -287,7 +293,9 @@ Status Pass::allocate() {
     return slotBytes(tasks.slots[a]) > slotBytes(tasks.slots[b]);
   });
   for (uint32_t slot : order) {
-    if (std::find(caller.begin(), caller.end(), slot) != caller.end())
+    // (A product's sums written over its addend take the addend's memory.)
+    if (std::find(caller.begin(), caller.end(), slot) != caller.end() ||
+        sharesWith[slot] != rt::kNoSlot)
       continue;
     const size_t bytes = slotBytes(tasks.slots[slot]) * backend::slotCopies(tasks, slot);
     if (isWindow[slot]) {
@@ -324,6 +332,14 @@ Status Pass::allocate() {
       ownedBytes += bytes;
     }
   }
+  for (uint32_t slot = 0; slot < sharesWith.size(); ++slot)
+    if (sharesWith[slot] != rt::kNoSlot) {
+      for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r)
+        data[r][slot] = data[r][sharesWith[slot]];
+      backend::SlotMemory &memory = slotMemory.emplace_back();
+      memory.slot = slot;
+      memory.over = sharesWith[slot];
+    }
   std::sort(slotMemory.begin(), slotMemory.end(),
             [](const backend::SlotMemory &a, const backend::SlotMemory &b) {
               return a.slot < b.slot;
@@ -336,8 +352,8 @@ std::vector<backend::SlotMemory> Pass::workspace() const {
   std::vector<backend::SlotMemory> out = slotMemory;
   const comm::Fabric &fabric = *options.fabric;
   for (backend::SlotMemory &m : out) {
-    if (m.borrowed)
-      continue; // the lender's pages, counted there
+    if (m.borrowed || m.over != rt::kNoSlot)
+      continue; // the lender's pages, or the addend's, counted there
     const size_t bytes = slotBytes(program->slots[m.slot]);
     for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r)
       m.resident += residentBytes(data[r][m.slot], bytes);

@@ -194,6 +194,9 @@ private:
   size_t ownedBytes = 0;
   const Pass *lender = nullptr; ///< see borrowFrom
   std::vector<backend::SlotMemory> slotMemory; ///< per allocated slot (resident not set)
+  /// Per slot: the slot whose memory it takes (backend::sumsOverAddends),
+  /// or kNoSlot.
+  std::vector<uint32_t> sharesWith;
   bool allocated = false;
   std::vector<std::unique_ptr<exec::Executor>> executors; ///< one, or one per op
   const exec::Executor *last = nullptr;

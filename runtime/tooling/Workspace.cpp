@@ -57,12 +57,14 @@ std::string workspaceText(const rt::Context &context) {
         ++small;
         continue;
       }
-      const char *as = w.borrowed ? "in a dead forward slot (no memory of its own)"
-                       : w.window ? "window (peers put into it)"
-                                  : "plain";
-      out += fmt::format("  {:<9} {:<20} {:>10.1f} {:>10}  {}\n", w.pass, w.name, mib(w.bytes),
-                         w.borrowed ? std::string("-") : fmt::format("{:.1f}", mib(w.resident)),
-                         as);
+      const std::string as = !w.over.empty() ? "written over " + w.over + " (no memory of its own)"
+                             : w.borrowed    ? "in a dead forward slot (no memory of its own)"
+                             : w.window      ? "window (peers put into it)"
+                                             : "plain";
+      const bool own = !w.borrowed && w.over.empty();
+      out += fmt::format("  {:<9} {:<20} {:>10} {:>10}  {}\n", w.pass, w.name,
+                         w.over.empty() ? fmt::format("{:.1f}", mib(w.bytes)) : std::string("-"),
+                         own ? fmt::format("{:.1f}", mib(w.resident)) : std::string("-"), as);
     }
     if (small)
       out += fmt::format("  {:<9} {:<20} {:>10.1f} {:>10.1f}  {} routing layout tensors\n", pass,

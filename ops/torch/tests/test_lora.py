@@ -93,6 +93,50 @@ def test_lora_matches_autograd(dtype, targets, transposed):
     assert torch.equal(y2, y.detach())
 
 
+def test_adapter_sums_are_written_over_the_base_outputs():
+    """The products that add an adapter's sums onto the base's output
+    (up_lora_b, down_lora_b; backward down_lora_dz, up_lora_dx) write them
+    over it, in place: the workspace holds one tensor for the two, and a
+    second backward of the same forward (retain_graph), and a new step,
+    give the same bits (the backward's slots placed in the forward's dead
+    ones do not take the memory the sums were written over, which holds Y
+    for the backward)."""
+    torch.manual_seed(3)
+    layer = moec_torch.MoeFFN(config(), ranks=2, threads=2, lora_rank=4, lora_alpha=8)
+    randomize_adapters(layer, seed=6)
+    x, ids, weights, dy = inputs(layer, seed=8)
+
+    def step(retain=False):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y = layer(xi, ids, weights)
+        y.backward(dy, retain_graph=retain)
+        return y, xi, [p.grad.clone() for p in layer.adapters()]
+
+    y, xi, first = step(retain=True)
+    dx = xi.grad.clone()
+    xi.grad = None
+    for p in layer.adapters():
+        p.grad = None
+    y.backward(dy)
+    assert torch.equal(xi.grad, dx)
+    assert all(torch.equal(p.grad, g) for p, g in zip(layer.adapters(), first))
+    y2, xi2, again = step()
+    assert torch.equal(y2, y.detach()) and torch.equal(xi2.grad, dx)
+    assert all(torch.equal(a, b) for a, b in zip(again, first))
+    table = layer.workspace()
+    for out, base in (("up_proj_y", "up_proj_base_y"), ("down_proj_y", "down_proj_base_y"),
+                      ("act_grad_y", "act_grad_base_y"), ("gate_grad_y", "gate_grad_base_y")):
+        line = next(row for row in table.splitlines() if row.split()[1:2] == [out])
+        assert f"written over {base}" in line, line
+    # What the table itemizes is what the layer holds: no bytes for the
+    # tensors written over others.
+    owned = [row.split() for row in table.splitlines()
+             if "no memory of its own" not in row and row.split()[:1] in (["forward"], ["backward"])]
+    mib = sum(float(row[2]) for row in owned)
+    assert abs(mib * 2**20 - layer.info()["workspace_bytes"]) < 0.05 * 2**20 * len(owned)
+
+
 def test_transposed_weights_compute_the_same_layer():
     """weights_transposed=True draws the same weights, transposed, and gives
     the same outputs, gradients and merged weights as the [E, H, 2I] layout

@@ -59,11 +59,10 @@ inline float bf16ToFloat(uint16_t bits) {
 inline float roundToBf16(float value) { return bf16ToFloat(floatToBf16(value)); }
 
 #if defined(__x86_64__)
-/// Rounds 16 floats to bf16 bits as floatToBf16 does (nearest, ties to even;
-/// NaNs quiet) and stores the lanes of `mask` at `out`: the AVX-512 form of
-/// it, for kernels built for AVX-512 (F, BW, VL).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void
-storeBf16x16(uint16_t *out, __mmask16 mask, __m512 value) {
+/// floatToBf16's bits of 16 floats (nearest, ties to even; NaNs quiet),
+/// each in the low half of its 32-bit lane, the high half zero: the AVX-512
+/// form of it, for kernels built for AVX-512 (F, BW, VL).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i bf16Bits16(__m512 value) {
   const __m512i x = _mm512_castps_si512(value);
   const __m512i high = _mm512_srli_epi32(x, 16);
   const __m512i rounded = _mm512_srli_epi32(
@@ -72,9 +71,14 @@ storeBf16x16(uint16_t *out, __mmask16 mask, __m512 value) {
       16);
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(
       _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
-  const __m512i r =
-      _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
-  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(r));
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
+}
+
+/// Rounds 16 floats to bf16 bits (bf16Bits16) and stores the lanes of
+/// `mask` at `out`.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void
+storeBf16x16(uint16_t *out, __mmask16 mask, __m512 value) {
+  _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(bf16Bits16(value)));
 }
 #endif
 

@@ -161,31 +161,17 @@ __attribute__((target("avx2"))) int64_t decodeAvx2(const uint8_t *codes, int64_t
   return j;
 }
 
-/// The codes' values times `scale`, 16 at a time, by their bits rather than
-/// a table: a code's exponent and mantissa bits shifted into fp32's place
-/// are its value times 2^-120 (exactly; a subnormal code is computed as its
-/// mantissa times 2^-9), so the product with `scale` is the table's, bit
-/// for bit. Returns how many it did (a multiple of 16).
+/// The codes' values times `scale`, 16 at a time (e4m3Values16: the
+/// product with `scale` is the table's, bit for bit). Returns how many it
+/// did (a multiple of 16).
 template <bool BF16>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) int64_t
 decodeAvx512(const uint8_t *codes, int64_t n, float scale, void *out) {
-  const __m512 s = _mm512_set1_ps(scale), up = _mm512_set1_ps(0x1p120f),
-               tiny = _mm512_set1_ps(0x1p-9f),
-               nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
-  const __m512i magnitude = _mm512_set1_epi32(0x7F), exponent = _mm512_set1_epi32(0x78),
-                mantissa = _mm512_set1_epi32(7), sign = _mm512_set1_epi32(0x80);
+  const __m512 s = _mm512_set1_ps(scale);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512i c =
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + j)));
-    const __m512i m = _mm512_and_si512(c, magnitude);
-    __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(m, 20)), up);
-    const __mmask16 subnormal = _mm512_testn_epi32_mask(c, exponent);
-    v = _mm512_mask_mul_ps(v, subnormal, _mm512_cvtepi32_ps(_mm512_and_si512(c, mantissa)),
-                           tiny);
-    v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(m, magnitude), nan);
-    v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v),
-                                            _mm512_slli_epi32(_mm512_and_si512(c, sign), 24)));
+    const __m512 v = e4m3Values16(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + j))));
     if constexpr (BF16)
       storeBf16x16(static_cast<uint16_t *>(out) + j, 0xFFFF, _mm512_mul_ps(v, s));
     else

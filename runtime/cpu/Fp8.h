@@ -25,6 +25,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace moec::cpu {
 
@@ -36,6 +41,27 @@ uint8_t floatToE4m3(float value);
 
 /// The fp32 value of e4m3 code `code` (exact; NaN for S.1111.111).
 float e4m3ToFloat(uint8_t code);
+
+#if defined(__x86_64__)
+/// The fp32 values of 16 e4m3 codes (one in the low byte of each 32-bit
+/// lane), e4m3ToFloat's, by their bits rather than a table: a code's
+/// exponent and mantissa bits shifted into fp32's place are its value times
+/// 2^-120 (exactly; a subnormal code is computed as its mantissa times
+/// 2^-9). For kernels built for AVX-512 (F, BW, VL).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 e4m3Values16(__m512i c) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7F);
+  const __m512i m = _mm512_and_si512(c, magnitude);
+  __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(m, 20)), _mm512_set1_ps(0x1p120f));
+  const __mmask16 subnormal = _mm512_testn_epi32_mask(c, _mm512_set1_epi32(0x78));
+  v = _mm512_mask_mul_ps(v, subnormal,
+                         _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(7))),
+                         _mm512_set1_ps(0x1p-9f));
+  v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(m, magnitude),
+                         _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  return _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24)));
+}
+#endif
 
 /// Quantizes rows [rowBegin, rowEnd) of `src` (`cols` values a row of type
 /// `elt`, F32 or BF16, rows `srcLd` elements apart) into rows of `dst`,

@@ -133,14 +133,17 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
         program.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
     if (op.kind == OpKind::Gmm)
       info.expertStride = int64_t(w.dims[1] * w.dims[2]);
-    if (options.packWeights && op.kind == OpKind::Gmm && !info.wgrad &&
-        info.weightScales == format::kNone) {
+    if (options.packWeights && op.kind == OpKind::Gmm && !info.wgrad) {
       const uint32_t b = info.tiling->inputSlots[1];
       bool weight = b == plan.w1 || b == plan.w2;
       for (const rt::LoraSlots &l : plan.lora)
         weight = weight || b == l.a || b == l.b;
+      // A quantized weight is kept as codes packed for the bf16 tile
+      // (packCodes), which decodes them as it reads them.
+      const DType a = program.slots[info.tiling->inputSlots[0]].dtype;
       info.packable =
-          weight && packedTile(program.slots[info.tiling->inputSlots[0]].dtype, program.slots[b].dtype);
+          weight && (info.weightScales == format::kNone ? packedTile(a, program.slots[b].dtype)
+                                                        : a == DType::BF16 && packedTile(a, a));
     }
     pass->ops.push_back(info);
   }
@@ -571,7 +574,10 @@ const void *Pass::packedWeight(uint32_t opIndex, uint32_t rank, const format::Ti
     return nullptr;
   const int64_t n = int64_t(tile.colEnd - tile.colBegin);
   const bool bf16 = b.elt == Elt::BF16;
-  const size_t bytes = tile::packedBBytes(n, depth, bf16);
+  const bool codes = op.weightScales != format::kNone;
+  const QuantizedMatrix m = codes ? quantizedWeight(opIndex, rank, tile.expert) : QuantizedMatrix{};
+  const size_t bytes =
+      codes ? packedCodesBytes(m, op.transposeB, n) : tile::packedBBytes(n, depth, bf16);
   if (cell.pages.bytes() < bytes) {
     packedBytes -= cell.pages.bytes();
     cell.pages = ZeroedPages(bytes);
@@ -582,8 +588,11 @@ const void *Pass::packedWeight(uint32_t opIndex, uint32_t rank, const format::Ti
     packedBytes += bytes;
   }
   const int64_t c0 = int64_t(tile.colBegin);
-  tile::packB(n, depth, op.transposeB ? b.address(c0, 0) : b.address(0, c0), b.ld, op.transposeB,
-              bf16, cell.pages.data());
+  if (codes)
+    packCodes(m, op.transposeB, c0, n, cell.pages.data());
+  else
+    tile::packB(n, depth, op.transposeB ? b.address(c0, 0) : b.address(0, c0), b.ld, op.transposeB,
+                bf16, cell.pages.data());
   cell.state.store(kPacked, std::memory_order_release);
   return cell.pages.data();
 }
@@ -689,19 +698,27 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
       if (op.addend != format::kNone)
         epilogue.addend = in(op.addend);
       const auto gemm = [&](ConstMatrix weight, Matrix result, Range resultCols,
-                            const void *packedB) {
+                            const void *packedB, const tile::DecodedB *decodedB = nullptr) {
         if (op.transposeB)
           gmmDgradTile(in(a), weight, result, int64_t(t.depth), segment, rows, resultCols,
-                       tileScratch, epilogue, packedB);
+                       tileScratch, epilogue, packedB, decodedB);
         else
           gmmForwardTile(in(a), weight, result, int64_t(t.depth), segment, rows, resultCols,
-                         tileScratch, epilogue, packedB);
+                         tileScratch, epilogue, packedB, decodedB);
       };
+      // A tile with no rows of the segment leaves the packing to one that has.
+      const bool work = std::min(rows.end, segment.rows) > std::max<int64_t>(rows.begin, 0);
+      const void *packedB =
+          work ? packedWeight(opIndex, rank, tile, bm, int64_t(t.depth)) : nullptr;
       if (op.weightScales == format::kNone) {
-        // A tile with no rows of the segment leaves the packing to one that has.
-        const bool work = std::min(rows.end, segment.rows) > std::max<int64_t>(rows.begin, 0);
-        gemm(bm, out(c), cols,
-             work ? packedWeight(opIndex, rank, tile, bm, int64_t(t.depth)) : nullptr);
+        gemm(bm, out(c), cols, packedB);
+        break;
+      }
+      // Quantized codes packed for the tile (the packed-weight store): it
+      // decodes each depth block's panel straight from them.
+      if (packedB) {
+        const tile::DecodedB decoded = packedCodesB(packedB);
+        gemm(ConstMatrix{nullptr, DType::BF16, 0}, out(c), cols, nullptr, &decoded);
         break;
       }
       // Quantized codes with their scales, B as stored (the backward's dX

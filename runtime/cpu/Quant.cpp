@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -257,6 +259,278 @@ tile::DecodedB decodedB(const QuantizedMatrix &m) {
   d.codes = static_cast<const uint8_t *>(m.codes);
   d.halfBytes = m.format == WeightFormat::Int4Group;
   d.codesLd = d.halfBytes ? int4Bytes(m.cols) : m.cols;
+  return d;
+}
+
+//===----------------------------------------------------------------------===//
+// Codes packed for the tile
+//===----------------------------------------------------------------------===//
+
+namespace {
+
+/// The head of packCodes' memory: what the decoder needs to find the rest.
+/// Codes: per panel of 48 columns, per unit t (depth values 2t and 2t + 1),
+/// 8-bit codes as two rows of 48 bytes (depth 2t, then 2t + 1), 4-bit ones
+/// as 48 bytes (depth 2t in the low half). Scales (and zero points): with
+/// `depthScales` (op(B)'s scale varies along its depth value by value: int8
+/// and int4 read as stored), a row of `scaleLd` per depth value and, per
+/// column, the index of its scale in the row; else a row of one scale per
+/// column (padded to whole panels) per `group` depth values.
+struct PackedCodes {
+  WeightFormat format = WeightFormat::Dense;
+  bool zeroPoints = false, depthScales = false;
+  int64_t depth = 0, n = 0, units = 0, panels = 0, group = 0, scaleLd = 0;
+  uint64_t codesAt = 0, scalesAt = 0, zerosAt = 0, indexAt = 0;
+};
+
+constexpr int64_t kCodePanel = 48;
+
+int64_t unitBytesOf(WeightFormat f) { return f == WeightFormat::Int4Group ? 48 : 96; }
+
+size_t lineUp(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/// The head of a packing of `m` (its offsets filled in) and its bytes.
+PackedCodes packedLayout(const QuantizedMatrix &m, bool transposed, int64_t n, size_t *bytes) {
+  PackedCodes h;
+  h.format = m.format;
+  h.zeroPoints = m.format == WeightFormat::Int4Group && m.zeroPoints;
+  h.depth = transposed ? m.cols : m.rows;
+  h.n = n;
+  h.units = (h.depth + 1) / 2;
+  h.panels = (n + kCodePanel - 1) / kCodePanel;
+  const int64_t padded = h.panels * kCodePanel;
+  // A stored row is an output channel: as stored (not transposed) op(B)'s
+  // depth runs along int8's and int4's scales value by value.
+  h.depthScales = !transposed && m.format != WeightFormat::Fp8Block128;
+  int64_t scaleRows = 0;
+  if (h.depthScales) {
+    h.scaleLd = m.format == WeightFormat::Int4Group ? m.cols / m.group : 1;
+    scaleRows = 2 * h.units;
+  } else {
+    h.group = m.format == WeightFormat::Fp8Block128 ? kFp8WeightBlock
+              : m.format == WeightFormat::Int4Group ? m.group
+                                                    : 2 * h.units;
+    h.scaleLd = padded;
+    scaleRows = (2 * h.units + h.group - 1) / h.group;
+  }
+  size_t at = lineUp(sizeof(PackedCodes));
+  h.codesAt = at;
+  at += lineUp(size_t(h.panels * h.units * unitBytesOf(m.format)));
+  h.scalesAt = at;
+  at += lineUp(size_t(scaleRows * h.scaleLd) * sizeof(float));
+  h.zerosAt = at;
+  if (h.zeroPoints)
+    at += lineUp(size_t(scaleRows * h.scaleLd) * sizeof(float));
+  h.indexAt = at;
+  if (h.depthScales)
+    at += lineUp(size_t(padded) * sizeof(int32_t));
+  *bytes = at;
+  return h;
+}
+
+/// The code of m's value (r, c): a byte, or a 4-bit code.
+uint8_t codeAt(const QuantizedMatrix &m, int64_t r, int64_t c) {
+  const uint8_t *codes = static_cast<const uint8_t *>(m.codes);
+  if (m.format != WeightFormat::Int4Group)
+    return codes[r * m.cols + c];
+  const uint8_t byte = codes[r * int4Bytes(m.cols) + c / 2];
+  return c % 2 ? byte >> 4 : byte & 0xF;
+}
+
+/// The scale and zero point of m's value (r, c) (zero 0 where the format
+/// has none: its values are code x scale).
+std::pair<float, float> scaleAt(const QuantizedMatrix &m, int64_t r, int64_t c) {
+  switch (m.format) {
+  case WeightFormat::Fp8Block128: {
+    const int64_t colBlocks = (m.cols + kFp8WeightBlock - 1) / kFp8WeightBlock;
+    return {m.scales[(r / kFp8WeightBlock) * colBlocks + c / kFp8WeightBlock], 0.0f};
+  }
+  case WeightFormat::Int8Channel:
+    return {m.scales[r], 0.0f};
+  case WeightFormat::Int4Group: {
+    const int64_t where = r * (m.cols / m.group) + c / m.group;
+    return m.zeroPoints ? std::pair{m.scales[2 * where], m.scales[2 * where + 1]}
+                        : std::pair{m.scales[where], 8.0f};
+  }
+  case WeightFormat::Dense:
+    break;
+  }
+  return {1.0f, 0.0f};
+}
+
+#ifdef MOEC_QUANT_AVX512
+/// The packed codes of one unit row's 16 columns at `codes` (the panel's
+/// unit row, column 16 v on) as fp32 code values: depth 2t in lo, 2t + 1 in
+/// hi (an e4m3 code's value, an int8 code, a 4-bit code).
+MOEC_QUANT_TARGET inline void codeValues16(WeightFormat f, const uint8_t *unit, int v, __m512 &lo,
+                                           __m512 &hi) {
+  if (f == WeightFormat::Int4Group) {
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(unit + 16 * v)));
+    const __m512i low = _mm512_set1_epi32(0xF);
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    return;
+  }
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(unit + 16 * v));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(unit + 48 + 16 * v));
+  if (f == WeightFormat::Int8Channel) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    return;
+  }
+  lo = e4m3Values16(_mm512_cvtepu8_epi32(a));
+  hi = e4m3Values16(_mm512_cvtepu8_epi32(b));
+}
+
+/// DecodedB::panel of packed codes: units [u0, u1) of panel q as bf16
+/// pairs, (code - zero) x scale rounded once (dequantize's values).
+MOEC_QUANT_TARGET void decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1,
+                                         uint32_t *dst) {
+  const PackedCodes &h = *static_cast<const PackedCodes *>(context);
+  const char *base = static_cast<const char *>(context);
+  const int64_t unitBytes = unitBytesOf(h.format);
+  const uint8_t *codes =
+      reinterpret_cast<const uint8_t *>(base + h.codesAt) + (q * h.units + u0) * unitBytes;
+  const float *scales = reinterpret_cast<const float *>(base + h.scalesAt);
+  const float *zeros = reinterpret_cast<const float *>(base + h.zerosAt);
+  const int32_t *index = reinterpret_cast<const int32_t *>(base + h.indexAt);
+  const bool int4 = h.format == WeightFormat::Int4Group;
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  for (int64_t t = u0; t < u1; ++t, codes += unitBytes, dst += kCodePanel) {
+    for (int v = 0; v < 3; ++v) {
+      const int64_t j = q * kCodePanel + 16 * v;
+      __m512 lo, hi;
+      codeValues16(h.format, codes, v, lo, hi);
+      __m512 sLo, sHi, zLo = eight, zHi = eight;
+      if (h.depthScales) {
+        const __m512i at = _mm512_loadu_si512(index + j);
+        const float *rowLo = scales + 2 * t * h.scaleLd, *rowHi = rowLo + h.scaleLd;
+        const int32_t first = index[j], last = index[j + 15];
+        if (first == last) {
+          sLo = _mm512_set1_ps(rowLo[first]);
+          sHi = _mm512_set1_ps(rowHi[first]);
+          if (h.zeroPoints) {
+            zLo = _mm512_set1_ps(zeros[2 * t * h.scaleLd + first]);
+            zHi = _mm512_set1_ps(zeros[(2 * t + 1) * h.scaleLd + first]);
+          }
+        } else {
+          sLo = _mm512_i32gather_ps(at, rowLo, 4);
+          sHi = _mm512_i32gather_ps(at, rowHi, 4);
+          if (h.zeroPoints) {
+            zLo = _mm512_i32gather_ps(at, zeros + 2 * t * h.scaleLd, 4);
+            zHi = _mm512_i32gather_ps(at, zeros + (2 * t + 1) * h.scaleLd, 4);
+          }
+        }
+      } else {
+        // A group holds whole units (an even number of depth values).
+        const int64_t row = (2 * t / h.group) * h.scaleLd + j;
+        sLo = sHi = _mm512_loadu_ps(scales + row);
+        if (h.zeroPoints)
+          zLo = zHi = _mm512_loadu_ps(zeros + row);
+      }
+      if (int4) {
+        lo = _mm512_sub_ps(lo, zLo);
+        hi = _mm512_sub_ps(hi, zHi);
+      }
+      const __m512i pair =
+          _mm512_or_si512(bf16Bits16(_mm512_mul_ps(lo, sLo)),
+                          _mm512_slli_epi32(bf16Bits16(_mm512_mul_ps(hi, sHi)), 16));
+      _mm512_storeu_si512(dst + 16 * v, pair);
+    }
+  }
+}
+#endif
+
+} // namespace
+
+size_t packedCodesBytes(const QuantizedMatrix &m, bool transposed, int64_t n) {
+  size_t bytes = 0;
+  packedLayout(m, transposed, n, &bytes);
+  return bytes;
+}
+
+void packCodes(const QuantizedMatrix &m, bool transposed, int64_t c0, int64_t n, void *dst) {
+  size_t bytes = 0;
+  const PackedCodes h = packedLayout(m, transposed, n, &bytes);
+  char *base = static_cast<char *>(dst);
+  std::memset(base, 0, bytes);
+  std::memcpy(base, &h, sizeof h);
+  // op(B)'s value (p, j) is m's (c0 + j, p) or (p, c0 + j).
+  const auto stored = [&](int64_t p, int64_t j) {
+    return transposed ? std::pair{c0 + j, p} : std::pair{p, c0 + j};
+  };
+  const int64_t unitBytes = unitBytesOf(m.format);
+  uint8_t *codes = reinterpret_cast<uint8_t *>(base + h.codesAt);
+  // Past the columns: code 0, under scale 0 where a scale row is per
+  // column (those sums are never stored).
+  for (int64_t q = 0; q < h.panels; ++q)
+    for (int64_t t = 0; t < h.units; ++t) {
+      uint8_t *unit = codes + (q * h.units + t) * unitBytes;
+      for (int64_t c = 0; c < kCodePanel; ++c) {
+        const int64_t j = q * kCodePanel + c;
+        if (j >= n)
+          break;
+        for (int half = 0; half < 2; ++half) {
+          const int64_t p = 2 * t + half;
+          // Past the depth, a code whose value is 0: 0, or a 4-bit code at
+          // its zero point (where a scale row is shared with the depth
+          // before it; a row of its own has scale and zero point 0).
+          uint8_t code = 0;
+          if (p < h.depth) {
+            const auto [r, col] = stored(p, j);
+            code = codeAt(m, r, col);
+          } else if (m.format == WeightFormat::Int4Group) {
+            code =
+                !m.zeroPoints ? 8
+                : h.depthScales
+                    ? 0
+                    : uint8_t(scaleAt(m, stored(p - 1, j).first, stored(p - 1, j).second).second);
+          }
+          if (m.format == WeightFormat::Int4Group)
+            unit[c] |= uint8_t(half ? code << 4 : code);
+          else
+            unit[half * kCodePanel + c] = code;
+        }
+      }
+    }
+  float *scales = reinterpret_cast<float *>(base + h.scalesAt);
+  float *zeros = reinterpret_cast<float *>(base + h.zerosAt);
+  if (h.depthScales) {
+    // Row p: the scales of m's row p; a column's index: its group.
+    const int64_t groupCols = m.format == WeightFormat::Int4Group ? m.group : m.cols;
+    for (int64_t p = 0; p < h.depth; ++p)
+      for (int64_t g = 0; g < h.scaleLd; ++g) {
+        const auto [scale, zero] = scaleAt(m, p, g * groupCols);
+        scales[p * h.scaleLd + g] = scale;
+        if (h.zeroPoints)
+          zeros[p * h.scaleLd + g] = zero;
+      }
+    int32_t *index = reinterpret_cast<int32_t *>(base + h.indexAt);
+    for (int64_t j = 0; j < h.panels * kCodePanel; ++j)
+      index[j] = int32_t((c0 + std::min(j, n - 1)) / groupCols);
+  } else {
+    for (int64_t p0 = 0; p0 < h.depth; p0 += h.group)
+      for (int64_t j = 0; j < n; ++j) {
+        const auto [r, col] = stored(p0, j);
+        const auto [scale, zero] = scaleAt(m, r, col);
+        scales[(p0 / h.group) * h.scaleLd + j] = scale;
+        if (h.zeroPoints)
+          zeros[(p0 / h.group) * h.scaleLd + j] = zero;
+      }
+  }
+}
+
+tile::DecodedB packedCodesB(const void *packed) {
+  const PackedCodes &h = *static_cast<const PackedCodes *>(packed);
+  tile::DecodedB d;
+#ifdef MOEC_QUANT_AVX512
+  d.panel = decodePackedPanel;
+#endif
+  d.context = packed;
+  d.codes = static_cast<const uint8_t *>(packed) + h.codesAt;
+  d.codesLd = h.units * unitBytesOf(h.format);
+  d.unitBytes = unitBytesOf(h.format);
   return d;
 }
 

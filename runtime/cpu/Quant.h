@@ -74,6 +74,28 @@ void quantize(const QuantizedMatrix &m, const float *src, int64_t srcLd, void *c
 void dequantize(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd, int64_t colBegin,
                 int64_t colEnd, void *dst, DType elt, int64_t dstLd);
 
+/// The columns [c0, c0 + n) of op(B) for a quantized weight `m`, packed
+/// for moec's bf16 tile (the packed-weight store, PassOptions::packWeights):
+/// op(B) is m^T with `transposed` (m stored [columns, depth]: the forward's
+/// read of a weight stored [out, in]), else m (the backward's dX). The
+/// codes go in the order of the tile's panels (Tile.h: 48 columns, units of
+/// two depth values; 8-bit codes as two rows of 48 bytes a unit, 4-bit ones
+/// as 48 bytes, depth 2t in the low half), the scales (and zero points) as
+/// the decoder reads them: a row per column per group of depth values (FP8
+/// blocks; int8 and int4 read transposed), or a row per depth value with
+/// each column's index into it (int8 and int4 as stored). The tile then
+/// decodes a panel's depth block straight into its bf16 panel: no
+/// transposes, no copy in the stored order; the values are dequantize()'s,
+/// bit for bit. packedCodesBytes says how much memory it takes (64-byte
+/// aligned); its codes are the weight's (a byte, or half of one, a value),
+/// its scales a float a column per group.
+size_t packedCodesBytes(const QuantizedMatrix &m, bool transposed, int64_t n);
+void packCodes(const QuantizedMatrix &m, bool transposed, int64_t c0, int64_t n, void *dst);
+
+/// The tile's decoder of codes packCodes packed at `packed`
+/// (tile::DecodedB::panel; AVX-512, where moec's bf16 tile runs).
+tile::DecodedB packedCodesB(const void *packed);
+
 /// `m` as a bf16 B that moec's tile decodes as it goes (tile::DecodedB:
 /// dequantize() into bf16, its codes prefetched). It refers to `m`, which
 /// must outlive its use.

@@ -450,6 +450,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       const DecodedB &d = *decodedB;
       if (!d.codes)
         return Prefetch();
+      if (d.panel) // the panels' units, one run a panel
+        return Prefetch(reinterpret_cast<const char *>(d.codes) + (j0 / kPanel) * d.codesLd +
+                            (q0 / 2) * d.unitBytes,
+                        ceilDiv(nb, kPanel), (ceilDiv(q1, 2) - q0 / 2) * d.unitBytes, d.codesLd);
       const auto at = [&](int64_t v) { return d.halfBytes ? v / 2 : v; };
       const int64_t r0 = d.rowOffset + (transB ? j0 : q0), rows = transB ? nb : q1 - q0;
       const int64_t c0 = d.colOffset + (transB ? q0 : j0), cols = transB ? q1 - q0 : nb;
@@ -501,12 +505,15 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       const bool packInCall = bf16 && !transB && !prepacked && !decodedB && !narrow;
       // (A B packed beforehand is read where packB put it.)
       if (decodedB) {
-        // Panel by panel: its part of B decoded, then packed from L1.
+        // Panel by panel: its part of B decoded, then packed from L1 (or
+        // decoded straight into the panel from codes packed for it).
         const int64_t ld = decodedLd(transB);
         for (int64_t q = 0; q * kPanel < nb; ++q) {
           const int64_t c0 = j0 + q * kPanel, cols = std::min<int64_t>(kPanel, nb - q * kPanel);
           uint32_t *panel = panels + q * kBlockUnits * kPanel;
-          if (transB) {
+          if (decodedB->panel) {
+            decodedB->panel(decodedB->context, c0 / kPanel, p0 / 2, ceilDiv(p1, 2), panel);
+          } else if (transB) {
             decodedB->read(c0, c0 + cols, p0, p1, decoded, ld);
             packTransposed(decoded, ld, cols, 0, p1 - p0, true, panel, kBlockUnits * kPanel);
           } else {

@@ -87,6 +87,15 @@ struct DecodedB {
   const uint8_t *codes = nullptr;
   int64_t codesLd = 0;
   bool halfBytes = false;
+  /// Where B was packed for the tile beforehand (Quant.h's packCodes): writes
+  /// the units [u0, u1) of panel `panel` (its columns 48 * panel on, of the
+  /// packed columns) into dst as the bf16 panel's units (unit u0 at dst[0]),
+  /// in place of decode and the packing; decode, rowOffset and colOffset are
+  /// then not used. Its codes lie a panel `codesLd` bytes apart, a unit
+  /// `unitBytes` bytes apart within it (what gemm prefetches).
+  void (*panel)(const void *context, int64_t panel, int64_t u0, int64_t u1,
+                uint32_t *dst) = nullptr;
+  int64_t unitBytes = 0;
 
   /// decode() of B's rows [r0, r1) and columns [c0, c1), in B's own
   /// coordinates (the offsets added).

@@ -358,7 +358,9 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
       for (int64_t p0 = 0; p0 < k; p0 += depth) {
         const int64_t p1 = std::min(k, p0 + depth);
         uint32_t *to = panel + (p0 / 2) * kPanel;
-        if (transB) {
+        if (decodedB->panel) {
+          decodedB->panel(decodedB->context, c0 / kPanel, p0 / 2, ceilDiv(p1, 2), to);
+        } else if (transB) {
           decodedB->read(c0, c0 + cols, p0, p1, decoded, ld);
           packTransposed(decoded, ld, cols, 0, p1 - p0, true, to, panelStride);
         } else {

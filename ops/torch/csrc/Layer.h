@@ -121,6 +121,7 @@ public:
     d.insert("workspace_bytes", int64_t(ws.allocated));
     d.insert("workspace_resident", int64_t(ws.resident));
     d.insert("scratch_bytes", int64_t(ws.scratch));
+    d.insert("packed_weight_bytes", int64_t(ws.packed));
     return d;
   }
 

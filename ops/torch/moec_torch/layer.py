@@ -801,7 +801,7 @@ class MoeFFN(torch.nn.Module):
         each pass's workspace tensors at their capacity and the pages of
         them resident now, the backward slots kept in dead forward ones, and
         the kernels' scratch. ``info()`` has the totals (workspace_bytes,
-        workspace_resident, scratch_bytes)."""
+        workspace_resident, scratch_bytes, packed_weight_bytes)."""
         return self.layer.workspace()
 
     def info(self):

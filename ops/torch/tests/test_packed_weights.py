@@ -95,3 +95,36 @@ def test_weights_changed_while_a_pass_is_pending_is_refused():
     with pytest.raises(RuntimeError, match="weights_changed\\(\\) while a submitted pass"):
         packed.weights_changed()
     handle.wait()
+
+
+@pytest.mark.parametrize("weight_format", ["fp8_block128", "int8", "int4_g32", "int4_g64_zp"])
+@pytest.mark.parametrize("options", [{"frozen": True}, {"lora_rank": 8}], ids=["frozen", "lora"])
+def test_quantized_codes_packed_give_the_bits_of_decoding_them_as_stored(weight_format, options):
+    """A quantized base in the packed-weight store: its codes packed once in
+    the order of the tile's panels, decoded straight into them (both reads:
+    the forward's transposed, the backward's dX as stored); the bits of
+    decoding the codes as they are stored, on hidden and intermediate sizes
+    that cut the 48-column panels unevenly and go past one 256-value depth
+    block, and in fewer bytes than packed bf16 weights."""
+    cfg = config(experts=4, top_k=2, hidden=384, inter=128, tokens=48, dtype="bf16")
+    torch.manual_seed(5)
+    packed = moec_torch.MoeFFN(cfg, 2, threads=2, pack_weights=True,
+                               weight_format=weight_format, **options)
+    plain = moec_torch.MoeFFN(cfg, 2, threads=2, pack_weights=False,
+                              weight_format=weight_format, **options)
+    if packed.lora_rank:
+        randomize_adapters(packed, 5)
+    plain.load_state_dict(packed.state_dict())
+    # The first pass packs what it finds unchanged from the pass before.
+    for s in range(3):
+        data = inputs(packed, seed=s)
+        assert same(step(packed, *data), step(plain, *data)), f"step {s}"
+    if not packs(packed):
+        pytest.skip("moec's bf16 tile does not run on this CPU: nothing is packed")
+    assert not packs(plain)
+    dense = moec_torch.MoeFFN(cfg, 2, threads=2, pack_weights=True, weights_transposed=True,
+                              **options)
+    for s in range(2):
+        step(dense, *inputs(dense, seed=s))
+    packed_bytes = [layer.info()["packed_weight_bytes"] for layer in (packed, dense)]
+    assert 0 < packed_bytes[0] < packed_bytes[1] * (0.7 if "int4" in weight_format else 0.6)

@@ -563,6 +563,65 @@ TEST_CASE("dequantize reads FP8 blocks as dequantizeBlocks defines them") {
   CHECK(out[size_t(c1 - c0)] == -1.0f);
 }
 
+TEST_CASE("codes packed for the tile decode into its panels as dequantize's bf16 values") {
+  // Every format, op(B) read transposed (the forward's) and as stored (the
+  // backward's dX), column ranges from unaligned starts (16-column vectors
+  // across int4 groups), odd depths (a last unit's high half past it: 0).
+  std::vector<Held> mats = {randomHeld(WeightFormat::Int8Channel, 7, 384, 0, false, 41)};
+  for (const int64_t group : {int64_t(32), int64_t(64), int64_t(128)})
+    for (const bool zp : {false, true})
+      mats.push_back(
+          randomHeld(WeightFormat::Int4Group, 7, 384, group, zp, uint32_t(group * 3 + zp)));
+  Held fp8{WeightFormat::Fp8Block128, 131, 300, 0, false, {}, {}};
+  std::mt19937 rng(43);
+  for (int64_t i = 0; i < fp8.rows * fp8.cols; ++i) {
+    const uint8_t c = uint8_t(rng() & 0xFF);
+    fp8.codes.push_back((c & 0x7F) == 0x7F ? 0 : c);
+  }
+  fp8.scales = {0.5f, 2.0f, 0.125f, 3.0f, 0.01f, 7.0f};
+  mats.push_back(fp8);
+  for (const Held &h : mats)
+    for (const bool transposed : {false, true}) {
+      const QuantizedMatrix m = h.view();
+      const int64_t depth = transposed ? m.cols : m.rows, width = transposed ? m.rows : m.cols;
+      // op(B) in bf16 by dequantize: [depth, width].
+      std::vector<uint16_t> want(size_t(m.rows * m.cols));
+      dequantize(m, 0, m.rows, 0, m.cols, want.data(), DType::BF16, m.cols);
+      const auto value = [&](int64_t p, int64_t j) {
+        return transposed ? want[size_t(j * m.cols + p)] : want[size_t(p * m.cols + j)];
+      };
+      for (const auto &[c0, n] :
+           {std::pair<int64_t, int64_t>{0, width}, {7, 50}, {33, 97}, {width - 17, 17}, {5, 1}}) {
+        if (c0 < 0 || c0 + n > width)
+          continue;
+        INFO(formatName(h) << (h.format == WeightFormat::Fp8Block128 ? " (fp8)" : "") << " group "
+                           << h.group << (transposed ? ", transposed" : ", as stored")
+                           << ": columns [" << c0 << ", " << c0 + n << ")");
+        std::vector<uint64_t> packed((packedCodesBytes(m, transposed, n) + 7) / 8);
+        packCodes(m, transposed, c0, n, packed.data());
+        const tile::DecodedB d = packedCodesB(packed.data());
+        if (!d.panel) {
+          WARN("no AVX-512 here: the packed codes' decoder is absent");
+          return;
+        }
+        const int64_t units = (depth + 1) / 2;
+        std::vector<uint32_t> panel(size_t(units * 48));
+        for (int64_t q = 0; q * 48 < n; ++q) {
+          // In two calls, as the tile asks for a depth block at a time.
+          d.panel(d.context, q, 0, units / 2, panel.data());
+          d.panel(d.context, q, units / 2, units, panel.data() + (units / 2) * 48);
+          for (int64_t t = 0; t < units; ++t)
+            for (int64_t c = 0; c < 48 && q * 48 + c < n; ++c) {
+              const int64_t j = c0 + q * 48 + c;
+              const uint32_t got = panel[size_t(t * 48 + c)];
+              REQUIRE((got & 0xFFFF) == value(2 * t, j));
+              REQUIRE((got >> 16) == (2 * t + 1 < depth ? value(2 * t + 1, j) : 0u));
+            }
+        }
+      }
+    }
+}
+
 TEST_CASE("LayerShape names each format and gives its stored and scale dims") {
   LayerShape s;
   s.activations = DType::BF16;

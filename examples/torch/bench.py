@@ -152,11 +152,15 @@ def variant_options(name):
 
 def quantized_variant(name):
     """(dense variant, weight format) of a quantized variant, "frozen_int8"
-    or "lora_fp8" (fp8: "fp8_block128"), or None for another name."""
-    base, _, form = name.partition("_")
+    or "lora_fp8" (fp8: "fp8_block128"), or None for another name. With
+    _packed or _unpacked ("frozen_fp8_packed") the dense variant is that one
+    (pack_weights=True or False, which the quantized layer keeps); without,
+    the first frozen or lora variant listed."""
+    suffix = next((x for x in ("_packed", "_unpacked") if name.endswith(x)), "")
+    base, _, form = name[:len(name) - len(suffix)].partition("_")
     form = "fp8_block128" if form == "fp8" else form
     if base in ("frozen", "lora") and form in quant.WEIGHT_FORMATS:
-        return base, form
+        return base + suffix, form
     return None
 
 
@@ -170,7 +174,8 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
         raise SystemExit(f"bench.py: unknown variants {unknown}; known: {list(VARIANTS)} (and "
                          f"each with _packed or _unpacked: pack_weights=True or False), split, "
                          f"frozen_<format> and lora_<format> for a format of "
-                         f"{('fp8',) + quant.WEIGHT_FORMATS[1:]}")
+                         f"{('fp8',) + quant.WEIGHT_FORMATS[1:]} (each also with _packed or "
+                         f"_unpacked: made from that variant)")
     # The same base weights in every variant, shared (one copy per
     # requires_grad): four copies of a large layer's weights and gradients
     # would not fit a small machine. LoRA's adapters stay its own.
@@ -192,7 +197,8 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
         layers[name] = layer
     for name in (v for v in variants if quantized_variant(v)):
         base, form = quantized_variant(name)
-        donor = next((layers[n] for n in layers if n.split("_")[0] == base), None)
+        donor = layers.get(base) if "_" in base else \
+            next((layers[n] for n in layers if n.split("_")[0] == base), None)
         if donor is None:
             raise SystemExit(f"bench.py: variant {name} needs {base} (or {base}_packed) "
                              "before it")
@@ -417,7 +423,8 @@ def main():
                    help="with --training: the variants to compare (full always runs; each "
                         "variant holds its own layer, so fewer fit a smaller machine); also "
                         "frozen_<format> and lora_<format>, the frozen and lora layers with "
-                        "their weights quantized: fp8, int8, int4_g128, int4_g64_zp, ...")
+                        "their weights quantized: fp8, int8, int4_g128, int4_g64_zp, ...; "
+                        "frozen_fp8_packed and the like: made from frozen_packed (kept packed)")
     p.add_argument("--memory", action="store_true",
                    help="measure moec alone: peak RSS of --repeat training steps (each dtype "
                         "in a process of its own) against the bytes the layer must hold, "

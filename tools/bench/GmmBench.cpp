@@ -38,11 +38,13 @@
 // `gmm_bench --quantized [experts [reps]]` times the qwen3 tiles whose B is
 // a quantized weight (the transposed layout: w1 [2I, H], w2 [H, I]; the
 // forward reads them transposed, the backward's dX and dA as stored), bf16,
-// one thread, 128 rows an expert over `experts` experts in turn, three ways
-// alternating: a dense bf16 B (the tile packs it), the codes dequantized a
-// tile's 192 columns at a time into a bf16 copy that the tile then packs,
-// and the codes decoded by the tile into its panels as it goes
-// (tile::DecodedB). GFLOP/s counting the bf16-equivalent work.
+// one thread, 128 rows an expert over `experts` experts in turn, five ways
+// alternating: a dense bf16 B (the tile packs it), the same B packed
+// beforehand (tile::packB), the codes dequantized a tile's 192 columns at a
+// time into a bf16 copy that the tile then packs, the codes decoded by the
+// tile into its panels as it goes (tile::DecodedB), and the codes packed
+// beforehand in the panels' order (packCodes), decoded straight into them.
+// GFLOP/s counting the bf16-equivalent work.
 //
 //===----------------------------------------------------------------------===//
 
@@ -311,9 +313,9 @@ int quantizedTiles(int experts, int reps) {
   std::mt19937 rng(5);
   std::normal_distribution<float> dist(0.0f, 0.02f);
   std::printf("quantized B, bf16, one thread, m %lld, %d experts in turn, best of %d, GFLOP/s:\n"
-              "%-22s %-13s %9s %14s %14s\n",
-              (long long)m, experts, reps, "tile", "format", "dense B", "dequantized",
-              "decoded");
+              "%-22s %-13s %9s %12s %14s %10s %13s\n",
+              (long long)m, experts, reps, "tile", "format", "dense B", "dense packed",
+              "dequantized", "decoded", "codes packed");
   for (const Shape &s : shapes) {
     const int64_t rows = s.transB ? s.n : s.k, cols = s.transB ? s.k : s.n;
     std::vector<float> w(size_t(rows * cols));
@@ -321,6 +323,7 @@ int quantizedTiles(int experts, int reps) {
       x = dist(rng);
     std::vector<std::vector<uint16_t>> a(static_cast<size_t>(experts)),
         dense(static_cast<size_t>(experts));
+    std::vector<moec::ZeroedPages> densePacked;
     for (int e = 0; e < experts; ++e) {
       a[size_t(e)].resize(size_t(m * s.k));
       for (uint16_t &x : a[size_t(e)])
@@ -328,6 +331,9 @@ int quantizedTiles(int experts, int reps) {
       dense[size_t(e)].resize(size_t(rows * cols));
       for (size_t i = 0; i < w.size(); ++i)
         dense[size_t(e)][i] = floatToBf16(w[i]);
+      densePacked.emplace_back(tile::packedBBytes(s.n, s.k, true));
+      tile::packB(s.n, s.k, dense[size_t(e)].data(), cols, s.transB, true,
+                  densePacked.back().data());
     }
     std::vector<float> c(size_t(m * s.n));
     Scratch scratch;
@@ -335,17 +341,23 @@ int quantizedTiles(int experts, int reps) {
     const double flops = 2.0 * double(m) * double(s.n) * double(s.k) * experts;
     for (const Format &f : formats) {
       std::vector<std::unique_ptr<Quantized>> quantized(static_cast<size_t>(experts));
-      for (auto &q : quantized)
+      std::vector<moec::ZeroedPages> codesPacked;
+      for (auto &q : quantized) {
         q = std::make_unique<Quantized>(f, w, rows, cols);
+        codesPacked.emplace_back(packedCodesBytes(q->m, s.transB, s.n));
+        packCodes(q->m, s.transB, 0, s.n, codesPacked.back().data());
+      }
       const auto run = [&](int way) {
         for (int e = 0; e < experts; ++e) {
           const ConstMatrix am{a[size_t(e)].data(), Elt::BF16, s.k};
           const Matrix cm{c.data(), Elt::F32, s.n};
+          const ConstMatrix bm{dense[size_t(e)].data(), Elt::BF16, cols};
           if (way == 0) {
-            gemmTile(m, s.n, s.k, am, false,
-                     ConstMatrix{dense[size_t(e)].data(), Elt::BF16, cols}, s.transB, cm, false,
-                     &scratch);
+            gemmTile(m, s.n, s.k, am, false, bm, s.transB, cm, false, &scratch);
           } else if (way == 1) {
+            gemmTile(m, s.n, s.k, am, false, bm, s.transB, cm, false, &scratch, 1.0f, false,
+                     densePacked[size_t(e)].data());
+          } else if (way == 2) {
             for (int64_t c0 = 0; c0 < s.n; c0 += chunk) {
               const int64_t nb = std::min(chunk, s.n - c0);
               const int64_t ld = s.transB ? s.k + 32 : nb + (nb % 512 ? 0 : 32);
@@ -359,18 +371,20 @@ int quantizedTiles(int experts, int reps) {
                        Matrix{c.data() + c0, Elt::F32, s.n}, false, &scratch);
             }
           } else {
-            const tile::DecodedB d = decodedB(quantized[size_t(e)]->m);
+            const tile::DecodedB d = way == 3 ? decodedB(quantized[size_t(e)]->m)
+                                              : packedCodesB(codesPacked[size_t(e)].data());
             gemmTile(m, s.n, s.k, am, false, ConstMatrix{quantized[size_t(e)]->codes.data(), Elt::BF16, 0},
                      s.transB, cm, false, &scratch, 1.0f, false, nullptr, &d);
           }
         }
       };
-      double best[3] = {1e30, 1e30, 1e30};
+      double best[5] = {1e30, 1e30, 1e30, 1e30, 1e30};
       for (int r = 0; r < reps; ++r)
-        for (int way = 0; way < 3; ++way)
+        for (int way = 0; way < 5; ++way)
           best[way] = std::min(best[way], bestSeconds(1, [&] { run(way); }));
-      std::printf("%-22s %-13s %9.1f %14.1f %14.1f\n", s.name, f.name, flops / best[0] * 1e-9,
-                  flops / best[1] * 1e-9, flops / best[2] * 1e-9);
+      std::printf("%-22s %-13s %9.1f %12.1f %14.1f %10.1f %13.1f\n", s.name, f.name,
+                  flops / best[0] * 1e-9, flops / best[1] * 1e-9, flops / best[2] * 1e-9,
+                  flops / best[3] * 1e-9, flops / best[4] * 1e-9);
     }
   }
   return 0;

@@ -336,9 +336,10 @@ public:
   /// Bytes of the packed weights (ContextOptions::packWeights) now.
   size_t packedWeightBytes() const;
   /// Says that the bound weight `name` (w1, w2, lora_a1, lora_b1, lora_a2 or
-  /// lora_b2), on every local rank, was written in place: the passes pack it
-  /// again at their next run (ContextOptions::packWeights; nothing without
-  /// it). Not while a pass is in flight.
+  /// lora_b2; for a quantized w1 or w2, its codes or its scales), on every
+  /// local rank, was written in place: the passes pack it again at their
+  /// next run (ContextOptions::packWeights; nothing without it). Not while a
+  /// pass is in flight.
   Status weightChanged(std::string_view name);
   /// Bytes of workspace the passes not run yet will allocate at their first
   /// run (so a caller can check the machine's memory before).

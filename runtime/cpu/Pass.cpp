@@ -539,7 +539,10 @@ void Pass::preparePackedWeights() {
     for (uint32_t r = fabric.firstLocal(); r < fabric.firstLocal() + fabric.localRanks(); ++r) {
       PackedRank &rank = op.ranks[r];
       const void *from = data[r][t.inputSlots[1]];
-      const bool changed = !rank.cells || from != rank.from || stale;
+      // A quantized weight's cells hold its scales too (packCodes).
+      const void *scales =
+          ops[o].weightScales != format::kNone ? data[r][ops[o].weightScales] : nullptr;
+      const bool changed = !rank.cells || from != rank.from || scales != rank.fromScales || stale;
       // A weight new to this pass, or changed since its last run, that one
       // tile of the run reads is read as it is: packing it would cost a
       // pass over it that no other tile pays back, and a trained weight
@@ -555,6 +558,7 @@ void Pass::preparePackedWeights() {
           rank.cells[c].state.store(kUnpacked, std::memory_order_relaxed);
       }
       rank.from = from;
+      rank.fromScales = scales;
     }
   }
 }

@@ -171,6 +171,7 @@ private:
   struct PackedRank {
     std::unique_ptr<PackedWeight[]> cells;
     const void *from = nullptr;
+    const void *fromScales = nullptr; ///< a quantized weight's scales (its cells hold them)
     bool now = false;
   };
   /// An op's store: per rank, and the generation of its B slot it holds.

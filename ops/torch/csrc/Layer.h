@@ -382,7 +382,7 @@ public:
     live();
     std::lock_guard<std::mutex> lock(slot->mutex);
     for (auto &[name, last] : seen)
-      check(slot->context->weightChanged(name), "weights changed");
+      check(slot->context->weightChanged(weightOf(name)), "weights changed");
   }
 
   std::string workspace() const {
@@ -556,21 +556,32 @@ private:
     int64_t version = -1;
   };
 
+  /// The runtime's weight of a tensor noteWeights watches: a quantized
+  /// weight's scales ("w1_scale") are their weight's ("w1").
+  static std::string weightOf(const std::string &name) {
+    const std::string suffix = "_scale";
+    return name.size() > suffix.size() &&
+                   name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0
+               ? name.substr(0, name.size() - suffix.size())
+               : name;
+  }
+
   /// Tells the runtime which weights changed since the last pass: a weight
   /// whose tensor or version is not the one last seen is packed again.
   void noteWeights(const Inputs &in) {
     if (!packWeights)
       return; // nothing is packed to go stale
     std::vector<std::pair<std::string, const at::Tensor *>> weights{{"w1", &in.w1}, {"w2", &in.w2}};
+    // The adapters, and a quantized weight's scales (packed with its codes).
     const std::vector<std::string> names = adapterNames();
-    for (size_t i = 0; i < loraCount(); ++i)
+    for (size_t i = 0; i < names.size(); ++i)
       weights.emplace_back(names[i], &in.adapters[i]);
     for (const auto &[name, t] : weights) {
       const Seen now{t->unsafeGetTensorImpl(), t->data_ptr(), int64_t(t->_version())};
       Seen &last = seen[name];
       if (last.version >= 0 &&
           (now.impl != last.impl || now.data != last.data || now.version != last.version))
-        check(slot->context->weightChanged(name), "weight changed");
+        check(slot->context->weightChanged(weightOf(name)), "weight changed");
       last = now;
     }
   }

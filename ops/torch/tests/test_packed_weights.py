@@ -128,3 +128,13 @@ def test_quantized_codes_packed_give_the_bits_of_decoding_them_as_stored(weight_
         step(dense, *inputs(dense, seed=s))
     packed_bytes = [layer.info()["packed_weight_bytes"] for layer in (packed, dense)]
     assert 0 < packed_bytes[0] < packed_bytes[1] * (0.7 if "int4" in weight_format else 0.6)
+    # The scales are packed with the codes: scales written in place (PyTorch
+    # counts it) are packed again, as new codes would be.
+    data = inputs(packed, seed=7)
+    before = step(packed, *data)
+    with torch.no_grad():
+        for m in (packed, plain):  # (with zero points, [..., 0] are the scales)
+            (m.w1_scale[..., 0] if weight_format.endswith("_zp") else m.w1_scale).mul_(2)
+    after = step(packed, *data)
+    assert same(after, step(plain, *data))
+    assert not torch.equal(after[0], before[0])

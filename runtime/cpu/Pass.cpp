@@ -725,17 +725,17 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
         gemm(ConstMatrix{nullptr, DType::BF16, 0}, out(c), cols, nullptr, &decoded);
         break;
       }
-      // Quantized codes with their scales, B as stored (the backward's dX
-      // and dA), on moec's bf16 tile: the tile decodes each depth block's
-      // panel of B into L1 as it goes. (B transposed, the forward's, ran
-      // 2-5% slower that way than from the copy below: `gmm_bench
+      // Quantized codes with their scales on moec's bf16 tile, B as stored
+      // (the backward's dX and dA), or on AMX tiles either way: the tile
+      // decodes each depth block's panel of B as it goes. (B transposed, the
+      // forward's, ran 2-5% slower that way on the AVX-512 micro-kernel than
+      // from the copy below, and 15-30% faster on AMX: `gmm_bench
       // --quantized`, docs/performance.md.)
-      if (!op.transposeB && dtype(a) == DType::BF16 && packedTile(DType::BF16, DType::BF16)) {
+      if ((!op.transposeB || tile::amx()) && dtype(a) == DType::BF16 &&
+          packedTile(DType::BF16, DType::BF16)) {
         const QuantizedMatrix codes = quantizedWeight(opIndex, rank, tile.expert);
         const tile::DecodedB decoded = decodedB(codes);
-        gmmForwardTile(in(a), ConstMatrix{codes.codes, DType::BF16, 0}, out(c),
-                       int64_t(t.depth), segment, rows, cols, tileScratch, epilogue, nullptr,
-                       &decoded);
+        gemm(ConstMatrix{codes.codes, DType::BF16, 0}, out(c), cols, nullptr, &decoded);
         break;
       }
       // Else a few columns at a time, the

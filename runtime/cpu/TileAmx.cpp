@@ -59,7 +59,8 @@ size_t lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
 constexpr int64_t kGroupTiles = kGroup / 16;
 
 /// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
-/// layout; unused when B comes packed), the last step's units of a column
+/// layout; unused when B comes packed; a decoded B's, one column group's),
+/// the last step's units of a column
 /// group's panels, op(A) in tiles, the sums of the depth chunks before the
 /// last (m x a column group, in tiles), a tile of sums on its way to C, one
 /// panel's part of a decoded B.
@@ -68,7 +69,7 @@ struct AmxLayout {
   AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB) {
     const int64_t units = ceilDiv(k, 2), steps = ceilDiv(units, kStep);
     const int64_t width = std::min(n, kGroup);
-    panels = lines(packedBBytes(n, k, true));
+    panels = lines(packedBBytes(decodedB ? width : n, k, true));
     tail = size_t(ceilDiv(width, kPanel)) * kStep * kPanel * 4;
     packedA = size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes;
     sums = steps > kChunkSteps ? size_t(ceilDiv(m, kTileRows) * kGroupTiles) * kTileBytes : 0;
@@ -344,17 +345,18 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     packATransposed(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
   else
     packARows(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
-  // B as stored, or through a decoder: packed whole, once, into the panels
-  // packB makes (B's rows read from start to end), then read as a B packed
-  // beforehand. (Packed a column group at a time, B's rows were read in
-  // pieces of a group's width and the packing took more time than the
-  // products.) A decoded B goes a panel and a depth block at a time
-  // through `decoded` (in L1).
-  if (decodedB) {
+  // B as stored: packed whole, once, into the panels packB makes (B's rows
+  // read from start to end), then read as a B packed beforehand. (Packed a
+  // column group at a time, B's rows were read in pieces of a group's width
+  // and the packing took more time than the products.)
+  // A decoded B goes a column group at a time, through `decoded` (in L1) a
+  // panel and a depth block at a time, into the group's panels (in L2)
+  // just before its products.
+  const auto decodeGroup = [&](int64_t j0, int64_t nb) {
     const int64_t ld = decodedLd(transB), depth = 2 * kBlockUnits;
-    for (int64_t c0 = 0; c0 < n; c0 += kPanel) {
-      const int64_t cols = std::min<int64_t>(kPanel, n - c0);
-      uint32_t *panel = panels + (c0 / kPanel) * panelStride;
+    for (int64_t c0 = j0; c0 < j0 + nb; c0 += kPanel) {
+      const int64_t cols = std::min<int64_t>(kPanel, j0 + nb - c0);
+      uint32_t *panel = panels + ((c0 - j0) / kPanel) * panelStride;
       for (int64_t p0 = 0; p0 < k; p0 += depth) {
         const int64_t p1 = std::min(k, p0 + depth);
         uint32_t *to = panel + (p0 / 2) * kPanel;
@@ -369,8 +371,8 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
         }
       }
     }
-    packedB = panels;
-  } else if (!packedB) {
+  };
+  if (!decodedB && !packedB) {
     packB(n, k, b, ldb, transB, true, panels);
     packedB = panels;
   }
@@ -378,7 +380,10 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
     const int64_t nb = std::min(kGroup, n - j0);
     const int64_t groupPanels = ceilDiv(nb, kPanel);
-    x.panels = static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
+    if (decodedB)
+      decodeGroup(j0, nb);
+    x.panels =
+        decodedB ? panels : static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
     // The last step's units of each panel, zero past the depth: a B tile
     // reads 16 rows, and those past a panel's depth are the next panel's.
     if (x.fullSteps < x.steps) {

@@ -129,7 +129,9 @@ bool amx();
 
 /// Bytes of working memory gemm() needs for these shapes (packed panels,
 /// fp32 partial sums for a bf16 C, or any C with `addScaled`, deeper than
-/// one block, and with `decodedB` one panel's part of B decoded).
+/// one block, and with `decodedB` one panel's part of B decoded). A call
+/// with `decodedB` may need less than one without: on AMX a decoded B's
+/// panels are one column group's, not the whole B's.
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
                  bool decodedB = false, bool addScaled = false);
 

@@ -357,7 +357,9 @@ TEST_CASE("moec's tile gives the same bits on a B read through a decoder", "[cpu
           const uint16_t *bAt = x.b.b16.data() + (transB ? j0 * x.b.ld : j0);
           const size_t elt = cBf16 ? 2 : 4;
           Aligned plain(size_t(m * cols) * elt, 0x11), decoded(size_t(m * cols) * elt, 0x22);
-          Aligned pack(tile::packBytes(m, cols, k, false, true, cBf16, true));
+          // (One buffer for both calls: the larger of their two needs.)
+          Aligned pack(std::max(tile::packBytes(m, cols, k, false, true, cBf16, false),
+                                tile::packBytes(m, cols, k, false, true, cBf16, true)));
           tile::gemm(m, cols, k, x.a.data(), x.a.ld, false, bAt, x.b.ld, transB, true,
                      plain.data(), cols, cBf16, false, pack.data());
           Source source{&x.b};

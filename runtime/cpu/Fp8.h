@@ -52,14 +52,20 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 e4m3Values16(
   const __m512i magnitude = _mm512_set1_epi32(0x7F);
   const __m512i m = _mm512_and_si512(c, magnitude);
   __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(m, 20)), _mm512_set1_ps(0x1p120f));
-  const __mmask16 subnormal = _mm512_testn_epi32_mask(c, _mm512_set1_epi32(0x78));
-  v = _mm512_mask_mul_ps(v, subnormal,
-                         _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(7))),
-                         _mm512_set1_ps(0x1p-9f));
-  v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(m, magnitude),
-                         _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-  return _mm512_castsi512_ps(_mm512_or_si512(
-      _mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24)));
+  // Subnormal codes (exponent 0, mantissa not: zero is right as it is) and
+  // NaN codes, rare in weights: their lanes mended only where there are any.
+  const __mmask16 subnormal = _mm512_mask_test_epi32_mask(
+      _mm512_testn_epi32_mask(c, _mm512_set1_epi32(0x78)), c, _mm512_set1_epi32(7));
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(m, magnitude);
+  if (_kortestz_mask16_u8(subnormal, nan) == 0) {
+    v = _mm512_mask_mul_ps(v, subnormal,
+                           _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(7))),
+                           _mm512_set1_ps(0x1p-9f));
+    v = _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  }
+  // The sign: bit 7 of the code to bit 31 (bits 24-30 of c << 24 dropped).
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+      _mm512_castps_si512(v), _mm512_slli_epi32(c, 24), _mm512_set1_epi32(int(0x80000000u)), 0xF8));
 }
 #endif
 

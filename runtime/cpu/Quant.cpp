@@ -283,7 +283,7 @@ struct PackedCodes {
   uint64_t codesAt = 0, scalesAt = 0, zerosAt = 0, indexAt = 0;
 };
 
-constexpr int64_t kCodePanel = 48;
+constexpr int64_t kCodePanel = tile::kPanelColumns;
 
 int64_t unitBytesOf(WeightFormat f) { return f == WeightFormat::Int4Group ? 48 : 96; }
 

@@ -71,6 +71,10 @@
 
 namespace moec::cpu::tile {
 
+/// Columns of a packed panel of op(B) (the header's layout; DecodedB::panel
+/// and packedBBytes count in them).
+constexpr int kPanelColumns = 48;
+
 /// A bf16 B given by a decoder (the header says how gemm reads it). B is
 /// stored k x n, or n x k with `transB`, as for gemm's `b`; its element
 /// (i, j) is the decoder's (rowOffset + i, colOffset + j).

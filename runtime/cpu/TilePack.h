@@ -22,7 +22,7 @@
 namespace moec::cpu::tile::detail {
 
 /// Columns of a packed panel (three 16-lane vectors).
-constexpr int kPanel = 48;
+constexpr int kPanel = kPanelColumns;
 /// Depth units per block: the panel, 128 x 48 units, is 24 KiB.
 constexpr int64_t kBlockUnits = 128;
 /// Columns of C a pass over the whole depth covers (4 panels): its fp32

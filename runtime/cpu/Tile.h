@@ -56,10 +56,13 @@
 //
 // A bf16 B held in another form (a quantized weight's codes and scales) is
 // handed to gemm as `decodedB`: a function that writes any rectangle of B, as
-// stored, as bf16 values. Per depth block, gemm decodes one panel's part of B
-// at a time into its working memory (24 KiB, in L1) and packs the panel from
-// there, so no dequantized copy of B is made beyond it. The panels are those
-// of the decoded B, so the bits are those of gemm on that B.
+// stored, as bf16 values, or (DecodedB::panel: codes packed beforehand in the
+// panels' order, Quant.h's packCodes) one that writes a panel's units
+// straight. Per depth block, gemm decodes one panel's part of B at a time
+// into its working memory (24 KiB, in L1) and packs the panel from there
+// (on AMX, a column group's panels just before the group's products), so no
+// dequantized copy of B is made beyond it. The panels are those of the
+// decoded B, so the bits are those of gemm on that B.
 //
 //===----------------------------------------------------------------------===//
 

@@ -27,6 +27,14 @@ uint64_t workspaceBytes(const format::TaskProgram &program, const rt::LayerPlan 
   return needed;
 }
 
+uint32_t addendSlot(const format::TaskProgram &program, const format::OpRecord &op) {
+  const format::TilingRecord &t = program.tilings[op.tiling];
+  const bool activation = op.kind == format::OpKind::Gmm && t.depth != 0;
+  return activation && t.inputCount == 4 && !(t.flags & format::kTilingQuantizedB)
+             ? t.inputSlots[3]
+             : rt::kNoSlot;
+}
+
 std::vector<uint32_t> sumsOverAddends(const format::TaskProgram &program, const rt::LayerPlan &plan,
                                       size_t (*bytes)(const format::SlotRecord &)) {
   const size_t slots = program.slots.size();
@@ -50,13 +58,10 @@ std::vector<uint32_t> sumsOverAddends(const format::TaskProgram &program, const 
     for (uint32_t slot : plan.readByBackward())
       dies[slot] = false;
   for (const format::OpRecord &op : program.ops) {
-    const format::TilingRecord &t = program.tilings[op.tiling];
-    // An activation-form GMM's fourth input is its addend, unless B is
-    // quantized (then it is B's scales).
-    if (op.kind != format::OpKind::Gmm || t.depth == 0 || t.inputCount != 4 ||
-        (t.flags & format::kTilingQuantizedB))
+    const uint32_t addend = addendSlot(program, op);
+    if (addend == rt::kNoSlot)
       continue;
-    const uint32_t addend = t.inputSlots[3], out = t.outputSlot;
+    const uint32_t out = program.tilings[op.tiling].outputSlot;
     if (dies[addend] && plain[out] && readers[addend] == 1 &&
         bytes(program.slots[addend]) == bytes(program.slots[out]) &&
         slotCopies(program, addend) == slotCopies(program, out))

@@ -126,9 +126,10 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
     info.accumulate = info.tiling->flags & format::kTilingAccumulate;
     if (info.tiling->flags & format::kTilingScale)
       info.scale = info.tiling->scale;
-    if (op.kind == OpKind::Gmm && !info.wgrad && info.tiling->inputCount == 4)
-      (info.tiling->flags & format::kTilingQuantizedB ? info.weightScales : info.addend) =
-          info.tiling->inputSlots[3];
+    info.addend = backend::addendSlot(program, op);
+    if (op.kind == OpKind::Gmm && !info.wgrad && info.tiling->inputCount == 4 &&
+        (info.tiling->flags & format::kTilingQuantizedB))
+      info.weightScales = info.tiling->inputSlots[3];
     const format::SlotRecord &w =
         program.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
     if (op.kind == OpKind::Gmm)

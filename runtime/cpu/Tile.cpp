@@ -182,6 +182,23 @@ MOEC_TILE_TARGET void packTransposed(const void *b, int64_t ldb, int64_t n, int6
   }
 }
 
+MOEC_TILE_TARGET void decodePanel(const DecodedB &d, bool transB, int64_t c0, int64_t cols,
+                                  int64_t p0, int64_t p1, uint32_t *to, uint16_t *decoded) {
+  if (d.panel) {
+    d.panel(d.context, c0 / kPanel, p0 / 2, ceilDiv(p1, 2), to);
+    return;
+  }
+  // (One panel: the packing's panel stride is never used.)
+  const int64_t ld = decodedLd(transB), stride = ceilDiv(p1 - p0, 2) * kPanel;
+  if (transB) {
+    d.read(c0, c0 + cols, p0, p1, decoded, ld);
+    packTransposed(decoded, ld, cols, 0, p1 - p0, true, to, stride);
+  } else {
+    d.read(p0, p1, c0, c0 + cols, decoded, ld);
+    packRows(decoded, ld, 0, p1 - p0, cols, true, to, kPanel, kPanel, stride);
+  }
+}
+
 } // namespace detail
 
 namespace {
@@ -505,23 +522,11 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       const bool packInCall = bf16 && !transB && !prepacked && !decodedB && !narrow;
       // (A B packed beforehand is read where packB put it.)
       if (decodedB) {
-        // Panel by panel: its part of B decoded, then packed from L1 (or
-        // decoded straight into the panel from codes packed for it).
-        const int64_t ld = decodedLd(transB);
-        for (int64_t q = 0; q * kPanel < nb; ++q) {
-          const int64_t c0 = j0 + q * kPanel, cols = std::min<int64_t>(kPanel, nb - q * kPanel);
-          uint32_t *panel = panels + q * kBlockUnits * kPanel;
-          if (decodedB->panel) {
-            decodedB->panel(decodedB->context, c0 / kPanel, p0 / 2, ceilDiv(p1, 2), panel);
-          } else if (transB) {
-            decodedB->read(c0, c0 + cols, p0, p1, decoded, ld);
-            packTransposed(decoded, ld, cols, 0, p1 - p0, true, panel, kBlockUnits * kPanel);
-          } else {
-            decodedB->read(p0, p1, c0, c0 + cols, decoded, ld);
-            packRows(decoded, ld, 0, p1 - p0, cols, true, panel, kPanel, kPanel,
-                     kBlockUnits * kPanel);
-          }
-        }
+        // Panel by panel.
+        for (int64_t q = 0; q * kPanel < nb; ++q)
+          decodePanel(*decodedB, transB, j0 + q * kPanel,
+                      std::min<int64_t>(kPanel, nb - q * kPanel), p0, p1,
+                      panels + q * kBlockUnits * kPanel, decoded);
       } else if (!prepacked && transB)
         packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels, kBlockUnits * kPanel);
       else if (!prepacked && !packInCall)

@@ -353,24 +353,12 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   // panel and a depth block at a time, into the group's panels (in L2)
   // just before its products.
   const auto decodeGroup = [&](int64_t j0, int64_t nb) {
-    const int64_t ld = decodedLd(transB), depth = 2 * kBlockUnits;
-    for (int64_t c0 = j0; c0 < j0 + nb; c0 += kPanel) {
-      const int64_t cols = std::min<int64_t>(kPanel, j0 + nb - c0);
-      uint32_t *panel = panels + ((c0 - j0) / kPanel) * panelStride;
-      for (int64_t p0 = 0; p0 < k; p0 += depth) {
-        const int64_t p1 = std::min(k, p0 + depth);
-        uint32_t *to = panel + (p0 / 2) * kPanel;
-        if (decodedB->panel) {
-          decodedB->panel(decodedB->context, c0 / kPanel, p0 / 2, ceilDiv(p1, 2), to);
-        } else if (transB) {
-          decodedB->read(c0, c0 + cols, p0, p1, decoded, ld);
-          packTransposed(decoded, ld, cols, 0, p1 - p0, true, to, panelStride);
-        } else {
-          decodedB->read(p0, p1, c0, c0 + cols, decoded, ld);
-          packRows(decoded, ld, 0, p1 - p0, cols, true, to, kPanel, kPanel, panelStride);
-        }
-      }
-    }
+    const int64_t depth = 2 * kBlockUnits;
+    for (int64_t c0 = j0; c0 < j0 + nb; c0 += kPanel)
+      for (int64_t p0 = 0; p0 < k; p0 += depth)
+        decodePanel(*decodedB, transB, c0, std::min<int64_t>(kPanel, j0 + nb - c0), p0,
+                    std::min(k, p0 + depth), panels + ((c0 - j0) / kPanel) * panelStride + (p0 / 2) * kPanel,
+                    decoded);
   };
   if (!decodedB && !packedB) {
     packB(n, k, b, ldb, transB, true, panels);

@@ -62,6 +62,15 @@ void packRows(const void *src, int64_t ld, int64_t p0, int64_t p1, int64_t cols,
 void packTransposed(const void *b, int64_t ldb, int64_t n, int64_t p0, int64_t p1, bool bf16,
                     uint32_t *dst, int64_t panelStride);
 
+/// Writes op(B)'s columns [c0, c0 + cols) (one panel's: c0 a multiple of
+/// kPanel, cols at most kPanel) over the depth [p0, p1) from decoder `d` as
+/// that panel's units, unit p0 / 2 at `to`: straight, where the decoder
+/// writes panels (DecodedB::panel), else decoded into `decoded`
+/// (decodedBytes(transB) of memory, in L1) and packed from there. Both forms
+/// of gemm read a decoded B through it.
+void decodePanel(const DecodedB &d, bool transB, int64_t c0, int64_t cols, int64_t p0, int64_t p1,
+                 uint32_t *to, uint16_t *decoded);
+
 #if defined(__x86_64__) || defined(__i386__)
 /// Transposes the 16 x 16 block of 32-bit values in r (row s of the result
 /// is column s of the input). (AVX-512.)

@@ -43,8 +43,9 @@
 // those gemm would make block by block, so the bits are the same.
 //
 // On a CPU with AMX-BF16 (amx()), bf16 operands run on AMX tiles instead
-// (TileAmx.cpp), on the same panels of op(B), packed whole once per call
-// (or read where packB put them): C in blocks of 32 x 32, four tile
+// (TileAmx.cpp), on the same panels of op(B), packed whole once per call,
+// or a column group at a time where B is stored transposed (or read where
+// packB put them): C in blocks of 32 x 32, four tile
 // registers, summed 16 units a step in depth chunks, the sums kept exactly
 // between chunks. Order of the sums there: C[i, j] is the sum, from zero, of its steps
 // in depth order, each one tile dot product of 16 units (as the CPU rounds

@@ -345,10 +345,12 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     packATransposed(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
   else
     packARows(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
-  // B as stored: packed whole, once, into the panels packB makes (B's rows
-  // read from start to end), then read as a B packed beforehand. (Packed a
-  // column group at a time, B's rows were read in pieces of a group's width
-  // and the packing took more time than the products.)
+  // B as stored, not transposed: packed whole, once, into the panels packB
+  // makes (B's rows read from start to end), then read as a B packed
+  // beforehand. (Packed a column group at a time, B's rows were read in
+  // pieces of a group's width and the packing took more time than the
+  // products.) A transposed B as stored goes a column group at a time (its
+  // rows whole), below.
   // A decoded B goes a column group at a time, through `decoded` (in L1) a
   // panel and a depth block at a time, into the group's panels (in L2)
   // just before its products.
@@ -360,7 +362,11 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
                     std::min(k, p0 + depth), panels + ((c0 - j0) / kPanel) * panelStride + (p0 / 2) * kPanel,
                     decoded);
   };
-  if (!decodedB && !packedB) {
+  // A transposed B as stored (B's rows are op(B)'s columns): a column
+  // group's rows lie together, so each group is packed just before its
+  // products, into panels that stay in L2.
+  const bool packByGroup = !decodedB && !packedB && transB;
+  if (!decodedB && !packedB && !packByGroup) {
     packB(n, k, b, ldb, transB, true, panels);
     packedB = panels;
   }
@@ -370,8 +376,12 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     const int64_t groupPanels = ceilDiv(nb, kPanel);
     if (decodedB)
       decodeGroup(j0, nb);
-    x.panels =
-        decodedB ? panels : static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
+    else if (packByGroup)
+      packTransposed(static_cast<const uint16_t *>(b) + j0 * ldb, ldb, nb, 0, k, true, panels,
+                     panelStride);
+    x.panels = decodedB || packByGroup
+                   ? panels
+                   : static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
     // The last step's units of each panel, zero past the depth: a B tile
     // reads 16 rows, and those past a panel's depth are the next panel's.
     if (x.fullSteps < x.steps) {

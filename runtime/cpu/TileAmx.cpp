@@ -59,10 +59,10 @@ size_t lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
 constexpr int64_t kGroupTiles = kGroup / 16;
 
 /// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
-/// layout; unused when B comes packed; a decoded B's, one column group's),
-/// the last step's units of a column
-/// group's panels, op(A) in tiles, the sums of the depth chunks before the
-/// last (m x a column group, in tiles), a tile of sums on its way to C, one
+/// layout; unused when B comes packed; a decoded B's or a transposed B's as
+/// stored, one column group's), the last step's units of a column group's
+/// panels, op(A) in tiles, the sums of the depth chunks before the last (m x
+/// a column group, in tiles), two tiles of sums on their way to C, one
 /// panel's part of a decoded B.
 struct AmxLayout {
   size_t panels, tail, packedA, sums, cStage, decoded;
@@ -73,7 +73,7 @@ struct AmxLayout {
     tail = size_t(ceilDiv(width, kPanel)) * kStep * kPanel * 4;
     packedA = size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes;
     sums = steps > kChunkSteps ? size_t(ceilDiv(m, kTileRows) * kGroupTiles) * kTileBytes : 0;
-    cStage = kTileBytes;
+    cStage = 2 * kTileBytes;
     decoded = decodedB ? std::max(decodedBytes(true), decodedBytes(false)) : 0;
   }
   size_t total() const { return panels + tail + packedA + sums + cStage + decoded; }
@@ -227,6 +227,23 @@ struct Epilogue {
         _mm512_stream_ps(reinterpret_cast<float *>(at), v);
       else
         _mm512_mask_storeu_ps(reinterpret_cast<float *>(at), mask, v);
+    }
+  }
+
+  /// Writes a bf16 C's rows [i, i + rows), columns [j, j + 32) from the two
+  /// 16 x 16 tiles of sums at `stage` (columns j.. and j + 16..), without
+  /// `load` or `scaled`: a row's 64 bytes with a non-temporal store where
+  /// they are one line, else with a plain one. The bits of write().
+  MOEC_AMX_TARGET void streamLines(const float *stage, int64_t i, int64_t rows, int64_t j) const {
+    for (int64_t row = 0; row < rows; ++row) {
+      const __m256i lo = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_load_ps(stage + row * 16)));
+      const __m256i hi = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_load_ps(stage + 256 + row * 16)));
+      const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      char *at = c + ((i + row) * ldc + j) * 2;
+      if ((reinterpret_cast<uintptr_t>(at) & 63) == 0)
+        _mm512_stream_si512(reinterpret_cast<__m512i *>(at), line);
+      else
+        _mm512_storeu_si512(at, line);
     }
   }
 };
@@ -418,6 +435,17 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
             colTilesHere == 2 ? run(One(), Two()) : run(One(), One());
           if (!last)
             continue;
+          // A streamed bf16 C: a row of the block's two column tiles is one
+          // 64-byte line, written whole around the caches.
+          if (cBf16 && stream && !load && !addScaled && nb - 16 * c0 >= 32) {
+            for (int r = 0; r < rowTiles; ++r) {
+              moveTile(2 * r, cStage, true);
+              moveTile(2 * r + 1, cStage + 256, true);
+              const int64_t i = i0 + r * kTileRows;
+              epilogue.streamLines(cStage, i, std::min(kTileRows, m - i), j0 + 16 * c0);
+            }
+            continue;
+          }
           for (int r = 0; r < rowTiles; ++r)
             for (int ct = 0; ct < colTilesHere; ++ct) {
               moveTile(2 * r + ct, cStage, true);

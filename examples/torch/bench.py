@@ -50,6 +50,13 @@ the same layer with pack_weights=True, which keeps its weights packed in
 the GEMM tile's layout instead of packing the part each tile reads every
 time ("_unpacked" says pack_weights=False, the default, explicitly).
 
+Both run with glibc's malloc told to keep freed memory
+(MALLOC_MMAP_THRESHOLD_ 1 GiB, MALLOC_TRIM_THRESHOLD_ 16 GiB, as a user
+tuning PyTorch's CPU training would set them; without them PyTorch's
+backward maps and unmaps its large buffers every step and pays their
+page faults): the script starts itself again with them where they are
+not set, and prints them.
+
 Before each timed step every trained parameter gets an in-place write of
 its own values (x * 1), as an optimizer step would: a layer that keeps its
 weights packed (pack_weights=True) then packs its trained weights
@@ -408,6 +415,21 @@ def print_peaks(threads):
         print(f"{line} (one core)")
 
 
+MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+
+
+def with_malloc_settings():
+    """Starts this script again with MALLOC_SETTINGS where any is unset
+    (glibc reads them once, at the process's start); returns otherwise."""
+    if all(k in os.environ for k in MALLOC_SETTINGS):
+        return
+    env = dict(os.environ)
+    for k, v in MALLOC_SETTINGS.items():
+        env.setdefault(k, v)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(REPO / "examples/configs/qwen3-30b-a3b.json"))
@@ -437,6 +459,7 @@ def main():
                    help="compare moec's training variants (full, main_grad, frozen, lora, "
                         "split) instead")
     args = p.parse_args()
+    with_malloc_settings()
     cfg = json.loads(Path(args.config).read_text())
     cfg["seq_size"] = args.tokens
     torch.set_num_threads(args.threads)
@@ -445,6 +468,7 @@ def main():
                    args.memory_variant)
         return 0
     print(f"command: {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}")
+    print("malloc: " + ", ".join(f"{k}={os.environ[k]}" for k in MALLOC_SETTINGS))
     print(f"config {cfg.get('name', args.config)}: H {cfg['hidden_size']}, "
           f"I {cfg['intermediate_size']}, E {cfg['num_experts']}, top-{cfg['top_k']}, "
           f"S {args.tokens} per rank, {args.ranks} ranks, {args.threads} threads, "

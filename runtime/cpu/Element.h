@@ -74,6 +74,24 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i bf16Bits16(_
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
 }
 
+/// bf16Bits16(lo) | bf16Bits16(hi) << 16: two rows of a bf16 pair, as the
+/// bf16 tile's panels hold them. On avx512_bf16's conversion
+/// (`vcvtne2ps2bf16`: nearest, ties to even, NaNs quiet, as bf16Bits16),
+/// except where a lane is subnormal, which that instruction reads as zero:
+/// those vectors take bf16Bits16. For kernels built for AVX-512 (F, BW, VL,
+/// DQ) and avx512_bf16, on a CPU that has them.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline __m512i
+bf16PairBits16(__m512 lo, __m512 hi) {
+  constexpr int kDenormal = 0x20; // vfpclassps: a subnormal value
+  if (_mm512_fpclass_ps_mask(lo, kDenormal) | _mm512_fpclass_ps_mask(hi, kDenormal))
+    return _mm512_or_si512(bf16Bits16(lo), _mm512_slli_epi32(bf16Bits16(hi), 16));
+  // lo's 16 values then hi's, interleaved into pairs.
+  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(pairs, both);
+}
+
 /// Rounds 16 floats to bf16 bits (bf16Bits16) and stores the lanes of
 /// `mask` at `out`.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void

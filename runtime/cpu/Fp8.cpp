@@ -170,8 +170,7 @@ decodeAvx512(const uint8_t *codes, int64_t n, float scale, void *out) {
   const __m512 s = _mm512_set1_ps(scale);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
-    const __m512 v = e4m3Values16(
-        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + j))));
+    const __m512 v = e4m3Values16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + j)));
     if constexpr (BF16)
       storeBf16x16(static_cast<uint16_t *>(out) + j, 0xFFFF, _mm512_mul_ps(v, s));
     else

@@ -43,29 +43,26 @@ uint8_t floatToE4m3(float value);
 float e4m3ToFloat(uint8_t code);
 
 #if defined(__x86_64__)
-/// The fp32 values of 16 e4m3 codes (one in the low byte of each 32-bit
-/// lane), e4m3ToFloat's, by their bits rather than a table: a code's
-/// exponent and mantissa bits shifted into fp32's place are its value times
-/// 2^-120 (exactly; a subnormal code is computed as its mantissa times
-/// 2^-9). For kernels built for AVX-512 (F, BW, VL).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 e4m3Values16(__m512i c) {
-  const __m512i magnitude = _mm512_set1_epi32(0x7F);
-  const __m512i m = _mm512_and_si512(c, magnitude);
-  __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(m, 20)), _mm512_set1_ps(0x1p120f));
-  // Subnormal codes (exponent 0, mantissa not: zero is right as it is) and
-  // NaN codes, rare in weights: their lanes mended only where there are any.
-  const __mmask16 subnormal = _mm512_mask_test_epi32_mask(
-      _mm512_testn_epi32_mask(c, _mm512_set1_epi32(0x78)), c, _mm512_set1_epi32(7));
-  const __mmask16 nan = _mm512_cmpeq_epi32_mask(m, magnitude);
-  if (_kortestz_mask16_u8(subnormal, nan) == 0) {
-    v = _mm512_mask_mul_ps(v, subnormal,
-                           _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(7))),
-                           _mm512_set1_ps(0x1p-9f));
-    v = _mm512_mask_mov_ps(v, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-  }
-  // The sign: bit 7 of the code to bit 31 (bits 24-30 of c << 24 dropped).
-  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
-      _mm512_castps_si512(v), _mm512_slli_epi32(c, 24), _mm512_set1_epi32(int(0x80000000u)), 0xF8));
+/// The fp32 values of 16 e4m3 codes (bytes), e4m3ToFloat's, by way of
+/// fp16: a code's bits shifted into fp16's place (exponent and mantissa to
+/// bits 7-13, the sign to bit 15) are an fp16 whose value is the code's
+/// times 2^-8, subnormal codes too; converted to fp32 and scaled by 2^8,
+/// both exactly. NaN codes, rare in weights, are mended only in vectors
+/// that hold any. For kernels built for AVX-512 (F, BW, VL).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 e4m3Values16(__m128i codes) {
+  // Bits 7-14: the code; its sign (bit 14) moved to bit 15 by adding the
+  // bit to itself (bit 15 is clear).
+  const __m256i x = _mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 7);
+  const __m256i half = _mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x4000)));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+  const __mmask16 nan =
+      _mm_cmpeq_epi8_mask(_mm_and_si128(codes, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+  if (nan == 0)
+    return v;
+  // A quiet NaN with the code's sign: (v & sign) | 0x7FC00000.
+  return _mm512_castsi512_ps(_mm512_mask_ternarylogic_epi32(_mm512_castps_si512(v), nan,
+                                                            _mm512_set1_epi32(int(0x80000000u)),
+                                                            _mm512_set1_epi32(0x7FC00000), 0xEA));
 }
 #endif
 

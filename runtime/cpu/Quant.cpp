@@ -379,14 +379,16 @@ MOEC_QUANT_TARGET inline void codeValues16(WeightFormat f, const uint8_t *unit, 
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
     return;
   }
-  lo = e4m3Values16(_mm512_cvtepu8_epi32(a));
-  hi = e4m3Values16(_mm512_cvtepu8_epi32(b));
+  lo = e4m3Values16(a);
+  hi = e4m3Values16(b);
 }
 
 /// DecodedB::panel of packed codes: units [u0, u1) of panel q as bf16
-/// pairs, (code - zero) x scale rounded once (dequantize's values).
-MOEC_QUANT_TARGET void decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1,
-                                         uint32_t *dst) {
+/// pairs, (code - zero) x scale rounded once (dequantize's values), on
+/// avx512_bf16's conversion (bf16PairBits16): packed codes are read only
+/// where the bf16 tile runs (tile::available(true)).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void
+decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32_t *dst) {
   const PackedCodes &h = *static_cast<const PackedCodes *>(context);
   const char *base = static_cast<const char *>(context);
   const int64_t unitBytes = unitBytesOf(h.format);
@@ -433,10 +435,9 @@ MOEC_QUANT_TARGET void decodePackedPanel(const void *context, int64_t q, int64_t
         lo = _mm512_sub_ps(lo, zLo);
         hi = _mm512_sub_ps(hi, zHi);
       }
-      const __m512i pair =
-          _mm512_or_si512(bf16Bits16(_mm512_mul_ps(lo, sLo)),
-                          _mm512_slli_epi32(bf16Bits16(_mm512_mul_ps(hi, sHi)), 16));
-      _mm512_storeu_si512(dst + 16 * v, pair);
+      lo = _mm512_mul_ps(lo, sLo);
+      hi = _mm512_mul_ps(hi, sHi);
+      _mm512_storeu_si512(dst + 16 * v, bf16PairBits16(lo, hi));
     }
   }
 }

@@ -422,7 +422,10 @@ bool available(bool bf16) {
   static const bool f32 = __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl");
-  static const bool dot = f32 && __builtin_cpu_supports("avx512bf16");
+  // (DQ too: every CPU with avx512_bf16 has it; the packed codes' decoder
+  // uses it.)
+  static const bool dot =
+      f32 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
   return bf16 ? dot : f32;
 }
 

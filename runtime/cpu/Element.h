@@ -74,6 +74,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i bf16Bits16(_
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
 }
 
+/// bf16Bits16's 16 values as 16 bits each (_mm512_cvtepi32_epi16 of it), on
+/// avx512_bf16's conversion (`vcvtneps2bf16`: nearest, ties to even, NaNs
+/// quiet) except in a vector that holds a subnormal, which that instruction
+/// reads as zero. For kernels built for AVX-512 (F, BW, VL, DQ) and
+/// avx512_bf16, on a CPU that has them.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline __m256i
+bf16Packed16(__m512 value) {
+  constexpr int kDenormal = 0x20; // vfpclassps: a subnormal value
+  if (_mm512_fpclass_ps_mask(value, kDenormal))
+    return _mm512_cvtepi32_epi16(bf16Bits16(value));
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value));
+}
+
 /// bf16Bits16(lo) | bf16Bits16(hi) << 16: two rows of a bf16 pair, as the
 /// bf16 tile's panels hold them. On avx512_bf16's conversion
 /// (`vcvtne2ps2bf16`: nearest, ties to even, NaNs quiet, as bf16Bits16),

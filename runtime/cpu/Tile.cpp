@@ -75,7 +75,7 @@ size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool c
 
 #ifdef MOEC_TILE_X86
 
-#define MOEC_TILE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define MOEC_TILE_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 namespace {
 
@@ -324,7 +324,9 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 3
       for (int x = 0; x < NV; ++x)
-        storeBf16x16(o + r * ldOut + 16 * x, masks[x], acc[r][x]);
+        _mm256_mask_storeu_epi16(o + r * ldOut + 16 * x, masks[x],
+                                 BF16 ? bf16Packed16(acc[r][x])
+                                      : _mm512_cvtepi32_epi16(bf16Bits16(acc[r][x])));
     return;
   }
   float *o = static_cast<float *>(out);
@@ -419,13 +421,11 @@ template <bool BF16, bool PACK = false> Micro microFor(int rows) {
 } // namespace
 
 bool available(bool bf16) {
-  static const bool f32 = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
-  // (DQ too: every CPU with avx512_bf16 has it; the packed codes' decoder
-  // uses it.)
-  static const bool dot =
-      f32 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq");
+  // (DQ too, which every CPU with BW and VL has: the bf16 rounding's
+  // check for subnormals uses it.)
+  static const bool f32 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  static const bool dot = f32 && __builtin_cpu_supports("avx512bf16");
   return bf16 ? dot : f32;
 }
 

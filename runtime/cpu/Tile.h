@@ -125,9 +125,8 @@ struct AddScaled {
   int64_t ld = 0;
 };
 
-/// Whether this CPU runs the tile: AVX-512 (F, BW, VL) for fp32, and bf16
-/// dot products (avx512_bf16; DQ too, which every such CPU has) for bf16.
-/// Checked once.
+/// Whether this CPU runs the tile: AVX-512 (F, BW, VL, DQ) for fp32, and
+/// bf16 dot products (avx512_bf16) too for bf16. Checked once.
 bool available(bool bf16);
 
 /// Whether bf16 gemm runs on AMX tiles (TileAmx.cpp) rather than on the

@@ -88,7 +88,7 @@ size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB) {
 #ifdef MOEC_AMX_X86
 
 #define MOEC_AMX_TARGET                                                                            \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 namespace {
 
@@ -222,7 +222,7 @@ struct Epilogue {
                                       : nullptr,
                        cBf16, mask);
       if (cBf16)
-        storeBf16x16(reinterpret_cast<uint16_t *>(at), mask, v);
+        _mm256_mask_storeu_epi16(at, mask, bf16Packed16(v));
       else if (stream && cols == 16 && (reinterpret_cast<uintptr_t>(at) & 63) == 0)
         _mm512_stream_ps(reinterpret_cast<float *>(at), v);
       else
@@ -236,8 +236,8 @@ struct Epilogue {
   /// they are one line, else with a plain one. The bits of write().
   MOEC_AMX_TARGET void streamLines(const float *stage, int64_t i, int64_t rows, int64_t j) const {
     for (int64_t row = 0; row < rows; ++row) {
-      const __m256i lo = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_load_ps(stage + row * 16)));
-      const __m256i hi = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_load_ps(stage + 256 + row * 16)));
+      const __m256i lo = bf16Packed16(_mm512_load_ps(stage + row * 16));
+      const __m256i hi = bf16Packed16(_mm512_load_ps(stage + 256 + row * 16));
       const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
       char *at = c + ((i + row) * ldc + j) * 2;
       if ((reinterpret_cast<uintptr_t>(at) & 63) == 0)

@@ -379,7 +379,8 @@ TEST_CASE("moec's tile scales and adds onto its sums as they leave the registers
   // add, rounded once into C: the bits of the fp32 sums S (the plain tile)
   // finished by that formula, for fp32 and bf16 C, one depth block and
   // several, alpha 1 and not, no addend, a separate one, and C itself as the
-  // addend.
+  // addend. Row 3's sums are zero and its addend subnormal: C's values there
+  // are subnormal, rounded to bf16 as floatToBf16 rounds them (not as zero).
   for (const bool bf16 : {false, true}) {
     if (!tileRuns(bf16))
       continue;
@@ -392,7 +393,9 @@ TEST_CASE("moec's tile scales and adds onto its sums as they leave the registers
                    << " operands, " << (cBf16 ? "bf16" : "fp32") << " C, k " << k << ", alpha "
                    << alpha << ", addend " << addendKind << ", n " << n);
               const int64_t m = 21, ldc = 256, lda = 260;
-              const Product x(m, n, k, false, false, bf16, 13);
+              Product x(m, n, k, false, false, bf16, 13);
+              for (int64_t p = 0; p < k; ++p)
+                x.a.set(3, p, 0.0f);
               std::vector<float> sums(size_t(m * n));
               x.run(sums.data(), n, false, 0, m, 0, n);
               std::mt19937 rng(17);
@@ -403,6 +406,11 @@ TEST_CASE("moec's tile scales and adds onto its sums as they leave the registers
               for (size_t i = 0; i < add32.size(); ++i) {
                 add16[i] = floatToBf16(dist(rng));
                 add32[i] = cBf16 ? bf16ToFloat(add16[i]) : dist(rng);
+              }
+              for (int64_t j = 0; j < lda; ++j) { // (j % 100 + 1) x 2^-133, signs alternating
+                const float tiny = std::ldexp(float(j % 100 + 1), -133) * (j % 2 ? -1.0f : 1.0f);
+                add16[size_t(3 * lda + j)] = floatToBf16(tiny);
+                add32[size_t(3 * lda + j)] = cBf16 ? bf16ToFloat(add16[size_t(3 * lda + j)]) : tiny;
               }
               const size_t elt = cBf16 ? 2 : 4;
               std::vector<uint8_t> c(size_t(m * ldc) * elt, 0x5A);

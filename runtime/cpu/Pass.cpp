@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/cpu/Pass.h"
+#include "base/Env.h"
 #include "base/Memory.h"
 #include "base/Time.h"
 
@@ -20,7 +21,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -98,9 +101,46 @@ int64_t dequantizedStride(bool transposeB, int64_t depth, int64_t n) {
   const int64_t row = transposeB ? depth : n;
   return row % 512 == 0 ? row + 32 : row;
 }
+
+/// The packed-weight store's bytes in this process (every pass's), and its
+/// limit: MOEC_PACKED_MIB (MiB; unset: none), read once.
+std::atomic<size_t> processPackedBytes{0};
+
+size_t packedLimit() {
+  static const size_t limit = [] {
+    const char *value = envValue("MOEC_PACKED_MIB");
+    if (!value)
+      return SIZE_MAX;
+    char *end = nullptr;
+    errno = 0;
+    const unsigned long long mib = std::strtoull(value, &end, 10);
+    if (*end || errno || value[0] == '-' || mib > (SIZE_MAX >> 20)) {
+      std::fprintf(stderr, "moec: %s is not a number of MiB; the packed weights have no limit\n",
+                   envShown("MOEC_PACKED_MIB", value).c_str());
+      return SIZE_MAX;
+    }
+    return size_t(mib) << 20;
+  }();
+  return limit;
+}
+
+/// Takes `more` bytes more of the process's packed-weight store (false, and
+/// nothing taken, where that would pass its limit), or gives `-more` back.
+bool takePacked(ptrdiff_t more) {
+  if (more <= 0) {
+    processPackedBytes -= size_t(-more);
+    return true;
+  }
+  size_t now = processPackedBytes.load(std::memory_order_relaxed);
+  do {
+    if (now + size_t(more) > packedLimit())
+      return false;
+  } while (!processPackedBytes.compare_exchange_weak(now, now + size_t(more)));
+  return true;
+}
 } // namespace
 
-Pass::~Pass() = default;
+Pass::~Pass() { takePacked(-ptrdiff_t(packedBytes.load())); }
 
 Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
                     const PassOptions &options, std::vector<Scratch> *scratch,
@@ -584,9 +624,17 @@ const void *Pass::packedWeight(uint32_t opIndex, uint32_t rank, const format::Ti
   const size_t bytes =
       codes ? packedCodesBytes(m, op.transposeB, n) : tile::packedBBytes(n, depth, bf16);
   if (cell.pages.bytes() < bytes) {
-    packedBytes -= cell.pages.bytes();
+    // Past MOEC_PACKED_MIB, or no memory now: this tile and the next read B
+    // as it is (and try again).
+    const size_t had = cell.pages.bytes();
+    if (!takePacked(ptrdiff_t(bytes) - ptrdiff_t(had))) {
+      cell.state.store(kUnpacked, std::memory_order_release);
+      return nullptr;
+    }
+    packedBytes -= had;
     cell.pages = ZeroedPages(bytes);
-    if (!cell.pages.data()) { // no memory now: this tile and the next read B as it is
+    if (!cell.pages.data()) {
+      takePacked(-ptrdiff_t(bytes));
       cell.state.store(kUnpacked, std::memory_order_release);
       return nullptr;
     }

@@ -151,8 +151,9 @@ private:
   /// before weightChanged() of its slot.
   void preparePackedWeights();
   /// The packed op(B) of `tile` (B the expert's weight `b`, depth `depth`),
-  /// packing it now if nobody has; null when the op keeps no packed copies
-  /// or another tile is packing it.
+  /// packing it now if nobody has; null when the op keeps no packed copies,
+  /// another tile is packing it, or the process's store has no room for it
+  /// (MOEC_PACKED_MIB, or no memory).
   const void *packedWeight(uint32_t opIndex, uint32_t rank, const format::TileCoord &tile,
                            ConstMatrix b, int64_t depth);
   Status runPut(const OpInfo &op, uint32_t opIndex, uint32_t rank, const format::TileCoord &tile,

@@ -138,3 +138,61 @@ def test_quantized_codes_packed_give_the_bits_of_decoding_them_as_stored(weight_
     after = step(packed, *data)
     assert same(after, step(plain, *data))
     assert not torch.equal(after[0], before[0])
+
+
+
+LIMITED = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import moec_torch
+import test_packed_weights as t
+from test_moe_ffn import config, inputs
+cfg = config(experts=4, top_k=2, hidden=1024, inter=512, tokens=64, dtype="bf16")
+torch.manual_seed(3)
+packed = moec_torch.MoeFFN(cfg, 2, threads=2, pack_weights=True, frozen=True)
+plain = moec_torch.MoeFFN(cfg, 2, threads=2, pack_weights=False, frozen=True)
+plain.load_state_dict(packed.state_dict())
+same = []
+for s in range(3):
+    data = inputs(packed, seed=s)
+    same.append(t.same(t.step(packed, *data), t.step(plain, *data)))
+print(json.dumps({"same": same, "packed": packed.info()["packed_weight_bytes"]}))
+"""
+
+
+def test_a_limit_on_the_packed_weights_leaves_the_rest_as_stored(tmp_path):
+    """MOEC_PACKED_MIB caps the process's packed-weight store: the weights
+    past it are read as stored (by the tiles that read them), the bits the
+    same; a value that is no number of MiB is said and means no limit."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "limited.py"
+    script.write_text(LIMITED)
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def run(limit):
+        env = {k: v for k, v in os.environ.items() if k != "MOEC_PACKED_MIB"}
+        if limit is not None:
+            env["MOEC_PACKED_MIB"] = limit
+        done = subprocess.run([sys.executable, str(script), here], capture_output=True,
+                              text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+    whole = run(None)[0]
+    assert whole["same"] == [True] * 3
+    if whole["packed"] == 0:
+        pytest.skip("moec's bf16 tile does not run here: nothing is packed")
+    half_mib = whole["packed"] // 2 >> 20
+    assert half_mib >= 1, whole
+    for limit, most in (("0", 0), (str(half_mib), half_mib << 20)):
+        got, _ = run(limit)
+        assert got["same"] == [True] * 3, limit
+        assert got["packed"] <= most, (limit, got)
+    assert 0 < run(str(half_mib))[0]["packed"]
+    got, said = run("many")
+    assert got == whole
+    assert "MOEC_PACKED_MIB='many' is not a number of MiB" in said

@@ -48,13 +48,17 @@ float e4m3ToFloat(uint8_t code);
 /// bits 7-13, the sign to bit 15) are an fp16 whose value is the code's
 /// times 2^-8, subnormal codes too; converted to fp32 and scaled by 2^8,
 /// both exactly. NaN codes, rare in weights, are mended only in vectors
-/// that hold any. For kernels built for AVX-512 (F, BW, VL).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 e4m3Values16(__m128i codes) {
+/// that hold any; a caller that knows there are none (`mayHoldNaN` false)
+/// skips the check. For kernels built for AVX-512 (F, BW, VL).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512
+e4m3Values16(__m128i codes, bool mayHoldNaN = true) {
   // Bits 7-14: the code; its sign (bit 14) moved to bit 15 by adding the
   // bit to itself (bit 15 is clear).
   const __m256i x = _mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 7);
   const __m256i half = _mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x4000)));
   const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+  if (!mayHoldNaN)
+    return v;
   const __mmask16 nan =
       _mm_cmpeq_epi8_mask(_mm_and_si128(codes, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
   if (nan == 0)
@@ -63,6 +67,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 e4m3Values16(
   return _mm512_castsi512_ps(_mm512_mask_ternarylogic_epi32(_mm512_castps_si512(v), nan,
                                                             _mm512_set1_epi32(int(0x80000000u)),
                                                             _mm512_set1_epi32(0x7FC00000), 0xEA));
+}
+
+/// Whether any of the `n` e4m3 codes at `codes` is a NaN code (S.1111.111).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline bool e4m3AnyNaN(const uint8_t *codes,
+                                                                            int64_t n) {
+  const __m512i magnitude = _mm512_set1_epi8(0x7F);
+  __mmask64 any = 0;
+  for (int64_t i = 0; i < n; i += 64) {
+    const __mmask64 in = n - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - i)) - 1;
+    const __m512i c = _mm512_maskz_loadu_epi8(in, codes + i);
+    any |= _mm512_mask_cmpeq_epi8_mask(in, _mm512_and_si512(c, magnitude), magnitude);
+  }
+  return any != 0;
 }
 #endif
 

@@ -363,7 +363,7 @@ std::pair<float, float> scaleAt(const QuantizedMatrix &m, int64_t r, int64_t c) 
 /// unit row, column 16 v on) as fp32 code values: depth 2t in lo, 2t + 1 in
 /// hi (an e4m3 code's value, an int8 code, a 4-bit code).
 MOEC_QUANT_TARGET inline void codeValues16(WeightFormat f, const uint8_t *unit, int v, __m512 &lo,
-                                           __m512 &hi) {
+                                           __m512 &hi, bool mayHoldNaN) {
   if (f == WeightFormat::Int4Group) {
     const __m512i b =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(unit + 16 * v)));
@@ -379,8 +379,8 @@ MOEC_QUANT_TARGET inline void codeValues16(WeightFormat f, const uint8_t *unit, 
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
     return;
   }
-  lo = e4m3Values16(a);
-  hi = e4m3Values16(b);
+  lo = e4m3Values16(a, mayHoldNaN);
+  hi = e4m3Values16(b, mayHoldNaN);
 }
 
 /// DecodedB::panel of packed codes: units [u0, u1) of panel q as bf16
@@ -399,11 +399,14 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
   const int32_t *index = reinterpret_cast<const int32_t *>(base + h.indexAt);
   const bool int4 = h.format == WeightFormat::Int4Group;
   const __m512 eight = _mm512_set1_ps(8.0f);
+  // FP8's NaN codes (none in a real weight) looked for once, not per vector.
+  const bool nanCodes =
+      h.format == WeightFormat::Fp8Block128 && e4m3AnyNaN(codes, (u1 - u0) * unitBytes);
   for (int64_t t = u0; t < u1; ++t, codes += unitBytes, dst += kCodePanel) {
     for (int v = 0; v < 3; ++v) {
       const int64_t j = q * kCodePanel + 16 * v;
       __m512 lo, hi;
-      codeValues16(h.format, codes, v, lo, hi);
+      codeValues16(h.format, codes, v, lo, hi, nanCodes);
       __m512 sLo, sHi, zLo = eight, zHi = eight;
       if (h.depthScales) {
         const __m512i at = _mm512_loadu_si512(index + j);

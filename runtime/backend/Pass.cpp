@@ -27,12 +27,24 @@ uint64_t workspaceBytes(const format::TaskProgram &program, const rt::LayerPlan 
   return needed;
 }
 
-uint32_t addendSlot(const format::TaskProgram &program, const format::OpRecord &op) {
+namespace {
+/// An activation-form GMM's fourth input where it is B's scales
+/// (`scales`) or an addend (not), else rt::kNoSlot.
+uint32_t fourthInput(const format::TaskProgram &program, const format::OpRecord &op, bool scales) {
   const format::TilingRecord &t = program.tilings[op.tiling];
   const bool activation = op.kind == format::OpKind::Gmm && t.depth != 0;
-  return activation && t.inputCount == 4 && !(t.flags & format::kTilingQuantizedB)
+  return activation && t.inputCount == 4 && bool(t.flags & format::kTilingQuantizedB) == scales
              ? t.inputSlots[3]
              : rt::kNoSlot;
+}
+} // namespace
+
+uint32_t addendSlot(const format::TaskProgram &program, const format::OpRecord &op) {
+  return fourthInput(program, op, false);
+}
+
+uint32_t weightScalesSlot(const format::TaskProgram &program, const format::OpRecord &op) {
+  return fourthInput(program, op, true);
 }
 
 std::vector<uint32_t> sumsOverAddends(const format::TaskProgram &program, const rt::LayerPlan &plan,

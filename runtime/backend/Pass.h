@@ -168,6 +168,10 @@ uint32_t slotCopies(const format::TaskProgram &program, uint32_t slot);
 /// quantized: then that is B's scales), or rt::kNoSlot for any other op.
 uint32_t addendSlot(const format::TaskProgram &program, const format::OpRecord &op);
 
+/// The scales of an activation-form GMM's quantized B (its fourth input),
+/// or rt::kNoSlot for any other op.
+uint32_t weightScalesSlot(const format::TaskProgram &program, const format::OpRecord &op);
+
 /// Per slot of `program`: the slot whose memory it takes, or rt::kNoSlot.
 /// The output of an activation-form product, C = addend + scale * A op(B)
 /// (a LoRA adapter's second product, onto the base's output), is written

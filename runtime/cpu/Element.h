@@ -74,6 +74,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i bf16Bits16(_
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
 }
 
+/// vfpclassps's class of a subnormal value: what avx512_bf16's conversions
+/// read as zero (bf16Packed16 and bf16PairBits16 look for it).
+constexpr int kSubnormalClass = 0x20;
+
 /// bf16Bits16's 16 values as 16 bits each (_mm512_cvtepi32_epi16 of it), on
 /// avx512_bf16's conversion (`vcvtneps2bf16`: nearest, ties to even, NaNs
 /// quiet) except in a vector that holds a subnormal, which that instruction
@@ -81,8 +85,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i bf16Bits16(_
 /// avx512_bf16, on a CPU that has them.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline __m256i
 bf16Packed16(__m512 value) {
-  constexpr int kDenormal = 0x20; // vfpclassps: a subnormal value
-  if (_mm512_fpclass_ps_mask(value, kDenormal))
+  if (_mm512_fpclass_ps_mask(value, kSubnormalClass))
     return _mm512_cvtepi32_epi16(bf16Bits16(value));
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value));
 }
@@ -95,8 +98,7 @@ bf16Packed16(__m512 value) {
 /// DQ) and avx512_bf16, on a CPU that has them.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline __m512i
 bf16PairBits16(__m512 lo, __m512 hi) {
-  constexpr int kDenormal = 0x20; // vfpclassps: a subnormal value
-  if (_mm512_fpclass_ps_mask(lo, kDenormal) | _mm512_fpclass_ps_mask(hi, kDenormal))
+  if (_mm512_fpclass_ps_mask(lo, kSubnormalClass) | _mm512_fpclass_ps_mask(hi, kSubnormalClass))
     return _mm512_or_si512(bf16Bits16(lo), _mm512_slli_epi32(bf16Bits16(hi), 16));
   // lo's 16 values then hi's, interleaved into pairs.
   const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));

@@ -167,9 +167,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
     if (info.tiling->flags & format::kTilingScale)
       info.scale = info.tiling->scale;
     info.addend = backend::addendSlot(program, op);
-    if (op.kind == OpKind::Gmm && !info.wgrad && info.tiling->inputCount == 4 &&
-        (info.tiling->flags & format::kTilingQuantizedB))
-      info.weightScales = info.tiling->inputSlots[3];
+    info.weightScales = backend::weightScalesSlot(program, op);
     const format::SlotRecord &w =
         program.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
     if (op.kind == OpKind::Gmm)

@@ -362,26 +362,27 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     packATransposed(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
   else
     packARows(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
-  // B as stored, not transposed: packed whole, once, into the panels packB
-  // makes (B's rows read from start to end), then read as a B packed
-  // beforehand. (Packed a column group at a time, B's rows were read in
-  // pieces of a group's width and the packing took more time than the
-  // products.) A transposed B as stored goes a column group at a time (its
-  // rows whole), below.
-  // A decoded B goes a column group at a time, through `decoded` (in L1) a
-  // panel and a depth block at a time, into the group's panels (in L2)
-  // just before its products.
+  // The forms of B, each read by the products from `x.panels`:
+  // - packed beforehand (packB): read where it lies;
+  // - as stored, not transposed: packed whole, once, into the panels packB
+  //   makes (B's rows read from start to end). (Packed a column group at a
+  //   time, B's rows were read in pieces of a group's width and the packing
+  //   took more time than the products.)
+  // - as stored, transposed (B's rows are op(B)'s columns): a column
+  //   group's rows lie together, so each group is packed just before its
+  //   products, into panels that stay in L2;
+  // - decoded: a column group at a time, a panel and a depth block at a
+  //   time through `decoded` (in L1), into the group's panels (in L2) just
+  //   before its products.
   const auto decodeGroup = [&](int64_t j0, int64_t nb) {
     const int64_t depth = 2 * kBlockUnits;
-    for (int64_t c0 = j0; c0 < j0 + nb; c0 += kPanel)
+    for (int64_t c0 = j0; c0 < j0 + nb; c0 += kPanel) {
+      uint32_t *panel = panels + ((c0 - j0) / kPanel) * panelStride;
       for (int64_t p0 = 0; p0 < k; p0 += depth)
         decodePanel(*decodedB, transB, c0, std::min<int64_t>(kPanel, j0 + nb - c0), p0,
-                    std::min(k, p0 + depth), panels + ((c0 - j0) / kPanel) * panelStride + (p0 / 2) * kPanel,
-                    decoded);
+                    std::min(k, p0 + depth), panel + (p0 / 2) * kPanel, decoded);
+    }
   };
-  // A transposed B as stored (B's rows are op(B)'s columns): a column
-  // group's rows lie together, so each group is packed just before its
-  // products, into panels that stay in L2.
   const bool packByGroup = !decodedB && !packedB && transB;
   if (!decodedB && !packedB && !packByGroup) {
     packB(n, k, b, ldb, transB, true, panels);

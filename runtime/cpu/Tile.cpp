@@ -323,10 +323,13 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 3
-      for (int x = 0; x < NV; ++x)
-        _mm256_mask_storeu_epi16(o + r * ldOut + 16 * x, masks[x],
-                                 BF16 ? bf16Packed16(acc[r][x])
-                                      : _mm512_cvtepi32_epi16(bf16Bits16(acc[r][x])));
+      for (int x = 0; x < NV; ++x) {
+        // (bf16 operands: a CPU with avx512_bf16's conversion.)
+        if constexpr (BF16)
+          _mm256_mask_storeu_epi16(o + r * ldOut + 16 * x, masks[x], bf16Packed16(acc[r][x]));
+        else
+          storeBf16x16(o + r * ldOut + 16 * x, masks[x], acc[r][x]);
+      }
     return;
   }
   float *o = static_cast<float *>(out);

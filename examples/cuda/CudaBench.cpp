@@ -1,13 +1,15 @@
 //===- CudaBench.cpp - The cuda backend's tiles and layer, timed ------------===//
 //
-//   cuda_bench gmm [--tile-n N] [[G*]MxNxK[:ab] ...]
+//   cuda_bench gmm [--tile-n N] [--weight-format F] [[G*]MxNxK[:ab] ...]
 //                                     the persistent kernel's GMM tile function
 //                                     on bf16 products (C bf16; G of them in
 //                                     one launch; a, b: n as read, t stored
 //                                     transposed), 128 x N tiles (256), one thread
 //                                     block each: TFLOP/s, and a check (every
 //                                     element written, sampled ones against
-//                                     an fp32 reference)
+//                                     an fp32 reference); with F (fp8_block128,
+//                                     int8, int4_g32 .. int4_g128, _zp) B is
+//                                     that format's random codes and scales
 //   cuda_bench layer FWD BWD [--repeat N] [--hot-share F] [--sample N]
 //                                     the layer, forward and backward, every
 //                                     rank on the GPU, tensors in device
@@ -91,14 +93,37 @@ bool parseProduct(const std::string &text, cuda::device::GemmBenchCase *out) {
   return true;
 }
 
-int gmm(const std::vector<std::string> &products, int64_t tileN) {
-  std::printf("%-26s %10s %10s %10s %s\n", "G*MxNxK:ab (bf16)", "ms", "TFLOP/s", "error",
-              "check");
+/// The format named `name` as the binaries name them
+/// (LayerShape::weightFormatName): dense, fp8_block128, int8, int4_gG[_zp].
+bool parseWeightFormat(const std::string &name, rt::LayerShape *out) {
+  for (WeightFormat f : {WeightFormat::Dense, WeightFormat::Fp8Block128, WeightFormat::Int8Channel,
+                         WeightFormat::Int4Group})
+    for (int64_t group : {32, 64, 128})
+      for (bool zero : {false, true}) {
+        rt::LayerShape shape;
+        shape.weightFormat = f;
+        shape.weightGroup = group;
+        shape.weightZeroPoints = zero;
+        if (shape.weightFormatName() == name) {
+          *out = shape;
+          return true;
+        }
+      }
+  return false;
+}
+
+int gmm(const std::vector<std::string> &products, int64_t tileN, const rt::LayerShape &format) {
+  std::printf("%-26s %10s %10s %10s %s\n",
+              fmt::format("G*MxNxK:ab (bf16, B {})", format.weightFormatName()).c_str(), "ms",
+              "TFLOP/s", "error", "check");
   int failed = 0;
   for (const std::string &text : products) {
     cuda::device::GemmBenchCase c;
     parseProduct(text, &c); // checked in main
     c.tileN = tileN;
+    c.quant = uint32_t(format.weightFormat);
+    c.group = format.weightGroup;
+    c.zeroPoints = format.weightZeroPoints;
     cuda::device::GemmBenchResult r;
     if (const cuda::device::Error e = cuda::device::benchGemm(c, &r); !e.empty())
       return fail(Status::error(text + ": " + e));
@@ -131,6 +156,14 @@ struct DeviceTensor {
       return Status::error(e);
     return Status::success();
   }
+  Status uploadBytes(const void *bytes, size_t n) {
+    count = n;
+    if (auto e = cuda::device::allocate(n, &memory); !e.empty())
+      return Status::error(e);
+    if (auto e = cuda::device::copy(memory, bytes, n); !e.empty())
+      return Status::error(e);
+    return Status::success();
+  }
   Status download(float *out) const {
     std::vector<uint8_t> host(count * dtypeSize(dtype));
     if (auto e = cuda::device::copy(host.data(), memory, host.size()); !e.empty())
@@ -154,28 +187,43 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
   random.hotShare = hotShare;
   random.bf16 = act == DType::BF16;
   tooling::randomLayerData(shape, random, &data);
+  // Quantized weights: the reference sees the values the layer computes with.
+  if (Status s = tooling::roundWeightsToFormat(shape, &data); !s)
+    return fail(s);
   rt::ContextOptions options;
   options.backend = backend::Kind::Cuda;
   std::unique_ptr<rt::Context> context;
   if (Status s = rt::Context::create(fwd, bwd, options, &context); !s)
     return fail(s);
 
+  // A frozen layer's backward (quantized weights, or frozen=True) gives
+  // no weight gradients.
+  const bool frozen = bwd->shape().frozen;
   const int64_t R = shape.ranks, S = data.tokens, K = data.topK, H = shape.hidden,
                 I = shape.inter, L = shape.localExperts;
-  enum { kX, kY, kW1, kW2, kDy, kDx, kDtopk, kDw1, kDw2, kCount };
+  enum { kX, kY, kW1, kW2, kW1Scale, kW2Scale, kDy, kDx, kDtopk, kDw1, kDw2, kCount };
   std::vector<DeviceTensor> t(size_t(R) * kCount);
   for (int64_t r = 0; r < R; ++r) {
     DeviceTensor *b = &t[size_t(r) * kCount];
     const size_t sh = size_t(S * H), w1n = size_t(L * H * 2 * I), w2n = size_t(L * I * H);
+    const tooling::StoredWeights w = tooling::storedWeights(shape, data, r);
     Status s = b[kX].upload(data.x.data() + r * S * H, sh, act);
     if (s) s = b[kY].upload(nullptr, sh, act);
-    if (s) s = b[kW1].upload(data.w1.data() + r * w1n, w1n, act);
-    if (s) s = b[kW2].upload(data.w2.data() + r * w2n, w2n, act);
+    if (s)
+      s = b[kW1].uploadBytes(w.w1.data(), w.w1.size());
+    if (s)
+      s = b[kW2].uploadBytes(w.w2.data(), w.w2.size());
+    if (s && !w.w1Scale.empty())
+      s = b[kW1Scale].upload(w.w1Scale.data(), w.w1Scale.size(), DType::F32);
+    if (s && !w.w2Scale.empty())
+      s = b[kW2Scale].upload(w.w2Scale.data(), w.w2Scale.size(), DType::F32);
     if (s) s = b[kDy].upload(data.dy.data() + r * S * H, sh, act);
     if (s) s = b[kDx].upload(nullptr, sh, act);
     if (s) s = b[kDtopk].upload(nullptr, size_t(S * K), DType::F32);
-    if (s) s = b[kDw1].upload(nullptr, w1n, grad);
-    if (s) s = b[kDw2].upload(nullptr, w2n, grad);
+    if (s && !frozen)
+      s = b[kDw1].upload(nullptr, w1n, grad);
+    if (s && !frozen)
+      s = b[kDw2].upload(nullptr, w2n, grad);
     if (!s)
       return fail(s);
     const uint32_t rank = uint32_t(r);
@@ -183,16 +231,24 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
                                 rt::makeTensor(data.weights.data() + r * S * K, DType::F32, {S, K}));
         !s)
       return fail(s);
-    const std::pair<const char *, rt::Tensor> bindings[] = {
+    std::vector<std::pair<const char *, rt::Tensor>> bindings = {
         {"x", rt::makeTensor(b[kX].memory, act, {S, H})},
         {"y", rt::makeTensor(b[kY].memory, act, {S, H})},
-        {"w1", rt::makeTensor(b[kW1].memory, act, {L, H, 2 * I})},
-        {"w2", rt::makeTensor(b[kW2].memory, act, {L, I, H})},
+        {"w1", rt::makeTensor(b[kW1].memory, w.dtype, w.w1Dims)},
+        {"w2", rt::makeTensor(b[kW2].memory, w.dtype, w.w2Dims)},
         {"dy", rt::makeTensor(b[kDy].memory, act, {S, H})},
         {"dx", rt::makeTensor(b[kDx].memory, act, {S, H})},
-        {"dtopk_weights", rt::makeTensor(b[kDtopk].memory, DType::F32, {S, K})},
-        {"dw1", rt::makeTensor(b[kDw1].memory, grad, {L, H, 2 * I})},
-        {"dw2", rt::makeTensor(b[kDw2].memory, grad, {L, I, H})}};
+        {"dtopk_weights", rt::makeTensor(b[kDtopk].memory, DType::F32, {S, K})}};
+    if (!w.w1Scale.empty()) {
+      bindings.push_back(
+          {"w1_scale", rt::makeTensor(b[kW1Scale].memory, DType::F32, w.w1ScaleDims)});
+      bindings.push_back(
+          {"w2_scale", rt::makeTensor(b[kW2Scale].memory, DType::F32, w.w2ScaleDims)});
+    }
+    if (!frozen) {
+      bindings.push_back({"dw1", rt::makeTensor(b[kDw1].memory, grad, {L, H, 2 * I})});
+      bindings.push_back({"dw2", rt::makeTensor(b[kDw2].memory, grad, {L, I, H})});
+    }
     for (const auto &[name, tensor] : bindings)
       if (s = context->bind(rank, name, tensor); !s)
         return fail(s);
@@ -201,9 +257,12 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
   std::string gpu;
   (void)cuda::describeDevice(&gpu);
   std::printf("GPU: %s\n", gpu.c_str());
-  std::printf("layer: R %lld, L %lld, S %lld, K %lld, H %lld, I %lld, %s, hot share %.2f\n",
+  std::printf("layer: R %lld, L %lld, S %lld, K %lld, H %lld, I %lld, %s, weights %s%s%s, "
+              "hot share %.2f\n",
               (long long)R, (long long)L, (long long)S, (long long)K, (long long)H, (long long)I,
-              dtypeName(act), hotShare);
+              dtypeName(act), shape.weightFormatName().c_str(),
+              shape.weightsTransposed ? " (stored transposed)" : "", frozen ? ", frozen" : "",
+              hotShare);
   std::vector<double> steps, kernels, before, checks, after;
   for (int i = 0; i < repeat + 1; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -226,7 +285,8 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
     return v[v.size() / 2];
   };
   const double step = median(steps), kernel = median(kernels);
-  const double flops = 3.0 * 2 * double(R) * S * K * (H * 2.0 * I + double(I) * H);
+  // Forward, dX and dA; and dW1, dW2 unless frozen.
+  const double flops = (frozen ? 2.0 : 3.0) * 2 * double(R) * S * K * (H * 2.0 * I + double(I) * H);
   std::printf("moec cuda step (fwd+bwd): median %.3f ms over %d (%.1f TFLOP/s); the task "
               "programs' part %.3f ms\n",
               step * 1e3, repeat, flops / step / 1e12, kernel * 1e3);
@@ -239,15 +299,17 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
     data.y.assign(size_t(R * S * H), 0);
     data.dx = data.y;
     data.dtopk.assign(size_t(R * S * K), 0);
-    data.dw1.assign(data.w1.size(), 0);
-    data.dw2.assign(data.w2.size(), 0);
+    data.dw1.assign(frozen ? 0 : data.w1.size(), 0);
+    data.dw2.assign(frozen ? 0 : data.w2.size(), 0);
     for (int64_t r = 0; r < R; ++r) {
       const DeviceTensor *b = &t[size_t(r) * kCount];
       Status s = b[kY].download(data.y.data() + r * S * H);
       if (s) s = b[kDx].download(data.dx.data() + r * S * H);
       if (s) s = b[kDtopk].download(data.dtopk.data() + r * S * K);
-      if (s) s = b[kDw1].download(data.dw1.data() + r * L * H * 2 * I);
-      if (s) s = b[kDw2].download(data.dw2.data() + r * L * I * H);
+      if (s && !frozen)
+        s = b[kDw1].download(data.dw1.data() + r * L * H * 2 * I);
+      if (s && !frozen)
+        s = b[kDw2].download(data.dw2.data() + r * L * I * H);
       if (!s)
         return fail(s);
     }
@@ -280,10 +342,17 @@ int main(int argc, char **argv) {
   if (mode == "gmm") {
     std::vector<std::string> products;
     int64_t tileN = 256;
+    rt::LayerShape format;
     for (int i = 2; i < argc; ++i) {
       if (std::string(argv[i]) == "--tile-n" && i + 1 < argc)
         tileN = std::atoll(argv[++i]);
-      else
+      else if (std::string(argv[i]) == "--weight-format" && i + 1 < argc) {
+        if (!parseWeightFormat(argv[++i], &format))
+          return fail(Status::error(fmt::format(
+              "--weight-format {}: give dense, fp8_block128, int8 or int4_g32, int4_g64, "
+              "int4_g128 (with _zp for zero points)",
+              argv[i])));
+      } else
         products.push_back(argv[i]);
     }
     if (tileN < 1)
@@ -298,7 +367,7 @@ int main(int argc, char **argv) {
     if (Status s = cuda::describeDevice(&gpu); !s)
       return fail(s);
     std::printf("GPU: %s\n", gpu.c_str());
-    return gmm(products, tileN);
+    return gmm(products, tileN, format);
   }
   if (mode == "layer" && argc >= 4) {
     int repeat = 5;
@@ -317,7 +386,8 @@ int main(int argc, char **argv) {
     }
     return layer(argv[2], argv[3], repeat, hot, sample);
   }
-  std::fprintf(stderr, "usage: cuda_bench gmm [--tile-n N] [[G*]MxNxK[:ab] ...]\n"
+  std::fprintf(stderr, "usage: cuda_bench gmm [--tile-n N] [--weight-format F] "
+                       "[[G*]MxNxK[:ab] ...]\n"
                        "       cuda_bench layer FWD BWD [--repeat N] [--hot-share F] "
                        "[--sample N]\n");
   return mode == "--help" || mode == "-h" ? 0 : 2;

@@ -28,7 +28,7 @@ namespace moec::rt {
 // Tensors
 //===----------------------------------------------------------------------===//
 
-Tensor makeTensor(void *data, DType dtype, std::initializer_list<int64_t> dims) {
+Tensor makeTensor(void *data, DType dtype, const std::vector<int64_t> &dims) {
   Tensor t{};
   t.data = data;
   t.dtype = moec_dtype(dtype);
@@ -36,6 +36,10 @@ Tensor makeTensor(void *data, DType dtype, std::initializer_list<int64_t> dims) 
     if (t.ndim < MOEC_MAX_DIMS)
       t.dims[t.ndim++] = d;
   return t;
+}
+
+Tensor makeTensor(void *data, DType dtype, std::initializer_list<int64_t> dims) {
+  return makeTensor(data, dtype, std::vector<int64_t>(dims));
 }
 
 std::string shapeString(const Tensor &tensor) {

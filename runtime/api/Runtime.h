@@ -138,6 +138,7 @@ using Tensor = moec_tensor;
 
 /// Returns a Tensor of `dtype` and `dims` over `data`.
 Tensor makeTensor(void *data, format::DType dtype, std::initializer_list<int64_t> dims);
+Tensor makeTensor(void *data, format::DType dtype, const std::vector<int64_t> &dims);
 
 /// Returns "[2, 3, 4]".
 std::string shapeString(const Tensor &tensor);

@@ -189,15 +189,27 @@ __device__ __forceinline__ void runTask(const Program &P, uint32_t rank, uint32_
     if (end <= tile.rowBegin)
       return;
     const int64_t row0 = segBegin + tile.rowBegin;
-    const char *weight = offsetBytes(data[op.b], op.expertStride * tile.expert, slotType(op.b));
     g.a = Mat{offsetBytes(data[op.a], row0 * slotLd(op.a), slotType(op.a)), slotType(op.a),
               slotLd(op.a), false};
-    // Forward: B [K, N] at column colBegin; data gradient: B stored [N, K].
-    g.b = op.transposeB
-              ? Mat{offsetBytes(weight, tile.colBegin * op.ldb, slotType(op.b)), slotType(op.b),
-                    op.ldb, true}
-              : Mat{offsetBytes(weight, tile.colBegin, slotType(op.b)), slotType(op.b), op.ldb,
-                    false};
+    if (op.quant != kDense) {
+      // The expert's codes, decoded to A's type; the tile's columns of
+      // op(B) are stored rows (B stored [N, K]) or columns from colBegin.
+      g.b = Mat{static_cast<const char *>(data[op.b]) + op.expertStride * tile.expert, g.a.type,
+                op.ldb, op.transposeB != 0};
+      g.b.quant = op.quant;
+      g.b.scales = static_cast<const float *>(data[op.scales]) + op.scaleStride * tile.expert;
+      g.b.scaleLd = op.scaleLd;
+      g.b.groupShift = op.groupShift;
+      g.b.zeroPoints = op.zeroPoints != 0;
+      (op.transposeB ? g.b.row0 : g.b.col0) = tile.colBegin;
+    } else {
+      const char *weight = offsetBytes(data[op.b], op.expertStride * tile.expert, slotType(op.b));
+      // Forward: B [K, N] at column colBegin; data gradient: B stored [N, K].
+      g.b = op.transposeB ? Mat{offsetBytes(weight, tile.colBegin * op.ldb, slotType(op.b)),
+                                slotType(op.b), op.ldb, true}
+                          : Mat{offsetBytes(weight, tile.colBegin, slotType(op.b)), slotType(op.b),
+                                op.ldb, false};
+    }
     g.cType = slotType(op.c);
     g.ldc = slotLd(op.c);
     g.c = const_cast<char *>(

@@ -71,8 +71,15 @@ struct Op {
   uint32_t addend = 0xFFFFFFFFu;   ///< slot added to an activation-form product
   uint32_t firstTask = 0;
   float scale = 1.0f;
-  int64_t expertStride = 0;        ///< elements per expert of the weight (or dW)
+  int64_t expertStride = 0;        ///< elements per expert of the weight (or dW); bytes of codes
   int64_t ldb = 0, ldc = 0;        ///< the tiling's strides of B and C (weights)
+  /// A quantized weight B (0: dense; else LayerShape's WeightFormat): its
+  /// scales' slot and floats per expert, scales a stored row (FP8: blocks
+  /// a row of blocks; int4: groups), log2 of int4's group, zero points.
+  uint32_t quant = 0, scales = 0xFFFFFFFFu;
+  int64_t scaleStride = 0, scaleLd = 0;
+  int32_t groupShift = 0;
+  uint32_t zeroPoints = 0;
   /// Puts: the layout slots (size, source offset, target offset).
   uint32_t sizeSlot = 0, srcOffsetSlot = 0, targetOffsetSlot = 0;
 };
@@ -174,6 +181,12 @@ struct GemmBenchCase {
   uint32_t type = 0, cType = 0;
   int64_t tileM = 128, tileN = 256;
   int repeats = 20;
+  /// B a quantized weight (kDense 0; else WeightFormat's value) of random
+  /// codes and scales, read as `type`: int4 groups of `group`, with zero
+  /// points when `zeroPoints`.
+  uint32_t quant = 0;
+  int64_t group = 128;
+  bool zeroPoints = false;
 };
 struct GemmBenchResult {
   double seconds = 0;   ///< median of `repeats` launches, after one warm-up

@@ -6,6 +6,8 @@
 //                  16-byte-aligned bf16 operands over 32 columns wide;
 //   GemmSm80.cuh   mma.sync for those elsewhere, wmma for other bf16
 //                  tiles, fp32 FMA for other operand types.
+// A quantized weight B (Mat::quant) is decoded as it is loaded: 8 values at
+// a time into wgmma's stages, else a value at a time (wmma, FMA).
 // The shared memory a block needs (Smem) depends on the path: on a GPU
 // without the sm_90a code the launch asks for SmemSm80 only (smemBytes in
 // Device.cu).
@@ -36,11 +38,14 @@ __device__ __forceinline__ void gemm(const Gemm &g, Smem &s) {
   if (g.a.type == kBF16 && g.b.type == kBF16) {
     // Wide tiles of 16-byte-aligned operands take the pipelined path;
     // narrow tiles (a column split over many cores) narrower wmma blocks.
+    // A quantized B (decoded to bf16) takes wgmma where it runs, else wmma.
+    const bool quantized = g.b.quant != kDense;
     const bool aligned = vectorizable(g.a, g.a.trans ? g.m : g.k) &&
-                         vectorizable(g.b, g.b.trans ? g.k : g.n);
+                         (quantized ? quantVectors(g.b, g.b.trans ? g.k : g.n)
+                                    : vectorizable(g.b, g.b.trans ? g.k : g.n));
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if (aligned && g.n > 32) {
-      if (g.n > 128)
+      if (g.n > 128 && !quantized) // gemmWgmma: a quantized B 128 at a time
         gemmWgmma<256>(g, s.wg);
       else if (g.n > 64)
         gemmWgmma<128>(g, s.wg);
@@ -49,7 +54,7 @@ __device__ __forceinline__ void gemm(const Gemm &g, Smem &s) {
       return;
     }
 #else
-    if (aligned && g.n > 32) {
+    if (aligned && !quantized && g.n > 32) {
       if (g.n > 64)
         gemmMma<128>(g, s.sm80.mma);
       else

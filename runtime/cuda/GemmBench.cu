@@ -50,10 +50,47 @@ __global__ void countNan(const void *p, uint32_t type, int64_t count, unsigned l
     atomicAdd(out, n);
 }
 
-/// Group g's product: its operands' and output's offsets in elements.
+/// Random codes of a quantized B (`bytes` of them): FP8 without its NaN
+/// codes; int8 and int4 any.
+__global__ void fillCodes(uint8_t *p, uint32_t quant, int64_t bytes, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < bytes;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t code = mix(seed * 0x9E3779B97F4A7C15ull + uint64_t(i)) & 0xFFu;
+    if (quant == kFp8Block128 && (code & 0x7Fu) == 0x7Fu)
+      code ^= 1u;
+    p[i] = uint8_t(code);
+  }
+}
+
+/// Scales of a quantized B: in [0.5, 1) / scaleOver, and zero points 4..11
+/// (every odd float with zero points).
+__global__ void fillScales(float *p, int64_t count, float scaleOver, bool zeroPoints,
+                           uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const uint32_t h = mix(seed * 0x9E3779B97F4A7C15ull + uint64_t(i));
+    p[i] = zeroPoints && i % 2 == 1 ? float(4 + h % 8)
+                                    : (0.5f + float(h >> 8) / 33554432.0f) / scaleOver;
+  }
+}
+
+/// Group g's product: its operands' and output's offsets in elements (a
+/// quantized B: bytes of codes, and floats of scales).
 struct Groups {
-  int64_t a, b, c;
+  int64_t a, b, c, scales;
 };
+
+/// Group grp's B.
+__device__ __forceinline__ Mat groupB(const Mat &b, const Groups &stride, int64_t grp) {
+  Mat x = b;
+  if (b.quant != kDense) {
+    x.p = static_cast<const char *>(b.p) + grp * stride.b;
+    x.scales = b.scales + grp * stride.scales;
+  } else {
+    x.p = offsetBytes(b.p, grp * stride.b, b.type);
+  }
+  return x;
+}
 
 /// sample s: |C - ref| and |ref| at a pseudo-random element (the first
 /// samples are the corners of the first and last group).
@@ -68,12 +105,16 @@ __global__ void checkSamples(Gemm g, Groups stride, int64_t groups, float *err, 
     i = (s & 1) ? g.m - 1 : 0;
     j = (s & 2) ? g.n - 1 : 0;
   }
-  Mat a = g.a, b = g.b;
+  Mat a = g.a;
   a.p = offsetBytes(a.p, grp * stride.a, a.type);
-  b.p = offsetBytes(b.p, grp * stride.b, b.type);
+  const Mat b = groupB(g.b, stride, grp);
   float sum = 0.0f;
-  for (int64_t p = 0; p < g.k; ++p)
-    sum += loadElt(a.p, a.at(i, p), a.type) * loadElt(b.p, b.at(p, j), b.type);
+  for (int64_t p = 0; p < g.k; ++p) {
+    float bv = opValue(b, p, j);
+    if (b.type == kBF16) // the tile reads B's values rounded to bf16
+      bv = __bfloat162float(__float2bfloat16_rn(bv));
+    sum += loadElt(a.p, a.at(i, p), a.type) * bv;
+  }
   const float c = loadElt(offsetBytes(g.c, grp * stride.c, g.cType), i * g.ldc + j, g.cType);
   err[s] = isnan(c) ? INFINITY : fabsf(c - sum);
   ref[s] = fabsf(sum);
@@ -89,7 +130,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i0 = (tile / tilesN) * tileM, j0 = (tile % tilesN) * tileN;
   Gemm t = g;
   t.a.p = offsetBytes(g.a.p, grp * stride.a + g.a.at(i0, 0), g.a.type);
-  t.b.p = offsetBytes(g.b.p, grp * stride.b + g.b.at(0, j0), g.b.type);
+  t.b = groupB(g.b, stride, grp);
+  if (t.b.quant != kDense)
+    (t.b.trans ? t.b.row0 : t.b.col0) = j0;
+  else
+    t.b.p = offsetBytes(t.b.p, g.b.at(0, j0), g.b.type);
   t.c = const_cast<char *>(offsetBytes(g.c, grp * stride.c + i0 * g.ldc + j0, g.cType));
   t.m = min(tileM, g.m - i0);
   t.n = min(tileN, g.n - j0);
@@ -119,12 +164,32 @@ Error benchGemm(const GemmBenchCase &spec, GemmBenchResult *out) {
   if (G < 1 || m < 1 || n < 1 || k < 1 || spec.tileM < 1 || spec.tileN < 1)
     return "benchGemm: groups, m, n, k and the tile must be positive";
   const size_t elt = spec.type == kBF16 ? 2 : 4, celt = spec.cType == kBF16 ? 2 : 4;
+  // A quantized B as stored: [n, k] when transB, else [k, n], and its
+  // scales (LayerShape::scaleDims of that matrix).
+  const bool quantized = spec.quant != kDense;
+  const int64_t rows = spec.transB ? n : k, cols = spec.transB ? k : n;
+  if (quantized && (spec.quant > kInt4Group || cols % 2 ||
+                    (spec.quant == kInt4Group && (spec.group < 32 || cols % spec.group))))
+    return "benchGemm: a quantized B's rows must hold whole int4 groups";
+  const int64_t codeBytes = spec.quant == kInt4Group ? rows * cols / 2 : rows * cols;
+  int64_t scaleLd = 1, scaleCount = rows;
+  if (spec.quant == kFp8Block128) {
+    scaleLd = (cols + 127) / 128;
+    scaleCount = (rows + 127) / 128 * scaleLd;
+  } else if (spec.quant == kInt4Group) {
+    scaleLd = cols / spec.group;
+    scaleCount = rows * scaleLd * (spec.zeroPoints ? 2 : 1);
+  }
   Buffers buffers;
-  void *a = nullptr, *b = nullptr, *c = nullptr, *scratch = nullptr;
+  void *a = nullptr, *b = nullptr, *c = nullptr, *scratch = nullptr, *scales = nullptr;
   if (Error e = buffers.get(size_t(G * m * k) * elt, &a); !e.empty())
     return e;
-  if (Error e = buffers.get(size_t(G * k * n) * elt, &b); !e.empty())
+  if (Error e = buffers.get(quantized ? size_t(G * codeBytes) : size_t(G * k * n) * elt, &b);
+      !e.empty())
     return e;
+  if (quantized)
+    if (Error e = buffers.get(size_t(G * scaleCount) * sizeof(float), &scales); !e.empty())
+      return e;
   if (Error e = buffers.get(size_t(G * m * n) * celt, &c); !e.empty())
     return e;
   if (Error e = buffers.get(2 * kSamples * sizeof(float) + 16, &scratch); !e.empty())
@@ -132,6 +197,14 @@ Error benchGemm(const GemmBenchCase &spec, GemmBenchResult *out) {
   Gemm g;
   g.a = Mat{a, spec.type, spec.transA ? m : k, spec.transA};
   g.b = Mat{b, spec.type, spec.transB ? k : n, spec.transB};
+  if (quantized) {
+    g.b.quant = spec.quant;
+    g.b.scales = static_cast<const float *>(scales);
+    g.b.scaleLd = scaleLd;
+    while (spec.group > (int64_t(1) << g.b.groupShift))
+      ++g.b.groupShift;
+    g.b.zeroPoints = spec.quant == kInt4Group && spec.zeroPoints;
+  }
   g.c = c;
   g.cType = spec.cType;
   g.ldc = n;
@@ -143,9 +216,19 @@ Error benchGemm(const GemmBenchCase &spec, GemmBenchResult *out) {
   g.k = k;
   g.scale = 1.0f;
   g.accumulate = false;
-  const Groups stride{m * k, k * n, m * n};
+  const Groups stride{m * k, quantized ? codeBytes : k * n, m * n, scaleCount};
   fillRandom<<<1024, 256>>>(a, spec.type, G * m * k, 1);
-  fillRandom<<<1024, 256>>>(b, spec.type, G * k * n, 2);
+  if (quantized) {
+    // Values about [-1, 1): FP8 codes reach 448, int8 127, int4 8.
+    const float over = spec.quant == kFp8Block128   ? 448.0f
+                       : spec.quant == kInt8Channel ? 127.0f
+                                                    : 8.0f;
+    fillCodes<<<1024, 256>>>(static_cast<uint8_t *>(b), spec.quant, G * codeBytes, 2);
+    fillScales<<<1024, 256>>>(static_cast<float *>(scales), G * scaleCount, over, g.b.zeroPoints,
+                              3);
+  } else {
+    fillRandom<<<1024, 256>>>(b, spec.type, G * k * n, 2);
+  }
   fillNan<<<1024, 256>>>(c, spec.cType, G * m * n);
   MOEC_CUDA("filling the operands", cudaGetLastError());
 

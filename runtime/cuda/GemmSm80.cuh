@@ -2,8 +2,9 @@
 //
 // The tile paths every GPU of compute capability 8.0 or later runs:
 // mma.sync m16n8k16 fed by cp.async (three stages, 64 deep) and ldmatrix
-// for wide tiles of 16-byte-aligned bf16 operands, wmma for the others,
-// fp32 FMA for other operand types. 256 threads, blocks of 128 x 128 (or
+// for wide tiles of 16-byte-aligned bf16 operands, wmma for the others
+// (and for a quantized weight, decoded as it is loaded), fp32 FMA for other
+// operand types. 256 threads, blocks of 128 x 128 (or
 // narrower) of the tile's output at a time. Every sum has a fixed order.
 // Every path is inlined (__forceinline__, as is gemm() and the task
 // runner): on Hopper a function call anywhere in the persistent kernel
@@ -46,6 +47,17 @@ __device__ __forceinline__ void loadBf16(const Mat &x, int64_t r0, int64_t c0, i
                                          int64_t cols, __nv_bfloat16 (*s)[kLd]) {
   const uint16_t *p = static_cast<const uint16_t *>(x.p);
   const int tid = threadIdx.x;
+  if (x.quant != kDense) {
+    // A quantized weight: decoded a value at a time (narrow or unaligned
+    // tiles; the wgmma path decodes 8 at a time).
+    for (int e = tid; e < kRows * kCols; e += kThreads) {
+      const int r = x.trans ? e % kRows : e / kCols;
+      const int c = x.trans ? e / kRows : e % kCols;
+      const int64_t gr = r0 + r, gc = c0 + c;
+      s[r][c] = __float2bfloat16_rn(gr < rows && gc < cols ? quantValue(x, gr, gc) : 0.0f);
+    }
+    return;
+  }
   const bool vector = !x.trans && (x.ld % 8) == 0 && (reinterpret_cast<uintptr_t>(p) % 16) == 0;
   if (vector) {
     constexpr int kVecPerRow = kCols / 8;
@@ -154,12 +166,12 @@ __device__ __forceinline__ void gemmFp32(const Gemm &g, SmemF32 &s) {
         for (int e = tid; e < kBM * kBK; e += kThreads) {
           const int i = g.a.trans ? e % kBM : e / kBK, p = g.a.trans ? e / kBM : e % kBK;
           const int64_t gi = i0 + i, gp = p0 + p;
-          s.a[p][i] = gi < g.m && gp < g.k ? loadElt(g.a.p, g.a.at(gi, gp), g.a.type) : 0.0f;
+          s.a[p][i] = gi < g.m && gp < g.k ? opValue(g.a, gi, gp) : 0.0f;
         }
         for (int e = tid; e < kBK * kBN; e += kThreads) {
           const int p = g.b.trans ? e % kBK : e / kBN, j = g.b.trans ? e / kBK : e % kBN;
           const int64_t gp = p0 + p, gj = j0 + j;
-          s.b[p][j] = gp < g.k && gj < g.n ? loadElt(g.b.p, g.b.at(gp, gj), g.b.type) : 0.0f;
+          s.b[p][j] = gp < g.k && gj < g.n ? opValue(g.b, gp, gj) : 0.0f;
         }
         __syncthreads();
         for (int p = 0; p < kBK; ++p) {

@@ -128,6 +128,54 @@ __device__ __forceinline__ WgCopy<kCols / 32> wgCopyMN(const Mat &x, int64_t mn0
   return w;
 }
 
+/// One thread's share of a quantized B's stage: the vectors WgCopy would
+/// copy of a bf16 B (wgCopyK's when K-major, wgCopyMN's when MN-major),
+/// each 8 values along a stored row decoded in registers (quantDecode8) and
+/// stored to shared memory, zero outside the tile. Synchronous: a step
+/// writes its stage after issuing its own wgmma.
+template <int kN, bool kMN> struct WgDecode {
+  static constexpr int kChunks = kMN ? kN / 8 : 8;
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kVectors = kN / 32;
+  const Mat *x;
+  int64_t mnEnd, kEnd, mn, k; ///< the first vector's (n, k) at step 0
+  uint32_t dst;
+
+  __device__ __forceinline__ WgDecode(const Mat &b, int64_t j0, int64_t n, int64_t depth)
+      : x(&b), mnEnd(n), kEnd(depth) {
+    const int cc = threadIdx.x % kChunks, r = threadIdx.x / kChunks, c = cc & 7;
+    if constexpr (kMN) {
+      mn = j0 + cc * 8;
+      k = r;
+      dst = uint32_t((cc >> 3) * kWgBK * 128 + r * 128 + ((c ^ (r & 7)) << 4));
+    } else {
+      mn = j0 + r;
+      k = cc * 8;
+      dst = uint32_t(r * 128 + ((c ^ (r & 7)) << 4));
+    }
+  }
+
+  __device__ __forceinline__ void write(int64_t step, uint32_t stage) const {
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) {
+      // Vector i: k rows kRowsPerPass apart (MN-major), or B's rows (n) 32
+      // apart (K-major).
+      const int64_t n = kMN ? mn : mn + 32 * i;
+      const int64_t p = k + step * kWgBK + (kMN ? kRowsPerPass * i : 0);
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (n < mnEnd && p < kEnd) {
+        int64_t r, c;
+        storedAt(*x, p, n, &r, &c);
+        v = quantDecode8(*x, r, c);
+      }
+      const uint32_t to = stage + dst + uint32_t(i) * (kMN ? kRowsPerPass * 128 : 32 * 128);
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(to), "r"(v.x), "r"(v.y),
+                   "r"(v.z), "r"(v.w)
+                   : "memory");
+    }
+  }
+};
+
 __device__ __forceinline__ void wgFence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -256,7 +304,8 @@ __device__ __forceinline__ void epiloguePair(const Gemm &g, int64_t i, int64_t j
 
 /// C in blocks of 128 x kN: warpgroup w computes rows 64w .. 64w + 63.
 /// kTA / kTB: A / B is MN-major in shared memory (wgmma's transpose bit).
-template <int kN, int kTA, int kTB>
+/// kQB: B is a quantized weight, decoded into its stages (WgDecode).
+template <int kN, int kTA, int kTB, bool kQB>
 __device__ __forceinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
   using Shape = WgShape<kN>;
   constexpr int kS = Shape::kStages;
@@ -277,10 +326,16 @@ __device__ __forceinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
         else
           return wgCopyK<kN>(g.b, j0, g.n, g.k);
       }();
+      const WgDecode<kN, kTB != 0> decodeB(g.b, j0, g.n, g.k);
       const auto load = [&](int64_t step) {
         const uint32_t a = base + uint32_t(step % kS) * Shape::kStageBytes;
         copyA.issue(step, a);
-        copyB.issue(step, a + Shape::kABytes);
+        if constexpr (!kQB)
+          copyB.issue(step, a + Shape::kABytes);
+      };
+      const auto decode = [&](int64_t step) {
+        if constexpr (kQB)
+          decodeB.write(step, base + uint32_t(step % kS) * Shape::kStageBytes + Shape::kABytes);
       };
       float acc[kN / 2];
 #pragma unroll
@@ -288,8 +343,10 @@ __device__ __forceinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
         acc[e] = 0.0f;
       __syncthreads();
       for (int st = 0; st < kS - 2; ++st) {
-        if (st < steps)
+        if (st < steps) {
           load(st);
+          decode(st);
+        }
         asm volatile("cp.async.commit_group;\n" ::);
       }
       for (int64_t step = 0; step < steps; ++step) {
@@ -314,6 +371,11 @@ __device__ __forceinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
           wgmmaN<kN, kTA, kTB>(acc, da, db);
         }
         wgCommit();
+        // A quantized B's stage kS - 2 ahead is decoded while these run:
+        // its last reader, two steps back, has finished (the barrier above
+        // follows every warpgroup's wait for it).
+        if (step + kS - 2 < steps)
+          decode(step + kS - 2);
         wgWait<1>();
       }
       wgWait<0>();
@@ -334,19 +396,32 @@ __device__ __forceinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
   __syncthreads();
 }
 
-/// The wgmma path for aligned bf16 operands (vectorizable in Tile.cuh).
+/// The wgmma path for aligned bf16 operands (vectorizable in Tile.cuh), B
+/// perhaps a quantized weight (quantVectors).
 template <int kN> __device__ __forceinline__ void gemmWgmma(const Gemm &g, unsigned char *smem) {
-  // A row-major A and a transposed B are K-major; the others MN-major.
+  // A row-major A and a transposed B are K-major; the others MN-major. A
+  // quantized B is an activation form's weight: A row-major.
+  if (g.b.quant != kDense) {
+    // At most 128 columns at a time (gemm()): decoding beside 256 columns'
+    // accumulators would spill registers.
+    if constexpr (kN <= 128) {
+      if (g.b.trans)
+        gemmWgmmaT<kN, 0, 0, true>(g, smem);
+      else
+        gemmWgmmaT<kN, 0, 1, true>(g, smem);
+    }
+    return;
+  }
   if (g.a.trans) {
     if (g.b.trans)
-      gemmWgmmaT<kN, 1, 0>(g, smem);
+      gemmWgmmaT<kN, 1, 0, false>(g, smem);
     else
-      gemmWgmmaT<kN, 1, 1>(g, smem);
+      gemmWgmmaT<kN, 1, 1, false>(g, smem);
   } else {
     if (g.b.trans)
-      gemmWgmmaT<kN, 0, 0>(g, smem);
+      gemmWgmmaT<kN, 0, 0, false>(g, smem);
     else
-      gemmWgmmaT<kN, 0, 1>(g, smem);
+      gemmWgmmaT<kN, 0, 1, false>(g, smem);
   }
 }
 

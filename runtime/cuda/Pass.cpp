@@ -36,11 +36,37 @@ Status check(const device::Error &error, std::string_view what = {}) {
   return Status::error(what.empty() ? error : fmt::format("{}: {}", what, error));
 }
 
+/// Bytes of a slot's buffer at its capacity (4-bit codes two a byte along
+/// the last dim).
 size_t slotSize(const format::SlotRecord &slot) {
-  return size_t(backend::slotElements(slot)) * dtypeSize(slot.dtype);
+  const uint64_t elements = backend::slotElements(slot);
+  if (slot.dtype == DType::I4) {
+    const uint64_t last = slot.rank ? slot.dims[slot.rank - 1] : 1;
+    return size_t(elements / std::max<uint64_t>(last, 1) * uint64_t(int4Bytes(int64_t(last))));
+  }
+  return size_t(elements) * dtypeSize(slot.dtype);
 }
 
 template <typename T> size_t bytesOf(const std::vector<T> &v) { return v.size() * sizeof(T); }
+
+/// The fields of a GMM's Op that read a quantized weight `w` [L, rows,
+/// cols] (as stored) and its scales (LayerShape::scaleDims; the layer
+/// reader checked their dims).
+void describeQuantized(const LayerShape &shape, const format::SlotRecord &w, device::Op *d) {
+  const std::array<int64_t, 3> one{1, int64_t(w.dims[1]), int64_t(w.dims[2])};
+  const std::vector<int64_t> stored = shape.storedDims(one), scaleDims = shape.scaleDims(one);
+  d->quant = uint32_t(shape.weightFormat);
+  d->expertStride = stored[1] * stored[2]; // bytes
+  d->ldb = one[2];                         // values
+  d->scaleStride = 1;
+  for (int64_t dim : scaleDims)
+    d->scaleStride *= dim;
+  d->scaleLd = scaleDims.size() >= 3 ? scaleDims[2] : 1;
+  d->groupShift = 0;
+  while (shape.weightGroup > (int64_t(1) << d->groupShift))
+    ++d->groupShift;
+  d->zeroPoints = shape.weightFormat == WeightFormat::Int4Group && shape.weightZeroPoints;
+}
 
 } // namespace
 
@@ -96,14 +122,6 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     return Status::error("the cuda backend has no FP8 dispatch (no quantize or dequantize "
                          "kernels); compile without \"dispatch_dtype\": \"fp8_e4m3\", or run "
                          "on the cpu backend");
-  if (plan.shape.weightFormat != WeightFormat::Dense)
-    return Status::error(fmt::format("the cuda backend does not take {} weights; run on the cpu "
-                                     "backend",
-                                     plan.shape.weightFormatName()));
-  if (plan.shape.weightsTransposed)
-    return Status::error("the cuda backend does not take base weights stored transposed "
-                         "(w1 [L, 2I, H], w2 [L, H, I], the *_transposed graphs); compile the "
-                         "graphs of the [L, H, 2I] layout, or run on the cpu backend");
   std::string gpu;
   if (Status s = describeDevice(&gpu); !s)
     return s.withPrefix("the cuda backend: ");
@@ -149,15 +167,18 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     d.a = t.inputSlots[0];
     d.b = t.inputSlots[1];
     d.c = t.outputSlot;
-    if (op.kind == OpKind::Gmm && !d.wgrad && t.inputCount == 4)
-      d.addend = t.inputSlots[3];
+    if (op.kind == OpKind::Gmm && !d.wgrad)
+      d.addend = backend::addendSlot(program, op);
+    d.scales = op.kind == OpKind::Gmm ? backend::weightScalesSlot(program, op) : format::kNone;
     d.firstTask = op.firstTask;
     d.scale = (t.flags & format::kTilingScale) ? t.scale : 1.0f;
+    d.ldb = t.ldb;
     if (op.kind == OpKind::Gmm) {
       const format::SlotRecord &w = program.slots[d.wgrad ? t.outputSlot : t.inputSlots[1]];
       d.expertStride = int64_t(w.dims[1] * w.dims[2]);
+      if (d.scales != format::kNone)
+        describeQuantized(plan.shape, w, &d);
     }
-    d.ldb = t.ldb;
     d.ldc = t.ldc;
     const bool combine = op.kind == OpKind::Combine;
     d.sizeSlot = combine ? plan.cSize : plan.dSize;

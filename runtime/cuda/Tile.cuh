@@ -43,13 +43,28 @@ __device__ __forceinline__ const char *offsetBytes(const void *p, int64_t elemen
   return static_cast<const char *>(p) + elements * int64_t(eltSize(t));
 }
 
+/// The storage formats of a frozen weight (LayerShape's WeightFormat).
+constexpr uint32_t kDense = 0, kFp8Block128 = 1, kInt8Channel = 2, kInt4Group = 3;
+
 /// An operand as the product reads it: op(i, p) = trans ? p[p * ld + i] :
-/// p[i * ld + p].
+/// p[i * ld + p]. A quantized weight (quant != kDense) is one expert's
+/// matrix of codes as stored, [rows, ld] values (int4: two a byte), whose
+/// value at stored (r, c) is decoded in fp32 and read as `type` (the other
+/// operand's): FP8 e4m3 code x scales[(r / 128) * scaleLd + c / 128], int8
+/// code x scales[r], int4 (code - zero) x scale of group c >> groupShift of
+/// row r (scales[r * scaleLd + group], or (scale, zero) pairs there with
+/// zeroPoints; else zero 8). The product's op(0, 0) is stored (row0, col0).
 struct Mat {
   const void *p;
   uint32_t type;
   int64_t ld;
   bool trans;
+  uint32_t quant = kDense;
+  const float *scales = nullptr;
+  int64_t scaleLd = 0;
+  int32_t groupShift = 0;
+  bool zeroPoints = false;
+  int64_t row0 = 0, col0 = 0;
   __device__ int64_t at(int64_t row, int64_t col) const {
     return trans ? col * ld + row : row * ld + col;
   }
@@ -79,6 +94,109 @@ __device__ __forceinline__ void epilogue(const Gemm &g, int64_t i, int64_t j, fl
   if (g.d)
     v += loadElt(g.d, i * g.ldd + j, g.dType);
   storeElt(g.c, at, g.cType, v);
+}
+
+//===----------------------------------------------------------------------===//
+// Quantized weights (Mat::quant), decoded as runtime/cpu/Quant.h and Fp8.h
+// decode them: (code - zero) x scale in fp32, rounded once to the operand's
+// type
+//===----------------------------------------------------------------------===//
+
+/// An FP8 e4m3 code's value: no infinities; S.1111.111 is NaN.
+__device__ __forceinline__ float e4m3Value(uint32_t code) {
+  const uint32_t sign = (code & 0x80u) << 24, e = (code >> 3) & 15u, m = code & 7u;
+  if (e == 15 && m == 7)
+    return __uint_as_float(sign | 0x7FC00000u);
+  if (e == 0) // subnormal: m x 2^-9
+    return __uint_as_float(sign | __float_as_uint(float(m) * 0.001953125f));
+  return __uint_as_float(sign | (e + 120) << 23 | m << 20);
+}
+
+/// The scale and zero point of stored value (r, c) of a quantized weight.
+__device__ __forceinline__ float2 quantScale(const Mat &x, int64_t r, int64_t c) {
+  switch (x.quant) {
+  case kFp8Block128:
+    return make_float2(x.scales[(r >> 7) * x.scaleLd + (c >> 7)], 0.0f);
+  case kInt8Channel:
+    return make_float2(x.scales[r], 0.0f);
+  default: {
+    const int64_t at = r * x.scaleLd + (c >> x.groupShift);
+    return x.zeroPoints ? make_float2(x.scales[2 * at], x.scales[2 * at + 1])
+                        : make_float2(x.scales[at], 8.0f);
+  }
+  }
+}
+
+/// The code at stored (r, c), as a float (int4: 0..15).
+__device__ __forceinline__ float quantCode(const Mat &x, int64_t r, int64_t c) {
+  const uint8_t *codes = static_cast<const uint8_t *>(x.p);
+  switch (x.quant) {
+  case kFp8Block128:
+    return e4m3Value(codes[r * x.ld + c]);
+  case kInt8Channel:
+    return float(int8_t(codes[r * x.ld + c]));
+  default: {
+    const uint8_t byte = codes[r * ((x.ld + 1) / 2) + c / 2];
+    return float(c & 1 ? byte >> 4 : byte & 15);
+  }
+  }
+}
+
+/// The stored coordinates of op(row, col).
+__device__ __forceinline__ void storedAt(const Mat &x, int64_t row, int64_t col, int64_t *r,
+                                         int64_t *c) {
+  *r = (x.trans ? col : row) + x.row0;
+  *c = (x.trans ? row : col) + x.col0;
+}
+
+/// op(row, col) of a quantized weight, in fp32.
+__device__ __forceinline__ float quantValue(const Mat &x, int64_t row, int64_t col) {
+  int64_t r, c;
+  storedAt(x, row, col, &r, &c);
+  const float2 s = quantScale(x, r, c);
+  return (quantCode(x, r, c) - s.y) * s.x;
+}
+
+/// op(row, col) of any operand, in fp32.
+__device__ __forceinline__ float opValue(const Mat &x, int64_t row, int64_t col) {
+  return x.quant != kDense ? quantValue(x, row, col) : loadElt(x.p, x.at(row, col), x.type);
+}
+
+/// Whether a quantized operand can be decoded 8 values (16 bytes of bf16) at
+/// a time along its stored rows: bf16, `ld`, the origin's column and the
+/// contiguous extent multiples of 8, the codes 8-byte aligned.
+__device__ __forceinline__ bool quantVectors(const Mat &x, int64_t contiguousExtent) {
+  return x.type == kBF16 && x.ld % 8 == 0 && x.col0 % 8 == 0 && contiguousExtent % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(x.p) % 8 == 0;
+}
+
+/// Stored values (r, c .. c + 7) of a quantized weight (c % 8 == 0, one
+/// scale for all: a block, row or group holds them), as 8 bf16.
+__device__ __forceinline__ uint4 quantDecode8(const Mat &x, int64_t r, int64_t c) {
+  const float2 s = quantScale(x, r, c);
+  const uint8_t *codes = static_cast<const uint8_t *>(x.p);
+  float v[8];
+  if (x.quant == kInt4Group) {
+    const uint32_t word = *reinterpret_cast<const uint32_t *>(codes + r * (x.ld / 2) + c / 2);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      v[e] = (float((word >> (4 * e)) & 15u) - s.y) * s.x;
+  } else {
+    const uint2 bytes = *reinterpret_cast<const uint2 *>(codes + r * x.ld + c);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t code = ((e < 4 ? bytes.x : bytes.y) >> (8 * (e % 4))) & 0xFFu;
+      v[e] = (x.quant == kFp8Block128 ? e4m3Value(code) : float(int8_t(code))) * s.x;
+    }
+  }
+  uint4 out;
+  uint32_t *w = reinterpret_cast<uint32_t *>(&out);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+    w[e] = *reinterpret_cast<const uint32_t *>(&pair);
+  }
+  return out;
 }
 
 __device__ __forceinline__ uint32_t sharedAddress(const void *p) {

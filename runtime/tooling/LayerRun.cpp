@@ -119,14 +119,6 @@ void quantizeStored(const rt::LayerShape &shape, float *m, int64_t rows, int64_t
       m[i * cols + j] = stored[size_t(transposed ? j * rows + i : i * cols + j)];
 }
 
-/// A runtime tensor of `dims` (at most four) at `data`.
-rt::Tensor tensorOf(void *data, DType dtype, const std::vector<int64_t> &dims) {
-  rt::Tensor t = rt::makeTensor(data, dtype, {});
-  for (int64_t d : dims)
-    t.dims[t.ndim++] = d;
-  return t;
-}
-
 /// The product of `dims`.
 int64_t count(const std::vector<int64_t> &dims) {
   int64_t n = 1;
@@ -148,6 +140,43 @@ void transposeEach(float *m, int64_t count, int64_t rows, int64_t cols) {
   }
 }
 } // namespace
+
+StoredWeights storedWeights(const rt::LayerShape &shape, const LayerData &d, int64_t rank) {
+  const int64_t H = d.hidden, I = shape.inter, L = shape.localExperts, T = d.tp;
+  StoredWeights out;
+  out.dtype = shape.weightDType();
+  const std::array<int64_t, 3> w1Dims = shape.w1Dims(), w2Dims = shape.w2Dims();
+  out.w1Dims = shape.storedDims(w1Dims);
+  out.w2Dims = shape.storedDims(w2Dims);
+  std::vector<float> w1(size_t(L * H * 2 * I)), w2(size_t(L * I * H));
+  sliceExperts(d, rank / T * L, L, rank % T, w1.data(), w2.data());
+  if (shape.weightFormat == WeightFormat::Dense) {
+    if (shape.weightsTransposed) { // w1 [L, 2I, H], w2 [L, H, I]
+      transposeEach(w1.data(), L, H, 2 * I);
+      transposeEach(w2.data(), L, I, H);
+    }
+    for (auto [from, to] : {std::pair{&w1, &out.w1}, std::pair{&w2, &out.w2}}) {
+      to->resize(from->size() * dtypeSize(out.dtype));
+      cpu::storeFloats(from->data(), to->data(), out.dtype, from->size());
+    }
+    return out;
+  }
+  // Codes and scales of each expert's matrix as stored.
+  out.w1ScaleDims = shape.scaleDims(w1Dims);
+  out.w2ScaleDims = shape.scaleDims(w2Dims);
+  for (const auto &[w, codes, scales, dims, rows, cols] :
+       {std::tuple{&w1, &out.w1, &out.w1Scale, w1Dims, H, 2 * I},
+        std::tuple{&w2, &out.w2, &out.w2Scale, w2Dims, I, H}}) {
+    const int64_t codeBytes = count(shape.storedDims(dims)) / L,
+                  scaleCount = count(shape.scaleDims(dims)) / L;
+    codes->assign(size_t(L * codeBytes), 0);
+    scales->assign(size_t(L * scaleCount), 0.0f);
+    for (int64_t l = 0; l < L; ++l)
+      quantizeStored(shape, w->data() + l * rows * cols, rows, cols, shape.weightsTransposed,
+                     codes->data() + l * codeBytes, scales->data() + l * scaleCount, false);
+  }
+  return out;
+}
 
 Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *d) {
   if (shape.weightFormat == WeightFormat::Dense)
@@ -189,7 +218,6 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   const int64_t S = d.tokens, K = d.topK, H = d.hidden, I = shape.inter,
                 L = shape.localExperts, T = d.tp;
   // The context's passes decide what is bound (dy is empty at S = 0 tokens).
-  const std::array<int64_t, 3> w1Dims = shape.w1Dims(), w2Dims = shape.w2Dims();
   const bool backward = context.backwardShape() != nullptr;
   if (backward && d.dy.size() != size_t(d.ranks * S * H))
     return Status::error(fmt::format("dy holds {} values; the backward pass needs {} ({} x {} x {})",
@@ -203,35 +231,16 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   for (int64_t r = first; r < last; ++r) {
     Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
     const size_t tokensH = size_t(S * H), w1n = size_t(L * H * 2 * I), w2n = size_t(L * I * H);
-    const int64_t e = r / T, t = r % T;
+    const int64_t e = r / T;
     b[kX].assign(d.x.data() + e * S * H, tokensH, act);
     b[kY].zeros(tokensH, act);
-    std::vector<float> w1(w1n), w2(w2n);
-    sliceExperts(d, e * L, L, t, w1.data(), w2.data());
-    if (shape.weightFormat != WeightFormat::Dense) {
-      // Codes and scales of each expert's matrix as stored.
-      for (const auto &[w, slot, scale, rows, cols] :
-           {std::tuple{&w1, kW1, kW1Scale, H, 2 * I}, std::tuple{&w2, kW2, kW2Scale, I, H}}) {
-        const std::array<int64_t, 3> dims = slot == kW1 ? shape.w1Dims() : shape.w2Dims();
-        const int64_t codeBytes = count(shape.storedDims(dims)) / L,
-                      scaleCount = count(shape.scaleDims(dims)) / L;
-        Buffer &codes = b[slot], &scales = b[scale];
-        codes.dtype = shape.weightDType();
-        codes.bytes.assign(size_t(L * codeBytes), 0);
-        scales.zeros(size_t(L * scaleCount), DType::F32);
-        for (int64_t l = 0; l < L; ++l)
-          quantizeStored(shape, w->data() + l * rows * cols, rows, cols, shape.weightsTransposed,
-                         codes.bytes.data() + l * codeBytes, scales.f32.data() + l * scaleCount,
-                         false);
-      }
-    } else {
-      if (shape.weightsTransposed) { // w1 [L, 2I, H], w2 [L, H, I]
-        transposeEach(w1.data(), L, H, 2 * I);
-        transposeEach(w2.data(), L, I, H);
-      }
-      b[kW1].assign(w1.data(), w1n, act);
-      b[kW2].assign(w2.data(), w2n, act);
-    }
+    StoredWeights stored = storedWeights(shape, d, r);
+    b[kW1].dtype = b[kW2].dtype = stored.dtype;
+    b[kW1].bytes = std::move(stored.w1);
+    b[kW2].bytes = std::move(stored.w2);
+    b[kW1Scale].dtype = b[kW2Scale].dtype = DType::F32;
+    b[kW1Scale].f32 = std::move(stored.w1Scale);
+    b[kW2Scale].f32 = std::move(stored.w2Scale);
     ids[size_t(r)].assign(d.ids.begin() + e * S * K, d.ids.begin() + (e + 1) * S * K);
     weights[size_t(r)].assign(d.weights.begin() + e * S * K, d.weights.begin() + (e + 1) * S * K);
     const uint32_t rank = uint32_t(r);
@@ -242,14 +251,14 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
     std::vector<std::pair<const char *, rt::Tensor>> tensors = {
         {"x", rt::makeTensor(b[kX].data(), act, {S, H})},
         {"y", rt::makeTensor(b[kY].data(), act, {S, H})},
-        {"w1", tensorOf(b[kW1].data(), b[kW1].dtype, shape.storedDims(w1Dims))},
-        {"w2", tensorOf(b[kW2].data(), b[kW2].dtype, shape.storedDims(w2Dims))},
+        {"w1", rt::makeTensor(b[kW1].data(), b[kW1].dtype, stored.w1Dims)},
+        {"w2", rt::makeTensor(b[kW2].data(), b[kW2].dtype, stored.w2Dims)},
     };
     if (shape.weightFormat != WeightFormat::Dense) {
       tensors.push_back(
-          {"w1_scale", tensorOf(b[kW1Scale].data(), DType::F32, shape.scaleDims(w1Dims))});
+          {"w1_scale", rt::makeTensor(b[kW1Scale].data(), DType::F32, stored.w1ScaleDims)});
       tensors.push_back(
-          {"w2_scale", tensorOf(b[kW2Scale].data(), DType::F32, shape.scaleDims(w2Dims))});
+          {"w2_scale", rt::makeTensor(b[kW2Scale].data(), DType::F32, stored.w2ScaleDims)});
     }
     if (backward) {
       // The weight-gradient dtype is the backward binary's; a context

@@ -151,6 +151,21 @@ Status checkRunManifest(const std::string &dir,
 /// An error where the format does not go with the layout (TP > 1).
 Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *data);
 
+/// One rank's base weights as a binary of `shape` stores them: w1 and w2
+/// in its weight type (LayerShape::weightDType) and layout (transposed,
+/// quantized: LayerShape::storedDims), as bytes, and the scales of
+/// quantized ones (LayerShape::scaleDims; empty when dense).
+struct StoredWeights {
+  DType dtype = DType::F32;
+  std::vector<uint8_t> w1, w2;
+  std::vector<float> w1Scale, w2Scale;
+  std::vector<int64_t> w1Dims, w2Dims, w1ScaleDims, w2ScaleDims;
+};
+
+/// Rank `rank`'s weights of `data` (EP rank rank / T's experts, TP slice
+/// rank % T of each) as `shape` stores them.
+StoredWeights storedWeights(const rt::LayerShape &shape, const LayerData &data, int64_t rank);
+
 /// The inputs of a LayerData in the binary's storage types, bound to a
 /// context; run() runs the passes and copies the outputs back as fp32.
 class LayerRun {
@@ -168,16 +183,16 @@ private:
   struct Buffer {
     std::vector<float> f32;
     std::vector<uint16_t> bf16;
-    std::vector<uint8_t> bytes; ///< codes of a quantized weight (F8E4M3, I8, I4)
+    std::vector<uint8_t> bytes; ///< a weight as stored (StoredWeights)
     format::DType dtype = format::DType::F32;
     void assign(const float *values, size_t count, format::DType type);
     void zeros(size_t count, format::DType type);
     /// Sets every element to zero where it is (a bound tensor stays bound).
     void clear();
     void *data() {
-      return dtype == format::DType::BF16  ? (void *)bf16.data()
-             : dtype == format::DType::F32 ? (void *)f32.data()
-                                           : bytes.data();
+      return !bytes.empty()                 ? (void *)bytes.data()
+             : dtype == format::DType::BF16 ? (void *)bf16.data()
+                                            : (void *)f32.data();
     }
     void copyOut(float *out) const;
   };

@@ -1225,7 +1225,7 @@ TEST_CASE("packed weights: the bits of packing in every tile, packed again when 
              Catch::Contains("'x' is not a weight; expected one of w1, w2, lora_a1"));
 }
 
-TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", "[runtime]") {
+TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", "[runtime][gpu]") {
   // w1 [L, 2I, H] and w2 [L, H, I], each expert's matrix transposed (the
   // layout of Hugging Face's fused experts), run by the *_transposed graphs:
   // the forward and the frozen backward give what the [L, H, 2I] layout's
@@ -1295,14 +1295,6 @@ TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", 
 
 namespace {
 
-/// A runtime tensor of `dims` (at most four) at `data`.
-moec::rt::Tensor tensorOf(void *data, DType dtype, const std::vector<int64_t> &dims) {
-  moec::rt::Tensor t = makeTensor(data, dtype, {});
-  for (int64_t d : dims)
-    t.dims[t.ndim++] = d;
-  return t;
-}
-
 /// The product of `dims`.
 int64_t product(const std::vector<int64_t> &dims) {
   return std::accumulate(dims.begin(), dims.end(), int64_t(1), std::multiplies<int64_t>());
@@ -1369,9 +1361,9 @@ struct QuantizedWeight {
   std::vector<float> scales;
   std::vector<int64_t> codeDims, scaleDims;
   moec::rt::Tensor codesTensor(const moec::rt::LayerShape &shape) {
-    return tensorOf(codes.data(), shape.weightDType(), codeDims);
+    return makeTensor(codes.data(), shape.weightDType(), codeDims);
   }
-  moec::rt::Tensor scalesTensor() { return tensorOf(scales.data(), DType::F32, scaleDims); }
+  moec::rt::Tensor scalesTensor() { return makeTensor(scales.data(), DType::F32, scaleDims); }
 };
 
 /// Quantizes each expert's matrix of `values` ([L, rows, cols] = `dims`) in
@@ -1423,7 +1415,7 @@ quantizeRun(const Case &c, const moec::rt::LayerShape &shape, Run &dense) {
 
 TEST_CASE("quantized base weights (FP8 blocks, int8 rows, int4 groups): the dense layer on the "
           "dequantized weights",
-          "[runtime]") {
+          "[runtime][gpu]") {
   // w1 [L, 2I, H] and w2 [L, H, I] as codes with their fp32 scales
   // (graphs/*_transposed_<format>.json) against the dense transposed
   // binaries on the same weights dequantized: the forward and the frozen
@@ -1474,7 +1466,7 @@ TEST_CASE("quantized base weights (FP8 blocks, int8 rows, int4 groups): the dens
           std::vector<int64_t> wrongDims = w1.scaleDims;
           wrongDims[wrongDims.size() >= 3 ? 2 : 1] *= 2;
           std::vector<float> wrong(size_t(product(wrongDims)), 1.0f);
-          REQUIRE(ctx->bind(firstLocal, "w1_scale", tensorOf(wrong.data(), DType::F32, wrongDims))
+          REQUIRE(ctx->bind(firstLocal, "w1_scale", makeTensor(wrong.data(), DType::F32, wrongDims))
                       .ok());
           std::string refused = ctx->forward().message();
           CHECK_THAT(refused, Catch::Contains("tensor 'w1_scale' has shape " +
@@ -1503,7 +1495,7 @@ TEST_CASE("quantized base weights (FP8 blocks, int8 rows, int4 groups): the dens
 
 TEST_CASE("quantized weights' scales out of range and zero points outside 0..15 are refused, "
           "naming where",
-          "[runtime]") {
+          "[runtime][gpu]") {
   // Rank 1's scales hold a bad value (under MPI in its process only); every
   // rank's forward (and a backward after a good forward) stops with rank 1's
   // message, outputs untouched; the good value back, both passes run.
@@ -1721,21 +1713,6 @@ TEST_CASE("the cuda backend refuses what it does not do, before it looks for a G
   REQUIRE(fwd->shape().fp8Dispatch);
   if (std::string(moec::test::testFabricName()) == "in-process")
     CHECK_THAT(refusal(ContextOptions()), Catch::Contains("the cuda backend has no FP8 dispatch"));
-  // Base weights stored transposed (Hugging Face's fused experts).
-  std::tie(fwd, bwd) =
-      compile(c, "graphs/moe_ffn_fwd_transposed.json", "graphs/moe_ffn_bwd_frozen_transposed.json");
-  REQUIRE(fwd->shape().weightsTransposed);
-  if (std::string(moec::test::testFabricName()) == "in-process")
-    CHECK_THAT(refusal(ContextOptions()),
-               Catch::Contains("the cuda backend does not take base weights stored transposed"));
-  // Quantized weights: FP8 blocks, int8 rows, int4 groups.
-  for (const QuantizedFormat &format : kQuantizedFormats) {
-    std::tie(fwd, bwd) = compileQuantized(quantizedCase(format), format);
-    if (std::string(moec::test::testFabricName()) == "in-process")
-      CHECK_THAT(refusal(ContextOptions()),
-                 Catch::Contains(std::string("the cuda backend does not take ") + format.name +
-                                 " weights"));
-  }
 }
 
 TEST_CASE("an FP8 forward binary is refused when its quantize chain is broken", "[runtime]") {

@@ -97,11 +97,13 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
     for (int64_t d : dims)
       count *= d;
     const bool pairs = s.weightFormat == WeightFormat::Int4Group && s.weightZeroPoints;
-    for (int64_t i = 0; i < count; ++i) {
+    int64_t i = -1;
+    float v = 0;
+    const backend::Pass &pass = fwd ? *fwd : *bwd;
+    if (Status st = pass.findBadScale(scales, count, pairs, &i, &v); !st)
+      return st.withPrefix(fmt::format("rank {}: tensor '{}': ", rank, kBindingNames[b]));
+    if (i >= 0) {
       const bool zero = pairs && i % 2 == 1;
-      const float v = scales[i];
-      if (zero ? std::isfinite(v) && v >= 0 && v <= 15 : std::isfinite(v) && v > 0)
-        continue;
       // Where: the local expert, then the block, row, or row and group.
       const int64_t at = pairs ? i / 2 : i, perExpert = count / dims[0] / (pairs ? 2 : 1);
       const int64_t e = at / perExpert, within = at % perExpert;

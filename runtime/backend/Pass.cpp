@@ -39,6 +39,18 @@ uint32_t fourthInput(const format::TaskProgram &program, const format::OpRecord 
 }
 } // namespace
 
+Status Pass::findBadScale(const float *scales, int64_t count, bool pairs, int64_t *index,
+                          float *value) const {
+  *index = -1;
+  for (int64_t i = 0; i < count; ++i)
+    if (!goodScale(scales[i], pairs && i % 2 == 1)) {
+      *index = i;
+      *value = scales[i];
+      break;
+    }
+  return Status::success();
+}
+
 uint32_t addendSlot(const format::TaskProgram &program, const format::OpRecord &op) {
   return fourthInput(program, op, false);
 }

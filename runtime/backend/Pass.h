@@ -41,6 +41,7 @@
 #include "runtime/trace/Trace.h"
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -113,6 +114,14 @@ public:
   virtual void weightChanged(uint32_t slot) { (void)slot; }
   /// Bytes held by the packed copies of the weights (PassOptions::packWeights).
   virtual size_t packedWeightBytes() const { return 0; }
+  /// Where a quantized weight's scales (`count` floats at `scales`, bound
+  /// to this pass; (scale, zero point) pairs with `pairs`) first hold a
+  /// scale that is not a finite positive number or a zero point outside
+  /// 0..15: its index in *index (-1 where none) and the float in *value.
+  /// Read in host memory here; a backend whose tensors can live elsewhere
+  /// reads them there.
+  virtual Status findBadScale(const float *scales, int64_t count, bool pairs, int64_t *index,
+                              float *value) const;
 
   /// The memory of slot `slot` of local rank `rank` (null before allocate(),
   /// or for a slot the caller binds). The backend's own memory: a backward
@@ -163,6 +172,12 @@ int64_t slotRows(const format::SlotRecord &slot);
 /// combine that reduces over TP (one block of partial sums per TP rank,
 /// slotRows() rows apart), else 1.
 uint32_t slotCopies(const format::TaskProgram &program, uint32_t slot);
+
+/// Whether `v` is a quantized weight's scale (finite and positive) or, with
+/// `zeroPoint`, an int4 zero point (a finite number from 0 to 15).
+inline bool goodScale(float v, bool zeroPoint) {
+  return zeroPoint ? std::isfinite(v) && v >= 0 && v <= 15 : std::isfinite(v) && v > 0;
+}
 
 /// The addend of an activation-form GMM (its fourth input, unless B is
 /// quantized: then that is B's scales), or rt::kNoSlot for any other op.

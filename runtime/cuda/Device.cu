@@ -814,6 +814,39 @@ Error combineRows(const void *z, uint32_t zType, int64_t zLd, const int64_t *pos
   return {};
 }
 
+namespace {
+__global__ void badScaleKernel(const float *scales, int64_t count, bool pairs,
+                               unsigned long long *first) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = scales[i];
+    const bool good =
+        pairs && (i & 1) ? isfinite(v) && v >= 0.0f && v <= 15.0f : isfinite(v) && v > 0.0f;
+    if (!good)
+      atomicMin(first, static_cast<unsigned long long>(i));
+  }
+}
+} // namespace
+
+Error findBadScale(const float *scales, int64_t count, bool pairs, void *scratch, int64_t *index,
+                   float *value) {
+  *index = -1;
+  if (count <= 0)
+    return {};
+  auto *first = static_cast<unsigned long long *>(scratch);
+  MOEC_CUDA("the scale check", cudaMemsetAsync(first, 0xFF, sizeof(*first)));
+  badScaleKernel<<<gridFor(count), kThreads>>>(scales, count, pairs, first);
+  MOEC_CUDA("the scale check", cudaGetLastError());
+  unsigned long long found = 0;
+  MOEC_CUDA("the scale check", cudaMemcpy(&found, first, sizeof(found), cudaMemcpyDeviceToHost));
+  if (found == ~0ull)
+    return {};
+  *index = int64_t(found);
+  MOEC_CUDA("the scale check",
+            cudaMemcpy(value, scales + found, sizeof(float), cudaMemcpyDeviceToHost));
+  return {};
+}
+
 Error combineWeightGrad(const void *dy, uint32_t dyType, const void *z, uint32_t zType,
                         int64_t zLd, const int64_t *position, int64_t topK, int64_t tokens,
                         int64_t cols, float *out) {

@@ -93,6 +93,7 @@ Status describeDevice(std::string *out) {
 Pass::~Pass() {
   for (Buffer &b : owned)
     device::release(b.memory);
+  device::release(scaleCheck.memory);
   for (auto &rank : staged)
     for (Staged &s : rank)
       device::release(s.device.memory);
@@ -316,6 +317,18 @@ void Pass::bindSlot(uint32_t rank, uint32_t slot, void *memory) {
   s.bytes = slotSize(program->slots[slot]);
   s.output = isOutput[slot];
   data[rank][slot] = nullptr;
+}
+
+Status Pass::findBadScale(const float *scales, int64_t count, bool pairs, int64_t *index,
+                          float *value) const {
+  if (!device::isDevice(scales)) // staged: read where it is
+    return backend::Pass::findBadScale(scales, count, pairs, index, value);
+  if (!scaleCheck.memory) {
+    if (Status s = check(device::allocate(sizeof(uint64_t), &scaleCheck.memory)); !s)
+      return s;
+    scaleCheck.bytes = sizeof(uint64_t);
+  }
+  return check(device::findBadScale(scales, count, pairs, scaleCheck.memory, index, value));
 }
 
 Status Pass::onDevice(const void *memory, size_t bytes, Buffer *staging, const void **out) {

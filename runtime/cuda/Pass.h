@@ -56,6 +56,8 @@ public:
   uint64_t workspaceNeeded() const override;
   void *slot(uint32_t rank, uint32_t slot) const override { return data[rank][slot]; }
   void bindSlot(uint32_t rank, uint32_t slot, void *memory) override;
+  Status findBadScale(const float *scales, int64_t count, bool pairs, int64_t *index,
+                      float *value) const override;
   Status fillLayout(const std::vector<backend::RankRoute> &routes) override;
   Status gatherSendRows(const std::vector<backend::RankRoute> &routes,
                         const std::vector<const void *> &source, bool weighted) override;
@@ -98,6 +100,7 @@ private:
   const rt::LayerPlan *layer = nullptr;
   backend::PassOptions options;
   std::vector<Buffer> owned;                ///< everything freed with the pass
+  mutable Buffer scaleCheck;                ///< findBadScale's 8 bytes
   std::vector<std::vector<void *>> data;    ///< [rank][slot], device pointers
   std::vector<std::vector<Staged>> staged;  ///< [rank][slot]
   std::vector<bool> isOutput;               ///< per slot: an op writes it

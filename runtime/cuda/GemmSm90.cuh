@@ -130,9 +130,10 @@ __device__ __forceinline__ WgCopy<kCols / 32> wgCopyMN(const Mat &x, int64_t mn0
 
 /// One thread's share of a quantized B's stage: the vectors WgCopy would
 /// copy of a bf16 B (wgCopyK's when K-major, wgCopyMN's when MN-major),
-/// each 8 values along a stored row decoded in registers (quantDecode8) and
-/// stored to shared memory, zero outside the tile. Synchronous: a step
-/// writes its stage after issuing its own wgmma.
+/// each 8 values along a stored row. load() reads a step's codes and scales
+/// into registers; store() decodes them (quantDecode8) into a stage, zero
+/// outside the tile. gemmWgmmaT loads a step's codes one step before it
+/// stores them, so the reads from memory run beside a step's wgmma.
 template <int kN, bool kMN> struct WgDecode {
   static constexpr int kChunks = kMN ? kN / 8 : 8;
   static constexpr int kRowsPerPass = kThreads / kChunks;
@@ -140,6 +141,7 @@ template <int kN, bool kMN> struct WgDecode {
   const Mat *x;
   int64_t mnEnd, kEnd, mn, k; ///< the first vector's (n, k) at step 0
   uint32_t dst;
+  Quant8 held[kVectors];
 
   __device__ __forceinline__ WgDecode(const Mat &b, int64_t j0, int64_t n, int64_t depth)
       : x(&b), mnEnd(n), kEnd(depth) {
@@ -155,19 +157,26 @@ template <int kN, bool kMN> struct WgDecode {
     }
   }
 
-  __device__ __forceinline__ void write(int64_t step, uint32_t stage) const {
+  __device__ __forceinline__ void load(int64_t step) {
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
       // Vector i: k rows kRowsPerPass apart (MN-major), or B's rows (n) 32
       // apart (K-major).
       const int64_t n = kMN ? mn : mn + 32 * i;
       const int64_t p = k + step * kWgBK + (kMN ? kRowsPerPass * i : 0);
-      uint4 v = make_uint4(0, 0, 0, 0);
+      held[i] = Quant8{make_uint2(0, 0), make_float2(0.0f, 0.0f)};
       if (n < mnEnd && p < kEnd) {
         int64_t r, c;
         storedAt(*x, p, n, &r, &c);
-        v = quantDecode8(*x, r, c);
+        held[i] = quantLoad8(*x, r, c);
       }
+    }
+  }
+
+  __device__ __forceinline__ void store(uint32_t stage) const {
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) {
+      const uint4 v = quantDecode8(x->quant, held[i]);
       const uint32_t to = stage + dst + uint32_t(i) * (kMN ? kRowsPerPass * 128 : 32 * 128);
       asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(to), "r"(v.x), "r"(v.y),
                    "r"(v.z), "r"(v.w)
@@ -326,16 +335,17 @@ __device__ __forceinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
         else
           return wgCopyK<kN>(g.b, j0, g.n, g.k);
       }();
-      const WgDecode<kN, kTB != 0> decodeB(g.b, j0, g.n, g.k);
+      WgDecode<kN, kTB != 0> decodeB(g.b, j0, g.n, g.k);
       const auto load = [&](int64_t step) {
         const uint32_t a = base + uint32_t(step % kS) * Shape::kStageBytes;
         copyA.issue(step, a);
         if constexpr (!kQB)
           copyB.issue(step, a + Shape::kABytes);
       };
+      // A quantized B: step `step`'s codes, loaded before, into its stage.
       const auto decode = [&](int64_t step) {
         if constexpr (kQB)
-          decodeB.write(step, base + uint32_t(step % kS) * Shape::kStageBytes + Shape::kABytes);
+          decodeB.store(base + uint32_t(step % kS) * Shape::kStageBytes + Shape::kABytes);
       };
       float acc[kN / 2];
 #pragma unroll
@@ -345,10 +355,16 @@ __device__ __forceinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
       for (int st = 0; st < kS - 2; ++st) {
         if (st < steps) {
           load(st);
-          decode(st);
+          if constexpr (kQB) {
+            decodeB.load(st);
+            decode(st);
+          }
         }
         asm volatile("cp.async.commit_group;\n" ::);
       }
+      if constexpr (kQB)
+        if (kS - 2 < steps)
+          decodeB.load(kS - 2);
       for (int64_t step = 0; step < steps; ++step) {
         asm volatile("cp.async.wait_group %0;\n" ::"n"(kS - 3));
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -371,11 +387,16 @@ __device__ __forceinline__ void gemmWgmmaT(const Gemm &g, unsigned char *smem) {
           wgmmaN<kN, kTA, kTB>(acc, da, db);
         }
         wgCommit();
-        // A quantized B's stage kS - 2 ahead is decoded while these run:
-        // its last reader, two steps back, has finished (the barrier above
-        // follows every warpgroup's wait for it).
-        if (step + kS - 2 < steps)
-          decode(step + kS - 2);
+        // A quantized B's stage kS - 2 ahead is decoded while these run
+        // (its last reader, two steps back, has finished: the barrier above
+        // follows every warpgroup's wait for it), and the next step's codes
+        // are read.
+        if constexpr (kQB) {
+          if (step + kS - 2 < steps)
+            decode(step + kS - 2);
+          if (step + kS - 1 < steps)
+            decodeB.load(step + kS - 1);
+        }
         wgWait<1>();
       }
       wgWait<0>();

@@ -171,22 +171,36 @@ __device__ __forceinline__ bool quantVectors(const Mat &x, int64_t contiguousExt
 }
 
 /// Stored values (r, c .. c + 7) of a quantized weight (c % 8 == 0, one
-/// scale for all: a block, row or group holds them), as 8 bf16.
-__device__ __forceinline__ uint4 quantDecode8(const Mat &x, int64_t r, int64_t c) {
-  const float2 s = quantScale(x, r, c);
+/// scale for all: a block, row or group holds them), as loaded: their codes
+/// (int4: 4 bytes; else 8), scale and zero point.
+struct Quant8 {
+  uint2 codes;
+  float2 scale;
+};
+__device__ __forceinline__ Quant8 quantLoad8(const Mat &x, int64_t r, int64_t c) {
   const uint8_t *codes = static_cast<const uint8_t *>(x.p);
+  Quant8 q;
+  q.scale = quantScale(x, r, c);
+  if (x.quant == kInt4Group)
+    q.codes = make_uint2(*reinterpret_cast<const uint32_t *>(codes + r * (x.ld / 2) + c / 2), 0);
+  else
+    q.codes = *reinterpret_cast<const uint2 *>(codes + r * x.ld + c);
+  return q;
+}
+
+/// quantLoad8's values, decoded, as 8 bf16 (zeros for an all-zero Quant8).
+__device__ __forceinline__ uint4 quantDecode8(uint32_t quant, const Quant8 &q) {
+  const float2 s = q.scale;
   float v[8];
-  if (x.quant == kInt4Group) {
-    const uint32_t word = *reinterpret_cast<const uint32_t *>(codes + r * (x.ld / 2) + c / 2);
+  if (quant == kInt4Group) {
 #pragma unroll
     for (int e = 0; e < 8; ++e)
-      v[e] = (float((word >> (4 * e)) & 15u) - s.y) * s.x;
+      v[e] = (float((q.codes.x >> (4 * e)) & 15u) - s.y) * s.x;
   } else {
-    const uint2 bytes = *reinterpret_cast<const uint2 *>(codes + r * x.ld + c);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const uint32_t code = ((e < 4 ? bytes.x : bytes.y) >> (8 * (e % 4))) & 0xFFu;
-      v[e] = (x.quant == kFp8Block128 ? e4m3Value(code) : float(int8_t(code))) * s.x;
+      const uint32_t code = ((e < 4 ? q.codes.x : q.codes.y) >> (8 * (e % 4))) & 0xFFu;
+      v[e] = (quant == kFp8Block128 ? e4m3Value(code) : float(int8_t(code))) * s.x;
     }
   }
   uint4 out;

@@ -11,9 +11,16 @@
 #    device memory, a sampled check against the reference) and PyTorch eager
 #    on the same 8 * S tokens (bench_torch.py layer: rows sorted by expert
 #    once, one matmul pair per expert on unbind slices).
+# 3. Frozen experts stored as checkpoints ship them (Hugging Face's [out, in]
+#    layout, the *_transposed graphs): the tiles with B as FP8 blocks, int8
+#    rows, int4 groups of 128 (cuda_bench gmm --weight-format), and the
+#    frozen layer at S = 1024, forward + backward (dx only), with bf16 and
+#    with each format's weights, each checked against the reference on the
+#    dequantized weights.
 #
 # CUDA_BENCH defaults to bazel-bin/examples/cuda/cuda_bench. BINARIES is a
-# folder with q1024.{fwd,bwd}.moebin and q4096.{fwd,bwd}.moebin; without it
+# folder with q1024.{fwd,bwd}.moebin and q4096.{fwd,bwd}.moebin (and, for
+# part 3, frozen{,_fp8,_int8,_int4}.{fwd,bwd}.moebin); without it
 # they are compiled here (bazel-bin/tools/moec) for the h100 profile with 16
 # cube and 16 vector cores per rank (8 ranks share the GPU's 132 SMs).
 # Needs a CUDA PyTorch for the PyTorch side.
@@ -28,12 +35,18 @@ if [ -z "$bins" ]; then
     python3 - "$s" "$bins/q$s.json" <<'PY'
 import json, sys
 c = json.load(open("examples/configs/qwen3-30b-a3b.json"))
-c.update(seq_size=int(sys.argv[1]), num_cube_cores=16, num_vector_cores=16)
+c.update(seq_size=int(sys.argv[1]), num_cube_cores=16, num_vector_cores=16, weight_group=128)
 json.dump(c, open(sys.argv[2], "w"))
 PY
     for g in fwd bwd; do
       bazel-bin/tools/moec compile "graphs/moe_ffn_$g.json" --config "$bins/q$s.json" \
         --target h100 --peer-groups 1 -o "$bins/q$s.$g.moebin" --no-progress
+    done
+  done
+  for f in "" _fp8 _int8 _int4; do
+    for g in fwd_transposed bwd_frozen_transposed; do
+      bazel-bin/tools/moec compile "graphs/moe_ffn_$g$f.json" --config "$bins/q1024.json" \
+        --target h100 --peer-groups 1 -o "$bins/frozen$f.${g%%_*}.moebin" --no-progress
     done
   done
 fi
@@ -44,4 +57,14 @@ for s in 1024 4096; do
   echo "== qwen3-30b-a3b, EP 8 on one GPU, S $s per rank: moec, then PyTorch eager"
   "$bench" layer "$bins/q$s.fwd.moebin" "$bins/q$s.bwd.moebin" --repeat 5 --sample 16
   python3 examples/cuda/bench_torch.py layer --ranks 8 --tokens "$s" --repeat 5
+done
+echo "== frozen experts as checkpoints store them: tiles with B quantized (qwen3's products)"
+products="128*512x1536x2048:nt 128*512x2048x768:nt 128*512x768x2048:nn 128*512x2048x1536:nn"
+for f in dense fp8_block128 int8 int4_g128; do
+  # shellcheck disable=SC2086
+  "$bench" gmm --weight-format "$f" $products
+done
+echo "== the frozen qwen3-30b-a3b layer, EP 8 on one GPU, S 1024: bf16, FP8, int8, int4 weights"
+for f in "" _fp8 _int8 _int4; do
+  "$bench" layer "$bins/frozen$f.fwd.moebin" "$bins/frozen$f.bwd.moebin" --repeat 5 --sample 16
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # cuda_bench's arguments, checked where there is no GPU too: a product that
-# is no [G*]MxNxK[:ab] is refused by name before any GPU is looked for, and
-# --tile-n takes a positive count.
+# is no [G*]MxNxK[:ab] is refused by name before any GPU is looked for,
+# --tile-n takes a positive count, and --weight-format a format's name.
 set -uo pipefail
 bench="$1"
 fails=0
@@ -20,6 +20,10 @@ for bad in 12x3 8x8x8:tq 0*8x8x8 8x0x8 2*8x8 x8x8x8 8x8x8:n; do
   expect "'$bad' is no product: give [G*]MxNxK[:ab], a and b n or t" gmm 4x4x4 "$bad"
 done
 expect "--tile-n takes a positive column count" gmm --tile-n 0 8x8x8
+for bad in fp9 int4 int4_g16 int8_zp; do
+  expect "--weight-format $bad: give dense, fp8_block128, int8 or int4_g32, int4_g64, int4_g128" \
+    gmm --weight-format "$bad" 8x8x8
+done
 "$bench" --help >/dev/null 2>&1 || { echo "FAIL: cuda_bench --help exits non-zero"; fails=$((fails + 1)); }
 [ $fails -eq 0 ] && echo "cuda_bench arguments: all checks passed"
 exit $((fails > 0))

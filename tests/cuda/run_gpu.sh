@@ -7,6 +7,7 @@
 # the backend says why, and reports the GPU suite as skipped. With one, it
 # runs the suite's layers on the GPU against the reference: fp32 and bf16,
 # 1 to 4 ranks, skewed routing, experts with no tokens, both granularities,
+# base weights stored transposed and quantized (FP8 blocks, int8, int4),
 # and a binary whose event is never reached (the device watchdog's error).
 # The layers come from MOEC_BINARY_CACHE (default: a folder of the test's
 # temporary directory), compiled by MOEC when missing.

@@ -815,6 +815,8 @@ Error combineRows(const void *z, uint32_t zType, int64_t zLd, const int64_t *pos
 }
 
 namespace {
+/// The index of the first scale that backend::goodScale would refuse, by
+/// atomicMin into `first` (all ones where none).
 __global__ void badScaleKernel(const float *scales, int64_t count, bool pairs,
                                unsigned long long *first) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;

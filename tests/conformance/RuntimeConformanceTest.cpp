@@ -84,6 +84,8 @@ struct Case {
   bool fp8Dispatch = false;  ///< "dispatch_dtype": "fp8_e4m3"
   uint32_t tp = 1;           ///< TP ranks of each of the `ranks` EP ranks
   int64_t weightGroup = 0;   ///< "weight_group" (int4 weights' group); 0: unset
+  int64_t loraRank = 0;      ///< "lora_rank" (graphs with adapters); 0: unset
+  int64_t loraAlpha = 0;     ///< "lora_alpha"; 0: unset
   uint32_t experts() const { return ranks * localExperts; }
   std::string describe() const {
     return "R=" + std::to_string(ranks) + " L=" + std::to_string(localExperts) +
@@ -149,12 +151,12 @@ compile(const Case &c, const char *firstGraph = "graphs/moe_ffn_fwd.json",
                                          std::shared_ptr<const Program>>>
       cache;
   const std::string key = std::to_string(c.ranks) + "_" + std::to_string(c.localExperts) + "_" +
-                          std::to_string(c.seq) + "_" +
-                          std::to_string(c.topK) + "_" + std::to_string(c.hidden) + "_" +
-                          std::to_string(c.inter) + (c.bf16 ? "_bf16_" : "_f32_") +
-                          granularityName(c.granularity) + "_" +
-                          std::to_string(c.capacityFactor) + (c.fp8Dispatch ? "_fp8" : "") +
-                          "_tp" + std::to_string(c.tp) + "_g" + std::to_string(c.weightGroup);
+                          std::to_string(c.seq) + "_" + std::to_string(c.topK) + "_" +
+                          std::to_string(c.hidden) + "_" + std::to_string(c.inter) +
+                          (c.bf16 ? "_bf16_" : "_f32_") + granularityName(c.granularity) + "_" +
+                          std::to_string(c.capacityFactor) + (c.fp8Dispatch ? "_fp8" : "") + "_tp" +
+                          std::to_string(c.tp) + "_g" + std::to_string(c.weightGroup) + "_r" +
+                          std::to_string(c.loraRank) + "_a" + std::to_string(c.loraAlpha);
   const std::string graphKey = key + "_" + firstGraph + "_" + secondGraph;
   if (auto it = cache.find(graphKey); it != cache.end())
     return it->second;
@@ -172,6 +174,8 @@ compile(const Case &c, const char *firstGraph = "graphs/moe_ffn_fwd.json",
       out << ", \"dispatch_dtype\": \"fp8_e4m3\"";
     if (c.weightGroup > 0)
       out << ", \"weight_group\": " << c.weightGroup;
+    if (c.loraRank > 0)
+      out << ", \"lora_rank\": " << c.loraRank << ", \"lora_alpha\": " << c.loraAlpha;
     out << "}";
   }
   std::shared_ptr<const Program> programs[2];
@@ -1490,6 +1494,161 @@ TEST_CASE("quantized base weights (FP8 blocks, int8 rows, int4 groups): the dens
         runPasses(*ctx);
       }
       checkClose(quantized, dense, firstLocal, localRanks, bf16 ? 2e-2 : 1e-5);
+    }
+}
+
+namespace {
+
+/// Each of the `L` row-major [rows, cols] matrices of `m`, transposed.
+std::vector<float> transposeEach(const std::vector<float> &m, int64_t L, int64_t rows,
+                                 int64_t cols) {
+  std::vector<float> t(m.size());
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        t[size_t((l * cols + j) * rows + i)] = m[size_t((l * rows + i) * cols + j)];
+  return t;
+}
+
+/// C[l] = scale * op(A[l]) op(B[l]) of L experts, in double: A [L, m, k]
+/// (or [L, k, m] with transA), B [L, k, n] (or [L, n, k] with transB).
+std::vector<double> expertProducts(const std::vector<float> &a, const std::vector<float> &b,
+                                   int64_t L, int64_t m, int64_t k, int64_t n, bool transA,
+                                   bool transB, double scale) {
+  std::vector<double> c(size_t(L * m * n));
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double sum = 0;
+        for (int64_t p = 0; p < k; ++p)
+          sum += double(a[size_t(l * m * k + (transA ? p * m + i : i * k + p))]) *
+                 double(b[size_t(l * k * n + (transB ? j * k + p : p * n + j))]);
+        c[size_t((l * m + i) * n + j)] = scale * sum;
+      }
+  return c;
+}
+
+} // namespace
+
+TEST_CASE("LoRA adapters, on a dense and on an FP8 base: the dense layer on the merged weights",
+          "[runtime][gpu]") {
+  // Y = X (W + s A B) with the base W frozen: the LoRA binaries' y, dx and
+  // dtopk_weights are the full layer's on the merged weights W + s A B,
+  // and the adapters' gradients follow from its weight gradient dW:
+  // dA = s dW B^T, dB = s A^T dW. The base is dense ([L, H, 2I]) or FP8
+  // blocks stored [out, in] (its dequantized values merged).
+  for (const bool fp8 : {false, true})
+    for (const bool bf16 : {false, true}) {
+      Case c;
+      c.ranks = groupSize(2);
+      c.hidden = 128;
+      c.inter = 128;
+      c.seq = 64;
+      c.bf16 = bf16;
+      c.routing = Routing::Skewed;
+      c.capacityFactor = 2 * c.ranks;
+      INFO((fp8 ? "fp8 base " : "dense base ") << c.describe());
+      if (!runs(c.ranks))
+        return;
+      const auto [full, fullBwd] = compile(c);
+      Case lc = c;
+      lc.loraRank = 8;
+      lc.loraAlpha = 16;
+      const double scaling = 2.0;
+      const auto [fwd, bwd] =
+          fp8 ? compile(lc, "graphs/moe_ffn_fwd_lora_transposed_fp8.json",
+                        "graphs/moe_ffn_bwd_lora_transposed_fp8.json")
+              : compile(lc, "graphs/moe_ffn_fwd_lora.json", "graphs/moe_ffn_bwd_lora.json");
+      REQUIRE(bwd->shape().loraTargets == 3);
+      const int64_t H = c.hidden, I = c.inter, L = c.localExperts, r = lc.loraRank;
+      const Inputs in = makeInputs(c, 23);
+      Run merged = prepare(c, in, fullBwd->shape()), lora = prepare(c, in, bwd->shape());
+      std::vector<QuantizedWeight> q1, q2;
+      if (fp8) {
+        Run base = prepare(c, in, bwd->shape());
+        std::tie(q1, q2) = quantizeRun(c, fwd->shape(), base); // base: dequantized, [out, in]
+        for (uint32_t k = 0; k < c.ranks; ++k) {
+          lora.w1[k] = Stored(transposeEach(base.w1[k].values(), L, 2 * I, H), bf16);
+          lora.w2[k] = Stored(transposeEach(base.w2[k].values(), L, H, I), bf16);
+        }
+      }
+      // Adapters of every rank, and the merged weights.
+      std::mt19937 gen(41);
+      std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+      const auto draw = [&](size_t n, double over) {
+        std::vector<float> v(n);
+        for (float &x : v)
+          x = float(uniform(gen) / over);
+        return Stored(v, bf16).values();
+      };
+      std::vector<std::array<std::vector<float>, 4>> adapters(c.ranks); // A1, B1, A2, B2
+      std::vector<std::array<Stored, 4>> grads(c.ranks);
+      for (uint32_t k = 0; k < c.ranks; ++k) {
+        auto &[a1, b1, a2, b2] = adapters[k];
+        a1 = draw(size_t(L * H * r), std::sqrt(double(H)));
+        b1 = draw(size_t(L * r * 2 * I), 4 * std::sqrt(double(r)));
+        a2 = draw(size_t(L * I * r), std::sqrt(double(I)));
+        b2 = draw(size_t(L * r * H), 4 * std::sqrt(double(r)));
+        for (const auto &[w, a, b, K, N] : {std::tuple{&merged.w1[k], &a1, &b1, H, 2 * I},
+                                            std::tuple{&merged.w2[k], &a2, &b2, I, H}}) {
+          const std::vector<double> ab = expertProducts(*a, *b, L, K, r, N, false, false, scaling);
+          std::vector<float> m = (w == &merged.w1[k] ? lora.w1[k] : lora.w2[k]).values();
+          for (size_t e = 0; e < m.size(); ++e)
+            m[e] = float(m[e] + ab[e]);
+          *w = Stored(m, bf16);
+        }
+        const DType grad = bwd->shape().weightGrads;
+        for (int g = 0; g < 4; ++g)
+          grads[k][g] = Stored(adapters[k][g].size(), grad == DType::BF16, -7.0f);
+      }
+      std::unique_ptr<Context> mctx, lctx;
+      REQUIRE(makeContext(full, fullBwd, {}, &mctx).ok());
+      REQUIRE(bindAll(*mctx, c, merged).ok());
+      runPasses(*mctx);
+      REQUIRE(makeContext(fwd, bwd, {}, &lctx).ok());
+      const uint32_t first = lctx->firstLocalRank(), count = lctx->localRanks();
+      std::vector<std::array<Stored, 4>> bound(c.ranks); // the adapters as the layer reads them
+      for (uint32_t k = first; k < first + count; ++k) {
+        const DType act = bf16 ? DType::BF16 : DType::F32;
+        std::array<Stored, 4> &A = bound[k];
+        for (int g = 0; g < 4; ++g)
+          A[g] = Stored(adapters[k][g], bf16);
+        std::vector<std::pair<const char *, moec::rt::Tensor>> extra = {
+            {"lora_a1", makeTensor(A[0].data(), act, {L, H, r})},
+            {"lora_b1", makeTensor(A[1].data(), act, {L, r, 2 * I})},
+            {"lora_a2", makeTensor(A[2].data(), act, {L, I, r})},
+            {"lora_b2", makeTensor(A[3].data(), act, {L, r, H})},
+            {"dlora_a1", makeTensor(grads[k][0].data(), grads[k][0].dtype(), {L, H, r})},
+            {"dlora_b1", makeTensor(grads[k][1].data(), grads[k][1].dtype(), {L, r, 2 * I})},
+            {"dlora_a2", makeTensor(grads[k][2].data(), grads[k][2].dtype(), {L, I, r})},
+            {"dlora_b2", makeTensor(grads[k][3].data(), grads[k][3].dtype(), {L, r, H})}};
+        if (fp8) {
+          extra.push_back({"w1_scale", q1[k].scalesTensor()});
+          extra.push_back({"w2_scale", q2[k].scalesTensor()});
+          bindRank(*lctx, c, lora, k, q1[k].codesTensor(fwd->shape()),
+                   q2[k].codesTensor(fwd->shape()), extra);
+        } else {
+          bindRank(*lctx, c, lora, k, makeTensor(lora.w1[k].data(), act, {L, H, 2 * I}),
+                   makeTensor(lora.w2[k].data(), act, {L, I, H}), extra);
+        }
+      }
+      runPasses(*lctx);
+      const double tol = bf16 ? 3e-2 : 1e-4;
+      checkClose(lora, merged, first, count, tol);
+      for (uint32_t k = first; k < first + count; ++k) {
+        INFO("rank " << k);
+        const auto &[a1, b1, a2, b2] = adapters[k];
+        const std::vector<float> dw1 = merged.dw1[k].values(), dw2 = merged.dw2[k].values();
+        // dA = s dW B^T ([K, N] x [N, r]); dB = s A^T dW ([r, K] x [K, N]).
+        CHECK(relError(grads[k][0].values(),
+                       expertProducts(dw1, b1, L, H, 2 * I, r, false, true, scaling)) < tol);
+        CHECK(relError(grads[k][1].values(),
+                       expertProducts(a1, dw1, L, r, H, 2 * I, true, false, scaling)) < tol);
+        CHECK(relError(grads[k][2].values(),
+                       expertProducts(dw2, b2, L, I, H, r, false, true, scaling)) < tol);
+        CHECK(relError(grads[k][3].values(),
+                       expertProducts(a2, dw2, L, r, I, H, true, false, scaling)) < tol);
+      }
     }
 }
 

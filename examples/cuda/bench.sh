@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The cuda backend against cuBLAS and PyTorch eager on one GPU, in one run:
 #
-#   examples/cuda/bench.sh [CUDA_BENCH [BINARIES]]
+#   examples/cuda/bench.sh [--moec-only] [CUDA_BENCH [BINARIES]]
+#
+# --moec-only leaves out PyTorch's side (a GPU machine without a CUDA
+# PyTorch: tests/cuda/pack_for_gpu.sh's run.sh).
 #
 # 1. GMM tiles: the persistent kernel's tile function on bf16 products
 #    (cuda_bench gmm: square anchors and qwen3-30b-a3b's grouped products,
@@ -19,44 +22,31 @@
 #    dequantized weights.
 #
 # CUDA_BENCH defaults to bazel-bin/examples/cuda/cuda_bench. BINARIES is a
-# folder with q1024.{fwd,bwd}.moebin and q4096.{fwd,bwd}.moebin (and, for
-# part 3, frozen{,_fp8,_int8,_int4}.{fwd,bwd}.moebin); without it
-# they are compiled here (bazel-bin/tools/moec) for the h100 profile with 16
-# cube and 16 vector cores per rank (8 ranks share the GPU's 132 SMs).
-# Needs a CUDA PyTorch for the PyTorch side.
+# folder of examples/cuda/compile_binaries.sh's binaries; without it they
+# are compiled here (bazel-bin/tools/moec). Needs a CUDA PyTorch for the
+# PyTorch side.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+torch=1
+if [ "${1:-}" = --moec-only ]; then
+  torch=0
+  shift
+fi
 bench="${1:-bazel-bin/examples/cuda/cuda_bench}"
 bins="${2:-}"
 if [ -z "$bins" ]; then
   bins="$(mktemp -d)"
   trap 'rm -rf "$bins"' EXIT
-  for s in 1024 4096; do
-    python3 - "$s" "$bins/q$s.json" <<'PY'
-import json, sys
-c = json.load(open("examples/configs/qwen3-30b-a3b.json"))
-c.update(seq_size=int(sys.argv[1]), num_cube_cores=16, num_vector_cores=16, weight_group=128)
-json.dump(c, open(sys.argv[2], "w"))
-PY
-    for g in fwd bwd; do
-      bazel-bin/tools/moec compile "graphs/moe_ffn_$g.json" --config "$bins/q$s.json" \
-        --target h100 --peer-groups 1 -o "$bins/q$s.$g.moebin" --no-progress
-    done
-  done
-  for f in "" _fp8 _int8 _int4; do
-    for g in fwd_transposed bwd_frozen_transposed; do
-      bazel-bin/tools/moec compile "graphs/moe_ffn_$g$f.json" --config "$bins/q1024.json" \
-        --target h100 --peer-groups 1 -o "$bins/frozen$f.${g%%_*}.moebin" --no-progress
-    done
-  done
+  bash examples/cuda/compile_binaries.sh "$bins"
 fi
+pytorch() { [ $torch -eq 0 ] || python3 examples/cuda/bench_torch.py "$@"; }
 echo "== GMM tiles: moec's tile function, then cuBLAS"
 "$bench" gmm
-python3 examples/cuda/bench_torch.py gmm
+pytorch gmm
 for s in 1024 4096; do
   echo "== qwen3-30b-a3b, EP 8 on one GPU, S $s per rank: moec, then PyTorch eager"
   "$bench" layer "$bins/q$s.fwd.moebin" "$bins/q$s.bwd.moebin" --repeat 5 --sample 16
-  python3 examples/cuda/bench_torch.py layer --ranks 8 --tokens "$s" --repeat 5
+  pytorch layer --ranks 8 --tokens "$s" --repeat 5
 done
 echo "== frozen experts as checkpoints store them: tiles with B quantized (qwen3's products)"
 products="128*512x1536x2048:nt 128*512x2048x768:nt 128*512x768x2048:nn 128*512x2048x1536:nn"

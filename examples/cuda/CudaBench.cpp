@@ -359,10 +359,17 @@ int main(int argc, char **argv) {
       return fail(Status::error("--tile-n takes a positive column count"));
     if (products.empty())
       products = {kDefaultProducts, kDefaultProducts + sizeof(kDefaultProducts) / sizeof(char *)};
-    for (const std::string &text : products)
-      if (cuda::device::GemmBenchCase c; !parseProduct(text, &c))
+    for (const std::string &text : products) {
+      cuda::device::GemmBenchCase c;
+      if (!parseProduct(text, &c))
         return fail(Status::error("'" + text +
                                   "' is no product: give [G*]MxNxK[:ab], a and b n or t"));
+      c.quant = uint32_t(format.weightFormat);
+      c.group = format.weightGroup;
+      if (const cuda::device::Error e = cuda::device::gemmBenchCaseError(c); !e.empty())
+        return fail(
+            Status::error(fmt::format("'{}' with B {}: {}", text, format.weightFormatName(), e)));
+    }
     std::string gpu;
     if (Status s = cuda::describeDevice(&gpu); !s)
       return fail(s);

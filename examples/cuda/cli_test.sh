@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # cuda_bench's arguments, checked where there is no GPU too: a product that
 # is no [G*]MxNxK[:ab] is refused by name before any GPU is looked for,
-# --tile-n takes a positive count, and --weight-format a format's name.
+# --tile-n takes a positive count, --weight-format a format's name, and an
+# int4 B's stored rows whole groups.
 set -uo pipefail
 bench="$1"
 fails=0
@@ -20,6 +21,8 @@ for bad in 12x3 8x8x8:tq 0*8x8x8 8x0x8 2*8x8 x8x8x8 8x8x8:n; do
   expect "'$bad' is no product: give [G*]MxNxK[:ab], a and b n or t" gmm 4x4x4 "$bad"
 done
 expect "--tile-n takes a positive column count" gmm --tile-n 0 8x8x8
+expect "'2*64x96x256:nn' with B int4_g64: int4 groups of 64 values do not divide B's stored rows of 96 (n)" \
+  gmm --weight-format int4_g64 64x128x64:nt "2*64x96x256:nn"
 for bad in fp9 int4 int4_g16 int8_zp; do
   expect "--weight-format $bad: give dense, fp8_block128, int8 or int4_g32, int4_g64, int4_g128" \
     gmm --weight-format "$bad" 8x8x8

@@ -195,6 +195,18 @@ struct GemmBenchCase {
   int64_t group = 128;
   bool zeroPoints = false;
 };
+/// Why `spec`'s B cannot be a quantized weight, or empty: a format past
+/// int4 groups, or int4 groups of fewer than 32 values or that do not
+/// divide B's stored rows (k values when transB, else n).
+inline Error gemmBenchCaseError(const GemmBenchCase &spec) {
+  if (spec.quant > 3)
+    return "no weight format " + std::to_string(spec.quant);
+  const int64_t cols = spec.transB ? spec.k : spec.n;
+  if (spec.quant == 3 && (spec.group < 32 || cols % spec.group))
+    return "int4 groups of " + std::to_string(spec.group) + " values do not divide B's stored " +
+           "rows of " + std::to_string(cols) + " (" + (spec.transB ? "k" : "n") + ")";
+  return {};
+}
 struct GemmBenchResult {
   double seconds = 0;   ///< median of `repeats` launches, after one warm-up
   double error = 0;     ///< max |C - ref| / max |ref| over sampled elements

@@ -168,9 +168,8 @@ Error benchGemm(const GemmBenchCase &spec, GemmBenchResult *out) {
   // scales (LayerShape::scaleDims of that matrix).
   const bool quantized = spec.quant != kDense;
   const int64_t rows = spec.transB ? n : k, cols = spec.transB ? k : n;
-  if (quantized && (spec.quant > kInt4Group || cols % 2 ||
-                    (spec.quant == kInt4Group && (spec.group < 32 || cols % spec.group))))
-    return "benchGemm: a quantized B's rows must hold whole int4 groups";
+  if (Error e = gemmBenchCaseError(spec); !e.empty())
+    return "benchGemm: " + e;
   const int64_t codeBytes = spec.quant == kInt4Group ? rows * cols / 2 : rows * cols;
   int64_t scaleLd = 1, scaleCount = rows;
   if (spec.quant == kFp8Block128) {

@@ -60,8 +60,25 @@ size_t packedBBytes(int64_t n, int64_t k, bool bf16) {
   return size_t(ceilDiv(n, kPanel) * kPanel * ceilDiv(k, perUnit(bf16))) * 4;
 }
 
-size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16, bool decodedB,
-                 bool addScaled) {
+namespace {
+
+/// Whether gemm may compute C as its transpose (gemm's comment says when).
+bool narrowTransposed(int64_t m, int64_t n, bool transA, bool decodedB, bool addScaled) {
+  return transA && n <= 16 && m > 16 && !decodedB && !addScaled;
+}
+
+/// Row stride in elements of the transpose of an m-column C: whole 64-byte
+/// lines of either element size.
+int64_t transposedLd(int64_t m) { return ceilDiv(m, 32) * 32; }
+
+/// Bytes of that transpose (n rows), whole lines.
+size_t transposedBytes(int64_t m, int64_t n, bool cBf16) {
+  return size_t(n * transposedLd(m)) * (cBf16 ? 2 : 4);
+}
+
+/// packBytes of the product as gemm computes it (not transposed).
+size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
+                   bool decodedB, bool addScaled) {
   if (bf16 && amx())
     return amxPackBytes(m, n, k, decodedB);
   const int64_t width = std::min(n, kGroup);
@@ -71,6 +88,19 @@ size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool c
   if (decodedB)
     bytes += std::max(decodedBytes(true), decodedBytes(false));
   return bytes;
+}
+
+} // namespace
+
+size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16, bool decodedB,
+                 bool addScaled) {
+  const size_t direct = directBytes(m, n, k, transA, bf16, cBf16, decodedB, addScaled);
+  // The larger of the two forms of a product gemm may compute transposed
+  // (packBytes does not know transB or packedB).
+  if (!narrowTransposed(m, n, transA, decodedB, addScaled))
+    return direct;
+  return std::max(direct, transposedBytes(m, n, cBf16) +
+                              directBytes(n, m, k, true, bf16, cBf16, false, false));
 }
 
 #ifdef MOEC_TILE_X86
@@ -141,6 +171,36 @@ MOEC_TILE_TARGET void transpose16(__m512i (&r)[16]) {
     r[4 + x] = _mm512_shuffle_i32x4(w0, w1, 0x88);
     r[12 + x] = _mm512_shuffle_i32x4(w0, w1, 0xDD);
   }
+}
+
+/// dst[j, i] = src[i, j] for i < rows, j < cols (strides in elements of 2
+/// bytes with `half`, else 4), 16 x 16 blocks at a time.
+MOEC_TILE_TARGET void transposeInto(const void *src, int64_t ldSrc, int64_t rows, int64_t cols,
+                                    void *dst, int64_t ldDst, bool half) {
+  const size_t elt = half ? 2 : 4;
+  for (int64_t i0 = 0; i0 < rows; i0 += 16)
+    for (int64_t j0 = 0; j0 < cols; j0 += 16) {
+      const __mmask16 across = laneMask(int(std::min<int64_t>(16, cols - j0)), 0);
+      const __mmask16 down = laneMask(int(std::min<int64_t>(16, rows - i0)), 0);
+      __m512i r[16];
+      for (int s = 0; s < 16; ++s) {
+        const char *row = static_cast<const char *>(src) + size_t((i0 + s) * ldSrc + j0) * elt;
+        if (i0 + s >= rows)
+          r[s] = _mm512_setzero_si512();
+        else if (half)
+          r[s] = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(across, row));
+        else
+          r[s] = _mm512_maskz_loadu_epi32(across, row);
+      }
+      transpose16(r);
+      for (int s = 0; s < 16 && j0 + s < cols; ++s) {
+        char *row = static_cast<char *>(dst) + size_t((j0 + s) * ldDst + i0) * elt;
+        if (half)
+          _mm256_mask_storeu_epi16(row, down, _mm512_cvtepi32_epi16(r[s]));
+        else
+          _mm512_mask_storeu_epi32(row, down, r[s]);
+      }
+    }
 }
 
 MOEC_TILE_TARGET void packTransposed(const void *b, int64_t ldb, int64_t n, int64_t p0,
@@ -436,6 +496,26 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
           int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,
           void *pack, bool stream, const void *packedB, const DecodedB *decodedB,
           const AddScaled *addScaled) {
+  // A narrow C whose A is stored transposed (a LoRA adapter's weight
+  // gradient, X^T dU: m the model's width, n the rank) is computed as its
+  // transpose, C^T = op(B)^T op(A)^T, into the working memory, then written
+  // to C transposed. There B is the narrow operand (packed whole, small)
+  // and A is read along its rows as stored, where C's own form would pack
+  // A transposed 16 x 16 values at a time. Each element is the same sum of
+  // the same products in the same depth order (both the tile dot products
+  // and the micro-kernel's multiply the two operands' values pairwise), and
+  // C^T starts from C where `load` asks for it, so the bits are C's own
+  // form's.
+  if (narrowTransposed(m, n, transA, decodedB, addScaled) && !transB && !packedB) {
+    const int64_t ldT = transposedLd(m);
+    char *cT = static_cast<char *>(pack);
+    if (load)
+      transposeInto(c, ldc, m, n, cT, ldT, cBf16);
+    gemm(n, m, k, b, ldb, true, a, lda, false, bf16, cT, ldT, cBf16, load,
+         cT + transposedBytes(m, n, cBf16));
+    transposeInto(cT, ldT, n, m, c, ldc, cBf16);
+    return;
+  }
   if (bf16 && amx())
     return gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, stream,
                    packedB, decodedB, addScaled);

@@ -37,6 +37,14 @@
 // The packing needs packBytes(...) bytes of memory, 64-byte aligned, from the
 // caller (kernels keep it in their Scratch).
 //
+// A C at most 16 columns wide and over 16 rows whose A is stored transposed
+// (a LoRA adapter's weight gradient, X^T dU, n the rank), with B neither
+// transposed, packed beforehand nor decoded, and no AddScaled, is computed
+// as its transpose C^T = B^T A into the working memory and written to C
+// transposed: A (the wide operand) is then read along its rows as stored,
+// not packed transposed. The same sums of the same products in the same
+// order, so the same bits.
+//
 // A weight that many calls read (the layer's packed-weight store,
 // runtime/cpu/Pass.h) can be packed once, whole, by packB, and handed to
 // gemm as `packedB`: the calls then pack nothing of B. The panels are

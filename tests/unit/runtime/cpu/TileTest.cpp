@@ -205,6 +205,62 @@ TEST_CASE("moec's tile gives the same bits however the matmul is cut", "[cpu][ti
   }
 }
 
+TEST_CASE("moec's tile gives a narrow C with A stored transposed the bits of 16-row tiles",
+          "[cpu][tile]") {
+  // C = A^T B with C at most 16 columns wide and A stored transposed (a LoRA
+  // adapter's weight gradient, X^T dU) is computed as its transpose when C
+  // has more than 16 rows; a tile of at most 16 rows is computed as it is.
+  // Both give the same bits: fp32 and bf16 operands and C, adding onto C
+  // (load), streamed, a C off a line, odd shapes and depths.
+  struct Shape {
+    int64_t m, n, k;
+  };
+  const Shape shapes[] = {{200, 16, 300}, {37, 5, 129}, {64, 16, 1}, {1000, 13, 777}};
+  for (const bool bf16 : {false, true}) {
+    if (!tileRuns(bf16))
+      continue;
+    for (const Shape &s : shapes)
+      for (const bool cBf16 : {false, true})
+        for (const bool load : {false, true})
+          for (const bool stream : {false, true}) {
+            if (cBf16 && load)
+              continue; // (gemm adds onto an fp32 C only)
+            INFO((bf16 ? "bf16" : "fp32")
+                 << " operands, " << (cBf16 ? "bf16" : "fp32") << " C, " << s.m << " x " << s.n
+                 << " x " << s.k << (load ? " load" : "") << (stream ? " stream" : ""));
+            const Product x(s.m, s.n, s.k, true, false, bf16, uint32_t(s.m + s.k));
+            const int64_t ldc = s.n + 3;
+            const size_t elt = cBf16 ? 2 : 4, bytes = size_t(s.m * ldc) * elt;
+            // The same start in both: what load adds onto, and the bytes
+            // past n that must stay.
+            Aligned whole(bytes + elt), cut(bytes + elt);
+            std::mt19937 rng(5);
+            std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+            for (int64_t i = 0; i < s.m * ldc; ++i) {
+              const float v = dist(rng);
+              if (cBf16)
+                reinterpret_cast<uint16_t *>(whole.data() + elt)[i] = floatToBf16(v);
+              else
+                reinterpret_cast<float *>(whole.data() + elt)[i] = v;
+            }
+            std::memcpy(cut.data() + elt, whole.data() + elt, bytes);
+            const size_t aElt = bf16 ? 2 : 4;
+            Aligned pack(tile::packBytes(s.m, s.n, s.k, true, bf16, cBf16));
+            tile::gemm(s.m, s.n, s.k, x.a.data(), x.a.ld, true, x.b.data(), x.b.ld, false, bf16,
+                       whole.data() + elt, ldc, cBf16, load, pack.data(), stream);
+            for (int64_t i0 = 0; i0 < s.m; i0 += 16) {
+              const int64_t rows = std::min<int64_t>(16, s.m - i0);
+              Aligned small(tile::packBytes(rows, s.n, s.k, true, bf16, cBf16));
+              tile::gemm(rows, s.n, s.k, static_cast<const char *>(x.a.data()) + i0 * aElt, x.a.ld,
+                         true, x.b.data(), x.b.ld, false, bf16,
+                         cut.data() + elt + size_t(i0 * ldc) * elt, ldc, cBf16, load, small.data(),
+                         stream);
+            }
+            CHECK(std::memcmp(whole.data() + elt, cut.data() + elt, bytes) == 0);
+          }
+  }
+}
+
 TEST_CASE("moec's tile rounds a bf16 C as floatToBf16 does", "[cpu][tile]") {
   if (!tileRuns(true))
     return;

@@ -13,6 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
@@ -22,6 +25,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include <unistd.h>
 #define MOEC_PEAK_X86 1
 #endif
 
@@ -151,6 +155,71 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void runAmxBf16(int64_t ite
       if constexpr (N > 5)
         _tile_dpbf16ps(5, 6, 7);
     }
+  }
+  _tile_stored(0, out, 64);
+  _tile_release();
+  sink = out[0];
+}
+
+/// measureSourceRates' fp32 loop: `units` units of the micro-kernel's loop,
+/// A's 8 rows (512 units each, 2 KiB apart) from `a`, B's 192 bytes a unit
+/// from `b` on, wrapping at `bytes` (a multiple of 192).
+__attribute__((target("avx512f"))) void streamFp32(const float *a, const char *b, size_t bytes,
+                                                   int64_t units) {
+  __m512 acc[8][3];
+  for (auto &row : acc)
+    for (__m512 &v : row)
+      v = _mm512_setzero_ps();
+  size_t at = 0;
+  for (int64_t t = 0; t < units; ++t) {
+    const float *panel = reinterpret_cast<const float *>(b + at);
+    const __m512 b0 = _mm512_load_ps(panel), b1 = _mm512_load_ps(panel + 16),
+                 b2 = _mm512_load_ps(panel + 32);
+    const int64_t unit = t & 511;
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * 512 + unit]);
+      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(x, b2, acc[r][2]);
+    }
+    at += 192;
+    if (at == bytes)
+      at = 0;
+  }
+  __m512 sum = _mm512_setzero_ps();
+  for (auto &row : acc)
+    for (__m512 &v : row)
+      sum = _mm512_add_ps(sum, v);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  sink = lanes[0];
+}
+
+/// measureSourceRates' AMX loop: `steps` steps of a 2 x 2 block, A's two
+/// tiles from `a` (2 KiB), B's two tiles (2 KiB) from `b` on, wrapping at
+/// `bytes` (a multiple of 2 KiB).
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void streamAmx(const char *a, const char *b,
+                                                                    size_t bytes, int64_t steps) {
+  alignas(64) float out[16 * 16];
+  tile::detail::configureAmxTiles();
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  size_t at = 0;
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a, 64);
+    _tile_loadd(6, b + at, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b + at + 1024, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + 1024, 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    at += 2048;
+    if (at == bytes)
+      at = 0;
   }
   _tile_stored(0, out, 64);
   _tile_release();
@@ -466,6 +535,85 @@ GemmOperands randomGemmOperands(int64_t m, int64_t n, int64_t k) {
   floatToBf16(o.a.data(), o.a16.data(), o.a.size());
   floatToBf16(o.b.data(), o.b16.data(), o.b.size());
   return o;
+}
+
+std::vector<SourceRate> measureSourceRates(bool bf16, double seconds, size_t maxBytes) {
+  std::vector<SourceRate> rates;
+#ifdef MOEC_PEAK_X86
+  __builtin_cpu_init();
+  if (bf16 ? !tile::amx() : !__builtin_cpu_supports("avx512f"))
+    return rates;
+  // Bytes of the streamed operand a unit (fp32) or step (AMX), and flops.
+  const size_t chunk = bf16 ? 2048 : 192;
+  const double flops = bf16 ? 4.0 * 16 * 16 * 32 * 2 : 8.0 * 48 * 2;
+  const auto cache = [](int name, size_t fallback) {
+    const long v = sysconf(name);
+    return v > 0 ? size_t(v) : fallback;
+  };
+  const size_t l1 = cache(_SC_LEVEL1_DCACHE_SIZE, 32 << 10),
+               l2 = cache(_SC_LEVEL2_CACHE_SIZE, 1 << 20),
+               l3 = cache(_SC_LEVEL3_CACHE_SIZE, 32 << 20);
+  std::vector<std::pair<const char *, size_t>> levels = {{"L1", std::min<size_t>(16 << 10, l1 / 2)},
+                                                         {"L2", l2 / 2}};
+  if (l3 >= 4 * l2)
+    levels.push_back({"L3", std::min<size_t>(l3 / 4, 64 << 20)});
+  levels.push_back({"memory", std::clamp<size_t>(4 * l3, 256 << 20, size_t(1) << 30)});
+  // A: AMX's two tiles, or the fp32 loop's 8 rows of 512 values (16 KiB),
+  // on whole lines.
+  struct alignas(64) Rows {
+    float v[8 * 512];
+  };
+  const std::unique_ptr<Rows> a(new Rows);
+  std::fill(std::begin(a->v), std::end(a->v), 1e-3f);
+  for (const auto &[level, want] : levels) {
+    const size_t bytes = std::max(chunk, want / chunk * chunk);
+    if (bytes > maxBytes)
+      continue;
+    std::unique_ptr<char, decltype(&std::free)> b(
+        static_cast<char *>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096)), &std::free);
+    if (!b)
+      continue;
+    // Small values (bf16 1e-3, fp32 1e-3): sums stay normal.
+    for (size_t i = 0; i < bytes; i += 2)
+      std::memcpy(b.get() + i, "\x83\x3A", 2);
+    // A trial: at least one pass over the buffer and some 5 ms.
+    const int64_t perPass = int64_t(bytes / chunk);
+    auto run = [&](int64_t n) {
+      if (bf16)
+        streamAmx(reinterpret_cast<const char *>(a->v), b.get(), bytes, n);
+      else
+        streamFp32(a->v, b.get(), bytes, n);
+    };
+    run(perPass); // the first touch, and the caches' state for the level
+    int64_t n = std::max<int64_t>(perPass, 1024);
+    for (;;) {
+      const auto start = Clock::now();
+      run(n);
+      if (secondsSince(start) >= 5e-3 || n >= (int64_t(1) << 40))
+        break;
+      n *= 2;
+    }
+    n = (n + perPass - 1) / perPass * perPass;
+    double best = 1e30;
+    const auto begin = Clock::now();
+    do {
+      const auto start = Clock::now();
+      run(n);
+      best = std::min(best, secondsSince(start));
+    } while (secondsSince(begin) < seconds);
+    SourceRate r;
+    r.level = level;
+    r.bytes = bytes;
+    r.gflops = flops * double(n) / best * 1e-9;
+    r.gbPerSecond = double(chunk) * double(n) / best * 1e-9;
+    rates.push_back(r);
+  }
+#else
+  (void)bf16;
+  (void)seconds;
+  (void)maxBytes;
+#endif
+  return rates;
 }
 
 double measureGemmGflops(int64_t m, int64_t n, int64_t k, Elt elt, double seconds) {

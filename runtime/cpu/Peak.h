@@ -132,6 +132,32 @@ ClockPeak measureClockPeak(double seconds = 0.1);
 std::string clockCheckText(const ClockPeak &clock, double fp32Gflops,
                            std::optional<double> bf16Gflops);
 
+/// How fast a GEMM's inner loop runs when the operand it streams comes from
+/// one level of the memory system: the other operand stays in L1, the
+/// streamed one is read once a pass over a buffer sized for the level, with
+/// nothing reused from it. fp32: the AVX-512 micro-kernel's loop (8 rows of
+/// A broadcast from L1 against 48 columns of B, 24 FMAs for 192 bytes of B
+/// a unit); bf16 on AMX: a 2 x 2 block of tile dot products (four 16 x 16 x
+/// 32 products for two A tiles in L1 and 2 KiB of B a step). Its L1 row is
+/// the loop's own ceiling against the probe's register-only peak; the
+/// others say how many bytes a second the products can take from each
+/// level, hence how much reuse a tile needs there to run at the peak.
+struct SourceRate {
+  std::string level;      ///< "L1", "L2", "L3" or "memory"
+  size_t bytes = 0;       ///< the streamed buffer
+  double gflops = 0;      ///< best of the trials
+  double gbPerSecond = 0; ///< the streamed operand's bytes read a second
+};
+
+/// The rates above for fp32 (a CPU with AVX-512) or, with `bf16`, AMX tiles
+/// (tile::amx()); nothing where the CPU lacks the kernel. Buffers sized
+/// from the caches the OS reports (sysconf): L1 16 KiB or half of it, L2
+/// half of it, L3 a quarter (at most 64 MiB; no row where the L3 is under
+/// four L2s), memory four times the L3 (256 MiB to 1 GiB); none over
+/// `maxBytes`. About `seconds` a level.
+std::vector<SourceRate> measureSourceRates(bool bf16, double seconds = 0.2,
+                                           size_t maxBytes = size_t(1) << 30);
+
 /// Random operands of an m x k by k x n product, uniform in [-1, 1), as
 /// fp32 and rounded to bf16, for the matmul benchmarks.
 struct GemmOperands {

@@ -30,6 +30,12 @@
 // operands in turn, each new to the caches as in a layer's pass. The rungs alternate, each keeping
 // its best of `reps`.
 //
+// `gmm_bench --sources [seconds]` times the tile's inner loop with the
+// operand it streams read from each level of the memory system (Peak.h's
+// measureSourceRates): the fp32 micro-kernel's loop, and AMX tile dot
+// products where the CPU has them; GFLOP/s, the share of the probe's peak
+// and the streamed operand's GB/s, about `seconds` a level.
+//
 // `gmm_bench --dequantize [reps]` times the CPU backend's dequantization of
 // a quantized weight (runtime/cpu/Quant.h) into bf16 as a forward tile of
 // the qwen3 layer asks for it: w1 stored [2I, H] = [1536, 2048], 192 rows
@@ -471,6 +477,33 @@ int ladder(int reps, Elt elt) {
   return 0;
 }
 
+/// gmm_bench --sources: see the header.
+int sourceRates(double seconds) {
+  bool any = false;
+  for (const bool bf16 : {false, true}) {
+    const std::vector<SourceRate> rates = measureSourceRates(bf16, seconds);
+    if (rates.empty())
+      continue;
+    const std::optional<FmaPeak> peak =
+        bf16 ? measureBf16DotPeak(0.3) : std::optional<FmaPeak>(measureFmaPeak(0.3));
+    std::printf("%s, one thread, the streamed operand from each level; the probe's peak %.1f "
+                "GFLOP/s (%s)\n",
+                bf16 ? "bf16 AMX tile dot products (2 x 2 tiles, 2 KiB of B a step)"
+                     : "fp32 micro-kernel loop (8 x 48 FMAs, 192 bytes of B a unit)",
+                peak->gflops, peak->isa);
+    std::printf("  %-8s %12s %10s %8s %10s\n", "level", "buffer KiB", "GFLOP/s", "of peak", "GB/s");
+    for (const SourceRate &r : rates)
+      std::printf("  %-8s %12zu %10.1f %7.1f%% %10.1f\n", r.level.c_str(), r.bytes >> 10, r.gflops,
+                  100 * r.gflops / peak->gflops, r.gbPerSecond);
+    any = true;
+  }
+  if (!any) {
+    std::fprintf(stderr, "gmm_bench --sources: this CPU has neither AVX-512 nor AMX\n");
+    return 1;
+  }
+  return 0;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
@@ -481,6 +514,8 @@ int main(int argc, char **argv) {
         "       gmm_bench --ladder [reps [bf16|f32]]    where a tile's time goes, rung by rung\n"
         "       gmm_bench --quantized [experts [reps]]  tiles whose B is a quantized weight\n"
         "       gmm_bench --dequantize [reps]           the dequantizer's rate, each format\n"
+        "       gmm_bench --sources [seconds]           the inner loop's rate by where its operand "
+        "lies\n"
         "The head of tools/bench/GmmBench.cpp says what each times. MOEC_GEMM (auto, moec,\n"
         "onednn) and MOEC_AMX (auto, off) choose the kernels (docs/runtime.md).\n");
     return 0;
@@ -493,6 +528,14 @@ int main(int argc, char **argv) {
       return 2;
     }
     return ladder(reps, type == "f32" ? Elt::F32 : Elt::BF16);
+  }
+  if (argc >= 2 && std::string(argv[1]) == "--sources") {
+    const double seconds = argc >= 3 ? std::atof(argv[2]) : 0.3;
+    if (!(seconds > 0)) {
+      std::fprintf(stderr, "usage: gmm_bench --sources [seconds] (positive)\n");
+      return 2;
+    }
+    return sourceRates(seconds);
   }
   if (argc >= 2 && std::string(argv[1]) == "--quantized") {
     const int experts = argc >= 3 ? std::atoi(argv[2]) : 16;

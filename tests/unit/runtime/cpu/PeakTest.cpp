@@ -200,3 +200,43 @@ TEST_CASE("the peak of several threads at once: their sum, each near one alone",
   const bool bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
   CHECK(measurePeakTogether(2, true, 0.05).has_value() == bf16);
 }
+
+TEST_CASE("the inner loop's rate by where its operand lies: where the kernel runs, levels in "
+          "order, L1 near the peak",
+          "[peak]") {
+  for (const bool bf16 : {false, true}) {
+    // Only the buffers up to 8 MiB (L1, L2), for a short test.
+    const std::vector<SourceRate> rates = measureSourceRates(bf16, 0.05, size_t(8) << 20);
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    const bool runs = bf16 ? tile::amx() : __builtin_cpu_supports("avx512f") != 0;
+#else
+    const bool runs = false;
+#endif
+    INFO((bf16 ? "AMX" : "fp32") << ", " << rates.size() << " levels");
+    if (!runs) {
+      CHECK(rates.empty());
+      continue;
+    }
+    REQUIRE(!rates.empty());
+    CHECK(rates[0].level == "L1");
+    const std::optional<FmaPeak> peak =
+        bf16 ? measureBf16DotPeak(0.1) : std::optional<FmaPeak>(measureFmaPeak(0.1));
+    REQUIRE(peak);
+    for (size_t i = 0; i < rates.size(); ++i) {
+      INFO(rates[i].level << ": " << rates[i].bytes << " bytes, " << rates[i].gflops << " GFLOP/s, "
+                          << rates[i].gbPerSecond << " GB/s; peak " << peak->gflops);
+      CHECK(rates[i].bytes <= (size_t(8) << 20));
+      if (i > 0)
+        CHECK(rates[i].bytes > rates[i - 1].bytes);
+      CHECK(rates[i].gflops > 0);
+      // Not above the register-only peak (but for noise between the two
+      // measurements); the flops a byte are the loop's own.
+      CHECK(rates[i].gflops < 1.3 * peak->gflops);
+      CHECK(rates[i].gflops / rates[i].gbPerSecond ==
+            Approx(bf16 ? 4.0 * 16 * 16 * 32 * 2 / 2048 : 8.0 * 48 * 2 / 192));
+    }
+    // In L1 the loop runs near the peak (it measures 80-90% of it).
+    CHECK(rates[0].gflops > 0.25 * peak->gflops);
+  }
+}

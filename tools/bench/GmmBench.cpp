@@ -105,7 +105,9 @@ struct Shape {
   int64_t m, n, k, lda, ldb, ldc;
   bool transA, transB;
   /// A LoRA adapter's rank-deep product: C = addend + 2 * the sums (the
-  /// layer's scaled product onto the base's output), the addend m x n.
+  /// layer's scaled product onto the base's output), the addend m x n and
+  /// C itself, each expert's own (the layer writes the sums over the base's
+  /// output in place).
   bool addScaled = false;
 };
 
@@ -125,8 +127,8 @@ constexpr Shape kLayer[] = {
     // weight gradient x^T·du.
     {"lora_a", 128, 16, 2048, 2048, 16, 16, false, false},
     {"lora_a_grad", 2048, 16, 128, 2048, 16, 16, true, false},
-    // ... and its B product onto up_proj's output: y = y_base + 2 u·B^T
-    // (B stored [2I, 16]), 16 deep.
+    // ... and its B product onto up_proj's output in place: y = y_base + 2
+    // u·B^T (B stored [2I, 16]), 16 deep.
     {"lora_b", 128, 1536, 16, 16, 16, 1536, false, true, true},
 };
 
@@ -134,7 +136,8 @@ constexpr Shape kLayer[] = {
 /// operands' storage, and its C.
 struct Operands {
   std::vector<std::vector<char>> a, b;
-  std::vector<char> c, addend;
+  std::vector<char> c;
+  std::vector<std::vector<char>> addend; // per expert
 };
 
 Operands makeOperands(const Shape &s, Elt elt, int experts, std::mt19937 &rng) {
@@ -155,13 +158,14 @@ Operands makeOperands(const Shape &s, Elt elt, int experts, std::mt19937 &rng) {
     storeFloats(b.data(), o.b.back().data(), elt, b.size());
   }
   o.c.resize(size_t(s.m * s.ldc) * bytes);
-  if (s.addScaled) {
-    std::vector<float> add(size_t(s.m * s.ldc));
-    for (float &x : add)
-      x = dist(rng);
-    o.addend.resize(add.size() * bytes);
-    storeFloats(add.data(), o.addend.data(), elt, add.size());
-  }
+  if (s.addScaled)
+    for (int e = 0; e < experts; ++e) {
+      std::vector<float> add(size_t(s.m * s.ldc));
+      for (float &x : add)
+        x = dist(rng);
+      o.addend.emplace_back(add.size() * bytes);
+      storeFloats(add.data(), o.addend.back().data(), elt, add.size());
+    }
   return o;
 }
 
@@ -203,10 +207,11 @@ int layerShapes(int experts, int reps, int threads) {
         for (int e = 0; e < experts; ++e)
           gemmTile(s.m, s.n, s.k, ConstMatrix{o.a[size_t(e)].data(), elt, s.lda}, s.transA,
                    ConstMatrix{o.b[size_t(e)].data(), elt, s.ldb}, s.transB,
-                   Matrix{o.c.data(), elt, s.ldc}, false, &scratch[size_t(t)],
-                   s.addScaled ? 2.0f : 1.0f, false,
+                   Matrix{s.addScaled ? o.addend[size_t(e)].data() : o.c.data(), elt, s.ldc}, false,
+                   &scratch[size_t(t)], s.addScaled ? 2.0f : 1.0f, false,
                    usePacked ? packed[size_t(t)][size_t(e)].data() : nullptr, nullptr,
-                   s.addScaled ? ConstMatrix{o.addend.data(), elt, s.ldc} : ConstMatrix{});
+                   s.addScaled ? ConstMatrix{o.addend[size_t(e)].data(), elt, s.ldc}
+                               : ConstMatrix{});
       };
       auto all = [&](bool usePacked) {
         std::vector<std::thread> others;

@@ -553,7 +553,7 @@ std::vector<SourceRate> measureSourceRates(bool bf16, double seconds, size_t max
   const size_t l1 = cache(_SC_LEVEL1_DCACHE_SIZE, 32 << 10),
                l2 = cache(_SC_LEVEL2_CACHE_SIZE, 1 << 20),
                l3 = cache(_SC_LEVEL3_CACHE_SIZE, 32 << 20);
-  std::vector<std::pair<const char *, size_t>> levels = {{"L1", std::min<size_t>(16 << 10, l1 / 2)},
+  std::vector<std::pair<const char *, size_t>> levels = {{"L1", std::min<size_t>(16 << 10, l1 / 4)},
                                                          {"L2", l2 / 2}};
   if (l3 >= 4 * l2)
     levels.push_back({"L3", std::min<size_t>(l3 / 4, 64 << 20)});

@@ -151,10 +151,10 @@ struct SourceRate {
 
 /// The rates above for fp32 (a CPU with AVX-512) or, with `bf16`, AMX tiles
 /// (tile::amx()); nothing where the CPU lacks the kernel. Buffers sized
-/// from the caches the OS reports (sysconf): L1 16 KiB or half of it, L2
-/// half of it, L3 a quarter (at most 64 MiB; no row where the L3 is under
-/// four L2s), memory four times the L3 (256 MiB to 1 GiB); none over
-/// `maxBytes`. About `seconds` a level.
+/// from the caches the OS reports (sysconf): L1 a quarter of it (at most 16
+/// KiB; A takes 16 KiB more), L2 half of it, L3 a quarter (at most 64 MiB;
+/// no row where the L3 is under four L2s), memory four times the L3 (256
+/// MiB to 1 GiB); none over `maxBytes`. About `seconds` a level.
 std::vector<SourceRate> measureSourceRates(bool bf16, double seconds = 0.2,
                                            size_t maxBytes = size_t(1) << 30);
 

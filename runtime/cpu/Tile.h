@@ -43,7 +43,8 @@
 // as its transpose C^T = B^T A into the working memory and written to C
 // transposed: A (the wide operand) is then read along its rows as stored,
 // not packed transposed. The same sums of the same products in the same
-// order, so the same bits.
+// order, so the same bits. (Such a C, at most 16 columns, is written with
+// plain stores even with `stream`.)
 //
 // A weight that many calls read (the layer's packed-weight store,
 // runtime/cpu/Pass.h) can be packed once, whole, by packB, and handed to

@@ -92,16 +92,22 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
     // positive number (a NaN or zero scale would make every value it
     // scales NaN or zero without a word); a zero point is a code, 0 to 15.
     const LayerShape &s = shape();
-    const float *scales = static_cast<const float *>(t.data);
-    int64_t count = 1;
-    for (int64_t d : dims)
-      count *= d;
     const bool pairs = s.weightFormat == WeightFormat::Int4Group && s.weightZeroPoints;
-    int64_t i = -1;
-    float v = 0;
-    const backend::Pass &pass = fwd ? *fwd : *bwd;
-    if (Status st = pass.findBadScale(scales, count, pairs, &i, &v); !st)
+    backend::ScaleCheck found{static_cast<const float *>(t.data), elementCount(t), pairs};
+    const backend::ScaleCheck *done =
+        rank < scaleChecks.size() ? &scaleChecks[rank][b == kW1Scale ? 0 : 1] : nullptr;
+    Status st = scaleCheckStatus;
+    if (done && done->scales == found.scales && done->count == found.count)
+      found = *done;
+    else { // not among checkScales' tensors: checked alone
+      std::vector<backend::ScaleCheck> one = {found};
+      st = (fwd ? *fwd : *bwd).findBadScales(one);
+      found = one[0];
+    }
+    if (!st)
       return st.withPrefix(fmt::format("rank {}: tensor '{}': ", rank, kBindingNames[b]));
+    const int64_t i = found.index, count = found.count;
+    const float v = found.value;
     if (i >= 0) {
       const bool zero = pairs && i % 2 == 1;
       // Where: the local expert, then the block, row, or row and group.
@@ -126,6 +132,29 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
     }
   }
   return Status::success();
+}
+
+void Context::Impl::checkScales(const backend::Pass &pass) {
+  scaleChecks.assign(bound.size(), {});
+  scaleCheckStatus = Status::success();
+  const LayerShape &s = shape();
+  if (s.weightFormat == WeightFormat::Dense)
+    return;
+  const bool pairs = s.weightFormat == WeightFormat::Int4Group && s.weightZeroPoints;
+  std::vector<backend::ScaleCheck> checks;
+  for (uint32_t r = firstLocal(); r < lastLocal(); ++r)
+    for (int w = 0; w < 2; ++w) {
+      const Tensor &t = bound[r][w == 0 ? kW1Scale : kW2Scale];
+      const std::vector<int64_t> dims = s.scaleDims(w == 0 ? s.w1Dims() : s.w2Dims());
+      if (t.data && std::vector<int64_t>(t.dims, t.dims + t.ndim) == dims)
+        checks.push_back({static_cast<const float *>(t.data), elementCount(t), pairs});
+    }
+  scaleCheckStatus = pass.findBadScales(checks);
+  for (const backend::ScaleCheck &c : checks)
+    for (uint32_t r = firstLocal(); r < lastLocal(); ++r)
+      for (int w = 0; w < 2; ++w)
+        if (bound[r][w == 0 ? kW1Scale : kW2Scale].data == c.scales)
+          scaleChecks[r][w] = c;
 }
 
 void Context::Impl::countPuts(const backend::Pass &pass,
@@ -216,6 +245,7 @@ Status Context::Impl::forward() {
       used.insert(used.end(), {kW1Scale, kW2Scale});
     return checkOverlaps(r, used, {kY});
   };
+  checkScales(*fwd);
   // Every check passes on every rank before state and outputs change.
   if (Status st = route(&routes, bindings); !st)
     return st;
@@ -265,6 +295,7 @@ Status Context::Impl::backward() {
   // A frozen layer's backward has no weight gradients to bind.
   const bool frozen = bwd->plan().shape.frozen;
   std::vector<Status> local;
+  checkScales(*fwd);
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
     const int64_t S = routes[r].tokens, K = routes[r].topK;
     Status st;

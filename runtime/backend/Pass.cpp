@@ -39,15 +39,16 @@ uint32_t fourthInput(const format::TaskProgram &program, const format::OpRecord 
 }
 } // namespace
 
-Status Pass::findBadScale(const float *scales, int64_t count, bool pairs, int64_t *index,
-                          float *value) const {
-  *index = -1;
-  for (int64_t i = 0; i < count; ++i)
-    if (!goodScale(scales[i], pairs && i % 2 == 1)) {
-      *index = i;
-      *value = scales[i];
-      break;
-    }
+Status Pass::findBadScales(std::vector<ScaleCheck> &checks) const {
+  for (ScaleCheck &c : checks) {
+    c.index = -1;
+    for (int64_t i = 0; i < c.count; ++i)
+      if (!goodScale(c.scales[i], c.pairs && i % 2 == 1)) {
+        c.index = i;
+        c.value = c.scales[i];
+        break;
+      }
+  }
   return Status::success();
 }
 

@@ -84,6 +84,18 @@ struct PassOptions {
   std::shared_ptr<comm::Fabric> fabric; ///< the EP group (required)
 };
 
+/// A quantized weight's scales to check (Pass::findBadScales): `count`
+/// floats at `scales`, (scale, zero point) pairs with `pairs`. The answer:
+/// the index of the first bad one in `index` (-1 where none) and the float
+/// in `value`.
+struct ScaleCheck {
+  const float *scales = nullptr;
+  int64_t count = 0;
+  bool pairs = false;
+  int64_t index = -1;
+  float value = 0;
+};
+
 /// One pass of a layer binary for the ranks of this process, on one backend.
 class Pass {
 public:
@@ -114,14 +126,11 @@ public:
   virtual void weightChanged(uint32_t slot) { (void)slot; }
   /// Bytes held by the packed copies of the weights (PassOptions::packWeights).
   virtual size_t packedWeightBytes() const { return 0; }
-  /// Where a quantized weight's scales (`count` floats at `scales`, bound
-  /// to this pass; (scale, zero point) pairs with `pairs`) first hold a
+  /// For each check, where its quantized weight's scales first hold a
   /// scale that is not a finite positive number or a zero point outside
-  /// 0..15: its index in *index (-1 where none) and the float in *value.
-  /// Read in host memory here; a backend whose tensors can live elsewhere
-  /// reads them there.
-  virtual Status findBadScale(const float *scales, int64_t count, bool pairs, int64_t *index,
-                              float *value) const;
+  /// 0..15 (goodScale). Read in host memory here; a backend whose tensors
+  /// can live elsewhere reads them there, all checks in one go.
+  virtual Status findBadScales(std::vector<ScaleCheck> &checks) const;
 
   /// The memory of slot `slot` of local rank `rank` (null before allocate(),
   /// or for a slot the caller binds). The backend's own memory: a backward

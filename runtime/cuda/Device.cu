@@ -815,37 +815,51 @@ Error combineRows(const void *z, uint32_t zType, int64_t zLd, const int64_t *pos
 }
 
 namespace {
-/// The index of the first scale that backend::goodScale would refuse, by
-/// atomicMin into `first` (all ones where none).
-__global__ void badScaleKernel(const float *scales, int64_t count, bool pairs,
-                               unsigned long long *first) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+struct ScaleSpans {
+  ScaleSpan span[kScaleSpansALaunch];
+};
+/// For span blockIdx.y, the index of the first scale that
+/// backend::goodScale would refuse, by atomicMin into first[blockIdx.y]
+/// (all ones where none).
+__global__ void badScaleKernel(ScaleSpans spans, unsigned long long *first) {
+  const ScaleSpan s = spans.span[blockIdx.y];
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < s.count;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const float v = scales[i];
+    const float v = s.scales[i];
     const bool good =
-        pairs && (i & 1) ? isfinite(v) && v >= 0.0f && v <= 15.0f : isfinite(v) && v > 0.0f;
+        s.pairs && (i & 1) ? isfinite(v) && v >= 0.0f && v <= 15.0f : isfinite(v) && v > 0.0f;
     if (!good)
-      atomicMin(first, static_cast<unsigned long long>(i));
+      atomicMin(first + blockIdx.y, static_cast<unsigned long long>(i));
   }
 }
 } // namespace
 
-Error findBadScale(const float *scales, int64_t count, bool pairs, void *scratch, int64_t *index,
-                   float *value) {
-  *index = -1;
-  if (count <= 0)
+Error findBadScales(const ScaleSpan *spans, int n, void *scratch, int64_t *index, float *value) {
+  if (n <= 0)
     return {};
   auto *first = static_cast<unsigned long long *>(scratch);
-  MOEC_CUDA("the scale check", cudaMemsetAsync(first, 0xFF, sizeof(*first)));
-  badScaleKernel<<<gridFor(count), kThreads>>>(scales, count, pairs, first);
-  MOEC_CUDA("the scale check", cudaGetLastError());
-  unsigned long long found = 0;
-  MOEC_CUDA("the scale check", cudaMemcpy(&found, first, sizeof(found), cudaMemcpyDeviceToHost));
-  if (found == ~0ull)
-    return {};
-  *index = int64_t(found);
+  MOEC_CUDA("the scale check", cudaMemsetAsync(first, 0xFF, n * sizeof(*first)));
+  for (int i0 = 0; i0 < n; i0 += kScaleSpansALaunch) {
+    ScaleSpans batch{};
+    int64_t longest = 1;
+    const int count = std::min(n - i0, kScaleSpansALaunch);
+    for (int i = 0; i < count; ++i) {
+      batch.span[i] = spans[i0 + i];
+      longest = std::max(longest, spans[i0 + i].count);
+    }
+    badScaleKernel<<<dim3(unsigned(gridFor(longest)), unsigned(count)), kThreads>>>(batch,
+                                                                                    first + i0);
+    MOEC_CUDA("the scale check", cudaGetLastError());
+  }
+  std::vector<unsigned long long> found(n);
   MOEC_CUDA("the scale check",
-            cudaMemcpy(value, scales + found, sizeof(float), cudaMemcpyDeviceToHost));
+            cudaMemcpy(found.data(), first, n * sizeof(*first), cudaMemcpyDeviceToHost));
+  for (int i = 0; i < n; ++i) {
+    index[i] = found[i] == ~0ull ? -1 : int64_t(found[i]);
+    if (index[i] >= 0)
+      MOEC_CUDA("the scale check", cudaMemcpy(value + i, spans[i].scales + found[i], sizeof(float),
+                                              cudaMemcpyDeviceToHost));
+  }
   return {};
 }
 

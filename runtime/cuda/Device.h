@@ -170,12 +170,20 @@ Error combineWeightGrad(const void *dy, uint32_t dyType, const void *z, uint32_t
                         int64_t zLd, const int64_t *position, int64_t topK, int64_t tokens,
                         int64_t cols, float *out);
 
-/// The first of `count` floats at `scales` (device memory; (scale, zero
-/// point) pairs with `pairs`) that is not a finite positive scale, or a
-/// zero point outside 0..15: its index in *index (-1 where none) and the
-/// float in *value. `scratch` is 8 bytes of device memory.
-Error findBadScale(const float *scales, int64_t count, bool pairs, void *scratch, int64_t *index,
-                   float *value);
+/// Scales in device memory: `count` floats, (scale, zero point) pairs with
+/// `pairs`.
+struct ScaleSpan {
+  const float *scales;
+  int64_t count;
+  bool pairs;
+};
+/// For each of `n` spans, the first float that is not a finite positive
+/// scale, or a zero point outside 0..15: its index in index[i] (-1 where
+/// none) and the float in value[i]. One launch for up to kScaleSpansALaunch
+/// spans and one copy back for all; `scratch` is 8 x n bytes of device
+/// memory.
+constexpr int kScaleSpansALaunch = 64;
+Error findBadScales(const ScaleSpan *spans, int n, void *scratch, int64_t *index, float *value);
 
 /// A benchmark of the GMM tile function: `groups` products of m x n x k in
 /// one launch, C_g = op(A_g) op(B_g), A_g stored k x m when transA (else

@@ -35,7 +35,7 @@ Error combineWeightGrad(const void *, uint32_t, const void *, uint32_t, int64_t,
                         int64_t, int64_t, int64_t, float *) {
   return kMissing;
 }
-Error findBadScale(const float *, int64_t, bool, void *, int64_t *, float *) { return kMissing; }
+Error findBadScales(const ScaleSpan *, int, void *, int64_t *, float *) { return kMissing; }
 Error benchGemm(const GemmBenchCase &, GemmBenchResult *) { return kMissing; }
 
 } // namespace moec::cuda::device

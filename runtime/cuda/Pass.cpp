@@ -319,16 +319,42 @@ void Pass::bindSlot(uint32_t rank, uint32_t slot, void *memory) {
   data[rank][slot] = nullptr;
 }
 
-Status Pass::findBadScale(const float *scales, int64_t count, bool pairs, int64_t *index,
-                          float *value) const {
-  if (!device::isDevice(scales)) // staged: read where it is
-    return backend::Pass::findBadScale(scales, count, pairs, index, value);
-  if (!scaleCheck.memory) {
-    if (Status s = check(device::allocate(sizeof(uint64_t), &scaleCheck.memory)); !s)
-      return s;
-    scaleCheck.bytes = sizeof(uint64_t);
+Status Pass::findBadScales(std::vector<backend::ScaleCheck> &checks) const {
+  // Host tensors (staged) are read where they are; the others in one go.
+  std::vector<backend::ScaleCheck> host;
+  std::vector<backend::ScaleCheck *> hostOf, onDevice;
+  std::vector<device::ScaleSpan> spans;
+  for (backend::ScaleCheck &c : checks) {
+    c.index = -1;
+    if (c.count <= 0)
+      continue;
+    if (device::isDevice(c.scales)) {
+      spans.push_back({c.scales, c.count, c.pairs});
+      onDevice.push_back(&c);
+    } else {
+      host.push_back(c);
+      hostOf.push_back(&c);
+    }
   }
-  return check(device::findBadScale(scales, count, pairs, scaleCheck.memory, index, value));
+  if (Status s = backend::Pass::findBadScales(host); !s)
+    return s;
+  for (size_t i = 0; i < host.size(); ++i)
+    *hostOf[i] = host[i];
+  if (spans.empty())
+    return Status::success();
+  if (Status s = grow(&scaleCheck, spans.size() * sizeof(uint64_t)); !s)
+    return s;
+  std::vector<int64_t> index(spans.size());
+  std::vector<float> value(spans.size());
+  if (Status s = check(device::findBadScales(spans.data(), int(spans.size()), scaleCheck.memory,
+                                             index.data(), value.data()));
+      !s)
+    return s;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    onDevice[i]->index = index[i];
+    onDevice[i]->value = value[i];
+  }
+  return Status::success();
 }
 
 Status Pass::onDevice(const void *memory, size_t bytes, Buffer *staging, const void **out) {

@@ -56,8 +56,7 @@ public:
   uint64_t workspaceNeeded() const override;
   void *slot(uint32_t rank, uint32_t slot) const override { return data[rank][slot]; }
   void bindSlot(uint32_t rank, uint32_t slot, void *memory) override;
-  Status findBadScale(const float *scales, int64_t count, bool pairs, int64_t *index,
-                      float *value) const override;
+  Status findBadScales(std::vector<backend::ScaleCheck> &checks) const override;
   Status fillLayout(const std::vector<backend::RankRoute> &routes) override;
   Status gatherSendRows(const std::vector<backend::RankRoute> &routes,
                         const std::vector<const void *> &source, bool weighted) override;
@@ -87,7 +86,7 @@ private:
     size_t bytes = 0;
     bool output = false; ///< the program writes it: copied back after the tasks
   };
-  Status grow(Buffer *buffer, size_t bytes);
+  static Status grow(Buffer *buffer, size_t bytes);
   /// `memory` on the GPU: itself when it is device memory, else a copy of
   /// its `bytes` in `staging`.
   Status onDevice(const void *memory, size_t bytes, Buffer *staging, const void **out);
@@ -100,7 +99,7 @@ private:
   const rt::LayerPlan *layer = nullptr;
   backend::PassOptions options;
   std::vector<Buffer> owned;                ///< everything freed with the pass
-  mutable Buffer scaleCheck;                ///< findBadScale's 8 bytes
+  mutable Buffer scaleCheck;                ///< findBadScales' 8 bytes a check
   std::vector<std::vector<void *>> data;    ///< [rank][slot], device pointers
   std::vector<std::vector<Staged>> staged;  ///< [rank][slot]
   std::vector<bool> isOutput;               ///< per slot: an op writes it

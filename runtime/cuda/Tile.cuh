@@ -126,17 +126,15 @@ __device__ __forceinline__ float2 e4m3Pair(uint32_t two) {
 #endif
 }
 
-/// Two integer codes as floats without an integer-to-float conversion
-/// (Hopper issues those at an eighth of its fp32 rate): a code c of 0..255
-/// in the low mantissa bits of fp16's 1024 is 1024 + c exactly, and one
-/// half2 subtraction of `bias` (0x6400, 1024; int8 codes stored with their
-/// top bit flipped: 0x6480, 1152) leaves each code exactly. `bits` holds
-/// the two codes (plus 128 for int8) in bits 0-7 and 16-23, zeros elsewhere.
-constexpr uint32_t kInt4Bias = 0x64006400u, kInt8Bias = 0x64806480u;
-__device__ __forceinline__ float2 codePair(uint32_t bits, uint32_t bias) {
-  const uint32_t h = bits | 0x64006400u;
-  return __half22float2(__hsub2(*reinterpret_cast<const __half2 *>(&h),
-                                *reinterpret_cast<const __half2 *>(&bias)));
+/// An int8 code's value without the integer-to-float conversion, which
+/// Hopper issues at an eighth of its fp32 rate: byte `e` (0 .. 3) of
+/// `flipped` (codes with their top bit flipped, 0 .. 255) in the low
+/// mantissa bits of a float whose exponent is 2^23's is 2^23 + 128 + code,
+/// and one subtraction leaves the code exactly. (int4 codes go through the
+/// conversion: this form measured slower for them, as did fp16's mantissa
+/// two codes at a time for both; docs/performance-log.md.)
+__device__ __forceinline__ float int8Value(uint32_t flipped, int e) {
+  return __uint_as_float(__byte_perm(flipped, 0x4B000000u, 0x7440u | uint32_t(e))) - 8388736.0f;
 }
 
 /// The scale and zero point of stored value (r, c) of a quantized weight.
@@ -223,11 +221,8 @@ __device__ __forceinline__ uint4 quantDecode8(uint32_t quant, const Quant8 &q) {
   float v[8];
   if (quant == kInt4Group) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) { // nibbles e and e + 4
-      const float2 pair = codePair((q.codes.x >> (4 * e)) & 0x000F000Fu, kInt4Bias);
-      v[e] = (pair.x - s.y) * s.x;
-      v[e + 4] = (pair.y - s.y) * s.x;
-    }
+    for (int e = 0; e < 8; ++e)
+      v[e] = (float((q.codes.x >> (4 * e)) & 15u) - s.y) * s.x;
   } else if (quant == kFp8Block128) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -236,14 +231,10 @@ __device__ __forceinline__ uint4 quantDecode8(uint32_t quant, const Quant8 &q) {
       v[2 * e + 1] = pair.y * s.x;
     }
   } else {
+    const uint32_t lo = q.codes.x ^ 0x80808080u, hi = q.codes.y ^ 0x80808080u;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) { // bytes b and b + 2 of a word
-      const uint32_t word = (e < 2 ? q.codes.x : q.codes.y) ^ 0x80808080u;
-      const int b = 4 * (e / 2) + e % 2;
-      const float2 pair = codePair((word >> (8 * (e % 2))) & 0x00FF00FFu, kInt8Bias);
-      v[b] = pair.x * s.x;
-      v[b + 2] = pair.y * s.x;
-    }
+    for (int e = 0; e < 8; ++e)
+      v[e] = int8Value(e < 4 ? lo : hi, e % 4) * s.x;
   }
   uint4 out;
   uint32_t *w = reinterpret_cast<uint32_t *>(&out);

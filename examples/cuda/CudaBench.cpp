@@ -10,6 +10,10 @@
 //                                     an fp32 reference); with F (fp8_block128,
 //                                     int8, int4_g32 .. int4_g128, _zp) B is
 //                                     that format's random codes and scales
+//   cuda_bench decode                 the tiles' decode of quantized weights
+//                                     (FP8, int8, int4): its rate in values a
+//                                     clock an SM, and its bits against the
+//                                     decode of one value at a time
 //   cuda_bench layer FWD BWD [--repeat N] [--hot-share F] [--sample N]
 //                                     the layer, forward and backward, every
 //                                     rank on the GPU, tensors in device
@@ -110,6 +114,24 @@ bool parseWeightFormat(const std::string &name, rt::LayerShape *out) {
         }
       }
   return false;
+}
+
+int decode() {
+  int64_t mismatches[3];
+  double rate[3];
+  if (const cuda::device::Error e = cuda::device::checkDecodeBits(mismatches); !e.empty())
+    return fail(Status::error(e));
+  if (const cuda::device::Error e = cuda::device::benchDecode(rate); !e.empty())
+    return fail(Status::error(e));
+  std::printf("%-14s %22s %s
+", "format", "values/clock/SM", "bits against one value at a time");
+  const char *const names[3] = {"fp8_block128", "int8", "int4"};
+  for (int f = 0; f < 3; ++f)
+    std::printf("%-14s %22.1f %s
+", names[f], rate[f],
+                mismatches[f] == 0 ? "same"
+                                   : fmt::format("FAILED: {} differ", mismatches[f]).c_str());
+  return mismatches[0] || mismatches[1] || mismatches[2] ? 1 : 0;
 }
 
 int gmm(const std::vector<std::string> &products, int64_t tileN, const rt::LayerShape &format) {
@@ -376,6 +398,13 @@ int main(int argc, char **argv) {
     std::printf("GPU: %s\n", gpu.c_str());
     return gmm(products, tileN, format);
   }
+  if (mode == "decode" && argc == 2) {
+    std::string gpu;
+    if (Status s = cuda::describeDevice(&gpu); !s)
+      return fail(s);
+    std::printf("GPU: %s\n", gpu.c_str());
+    return decode();
+  }
   if (mode == "layer" && argc >= 4) {
     int repeat = 5;
     double hot = 0;
@@ -395,6 +424,7 @@ int main(int argc, char **argv) {
   }
   std::fprintf(stderr, "usage: cuda_bench gmm [--tile-n N] [--weight-format F] "
                        "[[G*]MxNxK[:ab] ...]\n"
+                       "       cuda_bench decode\n"
                        "       cuda_bench layer FWD BWD [--repeat N] [--hot-share F] "
                        "[--sample N]\n");
   return mode == "--help" || mode == "-h" ? 0 : 2;

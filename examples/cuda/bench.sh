@@ -16,7 +16,8 @@
 #    once, one matmul pair per expert on unbind slices).
 # 3. Frozen experts stored as checkpoints ship them (Hugging Face's [out, in]
 #    layout, the *_transposed graphs): the tiles with B as FP8 blocks, int8
-#    rows, int4 groups of 128 (cuda_bench gmm --weight-format), and the
+#    rows, int4 groups of 128 (cuda_bench decode: the decode alone; then
+#    cuda_bench gmm --weight-format), and the
 #    frozen layer at S = 1024, forward + backward (dx only), with bf16 and
 #    with each format's weights, each checked against the reference on the
 #    dequantized weights.
@@ -49,6 +50,7 @@ for s in 1024 4096; do
   pytorch layer --ranks 8 --tokens "$s" --repeat 5
 done
 echo "== frozen experts as checkpoints store them: tiles with B quantized (qwen3's products)"
+"$bench" decode
 products="128*512x1536x2048:nt 128*512x2048x768:nt 128*512x768x2048:nn 128*512x2048x1536:nn"
 for f in dense fp8_block128 int8 int4_g128; do
   # shellcheck disable=SC2086

@@ -2,7 +2,7 @@
 # cuda_bench's arguments, checked where there is no GPU too: a product that
 # is no [G*]MxNxK[:ab] is refused by name before any GPU is looked for,
 # --tile-n takes a positive count, --weight-format a format's name, and an
-# int4 B's stored rows whole groups.
+# int4 B's stored rows whole groups; decode takes no arguments.
 set -uo pipefail
 bench="$1"
 fails=0
@@ -27,6 +27,13 @@ for bad in fp9 int4 int4_g16 int8_zp; do
   expect "--weight-format $bad: give dense, fp8_block128, int8 or int4_g32, int4_g64, int4_g128" \
     gmm --weight-format "$bad" 8x8x8
 done
+# decode takes no arguments: anything after it gets the usage and exit 2.
+err="$("$bench" decode 8x8x8 2>&1 >/dev/null)"
+rc=$?
+if [ $rc -ne 2 ] || [[ "$err" != *"cuda_bench decode"* ]]; then
+  echo "FAIL: cuda_bench decode 8x8x8 -> exit $rc, '$err' (wanted exit 2 and the usage)"
+  fails=$((fails + 1))
+fi
 "$bench" --help >/dev/null 2>&1 || { echo "FAIL: cuda_bench --help exits non-zero"; fails=$((fails + 1)); }
 [ $fails -eq 0 ] && echo "cuda_bench arguments: all checks passed"
 exit $((fails > 0))

@@ -185,6 +185,19 @@ struct ScaleSpan {
 constexpr int kScaleSpansALaunch = 64;
 Error findBadScales(const ScaleSpan *spans, int n, void *scratch, int64_t *index, float *value);
 
+/// The vector decode of a quantized weight (quantDecode8: eight values at a
+/// time, as Hopper's tiles decode B) against the decode of one value at a
+/// time (quantValue's formulas), both rounded to bf16, on every code: FP8
+/// and int8 codes 0..255 in every place of a vector, int4 every pair of
+/// nibbles; scales 1, 0.01, 3.7e-5, 1e30, 1e-30, 448; zero points 0, 8,
+/// 15, 7.5. mismatches[0..2]: FP8, int8, int4 (a NaN matches a NaN).
+Error checkDecodeBits(int64_t mismatches[3]);
+/// The vector decode's rate: 8 blocks of 256 threads an SM, each thread
+/// decoding eight values 4096 times (the codes changing each time), for
+/// FP8, int8 and int4 (valuesPerClock[0..2], values a clock an SM at the
+/// GPU's clock rate).
+Error benchDecode(double valuesPerClock[3]);
+
 /// A benchmark of the GMM tile function: `groups` products of m x n x k in
 /// one launch, C_g = op(A_g) op(B_g), A_g stored k x m when transA (else
 /// m x k), B_g stored n x k when transB (else k x n), of `type`, C of

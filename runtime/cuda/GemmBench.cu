@@ -156,7 +156,112 @@ struct Buffers {
   }
 };
 
+/// Value e (0..7) of a decoded vector, as a float.
+__device__ __forceinline__ float decodedAt(const uint4 &v, int e) {
+  const uint32_t w = (&v.x)[e / 2];
+  return __uint_as_float((e % 2 ? w >> 16 : w & 0xFFFFu) << 16);
+}
+
+__device__ __forceinline__ bool sameBits(float a, float b) {
+  return (a != a && b != b) || __float_as_uint(a) == __float_as_uint(b);
+}
+
+/// checkDecodeBits: thread `code` (0..255) decodes vectors of that code
+/// (and of code ^ 0x5A in the second word, so that every place sees every
+/// code) in each format, scale and zero point.
+__global__ void decodeBitsKernel(unsigned long long *mismatches) {
+  const float scales[6] = {1.0f, 0.01f, 3.7e-5f, 1e30f, 1e-30f, 448.0f};
+  const float zeros[4] = {0.0f, 8.0f, 15.0f, 7.5f};
+  const uint32_t code = threadIdx.x;
+  const auto bf16 = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); };
+  for (float s : scales) {
+    const uint2 codes = make_uint2(code * 0x01010101u, (code ^ 0x5Au) * 0x01010101u);
+    const uint4 fp8 = quantDecode8(kFp8Block128, Quant8{codes, make_float2(s, 0.0f)});
+    const uint4 int8 = quantDecode8(kInt8Channel, Quant8{codes, make_float2(s, 0.0f)});
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t c = ((e < 4 ? codes.x : codes.y) >> (8 * (e % 4))) & 0xFFu;
+      if (!sameBits(decodedAt(fp8, e), bf16(e4m3Value(c) * s)))
+        atomicAdd(&mismatches[0], 1ull);
+      if (!sameBits(decodedAt(int8, e), bf16(float(int8_t(c)) * s)))
+        atomicAdd(&mismatches[1], 1ull);
+    }
+    for (float z : zeros) {
+      const uint4 int4 = quantDecode8(kInt4Group, Quant8{codes, make_float2(s, z)});
+      for (int e = 0; e < 8; ++e)
+        if (!sameBits(decodedAt(int4, e), bf16((float((codes.x >> (4 * e)) & 15u) - z) * s)))
+          atomicAdd(&mismatches[2], 1ull);
+    }
+  }
+}
+
+constexpr int kDecodeRounds = 4096, kDecodeBlocksAnSm = 8;
+
+/// benchDecode: the vectors' codes change each round with what was
+/// decoded, so that nothing is hoisted out of the loop.
+__global__ void decodeRateKernel(uint32_t quant, unsigned *sink) {
+  uint32_t acc = 0;
+  uint2 codes = make_uint2(threadIdx.x * 0x9E3779B9u, blockIdx.x * 0x85EBCA6Bu);
+  const float2 scale = make_float2(0.01f, 7.0f);
+  for (int i = 0; i < kDecodeRounds; ++i) {
+    const uint4 v = quantDecode8(quant, Quant8{codes, scale});
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    codes.x += 0x01010101u + acc;
+    codes.y ^= codes.x;
+  }
+  if (acc == 0x12345678u) // never, as far as the compiler knows
+    *sink = acc;
+}
+
 } // namespace
+
+Error checkDecodeBits(int64_t mismatches[3]) {
+  Buffers held;
+  void *counts = nullptr;
+  if (Error e = held.get(3 * sizeof(unsigned long long), &counts); !e.empty())
+    return e;
+  auto *c = static_cast<unsigned long long *>(counts);
+  decodeBitsKernel<<<1, 256>>>(c);
+  MOEC_CUDA("the decode check", cudaGetLastError());
+  unsigned long long host[3];
+  MOEC_CUDA("the decode check", cudaMemcpy(host, c, sizeof(host), cudaMemcpyDeviceToHost));
+  for (int f = 0; f < 3; ++f)
+    mismatches[f] = int64_t(host[f]);
+  return {};
+}
+
+Error benchDecode(double valuesPerClock[3]) {
+  int sms = 0, kHz = 0;
+  MOEC_CUDA("the decode bench", cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  MOEC_CUDA("the decode bench", cudaDeviceGetAttribute(&kHz, cudaDevAttrClockRate, 0));
+  Buffers held;
+  void *sink = nullptr;
+  if (Error e = held.get(sizeof(unsigned), &sink); !e.empty())
+    return e;
+  cudaEvent_t start, stop;
+  MOEC_CUDA("the decode bench", cudaEventCreate(&start));
+  MOEC_CUDA("the decode bench", cudaEventCreate(&stop));
+  const int blocks = sms * kDecodeBlocksAnSm, threads = 256;
+  const uint32_t formats[3] = {kFp8Block128, kInt8Channel, kInt4Group};
+  Error failed;
+  for (int f = 0; f < 3 && failed.empty(); ++f) {
+    float ms = 0;
+    for (int launch = 0; launch < 2; ++launch) { // a warm-up, then the timed one
+      cudaEventRecord(start);
+      decodeRateKernel<<<blocks, threads>>>(formats[f], static_cast<unsigned *>(sink));
+      cudaEventRecord(stop);
+      if (cudaError_t e = cudaEventSynchronize(stop); e != cudaSuccess)
+        failed = std::string("the decode bench: ") + cudaGetErrorString(e);
+      cudaEventElapsedTime(&ms, start, stop);
+    }
+    const double values = double(blocks) * threads * kDecodeRounds * 8;
+    valuesPerClock[f] = values / (double(ms) * 1e-3) / (double(kHz) * 1e3) / sms;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (failed.empty())
+    MOEC_CUDA("the decode bench", cudaGetLastError());
+  return failed;
+}
 
 Error benchGemm(const GemmBenchCase &spec, GemmBenchResult *out) {
   *out = GemmBenchResult();

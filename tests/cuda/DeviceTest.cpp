@@ -1,15 +1,19 @@
-//===- DeviceScalesTest.cpp - Scales in device memory, checked there ------===//
+//===- DeviceTest.cpp - The cuda backend's device side, on its own --------===//
 //
-// device::findBadScales (the cuda backend's check of quantized weights'
-// scales in device memory) against backend::goodScale, the one predicate
-// the host check uses: every span's first bad float, spans of every
-// length, more spans than one launch takes. Runs where there is a GPU
-// (gpu_suite's [gpu] cases); elsewhere it says it was skipped.
+// Cases of runtime/cuda/Device.h that the conformance suite does not reach
+// through a layer, run where there is a GPU (gpu_suite's [gpu] cases;
+// elsewhere each says it was skipped):
+//   - device::findBadScales (quantized weights' scales in device memory)
+//     against backend::goodScale, the one predicate the host check uses:
+//     every span's first bad float, spans of every length, more spans than
+//     one launch takes;
+//   - the tiles' vector decode of quantized weights against the decode of
+//     one value at a time, every code (device::checkDecodeBits).
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/backend/Pass.h"
 #include "runtime/cuda/Device.h"
+#include "runtime/backend/Pass.h"
 
 #include <catch2/catch.hpp>
 
@@ -21,6 +25,15 @@
 namespace {
 namespace device = moec::cuda::device;
 
+/// Whether there is a GPU; says so where there is none.
+bool haveGpu(const char *what) {
+  device::Info info;
+  if (device::probe(&info).empty())
+    return true;
+  WARN("no GPU here: " << what << " is not run");
+  return false;
+}
+
 /// The index of the first float of `v` goodScale refuses, or -1.
 int64_t firstBad(const std::vector<float> &v, bool pairs) {
   for (size_t i = 0; i < v.size(); ++i)
@@ -31,11 +44,8 @@ int64_t firstBad(const std::vector<float> &v, bool pairs) {
 } // namespace
 
 TEST_CASE("scales in device memory are checked on the GPU as the host checks them", "[gpu]") {
-  device::Info info;
-  if (!device::probe(&info).empty()) {
-    WARN("no GPU here: device::findBadScales is not run");
+  if (!haveGpu("device::findBadScales"))
     return;
-  }
   const float inf = std::numeric_limits<float>::infinity();
   const float bads[] = {0.0f, -0.0f, -1.0f, std::nanf(""), inf, -inf, 16.0f, 15.5f};
   std::mt19937 rng(7);
@@ -82,4 +92,16 @@ TEST_CASE("scales in device memory are checked on the GPU as the host checks the
   for (void *d : memory)
     device::release(d);
   device::release(scratch);
+}
+
+TEST_CASE("the tiles' vector decode of quantized weights gives the bits of the decode of one "
+          "value at a time, every code",
+          "[gpu]") {
+  if (!haveGpu("device::checkDecodeBits"))
+    return;
+  int64_t mismatches[3] = {-1, -1, -1};
+  REQUIRE(device::checkDecodeBits(mismatches).empty());
+  CHECK(mismatches[0] == 0); // FP8
+  CHECK(mismatches[1] == 0); // int8
+  CHECK(mismatches[2] == 0); // int4
 }

@@ -123,12 +123,10 @@ int decode() {
     return fail(Status::error(e));
   if (const cuda::device::Error e = cuda::device::benchDecode(rate); !e.empty())
     return fail(Status::error(e));
-  std::printf("%-14s %22s %s
-", "format", "values/clock/SM", "bits against one value at a time");
+  std::printf("%-14s %22s %s\n", "format", "values/clock/SM", "bits against one value at a time");
   const char *const names[3] = {"fp8_block128", "int8", "int4"};
   for (int f = 0; f < 3; ++f)
-    std::printf("%-14s %22.1f %s
-", names[f], rate[f],
+    std::printf("%-14s %22.1f %s\n", names[f], rate[f],
                 mismatches[f] == 0 ? "same"
                                    : fmt::format("FAILED: {} differ", mismatches[f]).c_str());
   return mismatches[0] || mismatches[1] || mismatches[2] ? 1 : 0;

@@ -208,22 +208,38 @@ struct Epilogue {
                              int64_t cols) const {
     constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     const __mmask16 mask = firstLanes(cols);
-    const int64_t elt = cBf16 ? 2 : 4;
-    for (int64_t row = 0; row < rows; ++row) {
+    // Everything the rows read of this and of `scaled` in locals: the
+    // stores to C go through char pointers, which may alias them as far as
+    // the compiler knows, so it would read them again every row.
+    const bool bf16 = cBf16, loadC = load, streamC = stream && cols == 16;
+    const int64_t elt = bf16 ? 2 : 4, cStride = ldc * elt;
+    char *at = c + (i * ldc + j) * elt;
+    const bool scale = scaled != nullptr;
+    const float alpha = scale ? scaled->alpha : 1.0f;
+    const char *addend = scale && scaled->addend ? static_cast<const char *>(scaled->addend) +
+                                                       (i * scaled->ld + j) * elt
+                                                 : nullptr;
+    const int64_t addendStride = addend ? scaled->ld * elt : 0;
+    // Every row's C and addend read before any row is written (a LoRA
+    // product onto a base output in L2 ran 6-14% faster): C's rows lie a
+    // multiple of 512 bytes apart at the layer's widths, where a row's load
+    // can wait behind the store of a row a few before it (4K aliasing).
+    __m512 out[kTileRows];
+    const char *from = at;
+    for (int64_t row = 0; row < rows; ++row, from += cStride, addend += addendStride) {
       __m512 v = _mm512_load_ps(stage + row * 16);
-      char *at = c + ((i + row) * ldc + j) * elt;
-      if (load)
-        v = _mm512_add_round_ps(_mm512_maskz_loadu_ps(mask, reinterpret_cast<const float *>(at)), v,
-                                kNearest);
-      if (scaled)
-        v = scaleAdd16(v, scaled->alpha,
-                       scaled->addend ? static_cast<const char *>(scaled->addend) +
-                                            ((i + row) * scaled->ld + j) * elt
-                                      : nullptr,
-                       cBf16, mask);
-      if (cBf16)
+      if (loadC)
+        v = _mm512_add_round_ps(_mm512_maskz_loadu_ps(mask, reinterpret_cast<const float *>(from)),
+                                v, kNearest);
+      if (scale)
+        v = scaleAdd16(v, alpha, addend, bf16, mask);
+      out[row] = v;
+    }
+    for (int64_t row = 0; row < rows; ++row, at += cStride) {
+      const __m512 v = out[row];
+      if (bf16)
         _mm256_mask_storeu_epi16(at, mask, bf16Packed16(v));
-      else if (stream && cols == 16 && (reinterpret_cast<uintptr_t>(at) & 63) == 0)
+      else if (streamC && (reinterpret_cast<uintptr_t>(at) & 63) == 0)
         _mm512_stream_ps(reinterpret_cast<float *>(at), v);
       else
         _mm512_mask_storeu_ps(reinterpret_cast<float *>(at), mask, v);

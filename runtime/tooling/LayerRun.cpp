@@ -20,6 +20,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 namespace moec::tooling {
 
@@ -91,6 +92,38 @@ void unsliceExperts(const LayerData &d, int64_t first, int64_t count, int64_t t,
   }
 }
 
+/// Runs fn(0) .. fn(count - 1), the items shared out among the hardware's
+/// threads: each expert's weights are prepared on their own, so the order
+/// does not change a bit.
+template <typename Fn> void forEachExpert(int64_t count, Fn fn) {
+  const int64_t threads =
+      std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 1) {
+    for (int64_t e = 0; e < count; ++e)
+      fn(e);
+    return;
+  }
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([&fn, t, threads, count] {
+      for (int64_t e = t; e < count; e += threads)
+        fn(e);
+    });
+  for (std::thread &x : pool)
+    x.join();
+}
+
+/// dst [cols, rows] = src [rows, cols] transposed, in blocks that stay in
+/// the cache.
+void transposeInto(const float *src, int64_t rows, int64_t cols, float *dst) {
+  constexpr int64_t kBlock = 64;
+  for (int64_t i0 = 0; i0 < rows; i0 += kBlock)
+    for (int64_t j0 = 0; j0 < cols; j0 += kBlock)
+      for (int64_t i = i0; i < std::min(rows, i0 + kBlock); ++i)
+        for (int64_t j = j0; j < std::min(cols, j0 + kBlock); ++j)
+          dst[j * rows + i] = src[i * cols + j];
+}
+
 /// Expert `e`'s matrix [rows, cols] at `m` (row-major, or stored transposed
 /// [cols, rows] with `transposed`) quantized in `shape`'s weight format, of
 /// the form stored: its codes and scales (shape.storedDims and scaleDims of
@@ -105,18 +138,20 @@ void quantizeStored(const rt::LayerShape &shape, float *m, int64_t rows, int64_t
   q.cols = transposed ? rows : cols;
   q.group = shape.weightGroup;
   q.zeroPoints = shape.weightZeroPoints;
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j)
-      stored[size_t(transposed ? j * rows + i : i * cols + j)] = m[i * cols + j];
+  if (transposed)
+    transposeInto(m, rows, cols, stored.data());
+  else
+    std::copy_n(m, rows * cols, stored.data());
   cpu::quantize(q, stored.data(), q.cols, codes, scales);
   if (!round)
     return;
   q.codes = codes;
   q.scales = scales;
   cpu::dequantize(q, 0, q.rows, 0, q.cols, stored.data(), DType::F32, q.cols);
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j)
-      m[i * cols + j] = stored[size_t(transposed ? j * rows + i : i * cols + j)];
+  if (transposed)
+    transposeInto(stored.data(), cols, rows, m);
+  else
+    std::copy_n(stored.data(), rows * cols, m);
 }
 
 /// The product of `dims`.
@@ -130,14 +165,11 @@ int64_t count(const std::vector<int64_t> &dims) {
 /// Each of `count` row-major [rows, cols] matrices at `m`, transposed in
 /// place to [cols, rows] (a binary that stores its weights transposed).
 void transposeEach(float *m, int64_t count, int64_t rows, int64_t cols) {
-  std::vector<float> one(size_t(rows * cols));
-  for (int64_t l = 0; l < count; ++l) {
+  forEachExpert(count, [&](int64_t l) {
     float *at = m + l * rows * cols;
-    std::copy_n(at, rows * cols, one.data());
-    for (int64_t i = 0; i < rows; ++i)
-      for (int64_t j = 0; j < cols; ++j)
-        at[j * rows + i] = one[size_t(i * cols + j)];
-  }
+    const std::vector<float> one(at, at + rows * cols);
+    transposeInto(one.data(), rows, cols, at);
+  });
 }
 } // namespace
 
@@ -171,9 +203,11 @@ StoredWeights storedWeights(const rt::LayerShape &shape, const LayerData &d, int
                   scaleCount = count(shape.scaleDims(dims)) / L;
     codes->assign(size_t(L * codeBytes), 0);
     scales->assign(size_t(L * scaleCount), 0.0f);
-    for (int64_t l = 0; l < L; ++l)
+    forEachExpert(L, [&, w = w, codes = codes, scales = scales, rows = rows,
+                      cols = cols](int64_t l) {
       quantizeStored(shape, w->data() + l * rows * cols, rows, cols, shape.weightsTransposed,
                      codes->data() + l * codeBytes, scales->data() + l * scaleCount, false);
+    });
   }
   return out;
 }
@@ -191,11 +225,14 @@ Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *d) {
     const std::array<int64_t, 3> one =
         shape.weightsTransposed ? std::array<int64_t, 3>{1, cols, rows}
                                 : std::array<int64_t, 3>{1, rows, cols};
-    std::vector<uint8_t> codes(size_t(count(shape.storedDims(one))));
-    std::vector<float> scales(size_t(count(shape.scaleDims(one))));
-    for (int64_t e = 0; e < E; ++e)
+    const size_t codeBytes = size_t(count(shape.storedDims(one))),
+                 scaleCount = size_t(count(shape.scaleDims(one)));
+    forEachExpert(E, [&, w = w, rows = rows, cols = cols](int64_t e) {
+      std::vector<uint8_t> codes(codeBytes);
+      std::vector<float> scales(scaleCount);
       quantizeStored(shape, w->data() + e * rows * cols, rows, cols, shape.weightsTransposed,
                      codes.data(), scales.data(), true);
+    });
   }
   return Status::success();
 }

@@ -245,7 +245,7 @@ Status Context::Impl::forward() {
       used.insert(used.end(), {kW1Scale, kW2Scale});
     return checkOverlaps(r, used, {kY});
   };
-  checkScales(*fwd);
+  checkScales(fwd ? *fwd : *bwd);
   // Every check passes on every rank before state and outputs change.
   if (Status st = route(&routes, bindings); !st)
     return st;
@@ -295,7 +295,7 @@ Status Context::Impl::backward() {
   // A frozen layer's backward has no weight gradients to bind.
   const bool frozen = bwd->plan().shape.frozen;
   std::vector<Status> local;
-  checkScales(*fwd);
+  checkScales(fwd ? *fwd : *bwd);
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r) {
     const int64_t S = routes[r].tokens, K = routes[r].topK;
     Status st;

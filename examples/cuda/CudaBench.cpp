@@ -14,12 +14,15 @@
 //                                     (FP8, int8, int4): its rate in values a
 //                                     clock an SM, and its bits against the
 //                                     decode of one value at a time
-//   cuda_bench layer FWD BWD [--repeat N] [--hot-share F] [--sample N]
+//   cuda_bench layer FWD BWD [FWD BWD ...] [--repeat N] [--hot-share F] [--sample N]
 //                                     the layer, forward and backward, every
 //                                     rank on the GPU, tensors in device
 //                                     memory: median step time, the persistent
 //                                     kernels' share, and a sampled check
-//                                     against the reference (N tokens)
+//                                     against the reference (N tokens); several
+//                                     pairs one after another, the random
+//                                     layer made once for binaries of one
+//                                     shape (the weight formats of a layer)
 //
 // Prints the GPU first. PyTorch's side (cuBLAS, eager) is
 // examples/cuda/bench_torch.py; examples/cuda/bench.sh runs both.
@@ -193,20 +196,13 @@ struct DeviceTensor {
   }
 };
 
-int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, double hotShare,
-          int64_t sample) {
-  std::shared_ptr<const rt::Program> fwd, bwd;
-  if (Status s = rt::Program::load(fwdPath, &fwd); !s)
-    return fail(s);
-  if (Status s = rt::Program::load(bwdPath, &bwd); !s)
-    return fail(s);
+/// One forward and backward binary's layer on `data` (random, of its
+/// shape; its own copy).
+int layer(const std::shared_ptr<const rt::Program> &fwd,
+          const std::shared_ptr<const rt::Program> &bwd, tooling::LayerData data, int repeat,
+          double hotShare, int64_t sample) {
   const rt::LayerShape &shape = fwd->shape();
   const DType act = shape.activations, grad = bwd->shape().weightGrads;
-  tooling::LayerData data;
-  tooling::RandomOptions random;
-  random.hotShare = hotShare;
-  random.bf16 = act == DType::BF16;
-  tooling::randomLayerData(shape, random, &data);
   // Quantized weights: the reference sees the values the layer computes with.
   if (Status s = tooling::roundWeightsToFormat(shape, &data); !s)
     return fail(s);
@@ -355,6 +351,43 @@ int layer(const std::string &fwdPath, const std::string &bwdPath, int repeat, do
   return 0;
 }
 
+/// Each pair of `paths` (forward, backward) in turn, on random data made
+/// once for binaries of one shape (making it takes seconds of a single
+/// thread at qwen3's sizes: the weights' formats of one layer share it).
+/// Fails after the last pair if any failed.
+int layers(const std::vector<std::string> &paths, int repeat, double hotShare, int64_t sample) {
+  tooling::LayerData data;
+  std::vector<int64_t> madeFor;
+  int failed = 0;
+  for (size_t p = 0; p + 1 < paths.size(); p += 2) {
+    std::shared_ptr<const rt::Program> fwd, bwd;
+    if (Status s = rt::Program::load(paths[p], &fwd); !s) {
+      failed += fail(s);
+      continue;
+    }
+    if (Status s = rt::Program::load(paths[p + 1], &bwd); !s) {
+      failed += fail(s);
+      continue;
+    }
+    const rt::LayerShape &shape = fwd->shape();
+    const std::vector<int64_t> key = {
+        shape.epRanks(), shape.tp,     shape.tokens, shape.topK,
+        shape.experts(), shape.hidden, shape.inter,  int64_t(shape.activations)};
+    if (key != madeFor) {
+      tooling::RandomOptions random;
+      random.hotShare = hotShare;
+      random.bf16 = shape.activations == DType::BF16;
+      tooling::randomLayerData(shape, random, &data);
+      madeFor = key;
+    }
+    if (p > 0)
+      std::printf("\n");
+    std::printf("binaries: %s %s\n", paths[p].c_str(), paths[p + 1].c_str());
+    failed += layer(fwd, bwd, data, repeat, hotShare, sample) != 0;
+  }
+  return failed ? 1 : 0;
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
@@ -403,12 +436,21 @@ int main(int argc, char **argv) {
     std::printf("GPU: %s\n", gpu.c_str());
     return decode();
   }
-  if (mode == "layer" && argc >= 4) {
+  if (mode == "layer") {
+    std::vector<std::string> paths;
+    int i = 2;
+    for (; i < argc && std::string(argv[i]).rfind("--", 0) != 0; ++i)
+      paths.push_back(argv[i]);
+    if (paths.empty() || paths.size() % 2)
+      return fail(Status::error(fmt::format(
+          "layer takes binaries in pairs, FWD BWD [FWD BWD ...]; {} given", paths.size())));
     int repeat = 5;
     double hot = 0;
     int64_t sample = 0;
-    for (int i = 4; i + 1 < argc; i += 2) {
+    for (; i < argc; i += 2) {
       const std::string flag = argv[i];
+      if (i + 1 >= argc)
+        return fail(Status::error(flag + " takes a value"));
       if (flag == "--repeat")
         repeat = std::max(1, std::atoi(argv[i + 1]));
       else if (flag == "--hot-share")
@@ -418,12 +460,12 @@ int main(int argc, char **argv) {
       else
         return fail(Status::error("unknown option " + flag));
     }
-    return layer(argv[2], argv[3], repeat, hot, sample);
+    return layers(paths, repeat, hot, sample);
   }
   std::fprintf(stderr, "usage: cuda_bench gmm [--tile-n N] [--weight-format F] "
                        "[[G*]MxNxK[:ab] ...]\n"
                        "       cuda_bench decode\n"
-                       "       cuda_bench layer FWD BWD [--repeat N] [--hot-share F] "
-                       "[--sample N]\n");
+                       "       cuda_bench layer FWD BWD [FWD BWD ...] [--repeat N] "
+                       "[--hot-share F] [--sample N]\n");
   return mode == "--help" || mode == "-h" ? 0 : 2;
 }

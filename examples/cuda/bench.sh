@@ -57,6 +57,9 @@ for f in dense fp8_block128 int8 int4_g128; do
   "$bench" gmm --weight-format "$f" $products
 done
 echo "== the frozen qwen3-30b-a3b layer, EP 8 on one GPU, S 1024: bf16, FP8, int8, int4 weights"
+# One process: the random layer is made once for the four.
+pairs=()
 for f in "" _fp8 _int8 _int4; do
-  "$bench" layer "$bins/frozen$f.fwd.moebin" "$bins/frozen$f.bwd.moebin" --repeat 5 --sample 16
+  pairs+=("$bins/frozen$f.fwd.moebin" "$bins/frozen$f.bwd.moebin")
 done
+"$bench" layer "${pairs[@]}" --repeat 5 --sample 16

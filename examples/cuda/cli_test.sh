@@ -2,7 +2,8 @@
 # cuda_bench's arguments, checked where there is no GPU too: a product that
 # is no [G*]MxNxK[:ab] is refused by name before any GPU is looked for,
 # --tile-n takes a positive count, --weight-format a format's name, and an
-# int4 B's stored rows whole groups; decode takes no arguments.
+# int4 B's stored rows whole groups; layer takes its binaries in pairs
+# (a missing one named); decode takes no arguments.
 set -uo pipefail
 bench="$1"
 fails=0
@@ -27,6 +28,11 @@ for bad in fp9 int4 int4_g16 int8_zp; do
   expect "--weight-format $bad: give dense, fp8_block128, int8 or int4_g32, int4_g64, int4_g128" \
     gmm --weight-format "$bad" 8x8x8
 done
+expect "layer takes binaries in pairs, FWD BWD [FWD BWD ...]; 1 given" layer a.moebin
+expect "layer takes binaries in pairs, FWD BWD [FWD BWD ...]; 3 given" layer a b c --repeat 2
+expect "--repeat takes a value" layer a.moebin b.moebin --repeat
+expect "unknown option --repat" layer a.moebin b.moebin --repat 2
+expect "no-such.fwd.moebin" layer no-such.fwd.moebin no-such.bwd.moebin
 # decode takes no arguments: anything after it gets the usage and exit 2.
 err="$("$bench" decode 8x8x8 2>&1 >/dev/null)"
 rc=$?

@@ -193,15 +193,13 @@ struct Context::Impl : detail::Group {
   Status submittedResult;
 
   Status checkBinding(uint32_t rank, Binding b, std::vector<int64_t> dims) const;
-  /// The scales of the local ranks' quantized weights as checkScales found
-  /// them ([rank][w1, w2]), and any error of that check.
-  std::vector<std::array<backend::ScaleCheck, 2>> scaleChecks;
-  Status scaleCheckStatus;
   /// Checks the scales of every local rank's quantized weights bound with
-  /// the shape the layer expects in one go (Pass::findBadScales: one
-  /// launch and one copy back on the GPU, not two of each a tensor);
-  /// checkBinding reports what it found.
+  /// the shape the layer expects, in one go (Pass::findBadScales: on the
+  /// GPU one launch and one copy back, not two of each a tensor), into
+  /// scaleVerdicts ([rank][w1, w2]: the error naming the bad value and
+  /// where, or success), which checkBinding returns after its shape check.
   void checkScales(const backend::Pass &pass);
+  std::vector<std::array<Status, 2>> scaleVerdicts;
   /// Refuses an output of a pass (in `outputs`) whose memory overlaps
   /// another tensor the pass reads or writes (`used`, and the routing), of
   /// rank `rank` or of a local rank before it (the ranks of one process

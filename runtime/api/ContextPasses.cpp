@@ -87,74 +87,67 @@ Status Context::Impl::checkBinding(uint32_t rank, Binding b, std::vector<int64_t
   if (have != dims)
     return Status::error(fmt::format("rank {}: tensor '{}' has shape {}; expected [{}]", rank,
                                      kBindingNames[b], shapeString(t), fmt::join(dims, ", ")));
-  if (b == kW1Scale || b == kW2Scale) {
-    // A quantized weight's scales multiply its codes: each must be a finite
-    // positive number (a NaN or zero scale would make every value it
-    // scales NaN or zero without a word); a zero point is a code, 0 to 15.
-    const LayerShape &s = shape();
-    const bool pairs = s.weightFormat == WeightFormat::Int4Group && s.weightZeroPoints;
-    backend::ScaleCheck found{static_cast<const float *>(t.data), elementCount(t), pairs};
-    const backend::ScaleCheck *done =
-        rank < scaleChecks.size() ? &scaleChecks[rank][b == kW1Scale ? 0 : 1] : nullptr;
-    Status st = scaleCheckStatus;
-    if (done && done->scales == found.scales && done->count == found.count)
-      found = *done;
-    else { // not among checkScales' tensors: checked alone
-      std::vector<backend::ScaleCheck> one = {found};
-      st = (fwd ? *fwd : *bwd).findBadScales(one);
-      found = one[0];
-    }
-    if (!st)
-      return st.withPrefix(fmt::format("rank {}: tensor '{}': ", rank, kBindingNames[b]));
-    const int64_t i = found.index, count = found.count;
-    const float v = found.value;
-    if (i >= 0) {
-      const bool zero = pairs && i % 2 == 1;
-      // Where: the local expert, then the block, row, or row and group.
-      const int64_t at = pairs ? i / 2 : i, perExpert = count / dims[0] / (pairs ? 2 : 1);
-      const int64_t e = at / perExpert, within = at % perExpert;
-      std::string where;
-      if (s.weightFormat == WeightFormat::Int8Channel)
-        where = fmt::format("row {}", within);
-      else
-        where = fmt::format(s.weightFormat == WeightFormat::Fp8Block128 ? "block [{}, {}]"
-                                                                        : "row {}, group {}",
-                            within / dims[2], within % dims[2]);
-      const std::string what = s.weightFormat == WeightFormat::Fp8Block128   ? "FP8 block scales"
-                               : s.weightFormat == WeightFormat::Int8Channel ? "int8 row scales"
-                               : zero                                        ? "int4 zero points"
-                                                                             : "int4 group scales";
-      return Status::error(
-          fmt::format("rank {}: tensor '{}' ({}) holds {} at local expert {}, {}; {}", rank,
-                      kBindingNames[b], what, v, e, where,
-                      zero ? "a zero point must be a finite number from 0 to 15"
-                           : "a scale must be a finite positive number"));
-    }
-  }
+  // A quantized weight's scales, once their shape is right: what
+  // checkScales found.
+  if ((b == kW1Scale || b == kW2Scale) && rank < scaleVerdicts.size())
+    return scaleVerdicts[rank][b == kW1Scale ? 0 : 1];
   return Status::success();
 }
 
 void Context::Impl::checkScales(const backend::Pass &pass) {
-  scaleChecks.assign(bound.size(), {});
-  scaleCheckStatus = Status::success();
+  scaleVerdicts.assign(bound.size(), {});
   const LayerShape &s = shape();
   if (s.weightFormat == WeightFormat::Dense)
     return;
+  // A quantized weight's scales multiply its codes: each must be a finite
+  // positive number (a NaN or zero scale would make every value it scales
+  // NaN or zero without a word); a zero point is a code, 0 to 15.
   const bool pairs = s.weightFormat == WeightFormat::Int4Group && s.weightZeroPoints;
   std::vector<backend::ScaleCheck> checks;
+  std::vector<std::pair<uint32_t, int>> of; // (rank, w1 or w2) of each check
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r)
     for (int w = 0; w < 2; ++w) {
       const Tensor &t = bound[r][w == 0 ? kW1Scale : kW2Scale];
       const std::vector<int64_t> dims = s.scaleDims(w == 0 ? s.w1Dims() : s.w2Dims());
-      if (t.data && std::vector<int64_t>(t.dims, t.dims + t.ndim) == dims)
+      if (t.data && std::vector<int64_t>(t.dims, t.dims + t.ndim) == dims) {
         checks.push_back({static_cast<const float *>(t.data), elementCount(t), pairs});
+        of.emplace_back(r, w);
+      }
     }
-  scaleCheckStatus = pass.findBadScales(checks);
-  for (const backend::ScaleCheck &c : checks)
-    for (uint32_t r = firstLocal(); r < lastLocal(); ++r)
-      for (int w = 0; w < 2; ++w)
-        if (bound[r][w == 0 ? kW1Scale : kW2Scale].data == c.scales)
-          scaleChecks[r][w] = c;
+  const Status found = pass.findBadScales(checks);
+  for (size_t c = 0; c < checks.size(); ++c) {
+    const auto [rank, w] = of[c];
+    const Binding b = w == 0 ? kW1Scale : kW2Scale;
+    Status &verdict = scaleVerdicts[rank][size_t(w)];
+    if (!found) {
+      verdict = found.withPrefix(fmt::format("rank {}: tensor '{}': ", rank, kBindingNames[b]));
+      continue;
+    }
+    const int64_t i = checks[c].index;
+    if (i < 0)
+      continue;
+    const std::vector<int64_t> dims = s.scaleDims(w == 0 ? s.w1Dims() : s.w2Dims());
+    const bool zero = pairs && i % 2 == 1;
+    // Where: the local expert, then the block, row, or row and group.
+    const int64_t at = pairs ? i / 2 : i, perExpert = checks[c].count / dims[0] / (pairs ? 2 : 1);
+    const int64_t e = at / perExpert, within = at % perExpert;
+    std::string where;
+    if (s.weightFormat == WeightFormat::Int8Channel)
+      where = fmt::format("row {}", within);
+    else
+      where = fmt::format(s.weightFormat == WeightFormat::Fp8Block128 ? "block [{}, {}]"
+                                                                      : "row {}, group {}",
+                          within / dims[2], within % dims[2]);
+    const std::string what = s.weightFormat == WeightFormat::Fp8Block128   ? "FP8 block scales"
+                             : s.weightFormat == WeightFormat::Int8Channel ? "int8 row scales"
+                             : zero                                        ? "int4 zero points"
+                                                                           : "int4 group scales";
+    verdict =
+        Status::error(fmt::format("rank {}: tensor '{}' ({}) holds {} at local expert {}, {}; {}",
+                                  rank, kBindingNames[b], what, checks[c].value, e, where,
+                                  zero ? "a zero point must be a finite number from 0 to 15"
+                                       : "a scale must be a finite positive number"));
+  }
 }
 
 void Context::Impl::countPuts(const backend::Pass &pass,

@@ -39,16 +39,19 @@ uint32_t fourthInput(const format::TaskProgram &program, const format::OpRecord 
 }
 } // namespace
 
+void findBadScaleOnHost(ScaleCheck &c) {
+  c.index = -1;
+  for (int64_t i = 0; i < c.count; ++i)
+    if (!goodScale(c.scales[i], c.pairs && i % 2 == 1)) {
+      c.index = i;
+      c.value = c.scales[i];
+      return;
+    }
+}
+
 Status Pass::findBadScales(std::vector<ScaleCheck> &checks) const {
-  for (ScaleCheck &c : checks) {
-    c.index = -1;
-    for (int64_t i = 0; i < c.count; ++i)
-      if (!goodScale(c.scales[i], c.pairs && i % 2 == 1)) {
-        c.index = i;
-        c.value = c.scales[i];
-        break;
-      }
-  }
+  for (ScaleCheck &c : checks)
+    findBadScaleOnHost(c);
   return Status::success();
 }
 

@@ -182,6 +182,9 @@ int64_t slotRows(const format::SlotRecord &slot);
 /// slotRows() rows apart), else 1.
 uint32_t slotCopies(const format::TaskProgram &program, uint32_t slot);
 
+/// Fills `check`'s answer reading its scales in host memory (goodScale).
+void findBadScaleOnHost(ScaleCheck &check);
+
 /// Whether `v` is a quantized weight's scale (finite and positive) or, with
 /// `zeroPoint`, an int4 zero point (a finite number from 0 to 15).
 inline bool goodScale(float v, bool zeroPoint) {

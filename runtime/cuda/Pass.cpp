@@ -321,25 +321,17 @@ void Pass::bindSlot(uint32_t rank, uint32_t slot, void *memory) {
 
 Status Pass::findBadScales(std::vector<backend::ScaleCheck> &checks) const {
   // Host tensors (staged) are read where they are; the others in one go.
-  std::vector<backend::ScaleCheck> host;
-  std::vector<backend::ScaleCheck *> hostOf, onDevice;
+  std::vector<backend::ScaleCheck *> onDevice;
   std::vector<device::ScaleSpan> spans;
   for (backend::ScaleCheck &c : checks) {
     c.index = -1;
-    if (c.count <= 0)
-      continue;
-    if (device::isDevice(c.scales)) {
+    if (c.count > 0 && device::isDevice(c.scales)) {
       spans.push_back({c.scales, c.count, c.pairs});
       onDevice.push_back(&c);
     } else {
-      host.push_back(c);
-      hostOf.push_back(&c);
+      backend::findBadScaleOnHost(c);
     }
   }
-  if (Status s = backend::Pass::findBadScales(host); !s)
-    return s;
-  for (size_t i = 0; i < host.size(); ++i)
-    *hostOf[i] = host[i];
   if (spans.empty())
     return Status::success();
   if (Status s = grow(&scaleCheck, spans.size() * sizeof(uint64_t)); !s)

@@ -58,11 +58,20 @@ size_t lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
 /// Column tiles of a column group.
 constexpr int64_t kGroupTiles = kGroup / 16;
 
+/// Whether gemmAmx computes a product row block by row block over all of
+/// C's columns: a depth of one tile step (a LoRA adapter's rank-deep
+/// product onto the base output, C = base + s U B), whose time is C's
+/// reading and writing. Its blocks then walk C's rows from start to end,
+/// streams the hardware prefetcher follows, not one column group's part of
+/// each row (384 bytes, a row of C apart) after another. B, one step deep,
+/// is small: packed whole.
+inline bool oneStep(int64_t k, bool decodedB) { return !decodedB && k <= 2 * kStep; }
+
 /// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
 /// layout; unused when B comes packed; a decoded B's or a transposed B's as
 /// stored, one column group's), the last step's units of a column group's
-/// panels, op(A) in tiles, the sums of the depth chunks before the last (m x
-/// a column group, in tiles), two tiles of sums on their way to C, one
+/// panels (of every panel for a one-step product: oneStep), op(A) in tiles, the sums of the depth
+/// chunks before the last (m x a column group, in tiles), two tiles of sums on their way to C, one
 /// panel's part of a decoded B.
 struct AmxLayout {
   size_t panels, tail, packedA, sums, cStage, decoded;
@@ -70,7 +79,7 @@ struct AmxLayout {
     const int64_t units = ceilDiv(k, 2), steps = ceilDiv(units, kStep);
     const int64_t width = std::min(n, kGroup);
     panels = lines(packedBBytes(decodedB ? width : n, k, true));
-    tail = size_t(ceilDiv(width, kPanel)) * kStep * kPanel * 4;
+    tail = size_t(ceilDiv(oneStep(k, decodedB) ? n : width, kPanel)) * kStep * kPanel * 4;
     packedA = size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes;
     sums = steps > kChunkSteps ? size_t(ceilDiv(m, kTileRows) * kGroupTiles) * kTileBytes : 0;
     cStage = 2 * kTileBytes;
@@ -399,15 +408,81 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
                     std::min(k, p0 + depth), panel + (p0 / 2) * kPanel, decoded);
     }
   };
-  const bool packByGroup = !decodedB && !packedB && transB;
+  const bool shallow = oneStep(k, decodedB != nullptr);
+  const bool packByGroup = !decodedB && !packedB && transB && !shallow;
   if (!decodedB && !packedB && !packByGroup) {
     packB(n, k, b, ldb, transB, true, panels);
     packedB = panels;
   }
   const Epilogue epilogue{static_cast<char *>(c), ldc, cBf16, load, stream, addScaled};
-  for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
+  // The last step's units of the panels [q0, q1) (x.panels' panel q0 on),
+  // zero past the depth, into `to`: a B tile reads 16 rows, and those past
+  // a panel's depth are the next panel's.
+  const auto fillTails = [&](int64_t panelCount, uint32_t *to) {
+    const int64_t first = x.fullSteps * kStep, count = x.units - first;
+    for (int64_t q = 0; q < panelCount; ++q, to += kStep * kPanel) {
+      std::memcpy(to, x.panels + q * panelStride + first * kPanel, size_t(count * kPanel) * 4);
+      std::memset(to + count * kPanel, 0, size_t((kStep - count) * kPanel) * 4);
+    }
+  };
+  // The blocks of rows i0.. (kBlockRows) over the group at j0 (nb wide),
+  // depth chunk [s0, s1): their sums wait in `sums` before the last chunk,
+  // which writes them to C.
+  const auto rowBlock = [&](int64_t i0, int64_t j0, int64_t nb, int64_t s0, int64_t s1) {
+    const int64_t colTiles = ceilDiv(nb, 16);
+    const int rowTiles = m - i0 > kTileRows ? 2 : 1;
+    for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
+      const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
+      float *blockSums = sums + ((i0 / kTileRows) * kGroupTiles + c0) * 256;
+      float *from = s0 > 0 ? blockSums : nullptr;
+      const bool last = s1 == x.steps;
+      const auto run = [&](auto rows, auto cols) {
+        block<rows(), cols()>(x, i0, c0, s0, s1, from);
+        if (!last)
+          moveSums<rows(), cols()>(blockSums, true);
+      };
+      using One = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 2>;
+      if (rowTiles == 2)
+        colTilesHere == 2 ? run(Two(), Two()) : run(Two(), One());
+      else
+        colTilesHere == 2 ? run(One(), Two()) : run(One(), One());
+      if (!last)
+        continue;
+      // A streamed bf16 C: a row of the block's two column tiles is one
+      // 64-byte line, written whole around the caches.
+      if (cBf16 && stream && !load && !addScaled && nb - 16 * c0 >= 32) {
+        for (int r = 0; r < rowTiles; ++r) {
+          moveTile(2 * r, cStage, true);
+          moveTile(2 * r + 1, cStage + 256, true);
+          const int64_t i = i0 + r * kTileRows;
+          epilogue.streamLines(cStage, i, std::min(kTileRows, m - i), j0 + 16 * c0);
+        }
+        continue;
+      }
+      for (int r = 0; r < rowTiles; ++r)
+        for (int ct = 0; ct < colTilesHere; ++ct) {
+          moveTile(2 * r + ct, cStage, true);
+          const int64_t i = i0 + r * kTileRows, j = 16 * (c0 + ct);
+          epilogue.write(cStage, i, std::min(kTileRows, m - i), j0 + j,
+                         std::min<int64_t>(16, nb - j));
+        }
+    }
+  };
+  if (shallow) {
+    // One step: row block by row block, each over every column group.
+    x.panels = static_cast<const uint32_t *>(packedB);
+    if (x.fullSteps < x.steps)
+      fillTails(ceilDiv(n, kPanel), tail);
+    for (int64_t i0 = 0; i0 < m; i0 += kBlockRows)
+      for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
+        x.panels = static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
+        x.tail = tail + (j0 / kPanel) * kStep * kPanel;
+        rowBlock(i0, j0, std::min(kGroup, n - j0), 0, x.steps);
+      }
+  }
+  for (int64_t j0 = 0; j0 < n && !shallow; j0 += kGroup) {
     const int64_t nb = std::min(kGroup, n - j0);
-    const int64_t groupPanels = ceilDiv(nb, kPanel);
     if (decodedB)
       decodeGroup(j0, nb);
     else if (packByGroup)
@@ -416,62 +491,15 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     x.panels = decodedB || packByGroup
                    ? panels
                    : static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
-    // The last step's units of each panel, zero past the depth: a B tile
-    // reads 16 rows, and those past a panel's depth are the next panel's.
-    if (x.fullSteps < x.steps) {
-      const int64_t first = x.fullSteps * kStep, count = x.units - first;
-      for (int64_t q = 0; q < groupPanels; ++q) {
-        uint32_t *to = tail + q * kStep * kPanel;
-        std::memcpy(to, x.panels + q * panelStride + first * kPanel, size_t(count * kPanel) * 4);
-        std::memset(to + count * kPanel, 0, size_t((kStep - count) * kPanel) * 4);
-      }
-    }
+    if (x.fullSteps < x.steps)
+      fillTails(ceilDiv(nb, kPanel), tail);
     // Per depth chunk, each row block of A (its chunk in L1) passes over
     // the group's columns; the sums of a chunk before the last wait in
     // `sums`, the last chunk's go to C.
-    const int64_t colTiles = ceilDiv(nb, 16);
     for (int64_t s0 = 0; s0 < x.steps; s0 += chunk) {
       const int64_t s1 = std::min(x.steps, s0 + chunk);
-      for (int64_t i0 = 0; i0 < m; i0 += kBlockRows) {
-        const int rowTiles = m - i0 > kTileRows ? 2 : 1;
-        for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
-          const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
-          float *blockSums = sums + ((i0 / kTileRows) * kGroupTiles + c0) * 256;
-          float *from = s0 > 0 ? blockSums : nullptr;
-          const bool last = s1 == x.steps;
-          const auto run = [&](auto rows, auto cols) {
-            block<rows(), cols()>(x, i0, c0, s0, s1, from);
-            if (!last)
-              moveSums<rows(), cols()>(blockSums, true);
-          };
-          using One = std::integral_constant<int, 1>;
-          using Two = std::integral_constant<int, 2>;
-          if (rowTiles == 2)
-            colTilesHere == 2 ? run(Two(), Two()) : run(Two(), One());
-          else
-            colTilesHere == 2 ? run(One(), Two()) : run(One(), One());
-          if (!last)
-            continue;
-          // A streamed bf16 C: a row of the block's two column tiles is one
-          // 64-byte line, written whole around the caches.
-          if (cBf16 && stream && !load && !addScaled && nb - 16 * c0 >= 32) {
-            for (int r = 0; r < rowTiles; ++r) {
-              moveTile(2 * r, cStage, true);
-              moveTile(2 * r + 1, cStage + 256, true);
-              const int64_t i = i0 + r * kTileRows;
-              epilogue.streamLines(cStage, i, std::min(kTileRows, m - i), j0 + 16 * c0);
-            }
-            continue;
-          }
-          for (int r = 0; r < rowTiles; ++r)
-            for (int ct = 0; ct < colTilesHere; ++ct) {
-              moveTile(2 * r + ct, cStage, true);
-              const int64_t i = i0 + r * kTileRows, j = 16 * (c0 + ct);
-              epilogue.write(cStage, i, std::min(kTileRows, m - i), j0 + j,
-                             std::min<int64_t>(16, nb - j));
-            }
-        }
-      }
+      for (int64_t i0 = 0; i0 < m; i0 += kBlockRows)
+        rowBlock(i0, j0, nb, s0, s1);
     }
   }
   _tile_release();

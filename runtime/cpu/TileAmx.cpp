@@ -47,6 +47,12 @@ constexpr int64_t kTileRows = 16;
 constexpr int64_t kBlockRows = 2 * kTileRows;
 /// Bytes of one tile.
 constexpr size_t kTileBytes = 1024;
+/// Whether gemmAmx reads op(A) = A (not transposed) as stored where it
+/// can: a C of at most two column tiles (a LoRA adapter's rank-r product,
+/// X A), where each A tile is read once per depth chunk, so packing A into
+/// tiles first (a pass that writes and reads all of it again) buys nothing.
+inline bool directA(int64_t n) { return n <= 32; }
+
 /// Steps of a depth chunk: a row block's chunk of A (32 rows, 128 units:
 /// 16 KiB) stays in L1 while the group's column tiles pass over it. (8
 /// steps ran 5-15% faster than 16, 32 or the whole depth on the layer's
@@ -118,6 +124,12 @@ struct Operands {
   int64_t units, steps, fullSteps;
   // op(A) in tiles: row tile P, step s at packedA + (P * steps + s) * 256.
   const uint32_t *packedA;
+  // With `direct` (a narrow C: directA), a row tile's whole steps are read
+  // from A as stored (rows lda values apart, a step 32 values), the rest
+  // from packedA: the rows past the last whole row tile, and the partial
+  // last step (zero past the depth) of the others.
+  const uint16_t *direct = nullptr;
+  int64_t lda = 0, directRows = 0, directSteps = 0;
   // B of the column group: panels [q][units][kPanel], and the last step's
   // units of each panel, zero past `units`, [q][kStep][kPanel].
   const uint32_t *panels;
@@ -126,7 +138,14 @@ struct Operands {
 
 /// Where the row tile at rows i.. reads A at step s (rows 64 bytes apart).
 inline const void *aTile(const Operands &x, int64_t i, int64_t s) {
+  if (i < x.directRows && s < x.directSteps)
+    return x.direct + i * x.lda + s * 2 * kStep;
   return x.packedA + ((i / kTileRows) * x.steps + s) * kStep * kTileRows;
+}
+
+/// The row stride in bytes of the A tile aTile gives.
+inline int64_t aStride(const Operands &x, int64_t i, int64_t s) {
+  return i < x.directRows && s < x.directSteps ? x.lda * 2 : 64;
 }
 
 /// Where column tile `c` of the group reads B at step s (rows 192 bytes
@@ -188,7 +207,7 @@ MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0, int64_t s0
   }
   constexpr int64_t kBStride = kPanel * 4;
   for (int64_t s = s0; s < s1; ++s) {
-    _tile_loadd(4, aTile(x, i0, s), 64);
+    _tile_loadd(4, aTile(x, i0, s), aStride(x, i0, s));
     _tile_loadd(6, bTile(x, c0, s), kBStride);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (CT == 2) {
@@ -196,7 +215,7 @@ MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0, int64_t s0
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (RT == 2) {
-      _tile_loadd(5, aTile(x, i0 + kTileRows, s), 64);
+      _tile_loadd(5, aTile(x, i0 + kTileRows, s), aStride(x, i0 + kTileRows, s));
       _tile_dpbf16ps(2, 5, 6);
       if constexpr (CT == 2)
         _tile_dpbf16ps(3, 5, 7);
@@ -302,15 +321,16 @@ MOEC_AMX_TARGET void packATransposed(const uint16_t *a, int64_t lda, int64_t m, 
 }
 
 /// Packs op(A) = a (stored m x k, bf16, row stride lda) into tiles, as
-/// packATransposed lays them out.
+/// packATransposed lays them out: the rows from `fromRow` on whole, and
+/// those before it from step `fromStep` on.
 MOEC_AMX_TARGET void packARows(const uint16_t *a, int64_t lda, int64_t m, int64_t k, int64_t steps,
-                               uint32_t *dst) {
+                               uint32_t *dst, int64_t fromRow = 0, int64_t fromStep = 0) {
   // Row by row, each read from its start to its end (streams the hardware
   // prefetcher follows), a tile's row at a time.
   const int64_t rowTiles = ceilDiv(m, kTileRows);
   for (int64_t i = 0; i < rowTiles * kTileRows; ++i) {
     uint32_t *rowAt = dst + (i / kTileRows) * steps * kStep * kTileRows + (i % kTileRows) * kStep;
-    for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t s = i < fromRow ? fromStep : 0; s < steps; ++s) {
       const int64_t p = 2 * kStep * s;
       const __mmask32 values =
           k - p >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (k - p)) - 1);
@@ -385,7 +405,13 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   // layer's widths, on one set of the L1 cache).
   if (transA)
     packATransposed(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
-  else
+  else if (directA(n)) {
+    x.direct = static_cast<const uint16_t *>(a);
+    x.lda = lda;
+    x.directRows = m / kTileRows * kTileRows;
+    x.directSteps = k / (2 * kStep);
+    packARows(x.direct, lda, m, k, x.steps, packedA, x.directRows, x.directSteps);
+  } else
     packARows(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
   // The forms of B, each read by the products from `x.panels`:
   // - packed beforehand (packB): read where it lies;

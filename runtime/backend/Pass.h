@@ -33,11 +33,12 @@
 
 #include "base/Status.h"
 #include "base/Time.h"
-#include "runtime/backend/Kind.h"
-#include "runtime/comm/Fabric.h"
-#include "runtime/layer/Routing.h"
 #include "format/TaskBinary.h"
+#include "runtime/backend/Kind.h"
+#include "runtime/backend/ScaleRule.h"
+#include "runtime/comm/Fabric.h"
 #include "runtime/layer/Layer.h"
+#include "runtime/layer/Routing.h"
 #include "runtime/trace/Trace.h"
 
 #include <chrono>
@@ -184,12 +185,6 @@ uint32_t slotCopies(const format::TaskProgram &program, uint32_t slot);
 
 /// Fills `check`'s answer reading its scales in host memory (goodScale).
 void findBadScaleOnHost(ScaleCheck &check);
-
-/// Whether `v` is a quantized weight's scale (finite and positive) or, with
-/// `zeroPoint`, an int4 zero point (a finite number from 0 to 15).
-inline bool goodScale(float v, bool zeroPoint) {
-  return zeroPoint ? std::isfinite(v) && v >= 0 && v <= 15 : std::isfinite(v) && v > 0;
-}
 
 /// The addend of an activation-form GMM (its fourth input, unless B is
 /// quantized: then that is B's scales), or rt::kNoSlot for any other op.

@@ -21,8 +21,9 @@
 //
 //===----------------------------------------------------------------------===//
 
-#include "runtime/cuda/Device.h"
+#include "runtime/backend/ScaleRule.h"
 #include "runtime/cuda/CudaError.cuh"
+#include "runtime/cuda/Device.h"
 #include "runtime/cuda/Gemm.cuh"
 
 #include <cuda_bf16.h>
@@ -825,10 +826,7 @@ __global__ void badScaleKernel(ScaleSpans spans, unsigned long long *first) {
   const ScaleSpan s = spans.span[blockIdx.y];
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < s.count;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const float v = s.scales[i];
-    const bool good =
-        s.pairs && (i & 1) ? isfinite(v) && v >= 0.0f && v <= 15.0f : isfinite(v) && v > 0.0f;
-    if (!good)
+    if (!backend::goodScale(s.scales[i], s.pairs && (i & 1)))
       atomicMin(first + blockIdx.y, static_cast<unsigned long long>(i));
   }
 }

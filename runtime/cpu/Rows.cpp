@@ -5,6 +5,11 @@
 #include <algorithm>
 #include <cstring>
 
+#if defined(__x86_64__)
+#define MOEC_ROWS_X86 1
+#include <immintrin.h>
+#endif
+
 namespace moec::cpu {
 
 namespace {
@@ -58,6 +63,66 @@ void loadRow(ConstMatrix z, int64_t row, int64_t c0, int64_t n, int64_t parts, i
 
 } // namespace
 
+#ifdef MOEC_ROWS_X86
+
+namespace {
+
+#define MOEC_ROWS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+bool haveAvx512() {
+  static const bool have = __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return have;
+}
+
+/// dst[0, cols) = src[0, cols) (times *weight where not null), both of type
+/// `elt`, the math and rounding of gatherTokenRows' loop below (a product
+/// in fp32, rounded once to bf16), with non-temporal stores: dst is a line-
+/// aligned row of the rows a rank sends, which a put reads next, not this
+/// core, so its lines need not come from memory before they are written.
+MOEC_ROWS_AVX512 void streamRow(const void *src, void *dst, Elt elt, int64_t cols,
+                                const float *weight) {
+  char *out = static_cast<char *>(dst);
+  const char *in = static_cast<const char *>(src);
+  const int64_t perLine = elt == Elt::BF16 ? 32 : 16;
+  int64_t c = 0;
+  if (!weight) {
+    const int64_t bytes = cols * int64_t(dtypeSize(elt));
+    int64_t b = 0;
+    for (; b + 64 <= bytes; b += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i *>(out + b), _mm512_loadu_si512(in + b));
+    std::memcpy(out + b, in + b, size_t(bytes - b));
+    return;
+  }
+  const __m512 w = _mm512_set1_ps(*weight);
+  if (elt == Elt::BF16) {
+    const uint16_t *from = reinterpret_cast<const uint16_t *>(in);
+    for (; c + perLine <= cols; c += perLine) {
+      const __m512i bits = _mm512_loadu_si512(from + c);
+      const __m512 lo = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
+      const __m512 hi = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
+      const __m256i l = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_mul_ps(lo, w)));
+      const __m256i h = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_mul_ps(hi, w)));
+      _mm512_stream_si512(reinterpret_cast<__m512i *>(out + c * 2),
+                          _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1));
+    }
+  } else {
+    const float *from = reinterpret_cast<const float *>(in);
+    for (; c + perLine <= cols; c += perLine)
+      _mm512_stream_ps(reinterpret_cast<float *>(out) + c,
+                       _mm512_mul_ps(_mm512_loadu_ps(from + c), w));
+  }
+  // The last partial line, as the loop below makes it.
+  for (; c < cols; ++c)
+    storeFloat(dst, elt, c, loadFloat(src, elt, c) * *weight);
+}
+
+} // namespace
+
+#endif // MOEC_ROWS_X86
+
 void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const float *weights,
                      Matrix dst, int64_t rows, int64_t cols) {
   if (cols <= 0)
@@ -67,6 +132,12 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
   // answer.
   constexpr int64_t kAhead = 2;
   const int64_t rowBytes = cols * int64_t(dtypeSize(src.elt));
+#ifdef MOEC_ROWS_X86
+  // Rows streamed past the caches where they are whole lines (streamRow).
+  const bool stream = haveAvx512() && src.elt == dst.elt &&
+                      (reinterpret_cast<uintptr_t>(dst.data) & 63) == 0 &&
+                      (dst.ld * int64_t(dtypeSize(dst.elt))) % 64 == 0;
+#endif
   for (int64_t i = 0; i < std::min(rows, kAhead); ++i)
     prefetchBytes(src.address(rowIds[i] / topK, 0), rowBytes);
   for (int64_t i = 0; i < rows; ++i) {
@@ -74,6 +145,12 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
       prefetchBytes(src.address(rowIds[i + kAhead] / topK, 0), rowBytes);
     const int64_t id = rowIds[i];
     const void *from = src.address(id / topK, 0);
+#ifdef MOEC_ROWS_X86
+    if (stream) {
+      streamRow(from, dst.address(i, 0), dst.elt, cols, weights ? weights + id : nullptr);
+      continue;
+    }
+#endif
     if (!weights) {
       copyRow(from, src.elt, dst.address(i, 0), dst.elt, cols);
       continue;
@@ -86,6 +163,12 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
       storeFloats(buffer, dst.address(i, c0), dst.elt, size_t(n));
     }
   }
+#ifdef MOEC_ROWS_X86
+  // The streamed stores are ordered before whatever tells a put to read
+  // them.
+  if (stream)
+    _mm_sfence();
+#endif
 }
 
 void combineRows(ConstMatrix z, const int64_t *position, const float *weights, int64_t topK,

@@ -33,7 +33,11 @@ namespace moec::cpu {
 
 /// Gathers `rows` rows of `cols` elements: dst row i = src row
 /// (rowIds[i] / topK), times weights[rowIds[i]] when `weights` is not null.
-/// With topK = 1, rowIds are plain row indices.
+/// With topK = 1, rowIds are plain row indices. Where dst has src's type and
+/// its rows are whole 64-byte lines apart from a line-aligned start (the
+/// rows a rank sends, which a put reads next), they are written past the
+/// caches (non-temporal stores, on AVX-512), so that their lines are not
+/// read from memory first; the values are the same.
 void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const float *weights,
                      Matrix dst, int64_t rows, int64_t cols);
 

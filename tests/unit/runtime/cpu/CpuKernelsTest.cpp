@@ -737,6 +737,49 @@ TEST_CASE("gatherTokenRows dispatches token rows, optionally weighted", "[cpu][r
   }
 }
 
+TEST_CASE("gatherTokenRows into line-aligned rows of its own type gives the same values",
+          "[cpu][rows]") {
+  // Rows a rank sends: line-aligned, whole lines apart, the source's type
+  // (the rows the kernel writes past the caches where it can). A last
+  // partial line and padding the kernel must not touch.
+  std::mt19937 rng(54);
+  const std::vector<int32_t> ids = {2, 0, 1, 2, 0, 1};
+  RoutingLayout layout;
+  REQUIRE(buildRoutingLayout(ids.data(), 3, 2, 3, &layout).ok());
+  const std::vector<float> weights = {0.5f, 0.25f, 2.0f, -1.0f, 0.75f, 1.3f};
+  const int64_t cols = 275, ld = 320; // 640 or 1280 bytes a row
+  for (Elt elt : {Elt::F32, Elt::BF16}) {
+    INFO(dtypeName(elt));
+    Buffer x(elt, 3, cols, 1);
+    x.randomize(rng);
+    const size_t elt64 = dtypeSize(elt);
+    std::vector<char> memory(size_t(2 * 6 * ld) * elt64 + 64);
+    char *aligned = memory.data() + (64 - reinterpret_cast<uintptr_t>(memory.data()) % 64) % 64;
+    const Matrix plain{aligned, elt, ld}, scaled{aligned + size_t(6 * ld) * elt64, elt, ld};
+    for (int64_t i = 0; i < 12; ++i)
+      for (int64_t j = 0; j < ld; ++j)
+        Matrix{aligned, elt, ld}.set(i, j, Buffer::kSentinel);
+    gatherTokenRows(x.cview(), layout.order.data(), 2, nullptr, plain, 6, cols);
+    gatherTokenRows(x.cview(), layout.order.data(), 2, weights.data(), scaled, 6, cols);
+    int bad = 0;
+    for (int64_t i = 0; i < 6; ++i) {
+      const int64_t id = layout.order[size_t(i)], t = id / 2;
+      for (int64_t j = 0; j < ld; ++j) {
+        const float product = weights[size_t(id)] * x.get(t, j < cols ? j : 0);
+        const float wantPlain = j < cols ? x.get(t, j) : Buffer::kSentinel;
+        const float wantScaled = j >= cols          ? Buffer::kSentinel
+                                 : elt == Elt::BF16 ? roundToBf16(product)
+                                                    : product;
+        if (ConstMatrix{plain.data, elt, ld}.at(i, j) != wantPlain && ++bad <= 5)
+          FAIL_CHECK("plain [" << i << "][" << j << "]");
+        if (ConstMatrix{scaled.data, elt, ld}.at(i, j) != wantScaled && ++bad <= 5)
+          FAIL_CHECK("weighted [" << i << "][" << j << "]");
+      }
+    }
+    CHECK(bad == 0);
+  }
+}
+
 TEST_CASE("combineRows and combineWeightGrad match the loops", "[cpu][rows]") {
   std::mt19937 rng(53);
   // hidden: a 256-column chunk, then a block of 16 and a rest of 3.

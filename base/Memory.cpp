@@ -11,6 +11,12 @@
 #include <fstream>
 #include <vector>
 
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -116,5 +122,36 @@ size_t residentBytes(const void *p, size_t bytes) {
     pages += c & 1;
   return std::min(pages * page, size_t(end - begin));
 }
+
+#if defined(__x86_64__)
+
+namespace {
+__attribute__((target("avx512f"))) size_t streamLines(char *dst, const char *src, size_t bytes) {
+  size_t b = 0;
+  for (; b + 64 <= bytes; b += 64)
+    _mm512_stream_si512(reinterpret_cast<__m512i *>(dst + b), _mm512_loadu_si512(src + b));
+  return b;
+}
+} // namespace
+
+void streamCopy(void *dst, const void *src, size_t bytes) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  char *to = static_cast<char *>(dst);
+  const char *from = static_cast<const char *>(src);
+  size_t b = 0;
+  if (avx512 && (reinterpret_cast<uintptr_t>(to) & 63) == 0)
+    b = streamLines(to, from, bytes);
+  std::memcpy(to + b, from + b, bytes - b);
+}
+
+void streamFence() { _mm_sfence(); }
+
+#else
+
+void streamCopy(void *dst, const void *src, size_t bytes) { std::memcpy(dst, src, bytes); }
+
+void streamFence() {}
+
+#endif
 
 } // namespace moec

@@ -41,6 +41,17 @@ void freeZeroedPages(void *p, size_t bytes);
 /// (mincore); 0 where that cannot be told.
 size_t residentBytes(const void *p, size_t bytes);
 
+/// Copies `bytes` bytes from `src` to `dst`, past the caches (non-temporal
+/// stores) in whole 64-byte lines where `dst` is line-aligned and the CPU
+/// has AVX-512, the rest with plain stores: for rows that another core
+/// reads next, or nobody soon, whose lines then need not be read from
+/// memory before they are written. streamFence() orders the streamed
+/// stores before whatever tells a reader they are there.
+void streamCopy(void *dst, const void *src, size_t bytes);
+
+/// Orders the stores of streamCopy before the stores after it.
+void streamFence();
+
 /// Owns memory from zeroedPages().
 class ZeroedPages {
 public:

@@ -4,6 +4,7 @@
 
 #include "runtime/cpu/TilePack.h"
 
+#include "base/Memory.h"
 #include "runtime/cpu/Element.h"
 
 #include <algorithm>
@@ -443,17 +444,6 @@ private:
   int64_t perCall = 0, row = 0;
 };
 
-/// Copies `bytes` bytes from `src` to `dst` with non-temporal stores, past
-/// the caches, in whole 64-byte lines where `dst` is line-aligned; the rest
-/// (an unaligned `dst`, the last partial line) with plain stores.
-MOEC_TILE_TARGET void streamRow(char *dst, const char *src, int64_t bytes) {
-  int64_t b = 0;
-  if ((reinterpret_cast<uintptr_t>(dst) & 63) == 0)
-    for (; b + 64 <= bytes; b += 64)
-      _mm512_stream_si512(reinterpret_cast<__m512i *>(dst + b), _mm512_loadu_si512(src + b));
-  std::memcpy(dst + b, src + b, size_t(bytes - b));
-}
-
 using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, uint32_t *, const float *,
                        int64_t, void *, int64_t, bool, int, const uint16_t *, int64_t, int64_t,
                        const AddScaled *, const char *);
@@ -692,8 +682,9 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
           for (int64_t q = 0; q * kPanel < nb; ++q)
             call(q, i0, reinterpret_cast<char *>(stage), nb);
           for (int64_t r = 0; r < std::min<int64_t>(rowStep, m - i0); ++r)
-            streamRow(out + (i0 + r) * ldOut * outElt,
-                      reinterpret_cast<const char *>(stage) + r * nb * outElt, nb * outElt);
+            streamCopy(out + (i0 + r) * ldOut * outElt,
+                       reinterpret_cast<const char *>(stage) + r * nb * outElt,
+                       size_t(nb * outElt));
         }
       } else {
         // Panel by panel: the panel stays in L1 while every row block of A

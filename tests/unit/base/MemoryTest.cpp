@@ -4,8 +4,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <cstdint>
 #include <cstring>
 #include <unistd.h>
+#include <vector>
 
 using namespace moec;
 
@@ -37,4 +39,28 @@ TEST_CASE("zeroed pages are zero, and resident only once written", "[memory]") {
   CHECK(moved.data() == p);
   CHECK(pages.data() == nullptr);
   CHECK(pages.bytes() == 0);
+}
+
+TEST_CASE("streamCopy copies every byte, aligned or not, whole lines or not", "[memory]") {
+  // Destinations at each offset in a line (line-aligned ones take the
+  // streamed stores), lengths around whole lines; the bytes around the
+  // copy stay as they were.
+  std::vector<unsigned char> src(1200), memory(1400);
+  for (size_t i = 0; i < src.size(); ++i)
+    src[i] = static_cast<unsigned char>(i * 7 + 3);
+  unsigned char *line = memory.data() + (64 - reinterpret_cast<uintptr_t>(memory.data()) % 64) % 64;
+  for (size_t offset : {0, 1, 8, 63, 64})
+    for (size_t bytes : {0, 1, 63, 64, 65, 128, 1000, 1088}) {
+      INFO("offset " << offset << ", " << bytes << " bytes");
+      std::memset(memory.data(), 0xAB, memory.size());
+      unsigned char *dst = line + offset;
+      moec::streamCopy(dst, src.data() + 5, bytes);
+      moec::streamFence();
+      CHECK(std::memcmp(dst, src.data() + 5, bytes) == 0);
+      bool around = true;
+      for (unsigned char *p = memory.data(); p < memory.data() + memory.size(); ++p)
+        if ((p < dst || p >= dst + bytes) && *p != 0xAB)
+          around = false;
+      CHECK(around);
+    }
 }

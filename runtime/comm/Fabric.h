@@ -44,6 +44,7 @@
 #ifndef MOEC_RUNTIME_COMM_FABRIC_H
 #define MOEC_RUNTIME_COMM_FABRIC_H
 
+#include "base/Memory.h"
 #include "base/Status.h"
 
 #include <cstddef>
@@ -201,6 +202,16 @@ inline void copyRows(char *dst, size_t dstStride, const char *src, size_t srcStr
   }
   for (size_t i = 0; i < rows; ++i)
     std::memcpy(dst + i * dstStride, src + i * srcStride, rowBytes);
+}
+
+/// copyRows with the stores past the caches (base::streamCopy), then
+/// ordered before the stores after it: a put's rows into a window that
+/// another core reads next (a peer's tile, the combine after the pass).
+inline void streamRows(char *dst, size_t dstStride, const char *src, size_t srcStride, size_t rows,
+                       size_t rowBytes) {
+  for (size_t i = 0; i < rows; ++i)
+    streamCopy(dst + i * dstStride, src + i * srcStride, rowBytes);
+  streamFence();
 }
 
 /// Returns the in-process fabric of `ranks` ranks, all run by this process.

@@ -84,11 +84,8 @@ public:
              const void *src, size_t srcStride, size_t rows, size_t rowBytes) override {
     // Past the caches: a put's rows are read next on the peer's side (a
     // tile of the next op, the combine after the pass), not by this core.
-    char *to = static_cast<char *>(window.local(peer)) + offset;
-    const char *from = static_cast<const char *>(src);
-    for (size_t i = 0; i < rows; ++i)
-      streamCopy(to + i * dstStride, from + i * srcStride, rowBytes);
-    streamFence();
+    streamRows(static_cast<char *>(window.local(peer)) + offset, dstStride,
+               static_cast<const char *>(src), srcStride, rows, rowBytes);
     return Status::success();
   }
 

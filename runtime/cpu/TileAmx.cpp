@@ -76,9 +76,10 @@ inline bool oneStep(int64_t k, bool decodedB) { return !decodedB && k <= 2 * kSt
 /// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
 /// layout; unused when B comes packed; a decoded B's or a transposed B's as
 /// stored, one column group's), the last step's units of a column group's
-/// panels (of every panel for a one-step product: oneStep), op(A) in tiles, the sums of the depth
-/// chunks before the last (m x a column group, in tiles), two tiles of sums on their way to C, one
-/// panel's part of a decoded B.
+/// panels (of every panel for a one-step product: oneStep), op(A) in tiles,
+/// the sums of the depth chunks before the last (m x a column group, in
+/// tiles), two tiles of sums on their way to C, one panel's part of a
+/// decoded B.
 struct AmxLayout {
   size_t panels, tail, packedA, sums, cStage, decoded;
   AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB) {
@@ -136,7 +137,8 @@ struct Operands {
   const uint32_t *tail;
 };
 
-/// Where the row tile at rows i.. reads A at step s (rows 64 bytes apart).
+/// Where the row tile at rows i.. reads A at step s: in packedA (rows 64
+/// bytes apart), or in A as stored (aStride).
 inline const void *aTile(const Operands &x, int64_t i, int64_t s) {
   if (i < x.directRows && s < x.directSteps)
     return x.direct + i * x.lda + s * 2 * kStep;
@@ -441,9 +443,9 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     packedB = panels;
   }
   const Epilogue epilogue{static_cast<char *>(c), ldc, cBf16, load, stream, addScaled};
-  // The last step's units of the panels [q0, q1) (x.panels' panel q0 on),
-  // zero past the depth, into `to`: a B tile reads 16 rows, and those past
-  // a panel's depth are the next panel's.
+  // The last step's units of `panelCount` panels from x.panels on, zero
+  // past the depth, into `to`: a B tile reads 16 rows, and those past a
+  // panel's depth are the next panel's.
   const auto fillTails = [&](int64_t panelCount, uint32_t *to) {
     const int64_t first = x.fullSteps * kStep, count = x.units - first;
     for (int64_t q = 0; q < panelCount; ++q, to += kStep * kPanel) {

@@ -483,14 +483,16 @@ def main():
     if args.training:
         fair_baseline(args.moec, args.threads)  # the GEMM rate of split's PyTorch experts
         print_peaks(args.threads)
-        print(f"{'dtype':6} {'variant':18} {'step s':>8} {'step / full':>12} "
+        # The variant column as wide as the longest name asked for.
+        width = max([18] + [len(v) for v in args.variants.split(",")])
+        print(f"{'dtype':6} {'variant':{width}} {'step s':>8} {'step / full':>12} "
               f"{'backward s':>11} {'backward / full':>16}")
         for dtype in args.dtypes.split(","):
             result = bench_training(cfg, args.ranks, dtype, args.threads, args.repeat,
                                     args.variants.split(","))
             full_step, full_backward = result["full"]
             for name, (step_s, backward_s) in result.items():
-                print(f"{dtype:6} {name:18} {step_s:8.3f} {step_s / full_step:12.2f} "
+                print(f"{dtype:6} {name:{width}} {step_s:8.3f} {step_s / full_step:12.2f} "
                       f"{backward_s:11.3f} {backward_s / full_backward:16.2f}", flush=True)
         return 0
     unfair = fair_baseline(args.moec, args.threads)

@@ -8,6 +8,11 @@
 #if defined(__x86_64__)
 #define MOEC_ROWS_X86 1
 #include <immintrin.h>
+// GCC 12 reports the undefined vectors its own AVX-512 headers start some
+// intrinsics from as (maybe) uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace moec::cpu {
@@ -171,12 +176,77 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
 #endif
 }
 
+#ifdef MOEC_ROWS_X86
+
+namespace {
+
+/// 16 values of a row of type `elt` at `p`, as fp32 (exact).
+MOEC_ROWS_AVX512 inline __m512 load16(const void *p, Elt elt) {
+  if (elt == Elt::F32)
+    return _mm512_loadu_ps(p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i *>(p))), 16));
+}
+
+/// combineRows' sums of one token over columns [c0, c0 + 16 * vectors), in
+/// vectors, the same products and adds in the same order (a multiply, then
+/// an add: no fused multiply-add, as the scalar loop's).
+/// (fp-contract off: GCC would fuse the multiply and the add otherwise.)
+MOEC_ROWS_AVX512 __attribute__((optimize("fp-contract=off"))) void
+combineToken16(ConstMatrix z, const int64_t *position, const float *weights, int64_t t,
+               int64_t topK, Matrix y, int64_t c0, int64_t vectors) {
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t c = c0 + 16 * v;
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < topK; ++k) {
+      const int64_t id = t * topK + k;
+      const __m512 w = _mm512_set1_ps(weights ? weights[id] : 1.0f);
+      sum = _mm512_add_ps(sum, _mm512_mul_ps(w, load16(z.address(position[id], c), z.elt)));
+    }
+    if (y.elt == Elt::F32)
+      _mm512_storeu_ps(y.address(t, c), sum);
+    else
+      _mm256_storeu_si256(static_cast<__m256i *>(y.address(t, c)),
+                          _mm512_cvtepi32_epi16(bf16Bits16(sum)));
+  }
+}
+
+/// combineWeightGrad's 16 partial sums of one row over columns [0, 16 *
+/// vectors): column c into lane c % 16, in column order, each a multiply
+/// then an add, as the scalar loop's.
+MOEC_ROWS_AVX512 __attribute__((optimize("fp-contract=off"))) void
+weightGradLanes16(const void *dy, Elt dyElt, const void *z, Elt zElt, int64_t vectors,
+                  float *lanes) {
+  const char *g = static_cast<const char *>(dy), *r = static_cast<const char *>(z);
+  const int64_t gStep = 16 * int64_t(dtypeSize(dyElt)), rStep = 16 * int64_t(dtypeSize(zElt));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t v = 0; v < vectors; ++v)
+    sum = _mm512_add_ps(sum,
+                        _mm512_mul_ps(load16(g + v * gStep, dyElt), load16(r + v * rStep, zElt)));
+  _mm512_storeu_ps(lanes, sum);
+}
+
+} // namespace
+
+#endif // MOEC_ROWS_X86
+
 void combineRows(ConstMatrix z, const int64_t *position, const float *weights, int64_t topK,
                  Matrix y, Range tokens, Range cols, int64_t parts, int64_t partStride) {
   float sum[kChunk], row[kChunk];
   const int64_t elt = int64_t(dtypeSize(z.elt));
+#ifdef MOEC_ROWS_X86
+  // Whole vectors of 16 columns on AVX-512 (a row's parts summed first, as
+  // loadRow does, stay on the loop below).
+  const int64_t whole = parts == 1 && haveAvx512() ? cols.size() / 16 : 0;
+#else
+  const int64_t whole = 0;
+#endif
   for (int64_t t = tokens.begin; t < tokens.end; ++t) {
-    for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
+#ifdef MOEC_ROWS_X86
+    if (whole)
+      combineToken16(z, position, weights, t, topK, y, cols.begin, whole);
+#endif
+    for (int64_t c0 = cols.begin + 16 * whole; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);
       // The next token's rows, a chunk at a time, a token ahead.
       if (t + 1 < tokens.end)
@@ -210,7 +280,15 @@ void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, i
       // count), and independent lanes the compiler keeps in vectors: one
       // running sum would chain every add on the one before.
       float lanes[kLanes] = {};
-      for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+      int64_t start = 0;
+#ifdef MOEC_ROWS_X86
+      if (parts == 1 && haveAvx512()) { // whole vectors of 16 columns
+        start = cols / kLanes * kLanes;
+        weightGradLanes16(dy.address(t, 0), dy.elt, z.address(position[id], 0), z.elt,
+                          cols / kLanes, lanes);
+      }
+#endif
+      for (int64_t c0 = start; c0 < cols; c0 += kChunk) {
         const int64_t n = std::min(kChunk, cols - c0);
         loadFloats(dy.address(t, c0), dy.elt, grad, size_t(n));
         loadRow(z, position[id], c0, n, parts, partStride, row);

@@ -828,6 +828,15 @@ TEST_CASE("combineRows and combineWeightGrad match the loops", "[cpu][rows]") {
           scale += std::fabs(zv);
         }
         REQUIRE(std::fabs(whole.get(t, h) - want) <= 1e-6 * scale + rel * std::fabs(want));
+        if (elt == Elt::F32) { // k ascending, each product rounded first
+          float exact = 0;
+          for (int64_t k = 0; k < topK; ++k) {
+            const float p =
+                weights[size_t(t * topK + k)] * z.get(layout.position[size_t(t * topK + k)], h);
+            exact += p;
+          }
+          CHECK(whole.get(t, h) == exact);
+        }
         REQUIRE(std::fabs(unweighted.get(t, h) - sum) <= 1e-6 * scale);
       }
       for (int64_t k = 0; k < topK; ++k) {
@@ -843,6 +852,17 @@ TEST_CASE("combineRows and combineWeightGrad match the loops", "[cpu][rows]") {
           scale += std::fabs(p);
         }
         REQUIRE(std::fabs(got - want) <= 1e-5 * scale);
+        // The order Rows.h gives, in fp32, each product rounded before it
+        // is added (no fused multiply-add): the same bits.
+        float lanes[16] = {};
+        for (int64_t h = 0; h < hidden; ++h) {
+          const float p = dy.get(t, h) * z.get(layout.position[size_t(t * topK + k)], h);
+          lanes[h % 16] += p;
+        }
+        for (int width = 8; width > 0; width /= 2)
+          for (int l = 0; l < width; ++l)
+            lanes[l] += lanes[l + width];
+        CHECK(got == lanes[0]);
       }
     }
   }

@@ -2,6 +2,8 @@
 
 #include "runtime/cpu/Rows.h"
 
+#include "base/Memory.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -92,11 +94,7 @@ MOEC_ROWS_AVX512 void streamRow(const void *src, void *dst, Elt elt, int64_t col
   const int64_t perLine = elt == Elt::BF16 ? 32 : 16;
   int64_t c = 0;
   if (!weight) {
-    const int64_t bytes = cols * int64_t(dtypeSize(elt));
-    int64_t b = 0;
-    for (; b + 64 <= bytes; b += 64)
-      _mm512_stream_si512(reinterpret_cast<__m512i *>(out + b), _mm512_loadu_si512(in + b));
-    std::memcpy(out + b, in + b, size_t(bytes - b));
+    streamCopy(out, in, size_t(cols) * dtypeSize(elt));
     return;
   }
   const __m512 w = _mm512_set1_ps(*weight);
@@ -123,62 +121,6 @@ MOEC_ROWS_AVX512 void streamRow(const void *src, void *dst, Elt elt, int64_t col
   for (; c < cols; ++c)
     storeFloat(dst, elt, c, loadFloat(src, elt, c) * *weight);
 }
-
-} // namespace
-
-#endif // MOEC_ROWS_X86
-
-void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const float *weights,
-                     Matrix dst, int64_t rows, int64_t cols) {
-  if (cols <= 0)
-    return;
-  float buffer[kChunk];
-  // Two rows ahead: a row takes about as long to copy as memory takes to
-  // answer.
-  constexpr int64_t kAhead = 2;
-  const int64_t rowBytes = cols * int64_t(dtypeSize(src.elt));
-#ifdef MOEC_ROWS_X86
-  // Rows streamed past the caches where they are whole lines (streamRow).
-  const bool stream = haveAvx512() && src.elt == dst.elt &&
-                      (reinterpret_cast<uintptr_t>(dst.data) & 63) == 0 &&
-                      (dst.ld * int64_t(dtypeSize(dst.elt))) % 64 == 0;
-#endif
-  for (int64_t i = 0; i < std::min(rows, kAhead); ++i)
-    prefetchBytes(src.address(rowIds[i] / topK, 0), rowBytes);
-  for (int64_t i = 0; i < rows; ++i) {
-    if (i + kAhead < rows)
-      prefetchBytes(src.address(rowIds[i + kAhead] / topK, 0), rowBytes);
-    const int64_t id = rowIds[i];
-    const void *from = src.address(id / topK, 0);
-#ifdef MOEC_ROWS_X86
-    if (stream) {
-      streamRow(from, dst.address(i, 0), dst.elt, cols, weights ? weights + id : nullptr);
-      continue;
-    }
-#endif
-    if (!weights) {
-      copyRow(from, src.elt, dst.address(i, 0), dst.elt, cols);
-      continue;
-    }
-    const float w = weights[id];
-    for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
-      const int64_t n = std::min(kChunk, cols - c0);
-      loadFloats(src.address(id / topK, c0), src.elt, buffer, size_t(n));
-      forEachColumn(n, [&](int64_t c) { buffer[c] *= w; });
-      storeFloats(buffer, dst.address(i, c0), dst.elt, size_t(n));
-    }
-  }
-#ifdef MOEC_ROWS_X86
-  // The streamed stores are ordered before whatever tells a put to read
-  // them.
-  if (stream)
-    _mm_sfence();
-#endif
-}
-
-#ifdef MOEC_ROWS_X86
-
-namespace {
 
 /// 16 values of a row of type `elt` at `p`, as fp32 (exact).
 MOEC_ROWS_AVX512 inline __m512 load16(const void *p, Elt elt) {
@@ -230,6 +172,54 @@ weightGradLanes16(const void *dy, Elt dyElt, const void *z, Elt zElt, int64_t ve
 
 #endif // MOEC_ROWS_X86
 
+void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const float *weights,
+                     Matrix dst, int64_t rows, int64_t cols) {
+  if (cols <= 0)
+    return;
+  float buffer[kChunk];
+  // Two rows ahead: a row takes about as long to copy as memory takes to
+  // answer.
+  constexpr int64_t kAhead = 2;
+  const int64_t rowBytes = cols * int64_t(dtypeSize(src.elt));
+#ifdef MOEC_ROWS_X86
+  // Rows streamed past the caches where they are whole lines (streamRow).
+  const bool stream = haveAvx512() && src.elt == dst.elt &&
+                      (reinterpret_cast<uintptr_t>(dst.data) & 63) == 0 &&
+                      (dst.ld * int64_t(dtypeSize(dst.elt))) % 64 == 0;
+#endif
+  for (int64_t i = 0; i < std::min(rows, kAhead); ++i)
+    prefetchBytes(src.address(rowIds[i] / topK, 0), rowBytes);
+  for (int64_t i = 0; i < rows; ++i) {
+    if (i + kAhead < rows)
+      prefetchBytes(src.address(rowIds[i + kAhead] / topK, 0), rowBytes);
+    const int64_t id = rowIds[i];
+    const void *from = src.address(id / topK, 0);
+#ifdef MOEC_ROWS_X86
+    if (stream) {
+      streamRow(from, dst.address(i, 0), dst.elt, cols, weights ? weights + id : nullptr);
+      continue;
+    }
+#endif
+    if (!weights) {
+      copyRow(from, src.elt, dst.address(i, 0), dst.elt, cols);
+      continue;
+    }
+    const float w = weights[id];
+    for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, cols - c0);
+      loadFloats(src.address(id / topK, c0), src.elt, buffer, size_t(n));
+      forEachColumn(n, [&](int64_t c) { buffer[c] *= w; });
+      storeFloats(buffer, dst.address(i, c0), dst.elt, size_t(n));
+    }
+  }
+#ifdef MOEC_ROWS_X86
+  // The streamed stores are ordered before whatever tells a put to read
+  // them.
+  if (stream)
+    streamFence();
+#endif
+}
+
 void combineRows(ConstMatrix z, const int64_t *position, const float *weights, int64_t topK,
                  Matrix y, Range tokens, Range cols, int64_t parts, int64_t partStride) {
   float sum[kChunk], row[kChunk];
@@ -237,7 +227,7 @@ void combineRows(ConstMatrix z, const int64_t *position, const float *weights, i
 #ifdef MOEC_ROWS_X86
   // Whole vectors of 16 columns on AVX-512 (a row's parts summed first, as
   // loadRow does, stay on the loop below).
-  const int64_t whole = parts == 1 && haveAvx512() ? cols.size() / 16 : 0;
+  const int64_t whole = parts == 1 && haveAvx512() ? cols.size() / kLanes : 0;
 #else
   const int64_t whole = 0;
 #endif
@@ -246,7 +236,7 @@ void combineRows(ConstMatrix z, const int64_t *position, const float *weights, i
     if (whole)
       combineToken16(z, position, weights, t, topK, y, cols.begin, whole);
 #endif
-    for (int64_t c0 = cols.begin + 16 * whole; c0 < cols.end; c0 += kChunk) {
+    for (int64_t c0 = cols.begin + kLanes * whole; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);
       // The next token's rows, a chunk at a time, a token ahead.
       if (t + 1 < tokens.end)

@@ -134,41 +134,86 @@ __device__ __forceinline__ WgCopy<kCols / 32> wgCopyMN(const Mat &x, int64_t mn0
 /// into registers; store() decodes them (quantDecode8) into a stage, zero
 /// outside the tile. gemmWgmmaT loads a step's codes one step before it
 /// stores them, so the reads from memory run beside a step's wgmma.
+///
+/// The addresses are set once a block, as WgCopy's are: vector i's codes at
+/// step s are `codes` + i `vectorBytes` + s `stepBytes`, and its scale's
+/// index (quantScale's) is (r >> rShift) rowLd + (c >> cShift) for its
+/// stored (r, c), counted in 32 bits from a corner (R, C) whose bits below
+/// the shifts are zero, so the shifts give quantScale's blocks, rows and
+/// groups. (A tile's stored extent and one weight's scales are far below
+/// 2^31; the corner itself is 64-bit.)
 template <int kN, bool kMN> struct WgDecode {
   static constexpr int kChunks = kMN ? kN / 8 : 8;
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kVectors = kN / 32;
-  const Mat *x;
-  int64_t mnEnd, kEnd, mn, k; ///< the first vector's (n, k) at step 0
+  const uint8_t *codes; ///< vector 0's codes at step 0
+  const float *scales;  ///< the scale (or pair) of stored (R, C)
+  uint32_t quant;
+  int32_t vectorBytes, stepBytes;
+  int32_t r, c;                  ///< vector 0's stored (r, c) at step 0, less (R, C)
+  int32_t rShift, cShift, rowLd; ///< the scale index's form
+  int32_t k, kEnd;               ///< vector 0's k at step 0; the tile's depth
+  int32_t live;                  ///< vectors inside the tile's n
+  float zero;                    ///< the zero point without stored ones
+  bool pairs;
   uint32_t dst;
   Quant8 held[kVectors];
 
   __device__ __forceinline__ WgDecode(const Mat &b, int64_t j0, int64_t n, int64_t depth)
-      : x(&b), mnEnd(n), kEnd(depth) {
-    const int cc = threadIdx.x % kChunks, r = threadIdx.x / kChunks, c = cc & 7;
+      : quant(b.quant), kEnd(int32_t(depth)), pairs(b.zeroPoints) {
+    const int cc = threadIdx.x % kChunks, row = threadIdx.x / kChunks, ch = cc & 7;
+    int64_t mn;
     if constexpr (kMN) {
       mn = j0 + cc * 8;
-      k = r;
-      dst = uint32_t((cc >> 3) * kWgBK * 128 + r * 128 + ((c ^ (r & 7)) << 4));
+      k = row;
+      dst = uint32_t((cc >> 3) * kWgBK * 128 + row * 128 + ((ch ^ (row & 7)) << 4));
+      live = mn < n ? kVectors : 0;
     } else {
-      mn = j0 + r;
+      mn = j0 + row;
       k = cc * 8;
-      dst = uint32_t(r * 128 + ((c ^ (r & 7)) << 4));
+      dst = uint32_t(row * 128 + ((ch ^ (row & 7)) << 4));
+      live = mn < n ? int32_t((n - mn + 31) / 32) : 0;
+      live = live > kVectors ? kVectors : live;
     }
+    int64_t r0, c0;
+    storedAt(b, k, mn, &r0, &c0);
+    const int64_t rowBytes = b.quant == kInt4Group ? b.ld / 2 : b.ld;
+    codes =
+        static_cast<const uint8_t *>(b.p) + r0 * rowBytes + (b.quant == kInt4Group ? c0 / 2 : c0);
+    // Vectors are 32 of n apart (K-major: rows) or kRowsPerPass of k
+    // (MN-major: rows); a step is 64 of k (K-major: columns; MN-major: rows).
+    vectorBytes = int32_t((kMN ? kRowsPerPass : 32) * rowBytes);
+    stepBytes = int32_t(kMN ? kWgBK * rowBytes : (b.quant == kInt4Group ? kWgBK / 2 : kWgBK));
+    switch (b.quant) {
+    case kFp8Block128:
+      rShift = 7, cShift = 7, rowLd = int32_t(b.scaleLd), zero = 0.0f;
+      break;
+    case kInt8Channel:
+      rShift = 0, cShift = 31, rowLd = 1, zero = 0.0f;
+      break;
+    default:
+      rShift = 0, cShift = b.groupShift, rowLd = int32_t(b.scaleLd), zero = 8.0f;
+      break;
+    }
+    const int64_t R = r0 & ~((int64_t(1) << rShift) - 1), C = c0 & ~((int64_t(1) << cShift) - 1);
+    scales = b.scales + ((R >> rShift) * rowLd + (C >> cShift)) * (pairs ? 2 : 1);
+    r = int32_t(r0 - R);
+    c = int32_t(c0 - C);
   }
 
-  __device__ __forceinline__ void load(int64_t step) {
+  __device__ __forceinline__ void load(int32_t step) {
+    const int32_t dk = step * kWgBK;
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
-      // Vector i: k rows kRowsPerPass apart (MN-major), or B's rows (n) 32
-      // apart (K-major).
-      const int64_t n = kMN ? mn : mn + 32 * i;
-      const int64_t p = k + step * kWgBK + (kMN ? kRowsPerPass * i : 0);
       held[i] = Quant8{make_uint2(0, 0), make_float2(0.0f, 0.0f)};
-      if (n < mnEnd && p < kEnd) {
-        int64_t r, c;
-        storedAt(*x, p, n, &r, &c);
-        held[i] = quantLoad8(*x, r, c);
+      if (i < live && k + dk + (kMN ? kRowsPerPass * i : 0) < kEnd) {
+        const uint8_t *at = codes + (i * vectorBytes + step * stepBytes);
+        held[i].codes = quant == kInt4Group ? make_uint2(*reinterpret_cast<const uint32_t *>(at), 0)
+                                            : *reinterpret_cast<const uint2 *>(at);
+        const int32_t vr = r + (kMN ? dk + kRowsPerPass * i : 32 * i), vc = c + (kMN ? 0 : dk);
+        const int32_t s = (vr >> rShift) * rowLd + (vc >> cShift);
+        held[i].scale = pairs ? *reinterpret_cast<const float2 *>(scales + 2 * s)
+                              : make_float2(scales[s], zero);
       }
     }
   }
@@ -176,7 +221,7 @@ template <int kN, bool kMN> struct WgDecode {
   __device__ __forceinline__ void store(uint32_t stage) const {
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
-      const uint4 v = quantDecode8(x->quant, held[i]);
+      const uint4 v = quantDecode8(quant, held[i]);
       const uint32_t to = stage + dst + uint32_t(i) * (kMN ? kRowsPerPass * 128 : 32 * 128);
       asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(to), "r"(v.x), "r"(v.y),
                    "r"(v.z), "r"(v.w)

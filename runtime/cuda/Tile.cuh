@@ -202,18 +202,8 @@ struct Quant8 {
   uint2 codes;
   float2 scale;
 };
-__device__ __forceinline__ Quant8 quantLoad8(const Mat &x, int64_t r, int64_t c) {
-  const uint8_t *codes = static_cast<const uint8_t *>(x.p);
-  Quant8 q;
-  q.scale = quantScale(x, r, c);
-  if (x.quant == kInt4Group)
-    q.codes = make_uint2(*reinterpret_cast<const uint32_t *>(codes + r * (x.ld / 2) + c / 2), 0);
-  else
-    q.codes = *reinterpret_cast<const uint2 *>(codes + r * x.ld + c);
-  return q;
-}
 
-/// quantLoad8's values, decoded, as 8 bf16 (zeros for an all-zero Quant8).
+/// A Quant8's values, decoded, as 8 bf16 (zeros for an all-zero Quant8).
 /// Each value is (code - zero) x scale in fp32 (the code exact, each step
 /// rounded as the CPU rounds it), then rounded once to bf16.
 __device__ __forceinline__ uint4 quantDecode8(uint32_t quant, const Quant8 &q) {

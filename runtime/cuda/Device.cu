@@ -622,6 +622,8 @@ bool rowVectors(const void *p, uint32_t pType, int64_t pLd, const void *q, uint3
   return pType == kBF16 && qType == kBF16 && bf16Vectors(p, q, cols | pLd | qLd, 0);
 }
 
+/// A launch's blocks for `items` blocks' worth of work (the kernels loop
+/// over what a grid of 65535 leaves).
 unsigned gridFor(int64_t items) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(items, 65535)));
 }
@@ -816,6 +818,7 @@ Error combineRows(const void *z, uint32_t zType, int64_t zLd, const int64_t *pos
 }
 
 namespace {
+constexpr int64_t kScalesAThread = 16;
 struct ScaleSpans {
   ScaleSpan span[kScaleSpansALaunch];
 };
@@ -845,8 +848,11 @@ Error findBadScales(const ScaleSpan *spans, int n, void *scratch, int64_t *index
       batch.span[i] = spans[i0 + i];
       longest = std::max(longest, spans[i0 + i].count);
     }
-    badScaleKernel<<<dim3(unsigned(gridFor(longest)), unsigned(count)), kThreads>>>(batch,
-                                                                                    first + i0);
+    // About kScalesAThread scales a thread (a block for every scale, up to
+    // 65535 a span, made a million blocks of a qwen3 layer's int4 scales:
+    // 1.6 ms a step on an H200).
+    const int64_t blocks = (longest + kThreads * kScalesAThread - 1) / (kThreads * kScalesAThread);
+    badScaleKernel<<<dim3(gridFor(blocks), unsigned(count)), kThreads>>>(batch, first + i0);
     MOEC_CUDA("the scale check", cudaGetLastError());
   }
   std::vector<unsigned long long> found(n);

@@ -128,8 +128,27 @@ MOEC_TILE_TARGET void packRows(const void *src, int64_t ld, int64_t p0, int64_t 
                                int64_t cols, bool bf16, uint32_t *dst, int64_t dstLd,
                                int64_t panelCols, int64_t panelStride) {
   const int64_t units = ceilDiv(p1 - p0, perUnit(bf16));
+  // bf16 rows in pairs, 32 columns at a time: one permutation of the two
+  // rows' vectors interleaves 16 columns' pairs (the loop below widens and
+  // shifts each half instead).
+  const __m512i pairsLo =
+      _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i pairsHi = _mm512_add_epi16(pairsLo, _mm512_set1_epi16(16));
   for (int64_t t = 0; t < units; ++t) {
-    for (int64_t c = 0; c < cols; c += 16) {
+    int64_t c = 0;
+    if (bf16 && p0 + 2 * t + 1 < p1) {
+      const uint16_t *r0 = static_cast<const uint16_t *>(src) + (p0 + 2 * t) * ld;
+      for (; c + 32 <= cols; c += 32) {
+        const __m512i a = _mm512_loadu_si512(r0 + c), b = _mm512_loadu_si512(r0 + ld + c);
+        _mm512_storeu_si512(dst + (c / panelCols) * panelStride + t * dstLd + c % panelCols,
+                            _mm512_permutex2var_epi16(a, pairsLo, b));
+        const int64_t c2 = c + 16;
+        _mm512_storeu_si512(dst + (c2 / panelCols) * panelStride + t * dstLd + c2 % panelCols,
+                            _mm512_permutex2var_epi16(a, pairsHi, b));
+      }
+    }
+    for (; c < cols; c += 16) {
       const __mmask16 mask = laneMask(int(std::min<int64_t>(cols - c, 16)), 0);
       __m512i v;
       if (bf16) {

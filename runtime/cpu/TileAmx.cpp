@@ -61,6 +61,14 @@ constexpr int64_t kChunkSteps = 8;
 
 size_t lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
+/// Steps of a depth slab (bySlab): B's rows of one slab, packed for every
+/// column, stay in L2 (256 bytes a column) while every block passes over
+/// them.
+constexpr int64_t kSlabSteps = 4;
+/// The most bytes of sums bySlab keeps (every row and column of C, in
+/// tiles), beside a slab and op(A) in the core's L2.
+constexpr size_t kSlabSumsBytes = size_t(1) << 20;
+
 /// Column tiles of a column group.
 constexpr int64_t kGroupTiles = kGroup / 16;
 
@@ -75,11 +83,10 @@ inline bool oneStep(int64_t k, bool decodedB) { return !decodedB && k <= 2 * kSt
 
 /// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
 /// layout; unused when B comes packed; a decoded B's or a transposed B's as
-/// stored, one column group's), the last step's units of a column group's
-/// panels (of every panel for a one-step product: oneStep), op(A) in tiles,
-/// the sums of the depth chunks before the last (m x a column group, in
-/// tiles), two tiles of sums on their way to C, one panel's part of a
-/// decoded B.
+/// stored, one column group's; bySlab's slab and its sums of all of C), the last step's units of a
+/// column group's panels (of every panel for a one-step product: oneStep), op(A) in tiles, the sums
+/// of the depth chunks before the last (m x a column group, in tiles), two tiles of sums on their
+/// way to C, one panel's part of a decoded B.
 struct AmxLayout {
   size_t panels, tail, packedA, sums, cStage, decoded;
   AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB) {
@@ -131,9 +138,11 @@ struct Operands {
   // last step (zero past the depth) of the others.
   const uint16_t *direct = nullptr;
   int64_t lda = 0, directRows = 0, directSteps = 0;
-  // B of the column group: panels [q][units][kPanel], and the last step's
-  // units of each panel, zero past `units`, [q][kStep][kPanel].
+  // B of the column group: panels [q][panelUnits][kPanel] holding steps
+  // firstStep.. (the whole depth, or a depth slab's: bySlab), and the last
+  // step's units of each panel, zero past `units`, [q][kStep][kPanel].
   const uint32_t *panels;
+  int64_t panelUnits = 0, firstStep = 0;
   const uint32_t *tail;
 };
 
@@ -155,7 +164,7 @@ inline int64_t aStride(const Operands &x, int64_t i, int64_t s) {
 inline const void *bTile(const Operands &x, int64_t c, int64_t s) {
   const int64_t q = c / 3, lane = (c % 3) * 16;
   if (s < x.fullSteps)
-    return x.panels + (q * x.units + s * kStep) * kPanel + lane;
+    return x.panels + (q * x.panelUnits + (s - x.firstStep) * kStep) * kPanel + lane;
   return x.tail + q * kStep * kPanel + lane;
 }
 
@@ -397,6 +406,7 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   x.units = ceilDiv(k, 2);
   x.steps = ceilDiv(x.units, kStep);
   x.fullSteps = x.units / kStep;
+  x.panelUnits = x.units;
   x.packedA = packedA;
   x.tail = tail;
   // Panels (packB's layout) lie this many units apart.
@@ -438,7 +448,19 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   };
   const bool shallow = oneStep(k, decodedB != nullptr);
   const bool packByGroup = !decodedB && !packedB && transB && !shallow;
-  if (!decodedB && !packedB && !packByGroup) {
+  // A B as stored, not transposed, deeper than a slab, where C's sums fit
+  // beside a slab in L2: packed a depth slab at a time (B's rows read from
+  // start to end, as packB reads them), and every column group's blocks
+  // pass over the slab while it is in L2; the sums of every block wait in
+  // `slabSums` between slabs. Packed whole, B would go to memory and back
+  // (6 MiB for up_proj), before the products read it once more.
+  const int64_t groups = ceilDiv(n, kGroup);
+  const size_t slabBytes = lines(size_t(ceilDiv(n, kPanel) * kSlabSteps * kStep * kPanel) * 4);
+  const size_t groupSumsFloats = size_t(ceilDiv(m, kTileRows) * kGroupTiles) * 256;
+  const size_t slabSumsBytes = size_t(groups) * groupSumsFloats * 4;
+  const bool bySlab = !decodedB && !packedB && !transB && !shallow && x.steps > kSlabSteps &&
+                      slabSumsBytes <= kSlabSumsBytes && slabBytes + slabSumsBytes <= layout.panels;
+  if (!decodedB && !packedB && !packByGroup && !bySlab) {
     packB(n, k, b, ldb, transB, true, panels);
     packedB = panels;
   }
@@ -448,20 +470,22 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   // panel's depth are the next panel's.
   const auto fillTails = [&](int64_t panelCount, uint32_t *to) {
     const int64_t first = x.fullSteps * kStep, count = x.units - first;
+    const uint32_t *from = x.panels + (first - x.firstStep * kStep) * kPanel;
     for (int64_t q = 0; q < panelCount; ++q, to += kStep * kPanel) {
-      std::memcpy(to, x.panels + q * panelStride + first * kPanel, size_t(count * kPanel) * 4);
+      std::memcpy(to, from + q * x.panelUnits * kPanel, size_t(count * kPanel) * 4);
       std::memset(to + count * kPanel, 0, size_t((kStep - count) * kPanel) * 4);
     }
   };
   // The blocks of rows i0.. (kBlockRows) over the group at j0 (nb wide),
   // depth chunk [s0, s1): their sums wait in `sums` before the last chunk,
   // which writes them to C.
+  float *groupSums = sums;
   const auto rowBlock = [&](int64_t i0, int64_t j0, int64_t nb, int64_t s0, int64_t s1) {
     const int64_t colTiles = ceilDiv(nb, 16);
     const int rowTiles = m - i0 > kTileRows ? 2 : 1;
     for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
       const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
-      float *blockSums = sums + ((i0 / kTileRows) * kGroupTiles + c0) * 256;
+      float *blockSums = groupSums + ((i0 / kTileRows) * kGroupTiles + c0) * 256;
       float *from = s0 > 0 ? blockSums : nullptr;
       const bool last = s1 == x.steps;
       const auto run = [&](auto rows, auto cols) {
@@ -509,7 +533,27 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
         rowBlock(i0, j0, std::min(kGroup, n - j0), 0, x.steps);
       }
   }
-  for (int64_t j0 = 0; j0 < n && !shallow; j0 += kGroup) {
+  if (bySlab) {
+    uint32_t *slab = panels;
+    float *slabSums = reinterpret_cast<float *>(reinterpret_cast<char *>(panels) + slabBytes);
+    x.panelUnits = kSlabSteps * kStep;
+    for (int64_t s0 = 0; s0 < x.steps; s0 += kSlabSteps) {
+      const int64_t s1 = std::min(x.steps, s0 + kSlabSteps);
+      packRows(b, ldb, s0 * 2 * kStep, std::min(k, s1 * 2 * kStep), n, true, slab, kPanel, kPanel,
+               x.panelUnits * kPanel);
+      x.firstStep = s0;
+      for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
+        const int64_t nb = std::min(kGroup, n - j0);
+        x.panels = slab + (j0 / kPanel) * x.panelUnits * kPanel;
+        if (s1 == x.steps && x.fullSteps < x.steps)
+          fillTails(ceilDiv(nb, kPanel), tail);
+        groupSums = slabSums + size_t(j0 / kGroup) * groupSumsFloats;
+        for (int64_t i0 = 0; i0 < m; i0 += kBlockRows)
+          rowBlock(i0, j0, nb, s0, s1);
+      }
+    }
+  }
+  for (int64_t j0 = 0; j0 < n && !shallow && !bySlab; j0 += kGroup) {
     const int64_t nb = std::min(kGroup, n - j0);
     if (decodedB)
       decodeGroup(j0, nb);

@@ -427,10 +427,12 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     packARows(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
   // The forms of B, each read by the products from `x.panels`:
   // - packed beforehand (packB): read where it lies;
-  // - as stored, not transposed: packed whole, once, into the panels packB
-  //   makes (B's rows read from start to end). (Packed a column group at a
-  //   time, B's rows were read in pieces of a group's width and the packing
-  //   took more time than the products.)
+  // - as stored, not transposed: a depth slab at a time for every column,
+  //   into panels that stay in L2 (bySlab, below), or, where C's sums do
+  //   not fit beside a slab, packed whole, once, into the panels packB makes
+  //   (either way B's rows read from start to end: packed a column group at
+  //   a time, B's rows were read in pieces of a group's width and the
+  //   packing took more time than the products).
   // - as stored, transposed (B's rows are op(B)'s columns): a column
   //   group's rows lie together, so each group is packed just before its
   //   products, into panels that stay in L2;

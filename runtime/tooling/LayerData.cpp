@@ -9,6 +9,7 @@
 
 #include "runtime/cpu/Element.h"
 #include "runtime/tooling/Npy.h"
+#include "runtime/tooling/Parallel.h"
 
 #include <fmt/format.h>
 
@@ -22,6 +23,24 @@ namespace moec::tooling {
 
 using format::DType;
 
+namespace {
+
+/// SplitMix64's finalizer: a bijection of 64-bit words that mixes every bit.
+uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/// A float uniform in [-1, 1) on a grid of 2^-23 (24 random bits), from
+/// value `index` of the stream `key`.
+float uniformAt(uint64_t key, uint64_t index) {
+  return float(int64_t(mix64(key ^ mix64(index)) >> 40)) * 0x1p-23f - 1.0f;
+}
+
+} // namespace
+
 void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, LayerData *out) {
   LayerData d;
   d.ranks = shape.epRanks();
@@ -31,20 +50,30 @@ void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, 
   d.experts = shape.experts();
   d.hidden = shape.hidden;
   d.inter = shape.inter * shape.tp;
-  std::mt19937_64 rng(options.seed);
-  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
-  const auto fill = [&](std::vector<float> &v, size_t n, float scale) {
+  // Value i of tensor `stream` is a hash of (seed, stream, i), so the
+  // tensors are filled in pieces on every hardware thread (hundreds of
+  // millions of weights at a real model's shapes), the same values for any
+  // thread count.
+  const auto fill = [&](std::vector<float> &v, size_t n, float scale, uint64_t stream) {
     v.resize(n);
-    for (float &e : v) {
-      const float value = uni(rng) * scale;
-      e = options.bf16 ? cpu::roundToBf16(value) : value;
-    }
+    const uint64_t key = mix64(options.seed ^ mix64(stream));
+    constexpr int64_t kPiece = int64_t(1) << 20;
+    forEachOnThreads((int64_t(n) + kPiece - 1) / kPiece, [&](int64_t piece) {
+      const size_t end = std::min(n, size_t(piece + 1) * size_t(kPiece));
+      for (size_t i = size_t(piece) * size_t(kPiece); i < end; ++i) {
+        const float value = uniformAt(key, i) * scale;
+        v[i] = options.bf16 ? cpu::roundToBf16(value) : value;
+      }
+    });
   };
   const int64_t R = d.ranks, S = d.tokens, K = d.topK, E = d.experts, H = d.hidden, I = d.inter;
-  fill(d.x, size_t(R * S * H), 1.0f);
-  fill(d.dy, size_t(R * S * H), 1.0f);
-  fill(d.w1, size_t(E * H * 2 * I), 1.0f / std::sqrt(float(std::max<int64_t>(H, 1))));
-  fill(d.w2, size_t(E * I * H), 1.0f / std::sqrt(float(std::max<int64_t>(I, 1))));
+  fill(d.x, size_t(R * S * H), 1.0f, 1);
+  fill(d.dy, size_t(R * S * H), 1.0f, 2);
+  fill(d.w1, size_t(E * H * 2 * I), 1.0f / std::sqrt(float(std::max<int64_t>(H, 1))), 3);
+  fill(d.w2, size_t(E * I * H), 1.0f / std::sqrt(float(std::max<int64_t>(I, 1))), 4);
+  // The routing from one stream of the seed.
+  std::mt19937_64 rng(options.seed);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
   d.ids.resize(size_t(R * S * K));
   d.weights.resize(size_t(R * S * K));
   std::vector<int64_t> experts(static_cast<size_t>(E));

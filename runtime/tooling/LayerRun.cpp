@@ -7,6 +7,7 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/tooling/LayerRun.h"
+#include "runtime/tooling/Parallel.h"
 
 #include "format/TaskBinary.h"
 #include "runtime/comm/Fabric.h"
@@ -20,7 +21,6 @@
 #include <array>
 #include <cmath>
 #include <cstring>
-#include <thread>
 
 namespace moec::tooling {
 
@@ -92,27 +92,6 @@ void unsliceExperts(const LayerData &d, int64_t first, int64_t count, int64_t t,
   }
 }
 
-/// Runs fn(0) .. fn(count - 1), the items shared out among the hardware's
-/// threads: each expert's weights are prepared on their own, so the order
-/// does not change a bit.
-template <typename Fn> void forEachExpert(int64_t count, Fn fn) {
-  const int64_t threads =
-      std::min<int64_t>(count, std::max(1u, std::thread::hardware_concurrency()));
-  if (threads <= 1) {
-    for (int64_t e = 0; e < count; ++e)
-      fn(e);
-    return;
-  }
-  std::vector<std::thread> pool;
-  for (int64_t t = 0; t < threads; ++t)
-    pool.emplace_back([&fn, t, threads, count] {
-      for (int64_t e = t; e < count; e += threads)
-        fn(e);
-    });
-  for (std::thread &x : pool)
-    x.join();
-}
-
 /// dst [cols, rows] = src [rows, cols] transposed, in blocks that stay in
 /// the cache.
 void transposeInto(const float *src, int64_t rows, int64_t cols, float *dst) {
@@ -165,7 +144,7 @@ int64_t count(const std::vector<int64_t> &dims) {
 /// Each of `count` row-major [rows, cols] matrices at `m`, transposed in
 /// place to [cols, rows] (a binary that stores its weights transposed).
 void transposeEach(float *m, int64_t count, int64_t rows, int64_t cols) {
-  forEachExpert(count, [&](int64_t l) {
+  forEachOnThreads(count, [&](int64_t l) {
     float *at = m + l * rows * cols;
     const std::vector<float> one(at, at + rows * cols);
     transposeInto(one.data(), rows, cols, at);
@@ -203,8 +182,8 @@ StoredWeights storedWeights(const rt::LayerShape &shape, const LayerData &d, int
                   scaleCount = count(shape.scaleDims(dims)) / L;
     codes->assign(size_t(L * codeBytes), 0);
     scales->assign(size_t(L * scaleCount), 0.0f);
-    forEachExpert(L, [&, w = w, codes = codes, scales = scales, rows = rows,
-                      cols = cols](int64_t l) {
+    forEachOnThreads(L, [&, w = w, codes = codes, scales = scales, rows = rows,
+                         cols = cols](int64_t l) {
       quantizeStored(shape, w->data() + l * rows * cols, rows, cols, shape.weightsTransposed,
                      codes->data() + l * codeBytes, scales->data() + l * scaleCount, false);
     });
@@ -227,7 +206,7 @@ Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *d) {
                                 : std::array<int64_t, 3>{1, rows, cols};
     const size_t codeBytes = size_t(count(shape.storedDims(one))),
                  scaleCount = size_t(count(shape.scaleDims(one)));
-    forEachExpert(E, [&, w = w, rows = rows, cols = cols](int64_t e) {
+    forEachOnThreads(E, [&, w = w, rows = rows, cols = cols](int64_t e) {
       std::vector<uint8_t> codes(codeBytes);
       std::vector<float> scales(scaleCount);
       quantizeStored(shape, w->data() + e * rows * cols, rows, cols, shape.weightsTransposed,

@@ -56,7 +56,10 @@ struct RandomOptions {
 
 /// Fills `data` with random inputs for `shape` (S and K from the binary):
 /// x, dy uniform in [-1, 1), weights scaled by 1/sqrt(fan-in), top-k weights
-/// in (0.2, 1), distinct experts per token.
+/// in (0.2, 1), distinct experts per token. Each value of x, dy, w1 and w2
+/// is a hash of the seed, the tensor and its index (filled on every
+/// hardware thread, the same values for any thread count); the routing
+/// comes from one stream of the seed.
 void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, LayerData *data);
 
 /// The files of a layer's inputs in a folder: x, topk_ids, topk_weights, w1,

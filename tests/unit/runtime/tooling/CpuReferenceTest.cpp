@@ -20,10 +20,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -794,4 +795,52 @@ TEST_CASE("the kernels, chained, compute the reference layer", "[cpu][reference]
     CHECK(relError(layer.dw1, bwd.dw1) < tol);
     CHECK(relError(layer.dw2, bwd.dw2) < tol);
   }
+}
+
+TEST_CASE("randomLayerData: a seed's values, in range, the same every time; another seed's others",
+          "[cpu][reference]") {
+  namespace tooling = moec::tooling;
+  moec::LayerShape shape;
+  shape.ranks = 2;
+  shape.localExperts = 3;
+  shape.hidden = 512;
+  shape.inter = 400;
+  shape.tokens = 9;
+  shape.topK = 2;
+  tooling::RandomOptions options;
+  options.seed = 7;
+  tooling::LayerData a, b, c;
+  tooling::randomLayerData(shape, options, &a);
+  tooling::randomLayerData(shape, options, &b);
+  options.seed = 8;
+  tooling::randomLayerData(shape, options, &c);
+  REQUIRE(a.x.size() == size_t(2 * 9 * 512));
+  // w1 (2.5 million values) is filled in several pieces of 2^20.
+  REQUIRE(a.w1.size() == size_t(6 * 512 * 2 * 400));
+  REQUIRE(a.w2.size() == size_t(6 * 400 * 512));
+  CHECK(a.x == b.x);
+  CHECK(a.dy == b.dy);
+  CHECK(a.w1 == b.w1);
+  CHECK(a.w2 == b.w2);
+  CHECK(a.ids == b.ids);
+  CHECK(a.x != c.x);
+  CHECK(a.w1 != c.w1);
+  // Uniform in [-1, 1) x the scale (1 / sqrt(fan-in) for the weights); the
+  // tensors differ from one another, and hold no repeated runs of values.
+  const auto check = [](const std::vector<float> &v, float scale) {
+    double sum = 0;
+    for (float e : v) {
+      REQUIRE(e >= -scale);
+      REQUIRE(e < scale);
+      sum += e;
+    }
+    CHECK(std::abs(sum / double(v.size())) < 0.1 * scale);
+    const std::set<float> distinct(v.begin(), v.end());
+    CHECK(distinct.size() > v.size() * 9 / 10);
+  };
+  check(a.x, 1.0f);
+  check(a.dy, 1.0f);
+  check(a.w1, 1.0f / std::sqrt(512.0f));
+  check(a.w2, 1.0f / std::sqrt(400.0f));
+  CHECK(!std::equal(a.x.begin(), a.x.end(), a.dy.begin()));
 }

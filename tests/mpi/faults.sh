@@ -154,7 +154,9 @@ edit_ids() {
   rm -f "$1/manifest.json" # the folder is no longer the run's
 }
 in="$WORK/capacity-in"
-"$MOEC" run "$WORK/tight/fwd.moebin" "$WORK/tight/bwd.moebin" --ranks 2 --random 1 \
+# The inputs come from the small layer (the tight one's shapes, room for any
+# routing): a random routing may itself exceed capacity_factor 1.
+"$MOEC" run "$WORK/small/fwd.moebin" "$WORK/small/bwd.moebin" --ranks 2 --random 1 \
   --outputs "$in" --threads 1 > /dev/null
 
 # Routing over capacity caused by rank 1's routing only (every token of rank

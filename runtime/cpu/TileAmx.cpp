@@ -82,11 +82,12 @@ constexpr int64_t kGroupTiles = kGroup / 16;
 inline bool oneStep(int64_t k, bool decodedB) { return !decodedB && k <= 2 * kStep; }
 
 /// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
-/// layout; unused when B comes packed; a decoded B's or a transposed B's as
-/// stored, one column group's; bySlab's slab and its sums of all of C), the last step's units of a
-/// column group's panels (of every panel for a one-step product: oneStep), op(A) in tiles, the sums
-/// of the depth chunks before the last (m x a column group, in tiles), two tiles of sums on their
-/// way to C, one panel's part of a decoded B.
+/// layout; unused when B comes packed; a decoded B's or a transposed B's
+/// as stored, one column group's; bySlab's slab and its sums of all of C),
+/// the last step's units of a column group's panels (of every panel for a
+/// one-step product: oneStep), op(A) in tiles, the sums of the depth
+/// chunks before the last (m x a column group, in tiles), two tiles of
+/// sums on their way to C, one panel's part of a decoded B.
 struct AmxLayout {
   size_t panels, tail, packedA, sums, cStage, decoded;
   AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB) {
@@ -479,8 +480,8 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     }
   };
   // The blocks of rows i0.. (kBlockRows) over the group at j0 (nb wide),
-  // depth chunk [s0, s1): their sums wait in `sums` before the last chunk,
-  // which writes them to C.
+  // depth chunk [s0, s1): their sums wait in `groupSums` (`sums`, or the
+  // group's part of bySlab's) before the last chunk, which writes them to C.
   float *groupSums = sums;
   const auto rowBlock = [&](int64_t i0, int64_t j0, int64_t nb, int64_t s0, int64_t s1) {
     const int64_t colTiles = ceilDiv(nb, 16);

@@ -2,7 +2,7 @@
 # Packs what the cuda backend's checks need on a GPU machine without Debian's
 # packages (no moec compiler there), into one folder:
 #
-#   tests/cuda/pack_for_gpu.sh DIR        (from the repository root, where moec builds)
+#   tests/cuda/pack_for_gpu.sh DIR [--base REV]   (from the repository root, where moec builds)
 #
 # DIR gets the GPU suite, its probe and cuda_bench (built here with the CUDA
 # toolkit; without it they would be stubs, so the script stops), the
@@ -18,8 +18,25 @@
 # out): the tiles, the full layer at S 1024 and 4096, the frozen layer with
 # bf16, FP8, int8 and int4 weights, each layer checked against the
 # reference on 16 sampled tokens.
+#
+# With --base REV, DIR/base/cuda_bench is REV's (built in a temporary git
+# worktree), and `bash DIR/run.sh ab` times REV's against this tree's side
+# by side: the frozen formats' tiles on qwen3's products (three rounds) and
+# the frozen qwen3 layer with bf16, FP8, int8 and int4 weights (two
+# rounds), the two programs alternating, every run checked as bench.sh
+# checks it.
 set -euo pipefail
-out="${1:?usage: tests/cuda/pack_for_gpu.sh DIR}"
+usage="usage: tests/cuda/pack_for_gpu.sh DIR [--base REV]"
+out="${1:?$usage}"
+base=""
+if [ $# -ge 2 ]; then
+  [ "$2" = --base ] && [ $# -eq 3 ] || { echo "$usage" >&2; exit 2; }
+  base="$3"
+  git rev-parse --verify --quiet "$base^{commit}" > /dev/null || {
+    echo "pack_for_gpu: --base $base: not a commit of this repository" >&2
+    exit 2
+  }
+fi
 [ -x /usr/local/cuda/bin/nvcc ] || {
   echo "pack_for_gpu: no CUDA toolkit at /usr/local/cuda: the programs would be stubs" >&2
   exit 1
@@ -30,6 +47,18 @@ bazel build //tools:moec //tests/cuda:gpu_suite //tests/cuda:gpu_probe //example
 for p in tests/cuda/gpu_suite tests/cuda/gpu_probe examples/cuda/cuda_bench; do
   install -m 755 "bazel-bin/$p" "$out/"
 done
+
+# The baseline's cuda_bench, built where REV is checked out.
+if [ -n "$base" ]; then
+  tree="$(mktemp -d)"
+  git worktree add --detach -q "$tree/src" "$base"
+  mkdir -p "$out/base"
+  (cd "$tree/src" && bazel build //examples/cuda:cuda_bench &&
+    install -m 755 bazel-bin/examples/cuda/cuda_bench "$out/base/cuda_bench")
+  (cd "$tree/src" && bazel clean --expunge 2>/dev/null)
+  git worktree remove --force "$tree/src"
+  rm -rf "$tree"
+fi
 
 # The suite's layers, compiled as the GPU runs them (--peer-groups 1): the
 # suite passes on the CPU while it fills the cache.
@@ -43,7 +72,7 @@ bash examples/cuda/compile_binaries.sh "$out/bins"
 libs="$(mktemp -d)"
 trap 'rm -rf "$libs"' EXIT
 mkdir "$libs/lib"
-ldd "$out/gpu_suite" "$out/cuda_bench" | awk '$3 ~ /^\// {print $3}' | sort -u |
+ldd "$out/gpu_suite" "$out/cuda_bench" ${base:+"$out/base/cuda_bench"} | awk '$3 ~ /^\// {print $3}' | sort -u |
   grep -Ev '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt)\.so' |
   while read -r lib; do cp -L "$lib" "$libs/lib/"; done
 tar -C "$libs" -cJf "$out/lib.tar.xz" lib
@@ -51,7 +80,8 @@ tar -C "$libs" -cJf "$out/lib.tar.xz" lib
 cat >"$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # The cuda backend's checks on this GPU (made by tests/cuda/pack_for_gpu.sh):
-#   bash run.sh [suite] [bench]   from a checkout of the same commit (default: both)
+#   bash run.sh [suite] [bench] [ab]   from a checkout of the same commit
+# (default: suite and bench; ab: the --base build against this one)
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 parts="${*:-suite bench}"
@@ -65,6 +95,41 @@ if [[ " $parts " == *" suite "* ]]; then
 fi
 if [[ " $parts " == *" bench "* ]]; then
   bash examples/cuda/bench.sh --moec-only "$here/cuda_bench" "$here/bins" || rc=1
+fi
+if [[ " $parts " == *" ab "* ]]; then
+  if [ ! -x "$here/base/cuda_bench" ]; then
+    echo "run.sh ab: no $here/base/cuda_bench (pack with --base REV)" >&2
+    exit 2
+  fi
+  if ! gpu="$("$here/gpu_probe")"; then
+    echo "run.sh ab: $gpu" >&2
+    exit 1
+  fi
+  echo "== $gpu: $here/base/cuda_bench (base) against $here/cuda_bench (new)"
+  products="128*512x1536x2048:nt 128*512x2048x768:nt 128*512x768x2048:nn 128*512x2048x1536:nn"
+  pairs=()
+  for f in "" _fp8 _int8 _int4; do
+    pairs+=("$here/bins/frozen$f.fwd.moebin" "$here/bins/frozen$f.bwd.moebin")
+  done
+  for round in 1 2 3; do
+    for f in fp8_block128 int8 int4_g128; do
+      for side in base new; do
+        b="$here/cuda_bench"
+        [ $side = base ] && b="$here/base/cuda_bench"
+        echo "== tiles, B $f, round $round: $side"
+        # shellcheck disable=SC2086
+        "$b" gmm --weight-format "$f" $products | tail -4 || rc=1
+      done
+    done
+  done
+  for round in 1 2; do
+    for side in base new; do
+      b="$here/cuda_bench"
+      [ $side = base ] && b="$here/base/cuda_bench"
+      echo "== the frozen layer (bf16, FP8, int8, int4 weights), round $round: $side"
+      "$b" layer "${pairs[@]}" --repeat 5 --sample 16 | grep -E "^layer:|median|around|verify" || rc=1
+    done
+  done
 fi
 exit $rc
 RUN

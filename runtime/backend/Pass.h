@@ -42,7 +42,6 @@
 #include "runtime/trace/Trace.h"
 
 #include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>

@@ -63,6 +63,16 @@ bool cpuHasAvx2() {
 #endif
 }
 
+bool cpuHasAvx512() {
+#ifdef MOEC_ELEMENT_AVX2
+  static const bool have = __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return have;
+#else
+  return false;
+#endif
+}
+
 void floatToBf16(const float *src, uint16_t *dst, size_t count) {
   size_t i = 0;
 #ifdef MOEC_ELEMENT_AVX2

@@ -119,6 +119,10 @@ storeBf16x16(uint16_t *out, __mmask16 mask, __m512 value) {
 /// paths, which give the same bits as their scalar forms, run only then.
 bool cpuHasAvx2();
 
+/// True when this CPU has AVX-512 F, BW and VL (checked once): what the
+/// kernels' sixteen-lane paths are built for, and run only then.
+bool cpuHasAvx512();
+
 /// Converts `count` floats at `src` to bf16 bits at `dst`.
 void floatToBf16(const float *src, uint16_t *dst, size_t count);
 

@@ -178,13 +178,6 @@ decodeAvx512(const uint8_t *codes, int64_t n, float scale, void *out) {
   }
   return j;
 }
-
-bool cpuHasAvx512() {
-  static const bool have = __builtin_cpu_supports("avx512f") &&
-                           __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl");
-  return have;
-}
 #endif
 
 } // namespace

@@ -59,13 +59,6 @@ struct Out {
 #ifdef MOEC_QUANT_AVX512
 #define MOEC_QUANT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-bool avx512() {
-  static const bool have = __builtin_cpu_supports("avx512f") &&
-                           __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl");
-  return have;
-}
-
 /// Stores 16 values at element j of `out`: fp32, or rounded to bf16 in
 /// registers (the bits of Out::put).
 MOEC_QUANT_TARGET inline void store16(const Out &out, int64_t j, __m512 v) {
@@ -114,7 +107,7 @@ MOEC_QUANT_TARGET int64_t decodeInt4Avx512(const uint8_t *bytes, int64_t n, floa
 void decodeInt8(const int8_t *codes, int64_t n, float scale, const Out &out) {
   int64_t j = 0;
 #ifdef MOEC_QUANT_AVX512
-  if (avx512())
+  if (cpuHasAvx512())
     j = decodeInt8Avx512(codes, n, scale, out);
 #endif
   for (; j < n; ++j)
@@ -133,7 +126,7 @@ void decodeInt4(const uint8_t *row, int64_t j0, int64_t n, float scale, float ze
   if (j0 % 2 == 1 && n > 0) // from an even value on, bytes hold whole pairs
     one(j++);
 #ifdef MOEC_QUANT_AVX512
-  if (avx512()) {
+  if (cpuHasAvx512()) {
     const size_t elt = dtypeSize(out.elt);
     j += decodeInt4Avx512(row + (j0 + j) / 2, n - j, scale, zero,
                           Out{static_cast<char *>(out.base) + size_t(j) * elt, out.elt});

@@ -76,36 +76,34 @@ namespace {
 
 #define MOEC_ROWS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-bool haveAvx512() {
-  static const bool have = __builtin_cpu_supports("avx512f") &&
-                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  return have;
-}
-
 /// dst[0, cols) = src[0, cols) (times *weight where not null), both of type
 /// `elt`, the math and rounding of gatherTokenRows' loop below (a product
 /// in fp32, rounded once to bf16), with non-temporal stores: dst is a line-
 /// aligned row of the rows a rank sends, which a put reads next, not this
 /// core, so its lines need not come from memory before they are written.
+/// 16 values of a row of type `elt` at `p`, as fp32 (exact).
+MOEC_ROWS_AVX512 inline __m512 load16(const void *p, Elt elt) {
+  if (elt == Elt::F32)
+    return _mm512_loadu_ps(p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i *>(p))), 16));
+}
+
 MOEC_ROWS_AVX512 void streamRow(const void *src, void *dst, Elt elt, int64_t cols,
                                 const float *weight) {
   char *out = static_cast<char *>(dst);
   const char *in = static_cast<const char *>(src);
-  const int64_t perLine = elt == Elt::BF16 ? 32 : 16;
-  int64_t c = 0;
   if (!weight) {
     streamCopy(out, in, size_t(cols) * dtypeSize(elt));
     return;
   }
+  const int64_t perLine = elt == Elt::BF16 ? 32 : 16;
+  int64_t c = 0;
   const __m512 w = _mm512_set1_ps(*weight);
   if (elt == Elt::BF16) {
     const uint16_t *from = reinterpret_cast<const uint16_t *>(in);
     for (; c + perLine <= cols; c += perLine) {
-      const __m512i bits = _mm512_loadu_si512(from + c);
-      const __m512 lo = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
-      const __m512 hi = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
+      const __m512 lo = load16(from + c, elt), hi = load16(from + c + 16, elt);
       const __m256i l = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_mul_ps(lo, w)));
       const __m256i h = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_mul_ps(hi, w)));
       _mm512_stream_si512(reinterpret_cast<__m512i *>(out + c * 2),
@@ -120,14 +118,6 @@ MOEC_ROWS_AVX512 void streamRow(const void *src, void *dst, Elt elt, int64_t col
   // The last partial line, as the loop below makes it.
   for (; c < cols; ++c)
     storeFloat(dst, elt, c, loadFloat(src, elt, c) * *weight);
-}
-
-/// 16 values of a row of type `elt` at `p`, as fp32 (exact).
-MOEC_ROWS_AVX512 inline __m512 load16(const void *p, Elt elt) {
-  if (elt == Elt::F32)
-    return _mm512_loadu_ps(p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i *>(p))), 16));
 }
 
 /// combineRows' sums of one token over columns [c0, c0 + 16 * vectors), in
@@ -183,7 +173,7 @@ void gatherTokenRows(ConstMatrix src, const int64_t *rowIds, int64_t topK, const
   const int64_t rowBytes = cols * int64_t(dtypeSize(src.elt));
 #ifdef MOEC_ROWS_X86
   // Rows streamed past the caches where they are whole lines (streamRow).
-  const bool stream = haveAvx512() && src.elt == dst.elt &&
+  const bool stream = cpuHasAvx512() && src.elt == dst.elt &&
                       (reinterpret_cast<uintptr_t>(dst.data) & 63) == 0 &&
                       (dst.ld * int64_t(dtypeSize(dst.elt))) % 64 == 0;
 #endif
@@ -227,7 +217,7 @@ void combineRows(ConstMatrix z, const int64_t *position, const float *weights, i
 #ifdef MOEC_ROWS_X86
   // Whole vectors of 16 columns on AVX-512 (a row's parts summed first, as
   // loadRow does, stay on the loop below).
-  const int64_t whole = parts == 1 && haveAvx512() ? cols.size() / kLanes : 0;
+  const int64_t whole = parts == 1 && cpuHasAvx512() ? cols.size() / kLanes : 0;
 #else
   const int64_t whole = 0;
 #endif
@@ -272,7 +262,7 @@ void combineWeightGrad(ConstMatrix dy, ConstMatrix z, const int64_t *position, i
       float lanes[kLanes] = {};
       int64_t start = 0;
 #ifdef MOEC_ROWS_X86
-      if (parts == 1 && haveAvx512()) { // whole vectors of 16 columns
+      if (parts == 1 && cpuHasAvx512()) { // whole vectors of 16 columns
         start = cols / kLanes * kLanes;
         weightGradLanes16(dy.address(t, 0), dy.elt, z.address(position[id], 0), z.elt,
                           cols / kLanes, lanes);

@@ -283,6 +283,18 @@ MOEC_TILE_TARGET void decodePanel(const DecodedB &d, bool transB, int64_t c0, in
 
 namespace {
 
+/// Cache lines a micro-kernel call prefetches into L2 among its dot
+/// products, one every few units: what later calls read (the next depth
+/// block's B and A, C's lines). Issued in a burst before the call, they
+/// held the fill buffers that the call's own first loads then waited for;
+/// spread, the layer's steps with B packed beforehand ran 3-6% faster.
+/// Lines past kMax are prefetched at once.
+struct Lines {
+  static constexpr int kMax = 96;
+  const char *line[kMax];
+  int count = 0;
+};
+
 /// Broadcasts A's unit at `offset` bytes into each of the MR rows: 32 bits,
 /// or with HALF a lone bf16 value (the high half zero).
 template <int MR, bool HALF>
@@ -343,7 +355,7 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
                             bool halfLast, uint32_t *panel, const float *in, int64_t ldIn,
                             void *out, int64_t ldOut, bool outBf16, int cols, const uint16_t *src,
                             int64_t ldSrc, int64_t srcRows, const AddScaled *scaled,
-                            const char *addend) {
+                            const char *addend, const Lines &ahead) {
   static_assert(NV == 3 || !PACK, "the panel is packed in the call 48 columns at a time");
   __m512 acc[MR][NV];
   const __mmask16 masks[3] = {laneMask(cols, 0), laneMask(cols, 1), laneMask(cols, 2)};
@@ -359,8 +371,19 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     rows[r] = a + r * aRow;
   const int64_t whole = halfLast ? units - 1 : units;
   __m512i av[MR];
+  // `ahead`'s lines, one every `every` units.
+  const int64_t every = ahead.count ? std::max<int64_t>(1, units / ahead.count) : units + 1;
+  int issued = 0;
+  int64_t due = 0;
+  auto prefetchDue = [&](int64_t t) {
+    if (t == due && issued < ahead.count) {
+      _mm_prefetch(ahead.line[issued++], _MM_HINT_T1);
+      due += every;
+    }
+  };
   if constexpr (PACK) {
     for (int64_t t = 0; t < units; ++t, panel += kPanel) {
+      prefetchDue(t);
       const uint16_t *r0 = src + 2 * t * ldSrc, *r1 = r0 + ldSrc;
       const bool pair = 2 * t + 1 < srcRows;
 #pragma GCC unroll 3
@@ -380,6 +403,7 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     }
   } else {
     for (int64_t t = 0; t < whole; ++t, panel += kPanel) {
+      prefetchDue(t);
       broadcast<MR, false>(av, rows, t * aUnit);
       step<MR, NV, BF16>(acc, panel, av);
     }
@@ -388,6 +412,8 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
       step<MR, NV, BF16>(acc, panel, av);
     }
   }
+  for (; issued < ahead.count; ++issued)
+    _mm_prefetch(ahead.line[issued], _MM_HINT_T1);
   if (scaled) {
     const int64_t elt = outBf16 ? 2 : 4;
 #pragma GCC unroll 16
@@ -421,9 +447,10 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
 }
 
 /// Walks the cache lines of a set of equally long rows (`rows` rows of
-/// `bytes` bytes, `stride` bytes apart) and prefetches them into L2, a few
-/// rows at a time: the next depth block's operands, fetched while this block
-/// computes, so the GEMM does not wait on memory at each block's start.
+/// `bytes` bytes, `stride` bytes apart) and hands them to the micro-kernel
+/// calls to prefetch into L2 (Lines), a few rows a call: the next depth
+/// block's operands, fetched while this block computes, so the GEMM does
+/// not wait on memory at each block's start.
 ///
 /// Each call takes whole rows, the same number each time, so that the loops'
 /// branches repeat from call to call. A walk of a fixed number of lines,
@@ -445,15 +472,19 @@ public:
   /// Spreads the rows over `calls` calls of next().
   void spread(int64_t calls) { perCall = ceilDiv(rows, calls); }
 
-  /// Prefetches the next rows.
-  void next() {
+  /// Adds the next rows' lines to `to` (as many as it holds).
+  void next(Lines &to) {
     const int64_t end = std::min(rows, row + perCall);
     for (; row < end; ++row) {
       const int64_t first = (row % pieces) * lines;
       const char *line = base + (row / pieces) * stride + first * 64;
       const int64_t count = std::min(lines, total - first);
-      for (int64_t l = 0; l < count; ++l)
-        _mm_prefetch(line + l * 64, _MM_HINT_T1);
+      for (int64_t l = 0; l < count; ++l) {
+        if (to.count == Lines::kMax)
+          _mm_prefetch(line + l * 64, _MM_HINT_T1);
+        else
+          to.line[to.count++] = line + l * 64;
+      }
     }
   }
 
@@ -465,7 +496,7 @@ private:
 
 using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, uint32_t *, const float *,
                        int64_t, void *, int64_t, bool, int, const uint16_t *, int64_t, int64_t,
-                       const AddScaled *, const char *);
+                       const AddScaled *, const char *, const Lines &);
 
 /// Rows of C per micro-kernel call for a C at most 16 columns wide (one
 /// vector of the panel: kNarrowRows accumulators).
@@ -676,9 +707,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         const int cols = int(std::min<int64_t>(kPanel, nb - q * kPanel));
         const int rows = int(std::min<int64_t>(rowStep, m - i0));
         const Micro kernel = packInCall && i0 == 0 ? microFor<true, true>(rows) : kernelFor(rows);
-        nextB.next();
-        nextA.next();
-        nextC.next();
+        Lines ahead;
+        nextB.next(ahead);
+        nextA.next(ahead);
+        nextC.next(ahead);
         uint32_t *panel =
             prepacked ? const_cast<uint32_t *>(prepacked) +
                             ((j0 / kPanel + q) * allUnits + p0 / per) * kPanel
@@ -692,7 +724,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
                in ? in + i0 * ldIn + q * kPanel : nullptr, ldIn, to + q * kPanel * outElt, ldTo,
                outBf16, cols,
                packInCall ? static_cast<const uint16_t *>(bGroup) + p0 * ldb + q * kPanel : nullptr,
-               ldb, p1 - p0, scaled, addend);
+               ldb, p1 - p0, scaled, addend, ahead);
       };
       if (last && stream) {
         // Row block by row block: the group's columns of kRows rows are

@@ -177,11 +177,16 @@ inline const void *bTile(const Operands &x, int64_t c, int64_t s) {
 /// Xeon (docs/performance-log.md). Packed codes are fetched the same way,
 /// the next column group's over this one's chunks (FP8 4-7%).
 struct Ahead {
-  static_assert(kGroup / kPanel <= 8, "a run for each panel of a column group");
-  const char *run[8];
-  int runs = 0;
-  int64_t runLines = 0, next = 0, total = 0, perStep = 0;
-  const char *line(int64_t i) const { return run[i / runLines] + (i % runLines) * 64; }
+  /// `runs` runs of `runLines` lines, `stride` bytes apart from `base`.
+  const char *base = nullptr;
+  int64_t stride = 0, runs = 0, runLines = 0;
+  int64_t next = 0, total = 0, perStep = 0;
+  const char *line(int64_t i) const { return base + (i / runLines) * stride + (i % runLines) * 64; }
+  /// Spreads the lines over `steps` steps of blocks.
+  void spread(int64_t steps) {
+    total = runs > 0 && runLines > 0 ? runs * runLines : 0;
+    perStep = ceilDiv(total, std::max<int64_t>(steps, 1));
+  }
 };
 
 /// Loads C's tile register `t` (0-3) from `at` (16 rows 64 bytes apart), or
@@ -594,6 +599,7 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
       const int64_t s1 = std::min(x.steps, s0 + chunk);
       // What this chunk's blocks fetch for later ones (Ahead).
       ahead = Ahead();
+      const int64_t blockSteps = ceilDiv(m, kBlockRows) * ceilDiv(ceilDiv(nb, 16), 2) * (s1 - s0);
       if (packedB && !decodedB && !packByGroup) {
         // B packed beforehand: the next chunk, this group's steps from s1
         // on or the next group's first (a partial last step's tail is
@@ -605,27 +611,27 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
         }
         const int64_t a1 = std::min(x.fullSteps, a0 + chunk);
         if (g < n && a1 > a0) {
-          const uint32_t *base =
-              static_cast<const uint32_t *>(packedB) + (g / kPanel) * panelStride;
+          ahead.base =
+              reinterpret_cast<const char *>(static_cast<const uint32_t *>(packedB) +
+                                             (g / kPanel) * panelStride + a0 * kStep * kPanel);
+          ahead.stride = panelStride * 4;
+          ahead.runs = ceilDiv(std::min(kGroup, n - g), kPanel);
           ahead.runLines = (a1 - a0) * kStep * kPanel * 4 / 64;
-          for (int64_t q = 0; q * kPanel < std::min(kGroup, n - g); ++q)
-            ahead.run[ahead.runs++] =
-                reinterpret_cast<const char *>(base + (q * x.units + a0 * kStep) * kPanel);
         }
       } else if (decodedB && decodedB->panel && decodedB->codes && j0 + kGroup < n) {
         // Packed codes (decodeGroup decodes a group's whole depth before
         // its products): this chunk's share of the next group's codes.
         const DecodedB &d = *decodedB;
-        const int64_t g = j0 + kGroup, lines = ceilDiv(x.units * d.unitBytes, 64);
+        const int64_t g = j0 + kGroup;
+        ahead.base = reinterpret_cast<const char *>(d.codes) + (g / kPanel) * d.codesLd;
+        ahead.stride = d.codesLd;
+        ahead.runs = ceilDiv(std::min(kGroup, n - g), kPanel);
+        const int64_t lines = ceilDiv(x.units * d.unitBytes, 64);
         const int64_t share = ceilDiv(lines, ceilDiv(x.steps, chunk)), first = (s0 / chunk) * share;
+        ahead.base += first * 64;
         ahead.runLines = std::min(share, lines - first);
-        for (int64_t q = 0; q * kPanel < std::min(kGroup, n - g) && ahead.runLines > 0; ++q)
-          ahead.run[ahead.runs++] =
-              reinterpret_cast<const char *>(d.codes) + (g / kPanel + q) * d.codesLd + first * 64;
       }
-      ahead.total = ahead.runs * ahead.runLines;
-      ahead.perStep =
-          ceilDiv(ahead.total, ceilDiv(m, kBlockRows) * ceilDiv(ceilDiv(nb, 16), 2) * (s1 - s0));
+      ahead.spread(blockSteps);
       for (int64_t i0 = 0; i0 < m; i0 += kBlockRows)
         rowBlock(i0, j0, nb, s0, s1);
     }

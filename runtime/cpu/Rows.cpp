@@ -76,11 +76,6 @@ namespace {
 
 #define MOEC_ROWS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-/// dst[0, cols) = src[0, cols) (times *weight where not null), both of type
-/// `elt`, the math and rounding of gatherTokenRows' loop below (a product
-/// in fp32, rounded once to bf16), with non-temporal stores: dst is a line-
-/// aligned row of the rows a rank sends, which a put reads next, not this
-/// core, so its lines need not come from memory before they are written.
 /// 16 values of a row of type `elt` at `p`, as fp32 (exact).
 MOEC_ROWS_AVX512 inline __m512 load16(const void *p, Elt elt) {
   if (elt == Elt::F32)
@@ -89,6 +84,11 @@ MOEC_ROWS_AVX512 inline __m512 load16(const void *p, Elt elt) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i *>(p))), 16));
 }
 
+/// dst[0, cols) = src[0, cols) (times *weight where not null), both of type
+/// `elt`, the math and rounding of gatherTokenRows' loop below (a product
+/// in fp32, rounded once to bf16), with non-temporal stores: dst is a line-
+/// aligned row of the rows a rank sends, which a put reads next, not this
+/// core, so its lines need not come from memory before they are written.
 MOEC_ROWS_AVX512 void streamRow(const void *src, void *dst, Elt elt, int64_t cols,
                                 const float *weight) {
   char *out = static_cast<char *>(dst);

@@ -7,13 +7,13 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/tooling/LayerRun.h"
-#include "runtime/tooling/Parallel.h"
 
 #include "format/TaskBinary.h"
 #include "runtime/comm/Fabric.h"
 #include "runtime/cpu/Element.h"
 #include "runtime/cpu/Fp8.h"
 #include "runtime/cpu/Quant.h"
+#include "runtime/tooling/Parallel.h"
 
 #include <fmt/format.h>
 

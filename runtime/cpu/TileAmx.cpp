@@ -178,12 +178,19 @@ inline const void *bTile(const Operands &x, int64_t c, int64_t s) {
 /// the next column group's over this one's chunks (FP8 4-7%). (The
 /// AVX-512 tile's walk, Tile.cpp's Prefetch handing each block a list of
 /// lines, was tried here: 1.03x against this form's 1.09x, one process.)
+///
+/// The runs (a column group's panels) are walked side by side, a line of
+/// each in turn, not one after the other: four streams in flight at once
+/// rather than one, which memory serves faster (a core here reads 16 GB/s
+/// from four streams, 13 from one). The frozen packed step ran 1.17x
+/// faster so, LoRA on it 1.13x (docs/performance-log.md).
 struct Ahead {
   /// `runs` runs of `runLines` lines, `stride` bytes apart from `base`.
   const char *base = nullptr;
   int64_t stride = 0, runs = 0, runLines = 0;
   int64_t next = 0, total = 0, perStep = 0;
-  const char *line(int64_t i) const { return base + (i / runLines) * stride + (i % runLines) * 64; }
+  /// Line i: line i / runs of run i % runs.
+  const char *line(int64_t i) const { return base + (i % runs) * stride + (i / runs) * 64; }
   /// Spreads the lines over `steps` steps of blocks.
   void spread(int64_t steps) {
     total = runs > 0 && runLines > 0 ? runs * runLines : 0;

@@ -135,19 +135,18 @@ MOEC_TILE_TARGET void packRows(const void *src, int64_t ld, int64_t p0, int64_t 
       _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i pairsHi = _mm512_add_epi16(pairsLo, _mm512_set1_epi16(16));
-  for (int64_t t = 0; t < units; ++t) {
-    int64_t c = 0;
-    if (bf16 && p0 + 2 * t + 1 < p1) {
-      const uint16_t *r0 = static_cast<const uint16_t *>(src) + (p0 + 2 * t) * ld;
-      for (; c + 32 <= cols; c += 32) {
-        const __m512i a = _mm512_loadu_si512(r0 + c), b = _mm512_loadu_si512(r0 + ld + c);
-        _mm512_storeu_si512(dst + (c / panelCols) * panelStride + t * dstLd + c % panelCols,
-                            _mm512_permutex2var_epi16(a, pairsLo, b));
-        const int64_t c2 = c + 16;
-        _mm512_storeu_si512(dst + (c2 / panelCols) * panelStride + t * dstLd + c2 % panelCols,
-                            _mm512_permutex2var_epi16(a, pairsHi, b));
-      }
-    }
+  // Unit t's columns [c, c + 32) of a bf16 pair of rows (both within p1).
+  const auto pairs32 = [&](int64_t t, int64_t c) MOEC_TILE_TARGET {
+    const uint16_t *r0 = static_cast<const uint16_t *>(src) + (p0 + 2 * t) * ld;
+    const __m512i a = _mm512_loadu_si512(r0 + c), b = _mm512_loadu_si512(r0 + ld + c);
+    _mm512_storeu_si512(dst + (c / panelCols) * panelStride + t * dstLd + c % panelCols,
+                        _mm512_permutex2var_epi16(a, pairsLo, b));
+    const int64_t c2 = c + 16;
+    _mm512_storeu_si512(dst + (c2 / panelCols) * panelStride + t * dstLd + c2 % panelCols,
+                        _mm512_permutex2var_epi16(a, pairsHi, b));
+  };
+  // Unit t's columns from c on, 16 at a time.
+  const auto rest = [&](int64_t t, int64_t c) MOEC_TILE_TARGET {
     for (; c < cols; c += 16) {
       const __mmask16 mask = laneMask(int(std::min<int64_t>(cols - c, 16)), 0);
       __m512i v;
@@ -165,6 +164,27 @@ MOEC_TILE_TARGET void packRows(const void *src, int64_t ld, int64_t p0, int64_t 
       }
       _mm512_storeu_si512(dst + (c / panelCols) * panelStride + t * dstLd + c % panelCols, v);
     }
+  };
+  const int64_t whole = cols / 32 * 32;
+  int64_t t = 0;
+  // bf16 rows four at a time (two units), side by side: four streams from
+  // memory at once, which it serves faster than two (the bf16 step with
+  // every weight trained, whose forward packs B as stored here, 1.03x).
+  if (bf16)
+    for (; t + 1 < units && p0 + 2 * t + 3 < p1; t += 2) {
+      for (int64_t c = 0; c < whole; c += 32) {
+        pairs32(t, c);
+        pairs32(t + 1, c);
+      }
+      rest(t, whole);
+      rest(t + 1, whole);
+    }
+  for (; t < units; ++t) {
+    int64_t c = 0;
+    if (bf16 && p0 + 2 * t + 1 < p1)
+      for (; c < whole; c += 32)
+        pairs32(t, c);
+    rest(t, c);
   }
 }
 

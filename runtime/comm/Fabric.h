@@ -204,13 +204,13 @@ inline void copyRows(char *dst, size_t dstStride, const char *src, size_t srcStr
     std::memcpy(dst + i * dstStride, src + i * srcStride, rowBytes);
 }
 
-/// copyRows with the stores past the caches (base::streamCopy), then
-/// ordered before the stores after it: a put's rows into a window that
-/// another core reads next (a peer's tile, the combine after the pass).
+/// copyRows with the stores past the caches (base::streamCopyRows, four
+/// rows side by side), then ordered before the stores after it: a put's
+/// rows into a window that another core reads next (a peer's tile, the
+/// combine after the pass).
 inline void streamRows(char *dst, size_t dstStride, const char *src, size_t srcStride, size_t rows,
                        size_t rowBytes) {
-  for (size_t i = 0; i < rows; ++i)
-    streamCopy(dst + i * dstStride, src + i * srcStride, rowBytes);
+  streamCopyRows(dst, dstStride, src, srcStride, rows, rowBytes);
   streamFence();
 }
 

@@ -64,3 +64,37 @@ TEST_CASE("streamCopy copies every byte, aligned or not, whole lines or not", "[
       CHECK(around);
     }
 }
+
+TEST_CASE("streamCopyRows copies every row and nothing between them", "[memory]") {
+  // Row counts around multiples of four (the rows it copies side by side),
+  // row lengths around whole lines, destinations on a line and off it, and
+  // strides past the rows: the rows arrive, the gaps between them and the
+  // bytes around stay as they were.
+  std::vector<unsigned char> src(64 * 1024), memory(80 * 1024);
+  for (size_t i = 0; i < src.size(); ++i)
+    src[i] = static_cast<unsigned char>(i * 13 + 1);
+  unsigned char *line = memory.data() + (64 - reinterpret_cast<uintptr_t>(memory.data()) % 64) % 64;
+  for (size_t offset : {0, 8})
+    for (size_t rows : {0, 1, 3, 4, 5, 8, 11})
+      for (size_t rowBytes : {1, 63, 64, 100, 128, 1000}) {
+        const size_t dstStride = (rowBytes + 63) / 64 * 64 + 64, srcStride = rowBytes + 9;
+        INFO("offset " << offset << ", " << rows << " rows of " << rowBytes << " bytes");
+        std::memset(memory.data(), 0xAB, memory.size());
+        unsigned char *dst = line + offset;
+        moec::streamCopyRows(dst, dstStride, src.data() + 3, srcStride, rows, rowBytes);
+        moec::streamFence();
+        bool rowsThere = true, rest = true;
+        for (size_t r = 0; r < rows; ++r)
+          rowsThere &=
+              std::memcmp(dst + r * dstStride, src.data() + 3 + r * srcStride, rowBytes) == 0;
+        for (size_t at = 0; at < memory.size(); ++at) {
+          const unsigned char *p = memory.data() + at;
+          const bool inRow = p >= dst && size_t(p - dst) < rows * dstStride &&
+                             size_t(p - dst) % dstStride < rowBytes;
+          if (!inRow && *p != 0xAB)
+            rest = false;
+        }
+        CHECK(rowsThere);
+        CHECK(rest);
+      }
+}

@@ -162,28 +162,78 @@ MOEC_SWIGLU_AVX512 __m512 sigmoid16(__m512 x) {
   return _mm512_div_ps(one, _mm512_fmadd_ps(p, _mm512_castsi512_ps(bits), one));
 }
 
+/// silu(g) * u, sixteen lanes: (g * s) * u, in the scalar form's order.
+MOEC_SWIGLU_AVX512 inline __m512 siluTimes16(__m512 gv, __m512 uv) {
+  return _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid16(gv)), uv);
+}
+
+/// siluBackScalar's two results, sixteen lanes.
+MOEC_SWIGLU_AVX512 inline void siluBack16(__m512 gv, __m512 uv, __m512 dv, __m512 &dGate,
+                                          __m512 &dUp) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 s = sigmoid16(gv);
+  // s * (1 + g * (1 - s)), as the scalar form computes it.
+  const __m512 grad = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
+  dGate = _mm512_mul_ps(_mm512_mul_ps(dv, uv), grad);
+  dUp = _mm512_mul_ps(dv, _mm512_mul_ps(gv, s));
+}
+
 MOEC_SWIGLU_AVX512 void siluTimesAvx512(const float *g, const float *u, float *out, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 gs = _mm512_mul_ps(gv, sigmoid16(gv));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(gs, _mm512_loadu_ps(u + i)));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, siluTimes16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
   siluTimesAvx2(g + i, u + i, out + i, n - i);
 }
 
-MOEC_SWIGLU_AVX512 void siluBackAvx512(const float *g, const float *u, const float *d,
-                                       float *dGate, float *dUp, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
+MOEC_SWIGLU_AVX512 void siluBackAvx512(const float *g, const float *u, const float *d, float *dGate,
+                                       float *dUp, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i), dv = _mm512_loadu_ps(d + i);
-    const __m512 s = sigmoid16(gv);
-    const __m512 grad = _mm512_mul_ps(s, _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one));
-    _mm512_storeu_ps(dGate + i, _mm512_mul_ps(_mm512_mul_ps(dv, _mm512_loadu_ps(u + i)), grad));
-    _mm512_storeu_ps(dUp + i, _mm512_mul_ps(dv, _mm512_mul_ps(gv, s)));
+    __m512 gate, up;
+    siluBack16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i), _mm512_loadu_ps(d + i), gate, up);
+    _mm512_storeu_ps(dGate + i, gate);
+    _mm512_storeu_ps(dUp + i, up);
   }
   siluBackAvx2(g + i, u + i, d + i, dGate + i, dUp + i, n - i);
+}
+
+// Whole rows' 16-column vectors read and written in place, bf16 or fp32,
+// without passing through the chunk buffers: loadFloats' values and
+// storeFloats' rounding (floatToBf16), so the bits of the chunk loops.
+#define MOEC_SWIGLU_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+MOEC_SWIGLU_AVX512BW inline __m512 load16(const void *p, Elt elt) {
+  if (elt == Elt::F32)
+    return _mm512_loadu_ps(p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i *>(p))), 16));
+}
+
+MOEC_SWIGLU_AVX512BW inline void store16(void *p, Elt elt, __m512 v) {
+  if (elt == Elt::F32)
+    _mm512_storeu_ps(p, v);
+  else
+    _mm256_storeu_si256(static_cast<__m256i *>(p), _mm512_cvtepi32_epi16(bf16Bits16(v)));
+}
+
+/// swigluForward's row m over columns [c, c + 16 * vectors).
+MOEC_SWIGLU_AVX512BW void forwardRow16(ConstMatrix y, Matrix a, int64_t inter, int64_t m, int64_t c,
+                                       int64_t vectors) {
+  for (int64_t v = 0; v < vectors; ++v, c += 16)
+    store16(a.address(m, c), a.elt,
+            siluTimes16(load16(y.address(m, c), y.elt), load16(y.address(m, inter + c), y.elt)));
+}
+
+/// swigluBackward's row m over columns [c, c + 16 * vectors).
+MOEC_SWIGLU_AVX512BW void backwardRow16(ConstMatrix y, ConstMatrix da, Matrix dy, int64_t inter,
+                                        int64_t m, int64_t c, int64_t vectors) {
+  for (int64_t v = 0; v < vectors; ++v, c += 16) {
+    __m512 gate, up;
+    siluBack16(load16(y.address(m, c), y.elt), load16(y.address(m, inter + c), y.elt),
+               load16(da.address(m, c), da.elt), gate, up);
+    store16(dy.address(m, c), dy.elt, gate);
+    store16(dy.address(m, inter + c), dy.elt, up);
+  }
 }
 
 bool haveAvx512() {
@@ -227,6 +277,20 @@ float siluGrad(float x) {
   return s * std::fma(x, 1.0f - s, 1.0f);
 }
 
+namespace {
+/// Whether the swiglu kernels read and write whole 16-column vectors in
+/// place (forwardRow16, backwardRow16): AVX-512, every operand bf16 or fp32.
+bool inPlace16(Elt a, Elt b, Elt c) {
+#ifdef MOEC_SWIGLU_AVX2
+  const auto ok = [](Elt e) { return e == Elt::BF16 || e == Elt::F32; };
+  return cpuHasAvx512() && ok(a) && ok(b) && ok(c);
+#else
+  (void)a, (void)b, (void)c;
+  return false;
+#endif
+}
+} // namespace
+
 void swigluForward(ConstMatrix y, Matrix a, int64_t inter, Range rows, Range cols) {
   float gate[kChunk], up[kChunk], out[kChunk];
   const int64_t bytes = cols.size() * int64_t(dtypeSize(y.elt));
@@ -239,7 +303,12 @@ void swigluForward(ConstMatrix y, Matrix a, int64_t inter, Range rows, Range col
       prefetchBytes(y.address(m + 1, cols.begin), bytes);
       prefetchBytes(y.address(m + 1, inter + cols.begin), bytes);
     }
-    for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
+    const int64_t whole = inPlace16(y.elt, a.elt, a.elt) ? cols.size() / 16 : 0;
+#ifdef MOEC_SWIGLU_AVX2
+    if (whole)
+      forwardRow16(y, a, inter, m, cols.begin, whole);
+#endif
+    for (int64_t c0 = cols.begin + 16 * whole; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);
       loadFloats(y.address(m, c0), y.elt, gate, size_t(n));
       loadFloats(y.address(m, inter + c0), y.elt, up, size_t(n));
@@ -260,7 +329,12 @@ void swigluBackward(ConstMatrix y, ConstMatrix da, Matrix dy, int64_t inter, Ran
       prefetchBytes(y.address(m + 1, inter + cols.begin), bytes);
       prefetchBytes(da.address(m + 1, cols.begin), gradBytes);
     }
-    for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kChunk) {
+    const int64_t whole = inPlace16(y.elt, da.elt, dy.elt) ? cols.size() / 16 : 0;
+#ifdef MOEC_SWIGLU_AVX2
+    if (whole)
+      backwardRow16(y, da, dy, inter, m, cols.begin, whole);
+#endif
+    for (int64_t c0 = cols.begin + 16 * whole; c0 < cols.end; c0 += kChunk) {
       const int64_t n = std::min(kChunk, cols.end - c0);
       loadFloats(y.address(m, c0), y.elt, gate, size_t(n));
       loadFloats(y.address(m, inter + c0), y.elt, up, size_t(n));

@@ -107,6 +107,15 @@ bf16PairBits16(__m512 lo, __m512 hi) {
   return _mm512_permutexvar_epi16(pairs, both);
 }
 
+/// 16 contiguous values of type `elt` (F32 or BF16) at `p` as fp32 (exact:
+/// loadFloats' values). For kernels built for AVX-512 (F).
+__attribute__((target("avx512f"))) inline __m512 loadFloats16(const void *p, Elt elt) {
+  if (elt == Elt::F32)
+    return _mm512_loadu_ps(p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i *>(p))), 16));
+}
+
 /// Rounds 16 floats to bf16 bits (bf16Bits16) and stores the lanes of
 /// `mask` at `out`.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void

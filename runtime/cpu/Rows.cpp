@@ -76,14 +76,6 @@ namespace {
 
 #define MOEC_ROWS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-/// 16 values of a row of type `elt` at `p`, as fp32 (exact).
-MOEC_ROWS_AVX512 inline __m512 load16(const void *p, Elt elt) {
-  if (elt == Elt::F32)
-    return _mm512_loadu_ps(p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i *>(p))), 16));
-}
-
 /// dst[0, cols) = src[0, cols) (times *weight where not null), both of type
 /// `elt`, the math and rounding of gatherTokenRows' loop below (a product
 /// in fp32, rounded once to bf16), with non-temporal stores: dst is a line-
@@ -103,7 +95,7 @@ MOEC_ROWS_AVX512 void streamRow(const void *src, void *dst, Elt elt, int64_t col
   if (elt == Elt::BF16) {
     const uint16_t *from = reinterpret_cast<const uint16_t *>(in);
     for (; c + perLine <= cols; c += perLine) {
-      const __m512 lo = load16(from + c, elt), hi = load16(from + c + 16, elt);
+      const __m512 lo = loadFloats16(from + c, elt), hi = loadFloats16(from + c + 16, elt);
       const __m256i l = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_mul_ps(lo, w)));
       const __m256i h = _mm512_cvtepi32_epi16(bf16Bits16(_mm512_mul_ps(hi, w)));
       _mm512_stream_si512(reinterpret_cast<__m512i *>(out + c * 2),
@@ -133,7 +125,7 @@ combineToken16(ConstMatrix z, const int64_t *position, const float *weights, int
     for (int64_t k = 0; k < topK; ++k) {
       const int64_t id = t * topK + k;
       const __m512 w = _mm512_set1_ps(weights ? weights[id] : 1.0f);
-      sum = _mm512_add_ps(sum, _mm512_mul_ps(w, load16(z.address(position[id], c), z.elt)));
+      sum = _mm512_add_ps(sum, _mm512_mul_ps(w, loadFloats16(z.address(position[id], c), z.elt)));
     }
     if (y.elt == Elt::F32)
       _mm512_storeu_ps(y.address(t, c), sum);
@@ -153,8 +145,8 @@ weightGradLanes16(const void *dy, Elt dyElt, const void *z, Elt zElt, int64_t ve
   const int64_t gStep = 16 * int64_t(dtypeSize(dyElt)), rStep = 16 * int64_t(dtypeSize(zElt));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t v = 0; v < vectors; ++v)
-    sum = _mm512_add_ps(sum,
-                        _mm512_mul_ps(load16(g + v * gStep, dyElt), load16(r + v * rStep, zElt)));
+    sum = _mm512_add_ps(
+        sum, _mm512_mul_ps(loadFloats16(g + v * gStep, dyElt), loadFloats16(r + v * rStep, zElt)));
   _mm512_storeu_ps(lanes, sum);
 }
 

@@ -202,13 +202,6 @@ MOEC_SWIGLU_AVX512 void siluBackAvx512(const float *g, const float *u, const flo
 // storeFloats' rounding (floatToBf16), so the bits of the chunk loops.
 #define MOEC_SWIGLU_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-MOEC_SWIGLU_AVX512BW inline __m512 load16(const void *p, Elt elt) {
-  if (elt == Elt::F32)
-    return _mm512_loadu_ps(p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i *>(p))), 16));
-}
-
 MOEC_SWIGLU_AVX512BW inline void store16(void *p, Elt elt, __m512 v) {
   if (elt == Elt::F32)
     _mm512_storeu_ps(p, v);
@@ -221,7 +214,8 @@ MOEC_SWIGLU_AVX512BW void forwardRow16(ConstMatrix y, Matrix a, int64_t inter, i
                                        int64_t vectors) {
   for (int64_t v = 0; v < vectors; ++v, c += 16)
     store16(a.address(m, c), a.elt,
-            siluTimes16(load16(y.address(m, c), y.elt), load16(y.address(m, inter + c), y.elt)));
+            siluTimes16(loadFloats16(y.address(m, c), y.elt),
+                        loadFloats16(y.address(m, inter + c), y.elt)));
 }
 
 /// swigluBackward's row m over columns [c, c + 16 * vectors).
@@ -229,8 +223,8 @@ MOEC_SWIGLU_AVX512BW void backwardRow16(ConstMatrix y, ConstMatrix da, Matrix dy
                                         int64_t m, int64_t c, int64_t vectors) {
   for (int64_t v = 0; v < vectors; ++v, c += 16) {
     __m512 gate, up;
-    siluBack16(load16(y.address(m, c), y.elt), load16(y.address(m, inter + c), y.elt),
-               load16(da.address(m, c), da.elt), gate, up);
+    siluBack16(loadFloats16(y.address(m, c), y.elt), loadFloats16(y.address(m, inter + c), y.elt),
+               loadFloats16(da.address(m, c), da.elt), gate, up);
     store16(dy.address(m, c), dy.elt, gate);
     store16(dy.address(m, inter + c), dy.elt, up);
   }

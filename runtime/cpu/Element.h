@@ -122,6 +122,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void
 storeBf16x16(uint16_t *out, __mmask16 mask, __m512 value) {
   _mm256_mask_storeu_epi16(out, mask, _mm512_cvtepi32_epi16(bf16Bits16(value)));
 }
+
+/// Stores 16 floats at `p` as values of type `elt` (F32, or BF16 rounded
+/// as storeFloats rounds them): loadFloats16's inverse.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void storeFloats16(void *p, Elt elt,
+                                                                               __m512 value) {
+  if (elt == Elt::F32)
+    _mm512_storeu_ps(p, value);
+  else
+    storeBf16x16(static_cast<uint16_t *>(p), __mmask16(0xFFFF), value);
+}
 #endif
 
 /// True when this CPU has AVX2 (checked once): the kernels' eight-lane

@@ -127,11 +127,7 @@ combineToken16(ConstMatrix z, const int64_t *position, const float *weights, int
       const __m512 w = _mm512_set1_ps(weights ? weights[id] : 1.0f);
       sum = _mm512_add_ps(sum, _mm512_mul_ps(w, loadFloats16(z.address(position[id], c), z.elt)));
     }
-    if (y.elt == Elt::F32)
-      _mm512_storeu_ps(y.address(t, c), sum);
-    else
-      _mm256_storeu_si256(static_cast<__m256i *>(y.address(t, c)),
-                          _mm512_cvtepi32_epi16(bf16Bits16(sum)));
+    storeFloats16(y.address(t, c), y.elt, sum);
   }
 }
 

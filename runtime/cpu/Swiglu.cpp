@@ -202,20 +202,13 @@ MOEC_SWIGLU_AVX512 void siluBackAvx512(const float *g, const float *u, const flo
 // storeFloats' rounding (floatToBf16), so the bits of the chunk loops.
 #define MOEC_SWIGLU_AVX512BW __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-MOEC_SWIGLU_AVX512BW inline void store16(void *p, Elt elt, __m512 v) {
-  if (elt == Elt::F32)
-    _mm512_storeu_ps(p, v);
-  else
-    _mm256_storeu_si256(static_cast<__m256i *>(p), _mm512_cvtepi32_epi16(bf16Bits16(v)));
-}
-
 /// swigluForward's row m over columns [c, c + 16 * vectors).
 MOEC_SWIGLU_AVX512BW void forwardRow16(ConstMatrix y, Matrix a, int64_t inter, int64_t m, int64_t c,
                                        int64_t vectors) {
   for (int64_t v = 0; v < vectors; ++v, c += 16)
-    store16(a.address(m, c), a.elt,
-            siluTimes16(loadFloats16(y.address(m, c), y.elt),
-                        loadFloats16(y.address(m, inter + c), y.elt)));
+    storeFloats16(a.address(m, c), a.elt,
+                  siluTimes16(loadFloats16(y.address(m, c), y.elt),
+                              loadFloats16(y.address(m, inter + c), y.elt)));
 }
 
 /// swigluBackward's row m over columns [c, c + 16 * vectors).
@@ -225,8 +218,8 @@ MOEC_SWIGLU_AVX512BW void backwardRow16(ConstMatrix y, ConstMatrix da, Matrix dy
     __m512 gate, up;
     siluBack16(loadFloats16(y.address(m, c), y.elt), loadFloats16(y.address(m, inter + c), y.elt),
                loadFloats16(da.address(m, c), da.elt), gate, up);
-    store16(dy.address(m, c), dy.elt, gate);
-    store16(dy.address(m, inter + c), dy.elt, up);
+    storeFloats16(dy.address(m, c), dy.elt, gate);
+    storeFloats16(dy.address(m, inter + c), dy.elt, up);
   }
 }
 

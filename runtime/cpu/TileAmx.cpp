@@ -189,8 +189,18 @@ struct Ahead {
   const char *base = nullptr;
   int64_t stride = 0, runs = 0, runLines = 0;
   int64_t next = 0, total = 0, perStep = 0;
-  /// Line i: line i / runs of run i % runs.
-  const char *line(int64_t i) const { return base + (i % runs) * stride + (i / runs) * 64; }
+  /// Where the next line lies: run `run`, `at` bytes into it.
+  int64_t run = 0, at = 0;
+  /// The next line: the i-th taken is line i / runs of run i % runs.
+  const char *take() {
+    const char *line = base + run * stride + at;
+    if (++run == runs) {
+      run = 0;
+      at += 64;
+    }
+    ++next;
+    return line;
+  }
   /// Spreads the lines over `steps` steps of blocks.
   void spread(int64_t steps) {
     total = runs > 0 && runLines > 0 ? runs * runLines : 0;
@@ -250,7 +260,7 @@ MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0, int64_t s0
   for (int64_t s = s0; s < s1; ++s) {
     if (ahead)
       for (int64_t j = 0; j < ahead->perStep && ahead->next < ahead->total; ++j)
-        _mm_prefetch(ahead->line(ahead->next++), _MM_HINT_T1);
+        _mm_prefetch(ahead->take(), _MM_HINT_T1);
     _tile_loadd(4, aTile(x, i0, s), aStride(x, i0, s));
     _tile_loadd(6, bTile(x, c0, s), kBStride);
     _tile_dpbf16ps(0, 4, 6);

@@ -388,10 +388,24 @@ int layers(const std::vector<std::string> &paths, int repeat, double hotShare, i
   return failed ? 1 : 0;
 }
 
+void usage(std::FILE *to) {
+  std::fprintf(to, "usage: cuda_bench gmm [--tile-n N] [--weight-format F] "
+                   "[[G*]MxNxK[:ab] ...]\n"
+                   "       cuda_bench decode\n"
+                   "       cuda_bench layer FWD BWD [FWD BWD ...] [--repeat N] "
+                   "[--hot-share F] [--sample N]\n"
+                   "(each mode is described at the top of examples/cuda/CudaBench.cpp)\n");
+}
+
 } // namespace
 
 int main(int argc, char **argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+      usage(stdout);
+      return 0;
+    }
   if (mode == "gmm") {
     std::vector<std::string> products;
     int64_t tileN = 256;
@@ -405,6 +419,12 @@ int main(int argc, char **argv) {
               "--weight-format {}: give dense, fp8_block128, int8 or int4_g32, int4_g64, "
               "int4_g128 (with _zp for zero points)",
               argv[i])));
+      } else if (std::string(argv[i]).rfind("--", 0) == 0) {
+        return fail(Status::error(fmt::format("unknown option {}{}", argv[i],
+                                              std::string(argv[i]) == "--tile-n" ||
+                                                      std::string(argv[i]) == "--weight-format"
+                                                  ? " (it takes a value)"
+                                                  : "")));
       } else
         products.push_back(argv[i]);
     }
@@ -462,10 +482,6 @@ int main(int argc, char **argv) {
     }
     return layers(paths, repeat, hot, sample);
   }
-  std::fprintf(stderr, "usage: cuda_bench gmm [--tile-n N] [--weight-format F] "
-                       "[[G*]MxNxK[:ab] ...]\n"
-                       "       cuda_bench decode\n"
-                       "       cuda_bench layer FWD BWD [FWD BWD ...] [--repeat N] "
-                       "[--hot-share F] [--sample N]\n");
-  return mode == "--help" || mode == "-h" ? 0 : 2;
+  usage(stderr);
+  return 2;
 }

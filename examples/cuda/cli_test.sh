@@ -3,7 +3,8 @@
 # is no [G*]MxNxK[:ab] is refused by name before any GPU is looked for,
 # --tile-n takes a positive count, --weight-format a format's name, and an
 # int4 B's stored rows whole groups; layer takes its binaries in pairs
-# (a missing one named); decode takes no arguments.
+# (a missing one named); decode takes no arguments; an unknown option is
+# named; --help anywhere prints the usage.
 set -uo pipefail
 bench="$1"
 fails=0
@@ -40,6 +41,18 @@ if [ $rc -ne 2 ] || [[ "$err" != *"cuda_bench decode"* ]]; then
   echo "FAIL: cuda_bench decode 8x8x8 -> exit $rc, '$err' (wanted exit 2 and the usage)"
   fails=$((fails + 1))
 fi
-"$bench" --help >/dev/null 2>&1 || { echo "FAIL: cuda_bench --help exits non-zero"; fails=$((fails + 1)); }
+expect "unknown option --tiles" gmm --tiles 2 8x8x8
+expect "unknown option --tile-n (it takes a value)" gmm 8x8x8 --tile-n
+# --help anywhere: the usage on stdout, exit 0, no GPU looked for.
+for args in "--help" "-h" "gmm --help" "gmm 8x8x8 -h" "decode --help" "layer --help" \
+  "layer a.moebin --help"; do
+  # shellcheck disable=SC2086
+  out="$("$bench" $args 2>/dev/null)"
+  rc=$?
+  if [ $rc -ne 0 ] || [[ "$out" != *"usage: cuda_bench gmm"* ]]; then
+    echo "FAIL: cuda_bench $args -> exit $rc, '$out' (wanted exit 0 and the usage on stdout)"
+    fails=$((fails + 1))
+  fi
+done
 [ $fails -eq 0 ] && echo "cuda_bench arguments: all checks passed"
 exit $((fails > 0))

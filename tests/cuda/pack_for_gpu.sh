@@ -28,15 +28,9 @@
 set -euo pipefail
 usage="usage: tests/cuda/pack_for_gpu.sh DIR [--base REV]"
 out="${1:?$usage}"
-base=""
-if [ $# -ge 2 ]; then
-  [ "$2" = --base ] && [ $# -eq 3 ] || { echo "$usage" >&2; exit 2; }
-  base="$3"
-  git rev-parse --verify --quiet "$base^{commit}" > /dev/null || {
-    echo "pack_for_gpu: --base $base: not a commit of this repository" >&2
-    exit 2
-  }
-fi
+# shellcheck source=tests/cuda/base_option.sh
+source "$(dirname "${BASH_SOURCE[0]}")/base_option.sh"
+base_option pack_for_gpu "$usage" "${@:2}"
 [ -x /usr/local/cuda/bin/nvcc ] || {
   echo "pack_for_gpu: no CUDA toolkit at /usr/local/cuda: the programs would be stubs" >&2
   exit 1

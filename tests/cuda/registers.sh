@@ -13,15 +13,9 @@
 # minute and a half each on two cores).
 set -euo pipefail
 usage="usage: tests/cuda/registers.sh [--base REV]"
-base=""
-if [ $# -gt 0 ]; then
-  [ "$1" = --base ] && [ $# -eq 2 ] || { echo "$usage" >&2; exit 2; }
-  base="$2"
-  git rev-parse --verify --quiet "$base^{commit}" > /dev/null || {
-    echo "registers: --base $base: not a commit of this repository" >&2
-    exit 2
-  }
-fi
+# shellcheck source=tests/cuda/base_option.sh
+source "$(dirname "${BASH_SOURCE[0]}")/base_option.sh"
+base_option registers "$usage" "$@"
 nvcc="${MOEC_CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
 [ -x "$nvcc" ] || { echo "registers: no nvcc at $nvcc (set MOEC_CUDA_HOME)" >&2; exit 1; }
 work="$(mktemp -d)"

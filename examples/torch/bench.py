@@ -7,7 +7,7 @@ the speed-up as a ratio.
 
     examples/torch/bench.py [--config CFG] [--tokens S] [--ranks R]
                             [--dtypes fp32,bf16] [--threads N] [--repeat N]
-                            [--training | --memory]
+                            [--training | --memory | --profile VARIANT]
 
 Default: the qwen3-30b-a3b shapes (H 2048, I 768, E 128, top-8) with S = 1024
 tokens per rank on 2 ranks, fp32 and bf16. examples/torch/bench.sh builds
@@ -49,6 +49,12 @@ Each dense variant has a "_packed" twin (frozen_packed, lora_packed, ...):
 the same layer with pack_weights=True, which keeps its weights packed in
 the GEMM tile's layout instead of packing the part each tile reads every
 time ("_unpacked" says pack_weights=False, the default, explicitly).
+
+--profile VARIANT prints where one variant's step goes instead: the layer
+made with trace=True, two warm-up steps, then the third step's
+MoeFFN.profile tables (per op its busy time, FLOPs or bytes and rate, per
+worker busy and idle time, the host phases), forward and backward, for
+each dtype of --dtypes.
 
 Both run with glibc's malloc told to keep freed memory
 (MALLOC_MMAP_THRESHOLD_ 1 GiB, MALLOC_TRIM_THRESHOLD_ 16 GiB, as a user
@@ -239,6 +245,29 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
                                       else float("nan"))
     return {name: (statistics.median(steps[name]), statistics.median(backward[name]))
             for name in runs}
+
+
+def profile_one(cfg, ranks, dtype, threads, variant):
+    """Makes the layer of `variant` (as --memory-variant names one) with
+    trace=True, runs two warm-up steps and one more, and prints that step's
+    profile tables (MoeFFN.profile: per op its busy time and rate, per worker
+    busy and idle, the host phases), forward then backward."""
+    cfg = dict(cfg, dtype=dtype)
+    base_variant, form = quantized_variant(variant) or (variant, None)
+    options = variant_options(base_variant)
+    if options is None:
+        raise SystemExit(f"bench.py: --profile {variant!r} is not a variant (see --variants)")
+    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, weight_format=form, trace=True,
+                              **options)
+    x, ids, weights, dy = make_inputs(layer, ranks)
+    for _ in range(3):
+        layer.zero_grad(set_to_none=True)
+        optimizer_write(layer)
+        seconds = step(layer, x, ids, weights, dy)
+    print(f"{dtype} {variant}: the third step {seconds:.3f} s (forward + backward)")
+    for which in ("forward", "backward"):
+        print(f"-- {which}")
+        print(layer.profile(which), flush=True)
 
 
 def rss_bytes(field="VmRSS"):
@@ -455,6 +484,10 @@ def main():
     p.add_argument("--memory-variant", default="full",
                    help="with --memory: the layer measured: full (the default), frozen, lora, "
                         "or frozen_<format> / lora_<format> (see --variants)")
+    p.add_argument("--profile", metavar="VARIANT",
+                   help="where one variant's step goes instead (full, frozen_packed, "
+                        "lora_packed, frozen_int8, ...; see --variants): its third step's "
+                        "profile tables, forward and backward, for each dtype")
     p.add_argument("--training", action="store_true",
                    help="compare moec's training variants (full, main_grad, frozen, lora, "
                         "split) instead")
@@ -472,7 +505,12 @@ def main():
     print(f"config {cfg.get('name', args.config)}: H {cfg['hidden_size']}, "
           f"I {cfg['intermediate_size']}, E {cfg['num_experts']}, top-{cfg['top_k']}, "
           f"S {args.tokens} per rank, {args.ranks} ranks, {args.threads} threads, "
-          f"median of {args.repeat} steps (forward + backward)")
+          + ("the third step's profile" if args.profile else
+             f"median of {args.repeat} steps (forward + backward)"))
+    if args.profile:
+        for dtype in args.dtypes.split(","):
+            profile_one(cfg, args.ranks, dtype, args.threads, args.profile)
+        return 0
     if args.memory:
         for dtype in args.dtypes.split(","):
             rc = subprocess.run([sys.executable, sys.argv[0]] + sys.argv[1:] +

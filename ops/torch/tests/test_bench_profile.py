@@ -1,0 +1,41 @@
+"""examples/torch/bench.py --profile VARIANT: one variant's step, profiled,
+prints each pass's per-op table with the variant's own ops."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import bench
+
+TINY = json.loads((Path(bench.REPO) / "examples/configs/tiny.json").read_text())
+
+
+def test_profile_prints_each_pass_with_the_variants_ops(capsys):
+    bench.profile_one(dict(TINY, seq_size=64), 2, "fp32", 2, "lora")
+    out = capsys.readouterr().out
+    forward, _, backward = out.partition("-- backward")
+    assert "fp32 lora: the third step" in out
+    assert "-- forward" in forward and "forward pass:" in forward
+    # The LoRA layer's own ops, with their busy time and rate.
+    for op in ("up_proj", "up_lora_a", "up_lora_b", "down_lora_b", "combine"):
+        assert f"\n  {op} " in forward, op
+    for op in ("gate_grad", "up_lora_dx", "up_lora_a_grad", "down_lora_b_grad"):
+        assert f"\n  {op} " in backward, op
+    assert "backward pass:" in backward and "GFLOP/s" in backward
+
+
+def test_profile_of_a_quantized_variant(capsys):
+    # frozen_int8: the frozen layer with its base in int8 (weight_format),
+    # whose backward computes no weight gradients.
+    bench.profile_one(dict(TINY, seq_size=64), 2, "bf16", 2, "frozen_int8")
+    out = capsys.readouterr().out
+    assert "bf16 frozen_int8: the third step" in out
+    forward, _, backward = out.partition("-- backward")
+    assert "\n  up_proj " in forward and "\n  gate_grad " in backward
+    assert "w1_grad" not in backward and "w2_grad" not in backward
+
+
+def test_profile_refuses_an_unknown_variant():
+    with pytest.raises(SystemExit, match="--profile 'lorra' is not a variant"):
+        bench.profile_one(dict(TINY, seq_size=64), 2, "fp32", 2, "lorra")

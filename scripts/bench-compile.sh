@@ -13,6 +13,7 @@
 # config's `ep` set to EP (default 256) and `lora_rank` to 16 unless the
 # config gives one (the LoRA graphs need it), and ends with a table of the
 # best in-process times.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 config="${1:-examples/configs/deepseek-v3.json}"

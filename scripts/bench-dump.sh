@@ -6,6 +6,7 @@
 # Python's json module takes to read it.
 #
 #   scripts/bench-dump.sh [EP] [TARGET] [RUNS]
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ep="${1:-2}"

@@ -11,6 +11,7 @@
 # Defaults: examples/configs/deepseek-v3.json, ascend-910b, graphs (the
 # shipped graphs, automatic splits; graphs/seed for the seed's hand-set
 # ones), EP 8 16 32 64 128 256.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 config="${1:-examples/configs/deepseek-v3.json}"

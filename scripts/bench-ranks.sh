@@ -11,6 +11,7 @@
 # The ranks share this machine's THREADS worker threads (default 2), so a
 # pass of R ranks does R ranks' work: the table also gives the time per
 # rank's work (measured / R).
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 profile="${1:?usage: scripts/bench-ranks.sh PROFILE [THREADS] [REPEAT]}"

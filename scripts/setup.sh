@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages listed in third_party/packages.txt.
 # Idempotent: when every package is already installed it prints nothing.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mapfile -t pkgs < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' "$here/third_party/packages.txt" | grep -v '^$')

@@ -26,6 +26,7 @@
 # folder of examples/cuda/compile_binaries.sh's binaries; without it they
 # are compiled here (bazel-bin/tools/moec). Needs a CUDA PyTorch for the
 # PyTorch side.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 torch=1

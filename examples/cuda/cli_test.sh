@@ -5,6 +5,7 @@
 # int4 B's stored rows whole groups; layer takes its binaries in pairs
 # (a missing one named); decode takes no arguments; an unknown option is
 # named; --help anywhere prints the usage.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
 bench="$1"
 fails=0

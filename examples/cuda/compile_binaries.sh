@@ -9,6 +9,7 @@
 #   q1024.{fwd,bwd}.moebin, q4096.{fwd,bwd}.moebin   the full layer
 #   frozen{,_fp8,_int8,_int4}.{fwd,bwd}.moebin        the frozen layer at S 1024,
 #       weights stored [out, in]: bf16, FP8 blocks, int8 rows, int4 groups of 128
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 dir="${1:?usage: examples/cuda/compile_binaries.sh DIR}"
 mkdir -p "$dir"

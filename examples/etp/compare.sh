@@ -13,6 +13,7 @@
 # moved between ranks (forward pass; the backward moves the same).
 #
 #   bash examples/etp/compare.sh [S] [REPEAT] [ROUNDS]
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 S=${1:-512}

@@ -12,6 +12,7 @@
 # and the bytes the forward dispatch put between ranks.
 #
 #   bash examples/fp8/compare.sh [S] [REPEAT]
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 S=${1:-1024}

@@ -9,6 +9,7 @@
 # --nproc_per_node 2 (LAUNCHER=mpirun: under mpirun -np 2). Debian's torchrun
 # needs "--tee 2 --redirects 2" (on Python 3.11 its default "0" maps to no
 # stream and it stops at once; examples/torch/train_toy_torchrun.sh says more).
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bazel build //compiler/api:libmoec.so //ops/torch:moec_torch.so 2>&1 | tail -1

@@ -15,6 +15,7 @@
 # rank, fp32 (moec bench's default layer). One worker thread per process;
 # each number is the best of REPEAT passes (default 5) in each of 3 rounds.
 # OpenMPI's defaults: no MCA settings.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 hosts=0

@@ -5,6 +5,7 @@
 # verify against the reference and give the same outputs, bit for bit.
 #
 #   bash examples/mpi/run.sh [CONFIG] [RANKS]
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 config=${1:-examples/configs/tiny.json}

@@ -6,6 +6,7 @@
 # runtime, verify the outputs against the reference layer and print timings.
 #
 #   examples/quickstart/run.sh [CONFIG] [TARGET]
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 config="${1:-examples/configs/tiny.json}"

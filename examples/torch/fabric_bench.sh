@@ -7,6 +7,7 @@
 #   bash examples/torch/fabric_bench.sh [REPEAT]           2 ranks on this machine
 #   bash examples/torch/fabric_bench.sh --hosts [REPEAT]   across 2 simulated
 #       hosts (scripts/hosts.sh; root): 1 + 1 and 2 + 2 ranks
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 hosts=0

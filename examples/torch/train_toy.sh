@@ -2,6 +2,7 @@
 # Builds the moec CLI and the torch op library, then trains the toy model of
 # train_toy.py with Debian's PyTorch (/usr/bin/python3). Arguments go to
 # train_toy.py (--steps, --ranks, --dtype, --threads, --seed).
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bazel build //tools:moec //compiler/api:libmoec.so //ops/torch:moec_torch.so

@@ -4,6 +4,7 @@
 # torch.distributed (gloo, over loopback) for the dense gradients. Arguments
 # go to train_toy.py (--steps, --dtype, --threads, --torch-threads, --seed,
 # --save). RANKS=4 changes the number of processes.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ranks=${RANKS:-2}

@@ -12,6 +12,7 @@
 # Std.NONE when the enum is iterated, so the default "0" maps to nothing.
 # "--tee 2 --redirects 2" (stderr to the log folder, and teed to the
 # console) works around it; stdout is untouched.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ranks=${RANKS:-2}

@@ -25,6 +25,7 @@
 # the frozen qwen3 layer with bf16, FP8, int8 and int4 weights (two
 # rounds), the two programs alternating, every run checked as bench.sh
 # checks it.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 usage="usage: tests/cuda/pack_for_gpu.sh DIR [--base REV]"
 out="${1:?$usage}"

@@ -11,6 +11,7 @@
 # a change to the tiles can be checked for spills here before a GPU
 # machine's time is spent on it. The two files build side by side (about a
 # minute and a half each on two cores).
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 usage="usage: tests/cuda/registers.sh [--base REV]"
 # shellcheck source=tests/cuda/base_option.sh

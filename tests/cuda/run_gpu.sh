@@ -11,6 +11,7 @@
 # and a binary whose event is never reached (the device watchdog's error).
 # The layers come from MOEC_BINARY_CACHE (default: a folder of the test's
 # temporary directory), compiled by MOEC when missing.
+case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
 probe="$1" suite="$2"
 [ $# -ge 3 ] && export MOEC="$3"

@@ -26,12 +26,15 @@ simulated hosts.) The launcher must export MASTER_ADDR and MASTER_PORT
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import moec_torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "torch"))
+import moec_torch  # noqa: E402
 
 
 def config(ranks):

@@ -20,8 +20,16 @@
 using namespace moec;
 
 int main(int argc, char **argv) {
+  const char *usage = "usage: exec_bench FILE [workers [passes [task_us]]]\n"
+                      "  runs FILE's passes (a task binary) on the executor with tasks that\n"
+                      "  only spin task_us each; prints the wall time a pass and the\n"
+                      "  executor's overhead a task\n";
+  if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    fmt::print("{}", usage);
+    return 0;
+  }
   if (argc < 2) {
-    fmt::print(stderr, "usage: exec_bench FILE [workers [passes [task_us]]]\n");
+    fmt::print(stderr, "{}", usage);
     return 2;
   }
   uint32_t workers = argc > 2 ? uint32_t(std::atoi(argv[2])) : 0;

@@ -411,22 +411,21 @@ int main(int argc, char **argv) {
     int64_t tileN = 256;
     rt::LayerShape format;
     for (int i = 2; i < argc; ++i) {
-      if (std::string(argv[i]) == "--tile-n" && i + 1 < argc)
+      const std::string arg = argv[i];
+      const bool takesValue = arg == "--tile-n" || arg == "--weight-format";
+      if (arg == "--tile-n" && i + 1 < argc)
         tileN = std::atoll(argv[++i]);
-      else if (std::string(argv[i]) == "--weight-format" && i + 1 < argc) {
+      else if (arg == "--weight-format" && i + 1 < argc) {
         if (!parseWeightFormat(argv[++i], &format))
           return fail(Status::error(fmt::format(
               "--weight-format {}: give dense, fp8_block128, int8 or int4_g32, int4_g64, "
               "int4_g128 (with _zp for zero points)",
               argv[i])));
-      } else if (std::string(argv[i]).rfind("--", 0) == 0) {
-        return fail(Status::error(fmt::format("unknown option {}{}", argv[i],
-                                              std::string(argv[i]) == "--tile-n" ||
-                                                      std::string(argv[i]) == "--weight-format"
-                                                  ? " (it takes a value)"
-                                                  : "")));
+      } else if (arg.rfind("--", 0) == 0) {
+        return fail(Status::error(
+            fmt::format("unknown option {}{}", arg, takesValue ? " (it takes a value)" : "")));
       } else
-        products.push_back(argv[i]);
+        products.push_back(arg);
     }
     if (tileN < 1)
       return fail(Status::error("--tile-n takes a positive column count"));

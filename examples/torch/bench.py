@@ -247,18 +247,24 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
             for name in runs}
 
 
+def variant_layer(cfg, ranks, threads, variant, flag, **extra):
+    """The MoeFFN of `variant` (a dense variant, or frozen_<format> /
+    lora_<format>: made quantized), with `extra` options; exits naming
+    `flag` where `variant` is no variant."""
+    base_variant, form = quantized_variant(variant) or (variant, None)
+    options = variant_options(base_variant)
+    if options is None:
+        raise SystemExit(f"bench.py: {flag} {variant!r} is not a variant (see --variants)")
+    return moec_torch.MoeFFN(cfg, ranks, threads=threads, weight_format=form, **options, **extra)
+
+
 def profile_one(cfg, ranks, dtype, threads, variant):
     """Makes the layer of `variant` (as --memory-variant names one) with
     trace=True, runs two warm-up steps and one more, and prints that step's
     profile tables (MoeFFN.profile: per op its busy time and rate, per worker
     busy and idle, the host phases), forward then backward."""
-    cfg = dict(cfg, dtype=dtype)
-    base_variant, form = quantized_variant(variant) or (variant, None)
-    options = variant_options(base_variant)
-    if options is None:
-        raise SystemExit(f"bench.py: --profile {variant!r} is not a variant (see --variants)")
-    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, weight_format=form, trace=True,
-                              **options)
+    layer = variant_layer(dict(cfg, dtype=dtype), ranks, threads, variant, "--profile",
+                          trace=True)
     x, ids, weights, dy = make_inputs(layer, ranks)
     for _ in range(3):
         layer.zero_grad(set_to_none=True)
@@ -287,19 +293,15 @@ def memory_one(cfg, ranks, dtype, threads, steps, variant="full"):
     import resource
     moec_torch.load_library()
     base = rss_bytes()
-    cfg = dict(cfg, dtype=dtype)
-    base_variant, form = quantized_variant(variant) or (variant, None)
-    options = variant_options(base_variant)
-    if options is None:
-        raise SystemExit(f"bench.py: --memory-variant {variant!r} is not a variant")
-    layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, weight_format=form, **options)
+    layer = variant_layer(dict(cfg, dtype=dtype), ranks, threads, variant, "--memory-variant")
+    quantized = quantized_variant(variant) is not None
     x, ids, weights, dy = make_inputs(layer, ranks)
     for _ in range(steps):
         layer.zero_grad(set_to_none=True)
         step(layer, x, ids, weights, dy)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     size = x.element_size()
-    stored = [layer.w1, layer.w2] + ([layer.w1_scale, layer.w2_scale] if form else [])
+    stored = [layer.w1, layer.w2] + ([layer.w1_scale, layer.w2_scale] if quantized else [])
     weights_b = sum(t.numel() * t.element_size() for t in stored)
     grads_b = weights_b if layer.w1.requires_grad else 0
     adapters_b = 2 * sum(t.numel() * t.element_size() for t in layer.adapters())  # and grads

@@ -281,6 +281,8 @@ bool inPlace16(Elt a, Elt b, Elt c) {
 void swigluForward(ConstMatrix y, Matrix a, int64_t inter, Range rows, Range cols) {
   float gate[kChunk], up[kChunk], out[kChunk];
   const int64_t bytes = cols.size() * int64_t(dtypeSize(y.elt));
+  // Whole 16-column vectors of every row in place, the rest in chunks.
+  const int64_t whole = inPlace16(y.elt, a.elt, a.elt) ? cols.size() / 16 : 0;
   for (int64_t m = rows.begin; m < rows.end; ++m) {
     // The next row's gate and up columns, while this row is computed: a
     // tile's rows were written moments before, often by another core, and
@@ -290,7 +292,6 @@ void swigluForward(ConstMatrix y, Matrix a, int64_t inter, Range rows, Range col
       prefetchBytes(y.address(m + 1, cols.begin), bytes);
       prefetchBytes(y.address(m + 1, inter + cols.begin), bytes);
     }
-    const int64_t whole = inPlace16(y.elt, a.elt, a.elt) ? cols.size() / 16 : 0;
 #ifdef MOEC_SWIGLU_AVX2
     if (whole)
       forwardRow16(y, a, inter, m, cols.begin, whole);
@@ -310,13 +311,14 @@ void swigluBackward(ConstMatrix y, ConstMatrix da, Matrix dy, int64_t inter, Ran
   float gate[kChunk], up[kChunk], grad[kChunk], dGate[kChunk], dUp[kChunk];
   const int64_t bytes = cols.size() * int64_t(dtypeSize(y.elt));
   const int64_t gradBytes = cols.size() * int64_t(dtypeSize(da.elt));
+  // Whole 16-column vectors of every row in place, the rest in chunks.
+  const int64_t whole = inPlace16(y.elt, da.elt, dy.elt) ? cols.size() / 16 : 0;
   for (int64_t m = rows.begin; m < rows.end; ++m) {
     if (m + 1 < rows.end) { // as in swigluForward
       prefetchBytes(y.address(m + 1, cols.begin), bytes);
       prefetchBytes(y.address(m + 1, inter + cols.begin), bytes);
       prefetchBytes(da.address(m + 1, cols.begin), gradBytes);
     }
-    const int64_t whole = inPlace16(y.elt, da.elt, dy.elt) ? cols.size() / 16 : 0;
 #ifdef MOEC_SWIGLU_AVX2
     if (whole)
       backwardRow16(y, da, dy, inter, m, cols.begin, whole);

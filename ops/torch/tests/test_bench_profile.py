@@ -39,3 +39,9 @@ def test_profile_of_a_quantized_variant(capsys):
 def test_profile_refuses_an_unknown_variant():
     with pytest.raises(SystemExit, match="--profile 'lorra' is not a variant"):
         bench.profile_one(dict(TINY, seq_size=64), 2, "fp32", 2, "lorra")
+
+
+def test_memory_refuses_an_unknown_variant():
+    # --memory-variant goes through the same making of a variant's layer.
+    with pytest.raises(SystemExit, match="--memory-variant 'lorra' is not a variant"):
+        bench.memory_one(dict(TINY, seq_size=64), 2, "fp32", 2, 1, "lorra")

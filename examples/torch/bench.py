@@ -255,7 +255,11 @@ def variant_layer(cfg, ranks, threads, variant, flag, **extra):
     options = variant_options(base_variant)
     if options is None:
         raise SystemExit(f"bench.py: {flag} {variant!r} is not a variant (see --variants)")
-    return moec_torch.MoeFFN(cfg, ranks, threads=threads, weight_format=form, **options, **extra)
+    try:
+        return moec_torch.MoeFFN(cfg, ranks, threads=threads, weight_format=form, **options,
+                                 **extra)
+    except ValueError as e:  # the op's own message: what of the config does not fit
+        raise SystemExit(f"bench.py: {flag} {variant}: {e}") from None
 
 
 def profile_one(cfg, ranks, dtype, threads, variant):

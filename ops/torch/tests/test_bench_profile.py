@@ -45,3 +45,11 @@ def test_memory_refuses_an_unknown_variant():
     # --memory-variant goes through the same making of a variant's layer.
     with pytest.raises(SystemExit, match="--memory-variant 'lorra' is not a variant"):
         bench.memory_one(dict(TINY, seq_size=64), 2, "fp32", 2, 1, "lorra")
+
+
+def test_profile_says_why_a_format_does_not_fit_the_config():
+    # tiny's hidden size 64 holds no whole int4 group of 128: the op's
+    # message, named by the flag, not a traceback.
+    with pytest.raises(SystemExit, match="--profile frozen_int4_g128: moec: weight_format="
+                                         "'int4_g128' holds whole groups of 128"):
+        bench.profile_one(dict(TINY, seq_size=64), 2, "bf16", 2, "frozen_int4_g128")

@@ -90,14 +90,18 @@ Status checkSameOptions(comm::Fabric &fabric, const std::string &options,
   std::vector<Fingerprint> all(fabric.ranks());
   if (Status s = fabric.exchange(&mine, sizeof mine, all.data(), timeoutSeconds); !s)
     return s.withPrefix("comparing the options of the ranks: ");
-  const uint32_t me = fabric.firstLocal();
-  for (uint32_t p = 0; p < fabric.ranks(); ++p)
-    if (p != me && all[p].crc != mine.crc)
+  // Every process compares each rank with rank 0, so that all of them name the
+  // same pair, whichever stops the job first.
+  const auto text = [](const Fingerprint &f) {
+    return std::string(f.text, strnlen(f.text, sizeof f.text));
+  };
+  for (uint32_t p = 1; p < fabric.ranks(); ++p)
+    if (all[p].crc != all[0].crc)
       return Status::error(fmt::format(
-          "rank {} was started with other options than rank {}: '{}' against '{}' (every rank "
+          "rank {} was started with other options than rank 0: '{}' against '{}' (every rank "
           "of the job needs the same options; only --threads, --timeout, --repeat, --outputs "
           "and the progress options may differ)",
-          p, me, std::string(all[p].text, strnlen(all[p].text, sizeof all[p].text)), options));
+          p, text(all[p]), text(all[0])));
   return Status::success();
 }
 
@@ -120,25 +124,24 @@ Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeo
   std::vector<Fingerprint> all(fabric.ranks());
   if (Status s = fabric.exchange(&mine, sizeof mine, all.data(), timeoutSeconds); !s)
     return s.withPrefix("comparing the inputs of the ranks: ");
-  const uint32_t me = fabric.firstLocal();
-  for (uint32_t p = 0; p < fabric.ranks(); ++p) {
-    if (p == me)
-      continue;
+  // Each rank against rank 0, the same pair in every process (see checkSameOptions).
+  const Fingerprint &first = all[0];
+  for (uint32_t p = 1; p < fabric.ranks(); ++p) {
     const Fingerprint &theirs = all[p];
-    if (std::memcmp(mine.shape, theirs.shape, sizeof mine.shape) != 0)
+    if (std::memcmp(first.shape, theirs.shape, sizeof first.shape) != 0)
       return Status::error(fmt::format(
-          "rank {} read inputs of another shape than rank {}: R {}, S {}, K {}, E {}, H {}, I {} "
+          "rank {} read inputs of another shape than rank 0: R {}, S {}, K {}, E {}, H {}, I {} "
           "against R {}, S {}, K {}, E {}, H {}, I {} (every rank needs the same input folder "
           "and the same --random seed)",
-          p, me, theirs.shape[0], theirs.shape[1], theirs.shape[2], theirs.shape[3],
-          theirs.shape[4], theirs.shape[5], mine.shape[0], mine.shape[1], mine.shape[2],
-          mine.shape[3], mine.shape[4], mine.shape[5]));
+          p, theirs.shape[0], theirs.shape[1], theirs.shape[2], theirs.shape[3], theirs.shape[4],
+          theirs.shape[5], first.shape[0], first.shape[1], first.shape[2], first.shape[3],
+          first.shape[4], first.shape[5]));
     for (int i = 0; i < 6; ++i)
-      if (mine.crc[i] != theirs.crc[i])
+      if (first.crc[i] != theirs.crc[i])
         return Status::error(fmt::format(
-            "rank {} read another {} than rank {} (CRC-32 {:08x} against {:08x}; every rank "
+            "rank {} read another {} than rank 0 (CRC-32 {:08x} against {:08x}; every rank "
             "needs the same input folder, or the same --random seed and --hot-share)",
-            p, kNames[i], me, theirs.crc[i], mine.crc[i]));
+            p, kNames[i], theirs.crc[i], first.crc[i]));
   }
   return Status::success();
 }

@@ -31,6 +31,34 @@ Peaks measurePeaks(double seconds) {
   return peaks;
 }
 
+std::vector<SlowTask> slowTasks(const std::vector<TaskCost> &runs, double ratio,
+                                int64_t minExcessNs) {
+  // Each op's median time per unit of work, over its runs with work.
+  std::map<uint32_t, std::vector<double>> perWork;
+  for (const TaskCost &run : runs)
+    if (run.work > 0)
+      perWork[run.op].push_back(double(run.ns) / run.work);
+  std::map<uint32_t, double> median;
+  for (auto &[op, values] : perWork) {
+    const auto half = values.begin() + ptrdiff_t(values.size() / 2);
+    std::nth_element(values.begin(), half, values.end());
+    median[op] = *half;
+  }
+  std::vector<SlowTask> slow;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const TaskCost &run = runs[i];
+    if (run.work <= 0)
+      continue;
+    const double expected = median[run.op] * run.work;
+    if (double(run.ns) >= ratio * expected && double(run.ns) - expected >= double(minExcessNs))
+      slow.push_back({i, expected});
+  }
+  const auto excess = [&](const SlowTask &t) { return double(runs[t.index].ns) - t.expectedNs; };
+  std::stable_sort(slow.begin(), slow.end(),
+                   [&](const SlowTask &a, const SlowTask &b) { return excess(a) > excess(b); });
+  return slow;
+}
+
 namespace {
 
 /// What one op did in the pass.
@@ -95,6 +123,8 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
   };
 
   std::vector<OpLine> ops(tasks.ops.size());
+  std::vector<TaskCost> costs; // per span, for slowTasks
+  costs.reserve(trace.tasks.size());
   const uint32_t workers = context.workers();
   std::vector<int64_t> workerBusy(workers, 0);
   for (const trace::TaskSpan &span : trace.tasks) {
@@ -104,6 +134,7 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     const format::TileCoord tile = format::tileCoord(tiling, span.task - op.firstTask);
     const double cols = double(tile.colEnd - tile.colBegin);
     OpLine &line = ops[opIndex];
+    const double workBefore = line.flops + line.bytes;
     ++line.runs;
     line.busyNs += span.endNs - span.startNs;
     if (span.worker < workers)
@@ -141,6 +172,7 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
       break;
     }
     }
+    costs.push_back({opIndex, span.endNs - span.startNs, line.flops + line.bytes - workBefore});
   }
 
   const rt::PassTimes &times = backward ? context.backwardTimes() : context.forwardTimes();
@@ -189,6 +221,33 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     text += fmt::format("  worker {:<3} busy {:>9.3f} ms, idle {:>9.3f} ms\n", w,
                         double(workerBusy[w]) * 1e-6,
                         double(std::max<int64_t>(0, tasksNs - workerBusy[w])) * 1e-6);
+  // Runs far past their op's others (slowTasks), with where and when they
+  // ran: several at once on every worker point at the machine, not the tasks.
+  constexpr double kSlowRatio = 3;
+  constexpr int64_t kSlowExcessNs = 500000;
+  const std::vector<SlowTask> slow = slowTasks(costs, kSlowRatio, kSlowExcessNs);
+  double pastNs = 0;
+  for (const SlowTask &t : slow)
+    pastNs += double(costs[t.index].ns) - t.expectedNs;
+  text += fmt::format("task runs that took {:.0f}x or more their op's median time for their work "
+                      "({} in all, {:.3f} ms past that median):\n",
+                      kSlowRatio, slow.size(), pastNs * 1e-6);
+  if (slow.empty())
+    text += "  none\n";
+  for (size_t n = 0; n < slow.size() && n < 6; ++n) {
+    const trace::TaskSpan &span = trace.tasks[slow[n].index];
+    const TaskCost &cost = costs[slow[n].index];
+    const format::OpRecord &op = tasks.ops[cost.op];
+    const format::TileCoord tile =
+        format::tileCoord(tasks.tilings[op.tiling], span.task - op.firstTask);
+    text += fmt::format(
+        "  {:<16} rank {} expert {:<4} worker {:<3} {:>9.3f} ms into the pass: {:.3f} ms, "
+        "{:.1f}x\n",
+        std::string(tasks.name(op.name)), span.rank, tile.expert, span.worker,
+        double(span.startNs) * 1e-6, double(cost.ns) * 1e-6, double(cost.ns) / slow[n].expectedNs);
+  }
+  if (slow.size() > 6)
+    text += fmt::format("  and {} more\n", slow.size() - 6);
   // Parked cores by event, with who signalled them.
   struct WaitLine {
     int64_t ns = 0;

@@ -5,9 +5,11 @@
 // (FLOPs of a GMM, bytes of a put or an element-wise op, counted on the
 // rows the routing gave each tile), its rate per core and that rate's share
 // of one core's peak; per worker, its busy and idle time in the task
-// program; the waits of parked cores by event, with the ranks whose signals
-// ended them; and the pass's host phases (prepare, tasks, finish). `moec
-// run --profile` prints it; the torch op returns it (Layer.profile()).
+// program; the task runs that took far longer than their op's others for
+// their work (slowTasks); the waits of parked cores by event, with the ranks
+// whose signals ended them; and the pass's host phases (prepare, tasks,
+// finish). `moec run --profile` prints it; the torch op returns it
+// (Layer.profile()).
 //
 // No MLIR/LLVM dependency.
 //
@@ -18,7 +20,10 @@
 
 #include "runtime/api/Runtime.h"
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moec::tooling {
 
@@ -28,6 +33,28 @@ struct Peaks {
   double bf16 = 0; ///< bf16 products where the CPU has them, else the fp32 peak
   std::string f32Isa, bf16Isa;
 };
+
+/// One task run of a traced pass, as slowTasks judges it.
+struct TaskCost {
+  uint32_t op = 0; ///< its op (runs are compared within an op)
+  int64_t ns = 0;  ///< how long it ran
+  double work = 0; ///< its FLOPs or bytes; 0: not judged
+};
+
+/// A run slowTasks found: its index in the runs, and the time its op's
+/// median time per unit of work gives its work.
+struct SlowTask {
+  size_t index = 0;
+  double expectedNs = 0;
+};
+
+/// The runs (the largest excess first) that took at least `ratio` times
+/// what their op's median time per unit of work gives their work, and at
+/// least `minExcessNs` more. A run far past its op's others is one that
+/// stalled: on a shared machine most often the cores taken by something
+/// else, which a profile should not be read as the op's own cost.
+std::vector<SlowTask> slowTasks(const std::vector<TaskCost> &runs, double ratio,
+                                int64_t minExcessNs);
 
 /// Measures this machine's Peaks (about `seconds` per probe).
 Peaks measurePeaks(double seconds = 0.3);

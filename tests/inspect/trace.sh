@@ -44,14 +44,17 @@ if python3 "$check" broken.json fwd.dump.json > broken.txt; then echo "a broken 
 grep -q "has ends" broken.txt
 # --profile: every op of each pass with its work counted on the routed rows
 # (tiny: R 2, S 128, K 2, H 64, I 32: 512 rows; up_proj 2 * 512 * 64 * 64
-# FLOP, down_proj 2 * 512 * 32 * 64), the workers and the waits.
+# FLOP, down_proj 2 * 512 * 32 * 64), the workers, the slow runs and the
+# waits.
 "$moec" run fwd.bin bwd.bin --ranks 2 --random 3 --outputs out3 --threads 2 --profile > profile.txt
 for pattern in "^profile of the last forward pass: .*prepare .*tasks .*finish" \
     "^  up_proj +gmm +[0-9]+ +[0-9.]+ +[0-9.]+% +4\.19 MFLOP +[0-9.]+ GFLOP/s +[0-9]+%" \
     "^  down_proj +gmm +[0-9]+ +[0-9.]+ +[0-9.]+% +2\.10 MFLOP" \
     "^  dispatch +dispatch +[0-9]+ .* GB/s" "^  swiglu +swiglu " "^  combine +combine " \
     "^profile of the last backward pass" "^  swiglu_grad +swiglu_grad " \
-    "^  worker 1 +busy +[0-9.]+ ms, idle +[0-9.]+ ms" "^waits of parked cores, by event"; do
+    "^  worker 1 +busy +[0-9.]+ ms, idle +[0-9.]+ ms" \
+    "^task runs that took 3x or more their op's median time for their work \([0-9]+ in all" \
+    "^waits of parked cores, by event"; do
   grep -qE "$pattern" profile.txt || { cat profile.txt; echo "no line matches '$pattern'"; exit 1; }
 done
 # --workspace: each pass's tensors; backward's send rows live in a dead

@@ -50,7 +50,8 @@ std::vector<SlowTask> slowTasks(const std::vector<TaskCost> &runs, double ratio,
     if (run.work <= 0)
       continue;
     const double expected = median[run.op] * run.work;
-    if (double(run.ns) >= ratio * expected && double(run.ns) - expected >= double(minExcessNs))
+    if (expected > 0 && double(run.ns) >= ratio * expected &&
+        double(run.ns) - expected >= double(minExcessNs))
       slow.push_back({i, expected});
   }
   const auto excess = [&](const SlowTask &t) { return double(runs[t.index].ns) - t.expectedNs; };

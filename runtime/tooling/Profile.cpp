@@ -134,33 +134,33 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     const format::TilingRecord &tiling = tasks.tilings[op.tiling];
     const format::TileCoord tile = format::tileCoord(tiling, span.task - op.firstTask);
     const double cols = double(tile.colEnd - tile.colBegin);
+    const int64_t ns = span.endNs - span.startNs;
     OpLine &line = ops[opIndex];
-    const double workBefore = line.flops + line.bytes;
     ++line.runs;
-    line.busyNs += span.endNs - span.startNs;
+    line.busyNs += ns;
     if (span.worker < workers)
-      workerBusy[span.worker] += span.endNs - span.startNs;
+      workerBusy[span.worker] += ns;
     const double segment = tiling.experts > 1 || L == 1 ? double(received(span.rank, tile.expert))
                                                         : double(tiling.rows);
+    double work = 0; // this run's FLOPs (a GMM) or bytes
     switch (op.kind) {
     case OpKind::Gmm:
       if (tiling.depth > 0)
-        line.flops +=
-            2 * clip(tiling, tile, int64_t(segment), span.rank) * cols * double(tiling.depth);
+        work = 2 * clip(tiling, tile, int64_t(segment), span.rank) * cols * double(tiling.depth);
       else // a weight gradient: reduces over the expert's rows
-        line.flops += 2 * double(tile.rowEnd - tile.rowBegin) * cols * segment;
+        work = 2 * double(tile.rowEnd - tile.rowBegin) * cols * segment;
       break;
     case OpKind::Swiglu:
     case OpKind::SwigluGrad:
-      line.bytes += clip(tiling, tile, int64_t(segment), span.rank) * cols *
-                    double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype)) *
-                    double(tiling.inputCount + 1);
+      work = clip(tiling, tile, int64_t(segment), span.rank) * cols *
+             double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype)) *
+             double(tiling.inputCount + 1);
       break;
     case OpKind::Quantize:
     case OpKind::Dequantize: // read one type, write the other
-      line.bytes += clip(tiling, tile, int64_t(segment), span.rank) * cols *
-                    double(format::dtypeSize(tasks.slots[tiling.inputSlots[0]].dtype) +
-                           format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
+      work = clip(tiling, tile, int64_t(segment), span.rank) * cols *
+             double(format::dtypeSize(tasks.slots[tiling.inputSlots[0]].dtype) +
+                    format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
       break;
     case OpKind::Dispatch:
     case OpKind::Combine: {
@@ -168,12 +168,13 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
       const int64_t rows = op.kind == OpKind::Dispatch
                                ? (*routed[span.rank])[size_t(peer) * L + tile.expert]
                                : (*routed[peer])[size_t(span.rank) * L + tile.expert];
-      line.bytes += clip(tiling, tile, rows, span.rank) * cols *
-                    double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
+      work = clip(tiling, tile, rows, span.rank) * cols *
+             double(format::dtypeSize(tasks.slots[tiling.outputSlot].dtype));
       break;
     }
     }
-    costs.push_back({opIndex, span.endNs - span.startNs, line.flops + line.bytes - workBefore});
+    (op.kind == OpKind::Gmm ? line.flops : line.bytes) += work;
+    costs.push_back({opIndex, ns, work});
   }
 
   const rt::PassTimes &times = backward ? context.backwardTimes() : context.forwardTimes();

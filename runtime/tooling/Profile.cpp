@@ -270,7 +270,12 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
   std::vector<std::pair<uint32_t, WaitLine>> sorted(waits.begin(), waits.end());
   std::sort(sorted.begin(), sorted.end(),
             [](const auto &a, const auto &b) { return a.second.ns > b.second.ns; });
-  text += fmt::format("waits of parked cores, by event ({} in all):\n", trace.waits.size());
+  // A parked core is a queue of the task program, not a worker: the workers
+  // run other cores' tasks meanwhile, and a wait can outlast the pass's
+  // share of one core (several cores parked at once).
+  text += fmt::format("waits of parked cores, by event ({} in all; the workers run other cores' "
+                      "tasks meanwhile: their idle time above is what waiting cost):\n",
+                      trace.waits.size());
   if (sorted.empty())
     text += "  none\n";
   for (size_t i = 0; i < sorted.size() && i < 8; ++i) {

@@ -271,8 +271,8 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
   std::sort(sorted.begin(), sorted.end(),
             [](const auto &a, const auto &b) { return a.second.ns > b.second.ns; });
   // A parked core is a queue of the task program, not a worker: the workers
-  // run other cores' tasks meanwhile, and a wait can outlast the pass's
-  // share of one core (several cores parked at once).
+  // run other cores' tasks meanwhile, and an event's waits, summed over the
+  // cores that waited on it, can add up to more than the pass.
   text += fmt::format("waits of parked cores, by event ({} in all; the workers run other cores' "
                       "tasks meanwhile: their idle time above is what waiting cost):\n",
                       trace.waits.size());

@@ -41,7 +41,10 @@ adapters' gradients only), and split: moec_torch.Exchange's dispatch, the
 experts in plain PyTorch (one matmul pair per expert on unbind slices), and
 its combine. It prints each one's step time and backward pass time (moec's
 passes), and their ratios to the full layer's: split's step ratio is what
-fusing the layer saves. frozen_<format> and lora_<format> (not run by
+fusing the layer saves; and each step's share of the peak ("of peak", as
+below), by the FLOPs of the base GMMs it runs: three products of each
+weight where the step trains it (forward, dX, dW), two where the base is
+frozen (a LoRA adapter's small products not counted). frozen_<format> and lora_<format> (not run by
 default) are the frozen and lora layers with their base weights quantized
 (quantize_weights) to a weight format: fp8 (FP8 e4m3 blocks,
 "fp8_block128"), int8, int4_g128, int4_g64_zp, ... (moec_torch.quant).
@@ -121,12 +124,19 @@ def make_inputs(layer, ranks):
     return x, ids, weights, dy
 
 
+def gmm_flops(layer, ranks, products):
+    """FLOPs of `products` products of each of the layer's base weights
+    (w1 [H, 2I], w2 [I, H]) over every rank's routed rows: 1 the forward, 2
+    with dX (a frozen base), 3 with the weight gradients."""
+    rows = ranks * layer.tokens * layer.top_k
+    return products * 2 * rows * 3 * layer.hidden * layer.inter
+
+
 def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
     """Median step seconds of moec and (with_torch) of the plain PyTorch
     layer, alternating; the step's FLOPs."""
     cfg = dict(cfg, dtype=dtype)
     layer = moec_torch.MoeFFN(cfg, ranks, threads=threads)
-    S, H, K = layer.tokens, layer.hidden, layer.top_k
     x, ids, weights, dy = make_inputs(layer, ranks)
 
     def plain(x, ids, weights):
@@ -145,8 +155,7 @@ def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
             times[name].append(step(fn, x, ids, weights, dy))
     moec_s = statistics.median(times["moec"])
     torch_s = statistics.median(times["torch"]) if with_torch else float("nan")
-    flops = 3 * 2 * ranks * S * K * (H * 2 * layer.inter + layer.inter * H)
-    return moec_s, torch_s, flops
+    return moec_s, torch_s, gmm_flops(layer, ranks, 3)
 
 
 VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
@@ -179,7 +188,9 @@ def quantized_variant(name):
 
 def bench_training(cfg, ranks, dtype, threads, repeat, variants):
     """Median step and backward seconds of each training variant, run
-    alternately on the same inputs and weights."""
+    alternately on the same inputs and weights, and the FLOPs of the base
+    GMMs its step runs (gmm_flops: 3 products where it trains the base
+    weights, else 2)."""
     cfg = dict(cfg, dtype=dtype)
     unknown = [v for v in variants if variant_options(v) is None and v != "split"
                and not quantized_variant(v)]
@@ -243,7 +254,9 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
                 steps[name].append(seconds)
                 backward[name].append(sum(fn.times()["backward"]) if name != "split"
                                       else float("nan"))
-    return {name: (statistics.median(steps[name]), statistics.median(backward[name]))
+    trains = {name: name == "split" or fn.w1.requires_grad for name, fn in runs.items()}
+    return {name: (statistics.median(steps[name]), statistics.median(backward[name]),
+                   gmm_flops(full, ranks, 3 if trains[name] else 2))
             for name in runs}
 
 
@@ -530,14 +543,16 @@ def main():
         # The variant column as wide as the longest name asked for.
         width = max([18] + [len(v) for v in args.variants.split(",")])
         print(f"{'dtype':6} {'variant':{width}} {'step s':>8} {'step / full':>12} "
-              f"{'backward s':>11} {'backward / full':>16}")
+              f"{'of peak':>8} {'backward s':>11} {'backward / full':>16}")
         for dtype in args.dtypes.split(","):
             result = bench_training(cfg, args.ranks, dtype, args.threads, args.repeat,
                                     args.variants.split(","))
-            full_step, full_backward = result["full"]
-            for name, (step_s, backward_s) in result.items():
+            full_step, full_backward, _ = result["full"]
+            peak = PEAKS.get(dtype, float("nan")) * args.threads * 1e9
+            for name, (step_s, backward_s, flops) in result.items():
                 print(f"{dtype:6} {name:{width}} {step_s:8.3f} {step_s / full_step:12.2f} "
-                      f"{backward_s:11.3f} {backward_s / full_backward:16.2f}", flush=True)
+                      f"{100 * flops / step_s / peak:7.1f}% {backward_s:11.3f} "
+                      f"{backward_s / full_backward:16.2f}", flush=True)
         return 0
     unfair = fair_baseline(args.moec, args.threads)
     print_peaks(args.threads)

@@ -53,3 +53,20 @@ def test_profile_says_why_a_format_does_not_fit_the_config():
     with pytest.raises(SystemExit, match="--profile frozen_int4_g128: moec: weight_format="
                                          "'int4_g128' holds whole groups of 128"):
         bench.profile_one(dict(TINY, seq_size=64), 2, "bf16", 2, "frozen_int4_g128")
+
+
+def test_training_counts_the_base_gmms_each_variant_runs():
+    # --training's "of peak" divides these FLOPs by the step: three products
+    # of each base weight where the step trains it, two where it is frozen
+    # (a LoRA adapter's products not counted).
+    result = bench.bench_training(dict(TINY, seq_size=64), 2, "fp32", 2, 1,
+                                  ["full", "frozen", "lora", "split"])
+    H, I, K = TINY["hidden_size"], TINY["intermediate_size"], TINY["top_k"]
+    rows = 2 * 64 * K  # every rank's routed rows
+    forward = 2 * rows * H * 2 * I + 2 * rows * I * H  # through w1, then w2
+    assert result["full"][2] == 3 * forward
+    assert result["split"][2] == 3 * forward
+    assert result["frozen"][2] == 2 * forward
+    assert result["lora"][2] == 2 * forward
+    for name, (step_s, backward_s, _) in result.items():
+        assert step_s > 0, name

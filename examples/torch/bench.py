@@ -44,10 +44,11 @@ passes), and their ratios to the full layer's: split's step ratio is what
 fusing the layer saves; and each step's share of the peak ("of peak", as
 below), by the FLOPs of the base GMMs it runs: three products of each
 weight where the step trains it (forward, dX, dW), two where the base is
-frozen (a LoRA adapter's small products not counted). frozen_<format> and lora_<format> (not run by
-default) are the frozen and lora layers with their base weights quantized
-(quantize_weights) to a weight format: fp8 (FP8 e4m3 blocks,
-"fp8_block128"), int8, int4_g128, int4_g64_zp, ... (moec_torch.quant).
+frozen (a LoRA adapter's small products not counted). frozen_<format>
+and lora_<format> (not run by default) are the frozen and lora layers
+with their base weights quantized (quantize_weights) to a weight format:
+fp8 (FP8 e4m3 blocks, "fp8_block128"), int8, int4_g128, int4_g64_zp, ...
+(moec_torch.quant).
 Each dense variant has a "_packed" twin (frozen_packed, lora_packed, ...):
 the same layer with pack_weights=True, which keeps its weights packed in
 the GEMM tile's layout instead of packing the part each tile reads every

@@ -227,6 +227,7 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
   // ran: several at once on every worker point at the machine, not the tasks.
   constexpr double kSlowRatio = 3;
   constexpr int64_t kSlowExcessNs = 500000;
+  constexpr size_t kSlowShown = 6;
   const std::vector<SlowTask> slow = slowTasks(costs, kSlowRatio, kSlowExcessNs);
   double pastNs = 0;
   for (const SlowTask &t : slow)
@@ -236,7 +237,7 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
                       kSlowRatio, slow.size(), pastNs * 1e-6);
   if (slow.empty())
     text += "  none\n";
-  for (size_t n = 0; n < slow.size() && n < 6; ++n) {
+  for (size_t n = 0; n < slow.size() && n < kSlowShown; ++n) {
     const trace::TaskSpan &span = trace.tasks[slow[n].index];
     const TaskCost &cost = costs[slow[n].index];
     const format::OpRecord &op = tasks.ops[cost.op];
@@ -248,8 +249,8 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
         std::string(tasks.name(op.name)), span.rank, tile.expert, span.worker,
         double(span.startNs) * 1e-6, double(cost.ns) * 1e-6, double(cost.ns) / slow[n].expectedNs);
   }
-  if (slow.size() > 6)
-    text += fmt::format("  and {} more\n", slow.size() - 6);
+  if (slow.size() > kSlowShown)
+    text += fmt::format("  and {} more\n", slow.size() - kSlowShown);
   // Parked cores by event, with who signalled them.
   struct WaitLine {
     int64_t ns = 0;

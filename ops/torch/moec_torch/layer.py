@@ -793,9 +793,8 @@ class MoeFFN(torch.nn.Module):
         once per process, when first asked for); per worker its busy and
         idle time; the task runs that stalled (3x or more their op's median
         time for their work); the waits of parked cores by event; the host
-        phases; and
-        the op call's time around the runtime's pass. Needs ``trace=True``
-        at construction."""
+        phases; and the op call's time around the runtime's pass. Needs
+        ``trace=True`` at construction."""
         return self.layer.profile(which)
 
     def workspace(self):

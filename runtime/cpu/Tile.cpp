@@ -409,8 +409,8 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     }
   };
   if constexpr (PACK) {
-    for (int64_t t = 0; t < units; ++t, panel += kPanel) {
-      prefetchDue(t);
+    // Unit t of the panel, from rows 2t and 2t + 1 of `src`.
+    const auto pack = [&](int64_t t) MOEC_TILE_TARGET {
       const uint16_t *r0 = src + 2 * t * ldSrc, *r1 = r0 + ldSrc;
       const bool pair = 2 * t + 1 < srcRows;
       if (pair && cols == kPanel) {
@@ -424,19 +424,29 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
             panel + 32,
             pairUnits<0>(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r0 + 32))),
                          _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r1 + 32)))));
-      } else
+        return;
+      }
 #pragma GCC unroll 3
-        for (int x = 0; x < 3; ++x) {
-          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(masks[x], r0 + 16 * x));
-          const __m512i hi =
-              pair ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(masks[x], r1 + 16 * x))
-                   : _mm512_setzero_si512();
-          _mm512_store_si512(panel + 16 * x, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
-      if (t < whole)
-        broadcast<MR, false>(av, rows, t * aUnit);
-      else
-        broadcast<MR, true>(av, rows, t * aUnit);
+      for (int x = 0; x < 3; ++x) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(masks[x], r0 + 16 * x));
+        const __m512i hi =
+            pair ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(masks[x], r1 + 16 * x))
+                 : _mm512_setzero_si512();
+        _mm512_store_si512(panel + 16 * x, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    };
+    // A's lone last value outside the loop, as below: a loop that chose
+    // between the two broadcasts held all eight rows' vectors at once and
+    // kept four of the sums on the stack.
+    for (int64_t t = 0; t < whole; ++t, panel += kPanel) {
+      prefetchDue(t);
+      pack(t);
+      broadcast<MR, false>(av, rows, t * aUnit);
+      step<MR, NV, BF16>(acc, panel, av);
+    }
+    if (halfLast) {
+      pack(whole);
+      broadcast<MR, true>(av, rows, whole * aUnit);
       step<MR, NV, BF16>(acc, panel, av);
     }
   } else {

@@ -590,30 +590,19 @@ constexpr int kNarrowRows = 16;
 /// block's units and one line more).
 constexpr int64_t kNarrowStageRow = (kBlockUnits + 16) * 4;
 
-/// The micro-kernel of a bf16 C at most 16 columns wide, `rows` rows, A's
-/// rows staged kNarrowStageRow bytes apart.
-Micro microNarrowStagedFor(int rows) {
+/// The micro-kernel of a bf16 C at most 16 columns wide, `rows` rows: A's
+/// rows `aRow` bytes apart, or with AROW (a narrow call's stage,
+/// kNarrowStageRow) that many.
+template <int64_t AROW = 0> Micro microNarrowFor(int rows) {
   static constexpr Micro table[kNarrowRows] = {
-      micro<1, true, false, 1, kNarrowStageRow>,  micro<2, true, false, 1, kNarrowStageRow>,
-      micro<3, true, false, 1, kNarrowStageRow>,  micro<4, true, false, 1, kNarrowStageRow>,
-      micro<5, true, false, 1, kNarrowStageRow>,  micro<6, true, false, 1, kNarrowStageRow>,
-      micro<7, true, false, 1, kNarrowStageRow>,  micro<8, true, false, 1, kNarrowStageRow>,
-      micro<9, true, false, 1, kNarrowStageRow>,  micro<10, true, false, 1, kNarrowStageRow>,
-      micro<11, true, false, 1, kNarrowStageRow>, micro<12, true, false, 1, kNarrowStageRow>,
-      micro<13, true, false, 1, kNarrowStageRow>, micro<14, true, false, 1, kNarrowStageRow>,
-      micro<15, true, false, 1, kNarrowStageRow>, micro<16, true, false, 1, kNarrowStageRow>};
-  return table[rows - 1];
-}
-
-/// The same, A's rows `aRow` bytes apart (A stored transposed).
-Micro microNarrowFor(int rows) {
-  static constexpr Micro table[kNarrowRows] = {
-      micro<1, true, false, 1>,  micro<2, true, false, 1>,  micro<3, true, false, 1>,
-      micro<4, true, false, 1>,  micro<5, true, false, 1>,  micro<6, true, false, 1>,
-      micro<7, true, false, 1>,  micro<8, true, false, 1>,  micro<9, true, false, 1>,
-      micro<10, true, false, 1>, micro<11, true, false, 1>, micro<12, true, false, 1>,
-      micro<13, true, false, 1>, micro<14, true, false, 1>, micro<15, true, false, 1>,
-      micro<16, true, false, 1>};
+      micro<1, true, false, 1, AROW>,  micro<2, true, false, 1, AROW>,
+      micro<3, true, false, 1, AROW>,  micro<4, true, false, 1, AROW>,
+      micro<5, true, false, 1, AROW>,  micro<6, true, false, 1, AROW>,
+      micro<7, true, false, 1, AROW>,  micro<8, true, false, 1, AROW>,
+      micro<9, true, false, 1, AROW>,  micro<10, true, false, 1, AROW>,
+      micro<11, true, false, 1, AROW>, micro<12, true, false, 1, AROW>,
+      micro<13, true, false, 1, AROW>, micro<14, true, false, 1, AROW>,
+      micro<15, true, false, 1, AROW>, micro<16, true, false, 1, AROW>};
   return table[rows - 1];
 }
 
@@ -730,7 +719,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // a B packed in the call).
   auto kernelFor = [&](int rows) {
     if (narrow)
-      return transA ? microNarrowFor(rows) : microNarrowStagedFor(rows);
+      return transA ? microNarrowFor(rows) : microNarrowFor<kNarrowStageRow>(rows);
     return bf16 ? microFor<true>(rows) : microFor<false>(rows);
   };
   // With `stream`: a row block's sums over a column group, on their way to C.

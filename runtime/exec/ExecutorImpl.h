@@ -15,6 +15,7 @@
 #include "runtime/exec/Executor.h"
 
 #include "base/File.h"
+#include "base/Time.h"
 #include "runtime/exec/ThreadTeam.h"
 
 #include <fmt/format.h>
@@ -42,8 +43,6 @@ using format::TaskRecord;
 using format::WaitRecord;
 
 namespace detail {
-
-using Clock = std::chrono::steady_clock;
 
 /// An index that names no logical queue.
 constexpr uint32_t kNil = UINT32_MAX;

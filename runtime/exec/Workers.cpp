@@ -274,6 +274,9 @@ void Executor::Impl::runPass(uint32_t workerIndex) {
     const QueueInfo &info = queueInfo[lq % queueCount];
     const uint32_t taskIndex = program.queueEntries[info.first + state.head];
     const TaskRecord &task = program.tasks[taskIndex];
+    // Traced, the thread's CPU time too, read outside the span (it is a
+    // system call): the span's wall time less it is the time off the core.
+    const int64_t cpuStartNs = tracing ? threadCpuNs() : 0;
     int64_t startNs = (Clock::now() - passStart).count();
     worker.currentSinceNs.store(startNs, std::memory_order_relaxed);
     worker.current.store(uint64_t(lq) << 32 | taskIndex, std::memory_order_relaxed);
@@ -298,9 +301,12 @@ void Executor::Impl::runPass(uint32_t workerIndex) {
     for (uint32_t s = 0; s < task.signalCount && status.ok(); ++s)
       status = signal(rank, task.op, program.signals[task.firstSignal + s], woken, by,
                       tracing ? &worker.trace : nullptr);
-    if (tracing)
-      worker.trace.tasks.push_back({rank, lq % queueCount, taskIndex, workerIndex, startNs,
-                                    (Clock::now() - passStart).count()});
+    if (tracing) {
+      const int64_t endNs = (Clock::now() - passStart).count();
+      const int64_t cpuNs = threadCpuNs() - cpuStartNs;
+      worker.trace.tasks.push_back({rank, lq % queueCount, taskIndex, workerIndex, startNs, endNs,
+                                    std::max<int64_t>(0, endNs - startNs - cpuNs)});
+    }
     if (!status.ok()) {
       woken.clear();
       fail(status.withPrefix(taskName(lq, taskIndex) + ": "));

@@ -127,7 +127,11 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
   std::vector<TaskCost> costs; // per span, for slowTasks
   costs.reserve(trace.tasks.size());
   const uint32_t workers = context.workers();
-  std::vector<int64_t> workerBusy(workers, 0);
+  std::vector<int64_t> workerBusy(workers, 0), workerOff(workers, 0);
+  // Whether the trace says how long each run's worker was off its core (a
+  // measured trace does).
+  bool offKnown = !trace.tasks.empty();
+  int64_t offAll = 0;
   for (const trace::TaskSpan &span : trace.tasks) {
     const uint32_t opIndex = tasks.tasks[span.task].op;
     const format::OpRecord &op = tasks.ops[opIndex];
@@ -140,6 +144,13 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     line.busyNs += ns;
     if (span.worker < workers)
       workerBusy[span.worker] += ns;
+    if (span.offCoreNs < 0)
+      offKnown = false;
+    else {
+      offAll += span.offCoreNs;
+      if (span.worker < workers)
+        workerOff[span.worker] += span.offCoreNs;
+    }
     const double segment = tiling.experts > 1 || L == 1 ? double(received(span.rank, tile.expert))
                                                         : double(tiling.rows);
     double work = 0; // this run's FLOPs (a GMM) or bytes
@@ -218,23 +229,40 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
   text += fmt::format("  busy {:.3f} ms of {} x {:.3f} ms in the task program ({:.0f}%)\n",
                       double(busyAll) * 1e-6, workers, double(tasksNs) * 1e-6,
                       tasksNs > 0 ? 100.0 * double(busyAll) / (double(tasksNs) * workers) : 0.0);
+  // A run's time off its core (its worker's thread descheduled while it
+  // ran) is in its op's busy time and rate: the machine's, not the op's.
+  if (offKnown)
+    text += fmt::format("  of that busy time {:.3f} ms ({:.1f}%) off the cores: the OS ran other "
+                        "threads on them while the runs were under way\n",
+                        double(offAll) * 1e-6,
+                        busyAll > 0 ? 100.0 * double(offAll) / double(busyAll) : 0.0);
   text += "workers (in the task program):\n";
-  for (uint32_t w = 0; w < workers; ++w)
-    text += fmt::format("  worker {:<3} busy {:>9.3f} ms, idle {:>9.3f} ms\n", w,
+  for (uint32_t w = 0; w < workers; ++w) {
+    text += fmt::format("  worker {:<3} busy {:>9.3f} ms, idle {:>9.3f} ms", w,
                         double(workerBusy[w]) * 1e-6,
                         double(std::max<int64_t>(0, tasksNs - workerBusy[w])) * 1e-6);
+    if (offKnown)
+      text += fmt::format(", off its core in runs {:>8.3f} ms", double(workerOff[w]) * 1e-6);
+    text += "\n";
+  }
   // Runs far past their op's others (slowTasks), with where and when they
   // ran: several at once on every worker point at the machine, not the tasks.
   constexpr double kSlowRatio = 3;
   constexpr int64_t kSlowExcessNs = 500000;
   constexpr size_t kSlowShown = 6;
   const std::vector<SlowTask> slow = slowTasks(costs, kSlowRatio, kSlowExcessNs);
-  double pastNs = 0;
-  for (const SlowTask &t : slow)
+  double pastNs = 0, slowOffNs = 0;
+  for (const SlowTask &t : slow) {
     pastNs += double(costs[t.index].ns) - t.expectedNs;
-  text += fmt::format("task runs that took {:.0f}x or more their op's median time for their work "
-                      "({} in all, {:.3f} ms past that median):\n",
-                      kSlowRatio, slow.size(), pastNs * 1e-6);
+    slowOffNs += double(std::max<int64_t>(0, trace.tasks[t.index].offCoreNs));
+  }
+  text +=
+      fmt::format("task runs that took {:.0f}x or more their op's median time for their work "
+                  "({} in all, {:.3f} ms past that median{}):\n",
+                  kSlowRatio, slow.size(), pastNs * 1e-6,
+                  offKnown && !slow.empty()
+                      ? fmt::format("; off their cores {:.3f} ms of their time", slowOffNs * 1e-6)
+                      : std::string());
   if (slow.empty())
     text += "  none\n";
   for (size_t n = 0; n < slow.size() && n < kSlowShown; ++n) {
@@ -245,9 +273,12 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
         format::tileCoord(tasks.tilings[op.tiling], span.task - op.firstTask);
     text += fmt::format(
         "  {:<16} rank {} expert {:<4} worker {:<3} {:>9.3f} ms into the pass: {:.3f} ms, "
-        "{:.1f}x\n",
+        "{:.1f}x{}\n",
         std::string(tasks.name(op.name)), span.rank, tile.expert, span.worker,
-        double(span.startNs) * 1e-6, double(cost.ns) * 1e-6, double(cost.ns) / slow[n].expectedNs);
+        double(span.startNs) * 1e-6, double(cost.ns) * 1e-6, double(cost.ns) / slow[n].expectedNs,
+        span.offCoreNs >= 0
+            ? fmt::format(", {:.3f} ms of it off its core", double(span.offCoreNs) * 1e-6)
+            : std::string());
   }
   if (slow.size() > kSlowShown)
     text += fmt::format("  and {} more\n", slow.size() - kSlowShown);

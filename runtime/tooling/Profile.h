@@ -5,7 +5,8 @@
 // (FLOPs of a GMM, bytes of a put or an element-wise op, counted on the
 // rows the routing gave each tile), its rate per core and that rate's share
 // of one core's peak; per worker, its busy and idle time in the task
-// program; the task runs that took far longer than their op's others for
+// program and its time off its core during task runs (TaskSpan::offCoreNs:
+// the OS ran something else there); the task runs that took far longer than their op's others for
 // their work (slowTasks); the waits of parked cores by event, with the ranks
 // whose signals ended them; and the pass's host phases (prepare, tasks,
 // finish). `moec run --profile` prints it; the torch op returns it

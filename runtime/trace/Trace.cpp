@@ -274,7 +274,10 @@ std::string chromeTraceJson(const TaskProgram &program, const Trace &trace,
                          tile.coord.rowBegin, tile.coord.rowEnd, tile.coord.colBegin,
                          tile.coord.colEnd);
     }
-    out += fmt::format(",\"worker\":{}}}}}", span.worker);
+    out += fmt::format(",\"worker\":{}", span.worker);
+    if (span.offCoreNs >= 0)
+      out += fmt::format(",\"off_core_us\":{}", micros(span.offCoreNs));
+    out += "}}";
   }
 
   uint64_t flowId = 0;

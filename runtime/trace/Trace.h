@@ -58,6 +58,10 @@ struct TaskSpan {
   uint32_t worker = 0; ///< the worker thread that ran it (simulated: its queue)
   int64_t startNs = 0; ///< when it started, from the trace's origin
   int64_t endNs = 0;   ///< when it ended (its signals sent)
+  /// Of that, the time the worker's thread was off its core (its wall time
+  /// less the thread's CPU time: the OS ran something else there); -1 where
+  /// not known (a simulated run).
+  int64_t offCoreNs = -1;
 };
 
 /// A core waiting: the head task of a queue could not start until an event

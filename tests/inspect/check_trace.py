@@ -5,6 +5,8 @@
   - metadata names the source, the pass and the binary;
   - every task slice carries its task, op, rank and tile, and each
     (rank, task) runs exactly once, for every rank and task of the binary;
+  - a measured task slice says how long its worker was off its core
+    (off_core_us, at least 0 and at most the slice), a simulated one not;
   - slices on one core do not overlap;
   - every wait names an event of the binary and the task that waited, and
     ends no later than that task starts;
@@ -71,6 +73,11 @@ def main():
         for key in ("task", "op", "rank", "expert", "peer", "row_tile", "col_tile", "rows", "cols"):
             if key not in a:
                 fail(f"task slice without '{key}': {ev}")
+        if meta["source"] == "measured":
+            if not 0 <= a.get("off_core_us", -1) <= ev["dur"] + 1e-3:
+                fail(f"measured task slice without off_core_us in [0, dur]: {ev}")
+        elif "off_core_us" in a:
+            fail(f"simulated task slice with off_core_us: {ev}")
         task, rank = a["task"], a["rank"]
         if task not in tasks:
             fail(f"task {task} is not in the binary")

@@ -52,7 +52,8 @@ for pattern in "^profile of the last forward pass: .*prepare .*tasks .*finish" \
     "^  down_proj +gmm +[0-9]+ +[0-9.]+ +[0-9.]+% +2\.10 MFLOP" \
     "^  dispatch +dispatch +[0-9]+ .* GB/s" "^  swiglu +swiglu " "^  combine +combine " \
     "^profile of the last backward pass" "^  swiglu_grad +swiglu_grad " \
-    "^  worker 1 +busy +[0-9.]+ ms, idle +[0-9.]+ ms" \
+    "^  worker 1 +busy +[0-9.]+ ms, idle +[0-9.]+ ms, off its core in runs +[0-9.]+ ms$" \
+    "^  of that busy time [0-9.]+ ms \([0-9.]+%\) off the cores" \
     "^task runs that took 3x or more their op's median time for their work \([0-9]+ in all" \
     "^waits of parked cores, by event"; do
   grep -qE "$pattern" profile.txt || { cat profile.txt; echo "no line matches '$pattern'"; exit 1; }

@@ -791,8 +791,10 @@ class MoeFFN(torch.nn.Module):
         table ``moec run --profile`` prints: per op its busy time, FLOPs or
         bytes, rate per core and share of one core's measured peak (measured
         once per process, when first asked for); per worker its busy and
-        idle time; the task runs that stalled (3x or more their op's median
-        time for their work); the waits of parked cores by event; the host
+        idle time and its time off its core in task runs (the OS ran
+        something else there); the task runs that stalled (3x or more their
+        op's median time for their work), each with its time off its core;
+        the waits of parked cores by event; the host
         phases; and the op call's time around the runtime's pass. Needs
         ``trace=True`` at construction."""
         return self.layer.profile(which)

@@ -244,7 +244,8 @@ def check_config(config):
 
 def load_trace(path):
     """Reads a trace (measured or simulated) into a dict: "metadata", and
-    lists "tasks" (rank, core, task, op, tile, start_us, dur_us), "waits"
+    lists "tasks" (rank, core, task, op, tile, start_us, dur_us, and
+    off_core_us in a measured trace: the run's time off its core), "waits"
     (rank, core, task, event_name, start_us, dur_us, signal_rank,
     signal_task), "phases" (name, start_us, dur_us) and "arrows"
     ((rank, core, ts_us) of the signal, (rank, core, ts_us) of the waiter).

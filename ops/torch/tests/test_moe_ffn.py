@@ -574,6 +574,8 @@ def test_trace_of_the_layers_passes(tmp_path):
         for t in trace["tasks"]:
             counts[t["op_name"]] = counts.get(t["op_name"], 0) + 1
         assert counts == {op: n * ranks for op, n in ops.items()}
+        # Each run's time off its core lies within the run.
+        assert all(0 <= t["off_core_us"] <= t["dur_us"] + 1e-3 for t in trace["tasks"])
         assert {p["name"] for p in trace["phases"]} == {"prepare", "tasks", "finish"}
     with pytest.raises(RuntimeError, match="'forward', 'backward' or 'last'"):
         layer.write_trace(tmp_path / "x.json", "sideways")
@@ -607,6 +609,10 @@ def test_profile_of_the_layers_passes():
                      re.M), forward
     backward = layer.profile("backward")
     assert "swiglu_grad" in backward and "worker 1" in backward, backward
+    assert re.search(r"^  worker 1 +busy +[0-9.]+ ms, idle +[0-9.]+ ms, off its core in runs "
+                     r"+[0-9.]+ ms$", backward, re.M), backward
+    assert re.search(r"^  of that busy time [0-9.]+ ms \([0-9.]+%\) off the cores", backward,
+                     re.M), backward
     with pytest.raises(RuntimeError, match="'forward' or 'backward'"):
         layer.profile("last")
 

@@ -834,6 +834,54 @@ TEST_CASE("the trace records waits with the task whose signal ended them", "[exe
   CHECK(waitsOnA >= 2);
 }
 
+TEST_CASE("a traced run says how long its worker was off its core", "[exec]") {
+  // A sleeps 20 ms: its worker's thread is off its core nearly all of it.
+  // The others compute: whatever the OS took of their time, the off-core
+  // time lies within the run.
+  TaskProgram program = diamondProgram(2);
+  ExecutorOptions options;
+  options.workers = 2;
+  options.trace = true;
+  std::unique_ptr<Executor> executor = makeExecutor(
+      program,
+      [&](uint32_t, uint32_t task, uint32_t) {
+        if (program.name(program.ops[program.tasks[task].op].name) == "A")
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        return Status();
+      },
+      options);
+  REQUIRE(executor->run().ok());
+  const trace::Trace &trace = executor->trace();
+  REQUIRE(trace.tasks.size() == 2 * program.tasks.size());
+  size_t sleepers = 0;
+  for (const trace::TaskSpan &span : trace.tasks) {
+    INFO("task " << span.task << " on rank " << span.rank);
+    CHECK(span.offCoreNs >= 0);
+    CHECK(span.offCoreNs <= span.endNs - span.startNs);
+    if (program.name(program.ops[program.tasks[span.task].op].name) == "A") {
+      CHECK(span.offCoreNs >= 15000000);
+      ++sleepers;
+    }
+  }
+  CHECK(sleepers == 2);
+  // The Chrome trace carries it; the packed spans sent between processes too.
+  nlohmann::json json = nlohmann::json::parse(trace::chromeTraceJson(program, trace));
+  size_t slices = 0;
+  for (const nlohmann::json &event : json["traceEvents"])
+    if (event["ph"] == "X" && event["cat"] != "wait" && event["cat"] != "phase") {
+      CHECK(event["args"]["off_core_us"].get<double>() >= 0);
+      CHECK(event["args"]["off_core_us"].get<double>() <= event["dur"].get<double>() + 1e-3);
+      ++slices;
+    }
+  CHECK(slices == trace.tasks.size());
+  const std::vector<char> bytes = trace::packTrace(trace);
+  trace::Trace back;
+  REQUIRE(trace::unpackTrace(bytes.data(), bytes.size(), &back).ok());
+  REQUIRE(back.tasks.size() == trace.tasks.size());
+  for (size_t i = 0; i < back.tasks.size(); ++i)
+    CHECK(back.tasks[i].offCoreNs == trace.tasks[i].offCoreNs);
+}
+
 TEST_CASE("no trace is kept when tracing is off, and a bad path is an error", "[exec]") {
   TaskProgram program = diamondProgram(2);
   ExecutorOptions options;

@@ -218,6 +218,18 @@ TEST_CASE("the Chrome trace: task spans in microseconds with their tiles", "[tra
   CHECK(ga.at("row_tile") == 0);
   CHECK(ga.at("col_tile") == 1);
   CHECK(ga.at("cols") == json::array({64, 128}));
+
+  // A simulated span does not know its time off the core: no off_core_us.
+  CHECK_FALSE(a0.contains("off_core_us"));
+  // A measured one does, in microseconds.
+  Trace measured = twoRankTrace();
+  measured.source = "measured";
+  for (TaskSpan &span : measured.tasks)
+    span.offCoreNs = (span.endNs - span.startNs) / 4;
+  const json withOff = json::parse(trace::chromeTraceJson(program, measured));
+  CHECK(spanAt(withOff, "dispatch", 0, 0, 0).at("args").at("off_core_us").get<double>() ==
+        Approx(0.441)); // (3000 - 1234) / 4 ns
+  CHECK(spanAt(withOff, "gmm", 1, 1, 3).at("args").at("off_core_us").get<double>() == Approx(0.5));
 }
 
 TEST_CASE("the Chrome trace: waits, the signal's flow arrow, and host phases", "[trace]") {
@@ -341,7 +353,8 @@ TEST_CASE("spans shift, append and sort by start, then rank and queue", "[trace]
 }
 
 TEST_CASE("a packed trace unpacks to the same spans, appended", "[trace]") {
-  const Trace original = twoRankTrace();
+  Trace original = twoRankTrace();
+  original.tasks[2].offCoreNs = 1500; // (the others unknown)
   const std::vector<char> bytes = trace::packTrace(original);
 
   Trace out;
@@ -358,7 +371,9 @@ TEST_CASE("a packed trace unpacks to the same spans, appended", "[trace]") {
     CHECK(a.worker == b.worker);
     CHECK(a.startNs == b.startNs);
     CHECK(a.endNs == b.endNs);
+    CHECK(a.offCoreNs == b.offCoreNs);
   }
+  CHECK(out.tasks[3].offCoreNs == 1500);
   REQUIRE(out.waits.size() == 2);
   CHECK(out.waits[0].signalRank == 1);
   CHECK(out.waits[0].signalTask == 1);

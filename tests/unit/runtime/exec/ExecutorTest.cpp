@@ -785,21 +785,31 @@ TEST_CASE("the trace has one complete event per task per rank", "[exec]") {
   CHECK(trace::coreName(program, 2) == "vector core 0");
 }
 
-TEST_CASE("the trace records waits with the task whose signal ended them", "[exec]") {
-  // Task A sleeps, so C (alone on cube core 1) parks on event 'a' and is
-  // woken by A's signal; D parks on 'b' or 'c'.
-  TaskProgram program = diamondProgram(2);
+namespace {
+
+/// A traced executor of `program` (a diamondProgram) on `workers` workers
+/// whose task A sleeps 20 ms and the others return at once.
+std::unique_ptr<Executor> tracedSleepingA(const TaskProgram &program, uint32_t workers) {
   ExecutorOptions options;
-  options.workers = 3;
+  options.workers = workers;
   options.trace = true;
-  std::unique_ptr<Executor> executor = makeExecutor(
+  return makeExecutor(
       program,
-      [&](uint32_t, uint32_t task, uint32_t) {
+      [&program](uint32_t, uint32_t task, uint32_t) {
         if (program.name(program.ops[program.tasks[task].op].name) == "A")
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
         return Status();
       },
       options);
+}
+
+} // namespace
+
+TEST_CASE("the trace records waits with the task whose signal ended them", "[exec]") {
+  // Task A sleeps, so C (alone on cube core 1) parks on event 'a' and is
+  // woken by A's signal; D parks on 'b' or 'c'.
+  TaskProgram program = diamondProgram(2);
+  std::unique_ptr<Executor> executor = tracedSleepingA(program, 3);
   REQUIRE(executor->run().ok());
   const trace::Trace &trace = executor->trace();
   REQUIRE(trace.tasks.size() == 2 * program.tasks.size());
@@ -839,17 +849,7 @@ TEST_CASE("a traced run says how long its worker was off its core", "[exec]") {
   // The others compute: whatever the OS took of their time, the off-core
   // time lies within the run.
   TaskProgram program = diamondProgram(2);
-  ExecutorOptions options;
-  options.workers = 2;
-  options.trace = true;
-  std::unique_ptr<Executor> executor = makeExecutor(
-      program,
-      [&](uint32_t, uint32_t task, uint32_t) {
-        if (program.name(program.ops[program.tasks[task].op].name) == "A")
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        return Status();
-      },
-      options);
+  std::unique_ptr<Executor> executor = tracedSleepingA(program, 2);
   REQUIRE(executor->run().ok());
   const trace::Trace &trace = executor->trace();
   REQUIRE(trace.tasks.size() == 2 * program.tasks.size());

@@ -45,12 +45,12 @@ inline double secondsSince(Clock::time_point start) {
 }
 
 /// The CPU time the calling thread has used, in ns (CLOCK_THREAD_CPUTIME_ID;
-/// 0 where the system cannot say). A system call: about 1.3 us on a 2-core
+/// -1 where the system cannot say). A system call: about 1.3 us on a 2-core
 /// VM, so the executor reads it only when tracing.
 inline int64_t threadCpuNs() {
   timespec now{};
   if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now) != 0)
-    return 0;
+    return -1;
   return int64_t(now.tv_sec) * 1000000000 + now.tv_nsec;
 }
 

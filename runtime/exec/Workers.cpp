@@ -303,9 +303,14 @@ void Executor::Impl::runPass(uint32_t workerIndex) {
                       tracing ? &worker.trace : nullptr);
     if (tracing) {
       const int64_t endNs = (Clock::now() - passStart).count();
-      const int64_t cpuNs = threadCpuNs() - cpuStartNs;
-      worker.trace.tasks.push_back({rank, lq % queueCount, taskIndex, workerIndex, startNs, endNs,
-                                    std::max<int64_t>(0, endNs - startNs - cpuNs)});
+      const int64_t cpuEndNs = threadCpuNs();
+      // (Unknown, -1, where the thread's CPU time could not be read.)
+      const int64_t offCoreNs =
+          cpuStartNs < 0 || cpuEndNs < 0
+              ? -1
+              : std::max<int64_t>(0, endNs - startNs - (cpuEndNs - cpuStartNs));
+      worker.trace.tasks.push_back(
+          {rank, lq % queueCount, taskIndex, workerIndex, startNs, endNs, offCoreNs});
     }
     if (!status.ok()) {
       woken.clear();

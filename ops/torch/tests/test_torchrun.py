@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -251,26 +252,45 @@ def test_toy_training_across_hosts_under_torchrun(hosts, tmp_path):  # noqa: F81
 
 def test_link_cut_across_hosts_under_torchrun(hosts, tmp_path):  # noqa: F811
     """moec-h1's link cut while both ranks run passes: each rank raises
-    within the timeout (3 s, and the time to report), naming its peer."""
+    within the timeout (3 s, and the time to report), naming its peer. The
+    link is cut once both ranks say their passes run (making the layer can
+    take many seconds on a loaded machine), not after a fixed wait."""
     procs = torchrun_on_hosts(hosts, 1, HERE / "group_fault_check.py", "passes", wait=False)
     sh = os.environ["MOEC_HOSTS_SH"]
     env = dict(os.environ, PATH=os.environ["PATH"] + ":/usr/sbin:/sbin")
-    outs = ["", ""]
+    lines = [[], []]
+    running = [threading.Event(), threading.Event()]
+
+    def read(i):
+        for line in procs[i].stdout:
+            lines[i].append(line)
+            if re.search(r"rank \d+: passes run", line):
+                running[i].set()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    for t in readers:
+        t.start()
     try:
-        time.sleep(8)  # the layer made and passes running
+        started = time.monotonic()
+        for i in range(2):
+            running[i].wait(timeout=max(1, 180 - (time.monotonic() - started)))
+        assert all(e.is_set() for e in running), "".join(lines[0] + lines[1])
+        time.sleep(1)  # a few passes under way
         subprocess.run(["bash", sh, "run", "moec-h1", "ip", "link", "set", "eth0", "down"],
                        env=env, check=True)
         cut = time.monotonic()
         for i, p in enumerate(procs):
             try:
-                outs[i], _ = p.communicate(timeout=max(1, 60 - (time.monotonic() - cut)))
+                p.wait(timeout=max(1, 60 - (time.monotonic() - cut)))
             except subprocess.TimeoutExpired:
                 p.kill()
-                outs[i] = p.communicate()[0] + "\n(still running 60 s after the cut)"
+                lines[i].append("\n(still running 60 s after the cut)")
+            readers[i].join(timeout=10)
     finally:
         subprocess.run(["bash", sh, "run", "moec-h1", "ip", "link", "set", "eth0", "up"], env=env)
         for p in procs:
             p.kill()
+    outs = ["".join(lines[0]), "".join(lines[1])]
     out = "\n".join(outs)
     assert "rank 0: passes run" in out and "rank 1: passes run" in out, out
     for r, peer in ((0, 1), (1, 0)):

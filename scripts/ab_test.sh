@@ -49,6 +49,10 @@ grep -q "^bin " out.txt && fail "a line without numbers was shown"
 [ -x kept/tools/bench/fake ] && fail "save kept a file it does not know"
 "$ab" save kept2 --from nothing-here 2> err.txt && fail "save from a missing folder passed"
 grep -q "nothing-here is not a folder" err.txt || fail "save's error: $(cat err.txt)"
+mkdir empty
+"$ab" save kept3 --from empty 2> err.txt && fail "save from a folder with no build passed"
+grep -q "none of .* is in empty (build first)" err.txt || fail "save's error for no build: $(cat err.txt)"
+[ -e kept3 ] && fail "save made its folder with nothing to keep"
 
 # Errors: a run that fails names its side and round; bad usage exits 2.
 printf '#!/bin/sh\necho broken; exit 3\n' > buildB/tools/bench/fake

@@ -401,12 +401,12 @@ step(__m512 (&acc)[MR][NV], const uint32_t *panel, const __m512i (&av)[MR]) {
 /// addend[r, 0:cols) (row stride scaled->ld, out's storage type) before
 /// they are stored.
 ///
-/// With PACK (bf16 only), the panel is not read but made as this call goes,
-/// unit by unit as packRows makes it, and written for the calls after this
-/// one: unit t pairs rows 2t and 2t + 1 of `src` (row stride `ldSrc`
-/// elements, at the panel's first column; the high half zero past `srcRows`
-/// rows). Its loads then run among the dot products, instead of in a pass of
-/// their own that waits on memory with nothing else to do.
+/// With PACK, the panel is not read but made as this call goes, unit by unit
+/// as packRows makes it, and written for the calls after this one: a bf16
+/// unit t pairs rows 2t and 2t + 1 of `src` (row stride `ldSrc` elements, at
+/// the panel's first column; the high half zero past `srcRows` rows), an
+/// fp32 one is row t. Its loads then run among the dot products, instead of
+/// in a pass of their own that waits on memory with nothing else to do.
 ///
 /// NV is the number of 16-lane vectors of the panel the call computes: 3 (48
 /// columns, MR up to kRows), or 1 for a C at most 16 columns wide (a LoRA
@@ -416,7 +416,7 @@ step(__m512 (&acc)[MR][NV], const uint32_t *panel, const __m512i (&av)[MR]) {
 template <int MR, bool BF16, bool PACK, int NV = 3, int64_t AROW = 0>
 MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t aUnit,
                             bool halfLast, uint32_t *panel, const float *in, int64_t ldIn,
-                            void *out, int64_t ldOut, bool outBf16, int cols, const uint16_t *src,
+                            void *out, int64_t ldOut, bool outBf16, int cols, const void *src,
                             int64_t ldSrc, int64_t srcRows, const AddScaled *scaled,
                             const char *addend, const Lines &ahead) {
   static_assert(NV == 3 || !PACK, "the panel is packed in the call 48 columns at a time");
@@ -447,7 +447,15 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
   if constexpr (PACK) {
     // Unit t of the panel, from rows 2t and 2t + 1 of `src`.
     const auto pack = [&](int64_t t) MOEC_TILE_TARGET {
-      const uint16_t *r0 = src + 2 * t * ldSrc, *r1 = r0 + ldSrc;
+      if constexpr (!BF16) {
+        // An fp32 unit is row t's 48 columns.
+        const float *row = static_cast<const float *>(src) + t * ldSrc;
+#pragma GCC unroll 3
+        for (int x = 0; x < 3; ++x)
+          _mm512_store_si512(panel + 16 * x, _mm512_maskz_loadu_epi32(masks[x], row + 16 * x));
+        return;
+      }
+      const uint16_t *r0 = static_cast<const uint16_t *>(src) + 2 * t * ldSrc, *r1 = r0 + ldSrc;
       const bool pair = 2 * t + 1 < srcRows;
       if (pair && cols == kPanel) {
         // A whole panel's pair: three permutations of four loads (the
@@ -579,7 +587,7 @@ private:
 };
 
 using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, uint32_t *, const float *,
-                       int64_t, void *, int64_t, bool, int, const uint16_t *, int64_t, int64_t,
+                       int64_t, void *, int64_t, bool, int, const void *, int64_t, int64_t,
                        const AddScaled *, const char *, const Lines &);
 
 /// Rows of C per micro-kernel call for a C at most 16 columns wide (one
@@ -742,11 +750,13 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
     for (int64_t p0 = 0; p0 < k; p0 += depth) {
       const int64_t p1 = std::min(k, p0 + depth);
       const int64_t units = ceilDiv(p1 - p0, per);
-      // A bf16 op(B) stored k x n is packed by the first row block's calls
-      // (micro's PACK), where its loads overlap the dot products; the others
-      // here. (A transposed op(B) packed by the calls, 16 units of its 48
-      // rows at a time by transposes, was not faster.)
-      const bool packInCall = bf16 && !transB && !prepacked && !decodedB && !narrow;
+      // An op(B) stored k x n is packed by the first row block's calls
+      // (micro's PACK), where its loads overlap the dot products (fp32 too:
+      // on a Zen 4 core, whose 512-bit operations take two cycles, the fp32
+      // up_proj and down_proj tiles 1.04-1.13x a pass of its own first); the
+      // others here. (A transposed op(B) packed by the calls, 16 units of
+      // its 48 rows at a time by transposes, was not faster.)
+      const bool packInCall = !transB && !prepacked && !decodedB && !narrow;
       // (A B packed beforehand is read where packB put it.)
       if (decodedB) {
         // Panel by panel.
@@ -807,7 +817,9 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       auto call = [&](int64_t q, int64_t i0, char *to, int64_t ldTo) {
         const int cols = int(std::min<int64_t>(kPanel, nb - q * kPanel));
         const int rows = int(std::min<int64_t>(rowStep, m - i0));
-        const Micro kernel = packInCall && i0 == 0 ? microFor<true, true>(rows) : kernelFor(rows);
+        const Micro kernel = packInCall && i0 == 0
+                                 ? (bf16 ? microFor<true, true>(rows) : microFor<false, true>(rows))
+                                 : kernelFor(rows);
         Lines ahead;
         nextB.next(ahead);
         nextA.next(ahead);
@@ -829,7 +841,8 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         }
         kernel(units, aAt, aRow, aUnit, halfLast, panel, in ? in + i0 * ldIn + q * kPanel : nullptr,
                ldIn, to + q * kPanel * outElt, ldTo, outBf16, cols,
-               packInCall ? static_cast<const uint16_t *>(bGroup) + p0 * ldb + q * kPanel : nullptr,
+               packInCall ? static_cast<const char *>(bGroup) + (p0 * ldb + q * kPanel) * elt
+                          : nullptr,
                ldb, p1 - p0, scaled, addend, ahead);
       };
       if (last && stream) {

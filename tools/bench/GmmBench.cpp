@@ -15,10 +15,10 @@
 // strides and transposes its binaries give the tiles), and two of a rank-16
 // LoRA adapter's (16 columns wide), the same way, in fp32
 // and bf16, on `threads` threads at once (each on operands of its own, as
-// the layer's workers run); and, for the tiles whose B is a weight, bf16
-// with each expert's B packed beforehand (tile::packB: the layer's
-// packed-weight store, ContextOptions::packWeights), the plain and packed
-// runs alternating.
+// the layer's workers run); and, for the tiles whose B is a weight, with
+// each expert's B packed beforehand (tile::packB: the layer's packed-weight
+// store, ContextOptions::packWeights), the plain and packed runs
+// alternating: bf16, and fp32 where moec's fp32 tile runs (MOEC_GEMM=moec).
 //
 // `gmm_bench --ladder [reps [bf16|f32]]` says where a tile's time goes (bf16
 // unless told), one thread, B packed beforehand, rung by rung against the
@@ -178,8 +178,8 @@ int layerShapes(int experts, int reps, int threads) {
   std::printf("qwen3-30b-a3b tiles, %d thread%s at once, %d experts' operands each in turn, best "
               "of %d; GFLOP/s per thread\n",
               threads, threads == 1 ? "" : "s", experts, reps);
-  std::printf("  %-10s %-22s %10s %10s %10s\n", "tile", "m x n x k", "f32", "bf16",
-              "bf16 packed");
+  std::printf("  %-10s %-22s %10s %10s %10s %10s\n", "tile", "m x n x k", "f32", "f32 packed",
+              "bf16", "bf16 packed");
   std::mt19937 rng(1);
   for (const Shape &s : kLayer) {
     std::printf("  %-10s %5lld x %5lld x %5lld", s.name, (long long)s.m, (long long)s.n,
@@ -191,15 +191,15 @@ int layerShapes(int experts, int reps, int threads) {
       std::vector<Operands> mine;
       for (int t = 0; t < threads; ++t)
         mine.push_back(makeOperands(s, elt, experts, rng));
-      const bool packable = elt == Elt::BF16 && weightB && packedTile(elt, elt);
+      const bool packable = weightB && packedTile(elt, elt);
       // [thread][expert]: each expert's op(B) packed whole.
       std::vector<std::vector<moec::ZeroedPages>> packed(static_cast<size_t>(threads));
       if (packable)
         for (int t = 0; t < threads; ++t)
           for (int e = 0; e < experts; ++e) {
-            packed[size_t(t)].emplace_back(tile::packedBBytes(s.n, s.k, true));
-            tile::packB(s.n, s.k, mine[size_t(t)].b[size_t(e)].data(), s.ldb, s.transB, true,
-                        packed[size_t(t)].back().data());
+            packed[size_t(t)].emplace_back(tile::packedBBytes(s.n, s.k, elt == Elt::BF16));
+            tile::packB(s.n, s.k, mine[size_t(t)].b[size_t(e)].data(), s.ldb, s.transB,
+                        elt == Elt::BF16, packed[size_t(t)].back().data());
           }
       std::vector<Scratch> scratch(static_cast<size_t>(threads));
       auto run = [&](int t, bool usePacked) {
@@ -231,12 +231,10 @@ int layerShapes(int experts, int reps, int threads) {
         }
       const double flops = 2.0 * double(s.m * s.n * s.k) * experts;
       std::printf("%*s%8.1f", 3, "", flops / best[0] * 1e-9);
-      if (elt == Elt::BF16) {
-        if (packable)
-          std::printf("%*s%8.1f", 3, "", flops / best[1] * 1e-9);
-        else
-          std::printf("%*s%8s", 3, "", "-");
-      }
+      if (packable)
+        std::printf("%*s%8.1f", 3, "", flops / best[1] * 1e-9);
+      else
+        std::printf("%*s%8s", 3, "", "-");
     }
     std::printf("   GFLOP/s\n");
   }

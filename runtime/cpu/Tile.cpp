@@ -445,7 +445,7 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     }
   };
   if constexpr (PACK) {
-    // Unit t of the panel, from rows 2t and 2t + 1 of `src`.
+    // Unit t of the panel, from `src` (above).
     const auto pack = [&](int64_t t) MOEC_TILE_TARGET {
       if constexpr (!BF16) {
         // An fp32 unit is row t's 48 columns.

@@ -659,10 +659,20 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   if (bf16 && amx())
     return gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, stream,
                    packedB, decodedB, addScaled);
-  const int64_t per = perUnit(bf16), depth = kBlockUnits * per;
   // With packedB: op(B) packed whole (packB), panel Q of the columns at
   // [Q][unit over the whole depth][kPanel]; nothing is packed here.
   const uint32_t *prepacked = static_cast<const uint32_t *>(packedB);
+  // A bf16 C at most 16 columns wide (a LoRA adapter's rank-r product) is
+  // computed kNarrowRows rows a call on the panel's first vector, not
+  // kRows rows on all three, two of them empty.
+  const bool narrow = bf16 && n <= 16;
+  // Depth blocks of kBlockUnits units, or kPackedBlockUnits where B was
+  // packed beforehand: its panels are read where they lie, so a deeper
+  // block needs no more memory here, and it passes the partial sums
+  // between blocks a quarter as often. (A narrow call's stage holds one
+  // block of A's rows: kBlockUnits.)
+  const int64_t per = perUnit(bf16),
+                depth = (prepacked && !narrow ? kPackedBlockUnits : kBlockUnits) * per;
   const int64_t allUnits = ceilDiv(k, per);
   const int64_t elt = bf16 ? 2 : 4, cElt = cBf16 ? 2 : 4;
   const int64_t width = std::min(n, kGroup);
@@ -718,10 +728,6 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   auto aRegion = [&](int64_t q0, int64_t q1) {
     return transA ? Prefetch() : Prefetch(aBytes + q0 * elt, m, (q1 - q0) * elt, lda * elt);
   };
-  // A bf16 C at most 16 columns wide (a LoRA adapter's rank-r product) is
-  // computed kNarrowRows rows a call on the panel's first vector, not
-  // kRows rows on all three, two of them empty.
-  const bool narrow = bf16 && n <= 16;
   const int64_t rowStep = narrow ? kNarrowRows : kRows;
   // The micro-kernel of a call of `rows` rows (not the first row block's of
   // a B packed in the call).

@@ -15,10 +15,12 @@
 // or a pair of bf16 values along the depth, which is what one lane of the
 // bf16 dot product takes):
 //  - the depth is cut into blocks of kBlockUnits units (128 fp32 values,
-//    256 bf16 ones);
+//    256 bf16 ones), or of 512 units where B was packed beforehand (below:
+//    its panels are read where they lie, and a deeper block passes the
+//    partial sums between blocks less often);
 //  - per block, op(B)'s rows are packed into panels 48 columns wide, units
 //    interleaved (a bf16 pair of rows becomes one 32-bit unit per column),
-//    columns past n zero: a bf16 op(B) stored k x n by the micro-kernel
+//    columns past n zero: an op(B) stored k x n by the micro-kernel
 //    calls of the block's first row block as they go, the others before
 //    the block; op(A) is read in place when it is row-major, else
 //    packed the same way into panels of 16 rows, once for the whole depth;

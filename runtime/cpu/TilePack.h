@@ -25,6 +25,9 @@ namespace moec::cpu::tile::detail {
 constexpr int kPanel = kPanelColumns;
 /// Depth units per block: the panel, 128 x 48 units, is 24 KiB.
 constexpr int64_t kBlockUnits = 128;
+/// Depth units per block of the AVX-512 form where B was packed beforehand
+/// (tile::packB; its panels are read in place).
+constexpr int64_t kPackedBlockUnits = 512;
 /// Columns of C a pass over the whole depth covers (4 panels): its fp32
 /// sums (128 rows: 96 KiB) and the block's panels (96 KiB) stay in L2.
 constexpr int64_t kGroup = 4 * kPanel;

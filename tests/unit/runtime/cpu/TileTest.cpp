@@ -338,7 +338,9 @@ TEST_CASE("moec's tile gives the same bits on a B packed whole beforehand", "[cp
       continue;
     for (const bool transB : {false, true})
       for (const bool transA : {false, true})
-        for (const int64_t k : {int64_t(7), int64_t(257), int64_t(600)})
+        // (1100: a bf16 B packed beforehand over more than one of its
+        // deeper blocks, 512 units.)
+        for (const int64_t k : {int64_t(7), int64_t(257), int64_t(600), int64_t(1100)})
           for (const int64_t n : {int64_t(13), int64_t(200), int64_t(410)})
             for (const bool cBf16 : {false, true}) {
               INFO((bf16 ? "bf16" : "fp32") << ", transA " << transA << ", transB " << transB

@@ -29,12 +29,13 @@
 //    of each of the 8 rows of A: 24 dot products (or FMAs) per 11 loads, the
 //    panel (24 KiB) in L1 while every row block of A passes over it.
 //
-// Order of the sums, hence the bits: C[i, j] is the sum over the blocks in
-// depth order of each block's sum, which adds its units in depth order into
-// one fp32 accumulator (a bf16 unit adds its two products in one instruction,
-// as the CPU rounds them). Nothing depends on m, n, the tile's place in C or
-// the thread: every tiling of a matmul and every thread count gives the
-// same bits on a CPU.
+// Order of the sums, hence the bits: C[i, j] is one fp32 accumulator, from
+// zero (or C), that adds the units in depth order (a bf16 unit adds its two
+// products in one instruction, as the CPU rounds them); between depth
+// blocks it waits in fp32 memory, exactly, so the blocks' depth does not
+// change it. Nothing depends on m, n, the depth blocks, the tile's place in
+// C or the thread: every tiling of a matmul and every thread count gives
+// the same bits on a CPU.
 //
 // The packing needs packBytes(...) bytes of memory, 64-byte aligned, from the
 // caller (kernels keep it in their Scratch).

@@ -36,10 +36,12 @@ HERE = Path(__file__).resolve().parent
 TOY = Path(os.environ.get("MOEC_TOY", HERE.parents[2] / "examples/torch/train_toy.py"))
 
 
-def mpirun(ranks, *args, timeout=240, hosts=None, extra_env=None):
+def mpirun(ranks, *args, timeout=240, hosts=None, extra_env=None, finalizes=True):
     """mpirun -np RANKS python3 ARGS on this machine, or with `hosts` (the
     folder of a test bed from scripts/hosts.sh), from moec-h0 with one rank
-    per simulated host; `extra_env` goes to every rank."""
+    per simulated host; `extra_env` goes to every rank. A job whose
+    processes end by finalizing MPI (`finalizes`) runs once more where
+    Open MPI lost a finalize (launcher_lost_finalize)."""
     extra_env = extra_env or {}
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **extra_env)
@@ -54,7 +56,20 @@ def mpirun(ranks, *args, timeout=240, hosts=None, extra_env=None):
            "-x", "MOEC_GRAPHS", "-x", "MOEC_CACHE_DIR",
            *[arg for name in extra_env for arg in ("-x", name)], sys.executable,
            *map(str, args)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if finalizes and launcher_lost_finalize(run):
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run
+
+
+def launcher_lost_finalize(run):
+    """Whether `run` failed only by Open MPI 4.1's shutdown race: a process
+    called MPI_Finalize, but its launcher, slow on a loaded machine, had not
+    acknowledged that within PMIx's 2 s when the process ended, so mpirun
+    reports it as "exiting improperly" with PID 0 (open-mpi/ompi#7833).
+    Such a job is run once more, and must then pass on its own."""
+    return (run.returncode != 0 and "exiting improperly" in run.stderr
+            and re.search(r"process rank \d+ with PID 0 on", run.stderr) is not None)
 
 
 HOSTS_SH = os.environ.get("MOEC_HOSTS_SH")
@@ -82,6 +97,21 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_launcher_lost_finalize_is_told_apart():
+    """Only Open MPI's report of a process ending without a finalize it saw,
+    with PID 0, reruns a job; a failing rank does not."""
+    lost = ("-" * 74 + "\nmpirun has exited due to process rank 0 with PID 0 on\n"
+            "node vm exiting improperly. There are three reasons this could occur:\n")
+    failed = ("mpirun detected that one or more processes exited with non-zero status, thus "
+              "causing\nthe job to be terminated. The first process to do so was:\n")
+    job = ["mpirun", "-np", "2"]
+    assert launcher_lost_finalize(subprocess.CompletedProcess(job, 1, "", lost))
+    assert not launcher_lost_finalize(subprocess.CompletedProcess(job, 0, "", lost))
+    assert not launcher_lost_finalize(subprocess.CompletedProcess(job, 1, "", failed))
+    other_pid = lost.replace("PID 0 on", "PID 4242 on")
+    assert not launcher_lost_finalize(subprocess.CompletedProcess(job, 1, "", other_pid))
 
 
 @pytest.mark.parametrize("ranks,dtype,hot,variant,tp", [
@@ -196,7 +226,7 @@ def stopped_job_reports_every_rank(hosts=None):
     dispatch event rank 0 waits for, rank 1's missing signal, the rows that
     did not arrive."""
     run = mpirun(2, HERE / "mpi_stop_check.py", hosts=hosts, timeout=120,
-                 extra_env={"MOEC_TEST_DROP_PUT": "1:2"})
+                 extra_env={"MOEC_TEST_DROP_PUT": "1:2"}, finalizes=False)
     check_stop_report(run)
 
 

@@ -40,8 +40,11 @@ constexpr int64_t kAPanel = 16;
 /// m rounded up to whole panels of packed op(A).
 int64_t packedARowUnits(int64_t m) { return ceilDiv(m, kAPanel) * kAPanel; }
 
-/// Bytes of one block's packed B panels, rounded to cache lines.
-size_t panelBytes(int64_t n) { return size_t(ceilDiv(n, kPanel) * kPanel * kBlockUnits) * 4; }
+/// Bytes of one block's packed B panels, `units` deep, rounded to cache
+/// lines.
+size_t panelBytes(int64_t n, int64_t units) {
+  return size_t(ceilDiv(n, kPanel) * kPanel * units) * 4;
+}
 
 /// Bytes of the fp32 partial sums gemm keeps apart from C (`apart`: a bf16
 /// C, or one the last block adds them onto) deeper than one depth block (m x
@@ -83,8 +86,10 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
   if (bf16 && amx())
     return amxPackBytes(m, n, k, decodedB);
   const int64_t width = std::min(n, kGroup);
-  size_t bytes = panelBytes(width) + packedABytes(m, k, transA, bf16) +
-                 partialBytes(m, n, k, bf16, cBf16 || addScaled);
+  // A decoder's panels are made kPackedBlockUnits deep where it writes them
+  // straight (DecodedB::panel; packBytes does not know which decoder).
+  size_t bytes = panelBytes(width, decodedB ? kPackedBlockUnits : kBlockUnits) +
+                 packedABytes(m, k, transA, bf16) + partialBytes(m, n, k, bf16, cBf16 || addScaled);
   // The larger of the two forms: packBytes does not know transB.
   if (decodedB)
     bytes += std::max(decodedBytes(true), decodedBytes(false));
@@ -669,10 +674,12 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // Depth blocks of kBlockUnits units, or kPackedBlockUnits where B was
   // packed beforehand: its panels are read where they lie, so a deeper
   // block needs no more memory here, and it passes the partial sums
-  // between blocks a quarter as often. (A narrow call's stage holds one
-  // block of A's rows: kBlockUnits.)
-  const int64_t per = perUnit(bf16),
-                depth = (prepacked && !narrow ? kPackedBlockUnits : kBlockUnits) * per;
+  // between blocks a quarter as often; likewise where a decoder writes the
+  // panels straight (quantized codes packed beforehand). (A narrow call's
+  // stage holds one block of A's rows: kBlockUnits.)
+  const bool deep = (prepacked || (decodedB && decodedB->panel)) && !narrow;
+  const int64_t per = perUnit(bf16), blockUnits = deep ? kPackedBlockUnits : kBlockUnits,
+                depth = blockUnits * per;
   const int64_t allUnits = ceilDiv(k, per);
   const int64_t elt = bf16 ? 2 : 4, cElt = cBf16 ? 2 : 4;
   const int64_t width = std::min(n, kGroup);
@@ -683,7 +690,8 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // units m wide would put them a multiple of 4 KiB apart, on one set of
   // the L1 cache).
   const int64_t aPanelUnits = ceilDiv(k, per) * kAPanel;
-  char *after = static_cast<char *>(pack) + panelBytes(width);
+  char *after =
+      static_cast<char *>(pack) + panelBytes(width, decodedB ? kPackedBlockUnits : kBlockUnits);
   uint32_t *packedA = reinterpret_cast<uint32_t *>(after);
   if (transA)
     packRows(a, lda, 0, k, m, bf16, packedA, kAPanel, kAPanel, aPanelUnits);
@@ -769,7 +777,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         for (int64_t q = 0; q * kPanel < nb; ++q)
           decodePanel(*decodedB, transB, j0 + q * kPanel,
                       std::min<int64_t>(kPanel, nb - q * kPanel), p0, p1,
-                      panels + q * kBlockUnits * kPanel, decoded);
+                      panels + q * blockUnits * kPanel, decoded);
       } else if (!prepacked && transB)
         packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels, kBlockUnits * kPanel);
       else if (!prepacked && !packInCall)
@@ -830,10 +838,9 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         nextB.next(ahead);
         nextA.next(ahead);
         nextC.next(ahead);
-        uint32_t *panel =
-            prepacked ? const_cast<uint32_t *>(prepacked) +
-                            ((j0 / kPanel + q) * allUnits + p0 / per) * kPanel
-                      : panels + q * kBlockUnits * kPanel;
+        uint32_t *panel = prepacked ? const_cast<uint32_t *>(prepacked) +
+                                          ((j0 / kPanel + q) * allUnits + p0 / per) * kPanel
+                                    : panels + q * blockUnits * kPanel;
         const AddScaled *scaled = last ? addScaled : nullptr;
         const char *addend = scaled && scaled->addend
                                  ? static_cast<const char *>(scaled->addend) +

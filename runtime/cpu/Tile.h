@@ -17,7 +17,8 @@
 //  - the depth is cut into blocks of kBlockUnits units (128 fp32 values,
 //    256 bf16 ones), or of 512 units where B was packed beforehand (below:
 //    its panels are read where they lie, and a deeper block passes the
-//    partial sums between blocks less often);
+//    partial sums between blocks less often) or a decoder writes the
+//    panels straight (DecodedB::panel);
 //  - per block, op(B)'s rows are packed into panels 48 columns wide, units
 //    interleaved (a bf16 pair of rows becomes one 32-bit unit per column),
 //    columns past n zero: an op(B) stored k x n by the micro-kernel
@@ -72,9 +73,10 @@
 // stored, as bf16 values, or (DecodedB::panel: codes packed beforehand in the
 // panels' order, Quant.h's packCodes) one that writes a panel's units
 // straight. Per depth block, gemm decodes one panel's part of B at a time
-// into its working memory (24 KiB, in L1) and packs the panel from there
-// (on AMX, a column group's panels just before the group's products), so no
-// dequantized copy of B is made beyond it. The panels are those of the
+// into its working memory (24 KiB, in L1) and packs the panel from there,
+// or has the panels written straight, a block of 512 units deep (on AMX, a
+// column group's panels just before the group's products), so no
+// dequantized copy of B is made beyond them. The panels are those of the
 // decoded B, so the bits are those of gemm on that B.
 //
 //===----------------------------------------------------------------------===//

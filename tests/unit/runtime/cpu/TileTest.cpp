@@ -432,6 +432,56 @@ TEST_CASE("moec's tile gives the same bits on a B read through a decoder", "[cpu
         }
 }
 
+TEST_CASE("moec's tile gives the same bits on a B whose decoder writes the panels", "[cpu][tile]") {
+  // DecodedB::panel (a quantized weight's codes packed beforehand) writes a
+  // panel's units straight; the tile then takes depth blocks of
+  // kPackedBlockUnits units (a depth of 1100 is two of them, the second
+  // short), 128 for a narrow C: the bits of gemm on B itself, for both forms of B and columns
+  // that end a panel and a group unevenly. Here the decoder copies the
+  // panels of B packed beforehand (tile::packB).
+  if (!tileRuns(true))
+    return;
+  struct Panels {
+    const uint32_t *packed;
+    int64_t units;
+    int64_t calls = 0, deepest = 0;
+  };
+  const auto panel = [](const void *context, int64_t q, int64_t u0, int64_t u1, uint32_t *dst) {
+    auto &s = *static_cast<Panels *>(const_cast<void *>(context));
+    ++s.calls;
+    s.deepest = std::max(s.deepest, u1 - u0);
+    REQUIRE((u0 >= 0 && u1 <= s.units && u0 < u1));
+    std::memcpy(dst, s.packed + (q * s.units + u0) * 48, size_t(u1 - u0) * 48 * 4);
+  };
+  for (const bool transB : {false, true})
+    for (const int64_t k : {int64_t(7), int64_t(600), int64_t(1100)})
+      for (const int64_t n : {int64_t(13), int64_t(410)})
+        for (const bool cBf16 : {false, true}) {
+          INFO("transB " << transB << ", k " << k << ", n " << n << ", C "
+                         << (cBf16 ? "bf16" : "fp32"));
+          const int64_t m = 19;
+          const Product x(m, n, k, false, transB, true, uint32_t(5 * k + n));
+          const size_t elt = cBf16 ? 2 : 4;
+          Aligned plain(size_t(m * n) * elt, 0x11), decoded(size_t(m * n) * elt, 0x22);
+          Aligned pack(std::max(tile::packBytes(m, n, k, false, true, cBf16, false),
+                                tile::packBytes(m, n, k, false, true, cBf16, true)));
+          tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, transB, true,
+                     plain.data(), n, cBf16, false, pack.data());
+          Aligned packedB(tile::packedBBytes(n, k, true));
+          tile::packB(n, k, x.b.data(), x.b.ld, transB, true, packedB.data());
+          Panels source{reinterpret_cast<const uint32_t *>(packedB.data()), (k + 1) / 2};
+          tile::DecodedB d;
+          d.panel = panel;
+          d.context = &source;
+          tile::gemm(m, n, k, x.a.data(), x.a.ld, false, nullptr, 0, transB, true, decoded.data(),
+                     n, cBf16, false, pack.data(), false, nullptr, &d);
+          CHECK(source.calls > 0);
+          // (A C at most 16 columns wide keeps blocks of kBlockUnits.)
+          CHECK(source.deepest == std::min<int64_t>((k + 1) / 2, n <= 16 ? 128 : 512));
+          CHECK(std::memcmp(plain.data(), decoded.data(), size_t(m * n) * elt) == 0);
+        }
+}
+
 TEST_CASE("moec's tile scales and adds onto its sums as they leave the registers", "[cpu][tile]") {
   // tile::AddScaled: C = addend + alpha * S in fp32, a multiply and then an
   // add, rounded once into C: the bits of the fp32 sums S (the plain tile)

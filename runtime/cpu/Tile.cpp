@@ -40,10 +40,12 @@ constexpr int64_t kAPanel = 16;
 /// m rounded up to whole panels of packed op(A).
 int64_t packedARowUnits(int64_t m) { return ceilDiv(m, kAPanel) * kAPanel; }
 
-/// Bytes of one block's packed B panels, `units` deep, rounded to cache
-/// lines.
-size_t panelBytes(int64_t n, int64_t units) {
-  return size_t(ceilDiv(n, kPanel) * kPanel * units) * 4;
+/// Bytes of one block's packed B panels, rounded to cache lines: a decoder's
+/// are made kPackedBlockUnits deep where it writes them straight
+/// (DecodedB::panel; packBytes does not know which decoder), others
+/// kBlockUnits (a B packed beforehand is read in place).
+size_t panelBytes(int64_t n, bool decodedB) {
+  return size_t(ceilDiv(n, kPanel) * kPanel * (decodedB ? kPackedBlockUnits : kBlockUnits)) * 4;
 }
 
 /// Bytes of the fp32 partial sums gemm keeps apart from C (`apart`: a bf16
@@ -86,10 +88,8 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
   if (bf16 && amx())
     return amxPackBytes(m, n, k, decodedB);
   const int64_t width = std::min(n, kGroup);
-  // A decoder's panels are made kPackedBlockUnits deep where it writes them
-  // straight (DecodedB::panel; packBytes does not know which decoder).
-  size_t bytes = panelBytes(width, decodedB ? kPackedBlockUnits : kBlockUnits) +
-                 packedABytes(m, k, transA, bf16) + partialBytes(m, n, k, bf16, cBf16 || addScaled);
+  size_t bytes = panelBytes(width, decodedB) + packedABytes(m, k, transA, bf16) +
+                 partialBytes(m, n, k, bf16, cBf16 || addScaled);
   // The larger of the two forms: packBytes does not know transB.
   if (decodedB)
     bytes += std::max(decodedBytes(true), decodedBytes(false));
@@ -690,8 +690,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // units m wide would put them a multiple of 4 KiB apart, on one set of
   // the L1 cache).
   const int64_t aPanelUnits = ceilDiv(k, per) * kAPanel;
-  char *after =
-      static_cast<char *>(pack) + panelBytes(width, decodedB ? kPackedBlockUnits : kBlockUnits);
+  char *after = static_cast<char *>(pack) + panelBytes(width, decodedB != nullptr);
   uint32_t *packedA = reinterpret_cast<uint32_t *>(after);
   if (transA)
     packRows(a, lda, 0, k, m, bf16, packedA, kAPanel, kAPanel, aPanelUnits);

@@ -680,6 +680,8 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   const bool deep = (prepacked || (decodedB && decodedB->panel)) && !narrow;
   const int64_t per = perUnit(bf16), blockUnits = deep ? kPackedBlockUnits : kBlockUnits,
                 depth = blockUnits * per;
+  // The units between two of a block's panels packed here.
+  const int64_t panelStride = blockUnits * kPanel;
   const int64_t allUnits = ceilDiv(k, per);
   const int64_t elt = bf16 ? 2 : 4, cElt = cBf16 ? 2 : 4;
   const int64_t width = std::min(n, kGroup);
@@ -775,12 +777,12 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         // Panel by panel.
         for (int64_t q = 0; q * kPanel < nb; ++q)
           decodePanel(*decodedB, transB, j0 + q * kPanel,
-                      std::min<int64_t>(kPanel, nb - q * kPanel), p0, p1,
-                      panels + q * blockUnits * kPanel, decoded);
+                      std::min<int64_t>(kPanel, nb - q * kPanel), p0, p1, panels + q * panelStride,
+                      decoded);
       } else if (!prepacked && transB)
-        packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels, kBlockUnits * kPanel);
+        packTransposed(bGroup, ldb, nb, p0, p1, bf16, panels, panelStride);
       else if (!prepacked && !packInCall)
-        packRows(bGroup, ldb, p0, p1, nb, bf16, panels, kPanel, kPanel, kBlockUnits * kPanel);
+        packRows(bGroup, ldb, p0, p1, nb, bf16, panels, kPanel, kPanel, panelStride);
       // A's unit (row i0 + r, unit t) of this block lies at
       // aRows(i0) + r * aRow + t * aUnit bytes.
       int64_t aRow, aUnit;
@@ -839,7 +841,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
         nextC.next(ahead);
         uint32_t *panel = prepacked ? const_cast<uint32_t *>(prepacked) +
                                           ((j0 / kPanel + q) * allUnits + p0 / per) * kPanel
-                                    : panels + q * blockUnits * kPanel;
+                                    : panels + q * panelStride;
         const AddScaled *scaled = last ? addScaled : nullptr;
         const char *addend = scaled && scaled->addend
                                  ? static_cast<const char *>(scaled->addend) +

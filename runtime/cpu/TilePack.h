@@ -26,7 +26,8 @@ constexpr int kPanel = kPanelColumns;
 /// Depth units per block: the panel, 128 x 48 units, is 24 KiB.
 constexpr int64_t kBlockUnits = 128;
 /// Depth units per block of the AVX-512 form where B was packed beforehand
-/// (tile::packB; its panels are read in place).
+/// (tile::packB; its panels are read in place) or a decoder writes the
+/// panels straight (DecodedB::panel: quantized codes packed beforehand).
 constexpr int64_t kPackedBlockUnits = 512;
 /// Columns of C a pass over the whole depth covers (4 panels): its fp32
 /// sums (128 rows: 96 KiB) and the block's panels (96 KiB) stay in L2.

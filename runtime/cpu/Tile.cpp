@@ -439,15 +439,21 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     rows[r] = a + r * (AROW ? AROW : aRow);
   const int64_t whole = halfLast ? units - 1 : units;
   __m512i av[MR];
-  // `ahead`'s lines, one every `every` units.
+  // Units [0, whole), panel by panel, in chunks of `every` units, each
+  // after one of `ahead`'s lines: the loop over a chunk's units holds no
+  // prefetch state. (A check at each unit kept two of the eight rows'
+  // pointers on the stack: the tile 1.03-1.06x without it, Zen 4.)
   const int64_t every = ahead.count ? std::max<int64_t>(1, units / ahead.count) : units + 1;
   int issued = 0;
-  int64_t due = 0;
-  auto prefetchDue = [&](int64_t t) {
-    if (t == due && issued < ahead.count) {
-      _mm_prefetch(ahead.line[issued++], _MM_HINT_T1);
-      due += every;
+  const auto eachUnit = [&](auto &&body) MOEC_TILE_TARGET {
+    int64_t t = 0;
+    for (; issued < ahead.count && t < whole; ++issued) {
+      _mm_prefetch(ahead.line[issued], _MM_HINT_T1);
+      for (const int64_t end = std::min(whole, t + every); t < end; ++t, panel += kPanel)
+        body(t);
     }
+    for (; t < whole; ++t, panel += kPanel)
+      body(t);
   };
   if constexpr (PACK) {
     // Unit t of the panel, from `src` (above).
@@ -487,23 +493,21 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
     // A's lone last value outside the loop, as below: a loop that chose
     // between the two broadcasts held all eight rows' vectors at once and
     // kept four of the sums on the stack.
-    for (int64_t t = 0; t < whole; ++t, panel += kPanel) {
-      prefetchDue(t);
+    eachUnit([&](int64_t t) MOEC_TILE_TARGET {
       pack(t);
       broadcast<MR, false>(av, rows, t * aUnit);
       step<MR, NV, BF16>(acc, panel, av);
-    }
+    });
     if (halfLast) {
       pack(whole);
       broadcast<MR, true>(av, rows, whole * aUnit);
       step<MR, NV, BF16>(acc, panel, av);
     }
   } else {
-    for (int64_t t = 0; t < whole; ++t, panel += kPanel) {
-      prefetchDue(t);
+    eachUnit([&](int64_t t) MOEC_TILE_TARGET {
       broadcast<MR, false>(av, rows, t * aUnit);
       step<MR, NV, BF16>(acc, panel, av);
-    }
+    });
     if (halfLast) {
       broadcast<MR, true>(av, rows, whole * aUnit);
       step<MR, NV, BF16>(acc, panel, av);

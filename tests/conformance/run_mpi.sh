@@ -4,6 +4,7 @@
 #   run_mpi.sh SUITE_BINARY
 set -uo pipefail
 suite="$(realpath "$1")"
+source "$(dirname "${BASH_SOURCE[0]}")/../mpi/finalizing_job.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # The suite writes its scratch files under TEST_TMPDIR, which mpirun does not
 # pass to the processes it starts unless told (-x): else they land in /tmp.
@@ -11,8 +12,8 @@ export TEST_TMPDIR="${TEST_TMPDIR:-$(mktemp -d)}"
 failed=0
 for np in 2 3 4; do
   log="$TEST_TMPDIR/np$np.log"
-  if timeout 900 mpirun --oversubscribe --bind-to none -x TEST_TMPDIR -np "$np" "$suite" \
-      --use-colour no > "$log" 2>&1; then
+  if finalizing_job "$log" timeout 900 mpirun --oversubscribe --bind-to none -x TEST_TMPDIR \
+      -np "$np" "$suite" --use-colour no; then
     echo "ok: mpirun -np $np: $(grep -m1 -E '^All tests passed' "$log")"
   else
     cat "$log"

@@ -34,7 +34,7 @@ check_trace f32-4 4
 SUITE="$(realpath "${SUITE:?set SUITE to the conformance suite binary}")"
 for spread in "2 --map-by node" "4"; do
   log="$WORK/suite-${spread// /}.log"
-  if timeout 900 "${BOTH[@]}" -np $spread "$SUITE" --use-colour no > "$log" 2>&1 &&
+  if finalizing_job "$log" timeout 900 "${BOTH[@]}" -np $spread "$SUITE" --use-colour no &&
       [ "$(grep -c '^All tests passed' "$log")" -eq "${spread%% *}" ]; then
     echo "ok: conformance suite, mpirun -np $spread across 2 hosts"
     passed=$((passed + 1))

@@ -9,6 +9,7 @@ WORK="${TEST_TMPDIR:-$(mktemp -d)}"
 # need --oversubscribe.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 MPIRUN=(mpirun --oversubscribe --bind-to none)
+source "$(dirname "${BASH_SOURCE[0]}")/finalizing_job.sh"
 
 # layer NAME H I L K EP DTYPE [extra config JSON]: compiles both graphs
 # into $WORK/NAME/{fwd,bwd}.moebin (granularity from $GRANULARITY, peer
@@ -29,21 +30,6 @@ layer() {
 fail() {
   echo "FAILED: $*" >&2
   exit 1
-}
-
-# finalizing_job LOG MPIRUN_COMMAND...: runs a job whose processes all end by
-# finalizing MPI, its output to LOG; runs it once more where it failed only
-# by Open MPI 4.1's shutdown race: a process's finalize that its launcher,
-# slow on a loaded machine, had not acknowledged within PMIx's 2 s when the
-# process ended, reported as "exiting improperly" with PID 0
-# (open-mpi/ompi#7833). The second run must pass on its own.
-finalizing_job() {
-  local log=$1
-  shift
-  "$@" > "$log" 2>&1 && return 0
-  grep -q "exiting improperly" "$log" && grep -Eq "process rank [0-9]+ with PID 0 on" "$log" ||
-    return 1
-  "$@" > "$log" 2>&1
 }
 
 # check NAME EP RUN_OPTIONS...: random inputs run in-process, then replayed

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# finalizing_job (common.sh) on stand-in jobs: a job that fails once with
+# finalizing_job (finalizing_job.sh) on stand-in jobs: a job that fails once with
 # Open MPI's lost-finalize report runs once more and passes; one that fails
 # with it every time fails after two runs; one that fails otherwise, or
 # passes, runs once.
 set -euo pipefail
-MOEC=/bin/true
-source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-cd "$WORK"
+source "$(dirname "${BASH_SOURCE[0]}")/finalizing_job.sh"
+cd "${TEST_TMPDIR:-$(mktemp -d)}"
 failures=0
 bad() {
   echo "FAILED: $*"

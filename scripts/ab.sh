@@ -5,7 +5,8 @@
 # range: a change's speed told apart from a noisy machine's.
 #
 #   bash scripts/ab.sh save DIR [--from FOLDER]   keep the built binaries in DIR
-#   bash scripts/ab.sh [--rounds N] A B -- COMMAND [ARG...]
+#   bash scripts/ab.sh [--rounds N] [--env-a NAME=VALUE] [--env-b NAME=VALUE]
+#       A B -- COMMAND [ARG...]
 #
 # `save` copies moec, the benchmarks (tools/bench), moec_torch.so and
 # libmoec.so from FOLDER (default: this checkout's bazel-bin) into DIR, laid
@@ -14,7 +15,10 @@
 # for the side's folder, and MOEC_BIN, MOEC_TORCH_LIB and MOEC_LIB name its
 # moec, moec_torch.so and libmoec.so (what examples/torch/bench.py and the
 # torch op load). N rounds (default 4) run COMMAND 2N times; a run that
-# fails stops it all, naming the side and round, exit 1.
+# fails stops it all, naming the side and round, exit 1. --env-a and
+# --env-b (each as often as needed) set a variable in the environment of
+# that side's runs only: two settings of one build compared the same way,
+# A and B then the same folder (for example --env-b MOEC_GEMM=moec).
 #
 # The output's lines are matched across the runs by their text with the
 # numbers taken out (the k-th such line of each run); a number that is the
@@ -28,7 +32,7 @@ case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""
 set -euo pipefail
 usage() {
   echo "usage: bash scripts/ab.sh save DIR [--from FOLDER]" >&2
-  echo "       bash scripts/ab.sh [--rounds N] A B -- COMMAND [ARG...]" >&2
+  echo "       bash scripts/ab.sh [--rounds N] [--env-a NAME=VALUE] [--env-b NAME=VALUE] A B -- COMMAND [ARG...]" >&2
   exit 2
 }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,11 +60,19 @@ if [ "${1:-}" = save ]; then
 fi
 
 rounds=4
-if [ "${1:-}" = --rounds ]; then
-  [ $# -ge 2 ] || usage
-  rounds="$2"
-  shift 2
-fi
+envA=() envB=()
+while [ $# -ge 1 ]; do
+  case "$1" in
+    --rounds) [ $# -ge 2 ] || usage; rounds="$2"; shift 2 ;;
+    --env-a | --env-b)
+      [ $# -ge 2 ] || usage
+      [[ "$2" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] ||
+        { echo "ab.sh: $1 takes NAME=VALUE, not '$2'" >&2; exit 2; }
+      if [ "$1" = --env-a ]; then envA+=("$2"); else envB+=("$2"); fi
+      shift 2 ;;
+    *) break ;;
+  esac
+done
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "ab.sh: --rounds takes a whole number of 1 or more, not '$rounds'" >&2; exit 2; }
 [ $# -ge 4 ] && [ "$3" = -- ] || usage
 a="$1" b="$2"
@@ -74,10 +86,12 @@ trap 'rm -rf "$out"' EXIT
 run() { # run SIDE-NAME FOLDER ROUND
   local name="$1" dir
   dir="$(cd "$2" && pwd)"
-  local argv=()
+  local argv=() vars=()
   for arg in "${command[@]}"; do argv+=("${arg//\{bin\}/$dir}"); done
-  if ! MOEC_BIN="$dir/tools/moec" MOEC_TORCH_LIB="$dir/ops/torch/moec_torch.so" \
-    MOEC_LIB="$dir/compiler/api/libmoec.so" "${argv[@]}" > "$out/$name.$3" 2>&1; then
+  if [ "$name" = A ]; then vars=(${envA[@]+"${envA[@]}"}); else vars=(${envB[@]+"${envB[@]}"}); fi
+  if ! env MOEC_BIN="$dir/tools/moec" MOEC_TORCH_LIB="$dir/ops/torch/moec_torch.so" \
+    MOEC_LIB="$dir/compiler/api/libmoec.so" ${vars[@]+"${vars[@]}"} "${argv[@]}" \
+    > "$out/$name.$3" 2>&1; then
     echo "ab.sh: side $name ($2), round $3: the command failed; its output ends:" >&2
     tail -5 "$out/$name.$3" >&2
     exit 1
@@ -93,7 +107,13 @@ for ((r = 1; r <= rounds; r++)); do
   echo "ab.sh: round $r of $rounds done" >&2
 done
 
-python3 - "$out" "$rounds" "$a" "$b" <<'PY'
+side() { # side FOLDER VAR...: the folder, and its variables where it has any
+  local folder="$1"
+  shift
+  if [ $# -gt 0 ]; then echo "$folder with $*"; else echo "$folder"; fi
+}
+python3 - "$out" "$rounds" "$(side "$a" ${envA[@]+"${envA[@]}"})" \
+  "$(side "$b" ${envB[@]+"${envB[@]}"})" <<'PY'
 import re, statistics, sys
 out, rounds, a, b = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 number = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")

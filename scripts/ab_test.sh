@@ -2,8 +2,9 @@
 # Checks scripts/ab.sh on two made-up builds whose "benchmark" prints a rate
 # (100 on A, 110 on B, 1% up and down by round) and a size the same on both:
 # the rounds alternate A B, B A; B/A is 1.100 with its range; the size is
-# left as it is; {bin} and MOEC_BIN name each side's folder; `save` keeps a
-# build's files; a failing run, a missing `--` and a bad --rounds are errors.
+# left as it is; {bin} and MOEC_BIN name each side's folder; --env-a and
+# --env-b reach only their side's runs; `save` keeps a build's files; a
+# failing run, a missing `--`, a bad --rounds and a bad --env-b are errors.
 #
 #   scripts/ab_test.sh AB_SH
 case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
@@ -27,6 +28,7 @@ echo $side >> "$work/order"
 # 1% more on odd runs of each side: a ratio range, the same median.
 awk -v r=$rate -v n=\$n 'BEGIN { printf "tile 128 x 1536: %.1f GFLOP/s\n", r * (n % 2 ? 1.01 : 1) }'
 echo "bin \$MOEC_BIN"
+echo "knob \${KNOB:-1} \${OTHER:-5}"
 EOF
   chmod +x "build$side/tools/bench/fake"
   echo "$side" > "build$side/tools/moec"
@@ -42,6 +44,19 @@ grep -q "round 2 of 2 done" err.txt || fail "no progress on stderr: $(cat err.tx
 # {bin} and MOEC_BIN were each side's folder: the line with it differs
 # between the sides but has no number, so it is not shown.
 grep -q "^bin " out.txt && fail "a line without numbers was shown"
+
+# --env-a / --env-b: one build, a variable set on one side only (KNOB 2 on
+# B: 2.000), two on the other (OTHER 10 on A: B/A 0.5); the header names
+# them.
+rm -f order
+"$ab" --rounds 2 --env-b KNOB=2 --env-a OTHER=10 --env-a UNUSED=x buildA buildA -- \
+    {bin}/tools/bench/fake > env.txt 2> err.txt || fail "ab.sh with --env-b failed: $(cat err.txt)"
+grep -qE "^    1: 2\.000 \[2\.000, 2\.000\]   10: 0\.500 \[0\.500, 0\.500\]$" env.txt ||
+  fail "--env-a/--env-b did not reach their sides: $(cat env.txt)"
+grep -q "A = buildA with OTHER=10 UNUSED=x, B = buildA with KNOB=2," env.txt ||
+  fail "the header does not name the variables: $(head -1 env.txt)"
+"$ab" --env-b 2 buildA buildB -- true > /dev/null 2> err.txt
+[ $? -eq 2 ] && grep -q "takes NAME=VALUE, not '2'" err.txt || fail "--env-b 2 was taken: $(cat err.txt)"
 
 # save: the build's files under the same paths.
 "$ab" save kept --from buildB > save.txt || fail "save failed"

@@ -4,7 +4,8 @@
 # the rounds alternate A B, B A; B/A is 1.100 with its range; the size is
 # left as it is; {bin} and MOEC_BIN name each side's folder; --env-a and
 # --env-b reach only their side's runs; `save` keeps a build's files; a
-# failing run, a missing `--`, a bad --rounds and a bad --env-b are errors.
+# failing run, a missing `--`, a bad --rounds and a bad or missing --env-a/-b
+# value are errors.
 #
 #   scripts/ab_test.sh AB_SH
 case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
@@ -57,6 +58,8 @@ grep -q "A = buildA with OTHER=10 UNUSED=x, B = buildA with KNOB=2," env.txt ||
   fail "the header does not name the variables: $(head -1 env.txt)"
 "$ab" --env-b 2 buildA buildB -- true > /dev/null 2> err.txt
 [ $? -eq 2 ] && grep -q "takes NAME=VALUE, not '2'" err.txt || fail "--env-b 2 was taken: $(cat err.txt)"
+"$ab" --env-a > /dev/null 2> err.txt
+[ $? -eq 2 ] && grep -q "^usage:" err.txt || fail "--env-a without a value was not a usage error"
 
 # save: the build's files under the same paths.
 "$ab" save kept --from buildB > save.txt || fail "save failed"

@@ -436,9 +436,9 @@ TEST_CASE("moec's tile gives the same bits on a B whose decoder writes the panel
   // DecodedB::panel (a quantized weight's codes packed beforehand) writes a
   // panel's units straight; the tile then takes depth blocks of
   // kPackedBlockUnits units (a depth of 1100 is two of them, the second
-  // short), 128 for a narrow C: the bits of gemm on B itself, for both forms of B and columns
-  // that end a panel and a group unevenly. Here the decoder copies the
-  // panels of B packed beforehand (tile::packB).
+  // short), 128 for a narrow C: the bits of gemm on B itself, for both
+  // forms of B and columns that end a panel and a group unevenly. Here the
+  // decoder copies the panels of B packed beforehand (tile::packB).
   if (!tileRuns(true))
     return;
   struct Panels {

@@ -6,9 +6,8 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
-#include <array>
 #include <cmath>
+#include <algorithm>
 #include <functional>
 #include <queue>
 #include <utility>
@@ -59,48 +58,6 @@ DependencyGraph buildGraph(const TaskProgram &p) {
       g.waiters[fill[p.waits[task.firstWait + i].event]++] = t;
   }
   return g;
-}
-
-/// The activation-form GMM ops (the ones a per-expert row grid cuts) in
-/// groups that share rows: an op's rows are its A (input 0), its output and
-/// its addend (input 3 of an unquantized GMM); two ops with a slot of rows
-/// in common are in one group. Returns each op's group, or ~0u for the
-/// other ops and a group of one op.
-std::vector<uint32_t> rowGroups(const TaskProgram &p) {
-  const size_t ops = p.ops.size();
-  std::vector<uint32_t> parent(ops);
-  for (uint32_t o = 0; o < ops; ++o)
-    parent[o] = o;
-  std::function<uint32_t(uint32_t)> root = [&](uint32_t o) {
-    return parent[o] == o ? o : parent[o] = root(parent[o]);
-  };
-  std::vector<uint32_t> slotOwner(p.slots.size(), ~0u);
-  std::vector<char> member(ops, 0);
-  for (uint32_t o = 0; o < ops; ++o) {
-    const TilingRecord &tiling = p.tilings[p.ops[o].tiling];
-    if (p.ops[o].kind != OpKind::Gmm || tiling.depth == 0)
-      continue;
-    member[o] = 1;
-    std::vector<uint32_t> rows = {tiling.inputSlots[0], tiling.outputSlot};
-    if (tiling.inputCount == 4 && !(tiling.flags & kTilingQuantizedB))
-      rows.push_back(tiling.inputSlots[3]);
-    for (uint32_t slot : rows) {
-      if (slot >= slotOwner.size())
-        continue;
-      if (slotOwner[slot] == ~0u)
-        slotOwner[slot] = o;
-      else
-        parent[root(o)] = root(slotOwner[slot]);
-    }
-  }
-  std::vector<uint32_t> size(ops, 0), group(ops, ~0u);
-  for (uint32_t o = 0; o < ops; ++o)
-    if (member[o])
-      ++size[root(o)];
-  for (uint32_t o = 0; o < ops; ++o)
-    if (member[o] && size[root(o)] > 1)
-      group[o] = root(o);
-  return group;
 }
 
 } // namespace
@@ -230,65 +187,6 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
                                                                : 1;
   };
 
-  // Row affinity, where each cube core has its own cache (!sharedCache):
-  // activation-form GMMs that read the same rows (a LoRA adapter's A
-  // product reads the base projection's input) or the rows another wrote
-  // (its B product adds onto the base's output) are one group, and once a
-  // group's tile of an expert's rows is placed, the group's other tiles of
-  // those rows go to the same core as soon as they are ready, ahead of
-  // higher priorities there, those of the rows the core placed last first:
-  // they then find those rows in that core's cache, where the critical-path
-  // order alone runs all of one op's tiles before the next op's and reads
-  // them back from memory. Other cores still take them by priority when
-  // they run dry.
-  const bool affinity = !profile.sharedCache;
-  constexpr uint32_t kNoKey = ~0u, kNoCore = ~0u;
-  std::vector<uint32_t> rowKey(n, kNoKey);
-  uint32_t keyCount = 0;
-  if (affinity) {
-    const std::vector<uint32_t> group = rowGroups(p);
-    std::vector<std::pair<std::array<uint64_t, 4>, uint32_t>> keys;
-    for (uint32_t t = 0; t < n; ++t) {
-      const OpRecord &op = p.ops[p.tasks[t].op];
-      const TilingRecord &tiling = p.tilings[op.tiling];
-      if (p.tasks[t].coreKind != CoreKind::Cube || group[p.tasks[t].op] == kNoKey)
-        continue;
-      const TileCoord c = tileCoord(tiling, t - op.firstTask);
-      keys.push_back({{group[p.tasks[t].op], c.expert, c.rowTile, tiling.rowTiles}, t});
-    }
-    std::sort(keys.begin(), keys.end());
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (i > 0 && keys[i].first != keys[i - 1].first)
-        ++keyCount;
-      rowKey[keys[i].second] = keyCount;
-    }
-    if (!keys.empty())
-      ++keyCount;
-  }
-  std::vector<uint32_t> keyHome(keyCount, kNoCore);
-  std::vector<std::vector<uint32_t>> keyWaiting(keyCount); // ready, no home yet
-  std::vector<std::priority_queue<uint32_t, std::vector<uint32_t>, decltype(higher)>> homeReady(
-      cubeCores, std::priority_queue<uint32_t, std::vector<uint32_t>, decltype(higher)>(higher));
-  std::vector<std::vector<uint32_t>> keyReady(keyCount); // ready, with a home
-  std::vector<uint32_t> lastKey(cubeCores, kNoKey);
-  std::vector<char> placedTask(n, 0);
-  auto makeReady = [&](int kind, uint32_t t) {
-    ready[kind].push(t);
-    if (kind != 0 || rowKey[t] == kNoKey)
-      return;
-    if (const uint32_t home = keyHome[rowKey[t]]; home != kNoCore) {
-      homeReady[home].push(t);
-      keyReady[rowKey[t]].push_back(t);
-    } else {
-      keyWaiting[rowKey[t]].push_back(t);
-    }
-  };
-  // Pops what other cores placed already off the top of `q`.
-  auto dropPlaced = [&](auto &q) {
-    while (!q.empty() && placedTask[q.top()])
-      q.pop();
-  };
-
   std::vector<double> readyAt(n, 0), finish(n, 0), eventDone(p.events.size(), 0);
   double linkFree = 0; // when the rank's link has sent the puts placed so far
   signalsLeft = g.pendingSignals;
@@ -306,7 +204,6 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
     int pick = -1;
     double pickTime = 0;
     for (int k = 0; k < 3; ++k) {
-      dropPlaced(ready[k]);
       if (kinds[k].pending.empty() && ready[k].empty())
         continue;
       double t = kinds[k].free.top().first;
@@ -323,41 +220,13 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
       return Status::error("internal error: the scheduler ran out of ready tasks");
     Kind &k = kinds[pick];
     while (!k.pending.empty() && k.pending.top().first <= pickTime) {
-      makeReady(pick, k.pending.top().second);
+      ready[pick].push(k.pending.top().second);
       k.pending.pop();
     }
+    uint32_t t = ready[pick].top();
+    ready[pick].pop();
     auto [coreFree, core] = k.free.top();
     k.free.pop();
-    dropPlaced(ready[pick]);
-    uint32_t t = ready[pick].top();
-    if (pick == 0 && affinity) {
-      dropPlaced(homeReady[core]);
-      if (!homeReady[core].empty())
-        t = homeReady[core].top();
-      if (const uint32_t last = lastKey[core]; last != kNoKey) {
-        std::vector<uint32_t> &same = keyReady[last];
-        same.erase(
-            std::remove_if(same.begin(), same.end(), [&](uint32_t w) { return placedTask[w]; }),
-            same.end());
-        if (!same.empty())
-          t = *std::min_element(same.begin(), same.end(),
-                                [&](uint32_t a, uint32_t b) { return higher(b, a); });
-      }
-    }
-    placedTask[t] = 1;
-    if (pick == 0 && rowKey[t] != kNoKey) {
-      const uint32_t key = rowKey[t];
-      if (keyHome[key] == kNoCore) {
-        keyHome[key] = core;
-        for (uint32_t w : keyWaiting[key])
-          if (!placedTask[w]) {
-            homeReady[core].push(w);
-            keyReady[key].push_back(w);
-          }
-        keyWaiting[key].clear();
-      }
-      lastKey[core] = key;
-    }
     double start = std::max(coreFree, readyAt[t]);
     if (pooled) {
       start = std::max(start, pool.top());

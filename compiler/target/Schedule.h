@@ -12,16 +12,6 @@
 // different peers at once, which is the seed's rank-aware reordering written
 // relative to the rank.
 //
-// Row affinity: on a profile whose cube cores have caches of their own (not
-// `sharedCache`: the CPU), activation-form GMMs that share rows (an input,
-// an output or an addend: a LoRA adapter's products and its base
-// projection) form a group, and the group's tiles of one expert's rows go
-// to the core that took the first of them, each as soon as it is ready,
-// ahead of higher priorities there; the core's latest rows first. They then
-// read those rows from that core's cache. Other cores still take them by
-// priority when they have nothing else. The layers without adapters have
-// no such groups, and their queues are those of priority alone.
-//
 //===----------------------------------------------------------------------===//
 
 #ifndef MOEC_COMPILER_TARGET_SCHEDULE_H

@@ -21,8 +21,10 @@
 # A and B then the same folder (for example --env-b MOEC_GEMM=moec).
 #
 # The output's lines are matched across the runs by their text with the
-# numbers taken out (the k-th such line of each run); a number that is the
-# same in every run is left as it is. For example, the qwen3 tiles of the
+# numbers taken out and runs of spaces made one (the k-th such line of each
+# run; a table's columns padded to other widths still match); a number that
+# is the same in every run is left as it is, and the count of lines not in
+# every run (a list whose entries differ) is said at the end. For example, the qwen3 tiles of the
 # build saved before a change against bazel-bin's, three rounds:
 #
 #   bash scripts/ab.sh save /tmp/before      # (before the change)
@@ -125,7 +127,9 @@ def lines(path):
         values = number.findall(line)
         if not values:
             continue
-        shape = number.sub("#", line)
+        # (Spaces collapsed: a table pads its columns to the numbers'
+        # widths, which differ from run to run.)
+        shape = " ".join(number.sub("#", line).split())
         k = seen.get(shape, 0)
         seen[shape] = k + 1
         keyed[(shape, k)] = (line, [float(v) for v in values])
@@ -135,9 +139,10 @@ runs = {side: [lines(f"{out}/{side}.{r}") for r in range(1, rounds + 1)] for sid
 first = runs["A"][0]
 print(f"ab.sh: {rounds} rounds, A = {a}, B = {b}, alternating; each number that moved: "
       "A's median, then B/A as the median of the rounds' ratios [lowest, highest]")
-shown = 0
+shown = missing = 0
 for key, (line, _) in first.items():
     if not all(key in run for side in "AB" for run in runs[side]):
+        missing += 1
         continue
     columns = list(zip(*(run[key][1] for side in "AB" for run in runs[side])))
     notes = []
@@ -157,4 +162,7 @@ for key, (line, _) in first.items():
         shown += 1
 if shown == 0:
     print("(no number of the output moved between the runs)")
+if missing:
+    print(f"({missing} line{'s' if missing > 1 else ''} of A's first run with numbers "
+          "not in every run, left out)")
 PY

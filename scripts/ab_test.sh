@@ -2,7 +2,8 @@
 # Checks scripts/ab.sh on two made-up builds whose "benchmark" prints a rate
 # (100 on A, 110 on B, 1% up and down by round) and a size the same on both:
 # the rounds alternate A B, B A; B/A is 1.100 with its range; the size is
-# left as it is; {bin} and MOEC_BIN name each side's folder; --env-a and
+# left as it is; a table row padded differently by run still matches, and a
+# line not in every run is counted; {bin} and MOEC_BIN name each side's folder; --env-a and
 # --env-b reach only their side's runs; `save` keeps a build's files; a
 # failing run, a missing `--`, a bad --rounds and a bad or missing --env-a/-b
 # value are errors.
@@ -30,6 +31,11 @@ echo $side >> "$work/order"
 awk -v r=$rate -v n=\$n 'BEGIN { printf "tile 128 x 1536: %.1f GFLOP/s\n", r * (n % 2 ? 1.01 : 1) }'
 echo "bin \$MOEC_BIN"
 echo "knob \${KNOB:-1} \${OTHER:-5}"
+# A table's row, its columns padded to the numbers' widths: 9.5 on odd
+# runs, 10.5 on even ones (B/A 1.000, whatever the padding).
+awk -v n=\$n 'BEGIN { printf "  %-8s %8.1f ms\n", "lora_b", n % 2 ? 9.5 : 10.5 }'
+# A line only odd runs print: not in every run, left out and counted.
+[ \$((n % 2)) -eq 0 ] || echo "stalled 3 ms"
 EOF
   chmod +x "build$side/tools/bench/fake"
   echo "$side" > "build$side/tools/moec"
@@ -41,6 +47,10 @@ grep -q "^tile 128 x 1536: " out.txt || fail "the tile line is missing: $(cat ou
 # A's runs 100, 101 (median 100.5); B's 110, 111.1; B/A 1.100 both rounds.
 grep -qE "^    100\.5: 1\.100 \[1\.100, 1\.100\]$" out.txt || fail "no B/A 1.100 for the rate: $(cat out.txt)"
 grep -q "128: " out.txt && fail "a number the same in every run got a ratio: $(cat out.txt)"
+# The padded row matched across the runs although its spaces differ.
+grep -qE "^    10: 1\.000 \[1\.000, 1\.000\]$" out.txt || fail "the padded row was not matched: $(cat out.txt)"
+grep -q "^(1 line of A's first run with numbers not in every run, left out)$" out.txt ||
+  fail "the line not in every run was not counted: $(cat out.txt)"
 grep -q "round 2 of 2 done" err.txt || fail "no progress on stderr: $(cat err.txt)"
 # {bin} and MOEC_BIN were each side's folder: the line with it differs
 # between the sides but has no number, so it is not shown.

@@ -24,8 +24,9 @@
 # numbers taken out and runs of spaces made one (the k-th such line of each
 # run; a table's columns padded to other widths still match); a number that
 # is the same in every run is left as it is, and the count of lines not in
-# every run (a list whose entries differ) is said at the end. For example, the qwen3 tiles of the
-# build saved before a change against bazel-bin's, three rounds:
+# every run (a list whose entries differ) is said at the end. For example,
+# the qwen3 tiles of the build saved before a change against bazel-bin's,
+# three rounds:
 #
 #   bash scripts/ab.sh save /tmp/before      # (before the change)
 #   bash scripts/ab.sh --rounds 3 /tmp/before bazel-bin -- \

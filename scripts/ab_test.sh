@@ -3,8 +3,9 @@
 # (100 on A, 110 on B, 1% up and down by round) and a size the same on both:
 # the rounds alternate A B, B A; B/A is 1.100 with its range; the size is
 # left as it is; a table row padded differently by run still matches, and a
-# line not in every run is counted; {bin} and MOEC_BIN name each side's folder; --env-a and
-# --env-b reach only their side's runs; `save` keeps a build's files; a
+# line not in every run is counted; {bin} and MOEC_BIN name each side's
+# folder; --env-a and --env-b reach only their side's runs; `save` keeps a
+# build's files; a
 # failing run, a missing `--`, a bad --rounds and a bad or missing --env-a/-b
 # value are errors.
 #

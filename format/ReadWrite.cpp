@@ -326,12 +326,14 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
   FileHeader header;
   std::memcpy(&header, data, sizeof(header));
   if (header.version != kFormatVersion)
-    return Status::error(fmt::format(
-        "format version {} is not supported (this reader reads version {}){}", header.version,
-        kFormatVersion,
-        header.version >= 1 && header.version < kFormatVersion
-            ? "; compile the graph again with this moec (version 2 added the layer record)"
-            : ""));
+    return Status::error(
+        fmt::format("format version {} is not supported (this reader reads version {}){}",
+                    header.version, kFormatVersion,
+                    header.version >= 1 && header.version < kFormatVersion
+                        ? "; compile the graph again with this moec (version 2 added the layer "
+                          "record, version 3 "
+                          "a GMM's low-rank product)"
+                        : ""));
   if (header.fileSize > size)
     return Status::error(truncationMessage(data, size, header));
   if (header.fileSize < size)

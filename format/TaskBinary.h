@@ -51,8 +51,9 @@ namespace moec::format {
 inline constexpr char kMagic[8] = {'M', 'O', 'E', 'C', 'B', 'I', 'N', '\0'};
 
 /// The format version this code writes and the only one it reads. Version 2
-/// added the layer section (LayerRecord).
-inline constexpr uint32_t kFormatVersion = 2;
+/// added the layer section (LayerRecord); version 3 a GMM's second,
+/// low-rank product (TilingRecord::lowRankSlots).
+inline constexpr uint32_t kFormatVersion = 3;
 
 /// The value of an optional u32 index that names nothing.
 inline constexpr uint32_t kNone = 0xFFFFFFFFu;
@@ -139,8 +140,12 @@ enum TilingFlag : uint8_t {
   ///    [G, rows, cols / g, 2], (scale, zero point) pairs, value = (code -
   ///    zero) x scale.
   kTilingQuantizedB = 1u << 6,
+  /// The low-rank product's V is stored transposed ([G, N, r]; see
+  /// TilingRecord::lowRankSlots).
+  kTilingLowRankTransposeB = 1u << 7,
   kKnownTilingFlags = kTilingTransposeA | kTilingTransposeB | kTilingAccumulate | kTilingScale |
-                      kTilingReduceTp | kTilingShareRows | kTilingQuantizedB,
+                      kTilingReduceTp | kTilingShareRows | kTilingQuantizedB |
+                      kTilingLowRankTransposeB,
 };
 
 /// The kind of a section; each kind appears exactly once in a version-2 file.
@@ -349,10 +354,22 @@ static_assert(offsetof(OpRecord, kind) == 4 && offsetof(OpRecord, firstTask) == 
 ///                              (cost estimates only)
 ///   92     4    scale          f32: the product's factor with kTilingScale
 ///                              (finite, nonzero), else zero
+///   96     8    lowRankSlots[2] indices into slots: U and V of a second
+///                              product, or kNone, kNone
 ///
 /// A GMM of the activation form (depth > 0) with inputCount 4 adds its
 /// fourth input, a tensor of the output's shape, to the product:
 /// C = D + scale * A B (a LoRA adapter's product onto the base projection).
+///
+/// An activation GMM with lowRankSlots adds a second product over a depth
+/// of its own to the first: C = A op(B) + U op(V), U [M, r] rows as A's (a
+/// LoRA adapter's rank-r rows, its scale already in them), V the expert's
+/// [r, N], or [N, r] with kTilingLowRankTransposeB (the adapter's second
+/// weight, dense, of A's dtype). The compiler fuses a LoRA adapter's second
+/// GMM into its base's this way (moe-fuse-low-rank) for targets that want
+/// it; such a GMM has no addend and no scale (its inputs 3, when present,
+/// are quantized weights' scales). The sums of both products meet in one
+/// fp32 accumulator, rounded once where moec's AVX-512 tile runs it.
 struct TilingRecord {
   OpKind opKind = OpKind::Gmm;
   DType dtype = DType::F32;
@@ -375,15 +392,19 @@ struct TilingRecord {
   uint32_t inputSlots[kMaxTilingInputs] = {kNone, kNone, kNone, kNone};
   uint32_t balancedRows = 0;
   float scale = 0;
+  uint32_t lowRankSlots[2] = {kNone, kNone};
 
   /// The number of tiles (tasks) of the grid.
   uint64_t tileCount() const { return uint64_t(experts) * peers * rowTiles * colTiles; }
+  /// Whether the GMM adds a second, low-rank product (lowRankSlots).
+  bool lowRank() const { return lowRankSlots[0] != kNone; }
 };
-static_assert(sizeof(TilingRecord) == 96 && alignof(TilingRecord) == 8, "TilingRecord layout");
+static_assert(sizeof(TilingRecord) == 104 && alignof(TilingRecord) == 8, "TilingRecord layout");
 static_assert(offsetof(TilingRecord, experts) == 4 && offsetof(TilingRecord, outputSlot) == 20 &&
                   offsetof(TilingRecord, rows) == 24 && offsetof(TilingRecord, tileM) == 48 &&
                   offsetof(TilingRecord, lda) == 60 && offsetof(TilingRecord, inputSlots) == 72 &&
-                  offsetof(TilingRecord, balancedRows) == 88,
+                  offsetof(TilingRecord, balancedRows) == 88 &&
+                  offsetof(TilingRecord, lowRankSlots) == 96,
               "TilingRecord layout");
 
 /// One tile of a grid: its cell and its row and column ranges.

@@ -10,6 +10,7 @@
 #include "format/TaskBinary.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -375,7 +376,56 @@ private:
       } else if (std::memcmp(&tiling.scale, &kZeroFloat, sizeof(float)) != 0) {
         return Status::error(fmt::format("{}: scale is set without the scale flag", what));
       }
+      if (Status status = checkLowRank(tiling, what); !status)
+        return status;
     }
+    return Status::success();
+  }
+
+  /// A GMM's second, low-rank product (TilingRecord::lowRankSlots): both
+  /// slots or neither; an activation GMM with no addend, scale or
+  /// accumulation; U [M, r] and V [G, r, N] (or [G, N, r]) of A's dtype.
+  Status checkLowRank(const TilingRecord &tiling, const std::string &what) const {
+    const uint32_t u = tiling.lowRankSlots[0], v = tiling.lowRankSlots[1];
+    if (u == kNone && v == kNone) {
+      if (tiling.flags & kTilingLowRankTransposeB)
+        return Status::error(fmt::format(
+            "{}: flag bit 7 (low-rank V transposed) is set without a low-rank product", what));
+      return Status::success();
+    }
+    if (u == kNone || v == kNone)
+      return Status::error(
+          fmt::format("{}: a low-rank product names {} but not {} (both slots, or kNone for both)",
+                      what, u == kNone ? "V" : "U", u == kNone ? "U" : "V"));
+    if (Status status = checkSlotIndex(what, "low-rank U", u); !status)
+      return status;
+    if (Status status = checkSlotIndex(what, "low-rank V", v); !status)
+      return status;
+    const bool quantized = tiling.flags & kTilingQuantizedB;
+    if (tiling.opKind != OpKind::Gmm || tiling.depth == 0 ||
+        (tiling.flags & (kTilingScale | kTilingAccumulate | kTilingTransposeA)) ||
+        tiling.inputCount < 2 || (quantized ? tiling.inputCount != 4 : tiling.inputCount > 3))
+      return Status::error(fmt::format(
+          "{}: a low-rank product needs an activation GMM without an addend, a scale or "
+          "accumulation",
+          what));
+    const SlotRecord &us = p.slots[u], &vs = p.slots[v], &as = p.slots[tiling.inputSlots[0]];
+    if (us.dtype != as.dtype || vs.dtype != as.dtype)
+      return Status::error(fmt::format("{}: the low-rank U ({}) and V ({}) must have A's dtype {}",
+                                       what, dtypeName(us.dtype), dtypeName(vs.dtype),
+                                       dtypeName(as.dtype)));
+    const bool transposed = tiling.flags & kTilingLowRankTransposeB;
+    const uint64_t r = us.rank == 2 ? us.dims[1] : 0;
+    const uint64_t vr = transposed ? vs.dims[2] : vs.dims[1],
+                   vn = transposed ? vs.dims[1] : vs.dims[2];
+    if (us.rank != 2 || r == 0 || us.dims[0] != as.dims[0] || vs.rank != 3 ||
+        vs.dims[0] != tiling.experts || vr != r || vn != tiling.cols)
+      return Status::error(fmt::format(
+          "{}: the low-rank U must be [{}, r] (A's rows) and V [{}, {}] (r = U's columns, N = {}, "
+          "the GMM's columns): U is [{}], V [{}]",
+          what, as.dims[0], tiling.experts, transposed ? "N, r" : "r, N", tiling.cols,
+          fmt::join(us.dims, us.dims + std::min<uint32_t>(us.rank, kMaxTensorRank), ", "),
+          fmt::join(vs.dims, vs.dims + std::min<uint32_t>(vs.rank, kMaxTensorRank), ", ")));
     return Status::success();
   }
 

@@ -315,7 +315,8 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
   starting("graph passes");
   mlir::PassManager pm(module.getContext());
   moe::buildGraphPipeline(pm, result.config, options.configPath,
-                          moe::splitOptionsFor(lowerOptions.profile));
+                          moe::splitOptionsFor(lowerOptions.profile),
+                          moe::fusesLowRank(lowerOptions.profile));
   if (mlir::failed(pm.run(module)))
     return Status::error("the graph passes failed");
   phase("graph passes");

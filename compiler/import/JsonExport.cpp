@@ -148,6 +148,10 @@ FailureOr<json> moec::exportGraphJson(ModuleOp module) {
     if (auto combine = dyn_cast<CombineOp>(task.getOperation()); combine && combine.getReduceTp())
       o["reduce_tp"] = true;
     if (auto gmm = dyn_cast<GmmOp>(task.getOperation())) {
+      if (gmm.hasLowRank())
+        return gmm.emitError() << "gmm '" << task.getOpName()
+                               << "' has a low-rank product (moe-fuse-low-rank makes one), which "
+                                  "a graph file cannot hold; export the graph before the passes";
       if (gmm.getAccumulate())
         o["accumulate"] = true;
       if (Attribute scale = gmm.getScaleAttr()) {

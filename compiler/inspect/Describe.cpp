@@ -73,6 +73,8 @@ std::vector<std::string> tilingFlagNames(const TilingRecord &t) {
     names.push_back("share_rows");
   if (t.flags & kTilingQuantizedB)
     names.push_back("quantized_b");
+  if (t.lowRank())
+    names.push_back(t.flags & kTilingLowRankTransposeB ? "low_rank,transpose_low_b" : "low_rank");
   return names;
 }
 
@@ -85,6 +87,8 @@ std::vector<uint32_t> tilingInputs(const TilingRecord &tiling) {
   std::vector<uint32_t> inputs;
   for (unsigned k = 0; k < tiling.inputCount && k < kMaxTilingInputs; ++k)
     inputs.push_back(tiling.inputSlots[k]);
+  if (tiling.lowRank())
+    inputs.insert(inputs.end(), {tiling.lowRankSlots[0], tiling.lowRankSlots[1]});
   return inputs;
 }
 
@@ -207,11 +211,15 @@ std::string computesText(const TaskProgram &p) {
   int adapters = 0;
   for (const format::OpRecord &op : p.ops) {
     const format::TilingRecord &t = p.tilings[op.tiling];
-    if (op.kind == OpKind::Gmm && t.depth != 0 && t.inputCount == 4 &&
-        !(t.flags & kTilingQuantizedB)) {
+    // (or, fused into the base's, its low-rank product: U's columns)
+    const bool fused = t.lowRank();
+    if (op.kind == OpKind::Gmm && t.depth != 0 &&
+        (fused || (t.inputCount == 4 && !(t.flags & kTilingQuantizedB)))) {
       ++adapters;
-      lora = fmt::format(" with LoRA adapters on {} projection{} (rank {})", adapters,
-                         adapters == 1 ? "" : "s", t.depth);
+      lora = fmt::format(" with LoRA adapters on {} projection{} (rank {}{})", adapters,
+                         adapters == 1 ? "" : "s",
+                         fused ? p.slots[t.lowRankSlots[0]].dims[1] : t.depth,
+                         fused ? ", fused into the base GMMs" : "");
     }
   }
   for (const format::OpRecord &op : p.ops) {

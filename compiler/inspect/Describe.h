@@ -57,7 +57,7 @@ std::vector<std::string> tilingFlagNames(const TilingRecord &t);
 /// "transpose_a,accumulate" or "-".
 std::string tilingFlagsText(const TilingRecord &t);
 
-/// The input slots of a tiling.
+/// The input slots of a tiling, then its low-rank product's U and V.
 std::vector<uint32_t> tilingInputs(const TilingRecord &tiling);
 
 /// A task's tile with rank-relative fields resolved for `rank` (if any).

@@ -643,12 +643,33 @@ LogicalResult GmmOp::verify() {
                        << c.describe("rhs", rhs) << " has rank 3";
     if (getAccumulate())
       return c.error() << "accumulate needs the weight-gradient form (a rank-2 rhs)";
+    if (getExtra().size() > 3)
+      return c.error() << "a gmm takes at most 6 operands (an addend or scales, then a low-rank "
+                       << "pair), got " << getNumOperands();
     if (Value addend = quantized ? Value() : getAddend())
       if (failed(c.rank("addend", addend, 2)) ||
           failed(c.sameElementType("addend", addend, "result", result)) ||
           failed(c.dimsEqual("addend", addend, 0, "result", result, 0)) ||
           failed(c.dimsEqual("addend", addend, 1, "result", result, 1)))
         return failure();
+    if (hasLowRank()) {
+      // result = lhs x rhs + low_lhs[M, r] x low_rhs[G, r, N] (or [G, N, r]).
+      if ((getAddend() && !quantized) || getScaleAttr())
+        return c.error() << "a low-rank product needs a gmm without an addend or a scale";
+      Value u = getLowLhs(), v = getLowRhs();
+      const unsigned rDim = getTransposeLowRhs() ? 2 : 1, vnDim = getTransposeLowRhs() ? 1 : 2;
+      std::string vRole = getTransposeLowRhs() ? "low_rhs (transposed)" : "low_rhs";
+      if (failed(c.rank("low_lhs", u, 2)) || failed(c.rank("low_rhs", v, 3)) ||
+          failed(c.sameElementType("low_lhs", u, "lhs", lhs)) ||
+          failed(c.sameElementType("low_rhs", v, "lhs", lhs)) ||
+          failed(c.dimsEqual("low_lhs", u, 0, "lhs", lhs, 0)) ||
+          failed(c.dimsEqual(vRole, v, rDim, "low_lhs", u, 1)) ||
+          failed(c.dimsEqual("low_rhs", v, 0, "group_list", groups, 0)) ||
+          failed(c.dimsEqual(vRole, v, vnDim, "result", result, 1)))
+        return failure();
+    } else if (getTransposeLowRhs()) {
+      return c.error() << "transpose_low_rhs needs a low-rank product";
+    }
     unsigned kDim = getTransposeRhs() ? 2 : 1, nDim = getTransposeRhs() ? 1 : 2;
     std::string rhsRole = getTransposeRhs() ? "rhs (transposed)" : "rhs";
     if (failed(c.rank("result", result, 2)) ||
@@ -661,6 +682,8 @@ LogicalResult GmmOp::verify() {
   }
   if (rhsRank == 2) {
     // Weight-gradient form: lhs[M, K]^T x rhs[M, N] per group -> [G, K, N].
+    if (hasLowRank() || getTransposeLowRhs())
+      return c.error() << "a low-rank product needs the activation form (a rank-3 rhs)";
     if (getAddend())
       return c.error() << "an addend needs the activation form (a rank-3 rhs)";
     if (getScale())

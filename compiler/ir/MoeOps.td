@@ -217,20 +217,42 @@ def Moe_GmmOp : Moe_TaskOp<"gmm", "GMM", 1, 1> {
     `[G, d1, d2 / g, 2]` ((scale, zero) pairs; value = (code - zero) x
     scale). No gmm may write a quantized tensor.
 
+    A second, low-rank product (activation form; made by moe-fuse-low-rank
+    from a LoRA adapter's second gmm and its base's, never read from a
+    graph file): two more operands `low_lhs[M, r]` (rows as lhs's, the
+    adapter's rank-r rows) and `low_rhs[G, r, N]` (`transpose_low_rhs`:
+    `[G, N, r]`), of lhs's element type: result = lhs x rhs + low_lhs x
+    low_rhs. Such a gmm has no addend and no scale.
+
     `group_list[G]` (i64) holds the per-expert row counts. Fill config:
     `offset_inputs`, `rank_in_event`, `global_trigger`, `out_offset`,
     `advance` ("cube", "cube_only", "cube_custom"), `event_delta`,
     `num_cube_cores`.
   }];
+  // `extra`: none; the addend (or a quantized rhs's scales); the low-rank
+  // pair; or both, in that order (at most one addend, so the count says).
   let arguments = !con((ins Moe_TensorType:$lhs, Moe_TensorType:$rhs,
                             Moe_TensorType:$group_list,
-                            Optional<Moe_TensorType>:$addend),
+                            Variadic<Moe_TensorType>:$extra),
                        commonAttrs,
                        (ins UnitAttr:$transpose_lhs, UnitAttr:$transpose_rhs,
-                            UnitAttr:$accumulate, OptionalAttr<AnyAttr>:$scale));
+                            UnitAttr:$accumulate, OptionalAttr<AnyAttr>:$scale,
+                            UnitAttr:$transpose_low_rhs));
   let extraClassDeclaration = taskImpl # [{
     /// True for the weight-gradient form (rank-2 rhs).
     bool isWeightGradient() { return getRhs().getType().getRank() == 2; }
+    /// The addend (or a quantized rhs's scales), or null.
+    ::mlir::Value getAddend() {
+      auto extra = getExtra();
+      return extra.size() % 2 == 1 ? extra.front() : ::mlir::Value();
+    }
+    /// Whether the gmm adds a low-rank product (low_lhs x low_rhs).
+    bool hasLowRank() { return getExtra().size() >= 2; }
+    /// The low-rank product's rows and weight, or null.
+    ::mlir::Value getLowLhs() {
+      return hasLowRank() ? getExtra()[getExtra().size() - 2] : ::mlir::Value();
+    }
+    ::mlir::Value getLowRhs() { return hasLowRank() ? getExtra().back() : ::mlir::Value(); }
   }];
 }
 

@@ -179,10 +179,14 @@ private:
     if (*op.getTasks() > kNone - p.tasks.size())
       return raw->emitError() << "'" << op.getOpName() << "': " << *op.getTasks()
                               << " tasks overflow the 32-bit task indices of a task binary";
-    if (raw->getNumOperands() > kMaxTilingInputs)
-      return raw->emitError() << "'" << op.getOpName() << "' has " << raw->getNumOperands()
-                              << " inputs; a tiling descriptor names at most "
-                              << kMaxTilingInputs;
+    // A gmm's low-rank pair (its last two operands) goes to lowRankSlots.
+    auto lowRankGmm = dyn_cast<moe::GmmOp>(raw);
+    if (lowRankGmm && !lowRankGmm.hasLowRank())
+      lowRankGmm = moe::GmmOp();
+    const unsigned inputs = raw->getNumOperands() - (lowRankGmm ? 2 : 0);
+    if (inputs > kMaxTilingInputs)
+      return raw->emitError() << "'" << op.getOpName() << "' has " << inputs
+                              << " inputs; a tiling descriptor names at most " << kMaxTilingInputs;
 
     OpKind kind = kindOf(raw);
     Value result = raw->getResult(0);
@@ -195,9 +199,15 @@ private:
     t.rows = uint64_t(g[4]);
     t.cols = uint64_t(g[5]);
     t.outputSlot = slotOf.lookup(result);
-    t.inputCount = uint8_t(raw->getNumOperands());
-    for (unsigned i = 0; i < raw->getNumOperands(); ++i)
+    t.inputCount = uint8_t(inputs);
+    for (unsigned i = 0; i < inputs; ++i)
       t.inputSlots[i] = slotOf.lookup(raw->getOperand(i));
+    if (lowRankGmm) {
+      t.lowRankSlots[0] = slotOf.lookup(lowRankGmm.getLowLhs());
+      t.lowRankSlots[1] = slotOf.lookup(lowRankGmm.getLowRhs());
+      if (lowRankGmm.getTransposeLowRhs())
+        t.flags |= kTilingLowRankTransposeB;
+    }
     t.tileM = options.profile.tileM;
     t.tileN = options.profile.tileN;
     t.tileK = options.profile.tileK;

@@ -29,15 +29,23 @@ std::unique_ptr<mlir::Pass> createResolveShapes(const ModelConfig &config,
 
 /// Adds the graph pipeline: resolve shapes with the config at `configPath`
 /// (read by the pass) for `target`, quantize dispatches, verify the graph,
-/// assign missing slots, propagate splits.
+/// fuse LoRA products (fusesLowRank), assign missing slots, propagate
+/// splits.
 void buildGraphPipeline(mlir::OpPassManager &pm, const std::string &configPath,
                         const std::string &target = "cpu");
 
 /// The same pipeline for a config already loaded (its core counts set):
 /// what a compile runs, so that the config file is read once. `splits`
-/// are moe-propagate-splits' options.
+/// are moe-propagate-splits' options; `fuseLowRank` adds moe-fuse-low-rank
+/// (fusesLowRank of the target's profile).
 void buildGraphPipeline(mlir::OpPassManager &pm, const ModelConfig &config,
-                        const std::string &source, const PropagateSplitsOptions &splits);
+                        const std::string &source, const PropagateSplitsOptions &splits,
+                        bool fuseLowRank);
+
+/// Whether the pipeline folds LoRA adapters' second gmms into their bases'
+/// (moe-fuse-low-rank) for `profile`: where its cube cores share no cache
+/// (the CPU), whose backend runs a gmm with a low-rank product.
+bool fusesLowRank(const target::TargetProfile &profile);
 
 /// moe-propagate-splits' options for `profile`: its defaults, with the GMM
 /// kernel's blocks (pad_m, pad_n) the automatic splits cut tiles to.

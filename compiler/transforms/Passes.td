@@ -54,6 +54,27 @@ def VerifyGraph : Pass<"moe-verify-graph", "::mlir::ModuleOp"> {
   }];
 }
 
+def FuseLowRank : Pass<"moe-fuse-low-rank", "::mlir::ModuleOp"> {
+  let summary = "Fold each LoRA adapter's second gmm into its base's as a low-rank product";
+  let description = [{
+    A gmm that adds a product onto its addend (`result = addend + lhs x rhs`,
+    no scale: a LoRA adapter's second product, `Y = Y_base + U B` or
+    `dX = dX_base + V A^T`) whose addend a base gmm writes and nothing else
+    reads becomes that base gmm's low-rank product: one gmm, `result =
+    lhs x rhs + U x B` (its `low_lhs`, `low_rhs`), under the base's name and
+    split and the adapter's result name and slot; the adapter's gmm is gone,
+    and the graph's ordering edges that named it name the base. The tile then
+    sums the adapter's rank-r units with the base's before its one store,
+    where two gmms read and wrote the base's output twice. Runs after
+    `moe-verify-graph`; the compile runs it for targets whose cube cores
+    share no cache (`shared_cache` false: the CPU), whose backend runs such
+    gmms.
+  }];
+  let statistics = [
+    Statistic<"numFused", "fused", "LoRA products folded into their base's gmm">,
+  ];
+}
+
 def AssignSlots : Pass<"moe-assign-slots", "::mlir::ModuleOp"> {
   let summary = "Give slots to tensors and tiling slots to ops that have none";
   let description = [{

@@ -10,9 +10,11 @@ namespace moec::moe {
 
 namespace {
 /// The passes after moe-resolve-shapes.
-void addGraphPasses(OpPassManager &pm, const PropagateSplitsOptions &splits) {
+void addGraphPasses(OpPassManager &pm, const PropagateSplitsOptions &splits, bool fuseLowRank) {
   pm.addPass(createQuantizeDispatch());
   pm.addPass(createVerifyGraph());
+  if (fuseLowRank)
+    pm.addPass(createFuseLowRank());
   pm.addPass(createAssignSlots());
   pm.addPass(createPropagateSplits(splits));
 }
@@ -33,15 +35,18 @@ void buildGraphPipeline(OpPassManager &pm, const std::string &configPath,
   pm.addPass(createResolveShapes(options));
   // A target that does not resolve fails in moe-resolve-shapes.
   target::TargetProfile profile;
-  addGraphPasses(pm, target::resolveProfile(target, &profile) ? splitOptionsFor(profile)
-                                                              : PropagateSplitsOptions{});
+  const bool resolved = bool(target::resolveProfile(target, &profile));
+  addGraphPasses(pm, resolved ? splitOptionsFor(profile) : PropagateSplitsOptions{},
+                 resolved && fusesLowRank(profile));
 }
 
 void buildGraphPipeline(OpPassManager &pm, const ModelConfig &config, const std::string &source,
-                        const PropagateSplitsOptions &splits) {
+                        const PropagateSplitsOptions &splits, bool fuseLowRank) {
   pm.addPass(createResolveShapes(config, source));
-  addGraphPasses(pm, splits);
+  addGraphPasses(pm, splits, fuseLowRank);
 }
+
+bool fusesLowRank(const target::TargetProfile &profile) { return !profile.sharedCache; }
 
 namespace {
 struct GraphPipelineOptions : PassPipelineOptions<GraphPipelineOptions> {
@@ -57,7 +62,8 @@ void registerMoePipelines() {
   registerMoePasses();
   PassPipelineRegistration<GraphPipelineOptions>(
       "moe-graph-pipeline",
-      "Resolve shapes, quantize dispatches (dispatch_dtype), verify the graph, assign slots and propagate splits",
+      "Resolve shapes, quantize dispatches (dispatch_dtype), verify the graph, fuse LoRA products "
+      "into their bases (targets without a shared cache), assign slots and propagate splits",
       [](OpPassManager &pm, const GraphPipelineOptions &options) {
         buildGraphPipeline(pm, options.config, options.target);
       });

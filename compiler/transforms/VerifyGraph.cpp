@@ -25,8 +25,9 @@ struct VerifyGraphPass : moec::moe::impl::VerifyGraphBase<VerifyGraphPass> {
       return success();
     const bool layer = !graph.getBlock().getOps<GmmOp>().empty();
     for (GmmOp gmm : graph.getBlock().getOps<GmmOp>())
-      if (gmm.getAddend() &&
-          !isQuantizedWeightType(gmm.getRhs().getType().cast<MoeTensorType>().getElementType()))
+      if (gmm.hasLowRank() ||
+          (gmm.getAddend() &&
+           !isQuantizedWeightType(gmm.getRhs().getType().cast<MoeTensorType>().getElementType())))
         return gmm.emitError()
                << "'" << gmm.getOpName() << "' adds a LoRA adapter's product, and the config's tp is "
                << tp.getInt()

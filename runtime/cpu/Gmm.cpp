@@ -311,7 +311,8 @@ bool packedTile(Elt a, Elt b) {
 
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
               bool transB, Matrix c, bool accumulate, Scratch *scratch, float alpha, bool streamC,
-              const void *packedB, const tile::DecodedB *decodedB, ConstMatrix addend) {
+              const void *packedB, const tile::DecodedB *decodedB, ConstMatrix addend,
+              const tile::LowRank *lowRank) {
   if (m <= 0 || n <= 0)
     return;
   const bool cBf16 = c.elt == Elt::BF16;
@@ -362,11 +363,14 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     static thread_local Scratch threadScratch;
     Scratch &mem = scratch ? *scratch : threadScratch;
     const bool bf16 = a.elt == Elt::BF16;
-    float *base = mem.floats(lineRound(
-        int64_t(tile::packBytes(m, n, k, transA, bf16, cBf16, decodedB, !direct) / 4 + 1)));
+    float *base = mem.floats(lineRound(int64_t(
+        tile::packBytes(m, n, k, transA, bf16, cBf16, decodedB, !direct, lowRank ? lowRank->k : 0) /
+            4 +
+        1)));
     if (direct) {
       tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, c.data, c.ld, cBf16,
-                 accumulate, base, streamC && !accumulate, packedB, decodedB);
+                 accumulate, base, streamC && !accumulate && !lowRank, packedB, decodedB, nullptr,
+                 lowRank);
       return;
     }
     // C = (C or the addend, or nothing) + alpha * the sums, as the sums
@@ -457,12 +461,30 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
   // another core (the qwen3 step's base GMMs 7-12% faster; the log,
   // 2026-11-27). Elsewhere measured on no CPU: left as it was.
   const bool streamOut = c.elt == Elt::BF16 && a.elt == Elt::BF16 && tile::amx();
-  gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false,
-           decodedB ? b
-           : transB ? shifted(b, cols.begin, 0)
-                    : shifted(b, 0, cols.begin),
-           transB, out, false, scratch, epilogue.scale, streamOut, packedB,
-           decodedB ? &decodedCols : nullptr, addend);
+  const ConstMatrix weight = decodedB ? b
+                             : transB ? shifted(b, cols.begin, 0)
+                                      : shifted(b, 0, cols.begin);
+  const tile::DecodedB *decoded = decodedB ? &decodedCols : nullptr;
+  if (!epilogue.lowV.data) {
+    gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false, weight, transB, out, false,
+             scratch, epilogue.scale, streamOut, packedB, decoded, addend);
+    return;
+  }
+  // A second, low-rank product: U op(V) over the same rows and columns.
+  const ConstMatrix u = shifted(epilogue.lowU, first, 0);
+  const ConstMatrix v = epilogue.lowTransV ? shifted(epilogue.lowV, cols.begin, 0)
+                                           : shifted(epilogue.lowV, 0, cols.begin);
+  if (packedTile(a.elt, b.elt) && u.elt == a.elt && v.elt == a.elt) {
+    // moec's tile: in the same call (tile::LowRank).
+    const tile::LowRank low{u.data, u.ld, v.data, v.ld, epilogue.lowTransV, epilogue.lowDepth};
+    gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false, weight, transB, out, false,
+             scratch, 1.0f, false, packedB, decoded, ConstMatrix{}, &low);
+    return;
+  }
+  gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false, weight, transB, out, false,
+           scratch, 1.0f, false, packedB, decoded);
+  gemmTile(r.size(), cols.size(), epilogue.lowDepth, u, false, v, epilogue.lowTransV, out, true,
+           scratch);
 }
 
 } // namespace

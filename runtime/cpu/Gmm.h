@@ -69,6 +69,7 @@ namespace moec::cpu {
 
 namespace tile {
 struct DecodedB;
+struct LowRank;
 } // namespace tile
 
 /// The rows of one expert in an expert-major activation buffer:
@@ -160,7 +161,8 @@ bool nativeBf16Gemm();
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
               bool transB, Matrix c, bool accumulate, Scratch *scratch = nullptr,
               float alpha = 1.0f, bool streamC = false, const void *packedB = nullptr,
-              const tile::DecodedB *decodedB = nullptr, ConstMatrix addend = {});
+              const tile::DecodedB *decodedB = nullptr, ConstMatrix addend = {},
+              const tile::LowRank *lowRank = nullptr);
 
 /// Whether gemmTile runs a product of these operand types on moec's tile,
 /// which reads a B packed beforehand (`packedB`).
@@ -171,9 +173,20 @@ bool packedTile(Elt a, Elt b);
 /// null) is a matrix of C's shape and type, read at the rows and columns the
 /// tile writes (it may be C itself). A LoRA adapter adds its product onto
 /// the base projection's output this way, and scales its rank-r product.
+///
+/// With `lowV`'s data not null, a second product is added (a LoRA adapter's
+/// rank-r product fused into its base's tile; TilingRecord::lowRankSlots):
+/// C = P + U op(V), U the whole expert-major [rows, lowDepth] buffer (rows as
+/// A's), V the expert's [lowDepth, N] weight (or [N, lowDepth] with
+/// `lowTransV`); no addend and scale 1 then. Where moec's tile runs the
+/// product without AMX, in one call (tile::LowRank: one rounding); elsewhere
+/// as a second product added onto C.
 struct Epilogue {
   float scale = 1.0f;
   ConstMatrix addend;
+  ConstMatrix lowU, lowV;
+  int64_t lowDepth = 0;
+  bool lowTransV = false;
 };
 
 /// Forward tile of one expert: C[m, n] = sum_{k < depth} A[m, k] * B[k, n] for

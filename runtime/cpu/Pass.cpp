@@ -82,6 +82,11 @@ struct Pass::OpInfo {
   /// The scales of a quantized weight B (kTilingQuantizedB), or kNone.
   uint32_t weightScales = format::kNone;
   int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
+  /// A second, low-rank product (TilingRecord::lowRankSlots): U's and V's
+  /// slots, or kNone; V stored transposed; elements per expert of V.
+  uint32_t lowU = format::kNone, lowV = format::kNone;
+  bool lowTransV = false;
+  int64_t lowStride = 0;
   /// Its B is a weight kept packed (PassOptions::packWeights).
   bool packable = false;
 };
@@ -172,6 +177,13 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
         program.slots[info.wgrad ? info.tiling->outputSlot : info.tiling->inputSlots[1]];
     if (op.kind == OpKind::Gmm)
       info.expertStride = int64_t(w.dims[1] * w.dims[2]);
+    if (info.tiling->lowRank()) {
+      info.lowU = info.tiling->lowRankSlots[0];
+      info.lowV = info.tiling->lowRankSlots[1];
+      info.lowTransV = info.tiling->flags & format::kTilingLowRankTransposeB;
+      const format::SlotRecord &v = program.slots[info.lowV];
+      info.lowStride = int64_t(v.dims[1] * v.dims[2]);
+    }
     if (options.packWeights && op.kind == OpKind::Gmm && !info.wgrad) {
       const uint32_t b = info.tiling->inputSlots[1];
       bool weight = b == plan.w1 || b == plan.w2;
@@ -748,6 +760,14 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
       epilogue.scale = op.scale;
       if (op.addend != format::kNone)
         epilogue.addend = in(op.addend);
+      if (op.lowU != format::kNone) {
+        epilogue.lowU = in(op.lowU);
+        epilogue.lowV = ConstMatrix{static_cast<const char *>(data[rank][op.lowV]) +
+                                        op.lowStride * tile.expert * dtypeSize(dtype(op.lowV)),
+                                    dtype(op.lowV), int64_t(tasks.slots[op.lowV].dims[2])};
+        epilogue.lowDepth = int64_t(tasks.slots[op.lowU].dims[1]);
+        epilogue.lowTransV = op.lowTransV;
+      }
       const auto gemm = [&](ConstMatrix weight, Matrix result, Range resultCols,
                             const void *packedB, const tile::DecodedB *decodedB = nullptr) {
         if (op.transposeB)
@@ -789,12 +809,17 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
       // part of the expert's B they read dequantized to the activations' dtype (it
       // stays in cache while the GEMM reads it), then multiplied as a dense
       // B of their own; C is addressed from their first column. Each
-      // column's sums are those of one call over all the columns.
+      // column's sums are those of one call over all the columns. (A
+      // low-rank V is addressed from the chunk's first column too.)
+      const ConstMatrix lowV = epilogue.lowV;
       for (int64_t c0 = cols.begin; c0 < cols.end; c0 += kWeightColumnChunk) {
         const Range chunk{c0, std::min(cols.end, c0 + kWeightColumnChunk)};
         const int64_t n = chunk.end - chunk.begin;
         Matrix cm = out(c);
         cm.data = static_cast<char *>(cm.data) + size_t(chunk.begin) * dtypeSize(dtype(c));
+        if (lowV.data)
+          epilogue.lowV.data =
+              lowV.address(op.lowTransV ? chunk.begin : 0, op.lowTransV ? 0 : chunk.begin);
         gemm(ConstMatrix{dequantizeWeightTile(opIndex, rank, tile.expert, chunk, dtype(a), worker),
                          dtype(a), dequantizedStride(op.transposeB, int64_t(t.depth), n)},
              cm, Range{0, n}, nullptr);

@@ -82,31 +82,39 @@ size_t transposedBytes(int64_t m, int64_t n, bool cBf16) {
   return size_t(n * transposedLd(m)) * (cBf16 ? 2 : 4);
 }
 
+/// Bytes of a LowRank's V packed for one column group of `width` columns,
+/// its whole depth `lowK`, as gemm keeps them (after 64 bytes of alignment).
+size_t lowRankPanelBytes(int64_t width, int64_t lowK, bool bf16) {
+  return lowK > 0 ? 64 + size_t(ceilDiv(width, kPanel) * kPanel * ceilDiv(lowK, perUnit(bf16))) * 4
+                  : 0;
+}
+
 /// packBytes of the product as gemm computes it (not transposed).
 size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
-                   bool decodedB, bool addScaled) {
-  if (bf16 && amx())
-    return amxPackBytes(m, n, k, decodedB);
+                   bool decodedB, bool addScaled, int64_t lowK) {
+  if (bf16 && amx()) // a LowRank is a second call there, after the first
+    return std::max(amxPackBytes(m, n, k, decodedB),
+                    lowK > 0 ? amxPackBytes(m, n, lowK, false) : size_t(0));
   const int64_t width = std::min(n, kGroup);
   size_t bytes = panelBytes(width, decodedB) + packedABytes(m, k, transA, bf16) +
                  partialBytes(m, n, k, bf16, cBf16 || addScaled);
   // The larger of the two forms: packBytes does not know transB.
   if (decodedB)
     bytes += std::max(decodedBytes(true), decodedBytes(false));
-  return bytes;
+  return bytes + lowRankPanelBytes(width, lowK, bf16);
 }
 
 } // namespace
 
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16, bool decodedB,
-                 bool addScaled) {
-  const size_t direct = directBytes(m, n, k, transA, bf16, cBf16, decodedB, addScaled);
+                 bool addScaled, int64_t lowRankK) {
+  const size_t direct = directBytes(m, n, k, transA, bf16, cBf16, decodedB, addScaled, lowRankK);
   // The larger of the two forms of a product gemm may compute transposed
   // (packBytes does not know transB or packedB).
   if (!narrowTransposed(m, n, transA, decodedB, addScaled))
     return direct;
   return std::max(direct, transposedBytes(m, n, cBf16) +
-                              directBytes(n, m, k, true, bf16, cBf16, false, false));
+                              directBytes(n, m, k, true, bf16, cBf16, false, false, 0));
 }
 
 #ifdef MOEC_TILE_X86
@@ -361,6 +369,17 @@ struct Lines {
   int count = 0;
 };
 
+/// A LowRank's part of one micro-kernel call: U's rows at a + r * aRow
+/// (bytes; a unit 4 bytes apart), its `units` units (the last a lone bf16
+/// value with `halfLast`), and its V's panel for the call's columns.
+struct LowPart {
+  const char *a = nullptr;
+  int64_t aRow = 0;
+  int64_t units = 0;
+  bool halfLast = false;
+  const uint32_t *panel = nullptr;
+};
+
 /// Broadcasts A's unit at `offset` bytes into each of the MR rows: 32 bits,
 /// or with HALF a lone bf16 value (the high half zero).
 template <int MR, bool HALF>
@@ -404,7 +423,8 @@ step(__m512 (&acc)[MR][NV], const uint32_t *panel, const __m512i (&av)[MR]) {
 /// the depth), read as such. With `scaled` (gemm's AddScaled), the sums are
 /// multiplied by its alpha and, where `addend` is not null, added to
 /// addend[r, 0:cols) (row stride scaled->ld, out's storage type) before
-/// they are stored.
+/// they are stored. With `low`, its units are summed after A's, before
+/// any of that.
 ///
 /// With PACK, the panel is not read but made as this call goes, unit by unit
 /// as packRows makes it, and written for the calls after this one: a bf16
@@ -423,7 +443,7 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
                             bool halfLast, uint32_t *panel, const float *in, int64_t ldIn,
                             void *out, int64_t ldOut, bool outBf16, int cols, const void *src,
                             int64_t ldSrc, int64_t srcRows, const AddScaled *scaled,
-                            const char *addend, const Lines &ahead) {
+                            const char *addend, const Lines &ahead, const LowPart *low) {
   static_assert(NV == 3 || !PACK, "the panel is packed in the call 48 columns at a time");
   __m512 acc[MR][NV];
   const __mmask16 masks[3] = {laneMask(cols, 0), laneMask(cols, 1), laneMask(cols, 2)};
@@ -515,6 +535,22 @@ MOEC_TILE_TARGET void micro(int64_t units, const char *a, int64_t aRow, int64_t 
   }
   for (; issued < ahead.count; ++issued)
     _mm_prefetch(ahead.line[issued], _MM_HINT_T1);
+  if (low) {
+    const char *lowRows[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+      lowRows[r] = low->a + r * low->aRow;
+    const uint32_t *lowPanel = low->panel;
+    const int64_t lowWhole = low->halfLast ? low->units - 1 : low->units;
+    for (int64_t t = 0; t < lowWhole; ++t, lowPanel += kPanel) {
+      broadcast<MR, false>(av, lowRows, t * 4);
+      step<MR, NV, BF16>(acc, lowPanel, av);
+    }
+    if (low->halfLast) {
+      broadcast<MR, true>(av, lowRows, lowWhole * 4);
+      step<MR, NV, BF16>(acc, lowPanel, av);
+    }
+  }
   if (scaled) {
     const int64_t elt = outBf16 ? 2 : 4;
 #pragma GCC unroll 16
@@ -597,7 +633,7 @@ private:
 
 using Micro = void (*)(int64_t, const char *, int64_t, int64_t, bool, uint32_t *, const float *,
                        int64_t, void *, int64_t, bool, int, const void *, int64_t, int64_t,
-                       const AddScaled *, const char *, const Lines &);
+                       const AddScaled *, const char *, const Lines &, const LowPart *);
 
 /// Rows of C per micro-kernel call for a C at most 16 columns wide (one
 /// vector of the panel: kNarrowRows accumulators).
@@ -644,7 +680,16 @@ bool available(bool bf16) {
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA, const void *b,
           int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,
           void *pack, bool stream, const void *packedB, const DecodedB *decodedB,
-          const AddScaled *addScaled) {
+          const AddScaled *addScaled, const LowRank *lowRank) {
+  // On AMX tiles a LowRank is a second call, adding onto C.
+  if (lowRank && bf16 && amx()) {
+    gemm(m, n, k, a, lda, transA, b, ldb, transB, bf16, c, ldc, cBf16, load, pack, stream, packedB,
+         decodedB, addScaled);
+    const AddScaled onto{1.0f, c, ldc};
+    gemm(m, n, lowRank->k, lowRank->u, lowRank->ldu, false, lowRank->v, lowRank->ldv,
+         lowRank->transV, bf16, c, ldc, cBf16, false, pack, false, nullptr, nullptr, &onto);
+    return;
+  }
   // A narrow C whose A is stored transposed (a LoRA adapter's weight
   // gradient, X^T dU: m the model's width, n the rank) is computed as its
   // transpose, C^T = op(B)^T op(A)^T, into the working memory, then written
@@ -708,6 +753,15 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // the partial sums, which a bf16 C deeper than one block needs).
   uint16_t *decoded = reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(partialBase) +
                                                    partialBytes(m, n, k, bf16, apart));
+  // With lowRank: its V's panels of one column group, its whole depth (after
+  // the decoded part of B, on a line of their own), and U's rows in place.
+  const int64_t lowUnits = lowRank ? ceilDiv(lowRank->k, per) : 0, lowStride = lowUnits * kPanel;
+  uint32_t *lowPanels = nullptr;
+  if (lowRank) {
+    const uintptr_t end = reinterpret_cast<uintptr_t>(decoded) +
+                          (decodedB ? std::max(decodedBytes(true), decodedBytes(false)) : 0);
+    lowPanels = reinterpret_cast<uint32_t *>((end + 63) & ~uintptr_t(63));
+  }
   const char *aBytes = static_cast<const char *>(a), *bBytes = static_cast<const char *>(b);
   // The rows of B's column group at j0 (nb wide), depth [q0, q1), and of A
   // (read in place) at depth [q0, q1): what a later block will pack or read.
@@ -766,6 +820,14 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
     char *cGroup = static_cast<char *>(c) + j0 * cElt;
     float *partial = apart ? partialBase : reinterpret_cast<float *>(cGroup);
     const int64_t ldPartial = apart ? nb : ldc;
+    if (lowRank) {
+      const char *v =
+          static_cast<const char *>(lowRank->v) + (lowRank->transV ? j0 * lowRank->ldv : j0) * elt;
+      if (lowRank->transV)
+        packTransposed(v, lowRank->ldv, nb, 0, lowRank->k, bf16, lowPanels, lowStride);
+      else
+        packRows(v, lowRank->ldv, 0, lowRank->k, nb, bf16, lowPanels, kPanel, kPanel, lowStride);
+    }
     for (int64_t p0 = 0; p0 < k; p0 += depth) {
       const int64_t p1 = std::min(k, p0 + depth);
       const int64_t units = ceilDiv(p1 - p0, per);
@@ -852,6 +914,14 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
                                        (i0 * scaled->ld + j0 + q * kPanel) * cElt
                                  : nullptr;
         const char *aAt = aRows(i0);
+        LowPart low;
+        if (last && lowRank) {
+          low.a = static_cast<const char *>(lowRank->u) + i0 * lowRank->ldu * elt;
+          low.aRow = lowRank->ldu * elt;
+          low.units = lowUnits;
+          low.halfLast = bf16 && lowRank->k % 2 == 1;
+          low.panel = lowPanels + q * lowStride;
+        }
         if (narrow && !transA) { // (the kernel reads the stage)
           for (int r = 0; r < rows; ++r)
             std::memcpy(narrowStage + r * kNarrowStageRow, aAt + r * aRow, size_t(p1 - p0) * elt);
@@ -861,7 +931,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
                ldIn, to + q * kPanel * outElt, ldTo, outBf16, cols,
                packInCall ? static_cast<const char *>(bGroup) + (p0 * ldb + q * kPanel) * elt
                           : nullptr,
-               ldb, p1 - p0, scaled, addend, ahead);
+               ldb, p1 - p0, scaled, addend, ahead, last && lowRank ? &low : nullptr);
       };
       if (last && stream) {
         // Row block by row block: the group's columns of kRows rows are
@@ -915,7 +985,7 @@ namespace {
 
 void gemm(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool, bool,
           void *, int64_t, bool, bool, void *, bool, const void *, const DecodedB *,
-          const AddScaled *) {
+          const AddScaled *, const LowRank *) {
   absent();
 }
 

@@ -139,6 +139,24 @@ struct AddScaled {
   int64_t ld = 0;
 };
 
+/// A second product gemm adds to its first (a LoRA adapter's rank-r product
+/// inside its base's tile): C = op(A) op(B) + U op(V), U m x k row-major
+/// (row stride `ldu` elements), op(V) = V stored k x n, or n x k with
+/// `transV` (stride `ldv`), both of A's and B's storage type. On the
+/// AVX-512 micro-kernel its k units are summed after op(A) op(B)'s, in the
+/// registers of the last depth block's calls, so C is rounded and stored
+/// once and U op(V) costs those units alone. On AMX tiles it is a second
+/// product added onto C (AddScaled, alpha 1, C the addend): its sums, and
+/// a bf16 C's rounding between the two, are those of two gemm calls.
+struct LowRank {
+  const void *u = nullptr;
+  int64_t ldu = 0;
+  const void *v = nullptr;
+  int64_t ldv = 0;
+  bool transV = false;
+  int64_t k = 0;
+};
+
 /// Whether this CPU runs the tile: AVX-512 (F, BW, VL, DQ) for fp32, and
 /// bf16 dot products (avx512_bf16) too for bf16. Checked once.
 bool available(bool bf16);
@@ -151,11 +169,12 @@ bool amx();
 
 /// Bytes of working memory gemm() needs for these shapes (packed panels,
 /// fp32 partial sums for a bf16 C, or any C with `addScaled`, deeper than
-/// one block, and with `decodedB` one panel's part of B decoded). A call
-/// with `decodedB` may need less than one without: on AMX a decoded B's
-/// panels are one column group's, not the whole B's.
+/// one block, with `decodedB` one panel's part of B decoded, and with a
+/// LowRank of depth `lowRankK` > 0 its V's panels). A call with `decodedB`
+/// may need less than one without: on AMX a decoded B's panels are one
+/// column group's, not the whole B's.
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
-                 bool decodedB = false, bool addScaled = false);
+                 bool decodedB = false, bool addScaled = false, int64_t lowRankK = 0);
 
 /// C = (load ? C : 0) + op(A) op(B), as the header says. `bf16` says the
 /// storage of A and B (uint16_t bf16 bits, else float), `cBf16` that of C.
@@ -168,11 +187,14 @@ size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool c
 /// `b`, `ldb` are not read; `pack` then holds packBytes(..., true) bytes.
 /// With `addScaled` (not with `load` or `stream`), C = addend + alpha * the
 /// sums, as AddScaled says; `pack` then holds packBytes(..., addScaled =
-/// true) bytes.
+/// true) bytes. With `lowRank` (not with `load`, `stream`, `addScaled` or
+/// `transA`; lowRank->k > 0), C = op(A) op(B) + U op(V) as LowRank says;
+/// `pack` then holds packBytes(..., lowRankK = lowRank->k) bytes.
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA, const void *b,
           int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,
           void *pack, bool stream = false, const void *packedB = nullptr,
-          const DecodedB *decodedB = nullptr, const AddScaled *addScaled = nullptr);
+          const DecodedB *decodedB = nullptr, const AddScaled *addScaled = nullptr,
+          const LowRank *lowRank = nullptr);
 
 /// Bytes of an op(B) of k x n packed whole by packB: n rounded up to whole
 /// 48-column panels, times k in 32-bit units (an fp32 value, or a bf16 pair

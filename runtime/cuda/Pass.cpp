@@ -127,6 +127,13 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
   if (Status s = describeDevice(&gpu); !s)
     return s.withPrefix("the cuda backend: ");
   for (const format::OpRecord &op : program.ops)
+    if (program.tilings[op.tiling].lowRank())
+      return Status::error(fmt::format(
+          "op '{}' adds a LoRA adapter's rank-r product inside its base's GMM (compiled for "
+          "the '{}' target), which the cuda backend does not run; compile for a cuda target "
+          "(h100), which keeps it a GMM of its own, or run on the cpu backend",
+          program.name(op.name), program.name(program.target)));
+  for (const format::OpRecord &op : program.ops)
     if (format::hasPeerGroups(program.tilings[op.tiling]))
       return Status::error(fmt::format(
           "op '{}' cuts its experts' rows into {} groups by source rank, which the cuda "

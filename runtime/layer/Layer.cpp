@@ -180,11 +180,21 @@ private:
   /// and, with a LoRA adapter, the GMM of the rank-r product (U = s X A, or
   /// V = s dY B^T) and the GMM that adds the adapter's second product to the
   /// base output (Y = Y_base + U B, or dX = dX_base + V A^T).
+  ///
+  /// A base GMM with a low-rank product (TilingRecord::lowRankSlots) is the
+  /// adapter's second GMM fused into its base: `add` is then `base`.
   struct Projection {
     uint32_t base = kNoSlot, rankIn = kNoSlot, add = kNoSlot;
     bool lora() const { return add != kNoSlot; }
+    bool fused() const { return lora() && add == base; }
     uint32_t last() const { return lora() ? add : base; }
   };
+
+  /// The adapter's weight that the projection's second product reads (B
+  /// forward, A^T backward).
+  uint32_t addWeight(const Projection &p) const {
+    return p.fused() ? tiling(p.add).lowRankSlots[1] : in(p.add, 1);
+  }
 
   /// Finds the projection whose last GMM writes `result` and whose input
   /// rows are `lhs`.
@@ -193,6 +203,20 @@ private:
     if (!isActivationGmm(last))
       return notLayer(fmt::format("slot '{}' is not written by a gmm (the {})", slotName(result),
                                   role));
+    if (tiling(last).lowRank()) { // an adapter fused into its base: Y = X W + U B
+      p->base = p->add = last;
+      p->rankIn = producer(tiling(last).lowRankSlots[0]);
+      if (in(last, 0) != lhs)
+        return notLayer(fmt::format("the {} {} reads '{}'; expected '{}'", role, describe(last),
+                                    slotName(in(last, 0)), slotName(lhs)));
+      if (p->rankIn == kNoSlot || !isActivationGmm(p->rankIn) || in(p->rankIn, 0) != lhs ||
+          tiling(p->rankIn).inputCount != 3 || tiling(p->rankIn).lowRank())
+        return notLayer(fmt::format("{} adds a low-rank product of '{}', which is not written by "
+                                    "the rank-r gmm of the {} reading '{}'",
+                                    describe(last), slotName(tiling(last).lowRankSlots[0]), role,
+                                    slotName(lhs)));
+      return Status::success();
+    }
     if (tiling(last).inputCount == 4 && !quantized(last)) { // an adapter: Y = Y_base + U B
       p->add = last;
       p->base = producer(in(last, 3));
@@ -343,12 +367,14 @@ private:
       if (!p.lora())
         continue;
       shape.loraTargets |= uint8_t(1u << t);
-      gmms.insert(gmms.end(), {p.rankIn, p.add});
+      gmms.push_back(p.rankIn);
+      if (!p.fused())
+        gmms.push_back(p.add);
       LoraSlots &lora = plan.lora[t];
       // Forward: U = s X A, Y = Y_base + U B. Backward: V = s dY B^T,
       // dX = dX_base + V A^T.
-      lora.a = in(bwd ? p.add : p.rankIn, 1);
-      lora.b = in(bwd ? p.rankIn : p.add, 1);
+      lora.a = bwd ? addWeight(p) : in(p.rankIn, 1);
+      lora.b = bwd ? in(p.rankIn, 1) : addWeight(p);
       if (!bwd)
         lora.u = out(p.rankIn);
       const TilingRecord &rt = tiling(p.rankIn);
@@ -708,9 +734,10 @@ private:
       // Every row-tiled op may share out the rows present.
       const uint8_t allowedFlags =
           kind == OpKind::Gmm
-              ? (isWgrad(op) ? format::kTilingTransposeA | format::kTilingAccumulate
-                             : format::kTilingTransposeB | format::kTilingScale |
-                                   format::kTilingShareRows | format::kTilingQuantizedB)
+              ? (isWgrad(op)
+                     ? format::kTilingTransposeA | format::kTilingAccumulate
+                     : format::kTilingTransposeB | format::kTilingScale | format::kTilingShareRows |
+                           format::kTilingQuantizedB | format::kTilingLowRankTransposeB)
           : kind == OpKind::Combine ? format::kTilingReduceTp | format::kTilingShareRows
                                     : format::kTilingShareRows;
       if (t.flags & ~allowedFlags)

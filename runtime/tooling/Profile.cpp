@@ -156,8 +156,10 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     double work = 0; // this run's FLOPs (a GMM) or bytes
     switch (op.kind) {
     case OpKind::Gmm:
-      if (tiling.depth > 0)
-        work = 2 * clip(tiling, tile, int64_t(segment), span.rank) * cols * double(tiling.depth);
+      if (tiling.depth > 0) // (and a low-rank product's depth, U's columns)
+        work = 2 * clip(tiling, tile, int64_t(segment), span.rank) * cols *
+               double(tiling.depth +
+                      (tiling.lowRank() ? tasks.slots[tiling.lowRankSlots[0]].dims[1] : 0));
       else // a weight gradient: reduces over the expert's rows
         work = 2 * double(tile.rowEnd - tile.rowBegin) * cols * segment;
       break;

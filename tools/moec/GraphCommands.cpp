@@ -302,7 +302,8 @@ int runCheck(int argc, char **argv, int first) {
                         return int(kError);
                       }
                       PassManager pm(module.getContext());
-                      buildGraphPipeline(pm, config, cfgPath, splitOptionsFor(profile));
+                      buildGraphPipeline(pm, config, cfgPath, splitOptionsFor(profile),
+                                         fusesLowRank(profile));
                       if (failed(pm.run(module)))
                         return int(kError);
                       GraphOp graph = *module.getOps<GraphOp>().begin();

@@ -17,11 +17,17 @@ def test_profile_prints_each_pass_with_the_variants_ops(capsys):
     forward, _, backward = out.partition("-- backward")
     assert "fp32 lora: the third step" in out
     assert "-- forward" in forward and "forward pass:" in forward
-    # The LoRA layer's own ops, with their busy time and rate.
-    for op in ("up_proj", "up_lora_a", "up_lora_b", "down_lora_b", "combine"):
+    # The LoRA layer's own ops, with their busy time and rate (each
+    # adapter's second product is summed inside its base's GMM on the cpu
+    # target: no up_lora_b, down_lora_b, up_lora_dx or down_lora_dz).
+    for op in ("up_proj", "up_lora_a", "down_lora_a", "combine"):
         assert f"\n  {op} " in forward, op
-    for op in ("gate_grad", "up_lora_dx", "up_lora_a_grad", "down_lora_b_grad"):
+    for op in ("gate_grad", "up_lora_v", "up_lora_a_grad", "down_lora_b_grad"):
         assert f"\n  {op} " in backward, op
+    for op in ("up_lora_b", "down_lora_b"):
+        assert f"\n  {op} " not in forward, op
+    for op in ("up_lora_dx", "down_lora_dz"):
+        assert f"\n  {op} " not in backward, op
     assert "backward pass:" in backward and "GFLOP/s" in backward
 
 

@@ -249,12 +249,68 @@ TEST_CASE("enum values and reserved bytes", "[task-binary][errors]") {
     CHECK(contentError(p) ==
           "event 0 'dispatch.rows_in': kind 7 is not local (1), cross-rank (2) or terminate (3)");
   }
+  SECTION("a GMM's low-rank product") {
+    // U [256, 16] with the GMM's rows, V [2 experts, 16, 512 columns].
+    SlotRecord u = p.slots[1], v = p.slots[2];
+    u.name = p.addString("lora_u");
+    u.param = 8;
+    u.dims[1] = 16;
+    v.name = p.addString("lora_b");
+    v.param = 9;
+    v.dims[1] = 16;
+    p.slots.push_back(u);
+    p.slots.push_back(v);
+    const uint32_t us = uint32_t(p.slots.size() - 2), vs = us + 1;
+    TilingRecord &gmm = p.tilings[1];
+    gmm.lowRankSlots[0] = us;
+    gmm.lowRankSlots[1] = vs;
+    const std::vector<uint8_t> bytes = writeTaskBinary(p);
+    TaskProgram read;
+    const Status valid = readTaskBinary(bytes.data(), bytes.size(), &read);
+    INFO(valid.message());
+    REQUIRE(valid.ok());
+    CHECK(read.tilings[1].lowRankSlots[0] == us);
+    CHECK(read.tilings[1].lowRankSlots[1] == vs);
+    const TaskProgram good = p;
+    gmm.flags |= kTilingLowRankTransposeB; // V would be [2, 512, 16]
+    CHECK(contentError(p) ==
+          "tiling 1: the low-rank U must be [256, r] (A's rows) and V [2, N, r] (r = U's "
+          "columns, N = 512, the GMM's columns): U is [256, 16], V [2, 16, 512]");
+    p = good;
+    p.tilings[1].lowRankSlots[1] = kNone;
+    CHECK(contentError(p) ==
+          "tiling 1: a low-rank product names U but not V (both slots, or kNone for both)");
+    p = good;
+    p.tilings[1].lowRankSlots[0] = 99;
+    CHECK(contentError(p).find("tiling 1: low-rank U") == 0);
+    p = good;
+    p.slots[us].dtype = DType::F32;
+    CHECK(contentError(p) ==
+          "tiling 1: the low-rank U (f32) and V (bf16) must have A's dtype bf16");
+    p = good;
+    p.tilings[1].flags |= kTilingScale;
+    p.tilings[1].scale = 2;
+    CHECK(contentError(p) == "tiling 1: a low-rank product needs an activation GMM without an "
+                             "addend, a scale or accumulation");
+    p = good;
+    p.tilings[1].inputCount = 4;
+    p.tilings[1].inputSlots[2] = 1;
+    p.tilings[1].inputSlots[3] = 3;
+    CHECK(contentError(p) == "tiling 1: a low-rank product needs an activation GMM without an "
+                             "addend, a scale or accumulation");
+    p = good;
+    p.tilings[0].lowRankSlots[0] = us; // the dispatch's
+    p.tilings[0].lowRankSlots[1] = vs;
+    CHECK(contentError(p) == "tiling 0: a low-rank product needs an activation GMM without an "
+                             "addend, a scale or accumulation");
+  }
   SECTION("flags") {
     p.slots[1].flags |= 0x80;
     CHECK(contentError(p) == "slot 1 'dispatched_x': unknown flag bits 0x80");
     p = smallProgram();
     p.tilings[0].flags = 0x80;
-    CHECK(contentError(p) == "tiling 0: unknown flag bits 0x80");
+    CHECK(contentError(p) ==
+          "tiling 0: flag bit 7 (low-rank V transposed) is set without a low-rank product");
     // Quantized weights: on an activation GMM with the scales as input 3
     // only (tiling 0 is the dispatch's).
     p = smallProgram();

@@ -93,7 +93,7 @@ TEST_CASE("records have the documented sizes and field offsets", "[task-binary][
   CHECK(offsetof(OpRecord, tiling) == 16);
   CHECK(offsetof(OpRecord, reserved2) == 20);
 
-  CHECK(sizeof(TilingRecord) == 96);
+  CHECK(sizeof(TilingRecord) == 104);
   CHECK(offsetof(TilingRecord, opKind) == 0);
   CHECK(offsetof(TilingRecord, dtype) == 1);
   CHECK(offsetof(TilingRecord, flags) == 2);
@@ -115,6 +115,7 @@ TEST_CASE("records have the documented sizes and field offsets", "[task-binary][
   CHECK(offsetof(TilingRecord, inputSlots) == 72);
   CHECK(offsetof(TilingRecord, balancedRows) == 88);
   CHECK(offsetof(TilingRecord, scale) == 92);
+  CHECK(offsetof(TilingRecord, lowRankSlots) == 96);
 
   CHECK(sizeof(EventRecord) == 16);
   CHECK(offsetof(EventRecord, name) == 0);
@@ -181,8 +182,8 @@ TEST_CASE("the writer puts each field at its documented offset", "[task-binary][
   CHECK(u32At(ops + 24 + 20) == 0); // reserved2
 
   uint64_t tilings = sectionOffset(SectionKind::Tilings);
-  CHECK(table[entryIndexOf(bytes, SectionKind::Tilings)].recordSize == 96);
-  uint64_t gmm = tilings + 96;
+  CHECK(table[entryIndexOf(bytes, SectionKind::Tilings)].recordSize == 104);
+  uint64_t gmm = tilings + 104;
   CHECK(bytes[gmm + 0] == uint8_t(OpKind::Gmm));
   CHECK(bytes[gmm + 1] == uint8_t(DType::BF16));
   CHECK(bytes[gmm + 2] == kTilingTransposeB);
@@ -206,7 +207,9 @@ TEST_CASE("the writer puts each field at its documented offset", "[task-binary][
   CHECK(u32At(gmm + 80) == kNone);
   CHECK(u32At(gmm + 84) == kNone);
   CHECK(u32At(gmm + 88) == 64); // balancedRows
-  CHECK(u32At(gmm + 92) == 0);  // reserved
+  CHECK(u32At(gmm + 92) == 0);  // scale
+  CHECK(u32At(gmm + 96) == kNone); // lowRankSlots
+  CHECK(u32At(gmm + 100) == kNone);
 
   uint64_t tasks = sectionOffset(SectionKind::Tasks);
   CHECK(table[entryIndexOf(bytes, SectionKind::Tasks)].recordSize == 24);

@@ -42,7 +42,7 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
 
   FileHeader header = headerOf(bytes);
   CHECK(std::memcmp(header.magic, "MOECBIN\0", 8) == 0);
-  CHECK(header.version == 2);
+  CHECK(header.version == 3);
   CHECK(header.flags == kFlagBf16);
   CHECK(header.fileSize == bytes.size());
   CHECK(header.crc32 == taskBinaryChecksum(bytes.data(), bytes.size()));
@@ -58,7 +58,7 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
   // The writer lays the sections out in kind order, aligned, back to back.
   std::vector<SectionEntry> table = sectionTableOf(bytes);
   REQUIRE(table.size() == kSectionKindCount);
-  const uint32_t recordSizes[kSectionKindCount] = {1, 56, 24, 96, 16, 24, 8, 16, 16, 4, 88};
+  const uint32_t recordSizes[kSectionKindCount] = {1, 56, 24, 104, 16, 24, 8, 16, 16, 4, 88};
   uint64_t end = 64 + kSectionKindCount * sizeof(SectionEntry);
   for (size_t i = 0; i < table.size(); ++i) {
     CHECK(table[i].kind == i + 1);
@@ -129,6 +129,8 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
       CHECK(a.inputSlots[k] == b.inputSlots[k]);
     CHECK(a.balancedRows == b.balancedRows);
     CHECK(a.scale == b.scale);
+    CHECK(a.lowRankSlots[0] == b.lowRankSlots[0]);
+    CHECK(a.lowRankSlots[1] == b.lowRankSlots[1]);
   }
   CHECK(read.tilings[0].tileCount() == 4);
   CHECK(read.tilings[0].peers == 2);

@@ -571,3 +571,80 @@ TEST_CASE("moec's tile scales and adds onto its sums as they leave the registers
             }
   }
 }
+
+TEST_CASE("moec's tile adds a low-rank product to its sums in one call", "[cpu][tile]") {
+  // tile::LowRank: C = A op(B) + U op(V). On the AVX-512 micro-kernel, U's
+  // units follow A's in the same sums, so where A's depth ends on a whole
+  // unit (fp32, or an even bf16 depth) C has the bits of the plain tile on
+  // the concatenation [A | U] [op(B) ; op(V)]; on AMX tiles, those of the
+  // plain tile followed by a second call adding U op(V) onto C. Every form:
+  // one depth block and several, B packed beforehand or not, V as stored or
+  // transposed, an odd rank (a lone bf16 value last), a narrow C, bf16 and
+  // fp32 C; and against a loop in double precision.
+  for (const bool bf16 : {false, true}) {
+    if (!tileRuns(bf16))
+      continue;
+    const bool onAmx = bf16 && tile::amx();
+    for (const int64_t k : {int64_t(16), int64_t(700)})
+      for (const int64_t r : {int64_t(16), int64_t(5)})
+        for (const int64_t n : {int64_t(250), int64_t(16)})
+          for (const bool transV : {false, true})
+            for (const bool packed : {false, true})
+              for (const bool cBf16 : {false, true}) {
+                INFO((bf16 ? "bf16" : "fp32")
+                     << ", k " << k << ", r " << r << ", n " << n << ", transV " << transV
+                     << ", B packed " << packed << ", C " << (cBf16 ? "bf16" : "fp32"));
+                const int64_t m = 21;
+                const Product x(m, n, k, false, false, bf16, uint32_t(k + r + n));
+                const Product low(m, n, r, false, transV, bf16, uint32_t(7 * k + r));
+                // The concatenation, stored as the plain tile reads it.
+                Stored acat(bf16, m, k + r, 3), bcat(bf16, k + r, n, 5);
+                for (int64_t i = 0; i < m; ++i)
+                  for (int64_t p = 0; p < k + r; ++p)
+                    acat.set(i, p, p < k ? x.opA(i, p) : low.opA(i, p - k));
+                for (int64_t p = 0; p < k + r; ++p)
+                  for (int64_t j = 0; j < n; ++j)
+                    bcat.set(p, j, p < k ? x.opB(p, j) : low.opB(p - k, j));
+                const size_t elt = cBf16 ? 2 : 4, bytes = size_t(m * n) * elt;
+                Aligned fused(bytes, 0x5A), want(bytes, 0x5A);
+                Aligned packedB(tile::packedBBytes(n, k, bf16));
+                tile::packB(n, k, x.b.data(), x.b.ld, false, bf16, packedB.data());
+                const tile::LowRank lr{low.a.data(), low.a.ld, low.b.data(), low.b.ld, transV, r};
+                Aligned pack(
+                    tile::packBytes(m, n, std::max(k, k + r), false, bf16, cBf16, false, true, r));
+                tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, bf16,
+                           fused.data(), n, cBf16, false, pack.data(), false,
+                           packed ? packedB.data() : nullptr, nullptr, nullptr, &lr);
+                if (onAmx) {
+                  tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, bf16,
+                             want.data(), n, cBf16, false, pack.data());
+                  const tile::AddScaled onto{1.0f, want.data(), n};
+                  tile::gemm(m, n, r, low.a.data(), low.a.ld, false, low.b.data(), low.b.ld, transV,
+                             bf16, want.data(), n, cBf16, false, pack.data(), false, nullptr,
+                             nullptr, &onto);
+                } else {
+                  tile::gemm(m, n, k + r, acat.data(), acat.ld, false, bcat.data(), bcat.ld, false,
+                             bf16, want.data(), n, cBf16, false, pack.data());
+                }
+                CHECK(std::memcmp(fused.data(), want.data(), bytes) == 0);
+                double worst = 0, scale = 0;
+                for (int64_t i = 0; i < m; ++i)
+                  for (int64_t j = 0; j < n; ++j) {
+                    double sum = 0;
+                    for (int64_t p = 0; p < k + r; ++p)
+                      sum += double(acat.value(i, p)) * bcat.value(p, j);
+                    float got;
+                    if (cBf16) {
+                      uint16_t v;
+                      std::memcpy(&v, fused.data() + size_t(i * n + j) * 2, 2);
+                      got = bf16ToFloat(v);
+                    } else {
+                      std::memcpy(&got, fused.data() + size_t(i * n + j) * 4, 4);
+                    }
+                    worst = std::max(worst, std::abs(sum - got));
+                    scale = std::max(scale, std::abs(sum));
+                  }
+                CHECK(worst <= (cBf16 ? 1e-2 : 1e-5) * std::max(1.0, scale));
+              }
+  }
+}

@@ -19,6 +19,10 @@ using namespace moec::format;
 
 namespace {
 
+/// A cube task that costs less than this share of the path after it takes
+/// that path's priority (scheduleQueues).
+constexpr double kSmallShare = 0.05;
+
 /// The dependency graph of one rank, every rank taken alike: a task waits on
 /// events, an event is complete once all its signals arrived.
 struct DependencyGraph {
@@ -111,8 +115,14 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
 
   // Bottom levels: a task's cost plus the longest path after it, the
   // priority; for a put, the link time of its op's puts if longer. The
-  // critical path is the longest chain of costs alone.
-  std::vector<double> eventLevel(p.events.size(), 0), level(n, 0);
+  // critical path is the longest chain of costs alone. A cube task that
+  // costs a small share of the path after it (a LoRA adapter's rank-r
+  // product ahead of the base GMM that reads it) takes the priority of what
+  // follows it, so that it runs just before its successor rather than with
+  // all of its op's tiles far ahead of theirs: in-order queues would else
+  // hold every successor behind the last expert's small task, whose rows
+  // come last.
+  std::vector<double> eventLevel(p.events.size(), 0), level(n, 0), priority(n, 0);
   std::vector<double> eventChain(p.events.size(), 0);
   double criticalPath = 0;
   for (size_t i = n; i-- > 0;) {
@@ -125,6 +135,8 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
       chainAfter = std::max(chainAfter, eventChain[event]);
     }
     level[t] = std::max(cost[t], isPut(p.ops[task.op].kind) ? opLinkSeconds[task.op] : 0.0) + after;
+    priority[t] =
+        task.coreKind == CoreKind::Cube && cost[t] < kSmallShare * after ? after : level[t];
     const double chain = cost[t] + chainAfter;
     criticalPath = std::max(criticalPath, chain);
     for (uint32_t w = 0; w < task.waitCount; ++w) {
@@ -149,9 +161,18 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
     std::vector<std::vector<uint32_t>> queues;
     double busy = 0;
   };
+  // Among equal priorities, the tiles of the lower expert first, then the
+  // lower task (a small task before the successor whose priority it took).
+  std::vector<uint32_t> expertOf(n, 0);
+  for (uint32_t t = 0; t < n; ++t) {
+    const OpRecord &op = p.ops[p.tasks[t].op];
+    expertOf[t] = tileCoord(p.tilings[op.tiling], t - op.firstTask).expert;
+  }
   auto higher = [&](uint32_t a, uint32_t b) { // b before a?
-    if (level[a] != level[b])
-      return level[a] < level[b];
+    if (priority[a] != priority[b])
+      return priority[a] < priority[b];
+    if (expertOf[a] != expertOf[b])
+      return expertOf[a] > expertOf[b];
     return a > b;
   };
   // Where a rank's puts share a link, they take only as many vector queues

@@ -123,9 +123,6 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     return Status::error("the cuda backend has no FP8 dispatch (no quantize or dequantize "
                          "kernels); compile without \"dispatch_dtype\": \"fp8_e4m3\", or run "
                          "on the cpu backend");
-  std::string gpu;
-  if (Status s = describeDevice(&gpu); !s)
-    return s.withPrefix("the cuda backend: ");
   for (const format::OpRecord &op : program.ops)
     if (program.tilings[op.tiling].lowRank())
       return Status::error(fmt::format(
@@ -133,6 +130,9 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
           "the '{}' target), which the cuda backend does not run; compile for a cuda target "
           "(h100), which keeps it a GMM of its own, or run on the cpu backend",
           program.name(op.name), program.name(program.target)));
+  std::string gpu;
+  if (Status s = describeDevice(&gpu); !s)
+    return s.withPrefix("the cuda backend: ");
   for (const format::OpRecord &op : program.ops)
     if (format::hasPeerGroups(program.tilings[op.tiling]))
       return Status::error(fmt::format(

@@ -1872,6 +1872,19 @@ TEST_CASE("the cuda backend refuses what it does not do, before it looks for a G
   REQUIRE(fwd->shape().fp8Dispatch);
   if (std::string(moec::test::testFabricName()) == "in-process")
     CHECK_THAT(refusal(ContextOptions()), Catch::Contains("the cuda backend has no FP8 dispatch"));
+  // LoRA adapters compiled for the cpu target: each adapter's second GMM
+  // fused into its base's (a low-rank product), which the cuda tiles lack.
+  Case lora = c;
+  lora.loraRank = 4;
+  lora.loraAlpha = 8;
+  std::tie(fwd, bwd) =
+      compile(lora, "graphs/moe_ffn_fwd_lora.json", "graphs/moe_ffn_bwd_lora.json");
+  REQUIRE(fwd->shape().loraTargets == 3);
+  if (std::string(moec::test::testFabricName()) == "in-process")
+    CHECK_THAT(refusal(ContextOptions()),
+               Catch::Contains("op 'up_proj' adds a LoRA adapter's rank-r product inside its "
+                               "base's GMM (compiled for the 'cpu' target), which the cuda "
+                               "backend does not run"));
 }
 
 TEST_CASE("an FP8 forward binary is refused when its quantize chain is broken", "[runtime]") {

@@ -650,3 +650,67 @@ moe.graph "g" {
   // expected-error@+1 {{'moe.gmm' op 'm': rhs 'w' is 'i4' codes: quantized weights are expert weights (rank 3), read by the activation form}}
   %dw = moe.gmm "m"(%x, %w, %gl, %s) -> "dw" {transpose_lhs, split = #moe.split<inputs = [1:0], output_dims = [0]>, split_value = 4096 : i64} : (!moe.tensor<[64, 512], act>, !moe.tensor<[64, 256], i4>, !moe.tensor<[2], i64>, !moe.tensor<[64, 8], f32>) -> !moe.tensor<[2, 512, 256], act>
 }
+
+// -----
+
+// A low-rank pair (moe-fuse-low-rank's; low_lhs [M, r], low_rhs [G, r, N]):
+// low_rhs's r must be low_lhs's columns.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 32], bf16>
+  %w = moe.input "w" : !moe.tensor<[2, 32, 48], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  %u = moe.input "u" : !moe.tensor<[64, 4], bf16>
+  %b = moe.input "b" : !moe.tensor<[2, 8, 48], bf16>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: low_rhs 'b' dim 1 is '8' but low_lhs 'u' dim 1 is '4'}}
+  %r = moe.gmm "m"(%x, %w, %gl, %u, %b) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 64 : i64} : (!moe.tensor<[64, 32], bf16>, !moe.tensor<[2, 32, 48], bf16>, !moe.tensor<[2], i64>, !moe.tensor<[64, 4], bf16>, !moe.tensor<[2, 8, 48], bf16>) -> !moe.tensor<[64, 48], bf16>
+}
+
+// -----
+
+// transpose_low_rhs reads low_rhs as [G, N, r].
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 32], bf16>
+  %w = moe.input "w" : !moe.tensor<[2, 32, 48], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  %u = moe.input "u" : !moe.tensor<[64, 4], bf16>
+  %b = moe.input "b" : !moe.tensor<[2, 4, 48], bf16>
+  // expected-error@+1 {{'moe.gmm' op 'm': shape mismatch: low_rhs (transposed) 'b' dim 2 is '48' but low_lhs 'u' dim 1 is '4'}}
+  %r = moe.gmm "m"(%x, %w, %gl, %u, %b) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 64 : i64, transpose_low_rhs} : (!moe.tensor<[64, 32], bf16>, !moe.tensor<[2, 32, 48], bf16>, !moe.tensor<[2], i64>, !moe.tensor<[64, 4], bf16>, !moe.tensor<[2, 4, 48], bf16>) -> !moe.tensor<[64, 48], bf16>
+}
+
+// -----
+
+// An addend and a low-rank pair: the pass never makes one.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 32], bf16>
+  %w = moe.input "w" : !moe.tensor<[2, 32, 48], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  %d = moe.input "d" : !moe.tensor<[64, 48], bf16>
+  %u = moe.input "u" : !moe.tensor<[64, 4], bf16>
+  %b = moe.input "b" : !moe.tensor<[2, 4, 48], bf16>
+  // expected-error@+1 {{'moe.gmm' op 'm': a low-rank product needs a gmm without an addend or a scale}}
+  %r = moe.gmm "m"(%x, %w, %gl, %d, %u, %b) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 64 : i64} : (!moe.tensor<[64, 32], bf16>, !moe.tensor<[2, 32, 48], bf16>, !moe.tensor<[2], i64>, !moe.tensor<[64, 48], bf16>, !moe.tensor<[64, 4], bf16>, !moe.tensor<[2, 4, 48], bf16>) -> !moe.tensor<[64, 48], bf16>
+}
+
+// -----
+
+// The low-rank pair of lhs's element type.
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 32], bf16>
+  %w = moe.input "w" : !moe.tensor<[2, 32, 48], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  %u = moe.input "u" : !moe.tensor<[64, 4], f32>
+  %b = moe.input "b" : !moe.tensor<[2, 4, 48], bf16>
+  // expected-error@+1 {{'moe.gmm' op 'm': dtype mismatch: low_lhs 'u' and lhs 'x' differ in element type}}
+  %r = moe.gmm "m"(%x, %w, %gl, %u, %b) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 64 : i64} : (!moe.tensor<[64, 32], bf16>, !moe.tensor<[2, 32, 48], bf16>, !moe.tensor<[2], i64>, !moe.tensor<[64, 4], f32>, !moe.tensor<[2, 4, 48], bf16>) -> !moe.tensor<[64, 48], bf16>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 32], bf16>
+  %w = moe.input "w" : !moe.tensor<[2, 32, 48], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  // expected-error@+1 {{'moe.gmm' op 'm': transpose_low_rhs needs a low-rank product}}
+  %r = moe.gmm "m"(%x, %w, %gl) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 64 : i64, transpose_low_rhs} : (!moe.tensor<[64, 32], bf16>, !moe.tensor<[2, 32, 48], bf16>, !moe.tensor<[2], i64>) -> !moe.tensor<[64, 48], bf16>
+}

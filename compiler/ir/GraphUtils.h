@@ -1,7 +1,8 @@
 //===- GraphUtils.h - walking a moe.graph ------------------------*- C++ -*-===//
 //
 // The graph-level queries the passes, importer and exporter share: tensor
-// names, producers, topological order, and symbolic dim comparison.
+// names, producers, topological order, ordering edges (and their renaming),
+// and symbolic dim comparison.
 //
 //===----------------------------------------------------------------------===//
 
@@ -23,6 +24,15 @@ TaskOpInterface producerOf(mlir::Value v);
 
 /// The ops `op` must follow by the graph's ordering edges (not by data flow).
 llvm::SmallVector<TaskOpInterface> orderingPredecessors(TaskOpInterface op);
+
+/// Which ends of the graph's ordering edges renameInEdges renames.
+enum class EdgeEnds { Sources, Both };
+
+/// Renames op `from` to `to` in the graph's ordering edges: where it is an
+/// edge's source (EdgeEnds::Sources: what followed `from` follows `to`), or
+/// at either end (EdgeEnds::Both: `from`'s edges become `to`'s; an edge
+/// between the two is dropped).
+void renameInEdges(GraphOp graph, llvm::StringRef from, llvm::StringRef to, EdgeEnds ends);
 
 /// The compute ops of `graph` in a topological order of data flow and
 /// ordering edges (ties keep block order).

@@ -52,6 +52,30 @@ SmallVector<TaskOpInterface> moec::moe::orderingPredecessors(TaskOpInterface op)
   return preds;
 }
 
+void moec::moe::renameInEdges(GraphOp graph, StringRef from, StringRef to, EdgeEnds ends) {
+  ArrayAttr edges = graph.getEdgesAttr();
+  if (!edges)
+    return;
+  Builder b(graph.getContext());
+  SmallVector<Attribute> renamed;
+  for (Attribute edge : edges) {
+    auto pair = edge.cast<ArrayAttr>();
+    if (pair.size() != 2) {
+      renamed.push_back(edge);
+      continue;
+    }
+    StringRef first = pair[0].cast<StringAttr>().getValue(),
+              second = pair[1].cast<StringAttr>().getValue();
+    first = first == from ? to : first;
+    if (ends == EdgeEnds::Both)
+      second = second == from ? to : second;
+    if (first == second)
+      continue;
+    renamed.push_back(b.getArrayAttr({b.getStringAttr(first), b.getStringAttr(second)}));
+  }
+  graph.setEdgesAttr(b.getArrayAttr(renamed));
+}
+
 /// Every op `op` waits for: producers of its operands, then ordering edges.
 static SmallVector<Operation *> predecessors(TaskOpInterface op) {
   SmallVector<Operation *> preds;

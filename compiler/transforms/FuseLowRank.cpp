@@ -48,31 +48,6 @@ GmmOp fusableBase(GmmOp add) {
   return base;
 }
 
-/// The graph's ordering edges with `from`'s name replaced by `to`'s; an edge
-/// between the two is dropped.
-void renameInEdges(GraphOp graph, StringRef from, StringRef to) {
-  ArrayAttr edges = graph.getEdgesAttr();
-  if (!edges)
-    return;
-  Builder b(graph.getContext());
-  SmallVector<Attribute> renamed;
-  for (Attribute edge : edges) {
-    auto pair = edge.cast<ArrayAttr>();
-    if (pair.size() != 2) {
-      renamed.push_back(edge);
-      continue;
-    }
-    StringRef first = pair[0].cast<StringAttr>().getValue(),
-              second = pair[1].cast<StringAttr>().getValue();
-    first = first == from ? to : first;
-    second = second == from ? to : second;
-    if (first == second)
-      continue;
-    renamed.push_back(b.getArrayAttr({b.getStringAttr(first), b.getStringAttr(second)}));
-  }
-  graph.setEdgesAttr(b.getArrayAttr(renamed));
-}
-
 struct FuseLowRankPass : moec::moe::impl::FuseLowRankBase<FuseLowRankPass> {
   void runOnOperation() override {
     for (GraphOp graph : getOperation().getOps<GraphOp>()) {
@@ -109,7 +84,7 @@ struct FuseLowRankPass : moec::moe::impl::FuseLowRankBase<FuseLowRankPass> {
     add.getResult().replaceAllUsesWith(fused->getResult(0));
     add.erase();
     base.erase();
-    renameInEdges(graph, addName, baseName);
+    renameInEdges(graph, addName, baseName, EdgeEnds::Both);
     ++numFused;
   }
 };

@@ -52,24 +52,6 @@ struct QuantizeDispatchPass : moec::moe::impl::QuantizeDispatchBase<QuantizeDisp
     }
   }
 
-  /// Ordering edges out of the dispatch now start at its dequantize: what
-  /// ran after the dispatch runs after the rows it reads are dequantized
-  /// (and, as before, only on its own experts' rows where a data edge says so).
-  static void moveEdges(GraphOp graph, StringRef from, StringRef to) {
-    ArrayAttr edges = graph.getEdgesAttr();
-    if (!edges)
-      return;
-    Builder b(graph.getContext());
-    SmallVector<Attribute> moved;
-    for (Attribute edge : edges) {
-      auto pair = edge.cast<ArrayAttr>();
-      if (pair.size() == 2 && pair[0].cast<StringAttr>().getValue() == from)
-        edge = b.getArrayAttr({b.getStringAttr(to), pair[1]});
-      moved.push_back(edge);
-    }
-    graph.setEdgesAttr(b.getArrayAttr(moved));
-  }
-
   /// The type of quantized rows of `rows` [M, H]: [M, H + 4 * ceil(H / 128)]
   /// of f8E4M3FN (runtime/cpu/Fp8.h).
   static FailureOr<MoeTensorType> quantizedType(Operation *at, Value rows) {
@@ -126,7 +108,11 @@ struct QuantizeDispatchPass : moec::moe::impl::QuantizeDispatchBase<QuantizeDisp
     target.setType(*targetType);
     op.setResultNameAttr(b.getStringAttr(targetName + "_fp8"));
     op.removeSlotAttr();
-    moveEdges(graph, name, name + "_dequantize");
+    // Ordering edges out of the dispatch now start at its dequantize: what
+    // ran after the dispatch runs after the rows it reads are dequantized
+    // (and, as before, only on its own experts' rows where a data edge says
+    // so).
+    renameInEdges(graph, name, name + "_dequantize", EdgeEnds::Sources);
     return success();
   }
 };

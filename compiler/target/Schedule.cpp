@@ -121,7 +121,8 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
   // follows it, so that it runs just before its successor rather than with
   // all of its op's tiles far ahead of theirs: in-order queues would else
   // hold every successor behind the last expert's small task, whose rows
-  // come last.
+  // come last. (Measured on the CPU; a target with a shared cache, whose
+  // LoRA GMMs stay apart, keeps the plain bottom-level order.)
   std::vector<double> eventLevel(p.events.size(), 0), level(n, 0), priority(n, 0);
   std::vector<double> eventChain(p.events.size(), 0);
   double criticalPath = 0;
@@ -136,7 +137,9 @@ Status scheduleQueues(TaskProgram *program, const TargetProfile &profile, uint32
     }
     level[t] = std::max(cost[t], isPut(p.ops[task.op].kind) ? opLinkSeconds[task.op] : 0.0) + after;
     priority[t] =
-        task.coreKind == CoreKind::Cube && cost[t] < kSmallShare * after ? after : level[t];
+        !profile.sharedCache && task.coreKind == CoreKind::Cube && cost[t] < kSmallShare * after
+            ? after
+            : level[t];
     const double chain = cost[t] + chainAfter;
     criticalPath = std::max(criticalPath, chain);
     for (uint32_t w = 0; w < task.waitCount; ++w) {

@@ -298,6 +298,21 @@ TEST_CASE("LoRA adapters: their slots, rank and scale", "[layer][lora]") {
                                                                         "swiglu_out", "combine_out",
                                                                         "lora_u1", "lora_u2"});
 
+  // For the cpu target each adapter's second GMM is its base's low-rank
+  // pair: the base's U must be the rank-r GMM's, of the rows it reads.
+  uint32_t upProj = 0;
+  for (uint32_t i = 0; i < p.ops.size(); ++i)
+    if (p.name(p.ops[i].name) == "up_proj")
+      upProj = i;
+  REQUIRE(p.tilings[p.ops[upProj].tiling].lowRank());
+  TaskProgram broken = p;
+  broken.tilings[broken.ops[upProj].tiling].lowRankSlots[0] =
+      broken.tilings[broken.ops[upProj].tiling].inputSlots[0];
+  CHECK(analyzeError(broken) ==
+        "not a MoE-FFN forward layer the runtime can run: op 'up_proj' (gmm) adds a low-rank "
+        "product of 'target', which is not written by the rank-r gmm of the up projection "
+        "reading 'target'");
+
   // A forward with adapters and a backward without are different layers.
   CHECK(checkPassesMatch(plan, analyzeOk(tiny("moe_ffn_bwd.json"))).message() ==
         "the forward and backward programs are for different layers: LoRA targets (bit 0: "

@@ -759,6 +759,11 @@ struct RankTile {
 /// must be in range.
 RankTile rankTile(const TaskProgram &program, uint32_t task, uint32_t rank);
 
+/// The depth of a GMM's low-rank product (U's columns, r), or 0 without one.
+inline uint64_t lowRankDepth(const TaskProgram &program, const TilingRecord &tiling) {
+  return tiling.lowRank() ? program.slots[tiling.lowRankSlots[0]].dims[1] : 0;
+}
+
 /// Programs compare equal when their header values and sections do.
 bool operator==(const TaskProgram &a, const TaskProgram &b);
 

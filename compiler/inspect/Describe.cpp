@@ -217,8 +217,7 @@ std::string computesText(const TaskProgram &p) {
         (fused || (t.inputCount == 4 && !(t.flags & kTilingQuantizedB)))) {
       ++adapters;
       lora = fmt::format(" with LoRA adapters on {} projection{} (rank {}{})", adapters,
-                         adapters == 1 ? "" : "s",
-                         fused ? p.slots[t.lowRankSlots[0]].dims[1] : t.depth,
+                         adapters == 1 ? "" : "s", fused ? lowRankDepth(p, t) : t.depth,
                          fused ? ", fused into the base GMMs" : "");
     }
   }

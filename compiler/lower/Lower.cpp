@@ -180,10 +180,9 @@ private:
       return raw->emitError() << "'" << op.getOpName() << "': " << *op.getTasks()
                               << " tasks overflow the 32-bit task indices of a task binary";
     // A gmm's low-rank pair (its last two operands) goes to lowRankSlots.
-    auto lowRankGmm = dyn_cast<moe::GmmOp>(raw);
-    if (lowRankGmm && !lowRankGmm.hasLowRank())
-      lowRankGmm = moe::GmmOp();
-    const unsigned inputs = raw->getNumOperands() - (lowRankGmm ? 2 : 0);
+    auto asGmm = dyn_cast<moe::GmmOp>(raw);
+    const bool lowRank = asGmm && asGmm.hasLowRank();
+    const unsigned inputs = raw->getNumOperands() - (lowRank ? 2 : 0);
     if (inputs > kMaxTilingInputs)
       return raw->emitError() << "'" << op.getOpName() << "' has " << inputs
                               << " inputs; a tiling descriptor names at most " << kMaxTilingInputs;
@@ -202,10 +201,10 @@ private:
     t.inputCount = uint8_t(inputs);
     for (unsigned i = 0; i < inputs; ++i)
       t.inputSlots[i] = slotOf.lookup(raw->getOperand(i));
-    if (lowRankGmm) {
-      t.lowRankSlots[0] = slotOf.lookup(lowRankGmm.getLowLhs());
-      t.lowRankSlots[1] = slotOf.lookup(lowRankGmm.getLowRhs());
-      if (lowRankGmm.getTransposeLowRhs())
+    if (lowRank) {
+      t.lowRankSlots[0] = slotOf.lookup(asGmm.getLowLhs());
+      t.lowRankSlots[1] = slotOf.lookup(asGmm.getLowRhs());
+      if (asGmm.getTransposeLowRhs())
         t.flags |= kTilingLowRankTransposeB;
     }
     t.tileM = options.profile.tileM;

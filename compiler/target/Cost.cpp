@@ -40,9 +40,7 @@ double taskSeconds(const TaskProgram &program, uint32_t task, const TargetProfil
     if (tiling.depth > 0) { // activation GMM: rows x cols, reduced over K
       m = rows;
       k = double(tiling.depth);
-      // A low-rank product adds its depth (U's columns) to the sums.
-      if (tiling.lowRank())
-        k += double(program.slots[tiling.lowRankSlots[0]].dims[1]);
+      k += double(lowRankDepth(program, tiling)); // a low-rank product's too
     } else { // weight-gradient GMM: a weight tile, reduced over the expert's rows
       m = double(tile.rowEnd - tile.rowBegin);
       k = double(tiling.balancedRows);

@@ -83,10 +83,11 @@ struct Pass::OpInfo {
   uint32_t weightScales = format::kNone;
   int64_t expertStride = 0; ///< elements per expert of the weight (or dW) tensor
   /// A second, low-rank product (TilingRecord::lowRankSlots): U's and V's
-  /// slots, or kNone; V stored transposed; elements per expert of V.
+  /// slots, or kNone; V stored transposed; its depth r; elements per
+  /// expert of V.
   uint32_t lowU = format::kNone, lowV = format::kNone;
   bool lowTransV = false;
-  int64_t lowStride = 0;
+  int64_t lowDepth = 0, lowStride = 0;
   /// Its B is a weight kept packed (PassOptions::packWeights).
   bool packable = false;
 };
@@ -181,6 +182,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
       info.lowU = info.tiling->lowRankSlots[0];
       info.lowV = info.tiling->lowRankSlots[1];
       info.lowTransV = info.tiling->flags & format::kTilingLowRankTransposeB;
+      info.lowDepth = int64_t(format::lowRankDepth(program, *info.tiling));
       const format::SlotRecord &v = program.slots[info.lowV];
       info.lowStride = int64_t(v.dims[1] * v.dims[2]);
     }
@@ -765,7 +767,7 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
         epilogue.lowV = ConstMatrix{static_cast<const char *>(data[rank][op.lowV]) +
                                         op.lowStride * tile.expert * dtypeSize(dtype(op.lowV)),
                                     dtype(op.lowV), int64_t(tasks.slots[op.lowV].dims[2])};
-        epilogue.lowDepth = int64_t(tasks.slots[op.lowU].dims[1]);
+        epilogue.lowDepth = op.lowDepth;
         epilogue.lowTransV = op.lowTransV;
       }
       const auto gemm = [&](ConstMatrix weight, Matrix result, Range resultCols,

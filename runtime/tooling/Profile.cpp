@@ -158,8 +158,7 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     case OpKind::Gmm:
       if (tiling.depth > 0) // (and a low-rank product's depth, U's columns)
         work = 2 * clip(tiling, tile, int64_t(segment), span.rank) * cols *
-               double(tiling.depth +
-                      (tiling.lowRank() ? tasks.slots[tiling.lowRankSlots[0]].dims[1] : 0));
+               double(tiling.depth + format::lowRankDepth(tasks, tiling));
       else // a weight gradient: reduces over the expert's rows
         work = 2 * double(tile.rowEnd - tile.rowBegin) * cols * segment;
       break;

@@ -4,6 +4,7 @@
 // RUN: moec import %graphs/moe_ffn_bwd_lora_transposed.json -o %t.bwd.mlir
 // RUN: moec-opt %t.bwd.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-lora.json | FileCheck %s --check-prefix=BWD
 // RUN: moec-opt %s --moe-fuse-low-rank --split-input-file | FileCheck %s --check-prefix=KEEP
+// RUN: not moec export %S/Inputs/fused-gmm.mlir 2>&1 | FileCheck %s --check-prefix=EXPORT
 
 // moe-fuse-low-rank: for the cpu target (no shared cache), each LoRA
 // adapter's second gmm (U x B onto the base's output) becomes the base
@@ -24,6 +25,9 @@
 // Backward: V A^T onto the data gradients, A^T read transposed.
 // BWD: moe.gmm "act_grad"({{.*}}) -> "act_grad_y" {{.*}}transpose_low_rhs
 // BWD: moe.gmm "gate_grad"({{.*}}) -> "gate_grad_y" {{.*}}transpose_low_rhs
+
+// A graph file cannot hold a fused gmm.
+// EXPORT: error: gmm 'base' has a low-rank product (moe-fuse-low-rank makes one), which a graph file cannot hold; export the graph before the passes
 
 // Not fused: the base's output has another reader.
 // KEEP-LABEL: moe.graph "two_readers"

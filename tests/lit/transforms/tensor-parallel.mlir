@@ -13,6 +13,7 @@
 // combines alone (no expert weights to split).
 // RUN: moec import %graphs/moe_ffn_fwd_lora.json -o %t.lora.mlir
 // RUN: not moec-opt %t.lora.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2-lora.json 2>&1 | FileCheck %s --check-prefix=LORA
+// RUN: not moec-opt %S/Inputs/fused-gmm.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2.json 2>&1 | FileCheck %s --check-prefix=FUSED
 // RUN: moec import %graphs/moe_dispatch.json -o %t.dispatch.mlir
 // RUN: not moec-opt %t.dispatch.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2.json 2>&1 | FileCheck %s --check-prefix=EXCHANGE
 
@@ -31,5 +32,7 @@
 // PLAIN-NOT: reduce_tp
 
 // LORA: error: 'up_lora_b' adds a LoRA adapter's product, and the config's tp is 2: LoRA adapters are not supported with tensor parallelism
+// A gmm with a low-rank pair (a fused adapter, as moe-fuse-low-rank makes one) too.
+// FUSED: error: 'base' adds a LoRA adapter's product, and the config's tp is 2
 
 // EXCHANGE: error: graph 'moe_dispatch': the config's tp is 2, but the graph has no expert weights for tp to split (only dispatches and combines); use a config with tp 1

@@ -610,8 +610,7 @@ TEST_CASE("moec's tile adds a low-rank product to its sums in one call", "[cpu][
                 Aligned packedB(tile::packedBBytes(n, k, bf16));
                 tile::packB(n, k, x.b.data(), x.b.ld, false, bf16, packedB.data());
                 const tile::LowRank lr{low.a.data(), low.a.ld, low.b.data(), low.b.ld, transV, r};
-                Aligned pack(
-                    tile::packBytes(m, n, std::max(k, k + r), false, bf16, cBf16, false, true, r));
+                Aligned pack(tile::packBytes(m, n, k + r, false, bf16, cBf16, false, true, r));
                 tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, bf16,
                            fused.data(), n, cBf16, false, pack.data(), false,
                            packed ? packedB.data() : nullptr, nullptr, nullptr, &lr);

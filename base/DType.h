@@ -12,7 +12,9 @@
 #ifndef MOEC_BASE_DTYPE_H
 #define MOEC_BASE_DTYPE_H
 
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string_view>
 
@@ -50,13 +52,22 @@ inline constexpr DTypeInfo kDTypes[] = {
     {DType::I4, "i4", nullptr, 0},
 };
 
-/// The table's entry of `dtype`, or null for a value outside the enum.
+/// The table's entry of `dtype`, or null for a value outside the enum. The
+/// table lies in the enum's order from 1, so the entry is found by its
+/// value: kernels call this for every address they form (Matrix::address),
+/// where a search of the table cost a loop per call.
 inline constexpr const DTypeInfo *dtypeInfo(DType dtype) {
-  for (const DTypeInfo &info : kDTypes)
-    if (info.dtype == dtype)
-      return &info;
-  return nullptr;
+  const auto index = size_t(dtype) - 1;
+  return index < std::size(kDTypes) ? &kDTypes[index] : nullptr;
 }
+
+constexpr bool dtypesInEnumOrder() {
+  for (size_t i = 0; i < std::size(kDTypes); ++i)
+    if (size_t(kDTypes[i].dtype) != i + 1)
+      return false;
+  return true;
+}
+static_assert(dtypesInEnumOrder(), "kDTypes lists the types in the enum's order, from 1");
 
 /// Returns "f32", "bf16", "i32", "i64", "f8e4m3", "i8" or "i4", or "unknown".
 inline constexpr const char *dtypeName(DType dtype) {

@@ -143,7 +143,7 @@ __attribute__((target("avx2,fma"))) void siluBackAvx2(const float *g, const floa
 // 512-bit vectors.
 #define MOEC_SWIGLU_AVX512 __attribute__((target("avx512f")))
 
-MOEC_SWIGLU_AVX512 __m512 sigmoid16(__m512 x) {
+MOEC_SWIGLU_AVX512 __attribute__((always_inline)) inline __m512 sigmoid16(__m512 x) {
   x = _mm512_sub_ps(_mm512_setzero_ps(), x);
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLo)), _mm512_set1_ps(kExpHi));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
@@ -163,13 +163,13 @@ MOEC_SWIGLU_AVX512 __m512 sigmoid16(__m512 x) {
 }
 
 /// silu(g) * u, sixteen lanes: (g * s) * u, in the scalar form's order.
-MOEC_SWIGLU_AVX512 inline __m512 siluTimes16(__m512 gv, __m512 uv) {
+MOEC_SWIGLU_AVX512 __attribute__((always_inline)) inline __m512 siluTimes16(__m512 gv, __m512 uv) {
   return _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid16(gv)), uv);
 }
 
 /// siluBackScalar's two results, sixteen lanes.
-MOEC_SWIGLU_AVX512 inline void siluBack16(__m512 gv, __m512 uv, __m512 dv, __m512 &dGate,
-                                          __m512 &dUp) {
+MOEC_SWIGLU_AVX512 __attribute__((always_inline)) inline void
+siluBack16(__m512 gv, __m512 uv, __m512 dv, __m512 &dGate, __m512 &dUp) {
   const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 s = sigmoid16(gv);
   // s * (1 + g * (1 - s)), as the scalar form computes it.

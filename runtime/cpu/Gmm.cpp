@@ -459,7 +459,9 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
   // next op reads it: its lines then are not read from memory first, nor do
   // they push the weight's panels out of L2, and the reader is often
   // another core (the qwen3 step's base GMMs 7-12% faster; the log,
-  // 2026-11-27). Elsewhere measured on no CPU: left as it was.
+  // 2026-11-27). On Zen 4's avx512_bf16 tile level (the steps 0.988-0.998x
+  // the time, alternating in one process; the log, 2026-11-28): left as it
+  // was there.
   const bool streamOut = c.elt == Elt::BF16 && a.elt == Elt::BF16 && tile::amx();
   const ConstMatrix weight = decodedB ? b
                              : transB ? shifted(b, cols.begin, 0)

@@ -623,11 +623,20 @@ public:
       const char *line = at + piece * lines * 64;
       const int64_t count = std::min(lines, total - piece * lines);
       const int64_t listed = std::min<int64_t>(count, Lines::kMax - to.count);
+      // Eight lines' addresses a store (the steps 0.990-0.994x the time of
+      // one a store, alternating in one process).
       const char **into = to.line + to.count;
-      for (int64_t l = 0; l < listed; ++l)
-        into[l] = line + l * 64;
+      __m512i eight = _mm512_add_epi64(_mm512_set1_epi64(reinterpret_cast<int64_t>(line)),
+                                       _mm512_setr_epi64(0, 64, 128, 192, 256, 320, 384, 448));
+      int64_t l = 0;
+      for (; l + 8 <= listed; l += 8) {
+        _mm512_storeu_si512(into + l, eight);
+        eight = _mm512_add_epi64(eight, _mm512_set1_epi64(8 * 64));
+      }
+      if (l < listed)
+        _mm512_mask_storeu_epi64(into + l, __mmask8((1u << (listed - l)) - 1), eight);
       to.count += int(listed);
-      for (int64_t l = listed; l < count; ++l)
+      for (l = listed; l < count; ++l)
         _mm_prefetch(line + l * 64, _MM_HINT_T1);
       if (++piece == pieces) {
         piece = 0;

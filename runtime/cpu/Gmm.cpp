@@ -88,6 +88,19 @@ bool nativeBf16Gemm() {
   return native;
 }
 
+namespace {
+/// Whether oneDNN runs its AVX-512 kernels on this CPU (its effective ISA
+/// holds avx512_core's bits). Fixed once oneDNN has looked at the CPU.
+bool oneDnnAvx512() {
+  static const bool avx512 = [] {
+    const unsigned isa = unsigned(dnnl_get_effective_cpu_isa());
+    const unsigned core = unsigned(dnnl_cpu_isa_avx512_core);
+    return (isa & core) == core;
+  }();
+  return avx512;
+}
+} // namespace
+
 GemmKernel gemmKernel() {
   static const GemmKernel chosen = [] {
     const char *value = envValue("MOEC_GEMM");
@@ -382,11 +395,14 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     return;
   }
   // B (the weight of a forward tile) stored k x n with rows that alias in
-  // the caches: a copy with a stride that does not, once per call. Only
-  // there: the GEMM packs a stored n x k B (transB) along its rows, and A
-  // and the weight-gradient operands were measured not to gain (a copy of
-  // a dgrad tile's weight cost 2-9%).
-  if (!transA && !transB && m >= kRealignRows && k >= kRealignRows &&
+  // the caches: a copy with a stride that does not, once per call, where
+  // oneDNN runs AVX2 kernels (Zen 3: the forward 2-5% faster). Only there:
+  // the GEMM packs a stored n x k B (transB) along its rows, and A and the
+  // weight-gradient operands were measured not to gain (a copy of a dgrad
+  // tile's weight cost 2-9%); and not where oneDNN runs AVX-512 kernels
+  // (Zen 4: the fp32 step 0.978-0.983x the time without the copy, steps
+  // alternating in one process; the log, 2026-11-28).
+  if (!transA && !transB && m >= kRealignRows && k >= kRealignRows && !oneDnnAvx512() &&
       aliasedStride(b.ld, dtypeSize(b.elt))) {
     static thread_local Scratch copies;
     const size_t bytes = size_t(k * copyStride(n, dtypeSize(b.elt))) * dtypeSize(b.elt);

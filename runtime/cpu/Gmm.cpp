@@ -76,30 +76,20 @@ float *Scratch::floats(size_t count) {
   return static_cast<float *>(buffer.data());
 }
 
-bool nativeBf16Gemm() {
-  // ISA values are nested bit sets: an ISA has bf16 dot products when its
-  // bits hold avx512_core_bf16's. Fixed once oneDNN has looked at the CPU
-  // (and at DNNL_MAX_CPU_ISA).
-  static const bool native = [] {
-    const unsigned isa = unsigned(dnnl_get_effective_cpu_isa());
-    const unsigned bf16 = unsigned(dnnl_cpu_isa_avx512_core_bf16);
-    return (isa & bf16) == bf16;
-  }();
-  return native;
+namespace {
+/// Whether oneDNN's effective ISA on this CPU holds `isa`'s bits: ISA values
+/// are nested bit sets. Fixed once oneDNN has looked at the CPU (and at
+/// DNNL_MAX_CPU_ISA).
+bool oneDnnHas(dnnl_cpu_isa_t isa) {
+  static const unsigned effective = unsigned(dnnl_get_effective_cpu_isa());
+  return (effective & unsigned(isa)) == unsigned(isa);
 }
 
-namespace {
-/// Whether oneDNN runs its AVX-512 kernels on this CPU (its effective ISA
-/// holds avx512_core's bits). Fixed once oneDNN has looked at the CPU.
-bool oneDnnAvx512() {
-  static const bool avx512 = [] {
-    const unsigned isa = unsigned(dnnl_get_effective_cpu_isa());
-    const unsigned core = unsigned(dnnl_cpu_isa_avx512_core);
-    return (isa & core) == core;
-  }();
-  return avx512;
-}
+/// Whether oneDNN runs its AVX-512 kernels on this CPU.
+bool oneDnnAvx512() { return oneDnnHas(dnnl_cpu_isa_avx512_core); }
 } // namespace
+
+bool nativeBf16Gemm() { return oneDnnHas(dnnl_cpu_isa_avx512_core_bf16); }
 
 GemmKernel gemmKernel() {
   static const GemmKernel chosen = [] {

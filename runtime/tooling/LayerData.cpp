@@ -41,6 +41,52 @@ float uniformAt(uint64_t key, uint64_t index) {
 
 } // namespace
 
+std::string LoraTensor::name() const {
+  return fmt::format("{}lora_{}{}", grad ? "d" : "", b ? "b" : "a", p + 1);
+}
+
+std::vector<int64_t> LoraTensor::dims(const LayerData &d) const {
+  const int64_t K = p == 0 ? d.hidden : d.inter, N = p == 0 ? 2 * d.inter : d.hidden;
+  return b ? std::vector<int64_t>{d.experts, d.loraRank, N}
+           : std::vector<int64_t>{d.experts, K, d.loraRank};
+}
+
+std::vector<float> &LoraTensor::of(LayerData &d) const {
+  return grad ? (b ? d.dLoraB : d.dLoraA)[size_t(p)] : (b ? d.loraB : d.loraA)[size_t(p)];
+}
+
+const std::vector<float> &LoraTensor::of(const LayerData &d) const {
+  return grad ? (b ? d.dLoraB : d.dLoraA)[size_t(p)] : (b ? d.loraB : d.loraA)[size_t(p)];
+}
+
+std::vector<LoraTensor> loraTensors(uint8_t targets, bool grads) {
+  std::vector<LoraTensor> out;
+  for (int p = 0; p < 2; ++p)
+    if (targets >> p & 1)
+      for (bool b : {false, true})
+        out.push_back(LoraTensor{p, b, grads});
+  return out;
+}
+
+namespace {
+
+/// `d`'s LoRA fields as `shape` says (no tensors).
+void setLora(const rt::LayerShape &shape, LayerData &d) {
+  d.loraTargets = shape.loraTargets;
+  d.loraRank = shape.loraTargets ? shape.loraRank : 0;
+  d.loraScale = shape.loraTargets ? shape.loraScaling : 0.0f;
+}
+
+/// The product of `dims`.
+size_t elements(const std::vector<int64_t> &dims) {
+  size_t n = 1;
+  for (int64_t v : dims)
+    n *= size_t(v);
+  return n;
+}
+
+} // namespace
+
 void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, LayerData *out) {
   LayerData d;
   d.ranks = shape.epRanks();
@@ -71,6 +117,12 @@ void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, 
   fill(d.dy, size_t(R * S * H), 1.0f, 2);
   fill(d.w1, size_t(E * H * 2 * I), 1.0f / std::sqrt(float(std::max<int64_t>(H, 1))), 3);
   fill(d.w2, size_t(E * I * H), 1.0f / std::sqrt(float(std::max<int64_t>(I, 1))), 4);
+  setLora(shape, d);
+  for (const LoraTensor &t : loraTensors(d.loraTargets, false)) {
+    const std::vector<int64_t> dims = t.dims(d);
+    fill(t.of(d), elements(dims), 1.0f / std::sqrt(float(std::max<int64_t>(dims[1], 1))),
+         uint64_t(5 + 2 * t.p + t.b));
+  }
   // The routing from one stream of the seed.
   std::mt19937_64 rng(options.seed);
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
@@ -123,11 +175,13 @@ Status readFloats(const std::string &dir, const char *name, const std::vector<in
 
 } // namespace
 
-std::vector<std::string> layerInputFiles(bool backward) {
+std::vector<std::string> layerInputFiles(bool backward, uint8_t loraTargets) {
   std::vector<std::string> names = {"x.npy", "topk_ids.npy", "topk_weights.npy", "w1.npy",
                                     "w2.npy"};
   if (backward)
     names.push_back("dy.npy");
+  for (const LoraTensor &t : loraTensors(loraTargets, false))
+    names.push_back(t.name() + ".npy");
   return names;
 }
 
@@ -140,7 +194,7 @@ Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool
   // A folder with a manifest is one run's: a file it does not list (left by
   // an earlier run, or put there since) is not read as that run's.
   if (listed)
-    for (const std::string &name : layerInputFiles(backward))
+    for (const std::string &name : layerInputFiles(backward, shape.loraTargets))
       if (!listed->count(name))
         return Status::error(fmt::format(
             "{}/{}: not listed in {}/{}, so it is not of the run that wrote the folder; give "
@@ -183,6 +237,10 @@ Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool
   if (backward)
     if (Status s = readFloats(dir, "dy", {R, S, H}, &d.dy); !s)
       return s;
+  setLora(shape, d);
+  for (const LoraTensor &t : loraTensors(d.loraTargets, false))
+    if (Status s = readFloats(dir, t.name().c_str(), t.dims(d), &t.of(d)); !s)
+      return s;
   *out = std::move(d);
   return Status::success();
 }
@@ -191,7 +249,7 @@ namespace {
 
 /// One .npy file of a layer's data.
 struct NpyFile {
-  const char *name;
+  std::string name;
   npy::NpyType type;
   std::vector<int64_t> dims;
   const void *data;
@@ -202,9 +260,9 @@ struct NpyFile {
 Status writeNpyFiles(const std::string &dir, const std::vector<NpyFile> &files,
                      std::vector<std::string> *written) {
   for (const NpyFile &f : files) {
-    if (Status s = npy::writeNpy(npyPath(dir, f.name), f.type, f.dims, f.data); !s)
+    if (Status s = npy::writeNpy(npyPath(dir, f.name.c_str()), f.type, f.dims, f.data); !s)
       return s;
-    written->push_back(std::string(f.name) + ".npy");
+    written->push_back(f.name + ".npy");
   }
   return Status::success();
 }
@@ -224,6 +282,8 @@ Status writeLayerInputs(const std::string &dir, const LayerData &d, bool backwar
   };
   if (backward)
     files.push_back({"dy", NpyType::F32, {R, S, H}, d.dy.data()});
+  for (const LoraTensor &t : loraTensors(d.loraTargets, false))
+    files.push_back({t.name(), NpyType::F32, t.dims(d), t.of(d).data()});
   return writeNpyFiles(dir, files, written);
 }
 
@@ -240,6 +300,9 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &d, bool backwa
       files.push_back({"dw1", NpyType::F32, {E, H, 2 * I}, d.dw1.data()});
       files.push_back({"dw2", NpyType::F32, {E, I, H}, d.dw2.data()});
     }
+    for (const LoraTensor &t : loraTensors(d.loraTargets, true))
+      if (!t.of(d).empty())
+        files.push_back({t.name(), NpyType::F32, t.dims(d), t.of(d).data()});
   }
   return writeNpyFiles(dir, files, written);
 }

@@ -57,7 +57,23 @@ void LayerRun::Buffer::copyOut(float *out) const {
 }
 
 namespace {
-enum Slot { kX, kY, kW1, kW2, kDy, kDx, kDw1, kDw2, kW1Scale, kW2Scale, kSlotsPerRank };
+enum Slot {
+  kX,
+  kY,
+  kW1,
+  kW2,
+  kDy,
+  kDx,
+  kDw1,
+  kDw2,
+  kW1Scale,
+  kW2Scale,
+  kLora, ///< the LoRA tensors: A, B of w1's adapter, of w2's, then their gradients
+  kSlotsPerRank = kLora + 8
+};
+
+/// The slot of a LoRA tensor.
+int loraSlot(const LoraTensor &t) { return kLora + (t.grad ? 4 : 0) + 2 * t.p + (t.b ? 1 : 0); }
 
 /// The I / T columns of TP slice `t` of an expert's w1 [H, 2I] (gate
 /// columns, then up columns) and rows of its w2 [I, H], for experts
@@ -218,11 +234,18 @@ Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *d) {
 
 Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   const rt::LayerShape &shape = context.shape();
-  if (shape.loraTargets)
-    return Status::error(
-        "the binary has LoRA adapters on the experts, and this tool makes no adapter inputs: "
-        "run it through the torch op (moec_torch.MoeFFN(lora_rank=...)) or bind lora_a1 .. "
-        "dlora_b2 through the runtime API");
+  if (shape.loraTargets && shape.tp > 1)
+    return Status::error(fmt::format(
+        "the binary has LoRA adapters on the experts and {} TP ranks; this tool runs LoRA "
+        "binaries of one TP rank (EP only)",
+        shape.tp));
+  if (d.loraTargets != shape.loraTargets ||
+      (shape.loraTargets && (d.loraRank != shape.loraRank || d.loraScale != shape.loraScaling)))
+    return Status::error(fmt::format(
+        "the inputs have LoRA adapters on {} of rank {} (scale {}); the binary on {} of rank {} "
+        "(scale {})",
+        d.loraTargets, d.loraRank, d.loraScale, shape.loraTargets, shape.loraRank,
+        shape.loraScaling));
   if (d.ranks != shape.epRanks() || d.tp != shape.tp || d.hidden != shape.hidden ||
       d.inter != shape.inter * shape.tp || d.experts != shape.experts())
     return Status::error(fmt::format(
@@ -264,7 +287,7 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
                                       rt::makeTensor(weights[size_t(r)].data(), DType::F32, {S, K}));
         !s)
       return s;
-    std::vector<std::pair<const char *, rt::Tensor>> tensors = {
+    std::vector<std::pair<std::string, rt::Tensor>> tensors = {
         {"x", rt::makeTensor(b[kX].data(), act, {S, H})},
         {"y", rt::makeTensor(b[kY].data(), act, {S, H})},
         {"w1", rt::makeTensor(b[kW1].data(), b[kW1].dtype, stored.w1Dims)},
@@ -276,6 +299,20 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
       tensors.push_back(
           {"w2_scale", rt::makeTensor(b[kW2Scale].data(), DType::F32, stored.w2ScaleDims)});
     }
+    // The adapters of this rank's experts (global experts e * L .. e * L + L - 1).
+    const auto bindLora = [&](const LoraTensor &t, DType type) {
+      std::vector<int64_t> dims = t.dims(d);
+      const size_t perExpert = size_t(dims[1] * dims[2]);
+      dims[0] = L;
+      Buffer &buffer = b[loraSlot(t)];
+      if (t.grad)
+        buffer.zeros(size_t(L) * perExpert, type);
+      else
+        buffer.assign(t.of(d).data() + size_t(e * L) * perExpert, size_t(L) * perExpert, type);
+      tensors.push_back({t.name(), rt::makeTensor(buffer.data(), type, dims)});
+    };
+    for (const LoraTensor &t : loraTensors(shape.loraTargets, false))
+      bindLora(t, act);
     if (backward) {
       // The weight-gradient dtype is the backward binary's; a context
       // without one refuses these bindings, which is the error to report.
@@ -287,6 +324,8 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
                      {{"dy", rt::makeTensor(b[kDy].data(), act, {S, H})},
                       {"dx", rt::makeTensor(b[kDx].data(), act, {S, H})},
                       {"dtopk_weights", rt::makeTensor(dtopk[size_t(r)].data(), DType::F32, {S, K})}});
+      for (const LoraTensor &t : loraTensors(bs ? bs->loraTargets : 0, true))
+        bindLora(t, grad);
       if (!(bs && bs->frozen)) {
         b[kDw1].zeros(w1n, grad);
         b[kDw2].zeros(w2n, grad);
@@ -309,9 +348,12 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
     // A main_grad binary adds its weight gradients into dw1 and dw2: each
     // run starts them from zero, so that a repeated run gives one step's.
     for (int64_t r = context.firstLocalRank(); r < context.firstLocalRank() + context.localRanks();
-         ++r)
+         ++r) {
       for (Slot slot : {kDw1, kDw2})
         buffers[size_t(r) * kSlotsPerRank + slot].clear();
+      for (const LoraTensor &t : loraTensors(3, true))
+        buffers[size_t(r) * kSlotsPerRank + size_t(loraSlot(t))].clear();
+    }
     if (Status s = context.backward(); !s)
       return s;
   }
@@ -321,6 +363,17 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
                 I = context.shape().inter;
   const int64_t L = context.shape().localExperts;
   const bool weightGrads = backward && !context.backwardShape()->frozen;
+  // The LoRA adapters' gradients, per rank [L, K, r] or [L, r, N] (one TP
+  // rank: rank r's experts are r * L .. r * L + L - 1).
+  const std::vector<LoraTensor> loraGrads =
+      loraTensors(backward ? context.backwardShape()->loraTargets : 0, true);
+  std::vector<std::vector<float>> loraAll(loraGrads.size());
+  std::vector<int64_t> loraPerRank(loraGrads.size());
+  for (size_t i = 0; i < loraGrads.size(); ++i) {
+    const std::vector<int64_t> dims = loraGrads[i].dims(*d);
+    loraPerRank[i] = L * dims[1] * dims[2];
+    loraAll[i].resize(size_t(R * loraPerRank[i]));
+  }
   std::vector<float> y(size_t(R * S * H)), dx, dtopkAll, dw1, dw2;
   if (backward) {
     dx.resize(size_t(R * S * H));
@@ -338,6 +391,8 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
       continue;
     b[kDx].copyOut(dx.data() + r * S * H);
     std::copy(dtopk[size_t(r)].begin(), dtopk[size_t(r)].end(), dtopkAll.begin() + r * S * K);
+    for (size_t i = 0; i < loraGrads.size(); ++i)
+      b[loraSlot(loraGrads[i])].copyOut(loraAll[i].data() + r * loraPerRank[i]);
     if (!weightGrads)
       continue;
     b[kDw1].copyOut(dw1.data() + r * L * H * 2 * I);
@@ -358,6 +413,9 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
                                        {&dw1, L * H * 2 * I},
                                        {&dw2, L * I * H}})
       if (Status s = out->empty() ? Status::success() : collect(*out, perRank); !s)
+        return s;
+    for (size_t i = 0; i < loraGrads.size(); ++i)
+      if (Status s = collect(loraAll[i], loraPerRank[i]); !s)
         return s;
     if (first != 0)
       return Status::success(); // the outputs are rank 0's to report
@@ -386,6 +444,12 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
     return s;
   d->dw1.clear();
   d->dw2.clear();
+  for (int p = 0; p < 2; ++p) {
+    d->dLoraA[size_t(p)].clear();
+    d->dLoraB[size_t(p)].clear();
+  }
+  for (size_t i = 0; i < loraGrads.size(); ++i)
+    loraGrads[i].of(*d) = std::move(loraAll[i]);
   if (!weightGrads)
     return Status::success();
   d->dw1.assign(size_t(d->experts * H * 2 * d->inter), 0.0f);

@@ -14,6 +14,7 @@
 
 #include "runtime/api/Runtime.h"
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -39,9 +40,37 @@ struct LayerData {
   std::vector<float> w1;        ///< [E, H, 2I]
   std::vector<float> w2;        ///< [E, I, H]
   std::vector<float> dy;        ///< [R, S, H] (backward)
+  /// LoRA adapters on the experts (a binary with them; its base weights
+  /// frozen): their rank r, the factor s of their products (U = s X A,
+  /// Y = X W + U B) and, per projection p (0: w1, 1: w2, as loraTargets'
+  /// bits say), A [E, K, r] and B [E, r, N], K x N the projection's
+  /// weight (H x 2I, I x H). Empty where the binary has none.
+  int64_t loraRank = 0;
+  uint8_t loraTargets = 0;
+  float loraScale = 0;
+  std::array<std::vector<float>, 2> loraA, loraB;
   // Outputs.
   std::vector<float> y, dx, dtopk, dw1, dw2;
+  std::array<std::vector<float>, 2> dLoraA, dLoraB; ///< as loraA, loraB (backward)
 };
+
+/// One LoRA tensor of a layer: projection p's A or B (`b`), or with
+/// `grad` its gradient.
+struct LoraTensor {
+  int p = 0;
+  bool b = false, grad = false;
+  /// "lora_a1", "lora_b2", "dlora_a1", ...
+  std::string name() const;
+  /// Its dims for `d`: [E, K, r] (A) or [E, r, N] (B), global experts.
+  std::vector<int64_t> dims(const LayerData &d) const;
+  /// Its values in `d`.
+  std::vector<float> &of(LayerData &d) const;
+  const std::vector<float> &of(const LayerData &d) const;
+};
+
+/// The LoRA tensors of adapters on `targets` (LayerShape::loraTargets): A
+/// and B of each, or with `grads` their gradients.
+std::vector<LoraTensor> loraTensors(uint8_t targets, bool grads);
 
 /// Options of randomLayerData.
 struct RandomOptions {
@@ -56,30 +85,34 @@ struct RandomOptions {
 
 /// Fills `data` with random inputs for `shape` (S and K from the binary):
 /// x, dy uniform in [-1, 1), weights scaled by 1/sqrt(fan-in), top-k weights
-/// in (0.2, 1), distinct experts per token. Each value of x, dy, w1 and w2
-/// is a hash of the seed, the tensor and its index (filled on every
-/// hardware thread, the same values for any thread count); the routing
-/// comes from one stream of the seed.
+/// in (0.2, 1), distinct experts per token; LoRA adapters where the binary
+/// has them, A by 1/sqrt(its fan-in) and B by 1/sqrt(r) (not zero, as a
+/// fresh adapter's B is, so that their products count in the outputs). Each value of x, dy, w1 and
+/// w2 is a hash of the seed, the tensor and its index (filled on every hardware thread, the same
+/// values for any thread count); the routing comes from one stream of the seed.
 void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, LayerData *data);
 
 /// The files of a layer's inputs in a folder: x, topk_ids, topk_weights, w1,
-/// w2 (.npy), and dy with a backward pass.
-std::vector<std::string> layerInputFiles(bool backward);
+/// w2 (.npy), dy with a backward pass, and the LoRA adapters' A and B on
+/// `loraTargets`.
+std::vector<std::string> layerInputFiles(bool backward, uint8_t loraTargets = 0);
 
-/// Reads x, topk_ids, topk_weights, w1, w2 (and dy when `backward`) from
-/// DIR/*.npy and checks their shapes against each other and `shape`. The
+/// Reads x, topk_ids, topk_weights, w1, w2 (and dy when `backward`, and
+/// the LoRA adapters of a binary with them) from DIR/*.npy and checks their
+/// shapes against each other and `shape`. The
 /// folder must be a run's, as its manifest says (checkRunManifest), unless
 /// `handMade`. Errors name the file and what was expected.
 Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool backward,
                        bool handMade, LayerData *data);
 
-/// Writes the inputs (with dy when `backward`) to DIR/*.npy; appends the
-/// names of the files to *written.
+/// Writes the inputs (with dy when `backward`, and the LoRA adapters) to
+/// DIR/*.npy; appends the names of the files to *written.
 Status writeLayerInputs(const std::string &dir, const LayerData &data, bool backward,
                         std::vector<std::string> *written);
 
-/// Writes y (and dx, dtopk_weights, dw1, dw2 when `backward`) to DIR/*.npy;
-/// appends the names of the files to *written.
+/// Writes y (and dx, dtopk_weights, dw1, dw2 or the LoRA adapters'
+/// gradients when `backward`) to DIR/*.npy; appends the names of the files
+/// to *written.
 Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool backward,
                          std::vector<std::string> *written);
 
@@ -90,9 +123,10 @@ Status writeLayerOutputs(const std::string &dir, const LayerData &data, bool bac
 inline constexpr const char *kRunManifest = "manifest.json";
 
 /// The names a run writes into its outputs folder: y (and dx,
-/// dtopk_weights, dw1, dw2 with a backward pass), the inputs when it made
-/// them (`inputs`: --random), and the manifest.
-std::vector<std::string> runFolderFiles(bool backward, bool inputs);
+/// dtopk_weights, dw1, dw2 or the gradients of the LoRA adapters on
+/// `loraTargets` with a backward pass), the inputs when it made them
+/// (`inputs`: --random), and the manifest.
+std::vector<std::string> runFolderFiles(bool backward, bool inputs, uint8_t loraTargets = 0);
 
 /// True for a name any run writes into its folder.
 bool isRunFileName(const std::string &name);
@@ -219,7 +253,7 @@ struct OutputError {
 
 /// What verifyLayer checks and how.
 struct VerifyOptions {
-  bool backward = false; ///< check dx, dtopk_weights, dw1, dw2 too
+  bool backward = false; ///< check dx, dtopk_weights, dw1, dw2 (or the adapters') too
   bool bf16 = false;     ///< the binary stores bf16: the looser tolerance
   /// The forward's dispatch moves FP8 rows: the reference takes x through
   /// the same quantization (e4m3, fp32 scale per 128 values) and back to
@@ -242,6 +276,9 @@ struct SampleSummary {
 
 /// Runs the reference on `data`'s inputs and compares its outputs
 /// (y; and dx, dtopk_weights, dw1, dw2 with `backward`), whole or sampled.
+/// With LoRA adapters (whole only) the reference runs on w + s A B, and
+/// the adapters' gradients follow from that weight's gradient G: dA =
+/// s G B^T, dB = s A^T G.
 Status verifyLayer(const LayerData &data, const VerifyOptions &options,
                    std::vector<OutputError> *errors, SampleSummary *summary = nullptr);
 

@@ -40,19 +40,22 @@ std::string crcText(const std::vector<uint8_t> &bytes) {
 
 /// Every name a run writes into its folder, inputs (of --random) and
 /// outputs.
-std::vector<std::string> runFolderFiles(bool backward, bool inputs) {
+std::vector<std::string> runFolderFiles(bool backward, bool inputs, uint8_t loraTargets) {
   std::vector<std::string> names = {"y.npy"};
-  if (backward)
+  if (backward) {
     names.insert(names.end(), {"dx.npy", "dtopk_weights.npy", "dw1.npy", "dw2.npy"});
+    for (const LoraTensor &t : loraTensors(loraTargets, true))
+      names.push_back(t.name() + ".npy");
+  }
   if (inputs)
-    for (const std::string &name : layerInputFiles(backward))
+    for (const std::string &name : layerInputFiles(backward, loraTargets))
       names.push_back(name);
   names.push_back(kRunManifest);
   return names;
 }
 
 bool isRunFileName(const std::string &name) {
-  const std::vector<std::string> all = runFolderFiles(true, true);
+  const std::vector<std::string> all = runFolderFiles(true, true, 3);
   return std::find(all.begin(), all.end(), name) != all.end();
 }
 

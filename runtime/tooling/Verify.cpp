@@ -175,8 +175,12 @@ Status verifyLayer(const LayerData &d, const VerifyOptions &options,
   if (options.fp8Dispatch)
     rounded = fp8RoundTrip(d, options.bf16);
   const std::vector<float> &x = options.fp8Dispatch ? rounded : d.x;
-  if (options.sampleTokens > 0)
+  if (options.sampleTokens > 0) {
+    if (d.loraTargets)
+      return Status::error("a sampled check does not cover LoRA adapters; verify the whole "
+                           "layer (--verify without --verify-sample)");
     return verifySample(d, x, options, errors, summary);
+  }
   namespace ref = moec::reference;
   const ref::LayerShape shape = referenceShape(d);
   const bool backward = options.backward;
@@ -193,6 +197,29 @@ Status verifyLayer(const LayerData &d, const VerifyOptions &options,
   }
   ref::Weights<double> weights{std::vector<double>(d.w1.begin(), d.w1.end()),
                                std::vector<double>(d.w2.begin(), d.w2.end())};
+  // LoRA adapters: the layer computes X W + s (X A) B, which is X (W + s A B):
+  // the reference runs on those weights, and the gradient G of such a
+  // weight gives the adapters' (dA = s G B^T, dB = s A^T G).
+  const int64_t E = d.experts, r = d.loraRank;
+  const double scale = d.loraScale;
+  // Projection p's weight is K x N: w1 H x 2I, w2 I x H.
+  const auto rowsOf = [&](int p) { return p == 0 ? H : d.inter; };
+  const auto colsOf = [&](int p) { return p == 0 ? 2 * d.inter : H; };
+  for (int p = 0; p < 2; ++p) {
+    if (!(d.loraTargets >> p & 1))
+      continue;
+    std::vector<double> &w = p == 0 ? weights.w1 : weights.w2;
+    const int64_t k = rowsOf(p), n = colsOf(p);
+    const std::vector<float> &a = d.loraA[size_t(p)], &b = d.loraB[size_t(p)];
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double sum = 0;
+          for (int64_t q = 0; q < r; ++q)
+            sum += double(a[size_t((e * k + i) * r + q)]) * double(b[size_t((e * r + q) * n + j)]);
+          w[size_t((e * k + i) * n + j)] += scale * sum;
+        }
+  }
   // The forward pass is about a third of the work with backward.
   const double forwardShare = backward ? 1.0 / 3 : 1.0;
   ref::Progress progress;
@@ -225,6 +252,25 @@ Status verifyLayer(const LayerData &d, const VerifyOptions &options,
   if (!d.dw1.empty()) { // a frozen layer's backward has none
     compare("dw1", d.dw1, bwd.dw1);
     compare("dw2", d.dw2, bwd.dw2);
+  }
+  for (const LoraTensor &t : loraTensors(d.loraTargets, true)) {
+    const std::vector<double> &g = t.p == 0 ? bwd.dw1 : bwd.dw2;
+    const std::vector<float> &a = d.loraA[size_t(t.p)], &b = d.loraB[size_t(t.p)];
+    const int64_t k = rowsOf(t.p), n = colsOf(t.p);
+    std::vector<double> want(size_t(E) * size_t(t.b ? r * n : k * r), 0.0);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t i = 0; i < k; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          const double gij = scale * g[size_t((e * k + i) * n + j)];
+          for (int64_t q = 0; q < r; ++q)
+            if (t.b) // dB[q, j] += s A[i, q] G[i, j]
+              want[size_t((e * r + q) * n + j)] += double(a[size_t((e * k + i) * r + q)]) * gij;
+            else // dA[i, q] += s G[i, j] B[q, j]
+              want[size_t((e * k + i) * r + q)] += gij * double(b[size_t((e * r + q) * n + j)]);
+        }
+    const std::string name = t.name();
+    errors->push_back(compareOutput(name.c_str(), tolerance, want,
+                                    [&out = t.of(d)](size_t i) { return out[i]; }));
   }
   return Status::success();
 }

@@ -13,16 +13,17 @@ source "$(dirname "${BASH_SOURCE[0]}")/finalizing_job.sh"
 
 # layer NAME H I L K EP DTYPE [extra config JSON]: compiles both graphs
 # into $WORK/NAME/{fwd,bwd}.moebin (granularity from $GRANULARITY, peer
-# groups from $PEER_GROUPS).
+# groups from $PEER_GROUPS; $GRAPH picks other graphs than the full layer's,
+# e.g. _lora_transposed_int4 for moe_ffn_{fwd,bwd}_lora_transposed_int4).
 layer() {
   local name=$1 H=$2 I=$3 L=$4 K=$5 EP=$6 DT=$7 extra=${8:-}
   local dir="$WORK/$name"
   mkdir -p "$dir"
   echo "{\"name\": \"$name\", \"hidden_size\": $H, \"intermediate_size\": $I, \"num_experts\": $((L * EP)), \"top_k\": $K, \"ep\": $EP, \"tp\": 1, \"seq_size\": 128, \"dtype\": \"$DT\", \"num_cube_cores\": 2, \"num_vector_cores\": 2$extra}" > "$dir/config.json"
-  "$MOEC" compile "$GRAPHS/moe_ffn_fwd.json" --config "$dir/config.json" \
+  "$MOEC" compile "$GRAPHS/moe_ffn_fwd${GRAPH:-}.json" --config "$dir/config.json" \
     --granularity "${GRANULARITY:-per-tile-range}" ${PEER_GROUPS:+--peer-groups "$PEER_GROUPS"} \
     -o "$dir/fwd.moebin" > /dev/null
-  "$MOEC" compile "$GRAPHS/moe_ffn_bwd.json" --config "$dir/config.json" \
+  "$MOEC" compile "$GRAPHS/moe_ffn_bwd${GRAPH:-}.json" --config "$dir/config.json" \
     --granularity "${GRANULARITY:-per-tile-range}" ${PEER_GROUPS:+--peer-groups "$PEER_GROUPS"} \
     -o "$dir/bwd.moebin" > /dev/null
 }
@@ -33,8 +34,8 @@ fail() {
 }
 
 # check NAME EP RUN_OPTIONS...: random inputs run in-process, then replayed
-# under "${MPIRUN[@]}" -np EP with --verify; every output must match bit for
-# bit. Counts into $passed and $failed.
+# under "${MPIRUN[@]}" -np EP with --verify; every output ($OUTPUTS, default
+# the full layer's) must match bit for bit. Counts into $passed and $failed.
 check() {
   local name=$1 ep=$2
   shift 2
@@ -51,7 +52,7 @@ check() {
   fi
   grep -q "verify: passed" "$dir/mpi.log" || { cat "$dir/mpi.log"; echo "FAILED: $name: no verify line"; failed=$((failed + 1)); return; }
   grep -q "$ep MPI processes" "$dir/mpi.log" || { echo "FAILED: $name: not $ep processes"; failed=$((failed + 1)); return; }
-  for out in y dx dtopk_weights dw1 dw2; do
+  for out in ${OUTPUTS:-y dx dtopk_weights dw1 dw2}; do
     if ! cmp -s "$dir/inproc/$out.npy" "$dir/mpi/$out.npy"; then
       echo "FAILED: $name: $out differs from the in-process run"
       failed=$((failed + 1))

@@ -4,7 +4,7 @@
 # in-process fabric on the same inputs: forward and backward, fp32 and bf16,
 # skewed routing, experts and ranks that receive no rows, both event
 # granularities, several passes of one context (--repeat), FP8 dispatch, tiles
-# cut by peer groups.
+# cut by peer groups, LoRA adapters on a quantized base.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 passed=0
@@ -36,6 +36,10 @@ check fp8 3 --hot-share 0.5
 # ranks only; on 3 ranks a group's sources wrap past the last rank).
 PEER_GROUPS=2 layer groups 64 32 2 2 3 bf16
 check groups 3 --hot-share 0.5
+# LoRA adapters on an int4 base: the adapters' inputs and gradients
+# between processes, the same bits as in process.
+GRAPH=_lora_transposed_int4 layer lora 256 128 2 2 3 bf16 ', "lora_rank": 8, "weight_group": 32'
+OUTPUTS="y dx dtopk_weights dlora_a1 dlora_b1 dlora_a2 dlora_b2" check lora 3 --hot-share 0.5
 # One trace of the whole job.
 check_trace f32-2 2
 # The path between nodes (two-sided messages) on this one machine: no rank

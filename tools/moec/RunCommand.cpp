@@ -110,17 +110,19 @@ Status checkSameOptions(comm::Fabric &fabric, const std::string &options,
 Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeoutSeconds) {
   struct Fingerprint {
     int64_t shape[6];
-    uint32_t crc[6];
+    uint32_t crc[10];
   };
   const auto crcOf = [](const auto &values) {
     return format::crc32(reinterpret_cast<const uint8_t *>(values.data()),
                          values.size() * sizeof(values[0]));
   };
-  static const char *const kNames[6] = {"x.npy", "topk_ids.npy", "topk_weights.npy",
-                                        "w1.npy", "w2.npy", "dy.npy"};
+  static const char *const kNames[10] = {
+      "x.npy",  "topk_ids.npy", "topk_weights.npy", "w1.npy",      "w2.npy",
+      "dy.npy", "lora_a1.npy",  "lora_b1.npy",      "lora_a2.npy", "lora_b2.npy"};
   Fingerprint mine{{data.ranks, data.tokens, data.topK, data.experts, data.hidden, data.inter},
                    {crcOf(data.x), crcOf(data.ids), crcOf(data.weights), crcOf(data.w1),
-                    crcOf(data.w2), crcOf(data.dy)}};
+                    crcOf(data.w2), crcOf(data.dy), crcOf(data.loraA[0]), crcOf(data.loraB[0]),
+                    crcOf(data.loraA[1]), crcOf(data.loraB[1])}};
   std::vector<Fingerprint> all(fabric.ranks());
   if (Status s = fabric.exchange(&mine, sizeof mine, all.data(), timeoutSeconds); !s)
     return s.withPrefix("comparing the inputs of the ranks: ");
@@ -136,7 +138,7 @@ Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeo
           p, theirs.shape[0], theirs.shape[1], theirs.shape[2], theirs.shape[3], theirs.shape[4],
           theirs.shape[5], first.shape[0], first.shape[1], first.shape[2], first.shape[3],
           first.shape[4], first.shape[5]));
-    for (int i = 0; i < 6; ++i)
+    for (int i = 0; i < 10; ++i)
       if (first.crc[i] != theirs.crc[i])
         return Status::error(fmt::format(
             "rank {} read another {} than rank 0 (CRC-32 {:08x} against {:08x}; every rank "
@@ -409,7 +411,7 @@ Status writeRunOutputs(const Args &args, const LayerData &data, bool backward, i
   // Inputs read from the outputs folder are this run's files too.
   std::vector<std::string> kept;
   if (auto inputs = args.value("--inputs"); inputs && sameFile(*inputs, outputs))
-    for (const std::string &name : layerInputFiles(backward))
+    for (const std::string &name : layerInputFiles(backward, data.loraTargets))
       kept.push_back(name), written.push_back(name);
   std::string command = "moec run";
   for (int i = first; i < argc; ++i)
@@ -417,10 +419,15 @@ Status writeRunOutputs(const Args &args, const LayerData &data, bool backward, i
   if (Status s = runFolder->finish(written, command, kept); !s)
     return runFolder->named(s);
   runFolder.reset();
-  std::printf("outputs: %s/{y%s}.npy\n", outputs.c_str(),
-              !backward          ? ""
-              : data.dw1.empty() ? ",dx,dtopk_weights"
-                                 : ",dx,dtopk_weights,dw1,dw2");
+  std::string names = "y";
+  if (backward) {
+    names += ",dx,dtopk_weights";
+    if (!data.dw1.empty())
+      names += ",dw1,dw2";
+    for (const tooling::LoraTensor &t : tooling::loraTensors(data.loraTargets, true))
+      names += "," + t.name();
+  }
+  std::printf("outputs: %s/{%s}.npy\n", outputs.c_str(), names.c_str());
   return Status::success();
 }
 
@@ -527,6 +534,10 @@ int runRun(int argc, char **argv, int first) {
     return fail(s);
   const bool backward = bwd != nullptr;
   const rt::LayerShape &shape = fwd->shape();
+  if (shape.loraTargets && sampleTokens > 0)
+    return fail(Status::error(
+        "--verify-sample checks no LoRA adapters (the binary has them); verify the whole layer "
+        "with --verify"));
 
   rt::ContextOptions options;
   options.workers = uint32_t(threads);
@@ -559,8 +570,10 @@ int runRun(int argc, char **argv, int first) {
   // The folder stops being an earlier run's before this run writes to it,
   // and no other run writes it meanwhile.
   if (report && !localPuts)
-    if (Status s = RunFolder::open(outputs, runFolderFiles(backward, args.value("--random").has_value()),
-                                   args.positional, &runFolder);
+    if (Status s = RunFolder::open(
+            outputs,
+            runFolderFiles(backward, args.value("--random").has_value(), shape.loraTargets),
+            args.positional, &runFolder);
         !s)
       return fail(s);
 

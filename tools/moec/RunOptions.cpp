@@ -58,10 +58,12 @@ const CommandSpec kRunSpec = {
     "  x [R,S,H]  topk_ids [R,S,K] (int32 or int64)  topk_weights [R,S,K]\n"
     "  w1 [E,H,2I]  w2 [E,I,H]  and dy [R,S,H] with a backward binary\n"
     "  (a binary of the *_transposed graphs, whose weights are stored [E,2I,H] and\n"
-    "  [E,H,I], takes the same files and transposes them when it binds)\n"
+    "  [E,H,I], takes the same files and transposes them when it binds); a binary\n"
+    "  with LoRA adapters (the *_lora* graphs) also lora_a1 [E,H,r], lora_b1\n"
+    "  [E,r,2I] on w1 and lora_a2 [E,I,r], lora_b2 [E,r,H] on w2\n"
     "outputs (.npy, float32): y [R,S,H]; with a backward binary also dx [R,S,H],\n"
     "  dtopk_weights [R,S,K], dw1 [E,H,2I], dw2 [E,I,H] (none for a frozen layer's\n"
-    "  backward binary)\n"
+    "  backward binary; with adapters their gradients dlora_a1 .. dlora_b2)\n"
     "\n"
     "options:\n"
     "  --ranks R        all ranks: the binary's (its config's ep x tp);\n"
@@ -92,7 +94,7 @@ const CommandSpec kRunSpec = {
     "                   one random intermediate unit's weight gradients (a row of\n"
     "                   dw2, the gate and up columns of dw1), computed from every\n"
     "                   row that expert received; memory grows with N, not the\n"
-    "                   layer (implies --verify)\n"
+    "                   layer (implies --verify; not for binaries with LoRA adapters)\n"
     "  --backend B      cpu (worker threads; the default) or cuda: every rank on\n"
     "                   one NVIDIA GPU, the task program as one persistent kernel\n"
     "                   (thread blocks run the queues, events are counters in\n"
@@ -309,7 +311,7 @@ int checkRunPaths(const Args &args) {
     // goes to a second path.
     std::vector<std::string> inputFiles;
     if (auto dir = args.value("--inputs")) {
-      for (const std::string &name : layerInputFiles(true))
+      for (const std::string &name : layerInputFiles(true, 3)) // any adapters'
         inputFiles.push_back(*dir + "/" + name);
       inputFiles.push_back(*dir + "/" + kRunManifest);
     }

@@ -194,6 +194,8 @@ void reportNonFinite(const LayerData &d, bool backward, bool outputs) {
     scan("w2", d.w2, R * L, "expert");
     if (backward)
       scan("dy", d.dy, R, "rank");
+    for (const LoraTensor &t : loraTensors(d.loraTargets, false))
+      scan(t.name().c_str(), t.of(d), R * L, "expert");
     return;
   }
   scan("y", d.y, R, "rank");
@@ -202,6 +204,8 @@ void reportNonFinite(const LayerData &d, bool backward, bool outputs) {
     scan("dtopk_weights", d.dtopk, R, "rank");
     scan("dw1", d.dw1, R * L, "expert");
     scan("dw2", d.dw2, R * L, "expert");
+    for (const LoraTensor &t : loraTensors(d.loraTargets, true))
+      scan(t.name().c_str(), t.of(d), R * L, "expert");
   }
 }
 

@@ -51,6 +51,11 @@ std::vector<int64_t> LoraTensor::dims(const LayerData &d) const {
            : std::vector<int64_t>{d.experts, K, d.loraRank};
 }
 
+int64_t LoraTensor::perExpert(const LayerData &d) const {
+  const std::vector<int64_t> all = dims(d);
+  return all[1] * all[2];
+}
+
 std::vector<float> &LoraTensor::of(LayerData &d) const {
   return grad ? (b ? d.dLoraB : d.dLoraA)[size_t(p)] : (b ? d.loraB : d.loraA)[size_t(p)];
 }
@@ -75,14 +80,6 @@ void setLora(const rt::LayerShape &shape, LayerData &d) {
   d.loraTargets = shape.loraTargets;
   d.loraRank = shape.loraTargets ? shape.loraRank : 0;
   d.loraScale = shape.loraTargets ? shape.loraScaling : 0.0f;
-}
-
-/// The product of `dims`.
-size_t elements(const std::vector<int64_t> &dims) {
-  size_t n = 1;
-  for (int64_t v : dims)
-    n *= size_t(v);
-  return n;
 }
 
 } // namespace
@@ -119,8 +116,8 @@ void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, 
   fill(d.w2, size_t(E * I * H), 1.0f / std::sqrt(float(std::max<int64_t>(I, 1))), 4);
   setLora(shape, d);
   for (const LoraTensor &t : loraTensors(d.loraTargets, false)) {
-    const std::vector<int64_t> dims = t.dims(d);
-    fill(t.of(d), elements(dims), 1.0f / std::sqrt(float(std::max<int64_t>(dims[1], 1))),
+    const int64_t fanIn = t.dims(d)[1]; // K of A, r of B
+    fill(t.of(d), size_t(E * t.perExpert(d)), 1.0f / std::sqrt(float(std::max<int64_t>(fanIn, 1))),
          uint64_t(5 + 2 * t.p + t.b));
   }
   // The routing from one stream of the seed.

@@ -234,11 +234,6 @@ Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *d) {
 
 Status LayerRun::bind(rt::Context &context, const LayerData &d) {
   const rt::LayerShape &shape = context.shape();
-  if (shape.loraTargets && shape.tp > 1)
-    return Status::error(fmt::format(
-        "the binary has LoRA adapters on the experts and {} TP ranks; this tool runs LoRA "
-        "binaries of one TP rank (EP only)",
-        shape.tp));
   if (d.loraTargets != shape.loraTargets ||
       (shape.loraTargets && (d.loraRank != shape.loraRank || d.loraScale != shape.loraScaling)))
     return Status::error(fmt::format(
@@ -302,13 +297,13 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
     // The adapters of this rank's experts (global experts e * L .. e * L + L - 1).
     const auto bindLora = [&](const LoraTensor &t, DType type) {
       std::vector<int64_t> dims = t.dims(d);
-      const size_t perExpert = size_t(dims[1] * dims[2]);
       dims[0] = L;
+      const size_t count = size_t(L * t.perExpert(d));
       Buffer &buffer = b[loraSlot(t)];
       if (t.grad)
-        buffer.zeros(size_t(L) * perExpert, type);
+        buffer.zeros(count, type);
       else
-        buffer.assign(t.of(d).data() + size_t(e * L) * perExpert, size_t(L) * perExpert, type);
+        buffer.assign(t.of(d).data() + size_t(e) * count, count, type);
       tensors.push_back({t.name(), rt::makeTensor(buffer.data(), type, dims)});
     };
     for (const LoraTensor &t : loraTensors(shape.loraTargets, false))
@@ -364,14 +359,14 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
   const int64_t L = context.shape().localExperts;
   const bool weightGrads = backward && !context.backwardShape()->frozen;
   // The LoRA adapters' gradients, per rank [L, K, r] or [L, r, N] (one TP
-  // rank: rank r's experts are r * L .. r * L + L - 1).
+  // rank, as the compiler requires of adapters: rank r's experts are
+  // r * L .. r * L + L - 1).
   const std::vector<LoraTensor> loraGrads =
       loraTensors(backward ? context.backwardShape()->loraTargets : 0, true);
   std::vector<std::vector<float>> loraAll(loraGrads.size());
   std::vector<int64_t> loraPerRank(loraGrads.size());
   for (size_t i = 0; i < loraGrads.size(); ++i) {
-    const std::vector<int64_t> dims = loraGrads[i].dims(*d);
-    loraPerRank[i] = L * dims[1] * dims[2];
+    loraPerRank[i] = L * loraGrads[i].perExpert(*d);
     loraAll[i].resize(size_t(R * loraPerRank[i]));
   }
   std::vector<float> y(size_t(R * S * H)), dx, dtopkAll, dw1, dw2;
@@ -444,10 +439,8 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
     return s;
   d->dw1.clear();
   d->dw2.clear();
-  for (int p = 0; p < 2; ++p) {
-    d->dLoraA[size_t(p)].clear();
-    d->dLoraB[size_t(p)].clear();
-  }
+  d->dLoraA = {};
+  d->dLoraB = {};
   for (size_t i = 0; i < loraGrads.size(); ++i)
     loraGrads[i].of(*d) = std::move(loraAll[i]);
   if (!weightGrads)

@@ -63,6 +63,8 @@ struct LoraTensor {
   std::string name() const;
   /// Its dims for `d`: [E, K, r] (A) or [E, r, N] (B), global experts.
   std::vector<int64_t> dims(const LayerData &d) const;
+  /// Its values of one expert: K r or r N.
+  int64_t perExpert(const LayerData &d) const;
   /// Its values in `d`.
   std::vector<float> &of(LayerData &d) const;
   const std::vector<float> &of(const LayerData &d) const;
@@ -87,9 +89,10 @@ struct RandomOptions {
 /// x, dy uniform in [-1, 1), weights scaled by 1/sqrt(fan-in), top-k weights
 /// in (0.2, 1), distinct experts per token; LoRA adapters where the binary
 /// has them, A by 1/sqrt(its fan-in) and B by 1/sqrt(r) (not zero, as a
-/// fresh adapter's B is, so that their products count in the outputs). Each value of x, dy, w1 and
-/// w2 is a hash of the seed, the tensor and its index (filled on every hardware thread, the same
-/// values for any thread count); the routing comes from one stream of the seed.
+/// fresh adapter's B is, so that their products count in the outputs).
+/// Each value of x, dy, w1, w2 and the adapters is a hash of the seed, the
+/// tensor and its index (filled on every hardware thread, the same values
+/// for any thread count); the routing comes from one stream of the seed.
 void randomLayerData(const rt::LayerShape &shape, const RandomOptions &options, LayerData *data);
 
 /// The files of a layer's inputs in a folder: x, topk_ids, topk_weights, w1,
@@ -99,9 +102,9 @@ std::vector<std::string> layerInputFiles(bool backward, uint8_t loraTargets = 0)
 
 /// Reads x, topk_ids, topk_weights, w1, w2 (and dy when `backward`, and
 /// the LoRA adapters of a binary with them) from DIR/*.npy and checks their
-/// shapes against each other and `shape`. The
-/// folder must be a run's, as its manifest says (checkRunManifest), unless
-/// `handMade`. Errors name the file and what was expected.
+/// shapes against each other and `shape`. The folder must be a run's, as its
+/// manifest says (checkRunManifest), unless `handMade`. Errors name the file
+/// and what was expected.
 Status readLayerInputs(const std::string &dir, const rt::LayerShape &shape, bool backward,
                        bool handMade, LayerData *data);
 

@@ -463,6 +463,19 @@ TEST_CASE("verifyLayer: a sampled check passes right outputs and names a wrong o
   CHECK(summary.units >= 2); // one per expert the 4 tokens route to
   CHECK(summary.units <= 8);
 
+  // A layer with LoRA adapters: the sampled check covers none, so it is
+  // refused rather than passed.
+  {
+    tooling::LayerData withAdapters = d;
+    withAdapters.loraTargets = 1;
+    withAdapters.loraRank = 2;
+    std::vector<tooling::OutputError> none;
+    const Status refused = tooling::verifyLayer(withAdapters, options, &none);
+    CHECK_FALSE(refused.ok());
+    CHECK(refused.message().find("does not cover LoRA adapters") != std::string::npos);
+    CHECK(none.empty());
+  }
+
   // Every token sampled: a wrong y of any token, or a wrong weight-gradient
   // element of a sampled unit, fails its output and no other.
   options.sampleTokens = s.ranks * s.tokens;

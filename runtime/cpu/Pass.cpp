@@ -193,10 +193,15 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
         weight = weight || b == l.a || b == l.b;
       // A quantized weight is kept as codes packed for the bf16 tile
       // (packCodes), which decodes them as it reads them.
+      // Not where the tile reads B's rows as they lie (its dot form: a bf16
+      // weight stored n x k on the AVX-512 micro-kernel), nor there a
+      // quantized weight, whose rows are then decoded a few columns at a
+      // time.
       const DType a = program.slots[info.tiling->inputSlots[0]].dtype;
-      info.packable =
-          weight && (info.weightScales == format::kNone ? packedTile(a, program.slots[b].dtype)
-                                                        : a == DType::BF16 && packedTile(a, a));
+      info.packable = weight &&
+                      (info.weightScales == format::kNone ? packedTile(a, program.slots[b].dtype)
+                                                          : a == DType::BF16 && packedTile(a, a)) &&
+                      !tile::dotForm(false, info.transposeB, a == DType::BF16);
     }
     pass->ops.push_back(info);
   }

@@ -40,6 +40,41 @@ constexpr int64_t kAPanel = 16;
 /// m rounded up to whole panels of packed op(A).
 int64_t packedARowUnits(int64_t m) { return ceilDiv(m, kAPanel) * kAPanel; }
 
+/// Rows of A and rows of B (columns of C) of one block of the dot form:
+/// 16 accumulators, one per element of a 4 x 4 block of C.
+constexpr int kDotRows = 4;
+constexpr int kDotCols = 4;
+
+/// Rows of A staged at once: its stage (128 rows of the qwen3 depths, 384
+/// or 512 KiB) stays in L2 while every block of B's rows passes over it.
+constexpr int64_t kDotRowBlock = 128;
+
+/// bf16 values of one step of the dot form: a 64-byte vector of a row.
+constexpr int64_t kDotStep = 32;
+
+/// Columns of C from which the dot form stages A's rows (below, A is read
+/// in place: a narrow C, such as a LoRA adapter's rank-r product, reads
+/// each of A's rows too few times to pay for a copy).
+constexpr int64_t kDotStagedColumns = 64;
+
+/// Steps of a dot-form depth of k values (a LowRank's after A's).
+int64_t dotSteps(int64_t k) { return ceilDiv(k, kDotStep); }
+
+/// The row stride, in bf16 values, of the dot form's stage of B's rows:
+/// whole steps and one more, so that its rows do not lie a multiple of 4
+/// KiB apart.
+int64_t dotStageLd(int64_t steps) { return (steps + 1) * kDotStep; }
+
+/// Bytes of the dot form's working memory: A's stage (kDotRowBlock rows at
+/// most, in blocks of kDotRows), B's stage (kDotCols rows) and, with a
+/// decoder, one panel's depth block of decoded units.
+size_t dotBytes(int64_t m, int64_t k, bool decodedB, int64_t lowK) {
+  const int64_t steps = dotSteps(k + lowK);
+  const int64_t rows = ceilDiv(std::min(m, kDotRowBlock), kDotRows) * kDotRows;
+  return size_t(rows * steps * kDotStep * 2 + kDotCols * dotStageLd(steps) * 2) +
+         (decodedB ? size_t(kBlockUnits * kPanel * 4) : 0);
+}
+
 /// Bytes of one block's packed B panels, rounded to cache lines: a decoder's
 /// are made kPackedBlockUnits deep where it writes them straight
 /// (DecodedB::panel; packBytes does not know which decoder), others
@@ -101,7 +136,9 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
   // The larger of the two forms: packBytes does not know transB.
   if (decodedB)
     bytes += std::max(decodedBytes(true), decodedBytes(false));
-  return bytes + lowRankPanelBytes(width, lowK, bf16);
+  bytes += lowRankPanelBytes(width, lowK, bf16);
+  // Nor whether the product is the dot form's.
+  return dotForm(transA, true, bf16) ? std::max(bytes, dotBytes(m, k, decodedB, lowK)) : bytes;
 }
 
 } // namespace
@@ -688,7 +725,253 @@ template <bool BF16, bool PACK = false> Micro microFor(int rows) {
   return table[rows - 1];
 }
 
+//===----------------------------------------------------------------------===//
+// The dot form: a bf16 op(B) stored n x k (transB), A row-major
+//===----------------------------------------------------------------------===//
+
+/// Sums each of 16 vectors' lanes: lane 4j + t of the result is the sum of
+/// v[j + 4t]'s 16 lanes, by a fixed tree (halves, quarters, pairs).
+MOEC_TILE_TARGET __attribute__((always_inline)) inline __m512 laneSums16(const __m512 (&v)[16]) {
+  __m512 w[8], z[4], u[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+}
+
+/// Where the dot form reads one operand's rows: step t of row r at
+/// at + t * step + r * row (bf16 values).
+struct DotRows {
+  const uint16_t *at = nullptr;
+  int64_t step = 0, row = 0;
+};
+
+/// One block of the dot form: the sums of a 4 x 4 block of C, lane 4r + c
+/// for A's row r and B's row c. Steps [0, steps) of A, of which B's are the
+/// first bSteps (the last of them masked by `tail`, a mask of bf16 values:
+/// lanes past it read as zero from both) and a LowRank's V's the others
+/// (`v`, from its step 0). Each lane of accumulator (r, c) adds the dot
+/// products of its value pair in depth order; then laneSums16.
+MOEC_TILE_TARGET void dotBlock(DotRows a, DotRows b, int64_t bSteps, __mmask32 tail, DotRows v,
+                               int64_t steps, __m512 &sums) {
+  __m512 acc[kDotRows * kDotCols];
+#pragma GCC unroll 16
+  for (int i = 0; i < kDotRows * kDotCols; ++i)
+    acc[i] = _mm512_setzero_ps();
+  const auto step = [&](int64_t t, const uint16_t *bAt, int64_t bRow,
+                        __mmask32 mask) MOEC_TILE_TARGET {
+    __m512i bv[kDotCols];
+#pragma GCC unroll 4
+    for (int c = 0; c < kDotCols; ++c)
+      bv[c] = _mm512_maskz_loadu_epi16(mask, bAt + c * bRow);
+#pragma GCC unroll 4
+    for (int r = 0; r < kDotRows; ++r) {
+      const __m512i x = _mm512_maskz_loadu_epi16(mask, a.at + t * a.step + r * a.row);
+#pragma GCC unroll 4
+      for (int c = 0; c < kDotCols; ++c)
+        acc[r * kDotCols + c] =
+            _mm512_dpbf16_ps(acc[r * kDotCols + c], (__m512bh)x, (__m512bh)bv[c]);
+    }
+  };
+  const __mmask32 all = __mmask32(~0u);
+  const int64_t whole = tail == all ? bSteps : bSteps - 1;
+  for (int64_t t = 0; t < whole; ++t)
+    step(t, b.at + t * b.step, b.row, all);
+  if (whole < bSteps)
+    step(whole, b.at + whole * b.step, b.row, tail);
+  for (int64_t t = bSteps; t < steps; ++t)
+    step(t, v.at + (t - bSteps) * v.step, v.row, all);
+  // Lane 4c + r to lane 4r + c.
+  const __m512i rowMajor = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  sums = _mm512_permutexvar_ps(rowMajor, laneSums16(acc));
+}
+
+/// The values of a 4 x 4 block of a matrix of `elt` bytes an element (fp32
+/// or bf16), row stride `ld`, its rows [0, rows) and columns [0, cols), as
+/// fp32 in lane 4r + c (zero elsewhere).
+MOEC_TILE_TARGET __m512 dotLoad(const char *at, int64_t ld, int64_t elt, int rows, int cols) {
+  const __mmask16 colMask = __mmask16((1u << cols) - 1);
+  __m512 v = _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    const char *row = at + r * ld * elt;
+    const __m128 x =
+        elt == 2 ? _mm_castsi128_ps(_mm_slli_epi32(
+                       _mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(__mmask8(colMask), row)), 16))
+                 : _mm_maskz_loadu_ps(__mmask8(colMask), row);
+    v = _mm512_mask_broadcast_f32x4(v, __mmask16(colMask << (4 * r)), x);
+  }
+  return v;
+}
+
+/// The dot form's C (gemm's comment says when it runs), for each block of
+/// up to kDotRowBlock rows of A, each 4 rows of B (columns of C) against
+/// every 4 rows of A, the next 4 rows of B prefetched meanwhile. A's rows
+/// are read in place where C is narrow (kDotStagedColumns: few columns to
+/// spread a copy over), else staged [block of 4][step][row], with U's after
+/// them (a LowRank). B's rows are read in place unless decoded, the last
+/// ones of an n not a multiple of 4, or a LowRank's that do not end on a
+/// whole step: those are staged in B's stage. V's columns (a LowRank) are
+/// staged after their rows, from a whole step on.
+MOEC_TILE_TARGET void gemmDot(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                              const uint16_t *b, int64_t ldb, char *c, int64_t ldc, bool cBf16,
+                              bool load, void *pack, const DecodedB *decodedB,
+                              const AddScaled *addScaled, const LowRank *lowRank) {
+  // The depth: A's k values, then a LowRank's lowK (U's after A's, V's
+  // columns after B's rows): the sums of the product of the concatenations.
+  const int64_t lowK = lowRank ? lowRank->k : 0, depth = k + lowK, steps = dotSteps(depth);
+  const int64_t rowBlock = std::min(m, kDotRowBlock);
+  uint16_t *aStage = static_cast<uint16_t *>(pack);
+  uint16_t *bStage = aStage + ceilDiv(rowBlock, kDotRows) * kDotRows * steps * kDotStep;
+  const int64_t bStageLd = dotStageLd(steps);
+  uint32_t *panelUnits = reinterpret_cast<uint32_t *>(bStage + kDotCols * bStageLd);
+  const int64_t cElt = cBf16 ? 2 : 4;
+  const bool stageA = lowRank || n >= kDotStagedColumns;
+  // B's rows in place for their whole steps (a LowRank's V then from a
+  // step of its own), unless decoded or a LowRank's depth starts inside a
+  // step.
+  const bool bInPlace = !decodedB && (!lowRank || k % kDotStep == 0);
+  const int64_t bSteps = bInPlace ? dotSteps(k) : steps;
+  // The last step of a depth that ends inside one, where A or B is read in
+  // place: both read as zero past it (in a stage they are zero there).
+  const __mmask32 tail =
+      !lowRank && k % kDotStep ? __mmask32((1u << (k % kDotStep)) - 1) : __mmask32(~0u);
+  // Row `row` of B's stage: from value `from` of the depth on, B's row j (a
+  // column of op(B)) and V's column j after it, zero past the depth.
+  const auto stageColumn = [&](int64_t j, int64_t from, uint16_t *row) MOEC_TILE_TARGET {
+    std::memset(row, 0, size_t(steps * kDotStep - from) * 2);
+    if (from < k) {
+      if (!decodedB) {
+        std::memcpy(row, b + j * ldb, size_t(k) * 2);
+      } else if (!decodedB->panel) {
+        decodedB->read(j, j + 1, 0, k, row, k);
+      } else { // a panel's units, a depth block at a time (not the layer's path)
+        const int64_t q = j / kPanel, units = ceilDiv(k, 2);
+        for (int64_t u0 = 0; u0 < units; u0 += kBlockUnits) {
+          const int64_t u1 = std::min(units, u0 + kBlockUnits);
+          decodedB->panel(decodedB->context, q, u0, u1, panelUnits);
+          for (int64_t u = u0; u < u1; ++u) {
+            const uint32_t unit = panelUnits[(u - u0) * kPanel + j % kPanel];
+            row[2 * u] = uint16_t(unit);
+            if (2 * u + 1 < k)
+              row[2 * u + 1] = uint16_t(unit >> 16);
+          }
+        }
+      }
+    }
+    if (lowRank) {
+      const uint16_t *v = static_cast<const uint16_t *>(lowRank->v);
+      uint16_t *low = row + k - from;
+      if (lowRank->transV)
+        std::memcpy(low, v + j * lowRank->ldv, size_t(lowK) * 2);
+      else
+        for (int64_t p = 0; p < lowK; ++p)
+          low[p] = v[p * lowRank->ldv + j];
+    }
+  };
+  for (int64_t i0 = 0; i0 < m; i0 += kDotRowBlock) {
+    const int64_t rows = std::min(kDotRowBlock, m - i0), blocks = ceilDiv(rows, kDotRows);
+    // A's rows (with U's after them), zero past the depth and past m, step
+    // by step: each row gathered whole in B's stage (free until B's rows
+    // come), then its steps put in place.
+    if (stageA) {
+      std::memset(aStage, 0, size_t(blocks * kDotRows * steps * kDotStep) * 2);
+      for (int64_t i = 0; i < rows; ++i) {
+        uint16_t *row = bStage;
+        std::memset(row + k, 0, size_t(steps * kDotStep - k) * 2);
+        std::memcpy(row, a + (i0 + i) * lda, size_t(k) * 2);
+        if (lowRank)
+          std::memcpy(row + k, static_cast<const uint16_t *>(lowRank->u) + (i0 + i) * lowRank->ldu,
+                      size_t(lowK) * 2);
+        uint16_t *at =
+            aStage + (i / kDotRows) * kDotRows * steps * kDotStep + (i % kDotRows) * kDotStep;
+        for (int64_t t = 0; t < steps; ++t)
+          std::memcpy(at + t * kDotRows * kDotStep, row + t * kDotStep, size_t(kDotStep) * 2);
+      }
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += kDotCols) {
+      const int cols = int(std::min<int64_t>(kDotCols, n - j0));
+      // B's rows: in place, or (the last ones of n, or not read in place)
+      // from the stage; V's columns staged from step bSteps on.
+      const bool whole = bInPlace && cols == kDotCols;
+      DotRows bRows{b + j0 * ldb, kDotStep, ldb}, vRows{bStage, kDotStep, bStageLd};
+      if (!whole || lowRank) {
+        const int64_t from = whole ? bSteps * kDotStep : 0;
+        for (int cc = 0; cc < kDotCols; ++cc) {
+          if (cc < cols)
+            stageColumn(j0 + cc, from, bStage + cc * bStageLd);
+          else
+            std::memset(bStage + cc * bStageLd, 0, size_t(steps * kDotStep - from) * 2);
+        }
+        if (!whole)
+          bRows = vRows;
+      }
+      const int64_t rowSteps = whole ? bSteps : steps;
+      // The next rows of B, into L1, a few lines a block of A's rows.
+      const char *next = !decodedB && j0 + kDotCols < n
+                             ? reinterpret_cast<const char *>(b + (j0 + kDotCols) * ldb)
+                             : nullptr;
+      const int64_t nextRows = std::min<int64_t>(kDotCols, n - j0 - kDotCols);
+      const int64_t rowLines = ceilDiv(k * 2, 64), nextLines = nextRows * rowLines;
+      const int64_t perBlock = ceilDiv(nextLines, blocks);
+      for (int64_t s = 0; s < blocks; ++s) {
+        if (next)
+          for (int64_t l = s * perBlock, end = std::min(nextLines, l + perBlock); l < end; ++l)
+            _mm_prefetch(next + (l / rowLines) * ldb * 2 + (l % rowLines) * 64, _MM_HINT_T0);
+        const int64_t i = i0 + s * kDotRows;
+        const int rs = int(std::min<int64_t>(kDotRows, m - i));
+        // In place, A's rows; a last block short of 4 rows is staged
+        // (the rows past m zero).
+        DotRows aRows{aStage + s * kDotRows * steps * kDotStep, kDotRows * kDotStep, kDotStep};
+        if (!stageA && rs == kDotRows) {
+          aRows = DotRows{a + i * lda, kDotStep, lda};
+        } else if (!stageA) {
+          aRows.at = aStage;
+          std::memset(aStage, 0, size_t(kDotRows * steps * kDotStep) * 2);
+          for (int r = 0; r < rs; ++r)
+            for (int64_t t = 0; t < steps; ++t)
+              std::memcpy(aStage + (t * kDotRows + r) * kDotStep, a + (i + r) * lda + t * kDotStep,
+                          size_t(std::min(kDotStep, k - t * kDotStep)) * 2);
+        }
+        __m512 sums;
+        dotBlock(aRows, bRows, rowSteps, tail, vRows, steps, sums);
+        char *at = c + (i * ldc + j0) * cElt;
+        if (load)
+          sums = _mm512_add_ps(dotLoad(at, ldc, cElt, rs, cols), sums);
+        if (addScaled) {
+          constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+          sums = _mm512_mul_round_ps(_mm512_set1_ps(addScaled->alpha), sums, kNearest);
+          if (addScaled->addend)
+            sums = _mm512_add_round_ps(dotLoad(static_cast<const char *>(addScaled->addend) +
+                                                   (i * addScaled->ld + j0) * cElt,
+                                               addScaled->ld, cElt, rs, cols),
+                                       sums, kNearest);
+        }
+        alignas(64) char out[kDotRows * kDotCols * 4];
+        if (cBf16)
+          _mm256_store_si256(reinterpret_cast<__m256i *>(out), bf16Packed16(sums));
+        else
+          _mm512_store_ps(reinterpret_cast<float *>(out), sums);
+        for (int r = 0; r < rs; ++r)
+          std::memcpy(at + r * ldc * cElt, out + r * kDotCols * cElt, size_t(cols * cElt));
+      }
+    }
+  }
+}
+
 } // namespace
+
+bool dotForm(bool transA, bool transB, bool bf16) {
+  return bf16 && transB && !transA && available(true) && !amx();
+}
 
 bool available(bool bf16) {
   // (DQ too, which every CPU with BW and VL has: the bf16 rounding's
@@ -735,6 +1018,12 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   if (bf16 && amx())
     return gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, stream,
                    packedB, decodedB, addScaled);
+  // A transposed op(B) (B stored n x k) in the dot form (the header says
+  // why); a B packed beforehand is not read there.
+  if (dotForm(transA, transB, bf16))
+    return gemmDot(m, n, k, static_cast<const uint16_t *>(a), lda, static_cast<const uint16_t *>(b),
+                   ldb, static_cast<char *>(c), ldc, cBf16, load, pack, decodedB, addScaled,
+                   lowRank);
   // With packedB: op(B) packed whole (packB), panel Q of the columns at
   // [Q][unit over the whole depth][kPanel]; nothing is packed here.
   const uint32_t *prepacked = static_cast<const uint32_t *>(packedB);
@@ -997,6 +1286,8 @@ void packB(int64_t n, int64_t k, const void *b, int64_t ldb, bool transB, bool b
 #else // !MOEC_TILE_X86
 
 bool available(bool) { return false; }
+
+bool dotForm(bool, bool, bool) { return false; }
 
 namespace {
 [[noreturn]] void absent() {

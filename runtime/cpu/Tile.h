@@ -50,6 +50,25 @@
 // order, so the same bits. (Such a C, at most 16 columns, is written with
 // plain stores even with `stream`.)
 //
+// The dot form: bf16 operands on the AVX-512 micro-kernel with A row-major
+// and B stored n x k (transB: the backward's dX = dY W^T on a weight stored
+// as the forward reads it, the forward on a weight stored [out, in]) read
+// both operands along the depth as they lie, where the form above must
+// transpose B into panels (about a tenth of the tile's time, even from L2).
+// C in blocks of 4 x 4, one accumulator an element, each of whose 16 lanes
+// adds the dot products of its value pairs in depth order (a 64-byte step
+// of each row at a time): A's rows staged step by step 4 rows at a time
+// (128 rows at most, in L2), 4 rows of B read in place from L1 while every
+// block of A's stage passes, the next 4 fetched meanwhile. Order of the
+// sums there: C[i, j] is the sum of its accumulator's 16 lanes by a fixed
+// tree (lane l with l + 8, then l + 4, l + 2, l + 1), then with `load` C's
+// value plus that sum; a LowRank's units continue the lanes after the
+// depth's. Again nothing depends on m, n or the tiling: every tiling of a
+// matmul gives the same bits, which are not the other form's. (The qwen3
+// backward's dX tiles: 87-88% of the core's peak against 77-79% through
+// the transposing panels, one thread, 16 experts in turn; its B needs no
+// packed copy.)
+//
 // A weight that many calls read (the layer's packed-weight store,
 // runtime/cpu/Pass.h) can be packed once, whole, by packB, and handed to
 // gemm as `packedB`: the calls then pack nothing of B. The panels are
@@ -160,6 +179,12 @@ struct LowRank {
 /// Whether this CPU runs the tile: AVX-512 (F, BW, VL, DQ) for fp32, and
 /// bf16 dot products (avx512_bf16) too for bf16. Checked once.
 bool available(bool bf16);
+
+/// Whether gemm computes a product of these forms in its dot form (the
+/// header's paragraph): bf16 operands on the AVX-512 micro-kernel (available,
+/// not AMX), A row-major, B stored n x k (transB). A B packed beforehand is
+/// not read there, so the layer packs no such B.
+bool dotForm(bool transA, bool transB, bool bf16);
 
 /// Whether bf16 gemm runs on AMX tiles (TileAmx.cpp) rather than on the
 /// AVX-512 micro-kernel: the CPU has AMX-BF16, the kernel lets this process

@@ -143,9 +143,12 @@ TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {
   };
   // Tails of the 8-row blocks and 48-column panels, the 192-column groups,
   // depth blocks (128 fp32 values, 256 bf16 ones) and odd bf16 depths; a
-  // bf16 C at most 16 columns wide, in blocks of 16 rows and their tails.
+  // bf16 C at most 16 columns wide, in blocks of 16 rows and their tails;
+  // the dot form's (bf16, transB) 4 x 4 blocks, 32-value steps and 128-row
+  // stages of A, staged (n >= 64) or read in place.
   const Shape shapes[] = {{1, 1, 1},      {7, 5, 3},     {9, 50, 257},  {17, 97, 513},
-                          {33, 200, 300}, {8, 193, 129}, {40, 16, 300}, {19, 13, 257}};
+                          {33, 200, 300}, {8, 193, 129}, {40, 16, 300}, {19, 13, 257},
+                          {150, 70, 45},  {131, 10, 64}};
   uint32_t seed = 1;
   for (const bool bf16 : {false, true}) {
     if (!tileRuns(bf16))
@@ -190,12 +193,14 @@ TEST_CASE("moec's tile gives the same bits however the matmul is cut", "[cpu][ti
     for (const bool transA : {false, true})
       for (const bool transB : {false, true}) {
         INFO((bf16 ? "bf16" : "fp32") << (transA ? " transA" : "") << (transB ? " transB" : ""));
-        const int64_t m = 40, n = 250, k = 600;
+        const int64_t m = 140, n = 250, k = 600;
         const Product x(m, n, k, transA, transB, bf16, 77);
         std::vector<float> whole(size_t(m * n)), cut(size_t(m * n));
         x.run(whole.data(), n, false, 0, m, 0, n);
         // Six tiles, cut off the 8-row blocks, the panels and the groups,
-        // and 16 columns (a bf16 C that narrow runs on the narrow kernel).
+        // and 16 columns (a bf16 C that narrow runs on the narrow kernel;
+        // the dot form reads A in place there), the whole C's 128-row
+        // stages of A (the dot form's) not theirs.
         for (const auto &[i0, rows] : {std::pair<int64_t, int64_t>{0, 13}, {13, m - 13}})
           for (const auto &[j0, cols] :
                {std::pair<int64_t, int64_t>{0, 61}, {61, 16}, {77, n - 77}})
@@ -476,8 +481,10 @@ TEST_CASE("moec's tile gives the same bits on a B whose decoder writes the panel
           tile::gemm(m, n, k, x.a.data(), x.a.ld, false, nullptr, 0, transB, true, decoded.data(),
                      n, cBf16, false, pack.data(), false, nullptr, &d);
           CHECK(source.calls > 0);
-          // (A C at most 16 columns wide keeps blocks of kBlockUnits.)
-          CHECK(source.deepest == std::min<int64_t>((k + 1) / 2, n <= 16 ? 128 : 512));
+          // (A C at most 16 columns wide keeps blocks of kBlockUnits, and
+          // so does the dot form, which takes a panel's units to its rows.)
+          const bool shallow = n <= 16 || tile::dotForm(false, transB, true);
+          CHECK(source.deepest == std::min<int64_t>((k + 1) / 2, shallow ? 128 : 512));
           CHECK(std::memcmp(plain.data(), decoded.data(), size_t(m * n) * elt) == 0);
         }
 }
@@ -496,79 +503,82 @@ TEST_CASE("moec's tile scales and adds onto its sums as they leave the registers
       for (const int64_t k : {int64_t(16), int64_t(700)})
         for (const float alpha : {1.0f, 2.5f})
           for (const int addendKind : {0, 1, 2})                  // none, separate, C itself
-            for (const int64_t n : {int64_t(250), int64_t(16)}) { // 16: the narrow kernel
-              INFO((bf16 ? "bf16" : "fp32")
-                   << " operands, " << (cBf16 ? "bf16" : "fp32") << " C, k " << k << ", alpha "
-                   << alpha << ", addend " << addendKind << ", n " << n);
-              const int64_t m = 21, ldc = 256, lda = 260;
-              Product x(m, n, k, false, false, bf16, 13);
-              for (int64_t p = 0; p < k; ++p)
-                x.a.set(3, p, 0.0f);
-              std::vector<float> sums(size_t(m * n));
-              x.run(sums.data(), n, false, 0, m, 0, n);
-              std::mt19937 rng(17);
-              std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
-              // The addend as stored (C's type) and as the floats it holds.
-              std::vector<float> add32(size_t(m * lda), 0.0f);
-              std::vector<uint16_t> add16(size_t(m * lda), 0);
-              for (size_t i = 0; i < add32.size(); ++i) {
-                add16[i] = floatToBf16(dist(rng));
-                add32[i] = cBf16 ? bf16ToFloat(add16[i]) : dist(rng);
-              }
-              for (int64_t j = 0; j < lda; ++j) { // (j % 100 + 1) x 2^-133, signs alternating
-                const float tiny = std::ldexp(float(j % 100 + 1), -133) * (j % 2 ? -1.0f : 1.0f);
-                add16[size_t(3 * lda + j)] = floatToBf16(tiny);
-                add32[size_t(3 * lda + j)] = cBf16 ? bf16ToFloat(add16[size_t(3 * lda + j)]) : tiny;
-              }
-              const size_t elt = cBf16 ? 2 : 4;
-              std::vector<uint8_t> c(size_t(m * ldc) * elt, 0x5A);
-              const void *addendData = nullptr;
-              int64_t addendLd = 0;
-              if (addendKind == 1) {
-                addendData = cBf16 ? static_cast<const void *>(add16.data()) : add32.data();
-                addendLd = lda;
-              } else if (addendKind == 2) {
-                for (int64_t i = 0; i < m; ++i)
-                  std::memcpy(c.data() + size_t(i * ldc) * elt,
-                              cBf16 ? static_cast<const void *>(&add16[size_t(i * lda)])
-                                    : &add32[size_t(i * lda)],
-                              size_t(n) * elt);
-                addendData = c.data();
-                addendLd = ldc;
-              }
-              const tile::AddScaled epilogue{alpha, addendData, addendLd};
-              Aligned pack(tile::packBytes(m, n, k, false, bf16, cBf16, false, true));
-              tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, bf16,
-                         c.data(), ldc, cBf16, false, pack.data(), false, nullptr, nullptr,
-                         &epilogue);
-              int64_t bad = 0;
-              for (int64_t i = 0; i < m; ++i)
-                for (int64_t j = 0; j < n; ++j) {
-                  const volatile float scaled = alpha * sums[size_t(i * n + j)];
-                  const float want = addendKind == 0 ? scaled : add32[size_t(i * lda + j)] + scaled;
-                  const uint8_t *got = c.data() + size_t(i * ldc + j) * elt;
-                  if (cBf16) {
-                    uint16_t v;
-                    std::memcpy(&v, got, 2);
-                    bad += v != floatToBf16(want);
-                  } else {
-                    float v;
-                    std::memcpy(&v, got, 4);
-                    uint32_t vb, wb;
-                    std::memcpy(&vb, &v, 4);
-                    std::memcpy(&wb, &want, 4);
-                    bad += vb != wb;
-                  }
+            for (const int64_t n : {int64_t(250), int64_t(16)})   // 16: the narrow kernel
+              for (const bool transB : {false, true}) {           // bf16 transB: the dot form
+                INFO((bf16 ? "bf16" : "fp32")
+                     << " operands, " << (cBf16 ? "bf16" : "fp32") << " C, k " << k << ", alpha "
+                     << alpha << ", addend " << addendKind << ", n " << n << ", transB " << transB);
+                const int64_t m = 21, ldc = 256, lda = 260;
+                Product x(m, n, k, false, transB, bf16, 13);
+                for (int64_t p = 0; p < k; ++p)
+                  x.a.set(3, p, 0.0f);
+                std::vector<float> sums(size_t(m * n));
+                x.run(sums.data(), n, false, 0, m, 0, n);
+                std::mt19937 rng(17);
+                std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+                // The addend as stored (C's type) and as the floats it holds.
+                std::vector<float> add32(size_t(m * lda), 0.0f);
+                std::vector<uint16_t> add16(size_t(m * lda), 0);
+                for (size_t i = 0; i < add32.size(); ++i) {
+                  add16[i] = floatToBf16(dist(rng));
+                  add32[i] = cBf16 ? bf16ToFloat(add16[i]) : dist(rng);
                 }
-              CHECK(bad == 0);
-              // Nothing past the tile's columns.
-              int64_t touched = 0;
-              for (int64_t i = 0; i < m; ++i)
-                for (int64_t j = n; j < ldc; ++j)
-                  for (size_t b = 0; b < elt; ++b)
-                    touched += c[size_t(i * ldc + j) * elt + b] != 0x5A;
-              CHECK(touched == 0);
-            }
+                for (int64_t j = 0; j < lda; ++j) { // (j % 100 + 1) x 2^-133, signs alternating
+                  const float tiny = std::ldexp(float(j % 100 + 1), -133) * (j % 2 ? -1.0f : 1.0f);
+                  add16[size_t(3 * lda + j)] = floatToBf16(tiny);
+                  add32[size_t(3 * lda + j)] =
+                      cBf16 ? bf16ToFloat(add16[size_t(3 * lda + j)]) : tiny;
+                }
+                const size_t elt = cBf16 ? 2 : 4;
+                std::vector<uint8_t> c(size_t(m * ldc) * elt, 0x5A);
+                const void *addendData = nullptr;
+                int64_t addendLd = 0;
+                if (addendKind == 1) {
+                  addendData = cBf16 ? static_cast<const void *>(add16.data()) : add32.data();
+                  addendLd = lda;
+                } else if (addendKind == 2) {
+                  for (int64_t i = 0; i < m; ++i)
+                    std::memcpy(c.data() + size_t(i * ldc) * elt,
+                                cBf16 ? static_cast<const void *>(&add16[size_t(i * lda)])
+                                      : &add32[size_t(i * lda)],
+                                size_t(n) * elt);
+                  addendData = c.data();
+                  addendLd = ldc;
+                }
+                const tile::AddScaled epilogue{alpha, addendData, addendLd};
+                Aligned pack(tile::packBytes(m, n, k, false, bf16, cBf16, false, true));
+                tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, transB, bf16,
+                           c.data(), ldc, cBf16, false, pack.data(), false, nullptr, nullptr,
+                           &epilogue);
+                int64_t bad = 0;
+                for (int64_t i = 0; i < m; ++i)
+                  for (int64_t j = 0; j < n; ++j) {
+                    const volatile float scaled = alpha * sums[size_t(i * n + j)];
+                    const float want =
+                        addendKind == 0 ? scaled : add32[size_t(i * lda + j)] + scaled;
+                    const uint8_t *got = c.data() + size_t(i * ldc + j) * elt;
+                    if (cBf16) {
+                      uint16_t v;
+                      std::memcpy(&v, got, 2);
+                      bad += v != floatToBf16(want);
+                    } else {
+                      float v;
+                      std::memcpy(&v, got, 4);
+                      uint32_t vb, wb;
+                      std::memcpy(&vb, &v, 4);
+                      std::memcpy(&wb, &want, 4);
+                      bad += vb != wb;
+                    }
+                  }
+                CHECK(bad == 0);
+                // Nothing past the tile's columns.
+                int64_t touched = 0;
+                for (int64_t i = 0; i < m; ++i)
+                  for (int64_t j = n; j < ldc; ++j)
+                    for (size_t b = 0; b < elt; ++b)
+                      touched += c[size_t(i * ldc + j) * elt + b] != 0x5A;
+                CHECK(touched == 0);
+              }
   }
 }
 
@@ -590,60 +600,67 @@ TEST_CASE("moec's tile adds a low-rank product to its sums in one call", "[cpu][
         for (const int64_t n : {int64_t(250), int64_t(16)})
           for (const bool transV : {false, true})
             for (const bool packed : {false, true})
-              for (const bool cBf16 : {false, true}) {
-                INFO((bf16 ? "bf16" : "fp32")
-                     << ", k " << k << ", r " << r << ", n " << n << ", transV " << transV
-                     << ", B packed " << packed << ", C " << (cBf16 ? "bf16" : "fp32"));
-                const int64_t m = 21;
-                const Product x(m, n, k, false, false, bf16, uint32_t(k + r + n));
-                const Product low(m, n, r, false, transV, bf16, uint32_t(7 * k + r));
-                // The concatenation, stored as the plain tile reads it.
-                Stored acat(bf16, m, k + r, 3), bcat(bf16, k + r, n, 5);
-                for (int64_t i = 0; i < m; ++i)
-                  for (int64_t p = 0; p < k + r; ++p)
-                    acat.set(i, p, p < k ? x.opA(i, p) : low.opA(i, p - k));
-                for (int64_t p = 0; p < k + r; ++p)
-                  for (int64_t j = 0; j < n; ++j)
-                    bcat.set(p, j, p < k ? x.opB(p, j) : low.opB(p - k, j));
-                const size_t elt = cBf16 ? 2 : 4, bytes = size_t(m * n) * elt;
-                Aligned fused(bytes, 0x5A), want(bytes, 0x5A);
-                Aligned packedB(tile::packedBBytes(n, k, bf16));
-                tile::packB(n, k, x.b.data(), x.b.ld, false, bf16, packedB.data());
-                const tile::LowRank lr{low.a.data(), low.a.ld, low.b.data(), low.b.ld, transV, r};
-                Aligned pack(tile::packBytes(m, n, k + r, false, bf16, cBf16, false, true, r));
-                tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, bf16,
-                           fused.data(), n, cBf16, false, pack.data(), false,
-                           packed ? packedB.data() : nullptr, nullptr, nullptr, &lr);
-                if (onAmx) {
-                  tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, false, bf16,
-                             want.data(), n, cBf16, false, pack.data());
-                  const tile::AddScaled onto{1.0f, want.data(), n};
-                  tile::gemm(m, n, r, low.a.data(), low.a.ld, false, low.b.data(), low.b.ld, transV,
-                             bf16, want.data(), n, cBf16, false, pack.data(), false, nullptr,
-                             nullptr, &onto);
-                } else {
-                  tile::gemm(m, n, k + r, acat.data(), acat.ld, false, bcat.data(), bcat.ld, false,
-                             bf16, want.data(), n, cBf16, false, pack.data());
-                }
-                CHECK(std::memcmp(fused.data(), want.data(), bytes) == 0);
-                double worst = 0, scale = 0;
-                for (int64_t i = 0; i < m; ++i)
-                  for (int64_t j = 0; j < n; ++j) {
-                    double sum = 0;
+              for (const bool cBf16 : {false, true})
+                for (const bool transB : {false, true}) { // bf16 transB: the dot form
+                  INFO((bf16 ? "bf16" : "fp32")
+                       << ", k " << k << ", r " << r << ", n " << n << ", transV " << transV
+                       << ", B packed " << packed << ", C " << (cBf16 ? "bf16" : "fp32")
+                       << ", transB " << transB);
+                  const int64_t m = 21;
+                  const Product x(m, n, k, false, transB, bf16, uint32_t(k + r + n));
+                  const Product low(m, n, r, false, transV, bf16, uint32_t(7 * k + r));
+                  // The concatenation, stored as the plain tile reads it (B's
+                  // form as x's).
+                  Stored acat(bf16, m, k + r, 3),
+                      bcat(bf16, transB ? n : k + r, transB ? k + r : n, 5);
+                  for (int64_t i = 0; i < m; ++i)
                     for (int64_t p = 0; p < k + r; ++p)
-                      sum += double(acat.value(i, p)) * bcat.value(p, j);
-                    float got;
-                    if (cBf16) {
-                      uint16_t v;
-                      std::memcpy(&v, fused.data() + size_t(i * n + j) * 2, 2);
-                      got = bf16ToFloat(v);
-                    } else {
-                      std::memcpy(&got, fused.data() + size_t(i * n + j) * 4, 4);
+                      acat.set(i, p, p < k ? x.opA(i, p) : low.opA(i, p - k));
+                  for (int64_t p = 0; p < k + r; ++p)
+                    for (int64_t j = 0; j < n; ++j) {
+                      const float v = p < k ? x.opB(p, j) : low.opB(p - k, j);
+                      transB ? bcat.set(j, p, v) : bcat.set(p, j, v);
                     }
-                    worst = std::max(worst, std::abs(sum - got));
-                    scale = std::max(scale, std::abs(sum));
+                  const size_t elt = cBf16 ? 2 : 4, bytes = size_t(m * n) * elt;
+                  Aligned fused(bytes, 0x5A), want(bytes, 0x5A);
+                  Aligned packedB(tile::packedBBytes(n, k, bf16));
+                  tile::packB(n, k, x.b.data(), x.b.ld, transB, bf16, packedB.data());
+                  const tile::LowRank lr{low.a.data(), low.a.ld, low.b.data(), low.b.ld, transV, r};
+                  Aligned pack(tile::packBytes(m, n, k + r, false, bf16, cBf16, false, true, r));
+                  tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, transB, bf16,
+                             fused.data(), n, cBf16, false, pack.data(), false,
+                             packed ? packedB.data() : nullptr, nullptr, nullptr, &lr);
+                  if (onAmx) {
+                    tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, transB, bf16,
+                               want.data(), n, cBf16, false, pack.data());
+                    const tile::AddScaled onto{1.0f, want.data(), n};
+                    tile::gemm(m, n, r, low.a.data(), low.a.ld, false, low.b.data(), low.b.ld,
+                               transV, bf16, want.data(), n, cBf16, false, pack.data(), false,
+                               nullptr, nullptr, &onto);
+                  } else {
+                    tile::gemm(m, n, k + r, acat.data(), acat.ld, false, bcat.data(), bcat.ld,
+                               transB, bf16, want.data(), n, cBf16, false, pack.data());
                   }
-                CHECK(worst <= (cBf16 ? 1e-2 : 1e-5) * std::max(1.0, scale));
-              }
+                  CHECK(std::memcmp(fused.data(), want.data(), bytes) == 0);
+                  double worst = 0, scale = 0;
+                  for (int64_t i = 0; i < m; ++i)
+                    for (int64_t j = 0; j < n; ++j) {
+                      double sum = 0;
+                      for (int64_t p = 0; p < k + r; ++p)
+                        sum += double(acat.value(i, p)) *
+                               (transB ? bcat.value(j, p) : bcat.value(p, j));
+                      float got;
+                      if (cBf16) {
+                        uint16_t v;
+                        std::memcpy(&v, fused.data() + size_t(i * n + j) * 2, 2);
+                        got = bf16ToFloat(v);
+                      } else {
+                        std::memcpy(&got, fused.data() + size_t(i * n + j) * 4, 4);
+                      }
+                      worst = std::max(worst, std::abs(sum - got));
+                      scale = std::max(scale, std::abs(sum));
+                    }
+                  CHECK(worst <= (cBf16 ? 1e-2 : 1e-5) * std::max(1.0, scale));
+                }
   }
 }

@@ -192,11 +192,10 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
       for (const rt::LoraSlots &l : plan.lora)
         weight = weight || b == l.a || b == l.b;
       // A quantized weight is kept as codes packed for the bf16 tile
-      // (packCodes), which decodes them as it reads them.
-      // Not where the tile reads B's rows as they lie (its dot form: a bf16
-      // weight stored n x k on the AVX-512 micro-kernel), nor there a
-      // quantized weight, whose rows are then decoded a few columns at a
-      // time.
+      // (packCodes), which decodes them as it reads them. Neither is packed
+      // where the tile reads the weight's rows as they lie (tile::dotForm:
+      // a weight stored n x k on the AVX-512 micro-kernel; a quantized one
+      // there is dequantized a few columns at a time).
       const DType a = program.slots[info.tiling->inputSlots[0]].dtype;
       info.packable = weight &&
                       (info.weightScales == format::kNone ? packedTile(a, program.slots[b].dtype)

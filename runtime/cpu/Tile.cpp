@@ -879,20 +879,23 @@ MOEC_TILE_TARGET void gemmDot(int64_t m, int64_t n, int64_t k, const uint16_t *a
   };
   for (int64_t i0 = 0; i0 < m; i0 += kDotRowBlock) {
     const int64_t rows = std::min(kDotRowBlock, m - i0), blocks = ceilDiv(rows, kDotRows);
-    // A's rows (with U's after them), zero past the depth and past m, step
-    // by step: each row gathered whole in B's stage (free until B's rows
-    // come), then its steps put in place.
-    if (stageA) {
-      std::memset(aStage, 0, size_t(blocks * kDotRows * steps * kDotStep) * 2);
-      for (int64_t i = 0; i < rows; ++i) {
+    // A's rows staged (with U's after them), zero past the depth and past
+    // m, step by step: each row gathered whole in B's stage (free until B's
+    // rows come), then its steps put in place.
+    // Read in place, only a last block of fewer than 4 rows is staged
+    // (at the stage's start), so that no row past m is read.
+    const int64_t first = stageA ? 0 : rows / kDotRows * kDotRows;
+    if (first < rows) {
+      std::memset(aStage, 0, size_t((blocks - first / kDotRows) * kDotRows * steps * kDotStep) * 2);
+      for (int64_t i = first; i < rows; ++i) {
         uint16_t *row = bStage;
         std::memset(row + k, 0, size_t(steps * kDotStep - k) * 2);
         std::memcpy(row, a + (i0 + i) * lda, size_t(k) * 2);
         if (lowRank)
           std::memcpy(row + k, static_cast<const uint16_t *>(lowRank->u) + (i0 + i) * lowRank->ldu,
                       size_t(lowK) * 2);
-        uint16_t *at =
-            aStage + (i / kDotRows) * kDotRows * steps * kDotStep + (i % kDotRows) * kDotStep;
+        uint16_t *at = aStage + ((i - first) / kDotRows) * kDotRows * steps * kDotStep +
+                       (i % kDotRows) * kDotStep;
         for (int64_t t = 0; t < steps; ++t)
           std::memcpy(at + t * kDotRows * kDotStep, row + t * kDotStep, size_t(kDotStep) * 2);
       }
@@ -928,32 +931,23 @@ MOEC_TILE_TARGET void gemmDot(int64_t m, int64_t n, int64_t k, const uint16_t *a
             _mm_prefetch(next + (l / rowLines) * ldb * 2 + (l % rowLines) * 64, _MM_HINT_T0);
         const int64_t i = i0 + s * kDotRows;
         const int rs = int(std::min<int64_t>(kDotRows, m - i));
-        // In place, A's rows; a last block short of 4 rows is staged
-        // (the rows past m zero).
+        // In place, A's rows; the staged block of fewer than 4 (above).
         DotRows aRows{aStage + s * kDotRows * steps * kDotStep, kDotRows * kDotStep, kDotStep};
-        if (!stageA && rs == kDotRows) {
-          aRows = DotRows{a + i * lda, kDotStep, lda};
-        } else if (!stageA) {
-          aRows.at = aStage;
-          std::memset(aStage, 0, size_t(kDotRows * steps * kDotStep) * 2);
-          for (int r = 0; r < rs; ++r)
-            for (int64_t t = 0; t < steps; ++t)
-              std::memcpy(aStage + (t * kDotRows + r) * kDotStep, a + (i + r) * lda + t * kDotStep,
-                          size_t(std::min(kDotStep, k - t * kDotStep)) * 2);
-        }
+        if (!stageA)
+          aRows = rs == kDotRows ? DotRows{a + i * lda, kDotStep, lda}
+                                 : DotRows{aStage, kDotRows * kDotStep, kDotStep};
         __m512 sums;
         dotBlock(aRows, bRows, rowSteps, tail, vRows, steps, sums);
         char *at = c + (i * ldc + j0) * cElt;
         if (load)
           sums = _mm512_add_ps(dotLoad(at, ldc, cElt, rs, cols), sums);
         if (addScaled) {
-          constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-          sums = _mm512_mul_round_ps(_mm512_set1_ps(addScaled->alpha), sums, kNearest);
-          if (addScaled->addend)
-            sums = _mm512_add_round_ps(dotLoad(static_cast<const char *>(addScaled->addend) +
-                                                   (i * addScaled->ld + j0) * cElt,
-                                               addScaled->ld, cElt, rs, cols),
-                                       sums, kNearest);
+          const __m512 addend =
+              addScaled->addend ? dotLoad(static_cast<const char *>(addScaled->addend) +
+                                              (i * addScaled->ld + j0) * cElt,
+                                          addScaled->ld, cElt, rs, cols)
+                                : __m512();
+          sums = scaleAdd(sums, addScaled->alpha, addScaled->addend ? &addend : nullptr);
         }
         alignas(64) char out[kDotRows * kDotCols * 4];
         if (cBf16)

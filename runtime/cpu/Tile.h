@@ -67,7 +67,7 @@
 // matmul gives the same bits, which are not the other form's. (The qwen3
 // backward's dX tiles: 87-88% of the core's peak against 77-79% through
 // the transposing panels, one thread, 16 experts in turn; its B needs no
-// packed copy.)
+// packed copy.) C is written with plain stores there, `stream` or not.
 //
 // A weight that many calls read (the layer's packed-weight store,
 // runtime/cpu/Pass.h) can be packed once, whole, by packB, and handed to

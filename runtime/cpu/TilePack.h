@@ -80,23 +80,30 @@ void decodePanel(const DecodedB &d, bool transB, int64_t c0, int64_t cols, int64
 /// is column s of the input). (AVX-512.)
 void transpose16(__m512i (&r)[16]);
 
-/// AddScaled's step on 16 sums as they leave the registers: alpha * sums,
-/// then, where `addend` is not null, + the 16 values there (bf16 or fp32
-/// as `bf16` says; the lanes of `mask`), each rounded: the explicitly
-/// rounded forms, which the compiler does not contract into a fused
-/// multiply-add. Both forms of the tile finish a LoRA product with it.
+/// AddScaled's formula on 16 sums: alpha * sums, then, with `addend`, +
+/// its 16 values, each rounded: the explicitly rounded forms, which the
+/// compiler does not contract into a fused multiply-add.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512
+scaleAdd(__m512 sums, float alpha, const __m512 *addend) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 v = _mm512_mul_round_ps(_mm512_set1_ps(alpha), sums, kNearest);
+  return addend ? _mm512_add_round_ps(*addend, v, kNearest) : v;
+}
+
+/// AddScaled's step on 16 sums as they leave the registers: scaleAdd with,
+/// where `addend` is not null, the 16 values there (bf16 or fp32 as `bf16`
+/// says; the lanes of `mask`). Every form of the tile finishes a LoRA
+/// product with scaleAdd.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512
 scaleAdd16(__m512 sums, float alpha, const char *addend, bool bf16, __mmask16 mask) {
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  __m512 v = _mm512_mul_round_ps(_mm512_set1_ps(alpha), sums, kNearest);
   if (!addend)
-    return v;
+    return scaleAdd(sums, alpha, nullptr);
   const __m512 add = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
                                     mask, reinterpret_cast<const uint16_t *>(addend))),
                                 16))
                           : _mm512_maskz_loadu_ps(mask, reinterpret_cast<const float *>(addend));
-  return _mm512_add_round_ps(add, v, kNearest);
+  return scaleAdd(sums, alpha, &add);
 }
 
 /// Loads the AMX tile configuration both AMX users run with (palette 1,

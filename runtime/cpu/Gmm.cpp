@@ -6,8 +6,9 @@
 
 #include "runtime/cpu/Tile.h"
 
-#include <oneapi/dnnl/dnnl.h>
+#include <immintrin.h>
 #include <omp.h>
+#include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
 #include <atomic>
@@ -295,6 +296,91 @@ ConstMatrix realigned(ConstMatrix x, int64_t rows, int64_t cols, void *buffer) {
   return ConstMatrix{buffer, x.elt, ld};
 }
 
+/// Writes the transpose of the stored `rows` x `cols` fp32 matrix `src`
+/// (stride `ls`) to `dst` (stride `ld`): dst[j][i] = src[i][j]. 8 x 8 blocks
+/// in AVX2 registers, the edges one element at a time.
+__attribute__((target("avx2"))) void transposeFloats(const float *src, int64_t ls, int64_t rows,
+                                                     int64_t cols, float *dst, int64_t ld) {
+  const int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (int64_t i = 0; i < rows8; i += 8)
+    for (int64_t j = 0; j < cols8; j += 8) {
+      __m256 r[8], t[8];
+      for (int q = 0; q < 8; ++q)
+        r[q] = _mm256_loadu_ps(src + (i + q) * ls + j);
+      for (int q = 0; q < 8; q += 2) {
+        t[q] = _mm256_unpacklo_ps(r[q], r[q + 1]);
+        t[q + 1] = _mm256_unpackhi_ps(r[q], r[q + 1]);
+      }
+      for (int q = 0; q < 8; q += 4) {
+        r[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
+        r[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xEE);
+        r[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+        r[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xEE);
+      }
+      for (int q = 0; q < 4; ++q) {
+        _mm256_storeu_ps(dst + (j + q) * ld + i, _mm256_permute2f128_ps(r[q], r[q + 4], 0x20));
+        _mm256_storeu_ps(dst + (j + q + 4) * ld + i, _mm256_permute2f128_ps(r[q], r[q + 4], 0x31));
+      }
+    }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = i < rows8 ? cols8 : 0; j < cols; ++j)
+      dst[j * ld + i] = src[i * ls + j];
+}
+
+/// Rows of A a transposed sgemm (below) takes at a time.
+constexpr int64_t kTransposedRows = 128;
+
+/// Whether an fp32 C = op(A) B^T, with B stored n x k, runs as its transpose
+/// C^T = B A^T instead: where B's rows lie a multiple of 4 KiB apart and
+/// oneDNN runs AVX-512 kernels. Its sgemm then packs B^T from rows that
+/// fall into one set of L1 (a backward act_grad tile of qwen3-30b-a3b, 128 x
+/// 768 x 2048 against w2's rows of 2048 fp32, 87-88 GFLOP/s a thread on Zen
+/// 4), while B as the first operand, not transposed, and A transposed
+/// beforehand into a copy run at 98-103 (two threads, each on 16 experts'
+/// weights in turn; 128 x 1536 x 1536 with rows 6 KiB apart: level).
+bool transposedSgemm(bool transA, bool transB, int64_t ldb) {
+  return !transA && transB && ldb > 0 && (size_t(ldb) * sizeof(float)) % 4096 == 0 &&
+         oneDnnAvx512();
+}
+
+/// One GEMM as gemm() below for fp32 operands under transposedSgemm():
+/// C^T = alpha B A^T, kTransposedRows rows of A at a time into scratch, and
+/// C = C^T's transpose (+ C when beta is 1). Its bits are not those of
+/// sgemm's N-T form (the header: different forms of one matmul may differ
+/// in the last bits).
+void gemmTransposed(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
+                    int64_t ldb, float alpha, float beta, float *c, int64_t ldc) {
+#ifdef MOEC_TSAN
+  tsanAccess(b, n, k, ldb, sizeof(float), false);
+#endif
+  static thread_local Scratch mem;
+  const int64_t rows = std::min(m, kTransposedRows);
+  const int64_t ld = copyStride(rows, sizeof(float));
+  float *at = mem.floats(lineRound(k * ld) + lineRound(n * ld));
+  float *ct = at + lineRound(k * ld);
+  for (int64_t i0 = 0; i0 < m; i0 += rows) {
+    const int64_t mb = std::min(rows, m - i0);
+    transposeFloats(a + i0 * lda, lda, mb, k, at, ld);
+    dnnl_status_t status;
+    oneThread([&] {
+      status = dnnl_sgemm('N', 'N', n, mb, k, alpha, b, ldFor(n, k, ldb), at, ld, 0.0f, ct, ld);
+    });
+    if (status != dnnl_success) {
+      std::fprintf(stderr, "moec: oneDNN GEMM refused NN m=%lld n=%lld k=%lld (status %d)\n",
+                   (long long)n, (long long)mb, (long long)k, int(status));
+      std::abort();
+    }
+    float *out = c + i0 * ldc;
+    if (beta == 0.0f) {
+      transposeFloats(ct, ld, n, mb, out, ldc);
+      continue;
+    }
+    for (int64_t i = 0; i < mb; ++i)
+      for (int64_t j = 0; j < n; ++j)
+        out[i * ldc + j] += ct[j * ld + i];
+  }
+}
+
 /// B panels of at least this many rows are copied when their stride
 /// aliases, for products of at least kRealignRows rows of A: the copy reads
 /// each element once, the GEMM reads it once per row of A.
@@ -401,7 +487,14 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     gemmTile(m, n, k, a, transA, copy, transB, c, accumulate, scratch, alpha, streamC);
     return;
   }
-  // A and B of one storage type, C fp32: one GEMM on the buffers in place.
+  // A and B of one storage type, C fp32: one GEMM on the buffers in place
+  // (fp32 with B's rows aliasing: as its transpose).
+  if (c.elt == Elt::F32 && a.elt == Elt::F32 && transposedSgemm(transA, transB, b.ld)) {
+    gemmTransposed(m, n, k, static_cast<const float *>(a.data), a.ld,
+                   static_cast<const float *>(b.data), b.ld, alpha, accumulate ? 1.0f : 0.0f,
+                   static_cast<float *>(c.data), c.ld);
+    return;
+  }
   if (c.elt == Elt::F32) {
     gemm(transA, transB, m, n, k, a.data, a.ld, b.data, b.ld, a.elt, alpha,
          accumulate ? 1.0f : 0.0f, static_cast<float *>(c.data), c.ld);

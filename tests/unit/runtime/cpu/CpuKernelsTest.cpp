@@ -439,6 +439,14 @@ TEST_CASE("gmm dgrad tiles match the loops", "[cpu][gmm]") {
     checkActivationGmm(GmmKind::Dgrad, elts, 9, Segment{0, 9}, 9, 1, 5, 9, 5, ++seed);
     checkActivationGmm(GmmKind::Dgrad, elts, 300, Segment{20, 270}, 290, 530, 600, 2, 3, ++seed);
     checkActivationGmm(GmmKind::Dgrad, elts, 10, Segment{4, 0}, 8, 6, 7, 2, 2, ++seed);
+    // A weight whose fp32 rows are 4 KiB apart: where oneDNN runs AVX-512
+    // kernels, the tile is computed as its transpose, 128 rows of A at a
+    // time (tiles of 145 rows; 12-13 columns, not whole 8 x 8 blocks);
+    // scaled and added in place onto C too.
+    checkActivationGmm(GmmKind::Dgrad, elts, 300, Segment{20, 270}, 290, 200, 37, 2, 3, ++seed,
+                       1.0f, Addend::None, 824);
+    checkActivationGmm(GmmKind::Dgrad, elts, 300, Segment{20, 270}, 290, 200, 37, 2, 3, ++seed,
+                       -0.5f, Addend::InPlace, 824);
   }
 }
 

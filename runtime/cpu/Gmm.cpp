@@ -337,7 +337,8 @@ constexpr int64_t kTransposedRows = 128;
 /// 768 x 2048 against w2's rows of 2048 fp32, 87-88 GFLOP/s a thread on Zen
 /// 4), while B as the first operand, not transposed, and A transposed
 /// beforehand into a copy run at 98-103 (two threads, each on 16 experts'
-/// weights in turn; 128 x 1536 x 1536 with rows 6 KiB apart: level).
+/// weights in turn; gate_grad's 128 x 2048 x 1536, w1's rows 6 KiB apart:
+/// level).
 bool transposedSgemm(bool transA, bool transB, int64_t ldb) {
   return !transA && transB && ldb > 0 && (size_t(ldb) * sizeof(float)) % 4096 == 0 &&
          oneDnnAvx512();
@@ -345,11 +346,11 @@ bool transposedSgemm(bool transA, bool transB, int64_t ldb) {
 
 /// One GEMM as gemm() below for fp32 operands under transposedSgemm():
 /// C^T = alpha B A^T, kTransposedRows rows of A at a time into scratch, and
-/// C = C^T's transpose (+ C when beta is 1). Its bits are not those of
+/// C = C^T's transpose (+ C with `accumulate`). Its bits are not those of
 /// sgemm's N-T form (the header: different forms of one matmul may differ
 /// in the last bits).
 void gemmTransposed(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
-                    int64_t ldb, float alpha, float beta, float *c, int64_t ldc) {
+                    int64_t ldb, float alpha, bool accumulate, float *c, int64_t ldc) {
 #ifdef MOEC_TSAN
   tsanAccess(b, n, k, ldb, sizeof(float), false);
 #endif
@@ -371,7 +372,7 @@ void gemmTransposed(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda
       std::abort();
     }
     float *out = c + i0 * ldc;
-    if (beta == 0.0f) {
+    if (!accumulate) {
       transposeFloats(ct, ld, n, mb, out, ldc);
       continue;
     }
@@ -491,7 +492,7 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
   // (fp32 with B's rows aliasing: as its transpose).
   if (c.elt == Elt::F32 && a.elt == Elt::F32 && transposedSgemm(transA, transB, b.ld)) {
     gemmTransposed(m, n, k, static_cast<const float *>(a.data), a.ld,
-                   static_cast<const float *>(b.data), b.ld, alpha, accumulate ? 1.0f : 0.0f,
+                   static_cast<const float *>(b.data), b.ld, alpha, accumulate,
                    static_cast<float *>(c.data), c.ld);
     return;
   }

@@ -345,8 +345,9 @@ int verifyRun(const LayerData &data, const rt::LayerShape &shape, bool backward,
 }
 
 /// The forward binary, and the backward one when given, checked against
-/// each other and against the ranks of the run (`mpi`: mpirun's processes).
-Status loadRunBinaries(const Args &args, uint64_t ranks, bool mpi,
+/// each other and against the ranks of the run (`mpi`: mpirun's processes);
+/// *ranks 0 (no --ranks, in-process ranks) becomes the binary's.
+Status loadRunBinaries(const Args &args, uint64_t *rankCount, bool mpi,
                        std::shared_ptr<const rt::Program> *fwd,
                        std::shared_ptr<const rt::Program> *bwd) {
   if (Status s = rt::Program::load(args.positional[0], fwd); !s)
@@ -362,6 +363,9 @@ Status loadRunBinaries(const Args &args, uint64_t ranks, bool mpi,
       return Status::error(args.positional[1] + ": is a forward binary, not a backward one");
   }
   const rt::LayerShape &shape = (*fwd)->shape();
+  if (*rankCount == 0)
+    *rankCount = shape.ranks;
+  const uint64_t ranks = *rankCount;
   if (mpi && ranks != shape.ranks)
     return Status::error(fmt::format(
         "mpirun started {} processes, but {} was compiled for {} ranks (its config's ep x tp); "
@@ -534,7 +538,7 @@ int runRun(int argc, char **argv, int first) {
   progress.begin("load");
 
   std::shared_ptr<const rt::Program> fwd, bwd;
-  if (Status s = loadRunBinaries(args, ranks, fabric != nullptr, &fwd, &bwd); !s)
+  if (Status s = loadRunBinaries(args, &ranks, fabric != nullptr, &fwd, &bwd); !s)
     return fail(s);
   const bool backward = bwd != nullptr;
   const rt::LayerShape &shape = fwd->shape();

@@ -66,8 +66,8 @@ const CommandSpec kRunSpec = {
     "  backward binary; with adapters their gradients dlora_a1 .. dlora_b2)\n"
     "\n"
     "options:\n"
-    "  --ranks R        all ranks: the binary's (its config's ep x tp);\n"
-    "                   under mpirun, the number of processes (the default there)\n"
+    "  --ranks R        all ranks, which must be the binary's (its config's\n"
+    "                   ep x tp): the default; under mpirun, the number of processes\n"
     "  --fabric F       inproc (ranks as threads) or mpi (ranks as processes);\n"
     "                   default: mpi when started by mpirun, else inproc\n"
     "  --inputs DIR     read the inputs from DIR, a folder a run wrote: its\n"
@@ -217,8 +217,6 @@ int parseRunOptions(const Args &args, RunOptions *o) {
                      .c_str());
   o->mpi = fabricName == "mpi";
   const bool mpi = o->mpi;
-  if (!args.value("--ranks") && !mpi)
-    return usage("missing --ranks R");
   o->localPuts = args.has("--local-puts");
   const bool localPuts = o->localPuts;
   if (localPuts && !mpi)

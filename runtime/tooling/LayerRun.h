@@ -275,13 +275,18 @@ struct VerifyOptions {
 /// What a sampled check covered.
 struct SampleSummary {
   int64_t tokens = 0, units = 0;
+  /// Outputs no sample covers (a LoRA adapter's dlora_a1 and dlora_b2: each
+  /// row's every unit), left unchecked.
+  std::vector<std::string> unsampled;
 };
 
 /// Runs the reference on `data`'s inputs and compares its outputs
 /// (y; and dx, dtopk_weights, dw1, dw2 with `backward`), whole or sampled.
-/// With LoRA adapters (whole only) the reference runs on w + s A B, and
-/// the adapters' gradients follow from that weight's gradient G: dA =
-/// s G B^T, dB = s A^T G.
+/// With LoRA adapters the whole reference runs on w + s A B, and the
+/// adapters' gradients follow from that weight's gradient G: dA = s G B^T,
+/// dB = s A^T G; a sampled one adds the adapters' products to the sampled
+/// tokens' rows and checks the sampled units' columns of dlora_b1 and rows
+/// of dlora_a2 (SampleSummary::unsampled names the rest).
 Status verifyLayer(const LayerData &data, const VerifyOptions &options,
                    std::vector<OutputError> *errors, SampleSummary *summary = nullptr);
 

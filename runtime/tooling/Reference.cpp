@@ -303,63 +303,123 @@ Status sampled(const LayerShape &shape, const InputView<T> &in, const Sample &sa
 
   SampleOutputs<double> result;
   const size_t N = sample.tokens.size(), U = sample.units.size();
+  const int64_t r = in.loraRank;
+  const double s = in.loraScale;
+  const bool lora1 = in.loraA[0] && in.loraB[0] && r > 0,
+             lora2 = in.loraA[1] && in.loraB[1] && r > 0;
   result.y.assign(N * size_t(H), 0.0);
   if (backward) {
     result.dx.assign(N * size_t(H), 0.0);
     result.dtopk.assign(N * size_t(K), 0.0);
     result.dw1.assign(U * size_t(2 * H), 0.0);
     result.dw2.assign(U * size_t(H), 0.0);
+    if (lora1)
+      result.dloraB1.assign(U * size_t(2 * r), 0.0);
+    if (lora2)
+      result.dloraA2.assign(U * size_t(r), 0.0);
   }
+  // The adapters' products: u = v A (v K wide) and the added B's column j,
+  // sum_q u[q] B[q, j].
+  const auto timesA = [&](int p, int64_t e, const double *v, int64_t rows, double *u) {
+    const T *a = in.loraA[p] + e * rows * r;
+    for (int64_t q = 0; q < r; ++q)
+      u[q] = 0;
+    for (int64_t k = 0; k < rows; ++k)
+      for (int64_t q = 0; q < r; ++q)
+        u[q] += v[k] * double(a[k * r + q]);
+  };
+  const auto bColumn = [&](int p, int64_t e, const double *u, int64_t cols, int64_t j) {
+    const T *b = in.loraB[p] + e * r * cols;
+    double sum = 0;
+    for (int64_t q = 0; q < r; ++q)
+      sum += u[q] * double(b[q * cols + j]);
+    return sum;
+  };
+  // t = B g (g N wide, t r wide): the adapter's share of g W^T is A t.
+  const auto timesBt = [&](int p, int64_t e, const double *g, int64_t cols, double *t) {
+    const T *b = in.loraB[p] + e * r * cols;
+    for (int64_t q = 0; q < r; ++q) {
+      double sum = 0;
+      for (int64_t j = 0; j < cols; ++j)
+        sum += double(b[q * cols + j]) * g[j];
+      t[q] = sum;
+    }
+  };
+  const auto aRow = [&](int p, int64_t e, const double *t, int64_t rows, int64_t k) {
+    const T *a = in.loraA[p] + (e * rows + k) * r;
+    double sum = 0;
+    for (int64_t q = 0; q < r; ++q)
+      sum += double(a[q]) * t[q];
+    return sum;
+  };
+  const size_t hs = static_cast<size_t>(H), rs = static_cast<size_t>(r);
+  std::vector<double> xd(hs), gy(hs), u1(rs), u2(rs), t1(rs), t2(rs);
 
   // Tokens: each of its K experts' FFN on its row, as forward() and
   // backward() compute it for that row.
   const size_t twoI = size_t(2 * I), oneI = size_t(I), oneH = size_t(H);
   std::vector<double> y(twoI), a(oneI), z(oneH), da(oneI), dY(twoI);
   for (size_t n = 0; n < N; ++n) {
-    const int64_t g = sample.tokens[n];
-    const T *x = in.x + g * H;
+    const int64_t tok = sample.tokens[n];
+    const T *x = in.x + tok * H;
+    for (int64_t h = 0; h < H; ++h)
+      xd[size_t(h)] = double(x[h]);
     for (int64_t k = 0; k < K; ++k) {
-      const int64_t e = in.topkIds[g * K + k];
+      const int64_t e = in.topkIds[tok * K + k];
       const T *w1 = in.w1 + e * H * 2 * I;
       const T *w2 = in.w2 + e * I * H;
-      const double w = double(in.topkWeights[g * K + k]);
+      const double w = double(in.topkWeights[tok * K + k]);
+      if (lora1)
+        timesA(0, e, xd.data(), H, u1.data());
       for (int64_t j = 0; j < 2 * I; ++j) {
         double sum = 0;
         for (int64_t h = 0; h < H; ++h)
           sum += double(x[h]) * double(w1[h * 2 * I + j]);
-        y[size_t(j)] = sum;
+        y[size_t(j)] = sum + (lora1 ? s * bColumn(0, e, u1.data(), 2 * I, j) : 0.0);
       }
       for (int64_t i = 0; i < I; ++i)
         a[size_t(i)] = silu(y[size_t(i)]) * y[size_t(I + i)];
+      if (lora2)
+        timesA(1, e, a.data(), I, u2.data());
       for (int64_t h = 0; h < H; ++h) {
         double sum = 0;
         for (int64_t i = 0; i < I; ++i)
           sum += a[size_t(i)] * double(w2[i * H + h]);
+        if (lora2)
+          sum += s * bColumn(1, e, u2.data(), H, h);
         z[size_t(h)] = sum;
         result.y[n * size_t(H) + size_t(h)] += w * sum;
       }
       if (!backward)
         continue;
-      const T *dy = in.dy + g * H;
+      const T *dy = in.dy + tok * H;
       double dot = 0;
-      for (int64_t h = 0; h < H; ++h)
+      for (int64_t h = 0; h < H; ++h) {
         dot += double(dy[h]) * z[size_t(h)];
+        gy[size_t(h)] = w * double(dy[h]);
+      }
       result.dtopk[n * size_t(K) + size_t(k)] = dot;
+      if (lora2)
+        timesBt(1, e, gy.data(), H, t2.data());
       for (int64_t i = 0; i < I; ++i) {
         double sum = 0;
         for (int64_t h = 0; h < H; ++h)
           sum += w * double(dy[h]) * double(w2[i * H + h]);
-        da[size_t(i)] = sum;
+        da[size_t(i)] = sum + (lora2 ? s * aRow(1, e, t2.data(), I, i) : 0.0);
       }
       for (int64_t i = 0; i < I; ++i) {
         const double gate = y[size_t(i)], up = y[size_t(I + i)], g2 = da[size_t(i)];
         dY[size_t(i)] = g2 * up * siluGrad(gate);
         dY[size_t(I + i)] = g2 * silu(gate);
       }
+      if (lora1)
+        timesBt(0, e, dY.data(), 2 * I, t1.data());
       for (int64_t h = 0; h < H; ++h) {
         double sum = 0;
         for (int64_t j = 0; j < 2 * I; ++j)
           sum += dY[size_t(j)] * double(w1[h * 2 * I + j]);
+        if (lora1)
+          sum += s * aRow(0, e, t1.data(), H, h);
         result.dx[n * size_t(H) + size_t(h)] += sum;
       }
     }
@@ -385,15 +445,26 @@ Status sampled(const LayerShape &shape, const InputView<T> &in, const Sample &sa
       const T *w2 = in.w2 + e * I * H;
       double *dw1 = result.dw1.data() + u * size_t(2 * H);
       double *dw2 = result.dw2.data() + u * size_t(H);
-      for (const auto &[g, k] : rowsOf[size_t(e)]) {
-        const T *x = in.x + g * H;
-        const T *dy = in.dy + g * H;
-        const double w = double(in.topkWeights[g * K + k]);
+      for (const auto &[tok, k] : rowsOf[size_t(e)]) {
+        const T *x = in.x + tok * H;
+        const T *dy = in.dy + tok * H;
+        const double w = double(in.topkWeights[tok * K + k]);
         double gate = 0, up = 0, dA = 0;
         for (int64_t h = 0; h < H; ++h) {
           gate += double(x[h]) * double(w1[h * 2 * I + i]);
           up += double(x[h]) * double(w1[h * 2 * I + I + i]);
           dA += w * double(dy[h]) * double(w2[i * H + h]);
+          xd[size_t(h)] = double(x[h]);
+          gy[size_t(h)] = w * double(dy[h]);
+        }
+        if (lora1) {
+          timesA(0, e, xd.data(), H, u1.data());
+          gate += s * bColumn(0, e, u1.data(), 2 * I, i);
+          up += s * bColumn(0, e, u1.data(), 2 * I, I + i);
+        }
+        if (lora2) {
+          timesBt(1, e, gy.data(), H, t2.data());
+          dA += s * aRow(1, e, t2.data(), I, i);
         }
         const double act = silu(gate) * up;
         const double dGate = dA * up * siluGrad(gate), dUp = dA * silu(gate);
@@ -402,6 +473,14 @@ Status sampled(const LayerShape &shape, const InputView<T> &in, const Sample &sa
           dw1[2 * h] += double(x[h]) * dGate;
           dw1[2 * h + 1] += double(x[h]) * dUp;
         }
+        // dB1 = s (X A1)^T dY over the rows: its columns i and I + i;
+        // dA2 = s A^T (dZ B2^T): its row i.
+        for (int64_t q = 0; lora1 && q < r; ++q) {
+          result.dloraB1[u * size_t(2 * r) + size_t(2 * q)] += s * u1[size_t(q)] * dGate;
+          result.dloraB1[u * size_t(2 * r) + size_t(2 * q + 1)] += s * u1[size_t(q)] * dUp;
+        }
+        for (int64_t q = 0; lora2 && q < r; ++q)
+          result.dloraA2[u * size_t(r) + size_t(q)] += s * act * t2[size_t(q)];
       }
       if (progress)
         progress(double(N + u + 1) / double(N + U));

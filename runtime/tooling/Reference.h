@@ -126,12 +126,22 @@ template <typename T> struct InputView {
   const T *w1 = nullptr;            ///< [E, H, 2I]
   const T *w2 = nullptr;            ///< [E, I, H]
   const T *dy = nullptr;            ///< [R, S, H] or null
+  /// LoRA adapters, null on a projection without one: projection p (0: w1,
+  /// K = H, N = 2I; 1: w2, K = I, N = H) computes with W + loraScale A B,
+  /// A [E, K, r], B [E, r, N], r = loraRank.
+  const T *loraA[2] = {nullptr, nullptr};
+  const T *loraB[2] = {nullptr, nullptr};
+  int64_t loraRank = 0;
+  double loraScale = 0;
 };
 
 /// What a sampled check computes: whole outputs of some tokens, and the
 /// weight gradients of some intermediate units. Unit i of expert e is row i
 /// of w2[e] and columns i (gate) and I + i (up) of w1[e]; its gradients need
-/// only the rows routed to e, at O(H) each, not the whole layer.
+/// only the rows routed to e, at O(H) each, not the whole layer. With LoRA
+/// adapters a unit is also columns i and I + i of w1's B and row i of w2's
+/// A (O(H r) a row); w1's A and w2's B need every unit of each row, so no
+/// sample covers them.
 struct Sample {
   std::vector<int64_t> tokens;                    ///< global token r * S + t
   std::vector<std::pair<int64_t, int64_t>> units; ///< (expert, unit i in 0..I-1)
@@ -144,6 +154,8 @@ template <typename T> struct SampleOutputs {
   std::vector<T> dtopk; ///< per token: dtopk_weights [K] (with dy)
   std::vector<T> dw1;   ///< per unit [H, 2]: dw1[e][h][i], dw1[e][h][I + i] (with dy)
   std::vector<T> dw2;   ///< per unit: dw2[e][i][0..H-1] (with dy)
+  std::vector<T> dloraB1; ///< per unit [r, 2]: dlora_b1[e][q][i], [e][q][I + i] (w1's adapter)
+  std::vector<T> dloraA2; ///< per unit [r]: dlora_a2[e][i][0..r-1] (w2's adapter)
 };
 
 /// Computes the sample's outputs from the inputs, in double, token by

@@ -99,8 +99,18 @@ Status verifySample(const LayerData &d, const std::vector<float> &x, const Verif
   in.w1 = d.w1.data();
   in.w2 = d.w2.data();
   in.dy = options.backward ? d.dy.data() : nullptr;
+  for (int p = 0; p < 2; ++p)
+    if (d.loraTargets >> p & 1) {
+      in.loraA[p] = d.loraA[size_t(p)].data();
+      in.loraB[p] = d.loraB[size_t(p)].data();
+    }
+  in.loraRank = d.loraRank;
+  in.loraScale = d.loraScale;
   ref::Sample sample = pickSample(d, options.sampleTokens, options.seed);
-  if (!options.backward || d.dw1.empty())
+  // A unit's weight gradients: the base's (a trained base), w1 adapter's
+  // B columns and w2 adapter's A row.
+  const bool unitGrads = !d.dw1.empty() || (d.loraTargets & 3) != 0;
+  if (!options.backward || !unitGrads)
     sample.units.clear(); // no weight gradients to check
   ref::SampleOutputs<double> want;
   if (Status s = ref::sampled(shape, in, sample, &want, options.progress); !s)
@@ -108,6 +118,10 @@ Status verifySample(const LayerData &d, const std::vector<float> &x, const Verif
   if (summary) {
     summary->tokens = int64_t(sample.tokens.size());
     summary->units = int64_t(sample.units.size());
+    if (options.backward)
+      for (const LoraTensor &t : loraTensors(d.loraTargets, true))
+        if ((t.p == 0) != t.b) // w1's A and w2's B: every unit of each row
+          summary->unsampled.push_back(t.name());
   }
   const double tolerance = options.bf16 ? 5e-2 : 1e-4;
   const int64_t H = d.hidden, K = d.topK, I = d.inter;
@@ -123,15 +137,29 @@ Status verifySample(const LayerData &d, const std::vector<float> &x, const Verif
   errors->push_back(compareOutput("dtopk_weights", tolerance, want.dtopk, perToken(d.dtopk, K)));
   if (sample.units.empty())
     return Status::success();
-  errors->push_back(compareOutput("dw1", tolerance, want.dw1, [&](size_t i) {
-    const auto [e, unit] = sample.units[i / size_t(2 * H)];
-    const int64_t h = int64_t(i % size_t(2 * H)) / 2, column = unit + (i % 2 ? I : 0);
-    return d.dw1[size_t((e * H + h) * 2 * I + column)];
-  }));
-  errors->push_back(compareOutput("dw2", tolerance, want.dw2, [&](size_t i) {
-    const auto [e, unit] = sample.units[i / size_t(H)];
-    return d.dw2[size_t((e * I + unit) * H) + i % size_t(H)];
-  }));
+  if (!d.dw1.empty()) { // a frozen base has none
+    errors->push_back(compareOutput("dw1", tolerance, want.dw1, [&](size_t i) {
+      const auto [e, unit] = sample.units[i / size_t(2 * H)];
+      const int64_t h = int64_t(i % size_t(2 * H)) / 2, column = unit + (i % 2 ? I : 0);
+      return d.dw1[size_t((e * H + h) * 2 * I + column)];
+    }));
+    errors->push_back(compareOutput("dw2", tolerance, want.dw2, [&](size_t i) {
+      const auto [e, unit] = sample.units[i / size_t(H)];
+      return d.dw2[size_t((e * I + unit) * H) + i % size_t(H)];
+    }));
+  }
+  const int64_t r = d.loraRank;
+  if (d.loraTargets & 1) // dlora_b1 [E, r, 2I]: columns unit and I + unit
+    errors->push_back(compareOutput("dlora_b1", tolerance, want.dloraB1, [&](size_t i) {
+      const auto [e, unit] = sample.units[i / size_t(2 * r)];
+      const int64_t q = int64_t(i % size_t(2 * r)) / 2, column = unit + (i % 2 ? I : 0);
+      return d.dLoraB[0][size_t((e * r + q) * 2 * I + column)];
+    }));
+  if (d.loraTargets & 2) // dlora_a2 [E, I, r]: row unit
+    errors->push_back(compareOutput("dlora_a2", tolerance, want.dloraA2, [&](size_t i) {
+      const auto [e, unit] = sample.units[i / size_t(r)];
+      return d.dLoraA[1][size_t((e * I + unit) * r) + i % size_t(r)];
+    }));
   return Status::success();
 }
 
@@ -175,12 +203,8 @@ Status verifyLayer(const LayerData &d, const VerifyOptions &options,
   if (options.fp8Dispatch)
     rounded = fp8RoundTrip(d, options.bf16);
   const std::vector<float> &x = options.fp8Dispatch ? rounded : d.x;
-  if (options.sampleTokens > 0) {
-    if (d.loraTargets)
-      return Status::error("a sampled check does not cover LoRA adapters; verify the whole "
-                           "layer (--verify without --verify-sample)");
+  if (options.sampleTokens > 0)
     return verifySample(d, x, options, errors, summary);
-  }
   namespace ref = moec::reference;
   const ref::LayerShape shape = referenceShape(d);
   const bool backward = options.backward;

@@ -463,17 +463,83 @@ TEST_CASE("verifyLayer: a sampled check passes right outputs and names a wrong o
   CHECK(summary.units >= 2); // one per expert the 4 tokens route to
   CHECK(summary.units <= 8);
 
-  // A layer with LoRA adapters: the sampled check covers none, so it is
-  // refused rather than passed.
+  // A layer with LoRA adapters on w1 and w2 over a frozen base: the solved
+  // layer's weights W are base + s A B (base = W - s A B), its outputs the
+  // layer's, the adapters' gradients dA = s G B^T, dB = s A^T G from W's
+  // gradient G. Every token sampled: y, dx, dtopk_weights, the units'
+  // columns of dlora_b1 and rows of dlora_a2 pass, dlora_a1 and dlora_b2
+  // are named unsampled; a spoilt output fails alone, and the adapters
+  // dropped (the base alone) fail y.
   {
-    tooling::LayerData withAdapters = d;
-    withAdapters.loraTargets = 1;
-    withAdapters.loraRank = 2;
-    std::vector<tooling::OutputError> none;
-    const Status refused = tooling::verifyLayer(withAdapters, options, &none);
-    CHECK_FALSE(refused.ok());
-    CHECK(refused.message().find("does not cover LoRA adapters") != std::string::npos);
-    CHECK(none.empty());
+    const int64_t E = int64_t(s.experts()), H = s.hidden, I = s.inter, r = 2;
+    const float scale = 0.75f;
+    tooling::LayerData lora = d;
+    lora.loraTargets = 3;
+    lora.loraRank = r;
+    lora.loraScale = scale;
+    lora.dw1.clear();
+    lora.dw2.clear();
+    std::mt19937 rng(17);
+    std::uniform_real_distribution<float> dist(-0.5f, 0.5f);
+    for (int p = 0; p < 2; ++p) {
+      const int64_t k = p == 0 ? H : I, n = p == 0 ? 2 * I : H;
+      std::vector<float> &a = lora.loraA[size_t(p)], &b = lora.loraB[size_t(p)];
+      a.resize(size_t(E * k * r));
+      b.resize(size_t(E * r * n));
+      for (float &v : a)
+        v = dist(rng);
+      for (float &v : b)
+        v = dist(rng);
+      const std::vector<double> &w = p == 0 ? l.weights.w1 : l.weights.w2;
+      const std::vector<double> &grad = p == 0 ? l.bwd.dw1 : l.bwd.dw2;
+      std::vector<float> &base = p == 0 ? lora.w1 : lora.w2;
+      std::vector<float> &dA = lora.dLoraA[size_t(p)], &dB = lora.dLoraB[size_t(p)];
+      dA.assign(a.size(), 0.0f);
+      dB.assign(b.size(), 0.0f);
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t i = 0; i < k; ++i)
+          for (int64_t j = 0; j < n; ++j) {
+            const size_t at = size_t((e * k + i) * n + j);
+            double ab = 0;
+            for (int64_t q = 0; q < r; ++q) {
+              const size_t ai = size_t((e * k + i) * r + q), bi = size_t((e * r + q) * n + j);
+              ab += double(a[ai]) * double(b[bi]);
+              dA[ai] += float(scale * grad[at] * double(b[bi]));
+              dB[bi] += float(scale * double(a[ai]) * grad[at]);
+            }
+            base[at] = float(w[at] - scale * ab);
+          }
+    }
+    tooling::VerifyOptions all = options;
+    all.sampleTokens = s.ranks * s.tokens;
+    const auto failing = [&](const tooling::LayerData &data, tooling::SampleSummary *summary) {
+      std::vector<tooling::OutputError> found;
+      REQUIRE(tooling::verifyLayer(data, all, &found, summary).ok());
+      std::vector<std::string> names, bad;
+      for (const tooling::OutputError &e : found) {
+        names.push_back(e.name);
+        if (!e.ok())
+          bad.push_back(e.name);
+      }
+      CHECK(names == std::vector<std::string>{"y", "dx", "dtopk_weights", "dlora_b1", "dlora_a2"});
+      return bad;
+    };
+    tooling::SampleSummary loraSummary;
+    CHECK(failing(lora, &loraSummary).empty());
+    CHECK(loraSummary.unsampled == std::vector<std::string>{"dlora_a1", "dlora_b2"});
+    CHECK(loraSummary.units >= 2);
+    tooling::LayerData wrong = lora;
+    for (int64_t i = 0; i < r * 2 * I; ++i) // expert 0's dlora_b1
+      wrong.dLoraB[0][size_t(i)] += 1.0f;
+    CHECK(failing(wrong, nullptr) == std::vector<std::string>{"dlora_b1"});
+    wrong = lora;
+    for (int64_t i = 0; i < I * r; ++i) // expert 5's dlora_a2
+      wrong.dLoraA[1][size_t(5 * I * r + i)] -= 1.0f;
+    CHECK(failing(wrong, nullptr) == std::vector<std::string>{"dlora_a2"});
+    wrong = lora;
+    std::fill(wrong.loraB[1].begin(), wrong.loraB[1].end(), 0.0f); // w2's adapter dropped
+    const std::vector<std::string> dropped = failing(wrong, nullptr);
+    CHECK(std::find(dropped.begin(), dropped.end(), "y") != dropped.end());
   }
 
   // Every token sampled: a wrong y of any token, or a wrong weight-gradient

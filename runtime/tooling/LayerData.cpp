@@ -57,7 +57,7 @@ int64_t LoraTensor::perExpert(const LayerData &d) const {
 }
 
 std::vector<float> &LoraTensor::of(LayerData &d) const {
-  return grad ? (b ? d.dLoraB : d.dLoraA)[size_t(p)] : (b ? d.loraB : d.loraA)[size_t(p)];
+  return const_cast<std::vector<float> &>(of(static_cast<const LayerData &>(d)));
 }
 
 const std::vector<float> &LoraTensor::of(const LayerData &d) const {

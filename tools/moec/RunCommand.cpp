@@ -116,13 +116,16 @@ Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeo
     return format::crc32(reinterpret_cast<const uint8_t *>(values.data()),
                          values.size() * sizeof(values[0]));
   };
-  static const char *const kNames[10] = {
-      "x.npy",  "topk_ids.npy", "topk_weights.npy", "w1.npy",      "w2.npy",
-      "dy.npy", "lora_a1.npy",  "lora_b1.npy",      "lora_a2.npy", "lora_b2.npy"};
+  // Every input file, the adapters' of both projections last.
+  std::vector<std::string> names = {"x.npy",  "topk_ids.npy", "topk_weights.npy",
+                                    "w1.npy", "w2.npy",       "dy.npy"};
   Fingerprint mine{{data.ranks, data.tokens, data.topK, data.experts, data.hidden, data.inter},
                    {crcOf(data.x), crcOf(data.ids), crcOf(data.weights), crcOf(data.w1),
-                    crcOf(data.w2), crcOf(data.dy), crcOf(data.loraA[0]), crcOf(data.loraB[0]),
-                    crcOf(data.loraA[1]), crcOf(data.loraB[1])}};
+                    crcOf(data.w2), crcOf(data.dy)}};
+  for (const LoraTensor &t : loraTensors(3, false)) {
+    mine.crc[names.size()] = crcOf(t.of(data));
+    names.push_back(t.name() + ".npy");
+  }
   std::vector<Fingerprint> all(fabric.ranks());
   if (Status s = fabric.exchange(&mine, sizeof mine, all.data(), timeoutSeconds); !s)
     return s.withPrefix("comparing the inputs of the ranks: ");
@@ -138,12 +141,12 @@ Status checkSameInputs(comm::Fabric &fabric, const LayerData &data, double timeo
           p, theirs.shape[0], theirs.shape[1], theirs.shape[2], theirs.shape[3], theirs.shape[4],
           theirs.shape[5], first.shape[0], first.shape[1], first.shape[2], first.shape[3],
           first.shape[4], first.shape[5]));
-    for (int i = 0; i < 10; ++i)
+    for (size_t i = 0; i < names.size(); ++i)
       if (first.crc[i] != theirs.crc[i])
         return Status::error(fmt::format(
             "rank {} read another {} than rank 0 (CRC-32 {:08x} against {:08x}; every rank "
             "needs the same input folder, or the same --random seed and --hot-share)",
-            p, kNames[i], theirs.crc[i], first.crc[i]));
+            p, names[i], theirs.crc[i], first.crc[i]));
   }
   return Status::success();
 }

@@ -11,10 +11,12 @@
 #include <oneapi/dnnl/dnnl.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <new>
 #include <string>
@@ -385,6 +387,154 @@ void gemmTransposed(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda
   }
 }
 
+/// oneDNN's matmul primitive for one fp32 shape: the primitive and memory
+/// objects bound to its descriptors, whose buffers each call sets. Null
+/// `primitive`: oneDNN runs no brgemm kernels for the shape (its matmul
+/// would be the same GEMM as dnnl_sgemm), so sgemm runs it.
+struct Matmul {
+  dnnl_primitive_t primitive = nullptr;
+  dnnl_memory_t a = nullptr, b = nullptr, c = nullptr;
+};
+
+/// A thread's matmul primitives, by shape: a primitive is made (its kernels
+/// generated, ~0.2 ms) the first time a shape comes, then reused; a layer
+/// meets about a hundred row counts an op. Past kMaxShapes shapes the
+/// thread's primitives are dropped and made again as they come.
+class MatmulCache {
+public:
+  static constexpr size_t kMaxShapes = 512;
+  ~MatmulCache() { clear(); }
+
+  /// The primitive of C[m x n] = A[m x k] B^T (+ C with `load`), A, B and C
+  /// row-major with strides lda, ldb (B stored n x k) and ldc.
+  const Matmul &get(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                    bool load) {
+    const std::array<int64_t, 7> key{m, n, k, lda, ldb, ldc, load};
+    const auto found = shapes.find(key);
+    if (found != shapes.end())
+      return found->second;
+    if (shapes.size() >= kMaxShapes)
+      clear();
+    return shapes.emplace(key, make(m, n, k, lda, ldb, ldc, load)).first->second;
+  }
+
+  dnnl_stream_t stream() const { return onStream; }
+
+private:
+  static dnnl_engine_t engine() {
+    static const dnnl_engine_t cpu = [] {
+      dnnl_engine_t e = nullptr;
+      return dnnl_engine_create(&e, dnnl_cpu, 0) == dnnl_success ? e : nullptr;
+    }();
+    return cpu;
+  }
+
+  Matmul make(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool load) {
+    Matmul made;
+    dnnl_engine_t cpu = engine();
+    if (!cpu || (!onStream &&
+                 dnnl_stream_create(&onStream, cpu, dnnl_stream_default_flags) != dnnl_success))
+      return made;
+    dnnl_memory_desc_t aDesc, bDesc, cDesc;
+    const dnnl_dims_t aDims{m, k}, aStrides{lda, 1}, bDims{k, n}, bStrides{1, ldb}, cDims{m, n},
+        cStrides{ldc, 1};
+    dnnl_matmul_desc_t desc;
+    dnnl_primitive_attr_t attr = nullptr;
+    dnnl_post_ops_t ops = nullptr;
+    dnnl_primitive_desc_t pd = nullptr;
+    const char *impl = nullptr;
+    bool ok =
+        dnnl_memory_desc_init_by_strides(&aDesc, 2, aDims, dnnl_f32, aStrides) == dnnl_success &&
+        dnnl_memory_desc_init_by_strides(&bDesc, 2, bDims, dnnl_f32, bStrides) == dnnl_success &&
+        dnnl_memory_desc_init_by_strides(&cDesc, 2, cDims, dnnl_f32, cStrides) == dnnl_success &&
+        dnnl_matmul_desc_init(&desc, &aDesc, &bDesc, nullptr, &cDesc) == dnnl_success &&
+        dnnl_primitive_attr_create(&attr) == dnnl_success;
+    if (ok && load)
+      ok = dnnl_post_ops_create(&ops) == dnnl_success &&
+           dnnl_post_ops_append_sum(ops, 1.0f) == dnnl_success &&
+           dnnl_primitive_attr_set_post_ops(attr, ops) == dnnl_success;
+    // Its kernels are chosen for the threads it may use: one, as it runs.
+    oneThread([&] {
+      ok = ok && dnnl_primitive_desc_create(&pd, &desc, attr, cpu, nullptr) == dnnl_success &&
+           dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl) == dnnl_success &&
+           impl && std::strncmp(impl, "brg", 3) == 0 &&
+           dnnl_primitive_create(&made.primitive, pd) == dnnl_success;
+    });
+    ok = ok && dnnl_memory_create(&made.a, &aDesc, cpu, DNNL_MEMORY_NONE) == dnnl_success &&
+         dnnl_memory_create(&made.b, &bDesc, cpu, DNNL_MEMORY_NONE) == dnnl_success &&
+         dnnl_memory_create(&made.c, &cDesc, cpu, DNNL_MEMORY_NONE) == dnnl_success;
+    if (pd)
+      dnnl_primitive_desc_destroy(pd);
+    if (ops)
+      dnnl_post_ops_destroy(ops);
+    if (attr)
+      dnnl_primitive_attr_destroy(attr);
+    if (!ok) {
+      release(made);
+      made = Matmul();
+    }
+    return made;
+  }
+
+  static void release(const Matmul &x) {
+    if (x.primitive)
+      dnnl_primitive_destroy(x.primitive);
+    for (dnnl_memory_t memory : {x.a, x.b, x.c})
+      if (memory)
+        dnnl_memory_destroy(memory);
+  }
+
+  void clear() {
+    for (const auto &shape : shapes)
+      release(shape.second);
+    shapes.clear();
+  }
+
+  std::map<std::array<int64_t, 7>, Matmul> shapes;
+  dnnl_stream_t onStream = nullptr;
+};
+
+/// fp32 C = A B^T (+ C with `accumulate`), B stored n x k, on oneDNN's
+/// matmul primitive where it runs brgemm kernels for the shape; false (and
+/// nothing done) where it does not. On Zen 4 its brgemm kernels ran the
+/// qwen3 gate_grad tile (128 x 2048 x 1536, w1's rows 6 KiB apart) at
+/// 102-103 GFLOP/s a thread against sgemm's N-T form at 94-96 (two threads,
+/// each on 32 experts' weights in turn, 88-168 rows an expert); sgemm stays
+/// for the forward's products (98-100 against 108 on up_proj) and act_grad
+/// its transposed form (transposedSgemm: 98-105 against 100).
+bool matmulDgrad(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
+                 int64_t ldb, bool accumulate, float *c, int64_t ldc) {
+  static thread_local MatmulCache cache;
+  const Matmul &mm = cache.get(m, n, k, lda, ldb, ldc, accumulate);
+  if (!mm.primitive)
+    return false;
+#ifdef MOEC_TSAN
+  tsanAccess(a, m, k, lda, sizeof(float), false);
+  tsanAccess(b, n, k, ldb, sizeof(float), false);
+  tsanAccess(c, m, n, ldc, sizeof(float), true);
+#endif
+  dnnl_status_t status =
+      dnnl_memory_set_data_handle(mm.a, const_cast<float *>(a)) == dnnl_success &&
+              dnnl_memory_set_data_handle(mm.b, const_cast<float *>(b)) == dnnl_success &&
+              dnnl_memory_set_data_handle(mm.c, c) == dnnl_success
+          ? dnnl_success
+          : dnnl_runtime_error;
+  const dnnl_exec_arg_t args[3] = {
+      {DNNL_ARG_SRC, mm.a}, {DNNL_ARG_WEIGHTS, mm.b}, {DNNL_ARG_DST, mm.c}};
+  if (status == dnnl_success)
+    oneThread([&] {
+      status = dnnl_primitive_execute(mm.primitive, cache.stream(), 3, args);
+      if (status == dnnl_success)
+        status = dnnl_stream_wait(cache.stream());
+    });
+  if (status != dnnl_success) {
+    std::fprintf(stderr, "moec: oneDNN matmul refused m=%lld n=%lld k=%lld (status %d)\n",
+                 (long long)m, (long long)n, (long long)k, int(status));
+    std::abort();
+  }
+  return true;
+}
+
 /// B panels of at least this many rows are copied when their stride
 /// aliases, for products of at least kRealignRows rows of A: the copy reads
 /// each element once, the GEMM reads it once per row of A.
@@ -499,6 +649,13 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
                    static_cast<float *>(c.data), c.ld);
     return;
   }
+  // (fp32 dgrad tiles otherwise: on oneDNN's matmul where it runs brgemm
+  // kernels for the shape.)
+  if (c.elt == Elt::F32 && a.elt == Elt::F32 && !transA && transB && alpha == 1.0f &&
+      matmulDgrad(m, n, k, static_cast<const float *>(a.data), a.ld,
+                  static_cast<const float *>(b.data), b.ld, accumulate,
+                  static_cast<float *>(c.data), c.ld))
+    return;
   if (c.elt == Elt::F32) {
     gemm(transA, transB, m, n, k, a.data, a.ld, b.data, b.ld, a.elt, alpha,
          accumulate ? 1.0f : 0.0f, static_cast<float *>(c.data), c.ld);

@@ -180,7 +180,8 @@ enum class Addend { None, Separate, InPlace };
 void checkActivationGmm(GmmKind kind, EltCombo elts, int64_t totalRows, Segment seg,
                         int64_t capacity, int64_t depth, int64_t n, int64_t rowTiles,
                         int64_t colTiles, uint32_t seed, float scale = 1.0f,
-                        Addend addend = Addend::None, int64_t bPad = -1) {
+                        Addend addend = Addend::None, int64_t bPad = -1, int64_t aPad = 3,
+                        int64_t cPad = 2) {
   INFO("scale " << scale << ", addend " << int(addend));
   INFO(std::string(kind == GmmKind::Forward ? "forward" : "dgrad") << ", "
                                                                    << describe(elts.a, elts.b, elts.c));
@@ -188,10 +189,10 @@ void checkActivationGmm(GmmKind kind, EltCombo elts, int64_t totalRows, Segment 
                << capacity << ", depth " << depth << ", n " << n << ", grid " << rowTiles
                << " x " << colTiles);
   std::mt19937 rng(seed);
-  Buffer a(elts.a, totalRows, depth, 3);
+  Buffer a(elts.a, totalRows, depth, aPad);
   Buffer b = kind == GmmKind::Forward ? Buffer(elts.b, depth, n, bPad < 0 ? 5 : bPad)
                                       : Buffer(elts.b, n, depth, bPad < 0 ? 1 : bPad);
-  Buffer c(elts.c, totalRows, n, 2);
+  Buffer c(elts.c, totalRows, n, cPad);
   a.randomize(rng);
   b.randomize(rng);
   Buffer d(elts.c, totalRows, n, 4);
@@ -447,6 +448,15 @@ TEST_CASE("gmm dgrad tiles match the loops", "[cpu][gmm]") {
                        1.0f, Addend::None, 824);
     checkActivationGmm(GmmKind::Dgrad, elts, 300, Segment{20, 270}, 290, 200, 37, 2, 3, ++seed,
                        -0.5f, Addend::InPlace, 824);
+    // A, B and C stored densely (rows of exactly the depth and of C's
+    // width, as the layer's are), tiles of whole rows: fp32 tiles run on
+    // oneDNN's matmul primitive where it has brgemm kernels for them; plain,
+    // and added onto a separate addend (its sum post-op); row tiles not a
+    // multiple of its blocks.
+    checkActivationGmm(GmmKind::Dgrad, elts, 300, Segment{20, 270}, 290, 160, 70, 3, 1, ++seed,
+                       1.0f, Addend::None, 0, 0, 0);
+    checkActivationGmm(GmmKind::Dgrad, elts, 300, Segment{20, 270}, 290, 160, 70, 2, 1, ++seed,
+                       1.0f, Addend::Separate, 0, 0, 0);
   }
 }
 

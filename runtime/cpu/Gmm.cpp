@@ -498,10 +498,14 @@ private:
 /// matmul primitive where it runs brgemm kernels for the shape; false (and
 /// nothing done) where it does not. On Zen 4 its brgemm kernels ran the
 /// qwen3 gate_grad tile (128 x 2048 x 1536, w1's rows 6 KiB apart) at
-/// 102-103 GFLOP/s a thread against sgemm's N-T form at 94-96 (two threads,
-/// each on 32 experts' weights in turn, 88-168 rows an expert); sgemm stays
-/// for the forward's products (98-100 against 108 on up_proj) and act_grad
-/// its transposed form (transposedSgemm: 98-105 against 100).
+/// 102-103 GFLOP/s a thread against sgemm's N-T form at 94-96, a
+/// transposed-layout down_proj (128 x 2048 x 768) at 99-101 against 95-98,
+/// and N-T products 16 wide or 16 deep (128 x 16 x 2048, 128 x 2048 x 16)
+/// 7-25% faster (two threads, each on 32 experts' weights in turn, 88-168
+/// rows an expert); sgemm stays for the forward's N-N products (98-100
+/// against 108 on up_proj, 92-95 against 94-96 on down_proj), and act_grad
+/// keeps its transposed form (transposedSgemm: 101-103 against 98-101
+/// here, the steps level).
 bool matmulDgrad(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
                  int64_t ldb, bool accumulate, float *c, int64_t ldc) {
   static thread_local MatmulCache cache;

@@ -46,6 +46,16 @@
 //    transposed into scratch 128 rows at a time, then C^T written to C
 //    transposed; oneDNN's packing of B^T from such rows ran the qwen3 act_grad
 //    tile at 74% of the fp32 peak, this form at 84-90%.
+//  - Any other fp32 dgrad tile (C = A B^T or C + A B^T, B stored n x k, no
+//    scale) on oneDNN's matmul primitive where oneDNN runs brgemm kernels
+//    for its shape (A, B and C stored densely: oneDNN 2.6 on AVX-512), else
+//    on sgemm's N-T form. A thread keeps the primitives it made, by shape
+//    (a layer meets about a hundred row counts an op; making one generates
+//    its kernels, ~0.2 ms). Its brgemm kernels ran the qwen3 gate_grad tile
+//    (128 x 2048 x 1536, w1's rows 6 KiB apart) at 102-103 GFLOP/s a
+//    thread on Zen 4 against sgemm's 94-96; the forward's products and the
+//    weight gradients stay on sgemm (brgemm measured slower or level there),
+//    and so does the transposed form above (level).
 //
 // Determinism: the reduction order of a call depends only on its shapes,
 // strides and storage types (fixed slice order, single-threaded GEMM, no

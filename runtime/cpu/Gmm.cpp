@@ -430,6 +430,11 @@ private:
   }
 
   Matmul make(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool load) {
+    // One thread at a time makes primitives: oneDNN's own cache of them is
+    // shared by every thread and its locking is not visible to
+    // ThreadSanitizer; this costs only a layer's first steps.
+    static std::mutex making;
+    const std::lock_guard<std::mutex> hold(making);
     Matmul made;
     dnnl_engine_t cpu = engine();
     if (!cpu || (!onStream &&

@@ -403,7 +403,11 @@ struct Matmul {
 class MatmulCache {
 public:
   static constexpr size_t kMaxShapes = 512;
-  ~MatmulCache() { clear(); }
+  ~MatmulCache() {
+    clear();
+    if (onStream)
+      dnnl_stream_destroy(onStream);
+  }
 
   /// The primitive of C[m x n] = A[m x k] B^T (+ C with `load`), A, B and C
   /// row-major with strides lda, ldb (B stored n x k) and ldc.

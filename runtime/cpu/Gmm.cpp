@@ -205,6 +205,15 @@ template <typename Call> void oneThread(Call call) {
     omp_set_num_threads(threads);
 }
 
+/// Ends the process on a call oneDNN refused (`what`: the call, "GEMM NT"
+/// or "matmul"). The runtime validates every shape and stride before
+/// kernels run, so a refusal is a bug in the caller.
+[[noreturn]] void refused(const char *what, int64_t m, int64_t n, int64_t k, dnnl_status_t status) {
+  std::fprintf(stderr, "moec: oneDNN %s refused m=%lld n=%lld k=%lld (status %d)\n", what,
+               (long long)m, (long long)n, (long long)k, int(status));
+  std::abort();
+}
+
 /// One GEMM, row-major, fp32 accumulation into fp32 C:
 /// C = alpha op(A) op(B) + beta C with op(A) m x k and op(B) k x n. `a` is stored
 /// m x k (k x m when transA), `b` k x n (n x k when transB); both fp32
@@ -230,13 +239,8 @@ void gemm(bool transA, bool transB, int64_t m, int64_t n, int64_t k, const void 
                                          static_cast<const uint16_t *>(a), la,
                                          static_cast<const uint16_t *>(b), lb, beta, c, lc);
   });
-  // The runtime validates every shape and stride before kernels run, so a
-  // refusal here is a bug in the caller.
-  if (status != dnnl_success) {
-    std::fprintf(stderr, "moec: oneDNN GEMM refused %c%c m=%lld n=%lld k=%lld (status %d)\n",
-                 ta, tb, (long long)m, (long long)n, (long long)k, int(status));
-    std::abort();
-  }
+  if (status != dnnl_success)
+    refused((std::string("GEMM ") + ta + tb).c_str(), m, n, k, status);
 }
 
 /// Returns the view of `x` that starts at its element (i, j).
@@ -356,9 +360,6 @@ bool transposedSgemm(bool transA, bool transB, int64_t ldb) {
 /// in the last bits).
 void gemmTransposed(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b,
                     int64_t ldb, float alpha, bool accumulate, float *c, int64_t ldc) {
-#ifdef MOEC_TSAN
-  tsanAccess(b, n, k, ldb, sizeof(float), false);
-#endif
   static thread_local Scratch mem;
   const int64_t rows = std::min(m, kTransposedRows);
   const int64_t ld = copyStride(rows, sizeof(float));
@@ -367,15 +368,7 @@ void gemmTransposed(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda
   for (int64_t i0 = 0; i0 < m; i0 += rows) {
     const int64_t mb = std::min(rows, m - i0);
     transposeFloats(a + i0 * lda, lda, mb, k, at, ld);
-    dnnl_status_t status;
-    oneThread([&] {
-      status = dnnl_sgemm('N', 'N', n, mb, k, alpha, b, ldFor(n, k, ldb), at, ld, 0.0f, ct, ld);
-    });
-    if (status != dnnl_success) {
-      std::fprintf(stderr, "moec: oneDNN GEMM refused NN m=%lld n=%lld k=%lld (status %d)\n",
-                   (long long)n, (long long)mb, (long long)k, int(status));
-      std::abort();
-    }
+    gemm(false, false, n, mb, k, b, ldb, at, ld, Elt::F32, alpha, 0.0f, ct, ld);
     float *out = c + i0 * ldc;
     if (!accumulate) {
       transposeFloats(ct, ld, n, mb, out, ldc);
@@ -540,11 +533,8 @@ bool matmulDgrad(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, c
       if (status == dnnl_success)
         status = dnnl_stream_wait(cache.stream());
     });
-  if (status != dnnl_success) {
-    std::fprintf(stderr, "moec: oneDNN matmul refused m=%lld n=%lld k=%lld (status %d)\n",
-                 (long long)m, (long long)n, (long long)k, int(status));
-    std::abort();
-  }
+  if (status != dnnl_success)
+    refused("matmul", m, n, k, status);
   return true;
 }
 

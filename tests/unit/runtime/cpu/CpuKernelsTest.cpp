@@ -460,6 +460,42 @@ TEST_CASE("gmm dgrad tiles match the loops", "[cpu][gmm]") {
   }
 }
 
+TEST_CASE("fp32 dgrad tiles of more row counts than a thread keeps matmul primitives for",
+          "[cpu][gmm]") {
+  // Each row count is a shape of its own (a primitive where oneDNN has
+  // brgemm kernels for it); past the thread's 512 the kept ones are dropped
+  // and made again. Every product stays right, also the first row counts
+  // met again after the drop.
+  std::mt19937 rng(31);
+  const int64_t n = 16, k = 24, most = 530;
+  Buffer a(Elt::F32, most, k, 0), b(Elt::F32, n, k, 0);
+  a.randomize(rng);
+  b.randomize(rng);
+  std::vector<int64_t> rowCounts;
+  for (int64_t rows = 1; rows <= most; ++rows)
+    rowCounts.push_back(rows);
+  rowCounts.insert(rowCounts.end(), {1, 2, 3});
+  int64_t bad = 0;
+  for (int64_t rows : rowCounts) {
+    {
+      Buffer c(Elt::F32, rows, n, 0);
+      gemmTile(rows, n, k, a.cview(), false, b.cview(), true, c.view(), false);
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double want = 0, scale = 0;
+          for (int64_t p = 0; p < k; ++p) {
+            want += double(a.get(i, p)) * b.get(j, p);
+            scale += std::fabs(double(a.get(i, p)) * b.get(j, p));
+          }
+          if (!close(c.get(i, j), want, scale, false) && ++bad <= 5)
+            FAIL_CHECK(rows << " rows: C[" << i << "][" << j << "] = " << c.get(i, j)
+                            << ", expected " << want);
+        }
+    }
+  }
+  CHECK(bad == 0);
+}
+
 TEST_CASE("gmm tiles scale the product and add an addend (LoRA adapters)", "[cpu][gmm]") {
   uint32_t seed = 70;
   for (const EltCombo &elts : kCombos)

@@ -8,5 +8,5 @@ case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bazel build //compiler/api:libmoec.so //ops/torch:moec_torch.so 2>&1 | tail -1
-export MALLOC_MMAP_THRESHOLD_=$((1 << 30)) MALLOC_TRIM_THRESHOLD_=$((1 << 34))
+export MALLOC_MMAP_THRESHOLD_=$((1 << 34)) MALLOC_TRIM_THRESHOLD_=$((1 << 34))
 exec /usr/bin/python3 examples/hf/bench.py "$@"

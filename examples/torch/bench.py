@@ -61,11 +61,13 @@ worker busy and idle time, the host phases), forward and backward, for
 each dtype of --dtypes.
 
 Both run with glibc's malloc told to keep freed memory
-(MALLOC_MMAP_THRESHOLD_ 1 GiB, MALLOC_TRIM_THRESHOLD_ 16 GiB, as a user
-tuning PyTorch's CPU training would set them; without them PyTorch's
-backward maps and unmaps its large buffers every step and pays their
-page faults): the script starts itself again with them where they are
-not set, and prints them.
+(MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ 16 GiB, above any
+tensor of the step, as a user tuning PyTorch's CPU training would set
+them; without them PyTorch's backward maps and unmaps its large buffers
+every step and pays their page faults, and on a VM the step after one
+that unmapped such a buffer loses its cores to the host for a while: an
+fp32 w1 gradient at qwen3's shapes is 1.6 GB): the script starts itself again
+with them where they are not set, and prints them.
 
 Before each timed step every trained parameter gets an in-place write of
 its own values (x * 1), as an optimizer step would: a layer that keeps its
@@ -464,7 +466,7 @@ def print_peaks(threads):
         print(f"{line} (one core)")
 
 
-MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 
 
 def with_malloc_settings():

@@ -469,6 +469,25 @@ def print_peaks(threads):
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 
 
+def malloc_warning(cfg, dtypes, env=os.environ):
+    """A line saying that MALLOC_MMAP_THRESHOLD_ in `env` is below the
+    step's largest tensor (the w1 gradient PyTorch's backward makes, E x H x
+    2I of the widest dtype), which glibc then maps and unmaps every step;
+    None where it is not."""
+    try:
+        threshold = int(env.get("MALLOC_MMAP_THRESHOLD_", ""))
+    except ValueError:
+        return None
+    size = {"fp32": 4, "bf16": 2}
+    widest = max(dtypes, key=lambda d: size.get(d, 4))
+    w1 = cfg["num_experts"] * cfg["hidden_size"] * 2 * cfg["intermediate_size"] * size.get(widest, 4)
+    if threshold >= w1:
+        return None
+    return (f"warning: MALLOC_MMAP_THRESHOLD_={threshold} is below the step's largest tensor "
+            f"(the {widest} w1 gradient, {w1 / 1e9:.2f} GB): PyTorch's backward maps and unmaps "
+            "it every step, which slows its step and, on a VM, the step after it")
+
+
 def with_malloc_settings():
     """Starts this script again with MALLOC_SETTINGS where any is unset
     (glibc reads them once, at the process's start); returns otherwise."""
@@ -524,6 +543,9 @@ def main():
         return 0
     print(f"command: {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}")
     print("malloc: " + ", ".join(f"{k}={os.environ[k]}" for k in MALLOC_SETTINGS))
+    warning = malloc_warning(cfg, args.dtypes.split(","))
+    if warning:
+        print(warning, file=sys.stderr)
     print(f"config {cfg.get('name', args.config)}: H {cfg['hidden_size']}, "
           f"I {cfg['intermediate_size']}, E {cfg['num_experts']}, top-{cfg['top_k']}, "
           f"S {args.tokens} per rank, {args.ranks} ranks, {args.threads} threads, "

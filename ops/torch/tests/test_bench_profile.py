@@ -76,3 +76,15 @@ def test_training_counts_the_base_gmms_each_variant_runs():
     assert result["lora"][2] == 2 * forward
     for name, (step_s, backward_s, _) in result.items():
         assert step_s > 0, name
+
+
+def test_malloc_warning_names_a_threshold_below_the_largest_tensor():
+    # qwen3-30b-a3b: the fp32 w1 gradient is 128 x 2048 x 1536 x 4 bytes.
+    qwen3 = json.loads((Path(bench.REPO) / "examples/configs/qwen3-30b-a3b.json").read_text())
+    low = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
+    warning = bench.malloc_warning(qwen3, ["fp32", "bf16"], low)
+    assert warning and "fp32 w1 gradient, 1.61 GB" in warning and str(1 << 30) in warning
+    # bf16's is 805 MB: under 1 GiB.
+    assert bench.malloc_warning(qwen3, ["bf16"], low) is None
+    assert bench.malloc_warning(qwen3, ["fp32", "bf16"], dict(bench.MALLOC_SETTINGS)) is None
+    assert bench.malloc_warning(qwen3, ["fp32"], {}) is None

@@ -67,7 +67,8 @@ them; without them PyTorch's backward maps and unmaps its large buffers
 every step and pays their page faults, and on a VM the step after one
 that unmapped such a buffer loses its cores to the host for a while: an
 fp32 w1 gradient at qwen3's shapes is 1.6 GB): the script starts itself again
-with them where they are not set, and prints them.
+with them where they are not set, prints them, and warns where the mmap
+threshold is set below the step's largest tensor.
 
 Before each timed step every trained parameter gets an in-place write of
 its own values (x * 1), as an optimizer step would: a layer that keeps its

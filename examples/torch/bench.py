@@ -473,20 +473,24 @@ MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOL
 def malloc_warning(cfg, dtypes, env=os.environ):
     """A line saying that MALLOC_MMAP_THRESHOLD_ in `env` is below the
     step's largest tensor (the w1 gradient PyTorch's backward makes, E x H x
-    2I of the widest dtype), which glibc then maps and unmaps every step;
-    None where it is not."""
-    try:
-        threshold = int(env.get("MALLOC_MMAP_THRESHOLD_", ""))
-    except ValueError:
+    2I of the widest of `dtypes`), which glibc then maps and unmaps every
+    step; None where it is unset or not below. glibc reads the value's
+    leading digits (none: 0), and so does this."""
+    value = env.get("MALLOC_MMAP_THRESHOLD_")
+    width = {d: torch.finfo(moec_torch._DTYPES[d]).bits // 8
+             for d in dtypes if d in moec_torch._DTYPES}
+    if value is None or not width:
         return None
-    size = {"fp32": 4, "bf16": 2}
-    widest = max(dtypes, key=lambda d: size.get(d, 4))
-    w1 = cfg["num_experts"] * cfg["hidden_size"] * 2 * cfg["intermediate_size"] * size.get(widest, 4)
+    digits = re.match(r"\d*", value).group()
+    threshold = int(digits or 0)
+    widest = max(width, key=width.get)
+    w1 = cfg["num_experts"] * cfg["hidden_size"] * 2 * cfg["intermediate_size"] * width[widest]
     if threshold >= w1:
         return None
-    return (f"warning: MALLOC_MMAP_THRESHOLD_={threshold} is below the step's largest tensor "
-            f"(the {widest} w1 gradient, {w1 / 1e9:.2f} GB): PyTorch's backward maps and unmaps "
-            "it every step, which slows its step and, on a VM, the step after it")
+    read = "" if digits == value else f" (glibc reads {value!r} as {threshold})"
+    return (f"warning: MALLOC_MMAP_THRESHOLD_={threshold}{read} is below the step's largest "
+            f"tensor (the {widest} w1 gradient, {w1 / 1e9:.2f} GB): PyTorch's backward maps and "
+            "unmaps it every step, which slows its step and, on a VM, the step after it")
 
 
 def with_malloc_settings():

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <utility>
 
 // oneDNN 2.6 exports its bf16 GEMM (bf16 inputs, fp32 accumulation and
 // output, row-major like dnnl_sgemm) without declaring it in a public header.
@@ -519,20 +520,18 @@ bool matmulDgrad(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, c
   tsanAccess(b, n, k, ldb, sizeof(float), false);
   tsanAccess(c, m, n, ldc, sizeof(float), true);
 #endif
-  dnnl_status_t status =
-      dnnl_memory_set_data_handle(mm.a, const_cast<float *>(a)) == dnnl_success &&
-              dnnl_memory_set_data_handle(mm.b, const_cast<float *>(b)) == dnnl_success &&
-              dnnl_memory_set_data_handle(mm.c, c) == dnnl_success
-          ? dnnl_success
-          : dnnl_runtime_error;
+  for (const auto &[memory, data] : {std::pair{mm.a, const_cast<float *>(a)},
+                                     std::pair{mm.b, const_cast<float *>(b)}, std::pair{mm.c, c}})
+    if (dnnl_status_t status = dnnl_memory_set_data_handle(memory, data); status != dnnl_success)
+      refused("matmul", m, n, k, status);
   const dnnl_exec_arg_t args[3] = {
       {DNNL_ARG_SRC, mm.a}, {DNNL_ARG_WEIGHTS, mm.b}, {DNNL_ARG_DST, mm.c}};
-  if (status == dnnl_success)
-    oneThread([&] {
-      status = dnnl_primitive_execute(mm.primitive, cache.stream(), 3, args);
-      if (status == dnnl_success)
-        status = dnnl_stream_wait(cache.stream());
-    });
+  dnnl_status_t status;
+  oneThread([&] {
+    status = dnnl_primitive_execute(mm.primitive, cache.stream(), 3, args);
+    if (status == dnnl_success)
+      status = dnnl_stream_wait(cache.stream());
+  });
   if (status != dnnl_success)
     refused("matmul", m, n, k, status);
   return true;

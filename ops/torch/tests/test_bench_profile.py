@@ -88,3 +88,6 @@ def test_malloc_warning_names_a_threshold_below_the_largest_tensor():
     assert bench.malloc_warning(qwen3, ["bf16"], low) is None
     assert bench.malloc_warning(qwen3, ["fp32", "bf16"], dict(bench.MALLOC_SETTINGS)) is None
     assert bench.malloc_warning(qwen3, ["fp32"], {}) is None
+    # glibc reads a value's leading digits: "16GiB" is 16 bytes.
+    unit = bench.malloc_warning(qwen3, ["fp32"], {"MALLOC_MMAP_THRESHOLD_": "16GiB"})
+    assert unit and "reads '16GiB' as 16" in unit

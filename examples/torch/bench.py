@@ -3,7 +3,9 @@
 layer (moec_torch.reference: rows sorted by expert once, one matmul pair per
 expert on unbind slices), on the same inputs and parameters, with the same
 threads, alternating the two in one process. Prints the median of each and
-the speed-up as a ratio.
+the speed-up as a ratio, and under each the range of the steps (fastest to
+slowest): on a shared machine the median moves with the neighbours, and the
+range says by how much it did in that run.
 
     examples/torch/bench.py [--config CFG] [--tokens S] [--ranks R]
                             [--dtypes fp32,bf16] [--threads N] [--repeat N]
@@ -41,7 +43,7 @@ adapters' gradients only), and split: moec_torch.Exchange's dispatch, the
 experts in plain PyTorch (one matmul pair per expert on unbind slices), and
 its combine. It prints each one's step time and backward pass time (moec's
 passes), and their ratios to the full layer's: split's step ratio is what
-fusing the layer saves; and each step's share of the peak ("of peak", as
+fusing the layer saves; the range of its steps; and each step's share of the peak ("of peak", as
 below), by the FLOPs of the base GMMs it runs: three products of each
 weight where the step trains it (forward, dX, dW), two where the base is
 frozen (a LoRA adapter's small products not counted). frozen_<format>
@@ -138,7 +140,8 @@ def gmm_flops(layer, ranks, products):
 
 def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
     """Median step seconds of moec and (with_torch) of the plain PyTorch
-    layer, alternating; the step's FLOPs."""
+    layer, alternating; the step's FLOPs; every timed step of each, in
+    seconds ({"moec": [...], "torch": [...]})."""
     cfg = dict(cfg, dtype=dtype)
     layer = moec_torch.MoeFFN(cfg, ranks, threads=threads)
     x, ids, weights, dy = make_inputs(layer, ranks)
@@ -159,7 +162,7 @@ def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
             times[name].append(step(fn, x, ids, weights, dy))
     moec_s = statistics.median(times["moec"])
     torch_s = statistics.median(times["torch"]) if with_torch else float("nan")
-    return moec_s, torch_s, gmm_flops(layer, ranks, 3)
+    return moec_s, torch_s, gmm_flops(layer, ranks, 3), times
 
 
 VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
@@ -192,9 +195,9 @@ def quantized_variant(name):
 
 def bench_training(cfg, ranks, dtype, threads, repeat, variants):
     """Median step and backward seconds of each training variant, run
-    alternately on the same inputs and weights, and the FLOPs of the base
+    alternately on the same inputs and weights, the FLOPs of the base
     GMMs its step runs (gmm_flops: 3 products where it trains the base
-    weights, else 2)."""
+    weights, else 2), and its timed steps' seconds."""
     cfg = dict(cfg, dtype=dtype)
     unknown = [v for v in variants if variant_options(v) is None and v != "split"
                and not quantized_variant(v)]
@@ -260,8 +263,14 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
                                       else float("nan"))
     trains = {name: name == "split" or fn.w1.requires_grad for name, fn in runs.items()}
     return {name: (statistics.median(steps[name]), statistics.median(backward[name]),
-                   gmm_flops(full, ranks, 3 if trains[name] else 2))
+                   gmm_flops(full, ranks, 3 if trains[name] else 2), steps[name])
             for name in runs}
+
+
+def step_range(seconds):
+    """'fastest-slowest' of step times in seconds, as the tables print
+    them."""
+    return f"{min(seconds):.3f}-{max(seconds):.3f}"
 
 
 def variant_layer(cfg, ranks, threads, variant, flag, **extra):
@@ -573,16 +582,16 @@ def main():
         # The variant column as wide as the longest name asked for.
         width = max([18] + [len(v) for v in args.variants.split(",")])
         print(f"{'dtype':6} {'variant':{width}} {'step s':>8} {'step / full':>12} "
-              f"{'of peak':>8} {'backward s':>11} {'backward / full':>16}")
+              f"{'of peak':>8} {'backward s':>11} {'backward / full':>16} {'steps s':>13}")
         for dtype in args.dtypes.split(","):
             result = bench_training(cfg, args.ranks, dtype, args.threads, args.repeat,
                                     args.variants.split(","))
-            full_step, full_backward, _ = result["full"]
+            full_step, full_backward, _, _ = result["full"]
             peak = PEAKS.get(dtype, float("nan")) * args.threads * 1e9
-            for name, (step_s, backward_s, flops) in result.items():
+            for name, (step_s, backward_s, flops, steps) in result.items():
                 print(f"{dtype:6} {name:{width}} {step_s:8.3f} {step_s / full_step:12.2f} "
                       f"{100 * flops / step_s / peak:7.1f}% {backward_s:11.3f} "
-                      f"{backward_s / full_backward:16.2f}", flush=True)
+                      f"{backward_s / full_backward:16.2f} {step_range(steps):>13}", flush=True)
         return 0
     unfair = fair_baseline(args.moec, args.threads)
     print_peaks(args.threads)
@@ -591,14 +600,16 @@ def main():
     for dtype in args.dtypes.split(","):
         # An unfair baseline is not timed (PyTorch's bf16 on a CPU without
         # bf16 dot products takes minutes a step).
-        moec_s, torch_s, flops = bench(cfg, args.ranks, dtype, args.threads, args.repeat,
-                                       with_torch=dtype not in unfair)
+        moec_s, torch_s, flops, steps = bench(cfg, args.ranks, dtype, args.threads,
+                                              args.repeat, with_torch=dtype not in unfair)
         ratio = "  refused" if dtype in unfair else f"{torch_s / moec_s:8.2f}x"
         peak = PEAKS.get(dtype, float("nan")) * args.threads * 1e9
         together = TOGETHER.get(dtype, PEAKS.get(dtype, float("nan")) * args.threads) * 1e9
         print(f"{dtype:6} {moec_s:9.3f} {torch_s:9.3f} {flops / moec_s / 1e9:13.1f} "
               f"{100 * flops / moec_s / peak:7.1f}% {100 * flops / moec_s / together:10.1f}% "
               f"{flops / torch_s / 1e9:14.1f} {ratio}", flush=True)
+        print(f"{'':6} steps s: moec {step_range(steps['moec'])}"
+              + (f", torch {step_range(steps['torch'])}" if steps["torch"] else ""), flush=True)
     for dtype, why in unfair.items():
         print(f"no {dtype} speed-up: {why}")
     return 0

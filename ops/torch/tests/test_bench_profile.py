@@ -65,7 +65,7 @@ def test_training_counts_the_base_gmms_each_variant_runs():
     # --training's "of peak" divides these FLOPs by the step: three products
     # of each base weight where the step trains it, two where it is frozen
     # (a LoRA adapter's products not counted).
-    result = bench.bench_training(dict(TINY, seq_size=64), 2, "fp32", 2, 1,
+    result = bench.bench_training(dict(TINY, seq_size=64), 2, "fp32", 2, 2,
                                   ["full", "frozen", "lora", "split"])
     H, I, K = TINY["hidden_size"], TINY["intermediate_size"], TINY["top_k"]
     rows = 2 * 64 * K  # every rank's routed rows
@@ -74,8 +74,16 @@ def test_training_counts_the_base_gmms_each_variant_runs():
     assert result["split"][2] == 3 * forward
     assert result["frozen"][2] == 2 * forward
     assert result["lora"][2] == 2 * forward
-    for name, (step_s, backward_s, _) in result.items():
+    for name, (step_s, backward_s, _, steps) in result.items():
         assert step_s > 0, name
+        # The steps the range is printed from, one a round; their median.
+        assert len(steps) == 2 and min(steps) <= step_s <= max(steps), name
+        assert step_s == sum(steps) / 2, name
+
+
+def test_step_range_is_the_fastest_and_slowest_step():
+    assert bench.step_range([1.2504, 1.19, 1.3333]) == "1.190-1.333"
+    assert bench.step_range([0.5]) == "0.500-0.500"
 
 
 def test_malloc_warning_names_a_threshold_below_the_largest_tensor():

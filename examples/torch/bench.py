@@ -43,10 +43,11 @@ adapters' gradients only), and split: moec_torch.Exchange's dispatch, the
 experts in plain PyTorch (one matmul pair per expert on unbind slices), and
 its combine. It prints each one's step time and backward pass time (moec's
 passes), and their ratios to the full layer's: split's step ratio is what
-fusing the layer saves; the range of its steps; and each step's share of the peak ("of peak", as
-below), by the FLOPs of the base GMMs it runs: three products of each
-weight where the step trains it (forward, dX, dW), two where the base is
-frozen (a LoRA adapter's small products not counted). frozen_<format>
+fusing the layer saves; the range of its steps; and each step's share of
+the peak ("of peak", as below), by the FLOPs of the base GMMs it runs:
+three products of each weight where the step trains it (forward, dX, dW),
+two where the base is frozen (a LoRA adapter's small products not
+counted). frozen_<format>
 and lora_<format> (not run by default) are the frozen and lora layers
 with their base weights quantized (quantize_weights) to a weight format:
 fp8 (FP8 e4m3 blocks, "fp8_block128"), int8, int4_g128, int4_g64_zp, ...

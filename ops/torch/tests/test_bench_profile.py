@@ -81,6 +81,17 @@ def test_training_counts_the_base_gmms_each_variant_runs():
         assert step_s == sum(steps) / 2, name
 
 
+def test_bench_returns_every_timed_step_of_each_side():
+    # The default table's range line comes from these: one step a round of
+    # each side, their median the table's; no PyTorch steps where its
+    # baseline is not timed.
+    moec_s, torch_s, _, steps = bench.bench(dict(TINY, seq_size=64), 2, "fp32", 2, 2)
+    assert len(steps["moec"]) == 2 and moec_s == sum(steps["moec"]) / 2
+    assert len(steps["torch"]) == 2 and torch_s == sum(steps["torch"]) / 2
+    _, _, _, alone = bench.bench(dict(TINY, seq_size=64), 2, "fp32", 2, 3, with_torch=False)
+    assert len(alone["moec"]) == 3 and alone["torch"] == []
+
+
 def test_step_range_is_the_fastest_and_slowest_step():
     assert bench.step_range([1.2504, 1.19, 1.3333]) == "1.190-1.333"
     assert bench.step_range([0.5]) == "0.500-0.500"

@@ -477,21 +477,19 @@ TEST_CASE("fp32 dgrad tiles of more row counts than a thread keeps matmul primit
   rowCounts.insert(rowCounts.end(), {1, 2, 3});
   int64_t bad = 0;
   for (int64_t rows : rowCounts) {
-    {
-      Buffer c(Elt::F32, rows, n, 0);
-      gemmTile(rows, n, k, a.cview(), false, b.cview(), true, c.view(), false);
-      for (int64_t i = 0; i < rows; ++i)
-        for (int64_t j = 0; j < n; ++j) {
-          double want = 0, scale = 0;
-          for (int64_t p = 0; p < k; ++p) {
-            want += double(a.get(i, p)) * b.get(j, p);
-            scale += std::fabs(double(a.get(i, p)) * b.get(j, p));
-          }
-          if (!close(c.get(i, j), want, scale, false) && ++bad <= 5)
-            FAIL_CHECK(rows << " rows: C[" << i << "][" << j << "] = " << c.get(i, j)
-                            << ", expected " << want);
+    Buffer c(Elt::F32, rows, n, 0);
+    gemmTile(rows, n, k, a.cview(), false, b.cview(), true, c.view(), false);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double want = 0, scale = 0;
+        for (int64_t p = 0; p < k; ++p) {
+          want += double(a.get(i, p)) * b.get(j, p);
+          scale += std::fabs(double(a.get(i, p)) * b.get(j, p));
         }
-    }
+        if (!close(c.get(i, j), want, scale, false) && ++bad <= 5)
+          FAIL_CHECK(rows << " rows: C[" << i << "][" << j << "] = " << c.get(i, j) << ", expected "
+                          << want);
+      }
   }
   CHECK(bad == 0);
 }

@@ -12,8 +12,9 @@
 //
 // `gmm_bench --layer [experts [reps [threads]]]` times the six tile shapes
 // of the qwen3-30b-a3b layer (H 2048, I 768, 128 rows an expert, the
-// strides and transposes its binaries give the tiles), and two of a rank-16
-// LoRA adapter's (16 columns wide), the same way, in fp32
+// strides and transposes its binaries give the tiles), and the five
+// products of a rank-16 LoRA adapter on up_proj (16 columns wide or 16 rows
+// tall), the same way, in fp32
 // and bf16, on `threads` threads at once (each on operands of its own, as
 // the layer's workers run); and, for the tiles whose B is a weight, with
 // each expert's B packed beforehand (tile::packB: the layer's packed-weight
@@ -127,6 +128,10 @@ constexpr Shape kLayer[] = {
     // weight gradient x^T·du.
     {"lora_a", 128, 16, 2048, 2048, 16, 16, false, false},
     {"lora_a_grad", 2048, 16, 128, 2048, 16, 16, true, false},
+    // The backward's product through B, du = dy·B^T (B stored [16, 2I],
+    // the layer's w1_lora_B), and B's weight gradient u^T·dy (16 rows).
+    {"lora_v", 128, 16, 1536, 1536, 1536, 16, false, true},
+    {"lora_b_grad", 16, 1536, 128, 16, 1536, 1536, true, false},
     // ... and its B product onto up_proj's output in place: y = y_base + 2
     // u·B^T (B stored [2I, 16]), 16 deep.
     {"lora_b", 128, 1536, 16, 16, 16, 1536, false, true, true},

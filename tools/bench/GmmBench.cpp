@@ -19,7 +19,9 @@
 // the layer's workers run); and, for the tiles whose B is a weight, with
 // each expert's B packed beforehand (tile::packB: the layer's packed-weight
 // store, ContextOptions::packWeights), the plain and packed runs
-// alternating: bf16, and fp32 where moec's fp32 tile runs (MOEC_GEMM=moec).
+// alternating: bf16, and fp32 where moec's fp32 tile runs (MOEC_GEMM=moec);
+// not where the tile reads B in its dot form (tile::dotForm), which reads
+// no packed B (the layer packs none there either).
 //
 // `gmm_bench --ladder [reps [bf16|f32]]` says where a tile's time goes (bf16
 // unless told), one thread, B packed beforehand, rung by rung against the
@@ -196,7 +198,9 @@ int layerShapes(int experts, int reps, int threads) {
       std::vector<Operands> mine;
       for (int t = 0; t < threads; ++t)
         mine.push_back(makeOperands(s, elt, experts, rng));
-      const bool packable = weightB && packedTile(elt, elt);
+      // (The dot form reads B as stored: a packed B would time the same.)
+      const bool packable =
+          weightB && packedTile(elt, elt) && !tile::dotForm(s.transA, s.transB, elt == Elt::BF16);
       // [thread][expert]: each expert's op(B) packed whole.
       std::vector<std::vector<moec::ZeroedPages>> packed(static_cast<size_t>(threads));
       if (packable)

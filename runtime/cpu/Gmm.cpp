@@ -133,14 +133,17 @@ const char *gemmConfig() {
     case dnnl_cpu_isa_avx2: isa = "avx2"; break;
     default: break;
     }
-    std::string own;
+    // What moec's own tile runs; oneDNN the rest.
     const std::string bf16Tile = tile::amx() ? "AMX tiles" : "avx512_bf16";
-    if (moecTile(false) && moecTile(true))
-      own = "moec's tile for fp32 (AVX-512) and bf16 (" + bf16Tile + "); otherwise ";
-    else if (moecTile(true))
-      own = "moec's tile for bf16 (" + bf16Tile + "); otherwise ";
-    else if (moecTile(false))
-      own = "moec's AVX-512 tile for fp32; otherwise ";
+    std::string own;
+    if (moecTile(false))
+      own = "fp32 (AVX-512)";
+    else if (streamedTile(Elt::F32, Elt::F32, tile::kPanelColumns, tile::kPanelColumns))
+      own = "fp32 weight gradients (AVX-512)";
+    if (moecTile(true))
+      own += (own.empty() ? "" : " and ") + ("bf16 (" + bf16Tile + ")");
+    if (!own.empty())
+      own = "moec's tile for " + own + "; otherwise ";
     return own + "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
            std::to_string(v->patch) + " GEMM, CPU ISA " + isa + ", one OpenMP thread per call; " +
            (nativeBf16Gemm() ? "bf16 products on bf16 dot-product instructions"
@@ -554,6 +557,14 @@ bool packedTile(Elt a, Elt b) {
   return a == b && !(a == Elt::BF16 && !nativeBf16Gemm()) && moecTile(a == Elt::BF16);
 }
 
+bool streamedTile(Elt a, Elt b, int64_t m, int64_t n) {
+  if (packedTile(a, b))
+    return true;
+  static const bool intel = __builtin_cpu_is("intel");
+  return gemmKernel() == GemmKernel::Auto && a == Elt::F32 && b == Elt::F32 && intel &&
+         tile::available(false) && std::min(m, n) > 16;
+}
+
 void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, ConstMatrix b,
               bool transB, Matrix c, bool accumulate, Scratch *scratch, float alpha, bool streamC,
               const void *packedB, const tile::DecodedB *decodedB, ConstMatrix addend,
@@ -565,7 +576,8 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
   // C: then its last depth block does (tile::AddScaled), from the sums in
   // registers. Any other way adds onto C: a separate addend is copied there
   // first.
-  const bool ownTile = k > 0 && packedTile(a.elt, b.elt);
+  const bool ownTile = k > 0 && (streamC && !accumulate ? streamedTile(a.elt, b.elt, m, n)
+                                                        : packedTile(a.elt, b.elt));
   const bool direct = alpha == 1.0f && !(cBf16 && (accumulate || addend.data));
   if (addend.data && addend.data != c.data && !(ownTile && !direct)) {
     for (int64_t i = 0; i < m; ++i)

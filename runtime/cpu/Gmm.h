@@ -129,7 +129,8 @@ private:
 ///    operands on a CPU with avx512_bf16, oneDNN for the rest. On the
 ///    qwen3 tile shapes (gmm_bench --layer) moec's bf16 tile is ahead of
 ///    oneDNN's on the weight gradients and level elsewhere; its fp32 tile
-///    is behind oneDNN's sgemm.
+///    is behind oneDNN's sgemm, but for the fp32 weight gradients on an
+///    Intel CPU (streamedTile).
 ///  - moec: moec's tile for fp32 and bf16 wherever the CPU has AVX-512.
 ///  - onednn: oneDNN for every tile.
 enum class GemmKernel { Auto, Moec, OneDnn };
@@ -183,6 +184,19 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
 /// Whether gemmTile runs a product of these operand types on moec's tile,
 /// which reads a B packed beforehand (`packedB`).
 bool packedTile(Elt a, Elt b);
+
+/// Whether gemmTile runs an m x n product of these operand types whose C it
+/// writes past the caches (`streamC`, not accumulating: a weight gradient)
+/// on moec's tile: where packedTile does, and under MOEC_GEMM=auto also an
+/// fp32 one on an Intel CPU with AVX-512, both m and n over 16 (a base
+/// weight's gradient, not a rank-r adapter's). oneDNN's sgemm writes that
+/// C through the caches, reading each line before it writes it; on the
+/// 2-core Xeon with AMX (regular stores to memory 9.5 GB/s a core, streamed
+/// ones 24) the qwen3 step's fp32 weight gradients ran at 52-54% of a core
+/// on sgemm and 64% on moec's tile, whose forward and dX products stay
+/// behind sgemm's there (docs/performance-log.md, 2026-11-29). On Zen 4
+/// sgemm ran them at 84-92%: unchanged.
+bool streamedTile(Elt a, Elt b, int64_t m, int64_t n);
 
 /// What an activation-form tile (gmmForwardTile, gmmDgradTile) makes of its
 /// product P: C = addend + scale * P, where addend (when its data is not

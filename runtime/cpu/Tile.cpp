@@ -75,12 +75,30 @@ size_t dotBytes(int64_t m, int64_t k, bool decodedB, int64_t lowK) {
          (decodedB ? size_t(kBlockUnits * kPanel * 4) : 0);
 }
 
-/// Bytes of one block's packed B panels, rounded to cache lines: a decoder's
-/// are made kPackedBlockUnits deep where it writes them straight
-/// (DecodedB::panel; packBytes does not know which decoder), others
-/// kBlockUnits (a B packed beforehand is read in place).
-size_t panelBytes(int64_t n, bool decodedB) {
-  return size_t(ceilDiv(n, kPanel) * kPanel * (decodedB ? kPackedBlockUnits : kBlockUnits)) * 4;
+/// The deepest depth (in units) that gemm takes as one block where it makes
+/// B's panels itself from a plain B. A weight gradient's depth is an
+/// expert's rows, about 128 at the qwen3 shapes and often a few more: in
+/// blocks of kBlockUnits, an expert of 139 rows took a second block of 11
+/// units, for which the first block's fp32 sums went to C and came back
+/// through memory before the last block streamed it (the fp32 dw1 tile,
+/// 2048 x 1536, a Xeon core: 94.5 GFLOP/s at 139 rows against 161.7 at
+/// 128; in one block 150-160 at both).
+constexpr int64_t kOneBlockUnits = 2 * kBlockUnits;
+
+/// Units of a depth block of the panels gemm makes from a plain B, over a
+/// depth of `allUnits` units: the whole depth where it is deeper than
+/// kBlockUnits and at most kOneBlockUnits (not a narrow C's, whose stage
+/// of A holds kBlockUnits), else kBlockUnits.
+int64_t madeBlockUnits(int64_t allUnits, bool narrow) {
+  return !narrow && allUnits > kBlockUnits && allUnits <= kOneBlockUnits ? allUnits : kBlockUnits;
+}
+
+/// Bytes of one block's packed B panels, `blockUnits` deep, rounded to cache
+/// lines: a decoder's are made kPackedBlockUnits deep where it writes them
+/// straight (DecodedB::panel; packBytes does not know which decoder), others
+/// `blockUnits` (madeBlockUnits; a B packed beforehand is read in place).
+size_t panelBytes(int64_t n, bool decodedB, int64_t blockUnits) {
+  return size_t(ceilDiv(n, kPanel) * kPanel * (decodedB ? kPackedBlockUnits : blockUnits)) * 4;
 }
 
 /// Bytes of the fp32 partial sums gemm keeps apart from C (`apart`: a bf16
@@ -131,8 +149,9 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
     return std::max(amxPackBytes(m, n, k, decodedB),
                     lowK > 0 ? amxPackBytes(m, n, lowK, false) : size_t(0));
   const int64_t width = std::min(n, kGroup);
-  size_t bytes = panelBytes(width, decodedB) + packedABytes(m, k, transA, bf16) +
-                 partialBytes(m, n, k, bf16, cBf16 || addScaled);
+  size_t bytes =
+      panelBytes(width, decodedB, madeBlockUnits(ceilDiv(k, perUnit(bf16)), bf16 && n <= 16)) +
+      packedABytes(m, k, transA, bf16) + partialBytes(m, n, k, bf16, cBf16 || addScaled);
   // The larger of the two forms: packBytes does not know transB.
   if (decodedB)
     bytes += std::max(decodedBytes(true), decodedBytes(false));
@@ -1032,11 +1051,15 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // panels straight (quantized codes packed beforehand). (A narrow call's
   // stage holds one block of A's rows: kBlockUnits.)
   const bool deep = (prepacked || (decodedB && decodedB->panel)) && !narrow;
-  const int64_t per = perUnit(bf16), blockUnits = deep ? kPackedBlockUnits : kBlockUnits,
+  // (Or the whole depth in one block where it is a little deeper than
+  // kBlockUnits: madeBlockUnits.)
+  const int64_t per = perUnit(bf16), allUnits = ceilDiv(k, per);
+  const int64_t blockUnits = deep       ? kPackedBlockUnits
+                             : decodedB ? kBlockUnits
+                                        : madeBlockUnits(allUnits, narrow),
                 depth = blockUnits * per;
   // The units between two of a block's panels packed here.
   const int64_t panelStride = blockUnits * kPanel;
-  const int64_t allUnits = ceilDiv(k, per);
   const int64_t elt = bf16 ? 2 : 4, cElt = cBf16 ? 2 : 4;
   const int64_t width = std::min(n, kGroup);
   uint32_t *panels = static_cast<uint32_t *>(pack);
@@ -1046,7 +1069,8 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // units m wide would put them a multiple of 4 KiB apart, on one set of
   // the L1 cache).
   const int64_t aPanelUnits = ceilDiv(k, per) * kAPanel;
-  char *after = static_cast<char *>(pack) + panelBytes(width, decodedB != nullptr);
+  char *after = static_cast<char *>(pack) +
+                panelBytes(width, decodedB != nullptr, madeBlockUnits(allUnits, narrow));
   uint32_t *packedA = reinterpret_cast<uint32_t *>(after);
   if (transA)
     packRows(a, lda, 0, k, m, bf16, packedA, kAPanel, kAPanel, aPanelUnits);

@@ -332,6 +332,61 @@ TEST_CASE("moec's tile writes the same bits to a streamed C", "[cpu][tile]") {
   }
 }
 
+TEST_CASE("moec's tile writes no more working memory than packBytes gives it", "[cpu][tile]") {
+  // Depths about one block of panels (128 units) and the deepest taken as
+  // one block (256): a weight gradient's depth is an expert's rows, which
+  // lands there. The bytes after packBytes keep their fill, and C is right.
+  for (const bool bf16 : {false, true}) {
+    if (!tileRuns(bf16))
+      continue;
+    const int64_t per = bf16 ? 2 : 1;
+    for (const int64_t units :
+         {int64_t(128), int64_t(129), int64_t(139), int64_t(256), int64_t(257)})
+      for (const bool transA : {false, true})
+        for (const bool transB : {false, true})
+          for (const bool cBf16 : {false, true}) {
+            const int64_t m = 37, n = 250, k = units * per;
+            INFO((bf16 ? "bf16" : "fp32")
+                 << " k " << k << (transA ? " transA" : "") << (transB ? " transB" : "")
+                 << (cBf16 ? ", bf16 C" : ", fp32 C"));
+            const Product x(m, n, k, transA, transB, bf16, uint32_t(units));
+            const size_t bytes = tile::packBytes(m, n, k, transA, bf16, cBf16);
+            Aligned pack(bytes + 4096, 0xA5);
+            const size_t elt = cBf16 ? 2 : 4;
+            Aligned c(size_t(m * n) * elt);
+            tile::gemm(m, n, k, x.a.data(), x.a.ld, transA, x.b.data(), x.b.ld, transB, bf16,
+                       c.data(), n, cBf16, false, pack.data(), transA);
+            int64_t past = 0;
+            for (size_t i = bytes; i < bytes + 4096; ++i)
+              past += pack.data()[i] != 0xA5;
+            CHECK(past == 0);
+            int64_t bad = 0;
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = 0; j < n; ++j) {
+                double want = 0.0, scale = 0.0;
+                for (int64_t p = 0; p < k; ++p) {
+                  const double term = double(x.opA(i, p)) * double(x.opB(p, j));
+                  want += term;
+                  scale += std::fabs(term);
+                }
+                float got;
+                if (cBf16) {
+                  uint16_t v;
+                  std::memcpy(&v, c.data() + size_t(i * n + j) * 2, 2);
+                  got = bf16ToFloat(v);
+                } else {
+                  std::memcpy(&got, c.data() + size_t(i * n + j) * 4, 4);
+                }
+                // fp32 sums, then (a bf16 C) one rounding: 2^-8 of the value.
+                const double tolerance = 1e-6 * scale * std::sqrt(double(k)) +
+                                         (cBf16 ? std::fabs(want) / 256 : 0.0) + 1e-30;
+                bad += std::fabs(double(got) - want) > tolerance;
+              }
+            CHECK(bad == 0);
+          }
+  }
+}
+
 TEST_CASE("moec's tile gives the same bits on a B packed whole beforehand", "[cpu][tile]") {
   // packB packs op(B) once, the panels gemm would make block by block: the
   // same bits for every form of B and A, depths that end a block or a bf16
@@ -482,8 +537,9 @@ TEST_CASE("moec's tile gives the same bits on a B whose decoder writes the panel
                      n, cBf16, false, pack.data(), false, nullptr, &d);
           CHECK(source.calls > 0);
           // (A C at most 16 columns wide keeps blocks of kBlockUnits, and
-          // so does the dot form, which takes a panel's units to its rows.)
-          const bool shallow = n <= 16 || tile::dotForm(false, transB, true);
+          // so do the dot form, which takes a panel's units to its rows, and
+          // AMX tiles, which decode a panel 2 * kBlockUnits values at a time.)
+          const bool shallow = n <= 16 || tile::dotForm(false, transB, true) || tile::amx();
           CHECK(source.deepest == std::min<int64_t>((k + 1) / 2, shallow ? 128 : 512));
           CHECK(std::memcmp(plain.data(), decoded.data(), size_t(m * n) * elt) == 0);
         }

@@ -70,6 +70,18 @@ struct Aligned {
   }
 };
 
+/// Element `index` of a C stored as fp32, or as bf16 bits with `bf16`.
+float valueAt(const uint8_t *c, int64_t index, bool bf16) {
+  if (bf16) {
+    uint16_t v;
+    std::memcpy(&v, c + size_t(index) * 2, 2);
+    return bf16ToFloat(v);
+  }
+  float v;
+  std::memcpy(&v, c + size_t(index) * 4, 4);
+  return v;
+}
+
 /// The operands of C (m x n) = op(A) op(B) over depth k.
 struct Product {
   int64_t m, n, k;
@@ -369,14 +381,7 @@ TEST_CASE("moec's tile writes no more working memory than packBytes gives it", "
                   want += term;
                   scale += std::fabs(term);
                 }
-                float got;
-                if (cBf16) {
-                  uint16_t v;
-                  std::memcpy(&v, c.data() + size_t(i * n + j) * 2, 2);
-                  got = bf16ToFloat(v);
-                } else {
-                  std::memcpy(&got, c.data() + size_t(i * n + j) * 4, 4);
-                }
+                const float got = valueAt(c.data(), i * n + j, cBf16);
                 // fp32 sums, then (a bf16 C) one rounding: 2^-8 of the value.
                 const double tolerance = 1e-6 * scale * std::sqrt(double(k)) +
                                          (cBf16 ? std::fabs(want) / 256 : 0.0) + 1e-30;
@@ -705,14 +710,7 @@ TEST_CASE("moec's tile adds a low-rank product to its sums in one call", "[cpu][
                       for (int64_t p = 0; p < k + r; ++p)
                         sum += double(acat.value(i, p)) *
                                (transB ? bcat.value(j, p) : bcat.value(p, j));
-                      float got;
-                      if (cBf16) {
-                        uint16_t v;
-                        std::memcpy(&v, fused.data() + size_t(i * n + j) * 2, 2);
-                        got = bf16ToFloat(v);
-                      } else {
-                        std::memcpy(&got, fused.data() + size_t(i * n + j) * 4, 4);
-                      }
+                      const float got = valueAt(fused.data(), i * n + j, cBf16);
                       worst = std::max(worst, std::abs(sum - got));
                       scale = std::max(scale, std::abs(sum));
                     }

@@ -82,7 +82,7 @@ size_t dotBytes(int64_t m, int64_t k, bool decodedB, int64_t lowK) {
 /// units, for which the first block's fp32 sums went to C and came back
 /// through memory before the last block streamed it (the fp32 dw1 tile,
 /// 2048 x 1536, a Xeon core: 94.5 GFLOP/s at 139 rows against 161.7 at
-/// 128; in one block 150-160 at both).
+/// 128; in one block 145.8-155.4 at 117, 128 and 139 rows).
 constexpr int64_t kOneBlockUnits = 2 * kBlockUnits;
 
 /// Units of a depth block of the panels gemm makes from a plain B, over a

@@ -1054,9 +1054,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // (Or the whole depth in one block where it is a little deeper than
   // kBlockUnits: madeBlockUnits.)
   const int64_t per = perUnit(bf16), allUnits = ceilDiv(k, per);
+  const int64_t made = madeBlockUnits(allUnits, narrow);
   const int64_t blockUnits = deep       ? kPackedBlockUnits
                              : decodedB ? kBlockUnits
-                                        : madeBlockUnits(allUnits, narrow),
+                                        : made,
                 depth = blockUnits * per;
   // The units between two of a block's panels packed here.
   const int64_t panelStride = blockUnits * kPanel;
@@ -1069,8 +1070,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // units m wide would put them a multiple of 4 KiB apart, on one set of
   // the L1 cache).
   const int64_t aPanelUnits = ceilDiv(k, per) * kAPanel;
-  char *after = static_cast<char *>(pack) +
-                panelBytes(width, decodedB != nullptr, madeBlockUnits(allUnits, narrow));
+  char *after = static_cast<char *>(pack) + panelBytes(width, decodedB != nullptr, made);
   uint32_t *packedA = reinterpret_cast<uint32_t *>(after);
   if (transA)
     packRows(a, lda, 0, k, m, bf16, packedA, kAPanel, kAPanel, aPanelUnits);

@@ -13,5 +13,5 @@ err=$("$bench" --layer 1 1 1 nosuch 2>&1 >/dev/null)
 rc=$?
 set -e
 [[ "$rc" == 2 ]] || { echo "FAIL: exit status $rc for an unknown tile, want 2"; exit 1; }
-grep -q "no tile named 'nosuch'" <<<"$err" || { echo "FAIL: message: $err"; exit 1; }
+grep -q "no tile named 'nosuch' (the tiles: up_proj, down_proj" <<<"$err" || { echo "FAIL: message: $err"; exit 1; }
 echo "gmm_bench_test: passed"

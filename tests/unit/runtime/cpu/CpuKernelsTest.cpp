@@ -8,9 +8,10 @@
 
 #include "runtime/cpu/Element.h"
 #include "runtime/cpu/Gmm.h"
-#include "runtime/layer/Routing.h"
 #include "runtime/cpu/Rows.h"
 #include "runtime/cpu/Swiglu.h"
+#include "runtime/cpu/Tile.h"
+#include "runtime/layer/Routing.h"
 
 #include <catch2/catch.hpp>
 
@@ -526,6 +527,44 @@ TEST_CASE("gmm wgrad tiles match the loops", "[cpu][gmm]") {
       // An empty segment: zeros, or C unchanged when accumulating.
       checkWgrad(elts, 10, Segment{3, 0}, 6, 7, 2, 2, accumulate, ++seed);
     }
+}
+
+TEST_CASE("a weight gradient's fp32 product runs on moec's tile where streamedTile says",
+          "[cpu][gmm]") {
+  // Under MOEC_GEMM=auto an fp32 C that gemmTile streams (a weight
+  // gradient, not accumulated) goes to moec's tile on an Intel CPU with
+  // AVX-512 when both sides are over 16 (not a rank-r adapter's): the bits
+  // of tile::gemm. Everywhere else it runs where an unstreamed C runs.
+  static const bool intel = __builtin_cpu_is("intel");
+  const bool own = gemmKernel() == GemmKernel::Auto && intel && tile::available(false);
+  CHECK(streamedTile(Elt::F32, Elt::F32, 64, 80) == (own || packedTile(Elt::F32, Elt::F32)));
+  CHECK(streamedTile(Elt::F32, Elt::F32, 64, 16) == packedTile(Elt::F32, Elt::F32));
+  std::mt19937 rng(31);
+  for (const int64_t n : {int64_t(80), int64_t(16)}) {
+    INFO("n " << n);
+    // A stored k x m (the activations, transposed); k deep enough that
+    // oneDNN's sgemm cuts the depth otherwise than moec's tile (at 139 the
+    // two gave the same bits).
+    const int64_t m = 64, k = 1000;
+    Buffer a(Elt::F32, k, m), b(Elt::F32, k, n);
+    a.randomize(rng);
+    b.randomize(rng);
+    Buffer streamed(Elt::F32, m, n), cached(Elt::F32, m, n);
+    gemmTile(m, n, k, a.cview(), true, b.cview(), false, streamed.view(), false, nullptr, 1.0f,
+             true);
+    gemmTile(m, n, k, a.cview(), true, b.cview(), false, cached.view(), false);
+    if (!streamedTile(Elt::F32, Elt::F32, m, n) || packedTile(Elt::F32, Elt::F32)) {
+      CHECK(streamed.bytes() == cached.bytes());
+      continue;
+    }
+    Buffer own(Elt::F32, m, n);
+    moec::ZeroedPages pack(tile::packBytes(m, n, k, true, false, false));
+    tile::gemm(m, n, k, a.data(), a.ld, true, b.data(), b.ld, false, false, own.data(), own.ld,
+               false, false, pack.data());
+    CHECK(streamed.bytes() == own.bytes());
+    // (The two GEMMs sum in different orders: this product tells them apart.)
+    CHECK(cached.bytes() != own.bytes());
+  }
 }
 
 TEST_CASE("gmm wgrad accumulates into an fp32 main-grad buffer", "[cpu][gmm]") {

@@ -26,7 +26,11 @@ dot-product chains): one core alone times the threads ("of peak"), and the
 threads' cores all measuring at once ("of at once"), which is less where
 the cores share a clock or power budget; beside them goes that command's
 independent check, the core's clock times the flops a cycle its vendor
-documents.
+documents. "ceiling" is the largest share of the peak the machine's memory
+leaves the step: its FLOPs at the peak over the time its base weights'
+bytes take at the rate the threads' cores read memory together (`moec
+bench`'s "memory read" line; weight_stream_bytes says which bytes), 100%
+where the FLOPs take longer.
 
 --memory measures moec's memory instead: for each dtype, in a process of
 its own, the peak RSS of the process (ru_maxrss, the layer's making
@@ -139,10 +143,42 @@ def gmm_flops(layer, ranks, products):
     return products * 2 * rows * 3 * layer.hidden * layer.inter
 
 
+def weight_stream_bytes(layer, trains=None):
+    """Bytes of the base weights (w1, w2, and a quantized base's scales;
+    every rank's) that a training step moves to and from memory at least:
+    each read by the forward and again by the backward's dX, and where the
+    step trains them (`trains`, default: w1 requires grad) their gradients
+    written, or with main_grad the fp32 main_grad read and written. Not
+    counted: a LoRA layer's adapters and the activations. So a lower bound
+    on a step's memory traffic where the weights do not stay in the caches
+    from one pass to the next, as at a real model's sizes."""
+    base = [layer.w1, layer.w2]
+    scales = [getattr(layer, n) for n in ("w1_scale", "w2_scale")
+              if getattr(layer, n, None) is not None]
+    moved = 2 * sum(t.numel() * t.element_size() for t in base + scales)
+    if layer.w1.requires_grad if trains is None else trains:
+        # (main_grad as the layer's flag: bench_training's layers share
+        # their parameters, the main_grad buffers on them included.)
+        moved += sum(w.numel() * (8 if getattr(layer, "main_grad", False) else w.element_size())
+                     for w in base)
+    return moved
+
+
+def ceiling(flops, peak, moved, rate):
+    """The share of the peak (FLOP/s) a step of `flops` can reach at most
+    when it moves `moved` bytes at `rate` bytes a second: its FLOPs at the
+    peak take flops / peak, its bytes moved / rate; 1 where the bytes take
+    less. NaN without a rate."""
+    if not rate or rate != rate:
+        return float("nan")
+    return min(1.0, (flops / peak) / (moved / rate))
+
+
 def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
     """Median step seconds of moec and (with_torch) of the plain PyTorch
     layer, alternating; the step's FLOPs; every timed step of each, in
-    seconds ({"moec": [...], "torch": [...]})."""
+    seconds ({"moec": [...], "torch": [...]}); the bytes its weights move
+    (weight_stream_bytes)."""
     cfg = dict(cfg, dtype=dtype)
     layer = moec_torch.MoeFFN(cfg, ranks, threads=threads)
     x, ids, weights, dy = make_inputs(layer, ranks)
@@ -163,7 +199,7 @@ def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
             times[name].append(step(fn, x, ids, weights, dy))
     moec_s = statistics.median(times["moec"])
     torch_s = statistics.median(times["torch"]) if with_torch else float("nan")
-    return moec_s, torch_s, gmm_flops(layer, ranks, 3), times
+    return moec_s, torch_s, gmm_flops(layer, ranks, 3), times, weight_stream_bytes(layer)
 
 
 VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
@@ -198,7 +234,8 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
     """Median step and backward seconds of each training variant, run
     alternately on the same inputs and weights, the FLOPs of the base
     GMMs its step runs (gmm_flops: 3 products where it trains the base
-    weights, else 2), and its timed steps' seconds."""
+    weights, else 2), its timed steps' seconds, and the bytes its base
+    weights move (weight_stream_bytes; split's: the full layer's)."""
     cfg = dict(cfg, dtype=dtype)
     unknown = [v for v in variants if variant_options(v) is None and v != "split"
                and not quantized_variant(v)]
@@ -264,7 +301,8 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
                                       else float("nan"))
     trains = {name: name == "split" or fn.w1.requires_grad for name, fn in runs.items()}
     return {name: (statistics.median(steps[name]), statistics.median(backward[name]),
-                   gmm_flops(full, ranks, 3 if trains[name] else 2), steps[name])
+                   gmm_flops(full, ranks, 3 if trains[name] else 2), steps[name],
+                   weight_stream_bytes(full if name == "split" else runs[name], trains[name]))
             for name in runs}
 
 
@@ -425,6 +463,9 @@ def moec_tile_rates(moec, threads):
         m = re.search(name + r" peak, \d+ cores at once: ([0-9.]+) GFLOP/s", out)
         if m:
             TOGETHER[dtype] = float(m.group(1))
+    read = re.search(r"^memory read, \d+ cores? at once: ([0-9.]+) GB/s", out, re.M)
+    if read:
+        MEMORY.append(float(read.group(1)) * 1e9)
     if "bf16" not in TOGETHER and "fp32" in TOGETHER and not bf16:
         TOGETHER["bf16"] = TOGETHER["fp32"]
     rates = {}
@@ -438,6 +479,13 @@ def moec_tile_rates(moec, threads):
 PEAKS = {}  # dtype -> one core's peak GFLOP/s, set by moec_tile_rates
 TOGETHER = {}  # dtype -> the threads' cores' peak GFLOP/s, all at once (threads > 1)
 CHECK = []  # moec bench's independent check of those peaks (one core), if any
+MEMORY = []  # bytes a second the threads' cores read from memory at once, if measured
+
+
+def memory_rate():
+    """What the threads' cores read from memory at once (moec bench), bytes
+    a second; NaN where it was not measured."""
+    return MEMORY[-1] if MEMORY else float("nan")
 
 
 def fair_baseline(moec, threads):
@@ -473,6 +521,9 @@ def print_peaks(threads):
     if TOGETHER:
         print(f"the {threads} cores at once: "
               + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in TOGETHER.items()))
+    if MEMORY:
+        print(f"memory read, the {threads} cores at once (moec's probe): "
+              f"{memory_rate() / 1e9:.1f} GB/s")
     for line in CHECK:
         print(f"{line} (one core)")
 
@@ -583,31 +634,36 @@ def main():
         # The variant column as wide as the longest name asked for.
         width = max([18] + [len(v) for v in args.variants.split(",")])
         print(f"{'dtype':6} {'variant':{width}} {'step s':>8} {'step / full':>12} "
-              f"{'of peak':>8} {'backward s':>11} {'backward / full':>16} {'steps s':>13}")
+              f"{'of peak':>8} {'ceiling':>8} {'backward s':>11} {'backward / full':>16} "
+              f"{'steps s':>13}")
         for dtype in args.dtypes.split(","):
             result = bench_training(cfg, args.ranks, dtype, args.threads, args.repeat,
                                     args.variants.split(","))
-            full_step, full_backward, _, _ = result["full"]
+            full_step, full_backward, _, _, _ = result["full"]
             peak = PEAKS.get(dtype, float("nan")) * args.threads * 1e9
-            for name, (step_s, backward_s, flops, steps) in result.items():
+            for name, (step_s, backward_s, flops, steps, moved) in result.items():
                 print(f"{dtype:6} {name:{width}} {step_s:8.3f} {step_s / full_step:12.2f} "
-                      f"{100 * flops / step_s / peak:7.1f}% {backward_s:11.3f} "
-                      f"{backward_s / full_backward:16.2f} {step_range(steps):>13}", flush=True)
+                      f"{100 * flops / step_s / peak:7.1f}% "
+                      f"{100 * ceiling(flops, peak, moved, memory_rate()):7.1f}% "
+                      f"{backward_s:11.3f} {backward_s / full_backward:16.2f} "
+                      f"{step_range(steps):>13}", flush=True)
         return 0
     unfair = fair_baseline(args.moec, args.threads)
     print_peaks(args.threads)
     print(f"{'dtype':6} {'moec s':>9} {'torch s':>9} {'moec GFLOP/s':>13} {'of peak':>8} "
-          f"{'of at once':>11} {'torch GFLOP/s':>14} {'speed-up':>9}")
+          f"{'ceiling':>8} {'of at once':>11} {'torch GFLOP/s':>14} {'speed-up':>9}")
     for dtype in args.dtypes.split(","):
         # An unfair baseline is not timed (PyTorch's bf16 on a CPU without
         # bf16 dot products takes minutes a step).
-        moec_s, torch_s, flops, steps = bench(cfg, args.ranks, dtype, args.threads,
-                                              args.repeat, with_torch=dtype not in unfair)
+        moec_s, torch_s, flops, steps, moved = bench(cfg, args.ranks, dtype, args.threads,
+                                                     args.repeat, with_torch=dtype not in unfair)
         ratio = "  refused" if dtype in unfair else f"{torch_s / moec_s:8.2f}x"
         peak = PEAKS.get(dtype, float("nan")) * args.threads * 1e9
         together = TOGETHER.get(dtype, PEAKS.get(dtype, float("nan")) * args.threads) * 1e9
         print(f"{dtype:6} {moec_s:9.3f} {torch_s:9.3f} {flops / moec_s / 1e9:13.1f} "
-              f"{100 * flops / moec_s / peak:7.1f}% {100 * flops / moec_s / together:10.1f}% "
+              f"{100 * flops / moec_s / peak:7.1f}% "
+              f"{100 * ceiling(flops, peak, moved, memory_rate()):7.1f}% "
+              f"{100 * flops / moec_s / together:10.1f}% "
               f"{flops / torch_s / 1e9:14.1f} {ratio}", flush=True)
         print(f"{'':6} steps s: moec {step_range(steps['moec'])}"
               + (f", torch {step_range(steps['torch'])}" if steps["torch"] else ""), flush=True)

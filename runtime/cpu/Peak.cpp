@@ -2,6 +2,7 @@
 
 #include "runtime/cpu/Peak.h"
 
+#include "base/Memory.h"
 #include "base/Time.h"
 #include "runtime/cpu/Gmm.h"
 #include "runtime/cpu/Tile.h"
@@ -25,8 +26,11 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#include <unistd.h>
 #define MOEC_PEAK_X86 1
+#endif
+#if defined(__unix__)
+#include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 namespace moec::cpu {
@@ -395,6 +399,92 @@ std::optional<TogetherPeak> measurePeakTogether(unsigned threads, bool bf16, dou
     peak.least = std::min(peak.least, g);
   }
   return peak;
+}
+
+namespace {
+
+/// One pass of measureMemoryRead over `bytes` (whole lines) in `streams`
+/// equal parts read side by side, a load a line; the loads' sum, so that
+/// they are not left out.
+uint64_t readLines(const char *b, size_t bytes, int streams) {
+  const size_t lines = bytes / 64 / size_t(streams);
+  uint64_t sum[4] = {0, 0, 0, 0};
+  for (size_t l = 0; l < lines; ++l)
+    for (int s = 0; s < streams; ++s)
+      sum[s] += *reinterpret_cast<const volatile uint64_t *>(b + (size_t(s) * lines + l) * 64);
+  return sum[0] + sum[1] + sum[2] + sum[3];
+}
+
+} // namespace
+
+size_t memoryReadBytes(unsigned threads) {
+  long l3 = -1;
+#if defined(__unix__) && defined(_SC_LEVEL3_CACHE_SIZE)
+  l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+  const size_t total = 2 * (l3 > 0 ? size_t(l3) : size_t(32) << 20);
+  return std::clamp<size_t>(total / std::max(1u, threads), size_t(256) << 20, size_t(1) << 30);
+}
+
+std::optional<MemoryRead> measureMemoryRead(unsigned threads, double seconds, size_t bytes) {
+  if (threads == 0)
+    return std::nullopt;
+  if (bytes == 0)
+    bytes = memoryReadBytes(threads);
+  bytes = std::max<size_t>(bytes / 256 * 256, 256); // whole lines in four streams
+  std::vector<double> best(threads, 0.0);
+  std::atomic<unsigned> ready{0};
+  std::atomic<bool> failed{false};
+  std::atomic<uint64_t> sink{0};
+  const auto measure = [&](unsigned t) {
+    ZeroedPages pages(bytes);
+    char *b = static_cast<char *>(pages.data());
+    if (!b)
+      failed = true;
+#if defined(MADV_HUGEPAGE)
+    else // fewer page faults to write it (a hint: refused, the pages stay small)
+      ::madvise(b, bytes, MADV_HUGEPAGE);
+#endif
+    if (b)
+      std::memset(b, 1, bytes);
+    // Every thread waits for the others, so that their passes overlap.
+    ready.fetch_add(1);
+    while (ready.load() < threads)
+      std::this_thread::yield();
+    if (!b || failed)
+      return;
+    uint64_t sum = 0;
+    const auto begin = Clock::now();
+    for (int pass = 0; pass < 4 || secondsSince(begin) < seconds; ++pass) {
+      const auto start = Clock::now();
+      sum += readLines(b, bytes, pass % 2 ? 4 : 1);
+      best[t] = std::max(best[t], double(bytes) / secondsSince(start) * 1e-9);
+    }
+    sink += sum;
+  };
+  std::vector<std::thread> others;
+  for (unsigned t = 1; t < threads; ++t) {
+    try {
+      others.emplace_back(measure, t);
+    } catch (const std::system_error &) {
+      failed = true;
+      ready.fetch_add(threads - t); // the missing ones: nobody waits for them
+      break;
+    }
+  }
+  measure(0);
+  for (std::thread &x : others)
+    x.join();
+  if (failed)
+    return std::nullopt;
+  MemoryRead read;
+  read.bytes = bytes;
+  read.least = best[0];
+  for (double g : best) {
+    read.gbPerSecond += g;
+    read.least = std::min(read.least, g);
+  }
+  return read;
 }
 
 ClockPeak documentedWidth(bool amd, bool intel, unsigned family, unsigned model, bool avx2Fma,

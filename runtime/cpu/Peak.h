@@ -90,6 +90,28 @@ struct TogetherPeak {
 };
 std::optional<TogetherPeak> measurePeakTogether(unsigned threads, bool bf16, double seconds = 0.3);
 
+/// What `threads` threads read from memory together, the bound of a pass
+/// whose operands stream from memory (a layer's weights, read once a pass):
+/// each thread reads its own buffer of `bytes` (0: memoryReadBytes), whose
+/// pages it writes first, a pass at a time with one load a 64-byte line
+/// (the line is what memory moves), in one stream or in four side by side
+/// (passes of each in turn: which moves more differs by core), the threads
+/// started together, for about `seconds`. Sums each thread's fastest pass,
+/// in GB/s (1e9 bytes); `least` is the slowest thread's. Nothing for no
+/// threads, or where the memory cannot be had.
+struct MemoryRead {
+  double gbPerSecond = 0; ///< the sum over the threads
+  double least = 0;       ///< the slowest thread's
+  size_t bytes = 0;       ///< each thread's buffer
+};
+std::optional<MemoryRead> measureMemoryRead(unsigned threads, double seconds = 0.3,
+                                            size_t bytes = 0);
+
+/// measureMemoryRead's buffer a thread: twice the L3 the OS reports, shared
+/// out over the threads, so that their buffers together are more than the
+/// L3 holds; 256 MiB to 1 GiB.
+size_t memoryReadBytes(unsigned threads);
+
 /// A second opinion on the measured peaks, from other facts than theirs:
 /// the core's clock, timed on a chain of dependent register adds (one a
 /// cycle on every x86-64 core, whatever its vector units), times the flops

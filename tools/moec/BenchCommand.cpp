@@ -20,18 +20,19 @@
 //===----------------------------------------------------------------------===//
 
 #include "base/File.h"
+#include "base/Memory.h"
 #include "compiler/driver/Compile.h"
 #include "compiler/target/Calibrate.h"
 #include "compiler/target/Cost.h"
 #include "compiler/target/Profile.h"
 #include "compiler/target/Simulate.h"
-#include "runtime/exec/Executor.h"
+#include "runtime/api/Runtime.h"
 #include "runtime/cpu/Gmm.h"
 #include "runtime/cpu/Peak.h"
-#include "runtime/api/Runtime.h"
+#include "runtime/exec/Executor.h"
+#include "runtime/tooling/LayerRun.h"
 #include "tools/moec/Cli.h"
 #include "tools/moec/Commands.h"
-#include "runtime/tooling/LayerRun.h"
 #include "tools/moec/Progress.h"
 
 #include <fmt/format.h>
@@ -66,6 +67,8 @@ const CommandSpec kBenchSpec = {
     "  - the fp32 FMA peak of one core of this machine (and the bf16 one), with\n"
     "    an independent check: the core's clock times the flops a cycle its\n"
     "    vendor documents;\n"
+    "  - what the worker threads' cores read from memory at once, in GB/s: the\n"
+    "    bound of a pass whose weights stream from memory;\n"
     "  - single-thread GMM tiles (f32 and bf16 storage) in GFLOP/s and % of peak;\n"
     "  - the whole layer, forward + backward, compiled on the fly for the cpu\n"
     "    target: the fused schedule against the same tasks op by op (a barrier\n"
@@ -84,7 +87,7 @@ const CommandSpec kBenchSpec = {
     "                   expert 0 (default 0.5)\n"
     "  --graphs DIR     the folder with moe_ffn_fwd.json and moe_ffn_bwd.json\n"
     "                   (default: the shipped graphs, built into moec)\n"
-    "  --skip-layers    only the peak and the GMM tiles\n"
+    "  --skip-layers    only the peaks, the memory read and the GMM tiles\n"
     "\n"
     "calibration:\n"
     "  --calibrate      measure the rates of the cpu profile on this machine: run\n"
@@ -562,6 +565,13 @@ int runBench(int argc, char **argv, int first) {
                     together->gflops / threads,
                     100.0 * together->gflops / (threads * (bf16 ? bf16Peak->gflops : peak.gflops)),
                     threads);
+  // What the same cores read from memory at once: a pass whose weights
+  // stream from memory cannot run faster than their bytes at this rate.
+  if (const std::optional<cpu::MemoryRead> read = cpu::measureMemoryRead(threads, 0.3))
+    std::printf("memory read, %u core%s at once: %.1f GB/s (%.1f a core, the slowest %.1f; "
+                "%s a core)\n",
+                threads, threads == 1 ? "" : "s", read->gbPerSecond, read->gbPerSecond / threads,
+                read->least, memoryText(double(read->bytes)).c_str());
   // Beside the probe, an independent check of it.
   std::printf("%s\n", cpu::clockCheckText(cpu::measureClockPeak(0.2), peak.gflops,
                                           bf16Peak ? std::optional<double>(bf16Peak->gflops)

@@ -2,11 +2,13 @@
 prints each pass's per-op table with the variant's own ops."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 import bench
+import moec_torch
 
 TINY = json.loads((Path(bench.REPO) / "examples/configs/tiny.json").read_text())
 
@@ -74,7 +76,15 @@ def test_training_counts_the_base_gmms_each_variant_runs():
     assert result["split"][2] == 3 * forward
     assert result["frozen"][2] == 2 * forward
     assert result["lora"][2] == 2 * forward
-    for name, (step_s, backward_s, _, steps) in result.items():
+    # The bytes its ceiling divides by the memory rate: the base weights
+    # read by the forward and the dX, and the trained ones' gradients
+    # written (weight_stream_bytes).
+    weights = TINY["num_experts"] * 3 * H * I * 4  # w1 and w2, every rank's experts, fp32
+    assert result["full"][4] == 3 * weights
+    assert result["split"][4] == 3 * weights
+    assert result["frozen"][4] == 2 * weights
+    assert result["lora"][4] == 2 * weights
+    for name, (step_s, backward_s, _, steps, _) in result.items():
         assert step_s > 0, name
         # The steps the range is printed from, one a round; their median.
         assert len(steps) == 2 and min(steps) <= step_s <= max(steps), name
@@ -85,11 +95,54 @@ def test_bench_returns_every_timed_step_of_each_side():
     # The default table's range line comes from these: one step a round of
     # each side, their median the table's; no PyTorch steps where its
     # baseline is not timed.
-    moec_s, torch_s, _, steps = bench.bench(dict(TINY, seq_size=64), 2, "fp32", 2, 2)
+    moec_s, torch_s, _, steps, _ = bench.bench(dict(TINY, seq_size=64), 2, "fp32", 2, 2)
     assert len(steps["moec"]) == 2 and moec_s == sum(steps["moec"]) / 2
     assert len(steps["torch"]) == 2 and torch_s == sum(steps["torch"]) / 2
-    _, _, _, alone = bench.bench(dict(TINY, seq_size=64), 2, "fp32", 2, 3, with_torch=False)
+    _, _, _, alone, _ = bench.bench(dict(TINY, seq_size=64), 2, "fp32", 2, 3,
+                                    with_torch=False)
     assert len(alone["moec"]) == 3 and alone["torch"] == []
+
+
+def test_weight_stream_bytes_by_what_the_step_does_with_the_weights():
+    cfg = dict(TINY, seq_size=64, dtype="bf16")
+    full = moec_torch.MoeFFN(cfg, 2, threads=2)
+    weights = full.w1.numel() * 2 + full.w2.numel() * 2
+    assert bench.weight_stream_bytes(full) == 3 * weights  # read twice, gradient written
+    assert bench.weight_stream_bytes(full, trains=False) == 2 * weights
+    # main_grad: the fp32 buffers read and written, not a bf16 gradient.
+    main = moec_torch.MoeFFN(cfg, 2, threads=2, main_grad=True)
+    assert bench.weight_stream_bytes(main) == 2 * weights + 2 * 2 * weights
+    frozen = moec_torch.MoeFFN(cfg, 2, threads=2, frozen=True)
+    assert bench.weight_stream_bytes(frozen) == 2 * weights
+    # A quantized base: its codes and scales, read twice.
+    int8 = frozen.quantize_weights("int8")
+    codes = sum(t.numel() * t.element_size()
+                for t in (int8.w1, int8.w2, int8.w1_scale, int8.w2_scale))
+    assert codes < weights
+    assert bench.weight_stream_bytes(int8) == 2 * codes
+
+
+def test_ceiling_is_the_share_of_the_peak_the_bytes_allow():
+    # 10 GFLOP at 100 GFLOP/s take 0.1 s; 4 GB at 20 GB/s take 0.2 s.
+    assert bench.ceiling(10e9, 100e9, 4e9, 20e9) == pytest.approx(0.5)
+    assert bench.ceiling(10e9, 100e9, 1e9, 20e9) == 1.0  # the FLOPs take longer
+    assert math.isnan(bench.ceiling(10e9, 100e9, 4e9, float("nan")))  # no rate measured
+
+
+def test_the_memory_rate_comes_from_moec_bench(tmp_path):
+    fake = tmp_path / "moec"
+    fake.write_text("#!/bin/sh\ncat <<'EOF'\n"
+                    "fp32 FMA peak, one core: 200.0 GFLOP/s (avx512f, 16 lanes)\n"
+                    "fp32 FMA peak, 2 cores at once: 390.0 GFLOP/s (195.0 a core)\n"
+                    "memory read, 2 cores at once: 35.5 GB/s (17.8 a core, the slowest 17.6; "
+                    "480.0 MiB a core)\n"
+                    "EOF\n")
+    fake.chmod(0o755)
+    bench.MEMORY.clear()
+    assert math.isnan(bench.memory_rate())  # not measured
+    bench.moec_tile_rates(str(fake), 2)
+    assert bench.memory_rate() == 35.5e9
+    assert bench.PEAKS["fp32"] == 200.0 and bench.TOGETHER["fp32"] == 390.0
 
 
 def test_step_range_is_the_fastest_and_slowest_step():

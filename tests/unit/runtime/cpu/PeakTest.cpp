@@ -201,6 +201,32 @@ TEST_CASE("the peak of several threads at once: their sum, each near one alone",
   CHECK(measurePeakTogether(2, true, 0.05).has_value() == bf16);
 }
 
+TEST_CASE("what threads read from memory at once: the sum of each one's, a buffer past the "
+          "caches slower than one inside them",
+          "[peak]") {
+  CHECK_FALSE(measureMemoryRead(0).has_value());
+  // Each thread's buffer: more than the L3 holds, shared out over the
+  // threads, within bounds.
+  CHECK(memoryReadBytes(1) >= (size_t(256) << 20));
+  CHECK(memoryReadBytes(1) <= (size_t(1) << 30));
+  CHECK(memoryReadBytes(64) <= memoryReadBytes(1));
+  const std::optional<MemoryRead> memory = measureMemoryRead(1, 0.05, size_t(256) << 20);
+  REQUIRE(memory.has_value());
+  CHECK(memory->bytes == (size_t(256) << 20));
+  CHECK(memory->gbPerSecond == memory->least);
+  // Whole lines in four streams: the size rounded down to 256 bytes.
+  const std::optional<MemoryRead> cached = measureMemoryRead(1, 0.05, (size_t(32) << 10) + 100);
+  REQUIRE(cached.has_value());
+  CHECK(cached->bytes == (size_t(32) << 10));
+  INFO("memory " << memory->gbPerSecond << " GB/s, 32 KiB " << cached->gbPerSecond << " GB/s");
+  CHECK(memory->gbPerSecond > 0.1);
+  CHECK(cached->gbPerSecond > 1.5 * memory->gbPerSecond);
+  const std::optional<MemoryRead> two = measureMemoryRead(2, 0.05, size_t(64) << 20);
+  REQUIRE(two.has_value());
+  CHECK(two->least > 0);
+  CHECK(two->least <= two->gbPerSecond / 2);
+}
+
 TEST_CASE("the inner loop's rate by where its operand lies: where the kernel runs, levels in "
           "order, L1 near the peak",
           "[peak]") {

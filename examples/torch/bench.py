@@ -463,7 +463,7 @@ def moec_tile_rates(moec, threads):
         m = re.search(name + r" peak, \d+ cores at once: ([0-9.]+) GFLOP/s", out)
         if m:
             TOGETHER[dtype] = float(m.group(1))
-    read = re.search(r"^memory read, \d+ cores? at once: ([0-9.]+) GB/s", out, re.M)
+    read = re.search(r"^memory read, (?:one core|\d+ cores at once): ([0-9.]+) GB/s", out, re.M)
     if read:
         MEMORY.append(float(read.group(1)) * 1e9)
     if "bf16" not in TOGETHER and "fp32" in TOGETHER and not bf16:

@@ -418,12 +418,21 @@ uint64_t readLines(const char *b, size_t bytes, int streams) {
 } // namespace
 
 size_t memoryReadBytes(unsigned threads) {
-  long l3 = -1;
-#if defined(__unix__) && defined(_SC_LEVEL3_CACHE_SIZE)
+  threads = std::max(1u, threads);
+  long l3 = -1, pages = -1, pageBytes = -1;
+#if defined(__unix__)
+#if defined(_SC_LEVEL3_CACHE_SIZE)
   l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
 #endif
+  pages = sysconf(_SC_PHYS_PAGES);
+  pageBytes = sysconf(_SC_PAGESIZE);
+#endif
   const size_t total = 2 * (l3 > 0 ? size_t(l3) : size_t(32) << 20);
-  return std::clamp<size_t>(total / std::max(1u, threads), size_t(256) << 20, size_t(1) << 30);
+  size_t each = std::clamp<size_t>(total / threads, size_t(64) << 20, size_t(1) << 30);
+  // All of them at most a quarter of the machine's memory (many threads).
+  if (pages > 0 && pageBytes > 0)
+    each = std::min(each, size_t(pages) / 4 * size_t(pageBytes) / threads);
+  return each / 4096 * 4096;
 }
 
 std::optional<MemoryRead> measureMemoryRead(unsigned threads, double seconds, size_t bytes) {
@@ -431,7 +440,9 @@ std::optional<MemoryRead> measureMemoryRead(unsigned threads, double seconds, si
     return std::nullopt;
   if (bytes == 0)
     bytes = memoryReadBytes(threads);
-  bytes = std::max<size_t>(bytes / 256 * 256, 256); // whole lines in four streams
+  if (bytes < 256)
+    return std::nullopt;
+  bytes = bytes / 256 * 256; // whole lines in four streams
   std::vector<double> best(threads, 0.0);
   std::atomic<unsigned> ready{0};
   std::atomic<bool> failed{false};

@@ -98,7 +98,8 @@ std::optional<TogetherPeak> measurePeakTogether(unsigned threads, bool bf16, dou
 /// (passes of each in turn: which moves more differs by core), the threads
 /// started together, for about `seconds`. Sums each thread's fastest pass,
 /// in GB/s (1e9 bytes); `least` is the slowest thread's. Nothing for no
-/// threads, or where the memory cannot be had.
+/// threads, for a buffer under 256 bytes, or where the memory cannot be
+/// had.
 struct MemoryRead {
   double gbPerSecond = 0; ///< the sum over the threads
   double least = 0;       ///< the slowest thread's
@@ -109,7 +110,8 @@ std::optional<MemoryRead> measureMemoryRead(unsigned threads, double seconds = 0
 
 /// measureMemoryRead's buffer a thread: twice the L3 the OS reports, shared
 /// out over the threads, so that their buffers together are more than the
-/// L3 holds; 256 MiB to 1 GiB.
+/// L3 holds; 64 MiB to 1 GiB, and all of them at most a quarter of the
+/// machine's memory.
 size_t memoryReadBytes(unsigned threads);
 
 /// A second opinion on the measured peaks, from other facts than theirs:

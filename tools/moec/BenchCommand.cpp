@@ -567,11 +567,16 @@ int runBench(int argc, char **argv, int first) {
                     threads);
   // What the same cores read from memory at once: a pass whose weights
   // stream from memory cannot run faster than their bytes at this rate.
-  if (const std::optional<cpu::MemoryRead> read = cpu::measureMemoryRead(threads, 0.3))
-    std::printf("memory read, %u core%s at once: %.1f GB/s (%.1f a core, the slowest %.1f; "
-                "%s a core)\n",
-                threads, threads == 1 ? "" : "s", read->gbPerSecond, read->gbPerSecond / threads,
-                read->least, memoryText(double(read->bytes)).c_str());
+  if (const std::optional<cpu::MemoryRead> read = cpu::measureMemoryRead(threads, 0.3)) {
+    if (threads == 1)
+      std::printf("memory read, one core: %.1f GB/s (%s)\n", read->gbPerSecond,
+                  memoryText(double(read->bytes)).c_str());
+    else
+      std::printf("memory read, %u cores at once: %.1f GB/s (%.1f a core, the slowest %.1f; "
+                  "%s a core)\n",
+                  threads, read->gbPerSecond, read->gbPerSecond / threads, read->least,
+                  memoryText(double(read->bytes)).c_str());
+  }
   // Beside the probe, an independent check of it.
   std::printf("%s\n", cpu::clockCheckText(cpu::measureClockPeak(0.2), peak.gflops,
                                           bf16Peak ? std::optional<double>(bf16Peak->gflops)

@@ -143,6 +143,10 @@ def test_the_memory_rate_comes_from_moec_bench(tmp_path):
     bench.moec_tile_rates(str(fake), 2)
     assert bench.memory_rate() == 35.5e9
     assert bench.PEAKS["fp32"] == 200.0 and bench.TOGETHER["fp32"] == 390.0
+    # With one thread, moec bench says "one core".
+    fake.write_text("#!/bin/sh\necho 'memory read, one core: 18.5 GB/s (960.0 MiB)'\n")
+    bench.moec_tile_rates(str(fake), 1)
+    assert bench.memory_rate() == 18.5e9
 
 
 def test_step_range_is_the_fastest_and_slowest_step():

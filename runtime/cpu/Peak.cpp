@@ -365,32 +365,47 @@ std::optional<FmaPeak> measureBf16DotPeak(double seconds) {
   return measureKernels(kernels, seconds);
 }
 
-std::optional<TogetherPeak> measurePeakTogether(unsigned threads, bool bf16, double seconds) {
-  const std::vector<Kernel> kernels = bf16 ? bf16Kernels() : supportedKernels();
-  if (kernels.empty() || threads == 0)
-    return std::nullopt;
-  std::vector<double> gflops(threads, 0.0);
+namespace {
+
+/// Runs prepare(t), then measure(t) on `threads` threads (the calling one
+/// is thread 0), every measure starting once every prepare has ended, so
+/// that their trials overlap. False where a thread could not be started
+/// (then the started ones still run).
+template <typename Prepare, typename Measure>
+bool runTogether(unsigned threads, Prepare prepare, Measure measure) {
   std::atomic<unsigned> ready{0};
-  const auto measure = [&](unsigned t) {
-    // Every thread waits for the others, so that their trials overlap.
+  const auto run = [&](unsigned t) {
+    prepare(t);
     ready.fetch_add(1);
     while (ready.load() < threads)
       std::this_thread::yield();
-    gflops[t] = measureKernels(kernels, seconds).gflops;
+    measure(t);
   };
   std::vector<std::thread> others;
   for (unsigned t = 1; t < threads; ++t) {
     try {
-      others.emplace_back(measure, t);
+      others.emplace_back(run, t);
     } catch (const std::system_error &) {
       ready.fetch_add(threads - t); // the missing ones: nobody waits for them
       break;
     }
   }
-  measure(0);
+  run(0);
   for (std::thread &x : others)
     x.join();
-  if (others.size() + 1 < threads)
+  return others.size() + 1 == threads;
+}
+
+} // namespace
+
+std::optional<TogetherPeak> measurePeakTogether(unsigned threads, bool bf16, double seconds) {
+  const std::vector<Kernel> kernels = bf16 ? bf16Kernels() : supportedKernels();
+  if (kernels.empty() || threads == 0)
+    return std::nullopt;
+  std::vector<double> gflops(threads, 0.0);
+  if (!runTogether(threads, [](unsigned) {}, [&](unsigned t) {
+        gflops[t] = measureKernels(kernels, seconds).gflops;
+      }))
     return std::nullopt;
   TogetherPeak peak;
   peak.least = gflops[0];
@@ -444,26 +459,26 @@ std::optional<MemoryRead> measureMemoryRead(unsigned threads, double seconds, si
     return std::nullopt;
   bytes = bytes / 256 * 256; // whole lines in four streams
   std::vector<double> best(threads, 0.0);
-  std::atomic<unsigned> ready{0};
+  std::vector<ZeroedPages> buffers(threads);
   std::atomic<bool> failed{false};
   std::atomic<uint64_t> sink{0};
-  const auto measure = [&](unsigned t) {
-    ZeroedPages pages(bytes);
-    char *b = static_cast<char *>(pages.data());
-    if (!b)
+  const auto prepare = [&](unsigned t) {
+    buffers[t] = ZeroedPages(bytes);
+    char *b = static_cast<char *>(buffers[t].data());
+    if (!b) {
       failed = true;
-#if defined(MADV_HUGEPAGE)
-    else // fewer page faults to write it (a hint: refused, the pages stay small)
-      ::madvise(b, bytes, MADV_HUGEPAGE);
-#endif
-    if (b)
-      std::memset(b, 1, bytes);
-    // Every thread waits for the others, so that their passes overlap.
-    ready.fetch_add(1);
-    while (ready.load() < threads)
-      std::this_thread::yield();
-    if (!b || failed)
       return;
+    }
+#if defined(MADV_HUGEPAGE)
+    // Fewer page faults to write it (a hint: refused, the pages stay small).
+    ::madvise(b, bytes, MADV_HUGEPAGE);
+#endif
+    std::memset(b, 1, bytes);
+  };
+  const auto measure = [&](unsigned t) {
+    if (failed)
+      return;
+    const char *b = static_cast<const char *>(buffers[t].data());
     uint64_t sum = 0;
     const auto begin = Clock::now();
     for (int pass = 0; pass < 4 || secondsSince(begin) < seconds; ++pass) {
@@ -473,20 +488,7 @@ std::optional<MemoryRead> measureMemoryRead(unsigned threads, double seconds, si
     }
     sink += sum;
   };
-  std::vector<std::thread> others;
-  for (unsigned t = 1; t < threads; ++t) {
-    try {
-      others.emplace_back(measure, t);
-    } catch (const std::system_error &) {
-      failed = true;
-      ready.fetch_add(threads - t); // the missing ones: nobody waits for them
-      break;
-    }
-  }
-  measure(0);
-  for (std::thread &x : others)
-    x.join();
-  if (failed)
+  if (!runTogether(threads, prepare, measure) || failed)
     return std::nullopt;
   MemoryRead read;
   read.bytes = bytes;

@@ -75,6 +75,11 @@ size_t dotBytes(int64_t m, int64_t k, bool decodedB, int64_t lowK) {
          (decodedB ? size_t(kBlockUnits * kPanel * 4) : 0);
 }
 
+/// Whether gemm computes a C of n columns in its narrow form: a bf16 C at
+/// most 16 columns wide (a LoRA adapter's rank-r product), kNarrowRows rows
+/// a call on one vector of a panel.
+bool narrowC(bool bf16, int64_t n) { return bf16 && n <= 16; }
+
 /// The deepest depth (in units) that gemm takes as one block where it makes
 /// B's panels itself from a plain B. A weight gradient's depth is an
 /// expert's rows, about 128 at the qwen3 shapes and often a few more: in
@@ -150,7 +155,7 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
                     lowK > 0 ? amxPackBytes(m, n, lowK, false) : size_t(0));
   const int64_t width = std::min(n, kGroup);
   size_t bytes =
-      panelBytes(width, decodedB, madeBlockUnits(ceilDiv(k, perUnit(bf16)), bf16 && n <= 16)) +
+      panelBytes(width, decodedB, madeBlockUnits(ceilDiv(k, perUnit(bf16)), narrowC(bf16, n))) +
       packedABytes(m, k, transA, bf16) + partialBytes(m, n, k, bf16, cBf16 || addScaled);
   // The larger of the two forms: packBytes does not know transB.
   if (decodedB)
@@ -1043,7 +1048,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // A bf16 C at most 16 columns wide (a LoRA adapter's rank-r product) is
   // computed kNarrowRows rows a call on the panel's first vector, not
   // kRows rows on all three, two of them empty.
-  const bool narrow = bf16 && n <= 16;
+  const bool narrow = narrowC(bf16, n);
   // Depth blocks of kBlockUnits units, or kPackedBlockUnits where B was
   // packed beforehand: its panels are read where they lie, so a deeper
   // block needs no more memory here, and it passes the partial sums
@@ -1069,7 +1074,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // after the other, 64 bytes apart, as the micro-kernel walks them (rows of
   // units m wide would put them a multiple of 4 KiB apart, on one set of
   // the L1 cache).
-  const int64_t aPanelUnits = ceilDiv(k, per) * kAPanel;
+  const int64_t aPanelUnits = allUnits * kAPanel;
   char *after = static_cast<char *>(pack) + panelBytes(width, decodedB != nullptr, made);
   uint32_t *packedA = reinterpret_cast<uint32_t *>(after);
   if (transA)

@@ -58,6 +58,12 @@ inline bool directA(int64_t n) { return n <= 32; }
 /// steps ran 5-15% faster than 16, 32 or the whole depth on the layer's
 /// tiles: `gmm_bench --layer`.)
 constexpr int64_t kChunkSteps = 8;
+/// Steps of a depth chunk in the swapped form (gemmSwapped): a row block of
+/// the weight read where it lies, its rows a multiple of 4 KiB apart at the
+/// layer's widths, shares few L1 sets; a shorter chunk keeps more of it
+/// there (4 steps ran level with 8 to 12% faster on the backward's dX
+/// tiles: `gmm_bench --layer`).
+constexpr int64_t kSwappedChunkSteps = 4;
 
 size_t lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
@@ -103,10 +109,52 @@ struct AmxLayout {
   size_t total() const { return panels + tail + packedA + sums + cStage + decoded; }
 };
 
+/// The most bytes of op(A)^T's panels the swapped form (swapped) packs:
+/// they stay in L2 while every row block of the weight passes over them.
+constexpr size_t kSwappedPanelBytes = size_t(1) << 20;
+
+/// Whether gemmAmx computes C as its transpose, C^T = B op(A)^T: a B stored
+/// n x k (transB: a weight read transposed, the backward's dX = dY W^T, or
+/// the forward of one stored [out, in]), read as stored, neither packed
+/// beforehand nor decoded, with an op(A) = A of few rows (an expert's
+/// tokens) and a C wider than two column tiles. B's rows are then the rows
+/// of A tiles, read along the depth where they lie, and A's rows are packed
+/// into panels once, so no copy of the weight is made (C's own form packs
+/// a column group of B transposed before the group's products). A B
+/// stored k x n, or packed beforehand, reads its panels as before.
+inline bool swapped(int64_t m, int64_t n, int64_t k, bool transA, bool transB, bool packedB,
+                    bool decodedB) {
+  return transB && !transA && !packedB && !decodedB && !oneStep(k, false) && !directA(n) &&
+         packedBBytes(m, k, true) <= kSwappedPanelBytes;
+}
+
+/// The working memory of the swapped form, in order: op(A)^T's panels
+/// (packB's layout, every column: A's rows), their last step's units, the
+/// edges of a row block of B in tiles (gemmSwapped), the sums of the depth chunks
+/// before the last (a row block x a column group, in tiles), two tiles of
+/// sums on their way to C.
+struct SwappedLayout {
+  size_t panels, tail, edges, sums, cStage;
+  SwappedLayout(int64_t m, int64_t k) {
+    const int64_t steps = ceilDiv(ceilDiv(k, 2), kStep);
+    panels = lines(packedBBytes(m, k, true));
+    tail = size_t(ceilDiv(m, kPanel)) * kStep * kPanel * 4;
+    edges = size_t(2 * steps) * kTileBytes;
+    sums = steps > kSwappedChunkSteps ? size_t(2 * kGroupTiles) * kTileBytes : 0;
+    cStage = 2 * kTileBytes;
+  }
+  size_t total() const { return panels + tail + edges + sums + cStage; }
+};
+
 } // namespace
 
 size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB) {
-  return AmxLayout(m, n, k, decodedB).total();
+  // packBytes does not know transB: the larger of the forms a call of these
+  // shapes may take.
+  const size_t bytes = AmxLayout(m, n, k, decodedB).total();
+  return swapped(m, n, k, false, true, false, decodedB)
+             ? std::max(bytes, SwappedLayout(m, k).total())
+             : bytes;
 }
 
 #ifdef MOEC_AMX_X86
@@ -167,6 +215,18 @@ inline const void *bTile(const Operands &x, int64_t c, int64_t s) {
   if (s < x.fullSteps)
     return x.panels + (q * x.panelUnits + (s - x.firstStep) * kStep) * kPanel + lane;
   return x.tail + q * kStep * kPanel + lane;
+}
+
+/// The last step's units of `panelCount` panels from x.panels on, zero past
+/// the depth, into `to`: a B tile reads 16 rows, and those past a panel's
+/// depth are the next panel's.
+void fillTails(const Operands &x, int64_t panelCount, uint32_t *to) {
+  const int64_t first = x.fullSteps * kStep, count = x.units - first;
+  const uint32_t *from = x.panels + (first - x.firstStep * kStep) * kPanel;
+  for (int64_t q = 0; q < panelCount; ++q, to += kStep * kPanel) {
+    std::memcpy(to, from + q * x.panelUnits * kPanel, size_t(count * kPanel) * 4);
+    std::memset(to + count * kPanel, 0, size_t((kStep - count) * kPanel) * 4);
+  }
 }
 
 /// The lines of a B packed beforehand that the next depth chunk reads,
@@ -395,6 +455,118 @@ MOEC_AMX_TARGET void packARows(const uint16_t *a, int64_t lda, int64_t m, int64_
   }
 }
 
+/// The swapped form of gemmAmx (swapped(): C = A B^T as C^T = B A^T).
+/// B's rows are the A tiles' rows, read where they lie, 32 at a time (a row
+/// block: 32 columns of C), the next row block's lines fetched into L2 over
+/// this one's blocks, four runs side by side where the rows lie one after
+/// the other (as Ahead says, four streams are served faster than one, or
+/// than 32 rows'); A's rows are the B tiles' columns, packed once into
+/// panels. Each block's sums are C^T's, transposed 16 x 16 on their way to
+/// C. A tile dot product multiplies its two operands' values pairwise, so
+/// each element of C is the same sum of the same products in the same
+/// depth order as in C's own form: the same bits.
+MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                                 const uint16_t *b, int64_t ldb, const Epilogue &epilogue,
+                                 void *pack) {
+  const SwappedLayout layout(m, k);
+  char *at = static_cast<char *>(pack);
+  uint32_t *panels = reinterpret_cast<uint32_t *>(at);
+  uint32_t *tail = reinterpret_cast<uint32_t *>(at += layout.panels);
+  uint32_t *edges = reinterpret_cast<uint32_t *>(at += layout.tail);
+  float *sums = reinterpret_cast<float *>(at += layout.edges);
+  float *cStage = reinterpret_cast<float *>(at += layout.sums);
+
+  Operands x;
+  x.units = ceilDiv(k, 2);
+  x.steps = ceilDiv(x.units, kStep);
+  x.fullSteps = x.units / kStep;
+  x.panelUnits = x.units;
+  x.packedA = edges;
+  x.lda = ldb;
+  x.directSteps = k / (2 * kStep);
+  const int64_t panelStride = x.units * kPanel;
+  // A's rows as op(B)'s columns: packB's panels of a B stored n x k.
+  packB(m, k, a, lda, true, true, panels);
+  x.panels = panels;
+  if (x.fullSteps < x.steps)
+    fillTails(x, ceilDiv(m, kPanel), tail);
+  const bool streamLines = epilogue.cBf16 && epilogue.stream && !epilogue.load && !epilogue.scaled;
+  const int64_t blockSteps = ceilDiv(ceilDiv(m, 16), 2) * x.steps;
+  constexpr int64_t kRuns = 4;
+  for (int64_t r0 = 0; r0 < n; r0 += kBlockRows) {
+    const int64_t rows = std::min(kBlockRows, n - r0);
+    const int rowTiles = rows > kTileRows ? 2 : 1;
+    // The row block's whole tiles where they lie; its edges (rows past the
+    // last whole row tile, the partial last step) packed, zero past B.
+    x.direct = b + r0 * ldb;
+    x.directRows = rows / kTileRows * kTileRows;
+    packARows(x.direct, ldb, rows, k, x.steps, edges, x.directRows, x.directSteps);
+    Ahead ahead;
+    if (r0 + kBlockRows < n) {
+      ahead.base = reinterpret_cast<const char *>(b + (r0 + kBlockRows) * ldb);
+      ahead.stride = ldb * 2;
+      ahead.runs = std::min(kBlockRows, n - r0 - kBlockRows);
+      ahead.runLines = ceilDiv(k * 2, 64);
+      if (ldb == k && ahead.runs == kBlockRows) {
+        ahead.runs = kRuns;
+        ahead.stride *= kBlockRows / kRuns;
+        ahead.runLines = ceilDiv(k * 2 * (kBlockRows / kRuns), 64);
+      }
+    }
+    ahead.spread(blockSteps);
+    for (int64_t j0 = 0; j0 < m; j0 += kGroup) {
+      const int64_t nb = std::min(kGroup, m - j0), colTiles = ceilDiv(nb, 16);
+      x.panels = panels + (j0 / kPanel) * panelStride;
+      x.tail = tail + (j0 / kPanel) * kStep * kPanel;
+      for (int64_t s0 = 0; s0 < x.steps; s0 += kSwappedChunkSteps) {
+        const int64_t s1 = std::min(x.steps, s0 + kSwappedChunkSteps);
+        const bool last = s1 == x.steps;
+        for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
+          const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
+          float *blockSums = sums + c0 * 256;
+          float *from = s0 > 0 ? blockSums : nullptr;
+          const auto run = [&](auto rt, auto ct) {
+            block<rt(), ct()>(x, 0, c0, s0, s1, from, ahead.total ? &ahead : nullptr);
+            if (!last)
+              moveSums<rt(), ct()>(blockSums, true);
+          };
+          using One = std::integral_constant<int, 1>;
+          using Two = std::integral_constant<int, 2>;
+          if (rowTiles == 2)
+            colTilesHere == 2 ? run(Two(), Two()) : run(Two(), One());
+          else
+            colTilesHere == 2 ? run(One(), Two()) : run(One(), One());
+          if (!last)
+            continue;
+          // Tile (r, ct) holds C^T's rows r0 + 16 r.. (C's columns) and
+          // columns j0 + 16 (c0 + ct).. (C's rows): each transposed into
+          // the stage, the two row tiles' side by side (C's 32 columns).
+          for (int ct = 0; ct < colTilesHere; ++ct) {
+            const int64_t i = j0 + 16 * (c0 + ct), cRows = std::min<int64_t>(16, m - i);
+            for (int r = 0; r < rowTiles; ++r) {
+              float *stage = cStage + r * 256;
+              moveTile(2 * r + ct, stage, true);
+              __m512i v[16];
+              for (int row = 0; row < 16; ++row)
+                v[row] = _mm512_load_si512(stage + row * 16);
+              transpose16(v);
+              for (int row = 0; row < 16; ++row)
+                _mm512_store_si512(stage + row * 16, v[row]);
+            }
+            if (streamLines && rows == kBlockRows) {
+              epilogue.streamLines(cStage, i, cRows, r0);
+              continue;
+            }
+            for (int r = 0; r < rowTiles; ++r)
+              epilogue.write(cStage + r * 256, i, cRows, r0 + 16 * r,
+                             std::min<int64_t>(16, rows - 16 * r));
+          }
+        }
+      }
+    }
+  }
+}
+
 } // namespace
 
 } // namespace moec::cpu::tile::detail
@@ -435,6 +607,16 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
                              int64_t ldc, bool cBf16, bool load, void *pack, bool stream,
                              const void *packedB, const DecodedB *decodedB,
                              const AddScaled *addScaled) {
+  const Epilogue epilogue{static_cast<char *>(c), ldc, cBf16, load, stream, addScaled};
+  if (swapped(m, n, k, transA, transB, packedB != nullptr, decodedB != nullptr)) {
+    configureAmxTiles();
+    gemmSwapped(m, n, k, static_cast<const uint16_t *>(a), lda, static_cast<const uint16_t *>(b),
+                ldb, epilogue, pack);
+    _tile_release();
+    if (stream)
+      _mm_sfence();
+    return;
+  }
   constexpr int64_t chunk = kChunkSteps;
   const AmxLayout layout(m, n, k, decodedB != nullptr);
   char *at = static_cast<char *>(pack);
@@ -509,18 +691,6 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     packB(n, k, b, ldb, transB, true, panels);
     packedB = panels;
   }
-  const Epilogue epilogue{static_cast<char *>(c), ldc, cBf16, load, stream, addScaled};
-  // The last step's units of `panelCount` panels from x.panels on, zero
-  // past the depth, into `to`: a B tile reads 16 rows, and those past a
-  // panel's depth are the next panel's.
-  const auto fillTails = [&](int64_t panelCount, uint32_t *to) {
-    const int64_t first = x.fullSteps * kStep, count = x.units - first;
-    const uint32_t *from = x.panels + (first - x.firstStep * kStep) * kPanel;
-    for (int64_t q = 0; q < panelCount; ++q, to += kStep * kPanel) {
-      std::memcpy(to, from + q * x.panelUnits * kPanel, size_t(count * kPanel) * 4);
-      std::memset(to + count * kPanel, 0, size_t((kStep - count) * kPanel) * 4);
-    }
-  };
   // The blocks of rows i0.. (kBlockRows) over the group at j0 (nb wide),
   // depth chunk [s0, s1): their sums wait in `groupSums` (`sums`, or the
   // group's part of bySlab's) before the last chunk, which writes them to C.
@@ -571,7 +741,7 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     // One step: row block by row block, each over every column group.
     x.panels = static_cast<const uint32_t *>(packedB);
     if (x.fullSteps < x.steps)
-      fillTails(ceilDiv(n, kPanel), tail);
+      fillTails(x, ceilDiv(n, kPanel), tail);
     for (int64_t i0 = 0; i0 < m; i0 += kBlockRows)
       for (int64_t j0 = 0; j0 < n; j0 += kGroup) {
         x.panels = static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
@@ -592,7 +762,7 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
         const int64_t nb = std::min(kGroup, n - j0);
         x.panels = slab + (j0 / kPanel) * x.panelUnits * kPanel;
         if (s1 == x.steps && x.fullSteps < x.steps)
-          fillTails(ceilDiv(nb, kPanel), tail);
+          fillTails(x, ceilDiv(nb, kPanel), tail);
         groupSums = slabSums + size_t(j0 / kGroup) * groupSumsFloats;
         for (int64_t i0 = 0; i0 < m; i0 += kBlockRows)
           rowBlock(i0, j0, nb, s0, s1);
@@ -610,7 +780,7 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
                    ? panels
                    : static_cast<const uint32_t *>(packedB) + (j0 / kPanel) * panelStride;
     if (x.fullSteps < x.steps)
-      fillTails(ceilDiv(nb, kPanel), tail);
+      fillTails(x, ceilDiv(nb, kPanel), tail);
     // Per depth chunk, each row block of A (its chunk in L1) passes over
     // the group's columns; the sums of a chunk before the last wait in
     // `sums`, the last chunk's go to C.

@@ -344,6 +344,54 @@ TEST_CASE("moec's tile writes the same bits to a streamed C", "[cpu][tile]") {
   }
 }
 
+TEST_CASE("moec's AMX tile gives a B stored n x k the bits of the same B stored k x n",
+          "[cpu][tile]") {
+  // On AMX tiles a weight read transposed (B stored n x k, A of few rows) is
+  // computed as C^T = B A^T, B's rows read where they lie: the same sums in
+  // the same order, so the bits of C's own form on B transposed into a
+  // k x n copy. Row blocks of B that end a tile and a block unevenly (n),
+  // depths of whole steps, of a partial one and of several chunks (k), A's
+  // rows over one column group and several (m), fp32 C loaded or not, and a
+  // bf16 C written plainly or streamed.
+  if (!tileRuns(true) || !tile::amx()) {
+    WARN("no AMX tiles here: the AMX tile's swapped form is not run");
+    return;
+  }
+  for (const int64_t m : {int64_t(19), int64_t(140), int64_t(300)})
+    for (const int64_t n : {int64_t(40), int64_t(250)})
+      for (const int64_t k : {int64_t(64), int64_t(600), int64_t(1100)})
+        for (const int form : {0, 1, 2}) { // fp32 C; fp32 C loaded; bf16 C streamed
+          INFO("m " << m << ", n " << n << ", k " << k << ", form " << form);
+          const bool cBf16 = form == 2, load = form == 1, stream = form == 2;
+          const Product x(m, n, k, false, true, true, uint32_t(m + n + k));
+          Stored bt(true, k, n, 7);
+          for (int64_t p = 0; p < k; ++p)
+            for (int64_t j = 0; j < n; ++j)
+              bt.set(p, j, x.b.value(j, p));
+          const size_t elt = cBf16 ? 2 : 4;
+          const int64_t ldc = n + 32;
+          Aligned swapped(size_t(m * ldc) * elt, 0x3C), own(size_t(m * ldc) * elt, 0x3C);
+          Aligned pack(tile::packBytes(m, n, k, false, true, cBf16));
+          tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, true, true,
+                     swapped.data(), ldc, cBf16, load, pack.data(), stream);
+          tile::gemm(m, n, k, x.a.data(), x.a.ld, false, bt.data(), bt.ld, false, true, own.data(),
+                     ldc, cBf16, load, pack.data(), stream);
+          CHECK(std::memcmp(swapped.data(), own.data(), swapped.bytes.size() - 64) == 0);
+          if (form == 0) { // and the values are the product's
+            const float *c = reinterpret_cast<const float *>(swapped.data());
+            double worst = 0;
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t j = 0; j < n; ++j) {
+                double want = 0;
+                for (int64_t p = 0; p < k; ++p)
+                  want += double(x.opA(i, p)) * x.opB(p, j);
+                worst = std::max(worst, std::abs(want - c[i * ldc + j]));
+              }
+            CHECK(worst < 1e-3 * double(k));
+          }
+        }
+}
+
 TEST_CASE("moec's tile writes no more working memory than packBytes gives it", "[cpu][tile]") {
   // Depths about one block of panels (128 units) and the deepest taken as
   // one block (256): a weight gradient's depth is an expert's rows, which

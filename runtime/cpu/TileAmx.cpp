@@ -337,6 +337,17 @@ MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0, int64_t s0
   }
 }
 
+/// Calls f(rows, cols) with a block's row and column tiles (1 or 2 each) as
+/// std::integral_constant: block's template arguments.
+template <typename F> inline void byTiles(int rowTiles, int colTiles, F &&f) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  if (rowTiles == 2)
+    colTiles == 2 ? f(Two(), Two()) : f(Two(), One());
+  else
+    colTiles == 2 ? f(One(), Two()) : f(One(), One());
+}
+
 /// What the block's sums become in C: gemm's `load`, `addScaled` and the
 /// rounding to a bf16 C, per row of a 16 x 16 tile of sums in `stage`.
 struct Epilogue {
@@ -530,12 +541,7 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
             if (!last)
               moveSums<rt(), ct()>(blockSums, true);
           };
-          using One = std::integral_constant<int, 1>;
-          using Two = std::integral_constant<int, 2>;
-          if (rowTiles == 2)
-            colTilesHere == 2 ? run(Two(), Two()) : run(Two(), One());
-          else
-            colTilesHere == 2 ? run(One(), Two()) : run(One(), One());
+          byTiles(rowTiles, colTilesHere, run);
           if (!last)
             continue;
           // Tile (r, ct) holds C^T's rows r0 + 16 r.. (C's columns) and
@@ -709,12 +715,7 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
         if (!last)
           moveSums<rows(), cols()>(blockSums, true);
       };
-      using One = std::integral_constant<int, 1>;
-      using Two = std::integral_constant<int, 2>;
-      if (rowTiles == 2)
-        colTilesHere == 2 ? run(Two(), Two()) : run(Two(), One());
-      else
-        colTilesHere == 2 ? run(One(), Two()) : run(One(), One());
+      byTiles(rowTiles, colTilesHere, run);
       if (!last)
         continue;
       // A streamed bf16 C: a row of the block's two column tiles is one

@@ -179,6 +179,11 @@ inline __mmask16 firstLanes(int64_t count) {
 /// What every block of one gemmAmx call reads.
 struct Operands {
   int64_t units, steps, fullSteps;
+  /// A depth of k values: its units, steps, whole steps; B's panels the
+  /// whole depth deep.
+  explicit Operands(int64_t k)
+      : units(ceilDiv(k, 2)), steps(ceilDiv(units, kStep)), fullSteps(units / kStep),
+        panelUnits(units) {}
   // op(A) in tiles: row tile P, step s at packedA + (P * steps + s) * 256.
   const uint32_t *packedA;
   // With `direct` (a narrow C: directA), a row tile's whole steps are read
@@ -337,15 +342,24 @@ MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0, int64_t s0
   }
 }
 
-/// Calls f(rows, cols) with a block's row and column tiles (1 or 2 each) as
-/// std::integral_constant: block's template arguments.
-template <typename F> inline void byTiles(int rowTiles, int colTiles, F &&f) {
+/// block() on `rowTiles` x `colTiles` tiles (1 or 2 each) over steps
+/// [s0, s1), onto the sums waiting at `blockSums` (moveSums' layout; from
+/// zero at s0 = 0), left in C's tile registers, and before the last chunk
+/// (`last` false) stored back there for the next.
+MOEC_AMX_TARGET inline void sumBlock(const Operands &x, int rowTiles, int colTiles, int64_t i0,
+                                     int64_t c0, int64_t s0, int64_t s1, float *blockSums,
+                                     bool last, Ahead *ahead) {
+  const auto run = [&](auto rows, auto cols) {
+    block<rows(), cols()>(x, i0, c0, s0, s1, s0 > 0 ? blockSums : nullptr, ahead);
+    if (!last)
+      moveSums<rows(), cols()>(blockSums, true);
+  };
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
   if (rowTiles == 2)
-    colTiles == 2 ? f(Two(), Two()) : f(Two(), One());
+    colTiles == 2 ? run(Two(), Two()) : run(Two(), One());
   else
-    colTiles == 2 ? f(One(), Two()) : f(One(), One());
+    colTiles == 2 ? run(One(), Two()) : run(One(), One());
 }
 
 /// What the block's sums become in C: gemm's `load`, `addScaled` and the
@@ -487,11 +501,7 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
   float *sums = reinterpret_cast<float *>(at += layout.edges);
   float *cStage = reinterpret_cast<float *>(at += layout.sums);
 
-  Operands x;
-  x.units = ceilDiv(k, 2);
-  x.steps = ceilDiv(x.units, kStep);
-  x.fullSteps = x.units / kStep;
-  x.panelUnits = x.units;
+  Operands x(k);
   x.packedA = edges;
   x.lda = ldb;
   x.directSteps = k / (2 * kStep);
@@ -534,14 +544,8 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
         const bool last = s1 == x.steps;
         for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
           const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
-          float *blockSums = sums + c0 * 256;
-          float *from = s0 > 0 ? blockSums : nullptr;
-          const auto run = [&](auto rt, auto ct) {
-            block<rt(), ct()>(x, 0, c0, s0, s1, from, ahead.total ? &ahead : nullptr);
-            if (!last)
-              moveSums<rt(), ct()>(blockSums, true);
-          };
-          byTiles(rowTiles, colTilesHere, run);
+          sumBlock(x, rowTiles, colTilesHere, 0, c0, s0, s1, sums + c0 * 256, last,
+                   ahead.total ? &ahead : nullptr);
           if (!last)
             continue;
           // Tile (r, ct) holds C^T's rows r0 + 16 r.. (C's columns) and
@@ -633,11 +637,7 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   float *cStage = reinterpret_cast<float *>(at += layout.sums);
   uint16_t *decoded = reinterpret_cast<uint16_t *>(at += layout.cStage);
 
-  Operands x;
-  x.units = ceilDiv(k, 2);
-  x.steps = ceilDiv(x.units, kStep);
-  x.fullSteps = x.units / kStep;
-  x.panelUnits = x.units;
+  Operands x(k);
   x.packedA = packedA;
   x.tail = tail;
   // Panels (packB's layout) lie this many units apart.
@@ -707,15 +707,10 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     const int rowTiles = m - i0 > kTileRows ? 2 : 1;
     for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
       const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
-      float *blockSums = groupSums + ((i0 / kTileRows) * kGroupTiles + c0) * 256;
-      float *from = s0 > 0 ? blockSums : nullptr;
       const bool last = s1 == x.steps;
-      const auto run = [&](auto rows, auto cols) {
-        block<rows(), cols()>(x, i0, c0, s0, s1, from, ahead.total ? &ahead : nullptr);
-        if (!last)
-          moveSums<rows(), cols()>(blockSums, true);
-      };
-      byTiles(rowTiles, colTilesHere, run);
+      sumBlock(x, rowTiles, colTilesHere, i0, c0, s0, s1,
+               groupSums + ((i0 / kTileRows) * kGroupTiles + c0) * 256, last,
+               ahead.total ? &ahead : nullptr);
       if (!last)
         continue;
       // A streamed bf16 C: a row of the block's two column tiles is one

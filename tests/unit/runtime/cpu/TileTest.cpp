@@ -98,6 +98,20 @@ struct Product {
   float opA(int64_t i, int64_t p) const { return transA ? a.value(p, i) : a.value(i, p); }
   float opB(int64_t p, int64_t j) const { return transB ? b.value(j, p) : b.value(p, j); }
 
+  /// The largest difference between C's rows [i0, i0 + rows), all n
+  /// columns, at `c` (fp32, row stride ldc, C's row i0 first) and the
+  /// product in double precision.
+  double worstError(const float *c, int64_t ldc, int64_t i0, int64_t rows) const {
+    double worst = 0;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double want = 0;
+        for (int64_t p = 0; p < k; ++p)
+          want += double(opA(i0 + i, p)) * opB(p, j);
+        worst = std::max(worst, std::abs(want - c[i * ldc + j]));
+      }
+    return worst;
+  }
   /// Runs the tile on rows [i0, i0 + rows) and columns [j0, j0 + cols) of C
   /// (fp32, row stride ldc, already holding what `load` adds onto).
   void run(float *c, int64_t ldc, bool load, int64_t i0, int64_t rows, int64_t j0,
@@ -377,18 +391,9 @@ TEST_CASE("moec's AMX tile gives a B stored n x k the bits of the same B stored 
           tile::gemm(m, n, k, x.a.data(), x.a.ld, false, bt.data(), bt.ld, false, true, own.data(),
                      ldc, cBf16, load, pack.data(), stream);
           CHECK(std::memcmp(swapped.data(), own.data(), swapped.bytes.size() - 64) == 0);
-          if (form == 0) { // and the values are the product's
-            const float *c = reinterpret_cast<const float *>(swapped.data());
-            double worst = 0;
-            for (int64_t i = 0; i < m; ++i)
-              for (int64_t j = 0; j < n; ++j) {
-                double want = 0;
-                for (int64_t p = 0; p < k; ++p)
-                  want += double(x.opA(i, p)) * x.opB(p, j);
-                worst = std::max(worst, std::abs(want - c[i * ldc + j]));
-              }
-            CHECK(worst < 1e-3 * double(k));
-          }
+          if (form == 0) // and the values are the product's
+            CHECK(x.worstError(reinterpret_cast<const float *>(swapped.data()), ldc, 0, m) <
+                  1e-3 * double(k));
         }
 }
 
@@ -478,18 +483,9 @@ TEST_CASE("moec's tile gives the same bits on a B packed whole beforehand", "[cp
                 CHECK(std::memcmp(plain.data(), packed.data(), size_t(rows * n) * elt) == 0);
                 // And the values are the product's (a packed B that were all
                 // zero, or misplaced, would give bits both calls could not share).
-                if (!cBf16 && !load) {
-                  const float *c = reinterpret_cast<const float *>(packed.data());
-                  double worst = 0;
-                  for (int64_t i = 0; i < rows; ++i)
-                    for (int64_t j = 0; j < n; ++j) {
-                      double want = 0;
-                      for (int64_t p = 0; p < k; ++p)
-                        want += double(x.opA(i0 + i, p)) * x.opB(p, j);
-                      worst = std::max(worst, std::abs(want - c[i * n + j]));
-                    }
-                  CHECK(worst < 1e-3 * double(k));
-                }
+                if (!cBf16 && !load)
+                  CHECK(x.worstError(reinterpret_cast<const float *>(packed.data()), n, i0, rows) <
+                        1e-3 * double(k));
               }
             }
   }

@@ -626,8 +626,7 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
         1)));
     if (direct) {
       tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, c.data, c.ld, cBf16,
-                 accumulate, base, streamC && !accumulate && !lowRank, packedB, decodedB, nullptr,
-                 lowRank);
+                 accumulate, base, streamC && !accumulate, packedB, decodedB, nullptr, lowRank);
       return;
     }
     // C = (C or the addend, or nothing) + alpha * the sums, as the sums
@@ -754,7 +753,7 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
     // moec's tile: in the same call (tile::LowRank).
     const tile::LowRank low{u.data, u.ld, v.data, v.ld, epilogue.lowTransV, epilogue.lowDepth};
     gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false, weight, transB, out, false,
-             scratch, 1.0f, false, packedB, decoded, ConstMatrix{}, &low);
+             scratch, 1.0f, streamOut, packedB, decoded, ConstMatrix{}, &low);
     return;
   }
   gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false, weight, transB, out, false,

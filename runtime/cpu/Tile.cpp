@@ -150,9 +150,8 @@ size_t lowRankPanelBytes(int64_t width, int64_t lowK, bool bf16) {
 /// packBytes of the product as gemm computes it (not transposed).
 size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
                    bool decodedB, bool addScaled, int64_t lowK) {
-  if (bf16 && amx()) // a LowRank is a second call there, after the first
-    return std::max(amxPackBytes(m, n, k, decodedB),
-                    lowK > 0 ? amxPackBytes(m, n, lowK, false) : size_t(0));
+  if (bf16 && amx())
+    return amxPackBytes(m, n, k, decodedB, lowK);
   const int64_t width = std::min(n, kGroup);
   size_t bytes =
       panelBytes(width, decodedB, madeBlockUnits(ceilDiv(k, perUnit(bf16)), narrowC(bf16, n))) +
@@ -1004,15 +1003,6 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
           int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,
           void *pack, bool stream, const void *packedB, const DecodedB *decodedB,
           const AddScaled *addScaled, const LowRank *lowRank) {
-  // On AMX tiles a LowRank is a second call, adding onto C.
-  if (lowRank && bf16 && amx()) {
-    gemm(m, n, k, a, lda, transA, b, ldb, transB, bf16, c, ldc, cBf16, load, pack, stream, packedB,
-         decodedB, addScaled);
-    const AddScaled onto{1.0f, c, ldc};
-    gemm(m, n, lowRank->k, lowRank->u, lowRank->ldu, false, lowRank->v, lowRank->ldv,
-         lowRank->transV, bf16, c, ldc, cBf16, false, pack, false, nullptr, nullptr, &onto);
-    return;
-  }
   // A narrow C whose A is stored transposed (a LoRA adapter's weight
   // gradient, X^T dU: m the model's width, n the rank) is computed as its
   // transpose, C^T = op(B)^T op(A)^T, into the working memory, then written
@@ -1035,7 +1025,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   }
   if (bf16 && amx())
     return gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, stream,
-                   packedB, decodedB, addScaled);
+                   packedB, decodedB, addScaled, lowRank);
   // A transposed op(B) (B stored n x k) in the dot form (the header says
   // why); a B packed beforehand is not read there.
   if (dotForm(transA, transB, bf16))

@@ -171,9 +171,11 @@ struct AddScaled {
 /// `transV` (stride `ldv`), both of A's and B's storage type. On the
 /// AVX-512 micro-kernel its k units are summed after op(A) op(B)'s, in the
 /// registers of the last depth block's calls, so C is rounded and stored
-/// once and U op(V) costs those units alone. On AMX tiles it is a second
-/// product added onto C (AddScaled, alpha 1, C the addend): its sums, and
-/// a bf16 C's rounding between the two, are those of two gemm calls.
+/// once and U op(V) costs those units alone. On AMX tiles likewise, as
+/// further tile steps of each block after the depth's, where op(A)'s depth
+/// is a whole number of steps (32 values); else a second product added onto
+/// C (AddScaled, alpha 1, C the addend): its sums, and a bf16 C's rounding
+/// between the two, are those of two gemm calls.
 struct LowRank {
   const void *u = nullptr;
   int64_t ldu = 0;
@@ -219,8 +221,8 @@ size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool c
 /// `b`, `ldb` are not read; `pack` then holds packBytes(..., true) bytes.
 /// With `addScaled` (not with `load` or `stream`), C = addend + alpha * the
 /// sums, as AddScaled says; `pack` then holds packBytes(..., addScaled =
-/// true) bytes. With `lowRank` (not with `load`, `stream`, `addScaled` or
-/// `transA`; lowRank->k > 0), C = op(A) op(B) + U op(V) as LowRank says;
+/// true) bytes. With `lowRank` (not with `load`, `addScaled` or `transA`;
+/// lowRank->k > 0), C = op(A) op(B) + U op(V) as LowRank says;
 /// `pack` then holds packBytes(..., lowRankK = lowRank->k) bytes.
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA, const void *b,
           int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,

@@ -87,16 +87,38 @@ constexpr int64_t kGroupTiles = kGroup / 16;
 /// is small: packed whole.
 inline bool oneStep(int64_t k, bool decodedB) { return !decodedB && k <= 2 * kStep; }
 
+/// Whether gemmAmx sums a LowRank's products in the registers after the
+/// depth's, as further steps of the same blocks, so that C is rounded and
+/// written once: where A's depth ends on a whole step, U's units start a
+/// step of their own, and C gets the bits of the plain tile on the
+/// concatenation [A | U] [op(B) ; op(V)]. Otherwise (or with `load` or
+/// AddScaled, which a LowRank does not take) it is a second call, adding
+/// onto C.
+inline bool fusedLowRank(int64_t k) { return k % (2 * kStep) == 0; }
+
+/// Bytes of a fused LowRank's operands in the working memory (lowK > 0): U
+/// in tiles for C's m rows (or V^T's, a row block's, in the swapped form),
+/// V's panels whole for C's n columns (or U^T's) and their last step's
+/// units. Either form's rows and columns: the larger of each.
+size_t lowTilesBytes(int64_t m, int64_t n, int64_t lowK) {
+  if (lowK <= 0)
+    return 0;
+  const int64_t steps = ceilDiv(ceilDiv(lowK, 2), kStep), wide = std::max(m, n);
+  return size_t(ceilDiv(wide, kTileRows) * steps) * kTileBytes +
+         lines(packedBBytes(wide, lowK, true)) + size_t(ceilDiv(wide, kPanel)) * kStep * kPanel * 4;
+}
+
 /// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
 /// layout; unused when B comes packed; a decoded B's or a transposed B's
 /// as stored, one column group's; bySlab's slab and its sums of all of C),
 /// the last step's units of a column group's panels (of every panel for a
 /// one-step product: oneStep), op(A) in tiles, the sums of the depth
 /// chunks before the last (m x a column group, in tiles), two tiles of
-/// sums on their way to C, one panel's part of a decoded B.
+/// sums on their way to C, one panel's part of a decoded B, and a fused
+/// LowRank's operands (LowTiles).
 struct AmxLayout {
-  size_t panels, tail, packedA, sums, cStage, decoded;
-  AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB) {
+  size_t panels, tail, packedA, sums, cStage, decoded, low;
+  AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB, int64_t lowK = 0) {
     const int64_t units = ceilDiv(k, 2), steps = ceilDiv(units, kStep);
     const int64_t width = std::min(n, kGroup);
     panels = lines(packedBBytes(decodedB ? width : n, k, true));
@@ -104,9 +126,10 @@ struct AmxLayout {
     packedA = size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes;
     sums = steps > kChunkSteps ? size_t(ceilDiv(m, kTileRows) * kGroupTiles) * kTileBytes : 0;
     cStage = 2 * kTileBytes;
-    decoded = decodedB ? std::max(decodedBytes(true), decodedBytes(false)) : 0;
+    decoded = decodedB ? lines(std::max(decodedBytes(true), decodedBytes(false))) : 0;
+    low = lowTilesBytes(m, n, lowK);
   }
-  size_t total() const { return panels + tail + packedA + sums + cStage + decoded; }
+  size_t total() const { return panels + tail + packedA + sums + cStage + decoded + low; }
 };
 
 /// The most bytes of op(A)^T's panels the swapped form (swapped) packs:
@@ -132,29 +155,31 @@ inline bool swapped(int64_t m, int64_t n, int64_t k, bool transA, bool transB, b
 /// (packB's layout, every column: A's rows), their last step's units, the
 /// edges of a row block of B in tiles (gemmSwapped), the sums of the depth chunks
 /// before the last (a row block x a column group, in tiles), two tiles of
-/// sums on their way to C.
+/// sums on their way to C, a fused LowRank's operands (LowTiles).
 struct SwappedLayout {
-  size_t panels, tail, edges, sums, cStage;
-  SwappedLayout(int64_t m, int64_t k) {
+  size_t panels, tail, edges, sums, cStage, low;
+  SwappedLayout(int64_t m, int64_t k, int64_t lowK = 0) {
     const int64_t steps = ceilDiv(ceilDiv(k, 2), kStep);
     panels = lines(packedBBytes(m, k, true));
     tail = size_t(ceilDiv(m, kPanel)) * kStep * kPanel * 4;
     edges = size_t(2 * steps) * kTileBytes;
     sums = steps > kSwappedChunkSteps ? size_t(2 * kGroupTiles) * kTileBytes : 0;
     cStage = 2 * kTileBytes;
+    low = lowTilesBytes(kBlockRows, m, lowK);
   }
-  size_t total() const { return panels + tail + edges + sums + cStage; }
+  size_t total() const { return panels + tail + edges + sums + cStage + low; }
 };
 
 } // namespace
 
-size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB) {
+size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB, int64_t lowK) {
   // packBytes does not know transB: the larger of the forms a call of these
-  // shapes may take.
-  const size_t bytes = AmxLayout(m, n, k, decodedB).total();
-  return swapped(m, n, k, false, true, false, decodedB)
-             ? std::max(bytes, SwappedLayout(m, k).total())
-             : bytes;
+  // shapes may take; with a LowRank not fused (fusedLowRank), its second
+  // call's too.
+  size_t bytes = AmxLayout(m, n, k, decodedB, lowK).total();
+  if (swapped(m, n, k, false, true, false, decodedB))
+    bytes = std::max(bytes, SwappedLayout(m, k, lowK).total());
+  return lowK > 0 ? std::max(bytes, amxPackBytes(m, n, lowK, false, 0)) : bytes;
 }
 
 #ifdef MOEC_AMX_X86
@@ -304,14 +329,15 @@ template <int RT, int CT> MOEC_AMX_TARGET inline void moveSums(float *sums, bool
 }
 
 /// The sums of the block at rows i0.., column tiles c0.. of the group over
-/// steps [s0, s1), added onto `sums` (moveSums' layout; null: onto zero),
-/// left in C's tile registers (RT row tiles, CT column tiles).
+/// steps [s0, s1), added onto `sums` (moveSums' layout; null: onto zero;
+/// with `onRegisters`, onto the sums in C's tile registers), left in C's
+/// tile registers (RT row tiles, CT column tiles).
 template <int RT, int CT>
 MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0, int64_t s0, int64_t s1,
-                           float *sums, Ahead *ahead = nullptr) {
+                           float *sums, Ahead *ahead = nullptr, bool onRegisters = false) {
   if (sums)
     moveSums<RT, CT>(sums, false);
-  else {
+  else if (!onRegisters) {
     _tile_zero(0);
     if constexpr (CT == 2)
       _tile_zero(1);
@@ -342,17 +368,52 @@ MOEC_AMX_TARGET void block(const Operands &x, int64_t i0, int64_t c0, int64_t s0
   }
 }
 
+/// A fused LowRank's operands (fusedLowRank), as Operands of its depth: U
+/// in tiles (C's rows; in the swapped form V^T's rows of a row block), and
+/// V's panels whole with their last step's units (C's columns; in the
+/// swapped form U^T's), each column group's found by forGroup.
+struct LowTiles {
+  int64_t k;
+  Operands x;
+  uint32_t *tiles = nullptr, *panels = nullptr, *tail = nullptr;
+  explicit LowTiles(int64_t lowK) : k(lowK), x(lowK) {}
+  /// Carves the working memory at `at` (lowTilesBytes(rows, columns, k)):
+  /// the tiles (rows' worth), then op(V)'s panels for `columns` columns (k
+  /// x columns: v(p, j), or v(j, p) when `transV`), packed there, and their
+  /// last step's units.
+  void pack(char *at, int64_t rows, int64_t columns, const void *v, int64_t ldv, bool transV) {
+    const int64_t wide = std::max(rows, columns);
+    tiles = reinterpret_cast<uint32_t *>(at);
+    x.packedA = tiles;
+    at += size_t(ceilDiv(wide, kTileRows) * x.steps) * kTileBytes;
+    panels = reinterpret_cast<uint32_t *>(at);
+    packB(columns, k, v, ldv, transV, true, panels);
+    x.panels = panels;
+    tail = reinterpret_cast<uint32_t *>(at + lines(packedBBytes(wide, k, true)));
+    if (x.fullSteps < x.steps)
+      fillTails(x, ceilDiv(columns, kPanel), tail);
+  }
+  /// Points x at the column group starting at column j0.
+  void forGroup(int64_t j0) {
+    x.panels = panels + (j0 / kPanel) * x.units * kPanel;
+    x.tail = tail + (j0 / kPanel) * kStep * kPanel;
+  }
+};
+
 /// block() on `rowTiles` x `colTiles` tiles (1 or 2 each) over steps
 /// [s0, s1), onto the sums waiting at `blockSums` (moveSums' layout; from
 /// zero at s0 = 0), left in C's tile registers, and before the last chunk
-/// (`last` false) stored back there for the next.
+/// (`last` false) stored back there for the next; after the last, a fused
+/// LowRank's steps (`low`) onto them.
 MOEC_AMX_TARGET inline void sumBlock(const Operands &x, int rowTiles, int colTiles, int64_t i0,
                                      int64_t c0, int64_t s0, int64_t s1, float *blockSums,
-                                     bool last, Ahead *ahead) {
+                                     bool last, Ahead *ahead, const LowTiles *low = nullptr) {
   const auto run = [&](auto rows, auto cols) {
     block<rows(), cols()>(x, i0, c0, s0, s1, s0 > 0 ? blockSums : nullptr, ahead);
     if (!last)
       moveSums<rows(), cols()>(blockSums, true);
+    else if (low)
+      block<rows(), cols()>(low->x, i0, c0, 0, low->x.steps, nullptr, nullptr, true);
   };
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
@@ -492,14 +553,20 @@ MOEC_AMX_TARGET void packARows(const uint16_t *a, int64_t lda, int64_t m, int64_
 /// depth order as in C's own form: the same bits.
 MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                                  const uint16_t *b, int64_t ldb, const Epilogue &epilogue,
-                                 void *pack) {
-  const SwappedLayout layout(m, k);
+                                 void *pack, const LowRank *lowRank) {
+  const int64_t lowK = lowRank ? lowRank->k : 0;
+  const SwappedLayout layout(m, k, lowK);
   char *at = static_cast<char *>(pack);
   uint32_t *panels = reinterpret_cast<uint32_t *>(at);
   uint32_t *tail = reinterpret_cast<uint32_t *>(at += layout.panels);
   uint32_t *edges = reinterpret_cast<uint32_t *>(at += layout.tail);
   float *sums = reinterpret_cast<float *>(at += layout.edges);
   float *cStage = reinterpret_cast<float *>(at += layout.sums);
+  // A fused LowRank, as its transpose: V^T's rows (a row block's at a time)
+  // in tiles, U's rows as op(V)'s columns.
+  LowTiles low(lowK);
+  if (lowRank)
+    low.pack(at + layout.cStage, kBlockRows, m, lowRank->u, lowRank->ldu, true);
 
   Operands x(k);
   x.packedA = edges;
@@ -522,6 +589,13 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
     x.direct = b + r0 * ldb;
     x.directRows = rows / kTileRows * kTileRows;
     packARows(x.direct, ldb, rows, k, x.steps, edges, x.directRows, x.directSteps);
+    if (lowRank) {
+      const uint16_t *v = static_cast<const uint16_t *>(lowRank->v);
+      if (lowRank->transV)
+        packARows(v + r0 * lowRank->ldv, lowRank->ldv, rows, lowK, low.x.steps, low.tiles);
+      else
+        packATransposed(v + r0, lowRank->ldv, rows, lowK, low.x.steps, low.tiles);
+    }
     Ahead ahead;
     if (r0 + kBlockRows < n) {
       ahead.base = reinterpret_cast<const char *>(b + (r0 + kBlockRows) * ldb);
@@ -539,13 +613,14 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
       const int64_t nb = std::min(kGroup, m - j0), colTiles = ceilDiv(nb, 16);
       x.panels = panels + (j0 / kPanel) * panelStride;
       x.tail = tail + (j0 / kPanel) * kStep * kPanel;
+      low.forGroup(j0);
       for (int64_t s0 = 0; s0 < x.steps; s0 += kSwappedChunkSteps) {
         const int64_t s1 = std::min(x.steps, s0 + kSwappedChunkSteps);
         const bool last = s1 == x.steps;
         for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
           const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
           sumBlock(x, rowTiles, colTilesHere, 0, c0, s0, s1, sums + c0 * 256, last,
-                   ahead.total ? &ahead : nullptr);
+                   ahead.total ? &ahead : nullptr, lowRank ? &low : nullptr);
           if (!last)
             continue;
           // Tile (r, ct) holds C^T's rows r0 + 16 r.. (C's columns) and
@@ -616,19 +691,30 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
                              bool transA, const void *b, int64_t ldb, bool transB, void *c,
                              int64_t ldc, bool cBf16, bool load, void *pack, bool stream,
                              const void *packedB, const DecodedB *decodedB,
-                             const AddScaled *addScaled) {
+                             const AddScaled *addScaled, const LowRank *lowRank) {
+  // A LowRank that does not start a step of its own: a second call, adding
+  // onto C.
+  if (lowRank && !fusedLowRank(k)) {
+    gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, stream, packedB,
+            decodedB, addScaled, nullptr);
+    const AddScaled onto{1.0f, c, ldc};
+    gemmAmx(m, n, lowRank->k, lowRank->u, lowRank->ldu, false, lowRank->v, lowRank->ldv,
+            lowRank->transV, c, ldc, cBf16, false, pack, false, nullptr, nullptr, &onto, nullptr);
+    return;
+  }
   const Epilogue epilogue{static_cast<char *>(c), ldc, cBf16, load, stream, addScaled};
   if (swapped(m, n, k, transA, transB, packedB != nullptr, decodedB != nullptr)) {
     configureAmxTiles();
     gemmSwapped(m, n, k, static_cast<const uint16_t *>(a), lda, static_cast<const uint16_t *>(b),
-                ldb, epilogue, pack);
+                ldb, epilogue, pack, lowRank);
     _tile_release();
     if (stream)
       _mm_sfence();
     return;
   }
   constexpr int64_t chunk = kChunkSteps;
-  const AmxLayout layout(m, n, k, decodedB != nullptr);
+  const int64_t lowK = lowRank ? lowRank->k : 0;
+  const AmxLayout layout(m, n, k, decodedB != nullptr, lowK);
   char *at = static_cast<char *>(pack);
   uint32_t *panels = reinterpret_cast<uint32_t *>(at);
   uint32_t *tail = reinterpret_cast<uint32_t *>(at += layout.panels);
@@ -636,6 +722,12 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   float *sums = reinterpret_cast<float *>(at += layout.packedA);
   float *cStage = reinterpret_cast<float *>(at += layout.sums);
   uint16_t *decoded = reinterpret_cast<uint16_t *>(at += layout.cStage);
+  LowTiles low(lowK);
+  if (lowRank) {
+    low.pack(at + layout.decoded, m, n, lowRank->v, lowRank->ldv, lowRank->transV);
+    packARows(static_cast<const uint16_t *>(lowRank->u), lowRank->ldu, m, lowK, low.x.steps,
+              low.tiles);
+  }
 
   Operands x(k);
   x.packedA = packedA;
@@ -704,13 +796,14 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   Ahead ahead;
   const auto rowBlock = [&](int64_t i0, int64_t j0, int64_t nb, int64_t s0, int64_t s1) {
     const int64_t colTiles = ceilDiv(nb, 16);
+    low.forGroup(j0);
     const int rowTiles = m - i0 > kTileRows ? 2 : 1;
     for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
       const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;
       const bool last = s1 == x.steps;
       sumBlock(x, rowTiles, colTilesHere, i0, c0, s0, s1,
                groupSums + ((i0 / kTileRows) * kGroupTiles + c0) * 256, last,
-               ahead.total ? &ahead : nullptr);
+               ahead.total ? &ahead : nullptr, lowRank ? &low : nullptr);
       if (!last)
         continue;
       // A streamed bf16 C: a row of the block's two column tiles is one
@@ -840,7 +933,7 @@ namespace moec::cpu::tile::detail {
 
 void gemmAmx(int64_t, int64_t, int64_t, const void *, int64_t, bool, const void *, int64_t, bool,
              void *, int64_t, bool, bool, void *, bool, const void *, const DecodedB *,
-             const AddScaled *) {
+             const AddScaled *, const LowRank *) {
   std::fprintf(stderr, "moec: the AMX tile was called on a CPU without it\n");
   std::abort();
 }

@@ -112,15 +112,15 @@ scaleAdd16(__m512 sums, float alpha, const char *addend, bool bf16, __mmask16 ma
 void configureAmxTiles();
 #endif
 
-/// packBytes of the AMX form (bf16 A and B).
-size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB);
+/// packBytes of the AMX form (bf16 A and B), with a LowRank of depth lowK.
+size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB, int64_t lowK = 0);
 
 /// gemm on AMX tiles, bf16 A and B only: the arguments and results of
 /// tile::gemm, with the order of the sums of Tile.h's AMX paragraph.
 void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,
              const void *b, int64_t ldb, bool transB, void *c, int64_t ldc, bool cBf16, bool load,
              void *pack, bool stream, const void *packedB, const DecodedB *decodedB,
-             const AddScaled *addScaled);
+             const AddScaled *addScaled, const LowRank *lowRank);
 
 } // namespace moec::cpu::tile::detail
 

@@ -691,27 +691,44 @@ TEST_CASE("moec's tile adds a low-rank product to its sums in one call", "[cpu][
   // tile::LowRank: C = A op(B) + U op(V). On the AVX-512 micro-kernel, U's
   // units follow A's in the same sums, so where A's depth ends on a whole
   // unit (fp32, or an even bf16 depth) C has the bits of the plain tile on
-  // the concatenation [A | U] [op(B) ; op(V)]; on AMX tiles, those of the
-  // plain tile followed by a second call adding U op(V) onto C. Every form:
-  // one depth block and several, B packed beforehand or not, V as stored or
-  // transposed, an odd rank (a lone bf16 value last), a narrow C, bf16 and
-  // fp32 C; and against a loop in double precision.
+  // the concatenation [A | U] [op(B) ; op(V)]; on AMX tiles too where A's
+  // depth ends on a whole tile step (32 values), else those of the plain
+  // tile followed by a second call adding U op(V) onto C. Every form: one
+  // depth block and several, B packed beforehand, decoded (a quantized
+  // base's; here a decoder that copies B) or as stored, k x n or n x k (on
+  // AMX, C as its transpose: the swapped form), V as stored or transposed,
+  // an odd rank (a lone bf16 value last), a narrow C, bf16 and fp32 C; and
+  // against a loop in double precision.
+  const auto decode = [](const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                         uint16_t *dst, int64_t ld) {
+    const Stored &b = *static_cast<const Stored *>(context);
+    for (int64_t i = r0; i < r1; ++i)
+      std::memcpy(dst + (i - r0) * ld, b.b16.data() + i * b.ld + c0, size_t(c1 - c0) * 2);
+  };
   for (const bool bf16 : {false, true}) {
     if (!tileRuns(bf16))
       continue;
     const bool onAmx = bf16 && tile::amx();
-    for (const int64_t k : {int64_t(16), int64_t(700)})
-      for (const int64_t r : {int64_t(16), int64_t(5)})
+    for (const int64_t k : {int64_t(16), int64_t(700), int64_t(64), int64_t(544)})
+      for (const int64_t r : {int64_t(16), int64_t(5), int64_t(40)})
         for (const int64_t n : {int64_t(250), int64_t(16)})
           for (const bool transV : {false, true})
-            for (const bool packed : {false, true})
+            for (const int form : {0, 1, 2}) // B as stored, packed, decoded
               for (const bool cBf16 : {false, true})
                 for (const bool transB : {false, true}) { // bf16 transB: the dot form
-                  INFO((bf16 ? "bf16" : "fp32")
-                       << ", k " << k << ", r " << r << ", n " << n << ", transV " << transV
-                       << ", B packed " << packed << ", C " << (cBf16 ? "bf16" : "fp32")
-                       << ", transB " << transB);
-                  const int64_t m = 21;
+                  if (form == 2 && !bf16)
+                    continue;
+                  const bool packed = form == 1, decoded = form == 2;
+                  // C streamed past the caches (the same bits) every other case.
+                  const bool stream = (k + r + n + transV + form + cBf16 + transB) % 2 == 1;
+                  INFO((bf16 ? "bf16" : "fp32") << ", k " << k << ", r " << r << ", n " << n
+                                                << ", transV " << transV << ", B "
+                                                << (packed    ? "packed"
+                                                    : decoded ? "decoded"
+                                                              : "as stored")
+                                                << ", C " << (cBf16 ? "bf16" : "fp32")
+                                                << ", transB " << transB << ", stream " << stream);
+                  const int64_t m = k == 544 ? 70 : 21; // 70: three row blocks
                   const Product x(m, n, k, false, transB, bf16, uint32_t(k + r + n));
                   const Product low(m, n, r, false, transV, bf16, uint32_t(7 * k + r));
                   // The concatenation, stored as the plain tile reads it (B's
@@ -732,10 +749,21 @@ TEST_CASE("moec's tile adds a low-rank product to its sums in one call", "[cpu][
                   tile::packB(n, k, x.b.data(), x.b.ld, transB, bf16, packedB.data());
                   const tile::LowRank lr{low.a.data(), low.a.ld, low.b.data(), low.b.ld, transV, r};
                   Aligned pack(tile::packBytes(m, n, k + r, false, bf16, cBf16, false, true, r));
-                  tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, transB, bf16,
-                             fused.data(), n, cBf16, false, pack.data(), false,
-                             packed ? packedB.data() : nullptr, nullptr, nullptr, &lr);
-                  if (onAmx) {
+                  // The fused call's working memory as packBytes gives it,
+                  // with 64 guard bytes after it that it must not touch.
+                  const size_t own =
+                      tile::packBytes(m, n, k, false, bf16, cBf16, decoded, false, r);
+                  Aligned fusedPack(own + 64, 0xA5);
+                  tile::DecodedB d;
+                  d.decode = decode;
+                  d.context = &x.b;
+                  tile::gemm(m, n, k, x.a.data(), x.a.ld, false, decoded ? nullptr : x.b.data(),
+                             decoded ? 0 : x.b.ld, transB, bf16, fused.data(), n, cBf16, false,
+                             fusedPack.data(), stream, packed ? packedB.data() : nullptr,
+                             decoded ? &d : nullptr, nullptr, &lr);
+                  CHECK(std::count(fusedPack.data() + own, fusedPack.data() + own + 64, 0xA5) ==
+                        64);
+                  if (onAmx && k % 32 != 0) {
                     tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, transB, bf16,
                                want.data(), n, cBf16, false, pack.data());
                     const tile::AddScaled onto{1.0f, want.data(), n};

@@ -89,11 +89,10 @@ inline bool oneStep(int64_t k, bool decodedB) { return !decodedB && k <= 2 * kSt
 
 /// Whether gemmAmx sums a LowRank's products in the registers after the
 /// depth's, as further steps of the same blocks, so that C is rounded and
-/// written once: where A's depth ends on a whole step, U's units start a
-/// step of their own, and C gets the bits of the plain tile on the
-/// concatenation [A | U] [op(B) ; op(V)]. Otherwise (or with `load` or
-/// AddScaled, which a LowRank does not take) it is a second call, adding
-/// onto C.
+/// written once: where A's depth (k values) ends on a whole step, U's units
+/// start a step of their own, and C gets the bits of the plain tile on the
+/// concatenation [A | U] [op(B) ; op(V)]. Otherwise the LowRank is a second
+/// call, adding onto C.
 inline bool fusedLowRank(int64_t k) { return k % (2 * kStep) == 0; }
 
 /// Bytes of a fused LowRank's operands in the working memory (lowK > 0): U
@@ -613,7 +612,8 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
       const int64_t nb = std::min(kGroup, m - j0), colTiles = ceilDiv(nb, 16);
       x.panels = panels + (j0 / kPanel) * panelStride;
       x.tail = tail + (j0 / kPanel) * kStep * kPanel;
-      low.forGroup(j0);
+      if (lowRank)
+        low.forGroup(j0);
       for (int64_t s0 = 0; s0 < x.steps; s0 += kSwappedChunkSteps) {
         const int64_t s1 = std::min(x.steps, s0 + kSwappedChunkSteps);
         const bool last = s1 == x.steps;
@@ -796,7 +796,8 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   Ahead ahead;
   const auto rowBlock = [&](int64_t i0, int64_t j0, int64_t nb, int64_t s0, int64_t s1) {
     const int64_t colTiles = ceilDiv(nb, 16);
-    low.forGroup(j0);
+    if (lowRank)
+      low.forGroup(j0);
     const int rowTiles = m - i0 > kTileRows ? 2 : 1;
     for (int64_t c0 = 0; c0 < colTiles; c0 += 2) {
       const int colTilesHere = colTiles - c0 > 1 ? 2 : 1;

@@ -184,9 +184,10 @@ class MoeFFN(torch.nn.Module):
     once, by the first tile that reads it, and again only when it changed:
     frozen weights are packed at the second pass and never again; trained
     ones once per optimizer step where several tiles read each part of
-    them, else not at all. Off by default: it buys a frozen layer's step
-    about 7% for two more copies of its frozen weights' bytes
-    (docs/performance.md). PyTorch counts
+    them, else not at all. Off by default, for its memory: on the AVX-512
+    tile it buys a frozen layer's step about 7% for one more copy of its
+    frozen weights' bytes, on AMX tiles 1.2-1.3x (frozen and LoRA) for two
+    more (docs/torch.md, docs/performance.md). PyTorch counts
     every in-place write to a tensor (an optimizer's, a copy_ into it or a
     view of it) and the layer reads that count at each pass; a write it
     does not count, through a parameter's .data, needs weights_changed()

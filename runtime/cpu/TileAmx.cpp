@@ -67,6 +67,17 @@ constexpr int64_t kSwappedChunkSteps = 4;
 
 size_t lines(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
+/// The working memory's parts, handed out one after the other in the order
+/// a layout lists them.
+struct Carve {
+  char *at;
+  template <typename T> T *take(size_t bytes) {
+    T *part = reinterpret_cast<T *>(at);
+    at += bytes;
+    return part;
+  }
+};
+
 /// Steps of a depth slab (bySlab): B's rows of one slab, packed for every
 /// column, stay in L2 (256 bytes a column) while every block passes over
 /// them.
@@ -95,17 +106,22 @@ inline bool oneStep(int64_t k, bool decodedB) { return !decodedB && k <= 2 * kSt
 /// call, adding onto C.
 inline bool fusedLowRank(int64_t k) { return k % (2 * kStep) == 0; }
 
-/// Bytes of a fused LowRank's operands in the working memory (lowK > 0): U
-/// in tiles for C's m rows (or V^T's, a row block's, in the swapped form),
-/// V's panels whole for C's n columns (or U^T's) and their last step's
-/// units. Either form's rows and columns: the larger of each.
-size_t lowTilesBytes(int64_t m, int64_t n, int64_t lowK) {
-  if (lowK <= 0)
-    return 0;
-  const int64_t steps = ceilDiv(ceilDiv(lowK, 2), kStep), wide = std::max(m, n);
-  return size_t(ceilDiv(wide, kTileRows) * steps) * kTileBytes +
-         lines(packedBBytes(wide, lowK, true)) + size_t(ceilDiv(wide, kPanel)) * kStep * kPanel * 4;
-}
+/// A fused LowRank's operands in the working memory (none without one), in
+/// order: U in tiles for C's m rows (or V^T's, a row block's, in the
+/// swapped form), V's panels whole for C's n columns (or U^T's), their last
+/// step's units. Either form's rows and columns: the larger of each.
+struct LowTilesLayout {
+  size_t tiles = 0, panels = 0, tail = 0;
+  LowTilesLayout(int64_t m, int64_t n, int64_t lowK) {
+    if (lowK <= 0)
+      return;
+    const int64_t steps = ceilDiv(ceilDiv(lowK, 2), kStep), wide = std::max(m, n);
+    tiles = size_t(ceilDiv(wide, kTileRows) * steps) * kTileBytes;
+    panels = lines(packedBBytes(wide, lowK, true));
+    tail = size_t(ceilDiv(wide, kPanel)) * kStep * kPanel * 4;
+  }
+  size_t total() const { return tiles + panels + tail; }
+};
 
 /// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
 /// layout; unused when B comes packed; a decoded B's or a transposed B's
@@ -126,7 +142,7 @@ struct AmxLayout {
     sums = steps > kChunkSteps ? size_t(ceilDiv(m, kTileRows) * kGroupTiles) * kTileBytes : 0;
     cStage = 2 * kTileBytes;
     decoded = decodedB ? lines(std::max(decodedBytes(true), decodedBytes(false))) : 0;
-    low = lowTilesBytes(m, n, lowK);
+    low = LowTilesLayout(m, n, lowK).total();
   }
   size_t total() const { return panels + tail + packedA + sums + cStage + decoded + low; }
 };
@@ -164,7 +180,7 @@ struct SwappedLayout {
     edges = size_t(2 * steps) * kTileBytes;
     sums = steps > kSwappedChunkSteps ? size_t(2 * kGroupTiles) * kTileBytes : 0;
     cStage = 2 * kTileBytes;
-    low = lowTilesBytes(kBlockRows, m, lowK);
+    low = LowTilesLayout(kBlockRows, m, lowK).total();
   }
   size_t total() const { return panels + tail + edges + sums + cStage + low; }
 };
@@ -172,13 +188,16 @@ struct SwappedLayout {
 } // namespace
 
 size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB, int64_t lowK) {
+  // A LowRank not fused (fusedLowRank) is a second call: the larger of the
+  // two calls' needs.
+  if (lowK > 0 && !fusedLowRank(k))
+    return std::max(amxPackBytes(m, n, k, decodedB, 0), amxPackBytes(m, n, lowK, false, 0));
   // packBytes does not know transB: the larger of the forms a call of these
-  // shapes may take; with a LowRank not fused (fusedLowRank), its second
-  // call's too.
+  // shapes may take.
   size_t bytes = AmxLayout(m, n, k, decodedB, lowK).total();
   if (swapped(m, n, k, false, true, false, decodedB))
     bytes = std::max(bytes, SwappedLayout(m, k, lowK).total());
-  return lowK > 0 ? std::max(bytes, amxPackBytes(m, n, lowK, false, 0)) : bytes;
+  return bytes;
 }
 
 #ifdef MOEC_AMX_X86
@@ -376,19 +395,18 @@ struct LowTiles {
   Operands x;
   uint32_t *tiles = nullptr, *panels = nullptr, *tail = nullptr;
   explicit LowTiles(int64_t lowK) : k(lowK), x(lowK) {}
-  /// Carves the working memory at `at` (lowTilesBytes(rows, columns, k)):
-  /// the tiles (rows' worth), then op(V)'s panels for `columns` columns (k
-  /// x columns: v(p, j), or v(j, p) when `transV`), packed there, and their
-  /// last step's units.
-  void pack(char *at, int64_t rows, int64_t columns, const void *v, int64_t ldv, bool transV) {
-    const int64_t wide = std::max(rows, columns);
-    tiles = reinterpret_cast<uint32_t *>(at);
+  /// Takes its parts of the working memory (LowTilesLayout(rows, columns,
+  /// k)): the tiles, for the caller to fill, and op(V)'s panels for
+  /// `columns` columns (k x columns: v(p, j), or v(j, p) when `transV`),
+  /// packed there with their last step's units.
+  void pack(Carve &carve, int64_t rows, int64_t columns, const void *v, int64_t ldv, bool transV) {
+    const LowTilesLayout layout(rows, columns, k);
+    tiles = carve.take<uint32_t>(layout.tiles);
+    panels = carve.take<uint32_t>(layout.panels);
+    tail = carve.take<uint32_t>(layout.tail);
     x.packedA = tiles;
-    at += size_t(ceilDiv(wide, kTileRows) * x.steps) * kTileBytes;
-    panels = reinterpret_cast<uint32_t *>(at);
-    packB(columns, k, v, ldv, transV, true, panels);
     x.panels = panels;
-    tail = reinterpret_cast<uint32_t *>(at + lines(packedBBytes(wide, k, true)));
+    packB(columns, k, v, ldv, transV, true, panels);
     if (x.fullSteps < x.steps)
       fillTails(x, ceilDiv(columns, kPanel), tail);
   }
@@ -555,17 +573,17 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
                                  void *pack, const LowRank *lowRank) {
   const int64_t lowK = lowRank ? lowRank->k : 0;
   const SwappedLayout layout(m, k, lowK);
-  char *at = static_cast<char *>(pack);
-  uint32_t *panels = reinterpret_cast<uint32_t *>(at);
-  uint32_t *tail = reinterpret_cast<uint32_t *>(at += layout.panels);
-  uint32_t *edges = reinterpret_cast<uint32_t *>(at += layout.tail);
-  float *sums = reinterpret_cast<float *>(at += layout.edges);
-  float *cStage = reinterpret_cast<float *>(at += layout.sums);
+  Carve carve{static_cast<char *>(pack)};
+  uint32_t *panels = carve.take<uint32_t>(layout.panels);
+  uint32_t *tail = carve.take<uint32_t>(layout.tail);
+  uint32_t *edges = carve.take<uint32_t>(layout.edges);
+  float *sums = carve.take<float>(layout.sums);
+  float *cStage = carve.take<float>(layout.cStage);
   // A fused LowRank, as its transpose: V^T's rows (a row block's at a time)
   // in tiles, U's rows as op(V)'s columns.
   LowTiles low(lowK);
   if (lowRank)
-    low.pack(at + layout.cStage, kBlockRows, m, lowRank->u, lowRank->ldu, true);
+    low.pack(carve, kBlockRows, m, lowRank->u, lowRank->ldu, true);
 
   Operands x(k);
   x.packedA = edges;
@@ -715,16 +733,16 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   constexpr int64_t chunk = kChunkSteps;
   const int64_t lowK = lowRank ? lowRank->k : 0;
   const AmxLayout layout(m, n, k, decodedB != nullptr, lowK);
-  char *at = static_cast<char *>(pack);
-  uint32_t *panels = reinterpret_cast<uint32_t *>(at);
-  uint32_t *tail = reinterpret_cast<uint32_t *>(at += layout.panels);
-  uint32_t *packedA = reinterpret_cast<uint32_t *>(at += layout.tail);
-  float *sums = reinterpret_cast<float *>(at += layout.packedA);
-  float *cStage = reinterpret_cast<float *>(at += layout.sums);
-  uint16_t *decoded = reinterpret_cast<uint16_t *>(at += layout.cStage);
+  Carve carve{static_cast<char *>(pack)};
+  uint32_t *panels = carve.take<uint32_t>(layout.panels);
+  uint32_t *tail = carve.take<uint32_t>(layout.tail);
+  uint32_t *packedA = carve.take<uint32_t>(layout.packedA);
+  float *sums = carve.take<float>(layout.sums);
+  float *cStage = carve.take<float>(layout.cStage);
+  uint16_t *decoded = carve.take<uint16_t>(layout.decoded);
   LowTiles low(lowK);
   if (lowRank) {
-    low.pack(at + layout.decoded, m, n, lowRank->v, lowRank->ldv, lowRank->transV);
+    low.pack(carve, m, n, lowRank->v, lowRank->ldv, lowRank->transV);
     packARows(static_cast<const uint16_t *>(lowRank->u), lowRank->ldu, m, lowK, low.x.steps,
               low.tiles);
   }

@@ -123,7 +123,29 @@ struct LowTilesLayout {
   size_t total() const { return tiles + panels + tail; }
 };
 
-/// The working memory of gemmAmx, in order: op(B)'s panels whole (packB's
+/// The working memory of both AMX forms, in order: B tiles' panels, their
+/// last step's units, A in tiles, the sums of the depth chunks before the
+/// last, two tiles of sums on their way to C, one panel's part of a decoded
+/// B, a fused LowRank's operands (LowTiles); AmxLayout and SwappedLayout
+/// size them, carve hands them out.
+struct WorkLayout {
+  size_t panels = 0, tail = 0, aTiles = 0, sums = 0, cStage = 0, decoded = 0, low = 0;
+  size_t total() const { return panels + tail + aTiles + sums + cStage + decoded + low; }
+  struct Parts {
+    uint32_t *panels, *tail, *aTiles;
+    float *sums, *cStage;
+    uint16_t *decoded;
+  };
+  /// The parts before the LowRank's, taken from `carve` (in order: braced
+  /// initializers run left to right), which then stands at the LowRank's.
+  Parts carve(Carve &carve) const {
+    return {carve.take<uint32_t>(panels), carve.take<uint32_t>(tail),
+            carve.take<uint32_t>(aTiles), carve.take<float>(sums),
+            carve.take<float>(cStage),    carve.take<uint16_t>(decoded)};
+  }
+};
+
+/// The working memory of gemmAmx (WorkLayout): op(B)'s panels whole (packB's
 /// layout; unused when B comes packed; a decoded B's or a transposed B's
 /// as stored, one column group's; bySlab's slab and its sums of all of C),
 /// the last step's units of a column group's panels (of every panel for a
@@ -131,20 +153,18 @@ struct LowTilesLayout {
 /// chunks before the last (m x a column group, in tiles), two tiles of
 /// sums on their way to C, one panel's part of a decoded B, and a fused
 /// LowRank's operands (LowTiles).
-struct AmxLayout {
-  size_t panels, tail, packedA, sums, cStage, decoded, low;
+struct AmxLayout : WorkLayout {
   AmxLayout(int64_t m, int64_t n, int64_t k, bool decodedB, int64_t lowK = 0) {
     const int64_t units = ceilDiv(k, 2), steps = ceilDiv(units, kStep);
     const int64_t width = std::min(n, kGroup);
     panels = lines(packedBBytes(decodedB ? width : n, k, true));
     tail = size_t(ceilDiv(oneStep(k, decodedB) ? n : width, kPanel)) * kStep * kPanel * 4;
-    packedA = size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes;
+    aTiles = size_t(ceilDiv(m, kTileRows) * steps) * kTileBytes;
     sums = steps > kChunkSteps ? size_t(ceilDiv(m, kTileRows) * kGroupTiles) * kTileBytes : 0;
     cStage = 2 * kTileBytes;
     decoded = decodedB ? lines(std::max(decodedBytes(true), decodedBytes(false))) : 0;
     low = LowTilesLayout(m, n, lowK).total();
   }
-  size_t total() const { return panels + tail + packedA + sums + cStage + decoded + low; }
 };
 
 /// The most bytes of op(A)^T's panels the swapped form (swapped) packs:
@@ -166,23 +186,21 @@ inline bool swapped(int64_t m, int64_t n, int64_t k, bool transA, bool transB, b
          packedBBytes(m, k, true) <= kSwappedPanelBytes;
 }
 
-/// The working memory of the swapped form, in order: op(A)^T's panels
+/// The working memory of the swapped form (WorkLayout): op(A)^T's panels
 /// (packB's layout, every column: A's rows), their last step's units, the
 /// edges of a row block of B in tiles (gemmSwapped), the sums of the depth chunks
 /// before the last (a row block x a column group, in tiles), two tiles of
 /// sums on their way to C, a fused LowRank's operands (LowTiles).
-struct SwappedLayout {
-  size_t panels, tail, edges, sums, cStage, low;
+struct SwappedLayout : WorkLayout {
   SwappedLayout(int64_t m, int64_t k, int64_t lowK = 0) {
     const int64_t steps = ceilDiv(ceilDiv(k, 2), kStep);
     panels = lines(packedBBytes(m, k, true));
     tail = size_t(ceilDiv(m, kPanel)) * kStep * kPanel * 4;
-    edges = size_t(2 * steps) * kTileBytes;
+    aTiles = size_t(2 * steps) * kTileBytes;
     sums = steps > kSwappedChunkSteps ? size_t(2 * kGroupTiles) * kTileBytes : 0;
     cStage = 2 * kTileBytes;
     low = LowTilesLayout(kBlockRows, m, lowK).total();
   }
-  size_t total() const { return panels + tail + edges + sums + cStage + low; }
 };
 
 } // namespace
@@ -574,11 +592,9 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
   const int64_t lowK = lowRank ? lowRank->k : 0;
   const SwappedLayout layout(m, k, lowK);
   Carve carve{static_cast<char *>(pack)};
-  uint32_t *panels = carve.take<uint32_t>(layout.panels);
-  uint32_t *tail = carve.take<uint32_t>(layout.tail);
-  uint32_t *edges = carve.take<uint32_t>(layout.edges);
-  float *sums = carve.take<float>(layout.sums);
-  float *cStage = carve.take<float>(layout.cStage);
+  const WorkLayout::Parts parts = layout.carve(carve);
+  uint32_t *panels = parts.panels, *tail = parts.tail, *edges = parts.aTiles;
+  float *sums = parts.sums, *cStage = parts.cStage;
   // A fused LowRank, as its transpose: V^T's rows (a row block's at a time)
   // in tiles, U's rows as op(V)'s columns.
   LowTiles low(lowK);
@@ -734,12 +750,10 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   const int64_t lowK = lowRank ? lowRank->k : 0;
   const AmxLayout layout(m, n, k, decodedB != nullptr, lowK);
   Carve carve{static_cast<char *>(pack)};
-  uint32_t *panels = carve.take<uint32_t>(layout.panels);
-  uint32_t *tail = carve.take<uint32_t>(layout.tail);
-  uint32_t *packedA = carve.take<uint32_t>(layout.packedA);
-  float *sums = carve.take<float>(layout.sums);
-  float *cStage = carve.take<float>(layout.cStage);
-  uint16_t *decoded = carve.take<uint16_t>(layout.decoded);
+  const WorkLayout::Parts parts = layout.carve(carve);
+  uint32_t *panels = parts.panels, *tail = parts.tail, *packedA = parts.aTiles;
+  float *sums = parts.sums, *cStage = parts.cStage;
+  uint16_t *decoded = parts.decoded;
   LowTiles low(lowK);
   if (lowRank) {
     low.pack(carve, m, n, lowRank->v, lowRank->ldv, lowRank->transV);

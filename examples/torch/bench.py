@@ -59,7 +59,9 @@ fp8 (FP8 e4m3 blocks, "fp8_block128"), int8, int4_g128, int4_g64_zp, ...
 Each dense variant has a "_packed" twin (frozen_packed, lora_packed, ...):
 the same layer with pack_weights=True, which keeps its weights packed in
 the GEMM tile's layout instead of packing the part each tile reads every
-time ("_unpacked" says pack_weights=False, the default, explicitly).
+time ("_unpacked" says pack_weights=False, the default, explicitly), and
+a "_packed_forward" one (pack_weights="forward": the forward pass's
+weights packed, the backward's read as stored).
 
 --profile VARIANT prints where one variant's step goes instead: the layer
 made with trace=True, two warm-up steps, then the third step's
@@ -206,11 +208,15 @@ VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": T
             "lora": {"lora_rank": 16, "lora_alpha": 32}}
 
 
+# The suffixes of a variant's name that set pack_weights.
+PACKING = (("_packed", True), ("_packed_forward", "forward"), ("_unpacked", False))
+
+
 def variant_options(name):
     """MoeFFN's options of a dense variant, "lora", "lora_packed" (the same
-    with pack_weights=True) or "lora_unpacked" (pack_weights=False), or None
-    for another name."""
-    for suffix, pack in (("_packed", True), ("_unpacked", False)):
+    with pack_weights=True), "lora_packed_forward" (pack_weights="forward")
+    or "lora_unpacked" (pack_weights=False), or None for another name."""
+    for suffix, pack in PACKING:
         if name.endswith(suffix) and name[:-len(suffix)] in VARIANTS:
             return dict(VARIANTS[name[:-len(suffix)]], pack_weights=pack)
     return VARIANTS.get(name)
@@ -222,7 +228,7 @@ def quantized_variant(name):
     _packed or _unpacked ("frozen_fp8_packed") the dense variant is that one
     (pack_weights=True or False, which the quantized layer keeps); without,
     the first frozen or lora variant listed."""
-    suffix = next((x for x in ("_packed", "_unpacked") if name.endswith(x)), "")
+    suffix = next((x for x, _ in PACKING if name.endswith(x)), "")
     base, _, form = name[:len(name) - len(suffix)].partition("_")
     form = "fp8_block128" if form == "fp8" else form
     if base in ("frozen", "lora") and form in quant.WEIGHT_FORMATS:
@@ -241,10 +247,11 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
                and not quantized_variant(v)]
     if unknown:
         raise SystemExit(f"bench.py: unknown variants {unknown}; known: {list(VARIANTS)} (and "
-                         f"each with _packed or _unpacked: pack_weights=True or False), split, "
+                         f"each with _packed, _packed_forward or _unpacked: pack_weights=True, "
+                         f"\"forward\" or False), split, "
                          f"frozen_<format> and lora_<format> for a format of "
-                         f"{('fp8',) + quant.WEIGHT_FORMATS[1:]} (each also with _packed or "
-                         f"_unpacked: made from that variant)")
+                         f"{('fp8',) + quant.WEIGHT_FORMATS[1:]} (each also with _packed, "
+                         f"_packed_forward or _unpacked: made from that variant)")
     # The same base weights in every variant, shared (one copy per
     # requires_grad): four copies of a large layer's weights and gradients
     # would not fit a small machine. LoRA's adapters stay its own.

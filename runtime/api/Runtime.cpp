@@ -123,8 +123,9 @@ Status Context::create(std::shared_ptr<const Program> forward,
   if (!impl->fabric->allLocal())
     if (Status s = impl->fingerprint(); !s)
       return s;
-  const backend::PassOptions po = impl->passOptions();
   const auto createPass = [&](const Program &program, std::unique_ptr<backend::Pass> *pass) {
+    backend::PassOptions po = impl->passOptions();
+    po.packWeights = po.packWeights && (!program.shape().backward || options.packBackward);
     return impl->backend->createPass(program.tasks(), program.impl().plan, po, pass);
   };
   if (Status s = createPass(*impl->fwdProgram, &impl->fwd); !s)

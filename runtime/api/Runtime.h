@@ -222,6 +222,12 @@ struct ContextOptions {
   /// writes a bound weight in place must call weightChanged() before the
   /// next pass.
   bool packWeights = false;
+  /// With packWeights: whether the backward pass keeps its weights packed
+  /// too. Its dX products read each weight transposed, which on AMX tiles
+  /// is a second packed form of it (about half of a packed layer's bytes);
+  /// false keeps the forward's only, the backward's products reading the
+  /// weights as stored (docs/runtime.md#packed-weights: what it costs).
+  bool packBackward = true;
 };
 
 /// Which pass Context::writeTrace writes.

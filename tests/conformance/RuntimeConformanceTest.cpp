@@ -1237,6 +1237,51 @@ TEST_CASE("packed weights: the bits of packing in every tile, packed again when 
              Catch::Contains("'x' is not a weight; expected one of w1, w2, lora_a1"));
 }
 
+TEST_CASE("packed weights for the forward pass only: the bits of packing in every tile, the "
+          "forward's cells alone",
+          "[runtime]") {
+  if (!testBackendHas(moec::backend::Feature::PackedWeights))
+    return;
+  Case c;
+  c.ranks = groupSize(2);
+  c.localExperts = 3;
+  c.topK = 2;
+  c.bf16 = true;
+  c.hidden = 301;
+  c.inter = 70;
+  c.seq = 64;
+  auto [fwd, bwd] = compile(c);
+  const Inputs in = makeInputs(c, 43);
+  ContextOptions plainOptions;
+  plainOptions.workers = 2;
+  ContextOptions forwardOptions = plainOptions;
+  forwardOptions.packWeights = true;
+  forwardOptions.packBackward = false;
+  std::unique_ptr<Context> plain, packed;
+  REQUIRE(makeContext(fwd, bwd, plainOptions, &plain).ok());
+  REQUIRE(makeContext(fwd, bwd, forwardOptions, &packed).ok());
+  Run a = prepare(c, in, bwd->shape()), b = prepare(c, in, bwd->shape());
+  REQUIRE(bindAll(*plain, c, a).ok());
+  REQUIRE(bindAll(*packed, c, b).ok());
+  for (int step = 0; step < 3; ++step) {
+    runPasses(*plain);
+    runPasses(*packed);
+    CHECK(b.sameOutputs(a));
+  }
+  if (!moec::cpu::packedTile(DType::BF16, DType::BF16)) {
+    WARN("moec's bf16 tile does not run on this CPU: nothing is packed");
+    CHECK(packed->packedWeightBytes() == 0);
+    return;
+  }
+  // w1 and w2 packed once each, for the forward (read as stored k x n) on
+  // either tile; the backward's transposed reads keep none, where the AMX
+  // tile with the backward's cells too holds them twice (the case above).
+  const uint64_t weightBytes =
+      uint64_t(packed->localRanks() * c.localExperts * 3 * c.hidden * c.inter) * 2;
+  CHECK(packed->packedWeightBytes() >= weightBytes);
+  CHECK(packed->packedWeightBytes() < 2 * weightBytes);
+}
+
 TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", "[runtime][gpu]") {
   // w1 [L, 2I, H] and w2 [L, H, I], each expert's matrix transposed (the
   // layout of Hugging Face's fused experts), run by the *_transposed graphs:

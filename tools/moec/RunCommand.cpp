@@ -552,7 +552,8 @@ int runRun(int argc, char **argv, int first) {
   rt::ContextOptions options;
   options.workers = uint32_t(threads);
   options.trace = args.value("--trace").has_value() || args.has("--profile");
-  options.packWeights = args.has("--pack-weights");
+  options.packWeights = args.has("--pack-weights") || args.has("--pack-forward-weights");
+  options.packBackward = !args.has("--pack-forward-weights");
   options.fabric = fabric;
   options.timeoutSeconds = timeout;
   options.backend = backendKind;

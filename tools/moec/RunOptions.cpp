@@ -28,7 +28,8 @@ const CommandSpec kRunSpec = {
     "run",
     "moec run FWD.moebin [BWD.moebin] [--ranks R] (--inputs DIR | --random SEED) --outputs DIR "
     "[--hand-made] [--verify] [--verify-sample N] [--fabric inproc|mpi] [--backend cpu|cuda] "
-    "[--op-by-op] [--local-puts] [--pack-weights] [--timeout SECONDS] [--trace FILE] [--profile] "
+    "[--op-by-op] [--local-puts] [--pack-weights | --pack-forward-weights] [--timeout SECONDS] "
+    "[--trace FILE] [--profile] "
     "[--workspace] [--threads N] [--repeat N] [--warmup N] [--hot-share F] [--progress | "
     "--no-progress]",
     "Runs the MoE-FFN layer of a forward task binary, and of a backward one when\n"
@@ -107,6 +108,10 @@ const CommandSpec kRunSpec = {
     "                   packed by the first tile that reads it (the torch op's\n"
     "                   pack_weights=True); without it every tile packs\n"
     "                   the part it reads. The same bits either way\n"
+    "  --pack-forward-weights\n"
+    "                   --pack-weights for the forward pass only: the backward\n"
+    "                   reads the weights as stored (pack_weights=\"forward\";\n"
+    "                   on AMX tiles about half the packed bytes)\n"
     "  --op-by-op       run the same tasks one op at a time, with a barrier over\n"
     "                   all ranks between ops (the baseline fusion is measured\n"
     "                   against)\n"
@@ -154,7 +159,7 @@ const CommandSpec kRunSpec = {
     {"--ranks", "--inputs", "--random", "--outputs", "--trace", "--threads", "--repeat", "--warmup",
      "--hot-share", "--fabric", "--timeout", "--verify-sample", "--backend"},
     {"--verify", "--op-by-op", "--local-puts", "--progress", "--no-progress", "--profile",
-     "--workspace", "--pack-weights", "--hand-made"},
+     "--workspace", "--pack-weights", "--pack-forward-weights", "--hand-made"},
     1,
     2,
     {"--trace"}};
@@ -233,6 +238,8 @@ int parseRunOptions(const Args &args, RunOptions *o) {
     return usage("--local-puts makes the outputs wrong; it cannot be verified");
   if (args.has("--progress") && args.has("--no-progress"))
     return usage("--progress and --no-progress exclude each other");
+  if (args.has("--pack-weights") && args.has("--pack-forward-weights"))
+    return usage("--pack-weights and --pack-forward-weights exclude each other");
   if (args.has("--hand-made") && !args.value("--inputs"))
     return usage("--hand-made says how the --inputs folder was made; it needs --inputs DIR");
   if (!args.value("--outputs"))
@@ -278,7 +285,9 @@ int parseRunOptions(const Args &args, RunOptions *o) {
         {args.has("--op-by-op"), {Feature::OpByOp, "--op-by-op runs"}},
         {args.value("--trace") || args.has("--profile"),
          {Feature::TaskTrace, "--trace and --profile run"}},
-        {args.has("--pack-weights"), {Feature::PackedWeights, "--pack-weights runs"}}};
+        {args.has("--pack-weights") || args.has("--pack-forward-weights"),
+         {Feature::PackedWeights,
+          args.has("--pack-weights") ? "--pack-weights runs" : "--pack-forward-weights runs"}}};
     for (const auto &[wanted, what] : asked)
       if (wanted && !named->has(what.first))
         return usage((what.first == Feature::MultiProcess

@@ -32,7 +32,7 @@ namespace moec::torchop {
 class Layer : public torch::CustomClassHolder {
 public:
   Layer(std::string forwardPath, std::string backwardPath, int64_t workers, double timeoutSeconds,
-        std::string fabric, bool trace, bool packWeights, int64_t group,
+        std::string fabric, bool trace, std::string packWeights, int64_t group,
         double groupTimeoutSeconds) {
     moec::rt::ContextOptions options =
         contextOptions(workers, timeoutSeconds, {fabric, group, groupTimeoutSeconds});
@@ -41,8 +41,13 @@ public:
     if (!backwardPath.empty())
       check(moec::rt::Program::load(backwardPath, &bwd), "backward binary");
     options.trace = trace;
-    options.packWeights = packWeights;
-    this->packWeights = packWeights;
+    // "none", "forward" (the forward pass's weights only) or "all".
+    TORCH_CHECK(packWeights == "none" || packWeights == "forward" || packWeights == "all",
+                "moec: pack_weights must be \"none\", \"forward\" or \"all\", not \"", packWeights,
+                "\"");
+    options.packWeights = packWeights != "none";
+    options.packBackward = packWeights == "all";
+    this->packWeights = options.packWeights;
     check(moec::rt::Context::create(fwd, bwd, options, &slot->context), "context");
     if (fabric == "mpi") {
       std::lock_guard<std::mutex> lock(mpiSlotsMutex);

@@ -164,8 +164,8 @@ using namespace moec::torchop; // the classes and ops registered below
 
 TORCH_LIBRARY(moec, m) {
   m.class_<Layer>("Layer")
-      .def(torch::init<std::string, std::string, int64_t, double, std::string, bool, bool, int64_t,
-                       double>())
+      .def(torch::init<std::string, std::string, int64_t, double, std::string, bool, std::string,
+                       int64_t, double>())
       .def("info", &Layer::info)
       .def("weights_changed", &Layer::weightsChanged)
       .def("write_trace", &Layer::writeTrace)

@@ -187,7 +187,10 @@ class MoeFFN(torch.nn.Module):
     them, else not at all. Off by default, for its memory: on the AVX-512
     tile it buys a frozen layer's step about 7% for one more copy of its
     frozen weights' bytes, on AMX tiles 1.2-1.3x (frozen and LoRA) for two
-    more (docs/torch.md, docs/performance.md). PyTorch counts
+    more (docs/torch.md, docs/performance.md). "forward" keeps the forward
+    pass's packed only (on AMX tiles one more copy instead of two, for a
+    slower backward; on the AVX-512 tile the same as True unless
+    weights_transposed, whose packed copy is the backward's). PyTorch counts
     every in-place write to a tensor (an optimizer's, a copy_ into it or a
     view of it) and the layer reads that count at each pass; a write it
     does not count, through a parameter's .data, needs weights_changed()
@@ -231,7 +234,12 @@ class MoeFFN(torch.nn.Module):
         trace = checks.boolean(trace, arg + "'trace'")
         init_weights = checks.boolean(init_weights, arg + "'init_weights'")
         weights_transposed = checks.boolean(weights_transposed, arg + "'weights_transposed'")
-        pack_weights = checks.boolean(pack_weights, arg + "'pack_weights'")
+        if not (isinstance(pack_weights, str) and pack_weights == "forward"):
+            try:
+                pack_weights = checks.boolean(pack_weights, arg + "'pack_weights'")
+            except TypeError:
+                raise TypeError(f"{arg}'pack_weights' must be True, False or \"forward\", got "
+                                f"{pack_weights!r} ({type(pack_weights).__name__})") from None
         cfg = checks.read_config(config)
         # The files the layer reads, which no file it writes may be.
         self._config_file = None if isinstance(config, dict) else os.fspath(config)
@@ -720,8 +728,9 @@ class MoeFFN(torch.nn.Module):
 
     def _runtime_layer(self, forward, backward):
         threads, timeout, _, _, fabric, trace = self._build
+        packing = {True: "all", False: "none", "forward": "forward"}[self.pack_weights]
         layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric, trace,
-                                         self.pack_weights, *_fabric_args(fabric, self.group))
+                                         packing, *_fabric_args(fabric, self.group))
         self._made = (forward, backward)
         return layer
 

@@ -44,6 +44,14 @@ def test_profile_of_a_quantized_variant(capsys):
     assert "w1_grad" not in backward and "w2_grad" not in backward
 
 
+def test_variant_suffixes_set_pack_weights():
+    assert bench.variant_options("lora_packed")["pack_weights"] is True
+    assert bench.variant_options("lora_packed_forward")["pack_weights"] == "forward"
+    assert bench.variant_options("frozen_unpacked") == {"frozen": True, "pack_weights": False}
+    assert bench.variant_options("frozen_packed_sideways") is None
+    assert bench.quantized_variant("lora_int8_packed_forward") == ("lora_packed_forward", "int8")
+
+
 def test_profile_refuses_an_unknown_variant():
     with pytest.raises(SystemExit, match="--profile 'lorra' is not a variant"):
         bench.profile_one(dict(TINY, seq_size=64), 2, "fp32", 2, "lorra")

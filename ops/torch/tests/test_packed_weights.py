@@ -1,7 +1,8 @@
 """MoeFFN(pack_weights=True): the weights packed once in the
 GEMM tile's layout give the bits of packing them in every tile, through
 optimizer steps (PyTorch's version counters say which weight changed), a
-parameter replaced, and writes through .data with weights_changed()."""
+parameter replaced, and writes through .data with weights_changed();
+pack_weights="forward" packs the forward pass's alone."""
 
 import pytest
 import torch
@@ -95,6 +96,49 @@ def test_weights_changed_while_a_pass_is_pending_is_refused():
     with pytest.raises(RuntimeError, match="weights_changed\\(\\) while a submitted pass"):
         packed.weights_changed()
     handle.wait()
+
+
+@pytest.mark.parametrize("options", [{"frozen": True}, {"lora_rank": 8}, {"frozen": True, "weights_transposed": True}],
+                         ids=["frozen", "lora", "frozen_transposed"])
+def test_forward_packing_keeps_the_forward_pass_cells_only(options):
+    """pack_weights="forward": the forward pass's packed weights alone,
+    those of pack_weights=True's forward; the backward reads the weights as
+    stored and packs nothing; the bits of the unpacked layer."""
+    cfg = config(experts=4, top_k=2, hidden=301, inter=70, tokens=48, dtype="bf16")
+    torch.manual_seed(6)
+    modes = (True, "forward", False)
+    layers = {mode: moec_torch.MoeFFN(cfg, 2, threads=2, pack_weights=mode, **options)
+              for mode in modes}
+    if layers[True].lora_rank:
+        randomize_adapters(layers[True], 5)
+    for mode in modes[1:]:
+        layers[mode].load_state_dict(layers[True].state_dict())
+    assert layers["forward"].pack_weights == "forward"
+    # Two forward passes: the second packs what the first found unchanged.
+    for s in range(2):
+        x, ids, weights, _ = inputs(layers[True], seed=s)
+        with torch.no_grad():
+            ys = [layers[mode](x, ids, weights) for mode in modes]
+        assert same(ys[:2], ys[1:])
+    forward_bytes = {mode: layers[mode].info()["packed_weight_bytes"] for mode in modes}
+    assert forward_bytes[True] == forward_bytes["forward"]
+    for s in range(3):
+        data = inputs(layers[True], seed=s)
+        results = [step(layers[mode], *data) for mode in modes]
+        assert same(results[0], results[1]) and same(results[1], results[2]), f"step {s}"
+    after = {mode: layers[mode].info()["packed_weight_bytes"] for mode in modes}
+    assert after["forward"] == forward_bytes["forward"]
+    assert after[True] >= after["forward"] and after[False] == 0
+    if packs(layers[True]) and not options.get("weights_transposed"):
+        assert after["forward"] > 0
+
+
+def test_pack_weights_takes_true_false_or_forward():
+    cfg = config(experts=4, top_k=2, hidden=64, inter=32, tokens=16, dtype="bf16")
+    for value in ("all", "yes", 1, None):
+        with pytest.raises(TypeError, match="MoeFFN: argument 'pack_weights' must be True, False "
+                                            "or \"forward\", got "):
+            moec_torch.MoeFFN(cfg, 2, pack_weights=value)
 
 
 @pytest.mark.parametrize("weight_format", ["fp8_block128", "int8", "int4_g32", "int4_g64_zp"])

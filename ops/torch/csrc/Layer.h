@@ -34,6 +34,10 @@ public:
   Layer(std::string forwardPath, std::string backwardPath, int64_t workers, double timeoutSeconds,
         std::string fabric, bool trace, std::string packWeights, int64_t group,
         double groupTimeoutSeconds) {
+    // "none", "forward" (the forward pass's weights only) or "all".
+    TORCH_CHECK(packWeights == "none" || packWeights == "forward" || packWeights == "all",
+                "moec: pack_weights must be \"none\", \"forward\" or \"all\", not \"", packWeights,
+                "\"");
     moec::rt::ContextOptions options =
         contextOptions(workers, timeoutSeconds, {fabric, group, groupTimeoutSeconds});
     std::shared_ptr<const moec::rt::Program> fwd, bwd;
@@ -41,10 +45,6 @@ public:
     if (!backwardPath.empty())
       check(moec::rt::Program::load(backwardPath, &bwd), "backward binary");
     options.trace = trace;
-    // "none", "forward" (the forward pass's weights only) or "all".
-    TORCH_CHECK(packWeights == "none" || packWeights == "forward" || packWeights == "all",
-                "moec: pack_weights must be \"none\", \"forward\" or \"all\", not \"", packWeights,
-                "\"");
     options.packWeights = packWeights != "none";
     options.packBackward = packWeights == "all";
     this->packWeights = options.packWeights;

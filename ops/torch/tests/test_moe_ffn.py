@@ -344,7 +344,7 @@ def test_error_config_does_not_compile():
 
 def test_error_backward_without_backward_binary(tiny):
     forward, _ = moec_torch.compile_layer(config(experts=4, top_k=2, tokens=128), 2)
-    layer = torch.classes.moec.Layer(forward, "", 2, 60.0, "inproc", False, True, 0, 0.0)
+    layer = torch.classes.moec.Layer(forward, "", 2, 60.0, "inproc", False, "all", 0, 0.0)
     x, ids, weights = good(tiny)
     y, step = torch.ops.moec.forward(layer, x, ids, weights, tiny.w1.detach(), tiny.w2.detach(),
                                      [])
@@ -518,9 +518,9 @@ def test_bad_timeout_and_threads():
     for timeout in (0.0, -5.0, float("nan"), float("inf"), 1e300, 1e-9):
         with pytest.raises(RuntimeError, match="timeout_seconds must be from 0.001 to 1e\\+06 "
                                                "seconds"):
-            torch.classes.moec.Layer(forward, backward, 1, timeout, "inproc", False, True, 0, 0.0)
+            torch.classes.moec.Layer(forward, backward, 1, timeout, "inproc", False, "all", 0, 0.0)
     with pytest.raises(RuntimeError, match="workers must be 0 .* to 1024, got 1000000"):
-        torch.classes.moec.Layer(forward, backward, 10**6, 60.0, "inproc", False, True, 0, 0.0)
+        torch.classes.moec.Layer(forward, backward, 10**6, 60.0, "inproc", False, "all", 0, 0.0)
 
 
 def test_compile_cache_checks_what_it_finds(tmp_path, monkeypatch):

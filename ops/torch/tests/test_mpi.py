@@ -329,9 +329,9 @@ def test_fabric_errors():
            "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128, "dtype": "fp32"}
     forward, backward = moec_torch.compile_layer(cfg, 2)
     with pytest.raises(RuntimeError, match="fabric must be 'inproc', 'mpi' or 'group', got 'tcp'"):
-        torch.classes.moec.Layer(forward, backward, 1, 60.0, "tcp", False, True, 0, 0.0)
+        torch.classes.moec.Layer(forward, backward, 1, 60.0, "tcp", False, "all", 0, 0.0)
     with pytest.raises(RuntimeError, match="the fabric 'group' takes a process group"):
-        torch.classes.moec.Layer(forward, backward, 1, 60.0, "group", False, True, 0, 0.0)
+        torch.classes.moec.Layer(forward, backward, 1, 60.0, "group", False, "all", 0, 0.0)
     with pytest.raises(ValueError, match="fabric must be 'inproc', 'mpi' or 'group'"):
         moec_torch.MoeFFN(cfg, 2, fabric="tcp")
     with pytest.raises(ValueError, match="fabric='group' needs torch.distributed initialized"):

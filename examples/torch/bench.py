@@ -276,8 +276,8 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
         donor = layers.get(base) if "_" in base else \
             next((layers[n] for n in layers if n.split("_")[0] == base), None)
         if donor is None:
-            raise SystemExit(f"bench.py: variant {name} needs {base} (or {base}_packed) "
-                             "before it")
+            wanted = base if "_" in base else f"{base} (or {base}_packed)"
+            raise SystemExit(f"bench.py: variant {name} needs {wanted} before it")
         layers[name] = donor.quantize_weights(form)
     x, ids, weights, dy = make_inputs(layers["full"], ranks)
     exchange = moec_torch.Exchange(cfg, ranks, threads=threads)

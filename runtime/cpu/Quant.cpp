@@ -272,6 +272,10 @@ namespace {
 struct PackedCodes {
   WeightFormat format = WeightFormat::Dense;
   bool zeroPoints = false, depthScales = false;
+  /// FP8: the scales are stored times 2^8 (where every one stays finite),
+  /// so that the decoder multiplies the codes' fp16 values (the values
+  /// times 2^-8) by them once: the same products, exactly.
+  bool scalesTimes256 = false;
   int64_t depth = 0, n = 0, units = 0, panels = 0, group = 0, scaleLd = 0;
   uint64_t codesAt = 0, scalesAt = 0, zerosAt = 0, indexAt = 0;
 };
@@ -356,7 +360,7 @@ std::pair<float, float> scaleAt(const QuantizedMatrix &m, int64_t r, int64_t c) 
 /// unit row, column 16 v on) as fp32 code values: depth 2t in lo, 2t + 1 in
 /// hi (an e4m3 code's value, an int8 code, a 4-bit code).
 MOEC_QUANT_TARGET inline void codeValues16(WeightFormat f, const uint8_t *unit, int v, __m512 &lo,
-                                           __m512 &hi, bool mayHoldNaN) {
+                                           __m512 &hi, bool mayHoldNaN, bool scalesHold256) {
   if (f == WeightFormat::Int4Group) {
     const __m512i b =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(unit + 16 * v)));
@@ -372,8 +376,13 @@ MOEC_QUANT_TARGET inline void codeValues16(WeightFormat f, const uint8_t *unit, 
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
     return;
   }
-  lo = e4m3Values16(a, mayHoldNaN);
-  hi = e4m3Values16(b, mayHoldNaN);
+  // FP8: the codes' values times 2^-8, the 2^8 in the scales
+  // (PackedCodes::scalesTimes256) or put back here.
+  e4m3HalfValues32(a, b, lo, hi, mayHoldNaN);
+  if (!scalesHold256) {
+    lo = _mm512_mul_ps(lo, _mm512_set1_ps(256.0f));
+    hi = _mm512_mul_ps(hi, _mm512_set1_ps(256.0f));
+  }
 }
 
 /// DecodedB::panel of packed codes: units [u0, u1) of panel q as bf16
@@ -399,7 +408,7 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
     for (int v = 0; v < 3; ++v) {
       const int64_t j = q * kCodePanel + 16 * v;
       __m512 lo, hi;
-      codeValues16(h.format, codes, v, lo, hi, nanCodes);
+      codeValues16(h.format, codes, v, lo, hi, nanCodes, h.scalesTimes256);
       __m512 sLo, sHi, zLo = eight, zHi = eight;
       if (h.depthScales) {
         const __m512i at = _mm512_loadu_si512(index + j);
@@ -449,7 +458,14 @@ size_t packedCodesBytes(const QuantizedMatrix &m, bool transposed, int64_t n) {
 
 void packCodes(const QuantizedMatrix &m, bool transposed, int64_t c0, int64_t n, void *dst) {
   size_t bytes = 0;
-  const PackedCodes h = packedLayout(m, transposed, n, &bytes);
+  PackedCodes h = packedLayout(m, transposed, n, &bytes);
+  if (m.format == WeightFormat::Fp8Block128) {
+    const int64_t blocks = ((m.rows + kFp8WeightBlock - 1) / kFp8WeightBlock) *
+                           ((m.cols + kFp8WeightBlock - 1) / kFp8WeightBlock);
+    h.scalesTimes256 =
+        std::all_of(m.scales, m.scales + blocks, [](float s) { return std::isfinite(s * 256.0f); });
+  }
+  const float scaleFactor = h.scalesTimes256 ? 256.0f : 1.0f;
   char *base = static_cast<char *>(dst);
   std::memset(base, 0, bytes);
   std::memcpy(base, &h, sizeof h);
@@ -511,7 +527,7 @@ void packCodes(const QuantizedMatrix &m, bool transposed, int64_t c0, int64_t n,
       for (int64_t j = 0; j < n; ++j) {
         const auto [r, col] = stored(p0, j);
         const auto [scale, zero] = scaleAt(m, r, col);
-        scales[(p0 / h.group) * h.scaleLd + j] = scale;
+        scales[(p0 / h.group) * h.scaleLd + j] = scale * scaleFactor;
         if (h.zeroPoints)
           zeros[(p0 / h.group) * h.scaleLd + j] = zero;
       }

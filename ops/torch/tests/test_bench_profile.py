@@ -52,6 +52,14 @@ def test_variant_suffixes_set_pack_weights():
     assert bench.quantized_variant("lora_int8_packed_forward") == ("lora_packed_forward", "int8")
 
 
+def test_a_quantized_variant_names_the_layer_it_is_made_from():
+    with pytest.raises(SystemExit, match=r"variant lora_int8_packed needs lora_packed before it"):
+        bench.bench_training(dict(TINY, seq_size=64), 2, "bf16", 2, 1,
+                             ["frozen", "lora_int8_packed"])
+    with pytest.raises(SystemExit, match=r"variant lora_int8 needs lora \(or lora_packed\) "):
+        bench.bench_training(dict(TINY, seq_size=64), 2, "bf16", 2, 1, ["frozen", "lora_int8"])
+
+
 def test_profile_refuses_an_unknown_variant():
     with pytest.raises(SystemExit, match="--profile 'lorra' is not a variant"):
         bench.profile_one(dict(TINY, seq_size=64), 2, "fp32", 2, "lorra")

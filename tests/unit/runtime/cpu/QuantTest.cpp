@@ -582,6 +582,11 @@ TEST_CASE("codes packed for the tile decode into its panels as dequantize's bf16
   // dequantize does, not read as zero).
   fp8.scales = {0.5f, 2.0f, 0.125f, 3e-39f, 0.01f, 7.0f};
   mats.push_back(fp8);
+  // A scale whose 2^8 multiple is not finite: the packing keeps the scales
+  // as they are and the decoder scales the codes' fp16 values itself (the
+  // largest codes' values overflow to infinity, as dequantize's do).
+  fp8.scales[4] = 2e36f;
+  mats.push_back(fp8);
   for (const Held &h : mats)
     for (const bool transposed : {false, true}) {
       const QuantizedMatrix m = h.view();

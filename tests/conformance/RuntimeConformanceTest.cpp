@@ -1149,32 +1149,53 @@ transposeExperts(const std::vector<float> &w1, const std::vector<float> &w2, int
   return {std::move(t1), std::move(t2)};
 }
 
+/// A bf16 layer for the packed-weight store: depths over one 256-value
+/// block and ending mid-pair, columns cut into tiles and 48-column panels
+/// unevenly; a plain context (run a) and one that packs its weights (run b,
+/// the backward's too with `packBackward`), bound to the same inputs.
+struct PackedTwins {
+  Case c;
+  std::unique_ptr<Context> plain, packed;
+  Run a, b;
+
+  PackedTwins(bool packBackward, uint32_t seed) {
+    c.ranks = groupSize(2);
+    c.localExperts = 3;
+    c.topK = 2;
+    c.bf16 = true;
+    c.hidden = 301;
+    c.inter = 70;
+    c.seq = 64;
+    auto [fwd, bwd] = compile(c);
+    const Inputs in = makeInputs(c, seed);
+    ContextOptions plainOptions;
+    plainOptions.workers = 2;
+    ContextOptions packedOptions = plainOptions;
+    packedOptions.packWeights = true;
+    packedOptions.packBackward = packBackward;
+    REQUIRE(makeContext(fwd, bwd, plainOptions, &plain).ok());
+    REQUIRE(makeContext(fwd, bwd, packedOptions, &packed).ok());
+    a = prepare(c, in, bwd->shape());
+    b = prepare(c, in, bwd->shape());
+    REQUIRE(bindAll(*plain, c, a).ok());
+    REQUIRE(bindAll(*packed, c, b).ok());
+  }
+  PackedTwins(const PackedTwins &) = delete; // the contexts hold a's and b's memory
+
+  /// The bf16 bytes of w1 and w2 on this process's ranks.
+  uint64_t weightBytes() const {
+    return uint64_t(packed->localRanks() * c.localExperts * 3 * c.hidden * c.inter) * 2;
+  }
+};
+
 TEST_CASE("packed weights: the bits of packing in every tile, packed again when a weight "
           "changes or another is bound", "[runtime]") {
   if (!testBackendHas(moec::backend::Feature::PackedWeights))
     return;
-  Case c;
-  c.ranks = groupSize(2);
-  c.localExperts = 3;
-  c.topK = 2;
-  c.bf16 = true;
-  // Depths over one 256-value block and ending mid-pair, columns cut into
-  // tiles and 48-column panels unevenly.
-  c.hidden = 301;
-  c.inter = 70;
-  c.seq = 64;
-  auto [fwd, bwd] = compile(c);
-  const Inputs in = makeInputs(c, 41);
-  ContextOptions plainOptions;
-  plainOptions.workers = 2;
-  ContextOptions packedOptions = plainOptions;
-  packedOptions.packWeights = true;
-  std::unique_ptr<Context> plain, packed;
-  REQUIRE(makeContext(fwd, bwd, plainOptions, &plain).ok());
-  REQUIRE(makeContext(fwd, bwd, packedOptions, &packed).ok());
-  Run a = prepare(c, in, bwd->shape()), b = prepare(c, in, bwd->shape());
-  REQUIRE(bindAll(*plain, c, a).ok());
-  REQUIRE(bindAll(*packed, c, b).ok());
+  PackedTwins twins(true, 41);
+  const Case &c = twins.c;
+  Run &a = twins.a, &b = twins.b;
+  const std::unique_ptr<Context> &plain = twins.plain, &packed = twins.packed;
   runPasses(*plain);
   runPasses(*packed);
   CHECK(b.sameOutputs(a));
@@ -1191,8 +1212,7 @@ TEST_CASE("packed weights: the bits of packing in every tile, packed again when 
   // transposed reads where the tile reads them from panels (AMX): at least
   // this process's ranks' weights' bytes twice; once where it reads those
   // rows as they lie (the AVX-512 tile's dot form).
-  const uint64_t weightBytes =
-      uint64_t(packed->localRanks() * c.localExperts * 3 * c.hidden * c.inter) * 2;
+  const uint64_t weightBytes = twins.weightBytes();
   if (moec::cpu::tile::dotForm(false, true, true)) {
     CHECK(packed->packedWeightBytes() >= weightBytes);
     CHECK(packed->packedWeightBytes() < 2 * weightBytes);
@@ -1242,32 +1262,13 @@ TEST_CASE("packed weights for the forward pass only: the bits of packing in ever
           "[runtime]") {
   if (!testBackendHas(moec::backend::Feature::PackedWeights))
     return;
-  Case c;
-  c.ranks = groupSize(2);
-  c.localExperts = 3;
-  c.topK = 2;
-  c.bf16 = true;
-  c.hidden = 301;
-  c.inter = 70;
-  c.seq = 64;
-  auto [fwd, bwd] = compile(c);
-  const Inputs in = makeInputs(c, 43);
-  ContextOptions plainOptions;
-  plainOptions.workers = 2;
-  ContextOptions forwardOptions = plainOptions;
-  forwardOptions.packWeights = true;
-  forwardOptions.packBackward = false;
-  std::unique_ptr<Context> plain, packed;
-  REQUIRE(makeContext(fwd, bwd, plainOptions, &plain).ok());
-  REQUIRE(makeContext(fwd, bwd, forwardOptions, &packed).ok());
-  Run a = prepare(c, in, bwd->shape()), b = prepare(c, in, bwd->shape());
-  REQUIRE(bindAll(*plain, c, a).ok());
-  REQUIRE(bindAll(*packed, c, b).ok());
+  PackedTwins twins(false, 43);
   for (int step = 0; step < 3; ++step) {
-    runPasses(*plain);
-    runPasses(*packed);
-    CHECK(b.sameOutputs(a));
+    runPasses(*twins.plain);
+    runPasses(*twins.packed);
+    CHECK(twins.b.sameOutputs(twins.a));
   }
+  const std::unique_ptr<Context> &packed = twins.packed;
   if (!moec::cpu::packedTile(DType::BF16, DType::BF16)) {
     WARN("moec's bf16 tile does not run on this CPU: nothing is packed");
     CHECK(packed->packedWeightBytes() == 0);
@@ -1276,10 +1277,8 @@ TEST_CASE("packed weights for the forward pass only: the bits of packing in ever
   // w1 and w2 packed once each, for the forward (read as stored k x n) on
   // either tile; the backward's transposed reads keep none, where the AMX
   // tile with the backward's cells too holds them twice (the case above).
-  const uint64_t weightBytes =
-      uint64_t(packed->localRanks() * c.localExperts * 3 * c.hidden * c.inter) * 2;
-  CHECK(packed->packedWeightBytes() >= weightBytes);
-  CHECK(packed->packedWeightBytes() < 2 * weightBytes);
+  CHECK(packed->packedWeightBytes() >= twins.weightBytes());
+  CHECK(packed->packedWeightBytes() < 2 * twins.weightBytes());
 }
 
 TEST_CASE("base weights stored transposed: the layer of the [L, H, 2I] layout", "[runtime][gpu]") {

@@ -677,17 +677,19 @@ def test_adapter_and_checkpoint_error_paths(tmp_path):
         mhf._dequantize_fp8(codes, torch.ones(1, 2), "w")
 
 
-def test_pack_weights_reaches_the_layers_and_keeps_the_bits():
-    """patch_model(pack_weights=True) hands it to every block's layer, whose
-    logits and input gradients are then the bits of the unpacked layer's,
-    over two steps (the second reads the frozen base packed)."""
+@pytest.mark.parametrize("mode", [True, "forward"])
+def test_pack_weights_reaches_the_layers_and_keeps_the_bits(mode):
+    """patch_model(pack_weights=True or "forward") hands it to every block's
+    layer, whose logits and input gradients are then the bits of the
+    unpacked layer's, over two steps (the second reads the frozen base
+    packed)."""
     ref = make_model("qwen3_moe", "modules", torch.bfloat16)
     packed, plain = copy.deepcopy(ref), copy.deepcopy(ref)
     torch.manual_seed(5)  # the adapters' A is drawn: the same in both
-    mhf.patch_model(packed, ranks=2, threads=1, lora_rank=2, lora_alpha=4, pack_weights=True)
+    mhf.patch_model(packed, ranks=2, threads=1, lora_rank=2, lora_alpha=4, pack_weights=mode)
     torch.manual_seed(5)
     mhf.patch_model(plain, ranks=2, threads=1, lora_rank=2, lora_alpha=4)
-    assert all(e.layer.pack_weights for _, _, e in mhf._patched(packed))
+    assert all(e.layer.pack_weights == mode for _, _, e in mhf._patched(packed))
     assert not any(e.layer.pack_weights for _, _, e in mhf._patched(plain))
     ids = tokens()
     for _ in range(2):

@@ -896,7 +896,8 @@ class MoeFFN(torch.nn.Module):
                    f"frozen={self.frozen}, main_grad={self.main_grad}")
                 + (", dispatch_dtype=fp8_e4m3" if self.dispatch_dtype == "fp8_e4m3" else "")
                 + (", weights_transposed=True" if self.weights_transposed else "")
-                + (f", weight_format={self.weight_format}" if self.weight_format else ""))
+                + (f", weight_format={self.weight_format}" if self.weight_format else "")
+                + (f", pack_weights={self.pack_weights!r}" if self.pack_weights else ""))
 
     # A layer owns a runtime (compiled binaries, worker threads, under MPI a
     # place in a collective order) that cannot be copied or pickled; its

@@ -350,6 +350,9 @@ def test_repr_says_what_trains():
                                                                     frozen=True))
     assert "frozen=False, main_grad=True" in repr(moec_torch.MoeFFN(config(), RANKS,
                                                                     main_grad=True))
+    assert "pack_weights" not in repr(moec_torch.MoeFFN(config(), RANKS, frozen=True))
+    assert repr(moec_torch.MoeFFN(config(), RANKS, frozen=True, pack_weights="forward")).endswith(
+        "pack_weights='forward')")
 
 
 # --- files written over files read -----------------------------------------------

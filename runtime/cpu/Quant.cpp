@@ -405,6 +405,11 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
   const bool nanCodes =
       h.format == WeightFormat::Fp8Block128 && e4m3AnyNaN(codes, (u1 - u0) * unitBytes);
   for (int64_t t = u0; t < u1; ++t, codes += unitBytes, dst += kCodePanel) {
+    // The codes 16 units ahead (a panel's are contiguous), into L1: the
+    // decode waits on them otherwise (gmm_bench --quantized: int8 about
+    // 1.1x; a prefetch past the block's codes does not fault).
+    _mm_prefetch(reinterpret_cast<const char *>(codes) + 16 * unitBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char *>(codes) + 16 * unitBytes + 64, _MM_HINT_T0);
     for (int v = 0; v < 3; ++v) {
       const int64_t j = q * kCodePanel + 16 * v;
       __m512 lo, hi;

@@ -93,18 +93,6 @@ e4m3HalfValues32(__m128i a, __m128i b, __m512 &lo, __m512 &hi, bool mayHoldNaN) 
       _mm512_mask_ternarylogic_epi32(_mm512_castps_si512(hi), nanHi, sign, quiet, 0xEA));
 }
 
-/// Whether any of the `n` e4m3 codes at `codes` is a NaN code (S.1111.111).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline bool e4m3AnyNaN(const uint8_t *codes,
-                                                                            int64_t n) {
-  const __m512i magnitude = _mm512_set1_epi8(0x7F);
-  __mmask64 any = 0;
-  for (int64_t i = 0; i < n; i += 64) {
-    const __mmask64 in = n - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (n - i)) - 1;
-    const __m512i c = _mm512_maskz_loadu_epi8(in, codes + i);
-    any |= _mm512_mask_cmpeq_epi8_mask(in, _mm512_and_si512(c, magnitude), magnitude);
-  }
-  return any != 0;
-}
 #endif
 
 /// Quantizes rows [rowBegin, rowEnd) of `src` (`cols` values a row of type

@@ -276,6 +276,10 @@ struct PackedCodes {
   /// so that the decoder multiplies the codes' fp16 values (the values
   /// times 2^-8) by them once: the same products, exactly.
   bool scalesTimes256 = false;
+  /// FP8: whether any code is a NaN code (none in a real weight), found
+  /// once at packing so that the decoder mends NaN lanes only where some
+  /// could be.
+  bool nanCodes = false;
   int64_t depth = 0, n = 0, units = 0, panels = 0, group = 0, scaleLd = 0;
   uint64_t codesAt = 0, scalesAt = 0, zerosAt = 0, indexAt = 0;
 };
@@ -401,9 +405,6 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
   const int32_t *index = reinterpret_cast<const int32_t *>(base + h.indexAt);
   const bool int4 = h.format == WeightFormat::Int4Group;
   const __m512 eight = _mm512_set1_ps(8.0f);
-  // FP8's NaN codes (none in a real weight) looked for once, not per vector.
-  const bool nanCodes =
-      h.format == WeightFormat::Fp8Block128 && e4m3AnyNaN(codes, (u1 - u0) * unitBytes);
   for (int64_t t = u0; t < u1; ++t, codes += unitBytes, dst += kCodePanel) {
     // The codes 16 units ahead (a panel's are contiguous), into L1: the
     // decode waits on them otherwise (gmm_bench --quantized: int8 about
@@ -413,7 +414,7 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
     for (int v = 0; v < 3; ++v) {
       const int64_t j = q * kCodePanel + 16 * v;
       __m512 lo, hi;
-      codeValues16(h.format, codes, v, lo, hi, nanCodes, h.scalesTimes256);
+      codeValues16(h.format, codes, v, lo, hi, h.nanCodes, h.scalesTimes256);
       __m512 sLo, sHi, zLo = eight, zHi = eight;
       if (h.depthScales) {
         const __m512i at = _mm512_loadu_si512(index + j);
@@ -512,6 +513,10 @@ void packCodes(const QuantizedMatrix &m, bool transposed, int64_t c0, int64_t n,
         }
       }
     }
+  if (m.format == WeightFormat::Fp8Block128)
+    reinterpret_cast<PackedCodes *>(base)->nanCodes =
+        std::any_of(codes, codes + h.panels * h.units * unitBytes,
+                    [](uint8_t c) { return (c & 0x7F) == 0x7F; });
   float *scales = reinterpret_cast<float *>(base + h.scalesAt);
   float *zeros = reinterpret_cast<float *>(base + h.zerosAt);
   if (h.depthScales) {

@@ -630,9 +630,9 @@ TEST_CASE("codes packed for the tile decode into its panels as dequantize's bf16
 }
 
 TEST_CASE("packed FP8 codes that are NaN decode to NaN, their neighbours as dequantize") {
-  // The decoder looks for NaN codes once per call: a NaN code anywhere in
-  // the depth block (here one in the last unit only, and one of either sign)
-  // must still come out NaN.
+  // The packing looks for NaN codes once, over the whole cell: a NaN code
+  // anywhere in it (here one in the last unit only, and one of either sign)
+  // must still come out NaN, from either half of a depth range.
   Held fp8{WeightFormat::Fp8Block128, 64, 96, 0, false, {}, {}};
   std::mt19937 rng(47);
   for (int64_t i = 0; i < fp8.rows * fp8.cols; ++i) {
@@ -654,7 +654,8 @@ TEST_CASE("packed FP8 codes that are NaN decode to NaN, their neighbours as dequ
     return;
   }
   std::vector<uint32_t> panel(size_t(32 * 48));
-  d.panel(d.context, 0, 0, 32, panel.data());
+  d.panel(d.context, 0, 0, 16, panel.data());
+  d.panel(d.context, 0, 16, 32, panel.data() + 16 * 48);
   const auto isNaN = [](uint16_t b) { return (b & 0x7FFF) > 0x7F80; };
   for (int64_t p = 0; p < 64; ++p)
     for (int64_t j = 0; j < 48; ++j) {

@@ -43,13 +43,27 @@ uint8_t floatToE4m3(float value);
 float e4m3ToFloat(uint8_t code);
 
 #if defined(__x86_64__)
+/// `values` (those of the 16 e4m3 codes `codes`) with each lane whose code
+/// is a NaN code (S.1111.111) a quiet NaN of the code's sign: (v & sign) |
+/// 0x7FC00000. For kernels built for AVX-512 (F, BW, VL).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 e4m3MendNaN16(__m512 values,
+                                                                                 __m128i codes) {
+  const __mmask16 nan =
+      _mm_cmpeq_epi8_mask(_mm_and_si128(codes, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+  if (nan == 0)
+    return values;
+  return _mm512_castsi512_ps(_mm512_mask_ternarylogic_epi32(_mm512_castps_si512(values), nan,
+                                                            _mm512_set1_epi32(int(0x80000000u)),
+                                                            _mm512_set1_epi32(0x7FC00000), 0xEA));
+}
+
 /// The fp32 values of 16 e4m3 codes (bytes), e4m3ToFloat's, by way of
 /// fp16: a code's bits shifted into fp16's place (exponent and mantissa to
 /// bits 7-13, the sign to bit 15) are an fp16 whose value is the code's
 /// times 2^-8, subnormal codes too; converted to fp32 and scaled by 2^8,
-/// both exactly. NaN codes, rare in weights, are mended only in vectors
-/// that hold any; a caller that knows there are none (`mayHoldNaN` false)
-/// skips the check. For kernels built for AVX-512 (F, BW, VL).
+/// both exactly. NaN codes, rare in weights, are mended (e4m3MendNaN16)
+/// unless the caller knows there are none (`mayHoldNaN` false). For
+/// kernels built for AVX-512 (F, BW, VL).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512
 e4m3Values16(__m128i codes, bool mayHoldNaN = true) {
   // Bits 7-14: the code; its sign (bit 14) moved to bit 15 by adding the
@@ -57,23 +71,14 @@ e4m3Values16(__m128i codes, bool mayHoldNaN = true) {
   const __m256i x = _mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 7);
   const __m256i half = _mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x4000)));
   const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
-  if (!mayHoldNaN)
-    return v;
-  const __mmask16 nan =
-      _mm_cmpeq_epi8_mask(_mm_and_si128(codes, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
-  if (nan == 0)
-    return v;
-  // A quiet NaN with the code's sign: (v & sign) | 0x7FC00000.
-  return _mm512_castsi512_ps(_mm512_mask_ternarylogic_epi32(_mm512_castps_si512(v), nan,
-                                                            _mm512_set1_epi32(int(0x80000000u)),
-                                                            _mm512_set1_epi32(0x7FC00000), 0xEA));
+  return mayHoldNaN ? e4m3MendNaN16(v, codes) : v;
 }
 
 /// The values of 32 e4m3 codes, 16 from `a` into `lo` and 16 from `b` into
 /// `hi`, times 2^-8: e4m3Values16's fp16 values before its scaling, made
 /// for both halves at once (one widening, shift and sign move over 32
 /// lanes), for a caller that folds the 2^8 into a scale it multiplies by.
-/// NaN codes as e4m3Values16 mends them (`mayHoldNaN`).
+/// NaN codes mended as e4m3Values16 mends them (`mayHoldNaN`).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void
 e4m3HalfValues32(__m128i a, __m128i b, __m512 &lo, __m512 &hi, bool mayHoldNaN) {
   const __m512i x = _mm512_slli_epi16(
@@ -81,16 +86,10 @@ e4m3HalfValues32(__m128i a, __m128i b, __m512 &lo, __m512 &hi, bool mayHoldNaN) 
   const __m512i half = _mm512_add_epi16(x, _mm512_and_si512(x, _mm512_set1_epi16(0x4000)));
   lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
   hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
-  if (!mayHoldNaN)
-    return;
-  const __m128i magnitude = _mm_set1_epi8(0x7F);
-  const __mmask16 nanLo = _mm_cmpeq_epi8_mask(_mm_and_si128(a, magnitude), magnitude);
-  const __mmask16 nanHi = _mm_cmpeq_epi8_mask(_mm_and_si128(b, magnitude), magnitude);
-  const __m512i sign = _mm512_set1_epi32(int(0x80000000u)), quiet = _mm512_set1_epi32(0x7FC00000);
-  lo = _mm512_castsi512_ps(
-      _mm512_mask_ternarylogic_epi32(_mm512_castps_si512(lo), nanLo, sign, quiet, 0xEA));
-  hi = _mm512_castsi512_ps(
-      _mm512_mask_ternarylogic_epi32(_mm512_castps_si512(hi), nanHi, sign, quiet, 0xEA));
+  if (mayHoldNaN) {
+    lo = e4m3MendNaN16(lo, a);
+    hi = e4m3MendNaN16(hi, b);
+  }
 }
 
 #endif

@@ -727,9 +727,10 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
                              const void *packedB, const DecodedB *decodedB,
                              const AddScaled *addScaled, const LowRank *lowRank) {
   // A LowRank that does not start a step of its own: a second call, adding
-  // onto C.
+  // onto C, which reads C back (so the first does not stream it past the
+  // caches; the second, an AddScaled, writes it through them).
   if (lowRank && !fusedLowRank(k)) {
-    gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, stream, packedB,
+    gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, false, packedB,
             decodedB, addScaled, nullptr);
     const AddScaled onto{1.0f, c, ldc};
     gemmAmx(m, n, lowRank->k, lowRank->u, lowRank->ldu, false, lowRank->v, lowRank->ldv,

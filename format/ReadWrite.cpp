@@ -331,8 +331,7 @@ Status readTaskBinary(const uint8_t *data, size_t size, TaskProgram *out,
                     header.version, kFormatVersion,
                     header.version >= 1 && header.version < kFormatVersion
                         ? "; compile the graph again with this moec (version 2 added the layer "
-                          "record, version 3 "
-                          "a GMM's low-rank product)"
+                          "record, version 3 a GMM's low-rank product, version 4 lead products)"
                         : ""));
   if (header.fileSize > size)
     return Status::error(truncationMessage(data, size, header));

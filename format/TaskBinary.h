@@ -52,8 +52,9 @@ inline constexpr char kMagic[8] = {'M', 'O', 'E', 'C', 'B', 'I', 'N', '\0'};
 
 /// The format version this code writes and the only one it reads. Version 2
 /// added the layer section (LayerRecord); version 3 a GMM's second,
-/// low-rank product (TilingRecord::lowRankSlots).
-inline constexpr uint32_t kFormatVersion = 3;
+/// low-rank product (TilingRecord::lowRankSlots); version 4 lead products
+/// (leadOp: a GMM with no tasks, computed inside another's).
+inline constexpr uint32_t kFormatVersion = 4;
 
 /// The value of an optional u32 index that names nothing.
 inline constexpr uint32_t kNone = 0xFFFFFFFFu;
@@ -762,6 +763,42 @@ RankTile rankTile(const TaskProgram &program, uint32_t task, uint32_t rank);
 /// The depth of a GMM's low-rank product (U's columns, r), or 0 without one.
 inline uint64_t lowRankDepth(const TaskProgram &program, const TilingRecord &tiling) {
   return tiling.lowRank() ? program.slots[tiling.lowRankSlots[0]].dims[1] : 0;
+}
+
+/// The lead product of op `host`: the GMM whose tiles `host`'s own tasks
+/// compute, or kNone. A GMM with no tasks of its own (taskCount 0) is one:
+/// it writes U, the low-rank rows of a GMM with a low-rank product (its
+/// lowRankSlots[0]), from that GMM's own A over the same rows, and that
+/// GMM's tiles, one per row tile, compute their rows of U first, write
+/// them, and then add U op(V) (a LoRA adapter's first product, U = s X A,
+/// inside its base's: the tile reads X once). The lead's grid is the
+/// host's rows in one column tile; where the host has several column
+/// tiles, the first of each row writes U and the others compute their own
+/// copy. Events that would name lead tile i name host tile i * colTiles
+/// (the host's), which signals once U is written too. Validate checks the
+/// pairing (one host, the same rows, A and group list).
+inline uint32_t leadOp(const TaskProgram &program, uint32_t host) {
+  const TilingRecord &t = program.tilings[program.ops[host].tiling];
+  if (!t.lowRank())
+    return kNone;
+  for (uint32_t i = 0; i < program.ops.size(); ++i) {
+    const OpRecord &op = program.ops[i];
+    if (op.taskCount == 0 && op.kind == OpKind::Gmm && op.tiling < program.tilings.size() &&
+        program.tilings[op.tiling].outputSlot == t.lowRankSlots[0])
+      return i;
+  }
+  return kNone;
+}
+
+/// The op whose tasks compute lead product `lead` (leadOp's inverse), or
+/// kNone where `lead` is none.
+inline uint32_t leadHost(const TaskProgram &program, uint32_t lead) {
+  if (program.ops[lead].taskCount != 0)
+    return kNone;
+  for (uint32_t i = 0; i < program.ops.size(); ++i)
+    if (i != lead && program.ops[i].tiling < program.tilings.size() && leadOp(program, i) == lead)
+      return i;
+  return kNone;
 }
 
 /// Programs compare equal when their header values and sections do.

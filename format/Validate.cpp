@@ -270,6 +270,11 @@ private:
         return Status::error(fmt::format("{}: tiling {} is for a {} op, but the op is a {} op",
                                          what, op.tiling, opKindName(tiling.opKind),
                                          opKindName(op.kind)));
+      if (op.taskCount == 0 && tiling.tileCount() > 0) {
+        if (Status status = checkLead(i, what); !status)
+          return status;
+        continue;
+      }
       if (tiling.tileCount() != op.taskCount)
         return Status::error(fmt::format(
             "{}: has {} tasks, but its tiling {} is a grid of {} tiles ({} x {} x {} x {})", what,
@@ -281,6 +286,55 @@ private:
               fmt::format("{}: its task range [{}, {}) holds task {}, which names op {}", what,
                           op.firstTask, uint64_t(op.firstTask) + op.taskCount, t, p.tasks[t].op));
     }
+    return Status::success();
+  }
+
+  /// An op with no tasks: a lead product (leadOp), computed by the tasks
+  /// of the one GMM whose low-rank U it writes: an activation GMM of that
+  /// GMM's A, group list, dtype, depth and row grid (rows shared out
+  /// alike; one column tile), with no addend, quantized B or low-rank
+  /// product of its own, as wide as U.
+  Status checkLead(uint32_t i, const std::string &what) const {
+    const TilingRecord &lead = p.tilings[p.ops[i].tiling];
+    uint32_t host = kNone;
+    for (uint32_t h = 0; h < p.ops.size(); ++h) {
+      if (h == i || p.ops[h].tiling >= p.tilings.size())
+        continue;
+      const TilingRecord &t = p.tilings[p.ops[h].tiling];
+      if (t.lowRank() && t.lowRankSlots[0] == lead.outputSlot && p.ops[h].taskCount > 0) {
+        if (host != kNone)
+          return Status::error(fmt::format(
+              "{}: has no tasks, and two ops ({} and {}) read its output as their low-rank U; "
+              "a lead product has one host",
+              what, label("op", host, p.ops[host].name), label("op", h, p.ops[h].name)));
+        host = h;
+      }
+    }
+    if (host == kNone)
+      return Status::error(fmt::format(
+          "{}: has 0 tasks, but its tiling {} is a grid of {} tiles ({} x {} x {} x {}); only a "
+          "lead product, computed in the tiles of a GMM that reads its output as its low-rank "
+          "U, has none, and no GMM with tasks reads this op's so",
+          what, p.ops[i].tiling, lead.tileCount(), lead.experts, lead.peers, lead.rowTiles,
+          lead.colTiles));
+    const TilingRecord &t = p.tilings[p.ops[host].tiling];
+    const uint32_t shareRows = kTilingShareRows;
+    const bool paired =
+        lead.opKind == OpKind::Gmm && lead.depth > 0 && lead.depth == t.depth &&
+        lead.dtype == t.dtype && lead.inputCount == 3 && !lead.lowRank() &&
+        !(lead.flags & (kTilingQuantizedB | kTilingTransposeA | kTilingAccumulate)) &&
+        lead.inputSlots[0] == t.inputSlots[0] && lead.inputSlots[2] == t.inputSlots[2] &&
+        lead.experts == t.experts && lead.peers == t.peers && lead.rowTiles == t.rowTiles &&
+        lead.rows == t.rows && lead.colTiles == 1 &&
+        (lead.flags & shareRows) == (t.flags & shareRows) && lead.outputSlot < p.slots.size() &&
+        lead.cols == p.slots[lead.outputSlot].dims[1];
+    if (!paired)
+      return Status::error(fmt::format(
+          "{}: has no tasks, so it is the lead product of {}, whose tiles compute it; it must be "
+          "an activation GMM of that op's A, group list, dtype, depth and row tiles, of one "
+          "column tile, with no addend, quantized weight or low-rank product, as wide as the U it "
+          "writes",
+          what, label("op", host, p.ops[host].name)));
     return Status::success();
   }
 

@@ -309,6 +309,7 @@ Status compileModule(mlir::ModuleOp module, const CompileOptions &options, Compi
       !status)
     return status;
   lowerOptions.granularity = options.granularity;
+  lowerOptions.leadProducts = options.leadProducts;
   lowerOptions.layer = layerRecord(result.config);
   result.profile = lowerOptions.profile;
 

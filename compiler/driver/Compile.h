@@ -35,6 +35,9 @@ struct CompileOptions {
   /// Automatic splits: the peer groups each expert's rows are cut into
   /// (1: none); 0 lets the compiler choose.
   int64_t peerGroups = 0;
+  /// Lead products lowered into their hosts' tasks (LowerOptions::
+  /// leadProducts); false keeps them GMMs of their own tasks.
+  bool leadProducts = true;
   /// Told the name of each step as it starts ("graph passes", "lower",
   /// "schedule", "choose splits" for a graph with automatic splits,
   /// "deadlock proof"): a progress display; may be empty.

@@ -43,8 +43,12 @@ std::vector<uint32_t> shownQueues(const TaskProgram &p, const DumpOptions &optio
 }
 
 std::string opCore(const TaskProgram &p, const OpRecord &op) {
-  if (op.taskCount == 0)
-    return "-";
+  if (op.taskCount == 0) {
+    // A lead product: its tiles are its host's (format::leadOp).
+    const uint32_t index = uint32_t(&op - p.ops.data());
+    const uint32_t host = index < p.ops.size() ? leadHost(p, index) : kNone;
+    return host == kNone ? "-" : fmt::format("in {}", p.name(p.ops[host].name));
+  }
   CoreKind kind = p.tasks[op.firstTask].coreKind;
   for (uint32_t t = op.firstTask; t < op.firstTask + op.taskCount; ++t)
     if (p.tasks[t].coreKind != kind)

@@ -43,8 +43,9 @@ std::vector<uint32_t> queueOrder(const TaskProgram &p);
 /// order.
 std::vector<uint32_t> shownQueues(const TaskProgram &p, const DumpOptions &options);
 
-/// The core kind of an op's tasks: "cube", "vector", "mixed", or "-" for an
-/// op without tasks.
+/// The core kind of an op's tasks (`op` one of p.ops): "cube", "vector",
+/// "mixed", "in HOST" for a lead product (format::leadOp: HOST's tasks
+/// compute its tiles), or "-" for another op without tasks.
 std::string opCore(const TaskProgram &p, const OpRecord &op);
 
 /// "[256, 128]".

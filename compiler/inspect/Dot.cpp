@@ -148,12 +148,15 @@ std::string dumpOpGraph(const TaskProgram &p) {
   for (uint32_t i = 0; i < p.ops.size(); ++i) {
     const OpRecord &op = p.ops[i];
     const TilingRecord &t = p.tilings[op.tiling];
+    const std::string core = opCore(p, op);
+    const bool lead = core.rfind("in ", 0) == 0;
     text += fmt::format(
         "  op{} [shape=box, style=\"rounded,filled\", fillcolor={}, label={}];\n", i,
-        opCore(p, op) == "cube" ? "\"#cfe2ff\"" : "\"#d1f0d1\"",
-        dotQuote(fmt::format("{}\n{} on {} cores\n{} tiles: {} x {} x {} x {}",
-                             p.name(op.name), opKindName(op.kind), opCore(p, op), op.taskCount,
-                             t.experts, t.peers, t.rowTiles, t.colTiles)));
+        core == "cube" || lead ? "\"#cfe2ff\"" : "\"#d1f0d1\"",
+        dotQuote(fmt::format("{}\n{} {}\n{} tiles: {} x {} x {} x {}", p.name(op.name),
+                             opKindName(op.kind),
+                             lead ? core + "'s tiles" : fmt::format("on {} cores", core),
+                             op.taskCount, t.experts, t.peers, t.rowTiles, t.colTiles)));
     for (uint32_t slot : tilingInputs(t))
       used[slot] = 1;
     used[t.outputSlot] = 1;

@@ -5,6 +5,7 @@
 #include "compiler/ir/GraphUtils.h"
 
 #include "llvm/ADT/DenseMap.h"
+#include "llvm/ADT/SmallPtrSet.h"
 #include "llvm/ADT/StringMap.h"
 
 #include <fmt/format.h>
@@ -73,6 +74,8 @@ public:
     SmallVector<TaskOpInterface> order;
     if (failed(moe::topologicalOrder(graph, order)))
       return failure();
+    if (options.leadProducts)
+      findLeads(order);
     for (TaskOpInterface op : order)
       if (failed(lowerOp(op)))
         return failure();
@@ -169,6 +172,60 @@ private:
     return uint32_t(std::max<int64_t>(1, (rows + parts - 1) / parts));
   }
 
+  //===--------------------------------------------------------------------===//
+  // Lead products
+  //===--------------------------------------------------------------------===//
+
+  /// Whether `op` is reached from `from` by data flow (operands' producers).
+  static bool feeds(Operation *from, Operation *op) {
+    SmallVector<Operation *> stack = {op};
+    llvm::SmallPtrSet<Operation *, 16> seen;
+    while (!stack.empty()) {
+      Operation *at = stack.pop_back_val();
+      if (at == from)
+        return true;
+      if (!seen.insert(at).second)
+        continue;
+      for (Value v : at->getOperands())
+        if (Operation *def = v.getDefiningOp())
+          stack.push_back(def);
+    }
+    return false;
+  }
+
+  /// The GMMs lowered as lead products of their hosts (LowerOptions::
+  /// leadProducts): a host with a low-rank product whose U a GMM writes
+  /// from the host's own A and group list, with no addend, quantized
+  /// weight, transposed A or low-rank product, on the host's row grid in
+  /// one column tile, rows shared out alike, as wide as U, and whose
+  /// other readers the host does not depend on (they wait for the host's
+  /// tiles instead).
+  void findLeads(ArrayRef<TaskOpInterface> order) {
+    for (TaskOpInterface op : order) {
+      auto host = dyn_cast<moe::GmmOp>(op.getOperation());
+      if (!host || !host.hasLowRank())
+        continue;
+      auto lead = host.getLowLhs().getDefiningOp<moe::GmmOp>();
+      if (!lead || lead.isWeightGradient() || lead.hasLowRank() || lead.getAddend() ||
+          lead.getTransposeLhs() || lead.getAccumulate() || lead.getLhs() != host.getLhs() ||
+          lead.getGroupList() != host.getGroupList() ||
+          moe::isQuantizedWeightType(typeOf(lead.getRhs()).getElementType()))
+        continue;
+      auto leadOp = cast<TaskOpInterface>(lead.getOperation());
+      auto g = leadOp.getGridAttr(), h = op.getGridAttr();
+      if (!g || !h || g.size() != 6 || h.size() != 6 || g[0] != h[0] || g[1] != h[1] ||
+          g[2] != h[2] || g[4] != h[4] || g[3] != 1 || leadOp.isAutoSplit() != op.isAutoSplit() ||
+          uint64_t(g[5]) != dim(host.getLowLhs(), 1))
+        continue;
+      bool cycle = false;
+      for (Operation *user : lead.getResult().getUsers())
+        cycle = cycle || (user != host.getOperation() && feeds(user, host.getOperation()));
+      if (cycle)
+        continue;
+      hostOf[leadOp.getOpName()] = op.getOpName().str();
+    }
+  }
+
   LogicalResult lowerOp(TaskOpInterface op) {
     Operation *raw = op;
     auto grid = op.getGridAttr();
@@ -262,7 +319,8 @@ private:
     lowered.name = op.getOpName().str();
     lowered.index = uint32_t(p.ops.size());
     lowered.firstTask = uint32_t(p.tasks.size());
-    lowered.tasks = uint32_t(*op.getTasks());
+    const bool lead = hostOf.count(op.getOpName()) > 0;
+    lowered.tasks = lead ? 0 : uint32_t(*op.getTasks());
     lowered.perExpertTiles = uint32_t(t.tileCount() / t.experts);
     lowered.isPut = isPut(kind);
     // With T = 1 a reduce_tp combine has no partial sums: a plain combine.
@@ -271,7 +329,7 @@ private:
       t.flags |= kTilingReduceTp;
       lowered.fanOut = p.tpRanks;
     }
-    if (t.tileCount() != lowered.tasks)
+    if (!lead && t.tileCount() != lowered.tasks)
       return raw->emitError() << "'" << op.getOpName() << "': its grid has " << t.tileCount()
                               << " tiles but it has " << lowered.tasks << " tasks";
 
@@ -326,8 +384,27 @@ private:
       const LoweredOp &consumer = byName[op.getOpName()];
       for (Attribute a : op.getDepsAttr()) {
         auto map = a.cast<moe::TileMapAttr>();
-        const LoweredOp &producer = byName[map.getProducer().getValue()];
-        ArrayRef<int64_t> first = map.getFirst(), last = map.getLast();
+        // A lead product's tiles are its host's (the same grid): its host
+        // waits for nothing of it, its other readers for the host's tiles.
+        // (lead tile i: host tile i * colTiles, the one that writes U's rows).
+        StringRef producerName = map.getProducer().getValue();
+        uint32_t stride = 1;
+        if (auto host = hostOf.find(producerName); host != hostOf.end()) {
+          if (host->second == op.getOpName())
+            continue;
+          producerName = host->second;
+          stride = p.tilings[p.ops[byName[producerName].index].tiling].colTiles;
+        }
+        if (hostOf.count(op.getOpName()))
+          continue; // a lead product waits in its host's tasks
+        const LoweredOp &producer = byName[producerName];
+        SmallVector<int64_t> firstTiles(map.getFirst()), lastTiles(map.getLast());
+        for (size_t j = 0; j < firstTiles.size(); ++j)
+          if (lastTiles[j] >= firstTiles[j]) {
+            firstTiles[j] *= stride;
+            lastTiles[j] *= stride;
+          }
+        ArrayRef<int64_t> first = firstTiles, last = lastTiles;
         for (uint32_t j = 0; j < consumer.tasks; ++j) {
           if (last[j] < first[j])
             continue; // needs nothing
@@ -436,6 +513,8 @@ private:
   Bindings bindings;
   llvm::DenseMap<Value, uint32_t> slotOf;
   llvm::StringMap<LoweredOp> byName;
+  /// Lead products (findLeads): a lead's name to its host's.
+  llvm::StringMap<std::string> hostOf;
   /// (producer op, first tile, last tile) to its event.
   struct RangeHash {
     size_t operator()(const std::tuple<uint32_t, uint32_t, uint32_t> &k) const {

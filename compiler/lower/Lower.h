@@ -49,6 +49,14 @@ struct LowerOptions {
   /// and dim 0 in the binary. None keeps the graph's dim 0 and writes no
   /// record.
   std::optional<format::LayerRecord> layer;
+  /// Lead products (format::leadOp): a GMM that writes the low-rank rows U
+  /// of a GMM with a low-rank product from that GMM's own A, over the same
+  /// row tiles (a LoRA adapter's first product, U = s X A, beside its
+  /// base's), is lowered with no tasks of its own: the base's tiles compute
+  /// their rows of U first, and the events U's other readers wait on are
+  /// the base's tiles'. The same bits; false keeps every GMM's tasks its
+  /// own (a comparison).
+  bool leadProducts = true;
 };
 
 /// Lowers `graph`, which must have been through the graph pipeline (shapes

@@ -41,6 +41,9 @@ double taskSeconds(const TaskProgram &program, uint32_t task, const TargetProfil
       m = rows;
       k = double(tiling.depth);
       k += double(lowRankDepth(program, tiling)); // a low-rank product's too
+      // A lead product's (format::leadOp): U's r columns over the depth.
+      if (tiling.lowRank() && leadOp(program, program.tasks[task].op) != kNone)
+        k += double(lowRankDepth(program, tiling)) * double(tiling.depth) / std::max(cols, 1.0);
     } else { // weight-gradient GMM: a weight tile, reduced over the expert's rows
       m = double(tile.rowEnd - tile.rowBegin);
       k = double(tiling.balancedRows);

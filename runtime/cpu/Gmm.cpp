@@ -620,10 +620,11 @@ void gemmTile(int64_t m, int64_t n, int64_t k, ConstMatrix a, bool transA, Const
     static thread_local Scratch threadScratch;
     Scratch &mem = scratch ? *scratch : threadScratch;
     const bool bf16 = a.elt == Elt::BF16;
-    float *base = mem.floats(lineRound(int64_t(
-        tile::packBytes(m, n, k, transA, bf16, cBf16, decodedB, !direct, lowRank ? lowRank->k : 0) /
-            4 +
-        1)));
+    size_t bytes =
+        tile::packBytes(m, n, k, transA, bf16, cBf16, decodedB, !direct, lowRank ? lowRank->k : 0);
+    if (lowRank && lowRank->lead)
+      bytes = std::max(bytes, tile::leadPackBytes(m, lowRank->k, k, bf16, lowRank->lead->scale));
+    float *base = mem.floats(lineRound(int64_t(bytes / 4 + 1)));
     if (direct) {
       tile::gemm(m, n, k, a.data, a.ld, transA, b.data, b.ld, transB, bf16, c.data, c.ld, cBf16,
                  accumulate, base, streamC && !accumulate, packedB, decodedB, nullptr, lowRank);
@@ -746,16 +747,32 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
     return;
   }
   // A second, low-rank product: U op(V) over the same rows and columns.
-  const ConstMatrix u = shifted(epilogue.lowU, first, 0);
+  const ConstMatrix u = shifted(epilogue.lowU, first - epilogue.uFirstRow, 0);
   const ConstMatrix v = epilogue.lowTransV ? shifted(epilogue.lowV, cols.begin, 0)
                                            : shifted(epilogue.lowV, 0, cols.begin);
+  const bool lead = epilogue.leadB.data != nullptr;
+  const Matrix leadU = lead ? shifted(epilogue.leadU, first - epilogue.uFirstRow, 0) : Matrix{};
   if (packedTile(a.elt, b.elt) && u.elt == a.elt && v.elt == a.elt) {
-    // moec's tile: in the same call (tile::LowRank).
-    const tile::LowRank low{u.data, u.ld, v.data, v.ld, epilogue.lowTransV, epilogue.lowDepth};
+    // moec's tile: in the same call (tile::LowRank), a lead product too.
+    const tile::LowRank::Lead leadArgs{leadU.data,         epilogue.leadB.data,
+                                       epilogue.leadB.ld,  epilogue.leadTransB,
+                                       epilogue.leadScale, epilogue.leadPackedB};
+    const tile::LowRank low{u.data,
+                            u.ld,
+                            v.data,
+                            v.ld,
+                            epilogue.lowTransV,
+                            epilogue.lowDepth,
+                            lead ? &leadArgs : nullptr};
     gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false, weight, transB, out, false,
              scratch, 1.0f, streamOut, packedB, decoded, ConstMatrix{}, &low);
     return;
   }
+  // A lead product: U by the call its own tile would make.
+  if (lead)
+    gemmTile(r.size(), epilogue.lowDepth, depth, shifted(a, first, 0), false, epilogue.leadB,
+             epilogue.leadTransB, leadU, false, scratch, epilogue.leadScale,
+             leadU.elt == Elt::BF16 && a.elt == Elt::BF16 && tile::amx(), epilogue.leadPackedB);
   gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false, weight, transB, out, false,
            scratch, 1.0f, false, packedB, decoded);
   gemmTile(r.size(), cols.size(), epilogue.lowDepth, u, false, v, epilogue.lowTransV, out, true,

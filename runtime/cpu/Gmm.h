@@ -211,12 +211,28 @@ bool streamedTile(Elt a, Elt b, int64_t m, int64_t n);
 /// `lowTransV`); no addend and scale 1 then. Where moec's tile runs the
 /// product without AMX, in one call (tile::LowRank: one rounding); elsewhere
 /// as a second product added onto C.
+///
+/// With `leadB`'s data not null too, the tile writes its rows of U first (a
+/// lead product, format::leadOp): U = leadScale * A op(leadB) over the same
+/// rows and depth (`leadU`: U's buffer, lowU's; `leadB` the expert's [depth,
+/// lowDepth] weight, or [lowDepth, depth] with `leadTransB`; `leadPackedB`
+/// its packed copy or null): the bits of the tile that op's own task would
+/// run, computed from the tiles of A the product makes on AMX (A read once
+/// for both), else by that tile's call first. `uFirstRow`: the row of A
+/// (of the whole buffer) that row 0 of lowU's and leadU's buffer holds: 0
+/// for the U tensor, a tile's first row for a copy of the tile's own.
 struct Epilogue {
   float scale = 1.0f;
   ConstMatrix addend;
   ConstMatrix lowU, lowV;
   int64_t lowDepth = 0;
   bool lowTransV = false;
+  Matrix leadU;
+  ConstMatrix leadB;
+  bool leadTransB = false;
+  float leadScale = 1.0f;
+  const void *leadPackedB = nullptr;
+  int64_t uFirstRow = 0;
 };
 
 /// Forward tile of one expert: C[m, n] = sum_{k < depth} A[m, k] * B[k, n] for

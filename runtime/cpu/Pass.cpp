@@ -90,6 +90,8 @@ struct Pass::OpInfo {
   int64_t lowDepth = 0, lowStride = 0;
   /// Its B is a weight kept packed (PassOptions::packWeights).
   bool packable = false;
+  /// The lead product its tiles compute (format::leadOp), or kNone.
+  uint32_t lead = format::kNone;
 };
 
 struct Pass::PackedWeight {
@@ -159,6 +161,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
   pass->options = options;
   pass->scratch = scratch;
   pass->weightScratch = std::make_unique<Scratch[]>(scratch->size());
+  pass->leadScratch = std::make_unique<Scratch[]>(scratch->size());
   // The process's team: the executor's workers are its helpers, the loops
   // outside the task queues run on the caller and options.workers - 1 of
   // them. Every layer of the process with this many workers shares it.
@@ -185,6 +188,7 @@ Status Pass::create(const TaskProgram &program, const rt::LayerPlan &plan,
       info.lowDepth = int64_t(format::lowRankDepth(program, *info.tiling));
       const format::SlotRecord &v = program.slots[info.lowV];
       info.lowStride = int64_t(v.dims[1] * v.dims[2]);
+      info.lead = format::leadOp(program, uint32_t(pass->ops.size()));
     }
     if (options.packWeights && op.kind == OpKind::Gmm && !info.wgrad) {
       const uint32_t b = info.tiling->inputSlots[1];
@@ -774,6 +778,34 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
         epilogue.lowDepth = op.lowDepth;
         epilogue.lowTransV = op.lowTransV;
       }
+      if (op.lead != format::kNone) {
+        // The lead product's tile: this one's rows (validated: the lead's
+        // grid is this one's rows in one column tile). The first column
+        // tile writes U; the others compute a copy of their own.
+        const OpInfo &lead = ops[op.lead];
+        const uint32_t lb = lead.tiling->inputSlots[1];
+        const format::TileCoord leadTile =
+            format::tileCoord(*lead.tiling, (task - tasks.ops[opIndex].firstTask) / t.colTiles);
+        epilogue.leadU = out(op.lowU);
+        if (tile.colTile != 0) {
+          const Range r{std::max<int64_t>(rows.begin, 0), std::min(rows.end, segment.rows)};
+          const int64_t ld = op.lowDepth, count = std::max<int64_t>(r.end - r.begin, 1);
+          epilogue.leadU = Matrix{
+              leadScratch[worker].floats(size_t(count * ld * dtypeSize(dtype(op.lowU)) + 3) / 4),
+              dtype(op.lowU), ld};
+          epilogue.lowU = ConstMatrix{epilogue.leadU.data, epilogue.leadU.elt, ld};
+          epilogue.uFirstRow = segBegin + r.begin;
+        }
+        epilogue.leadB = ConstMatrix{static_cast<const char *>(data[rank][lb]) +
+                                         lead.expertStride * tile.expert * dtypeSize(dtype(lb)),
+                                     dtype(lb), int64_t(lead.tiling->ldb)};
+        epilogue.leadTransB = lead.transposeB;
+        epilogue.leadScale = lead.scale;
+        const bool leadWork = std::min(rows.end, segment.rows) > std::max<int64_t>(rows.begin, 0);
+        epilogue.leadPackedB = leadWork ? packedWeight(op.lead, rank, leadTile, epilogue.leadB,
+                                                       int64_t(lead.tiling->depth))
+                                        : nullptr;
+      }
       const auto gemm = [&](ConstMatrix weight, Matrix result, Range resultCols,
                             const void *packedB, const tile::DecodedB *decodedB = nullptr) {
         if (op.transposeB)
@@ -829,6 +861,7 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
         gemm(ConstMatrix{dequantizeWeightTile(opIndex, rank, tile.expert, chunk, dtype(a), worker),
                          dtype(a), dequantizedStride(op.transposeB, int64_t(t.depth), n)},
              cm, Range{0, n}, nullptr);
+        epilogue.leadB = ConstMatrix{}; // a lead product's U: written by the first chunk
       }
       break;
     }

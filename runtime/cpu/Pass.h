@@ -165,6 +165,9 @@ private:
   std::vector<Scratch> *scratch = nullptr;
   /// Per worker: the dequantized part of an FP8 weight a tile reads.
   std::unique_ptr<Scratch[]> weightScratch;
+  /// Per worker: the rows of U a lead product's host tile past its row's
+  /// first column tile computes for itself (format::leadOp).
+  std::unique_ptr<Scratch[]> leadScratch;
   std::shared_ptr<exec::ThreadTeam> team; ///< the process's: the workers and the other loops
   std::vector<OpInfo> ops;
   /// A local rank's cells of an op (expert-major, then column tile), the

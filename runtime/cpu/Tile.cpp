@@ -166,6 +166,10 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
 
 } // namespace
 
+size_t leadPackBytes(int64_t m, int64_t r, int64_t k, bool bf16, float scale) {
+  return packBytes(m, r, k, false, bf16, bf16, false, scale != 1.0f, 0);
+}
+
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16, bool decodedB,
                  bool addScaled, int64_t lowRankK) {
   const size_t direct = directBytes(m, n, k, transA, bf16, cBf16, decodedB, addScaled, lowRankK);
@@ -1003,6 +1007,22 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
           int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,
           void *pack, bool stream, const void *packedB, const DecodedB *decodedB,
           const AddScaled *addScaled, const LowRank *lowRank) {
+  // A lead product (LowRank::Lead) the AMX tile does not compute from its
+  // own tiles of op(A): U by the call that would write it on its own, then
+  // the product with U as given.
+  if (lowRank && lowRank->lead &&
+      !(bf16 && amx() &&
+        leadInTile(m, n, k, transA, transB, packedB != nullptr, decodedB != nullptr))) {
+    const LowRank::Lead &lead = *lowRank->lead;
+    const AddScaled scaled{lead.scale, nullptr, 0};
+    gemm(m, lowRank->k, k, a, lda, false, lead.b, lead.ldb, lead.transB, bf16, lead.u, lowRank->ldu,
+         bf16, false, pack, false, lead.packedB, nullptr, lead.scale != 1.0f ? &scaled : nullptr);
+    LowRank rest = *lowRank;
+    rest.lead = nullptr;
+    gemm(m, n, k, a, lda, transA, b, ldb, transB, bf16, c, ldc, cBf16, load, pack, stream, packedB,
+         decodedB, addScaled, &rest);
+    return;
+  }
   // A narrow C whose A is stored transposed (a LoRA adapter's weight
   // gradient, X^T dU: m the model's width, n the rank) is computed as its
   // transpose, C^T = op(B)^T op(A)^T, into the working memory, then written

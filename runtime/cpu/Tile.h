@@ -176,6 +176,16 @@ struct AddScaled {
 /// is a whole number of steps (32 values); else a second product added onto
 /// C (AddScaled, alpha 1, C the addend): its sums, and a bf16 C's rounding
 /// between the two, are those of two gemm calls.
+///
+/// With `lead` set, gemm first writes U itself (at `lead->u`, U's address):
+/// U = lead->scale * op(A) op(lead->b), op(lead->b) k x r (stored k x r, or r
+/// x k with `transB`, stride `ldb`; `packedB` that B packed whole by packB,
+/// or null), of A's storage type (a LoRA adapter's first product, U = s X
+/// A, over the base's rows): the bits of gemm(m, r, k, a, lda, false,
+/// lead->b, ...) with AddScaled{scale} (none where scale is 1), writing U.
+/// On AMX tiles (leadInTile) from op(A)'s tiles, packed for the product
+/// anyway, so A is read from memory once for both; elsewhere by that call
+/// first.
 struct LowRank {
   const void *u = nullptr;
   int64_t ldu = 0;
@@ -183,6 +193,15 @@ struct LowRank {
   int64_t ldv = 0;
   bool transV = false;
   int64_t k = 0;
+  struct Lead {
+    void *u = nullptr;
+    const void *b = nullptr;
+    int64_t ldb = 0;
+    bool transB = false;
+    float scale = 1.0f;
+    const void *packedB = nullptr;
+  };
+  const Lead *lead = nullptr;
 };
 
 /// Whether this CPU runs the tile: AVX-512 (F, BW, VL, DQ) for fp32, and
@@ -210,6 +229,10 @@ bool amx();
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
                  bool decodedB = false, bool addScaled = false, int64_t lowRankK = 0);
 
+/// Bytes of working memory a LowRank's lead product needs (LowRank::Lead):
+/// packBytes of the gemm call that writes U, where it runs as one.
+size_t leadPackBytes(int64_t m, int64_t r, int64_t k, bool bf16, float scale);
+
 /// C = (load ? C : 0) + op(A) op(B), as the header says. `bf16` says the
 /// storage of A and B (uint16_t bf16 bits, else float), `cBf16` that of C.
 /// Requires available(bf16), m, n, k > 0, not both `cBf16` and `load`, and
@@ -223,7 +246,8 @@ size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool c
 /// sums, as AddScaled says; `pack` then holds packBytes(..., addScaled =
 /// true) bytes. With `lowRank` (not with `load`, `addScaled` or `transA`;
 /// lowRank->k > 0), C = op(A) op(B) + U op(V) as LowRank says;
-/// `pack` then holds packBytes(..., lowRankK = lowRank->k) bytes.
+/// `pack` then holds packBytes(..., lowRankK = lowRank->k) bytes, and with
+/// a lead product at least leadPackBytes(m, lowRank->k, k, ...) too.
 void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA, const void *b,
           int64_t ldb, bool transB, bool bf16, void *c, int64_t ldc, bool cBf16, bool load,
           void *pack, bool stream = false, const void *packedB = nullptr,

@@ -186,6 +186,15 @@ inline bool swapped(int64_t m, int64_t n, int64_t k, bool transA, bool transB, b
          packedBBytes(m, k, true) <= kSwappedPanelBytes;
 }
 
+} // namespace
+
+bool leadInTile(int64_t m, int64_t n, int64_t k, bool transA, bool transB, bool packedB,
+                bool decodedB) {
+  return !transA && fusedLowRank(k) && !swapped(m, n, k, transA, transB, packedB, decodedB);
+}
+
+namespace {
+
 /// The working memory of the swapped form (WorkLayout): op(A)^T's panels
 /// (packB's layout, every column: A's rows), their last step's units, the
 /// edges of a row block of B in tiles (gemmSwapped), the sums of the depth chunks
@@ -721,6 +730,68 @@ MOEC_AMX_TARGET void configureAmxTiles() {
   _tile_loadconfig(&config);
 }
 
+namespace {
+
+/// A LowRank's lead product in the tile (LowRank::Lead, leadInTile): U =
+/// scale * op(A) op(lead.b) for rows [0, m), from op(A)'s tiles `x` (as the
+/// product reads them), written to lead.u through `epilogueStage` (a
+/// tile's sums). Each element is the sum, from zero, of its tile steps in
+/// depth order, rounded once, as gemm's own call on these operands has it.
+MOEC_AMX_TARGET void leadProduct(const Operands &x, int64_t m, int64_t k, int64_t r, int64_t ldu,
+                                 const LowRank::Lead &lead, float *epilogueStage) {
+  // op(lead.b)'s one panel: packed beforehand, else packed here (k x r
+  // values, 192 KiB at k 2048, kept by the thread for its next call).
+  struct Panel {
+    void *data = nullptr;
+    size_t bytes = 0;
+    ~Panel() { std::free(data); }
+  };
+  static thread_local Panel own;
+  const uint32_t *panel = static_cast<const uint32_t *>(lead.packedB);
+  if (!panel) {
+    const size_t bytes = lines(packedBBytes(r, k, true));
+    if (own.bytes < bytes) {
+      std::free(own.data);
+      own.data = std::aligned_alloc(64, bytes);
+      own.bytes = own.data ? bytes : 0;
+      if (!own.data) {
+        std::fprintf(stderr, "moec: out of memory for a lead product's panel\n");
+        std::abort();
+      }
+    }
+    // packB writes every unit of the r columns; the panel's other lanes
+    // feed only columns past r, which are not written.
+    packB(r, k, lead.b, lead.ldb, lead.transB, true, own.data);
+    panel = static_cast<const uint32_t *>(own.data);
+  }
+  alignas(64) uint32_t tail[kStep * kPanel];
+  Operands ux = x;
+  ux.panels = panel;
+  ux.panelUnits = x.units;
+  ux.firstStep = 0;
+  ux.tail = tail;
+  if (ux.fullSteps < ux.steps)
+    fillTails(ux, 1, tail);
+  const AddScaled scaled{lead.scale, nullptr, 0};
+  const Epilogue out{static_cast<char *>(lead.u),           ldu, true, false, false,
+                     lead.scale != 1.0f ? &scaled : nullptr};
+  for (int64_t i0 = 0; i0 < m; i0 += kBlockRows) {
+    const bool two = m - i0 > kTileRows;
+    if (two)
+      block<2, 1>(ux, i0, 0, 0, ux.steps, nullptr);
+    else
+      block<1, 1>(ux, i0, 0, 0, ux.steps, nullptr);
+    moveTile(0, epilogueStage, true);
+    out.write(epilogueStage, i0, std::min(kTileRows, m - i0), 0, r);
+    if (two) {
+      moveTile(2, epilogueStage, true);
+      out.write(epilogueStage, i0 + kTileRows, std::min(kTileRows, m - i0 - kTileRows), 0, r);
+    }
+  }
+}
+
+} // namespace
+
 MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda,
                              bool transA, const void *b, int64_t ldb, bool transB, void *c,
                              int64_t ldc, bool cBf16, bool load, void *pack, bool stream,
@@ -756,11 +827,8 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
   float *sums = parts.sums, *cStage = parts.cStage;
   uint16_t *decoded = parts.decoded;
   LowTiles low(lowK);
-  if (lowRank) {
+  if (lowRank)
     low.pack(carve, m, n, lowRank->v, lowRank->ldv, lowRank->transV);
-    packARows(static_cast<const uint16_t *>(lowRank->u), lowRank->ldu, m, lowK, low.x.steps,
-              low.tiles);
-  }
 
   Operands x(k);
   x.packedA = packedA;
@@ -781,6 +849,14 @@ MOEC_AMX_TARGET void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int
     packARows(x.direct, lda, m, k, x.steps, packedA, x.directRows, x.directSteps);
   } else
     packARows(static_cast<const uint16_t *>(a), lda, m, k, x.steps, packedA);
+  // A lead product (tile::gemm hands it here where leadInTile): U from the
+  // tiles of op(A) just made, then U into the low-rank product's tiles.
+  if (lowRank) {
+    if (lowRank->lead)
+      leadProduct(x, m, k, lowK, lowRank->ldu, *lowRank->lead, cStage);
+    packARows(static_cast<const uint16_t *>(lowRank->u), lowRank->ldu, m, lowK, low.x.steps,
+              low.tiles);
+  }
   // The forms of B, each read by the products from `x.panels`:
   // - packed beforehand (packB): read where it lies;
   // - as stored, not transposed: a depth slab at a time for every column,

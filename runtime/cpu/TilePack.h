@@ -115,6 +115,13 @@ void configureAmxTiles();
 /// packBytes of the AMX form (bf16 A and B), with a LowRank of depth lowK.
 size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB, int64_t lowK = 0);
 
+/// Whether gemmAmx computes a LowRank's lead product (LowRank::Lead) from
+/// the tiles of op(A) it makes for the product (the form that packs op(A)
+/// into tiles and sums the low-rank steps in the registers); else
+/// tile::gemm computes U by a call of its own first.
+bool leadInTile(int64_t m, int64_t n, int64_t k, bool transA, bool transB, bool packedB,
+                bool decodedB);
+
 /// gemm on AMX tiles, bf16 A and B only: the arguments and results of
 /// tile::gemm, with the order of the sums of Tile.h's AMX paragraph.
 void gemmAmx(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool transA,

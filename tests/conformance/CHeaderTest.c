@@ -13,7 +13,7 @@
 int main(void) {
   uint32_t format = 0;
   const char *version = moec_runtime_version(&format);
-  if (!version || strcmp(version, MOEC_VERSION_STRING) != 0 || format != 3) {
+  if (!version || strcmp(version, MOEC_VERSION_STRING) != 0 || format != 4) {
     fprintf(stderr, "moec_runtime_version: %s, format %u\n", version ? version : "(null)",
             (unsigned)format);
     return 1;

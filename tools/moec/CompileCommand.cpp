@@ -23,7 +23,7 @@ namespace moec::cli {
 const CommandSpec kCompileSpec = {
     "compile",
     "moec compile GRAPH --config CFG [--target PROFILE] [--granularity G] [--peer-groups N] "
-    "-o OUT [--time] [--progress | --no-progress]",
+    "[--no-lead-products] -o OUT [--time] [--progress | --no-progress]",
     "Compiles GRAPH (.json graph description or .mlir) for the model/parallel config\n"
     "CFG into a task binary: the graph pipeline (shapes, verification, slots, split\n"
     "propagation), then tile tasks with tiling descriptors, events from the tile\n"
@@ -44,6 +44,10 @@ const CommandSpec kCompileSpec = {
     "                     ranks' rows have arrived (1: no groups; past the EP degree, one a\n"
     "                     rank; default: the compiler tries 1, 4 and 16, at most one a rank\n"
     "                     and a GMM tile's rows (128 or more) a group; keeps the fastest)\n"
+    "  --no-lead-products keep a LoRA adapter's first GMM (U = s X A) a GMM of its own\n"
+    "                     tasks; by default, where its base adds U's product inside its\n"
+    "                     tile (the cpu target), the base's tiles compute their rows of U\n"
+    "                     first (X read once for both). The same bits either way\n"
     "  -o OUT             the task binary to write (required; written whole or not at all)\n"
     "  --time             print the time each phase took to stderr\n"
     "  --progress         print each step on stderr as it ends, even when stderr is not\n"
@@ -51,7 +55,7 @@ const CommandSpec kCompileSpec = {
     "                     second is shown as it runs)\n"
     "  --no-progress      no progress output\n",
     {"--config", "--target", "--granularity", "--peer-groups", "-o"},
-    {"--time", "--progress", "--no-progress"},
+    {"--time", "--progress", "--no-progress", "--no-lead-products"},
     1,
     1,
     {"-o"},
@@ -121,6 +125,7 @@ int runCompile(int argc, char **argv, int first) {
         *lower::parseGranularity(args.value("--granularity").value_or("per-tile-range"));
     if (auto g = args.value("--peer-groups"))
       options.peerGroups = *parsePeerGroups(*g);
+    options.leadProducts = !args.has("--no-lead-products");
     options.onStep = [&progress](const char *step) { progress->begin(step); };
     driver::CompileResult result;
     if (Status status = driver::compileModule(module, options, &result); !status) {

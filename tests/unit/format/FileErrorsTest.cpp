@@ -54,15 +54,16 @@ TEST_CASE("a file shorter than the header", "[task-binary][errors]") {
 TEST_CASE("wrong version", "[task-binary][errors]") {
   std::vector<uint8_t> bytes = writeTaskBinary(smallProgram());
   put<uint32_t>(bytes, offsetof(FileHeader, version), 7);
-  CHECK(readError(bytes) == "format version 7 is not supported (this reader reads version 3)");
+  CHECK(readError(bytes) == "format version 7 is not supported (this reader reads version 4)");
   fixHeader(bytes);
-  CHECK(readError(bytes) == "format version 7 is not supported (this reader reads version 3)");
+  CHECK(readError(bytes) == "format version 7 is not supported (this reader reads version 4)");
   put<uint32_t>(bytes, offsetof(FileHeader, version), 1);
-  CHECK(readError(bytes) == "format version 1 is not supported (this reader reads version 3); "
+  CHECK(readError(bytes) == "format version 1 is not supported (this reader reads version 4); "
                             "compile the graph again with this moec (version 2 added the layer "
-                            "record, version 3 a GMM's low-rank product)");
+                            "record, version 3 a GMM's low-rank product, version 4 lead "
+                            "products)");
   put<uint32_t>(bytes, offsetof(FileHeader, version), 0);
-  CHECK(readError(bytes) == "format version 0 is not supported (this reader reads version 3)");
+  CHECK(readError(bytes) == "format version 0 is not supported (this reader reads version 4)");
 }
 
 TEST_CASE("a second layer record", "[task-binary][errors][layer]") {
@@ -148,7 +149,7 @@ TEST_CASE("header fields", "[task-binary][errors]") {
   std::vector<uint8_t> count = bytes;
   put<uint32_t>(count, offsetof(FileHeader, sectionCount), 9);
   fixHeader(count);
-  CHECK(readError(count) == "header: the section table has 9 entries; version 3 has 11");
+  CHECK(readError(count) == "header: the section table has 9 entries; version 4 has 11");
 
   std::vector<uint8_t> lastReserved = bytes;
   put<uint32_t>(lastReserved, offsetof(FileHeader, reserved), 0x100);
@@ -321,7 +322,7 @@ TEST_CASE("misaligned, overlapping and misplaced sections", "[task-binary][error
     put<uint32_t>(b, entryOffset(b, ops) + offsetof(SectionEntry, kind), 42);
     fixHeader(b);
     CHECK(readError(b) == "section table entry " + std::to_string(ops) +
-                              ": kind 42 is not a section kind of version 3");
+                              ": kind 42 is not a section kind of version 4");
     put<uint32_t>(b, entryOffset(b, ops) + offsetof(SectionEntry, kind),
                   uint32_t(SectionKind::Slots));
     fixHeader(b);
@@ -331,19 +332,19 @@ TEST_CASE("misaligned, overlapping and misplaced sections", "[task-binary][error
     b = bytes;
     put<uint32_t>(b, entryOffset(b, ops) + offsetof(SectionEntry, recordSize), 16);
     fixHeader(b);
-    CHECK(readError(b) == "section 'ops': record size 16, but version 3 ops records are 24 bytes");
+    CHECK(readError(b) == "section 'ops': record size 16, but version 4 ops records are 24 bytes");
     b = bytes;
     size_t tilings = entryIndexOf(b, SectionKind::Tilings);
     put<uint32_t>(b, entryOffset(b, tilings) + offsetof(SectionEntry, recordSize), 88);
     fixHeader(b);
     CHECK(readError(b) ==
-          "section 'tilings': record size 88, but version 3 tilings records are 104 bytes");
+          "section 'tilings': record size 88, but version 4 tilings records are 104 bytes");
     b = bytes;
     size_t tasks = entryIndexOf(b, SectionKind::Tasks);
     put<uint32_t>(b, entryOffset(b, tasks) + offsetof(SectionEntry, recordSize), 28);
     fixHeader(b);
     CHECK(readError(b) ==
-          "section 'tasks': record size 28, but version 3 tasks records are 24 bytes");
+          "section 'tasks': record size 28, but version 4 tasks records are 24 bytes");
   }
   SECTION("empty sections may sit anywhere past the header") {
     TaskProgram program = smallProgram();

@@ -42,7 +42,7 @@ TEST_CASE("a program survives a write and a read unchanged", "[task-binary]") {
 
   FileHeader header = headerOf(bytes);
   CHECK(std::memcmp(header.magic, "MOECBIN\0", 8) == 0);
-  CHECK(header.version == 3);
+  CHECK(header.version == 4);
   CHECK(header.flags == kFlagBf16);
   CHECK(header.fileSize == bytes.size());
   CHECK(header.crc32 == taskBinaryChecksum(bytes.data(), bytes.size()));

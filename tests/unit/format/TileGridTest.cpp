@@ -321,7 +321,8 @@ TEST_CASE("a grid holds at most 2^32 - 1 tiles", "[task-binary][errors][tiles]")
     p.ops.push_back({p.addString("gmm"), OpKind::Gmm, {}, 0, 0, 0, 0});
     CHECK(contentError(p) ==
           "op 0 'gmm': has 0 tasks, but its tiling 0 is a grid of 4294901760 tiles (65535 x "
-          "65536 x 1 x 1)");
+          "65536 x 1 x 1); only a lead product, computed in the tiles of a GMM that reads its "
+          "output as its low-rank U, has none, and no GMM with tasks reads this op's so");
   }
   SECTION("a grid whose count wraps 64 bits to 0") {
     // 2^16 experts x 2^16 peers x 2^16 x 2^16 tiles: 2^64, which tileCount()

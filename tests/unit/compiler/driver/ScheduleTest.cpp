@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -79,10 +80,11 @@ uint32_t chained(const format::TaskProgram &program, const std::string &consumer
 }
 
 format::TaskProgram compiled(const std::string &graph, const std::string &target,
-                             const std::string &config) {
+                             const std::string &config, bool leadProducts = true) {
   driver::CompileOptions options;
   options.configPath = config;
   options.target = target;
+  options.leadProducts = leadProducts;
   driver::CompileResult result;
   const Status status = driver::compileGraphFile(graph, options, &result);
   INFO(graph << " on " << target << ": " << status.message());
@@ -92,20 +94,96 @@ format::TaskProgram compiled(const std::string &graph, const std::string &target
 
 } // namespace
 
+/// The index of op `name`.
+uint32_t opIndex(const format::TaskProgram &program, const std::string &name) {
+  for (uint32_t i = 0; i < program.ops.size(); ++i)
+    if (program.name(program.ops[i].name) == name)
+      return i;
+  FAIL("no op " << name);
+  return 0;
+}
+
 TEST_CASE("a LoRA adapter's first tile of an expert runs just before its fused base's",
           "[schedule]") {
+  // Compiled with --no-lead-products (its tiles tasks of their own).
   const std::string config = loraConfig();
   const uint32_t experts = 8; // 16 experts over 2 ranks
   for (const char *graph :
        {"graphs/moe_ffn_fwd_lora_transposed.json", "graphs/moe_ffn_fwd_lora.json"}) {
     INFO(graph);
-    const format::TaskProgram forward = compiled(graph, "cpu", config);
+    const format::TaskProgram forward = compiled(graph, "cpu", config, false);
     CHECK(chained(forward, "up_proj", "up_lora_a", experts) == experts);
     CHECK(chained(forward, "down_proj", "down_lora_a", experts) == experts);
   }
   const format::TaskProgram backward =
-      compiled("graphs/moe_ffn_bwd_lora_transposed.json", "cpu", config);
+      compiled("graphs/moe_ffn_bwd_lora_transposed.json", "cpu", config, false);
   CHECK(chained(backward, "act_grad", "down_lora_v", experts) == experts);
   CHECK(chained(backward, "gate_grad", "up_lora_v", experts) == experts);
+  std::remove(config.c_str());
+}
+
+TEST_CASE("a LoRA adapter's first GMM is lowered as a lead product of its fused base",
+          "[schedule]") {
+  // By default (the cpu target) the first GMM has no tasks: its base's
+  // tiles compute U (format::leadOp), and every event that would name its
+  // tiles names the base's; the adapter's gradient GMMs that read V wait
+  // for the base. For a target with a shared cache nothing is fused, so
+  // nothing is a lead.
+  const std::string config = loraConfig();
+  const std::pair<const char *, const char *> forwardPairs[] = {{"up_proj", "up_lora_a"},
+                                                                {"down_proj", "down_lora_a"}};
+  const std::pair<const char *, const char *> backwardPairs[] = {{"act_grad", "down_lora_v"},
+                                                                 {"gate_grad", "up_lora_v"}};
+  const auto check = [](const format::TaskProgram &p, const char *host, const char *lead) {
+    INFO(host << " / " << lead);
+    const uint32_t h = opIndex(p, host), l = opIndex(p, lead);
+    CHECK(p.ops[l].taskCount == 0);
+    CHECK(format::leadOp(p, h) == l);
+    CHECK(format::leadHost(p, l) == h);
+    for (const format::EventRecord &event : p.events)
+      CHECK(event.op != l);
+  };
+  for (const auto &[host, lead] : forwardPairs)
+    check(compiled("graphs/moe_ffn_fwd_lora.json", "cpu", config), host, lead);
+  const format::TaskProgram backward = compiled("graphs/moe_ffn_bwd_lora.json", "cpu", config);
+  for (const auto &[host, lead] : backwardPairs)
+    check(backward, host, lead);
+  // up_lora_a_grad reads V (lora_v1): it waits for gate_grad's tiles.
+  const uint32_t gate = opIndex(backward, "gate_grad");
+  const format::OpRecord &grad = backward.ops[opIndex(backward, "up_lora_a_grad")];
+  bool waitsOnGate = false;
+  for (uint32_t t = grad.firstTask; t < grad.firstTask + grad.taskCount; ++t) {
+    const format::TaskRecord &task = backward.tasks[t];
+    for (uint32_t w = task.firstWait; w < task.firstWait + task.waitCount; ++w)
+      waitsOnGate = waitsOnGate || backward.events[backward.waits[w].event].op == gate;
+  }
+  CHECK(waitsOnGate);
+  // The reader checks the pairing: a lead on another row grid, or of
+  // another A, or no host at all, is refused, naming the op.
+  REQUIRE(format::validateTaskProgram(backward).ok());
+  const uint32_t leadIndex = opIndex(backward, "up_lora_v");
+  const auto refused = [&](const std::function<void(format::TaskProgram &)> &spoil,
+                           const std::string &says) {
+    format::TaskProgram p = backward;
+    spoil(p);
+    const Status status = format::validateTaskProgram(p);
+    INFO(status.message());
+    CHECK_FALSE(status.ok());
+    CHECK_THAT(status.message(), Catch::Contains("'up_lora_v'") && Catch::Contains(says));
+  };
+  const auto leadTiling = [&](format::TaskProgram &p) -> format::TilingRecord & {
+    return p.tilings[p.ops[leadIndex].tiling];
+  };
+  refused([&](format::TaskProgram &p) { leadTiling(p).rowTiles = 2; },
+          "so it is the lead product of op 7 'gate_grad'");
+  refused([&](format::TaskProgram &p) { leadTiling(p).inputSlots[0] = leadTiling(p).outputSlot; },
+          "so it is the lead product of op 7 'gate_grad'");
+  refused([&](format::TaskProgram &p) { leadTiling(p).outputSlot = leadTiling(p).inputSlots[0]; },
+          "has 0 tasks, but its tiling");
+  const format::TaskProgram own = compiled("graphs/moe_ffn_fwd_lora.json", "cpu", config, false);
+  CHECK(own.ops[opIndex(own, "up_lora_a")].taskCount > 0);
+  CHECK(format::leadOp(own, opIndex(own, "up_proj")) == format::kNone);
+  const format::TaskProgram h100 = compiled("graphs/moe_ffn_fwd_lora.json", "h100", config);
+  CHECK(h100.ops[opIndex(h100, "up_lora_a")].taskCount > 0);
   std::remove(config.c_str());
 }

@@ -571,7 +571,7 @@ TEST_CASE("dump: text", "[dump]") {
   std::string text = inspect::dumpText(program, facts, options, analysis);
   INFO(text);
   CHECK_THAT(text, Catch::StartsWith("task binary two.moebin\n"));
-  CHECK_THAT(text, Catch::Contains("format version 3; flags 0x0: forward pass, f32 activations"));
+  CHECK_THAT(text, Catch::Contains("format version 4; flags 0x0: forward pass, f32 activations"));
   CHECK_THAT(text, Catch::Contains("layer: no layer record (a task program not compiled from a config)"));
   CHECK_THAT(text, Catch::Contains(fmt::format("file size {} bytes; CRC-32 {:#010x}",
                                                facts.fileSize, facts.crc32)));

@@ -790,3 +790,87 @@ TEST_CASE("moec's tile adds a low-rank product to its sums in one call", "[cpu][
                 }
   }
 }
+
+TEST_CASE("moec's tile writes a LowRank's lead product, then adds U's product", "[cpu][tile]") {
+  // tile::LowRank::Lead: U = s op(A) op(L) written first (a LoRA adapter's
+  // first product inside its base's tile), then C = op(A) op(B) + U op(V).
+  // U has the bits of the call that computes it alone (AddScaled{s}, none
+  // where s is 1) and C those of the low-rank call on that U: on AMX from
+  // the tiles of A the product makes (leadInTile: a depth of whole tile
+  // steps, B not read as its transpose in place), else by that call first.
+  // Every form: depths of whole steps and not, L stored k x r, r x k or
+  // packed, B as stored or packed, k x n or n x k, a narrow C (A read in
+  // place), s 1 and not, an odd rank; and the working memory no more than
+  // packBytes and leadPackBytes give.
+  for (const bool bf16 : {false, true}) {
+    if (!tileRuns(bf16))
+      continue;
+    for (const int64_t k : {int64_t(64), int64_t(700), int64_t(544)})
+      for (const int64_t r : {int64_t(16), int64_t(5)})
+        for (const int64_t n : {int64_t(250), int64_t(16)})
+          for (const int leadForm : {0, 1, 2}) // L k x r, r x k, packed
+            for (const bool packedB : {false, true})
+              for (const bool transB : {false, true})
+                for (const float s : {1.0f, 0.375f}) {
+                  INFO((bf16 ? "bf16" : "fp32")
+                       << ", k " << k << ", r " << r << ", n " << n << ", L form " << leadForm
+                       << ", B packed " << packedB << ", transB " << transB << ", s " << s);
+                  const int64_t m = k == 544 ? 70 : 21;
+                  const bool leadTransB = leadForm == 1;
+                  const Product x(m, n, k, false, transB, bf16, uint32_t(k + r + n));
+                  const Product low(m, n, r, false, false, bf16, uint32_t(3 * k + r));
+                  const Product lead(m, r, k, false, leadTransB, bf16, uint32_t(5 * k + n));
+                  Aligned packedX(tile::packedBBytes(n, k, bf16));
+                  tile::packB(n, k, x.b.data(), x.b.ld, transB, bf16, packedX.data());
+                  Aligned packedL(tile::packedBBytes(r, k, bf16));
+                  tile::packB(r, k, lead.b.data(), lead.b.ld, leadTransB, bf16, packedL.data());
+                  const int64_t ldu = r + 3;
+                  const size_t elt = bf16 ? 2 : 4, uBytes = size_t(m * ldu) * elt,
+                               cBytes = size_t(m * n) * elt;
+                  // Alone: U by its own call, then the product on it.
+                  Aligned uWant(uBytes, 0x5A), cWant(cBytes, 0x5A);
+                  const tile::AddScaled scaled{s, nullptr, 0};
+                  Aligned pack(
+                      std::max(tile::packBytes(m, n, k, false, bf16, bf16, false, false, r),
+                               tile::leadPackBytes(m, r, k, bf16, s)));
+                  tile::gemm(m, r, k, x.a.data(), x.a.ld, false, lead.b.data(), lead.b.ld,
+                             leadTransB, bf16, uWant.data(), ldu, bf16, false, pack.data(), false,
+                             leadForm == 2 ? packedL.data() : nullptr, nullptr,
+                             s != 1.0f ? &scaled : nullptr);
+                  const tile::LowRank alone{uWant.data(), ldu, low.b.data(), low.b.ld, false, r};
+                  tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, transB, bf16,
+                             cWant.data(), n, bf16, false, pack.data(), false,
+                             packedB ? packedX.data() : nullptr, nullptr, nullptr, &alone);
+                  // With the lead: one call, its working memory followed by
+                  // 64 guard bytes it must not touch.
+                  Aligned u(uBytes, 0x5A), c(cBytes, 0x5A);
+                  const tile::LowRank::Lead leadArgs{
+                      u.data(),  lead.b.data(),
+                      lead.b.ld, leadTransB,
+                      s,         leadForm == 2 ? packedL.data() : nullptr};
+                  const tile::LowRank withLead{u.data(), ldu, low.b.data(), low.b.ld,
+                                               false,    r,   &leadArgs};
+                  const size_t own =
+                      std::max(tile::packBytes(m, n, k, false, bf16, bf16, false, false, r),
+                               tile::leadPackBytes(m, r, k, bf16, s));
+                  Aligned leadPack(own + 64, 0xA5);
+                  tile::gemm(m, n, k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, transB, bf16,
+                             c.data(), n, bf16, false, leadPack.data(), false,
+                             packedB ? packedX.data() : nullptr, nullptr, nullptr, &withLead);
+                  CHECK(std::count(leadPack.data() + own, leadPack.data() + own + 64, 0xA5) == 64);
+                  CHECK(std::memcmp(u.data(), uWant.data(), uBytes) == 0);
+                  CHECK(std::memcmp(c.data(), cWant.data(), cBytes) == 0);
+                  // U against a loop in double precision (its rows' values).
+                  double worst = 0;
+                  for (int64_t i = 0; i < m; ++i)
+                    for (int64_t j = 0; j < r; ++j) {
+                      double sum = 0;
+                      for (int64_t p = 0; p < k; ++p)
+                        sum += double(x.opA(i, p)) * lead.opB(p, j);
+                      worst = std::max(
+                          worst, std::abs(double(s) * sum - valueAt(u.data(), i * ldu + j, bf16)));
+                    }
+                  CHECK(worst <= (bf16 ? 0.25 : 1e-3));
+                }
+  }
+}

@@ -156,10 +156,14 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     double work = 0; // this run's FLOPs (a GMM) or bytes
     switch (op.kind) {
     case OpKind::Gmm:
-      if (tiling.depth > 0) // (and a low-rank product's depth, U's columns)
-        work = 2 * clip(tiling, tile, int64_t(segment), span.rank) * cols *
-               double(tiling.depth + format::lowRankDepth(tasks, tiling));
-      else // a weight gradient: reduces over the expert's rows
+      if (tiling.depth > 0) { // (and a low-rank product's depth, U's columns)
+        const double rows = clip(tiling, tile, int64_t(segment), span.rank);
+        const double r = double(format::lowRankDepth(tasks, tiling));
+        work = 2 * rows * cols * (double(tiling.depth) + r);
+        // A lead product's U (format::leadOp), by every column tile.
+        if (r > 0 && format::leadOp(tasks, opIndex) != format::kNone)
+          work += 2 * rows * r * double(tiling.depth);
+      } else // a weight gradient: reduces over the expert's rows
         work = 2 * double(tile.rowEnd - tile.rowBegin) * cols * segment;
       break;
     case OpKind::Swiglu:
@@ -209,6 +213,13 @@ Status profileText(const rt::Context &context, rt::TracedPass which, const Peaks
     const format::OpRecord &op = tasks.ops[i];
     const double seconds = double(line.busyNs) * 1e-9;
     std::string work, rate, share;
+    if (const uint32_t host = format::leadHost(tasks, uint32_t(i)); host != format::kNone) {
+      // A lead product: its work and time are its host's.
+      text += fmt::format("  {:<16} {:<12} {:>6} {:>10} {:>7} {:>14} {:>16} {:>8}\n",
+                          std::string(tasks.name(op.name)), format::opKindName(op.kind), 0, "-",
+                          "-", "-", fmt::format("in {}", tasks.name(tasks.ops[host].name)), "-");
+      continue;
+    }
     if (op.kind == OpKind::Gmm) {
       const bool bf16 = tasks.tilings[op.tiling].dtype == format::DType::BF16;
       const double gflops = seconds > 0 ? line.flops / seconds * 1e-9 : 0;

@@ -42,11 +42,11 @@ std::vector<uint32_t> shownQueues(const TaskProgram &p, const DumpOptions &optio
   return shown;
 }
 
-std::string opCore(const TaskProgram &p, const OpRecord &op) {
+std::string opCore(const TaskProgram &p, uint32_t index) {
+  const OpRecord &op = p.ops[index];
   if (op.taskCount == 0) {
     // A lead product: its tiles are its host's (format::leadOp).
-    const uint32_t index = uint32_t(&op - p.ops.data());
-    const uint32_t host = index < p.ops.size() ? leadHost(p, index) : kNone;
+    const uint32_t host = leadHost(p, index);
     return host == kNone ? "-" : fmt::format("in {}", p.name(p.ops[host].name));
   }
   CoreKind kind = p.tasks[op.firstTask].coreKind;

@@ -43,10 +43,10 @@ std::vector<uint32_t> queueOrder(const TaskProgram &p);
 /// order.
 std::vector<uint32_t> shownQueues(const TaskProgram &p, const DumpOptions &options);
 
-/// The core kind of an op's tasks (`op` one of p.ops): "cube", "vector",
-/// "mixed", "in HOST" for a lead product (format::leadOp: HOST's tasks
-/// compute its tiles), or "-" for another op without tasks.
-std::string opCore(const TaskProgram &p, const OpRecord &op);
+/// The core kind of the tasks of op `index`: "cube", "vector", "mixed",
+/// "in HOST" for a lead product (format::leadOp: HOST's tasks compute its
+/// tiles), or "-" for another op without tasks.
+std::string opCore(const TaskProgram &p, uint32_t index);
 
 /// "[256, 128]".
 std::string dimsText(const SlotRecord &slot);

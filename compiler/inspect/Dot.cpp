@@ -148,7 +148,7 @@ std::string dumpOpGraph(const TaskProgram &p) {
   for (uint32_t i = 0; i < p.ops.size(); ++i) {
     const OpRecord &op = p.ops[i];
     const TilingRecord &t = p.tilings[op.tiling];
-    const std::string core = opCore(p, op);
+    const std::string core = opCore(p, i);
     const bool lead = core.rfind("in ", 0) == 0;
     text += fmt::format(
         "  op{} [shape=box, style=\"rounded,filled\", fillcolor={}, label={}];\n", i,

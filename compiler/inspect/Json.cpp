@@ -162,7 +162,7 @@ json dumpJson(const TaskProgram &p, const FileFacts &facts, const DumpOptions &o
                    {"kind", opKindName(op.kind)},
                    {"first_task", op.firstTask},
                    {"tasks", op.taskCount},
-                   {"core", opCore(p, op)},
+                   {"core", opCore(p, uint32_t(i))},
                    {"tiling", tiling}});
   }
   out["ops"] = ops;

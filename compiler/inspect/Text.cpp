@@ -127,7 +127,7 @@ std::string opsText(const TaskProgram &p) {
     for (uint32_t slot : tilingInputs(t))
       inputs += (inputs.empty() ? "" : ",") + std::to_string(slot);
     table.add({std::to_string(i), std::string(p.name(op.name)), opKindName(op.kind),
-               std::to_string(op.taskCount), opCore(p, op),
+               std::to_string(op.taskCount), opCore(p, uint32_t(i)),
                fmt::format("{} x {} x {} x {}", t.experts, t.peers, t.rowTiles, t.colTiles),
                std::to_string(t.rows), std::to_string(t.cols), std::to_string(t.depth),
                fmt::format("{}/{}/{}", t.tileM, t.tileN, t.tileK),

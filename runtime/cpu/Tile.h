@@ -183,9 +183,9 @@ struct AddScaled {
 /// or null), of A's storage type (a LoRA adapter's first product, U = s X
 /// A, over the base's rows): the bits of gemm(m, r, k, a, lda, false,
 /// lead->b, ...) with AddScaled{scale} (none where scale is 1), writing U.
-/// On AMX tiles (leadInTile) from op(A)'s tiles, packed for the product
-/// anyway, so A is read from memory once for both; elsewhere by that call
-/// first.
+/// On AMX tiles (leadInTile) from op(A)'s tiles (or, where C is computed
+/// as its transpose, its panels), packed for the product anyway, so A is
+/// read from memory once for both; elsewhere by that call first.
 struct LowRank {
   const void *u = nullptr;
   int64_t ldu = 0;

@@ -190,7 +190,7 @@ inline bool swapped(int64_t m, int64_t n, int64_t k, bool transA, bool transB, b
 
 bool leadInTile(int64_t m, int64_t n, int64_t k, bool transA, bool transB, bool packedB,
                 bool decodedB) {
-  return !transA && fusedLowRank(k) && !swapped(m, n, k, transA, transB, packedB, decodedB);
+  return !transA && fusedLowRank(k);
 }
 
 namespace {
@@ -595,6 +595,57 @@ MOEC_AMX_TARGET void packARows(const uint16_t *a, int64_t lda, int64_t m, int64_
 /// C. A tile dot product multiplies its two operands' values pairwise, so
 /// each element of C is the same sum of the same products in the same
 /// depth order as in C's own form: the same bits.
+/// 64-byte aligned memory a thread keeps for its next call (a lead
+/// product's operands), grown as asked.
+struct ThreadBuffer {
+  void *data = nullptr;
+  size_t bytes = 0;
+  ~ThreadBuffer() { std::free(data); }
+  void *get(size_t size) {
+    if (bytes < size) {
+      std::free(data);
+      data = std::aligned_alloc(64, lines(size));
+      bytes = data ? lines(size) : 0;
+      if (!data) {
+        std::fprintf(stderr, "moec: out of memory for a lead product's operands\n");
+        std::abort();
+      }
+    }
+    return data;
+  }
+};
+
+/// A LowRank's lead product in the swapped form (gemmSwapped): U^T =
+/// scale * op(lead.b)^T op(A)^T, op(A)^T's columns the panels `x` holds (A's
+/// m rows, packB's layout), op(lead.b)^T's r rows packed into one row tile
+/// here; each 16 x 16 tile of U^T transposed through `stage` (512 floats)
+/// and written to U's rows by U's epilogue. The same products in the same
+/// order as U's own call (Tile.h's AMX paragraph), so the same bits.
+MOEC_AMX_TARGET void leadProductSwapped(const Operands &x, int64_t m, int64_t k, int64_t r,
+                                        int64_t ldu, const LowRank::Lead &lead, float *stage) {
+  static thread_local ThreadBuffer tiles;
+  Operands ux = x;
+  ux.packedA = static_cast<uint32_t *>(tiles.get(size_t(x.steps) * kTileBytes));
+  ux.direct = nullptr;
+  ux.directRows = ux.directSteps = 0;
+  const uint16_t *l = static_cast<const uint16_t *>(lead.b);
+  if (lead.transB) // stored r x k: op(b)^T's rows as they lie
+    packARows(l, lead.ldb, r, k, x.steps, const_cast<uint32_t *>(ux.packedA));
+  else
+    packATransposed(l, lead.ldb, r, k, x.steps, const_cast<uint32_t *>(ux.packedA));
+  const AddScaled scaled{lead.scale, nullptr, 0};
+  const Epilogue out{static_cast<char *>(lead.u),           ldu, true, false, false,
+                     lead.scale != 1.0f ? &scaled : nullptr};
+  for (int64_t c = 0; c < ceilDiv(m, kTileRows); ++c) {
+    block<1, 1>(ux, 0, c, 0, ux.steps, nullptr);
+    moveTile(0, stage, true);
+    for (int64_t i = 0; i < kTileRows; ++i)
+      for (int64_t j = 0; j < kTileRows; ++j)
+        stage[256 + i * 16 + j] = stage[j * 16 + i];
+    out.write(stage + 256, c * kTileRows, std::min(kTileRows, m - c * kTileRows), 0, r);
+  }
+}
+
 MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                                  const uint16_t *b, int64_t ldb, const Epilogue &epilogue,
                                  void *pack, const LowRank *lowRank) {
@@ -604,12 +655,7 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
   const WorkLayout::Parts parts = layout.carve(carve);
   uint32_t *panels = parts.panels, *tail = parts.tail, *edges = parts.aTiles;
   float *sums = parts.sums, *cStage = parts.cStage;
-  // A fused LowRank, as its transpose: V^T's rows (a row block's at a time)
-  // in tiles, U's rows as op(V)'s columns.
   LowTiles low(lowK);
-  if (lowRank)
-    low.pack(carve, kBlockRows, m, lowRank->u, lowRank->ldu, true);
-
   Operands x(k);
   x.packedA = edges;
   x.lda = ldb;
@@ -618,8 +664,17 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
   // A's rows as op(B)'s columns: packB's panels of a B stored n x k.
   packB(m, k, a, lda, true, true, panels);
   x.panels = panels;
+  x.tail = tail;
   if (x.fullSteps < x.steps)
     fillTails(x, ceilDiv(m, kPanel), tail);
+  // A fused LowRank, as its transpose: V^T's rows (a row block's at a time)
+  // in tiles, U's rows as op(V)'s columns; a lead product's U first, from
+  // A's panels just made.
+  if (lowRank) {
+    if (lowRank->lead)
+      leadProductSwapped(x, m, k, lowK, lowRank->ldu, *lowRank->lead, cStage);
+    low.pack(carve, kBlockRows, m, lowRank->u, lowRank->ldu, true);
+  }
   const bool streamLines = epilogue.cBf16 && epilogue.stream && !epilogue.load && !epilogue.scaled;
   const int64_t blockSteps = ceilDiv(ceilDiv(m, 16), 2) * x.steps;
   constexpr int64_t kRuns = 4;
@@ -741,28 +796,14 @@ MOEC_AMX_TARGET void leadProduct(const Operands &x, int64_t m, int64_t k, int64_
                                  const LowRank::Lead &lead, float *epilogueStage) {
   // op(lead.b)'s one panel: packed beforehand, else packed here (k x r
   // values, 192 KiB at k 2048, kept by the thread for its next call).
-  struct Panel {
-    void *data = nullptr;
-    size_t bytes = 0;
-    ~Panel() { std::free(data); }
-  };
-  static thread_local Panel own;
+  static thread_local ThreadBuffer own;
   const uint32_t *panel = static_cast<const uint32_t *>(lead.packedB);
   if (!panel) {
-    const size_t bytes = lines(packedBBytes(r, k, true));
-    if (own.bytes < bytes) {
-      std::free(own.data);
-      own.data = std::aligned_alloc(64, bytes);
-      own.bytes = own.data ? bytes : 0;
-      if (!own.data) {
-        std::fprintf(stderr, "moec: out of memory for a lead product's panel\n");
-        std::abort();
-      }
-    }
+    void *to = own.get(packedBBytes(r, k, true));
     // packB writes every unit of the r columns; the panel's other lanes
     // feed only columns past r, which are not written.
-    packB(r, k, lead.b, lead.ldb, lead.transB, true, own.data);
-    panel = static_cast<const uint32_t *>(own.data);
+    packB(r, k, lead.b, lead.ldb, lead.transB, true, to);
+    panel = static_cast<const uint32_t *>(to);
   }
   alignas(64) uint32_t tail[kStep * kPanel];
   Operands ux = x;

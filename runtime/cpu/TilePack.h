@@ -116,9 +116,10 @@ void configureAmxTiles();
 size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB, int64_t lowK = 0);
 
 /// Whether gemmAmx computes a LowRank's lead product (LowRank::Lead) from
-/// the tiles of op(A) it makes for the product (the form that packs op(A)
-/// into tiles and sums the low-rank steps in the registers); else
-/// tile::gemm computes U by a call of its own first.
+/// what it makes of op(A) for the product (its tiles, or in the swapped
+/// form its panels): where it sums the low-rank steps in the registers (a
+/// depth of whole tile steps, A not transposed); else tile::gemm computes
+/// U by a call of its own first.
 bool leadInTile(int64_t m, int64_t n, int64_t k, bool transA, bool transB, bool packedB,
                 bool decodedB);
 

@@ -624,15 +624,16 @@ struct ThreadBuffer {
 MOEC_AMX_TARGET void leadProductSwapped(const Operands &x, int64_t m, int64_t k, int64_t r,
                                         int64_t ldu, const LowRank::Lead &lead, float *stage) {
   static thread_local ThreadBuffer tiles;
-  Operands ux = x;
-  ux.packedA = static_cast<uint32_t *>(tiles.get(size_t(x.steps) * kTileBytes));
-  ux.direct = nullptr;
-  ux.directRows = ux.directSteps = 0;
+  uint32_t *rows = static_cast<uint32_t *>(tiles.get(size_t(x.steps) * kTileBytes));
   const uint16_t *l = static_cast<const uint16_t *>(lead.b);
   if (lead.transB) // stored r x k: op(b)^T's rows as they lie
-    packARows(l, lead.ldb, r, k, x.steps, const_cast<uint32_t *>(ux.packedA));
+    packARows(l, lead.ldb, r, k, x.steps, rows);
   else
-    packATransposed(l, lead.ldb, r, k, x.steps, const_cast<uint32_t *>(ux.packedA));
+    packATransposed(l, lead.ldb, r, k, x.steps, rows);
+  Operands ux = x;
+  ux.packedA = rows;
+  ux.direct = nullptr;
+  ux.directRows = ux.directSteps = 0;
   const AddScaled scaled{lead.scale, nullptr, 0};
   const Epilogue out{static_cast<char *>(lead.u),           ldu, true, false, false,
                      lead.scale != 1.0f ? &scaled : nullptr};

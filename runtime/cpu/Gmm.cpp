@@ -736,7 +736,11 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
   // 2026-11-27). On Zen 4's avx512_bf16 tile level (the steps 0.988-0.998x
   // the time, alternating in one process; the log, 2026-11-28): left as it
   // was there.
-  const bool streamOut = c.elt == Elt::BF16 && a.elt == Elt::BF16 && tile::amx();
+  // (U's own call, a lead product's, decides the same for U.)
+  const auto streams = [&](Elt out) {
+    return out == Elt::BF16 && a.elt == Elt::BF16 && tile::amx();
+  };
+  const bool streamOut = streams(c.elt);
   const ConstMatrix weight = decodedB ? b
                              : transB ? shifted(b, cols.begin, 0)
                                       : shifted(b, 0, cols.begin);
@@ -771,8 +775,8 @@ void activationTile(ConstMatrix a, ConstMatrix b, bool transB, Matrix c, int64_t
   // A lead product: U by the call its own tile would make.
   if (lead)
     gemmTile(r.size(), epilogue.lowDepth, depth, shifted(a, first, 0), false, epilogue.leadB,
-             epilogue.leadTransB, leadU, false, scratch, epilogue.leadScale,
-             leadU.elt == Elt::BF16 && a.elt == Elt::BF16 && tile::amx(), epilogue.leadPackedB);
+             epilogue.leadTransB, leadU, false, scratch, epilogue.leadScale, streams(leadU.elt),
+             epilogue.leadPackedB);
   gemmTile(r.size(), cols.size(), depth, shifted(a, first, 0), false, weight, transB, out, false,
            scratch, 1.0f, false, packedB, decoded);
   gemmTile(r.size(), cols.size(), epilogue.lowDepth, u, false, v, epilogue.lowTransV, out, true,

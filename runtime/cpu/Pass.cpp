@@ -778,6 +778,10 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
         epilogue.lowDepth = op.lowDepth;
         epilogue.lowTransV = op.lowTransV;
       }
+      // The rows of the segment this run has (none: a tile past the expert's
+      // last row, which leaves the packing to one that has them).
+      const Range clipped{std::max<int64_t>(rows.begin, 0), std::min(rows.end, segment.rows)};
+      const bool work = clipped.end > clipped.begin;
       if (op.lead != format::kNone) {
         // The lead product's tile: this one's rows (validated: the lead's
         // grid is this one's rows in one column tile). The first column
@@ -788,23 +792,21 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
             format::tileCoord(*lead.tiling, (task - tasks.ops[opIndex].firstTask) / t.colTiles);
         epilogue.leadU = out(op.lowU);
         if (tile.colTile != 0) {
-          const Range r{std::max<int64_t>(rows.begin, 0), std::min(rows.end, segment.rows)};
-          const int64_t ld = op.lowDepth, count = std::max<int64_t>(r.end - r.begin, 1);
+          const int64_t ld = op.lowDepth, count = std::max<int64_t>(clipped.end - clipped.begin, 1);
           epilogue.leadU = Matrix{
               leadScratch[worker].floats(size_t(count * ld * dtypeSize(dtype(op.lowU)) + 3) / 4),
               dtype(op.lowU), ld};
           epilogue.lowU = ConstMatrix{epilogue.leadU.data, epilogue.leadU.elt, ld};
-          epilogue.uFirstRow = segBegin + r.begin;
+          epilogue.uFirstRow = segBegin + clipped.begin;
         }
         epilogue.leadB = ConstMatrix{static_cast<const char *>(data[rank][lb]) +
                                          lead.expertStride * tile.expert * dtypeSize(dtype(lb)),
                                      dtype(lb), int64_t(lead.tiling->ldb)};
         epilogue.leadTransB = lead.transposeB;
         epilogue.leadScale = lead.scale;
-        const bool leadWork = std::min(rows.end, segment.rows) > std::max<int64_t>(rows.begin, 0);
-        epilogue.leadPackedB = leadWork ? packedWeight(op.lead, rank, leadTile, epilogue.leadB,
-                                                       int64_t(lead.tiling->depth))
-                                        : nullptr;
+        epilogue.leadPackedB = work ? packedWeight(op.lead, rank, leadTile, epilogue.leadB,
+                                                   int64_t(lead.tiling->depth))
+                                    : nullptr;
       }
       const auto gemm = [&](ConstMatrix weight, Matrix result, Range resultCols,
                             const void *packedB, const tile::DecodedB *decodedB = nullptr) {
@@ -815,8 +817,6 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
           gmmForwardTile(in(a), weight, result, int64_t(t.depth), segment, rows, resultCols,
                          tileScratch, epilogue, packedB, decodedB);
       };
-      // A tile with no rows of the segment leaves the packing to one that has.
-      const bool work = std::min(rows.end, segment.rows) > std::max<int64_t>(rows.begin, 0);
       const void *packedB =
           work ? packedWeight(opIndex, rank, tile, bm, int64_t(t.depth)) : nullptr;
       if (op.weightScales == format::kNone) {

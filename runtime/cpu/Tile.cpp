@@ -1014,9 +1014,9 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       !(bf16 && amx() &&
         leadInTile(m, n, k, transA, transB, packedB != nullptr, decodedB != nullptr))) {
     const LowRank::Lead &lead = *lowRank->lead;
-    const AddScaled scaled{lead.scale, nullptr, 0};
+    AddScaled scaled;
     gemm(m, lowRank->k, k, a, lda, false, lead.b, lead.ldb, lead.transB, bf16, lead.u, lowRank->ldu,
-         bf16, false, pack, false, lead.packedB, nullptr, lead.scale != 1.0f ? &scaled : nullptr);
+         bf16, false, pack, false, lead.packedB, nullptr, lead.scaled(&scaled));
     LowRank rest = *lowRank;
     rest.lead = nullptr;
     gemm(m, n, k, a, lda, transA, b, ldb, transB, bf16, c, ldc, cBf16, load, pack, stream, packedB,

@@ -200,6 +200,11 @@ struct LowRank {
     bool transB = false;
     float scale = 1.0f;
     const void *packedB = nullptr;
+    /// U's own call's AddScaled: `scale` in *storage, or none where it is 1.
+    const AddScaled *scaled(AddScaled *storage) const {
+      *storage = AddScaled{scale, nullptr, 0};
+      return scale != 1.0f ? storage : nullptr;
+    }
   };
   const Lead *lead = nullptr;
 };

@@ -615,6 +615,12 @@ struct ThreadBuffer {
   }
 };
 
+/// U's epilogue for a lead product: bf16 rows ldu apart, scaled as U's own
+/// call scales them (`storage` holds the AddScaled).
+inline Epilogue leadEpilogue(const LowRank::Lead &lead, int64_t ldu, AddScaled *storage) {
+  return Epilogue{static_cast<char *>(lead.u), ldu, true, false, false, lead.scaled(storage)};
+}
+
 /// A LowRank's lead product in the swapped form (gemmSwapped): U^T =
 /// scale * op(lead.b)^T op(A)^T, op(A)^T's columns the panels `x` holds (A's
 /// m rows, packB's layout), op(lead.b)^T's r rows packed into one row tile
@@ -634,9 +640,8 @@ MOEC_AMX_TARGET void leadProductSwapped(const Operands &x, int64_t m, int64_t k,
   ux.packedA = rows;
   ux.direct = nullptr;
   ux.directRows = ux.directSteps = 0;
-  const AddScaled scaled{lead.scale, nullptr, 0};
-  const Epilogue out{static_cast<char *>(lead.u),           ldu, true, false, false,
-                     lead.scale != 1.0f ? &scaled : nullptr};
+  AddScaled scaled;
+  const Epilogue out = leadEpilogue(lead, ldu, &scaled);
   for (int64_t c = 0; c < ceilDiv(m, kTileRows); ++c) {
     block<1, 1>(ux, 0, c, 0, ux.steps, nullptr);
     moveTile(0, stage, true);
@@ -814,9 +819,8 @@ MOEC_AMX_TARGET void leadProduct(const Operands &x, int64_t m, int64_t k, int64_
   ux.tail = tail;
   if (ux.fullSteps < ux.steps)
     fillTails(ux, 1, tail);
-  const AddScaled scaled{lead.scale, nullptr, 0};
-  const Epilogue out{static_cast<char *>(lead.u),           ldu, true, false, false,
-                     lead.scale != 1.0f ? &scaled : nullptr};
+  AddScaled scaled;
+  const Epilogue out = leadEpilogue(lead, ldu, &scaled);
   for (int64_t i0 = 0; i0 < m; i0 += kBlockRows) {
     const bool two = m - i0 > kTileRows;
     if (two)

@@ -180,6 +180,16 @@ TEST_CASE("a LoRA adapter's first GMM is lowered as a lead product of its fused 
           "so it is the lead product of op 7 'gate_grad'");
   refused([&](format::TaskProgram &p) { leadTiling(p).outputSlot = leadTiling(p).inputSlots[0]; },
           "has 0 tasks, but its tiling");
+  {
+    // Two hosts: gate_grad made to read down_lora_v's output as its U too.
+    format::TaskProgram p = backward;
+    const uint32_t gateGrad = opIndex(p, "gate_grad"), downV = opIndex(p, "down_lora_v");
+    p.tilings[p.ops[gateGrad].tiling].lowRankSlots[0] = p.tilings[p.ops[downV].tiling].outputSlot;
+    const Status status = format::validateTaskProgram(p);
+    INFO(status.message());
+    CHECK_THAT(status.message(), Catch::Contains("'down_lora_v': has no tasks, and two ops") &&
+                                     Catch::Contains("a lead product has one host"));
+  }
   const format::TaskProgram own = compiled("graphs/moe_ffn_fwd_lora.json", "cpu", config, false);
   CHECK(own.ops[opIndex(own, "up_lora_a")].taskCount > 0);
   CHECK(format::leadOp(own, opIndex(own, "up_proj")) == format::kNone);

@@ -153,10 +153,11 @@ std::string dumpOpGraph(const TaskProgram &p) {
     text += fmt::format(
         "  op{} [shape=box, style=\"rounded,filled\", fillcolor={}, label={}];\n", i,
         core == "cube" || lead ? "\"#cfe2ff\"" : "\"#d1f0d1\"",
-        dotQuote(fmt::format("{}\n{} {}\n{} tiles: {} x {} x {} x {}", p.name(op.name),
-                             opKindName(op.kind),
-                             lead ? core + "'s tiles" : fmt::format("on {} cores", core),
-                             op.taskCount, t.experts, t.peers, t.rowTiles, t.colTiles)));
+        dotQuote(fmt::format(
+            "{}\n{} {}\n{}: {} x {} x {} x {}", p.name(op.name), opKindName(op.kind),
+            lead ? core + "'s tiles" : fmt::format("on {} cores", core),
+            lead ? std::string("no tiles of its own, grid") : fmt::format("{} tiles", op.taskCount),
+            t.experts, t.peers, t.rowTiles, t.colTiles)));
     for (uint32_t slot : tilingInputs(t))
       used[slot] = 1;
     used[t.outputSlot] = 1;
@@ -178,8 +179,11 @@ std::string dumpOpGraph(const TaskProgram &p) {
       else
         text += fmt::format("  s{} -> op{};\n", slot, i);
     }
-    text += fmt::format("  op{} -> s{} [label={}];\n", i, t.outputSlot,
-                        dotQuote(fmt::format("{} tiles", op.taskCount)));
+    const std::string core = opCore(p, i);
+    text +=
+        fmt::format("  op{} -> s{} [label={}];\n", i, t.outputSlot,
+                    dotQuote(core.rfind("in ", 0) == 0 ? core + "'s tiles"
+                                                       : fmt::format("{} tiles", op.taskCount)));
   }
   return text + "}\n";
 }

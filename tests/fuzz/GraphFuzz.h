@@ -20,7 +20,9 @@
 #include "mlir/IR/Verifier.h"
 #include "mlir/Pass/PassManager.h"
 
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -45,6 +47,13 @@ struct GraphFuzzContext {
     context.getOrLoadDialect<moe::MoeDialect>();
     const char *path = std::getenv("MOEC_FUZZ_CONFIG");
     config = path ? path : "examples/configs/tiny.json";
+    // Every input would be refused for want of the config, with an error
+    // said, and the run would pass having tested nothing.
+    if (!std::ifstream(config)) {
+      std::fprintf(stderr, "graph fuzz: cannot read the config %s (MOEC_FUZZ_CONFIG)\n",
+                   config.c_str());
+      std::abort();
+    }
   }
 };
 

@@ -9,6 +9,8 @@
 
 #include "format/TaskBinary.h"
 
+#include "base/Text.h"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -74,8 +76,10 @@ public:
   }
 
 private:
-  /// Checks a name offset; `what` names the record ("slot 3").
-  Status checkName(const std::string &what, uint32_t offset) const {
+  /// Checks a name offset and its name: UTF-8 text, and no control
+  /// characters but in `text` (the notes, which run over lines). `what`
+  /// names the record ("slot 3").
+  Status checkName(const std::string &what, uint32_t offset, bool text = false) const {
     if (offset >= p.strings.size())
       return Status::error(
           fmt::format("{}: name offset {} is past the end of the {}-byte string table", what,
@@ -83,6 +87,16 @@ private:
     if (int64_t(offset) > lastNul)
       return Status::error(
           fmt::format("{}: the name at offset {} is not NUL-terminated", what, offset));
+    // Dumps print names, and their JSON holds UTF-8 text only.
+    const std::string_view name = p.name(offset);
+    if (size_t bad = firstNonUtf8(name); bad != std::string_view::npos)
+      return Status::error(
+          fmt::format("{}: the name at offset {} is not UTF-8 text (byte {:#04x} at its offset {})",
+                      what, offset, static_cast<unsigned char>(name[bad]), bad));
+    if (size_t bad = firstControlCharacter(name); !text && bad != std::string_view::npos)
+      return Status::error(
+          fmt::format("{}: the name at offset {} holds control character U+{:04X} at its offset {}",
+                      what, offset, unsigned(static_cast<unsigned char>(name[bad])), bad));
     return Status::success();
   }
 
@@ -146,7 +160,7 @@ private:
     if (Status status = checkName("header: target", p.target); !status)
       return status;
     if (p.flags & kFlagNotes) {
-      if (Status status = checkName("header: notes", p.notes); !status)
+      if (Status status = checkName("header: notes", p.notes, true); !status)
         return status;
     } else if (p.notes != 0) {
       return Status::error("header: notes are named without the notes flag");

@@ -1,5 +1,6 @@
 //===- MoeOps.cpp - moe op verifiers and graph queries ---------------------===//
 
+#include "base/Text.h"
 #include "compiler/config/Config.h"
 #include "compiler/ir/GraphUtils.h"
 #include "compiler/ir/MoeDialect.h"
@@ -200,22 +201,21 @@ DimRelation moec::moe::compareDims(const Expr &a, const Expr &b) {
 
 RegionKind GraphOp::getRegionKind(unsigned) { return RegionKind::Graph; }
 
-/// The position of the first control character of `name` (names go into
-/// binaries and onto terminals), or npos.
-static size_t controlCharacterAt(llvm::StringRef name) {
-  for (size_t i = 0; i < name.size(); ++i)
-    if (static_cast<unsigned char>(name[i]) < 0x20 || name[i] == 0x7f)
-      return i;
-  return llvm::StringRef::npos;
-}
-
-/// Refuses a name with a control character, naming where and which one
-/// (never printing it).
+/// Refuses a name that is not UTF-8 text or holds a control character,
+/// naming where and which byte (never printing it): names are printed to
+/// terminals and written into binaries, whose reader refuses them too.
 static LogicalResult checkPrintable(Operation *op, const char *what, llvm::StringRef name) {
-  const size_t at = controlCharacterAt(name);
-  if (at == llvm::StringRef::npos)
-    return success();
+  const std::string_view text(name.data(), name.size());
   char code[8];
+  if (const size_t at = firstNonUtf8(text); at != std::string_view::npos) {
+    std::snprintf(code, sizeof code, "0x%02x", unsigned(static_cast<unsigned char>(name[at])));
+    return op->emitOpError() << what << " holds byte " << code << " at byte " << at
+                             << ", which is not UTF-8 text; names are printed to terminals and "
+                                "written into binaries, so use UTF-8 text";
+  }
+  const size_t at = firstControlCharacter(text);
+  if (at == std::string_view::npos)
+    return success();
   std::snprintf(code, sizeof code, "U+%04X", unsigned(static_cast<unsigned char>(name[at])));
   return op->emitOpError() << what << " holds control character " << code << " at byte " << at
                            << "; names are printed to terminals and written into binaries, so "
@@ -330,9 +330,20 @@ public:
                    << t.getRank();
   }
 
+  /// Refuses `v` when it has no dim `i` (the rank checks of an op's
+  /// operands may come after the dims compared with them).
+  LogicalResult hasDim(StringRef role, Value v, unsigned i) {
+    auto t = v.getType().cast<MoeTensorType>();
+    if (i < t.getRank())
+      return success();
+    return error() << describe(role, v) << " has rank " << t.getRank() << ", so no dim " << i;
+  }
+
   /// Checks dim `i` of `a` equals `expected` (an expression) unless unknown.
   LogicalResult dimIs(StringRef role, Value a, unsigned i, const Expr &expected,
                       StringRef expectedWhat) {
+    if (failed(hasDim(role, a, i)))
+      return failure();
     auto t = a.getType().cast<MoeTensorType>();
     Expr got = dimExpr(t, i);
     if (compareDims(got, expected) != DimRelation::Different)
@@ -344,6 +355,8 @@ public:
 
   LogicalResult dimsEqual(StringRef roleA, Value a, unsigned i, StringRef roleB, Value b,
                           unsigned j) {
+    if (failed(hasDim(roleB, b, j)))
+      return failure();
     return dimIs(roleA, a, i, dimExpr(b.getType().cast<MoeTensorType>(), j),
                  describe(roleB, b) + " dim " + std::to_string(j));
   }

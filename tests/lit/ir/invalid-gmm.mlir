@@ -728,3 +728,29 @@ moe.graph "g" {
   // expected-error@+1 {{'moe.gmm' op 'm': a gmm takes at most 6 operands (an addend or scales, then a low-rank pair), got 7}}
   %r = moe.gmm "m"(%x, %w, %gl, %d, %u, %b, %b) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 64 : i64} : (!moe.tensor<[64, 32], bf16>, !moe.tensor<[2, 32, 48], bf16>, !moe.tensor<[2], i64>, !moe.tensor<[64, 48], bf16>, !moe.tensor<[64, 4], bf16>, !moe.tensor<[2, 4, 48], bf16>, !moe.tensor<[2, 4, 48], bf16>) -> !moe.tensor<[64, 48], bf16>
 }
+
+// -----
+
+// Dims compared before the rank checks of their tensors: an addend's or a
+// low-rank pair's beside a result of rank 1 (an error, not a read past the
+// result's dims).
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 32], bf16>
+  %w = moe.input "w" : !moe.tensor<[2, 32, 48], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  %d = moe.input "d" : !moe.tensor<[64, 48], bf16>
+  // expected-error@+1 {{'moe.gmm' op 'm': result 'r' has rank 1, so no dim 1}}
+  %r = moe.gmm "m"(%x, %w, %gl, %d) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 64 : i64} : (!moe.tensor<[64, 32], bf16>, !moe.tensor<[2, 32, 48], bf16>, !moe.tensor<[2], i64>, !moe.tensor<[64, 48], bf16>) -> !moe.tensor<[64], bf16>
+}
+
+// -----
+
+moe.graph "g" {
+  %x = moe.input "x" : !moe.tensor<[64, 32], bf16>
+  %w = moe.input "w" : !moe.tensor<[2, 32, 48], bf16>
+  %gl = moe.input "gl" : !moe.tensor<[2], i64>
+  %u = moe.input "u" : !moe.tensor<[64, 4], bf16>
+  %b = moe.input "b" : !moe.tensor<[2, 4, 48], bf16>
+  // expected-error@+1 {{'moe.gmm' op 'm': result 'r' has rank 1, so no dim 1}}
+  %r = moe.gmm "m"(%x, %w, %gl, %u, %b) -> "r" {split = #moe.split<inputs = [0:0], output_dims = [0]>, split_value = 64 : i64} : (!moe.tensor<[64, 32], bf16>, !moe.tensor<[2, 32, 48], bf16>, !moe.tensor<[2], i64>, !moe.tensor<[64, 4], bf16>, !moe.tensor<[2, 4, 48], bf16>) -> !moe.tensor<[64], bf16>
+}

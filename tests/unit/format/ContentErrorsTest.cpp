@@ -126,6 +126,35 @@ TEST_CASE("out-of-range indices", "[task-binary][errors]") {
     CHECK(contentError(p) ==
           "event 1: the name at offset " + std::to_string(doneOffset) + " is not NUL-terminated");
   }
+  SECTION("a name that is not UTF-8 text") {
+    // A dump's JSON holds UTF-8 text only (its writer would throw), so the
+    // reader refuses such a name, naming the byte. Well-formed UTF-8 passes.
+    const uint32_t at = p.addString("gate\xc3\xa9");
+    p.ops[1].name = at;
+    CHECK(validateTaskProgram(p).ok());
+    for (const char *bad :
+         {"up\xff", "\xc3(", "\xed\xa0\x80", "\xe0\x80\xaf", "ab\xf4\x90\x80\x80"}) {
+      p.ops[1].name = p.addString(bad);
+      INFO(bad);
+      CHECK_THAT(contentError(p),
+                 Catch::StartsWith("op 1: the name at offset " + std::to_string(p.ops[1].name) +
+                                   " is not UTF-8 text (byte 0x"));
+    }
+    p.ops[1].name = p.addString("up\xff");
+    CHECK(contentError(p) == "op 1: the name at offset " + std::to_string(p.ops[1].name) +
+                                 " is not UTF-8 text (byte 0xff at its offset 2)");
+  }
+  SECTION("a name with a control character") {
+    // The compiler refuses such names (they would act on a terminal); the
+    // notes run over lines.
+    p.events[0].name = p.addString("up\x1b[2J");
+    CHECK(contentError(p) == "event 0: the name at offset " + std::to_string(p.events[0].name) +
+                                 " holds control character U+001B at its offset 2");
+    p = smallProgram();
+    p.flags |= kFlagNotes;
+    p.notes = p.addString("first line\nsecond\tline");
+    CHECK(validateTaskProgram(p).ok());
+  }
   SECTION("a task's wait range") {
     p.tasks[7].firstWait = 3;
     p.tasks[7].waitCount = 2;

@@ -16,8 +16,16 @@
 namespace moec::format {
 
 /// The most a config may ask for: "seq_size" up to 2^24 tokens, and a
-/// "capacity_factor" between 1 and 1024.
+/// "capacity_factor" between 1 and 1024; hidden and intermediate sizes up
+/// to 2^20, experts, top-k, LoRA ranks and int4 groups up to 2^16. They
+/// keep every product of sizes the compiler and runtime form (tokens x
+/// ranks x top-k x hidden, a weight's experts x H x 2I) far inside 64 bits,
+/// and far above any real layer (DeepSeek-V3: H 7168, E 256, top-8). The
+/// config loader and the task binary's reader (its layer record) both hold
+/// to them.
 inline constexpr int64_t kMaxSeqSize = int64_t(1) << 24;
+inline constexpr int64_t kMaxModelWidth = int64_t(1) << 20;
+inline constexpr int64_t kMaxCount = int64_t(1) << 16;
 inline constexpr double kMinCapacityFactor = 1.0;
 inline constexpr double kMaxCapacityFactor = 1024.0;
 

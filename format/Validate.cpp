@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -188,6 +189,16 @@ private:
     for (const auto &[name, value] : sizes)
       if (value <= 0)
         return bad(fmt::format("{} is {}; it must be positive", name, value));
+    // The config's limits (format/Capacity.h), which keep the runtime's
+    // products of sizes inside 64 bits.
+    const std::tuple<const char *, int64_t, int64_t> limits[] = {
+        {"hidden", l.hidden, kMaxModelWidth},      {"intermediate", l.intermediate, kMaxModelWidth},
+        {"seq_size", l.seqSize, kMaxSeqSize},      {"top_k", l.topK, kMaxCount},
+        {"experts", l.experts, kMaxCount},         {"lora rank", l.loraRank, kMaxCount},
+        {"weight group", l.weightGroup, kMaxCount}};
+    for (const auto &[name, value, most] : limits)
+      if (value > most)
+        return bad(fmt::format("{} is {}; at most {} is supported", name, value, most));
     if (uint64_t(l.experts) != uint64_t(p.epRanks) * p.localExperts)
       return bad(fmt::format("{} experts, but the header has {} EP ranks of {} experts",
                              l.experts, p.epRanks, p.localExperts));
@@ -196,8 +207,6 @@ private:
     if (l.intermediate % p.tpRanks != 0)
       return bad(fmt::format("intermediate size {} is not a multiple of the {} TP ranks",
                              l.intermediate, p.tpRanks));
-    if (l.seqSize > kMaxSeqSize)
-      return bad(fmt::format("seq_size {} is past {}", l.seqSize, kMaxSeqSize));
     if (!(l.capacityFactor >= kMinCapacityFactor && l.capacityFactor <= kMaxCapacityFactor))
       return bad(fmt::format("capacity factor {} is not between {} and {}", l.capacityFactor,
                              kMinCapacityFactor, kMaxCapacityFactor));

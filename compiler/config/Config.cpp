@@ -26,22 +26,20 @@ struct IntKey {
   int64_t max = 0;       ///< the largest value the compiler and runtime take
 };
 
-/// The integer keys, in the order they are checked and reported. The limits
-/// keep every product of sizes the compiler and runtime form (tokens x
-/// ranks x top-k x hidden, a weight's experts x H x 2I) far inside 64 bits,
-/// and far above any real layer (DeepSeek-V3: H 7168, E 256, top-8).
+/// The integer keys, in the order they are checked and reported, with the
+/// limits of format/Capacity.h.
 const IntKey kIntKeys[] = {
-    {"hidden_size", &ModelConfig::hiddenSize, false, int64_t(1) << 20},
-    {"intermediate_size", &ModelConfig::intermediateSize, false, int64_t(1) << 20},
-    {"num_experts", &ModelConfig::numExperts, false, int64_t(1) << 16},
-    {"top_k", &ModelConfig::topK, false, int64_t(1) << 16},
-    {"ep", &ModelConfig::ep, false, int64_t(1) << 16},
-    {"tp", &ModelConfig::tp, false, int64_t(1) << 16},
+    {"hidden_size", &ModelConfig::hiddenSize, false, format::kMaxModelWidth},
+    {"intermediate_size", &ModelConfig::intermediateSize, false, format::kMaxModelWidth},
+    {"num_experts", &ModelConfig::numExperts, false, format::kMaxCount},
+    {"top_k", &ModelConfig::topK, false, format::kMaxCount},
+    {"ep", &ModelConfig::ep, false, format::kMaxCount},
+    {"tp", &ModelConfig::tp, false, format::kMaxCount},
     {"seq_size", &ModelConfig::seqSize, false, format::kMaxSeqSize},
-    {"num_cube_cores", &ModelConfig::numCubeCores, true, int64_t(1) << 16},
-    {"num_vector_cores", &ModelConfig::numVectorCores, true, int64_t(1) << 16},
-    {"lora_rank", &ModelConfig::loraRank, true, int64_t(1) << 16},
-    {"weight_group", &ModelConfig::weightGroup, true, int64_t(1) << 16},
+    {"num_cube_cores", &ModelConfig::numCubeCores, true, format::kMaxCount},
+    {"num_vector_cores", &ModelConfig::numVectorCores, true, format::kMaxCount},
+    {"lora_rank", &ModelConfig::loraRank, true, format::kMaxCount},
+    {"weight_group", &ModelConfig::weightGroup, true, format::kMaxCount},
 };
 
 constexpr const char *kDTypeKey = "dtype";

@@ -6,6 +6,8 @@
 
 #include "runtime/layer/Layer.h"
 
+#include "format/Capacity.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -572,12 +574,25 @@ private:
     shape.inter = int64_t(w1.dims[twoI] / 2);
     const DType act = shape.activations;
     const int64_t L = shape.localExperts, H = shape.hidden, I = shape.inter;
-    const int64_t E = shape.experts();
-    const std::array<int64_t, 3> w1Dims = shape.w1Dims(), w2Dims = shape.w2Dims();
     const uint32_t dispatchOut =
         shape.fp8Dispatch ? out(plan.dequantizeOp) : out(plan.dispatchOp);
     shape.receiveCapacity = rows(dispatchOut);
     const int64_t T = shape.receiveCapacity, N = shape.rowCapacity;
+    // Within what a config may ask for (format/Capacity.h) before any
+    // product of them (the layer record, checked last, says the same).
+    constexpr int64_t kMaxRows = format::kMaxSeqSize * format::kMaxCount;
+    const auto within = [](int64_t v, int64_t least, int64_t most) {
+      return v >= least && v <= most; // (a u64 dim past 2^63 reads as negative)
+    };
+    if (!within(H, 1, format::kMaxModelWidth) || !within(I, 1, format::kMaxModelWidth) ||
+        !within(L, 1, format::kMaxCount) || !within(N, 0, kMaxRows) || !within(T, 0, kMaxRows))
+      return Status::error(fmt::format(
+          "the layer's sizes (hidden {}, intermediate {}, {} local experts, {} rows to send, {} "
+          "dispatched rows) are not what a config may ask for (at most {}, {}, {}, {}, {})",
+          H, I, L, N, T, format::kMaxModelWidth, format::kMaxModelWidth, format::kMaxCount,
+          kMaxRows, kMaxRows));
+    const int64_t E = shape.experts();
+    const std::array<int64_t, 3> w1Dims = shape.w1Dims(), w2Dims = shape.w2Dims();
 
     struct Expect {
       uint32_t slot;

@@ -198,6 +198,22 @@ TEST_CASE("the layer record", "[task-binary][errors][layer]") {
     p.layer->hidden = 0;
     CHECK(contentError(p) == bad + "hidden is 0; it must be positive");
   }
+  SECTION("a size past the config's limits (format/Capacity.h)") {
+    // The runtime multiplies them (a weight's experts x H x 2I): a file is
+    // held to what a config may ask for.
+    p.layer->intermediate = 6160924290242838560;
+    CHECK(contentError(p) ==
+          bad + "intermediate is 6160924290242838560; at most 1048576 is supported");
+    p = smallProgram();
+    p.layer->hidden = kMaxModelWidth + 1;
+    CHECK(contentError(p) == bad + "hidden is 1048577; at most 1048576 is supported");
+    p = smallProgram();
+    p.layer->loraRank = uint32_t(kMaxCount) + 1;
+    CHECK(contentError(p) == bad + "lora rank is 65537; at most 65536 is supported");
+    p = smallProgram();
+    p.layer->weightGroup = 1u << 31;
+    CHECK(contentError(p) == bad + "weight group is 2147483648; at most 65536 is supported");
+  }
   SECTION("experts the header's ranks do not hold") {
     p.layer->experts = 6;
     CHECK(contentError(p) == bad + "6 experts, but the header has 2 EP ranks of 2 experts");

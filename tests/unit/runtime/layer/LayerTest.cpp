@@ -446,6 +446,19 @@ TEST_CASE("shape checks name the slot, its role and both shapes", "[layer][error
     CHECK(analyzeError(p) ==
           "slot 'down_proj_weight' (w2) has shape [2, 31, 64]; expected [2, 32, 64]");
   }
+  SECTION("sizes past what a config may ask for, before any product of them") {
+    // w1's 2I of 2^63 - 8 would overflow the weights' dims (2 * I); UBSan
+    // reports a signed overflow where the check is missing.
+    p.slots[slotNamed(p, "up_proj_weight")].dims[2] = uint64_t(INT64_MAX) - 7;
+    CHECK(analyzeError(p) ==
+          "the layer's sizes (hidden 64, intermediate 4611686018427387900, 2 local experts, 256 "
+          "rows to send, 512 dispatched rows) are not what a config may ask for (at most "
+          "1048576, 1048576, 65536, 1099511627776, 1099511627776)");
+    p = fwd;
+    p.slots[slotNamed(p, "src")].dims[1] = uint64_t(1) << 63;
+    CHECK_THAT(analyzeError(p),
+               Catch::StartsWith("the layer's sizes (hidden -9223372036854775808, "));
+  }
   SECTION("w1 whose last dim is odd") {
     p.slots[slotNamed(p, "up_proj_weight")].dims[2] = 63;
     CHECK(analyzeError(p) == "slot 'up_proj_weight' (w1) must be [L, H, 2I]");

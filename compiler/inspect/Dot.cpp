@@ -144,12 +144,17 @@ std::string dumpOpGraph(const TaskProgram &p) {
       dotQuote(fmt::format("{} ({}, {} ranks, {} local experts, {} tasks)", computesText(p),
                            (p.flags & kFlagBf16) ? "bf16" : "f32", p.ranks(), p.localExperts,
                            p.tasks.size())));
+  // Each op's cores: "in HOST" for a lead product, drawn inside HOST's tiles.
+  std::vector<std::string> cores(p.ops.size());
+  for (uint32_t i = 0; i < p.ops.size(); ++i)
+    cores[i] = opCore(p, i);
+  const auto isLead = [&](uint32_t i) { return cores[i].rfind("in ", 0) == 0; };
   std::vector<uint8_t> used(p.slots.size(), 0);
   for (uint32_t i = 0; i < p.ops.size(); ++i) {
     const OpRecord &op = p.ops[i];
     const TilingRecord &t = p.tilings[op.tiling];
-    const std::string core = opCore(p, i);
-    const bool lead = core.rfind("in ", 0) == 0;
+    const std::string &core = cores[i];
+    const bool lead = isLead(i);
     text += fmt::format(
         "  op{} [shape=box, style=\"rounded,filled\", fillcolor={}, label={}];\n", i,
         core == "cube" || lead ? "\"#cfe2ff\"" : "\"#d1f0d1\"",
@@ -179,11 +184,9 @@ std::string dumpOpGraph(const TaskProgram &p) {
       else
         text += fmt::format("  s{} -> op{};\n", slot, i);
     }
-    const std::string core = opCore(p, i);
-    text +=
-        fmt::format("  op{} -> s{} [label={}];\n", i, t.outputSlot,
-                    dotQuote(core.rfind("in ", 0) == 0 ? core + "'s tiles"
-                                                       : fmt::format("{} tiles", op.taskCount)));
+    text += fmt::format(
+        "  op{} -> s{} [label={}];\n", i, t.outputSlot,
+        dotQuote(isLead(i) ? cores[i] + "'s tiles" : fmt::format("{} tiles", op.taskCount)));
   }
   return text + "}\n";
 }

@@ -1010,9 +1010,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // A lead product (LowRank::Lead) the AMX tile does not compute from its
   // own tiles of op(A): U by the call that would write it on its own, then
   // the product with U as given.
-  if (lowRank && lowRank->lead &&
-      !(bf16 && amx() &&
-        leadInTile(m, n, k, transA, transB, packedB != nullptr, decodedB != nullptr))) {
+  if (lowRank && lowRank->lead && !(bf16 && amx() && leadInTile(k, transA))) {
     const LowRank::Lead &lead = *lowRank->lead;
     AddScaled scaled;
     gemm(m, lowRank->k, k, a, lda, false, lead.b, lead.ldb, lead.transB, bf16, lead.u, lowRank->ldu,

@@ -188,10 +188,7 @@ inline bool swapped(int64_t m, int64_t n, int64_t k, bool transA, bool transB, b
 
 } // namespace
 
-bool leadInTile(int64_t m, int64_t n, int64_t k, bool transA, bool transB, bool packedB,
-                bool decodedB) {
-  return !transA && fusedLowRank(k);
-}
+bool leadInTile(int64_t k, bool transA) { return !transA && fusedLowRank(k); }
 
 namespace {
 
@@ -585,16 +582,6 @@ MOEC_AMX_TARGET void packARows(const uint16_t *a, int64_t lda, int64_t m, int64_
   }
 }
 
-/// The swapped form of gemmAmx (swapped(): C = A B^T as C^T = B A^T).
-/// B's rows are the A tiles' rows, read where they lie, 32 at a time (a row
-/// block: 32 columns of C), the next row block's lines fetched into L2 over
-/// this one's blocks, four runs side by side where the rows lie one after
-/// the other (as Ahead says, four streams are served faster than one, or
-/// than 32 rows'); A's rows are the B tiles' columns, packed once into
-/// panels. Each block's sums are C^T's, transposed 16 x 16 on their way to
-/// C. A tile dot product multiplies its two operands' values pairwise, so
-/// each element of C is the same sum of the same products in the same
-/// depth order as in C's own form: the same bits.
 /// 64-byte aligned memory a thread keeps for its next call (a lead
 /// product's operands), grown as asked.
 struct ThreadBuffer {
@@ -652,6 +639,16 @@ MOEC_AMX_TARGET void leadProductSwapped(const Operands &x, int64_t m, int64_t k,
   }
 }
 
+/// The swapped form of gemmAmx (swapped(): C = A B^T as C^T = B A^T).
+/// B's rows are the A tiles' rows, read where they lie, 32 at a time (a row
+/// block: 32 columns of C), the next row block's lines fetched into L2 over
+/// this one's blocks, four runs side by side where the rows lie one after
+/// the other (as Ahead says, four streams are served faster than one, or
+/// than 32 rows'); A's rows are the B tiles' columns, packed once into
+/// panels. Each block's sums are C^T's, transposed 16 x 16 on their way to
+/// C. A tile dot product multiplies its two operands' values pairwise, so
+/// each element of C is the same sum of the same products in the same
+/// depth order as in C's own form: the same bits.
 MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                                  const uint16_t *b, int64_t ldb, const Epilogue &epilogue,
                                  void *pack, const LowRank *lowRank) {

@@ -120,8 +120,7 @@ size_t amxPackBytes(int64_t m, int64_t n, int64_t k, bool decodedB, int64_t lowK
 /// form its panels): where it sums the low-rank steps in the registers (a
 /// depth of whole tile steps, A not transposed); else tile::gemm computes
 /// U by a call of its own first.
-bool leadInTile(int64_t m, int64_t n, int64_t k, bool transA, bool transB, bool packedB,
-                bool decodedB);
+bool leadInTile(int64_t k, bool transA);
 
 /// gemm on AMX tiles, bf16 A and B only: the arguments and results of
 /// tile::gemm, with the order of the sums of Tile.h's AMX paragraph.

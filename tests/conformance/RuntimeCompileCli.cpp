@@ -2,9 +2,12 @@
 //
 // Runs `$MOEC compile GRAPH --config CFG --granularity G -o OUT`, with OUT
 // next to the config and moec's stderr in OUT.log, and loads OUT. For the
-// cuda backend (MOEC_TEST_BACKEND=cuda), which runs no peer-group tiles, with
-// --peer-groups 1; MOEC_TEST_COMPILE_FOR=cuda compiles so on any backend,
-// to fill MOEC_BINARY_CACHE for a GPU machine from a run on the CPU.
+// cuda backend (MOEC_TEST_BACKEND=cuda), as its users compile: --target h100
+// (which keeps a LoRA adapter's GMMs their own, where the cpu target fuses
+// them into the base's, which the cuda tiles do not run) and --peer-groups 1
+// (it runs no peer-group tiles); the config's core counts still decide the
+// queues. MOEC_TEST_COMPILE_FOR=cuda compiles so on any backend, to fill
+// MOEC_BINARY_CACHE for a GPU machine from a run on the CPU.
 //
 //===----------------------------------------------------------------------===//
 
@@ -49,7 +52,7 @@ std::string cachedPath(const std::string &graphPath, const std::string &configPa
   return std::string(dir) + "/" + name;
 }
 
-/// The cuda backend runs no peer-group tiles.
+/// Whether layers are compiled as the cuda backend runs them.
 bool forCuda() {
   for (const char *name : {"MOEC_TEST_BACKEND", "MOEC_TEST_COMPILE_FOR"})
     if (const char *value = std::getenv(name); value && std::strcmp(value, "cuda") == 0)
@@ -63,7 +66,7 @@ Status compileLayer(const std::string &graphPath, const std::string &configPath,
                     const std::string &granularity, format::TaskProgram *out) {
   // MOEC_BINARY_CACHE: compiled layers are kept there, and taken from there
   // when present (so the suite can run where no moec binary can).
-  const std::string extra = forCuda() ? "--peer-groups 1" : "";
+  const std::string extra = forCuda() ? "--target h100 --peer-groups 1" : "";
   const std::string cached = cachedPath(graphPath, configPath, granularity, extra);
   if (!cached.empty() && std::ifstream(cached).good())
     return format::loadTaskBinaryFile(cached, out);
@@ -80,7 +83,7 @@ Status compileLayer(const std::string &graphPath, const std::string &configPath,
                                    "--config",  configPath, "--granularity",
                                    granularity, "-o",       output};
   if (forCuda())
-    args.insert(args.end() - 2, {"--peer-groups", "1"});
+    args.insert(args.end() - 2, {"--target", "h100", "--peer-groups", "1"});
   std::vector<char *> argv;
   for (std::string &a : args)
     argv.push_back(a.data());

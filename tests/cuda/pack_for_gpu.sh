@@ -80,6 +80,14 @@ cat >"$out/run.sh" <<'RUN'
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 parts="${*:-suite bench}"
+# The layers are .moebin files, which git ignores: a copy of DIR made by
+# way of a checkout's untracked files arrives without them.
+for d in cache bins; do
+  if ! compgen -G "$here/$d/*.moebin" >/dev/null; then
+    echo "run.sh: $here/$d has no .moebin files: copy the packed folder whole (git ignores *.moebin)" >&2
+    exit 2
+  fi
+done
 mkdir -p /tmp/moec-gpu && tar -C /tmp/moec-gpu -xJf "$here/lib.tar.xz"
 export LD_LIBRARY_PATH="/tmp/moec-gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 rc=0

@@ -867,6 +867,58 @@ Error findBadScales(const ScaleSpan *spans, int n, void *scratch, int64_t *index
   return {};
 }
 
+namespace {
+/// decodeWeight's kernel: a block a stored row (of every expert's rows),
+/// its threads along the row, eight values a thread (`vector`) or one.
+__global__ void decodeKernel(DecodeSpec w, const void *codes, const float *scales, void *out,
+                             bool vector) {
+  const int64_t rows = w.experts * w.rows;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t e = row / w.rows, r = row % w.rows;
+    Mat x{static_cast<const char *>(codes) + e * w.expertBytes, w.type, w.cols, false};
+    x.quant = w.quant;
+    x.scales = scales + e * w.scaleStride;
+    x.scaleLd = w.scaleLd;
+    x.groupShift = w.groupShift;
+    x.zeroPoints = w.zeroPoints;
+    if (vector) {
+      // The eight values of a vector share a scale: FP8 blocks, int8 rows
+      // and int4 groups (of 32 or more) hold them.
+      const uint8_t *from = static_cast<const uint8_t *>(x.p);
+      uint4 *to = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + row * w.cols);
+      for (int64_t v = threadIdx.x; v < w.cols / 8; v += blockDim.x) {
+        const int64_t c = 8 * v;
+        Quant8 q;
+        q.codes = w.quant == kInt4Group
+                      ? make_uint2(
+                            *reinterpret_cast<const uint32_t *>(from + r * (w.cols / 2) + c / 2), 0)
+                      : *reinterpret_cast<const uint2 *>(from + r * w.cols + c);
+        q.scale = quantScale(x, r, c);
+        to[v] = quantDecode8(w.quant, q);
+      }
+      continue;
+    }
+    for (int64_t c = threadIdx.x; c < w.cols; c += blockDim.x) {
+      const float2 s = quantScale(x, r, c);
+      storeElt(out, row * w.cols + c, w.type, (quantCode(x, r, c) - s.y) * s.x);
+    }
+  }
+}
+} // namespace
+
+Error decodeWeight(const DecodeSpec &spec, const void *codes, const float *scales, void *out) {
+  if (spec.experts * spec.rows == 0 || spec.cols == 0)
+    return {};
+  // Vectors: 8 bytes of FP8 or int8 codes (int4: 4), 16 bytes of bf16 out.
+  const uintptr_t align = spec.quant == kInt4Group ? 4 : 8;
+  const bool vector =
+      spec.type == kBF16 && spec.cols % 8 == 0 && reinterpret_cast<uintptr_t>(codes) % align == 0 &&
+      spec.expertBytes % int64_t(align) == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  decodeKernel<<<gridFor(spec.experts * spec.rows), kThreads>>>(spec, codes, scales, out, vector);
+  MOEC_CUDA("the weights' decode", cudaGetLastError());
+  return {};
+}
+
 Error combineWeightGrad(const void *dy, uint32_t dyType, const void *z, uint32_t zType,
                         int64_t zLd, const int64_t *position, int64_t topK, int64_t tokens,
                         int64_t cols, float *out) {

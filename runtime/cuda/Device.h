@@ -185,6 +185,25 @@ struct ScaleSpan {
 constexpr int kScaleSpansALaunch = 64;
 Error findBadScales(const ScaleSpan *spans, int n, void *scratch, int64_t *index, float *value);
 
+/// A quantized weight of `experts` x [rows, cols] (as stored; int4 codes
+/// two a byte, (cols + 1) / 2 bytes a row) and its scales (Op's fields), to
+/// be decoded whole.
+struct DecodeSpec {
+  uint32_t quant = 0; ///< WeightFormat's value
+  uint32_t type = 0;  ///< of the decoded values: F32 or BF16
+  int64_t experts = 0, rows = 0, cols = 0;
+  int64_t expertBytes = 0; ///< codes an expert
+  int64_t scaleStride = 0, scaleLd = 0;
+  int32_t groupShift = 0;
+  bool zeroPoints = false;
+};
+/// out ([experts, rows, cols] of spec.type) = the weight at `codes` decoded
+/// as the tiles decode it: (code - zero) x scale in fp32, rounded once to
+/// the type (bf16: eight values at a time by quantDecode8 where the codes'
+/// and the output's addresses and cols allow, else one at a time by
+/// quantValue's formulas, which give the same bits).
+Error decodeWeight(const DecodeSpec &spec, const void *codes, const float *scales, void *out);
+
 /// The vector decode of a quantized weight (quantDecode8: eight values at a
 /// time, as Hopper's tiles decode B) against the decode of one value at a
 /// time (quantValue's formulas), both rounded to bf16, on every code: FP8

@@ -36,6 +36,7 @@ Error combineWeightGrad(const void *, uint32_t, const void *, uint32_t, int64_t,
   return kMissing;
 }
 Error findBadScales(const ScaleSpan *, int, void *, int64_t *, float *) { return kMissing; }
+Error decodeWeight(const DecodeSpec &, const void *, const float *, void *) { return kMissing; }
 Error benchGemm(const GemmBenchCase &, GemmBenchResult *) { return kMissing; }
 Error checkDecodeBits(int64_t *) { return kMissing; }
 Error benchDecode(double *) { return kMissing; }

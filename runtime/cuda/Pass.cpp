@@ -68,7 +68,43 @@ void describeQuantized(const LayerShape &shape, const format::SlotRecord &w, dev
   d->zeroPoints = shape.weightFormat == WeightFormat::Int4Group && shape.weightZeroPoints;
 }
 
+/// Whether quantized weights are decoded whole before the tasks (the
+/// default) rather than in the tiles (MOEC_CUDA_DECODE=tiles).
+bool decodeAhead() {
+  const char *where = envValue("MOEC_CUDA_DECODE");
+  return !where || std::strcmp(where, "tiles") != 0;
+}
+
 } // namespace
+
+void Pass::decodeWhole(const LayerShape &shape, const format::SlotRecord &w, device::Op *d) {
+  uint32_t index = 0;
+  while (index < decodes.size() && decodes[index].weight != d->b)
+    ++index;
+  if (index == decodes.size()) {
+    Decode decode;
+    decode.weight = d->b;
+    decode.scales = d->scales;
+    device::DecodeSpec &spec = decode.spec;
+    spec.quant = d->quant;
+    spec.type = uint32_t(shape.activations);
+    spec.experts = int64_t(w.dims[0]);
+    spec.rows = int64_t(w.dims[1]);
+    spec.cols = int64_t(w.dims[2]);
+    spec.expertBytes = d->expertStride;
+    spec.scaleStride = d->scaleStride;
+    spec.scaleLd = d->scaleLd;
+    spec.groupShift = d->groupShift;
+    spec.zeroPoints = d->zeroPoints != 0;
+    decode.out.resize(program->epRanks);
+    decodes.push_back(std::move(decode));
+  }
+  // The tiles read the decoded values as a dense weight of the same
+  // stored form: [rows, cols] an expert, cols a row (ldb).
+  d->b = uint32_t(program->slots.size() + index);
+  d->quant = 0;
+  d->expertStride = int64_t(w.dims[1] * w.dims[2]);
+}
 
 struct Pass::Tables {
   device::Program program;
@@ -184,8 +220,11 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     if (op.kind == OpKind::Gmm) {
       const format::SlotRecord &w = program.slots[d.wgrad ? t.outputSlot : t.inputSlots[1]];
       d.expertStride = int64_t(w.dims[1] * w.dims[2]);
-      if (d.scales != format::kNone)
+      if (d.scales != format::kNone) {
         describeQuantized(plan.shape, w, &d);
+        if (decodeAhead())
+          pass->decodeWhole(plan.shape, w, &d);
+      }
     }
     d.ldc = t.ldc;
     const bool combine = op.kind == OpKind::Combine;
@@ -217,6 +256,9 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
   std::vector<device::Slot> slots;
   for (const format::SlotRecord &s : program.slots)
     slots.push_back({uint32_t(s.dtype), s.rank >= 2 ? int64_t(s.dims[1]) : 1});
+  for (const Decode &d : pass->decodes)
+    slots.push_back({d.spec.type, d.spec.cols});
+  const size_t tableSlots = slots.size();
 
   // One upload: each array 16-byte aligned in one buffer.
   std::vector<uint8_t> blob;
@@ -241,7 +283,8 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
     return s;
   if (Status s = check(device::copy(d.records.memory, blob.data(), blob.size())); !s)
     return s;
-  if (Status s = check(device::allocate(size_t(R) * S * sizeof(void *), &d.dataTable.memory));
+  if (Status s =
+          check(device::allocate(size_t(R) * tableSlots * sizeof(void *), &d.dataTable.memory));
       !s)
     return s;
   if (Status s = check(device::allocate(
@@ -253,7 +296,7 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
   device::Program &p = d.program;
   p.ranks = R;
   p.localExperts = program.localExperts;
-  p.slots = uint32_t(S);
+  p.slots = uint32_t(tableSlots);
   p.events = uint32_t(program.events.size());
   p.queues = uint32_t(program.queues.size());
   p.inter = plan.shape.inter;
@@ -496,13 +539,37 @@ Status Pass::runTasks() {
       data[r][slot] = s.device.memory;
     }
   std::vector<void *> table;
-  for (uint32_t r = 0; r < R; ++r)
+  for (uint32_t r = 0; r < R; ++r) {
     for (uint32_t slot = 0; slot < S; ++slot) {
       if (!data[r][slot])
         return Status::error(fmt::format("rank {}: slot '{}' has no memory (not bound)", r,
                                          program->name(program->slots[slot].name)));
       table.push_back(data[r][slot]);
     }
+    for (Decode &d : decodes) {
+      Buffer &out = d.out[r];
+      if (!out.memory) {
+        const size_t bytes =
+            size_t(d.spec.experts * d.spec.rows * d.spec.cols) * dtypeSize(DType(d.spec.type));
+        if (Status s = check(device::allocate(bytes, &out.memory),
+                             fmt::format("the decoded values of '{}' of rank {}",
+                                         program->name(program->slots[d.weight].name), r));
+            !s)
+          return s;
+        out.bytes = bytes;
+        owned.push_back(out);
+        ownedBytes += bytes;
+      }
+      if (Status s =
+              check(device::decodeWeight(d.spec, data[r][d.weight],
+                                         static_cast<const float *>(data[r][d.scales]), out.memory),
+                    fmt::format("decoding '{}' of rank {}",
+                                program->name(program->slots[d.weight].name), r));
+          !s)
+        return s;
+      table.push_back(out.memory);
+    }
+  }
   if (Status s = check(device::upload(device->dataTable.memory, table.data(), bytesOf(table))); !s)
     return s;
 

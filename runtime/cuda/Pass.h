@@ -15,6 +15,12 @@
 // program, and the ones the program writes (weight gradients) copied back
 // after it. x, dy, y, dx and dtopk_weights may be host or device memory too.
 //
+// Quantized weights (FP8 blocks, int8, int4) are decoded whole before the
+// task program, into memory of the activations' type that the pass owns
+// (a weight's values at 2 bytes each in bf16), and the tiles read them as
+// dense weights: the decode once a pass, not once a tile that reads them.
+// MOEC_CUDA_DECODE=tiles decodes them in the tiles instead (no such memory).
+//
 // Limits: every rank must run in this process (no MPI fabric); no task
 // trace and no op-by-op schedule (the CPU backend has both).
 //
@@ -27,6 +33,7 @@
 #define MOEC_RUNTIME_CUDA_PASS_H
 
 #include "runtime/backend/Pass.h"
+#include "runtime/cuda/Device.h"
 
 #include <functional>
 #include <memory>
@@ -103,6 +110,19 @@ private:
   std::vector<std::vector<void *>> data;    ///< [rank][slot], device pointers
   std::vector<std::vector<Staged>> staged;  ///< [rank][slot]
   std::vector<bool> isOutput;               ///< per slot: an op writes it
+  /// A quantized weight decoded whole before the tasks (the tiles read the
+  /// decoded values as a dense weight): its slots, its form, and the
+  /// decoded values of each rank, which follow the slots in the kernel's
+  /// data table.
+  struct Decode {
+    uint32_t weight = 0, scales = 0;
+    device::DecodeSpec spec;
+    std::vector<Buffer> out; ///< per rank
+  };
+  std::vector<Decode> decodes;
+  /// Makes GMM `d`, which reads quantized weight `w`, read its values
+  /// decoded whole (one Decode a weight, shared by the GMMs that read it).
+  void decodeWhole(const moec::LayerShape &shape, const format::SlotRecord &w, device::Op *d);
   std::vector<std::vector<std::vector<uint8_t>>> layoutHost; ///< [rank][slot] layout tensors
   /// The routing on the GPU, per rank (grow-only): the sorted rows' order,
   /// their positions and the top-k weights.

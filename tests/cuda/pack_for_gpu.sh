@@ -94,7 +94,7 @@ rc=0
 if [[ " $parts " == *" suite "* ]]; then
   echo "== the conformance suite's [gpu] cases"
   MOEC_BINARY_CACHE="$here/cache" bash tests/cuda/run_gpu.sh "$here/gpu_probe" "$here/gpu_suite" |
-    tail -4 || rc=1
+    grep -E -A4 "^(cuda_backend_test|test cases|All tests passed)|FAILED" || rc=1
 fi
 if [[ " $parts " == *" bench "* ]]; then
   bash examples/cuda/bench.sh --moec-only "$here/cuda_bench" "$here/bins" || rc=1

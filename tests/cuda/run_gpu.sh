@@ -7,8 +7,8 @@
 # the backend says why, and reports the GPU suite as skipped. With one, it
 # runs the suite's layers on the GPU against the reference: fp32 and bf16,
 # 1 to 4 ranks, skewed routing, experts with no tokens, both granularities,
-# base weights stored transposed and quantized (FP8 blocks, int8, int4),
-# and a binary whose event is never reached (the device watchdog's error).
+# base weights stored transposed and quantized (FP8 blocks, int8, int4;
+# decoded before the tasks, then again decoded in the tiles), and a binary whose event is never reached (the device watchdog's error).
 # The layers come from MOEC_BINARY_CACHE (default: a folder of the test's
 # temporary directory), compiled by MOEC when missing.
 case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
@@ -36,4 +36,10 @@ echo "cuda_backend_test: running the conformance suite on $gpu"
 # The suite's cases tagged [gpu]: the others need the CPU backend (the
 # op-by-op schedule, task traces, the C API's default context, the
 # exchange).
-MOEC_TEST_BACKEND=cuda "$suite" --use-colour no "[gpu]"
+rc=0
+MOEC_TEST_BACKEND=cuda "$suite" --use-colour no "[gpu]" || rc=1
+# Quantized weights are decoded whole before the tasks by default; the
+# tiles' own decode (MOEC_CUDA_DECODE=tiles) is checked too.
+echo "cuda_backend_test: again, quantized weights decoded in the tiles (MOEC_CUDA_DECODE=tiles)"
+MOEC_CUDA_DECODE=tiles MOEC_TEST_BACKEND=cuda "$suite" --use-colour no "[gpu]" || rc=1
+exit $rc

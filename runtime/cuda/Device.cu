@@ -868,39 +868,42 @@ Error findBadScales(const ScaleSpan *spans, int n, void *scratch, int64_t *index
 }
 
 namespace {
-/// decodeWeight's kernel: a block a stored row (of every expert's rows),
-/// its threads along the row, eight values a thread (`vector`) or one.
+/// decodeWeight's kernel: expert blockIdx.y's values, the grid's threads
+/// along them (eight values a thread when `vector`, else one), each row's
+/// run after the one before it whatever the row's length.
 __global__ void decodeKernel(DecodeSpec w, const void *codes, const float *scales, void *out,
                              bool vector) {
-  const int64_t rows = w.experts * w.rows;
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t e = row / w.rows, r = row % w.rows;
+  for (int64_t e = blockIdx.y; e < w.experts; e += gridDim.y) {
     Mat x{static_cast<const char *>(codes) + e * w.expertBytes, w.type, w.cols, false};
     x.quant = w.quant;
     x.scales = scales + e * w.scaleStride;
     x.scaleLd = w.scaleLd;
     x.groupShift = w.groupShift;
     x.zeroPoints = w.zeroPoints;
+    const int64_t each = vector ? w.cols / 8 : w.cols, items = w.rows * each;
+    const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x,
+                  stride = int64_t(gridDim.x) * blockDim.x;
     if (vector) {
       // The eight values of a vector share a scale: FP8 blocks, int8 rows
       // and int4 groups (of 32 or more) hold them.
       const uint8_t *from = static_cast<const uint8_t *>(x.p);
-      uint4 *to = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + row * w.cols);
-      for (int64_t v = threadIdx.x; v < w.cols / 8; v += blockDim.x) {
-        const int64_t c = 8 * v;
+      uint4 *to = reinterpret_cast<uint4 *>(static_cast<uint16_t *>(out) + e * w.rows * w.cols);
+      for (int64_t i = first; i < items; i += stride) {
+        const int64_t r = i / each, c = 8 * (i % each);
         Quant8 q;
         q.codes = w.quant == kInt4Group
                       ? make_uint2(
                             *reinterpret_cast<const uint32_t *>(from + r * (w.cols / 2) + c / 2), 0)
                       : *reinterpret_cast<const uint2 *>(from + r * w.cols + c);
         q.scale = quantScale(x, r, c);
-        to[v] = quantDecode8(w.quant, q);
+        to[i] = quantDecode8(w.quant, q);
       }
       continue;
     }
-    for (int64_t c = threadIdx.x; c < w.cols; c += blockDim.x) {
+    for (int64_t i = first; i < items; i += stride) {
+      const int64_t r = i / each, c = i % each;
       const float2 s = quantScale(x, r, c);
-      storeElt(out, row * w.cols + c, w.type, (quantCode(x, r, c) - s.y) * s.x);
+      storeElt(out, e * w.rows * w.cols + i, w.type, (quantCode(x, r, c) - s.y) * s.x);
     }
   }
 }
@@ -914,7 +917,11 @@ Error decodeWeight(const DecodeSpec &spec, const void *codes, const float *scale
   const bool vector =
       spec.type == kBF16 && spec.cols % 8 == 0 && reinterpret_cast<uintptr_t>(codes) % align == 0 &&
       spec.expertBytes % int64_t(align) == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
-  decodeKernel<<<gridFor(spec.experts * spec.rows), kThreads>>>(spec, codes, scales, out, vector);
+  // About 8 items a thread in each expert.
+  const int64_t items = spec.rows * (vector ? spec.cols / 8 : spec.cols);
+  const dim3 grid(gridFor((items + 8 * kThreads - 1) / (8 * kThreads)),
+                  unsigned(std::min<int64_t>(spec.experts, 65535)));
+  decodeKernel<<<grid, kThreads>>>(spec, codes, scales, out, vector);
   MOEC_CUDA("the weights' decode", cudaGetLastError());
   return {};
 }

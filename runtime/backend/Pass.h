@@ -118,7 +118,9 @@ public:
   /// that is allocated, and never runs while this one does) that no later
   /// pass reads (LayerPlan::readByBackward). A backend may ignore it.
   virtual void borrowFrom(const Pass &forward) { (void)forward; }
-  /// The bytes allocate() takes (0 once it has).
+  /// The bytes the pass takes at its first run: allocate()'s (0 once it
+  /// has) and what its first run allocates (the cuda backend's decoded
+  /// weights).
   virtual uint64_t workspaceNeeded() const = 0;
   /// The host changed the weight bound to slot `slot` in place
   /// (PassOptions::packWeights): what was packed of it is stale, and the

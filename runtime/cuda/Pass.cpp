@@ -68,6 +68,11 @@ void describeQuantized(const LayerShape &shape, const format::SlotRecord &w, dev
   d->zeroPoints = shape.weightFormat == WeightFormat::Int4Group && shape.weightZeroPoints;
 }
 
+/// The bytes of a weight's decoded values (one rank's).
+size_t decodedBytes(const device::DecodeSpec &spec) {
+  return size_t(spec.experts * spec.rows * spec.cols) * dtypeSize(DType(spec.type));
+}
+
 /// Whether quantized weights are decoded whole before the tasks (the
 /// default) rather than in the tiles (MOEC_CUDA_DECODE=tiles).
 bool decodeAhead() {
@@ -315,7 +320,13 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
 }
 
 uint64_t Pass::workspaceNeeded() const {
-  return allocated ? 0 : backend::workspaceBytes(*program, *layer, program->epRanks, slotSize);
+  uint64_t bytes =
+      allocated ? 0 : backend::workspaceBytes(*program, *layer, program->epRanks, slotSize);
+  // The decoded weights, allocated at the first run.
+  for (const Decode &d : decodes)
+    for (const Buffer &b : d.out)
+      bytes += b.memory ? 0 : decodedBytes(d.spec);
+  return bytes;
 }
 
 Status Pass::grow(Buffer *buffer, size_t bytes) {
@@ -549,8 +560,7 @@ Status Pass::runTasks() {
     for (Decode &d : decodes) {
       Buffer &out = d.out[r];
       if (!out.memory) {
-        const size_t bytes =
-            size_t(d.spec.experts * d.spec.rows * d.spec.cols) * dtypeSize(DType(d.spec.type));
+        const size_t bytes = decodedBytes(d.spec);
         if (Status s = check(device::allocate(bytes, &out.memory),
                              fmt::format("the decoded values of '{}' of rank {}",
                                          program->name(program->slots[d.weight].name), r));

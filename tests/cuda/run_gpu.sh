@@ -8,7 +8,8 @@
 # runs the suite's layers on the GPU against the reference: fp32 and bf16,
 # 1 to 4 ranks, skewed routing, experts with no tokens, both granularities,
 # base weights stored transposed and quantized (FP8 blocks, int8, int4;
-# decoded before the tasks, then again decoded in the tiles), and a binary whose event is never reached (the device watchdog's error).
+# decoded before the tasks, then again decoded in the tiles), and a binary
+# whose event is never reached (the device watchdog's error).
 # The layers come from MOEC_BINARY_CACHE (default: a folder of the test's
 # temporary directory), compiled by MOEC when missing.
 case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac

@@ -73,11 +73,18 @@ size_t decodedBytes(const device::DecodeSpec &spec) {
   return size_t(spec.experts * spec.rows * spec.cols) * dtypeSize(DType(spec.type));
 }
 
-/// Whether quantized weights are decoded whole before the tasks (the
-/// default) rather than in the tiles (MOEC_CUDA_DECODE=tiles).
-bool decodeAhead() {
-  const char *where = envValue("MOEC_CUDA_DECODE");
-  return !where || std::strcmp(where, "tiles") != 0;
+/// Whether quantized weights are decoded whole before the tasks
+/// (MOEC_CUDA_DECODE=whole, the default) or as the tiles load them
+/// (=tiles); another value is named on stderr and the default taken.
+bool decodeWholeFirst() {
+  const char *value = envValue("MOEC_CUDA_DECODE");
+  if (!value || std::strcmp(value, "whole") == 0)
+    return true;
+  if (std::strcmp(value, "tiles") == 0)
+    return false;
+  std::fprintf(stderr, "moec: %s is none of 'whole', 'tiles'; using 'whole'\n",
+               envShown("MOEC_CUDA_DECODE", value).c_str());
+  return true;
 }
 
 } // namespace
@@ -150,6 +157,7 @@ Pass::~Pass() {
 
 Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &plan,
                     const backend::PassOptions &options, std::unique_ptr<Pass> *out) {
+  const bool decodeFirst = decodeWholeFirst();
   if (!options.fabric || !options.fabric->allLocal())
     return Status::error("the cuda backend runs every rank of the EP group in one process on "
                          "one GPU; it does not run under MPI");
@@ -227,7 +235,7 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
       d.expertStride = int64_t(w.dims[1] * w.dims[2]);
       if (d.scales != format::kNone) {
         describeQuantized(plan.shape, w, &d);
-        if (decodeAhead())
+        if (decodeFirst)
           pass->decodeWhole(plan.shape, w, &d);
       }
     }

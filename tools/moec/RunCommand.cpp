@@ -242,16 +242,17 @@ void printTimes(const char *pass, const rt::PassTimes &t, uint64_t repeat) {
 }
 
 /// The memory a run needs (the layer's tensors as fp32 arrays and in the
-/// binary's storage type, the workspace, and with `wholeReference` the
-/// reference layer in double) against what this process may use.
+/// binary's storage type, the workspace where it is host memory, and with
+/// `wholeReference` the reference layer in double) against what this
+/// process may use. The cuda backend's workspace is on the GPU.
 Status checkRunMemory(const rt::LayerShape &shape, const rt::Context &context, bool backward,
-                      bool wholeReference) {
+                      bool wholeReference, bool workspaceOnHost) {
   const double R = shape.ranks,
                S = double(shape.rowCapacity) / double(std::max<int64_t>(1, shape.topK)),
                K = shape.topK, E = shape.experts(), H = shape.hidden, I = shape.inter;
   const double perCopy =
       4 * ((backward ? 4 : 2) * R * S * H + (backward ? 2 : 1) * 3 * E * H * I) + 16 * R * S * K;
-  const double workspace = double(context.workspaceToAllocate());
+  const double workspace = workspaceOnHost ? double(context.workspaceToAllocate()) : 0.0;
   const double needed = 2 * perCopy + workspace;
   const MemoryLimit limit = memoryLimit();
   if (!limit.error.empty())
@@ -566,7 +567,8 @@ int runRun(int argc, char **argv, int first) {
   // The layer's tensors, as fp32 arrays and again in the binary's storage
   // type, and the whole reference layer of --verify, checked against the
   // machine before any is allocated.
-  if (Status s = checkRunMemory(shape, *context, backward, report && verify && sampleTokens == 0);
+  if (Status s = checkRunMemory(shape, *context, backward, report && verify && sampleTokens == 0,
+                                backendKind == backend::Kind::Cpu);
       !s)
     return fail(s);
 

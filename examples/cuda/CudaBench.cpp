@@ -22,7 +22,10 @@
 //                                     against the reference (N tokens); several
 //                                     pairs one after another, the random
 //                                     layer made once for binaries of one
-//                                     shape (the weight formats of a layer)
+//                                     shape (the weight formats of a layer);
+//                                     a quantized weight's decode before each
+//                                     pass counts in the pass (runtime/cuda/
+//                                     Pass.h, MOEC_CUDA_DECODE)
 //
 // Prints the GPU first. PyTorch's side (cuBLAS, eager) is
 // examples/cuda/bench_torch.py; examples/cuda/bench.sh runs both.

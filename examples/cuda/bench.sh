@@ -20,7 +20,9 @@
 #    cuda_bench gmm --weight-format), and the
 #    frozen layer at S = 1024, forward + backward (dx only), with bf16 and
 #    with each format's weights, each checked against the reference on the
-#    dequantized weights.
+#    dequantized weights (decoded whole before each pass, in the pass's
+#    time; MOEC_CUDA_DECODE=tiles in the environment times the tiles' own
+#    decode instead).
 #
 # CUDA_BENCH defaults to bazel-bin/examples/cuda/cuda_bench. BINARIES is a
 # folder of examples/cuda/compile_binaries.sh's binaries; without it they

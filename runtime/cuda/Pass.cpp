@@ -75,16 +75,20 @@ size_t decodedBytes(const device::DecodeSpec &spec) {
 
 /// Whether quantized weights are decoded whole before the tasks
 /// (MOEC_CUDA_DECODE=whole, the default) or as the tiles load them
-/// (=tiles); another value is named on stderr and the default taken.
+/// (=tiles); another value is named on stderr, once, and the default taken
+/// (read once a process, as MOEC_GEMM is).
 bool decodeWholeFirst() {
-  const char *value = envValue("MOEC_CUDA_DECODE");
-  if (!value || std::strcmp(value, "whole") == 0)
+  static const bool whole = [] {
+    const char *value = envValue("MOEC_CUDA_DECODE");
+    if (!value || std::strcmp(value, "whole") == 0)
+      return true;
+    if (std::strcmp(value, "tiles") == 0)
+      return false;
+    std::fprintf(stderr, "moec: %s is none of 'whole', 'tiles'; using 'whole'\n",
+                 envShown("MOEC_CUDA_DECODE", value).c_str());
     return true;
-  if (std::strcmp(value, "tiles") == 0)
-    return false;
-  std::fprintf(stderr, "moec: %s is none of 'whole', 'tiles'; using 'whole'\n",
-               envShown("MOEC_CUDA_DECODE", value).c_str());
-  return true;
+  }();
+  return whole;
 }
 
 } // namespace

@@ -43,13 +43,27 @@ from test_mpi import (HERE, TOY, check_stop_report, check_toy, free_port,  # noq
 TORCHRUN = shutil.which("torchrun") or "torchrun"
 
 
-def torchrun(ranks, *args, timeout=240, extra_env=None, logs=None, options=()):
-    """torchrun --standalone --nproc_per_node RANKS ARGS on this machine."""
+# torchrun's agent picks the workers' MASTER_PORT by binding a free port and
+# letting it go; rank 0 binds it again later, and a process started in
+# between (another test's) can take it first.
+PORT_TAKEN = "errno: 98 - Address already in use"
+
+
+def torchrun(ranks, *args, timeout=240, extra_env=None, options=()):
+    """torchrun --standalone --nproc_per_node RANKS ARGS on this machine;
+    again (up to twice) where the job died because its rendezvous port had
+    been taken (PORT_TAKEN) before rank 0 bound it."""
     env = dict(os.environ, **(extra_env or {}))
-    logs = logs or Path(os.environ.get("TEST_TMPDIR", "/tmp")) / f"torchrun-{uuid.uuid4().hex}"
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(ranks), "--tee", "2",
-           "--redirects", "2", "--log_dir", str(logs), *options, *map(str, args)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    for _ in range(3):
+        logs = Path(os.environ.get("TEST_TMPDIR", "/tmp")) / f"torchrun-{uuid.uuid4().hex}"
+        cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(ranks), "--tee", "2",
+               "--redirects", "2", "--log_dir", str(logs), *options, *map(str, args)]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if run.returncode == 0 or PORT_TAKEN not in run.stdout + run.stderr:
+            return run
+        print(f"torchrun: the rendezvous port was taken ({PORT_TAKEN}); running the job again",
+              file=sys.stderr)
+    return run
 
 
 @pytest.mark.parametrize("ranks,dtype,hot,variant,tp", [

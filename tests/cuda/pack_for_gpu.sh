@@ -56,16 +56,19 @@ if [ -n "$base" ]; then
 fi
 
 # The suite's layers, compiled as the GPU runs them (--peer-groups 1): the
-# suite passes on the CPU while it fills the cache.
-MOEC_TEST_COMPILE_FOR=cuda MOEC_BINARY_CACHE="$out/cache" MOEC=bazel-bin/tools/moec \
-  "$out/gpu_suite" "[gpu]" | tail -2
+# suite passes on the CPU while it fills the cache. Its scratch files go
+# under TEST_TMPDIR (else /tmp, where they would stay).
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+TEST_TMPDIR="$scratch" MOEC_TEST_COMPILE_FOR=cuda MOEC_BINARY_CACHE="$out/cache" \
+  MOEC=bazel-bin/tools/moec "$out/gpu_suite" "[gpu]" | tail -2
 
 # bench.sh's binaries.
 bash examples/cuda/compile_binaries.sh "$out/bins"
 
 # The libraries beyond libc, libm, libstdc++ and libgcc.
 libs="$(mktemp -d)"
-trap 'rm -rf "$libs"' EXIT
+trap 'rm -rf "$scratch" "$libs"' EXIT
 mkdir "$libs/lib"
 ldd "$out/gpu_suite" "$out/cuda_bench" ${base:+"$out/base/cuda_bench"} | awk '$3 ~ /^\// {print $3}' | sort -u |
   grep -Ev '/(libc|libm|libstdc\+\+|libgcc_s|ld-linux[^/]*|libpthread|libdl|librt)\.so' |
@@ -89,6 +92,8 @@ for d in cache bins; do
   fi
 done
 mkdir -p /tmp/moec-gpu && tar -C /tmp/moec-gpu -xJf "$here/lib.tar.xz"
+# The suite's scratch files (under /tmp without TEST_TMPDIR, left there).
+export TEST_TMPDIR="${TEST_TMPDIR:-$(mktemp -d)}"
 export LD_LIBRARY_PATH="/tmp/moec-gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 rc=0
 if [[ " $parts " == *" suite "* ]]; then

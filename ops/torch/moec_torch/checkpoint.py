@@ -6,6 +6,7 @@ before it copies anything, and takes this process's experts out of a
 checkpoint of more (a one-process checkpoint loaded under mpirun)."""
 
 import io
+import sys
 from pathlib import Path
 
 import torch
@@ -90,15 +91,31 @@ def _own_state(module):
     return state
 
 
-def check_state_dict(module, state_dict, prefix, strict):
+def load_is_strict():
+    """The `strict` of the nn.Module.load_state_dict call now running (the
+    module's own, or a model's above it), True outside one. PyTorch hands
+    its modules' load hooks strict=True whatever the caller asked (it
+    applies strict=False itself, after every module has copied what
+    fits), so the call's own argument is read from its frame."""
+    code = torch.nn.Module.load_state_dict.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return True
+
+
+def check_state_dict(module, state_dict, prefix):
     """Before load_state_dict copies anything: every refusal is raised
     here, so that a refused checkpoint leaves the layer untouched
     (nn.Module's own checks raise only after copying what fits). The
     checkpoint's layout must be this layer's, with this process's
-    experts among its experts; strictly, no key may be missing (the
-    layout, _extra_state, included) or unknown; every tensor given must
-    be a tensor of this layer's shape and dtype, its main-grad buffers
-    too."""
+    experts among its experts; with strict (load_state_dict's, the
+    default), no key may be missing (the layout, _extra_state, included)
+    or unknown; every tensor given must be a tensor of this layer's shape
+    and dtype, its main-grad buffers too."""
+    strict = load_is_strict()
     name = prefix + "_extra_state"
     own = _own_state(module)
     for n in own:

@@ -295,8 +295,10 @@ class MoeFFN(torch.nn.Module):
                              "(frozen=True or lora_rank=): the base weights' gradients are "
                              "computed in the [E, H, 2I] layout only")
         if weights_transposed and tp > 1:
-            raise ValueError(f"moec: weights_transposed=True is not supported with tensor "
-                             f"parallelism (tp={tp}); use tp=1")
+            what = f"weight_format={weight_format!r} (its weights stored transposed)" \
+                if fmt is not None else "weights_transposed=True"
+            raise ValueError(f"moec: {what} is not supported with tensor parallelism "
+                             f"(tp={tp}); use tp=1")
         self.weights_transposed = weights_transposed
         self.tp = tp
         self.lora_targets = tuple(t for t in LORA_TARGETS if t in lora_targets) \
@@ -831,9 +833,10 @@ class MoeFFN(torch.nn.Module):
     def set_extra_state(self, state):
         checkpoint.load_extra_state(self, state)
 
-    def _check_checkpoint(self, state_dict, prefix, local_metadata, strict, *_):
-        """load_state_dict's pre-hook: checkpoint.check_state_dict."""
-        checkpoint.check_state_dict(self, state_dict, prefix, strict)
+    def _check_checkpoint(self, state_dict, prefix, *_):
+        """load_state_dict's pre-hook: checkpoint.check_state_dict (which
+        reads the call's strict itself: the hook's is always True)."""
+        checkpoint.check_state_dict(self, state_dict, prefix)
 
     # LoRA adapters in PEFT's layout.
 

@@ -140,6 +140,44 @@ def test_a_checkpoint_of_another_layer_is_refused_before_anything_is_copied():
         make("lora", 1).load_state_dict(sd)
 
 
+def test_strict_false_loads_what_is_given_from_the_layer_or_a_model_above_it():
+    """load_state_dict(strict=False) loads a partial dict (the base weights
+    alone into a LoRA layer, without the layout), from the layer or from a
+    model that holds it: PyTorch hands the layer's pre-hook strict=True
+    whatever the call said, so the hook reads the call's own. strict=True
+    (the default) still refuses the same dict before copying anything."""
+    source = make("lora", 0)
+    with torch.no_grad():
+        for p in source.adapters():
+            p.uniform_(-0.5, 0.5)
+    base = {"w1": source.w1.detach().clone(), "w2": source.w2.detach().clone()}
+    layer = make("lora", 1)
+    adapters = [p.detach().clone() for p in layer.adapters()]
+    result = layer.load_state_dict(base, strict=False)
+    assert torch.equal(layer.w1, base["w1"]) and torch.equal(layer.w2, base["w2"])
+    assert all(torch.equal(p, q) for p, q in zip(layer.adapters(), adapters))
+    assert set(result.missing_keys) == {"w1_lora_A", "w1_lora_B", "w2_lora_A", "w2_lora_B",
+                                        "_extra_state"}
+    assert result.unexpected_keys == []
+
+    model = torch.nn.ModuleDict({"experts": make("lora", 2)})
+    before = model["experts"].w1.detach().clone()
+    nested = {"experts." + k: v for k, v in base.items()}
+    with pytest.raises(ValueError, match=r"missing \['experts.w1_lora_A'"):
+        model.load_state_dict(nested)
+    assert torch.equal(model["experts"].w1, before)
+    result = model.load_state_dict(dict(nested, **{"experts.stray": torch.zeros(1)}),
+                                   strict=False)
+    assert torch.equal(model["experts"].w1, base["w1"])
+    assert "experts._extra_state" in result.missing_keys
+    assert result.unexpected_keys == ["experts.stray"]
+    # Shapes and dtypes are checked either way, before anything is copied.
+    with pytest.raises(ValueError, match="'experts.w2' has shape"):
+        model.load_state_dict({"experts.w1": base["w1"] * 2,
+                               "experts.w2": base["w2"][:1]}, strict=False)
+    assert torch.equal(model["experts"].w1, base["w1"])
+
+
 def test_peft_layout_of_the_adapters(tmp_path):
     a = make("lora", 0)
     with torch.no_grad():

@@ -176,6 +176,13 @@ def test_checkpoint_round_trip():
 def test_refusals():
     with pytest.raises(ValueError, match="LoRA adapters are not supported with tensor"):
         layer(2, 2, lora_rank=4)
+    # A quantized base is stored transposed: the refusal names the format.
+    with pytest.raises(ValueError, match=r"weight_format='int8' \(its weights stored "
+                       r"transposed\) is not supported with tensor parallelism \(tp=2\)"):
+        layer(2, 2, frozen=True, weight_format="int8")
+    with pytest.raises(ValueError, match=r"^moec: weights_transposed=True is not supported "
+                       r"with tensor parallelism \(tp=2\)"):
+        layer(2, 2, frozen=True, weights_transposed=True)
     with pytest.raises(ValueError, match="name the same thing"):
         moec_torch.MoeFFN(config(), ranks=2, ep=1)
     cfg = config(experts=EXPERTS, inter=10)

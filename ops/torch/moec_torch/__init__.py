@@ -44,6 +44,7 @@ The package's modules, by concept; their names are re-exported here:
     layer        MoeFFN
     capacity     capacity growth (capacity_policy)
     checkpoint   save_state; MoeFFN's state dict and its checks
+    ddp          prepare_ddp: expert-parallel layers inside DistributedDataParallel
     exchange     Exchange, DispatchHandle: dispatch and combine alone
     native       compile, dump, simulate_trace, load_trace (the compiler library)
 
@@ -54,7 +55,7 @@ cache._compiled): replace it there, not on the package.
 """
 
 from . import adapters, checks, native, quant, reference, safetensors
-from . import _launch, autograd, cache, capacity, checkpoint, exchange, handles, layer
+from . import _launch, autograd, cache, capacity, checkpoint, ddp, exchange, handles, layer
 from ._launch import (_default_fabric, _distributed, _fabric, _fabric_args, _register_finalize,
                       _world_size, close_groups, finalize_mpi, launched_by_mpi,
                       launched_by_torchrun, load_library)
@@ -65,6 +66,7 @@ from .cache import (_BINARY_ERROR, LORA_TARGETS, MANIFEST, _cache_root, _compile
                     _lora_targets, _remove, _sha256, compile_graphs, compile_layer)
 from .capacity import CAPACITY_POLICIES, _check_policy
 from .checkpoint import save_state
+from .ddp import prepare_ddp
 from .exchange import DispatchHandle, Exchange, _CombineFunction, _DispatchFunction
 from .handles import BackwardHandle, ForwardHandle, _Pending
 from .layer import _DTYPES, _NOT_PICKLED, MoeFFN, _matches
@@ -73,8 +75,8 @@ from .native import compile, dump, load_trace, simulate_trace
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
            "MoeFFN", "MoeFFNFunction", "checks", "compile_graphs", "compile_layer",
            "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "launched_by_torchrun",
-           "load_library", "load_trace", "native", "quant", "reference", "safetensors",
-           "save_state", "simulate_trace"]
+           "load_library", "load_trace", "native", "prepare_ddp", "quant", "reference",
+           "safetensors", "save_state", "simulate_trace"]
 
 # Flags that _launch rebinds as the process runs: read there, not copied here.
 _LAUNCH_STATE = ("_loaded", "_finalize_registered", "_groups_registered")

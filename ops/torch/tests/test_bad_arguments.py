@@ -650,3 +650,12 @@ def test_empty_variable_means_the_default(monkeypatch):
 
 def test_shown_values_escape_control_characters():
     assert checks.env_shown("MOEC_X", "a\nb\x1b") == "MOEC_X='a\\x0ab\\x1b'"
+
+
+def test_prepare_ddp_without_torch_distributed():
+    """prepare_ddp needs torch.distributed started (the refusals a job can
+    make: ddp_check.py under torchrun)."""
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="prepare_ddp: torch.distributed is not initialized"):
+        moec_torch.prepare_ddp(torch.nn.Linear(2, 2))

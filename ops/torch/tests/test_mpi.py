@@ -19,6 +19,8 @@ per process (moec's MPI fabric).
     and the job ends;
   - a patched Hugging Face-structured model (mpi_hf_check.py) and the
     fine-tuning example (examples/hf/finetune.py);
+  - DistributedDataParallel around a model with the layer, after
+    prepare_ddp (ddp_check.py);
   - across 2 simulated hosts: the op, the toy training and the report."""
 
 import os
@@ -137,6 +139,16 @@ def test_exchange_under_mpirun(ranks, dtype):
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(ranks):
         assert f"rank {r}: ok: bitwise equal to the one-process exchange" in run.stdout, run.stdout
+
+
+def test_ddp_around_the_layer_under_mpirun():
+    """DistributedDataParallel (gloo, from the launcher's ranks) around a
+    model whose layer runs on moec's MPI fabric, after prepare_ddp: the
+    one-process model's parameters (ddp_check.py)."""
+    run = mpirun(2, HERE / "ddp_check.py", "full")
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(2):
+        assert f"rank {r}: ddp ok" in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize("family,layout,ranks", [("qwen3_moe", "modules", 2),

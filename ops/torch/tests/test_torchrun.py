@@ -6,6 +6,8 @@ torch.distributed's world group (gloo): moec's process-group fabric.
     launcher): fp32 and bf16, LoRA, main_grad, frozen, FP8 dispatch, ETP,
     a quantized base; two EP groups of new_group inside a world of 4; a
     layer idle longer than its group's timeout;
+  - DistributedDataParallel around a model with the layer (prepare_ddp,
+    ddp_check.py), also with two EP groups inside data parallelism;
   - dispatch and combine as ops of their own (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py): bitwise the one-process
     run after 4 steps, and the loss falls; a patched Hugging Face-structured
@@ -85,6 +87,21 @@ def test_ep_groups_inside_data_parallelism_under_torchrun():
     assert run.returncode == 0, run.stdout + run.stderr
     for world, (g, r) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
         assert f"rank {world} (group {g}, rank {r}): ok" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("variant,ranks", [("full", 2), ("lora", 2), ("groups", 4),
+                                           ("refusals", 2)])
+def test_ddp_around_the_layer_under_torchrun(variant, ranks):
+    """DistributedDataParallel around a model with the layer, after
+    moec_torch.prepare_ddp: the parameters after SGD steps are the
+    one-process model's trained on the mean of the processes' losses, and
+    DDP's construction leaves each process's experts alone (ddp_check.py);
+    "groups": two EP groups of 2 inside data parallelism over 4 processes;
+    "refusals": what prepare_ddp refuses, and what it leaves to DDP."""
+    run = torchrun(ranks, HERE / "ddp_check.py", variant)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(ranks):
+        assert f"rank {r}: ddp ok" in run.stdout, run.stdout
 
 
 def test_layer_idle_longer_than_the_group_timeout():

@@ -1,0 +1,163 @@
+"""Data parallelism around expert-parallel layers: prepare_ddp, for
+torch.nn.parallel.DistributedDataParallel (DDP).
+
+A MoeFFN whose ranks are one per process (under torchrun or mpirun) holds
+different experts in each process. DDP, left to itself, treats every
+parameter as a replica: at construction it copies rank 0's parameters and
+buffers into every other process (each process's experts overwritten
+with rank 0's), and after each backward it averages every gradient over
+its processes (gradients of different experts summed together). Both
+silently. prepare_ddp(model) keeps DDP off those layers and gives their
+gradients DDP's meaning:
+
+  - every parameter and buffer of such a layer goes into the model's
+    `_ddp_params_and_buffers_to_ignore` (DDP's list of what it neither
+    broadcasts nor reduces);
+  - DDP's gradients are those of the mean of its W processes' losses.
+    The layer's backward gives an expert's gradient summed over the
+    losses of every process of its EP group (their tokens' rows come back
+    to it), so each of the layer's gradients is scaled by 1 / W as it is
+    computed (a hook on the parameter: the trained experts, the LoRA
+    adapters);
+  - where DDP's group is larger than the layer's (EP groups inside data
+    parallelism: torch.distributed.new_group([0, 1]) and new_group([2,
+    3]) in a world of 4), the processes that hold the same experts in
+    their groups sum those gradients first (a hook's all-reduce over a
+    group of theirs, which prepare_ddp makes; DDP's group must then be
+    the world group, since every process makes each new group).
+
+Layers whose experts are all in every process (the in-process fabric) are
+replicas like any module and are left to DDP. A layer with main_grad
+buffers is refused: DDP neither reads nor reduces them.
+"""
+
+import torch
+
+from .layer import MoeFFN
+
+
+def _ranks(group, world):
+    """The global ranks of torch.distributed group `group`, in its order."""
+    import torch.distributed as dist
+    return list(range(world)) if group is dist.group.WORLD \
+        else list(dist.get_process_group_ranks(group))
+
+
+def _processes(layer, world):
+    """The global ranks of the processes `layer` runs over, in their order
+    in its group."""
+    if layer.fabric == "group":
+        return _ranks(layer.group, world)
+    # The MPI fabric spans the MPI world, which must be torch.distributed's.
+    count = layer.ranks * layer.tp
+    if count != world:
+        raise ValueError(f"moec: prepare_ddp: the layer runs on the MPI fabric over {count} "
+                         f"processes, and torch.distributed's world has {world}")
+    return list(range(world))
+
+
+def _scaled(scale, group=None):
+    """A parameter hook: the gradient (summed over `group` first, where
+    given) times `scale`."""
+    import torch.distributed as dist
+
+    def hook(grad):
+        if group is None:
+            return grad * scale
+        # gloo sums fp32 and fp64; a bf16 gradient is summed as fp32 and
+        # rounded once.
+        total = grad.to(torch.float32, copy=True)
+        dist.all_reduce(total, group=group)
+        return (total * scale).to(grad.dtype)
+
+    return hook
+
+
+def prepare_ddp(model, process_group=None):
+    """Makes `model` ready for DistributedDataParallel(model,
+    process_group=process_group): call it on every process, after the
+    model is built (and patched, for moec_torch.hf) and before DDP wraps
+    it. Returns the names of the parameters and buffers DDP is to leave
+    alone (added to model._ddp_params_and_buffers_to_ignore). Calling it
+    again with the same group changes nothing."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("moec: prepare_ddp: torch.distributed is not initialized "
+                         "(init_process_group, as torchrun's scripts do, before DDP)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"moec: prepare_ddp: model must be an nn.Module, got "
+                        f"{type(model).__name__}")
+    group = dist.group.WORLD if process_group is None else process_group
+    world = dist.get_world_size()
+    members = _ranks(group, world)
+    layers = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, MoeFFN) and m._collective]
+    ignore = []
+    for name, layer in layers:
+        where = f"layer '{name}'" if name else "the layer"
+        if layer.main_grad:
+            raise ValueError(f"moec: prepare_ddp: {where} keeps its weight gradients in "
+                             "main_grad buffers, which DDP neither reads nor reduces; build "
+                             "it without main_grad=True, or reduce them yourself as "
+                             "Megatron's DDP does")
+        done = getattr(layer, "_ddp_group", None)
+        if done is not None and done is not group:
+            raise ValueError(f"moec: prepare_ddp: {where} was prepared for another DDP "
+                             "group already")
+        own = _processes(layer, world)
+        if not set(own) <= set(members):
+            raise ValueError(f"moec: prepare_ddp: {where} runs over processes {own}, not all "
+                             f"of them in DDP's group {members}")
+        prefix = name + "." if name else ""
+        ignore += [prefix + n for n, _ in layer.named_parameters()]
+        ignore += [prefix + n for n, _ in layer.named_buffers()]
+    todo = [(name, layer) for name, layer in layers if getattr(layer, "_ddp_group", None) is None]
+    replicas = _replica_groups(todo, group, world, members)
+    scale = 1.0 / len(members)
+    for name, layer in todo:
+        for p in layer.parameters():
+            if p.requires_grad:
+                p.register_hook(_scaled(scale, replicas.get(name)))
+        layer._ddp_group = group
+    already = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    model._ddp_params_and_buffers_to_ignore = already + [n for n in ignore if n not in already]
+    return ignore
+
+
+def _replica_groups(layers, group, world, members):
+    """{layer name: the group of the processes that hold the same experts
+    as this one} for the layers whose EP group is smaller than DDP's
+    group, made with torch.distributed.new_group by every process in the
+    same order (from what every process says of its layers)."""
+    import torch.distributed as dist
+    if all(len(_processes(layer, world)) == len(members) for _, layer in layers):
+        return {}
+    if group is not dist.group.WORLD:
+        raise ValueError("moec: prepare_ddp: an EP group smaller than DDP's group needs DDP "
+                         "over the world group (process_group=None): the groups that sum an "
+                         "expert's gradients are made by every process")
+    mine = [(name, tuple(_processes(layer, world))) for name, layer in layers]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    if any([n for n, _ in theirs] != [n for n, _ in mine] for theirs in every):
+        raise ValueError("moec: prepare_ddp: the processes' models differ in their "
+                         "expert-parallel layers (every process must pass the same model)")
+    me = dist.get_rank()
+    made, out = {}, {}
+    for i, (name, own) in enumerate(mine):
+        sizes = {len(theirs[i][1]) for theirs in every}
+        if len(sizes) != 1 or world % next(iter(sizes)):
+            raise ValueError(f"moec: prepare_ddp: the EP groups of layer '{name}' are not "
+                             "of one size that divides the world")
+        if len(own) == world:
+            continue  # one EP group: its experts are nowhere else
+        # Position in its EP group -> the processes at that position.
+        spots = {}
+        for rank, theirs in enumerate(every):
+            spots.setdefault(theirs[i][1].index(rank), []).append(rank)
+        for spot in sorted(spots):
+            ranks = tuple(spots[spot])
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks))  # every process, the same order
+        out[name] = made[tuple(spots[own.index(me)])]
+    return out

@@ -1,0 +1,183 @@
+"""Run under torchrun (by test_torchrun.py) or mpirun (test_mpi.py): a model with a moec layer whose
+ranks are one per process, wrapped in torch.nn.parallel.
+DistributedDataParallel after moec_torch.prepare_ddp, trained for a few
+SGD steps, against the same model in one process (the layer's ranks as
+threads) trained by autograd on the mean of the processes' losses, which is
+what DDP's averaged gradients stand for.
+
+    ddp_check.py VARIANT      full | lora | groups (4 processes: two EP groups
+                              of 2 inside data parallelism over the world;
+                              torchrun only) | refusals (what prepare_ddp
+                              refuses, and what it leaves to DDP)
+
+Under mpirun the layer runs on moec's MPI fabric and torch.distributed
+(gloo) is started from the launcher's ranks, MASTER_ADDR and MASTER_PORT.
+
+Every process checks its dense parameters and its experts' (or adapters')
+slice against the one-process model's, and that DDP's construction left
+its experts as they were. Prints "rank r: ddp ok"."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import moec_torch
+
+H, E, K, S, STEPS, LR = 32, 8, 2, 16, 3, 0.5
+
+
+class Net(torch.nn.Module):
+    """A projection, a learned router (softmax, top-k), moec's layer, a
+    projection."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.inp = torch.nn.Linear(H, H)
+        self.router = torch.nn.Linear(H, E)
+        self.moe = layer
+        self.out = torch.nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.inp(x)
+        weights, ids = self.router(h).softmax(-1).topk(K)
+        return self.out(self.moe(h, ids, weights))
+
+
+def trained(model):
+    """(name, parameter) of what the optimizer steps."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def refusals(me, world):
+    """prepare_ddp's refusals, each a ValueError naming the layer, and a
+    layer whose experts are all in this process (in-process fabric), which
+    is a replica like any module: left to DDP."""
+    cfg = {"name": "ddp", "hidden_size": H, "intermediate_size": 16, "num_experts": E,
+           "top_k": K, "ep": world, "tp": 1, "seq_size": S, "dtype": "fp32"}
+    cases = []
+    grads = Net(moec_torch.MoeFFN(cfg, threads=1, main_grad=True))
+    cases.append((lambda: moec_torch.prepare_ddp(grads),
+                  "layer 'moe' keeps its weight gradients in main_grad buffers"))
+    one = dist.new_group([0])  # collective
+    model = Net(moec_torch.MoeFFN(cfg, threads=1))
+    cases.append((lambda: moec_torch.prepare_ddp(model, process_group=one if me == 0 else None),
+                  r"layer 'moe' runs over processes \[0, 1\], not all of them in DDP's group "
+                  r"\[0\]" if me == 0 else None))
+    cases.append((lambda: moec_torch.prepare_ddp(model.moe, process_group=one if me == 0
+                                                 else None),
+                  "the layer runs over processes" if me == 0 else None))
+    again = Net(moec_torch.MoeFFN(cfg, threads=1))
+    moec_torch.prepare_ddp(again)
+    cases.append((lambda: moec_torch.prepare_ddp(again, process_group=one if me == 0 else None),
+                  "layer 'moe' was prepared for another DDP group already" if me == 0 else None))
+    import re
+    failed = []
+    for i, (call, want) in enumerate(cases):
+        try:
+            call()
+            got = None
+        except ValueError as e:
+            got = str(e)
+        if (want is None) != (got is None) or (want and not re.search(want, got)):
+            failed.append(f"case {i}: expected {want!r}, got {got!r}")
+    local = Net(moec_torch.MoeFFN(dict(cfg, ep=2), 2, fabric="inproc", threads=1))
+    if moec_torch.prepare_ddp(local) != []:
+        failed.append("an in-process layer was left out of DDP")
+    if failed:
+        print(f"rank {me}: FAILED: {failed}", flush=True)
+        return 1
+    print(f"rank {me}: ddp ok (refusals)", flush=True)
+    moec_torch.close_groups()
+    dist.destroy_process_group()
+    return 0
+
+
+def main():
+    variant = sys.argv[1]
+    if moec_torch.launched_by_mpi():
+        dist.init_process_group("gloo", rank=int(os.environ["OMPI_COMM_WORLD_RANK"]),
+                                world_size=int(os.environ["OMPI_COMM_WORLD_SIZE"]))
+    else:
+        dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    me, world = dist.get_rank(), dist.get_world_size()
+    if variant == "refusals":
+        return refusals(me, world)
+    ep = 2 if variant == "groups" else world
+    cfg = {"name": "ddp", "hidden_size": H, "intermediate_size": 16, "num_experts": E,
+           "top_k": K, "ep": ep, "tp": 1, "seq_size": S, "dtype": "fp32",
+           "capacity_factor": 64}
+    kw = {"lora_rank": 4, "lora_alpha": 8} if variant == "lora" else {}
+    torch.manual_seed(0)
+    ref = Net(moec_torch.MoeFFN(cfg, ep, fabric="inproc", threads=1, **kw))
+    if variant == "lora":
+        with torch.no_grad():
+            for p in ref.moe.adapters():
+                p.uniform_(-0.3, 0.3)
+    group = None
+    if variant == "groups":
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # collective
+        group = groups[me // 2]
+    model = Net(moec_torch.MoeFFN(cfg, group=group, threads=1, **kw))
+    layer, L = model.moe, model.moe.local_experts
+    mine = slice(layer.first_rank * L, (layer.first_rank + 1) * L)
+    with torch.no_grad():  # the same start as the one-process model
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            p.copy_(q[mine] if n.startswith("moe.") else q)
+
+    ignored = moec_torch.prepare_ddp(model)
+    assert moec_torch.prepare_ddp(model) == ignored  # again: nothing more
+    want = {"moe." + n for n, _ in layer.named_parameters()}
+    assert set(ignored) == want, (ignored, want)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    moved = [n for n, p in layer.named_parameters() if not torch.equal(p, before[n])]
+    if moved:
+        print(f"rank {me}: FAILED: DDP's construction changed {moved}", flush=True)
+        return 1
+
+    opt = torch.optim.SGD([p for _, p in trained(model)], lr=LR)
+    ref_opt = torch.optim.SGD([p for _, p in trained(ref)], lr=LR)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(STEPS):
+        x = torch.randn(world, S, H, generator=gen)
+        target = torch.randn(world, S, H, generator=gen)
+        # DDP: this process's loss; its gradients are averaged over the world.
+        loss = torch.nn.functional.mse_loss(ddp(x[me]), target[me])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        # One process: the mean of every process's loss, each EP group's
+        # tokens through the one-process layer in turn.
+        total = 0
+        for g in range(world // ep):
+            out = ref(x[g * ep:(g + 1) * ep])
+            total = total + sum(torch.nn.functional.mse_loss(o, t) for o, t in
+                                zip(out.unbind(0), target[g * ep:(g + 1) * ep].unbind(0)))
+        (total / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    bad = []
+    for (n, p), (_, q) in zip(trained(model), trained(ref)):
+        q = q[mine] if n.startswith("moe.") else q
+        err = (p - q).abs().max().item()
+        if err > 1e-5 * max(q.abs().max().item(), 1.0):
+            bad.append(f"{n} (off by {err:.3g})")
+        elif n.startswith("moe.") and torch.equal(p, before[n[4:]]):
+            bad.append(f"{n} (not trained)")
+    if bad:
+        print(f"rank {me}: FAILED: {bad}", flush=True)
+        return 1
+    print(f"rank {me}: ddp ok ({len(trained(model))} trained tensors, {len(ignored)} left to "
+          f"moec)", flush=True)
+    if layer.fabric == "group":
+        moec_torch.close_groups()  # before the group it runs over goes
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

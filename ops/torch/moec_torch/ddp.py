@@ -15,10 +15,12 @@ gradients DDP's meaning:
     broadcasts nor reduces);
   - DDP's gradients are those of the mean of its W processes' losses.
     The layer's backward gives an expert's gradient summed over the
-    losses of every process of its EP group (their tokens' rows come back
-    to it), so each of the layer's gradients is scaled by 1 / W as it is
+    losses of every EP rank of its group (their tokens' rows come back to
+    it), so each of the layer's gradients is scaled by 1 / W as it is
     computed (a hook on the parameter: the trained experts, the LoRA
-    adapters);
+    adapters); by T / W with expert tensor parallelism over T ranks, whose
+    processes pass their EP rank's tokens, so that DDP's mean counts each
+    EP rank's loss T times;
   - where DDP's group is larger than the layer's (EP groups inside data
     parallelism: torch.distributed.new_group([0, 1]) and new_group([2,
     3]) in a world of 4), the processes that hold the same experts in
@@ -113,8 +115,10 @@ def prepare_ddp(model, process_group=None):
         ignore += [prefix + n for n, _ in layer.named_buffers()]
     todo = [(name, layer) for name, layer in layers if getattr(layer, "_ddp_group", None) is None]
     replicas = _replica_groups(todo, group, world, members)
-    scale = 1.0 / len(members)
     for name, layer in todo:
+        # DDP's mean counts each EP rank's loss once for each of its TP
+        # ranks, which pass the same tokens.
+        scale = layer.tp / len(members)
         for p in layer.parameters():
             if p.requires_grad:
                 p.register_hook(_scaled(scale, replicas.get(name)))

@@ -90,13 +90,16 @@ def test_ep_groups_inside_data_parallelism_under_torchrun():
 
 
 @pytest.mark.parametrize("variant,ranks", [("full", 2), ("lora", 2), ("groups", 4),
+                                           ("groups_bf16", 4), ("tp", 4),
                                            ("refusals", 2)])
 def test_ddp_around_the_layer_under_torchrun(variant, ranks):
     """DistributedDataParallel around a model with the layer, after
     moec_torch.prepare_ddp: the parameters after SGD steps are the
     one-process model's trained on the mean of the processes' losses, and
     DDP's construction leaves each process's experts alone (ddp_check.py);
-    "groups": two EP groups of 2 inside data parallelism over 4 processes;
+    "groups": two EP groups of 2 inside data parallelism over 4 processes
+    (also in bf16, whose gradients are summed in fp32);
+    "tp": EP 2 x TP 2 over 4 processes;
     "refusals": what prepare_ddp refuses, and what it leaves to DDP."""
     run = torchrun(ranks, HERE / "ddp_check.py", variant)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -94,7 +94,7 @@ def prepare_ddp(model, process_group=None):
     members = _ranks(group, world)
     layers = [(name, m) for name, m in model.named_modules()
               if isinstance(m, MoeFFN) and m._collective]
-    ignore = []
+    mine = set()  # the layers' tensors
     for name, layer in layers:
         where = f"layer '{name}'" if name else "the layer"
         if layer.main_grad:
@@ -110,9 +110,12 @@ def prepare_ddp(model, process_group=None):
         if not set(own) <= set(members):
             raise ValueError(f"moec: prepare_ddp: {where} runs over processes {own}, not all "
                              f"of them in DDP's group {members}")
-        prefix = name + "." if name else ""
-        ignore += [prefix + n for n, _ in layer.named_parameters()]
-        ignore += [prefix + n for n, _ in layer.named_buffers()]
+        mine.update(id(t) for t in (*layer.parameters(), *layer.buffers()))
+    # Every name DDP may find them by (a tensor another module registers too).
+    ignore = [f"{prefix}{'.' if prefix else ''}{n}"
+              for prefix, module in model.named_modules(remove_duplicate=False)
+              for n, t in (*module._parameters.items(), *module._buffers.items())
+              if t is not None and id(t) in mine]
     todo = [(name, layer) for name, layer in layers if getattr(layer, "_ddp_group", None) is None]
     replicas = _replica_groups(todo, group, world, members)
     for name, layer in todo:

@@ -25,10 +25,15 @@ the ranks' gradients. So the same script runs:
   With R = 2 and one torch thread (--torch-threads 1) the parameters are
   bitwise those of the one-process run with the same seed (--save writes
   them to compare), under either launcher.
+  - with --ddp (a rank per process): the model in torch's
+    DistributedDataParallel after moec_torch.prepare_ddp, which averages
+    the dense gradients over the processes, each process taking the mean
+    loss of its own tokens; the same parameters again (bitwise with 2
+    ranks under torchrun).
 
     examples/torch/train_toy.py [--steps N] [--ranks R] [--dtype fp32|bf16]
                                 [--threads N] [--torch-threads N] [--seed S]
-                                [--save FILE]
+                                [--ddp] [--save FILE]
 
 Run from a checkout after `bazel build //tools:moec //ops/torch:moec_torch.so`
 (examples/torch/train_toy.sh does both; examples/torch/train_toy_torchrun.sh
@@ -100,10 +105,13 @@ def make_task(features, clusters, seed):
 
 
 def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out=print,
-          fabric=None, save=None):
+          fabric=None, save=None, ddp=False):
     """Trains and returns the losses, one per step (one rank per process:
     of all ranks).
-    With `save`, writes the parameters (this process's) to that file."""
+    With `save`, writes the parameters (this process's) to that file. With
+    `ddp` (a rank per process), the model is wrapped in
+    DistributedDataParallel after moec_torch.prepare_ddp, and each process
+    takes the mean loss of its own tokens."""
     torch.manual_seed(seed)
     features = 16
     model = ToyModel(ranks, dtype, features, threads, fabric)
@@ -118,6 +126,12 @@ def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out
             dist.init_process_group("gloo", rank=moe.first_rank, world_size=moe.ranks)
     mine = slice(moe.first_rank, moe.first_rank + moe.local_ranks)
     dense = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
+    run = model
+    if ddp and spread:
+        # DDP averages the dense gradients; prepare_ddp keeps it off the
+        # experts and scales theirs to the same mean.
+        moec_torch.prepare_ddp(model)
+        run = torch.nn.parallel.DistributedDataParallel(model)
     batch = make_task(features, clusters=8, seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
@@ -126,24 +140,31 @@ def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out
         # Every process draws the whole batch and keeps its ranks' share.
         x, target = batch((ranks, moe.tokens))
         x, target = x[mine], target[mine]
-        # The mean over all ranks' elements, as a sum of per-rank sums.
-        scale = 1.0 / (ranks * target[0].numel())
-        pred = model(x)
-        loss = sum(torch.nn.functional.mse_loss(pr, tr, reduction="sum") * scale
-                   for pr, tr in zip(pred.unbind(0), target.unbind(0)))
+        pred = run(x)
+        if run is not model:
+            # This process's mean; DDP's gradients are the processes' mean.
+            loss = torch.nn.functional.mse_loss(pred, target)
+            total = loss.detach() / ranks
+        else:
+            # The mean over all ranks' elements, as a sum of per-rank sums.
+            scale = 1.0 / (ranks * target[0].numel())
+            loss = sum(torch.nn.functional.mse_loss(pr, tr, reduction="sum") * scale
+                       for pr, tr in zip(pred.unbind(0), target.unbind(0)))
+            total = loss.detach().clone()
         opt.zero_grad()
         loss.backward()
-        total = loss.detach().clone()
         if spread:
-            for p in dense:
-                dist.all_reduce(p.grad)
+            if run is model:
+                for p in dense:
+                    dist.all_reduce(p.grad)
             dist.all_reduce(total)
         opt.step()
         losses.append(total.item())
         if step % log_every == 0 or step == steps - 1:
             out(f"step {step:4d}  loss {losses[-1]:.4f}")
     out(f"{steps} steps in {time.perf_counter() - start:.2f} s "
-        f"({moe.ranks} ranks{', one per process' if spread else ''}, {moe.experts} experts, "
+        f"({moe.ranks} ranks{', one per process' if spread else ''}"
+        f"{', in DistributedDataParallel' if run is not model else ''}, {moe.experts} experts, "
         f"top-{moe.top_k}, {moe.w1.dtype})")
     if save:
         moec_torch.save_state({n: p.detach().clone() for n, p in model.named_parameters()}, save)
@@ -166,6 +187,10 @@ def main():
     p.add_argument("--fabric", choices=["inproc", "mpi", "group"], default=None,
                    help="default: mpi under mpirun, group (torch.distributed's world group) "
                         "under torchrun, else inproc")
+    p.add_argument("--ddp", action="store_true",
+                   help="one rank per process: wrap the model in DistributedDataParallel "
+                        "(after moec_torch.prepare_ddp) instead of summing the dense "
+                        "gradients by hand")
     p.add_argument("--save", help="write the parameters after training to this file "
                                   "(one rank per process: FILE.rankN)")
     args = p.parse_args()
@@ -185,7 +210,7 @@ def main():
     # One rank per process: every process trains; only rank 0 prints.
     out = print if rank == 0 else (lambda line: None)
     losses = train(args.steps, args.ranks, args.dtype, args.threads, args.seed, out=out,
-                   fabric=fabric, save=save)
+                   fabric=fabric, save=save, ddp=args.ddp)
     first, last = losses[0], sum(losses[-5:]) / len(losses[-5:])
     out(f"loss {first:.4f} -> {last:.4f} (mean of the last 5 steps)")
     if args.steps >= 50 and not last < 0.5 * first:

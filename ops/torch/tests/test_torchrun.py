@@ -10,7 +10,7 @@ torch.distributed's world group (gloo): moec's process-group fabric.
     ddp_check.py), also with two EP groups inside data parallelism;
   - dispatch and combine as ops of their own (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py): bitwise the one-process
-    run after 4 steps, and the loss falls; a patched Hugging Face-structured
+    run after 4 steps (also in DistributedDataParallel), and the loss falls; a patched Hugging Face-structured
     model (mpi_hf_check.py) and the fine-tuning example
     (examples/hf/finetune.py);
   - faults: a put lost on its way (every rank raises, rank 0 reports every
@@ -140,6 +140,17 @@ def test_toy_training_under_torchrun_matches_one_process(tmp_path):
     run = torchrun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads",
                    "1", "--save", tmp_path / "group.pt")
     check_toy(want, run, tmp_path / "group.pt", 2)
+
+
+def test_toy_training_in_ddp_under_torchrun_matches_one_process(tmp_path):
+    """The toy training with the model in DistributedDataParallel (--ddp:
+    prepare_ddp, each process its own mean loss): with 2 ranks, bitwise the
+    one-process run after 4 steps too (DDP's halving is exact)."""
+    want = one_process_toy(tmp_path)
+    run = torchrun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads",
+                   "1", "--ddp", "--save", tmp_path / "ddp.pt")
+    assert "in DistributedDataParallel" in run.stdout, run.stdout + run.stderr
+    check_toy(want, run, tmp_path / "ddp.pt", 2)
 
 
 def test_toy_training_loss_falls_under_torchrun():

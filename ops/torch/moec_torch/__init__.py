@@ -44,7 +44,8 @@ The package's modules, by concept; their names are re-exported here:
     layer        MoeFFN
     capacity     capacity growth (capacity_policy)
     checkpoint   save_state; MoeFFN's state dict and its checks
-    ddp          prepare_ddp: expert-parallel layers inside DistributedDataParallel
+    ddp          prepare_ddp: expert-parallel layers inside DistributedDataParallel;
+                 clip_grad_norm_ over the whole model's gradient
     exchange     Exchange, DispatchHandle: dispatch and combine alone
     native       compile, dump, simulate_trace, load_trace (the compiler library)
 
@@ -66,14 +67,15 @@ from .cache import (_BINARY_ERROR, LORA_TARGETS, MANIFEST, _cache_root, _compile
                     _lora_targets, _remove, _sha256, compile_graphs, compile_layer)
 from .capacity import CAPACITY_POLICIES, _check_policy
 from .checkpoint import save_state
-from .ddp import prepare_ddp
+from .ddp import clip_grad_norm_, prepare_ddp
 from .exchange import DispatchHandle, Exchange, _CombineFunction, _DispatchFunction
 from .handles import BackwardHandle, ForwardHandle, _Pending
 from .layer import _DTYPES, _NOT_PICKLED, MoeFFN, _matches
 from .native import compile, dump, load_trace, simulate_trace
 
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
-           "MoeFFN", "MoeFFNFunction", "checks", "compile_graphs", "compile_layer",
+           "MoeFFN", "MoeFFNFunction", "checks", "clip_grad_norm_", "compile_graphs",
+           "compile_layer",
            "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "launched_by_torchrun",
            "load_library", "load_trace", "native", "prepare_ddp", "quant", "reference",
            "safetensors", "save_state", "simulate_trace"]

@@ -1,5 +1,6 @@
 """Data parallelism around expert-parallel layers: prepare_ddp, for
-torch.nn.parallel.DistributedDataParallel (DDP).
+torch.nn.parallel.DistributedDataParallel (DDP), and clip_grad_norm_, the
+norm of the whole model's gradient across the processes.
 
 A MoeFFN whose ranks are one per process (under torchrun or mpirun) holds
 different experts in each process. DDP, left to itself, treats every
@@ -32,6 +33,8 @@ Layers whose experts are all in every process (the in-process fabric) are
 replicas like any module and are left to DDP. A layer with main_grad
 buffers is refused: DDP neither reads nor reduces them.
 """
+
+import math
 
 import torch
 
@@ -168,3 +171,62 @@ def _replica_groups(layers, group, world, members):
                 made[ranks] = dist.new_group(list(ranks))  # every process, the same order
         out[name] = made[tuple(spots[own.index(me)])]
     return out
+
+
+def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """torch.nn.utils.clip_grad_norm_ for a model with expert-parallel
+    layers: the norm of the whole model's gradient, as one process holding
+    every expert would compute it, and every gradient scaled alike where it
+    is over max_norm. Returns that norm (a tensor). Call it on every
+    process, after the backward (DDP's reduction included), before the
+    optimizer step.
+
+    torch's own clip_grad_norm_ sees only this process's experts: each
+    process gets another norm, scales the replicated parameters' gradients
+    by another factor, and the replicas drift apart. Here each layer whose
+    ranks are one per process sums its gradients' norms over its processes
+    (an exchange over the layer's own fabric; an EP group inside data
+    parallelism holds the same expert gradients as the others after
+    prepare_ddp, so its own processes make the whole), and the other
+    parameters count once (DDP's reduction made them the same everywhere).
+    norm_type is 2.0 or inf. Gradients in main_grad buffers are not
+    .grad and are not counted or scaled."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"moec: clip_grad_norm_: model must be an nn.Module, got "
+                        f"{type(model).__name__}")
+    norm_type = float(norm_type)
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"moec: clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
+    max_norm = float(max_norm)
+    layers = [m for m in model.modules() if isinstance(m, MoeFFN) and m._collective]
+    spread = {id(p) for layer in layers for p in layer.parameters()}
+
+    def norm(params):
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if norm_type == math.inf:
+            return max(g.abs().max().item() for g in grads)
+        return torch.stack([g.double().norm() for g in grads]).norm().item()
+
+    parts = [norm([p for p in model.parameters() if id(p) not in spread])]
+    for layer in layers:
+        if not any(p.requires_grad for p in layer.parameters()):
+            continue  # frozen everywhere: nothing to count
+        views = layer._agree({"grad_norm": norm(layer.parameters())},
+                             "moec clip_grad_norm_: the ranks could not compare their norms")
+        local = [v.get("grad_norm") for v in views]
+        if any(not isinstance(v, (int, float)) for v in local):
+            raise RuntimeError(f"moec clip_grad_norm_: a rank sent {local}, not norms")
+        parts.append(max(local) if norm_type == math.inf
+                     else math.sqrt(math.fsum(v * v for v in local)))
+    total = max(parts) if norm_type == math.inf else math.sqrt(math.fsum(v * v for v in parts))
+    if error_if_nonfinite and not math.isfinite(total):
+        raise RuntimeError(f"moec clip_grad_norm_: the total norm of order {norm_type} of the "
+                           f"gradients is {total}")
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.detach().mul_(coef)
+    return torch.tensor(total)

@@ -1,9 +1,10 @@
 """Run under torchrun (by test_torchrun.py) or mpirun (test_mpi.py): a model with a moec layer whose
 ranks are one per process, wrapped in torch.nn.parallel.
 DistributedDataParallel after moec_torch.prepare_ddp, trained for a few
-SGD steps, against the same model in one process (the layer's ranks as
-threads) trained by autograd on the mean of the processes' losses, which is
-what DDP's averaged gradients stand for.
+SGD steps (the second one's gradients clipped by moec_torch.clip_grad_norm_),
+against the same model in one process (the layer's ranks as threads)
+trained by autograd on the mean of the processes' losses, which is what
+DDP's averaged gradients stand for, and clipped by torch's clip_grad_norm_.
 
     ddp_check.py VARIANT      full | lora | groups (4 processes: two EP groups
                               of 2 inside data parallelism over the world;
@@ -19,6 +20,7 @@ Every process checks its dense parameters and its experts' (or adapters')
 slice against the one-process model's, and that DDP's construction left
 its experts as they were. Prints "rank r: ddp ok"."""
 
+import math
 import os
 import sys
 
@@ -31,6 +33,7 @@ H, E, K, S, STEPS, LR = 32, 8, 2, 16, 3, 0.5
 # The largest difference between a parameter's change and the one-process
 # model's, as a share of that change's largest value.
 TOLERANCE = {"fp32": 1e-4, "bf16": 0.1}
+CLIP = 1e-3  # the second step's gradients clipped to this norm
 
 
 class Net(torch.nn.Module):
@@ -165,12 +168,18 @@ def main():
     opt = torch.optim.SGD([p for _, p in trained(model)], lr=LR)
     ref_opt = torch.optim.SGD([p for _, p in trained(ref)], lr=LR)
     gen = torch.Generator().manual_seed(7)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         x = torch.randn(shards, S, H, generator=gen)
         target = torch.randn(shards, S, H, generator=gen)
         # DDP: this process's loss; its gradients are averaged over the world.
         loss = torch.nn.functional.mse_loss(ddp(x[me // tp]), target[me // tp])
         loss.backward()
+        if step == 1:  # the whole model's norm, clipped (far below it)
+            # Norms alone (an infinite max_norm scales nothing): the layer's
+            # (its processes' experts together), and the largest value.
+            norms = [moec_torch.clip_grad_norm_(layer, math.inf).item(),
+                     moec_torch.clip_grad_norm_(model, math.inf, norm_type=math.inf).item()]
+            norm = moec_torch.clip_grad_norm_(model, CLIP)
         opt.step()
         opt.zero_grad()
         # One process: the mean of every process's loss, each EP group's
@@ -181,6 +190,20 @@ def main():
             total = total + sum(torch.nn.functional.mse_loss(o, t) for o, t in
                                 zip(out.unbind(0), target[g * ep:(g + 1) * ep].unbind(0)))
         (total / shards).backward()
+        if step == 1:
+            clip = torch.nn.utils.clip_grad_norm_
+            wants = [clip(ref.moe.parameters(), math.inf).item(),
+                     clip(ref.parameters(), math.inf, norm_type=math.inf).item()]
+            want_norm = clip(ref.parameters(), CLIP).item()
+            for what, got, want in zip(("the whole gradient's norm", "the layer's norm",
+                                        "the largest gradient"),
+                                       [norm.item(), *norms], [want_norm, *wants]):
+                if not abs(got - want) <= TOLERANCE[dtype] * want:
+                    print(f"rank {me}: FAILED: {what} {got}, one process's {want}", flush=True)
+                    return 1
+            if not want_norm > 10 * CLIP:
+                print(f"rank {me}: FAILED: the norm {want_norm} was not clipped", flush=True)
+                return 1
         ref_opt.step()
         ref_opt.zero_grad()
 

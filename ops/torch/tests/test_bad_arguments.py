@@ -659,3 +659,27 @@ def test_prepare_ddp_without_torch_distributed():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="prepare_ddp: torch.distributed is not initialized"):
         moec_torch.prepare_ddp(torch.nn.Linear(2, 2))
+
+
+def test_clip_grad_norm_in_one_process_is_torchs():
+    """With every expert in this process, moec_torch.clip_grad_norm_ is
+    torch's (across processes: ddp_check.py); other norms are refused."""
+    torch.manual_seed(0)
+    layer = moec_torch.MoeFFN(config(), ranks=2, threads=1)
+    x, ids, w = (torch.randn(2, 8, layer.hidden), torch.stack(
+        [torch.randperm(layer.experts)[:layer.top_k] for _ in range(16)]).reshape(2, 8, -1),
+        torch.rand(2, 8, layer.top_k))
+    layer(x, ids, w).square().sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    want = torch.nn.utils.clip_grad_norm_(layer.parameters(), 0.01)
+    clipped = [p.grad.clone() for p in layer.parameters()]
+    for p, g in zip(layer.parameters(), grads):
+        p.grad = g.clone()
+    got = moec_torch.clip_grad_norm_(layer, 0.01)
+    assert want > 0.01 and abs(got - want) <= 1e-6 * want
+    assert all(torch.allclose(p.grad, c, rtol=1e-6, atol=0) for p, c in zip(layer.parameters(),
+                                                                           clipped))
+    with pytest.raises(ValueError, match="norm_type must be 2.0 or inf, got 1.0"):
+        moec_torch.clip_grad_norm_(layer, 1.0, norm_type=1)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        moec_torch.clip_grad_norm_(list(layer.parameters()), 1.0)

@@ -45,7 +45,8 @@ The package's modules, by concept; their names are re-exported here:
     capacity     capacity growth (capacity_policy)
     checkpoint   save_state; MoeFFN's state dict and its checks
     ddp          prepare_ddp: expert-parallel layers inside DistributedDataParallel;
-                 clip_grad_norm_ over the whole model's gradient
+                 clip_grad_norm_ over the whole model's gradient;
+                 split_parameters (replicated / each process's own)
     exchange     Exchange, DispatchHandle: dispatch and combine alone
     native       compile, dump, simulate_trace, load_trace (the compiler library)
 
@@ -67,7 +68,7 @@ from .cache import (_BINARY_ERROR, LORA_TARGETS, MANIFEST, _cache_root, _compile
                     _lora_targets, _remove, _sha256, compile_graphs, compile_layer)
 from .capacity import CAPACITY_POLICIES, _check_policy
 from .checkpoint import save_state
-from .ddp import clip_grad_norm_, prepare_ddp
+from .ddp import clip_grad_norm_, prepare_ddp, split_parameters
 from .exchange import DispatchHandle, Exchange, _CombineFunction, _DispatchFunction
 from .handles import BackwardHandle, ForwardHandle, _Pending
 from .layer import _DTYPES, _NOT_PICKLED, MoeFFN, _matches
@@ -78,7 +79,7 @@ __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gra
            "compile_layer",
            "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "launched_by_torchrun",
            "load_library", "load_trace", "native", "prepare_ddp", "quant", "reference",
-           "safetensors", "save_state", "simulate_trace"]
+           "safetensors", "save_state", "simulate_trace", "split_parameters"]
 
 # Flags that _launch rebinds as the process runs: read there, not copied here.
 _LAUNCH_STATE = ("_loaded", "_finalize_registered", "_groups_registered")

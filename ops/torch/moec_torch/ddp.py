@@ -1,6 +1,7 @@
 """Data parallelism around expert-parallel layers: prepare_ddp, for
-torch.nn.parallel.DistributedDataParallel (DDP), and clip_grad_norm_, the
-norm of the whole model's gradient across the processes.
+torch.nn.parallel.DistributedDataParallel (DDP); clip_grad_norm_, the
+norm of the whole model's gradient across the processes; split_parameters,
+the replicated parameters apart from each process's own.
 
 A MoeFFN whose ranks are one per process (under torchrun or mpirun) holds
 different experts in each process. DDP, left to itself, treats every
@@ -76,6 +77,25 @@ def _scaled(scale, group=None):
         return (total * scale).to(grad.dtype)
 
     return hook
+
+
+def split_parameters(model):
+    """(replicated, per_process): the parameters of `model` that every
+    process holds alike, and those of its layers whose ranks are one per
+    process (each process its own experts). An optimizer that shards its
+    state over the processes or copies parameters between them
+    (torch.distributed.optim.ZeroRedundancyOptimizer, which gives each
+    process a share of the parameters and then copies each share's new
+    values into every other process) must get the replicated ones only;
+    the per-process ones need an optimizer of their own, in every
+    process."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"moec: split_parameters: model must be an nn.Module, got "
+                        f"{type(model).__name__}")
+    own = {id(p) for m in model.modules() if isinstance(m, MoeFFN) and m._collective
+           for p in m.parameters()}
+    params = list(model.parameters())
+    return ([p for p in params if id(p) not in own], [p for p in params if id(p) in own])
 
 
 def prepare_ddp(model, process_group=None):
@@ -199,7 +219,7 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
         raise ValueError(f"moec: clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
     max_norm = float(max_norm)
     layers = [m for m in model.modules() if isinstance(m, MoeFFN) and m._collective]
-    spread = {id(p) for layer in layers for p in layer.parameters()}
+    replicated, _ = split_parameters(model)
 
     def norm(params):
         grads = [p.grad.detach() for p in params if p.grad is not None]
@@ -209,7 +229,7 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
             return max(g.abs().max().item() for g in grads)
         return torch.stack([g.double().norm() for g in grads]).norm().item()
 
-    parts = [norm([p for p in model.parameters() if id(p) not in spread])]
+    parts = [norm(replicated)]
     for layer in layers:
         if not any(p.requires_grad for p in layer.parameters()):
             continue  # frozen everywhere: nothing to count

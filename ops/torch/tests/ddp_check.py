@@ -10,7 +10,9 @@ DDP's averaged gradients stand for, and clipped by torch's clip_grad_norm_.
                               of 2 inside data parallelism over the world;
                               torchrun only) | groups_bf16 (the same in
                               bf16) | tp (4 processes: EP 2 x TP 2,
-                              a TP rank's tokens its EP rank's) | refusals (what prepare_ddp
+                              a TP rank's tokens its EP rank's) | zero (the
+                              replicated parameters under ZeroRedundancyOptimizer,
+                              split_parameters) | refusals (what prepare_ddp
                               refuses, and what it leaves to DDP)
 
 Under mpirun the layer runs on moec's MPI fabric and torch.distributed
@@ -165,7 +167,17 @@ def main():
         print(f"rank {me}: FAILED: DDP's construction changed {moved}", flush=True)
         return 1
 
-    opt = torch.optim.SGD([p for _, p in trained(model)], lr=LR)
+    if variant == "zero":
+        # ZeRO shares the replicated parameters' optimizer out over the
+        # processes; each process's experts get an optimizer of their own.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        replicated, own = moec_torch.split_parameters(model)
+        assert {id(p) for p in own} == {id(p) for p in layer.parameters()}
+        assert len(replicated) + len(own) == len(list(model.parameters()))
+        opts = [ZeroRedundancyOptimizer(replicated, optimizer_class=torch.optim.SGD, lr=LR),
+                torch.optim.SGD(own, lr=LR)]
+    else:
+        opts = [torch.optim.SGD([p for _, p in trained(model)], lr=LR)]
     ref_opt = torch.optim.SGD([p for _, p in trained(ref)], lr=LR)
     gen = torch.Generator().manual_seed(7)
     for step in range(STEPS):
@@ -180,8 +192,9 @@ def main():
             norms = [moec_torch.clip_grad_norm_(layer, math.inf).item(),
                      moec_torch.clip_grad_norm_(model, math.inf, norm_type=math.inf).item()]
             norm = moec_torch.clip_grad_norm_(model, CLIP)
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         # One process: the mean of every process's loss, each EP group's
         # tokens through the one-process layer in turn.
         total = 0

@@ -683,3 +683,14 @@ def test_clip_grad_norm_in_one_process_is_torchs():
         moec_torch.clip_grad_norm_(layer, 1.0, norm_type=1)
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         moec_torch.clip_grad_norm_(list(layer.parameters()), 1.0)
+
+
+def test_split_parameters_in_one_process():
+    """Every expert in this process: all of a model's parameters are
+    replicated ones (each process its own: ddp_check.py's "zero" case)."""
+    model = torch.nn.ModuleDict({"moe": moec_torch.MoeFFN(config(), ranks=2, threads=1),
+                                 "proj": torch.nn.Linear(4, 4)})
+    replicated, own = moec_torch.split_parameters(model)
+    assert own == [] and len(replicated) == len(list(model.parameters()))
+    with pytest.raises(TypeError, match="split_parameters: model must be an nn.Module"):
+        moec_torch.split_parameters([])

@@ -90,7 +90,7 @@ def test_ep_groups_inside_data_parallelism_under_torchrun():
 
 
 @pytest.mark.parametrize("variant,ranks", [("full", 2), ("lora", 2), ("groups", 4),
-                                           ("groups_bf16", 4), ("tp", 4),
+                                           ("groups_bf16", 4), ("tp", 4), ("zero", 2),
                                            ("refusals", 2)])
 def test_ddp_around_the_layer_under_torchrun(variant, ranks):
     """DistributedDataParallel around a model with the layer, after
@@ -99,7 +99,9 @@ def test_ddp_around_the_layer_under_torchrun(variant, ranks):
     DDP's construction leaves each process's experts alone (ddp_check.py);
     "groups": two EP groups of 2 inside data parallelism over 4 processes
     (also in bf16, whose gradients are summed in fp32);
-    "tp": EP 2 x TP 2 over 4 processes;
+    "tp": EP 2 x TP 2 over 4 processes; "zero": the replicated parameters
+    under ZeroRedundancyOptimizer (split_parameters), the experts under one
+    of their own;
     "refusals": what prepare_ddp refuses, and what it leaves to DDP."""
     run = torchrun(ranks, HERE / "ddp_check.py", variant)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -43,7 +43,7 @@ The package's modules, by concept; their names are re-exported here:
     handles      ForwardHandle, BackwardHandle (submit_forward/submit_backward)
     layer        MoeFFN
     capacity     capacity growth (capacity_policy)
-    checkpoint   save_state; MoeFFN's state dict and its checks
+    checkpoint   save_state; MoeFFN's state dict and its checks; merge_state_dicts
     ddp          prepare_ddp: expert-parallel layers inside DistributedDataParallel;
                  clip_grad_norm_ over the whole model's gradient;
                  split_parameters (replicated / each process's own)
@@ -67,7 +67,7 @@ from .cache import (_BINARY_ERROR, LORA_TARGETS, MANIFEST, _cache_root, _compile
                     _compiled, _entry_problem, _from_cache, _layer_graphs, _lora_suffix,
                     _lora_targets, _remove, _sha256, compile_graphs, compile_layer)
 from .capacity import CAPACITY_POLICIES, _check_policy
-from .checkpoint import save_state
+from .checkpoint import merge_state_dicts, save_state
 from .ddp import clip_grad_norm_, prepare_ddp, split_parameters
 from .exchange import DispatchHandle, Exchange, _CombineFunction, _DispatchFunction
 from .handles import BackwardHandle, ForwardHandle, _Pending
@@ -78,8 +78,9 @@ __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gra
            "MoeFFN", "MoeFFNFunction", "checks", "clip_grad_norm_", "compile_graphs",
            "compile_layer",
            "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "launched_by_torchrun",
-           "load_library", "load_trace", "native", "prepare_ddp", "quant", "reference",
-           "safetensors", "save_state", "simulate_trace", "split_parameters"]
+           "load_library", "load_trace", "merge_state_dicts", "native", "prepare_ddp",
+           "quant", "reference", "safetensors", "save_state", "simulate_trace",
+           "split_parameters"]
 
 # Flags that _launch rebinds as the process runs: read there, not copied here.
 _LAUNCH_STATE = ("_loaded", "_finalize_registered", "_groups_registered")

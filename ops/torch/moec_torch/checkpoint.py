@@ -13,6 +13,9 @@ import torch
 
 from . import checks, safetensors
 
+# What a MoeFFN's extra state says it is.
+CHECKPOINT_FORMAT = "moec.MoeFFN/1"
+
 
 def save_state(obj, path):
     """torch.save(obj, path) with the file replaced whole or not at all: a
@@ -67,7 +70,7 @@ def _columns(module):
 def extra_state(module):
     """MoeFFN.get_extra_state: the format, the layout and the main-grad
     buffers."""
-    state = {"format": "moec.MoeFFN/1", "layout": layout_of(module)}
+    state = {"format": CHECKPOINT_FORMAT, "layout": layout_of(module)}
     if module.main_grad:
         state["main_grad"] = {"w1": module.w1.main_grad, "w2": module.w2.main_grad}
     return state
@@ -160,7 +163,7 @@ def _check_layout(module, extra, prefix, state_dict):
     columns, loaded by one TP rank) is sliced in `state_dict` to this
     process's part."""
     name = prefix + "_extra_state"
-    if not isinstance(extra, dict) or extra.get("format") != "moec.MoeFFN/1":
+    if not isinstance(extra, dict) or extra.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"moec: '{name}' is not a moec MoeFFN checkpoint's")
     layout = extra.get("layout")
     keys = ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
@@ -221,3 +224,143 @@ def _check_layout(module, extra, prefix, state_dict):
             state_dict[prefix + param] = keep(param, state_dict[prefix + param])
     if grads is not None:
         state_dict[name] = dict(extra, main_grad={k: keep(k, v) for k, v in grads.items()})
+
+
+def merge_state_dicts(shards):
+    """One state dict of a whole model from the state dicts its processes
+    saved (`model.state_dict()` on each process of a job whose layers run a
+    rank per process, in any order), for one file to keep or to load at
+    another EP size (a layer loads its slice of the whole experts, in one
+    process or in a job of any size).
+
+    Each MoeFFN's part (found by its `_extra_state`) becomes the whole
+    layer: every expert (and, with expert tensor parallelism, every
+    intermediate column) from the shards that hold it, its layout that of
+    all experts and columns; the same expert held by several shards (EP
+    groups inside data parallelism) must be the same there. Every other
+    tensor is a replica and must be the same in every shard (DDP keeps it
+    so; a layer's tensor that another module registers too reads as one
+    and differs: leave it out). Raises ValueError naming the key and the shards where they
+    disagree, a part no shard holds, or shards of different layers."""
+    shards = list(shards)
+    if not shards or not all(isinstance(s, dict) for s in shards):
+        raise ValueError("moec: merge_state_dicts: give the state dicts (dicts) of every "
+                         "process, at least one")
+    keys = list(shards[0])
+    for i, s in enumerate(shards[1:], 1):
+        if set(s) != set(keys):
+            odd = sorted(set(s) ^ set(keys))
+            raise ValueError(f"moec: merge_state_dicts: shard {i}'s keys are not shard 0's: "
+                             f"{odd[:3]}{' ...' if len(odd) > 3 else ''} in one of them only")
+    layers = [k[:-len("_extra_state")] for k in keys if k.endswith("_extra_state") and
+              isinstance(shards[0][k], dict) and shards[0][k].get("format") == CHECKPOINT_FORMAT]
+    out = {}
+    for prefix in layers:
+        out.update(_merge_layer(prefix, [{k[len(prefix):]: v for k, v in s.items()
+                                          if k.startswith(prefix)} for s in shards]))
+    for key in keys:
+        if key in out or any(key.startswith(p) and "." not in key[len(p):] for p in layers):
+            continue
+        value = shards[0][key]
+        for i, s in enumerate(shards[1:], 1):
+            other = s[key]
+            same = torch.equal(value, other) if isinstance(value, torch.Tensor) and \
+                isinstance(other, torch.Tensor) and value.shape == other.shape and \
+                value.dtype == other.dtype else \
+                (not isinstance(value, torch.Tensor) and not isinstance(other, torch.Tensor)
+                 and value == other)
+            if not same:
+                raise ValueError(f"moec: merge_state_dicts: '{key}' differs between shard 0 and "
+                                 f"shard {i}: a tensor outside the layers is a replica, the same "
+                                 "in every process (DDP keeps it so)")
+        out[key] = value
+    return {k: out[k] for k in keys}
+
+
+def _merge_layer(prefix, parts):
+    """The whole layer's entries (names without `prefix`) from its shards'
+    entries `parts`."""
+    name = prefix + "_extra_state"
+    layouts = [p["_extra_state"].get("layout") for p in parts]
+    if not all(isinstance(l, dict) for l in layouts):
+        raise ValueError(f"moec: merge_state_dicts: '{name}' is not a moec MoeFFN checkpoint's "
+                         "in every shard")
+    fixed = ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets", "lora_scaling",
+             "main_grad", "weights_transposed", "weight_format")
+    first = layouts[0]
+    for i, layout in enumerate(layouts[1:], 1):
+        for key in fixed:
+            if layout.get(key) != first.get(key):
+                raise ValueError(f"moec: merge_state_dicts: '{name}': shard {i}'s {key} is "
+                                 f"{layout.get(key)!r}, shard 0's {first.get(key)!r} (shards "
+                                 "of different layers)")
+    experts, inter = first["experts"], first["inter"]
+    whole = {}   # name -> the whole tensor
+    filled = {}  # name -> bool tensor [experts, inter]: what the shards held
+
+    def place(param, t, lo, n, c0, c1, shard):
+        """Shard `shard`'s tensor `t` of experts lo..lo+n-1, intermediate
+        columns c0..c1-1, into the whole tensor of `param`."""
+        kind = param if param in ("w1", "w2") else None
+        split = kind is not None and [c0, c1] != [0, inter]
+        if t.shape[:1] != (n,):
+            raise ValueError(f"moec: merge_state_dicts: shard {shard}'s '{prefix}{param}' has "
+                             f"shape {list(t.shape)}; its layout holds {n} experts")
+        if param not in whole:
+            shape = list(t.shape)
+            shape[0] = experts
+            if split:  # w1 [E, H, 2I] (gate, up), w2 [E, I, H]
+                shape[2 if kind == "w1" else 1] = 2 * inter if kind == "w1" else inter
+            whole[param] = torch.zeros(shape, dtype=t.dtype)
+            filled[param] = torch.zeros(experts, inter, dtype=torch.bool)
+        target, seen = whole[param], filled[param]
+        i = c1 - c0
+        if split and kind == "w1":
+            views = [(target[lo:lo + n, :, c0:c1], t[:, :, :i]),
+                     (target[lo:lo + n, :, inter + c0:inter + c1], t[:, :, i:])]
+        elif split:
+            views = [(target[lo:lo + n, c0:c1], t)]
+        else:
+            views = [(target[lo:lo + n], t)]
+        for to, piece in views:
+            if to.shape != piece.shape:
+                raise ValueError(f"moec: merge_state_dicts: shard {shard}'s '{prefix}{param}' "
+                                 f"has shape {list(t.shape)}, not that of its layout's part")
+        again = seen[lo:lo + n, c0:c1]
+        if again.all():  # held by another shard too: a replica
+            if not all(torch.equal(to, piece) for to, piece in views):
+                raise ValueError(f"moec: merge_state_dicts: '{prefix}{param}' differs between "
+                                 f"shards that hold the same experts ({lo}..{lo + n - 1})")
+            return
+        if again.any():
+            raise ValueError(f"moec: merge_state_dicts: shard {shard}'s '{prefix}{param}' "
+                             "holds part of what another shard holds (shards of different "
+                             "jobs?)")
+        for to, piece in views:
+            to.copy_(piece)
+        seen[lo:lo + n, c0:c1] = True
+
+    grads = {}
+    for shard, (part, layout) in enumerate(zip(parts, layouts)):
+        lo, n = layout["first_expert"], layout["local_experts"]
+        c0, c1 = layout.get("columns", [0, inter])
+        for param, t in part.items():
+            if param != "_extra_state":
+                place(param, t, lo, n, c0, c1, shard)
+        main = part["_extra_state"].get("main_grad")
+        if main is not None:
+            for w in ("w1", "w2"):
+                place("main_grad." + w, main[w], lo, n, c0, c1, shard)
+                grads[w] = whole["main_grad." + w]
+    for param, seen in filled.items():
+        if not seen.all():
+            e = int((~seen).any(1).nonzero()[0])
+            raise ValueError(f"moec: merge_state_dicts: no shard holds expert {e} of "
+                             f"'{prefix}{param.split('.')[-1]}'")
+    layout = dict(first, first_expert=0, local_experts=experts, columns=[0, inter])
+    extra = {"format": CHECKPOINT_FORMAT, "layout": layout}
+    if grads:
+        extra["main_grad"] = grads
+    out = {prefix + p: t for p, t in whole.items() if not p.startswith("main_grad.")}
+    out[name] = extra
+    return out

@@ -1,26 +1,29 @@
-"""Run under torchrun (by test_torchrun.py) or mpirun (test_mpi.py): a model with a moec layer whose
-ranks are one per process, wrapped in torch.nn.parallel.
-DistributedDataParallel after moec_torch.prepare_ddp, trained for a few
-SGD steps (the second one's gradients clipped by moec_torch.clip_grad_norm_),
-against the same model in one process (the layer's ranks as threads)
-trained by autograd on the mean of the processes' losses, which is what
-DDP's averaged gradients stand for, and clipped by torch's clip_grad_norm_.
+"""Run under torchrun (by test_torchrun.py) or mpirun (test_mpi.py): a
+model with a moec layer whose ranks are one per process, wrapped in
+torch.nn.parallel.DistributedDataParallel after moec_torch.prepare_ddp,
+trained for a few SGD steps (the second one's gradients clipped by
+moec_torch.clip_grad_norm_), against the same model in one process (the
+layer's ranks as threads) trained by autograd on the mean of the
+processes' losses, which is what DDP's averaged gradients stand for, and
+clipped by torch's clip_grad_norm_.
 
-    ddp_check.py VARIANT      full | lora | groups (4 processes: two EP groups
-                              of 2 inside data parallelism over the world;
-                              torchrun only) | groups_bf16 (the same in
-                              bf16) | tp (4 processes: EP 2 x TP 2,
-                              a TP rank's tokens its EP rank's) | zero (the
-                              replicated parameters under ZeroRedundancyOptimizer,
-                              split_parameters) | refusals (what prepare_ddp
-                              refuses, and what it leaves to DDP)
+    ddp_check.py VARIANT [DIR]
+
+VARIANT: full | lora | groups (4 processes: two EP groups of 2 inside data
+parallelism over the world; torchrun only) | groups_bf16 (the same in
+bf16) | tp (4 processes: EP 2 x TP 2, a TP rank's tokens its EP rank's) |
+zero (the replicated parameters under ZeroRedundancyOptimizer,
+split_parameters) | refusals (what prepare_ddp refuses, and what it leaves
+to DDP).
 
 Under mpirun the layer runs on moec's MPI fabric and torch.distributed
 (gloo) is started from the launcher's ranks, MASTER_ADDR and MASTER_PORT.
 
 Every process checks its dense parameters and its experts' (or adapters')
 slice against the one-process model's, and that DDP's construction left
-its experts as they were. Prints "rank r: ddp ok"."""
+its experts as they were. With DIR, each process saves its state dict
+there, and merge_state_dicts of them is checked (merged_ok). Prints "rank
+r: ddp ok"."""
 
 import math
 import os
@@ -59,6 +62,37 @@ class Net(torch.nn.Module):
 def trained(model):
     """(name, parameter) of what the optimizer steps."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def merged_ok(folder, model, ref, me, world, dtype, one_process, job):
+    """Each process saves its state dict (one file a process), and
+    merge_state_dicts makes the whole model's of them: the one-process
+    model's parameters (the steps' differences aside) and layout, which
+    loads into a one-process model and, each process its slice, into a new
+    model of this job's size."""
+    # (Without the full case's alias of w1, which would read as a replica.)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("alias.")}
+    moec_torch.save_state(state, f"{folder}/rank{me}.pt")
+    dist.barrier()
+    merged = moec_torch.merge_state_dicts(
+        torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in range(world))
+    want = ref.state_dict()
+    bad = [k for k in want if list(merged) != list(want) or (
+        not torch.allclose(merged[k], want[k], rtol=0,
+                           atol=TOLERANCE[dtype] * 0.1 * want[k].abs().max().item())
+        if isinstance(want[k], torch.Tensor) else merged[k] != want[k])]
+    whole = one_process()
+    whole.load_state_dict(merged)
+    bad += [f"{k} (one process)" for k, v in whole.state_dict().items()
+            if isinstance(v, torch.Tensor) and not torch.equal(v, merged[k])]
+    again = job()  # collective: every process makes it
+    again.load_state_dict(merged)
+    bad += [f"{n} (this job again)" for (n, p), q in zip(again.named_parameters(),
+                                                           model.parameters())
+            if not torch.equal(p, q)]
+    if bad:
+        print(f"rank {me}: FAILED: the merged state dict: {bad}", flush=True)
+    return not bad
 
 
 def refusals(me, world):
@@ -232,6 +266,12 @@ def main():
             bad.append(f"{n} (its change off by {err:.3g} of {scale:.3g})")
     if bad:
         print(f"rank {me}: FAILED: {bad}", flush=True)
+        return 1
+    if len(sys.argv) > 2 and not merged_ok(sys.argv[2], model, ref, me, world, dtype,
+                                           lambda: Net(moec_torch.MoeFFN(
+                                               cfg, ep, tp=tp, fabric="inproc", threads=1, **kw)),
+                                           lambda: Net(moec_torch.MoeFFN(
+                                               cfg, group=group, tp=tp, threads=1, **kw))):
         return 1
     print(f"rank {me}: ddp ok ({len(trained(model))} trained tensors, {len(ignored)} left to "
           f"moec; changes within {worst:.2g})", flush=True)

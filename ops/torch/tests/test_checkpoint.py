@@ -178,6 +178,64 @@ def test_strict_false_loads_what_is_given_from_the_layer_or_a_model_above_it():
     assert torch.equal(model["experts"].w1, base["w1"])
 
 
+def test_merge_state_dicts_of_processes():
+    """merge_state_dicts of the shards a job's processes save (made here
+    from a one-process layer's state dict, as two processes of its EP
+    group would hold it, main-grad buffers included, in either order): the
+    whole layer's state dict, which loads; and its refusals. Under torchrun
+    and mpirun: ddp_check.py."""
+    a = make("main_grad", 0)
+    step(a, None, 1)
+    whole = a.state_dict()
+    half = a.experts // 2
+
+    def shard(r, **change):
+        extra = whole["_extra_state"]
+        out = {k: v[r * half:(r + 1) * half].clone() for k, v in whole.items()
+               if k != "_extra_state"}
+        out["_extra_state"] = dict(
+            extra, layout=dict(extra["layout"], first_expert=r * half, local_experts=half,
+                               **change),
+            main_grad={w: g[r * half:(r + 1) * half] for w, g in extra["main_grad"].items()})
+        return out
+
+    merged = moec_torch.merge_state_dicts([shard(1), shard(0)])
+    assert list(merged) == list(whole)
+    assert all(torch.equal(merged[k], whole[k]) for k in ("w1", "w2"))
+    assert merged["_extra_state"]["layout"] == whole["_extra_state"]["layout"]
+    assert all(torch.equal(merged["_extra_state"]["main_grad"][w], a.__getattr__(w).main_grad)
+               for w in ("w1", "w2"))
+    b = make("main_grad", 1)
+    b.load_state_dict(merged)
+    assert torch.equal(b.w1, a.w1) and torch.equal(b.w2.main_grad, a.w2.main_grad)
+    # The same experts twice (EP groups inside data parallelism) merge once.
+    assert torch.equal(moec_torch.merge_state_dicts([shard(0), shard(1), shard(0)])["w2"],
+                       whole["w2"])
+
+    def refused(shards, message):
+        with pytest.raises(ValueError, match=message):
+            moec_torch.merge_state_dicts(shards)
+
+    refused([shard(1)], r"no shard holds expert 0 of 'w1'")
+    other = shard(0)
+    other["w1"] = other["w1"] + 1
+    refused([shard(0), shard(1), other], r"'w1' differs between shards that hold the same "
+            r"experts \(0..1\)")
+    refused([shard(0), shard(1, hidden=32)], "shard 1's hidden is 32, shard 0's 64")
+    # A model's: the layer under "moe.", and a tensor of the model's own.
+    def nest(r, value):
+        return {**{"moe." + k: v for k, v in shard(r).items()}, "step": value}
+
+    merged = moec_torch.merge_state_dicts([nest(0, torch.ones(1)), nest(1, torch.ones(1))])
+    assert torch.equal(merged["moe.w1"], whole["w1"]) and torch.equal(merged["step"],
+                                                                       torch.ones(1))
+    refused([nest(0, torch.zeros(1)), nest(1, torch.ones(1))],
+            "'step' differs between shard 0 and shard 1: a tensor outside the layers is a "
+            "replica")
+    refused([shard(0), dict(shard(1), step=1)], r"shard 1's keys are not shard 0's: \['step'\]")
+    refused([], "give the state dicts")
+
+
 def test_peft_layout_of_the_adapters(tmp_path):
     a = make("lora", 0)
     with torch.no_grad():

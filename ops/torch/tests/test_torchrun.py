@@ -92,7 +92,7 @@ def test_ep_groups_inside_data_parallelism_under_torchrun():
 @pytest.mark.parametrize("variant,ranks", [("full", 2), ("lora", 2), ("groups", 4),
                                            ("groups_bf16", 4), ("tp", 4), ("zero", 2),
                                            ("refusals", 2)])
-def test_ddp_around_the_layer_under_torchrun(variant, ranks):
+def test_ddp_around_the_layer_under_torchrun(variant, ranks, tmp_path):
     """DistributedDataParallel around a model with the layer, after
     moec_torch.prepare_ddp: the parameters after SGD steps are the
     one-process model's trained on the mean of the processes' losses, and
@@ -102,8 +102,10 @@ def test_ddp_around_the_layer_under_torchrun(variant, ranks):
     "tp": EP 2 x TP 2 over 4 processes; "zero": the replicated parameters
     under ZeroRedundancyOptimizer (split_parameters), the experts under one
     of their own;
-    "refusals": what prepare_ddp refuses, and what it leaves to DDP."""
-    run = torchrun(ranks, HERE / "ddp_check.py", variant)
+    "refusals": what prepare_ddp refuses, and what it leaves to DDP. Each
+    process's state dict saved, merge_state_dicts makes the one-process
+    model's of them."""
+    run = torchrun(ranks, HERE / "ddp_check.py", variant, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(ranks):
         assert f"rank {r}: ddp ok" in run.stdout, run.stdout

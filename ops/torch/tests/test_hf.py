@@ -594,6 +594,58 @@ def test_fp8_checkpoint_stays_fp8(tmp_path, layout):
     assert torch.equal(layer.w1[5, :128], codes[0]) and torch.equal(layer.w1_scale[5, :1], scales[0])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("weight_format", ["int8", "int4_g32", "int4_g32_zp"])
+def test_int8_and_int4_experts_quantized_as_they_are_copied_in(layout, weight_format):
+    """patch_model(weight_format="int8" or "int4_g*") with LoRA adapters:
+    the model's experts quantized as the layer takes them, by the same rule
+    as moec_torch.quant; the patched model's logits and the adapters' and
+    embedding's gradients are those of the unpatched model with PEFT's LoRA
+    on the dequantized experts."""
+    sizes = dict(hidden_size=64, moe_intermediate_size=32)
+    src = make_model("qwen3_moe", layout, **sizes)
+    model = copy.deepcopy(src)
+    mhf.patch_model(model, ranks=2, threads=1, lora_rank=2, lora_alpha=4,
+                    weight_format=weight_format)
+    layer = model.model.layers[0].mlp.experts.layer
+    assert layer.weight_format == weight_format
+    assert layer.w1.dtype == (torch.int8 if weight_format == "int8" else torch.uint8)
+    # The judge: the per-expert layout (PEFT's LoRA takes nn.Linear), the
+    # same weights (the same seed), its experts what the codes stand for.
+    ref = make_model("qwen3_moe", "modules", **sizes)
+    with torch.no_grad():
+        for _, block, family in mhf.find_blocks(ref):
+            for e in range(fam_experts(block)):
+                for w in mhf._expert_weights(block, family, e):
+                    w.copy_(quant.dequantize(weight_format, *quant.quantize(weight_format, w)))
+    adapter = Path(os.environ.get("TEST_TMPDIR", "/tmp")) / f"int-{layout}-{weight_format}"
+    # A step first, so that the adapters' B are not zero (as they start).
+    ids = tokens()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model(ids).logits.square().mean().backward()
+    torch.optim.SGD(trained, lr=1.0).step()
+    model.zero_grad()
+    mhf.save_adapters(model, adapter)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    hf_lora.load_lora(ref, adapter)
+    theirs = dict(ref.named_parameters())
+    with torch.no_grad():  # the step's other parameters (embedding, attention, router)
+        for n, p in model.named_parameters():
+            if ".experts." not in n:
+                theirs[n].copy_(p)
+    out, want = model(ids), ref(ids)
+    close(out.logits, want.logits, 1e-5, "logits")
+    g = torch.randn_like(want.logits)
+    out.logits.backward(g)
+    want.logits.backward(g)
+    got_a = layer.adapters()[0].grad  # gate_up's A: [L, H, 2r], gate's r first
+    name = "model.layers.0.mlp.experts.3.gate_proj"
+    want_a = dict(ref.named_modules())[name].lora_A.weight.grad  # [r, H]
+    assert want_a.abs().max() > 0  # expert 3 had tokens
+    close(got_a[3, :, :2].t(), want_a, 1e-4, "gate_proj lora_A gradient of expert 3")
+
+
 def test_load_checkpoint_refusals(tmp_path):
     src = make_model("qwen3_moe")
     state = write_checkpoint(src, tmp_path / "ckpt")

@@ -101,16 +101,19 @@ class _TpMainGrads:
 class MoeFFNFunction(torch.autograd.Function):
     """y = MoE-FFN(x) on the moec runtime; backward gives dx, d topk_weights,
     dw1 and dw2 (topk_ids get no gradient). `done`, when given, is the
-    (y, step) a submitted forward pass already gave (ForwardHandle.wait)."""
+    (y, step) a submitted forward pass already gave (ForwardHandle.wait).
+    The weights' and adapters' gradients are those of dy times
+    `grad_scale` (prepare_ddp's), dx and d topk_weights those of dy."""
 
     @staticmethod
     def forward(ctx, layer, x, topk_ids, topk_weights, w1, w2, check_finite=False,
-                first_rank=0, main_grads=None, done=None, *adapters):
+                first_rank=0, main_grads=None, done=None, grad_scale=1.0, *adapters):
         y, step = done if done is not None else torch.ops.moec.forward(
             layer, x, topk_ids, topk_weights, w1, w2, list(adapters))
         ctx.layer = layer
         ctx.step = step
         ctx.main_grads = main_grads
+        ctx.grad_scale = grad_scale
         ctx.check = (check_finite, first_rank, w1.shape[0] // max(1, x.shape[0]))
         ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, *adapters)
         ctx.mark_non_differentiable()
@@ -120,15 +123,34 @@ class MoeFFNFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, topk_ids, topk_weights, w1, w2, *adapters = ctx.saved_tensors
         main_grads = ctx.main_grads or (None, None)
-        dx, dtopk, dw1, dw2, dadapters = torch.ops.moec.backward(
-            ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2, dy, *main_grads,
-            adapters)
+        dx, dtopk, dw1, dw2, dadapters = _unscaled(ctx.grad_scale, *torch.ops.moec.backward(
+            ctx.layer, ctx.step, x, topk_ids, topk_weights, w1, w2,
+            _scaled_dy(dy, ctx.grad_scale), *main_grads, adapters))
         if isinstance(ctx.main_grads, _TpMainGrads):
             ctx.main_grads.fold()
         _after_backward(ctx.check, ctx.main_grads, (w1, w2), dy,
                         Gradients(dx, dtopk, dw1, dw2, tuple(dadapters)))
         scales = [None] * (len(adapters) - len(dadapters))  # quantized weights' scales
-        return (None, dx, None, dtopk, dw1, dw2, None, None, None, None, *dadapters, *scales)
+        return (None, dx, None, dtopk, dw1, dw2, None, None, None, None, None, *dadapters,
+                *scales)
+
+
+def _scaled_dy(dy, scale):
+    """dy for a backward pass whose weight gradients are to be `scale` times
+    dy's: every gradient of the layer is linear in dy, so the pass scales
+    them all, and _unscaled takes the scale off dx and d topk_weights (a
+    power of two, as for DDP over 2, 4, 8 ... processes, changes no bit of
+    them). One pass over dy and dx, not over the weights' gradients."""
+    return dy if scale == 1.0 else dy * scale
+
+
+def _unscaled(scale, dx, dtopk, *rest):
+    """The backward's outputs with the scale of _scaled_dy taken off dx and
+    d topk_weights (in place: they are the pass's own)."""
+    if scale != 1.0:
+        dx.mul_(1.0 / scale)
+        dtopk.mul_(1.0 / scale)
+    return (dx, dtopk, *rest)
 
 
 Gradients = collections.namedtuple("Gradients",

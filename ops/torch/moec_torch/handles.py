@@ -7,7 +7,7 @@ import torch
 
 from . import capacity
 from .autograd import (Gradients, MoeFFNFunction, _after_backward, _check_finite, _from_tp,
-                       _TpMainGrads)
+                       _TpMainGrads, _unscaled)
 
 
 class _Pending:
@@ -98,7 +98,7 @@ class ForwardHandle(_Pending):
         self.step = done[1]
         y = m._unmesh(MoeFFNFunction.apply(self.layer, *m._mesh(x, ids, weights),
                                            m.check_finite, m.first_rank, m._main_grads(), done,
-                                           *m._bound()))
+                                           m._grad_scale, *m._bound()))
         if m.check_finite:
             _check_finite("y", y, "rank", m.first_rank)
         return y.squeeze(0) if self.squeeze else y
@@ -122,7 +122,8 @@ class BackwardHandle(_Pending):
         dtopk_weights shaped as the forward's inputs were)."""
         self._take()
         m = self.module
-        dx, dtopk, dw1, dw2, dadapters = self.layer.wait_backward(self.ticket)
+        dx, dtopk, dw1, dw2, dadapters = _unscaled(m._grad_scale,
+                                                   *self.layer.wait_backward(self.ticket))
         self._check_unchanged()
         if m._tp_here():
             # Every TP rank's dx and dtopk_weights are the whole ones: TP rank

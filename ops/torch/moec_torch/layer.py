@@ -8,7 +8,8 @@ import torch
 
 from . import adapters, capacity, checkpoint, checks, native, quant
 from ._launch import _fabric, _fabric_args, _register_finalize, load_library
-from .autograd import MoeFFNFunction, _check_finite, _to_tp, _TpMainGrads, _TpShare, _TpTake
+from .autograd import (MoeFFNFunction, _check_finite, _scaled_dy, _to_tp, _TpMainGrads, _TpShare,
+                       _TpTake)
 from .cache import LORA_TARGETS, _from_cache, _layer_graphs, _lora_suffix, _lora_targets, \
     compile_layer
 from .capacity import _check_policy
@@ -318,6 +319,9 @@ class MoeFFN(torch.nn.Module):
         self._build = (threads, timeout_seconds, target, granularity, fabric, trace)
         self.group = group
         self.pack_weights = pack_weights
+        # The weight gradients' factor (moec_torch.prepare_ddp's), folded
+        # into dy (MoeFFNFunction).
+        self._grad_scale = 1.0
         _register_finalize(fabric)
 
         def compiled(fresh):
@@ -631,7 +635,8 @@ class MoeFFN(torch.nn.Module):
             try:
                 y = self._unmesh(MoeFFNFunction.apply(
                     self.layer, *self._mesh(x, topk_ids, topk_weights), self.check_finite,
-                    self.first_rank, self._main_grads(), None, *self._bound()))
+                    self.first_rank, self._main_grads(), None, self._grad_scale,
+                    *self._bound()))
                 if self.check_finite:
                     _check_finite("y", y, "rank", self.first_rank)
                 return y.squeeze(0) if squeeze else y
@@ -676,7 +681,8 @@ class MoeFFN(torch.nn.Module):
             mesh = self._mesh(x, ids, weights)
             dy_mesh = dy.repeat_interleave(self.tp, 0) if self._tp_here() else dy
         ticket = handle.layer.submit_backward(
-            handle.step, *mesh, dy_mesh.detach(), *(main_grads or (None, None)),
+            handle.step, *mesh, _scaled_dy(dy_mesh.detach(), self._grad_scale),
+            *(main_grads or (None, None)),
             [a.detach() for a in self._bound()])
         return BackwardHandle(self, ticket, handle.layer, main_grads, dy, squeeze,
                               handle.inputs)

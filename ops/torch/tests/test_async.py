@@ -302,3 +302,47 @@ def test_a_layer_in_a_forked_child_is_refused_at_once(when, end, tmp_path):
     assert "parent: child exit 0" in out, out
     assert "child: forward: moec: this layer was created in process" in out, out
     assert "a child of fork()" in out and "child: done" in out, out
+
+
+@pytest.mark.parametrize("scale", [0.25, 0.375])
+def test_a_gradient_scale_reaches_the_weights_only(scale):
+    """The weight gradients' factor prepare_ddp sets (folded into dy): dw1,
+    dw2 and the adapters' gradients are that times the unscaled ones, dx
+    and dtopk_weights the unscaled ones, blocking and submitted alike;
+    bitwise for a power of two (0.25), within 1e-5 of each tensor's largest
+    value otherwise."""
+    def grads(layer, submitted):
+        x, ids, weights, dy = inputs(layer, 5)
+        x = x.clone().requires_grad_()
+        w = weights.clone().requires_grad_()
+        layer.zero_grad()
+        if not submitted:
+            layer(x, ids, w).backward(dy)
+            return [x.grad, w.grad] + [p.grad.clone() for p in layer.parameters()
+                                       if p.requires_grad]
+        handle = layer.submit_forward(x.detach(), ids, w.detach())
+        with torch.no_grad():
+            handle.wait()
+        g = layer.submit_backward(handle, dy).wait()
+        return [g.dx, g.dtopk_weights] + [t for t in (g.dw1, g.dw2) if t is not None] + \
+            list(g.adapters)
+
+    for kw in ({}, {"lora_rank": 4}):
+        torch.manual_seed(0)
+        layer = moec_torch.MoeFFN(config(), ranks=2, threads=1, **kw)
+        if kw:
+            with torch.no_grad():
+                for p in layer.adapters():
+                    p.uniform_(-0.5, 0.5)
+        for submitted in (False, True):
+            want = grads(layer, submitted)
+            layer._grad_scale = scale
+            got = grads(layer, submitted)
+            layer._grad_scale = 1.0
+            assert len(got) == len(want) > 2
+            for i, (g, w) in enumerate(zip(got, want)):
+                w = w if i < 2 else w * scale
+                if scale == 0.25:
+                    assert torch.equal(g, w), (kw, submitted, i)
+                else:
+                    assert (g - w).abs().max() <= 1e-5 * w.abs().max(), (kw, submitted, i)

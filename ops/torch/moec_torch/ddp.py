@@ -121,8 +121,7 @@ def prepare_ddp(model, process_group=None):
                              "main_grad buffers, which DDP neither reads nor reduces; build "
                              "it without main_grad=True, or reduce them yourself as "
                              "Megatron's DDP does")
-        done = getattr(layer, "_ddp_group", None)
-        if done is not None and done is not group:
+        if layer._ddp_group is not None and layer._ddp_group is not group:
             raise ValueError(f"moec: prepare_ddp: {where} was prepared for another DDP "
                              "group already")
         own = _processes(layer, world)
@@ -135,7 +134,7 @@ def prepare_ddp(model, process_group=None):
               for prefix, module in model.named_modules(remove_duplicate=False)
               for n, t in (*module._parameters.items(), *module._buffers.items())
               if t is not None and id(t) in mine]
-    todo = [(name, layer) for name, layer in layers if getattr(layer, "_ddp_group", None) is None]
+    todo = [(name, layer) for name, layer in layers if layer._ddp_group is None]
     replicas = _replica_groups(todo, group, world, members)
     for name, layer in todo:
         # DDP's mean counts each EP rank's loss once for each of its TP

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import sys
 
 import torch
 
@@ -322,6 +323,7 @@ class MoeFFN(torch.nn.Module):
         # The weight gradients' factor (moec_torch.prepare_ddp's), folded
         # into dy (MoeFFNFunction).
         self._grad_scale = 1.0
+        self._ddp_group = None  # the DDP group prepare_ddp prepared it for
         _register_finalize(fabric)
 
         def compiled(fresh):
@@ -598,6 +600,34 @@ class MoeFFN(torch.nn.Module):
             return _TpMainGrads((self.w1, self.w2), self.local_experts, self.tp)
         return (self.w1.main_grad, self.w2.main_grad)
 
+    def _check_ddp(self):
+        """Refuses a pass inside DistributedDataParallel's forward of a
+        layer whose ranks are one per process when that DDP does not leave
+        its parameters alone (moec_torch.prepare_ddp tells it to): DDP then
+        copied rank 0's experts into every process as it wrapped the model,
+        and would average different experts' gradients. Every process
+        raises, before any exchange."""
+        if not self._collective or self._ddp_group is not None:
+            return
+        code = torch.nn.parallel.DistributedDataParallel.forward.__code__
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is code:
+                ddp = frame.f_locals.get("self")
+                ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+                left = {id(p) for n, p in ddp.module.named_parameters() if n in ignored} \
+                    if ignored else set()
+                if all(id(p) in left for p in self.parameters()):
+                    return  # told to leave them alone (by hand)
+                raise RuntimeError(
+                    "moec: this layer runs inside DistributedDataParallel without "
+                    "moec_torch.prepare_ddp(model) before DistributedDataParallel(model): DDP "
+                    "treats each process's experts as replicas, so it copied rank 0's into "
+                    "every process when it wrapped the model and would average different "
+                    "experts' gradients; build the model again and call prepare_ddp first "
+                    "(docs/torch.md, \"DistributedDataParallel around the layer\")")
+            frame = frame.f_back
+
     def _check_dropped(self):
         """Raises, once, for a submitted pass whose handle was dropped unwaited."""
         dropped, self._dropped = getattr(self, "_dropped", None), None
@@ -628,6 +658,7 @@ class MoeFFN(torch.nn.Module):
 
     def forward(self, x, topk_ids, topk_weights):
         self._check_dropped()
+        self._check_ddp()
         self._check_dense(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
         squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
         self._check_inputs(x, topk_weights)
@@ -654,6 +685,7 @@ class MoeFFN(torch.nn.Module):
         module's next call raise (its pass still runs to its end first).
         Passes of one module run one at a time, in the order submitted."""
         self._check_dropped()
+        self._check_ddp()
         self._check_dense(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
         squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
         self._check_inputs(x, topk_weights)

@@ -96,9 +96,10 @@ def merged_ok(folder, model, ref, me, world, dtype, one_process, job):
 
 
 def refusals(me, world):
-    """prepare_ddp's refusals, each a ValueError naming the layer, and a
-    layer whose experts are all in this process (in-process fabric), which
-    is a replica like any module: left to DDP."""
+    """prepare_ddp's refusals, each a ValueError naming the layer; a
+    forward inside DDP without it (RuntimeError), or with the layer left out
+    by hand (runs); and a layer whose experts are all in this process
+    (in-process fabric), which is a replica like any module: left to DDP."""
     cfg = {"name": "ddp", "hidden_size": H, "intermediate_size": 16, "num_experts": E,
            "top_k": K, "ep": world, "tp": 1, "seq_size": S, "dtype": "fp32"}
     cases = []
@@ -117,13 +118,24 @@ def refusals(me, world):
     moec_torch.prepare_ddp(again)
     cases.append((lambda: moec_torch.prepare_ddp(again, process_group=one if me == 0 else None),
                   "layer 'moe' was prepared for another DDP group already" if me == 0 else None))
+    # DDP around the layer without prepare_ddp: every process's forward
+    # raises, before any exchange (DDP has copied rank 0's experts already).
+    bare = torch.nn.parallel.DistributedDataParallel(Net(moec_torch.MoeFFN(cfg, threads=1)))
+    cases.append((lambda: bare(torch.zeros(S, H)), "runs inside DistributedDataParallel without "
+                  r"moec_torch.prepare_ddp\(model\)"))
+    # Told by hand to leave the layer alone: it runs.
+    byhand = Net(moec_torch.MoeFFN(cfg, threads=1))
+    byhand._ddp_params_and_buffers_to_ignore = ["moe." + n for n, _ in
+                                                byhand.moe.named_parameters()]
+    wrapped = torch.nn.parallel.DistributedDataParallel(byhand)
+    cases.append((lambda: wrapped(torch.zeros(S, H)), None))
     import re
     failed = []
     for i, (call, want) in enumerate(cases):
         try:
             call()
             got = None
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             got = str(e)
         if (want is None) != (got is None) or (want and not re.search(want, got)):
             failed.append(f"case {i}: expected {want!r}, got {got!r}")

@@ -240,8 +240,9 @@ def merge_state_dicts(shards):
     groups inside data parallelism) must be the same there. Every other
     tensor is a replica and must be the same in every shard (DDP keeps it
     so; a layer's tensor that another module registers too reads as one
-    and differs: leave it out). Raises ValueError naming the key and the shards where they
-    disagree, a part no shard holds, or shards of different layers."""
+    and differs: leave it out). Raises ValueError naming the key and the
+    shards where they disagree, a part no shard holds, or shards of
+    different layers."""
     shards = list(shards)
     if not shards or not all(isinstance(s, dict) for s in shards):
         raise ValueError("moec: merge_state_dicts: give the state dicts (dicts) of every "
@@ -281,7 +282,8 @@ def _merge_layer(prefix, parts):
     """The whole layer's entries (names without `prefix`) from its shards'
     entries `parts`."""
     name = prefix + "_extra_state"
-    layouts = [p["_extra_state"].get("layout") for p in parts]
+    layouts = [p["_extra_state"].get("layout") if isinstance(p["_extra_state"], dict) and
+               p["_extra_state"].get("format") == CHECKPOINT_FORMAT else None for p in parts]
     if not all(isinstance(l, dict) for l in layouts):
         raise ValueError(f"moec: merge_state_dicts: '{name}' is not a moec MoeFFN checkpoint's "
                          "in every shard")

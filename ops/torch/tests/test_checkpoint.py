@@ -234,6 +234,8 @@ def test_merge_state_dicts_of_processes():
             "replica")
     refused([shard(0), dict(shard(1), step=1)], r"shard 1's keys are not shard 0's: \['step'\]")
     refused([], "give the state dicts")
+    refused([shard(0), dict(shard(1), _extra_state=None)],
+            "'_extra_state' is not a moec MoeFFN checkpoint's in every shard")
 
 
 def test_peft_layout_of_the_adapters(tmp_path):

@@ -98,7 +98,7 @@ def merged_ok(folder, model, ref, me, world, dtype, one_process, job):
 def refusals(me, world):
     """prepare_ddp's refusals, each a ValueError naming the layer; a
     forward inside DDP without it (RuntimeError), or with the layer left out
-    by hand (runs); and a layer whose experts are all in this process
+    by hand (runs), or of a layer that DDP does not hold (runs); and a layer whose experts are all in this process
     (in-process fabric), which is a replica like any module: left to DDP."""
     cfg = {"name": "ddp", "hidden_size": H, "intermediate_size": 16, "num_experts": E,
            "top_k": K, "ep": world, "tp": 1, "seq_size": S, "dtype": "fp32"}
@@ -129,6 +129,21 @@ def refusals(me, world):
                                                 byhand.moe.named_parameters()]
     wrapped = torch.nn.parallel.DistributedDataParallel(byhand)
     cases.append((lambda: wrapped(torch.zeros(S, H)), None))
+
+    # A layer DDP does not hold, called from a DDP-wrapped model's forward
+    # (a teacher inside a student's step): not DDP's, so it runs.
+    class Student(torch.nn.Module):
+        def __init__(self, teacher):
+            super().__init__()
+            self.proj = torch.nn.Linear(H, H)
+            self.teacher = [teacher]  # a plain list: not a submodule
+
+        def forward(self, x):
+            return self.proj(self.teacher[0](x))
+
+    student = torch.nn.parallel.DistributedDataParallel(
+        Student(Net(moec_torch.MoeFFN(cfg, threads=1))))
+    cases.append((lambda: student(torch.zeros(S, H)), None))
     import re
     failed = []
     for i, (call, want) in enumerate(cases):

@@ -8,7 +8,7 @@ per process (moec's MPI fabric).
     (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py) under mpirun -np 2: the
     loss falls, and after 4 steps every parameter is bitwise that of the
-    one-process run with the same seed;
+    one-process run with the same seed (also in DistributedDataParallel);
   - a put lost on its way (a test hook): every rank's forward raises, and
     rank 0's error carries the report of every rank (mpi_stop_check.py);
   - growing a layer's capacity is collective (mpi_capacity_check.py): all
@@ -221,6 +221,16 @@ def toy_training_matches_one_process(tmp_path, hosts=None):
 
 def test_toy_training_matches_one_process(tmp_path):
     toy_training_matches_one_process(tmp_path)
+
+
+def test_toy_training_in_ddp_under_mpirun_matches_one_process(tmp_path):
+    """The toy training in DistributedDataParallel (--ddp) on the MPI
+    fabric: bitwise the one-process run after 4 steps with 2 ranks."""
+    want = one_process_toy(tmp_path)
+    run = mpirun(2, TOY, "--steps", "4", "--ranks", "2", "--threads", "1", "--torch-threads", "1",
+                 "--ddp", "--save", tmp_path / "ddp.pt")
+    assert "in DistributedDataParallel" in run.stdout, run.stdout + run.stderr
+    check_toy(want, run, tmp_path / "ddp.pt", 2)
 
 
 def test_toy_training_loss_falls_under_mpirun():

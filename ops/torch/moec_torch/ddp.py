@@ -8,9 +8,10 @@ different experts in each process. DDP, left to itself, treats every
 parameter as a replica: at construction it copies rank 0's parameters and
 buffers into every other process (each process's experts overwritten
 with rank 0's), and after each backward it averages every gradient over
-its processes (gradients of different experts summed together). Both
-silently. prepare_ddp(model) keeps DDP off those layers and gives their
-gradients DDP's meaning:
+its processes (gradients of different experts summed together), both
+without a word (so a layer refuses to run inside a DDP holding it that
+does not leave it alone: MoeFFN._check_ddp). prepare_ddp(model) keeps DDP
+off those layers and gives their gradients DDP's meaning:
 
   - every parameter and buffer of such a layer goes into the model's
     `_ddp_params_and_buffers_to_ignore` (DDP's list of what it neither

@@ -6,7 +6,6 @@ before it copies anything, and takes this process's experts out of a
 checkpoint of more (a one-process checkpoint loaded under mpirun)."""
 
 import io
-import sys
 from pathlib import Path
 
 import torch
@@ -100,13 +99,8 @@ def load_is_strict():
     its modules' load hooks strict=True whatever the caller asked (it
     applies strict=False itself, after every module has copied what
     fits), so the call's own argument is read from its frame."""
-    code = torch.nn.Module.load_state_dict.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return bool(frame.f_locals.get("strict", True))
-        frame = frame.f_back
-    return True
+    return next((bool(call.get("strict", True))
+                 for call in checks.callers(torch.nn.Module.load_state_dict)), True)
 
 
 def check_state_dict(module, state_dict, prefix):
@@ -303,7 +297,8 @@ def _merge_layer(prefix, parts):
     def place(param, t, lo, n, c0, c1, shard):
         """Shard `shard`'s tensor `t` of experts lo..lo+n-1, intermediate
         columns c0..c1-1, into the whole tensor of `param`."""
-        kind = param if param in ("w1", "w2") else None
+        kind = param.split(".")[-1]  # main_grad.w1 is w1's
+        kind = kind if kind in ("w1", "w2") else None
         split = kind is not None and [c0, c1] != [0, inter]
         if t.shape[:1] != (n,):
             raise ValueError(f"moec: merge_state_dicts: shard {shard}'s '{prefix}{param}' has "

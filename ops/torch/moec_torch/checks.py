@@ -37,6 +37,7 @@ import numbers
 import operator
 import os
 import stat
+import sys
 
 import torch
 
@@ -398,3 +399,16 @@ def env_shown(name, value):
     text = "".join(c if " " <= c != "\x7f" else f"\\x{ord(c):02x}" for c in value[:_SHOWN])
     more = f"... ({len(value)} characters)" if len(value) > _SHOWN else ""
     return f"{name}='{text}'{more}"
+
+
+def callers(function):
+    """The local variables of each call of `function` (a plain Python
+    function) that the current call runs inside, innermost first: what a
+    hook learns of the call that runs it when the call does not pass it
+    on (load_state_dict's strict, DistributedDataParallel's self)."""
+    code = function.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            yield frame.f_locals
+        frame = frame.f_back

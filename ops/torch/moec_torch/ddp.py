@@ -43,6 +43,13 @@ import torch
 from .layer import MoeFFN
 
 
+def _spread_layers(model):
+    """(name, layer) of the MoeFFN layers in `model` whose ranks are one per
+    process: each process holds its own experts."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, MoeFFN) and m._collective]
+
+
 def _ranks(group, world):
     """The global ranks of torch.distributed group `group`, in its order."""
     import torch.distributed as dist
@@ -89,8 +96,7 @@ def split_parameters(model):
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"moec: split_parameters: model must be an nn.Module, got "
                         f"{type(model).__name__}")
-    own = {id(p) for m in model.modules() if isinstance(m, MoeFFN) and m._collective
-           for p in m.parameters()}
+    own = {id(p) for _, m in _spread_layers(model) for p in m.parameters()}
     params = list(model.parameters())
     return ([p for p in params if id(p) not in own], [p for p in params if id(p) in own])
 
@@ -112,8 +118,7 @@ def prepare_ddp(model, process_group=None):
     group = dist.group.WORLD if process_group is None else process_group
     world = dist.get_world_size()
     members = _ranks(group, world)
-    layers = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, MoeFFN) and m._collective]
+    layers = _spread_layers(model)
     mine = set()  # the layers' tensors
     for name, layer in layers:
         where = f"layer '{name}'" if name else "the layer"
@@ -135,9 +140,9 @@ def prepare_ddp(model, process_group=None):
               for prefix, module in model.named_modules(remove_duplicate=False)
               for n, t in (*module._parameters.items(), *module._buffers.items())
               if t is not None and id(t) in mine]
-    todo = [(name, layer) for name, layer in layers if layer._ddp_group is None]
-    replicas = _replica_groups(todo, group, world, members)
-    for name, layer in todo:
+    unprepared = [(name, layer) for name, layer in layers if layer._ddp_group is None]
+    replicas = _replica_groups(unprepared, group, world, members)
+    for name, layer in unprepared:
         # DDP's mean counts each EP rank's loss once for each of its TP
         # ranks, which pass the same tokens. The factor goes into the
         # layer's dy, not over its weight gradients: one pass over an
@@ -218,7 +223,6 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
     if norm_type not in (2.0, math.inf):
         raise ValueError(f"moec: clip_grad_norm_: norm_type must be 2.0 or inf, got {norm_type}")
     max_norm = float(max_norm)
-    layers = [m for m in model.modules() if isinstance(m, MoeFFN) and m._collective]
     replicated, _ = split_parameters(model)
 
     def norm(params):
@@ -233,7 +237,7 @@ def clip_grad_norm_(model, max_norm, norm_type=2.0, error_if_nonfinite=False):
             for g in grads for piece in g.split(1 << 20)))
 
     parts = [norm(replicated)]
-    for layer in layers:
+    for _, layer in _spread_layers(model):
         if not any(p.requires_grad for p in layer.parameters()):
             continue  # frozen everywhere: nothing to count
         views = layer._agree({"grad_norm": norm(layer.parameters())},

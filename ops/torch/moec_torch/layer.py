@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import sys
 
 import torch
 
@@ -609,27 +608,22 @@ class MoeFFN(torch.nn.Module):
         raises, before any exchange."""
         if not self._collective or self._ddp_group is not None:
             return
-        code = torch.nn.parallel.DistributedDataParallel.forward.__code__
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code is code:
-                ddp = frame.f_locals.get("self")
-                ignored = set(getattr(ddp, "parameters_to_ignore", ()))
-                held = {id(p): n for n, p in ddp.module.named_parameters()}
-                mine = [id(p) for p in self.parameters()]
-                if not any(i in held for i in mine):
-                    frame = frame.f_back
-                    continue  # another DDP's forward calls this layer: not its
-                if all(held.get(i) in ignored for i in mine):
-                    return  # told to leave them alone (by hand)
-                raise RuntimeError(
-                    "moec: this layer runs inside DistributedDataParallel without "
-                    "moec_torch.prepare_ddp(model) before DistributedDataParallel(model): DDP "
-                    "treats each process's experts as replicas, so it copied rank 0's into "
-                    "every process when it wrapped the model and would average different "
-                    "experts' gradients; build the model again and call prepare_ddp first "
-                    "(docs/torch.md, \"DistributedDataParallel around the layer\")")
-            frame = frame.f_back
+        mine = [id(p) for p in self.parameters()]
+        for call in checks.callers(torch.nn.parallel.DistributedDataParallel.forward):
+            ddp = call.get("self")
+            held = {id(p): n for n, p in ddp.module.named_parameters()}
+            if not any(i in held for i in mine):
+                continue  # another DDP's forward calls this layer: not its
+            ignored = set(ddp.parameters_to_ignore)
+            if all(held.get(i) in ignored for i in mine):
+                return  # told to leave them alone (by hand)
+            raise RuntimeError(
+                "moec: this layer runs inside DistributedDataParallel without "
+                "moec_torch.prepare_ddp(model) before DistributedDataParallel(model): DDP "
+                "treats each process's experts as replicas, so it copied rank 0's into "
+                "every process when it wrapped the model and would average different "
+                "experts' gradients; build the model again and call prepare_ddp first "
+                "(docs/torch.md, \"DistributedDataParallel around the layer\")")
 
     def _check_dropped(self):
         """Raises, once, for a submitted pass whose handle was dropped unwaited."""

@@ -77,10 +77,13 @@ def merged_ok(folder, model, ref, me, world, dtype, one_process, job):
     merged = moec_torch.merge_state_dicts(
         torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in range(world))
     want = ref.state_dict()
-    bad = [k for k in want if list(merged) != list(want) or (
-        not torch.allclose(merged[k], want[k], rtol=0,
-                           atol=TOLERANCE[dtype] * 0.1 * want[k].abs().max().item())
-        if isinstance(want[k], torch.Tensor) else merged[k] != want[k])]
+    if list(merged) != list(want):
+        print(f"rank {me}: FAILED: the merged state dict's keys {list(merged)}, the one-process "
+              f"model's {list(want)}", flush=True)
+        return False
+    bad = [k for k, v in want.items() if (
+        not torch.allclose(merged[k], v, rtol=0, atol=TOLERANCE[dtype] * 0.1 * v.abs().max().item())
+        if isinstance(v, torch.Tensor) else merged[k] != v)]
     whole = one_process()
     whole.load_state_dict(merged)
     bad += [f"{k} (one process)" for k, v in whole.state_dict().items()

@@ -236,6 +236,46 @@ def test_merge_state_dicts_of_processes():
     refused([], "give the state dicts")
     refused([shard(0), dict(shard(1), _extra_state=None)],
             "'_extra_state' is not a moec MoeFFN checkpoint's in every shard")
+    refused([shard(0), dict(shard(1), w2=whole["w2"])],
+            r"shard 1's 'w2' has shape \[4, 32, 64\]; its layout holds 2 experts")
+    wider = shard(1)
+    wider["_extra_state"] = dict(wider["_extra_state"], layout=dict(
+        wider["_extra_state"]["layout"], first_expert=1))
+    refused([shard(0), wider], "shard 1's 'w1' holds part of what another shard holds")
+
+
+def test_merge_state_dicts_of_tp_ranks():
+    """The shards of an [ep 2, tp 2] job (each process its experts' TP
+    slice of the intermediate columns: w1's gate and up columns, w2's rows,
+    and their main-grad buffers alike), cut here from a one-process layer
+    with the layer's own slicing, merge into that layer's state dict."""
+    torch.manual_seed(0)
+    a = moec_torch.MoeFFN(config(), ep=2, tp=2, threads=1, main_grad=True)
+    step(a, None, 1)
+    whole = a.state_dict()
+    extra, half, i = whole["_extra_state"], a.experts // 2, a.inter // 2
+
+    def cut(name, t, tp):  # what TP rank tp holds of experts' whole w1 or w2
+        if name == "w1":
+            return torch.cat((t[..., tp * i:(tp + 1) * i],
+                              t[..., a.inter + tp * i:a.inter + (tp + 1) * i]), -1)
+        return t[:, tp * i:(tp + 1) * i]
+
+    shards = []
+    for ep in range(2):
+        for tp in range(2):
+            rows = slice(ep * half, (ep + 1) * half)
+            shards.append({
+                "w1": cut("w1", whole["w1"][rows], tp), "w2": cut("w2", whole["w2"][rows], tp),
+                "_extra_state": dict(extra, layout=dict(
+                    extra["layout"], first_expert=ep * half, local_experts=half,
+                    columns=[tp * i, (tp + 1) * i]),
+                    main_grad={w: cut(w, g[rows], tp) for w, g in extra["main_grad"].items()})})
+    merged = moec_torch.merge_state_dicts(shards[::-1])
+    assert torch.equal(merged["w1"], whole["w1"]) and torch.equal(merged["w2"], whole["w2"])
+    for w in ("w1", "w2"):
+        assert torch.equal(merged["_extra_state"]["main_grad"][w], extra["main_grad"][w]), w
+    assert merged["_extra_state"]["layout"] == extra["layout"]
 
 
 def test_peft_layout_of_the_adapters(tmp_path):

@@ -44,6 +44,8 @@ The package's modules, by concept; their names are re-exported here:
     layer        MoeFFN
     capacity     capacity growth (capacity_policy)
     checkpoint   save_state; MoeFFN's state dict and its checks; merge_state_dicts
+    optimizer_state  an optimizer's state by parameter name: optimizer_state_dict,
+                 merge_optimizer_state_dicts, load_optimizer_state_dict
     ddp          prepare_ddp: expert-parallel layers inside DistributedDataParallel;
                  clip_grad_norm_ over the whole model's gradient;
                  split_parameters (replicated / each process's own)
@@ -58,6 +60,7 @@ cache._compiled): replace it there, not on the package.
 
 from . import adapters, checks, native, quant, reference, safetensors
 from . import _launch, autograd, cache, capacity, checkpoint, ddp, exchange, handles, layer
+from . import optimizer_state
 from ._launch import (_default_fabric, _distributed, _fabric, _fabric_args, _register_finalize,
                       _world_size, close_groups, finalize_mpi, launched_by_mpi,
                       launched_by_torchrun, load_library)
@@ -73,12 +76,16 @@ from .exchange import DispatchHandle, Exchange, _CombineFunction, _DispatchFunct
 from .handles import BackwardHandle, ForwardHandle, _Pending
 from .layer import _DTYPES, _NOT_PICKLED, MoeFFN, _matches
 from .native import compile, dump, load_trace, simulate_trace
+from .optimizer_state import (load_optimizer_state_dict, merge_optimizer_state_dicts,
+                              optimizer_state_dict)
 
 __all__ = ["BackwardHandle", "DispatchHandle", "Exchange", "ForwardHandle", "Gradients",
            "MoeFFN", "MoeFFNFunction", "checks", "clip_grad_norm_", "compile_graphs",
            "compile_layer",
            "close_groups", "dump", "finalize_mpi", "launched_by_mpi", "launched_by_torchrun",
-           "load_library", "load_trace", "merge_state_dicts", "native", "prepare_ddp",
+           "load_library", "load_optimizer_state_dict", "load_trace",
+           "merge_optimizer_state_dicts", "merge_state_dicts", "native",
+           "optimizer_state_dict", "prepare_ddp",
            "quant", "reference", "safetensors", "save_state", "simulate_trace",
            "split_parameters"]
 

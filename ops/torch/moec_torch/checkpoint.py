@@ -121,7 +121,7 @@ def check_state_dict(module, state_dict, prefix):
             raise ValueError(f"moec: '{prefix}{n}' is a {type(t).__name__}, not a tensor")
     extra = None
     if name in state_dict:
-        _check_layout(module, state_dict[name], prefix, state_dict)
+        check_layout(module, state_dict[name], prefix, state_dict)
         extra = state_dict[name]
     if strict:
         missing = [prefix + n for n in list(own) + ["_extra_state"]
@@ -151,7 +151,7 @@ def check_state_dict(module, state_dict, prefix):
             raise ValueError(f"moec: '{key}' is {t.dtype}; this layer's is {mine.dtype}")
 
 
-def _check_layout(module, extra, prefix, state_dict):
+def check_layout(module, extra, prefix, state_dict):
     """The checks of a checkpoint's extra state (its layout) against this
     layer; a checkpoint of more experts (or of the whole intermediate
     columns, loaded by one TP rank) is sliced in `state_dict` to this
@@ -251,20 +251,14 @@ def merge_state_dicts(shards):
               isinstance(shards[0][k], dict) and shards[0][k].get("format") == CHECKPOINT_FORMAT]
     out = {}
     for prefix in layers:
-        out.update(_merge_layer(prefix, [{k[len(prefix):]: v for k, v in s.items()
+        out.update(merge_layer(prefix, [{k[len(prefix):]: v for k, v in s.items()
                                           if k.startswith(prefix)} for s in shards]))
     for key in keys:
         if key in out or any(key.startswith(p) and "." not in key[len(p):] for p in layers):
             continue
         value = shards[0][key]
         for i, s in enumerate(shards[1:], 1):
-            other = s[key]
-            same = torch.equal(value, other) if isinstance(value, torch.Tensor) and \
-                isinstance(other, torch.Tensor) and value.shape == other.shape and \
-                value.dtype == other.dtype else \
-                (not isinstance(value, torch.Tensor) and not isinstance(other, torch.Tensor)
-                 and value == other)
-            if not same:
+            if not same_value(value, s[key]):
                 raise ValueError(f"moec: merge_state_dicts: '{key}' differs between shard 0 and "
                                  f"shard {i}: a tensor outside the layers is a replica, the same "
                                  "in every process (DDP keeps it so)")
@@ -272,14 +266,23 @@ def merge_state_dicts(shards):
     return {k: out[k] for k in keys}
 
 
-def _merge_layer(prefix, parts):
+def same_value(a, b):
+    """Whether two checkpoint values are the same: tensors of one shape and
+    dtype, equal; anything else equal, and neither a tensor."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
+
+
+def merge_layer(prefix, parts, label="merge_state_dicts"):
     """The whole layer's entries (names without `prefix`) from its shards'
-    entries `parts`."""
+    entries `parts` ({name: tensor of the shard's experts, "_extra_state":
+    the shard's extra state}); `label` begins the errors."""
     name = prefix + "_extra_state"
     layouts = [p["_extra_state"].get("layout") if isinstance(p["_extra_state"], dict) and
                p["_extra_state"].get("format") == CHECKPOINT_FORMAT else None for p in parts]
     if not all(isinstance(l, dict) for l in layouts):
-        raise ValueError(f"moec: merge_state_dicts: '{name}' is not a moec MoeFFN checkpoint's "
+        raise ValueError(f"moec: {label}: '{name}' is not a moec MoeFFN checkpoint's "
                          "in every shard")
     fixed = ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets", "lora_scaling",
              "main_grad", "weights_transposed", "weight_format")
@@ -287,7 +290,7 @@ def _merge_layer(prefix, parts):
     for i, layout in enumerate(layouts[1:], 1):
         for key in fixed:
             if layout.get(key) != first.get(key):
-                raise ValueError(f"moec: merge_state_dicts: '{name}': shard {i}'s {key} is "
+                raise ValueError(f"moec: {label}: '{name}': shard {i}'s {key} is "
                                  f"{layout.get(key)!r}, shard 0's {first.get(key)!r} (shards "
                                  "of different layers)")
     experts, inter = first["experts"], first["inter"]
@@ -301,7 +304,7 @@ def _merge_layer(prefix, parts):
         kind = kind if kind in ("w1", "w2") else None
         split = kind is not None and [c0, c1] != [0, inter]
         if t.shape[:1] != (n,):
-            raise ValueError(f"moec: merge_state_dicts: shard {shard}'s '{prefix}{param}' has "
+            raise ValueError(f"moec: {label}: shard {shard}'s '{prefix}{param}' has "
                              f"shape {list(t.shape)}; its layout holds {n} experts")
         if param not in whole:
             shape = list(t.shape)
@@ -321,16 +324,16 @@ def _merge_layer(prefix, parts):
             views = [(target[lo:lo + n], t)]
         for to, piece in views:
             if to.shape != piece.shape:
-                raise ValueError(f"moec: merge_state_dicts: shard {shard}'s '{prefix}{param}' "
+                raise ValueError(f"moec: {label}: shard {shard}'s '{prefix}{param}' "
                                  f"has shape {list(t.shape)}, not that of its layout's part")
         again = seen[lo:lo + n, c0:c1]
         if again.all():  # held by another shard too: a replica
             if not all(torch.equal(to, piece) for to, piece in views):
-                raise ValueError(f"moec: merge_state_dicts: '{prefix}{param}' differs between "
+                raise ValueError(f"moec: {label}: '{prefix}{param}' differs between "
                                  f"shards that hold the same experts ({lo}..{lo + n - 1})")
             return
         if again.any():
-            raise ValueError(f"moec: merge_state_dicts: shard {shard}'s '{prefix}{param}' "
+            raise ValueError(f"moec: {label}: shard {shard}'s '{prefix}{param}' "
                              "holds part of what another shard holds (shards of different "
                              "jobs?)")
         for to, piece in views:
@@ -352,7 +355,7 @@ def _merge_layer(prefix, parts):
     for param, seen in filled.items():
         if not seen.all():
             e = int((~seen).any(1).nonzero()[0])
-            raise ValueError(f"moec: merge_state_dicts: no shard holds expert {e} of "
+            raise ValueError(f"moec: {label}: no shard holds expert {e} of "
                              f"'{prefix}{param.split('.')[-1]}'")
     layout = dict(first, first_expert=0, local_experts=experts, columns=[0, inter])
     extra = {"format": CHECKPOINT_FORMAT, "layout": layout}

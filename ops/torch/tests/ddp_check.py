@@ -1,7 +1,7 @@
 """Run under torchrun (by test_torchrun.py) or mpirun (test_mpi.py): a
 model with a moec layer whose ranks are one per process, wrapped in
 torch.nn.parallel.DistributedDataParallel after moec_torch.prepare_ddp,
-trained for a few SGD steps (the second one's gradients clipped by
+trained for a few SGD steps with momentum (the second one's gradients clipped by
 moec_torch.clip_grad_norm_), against the same model in one process (the
 layer's ranks as threads) trained by autograd on the mean of the
 processes' losses, which is what DDP's averaged gradients stand for, and
@@ -22,7 +22,8 @@ Under mpirun the layer runs on moec's MPI fabric and torch.distributed
 Every process checks its dense parameters and its experts' (or adapters')
 slice against the one-process model's, and that DDP's construction left
 its experts as they were. With DIR, each process saves its state dict
-there, and merge_state_dicts of them is checked (merged_ok). Prints "rank
+and its optimizer's state there, and merge_state_dicts and
+merge_optimizer_state_dicts of them are checked (merged_ok). Prints "rank
 r: ddp ok"."""
 
 import math
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 import moec_torch
 
-H, E, K, S, STEPS, LR = 32, 8, 2, 16, 3, 0.5
+H, E, K, S, STEPS, LR, MOMENTUM = 32, 8, 2, 16, 3, 0.5, 0.9
 # The largest difference between a parameter's change and the one-process
 # model's, as a share of that change's largest value.
 TOLERANCE = {"fp32": 1e-4, "bf16": 0.1}
@@ -64,24 +65,30 @@ def trained(model):
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-def merged_ok(folder, model, ref, me, world, dtype, one_process, job):
-    """Each process saves its state dict (one file a process), and
-    merge_state_dicts makes the whole model's of them: the one-process
-    model's parameters (the steps' differences aside) and layout, which
-    loads into a one-process model and, each process its slice, into a new
-    model of this job's size."""
+def merged_ok(folder, model, opt, ref, ref_opt, me, world, dtype, one_process, job, optimizer):
+    """Each process saves its state dict and its optimizer's state by name
+    (one file a process), and merge_state_dicts and
+    merge_optimizer_state_dicts make the whole model's of them: the
+    one-process model's parameters and momentum (the steps' differences
+    aside) and layout, which load into a one-process model and, each
+    process its slice, into a new model of this job's size (`optimizer`
+    makes a model's optimizer as `opt` was made)."""
     # (Without the full case's alias of w1, which would read as a replica.)
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("alias.")}
-    moec_torch.save_state(state, f"{folder}/rank{me}.pt")
+    moec_torch.save_state({"model": state,
+                           "optimizer": moec_torch.optimizer_state_dict(model, opt)},
+                          f"{folder}/rank{me}.pt")
     dist.barrier()
-    merged = moec_torch.merge_state_dicts(
-        torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in range(world))
+    saved = [torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in range(world)]
+    merged = moec_torch.merge_state_dicts(s["model"] for s in saved)
+    bad = optimizer_merged_ok(model, opt, ref, ref_opt, dtype, one_process, job, optimizer,
+                              moec_torch.merge_optimizer_state_dicts(s["optimizer"] for s in saved))
     want = ref.state_dict()
     if list(merged) != list(want):
         print(f"rank {me}: FAILED: the merged state dict's keys {list(merged)}, the one-process "
               f"model's {list(want)}", flush=True)
         return False
-    bad = [k for k, v in want.items() if (
+    bad += [k for k, v in want.items() if (
         not torch.allclose(merged[k], v, rtol=0, atol=TOLERANCE[dtype] * 0.1 * v.abs().max().item())
         if isinstance(v, torch.Tensor) else merged[k] != v)]
     whole = one_process()
@@ -96,6 +103,36 @@ def merged_ok(folder, model, ref, me, world, dtype, one_process, job):
     if bad:
         print(f"rank {me}: FAILED: the merged state dict: {bad}", flush=True)
     return not bad
+
+
+def optimizer_merged_ok(model, opt, ref, ref_opt, dtype, one_process, job, optimizer, merged):
+    """The merged optimizer state: the one-process optimizer's momentum (of
+    the parameters `opt` steps), which loads into a one-process model's
+    optimizer as it is and into a new job's as each process's slice."""
+    bad = []
+    want = moec_torch.optimizer_state_dict(ref, ref_opt)["state"]
+    for name, values in merged["state"].items():
+        got, ref_value = values["momentum_buffer"], want[name]["momentum_buffer"]
+        scale = ref_value.abs().max().item()
+        if got.shape != ref_value.shape or scale == 0 or not torch.allclose(
+                got.float(), ref_value.float(), rtol=0, atol=TOLERANCE[dtype] * 0.1 * scale):
+            bad.append(f"momentum of {name}")
+    whole = one_process()
+    whole_opt = optimizer(whole)
+    moec_torch.load_optimizer_state_dict(whole, whole_opt, merged)
+    loaded = moec_torch.optimizer_state_dict(whole, whole_opt)
+    bad += [f"momentum of {n} (one process)" for n, v in merged["state"].items()
+            if not torch.equal(loaded["state"][n]["momentum_buffer"], v["momentum_buffer"])]
+    if loaded["layers"] != merged["layers"] or loaded["param_groups"] != merged["param_groups"]:
+        bad.append("the one-process optimizer's layout or groups")
+    again = job()  # collective
+    again_opt = optimizer(again)
+    moec_torch.load_optimizer_state_dict(again, again_opt, merged)
+    mine = moec_torch.optimizer_state_dict(model, opt)["state"]
+    loaded = moec_torch.optimizer_state_dict(again, again_opt)["state"]
+    bad += [f"momentum of {n} (this job again)" for n, v in mine.items()
+            if not torch.equal(loaded[n]["momentum_buffer"], v["momentum_buffer"])]
+    return bad
 
 
 def refusals(me, world):
@@ -238,11 +275,19 @@ def main():
         replicated, own = moec_torch.split_parameters(model)
         assert {id(p) for p in own} == {id(p) for p in layer.parameters()}
         assert len(replicated) + len(own) == len(list(model.parameters()))
-        opts = [ZeroRedundancyOptimizer(replicated, optimizer_class=torch.optim.SGD, lr=LR),
-                torch.optim.SGD(own, lr=LR)]
+        opts = [ZeroRedundancyOptimizer(replicated, optimizer_class=torch.optim.SGD, lr=LR,
+                                        momentum=MOMENTUM),
+                torch.optim.SGD(own, lr=LR, momentum=MOMENTUM)]
     else:
-        opts = [torch.optim.SGD([p for _, p in trained(model)], lr=LR)]
-    ref_opt = torch.optim.SGD([p for _, p in trained(ref)], lr=LR)
+        opts = [torch.optim.SGD([p for _, p in trained(model)], lr=LR, momentum=MOMENTUM)]
+    ref_opt = torch.optim.SGD([p for _, p in trained(ref)], lr=LR, momentum=MOMENTUM)
+
+    def optimizer(net):
+        """An optimizer of `net` as opts[-1] is of the model (under ZeRO:
+        of the layer's parameters, split_parameters' own)."""
+        own = list(net.moe.parameters()) if variant == "zero" else \
+            [p for _, p in trained(net)]
+        return torch.optim.SGD(own, lr=LR, momentum=MOMENTUM)
     gen = torch.Generator().manual_seed(7)
     for step in range(STEPS):
         x = torch.randn(shards, S, H, generator=gen)
@@ -297,11 +342,13 @@ def main():
     if bad:
         print(f"rank {me}: FAILED: {bad}", flush=True)
         return 1
-    if len(sys.argv) > 2 and not merged_ok(sys.argv[2], model, ref, me, world, dtype,
+    if len(sys.argv) > 2 and not merged_ok(sys.argv[2], model, opts[-1], ref, ref_opt, me,
+                                           world, dtype,
                                            lambda: Net(moec_torch.MoeFFN(
                                                cfg, ep, tp=tp, fabric="inproc", threads=1, **kw)),
                                            lambda: Net(moec_torch.MoeFFN(
-                                               cfg, group=group, tp=tp, threads=1, **kw))):
+                                               cfg, group=group, tp=tp, threads=1, **kw)),
+                                           optimizer):
         return 1
     print(f"rank {me}: ddp ok ({len(trained(model))} trained tensors, {len(ignored)} left to "
           f"moec; changes within {worst:.2g})", flush=True)

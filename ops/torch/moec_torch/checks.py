@@ -13,6 +13,8 @@ argument, the config key or the file:
                             CLI's --timeout
     dense(tensor, name)     a tensor input: strided, with storage (not
                             sparse, mkldnn, nested or meta)
+    autocast(tensor, dtype) an input as torch.autocast hands an op its
+                            inputs: in the dtype the op computes in
     output_path(path, ...)  a path to write: its folder exists, and it is
                             not the same file as one that is read
     target_file(target)     the profile file a target names, or None
@@ -169,6 +171,18 @@ def dense(tensor, name):
         raise ValueError(f"moec: {name} is a nested tensor; expected a dense one")
     if tensor.is_meta:
         raise RuntimeError(f"moec: '{name}' is on meta; the moec runtime runs on the CPU")
+    return tensor
+
+
+def autocast(tensor, dtype):
+    """`tensor` in `dtype` inside torch.autocast("cpu") where it is a
+    floating tensor autocast casts (fp32, bf16, fp16), as autocast casts the
+    inputs of torch's own ops (differentiably: its gradient comes back in
+    the tensor's dtype); outside autocast, as given (the op refuses another
+    dtype, naming it)."""
+    if torch.is_autocast_cpu_enabled() and tensor.dtype != dtype and \
+            tensor.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return tensor.to(dtype)
     return tensor
 
 

@@ -116,6 +116,8 @@ class Exchange:
         """-> (expert_x [rows, H], tokens_per_expert [P*L], handle)."""
         for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             checks.dense(t, name)
+        x, topk_weights = checks.autocast(x, self.dtype), checks.autocast(topk_weights,
+                                                                          torch.float32)
         squeeze = x.dim() == 2 and self.local_ranks == 1
         if squeeze:
             x, topk_ids, topk_weights = x.unsqueeze(0), topk_ids.unsqueeze(0), \
@@ -131,6 +133,7 @@ class Exchange:
         if handle.exchange is not self:
             raise ValueError("moec: the handle is another exchange's")
         checks.dense(expert_y, "expert_y")
+        expert_y = checks.autocast(expert_y, self.dtype)
         y = _CombineFunction.apply(self.runtime, handle.route, handle.topk_ids, expert_y,
                                    handle.topk_weights)
         return y.squeeze(0) if handle.squeeze else y

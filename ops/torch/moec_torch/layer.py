@@ -86,7 +86,11 @@ class MoeFFN(torch.nn.Module):
 
     Tensors (x, topk_ids, topk_weights, dy, the weights and adapters) must
     be dense: a sparse, mkldnn or nested tensor raises ValueError naming it
-    and its layout, a meta tensor RuntimeError, before any work.
+    and its layout, a meta tensor RuntimeError, before any work. x must be
+    in the layer's dtype and topk_weights float32 (another dtype raises,
+    naming it), except inside torch.autocast("cpu"), which casts them to
+    those as it casts the inputs of torch's own ops (y is in the layer's
+    dtype; x's gradient comes back in x's).
 
     config: a dict, or the path of a regular file of at most 1 MiB; both go
     through checks.read_config (numpy scalars become numbers; non-finite
@@ -657,6 +661,8 @@ class MoeFFN(torch.nn.Module):
         self._check_dropped()
         self._check_ddp()
         self._check_dense(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+        x, topk_weights = checks.autocast(x, self.dtype), checks.autocast(topk_weights,
+                                                                          torch.float32)
         squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
         self._check_inputs(x, topk_weights)
         while True:
@@ -684,6 +690,8 @@ class MoeFFN(torch.nn.Module):
         self._check_dropped()
         self._check_ddp()
         self._check_dense(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+        x, topk_weights = checks.autocast(x, self.dtype), checks.autocast(topk_weights,
+                                                                          torch.float32)
         squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
         self._check_inputs(x, topk_weights)
         with torch.no_grad():

@@ -294,6 +294,67 @@ def test_error_wrong_dtype(tiny):
         tiny(x, ids.float(), weights)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_autocast_casts_the_inputs_as_torch_ops_do(dtype):
+    """Inside torch.autocast("cpu", bfloat16): x of another floating dtype
+    and bf16 topk_weights (a router's Linear under autocast gives them) are
+    cast to the layer's dtype and float32; y and every gradient bitwise
+    those of the same layer on inputs cast by hand, x's gradient back in
+    x's dtype. Outside autocast nothing is cast (test_error_wrong_dtype)."""
+    torch.manual_seed(0)
+    layer = moec_torch.MoeFFN(config(dtype=dtype), ranks=2, threads=1)
+    x, ids, weights, dy = inputs(layer, 3)
+    given = x.to(torch.float32 if dtype == "bf16" else torch.bfloat16)
+    runs = []
+    for autocast in (True, False):
+        a, w = given.clone().requires_grad_(), weights.bfloat16().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(a, ids, w) if autocast else layer(a.to(layer.dtype), ids, w.float())
+        assert y.dtype == layer.dtype
+        y.backward(dy)
+        assert a.grad.dtype == given.dtype and w.grad.dtype == torch.bfloat16
+        runs.append([y, a.grad, w.grad, layer.w1.grad, layer.w2.grad])
+        layer.zero_grad(set_to_none=True)
+    for name, got, want in zip(("y", "dx", "dtopk_weights", "dw1", "dw2"), *runs):
+        assert torch.equal(got, want), name
+    ex = moec_torch.Exchange(config(dtype=dtype), ranks=2, threads=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows, counts, handle = ex.dispatch(given, ids, weights.bfloat16())
+        assert rows.dtype == ex.dtype
+        y = ex.combine(rows.to(given.dtype), handle)
+    want_rows, _, want_handle = ex.dispatch(given.to(ex.dtype), ids, weights.bfloat16().float())
+    assert torch.equal(rows, want_rows)
+    assert torch.equal(y, ex.combine(want_rows, want_handle))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_gives_the_same_gradients(reentrant):
+    """A router and the layer inside torch.utils.checkpoint (as Hugging
+    Face's gradient_checkpointing_enable() wraps each decoder layer): the
+    forward runs again inside backward, and every gradient is bitwise the
+    plain run's, two steps in a row."""
+    import torch.utils.checkpoint as cp
+    torch.manual_seed(0)
+    layer = moec_torch.MoeFFN(config(), ranks=2, threads=1)
+    router = torch.nn.Linear(layer.hidden, layer.experts)
+    x = inputs(layer, 5)[0].requires_grad_()
+
+    def block(x):
+        weights, ids = router(x).softmax(-1).topk(layer.top_k)
+        return layer(x, ids, weights)
+
+    runs = []
+    for checkpointed in (False, True):
+        for _ in range(2):
+            y = cp.checkpoint(block, x, use_reentrant=reentrant) if checkpointed else block(x)
+            y.square().sum().backward()
+        runs.append([t.grad.clone() for t in (x, router.weight, layer.w1, layer.w2)])
+        for t in (x, router.weight, router.bias, layer.w1, layer.w2):
+            t.grad = None
+    for name, got, want in zip(("x", "router", "w1", "w2"), *runs):
+        assert torch.equal(got, want), name
+
+
 def test_error_wrong_device(tiny):
     x, ids, weights = good(tiny)
     with pytest.raises(RuntimeError, match="'x' is on meta; the moec runtime runs on the CPU"):

@@ -8,6 +8,7 @@ torch.distributed's world group (gloo): moec's process-group fabric.
     layer idle longer than its group's timeout;
   - DistributedDataParallel around a model with the layer (prepare_ddp,
     ddp_check.py), also with two EP groups inside data parallelism;
+  - activation checkpointing around the layer (checkpointing_check.py);
   - dispatch and combine as ops of their own (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py): bitwise the one-process
     run after 4 steps (also in DistributedDataParallel), and the loss falls; a patched Hugging Face-structured
@@ -109,6 +110,17 @@ def test_ddp_around_the_layer_under_torchrun(variant, ranks, tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(ranks):
         assert f"rank {r}: ddp ok" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+def test_activation_checkpointing_under_torchrun(ddp):
+    """torch.utils.checkpoint (reentrant and not) around the router and the
+    layer, bare and inside DDP after prepare_ddp: the gradients bitwise the
+    plain run's (checkpointing_check.py)."""
+    run = torchrun(2, HERE / "checkpointing_check.py", *(["ddp"] if ddp else []))
+    assert run.returncode == 0, run.stdout + run.stderr
+    for r in range(2):
+        assert f"rank {r}: checkpointing ok" in run.stdout, run.stdout
 
 
 def test_layer_idle_longer_than_the_group_timeout():

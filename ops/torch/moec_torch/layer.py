@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import warnings
 
 import torch
 
@@ -944,6 +945,40 @@ class MoeFFN(torch.nn.Module):
                 + (", weights_transposed=True" if self.weights_transposed else "")
                 + (f", weight_format={self.weight_format}" if self.weight_format else "")
                 + (f", pack_weights={self.pack_weights!r}" if self.pack_weights else ""))
+
+    def _apply(self, fn):
+        """nn.Module's conversions (.to(), .float(), .bfloat16(), .half(), a
+        model's of its submodules) over the layer's tensors, which keep
+        their dtypes: the layer's binaries are compiled for its dtype, and a
+        quantized layer's scales are float32 in any dtype. A conversion that
+        would change the layer's dtype (model.to(torch.bfloat16) around an
+        fp32 layer) leaves it and warns once; one off the CPU is refused
+        before any of its tensors moves (the runtime runs on the CPU)."""
+        made = {}  # dtype -> what fn makes of a tensor of it
+
+        def probe(dtype):
+            if dtype not in made:
+                made[dtype] = fn(torch.zeros((), dtype=dtype))
+            return made[dtype]
+
+        tensors = [t for t in (*self._parameters.values(), *self._buffers.values())
+                   if t is not None]
+        for t in tensors:
+            if probe(t.dtype).device.type != "cpu":
+                raise RuntimeError(
+                    f"moec: a MoeFFN layer cannot move to {probe(t.dtype).device}: the moec "
+                    "runtime runs on the CPU (its tensors stay there)")
+        asked = probe(self.dtype).dtype
+        if asked != self.dtype and not getattr(self, "_warned_dtype", False):
+            self._warned_dtype = True
+            warnings.warn(
+                f"moec: the MoeFFN layer stays {self.dtype} ({asked} asked): its binaries are "
+                f"compiled for {self.dtype}, and it keeps its tensors' dtypes. For another "
+                "dtype make "
+                "the layer with the config's \"dtype\" (MoeFFN(config, ...), then "
+                "load_state_dict); patch_model(model, dtype=...) for a Hugging Face model",
+                stacklevel=3)
+        return super()._apply(lambda t: fn(t) if probe(t.dtype).dtype == t.dtype else t)
 
     # A layer owns a runtime (compiled binaries, worker threads, under MPI a
     # place in a collective order) that cannot be copied or pickled; its

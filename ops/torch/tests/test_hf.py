@@ -229,6 +229,33 @@ def test_bf16(family, layout):
             assert err_of(a, b16) <= 3e-2 * scale_of(b16), what  # the same routing
 
 
+def test_a_patched_model_cast_to_bf16_keeps_its_fp32_experts():
+    """model.to(torch.bfloat16) after patch_model with fp32 experts (as
+    Trainer's bf16_full_eval does): the rest of the model is bf16, the
+    experts stay fp32 (one warning), and the model runs: its logits those
+    of the unpatched model whose experts alone stay fp32."""
+    ref = make_model("qwen3_moe", "fused")
+    model = copy.deepcopy(ref)
+    mhf.patch_model(model, ranks=2, threads=1)
+    with pytest.warns(UserWarning, match="the MoeFFN layer stays torch.float32"):
+        model.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    for block in [m for m in ref.modules() if type(m).__name__.endswith("SparseMoeBlock")]:
+        block.experts.float()
+        forward = block.experts.forward  # fp32 experts on the bf16 stream, cast as moec's
+
+        def cast(hidden, *rest, forward=forward):
+            return forward(hidden.float(), *rest).to(hidden.dtype)
+        block.experts.forward = cast
+    layer = next(m for m in model.modules() if isinstance(m, moec_torch.MoeFFN))
+    assert layer.w1.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    ids = tokens()
+    got, want = model(ids).logits, ref(ids).logits
+    assert got.dtype == torch.bfloat16
+    close(got.float(), want.float(), 1e-2, "logits")
+
+
 def test_any_batch_shape_and_size():
     """One process, 3 ranks: batches of 1, 5 and 40 tokens, [T, H] blocks
     fed directly, and the same model after a batch of another size."""

@@ -355,6 +355,48 @@ def test_activation_checkpointing_gives_the_same_gradients(reentrant):
         assert torch.equal(got, want), name
 
 
+def test_module_conversions_keep_the_layers_dtype():
+    """model.to(torch.bfloat16), .half(), .double() around an fp32 layer
+    convert the rest of the model; the layer keeps its dtype and values
+    (its binaries are fp32), warns once and runs as before; a move off the
+    CPU is refused, naming the device; conversions to its own dtype are
+    quiet. A quantized layer's float32 scales stay float32
+    (test_quant.py); a patched Hugging Face model (test_hf.py)."""
+    import warnings
+    torch.manual_seed(0)
+    layer = moec_torch.MoeFFN(config(), ranks=2, threads=1)
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(layer.hidden, layer.hidden),
+                                 "moe": layer})
+    x, ids, weights = inputs(layer, 2)[:3]
+    before = {n: t.clone() for n, t in layer.state_dict().items() if torch.is_tensor(t)}
+    y = layer(x, ids, weights)
+    with pytest.warns(UserWarning, match=r"the MoeFFN layer stays torch.float32 "
+                      r"\(torch.bfloat16 asked\)"):
+        model.to(torch.bfloat16)
+    assert model["proj"].weight.dtype == torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: no second warning
+        model.half()
+        model.double()
+        model.float()
+    assert model["proj"].weight.dtype == torch.float32
+    for n, t in layer.state_dict().items():
+        if torch.is_tensor(t):
+            assert t.dtype == before[n].dtype and torch.equal(t, before[n]), n
+    assert torch.equal(layer(x, ids, weights), y)
+    with pytest.raises(RuntimeError, match="a MoeFFN layer cannot move to meta: the moec "
+                       "runtime runs on the CPU"):
+        layer.to("meta")
+    assert not layer.w1.is_meta and torch.equal(layer.w1, before["w1"])
+    quiet = moec_torch.MoeFFN(config(), ranks=2, threads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.to(torch.float32)
+        quiet.float()
+        quiet.to("cpu")
+        quiet.share_memory()
+
+
 def test_error_wrong_device(tiny):
     x, ids, weights = good(tiny)
     with pytest.raises(RuntimeError, match="'x' is on meta; the moec runtime runs on the CPU"):

@@ -215,3 +215,28 @@ def test_a_grown_fp8_layer_keeps_its_format():
     want, _, _, _ = reference_step(layer, x, ids, weights, dy)
     assert rel_err(y, want) < FP32_TOL
     assert layer.info()["weight_format"] == 1 and layer.info()["weights_transposed"] == 1
+
+
+@pytest.mark.parametrize("weight_format", ["fp8_block128", "int4_g64_zp"])
+def test_model_to_keeps_the_codes_and_float32_scales(weight_format):
+    """model.to(torch.bfloat16) around a bf16 quantized layer (as after
+    loading a checkpoint in bf16) would cast its float32 scales to bf16:
+    the layer keeps them, and its codes, quietly (its dtype is bf16
+    already); the outputs are unchanged."""
+    import warnings
+    torch.manual_seed(1)
+    layer = moec_torch.MoeFFN(fp8_config("bf16"), ranks=2, threads=1, frozen=True,
+                              weight_format=weight_format)
+    x, ids, weights = inputs(layer, 3)[:3]
+    y = layer(x, ids, weights)
+    before = {n: t.clone() for n, t in layer.state_dict().items() if torch.is_tensor(t)}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), layer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.to(torch.bfloat16)
+    assert model[0].weight.dtype == torch.bfloat16
+    assert layer.w1_scale.dtype == torch.float32
+    for n, t in layer.state_dict().items():
+        if torch.is_tensor(t):
+            assert t.dtype == before[n].dtype and torch.equal(t, before[n]), n
+    assert torch.equal(layer(x, ids, weights), y)

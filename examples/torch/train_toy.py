@@ -30,10 +30,17 @@ the ranks' gradients. So the same script runs:
     the dense gradients over the processes, each process taking the mean
     loss of its own tokens; the same parameters again (bitwise with 2
     ranks under torchrun).
+  - --checkpoint DIR writes each process's model and optimizer state after
+    the steps (DIR/rankN.pt); --resume DIR continues a run from one, merged
+    (moec_torch.merge_state_dicts, merge_optimizer_state_dicts) and loaded
+    as this run holds it: a run of 2 processes resumed in one process, or
+    the other way round, goes on as if uninterrupted (bitwise with 2 ranks
+    and --torch-threads 1). --steps counts from the start of the run.
 
     examples/torch/train_toy.py [--steps N] [--ranks R] [--dtype fp32|bf16]
                                 [--threads N] [--torch-threads N] [--seed S]
-                                [--ddp] [--save FILE]
+                                [--ddp] [--save FILE] [--checkpoint DIR]
+                                [--resume DIR]
 
 Run from a checkout after `bazel build //tools:moec //ops/torch:moec_torch.so`
 (examples/torch/train_toy.sh does both; examples/torch/train_toy_torchrun.sh
@@ -105,13 +112,16 @@ def make_task(features, clusters, seed):
 
 
 def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out=print,
-          fabric=None, save=None, ddp=False):
-    """Trains and returns the losses, one per step (one rank per process:
-    of all ranks).
+          fabric=None, save=None, ddp=False, checkpoint=None, resume=None):
+    """Trains and returns the losses, one per step trained (one rank per
+    process: of all ranks).
     With `save`, writes the parameters (this process's) to that file. With
     `ddp` (a rank per process), the model is wrapped in
     DistributedDataParallel after moec_torch.prepare_ddp, and each process
-    takes the mean loss of its own tokens."""
+    takes the mean loss of its own tokens. With `resume` (a folder
+    `checkpoint` wrote, by a run of any launcher), the run goes on from the
+    step it stopped at; with `checkpoint`, this process's model and
+    optimizer state go to that folder after the last step."""
     torch.manual_seed(seed)
     features = 16
     model = ToyModel(ranks, dtype, features, threads, fabric)
@@ -134,11 +144,14 @@ def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out
         run = torch.nn.parallel.DistributedDataParallel(model)
     batch = make_task(features, clusters=8, seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    first = resumed(model, opt, resume) if resume else 0
     losses = []
     start = time.perf_counter()
     for step in range(steps):
         # Every process draws the whole batch and keeps its ranks' share.
         x, target = batch((ranks, moe.tokens))
+        if step < first:
+            continue  # trained before the checkpoint: the data goes on from there
         x, target = x[mine], target[mine]
         pred = run(x)
         if run is not model:
@@ -162,17 +175,40 @@ def train(steps=150, ranks=2, dtype="fp32", threads=0, seed=0, log_every=10, out
         losses.append(total.item())
         if step % log_every == 0 or step == steps - 1:
             out(f"step {step:4d}  loss {losses[-1]:.4f}")
-    out(f"{steps} steps in {time.perf_counter() - start:.2f} s "
+    out(f"{steps - first} steps in {time.perf_counter() - start:.2f} s "
         f"({moe.ranks} ranks{', one per process' if spread else ''}"
         f"{', in DistributedDataParallel' if run is not model else ''}, {moe.experts} experts, "
         f"top-{moe.top_k}, {moe.w1.dtype})")
     if save:
         moec_torch.save_state({n: p.detach().clone() for n, p in model.named_parameters()}, save)
+    if checkpoint:
+        moec_torch.save_state({"step": steps, "model": model.state_dict(),
+                               "optimizer": moec_torch.optimizer_state_dict(model, opt)},
+                              Path(checkpoint) / f"rank{moe.first_rank if spread else 0}.pt")
+        out(f"checkpoint of step {steps}: {checkpoint}")
     if spread:
         if moe.fabric == "group":
             moec_torch.close_groups()  # before the group it runs over goes
         dist.destroy_process_group()
     return losses
+
+
+def resumed(model, opt, folder):
+    """Loads the checkpoint the processes of a run wrote to `folder`
+    (rankN.pt, one a process; one file from a run in one process) into
+    `model` and `opt`, each process its part; returns its step."""
+    files = sorted(Path(folder).glob("rank*.pt"))
+    if not files:
+        raise SystemExit(f"train_toy: --resume {folder}: no rankN.pt checkpoint files there")
+    shards = [torch.load(f, weights_only=True) for f in files]
+    steps = {s["step"] for s in shards}
+    if len(steps) != 1:
+        raise SystemExit(f"train_toy: --resume {folder}: the files are of different steps "
+                         f"{sorted(steps)}")
+    model.load_state_dict(moec_torch.merge_state_dicts(s["model"] for s in shards))
+    moec_torch.load_optimizer_state_dict(
+        model, opt, moec_torch.merge_optimizer_state_dicts(s["optimizer"] for s in shards))
+    return steps.pop()
 
 
 def main():
@@ -193,6 +229,12 @@ def main():
                         "gradients by hand")
     p.add_argument("--save", help="write the parameters after training to this file "
                                   "(one rank per process: FILE.rankN)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="write the model's and the optimizer's state after the last step "
+                        "to DIR/rankN.pt (one file a process)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="go on from the checkpoint in DIR (written by --checkpoint, by a run "
+                        "in one process or one of a rank per process) to --steps")
     args = p.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -209,11 +251,17 @@ def main():
     save = f"{args.save}.rank{rank}" if args.save and spread else args.save
     # One rank per process: every process trains; only rank 0 prints.
     out = print if rank == 0 else (lambda line: None)
+    if args.checkpoint:
+        Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
     losses = train(args.steps, args.ranks, args.dtype, args.threads, args.seed, out=out,
-                   fabric=fabric, save=save, ddp=args.ddp)
+                   fabric=fabric, save=save, ddp=args.ddp, checkpoint=args.checkpoint,
+                   resume=args.resume)
+    if not losses:
+        out("no steps left to train")
+        return 0
     first, last = losses[0], sum(losses[-5:]) / len(losses[-5:])
     out(f"loss {first:.4f} -> {last:.4f} (mean of the last 5 steps)")
-    if args.steps >= 50 and not last < 0.5 * first:
+    if len(losses) >= 50 and not last < 0.5 * first:
         print("train_toy: the loss did not fall to under half its first value", file=sys.stderr)
         return 1
     return 0

@@ -3,7 +3,8 @@
 # process: mpirun -np R (default 2), moec's MPI fabric for the MoE layer and
 # torch.distributed (gloo, over loopback) for the dense gradients. Arguments
 # go to train_toy.py (--steps, --dtype, --threads, --torch-threads, --seed,
-# --save). RANKS=4 changes the number of processes.
+# --save, --ddp, --checkpoint DIR, --resume DIR). RANKS=4 changes the number
+# of processes.
 case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."

@@ -3,8 +3,8 @@
 # process, started by torchrun --nproc_per_node R (default 2): the MoE
 # layer runs over torch.distributed's world group (gloo), which also sums
 # the dense gradients. Arguments go to train_toy.py (--steps, --dtype,
-# --threads, --torch-threads, --seed, --save). RANKS=4 changes the number
-# of processes.
+# --threads, --torch-threads, --seed, --save, --ddp, --checkpoint DIR,
+# --resume DIR). RANKS=4 changes the number of processes.
 #
 # Debian's torchrun (PyTorch 1.13 on Python 3.11) stops at once, in to_map
 # ("'NoneType' object has no attribute 'get'"), unless --tee and

@@ -11,7 +11,8 @@ torch.distributed's world group (gloo): moec's process-group fabric.
   - activation checkpointing around the layer (checkpointing_check.py);
   - dispatch and combine as ops of their own (mpi_exchange_check.py);
   - the toy training (examples/torch/train_toy.py): bitwise the one-process
-    run after 4 steps (also in DistributedDataParallel), and the loss falls; a patched Hugging Face-structured
+    run after 4 steps (also in DistributedDataParallel, and resumed from a
+    checkpoint by another launcher), and the loss falls; a patched Hugging Face-structured
     model (mpi_hf_check.py) and the fine-tuning example
     (examples/hf/finetune.py);
   - faults: a put lost on its way (every rank raises, rank 0 reports every
@@ -167,6 +168,36 @@ def test_toy_training_in_ddp_under_torchrun_matches_one_process(tmp_path):
                    "1", "--ddp", "--save", tmp_path / "ddp.pt")
     assert "in DistributedDataParallel" in run.stdout, run.stdout + run.stderr
     check_toy(want, run, tmp_path / "ddp.pt", 2)
+
+
+def test_toy_training_resumed_by_another_launcher_goes_on_as_uninterrupted(tmp_path):
+    """A checkpoint (--checkpoint: each process's model and optimizer state
+    by name) of 2 steps under torchrun, each process its experts and Adam
+    moments, resumed (--resume: merged, then loaded) in one process for 2
+    more; and one of a one-process run resumed under torchrun, in DDP:
+    either way the parameters after 4 steps are bitwise those of the
+    uninterrupted one-process run."""
+    want = one_process_toy(tmp_path)
+    common = ["--ranks", "2", "--threads", "1", "--torch-threads", "1"]
+    run = torchrun(2, TOY, "--steps", "2", *common, "--checkpoint", tmp_path / "ck")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(f.name for f in (tmp_path / "ck").iterdir()) == ["rank0.pt", "rank1.pt"]
+    one = subprocess.run([sys.executable, str(TOY), "--steps", "4", *common, "--fabric",
+                          "inproc", "--resume", str(tmp_path / "ck"), "--save",
+                          str(tmp_path / "resumed.pt")],
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert "2 steps in" in one.stdout, one.stdout
+    got = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    one = subprocess.run([sys.executable, str(TOY), "--steps", "2", *common, "--fabric",
+                          "inproc", "--checkpoint", str(tmp_path / "ck1")],
+                         capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0, one.stdout + one.stderr
+    run = torchrun(2, TOY, "--steps", "4", *common, "--ddp", "--resume", tmp_path / "ck1",
+                   "--save", tmp_path / "group.pt")
+    check_toy(want, run, tmp_path / "group.pt", 2)
 
 
 def test_toy_training_loss_falls_under_torchrun():

@@ -974,9 +974,8 @@ class MoeFFN(torch.nn.Module):
             warnings.warn(
                 f"moec: the MoeFFN layer stays {self.dtype} ({asked} asked): its binaries are "
                 f"compiled for {self.dtype}, and it keeps its tensors' dtypes. For another "
-                "dtype make "
-                "the layer with the config's \"dtype\" (MoeFFN(config, ...), then "
-                "load_state_dict); patch_model(model, dtype=...) for a Hugging Face model",
+                "dtype make the layer with the config's \"dtype\" (MoeFFN(config, ...), "
+                "then load_state_dict); patch_model(model, dtype=...) for a Hugging Face model",
                 stacklevel=3)
         return super()._apply(lambda t: fn(t) if probe(t.dtype).dtype == t.dtype else t)
 

@@ -151,19 +151,20 @@ def check_state_dict(module, state_dict, prefix):
             raise ValueError(f"moec: '{key}' is {t.dtype}; this layer's is {mine.dtype}")
 
 
-def check_layout(module, extra, prefix, state_dict):
+def check_layout(module, extra, prefix, state_dict, what=None):
     """The checks of a checkpoint's extra state (its layout) against this
     layer; a checkpoint of more experts (or of the whole intermediate
     columns, loaded by one TP rank) is sliced in `state_dict` to this
-    process's part."""
-    name = prefix + "_extra_state"
+    process's part. `what` names the layout in errors (default: its key,
+    prefix + "_extra_state")."""
+    name = what or f"'{prefix}_extra_state'"
     if not isinstance(extra, dict) or extra.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"moec: '{name}' is not a moec MoeFFN checkpoint's")
+        raise ValueError(f"moec: {name} is not a moec MoeFFN checkpoint's")
     layout = extra.get("layout")
     keys = ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets",
             "lora_scaling", "first_expert", "local_experts")
     if not isinstance(layout, dict) or any(k not in layout for k in keys):
-        raise ValueError(f"moec: '{name}' is not a moec MoeFFN checkpoint's: its layout "
+        raise ValueError(f"moec: {name} is not a moec MoeFFN checkpoint's: its layout "
                          f"lacks {[k for k in keys if k not in (layout or {})]}")
     theirs, mine = dict(layout), layout_of(module)
     theirs.setdefault("weights_transposed", False)
@@ -180,10 +181,10 @@ def check_layout(module, extra, prefix, state_dict):
                          "none (main_grad=False)")
     if grads is not None and not (isinstance(grads, dict) and all(
             isinstance(grads.get(w), torch.Tensor) for w in ("w1", "w2"))):
-        raise ValueError(f"moec: '{name}': its main_grad is not a dict of tensors w1 and w2")
+        raise ValueError(f"moec: {name}: its main_grad is not a dict of tensors w1 and w2")
     lo, n = theirs["first_expert"], theirs["local_experts"]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, n)):
-        raise ValueError(f"moec: '{name}': its first_expert and local_experts are not "
+        raise ValueError(f"moec: {name}: its first_expert and local_experts are not "
                          f"integers: {lo!r}, {n!r}")
     first, count = mine["first_expert"], mine["local_experts"]
     if not (lo <= first and first + count <= lo + n):
@@ -217,7 +218,7 @@ def check_layout(module, extra, prefix, state_dict):
         if prefix + param in state_dict:
             state_dict[prefix + param] = keep(param, state_dict[prefix + param])
     if grads is not None:
-        state_dict[name] = dict(extra, main_grad={k: keep(k, v) for k, v in grads.items()})
+        state_dict[prefix + "_extra_state"] = dict(extra, main_grad={k: keep(k, v) for k, v in grads.items()})
 
 
 def merge_state_dicts(shards):
@@ -274,15 +275,17 @@ def same_value(a, b):
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
 
 
-def merge_layer(prefix, parts, label="merge_state_dicts"):
+def merge_layer(prefix, parts, label="merge_state_dicts", what=None):
     """The whole layer's entries (names without `prefix`) from its shards'
     entries `parts` ({name: tensor of the shard's experts, "_extra_state":
-    the shard's extra state}); `label` begins the errors."""
-    name = prefix + "_extra_state"
+    the shard's extra state}); `label` begins the errors, and `what` names
+    the layout in them (default: its key, prefix + "_extra_state")."""
+    entry = prefix + "_extra_state"
+    name = what or f"'{entry}'"
     layouts = [p["_extra_state"].get("layout") if isinstance(p["_extra_state"], dict) and
                p["_extra_state"].get("format") == CHECKPOINT_FORMAT else None for p in parts]
     if not all(isinstance(l, dict) for l in layouts):
-        raise ValueError(f"moec: {label}: '{name}' is not a moec MoeFFN checkpoint's "
+        raise ValueError(f"moec: {label}: {name} is not a moec MoeFFN checkpoint's "
                          "in every shard")
     fixed = ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets", "lora_scaling",
              "main_grad", "weights_transposed", "weight_format")
@@ -290,7 +293,7 @@ def merge_layer(prefix, parts, label="merge_state_dicts"):
     for i, layout in enumerate(layouts[1:], 1):
         for key in fixed:
             if layout.get(key) != first.get(key):
-                raise ValueError(f"moec: {label}: '{name}': shard {i}'s {key} is "
+                raise ValueError(f"moec: {label}: {name}: shard {i}'s {key} is "
                                  f"{layout.get(key)!r}, shard 0's {first.get(key)!r} (shards "
                                  "of different layers)")
     experts, inter = first["experts"], first["inter"]
@@ -362,5 +365,5 @@ def merge_layer(prefix, parts, label="merge_state_dicts"):
     if grads:
         extra["main_grad"] = grads
     out = {prefix + p: t for p, t in whole.items() if not p.startswith("main_grad.")}
-    out[name] = extra
+    out[entry] = extra
     return out

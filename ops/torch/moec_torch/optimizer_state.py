@@ -154,7 +154,9 @@ def merge_optimizer_state_dicts(shards):
         keys = list(dict.fromkeys(k for s in shards for n in own for k in s["state"].get(n, {})))
         extra = [{"format": checkpoint.CHECKPOINT_FORMAT, "layout": s["layers"][prefix]}
                  for s in shards]
-        whole = checkpoint.merge_layer(prefix, [{"_extra_state": e} for e in extra], label)
+        what = f"the layout of layer '{prefix}'"
+        whole = checkpoint.merge_layer(prefix, [{"_extra_state": e} for e in extra], label,
+                                       what)
         merged_layouts[prefix] = whole[prefix + "_extra_state"]["layout"]
         for key in keys:
             parts = [{"_extra_state": e} for e in extra]
@@ -169,7 +171,7 @@ def merge_optimizer_state_dicts(shards):
                                      f"{odd}")
                 for part, s in zip(parts, shards):
                     part[n[len(prefix):]] = s["state"][n][key]
-            merged = checkpoint.merge_layer(prefix, parts, f"{label} (state '{key}')")
+            merged = checkpoint.merge_layer(prefix, parts, f"{label} (state '{key}')", what)
             for n in own:
                 if n in merged:
                     state[n][key] = merged[n]
@@ -259,7 +261,8 @@ def load_optimizer_state_dict(model, optimizer, state):
             fake = {n: loaded[n][key] for n in own
                     if key in loaded[n] and isinstance(loaded[n][key], torch.Tensor) and
                     list(loaded[n][key].shape) == state["shapes"].get(n)}
-            checkpoint.check_layout(layer, extra, prefix, fake)  # slices in `fake`
+            checkpoint.check_layout(layer, extra, prefix, fake,  # slices in `fake`
+                                    f"the layout of layer '{prefix}'")
             for n, t in fake.items():
                 loaded[n][key] = t
     for n, values in loaded.items():

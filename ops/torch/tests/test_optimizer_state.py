@@ -197,7 +197,10 @@ def test_refusals_name_what_is_wrong_and_leave_the_optimizer_alone():
                   "shape in shard 0, not in shard 1")
     other = cut(whole, 0, 2)
     other["layers"]["moe."] = dict(other["layers"]["moe."], hidden=32)
-    merge_refused([other, shards[1]], "shard 1's hidden is 64, shard 0's 32")
+    merge_refused([other, shards[1]], "the layout of layer 'moe.': shard 1's hidden is 64, "
+                  "shard 0's 32")
+    bad = dict(whole, layers={"moe.": dict(whole["layers"]["moe."])})
+    bad["layers"]["moe."].pop("local_experts")
 
     before = opt.state_dict()
     before = {i: {k: v.clone() for k, v in s.items()} for i, s in before["state"].items()}
@@ -222,6 +225,8 @@ def test_refusals_name_what_is_wrong_and_leave_the_optimizer_alone():
     load_refused(wide, r"state 'momentum_buffer' of 'inp.weight' has shape \[64, 32\]; the "
                  r"parameter's is \[64, 64\]")
     load_refused(dict(whole, layers={}), "the state has no layout of layer 'moe.'")
+    load_refused(bad, r"the layout of layer 'moe.' is not a moec MoeFFN checkpoint's: its "
+                 r"layout lacks \['local_experts'\]")
     lora = make("lora", 0)
     lora_opt = optimizer(lora, "sgd")
     step(lora, lora_opt, 1)

@@ -287,6 +287,16 @@ def merge_layer(prefix, parts, label="merge_state_dicts", what=None):
     if not all(isinstance(l, dict) for l in layouts):
         raise ValueError(f"moec: {label}: {name} is not a moec MoeFFN checkpoint's "
                          "in every shard")
+    for i, layout in enumerate(layouts):
+        columns = layout.get("columns", [0, layout.get("inter")])
+        lacks = [k for k in ("experts", "inter", "first_expert", "local_experts")
+                 if not isinstance(layout.get(k), int) or isinstance(layout.get(k), bool)]
+        if not (isinstance(columns, list) and len(columns) == 2 and
+                all(isinstance(c, int) for c in columns)):
+            lacks.append("columns")
+        if lacks:
+            raise ValueError(f"moec: {label}: {name}: shard {i}'s layout has no integer "
+                             f"{lacks} (a damaged checkpoint)")
     fixed = ("experts", "hidden", "inter", "dtype", "lora_rank", "lora_targets", "lora_scaling",
              "main_grad", "weights_transposed", "weight_format")
     first = layouts[0]

@@ -113,11 +113,30 @@ def optimizer_state_dict(model, optimizer):
 
 
 def _check_format(state, label, which="the state"):
+    """Refuses (ValueError, naming the part) a dict that is not an
+    optimizer_state_dict's in its structure: a damaged or foreign file."""
     if not isinstance(state, dict) or state.get("format") != FORMAT or not all(
             isinstance(state.get(k), t) for k, t in (("state", dict), ("param_groups", list),
                                                      ("layers", dict), ("shapes", dict))):
         raise ValueError(f"moec: {label}: {which} is not an optimizer_state_dict's (format "
                          f"{FORMAT!r}: state, param_groups, layers, shapes)")
+
+    def names(values):
+        return isinstance(values, list) and all(isinstance(n, str) for n in values)
+
+    bad = next((f"its state of {n!r}" for n, v in state["state"].items()
+                if not isinstance(n, str) or not isinstance(v, dict) or
+                not all(isinstance(k, str) for k in v)), None) or \
+        next((f"its parameter group {i}" for i, g in enumerate(state["param_groups"])
+              if not isinstance(g, dict) or not names(g.get("params"))), None) or \
+        next((f"its layout of {p!r}" for p, v in state["layers"].items()
+              if not isinstance(p, str) or not isinstance(v, dict)), None) or \
+        next((f"its shape of {n!r}" for n, v in state["shapes"].items()
+              if not isinstance(n, str) or not isinstance(v, list) or
+              not all(isinstance(d, int) and not isinstance(d, bool) for d in v)), None)
+    if bad:
+        raise ValueError(f"moec: {label}: {which} is damaged: {bad} is not what "
+                         "optimizer_state_dict writes")
 
 
 def merge_optimizer_state_dicts(shards):

@@ -242,6 +242,10 @@ def test_merge_state_dicts_of_processes():
     wider["_extra_state"] = dict(wider["_extra_state"], layout=dict(
         wider["_extra_state"]["layout"], first_expert=1))
     refused([shard(0), wider], "shard 1's 'w1' holds part of what another shard holds")
+    damaged = shard(1)
+    damaged["_extra_state"] = dict(damaged["_extra_state"], layout=dict(
+        damaged["_extra_state"]["layout"], local_experts="2"))
+    refused([shard(0), damaged], r"shard 1's layout has no integer \['local_experts'\]")
 
 
 def test_merge_state_dicts_of_tp_ranks():

@@ -199,6 +199,11 @@ def test_refusals_name_what_is_wrong_and_leave_the_optimizer_alone():
     other["layers"]["moe."] = dict(other["layers"]["moe."], hidden=32)
     merge_refused([other, shards[1]], "the layout of layer 'moe.': shard 1's hidden is 64, "
                   "shard 0's 32")
+    other = cut(whole, 1, 2)
+    other["layers"]["moe."] = {k: v for k, v in other["layers"]["moe."].items()
+                               if k != "first_expert"}
+    merge_refused([shards[0], other], r"the layout of layer 'moe.': shard 1's layout has no "
+                  r"integer \['first_expert'\] \(a damaged checkpoint\)")
     bad = dict(whole, layers={"moe.": dict(whole["layers"]["moe."])})
     bad["layers"]["moe."].pop("local_experts")
 
@@ -212,6 +217,17 @@ def test_refusals_name_what_is_wrong_and_leave_the_optimizer_alone():
         assert all(torch.equal(got[i][k], v) for i, s in before.items() for k, v in s.items())
 
     load_refused(opt.state_dict(), "the state is not an optimizer_state_dict's")
+    # Damaged files: each part of the wrong kind, refused by name.
+    for damaged, part in (
+            (dict(whole, state={"moe.w1": [1]}), "its state of 'moe.w1'"),
+            (dict(whole, param_groups=[5]), "its parameter group 0"),
+            (dict(whole, param_groups=[dict(whole["param_groups"][0], params=[0])]),
+             "its parameter group 0"),
+            (dict(whole, layers={"moe.": "x"}), "its layout of 'moe.'"),
+            (dict(whole, shapes={"moe.w1": [4.0, 64]}), "its shape of 'moe.w1'")):
+        load_refused(damaged, f"the state is damaged: {part} is not what "
+                     "optimizer_state_dict writes")
+        merge_refused([damaged], f"shard 0 is damaged: {part}")
     load_refused(shards[1], r"the checkpoint holds experts 2..3 of 4; this layer \(rank 0\) "
                  "holds experts 0..3")
     one = dict(whole, param_groups=[dict(whole["param_groups"][0], params=whole[

@@ -14,7 +14,8 @@ parallelism over the world; torchrun only) | groups_bf16 (the same in
 bf16) | tp (4 processes: EP 2 x TP 2, a TP rank's tokens its EP rank's) |
 zero (the replicated parameters under ZeroRedundancyOptimizer,
 split_parameters) | refusals (what prepare_ddp refuses, and what it leaves
-to DDP).
+to DDP) | world_mismatch (mpirun only: torch.distributed's world not the
+layer's).
 
 Under mpirun the layer runs on moec's MPI fabric and torch.distributed
 (gloo) is started from the launcher's ranks, MASTER_ADDR and MASTER_PORT.
@@ -206,8 +207,36 @@ def refusals(me, world):
     return 0
 
 
+def world_mismatch():
+    """Under mpirun: torch.distributed started as a world of one process in
+    each (a script that passed the wrong rank and size), around a layer on
+    moec's MPI fabric over 2: prepare_ddp refuses, naming both sizes."""
+    me = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    port = int(os.environ["MASTER_PORT"]) + 1 + me
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{port}")
+    cfg = {"name": "ddp", "hidden_size": H, "intermediate_size": 16, "num_experts": E,
+           "top_k": K, "ep": 2, "tp": 1, "seq_size": S, "dtype": "fp32"}
+    model = Net(moec_torch.MoeFFN(cfg, threads=1))
+    try:
+        moec_torch.prepare_ddp(model)
+        got = None
+    except ValueError as e:
+        got = str(e)
+    want = ("the layer runs on the MPI fabric over 2 processes, and torch.distributed's "
+            "world has 1")
+    dist.destroy_process_group()
+    if got is None or want not in got:
+        print(f"rank {me}: FAILED: expected {want!r}, got {got!r}", flush=True)
+        return 1
+    print(f"rank {me}: ddp ok (world mismatch)", flush=True)
+    return 0
+
+
 def main():
     variant = sys.argv[1]
+    if variant == "world_mismatch":
+        return world_mismatch()
     if moec_torch.launched_by_mpi():
         dist.init_process_group("gloo", rank=int(os.environ["OMPI_COMM_WORLD_RANK"]),
                                 world_size=int(os.environ["OMPI_COMM_WORLD_SIZE"]))

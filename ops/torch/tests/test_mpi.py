@@ -141,11 +141,14 @@ def test_exchange_under_mpirun(ranks, dtype):
         assert f"rank {r}: ok: bitwise equal to the one-process exchange" in run.stdout, run.stdout
 
 
-def test_ddp_around_the_layer_under_mpirun(tmp_path):
+@pytest.mark.parametrize("variant", ["full", "world_mismatch"])
+def test_ddp_around_the_layer_under_mpirun(variant, tmp_path):
     """DistributedDataParallel (gloo, from the launcher's ranks) around a
     model whose layer runs on moec's MPI fabric, after prepare_ddp: the
-    one-process model's parameters (ddp_check.py)."""
-    run = mpirun(2, HERE / "ddp_check.py", "full", tmp_path)
+    one-process model's parameters (ddp_check.py); "world_mismatch":
+    torch.distributed started as a world of one in each process, which
+    prepare_ddp refuses."""
+    run = mpirun(2, HERE / "ddp_check.py", variant, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(2):
         assert f"rank {r}: ddp ok" in run.stdout, run.stdout

@@ -81,14 +81,16 @@ def _named(model, optimizer, label):
     return [names[id(p)] for p in params], layers
 
 
+def _in_layer(name, prefix):
+    """Whether parameter `name` is one of the layer's under `prefix` (its
+    own, not a submodule's)."""
+    return name.startswith(prefix) and "." not in name[len(prefix):]
+
+
 def _layer_of(name, layers):
     """(prefix, the parameter's name in the layer) of a layer's parameter
     `name`, or None."""
-    for prefix in layers:
-        rest = name[len(prefix):]
-        if name.startswith(prefix) and "." not in rest:
-            return prefix, rest
-    return None
+    return next(((p, name[len(p):]) for p in layers if _in_layer(name, p)), None)
 
 
 def optimizer_state_dict(model, optimizer):
@@ -169,7 +171,7 @@ def merge_optimizer_state_dicts(shards):
     state = {n: {} for n in names if any(n in s["state"] for s in shards)}
     merged_layouts = {}
     for prefix in layers:
-        own = [n for n in names if (_layer_of(n, {prefix: None}) or (None,))[0] == prefix]
+        own = [n for n in names if _in_layer(n, prefix)]
         keys = list(dict.fromkeys(k for s in shards for n in own for k in s["state"].get(n, {})))
         extra = [{"format": checkpoint.CHECKPOINT_FORMAT, "layout": s["layers"][prefix]}
                  for s in shards]
@@ -275,7 +277,7 @@ def load_optimizer_state_dict(model, optimizer, state):
                              "optimizer's parameters")
     for prefix, layer in layers.items():
         extra = {"format": checkpoint.CHECKPOINT_FORMAT, "layout": state["layers"][prefix]}
-        own = [n for n in loaded if (_layer_of(n, {prefix: None}) or (None,))[0] == prefix]
+        own = [n for n in loaded if _in_layer(n, prefix)]
         for key in dict.fromkeys(k for n in own for k in loaded[n]):
             fake = {n: loaded[n][key] for n in own
                     if key in loaded[n] and isinstance(loaded[n][key], torch.Tensor) and

@@ -275,6 +275,18 @@ def same_value(a, b):
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
 
 
+def whole_shape(name, shape, experts, inter, columns):
+    """The shape over all `experts` and intermediate columns of a layer's
+    tensor `name` of which a process holds `shape`, its columns `columns`
+    of `inter`: a TP rank's w1 [E, H, 2I] (gate, up) and w2 [E, I, H] are
+    split along I; every other tensor along the experts only."""
+    shape = list(shape)
+    shape[0] = experts
+    if name in ("w1", "w2") and list(columns) != [0, inter]:
+        shape[2 if name == "w1" else 1] = 2 * inter if name == "w1" else inter
+    return shape
+
+
 def merge_layer(prefix, parts, label="merge_state_dicts", what=None):
     """The whole layer's entries (names without `prefix`) from its shards'
     entries `parts` ({name: tensor of the shard's experts, "_extra_state":
@@ -320,11 +332,8 @@ def merge_layer(prefix, parts, label="merge_state_dicts", what=None):
             raise ValueError(f"moec: {label}: shard {shard}'s '{prefix}{param}' has "
                              f"shape {list(t.shape)}; its layout holds {n} experts")
         if param not in whole:
-            shape = list(t.shape)
-            shape[0] = experts
-            if split:  # w1 [E, H, 2I] (gate, up), w2 [E, I, H]
-                shape[2 if kind == "w1" else 1] = 2 * inter if kind == "w1" else inter
-            whole[param] = torch.zeros(shape, dtype=t.dtype)
+            whole[param] = torch.zeros(whole_shape(kind, t.shape, experts, inter, [c0, c1]),
+                                       dtype=t.dtype)
             filled[param] = torch.zeros(experts, inter, dtype=torch.bool)
         target, seen = whole[param], filled[param]
         i = c1 - c0

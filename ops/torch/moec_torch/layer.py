@@ -328,6 +328,7 @@ class MoeFFN(torch.nn.Module):
         # into dy (MoeFFNFunction).
         self._grad_scale = 1.0
         self._ddp_group = None  # the DDP group prepare_ddp prepared it for
+        self._warned_dtype = False  # _apply's warning, given once
         _register_finalize(fabric)
 
         def compiled(fresh):
@@ -643,6 +644,20 @@ class MoeFFN(torch.nn.Module):
         tensors = (x, *rest)
         return squeeze, tuple(t.unsqueeze(0) for t in tensors) if squeeze else tensors
 
+    def _forward_inputs(self, x, topk_ids, topk_weights):
+        """What forward and submit_forward do before a pass: the checks
+        (a dropped handle, DDP, dense tensors, finite values), autocast's
+        casts, the rank dim of a one-rank process's [S, ...] inputs.
+        Returns (squeeze, (x, topk_ids, topk_weights))."""
+        self._check_dropped()
+        self._check_ddp()
+        self._check_dense(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+        x, topk_weights = checks.autocast(x, self.dtype), checks.autocast(topk_weights,
+                                                                          torch.float32)
+        squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
+        self._check_inputs(x, topk_weights)
+        return squeeze, (x, topk_ids, topk_weights)
+
     def _check_inputs(self, x, topk_weights):
         if self.check_finite:
             for name, t in (("x", x), ("topk_weights", topk_weights)):
@@ -659,13 +674,7 @@ class MoeFFN(torch.nn.Module):
             checks.dense(getattr(self, name), name)
 
     def forward(self, x, topk_ids, topk_weights):
-        self._check_dropped()
-        self._check_ddp()
-        self._check_dense(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
-        x, topk_weights = checks.autocast(x, self.dtype), checks.autocast(topk_weights,
-                                                                          torch.float32)
-        squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
-        self._check_inputs(x, topk_weights)
+        squeeze, (x, topk_ids, topk_weights) = self._forward_inputs(x, topk_ids, topk_weights)
         while True:
             try:
                 y = self._unmesh(MoeFFNFunction.apply(
@@ -688,13 +697,7 @@ class MoeFFN(torch.nn.Module):
         once: a second wait() raises, and a handle dropped unwaited makes the
         module's next call raise (its pass still runs to its end first).
         Passes of one module run one at a time, in the order submitted."""
-        self._check_dropped()
-        self._check_ddp()
-        self._check_dense(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
-        x, topk_weights = checks.autocast(x, self.dtype), checks.autocast(topk_weights,
-                                                                          torch.float32)
-        squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
-        self._check_inputs(x, topk_weights)
+        squeeze, (x, topk_ids, topk_weights) = self._forward_inputs(x, topk_ids, topk_weights)
         with torch.no_grad():
             mesh = self._mesh(x, topk_ids, topk_weights)
         ticket = self.layer.submit_forward(*mesh, [a.detach() for a in self._bound()])
@@ -969,7 +972,7 @@ class MoeFFN(torch.nn.Module):
                     f"moec: a MoeFFN layer cannot move to {probe(t.dtype).device}: the moec "
                     "runtime runs on the CPU (its tensors stay there)")
         asked = probe(self.dtype).dtype
-        if asked != self.dtype and not getattr(self, "_warned_dtype", False):
+        if asked != self.dtype and not self._warned_dtype:
             self._warned_dtype = True
             warnings.warn(
                 f"moec: the MoeFFN layer stays {self.dtype} ({asked} asked): its binaries are "

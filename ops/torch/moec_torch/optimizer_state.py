@@ -215,7 +215,10 @@ def merge_optimizer_state_dicts(shards):
     for n in names:
         held = _layer_of(n, layers)
         if held is not None:
-            shapes[n] = _whole_shape(held[1], shapes[n], layers[held[0]])
+            layout = layers[held[0]]
+            shapes[n] = checkpoint.whole_shape(held[1], shapes[n], layout["experts"],
+                                               layout["inter"],
+                                               layout.get("columns", [0, layout["inter"]]))
     return {"format": FORMAT, "state": state, "param_groups": first["param_groups"],
             "layers": merged_layouts, "shapes": shapes}
 
@@ -226,16 +229,6 @@ def _param_shaped(shard, name, key):
     value = shard["state"].get(name, {}).get(key)
     return isinstance(value, torch.Tensor) and list(value.shape) == shard["shapes"].get(name)
 
-
-def _whole_shape(name, shape, layout):
-    """The shape of a layer's parameter `name` over all experts and
-    intermediate columns, from a process's `shape` of it in `layout`."""
-    shape = list(shape)
-    shape[0] = layout["experts"]
-    inter = layout["inter"]
-    if layout.get("columns", [0, inter]) != [0, inter] and name in ("w1", "w2"):
-        shape[2 if name == "w1" else 1] = 2 * inter if name == "w1" else inter
-    return shape
 
 
 def load_optimizer_state_dict(model, optimizer, state):

@@ -195,6 +195,10 @@ def test_refusals_name_what_is_wrong_and_leave_the_optimizer_alone():
     other["state"]["moe.w1"] = {"momentum_buffer": torch.zeros(3)}
     merge_refused([shards[0], other], "state 'momentum_buffer' of 'moe.w1' has the parameter's "
                   "shape in shard 0, not in shard 1")
+    other = cut(whole, 1, 2)
+    del other["state"]["inp.bias"]
+    merge_refused([shards[0], other], "state 'momentum_buffer' of 'inp.bias' is in some "
+                  "shards, not in shard 1")
     other = cut(whole, 0, 2)
     other["layers"]["moe."] = dict(other["layers"]["moe."], hidden=32)
     merge_refused([other, shards[1]], "the layout of layer 'moe.': shard 1's hidden is 64, "
@@ -241,6 +245,8 @@ def test_refusals_name_what_is_wrong_and_leave_the_optimizer_alone():
     load_refused(wide, r"state 'momentum_buffer' of 'inp.weight' has shape \[64, 32\]; the "
                  r"parameter's is \[64, 64\]")
     load_refused(dict(whole, layers={}), "the state has no layout of layer 'moe.'")
+    load_refused(dict(whole, state=dict(whole["state"], stray={})),
+                 "the state holds 'stray', which is not among the optimizer's parameters")
     load_refused(bad, r"the layout of layer 'moe.' is not a moec MoeFFN checkpoint's: its "
                  r"layout lacks \['local_experts'\]")
     lora = make("lora", 0)

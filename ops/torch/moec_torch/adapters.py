@@ -28,8 +28,9 @@ import torch
 
 from . import checks, safetensors
 
-__all__ = ["CONFIG", "LEGACY", "WEIGHTS", "load_layer", "rank_file", "read_config",
-           "read_tensors", "save_layer", "tensor", "unknown_experts", "weight_files"]
+__all__ = ["CONFIG", "LEGACY", "WEIGHTS", "check_config", "load_layer", "rank_file",
+           "read_config", "read_tensors", "refuse_unsupported", "save_layer", "tensor",
+           "unknown_experts", "weight_files"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -47,16 +48,39 @@ def _positive_int(value):
 
 def read_config(directory):
     """The JSON object of `directory`/adapter_config.json (a regular file
-    of at most 1 MiB; strict JSON), its fields checked by type: peft_type
-    a string; r a positive integer; lora_alpha a positive finite number;
-    target_modules a list of module names or a regex (a string), or
-    absent (PEFT's default for the model's type); "moec",
-    where present, an object of experts and ranks (positive integers, the
-    ranks dividing the experts), module_prefix (a string) and shards (a
-    bool). ValueError "moec: adapter config 'PATH': ..." otherwise."""
+    of at most 1 MiB; strict JSON), checked by check_config. ValueError
+    "moec: adapter config 'PATH': ..." otherwise."""
     path = Path(directory) / CONFIG
     shown = f"moec: {checks.where(path, 'adapter config')}"
     doc = checks.strict_json(checks.read_small_file(path, "adapter config"), shown)
+    return check_config(doc, shown)
+
+
+def _names(value):
+    return isinstance(value, list) and all(isinstance(t, str) for t in value)
+
+
+def _pattern(value, rule):
+    return isinstance(value, dict) and all(isinstance(k, str) and rule(v)
+                                           for k, v in value.items())
+
+
+def _positive_number(value):
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
+        math.isfinite(value) and value > 0
+
+
+def check_config(doc, shown):
+    """`doc` (an adapter config's JSON object) with its fields checked by
+    type: peft_type a string; r a positive integer; lora_alpha a positive
+    finite number; target_modules a list of module names or a regex (a
+    string), or absent (PEFT's default for the model's type);
+    target_parameters a list of parameter names, or absent; rank_pattern
+    and alpha_pattern objects of positive integers / numbers; use_rslora,
+    use_dora, fan_in_fan_out and lora_bias true or false; bias a string;
+    "moec", where present, an object of experts and ranks (positive
+    integers, the ranks dividing the experts), module_prefix (a string) and
+    shards (a bool). ValueError "`shown`: ..." otherwise."""
     if not isinstance(doc, dict):
         raise ValueError(f"{shown} must hold a JSON object, got {type(doc).__name__}")
 
@@ -67,14 +91,22 @@ def read_config(directory):
         refuse("peft_type", "a string (\"LORA\")")
     if not _positive_int(doc.get("r")):
         refuse("r", "a positive integer")
-    alpha = doc.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or \
-            not (math.isfinite(alpha) and alpha > 0):
+    if not _positive_number(doc.get("lora_alpha")):
         refuse("lora_alpha", "a positive number")
     targets = doc.get("target_modules")
-    if targets is not None and not isinstance(targets, str) and not (
-            isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+    if targets is not None and not isinstance(targets, str) and not _names(targets):
         refuse("target_modules", "a list of module names or a regex")
+    if doc.get("target_parameters") is not None and not _names(doc["target_parameters"]):
+        refuse("target_parameters", "a list of parameter names")
+    for key, rule, what in (("rank_pattern", _positive_int, "positive integers"),
+                            ("alpha_pattern", _positive_number, "positive numbers")):
+        if doc.get(key) is not None and not _pattern(doc[key], rule):
+            refuse(key, f"an object of {what}")
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out", "lora_bias"):
+        if doc.get(key) is not None and not isinstance(doc[key], bool):
+            refuse(key, "true or false")
+    if doc.get("bias") is not None and not isinstance(doc["bias"], str):
+        refuse("bias", "a string (\"none\")")
     moec = doc.get("moec")
     if moec is not None:
         if not isinstance(moec, dict):
@@ -90,6 +122,34 @@ def read_config(directory):
             raise ValueError(f"{shown}: 'moec.experts' ({moec['experts']}) is not a multiple of "
                              f"'moec.ranks' ({moec['ranks']})")
     return doc
+
+
+def refuse_unsupported(config, shown, extra=()):
+    """Refuses the PEFT LoRA features whose adapters moec's layer does not
+    compute (their tensors or their math differ from A and B scaled):
+    DoRA, LoRA biases, fan_in_fan_out's transposed weights, adapters on
+    some layers only; and `extra`, fields that the caller does not take
+    (a MoeFFN's own adapters: rsLoRA's scaling, rank and alpha patterns,
+    target_parameters). Each named with its value."""
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{shown}: peft_type is {config.get('peft_type')!r}; moec reads LoRA "
+                         "adapters (\"LORA\") only")
+    refused = [("use_dora", bool(config.get("use_dora")), "DoRA's magnitude vectors"),
+               ("bias", config.get("bias", "none") not in ("none", None),
+                "bias terms next to the adapters"),
+               ("lora_bias", bool(config.get("lora_bias")), "a bias on lora_B"),
+               ("fan_in_fan_out", bool(config.get("fan_in_fan_out")),
+                "adapters of Conv1D (transposed) weights"),
+               ("layers_to_transform", config.get("layers_to_transform") not in (None, []),
+                "adapters on some layers only")]
+    what = {"use_rslora": "rsLoRA's scaling (lora_alpha / sqrt(r))",
+            "rank_pattern": "ranks by module", "alpha_pattern": "alphas by module",
+            "target_parameters": "PEFT's target_parameters form"}
+    refused += [(key, bool(config.get(key)), what[key]) for key in extra]
+    for key, bad, meaning in refused:
+        if bad:
+            raise ValueError(f"{shown}: '{key}' is {config.get(key)!r} ({meaning}), which "
+                             "moec's adapters do not compute")
 
 
 def weight_files(directory, config, ranks=None):
@@ -192,6 +252,8 @@ def load_layer(layer, directory, module_prefix):
     directory = Path(directory)
     config = read_config(directory)
     shown = f"moec: {checks.where(directory / CONFIG, 'adapter config')}"
+    refuse_unsupported(config, shown, ("use_rslora", "rank_pattern", "alpha_pattern",
+                                       "target_parameters"))
     want = {"r": layer.lora_rank, "lora_alpha": layer.lora_scaling * layer.lora_rank,
             "target_modules": sorted(layer.PEFT_MODULES[t] for t in layer.lora_targets)}
     targets = config["target_modules"]

@@ -411,7 +411,8 @@ def test_adapters_round_trip_and_refusals(tmp_path):
     other = make_model("qwen3_moe")
     mhf.patch_model(other, ranks=2, threads=1, lora_rank=2, lora_alpha=8)
     state = [p.detach().clone() for _, _, ex in mhf._patched(other) for p in ex.layer.adapters()]
-    with pytest.raises(ValueError, match="'r': 4.*the model's are.*'r': 2"):
+    with pytest.raises(ValueError, match="ranks {'gate_proj': 4, 'up_proj': 4, 'down_proj': 4} "
+                       r"\(scaling 2\); the model's are \{'gate_proj': 2.*scaling 4"):
         mhf.load_adapters(other, tmp_path / "adapter")
     # a tensor of the wrong shape: refused, nothing copied
     tensors = safetensors.load_file(tmp_path / "adapter/adapter_model.safetensors")
@@ -440,7 +441,8 @@ def test_pickled_adapter_runs_no_code(tmp_path):
     folder = tmp_path / "evil"
     folder.mkdir()
     (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]}))
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+             "target_modules": ["gate_proj", "up_proj", "down_proj"]}))
     torch.save({"x": torch.zeros(1), "y": Evil()}, folder / "adapter_model.bin")
     model = make_model("qwen3_moe")
     mhf.patch_model(model, ranks=1, threads=1, lora_rank=4, lora_alpha=8)

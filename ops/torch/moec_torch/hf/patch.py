@@ -2,12 +2,14 @@
 the package's docstring."""
 
 import math
+import re
 import types
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .. import checks, quant
+from .. import adapters, checks, quant
 
 from .families import (
     FAMILIES,
@@ -23,37 +25,56 @@ from .families import (
 
 # --- LoRA in PEFT's layout --------------------------------------------------
 
+FUSED_PARAMETERS = ("gate_up_proj", "down_proj")  # v5's fused experts' parameters
+
+
 class _Lora:
-    """PEFT's per-module adapters of one family on the layer's fused ones.
+    """The LoRA adapters of one block as PEFT puts them, held in the layer's
+    adapters of w1 and w2.
 
-    targets: the family's module names targeted, among (gate, up, down).
-    The layer's rank is r * max(1, gate/up targets); w1's A columns
-    [j r, (j+1) r) and B rows of the same range over the j-th gate/up
-    target's columns are its adapter; w2's first r columns of A and rows of
-    B are down's. Masks keep the rest zero."""
+    form "modules": PEFT's LoRA on the per-expert nn.Linear modules
+    (target_modules): the family's gate, up and down modules an A and a B
+    each. form "parameters": PEFT's LoRA on v5's fused parameters
+    (target_parameters): gate_up_proj one A and B over both its halves,
+    down_proj one. ranks: {piece: rank} of the targeted pieces. The layer's
+    w1 adapter holds the w1 pieces side by side (A columns and B rows from 0
+    in the order gate, up, each over its own columns of w1), w2's its piece
+    in its first columns / rows; rank: the larger of the two; masks keep the
+    rest zero. scaling: the pieces' common lora_alpha / r (rsLoRA: / sqrt(r));
+    layer_alpha the layer's lora_alpha giving it. peft: the adapter config's
+    fields save_adapters writes (r, lora_alpha, use_rslora, rank_pattern,
+    alpha_pattern). nesting: the targeted parameters in the order PEFT wraps
+    them, innermost first (the experts module's parameter order)."""
 
-    def __init__(self, family, targets, r, alpha):
-        g, u, d = family.projections
+    def __init__(self, family, form, ranks, scaling, layer_alpha, peft, nesting=()):
         self.family = family
-        self.r = r
-        self.alpha = alpha
-        self.w1_targets = [t for t in (g, u) if t in targets]
-        self.down = d if d in targets else None
-        self.rank = r * max(1, len(self.w1_targets))
+        self.form = form
+        self.ranks = dict(ranks)
+        self.scaling = scaling
+        self.layer_alpha = layer_alpha
+        self.peft = peft
+        self.nesting = tuple(n for n in nesting if n in ranks)
+        g, u, d = family.projections if form == "modules" else \
+            (FUSED_PARAMETERS[0], None, FUSED_PARAMETERS[1])
+        self._gate = g
+        self.w1_targets = [t for t in (g, u) if t in ranks]
+        self.down = d if d in ranks else None
+        self.rank = max(sum(ranks[t] for t in self.w1_targets), ranks.get(self.down, 0))
         self.moec_targets = (("w1",) if self.w1_targets else ()) + (("w2",) if self.down else ())
 
     def pieces(self, inter):
         """[(module, moec target, A column slice, B row slice, B column slice)]:
-        where each PEFT module's adapter lives in the layer's A [K, rank]
-        and B [rank, N]."""
-        out = []
-        g = self.family.projections[0]
-        for j, t in enumerate(self.w1_targets):
-            rows = slice(j * self.r, (j + 1) * self.r)
-            cols = slice(0, inter) if t == g else slice(inter, 2 * inter)
+        where each PEFT adapter lives in the layer's A [K, rank] and B
+        [rank, N]."""
+        out, at = [], 0
+        for t in self.w1_targets:
+            rows = slice(at, at + self.ranks[t])
+            at += self.ranks[t]
+            cols = slice(0, 2 * inter) if self.form == "parameters" else \
+                slice(0, inter) if t == self._gate else slice(inter, 2 * inter)
             out.append((t, "w1", rows, rows, cols))
         if self.down:
-            rows = slice(0, self.r)
+            rows = slice(0, self.ranks[self.down])
             out.append((self.down, "w2", rows, rows, slice(None)))
         return out
 
@@ -119,8 +140,8 @@ class MoecExperts(torch.nn.Module):
     def extra_repr(self):
         if not self.lora:
             return f"family={self.family.name}"
-        modules = self.lora.w1_targets + ([self.lora.down] if self.lora.down else [])
-        return f"family={self.family.name}, lora r={self.lora.r} on {'/'.join(modules)}"
+        pieces = ", ".join(f"{t} r={r}" for t, r in self.lora.ranks.items())
+        return f"family={self.family.name}, lora ({self.lora.form}) {pieces}"
 
 
 def _route_softmax(block, hidden_states):
@@ -203,8 +224,149 @@ def _top_k(block, config):
     raise ValueError("moec: cannot tell the block's top-k (no top_k or num_experts_per_tok)")
 
 
+def _peft_matches(spec, key, shown, field):
+    """PEFT's target rule: a string is a regex matched whole against `key`;
+    a list matches a key equal to an entry or ending with "." + entry."""
+    if isinstance(spec, str):
+        try:
+            return re.fullmatch(spec, key) is not None
+        except re.error as e:
+            raise ValueError(f"{shown}: '{field}' {spec!r} is not a regex ({e})") from None
+    return any(key == t or key.endswith("." + t) for t in spec or ())
+
+
+def _pattern_value(patterns, key, default, shown, field):
+    """PEFT's rank_pattern / alpha_pattern lookup: the value of the first
+    pattern P that `key` matches as (.*\\.)?(P)$, else `default`."""
+    for pattern, value in (patterns or {}).items():
+        try:
+            if re.match(rf"(.*\.)?({pattern})$", key):
+                return value
+        except re.error as e:
+            raise ValueError(f"{shown}: '{field}' key {pattern!r} is not a regex ({e})") from None
+    return default
+
+
+def _lora_request(lora_rank, lora_alpha, lora_targets, lora_target_parameters, lora_config):
+    """(adapter config, how errors name it, whether it came from the bare
+    lora_ arguments) of patch_model's LoRA arguments; (None, None, False)
+    without LoRA."""
+    if lora_config is not None:
+        if lora_rank or any(v is not None for v in (lora_alpha, lora_targets,
+                                                     lora_target_parameters)):
+            raise ValueError("moec: patch_model: lora_config= gives the adapters' rank, alpha "
+                             "and targets; pass it without lora_rank=, lora_alpha=, "
+                             "lora_targets= or lora_target_parameters=")
+        if isinstance(lora_config, dict):
+            shown = "moec: patch_model: lora_config"
+            config = adapters.check_config(dict(lora_config), shown)
+        else:
+            folder = Path(lora_config)
+            shown = f"moec: {checks.where(folder / adapters.CONFIG, 'adapter config')}"
+            config = adapters.read_config(folder)
+        adapters.refuse_unsupported(config, shown)
+        return config, shown, False
+    lora_rank = checks.integer(lora_rank, "patch_model: argument 'lora_rank'", minimum=0)
+    if not lora_rank:
+        for value, arg in ((lora_alpha, "lora_alpha"), (lora_targets, "lora_targets"),
+                           (lora_target_parameters, "lora_target_parameters")):
+            if value is not None:
+                raise ValueError(f"moec: {arg}= needs lora_rank= (the adapters' rank)")
+        return None, None, False
+    alpha = checks.number(lora_alpha, "patch_model: argument 'lora_alpha'") \
+        if lora_alpha is not None else float(lora_rank)
+    config = {"peft_type": "LORA", "r": lora_rank, "lora_alpha": alpha}
+    if lora_target_parameters is not None:
+        if lora_targets is not None:
+            raise ValueError("moec: patch_model: lora_targets= (PEFT's target_modules) or "
+                             "lora_target_parameters= (its target_parameters), not both")
+        names = [lora_target_parameters] if isinstance(lora_target_parameters, str) else \
+            list(lora_target_parameters)
+        if not names or any(t not in FUSED_PARAMETERS for t in names):
+            raise ValueError(f"moec: lora_target_parameters {names}: the fused experts' "
+                             f"parameters are {', '.join(FUSED_PARAMETERS)}")
+        config["target_parameters"] = names
+    else:
+        config["target_modules"] = [lora_targets] if isinstance(lora_targets, str) else \
+            lora_targets
+    return config, "moec: patch_model", True
+
+
+def _block_lora(name, family, experts, fused, nesting, config, shown, bare=False):
+    """The _Lora of one block (`experts` experts; `fused`: v5's fused
+    parameters, wrapped by PEFT in the order `nesting`) for the adapter
+    config (_lora_request's): the pieces it targets, their ranks and their
+    common scaling, found by PEFT's rules on the names PEFT gives them
+    (per-expert modules under the checkpoint's names, fused parameters
+    under the model's)."""
+    if config.get("target_parameters"):
+        if not fused:
+            raise ValueError(f"{shown}: target_parameters name v5's fused expert parameters; "
+                             f"the experts of '{name}' are per-expert modules (transformers "
+                             "v4): target their modules (target_modules)")
+        form, spec, field = "parameters", config["target_parameters"], "target_parameters"
+        keys = {p: [f"{name}.experts.{p}"] for p in FUSED_PARAMETERS}
+    else:
+        form, spec, field = "modules", config.get("target_modules"), "target_modules"
+        prefix = _checkpoint_prefix(name, family)
+        keys = {p: [f"{prefix}.experts.{e}.{p}" for e in range(experts)]
+                for p in family.projections}
+        if bare:
+            spec = tuple(family.projections if spec is None else spec)
+            if not spec or any(t not in family.projections for t in spec):
+                raise ValueError(f"moec: lora_targets {list(spec)} of '{name}': {family.name} "
+                                 f"experts have {', '.join(family.projections)}")
+        elif spec is None:
+            raise ValueError(f"{shown}: no target_modules (PEFT then targets the model "
+                             "type's defaults, which moec does not guess): name the experts' "
+                             "modules or parameters")
+    ranks, alphas = {}, {}
+    for piece, names in keys.items():
+        hits = [_peft_matches(spec, k, shown, field) for k in names]
+        if not any(hits):
+            continue
+        if not all(hits):
+            raise ValueError(f"{shown}: {field} adapt some experts of '{name}' only "
+                             f"('{names[hits.index(True)]}' but not "
+                             f"'{names[hits.index(False)]}'); moec adapts a projection of "
+                             "every expert or of none")
+        got = {(_pattern_value(config.get("rank_pattern"), k, config["r"], shown,
+                               "rank_pattern"),
+                _pattern_value(config.get("alpha_pattern"), k, config["lora_alpha"], shown,
+                               "alpha_pattern")) for k in names}
+        if len(got) > 1:
+            raise ValueError(f"{shown}: rank_pattern / alpha_pattern give the experts of "
+                             f"'{name}' different ranks or alphas for {piece} "
+                             f"({sorted(got)}); moec's layer gives every expert the same")
+        ranks[piece], alphas[piece] = got.pop()
+    if not ranks:
+        raise ValueError(f"{shown}: the adapters ({field} {spec!r}) target none of the "
+                         f"experts' {'parameters' if form == 'parameters' else 'modules'} of "
+                         f"'{name}' ({', '.join(keys)}); moec puts adapters on every MoE "
+                         "block's experts")
+    rslora = bool(config.get("use_rslora"))
+
+    def scaling(piece):
+        return alphas[piece] / (math.sqrt(ranks[piece]) if rslora else ranks[piece])
+
+    first = next(iter(ranks))
+    for piece in ranks:
+        if not math.isclose(scaling(piece), scaling(first), rel_tol=1e-12):
+            raise ValueError(f"{shown}: the adapters of '{name}' scale {first} by "
+                             f"{scaling(first)} and {piece} by {scaling(piece)}; moec's layer "
+                             "scales all of a block's adapters alike")
+    peft = {"r": config["r"], "lora_alpha": config["lora_alpha"], "use_rslora": rslora,
+            "rank_pattern": dict(config.get("rank_pattern") or {}),
+            "alpha_pattern": dict(config.get("alpha_pattern") or {})}
+    lora = _Lora(family, form, ranks, scaling(first), None, peft, nesting)
+    lora.layer_alpha = (alphas[first] / math.sqrt(ranks[first]) * lora.rank if rslora else
+                        alphas[first] * lora.rank / ranks[first])
+    return lora
+
+
 def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256,
-                lora_rank=0, lora_alpha=None, lora_targets=None, **options):
+                lora_rank=0, lora_alpha=None, lora_targets=None, lora_target_parameters=None,
+                lora_config=None, **options):
     """Replaces the routed experts of every MoE block of `model` with a moec
     layer, in place, and returns the names of the blocks it replaced.
 
@@ -216,7 +378,14 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
     puts them on the experts' projections (lora_targets: the family's module
     names, default all three: gate_proj, up_proj, down_proj, Mixtral w1, w3,
     w2; lora_alpha defaults to lora_rank); the experts' base weights are then
-    frozen. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
+    frozen. lora_target_parameters (instead of lora_targets; fused v5
+    experts only): PEFT's target_parameters form, an adapter on each named
+    fused parameter (gate_up_proj: one over gate and up; down_proj).
+    lora_config (instead of the lora_ arguments): a PEFT adapter folder (its
+    adapter_config.json) or such a config as a dict, whose r, lora_alpha,
+    use_rslora, target_modules or target_parameters, rank_pattern and
+    alpha_pattern give the adapters, as PEFT reads them: patch for the
+    adapters, then load_adapters. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
     capacity_policy, timeout_seconds, fabric, group, target, check_finite, trace,
     weight_format, pack_weights). With a weight_format (frozen or LoRA; quant.WEIGHT_FORMATS)
     the experts are held quantized: "fp8_block128" as FP8 e4m3 codes with a
@@ -238,13 +407,10 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
             f"model_type {getattr(config, 'model_type', None)!r}"
         raise ValueError(f"moec: found no MoE block in {type(model).__name__} ({what}); "
                          f"known blocks: {_known()}")
-    lora_rank = checks.integer(lora_rank, "patch_model: argument 'lora_rank'", minimum=0)
     tokens_per_rank = checks.integer(tokens_per_rank, "patch_model: argument 'tokens_per_rank'",
                                      minimum=1)
-    if lora_alpha is not None and not lora_rank:
-        raise ValueError("moec: lora_alpha= needs lora_rank= (the adapters' rank)")
-    alpha = checks.number(lora_alpha, "patch_model: argument 'lora_alpha'") \
-        if lora_alpha is not None else float(lora_rank)
+    request, shown, bare = _lora_request(lora_rank, lora_alpha, lora_targets,
+                                         lora_target_parameters, lora_config)
     from .. import MoeFFN, _default_fabric, _fabric  # the package imports this lazily
     fabric = options.get("fabric")
     if ranks is None:
@@ -274,23 +440,16 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         weight = block.experts.gate_up_proj if _fused(block.experts) else \
             getattr(block.experts[0], family.projections[0]).weight
         layer_dtype = dtype or weight.dtype
-        targets = None
-        if lora_rank:
-            targets = tuple(lora_targets) if lora_targets is not None else family.projections
-            if isinstance(lora_targets, str):
-                targets = (lora_targets,)
-            unknown = [t for t in targets if t not in family.projections]
-            if unknown or not targets:
-                raise ValueError(f"moec: lora_targets {list(targets)} of '{name}': {family.name} "
-                                 f"experts have {', '.join(family.projections)}")
+        lora = _block_lora(name, family, e, _fused(block.experts),
+                           [n for n, _ in block.experts.named_parameters(recurse=False)],
+                           request, shown, bare) if request else None
         cfg = {"name": f"hf-{family.name}", "hidden_size": h, "intermediate_size": i,
                "num_experts": e, "top_k": k, "seq_size": tokens_per_rank,
                "dtype": _dtype_name(layer_dtype, f"'{name}'")}
-        plans.append((name, block, family, cfg, weight.is_meta, targets))
+        plans.append((name, block, family, cfg, weight.is_meta, lora))
     names = []
-    for name, block, family, cfg, empty, targets in plans:
-        lora = _Lora(family, targets, lora_rank, alpha) if lora_rank else None
-        lora_args = dict(lora_rank=lora.rank, lora_alpha=alpha * lora.rank / lora_rank,
+    for name, block, family, cfg, empty, lora in plans:
+        lora_args = dict(lora_rank=lora.rank, lora_alpha=lora.layer_alpha,
                          lora_targets=lora.moec_targets) if lora else {}
         # Fused experts of a frozen or LoRA layer stay in the model's layout
         # (gate_up_proj [E, 2I, H], down_proj [E, H, I]), which the layer
@@ -376,7 +535,8 @@ def _init_lora(layer, lora):
         for e in range(layer.experts):
             for module, target, acols, _, _ in lora.pieces(layer.inter):
                 a = getattr(layer, f"{target}_lora_A")
-                draw = torch.empty(a.shape[1], lora.r).uniform_(-1, 1) / math.sqrt(a.shape[1])
+                draw = torch.empty(a.shape[1], acols.stop - acols.start).uniform_(-1, 1) / \
+                    math.sqrt(a.shape[1])
                 if e in local:
                     a[e - local.start][:, acols] = draw.to(a.dtype)
         for name, mask in masks.items():

@@ -1,14 +1,17 @@
 """moec_torch.hf under mpirun or torchrun (one rank per process), run by
 test_mpi.py and test_torchrun.py:
 
-    mpirun -np R python3 mpi_hf_check.py FAMILY LAYOUT WORKDIR
+    mpirun -np R python3 mpi_hf_check.py FAMILY LAYOUT WORKDIR [FORM]
 
 Every process builds the same stand-in model (same seed), patches it (MPI
 fabric: it holds only its experts) and passes its share of the batch, a
 different number of tokens on each rank. Checked on each rank, against the
 unpatched model run on the whole batch in the same process: its logits, the
 gradients of its inputs and of the non-expert parameters it owns, and its
-experts' gradients (which gather every rank's tokens). Then: load_experts
+experts' gradients (which gather every rank's tokens). FORM "parameters"
+(fused experts): the adapters in PEFT's target_parameters form, against
+PEFT's ParamWrapper on the fused model; else per-expert modules, against
+PEFT's LoRA on the model with per-expert modules. Then: load_experts
 reads only this process's experts; save_adapters writes one PEFT file;
 save_pretrained writes one checkpoint that the unpatched model loads (rank 0
 checks it)."""
@@ -30,11 +33,14 @@ from test_hf import as_modules, close, grad_or_zero, make_model, tokens, write_c
 
 def main():
     family, layout, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    form = sys.argv[4] if len(sys.argv) > 4 else "modules"
     launcher.fabric()  # under torchrun: torch.distributed before the model is patched
     torch.set_num_threads(1)
     ref = make_model(family, layout)
     model = copy.deepcopy(ref)
-    mhf.patch_model(model, threads=1, lora_rank=4, lora_alpha=8)
+    targets = dict(lora_target_parameters=["gate_up_proj", "down_proj"]) \
+        if form == "parameters" else {}
+    mhf.patch_model(model, threads=1, lora_rank=4, lora_alpha=8, **targets)
     layer = mhf._patched(model)[0][2].layer
     rank, ranks = layer.first_rank, layer.ranks
     assert layer.local_ranks == 1 and layer.fabric in ("mpi", "group")
@@ -48,7 +54,7 @@ def main():
             with torch.no_grad():
                 p.copy_(whole[rank * p.shape[0]:(rank + 1) * p.shape[0]] * mask)
     mhf.save_adapters(model, work / "start")
-    ref = as_modules(ref)
+    ref = ref if form == "parameters" else as_modules(ref)
     hf_lora.load_lora(ref, work / "start")
     # 3 sequences of 7 tokens each for rank 0, 2 for rank 1, ...
     ids = tokens(n_batch=sum(3 - r % 2 for r in range(ranks)), n_seq=7)
@@ -61,6 +67,11 @@ def main():
     out.logits.backward(g[first:first + len(mine)])
     want.logits.backward(g)
     grads = {k: grad_or_zero(p) for k, p in hf_lora.lora_state_dict(ref).items()}
+    if form == "parameters":
+        # this process's experts' rows of lora_A and columns of lora_B
+        grads = mhf._unstacked({k: (g, None) for k, g in grads.items()},
+                               mhf._patched(model), work)
+        grads = {k: g for k, (g, _) in grads.items()}
     for name, _, experts in mhf._patched(model):
         for key, p, j, (rows, cols) in mhf._adapter_tensors(name, experts):
             close(p.grad[j][rows, cols].t(), grads[key], 1e-5, f"rank {rank} {key}")
@@ -77,7 +88,10 @@ def main():
     mhf.save_adapters(model, work / "adapter")
     if rank == 0:
         names = safetensors.load_file(work / "adapter/adapter_model.safetensors")
-        assert len({k.split(".experts.")[1].split(".")[0] for k in names}) == layer.experts
+        if form == "parameters":  # every expert's in one tensor of each adapter
+            assert sorted(names) == sorted(hf_lora.lora_state_dict(ref)), sorted(names)
+        else:
+            assert len({k.split(".experts.")[1].split(".")[0] for k in names}) == layer.experts
         assert sorted(p.name for p in (work / "adapter").iterdir()) == \
             ["adapter_config.json", "adapter_model.safetensors"]
     # merged checkpoint out: one folder, loaded by the unpatched model

@@ -154,15 +154,16 @@ def test_ddp_around_the_layer_under_mpirun(variant, tmp_path):
         assert f"rank {r}: ddp ok" in run.stdout, run.stdout
 
 
-@pytest.mark.parametrize("family,layout,ranks", [("qwen3_moe", "modules", 2),
-                                                  ("deepseek_v3", "fused", 2),
-                                                  ("mixtral", "modules", 4)])
-def test_hf_model_under_mpirun(tmp_path, family, layout, ranks):
+@pytest.mark.parametrize("family,layout,ranks,form", [("qwen3_moe", "modules", 2, "modules"),
+                                                       ("deepseek_v3", "fused", 2, "modules"),
+                                                       ("mixtral", "modules", 4, "modules"),
+                                                       ("qwen3_moe", "fused", 2, "parameters")])
+def test_hf_model_under_mpirun(tmp_path, family, layout, ranks, form):
     """A patched Hugging Face-structured model, one rank per process, each
     with its own number of tokens, against the unpatched model on the whole
     batch; load_experts, save_adapters and save_pretrained make one
     checkpoint (mpi_hf_check.py)."""
-    run = mpirun(ranks, HERE / "mpi_hf_check.py", family, layout, tmp_path)
+    run = mpirun(ranks, HERE / "mpi_hf_check.py", family, layout, tmp_path, form)
     assert run.returncode == 0, run.stdout + run.stderr
     for r in range(ranks):
         assert f"rank {r}: hf ok" in run.stdout, run.stdout

@@ -30,13 +30,26 @@ dtype on the CPU (else it copies them once, in that layout). Otherwise the
 model's expert weights are converted once into the layer's w1 [E, H, 2I] /
 w2 [E, I, H] and the model's copies are freed.
 
-LoRA: PEFT puts one adapter on each targeted nn.Linear, so gate_proj and
-up_proj have an A and a B each. The moec layer holds them as one adapter of
-rank r * (gate/up targets) on its fused w1, with A = [A_gate | A_up] and a
-block-diagonal B, and one of the same rank on w2 whose columns past r are
-zero; a gradient hook keeps the zero blocks zero, so the layer computes
-exactly PEFT's per-module adapters. save_adapters writes them under PEFT's
-names for the unpatched model.
+LoRA, in either of PEFT's forms. target_modules (lora_targets): PEFT puts
+one adapter on each targeted nn.Linear, so gate_proj and up_proj have an A
+and a B each. The moec layer holds them as one adapter on its fused w1 of
+the gate and up ranks summed, with A = [A_gate | A_up] and a
+block-diagonal B, and one on w2 whose columns past down's rank are zero; a
+gradient hook keeps the zero blocks zero, so the layer computes exactly
+PEFT's per-module adapters. save_adapters writes them under PEFT's names
+for the unpatched model with per-expert modules (which PEFT and
+transformers v5 also load onto fused experts, converting them).
+target_parameters (lora_target_parameters; v5's fused experts): PEFT's
+ParamWrapper puts one adapter on each targeted parameter, gate_up_proj's
+one A and B over both halves; the layer's w1 and w2 adapters are exactly
+those. save_adapters writes them as PEFT does: per block
+``base_model.model.<block>.experts[.base_layer].lora_A.weight`` [r E, in]
+(expert e's rows e r .. e r + r - 1) and ``lora_B.weight`` [out, r E]
+(expert e's rank k in column k E + e); the wrappers nest in the experts
+module's parameter order, the first (gate_up_proj) innermost, under
+base_layer. patch_model(lora_config=folder) patches a model for any
+adapter folder of either form, with its rank_pattern, alpha_pattern and
+use_rslora.
 """
 
 from .families import (  # noqa: F401
@@ -55,6 +68,11 @@ from .patch import (  # noqa: F401
     find_blocks,
     _expert_entries,
     _Lora,
+    FUSED_PARAMETERS,
+    _peft_matches,
+    _pattern_value,
+    _lora_request,
+    _block_lora,
     MoecExperts,
     _route_softmax,
     _softmax_block_forward,
@@ -89,7 +107,12 @@ from .checkpoint_in import (  # noqa: F401
 )
 from .peft_files import (  # noqa: F401
     _lora_of,
+    _stem,
     _adapter_tensors,
+    _parameter_key,
+    _parameter_pieces,
+    _stacked,
+    _unstacked,
     _target_regex,
     save_adapters,
     _all_adapter_names,

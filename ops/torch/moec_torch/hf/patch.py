@@ -237,7 +237,7 @@ def _peft_matches(spec, key, shown, field):
 
 def _pattern_value(patterns, key, default, shown, field):
     """PEFT's rank_pattern / alpha_pattern lookup: the value of the first
-    pattern P that `key` matches as (.*\\.)?(P)$, else `default`."""
+    pattern P that `key` matches as (.*[.])?(P)$, else `default`."""
     for pattern, value in (patterns or {}).items():
         try:
             if re.match(rf"(.*\.)?({pattern})$", key):
@@ -353,7 +353,7 @@ def _block_lora(name, family, experts, fused, nesting, config, shown, bare=False
     for piece in ranks:
         if not math.isclose(scaling(piece), scaling(first), rel_tol=1e-12):
             raise ValueError(f"{shown}: the adapters of '{name}' scale {first} by "
-                             f"{scaling(first)} and {piece} by {scaling(piece)}; moec's layer "
+                             f"{scaling(first):g} and {piece} by {scaling(piece):g}; moec's layer "
                              "scales all of a block's adapters alike")
     peft = {"r": config["r"], "lora_alpha": config["lora_alpha"], "use_rslora": rslora,
             "rank_pattern": dict(config.get("rank_pattern") or {}),

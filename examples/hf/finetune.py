@@ -87,6 +87,8 @@ def load_model(args, lora=True):
     for _, block, _ in mhf.find_blocks(model):
         block.experts.to(device="meta")
     kwargs = dict(lora_rank=args.rank, lora_alpha=2 * args.rank) if lora else {}
+    if lora and args.lora_form == "parameters":
+        kwargs["lora_target_parameters"] = ["gate_up_proj", "down_proj"]
     ranks = None if world()[1] > 1 else args.ranks
     mhf.patch_model(model, ranks=ranks, threads=args.threads, **kwargs)
     mhf.load_checkpoint(model, args.dir / "ckpt")
@@ -107,11 +109,15 @@ def train(args):
     adapters = [p for _, _, ex in mhf._patched(model) for p in ex.layer.adapters()]
     for p in adapters:
         p.requires_grad_(True)
-    # The judge: the unpatched model with PEFT's LoRA, from the same start.
+    # The judge: the unpatched model with PEFT's LoRA, from the same start
+    # (on the fused experts' parameters for --lora-form parameters).
     start = args.dir / "adapter-start"
     mhf.save_adapters(model, start)
     mhf.barrier(model)
-    judge = hf_models.model_from_config(hf_models.config_from_pretrained(args.dir / "ckpt"))
+    config = hf_models.config_from_pretrained(args.dir / "ckpt")
+    if args.lora_form == "parameters":
+        config.experts_layout = "fused"
+    judge = hf_models.model_from_config(config)
     judge = judge.to(args.torch_dtype)
     state = safetensors.Checkpoint(args.dir / "ckpt")
     hf_models.load_checkpoint_state_dict(judge, {k: state.get_tensor(k) for k in state.keys()})
@@ -204,10 +210,17 @@ def main():
                    help="the patched model's experts: per-expert modules (transformers v4) "
                         "or fused gate_up_proj/down_proj (v5, which the LoRA layer reads "
                         "in place)")
+    p.add_argument("--lora-form", choices=["modules", "parameters"], default="modules",
+                   help="PEFT's LoRA on the per-expert modules (target_modules: gate_proj, "
+                        "up_proj, down_proj) or on the fused parameters (target_parameters: "
+                        "gate_up_proj, down_proj; needs --layout fused)")
     p.add_argument("--shard-bytes", type=int, default=200_000,
                    help="largest safetensors shard of the checkpoints")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.lora_form == "parameters" and args.layout != "fused":
+        p.error("--lora-form parameters puts LoRA on v5's fused expert parameters: "
+                "add --layout fused")
     args.torch_dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     torch.set_num_threads(1)
     torchrun = moec_torch.launched_by_torchrun()

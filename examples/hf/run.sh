@@ -3,7 +3,8 @@
 # end to end (finetune.py): make the checkpoint, patch the model and train
 # beside the plain-PyTorch LoRA model, save the adapters and the merged
 # checkpoint, then reload both in a fresh process and check the logits.
-#   bash examples/hf/run.sh [--dtype bf16] [--steps N] [--ranks R] [--layout fused] ...
+#   bash examples/hf/run.sh [--dtype bf16] [--steps N] [--ranks R] [--layout fused]
+#                           [--lora-form parameters] ...
 # The work folder is $WORKDIR (default: a new temporary folder).
 # RANKS=2 bash examples/hf/run.sh runs train and check under torchrun
 # --nproc_per_node 2 (LAUNCHER=mpirun: under mpirun -np 2). Debian's torchrun

@@ -714,14 +714,16 @@ def run_example(command, work, *args, launcher=()):
                           timeout=300, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
 
 
-@pytest.mark.parametrize("layout", ["modules", "fused"])
-def test_the_example_end_to_end(tmp_path, layout):
+@pytest.mark.parametrize("layout,form", [("modules", "modules"), ("fused", "modules"),
+                                         ("fused", "parameters")])
+def test_the_example_end_to_end(tmp_path, layout, form):
     """examples/hf/finetune.py: checkpoint, patched fine-tune beside PEFT's
     LoRA (the same losses), adapters reloaded in a fresh process (the same
     logits), the merged checkpoint in the unpatched model; with the patched
-    model's experts as per-expert modules, and fused (read in place)."""
+    model's experts as per-expert modules, and fused (read in place); the
+    adapters on the per-expert modules, or on the fused parameters."""
     for command in ("make-checkpoint", "train", "check"):
-        out = run_example(command, tmp_path, "--layout", layout)
+        out = run_example(command, tmp_path, "--layout", layout, "--lora-form", form)
         assert out.returncode == 0, out.stdout + out.stderr
         if command == "train":
             rows = [line.split() for line in out.stdout.splitlines()

@@ -278,3 +278,56 @@ def test_moe_ffn_adapters_refuse_peft_features(tmp_path):
         (tmp_path / "layer/adapter_config.json").write_text(json.dumps({**config, **extra}))
         with pytest.raises(ValueError, match=message):
             layer.load_adapters(tmp_path / "layer")
+
+
+def converted_as_peft_does(tensors, block, experts, r, gate="gate_proj", up="up_proj",
+                           down="down_proj"):
+    """PEFT's conversion (transformers v5's weight conversion of a LoRA
+    adapter, as its source does it) of one block's per-expert adapters to
+    the target_parameters form: gate's and up's A stacked over the rank
+    then flattened over experts; their B block-diagonal, permuted rank
+    first, flattened, transposed; down's A flattened, its B permuted,
+    flattened, transposed."""
+    def per_expert(module, m):
+        return torch.stack([tensors[f"base_model.model.{block}.experts.{e}.{module}.lora_{m}."
+                                    "weight"] for e in range(experts)])
+    a = torch.cat((per_expert(gate, "A"), per_expert(up, "A")), dim=1).flatten(0, 1)
+    b = torch.stack([torch.block_diag(g, u) for g, u in zip(per_expert(gate, "B"),
+                                                             per_expert(up, "B"))])
+    b = b.permute(2, 0, 1).flatten(0, 1).T
+    da = per_expert(down, "A").flatten(0, 1)
+    db = per_expert(down, "B").permute(2, 0, 1).flatten(0, 1).T
+    stem = f"base_model.model.{block}.experts"
+    return {f"{stem}.base_layer.lora_A.weight": a, f"{stem}.base_layer.lora_B.weight": b,
+            f"{stem}.lora_A.weight": da, f"{stem}.lora_B.weight": db}
+
+
+def test_per_expert_adapters_through_peft_conversion(tmp_path):
+    """The round trip a v5 user makes: adapters moec saved per expert,
+    converted as PEFT converts them onto a fused model (gate_up_proj at
+    twice the rank and alpha), are read back by a model patched with
+    lora_config and by PEFT's ParamWrapper, both giving the trained model's
+    logits."""
+    ref = make_model("qwen3_moe", "fused")
+    model = copy.deepcopy(ref)
+    mhf.patch_model(model, ranks=2, threads=1, lora_rank=4, lora_alpha=8)
+    train_adapters(model)
+    mhf.save_adapters(model, tmp_path / "moec")
+    tensors = safetensors.load_file(tmp_path / "moec/adapter_model.safetensors")
+    blocks = [n for n, _, _ in mhf.find_blocks(ref)]
+    converted = {}
+    for block in blocks:
+        converted.update(converted_as_peft_does(tensors, block, 8, 4))
+    write_folder(tmp_path / "peft", {
+        "r": 4, "lora_alpha": 8, "target_modules": [],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        "rank_pattern": {r".*\.gate_up_proj": 8}, "alpha_pattern": {r".*\.gate_up_proj": 16}},
+        converted)
+    ids = tokens(seed=6)
+    want = model(ids).logits.detach()
+    back = make_model("qwen3_moe", "fused")
+    mhf.patch_model(back, ranks=2, threads=1, lora_config=tmp_path / "peft")
+    assert mhf.load_adapters(back, tmp_path / "peft") == []
+    close(back(ids).logits, want, 1e-5, "moec on the converted adapters")
+    hf_lora.load_lora(ref, tmp_path / "peft")
+    close(ref(ids).logits, want, 1e-5, "PEFT's ParamWrapper on the converted adapters")

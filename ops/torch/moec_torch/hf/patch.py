@@ -41,17 +41,17 @@ class _Lora:
     in the order gate, up, each over its own columns of w1), w2's its piece
     in its first columns / rows; rank: the larger of the two; masks keep the
     rest zero. scaling: the pieces' common lora_alpha / r (rsLoRA: / sqrt(r));
-    layer_alpha the layer's lora_alpha giving it. peft: the adapter config's
+    alpha: the first piece's lora_alpha; layer_alpha: the layer's lora_alpha
+    (its lora_alpha / rank is the scaling). peft: the adapter config's
     fields save_adapters writes (r, lora_alpha, use_rslora, rank_pattern,
     alpha_pattern). nesting: the targeted parameters in the order PEFT wraps
     them, innermost first (the experts module's parameter order)."""
 
-    def __init__(self, family, form, ranks, scaling, layer_alpha, peft, nesting=()):
+    def __init__(self, family, form, ranks, scaling, alpha, peft, nesting=()):
         self.family = family
         self.form = form
         self.ranks = dict(ranks)
         self.scaling = scaling
-        self.layer_alpha = layer_alpha
         self.peft = peft
         self.nesting = tuple(n for n in nesting if n in ranks)
         g, u, d = family.projections if form == "modules" else \
@@ -60,6 +60,9 @@ class _Lora:
         self.w1_targets = [t for t in (g, u) if t in ranks]
         self.down = d if d in ranks else None
         self.rank = max(sum(ranks[t] for t in self.w1_targets), ranks.get(self.down, 0))
+        r = self.ranks[next(iter(ranks))]
+        self.layer_alpha = alpha / math.sqrt(r) * self.rank if peft["use_rslora"] else \
+            alpha * self.rank / r
         self.moec_targets = (("w1",) if self.w1_targets else ()) + (("w2",) if self.down else ())
 
     def pieces(self, inter):
@@ -358,10 +361,7 @@ def _block_lora(name, family, experts, fused, nesting, config, shown, bare=False
     peft = {"r": config["r"], "lora_alpha": config["lora_alpha"], "use_rslora": rslora,
             "rank_pattern": dict(config.get("rank_pattern") or {}),
             "alpha_pattern": dict(config.get("alpha_pattern") or {})}
-    lora = _Lora(family, form, ranks, scaling(first), None, peft, nesting)
-    lora.layer_alpha = (alphas[first] / math.sqrt(ranks[first]) * lora.rank if rslora else
-                        alphas[first] * lora.rank / ranks[first])
-    return lora
+    return _Lora(family, form, ranks, scaling(first), alphas[first], peft, nesting)
 
 
 def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256,

@@ -246,10 +246,8 @@ def load_adapters(model, directory):
                              f"'{name}' ranks {theirs.ranks} (scaling {theirs.scaling:g}); the "
                              f"model's are {ours.ranks} (scaling {ours.scaling:g}): patch the "
                              f"model with lora_config='{directory}' to load them")
-    tensors = adapters.read_tensors(adapters.weight_files(directory, config))
-    stacked = set(tensors)
-    tensors = _unstacked(tensors, blocks, directory)
-    stacked -= set(tensors)
+    tensors = _unstacked(adapters.read_tensors(adapters.weight_files(directory, config)),
+                         blocks, directory)
     known = _all_adapter_names(blocks)
     for name, _, experts in blocks:
         adapters.unknown_experts(tensors, _stem(name, experts), known, experts.layer.experts)

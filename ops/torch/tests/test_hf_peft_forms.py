@@ -47,6 +47,21 @@ def moec_grads(model):
     return mhf._stacked(per_expert, blocks)
 
 
+def same_as_peft(model, ref, ids):
+    """The patched model's logits are PEFT's model's (`ref`), and after a
+    backward of the same gradient so are its adapters' gradients; returns
+    the patched model's output."""
+    out, want = model(ids), ref(ids)
+    close(out.logits, want.logits, 1e-5, "logits with adapters")
+    g = torch.randn_like(out.logits)
+    out.logits.backward(g)
+    want.logits.backward(g)
+    ours = moec_grads(model)
+    for key, p in hf_lora.lora_state_dict(ref).items():
+        close(ours[key], grad_or_zero(p), 1e-5, key)
+    return out
+
+
 def write_folder(folder, config, tensors):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", **config}))
@@ -87,14 +102,7 @@ def test_target_parameters_match_peft_param_wrapper(tmp_path, family, targets):
     assert len(names) == 2 * len(targets) * len(blocks)
     assert hf_lora.load_lora(ref, tmp_path / "adapter") == sorted(names)
     ids = tokens(seed=9)
-    out, want = model(ids), ref(ids)
-    close(out.logits, want.logits, 1e-5, "logits with adapters")
-    g = torch.randn_like(out.logits)
-    out.logits.backward(g)
-    want.logits.backward(g)
-    ours = moec_grads(model)
-    for key, p in hf_lora.lora_state_dict(ref).items():
-        close(ours[key], grad_or_zero(p), 1e-5, key)
+    out = same_as_peft(model, ref, ids)
     # and back: a fresh patched model loads the file, bit for bit
     fresh = make_model(family, "fused")
     mhf.patch_model(fresh, ranks=2, threads=1, lora_config=tmp_path / "adapter")
@@ -149,15 +157,7 @@ def test_lora_config_patches_for_an_adapter_folder(tmp_path, family, layout, con
     model = make_model(family, layout)
     mhf.patch_model(model, ranks=2, threads=1, lora_config=folder)
     assert mhf.load_adapters(model, folder) == []
-    ids = tokens(seed=4)
-    out, want = model(ids), ref(ids)
-    close(out.logits, want.logits, 1e-5, "logits")
-    g = torch.randn_like(out.logits)
-    out.logits.backward(g)
-    want.logits.backward(g)
-    ours = moec_grads(model)
-    for key, p in hf_lora.lora_state_dict(ref).items():
-        close(ours[key], grad_or_zero(p), 1e-5, key)
+    same_as_peft(model, ref, tokens(seed=4))
     mhf.save_adapters(model, tmp_path / "again")
     back = json.loads((tmp_path / "again/adapter_config.json").read_text())
     for key in ("r", "lora_alpha", "rank_pattern", "alpha_pattern"):

@@ -188,6 +188,19 @@ def test_forms_and_configs_refused(tmp_path):
     with pytest.raises(ValueError, match=r"ranks \{'gate_up_proj': 4, 'down_proj': 4\}.*"
                                          r"the model's are \{'gate_up_proj': 4\}"):
         mhf.load_adapters(other, folder)
+    # PEFT before 0.19 laid target_parameters adapters out the other way round
+    old = json.loads((folder / "adapter_config.json").read_text())
+    for version, refused in (("0.18.1", True), ("0.17.0", True), ("0.19.0", False),
+                             ("0.21.0.dev0@abc", False)):
+        write_folder(tmp_path / version, {**old, "peft_version": version},
+                     safetensors.load_file(folder / "adapter_model.safetensors"))
+        fresh = make_model("qwen3_moe", "fused")
+        if refused:
+            with pytest.raises(ValueError, match=f"written by PEFT {version}: before PEFT 0.19"):
+                mhf.patch_model(fresh, ranks=1, threads=1, lora_config=tmp_path / version)
+        else:
+            mhf.patch_model(fresh, ranks=1, threads=1, lora_config=tmp_path / version)
+            assert mhf.load_adapters(fresh, tmp_path / version) == []
     # v5's parameters on a model with per-expert modules
     with pytest.raises(ValueError, match="target_parameters name v5's fused expert parameters; "
                                          "the experts of 'model.layers.0.mlp' are per-expert"):

@@ -303,6 +303,12 @@ def _block_lora(name, family, experts, fused, nesting, config, shown, bare=False
     (per-expert modules under the checkpoint's names, fused parameters
     under the model's)."""
     if config.get("target_parameters"):
+        version = re.match(r"(\d+)\.(\d+)", str(config.get("peft_version") or ""))
+        if version and (int(version[1]), int(version[2])) < (0, 19):
+            raise ValueError(f"{shown}: target_parameters adapters written by PEFT "
+                             f"{config['peft_version']}: before PEFT 0.19 lora_A spanned an "
+                             "[E, out, in] parameter's dim 1 (out) and lora_B its dim 2, "
+                             "the other way round from PEFT 0.19's layout, which moec reads")
         if not fused:
             raise ValueError(f"{shown}: target_parameters name v5's fused expert parameters; "
                              f"the experts of '{name}' are per-expert modules (transformers "

@@ -370,6 +370,7 @@ def test_adapters_load_onto_the_unpatched_model(tmp_path, family, layout, target
     ref, model, files, _ = lora_pair(tmp_path, family, layout, targets)
     config = json.loads((tmp_path / "adapter/adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert "target_parameters" not in config  # a key older PEFT releases refuse
     names = safetensors.load_file(tmp_path / "adapter/adapter_model.safetensors")
     proj = mhf._BY_BLOCK[type(mhf.find_blocks(make_model(family, layout))[0][1]).__name__] \
         .projections

@@ -183,9 +183,10 @@ def save_adapters(model, directory):
                   "modules_to_save": None, "use_rslora": peft["use_rslora"], "use_dora": False,
                   "rank_pattern": peft["rank_pattern"], "alpha_pattern": peft["alpha_pattern"],
                   "layers_to_transform": None, "layers_pattern": None,
-                  "target_modules": [] if fused else _target_regex(blocks),
-                  "target_parameters": sorted(f"{n}.experts.{p}" for n, _, b in blocks
-                                              for p in b.lora.ranks) if fused else None}
+                  "target_modules": [] if fused else _target_regex(blocks)}
+        if fused:  # a key PEFT before 0.17 does not know: only where it is needed
+            config["target_parameters"] = sorted(f"{n}.experts.{p}" for n, _, b in blocks
+                                                 for p in b.lora.ranks)
         writes.append((directory / ADAPTER_CONFIG, json.dumps(config, indent=2).encode()))
         safetensors.write_together(writes)
         for part in parts:

@@ -106,7 +106,7 @@ def _unstacked(tensors, blocks, directory):
             if adapters.tensor(out, key, shape) is None:
                 raise ValueError(f"moec: the adapters in {directory} have no '{key}'")
         (a, path), (b, _) = out.pop(a_key), out.pop(b_key)
-        a, b = a.view(count, rank, inner), b.view(outer, rank, count)
+        a, b = a.reshape(count, rank, inner), b.reshape(outer, rank, count)
         for e in range(count):
             out[f"{stem}{e}.{piece}.lora_A.weight"] = (a[e], path)
             out[f"{stem}{e}.{piece}.lora_B.weight"] = (b[:, :, e], path)

@@ -705,6 +705,39 @@ def test_load_checkpoint_refusals(tmp_path):
         assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_load_checkpoint_skips_what_transformers_skips(tmp_path):
+    """DeepSeek-V3's checkpoints hold its multi-token prediction layer as
+    model.layers.61.*, which transformers' DeepseekV3Model skips
+    (_keys_to_ignore_on_load_unexpected): load_checkpoint skips and
+    returns them, and loads the rest; in a family without that list the
+    same names are refused, unless ignore= names them."""
+    mtp = {"model.layers.61.embed_tokens.weight": torch.ones(64, 32),
+           "model.layers.61.mlp.experts.0.gate_proj.weight": torch.ones(16, 32),
+           "model.layers.61.shared_head.norm.weight": torch.ones(32)}
+    for family, ignore, refused in (("deepseek_v3", (), False), ("qwen3_moe", (), True),
+                                    ("qwen3_moe", r"model\.layers\.61\.", False)):
+        src = make_model(family)
+        folder = tmp_path / f"{family}-{bool(ignore)}"
+        state = write_checkpoint(src, folder)
+        safetensors.save_sharded({**state, **mtp}, folder, 30_000)
+        model = make_model(family, seed=7)
+        mhf.patch_model(model, ranks=2, threads=1)
+        if refused:
+            with pytest.raises(ValueError, match="the model has no 'model.layers.61.embed_tokens"
+                                                 ".weight' .*\\(and 2 more\\)"):
+                mhf.load_checkpoint(model, folder, ignore=ignore)
+            continue
+        assert mhf.load_checkpoint(model, folder, ignore=ignore) == sorted(mtp)
+        ref = make_model(family)
+        mhf.patch_model(ref, ranks=2, threads=1)
+        write_checkpoint(src, tmp_path / f"plain-{family}")
+        mhf.load_checkpoint(ref, tmp_path / f"plain-{family}")
+        ids = tokens()
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    with pytest.raises(ValueError, match="'\\(x' is not a regex of names to skip"):
+        mhf.load_checkpoint(model, folder, ignore="(x")
+
+
 FINETUNE = Path(os.environ.get("MOEC_HF_EXAMPLE",
                                Path(__file__).resolve().parents[3] / "examples/hf/finetune.py"))
 

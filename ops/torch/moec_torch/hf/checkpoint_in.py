@@ -1,6 +1,8 @@
 """Checkpoints in: a model's experts read (FP8 blocks kept or dequantized), the rest loaded. See
 the package's docstring."""
 
+import re
+
 import torch
 
 from .. import quant, safetensors
@@ -149,16 +151,38 @@ def _copy_fp8_expert(layer, j, ckpt, g, u, d):
     return True
 
 
-def load_checkpoint(model, checkpoint):
+def _ignored(model, ignore):
+    """The regexes of checkpoint names load_checkpoint skips: `ignore`, and
+    every module's _keys_to_ignore_on_load_unexpected (transformers' list
+    of names its checkpoints hold and the model does not, such as
+    DeepSeek-V3's multi-token prediction layer, model.layers.61.*)."""
+    patterns = [ignore] if isinstance(ignore, str) else list(ignore)
+    for m in model.modules():
+        patterns += list(getattr(m, "_keys_to_ignore_on_load_unexpected", None) or ())
+    out = []
+    for p in dict.fromkeys(patterns):
+        try:
+            out.append(re.compile(p))
+        except (re.error, TypeError) as e:
+            raise ValueError(f"moec: load_checkpoint: {p!r} is not a regex of names to "
+                             f"skip ({e})") from None
+    return out
+
+
+def load_checkpoint(model, checkpoint, ignore=()):
     """Loads every tensor of a checkpoint folder into a patched model: the
     experts through load_experts, every other parameter and buffer by its
     name (FP8 ones dequantized). A name the model has and the checkpoint
     lacks (but a tied lm_head.weight), or one the checkpoint has and the
-    model lacks, is an error, raised before anything is copied. The model
-    may be wholly on the meta device (made without memory, then patched):
-    its parameters and buffers get memory here, tied ones staying tied, so
-    no weight is ever in memory twice."""
+    model lacks, is an error, raised before anything is copied, but for
+    names that a regex of `ignore` or of the model's modules'
+    _keys_to_ignore_on_load_unexpected finds (re.search, as transformers
+    skips them): those are not read. The model may be wholly on the meta
+    device (made without memory, then patched): its parameters and buffers
+    get memory here, tied ones staying tied, so no weight is ever in memory
+    twice. Returns the names skipped."""
     ckpt = _open(checkpoint)
+    skip = _ignored(model, ignore)
     blocks = _patched(model)
     own = _non_expert_state(model)
     if getattr(_config_of(model), "tie_word_embeddings", False):
@@ -166,7 +190,9 @@ def load_checkpoint(model, checkpoint):
     ranks = blocks[0][2].layer.ranks
     known = set(own) | {n for r in range(ranks) for n, _, _ in _expert_entries(blocks, r)}
     missing = [k for k in own if k not in ckpt]
-    extra = [k for k in ckpt.keys() if k not in known
+    skipped = [k for k in ckpt.keys() if k not in known and any(p.search(k) for p in skip)]
+    passed = known | set(skipped)
+    extra = [k for k in ckpt.keys() if k not in passed
              and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in known)]
     for names, what in ((missing, "the checkpoint {where} has no '{name}'"),
                         (extra, "the model has no '{name}' of {where}")):
@@ -186,6 +212,7 @@ def load_checkpoint(model, checkpoint):
             t.copy_(_read_weight(ckpt, key))
     if getattr(_config_of(model), "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
         model.tie_weights()  # transformers' models tie lm_head to the embedding here
+    return skipped
 
 
 def _materialize(model, wanted):

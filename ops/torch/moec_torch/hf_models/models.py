@@ -62,10 +62,14 @@ class DecoderLayer(nn.Module):
 
 
 class MoeModel(nn.Module):
-    """<Family>Model: embed_tokens (padding_idx = pad_token_id), layers, norm."""
+    """<Family>Model: embed_tokens (padding_idx = pad_token_id), layers, norm;
+    _keys_to_ignore_on_load_unexpected as the family's model class has it
+    (checkpoint names transformers skips: DeepSeek-V3's multi-token
+    prediction layer, stored as layer 61)."""
 
     def __init__(self, config, model_class):
         super().__init__()
+        self._keys_to_ignore_on_load_unexpected = list(model_class.keys_to_ignore)
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([DecoderLayer(config, i, model_class)
@@ -117,6 +121,7 @@ class ForCausalLM(nn.Module):
     sparse_block = None
     dense_mlp = MLP
     checkpoint_block = "mlp"  # the MoE block's attribute name in checkpoints
+    keys_to_ignore = ()  # the <Family>Model's _keys_to_ignore_on_load_unexpected
     # By layout, (module class, output index) whose outputs are the router
     # logits, as transformers' OutputRecorder: v4's blocks, v5's routers.
     router_logits_from = {"modules": (SparseMoeBlock, 1), "fused": (TopKRouter, 0)}
@@ -293,6 +298,7 @@ class DeepseekV2ForCausalLM(ForCausalLM):
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """As DeepseekV2ForCausalLM, with DeepseekV3MoE and DeepseekV3MLP."""
     config_class, dense_mlp = DeepseekV3Config, DeepseekV3MLP
+    keys_to_ignore = (r"model\.layers\.61.*",)  # DeepseekV3Model's
 
     @classmethod
     def block_class(cls, config):

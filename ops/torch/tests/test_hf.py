@@ -18,7 +18,8 @@ import moec_torch
 import moec_torch.hf as mhf
 from moec_torch import hf_lora, hf_models, quant, safetensors
 
-FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe"]
+FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe",
+            "glm4_moe"]
 LAYOUTS = ["modules", "fused"]
 
 
@@ -44,6 +45,11 @@ def make_config(family, layout="modules", **extra):
                             norm_topk_prob=True),
         "olmoe": dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2,
                       norm_topk_prob=False),
+        "glm4_moe": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
+                         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                         n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                         attention_bias=True, use_qk_norm=True, head_dim=8,
+                         partial_rotary_factor=0.5),
     }[family]
     return hf_models.config_from_dict({"model_type": family, **common, **sizes, **extra})
 
@@ -711,13 +717,18 @@ def test_load_checkpoint_skips_what_transformers_skips(tmp_path):
     (_keys_to_ignore_on_load_unexpected): load_checkpoint skips and
     returns them, and loads the rest; in a family without that list the
     same names are refused, unless ignore= names them."""
-    mtp = {"model.layers.61.embed_tokens.weight": torch.ones(64, 32),
-           "model.layers.61.mlp.experts.0.gate_proj.weight": torch.ones(16, 32),
-           "model.layers.61.shared_head.norm.weight": torch.ones(32)}
-    for family, ignore, refused in (("deepseek_v3", (), False), ("qwen3_moe", (), True),
-                                    ("qwen3_moe", r"model\.layers\.61\.", False)):
+    def mtp_of(layer):
+        return {f"model.layers.{layer}.embed_tokens.weight": torch.ones(64, 32),
+                f"model.layers.{layer}.mlp.experts.0.gate_proj.weight": torch.ones(16, 32),
+                f"model.layers.{layer}.shared_head.norm.weight": torch.ones(32)}
+
+    for family, ignore, refused, layer in (
+            ("deepseek_v3", (), False, 61), ("glm4_moe", (), False, 46),  # GLM-4.5-Air's
+            ("glm4_moe", (), False, 92), ("qwen3_moe", (), True, 61),
+            ("qwen3_moe", r"model\.layers\.61\.", False, 61)):
+        mtp = mtp_of(layer)
         src = make_model(family)
-        folder = tmp_path / f"{family}-{bool(ignore)}"
+        folder = tmp_path / f"{family}-{bool(ignore)}-{layer}"
         state = write_checkpoint(src, folder)
         safetensors.save_sharded({**state, **mtp}, folder, 30_000)
         model = make_model(family, seed=7)

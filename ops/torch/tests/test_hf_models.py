@@ -18,7 +18,10 @@ import torch.nn.functional as F
 
 from moec_torch import hf_models as hm
 
-FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe"]
+FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe",
+            "glm4_moe"]
+V3_ROUTED = ("deepseek_v3", "glm4_moe")  # DeepSeek-V3's router and block
+DEEPSEEK_LIKE = ("deepseek_v2", *V3_ROUTED)  # dense first layers, no router logits out
 SOFTMAX_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"]
 LAYOUTS = ["modules", "fused"]
 E, H, I = 8, 32, 16
@@ -45,6 +48,10 @@ def config(family, layout="modules", **extra):
                             n_shared_experts=1, first_k_dense_replace=1, n_group=4,
                             topk_group=2),
         "olmoe": dict(intermediate_size=I, num_experts=E, clip_qkv=8.0),
+        "glm4_moe": dict(intermediate_size=48, moe_intermediate_size=I, n_routed_experts=E,
+                         n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                         routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True,
+                         head_dim=16, partial_rotary_factor=0.5),
     }[family]
     return hm.config_from_dict({"model_type": family, **common, **sizes, **extra})
 
@@ -74,8 +81,8 @@ def checkpoint_grads(m):
 
 
 def sparse_layers(family):
-    return {"qwen2_moe": [0, 2], "qwen3_moe": [1]}.get(family, [1, 2] if "deepseek" in family
-                                                        else [0, 1, 2])
+    return {"qwen2_moe": [0, 2], "qwen3_moe": [1]}.get(
+        family, [1, 2] if family in DEEPSEEK_LIKE else [0, 1, 2])
 
 
 def block_of(m, i=None):
@@ -91,7 +98,7 @@ def test_layouts_compute_alike(family):
     across under checkpoint names) gives the same logits, loss, aux loss
     and router logits, and the same gradients of every checkpoint tensor."""
     mod, fused = model(family, "modules", seed=1), model(family, "fused", seed=2)
-    if family == "deepseek_v3":  # a bias that moves choices, kept >= 0 (see the v4/v5 test)
+    if family in V3_ROUTED:  # a bias that moves choices, kept >= 0 (see the v4/v5 test)
         for i in sparse_layers(family):
             block_of(mod, i).gate.e_score_correction_bias.uniform_(0.0, 0.2)
     hm.load_checkpoint_state_dict(fused, hm.checkpoint_state_dict(mod))
@@ -101,7 +108,7 @@ def test_layouts_compute_alike(family):
     outs = [m(ids, labels=labels, output_router_logits=True) for m in (mod, fused)]
     close(outs[1].logits, outs[0].logits, "logits")
     close(outs[1].loss, outs[0].loss, "loss")
-    if family.startswith("deepseek"):
+    if family in DEEPSEEK_LIKE:
         assert outs[0].router_logits is outs[1].router_logits is None
         assert outs[0].aux_loss is outs[1].aux_loss is None
     else:
@@ -365,7 +372,9 @@ def hub_names(family, cfg):
         names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
         if family == "qwen2_moe":
             names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
-        if family in ("qwen3_moe", "olmoe"):
+        if family == "glm4_moe":  # attention_bias on q/k/v, use_qk_norm per head
+            names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
+        if family in ("qwen3_moe", "olmoe", "glm4_moe"):
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
         block = p + ("block_sparse_moe." if family == "mixtral" else "mlp.")
         if i not in sparse_layers(family):
@@ -374,12 +383,12 @@ def hub_names(family, cfg):
         names |= {block + "gate.weight"}
         names |= {f"{block}experts.{e}.{x}.weight" for e in range(n_experts) for x in proj}
         shared = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts",
-                  "deepseek_v3": "shared_experts"}.get(family)
+                  "deepseek_v3": "shared_experts", "glm4_moe": "shared_experts"}.get(family)
         if shared:
             names |= {f"{block}{shared}.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")}
         if family == "qwen2_moe":
             names |= {block + "shared_expert_gate.weight"}
-        if family == "deepseek_v3":
+        if family in V3_ROUTED:
             names |= {block + "gate.e_score_correction_bias"}
     return names
 
@@ -429,9 +438,11 @@ def test_v5_module_tree():
         assert state[f"model.layers.{i}.mlp.gate.weight"].shape == (E, H)
         block = block_of(m)
         prefix = {"qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
-                  "olmoe": "Olmoe", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}
+                  "olmoe": "Olmoe", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3",
+                  "glm4_moe": "Glm4Moe"}
         assert type(block.experts).__name__ == prefix[family] + "Experts"
-        router = {"deepseek_v3": "DeepseekV3TopkRouter", "deepseek_v2": "DeepseekV2TopkRouter"}
+        router = {"deepseek_v3": "DeepseekV3TopkRouter", "deepseek_v2": "DeepseekV2TopkRouter",
+                  "glm4_moe": "Glm4MoeTopkRouter"}
         assert type(block.gate).__name__ == router.get(family, prefix[family] + "TopKRouter")
     assert type(block_of(model("deepseek_v2", "fused"))).__name__ == "DeepseekV2Moe"
     assert type(block_of(model("deepseek_v2"))).__name__ == "DeepseekV2MoE"
@@ -511,6 +522,12 @@ def test_config_defaults_are_transformers():
     c = hm.DeepseekV2Config()
     assert (c.topk_method, c.n_shared_experts, c.n_routed_experts, c.routed_scaling_factor,
             c.num_key_value_heads, c.num_experts) == ("greedy", 2, 64, 1.0, 32, 64)
+    c = hm.Glm4MoeConfig()
+    assert (c.n_routed_experts, c.n_shared_experts, c.n_group, c.topk_group,
+            c.routed_scaling_factor, c.norm_topk_prob, c.first_k_dense_replace,
+            c.num_experts_per_tok, c.moe_intermediate_size, c.partial_rotary_factor,
+            c.use_qk_norm, c.attention_bias) == (128, 1, 1, 1, 1.0, True, 1, 8, 1408, 0.5,
+                                                 False, False)
     c = hm.OlmoeConfig()
     assert (c.num_experts, c.num_experts_per_tok, c.router_aux_loss_coef, c.num_local_experts,
             c.norm_topk_prob) == (64, 8, 0.01, 64, False)
@@ -543,7 +560,7 @@ def test_config_json_round_trip(tmp_path):
 def test_registry():
     assert set(hm.MODELS) == {"Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
                               "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                              "OlmoeForCausalLM"}
+                              "OlmoeForCausalLM", "Glm4MoeForCausalLM"}
     for family in FAMILIES:
         cfg = config(family)
         m = hm.model_from_config(cfg.to_dict())
@@ -587,6 +604,7 @@ def test_dense_layers():
         "qwen3_moe": (hm.Qwen3MoeMLP, hm.Qwen3MoeSparseMoeBlock),
         "deepseek_v2": (hm.DeepseekV2MLP, hm.DeepseekV2MoE),
         "deepseek_v3": (hm.DeepseekV3MLP, hm.DeepseekV3MoE),
+        "glm4_moe": (hm.Glm4MoeMLP, hm.Glm4MoeMoE),
     }
     for family, (dense, sparse) in kinds.items():
         for layout in LAYOUTS:
@@ -619,7 +637,7 @@ def test_loss(family):
                                                          .unsqueeze(-1)).squeeze(-1)[keep].mean()
     close(plain.loss, want, "cross entropy")
     out = m(ids, labels=labels, output_router_logits=True)
-    if family.startswith("deepseek"):
+    if family in DEEPSEEK_LIKE:
         assert out.router_logits is None and out.aux_loss is None
         close(out.loss, plain.loss, "loss without aux")
         return

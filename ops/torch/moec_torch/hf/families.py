@@ -35,6 +35,7 @@ FAMILIES = [
     Family("deepseek_v2", ("DeepseekV2MoE", "DeepseekV2Moe"), PROJECTIONS, "moe_method"),
     Family("deepseek_v3", ("DeepseekV3MoE",), PROJECTIONS, "moe_method"),
     Family("olmoe", ("OlmoeSparseMoeBlock",), PROJECTIONS, "softmax"),
+    Family("glm4_moe", ("Glm4MoeMoE",), PROJECTIONS, "moe_method"),
 ]
 _BY_BLOCK = {cls: f for f in FAMILIES for cls in f.blocks}
 

@@ -1,6 +1,7 @@
 """Stand-ins of Hugging Face transformers' MoE causal LMs, for moec's tests
 and examples where transformers is not installed (it is not a Debian
-package): Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3 and OLMoE.
+package): Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, OLMoE and
+GLM-4.5 (glm4_moe: DeepSeek-V3's MoE under GLM's class names).
 
     config = hf_models.config_from_dict({"model_type": "qwen3_moe", "hidden_size": 64, ...})
     model = hf_models.model_from_config(config)          # Qwen3MoeForCausalLM(config)
@@ -26,7 +27,8 @@ routing weights, left in fp32.
 Simplified, since moec does not touch them: attention is plain causal
 multi-head attention with grouped KV heads and rotary embeddings (eager
 math; Qwen3's per-head and OLMoE's whole-projection q_norm/k_norm and
-clip_qkv kept); DeepSeek's multi-head latent attention is replaced by the
+clip_qkv kept; GLM's partial rotary embeddings in the same rotate-half
+form); DeepSeek's multi-head latent attention is replaced by the
 same plain attention, so DeepSeek attention weights are named
 q_proj/k_proj/v_proj/o_proj rather than the Hub's q_a_proj, kv_a_proj_with_mqa,
 ...; no KV cache, attention mask (but the causal one), sliding window, rope
@@ -37,7 +39,8 @@ Sources read (the code here is written anew from them):
   v4: transformers main of the 4.5x series: models/{qwen3_moe,mixtral}/
       modeling_*.py at 00d4b3d (4.56-4.57), deepseek_v3/modeling_deepseek_v3.py
       at 00b676f (4.54-4.55), deepseek_v2/modular_deepseek_v2.py (4.5x),
-      qwen2_moe and olmoe of the same series, and their configuration_*.py.
+      qwen2_moe and olmoe of the same series, and their configuration_*.py;
+      glm4_moe/modular_glm4_moe.py (4.5x, 0e97420).
   v5: transformers main of the 5.x series (experts under
       @use_experts_implementation, routers as modules, @strict configs), read
       from a fork's snapshot at c0ce2e4: models/<family>/modeling_*.py and
@@ -52,6 +55,7 @@ from .configs import (  # noqa: F401
     OlmoeConfig,
     DeepseekV2Config,
     DeepseekV3Config,
+    Glm4MoeConfig,
     config_from_dict,
     config_from_pretrained,
     CONFIGS)
@@ -64,6 +68,7 @@ from .modules import (  # noqa: F401
     OlmoeMLP,
     DeepseekV2MLP,
     DeepseekV3MLP,
+    Glm4MoeMLP,
     MixtralBlockSparseTop2MLP,
     Experts,
     Qwen2MoeExperts,
@@ -72,6 +77,7 @@ from .modules import (  # noqa: F401
     OlmoeExperts,
     DeepseekV2Experts,
     DeepseekV3Experts,
+    Glm4MoeExperts,
     ACT2FN)
 from .moe import (  # noqa: F401
     TopKRouter,
@@ -89,7 +95,9 @@ from .moe import (  # noqa: F401
     DeepseekV2TopkRouter,
     DeepseekV3MoE,
     DeepseekV2MoE,
-    DeepseekV2Moe)
+    DeepseekV2Moe,
+    Glm4MoeTopkRouter,
+    Glm4MoeMoE)
 from .models import (  # noqa: F401
     DecoderLayer,
     MoeModel,
@@ -102,6 +110,7 @@ from .models import (  # noqa: F401
     OlmoeForCausalLM,
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
+    Glm4MoeForCausalLM,
     model_from_config,
     MODELS)
 from .checkpoints import (  # noqa: F401

@@ -181,8 +181,27 @@ class DeepseekV3Config(PretrainedConfig):
                     bos_token_id=0, eos_token_id=1)
 
 
+class Glm4MoeConfig(PretrainedConfig):
+    """GLM-4.5 / 4.6 (transformers' modular_glm4_moe.py): DeepSeek-V3's MoE
+    (sigmoid router with e_score_correction_bias, groups, shared experts,
+    first_k_dense_replace dense layers) under grouped-query attention with
+    partial rotary embeddings (partial_rotary_factor), q/k/v biases by
+    attention_bias and per-head q/k norms by use_qk_norm; the Hub's
+    config.json gives head_dim."""
+    model_type, architecture, experts_field = "glm4_moe", "Glm4MoeForCausalLM", "n_routed_experts"
+    attribute_map = {"num_local_experts": "n_routed_experts"}
+    defaults = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+                    num_hidden_layers=46, num_attention_heads=96, partial_rotary_factor=0.5,
+                    num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                    attention_bias=False, moe_intermediate_size=1408, num_experts_per_tok=8,
+                    n_shared_experts=1, n_routed_experts=128, routed_scaling_factor=1.0,
+                    n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                    use_qk_norm=False)
+
+
 CONFIGS = {c.model_type: c for c in (Qwen2MoeConfig, Qwen3MoeConfig, MixtralConfig,
-                                     DeepseekV2Config, DeepseekV3Config, OlmoeConfig)}
+                                     DeepseekV2Config, DeepseekV3Config, OlmoeConfig,
+                                     Glm4MoeConfig)}
 
 
 def config_from_dict(d):

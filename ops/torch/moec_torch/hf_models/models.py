@@ -7,6 +7,7 @@ from torch import nn
 from .configs import (
     DeepseekV2Config,
     DeepseekV3Config,
+    Glm4MoeConfig,
     MixtralConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
@@ -17,6 +18,7 @@ from .modules import (
     Attention,
     DeepseekV2MLP,
     DeepseekV3MLP,
+    Glm4MoeMLP,
     MLP,
     OlmoeMLP,
     Qwen2MoeMLP,
@@ -27,6 +29,7 @@ from .moe import (
     DeepseekV2MoE,
     DeepseekV2Moe,
     DeepseekV3MoE,
+    Glm4MoeMoE,
     MixtralSparseMoeBlock,
     OlmoeSparseMoeBlock,
     Qwen2MoeSparseMoeBlock,
@@ -305,9 +308,30 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return DeepseekV3MoE
 
 
+class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.5's: DeepSeek-V3's layers (dense before first_k_dense_replace,
+    Glm4MoeMoE after) under grouped-query attention with head_dim, partial
+    rotary embeddings, q/k/v biases by attention_bias (o_proj none) and
+    per-head q/k norms by use_qk_norm."""
+    config_class, dense_mlp = Glm4MoeConfig, Glm4MoeMLP
+    # Glm4MoeModel's: the multi-token prediction layer of GLM-4.5 (92
+    # layers) and GLM-4.5-Air (46).
+    keys_to_ignore = (r"model\.layers\.92.*", r"model\.layers\.46.*")
+
+    @classmethod
+    def block_class(cls, config):
+        return Glm4MoeMoE
+
+    @classmethod
+    def attention(cls, config):
+        return Attention(config, qkv_bias=config.attention_bias,
+                         qk_norm="head" if config.use_qk_norm else None)
+
+
 MODELS = {cls.__name__: cls for cls in (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
                                         MixtralForCausalLM, OlmoeForCausalLM,
-                                        DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)}
+                                        DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
+                                        Glm4MoeForCausalLM)}
 
 
 def model_from_config(config, seed=None):

@@ -51,6 +51,8 @@ class Attention(nn.Module):
         self.scaling = d ** -0.5
         rope = getattr(config, "rope_parameters", None)  # v5 configs
         self.rope_theta = rope["rope_theta"] if isinstance(rope, dict) else config.rope_theta
+        # GLM: rotary embeddings on the first partial_rotary_factor of each head
+        self.rotary_dim = int(d * getattr(config, "partial_rotary_factor", 1.0))
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
         self.k_proj = nn.Linear(h, self.num_key_value_heads * d, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.num_key_value_heads * d, bias=qkv_bias)
@@ -77,12 +79,18 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        d = self.head_dim
+        d = self.rotary_dim
         inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
         freqs = torch.outer(torch.arange(t, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1).to(hidden_states.device)
         cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if d == self.head_dim:
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        else:
+            (q, q_pass), (k, k_pass) = q.split([d, self.head_dim - d], -1), \
+                k.split([d, self.head_dim - d], -1)
+            q = torch.cat((q * cos + _rotate_half(q) * sin, q_pass), dim=-1)
+            k = torch.cat((k * cos + _rotate_half(k) * sin, k_pass), dim=-1)
         groups = self.num_heads // self.num_key_value_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
@@ -128,6 +136,10 @@ class DeepseekV2MLP(MLP):
 
 
 class DeepseekV3MLP(MLP):
+    pass
+
+
+class Glm4MoeMLP(MLP):
     pass
 
 
@@ -216,4 +228,9 @@ class DeepseekV2Experts(Experts):
 
 class DeepseekV3Experts(Experts):
     """(transformers 5.0 called it DeepseekV3NaiveMoe.)"""
+    num_experts_field = "n_routed_experts"
+
+
+class Glm4MoeExperts(Experts):
+    """(transformers 5.0 called it Glm4MoeNaiveMoe.)"""
     num_experts_field = "n_routed_experts"

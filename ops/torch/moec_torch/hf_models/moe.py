@@ -10,6 +10,8 @@ from .modules import (
     DeepseekV2MLP,
     DeepseekV3Experts,
     DeepseekV3MLP,
+    Glm4MoeExperts,
+    Glm4MoeMLP,
     Experts,
     MLP,
     MixtralBlockSparseTop2MLP,
@@ -353,3 +355,14 @@ class DeepseekV2MoE(DeepseekV3MoE):
 
 class DeepseekV2Moe(DeepseekV2MoE):
     """DeepSeek-V2's v5 block: transformers v5 spells it DeepseekV2Moe."""
+
+
+class Glm4MoeTopkRouter(DeepseekV3TopkRouter):
+    """GLM-4.5's router: DeepSeek-V3's."""
+
+
+class Glm4MoeMoE(DeepseekV3MoE):
+    """GLM-4.5's block: DeepSeek-V3's (its ``moe`` method in v4, the fused
+    Glm4MoeExperts in v5), under GLM's names."""
+    mlp_class, experts_class = Glm4MoeMLP, Glm4MoeExperts
+    routers = (Glm4MoeTopkRouter, Glm4MoeTopkRouter)

@@ -9,7 +9,8 @@ range says by how much it did in that run.
 
     examples/torch/bench.py [--config CFG] [--tokens S] [--ranks R]
                             [--dtypes fp32,bf16] [--threads N] [--repeat N]
-                            [--training | --memory | --profile VARIANT]
+                            [--training | --memory | --profile VARIANT |
+                             --decode N,N,...]
 
 Default: the qwen3-30b-a3b shapes (H 2048, I 768, E 128, top-8) with S = 1024
 tokens per rank on 2 ranks, fp32 and bf16. examples/torch/bench.sh builds
@@ -62,6 +63,14 @@ the GEMM tile's layout instead of packing the part each tile reads every
 time ("_unpacked" says pack_weights=False, the default, explicitly), and
 a "_packed_forward" one (pack_weights="forward": the forward pass's
 weights packed, the backward's read as stored).
+
+--decode N,N,... times forward calls of N tokens each instead, as a
+generation step makes them (no gradients), on one rank that holds every
+expert: moec's frozen layer, the same with pack_weights=True, and the
+plain PyTorch layer on the same weights, alternating. With few tokens a
+call reads the weights of the experts its tokens reach ("experts", "MB
+read"), and the time goes to that: "moec GB/s" is those bytes over the
+faster moec call, against the memory read rate `moec bench` measures.
 
 --profile VARIANT prints where one variant's step goes instead: the layer
 made with trace=True, two warm-up steps, then the third step's
@@ -202,6 +211,47 @@ def bench(cfg, ranks, dtype, threads, repeat, with_torch=True):
     moec_s = statistics.median(times["moec"])
     torch_s = statistics.median(times["torch"]) if with_torch else float("nan")
     return moec_s, torch_s, gmm_flops(layer, ranks, 3), times, weight_stream_bytes(layer)
+
+
+def bench_decode(cfg, dtype, threads, repeat, counts):
+    """--decode: forward calls of a few tokens each, as a generation step
+    makes, on one rank holding every expert: moec's frozen layer, the same
+    with pack_weights=True, and the plain PyTorch layer on the same weights,
+    alternating, under torch.no_grad(). Returns {N: (experts hit, expert
+    bytes read, {name: median seconds}, {name: [seconds]})}."""
+    cfg = dict(cfg, dtype=dtype, seq_size=max(counts))
+    layer = moec_torch.MoeFFN(cfg, 1, threads=threads, frozen=True)
+    packed = moec_torch.MoeFFN(cfg, 1, threads=threads, frozen=True, pack_weights=True)
+    with torch.no_grad():
+        packed.w1.copy_(layer.w1)
+        packed.w2.copy_(layer.w2)
+    E, H, K = layer.experts, layer.hidden, layer.top_k
+    per_expert = (layer.w1[0].numel() + layer.w2[0].numel()) * layer.w1.element_size()
+
+    def plain(x, ids, weights):
+        return reference.moe_ffn(x, ids, weights, layer.w1, layer.w2)
+
+    runs = (("moec", layer), ("moec packed", packed), ("torch", plain))
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for n in counts:
+        x = (torch.rand(1, n, H, generator=g) * 2 - 1).to(layer.dtype)
+        ids = torch.rand(n, E, generator=g).argsort(dim=1)[:, :K].reshape(1, n, K)
+        weights = torch.rand(1, n, K, generator=g) * 0.8 + 0.2
+        times = {name: [] for name, _ in runs}
+        with torch.no_grad():
+            for _ in range(3):  # warm-up: workspace, page faults, packing
+                for _, fn in runs:
+                    fn(x, ids, weights)
+            for _ in range(repeat):
+                for name, fn in runs:
+                    start = time.perf_counter()
+                    fn(x, ids, weights)
+                    times[name].append(time.perf_counter() - start)
+        hit = int(ids.unique().numel())
+        out[n] = (hit, hit * per_expert, {k: statistics.median(v) for k, v in times.items()},
+                  times)
+    return out
 
 
 VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
@@ -605,6 +655,10 @@ def main():
     p.add_argument("--training", action="store_true",
                    help="compare moec's training variants (full, main_grad, frozen, lora, "
                         "split) instead")
+    p.add_argument("--decode", metavar="N,N,...",
+                   help="forward calls of N tokens each instead (generation's steps), on one "
+                        "rank holding every expert, frozen: moec, moec with pack_weights, "
+                        "PyTorch; --repeat calls each (default 20 here)")
     args = p.parse_args()
     with_malloc_settings()
     cfg = json.loads(Path(args.config).read_text())
@@ -619,11 +673,12 @@ def main():
     warning = malloc_warning(cfg, args.dtypes.split(","))
     if warning:
         print(warning, file=sys.stderr)
-    print(f"config {cfg.get('name', args.config)}: H {cfg['hidden_size']}, "
-          f"I {cfg['intermediate_size']}, E {cfg['num_experts']}, top-{cfg['top_k']}, "
-          f"S {args.tokens} per rank, {args.ranks} ranks, {args.threads} threads, "
-          + ("the third step's profile" if args.profile else
-             f"median of {args.repeat} steps (forward + backward)"))
+    shapes = (f"config {cfg.get('name', args.config)}: H {cfg['hidden_size']}, "
+              f"I {cfg['intermediate_size']}, E {cfg['num_experts']}, top-{cfg['top_k']}, ")
+    print(shapes + (f"{args.threads} threads" if args.decode else
+                    f"S {args.tokens} per rank, {args.ranks} ranks, {args.threads} threads, "
+                    + ("the third step's profile" if args.profile else
+                       f"median of {args.repeat} steps (forward + backward)")))
     if args.profile:
         for dtype in args.dtypes.split(","):
             profile_one(cfg, args.ranks, dtype, args.threads, args.profile)
@@ -634,6 +689,29 @@ def main():
                                 ["--memory-one", dtype]).returncode
             if rc:
                 return rc  # the child said why
+        return 0
+    if args.decode:
+        try:
+            counts = [int(n) for n in args.decode.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1:
+            p.error(f"--decode takes token counts (1,4,16), got {args.decode!r}")
+        repeat = args.repeat if "--repeat" in sys.argv else 20
+        fair_baseline(args.moec, args.threads)  # also measures the memory read rate
+        print_peaks(args.threads)
+        rate = memory_rate()
+        print(f"decode: forward only, frozen, one rank holding all {cfg['num_experts']} "
+              f"experts, median of {repeat} calls; memory read {rate / 1e9:.1f} GB/s")
+        print(f"{'dtype':6} {'N':>5} {'experts':>8} {'MB read':>8} {'moec ms':>8} "
+              f"{'packed ms':>10} {'torch ms':>9} {'speed-up':>9} {'moec GB/s':>10}")
+        for dtype in args.dtypes.split(","):
+            for n, (hit, moved, med, times) in bench_decode(cfg, dtype, args.threads, repeat,
+                                                            counts).items():
+                best = min(med["moec"], med["moec packed"])
+                print(f"{dtype:6} {n:5d} {hit:8d} {moved / 1e6:8.1f} {med['moec'] * 1e3:8.2f} "
+                      f"{med['moec packed'] * 1e3:10.2f} {med['torch'] * 1e3:9.2f} "
+                      f"{med['torch'] / best:8.2f}x {moved / best / 1e9:10.1f}", flush=True)
         return 0
     if args.training:
         fair_baseline(args.moec, args.threads)  # the GEMM rate of split's PyTorch experts

@@ -183,3 +183,18 @@ def test_malloc_warning_names_a_threshold_below_the_largest_tensor():
     # glibc reads a value's leading digits: "16GiB" is 16 bytes.
     unit = bench.malloc_warning(qwen3, ["fp32"], {"MALLOC_MMAP_THRESHOLD_": "16GiB"})
     assert unit and "reads '16GiB' as 16" in unit
+
+
+def test_decode_times_the_three_on_the_experts_hit():
+    """bench.py --decode: per token count, the experts the tokens reach and
+    their bytes, and every call of moec, moec packed and PyTorch timed."""
+    cfg = dict(TINY, seq_size=64)
+    out = bench.bench_decode(cfg, "fp32", 2, 3, [1, 8])
+    E, K = TINY["num_experts"], TINY["top_k"]
+    for n, (hit, moved, med, times) in out.items():
+        assert K <= hit <= min(E, n * K)
+        assert set(med) == {"moec", "moec packed", "torch"}
+        assert all(len(v) == 3 and min(v) > 0 for v in times.values())
+        assert med["moec"] == sorted(times["moec"])[1]
+    per_expert = out[1][1] // out[1][0]
+    assert per_expert == 3 * TINY["hidden_size"] * TINY["intermediate_size"] * 4

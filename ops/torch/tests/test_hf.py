@@ -19,7 +19,7 @@ import moec_torch.hf as mhf
 from moec_torch import hf_lora, hf_models, quant, safetensors
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe",
-            "glm4_moe"]
+            "glm4_moe", "qwen3_next"]
 LAYOUTS = ["modules", "fused"]
 
 
@@ -45,6 +45,9 @@ def make_config(family, layout="modules", **extra):
                             norm_topk_prob=True),
         "olmoe": dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2,
                       norm_topk_prob=False),
+        "qwen3_next": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+                           num_experts_per_tok=2, shared_expert_intermediate_size=24,
+                           norm_topk_prob=True, head_dim=8, partial_rotary_factor=0.25),
         "glm4_moe": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
                          num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                          n_group=4, topk_group=2, routed_scaling_factor=1.5,
@@ -718,6 +721,9 @@ def test_load_checkpoint_skips_what_transformers_skips(tmp_path):
     returns them, and loads the rest; in a family without that list the
     same names are refused, unless ignore= names them."""
     def mtp_of(layer):
+        if layer == "mtp":  # Qwen3-Next's head, at the top level
+            return {"mtp.fc.weight": torch.ones(32, 64), "mtp.norm.weight": torch.ones(32),
+                    "mtp.layers.0.mlp.experts.0.gate_proj.weight": torch.ones(16, 32)}
         return {f"model.layers.{layer}.embed_tokens.weight": torch.ones(64, 32),
                 f"model.layers.{layer}.mlp.experts.0.gate_proj.weight": torch.ones(16, 32),
                 f"model.layers.{layer}.shared_head.norm.weight": torch.ones(32)}
@@ -725,6 +731,7 @@ def test_load_checkpoint_skips_what_transformers_skips(tmp_path):
     for family, ignore, refused, layer in (
             ("deepseek_v3", (), False, 61), ("glm4_moe", (), False, 46),  # GLM-4.5-Air's
             ("glm4_moe", (), False, 92), ("qwen3_moe", (), True, 61),
+            ("qwen3_next", (), False, "mtp"),
             ("qwen3_moe", r"model\.layers\.61\.", False, 61)):
         mtp = mtp_of(layer)
         src = make_model(family)

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from moec_torch import hf_models as hm
 
 FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe",
-            "glm4_moe"]
+            "glm4_moe", "qwen3_next"]
+SHARED_GATED = ("qwen2_moe", "qwen3_next")  # Qwen2-MoE's block: a gated shared expert
 V3_ROUTED = ("deepseek_v3", "glm4_moe")  # DeepSeek-V3's router and block
 DEEPSEEK_LIKE = ("deepseek_v2", *V3_ROUTED)  # dense first layers, no router logits out
-SOFTMAX_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"]
+SOFTMAX_FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "qwen3_next"]
 LAYOUTS = ["modules", "fused"]
 E, H, I = 8, 32, 16
 
@@ -48,6 +49,9 @@ def config(family, layout="modules", **extra):
                             n_shared_experts=1, first_k_dense_replace=1, n_group=4,
                             topk_group=2),
         "olmoe": dict(intermediate_size=I, num_experts=E, clip_qkv=8.0),
+        "qwen3_next": dict(intermediate_size=48, moe_intermediate_size=I, num_experts=E,
+                           shared_expert_intermediate_size=24, mlp_only_layers=[1],
+                           head_dim=16, partial_rotary_factor=0.25),
         "glm4_moe": dict(intermediate_size=48, moe_intermediate_size=I, n_routed_experts=E,
                          n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                          routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True,
@@ -81,7 +85,7 @@ def checkpoint_grads(m):
 
 
 def sparse_layers(family):
-    return {"qwen2_moe": [0, 2], "qwen3_moe": [1]}.get(
+    return {"qwen2_moe": [0, 2], "qwen3_moe": [1], "qwen3_next": [0, 2]}.get(
         family, [1, 2] if family in DEEPSEEK_LIKE else [0, 1, 2])
 
 
@@ -180,7 +184,7 @@ def test_softmax_block_routing(family, layout, norm):
         chosen = top(p, 2)
         w = [p[e] / (sum(p[c] for c in chosen) if renorm else 1.0) for e in chosen]
         y = sum(wk * experts[e](t) for wk, e in zip(w, chosen))
-        if family == "qwen2_moe":
+        if family in SHARED_GATED:
             shared = expert_fn(state, f"{prefix}.shared_expert")
             y = y + torch.sigmoid(t @ state[f"{prefix}.shared_expert_gate.weight"].double().t()) \
                 * shared(t)
@@ -374,7 +378,7 @@ def hub_names(family, cfg):
             names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
         if family == "glm4_moe":  # attention_bias on q/k/v, use_qk_norm per head
             names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
-        if family in ("qwen3_moe", "olmoe", "glm4_moe"):
+        if family in ("qwen3_moe", "olmoe", "glm4_moe", "qwen3_next"):
             names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
         block = p + ("block_sparse_moe." if family == "mixtral" else "mlp.")
         if i not in sparse_layers(family):
@@ -382,11 +386,12 @@ def hub_names(family, cfg):
             continue
         names |= {block + "gate.weight"}
         names |= {f"{block}experts.{e}.{x}.weight" for e in range(n_experts) for x in proj}
-        shared = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts",
+        shared = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
+                  "deepseek_v2": "shared_experts",
                   "deepseek_v3": "shared_experts", "glm4_moe": "shared_experts"}.get(family)
         if shared:
             names |= {f"{block}{shared}.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")}
-        if family == "qwen2_moe":
+        if family in SHARED_GATED:
             names |= {block + "shared_expert_gate.weight"}
         if family in V3_ROUTED:
             names |= {block + "gate.e_score_correction_bias"}
@@ -439,7 +444,7 @@ def test_v5_module_tree():
         block = block_of(m)
         prefix = {"qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral",
                   "olmoe": "Olmoe", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3",
-                  "glm4_moe": "Glm4Moe"}
+                  "glm4_moe": "Glm4Moe", "qwen3_next": "Qwen3Next"}
         assert type(block.experts).__name__ == prefix[family] + "Experts"
         router = {"deepseek_v3": "DeepseekV3TopkRouter", "deepseek_v2": "DeepseekV2TopkRouter",
                   "glm4_moe": "Glm4MoeTopkRouter"}
@@ -522,6 +527,10 @@ def test_config_defaults_are_transformers():
     c = hm.DeepseekV2Config()
     assert (c.topk_method, c.n_shared_experts, c.n_routed_experts, c.routed_scaling_factor,
             c.num_key_value_heads, c.num_experts) == ("greedy", 2, 64, 1.0, 32, 64)
+    c = hm.Qwen3NextConfig()
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+            c.shared_expert_intermediate_size, c.norm_topk_prob, c.head_dim,
+            c.partial_rotary_factor, c.mlp_only_layers) == (512, 10, 512, 512, True, 256, 0.25, [])
     c = hm.Glm4MoeConfig()
     assert (c.n_routed_experts, c.n_shared_experts, c.n_group, c.topk_group,
             c.routed_scaling_factor, c.norm_topk_prob, c.first_k_dense_replace,
@@ -560,7 +569,7 @@ def test_config_json_round_trip(tmp_path):
 def test_registry():
     assert set(hm.MODELS) == {"Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
                               "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                              "OlmoeForCausalLM", "Glm4MoeForCausalLM"}
+                              "OlmoeForCausalLM", "Glm4MoeForCausalLM", "Qwen3NextForCausalLM"}
     for family in FAMILIES:
         cfg = config(family)
         m = hm.model_from_config(cfg.to_dict())
@@ -601,6 +610,7 @@ def test_dense_layers():
     intermediate_size."""
     kinds = {
         "qwen2_moe": (hm.Qwen2MoeMLP, hm.Qwen2MoeSparseMoeBlock),
+        "qwen3_next": (hm.Qwen3NextMLP, hm.Qwen3NextSparseMoeBlock),
         "qwen3_moe": (hm.Qwen3MoeMLP, hm.Qwen3MoeSparseMoeBlock),
         "deepseek_v2": (hm.DeepseekV2MLP, hm.DeepseekV2MoE),
         "deepseek_v3": (hm.DeepseekV3MLP, hm.DeepseekV3MoE),

@@ -36,6 +36,7 @@ FAMILIES = [
     Family("deepseek_v3", ("DeepseekV3MoE",), PROJECTIONS, "moe_method"),
     Family("olmoe", ("OlmoeSparseMoeBlock",), PROJECTIONS, "softmax"),
     Family("glm4_moe", ("Glm4MoeMoE",), PROJECTIONS, "moe_method"),
+    Family("qwen3_next", ("Qwen3NextSparseMoeBlock",), PROJECTIONS, "softmax"),
 ]
 _BY_BLOCK = {cls: f for f in FAMILIES for cls in f.blocks}
 

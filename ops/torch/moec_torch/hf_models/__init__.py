@@ -1,7 +1,8 @@
 """Stand-ins of Hugging Face transformers' MoE causal LMs, for moec's tests
 and examples where transformers is not installed (it is not a Debian
-package): Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, OLMoE and
-GLM-4.5 (glm4_moe: DeepSeek-V3's MoE under GLM's class names).
+package): Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, OLMoE,
+GLM-4.5 (glm4_moe: DeepSeek-V3's MoE under GLM's class names) and Qwen3-Next
+(qwen3_next: Qwen2-MoE's block under Qwen3-Next's names).
 
     config = hf_models.config_from_dict({"model_type": "qwen3_moe", "hidden_size": 64, ...})
     model = hf_models.model_from_config(config)          # Qwen3MoeForCausalLM(config)
@@ -28,7 +29,8 @@ Simplified, since moec does not touch them: attention is plain causal
 multi-head attention with grouped KV heads and rotary embeddings (eager
 math; Qwen3's per-head and OLMoE's whole-projection q_norm/k_norm and
 clip_qkv kept; GLM's partial rotary embeddings in the same rotate-half
-form); DeepSeek's multi-head latent attention is replaced by the
+form; Qwen3-Next's linear attention and gated attention layers are all that
+plain attention); DeepSeek's multi-head latent attention is replaced by the
 same plain attention, so DeepSeek attention weights are named
 q_proj/k_proj/v_proj/o_proj rather than the Hub's q_a_proj, kv_a_proj_with_mqa,
 ...; no KV cache, attention mask (but the causal one), sliding window, rope
@@ -40,7 +42,9 @@ Sources read (the code here is written anew from them):
       modeling_*.py at 00d4b3d (4.56-4.57), deepseek_v3/modeling_deepseek_v3.py
       at 00b676f (4.54-4.55), deepseek_v2/modular_deepseek_v2.py (4.5x),
       qwen2_moe and olmoe of the same series, and their configuration_*.py;
-      glm4_moe/modular_glm4_moe.py (4.5x, 0e97420).
+      glm4_moe/modular_glm4_moe.py (4.5x, 0e97420); qwen3_next's
+      configuration_qwen3_next.py (5.x) and its modular block
+      (Qwen3NextSparseMoeBlock(Qwen2MoeSparseMoeBlock)).
   v5: transformers main of the 5.x series (experts under
       @use_experts_implementation, routers as modules, @strict configs), read
       from a fork's snapshot at c0ce2e4: models/<family>/modeling_*.py and
@@ -56,6 +60,7 @@ from .configs import (  # noqa: F401
     DeepseekV2Config,
     DeepseekV3Config,
     Glm4MoeConfig,
+    Qwen3NextConfig,
     config_from_dict,
     config_from_pretrained,
     CONFIGS)
@@ -69,6 +74,7 @@ from .modules import (  # noqa: F401
     DeepseekV2MLP,
     DeepseekV3MLP,
     Glm4MoeMLP,
+    Qwen3NextMLP,
     MixtralBlockSparseTop2MLP,
     Experts,
     Qwen2MoeExperts,
@@ -78,6 +84,7 @@ from .modules import (  # noqa: F401
     DeepseekV2Experts,
     DeepseekV3Experts,
     Glm4MoeExperts,
+    Qwen3NextExperts,
     ACT2FN)
 from .moe import (  # noqa: F401
     TopKRouter,
@@ -97,7 +104,9 @@ from .moe import (  # noqa: F401
     DeepseekV2MoE,
     DeepseekV2Moe,
     Glm4MoeTopkRouter,
-    Glm4MoeMoE)
+    Glm4MoeMoE,
+    Qwen3NextTopKRouter,
+    Qwen3NextSparseMoeBlock)
 from .models import (  # noqa: F401
     DecoderLayer,
     MoeModel,
@@ -111,6 +120,7 @@ from .models import (  # noqa: F401
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
     Glm4MoeForCausalLM,
+    Qwen3NextForCausalLM,
     model_from_config,
     MODELS)
 from .checkpoints import (  # noqa: F401

@@ -181,6 +181,25 @@ class DeepseekV3Config(PretrainedConfig):
                     bos_token_id=0, eos_token_id=1)
 
 
+class Qwen3NextConfig(PretrainedConfig):
+    """Qwen3-Next (configuration_qwen3_next.py): Qwen2-MoE's block (shared
+    expert gated by sigmoid) with norm_topk_prob; its hybrid attention
+    (linear attention layers, gated full attention every
+    full_attention_interval) the stand-in simplifies (see the package's
+    docstring)."""
+    model_type, architecture, experts_field = "qwen3_next", "Qwen3NextForCausalLM", "num_experts"
+    defaults = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                    num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+                    max_position_embeddings=32768, attention_bias=False, head_dim=256,
+                    partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=128, linear_value_head_dim=128,
+                    linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                    num_experts_per_tok=10, num_experts=512, norm_topk_prob=True,
+                    output_router_logits=False, router_aux_loss_coef=0.001,
+                    mlp_only_layers=None)
+
+
 class Glm4MoeConfig(PretrainedConfig):
     """GLM-4.5 / 4.6 (transformers' modular_glm4_moe.py): DeepSeek-V3's MoE
     (sigmoid router with e_score_correction_bias, groups, shared experts,
@@ -201,7 +220,7 @@ class Glm4MoeConfig(PretrainedConfig):
 
 CONFIGS = {c.model_type: c for c in (Qwen2MoeConfig, Qwen3MoeConfig, MixtralConfig,
                                      DeepseekV2Config, DeepseekV3Config, OlmoeConfig,
-                                     Glm4MoeConfig)}
+                                     Glm4MoeConfig, Qwen3NextConfig)}
 
 
 def config_from_dict(d):

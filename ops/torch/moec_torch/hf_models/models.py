@@ -12,6 +12,7 @@ from .configs import (
     OlmoeConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     config_from_dict,
 )
 from .modules import (
@@ -23,6 +24,7 @@ from .modules import (
     OlmoeMLP,
     Qwen2MoeMLP,
     Qwen3MoeMLP,
+    Qwen3NextMLP,
     RMSNorm,
 )
 from .moe import (
@@ -34,6 +36,7 @@ from .moe import (
     OlmoeSparseMoeBlock,
     Qwen2MoeSparseMoeBlock,
     Qwen3MoeSparseMoeBlock,
+    Qwen3NextSparseMoeBlock,
     SparseMoeBlock,
     TopKRouter,
 )
@@ -256,6 +259,23 @@ class Qwen3MoeForCausalLM(ForCausalLM):
                          qk_norm="head")
 
 
+class Qwen3NextForCausalLM(ForCausalLM):
+    """Qwen3-Next's MoE layers (Qwen3NextSparseMoeBlock, dense Qwen3NextMLP
+    ones by mlp_only_layers and decoder_sparse_step); every layer's
+    attention the plain one with head_dim, partial rotary embeddings and
+    per-head q/k norms, in place of its linear attention and gated
+    attention; the checkpoint's multi-token prediction head (mtp.*)
+    skipped on load, as transformers' Qwen3NextPreTrainedModel does."""
+    config_class, sparse_block, dense_mlp = Qwen3NextConfig, Qwen3NextSparseMoeBlock, Qwen3NextMLP
+    is_sparse = classmethod(_qwen_is_sparse)
+    keys_to_ignore = (r"^mtp.*",)
+
+    @classmethod
+    def attention(cls, config):
+        return Attention(config, qkv_bias=config.attention_bias, o_bias=config.attention_bias,
+                         qk_norm="head")
+
+
 class MixtralForCausalLM(ForCausalLM):
     """Every layer sparse; the block is block_sparse_moe in v4 (and in
     checkpoints), mlp in v5."""
@@ -331,7 +351,7 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
 MODELS = {cls.__name__: cls for cls in (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
                                         MixtralForCausalLM, OlmoeForCausalLM,
                                         DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
-                                        Glm4MoeForCausalLM)}
+                                        Glm4MoeForCausalLM, Qwen3NextForCausalLM)}
 
 
 def model_from_config(config, seed=None):

@@ -131,6 +131,10 @@ class OlmoeMLP(MLP):
     pass
 
 
+class Qwen3NextMLP(MLP):
+    pass
+
+
 class DeepseekV2MLP(MLP):
     pass
 
@@ -210,6 +214,10 @@ class Qwen2MoeExperts(Experts):
 
 
 class Qwen3MoeExperts(Experts):
+    pass
+
+
+class Qwen3NextExperts(Experts):
     pass
 
 

@@ -22,6 +22,8 @@ from .modules import (
     Qwen2MoeMLP,
     Qwen3MoeExperts,
     Qwen3MoeMLP,
+    Qwen3NextExperts,
+    Qwen3NextMLP,
     _dispatch,
 )
 
@@ -77,6 +79,10 @@ class Qwen3MoeTopKRouter(TopKRouter):
 
 
 class OlmoeTopKRouter(TopKRouter):
+    pass
+
+
+class Qwen3NextTopKRouter(TopKRouter):
     pass
 
 
@@ -149,13 +155,18 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
 
     def __init__(self, config):
         super().__init__(config)
-        self.shared_expert = Qwen2MoeMLP(config,
-                                         intermediate_size=config.shared_expert_intermediate_size)
+        self.shared_expert = self.mlp_class(
+            config, intermediate_size=config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def add_shared(self, hidden_states, out):
         gate = torch.sigmoid(self.shared_expert_gate(hidden_states))
         return out + gate * self.shared_expert(hidden_states)
+
+
+class Qwen3NextSparseMoeBlock(Qwen2MoeSparseMoeBlock):
+    """Qwen3-Next's block: Qwen2-MoE's, under Qwen3-Next's names."""
+    mlp_class, experts_class, router_class = Qwen3NextMLP, Qwen3NextExperts, Qwen3NextTopKRouter
 
 
 class OlmoeSparseMoeBlock(SparseMoeBlock):

@@ -144,7 +144,13 @@ def save_adapters(model, directory):
     (the one file PEFT reads; the folder must be one that every process
     sees) and writes the config. adapter_model.safetensors and the config
     are replaced whole or not at all (safetensors.write_together: written
-    under scratch names, then renamed, the config last). Returns the files
+    under scratch names, then renamed, the config last). A model patched
+    with lora_target_parameters (or a target_parameters lora_config) is
+    written in PEFT's target_parameters form instead: per block
+    ``base_model.model.<block>.experts[.base_layer].lora_A.weight`` [E r,
+    in] and ``lora_B.weight`` [out, r E] (_stacked), target_modules [] and
+    target_parameters the parameters' names. The config carries the
+    patch's use_rslora, rank_pattern and alpha_pattern. Returns the files
     written."""
     blocks = _lora_of(model)
     directory = Path(directory)

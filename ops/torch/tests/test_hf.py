@@ -756,6 +756,26 @@ def test_load_checkpoint_skips_what_transformers_skips(tmp_path):
         mhf.load_checkpoint(model, folder, ignore="(x")
 
 
+@pytest.mark.parametrize("layout,options", [("modules", {}), ("fused", {"frozen": True})])
+def test_expert_tensor_parallelism_in_one_process(layout, options):
+    """patch_model(tp=2) in one process (an [ep 2, tp 2] mesh of in-process
+    ranks): the unpatched model's logits and input gradients; a frozen
+    layer of fused experts is converted (the layout it reads in place takes
+    no tp); LoRA with tp is refused, saying why (test_mpi.py runs tp one
+    rank per process)."""
+    ref = make_model("qwen3_moe", layout)
+    model = copy.deepcopy(ref)
+    mhf.patch_model(model, ranks=2, threads=1, tp=2, **options)
+    layer = mhf._patched(model)[0][2].layer
+    assert layer.tp == 2 and not layer.weights_transposed
+    ids = tokens()
+    out, want = model(ids), ref(ids)
+    close(out.logits, want.logits, 1e-5, "logits")
+    with pytest.raises(ValueError, match="LoRA adapters are not supported with tensor "
+                                         "parallelism \\(tp=2\\)"):
+        mhf.patch_model(make_model("qwen3_moe", layout), ranks=2, tp=2, lora_rank=4)
+
+
 FINETUNE = Path(os.environ.get("MOEC_HF_EXAMPLE",
                                Path(__file__).resolve().parents[3] / "examples/hf/finetune.py"))
 

@@ -169,6 +169,19 @@ def test_hf_model_under_mpirun(tmp_path, family, layout, ranks, form):
         assert f"rank {r}: hf ok" in run.stdout, run.stdout
 
 
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", "modules"), ("deepseek_v3", "fused")])
+def test_hf_model_with_expert_tensor_parallelism(tmp_path, family, layout):
+    """patch_model(tp=2) on 4 processes ([ep 2, tp 2]): each process's
+    logits and its slice of its experts' gradients against the unpatched
+    model; load_experts reads the slices; the state dicts merge into the
+    one-process model; save_pretrained refuses (mpi_hf_tp_check.py)."""
+    run = mpirun(4, HERE / "mpi_hf_tp_check.py", family, layout, tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for ep in range(2):
+        for t in range(2):
+            assert f"ep {ep} tp {t}: hf tp ok" in run.stdout, run.stdout
+
+
 def hf_example_runs(tmp_path, launch):
     """examples/hf/finetune.py's train and check in 2 processes that
     `launch` (mpirun, or test_torchrun's torchrun) starts: the losses of

@@ -393,7 +393,8 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
     alpha_pattern give the adapters, as PEFT reads them: patch for the
     adapters, then load_adapters. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
     capacity_policy, timeout_seconds, fabric, group, target, check_finite, trace,
-    weight_format, pack_weights). With a weight_format (frozen or LoRA; quant.WEIGHT_FORMATS)
+    weight_format, pack_weights, tp: with tp > 1 one rank per process, each
+    process copies in its TP rank's columns of its experts). With a weight_format (frozen or LoRA; quant.WEIGHT_FORMATS)
     the experts are held quantized: "fp8_block128" as FP8 e4m3 codes with a
     scale per 128 x 128 block, for which load_experts copies an FP8
     checkpoint's weight and weight_scale_inv as they are; "int8" and
@@ -459,10 +460,11 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
                          lora_targets=lora.moec_targets) if lora else {}
         # Fused experts of a frozen or LoRA layer stay in the model's layout
         # (gate_up_proj [E, 2I, H], down_proj [E, H, I]), which the layer
-        # reads in place.
+        # reads in place; with expert tensor parallelism (which that layout
+        # does not take) they are converted as trained ones are.
         fused = _fused(block.experts)
-        transposed = (fused and (bool(lora) or bool(options.get("frozen")))) or \
-            bool(options.get("weight_format"))
+        transposed = (fused and (bool(lora) or bool(options.get("frozen"))) and
+                      options.get("tp", 1) == 1) or bool(options.get("weight_format"))
         layer = MoeFFN(cfg, ranks, threads=threads, init_weights=False,
                        weights_transposed=transposed, **lora_args, **options)
         if not (fused and transposed and _adopt(layer, block.experts)):
@@ -504,7 +506,13 @@ def _adopt(layer, experts):
 def _set_expert(layer, j, gate, up, down):
     """Expert j of the layer from its nn.Linear weights [out, in]: copied,
     or for quantized weights quantized (the stored matrices, gate and up
-    rows stacked, in the layer's format)."""
+    rows stacked, in the layer's format). A process of an expert tensor
+    parallel layer (tp > 1, one rank per process) takes its TP rank's
+    slice: gate's and up's rows t I/T .. (t+1) I/T - 1 and down's columns."""
+    if layer.tp_rank is not None:
+        i, t = layer.local_inter, layer.tp_rank
+        gate, up, down = gate[t * i:(t + 1) * i], up[t * i:(t + 1) * i], \
+            down[:, t * i:(t + 1) * i]
     if not layer.weight_format:
         for to, w in zip(layer.projections(), (gate, up, down)):
             to[j].copy_(w)

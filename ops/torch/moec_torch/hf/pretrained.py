@@ -72,6 +72,13 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
     directory = Path(directory)
     limit = _parse_size(max_shard_size)
     layer = blocks[0][2].layer
+    if layer.tp_rank is not None:
+        raise ValueError(
+            f"moec: save_pretrained: with expert tensor parallelism (tp={layer.tp}) each "
+            "process holds a slice of its experts' columns, and a checkpoint holds whole "
+            "experts: save each process's model.state_dict(), put them together with "
+            "moec_torch.merge_state_dicts, load that into the model patched in one process "
+            "(tp=1), and save_pretrained it there")
     rest = {k: v.detach() for k, v in _non_expert_state(model).items()}
     if getattr(config, "tie_word_embeddings", False):
         rest.pop("lm_head.weight", None)

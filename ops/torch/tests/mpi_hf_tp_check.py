@@ -1,0 +1,96 @@
+"""moec_torch.hf with expert tensor parallelism, one rank per process, run
+by test_mpi.py:
+
+    mpirun -np 4 python3 mpi_hf_tp_check.py FAMILY LAYOUT WORKDIR
+
+patch_model(tp=2) on 4 processes: an [ep 2, tp 2] mesh, process r EP rank
+r // 2 and TP rank r % 2. The two TP ranks of an EP rank pass the same
+tokens (the EP rank's share of the batch). Checked on each process against
+the unpatched model run on the whole batch: its logits, and the gradients
+of the experts it holds, its slice of their columns (gate's and up's rows
+t I/2 .. (t+1) I/2 - 1, down's columns). Then load_experts fills a freshly
+patched model with the same slices (the same logits bit for bit), the
+processes' state dicts put together by moec_torch.merge_state_dicts load
+into the model patched in one process (the same logits), and
+save_pretrained refuses, saying how to write the checkpoint."""
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import launcher  # noqa: E402
+import moec_torch  # noqa: E402
+import moec_torch.hf as mhf  # noqa: E402
+from test_hf import close, expert_grads, make_model, tokens, write_checkpoint  # noqa: E402
+
+
+def main():
+    family, layout, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    launcher.fabric()
+    torch.set_num_threads(1)
+    ref = make_model(family, layout)
+    model = copy.deepcopy(ref)
+    mhf.patch_model(model, threads=1, tp=2)
+    name0, _, experts0 = mhf._patched(model)[0]
+    layer = experts0.layer
+    assert (layer.ranks, layer.tp) == (2, 2) and layer.tp_rank is not None
+    ep, t = layer.first_rank, layer.tp_rank
+    ids = tokens(n_batch=4, n_seq=7)
+    mine = ids[2 * ep:2 * ep + 2]   # the EP rank's share, the same on its TP ranks
+    out = model(mine)
+    want = ref(ids)
+    close(out.logits, want.logits[2 * ep:2 * ep + 2], 1e-5, f"ep {ep} tp {t} logits")
+    g = torch.randn(want.logits.shape, generator=torch.Generator().manual_seed(2))
+    out.logits.backward(g[2 * ep:2 * ep + 2])
+    want.logits.backward(g)
+    grads = expert_grads(ref, family)   # {(block, e): (dW1 [H, 2I], dW2 [I, H])}
+    i = layer.local_inter
+    for name, _, experts in mhf._patched(model):
+        lay = experts.layer
+        for j, e in enumerate(mhf._local_experts(lay)):
+            d1, d2 = grads[name, e]
+            inter = d1.shape[1] // 2
+            want1 = torch.cat((d1[:, t * i:(t + 1) * i], d1[:, inter + t * i:inter + (t + 1) * i]),
+                              1)
+            close(lay.w1.grad[j], want1, 1e-5, f"ep {ep} tp {t} {name} expert {e} dW1")
+            close(lay.w2.grad[j], d2[t * i:(t + 1) * i], 1e-5,
+                  f"ep {ep} tp {t} {name} expert {e} dW2")
+    # load_experts: each process reads its experts' slices
+    if layer.first_rank == 0 and t == 0:
+        write_checkpoint(ref, work / "ckpt")
+    mhf.barrier(model)
+    other = make_model(family, layout, seed=5)
+    mhf.patch_model(other, threads=1, tp=2)
+    mhf.load_experts(other, work / "ckpt")
+    fresh = copy.deepcopy(ref)
+    mhf.patch_model(fresh, threads=1, tp=2)
+    with torch.no_grad():
+        for (_, _, a), (_, _, b) in zip(mhf._patched(other), mhf._patched(fresh)):
+            assert torch.equal(a.layer.w1, b.layer.w1) and torch.equal(a.layer.w2, b.layer.w2)
+    # the processes' state dicts, put together, load into a one-process model
+    torch.save(model.state_dict(), work / f"state-{ep}-{t}.pt")
+    mhf.barrier(model)
+    if ep == 0 and t == 0:
+        whole = moec_torch.merge_state_dicts(
+            [torch.load(work / f"state-{p}-{q}.pt") for p in range(2) for q in range(2)])
+        one = make_model(family, layout, seed=9)
+        mhf.patch_model(one, ranks=1, threads=1, fabric="inproc")
+        one.load_state_dict(whole)
+        with torch.no_grad():
+            close(one(ids).logits, ref(ids).logits, 1e-5, "merged state dicts")
+    try:
+        mhf.save_pretrained(model, work / "merged")
+        raise SystemExit("save_pretrained wrote a checkpoint of column slices")
+    except ValueError as e:
+        assert "with expert tensor parallelism (tp=2)" in str(e) and \
+            "merge_state_dicts" in str(e), e
+    mhf.barrier(model)
+    print(f"ep {ep} tp {t}: hf tp ok", flush=True)
+    launcher.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -91,7 +91,13 @@ def _replace(model, name, module):
 def add_lora(model, target_modules, r, lora_alpha, rank_pattern=None, alpha_pattern=None,
              use_rslora=False):
     """Puts a LoraLinear on every nn.Linear whose name matches, freezes
-    every other parameter, and returns the names of the adapted modules."""
+    every other parameter, and returns the names of the adapted modules.
+    "all-linear" is PEFT's shorthand: the last names of every nn.Linear but
+    the output layer (get_output_embeddings)."""
+    if isinstance(target_modules, str) and target_modules.lower() == "all-linear":
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        target_modules = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                                 if isinstance(m, torch.nn.Linear) and m is not out})
     names = [n for n, m in model.named_modules()
              if isinstance(m, torch.nn.Linear) and matches(n, target_modules)]
     if not names:

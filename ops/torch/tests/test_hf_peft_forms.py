@@ -344,3 +344,39 @@ def test_per_expert_adapters_through_peft_conversion(tmp_path):
     close(back(ids).logits, want, 1e-5, "moec on the converted adapters")
     hf_lora.load_lora(ref, tmp_path / "peft")
     close(ref(ids).logits, want, 1e-5, "PEFT's ParamWrapper on the converted adapters")
+
+
+def test_all_linear_adapters_load_the_experts_and_return_the_rest(tmp_path):
+    """PEFT's target_modules "all-linear" (every nn.Linear but the output
+    layer): a model patched with that lora_config loads the routed
+    experts' adapters and returns the others' names (attention, router,
+    shared expert), which are not moec's; with those at zero the logits are
+    PEFT's, and so are the experts' adapter gradients."""
+    ref = make_model("qwen2_moe")
+    hf_lora.add_lora(ref, "all-linear", 4, 8)
+    state = hf_lora.lora_state_dict(ref)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for key, p in state.items():
+            if key.endswith("lora_B.weight") and ".experts." in key:
+                p.normal_(0, 0.05)
+    write_folder(tmp_path / "peft", {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"},
+                 state)
+    model = make_model("qwen2_moe")
+    mhf.patch_model(model, ranks=2, threads=1, lora_config=tmp_path / "peft")
+    rest = mhf.load_adapters(model, tmp_path / "peft")
+    assert rest == sorted(k for k in state if ".experts." not in k)
+    for part in (".self_attn.q_proj.", ".mlp.gate.", ".mlp.shared_expert.gate_proj.",
+                 ".mlp.shared_expert_gate."):
+        assert any(part in k for k in rest), part
+    assert not any("lm_head" in k for k in state)
+    ids = tokens(seed=4)
+    out, want = model(ids), ref(ids)
+    close(out.logits, want.logits, 1e-5, "logits")
+    g = torch.randn_like(out.logits)
+    out.logits.backward(g)
+    want.logits.backward(g)
+    ours = moec_grads(model)
+    for key, p in state.items():
+        if ".experts." in key:
+            close(ours[key], grad_or_zero(p), 1e-5, key)

@@ -228,8 +228,12 @@ def _top_k(block, config):
 
 
 def _peft_matches(spec, key, shown, field):
-    """PEFT's target rule: a string is a regex matched whole against `key`;
-    a list matches a key equal to an entry or ending with "." + entry."""
+    """PEFT's target rule: a string is a regex matched whole against `key`,
+    but "all-linear" (any case), PEFT's name for every nn.Linear but the
+    output layer, which the experts' projections are; a list matches a key
+    equal to an entry or ending with "." + entry."""
+    if isinstance(spec, str) and spec.lower() == "all-linear":
+        return True
     if isinstance(spec, str):
         try:
             return re.fullmatch(spec, key) is not None

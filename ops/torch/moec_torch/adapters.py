@@ -259,9 +259,9 @@ def load_layer(layer, directory, module_prefix):
     targets = config["target_modules"]
     got = {"r": config["r"], "lora_alpha": config["lora_alpha"],
            "target_modules": sorted(targets) if isinstance(targets, list) else targets}
-    if config["peft_type"] != "LORA" or got != want:
-        raise ValueError(f"moec: the adapters in {directory} are {got} "
-                         f"(peft_type {config['peft_type']!r}); this layer's are {want}")
+    if got != want:  # a peft_type other than LORA was refused above
+        raise ValueError(f"moec: the adapters in {directory} are {got}; this layer's are "
+                         f"{want}")
     moec = config.get("moec")
     first = layer.first_rank * layer.local_experts
     count = layer.local_ranks * layer.local_experts

@@ -75,7 +75,8 @@ def main():
     mhf.barrier(model)
     if ep == 0 and t == 0:
         whole = moec_torch.merge_state_dicts(
-            [torch.load(work / f"state-{p}-{q}.pt") for p in range(2) for q in range(2)])
+            [torch.load(work / f"state-{p}-{q}.pt", weights_only=True)
+             for p in range(2) for q in range(2)])
         one = make_model(family, layout, seed=9)
         mhf.patch_model(one, ranks=1, threads=1, fabric="inproc")
         one.load_state_dict(whole)

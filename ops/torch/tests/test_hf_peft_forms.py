@@ -235,6 +235,7 @@ def test_forms_and_configs_refused(tmp_path):
             ({"target_modules": ["q_proj"]}, "target none of the experts' modules of "
                                              "'model.layers.0.mlp'"),
             ({"target_modules": None}, "no target_modules"),
+            ({"rank_pattern": {"(up": 2}}, "'rank_pattern' key '\\(up' is not a regex"),
             ({"rank_pattern": {r"experts\.3\.up_proj": 2}},
              "different ranks or alphas for up_proj"),
             ({"alpha_pattern": {"down_proj": 4}},
@@ -288,7 +289,8 @@ def test_moe_ffn_adapters_refuse_peft_features(tmp_path):
     config = json.loads((tmp_path / "layer/adapter_config.json").read_text())
     for extra, message in [({"use_rslora": True}, "'use_rslora' is True \\(rsLoRA's scaling"),
                            ({"rank_pattern": {"w1": 8}}, "'rank_pattern' .*ranks by module"),
-                           ({"use_dora": True}, "'use_dora' is True")]:
+                           ({"use_dora": True}, "'use_dora' is True"),
+                           ({"peft_type": "IA3"}, "peft_type is 'IA3'; moec reads LoRA")]:
         (tmp_path / "layer/adapter_config.json").write_text(json.dumps({**config, **extra}))
         with pytest.raises(ValueError, match=message):
             layer.load_adapters(tmp_path / "layer")

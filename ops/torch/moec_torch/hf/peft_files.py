@@ -96,10 +96,9 @@ def _unstacked(tensors, blocks, directory):
     out = dict(tensors)
     for name, experts, piece, a_key, b_key, rank in _parameter_pieces(blocks):
         layer, count = experts.layer, experts.layer.experts
-        _, target, acols, _, bcols = next(p for p in experts.lora.pieces(layer.inter)
-                                          if p[0] == piece)
-        a_param = getattr(layer, f"{target}_lora_A")
-        inner = a_param.shape[1]
+        _, target, _, _, bcols = next(p for p in experts.lora.pieces(layer.inter)
+                                      if p[0] == piece)
+        inner = getattr(layer, f"{target}_lora_A").shape[1]
         outer = len(range(getattr(layer, f"{target}_lora_B").shape[2])[bcols])
         stem = _stem(name, experts)
         for key, shape in ((a_key, (count * rank, inner)), (b_key, (outer, rank * count))):

@@ -84,13 +84,9 @@ class Attention(nn.Module):
         freqs = torch.outer(torch.arange(t, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1).to(hidden_states.device)
         cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        if d == self.head_dim:
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        else:
-            (q, q_pass), (k, k_pass) = q.split([d, self.head_dim - d], -1), \
-                k.split([d, self.head_dim - d], -1)
-            q = torch.cat((q * cos + _rotate_half(q) * sin, q_pass), dim=-1)
-            k = torch.cat((k * cos + _rotate_half(k) * sin, k_pass), dim=-1)
+        (q, q_pass), (k, k_pass) = (z.split([d, self.head_dim - d], -1) for z in (q, k))
+        q = torch.cat((q * cos + _rotate_half(q) * sin, q_pass), dim=-1)
+        k = torch.cat((k * cos + _rotate_half(k) * sin, k_pass), dim=-1)
         groups = self.num_heads // self.num_key_value_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling

@@ -550,18 +550,29 @@ __attribute__((noinline)) uint64_t addChain(int64_t iters) {
 } // namespace
 #endif
 
-ClockPeak measureClockPeak(double seconds) {
-  ClockPeak c;
+CpuSignature cpuSignature() {
+  CpuSignature cpu;
 #if defined(__x86_64__)
   __builtin_cpu_init();
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(1), "c"(0));
-  unsigned family = (eax >> 8) & 0xF, model = (eax >> 4) & 0xF;
-  if (family == 0xF)
-    family += (eax >> 20) & 0xFF;
-  if (family == 0x6 || family >= 0xF)
-    model |= ((eax >> 16) & 0xF) << 4;
-  c = documentedWidth(__builtin_cpu_is("amd"), __builtin_cpu_is("intel"), family, model,
+  cpu.family = (eax >> 8) & 0xF;
+  cpu.model = (eax >> 4) & 0xF;
+  if (cpu.family == 0xF)
+    cpu.family += (eax >> 20) & 0xFF;
+  if (cpu.family == 0x6 || cpu.family >= 0xF)
+    cpu.model |= ((eax >> 16) & 0xF) << 4;
+  cpu.amd = __builtin_cpu_is("amd");
+  cpu.intel = __builtin_cpu_is("intel");
+#endif
+  return cpu;
+}
+
+ClockPeak measureClockPeak(double seconds) {
+  ClockPeak c;
+#if defined(__x86_64__)
+  const CpuSignature cpu = cpuSignature();
+  c = documentedWidth(cpu.amd, cpu.intel, cpu.family, cpu.model,
                       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
                       __builtin_cpu_supports("avx512f"),
                       __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16"));

@@ -139,6 +139,14 @@ struct ClockPeak {
   double bf16Gflops() const { return ghz * bf16PerCycle; }
 };
 
+/// The x86 vendor, family and model of the CPU (cpuid leaf 1 with its
+/// extended fields), all zero/false off x86.
+struct CpuSignature {
+  bool amd = false, intel = false;
+  unsigned family = 0, model = 0;
+};
+CpuSignature cpuSignature();
+
 /// The table behind ClockPeak: what the vendor documents for a core of
 /// this vendor, family and model with these instruction sets (its `ghz` 0).
 ClockPeak documentedWidth(bool amd, bool intel, unsigned family, unsigned model, bool avx2Fma,

@@ -4,8 +4,10 @@
 
 #include "runtime/cpu/TilePack.h"
 
+#include "base/Env.h"
 #include "base/Memory.h"
 #include "runtime/cpu/Element.h"
+#include "runtime/cpu/Peak.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -991,7 +993,21 @@ MOEC_TILE_TARGET void gemmDot(int64_t m, int64_t n, int64_t k, const uint16_t *a
 } // namespace
 
 bool dotForm(bool transA, bool transB, bool bf16) {
-  return bf16 && transB && !transA && available(true) && !amx();
+  static const bool chosen = [] {
+    const char *value = envValue("MOEC_DOT_FORM");
+    if (value && std::strcmp(value, "on") == 0)
+      return true;
+    if (value && std::strcmp(value, "off") == 0)
+      return false;
+    if (value && std::strcmp(value, "auto") != 0)
+      std::fprintf(stderr, "moec: %s is neither 'auto', 'on' nor 'off'; using 'auto'\n",
+                   envShown("MOEC_DOT_FORM", value).c_str());
+    // Where it pays (Tile.h): a core that runs a 512-bit operation as two
+    // 256-bit halves (AMD family 19h, Zen 4).
+    const CpuSignature cpu = cpuSignature();
+    return cpu.amd && cpu.family == 0x19;
+  }();
+  return chosen && bf16 && transB && !transA && available(true) && !amx();
 }
 
 bool available(bool bf16) {

@@ -65,9 +65,15 @@
 // value plus that sum; a LowRank's units continue the lanes after the
 // depth's. Again nothing depends on m, n or the tiling: every tiling of a
 // matmul gives the same bits, which are not the other form's. (The qwen3
-// backward's dX tiles: 87-88% of the core's peak against 77-79% through
-// the transposing panels, one thread, 16 experts in turn; its B needs no
-// packed copy.) C is written with plain stores there, `stream` or not.
+// backward's dX tiles on a Zen 4 core: 87-88% of its peak against 77-79%
+// through the transposing panels, one thread, 16 experts in turn; its B
+// needs no packed copy.) C is written with plain stores there, `stream` or
+// not. It runs where dotForm says: by default on a core that runs a 512-bit
+// operation as two 256-bit halves (AMD family 19h, Zen 4), where it was
+// measured faster; elsewhere the panels, which a Zen 5 core's full-width
+// units run faster (the same dX tiles 1.2-1.3x as stored, 1.4-1.5x packed
+// beforehand). `MOEC_DOT_FORM` (auto, on, off; docs/runtime.md) chooses
+// per process.
 //
 // A weight that many calls read (the layer's packed-weight store,
 // runtime/cpu/Pass.h) can be packed once, whole, by packB, and handed to
@@ -215,8 +221,9 @@ bool available(bool bf16);
 
 /// Whether gemm computes a product of these forms in its dot form (the
 /// header's paragraph): bf16 operands on the AVX-512 micro-kernel (available,
-/// not AMX), A row-major, B stored n x k (transB). A B packed beforehand is
-/// not read there, so the layer packs no such B.
+/// not AMX), A row-major, B stored n x k (transB), where the form is chosen
+/// (MOEC_DOT_FORM, or by the CPU; fixed at the first call). A B packed
+/// beforehand is not read there, so the layer packs no such B.
 bool dotForm(bool transA, bool transB, bool bf16);
 
 /// Whether bf16 gemm runs on AMX tiles (TileAmx.cpp) rather than on the

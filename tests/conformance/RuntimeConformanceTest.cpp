@@ -1209,9 +1209,10 @@ TEST_CASE("packed weights: the bits of packing in every tile, packed again when 
     return;
   }
   // w1 and w2 packed for the forward, and again for the backward's
-  // transposed reads where the tile reads them from panels (AMX): at least
-  // this process's ranks' weights' bytes twice; once where it reads those
-  // rows as they lie (the AVX-512 tile's dot form).
+  // transposed reads where the tile reads them from panels (AMX, and the
+  // AVX-512 tile but in its dot form): at least this process's ranks'
+  // weights' bytes twice; once where it reads those rows as they lie (the
+  // dot form, MOEC_DOT_FORM).
   const uint64_t weightBytes = twins.weightBytes();
   if (moec::cpu::tile::dotForm(false, true, true)) {
     CHECK(packed->packedWeightBytes() >= weightBytes);

@@ -163,6 +163,42 @@ TEST_CASE("the bf16 tile runs on AMX exactly where the CPU has it and MOEC_AMX a
   CHECK(tile::amx() == (has("amx_bf16") && has("amx_tile") && has("avx512_bf16") && !off));
 }
 
+TEST_CASE("the dot form runs where MOEC_DOT_FORM says, and by the CPU when unset", "[cpu][tile]") {
+  // /proc/cpuinfo's vendor and family, not the code's own CPUID reading.
+  std::string vendor;
+  int family = -1;
+  if (std::FILE *f = std::fopen("/proc/cpuinfo", "r")) {
+    char line[8192];
+    while (std::fgets(line, sizeof line, f) && (vendor.empty() || family < 0)) {
+      const char *colon = std::strchr(line, ':');
+      if (!colon)
+        continue;
+      if (std::strncmp(line, "vendor_id", 9) == 0 && vendor.empty())
+        vendor = std::string(colon + 2, std::strcspn(colon + 2, "\n"));
+      else if (std::strncmp(line, "cpu family", 10) == 0 && family < 0)
+        family = std::atoi(colon + 1);
+    }
+    std::fclose(f);
+  }
+  if (vendor.empty() || family < 0) {
+    WARN("no vendor or family in /proc/cpuinfo: nothing to compare");
+    return;
+  }
+  const char *setting = std::getenv("MOEC_DOT_FORM");
+  INFO("MOEC_DOT_FORM=" << (setting ? setting : "(unset)") << ", " << vendor << " family "
+                        << family);
+  const bool chosen = setting && std::strcmp(setting, "on") == 0 ? true
+                      : setting && std::strcmp(setting, "off") == 0
+                          ? false
+                          : vendor == "AuthenticAMD" && family == 0x19;
+  const bool runs = tile::available(true) && !tile::amx();
+  CHECK(tile::dotForm(false, true, true) == (chosen && runs));
+  // Only a bf16 product of a row-major A and a B stored n x k.
+  CHECK_FALSE(tile::dotForm(false, false, true));
+  CHECK_FALSE(tile::dotForm(true, true, true));
+  CHECK_FALSE(tile::dotForm(false, true, false));
+}
+
 TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {
   struct Shape {
     int64_t m, n, k;

@@ -134,7 +134,10 @@ const char *gemmConfig() {
     default: break;
     }
     // What moec's own tile runs; oneDNN the rest.
-    const std::string bf16Tile = tile::amx() ? "AMX tiles" : "avx512_bf16";
+    const std::string bf16Tile =
+        tile::amx() ? "AMX tiles"
+                    : std::string("avx512_bf16, a B stored n x k ") +
+                          (tile::dotForm(false, true, true) ? "in the dot form" : "through panels");
     std::string own;
     if (moecTile(false))
       own = "fp32 (AVX-512)";

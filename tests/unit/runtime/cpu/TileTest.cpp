@@ -7,7 +7,8 @@
 // without AVX-512 (or, for bf16, without avx512_bf16) the tile is not there
 // and the cases say so. bf16 runs on AMX tiles where the CPU has them;
 // tile_avx512_test runs the same cases with MOEC_AMX=off (the AVX-512
-// micro-kernel).
+// micro-kernel), tile_dot_test and tile_panels_test there with each form of
+// a bf16 B stored n x k (MOEC_DOT_FORM on and off).
 //
 //===----------------------------------------------------------------------===//
 
@@ -125,6 +126,28 @@ struct Product {
   }
 };
 
+/// The value of /proc/cpuinfo's first line named `name` (what the kernel
+/// says of the CPU, not the code's own CPUID reading), without its newline;
+/// empty where there is none.
+std::string cpuinfoField(const char *name) {
+  std::string value;
+  if (std::FILE *f = std::fopen("/proc/cpuinfo", "r")) {
+    char line[8192];
+    const size_t length = std::strlen(name);
+    while (std::fgets(line, sizeof line, f)) {
+      const char *colon = std::strchr(line, ':');
+      if (colon && std::strncmp(line, name, length) == 0 &&
+          (line[length] == ' ' || line[length] == '\t' || line[length] == ':')) {
+        const char *start = colon + 1 + (colon[1] == ' ');
+        value.assign(start, std::strcspn(start, "\n"));
+        break;
+      }
+    }
+    std::fclose(f);
+  }
+  return value;
+}
+
 /// Whether this CPU runs the tile on `bf16` operands; a warning when not.
 bool tileRuns(bool bf16) {
   if (tile::available(bf16))
@@ -137,23 +160,12 @@ bool tileRuns(bool bf16) {
 
 TEST_CASE("the bf16 tile runs on AMX exactly where the CPU has it and MOEC_AMX allows",
           "[cpu][tile]") {
-  // /proc/cpuinfo's flags (what the kernel says the CPU has and it supports),
-  // not the code's own CPUID reading.
-  std::string flags;
-  if (std::FILE *f = std::fopen("/proc/cpuinfo", "r")) {
-    char line[8192];
-    while (std::fgets(line, sizeof line, f))
-      if (std::strncmp(line, "flags", 5) == 0) {
-        flags = std::string(" ") + (std::strchr(line, ':') + 1);
-        break;
-      }
-    std::fclose(f);
-  }
+  // /proc/cpuinfo's flags (what the kernel says the CPU has and it supports).
+  const std::string flags = " " + cpuinfoField("flags") + " ";
   const auto has = [&](const char *flag) {
-    return flags.find(std::string(" ") + flag + " ") != std::string::npos ||
-           flags.find(std::string(" ") + flag + "\n") != std::string::npos;
+    return flags.find(std::string(" ") + flag + " ") != std::string::npos;
   };
-  if (flags.empty()) {
+  if (flags == "  ") {
     WARN("no /proc/cpuinfo flags: nothing to compare");
     return;
   }
@@ -164,22 +176,9 @@ TEST_CASE("the bf16 tile runs on AMX exactly where the CPU has it and MOEC_AMX a
 }
 
 TEST_CASE("the dot form runs where MOEC_DOT_FORM says, and by the CPU when unset", "[cpu][tile]") {
-  // /proc/cpuinfo's vendor and family, not the code's own CPUID reading.
-  std::string vendor;
-  int family = -1;
-  if (std::FILE *f = std::fopen("/proc/cpuinfo", "r")) {
-    char line[8192];
-    while (std::fgets(line, sizeof line, f) && (vendor.empty() || family < 0)) {
-      const char *colon = std::strchr(line, ':');
-      if (!colon)
-        continue;
-      if (std::strncmp(line, "vendor_id", 9) == 0 && vendor.empty())
-        vendor = std::string(colon + 2, std::strcspn(colon + 2, "\n"));
-      else if (std::strncmp(line, "cpu family", 10) == 0 && family < 0)
-        family = std::atoi(colon + 1);
-    }
-    std::fclose(f);
-  }
+  const std::string vendor = cpuinfoField("vendor_id");
+  const std::string familyField = cpuinfoField("cpu family");
+  const int family = familyField.empty() ? -1 : std::atoi(familyField.c_str());
   if (vendor.empty() || family < 0) {
     WARN("no vendor or family in /proc/cpuinfo: nothing to compare");
     return;

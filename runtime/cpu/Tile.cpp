@@ -149,6 +149,30 @@ size_t lowRankPanelBytes(int64_t width, int64_t lowK, bool bf16) {
                   : 0;
 }
 
+/// Rows of B (columns of C) the swapped form sums at a time: two
+/// micro-kernel calls of kRows rows, whose sums leave for C as one 16 x 16
+/// transpose per 16 rows of A.
+constexpr int64_t kSwapRows = 2 * kRows;
+
+/// Rows of A (columns of C^T) the swapped form packs at a time: A^T's
+/// panels of that many columns over the whole depth stay in L2 while every
+/// row of B passes over them.
+constexpr int64_t kSwapGroup = kGroup;
+
+/// Bytes of the swapped form's working memory: A^T's panels for a group of
+/// A's rows, then the fp32 sums of kSwapRows rows of C^T.
+size_t swappedBytes(int64_t m, int64_t k) {
+  return packedBBytes(std::min(m, kSwapGroup), k, true) + size_t(kSwapRows * kSwapGroup) * 4;
+}
+
+/// Whether gemm computes this call in its swapped form: swappedForm's
+/// products, with none of the options it does not take.
+bool swapsCall(int64_t n, bool transA, bool transB, bool bf16, bool decodedB, bool addScaled,
+               bool lowRank, bool stream, bool packedB) {
+  return swappedForm(n, transA, transB, bf16) && !decodedB && !addScaled && !lowRank && !stream &&
+         !packedB;
+}
+
 /// packBytes of the product as gemm computes it (not transposed).
 size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,
                    bool decodedB, bool addScaled, int64_t lowK) {
@@ -162,7 +186,10 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
   if (decodedB)
     bytes += std::max(decodedBytes(true), decodedBytes(false));
   bytes += lowRankPanelBytes(width, lowK, bf16);
-  // Nor whether the product is the dot form's.
+  // Nor whether the product is the dot form's or the swapped form's.
+  // (A call with fewer of the options may take it, with the same memory.)
+  if (swappedForm(n, transA, true, bf16))
+    bytes = std::max(bytes, swappedBytes(m, k));
   return dotForm(transA, true, bf16) ? std::max(bytes, dotBytes(m, k, decodedB, lowK)) : bytes;
 }
 
@@ -990,6 +1017,107 @@ MOEC_TILE_TARGET void gemmDot(int64_t m, int64_t n, int64_t k, const uint16_t *a
   }
 }
 
+//===----------------------------------------------------------------------===//
+// The swapped form: a bf16 op(B) stored n x k (transB), A row-major,
+// computed as its transpose C^T = B A^T
+//===----------------------------------------------------------------------===//
+
+/// Depth units of one micro-kernel call of the swapped form: the qwen3
+/// backward's dX tiles (`gmm_bench --layer 32 3 1`) level or up to 1.07x
+/// faster than in blocks of kBlockUnits (64 units: 1.04-1.2x slower), the
+/// frozen step's backward 0.93-0.96x the panels' time against 0.99x.
+constexpr int64_t kSwapBlockUnits = kPackedBlockUnits;
+
+/// The micro-kernel of `rows` rows on the first NV vectors of a panel (the
+/// swapped form's last panel of A^T, `cols` columns of it live).
+Micro microSwapFor(int rows, int cols) {
+  static constexpr Micro one[kRows] = {micro<1, true, false, 1>, micro<2, true, false, 1>,
+                                       micro<3, true, false, 1>, micro<4, true, false, 1>,
+                                       micro<5, true, false, 1>, micro<6, true, false, 1>,
+                                       micro<7, true, false, 1>, micro<8, true, false, 1>};
+  static constexpr Micro two[kRows] = {micro<1, true, false, 2>, micro<2, true, false, 2>,
+                                       micro<3, true, false, 2>, micro<4, true, false, 2>,
+                                       micro<5, true, false, 2>, micro<6, true, false, 2>,
+                                       micro<7, true, false, 2>, micro<8, true, false, 2>};
+  return cols <= 16 ? one[rows - 1] : cols <= 32 ? two[rows - 1] : microFor<true>(rows);
+}
+
+/// C[j, i] = sums[i, j] for i < rows (at most 16), j < cols: fp32, or bf16
+/// rounded as the micro-kernel rounds its bf16 C (bf16Packed16, a value at
+/// a time the same whatever its neighbours), 16 x 16 blocks by transposes.
+MOEC_TILE_TARGET void storeTransposedSums(const float *sums, int64_t ld, int64_t rows, int64_t cols,
+                                          char *c, int64_t ldc, bool cBf16) {
+  const __mmask16 down = laneMask(int(rows), 0);
+  const int64_t cElt = cBf16 ? 2 : 4;
+  for (int64_t j0 = 0; j0 < cols; j0 += 16) {
+    const __mmask16 across = laneMask(int(std::min<int64_t>(16, cols - j0)), 0);
+    __m512i r[16];
+    for (int s = 0; s < 16; ++s)
+      r[s] =
+          s < rows ? _mm512_maskz_loadu_epi32(across, sums + s * ld + j0) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int s = 0; s < 16 && j0 + s < cols; ++s) {
+      char *row = c + (j0 + s) * ldc * cElt;
+      if (cBf16)
+        _mm256_mask_storeu_epi16(row, down, bf16Packed16(_mm512_castsi512_ps(r[s])));
+      else
+        _mm512_mask_storeu_epi32(row, down, r[s]);
+    }
+  }
+}
+
+/// The swapped form's C (gemm's comment says when it runs): per group of
+/// up to kSwapGroup rows of A, A^T packed whole into panels (packB); then
+/// per kSwapRows rows of B, read in place as the micro-kernel's rows, their
+/// sums over the whole depth in `stage` (from C transposed, with `load`),
+/// the next rows of B prefetched meanwhile, and the sums written to C
+/// transposed.
+MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
+                                  const uint16_t *b, int64_t ldb, char *c, int64_t ldc, bool cBf16,
+                                  bool load, void *pack) {
+  const int64_t allUnits = ceilDiv(k, 2), cElt = cBf16 ? 2 : 4;
+  uint32_t *panels = static_cast<uint32_t *>(pack);
+  float *stage = reinterpret_cast<float *>(static_cast<char *>(pack) +
+                                           packedBBytes(std::min(m, kSwapGroup), k, true));
+  const int64_t ldStage = kSwapGroup;
+  const char *bBytes = reinterpret_cast<const char *>(b);
+  for (int64_t j0 = 0; j0 < m; j0 += kSwapGroup) {
+    const int64_t mb = std::min(kSwapGroup, m - j0), panelCount = ceilDiv(mb, kPanel);
+    packB(mb, k, a + j0 * lda, lda, true, true, panels);
+    for (int64_t i0 = 0; i0 < n; i0 += kSwapRows) {
+      const int64_t rows = std::min(kSwapRows, n - i0), halves = ceilDiv(rows, kRows);
+      if (load)
+        transposeInto(c + (j0 * ldc + i0) * cElt, ldc, mb, rows, stage, ldStage, false);
+      // The next rows of B over the whole depth, a depth block's piece of
+      // each at a time, spread over this row block's calls.
+      Prefetch next;
+      const int64_t blocks = ceilDiv(allUnits, kSwapBlockUnits);
+      if (i0 + kSwapRows < n)
+        next = Prefetch(bBytes + (i0 + kSwapRows) * ldb * 2,
+                        std::min(kSwapRows, n - i0 - kSwapRows), k * 2, ldb * 2, blocks);
+      next.spread(blocks * panelCount * halves);
+      for (int64_t u0 = 0; u0 < allUnits; u0 += kSwapBlockUnits) {
+        const int64_t units = std::min(kSwapBlockUnits, allUnits - u0);
+        const bool last = u0 + units == allUnits, halfLast = last && k % 2 == 1;
+        for (int64_t q = 0; q < panelCount; ++q) {
+          const int cols = int(std::min<int64_t>(kPanel, mb - q * kPanel));
+          for (int64_t h = 0; h < halves; ++h) {
+            const int r = int(std::min<int64_t>(kRows, rows - h * kRows));
+            float *sums = stage + h * kRows * ldStage + q * kPanel;
+            Lines ahead;
+            next.next(ahead);
+            microSwapFor(r, cols)(units, bBytes + ((i0 + h * kRows) * ldb + 2 * u0) * 2, ldb * 2, 4,
+                                  halfLast, panels + (q * allUnits + u0) * kPanel,
+                                  u0 > 0 || load ? sums : nullptr, ldStage, sums, ldStage, false,
+                                  cols, nullptr, 0, 0, nullptr, nullptr, ahead, nullptr);
+          }
+        }
+      }
+      storeTransposedSums(stage, ldStage, rows, mb, c + (j0 * ldc + i0) * cElt, ldc, cBf16);
+    }
+  }
+}
+
 } // namespace
 
 bool dotForm(bool transA, bool transB, bool bf16) {
@@ -1008,6 +1136,20 @@ bool dotForm(bool transA, bool transB, bool bf16) {
     return cpu.amd && cpu.family == 0x19;
   }();
   return chosen && bf16 && transB && !transA && available(true) && !amx();
+}
+
+bool swappedForm(int64_t n, bool transA, bool transB, bool bf16) {
+  static const bool allowed = [] {
+    const char *value = envValue("MOEC_SWAPPED_FORM");
+    if (value && std::strcmp(value, "off") == 0)
+      return false;
+    if (value && std::strcmp(value, "auto") != 0)
+      std::fprintf(stderr, "moec: %s is neither 'auto' nor 'off'; using 'auto'\n",
+                   envShown("MOEC_SWAPPED_FORM", value).c_str());
+    return true;
+  }();
+  return allowed && bf16 && transB && !transA && !narrowC(bf16, n) && available(true) && !amx() &&
+         !dotForm(transA, transB, bf16);
 }
 
 bool available(bool bf16) {
@@ -1060,6 +1202,10 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   if (bf16 && amx())
     return gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, stream,
                    packedB, decodedB, addScaled, lowRank);
+  if (swapsCall(n, transA, transB, bf16, decodedB, addScaled, lowRank, stream, packedB))
+    return gemmSwapped(m, n, k, static_cast<const uint16_t *>(a), lda,
+                       static_cast<const uint16_t *>(b), ldb, static_cast<char *>(c), ldc, cBf16,
+                       load, pack);
   // A transposed op(B) (B stored n x k) in the dot form (the header says
   // why); a B packed beforehand is not read there.
   if (dotForm(transA, transB, bf16))
@@ -1335,6 +1481,8 @@ void packB(int64_t n, int64_t k, const void *b, int64_t ldb, bool transB, bool b
 bool available(bool) { return false; }
 
 bool dotForm(bool, bool, bool) { return false; }
+
+bool swappedForm(int64_t, bool, bool, bool) { return false; }
 
 namespace {
 [[noreturn]] void absent() {

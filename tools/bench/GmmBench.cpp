@@ -21,7 +21,9 @@
 // store, ContextOptions::packWeights), the plain and packed runs
 // alternating: bf16, and fp32 where moec's fp32 tile runs (MOEC_GEMM=moec);
 // not where the tile reads B in its dot form (tile::dotForm), which reads
-// no packed B (the layer packs none there either). The weight gradients
+// no packed B (the layer packs none there either). (A bf16 B stored n x k
+// as stored runs in the swapped form where the dot form does not,
+// tile::swappedForm; packed, through the panels.) The weight gradients
 // (dw1, dw2 and the adapters' *_grad) write each expert's C of its own past
 // the caches, as the layer does. With `tile`, only the tile of that name.
 //

@@ -7,8 +7,9 @@
 // without AVX-512 (or, for bf16, without avx512_bf16) the tile is not there
 // and the cases say so. bf16 runs on AMX tiles where the CPU has them;
 // tile_avx512_test runs the same cases with MOEC_AMX=off (the AVX-512
-// micro-kernel), tile_dot_test and tile_panels_test there with each form of
-// a bf16 B stored n x k (MOEC_DOT_FORM on and off).
+// micro-kernel), tile_dot_test, tile_swapped_test and tile_panels_test there
+// with each form of a bf16 B stored n x k (MOEC_DOT_FORM on; off, which
+// leaves the swapped form; off with MOEC_SWAPPED_FORM=off: the panels).
 //
 //===----------------------------------------------------------------------===//
 
@@ -196,6 +197,80 @@ TEST_CASE("the dot form runs where MOEC_DOT_FORM says, and by the CPU when unset
   CHECK_FALSE(tile::dotForm(false, false, true));
   CHECK_FALSE(tile::dotForm(true, true, true));
   CHECK_FALSE(tile::dotForm(false, true, false));
+}
+
+TEST_CASE("the swapped form runs where MOEC_SWAPPED_FORM allows and the dot form does not",
+          "[cpu][tile]") {
+  const char *setting = std::getenv("MOEC_SWAPPED_FORM");
+  INFO("MOEC_SWAPPED_FORM=" << (setting ? setting : "(unset)"));
+  const bool allowed = !(setting && std::strcmp(setting, "off") == 0);
+  const bool runs = tile::available(true) && !tile::amx() && !tile::dotForm(false, true, true);
+  CHECK(tile::swappedForm(17, false, true, true) == (allowed && runs));
+  // Only a bf16 product of a row-major A and a B stored n x k, C over 16
+  // columns wide.
+  CHECK_FALSE(tile::swappedForm(16, false, true, true));
+  CHECK_FALSE(tile::swappedForm(100, false, false, true));
+  CHECK_FALSE(tile::swappedForm(100, true, true, true));
+  CHECK_FALSE(tile::swappedForm(100, false, true, false));
+}
+
+TEST_CASE("moec's tile gives the swapped form the bits of the panels", "[cpu][tile]") {
+  // tile::swappedForm: C^T = B A^T, B's rows read in place 16 at a time and
+  // A^T packed in groups of 192 rows, against the panels of B packed
+  // beforehand (which it does not take): the same bits, and nothing written
+  // past C's columns. Shapes that end A's last panel on one, two and three
+  // vectors, A's groups (200, 390 rows), B's 16-row blocks (17, 50, 777
+  // rows), the 512-unit depth blocks (1025, 2100) and an odd depth; C fp32,
+  // loaded or not, and bf16.
+  if (!tileRuns(true))
+    return;
+  if (!tile::swappedForm(17, false, true, true))
+    WARN("the swapped form does not run here (AMX, the dot form or MOEC_SWAPPED_FORM=off): "
+         "the panels against themselves");
+  struct Shape {
+    int64_t m, n, k;
+  };
+  const Shape shapes[] = {{1, 17, 7},      {16, 50, 1025},  {40, 777, 300}, {128, 50, 2100},
+                          {139, 33, 1025}, {200, 17, 1100}, {390, 40, 513}};
+  for (const Shape &s : shapes)
+    for (const bool cBf16 : {false, true})
+      for (const bool load : {false, true}) {
+        if (cBf16 && load)
+          continue;
+        INFO(s.m << " x " << s.n << " x " << s.k << ", C " << (cBf16 ? "bf16" : "fp32")
+                 << (load ? ", loaded" : ""));
+        const Product x(s.m, s.n, s.k, false, true, true, uint32_t(s.m + s.n + s.k));
+        Aligned packedB(tile::packedBBytes(s.n, s.k, true));
+        tile::packB(s.n, s.k, x.b.data(), x.b.ld, true, true, packedB.data());
+        const int64_t ldc = s.n + 3;
+        const size_t elt = cBf16 ? 2 : 4, bytes = size_t(s.m * ldc) * elt;
+        Aligned swapped(bytes), panels(bytes);
+        // C's values (fp32 ones where loaded), 0x5A bytes past its columns.
+        std::memset(swapped.data(), 0x5A, bytes);
+        std::mt19937 rng(3);
+        std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+        for (int64_t i = 0; i < s.m; ++i)
+          for (int64_t j = 0; j < s.n; ++j) {
+            const float v = load ? dist(rng) : 0.0f;
+            std::memcpy(swapped.data() + size_t(i * ldc + j) * elt, &v, elt);
+          }
+        std::memcpy(panels.data(), swapped.data(), bytes);
+        Aligned pack(tile::packBytes(s.m, s.n, s.k, false, true, cBf16));
+        tile::gemm(s.m, s.n, s.k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, true, true,
+                   swapped.data(), ldc, cBf16, load, pack.data());
+        tile::gemm(s.m, s.n, s.k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, true, true,
+                   panels.data(), ldc, cBf16, load, pack.data(), false, packedB.data());
+        CHECK(std::memcmp(swapped.data(), panels.data(), bytes) == 0);
+        int64_t touched = 0;
+        for (int64_t i = 0; i < s.m; ++i)
+          for (size_t b = size_t(s.n) * elt; b < size_t(ldc) * elt; ++b)
+            touched += swapped.data()[size_t(i * ldc) * elt + b] != 0x5A;
+        CHECK(touched == 0);
+        // And the product's values (sums of bf16 products in fp32).
+        if (!cBf16 && !load)
+          CHECK(x.worstError(reinterpret_cast<const float *>(swapped.data()), ldc, 0, s.m) <
+                1e-5 * double(s.k));
+      }
 }
 
 TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {

@@ -73,9 +73,11 @@ warns_as_auto MOEC_GEMM "MOEC_GEMM='bogus' is none of 'auto', 'moec', 'onednn'; 
 if has avx512f avx512bw avx512vl avx512_bf16; then
   warns_as_auto MOEC_AMX "MOEC_AMX='bogus' is neither 'auto' nor 'off'; using 'auto'"
 fi
-# (MOEC_DOT_FORM where that product runs on the AVX-512 micro-kernel.)
+# (MOEC_DOT_FORM and MOEC_SWAPPED_FORM where that product runs on the
+# AVX-512 micro-kernel.)
 if has avx512f avx512bw avx512vl avx512_bf16 && ! has amx_bf16; then
   warns_as_auto MOEC_DOT_FORM "MOEC_DOT_FORM='bogus' is neither 'auto', 'on' nor 'off'; using 'auto'"
+  warns_as_auto MOEC_SWAPPED_FORM "MOEC_SWAPPED_FORM='bogus' is neither 'auto' nor 'off'; using 'auto'"
 fi
 echo "kernel ISAs: ${#isas[@]} run, $failed failed"
 [[ $failed -eq 0 ]]

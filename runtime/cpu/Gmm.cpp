@@ -137,9 +137,9 @@ const char *gemmConfig() {
     const std::string bf16Tile =
         tile::amx() ? "AMX tiles"
                     : std::string("avx512_bf16, a B stored n x k ") +
-                          (tile::dotForm(false, true, true)           ? "in the dot form"
-                           : tile::swappedForm(17, false, true, true) ? "as its transpose"
-                                                                      : "through panels");
+                          (tile::dotForm(false, true, true)                 ? "in the dot form"
+                           : tile::swappedForm(17, 2048, false, true, true) ? "as its transpose"
+                                                                            : "through panels");
     std::string own;
     if (moecTile(false))
       own = "fp32 (AVX-512)";

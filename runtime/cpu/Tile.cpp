@@ -154,6 +154,14 @@ size_t lowRankPanelBytes(int64_t width, int64_t lowK, bool bf16) {
 /// transpose per 16 rows of A.
 constexpr int64_t kSwapRows = 2 * kRows;
 
+/// The least depth of a product in the swapped form: each of its sums
+/// leaves the registers through a transpose, which a shallow product (a
+/// LoRA adapter's rank-r one, a depth of 16) would spend more on than on
+/// its dot products, where the panels pack only a B as shallow. (A choice,
+/// not a measurement: the qwen3 dX tiles it was measured on are 1536 and
+/// 2048 deep.)
+constexpr int64_t kSwapDepth = 256;
+
 /// Rows of A (columns of C^T) the swapped form packs at a time: A^T's
 /// panels of that many columns over the whole depth stay in L2 while every
 /// row of B passes over them.
@@ -167,10 +175,10 @@ size_t swappedBytes(int64_t m, int64_t k) {
 
 /// Whether gemm computes this call in its swapped form: swappedForm's
 /// products, with none of the options it does not take.
-bool swapsCall(int64_t n, bool transA, bool transB, bool bf16, bool decodedB, bool addScaled,
-               bool lowRank, bool stream, bool packedB) {
-  return swappedForm(n, transA, transB, bf16) && !decodedB && !addScaled && !lowRank && !stream &&
-         !packedB;
+bool swapsCall(int64_t n, int64_t k, bool transA, bool transB, bool bf16, bool decodedB,
+               bool addScaled, bool lowRank, bool stream, bool packedB) {
+  return swappedForm(n, k, transA, transB, bf16) && !decodedB && !addScaled && !lowRank &&
+         !stream && !packedB;
 }
 
 /// packBytes of the product as gemm computes it (not transposed).
@@ -188,7 +196,7 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
   bytes += lowRankPanelBytes(width, lowK, bf16);
   // Nor whether the product is the dot form's or the swapped form's.
   // (A call with fewer of the options may take it, with the same memory.)
-  if (swappedForm(n, transA, true, bf16))
+  if (swappedForm(n, k, transA, true, bf16))
     bytes = std::max(bytes, swappedBytes(m, k));
   return dotForm(transA, true, bf16) ? std::max(bytes, dotBytes(m, k, decodedB, lowK)) : bytes;
 }
@@ -1138,7 +1146,7 @@ bool dotForm(bool transA, bool transB, bool bf16) {
   return chosen && bf16 && transB && !transA && available(true) && !amx();
 }
 
-bool swappedForm(int64_t n, bool transA, bool transB, bool bf16) {
+bool swappedForm(int64_t n, int64_t k, bool transA, bool transB, bool bf16) {
   static const bool allowed = [] {
     const char *value = envValue("MOEC_SWAPPED_FORM");
     if (value && std::strcmp(value, "off") == 0)
@@ -1148,8 +1156,8 @@ bool swappedForm(int64_t n, bool transA, bool transB, bool bf16) {
                    envShown("MOEC_SWAPPED_FORM", value).c_str());
     return true;
   }();
-  return allowed && bf16 && transB && !transA && !narrowC(bf16, n) && available(true) && !amx() &&
-         !dotForm(transA, transB, bf16);
+  return allowed && bf16 && transB && !transA && !narrowC(bf16, n) && k >= kSwapDepth &&
+         available(true) && !amx() && !dotForm(transA, transB, bf16);
 }
 
 bool available(bool bf16) {
@@ -1202,7 +1210,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   if (bf16 && amx())
     return gemmAmx(m, n, k, a, lda, transA, b, ldb, transB, c, ldc, cBf16, load, pack, stream,
                    packedB, decodedB, addScaled, lowRank);
-  if (swapsCall(n, transA, transB, bf16, decodedB, addScaled, lowRank, stream, packedB))
+  if (swapsCall(n, k, transA, transB, bf16, decodedB, addScaled, lowRank, stream, packedB))
     return gemmSwapped(m, n, k, static_cast<const uint16_t *>(a), lda,
                        static_cast<const uint16_t *>(b), ldb, static_cast<char *>(c), ldc, cBf16,
                        load, pack);
@@ -1482,7 +1490,7 @@ bool available(bool) { return false; }
 
 bool dotForm(bool, bool, bool) { return false; }
 
-bool swappedForm(int64_t, bool, bool, bool) { return false; }
+bool swappedForm(int64_t, int64_t, bool, bool, bool) { return false; }
 
 namespace {
 [[noreturn]] void absent() {

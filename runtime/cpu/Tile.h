@@ -77,20 +77,21 @@
 // per process.
 //
 // The swapped form: where the dot form does not run, such a product (bf16,
-// A row-major, B stored n x k, C over 16 columns wide) with none of
-// `packedB`, `decodedB`, `addScaled`, `lowRank` or `stream` is computed as
-// its transpose, C^T = B A^T, on the same micro-kernel: B's rows are the
-// micro-kernel's rows of A, read where they lie (16 at a time, the next 16
-// fetched meanwhile), and A^T is packed into panels, a group of 192 of A's
-// rows at a time over the whole depth (in L2), so the weight is never
-// transposed; the sums of 16 rows of B wait in fp32 working memory between
-// depth blocks of 512 units and leave for C by 16 x 16 transposes, rounded
-// to a bf16 C as the micro-kernel rounds one. A bf16 dot product multiplies
-// its two operands' values pairwise, so each element is the same sum of the
-// same products in the same order as through panels: the same bits
-// (tile_test compares it with the panels of B packed beforehand). (The
-// qwen3 backward's dX tiles on a Zen 5 core, two threads at once: 1.05-1.37x
-// the transposing panels' rate as stored, level with B packed beforehand.)
+// A row-major, B stored n x k, C over 16 columns wide, 256 or more deep)
+// with none of `packedB`, `decodedB`, `addScaled`, `lowRank` or `stream` is
+// computed as its transpose, C^T = B A^T, on the same micro-kernel: B's
+// rows are the micro-kernel's rows of A, read where they lie (16 at a time,
+// the next 16 fetched meanwhile), and A^T is packed into panels, a group of
+// 192 of A's rows at a time over the whole depth (in L2), so the weight is
+// never transposed; the sums of 16 rows of B wait in fp32 working memory
+// between depth blocks of 512 units and leave for C by 16 x 16 transposes,
+// rounded to a bf16 C as the micro-kernel rounds one. A bf16 dot product
+// multiplies its two operands' values pairwise, so each element is the same
+// sum of the same products in the same order as through panels: the same
+// bits (tile_test compares it with the panels of B packed beforehand). (The
+// qwen3 backward's dX tiles on a Zen 5 core, two threads at once:
+// 1.05-1.37x the transposing panels' rate as stored, level with B packed
+// beforehand.)
 // MOEC_SWAPPED_FORM=off (docs/runtime.md) keeps the panels.
 //
 // A weight that many calls read (the layer's packed-weight store,
@@ -248,9 +249,10 @@ bool dotForm(bool transA, bool transB, bool bf16);
 /// header's paragraph) where the call has none of `packedB`, `decodedB`,
 /// `addScaled`, `lowRank` or `stream`: bf16 operands on the AVX-512
 /// micro-kernel (available, not AMX), A row-major, B stored n x k (transB),
-/// C over 16 columns wide (n), where the dot form does not run and
-/// MOEC_SWAPPED_FORM is not "off" (fixed at the first call).
-bool swappedForm(int64_t n, bool transA, bool transB, bool bf16);
+/// C over 16 columns wide (n), a depth k of 256 or more, where the dot form
+/// does not run and MOEC_SWAPPED_FORM is not "off" (fixed at the first
+/// call).
+bool swappedForm(int64_t n, int64_t k, bool transA, bool transB, bool bf16);
 
 /// Whether bf16 gemm runs on AMX tiles (TileAmx.cpp) rather than on the
 /// AVX-512 micro-kernel: the CPU has AMX-BF16, the kernel lets this process

@@ -686,7 +686,7 @@ TEST_CASE("the GEMM library reports its configuration", "[cpu][gmm]") {
   // The form a bf16 B stored n x k takes on the AVX-512 micro-kernel.
   if (moecTile(true) && !tile::amx())
     CHECK(config.find(tile::dotForm(false, true, true) ? "in the dot form"
-                      : tile::swappedForm(17, false, true, true)
+                      : tile::swappedForm(17, 2048, false, true, true)
                           ? "as its transpose"
                           : "through panels") != std::string::npos);
   // Under kernels_isa_test, which caps oneDNN's ISA (DNNL_MAX_CPU_ISA) for

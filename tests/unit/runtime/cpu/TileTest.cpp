@@ -205,13 +205,16 @@ TEST_CASE("the swapped form runs where MOEC_SWAPPED_FORM allows and the dot form
   INFO("MOEC_SWAPPED_FORM=" << (setting ? setting : "(unset)"));
   const bool allowed = !(setting && std::strcmp(setting, "off") == 0);
   const bool runs = tile::available(true) && !tile::amx() && !tile::dotForm(false, true, true);
-  CHECK(tile::swappedForm(17, false, true, true) == (allowed && runs));
+  CHECK(tile::swappedForm(17, 2048, false, true, true) == (allowed && runs));
   // Only a bf16 product of a row-major A and a B stored n x k, C over 16
   // columns wide.
-  CHECK_FALSE(tile::swappedForm(16, false, true, true));
-  CHECK_FALSE(tile::swappedForm(100, false, false, true));
-  CHECK_FALSE(tile::swappedForm(100, true, true, true));
-  CHECK_FALSE(tile::swappedForm(100, false, true, false));
+  CHECK_FALSE(tile::swappedForm(16, 2048, false, true, true));
+  CHECK_FALSE(tile::swappedForm(100, 255, false, true, true));
+  CHECK(tile::swappedForm(100, 256, false, true, true) ==
+        tile::swappedForm(17, 2048, false, true, true));
+  CHECK_FALSE(tile::swappedForm(100, 2048, false, false, true));
+  CHECK_FALSE(tile::swappedForm(100, 2048, true, true, true));
+  CHECK_FALSE(tile::swappedForm(100, 2048, false, true, false));
 }
 
 TEST_CASE("moec's tile gives the swapped form the bits of the panels", "[cpu][tile]") {
@@ -220,17 +223,17 @@ TEST_CASE("moec's tile gives the swapped form the bits of the panels", "[cpu][ti
   // beforehand (which it does not take): the same bits, and nothing written
   // past C's columns. Shapes that end A's last panel on one, two and three
   // vectors, A's groups (200, 390 rows), B's 16-row blocks (17, 50, 777
-  // rows), the 512-unit depth blocks (1025, 2100) and an odd depth; C fp32,
+  // rows), the 512-unit depth blocks (1025, 2100) and odd depths; C fp32,
   // loaded or not, and bf16.
   if (!tileRuns(true))
     return;
-  if (!tile::swappedForm(17, false, true, true))
+  if (!tile::swappedForm(17, 2048, false, true, true))
     WARN("the swapped form does not run here (AMX, the dot form or MOEC_SWAPPED_FORM=off): "
          "the panels against themselves");
   struct Shape {
     int64_t m, n, k;
   };
-  const Shape shapes[] = {{1, 17, 7},      {16, 50, 1025},  {40, 777, 300}, {128, 50, 2100},
+  const Shape shapes[] = {{1, 17, 257},    {16, 50, 1025},  {40, 777, 300}, {128, 50, 2100},
                           {139, 33, 1025}, {200, 17, 1100}, {390, 40, 513}};
   for (const Shape &s : shapes)
     for (const bool cBf16 : {false, true})

@@ -49,6 +49,19 @@ inline std::string envShown(const char *name, const char *value) {
   return text;
 }
 
+/// Whether a switch of two values, `auto` (the default) and `off`, allows
+/// what it switches: false for "off"; any other value than "auto" prints a
+/// warning to stderr and means auto.
+inline bool envAutoOrOff(const char *name) {
+  const char *value = envValue(name);
+  if (value && std::string(value) == "off")
+    return false;
+  if (value && std::string(value) != "auto")
+    std::fprintf(stderr, "moec: %s is neither 'auto' nor 'off'; using 'auto'\n",
+                 envShown(name, value).c_str());
+  return true;
+}
+
 } // namespace moec
 
 #endif // MOEC_BASE_ENV_H

@@ -1147,15 +1147,7 @@ bool dotForm(bool transA, bool transB, bool bf16) {
 }
 
 bool swappedForm(int64_t n, int64_t k, bool transA, bool transB, bool bf16) {
-  static const bool allowed = [] {
-    const char *value = envValue("MOEC_SWAPPED_FORM");
-    if (value && std::strcmp(value, "off") == 0)
-      return false;
-    if (value && std::strcmp(value, "auto") != 0)
-      std::fprintf(stderr, "moec: %s is neither 'auto' nor 'off'; using 'auto'\n",
-                   envShown("MOEC_SWAPPED_FORM", value).c_str());
-    return true;
-  }();
+  static const bool allowed = envAutoOrOff("MOEC_SWAPPED_FORM");
   return allowed && bf16 && transB && !transA && !narrowC(bf16, n) && k >= kSwapDepth &&
          available(true) && !amx() && !dotForm(transA, transB, bf16);
 }

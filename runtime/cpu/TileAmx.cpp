@@ -760,16 +760,9 @@ MOEC_AMX_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t
 namespace moec::cpu::tile {
 
 bool amx() {
-  static const bool on = [] {
-    const char *value = envValue("MOEC_AMX");
-    if (value && std::strcmp(value, "off") == 0)
-      return false;
-    if (value && std::strcmp(value, "auto") != 0)
-      std::fprintf(stderr, "moec: %s is neither 'auto' nor 'off'; using 'auto'\n",
-                   envShown("MOEC_AMX", value).c_str());
-    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-           available(true) && detail::osGrantsAmx();
-  }();
+  static const bool on = envAutoOrOff("MOEC_AMX") && __builtin_cpu_supports("amx-tile") &&
+                         __builtin_cpu_supports("amx-bf16") && available(true) &&
+                         detail::osGrantsAmx();
   return on;
 }
 

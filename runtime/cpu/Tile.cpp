@@ -782,10 +782,13 @@ template <int64_t AROW = 0> Micro microNarrowFor(int rows) {
   return table[rows - 1];
 }
 
-template <bool BF16, bool PACK = false> Micro microFor(int rows) {
+/// The micro-kernel of `rows` rows (up to kRows) on the panel's first NV
+/// vectors.
+template <bool BF16, bool PACK = false, int NV = 3> Micro microFor(int rows) {
   static constexpr Micro table[kRows] = {
-      micro<1, BF16, PACK>, micro<2, BF16, PACK>, micro<3, BF16, PACK>, micro<4, BF16, PACK>,
-      micro<5, BF16, PACK>, micro<6, BF16, PACK>, micro<7, BF16, PACK>, micro<8, BF16, PACK>};
+      micro<1, BF16, PACK, NV>, micro<2, BF16, PACK, NV>, micro<3, BF16, PACK, NV>,
+      micro<4, BF16, PACK, NV>, micro<5, BF16, PACK, NV>, micro<6, BF16, PACK, NV>,
+      micro<7, BF16, PACK, NV>, micro<8, BF16, PACK, NV>};
   return table[rows - 1];
 }
 
@@ -1036,18 +1039,12 @@ MOEC_TILE_TARGET void gemmDot(int64_t m, int64_t n, int64_t k, const uint16_t *a
 /// frozen step's backward 0.93-0.96x the panels' time against 0.99x.
 constexpr int64_t kSwapBlockUnits = kPackedBlockUnits;
 
-/// The micro-kernel of `rows` rows on the first NV vectors of a panel (the
-/// swapped form's last panel of A^T, `cols` columns of it live).
+/// The micro-kernel of `rows` rows on as many of a panel's vectors as its
+/// `cols` live columns fill (the swapped form's last panel of A^T).
 Micro microSwapFor(int rows, int cols) {
-  static constexpr Micro one[kRows] = {micro<1, true, false, 1>, micro<2, true, false, 1>,
-                                       micro<3, true, false, 1>, micro<4, true, false, 1>,
-                                       micro<5, true, false, 1>, micro<6, true, false, 1>,
-                                       micro<7, true, false, 1>, micro<8, true, false, 1>};
-  static constexpr Micro two[kRows] = {micro<1, true, false, 2>, micro<2, true, false, 2>,
-                                       micro<3, true, false, 2>, micro<4, true, false, 2>,
-                                       micro<5, true, false, 2>, micro<6, true, false, 2>,
-                                       micro<7, true, false, 2>, micro<8, true, false, 2>};
-  return cols <= 16 ? one[rows - 1] : cols <= 32 ? two[rows - 1] : microFor<true>(rows);
+  return cols <= 16   ? microFor<true, false, 1>(rows)
+         : cols <= 32 ? microFor<true, false, 2>(rows)
+                      : microFor<true>(rows);
 }
 
 /// C[j, i] = sums[i, j] for i < rows (at most 16), j < cols: fp32, or bf16
@@ -1083,7 +1080,8 @@ MOEC_TILE_TARGET void storeTransposedSums(const float *sums, int64_t ld, int64_t
 MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                                   const uint16_t *b, int64_t ldb, char *c, int64_t ldc, bool cBf16,
                                   bool load, void *pack) {
-  const int64_t allUnits = ceilDiv(k, 2), cElt = cBf16 ? 2 : 4;
+  const int64_t allUnits = ceilDiv(k, 2), blocks = ceilDiv(allUnits, kSwapBlockUnits);
+  const int64_t cElt = cBf16 ? 2 : 4;
   uint32_t *panels = static_cast<uint32_t *>(pack);
   float *stage = reinterpret_cast<float *>(static_cast<char *>(pack) +
                                            packedBBytes(std::min(m, kSwapGroup), k, true));
@@ -1099,7 +1097,6 @@ MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_
       // The next rows of B over the whole depth, a depth block's piece of
       // each at a time, spread over this row block's calls.
       Prefetch next;
-      const int64_t blocks = ceilDiv(allUnits, kSwapBlockUnits);
       if (i0 + kSwapRows < n)
         next = Prefetch(bBytes + (i0 + kSwapRows) * ldb * 2,
                         std::min(kSwapRows, n - i0 - kSwapRows), k * 2, ldb * 2, blocks);

@@ -168,17 +168,19 @@ constexpr int64_t kSwapDepth = 256;
 constexpr int64_t kSwapGroup = kGroup;
 
 /// Bytes of the swapped form's working memory: A^T's panels for a group of
-/// A's rows, then the fp32 sums of kSwapRows rows of C^T.
-size_t swappedBytes(int64_t m, int64_t k) {
-  return packedBBytes(std::min(m, kSwapGroup), k, true) + size_t(kSwapRows * kSwapGroup) * 4;
+/// A's rows, then the fp32 sums of kSwapRows rows of C^T, then with a
+/// LowRank of depth lowK > 0 U^T's panels for the group.
+size_t swappedBytes(int64_t m, int64_t k, int64_t lowK) {
+  return packedBBytes(std::min(m, kSwapGroup), k, true) + size_t(kSwapRows * kSwapGroup) * 4 +
+         (lowK > 0 ? packedBBytes(std::min(m, kSwapGroup), lowK, true) : 0);
 }
 
 /// Whether gemm computes this call in its swapped form: swappedForm's
 /// products, with none of the options it does not take.
 bool swapsCall(int64_t n, int64_t k, bool transA, bool transB, bool bf16, bool decodedB,
-               bool addScaled, bool lowRank, bool stream, bool packedB) {
-  return swappedForm(n, k, transA, transB, bf16) && !decodedB && !addScaled && !lowRank &&
-         !stream && !packedB;
+               bool addScaled, const LowRank *lowRank, bool stream, bool packedB) {
+  return swappedForm(n, k, transA, transB, bf16) && !decodedB && !addScaled &&
+         (!lowRank || lowRank->transV) && !stream && !packedB;
 }
 
 /// packBytes of the product as gemm computes it (not transposed).
@@ -197,7 +199,7 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
   // Nor whether the product is the dot form's or the swapped form's.
   // (A call with fewer of the options may take it, with the same memory.)
   if (swappedForm(n, k, transA, true, bf16))
-    bytes = std::max(bytes, swappedBytes(m, k));
+    bytes = std::max(bytes, swappedBytes(m, k, lowK));
   return dotForm(transA, true, bf16) ? std::max(bytes, dotBytes(m, k, decodedB, lowK)) : bytes;
 }
 
@@ -1079,17 +1081,25 @@ MOEC_TILE_TARGET void storeTransposedSums(const float *sums, int64_t ld, int64_t
 /// transposed.
 MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                                   const uint16_t *b, int64_t ldb, char *c, int64_t ldc, bool cBf16,
-                                  bool load, void *pack) {
+                                  bool load, void *pack, const LowRank *lowRank) {
   const int64_t allUnits = ceilDiv(k, 2), blocks = ceilDiv(allUnits, kSwapBlockUnits);
   const int64_t cElt = cBf16 ? 2 : 4;
   uint32_t *panels = static_cast<uint32_t *>(pack);
   float *stage = reinterpret_cast<float *>(static_cast<char *>(pack) +
                                            packedBBytes(std::min(m, kSwapGroup), k, true));
   const int64_t ldStage = kSwapGroup;
+  // With lowRank: C^T += op(V)^T U^T, op(V)^T's rows (V stored n x k:
+  // transV) read in place as the micro-kernel's rows after B's, U^T packed
+  // into panels for each group of A's rows, after the sums.
+  const int64_t lowUnits = lowRank ? ceilDiv(lowRank->k, 2) : 0;
+  uint32_t *lowPanels = reinterpret_cast<uint32_t *>(stage + kSwapRows * ldStage);
   const char *bBytes = reinterpret_cast<const char *>(b);
   for (int64_t j0 = 0; j0 < m; j0 += kSwapGroup) {
     const int64_t mb = std::min(kSwapGroup, m - j0), panelCount = ceilDiv(mb, kPanel);
     packB(mb, k, a + j0 * lda, lda, true, true, panels);
+    if (lowRank)
+      packB(mb, lowRank->k, static_cast<const uint16_t *>(lowRank->u) + j0 * lowRank->ldu,
+            lowRank->ldu, true, true, lowPanels);
     for (int64_t i0 = 0; i0 < n; i0 += kSwapRows) {
       const int64_t rows = std::min(kSwapRows, n - i0), halves = ceilDiv(rows, kRows);
       if (load)
@@ -1111,10 +1121,19 @@ MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_
             float *sums = stage + h * kRows * ldStage + q * kPanel;
             Lines ahead;
             next.next(ahead);
+            LowPart low;
+            if (last && lowRank) {
+              low.a = static_cast<const char *>(lowRank->v) + (i0 + h * kRows) * lowRank->ldv * 2;
+              low.aRow = lowRank->ldv * 2;
+              low.units = lowUnits;
+              low.halfLast = lowRank->k % 2 == 1;
+              low.panel = lowPanels + q * lowUnits * kPanel;
+            }
             microSwapFor(r, cols)(units, bBytes + ((i0 + h * kRows) * ldb + 2 * u0) * 2, ldb * 2, 4,
                                   halfLast, panels + (q * allUnits + u0) * kPanel,
                                   u0 > 0 || load ? sums : nullptr, ldStage, sums, ldStage, false,
-                                  cols, nullptr, 0, 0, nullptr, nullptr, ahead, nullptr);
+                                  cols, nullptr, 0, 0, nullptr, nullptr, ahead,
+                                  last && lowRank ? &low : nullptr);
           }
         }
       }
@@ -1202,7 +1221,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   if (swapsCall(n, k, transA, transB, bf16, decodedB, addScaled, lowRank, stream, packedB))
     return gemmSwapped(m, n, k, static_cast<const uint16_t *>(a), lda,
                        static_cast<const uint16_t *>(b), ldb, static_cast<char *>(c), ldc, cBf16,
-                       load, pack);
+                       load, pack, lowRank);
   // A transposed op(B) (B stored n x k) in the dot form (the header says
   // why); a B packed beforehand is not read there.
   if (dotForm(transA, transB, bf16))

@@ -224,7 +224,9 @@ TEST_CASE("moec's tile gives the swapped form the bits of the panels", "[cpu][ti
   // past C's columns. Shapes that end A's last panel on one, two and three
   // vectors, A's groups (200, 390 rows), B's 16-row blocks (17, 50, 777
   // rows), the 512-unit depth blocks (1025, 2100) and odd depths; C fp32,
-  // loaded or not, and bf16.
+  // loaded or not, and bf16; and with a LowRank whose V is stored n x r
+  // (transV: a LoRA adapter's dX product, U A^T), its rows read in place
+  // after B's, of rank 16 and 5 (a lone last bf16 value).
   if (!tileRuns(true))
     return;
   if (!tile::swappedForm(17, 2048, false, true, true))
@@ -237,43 +239,54 @@ TEST_CASE("moec's tile gives the swapped form the bits of the panels", "[cpu][ti
                           {139, 33, 1025}, {200, 17, 1100}, {390, 40, 513}};
   for (const Shape &s : shapes)
     for (const bool cBf16 : {false, true})
-      for (const bool load : {false, true}) {
-        if (cBf16 && load)
-          continue;
-        INFO(s.m << " x " << s.n << " x " << s.k << ", C " << (cBf16 ? "bf16" : "fp32")
-                 << (load ? ", loaded" : ""));
-        const Product x(s.m, s.n, s.k, false, true, true, uint32_t(s.m + s.n + s.k));
-        Aligned packedB(tile::packedBBytes(s.n, s.k, true));
-        tile::packB(s.n, s.k, x.b.data(), x.b.ld, true, true, packedB.data());
-        const int64_t ldc = s.n + 3;
-        const size_t elt = cBf16 ? 2 : 4, bytes = size_t(s.m * ldc) * elt;
-        Aligned swapped(bytes), panels(bytes);
-        // C's values (fp32 ones where loaded), 0x5A bytes past its columns.
-        std::memset(swapped.data(), 0x5A, bytes);
-        std::mt19937 rng(3);
-        std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-        for (int64_t i = 0; i < s.m; ++i)
-          for (int64_t j = 0; j < s.n; ++j) {
-            const float v = load ? dist(rng) : 0.0f;
-            std::memcpy(swapped.data() + size_t(i * ldc + j) * elt, &v, elt);
-          }
-        std::memcpy(panels.data(), swapped.data(), bytes);
-        Aligned pack(tile::packBytes(s.m, s.n, s.k, false, true, cBf16));
-        tile::gemm(s.m, s.n, s.k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, true, true,
-                   swapped.data(), ldc, cBf16, load, pack.data());
-        tile::gemm(s.m, s.n, s.k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, true, true,
-                   panels.data(), ldc, cBf16, load, pack.data(), false, packedB.data());
-        CHECK(std::memcmp(swapped.data(), panels.data(), bytes) == 0);
-        int64_t touched = 0;
-        for (int64_t i = 0; i < s.m; ++i)
-          for (size_t b = size_t(s.n) * elt; b < size_t(ldc) * elt; ++b)
-            touched += swapped.data()[size_t(i * ldc) * elt + b] != 0x5A;
-        CHECK(touched == 0);
-        // And the product's values (sums of bf16 products in fp32).
-        if (!cBf16 && !load)
-          CHECK(x.worstError(reinterpret_cast<const float *>(swapped.data()), ldc, 0, s.m) <
-                1e-5 * double(s.k));
-      }
+      for (const bool load : {false, true})
+        for (const int64_t r : {int64_t(0), int64_t(16), int64_t(5)}) {
+          if ((cBf16 && load) || (load && r > 0))
+            continue;
+          INFO(s.m << " x " << s.n << " x " << s.k << ", C " << (cBf16 ? "bf16" : "fp32")
+                   << (load ? ", loaded" : "") << ", low rank " << r);
+          const Product x(s.m, s.n, s.k, false, true, true, uint32_t(s.m + s.n + s.k));
+          // U (m x r) as low's A, V (n x r, transV) as its B.
+          const Product low(s.m, s.n, std::max<int64_t>(r, 1), false, true, true,
+                            uint32_t(s.m + 7 * r));
+          const tile::LowRank lowRank{low.a.data(), low.a.ld, low.b.data(), low.b.ld, true, r};
+          const tile::LowRank *lr = r > 0 ? &lowRank : nullptr;
+          Aligned packedB(tile::packedBBytes(s.n, s.k, true));
+          tile::packB(s.n, s.k, x.b.data(), x.b.ld, true, true, packedB.data());
+          const int64_t ldc = s.n + 3;
+          const size_t elt = cBf16 ? 2 : 4, bytes = size_t(s.m * ldc) * elt;
+          Aligned swapped(bytes), panels(bytes);
+          // C's values (fp32 ones where loaded), 0x5A bytes past its columns.
+          std::memset(swapped.data(), 0x5A, bytes);
+          std::mt19937 rng(3);
+          std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+          for (int64_t i = 0; i < s.m; ++i)
+            for (int64_t j = 0; j < s.n; ++j) {
+              const float v = load ? dist(rng) : 0.0f;
+              std::memcpy(swapped.data() + size_t(i * ldc + j) * elt, &v, elt);
+            }
+          std::memcpy(panels.data(), swapped.data(), bytes);
+          // The working memory packBytes gives, then 64 guard bytes.
+          const size_t own = tile::packBytes(s.m, s.n, s.k, false, true, cBf16, false, false, r);
+          Aligned pack(own + 64, 0xA5);
+          tile::gemm(s.m, s.n, s.k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, true, true,
+                     swapped.data(), ldc, cBf16, load, pack.data(), false, nullptr, nullptr,
+                     nullptr, lr);
+          CHECK(std::count(pack.data() + own, pack.data() + own + 64, 0xA5) == 64);
+          tile::gemm(s.m, s.n, s.k, x.a.data(), x.a.ld, false, x.b.data(), x.b.ld, true, true,
+                     panels.data(), ldc, cBf16, load, pack.data(), false, packedB.data(), nullptr,
+                     nullptr, lr);
+          CHECK(std::memcmp(swapped.data(), panels.data(), bytes) == 0);
+          int64_t touched = 0;
+          for (int64_t i = 0; i < s.m; ++i)
+            for (size_t b = size_t(s.n) * elt; b < size_t(ldc) * elt; ++b)
+              touched += swapped.data()[size_t(i * ldc) * elt + b] != 0x5A;
+          CHECK(touched == 0);
+          // And the product's values (sums of bf16 products in fp32).
+          if (!cBf16 && !load && r == 0)
+            CHECK(x.worstError(reinterpret_cast<const float *>(swapped.data()), ldc, 0, s.m) <
+                  1e-5 * double(s.k));
+        }
 }
 
 TEST_CASE("moec's tile matches a loop in double precision", "[cpu][tile]") {

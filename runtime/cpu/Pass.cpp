@@ -832,11 +832,15 @@ Status Pass::runTile(uint32_t rank, uint32_t task, uint32_t worker) {
       }
       // Quantized codes with their scales on moec's bf16 tile, B as stored
       // (the backward's dX and dA), or on AMX tiles either way: the tile
-      // decodes each depth block's panel of B as it goes. (B transposed, the
-      // forward's, ran 2-5% slower that way on the AVX-512 micro-kernel than
-      // from the copy below, and 15-30% faster on AMX: `gmm_bench
-      // --quantized`, docs/performance.md.)
-      if ((!op.transposeB || tile::amx()) && dtype(a) == DType::BF16 &&
+      // decodes each depth block's panel of B as it goes; B transposed (the
+      // forward's) on the AVX-512 micro-kernel where the swapped form takes
+      // it, which decodes 16 rows of B a depth block at a time as its
+      // micro-kernel's rows (1.06-1.18x the copy below: `gmm_bench
+      // --quantized`, the log, 2026-11-30; through panels that way it ran
+      // 2-5% slower than the copy; on AMX 15-30% faster).
+      const bool swapsDecoded = op.transposeB && op.scale == 1.0f && op.addend == format::kNone &&
+                                tile::swappedForm(cols.size(), int64_t(t.depth), false, true, true);
+      if ((!op.transposeB || tile::amx() || swapsDecoded) && dtype(a) == DType::BF16 &&
           packedTile(DType::BF16, DType::BF16)) {
         const QuantizedMatrix codes = quantizedWeight(opIndex, rank, tile.expert);
         const tile::DecodedB decoded = decodedB(codes);

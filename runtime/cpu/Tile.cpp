@@ -167,20 +167,34 @@ constexpr int64_t kSwapDepth = 256;
 /// row of B passes over them.
 constexpr int64_t kSwapGroup = kGroup;
 
+/// The row stride, in bf16 values, of the swapped form's decoded rows of B
+/// (a depth block's, kSwapBlockUnits units, and 32 more: off a multiple of
+/// 4 KiB).
+constexpr int64_t kSwapDecodedLd = 2 * kPackedBlockUnits + 32;
+
+/// The row stride, in bf16 values, of the swapped form's copy of op(V)^T's
+/// rows for a V stored k x n (not transV): its k values, whole units.
+int64_t swappedLowLd(int64_t lowK) { return ceilDiv(lowK, 2) * 2; }
+
 /// Bytes of the swapped form's working memory: A^T's panels for a group of
 /// A's rows, then the fp32 sums of kSwapRows rows of C^T, then with a
-/// LowRank of depth lowK > 0 U^T's panels for the group.
-size_t swappedBytes(int64_t m, int64_t k, int64_t lowK) {
+/// LowRank of depth lowK > 0 U^T's panels for the group, then with a decoder
+/// kSwapRows decoded rows of B's depth block.
+size_t swappedBytes(int64_t m, int64_t k, int64_t lowK, bool decodedB) {
   return packedBBytes(std::min(m, kSwapGroup), k, true) + size_t(kSwapRows * kSwapGroup) * 4 +
-         (lowK > 0 ? packedBBytes(std::min(m, kSwapGroup), lowK, true) : 0);
+         (lowK > 0 ? packedBBytes(std::min(m, kSwapGroup), lowK, true) +
+                         size_t(kSwapRows * swappedLowLd(lowK)) * 2
+                   : 0) +
+         (decodedB ? size_t(kSwapRows * kSwapDecodedLd) * 2 : 0);
 }
 
 /// Whether gemm computes this call in its swapped form: swappedForm's
-/// products, with none of the options it does not take.
-bool swapsCall(int64_t n, int64_t k, bool transA, bool transB, bool bf16, bool decodedB,
+/// products, with none of the options it does not take (a decoder that
+/// writes panels, not rows, among them).
+bool swapsCall(int64_t n, int64_t k, bool transA, bool transB, bool bf16, const DecodedB *decodedB,
                bool addScaled, const LowRank *lowRank, bool stream, bool packedB) {
-  return swappedForm(n, k, transA, transB, bf16) && !decodedB && !addScaled &&
-         (!lowRank || lowRank->transV) && !stream && !packedB;
+  return swappedForm(n, k, transA, transB, bf16) && !(decodedB && decodedB->panel) && !addScaled &&
+         !stream && !packedB;
 }
 
 /// packBytes of the product as gemm computes it (not transposed).
@@ -199,7 +213,7 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
   // Nor whether the product is the dot form's or the swapped form's.
   // (A call with fewer of the options may take it, with the same memory.)
   if (swappedForm(n, k, transA, true, bf16))
-    bytes = std::max(bytes, swappedBytes(m, k, lowK));
+    bytes = std::max(bytes, swappedBytes(m, k, lowK, decodedB));
   return dotForm(transA, true, bf16) ? std::max(bytes, dotBytes(m, k, decodedB, lowK)) : bytes;
 }
 
@@ -1081,19 +1095,41 @@ MOEC_TILE_TARGET void storeTransposedSums(const float *sums, int64_t ld, int64_t
 /// transposed.
 MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t lda,
                                   const uint16_t *b, int64_t ldb, char *c, int64_t ldc, bool cBf16,
-                                  bool load, void *pack, const LowRank *lowRank) {
+                                  bool load, void *pack, const LowRank *lowRank,
+                                  const DecodedB *decodedB) {
   const int64_t allUnits = ceilDiv(k, 2), blocks = ceilDiv(allUnits, kSwapBlockUnits);
   const int64_t cElt = cBf16 ? 2 : 4;
   uint32_t *panels = static_cast<uint32_t *>(pack);
   float *stage = reinterpret_cast<float *>(static_cast<char *>(pack) +
                                            packedBBytes(std::min(m, kSwapGroup), k, true));
   const int64_t ldStage = kSwapGroup;
-  // With lowRank: C^T += op(V)^T U^T, op(V)^T's rows (V stored n x k:
-  // transV) read in place as the micro-kernel's rows after B's, U^T packed
-  // into panels for each group of A's rows, after the sums.
+  // With lowRank: C^T += op(V)^T U^T, op(V)^T's rows the micro-kernel's
+  // rows after B's: read in place where V is stored n x k (transV), else
+  // copied a row block at a time (`lowRows`: kSwapRows rows of its k
+  // values, a few hundred bytes); U^T packed into panels for each group of
+  // A's rows, after the sums.
   const int64_t lowUnits = lowRank ? ceilDiv(lowRank->k, 2) : 0;
+  const int64_t lowLd = lowRank ? swappedLowLd(lowRank->k) : 0;
   uint32_t *lowPanels = reinterpret_cast<uint32_t *>(stage + kSwapRows * ldStage);
+  uint16_t *lowRows = reinterpret_cast<uint16_t *>(
+      lowPanels + (lowRank ? ceilDiv(std::min(m, kSwapGroup), kPanel) * kPanel * lowUnits : 0));
+  // With decodedB: a row block's rows of B over a depth block, decoded from
+  // the decoder's rows as the micro-kernel's rows (in L1), not B's.
+  uint16_t *decoded = lowRows + (lowRank ? kSwapRows * lowLd : 0);
   const char *bBytes = reinterpret_cast<const char *>(b);
+  // The rows of B at i0 (rows of them) over the whole depth, as stored: in
+  // B, or the decoder's codes (none: nothing to fetch).
+  auto bRows = [&](int64_t i0, int64_t rows) {
+    if (!decodedB)
+      return Prefetch(bBytes + i0 * ldb * 2, rows, k * 2, ldb * 2, blocks);
+    const DecodedB &d = *decodedB;
+    if (!d.codes)
+      return Prefetch();
+    const auto at = [&](int64_t v) { return d.halfBytes ? v / 2 : v; };
+    return Prefetch(reinterpret_cast<const char *>(d.codes) + (d.rowOffset + i0) * d.codesLd +
+                        at(d.colOffset),
+                    rows, at(d.colOffset + k - 1) - at(d.colOffset) + 1, d.codesLd, blocks);
+  };
   for (int64_t j0 = 0; j0 < m; j0 += kSwapGroup) {
     const int64_t mb = std::min(kSwapGroup, m - j0), panelCount = ceilDiv(mb, kPanel);
     packB(mb, k, a + j0 * lda, lda, true, true, panels);
@@ -1104,16 +1140,24 @@ MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_
       const int64_t rows = std::min(kSwapRows, n - i0), halves = ceilDiv(rows, kRows);
       if (load)
         transposeInto(c + (j0 * ldc + i0) * cElt, ldc, mb, rows, stage, ldStage, false);
+      if (lowRank && !lowRank->transV) {
+        const uint16_t *v = static_cast<const uint16_t *>(lowRank->v);
+        for (int64_t j = 0; j < rows; ++j)
+          for (int64_t t = 0; t < lowLd; ++t)
+            lowRows[j * lowLd + t] = t < lowRank->k ? v[t * lowRank->ldv + i0 + j] : 0;
+      }
       // The next rows of B over the whole depth, a depth block's piece of
       // each at a time, spread over this row block's calls.
       Prefetch next;
       if (i0 + kSwapRows < n)
-        next = Prefetch(bBytes + (i0 + kSwapRows) * ldb * 2,
-                        std::min(kSwapRows, n - i0 - kSwapRows), k * 2, ldb * 2, blocks);
+        next = bRows(i0 + kSwapRows, std::min(kSwapRows, n - i0 - kSwapRows));
       next.spread(blocks * panelCount * halves);
       for (int64_t u0 = 0; u0 < allUnits; u0 += kSwapBlockUnits) {
         const int64_t units = std::min(kSwapBlockUnits, allUnits - u0);
         const bool last = u0 + units == allUnits, halfLast = last && k % 2 == 1;
+        if (decodedB)
+          decodedB->read(i0, i0 + rows, 2 * u0, std::min(k, 2 * (u0 + units)), decoded,
+                         kSwapDecodedLd);
         for (int64_t q = 0; q < panelCount; ++q) {
           const int cols = int(std::min<int64_t>(kPanel, mb - q * kPanel));
           for (int64_t h = 0; h < halves; ++h) {
@@ -1122,18 +1166,26 @@ MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_
             Lines ahead;
             next.next(ahead);
             LowPart low;
-            if (last && lowRank) {
+            if (last && lowRank && lowRank->transV) {
               low.a = static_cast<const char *>(lowRank->v) + (i0 + h * kRows) * lowRank->ldv * 2;
               low.aRow = lowRank->ldv * 2;
+            } else if (last && lowRank) {
+              low.a = reinterpret_cast<const char *>(lowRows + h * kRows * lowLd);
+              low.aRow = lowLd * 2;
+            }
+            if (last && lowRank) {
               low.units = lowUnits;
               low.halfLast = lowRank->k % 2 == 1;
               low.panel = lowPanels + q * lowUnits * kPanel;
             }
-            microSwapFor(r, cols)(units, bBytes + ((i0 + h * kRows) * ldb + 2 * u0) * 2, ldb * 2, 4,
-                                  halfLast, panels + (q * allUnits + u0) * kPanel,
-                                  u0 > 0 || load ? sums : nullptr, ldStage, sums, ldStage, false,
-                                  cols, nullptr, 0, 0, nullptr, nullptr, ahead,
-                                  last && lowRank ? &low : nullptr);
+            const char *bAt =
+                decodedB ? reinterpret_cast<const char *>(decoded + h * kRows * kSwapDecodedLd)
+                         : bBytes + ((i0 + h * kRows) * ldb + 2 * u0) * 2;
+            const int64_t bRow = decodedB ? kSwapDecodedLd * 2 : ldb * 2;
+            microSwapFor(r, cols)(
+                units, bAt, bRow, 4, halfLast, panels + (q * allUnits + u0) * kPanel,
+                u0 > 0 || load ? sums : nullptr, ldStage, sums, ldStage, false, cols, nullptr, 0, 0,
+                nullptr, nullptr, ahead, last && lowRank ? &low : nullptr);
           }
         }
       }
@@ -1221,7 +1273,7 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   if (swapsCall(n, k, transA, transB, bf16, decodedB, addScaled, lowRank, stream, packedB))
     return gemmSwapped(m, n, k, static_cast<const uint16_t *>(a), lda,
                        static_cast<const uint16_t *>(b), ldb, static_cast<char *>(c), ldc, cBf16,
-                       load, pack, lowRank);
+                       load, pack, lowRank, decodedB);
   // A transposed op(B) (B stored n x k) in the dot form (the header says
   // why); a B packed beforehand is not read there.
   if (dotForm(transA, transB, bf16))

@@ -78,24 +78,26 @@
 //
 // The swapped form: where the dot form does not run, such a product (bf16,
 // A row-major, B stored n x k, C over 16 columns wide, 256 or more deep)
-// with none of `packedB`, `decodedB`, `addScaled` or `stream`, and no
-// `lowRank` or one whose V is stored n x k too (`transV`: a LoRA adapter's
-// dX product), is computed as its transpose, C^T = B A^T (+ V U^T), on the
-// same micro-kernel: B's
+// with none of `packedB`, `addScaled` or `stream`, nor a `decodedB` that
+// writes panels (DecodedB::panel), is computed as its transpose, C^T = B
+// A^T (+ op(V)^T U^T with a `lowRank`), on the same micro-kernel: B's
 // rows are the micro-kernel's rows of A, read where they lie (16 at a time,
 // the next 16 fetched meanwhile), and A^T is packed into panels, a group of
 // 192 of A's rows at a time over the whole depth (in L2), so the weight is
 // never transposed; the sums of 16 rows of B wait in fp32 working memory
 // between depth blocks of 512 units and leave for C by 16 x 16 transposes,
-// rounded to a bf16 C as the micro-kernel rounds one; V's rows follow B's
-// in the last block's calls, read in place too, over U^T's panels. A bf16
-// dot product
-// multiplies its two operands' values pairwise, so each element is the same
-// sum of the same products in the same order as through panels: the same
-// bits (tile_test compares it with the panels of B packed beforehand). (The
-// qwen3 backward's dX tiles on a Zen 5 core, two threads at once:
-// 1.05-1.37x the transposing panels' rate as stored, level with B packed
-// beforehand.)
+// rounded to a bf16 C as the micro-kernel rounds one. A decoded B's rows
+// are decoded 16 at a time, a depth block at a time, into L1 and read
+// there. A LowRank's op(V)^T rows follow B's in the last block's calls
+// (read in place where V is stored n x k, `transV`: a LoRA adapter's dX
+// product; else copied a row block at a time), over U^T's panels. A bf16
+// dot product multiplies its two operands' values pairwise, so each element
+// is the same sum of the same products in the same order as through panels:
+// the same bits (tile_test compares it with the panels of B packed
+// beforehand). (The qwen3 backward's dX tiles on a Zen 5 core, two threads
+// at once: 1.05-1.37x the transposing panels' rate as stored, level with B
+// packed beforehand; the forward's on a quantized weight 1.06-1.18x a
+// dequantized copy's.)
 // MOEC_SWAPPED_FORM=off (docs/runtime.md) keeps the panels.
 //
 // A weight that many calls read (the layer's packed-weight store,
@@ -250,9 +252,9 @@ bool available(bool bf16);
 bool dotForm(bool transA, bool transB, bool bf16);
 
 /// Whether gemm computes a product of these forms in its swapped form (the
-/// header's paragraph) where the call has none of `packedB`, `decodedB`,
-/// `addScaled` or `stream`, nor a `lowRank` whose V is stored k x n (not
-/// transV): bf16 operands on the AVX-512
+/// header's paragraph) where the call has none of `packedB`, `addScaled`
+/// or `stream`, nor a `decodedB` that writes panels: bf16 operands on the
+/// AVX-512
 /// micro-kernel (available, not AMX), A row-major, B stored n x k (transB),
 /// C over 16 columns wide (n), a depth k of 256 or more, where the dot form
 /// does not run and MOEC_SWAPPED_FORM is not "off" (fixed at the first

@@ -52,11 +52,13 @@
 // a quantized weight (the transposed layout: w1 [2I, H], w2 [H, I]; the
 // forward reads them transposed, the backward's dX and dA as stored), bf16,
 // one thread, 128 rows an expert over `experts` experts in turn, five ways
-// alternating: a dense bf16 B (the tile packs it), the same B packed
-// beforehand (tile::packB), the codes dequantized a tile's 192 columns at a
-// time into a bf16 copy that the tile then packs, the codes decoded by the
-// tile into its panels as it goes (tile::DecodedB), and the codes packed
-// beforehand in the panels' order (packCodes), decoded straight into them.
+// alternating: a dense bf16 B (the tile reads it in its form for the
+// product), the same B packed beforehand (tile::packB), the codes
+// dequantized a tile's 192 columns at a time into a bf16 copy that the tile
+// then reads as a dense B, the codes decoded by the tile as it goes
+// (tile::DecodedB: into its panels, or in the swapped form into the rows it
+// reads), and the codes packed beforehand in the panels' order (packCodes),
+// decoded straight into them.
 // GFLOP/s counting the bf16-equivalent work.
 //
 //===----------------------------------------------------------------------===//

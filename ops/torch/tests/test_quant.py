@@ -109,11 +109,12 @@ def test_layer_matches_autograd_on_the_dequantized_weights(weight_format, dtype,
 
 @pytest.mark.parametrize("weight_format", list(FORMATS))
 def test_a_quantized_bf16_layer_gives_the_bits_of_its_dequantized_weights(weight_format):
-    """moec's bf16 tile decodes a quantized weight's codes into its panels as
-    it goes: the panels, hence the bits of y, dx and dtopk_weights, are those
-    of a dense frozen layer holding the dequantized bf16 weights (both
-    layouts of B: the forward reads w stored [out, in] transposed, the
-    backward's dX reads it as it is)."""
+    """moec's bf16 tile decodes a quantized weight's codes into its panels
+    (or, in the swapped form, the rows it reads) as it goes: the operands,
+    hence the bits of y, dx and dtopk_weights, are those of a dense frozen
+    layer holding the dequantized bf16 weights (both layouts of B: the
+    forward reads w stored [out, in] transposed, the backward's dX reads it
+    as it is)."""
     with open("/proc/cpuinfo") as f:
         if "avx512_bf16" not in f.read():
             pytest.skip("this CPU has no avx512_bf16: moec's bf16 tile does not run")

@@ -224,9 +224,10 @@ TEST_CASE("moec's tile gives the swapped form the bits of the panels", "[cpu][ti
   // past C's columns. Shapes that end A's last panel on one, two and three
   // vectors, A's groups (200, 390 rows), B's 16-row blocks (17, 50, 777
   // rows), the 512-unit depth blocks (1025, 2100) and odd depths; C fp32,
-  // loaded or not, and bf16; and with a LowRank whose V is stored n x r
-  // (transV: a LoRA adapter's dX product, U A^T), its rows read in place
-  // after B's, of rank 16 and 5 (a lone last bf16 value).
+  // loaded or not, and bf16; and with a LowRank, its V stored n x r
+  // (transV: a LoRA adapter's dX product, U A^T; its rows read in place
+  // after B's) or r x n (the forward's on a weight stored [out, in]), of
+  // rank 16 and 5 (a lone last bf16 value).
   if (!tileRuns(true))
     return;
   if (!tile::swappedForm(17, 2048, false, true, true))
@@ -246,10 +247,12 @@ TEST_CASE("moec's tile gives the swapped form the bits of the panels", "[cpu][ti
           INFO(s.m << " x " << s.n << " x " << s.k << ", C " << (cBf16 ? "bf16" : "fp32")
                    << (load ? ", loaded" : "") << ", low rank " << r);
           const Product x(s.m, s.n, s.k, false, true, true, uint32_t(s.m + s.n + s.k));
-          // U (m x r) as low's A, V (n x r, transV) as its B.
-          const Product low(s.m, s.n, std::max<int64_t>(r, 1), false, true, true,
+          // U (m x r) as low's A, V as its B: n x r (transV) where C's
+          // columns are odd, else r x n (copied a row block at a time).
+          const bool transV = s.n % 2 == 1;
+          const Product low(s.m, s.n, std::max<int64_t>(r, 1), false, transV, true,
                             uint32_t(s.m + 7 * r));
-          const tile::LowRank lowRank{low.a.data(), low.a.ld, low.b.data(), low.b.ld, true, r};
+          const tile::LowRank lowRank{low.a.data(), low.a.ld, low.b.data(), low.b.ld, transV, r};
           const tile::LowRank *lr = r > 0 ? &lowRank : nullptr;
           Aligned packedB(tile::packedBBytes(s.n, s.k, true));
           tile::packB(s.n, s.k, x.b.data(), x.b.ld, true, true, packedB.data());

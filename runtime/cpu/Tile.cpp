@@ -108,6 +108,18 @@ size_t panelBytes(int64_t n, bool decodedB, int64_t blockUnits) {
   return size_t(ceilDiv(n, kPanel) * kPanel * (decodedB ? kPackedBlockUnits : blockUnits)) * 4;
 }
 
+/// The row stride, in bf16 values, of a column group's depth block of a B
+/// stored k x n decoded whole (kGroup columns and 32 more: rows off a
+/// multiple of 512 bytes).
+constexpr int64_t kDecodedGroupLd = kGroup + 32;
+
+/// Bytes of a decoded B's working memory on the AVX-512 micro-kernel: one
+/// panel's part of a transposed B (decodedBytes), or a column group's depth
+/// block of one as stored.
+size_t decodedAvx512Bytes() {
+  return std::max(decodedBytes(true), size_t(2 * kBlockUnits * kDecodedGroupLd * 2));
+}
+
 /// Bytes of the fp32 partial sums gemm keeps apart from C (`apart`: a bf16
 /// C, or one the last block adds them onto) deeper than one depth block (m x
 /// the column group's width), else none.
@@ -208,7 +220,7 @@ size_t directBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool
       packedABytes(m, k, transA, bf16) + partialBytes(m, n, k, bf16, cBf16 || addScaled);
   // The larger of the two forms: packBytes does not know transB.
   if (decodedB)
-    bytes += std::max(decodedBytes(true), decodedBytes(false));
+    bytes += decodedAvx512Bytes();
   bytes += lowRankPanelBytes(width, lowK, bf16);
   // Nor whether the product is the dot form's or the swapped form's.
   // (A call with fewer of the options may take it, with the same memory.)
@@ -1321,8 +1333,9 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   // is fp32 and they are its values, else fp32 partial sums (m x width).
   const bool apart = cBf16 || addScaled;
   float *partialBase = reinterpret_cast<float *>(after + packedABytes(m, k, transA, bf16));
-  // With decodedB: one panel's part of B per depth block, decoded (after
-  // the partial sums, which a bf16 C deeper than one block needs).
+  // With decodedB: one panel's part of a transposed B per depth block, or a
+  // column group's of a B as stored, decoded (after the partial sums, which
+  // a bf16 C deeper than one block needs).
   uint16_t *decoded = reinterpret_cast<uint16_t *>(reinterpret_cast<char *>(partialBase) +
                                                    partialBytes(m, n, k, bf16, apart));
   // With lowRank: its V's panels of one column group, its whole depth (after
@@ -1330,8 +1343,8 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
   const int64_t lowUnits = lowRank ? ceilDiv(lowRank->k, per) : 0, lowStride = lowUnits * kPanel;
   uint32_t *lowPanels = nullptr;
   if (lowRank) {
-    const uintptr_t end = reinterpret_cast<uintptr_t>(decoded) +
-                          (decodedB ? std::max(decodedBytes(true), decodedBytes(false)) : 0);
+    const uintptr_t end =
+        reinterpret_cast<uintptr_t>(decoded) + (decodedB ? decodedAvx512Bytes() : 0);
     lowPanels = reinterpret_cast<uint32_t *>((end + 63) & ~uintptr_t(63));
   }
   const char *aBytes = static_cast<const char *>(a), *bBytes = static_cast<const char *>(b);
@@ -1411,7 +1424,16 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       // its 48 rows at a time by transposes, was not faster.)
       const bool packInCall = !transB && !prepacked && !decodedB && !narrow;
       // (A B packed beforehand is read where packB put it.)
-      if (decodedB) {
+      if (decodedB && !transB && !decodedB->panel) {
+        // B as stored (k x n): the block's rows of the whole column group
+        // decoded at once, then packed from there (the qwen3 backward's
+        // quantized dX tiles 1.04-1.10x a panel's 48 columns at a time:
+        // the decoder's work a row is four times as long; the log,
+        // 2026-11-30).
+        decodedB->read(p0, p1, j0, j0 + nb, decoded, kDecodedGroupLd);
+        packRows(decoded, kDecodedGroupLd, 0, p1 - p0, nb, true, panels, kPanel, kPanel,
+                 panelStride);
+      } else if (decodedB) {
         // Panel by panel.
         for (int64_t q = 0; q * kPanel < nb; ++q)
           decodePanel(*decodedB, transB, j0 + q * kPanel,

@@ -269,8 +269,8 @@ bool amx();
 
 /// Bytes of working memory gemm() needs for these shapes (packed panels,
 /// fp32 partial sums for a bf16 C, or any C with `addScaled`, deeper than
-/// one block, with `decodedB` one panel's part of B decoded, and with a
-/// LowRank of depth `lowRankK` > 0 its V's panels). A call with `decodedB`
+/// one block, with `decodedB` a panel's or a column group's part of B
+/// decoded, and with a LowRank of depth `lowRankK` > 0 its V's panels). A call with `decodedB`
 /// may need less than one without: on AMX a decoded B's panels are one
 /// column group's, not the whole B's.
 size_t packBytes(int64_t m, int64_t n, int64_t k, bool transA, bool bf16, bool cBf16,

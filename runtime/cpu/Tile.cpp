@@ -1152,11 +1152,19 @@ MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_
       const int64_t rows = std::min(kSwapRows, n - i0), halves = ceilDiv(rows, kRows);
       if (load)
         transposeInto(c + (j0 * ldc + i0) * cElt, ldc, mb, rows, stage, ldStage, false);
-      if (lowRank && !lowRank->transV) {
-        const uint16_t *v = static_cast<const uint16_t *>(lowRank->v);
-        for (int64_t j = 0; j < rows; ++j)
-          for (int64_t t = 0; t < lowLd; ++t)
-            lowRows[j * lowLd + t] = t < lowRank->k ? v[t * lowRank->ldv + i0 + j] : 0;
+      // op(V)^T's rows of this row block: V's rows in place, or its
+      // columns transposed into lowRows (a lone last value's high half is
+      // never read: LowPart::halfLast).
+      const char *lowA = nullptr;
+      int64_t lowRow = 0;
+      if (lowRank && lowRank->transV) {
+        lowA = static_cast<const char *>(lowRank->v) + i0 * lowRank->ldv * 2;
+        lowRow = lowRank->ldv * 2;
+      } else if (lowRank) {
+        transposeInto(static_cast<const uint16_t *>(lowRank->v) + i0, lowRank->ldv, lowRank->k,
+                      rows, lowRows, lowLd, true);
+        lowA = reinterpret_cast<const char *>(lowRows);
+        lowRow = lowLd * 2;
       }
       // The next rows of B over the whole depth, a depth block's piece of
       // each at a time, spread over this row block's calls.
@@ -1167,9 +1175,15 @@ MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_
       for (int64_t u0 = 0; u0 < allUnits; u0 += kSwapBlockUnits) {
         const int64_t units = std::min(kSwapBlockUnits, allUnits - u0);
         const bool last = u0 + units == allUnits, halfLast = last && k % 2 == 1;
-        if (decodedB)
+        // B's rows of this row block and depth block: as stored, or decoded.
+        const char *bAt = bBytes + (i0 * ldb + 2 * u0) * 2;
+        int64_t bRow = ldb * 2;
+        if (decodedB) {
           decodedB->read(i0, i0 + rows, 2 * u0, std::min(k, 2 * (u0 + units)), decoded,
                          kSwapDecodedLd);
+          bAt = reinterpret_cast<const char *>(decoded);
+          bRow = kSwapDecodedLd * 2;
+        }
         for (int64_t q = 0; q < panelCount; ++q) {
           const int cols = int(std::min<int64_t>(kPanel, mb - q * kPanel));
           for (int64_t h = 0; h < halves; ++h) {
@@ -1177,27 +1191,13 @@ MOEC_TILE_TARGET void gemmSwapped(int64_t m, int64_t n, int64_t k, const uint16_
             float *sums = stage + h * kRows * ldStage + q * kPanel;
             Lines ahead;
             next.next(ahead);
-            LowPart low;
-            if (last && lowRank && lowRank->transV) {
-              low.a = static_cast<const char *>(lowRank->v) + (i0 + h * kRows) * lowRank->ldv * 2;
-              low.aRow = lowRank->ldv * 2;
-            } else if (last && lowRank) {
-              low.a = reinterpret_cast<const char *>(lowRows + h * kRows * lowLd);
-              low.aRow = lowLd * 2;
-            }
-            if (last && lowRank) {
-              low.units = lowUnits;
-              low.halfLast = lowRank->k % 2 == 1;
-              low.panel = lowPanels + q * lowUnits * kPanel;
-            }
-            const char *bAt =
-                decodedB ? reinterpret_cast<const char *>(decoded + h * kRows * kSwapDecodedLd)
-                         : bBytes + ((i0 + h * kRows) * ldb + 2 * u0) * 2;
-            const int64_t bRow = decodedB ? kSwapDecodedLd * 2 : ldb * 2;
-            microSwapFor(r, cols)(
-                units, bAt, bRow, 4, halfLast, panels + (q * allUnits + u0) * kPanel,
-                u0 > 0 || load ? sums : nullptr, ldStage, sums, ldStage, false, cols, nullptr, 0, 0,
-                nullptr, nullptr, ahead, last && lowRank ? &low : nullptr);
+            const LowPart low{lowA + h * kRows * lowRow, lowRow, lowUnits,
+                              lowRank && lowRank->k % 2 == 1, lowPanels + q * lowUnits * kPanel};
+            microSwapFor(r, cols)(units, bAt + h * kRows * bRow, bRow, 4, halfLast,
+                                  panels + (q * allUnits + u0) * kPanel,
+                                  u0 > 0 || load ? sums : nullptr, ldStage, sums, ldStage, false,
+                                  cols, nullptr, 0, 0, nullptr, nullptr, ahead,
+                                  last && lowRank ? &low : nullptr);
           }
         }
       }

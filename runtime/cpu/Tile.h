@@ -254,8 +254,7 @@ bool dotForm(bool transA, bool transB, bool bf16);
 /// Whether gemm computes a product of these forms in its swapped form (the
 /// header's paragraph) where the call has none of `packedB`, `addScaled`
 /// or `stream`, nor a `decodedB` that writes panels: bf16 operands on the
-/// AVX-512
-/// micro-kernel (available, not AMX), A row-major, B stored n x k (transB),
+/// AVX-512 micro-kernel (available, not AMX), A row-major, B stored n x k (transB),
 /// C over 16 columns wide (n), a depth k of 256 or more, where the dot form
 /// does not run and MOEC_SWAPPED_FORM is not "off" (fixed at the first
 /// call).

@@ -57,21 +57,28 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 e4m3MendNaN16
                                                             _mm512_set1_epi32(0x7FC00000), 0xEA));
 }
 
-/// The fp32 values of 16 e4m3 codes (bytes), e4m3ToFloat's, by way of
-/// fp16: a code's bits shifted into fp16's place (exponent and mantissa to
-/// bits 7-13, the sign to bit 15) are an fp16 whose value is the code's
-/// times 2^-8, subnormal codes too; converted to fp32 and scaled by 2^8,
-/// both exactly. NaN codes, rare in weights, are mended (e4m3MendNaN16)
-/// unless the caller knows there are none (`mayHoldNaN` false). For
-/// kernels built for AVX-512 (F, BW, VL).
+/// The fp32 values of 16 e4m3 codes (bytes) times 2^-8, by way of fp16: a
+/// code's bits shifted into fp16's place (exponent and mantissa to bits
+/// 7-13, the sign to bit 15) are an fp16 whose value is the code's times
+/// 2^-8, subnormal codes too, converted to fp32 exactly. NaN codes, rare in
+/// weights, are mended (e4m3MendNaN16) unless the caller knows there are
+/// none (`mayHoldNaN` false). For a caller that folds the 2^8 into a scale
+/// it multiplies by; kernels built for AVX-512 (F, BW, VL).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512
-e4m3Values16(__m128i codes, bool mayHoldNaN = true) {
+e4m3HalfValues16(__m128i codes, bool mayHoldNaN = true) {
   // Bits 7-14: the code; its sign (bit 14) moved to bit 15 by adding the
   // bit to itself (bit 15 is clear).
   const __m256i x = _mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 7);
   const __m256i half = _mm256_add_epi16(x, _mm256_and_si256(x, _mm256_set1_epi16(0x4000)));
-  const __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+  const __m512 v = _mm512_cvtph_ps(half);
   return mayHoldNaN ? e4m3MendNaN16(v, codes) : v;
+}
+
+/// The fp32 values of 16 e4m3 codes, e4m3ToFloat's: e4m3HalfValues16's
+/// scaled by 2^8, exactly (a mended NaN stays the same NaN).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512
+e4m3Values16(__m128i codes, bool mayHoldNaN = true) {
+  return _mm512_mul_ps(e4m3HalfValues16(codes, mayHoldNaN), _mm512_set1_ps(256.0f));
 }
 
 /// The values of 32 e4m3 codes, 16 from `a` into `lo` and 16 from `b` into

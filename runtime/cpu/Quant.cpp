@@ -58,82 +58,22 @@ struct Out {
 
 #ifdef MOEC_QUANT_AVX512
 #define MOEC_QUANT_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
-
-/// Stores 16 values at element j of `out`: fp32, or rounded to bf16 in
-/// registers (the bits of Out::put).
-MOEC_QUANT_TARGET inline void store16(const Out &out, int64_t j, __m512 v) {
-  if (out.elt == Elt::BF16)
-    storeBf16x16(static_cast<uint16_t *>(out.base) + j, 0xFFFF, v);
-  else
-    _mm512_storeu_ps(static_cast<float *>(out.base) + j, v);
-}
-
-/// Value j = codes[j] x scale, 16 at a time. Returns how many it did.
-MOEC_QUANT_TARGET int64_t decodeInt8Avx512(const int8_t *codes, int64_t n, float scale,
-                                           const Out &out) {
-  const __m512 s = _mm512_set1_ps(scale);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512i c =
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(codes + j)));
-    store16(out, j, _mm512_mul_ps(_mm512_cvtepi32_ps(c), s));
-  }
-  return j;
-}
-
-/// Value j = (code j - zero) x scale for the codes of bytes[0 .. n / 2),
-/// 16 values (8 bytes) at a time. Returns how many values it did.
-MOEC_QUANT_TARGET int64_t decodeInt4Avx512(const uint8_t *bytes, int64_t n, float scale,
-                                           float zero, const Out &out) {
-  const __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
-  const __m512i low = _mm512_set1_epi32(0xF);
-  // Lane 2k takes byte k's low half, lane 2k + 1 its high half (GPTQ's
-  // order: value j in byte j / 2, low half first).
-  const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-  const __m512i pick = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512i b = _mm512_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i *>(bytes + j / 2)));
-    const __m512i c =
-        _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(pick, b), shifts), low);
-    store16(out, j, _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(c), z), s));
-  }
-  return j;
-}
 #endif
 
 /// Values [0, n) of `out` = codes[j] x scale.
 void decodeInt8(const int8_t *codes, int64_t n, float scale, const Out &out) {
-  int64_t j = 0;
-#ifdef MOEC_QUANT_AVX512
-  if (cpuHasAvx512())
-    j = decodeInt8Avx512(codes, n, scale, out);
-#endif
-  for (; j < n; ++j)
+  for (int64_t j = 0; j < n; ++j)
     out.put(j, float(codes[j]) * scale);
 }
 
 /// Values [j0, j0 + n) of a row of 4-bit codes, to out[0, n).
 void decodeInt4(const uint8_t *row, int64_t j0, int64_t n, float scale, float zero,
                 const Out &out) {
-  const auto one = [&](int64_t j) {
+  for (int64_t j = 0; j < n; ++j) {
     const uint8_t byte = row[(j0 + j) / 2];
     const int code = (j0 + j) % 2 ? byte >> 4 : byte & 0xF;
     out.put(j, (float(code) - zero) * scale);
-  };
-  int64_t j = 0;
-  if (j0 % 2 == 1 && n > 0) // from an even value on, bytes hold whole pairs
-    one(j++);
-#ifdef MOEC_QUANT_AVX512
-  if (cpuHasAvx512()) {
-    const size_t elt = dtypeSize(out.elt);
-    j += decodeInt4Avx512(row + (j0 + j) / 2, n - j, scale, zero,
-                          Out{static_cast<char *>(out.base) + size_t(j) * elt, out.elt});
   }
-#endif
-  for (; j < n; ++j)
-    one(j);
 }
 
 } // namespace
@@ -211,8 +151,11 @@ void quantize(const QuantizedMatrix &m, const float *src, int64_t srcLd, void *c
   }
 }
 
-void dequantize(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd, int64_t colBegin,
-                int64_t colEnd, void *dst, DType elt, int64_t dstLd) {
+namespace {
+
+/// dequantize() a value at a time (FP8 by Fp8.h's dequantizeBlocks).
+void dequantizeScalar(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd, int64_t colBegin,
+                      int64_t colEnd, void *dst, DType elt, int64_t dstLd) {
   if (m.format == WeightFormat::Fp8Block128) {
     dequantizeBlocks(static_cast<const uint8_t *>(m.codes), m.scales, m.cols, rowBegin, rowEnd,
                      colBegin, colEnd, dst, elt, dstLd);
@@ -241,6 +184,200 @@ void dequantize(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd, int6
   }
 }
 
+} // namespace
+
+#ifdef MOEC_QUANT_AVX512
+namespace {
+
+/// A run of a row of `m` under one scale: columns [begin, end), and what
+/// the AVX-512 decoders need of it.
+struct Run {
+  int64_t end;
+  float scale, zero; ///< zero: int4's; scale: FP8's times 2^8 with `folded`
+  bool folded;
+};
+
+/// The run of row i that holds column c, cut at c1.
+inline Run runAt(const QuantizedMatrix &m, int64_t i, int64_t c, int64_t c1) {
+  switch (m.format) {
+  case WeightFormat::Int8Channel:
+    return {c1, m.scales[i], 0.0f, false};
+  case WeightFormat::Int4Group: {
+    const int64_t g = c / m.group, where = i * (m.cols / m.group) + g;
+    return {std::min(c1, (g + 1) * m.group), m.zeroPoints ? m.scales[2 * where] : m.scales[where],
+            m.zeroPoints ? m.scales[2 * where + 1] : 8.0f, false};
+  }
+  default: { // FP8 blocks: the 2^8 of e4m3HalfValues16 in the scale where it stays finite
+    const int64_t B = kFp8WeightBlock, b = c / B;
+    const float scale = m.scales[(i / B) * ((m.cols + B - 1) / B) + b];
+    const bool folded = std::isfinite(scale * 256.0f);
+    return {std::min(c1, (b + 1) * B), folded ? scale * 256.0f : scale, 0.0f, folded};
+  }
+  }
+}
+
+/// The values of row i, columns [c, c + 16) of `m`, all in run `r`, in
+/// fp32 before their rounding: dequantize's, exactly (FP8's one product by
+/// the scale times 2^8 is its two). Int4's c is even.
+template <WeightFormat F>
+MOEC_QUANT_TARGET __attribute__((always_inline)) inline __m512
+values16(const QuantizedMatrix &m, const Run &r, int64_t i, int64_t c) {
+  switch (F) {
+  case WeightFormat::Int8Channel: {
+    const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i *>(static_cast<const int8_t *>(m.codes) + i * m.cols + c)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(r.scale));
+  }
+  case WeightFormat::Int4Group: {
+    // Lane 2k takes byte k's low half, lane 2k + 1 its high half.
+    const uint8_t *bytes = static_cast<const uint8_t *>(m.codes) + i * int4Bytes(m.cols) + c / 2;
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(bytes));
+    const __m128i nibble = _mm_set1_epi8(0xF);
+    const __m512i code = _mm512_cvtepu8_epi32(
+        _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble)));
+    return _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code), _mm512_set1_ps(r.zero)),
+                         _mm512_set1_ps(r.scale));
+  }
+  default: { // FP8 blocks
+    const uint8_t *codes = static_cast<const uint8_t *>(m.codes) + i * m.cols + c;
+    __m512 v = e4m3HalfValues16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(codes)));
+    if (!r.folded)
+      v = _mm512_mul_ps(v, _mm512_set1_ps(256.0f));
+    return _mm512_mul_ps(v, _mm512_set1_ps(r.scale));
+  }
+  }
+}
+
+/// Whether values16 reads column c on: int4's codes from a byte's start.
+inline bool readable(const QuantizedMatrix &m, int64_t c) {
+  return m.format != WeightFormat::Int4Group || c % 2 == 0;
+}
+
+/// How rowsOf stores its values: fp32; bf16 rounded once by bf16Bits16's
+/// integer operations; or on avx512_bf16's conversion (bf16Packed16, the
+/// same bits), where the CPU has it.
+enum class Store { F32, Bf16, Bf16Native };
+
+/// dequantize() on AVX-512: 16 values at a time within a run of one scale,
+/// a value at a time at a run's end. Built with avx512_bf16 enabled so that
+/// one body serves every Store: only Store::Bf16Native's conversion is an
+/// avx512_bf16 instruction, and it runs only where the CPU has it.
+template <WeightFormat F, Store S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void
+rowsOf(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_t c1, void *dst,
+       int64_t ld) {
+  const DType elt = S == Store::F32 ? DType::F32 : DType::BF16;
+  for (int64_t i = r0; i < r1; ++i) {
+    char *row = static_cast<char *>(dst) + size_t((i - r0) * ld - c0) * dtypeSize(elt);
+    for (int64_t c = c0; c < c1;) {
+      const Run r = runAt(m, i, c, c1);
+      if (readable(m, c))
+        for (; c + 16 <= r.end; c += 16) {
+          const __m512 v = values16<F>(m, r, i, c);
+          if constexpr (S == Store::F32)
+            _mm512_storeu_ps(reinterpret_cast<float *>(row) + c, v);
+          else if constexpr (S == Store::Bf16)
+            storeBf16x16(reinterpret_cast<uint16_t *>(row) + c, 0xFFFF, v);
+          else
+            _mm256_storeu_si256(reinterpret_cast<__m256i *>(reinterpret_cast<uint16_t *>(row) + c),
+                                bf16Packed16(v));
+        }
+      if (c < r.end)
+        dequantizeScalar(m, i, i + 1, c, r.end, row + size_t(c) * dtypeSize(elt), elt, ld);
+      c = r.end;
+    }
+  }
+}
+
+/// rowsOf into `elt`, on avx512_bf16's conversion where the CPU has it.
+template <WeightFormat F>
+void rowsTo(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_t c1, void *dst,
+            DType elt, int64_t ld) {
+  if (elt != DType::BF16)
+    rowsOf<F, Store::F32>(m, r0, r1, c0, c1, dst, ld);
+  else if (tile::available(true))
+    rowsOf<F, Store::Bf16Native>(m, r0, r1, c0, c1, dst, ld);
+  else
+    rowsOf<F, Store::Bf16>(m, r0, r1, c0, c1, dst, ld);
+}
+
+/// dequantize() on AVX-512 (F, BW, VL), by format.
+void dequantizeAvx512(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                      void *dst, DType elt, int64_t ld) {
+  switch (m.format) {
+  case WeightFormat::Int8Channel:
+    return rowsTo<WeightFormat::Int8Channel>(m, r0, r1, c0, c1, dst, elt, ld);
+  case WeightFormat::Int4Group:
+    return rowsTo<WeightFormat::Int4Group>(m, r0, r1, c0, c1, dst, elt, ld);
+  default:
+    return rowsTo<WeightFormat::Fp8Block128>(m, r0, r1, c0, c1, dst, elt, ld);
+  }
+}
+
+/// DecodedB::pairs of a QuantizedMatrix: dequantize's values, rounded once
+/// to bf16 on avx512_bf16's conversion (bf16PairBits16), written as the
+/// panels' units, 16 columns at a time from c0 (by dequantize where they
+/// are not all in one run).
+template <WeightFormat F>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void
+pairsOf(const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uint32_t *dst,
+        int64_t panelStride) {
+  const QuantizedMatrix &m = *static_cast<const QuantizedMatrix *>(context);
+  constexpr int64_t P = tile::kPanelColumns;
+  const int64_t cols = c1 - c0;
+  for (int64_t i = r0, t = 0; i < r1; i += 2, ++t) {
+    const bool second = i + 1 < r1;
+    Run lo{c0, 0, 0, false}, hi = lo; // the runs of column c0 + j (both end there)
+    for (int64_t j = 0; j < cols; j += 16) {
+      const int64_t c = c0 + j, w = std::min<int64_t>(16, cols - j);
+      if (c >= lo.end) {
+        lo = runAt(m, i, c, c1);
+        hi = second ? runAt(m, i + 1, c, c1) : lo;
+      }
+      __m512 a, b = _mm512_setzero_ps();
+      if (w == 16 && c + 16 <= lo.end && readable(m, c)) {
+        a = values16<F>(m, lo, i, c);
+        if (second)
+          b = values16<F>(m, hi, i + 1, c);
+      } else { // lanes past c1 zero, as packRows leaves them
+        alignas(64) float values[2][16] = {};
+        dequantize(m, i, i + 1, c, c + w, values[0], DType::F32, 16);
+        if (second)
+          dequantize(m, i + 1, i + 2, c, c + w, values[1], DType::F32, 16);
+        a = _mm512_load_ps(values[0]);
+        b = _mm512_load_ps(values[1]);
+      }
+      _mm512_storeu_si512(dst + (j / P) * panelStride + t * P + j % P, bf16PairBits16(a, b));
+    }
+  }
+}
+
+void decodePairs(const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uint32_t *dst,
+                 int64_t panelStride) {
+  switch (static_cast<const QuantizedMatrix *>(context)->format) {
+  case WeightFormat::Int8Channel:
+    return pairsOf<WeightFormat::Int8Channel>(context, r0, r1, c0, c1, dst, panelStride);
+  case WeightFormat::Int4Group:
+    return pairsOf<WeightFormat::Int4Group>(context, r0, r1, c0, c1, dst, panelStride);
+  default:
+    return pairsOf<WeightFormat::Fp8Block128>(context, r0, r1, c0, c1, dst, panelStride);
+  }
+}
+
+} // namespace
+#endif
+
+void dequantize(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd, int64_t colBegin,
+                int64_t colEnd, void *dst, DType elt, int64_t dstLd) {
+#ifdef MOEC_QUANT_AVX512
+  if (cpuHasAvx512()) {
+    dequantizeAvx512(m, rowBegin, rowEnd, colBegin, colEnd, dst, elt, dstLd);
+    return;
+  }
+#endif
+  dequantizeScalar(m, rowBegin, rowEnd, colBegin, colEnd, dst, elt, dstLd);
+}
+
 tile::DecodedB decodedB(const QuantizedMatrix &m) {
   tile::DecodedB d;
   d.decode = [](const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
@@ -252,6 +389,10 @@ tile::DecodedB decodedB(const QuantizedMatrix &m) {
   d.codes = static_cast<const uint8_t *>(m.codes);
   d.halfBytes = m.format == WeightFormat::Int4Group;
   d.codesLd = d.halfBytes ? int4Bytes(m.cols) : m.cols;
+#ifdef MOEC_QUANT_AVX512
+  if (tile::available(true))
+    d.pairs = decodePairs;
+#endif
   return d;
 }
 

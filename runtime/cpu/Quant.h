@@ -97,8 +97,10 @@ void packCodes(const QuantizedMatrix &m, bool transposed, int64_t c0, int64_t n,
 tile::DecodedB packedCodesB(const void *packed);
 
 /// `m` as a bf16 B that moec's tile decodes as it goes (tile::DecodedB:
-/// dequantize() into bf16, its codes prefetched). It refers to `m`, which
-/// must outlive its use.
+/// dequantize() into bf16, its codes prefetched; where moec's bf16 tile
+/// runs, also DecodedB::pairs, dequantize()'s values written straight as
+/// the panels' units of m read as stored). It refers to `m`, which must
+/// outlive its use.
 tile::DecodedB decodedB(const QuantizedMatrix &m);
 
 } // namespace moec::cpu

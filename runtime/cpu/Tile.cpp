@@ -1424,7 +1424,12 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       // its 48 rows at a time by transposes, was not faster.)
       const bool packInCall = !transB && !prepacked && !decodedB && !narrow;
       // (A B packed beforehand is read where packB put it.)
-      if (decodedB && !transB && !decodedB->panel) {
+      if (decodedB && !transB && decodedB->pairs) {
+        // B as stored (k x n) by a decoder that writes the panels' units
+        // itself: no bf16 rows in between (the qwen3 backward's quantized
+        // dA and dX tiles 1.02-1.10x; the log, 2026-11-30).
+        decodedB->readPairs(p0, p1, j0, j0 + nb, panels, panelStride);
+      } else if (decodedB && !transB && !decodedB->panel) {
         // B as stored (k x n): the block's rows of the whole column group
         // decoded at once, then packed from there (the qwen3 backward's
         // quantized dX tiles 1.04-1.10x a panel's 48 columns at a time:

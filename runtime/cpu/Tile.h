@@ -127,12 +127,16 @@
 //
 // A bf16 B held in another form (a quantized weight's codes and scales) is
 // handed to gemm as `decodedB`: a function that writes any rectangle of B, as
-// stored, as bf16 values, or (DecodedB::panel: codes packed beforehand in the
-// panels' order, Quant.h's packCodes) one that writes a panel's units
-// straight. Per depth block, gemm decodes one panel's part of B at a time
-// into its working memory (24 KiB, in L1) and packs the panel from there,
-// or has the panels written straight, a block of 512 units deep (on AMX, a
-// column group's panels just before the group's products), so no
+// stored, as bf16 values; for a B stored k x n, optionally one that writes
+// its rows straight as the panels' units (DecodedB::pairs); or (DecodedB::
+// panel: codes packed beforehand in the panels' order, Quant.h's packCodes)
+// one that writes a panel's units straight. Per depth block (512 units),
+// gemm has a B stored k x n written into a column group's panels by pairs,
+// or decodes the group's rows into its working memory (in L2) and packs the
+// panels from there; a B stored n x k it decodes 16 rows at a time into L1
+// in the swapped form and reads them there, or one panel's part at a time
+// and packs the panel; panels written straight it reads as they come (on
+// AMX, a column group's panels just before the group's products). So no
 // dequantized copy of B is made beyond them. The panels are those of the
 // decoded B, so the bits are those of gemm on that B.
 //
@@ -176,10 +180,26 @@ struct DecodedB {
                 uint32_t *dst) = nullptr;
   int64_t unitBytes = 0;
 
+  /// Where B is stored k x n (not transB), optionally: writes rows [r0, r1)
+  /// and columns [c0, c1) of the decoder's matrix straight as the bf16
+  /// panels' units (rows r0 + 2t and r0 + 2t + 1 in unit t's low and high
+  /// halves, a row past r1 zero; column c0 + j at dst[(j / kPanelColumns) *
+  /// panelStride + t * kPanelColumns + j % kPanelColumns], lanes past c1 in
+  /// its last 16 zero), in place of decode and the packing of its rows.
+  void (*pairs)(const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uint32_t *dst,
+                int64_t panelStride) = nullptr;
+
   /// decode() of B's rows [r0, r1) and columns [c0, c1), in B's own
   /// coordinates (the offsets added).
   void read(int64_t r0, int64_t r1, int64_t c0, int64_t c1, uint16_t *dst, int64_t ld) const {
     decode(context, rowOffset + r0, rowOffset + r1, colOffset + c0, colOffset + c1, dst, ld);
+  }
+  /// pairs() of B's rows [r0, r1) and columns [c0, c1), in B's own
+  /// coordinates.
+  void readPairs(int64_t r0, int64_t r1, int64_t c0, int64_t c1, uint32_t *dst,
+                 int64_t panelStride) const {
+    pairs(context, rowOffset + r0, rowOffset + r1, colOffset + c0, colOffset + c1, dst,
+          panelStride);
   }
 };
 

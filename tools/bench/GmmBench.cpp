@@ -56,10 +56,10 @@
 // product), the same B packed beforehand (tile::packB), the codes
 // dequantized a tile's 192 columns at a time into a bf16 copy that the tile
 // then reads as a dense B, the codes decoded by the tile as it goes
-// (tile::DecodedB: into its panels, or in the swapped form into the rows it
-// reads), and the codes packed beforehand in the panels' order (packCodes),
-// decoded straight into them.
-// GFLOP/s counting the bf16-equivalent work.
+// (tile::DecodedB: into its panels, straight by DecodedB::pairs where B is
+// stored k x n, or in the swapped form into the rows it reads), and the codes packed beforehand in
+// the panels' order (packCodes), decoded straight into them. GFLOP/s counting the bf16-equivalent
+// work.
 //
 //===----------------------------------------------------------------------===//
 

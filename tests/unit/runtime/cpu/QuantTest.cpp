@@ -70,7 +70,11 @@ struct Held {
 
   int64_t rowBytes() const { return format == WeightFormat::Int4Group ? (cols + 1) / 2 : cols; }
   int64_t groups() const { return format == WeightFormat::Int4Group ? cols / group : 1; }
+  /// FP8: scales [ceil(rows / 128), ceil(cols / 128)].
+  int64_t colBlocks() const { return (cols + 127) / 128; }
   int64_t scaleCount() const {
+    if (format == WeightFormat::Fp8Block128)
+      return (rows + 127) / 128 * colBlocks();
     return format == WeightFormat::Int8Channel ? rows : rows * groups() * (zeroPoints ? 2 : 1);
   }
   QuantizedMatrix view() const {
@@ -84,23 +88,27 @@ struct Held {
     m.zeroPoints = zeroPoints;
     return m;
   }
-  /// Code (i, j): the int8 byte, or the low half of byte j / 2 for even j
-  /// and the high half for odd j.
+  /// Code (i, j): the int8 byte, the e4m3 byte, or the low half of byte
+  /// j / 2 for even j and the high half for odd j.
   int code(int64_t i, int64_t j) const {
     const uint8_t byte =
         codes[size_t(i * rowBytes() + (format == WeightFormat::Int4Group ? j / 2 : j))];
     if (format == WeightFormat::Int8Channel)
       return int(int8_t(byte));
+    if (format == WeightFormat::Fp8Block128)
+      return byte;
     return j % 2 == 0 ? byte & 0xF : byte >> 4;
   }
   float scale(int64_t i, int64_t j) const {
     if (format == WeightFormat::Int8Channel)
       return scales[size_t(i)];
+    if (format == WeightFormat::Fp8Block128)
+      return scales[size_t((i / 128) * colBlocks() + j / 128)];
     const int64_t at = i * groups() + j / group;
     return zeroPoints ? scales[size_t(2 * at)] : scales[size_t(at)];
   }
   float zero(int64_t i, int64_t j) const {
-    if (format == WeightFormat::Int8Channel)
+    if (format != WeightFormat::Int4Group)
       return 0;
     return zeroPoints ? scales[size_t(2 * (i * groups() + j / group) + 1)] : 8.0f;
   }
@@ -108,6 +116,8 @@ struct Held {
   float value(int64_t i, int64_t j) const {
     if (format == WeightFormat::Int8Channel)
       return float(code(i, j)) * scale(i, j);
+    if (format == WeightFormat::Fp8Block128)
+      return e4m3ToFloat(uint8_t(code(i, j))) * scale(i, j);
     return (float(code(i, j)) - zero(i, j)) * scale(i, j);
   }
 };
@@ -129,6 +139,8 @@ Held randomHeld(WeightFormat format, int64_t rows, int64_t cols, int64_t group, 
 const char *formatName(const Held &h) {
   if (h.format == WeightFormat::Int8Channel)
     return "int8";
+  if (h.format == WeightFormat::Fp8Block128)
+    return "fp8";
   return h.zeroPoints ? "int4 with zero points" : "int4";
 }
 
@@ -153,6 +165,12 @@ void checkBlock(const Held &h, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
       continue;
     }
     const float want = h.value(r0 + i, c0 + j);
+    if (std::isnan(want)) { // a NaN code: NaN in both
+      INFO("value (" << r0 + i << ", " << c0 + j << ") is NaN");
+      REQUIRE(std::isnan(f32[at]));
+      REQUIRE((bf16[at] & 0x7FFF) > 0x7F80);
+      continue;
+    }
     if (f32[at] != want || bf16[at] != bf16Nearest(want)) {
       INFO("value (" << r0 + i << ", " << c0 + j << "): code " << h.code(r0 + i, c0 + j)
                      << " scale " << h.scale(r0 + i, c0 + j) << " zero " << h.zero(r0 + i, c0 + j));
@@ -464,6 +482,91 @@ TEST_CASE("the vector decode (runs of 16 and more) agrees with the scalar defini
       for (const int64_t n : {int64_t(1), int64_t(15), int64_t(16), int64_t(17), int64_t(31),
                               int64_t(32), int64_t(33), int64_t(47), int64_t(64), int64_t(129)})
         checkBlock(*h, 0, 3, c0, std::min(h->cols, c0 + n));
+}
+
+/// FP8 blocks of random codes (NaN codes replaced) and the scales given.
+Held randomFp8(int64_t rows, int64_t cols, std::vector<float> scales, uint32_t seed) {
+  Held h{WeightFormat::Fp8Block128, rows, cols, 0, false, {}, std::move(scales)};
+  std::mt19937 rng(seed);
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const uint8_t c = uint8_t(rng() & 0xFF);
+    h.codes.push_back((c & 0x7F) == 0x7F ? 0 : c);
+  }
+  REQUIRE(int64_t(h.scales.size()) == h.scaleCount());
+  return h;
+}
+
+TEST_CASE("FP8 blocks dequantize to the definition's values at every start and length, with "
+          "NaN codes, subnormal values and scales whose 2^8 multiple overflows") {
+  // Scales per 128 x 128 block of [131, 300]: one subnormal (most of its
+  // values subnormal: rounded to bf16, not read as zero), one whose 2^8
+  // multiple is not finite (its largest codes' values overflow to infinity).
+  Held h = randomFp8(131, 300, {0.5f, 2.0f, 3e-39f, 2e36f, 0.01f, 1.0f + 1.0f / 256}, 51);
+  h.codes[size_t(3 * 300 + 17)] = 0x7F; // NaN codes of either sign
+  h.codes[size_t(130 * 300 + 299)] = 0xFF;
+  for (int64_t c0 = 0; c0 < 40; ++c0)
+    for (const int64_t n : {int64_t(1), int64_t(15), int64_t(16), int64_t(17), int64_t(33),
+                            int64_t(129), int64_t(300)})
+      checkBlock(h, 0, 5, c0, std::min(h.cols, c0 + n));
+  checkBlock(h, 0, h.rows, 0, h.cols);
+  checkBlock(h, 120, 131, 101, 300);
+}
+
+TEST_CASE("a quantized B as stored gives the tile's panels as dequantize's bf16 values "
+          "(DecodedB::pairs)") {
+  // Every format; column ranges from unaligned starts (16-column vectors
+  // across int4 groups and FP8 blocks, an odd int4 start) and of widths not
+  // a multiple of 16 (lanes past the last column zero); depth ranges of odd
+  // length (a last unit's high half zero) and from an odd row.
+  std::vector<Held> mats = {randomHeld(WeightFormat::Int8Channel, 7, 384, 0, false, 61)};
+  for (const int64_t group : {int64_t(32), int64_t(64), int64_t(128)})
+    for (const bool zp : {false, true})
+      mats.push_back(
+          randomHeld(WeightFormat::Int4Group, 7, 384, group, zp, uint32_t(group * 5 + zp)));
+  Held fp8 = randomFp8(131, 300, {0.5f, 2.0f, 3e-39f, 2e36f, 0.01f, 7.0f}, 63);
+  fp8.codes[size_t(129 * 300 + 140)] = 0xFF;
+  mats.push_back(fp8);
+  for (const Held &h : mats) {
+    const QuantizedMatrix m = h.view();
+    const tile::DecodedB d = decodedB(m);
+    if (!d.pairs) {
+      WARN("no avx512_bf16 here: the decoder writes no panels of a B as stored");
+      return;
+    }
+    std::vector<uint16_t> want(size_t(m.rows * m.cols));
+    dequantize(m, 0, m.rows, 0, m.cols, want.data(), DType::BF16, m.cols);
+    const int64_t rowRanges[][2] = {{0, m.rows}, {1, m.rows}, {2, 5}};
+    for (const auto &rows : rowRanges)
+      for (const auto &[c0, n] : {std::pair<int64_t, int64_t>{0, m.cols},
+                                  {7, 50},
+                                  {33, 97},
+                                  {16, 192},
+                                  {m.cols - 17, 17},
+                                  {5, 1}}) {
+        const int64_t r0 = rows[0], r1 = rows[1], units = (r1 - r0 + 1) / 2;
+        INFO(formatName(h) << " group " << h.group << ": rows [" << r0 << ", " << r1
+                           << "), columns [" << c0 << ", " << c0 + n << ")");
+        const int64_t stride = units * 48 + 16, panels = (n + 47) / 48;
+        std::vector<uint32_t> got(size_t(panels * stride), 0xDEADBEEF);
+        d.pairs(d.context, r0, r1, c0, c0 + n, got.data(), stride);
+        for (int64_t q = 0; q < panels; ++q)
+          for (int64_t t = 0; t < units; ++t)
+            for (int64_t c = 0; c < 48; ++c) {
+              const int64_t j = q * 48 + c;
+              const uint32_t pair = got[size_t(q * stride + t * 48 + c)];
+              if (j >= (n + 15) / 16 * 16) { // past the last vector: untouched
+                REQUIRE(pair == 0xDEADBEEF);
+                continue;
+              }
+              const int64_t i = r0 + 2 * t;
+              const uint16_t lo = j < n ? want[size_t(i * m.cols + c0 + j)] : 0;
+              const uint16_t hi = j < n && i + 1 < r1 ? want[size_t((i + 1) * m.cols + c0 + j)] : 0;
+              INFO("unit " << t << ", column " << j);
+              REQUIRE((pair & 0xFFFF) == lo);
+              REQUIRE((pair >> 16) == hi);
+            }
+      }
+  }
 }
 
 TEST_CASE("NaN or infinity in a row or group gives it a NaN scale; its neighbours are untouched") {

@@ -626,12 +626,31 @@ TEST_CASE("moec's tile gives the same bits on a B read through a decoder", "[cpu
   // block at a time and packed from there: the bits of gemm on the decoded
   // B itself, for both forms of B, depths and columns that end a block, a
   // bf16 pair, a panel and a group unevenly, and B's columns from an offset
-  // (a tile's columns of the weight).
+  // (a tile's columns of the weight). A B stored k x n whose decoder also
+  // writes the panels' units (DecodedB::pairs) is read through that.
   if (!tileRuns(true))
     return;
   struct Source {
     const Stored *b;
-    int64_t calls = 0;
+    int64_t calls = 0, pairCalls = 0;
+  };
+  const auto pairs = [](const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                        uint32_t *dst, int64_t panelStride) {
+    auto &s = *static_cast<Source *>(const_cast<void *>(context));
+    ++s.pairCalls;
+    REQUIRE((r0 >= 0 && r0 < r1 && r1 <= s.b->rows && c0 >= 0 && c0 < c1 && c1 <= s.b->cols));
+    const int64_t padded = (c1 - c0 + 15) / 16 * 16;
+    for (int64_t t = 0; r0 + 2 * t < r1; ++t)
+      for (int64_t j = 0; j < padded; ++j) {
+        const int64_t i = r0 + 2 * t;
+        uint32_t pair = 0;
+        if (c0 + j < c1) {
+          pair = s.b->b16[size_t(i * s.b->ld + c0 + j)];
+          if (i + 1 < r1)
+            pair |= uint32_t(s.b->b16[size_t((i + 1) * s.b->ld + c0 + j)]) << 16;
+        }
+        dst[(j / 48) * panelStride + t * 48 + j % 48] = pair;
+      }
   };
   const auto decode = [](const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                          uint16_t *dst, int64_t ld) {
@@ -643,32 +662,40 @@ TEST_CASE("moec's tile gives the same bits on a B read through a decoder", "[cpu
                   size_t(c1 - c0) * 2);
   };
   for (const bool transB : {false, true})
-    for (const int64_t k : {int64_t(7), int64_t(257), int64_t(600)})
-      for (const int64_t n : {int64_t(13), int64_t(200), int64_t(410)})
-        for (const bool cBf16 : {false, true}) {
-          INFO("transB " << transB << ", k " << k << ", n " << n << ", C "
-                         << (cBf16 ? "bf16" : "fp32"));
-          const int64_t m = 19, j0 = std::min<int64_t>(21, n / 3); // columns [j0, n)
-          const Product x(m, n, k, false, transB, true, uint32_t(3 * k + n));
-          const int64_t cols = n - j0;
-          const uint16_t *bAt = x.b.b16.data() + (transB ? j0 * x.b.ld : j0);
-          const size_t elt = cBf16 ? 2 : 4;
-          Aligned plain(size_t(m * cols) * elt, 0x11), decoded(size_t(m * cols) * elt, 0x22);
-          // (One buffer for both calls: the larger of their two needs.)
-          Aligned pack(std::max(tile::packBytes(m, cols, k, false, true, cBf16, false),
-                                tile::packBytes(m, cols, k, false, true, cBf16, true)));
-          tile::gemm(m, cols, k, x.a.data(), x.a.ld, false, bAt, x.b.ld, transB, true,
-                     plain.data(), cols, cBf16, false, pack.data());
-          Source source{&x.b};
-          tile::DecodedB d;
-          d.decode = decode;
-          d.context = &source;
-          (transB ? d.rowOffset : d.colOffset) = j0;
-          tile::gemm(m, cols, k, x.a.data(), x.a.ld, false, nullptr, 0, transB, true,
-                     decoded.data(), cols, cBf16, false, pack.data(), false, nullptr, &d);
-          CHECK(source.calls > 0);
-          CHECK(std::memcmp(plain.data(), decoded.data(), size_t(m * cols) * elt) == 0);
-        }
+    for (const bool withPairs : {false, true})
+      for (const int64_t k : {int64_t(7), int64_t(257), int64_t(600)})
+        for (const int64_t n : {int64_t(13), int64_t(200), int64_t(410)})
+          for (const bool cBf16 : {false, true}) {
+            if (transB && withPairs)
+              continue;
+            INFO("transB " << transB << ", k " << k << ", n " << n << ", C "
+                           << (cBf16 ? "bf16" : "fp32") << (withPairs ? ", pairs" : ""));
+            const int64_t m = 19, j0 = std::min<int64_t>(21, n / 3); // columns [j0, n)
+            const Product x(m, n, k, false, transB, true, uint32_t(3 * k + n));
+            const int64_t cols = n - j0;
+            const uint16_t *bAt = x.b.b16.data() + (transB ? j0 * x.b.ld : j0);
+            const size_t elt = cBf16 ? 2 : 4;
+            Aligned plain(size_t(m * cols) * elt, 0x11), decoded(size_t(m * cols) * elt, 0x22);
+            // (One buffer for both calls: the larger of their two needs.)
+            Aligned pack(std::max(tile::packBytes(m, cols, k, false, true, cBf16, false),
+                                  tile::packBytes(m, cols, k, false, true, cBf16, true)));
+            tile::gemm(m, cols, k, x.a.data(), x.a.ld, false, bAt, x.b.ld, transB, true,
+                       plain.data(), cols, cBf16, false, pack.data());
+            Source source{&x.b};
+            tile::DecodedB d;
+            d.decode = decode;
+            if (withPairs)
+              d.pairs = pairs;
+            d.context = &source;
+            (transB ? d.rowOffset : d.colOffset) = j0;
+            tile::gemm(m, cols, k, x.a.data(), x.a.ld, false, nullptr, 0, transB, true,
+                       decoded.data(), cols, cBf16, false, pack.data(), false, nullptr, &d);
+            // (AMX tiles decode B's rows and take no pairs.)
+            CHECK(source.calls + source.pairCalls > 0);
+            if (withPairs && !tile::amx())
+              CHECK(source.pairCalls > 0);
+            CHECK(std::memcmp(plain.data(), decoded.data(), size_t(m * cols) * elt) == 0);
+          }
 }
 
 TEST_CASE("moec's tile gives the same bits on a B whose decoder writes the panels", "[cpu][tile]") {

@@ -197,13 +197,20 @@ struct Run {
   bool folded;
 };
 
+/// x / m.group for x >= 0, by a shift where the group is a power of two
+/// (32, 64 or 128: the decoders ask once a run, and a 64-bit division
+/// takes as long as decoding a vector).
+inline int64_t perGroup(const QuantizedMatrix &m, int64_t x) {
+  return (m.group & (m.group - 1)) == 0 ? x >> __builtin_ctzll(uint64_t(m.group)) : x / m.group;
+}
+
 /// The run of row i that holds column c, cut at c1.
 inline Run runAt(const QuantizedMatrix &m, int64_t i, int64_t c, int64_t c1) {
   switch (m.format) {
   case WeightFormat::Int8Channel:
     return {c1, m.scales[i], 0.0f, false};
   case WeightFormat::Int4Group: {
-    const int64_t g = c / m.group, where = i * (m.cols / m.group) + g;
+    const int64_t g = perGroup(m, c), where = i * perGroup(m, m.cols) + g;
     return {std::min(c1, (g + 1) * m.group), m.zeroPoints ? m.scales[2 * where] : m.scales[where],
             m.zeroPoints ? m.scales[2 * where + 1] : 8.0f, false};
   }

@@ -136,6 +136,17 @@ Held randomHeld(WeightFormat format, int64_t rows, int64_t cols, int64_t group, 
   return h;
 }
 
+/// Random int8 codes and int4 codes in groups of 32, 64 and 128, with and
+/// without zero points: [7, 384] each.
+std::vector<Held> intFormats(uint32_t seed) {
+  std::vector<Held> mats = {randomHeld(WeightFormat::Int8Channel, 7, 384, 0, false, seed)};
+  for (const int64_t group : {int64_t(32), int64_t(64), int64_t(128)})
+    for (const bool zp : {false, true})
+      mats.push_back(randomHeld(WeightFormat::Int4Group, 7, 384, group, zp,
+                                seed * 1000 + uint32_t(group * 2 + zp)));
+  return mats;
+}
+
 const char *formatName(const Held &h) {
   if (h.format == WeightFormat::Int8Channel)
     return "int8";
@@ -434,11 +445,7 @@ TEST_CASE("int4 groups of 32, 64 and 128, with and without zero points, quantize
 
 TEST_CASE("dequantizing any block of rows and columns gives the definition's values, in fp32 "
           "and bf16") {
-  std::vector<Held> mats = {randomHeld(WeightFormat::Int8Channel, 7, 384, 0, false, 1)};
-  for (const int64_t group : {int64_t(32), int64_t(64), int64_t(128)})
-    for (const bool zp : {false, true})
-      mats.push_back(
-          randomHeld(WeightFormat::Int4Group, 7, 384, group, zp, uint32_t(group * 2 + zp)));
+  std::vector<Held> mats = intFormats(1);
   const int64_t blocks[][4] = {
       {0, 7, 0, 384},   // the whole matrix
       {2, 5, 1, 383},   // odd start, odd end
@@ -518,11 +525,7 @@ TEST_CASE("a quantized B as stored gives the tile's panels as dequantize's bf16 
   // across int4 groups and FP8 blocks, an odd int4 start) and of widths not
   // a multiple of 16 (lanes past the last column zero); depth ranges of odd
   // length (a last unit's high half zero) and from an odd row.
-  std::vector<Held> mats = {randomHeld(WeightFormat::Int8Channel, 7, 384, 0, false, 61)};
-  for (const int64_t group : {int64_t(32), int64_t(64), int64_t(128)})
-    for (const bool zp : {false, true})
-      mats.push_back(
-          randomHeld(WeightFormat::Int4Group, 7, 384, group, zp, uint32_t(group * 5 + zp)));
+  std::vector<Held> mats = intFormats(61);
   Held fp8 = randomFp8(131, 300, {0.5f, 2.0f, 3e-39f, 2e36f, 0.01f, 7.0f}, 63);
   fp8.codes[size_t(129 * 300 + 140)] = 0xFF;
   mats.push_back(fp8);
@@ -670,11 +673,7 @@ TEST_CASE("codes packed for the tile decode into its panels as dequantize's bf16
   // Every format, op(B) read transposed (the forward's) and as stored (the
   // backward's dX), column ranges from unaligned starts (16-column vectors
   // across int4 groups), odd depths (a last unit's high half past it: 0).
-  std::vector<Held> mats = {randomHeld(WeightFormat::Int8Channel, 7, 384, 0, false, 41)};
-  for (const int64_t group : {int64_t(32), int64_t(64), int64_t(128)})
-    for (const bool zp : {false, true})
-      mats.push_back(
-          randomHeld(WeightFormat::Int4Group, 7, 384, group, zp, uint32_t(group * 3 + zp)));
+  std::vector<Held> mats = intFormats(41);
   Held fp8{WeightFormat::Fp8Block128, 131, 300, 0, false, {}, {}};
   std::mt19937 rng(43);
   for (int64_t i = 0; i < fp8.rows * fp8.cols; ++i) {

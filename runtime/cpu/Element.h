@@ -81,11 +81,12 @@ constexpr int kSubnormalClass = 0x20;
 /// bf16Bits16's 16 values as 16 bits each (_mm512_cvtepi32_epi16 of it), on
 /// avx512_bf16's conversion (`vcvtneps2bf16`: nearest, ties to even, NaNs
 /// quiet) except in a vector that holds a subnormal, which that instruction
-/// reads as zero. For kernels built for AVX-512 (F, BW, VL, DQ) and
-/// avx512_bf16, on a CPU that has them.
+/// reads as zero (unless the caller knows none is: `maySubnormal` false).
+/// For kernels built for AVX-512 (F, BW, VL, DQ) and avx512_bf16, on a CPU
+/// that has them.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline __m256i
-bf16Packed16(__m512 value) {
-  if (_mm512_fpclass_ps_mask(value, kSubnormalClass))
+bf16Packed16(__m512 value, bool maySubnormal = true) {
+  if (maySubnormal && _mm512_fpclass_ps_mask(value, kSubnormalClass))
     return _mm512_cvtepi32_epi16(bf16Bits16(value));
   return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(value));
 }
@@ -94,11 +95,13 @@ bf16Packed16(__m512 value) {
 /// bf16 tile's panels hold them. On avx512_bf16's conversion
 /// (`vcvtne2ps2bf16`: nearest, ties to even, NaNs quiet, as bf16Bits16),
 /// except where a lane is subnormal, which that instruction reads as zero:
-/// those vectors take bf16Bits16. For kernels built for AVX-512 (F, BW, VL,
-/// DQ) and avx512_bf16, on a CPU that has them.
+/// those vectors take bf16Bits16 (unless the caller knows none is:
+/// `maySubnormal` false). For kernels built for AVX-512 (F, BW, VL, DQ) and
+/// avx512_bf16, on a CPU that has them.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) inline __m512i
-bf16PairBits16(__m512 lo, __m512 hi) {
-  if (_mm512_fpclass_ps_mask(lo, kSubnormalClass) | _mm512_fpclass_ps_mask(hi, kSubnormalClass))
+bf16PairBits16(__m512 lo, __m512 hi, bool maySubnormal = true) {
+  if (maySubnormal &&
+      (_mm512_fpclass_ps_mask(lo, kSubnormalClass) | _mm512_fpclass_ps_mask(hi, kSubnormalClass)))
     return _mm512_or_si512(bf16Bits16(lo), _mm512_slli_epi32(bf16Bits16(hi), 16));
   // lo's 16 values then hi's, interleaved into pairs.
   const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));

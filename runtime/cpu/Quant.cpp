@@ -195,6 +195,10 @@ struct Run {
   int64_t end;
   float scale, zero; ///< zero: int4's; scale: FP8's times 2^8 with `folded`
   bool folded;
+  /// No value of the run can be subnormal (its least nonzero magnitude
+  /// times its scale is at least FLT_MIN): avx512_bf16's conversion, which
+  /// reads subnormal values as zero, rounds them all as bf16Bits16 does.
+  bool normal;
 };
 
 /// x / m.group for x >= 0, by a shift where the group is a power of two
@@ -204,21 +208,29 @@ inline int64_t perGroup(const QuantizedMatrix &m, int64_t x) {
   return (m.group & (m.group - 1)) == 0 ? x >> __builtin_ctzll(uint64_t(m.group)) : x / m.group;
 }
 
-/// The run of row i that holds column c, cut at c1.
+/// The run of row i that holds column c, cut at c1 (m's format F).
+template <WeightFormat F>
 inline Run runAt(const QuantizedMatrix &m, int64_t i, int64_t c, int64_t c1) {
-  switch (m.format) {
+  constexpr float least = std::numeric_limits<float>::min();
+  switch (F) {
   case WeightFormat::Int8Channel:
-    return {c1, m.scales[i], 0.0f, false};
+    return {c1, m.scales[i], 0.0f, false, m.scales[i] >= least};
   case WeightFormat::Int4Group: {
     const int64_t g = perGroup(m, c), where = i * perGroup(m, m.cols) + g;
-    return {std::min(c1, (g + 1) * m.group), m.zeroPoints ? m.scales[2 * where] : m.scales[where],
-            m.zeroPoints ? m.scales[2 * where + 1] : 8.0f, false};
+    const float scale = m.zeroPoints ? m.scales[2 * where] : m.scales[where];
+    const float zero = m.zeroPoints ? m.scales[2 * where + 1] : 8.0f;
+    // (code - zero) is 0 or at least 1 in magnitude where zero is whole
+    // (a zero point the layer takes lies in [0, 15]).
+    const bool whole = zero >= 0.0f && zero <= 15.0f && zero == float(int(zero));
+    return {std::min(c1, (g + 1) * m.group), scale, zero, false, scale >= least && whole};
   }
   default: { // FP8 blocks: the 2^8 of e4m3HalfValues16 in the scale where it stays finite
     const int64_t B = kFp8WeightBlock, b = c / B;
     const float scale = m.scales[(i / B) * ((m.cols + B - 1) / B) + b];
     const bool folded = std::isfinite(scale * 256.0f);
-    return {std::min(c1, (b + 1) * B), folded ? scale * 256.0f : scale, 0.0f, folded};
+    // An e4m3 value's least nonzero magnitude is 2^-9.
+    return {std::min(c1, (b + 1) * B), folded ? scale * 256.0f : scale, 0.0f, folded,
+            scale >= least * 512.0f};
   }
   }
 }
@@ -277,7 +289,7 @@ rowsOf(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
   for (int64_t i = r0; i < r1; ++i) {
     char *row = static_cast<char *>(dst) + size_t((i - r0) * ld - c0) * dtypeSize(elt);
     for (int64_t c = c0; c < c1;) {
-      const Run r = runAt(m, i, c, c1);
+      const Run r = runAt<F>(m, i, c, c1);
       if (readable(m, c))
         for (; c + 16 <= r.end; c += 16) {
           const __m512 v = values16<F>(m, r, i, c);
@@ -287,7 +299,7 @@ rowsOf(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
             storeBf16x16(reinterpret_cast<uint16_t *>(row) + c, 0xFFFF, v);
           else
             _mm256_storeu_si256(reinterpret_cast<__m256i *>(reinterpret_cast<uint16_t *>(row) + c),
-                                bf16Packed16(v));
+                                bf16Packed16(v, !r.normal));
         }
       if (c < r.end)
         dequantizeScalar(m, i, i + 1, c, r.end, row + size_t(c) * dtypeSize(elt), elt, ld);
@@ -334,15 +346,17 @@ pairsOf(const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uin
   const int64_t cols = c1 - c0;
   for (int64_t i = r0, t = 0; i < r1; i += 2, ++t) {
     const bool second = i + 1 < r1;
-    Run lo{c0, 0, 0, false}, hi = lo; // the runs of column c0 + j (both end there)
+    Run lo{c0, 0, 0, false, false}, hi = lo; // the runs of column c0 + j (both end there)
     for (int64_t j = 0; j < cols; j += 16) {
       const int64_t c = c0 + j, w = std::min<int64_t>(16, cols - j);
       if (c >= lo.end) {
-        lo = runAt(m, i, c, c1);
-        hi = second ? runAt(m, i + 1, c, c1) : lo;
+        lo = runAt<F>(m, i, c, c1);
+        hi = second ? runAt<F>(m, i + 1, c, c1) : lo;
       }
       __m512 a, b = _mm512_setzero_ps();
+      bool normal = false;
       if (w == 16 && c + 16 <= lo.end && readable(m, c)) {
+        normal = lo.normal && hi.normal;
         a = values16<F>(m, lo, i, c);
         if (second)
           b = values16<F>(m, hi, i + 1, c);
@@ -354,7 +368,8 @@ pairsOf(const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uin
         a = _mm512_load_ps(values[0]);
         b = _mm512_load_ps(values[1]);
       }
-      _mm512_storeu_si512(dst + (j / P) * panelStride + t * P + j % P, bf16PairBits16(a, b));
+      _mm512_storeu_si512(dst + (j / P) * panelStride + t * P + j % P,
+                          bf16PairBits16(a, b, !normal));
     }
   }
 }

@@ -484,6 +484,14 @@ TEST_CASE("the vector decode (runs of 16 and more) agrees with the scalar defini
   Held i4 = randomHeld(WeightFormat::Int4Group, 3, 256, 128, false, 22);
   Held zp = randomHeld(WeightFormat::Int4Group, 3, 256, 64, true, 23);
   i4.scales[2] = 1.0f + 1.0f / 256;
+  // Scales that make subnormal values (rounded to bf16 as floatToBf16 does,
+  // not read as zero by avx512_bf16's conversion): a row of int8, a group
+  // of int4, and a group whose zero point is not whole, so that (code -
+  // zero) x scale is subnormal although the scale is not.
+  i8.scales[2] = 1e-39f;
+  i4.scales[3] = 3e-40f;
+  zp.scales[2] = 2e-38f;
+  zp.scales[3] = 7.5f;
   for (const Held *h : {&i8, &i4, &zp})
     for (int64_t c0 = 0; c0 < 40; ++c0)
       for (const int64_t n : {int64_t(1), int64_t(15), int64_t(16), int64_t(17), int64_t(31),

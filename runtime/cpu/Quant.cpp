@@ -44,6 +44,24 @@ int toCode(float q, float zero, float lo, float hi) {
   return std::isnan(code) ? 0 : int(std::clamp(code, lo, hi));
 }
 
+/// Whether no value of format f under `scale` (and int4's `zero`) can be
+/// subnormal: its least nonzero magnitude times the scale is at least
+/// FLT_MIN (int8: 1; FP8: 2^-9; int4: 1 where the zero point is whole, a
+/// zero point the layer takes lying in [0, 15]). avx512_bf16's conversion,
+/// which reads subnormal values as zero, then rounds every value of it as
+/// floatToBf16 does.
+inline bool noSubnormal(WeightFormat f, float scale, float zero) {
+  constexpr float least = std::numeric_limits<float>::min();
+  switch (f) {
+  case WeightFormat::Int4Group:
+    return scale >= least && zero >= 0.0f && zero <= 15.0f && zero == float(int(zero));
+  case WeightFormat::Fp8Block128:
+    return scale >= least * 512.0f;
+  default:
+    return scale >= least;
+  }
+}
+
 /// Where decoded values go: fp32, or bf16 rounded once (floatToBf16).
 struct Out {
   void *base;
@@ -195,9 +213,7 @@ struct Run {
   int64_t end;
   float scale, zero; ///< zero: int4's; scale: FP8's times 2^8 with `folded`
   bool folded;
-  /// No value of the run can be subnormal (its least nonzero magnitude
-  /// times its scale is at least FLT_MIN): avx512_bf16's conversion, which
-  /// reads subnormal values as zero, rounds them all as bf16Bits16 does.
+  /// No value of the run can be subnormal (noSubnormal).
   bool normal;
 };
 
@@ -211,26 +227,21 @@ inline int64_t perGroup(const QuantizedMatrix &m, int64_t x) {
 /// The run of row i that holds column c, cut at c1 (m's format F).
 template <WeightFormat F>
 inline Run runAt(const QuantizedMatrix &m, int64_t i, int64_t c, int64_t c1) {
-  constexpr float least = std::numeric_limits<float>::min();
   switch (F) {
   case WeightFormat::Int8Channel:
-    return {c1, m.scales[i], 0.0f, false, m.scales[i] >= least};
+    return {c1, m.scales[i], 0.0f, false, noSubnormal(F, m.scales[i], 0.0f)};
   case WeightFormat::Int4Group: {
     const int64_t g = perGroup(m, c), where = i * perGroup(m, m.cols) + g;
     const float scale = m.zeroPoints ? m.scales[2 * where] : m.scales[where];
     const float zero = m.zeroPoints ? m.scales[2 * where + 1] : 8.0f;
-    // (code - zero) is 0 or at least 1 in magnitude where zero is whole
-    // (a zero point the layer takes lies in [0, 15]).
-    const bool whole = zero >= 0.0f && zero <= 15.0f && zero == float(int(zero));
-    return {std::min(c1, (g + 1) * m.group), scale, zero, false, scale >= least && whole};
+    return {std::min(c1, (g + 1) * m.group), scale, zero, false, noSubnormal(F, scale, zero)};
   }
   default: { // FP8 blocks: the 2^8 of e4m3HalfValues16 in the scale where it stays finite
     const int64_t B = kFp8WeightBlock, b = c / B;
     const float scale = m.scales[(i / B) * ((m.cols + B - 1) / B) + b];
     const bool folded = std::isfinite(scale * 256.0f);
-    // An e4m3 value's least nonzero magnitude is 2^-9.
     return {std::min(c1, (b + 1) * B), folded ? scale * 256.0f : scale, 0.0f, folded,
-            scale >= least * 512.0f};
+            noSubnormal(F, scale, 0.0f)};
   }
   }
 }
@@ -443,6 +454,9 @@ struct PackedCodes {
   /// once at packing so that the decoder mends NaN lanes only where some
   /// could be.
   bool nanCodes = false;
+  /// Whether no value can be subnormal (noSubnormal under every scale),
+  /// found at packing: the decoder's bf16 rounding then skips its check.
+  bool normal = false;
   int64_t depth = 0, n = 0, units = 0, panels = 0, group = 0, scaleLd = 0;
   uint64_t codesAt = 0, scalesAt = 0, zerosAt = 0, indexAt = 0;
 };
@@ -611,7 +625,7 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
       }
       lo = _mm512_mul_ps(lo, sLo);
       hi = _mm512_mul_ps(hi, sHi);
-      _mm512_storeu_si512(dst + 16 * v, bf16PairBits16(lo, hi));
+      _mm512_storeu_si512(dst + 16 * v, bf16PairBits16(lo, hi, !h.normal));
     }
   }
 }
@@ -633,6 +647,18 @@ void packCodes(const QuantizedMatrix &m, bool transposed, int64_t c0, int64_t n,
                            ((m.cols + kFp8WeightBlock - 1) / kFp8WeightBlock);
     h.scalesTimes256 =
         std::all_of(m.scales, m.scales + blocks, [](float s) { return std::isfinite(s * 256.0f); });
+  }
+  {
+    const int64_t entries = m.format == WeightFormat::Fp8Block128
+                                ? ((m.rows + kFp8WeightBlock - 1) / kFp8WeightBlock) *
+                                      ((m.cols + kFp8WeightBlock - 1) / kFp8WeightBlock)
+                            : m.format == WeightFormat::Int8Channel ? m.rows
+                                                                    : m.rows * (m.cols / m.group);
+    const int64_t step = h.zeroPoints ? 2 : 1;
+    h.normal = true;
+    for (int64_t e = 0; e < entries && h.normal; ++e)
+      h.normal =
+          noSubnormal(m.format, m.scales[step * e], h.zeroPoints ? m.scales[2 * e + 1] : 8.0f);
   }
   const float scaleFactor = h.scalesTimes256 ? 256.0f : 1.0f;
   char *base = static_cast<char *>(dst);

@@ -207,8 +207,8 @@ void dequantizeScalar(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd
 #ifdef MOEC_QUANT_AVX512
 namespace {
 
-/// A run of a row of `m` under one scale: columns [begin, end), and what
-/// the AVX-512 decoders need of it.
+/// A run of a row of `m` under one scale, from the column it was asked for
+/// to `end`, and what the AVX-512 decoders need of it.
 struct Run {
   int64_t end;
   float scale, zero; ///< zero: int4's; scale: FP8's times 2^8 with `folded`

@@ -108,17 +108,9 @@ size_t panelBytes(int64_t n, bool decodedB, int64_t blockUnits) {
   return size_t(ceilDiv(n, kPanel) * kPanel * (decodedB ? kPackedBlockUnits : blockUnits)) * 4;
 }
 
-/// The row stride, in bf16 values, of a column group's depth block of a B
-/// stored k x n decoded whole (kGroup columns and 32 more: rows off a
-/// multiple of 512 bytes).
-constexpr int64_t kDecodedGroupLd = kGroup + 32;
-
 /// Bytes of a decoded B's working memory on the AVX-512 micro-kernel: one
-/// panel's part of a transposed B (decodedBytes), or a column group's depth
-/// block of one as stored.
-size_t decodedAvx512Bytes() {
-  return std::max(decodedBytes(true), size_t(2 * kBlockUnits * kDecodedGroupLd * 2));
-}
+/// panel's part of B, either form.
+size_t decodedAvx512Bytes() { return std::max(decodedBytes(true), decodedBytes(false)); }
 
 /// Bytes of the fp32 partial sums gemm keeps apart from C (`apart`: a bf16
 /// C, or one the last block adds them onto) deeper than one depth block (m x
@@ -1424,20 +1416,13 @@ void gemm(int64_t m, int64_t n, int64_t k, const void *a, int64_t lda, bool tran
       // its 48 rows at a time by transposes, was not faster.)
       const bool packInCall = !transB && !prepacked && !decodedB && !narrow;
       // (A B packed beforehand is read where packB put it.)
-      if (decodedB && !transB && decodedB->pairs) {
-        // B as stored (k x n) by a decoder that writes the panels' units
-        // itself: no bf16 rows in between (the qwen3 backward's quantized
-        // dA and dX tiles 1.02-1.10x; the log, 2026-11-30).
+      if (decodedB && !transB && decodedB->pairs && !decodedB->panel) {
+        // B as stored (k x n) by a decoder that writes the column group's
+        // panels' units itself: no bf16 rows in between (the qwen3
+        // backward's quantized dA and dX tiles 1.02-1.10x rows of the whole
+        // group decoded, then packed; those 1.04-1.10x a panel's at a time;
+        // the log, 2026-11-30).
         decodedB->readPairs(p0, p1, j0, j0 + nb, panels, panelStride);
-      } else if (decodedB && !transB && !decodedB->panel) {
-        // B as stored (k x n): the block's rows of the whole column group
-        // decoded at once, then packed from there (the qwen3 backward's
-        // quantized dX tiles 1.04-1.10x a panel's 48 columns at a time:
-        // the decoder's work a row is four times as long; the log,
-        // 2026-11-30).
-        decodedB->read(p0, p1, j0, j0 + nb, decoded, kDecodedGroupLd);
-        packRows(decoded, kDecodedGroupLd, 0, p1 - p0, nb, true, panels, kPanel, kPanel,
-                 panelStride);
       } else if (decodedB) {
         // Panel by panel.
         for (int64_t q = 0; q * kPanel < nb; ++q)

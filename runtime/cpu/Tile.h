@@ -131,12 +131,12 @@
 // its rows straight as the panels' units (DecodedB::pairs); or (DecodedB::
 // panel: codes packed beforehand in the panels' order, Quant.h's packCodes)
 // one that writes a panel's units straight. Per depth block (512 units),
-// gemm has a B stored k x n written into a column group's panels by pairs,
-// or decodes the group's rows into its working memory (in L2) and packs the
-// panels from there; a B stored n x k it decodes 16 rows at a time into L1
-// in the swapped form and reads them there, or one panel's part at a time
-// and packs the panel; panels written straight it reads as they come (on
-// AMX, a column group's panels just before the group's products). So no
+// gemm has a B stored k x n written into a column group's panels by pairs;
+// a B stored n x k it decodes 16 rows at a time into L1 in the swapped form
+// and reads them there; otherwise it decodes one panel's part at a time
+// into its working memory (in L1) and packs the panel from there; panels
+// written straight it reads as they come (on AMX, a column group's panels
+// just before the group's products). So no
 // dequantized copy of B is made beyond them. The panels are those of the
 // decoded B, so the bits are those of gemm on that B.
 //

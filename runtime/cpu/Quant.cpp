@@ -62,6 +62,47 @@ inline bool noSubnormal(WeightFormat f, float scale, float zero) {
   }
 }
 
+/// x / m.group for x >= 0, by a shift where the group is a power of two
+/// (32, 64 or 128: the decoders ask once a run, and a 64-bit division
+/// takes as long as decoding a vector).
+inline int64_t perGroup(const QuantizedMatrix &m, int64_t x) {
+  return (m.group & (m.group - 1)) == 0 ? x >> __builtin_ctzll(uint64_t(m.group)) : x / m.group;
+}
+
+/// The scale and zero point of m's value (r, c) (zero 0 where the format
+/// has none: its values are code x scale), m's format F.
+template <WeightFormat F>
+__attribute__((always_inline)) inline std::pair<float, float> scaleOf(const QuantizedMatrix &m,
+                                                                      int64_t r, int64_t c) {
+  if constexpr (F == WeightFormat::Fp8Block128) {
+    const int64_t colBlocks = (m.cols + kFp8WeightBlock - 1) / kFp8WeightBlock;
+    return {m.scales[(r / kFp8WeightBlock) * colBlocks + c / kFp8WeightBlock], 0.0f};
+  } else if constexpr (F == WeightFormat::Int8Channel) {
+    return {m.scales[r], 0.0f};
+  } else if constexpr (F == WeightFormat::Int4Group) {
+    const int64_t where = r * perGroup(m, m.cols) + perGroup(m, c);
+    return m.zeroPoints ? std::pair{m.scales[2 * where], m.scales[2 * where + 1]}
+                        : std::pair{m.scales[where], 8.0f};
+  } else {
+    return {1.0f, 0.0f};
+  }
+}
+
+/// scaleOf of m's own format.
+inline std::pair<float, float> scaleAt(const QuantizedMatrix &m, int64_t r, int64_t c) {
+  switch (m.format) {
+  case WeightFormat::Fp8Block128:
+    return scaleOf<WeightFormat::Fp8Block128>(m, r, c);
+  case WeightFormat::Int8Channel:
+    return scaleOf<WeightFormat::Int8Channel>(m, r, c);
+  case WeightFormat::Int4Group:
+    return scaleOf<WeightFormat::Int4Group>(m, r, c);
+  case WeightFormat::Dense:
+    break;
+  }
+  return {1.0f, 0.0f};
+}
+
 /// Where decoded values go: fp32, or bf16 rounded once (floatToBf16).
 struct Out {
   void *base;
@@ -191,10 +232,8 @@ void dequantizeScalar(const QuantizedMatrix &m, int64_t rowBegin, int64_t rowEnd
     }
     // Int4: runs of columns under one scale (a group).
     for (int64_t j0 = colBegin; j0 < colEnd;) {
-      const int64_t g = j0 / m.group, where = i * (m.cols / m.group) + g;
-      const int64_t j1 = std::min(colEnd, (g + 1) * m.group);
-      const float scale = m.zeroPoints ? m.scales[2 * where] : m.scales[where];
-      const float zero = m.zeroPoints ? m.scales[2 * where + 1] : 8.0f;
+      const int64_t j1 = std::min(colEnd, (perGroup(m, j0) + 1) * m.group);
+      const auto [scale, zero] = scaleOf<WeightFormat::Int4Group>(m, i, j0);
       decodeInt4(static_cast<const uint8_t *>(m.codes) + i * int4Bytes(m.cols), j0, j1 - j0,
                  scale, zero, at(j0));
       j0 = j1;
@@ -217,31 +256,20 @@ struct Run {
   bool normal;
 };
 
-/// x / m.group for x >= 0, by a shift where the group is a power of two
-/// (32, 64 or 128: the decoders ask once a run, and a 64-bit division
-/// takes as long as decoding a vector).
-inline int64_t perGroup(const QuantizedMatrix &m, int64_t x) {
-  return (m.group & (m.group - 1)) == 0 ? x >> __builtin_ctzll(uint64_t(m.group)) : x / m.group;
-}
-
 /// The run of row i that holds column c, cut at c1 (m's format F).
 template <WeightFormat F>
 inline Run runAt(const QuantizedMatrix &m, int64_t i, int64_t c, int64_t c1) {
+  const auto [scale, zero] = scaleOf<F>(m, i, c);
+  const bool normal = noSubnormal(F, scale, zero);
   switch (F) {
   case WeightFormat::Int8Channel:
-    return {c1, m.scales[i], 0.0f, false, noSubnormal(F, m.scales[i], 0.0f)};
-  case WeightFormat::Int4Group: {
-    const int64_t g = perGroup(m, c), where = i * perGroup(m, m.cols) + g;
-    const float scale = m.zeroPoints ? m.scales[2 * where] : m.scales[where];
-    const float zero = m.zeroPoints ? m.scales[2 * where + 1] : 8.0f;
-    return {std::min(c1, (g + 1) * m.group), scale, zero, false, noSubnormal(F, scale, zero)};
-  }
+    return {c1, scale, zero, false, normal};
+  case WeightFormat::Int4Group:
+    return {std::min(c1, (perGroup(m, c) + 1) * m.group), scale, zero, false, normal};
   default: { // FP8 blocks: the 2^8 of e4m3HalfValues16 in the scale where it stays finite
-    const int64_t B = kFp8WeightBlock, b = c / B;
-    const float scale = m.scales[(i / B) * ((m.cols + B - 1) / B) + b];
     const bool folded = std::isfinite(scale * 256.0f);
-    return {std::min(c1, (b + 1) * B), folded ? scale * 256.0f : scale, 0.0f, folded,
-            noSubnormal(F, scale, 0.0f)};
+    return {std::min(c1, (c / kFp8WeightBlock + 1) * kFp8WeightBlock),
+            folded ? scale * 256.0f : scale, zero, folded, normal};
   }
   }
 }
@@ -513,27 +541,6 @@ uint8_t codeAt(const QuantizedMatrix &m, int64_t r, int64_t c) {
     return codes[r * m.cols + c];
   const uint8_t byte = codes[r * int4Bytes(m.cols) + c / 2];
   return c % 2 ? byte >> 4 : byte & 0xF;
-}
-
-/// The scale and zero point of m's value (r, c) (zero 0 where the format
-/// has none: its values are code x scale).
-std::pair<float, float> scaleAt(const QuantizedMatrix &m, int64_t r, int64_t c) {
-  switch (m.format) {
-  case WeightFormat::Fp8Block128: {
-    const int64_t colBlocks = (m.cols + kFp8WeightBlock - 1) / kFp8WeightBlock;
-    return {m.scales[(r / kFp8WeightBlock) * colBlocks + c / kFp8WeightBlock], 0.0f};
-  }
-  case WeightFormat::Int8Channel:
-    return {m.scales[r], 0.0f};
-  case WeightFormat::Int4Group: {
-    const int64_t where = r * (m.cols / m.group) + c / m.group;
-    return m.zeroPoints ? std::pair{m.scales[2 * where], m.scales[2 * where + 1]}
-                        : std::pair{m.scales[where], 8.0f};
-  }
-  case WeightFormat::Dense:
-    break;
-  }
-  return {1.0f, 0.0f};
 }
 
 #ifdef MOEC_QUANT_AVX512

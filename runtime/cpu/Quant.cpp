@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #if defined(__x86_64__)
@@ -274,22 +275,29 @@ inline Run runAt(const QuantizedMatrix &m, int64_t i, int64_t c, int64_t c1) {
   }
 }
 
-/// The values of row i, columns [c, c + 16) of `m`, all in run `r`, in
-/// fp32 before their rounding: dequantize's, exactly (FP8's one product by
-/// the scale times 2^8 is its two). Int4's c is even.
+/// The codes of m's row i (format F): a byte a value, or int4's two.
 template <WeightFormat F>
-MOEC_QUANT_TARGET __attribute__((always_inline)) inline __m512
-values16(const QuantizedMatrix &m, const Run &r, int64_t i, int64_t c) {
+__attribute__((always_inline)) inline const uint8_t *rowCodes(const QuantizedMatrix &m, int64_t i) {
+  return static_cast<const uint8_t *>(m.codes) +
+         i * (F == WeightFormat::Int4Group ? int4Bytes(m.cols) : m.cols);
+}
+
+/// The values of columns [c, c + 16) of the row whose codes are at `row`
+/// (rowCodes), all in run `r`, in fp32 before their rounding: dequantize's,
+/// exactly (FP8's one product by the scale times 2^8 is its two). Int4's c
+/// is even.
+template <WeightFormat F>
+MOEC_QUANT_TARGET __attribute__((always_inline)) inline __m512 values16(const uint8_t *row,
+                                                                        const Run &r, int64_t c) {
   switch (F) {
   case WeightFormat::Int8Channel: {
-    const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-        reinterpret_cast<const __m128i *>(static_cast<const int8_t *>(m.codes) + i * m.cols + c)));
+    const __m512i codes =
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(row + c)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(r.scale));
   }
   case WeightFormat::Int4Group: {
     // Lane 2k takes byte k's low half, lane 2k + 1 its high half.
-    const uint8_t *bytes = static_cast<const uint8_t *>(m.codes) + i * int4Bytes(m.cols) + c / 2;
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(bytes));
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i *>(row + c / 2));
     const __m128i nibble = _mm_set1_epi8(0xF);
     const __m512i code = _mm512_cvtepu8_epi32(
         _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble)));
@@ -297,8 +305,7 @@ values16(const QuantizedMatrix &m, const Run &r, int64_t i, int64_t c) {
                          _mm512_set1_ps(r.scale));
   }
   default: { // FP8 blocks
-    const uint8_t *codes = static_cast<const uint8_t *>(m.codes) + i * m.cols + c;
-    __m512 v = e4m3HalfValues16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(codes)));
+    __m512 v = e4m3HalfValues16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(row + c)));
     if (!r.folded)
       v = _mm512_mul_ps(v, _mm512_set1_ps(256.0f));
     return _mm512_mul_ps(v, _mm512_set1_ps(r.scale));
@@ -307,8 +314,8 @@ values16(const QuantizedMatrix &m, const Run &r, int64_t i, int64_t c) {
 }
 
 /// Whether values16 reads column c on: int4's codes from a byte's start.
-inline bool readable(const QuantizedMatrix &m, int64_t c) {
-  return m.format != WeightFormat::Int4Group || c % 2 == 0;
+template <WeightFormat F> inline bool readable(int64_t c) {
+  return F != WeightFormat::Int4Group || c % 2 == 0;
 }
 
 /// How rowsOf stores its values: fp32; bf16 rounded once by bf16Bits16's
@@ -327,11 +334,12 @@ rowsOf(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
   const DType elt = S == Store::F32 ? DType::F32 : DType::BF16;
   for (int64_t i = r0; i < r1; ++i) {
     char *row = static_cast<char *>(dst) + size_t((i - r0) * ld - c0) * dtypeSize(elt);
+    const uint8_t *codes = rowCodes<F>(m, i);
     for (int64_t c = c0; c < c1;) {
       const Run r = runAt<F>(m, i, c, c1);
-      if (readable(m, c))
+      if (readable<F>(c))
         for (; c + 16 <= r.end; c += 16) {
-          const __m512 v = values16<F>(m, r, i, c);
+          const __m512 v = values16<F>(codes, r, c);
           if constexpr (S == Store::F32)
             _mm512_storeu_ps(reinterpret_cast<float *>(row) + c, v);
           else if constexpr (S == Store::Bf16)
@@ -374,7 +382,8 @@ void dequantizeAvx512(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t 
 
 /// DecodedB::pairs of a QuantizedMatrix: dequantize's values, rounded once
 /// to bf16 on avx512_bf16's conversion (bf16PairBits16), written as the
-/// panels' units, 16 columns at a time from c0 (by dequantize where they
+/// panels' units, 16 columns at a time from c0, a run of one scale (the
+/// two rows' runs end together) at a time (by dequantize where 16 columns
 /// are not all in one run).
 template <WeightFormat F>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void
@@ -385,30 +394,39 @@ pairsOf(const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uin
   const int64_t cols = c1 - c0;
   for (int64_t i = r0, t = 0; i < r1; i += 2, ++t) {
     const bool second = i + 1 < r1;
-    Run lo{c0, 0, 0, false, false}, hi = lo; // the runs of column c0 + j (both end there)
-    for (int64_t j = 0; j < cols; j += 16) {
-      const int64_t c = c0 + j, w = std::min<int64_t>(16, cols - j);
-      if (c >= lo.end) {
-        lo = runAt<F>(m, i, c, c1);
-        hi = second ? runAt<F>(m, i + 1, c, c1) : lo;
+    const uint8_t *lowRow = rowCodes<F>(m, i), *highRow = rowCodes<F>(m, second ? i + 1 : i);
+    for (int64_t j = 0; j < cols;) {
+      const int64_t c = c0 + j;
+      const Run lo = runAt<F>(m, i, c, c1), hi = second ? runAt<F>(m, i + 1, c, c1) : lo;
+      // The run's vectors, column c0 + j at `to`: 16 columns on, and at a
+      // panel's end on to the next panel.
+      const int64_t end = lo.end - c0;
+      if (readable<F>(c) && j + 16 <= end) {
+        const bool maySubnormal = !(lo.normal && hi.normal);
+        uint32_t *to = dst + (j / P) * panelStride + t * P + j % P;
+        int64_t x = (j % P) / 16;
+        for (; j + 16 <= end; j += 16) {
+          const __m512 a = values16<F>(lowRow, lo, c0 + j);
+          const __m512 b = second ? values16<F>(highRow, hi, c0 + j) : _mm512_setzero_ps();
+          _mm512_storeu_si512(to, bf16PairBits16(a, b, maySubnormal));
+          to += 16;
+          if (++x == P / 16) {
+            x = 0;
+            to += panelStride - P;
+          }
+        }
       }
-      __m512 a, b = _mm512_setzero_ps();
-      bool normal = false;
-      if (w == 16 && c + 16 <= lo.end && readable(m, c)) {
-        normal = lo.normal && hi.normal;
-        a = values16<F>(m, lo, i, c);
-        if (second)
-          b = values16<F>(m, hi, i + 1, c);
-      } else { // lanes past c1 zero, as packRows leaves them
+      if (j < end) { // 16 columns across the run's end (or c1: lanes past it zero, as packRows
+                     // leaves them)
+        const int64_t w = std::min<int64_t>(16, cols - j);
         alignas(64) float values[2][16] = {};
-        dequantize(m, i, i + 1, c, c + w, values[0], DType::F32, 16);
+        dequantize(m, i, i + 1, c0 + j, c0 + j + w, values[0], DType::F32, 16);
         if (second)
-          dequantize(m, i + 1, i + 2, c, c + w, values[1], DType::F32, 16);
-        a = _mm512_load_ps(values[0]);
-        b = _mm512_load_ps(values[1]);
+          dequantize(m, i + 1, i + 2, c0 + j, c0 + j + w, values[1], DType::F32, 16);
+        _mm512_storeu_si512(dst + (j / P) * panelStride + t * P + j % P,
+                            bf16PairBits16(_mm512_load_ps(values[0]), _mm512_load_ps(values[1])));
+        j += 16;
       }
-      _mm512_storeu_si512(dst + (j / P) * panelStride + t * P + j % P,
-                          bf16PairBits16(a, b, !normal));
     }
   }
 }
@@ -547,9 +565,11 @@ uint8_t codeAt(const QuantizedMatrix &m, int64_t r, int64_t c) {
 /// The packed codes of one unit row's 16 columns at `codes` (the panel's
 /// unit row, column 16 v on) as fp32 code values: depth 2t in lo, 2t + 1 in
 /// hi (an e4m3 code's value, an int8 code, a 4-bit code).
-MOEC_QUANT_TARGET inline void codeValues16(WeightFormat f, const uint8_t *unit, int v, __m512 &lo,
-                                           __m512 &hi, bool mayHoldNaN, bool scalesHold256) {
-  if (f == WeightFormat::Int4Group) {
+template <WeightFormat F>
+MOEC_QUANT_TARGET __attribute__((always_inline)) inline void
+codeValues16(const uint8_t *unit, int v, __m512 &lo, __m512 &hi, bool mayHoldNaN,
+             bool scalesHold256) {
+  if constexpr (F == WeightFormat::Int4Group) {
     const __m512i b =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(unit + 16 * v)));
     const __m512i low = _mm512_set1_epi32(0xF);
@@ -559,7 +579,7 @@ MOEC_QUANT_TARGET inline void codeValues16(WeightFormat f, const uint8_t *unit, 
   }
   const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i *>(unit + 16 * v));
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i *>(unit + 48 + 16 * v));
-  if (f == WeightFormat::Int8Channel) {
+  if constexpr (F == WeightFormat::Int8Channel) {
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
     return;
@@ -573,12 +593,14 @@ MOEC_QUANT_TARGET inline void codeValues16(WeightFormat f, const uint8_t *unit, 
   }
 }
 
-/// DecodedB::panel of packed codes: units [u0, u1) of panel q as bf16
-/// pairs, (code - zero) x scale rounded once (dequantize's values), on
-/// avx512_bf16's conversion (bf16PairBits16): packed codes are read only
-/// where the bf16 tile runs (tile::available(true)).
+/// Units [u0, u1) of panel q of packed codes of format F, their scales
+/// along the depth or not (DepthScales), as bf16 pairs, (code - zero) x
+/// scale rounded once (dequantize's values), on avx512_bf16's conversion
+/// (bf16PairBits16): packed codes are read only where the bf16 tile runs
+/// (tile::available(true)).
+template <WeightFormat F, bool DepthScales>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void
-decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32_t *dst) {
+packedPanelOf(const void *context, int64_t q, int64_t u0, int64_t u1, uint32_t *dst) {
   const PackedCodes &h = *static_cast<const PackedCodes *>(context);
   const char *base = static_cast<const char *>(context);
   const int64_t unitBytes = unitBytesOf(h.format);
@@ -587,7 +609,7 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
   const float *scales = reinterpret_cast<const float *>(base + h.scalesAt);
   const float *zeros = reinterpret_cast<const float *>(base + h.zerosAt);
   const int32_t *index = reinterpret_cast<const int32_t *>(base + h.indexAt);
-  const bool int4 = h.format == WeightFormat::Int4Group;
+  constexpr bool int4 = F == WeightFormat::Int4Group;
   const __m512 eight = _mm512_set1_ps(8.0f);
   for (int64_t t = u0; t < u1; ++t, codes += unitBytes, dst += kCodePanel) {
     // The codes 16 units ahead (a panel's are contiguous), into L1: the
@@ -598,9 +620,9 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
     for (int v = 0; v < 3; ++v) {
       const int64_t j = q * kCodePanel + 16 * v;
       __m512 lo, hi;
-      codeValues16(h.format, codes, v, lo, hi, h.nanCodes, h.scalesTimes256);
+      codeValues16<F>(codes, v, lo, hi, h.nanCodes, h.scalesTimes256);
       __m512 sLo, sHi, zLo = eight, zHi = eight;
-      if (h.depthScales) {
+      if constexpr (DepthScales) {
         const __m512i at = _mm512_loadu_si512(index + j);
         const float *rowLo = scales + 2 * t * h.scaleLd, *rowHi = rowLo + h.scaleLd;
         const int32_t first = index[j], last = index[j + 15];
@@ -626,7 +648,7 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
         if (h.zeroPoints)
           zLo = zHi = _mm512_loadu_ps(zeros + row);
       }
-      if (int4) {
+      if constexpr (int4) {
         lo = _mm512_sub_ps(lo, zLo);
         hi = _mm512_sub_ps(hi, zHi);
       }
@@ -634,6 +656,26 @@ decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32
       hi = _mm512_mul_ps(hi, sHi);
       _mm512_storeu_si512(dst + 16 * v, bf16PairBits16(lo, hi, !h.normal));
     }
+  }
+}
+
+/// DecodedB::panel of packed codes: packedPanelOf of their format and
+/// scales' layout (a loop made for each: the format asked for at each unit
+/// cost the tiles on codes packed beforehand 2-4%).
+void decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32_t *dst) {
+  const PackedCodes &h = *static_cast<const PackedCodes *>(context);
+  const auto of = [&](auto f) {
+    constexpr WeightFormat F = decltype(f)::value;
+    return h.depthScales ? packedPanelOf<F, true>(context, q, u0, u1, dst)
+                         : packedPanelOf<F, false>(context, q, u0, u1, dst);
+  };
+  switch (h.format) {
+  case WeightFormat::Int8Channel:
+    return of(std::integral_constant<WeightFormat, WeightFormat::Int8Channel>());
+  case WeightFormat::Int4Group:
+    return of(std::integral_constant<WeightFormat, WeightFormat::Int4Group>());
+  default:
+    return of(std::integral_constant<WeightFormat, WeightFormat::Fp8Block128>());
   }
 }
 #endif

@@ -46,7 +46,10 @@
 // `gmm_bench --dequantize [reps]` times the CPU backend's dequantization of
 // a quantized weight (runtime/cpu/Quant.h) into bf16 as a forward tile of
 // the qwen3 layer asks for it: w1 stored [2I, H] = [1536, 2048], 192 rows
-// at a time, each format, one thread; nanoseconds a value, best of `reps`.
+// at a time, each format, one thread; nanoseconds a value, best of `reps`;
+// then the decoder's own cost with its codes in L2 (128 rows, a column
+// group of 192 columns at a time, 20 times over), as rows and as the
+// panels' units the backward's tiles take (tile::DecodedB::pairs).
 //
 // `gmm_bench --quantized [experts [reps]]` times the qwen3 tiles whose B is
 // a quantized weight (the transposed layout: w1 [2I, H], w2 [H, I]; the
@@ -320,7 +323,30 @@ int dequantizeRates(int reps) {
       for (int64_t r = 0; r < rows; r += chunk)
         dequantize(m, r, r + chunk, 0, cols, out.data(), Elt::BF16, cols);
     });
-    std::printf("  %-14s %6.3f ns a value\n", f.name, t / double(rows * cols) * 1e9);
+    std::printf("  %-14s %6.3f ns a value", f.name, t / double(rows * cols) * 1e9);
+    // The decoder's own cost, its codes in L2: 128 rows, 192 columns at a
+    // time (a column group), 20 times over, as rows and, where the bf16
+    // tile runs, as the panels' units (DecodedB::pairs: the backward's).
+    constexpr int64_t warmRows = 128, group = 192, passes = 20;
+    const double values = double(passes * warmRows * cols);
+    const double tr = bestSeconds(reps, [&] {
+      for (int pass = 0; pass < passes; ++pass)
+        for (int64_t c = 0; c < cols; c += group)
+          dequantize(m, 0, warmRows, c, std::min(cols, c + group), out.data(), Elt::BF16, group);
+    });
+    std::printf("; warm: rows %6.3f", tr / values * 1e9);
+    const tile::DecodedB d = decodedB(m);
+    if (d.pairs) {
+      std::vector<uint32_t> units(size_t(4 * (warmRows / 2) * 48));
+      const double tp = bestSeconds(reps, [&] {
+        for (int pass = 0; pass < passes; ++pass)
+          for (int64_t c = 0; c < cols; c += group)
+            d.pairs(d.context, 0, warmRows, c, std::min(cols, c + group), units.data(),
+                    (warmRows / 2) * 48);
+      });
+      std::printf(", pairs %6.3f", tp / values * 1e9);
+    }
+    std::printf("\n");
   }
   return 0;
 }

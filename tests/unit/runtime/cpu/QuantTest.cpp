@@ -30,6 +30,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 using namespace moec;
 using namespace moec::cpu;
 
@@ -525,6 +529,26 @@ TEST_CASE("FP8 blocks dequantize to the definition's values at every start and l
       checkBlock(h, 0, 5, c0, std::min(h.cols, c0 + n));
   checkBlock(h, 0, h.rows, 0, h.cols);
   checkBlock(h, 120, 131, 101, 300);
+}
+
+TEST_CASE("FP8 blocks dequantize to the definition's values where the CPU reads subnormal "
+          "inputs as zero") {
+  // A process may set MXCSR.DAZ (PyTorch's torch.set_flush_denormal(True)):
+  // the decoders must not pass a subnormal code's value through an
+  // instruction that reads it as zero. The scales are normal, so the
+  // definition's products do not change under DAZ; 1000 and 300 are
+  // scales whose 2^8 multiple stays finite.
+  const Held h = randomFp8(131, 300, {0.5f, 1000.0f, 0.01f, 2.0f, 300.0f, 1.0f + 1.0f / 256}, 71);
+  checkBlock(h, 0, h.rows, 0, h.cols);
+#if defined(__x86_64__)
+  struct Csr {
+    const unsigned saved = _mm_getcsr();
+    Csr() { _mm_setcsr(saved | _MM_DENORMALS_ZERO_ON); }
+    ~Csr() { _mm_setcsr(saved); }
+  } daz;
+  checkBlock(h, 0, h.rows, 0, h.cols);
+  checkBlock(h, 3, 9, 17, 290);
+#endif
 }
 
 TEST_CASE("a quantized B as stored gives the tile's panels as dequantize's bf16 values "

@@ -611,39 +611,58 @@ packedPanelOf(const void *context, int64_t q, int64_t u0, int64_t u1, uint32_t *
   const int32_t *index = reinterpret_cast<const int32_t *>(base + h.indexAt);
   constexpr bool int4 = F == WeightFormat::Int4Group;
   const __m512 eight = _mm512_set1_ps(8.0f);
+  // What each of the panel's three vectors reads of the scales, the same at
+  // every unit (found once a call: the panel's stores may alias the index,
+  // so the compiler reloads what the loop reads of it): with DepthScales
+  // its 16 columns' scale indices, whether they are one, and the first;
+  // else the group of the unit's rows, kept as the units pass (a group
+  // holds whole units, an even number of depth values).
+  __m512i at[3] = {};
+  int32_t first[3] = {};
+  bool one[3] = {};
+  if constexpr (DepthScales)
+    for (int v = 0; v < 3; ++v) {
+      const int64_t j = q * kCodePanel + 16 * v;
+      at[v] = _mm512_loadu_si512(index + j);
+      first[v] = index[j];
+      one[v] = index[j] == index[j + 15];
+    }
+  int64_t group = DepthScales ? 0 : 2 * u0 / h.group;
+  int64_t groupEnd = DepthScales ? 0 : (group + 1) * h.group;
   for (int64_t t = u0; t < u1; ++t, codes += unitBytes, dst += kCodePanel) {
     // The codes 16 units ahead (a panel's are contiguous), into L1: the
     // decode waits on them otherwise (gmm_bench --quantized: int8 about
     // 1.1x; a prefetch past the block's codes does not fault).
     _mm_prefetch(reinterpret_cast<const char *>(codes) + 16 * unitBytes, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char *>(codes) + 16 * unitBytes + 64, _MM_HINT_T0);
+    if (!DepthScales && 2 * t >= groupEnd) {
+      ++group;
+      groupEnd += h.group;
+    }
     for (int v = 0; v < 3; ++v) {
       const int64_t j = q * kCodePanel + 16 * v;
       __m512 lo, hi;
       codeValues16<F>(codes, v, lo, hi, h.nanCodes, h.scalesTimes256);
       __m512 sLo, sHi, zLo = eight, zHi = eight;
       if constexpr (DepthScales) {
-        const __m512i at = _mm512_loadu_si512(index + j);
         const float *rowLo = scales + 2 * t * h.scaleLd, *rowHi = rowLo + h.scaleLd;
-        const int32_t first = index[j], last = index[j + 15];
-        if (first == last) {
-          sLo = _mm512_set1_ps(rowLo[first]);
-          sHi = _mm512_set1_ps(rowHi[first]);
+        if (one[v]) {
+          sLo = _mm512_set1_ps(rowLo[first[v]]);
+          sHi = _mm512_set1_ps(rowHi[first[v]]);
           if (h.zeroPoints) {
-            zLo = _mm512_set1_ps(zeros[2 * t * h.scaleLd + first]);
-            zHi = _mm512_set1_ps(zeros[(2 * t + 1) * h.scaleLd + first]);
+            zLo = _mm512_set1_ps(zeros[2 * t * h.scaleLd + first[v]]);
+            zHi = _mm512_set1_ps(zeros[(2 * t + 1) * h.scaleLd + first[v]]);
           }
         } else {
-          sLo = _mm512_i32gather_ps(at, rowLo, 4);
-          sHi = _mm512_i32gather_ps(at, rowHi, 4);
+          sLo = _mm512_i32gather_ps(at[v], rowLo, 4);
+          sHi = _mm512_i32gather_ps(at[v], rowHi, 4);
           if (h.zeroPoints) {
-            zLo = _mm512_i32gather_ps(at, zeros + 2 * t * h.scaleLd, 4);
-            zHi = _mm512_i32gather_ps(at, zeros + (2 * t + 1) * h.scaleLd, 4);
+            zLo = _mm512_i32gather_ps(at[v], zeros + 2 * t * h.scaleLd, 4);
+            zHi = _mm512_i32gather_ps(at[v], zeros + (2 * t + 1) * h.scaleLd, 4);
           }
         }
       } else {
-        // A group holds whole units (an even number of depth values).
-        const int64_t row = (2 * t / h.group) * h.scaleLd + j;
+        const int64_t row = group * h.scaleLd + j;
         sLo = sHi = _mm512_loadu_ps(scales + row);
         if (h.zeroPoints)
           zLo = zHi = _mm512_loadu_ps(zeros + row);

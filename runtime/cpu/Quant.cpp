@@ -710,24 +710,19 @@ size_t packedCodesBytes(const QuantizedMatrix &m, bool transposed, int64_t n) {
 void packCodes(const QuantizedMatrix &m, bool transposed, int64_t c0, int64_t n, void *dst) {
   size_t bytes = 0;
   PackedCodes h = packedLayout(m, transposed, n, &bytes);
-  if (m.format == WeightFormat::Fp8Block128) {
-    const int64_t blocks = ((m.rows + kFp8WeightBlock - 1) / kFp8WeightBlock) *
-                           ((m.cols + kFp8WeightBlock - 1) / kFp8WeightBlock);
-    h.scalesTimes256 =
-        std::all_of(m.scales, m.scales + blocks, [](float s) { return std::isfinite(s * 256.0f); });
-  }
-  {
-    const int64_t entries = m.format == WeightFormat::Fp8Block128
-                                ? ((m.rows + kFp8WeightBlock - 1) / kFp8WeightBlock) *
-                                      ((m.cols + kFp8WeightBlock - 1) / kFp8WeightBlock)
-                            : m.format == WeightFormat::Int8Channel ? m.rows
-                                                                    : m.rows * (m.cols / m.group);
-    const int64_t step = h.zeroPoints ? 2 : 1;
-    h.normal = true;
-    for (int64_t e = 0; e < entries && h.normal; ++e)
-      h.normal =
-          noSubnormal(m.format, m.scales[step * e], h.zeroPoints ? m.scales[2 * e + 1] : 8.0f);
-  }
+  // The scales (int4's with their zero points): one a block, row or group.
+  const int64_t entries = m.format == WeightFormat::Fp8Block128
+                              ? ((m.rows + kFp8WeightBlock - 1) / kFp8WeightBlock) *
+                                    ((m.cols + kFp8WeightBlock - 1) / kFp8WeightBlock)
+                          : m.format == WeightFormat::Int8Channel ? m.rows
+                                                                  : m.rows * (m.cols / m.group);
+  if (m.format == WeightFormat::Fp8Block128)
+    h.scalesTimes256 = std::all_of(m.scales, m.scales + entries,
+                                   [](float s) { return std::isfinite(s * 256.0f); });
+  h.normal = true;
+  for (int64_t e = 0; e < entries && h.normal; ++e)
+    h.normal = h.zeroPoints ? noSubnormal(m.format, m.scales[2 * e], m.scales[2 * e + 1])
+                            : noSubnormal(m.format, m.scales[e], 8.0f);
   const float scaleFactor = h.scalesTimes256 ? 256.0f : 1.0f;
   char *base = static_cast<char *>(dst);
   std::memset(base, 0, bytes);

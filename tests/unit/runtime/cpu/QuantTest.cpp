@@ -538,8 +538,38 @@ TEST_CASE("FP8 blocks dequantize to the definition's values where the CPU reads 
   // instruction that reads it as zero. The scales are normal, so the
   // definition's products do not change under DAZ; 1000 and 300 are
   // scales whose 2^8 multiple stays finite.
+  // The tile's decoders (the panels' units of B as stored, DecodedB::pairs;
+  // codes packed beforehand, either form of op(B)) must give under DAZ what
+  // they give without it (their own cases compare that with dequantize).
   const Held h = randomFp8(131, 300, {0.5f, 1000.0f, 0.01f, 2.0f, 300.0f, 1.0f + 1.0f / 256}, 71);
+  const QuantizedMatrix m = h.view();
+  const auto tileDecodes = [&] {
+    std::vector<uint32_t> out;
+    const tile::DecodedB d = decodedB(m);
+    if (d.pairs) {
+      const int64_t units = (m.rows + 1) / 2, stride = units * 48, panels = (m.cols + 47) / 48;
+      std::vector<uint32_t> pairs(size_t(panels * stride));
+      d.pairs(d.context, 0, m.rows, 0, m.cols, pairs.data(), stride);
+      out.insert(out.end(), pairs.begin(), pairs.end());
+    }
+    for (const bool transposed : {false, true}) {
+      const int64_t depth = transposed ? m.cols : m.rows, n = transposed ? m.rows : m.cols;
+      std::vector<uint64_t> packed((packedCodesBytes(m, transposed, n) + 7) / 8);
+      packCodes(m, transposed, 0, n, packed.data());
+      const tile::DecodedB p = packedCodesB(packed.data());
+      if (!p.panel)
+        continue;
+      const int64_t units = (depth + 1) / 2;
+      std::vector<uint32_t> panel(size_t(units * 48));
+      for (int64_t q = 0; q * 48 < n; ++q) {
+        p.panel(p.context, q, 0, units, panel.data());
+        out.insert(out.end(), panel.begin(), panel.end());
+      }
+    }
+    return out;
+  };
   checkBlock(h, 0, h.rows, 0, h.cols);
+  const std::vector<uint32_t> plain = tileDecodes();
 #if defined(__x86_64__)
   struct Csr {
     const unsigned saved = _mm_getcsr();
@@ -548,6 +578,9 @@ TEST_CASE("FP8 blocks dequantize to the definition's values where the CPU reads 
   } daz;
   checkBlock(h, 0, h.rows, 0, h.cols);
   checkBlock(h, 3, 9, 17, 290);
+  const std::vector<uint32_t> underDaz = tileDecodes();
+  REQUIRE(underDaz.size() == plain.size());
+  CHECK(std::memcmp(underDaz.data(), plain.data(), plain.size() * 4) == 0);
 #endif
 }
 

@@ -623,11 +623,10 @@ TEST_CASE("moec's tile gives the same bits on a B packed whole beforehand", "[cp
 TEST_CASE("moec's tile gives the same bits on a B read through a decoder", "[cpu][tile]") {
   // A decoded B (a quantized weight's codes) is decoded a panel (16 rows in
   // the swapped form) and a depth block at a time and packed from there: the
-  // bits of gemm on the decoded
-  // B itself, for both forms of B, depths and columns that end a block, a
-  // bf16 pair, a panel and a group unevenly, and B's columns from an offset
-  // (a tile's columns of the weight). A B stored k x n whose decoder also
-  // writes the panels' units (DecodedB::pairs) is read through that.
+  // bits of gemm on the decoded B itself, for both forms of B, depths and columns that end a block,
+  // a bf16 pair, a panel and a group unevenly, and B's columns from an offset (a tile's columns of
+  // the weight). A B stored k x n whose decoder also writes the panels' units (DecodedB::pairs) is
+  // read through that.
   if (!tileRuns(true))
     return;
   struct Source {

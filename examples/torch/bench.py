@@ -255,7 +255,12 @@ def bench_decode(cfg, dtype, threads, repeat, counts):
 
 
 VARIANTS = {"full": {}, "main_grad": {"main_grad": True}, "frozen": {"frozen": True},
-            "lora": {"lora_rank": 16, "lora_alpha": 32}}
+            "lora": {"lora_rank": 16, "lora_alpha": 32}, "peft_frozen": {}}
+
+# Variants built to train whose weights are then frozen the PyTorch way
+# (requires_grad_(False), as PEFT freezes a base model): the layer runs the
+# frozen graphs from its first pass (docs/torch.md).
+FROZEN_BY_REQUIRES_GRAD = ("peft_frozen",)
 
 
 # The suffixes of a variant's name that set pack_weights.
@@ -309,6 +314,8 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
     dense = ["full"] + [v for v in variants if variant_options(v) is not None and v != "full"]
     for name, options in ((n, variant_options(n)) for n in dense):
         layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, **options)
+        if name.partition("_packed")[0].partition("_unpacked")[0] in FROZEN_BY_REQUIRES_GRAD:
+            layer.requires_grad_(False)
         donor = next((d for d in layers.values()
                       if d.w1.requires_grad == layer.w1.requires_grad), None)
         if donor is not None:
@@ -639,7 +646,9 @@ def main():
                         "variant holds its own layer, so fewer fit a smaller machine); also "
                         "frozen_<format> and lora_<format>, the frozen and lora layers with "
                         "their weights quantized: fp8, int8, int4_g128, int4_g64_zp, ...; "
-                        "frozen_fp8_packed and the like: made from frozen_packed (kept packed)")
+                        "frozen_fp8_packed and the like: made from frozen_packed (kept packed); "
+                        "peft_frozen: a layer built to train, its weights then frozen by "
+                        "requires_grad_(False) as PEFT freezes a base model")
     p.add_argument("--memory", action="store_true",
                    help="measure moec alone: peak RSS of --repeat training steps (each dtype "
                         "in a process of its own) against the bytes the layer must hold, "

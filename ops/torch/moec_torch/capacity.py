@@ -4,7 +4,6 @@ process and, collectively, under MPI."""
 
 import warnings
 
-from . import cache
 
 CAPACITY_POLICIES = ("grow", "error")
 
@@ -70,34 +69,8 @@ def grow(module, error):
         raise RuntimeError(
             "moec over capacity: the routing needs no more than the config holds, yet the "
             f"runtime refused it ({need}); this is a bug in moec")
-    target, granularity = module._build[2:4]
-
-    def compiled(fresh):
-        return cache.compile_layer(cfg, module.ranks, target, granularity, fresh=fresh,
-                                   frozen=module.frozen, lora_targets=module.lora_targets,
-                                   tp=module.tp, weights_transposed=module.weights_transposed,
-                                   weight_format=module.weight_format)
-
-    if module._collective:
-        # Every rank compiles; none builds the grown runtime (whose fabric
-        # every rank creates together) unless all could.
-        try:
-            paths, failure = compiled(False), None
-        except Exception as e:  # noqa: BLE001 - every failure is told to the peers
-            paths, failure = None, f"{type(e).__name__}: {e}"
-        # (500 characters fit agree()'s 4096 bytes even as JSON escapes.)
-        views = module._agree({"compiled": failure is None, "error": (failure or "")[:500]},
-                              f"{message}. The ranks could not tell each other whether "
-                              "they compiled the grown layer")
-        failed = [(r, v.get("error")) for r, v in enumerate(views) if not v.get("compiled")]
-        if failed:
-            raise RuntimeError(
-                f"{message}. The layer grows on no rank: compiling the grown layer failed on "
-                + "; ".join(f"rank {r}: {e}" for r, e in failed)) from None
-    else:
-        paths = compiled(False)
-    layer = cache._from_cache(lambda fresh: compiled(True) if fresh else paths,
-                              module._runtime_layer)
+    layer = module._recompiled(cfg, not module._trains, f"{message}. The layer grows on no rank",
+                               "the grown layer")
     info = layer.info()
     warnings.warn(
         f"moec: a step's routing needed {need['receive_per_rank']} rows on the fullest "

@@ -121,7 +121,16 @@ class MoeFFN(torch.nn.Module):
 
     frozen: the expert weights are frozen (requires_grad False): backward
     runs graphs/moe_ffn_bwd_frozen.json, which has no weight-gradient GMMs,
-    and gives dx and d topk_weights only.
+    and gives dx and d topk_weights only. The weights' requires_grad decides
+    from then on: a pass under grad mode with neither w1 nor w2 requiring
+    grad runs the frozen graphs (freezing a layer built to train, as
+    PEFT's `requires_grad_(False)` does, skips the weight-gradient GMMs,
+    about half of the backward), and one with either requiring grad runs
+    the training graphs (both gradients computed), recompiling (cached)
+    and rebuilding the runtime at the first pass after a change. A LoRA,
+    quantized or weights_transposed layer's base weights train in no graph:
+    a pass with one of them (or a quantized weight's scale) requiring grad
+    raises ValueError.
 
     main_grad: gradient-accumulation fusion, as Megatron's
     gradient_accumulation_fusion: w1.main_grad and w2.main_grad are fp32
@@ -346,6 +355,10 @@ class MoeFFN(torch.nn.Module):
 
         self.layer = _from_cache(compiled, self._runtime_layer, other_layer)
         self._binaries = self._made
+        # Whether the runtime's graphs compute w1's and w2's gradients: the
+        # constructor's choice, then the weights' requires_grad
+        # (_follow_requires_grad).
+        self._trains = not self.frozen
         info = self.layer.info()
         # "fp8_e4m3", or the dtype: the config's as compiled (its layer record).
         self.dispatch_dtype = json.loads(self.layer.layer_record())["dispatch_dtype"]
@@ -599,7 +612,7 @@ class MoeFFN(torch.nn.Module):
         return _TpTake.apply(y, self.tp) if self._tp_here() else y
 
     def _main_grads(self):
-        if not self.main_grad:
+        if not self.main_grad or not self._trains:
             return None
         if self._tp_here():
             return _TpMainGrads((self.w1, self.w2), self.local_experts, self.tp)
@@ -656,7 +669,83 @@ class MoeFFN(torch.nn.Module):
                                                                           torch.float32)
         squeeze, (x, topk_ids, topk_weights) = self._unsqueezed(x, topk_ids, topk_weights)
         self._check_inputs(x, topk_weights)
+        self._follow_requires_grad()
         return squeeze, (x, topk_ids, topk_weights)
+
+    def _follow_requires_grad(self):
+        """Before a pass under grad mode: the runtime's graphs follow the
+        base weights' requires_grad (the class docstring, frozen). A layer
+        whose base weights train in no graph (LoRA, quantized, stored
+        transposed) raises where one of them requires grad, rather than
+        leaving its .grad None."""
+        if not torch.is_grad_enabled():
+            return
+        trained = [n for n in ("w1", "w2", *(("w1_scale", "w2_scale") if self.weight_format
+                                              else ())) if getattr(self, n).requires_grad]
+        if self.lora_rank or self.weight_format or self.weights_transposed:
+            if trained:
+                why, instead = (
+                    (f"weight_format={self.weight_format!r} weights get no gradients",
+                     "train a dense layer (no weight_format=, frozen=False)")
+                    if self.weight_format else
+                    (f"a LoRA layer (lora_rank={self.lora_rank}) trains its adapters, not its "
+                     "base weights", "build the layer without lora_rank= to train them")
+                    if self.lora_rank else
+                    ("weights_transposed=True weights get no gradients (they are computed in "
+                     "the [E, H, 2I] layout only)",
+                     "build the layer with weights_transposed=False to train them"))
+                them = "it" if len(trained) == 1 else "them"
+                raise ValueError(
+                    f"moec: {' and '.join(trained)} require{'s' if len(trained) == 1 else ''} "
+                    f"grad, but {why}; call requires_grad_(False) on {them}, or {instead}")
+            return
+        trains = bool(trained)
+        if trains == self._trains:
+            return
+        self.layer = self._recompiled(
+            self.config, not trains,
+            f"moec: w1 and w2 {'now require' if trains else 'no longer require'} grad, and "
+            "the layer could not switch to the graphs that "
+            f"{'compute' if trains else 'skip'} their gradients")
+        self._binaries = self._made
+        self._trains = trains
+
+    def _recompiled(self, cfg, frozen, message, what="the layer"):
+        """A new runtime of this layer (`what`) for `cfg` with the weights
+        frozen or trained (`frozen`), compiled (through the cache) and built.
+        Under MPI every rank compiles, the ranks then tell each other whether
+        they could, and none builds the runtime (whose fabric every rank
+        creates together) unless all could: a failure raises
+        RuntimeError("`message`: ...") on every rank. Collective: every rank
+        calls it at the same pass."""
+        target, granularity = self._build[2:4]
+        if frozen:  # (main_grad buffers take a trained layer's gradients)
+            cfg = {k: v for k, v in cfg.items() if k != "main_grad"}
+
+        def compiled(fresh):
+            return compile_layer(cfg, self.ranks, target, granularity, fresh=fresh,
+                                 frozen=frozen, lora_targets=self.lora_targets, tp=self.tp,
+                                 weights_transposed=self.weights_transposed,
+                                 weight_format=self.weight_format)
+
+        if self._collective:
+            try:
+                paths, failure = compiled(False), None
+            except Exception as e:  # noqa: BLE001 - every failure is told to the peers
+                paths, failure = None, f"{type(e).__name__}: {e}"
+            # (500 characters fit agree()'s 4096 bytes even as JSON escapes.)
+            views = self._agree({"compiled": failure is None, "error": (failure or "")[:500]},
+                                f"{message}: the ranks could not tell each other whether "
+                                f"they compiled {what}")
+            failed = [(r, v.get("error")) for r, v in enumerate(views) if not v.get("compiled")]
+            if failed:
+                raise RuntimeError(
+                    f"{message}: compiling {what} failed on "
+                    + "; ".join(f"rank {r}: {e}" for r, e in failed)) from None
+        else:
+            paths = compiled(False)
+        return _from_cache(lambda fresh: compiled(True) if fresh else paths,
+                           self._runtime_layer)
 
     def _check_inputs(self, x, topk_weights):
         if self.check_finite:
@@ -792,7 +881,8 @@ class MoeFFN(torch.nn.Module):
         files += [(f"{kind} binary", path)
                   for kind, path in zip(("forward", "backward"), self._binaries)]
         files += [("graph", native.graphs_dir() / g)
-                  for g in _layer_graphs(self.frozen, self.lora_targets, self.weights_transposed,
+                  for g in _layer_graphs(not self._trains, self.lora_targets,
+                                         self.weights_transposed,
                                          self.weight_format)]
         files += [("op library", native.op_library_path()),
                   ("compiler library", native.library_path())]
@@ -943,7 +1033,8 @@ class MoeFFN(torch.nn.Module):
                 + (f"lora_rank={self.lora_rank}, lora_targets={self.lora_targets}, "
                    f"lora_scaling={self.lora_scaling:g} (base weights frozen, adapters "
                    "trained)" if self.lora_rank else
-                   f"frozen={self.frozen}, main_grad={self.main_grad}")
+                   f"frozen={not (self.w1.requires_grad or self.w2.requires_grad)}, "
+                   f"main_grad={self.main_grad}")
                 + (", dispatch_dtype=fp8_e4m3" if self.dispatch_dtype == "fp8_e4m3" else "")
                 + (", weights_transposed=True" if self.weights_transposed else "")
                 + (f", weight_format={self.weight_format}" if self.weight_format else "")

@@ -18,7 +18,9 @@ Then the same forward and backward through submit_forward / submit_backward
     torchrun --nproc_per_node R --tee 2 --redirects 2 --log_dir DIR \
         mpi_layer_check.py [...]
 
-VARIANT: full (the default); frozen (frozen=True: no weight gradients);
+VARIANT: full (the default); frozen (frozen=True: no weight gradients; full
+and frozen then run one more pass with the weights' requires_grad turned
+the other way, which switches every rank's graphs);
 main_grad (main_grad=True: the weight gradients of two steps accumulated in
 w.main_grad); lora (LoRA adapters of rank 4 on w1 and w2, nonzero B, base
 frozen: the adapters' gradients are checked); fp8 (dispatch_dtype fp8_e4m3:
@@ -163,6 +165,22 @@ def main():
         print(f"rank {me}: FAILED: not bitwise equal to the one-process op: {failed}; "
               f"over {tol}: {over} ({text})", flush=True)
         return 1
+    if variant in ("full", "frozen"):
+        # The weights' requires_grad turned the other way: every rank runs
+        # the other graphs from the next pass, dx the same bits.
+        trains = variant == "frozen"
+        layer.requires_grad_(trains)
+        layer.w1.grad = layer.w2.grad = None
+        xs = x[r].clone().requires_grad_()
+        layer(xs, ids[r], weights[r]).backward(dy[r])
+        if bool(layer.layer.info()["frozen"]) == trains or (layer.w1.grad is None) == trains \
+                or not torch.equal(xs.grad, got["dx"]):
+            print(f"rank {me}: FAILED: with requires_grad {trains} the layer ran "
+                  f"{'frozen' if layer.layer.info()['frozen'] else 'trained'} graphs, w1.grad "
+                  f"{'set' if layer.w1.grad is not None else 'None'}, dx "
+                  f"{'equal' if torch.equal(xs.grad, got['dx']) else 'different'}", flush=True)
+            return 1
+        layer.requires_grad_(not trains)
     # The asynchronous calls under MPI: the same bits.
     with torch.no_grad():
         handle = layer.submit_forward(x[r], ids[r], weights[r])

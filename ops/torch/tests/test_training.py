@@ -112,3 +112,91 @@ def test_frozen_layer_matches_autograd_and_the_full_layer(dtype):
     yd.backward(dy.double())
     tol = BF16_TOL if dtype == "bf16" else FP32_TOL
     assert rel_err(dx, xd.grad) < tol and rel_err(dtopk, wd.grad) < tol
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_requires_grad_chooses_the_graphs(dtype):
+    """A layer built to train whose weights are frozen by requires_grad (as
+    PEFT freezes a base model) runs the frozen graphs: no weight-gradient
+    GMMs, dx and d topk_weights bit for bit the frozen layer's; a frozen
+    layer whose weights are made to require grad trains them; one weight
+    requiring grad gets its gradient; grad mode off switches nothing."""
+    torch.manual_seed(0)
+    layer = moec_torch.MoeFFN(config(dtype=dtype), ranks=2, threads=2)
+    frozen = moec_torch.MoeFFN(config(dtype=dtype), ranks=2, threads=2, frozen=True)
+    frozen.load_state_dict(layer.state_dict())
+    x, ids, weights, dy = inputs(layer, 5)
+    frozen_dx, frozen_dtopk = micro_batch(frozen, x, ids, weights, dy)
+    full_dx, full_dtopk = micro_batch(layer, x, ids, weights, dy)
+    dw1, dw2 = layer.w1.grad.clone(), layer.w2.grad.clone()
+    assert not layer.layer.info()["frozen"]
+
+    layer.requires_grad_(False)
+    layer.w1.grad = layer.w2.grad = None
+    with torch.no_grad():  # no backward to spare: the graphs stay
+        layer(x, ids, weights)
+    assert not layer.layer.info()["frozen"]
+    dx, dtopk = micro_batch(layer, x, ids, weights, dy)
+    assert layer.layer.info()["frozen"]
+    assert layer.w1.grad is None and layer.w2.grad is None
+    assert torch.equal(dx, frozen_dx) and torch.equal(dtopk, frozen_dtopk)
+    assert torch.equal(dx, full_dx)
+
+    # Only w2 trains: both are computed, w2's lands in .grad.
+    layer.w2.requires_grad_(True)
+    micro_batch(layer, x, ids, weights, dy)
+    assert not layer.layer.info()["frozen"]
+    assert layer.w1.grad is None and torch.equal(layer.w2.grad, dw2)
+
+    # A layer built frozen, its weights made trainable: their gradients.
+    frozen.requires_grad_(True)
+    dx, _ = micro_batch(frozen, x, ids, weights, dy)
+    assert not frozen.layer.info()["frozen"]
+    assert torch.equal(frozen.w1.grad, dw1) and torch.equal(frozen.w2.grad, dw2)
+    assert torch.equal(dx, full_dx)
+
+
+def test_requires_grad_and_main_grad():
+    """A main_grad layer frozen by requires_grad leaves main_grad alone, and
+    adds into it again once its weights train."""
+    torch.manual_seed(0)
+    layer = moec_torch.MoeFFN(config(), ranks=2, threads=2, main_grad=True)
+    x, ids, weights, dy = inputs(layer, 6)
+    micro_batch(layer, x, ids, weights, dy)
+    once = layer.w1.main_grad.clone()
+    assert once.any()
+    layer.requires_grad_(False)
+    micro_batch(layer, x, ids, weights, dy)
+    assert torch.equal(layer.w1.main_grad, once)
+    layer.requires_grad_(True)
+    micro_batch(layer, x, ids, weights, dy)
+    assert torch.allclose(layer.w1.main_grad, 2 * once, rtol=1e-6, atol=0)
+
+
+def test_base_weights_that_train_in_no_graph_are_refused():
+    """LoRA, quantized and transposed base weights (and a quantized weight's
+    scales) requiring grad: a ValueError naming the tensor and why, not a
+    .grad left None."""
+    torch.manual_seed(0)
+    lora = moec_torch.MoeFFN(config(), ranks=2, threads=2, lora_rank=4)
+    x, ids, weights, dy = inputs(lora, 7)
+    lora.w2.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"w2 requires grad, but a LoRA layer \(lora_rank=4\)"):
+        micro_batch(lora, x, ids, weights, dy)
+    with torch.no_grad():
+        lora(x, ids, weights)  # no gradients asked for: runs
+    lora.w2.requires_grad_(False)
+    micro_batch(lora, x, ids, weights, dy)
+
+    quantized = moec_torch.MoeFFN(config(dtype="bf16", hidden=128, inter=128), ranks=2,
+                                  threads=2, frozen=True, weight_format="int8")
+    x, ids, weights, dy = inputs(quantized, 7)
+    quantized.w1_scale.requires_grad_(True)
+    with pytest.raises(ValueError, match="w1_scale requires grad, but weight_format='int8'"):
+        micro_batch(quantized, x, ids, weights, dy)
+
+    transposed = moec_torch.MoeFFN(config(), ranks=2, threads=2, frozen=True,
+                                   weights_transposed=True)
+    transposed.requires_grad_(True)
+    with pytest.raises(ValueError, match="w1 and w2 require grad, but weights_transposed=True"):
+        micro_batch(transposed, x.float(), ids, weights, dy.float())

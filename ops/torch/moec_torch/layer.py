@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from . import adapters, capacity, checkpoint, checks, native, quant
+from . import adapters, cache, capacity, checkpoint, checks, native, quant
 from ._launch import _fabric, _fabric_args, _register_finalize, load_library
 from .autograd import (MoeFFNFunction, _check_finite, _scaled_dy, _to_tp, _TpMainGrads, _TpShare,
                        _TpTake)
@@ -722,11 +722,11 @@ class MoeFFN(torch.nn.Module):
         if frozen:  # (main_grad buffers take a trained layer's gradients)
             cfg = {k: v for k, v in cfg.items() if k != "main_grad"}
 
-        def compiled(fresh):
-            return compile_layer(cfg, self.ranks, target, granularity, fresh=fresh,
-                                 frozen=frozen, lora_targets=self.lora_targets, tp=self.tp,
-                                 weights_transposed=self.weights_transposed,
-                                 weight_format=self.weight_format)
+        def compiled(fresh):  # (through the module: a test stands in for it)
+            return cache.compile_layer(cfg, self.ranks, target, granularity, fresh=fresh,
+                                       frozen=frozen, lora_targets=self.lora_targets, tp=self.tp,
+                                       weights_transposed=self.weights_transposed,
+                                       weight_format=self.weight_format)
 
         if self._collective:
             try:

@@ -267,14 +267,23 @@ FROZEN_BY_REQUIRES_GRAD = ("peft_frozen",)
 PACKING = (("_packed", True), ("_packed_forward", "forward"), ("_unpacked", False))
 
 
+def dense_variant(name):
+    """(the dense variant, the pack_weights its suffix sets or None) of a
+    name such as "lora_packed", or (None, None) for another name."""
+    for suffix, pack in PACKING:
+        if name.endswith(suffix) and name[:-len(suffix)] in VARIANTS:
+            return name[:-len(suffix)], pack
+    return (name, None) if name in VARIANTS else (None, None)
+
+
 def variant_options(name):
     """MoeFFN's options of a dense variant, "lora", "lora_packed" (the same
     with pack_weights=True), "lora_packed_forward" (pack_weights="forward")
     or "lora_unpacked" (pack_weights=False), or None for another name."""
-    for suffix, pack in PACKING:
-        if name.endswith(suffix) and name[:-len(suffix)] in VARIANTS:
-            return dict(VARIANTS[name[:-len(suffix)]], pack_weights=pack)
-    return VARIANTS.get(name)
+    base, pack = dense_variant(name)
+    if base is None:
+        return None
+    return dict(VARIANTS[base], pack_weights=pack) if pack is not None else VARIANTS[base]
 
 
 def quantized_variant(name):
@@ -314,7 +323,7 @@ def bench_training(cfg, ranks, dtype, threads, repeat, variants):
     dense = ["full"] + [v for v in variants if variant_options(v) is not None and v != "full"]
     for name, options in ((n, variant_options(n)) for n in dense):
         layer = moec_torch.MoeFFN(cfg, ranks, threads=threads, **options)
-        if name.partition("_packed")[0].partition("_unpacked")[0] in FROZEN_BY_REQUIRES_GRAD:
+        if dense_variant(name)[0] in FROZEN_BY_REQUIRES_GRAD:
             layer.requires_grad_(False)
         donor = next((d for d in layers.values()
                       if d.w1.requires_grad == layer.w1.requires_grad), None)

@@ -355,6 +355,20 @@ rowsOf(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
   }
 }
 
+/// f(std::integral_constant<WeightFormat, F>()) for the quantized format F
+/// of `format` (FP8 blocks for any other): a loop made for each format,
+/// chosen once a call.
+template <typename Fn> decltype(auto) byFormat(WeightFormat format, Fn &&f) {
+  switch (format) {
+  case WeightFormat::Int8Channel:
+    return f(std::integral_constant<WeightFormat, WeightFormat::Int8Channel>());
+  case WeightFormat::Int4Group:
+    return f(std::integral_constant<WeightFormat, WeightFormat::Int4Group>());
+  default:
+    return f(std::integral_constant<WeightFormat, WeightFormat::Fp8Block128>());
+  }
+}
+
 /// rowsOf into `elt`, on avx512_bf16's conversion where the CPU has it.
 template <WeightFormat F>
 void rowsTo(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_t c1, void *dst,
@@ -370,14 +384,7 @@ void rowsTo(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_
 /// dequantize() on AVX-512 (F, BW, VL), by format.
 void dequantizeAvx512(const QuantizedMatrix &m, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                       void *dst, DType elt, int64_t ld) {
-  switch (m.format) {
-  case WeightFormat::Int8Channel:
-    return rowsTo<WeightFormat::Int8Channel>(m, r0, r1, c0, c1, dst, elt, ld);
-  case WeightFormat::Int4Group:
-    return rowsTo<WeightFormat::Int4Group>(m, r0, r1, c0, c1, dst, elt, ld);
-  default:
-    return rowsTo<WeightFormat::Fp8Block128>(m, r0, r1, c0, c1, dst, elt, ld);
-  }
+  byFormat(m.format, [&](auto f) { rowsTo<decltype(f)::value>(m, r0, r1, c0, c1, dst, elt, ld); });
 }
 
 /// DecodedB::pairs of a QuantizedMatrix: dequantize's values, rounded once
@@ -433,14 +440,8 @@ pairsOf(const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uin
 
 void decodePairs(const void *context, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uint32_t *dst,
                  int64_t panelStride) {
-  switch (static_cast<const QuantizedMatrix *>(context)->format) {
-  case WeightFormat::Int8Channel:
-    return pairsOf<WeightFormat::Int8Channel>(context, r0, r1, c0, c1, dst, panelStride);
-  case WeightFormat::Int4Group:
-    return pairsOf<WeightFormat::Int4Group>(context, r0, r1, c0, c1, dst, panelStride);
-  default:
-    return pairsOf<WeightFormat::Fp8Block128>(context, r0, r1, c0, c1, dst, panelStride);
-  }
+  byFormat(static_cast<const QuantizedMatrix *>(context)->format,
+           [&](auto f) { pairsOf<decltype(f)::value>(context, r0, r1, c0, c1, dst, panelStride); });
 }
 
 } // namespace
@@ -683,19 +684,13 @@ packedPanelOf(const void *context, int64_t q, int64_t u0, int64_t u1, uint32_t *
 /// cost the tiles on codes packed beforehand 2-4%).
 void decodePackedPanel(const void *context, int64_t q, int64_t u0, int64_t u1, uint32_t *dst) {
   const PackedCodes &h = *static_cast<const PackedCodes *>(context);
-  const auto of = [&](auto f) {
+  byFormat(h.format, [&](auto f) {
     constexpr WeightFormat F = decltype(f)::value;
-    return h.depthScales ? packedPanelOf<F, true>(context, q, u0, u1, dst)
-                         : packedPanelOf<F, false>(context, q, u0, u1, dst);
-  };
-  switch (h.format) {
-  case WeightFormat::Int8Channel:
-    return of(std::integral_constant<WeightFormat, WeightFormat::Int8Channel>());
-  case WeightFormat::Int4Group:
-    return of(std::integral_constant<WeightFormat, WeightFormat::Int4Group>());
-  default:
-    return of(std::integral_constant<WeightFormat, WeightFormat::Fp8Block128>());
-  }
+    if (h.depthScales)
+      packedPanelOf<F, true>(context, q, u0, u1, dst);
+    else
+      packedPanelOf<F, false>(context, q, u0, u1, dst);
+  });
 }
 #endif
 

@@ -355,10 +355,6 @@ class MoeFFN(torch.nn.Module):
 
         self.layer = _from_cache(compiled, self._runtime_layer, other_layer)
         self._binaries = self._made
-        # Whether the runtime's graphs compute w1's and w2's gradients: the
-        # constructor's choice, then the weights' requires_grad
-        # (_follow_requires_grad).
-        self._trains = not self.frozen
         info = self.layer.info()
         # "fp8_e4m3", or the dtype: the config's as compiled (its layer record).
         self.dispatch_dtype = json.loads(self.layer.layer_record())["dispatch_dtype"]
@@ -708,7 +704,6 @@ class MoeFFN(torch.nn.Module):
             "the layer could not switch to the graphs that "
             f"{'compute' if trains else 'skip'} their gradients")
         self._binaries = self._made
-        self._trains = trains
 
     def _recompiled(self, cfg, frozen, message, what="the layer"):
         """A new runtime of this layer (`what`) for `cfg` with the weights
@@ -870,6 +865,9 @@ class MoeFFN(torch.nn.Module):
         layer = torch.classes.moec.Layer(forward, backward, threads, timeout, fabric, trace,
                                          packing, *_fabric_args(fabric, self.group))
         self._made = (forward, backward)
+        # Whether its graphs compute w1's and w2's gradients (the binaries'
+        # own record), which _follow_requires_grad keeps as requires_grad asks.
+        self._trains = not layer.info()["frozen"]
         return layer
 
     def _read_files(self):

@@ -200,3 +200,24 @@ def test_base_weights_that_train_in_no_graph_are_refused():
     transposed.requires_grad_(True)
     with pytest.raises(ValueError, match="w1 and w2 require grad, but weights_transposed=True"):
         micro_batch(transposed, x.float(), ids, weights, dy.float())
+
+
+def test_a_switch_that_cannot_compile_leaves_the_layer_as_it_was(monkeypatch):
+    """The frozen graphs failing to compile: the pass raises the compiler's
+    error, and the layer still runs its training graphs."""
+    torch.manual_seed(0)
+    layer = moec_torch.MoeFFN(config(), ranks=2, threads=2)
+    x, ids, weights, dy = inputs(layer, 8)
+    dx, _ = micro_batch(layer, x, ids, weights, dy)
+
+    def compile_layer(*args, **kwargs):
+        raise RuntimeError("moec compile moe_ffn_fwd_frozen.json failed: no space left (a test)")
+
+    monkeypatch.setattr(moec_torch.cache, "compile_layer", compile_layer)
+    layer.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="no space left"):
+        micro_batch(layer, x, ids, weights, dy)
+    assert not layer.layer.info()["frozen"]
+    layer.requires_grad_(True)
+    again, _ = micro_batch(layer, x, ids, weights, dy)
+    assert torch.equal(again, dx) and layer.w1.grad is not None

@@ -712,7 +712,8 @@ class MoeFFN(torch.nn.Module):
         they could, and none builds the runtime (whose fabric every rank
         creates together) unless all could: a failure raises
         RuntimeError("`message`: ...") on every rank. Collective: every rank
-        calls it at the same pass."""
+        calls it at the same pass. In one process the same RuntimeError
+        carries the compiler's."""
         target, granularity = self._build[2:4]
         if frozen:  # (main_grad buffers take a trained layer's gradients)
             cfg = {k: v for k, v in cfg.items() if k != "main_grad"}
@@ -738,7 +739,11 @@ class MoeFFN(torch.nn.Module):
                     f"{message}: compiling {what} failed on "
                     + "; ".join(f"rank {r}: {e}" for r, e in failed)) from None
         else:
-            paths = compiled(False)
+            try:
+                paths = compiled(False)
+            except Exception as e:  # noqa: BLE001 - told with what was being compiled, and why
+                raise RuntimeError(f"{message}: compiling {what} failed: "
+                                   f"{type(e).__name__}: {e}") from e
         return _from_cache(lambda fresh: compiled(True) if fresh else paths,
                            self._runtime_layer)
 

@@ -580,6 +580,24 @@ def test_more_tokens_than_compiled_grows_seq_size():
     assert layer.tokens == 129
 
 
+def test_growth_whose_compile_fails_says_so_and_keeps_the_layer(monkeypatch):
+    """The grown layer failing to compile: the pass raises the compiler's
+    error with the growth it was for; the layer keeps its binaries and runs
+    the passes they hold."""
+    layer = moec_torch.MoeFFN(config(experts=4, top_k=2, tokens=128), 2, threads=2)
+
+    def compile_layer(*args, **kwargs):
+        raise RuntimeError("moec compile moe_ffn_fwd.json failed: no space left (a test)")
+
+    monkeypatch.setattr(moec_torch.cache, "compile_layer", compile_layer)
+    with pytest.raises(RuntimeError, match=r"^moec over capacity: .*\. The layer grows on no "
+                       r"rank: compiling the grown layer failed: RuntimeError: moec compile "
+                       r"moe_ffn_fwd.json failed: no space left \(a test\)$"):
+        layer(*inputs(layer, seed=5, tokens=129)[:3])
+    assert layer.tokens == 128
+    check_step(layer, *inputs(layer, seed=5, tokens=128), tol=FP32_TOL)
+
+
 def test_capacity_policy_error():
     layer = moec_torch.MoeFFN(config(experts=4, top_k=2, capacity_factor=1), 2, threads=2,
                               capacity_policy="error")

@@ -12,7 +12,13 @@ to end, against the same model with PEFT's LoRA in plain PyTorch.
                                         into the unpatched model and check them again
 
 DIR holds ckpt/, adapter/, merged/ and probe.safetensors (the trained model's
-logits on a probe batch). Under torchrun (--nproc_per_node R) or mpirun
+logits on a probe batch). With --weight-format the experts are held
+quantized and frozen under the adapters: fp8_block128 makes the checkpoint as
+DeepSeek-V3 ships one (every linear weight of the layers but the router's as
+F8_E4M3 codes with a weight_scale_inv per 128 x 128 block), whose experts the
+layer takes as they are; int8 and int4_g* quantize the experts of the bf16 or
+fp32 checkpoint as they load. The judge is then PEFT's LoRA on the
+dequantized experts. Under torchrun (--nproc_per_node R) or mpirun
 (-np R) `train` and `check` run one rank per process, each with its share
 of the batch; make-checkpoint runs in one process. The model is moec_torch.hf_models' stand-in of transformers'
 Qwen3MoeForCausalLM; with transformers installed, the same calls take
@@ -21,6 +27,7 @@ AutoModelForCausalLM.from_pretrained(...) (docs/hf.md).
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -30,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops/torch"))
 import moec_torch  # noqa: E402
 import moec_torch.hf as mhf  # noqa: E402
-from moec_torch import hf_lora, hf_models, safetensors  # noqa: E402
+from moec_torch import hf_lora, hf_models, quant, safetensors  # noqa: E402
 
 CONFIG = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=128,
               moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -64,18 +71,73 @@ def loss_of(logits, labels):
                                              labels.reshape(-1), reduction="sum")
 
 
+# The routed experts' weights in a Qwen3-MoE checkpoint.
+EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight$")
+
+
 def make_checkpoint(args):
     torch.manual_seed(args.seed)
-    config = hf_models.config_from_dict(CONFIG)
+    fp8 = args.weight_format == "fp8_block128"
+    # A quantized layer's sizes are whole blocks or groups: H and the
+    # experts' I 128 (then FP8 experts are copied as they are, docs/hf.md).
+    config = hf_models.config_from_dict(
+        dict(CONFIG, hidden_size=128, moe_intermediate_size=128) if args.weight_format
+        else CONFIG)
     model = hf_models.model_from_config(config).to(args.torch_dtype)
     out = args.dir / "ckpt"
     out.mkdir(parents=True, exist_ok=True)
     config.torch_dtype = str(args.torch_dtype).replace("torch.", "")
-    config.save_pretrained(out)
     state = {k: v.detach().contiguous() for k, v in
              hf_models.checkpoint_state_dict(model).items()}
-    safetensors.save_sharded(state, out, args.shard_bytes)
-    log(f"checkpoint: {out} ({len(os.listdir(out))} files, {len(state)} tensors)")
+    dtypes = {}
+    if fp8:  # as DeepSeek-V3: every linear weight of the layers but the router's
+        config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+                                      "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}
+        for k in [k for k in state if k.startswith("model.layers.") and k.endswith(".weight")
+                  and state[k].dim() == 2 and not k.endswith(".mlp.gate.weight")]:
+            codes, scales = quant.quantize_fp8_blocks(state[k].float().unsqueeze(0))
+            state[k], state[k + "_scale_inv"], dtypes[k] = codes[0], scales[0], "F8_E4M3"
+    config.save_pretrained(out)
+    safetensors.save_sharded(state, out, args.shard_bytes, dtypes=dtypes)
+    log(f"checkpoint: {out} ({len(os.listdir(out))} files, {len(state)} tensors"
+        + (f", {len(dtypes)} of them F8_E4M3 with a weight_scale_inv" if fp8 else "") + ")")
+
+
+def judge_state(args):
+    """The judge's weights: the checkpoint's, an FP8 tensor dequantized (as
+    load_checkpoint does for a layer that is not fp8_block128), and with
+    int8 or int4 experts each expert's weights what its codes stand for."""
+    ckpt = safetensors.Checkpoint(args.dir / "ckpt")
+    state = {}
+    for k in ckpt.keys():
+        if k.endswith("_scale_inv"):
+            continue
+        t = ckpt.get_tensor(k)
+        if ckpt.dtype(k) == "F8_E4M3":
+            t = quant.dequantize_fp8_blocks(t, ckpt.get_tensor(k + "_scale_inv"))
+        if args.weight_format not in (None, "fp8_block128") and EXPERT.search(k):
+            t = quant.dequantize(args.weight_format, *quant.quantize(args.weight_format, t))
+        state[k] = t.to(args.torch_dtype)
+    return state
+
+
+def moec_layers(model):
+    """The patched model's moec layers (each block's experts.layer)."""
+    return [m.layer for m in model.modules() if isinstance(m, mhf.MoecExperts)]
+
+
+def expert_bytes(model):
+    """(bytes the patched model's experts take, codes and scales; bytes
+    they would take in the layers' dtype)."""
+    held = dense = 0
+    for layer in moec_layers(model):
+        held += sum(t.numel() * t.element_size() for t in
+                    (layer.w1, layer.w2, getattr(layer, "w1_scale", None),
+                     getattr(layer, "w2_scale", None)) if t is not None)
+        dense += (layer.w1.shape[0] * 3 * layer.hidden * layer.inter
+                  * torch.tensor([], dtype=layer.dtype).element_size())
+    return held, dense
 
 
 def load_model(args, lora=True):
@@ -87,6 +149,14 @@ def load_model(args, lora=True):
     for _, block, _ in mhf.find_blocks(model):
         block.experts.to(device="meta")
     kwargs = dict(lora_rank=args.rank, lora_alpha=2 * args.rank) if lora else {}
+    if args.weight_format:
+        fp8 = any(safetensors.Checkpoint(args.dir / "ckpt").dtype(k) == "F8_E4M3"
+                  for k in safetensors.Checkpoint(args.dir / "ckpt").keys())
+        if (args.weight_format == "fp8_block128") != fp8:
+            sys.exit(f"finetune: --weight-format {args.weight_format} on "
+                     f"{'an FP8' if fp8 else 'a bf16 or fp32'} checkpoint: make the checkpoint "
+                     "and train with the same --weight-format")
+        kwargs["weight_format"] = args.weight_format
     if lora and args.lora_form == "parameters":
         kwargs["lora_target_parameters"] = ["gate_up_proj", "down_proj"]
     ranks = None if world()[1] > 1 else args.ranks
@@ -106,7 +176,7 @@ def train(args):
     model = load_model(args)
     for p in model.parameters():
         p.requires_grad_(False)
-    adapters = [p for _, _, ex in mhf._patched(model) for p in ex.layer.adapters()]
+    adapters = [p for layer in moec_layers(model) for p in layer.adapters()]
     for p in adapters:
         p.requires_grad_(True)
     # The judge: the unpatched model with PEFT's LoRA, from the same start
@@ -119,13 +189,16 @@ def train(args):
         config.experts_layout = "fused"
     judge = hf_models.model_from_config(config)
     judge = judge.to(args.torch_dtype)
-    state = safetensors.Checkpoint(args.dir / "ckpt")
-    hf_models.load_checkpoint_state_dict(judge, {k: state.get_tensor(k) for k in state.keys()})
+    hf_models.load_checkpoint_state_dict(judge, judge_state(args))
     hf_lora.load_lora(judge, start)
     judge_params = [p for p in judge.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(adapters, lr=args.lr)
     judge_opt = torch.optim.AdamW(judge_params, lr=args.lr)
     vocab = CONFIG["vocab_size"]
+    if args.weight_format:
+        held, dense = expert_bytes(model)
+        log(f"experts ({args.weight_format}, this process): {held} bytes of codes and scales, "
+            f"{held / dense:.3f} of {dense} in {args.dtype}")
     log(f"{'step':>4} {'moec loss':>10} {'PyTorch+LoRA loss':>18} {'moec s':>7} {'PyTorch s':>9}")
     first = last = None
     for step in range(args.steps):
@@ -214,6 +287,10 @@ def main():
                    help="PEFT's LoRA on the per-expert modules (target_modules: gate_proj, "
                         "up_proj, down_proj) or on the fused parameters (target_parameters: "
                         "gate_up_proj, down_proj; needs --layout fused)")
+    p.add_argument("--weight-format", choices=quant.WEIGHT_FORMATS, default=None,
+                   help="hold the experts quantized under the adapters (fp8_block128 also "
+                        "makes the checkpoint FP8, as DeepSeek-V3 ships one); give it to "
+                        "every command")
     p.add_argument("--shard-bytes", type=int, default=200_000,
                    help="largest safetensors shard of the checkpoints")
     p.add_argument("--seed", type=int, default=0)

@@ -4,7 +4,10 @@
 # beside the plain-PyTorch LoRA model, save the adapters and the merged
 # checkpoint, then reload both in a fresh process and check the logits.
 #   bash examples/hf/run.sh [--dtype bf16] [--steps N] [--ranks R] [--layout fused]
-#                           [--lora-form parameters] ...
+#                           [--lora-form parameters] [--weight-format fp8_block128] ...
+# --weight-format holds the experts quantized under the adapters (fp8_block128:
+# an FP8 checkpoint as DeepSeek-V3 ships one; int8, int4_g32, ...: quantized as
+# they load).
 # The work folder is $WORKDIR (default: a new temporary folder).
 # RANKS=2 bash examples/hf/run.sh runs train and check under torchrun
 # --nproc_per_node 2 (LAUNCHER=mpirun: under mpirun -np 2). Debian's torchrun

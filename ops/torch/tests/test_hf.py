@@ -6,6 +6,7 @@ plain PyTorch (moec_torch.hf_lora); checkpoints in (bf16, FP8) and out."""
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -786,17 +787,31 @@ def run_example(command, work, *args, launcher=()):
                           timeout=300, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
 
 
-@pytest.mark.parametrize("layout,form", [("modules", "modules"), ("fused", "modules"),
-                                         ("fused", "parameters")])
-def test_the_example_end_to_end(tmp_path, layout, form):
+@pytest.mark.parametrize("layout,form,weight_format", [
+    ("modules", "modules", None), ("fused", "modules", None), ("fused", "parameters", None),
+    ("modules", "modules", "fp8_block128"), ("fused", "parameters", "int4_g32_zp")])
+def test_the_example_end_to_end(tmp_path, layout, form, weight_format):
     """examples/hf/finetune.py: checkpoint, patched fine-tune beside PEFT's
     LoRA (the same losses), adapters reloaded in a fresh process (the same
     logits), the merged checkpoint in the unpatched model; with the patched
     model's experts as per-expert modules, and fused (read in place); the
-    adapters on the per-expert modules, or on the fused parameters."""
+    adapters on the per-expert modules, or on the fused parameters; the
+    experts held quantized (an FP8 checkpoint as DeepSeek-V3's, its experts
+    taken as they are; int4 quantized as they load) beside PEFT's LoRA on
+    the dequantized experts."""
+    fmt = ["--weight-format", weight_format] if weight_format else []
     for command in ("make-checkpoint", "train", "check"):
-        out = run_example(command, tmp_path, "--layout", layout, "--lora-form", form)
+        out = run_example(command, tmp_path, "--layout", layout, "--lora-form", form, *fmt)
         assert out.returncode == 0, out.stdout + out.stderr
+        if command == "make-checkpoint" and weight_format == "fp8_block128":
+            assert "56 of them F8_E4M3 with a weight_scale_inv" in out.stdout, out.stdout
+        if command == "train" and weight_format:
+            held = re.search(r"experts \(\S+, this process\): \d+ bytes of codes and scales, "
+                             r"([\d.]+) of", out.stdout)
+            # A byte a value (fp32 scales of 128 x 128 blocks), or half a byte
+            # and an fp32 scale and zero point for each 32: of 4 bytes in fp32.
+            want = 1 / 4 if weight_format == "fp8_block128" else (1 / 2 + 8 / 32) / 4
+            assert held and abs(float(held[1]) - want) < 1e-3, out.stdout
         if command == "train":
             rows = [line.split() for line in out.stdout.splitlines()
                     if line.split() and line.split()[0].isdigit()]

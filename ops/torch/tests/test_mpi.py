@@ -182,22 +182,36 @@ def test_hf_model_with_expert_tensor_parallelism(tmp_path, family, layout):
             assert f"ep {ep} tp {t}: hf tp ok" in run.stdout, run.stdout
 
 
-def hf_example_runs(tmp_path, launch):
+def hf_example_runs(tmp_path, launch, *args):
     """examples/hf/finetune.py's train and check in 2 processes that
-    `launch` (mpirun, or test_torchrun's torchrun) starts: the losses of
-    PEFT's LoRA in one process, the adapters reloaded bit for bit."""
+    `launch` (mpirun, or test_torchrun's torchrun) starts, with the example's
+    `args`: the losses of PEFT's LoRA in one process, the adapters reloaded
+    bit for bit."""
     from test_hf import FINETUNE
-    one = subprocess.run([sys.executable, str(FINETUNE), "make-checkpoint", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    one = subprocess.run([sys.executable, str(FINETUNE), "make-checkpoint", str(tmp_path),
+                          *args], capture_output=True, text=True, timeout=120)
     assert one.returncode == 0, one.stdout + one.stderr
+    runs = {}
     for command in ("train", "check"):
-        run = launch(2, FINETUNE, command, tmp_path, "--steps", "8")
+        run = runs[command] = launch(2, FINETUNE, command, tmp_path, "--steps", "8", *args)
         assert run.returncode == 0, run.stdout + run.stderr
     assert "bit for bit" in run.stdout, run.stdout
+    return runs
 
 
 def test_hf_example_under_mpirun(tmp_path):
     hf_example_runs(tmp_path, mpirun)
+
+
+def test_hf_example_on_an_fp8_checkpoint_under_mpirun(tmp_path):
+    """The FP8 checkpoint's experts taken as they are, each process its own
+    half (a quarter of their fp32 bytes, scales included)."""
+    train = hf_example_runs(tmp_path, mpirun, "--weight-format", "fp8_block128")["train"]
+    # 4 of the 8 experts in each of 2 layers: w1's 256 x 128 and w2's 128 x
+    # 128 byte codes, 2 + 1 fp32 block scales; in fp32 4 bytes a value.
+    assert 4 * 2 * (256 * 128 + 128 * 128 + 3 * 4) == 393312
+    assert "experts (fp8_block128, this process): 393312 bytes of codes and scales, 0.250 of " \
+        "1572864 in fp32" in train.stdout, train.stdout
 
 
 def one_process_toy(tmp_path):

@@ -480,6 +480,8 @@ def test_save_pretrained_loads_into_the_unpatched_model(tmp_path, family, layout
     index = json.loads((tmp_path / "merged/model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(Path(f).name for f in files) == sorted(
+        shards + ["config.json", "model.safetensors.index.json"])
     assert all(os.path.getsize(tmp_path / "merged" / s) <= 20_000 + 4096 or
                len(safetensors.load_file(tmp_path / "merged" / s)) == 1 for s in shards)
     fresh = hf_models.model_from_config(

@@ -12,7 +12,8 @@ experts' gradients (which gather every rank's tokens). FORM "parameters"
 (fused experts): the adapters in PEFT's target_parameters form, against
 PEFT's ParamWrapper on the fused model; else per-expert modules, against
 PEFT's LoRA on the model with per-expert modules. Then: load_experts
-reads only this process's experts; save_adapters writes one PEFT file;
+reads only this process's experts (and, for qwen3_moe, takes a GPTQ
+checkpoint's codes as they are); save_adapters writes one PEFT file;
 save_pretrained writes one checkpoint that the unpatched model loads (rank 0
 checks it)."""
 
@@ -28,7 +29,8 @@ import launcher  # noqa: E402
 import moec_torch  # noqa: E402
 import moec_torch.hf as mhf  # noqa: E402
 from moec_torch import hf_lora, hf_models, safetensors  # noqa: E402
-from test_hf import as_modules, close, grad_or_zero, make_model, tokens, write_checkpoint  # noqa: E402
+from test_hf import (as_modules, close, grad_or_zero, make_model, tokens,  # noqa: E402
+                     write_checkpoint, write_gptq_checkpoint)
 
 
 def main():
@@ -84,6 +86,8 @@ def main():
     read = mhf.load_experts(other, work / "ckpt")
     local = range(rank * layer.local_experts, (rank + 1) * layer.local_experts)
     assert read and all(int(k.split(".experts.")[1].split(".")[0]) in local for k in read), read
+    if family == "qwen3_moe" and form == "modules":
+        gptq_experts(rank, model, work / "gptq")
     # adapters out: one file, PEFT's names
     mhf.save_adapters(model, work / "adapter")
     if rank == 0:
@@ -108,6 +112,27 @@ def main():
     mhf.barrier(model)
     print(f"rank {rank}: hf ok", flush=True)
     launcher.finish()
+
+
+def gptq_experts(rank, model, folder):
+    """A 4-bit GPTQ checkpoint into int4_g32 layers: each process takes its
+    own experts' codes as they are (AutoGPTQ's values bit for bit)."""
+    sizes = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
+    src = make_model("qwen3_moe", **sizes)
+    if rank == 0:
+        write_gptq_checkpoint(src, folder, sym=False)
+    mhf.barrier(model)
+    _, judge = write_gptq_checkpoint(src, folder.with_name("gptq-" + str(rank)), sym=False)
+    held = make_model("qwen3_moe", seed=5, **sizes)
+    mhf.patch_model(held, threads=1, frozen=True, weight_format="int4_g32_zp")
+    mhf.load_checkpoint(held, folder)
+    layer = held.model.layers[1].mlp.experts.layer
+    w1, w2 = layer.dequantized_weights()
+    for j, e in enumerate(range(rank * layer.local_experts, (rank + 1) * layer.local_experts)):
+        key = f"model.layers.1.mlp.experts.{e}.{{}}_proj.weight"
+        assert torch.equal(w1[j], torch.cat((judge[key.format("gate")],
+                                             judge[key.format("up")]))), (rank, e)
+        assert torch.equal(w2[j], judge[key.format("down")]), (rank, e)
 
 
 def ref_base(family, layout):

@@ -688,6 +688,167 @@ def test_int8_and_int4_experts_quantized_as_they_are_copied_in(layout, weight_fo
     close(got_a[3, :, :2].t(), want_a, 1e-4, "gate_proj lora_A gradient of expert 3")
 
 
+def gptq_words(q, bits=4):
+    """int32 words of the codes q [n, m] (0 .. 2^bits - 1), 32 / bits of
+    them a word along dim 0, from the low bits up: AutoGPTQ's pack()."""
+    per = 32 // bits
+    words = torch.zeros(q.shape[0] // per, q.shape[1], dtype=torch.int64)
+    for s in range(per):
+        words |= q[s::per].to(torch.int64) << (bits * s)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def gptq_values(qweight, qzeros, scales, g_idx, v1=True):
+    """AutoGPTQ's dequantization of a 4-bit layer (its QuantLinear
+    forward's): the weight [out, in] in float32."""
+    q = torch.cat([(qweight.to(torch.int64) >> (4 * s)) & 15 for s in range(8)], 1)
+    q = q.reshape(qweight.shape[0], 8, -1).reshape(-1, qweight.shape[1])   # [in, out], row 8r+s
+    z = torch.stack([(qzeros.to(torch.int64) >> (4 * s)) & 15 for s in range(8)], -1)
+    z = z.reshape(qzeros.shape[0], -1) + (1 if v1 else 0)                  # [groups, out]
+    g = g_idx.long()
+    return ((q - z[g]).float() * scales.float()[g]).t().contiguous()
+
+
+def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1=True):
+    """The unpatched model as a 4-bit GPTQ checkpoint, as AutoGPTQ writes
+    one: every linear weight of the decoder layers but the routers' as
+    qweight, qzeros (v1: zero - 1), fp16 scales and g_idx (with act_order a
+    permutation's groups); codes by rounding to nearest (GPTQ's own choice of
+    codes is the quantizer's business, not the format's). Returns the
+    checkpoint's state with each GPTQ weight as AutoGPTQ dequantizes it."""
+    state = {k: v.detach().contiguous() for k, v in
+             hf_models.checkpoint_state_dict(model).items()}
+    judge = dict(state)
+    for k in [k for k in state if k.startswith("model.layers.") and k.endswith(".weight")
+              and state[k].dim() == 2 and not k.endswith("mlp.gate.weight")
+              and state[k].shape[0] % 8 == 0 and state[k].shape[1] % group == 0]:
+        w = state.pop(k).float().t()                                       # [in, out]
+        rows = w.shape[0]
+        g_idx = torch.arange(rows) // group
+        if act_order:
+            g_idx = g_idx[torch.randperm(rows, generator=torch.Generator().manual_seed(rows))]
+        groups = rows // group
+        lo = torch.stack([w[g_idx == g].amin(0) for g in range(groups)]).clamp(max=0)
+        hi = torch.stack([w[g_idx == g].amax(0) for g in range(groups)]).clamp(min=0)
+        if sym:
+            hi = torch.maximum(-lo, hi)
+            scale, zero = (2 * hi / 15).clamp(min=1e-8).half(), torch.full_like(hi, 8)
+        else:
+            scale = ((hi - lo) / 15).clamp(min=1e-8).half()
+            zero = torch.round(-lo / scale.float()).clamp(1, 15)
+        q = (torch.round(w / scale.float()[g_idx]) + zero[g_idx]).clamp(0, 15).long()
+        stem = k[:-len("weight")]
+        tensors = {"qweight": gptq_words(q), "qzeros": gptq_words(zero.long().t() - int(v1)).t(),
+                   "scales": scale, "g_idx": g_idx.to(torch.int32)}
+        state.update({stem + n: t.contiguous() for n, t in tensors.items()})
+        judge[k] = gptq_values(*tensors.values(), v1=v1)
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                        "desc_act": act_order, "sym": sym,
+                                        "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    os.makedirs(folder, exist_ok=True)
+    model.config.save_pretrained(folder)
+    del model.config.quantization_config
+    safetensors.save_sharded(state, folder, 30_000)
+    return state, judge
+
+
+@pytest.mark.parametrize("sym,weight_format,v1", [(True, "int4_g32", True),
+                                                  (False, "int4_g32_zp", True),
+                                                  (False, "int4_g32_zp", False)])
+def test_gptq_checkpoint_held_as_it_is(tmp_path, sym, weight_format, v1):
+    """A 4-bit GPTQ checkpoint (group 32) into LoRA layers of its format:
+    the experts' codes, scales and zeros copied as they are (nothing rounded
+    again: the layer's values are AutoGPTQ's dequantization bit for bit);
+    the other linear weights dequantized into the model; the patched
+    model's logits those of the unpatched model on AutoGPTQ's values."""
+    sizes = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
+    src = make_model("qwen3_moe", **sizes)
+    state, judge = write_gptq_checkpoint(src, tmp_path / "ckpt", sym=sym, v1=v1)
+    model = make_model("qwen3_moe", seed=3, **sizes)
+    mhf.patch_model(model, ranks=2, threads=1, lora_rank=2, lora_alpha=4,
+                    weight_format=weight_format)
+    mhf.load_checkpoint(model, tmp_path / "ckpt")
+    layer = model.model.layers[1].mlp.experts.layer
+    w1, w2 = layer.dequantized_weights()
+    key = "model.layers.1.mlp.experts.5.{}_proj.weight"
+    assert torch.equal(w1[5], torch.cat((judge[key.format("gate")], judge[key.format("up")])))
+    assert torch.equal(w2[5], judge[key.format("down")])
+    scales = state[key.format("down")[:-len("weight")] + "scales"].float().t()
+    assert torch.equal(layer.w2_scale[5][..., 0] if not sym else layer.w2_scale[5], scales)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert q not in state and torch.equal(model.model.layers[0].self_attn.q_proj.weight, judge[q])
+    ref = make_model("qwen3_moe", seed=5, **sizes)
+    hf_models.load_checkpoint_state_dict(ref, judge)
+    ids = tokens()
+    close(model(ids).logits, ref(ids).logits, 1e-5, "logits")
+
+
+def test_gptq_checkpoint_dequantized_or_quantized_again(tmp_path):
+    """Where a layer cannot hold a GPTQ checkpoint's experts as they are:
+    a dense layer takes AutoGPTQ's values (desc_act's groups out of order
+    included) bit for bit; an int4_g64 layer, a g32 checkpoint's values
+    quantized again (close to them, not equal)."""
+    sizes = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=64)
+    src = make_model("qwen3_moe", **sizes)
+    _, judge = write_gptq_checkpoint(src, tmp_path / "ckpt", sym=False, act_order=True)
+    model = make_model("qwen3_moe", seed=3, **sizes)
+    mhf.patch_model(model, ranks=2, threads=1)
+    mhf.load_checkpoint(model, tmp_path / "ckpt")
+    key = "model.layers.0.mlp.experts.2.{}_proj.weight"
+    gate, up, down = model.model.layers[0].mlp.experts.layer.projections()
+    assert torch.equal(gate[2], judge[key.format("gate")])
+    assert torch.equal(down[2], judge[key.format("down")])
+    ref = make_model("qwen3_moe", seed=5, **sizes)
+    hf_models.load_checkpoint_state_dict(ref, judge)
+    ids = tokens()
+    close(model(ids).logits, ref(ids).logits, 1e-5, "logits")
+    again = make_model("qwen3_moe", seed=3, **sizes)
+    mhf.patch_model(again, ranks=2, threads=1, frozen=True, weight_format="int4_g64")
+    mhf.load_checkpoint(again, tmp_path / "ckpt")
+    w1, _ = again.model.layers[0].mlp.experts.layer.dequantized_weights()
+    want = judge[key.format("gate")]
+    assert not torch.equal(w1[2, :64], want)
+    close(w1[2, :64], want, 0.15, "int4_g64 from a GPTQ g32 checkpoint")
+
+
+def test_gptq_checkpoint_refusals(tmp_path):
+    """GPTQ tensors without settings, settings moec cannot read, and tensors
+    of the wrong shape: each refused naming the file or tensor, before
+    anything is copied."""
+    sizes = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
+    src = make_model("qwen3_moe", **sizes)
+    state, _ = write_gptq_checkpoint(src, tmp_path / "ckpt")
+    model = make_model("qwen3_moe", seed=3, **sizes)
+    mhf.patch_model(model, ranks=2, threads=1, frozen=True, weight_format="int4_g32")
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()
+              if isinstance(v, torch.Tensor)}
+    config = json.loads((tmp_path / "ckpt/config.json").read_text())
+    stem = "model.layers.1.mlp.experts.6.up_proj"
+    for edit, message in [
+            (lambda c, s: c.pop("quantization_config"),
+             r"'model\.layers\.0\.self_attn\.q_proj\.qweight' in .* is a GPTQ weight, and "
+             r".* has no GPTQ settings to read it by"),
+            (lambda c, s: c["quantization_config"].update(bits=3),
+             r"config.json: a GPTQ checkpoint of 3-bit codes; moec reads 4 and 8-bit ones"),
+            (lambda c, s: c["quantization_config"].update(checkpoint_format="marlin"),
+             r"config.json: GPTQ checkpoint_format 'marlin'"),
+            (lambda c, s: s.update({f"{stem}.qzeros": s[f"{stem}.qzeros"][:1]}),
+             rf"'{stem}.qzeros' is I32 \[1, 4\]; a 4-bit GPTQ weight \[32, 64\] with "
+             r"group_size 32 needs I32 \[2, 4\]"),
+            (lambda c, s: s.pop(f"{stem}.scales"),
+             f"'{stem}.qweight' has no '{stem}.scales' beside it")]:
+        bad_config, bad = json.loads(json.dumps(config)), dict(state)
+        edit(bad_config, bad)
+        folder = tmp_path / f"bad{len(os.listdir(tmp_path))}"
+        os.makedirs(folder)
+        (folder / "config.json").write_text(json.dumps(bad_config))
+        safetensors.save_sharded(bad, folder, 30_000)
+        with pytest.raises(ValueError, match=message):
+            mhf.load_checkpoint(model, folder)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_load_checkpoint_refusals(tmp_path):
     src = make_model("qwen3_moe")
     state = write_checkpoint(src, tmp_path / "ckpt")

@@ -1,11 +1,11 @@
-"""Checkpoints in: a model's experts read (FP8 blocks kept or dequantized), the rest loaded. See
-the package's docstring."""
+"""Checkpoints in: a model's experts read (FP8 blocks and GPTQ codes kept or dequantized), the
+rest loaded. See the package's docstring."""
 
 import re
 
 import torch
 
-from .. import quant, safetensors
+from .. import gptq, quant, safetensors
 
 from .patch import (
     _checkpoint_prefix,
@@ -34,9 +34,43 @@ def _dequantize_fp8(weight, scale_inv, name):
         raise ValueError(f"moec: '{name}_scale_inv': {str(e).removeprefix('moec: ')}") from None
 
 
+def _gptq(ckpt, name):
+    """The checkpoint's GPTQ settings (moec_torch.gptq.config_of) where the
+    weight `name` (X.weight) is held as GPTQ tensors (X.qweight, ...), else
+    None; ValueError for GPTQ tensors without GPTQ settings beside them."""
+    if name in ckpt or not name.endswith(".weight") or \
+            name[:-len("weight")] + "qweight" not in ckpt:
+        return None
+    if "_moec_gptq" not in vars(ckpt):  # read once a checkpoint
+        ckpt._moec_gptq = gptq.config_of(ckpt.folder)
+    if ckpt._moec_gptq is None:
+        stem = name[:-len(".weight")]
+        raise ValueError(f"moec: '{stem}.qweight' in {ckpt.where(stem + '.qweight')} is a GPTQ "
+                         f"weight, and {ckpt.folder} has no GPTQ settings to read it by (a "
+                         "config.json quantization_config or a quantize_config.json with "
+                         "quant_method 'gptq')")
+    return ckpt._moec_gptq
+
+
+def _gptq_tensors(ckpt, name):
+    """{suffix: tensor} of the GPTQ weight `name` (X.weight)."""
+    stem = name[:-len("weight")]
+    return {s: ckpt.get_tensor(stem + s) for s in gptq.TENSORS if stem + s in ckpt}
+
+
+def _present(ckpt, name):
+    """Whether the checkpoint holds the tensor `name`, as it is or as GPTQ
+    tensors."""
+    return name in ckpt or _gptq(ckpt, name) is not None
+
+
 def _read_weight(ckpt, name):
     """A checkpoint weight as a float or bf16 tensor: FP8 ones dequantized
-    with their weight_scale_inv."""
+    with their weight_scale_inv, GPTQ ones from their codes, zeros and
+    scales."""
+    cfg = _gptq(ckpt, name)
+    if cfg is not None:
+        return gptq.dequantize(cfg, _gptq_tensors(ckpt, name))
     if ckpt.dtype(name) == "F8_E4M3":
         scale = name + "_scale_inv"
         if scale not in ckpt:
@@ -54,8 +88,19 @@ def _check_weight(ckpt, key, shape, dtype):
     fill a model tensor of `shape` and `dtype`: another shape; for a
     floating-point tensor, an integer or bool one (its values would be
     cast), or an F8_E4M3 one without a floating-point weight_scale_inv of
-    its 128 x 128 blocks; for an integer one, another dtype. ValueError
-    naming the tensor and its file."""
+    its 128 x 128 blocks, or GPTQ tensors of other shapes or dtypes than
+    such a weight's; for an integer one, another dtype. ValueError naming
+    the tensor and its file."""
+    cfg = _gptq(ckpt, key)
+    if cfg is not None:
+        stem = key[:-len(".weight")]
+        if not dtype.is_floating_point or len(shape) != 2:
+            raise ValueError(f"moec: '{stem}.qweight' in {ckpt.where(stem + '.qweight')} is a "
+                             f"GPTQ weight; the model's '{key}' is {dtype} {list(shape)}")
+        have = [s for s in gptq.TENSORS if f"{stem}.{s}" in ckpt]
+        gptq.check(cfg, shape, {s: ckpt.shape(f"{stem}.{s}") for s in have},
+                   {s: ckpt.dtype(f"{stem}.{s}") for s in have}, stem)
+        return
     where = ckpt.where(key)
     if tuple(ckpt.shape(key)) != tuple(shape):
         raise ValueError(f"moec: '{key}' in {where} has shape {list(ckpt.shape(key))}; the "
@@ -93,7 +138,7 @@ def _expert_keys(model, ckpt):
         for j, e in enumerate(_local_experts(layer)):
             names = [f"{prefix}.experts.{e}.{p}.weight" for p in family.projections]
             for key, shape in zip(names, shapes):
-                if key not in ckpt:
+                if not _present(ckpt, key):
                     raise ValueError(f"moec: the checkpoint {ckpt.where(key)} has no '{key}' "
                                      f"(expert {e} of '{name}')")
                 _check_weight(ckpt, key, shape, layer.dtype)
@@ -109,14 +154,18 @@ def load_experts(model, checkpoint):
     checked first; then the experts are read one at a time from the mapped
     files into the layers, so no block's experts are held twice. FP8 weights
     (F8_E4M3 with weight_scale_inv per 128x128 block, as DeepSeek-V3 ships)
-    are dequantized to the layer's dtype. Returns the names read."""
+    and GPTQ ones (moec_torch.gptq) are copied as they are into a layer
+    whose format holds them (_copy_fp8_expert, _copy_gptq_expert), else
+    dequantized to the layer's dtype (and quantized again in its format).
+    Returns the names read."""
     ckpt = _open(checkpoint)
     plan = _expert_keys(model, ckpt)
     read = []
     with torch.no_grad():
         for layer, keys in plan:
             for j, g, u, d in keys:
-                if not _copy_fp8_expert(layer, j, ckpt, g, u, d):
+                if not (_copy_fp8_expert(layer, j, ckpt, g, u, d)
+                        or _copy_gptq_expert(layer, j, ckpt, g, u, d)):
                     _set_expert(layer, j, *(_read_weight(ckpt, n) for n in (g, u, d)))
                 read += [g, u, d]
     return read
@@ -130,7 +179,7 @@ def _copy_fp8_expert(layer, j, ckpt, g, u, d):
     dequantized and quantized again."""
     names = (g, u, d)
     if layer.weight_format != "fp8_block128" or layer.inter % quant.BLOCK or \
-            any(ckpt.dtype(n) != "F8_E4M3" for n in names):
+            any(n not in ckpt or ckpt.dtype(n) != "F8_E4M3" for n in names):
         return False
     i, b = layer.inter, layer.inter // quant.BLOCK
     for n in names:
@@ -148,6 +197,31 @@ def _copy_fp8_expert(layer, j, ckpt, g, u, d):
                              f"128x128 blocks needs {list(want)}")
         getattr(layer, name)[j, rows].copy_(codes)
         getattr(layer, name + "_scale")[j, blocks].copy_(scales)
+    return True
+
+
+def _copy_gptq_expert(layer, j, ckpt, g, u, d):
+    """A GPTQ checkpoint's expert into an int4 layer as it is: its codes,
+    scales and zeros copied, nothing rounded again, where the layer's format
+    holds them (moec_torch.gptq.as_format: 4 bits, the format's group size,
+    groups in order, and for int4_g<G> without zero points every zero 8);
+    otherwise returns False, and the expert is dequantized (and quantized
+    again)."""
+    cfg = _gptq(ckpt, g)
+    if cfg is None or not layer.weight_format:
+        return False
+    held = []
+    for n in (g, u, d):
+        if _gptq(ckpt, n) is None:
+            return False
+        held.append(gptq.as_format(cfg, _gptq_tensors(ckpt, n), layer.weight_format))
+        if held[-1] is None:
+            return False
+    (gate, gate_s), (up, up_s), (down, down_s) = held
+    layer.w1[j].copy_(torch.cat((gate, up)))
+    layer.w1_scale[j].copy_(torch.cat((gate_s, up_s)))
+    layer.w2[j].copy_(down)
+    layer.w2_scale[j].copy_(down_s)
     return True
 
 
@@ -189,11 +263,13 @@ def load_checkpoint(model, checkpoint, ignore=()):
         own.pop("lm_head.weight", None)
     ranks = blocks[0][2].layer.ranks
     known = set(own) | {n for r in range(ranks) for n, _, _ in _expert_entries(blocks, r)}
-    missing = [k for k in own if k not in ckpt]
+    missing = [k for k in own if not _present(ckpt, k)]
     skipped = [k for k in ckpt.keys() if k not in known and any(p.search(k) for p in skip)]
     passed = known | set(skipped)
     extra = [k for k in ckpt.keys() if k not in passed
-             and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in known)]
+             and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in known)
+             and not (k.rsplit(".", 1)[-1] in gptq.TENSORS
+                      and k.rsplit(".", 1)[0] + ".weight" in known)]
     for names, what in ((missing, "the checkpoint {where} has no '{name}'"),
                         (extra, "the model has no '{name}' of {where}")):
         if names:

@@ -698,19 +698,20 @@ def gptq_words(q, bits=4):
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
-def gptq_values(qweight, qzeros, scales, g_idx, v1=True):
-    """AutoGPTQ's dequantization of a 4-bit layer (its QuantLinear
-    forward's): the weight [out, in] in float32."""
-    q = torch.cat([(qweight.to(torch.int64) >> (4 * s)) & 15 for s in range(8)], 1)
-    q = q.reshape(qweight.shape[0], 8, -1).reshape(-1, qweight.shape[1])   # [in, out], row 8r+s
-    z = torch.stack([(qzeros.to(torch.int64) >> (4 * s)) & 15 for s in range(8)], -1)
-    z = z.reshape(qzeros.shape[0], -1) + (1 if v1 else 0)                  # [groups, out]
+def gptq_values(qweight, qzeros, scales, g_idx, v1=True, bits=4):
+    """AutoGPTQ's dequantization of a layer (its QuantLinear forward's):
+    the weight [out, in] in float32."""
+    per, mask = 32 // bits, (1 << bits) - 1
+    q = torch.cat([(qweight.to(torch.int64) >> (bits * s)) & mask for s in range(per)], 1)
+    q = q.reshape(qweight.shape[0], per, -1).reshape(-1, qweight.shape[1])  # [in, out]: p r + s
+    z = torch.stack([(qzeros.to(torch.int64) >> (bits * s)) & mask for s in range(per)], -1)
+    z = z.reshape(qzeros.shape[0], -1) + (1 if v1 else 0)                   # [groups, out]
     g = g_idx.long()
     return ((q - z[g]).float() * scales.float()[g]).t().contiguous()
 
 
-def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1=True):
-    """The unpatched model as a 4-bit GPTQ checkpoint, as AutoGPTQ writes
+def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1=True, bits=4):
+    """The unpatched model as a GPTQ checkpoint, as AutoGPTQ writes
     one: every linear weight of the decoder layers but the routers' as
     qweight, qzeros (v1: zero - 1), fp16 scales and g_idx (with act_order a
     permutation's groups); codes by rounding to nearest (GPTQ's own choice of
@@ -727,22 +728,24 @@ def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1
         g_idx = torch.arange(rows) // group
         if act_order:
             g_idx = g_idx[torch.randperm(rows, generator=torch.Generator().manual_seed(rows))]
-        groups = rows // group
+        groups, top = rows // group, (1 << bits) - 1
         lo = torch.stack([w[g_idx == g].amin(0) for g in range(groups)]).clamp(max=0)
         hi = torch.stack([w[g_idx == g].amax(0) for g in range(groups)]).clamp(min=0)
         if sym:
             hi = torch.maximum(-lo, hi)
-            scale, zero = (2 * hi / 15).clamp(min=1e-8).half(), torch.full_like(hi, 8)
+            scale = (2 * hi / top).clamp(min=1e-8).half()
+            zero = torch.full_like(hi, (top + 1) // 2)
         else:
-            scale = ((hi - lo) / 15).clamp(min=1e-8).half()
-            zero = torch.round(-lo / scale.float()).clamp(1, 15)
-        q = (torch.round(w / scale.float()[g_idx]) + zero[g_idx]).clamp(0, 15).long()
+            scale = ((hi - lo) / top).clamp(min=1e-8).half()
+            zero = torch.round(-lo / scale.float()).clamp(1, top)
+        q = (torch.round(w / scale.float()[g_idx]) + zero[g_idx]).clamp(0, top).long()
         stem = k[:-len("weight")]
-        tensors = {"qweight": gptq_words(q), "qzeros": gptq_words(zero.long().t() - int(v1)).t(),
+        tensors = {"qweight": gptq_words(q, bits),
+                   "qzeros": gptq_words(zero.long().t() - int(v1), bits).t(),
                    "scales": scale, "g_idx": g_idx.to(torch.int32)}
         state.update({stem + n: t.contiguous() for n, t in tensors.items()})
-        judge[k] = gptq_values(*tensors.values(), v1=v1)
-    model.config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": group,
+        judge[k] = gptq_values(*tensors.values(), v1=v1, bits=bits)
+    model.config.quantization_config = {"quant_method": "gptq", "bits": bits, "group_size": group,
                                         "desc_act": act_order, "sym": sym,
                                         "checkpoint_format": "gptq" if v1 else "gptq_v2"}
     os.makedirs(folder, exist_ok=True)
@@ -783,14 +786,16 @@ def test_gptq_checkpoint_held_as_it_is(tmp_path, sym, weight_format, v1):
     close(model(ids).logits, ref(ids).logits, 1e-5, "logits")
 
 
-def test_gptq_checkpoint_dequantized_or_quantized_again(tmp_path):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_checkpoint_dequantized_or_quantized_again(tmp_path, bits):
     """Where a layer cannot hold a GPTQ checkpoint's experts as they are:
     a dense layer takes AutoGPTQ's values (desc_act's groups out of order
-    included) bit for bit; an int4_g64 layer, a g32 checkpoint's values
-    quantized again (close to them, not equal)."""
+    included; 4 and 8 bits) bit for bit; an int4_g64 layer, a g32
+    checkpoint's values quantized again (close to them, not equal)."""
     sizes = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=64)
     src = make_model("qwen3_moe", **sizes)
-    _, judge = write_gptq_checkpoint(src, tmp_path / "ckpt", sym=False, act_order=True)
+    _, judge = write_gptq_checkpoint(src, tmp_path / "ckpt", sym=False, act_order=True,
+                                     bits=bits)
     model = make_model("qwen3_moe", seed=3, **sizes)
     mhf.patch_model(model, ranks=2, threads=1)
     mhf.load_checkpoint(model, tmp_path / "ckpt")

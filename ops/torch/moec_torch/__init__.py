@@ -58,7 +58,7 @@ lives in the module that keeps it (the compile cache's paths in
 cache._compiled): replace it there, not on the package.
 """
 
-from . import adapters, checks, gptq, native, quant, reference, safetensors
+from . import adapters, checks, int_checkpoints, native, quant, reference, safetensors
 from . import _launch, autograd, cache, capacity, checkpoint, ddp, exchange, handles, layer
 from . import optimizer_state
 from ._launch import (_default_fabric, _distributed, _fabric, _fabric_args, _register_finalize,

@@ -710,13 +710,41 @@ def gptq_values(qweight, qzeros, scales, g_idx, v1=True, bits=4):
     return ((q - z[g]).float() * scales.float()[g]).t().contiguous()
 
 
-def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1=True, bits=4):
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack order: the column in each slot
+
+
+def awq_words(q):
+    """AutoAWQ's WQLinear_GEMM packing of codes q [n, m]: int32 [n, m / 8],
+    slot i of word [r, c] holding column 8c + AWQ_ORDER[i]."""
+    words = torch.zeros(q.shape[0], q.shape[1] // 8, dtype=torch.int64)
+    for i, col in enumerate(AWQ_ORDER):
+        words |= q[:, col::8].to(torch.int64) << (4 * i)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def awq_values(qweight, qzeros, scales, group):
+    """AutoAWQ's dequantize_gemm: unpack each word's 8 slots, put the
+    columns back in order, (code - zero) x scale; the weight [out, in]."""
+    def unpack(words):
+        slots = torch.stack([(words.to(torch.int64) >> (4 * i)) & 15 for i in range(8)], -1)
+        back = torch.empty_like(slots)
+        for i, col in enumerate(AWQ_ORDER):
+            back[..., col] = slots[..., i]
+        return back.reshape(words.shape[0], -1)
+    q, z = unpack(qweight), unpack(qzeros).repeat_interleave(group, 0)
+    return ((q - z).float() * scales.float().repeat_interleave(group, 0)).t().contiguous()
+
+
+def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1=True, bits=4,
+                          method="gptq"):
     """The unpatched model as a GPTQ checkpoint, as AutoGPTQ writes
     one: every linear weight of the decoder layers but the routers' as
     qweight, qzeros (v1: zero - 1), fp16 scales and g_idx (with act_order a
     permutation's groups); codes by rounding to nearest (GPTQ's own choice of
-    codes is the quantizer's business, not the format's). Returns the
-    checkpoint's state with each GPTQ weight as AutoGPTQ dequantizes it."""
+    codes is the quantizer's business, not the format's). With method "awq",
+    as AutoAWQ writes one (GEMM: qweight [in, out / 8] in its column order,
+    zeros as they are, no g_idx). Returns the checkpoint's state with each
+    quantized weight as AutoGPTQ or AutoAWQ dequantizes it."""
     state = {k: v.detach().contiguous() for k, v in
              hf_models.checkpoint_state_dict(model).items()}
     judge = dict(state)
@@ -740,14 +768,21 @@ def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1
             zero = torch.round(-lo / scale.float()).clamp(1, top)
         q = (torch.round(w / scale.float()[g_idx]) + zero[g_idx]).clamp(0, top).long()
         stem = k[:-len("weight")]
-        tensors = {"qweight": gptq_words(q, bits),
-                   "qzeros": gptq_words(zero.long().t() - int(v1), bits).t(),
-                   "scales": scale, "g_idx": g_idx.to(torch.int32)}
+        if method == "awq":
+            tensors = {"qweight": awq_words(q), "qzeros": awq_words(zero.long()),
+                       "scales": scale}
+            judge[k] = awq_values(*tensors.values(), group)
+        else:
+            tensors = {"qweight": gptq_words(q, bits),
+                       "qzeros": gptq_words(zero.long().t() - int(v1), bits).t(),
+                       "scales": scale, "g_idx": g_idx.to(torch.int32)}
+            judge[k] = gptq_values(*tensors.values(), v1=v1, bits=bits)
         state.update({stem + n: t.contiguous() for n, t in tensors.items()})
-        judge[k] = gptq_values(*tensors.values(), v1=v1, bits=bits)
-    model.config.quantization_config = {"quant_method": "gptq", "bits": bits, "group_size": group,
-                                        "desc_act": act_order, "sym": sym,
-                                        "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    model.config.quantization_config = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+         "version": "gemm"} if method == "awq" else
+        {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
+         "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"})
     os.makedirs(folder, exist_ok=True)
     model.config.save_pretrained(folder)
     del model.config.quantization_config
@@ -755,18 +790,19 @@ def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1
     return state, judge
 
 
-@pytest.mark.parametrize("sym,weight_format,v1", [(True, "int4_g32", True),
-                                                  (False, "int4_g32_zp", True),
-                                                  (False, "int4_g32_zp", False)])
-def test_gptq_checkpoint_held_as_it_is(tmp_path, sym, weight_format, v1):
-    """A 4-bit GPTQ checkpoint (group 32) into LoRA layers of its format:
-    the experts' codes, scales and zeros copied as they are (nothing rounded
-    again: the layer's values are AutoGPTQ's dequantization bit for bit);
-    the other linear weights dequantized into the model; the patched
-    model's logits those of the unpatched model on AutoGPTQ's values."""
+@pytest.mark.parametrize("method,sym,weight_format,v1", [
+    ("gptq", True, "int4_g32", True), ("gptq", False, "int4_g32_zp", True),
+    ("gptq", False, "int4_g32_zp", False), ("awq", False, "int4_g32_zp", False)])
+def test_gptq_and_awq_checkpoints_held_as_they_are(tmp_path, method, sym, weight_format, v1):
+    """A 4-bit GPTQ or AWQ checkpoint (group 32) into LoRA layers of its
+    format: the experts' codes, scales and zeros copied as they are
+    (nothing rounded again: the layer's values are AutoGPTQ's or AutoAWQ's
+    dequantization bit for bit); the other linear weights dequantized into
+    the model; the patched model's logits those of the unpatched model on
+    those values."""
     sizes = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
     src = make_model("qwen3_moe", **sizes)
-    state, judge = write_gptq_checkpoint(src, tmp_path / "ckpt", sym=sym, v1=v1)
+    state, judge = write_gptq_checkpoint(src, tmp_path / "ckpt", sym=sym, v1=v1, method=method)
     model = make_model("qwen3_moe", seed=3, **sizes)
     mhf.patch_model(model, ranks=2, threads=1, lora_rank=2, lora_alpha=4,
                     weight_format=weight_format)
@@ -817,7 +853,7 @@ def test_gptq_checkpoint_dequantized_or_quantized_again(tmp_path, bits):
 
 
 def test_gptq_checkpoint_refusals(tmp_path):
-    """GPTQ tensors without settings, settings moec cannot read, and tensors
+    """GPTQ tensors without settings, AWQ's GEMV layout, settings moec cannot read, and tensors
     of the wrong shape: each refused naming the file or tensor, before
     anything is copied."""
     sizes = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
@@ -831,12 +867,14 @@ def test_gptq_checkpoint_refusals(tmp_path):
     stem = "model.layers.1.mlp.experts.6.up_proj"
     for edit, message in [
             (lambda c, s: c.pop("quantization_config"),
-             r"'model\.layers\.0\.self_attn\.q_proj\.qweight' in .* is a GPTQ weight, and "
-             r".* has no GPTQ settings to read it by"),
+             r"'model\.layers\.0\.self_attn\.q_proj\.qweight' in .* is a GPTQ or AWQ weight, "
+             r"and .* has no settings to read it by"),
             (lambda c, s: c["quantization_config"].update(bits=3),
              r"config.json: a GPTQ checkpoint of 3-bit codes; moec reads 4 and 8-bit ones"),
             (lambda c, s: c["quantization_config"].update(checkpoint_format="marlin"),
              r"config.json: GPTQ checkpoint_format 'marlin'"),
+            (lambda c, s: c["quantization_config"].update(quant_method="awq", version="gemv"),
+             r"config.json: AWQ version 'gemv': moec reads 'gemm'"),
             (lambda c, s: s.update({f"{stem}.qzeros": s[f"{stem}.qzeros"][:1]}),
              rf"'{stem}.qzeros' is I32 \[1, 4\]; a 4-bit GPTQ weight \[32, 64\] with "
              r"group_size 32 needs I32 \[2, 4\]"),

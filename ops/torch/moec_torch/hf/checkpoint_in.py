@@ -1,11 +1,11 @@
-"""Checkpoints in: a model's experts read (FP8 blocks and GPTQ codes kept or dequantized), the
-rest loaded. See the package's docstring."""
+"""Checkpoints in: a model's experts read (FP8 blocks, GPTQ and AWQ codes kept or dequantized),
+the rest loaded. See the package's docstring."""
 
 import re
 
 import torch
 
-from .. import gptq, quant, safetensors
+from .. import int_checkpoints, quant, safetensors
 
 from .patch import (
     _checkpoint_prefix,
@@ -34,43 +34,44 @@ def _dequantize_fp8(weight, scale_inv, name):
         raise ValueError(f"moec: '{name}_scale_inv': {str(e).removeprefix('moec: ')}") from None
 
 
-def _gptq(ckpt, name):
-    """The checkpoint's GPTQ settings (moec_torch.gptq.config_of) where the
-    weight `name` (X.weight) is held as GPTQ tensors (X.qweight, ...), else
-    None; ValueError for GPTQ tensors without GPTQ settings beside them."""
+def _int_codes(ckpt, name):
+    """The checkpoint's GPTQ or AWQ settings (int_checkpoints.config_of)
+    where the weight `name` (X.weight) is held as integer codes (X.qweight,
+    ...), else None; ValueError for such tensors without settings beside
+    them."""
     if name in ckpt or not name.endswith(".weight") or \
             name[:-len("weight")] + "qweight" not in ckpt:
         return None
-    if "_moec_gptq" not in vars(ckpt):  # read once a checkpoint
-        ckpt._moec_gptq = gptq.config_of(ckpt.folder)
-    if ckpt._moec_gptq is None:
+    if "_moec_int" not in vars(ckpt):  # read once a checkpoint
+        ckpt._moec_int = int_checkpoints.config_of(ckpt.folder)
+    if ckpt._moec_int is None:
         stem = name[:-len(".weight")]
         raise ValueError(f"moec: '{stem}.qweight' in {ckpt.where(stem + '.qweight')} is a GPTQ "
-                         f"weight, and {ckpt.folder} has no GPTQ settings to read it by (a "
+                         f"or AWQ weight, and {ckpt.folder} has no settings to read it by (a "
                          "config.json quantization_config or a quantize_config.json with "
-                         "quant_method 'gptq')")
-    return ckpt._moec_gptq
+                         "quant_method 'gptq' or 'awq')")
+    return ckpt._moec_int
 
 
-def _gptq_tensors(ckpt, name):
-    """{suffix: tensor} of the GPTQ weight `name` (X.weight)."""
+def _int_tensors(ckpt, name):
+    """{suffix: tensor} of the GPTQ or AWQ weight `name` (X.weight)."""
     stem = name[:-len("weight")]
-    return {s: ckpt.get_tensor(stem + s) for s in gptq.TENSORS if stem + s in ckpt}
+    return {s: ckpt.get_tensor(stem + s) for s in int_checkpoints.TENSORS if stem + s in ckpt}
 
 
 def _present(ckpt, name):
     """Whether the checkpoint holds the tensor `name`, as it is or as GPTQ
-    tensors."""
-    return name in ckpt or _gptq(ckpt, name) is not None
+    or AWQ codes."""
+    return name in ckpt or _int_codes(ckpt, name) is not None
 
 
 def _read_weight(ckpt, name):
     """A checkpoint weight as a float or bf16 tensor: FP8 ones dequantized
-    with their weight_scale_inv, GPTQ ones from their codes, zeros and
-    scales."""
-    cfg = _gptq(ckpt, name)
+    with their weight_scale_inv, GPTQ and AWQ ones from their codes, zeros
+    and scales."""
+    cfg = _int_codes(ckpt, name)
     if cfg is not None:
-        return gptq.dequantize(cfg, _gptq_tensors(ckpt, name))
+        return int_checkpoints.dequantize(cfg, _int_tensors(ckpt, name))
     if ckpt.dtype(name) == "F8_E4M3":
         scale = name + "_scale_inv"
         if scale not in ckpt:
@@ -88,17 +89,17 @@ def _check_weight(ckpt, key, shape, dtype):
     fill a model tensor of `shape` and `dtype`: another shape; for a
     floating-point tensor, an integer or bool one (its values would be
     cast), or an F8_E4M3 one without a floating-point weight_scale_inv of
-    its 128 x 128 blocks, or GPTQ tensors of other shapes or dtypes than
+    its 128 x 128 blocks, or GPTQ or AWQ tensors of other shapes or dtypes than
     such a weight's; for an integer one, another dtype. ValueError naming
     the tensor and its file."""
-    cfg = _gptq(ckpt, key)
+    cfg = _int_codes(ckpt, key)
     if cfg is not None:
         stem = key[:-len(".weight")]
         if not dtype.is_floating_point or len(shape) != 2:
             raise ValueError(f"moec: '{stem}.qweight' in {ckpt.where(stem + '.qweight')} is a "
-                             f"GPTQ weight; the model's '{key}' is {dtype} {list(shape)}")
-        have = [s for s in gptq.TENSORS if f"{stem}.{s}" in ckpt]
-        gptq.check(cfg, shape, {s: ckpt.shape(f"{stem}.{s}") for s in have},
+                             f"GPTQ or AWQ weight; the model's '{key}' is {dtype} {list(shape)}")
+        have = [s for s in int_checkpoints.TENSORS if f"{stem}.{s}" in ckpt]
+        int_checkpoints.check(cfg, shape, {s: ckpt.shape(f"{stem}.{s}") for s in have},
                    {s: ckpt.dtype(f"{stem}.{s}") for s in have}, stem)
         return
     where = ckpt.where(key)
@@ -154,8 +155,9 @@ def load_experts(model, checkpoint):
     checked first; then the experts are read one at a time from the mapped
     files into the layers, so no block's experts are held twice. FP8 weights
     (F8_E4M3 with weight_scale_inv per 128x128 block, as DeepSeek-V3 ships)
-    and GPTQ ones (moec_torch.gptq) are copied as they are into a layer
-    whose format holds them (_copy_fp8_expert, _copy_gptq_expert), else
+    and GPTQ and AWQ ones (moec_torch.int_checkpoints) are copied as they
+    are into a layer whose format holds them (_copy_fp8_expert,
+    _copy_int_expert), else
     dequantized to the layer's dtype (and quantized again in its format).
     Returns the names read."""
     ckpt = _open(checkpoint)
@@ -165,7 +167,7 @@ def load_experts(model, checkpoint):
         for layer, keys in plan:
             for j, g, u, d in keys:
                 if not (_copy_fp8_expert(layer, j, ckpt, g, u, d)
-                        or _copy_gptq_expert(layer, j, ckpt, g, u, d)):
+                        or _copy_int_expert(layer, j, ckpt, g, u, d)):
                     _set_expert(layer, j, *(_read_weight(ckpt, n) for n in (g, u, d)))
                 read += [g, u, d]
     return read
@@ -200,21 +202,21 @@ def _copy_fp8_expert(layer, j, ckpt, g, u, d):
     return True
 
 
-def _copy_gptq_expert(layer, j, ckpt, g, u, d):
-    """A GPTQ checkpoint's expert into an int4 layer as it is: its codes,
-    scales and zeros copied, nothing rounded again, where the layer's format
-    holds them (moec_torch.gptq.as_format: 4 bits, the format's group size,
-    groups in order, and for int4_g<G> without zero points every zero 8);
+def _copy_int_expert(layer, j, ckpt, g, u, d):
+    """A GPTQ or AWQ checkpoint's expert into an int4 layer as it is: its
+    codes, scales and zeros copied, nothing rounded again, where the layer's
+    format holds them (int_checkpoints.as_format: 4 bits, the format's group
+    size, groups in order, and for int4_g<G> without zero points every zero 8);
     otherwise returns False, and the expert is dequantized (and quantized
     again)."""
-    cfg = _gptq(ckpt, g)
+    cfg = _int_codes(ckpt, g)
     if cfg is None or not layer.weight_format:
         return False
     held = []
     for n in (g, u, d):
-        if _gptq(ckpt, n) is None:
+        if _int_codes(ckpt, n) is None:
             return False
-        held.append(gptq.as_format(cfg, _gptq_tensors(ckpt, n), layer.weight_format))
+        held.append(int_checkpoints.as_format(cfg, _int_tensors(ckpt, n), layer.weight_format))
         if held[-1] is None:
             return False
     (gate, gate_s), (up, up_s), (down, down_s) = held
@@ -268,7 +270,7 @@ def load_checkpoint(model, checkpoint, ignore=()):
     passed = known | set(skipped)
     extra = [k for k in ckpt.keys() if k not in passed
              and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in known)
-             and not (k.rsplit(".", 1)[-1] in gptq.TENSORS
+             and not (k.rsplit(".", 1)[-1] in int_checkpoints.TENSORS
                       and k.rsplit(".", 1)[0] + ".weight" in known)]
     for names, what in ((missing, "the checkpoint {where} has no '{name}'"),
                         (extra, "the model has no '{name}' of {where}")):

@@ -1,0 +1,213 @@
+"""GPTQ and AWQ checkpoints: a linear layer's weight as integer codes with a
+scale and zero per group, as AutoGPTQ, GPTQModel, AutoAWQ and transformers
+save them, read into moec's formats.
+
+A checkpoint of either holds, for each quantized nn.Linear ``X`` with
+weight [out, in], in place of ``X.weight``: ``X.qweight``, ``X.qzeros``,
+``X.scales`` (and for GPTQ ``X.g_idx``). Codes are `bits` wide, p = 32 /
+bits of them to an int32 word, from the low bits up.
+
+GPTQ (``"quant_method": "gptq"``; 4 or 8 bits):
+
+  X.qweight   int32 [in / p, out]: input row i's code of output column j
+              in word [i // p, j], slot i % p;
+  X.qzeros    int32 [groups, out / p]: the zero of group g, output column
+              j, in word [g, j // p], slot j % p; a "gptq" (v1) checkpoint
+              stores zero - 1 (AutoGPTQ's historical offset), a "gptq_v2"
+              one the zero;
+  X.scales    float16 [groups, out];
+  X.g_idx     int32 [in]: the group of each input row (i // group_size,
+              or a permutation's groups with desc_act); without it, in
+              order.
+
+AWQ (``"quant_method": "awq"``, ``"version": "gemm"``; 4 bits):
+
+  X.qweight   int32 [in, out / 8]: input row i's code of output column
+              8c + t in word [i, c], slot ORDER[t] (AWQ's interleave:
+              slots 0..7 hold columns 0, 2, 4, 6, 1, 3, 5, 7);
+  X.qzeros    int32 [groups, out / 8]: the zeros, interleaved the same way;
+  X.scales    float16 [groups, out]; groups in order.
+
+groups = ceil(in / group_size) (group_size -1: one group, the whole row).
+The value of input row i, output column j is
+(code - zero[g(i), j]) x scale[g(i), j]. The model's config.json names the
+format in ``quantization_config`` (or, for GPTQ, AutoGPTQ's
+quantize_config.json beside it).
+
+moec's int4 formats hold 4-bit codes with a scale (and zero) per group
+along a row of the [out, in] matrix: a 4-bit checkpoint with group_size G
+of 32, 64 or 128 and groups in order is held as it is by
+``int4_g<G>_zp`` (its zeros as zero points, 0..15), and by ``int4_g<G>``
+where every zero is 8 (GPTQ's ``sym``): the same values, nothing rounded
+again (``as_format``). Otherwise the weight is dequantized
+(``dequantize``).
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from . import quant
+
+__all__ = ["TENSORS", "as_format", "check", "config_of", "dequantize", "unpack"]
+
+# The tensors that may stand for a quantized weight X.weight: X.<suffix>.
+TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+BITS = {"gptq": (4, 8), "awq": (4,)}
+# AWQ's slot of column t within each 8 (AutoAWQ's pack order 0 2 4 6 1 3 5 7).
+AWQ_SLOT = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def config_of(folder):
+    """The GPTQ or AWQ settings of a checkpoint folder, {"method", "bits",
+    "group_size", "desc_act", "sym", "v1", "file"}, from config.json's
+    quantization_config or quantize_config.json; None where neither names
+    GPTQ or AWQ. ValueError for settings moec cannot read (naming the
+    file)."""
+    folder = Path(folder)
+    for name, pick in (("config.json", lambda d: d.get("quantization_config")),
+                       ("quantize_config.json", lambda d: d)):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            q = pick(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"moec: {path}: cannot read it: {e}") from None
+        if not isinstance(q, dict):
+            continue
+        method = q.get("quant_method", "gptq" if name == "quantize_config.json" else None)
+        if method not in BITS:
+            continue
+        what = method.upper()
+        bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size", -1))
+        if bits not in BITS[method]:
+            raise ValueError(f"moec: {path}: a {what} checkpoint of {bits}-bit codes; moec reads "
+                             f"{' and '.join(map(str, BITS[method]))}-bit ones")
+        if not isinstance(group, int) or isinstance(group, bool) or group == 0 or group < -1:
+            raise ValueError(f"moec: {path}: {what} group_size {group!r} is not a positive "
+                             "integer or -1")
+        if method == "gptq":
+            fmt = q.get("checkpoint_format", "gptq")
+            if fmt not in ("gptq", "gptq_v2"):
+                raise ValueError(f"moec: {path}: GPTQ checkpoint_format {fmt!r}: moec reads "
+                                 "'gptq' and 'gptq_v2'")
+        else:
+            version = str(q.get("version", "gemm")).lower()
+            if version != "gemm":
+                raise ValueError(f"moec: {path}: AWQ version {q.get('version')!r}: moec reads "
+                                 "'gemm'")
+            if q.get("zero_point", True) is not True:
+                raise ValueError(f"moec: {path}: AWQ without zero points: moec reads AutoAWQ's "
+                                 "GEMM layout, which has them")
+            fmt = None
+        return {"method": method, "bits": bits, "group_size": group,
+                "desc_act": bool(q.get("desc_act", False)), "sym": bool(q.get("sym", False)),
+                "v1": fmt == "gptq", "file": str(path)}
+    return None
+
+
+def _groups(cfg, rows_in):
+    g = cfg["group_size"]
+    return 1 if g == -1 else -(-rows_in // g)
+
+
+def check(cfg, shape, shapes, dtypes, name):
+    """Refuses tensors (their `shapes` and safetensors `dtypes`, dicts by
+    suffix) that cannot stand for a weight [out, in] = `shape` in the
+    checkpoint's format: ValueError naming the tensor `name`.<suffix> and
+    what it should be."""
+    out, rows_in = shape
+    per, what = 32 // cfg["bits"], cfg["method"].upper()
+    groups = _groups(cfg, rows_in)
+    if (rows_in % per if cfg["method"] == "gptq" else 0) or out % per:
+        raise ValueError(f"moec: '{name}.qweight': a {cfg['bits']}-bit {what} weight packs "
+                         f"{per} values a word; the model's [{out}, {rows_in}] does not divide")
+    words = [rows_in // per, out] if cfg["method"] == "gptq" else [rows_in, out // per]
+    want = {"qweight": (words, ("I32",)),
+            "qzeros": ([groups, out // per], ("I32",)),
+            "scales": ([groups, out], ("F16", "BF16", "F32"))}
+    if cfg["method"] == "gptq":
+        want["g_idx"] = ([rows_in], ("I32", "I64"))
+    for suffix, (dims, kinds) in want.items():
+        if suffix not in shapes:
+            if suffix == "g_idx":
+                continue  # without it the groups are in order
+            raise ValueError(f"moec: '{name}.qweight' has no '{name}.{suffix}' beside it")
+        if list(shapes[suffix]) != dims or dtypes[suffix] not in kinds:
+            raise ValueError(f"moec: '{name}.{suffix}' is {dtypes[suffix]} "
+                             f"{list(shapes[suffix])}; a {cfg['bits']}-bit {what} weight "
+                             f"[{out}, {rows_in}] with group_size {cfg['group_size']} needs "
+                             f"{' or '.join(kinds)} {dims}")
+
+
+def _unpack_words(words, bits, dim):
+    """int32 words -> their codes, `32 / bits` of each word along `dim`,
+    from the low bits up (int64)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    w = words.to(torch.int64).unsqueeze(dim + 1)
+    view = [1] * w.dim()
+    view[dim + 1] = per
+    codes = (w >> shifts.view(view)) & ((1 << bits) - 1)
+    shape = list(words.shape)
+    shape[dim] *= per
+    return codes.reshape(shape)
+
+
+def _awq_columns(t):
+    """AWQ's interleaved columns of t [.., 8 c] in their order."""
+    index = (torch.arange(t.shape[-1]).view(-1, 8)[:, list(AWQ_SLOT)]).reshape(-1)
+    return t[..., index]
+
+
+def unpack(cfg, tensors):
+    """(codes uint8 [out, in], zeros float32 [out, groups], scales float32
+    [out, groups], g_idx int64 [in]) of a weight's tensors (a dict by
+    suffix), zeros with GPTQ v1's offset undone."""
+    bits = cfg["bits"]
+    if cfg["method"] == "gptq":
+        codes = _unpack_words(tensors["qweight"], bits, 0)
+        zeros = _unpack_words(tensors["qzeros"], bits, 1) + (1 if cfg["v1"] else 0)
+    else:
+        codes = _awq_columns(_unpack_words(tensors["qweight"], bits, 1))
+        zeros = _awq_columns(_unpack_words(tensors["qzeros"], bits, 1))
+    codes = codes.t().to(torch.uint8).contiguous()
+    zeros, scales = zeros.t().float().contiguous(), tensors["scales"].float().t().contiguous()
+    rows_in = codes.shape[1]
+    g_idx = tensors.get("g_idx")
+    g_idx = g_idx.to(torch.int64) if g_idx is not None else \
+        torch.arange(rows_in) // (rows_in if cfg["group_size"] == -1 else cfg["group_size"])
+    if g_idx.numel() and (g_idx.min() < 0 or g_idx.max() >= scales.shape[1]):
+        raise ValueError(f"moec: a GPTQ g_idx names group {int(g_idx.max())} of "
+                         f"{scales.shape[1]}")
+    return codes, zeros, scales, g_idx
+
+
+def dequantize(cfg, tensors):
+    """The weight [out, in] (float32) that a weight's tensors stand for."""
+    codes, zeros, scales, g_idx = unpack(cfg, tensors)
+    return (codes.float() - zeros[:, g_idx]) * scales[:, g_idx]
+
+
+def as_format(cfg, tensors, weight_format):
+    """(codes, scales) of the weight in moec's `weight_format`, the same
+    values as the checkpoint's, or None where that format cannot hold them
+    as they are (then dequantize and quantize again)."""
+    fmt = quant.parse(weight_format)
+    if fmt.kind != "int4" or cfg["bits"] != 4 or cfg["group_size"] != fmt.group:
+        return None
+    codes, zeros, scales, g_idx = unpack(cfg, tensors)
+    out, rows_in = codes.shape
+    if rows_in % fmt.group or not torch.equal(g_idx, torch.arange(rows_in) // fmt.group):
+        return None  # groups out of order (desc_act)
+    if fmt.zero_points:
+        if zeros.min() < 0 or zeros.max() > 15:
+            return None  # a v1 zero of 16 (stored 15)
+        held = torch.stack((scales, zeros), -1)
+    elif torch.all(zeros == 8):
+        held = scales
+    else:
+        return None
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), held

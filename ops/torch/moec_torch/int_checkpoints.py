@@ -1,11 +1,11 @@
-"""GPTQ and AWQ checkpoints: a linear layer's weight as integer codes with a
-scale and zero per group, as AutoGPTQ, GPTQModel, AutoAWQ and transformers
-save them, read into moec's formats.
+"""GPTQ, AWQ and compressed-tensors checkpoints: a linear layer's weight as
+integer codes with a scale and zero per group, as AutoGPTQ, GPTQModel,
+AutoAWQ, llm-compressor and transformers save them, read into moec's
+formats.
 
-A checkpoint of either holds, for each quantized nn.Linear ``X`` with
-weight [out, in], in place of ``X.weight``: ``X.qweight``, ``X.qzeros``,
-``X.scales`` (and for GPTQ ``X.g_idx``). Codes are `bits` wide, p = 32 /
-bits of them to an int32 word, from the low bits up.
+Such a checkpoint holds, for each quantized nn.Linear ``X`` with weight
+[out, in], in place of ``X.weight``, the tensors below. Codes are `bits`
+wide, p = 32 / bits of them to an int32 word, from the low bits up.
 
 GPTQ (``"quant_method": "gptq"``; 4 or 8 bits):
 
@@ -28,6 +28,21 @@ AWQ (``"quant_method": "awq"``, ``"version": "gemm"``; 4 bits):
   X.qzeros    int32 [groups, out / 8]: the zeros, interleaved the same way;
   X.scales    float16 [groups, out]; groups in order.
 
+compressed-tensors (``"quant_method": "compressed-tensors"``, ``"format":
+"pack-quantized"``: llm-compressor's W4A16 and W8A16; its weights' args in
+``config_groups``):
+
+  X.weight_packed       int32 [out, ceil(in / p)]: row j's code of input
+                        column i in word [j, i // p], slot i % p, stored
+                        unsigned (the signed code + 2^(bits-1));
+  X.weight_scale        [out, groups] (strategy "group"; "channel": [out, 1]);
+  X.weight_zero_point   int32 [ceil(out / p), groups], where not
+                        symmetric: the zeros, stored as the codes are
+                        (+ 2^(bits-1)), packed along the rows; symmetric:
+                        the zero is 2^(bits-1) in the stored codes;
+  X.weight_g_idx        optional, int32 [in] (actorder);
+  X.weight_shape        [2]: [out, in].
+
 groups = ceil(in / group_size) (group_size -1: one group, the whole row).
 The value of input row i, output column j is
 (code - zero[g(i), j]) x scale[g(i), j]. The model's config.json names the
@@ -38,7 +53,8 @@ moec's int4 formats hold 4-bit codes with a scale (and zero) per group
 along a row of the [out, in] matrix: a 4-bit checkpoint with group_size G
 of 32, 64 or 128 and groups in order is held as it is by
 ``int4_g<G>_zp`` (its zeros as zero points, 0..15), and by ``int4_g<G>``
-where every zero is 8 (GPTQ's ``sym``): the same values, nothing rounded
+where every zero is 8 (GPTQ's ``sym``, compressed-tensors'
+``symmetric``): the same values, nothing rounded
 again (``as_format``). Otherwise the weight is dequantized
 (``dequantize``).
 """
@@ -52,19 +68,49 @@ from . import quant
 
 __all__ = ["TENSORS", "as_format", "check", "config_of", "dequantize", "unpack"]
 
-# The tensors that may stand for a quantized weight X.weight: X.<suffix>.
-TENSORS = ("qweight", "qzeros", "scales", "g_idx")
-BITS = {"gptq": (4, 8), "awq": (4,)}
+# The tensors that stand for a quantized weight X.weight (X.<suffix>), the
+# first of each the one whose presence says so.
+TENSORS_OF = {"gptq": ("qweight", "qzeros", "scales", "g_idx"),
+              "awq": ("qweight", "qzeros", "scales"),
+              "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point",
+                                     "weight_g_idx", "weight_shape")}
+TENSORS = tuple(sorted({t for ts in TENSORS_OF.values() for t in ts}))
+MARKERS = tuple(sorted({ts[0] for ts in TENSORS_OF.values()}))
+BITS = {"gptq": (4, 8), "awq": (4,), "compressed-tensors": (4, 8)}
+NAMES = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors"}
 # AWQ's slot of column t within each 8 (AutoAWQ's pack order 0 2 4 6 1 3 5 7).
 AWQ_SLOT = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
+def _compressed_tensors(q, path):
+    """(bits, group_size, symmetric) of a compressed-tensors
+    quantization_config: one "pack-quantized" integer weight scheme, by
+    group or channel, in every config group; ValueError otherwise."""
+    fmt = q.get("format")
+    if fmt != "pack-quantized":
+        raise ValueError(f"moec: {path}: a compressed-tensors checkpoint of format {fmt!r}: moec "
+                         "reads 'pack-quantized' (integer codes packed in int32 words)")
+    groups = q.get("config_groups")
+    schemes = [g.get("weights") for g in groups.values() if isinstance(g, dict)] \
+        if isinstance(groups, dict) else []
+    if not schemes or any(w != schemes[0] for w in schemes) or not isinstance(schemes[0], dict):
+        raise ValueError(f"moec: {path}: compressed-tensors config_groups give no weights or "
+                         "several weight schemes; moec reads one for every layer")
+    w = schemes[0]
+    strategy, group = w.get("strategy"), w.get("group_size")
+    if w.get("type", "int") != "int" or strategy not in ("group", "channel") or \
+            w.get("dynamic") or (strategy == "group" and not isinstance(group, int)):
+        raise ValueError(f"moec: {path}: compressed-tensors weights {w}: moec reads integer "
+                         "codes by group or channel")
+    return w.get("num_bits"), group if strategy == "group" else -1, bool(w.get("symmetric"))
+
+
 def config_of(folder):
-    """The GPTQ or AWQ settings of a checkpoint folder, {"method", "bits",
-    "group_size", "desc_act", "sym", "v1", "file"}, from config.json's
-    quantization_config or quantize_config.json; None where neither names
-    GPTQ or AWQ. ValueError for settings moec cannot read (naming the
-    file)."""
+    """The GPTQ, AWQ or compressed-tensors settings of a checkpoint folder,
+    {"method", "bits", "group_size", "desc_act", "sym", "v1", "file"}, from
+    config.json's quantization_config or quantize_config.json; None where
+    neither names one of them. ValueError for settings moec cannot read
+    (naming the file)."""
     folder = Path(folder)
     for name, pick in (("config.json", lambda d: d.get("quantization_config")),
                        ("quantize_config.json", lambda d: d)):
@@ -80,8 +126,11 @@ def config_of(folder):
         method = q.get("quant_method", "gptq" if name == "quantize_config.json" else None)
         if method not in BITS:
             continue
-        what = method.upper()
+        what = NAMES[method]
         bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size", -1))
+        sym = bool(q.get("sym", False))
+        if method == "compressed-tensors":
+            bits, group, sym = _compressed_tensors(q, path)
         if bits not in BITS[method]:
             raise ValueError(f"moec: {path}: a {what} checkpoint of {bits}-bit codes; moec reads "
                              f"{' and '.join(map(str, BITS[method]))}-bit ones")
@@ -93,7 +142,7 @@ def config_of(folder):
             if fmt not in ("gptq", "gptq_v2"):
                 raise ValueError(f"moec: {path}: GPTQ checkpoint_format {fmt!r}: moec reads "
                                  "'gptq' and 'gptq_v2'")
-        else:
+        elif method == "awq":
             version = str(q.get("version", "gemm")).lower()
             if version != "gemm":
                 raise ValueError(f"moec: {path}: AWQ version {q.get('version')!r}: moec reads "
@@ -102,8 +151,10 @@ def config_of(folder):
                 raise ValueError(f"moec: {path}: AWQ without zero points: moec reads AutoAWQ's "
                                  "GEMM layout, which has them")
             fmt = None
+        else:
+            fmt = None
         return {"method": method, "bits": bits, "group_size": group,
-                "desc_act": bool(q.get("desc_act", False)), "sym": bool(q.get("sym", False)),
+                "desc_act": bool(q.get("desc_act", False)), "sym": sym,
                 "v1": fmt == "gptq", "file": str(path)}
     return None
 
@@ -119,22 +170,33 @@ def check(cfg, shape, shapes, dtypes, name):
     checkpoint's format: ValueError naming the tensor `name`.<suffix> and
     what it should be."""
     out, rows_in = shape
-    per, what = 32 // cfg["bits"], cfg["method"].upper()
+    method, bits = cfg["method"], cfg["bits"]
+    per, what = 32 // bits, NAMES[method]
     groups = _groups(cfg, rows_in)
-    if (rows_in % per if cfg["method"] == "gptq" else 0) or out % per:
-        raise ValueError(f"moec: '{name}.qweight': a {cfg['bits']}-bit {what} weight packs "
-                         f"{per} values a word; the model's [{out}, {rows_in}] does not divide")
-    words = [rows_in // per, out] if cfg["method"] == "gptq" else [rows_in, out // per]
-    want = {"qweight": (words, ("I32",)),
-            "qzeros": ([groups, out // per], ("I32",)),
-            "scales": ([groups, out], ("F16", "BF16", "F32"))}
-    if cfg["method"] == "gptq":
-        want["g_idx"] = ([rows_in], ("I32", "I64"))
+    floats, ints = ("F16", "BF16", "F32"), ("I32", "I64")
+    marker = TENSORS_OF[method][0]
+    optional = {"g_idx", "weight_g_idx"}
+    if method == "compressed-tensors":
+        want = {"weight_packed": ([out, -(-rows_in // per)], ("I32",)),
+                "weight_scale": ([out, groups], floats),
+                "weight_g_idx": ([rows_in], ints), "weight_shape": ([2], ints)}
+        if not cfg["sym"]:
+            want["weight_zero_point"] = ([-(-out // per), groups], ("I32",))
+    else:
+        if (rows_in % per if method == "gptq" else 0) or out % per:
+            raise ValueError(f"moec: '{name}.qweight': a {bits}-bit {what} weight packs {per} "
+                             f"values a word; the model's [{out}, {rows_in}] does not divide")
+        want = {"qweight": ([rows_in // per, out] if method == "gptq" else [rows_in, out // per],
+                            ("I32",)),
+                "qzeros": ([groups, out // per], ("I32",)),
+                "scales": ([groups, out], floats)}
+        if method == "gptq":
+            want["g_idx"] = ([rows_in], ints)
     for suffix, (dims, kinds) in want.items():
         if suffix not in shapes:
-            if suffix == "g_idx":
+            if suffix in optional:
                 continue  # without it the groups are in order
-            raise ValueError(f"moec: '{name}.qweight' has no '{name}.{suffix}' beside it")
+            raise ValueError(f"moec: '{name}.{marker}' has no '{name}.{suffix}' beside it")
         if list(shapes[suffix]) != dims or dtypes[suffix] not in kinds:
             raise ValueError(f"moec: '{name}.{suffix}' is {dtypes[suffix]} "
                              f"{list(shapes[suffix])}; a {cfg['bits']}-bit {what} weight "
@@ -167,20 +229,31 @@ def unpack(cfg, tensors):
     [out, groups], g_idx int64 [in]) of a weight's tensors (a dict by
     suffix), zeros with GPTQ v1's offset undone."""
     bits = cfg["bits"]
-    if cfg["method"] == "gptq":
-        codes = _unpack_words(tensors["qweight"], bits, 0)
-        zeros = _unpack_words(tensors["qzeros"], bits, 1) + (1 if cfg["v1"] else 0)
+    if cfg["method"] == "compressed-tensors":
+        packed, shape = tensors["weight_packed"], tensors["weight_shape"].tolist()
+        if shape != [packed.shape[0], shape[1]] or not 0 < shape[1] <= packed.shape[1] * 32 // bits:
+            raise ValueError(f"moec: a compressed-tensors weight_shape {shape} for "
+                             f"weight_packed {list(packed.shape)}")
+        codes = _unpack_words(packed, bits, 1)[:, :shape[1]].to(torch.uint8).contiguous()
+        scales = tensors["weight_scale"].float().contiguous()
+        zeros = torch.full_like(scales, 1 << (bits - 1)) if cfg["sym"] else \
+            _unpack_words(tensors["weight_zero_point"], bits, 0)[:shape[0]].float().contiguous()
+        g_idx = tensors.get("weight_g_idx")
     else:
-        codes = _awq_columns(_unpack_words(tensors["qweight"], bits, 1))
-        zeros = _awq_columns(_unpack_words(tensors["qzeros"], bits, 1))
-    codes = codes.t().to(torch.uint8).contiguous()
-    zeros, scales = zeros.t().float().contiguous(), tensors["scales"].float().t().contiguous()
+        if cfg["method"] == "gptq":
+            codes = _unpack_words(tensors["qweight"], bits, 0)
+            zeros = _unpack_words(tensors["qzeros"], bits, 1) + (1 if cfg["v1"] else 0)
+        else:
+            codes = _awq_columns(_unpack_words(tensors["qweight"], bits, 1))
+            zeros = _awq_columns(_unpack_words(tensors["qzeros"], bits, 1))
+        codes = codes.t().to(torch.uint8).contiguous()
+        zeros, scales = zeros.t().float().contiguous(), tensors["scales"].float().t().contiguous()
+        g_idx = tensors.get("g_idx")
     rows_in = codes.shape[1]
-    g_idx = tensors.get("g_idx")
     g_idx = g_idx.to(torch.int64) if g_idx is not None else \
         torch.arange(rows_in) // (rows_in if cfg["group_size"] == -1 else cfg["group_size"])
     if g_idx.numel() and (g_idx.min() < 0 or g_idx.max() >= scales.shape[1]):
-        raise ValueError(f"moec: a GPTQ g_idx names group {int(g_idx.max())} of "
+        raise ValueError(f"moec: a g_idx names group {int(g_idx.max())} of "
                          f"{scales.shape[1]}")
     return codes, zeros, scales, g_idx
 

@@ -30,7 +30,7 @@ import moec_torch  # noqa: E402
 import moec_torch.hf as mhf  # noqa: E402
 from moec_torch import hf_lora, hf_models, safetensors  # noqa: E402
 from test_hf import (as_modules, close, grad_or_zero, make_model, tokens,  # noqa: E402
-                     write_checkpoint, write_gptq_checkpoint)
+                     write_checkpoint, write_int_checkpoint)
 
 
 def main():
@@ -120,9 +120,9 @@ def gptq_experts(rank, model, folder):
     sizes = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
     src = make_model("qwen3_moe", **sizes)
     if rank == 0:
-        write_gptq_checkpoint(src, folder, sym=False)
+        write_int_checkpoint(src, folder, sym=False)
     mhf.barrier(model)
-    _, judge = write_gptq_checkpoint(src, folder.with_name("gptq-" + str(rank)), sym=False)
+    _, judge = write_int_checkpoint(src, folder.with_name("gptq-" + str(rank)), sym=False)
     held = make_model("qwen3_moe", seed=5, **sizes)
     mhf.patch_model(held, threads=1, frozen=True, weight_format="int4_g32_zp")
     mhf.load_checkpoint(held, folder)

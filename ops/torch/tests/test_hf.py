@@ -735,7 +735,27 @@ def awq_values(qweight, qzeros, scales, group):
     return ((q - z).float() * scales.float().repeat_interleave(group, 0)).t().contiguous()
 
 
-def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1=True, bits=4,
+def ct_values(weight_packed, weight_scale, weight_shape, weight_zero_point=None):
+    """compressed-tensors' decompression of a pack-quantized 4-bit weight
+    (unpack_from_int32, signed by the offset 8, then (q - zp) x scale, the
+    group of column i being i // (in / groups)): the weight [out, in]."""
+    out, cols = weight_shape.tolist()
+    q = torch.zeros(out, weight_packed.shape[1] * 8, dtype=torch.int64)
+    for i in range(8):
+        q[:, i::8] = (weight_packed.to(torch.int64) >> (4 * i)) & 15
+    q = q[:, :cols] - 8
+    scale = weight_scale.float()
+    zp = torch.zeros_like(scale)
+    if weight_zero_point is not None:
+        z = torch.zeros(weight_zero_point.shape[0] * 8, scale.shape[1], dtype=torch.int64)
+        for i in range(8):
+            z[i::8] = (weight_zero_point.to(torch.int64) >> (4 * i)) & 15
+        zp = (z[:out] - 8).float()
+    group = cols // scale.shape[1]
+    return (q.float() - zp.repeat_interleave(group, 1)) * scale.repeat_interleave(group, 1)
+
+
+def write_int_checkpoint(model, folder, group=32, sym=True, act_order=False, v1=True, bits=4,
                           method="gptq"):
     """The unpatched model as a GPTQ checkpoint, as AutoGPTQ writes
     one: every linear weight of the decoder layers but the routers' as
@@ -743,8 +763,12 @@ def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1
     permutation's groups); codes by rounding to nearest (GPTQ's own choice of
     codes is the quantizer's business, not the format's). With method "awq",
     as AutoAWQ writes one (GEMM: qweight [in, out / 8] in its column order,
-    zeros as they are, no g_idx). Returns the checkpoint's state with each
-    quantized weight as AutoGPTQ or AutoAWQ dequantizes it."""
+    zeros as they are, no g_idx); with "compressed-tensors", as
+    llm-compressor's pack-quantized format (weight_packed [out, in / 8],
+    weight_scale [out, groups], a packed weight_zero_point where not
+    symmetric, weight_shape). Returns the checkpoint's state with each
+    quantized weight as AutoGPTQ, AutoAWQ or compressed-tensors
+    dequantizes it."""
     state = {k: v.detach().contiguous() for k, v in
              hf_models.checkpoint_state_dict(model).items()}
     judge = dict(state)
@@ -772,15 +796,26 @@ def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1
             tensors = {"qweight": awq_words(q), "qzeros": awq_words(zero.long()),
                        "scales": scale}
             judge[k] = awq_values(*tensors.values(), group)
+        elif method == "compressed-tensors":  # stored codes: the signed ones + 8
+            tensors = {"weight_packed": gptq_words(q).t(), "weight_scale": scale.t(),
+                       "weight_shape": torch.tensor([w.shape[1], w.shape[0]])}
+            if not sym:
+                tensors["weight_zero_point"] = gptq_words(zero.long().t())
+            judge[k] = ct_values(**tensors)
         else:
             tensors = {"qweight": gptq_words(q, bits),
                        "qzeros": gptq_words(zero.long().t() - int(v1), bits).t(),
                        "scales": scale, "g_idx": g_idx.to(torch.int32)}
             judge[k] = gptq_values(*tensors.values(), v1=v1, bits=bits)
         state.update({stem + n: t.contiguous() for n, t in tensors.items()})
+    scheme = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group",
+              "group_size": group, "dynamic": False, "actorder": None}
     model.config.quantization_config = (
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
          "version": "gemm"} if method == "awq" else
+        {"quant_method": "compressed-tensors", "format": "pack-quantized",
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme}},
+         "ignore": ["lm_head", "re:.*mlp.gate$"]} if method == "compressed-tensors" else
         {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
          "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"})
     os.makedirs(folder, exist_ok=True)
@@ -792,8 +827,10 @@ def write_gptq_checkpoint(model, folder, group=32, sym=True, act_order=False, v1
 
 @pytest.mark.parametrize("method,sym,weight_format,v1", [
     ("gptq", True, "int4_g32", True), ("gptq", False, "int4_g32_zp", True),
-    ("gptq", False, "int4_g32_zp", False), ("awq", False, "int4_g32_zp", False)])
-def test_gptq_and_awq_checkpoints_held_as_they_are(tmp_path, method, sym, weight_format, v1):
+    ("gptq", False, "int4_g32_zp", False), ("awq", False, "int4_g32_zp", False),
+    ("compressed-tensors", True, "int4_g32", False),
+    ("compressed-tensors", False, "int4_g32_zp", False)])
+def test_integer_checkpoints_held_as_they_are(tmp_path, method, sym, weight_format, v1):
     """A 4-bit GPTQ or AWQ checkpoint (group 32) into LoRA layers of its
     format: the experts' codes, scales and zeros copied as they are
     (nothing rounded again: the layer's values are AutoGPTQ's or AutoAWQ's
@@ -802,7 +839,7 @@ def test_gptq_and_awq_checkpoints_held_as_they_are(tmp_path, method, sym, weight
     those values."""
     sizes = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
     src = make_model("qwen3_moe", **sizes)
-    state, judge = write_gptq_checkpoint(src, tmp_path / "ckpt", sym=sym, v1=v1, method=method)
+    state, judge = write_int_checkpoint(src, tmp_path / "ckpt", sym=sym, v1=v1, method=method)
     model = make_model("qwen3_moe", seed=3, **sizes)
     mhf.patch_model(model, ranks=2, threads=1, lora_rank=2, lora_alpha=4,
                     weight_format=weight_format)
@@ -812,7 +849,9 @@ def test_gptq_and_awq_checkpoints_held_as_they_are(tmp_path, method, sym, weight
     key = "model.layers.1.mlp.experts.5.{}_proj.weight"
     assert torch.equal(w1[5], torch.cat((judge[key.format("gate")], judge[key.format("up")])))
     assert torch.equal(w2[5], judge[key.format("down")])
-    scales = state[key.format("down")[:-len("weight")] + "scales"].float().t()
+    scales = state[key.format("down")[:-len("weight")] + "weight_scale"].float() \
+        if method == "compressed-tensors" else \
+        state[key.format("down")[:-len("weight")] + "scales"].float().t()
     assert torch.equal(layer.w2_scale[5][..., 0] if not sym else layer.w2_scale[5], scales)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert q not in state and torch.equal(model.model.layers[0].self_attn.q_proj.weight, judge[q])
@@ -823,14 +862,14 @@ def test_gptq_and_awq_checkpoints_held_as_they_are(tmp_path, method, sym, weight
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gptq_checkpoint_dequantized_or_quantized_again(tmp_path, bits):
+def test_integer_checkpoint_dequantized_or_quantized_again(tmp_path, bits):
     """Where a layer cannot hold a GPTQ checkpoint's experts as they are:
     a dense layer takes AutoGPTQ's values (desc_act's groups out of order
     included; 4 and 8 bits) bit for bit; an int4_g64 layer, a g32
     checkpoint's values quantized again (close to them, not equal)."""
     sizes = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=64)
     src = make_model("qwen3_moe", **sizes)
-    _, judge = write_gptq_checkpoint(src, tmp_path / "ckpt", sym=False, act_order=True,
+    _, judge = write_int_checkpoint(src, tmp_path / "ckpt", sym=False, act_order=True,
                                      bits=bits)
     model = make_model("qwen3_moe", seed=3, **sizes)
     mhf.patch_model(model, ranks=2, threads=1)
@@ -852,13 +891,13 @@ def test_gptq_checkpoint_dequantized_or_quantized_again(tmp_path, bits):
     close(w1[2, :64], want, 0.15, "int4_g64 from a GPTQ g32 checkpoint")
 
 
-def test_gptq_checkpoint_refusals(tmp_path):
+def test_integer_checkpoint_refusals(tmp_path):
     """GPTQ tensors without settings, AWQ's GEMV layout, settings moec cannot read, and tensors
     of the wrong shape: each refused naming the file or tensor, before
     anything is copied."""
     sizes = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
     src = make_model("qwen3_moe", **sizes)
-    state, _ = write_gptq_checkpoint(src, tmp_path / "ckpt")
+    state, _ = write_int_checkpoint(src, tmp_path / "ckpt")
     model = make_model("qwen3_moe", seed=3, **sizes)
     mhf.patch_model(model, ranks=2, threads=1, frozen=True, weight_format="int4_g32")
     before = {k: v.detach().clone() for k, v in model.state_dict().items()
@@ -868,13 +907,32 @@ def test_gptq_checkpoint_refusals(tmp_path):
     for edit, message in [
             (lambda c, s: c.pop("quantization_config"),
              r"'model\.layers\.0\.self_attn\.q_proj\.qweight' in .* is a GPTQ or AWQ weight, "
-             r"and .* has no settings to read it by"),
+             r"and .* has no settings of that kind to read it by"),
             (lambda c, s: c["quantization_config"].update(bits=3),
              r"config.json: a GPTQ checkpoint of 3-bit codes; moec reads 4 and 8-bit ones"),
             (lambda c, s: c["quantization_config"].update(checkpoint_format="marlin"),
              r"config.json: GPTQ checkpoint_format 'marlin'"),
             (lambda c, s: c["quantization_config"].update(quant_method="awq", version="gemv"),
              r"config.json: AWQ version 'gemv': moec reads 'gemm'"),
+            (lambda c, s: c["quantization_config"].update(quant_method="compressed-tensors",
+                                                          format="int-quantized"),
+             r"config.json: a compressed-tensors checkpoint of format 'int-quantized': moec "
+             r"reads 'pack-quantized'"),
+            (lambda c, s: c.update(quantization_config={"quant_method": "bitsandbytes",
+                                                        "load_in_4bit": True}),
+             r"config.json: a checkpoint quantized by 'bitsandbytes': moec reads FP8"),
+            (lambda c, s: c.update(quantization_config={"quant_method": "fp8",
+                                                        "weight_block_size": [1, 128]}),
+             r"config.json: FP8 weights in blocks of \[1, 128\]: moec reads 128 x 128"),
+            (lambda c, s: c["quantization_config"].update(quant_method="awq"),
+             r"'model\.layers\.0\.self_attn\.q_proj\.qweight' is I32 \[8, 64\]; a 4-bit AWQ "
+             r"weight \[64, 64\] with group_size 32 needs I32 \[64, 8\]"),
+            (lambda c, s: c.update(quantization_config={
+                "quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int",
+                                                    "strategy": "channel"}}}}),
+             r"'model\.layers\.0\.self_attn\.q_proj\.qweight' .* GPTQ or AWQ weight, and .* "
+             r"has no settings of that kind"),
             (lambda c, s: s.update({f"{stem}.qzeros": s[f"{stem}.qzeros"][:1]}),
              rf"'{stem}.qzeros' is I32 \[1, 4\]; a 4-bit GPTQ weight \[32, 64\] with "
              r"group_size 32 needs I32 \[2, 4\]"),

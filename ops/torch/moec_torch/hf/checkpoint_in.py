@@ -1,7 +1,9 @@
-"""Checkpoints in: a model's experts read (FP8 blocks, GPTQ and AWQ codes kept or dequantized),
-the rest loaded. See the package's docstring."""
+"""Checkpoints in: a model's experts read (FP8 blocks, GPTQ, AWQ and compressed-tensors codes
+kept or dequantized), the rest loaded. See the package's docstring."""
 
+import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -20,9 +22,38 @@ from .patch import (
 # --- checkpoints in -----------------------------------------------------------
 
 def _open(checkpoint):
-    """A checkpoint folder (or an open one) as safetensors.Checkpoint."""
-    return checkpoint if isinstance(checkpoint, safetensors.Checkpoint) \
+    """A checkpoint folder (or an open one) as safetensors.Checkpoint, its
+    quantization checked to be one moec reads (_check_quantization)."""
+    ckpt = checkpoint if isinstance(checkpoint, safetensors.Checkpoint) \
         else safetensors.Checkpoint(checkpoint)
+    _check_quantization(ckpt.folder)
+    return ckpt
+
+
+def _check_quantization(folder):
+    """Refuses a checkpoint whose config.json names a quantization moec does
+    not read (ValueError naming it and the file): FP8 in 128 x 128 blocks,
+    GPTQ, AWQ and compressed-tensors' pack-quantized format are read
+    (int_checkpoints.config_of checks the last three's settings)."""
+    path = Path(folder) / "config.json"
+    try:
+        q = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"moec: {path}: cannot read it: {e}") from None
+    if not isinstance(q, dict) or q.get("quant_method") is None:
+        return
+    method = q["quant_method"]
+    if method == "fp8":
+        block = q.get("weight_block_size", [128, 128])
+        if list(block) != [128, 128]:
+            raise ValueError(f"moec: {path}: FP8 weights in blocks of {block}: moec reads "
+                             "128 x 128 blocks (a weight_scale_inv per block)")
+    elif method in int_checkpoints.TENSORS_OF:
+        int_checkpoints.config_of(folder)
+    else:
+        raise ValueError(f"moec: {path}: a checkpoint quantized by {method!r}: moec reads FP8 "
+                         "in 128 x 128 blocks ('fp8'), 'gptq', 'awq' and 'compressed-tensors' "
+                         "(pack-quantized) checkpoints")
 
 
 def _dequantize_fp8(weight, scale_inv, name):
@@ -35,43 +66,50 @@ def _dequantize_fp8(weight, scale_inv, name):
 
 
 def _int_codes(ckpt, name):
-    """The checkpoint's GPTQ or AWQ settings (int_checkpoints.config_of)
-    where the weight `name` (X.weight) is held as integer codes (X.qweight,
-    ...), else None; ValueError for such tensors without settings beside
+    """The checkpoint's GPTQ, AWQ or compressed-tensors settings
+    (int_checkpoints.config_of) where the weight `name` (X.weight) is held
+    as integer codes (X.qweight, X.weight_packed, ...), else None;
+    ValueError for such tensors without settings of their kind beside
     them."""
-    if name in ckpt or not name.endswith(".weight") or \
-            name[:-len("weight")] + "qweight" not in ckpt:
+    stem = name[:-len("weight")]
+    marker = next((m for m in int_checkpoints.MARKERS if stem + m in ckpt), None) \
+        if name not in ckpt and name.endswith(".weight") else None
+    if marker is None:
         return None
     if "_moec_int" not in vars(ckpt):  # read once a checkpoint
         ckpt._moec_int = int_checkpoints.config_of(ckpt.folder)
-    if ckpt._moec_int is None:
-        stem = name[:-len(".weight")]
-        raise ValueError(f"moec: '{stem}.qweight' in {ckpt.where(stem + '.qweight')} is a GPTQ "
-                         f"or AWQ weight, and {ckpt.folder} has no settings to read it by (a "
-                         "config.json quantization_config or a quantize_config.json with "
-                         "quant_method 'gptq' or 'awq')")
-    return ckpt._moec_int
+    cfg = ckpt._moec_int
+    if cfg is None or int_checkpoints.TENSORS_OF[cfg["method"]][0] != marker:
+        kinds = [int_checkpoints.NAMES[k] for k, ts in int_checkpoints.TENSORS_OF.items()
+                 if ts[0] == marker]
+        raise ValueError(f"moec: '{stem}{marker}' in {ckpt.where(stem + marker)} is a "
+                         f"{' or '.join(kinds)} weight, and {ckpt.folder} has no settings of "
+                         "that kind to read it by (a config.json quantization_config with its "
+                         "quant_method" + (", or a quantize_config.json" if "GPTQ" in kinds
+                                           else "") + ")")
+    return cfg
 
 
-def _int_tensors(ckpt, name):
-    """{suffix: tensor} of the GPTQ or AWQ weight `name` (X.weight)."""
+def _int_tensors(ckpt, name, cfg):
+    """{suffix: tensor} of the integer-coded weight `name` (X.weight)."""
     stem = name[:-len("weight")]
-    return {s: ckpt.get_tensor(stem + s) for s in int_checkpoints.TENSORS if stem + s in ckpt}
+    return {s: ckpt.get_tensor(stem + s) for s in int_checkpoints.TENSORS_OF[cfg["method"]]
+            if stem + s in ckpt}
 
 
 def _present(ckpt, name):
-    """Whether the checkpoint holds the tensor `name`, as it is or as GPTQ
-    or AWQ codes."""
+    """Whether the checkpoint holds the tensor `name`, as it is or as
+    integer codes (GPTQ, AWQ, compressed-tensors)."""
     return name in ckpt or _int_codes(ckpt, name) is not None
 
 
 def _read_weight(ckpt, name):
     """A checkpoint weight as a float or bf16 tensor: FP8 ones dequantized
-    with their weight_scale_inv, GPTQ and AWQ ones from their codes, zeros
-    and scales."""
+    with their weight_scale_inv, integer-coded ones (GPTQ, AWQ,
+    compressed-tensors) from their codes, zeros and scales."""
     cfg = _int_codes(ckpt, name)
     if cfg is not None:
-        return int_checkpoints.dequantize(cfg, _int_tensors(ckpt, name))
+        return int_checkpoints.dequantize(cfg, _int_tensors(ckpt, name, cfg))
     if ckpt.dtype(name) == "F8_E4M3":
         scale = name + "_scale_inv"
         if scale not in ckpt:
@@ -89,16 +127,18 @@ def _check_weight(ckpt, key, shape, dtype):
     fill a model tensor of `shape` and `dtype`: another shape; for a
     floating-point tensor, an integer or bool one (its values would be
     cast), or an F8_E4M3 one without a floating-point weight_scale_inv of
-    its 128 x 128 blocks, or GPTQ or AWQ tensors of other shapes or dtypes than
+    its 128 x 128 blocks, or integer-coded tensors of other shapes or dtypes than
     such a weight's; for an integer one, another dtype. ValueError naming
     the tensor and its file."""
     cfg = _int_codes(ckpt, key)
     if cfg is not None:
         stem = key[:-len(".weight")]
+        marker = f"{stem}.{int_checkpoints.TENSORS_OF[cfg['method']][0]}"
         if not dtype.is_floating_point or len(shape) != 2:
-            raise ValueError(f"moec: '{stem}.qweight' in {ckpt.where(stem + '.qweight')} is a "
-                             f"GPTQ or AWQ weight; the model's '{key}' is {dtype} {list(shape)}")
-        have = [s for s in int_checkpoints.TENSORS if f"{stem}.{s}" in ckpt]
+            raise ValueError(f"moec: '{marker}' in {ckpt.where(marker)} is a "
+                             f"{int_checkpoints.NAMES[cfg['method']]} "
+                             f"weight; the model's '{key}' is {dtype} {list(shape)}")
+        have = [s for s in int_checkpoints.TENSORS_OF[cfg["method"]] if f"{stem}.{s}" in ckpt]
         int_checkpoints.check(cfg, shape, {s: ckpt.shape(f"{stem}.{s}") for s in have},
                    {s: ckpt.dtype(f"{stem}.{s}") for s in have}, stem)
         return
@@ -155,7 +195,7 @@ def load_experts(model, checkpoint):
     checked first; then the experts are read one at a time from the mapped
     files into the layers, so no block's experts are held twice. FP8 weights
     (F8_E4M3 with weight_scale_inv per 128x128 block, as DeepSeek-V3 ships)
-    and GPTQ and AWQ ones (moec_torch.int_checkpoints) are copied as they
+    and integer-coded ones (moec_torch.int_checkpoints) are copied as they
     are into a layer whose format holds them (_copy_fp8_expert,
     _copy_int_expert), else
     dequantized to the layer's dtype (and quantized again in its format).
@@ -203,7 +243,7 @@ def _copy_fp8_expert(layer, j, ckpt, g, u, d):
 
 
 def _copy_int_expert(layer, j, ckpt, g, u, d):
-    """A GPTQ or AWQ checkpoint's expert into an int4 layer as it is: its
+    """An integer-coded checkpoint's expert into an int4 layer as it is: its
     codes, scales and zeros copied, nothing rounded again, where the layer's
     format holds them (int_checkpoints.as_format: 4 bits, the format's group
     size, groups in order, and for int4_g<G> without zero points every zero 8);
@@ -216,7 +256,8 @@ def _copy_int_expert(layer, j, ckpt, g, u, d):
     for n in (g, u, d):
         if _int_codes(ckpt, n) is None:
             return False
-        held.append(int_checkpoints.as_format(cfg, _int_tensors(ckpt, n), layer.weight_format))
+        held.append(int_checkpoints.as_format(cfg, _int_tensors(ckpt, n, cfg),
+                                              layer.weight_format))
         if held[-1] is None:
             return False
     (gate, gate_s), (up, up_s), (down, down_s) = held

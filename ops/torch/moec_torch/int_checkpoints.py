@@ -43,6 +43,13 @@ compressed-tensors (``"quant_method": "compressed-tensors"``, ``"format":
   X.weight_g_idx        optional, int32 [in] (actorder);
   X.weight_shape        [2]: [out, in].
 
+compressed-tensors' "int-quantized" and "float-quantized" formats (its
+W8A8 int8 and FP8 checkpoints) keep ``X.weight``, as int8 or FP8 e4m3
+codes [out, in], with ``X.weight_scale``: [out, 1] (by channel), [out,
+groups], [1] (tensor), or for FP8 by block [ceil(out/128), ceil(in/128)];
+value = code x scale, symmetric (moec_torch.hf reads them beside
+DeepSeek-V3's FP8 blocks).
+
 groups = ceil(in / group_size) (group_size -1: one group, the whole row).
 The value of input row i, output column j is
 (code - zero[g(i), j]) x scale[g(i), j]. The model's config.json names the
@@ -82,14 +89,22 @@ NAMES = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors
 AWQ_SLOT = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
+# compressed-tensors' formats moec reads: each weight's type, bits and strategies.
+CT_FORMATS = {"pack-quantized": ("int", (4, 8), ("group", "channel")),
+              "int-quantized": ("int", (8,), ("group", "channel")),
+              "float-quantized": ("float", (8,), ("tensor", "channel", "block"))}
+
+
 def _compressed_tensors(q, path):
-    """(bits, group_size, symmetric) of a compressed-tensors
-    quantization_config: one "pack-quantized" integer weight scheme, by
-    group or channel, in every config group; ValueError otherwise."""
+    """(format, bits, group_size, symmetric) of a compressed-tensors
+    quantization_config: one weight scheme in every config group, of a
+    format and strategy moec reads (CT_FORMATS: integer codes packed in
+    int32 words; int8 codes; FP8 e4m3 codes, 128 x 128 blocks where by
+    block); ValueError otherwise."""
     fmt = q.get("format")
-    if fmt != "pack-quantized":
+    if fmt not in CT_FORMATS:
         raise ValueError(f"moec: {path}: a compressed-tensors checkpoint of format {fmt!r}: moec "
-                         "reads 'pack-quantized' (integer codes packed in int32 words)")
+                         f"reads {', '.join(repr(f) for f in CT_FORMATS)}")
     groups = q.get("config_groups")
     schemes = [g.get("weights") for g in groups.values() if isinstance(g, dict)] \
         if isinstance(groups, dict) else []
@@ -98,16 +113,25 @@ def _compressed_tensors(q, path):
                          "several weight schemes; moec reads one for every layer")
     w = schemes[0]
     strategy, group = w.get("strategy"), w.get("group_size")
-    if w.get("type", "int") != "int" or strategy not in ("group", "channel") or \
-            w.get("dynamic") or (strategy == "group" and not isinstance(group, int)):
-        raise ValueError(f"moec: {path}: compressed-tensors weights {w}: moec reads integer "
-                         "codes by group or channel")
-    return w.get("num_bits"), group if strategy == "group" else -1, bool(w.get("symmetric"))
+    kind, bits, strategies = CT_FORMATS[fmt]
+    if w.get("type", "int") != kind or w.get("num_bits") not in bits or \
+            strategy not in strategies or w.get("dynamic") or \
+            (strategy == "group" and not isinstance(group, int)) or \
+            (strategy == "block" and list(w.get("block_structure") or []) != [128, 128]) or \
+            (fmt != "pack-quantized" and not w.get("symmetric", True)):
+        raise ValueError(f"moec: {path}: compressed-tensors {fmt} weights {w}: moec reads "
+                         f"{kind} codes of {' or '.join(map(str, bits))} bits by "
+                         f"{' or '.join(strategies)}"
+                         + (" (blocks 128 x 128)" if "block" in strategies else "")
+                         + ("" if fmt == "pack-quantized" else ", symmetric"))
+    return fmt, w["num_bits"], group if strategy == "group" else -1, \
+        bool(w.get("symmetric", True))
 
 
 def config_of(folder):
     """The GPTQ, AWQ or compressed-tensors settings of a checkpoint folder,
-    {"method", "bits", "group_size", "desc_act", "sym", "v1", "file"}, from
+    {"method", "format" (compressed-tensors'), "bits", "group_size",
+    "desc_act", "sym", "v1", "file"}, from
     config.json's quantization_config or quantize_config.json; None where
     neither names one of them. ValueError for settings moec cannot read
     (naming the file)."""
@@ -128,9 +152,9 @@ def config_of(folder):
             continue
         what = NAMES[method]
         bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size", -1))
-        sym = bool(q.get("sym", False))
+        sym, ct_format = bool(q.get("sym", False)), None
         if method == "compressed-tensors":
-            bits, group, sym = _compressed_tensors(q, path)
+            ct_format, bits, group, sym = _compressed_tensors(q, path)
         if bits not in BITS[method]:
             raise ValueError(f"moec: {path}: a {what} checkpoint of {bits}-bit codes; moec reads "
                              f"{' and '.join(map(str, BITS[method]))}-bit ones")
@@ -153,7 +177,7 @@ def config_of(folder):
             fmt = None
         else:
             fmt = None
-        return {"method": method, "bits": bits, "group_size": group,
+        return {"method": method, "format": ct_format, "bits": bits, "group_size": group,
                 "desc_act": bool(q.get("desc_act", False)), "sym": sym,
                 "v1": fmt == "gptq", "file": str(path)}
     return None

@@ -861,6 +861,101 @@ def test_integer_checkpoints_held_as_they_are(tmp_path, method, sym, weight_form
     close(model(ids).logits, ref(ids).logits, 1e-5, "logits")
 
 
+def write_scaled_checkpoint(model, folder, fmt, strategy):
+    """The unpatched model as compressed-tensors writes its W8A8 int8
+    ("int-quantized") or FP8 ("float-quantized") checkpoints: every linear
+    weight of the decoder layers but the routers' as int8 or F8_E4M3 codes
+    [out, in] with a weight_scale by channel [out, 1] or, for FP8, by
+    128 x 128 block, in bf16 (the model's dtype), int8's 2 amax / 255 as its
+    observer makes it. Returns (the state, each such weight as code x
+    scale)."""
+    state = {k: v.detach().contiguous() for k, v in
+             hf_models.checkpoint_state_dict(model).items()}
+    judge, dtypes = dict(state), {}
+    top = 127.5 if fmt == "int-quantized" else 448
+    for k in [k for k in state if k.startswith("model.layers.") and k.endswith(".weight")
+              and state[k].dim() == 2 and not k.endswith("mlp.gate.weight")]:
+        w = state[k].float()
+        if strategy == "block":
+            scale = (torch.stack([torch.stack([b.abs().max() for b in r.split(128, 1)])
+                                  for r in w.split(128, 0)]) / top).bfloat16()
+            spread = scale.float().repeat_interleave(128, 0)[:w.shape[0]]
+            spread = spread.repeat_interleave(128, 1)[:, :w.shape[1]]
+        else:
+            scale = (w.abs().amax(1, keepdim=True) / top).bfloat16()
+            spread = scale.float()
+        if fmt == "int-quantized":
+            codes = torch.round(w / spread).clamp(-128, 127).to(torch.int8)
+            judge[k] = codes.float() * spread
+        else:
+            codes = safetensors.float_to_fp8_e4m3(w / spread)
+            judge[k] = safetensors.fp8_e4m3_to_float(codes) * spread
+            dtypes[k] = "F8_E4M3"
+        state[k], state[k + "_scale"] = codes, scale.contiguous()
+    weights = {"num_bits": 8, "type": "int" if fmt == "int-quantized" else "float",
+               "symmetric": True, "strategy": strategy, "dynamic": False}
+    if strategy == "block":
+        weights["block_structure"] = [128, 128]
+    model.config.quantization_config = {
+        "quant_method": "compressed-tensors", "format": fmt,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": {"num_bits": 8, "dynamic": True}}}}
+    os.makedirs(folder, exist_ok=True)
+    model.config.save_pretrained(folder)
+    del model.config.quantization_config
+    safetensors.save_sharded(state, folder, 60_000, dtypes=dtypes)
+    return state, judge
+
+
+@pytest.mark.parametrize("fmt,strategy,weight_format", [
+    ("int-quantized", "channel", "int8"), ("float-quantized", "block", "fp8_block128"),
+    ("float-quantized", "channel", None)])
+def test_compressed_tensors_int8_and_fp8_checkpoints(tmp_path, fmt, strategy, weight_format):
+    """compressed-tensors' W8A8 int8 checkpoints into an int8 LoRA layer and
+    its FP8 block checkpoints into an fp8_block128 one: codes and scales
+    copied as they are; FP8 by channel into a dense layer: dequantized. The
+    layers' values are code x scale bit for bit, the other linear weights
+    dequantized into the model, the logits those of the unpatched model on
+    those values."""
+    sizes = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=128)
+    src = make_model("qwen3_moe", **sizes)
+    state, judge = write_scaled_checkpoint(src, tmp_path / "ckpt", fmt, strategy)
+    model = make_model("qwen3_moe", seed=3, **sizes)
+    options = dict(lora_rank=2, lora_alpha=4, weight_format=weight_format) if weight_format \
+        else {}
+    mhf.patch_model(model, ranks=2, threads=1, **options)
+    mhf.load_checkpoint(model, tmp_path / "ckpt")
+    layer = model.model.layers[1].mlp.experts.layer
+    key = "model.layers.1.mlp.experts.5.{}_proj.weight"
+    if weight_format:
+        assert torch.equal(layer.w2[5], state[key.format("down")])
+        w1, w2 = layer.dequantized_weights()
+        assert torch.equal(w1[5], torch.cat((judge[key.format("gate")],
+                                             judge[key.format("up")])))
+        assert torch.equal(w2[5], judge[key.format("down")])
+    else:
+        gate, up, down = layer.projections()
+        assert torch.equal(gate[5], judge[key.format("gate")])
+        assert torch.equal(down[5], judge[key.format("down")])
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight, judge[o])
+    ref = make_model("qwen3_moe", seed=5, **sizes)
+    hf_models.load_checkpoint_state_dict(ref, judge)
+    ids = tokens()
+    close(model(ids).logits, ref(ids).logits, 1e-5, "logits")
+    # a scale of no shape the weight's codes can take is refused, naming it
+    bad = dict(state)
+    bad[key.format("up") + "_scale"] = torch.ones(3, 5)
+    folder = tmp_path / "bad"
+    os.makedirs(folder)
+    (folder / "config.json").write_text((tmp_path / "ckpt/config.json").read_text())
+    safetensors.save_sharded(bad, folder, 60_000,
+                             dtypes={k: "F8_E4M3" for k in bad if bad[k].dtype == torch.uint8})
+    with pytest.raises(ValueError, match=rf"'{key.format('up')}_scale' in .* is F32 \[3, 5\]; "
+                                         r"an (I8|F8_E4M3) weight of shape \[128, 128\] needs"):
+        mhf.load_checkpoint(model, folder)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_integer_checkpoint_dequantized_or_quantized_again(tmp_path, bits):
     """Where a layer cannot hold a GPTQ checkpoint's experts as they are:
@@ -915,9 +1010,9 @@ def test_integer_checkpoint_refusals(tmp_path):
             (lambda c, s: c["quantization_config"].update(quant_method="awq", version="gemv"),
              r"config.json: AWQ version 'gemv': moec reads 'gemm'"),
             (lambda c, s: c["quantization_config"].update(quant_method="compressed-tensors",
-                                                          format="int-quantized"),
-             r"config.json: a compressed-tensors checkpoint of format 'int-quantized': moec "
-             r"reads 'pack-quantized'"),
+                                                          format="marlin-24"),
+             r"config.json: a compressed-tensors checkpoint of format 'marlin-24': moec "
+             r"reads 'pack-quantized', 'int-quantized', 'float-quantized'"),
             (lambda c, s: c.update(quantization_config={"quant_method": "bitsandbytes",
                                                         "load_in_4bit": True}),
              r"config.json: a checkpoint quantized by 'bitsandbytes': moec reads FP8"),

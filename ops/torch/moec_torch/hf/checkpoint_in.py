@@ -65,6 +65,49 @@ def _dequantize_fp8(weight, scale_inv, name):
         raise ValueError(f"moec: '{name}_scale_inv': {str(e).removeprefix('moec: ')}") from None
 
 
+# The kinds of a weight stored as codes beside a scale tensor X.weight_scale_inv
+# (DeepSeek-V3) or X.weight_scale (compressed-tensors' int- and float-quantized).
+SCALED = ("F8_E4M3", "I8")
+
+
+def _scale_name(ckpt, name):
+    """The scale tensor beside the FP8 or int8 weight `name`, or None."""
+    return next((name + s for s in ("_scale_inv", "_scale") if name + s in ckpt), None)
+
+
+def _scale_layout(scale_shape, shape, fp8):
+    """How a scale of `scale_shape` covers a weight [out, in] = `shape`:
+    "blocks" (FP8's 128 x 128), "tensor" ([1]), "rows" ([out, 1] or [out]),
+    "groups" ([out, n], n dividing in), or None."""
+    out, cols = shape
+    dims = list(scale_shape)
+    if fp8 and dims == [quant._blocks(out), quant._blocks(cols)]:
+        return "blocks"
+    if dims in ([], [1], [1, 1]):
+        return "tensor"
+    if dims in ([out, 1], [out]):
+        return "rows"
+    if len(dims) == 2 and dims[0] == out and dims[1] and cols % dims[1] == 0:
+        return "groups"
+    return None
+
+
+def _dequantize_scaled(ckpt, name):
+    """An FP8 or int8 weight times its scale tensor (_scale_layout), float32."""
+    codes, scale_name = ckpt.get_tensor(name), _scale_name(ckpt, name)
+    scale = ckpt.get_tensor(scale_name).float()
+    fp8 = ckpt.dtype(name) == "F8_E4M3"
+    layout = _scale_layout(scale.shape, codes.shape, fp8)
+    if layout == "blocks":
+        return _dequantize_fp8(codes, scale.reshape(quant._blocks(codes.shape[0]),
+                                                    quant._blocks(codes.shape[1])), name)
+    values = safetensors.fp8_e4m3_to_float(codes) if fp8 else codes.float()
+    if layout == "tensor":
+        return values * scale.reshape(())
+    scale = scale.reshape(codes.shape[0], -1)
+    return values * scale.repeat_interleave(codes.shape[1] // scale.shape[1], 1)
+
+
 def _int_codes(ckpt, name):
     """The checkpoint's GPTQ, AWQ or compressed-tensors settings
     (int_checkpoints.config_of) where the weight `name` (X.weight) is held
@@ -110,12 +153,11 @@ def _read_weight(ckpt, name):
     cfg = _int_codes(ckpt, name)
     if cfg is not None:
         return int_checkpoints.dequantize(cfg, _int_tensors(ckpt, name, cfg))
+    if ckpt.dtype(name) in SCALED and _scale_name(ckpt, name):
+        return _dequantize_scaled(ckpt, name)
     if ckpt.dtype(name) == "F8_E4M3":
-        scale = name + "_scale_inv"
-        if scale not in ckpt:
-            raise ValueError(f"moec: '{name}' is F8_E4M3 and the checkpoint has no "
-                             f"'{scale}' to dequantize it")
-        return _dequantize_fp8(ckpt.get_tensor(name), ckpt.get_tensor(scale), name)
+        raise ValueError(f"moec: '{name}' is F8_E4M3 and the checkpoint has no "
+                         f"'{name}_scale_inv' to dequantize it")
     return ckpt.get_tensor(name)
 
 
@@ -150,16 +192,26 @@ def _check_weight(ckpt, key, shape, dtype):
     if not dtype.is_floating_point:
         if safetensors.DTYPES[kind] != dtype or kind == "F8_E4M3":
             raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype}")
-    elif kind == "F8_E4M3":
-        scale = key + "_scale_inv"
-        if scale not in ckpt:
+    elif kind == "F8_E4M3" or (kind == "I8" and _scale_name(ckpt, key)):
+        scale = _scale_name(ckpt, key)
+        if scale is None:
             raise ValueError(f"moec: '{key}' is F8_E4M3 (in {where}) and the checkpoint has "
-                             f"no '{scale}' to dequantize it")
-        want = [quant._blocks(n) for n in shape[-2:]] if len(shape) == 2 else None
-        if want is None or ckpt.shape(scale) != want or ckpt.dtype(scale) not in FLOATS:
+                             f"no '{key}_scale_inv' to dequantize it")
+        blocks = [quant._blocks(n) for n in shape[-2:]] if len(shape) == 2 else None
+        if scale.endswith("_scale_inv"):  # DeepSeek-V3's: 128 x 128 blocks
+            layout = "blocks" if ckpt.shape(scale) == blocks else None
+        else:
+            layout = _scale_layout(ckpt.shape(scale), shape, kind == "F8_E4M3") \
+                if len(shape) == 2 else None
+        if layout is None or ckpt.dtype(scale) not in FLOATS:
             raise ValueError(f"moec: '{scale}' in {ckpt.where(scale)} is {ckpt.dtype(scale)} "
-                             f"{ckpt.shape(scale)}; an F8_E4M3 weight of shape {list(shape)} "
-                             f"needs floating-point scales of its 128x128 blocks, {want}")
+                             f"{ckpt.shape(scale)}; an {kind} weight of shape {list(shape)} "
+                             + (f"needs floating-point scales of its 128x128 blocks, {blocks}"
+                                if scale.endswith("_scale_inv") else
+                                "needs floating-point scales of its rows [out, 1], groups "
+                                "[out, n] or the whole tensor [1]"
+                                + (f", or of its 128x128 blocks, {blocks}"
+                                   if kind == "F8_E4M3" else "")))
     elif kind not in FLOATS:
         raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype} (a "
                          "floating-point tensor)")
@@ -207,6 +259,7 @@ def load_experts(model, checkpoint):
         for layer, keys in plan:
             for j, g, u, d in keys:
                 if not (_copy_fp8_expert(layer, j, ckpt, g, u, d)
+                        or _copy_int8_expert(layer, j, ckpt, g, u, d)
                         or _copy_int_expert(layer, j, ckpt, g, u, d)):
                     _set_expert(layer, j, *(_read_weight(ckpt, n) for n in (g, u, d)))
                 read += [g, u, d]
@@ -225,20 +278,45 @@ def _copy_fp8_expert(layer, j, ckpt, g, u, d):
         return False
     i, b = layer.inter, layer.inter // quant.BLOCK
     for n in names:
-        if n + "_scale_inv" not in ckpt:
+        if _scale_name(ckpt, n) is None:
             raise ValueError(f"moec: '{n}' is F8_E4M3 and the checkpoint has no "
                              f"'{n}_scale_inv' to go with it")
+    parts = []
     for (name, rows, blocks), n in zip((("w1", slice(0, i), slice(0, b)),
                                         ("w1", slice(i, 2 * i), slice(b, 2 * b)),
                                         ("w2", slice(None), slice(None))), names):
-        codes, scales = ckpt.get_tensor(n), ckpt.get_tensor(n + "_scale_inv")
+        codes, scales = ckpt.get_tensor(n), ckpt.get_tensor(_scale_name(ckpt, n))
         want = tuple(getattr(layer, name + "_scale")[j, blocks].shape)
         if tuple(scales.shape) != want:
+            if not _scale_name(ckpt, n).endswith("_scale_inv"):
+                return False  # compressed-tensors' scales by tensor or row: dequantized
             raise ValueError(f"moec: '{n}_scale_inv' in {ckpt.where(n + '_scale_inv')} has "
                              f"shape {list(scales.shape)}; a {list(codes.shape)} weight in "
                              f"128x128 blocks needs {list(want)}")
+        parts.append((name, rows, blocks, codes, scales))
+    for name, rows, blocks, codes, scales in parts:
         getattr(layer, name)[j, rows].copy_(codes)
         getattr(layer, name + "_scale")[j, blocks].copy_(scales)
+    return True
+
+
+def _copy_int8_expert(layer, j, ckpt, g, u, d):
+    """An int8 checkpoint's expert (compressed-tensors' int-quantized, a
+    scale per output channel) into an int8 layer as it is: codes and scales
+    copied. Otherwise (another layer format, scales by group) returns False,
+    and the expert is dequantized (and quantized again)."""
+    names = (g, u, d)
+    if layer.weight_format != "int8" or \
+            any(n not in ckpt or ckpt.dtype(n) != "I8" or _scale_name(ckpt, n) is None or
+                _scale_layout(ckpt.shape(_scale_name(ckpt, n)), ckpt.shape(n), False) != "rows"
+                for n in names):
+        return False
+    codes = [ckpt.get_tensor(n) for n in names]
+    scales = [ckpt.get_tensor(_scale_name(ckpt, n)).float().reshape(-1) for n in names]
+    layer.w1[j].copy_(torch.cat(codes[:2]))
+    layer.w1_scale[j].copy_(torch.cat(scales[:2]))
+    layer.w2[j].copy_(codes[2])
+    layer.w2_scale[j].copy_(scales[2])
     return True
 
 
@@ -310,7 +388,8 @@ def load_checkpoint(model, checkpoint, ignore=()):
     skipped = [k for k in ckpt.keys() if k not in known and any(p.search(k) for p in skip)]
     passed = known | set(skipped)
     extra = [k for k in ckpt.keys() if k not in passed
-             and not (k.endswith("_scale_inv") and k[:-len("_scale_inv")] in known)
+             and not (k.endswith(("_scale_inv", "_scale"))
+                      and k.rsplit("_scale", 1)[0] in known)
              and not (k.rsplit(".", 1)[-1] in int_checkpoints.TENSORS
                       and k.rsplit(".", 1)[0] + ".weight" in known)]
     for names, what in ((missing, "the checkpoint {where} has no '{name}'"),

@@ -33,8 +33,9 @@ def _open(checkpoint):
 def _check_quantization(folder):
     """Refuses a checkpoint whose config.json names a quantization moec does
     not read (ValueError naming it and the file): FP8 in 128 x 128 blocks,
-    GPTQ, AWQ and compressed-tensors' pack-quantized format are read
-    (int_checkpoints.config_of checks the last three's settings)."""
+    GPTQ, AWQ and compressed-tensors' pack-, int- and float-quantized
+    formats are read (int_checkpoints.config_of checks the last three's
+    settings)."""
     path = Path(folder) / "config.json"
     try:
         q = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
@@ -53,7 +54,7 @@ def _check_quantization(folder):
     else:
         raise ValueError(f"moec: {path}: a checkpoint quantized by {method!r}: moec reads FP8 "
                          "in 128 x 128 blocks ('fp8'), 'gptq', 'awq' and 'compressed-tensors' "
-                         "(pack-quantized) checkpoints")
+                         "checkpoints")
 
 
 def _dequantize_fp8(weight, scale_inv, name):
@@ -168,10 +169,11 @@ def _check_weight(ckpt, key, shape, dtype):
     """Refuses, before anything is copied, a checkpoint tensor that cannot
     fill a model tensor of `shape` and `dtype`: another shape; for a
     floating-point tensor, an integer or bool one (its values would be
-    cast), or an F8_E4M3 one without a floating-point weight_scale_inv of
-    its 128 x 128 blocks, or integer-coded tensors of other shapes or dtypes than
-    such a weight's; for an integer one, another dtype. ValueError naming
-    the tensor and its file."""
+    cast) unless it is FP8 or int8 codes with a floating-point scale tensor
+    of a layout its shape takes (_scale_layout; DeepSeek-V3's
+    weight_scale_inv: 128 x 128 blocks), or integer-coded tensors of other
+    shapes or dtypes than such a weight's; for an integer one, another
+    dtype. ValueError naming the tensor and its file."""
     cfg = _int_codes(ckpt, key)
     if cfg is not None:
         stem = key[:-len(".weight")]
@@ -182,7 +184,7 @@ def _check_weight(ckpt, key, shape, dtype):
                              f"weight; the model's '{key}' is {dtype} {list(shape)}")
         have = [s for s in int_checkpoints.TENSORS_OF[cfg["method"]] if f"{stem}.{s}" in ckpt]
         int_checkpoints.check(cfg, shape, {s: ckpt.shape(f"{stem}.{s}") for s in have},
-                   {s: ckpt.dtype(f"{stem}.{s}") for s in have}, stem)
+                              {s: ckpt.dtype(f"{stem}.{s}") for s in have}, stem)
         return
     where = ckpt.where(key)
     if tuple(ckpt.shape(key)) != tuple(shape):
@@ -247,11 +249,10 @@ def load_experts(model, checkpoint):
     checked first; then the experts are read one at a time from the mapped
     files into the layers, so no block's experts are held twice. FP8 weights
     (F8_E4M3 with weight_scale_inv per 128x128 block, as DeepSeek-V3 ships)
-    and integer-coded ones (moec_torch.int_checkpoints) are copied as they
-    are into a layer whose format holds them (_copy_fp8_expert,
-    _copy_int_expert), else
-    dequantized to the layer's dtype (and quantized again in its format).
-    Returns the names read."""
+    and int8 or integer-coded ones (moec_torch.int_checkpoints) are copied
+    as they are into a layer whose format holds them (_copy_fp8_expert,
+    _copy_int8_expert, _copy_int_expert), else dequantized to the layer's
+    dtype (and quantized again in its format). Returns the names read."""
     ckpt = _open(checkpoint)
     plan = _expert_keys(model, ckpt)
     read = []

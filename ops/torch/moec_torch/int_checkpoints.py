@@ -230,10 +230,11 @@ def check(cfg, shape, shapes, dtypes, name):
 
 def _unpack_words(words, bits, dim):
     """int32 words -> their codes, `32 / bits` of each word along `dim`,
-    from the low bits up (int64)."""
+    from the low bits up (int32: an arithmetic shift's sign bits are masked
+    off)."""
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    w = words.to(torch.int64).unsqueeze(dim + 1)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    w = words.to(torch.int32).unsqueeze(dim + 1)
     view = [1] * w.dim()
     view[dim + 1] = per
     codes = (w >> shifts.view(view)) & ((1 << bits) - 1)
@@ -248,44 +249,87 @@ def _awq_columns(t):
     return t[..., index]
 
 
-def unpack(cfg, tensors):
-    """(codes uint8 [out, in], zeros float32 [out, groups], scales float32
-    [out, groups], g_idx int64 [in]) of a weight's tensors (a dict by
-    suffix), zeros with GPTQ v1's offset undone."""
-    bits = cfg["bits"]
+def _in_features(cfg, tensors):
+    """The weight's input size, from its tensors' shapes (and
+    compressed-tensors' weight_shape, checked against them)."""
+    bits, per = cfg["bits"], 32 // cfg["bits"]
     if cfg["method"] == "compressed-tensors":
         packed, shape = tensors["weight_packed"], tensors["weight_shape"].tolist()
         if shape != [packed.shape[0], shape[1]] or not 0 < shape[1] <= packed.shape[1] * 32 // bits:
             raise ValueError(f"moec: a compressed-tensors weight_shape {shape} for "
                              f"weight_packed {list(packed.shape)}")
-        codes = _unpack_words(packed, bits, 1)[:, :shape[1]].to(torch.uint8).contiguous()
+        return shape[1]
+    q = tensors["qweight"]
+    return q.shape[0] * per if cfg["method"] == "gptq" else q.shape[0]
+
+
+def _zeros_scales_groups(cfg, tensors):
+    """(zeros float32 [out, groups], scales float32 [out, groups], g_idx
+    int64 [in]) of a weight's tensors, zeros with GPTQ v1's offset undone."""
+    bits = cfg["bits"]
+    rows_in = _in_features(cfg, tensors)
+    if cfg["method"] == "compressed-tensors":
         scales = tensors["weight_scale"].float().contiguous()
         zeros = torch.full_like(scales, 1 << (bits - 1)) if cfg["sym"] else \
-            _unpack_words(tensors["weight_zero_point"], bits, 0)[:shape[0]].float().contiguous()
+            _unpack_words(tensors["weight_zero_point"], bits, 0)[:scales.shape[0]].float()
         g_idx = tensors.get("weight_g_idx")
     else:
         if cfg["method"] == "gptq":
-            codes = _unpack_words(tensors["qweight"], bits, 0)
             zeros = _unpack_words(tensors["qzeros"], bits, 1) + (1 if cfg["v1"] else 0)
         else:
-            codes = _awq_columns(_unpack_words(tensors["qweight"], bits, 1))
             zeros = _awq_columns(_unpack_words(tensors["qzeros"], bits, 1))
-        codes = codes.t().to(torch.uint8).contiguous()
-        zeros, scales = zeros.t().float().contiguous(), tensors["scales"].float().t().contiguous()
+        zeros, scales = zeros.t().float(), tensors["scales"].float().t().contiguous()
         g_idx = tensors.get("g_idx")
-    rows_in = codes.shape[1]
     g_idx = g_idx.to(torch.int64) if g_idx is not None else \
         torch.arange(rows_in) // (rows_in if cfg["group_size"] == -1 else cfg["group_size"])
     if g_idx.numel() and (g_idx.min() < 0 or g_idx.max() >= scales.shape[1]):
         raise ValueError(f"moec: a g_idx names group {int(g_idx.max())} of "
                          f"{scales.shape[1]}")
-    return codes, zeros, scales, g_idx
+    return zeros.contiguous(), scales, g_idx
+
+
+def unpack(cfg, tensors):
+    """(codes uint8 [out, in], zeros float32 [out, groups], scales float32
+    [out, groups], g_idx int64 [in]) of a weight's tensors (a dict by
+    suffix), zeros with GPTQ v1's offset undone."""
+    bits = cfg["bits"]
+    zeros, scales, g_idx = _zeros_scales_groups(cfg, tensors)
+    packed = _int4_bytes(cfg, tensors, scales.shape[0], g_idx.numel()) if bits == 4 else None
+    if packed is not None:
+        codes = torch.stack((packed & 15, packed >> 4), -1).reshape(packed.shape[0], -1)
+        return codes, zeros, scales, g_idx
+    if cfg["method"] == "compressed-tensors":
+        codes = _unpack_words(tensors["weight_packed"], bits, 1)[:, :g_idx.numel()]
+    elif cfg["method"] == "gptq":
+        codes = _unpack_words(tensors["qweight"], bits, 0).t()
+    else:
+        codes = _awq_columns(_unpack_words(tensors["qweight"], bits, 1)).t()
+    return codes.to(torch.uint8).contiguous(), zeros, scales, g_idx
 
 
 def dequantize(cfg, tensors):
     """The weight [out, in] (float32) that a weight's tensors stand for."""
     codes, zeros, scales, g_idx = unpack(cfg, tensors)
+    out, rows_in = codes.shape
+    groups = scales.shape[1]
+    if rows_in % groups == 0 and torch.equal(g_idx, torch.arange(rows_in) // (rows_in // groups)):
+        g = codes.reshape(out, groups, -1).float()   # groups in order: no gathers
+        return ((g - zeros.unsqueeze(-1)) * scales.unsqueeze(-1)).reshape(out, rows_in)
     return (codes.float() - zeros[:, g_idx]) * scales[:, g_idx]
+
+
+def _int4_bytes(cfg, tensors, out, rows_in):
+    """The 4-bit codes [out, in] as moec stores them (two a byte, the even
+    input column in the low half), straight from the words where their
+    bytes already are so on a little-endian CPU (GPTQ: 8 input rows a word,
+    the word's bytes rows 2b, 2b + 1; compressed-tensors: 8 input columns a
+    word, the same); None for AWQ, whose words run along the outputs."""
+    if cfg["method"] == "gptq":
+        words = tensors["qweight"].contiguous().view(torch.uint8)   # [in / 8, 4 out]
+        return words.reshape(rows_in // 8, out, 4).permute(1, 0, 2).reshape(out, rows_in // 2)
+    if cfg["method"] == "compressed-tensors" and rows_in % 8 == 0:
+        return tensors["weight_packed"].contiguous().view(torch.uint8).reshape(out, -1)
+    return None
 
 
 def as_format(cfg, tensors, weight_format):
@@ -295,8 +339,8 @@ def as_format(cfg, tensors, weight_format):
     fmt = quant.parse(weight_format)
     if fmt.kind != "int4" or cfg["bits"] != 4 or cfg["group_size"] != fmt.group:
         return None
-    codes, zeros, scales, g_idx = unpack(cfg, tensors)
-    out, rows_in = codes.shape
+    zeros, scales, g_idx = _zeros_scales_groups(cfg, tensors)
+    out, rows_in = scales.shape[0], g_idx.numel()
     if rows_in % fmt.group or not torch.equal(g_idx, torch.arange(rows_in) // fmt.group):
         return None  # groups out of order (desc_act)
     if fmt.zero_points:
@@ -307,4 +351,8 @@ def as_format(cfg, tensors, weight_format):
         held = scales
     else:
         return None
-    return codes[:, 0::2] | (codes[:, 1::2] << 4), held
+    packed = _int4_bytes(cfg, tensors, out, rows_in)
+    if packed is None:
+        codes = unpack(cfg, tensors)[0]
+        packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.contiguous(), held

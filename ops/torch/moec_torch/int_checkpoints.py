@@ -188,11 +188,12 @@ def _groups(cfg, rows_in):
     return 1 if g == -1 else -(-rows_in // g)
 
 
-def check(cfg, shape, shapes, dtypes, name):
+def check(cfg, shape, shapes, dtypes, name, read):
     """Refuses tensors (their `shapes` and safetensors `dtypes`, dicts by
-    suffix) that cannot stand for a weight [out, in] = `shape` in the
-    checkpoint's format: ValueError naming the tensor `name`.<suffix> and
-    what it should be."""
+    suffix; `read(suffix)` the tensor, for the small ones whose values
+    matter: weight_shape, g_idx) that cannot stand for a weight [out, in] =
+    `shape` in the checkpoint's format: ValueError naming the tensor
+    `name`.<suffix> and what it should be."""
     out, rows_in = shape
     method, bits = cfg["method"], cfg["bits"]
     per, what = 32 // bits, NAMES[method]
@@ -226,6 +227,16 @@ def check(cfg, shape, shapes, dtypes, name):
                              f"{list(shapes[suffix])}; a {cfg['bits']}-bit {what} weight "
                              f"[{out}, {rows_in}] with group_size {cfg['group_size']} needs "
                              f"{' or '.join(kinds)} {dims}")
+    if "weight_shape" in want and read("weight_shape").tolist() != [out, rows_in]:
+        raise ValueError(f"moec: '{name}.weight_shape' holds "
+                         f"{read('weight_shape').tolist()}; the model's weight is "
+                         f"[{out}, {rows_in}]")
+    for suffix in optional & set(shapes):
+        g_idx = read(suffix)
+        if g_idx.numel() and (g_idx.min() < 0 or g_idx.max() >= groups):
+            raise ValueError(f"moec: '{name}.{suffix}' names group "
+                             f"{int(g_idx.min() if g_idx.min() < 0 else g_idx.max())}; the "
+                             f"weight has groups 0 .. {groups - 1}")
 
 
 def _unpack_words(words, bits, dim):

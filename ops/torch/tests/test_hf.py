@@ -1032,7 +1032,9 @@ def test_integer_checkpoint_refusals(tmp_path):
              rf"'{stem}.qzeros' is I32 \[1, 4\]; a 4-bit GPTQ weight \[32, 64\] with "
              r"group_size 32 needs I32 \[2, 4\]"),
             (lambda c, s: s.pop(f"{stem}.scales"),
-             f"'{stem}.qweight' has no '{stem}.scales' beside it")]:
+             f"'{stem}.qweight' has no '{stem}.scales' beside it"),
+            (lambda c, s: s.update({f"{stem}.g_idx": s[f"{stem}.g_idx"] * 3}),
+             rf"'{stem}.g_idx' names group 3; the weight has groups 0 \.\. 1")]:
         bad_config, bad = json.loads(json.dumps(config)), dict(state)
         edit(bad_config, bad)
         folder = tmp_path / f"bad{len(os.listdir(tmp_path))}"
@@ -1043,6 +1045,15 @@ def test_integer_checkpoint_refusals(tmp_path):
             mhf.load_checkpoint(model, folder)
         after = model.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
+    # compressed-tensors: a weight_shape that is not the model's weight's
+    state, _ = write_int_checkpoint(src, tmp_path / "ct", method="compressed-tensors")
+    state[f"{stem}.weight_shape"] = torch.tensor([32, 32])
+    safetensors.save_sharded(state, tmp_path / "ct", 30_000)
+    with pytest.raises(ValueError, match=rf"'{stem}.weight_shape' holds \[32, 32\]; the "
+                                         r"model's weight is \[32, 64\]"):
+        mhf.load_checkpoint(model, tmp_path / "ct")
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_load_checkpoint_refusals(tmp_path):

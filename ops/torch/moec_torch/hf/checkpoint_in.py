@@ -184,7 +184,8 @@ def _check_weight(ckpt, key, shape, dtype):
                              f"weight; the model's '{key}' is {dtype} {list(shape)}")
         have = [s for s in int_checkpoints.TENSORS_OF[cfg["method"]] if f"{stem}.{s}" in ckpt]
         int_checkpoints.check(cfg, shape, {s: ckpt.shape(f"{stem}.{s}") for s in have},
-                              {s: ckpt.dtype(f"{stem}.{s}") for s in have}, stem)
+                              {s: ckpt.dtype(f"{stem}.{s}") for s in have}, stem,
+                              lambda s: ckpt.get_tensor(f"{stem}.{s}"))
         return
     where = ckpt.where(key)
     if tuple(ckpt.shape(key)) != tuple(shape):

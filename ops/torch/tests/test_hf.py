@@ -735,22 +735,24 @@ def awq_values(qweight, qzeros, scales, group):
     return ((q - z).float() * scales.float().repeat_interleave(group, 0)).t().contiguous()
 
 
-def ct_values(weight_packed, weight_scale, weight_shape, weight_zero_point=None):
-    """compressed-tensors' decompression of a pack-quantized 4-bit weight
-    (unpack_from_int32, signed by the offset 8, then (q - zp) x scale, the
-    group of column i being i // (in / groups)): the weight [out, in]."""
+def ct_values(weight_packed, weight_scale, weight_shape, weight_zero_point=None, bits=4):
+    """compressed-tensors' decompression of a pack-quantized weight
+    (unpack_from_int32, signed by the offset 2^(bits-1), then (q - zp) x
+    scale, the group of column i being i // (in / groups)): the weight
+    [out, in]."""
     out, cols = weight_shape.tolist()
-    q = torch.zeros(out, weight_packed.shape[1] * 8, dtype=torch.int64)
-    for i in range(8):
-        q[:, i::8] = (weight_packed.to(torch.int64) >> (4 * i)) & 15
-    q = q[:, :cols] - 8
+    per, mask, offset = 32 // bits, (1 << bits) - 1, 1 << (bits - 1)
+    q = torch.zeros(out, weight_packed.shape[1] * per, dtype=torch.int64)
+    for i in range(per):
+        q[:, i::per] = (weight_packed.to(torch.int64) >> (bits * i)) & mask
+    q = q[:, :cols] - offset
     scale = weight_scale.float()
     zp = torch.zeros_like(scale)
     if weight_zero_point is not None:
-        z = torch.zeros(weight_zero_point.shape[0] * 8, scale.shape[1], dtype=torch.int64)
-        for i in range(8):
-            z[i::8] = (weight_zero_point.to(torch.int64) >> (4 * i)) & 15
-        zp = (z[:out] - 8).float()
+        z = torch.zeros(weight_zero_point.shape[0] * per, scale.shape[1], dtype=torch.int64)
+        for i in range(per):
+            z[i::per] = (weight_zero_point.to(torch.int64) >> (bits * i)) & mask
+        zp = (z[:out] - offset).float()
     group = cols // scale.shape[1]
     return (q.float() - zp.repeat_interleave(group, 1)) * scale.repeat_interleave(group, 1)
 
@@ -797,18 +799,18 @@ def write_int_checkpoint(model, folder, group=32, sym=True, act_order=False, v1=
                        "scales": scale}
             judge[k] = awq_values(*tensors.values(), group)
         elif method == "compressed-tensors":  # stored codes: the signed ones + 8
-            tensors = {"weight_packed": gptq_words(q).t(), "weight_scale": scale.t(),
+            tensors = {"weight_packed": gptq_words(q, bits).t(), "weight_scale": scale.t(),
                        "weight_shape": torch.tensor([w.shape[1], w.shape[0]])}
             if not sym:
-                tensors["weight_zero_point"] = gptq_words(zero.long().t())
-            judge[k] = ct_values(**tensors)
+                tensors["weight_zero_point"] = gptq_words(zero.long().t(), bits)
+            judge[k] = ct_values(**tensors, bits=bits)
         else:
             tensors = {"qweight": gptq_words(q, bits),
                        "qzeros": gptq_words(zero.long().t() - int(v1), bits).t(),
                        "scales": scale, "g_idx": g_idx.to(torch.int32)}
             judge[k] = gptq_values(*tensors.values(), v1=v1, bits=bits)
         state.update({stem + n: t.contiguous() for n, t in tensors.items()})
-    scheme = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group",
+    scheme = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group",
               "group_size": group, "dynamic": False, "actorder": None}
     model.config.quantization_config = (
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
@@ -956,16 +958,18 @@ def test_compressed_tensors_int8_and_fp8_checkpoints(tmp_path, fmt, strategy, we
         mhf.load_checkpoint(model, folder)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_integer_checkpoint_dequantized_or_quantized_again(tmp_path, bits):
-    """Where a layer cannot hold a GPTQ checkpoint's experts as they are:
-    a dense layer takes AutoGPTQ's values (desc_act's groups out of order
-    included; 4 and 8 bits) bit for bit; an int4_g64 layer, a g32
-    checkpoint's values quantized again (close to them, not equal)."""
+@pytest.mark.parametrize("method,bits", [("gptq", 4), ("gptq", 8),
+                                         ("compressed-tensors", 8)])
+def test_integer_checkpoint_dequantized_or_quantized_again(tmp_path, method, bits):
+    """Where a layer cannot hold a checkpoint's experts as they are: a dense
+    layer takes AutoGPTQ's or compressed-tensors' values (GPTQ's desc_act
+    groups out of order included; 4 and 8 bits) bit for bit; an int4_g64
+    layer, a g32 checkpoint's values quantized again (close to them, not
+    equal)."""
     sizes = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=64)
     src = make_model("qwen3_moe", **sizes)
-    _, judge = write_int_checkpoint(src, tmp_path / "ckpt", sym=False, act_order=True,
-                                     bits=bits)
+    _, judge = write_int_checkpoint(src, tmp_path / "ckpt", sym=False,
+                                     act_order=method == "gptq", bits=bits, method=method)
     model = make_model("qwen3_moe", seed=3, **sizes)
     mhf.patch_model(model, ranks=2, threads=1)
     mhf.load_checkpoint(model, tmp_path / "ckpt")

@@ -834,7 +834,8 @@ def write_int_checkpoint(model, folder, group=32, sym=True, act_order=False, v1=
     ("compressed-tensors", False, "int4_g32_zp", False)])
 def test_integer_checkpoints_held_as_they_are(tmp_path, method, sym, weight_format, v1):
     """A 4-bit GPTQ or AWQ checkpoint (group 32) into LoRA layers of its
-    format: the experts' codes, scales and zeros copied as they are
+    format, the model made on the meta device: the experts' codes, scales
+    and zeros copied as they are
     (nothing rounded again: the layer's values are AutoGPTQ's or AutoAWQ's
     dequantization bit for bit); the other linear weights dequantized into
     the model; the patched model's logits those of the unpatched model on
@@ -842,10 +843,11 @@ def test_integer_checkpoints_held_as_they_are(tmp_path, method, sym, weight_form
     sizes = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=64)
     src = make_model("qwen3_moe", **sizes)
     state, judge = write_int_checkpoint(src, tmp_path / "ckpt", sym=sym, v1=v1, method=method)
-    model = make_model("qwen3_moe", seed=3, **sizes)
+    model = make_model("qwen3_moe", seed=3, **sizes).to("meta")  # every weight from the files
     mhf.patch_model(model, ranks=2, threads=1, lora_rank=2, lora_alpha=4,
                     weight_format=weight_format)
     mhf.load_checkpoint(model, tmp_path / "ckpt")
+    assert not any(t.is_meta for t in model.state_dict().values() if torch.is_tensor(t))
     layer = model.model.layers[1].mlp.experts.layer
     w1, w2 = layer.dequantized_weights()
     key = "model.layers.1.mlp.experts.5.{}_proj.weight"
@@ -922,7 +924,7 @@ def test_compressed_tensors_int8_and_fp8_checkpoints(tmp_path, fmt, strategy, we
     sizes = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=128)
     src = make_model("qwen3_moe", **sizes)
     state, judge = write_scaled_checkpoint(src, tmp_path / "ckpt", fmt, strategy)
-    model = make_model("qwen3_moe", seed=3, **sizes)
+    model = make_model("qwen3_moe", seed=3, **sizes).to("meta")  # every weight from the files
     options = dict(lora_rank=2, lora_alpha=4, weight_format=weight_format) if weight_format \
         else {}
     mhf.patch_model(model, ranks=2, threads=1, **options)

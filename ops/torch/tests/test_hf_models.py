@@ -56,6 +56,9 @@ def config(family, layout="modules", **extra):
                          n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                          routed_scaling_factor=1.5, attention_bias=True, use_qk_norm=True,
                          head_dim=16, partial_rotary_factor=0.5),
+        "qwen3_5_moe_text": dict(moe_intermediate_size=I, num_experts=E,
+                                 shared_expert_intermediate_size=24, head_dim=16,
+                                 partial_rotary_factor=0.25),
     }[family]
     return hm.config_from_dict({"model_type": family, **common, **sizes, **extra})
 
@@ -207,6 +210,31 @@ def test_qwen2_shared_expert_gate():
         gate = torch.sigmoid(x @ block_of(model("qwen2_moe", layout, seed=4))
                              .shared_expert_gate.weight.t())
         close(out - at_zero, (gate - 0.5) * block.shared_expert(x), "gated shared expert")
+
+
+def test_qwen3_5_moe_block():
+    """Qwen3.5-MoE (v5 only): its router's top-k weights always sum to 1 (in
+    the logits' dtype), the block adds the sigmoid-gated shared expert;
+    its checkpoints keep the experts fused; no per-expert layout."""
+    m = model("qwen3_5_moe_text", "fused", seed=4)
+    block = block_of(m, 0)
+    assert type(block).__name__ == "Qwen3_5MoeSparseMoeBlock"
+    x = torch.randn(1, 5, H)
+    logits, weights, indices = block.gate(x.reshape(-1, H))
+    close(weights.sum(-1), torch.ones(5), "renormalized top-k weights")
+    probs = torch.softmax(logits.float(), -1)
+    close(weights, probs.gather(1, indices) / probs.gather(1, indices).sum(-1, keepdim=True),
+          "top-k weights")
+    with torch.no_grad():
+        routed = block.experts(x.reshape(-1, H), indices, weights)
+        shared = torch.sigmoid(block.shared_expert_gate(x.reshape(-1, H))) * \
+            block.shared_expert(x.reshape(-1, H))
+        close(block(x).reshape(-1, H), routed + shared, "routed + gated shared expert")
+    names = hm.checkpoint_state_dict(m)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    assert not any(".experts.0." in k for k in names)
+    with pytest.raises(ValueError, match="experts_layout 'fused' only"):
+        config("qwen3_5_moe_text", "modules")
 
 
 def test_v5_router_weight_dtypes():
@@ -540,9 +568,14 @@ def test_config_defaults_are_transformers():
     c = hm.OlmoeConfig()
     assert (c.num_experts, c.num_experts_per_tok, c.router_aux_loss_coef, c.num_local_experts,
             c.norm_topk_prob) == (64, 8, 0.01, 64, False)
+    c = hm.Qwen3_5MoeTextConfig()
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+            c.shared_expert_intermediate_size, c.head_dim, c.hidden_size,
+            c.num_hidden_layers, c.vocab_size) == (256, 8, 512, 512, 256, 2048, 40, 248320)
+    assert not hasattr(c, "norm_topk_prob")  # its router always renormalizes
     for cls in hm.CONFIGS.values():
         c = cls()
-        assert c.architectures == [c.architecture] and c.experts_layout == "modules"
+        assert c.architectures == [c.architecture] and c.experts_layout == cls.layouts[0]
         assert c.tie_word_embeddings is False and c.hidden_act == "silu"
     with pytest.raises(AttributeError):
         hm.MixtralConfig().no_such_field
@@ -569,7 +602,8 @@ def test_config_json_round_trip(tmp_path):
 def test_registry():
     assert set(hm.MODELS) == {"Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
                               "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-                              "OlmoeForCausalLM", "Glm4MoeForCausalLM", "Qwen3NextForCausalLM"}
+                              "OlmoeForCausalLM", "Glm4MoeForCausalLM", "Qwen3NextForCausalLM",
+                              "Qwen3_5MoeForCausalLM"}
     for family in FAMILIES:
         cfg = config(family)
         m = hm.model_from_config(cfg.to_dict())

@@ -61,6 +61,7 @@ from .configs import (  # noqa: F401
     DeepseekV3Config,
     Glm4MoeConfig,
     Qwen3NextConfig,
+    Qwen3_5MoeTextConfig,
     config_from_dict,
     config_from_pretrained,
     CONFIGS)
@@ -75,6 +76,7 @@ from .modules import (  # noqa: F401
     DeepseekV3MLP,
     Glm4MoeMLP,
     Qwen3NextMLP,
+    Qwen3_5MoeMLP,
     MixtralBlockSparseTop2MLP,
     Experts,
     Qwen2MoeExperts,
@@ -85,6 +87,7 @@ from .modules import (  # noqa: F401
     DeepseekV3Experts,
     Glm4MoeExperts,
     Qwen3NextExperts,
+    Qwen3_5MoeExperts,
     ACT2FN)
 from .moe import (  # noqa: F401
     TopKRouter,
@@ -106,7 +109,9 @@ from .moe import (  # noqa: F401
     Glm4MoeTopkRouter,
     Glm4MoeMoE,
     Qwen3NextTopKRouter,
-    Qwen3NextSparseMoeBlock)
+    Qwen3NextSparseMoeBlock,
+    Qwen3_5MoeTopKRouter,
+    Qwen3_5MoeSparseMoeBlock)
 from .models import (  # noqa: F401
     DecoderLayer,
     MoeModel,
@@ -121,6 +126,7 @@ from .models import (  # noqa: F401
     DeepseekV3ForCausalLM,
     Glm4MoeForCausalLM,
     Qwen3NextForCausalLM,
+    Qwen3_5MoeForCausalLM,
     model_from_config,
     MODELS)
 from .checkpoints import (  # noqa: F401

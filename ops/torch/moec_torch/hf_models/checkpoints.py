@@ -15,14 +15,16 @@ def _checkpoint_key(key, renames):
 
 
 def checkpoint_state_dict(model):
-    """The model's tensors under transformers v4 checkpoint names (the Hub's),
-    in either layout: each fused experts module's gate_up_proj[e] split into
+    """The model's tensors under the Hub's checkpoint names: transformers v4's
+    (a family whose checkpoints keep v5's fused experts, Qwen3.5-MoE's,
+    under its own), in either layout: each fused experts module's gate_up_proj[e] split into
     experts.<e>.gate_proj.weight and up_proj.weight (Mixtral w1, w3) and
     down_proj[e] as experts.<e>.down_proj.weight (w2), all [out, in]; v5
     Mixtral's mlp named block_sparse_moe; a tied lm_head.weight left out.
     The tensors are the model's own (detached views): writing into them
     writes into the model."""
-    fused = {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+    fused = {name: m for name, m in model.named_modules() if isinstance(m, Experts)} \
+        if model.checkpoint_experts == "modules" else {}  # (else the Hub's are fused too)
     # Blocks that the module tree names otherwise than checkpoints (v5 Mixtral's mlp).
     want = model.checkpoint_block
     renames = [(f"model.layers.{i}.{layer.ffn_name}.", f"model.layers.{i}.{want}.")

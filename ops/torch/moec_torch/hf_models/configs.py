@@ -51,6 +51,8 @@ class PretrainedConfig:
                   tie_word_embeddings=False, torch_dtype=None, pad_token_id=None,
                   bos_token_id=None, eos_token_id=None, experts_layout="modules")
 
+    layouts = ("modules", "fused")  # the expert layouts transformers has of the family
+
     def __init__(self, **kwargs):
         kwargs.pop("model_type", None)
         fields = {**self.common, "architectures": [self.architecture], **self.defaults, **kwargs}
@@ -63,6 +65,10 @@ class PretrainedConfig:
         if self.experts_layout not in ("modules", "fused"):
             raise ValueError(f"experts_layout must be 'modules' or 'fused', got "
                              f"{self.experts_layout!r}")
+        if self.experts_layout not in self.layouts:
+            raise ValueError(f"{type(self).__name__}: transformers has the {self.model_type} "
+                             f"model with experts_layout {' or '.join(map(repr, self.layouts))} "
+                             f"only, not {self.experts_layout!r}")
 
     def __getattr__(self, name):  # only for names that are not set: the aliases
         alias = type(self).attribute_map.get(name)
@@ -200,6 +206,26 @@ class Qwen3NextConfig(PretrainedConfig):
                     mlp_only_layers=None)
 
 
+class Qwen3_5MoeTextConfig(PretrainedConfig):
+    """Qwen3.5-MoE's text model (configuration_qwen3_5_moe.py, 5.x; the
+    Hub's config.json nests it as text_config of a qwen3_5_moe config):
+    Qwen3-Next's block (shared expert gated by sigmoid) whose router always
+    renormalizes its top-k weights (no norm_topk_prob); transformers v5
+    only, so experts_layout "fused" only; its hybrid attention the stand-in
+    simplifies as Qwen3-Next's."""
+    model_type, architecture = "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"
+    experts_field, layouts = "num_experts", ("fused",)
+    defaults = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+                    num_attention_heads=16, num_key_value_heads=2,
+                    max_position_embeddings=32768, attention_bias=False, head_dim=256,
+                    partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=128, linear_value_head_dim=128,
+                    linear_num_key_heads=16, linear_num_value_heads=32,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                    num_experts_per_tok=8, num_experts=256, output_router_logits=False,
+                    router_aux_loss_coef=0.001, layer_types=None, experts_layout="fused")
+
+
 class Glm4MoeConfig(PretrainedConfig):
     """GLM-4.5 / 4.6 (transformers' modular_glm4_moe.py): DeepSeek-V3's MoE
     (sigmoid router with e_score_correction_bias, groups, shared experts,
@@ -220,7 +246,7 @@ class Glm4MoeConfig(PretrainedConfig):
 
 CONFIGS = {c.model_type: c for c in (Qwen2MoeConfig, Qwen3MoeConfig, MixtralConfig,
                                      DeepseekV2Config, DeepseekV3Config, OlmoeConfig,
-                                     Glm4MoeConfig, Qwen3NextConfig)}
+                                     Glm4MoeConfig, Qwen3NextConfig, Qwen3_5MoeTextConfig)}
 
 
 def config_from_dict(d):

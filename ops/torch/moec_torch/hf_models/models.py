@@ -13,6 +13,7 @@ from .configs import (
     Qwen2MoeConfig,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    Qwen3_5MoeTextConfig,
     config_from_dict,
 )
 from .modules import (
@@ -25,6 +26,7 @@ from .modules import (
     Qwen2MoeMLP,
     Qwen3MoeMLP,
     Qwen3NextMLP,
+    Qwen3_5MoeMLP,
     RMSNorm,
 )
 from .moe import (
@@ -37,6 +39,7 @@ from .moe import (
     Qwen2MoeSparseMoeBlock,
     Qwen3MoeSparseMoeBlock,
     Qwen3NextSparseMoeBlock,
+    Qwen3_5MoeSparseMoeBlock,
     SparseMoeBlock,
     TopKRouter,
 )
@@ -127,6 +130,9 @@ class ForCausalLM(nn.Module):
     sparse_block = None
     dense_mlp = MLP
     checkpoint_block = "mlp"  # the MoE block's attribute name in checkpoints
+    # The experts' names in the Hub's checkpoints: "modules", v4's per-expert
+    # ones (checkpoint_state_dict converts v5's), or "fused", v5's own.
+    checkpoint_experts = "modules"
     keys_to_ignore = ()  # the <Family>Model's _keys_to_ignore_on_load_unexpected
     # By layout, (module class, output index) whose outputs are the router
     # logits, as transformers' OutputRecorder: v4's blocks, v5's routers.
@@ -276,6 +282,24 @@ class Qwen3NextForCausalLM(ForCausalLM):
                          qk_norm="head")
 
 
+class Qwen3_5MoeForCausalLM(ForCausalLM):
+    """Qwen3.5-MoE's text model (transformers v5: Qwen3_5MoeForCausalLM;
+    the Hub's Qwen3_5MoeForConditionalGeneration holds the same under
+    model.language_model, beside its vision tower): every layer sparse,
+    attention as Qwen3-Next's stand-in; its checkpoints keep the experts
+    fused (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]);
+    mtp.* skipped on load."""
+    config_class, sparse_block, dense_mlp = (Qwen3_5MoeTextConfig, Qwen3_5MoeSparseMoeBlock,
+                                             Qwen3_5MoeMLP)
+    keys_to_ignore = (r"^mtp.*",)
+    checkpoint_experts = "fused"
+
+    @classmethod
+    def attention(cls, config):
+        return Attention(config, qkv_bias=config.attention_bias, o_bias=config.attention_bias,
+                         qk_norm="head")
+
+
 class MixtralForCausalLM(ForCausalLM):
     """Every layer sparse; the block is block_sparse_moe in v4 (and in
     checkpoints), mlp in v5."""
@@ -351,7 +375,7 @@ class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
 MODELS = {cls.__name__: cls for cls in (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM,
                                         MixtralForCausalLM, OlmoeForCausalLM,
                                         DeepseekV2ForCausalLM, DeepseekV3ForCausalLM,
-                                        Glm4MoeForCausalLM, Qwen3NextForCausalLM)}
+                                        Glm4MoeForCausalLM, Qwen3NextForCausalLM, Qwen3_5MoeForCausalLM)}
 
 
 def model_from_config(config, seed=None):

@@ -131,6 +131,10 @@ class Qwen3NextMLP(MLP):
     pass
 
 
+class Qwen3_5MoeMLP(MLP):
+    pass
+
+
 class DeepseekV2MLP(MLP):
     pass
 
@@ -214,6 +218,10 @@ class Qwen3MoeExperts(Experts):
 
 
 class Qwen3NextExperts(Experts):
+    pass
+
+
+class Qwen3_5MoeExperts(Experts):
     pass
 
 

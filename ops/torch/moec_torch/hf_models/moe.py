@@ -24,6 +24,8 @@ from .modules import (
     Qwen3MoeMLP,
     Qwen3NextExperts,
     Qwen3NextMLP,
+    Qwen3_5MoeExperts,
+    Qwen3_5MoeMLP,
     _dispatch,
 )
 
@@ -84,6 +86,12 @@ class OlmoeTopKRouter(TopKRouter):
 
 class Qwen3NextTopKRouter(TopKRouter):
     pass
+
+
+class Qwen3_5MoeTopKRouter(TopKRouter):
+    """Always renormalizes (its config has no norm_topk_prob); the weights
+    in the logits' dtype."""
+    always_renormalize = True
 
 
 class MixtralTopKRouter(TopKRouter):
@@ -167,6 +175,13 @@ class Qwen2MoeSparseMoeBlock(SparseMoeBlock):
 class Qwen3NextSparseMoeBlock(Qwen2MoeSparseMoeBlock):
     """Qwen3-Next's block: Qwen2-MoE's, under Qwen3-Next's names."""
     mlp_class, experts_class, router_class = Qwen3NextMLP, Qwen3NextExperts, Qwen3NextTopKRouter
+
+
+class Qwen3_5MoeSparseMoeBlock(Qwen2MoeSparseMoeBlock):
+    """Qwen3.5-MoE's block (v5 only): Qwen3-Next's, its router always
+    renormalizing."""
+    mlp_class, experts_class, router_class = Qwen3_5MoeMLP, Qwen3_5MoeExperts, Qwen3_5MoeTopKRouter
+    always_renormalize = True
 
 
 class OlmoeSparseMoeBlock(SparseMoeBlock):

@@ -22,6 +22,10 @@ from moec_torch import hf_lora, hf_models, quant, safetensors
 FAMILIES = ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe",
             "glm4_moe", "qwen3_next"]
 LAYOUTS = ["modules", "fused"]
+# Every family in each layout transformers has of it: Qwen3.5-MoE (its text
+# model) exists in v5, fused, only.
+FAMILY_LAYOUTS = [(f, layout) for f in FAMILIES for layout in LAYOUTS] + \
+    [("qwen3_5_moe_text", "fused")]
 
 
 def make_config(family, layout="modules", **extra):
@@ -49,6 +53,9 @@ def make_config(family, layout="modules", **extra):
         "qwen3_next": dict(intermediate_size=48, moe_intermediate_size=16, num_experts=8,
                            num_experts_per_tok=2, shared_expert_intermediate_size=24,
                            norm_topk_prob=True, head_dim=8, partial_rotary_factor=0.25),
+        "qwen3_5_moe_text": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                                 shared_expert_intermediate_size=24, head_dim=8,
+                                 partial_rotary_factor=0.25),
         "glm4_moe": dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=8,
                          num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                          n_group=4, topk_group=2, routed_scaling_factor=1.5,
@@ -126,8 +133,7 @@ def run_both(family, layout, dtype, ranks, tol, ids=None, **options):
     return ref, model
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
 def test_patched_model_matches_the_stand_in(family, layout):
     """fp32: logits and the gradients of every trainable parameter (the
     embedding's is the inputs') within 1e-5 of their scale, 21 tokens on 2
@@ -147,7 +153,7 @@ def test_patched_model_matches_the_stand_in(family, layout):
             close(layer.w2.grad[e], want[name, e][1], 1e-5, f"{name} expert {e} w2")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ["qwen3_5_moe_text"])
 @pytest.mark.parametrize("mode", ["frozen", "lora"])
 def test_fused_experts_of_a_frozen_layer_are_read_in_place(family, mode):
     """v5 fused experts of a frozen or LoRA layer: the layer's w1 and w2 are
@@ -205,8 +211,7 @@ def err_of(a, b):
     return (a.detach().float() - b.detach().float()).abs().max().item()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family,layout", FAMILY_LAYOUTS)
 def test_bf16(family, layout):
     """bf16, block by block on the same inputs (a whole bf16 model's
     difference would be dominated by a near tie in a later router picking
@@ -1060,6 +1065,52 @@ def test_integer_checkpoint_refusals(tmp_path):
         mhf.load_checkpoint(model, tmp_path / "ct")
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_qwen3_5_moe_checkpoints_keep_the_experts_fused(tmp_path):
+    """Qwen3.5-MoE's checkpoints hold each block's experts fused
+    (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]):
+    load_checkpoint reads them into a model made on the meta device and
+    patched with LoRA on the fused parameters (PEFT's target_parameters),
+    its logits the source's; after a step, save_pretrained writes them
+    fused again, the adapters merged in, which the unpatched stand-in loads
+    by name and gives the patched model's logits; a checkpoint with
+    per-expert names is refused, naming the fused tensor it lacks (under
+    mpirun: mpi_hf_check.py, where save_pretrained is refused)."""
+    src = make_model("qwen3_5_moe_text", "fused")
+    state = write_checkpoint(src, tmp_path / "ckpt", max_shard_size=20_000)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    model = make_model("qwen3_5_moe_text", "fused", seed=4).to("meta")
+    mhf.patch_model(model, ranks=2, threads=1, lora_rank=2, lora_alpha=4,
+                    lora_target_parameters=["gate_up_proj", "down_proj"])
+    read = mhf.load_experts(model, tmp_path / "ckpt")
+    assert sorted(read) == sorted(k for k in state if ".experts." in k)
+    mhf.load_checkpoint(model, tmp_path / "ckpt")
+    ids = tokens()
+    close(model(ids).logits, src(ids).logits, 1e-5, "logits")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model(ids).logits.square().mean().backward()
+    torch.optim.SGD(trained, lr=1.0).step()
+    files = mhf.save_pretrained(model, tmp_path / "merged", max_shard_size=20_000)
+    index = json.loads((tmp_path / "merged/model.safetensors.index.json").read_text())
+    assert "model.layers.0.mlp.experts.down_proj" in index["weight_map"]
+    assert not any(".experts.0." in k for k in index["weight_map"]) and len(files) > 3
+    merged = hf_models.model_from_config(hf_models.config_from_pretrained(tmp_path / "merged"))
+    hf_models.load_checkpoint_state_dict(merged, {
+        k: safetensors.load_file(tmp_path / "merged" / f)[k] for k, f in index["weight_map"].items()})
+    with torch.no_grad():
+        close(merged(ids).logits, model(ids).logits, 1e-5, "merged checkpoint")
+    per_expert = {k: v for k, v in state.items() if ".experts." not in k}
+    for k in [k for k in state if k.endswith("experts.gate_up_proj")]:
+        for e in range(8):
+            per_expert[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = state[k][e, :16]
+    os.makedirs(tmp_path / "bad")
+    src.config.save_pretrained(tmp_path / "bad")
+    safetensors.save_sharded(per_expert, tmp_path / "bad", 20_000)
+    with pytest.raises(ValueError, match=r"has no 'model\.layers\.0\.mlp\.experts\.gate_up_proj' "
+                                         r"\(the experts of 'model\.layers\.0\.mlp', fused as "
+                                         r"qwen3_5_moe checkpoints keep them\)"):
+        mhf.load_experts(model, tmp_path / "bad")
 
 
 def test_load_checkpoint_refusals(tmp_path):

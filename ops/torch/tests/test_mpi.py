@@ -157,7 +157,9 @@ def test_ddp_around_the_layer_under_mpirun(variant, tmp_path):
 @pytest.mark.parametrize("family,layout,ranks,form", [("qwen3_moe", "modules", 2, "modules"),
                                                        ("deepseek_v3", "fused", 2, "modules"),
                                                        ("mixtral", "modules", 4, "modules"),
-                                                       ("qwen3_moe", "fused", 2, "parameters")])
+                                                       ("qwen3_moe", "fused", 2, "parameters"),
+                                                       ("qwen3_5_moe_text", "fused", 2,
+                                                        "parameters")])
 def test_hf_model_under_mpirun(tmp_path, family, layout, ranks, form):
     """A patched Hugging Face-structured model, one rank per process, each
     with its own number of tokens, against the unpatched model on the whole

@@ -12,7 +12,7 @@ fill them from a checkpoint, save PEFT adapters and merged checkpoints.
 A model is "Hugging Face-structured" when its MoE blocks are transformers'
 classes (or classes with their names, attributes and forward math, as
 moec_torch.hf_models' stand-ins): Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2,
-DeepSeek-V3, OLMoE, GLM-4.5 and Qwen3-Next, with experts either as per-expert modules
+DeepSeek-V3, OLMoE, GLM-4.5, Qwen3-Next and Qwen3.5-MoE (v5 only), with experts either as per-expert modules
 (``experts.<e>.gate_proj/up_proj/down_proj``, Mixtral ``w1/w3/w2``;
 transformers v4) or fused parameters (``experts.gate_up_proj [E, 2I, H]``,
 ``experts.down_proj [E, H, I]``; transformers v5).

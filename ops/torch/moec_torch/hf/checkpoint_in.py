@@ -221,13 +221,27 @@ def _check_weight(ckpt, key, shape, dtype):
 
 
 def _expert_keys(model, ckpt):
-    """[(layer, [(expert index in the layer, gate, up, down checkpoint names)])]
-    for every patched block, each name checked in `ckpt` with its shape and
-    dtype (_check_weight)."""
+    """[(layer, fused, keys)] for every patched block, each name checked in
+    `ckpt` with its shape and dtype (_check_weight): keys [(expert index in
+    the layer, gate, up, down checkpoint names)], or where the family's
+    checkpoints keep the experts fused (fused True) [(expert index in the
+    layer, expert, gate_up_proj's name, down_proj's name)]."""
     plan = []
     for name, _, experts in _patched(model):
         layer, family = experts.layer, experts.family
         prefix = _checkpoint_prefix(name, family)
+        if family.checkpoint_experts == "fused":
+            fused = (f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj")
+            for key, shape in zip(fused, ((layer.experts, 2 * layer.inter, layer.hidden),
+                                          (layer.experts, layer.hidden, layer.inter))):
+                if key not in ckpt:
+                    raise ValueError(f"moec: the checkpoint {ckpt.where(key)} has no '{key}' "
+                                     f"(the experts of '{name}', fused as {family.name} "
+                                     "checkpoints keep them)")
+                _check_weight(ckpt, key, shape, layer.dtype)
+            plan.append((layer, True,
+                         [(j, e, *fused) for j, e in enumerate(_local_experts(layer))]))
+            continue
         shapes = ((layer.inter, layer.hidden), (layer.inter, layer.hidden),
                   (layer.hidden, layer.inter))
         keys = []
@@ -239,7 +253,7 @@ def _expert_keys(model, ckpt):
                                      f"(expert {e} of '{name}')")
                 _check_weight(ckpt, key, shape, layer.dtype)
             keys.append((j, *names))
-        plan.append((layer, keys))
+        plan.append((layer, False, keys))
     return plan
 
 
@@ -258,7 +272,14 @@ def load_experts(model, checkpoint):
     plan = _expert_keys(model, ckpt)
     read = []
     with torch.no_grad():
-        for layer, keys in plan:
+        for layer, fused, keys in plan:
+            if fused:
+                for j, e, gate_up, down in keys:
+                    both = _read_weight(ckpt, gate_up)[e]
+                    _set_expert(layer, j, both[:layer.inter], both[layer.inter:],
+                                _read_weight(ckpt, down)[e])
+                read += [keys[0][2], keys[0][3]]
+                continue
             for j, g, u, d in keys:
                 if not (_copy_fp8_expert(layer, j, ckpt, g, u, d)
                         or _copy_int8_expert(layer, j, ckpt, g, u, d)

@@ -11,9 +11,14 @@ class Family:
     its MoE block classes, its experts' projection names in checkpoints
     (gate, up, down), and how its v4 block routes: "softmax" (the block's
     forward is replaced by one with the same routing) or "moe_method"
-    (DeepSeek: the block's ``moe`` method is)."""
+    (DeepSeek: the block's ``moe`` method is), and how its checkpoints name
+    the experts: "modules", per expert (<block>.experts.<e>.<projection>.weight,
+    transformers v4's names, which v5 converts on load), or "fused", as v5's
+    parameters (<block>.experts.gate_up_proj [E, 2I, H], .down_proj [E, H,
+    I]: Qwen3.5-MoE's checkpoints)."""
 
-    def __init__(self, name, blocks, projections, routing, checkpoint_block=None):
+    def __init__(self, name, blocks, projections, routing, checkpoint_block=None,
+                 checkpoint_experts="modules"):
         self.name = name
         self.blocks = blocks
         self.projections = projections
@@ -21,6 +26,7 @@ class Family:
         # The block's name in checkpoints when the module tree names it
         # otherwise (transformers v5's Mixtral calls block_sparse_moe mlp).
         self.checkpoint_block = checkpoint_block
+        self.checkpoint_experts = checkpoint_experts
 
     def __repr__(self):
         return f"Family({self.name})"
@@ -37,6 +43,8 @@ FAMILIES = [
     Family("olmoe", ("OlmoeSparseMoeBlock",), PROJECTIONS, "softmax"),
     Family("glm4_moe", ("Glm4MoeMoE",), PROJECTIONS, "moe_method"),
     Family("qwen3_next", ("Qwen3NextSparseMoeBlock",), PROJECTIONS, "softmax"),
+    Family("qwen3_5_moe", ("Qwen3_5MoeSparseMoeBlock",), PROJECTIONS, "softmax",
+           checkpoint_experts="fused"),
 ]
 _BY_BLOCK = {cls: f for f in FAMILIES for cls in f.blocks}
 

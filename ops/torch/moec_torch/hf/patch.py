@@ -440,7 +440,8 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         if e % group:
             raise ValueError(f"moec: the {e} experts of '{name}' do not divide over {group} "
                              "ranks (each rank holds the same number of experts)")
-        act = getattr(config, "hidden_act", "silu")
+        # (a vision-language model's text settings are its text_config's)
+        act = getattr(getattr(config, "text_config", None) or config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"moec: the experts of '{name}' use hidden_act {act!r}; the layer "
                              "computes SwiGLU (silu(gate) * up) only")
@@ -581,11 +582,20 @@ def _checkpoint_prefix(name, family):
 
 def _expert_entries(blocks, rank):
     """[(checkpoint name, dtype, shape)] of rank `rank`'s experts of every
-    patched block: what that rank writes."""
+    patched block: what that rank writes; a family whose checkpoints keep a
+    block's experts fused (one tensor each of gate_up_proj and down_proj),
+    rank 0 writes them."""
     out = []
     for name, _, experts in blocks:
         layer = experts.layer
         prefix = _checkpoint_prefix(name, experts.family)
+        if experts.family.checkpoint_experts == "fused":
+            if rank == 0:
+                out += [(f"{prefix}.experts.gate_up_proj", layer.dtype,
+                         (layer.experts, 2 * layer.inter, layer.hidden)),
+                        (f"{prefix}.experts.down_proj", layer.dtype,
+                         (layer.experts, layer.hidden, layer.inter))]
+            continue
         g, u, d = experts.family.projections
         first = rank * layer.local_experts
         for e in range(first, first + layer.local_experts):

@@ -43,6 +43,9 @@ def _merged_experts(name, experts):
     gate, up, down = layer.projections(*(layer.merged_weights() if layer.lora_rank
                                          else layer.dequantized_weights()))
     prefix = _checkpoint_prefix(name, experts.family)
+    if experts.family.checkpoint_experts == "fused":  # every expert here (save_pretrained)
+        return {f"{prefix}.experts.gate_up_proj": torch.cat((gate, up), 1),
+                f"{prefix}.experts.down_proj": down}
     g, u, d = experts.family.projections
     out = {}
     for j, e in enumerate(_local_experts(layer)):
@@ -79,6 +82,14 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
             "experts: save each process's model.state_dict(), put them together with "
             "moec_torch.merge_state_dicts, load that into the model patched in one process "
             "(tp=1), and save_pretrained it there")
+    fused = [name for name, _, ex in blocks if ex.family.checkpoint_experts == "fused"]
+    if fused and layer.local_ranks != layer.ranks:
+        raise ValueError(
+            f"moec: save_pretrained: {blocks[0][2].family.name} checkpoints keep each block's "
+            "experts in one tensor, and each process here holds its own experts only: save "
+            "each process's model.state_dict(), put them together with "
+            "moec_torch.merge_state_dicts, load that into the model patched in one process, "
+            "and save_pretrained it there")
     rest = {k: v.detach() for k, v in _non_expert_state(model).items()}
     if getattr(config, "tie_word_embeddings", False):
         rest.pop("lm_head.weight", None)

@@ -1,8 +1,13 @@
 """Stand-ins of Hugging Face transformers' MoE causal LMs, for moec's tests
 and examples where transformers is not installed (it is not a Debian
 package): Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, OLMoE,
-GLM-4.5 (glm4_moe: DeepSeek-V3's MoE under GLM's class names) and Qwen3-Next
-(qwen3_next: Qwen2-MoE's block under Qwen3-Next's names).
+GLM-4.5 (glm4_moe: DeepSeek-V3's MoE under GLM's class names), Qwen3-Next
+(qwen3_next: Qwen2-MoE's block under Qwen3-Next's names) and Qwen3.5-MoE's
+text model (qwen3_5_moe_text: Qwen3-Next's block with a router that always
+renormalizes; transformers v5 only, so fused experts only, and its
+checkpoints keep them fused; the Hub's Qwen3_5MoeForConditionalGeneration,
+which holds it under model.language_model beside a vision tower, has no
+stand-in).
 
     config = hf_models.config_from_dict({"model_type": "qwen3_moe", "hidden_size": 64, ...})
     model = hf_models.model_from_config(config)          # Qwen3MoeForCausalLM(config)
@@ -44,7 +49,9 @@ Sources read (the code here is written anew from them):
       qwen2_moe and olmoe of the same series, and their configuration_*.py;
       glm4_moe/modular_glm4_moe.py (4.5x, 0e97420); qwen3_next's
       configuration_qwen3_next.py (5.x) and its modular block
-      (Qwen3NextSparseMoeBlock(Qwen2MoeSparseMoeBlock)).
+      (Qwen3NextSparseMoeBlock(Qwen2MoeSparseMoeBlock)); qwen3_5_moe's
+      modeling_ and configuration_qwen3_5_moe.py (5.x), and vLLM's
+      qwen3_5.py for its checkpoints' fused expert names.
   v5: transformers main of the 5.x series (experts under
       @use_experts_implementation, routers as modules, @strict configs), read
       from a fork's snapshot at c0ce2e4: models/<family>/modeling_*.py and

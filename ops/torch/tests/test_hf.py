@@ -1075,8 +1075,9 @@ def test_qwen3_5_moe_checkpoints_keep_the_experts_fused(tmp_path):
     its logits the source's; after a step, save_pretrained writes them
     fused again, the adapters merged in, which the unpatched stand-in loads
     by name and gives the patched model's logits; a checkpoint with
-    per-expert names is refused, naming the fused tensor it lacks (under
-    mpirun: mpi_hf_check.py, where save_pretrained is refused)."""
+    per-expert names is refused, naming the fused tensor it lacks, and one
+    of FP8 fused experts as moec does not read them (under mpirun:
+    mpi_hf_check.py, where save_pretrained is refused)."""
     src = make_model("qwen3_5_moe_text", "fused")
     state = write_checkpoint(src, tmp_path / "ckpt", max_shard_size=20_000)
     assert "model.layers.1.mlp.experts.gate_up_proj" in state
@@ -1111,6 +1112,19 @@ def test_qwen3_5_moe_checkpoints_keep_the_experts_fused(tmp_path):
                                          r"\(the experts of 'model\.layers\.0\.mlp', fused as "
                                          r"qwen3_5_moe checkpoints keep them\)"):
         mhf.load_experts(model, tmp_path / "bad")
+    # fused experts stored as FP8 codes: refused, not read
+    fp8 = dict(state)
+    for k in [k for k in state if k.endswith("experts.gate_up_proj")]:
+        fp8[k] = safetensors.float_to_fp8_e4m3(state[k])
+        fp8[k + "_scale_inv"] = torch.ones(8, 1, 1)
+    os.makedirs(tmp_path / "fp8")
+    src.config.save_pretrained(tmp_path / "fp8")
+    safetensors.save_sharded(fp8, tmp_path / "fp8", 20_000,
+                             dtypes={k: "F8_E4M3" for k, v in fp8.items() if v.dtype == torch.uint8})
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' in .* is "
+                                         r"F8_E4M3 \[8, 32, 32\]: moec reads FP8 and int8 codes of "
+                                         r"\[out, in\] weights only"):
+        mhf.load_experts(model, tmp_path / "fp8")
 
 
 def test_load_checkpoint_refusals(tmp_path):

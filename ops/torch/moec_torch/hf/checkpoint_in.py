@@ -195,6 +195,10 @@ def _check_weight(ckpt, key, shape, dtype):
     if not dtype.is_floating_point:
         if safetensors.DTYPES[kind] != dtype or kind == "F8_E4M3":
             raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype}")
+    elif (kind == "F8_E4M3" or (kind == "I8" and _scale_name(ckpt, key))) and len(shape) != 2:
+        raise ValueError(f"moec: '{key}' in {where} is {kind} {list(shape)}: moec reads FP8 and "
+                         "int8 codes of [out, in] weights only (fused experts in floating "
+                         "point)")
     elif kind == "F8_E4M3" or (kind == "I8" and _scale_name(ckpt, key)):
         scale = _scale_name(ckpt, key)
         if scale is None:

@@ -82,8 +82,8 @@ def save_pretrained(model, directory, max_shard_size="5GB"):
             "experts: save each process's model.state_dict(), put them together with "
             "moec_torch.merge_state_dicts, load that into the model patched in one process "
             "(tp=1), and save_pretrained it there")
-    fused = [name for name, _, ex in blocks if ex.family.checkpoint_experts == "fused"]
-    if fused and layer.local_ranks != layer.ranks:
+    if layer.local_ranks != layer.ranks and \
+            any(ex.family.checkpoint_experts == "fused" for _, _, ex in blocks):
         raise ValueError(
             f"moec: save_pretrained: {blocks[0][2].family.name} checkpoints keep each block's "
             "experts in one tensor, and each process here holds its own experts only: save "

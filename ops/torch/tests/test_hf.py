@@ -965,6 +965,29 @@ def test_compressed_tensors_int8_and_fp8_checkpoints(tmp_path, fmt, strategy, we
         mhf.load_checkpoint(model, folder)
 
 
+@pytest.mark.parametrize("family,layout,sizes", [
+    ("mixtral", "fused", dict(hidden_size=64, intermediate_size=32)),
+    ("deepseek_v3", "modules", dict(hidden_size=64, moe_intermediate_size=32,
+                                    intermediate_size=64, num_attention_heads=4))])
+def test_integer_checkpoints_of_other_families(tmp_path, family, layout, sizes):
+    """An AWQ checkpoint of Mixtral (experts w1, w3, w2 under
+    block_sparse_moe, the v5 model's mlp) and of DeepSeek-V3 (its dense
+    first layer and shared experts quantized too) into int4_g32_zp LoRA
+    layers of a model made on the meta device: the logits those of the
+    unpatched model on AutoAWQ's values."""
+    src = make_model(family, layout, **sizes)
+    state, judge = write_int_checkpoint(src, tmp_path / "ckpt", sym=False, method="awq")
+    assert any(".experts.0." in k and k.endswith(".qweight") for k in state)
+    model = make_model(family, layout, seed=3, **sizes).to("meta")
+    mhf.patch_model(model, ranks=2, threads=1, lora_rank=2, lora_alpha=4,
+                    weight_format="int4_g32_zp")
+    mhf.load_checkpoint(model, tmp_path / "ckpt")
+    ref = make_model(family, "modules", seed=5, **sizes)
+    hf_models.load_checkpoint_state_dict(ref, judge)
+    ids = tokens()
+    close(model(ids).logits, ref(ids).logits, 1e-5, "logits")
+
+
 @pytest.mark.parametrize("method,bits", [("gptq", 4), ("gptq", 8),
                                          ("compressed-tensors", 8)])
 def test_integer_checkpoint_dequantized_or_quantized_again(tmp_path, method, bits):

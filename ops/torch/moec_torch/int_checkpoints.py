@@ -154,6 +154,8 @@ def config_of(folder):
         bits, group = q.get("bits", q.get("w_bit")), q.get("group_size", q.get("q_group_size", -1))
         sym, ct_format = bool(q.get("sym", False)), None
         if method == "compressed-tensors":
+            if q.get("format") == "dense":
+                return None  # (its weights stored as they are, in floating point)
             ct_format, bits, group, sym = _compressed_tensors(q, path)
         if bits not in BITS[method]:
             raise ValueError(f"moec: {path}: a {what} checkpoint of {bits}-bit codes; moec reads "

@@ -1079,6 +1079,17 @@ def test_integer_checkpoint_refusals(tmp_path):
             mhf.load_checkpoint(model, folder)
         after = model.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
+    # compressed-tensors' "dense" format: its weights are plain; read as such
+    dense = tmp_path / "dense"
+    write_checkpoint(src, dense)
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense"}
+    (dense / "config.json").write_text(json.dumps(config))
+    plain = make_model("qwen3_moe", seed=3, **sizes)
+    mhf.patch_model(plain, ranks=2, threads=1)
+    mhf.load_checkpoint(plain, dense)
+    ids = tokens()
+    close(plain(ids).logits, src(ids).logits, 1e-5, "a dense compressed-tensors checkpoint")
     # compressed-tensors: a weight_shape that is not the model's weight's
     state, _ = write_int_checkpoint(src, tmp_path / "ct", method="compressed-tensors")
     state[f"{stem}.weight_shape"] = torch.tensor([32, 32])

@@ -320,6 +320,14 @@ def _block_lora(name, family, experts, fused, nesting, config, shown, bare=False
         form, spec, field = "parameters", config["target_parameters"], "target_parameters"
         keys = {p: [f"{name}.experts.{p}"] for p in FUSED_PARAMETERS}
     else:
+        if family.checkpoint_experts == "fused":
+            raise ValueError(
+                f"{shown}: {family.name} models and checkpoints have no per-expert modules "
+                "(their experts are fused parameters, with no conversion to and from "
+                "per-expert names), so adapters on gate_proj/up_proj/down_proj would be files "
+                "no PEFT model of theirs loads: put LoRA on the fused parameters, "
+                "lora_target_parameters=['gate_up_proj', 'down_proj'] (PEFT's "
+                "target_parameters)")
         form, spec, field = "modules", config.get("target_modules"), "target_modules"
         prefix = _checkpoint_prefix(name, family)
         keys = {p: [f"{prefix}.experts.{e}.{p}" for e in range(experts)]

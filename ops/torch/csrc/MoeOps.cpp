@@ -45,7 +45,11 @@
 //   moec::quantize_fp8_blocks(Tensor w) -> (Tensor codes, Tensor scales)
 //
 // w float32 [N, R, C] -> codes uint8 [N, R, C], scales float32
-// [N, ceil(R / 128), ceil(C / 128)].
+// [N, ceil(R / 128), ceil(C / 128)]. And whether this build has the
+// fabrics' test hooks (runtime/comm/Hooks.h; bazel test builds them in),
+// for the tests that use them:
+//
+//   moec::test_hooks_built() -> bool
 //
 // This file holds the ops and the registration; the classes are Layer.h and
 // Exchange.h, a context's slot and buffer pool Slot.h, what they share
@@ -55,6 +59,7 @@
 
 #include "ops/torch/csrc/Exchange.h"
 #include "ops/torch/csrc/Layer.h"
+#include "runtime/comm/Hooks.h"
 #include "runtime/cpu/Fp8.h"
 #include "runtime/tooling/Safetensors.h"
 
@@ -106,6 +111,8 @@ void closeGroupsOp(double seconds) { moec::torchop::closeGroupFabrics(seconds); 
 
 /// A pass timeout's least, most and default seconds (base/Time.h), which
 /// the Python package checks and defaults with.
+bool testHooksBuiltOp() { return moec::comm::testHooksBuilt(); }
+
 std::vector<double> timeoutLimitsOp() {
   return {moec::kTimeoutMinSeconds, moec::kTimeoutMaxSeconds, moec::kDefaultTimeoutSeconds};
 }
@@ -205,4 +212,5 @@ TORCH_LIBRARY(moec, m) {
   m.def("safetensors_read_header(int fd, int file_bytes) -> str", safetensorsReadHeaderOp);
   m.def("safetensors_parse_header(Tensor header, int data_bytes) -> str", safetensorsParseHeaderOp);
   m.def("quantize_fp8_blocks(Tensor w) -> (Tensor, Tensor)", quantizeFp8BlocksOp);
+  m.def("test_hooks_built() -> bool", testHooksBuiltOp);
 }

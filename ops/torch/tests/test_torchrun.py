@@ -42,7 +42,8 @@ import pytest
 import torch
 
 from test_mpi import (HERE, TOY, check_stop_report, check_toy, free_port,  # noqa: F401
-                      hf_example_runs, hosts, one_process_toy)  # (hosts: a fixture)
+                      hf_example_runs, hosts, needs_test_hooks,
+                      one_process_toy)  # (hosts: a fixture)
 
 TORCHRUN = shutil.which("torchrun") or "torchrun"
 
@@ -209,6 +210,7 @@ def test_toy_training_loss_falls_under_torchrun():
 
 
 def test_stopped_job_under_torchrun_reports_every_rank():
+    needs_test_hooks()
     check_stop_report(torchrun(2, HERE / "mpi_stop_check.py", timeout=120,
                                extra_env={"MOEC_TEST_DROP_PUT": "1:2"}))
 

@@ -150,8 +150,8 @@ def load_model(args, lora=True):
         block.experts.to(device="meta")
     kwargs = dict(lora_rank=args.rank, lora_alpha=2 * args.rank) if lora else {}
     if args.weight_format:
-        fp8 = any(safetensors.Checkpoint(args.dir / "ckpt").dtype(k) == "F8_E4M3"
-                  for k in safetensors.Checkpoint(args.dir / "ckpt").keys())
+        ckpt = safetensors.Checkpoint(args.dir / "ckpt")
+        fp8 = any(ckpt.dtype(k) == "F8_E4M3" for k in ckpt.keys())
         if (args.weight_format == "fp8_block128") != fp8:
             sys.exit(f"finetune: --weight-format {args.weight_format} on "
                      f"{'an FP8' if fp8 else 'a bf16 or fp32'} checkpoint: make the checkpoint "

@@ -305,19 +305,23 @@ def unpack(cfg, tensors):
     """(codes uint8 [out, in], zeros float32 [out, groups], scales float32
     [out, groups], g_idx int64 [in]) of a weight's tensors (a dict by
     suffix), zeros with GPTQ v1's offset undone."""
-    bits = cfg["bits"]
     zeros, scales, g_idx = _zeros_scales_groups(cfg, tensors)
-    packed = _int4_bytes(cfg, tensors, scales.shape[0], g_idx.numel()) if bits == 4 else None
+    return _codes(cfg, tensors, scales.shape[0], g_idx.numel()), zeros, scales, g_idx
+
+
+def _codes(cfg, tensors, out, rows_in):
+    """The codes uint8 [out, in] of a weight's tensors."""
+    bits = cfg["bits"]
+    packed = _int4_bytes(cfg, tensors, out, rows_in) if bits == 4 else None
     if packed is not None:
-        codes = torch.stack((packed & 15, packed >> 4), -1).reshape(packed.shape[0], -1)
-        return codes, zeros, scales, g_idx
+        return torch.stack((packed & 15, packed >> 4), -1).reshape(out, -1)
     if cfg["method"] == "compressed-tensors":
-        codes = _unpack_words(tensors["weight_packed"], bits, 1)[:, :g_idx.numel()]
+        codes = _unpack_words(tensors["weight_packed"], bits, 1)[:, :rows_in]
     elif cfg["method"] == "gptq":
         codes = _unpack_words(tensors["qweight"], bits, 0).t()
     else:
         codes = _awq_columns(_unpack_words(tensors["qweight"], bits, 1)).t()
-    return codes.to(torch.uint8).contiguous(), zeros, scales, g_idx
+    return codes.to(torch.uint8).contiguous()
 
 
 def dequantize(cfg, tensors):
@@ -365,7 +369,7 @@ def as_format(cfg, tensors, weight_format):
     else:
         return None
     packed = _int4_bytes(cfg, tensors, out, rows_in)
-    if packed is None:
-        codes = unpack(cfg, tensors)[0]
+    if packed is None:  # (AWQ's words run along the outputs)
+        codes = _codes(cfg, tensors, out, rows_in)
         packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return packed.contiguous(), held

@@ -1046,6 +1046,8 @@ def test_integer_checkpoint_refusals(tmp_path):
              r"config.json: a GPTQ checkpoint of 3-bit codes; moec reads 4 and 8-bit ones"),
             (lambda c, s: c["quantization_config"].update(checkpoint_format="marlin"),
              r"config.json: GPTQ checkpoint_format 'marlin'"),
+            (lambda c, s: c["quantization_config"].update(group_size=0),
+             r"config.json: GPTQ group_size 0 is not a positive integer or -1"),
             (lambda c, s: c["quantization_config"].update(quant_method="awq", version="gemv"),
              r"config.json: AWQ version 'gemv': moec reads 'gemm'"),
             (lambda c, s: c["quantization_config"].update(quant_method="compressed-tensors",
@@ -1084,6 +1086,10 @@ def test_integer_checkpoint_refusals(tmp_path):
             mhf.load_checkpoint(model, folder)
         after = model.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
+    # a config.json that is not JSON
+    (tmp_path / "bad1/config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"bad1/config.json: cannot read it: Expecting"):
+        mhf.load_checkpoint(model, tmp_path / "bad1")
     # compressed-tensors' "dense" format: its weights are plain; read as such
     dense = tmp_path / "dense"
     write_checkpoint(src, dense)

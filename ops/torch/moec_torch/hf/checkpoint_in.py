@@ -26,7 +26,7 @@ def _open(checkpoint):
     quantization checked to be one moec reads (_check_quantization)."""
     ckpt = checkpoint if isinstance(checkpoint, safetensors.Checkpoint) \
         else safetensors.Checkpoint(checkpoint)
-    _check_quantization(ckpt.folder)
+    ckpt._moec_int = _check_quantization(ckpt.folder)
     return ckpt
 
 
@@ -34,15 +34,15 @@ def _check_quantization(folder):
     """Refuses a checkpoint whose config.json names a quantization moec does
     not read (ValueError naming it and the file): FP8 in 128 x 128 blocks,
     GPTQ, AWQ and compressed-tensors' pack-, int- and float-quantized
-    formats are read (int_checkpoints.config_of checks the last three's
-    settings)."""
+    formats are read. Returns the last three's settings
+    (int_checkpoints.config_of, which checks them), else None."""
     path = Path(folder) / "config.json"
     try:
         q = json.loads(path.read_text()).get("quantization_config") if path.is_file() else None
     except (OSError, ValueError, AttributeError) as e:
         raise ValueError(f"moec: {path}: cannot read it: {e}") from None
     if not isinstance(q, dict) or q.get("quant_method") is None:
-        return
+        return int_checkpoints.config_of(folder)  # (AutoGPTQ's quantize_config.json)
     method = q["quant_method"]
     if method == "fp8":
         block = q.get("weight_block_size", [128, 128])
@@ -50,7 +50,7 @@ def _check_quantization(folder):
             raise ValueError(f"moec: {path}: FP8 weights in blocks of {block}: moec reads "
                              "128 x 128 blocks (a weight_scale_inv per block)")
     elif method in int_checkpoints.TENSORS_OF:
-        int_checkpoints.config_of(folder)
+        return int_checkpoints.config_of(folder)
     else:
         raise ValueError(f"moec: {path}: a checkpoint quantized by {method!r}: moec reads FP8 "
                          "in 128 x 128 blocks ('fp8'), 'gptq', 'awq' and 'compressed-tensors' "
@@ -120,7 +120,7 @@ def _int_codes(ckpt, name):
         if name not in ckpt and name.endswith(".weight") else None
     if marker is None:
         return None
-    if "_moec_int" not in vars(ckpt):  # read once a checkpoint
+    if "_moec_int" not in vars(ckpt):  # (read as _open opens it)
         ckpt._moec_int = int_checkpoints.config_of(ckpt.folder)
     cfg = ckpt._moec_int
     if cfg is None or int_checkpoints.TENSORS_OF[cfg["method"]][0] != marker:
@@ -195,21 +195,20 @@ def _check_weight(ckpt, key, shape, dtype):
     if not dtype.is_floating_point:
         if safetensors.DTYPES[kind] != dtype or kind == "F8_E4M3":
             raise ValueError(f"moec: '{key}' in {where} is {kind}; the model's is {dtype}")
-    elif (kind == "F8_E4M3" or (kind == "I8" and _scale_name(ckpt, key))) and len(shape) != 2:
-        raise ValueError(f"moec: '{key}' in {where} is {kind} {list(shape)}: moec reads FP8 and "
-                         "int8 codes of [out, in] weights only (fused experts in floating "
-                         "point)")
-    elif kind == "F8_E4M3" or (kind == "I8" and _scale_name(ckpt, key)):
+    elif kind in SCALED and (kind == "F8_E4M3" or _scale_name(ckpt, key)):
+        if len(shape) != 2:
+            raise ValueError(f"moec: '{key}' in {where} is {kind} {list(shape)}: moec reads FP8 "
+                             "and int8 codes of [out, in] weights only (fused experts in "
+                             "floating point)")
         scale = _scale_name(ckpt, key)
         if scale is None:
             raise ValueError(f"moec: '{key}' is F8_E4M3 (in {where}) and the checkpoint has "
                              f"no '{key}_scale_inv' to dequantize it")
-        blocks = [quant._blocks(n) for n in shape[-2:]] if len(shape) == 2 else None
+        blocks = [quant._blocks(n) for n in shape]
         if scale.endswith("_scale_inv"):  # DeepSeek-V3's: 128 x 128 blocks
             layout = "blocks" if ckpt.shape(scale) == blocks else None
         else:
-            layout = _scale_layout(ckpt.shape(scale), shape, kind == "F8_E4M3") \
-                if len(shape) == 2 else None
+            layout = _scale_layout(ckpt.shape(scale), shape, kind == "F8_E4M3")
         if layout is None or ckpt.dtype(scale) not in FLOATS:
             raise ValueError(f"moec: '{scale}' in {ckpt.where(scale)} is {ckpt.dtype(scale)} "
                              f"{ckpt.shape(scale)}; an {kind} weight of shape {list(shape)} "
@@ -277,12 +276,12 @@ def load_experts(model, checkpoint):
     read = []
     with torch.no_grad():
         for layer, fused, keys in plan:
-            if fused:
-                for j, e, gate_up, down in keys:
-                    both = _read_weight(ckpt, gate_up)[e]
-                    _set_expert(layer, j, both[:layer.inter], both[layer.inter:],
-                                _read_weight(ckpt, down)[e])
-                read += [keys[0][2], keys[0][3]]
+            if fused:  # (the mapped tensors, each expert read as its slice is copied)
+                gate_up, down = (_read_weight(ckpt, n) for n in keys[0][2:])
+                for j, e, _, _ in keys:
+                    _set_expert(layer, j, gate_up[e, :layer.inter], gate_up[e, layer.inter:],
+                                down[e])
+                read += list(keys[0][2:])
                 continue
             for j, g, u, d in keys:
                 if not (_copy_fp8_expert(layer, j, ckpt, g, u, d)

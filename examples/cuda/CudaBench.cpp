@@ -15,6 +15,7 @@
 //                                     clock an SM, and its bits against the
 //                                     decode of one value at a time
 //   cuda_bench layer FWD BWD [FWD BWD ...] [--repeat N] [--hot-share F] [--sample N]
+//                    [--pack-weights off|on|both]
 //                                     the layer, forward and backward, every
 //                                     rank on the GPU, tensors in device
 //                                     memory: median step time, the persistent
@@ -25,7 +26,10 @@
 //                                     shape (the weight formats of a layer);
 //                                     a quantized weight's decode before each
 //                                     pass counts in the pass (runtime/cuda/
-//                                     Pass.h, MOEC_CUDA_DECODE)
+//                                     Pass.h, MOEC_CUDA_DECODE); with
+//                                     --pack-weights on, decoded once and
+//                                     kept (the packed-weight store), both:
+//                                     each pair without it, then with it
 //
 // Prints the GPU first. PyTorch's side (cuBLAS, eager) is
 // examples/cuda/bench_torch.py; examples/cuda/bench.sh runs both.
@@ -203,7 +207,7 @@ struct DeviceTensor {
 /// shape; its own copy).
 int layer(const std::shared_ptr<const rt::Program> &fwd,
           const std::shared_ptr<const rt::Program> &bwd, tooling::LayerData data, int repeat,
-          double hotShare, int64_t sample) {
+          double hotShare, int64_t sample, bool pack) {
   const rt::LayerShape &shape = fwd->shape();
   const DType act = shape.activations, grad = bwd->shape().weightGrads;
   // Quantized weights: the reference sees the values the layer computes with.
@@ -211,6 +215,7 @@ int layer(const std::shared_ptr<const rt::Program> &fwd,
     return fail(s);
   rt::ContextOptions options;
   options.backend = backend::Kind::Cuda;
+  options.packWeights = pack;
   std::unique_ptr<rt::Context> context;
   if (Status s = rt::Context::create(fwd, bwd, options, &context); !s)
     return fail(s);
@@ -277,11 +282,11 @@ int layer(const std::shared_ptr<const rt::Program> &fwd,
   (void)cuda::describeDevice(&gpu);
   std::printf("GPU: %s\n", gpu.c_str());
   std::printf("layer: R %lld, L %lld, S %lld, K %lld, H %lld, I %lld, %s, weights %s%s%s, "
-              "hot share %.2f\n",
+              "hot share %.2f%s\n",
               (long long)R, (long long)L, (long long)S, (long long)K, (long long)H, (long long)I,
               dtypeName(act), shape.weightFormatName().c_str(),
               shape.weightsTransposed ? " (stored transposed)" : "", frozen ? ", frozen" : "",
-              hotShare);
+              hotShare, pack ? ", packed weights" : "");
   std::vector<double> steps, kernels, before, checks, after;
   for (int i = 0; i < repeat + 1; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -313,6 +318,9 @@ int layer(const std::shared_ptr<const rt::Program> &fwd,
               "agreement; then the layout's upload and the gather of the rows to send), %.3f ms "
               "after (combine, top-k weight gradient)\n",
               median(before) * 1e3, median(checks) * 1e3, median(after) * 1e3);
+  if (pack)
+    std::printf("  packed weights (kept decoded): %.1f MB\n",
+                double(context->packedWeightBytes()) / 1e6);
 
   if (sample > 0) {
     data.y.assign(size_t(R * S * H), 0);
@@ -358,7 +366,8 @@ int layer(const std::shared_ptr<const rt::Program> &fwd,
 /// once for binaries of one shape (making it takes seconds of a single
 /// thread at qwen3's sizes: the weights' formats of one layer share it).
 /// Fails after the last pair if any failed.
-int layers(const std::vector<std::string> &paths, int repeat, double hotShare, int64_t sample) {
+int layers(const std::vector<std::string> &paths, int repeat, double hotShare, int64_t sample,
+           const std::vector<bool> &packs) {
   tooling::LayerData data;
   std::vector<int64_t> madeFor;
   int failed = 0;
@@ -383,10 +392,12 @@ int layers(const std::vector<std::string> &paths, int repeat, double hotShare, i
       tooling::randomLayerData(shape, random, &data);
       madeFor = key;
     }
-    if (p > 0)
-      std::printf("\n");
-    std::printf("binaries: %s %s\n", paths[p].c_str(), paths[p + 1].c_str());
-    failed += layer(fwd, bwd, data, repeat, hotShare, sample) != 0;
+    for (const bool pack : packs) {
+      if (p > 0 || pack != packs.front())
+        std::printf("\n");
+      std::printf("binaries: %s %s\n", paths[p].c_str(), paths[p + 1].c_str());
+      failed += layer(fwd, bwd, data, repeat, hotShare, sample, pack) != 0;
+    }
   }
   return failed ? 1 : 0;
 }
@@ -397,6 +408,7 @@ void usage(std::FILE *to) {
                    "       cuda_bench decode\n"
                    "       cuda_bench layer FWD BWD [FWD BWD ...] [--repeat N] "
                    "[--hot-share F] [--sample N]\n"
+                   "                  [--pack-weights off|on|both]\n"
                    "(each mode is described at the top of examples/cuda/CudaBench.cpp)\n");
 }
 
@@ -469,6 +481,7 @@ int main(int argc, char **argv) {
     int repeat = 5;
     double hot = 0;
     int64_t sample = 0;
+    std::vector<bool> packs = {false};
     for (; i < argc; i += 2) {
       const std::string flag = argv[i];
       if (i + 1 >= argc)
@@ -479,10 +492,17 @@ int main(int argc, char **argv) {
         hot = std::atof(argv[i + 1]);
       else if (flag == "--sample")
         sample = std::atoll(argv[i + 1]);
-      else
+      else if (flag == "--pack-weights") {
+        const std::string v = argv[i + 1];
+        if (v != "off" && v != "on" && v != "both")
+          return fail(Status::error("--pack-weights takes off, on or both, not '" + v + "'"));
+        packs = v == "off"  ? std::vector<bool>{false}
+                : v == "on" ? std::vector<bool>{true}
+                            : std::vector<bool>{false, true};
+      } else
         return fail(Status::error("unknown option " + flag));
     }
-    return layers(paths, repeat, hot, sample);
+    return layers(paths, repeat, hot, sample, packs);
   }
   usage(stderr);
   return 2;

@@ -33,8 +33,8 @@ MOEC_REGISTER_BACKEND(
     BackendInfo{Kind::Cuda,
                 kindName(Kind::Cuda),
                 "every rank on one NVIDIA GPU, the task program as one persistent kernel",
-                {Feature::MultiProcess, Feature::OpByOp, Feature::TaskTrace, Feature::PackedWeights,
-                 Feature::Exchange, Feature::SlotItems},
+                {Feature::MultiProcess, Feature::OpByOp, Feature::TaskTrace, Feature::Exchange,
+                 Feature::SlotItems},
                 [](const BackendOptions &) { return std::make_unique<cuda::CudaBackend>(); }});
 
 } // namespace moec::backend

@@ -122,6 +122,108 @@ void Pass::decodeWhole(const LayerShape &shape, const format::SlotRecord &w, dev
   d->expertStride = int64_t(w.dims[1] * w.dims[2]);
 }
 
+namespace {
+
+/// The name a kept weight goes by in the store: its role (w1, w2), the
+/// same in the forward and the backward binary.
+std::string keptName(const format::TaskProgram &program, const rt::LayerPlan &plan, uint32_t slot) {
+  return slot == plan.w1   ? "w1"
+         : slot == plan.w2 ? "w2"
+                           : std::string(program.name(program.slots[slot].name));
+}
+
+bool sameSpec(const device::DecodeSpec &a, const device::DecodeSpec &b) {
+  return std::tie(a.quant, a.type, a.experts, a.rows, a.cols, a.expertBytes, a.scaleStride,
+                  a.scaleLd, a.groupShift, a.zeroPoints) ==
+         std::tie(b.quant, b.type, b.experts, b.rows, b.cols, b.expertBytes, b.scaleStride,
+                  b.scaleLd, b.groupShift, b.zeroPoints);
+}
+
+} // namespace
+
+Pass::Store::~Store() {
+  for (Kept &k : kept)
+    device::release(k.out.memory);
+}
+
+const Pass::Kept *Pass::Store::find(const std::string &name, uint32_t rank,
+                                    const device::DecodeSpec &spec) const {
+  for (const Kept &k : kept)
+    if (k.name == name && k.rank == rank && sameSpec(k.spec, spec))
+      return &k;
+  return nullptr;
+}
+
+Pass::Kept &Pass::Store::at(const std::string &name, uint32_t rank,
+                            const device::DecodeSpec &spec) {
+  if (const Kept *k = find(name, rank, spec))
+    return const_cast<Kept &>(*k);
+  Kept k;
+  k.name = name;
+  k.rank = rank;
+  k.spec = spec;
+  kept.push_back(k);
+  return kept.back();
+}
+
+const void *Pass::boundTo(uint32_t r, uint32_t slot) const {
+  return staged[r][slot].host ? staged[r][slot].host : data[r][slot];
+}
+
+Status Pass::decoded(Decode &d, uint32_t r, void **values) {
+  const std::string what =
+      fmt::format("'{}' of rank {}", program->name(program->slots[d.weight].name), r);
+  Buffer *out = &d.out[r];
+  Kept *kept = nullptr;
+  if (store) {
+    kept = &store->at(keptName(*program, *layer, d.weight), r, d.spec);
+    out = &kept->out;
+    if (kept->fresh && kept->codes == boundTo(r, d.weight) &&
+        kept->scales == boundTo(r, d.scales)) {
+      *values = out->memory;
+      return Status::success();
+    }
+  }
+  if (!out->memory) {
+    const size_t bytes = decodedBytes(d.spec);
+    if (Status s = check(device::allocate(bytes, &out->memory), "the decoded values of " + what);
+        !s)
+      return s;
+    out->bytes = bytes;
+    if (kept) {
+      store->bytes += bytes; // freed with the store
+    } else {
+      owned.push_back(*out);
+      ownedBytes += bytes;
+    }
+  }
+  if (Status s =
+          check(device::decodeWeight(d.spec, data[r][d.weight],
+                                     static_cast<const float *>(data[r][d.scales]), out->memory),
+                "decoding " + what);
+      !s)
+    return s;
+  if (kept) {
+    kept->fresh = true;
+    kept->codes = boundTo(r, d.weight);
+    kept->scales = boundTo(r, d.scales);
+  }
+  *values = out->memory;
+  return Status::success();
+}
+
+void Pass::weightChanged(uint32_t slot) {
+  if (!store)
+    return;
+  for (const Decode &d : decodes)
+    if (d.weight == slot || d.scales == slot)
+      for (Kept &k : store->kept)
+        if (k.name == keptName(*program, *layer, d.weight))
+          k.fresh = false;
+}
+
+size_t Pass::packedWeightBytes() const { return store && !storeShared ? store->bytes : 0; }
+
 struct Pass::Tables {
   device::Program program;
   Buffer records; ///< ops, tasks, waits, signals, queues, entries, slots
@@ -196,6 +298,8 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
   pass->program = &program;
   pass->layer = &plan;
   pass->options = options;
+  if (options.packWeights && decodeFirst)
+    pass->store = std::make_shared<Store>();
   const uint32_t R = program.epRanks;
   const size_t S = program.slots.size();
   pass->data.assign(R, std::vector<void *>(S, nullptr));
@@ -334,10 +438,15 @@ Status Pass::create(const format::TaskProgram &program, const rt::LayerPlan &pla
 uint64_t Pass::workspaceNeeded() const {
   uint64_t bytes =
       allocated ? 0 : backend::workspaceBytes(*program, *layer, program->epRanks, slotSize);
-  // The decoded weights, allocated at the first run.
+  // The decoded weights, allocated at the first run: the pass's own, or the
+  // store's where it has none of the weight yet (before a backward pass's
+  // first run, an upper bound: it will read what its forward pass keeps).
   for (const Decode &d : decodes)
-    for (const Buffer &b : d.out)
-      bytes += b.memory ? 0 : decodedBytes(d.spec);
+    for (uint32_t r = 0; r < d.out.size(); ++r) {
+      const Kept *kept =
+          store ? store->find(keptName(*program, *layer, d.weight), r, d.spec) : nullptr;
+      bytes += d.out[r].memory || (kept && kept->out.memory) ? 0 : decodedBytes(d.spec);
+    }
   return bytes;
 }
 
@@ -462,9 +571,16 @@ double msSince(Clock::time_point t) {
 
 void Pass::borrowFrom(const backend::Pass &forward) {
   // A backward pass runs on the routing of its forward pass's last
-  // fillLayout (the runtime routes only in forward passes).
-  if (forward.kind() == backend::Kind::Cuda)
-    routing = &static_cast<const Pass &>(forward).ownRouting;
+  // fillLayout (the runtime routes only in forward passes), and reads the
+  // weights its forward pass keeps decoded (the packed-weight store).
+  if (forward.kind() != backend::Kind::Cuda)
+    return;
+  const Pass &from = static_cast<const Pass &>(forward);
+  routing = &from.ownRouting;
+  if (from.store && !decodes.empty() && store != from.store) {
+    store = from.store;
+    storeShared = true;
+  }
 }
 
 Status Pass::fillLayout(const std::vector<backend::RankRoute> &routes) {
@@ -570,26 +686,10 @@ Status Pass::runTasks() {
       table.push_back(data[r][slot]);
     }
     for (Decode &d : decodes) {
-      Buffer &out = d.out[r];
-      if (!out.memory) {
-        const size_t bytes = decodedBytes(d.spec);
-        if (Status s = check(device::allocate(bytes, &out.memory),
-                             fmt::format("the decoded values of '{}' of rank {}",
-                                         program->name(program->slots[d.weight].name), r));
-            !s)
-          return s;
-        out.bytes = bytes;
-        owned.push_back(out);
-        ownedBytes += bytes;
-      }
-      if (Status s =
-              check(device::decodeWeight(d.spec, data[r][d.weight],
-                                         static_cast<const float *>(data[r][d.scales]), out.memory),
-                    fmt::format("decoding '{}' of rank {}",
-                                program->name(program->slots[d.weight].name), r));
-          !s)
+      void *values = nullptr;
+      if (Status s = decoded(d, r, &values); !s)
         return s;
-      table.push_back(out.memory);
+      table.push_back(values);
     }
   }
   if (Status s = check(device::upload(device->dataTable.memory, table.data(), bytesOf(table))); !s)

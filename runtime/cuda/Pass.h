@@ -19,6 +19,10 @@
 // task program, into memory of the activations' type that the pass owns
 // (a weight's values at 2 bytes each in bf16), and the tiles read them as
 // dense weights: the decode once a pass, not once a tile that reads them.
+// With the packed-weight store (PassOptions::packWeights) the decoded
+// values are kept from pass to pass in a store the context's forward and
+// backward passes share: each weight decoded by the first pass that reads
+// it, and again only after weightChanged() or when another tensor is bound.
 // MOEC_CUDA_DECODE=tiles decodes them in the tiles instead (no such memory).
 //
 // Limits: every rank must run in this process (no MPI fabric); no task
@@ -64,6 +68,8 @@ public:
   void *slot(uint32_t rank, uint32_t slot) const override { return data[rank][slot]; }
   void bindSlot(uint32_t rank, uint32_t slot, void *memory) override;
   Status findBadScales(std::vector<backend::ScaleCheck> &checks) const override;
+  void weightChanged(uint32_t slot) override;
+  size_t packedWeightBytes() const override;
   Status fillLayout(const std::vector<backend::RankRoute> &routes) override;
   Status gatherSendRows(const std::vector<backend::RankRoute> &routes,
                         const std::vector<const void *> &source, bool weighted) override;
@@ -123,6 +129,35 @@ private:
   /// Makes GMM `d`, which reads quantized weight `w`, read its values
   /// decoded whole (one Decode a weight, shared by the GMMs that read it).
   void decodeWhole(const moec::LayerShape &shape, const format::SlotRecord &w, device::Op *d);
+  /// The decoded values of `d` on rank `r` into *values: decoded now into
+  /// the pass's memory, or with the packed-weight store, the store's copy,
+  /// decoded again only when it is stale.
+  Status decoded(Decode &d, uint32_t r, void **values);
+  /// The caller's memory bound to slot `slot` of rank `r` (a host tensor's
+  /// own address, not its staged copy).
+  const void *boundTo(uint32_t r, uint32_t slot) const;
+  /// The packed-weight store (PassOptions::packWeights): quantized weights
+  /// decoded, by weight name, rank and form, with the tensors they were
+  /// decoded from. A context's backward pass shares its forward pass's
+  /// (borrowFrom). Frees its memory when the last pass holding it goes.
+  struct Kept {
+    std::string name; ///< the weight slot's
+    uint32_t rank = 0;
+    device::DecodeSpec spec;
+    const void *codes = nullptr, *scales = nullptr; ///< decoded from
+    Buffer out;
+    bool fresh = false;
+  };
+  struct Store {
+    std::vector<Kept> kept;
+    size_t bytes = 0;
+    ~Store();
+    /// The entry of (name, rank, spec), made when there is none.
+    Kept &at(const std::string &name, uint32_t rank, const device::DecodeSpec &spec);
+    const Kept *find(const std::string &name, uint32_t rank, const device::DecodeSpec &spec) const;
+  };
+  std::shared_ptr<Store> store; ///< null without packWeights
+  bool storeShared = false;     ///< borrowed from the forward pass (its bytes counted there)
   std::vector<std::vector<std::vector<uint8_t>>> layoutHost; ///< [rank][slot] layout tensors
   /// The routing on the GPU, per rank (grow-only): the sorted rows' order,
   /// their positions and the top-k weights.

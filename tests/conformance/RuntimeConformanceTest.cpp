@@ -1550,6 +1550,94 @@ TEST_CASE("quantized base weights (FP8 blocks, int8 rows, int4 groups): the dens
     }
 }
 
+TEST_CASE("quantized weights in the packed-weight store: the bits of a context that packs or "
+          "decodes them each pass, again after weightChanged or another tensor bound",
+          "[runtime][gpu]") {
+  // The cpu backend packs a quantized base into its tile's panels; the cuda
+  // backend keeps it decoded, one copy the forward and backward passes
+  // share. Either way a packing context (b) gives the bits of a plain one
+  // (a) on the same codes, pass after pass; reads its kept copy, stale,
+  // after the codes or scales change in place until weightChanged(); and
+  // takes another tensor bound without being told.
+  if (!testBackendHas(moec::backend::Feature::PackedWeights))
+    return;
+  const bool cuda = testBackend() == moec::backend::Kind::Cuda;
+  const bool packs = cuda || moec::cpu::packedTile(DType::BF16, DType::BF16);
+  for (const QuantizedFormat &format : kQuantizedFormats) {
+    Case c = quantizedCase(format);
+    c.bf16 = true;
+    INFO(format.name << " " << c.describe());
+    if (!runs(c.ranks))
+      return;
+    auto [fwd, bwd] = compileQuantized(c, format);
+    const moec::rt::LayerShape &shape = fwd->shape();
+    const int64_t H = c.hidden, I = c.inter, L = c.localExperts;
+    const Inputs in = makeInputs(c, 29);
+    Run source = prepare(c, in, bwd->shape());
+    const auto [q1, q2] = quantizeRun(c, shape, source);
+    Run a = prepare(c, in, bwd->shape()), b = prepare(c, in, bwd->shape());
+    std::vector<QuantizedWeight> a1 = q1, a2 = q2, b1 = q1, b2 = q2;
+    ContextOptions plainOptions;
+    plainOptions.workers = 2;
+    ContextOptions packedOptions = plainOptions;
+    packedOptions.packWeights = true;
+    std::unique_ptr<Context> plain, packed;
+    REQUIRE(makeContext(fwd, bwd, plainOptions, &plain).ok());
+    REQUIRE(makeContext(fwd, bwd, packedOptions, &packed).ok());
+    const uint32_t first = packed->firstLocalRank(), local = packed->localRanks();
+    const auto bind = [&](Context &ctx, Run &run, std::vector<QuantizedWeight> &w1,
+                          std::vector<QuantizedWeight> &w2) {
+      for (uint32_t r = first; r < first + local; ++r)
+        bindRank(ctx, c, run, r, w1[r].codesTensor(shape), w2[r].codesTensor(shape),
+                 {{"w1_scale", w1[r].scalesTensor()}, {"w2_scale", w2[r].scalesTensor()}});
+    };
+    bind(*plain, a, a1, a2);
+    bind(*packed, b, b1, b2);
+    for (int step = 0; step < 2; ++step) {
+      runPasses(*plain);
+      runPasses(*packed);
+      CHECK(b.sameOutputs(a));
+    }
+    CHECK(plain->packedWeightBytes() == 0);
+    if (cuda) // w1 and w2 decoded to bf16 once, for both passes
+      CHECK(packed->packedWeightBytes() == uint64_t(local) * uint64_t(L * 3 * H * I) * 2);
+    else if (packs)
+      CHECK(packed->packedWeightBytes() > 0);
+
+    // In place, as a host that loads new weights would: w1's codes swapped
+    // in pairs (every code stays a valid one), w2's scales doubled (not
+    // the zero points between them).
+    const size_t scaleStep = shape.weightZeroPoints ? 2 : 1;
+    const auto change = [&](std::vector<QuantizedWeight> &w1, std::vector<QuantizedWeight> &w2) {
+      for (uint32_t r = first; r < first + local; ++r) {
+        for (size_t i = 0; i + 1 < w1[r].codes.size(); i += 6)
+          std::swap(w1[r].codes[i], w1[r].codes[i + 1]);
+        for (size_t i = 0; i < w2[r].scales.size(); i += scaleStep)
+          w2[r].scales[i] *= 2;
+      }
+    };
+    change(a1, a2);
+    change(b1, b2);
+    runPasses(*plain);
+    runPasses(*packed);
+    if (packs)
+      CHECK_FALSE(b.sameOutputs(a)); // the kept copies, stale
+    REQUIRE(packed->weightChanged("w1").ok());
+    REQUIRE(packed->weightChanged("w2").ok());
+    runPasses(*packed);
+    CHECK(b.sameOutputs(a));
+
+    // Other tensors bound, not told: taken anew.
+    change(a1, a2);
+    std::vector<QuantizedWeight> moved1 = a1, moved2 = a2;
+    bind(*plain, a, a1, a2);
+    bind(*packed, b, moved1, moved2);
+    runPasses(*plain);
+    runPasses(*packed);
+    CHECK(b.sameOutputs(a));
+  }
+}
+
 namespace {
 
 /// Each of the `L` row-major [rows, cols] matrices of `m`, transposed.
@@ -1871,8 +1959,11 @@ TEST_CASE("backends register themselves, with what each lacks", "[runtime]") {
   const moec::backend::BackendInfo *cuda = nullptr;
   REQUIRE(moec::backend::lookupBackend(Kind::Cuda, &cuda).ok());
   CHECK(cuda == all[1]);
-  for (Feature f : {Feature::MultiProcess, Feature::OpByOp, Feature::TaskTrace,
-                    Feature::PackedWeights, Feature::Exchange, Feature::SlotItems}) {
+  // The cuda backend keeps quantized weights decoded (its packed-weight store).
+  CHECK(all[1]->has(Feature::PackedWeights));
+  CHECK(moec::backend::backendsWith(Feature::PackedWeights) == "cpu or cuda");
+  for (Feature f : {Feature::MultiProcess, Feature::OpByOp, Feature::TaskTrace, Feature::Exchange,
+                    Feature::SlotItems}) {
     INFO(moec::backend::featureName(f));
     CHECK(all[0]->has(f)); // the CPU backend has everything
     CHECK(moec::backend::requireFeature(Kind::Cpu, f).ok());
@@ -1914,10 +2005,6 @@ TEST_CASE("the cuda backend refuses what it does not do, before it looks for a G
                Catch::Contains("the cuda backend records no task trace (the cpu backend does)"));
   else
     CHECK_THAT(refusal(traced), Catch::Contains("it does not run under MPI"));
-  ContextOptions packed;
-  packed.packWeights = true;
-  CHECK_THAT(refusal(packed),
-             Catch::Contains("the packed-weight store runs on the cpu backend only"));
   // FP8 dispatch: no quantize or dequantize kernels there.
   Case fp8 = c;
   fp8.fp8Dispatch = true;

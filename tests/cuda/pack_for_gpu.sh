@@ -11,7 +11,7 @@
 # libraries those programs link beyond the C/C++ runtime (xz-compressed),
 # and DIR/run.sh. On the GPU machine, from a checkout of the same commit:
 #
-#   bash DIR/run.sh [suite] [bench]      (default: both)
+#   bash DIR/run.sh [suite] [bench] [pack]   (default: suite and bench)
 #
 # runs the conformance suite's [gpu] cases and examples/cuda/bench.sh
 # --moec-only on the packed programs and binaries (its PyTorch side left
@@ -78,8 +78,9 @@ tar -C "$libs" -cJf "$out/lib.tar.xz" lib
 cat >"$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # The cuda backend's checks on this GPU (made by tests/cuda/pack_for_gpu.sh):
-#   bash run.sh [suite] [bench] [ab]   from a checkout of the same commit
-# (default: suite and bench; ab: the --base build against this one)
+#   bash run.sh [suite] [bench] [pack] [ab]   from a checkout of the same commit
+# (default: suite and bench; pack: the frozen layers without and with the
+# packed-weight store; ab: the --base build against this one)
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 parts="${*:-suite bench}"
@@ -103,6 +104,18 @@ if [[ " $parts " == *" suite "* ]]; then
 fi
 if [[ " $parts " == *" bench "* ]]; then
   bash examples/cuda/bench.sh --moec-only "$here/cuda_bench" "$here/bins" || rc=1
+fi
+if [[ " $parts " == *" pack "* ]]; then
+  # The frozen layer's quantized weights decoded each pass against kept
+  # decoded (the packed-weight store), each pair both ways, two rounds.
+  for round in 1 2; do
+    echo "== the frozen layer (bf16, FP8, int8, int4 weights), without and with --pack-weights, round $round"
+    for f in "" _fp8 _int8 _int4; do
+      "$here/cuda_bench" layer "$here/bins/frozen$f.fwd.moebin" "$here/bins/frozen$f.bwd.moebin" \
+        --repeat 5 --sample 16 --pack-weights both |
+        grep -E "^layer:|median|packed weights|verify" || rc=1
+    done
+  done
 fi
 if [[ " $parts " == *" ab "* ]]; then
   if [ ! -x "$here/base/cuda_bench" ]; then

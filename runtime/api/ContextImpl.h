@@ -198,8 +198,14 @@ struct Context::Impl : detail::Group {
   /// GPU one launch and one copy back, not two of each a tensor), into
   /// scaleVerdicts ([rank][w1, w2]: the error naming the bad value and
   /// where, or success), which checkBinding returns after its shape check.
+  /// With the packed-weight store (options.packWeights), scales found good
+  /// are not read again while the same tensor stays bound and
+  /// weightChanged() does not name its weight: as the packed copies made
+  /// from them, they are taken as unchanged.
   void checkScales(const backend::Pass &pass);
   std::vector<std::array<Status, 2>> scaleVerdicts;
+  /// [rank][w1, w2]: the scales last found good (options.packWeights).
+  std::vector<std::array<const void *, 2>> scalesFoundGood;
   /// Refuses an output of a pass (in `outputs`) whose memory overlaps
   /// another tensor the pass reads or writes (`used`, and the routing), of
   /// rank `rank` or of a local rank before it (the ranks of one process

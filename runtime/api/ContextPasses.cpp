@@ -105,11 +105,15 @@ void Context::Impl::checkScales(const backend::Pass &pass) {
   const bool pairs = s.weightFormat == WeightFormat::Int4Group && s.weightZeroPoints;
   std::vector<backend::ScaleCheck> checks;
   std::vector<std::pair<uint32_t, int>> of; // (rank, w1 or w2) of each check
+  scalesFoundGood.resize(bound.size(), {nullptr, nullptr});
   for (uint32_t r = firstLocal(); r < lastLocal(); ++r)
     for (int w = 0; w < 2; ++w) {
       const Tensor &t = bound[r][w == 0 ? kW1Scale : kW2Scale];
       const std::vector<int64_t> dims = s.scaleDims(w == 0 ? s.w1Dims() : s.w2Dims());
-      if (t.data && std::vector<int64_t>(t.dims, t.dims + t.ndim) == dims) {
+      const void *&good = scalesFoundGood[r][size_t(w)];
+      if (good && good != t.data)
+        good = nullptr;
+      if (t.data && std::vector<int64_t>(t.dims, t.dims + t.ndim) == dims && !good) {
         checks.push_back({static_cast<const float *>(t.data), elementCount(t), pairs});
         of.emplace_back(r, w);
       }
@@ -124,8 +128,11 @@ void Context::Impl::checkScales(const backend::Pass &pass) {
       continue;
     }
     const int64_t i = checks[c].index;
-    if (i < 0)
+    if (i < 0) {
+      if (options.packWeights)
+        scalesFoundGood[rank][size_t(w)] = checks[c].scales;
       continue;
+    }
     const std::vector<int64_t> dims = s.scaleDims(w == 0 ? s.w1Dims() : s.w2Dims());
     const bool zero = pairs && i % 2 == 1;
     // Where: the local expert, then the block, row, or row and group.

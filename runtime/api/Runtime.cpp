@@ -199,6 +199,9 @@ Status Context::weightChanged(std::string_view name) {
     return Status::error(fmt::format("weightChanged: '{}' is not a weight; expected one of w1, "
                                      "w2, lora_a1, lora_b1, lora_a2, lora_b2",
                                      name));
+  if (*found == kW1 || *found == kW2) // its scales are read again
+    for (auto &good : body->scalesFoundGood)
+      good[*found == kW1 ? 0 : 1] = nullptr;
   for (backend::Pass *pass : {body->fwd.get(), body->bwd.get()}) {
     if (!pass)
       continue;

@@ -113,7 +113,7 @@ if [[ " $parts " == *" pack "* ]]; then
     for f in "" _fp8 _int8 _int4; do
       "$here/cuda_bench" layer "$here/bins/frozen$f.fwd.moebin" "$here/bins/frozen$f.bwd.moebin" \
         --repeat 5 --sample 16 --pack-weights both |
-        grep -E "^layer:|median|packed weights|verify" || rc=1
+        grep -E "^layer:|median|around|packed weights|verify" || rc=1
     done
   done
 fi

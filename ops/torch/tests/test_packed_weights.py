@@ -182,6 +182,12 @@ def test_quantized_codes_packed_give_the_bits_of_decoding_them_as_stored(weight_
     after = step(packed, *data)
     assert same(after, step(plain, *data))
     assert not torch.equal(after[0], before[0])
+    # Scales are checked again when they change: a NaN written in place is
+    # refused at the next step (the store skips the check of unchanged ones).
+    with torch.no_grad():
+        packed.w1_scale.view(-1)[0] = float("nan")
+    with pytest.raises(RuntimeError, match="'w1_scale'.*nan"):
+        step(packed, *data)
 
 
 

@@ -171,8 +171,6 @@ const void *Pass::boundTo(uint32_t r, uint32_t slot) const {
 }
 
 Status Pass::decoded(Decode &d, uint32_t r, void **values) {
-  const std::string what =
-      fmt::format("'{}' of rank {}", program->name(program->slots[d.weight].name), r);
   Buffer *out = &d.out[r];
   Kept *kept = nullptr;
   if (store) {
@@ -184,6 +182,8 @@ Status Pass::decoded(Decode &d, uint32_t r, void **values) {
       return Status::success();
     }
   }
+  const std::string what =
+      fmt::format("'{}' of rank {}", program->name(program->slots[d.weight].name), r);
   if (!out->memory) {
     const size_t bytes = decodedBytes(d.spec);
     if (Status s = check(device::allocate(bytes, &out->memory), "the decoded values of " + what);

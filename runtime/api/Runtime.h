@@ -218,7 +218,11 @@ struct ContextOptions {
   /// by the first tile that reads it, and again only when another tensor is
   /// bound or after weightChanged(): the same bits as packing them in every
   /// tile, for the memory of a copy of each (CPU, where moec's tile runs the
-  /// product; docs/runtime.md says which weights a run packs). A host that
+  /// product; docs/runtime.md says which weights a run packs; on the cuda
+  /// backend, quantized weights kept decoded, one copy for both passes).
+  /// With it, a quantized weight's scales found good are not checked again
+  /// until weightChanged() names their weight or another tensor is bound.
+  /// A host that
   /// writes a bound weight in place must call weightChanged() before the
   /// next pass.
   bool packWeights = false;

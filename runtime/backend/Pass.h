@@ -78,8 +78,8 @@ struct PassOptions {
   bool opByOp = false;        ///< one op at a time, a barrier between ops (CPU)
   /// Keep the weights the GMMs read (w1, w2, the LoRA adapters) packed in
   /// the tile's layout, each packed by the first tile that reads it and
-  /// again only after weightsChanged() or when another tensor is bound
-  /// (CPU; the same bits).
+  /// again only after weightChanged() or when another tensor is bound
+  /// (the same bits; on the cuda backend, quantized weights kept decoded).
   bool packWeights = false;
   std::shared_ptr<comm::Fabric> fabric; ///< the EP group (required)
 };

@@ -451,6 +451,14 @@ inline bool hasPeerGroups(const TilingRecord &tiling) {
   return tiling.peers > 1 && !isPut(tiling.opKind);
 }
 
+/// True when a GMM's fourth input is an addend its product is added onto
+/// (a LoRA adapter's second product onto its base's output), C read as
+/// well as written; a quantized B's fourth input is its scales
+/// (kTilingQuantizedB).
+inline bool hasAddend(const TilingRecord &tiling) {
+  return tiling.inputCount == 4 && !(tiling.flags & kTilingQuantizedB);
+}
+
 /// The peer group of a put's peer offset `peer` for a grid of `groups`
 /// groups over `ranks` EP ranks: the g with g*R/G <= peer < (g+1)*R/G.
 inline uint32_t peerGroupOf(uint32_t peer, uint32_t ranks, uint32_t groups) {

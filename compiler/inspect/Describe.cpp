@@ -217,8 +217,7 @@ std::string computesText(const TaskProgram &p) {
     const format::TilingRecord &t = p.tilings[op.tiling];
     // (or, fused into the base's, its low-rank product: U's columns)
     const bool fused = t.lowRank();
-    if (op.kind == OpKind::Gmm && t.depth != 0 &&
-        (fused || (t.inputCount == 4 && !(t.flags & kTilingQuantizedB)))) {
+    if (op.kind == OpKind::Gmm && t.depth != 0 && (fused || hasAddend(t))) {
       ++adapters;
       lora = fmt::format(" with LoRA adapters on {} projection{} (rank {}{})", adapters,
                          adapters == 1 ? "" : "s", fused ? lowRankDepth(p, t) : t.depth,

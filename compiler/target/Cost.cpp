@@ -64,11 +64,10 @@ double taskSeconds(const TaskProgram &program, uint32_t task, const TargetProfil
       shareB = std::min<double>(tiling.rowTiles * tiling.peers,
                                 std::max(1.0, std::floor(cores / shareA)));
     }
-    // C is read too where the product adds onto an addend (a fourth input
-    // that is not a quantized B's scales).
-    const bool addend = tiling.inputCount == 4 && !(tiling.flags & kTilingQuantizedB);
-    double bytes = element * (m * k / shareA + k * n / shareB) +
-                   dtypeSize(program.slots[tiling.outputSlot].dtype) * m * n * (addend ? 2.0 : 1.0);
+    // C is read too where the product adds onto an addend.
+    double bytes =
+        element * (m * k / shareA + k * n / shareB) +
+        dtypeSize(program.slots[tiling.outputSlot].dtype) * m * n * (hasAddend(tiling) ? 2.0 : 1.0);
     work = std::max(flops / rate, bytes / profile.memoryBytes);
     break;
   }

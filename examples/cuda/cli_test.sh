@@ -3,8 +3,9 @@
 # is no [G*]MxNxK[:ab] is refused by name before any GPU is looked for,
 # --tile-n takes a positive count, --weight-format a format's name, and an
 # int4 B's stored rows whole groups; layer takes its binaries in pairs
-# (a missing one named); decode takes no arguments; an unknown option is
-# named; --help anywhere prints the usage.
+# (a missing one named) and --pack-weights off, on or both; decode takes
+# no arguments; an unknown option is named; --help anywhere prints the
+# usage.
 case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
 bench="$1"
@@ -34,6 +35,7 @@ expect "layer takes binaries in pairs, FWD BWD [FWD BWD ...]; 1 given" layer a.m
 expect "layer takes binaries in pairs, FWD BWD [FWD BWD ...]; 3 given" layer a b c --repeat 2
 expect "--repeat takes a value" layer a.moebin b.moebin --repeat
 expect "unknown option --repat" layer a.moebin b.moebin --repat 2
+expect "--pack-weights takes off, on or both, not 'yes'" layer a.moebin b.moebin --pack-weights yes
 expect "no-such.fwd.moebin" layer no-such.fwd.moebin no-such.bwd.moebin
 # decode takes no arguments: anything after it gets the usage and exit 2.
 err="$("$bench" decode 8x8x8 2>&1 >/dev/null)"

@@ -33,9 +33,8 @@ namespace {
 uint32_t fourthInput(const format::TaskProgram &program, const format::OpRecord &op, bool scales) {
   const format::TilingRecord &t = program.tilings[op.tiling];
   const bool activation = op.kind == format::OpKind::Gmm && t.depth != 0;
-  return activation && t.inputCount == 4 && bool(t.flags & format::kTilingQuantizedB) == scales
-             ? t.inputSlots[3]
-             : rt::kNoSlot;
+  return activation && t.inputCount == 4 && format::hasAddend(t) != scales ? t.inputSlots[3]
+                                                                           : rt::kNoSlot;
 }
 } // namespace
 

@@ -219,7 +219,7 @@ private:
                                     slotName(lhs)));
       return Status::success();
     }
-    if (tiling(last).inputCount == 4 && !quantized(last)) { // an adapter: Y = Y_base + U B
+    if (format::hasAddend(tiling(last))) { // an adapter: Y = Y_base + U B
       p->add = last;
       p->base = producer(in(last, 3));
       p->rankIn = producer(in(last, 0));
@@ -809,7 +809,7 @@ private:
       if (Status s = expectField(op, "cols", t.cols, uint64_t(width(c))); !s)
         return s;
       if (kind == OpKind::Gmm) {
-        if (t.inputCount == 4 && !(t.flags & format::kTilingQuantizedB)) {
+        if (format::hasAddend(t)) {
           const SlotRecord &cs = program.slots[c];
           if (Status s = expectShape(in(op, 3), "addend", {rows(c), int64_t(cs.dims[1])},
                                      cs.dtype);

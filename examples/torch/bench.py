@@ -25,11 +25,15 @@ libblas.so.3: install libopenblas0-pthread). The shares of the peak are of
 moec's probe (`moec bench --skip-layers`: register-only FMA and bf16
 dot-product chains): one core alone times the threads ("of peak"), and the
 threads' cores all measuring at once ("of at once"), which is less where
-the cores share a clock or power budget; beside them goes that command's
-independent check, the core's clock times the flops a cycle its vendor
-documents. "ceiling" is the largest share of the peak the machine's memory
-leaves the step: its FLOPs at the peak over the time its base weights'
-bytes take at the rate the threads' cores read memory together (`moec
+the cores share a clock or power budget (under 90% of the threads x one
+core alone, a warning says the cores are shared with other work now: a
+VM's vCPUs on one physical core, a busy host; a healthy machine gives
+95-105%, and a run's shares then say more about the machine than the
+layer); beside them goes that command's independent check, the core's
+clock times the flops a cycle its vendor documents. "ceiling" is the
+largest share of the peak the machine's memory leaves the step: its
+FLOPs at the peak over the time its base weights' bytes take at the rate
+the threads' cores read memory together (`moec
 bench`'s "memory read" line; weight_stream_bytes says which bytes), 100%
 where the FLOPs take longer.
 
@@ -594,11 +598,37 @@ def print_peaks(threads):
     if TOGETHER:
         print(f"the {threads} cores at once: "
               + ", ".join(f"{d} {p:.1f} GFLOP/s" for d, p in TOGETHER.items()))
+    warning = contention_warning(threads)
+    if warning:
+        print(warning, flush=True)
     if MEMORY:
         print(f"memory read, the {threads} cores at once (moec's probe): "
               f"{memory_rate() / 1e9:.1f} GB/s")
     for line in CHECK:
         print(f"{line} (one core)")
+
+
+# Below this share of `threads` x one core alone, the cores at once are
+# taken as shared with other work (a VM's vCPUs on one physical core, a
+# busy host): a healthy machine measures 95-105%.
+TOGETHER_HEALTHY = 0.9
+
+
+def contention_warning(threads):
+    """A line saying that the probe's `threads` cores at once ran under
+    TOGETHER_HEALTHY of `threads` x one core alone (the lowest dtype's
+    share), so that this run's shares of the peak and speed-ups say more
+    about the machine than about the layer; None where they did not (or
+    were not measured)."""
+    shares = {d: TOGETHER[d] / (threads * PEAKS[d]) for d in TOGETHER
+              if threads > 1 and PEAKS.get(d)}
+    if not shares or min(shares.values()) >= TOGETHER_HEALTHY:
+        return None
+    dtype = min(shares, key=shares.get)
+    return (f"warning: the {threads} cores at once ran {dtype} at {100 * shares[dtype]:.0f}% of "
+            f"{threads} x one core alone (a healthy machine: 95-105%): they share a physical "
+            "core or the host is busy, and this run's shares of the peak and speed-ups say "
+            "more about the machine than the layer; measure again when it is quiet")
 
 
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}

@@ -165,6 +165,36 @@ def test_the_memory_rate_comes_from_moec_bench(tmp_path):
     assert bench.memory_rate() == 18.5e9
 
 
+def test_contended_cores_are_named_before_the_shares(tmp_path, capsys):
+    fake = tmp_path / "moec"
+
+    def probe(fp32_together, bf16_together):
+        fake.write_text("#!/bin/sh\ncat <<'EOF'\n"
+                        "fp32 FMA peak, one core: 200.0 GFLOP/s (avx512f, 16 lanes)\n"
+                        "bf16 dot-product peak, one core: 400.0 GFLOP/s (avx512_bf16)\n"
+                        f"fp32 FMA peak, 2 cores at once: {fp32_together} GFLOP/s (x a core)\n"
+                        f"bf16 dot-product peak, 2 cores at once: {bf16_together} GFLOP/s\n"
+                        "EOF\n")
+        fake.chmod(0o755)
+        bench.PEAKS.clear()
+        bench.TOGETHER.clear()
+        bench.moec_tile_rates(str(fake), 2)
+
+    probe(390.0, 780.0)  # 97.5% each: quiet
+    assert bench.contention_warning(2) is None
+    bench.print_peaks(2)
+    assert "warning" not in capsys.readouterr().out
+    probe(380.0, 472.0)  # bf16 at 59% of 2 x 400
+    line = bench.contention_warning(2)
+    assert line.startswith("warning: the 2 cores at once ran bf16 at 59% of 2 x one core alone")
+    bench.print_peaks(2)
+    assert line in capsys.readouterr().out
+    assert bench.contention_warning(1) is None  # one thread: nothing to share
+    bench.PEAKS.clear()
+    bench.TOGETHER.clear()
+    assert bench.contention_warning(2) is None  # not measured
+
+
 def test_step_range_is_the_fastest_and_slowest_step():
     assert bench.step_range([1.2504, 1.19, 1.3333]) == "1.190-1.333"
     assert bench.step_range([0.5]) == "0.500-0.500"

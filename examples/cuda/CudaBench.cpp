@@ -15,10 +15,12 @@
 //                                     clock an SM, and its bits against the
 //                                     decode of one value at a time
 //   cuda_bench layer FWD BWD [FWD BWD ...] [--repeat N] [--hot-share F] [--sample N]
-//                    [--pack-weights off|on|both]
+//                    [--pack-weights off|on|both] [--backend cuda|cpu]
 //                                     the layer, forward and backward, every
 //                                     rank on the GPU, tensors in device
-//                                     memory: median step time, the persistent
+//                                     memory (LoRA adapters too, where the
+//                                     binaries have them; tooling::LayerRun
+//                                     binds them): median step time, the persistent
 //                                     kernels' share, and a sampled check
 //                                     against the reference (N tokens); several
 //                                     pairs one after another, the random
@@ -29,7 +31,10 @@
 //                                     Pass.h, MOEC_CUDA_DECODE); with
 //                                     --pack-weights on, decoded once and
 //                                     kept (the packed-weight store), both:
-//                                     each pair without it, then with it
+//                                     each pair without it, then with it;
+//                                     --backend cpu runs the same on the
+//                                     cpu backend in host memory (the
+//                                     harness checked where there is no GPU)
 //
 // Prints the GPU first. PyTorch's side (cuBLAS, eager) is
 // examples/cuda/bench_torch.py; examples/cuda/bench.sh runs both.
@@ -168,125 +173,64 @@ int gmm(const std::vector<std::string> &products, int64_t tileN, const rt::Layer
   return failed ? 1 : 0;
 }
 
-/// A tensor of the layer in device memory, converted from fp32.
-struct DeviceTensor {
-  void *memory = nullptr;
-  DType dtype = DType::F32;
-  size_t count = 0;
-  ~DeviceTensor() { cuda::device::release(memory); }
-  Status upload(const float *values, size_t n, DType type) {
-    dtype = type;
-    count = n;
-    std::vector<uint8_t> host(n * dtypeSize(type));
-    if (values)
-      cpu::storeFloats(values, host.data(), type, n);
-    if (auto e = cuda::device::allocate(host.size(), &memory); !e.empty())
-      return Status::error(e);
-    if (auto e = cuda::device::copy(memory, host.data(), host.size()); !e.empty())
-      return Status::error(e);
-    return Status::success();
+/// The GPU's memory for the layer's tensors: its passes read their inputs
+/// and write their outputs there (nothing staged from the host).
+struct GpuMemory final : tooling::TensorMemory {
+  std::string allocate(size_t bytes, void **memory) override {
+    return cuda::device::allocate(bytes, memory);
   }
-  Status uploadBytes(const void *bytes, size_t n) {
-    count = n;
-    if (auto e = cuda::device::allocate(n, &memory); !e.empty())
-      return Status::error(e);
-    if (auto e = cuda::device::copy(memory, bytes, n); !e.empty())
-      return Status::error(e);
-    return Status::success();
-  }
-  Status download(float *out) const {
-    std::vector<uint8_t> host(count * dtypeSize(dtype));
-    if (auto e = cuda::device::copy(host.data(), memory, host.size()); !e.empty())
-      return Status::error(e);
-    cpu::loadFloats(host.data(), dtype, out, count);
-    return Status::success();
+  void release(void *memory) override { cuda::device::release(memory); }
+  std::string copy(void *to, const void *from, size_t bytes) override {
+    return cuda::device::copy(to, from, bytes);
   }
 };
 
 /// One forward and backward binary's layer on `data` (random, of its
-/// shape; its own copy).
+/// shape; its own copy), on `kind`'s backend: the cuda one with every
+/// tensor in the GPU's memory, or the cpu one (host memory).
 int layer(const std::shared_ptr<const rt::Program> &fwd,
           const std::shared_ptr<const rt::Program> &bwd, tooling::LayerData data, int repeat,
-          double hotShare, int64_t sample, bool pack) {
+          double hotShare, int64_t sample, bool pack, backend::Kind kind) {
   const rt::LayerShape &shape = fwd->shape();
-  const DType act = shape.activations, grad = bwd->shape().weightGrads;
+  const DType act = shape.activations;
   // Quantized weights: the reference sees the values the layer computes with.
   if (Status s = tooling::roundWeightsToFormat(shape, &data); !s)
     return fail(s);
   rt::ContextOptions options;
-  options.backend = backend::Kind::Cuda;
+  options.backend = kind;
   options.packWeights = pack;
   std::unique_ptr<rt::Context> context;
   if (Status s = rt::Context::create(fwd, bwd, options, &context); !s)
     return fail(s);
+  GpuMemory gpuMemory;
+  const bool gpu = kind == backend::Kind::Cuda;
+  tooling::LayerRun run(gpu ? &gpuMemory : nullptr);
+  if (Status s = run.bind(*context, data); !s)
+    return fail(s);
 
-  // A frozen layer's backward (quantized weights, or frozen=True) gives
-  // no weight gradients.
+  // A frozen layer's backward (quantized weights, frozen=True, LoRA) gives
+  // no weight gradients of the base.
   const bool frozen = bwd->shape().frozen;
   const int64_t R = shape.ranks, S = data.tokens, K = data.topK, H = shape.hidden,
                 I = shape.inter, L = shape.localExperts;
-  enum { kX, kY, kW1, kW2, kW1Scale, kW2Scale, kDy, kDx, kDtopk, kDw1, kDw2, kCount };
-  std::vector<DeviceTensor> t(size_t(R) * kCount);
-  for (int64_t r = 0; r < R; ++r) {
-    DeviceTensor *b = &t[size_t(r) * kCount];
-    const size_t sh = size_t(S * H), w1n = size_t(L * H * 2 * I), w2n = size_t(L * I * H);
-    const tooling::StoredWeights w = tooling::storedWeights(shape, data, r);
-    Status s = b[kX].upload(data.x.data() + r * S * H, sh, act);
-    if (s) s = b[kY].upload(nullptr, sh, act);
-    if (s)
-      s = b[kW1].uploadBytes(w.w1.data(), w.w1.size());
-    if (s)
-      s = b[kW2].uploadBytes(w.w2.data(), w.w2.size());
-    if (s && !w.w1Scale.empty())
-      s = b[kW1Scale].upload(w.w1Scale.data(), w.w1Scale.size(), DType::F32);
-    if (s && !w.w2Scale.empty())
-      s = b[kW2Scale].upload(w.w2Scale.data(), w.w2Scale.size(), DType::F32);
-    if (s) s = b[kDy].upload(data.dy.data() + r * S * H, sh, act);
-    if (s) s = b[kDx].upload(nullptr, sh, act);
-    if (s) s = b[kDtopk].upload(nullptr, size_t(S * K), DType::F32);
-    if (s && !frozen)
-      s = b[kDw1].upload(nullptr, w1n, grad);
-    if (s && !frozen)
-      s = b[kDw2].upload(nullptr, w2n, grad);
-    if (!s)
-      return fail(s);
-    const uint32_t rank = uint32_t(r);
-    if (s = context->setRouting(rank, rt::makeTensor(data.ids.data() + r * S * K, DType::I64, {S, K}),
-                                rt::makeTensor(data.weights.data() + r * S * K, DType::F32, {S, K}));
-        !s)
-      return fail(s);
-    std::vector<std::pair<const char *, rt::Tensor>> bindings = {
-        {"x", rt::makeTensor(b[kX].memory, act, {S, H})},
-        {"y", rt::makeTensor(b[kY].memory, act, {S, H})},
-        {"w1", rt::makeTensor(b[kW1].memory, w.dtype, w.w1Dims)},
-        {"w2", rt::makeTensor(b[kW2].memory, w.dtype, w.w2Dims)},
-        {"dy", rt::makeTensor(b[kDy].memory, act, {S, H})},
-        {"dx", rt::makeTensor(b[kDx].memory, act, {S, H})},
-        {"dtopk_weights", rt::makeTensor(b[kDtopk].memory, DType::F32, {S, K})}};
-    if (!w.w1Scale.empty()) {
-      bindings.push_back(
-          {"w1_scale", rt::makeTensor(b[kW1Scale].memory, DType::F32, w.w1ScaleDims)});
-      bindings.push_back(
-          {"w2_scale", rt::makeTensor(b[kW2Scale].memory, DType::F32, w.w2ScaleDims)});
-    }
-    if (!frozen) {
-      bindings.push_back({"dw1", rt::makeTensor(b[kDw1].memory, grad, {L, H, 2 * I})});
-      bindings.push_back({"dw2", rt::makeTensor(b[kDw2].memory, grad, {L, I, H})});
-    }
-    for (const auto &[name, tensor] : bindings)
-      if (s = context->bind(rank, name, tensor); !s)
-        return fail(s);
+  if (gpu) {
+    std::string name;
+    (void)cuda::describeDevice(&name);
+    std::printf("GPU: %s\n", name.c_str());
+  } else {
+    std::printf("the cpu backend (%u worker threads)\n", context->workers());
   }
-
-  std::string gpu;
-  (void)cuda::describeDevice(&gpu);
-  std::printf("GPU: %s\n", gpu.c_str());
-  std::printf("layer: R %lld, L %lld, S %lld, K %lld, H %lld, I %lld, %s, weights %s%s%s, "
+  const std::string lora = shape.loraRank ? fmt::format(", LoRA r {} on {}", shape.loraRank,
+                                                        shape.loraTargets == 3   ? "w1, w2"
+                                                        : shape.loraTargets == 1 ? "w1"
+                                                                                 : "w2")
+                                          : "";
+  std::printf("layer: R %lld, L %lld, S %lld, K %lld, H %lld, I %lld, %s, weights %s%s%s%s, "
               "hot share %.2f%s\n",
               (long long)R, (long long)L, (long long)S, (long long)K, (long long)H, (long long)I,
               dtypeName(act), shape.weightFormatName().c_str(),
               shape.weightsTransposed ? " (stored transposed)" : "", frozen ? ", frozen" : "",
-              hotShare, pack ? ", packed weights" : "");
+              lora.c_str(), hotShare, pack ? ", packed weights" : "");
   std::vector<double> steps, kernels, before, checks, after;
   for (int i = 0; i < repeat + 1; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -309,39 +253,25 @@ int layer(const std::shared_ptr<const rt::Program> &fwd,
     return v[v.size() / 2];
   };
   const double step = median(steps), kernel = median(kernels);
-  // Forward, dX and dA; and dW1, dW2 unless frozen.
+  // The base's products: forward, dX and dA; and dW1, dW2 unless frozen (a
+  // LoRA adapter's rank-r products not counted).
   const double flops = (frozen ? 2.0 : 3.0) * 2 * double(R) * S * K * (H * 2.0 * I + double(I) * H);
-  std::printf("moec cuda step (fwd+bwd): median %.3f ms over %d (%.1f TFLOP/s); the task "
+  std::printf("moec %s step (fwd+bwd): median %.3f ms over %d (%.1f TFLOP/s%s); the task "
               "programs' part %.3f ms\n",
-              step * 1e3, repeat, flops / step / 1e12, kernel * 1e3);
+              gpu ? "cuda" : "cpu", step * 1e3, repeat, flops / step / 1e12,
+              shape.loraRank ? ", the base's FLOPs" : "", kernel * 1e3);
   std::printf("  around them: %.3f ms before (of it %.3f ms the checks, routing layout and "
               "agreement; then the layout's upload and the gather of the rows to send), %.3f ms "
               "after (combine, top-k weight gradient)\n",
               median(before) * 1e3, median(checks) * 1e3, median(after) * 1e3);
   if (pack)
-    std::printf("  packed weights (kept decoded): %.1f MB\n",
+    std::printf("  packed weights (%s): %.1f MB\n", gpu ? "kept decoded" : "in the tile's layout",
                 double(context->packedWeightBytes()) / 1e6);
 
   if (sample > 0) {
-    data.y.assign(size_t(R * S * H), 0);
-    data.dx = data.y;
-    data.dtopk.assign(size_t(R * S * K), 0);
-    data.dw1.assign(frozen ? 0 : data.w1.size(), 0);
-    data.dw2.assign(frozen ? 0 : data.w2.size(), 0);
-    for (int64_t r = 0; r < R; ++r) {
-      const DeviceTensor *b = &t[size_t(r) * kCount];
-      Status s = b[kY].download(data.y.data() + r * S * H);
-      if (s) s = b[kDx].download(data.dx.data() + r * S * H);
-      if (s) s = b[kDtopk].download(data.dtopk.data() + r * S * K);
-      if (s && !frozen)
-        s = b[kDw1].download(data.dw1.data() + r * L * H * 2 * I);
-      if (s && !frozen)
-        s = b[kDw2].download(data.dw2.data() + r * L * I * H);
-      if (!s)
-        return fail(s);
-    }
-    // Every backward overwrites the weight gradients (no main_grad): the
-    // last step's are compared.
+    // One more step, whose outputs are read back and checked.
+    if (Status s = run.run(*context, true, &data); !s)
+      return fail(s);
     tooling::VerifyOptions verify;
     verify.backward = true;
     verify.bf16 = act == DType::BF16;
@@ -367,7 +297,7 @@ int layer(const std::shared_ptr<const rt::Program> &fwd,
 /// thread at qwen3's sizes: the weights' formats of one layer share it).
 /// Fails after the last pair if any failed.
 int layers(const std::vector<std::string> &paths, int repeat, double hotShare, int64_t sample,
-           const std::vector<bool> &packs) {
+           const std::vector<bool> &packs, backend::Kind kind) {
   tooling::LayerData data;
   std::vector<int64_t> madeFor;
   int failed = 0;
@@ -396,7 +326,7 @@ int layers(const std::vector<std::string> &paths, int repeat, double hotShare, i
       if (p > 0 || pack != packs.front())
         std::printf("\n");
       std::printf("binaries: %s %s\n", paths[p].c_str(), paths[p + 1].c_str());
-      failed += layer(fwd, bwd, data, repeat, hotShare, sample, pack) != 0;
+      failed += layer(fwd, bwd, data, repeat, hotShare, sample, pack, kind) != 0;
     }
   }
   return failed ? 1 : 0;
@@ -408,7 +338,7 @@ void usage(std::FILE *to) {
                    "       cuda_bench decode\n"
                    "       cuda_bench layer FWD BWD [FWD BWD ...] [--repeat N] "
                    "[--hot-share F] [--sample N]\n"
-                   "                  [--pack-weights off|on|both]\n"
+                   "                  [--pack-weights off|on|both] [--backend cuda|cpu]\n"
                    "(each mode is described at the top of examples/cuda/CudaBench.cpp)\n");
 }
 
@@ -482,6 +412,7 @@ int main(int argc, char **argv) {
     double hot = 0;
     int64_t sample = 0;
     std::vector<bool> packs = {false};
+    backend::Kind kind = backend::Kind::Cuda;
     for (; i < argc; i += 2) {
       const std::string flag = argv[i];
       if (i + 1 >= argc)
@@ -499,10 +430,15 @@ int main(int argc, char **argv) {
         packs = v == "off"  ? std::vector<bool>{false}
                 : v == "on" ? std::vector<bool>{true}
                             : std::vector<bool>{false, true};
+      } else if (flag == "--backend") {
+        const std::string v = argv[i + 1];
+        if (v != "cuda" && v != "cpu")
+          return fail(Status::error("--backend takes cuda or cpu, not '" + v + "'"));
+        kind = v == "cuda" ? backend::Kind::Cuda : backend::Kind::Cpu;
       } else
         return fail(Status::error("unknown option " + flag));
     }
-    return layers(paths, repeat, hot, sample, packs);
+    return layers(paths, repeat, hot, sample, packs, kind);
   }
   usage(stderr);
   return 2;

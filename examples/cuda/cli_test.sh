@@ -5,10 +5,15 @@
 # int4 B's stored rows whole groups; layer takes its binaries in pairs
 # (a missing one named) and --pack-weights off, on or both; decode takes
 # no arguments; an unknown option is named; --help anywhere prints the
-# usage.
+# usage. Then, on the cpu backend (--backend cpu, no GPU needed), layer
+# runs small LoRA binaries (dense bf16 and int8 bases) and the full fp32
+# layer, with and without packed weights, and checks each against the
+# reference: the harness's bindings (adapters included) that the GPU runs
+# use.
 case "${1:-}" in -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; exit 0 ;; esac
 set -uo pipefail
 bench="$1"
+moec="${2:-}"
 fails=0
 expect() { # expect WANT-IN-STDERR ARGS...
   local want="$1"
@@ -57,5 +62,45 @@ for args in "--help" "-h" "gmm --help" "gmm 8x8x8 -h" "decode --help" "layer --h
     fails=$((fails + 1))
   fi
 done
+expect "--backend takes cuda or cpu, not 'gpu'" layer a.moebin b.moebin --backend gpu
+# The layer on the cpu backend.
+if [ -n "$moec" ]; then
+  dir="$(mktemp -d)"
+  trap 'rm -rf "$dir"' EXIT
+  cat >"$dir/lora.json" <<'EOF'
+{"hidden_size": 64, "intermediate_size": 32, "num_experts": 4, "top_k": 2, "ep": 2,
+ "tp": 1, "seq_size": 128, "dtype": "bf16", "num_cube_cores": 2, "num_vector_cores": 4,
+ "lora_rank": 4, "lora_alpha": 8}
+EOF
+  compile() { # compile GRAPH CONFIG OUT
+    local log
+    if ! log="$("$moec" compile "$1" --config "$2" -o "$3" --no-progress 2>&1)"; then
+      echo "FAIL: moec compile $1 --config $2: $log"
+      fails=$((fails + 1))
+    fi
+  }
+  pairs=()
+  for g in lora lora_transposed_int8; do
+    for pass in fwd bwd; do
+      compile "graphs/moe_ffn_${pass}_$g.json" "$dir/lora.json" "$dir/$g.$pass.moebin"
+      pairs+=("$dir/$g.$pass.moebin")
+    done
+  done
+  for pass in fwd bwd; do
+    compile "graphs/moe_ffn_$pass.json" examples/configs/tiny.json "$dir/full.$pass.moebin"
+    pairs+=("$dir/full.$pass.moebin")
+  done
+  out="$("$bench" layer "${pairs[@]}" --backend cpu --repeat 2 --sample 8 --pack-weights both 2>&1)"
+  rc=$?
+  passed="$(grep -c '^verify (8 sampled tokens): passed$' <<<"$out")"
+  lora="$(grep -c 'frozen, LoRA r 4 on w1, w2' <<<"$out")"
+  adapters="$(grep -c '^  dlora_b1 ' <<<"$out")"
+  if [ $rc -ne 0 ] || [ "$passed" != 6 ] || [ "$lora" != 4 ] || [ "$adapters" != 4 ]; then
+    echo "FAIL: cuda_bench layer --backend cpu -> exit $rc, $passed of 6 checks passed," \
+      "$lora of 4 LoRA layers, $adapters of 4 adapter gradients checked:"
+    echo "$out"
+    fails=$((fails + 1))
+  fi
+fi
 [ $fails -eq 0 ] && echo "cuda_bench arguments: all checks passed"
 exit $((fails > 0))

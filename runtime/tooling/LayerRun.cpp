@@ -49,6 +49,29 @@ void LayerRun::Buffer::clear() {
   std::fill(bf16.begin(), bf16.end(), uint16_t(0));
 }
 
+void LayerRun::place(Buffer &b) {
+  if (!memory || b.size() == 0 || !failure.empty())
+    return;
+  if (!b.placed) {
+    void *at = nullptr;
+    if (std::string e = memory->allocate(b.size(), &at); !e.empty()) {
+      failure = e;
+      return;
+    }
+    TensorMemory *owner = memory;
+    b.placed = std::shared_ptr<void>(at, [owner](void *p) { owner->release(p); });
+  }
+  if (std::string e = memory->copy(b.placed.get(), b.host(), b.size()); !e.empty())
+    failure = e;
+}
+
+void LayerRun::fetch(Buffer &b) {
+  if (!b.placed || !failure.empty())
+    return;
+  if (std::string e = memory->copy(b.host(), b.placed.get(), b.size()); !e.empty())
+    failure = e;
+}
+
 void LayerRun::Buffer::copyOut(float *out) const {
   if (dtype == DType::BF16)
     cpu::bf16ToFloat(bf16.data(), out, bf16.size());
@@ -68,6 +91,7 @@ enum Slot {
   kDw2,
   kW1Scale,
   kW2Scale,
+  kDtopk,
   kLora, ///< the LoRA tensors: A, B of w1's adapter, of w2's, then their gradients
   kSlotsPerRank = kLora + 8
 };
@@ -258,12 +282,17 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
                                      d.dy.size(), d.ranks * S * H, d.ranks, S, H));
   const size_t ranks = size_t(context.ranks());
   buffers.assign(ranks * kSlotsPerRank, Buffer());
-  dtopk.assign(ranks, std::vector<float>(size_t(S * K)));
+  failure.clear();
   ids.assign(ranks, {});
   weights.assign(ranks, {});
   const int64_t first = context.firstLocalRank(), last = first + context.localRanks();
   for (int64_t r = first; r < last; ++r) {
     Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
+    // A tensor's memory, bound: with a TensorMemory, its copy there.
+    const auto at = [&](Buffer &buffer) {
+      place(buffer);
+      return buffer.data();
+    };
     const size_t tokensH = size_t(S * H), w1n = size_t(L * H * 2 * I), w2n = size_t(L * I * H);
     const int64_t e = r / T;
     b[kX].assign(d.x.data() + e * S * H, tokensH, act);
@@ -283,16 +312,16 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
         !s)
       return s;
     std::vector<std::pair<std::string, rt::Tensor>> tensors = {
-        {"x", rt::makeTensor(b[kX].data(), act, {S, H})},
-        {"y", rt::makeTensor(b[kY].data(), act, {S, H})},
-        {"w1", rt::makeTensor(b[kW1].data(), b[kW1].dtype, stored.w1Dims)},
-        {"w2", rt::makeTensor(b[kW2].data(), b[kW2].dtype, stored.w2Dims)},
+        {"x", rt::makeTensor(at(b[kX]), act, {S, H})},
+        {"y", rt::makeTensor(at(b[kY]), act, {S, H})},
+        {"w1", rt::makeTensor(at(b[kW1]), b[kW1].dtype, stored.w1Dims)},
+        {"w2", rt::makeTensor(at(b[kW2]), b[kW2].dtype, stored.w2Dims)},
     };
     if (shape.weightFormat != WeightFormat::Dense) {
       tensors.push_back(
-          {"w1_scale", rt::makeTensor(b[kW1Scale].data(), DType::F32, stored.w1ScaleDims)});
+          {"w1_scale", rt::makeTensor(at(b[kW1Scale]), DType::F32, stored.w1ScaleDims)});
       tensors.push_back(
-          {"w2_scale", rt::makeTensor(b[kW2Scale].data(), DType::F32, stored.w2ScaleDims)});
+          {"w2_scale", rt::makeTensor(at(b[kW2Scale]), DType::F32, stored.w2ScaleDims)});
     }
     // The adapters of this rank's experts (global experts e * L .. e * L + L - 1).
     const auto bindLora = [&](const LoraTensor &t, DType type) {
@@ -304,7 +333,7 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
         buffer.zeros(count, type);
       else
         buffer.assign(t.of(d).data() + size_t(e) * count, count, type);
-      tensors.push_back({t.name(), rt::makeTensor(buffer.data(), type, dims)});
+      tensors.push_back({t.name(), rt::makeTensor(at(buffer), type, dims)});
     };
     for (const LoraTensor &t : loraTensors(shape.loraTargets, false))
       bindLora(t, act);
@@ -315,20 +344,22 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
       const DType grad = bs ? bs->weightGrads : act;
       b[kDy].assign(d.dy.data() + e * S * H, tokensH, act);
       b[kDx].zeros(tokensH, act);
+      b[kDtopk].zeros(size_t(S * K), DType::F32);
       tensors.insert(tensors.end(),
-                     {{"dy", rt::makeTensor(b[kDy].data(), act, {S, H})},
-                      {"dx", rt::makeTensor(b[kDx].data(), act, {S, H})},
-                      {"dtopk_weights", rt::makeTensor(dtopk[size_t(r)].data(), DType::F32, {S, K})}});
+                     {{"dy", rt::makeTensor(at(b[kDy]), act, {S, H})},
+                      {"dx", rt::makeTensor(at(b[kDx]), act, {S, H})},
+                      {"dtopk_weights", rt::makeTensor(at(b[kDtopk]), DType::F32, {S, K})}});
       for (const LoraTensor &t : loraTensors(bs ? bs->loraTargets : 0, true))
         bindLora(t, grad);
       if (!(bs && bs->frozen)) {
         b[kDw1].zeros(w1n, grad);
         b[kDw2].zeros(w2n, grad);
-        tensors.insert(tensors.end(),
-                       {{"dw1", rt::makeTensor(b[kDw1].data(), grad, {L, H, 2 * I})},
-                        {"dw2", rt::makeTensor(b[kDw2].data(), grad, {L, I, H})}});
+        tensors.insert(tensors.end(), {{"dw1", rt::makeTensor(at(b[kDw1]), grad, {L, H, 2 * I})},
+                                       {"dw2", rt::makeTensor(at(b[kDw2]), grad, {L, I, H})}});
       }
     }
+    if (!failure.empty())
+      return Status::error(fmt::format("rank {}: the layer's tensors: {}", r, failure));
     for (const auto &[name, tensor] : tensors)
       if (Status s = context.bind(rank, name, tensor); !s)
         return s;
@@ -344,11 +375,14 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
     // run starts them from zero, so that a repeated run gives one step's.
     for (int64_t r = context.firstLocalRank(); r < context.firstLocalRank() + context.localRanks();
          ++r) {
+      Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
       for (Slot slot : {kDw1, kDw2})
-        buffers[size_t(r) * kSlotsPerRank + slot].clear();
+        b[slot].clear(), place(b[slot]);
       for (const LoraTensor &t : loraTensors(3, true))
-        buffers[size_t(r) * kSlotsPerRank + size_t(loraSlot(t))].clear();
+        b[loraSlot(t)].clear(), place(b[loraSlot(t)]);
     }
+    if (!failure.empty())
+      return Status::error("the weight gradients' tensors: " + failure);
     if (Status s = context.backward(); !s)
       return s;
   }
@@ -380,12 +414,18 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
   }
   const int64_t first = context.firstLocalRank(), local = context.localRanks();
   for (int64_t r = first; r < first + local; ++r) {
-    const Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
+    Buffer *b = &buffers[size_t(r) * kSlotsPerRank];
+    for (int slot = 0; slot < kSlotsPerRank; ++slot)
+      if (slot == kY || slot == kDx || slot == kDtopk || slot == kDw1 || slot == kDw2 ||
+          slot >= kLora + 4)
+        fetch(b[slot]);
+    if (!failure.empty())
+      return Status::error(fmt::format("rank {}: the layer's outputs: {}", r, failure));
     b[kY].copyOut(y.data() + r * S * H);
     if (!backward)
       continue;
     b[kDx].copyOut(dx.data() + r * S * H);
-    std::copy(dtopk[size_t(r)].begin(), dtopk[size_t(r)].end(), dtopkAll.begin() + r * S * K);
+    b[kDtopk].copyOut(dtopkAll.data() + r * S * K);
     for (size_t i = 0; i < loraGrads.size(); ++i)
       b[loraSlot(loraGrads[i])].copyOut(loraAll[i].data() + r * loraPerRank[i]);
     if (!weightGrads)

@@ -206,10 +206,25 @@ struct StoredWeights {
 /// rank % T of each) as `shape` stores them.
 StoredWeights storedWeights(const rt::LayerShape &shape, const LayerData &data, int64_t rank);
 
+/// Where a LayerRun keeps the tensors it binds when they are not to lie in
+/// host memory (a GPU's memory, so that a pass reads its own and not host
+/// tensors it stages): the calls it makes of it. Each returns an error's
+/// text, empty on success.
+struct TensorMemory {
+  virtual ~TensorMemory() = default;
+  virtual std::string allocate(size_t bytes, void **memory) = 0;
+  virtual void release(void *memory) = 0;
+  /// Copies `bytes` from host memory to this memory or back.
+  virtual std::string copy(void *to, const void *from, size_t bytes) = 0;
+};
+
 /// The inputs of a LayerData in the binary's storage types, bound to a
 /// context; run() runs the passes and copies the outputs back as fp32.
 class LayerRun {
 public:
+  /// Tensors in host memory, or with `memory` in that memory (which must
+  /// outlive the LayerRun).
+  explicit LayerRun(TensorMemory *memory = nullptr) : memory(memory) {}
   /// Converts and binds `data`'s inputs (for all ranks) to `context`: rank
   /// r gets EP rank r / T's tokens and TP slice r % T of its experts.
   Status bind(rt::Context &context, const LayerData &data);
@@ -220,24 +235,38 @@ public:
   Status run(rt::Context &context, bool backward, LayerData *data);
 
 private:
+  /// One bound tensor: its values in host memory, and with a TensorMemory
+  /// a copy there, which is what is bound.
   struct Buffer {
     std::vector<float> f32;
     std::vector<uint16_t> bf16;
     std::vector<uint8_t> bytes; ///< a weight as stored (StoredWeights)
     format::DType dtype = format::DType::F32;
+    std::shared_ptr<void> placed; ///< the copy in the TensorMemory
     void assign(const float *values, size_t count, format::DType type);
     void zeros(size_t count, format::DType type);
     /// Sets every element to zero where it is (a bound tensor stays bound).
     void clear();
-    void *data() {
+    void *host() {
       return !bytes.empty()                 ? (void *)bytes.data()
              : dtype == format::DType::BF16 ? (void *)bf16.data()
                                             : (void *)f32.data();
     }
+    size_t size() const {
+      return !bytes.empty()                 ? bytes.size()
+             : dtype == format::DType::BF16 ? bf16.size() * 2
+                                            : f32.size() * 4;
+    }
+    void *data() { return placed ? placed.get() : host(); }
     void copyOut(float *out) const;
   };
-  std::vector<Buffer> buffers; ///< per rank: x, y, w1, w2, dy, dx, dw1, dw2, scales
-  std::vector<std::vector<float>> dtopk;
+  /// Copies `b`'s host values to `memory` (made the first time), or back;
+  /// the first failure is kept in `failure`.
+  void place(Buffer &b);
+  void fetch(Buffer &b);
+  TensorMemory *memory = nullptr;
+  std::string failure;
+  std::vector<Buffer> buffers; ///< per rank: x, y, w1, w2, dy, dx, dw1, dw2, scales, dtopk
   std::vector<std::vector<int64_t>> ids;
   std::vector<std::vector<float>> weights;
 };

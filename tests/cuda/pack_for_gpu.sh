@@ -11,13 +11,16 @@
 # libraries those programs link beyond the C/C++ runtime (xz-compressed),
 # and DIR/run.sh. On the GPU machine, from a checkout of the same commit:
 #
-#   bash DIR/run.sh [suite] [bench] [pack]   (default: suite and bench)
+#   bash DIR/run.sh [suite] [bench] [pack] [lora]   (default: suite and bench)
 #
 # runs the conformance suite's [gpu] cases and examples/cuda/bench.sh
 # --moec-only on the packed programs and binaries (its PyTorch side left
 # out): the tiles, the full layer at S 1024 and 4096, the frozen layer with
 # bf16, FP8, int8 and int4 weights, each layer checked against the
-# reference on 16 sampled tokens.
+# reference on 16 sampled tokens. `lora` times the frozen + LoRA step
+# (rank 16 on w1 and w2) on each base, bf16, FP8, int8 and int4, beside the
+# frozen step on the same base, with the packed-weight store (two rounds,
+# checked the same way).
 #
 # With --base REV, DIR/base/cuda_bench is REV's (built in a temporary git
 # worktree), and `bash DIR/run.sh ab` times REV's against this tree's side
@@ -78,9 +81,10 @@ tar -C "$libs" -cJf "$out/lib.tar.xz" lib
 cat >"$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # The cuda backend's checks on this GPU (made by tests/cuda/pack_for_gpu.sh):
-#   bash run.sh [suite] [bench] [pack] [ab]   from a checkout of the same commit
+#   bash run.sh [suite] [bench] [pack] [lora] [ab]   from a checkout of the same commit
 # (default: suite and bench; pack: the frozen layers without and with the
-# packed-weight store; ab: the --base build against this one)
+# packed-weight store; lora: the frozen + LoRA step beside the frozen one,
+# per base format; ab: the --base build against this one)
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 parts="${*:-suite bench}"
@@ -115,6 +119,20 @@ if [[ " $parts " == *" pack "* ]]; then
         --repeat 5 --sample 16 --pack-weights both |
         grep -E "^layer:|median|around|packed weights|verify" || rc=1
     done
+  done
+fi
+if [[ " $parts " == *" lora "* ]]; then
+  # The fine-tuning step: LoRA r 16 on each base format beside the frozen
+  # layer on it, one process a round (the random layer made once).
+  for round in 1 2; do
+    echo "== frozen and frozen + LoRA r 16 (bf16, FP8, int8, int4 bases), --pack-weights on, round $round"
+    pairs=()
+    for f in "" _fp8 _int8 _int4; do
+      pairs+=("$here/bins/frozen$f.fwd.moebin" "$here/bins/frozen$f.bwd.moebin"
+        "$here/bins/lora$f.fwd.moebin" "$here/bins/lora$f.bwd.moebin")
+    done
+    "$here/cuda_bench" layer "${pairs[@]}" --repeat 5 --sample 16 --pack-weights on |
+      grep -E "^layer:|median|around|packed weights|verify" || rc=1
   done
 fi
 if [[ " $parts " == *" ab "* ]]; then

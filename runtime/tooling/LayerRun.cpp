@@ -181,6 +181,38 @@ int64_t count(const std::vector<int64_t> &dims) {
   return n;
 }
 
+/// One expert's matrix as stored ([rows, cols]: its codes, and its scales,
+/// each covering `rowsPer` x `colsPer` of it, `unit` floats a scale), the
+/// part of it a TP rank holds: `rowRanges` of its rows ([begin, end) each,
+/// in order) and `colRange` of its columns.
+struct StoredPart {
+  int64_t rows, cols;
+  double codeBytes; ///< a value's bytes (0.5: int4, two a byte)
+  int64_t rowsPer, colsPer, unit;
+  std::vector<std::pair<int64_t, int64_t>> rowRanges;
+  std::pair<int64_t, int64_t> colRange;
+
+  /// The scales' grid.
+  int64_t scaleRows() const { return (rows + rowsPer - 1) / rowsPer; }
+  int64_t scaleCols() const { return (cols + colsPer - 1) / colsPer; }
+  /// Copies the part of `codes` and `scales` (the whole matrix's) to
+  /// `codesOut` and `scalesOut`, row by row.
+  void copy(const uint8_t *codes, const float *scales, uint8_t *codesOut, float *scalesOut) const {
+    const int64_t rowBytes = int64_t(double(cols) * codeBytes);
+    const int64_t c0 = int64_t(double(colRange.first) * codeBytes),
+                  c1 = int64_t(double(colRange.second) * codeBytes);
+    for (const auto &[r0, r1] : rowRanges)
+      for (int64_t r = r0; r < r1; ++r, codesOut += c1 - c0)
+        std::memcpy(codesOut, codes + r * rowBytes + c0, size_t(c1 - c0));
+    // A scale covering the whole row (int8's) is kept whole.
+    const int64_t s0 = colRange.first / colsPer, s1 = (colRange.second + colsPer - 1) / colsPer;
+    for (const auto &[r0, r1] : rowRanges)
+      for (int64_t r = r0 / rowsPer; r < (r1 + rowsPer - 1) / rowsPer;
+           ++r, scalesOut += (s1 - s0) * unit)
+        std::copy_n(scales + (r * scaleCols() + s0) * unit, (s1 - s0) * unit, scalesOut);
+  }
+};
+
 /// Each of `count` row-major [rows, cols] matrices at `m`, transposed in
 /// place to [cols, rows] (a binary that stores its weights transposed).
 void transposeEach(float *m, int64_t count, int64_t rows, int64_t cols) {
@@ -215,6 +247,49 @@ StoredWeights storedWeights(const rt::LayerShape &shape, const LayerData &d, int
   // Codes and scales of each expert's matrix as stored.
   out.w1ScaleDims = shape.scaleDims(w1Dims);
   out.w2ScaleDims = shape.scaleDims(w2Dims);
+  if (T > 1) {
+    // Each expert quantized whole, as a checkpoint stores it, then the TP
+    // rank's slice of its codes and scales: w1's gate and up rows, w2's
+    // columns ([out, in] as the format stores them).
+    const int64_t t = rank % T, Is = I, Iw = I * T;
+    const double value = shape.weightFormat == WeightFormat::Int4Group ? 0.5 : 1.0;
+    const auto part = [&](int64_t rows, int64_t cols) {
+      StoredPart p{rows, cols, value, 1, cols, 1, {}, {0, cols}};
+      if (shape.weightFormat == WeightFormat::Fp8Block128)
+        p.rowsPer = p.colsPer = 128;
+      else if (shape.weightFormat == WeightFormat::Int4Group) {
+        p.colsPer = shape.weightGroup;
+        p.unit = shape.weightZeroPoints ? 2 : 1;
+      }
+      return p;
+    };
+    StoredPart w1Part = part(2 * Iw, H), w2Part = part(H, Iw);
+    w1Part.rowRanges = {{t * Is, (t + 1) * Is}, {Iw + t * Is, Iw + (t + 1) * Is}};
+    w2Part.rowRanges = {{0, H}};
+    w2Part.colRange = {t * Is, (t + 1) * Is};
+    const int64_t first = rank / T * L;
+    for (const auto &[full, p, codes, scales, dims, rows, cols] :
+         {std::tuple{&d.w1, &w1Part, &out.w1, &out.w1Scale, w1Dims, H, 2 * Iw},
+          std::tuple{&d.w2, &w2Part, &out.w2, &out.w2Scale, w2Dims, Iw, H}}) {
+      const int64_t codeBytes = count(shape.storedDims(dims)) / L,
+                    scaleCount = count(shape.scaleDims(dims)) / L;
+      const int64_t wholeBytes = int64_t(double(rows * cols) * p->codeBytes),
+                    wholeScales = p->scaleRows() * p->scaleCols() * p->unit;
+      codes->assign(size_t(L * codeBytes), 0);
+      scales->assign(size_t(L * scaleCount), 0.0f);
+      forEachOnThreads(L, [&, full = full, p = p, codes = codes, scales = scales, rows = rows,
+                           cols = cols](int64_t l) {
+        std::vector<float> m(full->begin() + (first + l) * rows * cols,
+                             full->begin() + (first + l + 1) * rows * cols);
+        std::vector<uint8_t> wholeCodes(static_cast<size_t>(wholeBytes));
+        std::vector<float> whole(static_cast<size_t>(wholeScales));
+        quantizeStored(shape, m.data(), rows, cols, true, wholeCodes.data(), whole.data(), false);
+        p->copy(wholeCodes.data(), whole.data(), codes->data() + l * codeBytes,
+                scales->data() + l * scaleCount);
+      });
+    }
+    return out;
+  }
   for (const auto &[w, codes, scales, dims, rows, cols] :
        {std::tuple{&w1, &out.w1, &out.w1Scale, w1Dims, H, 2 * I},
         std::tuple{&w2, &out.w2, &out.w2Scale, w2Dims, I, H}}) {
@@ -234,10 +309,8 @@ StoredWeights storedWeights(const rt::LayerShape &shape, const LayerData &d, int
 Status roundWeightsToFormat(const rt::LayerShape &shape, LayerData *d) {
   if (shape.weightFormat == WeightFormat::Dense)
     return Status::success();
-  if (shape.tp > 1)
-    return Status::error(fmt::format("{} weights with tensor parallelism ({} TP ranks) are not "
-                                     "supported: their scales are of a whole expert",
-                                     shape.weightFormatName(), shape.tp));
+  // Whole experts, as a checkpoint stores them: the TP ranks slice their
+  // codes and scales (storedWeights).
   const int64_t H = d->hidden, I = d->inter;
   for (const auto &[w, rows, cols] : {std::tuple{&d->w1, H, 2 * I}, std::tuple{&d->w2, I, H}}) {
     const int64_t E = int64_t(w->size()) / std::max<int64_t>(rows * cols, 1);

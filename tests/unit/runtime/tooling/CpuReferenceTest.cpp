@@ -10,11 +10,12 @@
 
 #include "runtime/cpu/Element.h"
 #include "runtime/cpu/Gmm.h"
+#include "runtime/cpu/Quant.h"
+#include "runtime/cpu/Rows.h"
+#include "runtime/cpu/Swiglu.h"
 #include "runtime/layer/Routing.h"
 #include "runtime/tooling/LayerRun.h"
 #include "runtime/tooling/Reference.h"
-#include "runtime/cpu/Rows.h"
-#include "runtime/cpu/Swiglu.h"
 
 #include <catch2/catch.hpp>
 
@@ -922,4 +923,91 @@ TEST_CASE("randomLayerData: a seed's values, in range, the same every time; anot
   check(a.w1, 1.0f / std::sqrt(512.0f));
   check(a.w2, 1.0f / std::sqrt(400.0f));
   CHECK(!std::equal(a.x.begin(), a.x.end(), a.dy.begin()));
+}
+
+TEST_CASE("a TP rank's quantized weights are its slice of the whole expert's codes and scales",
+          "[tooling][quant]") {
+  // Experts quantized whole, as a checkpoint stores them; each TP rank holds
+  // w1's gate and up rows and w2's columns of them ([out, in]), with the
+  // scales that cover those values. Dequantized, a rank's part is the
+  // whole expert's dequantized values there, bit for bit. The weights'
+  // magnitude differs from one 32-column group to the next, so that a
+  // block's or group's scale taken for another's changes the values.
+  using moec::WeightFormat;
+  using moec::tooling::LayerData;
+  const int64_t P = 2, T = 2, L = 2, H = 256, I = 256, Is = I / T, E = P * L;
+  struct Format {
+    WeightFormat format;
+    int64_t group;
+    bool zero;
+  };
+  for (const Format f :
+       {Format{WeightFormat::Fp8Block128, 0, false}, Format{WeightFormat::Int8Channel, 0, false},
+        Format{WeightFormat::Int4Group, 32, false}, Format{WeightFormat::Int4Group, 64, true},
+        Format{WeightFormat::Int4Group, 128, false}}) {
+    moec::rt::LayerShape shape;
+    shape.ranks = uint32_t(P * T);
+    shape.tp = uint32_t(T);
+    shape.localExperts = uint32_t(L);
+    shape.hidden = H;
+    shape.inter = Is;
+    shape.activations = moec::DType::BF16;
+    shape.weightsTransposed = true;
+    shape.frozen = true;
+    shape.weightFormat = f.format;
+    shape.weightGroup = f.group;
+    shape.weightZeroPoints = f.zero;
+    INFO(shape.weightFormatName());
+    LayerData d;
+    d.ranks = P;
+    d.tp = T;
+    d.experts = E;
+    d.hidden = H;
+    d.inter = I;
+    std::mt19937 gen(7);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    d.w1.resize(size_t(E * H * 2 * I));
+    d.w2.resize(size_t(E * I * H));
+    for (size_t i = 0; i < d.w1.size(); ++i) // [E, H, 2I]: by column group
+      d.w1[i] = u(gen) * float(1 + (i % (2 * I)) / 32 % 5);
+    for (size_t i = 0; i < d.w2.size(); ++i) // [E, I, H]: by row group (w2's in)
+      d.w2[i] = u(gen) * float(1 + (i / H % I) / 32 % 5);
+    LayerData whole = d;
+    REQUIRE(moec::tooling::roundWeightsToFormat(shape, &whole));
+    for (int64_t r = 0; r < P * T; ++r) {
+      const int64_t t = r % T, first = r / T * L;
+      const moec::tooling::StoredWeights w = moec::tooling::storedWeights(shape, d, r);
+      REQUIRE(w.w1Dims == shape.storedDims(shape.w1Dims()));
+      REQUIRE(w.w1Scale.size() == size_t(L * (f.format == WeightFormat::Fp8Block128 ? 2 * 2
+                                              : f.format == WeightFormat::Int8Channel
+                                                  ? 2 * Is
+                                                  : 2 * Is * (H / f.group) * (f.zero ? 2 : 1))));
+      const int64_t codes1 = int64_t(w.w1.size()) / L, codes2 = int64_t(w.w2.size()) / L;
+      const int64_t scales1 = int64_t(w.w1Scale.size()) / L,
+                    scales2 = int64_t(w.w2Scale.size()) / L;
+      int64_t wrong = 0;
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t e = first + l;
+        QuantizedMatrix m1{
+            f.format, w.w1.data() + l * codes1, w.w1Scale.data() + l * scales1, 2 * Is, H, f.group,
+            f.zero};
+        QuantizedMatrix m2{
+            f.format, w.w2.data() + l * codes2, w.w2Scale.data() + l * scales2, H, Is, f.group,
+            f.zero};
+        std::vector<float> v1(size_t(2 * Is * H)), v2(size_t(H * Is));
+        dequantize(m1, 0, 2 * Is, 0, H, v1.data(), moec::DType::F32, H);
+        dequantize(m2, 0, H, 0, Is, v2.data(), moec::DType::F32, Is);
+        for (int64_t j = 0; j < 2 * Is; ++j) // shard row j: gate or up column of w1
+          for (int64_t h = 0; h < H; ++h) {
+            const int64_t col = j < Is ? t * Is + j : I + t * Is + (j - Is);
+            wrong += v1[size_t(j * H + h)] != whole.w1[size_t((e * H + h) * 2 * I + col)];
+          }
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < Is; ++j)
+            wrong += v2[size_t(h * Is + j)] != whole.w2[size_t((e * I + t * Is + j) * H + h)];
+      }
+      INFO("rank " << r);
+      CHECK(wrong == 0);
+    }
+  }
 }

@@ -65,7 +65,7 @@ from ._launch import (_default_fabric, _distributed, _fabric, _fabric_args, _reg
                       _world_size, close_groups, finalize_mpi, launched_by_mpi,
                       launched_by_torchrun, load_library)
 from .autograd import (Gradients, MoeFFNFunction, _after_backward, _check_finite, _from_tp,
-                       _to_tp, _TpMainGrads, _TpShare, _TpTake)
+                       _to_tp, _to_tp_stored, _TpMainGrads, _TpShare, _TpTake)
 from .cache import (_BINARY_ERROR, LORA_TARGETS, MANIFEST, _cache_root, _compile_entry,
                     _compiled, _entry_problem, _from_cache, _layer_graphs, _lora_suffix,
                     _lora_targets, _remove, _sha256, compile_graphs, compile_layer)

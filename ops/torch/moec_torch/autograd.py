@@ -7,6 +7,8 @@ import collections
 
 import torch
 
+from . import quant
+
 
 def _check_finite(name, tensor, part, first):
     """Raises naming `name` and the first of its dim-0 slices (ranks from
@@ -63,6 +65,25 @@ def _to_tp(w1, w2, experts_per_rank, tp):
         .reshape(n * T, h, two_i // T)
     w2t = w2.view(n // L, L, T, i // T, h).permute(0, 2, 1, 3, 4).reshape(n * T, i // T, h)
     return w1t, w2t
+
+
+def _to_tp_stored(weight_format, w1, w2, scales, experts_per_rank, tp):
+    """_to_tp for weights stored [out, in] (weights_transposed; the
+    quantized formats' codes, with `scales` (w1's, w2's) or ()): each EP
+    rank's experts' part for each of its TP ranks (quant.tp_part), rank
+    e*T + t's experts e*T + t-th. Returns (w1, w2, scales), copies."""
+    L, T = experts_per_rank, tp
+    n = w1.shape[0]
+    out = []
+    for which, stored, scale in (("w1", w1, scales[0] if scales else None),
+                                 ("w2", w2, scales[1] if scales else None)):
+        parts = [quant.tp_part(weight_format, which, t, T, stored[e:e + L],
+                               None if scale is None else scale[e:e + L])
+                 for e in range(0, n, L) for t in range(T)]
+        out.append((torch.cat([p for p, _ in parts]),
+                    None if scale is None else torch.cat([s for _, s in parts])))
+    (w1t, s1), (w2t, s2) = out
+    return w1t, w2t, ((s1, s2) if scales else ())
 
 
 def _from_tp(w1t, w2t, experts_per_rank, tp):

@@ -9,7 +9,8 @@ import torch
 
 from . import adapters, cache, capacity, checkpoint, checks, native, quant
 from ._launch import _fabric, _fabric_args, _register_finalize, load_library
-from .autograd import (MoeFFNFunction, _check_finite, _scaled_dy, _to_tp, _TpMainGrads, _TpShare,
+from .autograd import (MoeFFNFunction, _check_finite, _scaled_dy, _to_tp, _to_tp_stored,
+                       _TpMainGrads, _TpShare,
                        _TpTake)
 from .cache import LORA_TARGETS, _from_cache, _layer_graphs, _lora_suffix, _lora_targets, \
     compile_layer
@@ -55,7 +56,9 @@ class MoeFFN(torch.nn.Module):
     r % tp, gives its EP rank's tokens, and holds w1 [L, H, 2I/tp] (gate then
     up columns of its slice) and w2 [L, I/tp, H], drawn so that a run with
     the same seed starts from the same whole weights. LoRA adapters are not
-    supported with tp > 1.
+    supported with tp > 1, nor weights stored transposed (quantized ones
+    too) with a TP rank per process: those run their TP ranks in one
+    process (each rank's part of the whole experts, quant.tp_part).
 
     fabric: "inproc" (all ranks in this process) or "mpi" (one rank per
     process, under mpirun); default "mpi" when started by mpirun, else
@@ -171,9 +174,9 @@ class MoeFFN(torch.nn.Module):
     [P*L, H, I]: the layout of Hugging Face's fused experts (transformers
     v5's gate_up_proj and down_proj), which the layer then reads in place
     (its forward GMMs read them transposed, its backward ones as they are;
-    graphs/*_transposed.json). For a frozen or LoRA layer with tp=1 only
-    (ValueError otherwise): the base weights' gradients are computed in the
-    [P*L, H, 2I] layout. The adapters keep their layout (A [P*L, K, r],
+    graphs/*_transposed.json). For a frozen or LoRA layer only (ValueError
+    otherwise): the base weights' gradients are computed in the
+    [P*L, H, 2I] layout; with tp > 1 in one process (see tp). The adapters keep their layout (A [P*L, K, r],
     B [P*L, r, N] on the projection X W, W [K, N]).
 
     weight_format: stores the frozen base weights quantized, in the
@@ -191,7 +194,8 @@ class MoeFFN(torch.nn.Module):
     FP8 and int8 hold half the bytes of bf16, int4 a quarter (plus the
     scales). Each tile dequantizes the part it reads to the layer's dtype;
     outputs are those of the dense layer on the dequantized weights
-    (dequantized_weights()). A frozen or LoRA layer only, tp=1.
+    (dequantized_weights()). A frozen or LoRA layer only; with tp > 1 in
+    one process, each TP rank's part of I holding whole blocks or groups.
     quantize_weights(weight_format) makes one from a dense layer.
 
     pack_weights: True keeps the weights the layer's matmuls read (w1, w2
@@ -309,11 +313,13 @@ class MoeFFN(torch.nn.Module):
             raise ValueError("moec: weights_transposed=True needs a frozen or LoRA layer "
                              "(frozen=True or lora_rank=): the base weights' gradients are "
                              "computed in the [E, H, 2I] layout only")
-        if weights_transposed and tp > 1:
-            what = f"weight_format={weight_format!r} (its weights stored transposed)" \
-                if fmt is not None else "weights_transposed=True"
-            raise ValueError(f"moec: {what} is not supported with tensor parallelism "
-                             f"(tp={tp}); use tp=1")
+        unit = quant.tp_unit(weight_format)
+        inter = cfg.get("intermediate_size")
+        if tp > 1 and fmt is not None and isinstance(inter, int) and inter % (tp * unit):
+            raise ValueError(f"moec: weight_format={weight_format!r} with tensor parallelism: "
+                             f"each TP rank's part of intermediate_size ({inter} / tp={tp}) "
+                             f"must hold whole {'blocks' if fmt.kind == 'fp8' else 'groups'} "
+                             f"of {unit} values")
         self.weights_transposed = weights_transposed
         self.tp = tp
         self.lora_targets = tuple(t for t in LORA_TARGETS if t in lora_targets) \
@@ -371,6 +377,12 @@ class MoeFFN(torch.nn.Module):
         self.local_ranks = max(1, info["local_ranks"] // tp)
         # The TP rank this process runs (under MPI), or None (all of them).
         self.tp_rank = info["first_rank"] % tp if info["local_ranks"] < tp else None
+        if weights_transposed and self.tp_rank is not None:
+            what = f"weight_format={weight_format!r} (its weights stored transposed)" \
+                if fmt is not None else "weights_transposed=True"
+            raise ValueError(f"moec: {what} with tensor parallelism (tp={tp}) runs its TP "
+                             "ranks in one process; a process per TP rank is not supported")
+        self._mesh_cache = None
         self.experts = info["experts"]
         self.local_experts = self.experts // self.ranks
         self.hidden = info["hidden"]
@@ -440,9 +452,26 @@ class MoeFFN(torch.nn.Module):
 
     def _bound(self):
         """What the op takes after w1 and w2: the adapters, then the block
-        scales of quantized weights."""
+        scales of quantized weights (each TP rank's, several here)."""
+        if self._tp_here() and self.weights_transposed:
+            return self.adapters() + list(self._stored_mesh()[2])
         scales = [self.w1_scale, self.w2_scale] if self.weight_format else []
         return self.adapters() + scales
+
+    def _stored_mesh(self):
+        """(w1, w2, scales) of weights stored transposed (frozen; quantized
+        or not) as the runtime's TP ranks here take them, copies made again
+        only when a weight or scale changed (another tensor, or a write
+        PyTorch counts), so that packed weights stay packed."""
+        params = [self.w1, self.w2] + ([self.w1_scale, self.w2_scale] if self.weight_format
+                                       else [])
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if self._mesh_cache is None or self._mesh_cache[0] != key:
+            with torch.no_grad():
+                self._mesh_cache = (key, _to_tp_stored(self.weight_format, self.w1, self.w2,
+                                                       tuple(params[2:]), self.local_experts,
+                                                       self.tp))
+        return self._mesh_cache[1]
 
     def merged_weights(self):
         """(w1, w2) with the adapters folded in: W + (lora_alpha / r) A B per
@@ -474,6 +503,7 @@ class MoeFFN(torch.nn.Module):
         """Says that the layer's weights were written where PyTorch does not
         count it (through a parameter's .data): the next pass packs them
         again (pack_weights). Writes PyTorch counts need no call."""
+        self._mesh_cache = None  # the TP ranks' copies of weights stored transposed
         self.layer.weights_changed()
 
     def quantize_weights(self, weight_format="fp8_block128"):
@@ -599,7 +629,8 @@ class MoeFFN(torch.nn.Module):
         if not self._tp_here():
             return x, topk_ids, topk_weights, self.w1, self.w2
         T = self.tp
-        w1, w2 = _to_tp(self.w1, self.w2, self.local_experts, T)
+        w1, w2 = self._stored_mesh()[:2] if self.weights_transposed else \
+            _to_tp(self.w1, self.w2, self.local_experts, T)
         return (_TpShare.apply(x, T), topk_ids.repeat_interleave(T, 0),
                 _TpShare.apply(topk_weights, T), w1, w2)
 

@@ -146,6 +146,46 @@ def _finite_scale(scale, values, dim):
     return torch.where(torch.isfinite(values).all(dim), scale, torch.full_like(scale, float("nan")))
 
 
+def tp_unit(weight_format):
+    """The values a TP rank's slice of I must hold whole: 128 (FP8 blocks),
+    the group (int4), 1 (int8, dense)."""
+    fmt = parse(weight_format)
+    return 1 if fmt is None or fmt.kind == "int8" else BLOCK if fmt.kind == "fp8" else fmt.group
+
+
+def tp_part(weight_format, which, t, tp, stored, scales=None):
+    """TP rank t's part (of tp) of experts' weights stored [out, in] (the
+    transposed layout, which the formats keep), [..., rows, cols], and of
+    their scales: w1's ([..., 2I, H]) gate rows t*I/tp .. (t+1)*I/tp - 1
+    and the same up rows, with their scales (int8's rows, int4's rows, FP8's
+    block rows); w2's ([..., H, I]) columns t*I/tp .., with the scales that
+    cover them (int4's groups and FP8's block columns of those columns;
+    int8's row scales whole: each spans the row). The experts are quantized
+    whole, as a checkpoint stores them; I/tp holds whole blocks or groups
+    (tp_unit). `weight_format` None: dense weights, no scales. Returns
+    (stored part, scales part or None)."""
+    fmt = parse(weight_format)
+
+    def rows(x, dim):  # the gate half's part, then the up half's
+        half = x.shape[dim] // 2
+        n = half // tp
+        return torch.cat((x.narrow(dim, t * n, n), x.narrow(dim, half + t * n, n)), dim)
+
+    def cols(x, dim):
+        n = x.shape[dim] // tp
+        return x.narrow(dim, t * n, n)
+
+    take = rows if which == "w1" else cols
+    part = take(stored, -2 if which == "w1" else -1)
+    if fmt is None or scales is None:
+        return part, None
+    if fmt.kind == "int8":
+        return part, take(scales, -1) if which == "w1" else scales
+    # FP8 [.., R/128, C/128]; int4 [.., R, C/g] (+ a last dim of 2: zero points).
+    zero = 1 if fmt.zero_points else 0
+    return part, take(scales, (-2 if which == "w1" else -1) - zero)
+
+
 def quantize(weight_format, w):
     """(codes, scales) of w [..., R, C] in `weight_format`, matrix by
     matrix of its last two dims (the module docstring)."""

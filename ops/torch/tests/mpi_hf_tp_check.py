@@ -12,7 +12,8 @@ t I/2 .. (t+1) I/2 - 1, down's columns). Then load_experts fills a freshly
 patched model with the same slices (the same logits bit for bit), the
 processes' state dicts put together by moec_torch.merge_state_dicts load
 into the model patched in one process (the same logits), and
-save_pretrained refuses, saying how to write the checkpoint."""
+save_pretrained refuses, saying how to write the checkpoint; a quantized
+layer with a TP rank per process is refused on every process."""
 
 import copy
 import sys
@@ -25,6 +26,7 @@ import launcher  # noqa: E402
 import moec_torch  # noqa: E402
 import moec_torch.hf as mhf  # noqa: E402
 from test_hf import close, expert_grads, make_model, tokens, write_checkpoint  # noqa: E402
+from test_moe_ffn import config  # noqa: E402
 
 
 def main():
@@ -89,6 +91,15 @@ def main():
         assert "with expert tensor parallelism (tp=2)" in str(e) and \
             "merge_state_dicts" in str(e), e
     mhf.barrier(model)
+    # Weights stored transposed (quantized ones too) run their TP ranks in
+    # one process: a TP rank per process is refused on every process.
+    try:
+        moec_torch.MoeFFN(config(hidden=256, inter=256, dtype="bf16"), tp=2, threads=1,
+                          frozen=True, weight_format="int8")
+        raise SystemExit("a quantized layer ran a TP rank per process")
+    except ValueError as e:
+        assert "weight_format='int8' (its weights stored transposed) with tensor parallelism " \
+            "(tp=2) runs its TP ranks in one process" in str(e), e
     print(f"ep {ep} tp {t}: hf tp ok", flush=True)
     launcher.finish()
 

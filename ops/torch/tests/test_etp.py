@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moec_torch
-from moec_torch import reference
+from moec_torch import quant, reference
 
 from test_moe_ffn import config, rel_err, routing
 
@@ -173,16 +173,99 @@ def test_checkpoint_round_trip():
     assert torch.equal(fresh.w1, before)
 
 
+# Weights stored transposed, quantized or not: sizes that hold FP8's 128 x
+# 128 blocks and int4's groups in each TP rank's part of I.
+FORMATS = ["fp8_block128", "int8", "int4_g32", "int4_g64_zp", "int4_g128", None]
+
+
+def stored_layers(weight_format, dtype="fp32", hidden=256, inter=256, tokens=24,
+                  pack_weights=False):
+    """(the layer at ep 2, tp 2, the same at tp 1) on the same frozen
+    weights stored transposed: a dense layer's, each 32 x 32 block of every
+    expert's matrices scaled by one of 1..5 (so that a block's or a group's
+    scale taken for another's shows), quantized to `weight_format` (None:
+    bf16/fp32 as they are); the tp 2 one with `pack_weights`."""
+    torch.manual_seed(5)
+    cfg = config(experts=EXPERTS, top_k=TOP_K, hidden=hidden, inter=inter, tokens=tokens,
+                 dtype=dtype, capacity_factor=8)
+    dense = moec_torch.MoeFFN(cfg, ep=2, frozen=True, weights_transposed=True, threads=2)
+    with torch.no_grad():
+        for w in (dense.w1, dense.w2):
+            r = torch.arange(w.shape[1]).div(32, rounding_mode="floor")
+            c = torch.arange(w.shape[2]).div(32, rounding_mode="floor")
+            w.mul_((1 + (r[:, None] * 3 + c[None, :]) % 5).to(w.dtype))
+    state = (dense.quantize_weights(weight_format) if weight_format else dense).state_dict()
+    layers = []
+    for tp in (2, 1):
+        m = moec_torch.MoeFFN(cfg, ep=2, tp=tp, threads=2, frozen=True, init_weights=False,
+                              pack_weights=pack_weights and tp > 1,
+                              **({"weight_format": weight_format} if weight_format else
+                                 {"weights_transposed": True}))
+        m.load_state_dict(state)
+        layers.append(m)
+    return layers
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_stored_parts_are_the_whole_experts_slices(weight_format):
+    """Each TP rank's part of weights stored [out, in] (codes and scales),
+    dequantized, is its gate and up rows of w1 and its columns of w2 of the
+    whole experts' dequantized values, bit for bit."""
+    m = stored_layers(weight_format)[0]
+    T, L, I = m.tp, m.local_experts, m.inter
+    scales = (m.w1_scale, m.w2_scale) if weight_format else ()
+    w1t, w2t, st = moec_torch._to_tp_stored(weight_format, m.w1, m.w2, scales, L, T)
+    whole1, whole2 = m.dequantized_weights()
+    part1, part2 = (quant.dequantize(weight_format, w, s, m.dtype) if weight_format else w
+                    for w, s in zip((w1t, w2t), st or (None, None)))
+    n = I // T
+    for e in range(m.w1.shape[0] // L):
+        for t in range(T):
+            k = (e * T + t) * L
+            rows = list(range(t * n, (t + 1) * n)) + list(range(I + t * n, I + (t + 1) * n))
+            assert torch.equal(part1[k:k + L], whole1[e * L:(e + 1) * L][:, rows])
+            assert torch.equal(part2[k:k + L], whole2[e * L:(e + 1) * L, :, t * n:(t + 1) * n])
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_stored_weights_with_tp_against_autograd(weight_format):
+    """A frozen layer on weights stored transposed (quantized or not) at
+    tp=2 in one process: forward and backward against autograd in float64
+    on the dequantized whole experts, and against the same weights at
+    tp=1; with packed weights, whose TP ranks' parts are copied once while
+    the weights do not change."""
+    m, one = stored_layers(weight_format, pack_weights=True)
+    x = (torch.rand(m.ranks, 24, m.hidden) * 2 - 1)
+    dy = (torch.rand(m.ranks, 24, m.hidden) * 2 - 1)
+    ids, weights = routing(m.ranks, 24, EXPERTS, TOP_K, 3)
+    got = step(m, x, ids, weights, dy)
+    w1, w2 = (w.transpose(1, 2) for w in m.dequantized_weights())
+    want = reference_step(m, x, ids, weights, dy, w1, w2)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 1e-5
+    for g, w in zip(got, step(one, x, ids, weights, dy)):
+        assert rel_err(g, w) < 1e-5
+    # Packed weights: the same bits again, from the parts copied once.
+    cached = m._stored_mesh()
+    again = step(m, x, ids, weights, dy)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    assert m._stored_mesh() is cached
+    with torch.no_grad():
+        m.w2.mul_(1)  # an in-place write: the parts are made again
+    step(m, x, ids, weights, dy)
+    assert m._stored_mesh() is not cached
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="LoRA adapters are not supported with tensor"):
         layer(2, 2, lora_rank=4)
-    # A quantized base is stored transposed: the refusal names the format.
-    with pytest.raises(ValueError, match=r"weight_format='int8' \(its weights stored "
-                       r"transposed\) is not supported with tensor parallelism \(tp=2\)"):
-        layer(2, 2, frozen=True, weight_format="int8")
-    with pytest.raises(ValueError, match=r"^moec: weights_transposed=True is not supported "
-                       r"with tensor parallelism \(tp=2\)"):
-        layer(2, 2, frozen=True, weights_transposed=True)
+    # Each TP rank's part of I holds whole blocks (FP8) or groups (int4).
+    cfg = config(experts=EXPERTS, hidden=256, inter=128)
+    for f, unit in (("fp8_block128", "blocks of 128"), ("int4_g128", "groups of 128")):
+        with pytest.raises(ValueError, match=rf"weight_format='{f}' with tensor parallelism: "
+                           rf"each TP rank's part of intermediate_size \(128 / tp=2\) must "
+                           rf"hold whole {unit} values"):
+            moec_torch.MoeFFN(cfg, ep=2, tp=2, frozen=True, weight_format=f)
     with pytest.raises(ValueError, match="name the same thing"):
         moec_torch.MoeFFN(config(), ranks=2, ep=1)
     cfg = config(experts=EXPERTS, inter=10)

@@ -180,8 +180,6 @@ def test_transposed_weights_compute_the_same_layer():
         plain.load_state_dict(swapped.state_dict())
     with pytest.raises(ValueError, match="frozen or LoRA layer"):
         moec_torch.MoeFFN(config(), ranks=2, weights_transposed=True)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        moec_torch.MoeFFN(config(), ranks=2, tp=2, frozen=True, weights_transposed=True)
 
 
 def test_fresh_adapters_compute_the_base_layer_and_merge():

@@ -176,7 +176,8 @@ def test_hf_model_with_expert_tensor_parallelism(tmp_path, family, layout):
     """patch_model(tp=2) on 4 processes ([ep 2, tp 2]): each process's
     logits and its slice of its experts' gradients against the unpatched
     model; load_experts reads the slices; the state dicts merge into the
-    one-process model; save_pretrained refuses (mpi_hf_tp_check.py)."""
+    one-process model; save_pretrained refuses; a quantized layer with a
+    TP rank per process is refused (mpi_hf_tp_check.py)."""
     run = mpirun(4, HERE / "mpi_hf_tp_check.py", family, layout, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     for ep in range(2):

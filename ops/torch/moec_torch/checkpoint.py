@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from . import checks, safetensors
+from . import checks, quant, safetensors
 
 # What a MoeFFN's extra state says it is.
 CHECKPOINT_FORMAT = "moec.MoeFFN/1"
@@ -210,7 +210,11 @@ def check_layout(module, extra, prefix, state_dict, what=None):
             raise ValueError(f"moec: '{prefix}{name}' has shape {list(t.shape)}; the "
                              f"checkpoint's layout holds {n} experts")
         t = t[first - lo:first - lo + count]
-        if slicing and name in ("w1", "w2"):
+        if slicing and module.weights_transposed and name in ("w1", "w2"):
+            t = module._tp_part(name, t)[0]  # rows of w1, columns of w2 [out, in]
+        elif slicing and name in ("w1_scale", "w2_scale"):
+            t = module._tp_part(name, None, t)[1]
+        elif slicing and name in ("w1", "w2"):
             t = torch.stack([module._tp_slice(getattr(module, name), e) for e in t])
         return t
 
@@ -275,15 +279,39 @@ def same_value(a, b):
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b
 
 
-def whole_shape(name, shape, experts, inter, columns):
+def tp_split(name, layout=None):
+    """How a TP rank holds a layer's tensor `name` of its slice of I: (dim,
+    unit, halves), its slice of dim (I / unit entries; with `halves` one in
+    each half, gate's and up's) — w1 [E, H, 2I] and w2 [E, I, H], or as
+    `layout` stores them transposed ([E, 2I, H], [E, H, I]; int4 codes two a
+    byte) with their scales (FP8 blocks of 128, int4 groups, int8 rows) —
+    or None for a tensor every TP rank holds whole (int8's w2 row scales,
+    the adapters)."""
+    layout = layout or {}
+    if name not in ("w1", "w2", "w1_scale", "w2_scale"):
+        return None
+    w1 = name.startswith("w1")
+    fmt = quant.parse(layout.get("weight_format"))
+    if not layout.get("weights_transposed"):
+        return (2, 1, True) if w1 else (1, 1, False)
+    if not name.endswith("_scale"):
+        return (1, 1, True) if w1 else (2, 2 if fmt and fmt.kind == "int4" else 1, False)
+    if w1:
+        return (1, quant.BLOCK if fmt.kind == "fp8" else 1, True)
+    return None if fmt.kind == "int8" else (2, quant.tp_unit(fmt.name), False)
+
+
+def whole_shape(name, shape, experts, inter, columns, layout=None):
     """The shape over all `experts` and intermediate columns of a layer's
     tensor `name` of which a process holds `shape`, its columns `columns`
-    of `inter`: a TP rank's w1 [E, H, 2I] (gate, up) and w2 [E, I, H] are
-    split along I; every other tensor along the experts only."""
+    of `inter` (tp_split says how); every other tensor along the experts
+    only."""
     shape = list(shape)
     shape[0] = experts
-    if name in ("w1", "w2") and list(columns) != [0, inter]:
-        shape[2 if name == "w1" else 1] = 2 * inter if name == "w1" else inter
+    split = tp_split(name, layout)
+    if split and list(columns) != [0, inter]:
+        dim, unit, halves = split
+        shape[dim] = (2 * inter if halves else inter) // unit
     return shape
 
 
@@ -326,29 +354,42 @@ def merge_layer(prefix, parts, label="merge_state_dicts", what=None):
         """Shard `shard`'s tensor `t` of experts lo..lo+n-1, intermediate
         columns c0..c1-1, into the whole tensor of `param`."""
         kind = param.split(".")[-1]  # main_grad.w1 is w1's
-        kind = kind if kind in ("w1", "w2") else None
-        split = kind is not None and [c0, c1] != [0, inter]
+        spec = tp_split(kind, None if param.startswith("main_grad.") else first)
+        split = spec is not None and [c0, c1] != [0, inter]
+        replica = spec is None and [c0, c1] != [0, inter]  # held whole by each TP rank
         if t.shape[:1] != (n,):
             raise ValueError(f"moec: {label}: shard {shard}'s '{prefix}{param}' has "
                              f"shape {list(t.shape)}; its layout holds {n} experts")
         if param not in whole:
-            whole[param] = torch.zeros(whole_shape(kind, t.shape, experts, inter, [c0, c1]),
+            whole[param] = torch.zeros(whole_shape(kind, t.shape, experts, inter, [c0, c1],
+                                                   None if param.startswith("main_grad.")
+                                                   else first),
                                        dtype=t.dtype)
             filled[param] = torch.zeros(experts, inter, dtype=torch.bool)
         target, seen = whole[param], filled[param]
-        i = c1 - c0
-        if split and kind == "w1":
-            views = [(target[lo:lo + n, :, c0:c1], t[:, :, :i]),
-                     (target[lo:lo + n, :, inter + c0:inter + c1], t[:, :, i:])]
-        elif split:
-            views = [(target[lo:lo + n, c0:c1], t)]
+        if split:
+            dim, unit, halves = spec
+            i = (c1 - c0) // unit
+            if t.dim() <= dim or t.shape[dim] != (2 if halves else 1) * i:
+                raise ValueError(f"moec: {label}: shard {shard}'s '{prefix}{param}' "
+                                 f"has shape {list(t.shape)}, not that of its layout's part")
+            mine = target[lo:lo + n]
+            views = [(mine.narrow(dim, c0 // unit, i), t.narrow(dim, 0, i))]
+            if halves:
+                views.append((mine.narrow(dim, (inter + c0) // unit, i), t.narrow(dim, i, i)))
         else:
             views = [(target[lo:lo + n], t)]
         for to, piece in views:
             if to.shape != piece.shape:
                 raise ValueError(f"moec: {label}: shard {shard}'s '{prefix}{param}' "
                                  f"has shape {list(t.shape)}, not that of its layout's part")
-        again = seen[lo:lo + n, c0:c1]
+        again = seen[lo:lo + n] if replica else seen[lo:lo + n, c0:c1]
+        if replica and again.any():  # another TP rank's copy: the same
+            if not all(torch.equal(to, piece) for to, piece in views):
+                raise ValueError(f"moec: {label}: '{prefix}{param}' differs between the TP "
+                                 f"ranks of experts {lo}..{lo + n - 1}, which hold it whole")
+            seen[lo:lo + n, c0:c1] = True
+            return
         if again.all():  # held by another shard too: a replica
             if not all(torch.equal(to, piece) for to, piece in views):
                 raise ValueError(f"moec: {label}: '{prefix}{param}' differs between "

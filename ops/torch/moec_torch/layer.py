@@ -56,9 +56,9 @@ class MoeFFN(torch.nn.Module):
     r % tp, gives its EP rank's tokens, and holds w1 [L, H, 2I/tp] (gate then
     up columns of its slice) and w2 [L, I/tp, H], drawn so that a run with
     the same seed starts from the same whole weights. LoRA adapters are not
-    supported with tp > 1, nor weights stored transposed (quantized ones
-    too) with a TP rank per process: those run their TP ranks in one
-    process (each rank's part of the whole experts, quant.tp_part).
+    supported with tp > 1. Weights stored transposed (quantized ones too)
+    are held as each TP rank's part of the whole experts (quant.tp_part:
+    w1's gate and up rows, w2's columns, with the scales covering them).
 
     fabric: "inproc" (all ranks in this process) or "mpi" (one rank per
     process, under mpirun); default "mpi" when started by mpirun, else
@@ -176,7 +176,7 @@ class MoeFFN(torch.nn.Module):
     (its forward GMMs read them transposed, its backward ones as they are;
     graphs/*_transposed.json). For a frozen or LoRA layer only (ValueError
     otherwise): the base weights' gradients are computed in the
-    [P*L, H, 2I] layout; with tp > 1 in one process (see tp). The adapters keep their layout (A [P*L, K, r],
+    [P*L, H, 2I] layout. The adapters keep their layout (A [P*L, K, r],
     B [P*L, r, N] on the projection X W, W [K, N]).
 
     weight_format: stores the frozen base weights quantized, in the
@@ -194,8 +194,8 @@ class MoeFFN(torch.nn.Module):
     FP8 and int8 hold half the bytes of bf16, int4 a quarter (plus the
     scales). Each tile dequantizes the part it reads to the layer's dtype;
     outputs are those of the dense layer on the dequantized weights
-    (dequantized_weights()). A frozen or LoRA layer only; with tp > 1 in
-    one process, each TP rank's part of I holding whole blocks or groups.
+    (dequantized_weights()). A frozen or LoRA layer only; with tp > 1 each
+    TP rank's part of I holds whole blocks or groups.
     quantize_weights(weight_format) makes one from a dense layer.
 
     pack_weights: True keeps the weights the layer's matmuls read (w1, w2
@@ -377,11 +377,6 @@ class MoeFFN(torch.nn.Module):
         self.local_ranks = max(1, info["local_ranks"] // tp)
         # The TP rank this process runs (under MPI), or None (all of them).
         self.tp_rank = info["first_rank"] % tp if info["local_ranks"] < tp else None
-        if weights_transposed and self.tp_rank is not None:
-            what = f"weight_format={weight_format!r} (its weights stored transposed)" \
-                if fmt is not None else "weights_transposed=True"
-            raise ValueError(f"moec: {what} with tensor parallelism (tp={tp}) runs its TP "
-                             "ranks in one process; a process per TP rank is not supported")
         self._mesh_cache = None
         self.experts = info["experts"]
         self.local_experts = self.experts // self.ranks
@@ -510,7 +505,16 @@ class MoeFFN(torch.nn.Module):
         """A new layer with this one's configuration and options, its base
         weights quantized to `weight_format` (frozen, in the transposed
         layout) and its adapters copied: the fine-tuning form of a dense
-        layer. This layer is left as it is."""
+        layer. This layer is left as it is. With a TP rank per process an
+        int8 w2's row scales span every TP rank's columns: refused (quantize
+        in one process and load the checkpoint); the other formats' blocks
+        and groups lie within a TP rank's part."""
+        if self.tp_rank is not None and quant.parse(weight_format).kind == "int8":
+            raise ValueError(
+                f"moec: quantize_weights({weight_format!r}) with a TP rank per process (tp="
+                f"{self.tp}): an int8 row scale of w2 spans every TP rank's columns, and this "
+                "process holds its own only; quantize the layer in one process (tp=1, or its TP "
+                "ranks in one process) and load its checkpoint here")
         threads, timeout, target, granularity, fabric, trace = self._build
         config = {k: v for k, v in self.config.items()
                   if k not in ("lora_rank", "lora_alpha", "main_grad")}
@@ -570,15 +574,24 @@ class MoeFFN(torch.nn.Module):
         weight = weight or ("w1" if param is self.w1 else "w2" if param is self.w2 else None)
         whole = (self.hidden, 2 * self.inter) if weight == "w1" else \
             (self.inter, self.hidden) if weight == "w2" else param.shape[1:]
-        store = store or (lambda j, values: param[j].copy_(values))
+        store = store or (lambda j, values: param[j].copy_(
+            self._tp_part(weight, values)[0] if self.weights_transposed and weight else values))
         one = torch.empty(1, *whole)
         for e in range(self.experts):
             one.uniform_(-bound, bound)
             if first <= e < first + param.shape[0]:
-                drawn = self._tp_slice(param, one[0])
                 if self.weights_transposed and weight:
-                    drawn = drawn.t()
-                store(e - first, drawn)
+                    store(e - first, one[0].t())  # whole, [out, in]: store() takes its part
+                else:
+                    store(e - first, self._tp_slice(param, one[0]))
+
+    def _tp_part(self, name, stored=None, scales=None):
+        """This process's TP part (quant.tp_part) of whole experts' weights
+        stored transposed, `name`'s ("w1", "w2"; codes and scales of a
+        quantized one): the whole where it holds all."""
+        if self.tp_rank is None:
+            return stored, scales
+        return quant.tp_part(self.weight_format, name[:2], self.tp_rank, self.tp, stored, scales)
 
     def _tp_slice(self, param, whole):
         """This process's TP slice of one expert's whole w1 [H, 2I] (gate and
@@ -604,8 +617,10 @@ class MoeFFN(torch.nn.Module):
                 # transposed layout): no dense copy of the whole weight.
                 scale = getattr(self, name + "_scale")
 
-                def store(j, values, param=param, scale=scale):
-                    codes, scales = quant.quantize(self.weight_format, values.unsqueeze(0))
+                def store(j, values, param=param, scale=scale, name=name):
+                    # The whole expert quantized, then this TP rank's part.
+                    codes, scales = self._tp_part(name, *quant.quantize(self.weight_format,
+                                                                        values.unsqueeze(0)))
                     param[j].copy_(codes[0])
                     scale[j].copy_(scales[0])
 

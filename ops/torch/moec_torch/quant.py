@@ -163,7 +163,7 @@ def tp_part(weight_format, which, t, tp, stored, scales=None):
     int8's row scales whole: each spans the row). The experts are quantized
     whole, as a checkpoint stores them; I/tp holds whole blocks or groups
     (tp_unit). `weight_format` None: dense weights, no scales. Returns
-    (stored part, scales part or None)."""
+    (stored part, scales part), each None where not given."""
     fmt = parse(weight_format)
 
     def rows(x, dim):  # the gate half's part, then the up half's
@@ -176,7 +176,7 @@ def tp_part(weight_format, which, t, tp, stored, scales=None):
         return x.narrow(dim, t * n, n)
 
     take = rows if which == "w1" else cols
-    part = take(stored, -2 if which == "w1" else -1)
+    part = None if stored is None else take(stored, -2 if which == "w1" else -1)
     if fmt is None or scales is None:
         return part, None
     if fmt.kind == "int8":

@@ -12,8 +12,11 @@ t I/2 .. (t+1) I/2 - 1, down's columns). Then load_experts fills a freshly
 patched model with the same slices (the same logits bit for bit), the
 processes' state dicts put together by moec_torch.merge_state_dicts load
 into the model patched in one process (the same logits), and
-save_pretrained refuses, saying how to write the checkpoint; a quantized
-layer with a TP rank per process is refused on every process."""
+save_pretrained refuses, saying how to write the checkpoint. Then the
+experts held in int8: each process's TP part of its experts quantized
+whole gives the logits of the model patched in one process in int8,
+load_experts reads the same parts, and quantize_weights("int8") is refused
+(a row scale of w2 spans the TP ranks)."""
 
 import copy
 import sys
@@ -26,7 +29,6 @@ import launcher  # noqa: E402
 import moec_torch  # noqa: E402
 import moec_torch.hf as mhf  # noqa: E402
 from test_hf import close, expert_grads, make_model, tokens, write_checkpoint  # noqa: E402
-from test_moe_ffn import config  # noqa: E402
 
 
 def main():
@@ -91,15 +93,30 @@ def main():
         assert "with expert tensor parallelism (tp=2)" in str(e) and \
             "merge_state_dicts" in str(e), e
     mhf.barrier(model)
-    # Weights stored transposed (quantized ones too) run their TP ranks in
-    # one process: a TP rank per process is refused on every process.
+    # Quantized experts (int8): each process quantizes its experts whole and
+    # keeps its TP rank's part, and load_experts reads the same parts; the
+    # logits are those of the model patched in one process (tp=1) in int8.
+    quantized = copy.deepcopy(ref)
+    mhf.patch_model(quantized, threads=1, tp=2, frozen=True, weight_format="int8")
+    one = copy.deepcopy(ref)
+    mhf.patch_model(one, ranks=1, threads=1, fabric="inproc", frozen=True,
+                    weight_format="int8")
+    with torch.no_grad():
+        close(quantized(mine).logits, one(ids).logits[2 * ep:2 * ep + 2], 1e-5,
+              f"ep {ep} tp {t} int8 logits")
+        loaded = make_model(family, layout, seed=5)
+        mhf.patch_model(loaded, threads=1, tp=2, frozen=True, weight_format="int8")
+        mhf.load_experts(loaded, work / "ckpt")
+        for (_, _, a), (_, _, b) in zip(mhf._patched(loaded), mhf._patched(quantized)):
+            for n in ("w1", "w2", "w1_scale", "w2_scale"):
+                assert torch.equal(getattr(a.layer, n), getattr(b.layer, n)), n
     try:
-        moec_torch.MoeFFN(config(hidden=256, inter=256, dtype="bf16"), tp=2, threads=1,
-                          frozen=True, weight_format="int8")
-        raise SystemExit("a quantized layer ran a TP rank per process")
+        quantized_layer = mhf._patched(model)[0][2].layer
+        quantized_layer.quantize_weights("int8")
+        raise SystemExit("quantize_weights('int8') ran on a TP rank's part")
     except ValueError as e:
-        assert "weight_format='int8' (its weights stored transposed) with tensor parallelism " \
-            "(tp=2) runs its TP ranks in one process" in str(e), e
+        assert "an int8 row scale of w2 spans every TP rank's columns" in str(e), e
+    mhf.barrier(model)
     print(f"ep {ep} tp {t}: hf tp ok", flush=True)
     launcher.finish()
 

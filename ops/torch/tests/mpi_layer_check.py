@@ -27,7 +27,10 @@ frozen: the adapters' gradients are checked); fp8 (dispatch_dtype fp8_e4m3:
 autograd runs on x rounded as the experts receive it); a weight format
 (moec_torch.quant.WEIGHT_FORMATS: the base weights stored quantized, with
 LoRA adapters as for lora; autograd runs on the dequantized weights; H 256
-and I 128, whole blocks and groups).
+and I 128 a TP rank, whole blocks and groups); frozen_<weight format> (the
+same without adapters, frozen: with TP > 1, each process holds its TP
+rank's part of the whole experts' codes and scales, and the processes'
+state dicts merge into the one-process layer's).
 
 TP (default 1): expert tensor parallelism, R = EP x TP processes; process r
 is EP rank r // TP and holds TP slice r % TP of its experts (gate and up
@@ -61,18 +64,20 @@ def main():
     hot = int(sys.argv[3]) if len(sys.argv) > 3 else -1
     variant = sys.argv[4] if len(sys.argv) > 4 else "full"
     tp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    quantized = variant in quant.WEIGHT_FORMATS
+    form = variant[len("frozen_"):] if variant.startswith("frozen_") else variant
+    quantized = form in quant.WEIGHT_FORMATS
     dense = {"full": {}, "frozen": {"frozen": True}, "main_grad": {"main_grad": True},
              "lora": {"lora_rank": 4, "lora_alpha": 8},
              "fp8": {"dispatch_dtype": "fp8_e4m3"}}
     options = dense[variant] if variant in dense else \
+        {"frozen": True, "weight_format": form} if form != variant else \
         {"lora_rank": 4, "lora_alpha": 8, "weight_format": variant}
     torch.set_num_threads(1)
     cfg = {"name": "mpi-check", "hidden_size": 64, "intermediate_size": 32,
            "num_experts": 0, "top_k": 2, "ep": 1, "tp": 1, "seq_size": 128,
            "dtype": dtype, "capacity_factor": 4}
     if quantized:
-        cfg.update(hidden_size=256, intermediate_size=128)
+        cfg.update(hidden_size=256, intermediate_size=128 * tp)
     torch.manual_seed(seed)
     layer = moec_torch.MoeFFN(dict(cfg, num_experts=2 * launcher.processes() // tp),
                               tp=tp, threads=1, fabric=launcher.fabric(), **options)
@@ -89,13 +94,21 @@ def main():
         EP rank's experts, and of w1, w2 (and their gradients) its TP slice."""
         part = whole[r * L:(r + 1) * L]
         kind = {"dw1": "w1", "dw2": "w2"}.get(name, name)
-        if kind in ("w1", "w2"):
+        if layer.weights_transposed and kind in ("w1", "w2"):
+            part = layer._tp_part(kind, part)[0]
+        elif kind in ("w1_scale", "w2_scale"):
+            part = layer._tp_part(kind, None, part)[1]
+        elif kind in ("w1", "w2"):
             part = torch.stack([layer._tp_slice(getattr(layer, kind), e) for e in part])
         return part
 
     # Same seed, same draws: the MPI layer holds the single layer's experts.
     assert torch.equal(layer.w1, share("w1", single.w1)), "initial w1 differs"
     assert torch.equal(layer.w2, share("w2", single.w2)), "initial w2 differs"
+    if quantized:
+        for name in ("w1_scale", "w2_scale"):
+            assert torch.equal(getattr(layer, name), share(name, getattr(single, name))), \
+                f"initial {name} differs"
     if "lora_rank" in options:
         # Nonzero B (a fresh one is zero), the same global values in both.
         ga = torch.Generator().manual_seed(seed + 2)
@@ -242,6 +255,21 @@ def check_checkpoints(layer, single, cfg, options, seed, share):
         except ValueError as e:
             if f"this layer (rank {r})" not in str(e) or not torch.equal(before, other.w1):
                 return f"another rank's shard: {e}"
+    if layer.tp > 1 and layer.weights_transposed:
+        # The processes' state dicts put together: the one-process layer's.
+        folder = Path(os.environ["MOEC_CACHE_DIR"]) / f"shards-{seed}-{layer.ranks}-{layer.tp}"
+        folder.mkdir(parents=True, exist_ok=True)
+        me = r * layer.tp + layer.tp_rank
+        torch.save(mine, folder / f"state-{me}.pt")
+        other = fresh()
+        other(torch.zeros(layer.tokens, layer.hidden, dtype=layer.dtype),
+              torch.zeros(layer.tokens, 2, dtype=torch.long) + torch.tensor([0, 1]),
+              torch.ones(layer.tokens, 2))  # collective: every rank has written its file
+        merged = moec_torch.merge_state_dicts(
+            [torch.load(folder / f"state-{k}.pt") for k in range(layer.ranks * layer.tp)])
+        for name, q in single.state_dict().items():
+            if isinstance(q, torch.Tensor) and not torch.equal(merged[name], q):
+                return f"{name} of the merged state dicts is not the one-process layer's"
     if layer.lora_rank:
         folder = Path(os.environ["MOEC_CACHE_DIR"]) / f"adapters-{seed}-{layer.ranks}"
         layer.save_adapters(folder)

@@ -125,7 +125,10 @@ def test_launcher_lost_finalize_is_told_apart():
     (4, "bf16", 0, "full", 4),
     # Quantized frozen base weights with LoRA adapters.
     (2, "bf16", -1, "fp8_block128", 1), (2, "fp32", 0, "int8", 1),
-    (3, "bf16", -1, "int4_g64_zp", 1)])
+    (3, "bf16", -1, "int4_g64_zp", 1),
+    # Quantized frozen base weights with expert tensor parallelism: [2, 2], [1, 2].
+    (4, "bf16", -1, "frozen_fp8_block128", 2), (4, "fp32", 0, "frozen_int8", 2),
+    (2, "bf16", 1, "frozen_int4_g64_zp", 2)])
 def test_op_under_mpirun(ranks, dtype, hot, variant, tp):
     run = mpirun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant, tp)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -176,8 +179,8 @@ def test_hf_model_with_expert_tensor_parallelism(tmp_path, family, layout):
     """patch_model(tp=2) on 4 processes ([ep 2, tp 2]): each process's
     logits and its slice of its experts' gradients against the unpatched
     model; load_experts reads the slices; the state dicts merge into the
-    one-process model; save_pretrained refuses; a quantized layer with a
-    TP rank per process is refused (mpi_hf_tp_check.py)."""
+    one-process model; save_pretrained refuses; the experts held in int8
+    give the one-process int8 model's logits (mpi_hf_tp_check.py)."""
     run = mpirun(4, HERE / "mpi_hf_tp_check.py", family, layout, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     for ep in range(2):

@@ -16,6 +16,7 @@ from .patch import (
     _local_experts,
     _patched,
     _set_expert,
+    _store_quantized,
 )
 
 
@@ -302,27 +303,25 @@ def _copy_fp8_expert(layer, j, ckpt, g, u, d):
     if layer.weight_format != "fp8_block128" or layer.inter % quant.BLOCK or \
             any(n not in ckpt or ckpt.dtype(n) != "F8_E4M3" for n in names):
         return False
-    i, b = layer.inter, layer.inter // quant.BLOCK
+    i, h = layer.inter, layer.hidden
+    fmt = quant.parse(layer.weight_format)
     for n in names:
         if _scale_name(ckpt, n) is None:
             raise ValueError(f"moec: '{n}' is F8_E4M3 and the checkpoint has no "
                              f"'{n}_scale_inv' to go with it")
     parts = []
-    for (name, rows, blocks), n in zip((("w1", slice(0, i), slice(0, b)),
-                                        ("w1", slice(i, 2 * i), slice(b, 2 * b)),
-                                        ("w2", slice(None), slice(None))), names):
+    for n, shape in zip(names, ((i, h), (i, h), (h, i))):
         codes, scales = ckpt.get_tensor(n), ckpt.get_tensor(_scale_name(ckpt, n))
-        want = tuple(getattr(layer, name + "_scale")[j, blocks].shape)
+        want = fmt.scale_shape(*shape)
         if tuple(scales.shape) != want:
             if not _scale_name(ckpt, n).endswith("_scale_inv"):
                 return False  # compressed-tensors' scales by tensor or row: dequantized
             raise ValueError(f"moec: '{n}_scale_inv' in {ckpt.where(n + '_scale_inv')} has "
                              f"shape {list(scales.shape)}; a {list(codes.shape)} weight in "
                              f"128x128 blocks needs {list(want)}")
-        parts.append((name, rows, blocks, codes, scales))
-    for name, rows, blocks, codes, scales in parts:
-        getattr(layer, name)[j, rows].copy_(codes)
-        getattr(layer, name + "_scale")[j, blocks].copy_(scales)
+        parts.append((codes, scales))
+    (gate, gate_s), (up, up_s), (down, down_s) = parts
+    _store_quantized(layer, j, torch.cat((gate, up)), torch.cat((gate_s, up_s)), down, down_s)
     return True
 
 
@@ -339,10 +338,7 @@ def _copy_int8_expert(layer, j, ckpt, g, u, d):
         return False
     codes = [ckpt.get_tensor(n) for n in names]
     scales = [ckpt.get_tensor(_scale_name(ckpt, n)).float().reshape(-1) for n in names]
-    layer.w1[j].copy_(torch.cat(codes[:2]))
-    layer.w1_scale[j].copy_(torch.cat(scales[:2]))
-    layer.w2[j].copy_(codes[2])
-    layer.w2_scale[j].copy_(scales[2])
+    _store_quantized(layer, j, torch.cat(codes[:2]), torch.cat(scales[:2]), codes[2], scales[2])
     return True
 
 
@@ -365,10 +361,7 @@ def _copy_int_expert(layer, j, ckpt, g, u, d):
         if held[-1] is None:
             return False
     (gate, gate_s), (up, up_s), (down, down_s) = held
-    layer.w1[j].copy_(torch.cat((gate, up)))
-    layer.w1_scale[j].copy_(torch.cat((gate_s, up_s)))
-    layer.w2[j].copy_(down)
-    layer.w2_scale[j].copy_(down_s)
+    _store_quantized(layer, j, torch.cat((gate, up)), torch.cat((gate_s, up_s)), down, down_s)
     return True
 
 

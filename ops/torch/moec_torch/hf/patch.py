@@ -521,19 +521,28 @@ def _set_expert(layer, j, gate, up, down):
     or for quantized weights quantized (the stored matrices, gate and up
     rows stacked, in the layer's format). A process of an expert tensor
     parallel layer (tp > 1, one rank per process) takes its TP rank's
-    slice: gate's and up's rows t I/T .. (t+1) I/T - 1 and down's columns."""
-    if layer.tp_rank is not None:
-        i, t = layer.local_inter, layer.tp_rank
-        gate, up, down = gate[t * i:(t + 1) * i], up[t * i:(t + 1) * i], \
-            down[:, t * i:(t + 1) * i]
+    slice: gate's and up's rows t I/T .. (t+1) I/T - 1 and down's columns
+    (of a quantized expert, quantized whole: _store_quantized)."""
     if not layer.weight_format:
+        if layer.tp_rank is not None:
+            i, t = layer.local_inter, layer.tp_rank
+            gate, up, down = gate[t * i:(t + 1) * i], up[t * i:(t + 1) * i], \
+                down[:, t * i:(t + 1) * i]
         for to, w in zip(layer.projections(), (gate, up, down)):
             to[j].copy_(w)
         return
-    for name, w in (("w1", torch.cat((gate, up))), ("w2", down)):
-        codes, scales = quant.quantize(layer.weight_format, w.unsqueeze(0))
-        getattr(layer, name)[j].copy_(codes[0])
-        getattr(layer, name + "_scale")[j].copy_(scales[0])
+    _store_quantized(layer, j, *quant.quantize(layer.weight_format, torch.cat((gate, up))),
+                     *quant.quantize(layer.weight_format, down))
+
+
+def _store_quantized(layer, j, w1, w1_scale, w2, w2_scale):
+    """Expert j of a quantized layer from the whole expert's codes and
+    scales as the format stores them (w1 [2I, H]: gate rows, then up; w2
+    [H, I]): a process of one TP rank keeps its part (MoeFFN._tp_part)."""
+    for name, codes, scales in (("w1", w1, w1_scale), ("w2", w2, w2_scale)):
+        codes, scales = layer._tp_part(name, codes, scales)
+        getattr(layer, name)[j].copy_(codes)
+        getattr(layer, name + "_scale")[j].copy_(scales)
 
 
 def _copy_in(layer, block, family, empty):

@@ -256,6 +256,42 @@ def test_stored_weights_with_tp_against_autograd(weight_format):
     assert m._stored_mesh() is not cached
 
 
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_tp_parts_merge_into_the_whole_layer(weight_format):
+    """The state dicts a TP rank per process saves of weights stored
+    transposed (each EP rank's experts, each TP rank's part of their codes
+    and scales, made here from the whole layer's) merge into the whole
+    layer's (merge_state_dicts); a copy of int8's w2 row scales that
+    differs between the TP ranks of an expert is refused by name."""
+    m = stored_layers(weight_format)[0]
+    whole = m.state_dict()
+    layout = whole["_extra_state"]["layout"]
+    T, L, I = m.tp, m.local_experts, m.inter
+    names = ["w1", "w2"] + (["w1_scale", "w2_scale"] if weight_format else [])
+    shards = []
+    for e in range(m.ranks):
+        for t in range(T):
+            part = {}
+            for name in names:
+                experts = whole[name][e * L:(e + 1) * L]
+                stored, scales = (None, experts) if name.endswith("_scale") else (experts, None)
+                got = quant.tp_part(weight_format, name[:2], t, T, stored, scales)
+                part[name] = (got[1] if name.endswith("_scale") else got[0]).clone()
+            part["_extra_state"] = {"format": whole["_extra_state"]["format"], "layout": dict(
+                layout, first_expert=e * L, local_experts=L,
+                columns=[t * I // T, (t + 1) * I // T])}
+            shards.append(part)
+    merged = moec_torch.merge_state_dicts(reversed(shards))
+    for name in names:
+        assert torch.equal(merged[name], whole[name]), name
+    assert merged["_extra_state"]["layout"]["columns"] == [0, I]
+    if weight_format == "int8":
+        shards[1]["w2_scale"][0, 0] *= 2  # EP rank 0, TP rank 1: its copy of the row scales
+        with pytest.raises(ValueError, match=r"'w2_scale' differs between the TP ranks of "
+                           r"experts 0..1, which hold it whole"):
+            moec_torch.merge_state_dicts(shards)
+
+
 def test_refusals():
     with pytest.raises(ValueError, match="LoRA adapters are not supported with tensor"):
         layer(2, 2, lora_rank=4)

@@ -42,7 +42,6 @@
 //===----------------------------------------------------------------------===//
 
 #include "runtime/api/Runtime.h"
-#include "runtime/cpu/Element.h"
 #include "runtime/cuda/Device.h"
 #include "runtime/cuda/Pass.h"
 #include "runtime/tooling/LayerRun.h"
@@ -53,7 +52,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 

@@ -222,9 +222,8 @@ struct ContextOptions {
   /// backend, quantized weights kept decoded, one copy for both passes).
   /// With it, a quantized weight's scales found good are not checked again
   /// until weightChanged() names their weight or another tensor is bound.
-  /// A host that
-  /// writes a bound weight in place must call weightChanged() before the
-  /// next pass.
+  /// A host that writes a bound weight in place must call weightChanged()
+  /// before the next pass.
   bool packWeights = false;
   /// With packWeights: whether the backward pass keeps its weights packed
   /// too. Its dX products read each weight transposed, which on AMX tiles

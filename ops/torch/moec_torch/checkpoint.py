@@ -210,12 +210,10 @@ def check_layout(module, extra, prefix, state_dict, what=None):
             raise ValueError(f"moec: '{prefix}{name}' has shape {list(t.shape)}; the "
                              f"checkpoint's layout holds {n} experts")
         t = t[first - lo:first - lo + count]
-        if slicing and module.weights_transposed and name in ("w1", "w2"):
-            t = module._tp_part(name, t)[0]  # rows of w1, columns of w2 [out, in]
+        if slicing and name in ("w1", "w2"):
+            t = module._tp_part(name, t)[0]
         elif slicing and name in ("w1_scale", "w2_scale"):
             t = module._tp_part(name, None, t)[1]
-        elif slicing and name in ("w1", "w2"):
-            t = torch.stack([module._tp_slice(getattr(module, name), e) for e in t])
         return t
 
     for param in names:
@@ -280,25 +278,10 @@ def same_value(a, b):
 
 
 def tp_split(name, layout=None):
-    """How a TP rank holds a layer's tensor `name` of its slice of I: (dim,
-    unit, halves), its slice of dim (I / unit entries; with `halves` one in
-    each half, gate's and up's) — w1 [E, H, 2I] and w2 [E, I, H], or as
-    `layout` stores them transposed ([E, 2I, H], [E, H, I]; int4 codes two a
-    byte) with their scales (FP8 blocks of 128, int4 groups, int8 rows) —
-    or None for a tensor every TP rank holds whole (int8's w2 row scales,
-    the adapters)."""
+    """quant.tp_split of a layer's tensor `name` in the layout a checkpoint
+    records (the [E, H, 2I] one without `layout`)."""
     layout = layout or {}
-    if name not in ("w1", "w2", "w1_scale", "w2_scale"):
-        return None
-    w1 = name.startswith("w1")
-    fmt = quant.parse(layout.get("weight_format"))
-    if not layout.get("weights_transposed"):
-        return (2, 1, True) if w1 else (1, 1, False)
-    if not name.endswith("_scale"):
-        return (1, 1, True) if w1 else (2, 2 if fmt and fmt.kind == "int4" else 1, False)
-    if w1:
-        return (1, quant.BLOCK if fmt.kind == "fp8" else 1, True)
-    return None if fmt.kind == "int8" else (2, quant.tp_unit(fmt.name), False)
+    return quant.tp_split(name, layout.get("weights_transposed"), layout.get("weight_format"))
 
 
 def whole_shape(name, shape, experts, inter, columns, layout=None):
@@ -370,7 +353,7 @@ def merge_layer(prefix, parts, label="merge_state_dicts", what=None):
         if split:
             dim, unit, halves = spec
             i = (c1 - c0) // unit
-            if t.dim() <= dim or t.shape[dim] != (2 if halves else 1) * i:
+            if t.dim() < -dim or t.shape[dim] != (2 if halves else 1) * i:
                 raise ValueError(f"moec: {label}: shard {shard}'s '{prefix}{param}' "
                                  f"has shape {list(t.shape)}, not that of its layout's part")
             mine = target[lo:lo + n]

@@ -575,34 +575,24 @@ class MoeFFN(torch.nn.Module):
         whole = (self.hidden, 2 * self.inter) if weight == "w1" else \
             (self.inter, self.hidden) if weight == "w2" else param.shape[1:]
         store = store or (lambda j, values: param[j].copy_(
-            self._tp_part(weight, values)[0] if self.weights_transposed and weight else values))
+            self._tp_part(weight, values)[0] if weight else values))
         one = torch.empty(1, *whole)
         for e in range(self.experts):
             one.uniform_(-bound, bound)
             if first <= e < first + param.shape[0]:
-                if self.weights_transposed and weight:
-                    store(e - first, one[0].t())  # whole, [out, in]: store() takes its part
-                else:
-                    store(e - first, self._tp_slice(param, one[0]))
+                # The whole expert (as stored: [out, in] where transposed),
+                # of which store() keeps this TP rank's part.
+                drawn = one[0]
+                store(e - first, drawn.t() if self.weights_transposed and weight else drawn)
 
     def _tp_part(self, name, stored=None, scales=None):
         """This process's TP part (quant.tp_part) of whole experts' weights
-        stored transposed, `name`'s ("w1", "w2"; codes and scales of a
-        quantized one): the whole where it holds all."""
+        `name` ("w1", "w2"; codes and scales of a quantized one) in the
+        layer's layout: the whole where it holds all."""
         if self.tp_rank is None:
             return stored, scales
-        return quant.tp_part(self.weight_format, name[:2], self.tp_rank, self.tp, stored, scales)
-
-    def _tp_slice(self, param, whole):
-        """This process's TP slice of one expert's whole w1 [H, 2I] (gate and
-        up columns) or w2 [I, H] (rows); the whole when it holds all."""
-        if self.tp_rank is None or not (param is self.w1 or param is self.w2):
-            return whole
-        i, t = self.inter // self.tp, self.tp_rank
-        if param is self.w1:
-            return torch.cat((whole[:, t * i:(t + 1) * i],
-                              whole[:, self.inter + t * i:self.inter + (t + 1) * i]), 1)
-        return whole[t * i:(t + 1) * i]
+        return quant.tp_part(self.weight_format, name[:2], self.tp_rank, self.tp, stored, scales,
+                             self.weights_transposed)
 
     def reset_parameters(self):
         """Draws the whole [E, ...] weights and keeps this process's experts."""

@@ -153,37 +153,54 @@ def tp_unit(weight_format):
     return 1 if fmt is None or fmt.kind == "int8" else BLOCK if fmt.kind == "fp8" else fmt.group
 
 
-def tp_part(weight_format, which, t, tp, stored, scales=None):
-    """TP rank t's part (of tp) of experts' weights stored [out, in] (the
-    transposed layout, which the formats keep), [..., rows, cols], and of
-    their scales: w1's ([..., 2I, H]) gate rows t*I/tp .. (t+1)*I/tp - 1
-    and the same up rows, with their scales (int8's rows, int4's rows, FP8's
-    block rows); w2's ([..., H, I]) columns t*I/tp .., with the scales that
-    cover them (int4's groups and FP8's block columns of those columns;
-    int8's row scales whole: each spans the row). The experts are quantized
-    whole, as a checkpoint stores them; I/tp holds whole blocks or groups
-    (tp_unit). `weight_format` None: dense weights, no scales. Returns
-    (stored part, scales part), each None where not given."""
+def tp_split(name, transposed, weight_format=None):
+    """How a TP rank holds its slice of I of a layer's tensor `name` ("w1",
+    "w2", "w1_scale", "w2_scale"; anything else: None): (dim, unit, halves),
+    dim counted from the end, its part of dim the entries of its I/tp
+    values, `unit` values an entry, in each half (gate's, then up's) where
+    `halves`; or None for a tensor every TP rank holds whole. w1 [.., H,
+    2I] and w2 [.., I, H]; `transposed` (the formats' layout, [out, in]):
+    w1 [.., 2I, H] (gate rows, then up) and w2 [.., H, I] (int4 codes two a
+    byte), with their scales (FP8 blocks of 128, int8 rows, int4 groups
+    along a row, + a last dim of 2 with zero points): int8's w2 row scales
+    span the row, so each TP rank holds them whole."""
+    if name not in ("w1", "w2", "w1_scale", "w2_scale"):
+        return None
+    w1 = name.startswith("w1")
+    if not transposed:
+        return (-1, 1, True) if w1 else (-2, 1, False)
     fmt = parse(weight_format)
-
-    def rows(x, dim):  # the gate half's part, then the up half's
-        half = x.shape[dim] // 2
-        n = half // tp
-        return torch.cat((x.narrow(dim, t * n, n), x.narrow(dim, half + t * n, n)), dim)
-
-    def cols(x, dim):
-        n = x.shape[dim] // tp
-        return x.narrow(dim, t * n, n)
-
-    take = rows if which == "w1" else cols
-    part = None if stored is None else take(stored, -2 if which == "w1" else -1)
-    if fmt is None or scales is None:
-        return part, None
-    if fmt.kind == "int8":
-        return part, take(scales, -1) if which == "w1" else scales
-    # FP8 [.., R/128, C/128]; int4 [.., R, C/g] (+ a last dim of 2: zero points).
+    if not name.endswith("_scale"):
+        return (-2, 1, True) if w1 else (-1, 2 if fmt and fmt.kind == "int4" else 1, False)
+    if fmt is None:  # dense: no scales
+        return None
     zero = 1 if fmt.zero_points else 0
-    return part, take(scales, (-2 if which == "w1" else -1) - zero)
+    if fmt.kind == "int8":
+        return (-1, 1, True) if w1 else None
+    if w1:
+        return (-2 - zero, BLOCK if fmt.kind == "fp8" else 1, True)
+    return (-1 - zero, tp_unit(weight_format), False)
+
+
+def tp_part(weight_format, which, t, tp, stored, scales=None, transposed=True):
+    """TP rank t's part (of tp) of experts' weights `which` ("w1", "w2")
+    and of their scales, as tp_split says: w1's gate and up columns (rows
+    where `transposed`, the formats' layout) t*I/tp .. (t+1)*I/tp - 1, w2's
+    rows (columns), with the scales that cover them. The experts are
+    quantized whole, as a checkpoint stores them; I/tp holds whole blocks or
+    groups (tp_unit). `weight_format` None: dense weights, no scales.
+    Returns (stored part, scales part), each None where not given."""
+
+    def take(x, split):
+        if x is None or split is None:
+            return x
+        dim, _, halves = split
+        n = x.shape[dim] // (2 if halves else 1) // tp
+        part = x.narrow(dim, t * n, n)
+        return torch.cat((part, x.narrow(dim, tp * n + t * n, n)), dim) if halves else part
+
+    return (take(stored, tp_split(which, transposed, weight_format)),
+            take(scales, tp_split(which + "_scale", transposed, weight_format)))
 
 
 def quantize(weight_format, w):

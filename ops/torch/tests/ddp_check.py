@@ -273,8 +273,8 @@ def main():
         layer's, its experts (and of w1, w2 its TP slice)."""
         if not name.startswith("moe."):
             return whole
-        param = getattr(layer, name[4:])
-        return torch.stack([layer._tp_slice(param, e) for e in whole[mine]])
+        name = name[4:]
+        return layer._tp_part(name, whole[mine])[0] if name in ("w1", "w2") else whole[mine]
     with torch.no_grad():  # the same start as the one-process model
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             p.copy_(share(n, q))

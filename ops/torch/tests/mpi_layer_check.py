@@ -94,12 +94,10 @@ def main():
         EP rank's experts, and of w1, w2 (and their gradients) its TP slice."""
         part = whole[r * L:(r + 1) * L]
         kind = {"dw1": "w1", "dw2": "w2"}.get(name, name)
-        if layer.weights_transposed and kind in ("w1", "w2"):
+        if kind in ("w1", "w2"):
             part = layer._tp_part(kind, part)[0]
         elif kind in ("w1_scale", "w2_scale"):
             part = layer._tp_part(kind, None, part)[1]
-        elif kind in ("w1", "w2"):
-            part = torch.stack([layer._tp_slice(getattr(layer, kind), e) for e in part])
         return part
 
     # Same seed, same draws: the MPI layer holds the single layer's experts.
@@ -266,7 +264,8 @@ def check_checkpoints(layer, single, cfg, options, seed, share):
               torch.zeros(layer.tokens, 2, dtype=torch.long) + torch.tensor([0, 1]),
               torch.ones(layer.tokens, 2))  # collective: every rank has written its file
         merged = moec_torch.merge_state_dicts(
-            [torch.load(folder / f"state-{k}.pt") for k in range(layer.ranks * layer.tp)])
+            [torch.load(folder / f"state-{k}.pt", weights_only=True)
+             for k in range(layer.ranks * layer.tp)])
         for name, q in single.state_dict().items():
             if isinstance(q, torch.Tensor) and not torch.equal(merged[name], q):
                 return f"{name} of the merged state dicts is not the one-process layer's"

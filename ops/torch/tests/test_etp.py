@@ -261,8 +261,9 @@ def test_tp_parts_merge_into_the_whole_layer(weight_format):
     """The state dicts a TP rank per process saves of weights stored
     transposed (each EP rank's experts, each TP rank's part of their codes
     and scales, made here from the whole layer's) merge into the whole
-    layer's (merge_state_dicts); a copy of int8's w2 row scales that
-    differs between the TP ranks of an expert is refused by name."""
+    layer's (merge_state_dicts); a part of the wrong size, and a copy of
+    int8's w2 row scales that differs between the TP ranks of an expert,
+    are refused by name."""
     m = stored_layers(weight_format)[0]
     whole = m.state_dict()
     layout = whole["_extra_state"]["layout"]
@@ -285,6 +286,12 @@ def test_tp_parts_merge_into_the_whole_layer(weight_format):
     for name in names:
         assert torch.equal(merged[name], whole[name]), name
     assert merged["_extra_state"]["layout"]["columns"] == [0, I]
+    # A part of the wrong size (a row short) is refused by name.
+    short = [dict(p) for p in shards]
+    short[2]["w1"] = short[2]["w1"][:, :-1]
+    with pytest.raises(ValueError, match=r"shard 2's 'w1' has shape \[2, 255, \d+\], not that "
+                       r"of its layout's part"):
+        moec_torch.merge_state_dicts(short)
     if weight_format == "int8":
         shards[1]["w2_scale"][0, 0] *= 2  # EP rank 0, TP rank 1: its copy of the row scales
         with pytest.raises(ValueError, match=r"'w2_scale' differs between the TP ranks of "

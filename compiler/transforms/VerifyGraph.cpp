@@ -24,15 +24,6 @@ struct VerifyGraphPass : moec::moe::impl::VerifyGraphBase<VerifyGraphPass> {
     if (!tp || tp.getInt() <= 1)
       return success();
     const bool layer = !graph.getBlock().getOps<GmmOp>().empty();
-    for (GmmOp gmm : graph.getBlock().getOps<GmmOp>())
-      if (gmm.hasLowRank() ||
-          (gmm.getAddend() &&
-           !isQuantizedWeightType(gmm.getRhs().getType().cast<MoeTensorType>().getElementType())))
-        return gmm.emitError()
-               << "'" << gmm.getOpName() << "' adds a LoRA adapter's product, and the config's tp is "
-               << tp.getInt()
-               << ": LoRA adapters are not supported with tensor parallelism (their rank-r "
-                  "products would need a TP reduction of their own); use tp 1";
     for (CombineOp op : graph.getBlock().getOps<CombineOp>()) {
       if (!layer)
         return op.emitError() << "graph '" << graph.getSymName() << "': the config's tp is "

@@ -99,20 +99,36 @@ enum Slot {
 /// The slot of a LoRA tensor.
 int loraSlot(const LoraTensor &t) { return kLora + (t.grad ? 4 : 0) + 2 * t.p + (t.b ? 1 : 0); }
 
-/// The I / T columns of TP slice `t` of an expert's w1 [H, 2I] (gate
-/// columns, then up columns) and rows of its w2 [I, H], for experts
-/// [first, first + count) of `d`, into w1 [count, H, 2I/T], w2 [count, I/T, H].
+/// Where TP slice `t` of `T` lies in one expert's matrix: `run(full, part,
+/// n)` for each run of n values, at offset `full` in the matrix and `part`
+/// in the slice. `gateUp`: a [rows, 2I] matrix whose columns are I gate
+/// values then I up values (w1, B of w1's adapter), whose slice is its gate
+/// columns then its up columns, [rows, 2I / T]. Otherwise an [I, rows]
+/// matrix (w2, A of w2's adapter), whose slice is its rows [t I / T,
+/// (t + 1) I / T).
+template <class Run>
+void tpSliceRuns(bool gateUp, int64_t rows, int64_t I, int64_t T, int64_t t, Run run) {
+  const int64_t Is = I / T;
+  if (!gateUp)
+    return run(t * Is * rows, int64_t(0), Is * rows);
+  for (int64_t h = 0; h < rows; ++h)
+    for (int64_t half = 0; half < 2; ++half)
+      run(h * 2 * I + half * I + t * Is, h * 2 * Is + half * Is, Is);
+}
+
+/// TP slice `t` of experts [first, first + count) of `d`'s w1 and w2 into
+/// w1 [count, H, 2I/T], w2 [count, I/T, H].
 void sliceExperts(const LayerData &d, int64_t first, int64_t count, int64_t t, float *w1,
                   float *w2) {
   const int64_t H = d.hidden, I = d.inter, Is = I / d.tp;
   for (int64_t l = 0; l < count; ++l) {
-    const float *full1 = d.w1.data() + (first + l) * H * 2 * I;
-    for (int64_t h = 0; h < H; ++h) {
-      float *row = w1 + (l * H + h) * 2 * Is;
-      std::copy_n(full1 + h * 2 * I + t * Is, Is, row);
-      std::copy_n(full1 + h * 2 * I + I + t * Is, Is, row + Is);
-    }
-    std::copy_n(d.w2.data() + ((first + l) * I + t * Is) * H, Is * H, w2 + l * Is * H);
+    const float *from1 = d.w1.data() + (first + l) * H * 2 * I;
+    const float *from2 = d.w2.data() + (first + l) * I * H;
+    float *to1 = w1 + l * H * 2 * Is, *to2 = w2 + l * Is * H;
+    tpSliceRuns(true, H, I, d.tp, t,
+                [&](int64_t f, int64_t q, int64_t n) { std::copy_n(from1 + f, n, to1 + q); });
+    tpSliceRuns(false, H, I, d.tp, t,
+                [&](int64_t f, int64_t q, int64_t n) { std::copy_n(from2 + f, n, to2 + q); });
   }
 }
 
@@ -122,13 +138,46 @@ void unsliceExperts(const LayerData &d, int64_t first, int64_t count, int64_t t,
                     const float *dw1, const float *dw2, float *full1, float *full2) {
   const int64_t H = d.hidden, I = d.inter, Is = I / d.tp;
   for (int64_t l = 0; l < count; ++l) {
-    float *to1 = full1 + (first + l) * H * 2 * I;
-    for (int64_t h = 0; h < H; ++h) {
-      const float *row = dw1 + (l * H + h) * 2 * Is;
-      std::copy_n(row, Is, to1 + h * 2 * I + t * Is);
-      std::copy_n(row + Is, Is, to1 + h * 2 * I + I + t * Is);
-    }
-    std::copy_n(dw2 + l * Is * H, Is * H, full2 + ((first + l) * I + t * Is) * H);
+    const float *from1 = dw1 + l * H * 2 * Is, *from2 = dw2 + l * Is * H;
+    float *to1 = full1 + (first + l) * H * 2 * I, *to2 = full2 + (first + l) * I * H;
+    tpSliceRuns(true, H, I, d.tp, t,
+                [&](int64_t f, int64_t q, int64_t n) { std::copy_n(from1 + q, n, to1 + f); });
+    tpSliceRuns(false, H, I, d.tp, t,
+                [&](int64_t f, int64_t q, int64_t n) { std::copy_n(from2 + q, n, to2 + f); });
+  }
+}
+
+/// A LoRA tensor's values of experts [first, first + count) as TP slice `t`
+/// holds them (LoraTensor::sliced: its slice; else all of them), from
+/// `full` [E, ...] into `part`.
+void loraPart(const LoraTensor &lora, const LayerData &d, int64_t first, int64_t count, int64_t t,
+              const float *full, float *part) {
+  const int64_t n = lora.perExpert(d), m = lora.perExpertOnRank(d), r = d.loraRank;
+  for (int64_t l = 0; l < count; ++l) {
+    const float *f = full + (first + l) * n;
+    float *q = part + l * m;
+    if (!lora.sliced())
+      std::copy_n(f, n, q);
+    else
+      tpSliceRuns(lora.b, r, d.inter, d.tp, t,
+                  [&](int64_t fo, int64_t qo, int64_t k) { std::copy_n(f + fo, k, q + qo); });
+  }
+}
+
+/// The inverse of loraPart for gradients: a slice written to its place in
+/// `full`, a whole tensor's partial sum added to it.
+void addLoraPart(const LoraTensor &lora, const LayerData &d, int64_t first, int64_t count,
+                 int64_t t, const float *part, float *full) {
+  const int64_t n = lora.perExpert(d), m = lora.perExpertOnRank(d), r = d.loraRank;
+  for (int64_t l = 0; l < count; ++l) {
+    float *f = full + (first + l) * n;
+    const float *q = part + l * m;
+    if (!lora.sliced())
+      for (int64_t i = 0; i < n; ++i)
+        f[i] += q[i];
+    else
+      tpSliceRuns(lora.b, r, d.inter, d.tp, t,
+                  [&](int64_t fo, int64_t qo, int64_t k) { std::copy_n(q + qo, k, f + fo); });
   }
 }
 
@@ -397,15 +446,21 @@ Status LayerRun::bind(rt::Context &context, const LayerData &d) {
           {"w2_scale", rt::makeTensor(at(b[kW2Scale]), DType::F32, stored.w2ScaleDims)});
     }
     // The adapters of this rank's experts (global experts e * L .. e * L + L - 1).
+    // With TP, this TP rank's part of them (LoraTensor::sliced).
     const auto bindLora = [&](const LoraTensor &t, DType type) {
       std::vector<int64_t> dims = t.dims(d);
       dims[0] = L;
-      const size_t count = size_t(L * t.perExpert(d));
+      if (t.sliced())
+        dims[t.b ? 2 : 1] /= T;
+      const size_t count = size_t(L * t.perExpertOnRank(d));
       Buffer &buffer = b[loraSlot(t)];
-      if (t.grad)
+      if (t.grad) {
         buffer.zeros(count, type);
-      else
-        buffer.assign(t.of(d).data() + size_t(e) * count, count, type);
+      } else {
+        std::vector<float> part(count);
+        loraPart(t, d, e * L, L, r % T, t.of(d).data(), part.data());
+        buffer.assign(part.data(), count, type);
+      }
       tensors.push_back({t.name(), rt::makeTensor(at(buffer), type, dims)});
     };
     for (const LoraTensor &t : loraTensors(shape.loraTargets, false))
@@ -465,15 +520,15 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
                 I = context.shape().inter;
   const int64_t L = context.shape().localExperts;
   const bool weightGrads = backward && !context.backwardShape()->frozen;
-  // The LoRA adapters' gradients, per rank [L, K, r] or [L, r, N] (one TP
-  // rank, as the compiler requires of adapters: rank r's experts are
-  // r * L .. r * L + L - 1).
+  // The LoRA adapters' gradients, per rank [L, K, r] or [L, r, N], each TP
+  // rank's part (LoraTensor::sliced): rank r's experts are r / T * L ..
+  // r / T * L + L - 1.
   const std::vector<LoraTensor> loraGrads =
       loraTensors(backward ? context.backwardShape()->loraTargets : 0, true);
   std::vector<std::vector<float>> loraAll(loraGrads.size());
   std::vector<int64_t> loraPerRank(loraGrads.size());
   for (size_t i = 0; i < loraGrads.size(); ++i) {
-    loraPerRank[i] = L * loraGrads[i].perExpert(*d);
+    loraPerRank[i] = L * loraGrads[i].perExpertOnRank(*d);
     loraAll[i].resize(size_t(R * loraPerRank[i]));
   }
   std::vector<float> y(size_t(R * S * H)), dx, dtopkAll, dw1, dw2;
@@ -554,8 +609,15 @@ Status LayerRun::run(rt::Context &context, bool backward, LayerData *d) {
   d->dw2.clear();
   d->dLoraA = {};
   d->dLoraB = {};
-  for (size_t i = 0; i < loraGrads.size(); ++i)
-    loraGrads[i].of(*d) = std::move(loraAll[i]);
+  // The TP ranks' parts put together: slices in their places, the partial
+  // sums of whole tensors added in TP rank order.
+  for (size_t i = 0; i < loraGrads.size(); ++i) {
+    std::vector<float> &full = loraGrads[i].of(*d);
+    full.assign(size_t(d->experts * loraGrads[i].perExpert(*d)), 0.0f);
+    for (int64_t r = 0; r < R; ++r)
+      addLoraPart(loraGrads[i], *d, r / T * L, L, r % T, loraAll[i].data() + r * loraPerRank[i],
+                  full.data());
+  }
   if (!weightGrads)
     return Status::success();
   d->dw1.assign(size_t(d->experts * H * 2 * d->inter), 0.0f);

@@ -65,6 +65,15 @@ struct LoraTensor {
   std::vector<int64_t> dims(const LayerData &d) const;
   /// Its values of one expert: K r or r N.
   int64_t perExpert(const LayerData &d) const;
+  /// Whether a TP rank holds a slice of it (B of w1's adapter: the gate and
+  /// up columns of the rank's slice of I; A of w2's: its rows) rather than
+  /// all of it (A of w1's, B of w2's: their gradients are partial sums over
+  /// the TP ranks).
+  bool sliced() const { return b == (p == 0); }
+  /// Its values of one expert on one of `d.tp` TP ranks.
+  int64_t perExpertOnRank(const LayerData &d) const {
+    return sliced() ? perExpert(d) / d.tp : perExpert(d);
+  }
   /// Its values in `d`.
   std::vector<float> &of(LayerData &d) const;
   const std::vector<float> &of(const LayerData &d) const;

@@ -13,13 +13,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/finalizing_job.sh"
 
 # layer NAME H I L K EP DTYPE [extra config JSON]: compiles both graphs
 # into $WORK/NAME/{fwd,bwd}.moebin (granularity from $GRANULARITY, peer
-# groups from $PEER_GROUPS; $GRAPH picks other graphs than the full layer's,
+# groups from $PEER_GROUPS, EP x $TP ranks; $GRAPH picks other graphs than the full layer's,
 # e.g. _lora_transposed_int4 for moe_ffn_{fwd,bwd}_lora_transposed_int4).
 layer() {
   local name=$1 H=$2 I=$3 L=$4 K=$5 EP=$6 DT=$7 extra=${8:-}
   local dir="$WORK/$name"
   mkdir -p "$dir"
-  echo "{\"name\": \"$name\", \"hidden_size\": $H, \"intermediate_size\": $I, \"num_experts\": $((L * EP)), \"top_k\": $K, \"ep\": $EP, \"tp\": 1, \"seq_size\": 128, \"dtype\": \"$DT\", \"num_cube_cores\": 2, \"num_vector_cores\": 2$extra}" > "$dir/config.json"
+  echo "{\"name\": \"$name\", \"hidden_size\": $H, \"intermediate_size\": $I, \"num_experts\": $((L * EP)), \"top_k\": $K, \"ep\": $EP, \"tp\": ${TP:-1}, \"seq_size\": 128, \"dtype\": \"$DT\", \"num_cube_cores\": 2, \"num_vector_cores\": 2$extra}" > "$dir/config.json"
   "$MOEC" compile "$GRAPHS/moe_ffn_fwd${GRAPH:-}.json" --config "$dir/config.json" \
     --granularity "${GRANULARITY:-per-tile-range}" ${PEER_GROUPS:+--peer-groups "$PEER_GROUPS"} \
     -o "$dir/fwd.moebin" > /dev/null
@@ -33,11 +33,12 @@ fail() {
   exit 1
 }
 
-# check NAME EP RUN_OPTIONS...: random inputs run in-process, then replayed
-# under "${MPIRUN[@]}" -np EP with --verify; every output ($OUTPUTS, default
-# the full layer's) must match bit for bit. Counts into $passed and $failed.
+# check NAME RANKS RUN_OPTIONS...: random inputs run in-process, then
+# replayed under "${MPIRUN[@]}" -np RANKS (EP x TP) with --verify; every
+# output ($OUTPUTS, default the full layer's) must match bit for bit.
+# Counts into $passed and $failed.
 check() {
-  local name=$1 ep=$2
+  local name=$1 ep=$2 # ranks: EP x TP
   shift 2
   local dir="$WORK/$name"
   "$MOEC" run "$dir/fwd.moebin" "$dir/bwd.moebin" --ranks "$ep" --random 7 \

@@ -4,7 +4,8 @@
 # in-process fabric on the same inputs: forward and backward, fp32 and bf16,
 # skewed routing, experts and ranks that receive no rows, both event
 # granularities, several passes of one context (--repeat), FP8 dispatch, tiles
-# cut by peer groups, LoRA adapters on a quantized base.
+# cut by peer groups, LoRA adapters on a quantized base (also with expert
+# tensor parallelism).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 passed=0
@@ -40,6 +41,11 @@ check groups 3 --hot-share 0.5
 # between processes, the same bits as in process.
 GRAPH=_lora_transposed_int4 layer lora 256 128 2 2 3 bf16 ', "lora_rank": 8, "weight_group": 32'
 OUTPUTS="y dx dtopk_weights dlora_a1 dlora_b1 dlora_a2 dlora_b2" check lora 3 --hot-share 0.5
+# LoRA adapters with expert tensor parallelism on an FP8 base (2 EP x 2 TP
+# processes): each TP rank's slices of the adapters, and the TP ranks'
+# partial gradients of the whole ones summed, the same bits as in process.
+TP=2 GRAPH=_lora_transposed_fp8 layer lora-tp 256 256 2 2 2 bf16 ', "lora_rank": 16'
+OUTPUTS="y dx dtopk_weights dlora_a1 dlora_b1 dlora_a2 dlora_b2" check lora-tp 4
 # One trace of the whole job.
 check_trace f32-2 2
 # The path between nodes (two-sided messages) on this one machine: no rank

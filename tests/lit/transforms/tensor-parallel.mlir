@@ -9,11 +9,16 @@
 // With tp 1 the mark changes nothing: the same graph compiles either way.
 // RUN: sed 's/ reduce_tp,//' %graphs/moe_ffn_fwd.mlir | moec-opt --moe-graph-pipeline=config=%configs/tiny.json | FileCheck %s --check-prefix=PLAIN
 //
-// Refused with tp > 1: LoRA adapters, and a graph of dispatches and
-// combines alone (no expert weights to split).
+// LoRA adapters with tp > 1: B of w1's adapter holds the gate and up columns
+// of the TP rank's slice, A of w2's its rows; A of w1 and B of w2 are whole
+// (each TP rank's gradients of them are partial sums over the TP ranks).
 // RUN: moec import %graphs/moe_ffn_fwd_lora.json -o %t.lora.mlir
-// RUN: not moec-opt %t.lora.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2-lora.json 2>&1 | FileCheck %s --check-prefix=LORA
-// RUN: not moec-opt %S/Inputs/fused-gmm.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2.json 2>&1 | FileCheck %s --check-prefix=FUSED
+// RUN: moec-opt %t.lora.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2-lora.json | FileCheck %s --check-prefix=LORA
+// RUN: moec import %graphs/moe_ffn_bwd_lora.json -o %t.lora-bwd.mlir
+// RUN: moec-opt %t.lora-bwd.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2-lora.json | FileCheck %s --check-prefix=LORABWD
+//
+// Refused with tp > 1: a graph of dispatches and combines alone (no expert
+// weights to split).
 // RUN: moec import %graphs/moe_dispatch.json -o %t.dispatch.mlir
 // RUN: not moec-opt %t.dispatch.mlir --moe-graph-pipeline=config=%S/Inputs/tiny-tp2.json 2>&1 | FileCheck %s --check-prefix=EXCHANGE
 
@@ -31,8 +36,15 @@
 // PLAIN: moe.combine "combine"
 // PLAIN-NOT: reduce_tp
 
-// LORA: error: 'up_lora_b' adds a LoRA adapter's product, and the config's tp is 2: LoRA adapters are not supported with tensor parallelism
-// A gmm with a low-rank pair (a fused adapter, as moe-fuse-low-rank makes one) too.
-// FUSED: error: 'base' adds a LoRA adapter's product, and the config's tp is 2
+// LORA: moe.input "lora_a1" {slot = 15 : i64} : <[2, 64, 4], f32, list>
+// LORA: moe.input "lora_b1" {slot = 18 : i64} : <[2, 4, 32], f32, list>
+// LORA: moe.input "lora_a2" {slot = 19 : i64} : <[2, 16, 4], f32, list>
+// LORA: moe.input "lora_b2" {slot = 22 : i64} : <[2, 4, 64], f32, list>
+// LORA: moe.combine "combine"
+// LORA-SAME: reduce_tp
+
+// LORABWD: moe.gmm "down_lora_a_grad"{{.*}} -> !moe.tensor<[2, 16, 4], f32, list>
+// LORABWD: moe.combine "combine"
+// LORABWD-SAME: reduce_tp
 
 // EXCHANGE: error: graph 'moe_dispatch': the config's tp is 2, but the graph has no expert weights for tp to split (only dispatches and combines); use a config with tp 1

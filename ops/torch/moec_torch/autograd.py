@@ -52,19 +52,59 @@ class _TpTake(torch.autograd.Function):
         return g.repeat_interleave(ctx.tp, 0), None
 
 
+def _gate_up_to_tp(w, experts_per_rank, tp):
+    """[P*L, K, 2I] (gate columns, then up: w1, B of w1's adapter) ->
+    [P*T*L, K, 2I/T], where TP rank t of an expert holds its gate and up
+    columns t*I/T .. (t+1)*I/T - 1; rank e*T + t's experts come e*T + t-th.
+    Differentiable (a permuted copy)."""
+    L, T = experts_per_rank, tp
+    n, k, two_i = w.shape
+    return w.view(n // L, L, k, 2, T, two_i // 2 // T).permute(0, 4, 1, 2, 3, 5) \
+        .reshape(n * T, k, two_i // T)
+
+
+def _rows_to_tp(w, experts_per_rank, tp):
+    """[P*L, I, N] (w2, A of w2's adapter) -> [P*T*L, I/T, N]: TP rank t
+    holds rows t*I/T .. (t+1)*I/T - 1. Differentiable."""
+    L, T = experts_per_rank, tp
+    n, i, k = w.shape
+    return w.view(n // L, L, T, i // T, k).permute(0, 2, 1, 3, 4).reshape(n * T, i // T, k)
+
+
+def _sum_tp(g, experts_per_rank, tp):
+    """[P*T*L, ...] -> [P*L, ...]: the TP ranks' partial sums of a tensor
+    each holds whole, added in TP rank order."""
+    L, T = experts_per_rank, tp
+    parts = g.view(g.shape[0] // T // L, T, L, *g.shape[1:])
+    total = parts[:, 0].clone()
+    for t in range(1, T):
+        total += parts[:, t]
+    return total.reshape(-1, *g.shape[1:])
+
+
+class _TpWhole(torch.autograd.Function):
+    """[P*L, ...] -> [P*T*L, ...], all of each EP rank's experts' tensor on
+    every one of its TP ranks (A of w1's adapter, B of w2's); backward adds
+    the TP ranks' partial gradients (_sum_tp)."""
+
+    @staticmethod
+    def forward(ctx, w, experts_per_rank, tp):
+        ctx.split = (experts_per_rank, tp)
+        L, T = experts_per_rank, tp
+        n = w.shape[0]
+        return w.view(n // L, 1, L, *w.shape[1:]).expand(n // L, T, L, *w.shape[1:]) \
+            .reshape(n * T, *w.shape[1:])
+
+    @staticmethod
+    def backward(ctx, g):
+        return _sum_tp(g, *ctx.split), None, None
+
+
 def _to_tp(w1, w2, experts_per_rank, tp):
     """The weights of every TP rank, from the whole experts of this process's
-    EP ranks: w1 [P*L, H, 2I] (gate columns, then up) -> [P*T*L, H, 2I/T],
-    where TP rank t of an expert holds its gate and up columns
-    t*I/T .. (t+1)*I/T - 1; w2 [P*L, I, H] -> [P*T*L, I/T, H], rows likewise.
-    Rank e*T + t's experts come e*T + t-th. Differentiable (a permuted copy)."""
-    L, T = experts_per_rank, tp
-    n, h, two_i = w1.shape
-    i = two_i // 2
-    w1t = w1.view(n // L, L, h, 2, T, i // T).permute(0, 4, 1, 2, 3, 5) \
-        .reshape(n * T, h, two_i // T)
-    w2t = w2.view(n // L, L, T, i // T, h).permute(0, 2, 1, 3, 4).reshape(n * T, i // T, h)
-    return w1t, w2t
+    EP ranks: w1 [P*L, H, 2I] -> [P*T*L, H, 2I/T] (_gate_up_to_tp), w2
+    [P*L, I, H] -> [P*T*L, I/T, H] (_rows_to_tp). Differentiable."""
+    return _gate_up_to_tp(w1, experts_per_rank, tp), _rows_to_tp(w2, experts_per_rank, tp)
 
 
 def _to_tp_stored(weight_format, w1, w2, scales, experts_per_rank, tp):
@@ -86,14 +126,53 @@ def _to_tp_stored(weight_format, w1, w2, scales, experts_per_rank, tp):
     return w1t, w2t, ((s1, s2) if scales else ())
 
 
+def _gate_up_from_tp(wt, experts_per_rank, tp):
+    """The inverse of _gate_up_to_tp: [P*T*L, K, 2I/T] -> [P*L, K, 2I]."""
+    L, T = experts_per_rank, tp
+    nt, k, two_is = wt.shape
+    n = nt // T
+    return wt.view(n // L, T, L, k, 2, two_is // 2).permute(0, 2, 3, 4, 1, 5) \
+        .reshape(n, k, two_is * T)
+
+
+def _rows_from_tp(wt, experts_per_rank, tp):
+    """The inverse of _rows_to_tp: [P*T*L, I/T, N] -> [P*L, I, N]."""
+    L, T = experts_per_rank, tp
+    nt, i_s, k = wt.shape
+    n = nt // T
+    return wt.view(n // L, T, L, i_s, k).permute(0, 2, 1, 3, 4).reshape(n, i_s * T, k)
+
+
 def _from_tp(w1t, w2t, experts_per_rank, tp):
     """The inverse of _to_tp: per-TP-rank slices back to whole experts."""
-    L, T = experts_per_rank, tp
-    nt, h, two_is = w1t.shape
-    n, i = nt // T, two_is // 2 * T
-    w1 = w1t.view(n // L, T, L, h, 2, i // T).permute(0, 2, 3, 4, 1, 5).reshape(n, h, 2 * i)
-    w2 = w2t.view(n // L, T, L, i // T, h).permute(0, 2, 1, 3, 4).reshape(n, i, h)
-    return w1, w2
+    return _gate_up_from_tp(w1t, experts_per_rank, tp), _rows_from_tp(w2t, experts_per_rank, tp)
+
+
+_ADAPTER_SPLITS = {("w1", "B"): (_gate_up_to_tp, _gate_up_from_tp),
+                   ("w2", "A"): (_rows_to_tp, _rows_from_tp)}
+
+
+def _adapter_keys(targets):
+    """(target, "A" or "B") of the adapters in the op's order."""
+    return [(t, m) for t in targets for m in "AB"]
+
+
+def _adapters_to_tp(adapters, targets, experts_per_rank, tp):
+    """The LoRA adapters (A then B, of each of `targets`) of every TP rank:
+    B of w1's adapter and A of w2's are split as w1 and w2 are, A of w1's
+    and B of w2's whole on every TP rank (their gradients are the sums of
+    the TP ranks' partial ones). Differentiable."""
+    return [_ADAPTER_SPLITS[key][0](a, experts_per_rank, tp) if key in _ADAPTER_SPLITS
+            else _TpWhole.apply(a, experts_per_rank, tp)
+            for key, a in zip(_adapter_keys(targets), adapters)]
+
+
+def _adapters_from_tp(grads, targets, experts_per_rank, tp):
+    """The inverse of _adapters_to_tp for the TP ranks' gradients: slices
+    put back, the whole ones' partial gradients summed in TP rank order."""
+    return [_ADAPTER_SPLITS[key][1](g, experts_per_rank, tp) if key in _ADAPTER_SPLITS
+            else _sum_tp(g, experts_per_rank, tp)
+            for key, g in zip(_adapter_keys(targets), grads)]
 
 
 class _TpMainGrads:

@@ -6,8 +6,8 @@ import warnings
 import torch
 
 from . import capacity
-from .autograd import (Gradients, MoeFFNFunction, _after_backward, _check_finite, _from_tp,
-                       _TpMainGrads, _unscaled)
+from .autograd import (Gradients, MoeFFNFunction, _adapters_from_tp, _after_backward,
+                       _check_finite, _from_tp, _TpMainGrads, _unscaled)
 
 
 class _Pending:
@@ -131,6 +131,7 @@ class BackwardHandle(_Pending):
             dx, dtopk = (t.unflatten(0, (-1, m.tp))[:, 0].contiguous() for t in (dx, dtopk))
             if dw1 is not None:
                 dw1, dw2 = _from_tp(dw1, dw2, m.local_experts, m.tp)
+            dadapters = _adapters_from_tp(dadapters, m.lora_targets, m.local_experts, m.tp)
             if isinstance(self.main_grads, _TpMainGrads):
                 self.main_grads.fold()
         grads = Gradients(dx, dtopk, dw1, dw2, tuple(dadapters))

@@ -9,9 +9,8 @@ import torch
 
 from . import adapters, cache, capacity, checkpoint, checks, native, quant
 from ._launch import _fabric, _fabric_args, _register_finalize, load_library
-from .autograd import (MoeFFNFunction, _check_finite, _scaled_dy, _to_tp, _to_tp_stored,
-                       _TpMainGrads, _TpShare,
-                       _TpTake)
+from .autograd import (MoeFFNFunction, _adapters_to_tp, _check_finite, _scaled_dy, _to_tp,
+                       _to_tp_stored, _TpMainGrads, _TpShare, _TpTake)
 from .cache import LORA_TARGETS, _from_cache, _layer_graphs, _lora_suffix, _lora_targets, \
     compile_layer
 from .capacity import _check_policy
@@ -266,10 +265,12 @@ class MoeFFN(torch.nn.Module):
         tp = checks.integer(tp, arg + "'tp'", minimum=1) if tp is not None else \
             checks.integer(cfg.get("tp", 1), "moec: config key 'tp'", minimum=1)
         fabric, ranks, group = _fabric(fabric, group, ranks, tp, "MoeFFN")
-        if tp > 1 and lora_rank:
-            raise ValueError("moec: LoRA adapters are not supported with tensor parallelism "
-                             f"(tp={tp}): their rank-r products would need a TP reduction of "
-                             "their own; use tp=1")
+        if tp > 1 and lora_rank and fabric != "inproc":
+            raise ValueError(
+                f"moec: LoRA adapters with a TP rank per process (tp={tp}, fabric={fabric!r}) "
+                "are not supported: the gradients of w1's A and w2's B are partial sums over "
+                "the TP ranks, and moec_torch runs no all-reduce over a TP group; run each EP "
+                "rank's TP ranks in one process (fabric='inproc'), or use tp=1")
         _check_policy(capacity_policy)
         if frozen and main_grad:
             raise ValueError("moec: a frozen layer has no weight gradients to accumulate "
@@ -448,10 +449,12 @@ class MoeFFN(torch.nn.Module):
     def _bound(self):
         """What the op takes after w1 and w2: the adapters, then the block
         scales of quantized weights (each TP rank's, several here)."""
-        if self._tp_here() and self.weights_transposed:
-            return self.adapters() + list(self._stored_mesh()[2])
-        scales = [self.w1_scale, self.w2_scale] if self.weight_format else []
-        return self.adapters() + scales
+        if not self._tp_here():
+            scales = [self.w1_scale, self.w2_scale] if self.weight_format else []
+            return self.adapters() + scales
+        adapters = _adapters_to_tp(self.adapters(), self.lora_targets, self.local_experts,
+                                   self.tp)
+        return adapters + (list(self._stored_mesh()[2]) if self.weights_transposed else [])
 
     def _stored_mesh(self):
         """(w1, w2, scales) of weights stored transposed (frozen; quantized

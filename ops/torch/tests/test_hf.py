@@ -1248,8 +1248,9 @@ def test_expert_tensor_parallelism_in_one_process(layout, options):
     """patch_model(tp=2) in one process (an [ep 2, tp 2] mesh of in-process
     ranks): the unpatched model's logits and input gradients; a frozen
     layer of fused experts is converted (the layout it reads in place takes
-    no tp); LoRA with tp is refused, saying why (test_mpi.py runs tp one
-    rank per process)."""
+    no tp); LoRA adapters with tp: the logits and adapter gradients of the
+    same adapters patched in at tp=1 (test_mpi.py runs tp one rank per
+    process, where LoRA is refused)."""
     ref = make_model("qwen3_moe", layout)
     model = copy.deepcopy(ref)
     mhf.patch_model(model, ranks=2, threads=1, tp=2, **options)
@@ -1258,9 +1259,24 @@ def test_expert_tensor_parallelism_in_one_process(layout, options):
     ids = tokens()
     out, want = model(ids), ref(ids)
     close(out.logits, want.logits, 1e-5, "logits")
-    with pytest.raises(ValueError, match="LoRA adapters are not supported with tensor "
-                                         "parallelism \\(tp=2\\)"):
-        mhf.patch_model(make_model("qwen3_moe", layout), ranks=2, tp=2, lora_rank=4)
+    models = []
+    for tp in (1, 2):
+        lora = make_model("qwen3_moe", layout)
+        mhf.patch_model(lora, ranks=2, threads=1, tp=tp, lora_rank=4, lora_alpha=8)
+        for (_, _, block) in mhf._patched(lora):
+            g = torch.Generator().manual_seed(5)
+            with torch.no_grad():
+                for p in block.layer.adapters():  # B nonzero
+                    p.copy_(torch.rand(p.shape, generator=g) - 0.5)
+        out = lora(ids).logits
+        out.square().sum().backward()
+        models.append((out, lora))
+    (out1, one), (out2, two) = models
+    assert mhf._patched(two)[0][2].layer.tp == 2
+    close(out2, out1, 1e-5, "LoRA logits at tp=2")
+    for (_, _, a), (_, _, b) in zip(mhf._patched(one), mhf._patched(two)):
+        for pa, pb in zip(a.layer.adapters(), b.layer.adapters()):
+            close(pb.grad, pa.grad, 1e-5, "LoRA adapter gradients at tp=2")
 
 
 FINETUNE = Path(os.environ.get("MOEC_HF_EXAMPLE",

@@ -101,17 +101,17 @@ int loraSlot(const LoraTensor &t) { return kLora + (t.grad ? 4 : 0) + 2 * t.p + 
 
 /// Where TP slice `t` of `T` lies in one expert's matrix: `run(full, part,
 /// n)` for each run of n values, at offset `full` in the matrix and `part`
-/// in the slice. `gateUp`: a [rows, 2I] matrix whose columns are I gate
+/// in the slice. `gateUp`: a [other, 2I] matrix whose columns are I gate
 /// values then I up values (w1, B of w1's adapter), whose slice is its gate
-/// columns then its up columns, [rows, 2I / T]. Otherwise an [I, rows]
+/// columns then its up columns, [other, 2I / T]. Otherwise an [I, other]
 /// matrix (w2, A of w2's adapter), whose slice is its rows [t I / T,
 /// (t + 1) I / T).
 template <class Run>
-void tpSliceRuns(bool gateUp, int64_t rows, int64_t I, int64_t T, int64_t t, Run run) {
+void tpSliceRuns(bool gateUp, int64_t other, int64_t I, int64_t T, int64_t t, Run run) {
   const int64_t Is = I / T;
   if (!gateUp)
-    return run(t * Is * rows, int64_t(0), Is * rows);
-  for (int64_t h = 0; h < rows; ++h)
+    return run(t * Is * other, int64_t(0), Is * other);
+  for (int64_t h = 0; h < other; ++h)
     for (int64_t half = 0; half < 2; ++half)
       run(h * 2 * I + half * I + t * Is, h * 2 * Is + half * Is, Is);
 }

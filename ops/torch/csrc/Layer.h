@@ -93,6 +93,43 @@ public:
     return out;
   }
 
+  /// Every process's `t` (its one rank's; the same shape and dtype on
+  /// every rank), stacked in rank order: [ranks, *t.shape]. One bounded
+  /// exchange over the layer's fabric, collective in the order of the
+  /// passes, as agree(); in one process, t with a dim of 1 in front.
+  at::Tensor allGather(const at::Tensor &t) {
+    live();
+    std::lock_guard<std::mutex> lock(slot->mutex);
+    moec::comm::Fabric &fabric = slot->context->fabric();
+    if (fabric.allLocal())
+      return t.unsqueeze(0).clone();
+    TORCH_CHECK(fabric.localRanks() == 1, "moec: all_gather() under a fabric of several "
+                                          "processes with several ranks each");
+    const at::Tensor mine = t.contiguous();
+    const size_t bytes = size_t(mine.numel()) * mine.element_size();
+    // Each block leads with its byte count, so that ranks that disagree on
+    // the tensor are named rather than read as each other's bytes.
+    std::vector<char> block(8 + bytes), all((8 + bytes) * fabric.ranks());
+    const uint64_t count = bytes;
+    std::memcpy(block.data(), &count, 8);
+    std::memcpy(block.data() + 8, mine.data_ptr(), bytes);
+    check(fabric.exchange(block.data(), block.size(), all.data(), agreeSeconds),
+          "gathering a tensor of every rank");
+    std::vector<int64_t> dims = {int64_t(fabric.ranks())};
+    for (int64_t d : mine.sizes())
+      dims.push_back(d);
+    at::Tensor out = at::empty(dims, mine.options());
+    char *to = static_cast<char *>(out.data_ptr());
+    for (uint32_t r = 0; r < fabric.ranks(); ++r) {
+      uint64_t theirs = 0;
+      std::memcpy(&theirs, all.data() + r * block.size(), 8);
+      TORCH_CHECK(theirs == count, "moec: all_gather(): rank ", r, " brought ", theirs,
+                  " bytes, this rank ", count);
+      std::memcpy(to + r * bytes, all.data() + r * block.size() + 8, bytes);
+    }
+    return out;
+  }
+
   /// The layer's sizes, for the Python side.
   c10::Dict<std::string, int64_t> info() const {
     live();

@@ -180,6 +180,7 @@ TORCH_LIBRARY(moec, m) {
       .def("layer_record", &Layer::layerRecord)
       .def("capacity_advice", &Layer::capacityAdvice)
       .def("agree", &Layer::agree)
+      .def("all_gather", &Layer::allGather)
       .def("times", &Layer::times)
       .def("profile", &Layer::profile)
       .def("workspace", &Layer::workspace)

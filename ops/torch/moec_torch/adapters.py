@@ -224,6 +224,12 @@ def save_layer(layer, directory, module_prefix):
         raise RuntimeError("moec: this layer has no LoRA adapters (lora_rank=0)")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    if layer.tp_rank is not None:
+        raise ValueError(
+            f"moec: save_adapters with a TP rank per process (tp={layer.tp}): this process "
+            "holds its TP rank's columns of w1's B and rows of w2's A, not the experts' "
+            "adapters; save the state dicts (model.state_dict() on every process) and put "
+            "them together with moec_torch.merge_state_dicts, or save from one process")
     sharded = layer.local_ranks != layer.ranks
     weights = directory / (rank_file(layer.first_rank, layer.ranks) if sharded else WEIGHTS)
     # Neither file may be one the layer reads (its config file, ...).
@@ -279,12 +285,15 @@ def load_layer(layer, directory, module_prefix):
     tensors = read_tensors(weight_files(directory, config, ranks))
     known = {name for _, _, name in layer._peft_names(module_prefix, range(layer.experts))}
     unknown_experts(tensors, f"base_model.model.{module_prefix}.", known, layer.experts)
+    # The files hold whole experts' adapters; a TP rank keeps its part.
+    params = {id(getattr(layer, n)): n for n in
+              (f"{t}_lora_{m}" for t in layer.lora_targets for m in "AB")}
     updates = []
     for p, e, name in layer._peft_names(module_prefix):
-        t = tensor(tensors, name, p.shape[1:][::-1])
+        t = tensor(tensors, name, layer._whole_shape(params[id(p)])[::-1])
         if t is None:
             raise ValueError(f"moec: {directory} has no '{name}'")
-        updates.append((p, e, t))
+        updates.append((p, e, layer._tp_part(params[id(p)], t.t())[0]))
     with torch.no_grad():
         for p, e, t in updates:
-            p[e].copy_(t.t())
+            p[e].copy_(t)

@@ -203,17 +203,22 @@ class MoeFFNFunction(torch.autograd.Function):
     dw1 and dw2 (topk_ids get no gradient). `done`, when given, is the
     (y, step) a submitted forward pass already gave (ForwardHandle.wait).
     The weights' and adapters' gradients are those of dy times
-    `grad_scale` (prepare_ddp's), dx and d topk_weights those of dy."""
+    `grad_scale` (prepare_ddp's), dx and d topk_weights those of dy.
+    `adapter_sum`, when given, takes (the op's layer, the adapters'
+    gradients) and returns them with those the TP ranks of other processes
+    hold partial sums of added (MoeFFN._sum_adapter_grads)."""
 
     @staticmethod
     def forward(ctx, layer, x, topk_ids, topk_weights, w1, w2, check_finite=False,
-                first_rank=0, main_grads=None, done=None, grad_scale=1.0, *adapters):
+                first_rank=0, main_grads=None, done=None, grad_scale=1.0, adapter_sum=None,
+                *adapters):
         y, step = done if done is not None else torch.ops.moec.forward(
             layer, x, topk_ids, topk_weights, w1, w2, list(adapters))
         ctx.layer = layer
         ctx.step = step
         ctx.main_grads = main_grads
         ctx.grad_scale = grad_scale
+        ctx.adapter_sum = adapter_sum
         ctx.check = (check_finite, first_rank, w1.shape[0] // max(1, x.shape[0]))
         ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, *adapters)
         ctx.mark_non_differentiable()
@@ -228,11 +233,13 @@ class MoeFFNFunction(torch.autograd.Function):
             _scaled_dy(dy, ctx.grad_scale), *main_grads, adapters))
         if isinstance(ctx.main_grads, _TpMainGrads):
             ctx.main_grads.fold()
+        if ctx.adapter_sum is not None:
+            dadapters = ctx.adapter_sum(ctx.layer, dadapters)
         _after_backward(ctx.check, ctx.main_grads, (w1, w2), dy,
                         Gradients(dx, dtopk, dw1, dw2, tuple(dadapters)))
         scales = [None] * (len(adapters) - len(dadapters))  # quantized weights' scales
-        return (None, dx, None, dtopk, dw1, dw2, None, None, None, None, None, *dadapters,
-                *scales)
+        return (None, dx, None, dtopk, dw1, dw2, None, None, None, None, None, None,
+                *dadapters, *scales)
 
 
 def _scaled_dy(dy, scale):

@@ -210,10 +210,10 @@ def check_layout(module, extra, prefix, state_dict, what=None):
             raise ValueError(f"moec: '{prefix}{name}' has shape {list(t.shape)}; the "
                              f"checkpoint's layout holds {n} experts")
         t = t[first - lo:first - lo + count]
-        if slicing and name in ("w1", "w2"):
-            t = module._tp_part(name, t)[0]
-        elif slicing and name in ("w1_scale", "w2_scale"):
+        if slicing and name.endswith("_scale"):
             t = module._tp_part(name, None, t)[1]
+        elif slicing:  # w1, w2, the adapters (tp_split: those split by TP)
+            t = module._tp_part(name, t)[0]
         return t
 
     for param in names:

@@ -98,7 +98,7 @@ class ForwardHandle(_Pending):
         self.step = done[1]
         y = m._unmesh(MoeFFNFunction.apply(self.layer, *m._mesh(x, ids, weights),
                                            m.check_finite, m.first_rank, m._main_grads(), done,
-                                           m._grad_scale, *m._bound()))
+                                           m._grad_scale, m._adapter_sum(), *m._bound()))
         if m.check_finite:
             _check_finite("y", y, "rank", m.first_rank)
         return y.squeeze(0) if self.squeeze else y
@@ -134,6 +134,8 @@ class BackwardHandle(_Pending):
             dadapters = _adapters_from_tp(dadapters, m.lora_targets, m.local_experts, m.tp)
             if isinstance(self.main_grads, _TpMainGrads):
                 self.main_grads.fold()
+        if m._adapter_sum() is not None:
+            dadapters = m._sum_adapter_grads(self.layer, dadapters)
         grads = Gradients(dx, dtopk, dw1, dw2, tuple(dadapters))
         _after_backward((m.check_finite, m.first_rank, m.local_experts), self.main_grads,
                         (m.w1, m.w2), self.dy, grads)

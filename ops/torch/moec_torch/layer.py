@@ -9,8 +9,8 @@ import torch
 
 from . import adapters, cache, capacity, checkpoint, checks, native, quant
 from ._launch import _fabric, _fabric_args, _register_finalize, load_library
-from .autograd import (MoeFFNFunction, _adapters_to_tp, _check_finite, _scaled_dy, _to_tp,
-                       _to_tp_stored, _TpMainGrads, _TpShare, _TpTake)
+from .autograd import (MoeFFNFunction, _adapters_to_tp, _check_finite, _scaled_dy, _sum_tp,
+                       _to_tp, _to_tp_stored, _TpMainGrads, _TpShare, _TpTake)
 from .cache import LORA_TARGETS, _from_cache, _layer_graphs, _lora_suffix, _lora_targets, \
     compile_layer
 from .capacity import _check_policy
@@ -157,7 +157,12 @@ class MoeFFN(torch.nn.Module):
     positive finite number, and the config must not set lora_rank or
     lora_alpha (the module sets them). The adapters are
     graph nodes (graphs/moe_ffn_{fwd,bwd}_lora*.json), compiled and scheduled
-    with the rest. merge_adapters() folds them into w1 and w2.
+    with the rest. merge_adapters() folds them into w1 and w2. With a TP
+    rank per process (tp > 1 under MPI or a torch.distributed group) the
+    process holds its TP rank's I / tp columns of w1_lora_B (gate's, then
+    up's) and rows of w2_lora_A; the gradients of w1_lora_A and w2_lora_B,
+    which every TP rank holds whole, are summed over the TP ranks after
+    each backward pass (an exchange over the fabric, collective).
 
     dispatch_dtype: "fp8_e4m3" sends the dispatched token rows as FP8 e4m3
     with one fp32 scale per 128 values (about half the bytes of bf16 rows),
@@ -265,12 +270,6 @@ class MoeFFN(torch.nn.Module):
         tp = checks.integer(tp, arg + "'tp'", minimum=1) if tp is not None else \
             checks.integer(cfg.get("tp", 1), "moec: config key 'tp'", minimum=1)
         fabric, ranks, group = _fabric(fabric, group, ranks, tp, "MoeFFN")
-        if tp > 1 and lora_rank and fabric != "inproc":
-            raise ValueError(
-                f"moec: LoRA adapters with a TP rank per process (tp={tp}, fabric={fabric!r}) "
-                "are not supported: the gradients of w1's A and w2's B are partial sums over "
-                "the TP ranks, and moec_torch runs no all-reduce over a TP group; run each EP "
-                "rank's TP ranks in one process (fabric='inproc'), or use tp=1")
         _check_policy(capacity_policy)
         if frozen and main_grad:
             raise ValueError("moec: a frozen layer has no weight gradients to accumulate "
@@ -418,9 +417,19 @@ class MoeFFN(torch.nn.Module):
             self.reset_parameters()
         self._register_load_state_dict_pre_hook(self._check_checkpoint)
 
-    def _projection(self, name):
-        """(K, N) of projection "w1" [L, H, 2I] or "w2" [L, I, H]."""
-        return (self.hidden, 2 * self.inter) if name == "w1" else (self.inter, self.hidden)
+    def _projection(self, name, whole=False):
+        """(K, N) of projection "w1" [L, H, 2I] or "w2" [L, I, H]: this
+        process's TP part of I, or with `whole` all of it."""
+        i = self.inter if whole else self.local_inter
+        return (self.hidden, 2 * i) if name == "w1" else (i, self.hidden)
+
+    def _whole_shape(self, name):
+        """The shape of one whole expert's tensor `name` (w1, w2 in moec's
+        layout; an adapter "w1_lora_A" ...), whichever TP part it holds."""
+        if name in ("w1", "w2"):
+            return self._projection(name, whole=True)
+        k, n = self._projection(name[:2], whole=True)
+        return (k, self.lora_rank) if name.endswith("_A") else (self.lora_rank, n)
 
     def projections(self, w1=None, w2=None):
         """(gate [N, I, H], up [N, I, H], down [N, H, I]): views of w1 and w2
@@ -568,34 +577,36 @@ class MoeFFN(torch.nn.Module):
         """Draws the whole [E, ...] tensor uniform in ±bound, one expert at a
         time (the same numbers as one draw of the whole: the CPU generator
         fills in element order), and keeps this process's experts: the
-        process never holds the other ranks' experts. `weight` ("w1", "w2")
-        names the weight whose values are drawn where `param` is not that
-        parameter itself, and `store(j, values)` then keeps local expert
+        process never holds the other ranks' experts. `weight` ("w1", "w2",
+        an adapter "w1_lora_A" ...) names the tensor whose whole values are
+        drawn (of which this TP rank keeps its part), and `store(j, values)`
+        keeps local expert
         j's values (a quantized weight's codes and scales) instead of
         param[j].copy_(values)."""
         first = self.first_rank * self.local_experts
         weight = weight or ("w1" if param is self.w1 else "w2" if param is self.w2 else None)
-        whole = (self.hidden, 2 * self.inter) if weight == "w1" else \
-            (self.inter, self.hidden) if weight == "w2" else param.shape[1:]
+        whole = self._whole_shape(weight) if weight else param.shape[1:]
         store = store or (lambda j, values: param[j].copy_(
             self._tp_part(weight, values)[0] if weight else values))
         one = torch.empty(1, *whole)
+        stored_transposed = self.weights_transposed and weight in ("w1", "w2")
         for e in range(self.experts):
             one.uniform_(-bound, bound)
             if first <= e < first + param.shape[0]:
                 # The whole expert (as stored: [out, in] where transposed),
                 # of which store() keeps this TP rank's part.
                 drawn = one[0]
-                store(e - first, drawn.t() if self.weights_transposed and weight else drawn)
+                store(e - first, drawn.t() if stored_transposed else drawn)
 
     def _tp_part(self, name, stored=None, scales=None):
-        """This process's TP part (quant.tp_part) of whole experts' weights
-        `name` ("w1", "w2"; codes and scales of a quantized one) in the
-        layer's layout: the whole where it holds all."""
+        """This process's TP part (quant.tp_part) of whole experts' tensors
+        `name` ("w1", "w2" or their "_scale": codes and scales of a
+        quantized one, in the layer's layout; a LoRA adapter "w1_lora_B"
+        ...): the whole where it holds all."""
         if self.tp_rank is None:
             return stored, scales
-        return quant.tp_part(self.weight_format, name[:2], self.tp_rank, self.tp, stored, scales,
-                             self.weights_transposed)
+        return quant.tp_part(self.weight_format, name.removesuffix("_scale"), self.tp_rank,
+                             self.tp, stored, scales, self.weights_transposed)
 
     def reset_parameters(self):
         """Draws the whole [E, ...] weights and keeps this process's experts."""
@@ -620,10 +631,38 @@ class MoeFFN(torch.nn.Module):
                 self._draw(param, bound, name, store)
             for name in self.lora_targets:
                 # PEFT: A kaiming_uniform(a=sqrt(5)) over fan_in K, i.e.
-                # uniform in ±1/sqrt(K); B zero.
+                # uniform in ±1/sqrt(K) (K whole: w2's A is drawn whole and
+                # a TP rank keeps its rows); B zero.
                 a = getattr(self, f"{name}_lora_A")
-                self._draw(a, 1 / math.sqrt(a.shape[1]))
+                self._draw(a, 1 / math.sqrt(self._projection(name, whole=True)[0]),
+                           f"{name}_lora_A")
                 getattr(self, f"{name}_lora_B").zero_()
+
+    def _adapter_sum(self):
+        """_sum_adapter_grads where this process runs one TP rank of a LoRA
+        layer (its gradients of w1's A and w2's B are partial sums), else
+        None."""
+        return self._sum_adapter_grads if self.tp_rank is not None and self.lora_rank else None
+
+    def _sum_adapter_grads(self, layer, grads):
+        """The adapters' gradients of this process's TP rank with those of
+        w1's A and w2's B (which every TP rank holds whole) summed over its
+        EP rank's TP ranks, in TP rank order as in one process (_sum_tp):
+        one exchange of them over the layer's fabric (layer.all_gather),
+        collective, after every backward pass."""
+        keys = [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"]
+        whole = [i for i, k in enumerate(keys) if quant.tp_split(k, False) is None]
+        flat = torch.cat([grads[i].reshape(-1) for i in whole])
+        T, e = self.tp, self.first_rank
+        mine = layer.all_gather(flat)[e * T:(e + 1) * T]  # [T, n]: this EP rank's TP ranks
+        summed = _sum_tp(mine, 1, T)[0]
+        grads = list(grads)
+        at = 0
+        for i in whole:
+            n = grads[i].numel()
+            grads[i] = summed[at:at + n].view_as(grads[i])
+            at += n
+        return grads
 
     def _tp_here(self):
         """True when this process runs several TP ranks of its EP ranks (one
@@ -808,7 +847,7 @@ class MoeFFN(torch.nn.Module):
                 y = self._unmesh(MoeFFNFunction.apply(
                     self.layer, *self._mesh(x, topk_ids, topk_weights), self.check_finite,
                     self.first_rank, self._main_grads(), None, self._grad_scale,
-                    *self._bound()))
+                    self._adapter_sum(), *self._bound()))
                 if self.check_finite:
                     _check_finite("y", y, "rank", self.first_rank)
                 return y.squeeze(0) if squeeze else y
@@ -1043,7 +1082,9 @@ class MoeFFN(torch.nn.Module):
         transposed). These are the names of this layer's own fused modules;
         for a Hugging Face model's gate_proj/up_proj/down_proj adapters see
         moec_torch.hf. Under mpirun each process writes its own experts to
-        adapter_model-rank{r}-of-{R}.safetensors and rank 0 the config;
+        adapter_model-rank{r}-of-{R}.safetensors and rank 0 the config (with
+        a TP rank per process it holds parts of the adapters, and this is
+        refused: merge the state dicts);
         load_adapters reads either form. The files are replaced whole or
         not at all (safetensors.write_together: written under scratch names,
         then renamed, the config last). Returns the files written."""
@@ -1059,8 +1100,9 @@ class MoeFFN(torch.nn.Module):
         torch.load(weights_only=True), which runs no code from the file;
         the rank files that hold this process's experts), never another
         file of the folder. Every tensor of this process's experts must be
-        there, floating point and of its shape, and no tensor may name an
-        expert the layer lacks, before any is copied."""
+        there, floating point and of its whole expert's shape, and no tensor
+        may name an expert the layer lacks, before any is copied; a TP rank
+        per process keeps its part (w1's B's columns, w2's A's rows)."""
         adapters.load_layer(self, directory, module_prefix)
 
     def extra_repr(self):

@@ -155,7 +155,9 @@ def tp_unit(weight_format):
 
 def tp_split(name, transposed, weight_format=None):
     """How a TP rank holds its slice of I of a layer's tensor `name` ("w1",
-    "w2", "w1_scale", "w2_scale"; anything else: None): (dim, unit, halves),
+    "w2", "w1_scale", "w2_scale", and of the LoRA adapters "w1_lora_B" [..,
+    r, 2I] and "w2_lora_A" [.., I, r], in every layout; anything else, w1's
+    A and w2's B among them: None): (dim, unit, halves),
     dim counted from the end, its part of dim the entries of its I/tp
     values, `unit` values an entry, in each half (gate's, then up's) where
     `halves`; or None for a tensor every TP rank holds whole. w1 [.., H,
@@ -164,6 +166,8 @@ def tp_split(name, transposed, weight_format=None):
     byte), with their scales (FP8 blocks of 128, int8 rows, int4 groups
     along a row, + a last dim of 2 with zero points): int8's w2 row scales
     span the row, so each TP rank holds them whole."""
+    if name in ("w1_lora_B", "w2_lora_A"):  # adapters: [.., r, 2I], [.., I, r]
+        return (-1, 1, True) if name == "w1_lora_B" else (-2, 1, False)
     if name not in ("w1", "w2", "w1_scale", "w2_scale"):
         return None
     w1 = name.startswith("w1")
@@ -183,8 +187,8 @@ def tp_split(name, transposed, weight_format=None):
 
 
 def tp_part(weight_format, which, t, tp, stored, scales=None, transposed=True):
-    """TP rank t's part (of tp) of experts' weights `which` ("w1", "w2")
-    and of their scales, as tp_split says: w1's gate and up columns (rows
+    """TP rank t's part (of tp) of experts' weights `which` ("w1", "w2", or
+    an adapter: "w1_lora_B" ...) and of their scales, as tp_split says: w1's gate and up columns (rows
     where `transposed`, the formats' layout) t*I/tp .. (t+1)*I/tp - 1, w2's
     rows (columns), with the scales that cover them. The experts are
     quantized whole, as a checkpoint stores them; I/tp holds whole blocks or

@@ -23,7 +23,9 @@ and frozen then run one more pass with the weights' requires_grad turned
 the other way, which switches every rank's graphs);
 main_grad (main_grad=True: the weight gradients of two steps accumulated in
 w.main_grad); lora (LoRA adapters of rank 4 on w1 and w2, nonzero B, base
-frozen: the adapters' gradients are checked); fp8 (dispatch_dtype fp8_e4m3:
+frozen: the adapters' gradients are checked; with TP > 1 each process holds
+its TP rank's columns of w1's B and rows of w2's A, and the gradients of
+w1's A and w2's B are summed over the TP ranks); fp8 (dispatch_dtype fp8_e4m3:
 autograd runs on x rounded as the experts receive it); a weight format
 (moec_torch.quant.WEIGHT_FORMATS: the base weights stored quantized, with
 LoRA adapters as for lora; autograd runs on the dequantized weights; H 256
@@ -91,14 +93,13 @@ def main():
 
     def share(name, whole):
         """This process's part of a whole-layer tensor of `name`'s kind: its
-        EP rank's experts, and of w1, w2 (and their gradients) its TP slice."""
+        EP rank's experts, and of w1, w2 (and their gradients) and of w1's B
+        and w2's A its TP slice."""
         part = whole[r * L:(r + 1) * L]
         kind = {"dw1": "w1", "dw2": "w2"}.get(name, name)
-        if kind in ("w1", "w2"):
-            part = layer._tp_part(kind, part)[0]
-        elif kind in ("w1_scale", "w2_scale"):
-            part = layer._tp_part(kind, None, part)[1]
-        return part
+        if kind in ("w1_scale", "w2_scale"):
+            return layer._tp_part(kind, None, part)[1]
+        return layer._tp_part(kind, part)[0]  # w1, w2, the adapters split by TP
 
     # Same seed, same draws: the MPI layer holds the single layer's experts.
     assert torch.equal(layer.w1, share("w1", single.w1)), "initial w1 differs"
@@ -107,15 +108,17 @@ def main():
         for name in ("w1_scale", "w2_scale"):
             assert torch.equal(getattr(layer, name), share(name, getattr(single, name))), \
                 f"initial {name} differs"
+    names = [f"{t}_lora_{m}" for t in layer.lora_targets for m in "AB"]
+    for name, mine, whole in zip(names, layer.adapters(), single.adapters()):
+        assert torch.equal(mine, share(name, whole)), f"initial {name} differs"
     if "lora_rank" in options:
         # Nonzero B (a fresh one is zero), the same global values in both.
         ga = torch.Generator().manual_seed(seed + 2)
         with torch.no_grad():
-            for mine, whole in zip(layer.adapters(), single.adapters()):
+            for name, mine, whole in zip(names, layer.adapters(), single.adapters()):
                 whole.copy_(((torch.rand(whole.shape, generator=ga) * 2 - 1) * 0.5)
                             .to(whole.dtype))
-                mine.copy_(whole[r * L:(r + 1) * L])
-    names = [f"{t}_lora_{m}" for t in layer.lora_targets for m in "AB"]
+                mine.copy_(share(name, whole))
 
     g = torch.Generator().manual_seed(seed + 1)
     tdt = layer.dtype
@@ -164,7 +167,7 @@ def main():
     if variant in ("full", "main_grad", "fp8"):
         want.update(dw1=steps * share("dw1", w1.grad), dw2=steps * share("dw2", w2.grad))
     for name, a in zip(names, adapters):
-        want[name] = a.grad[r * L:(r + 1) * L]
+        want[name] = share(name, a.grad)
     tol = 1e-4 if dtype == "fp32" else 3e-2
     errors = {}
     for n in got:
@@ -201,6 +204,8 @@ def main():
             grads = layer.submit_backward(handle, dy[r]).wait()
             if not torch.equal(grads.dx, got["dx"]):
                 failed.append("dx of submit_backward")
+            failed += [f"{n} of submit_backward" for n, g in zip(names, grads.adapters)
+                       if not torch.equal(g, got[n])]
     if failed:
         print(f"rank {me}: FAILED: the asynchronous calls differ: {failed}", flush=True)
         return 1
@@ -218,8 +223,10 @@ def check_checkpoints(layer, single, cfg, options, seed, share):
     """Checkpoints under MPI (collective: every rank runs it): the rank's
     state_dict loads bit for bit into a fresh layer; the one-process layer's
     whole checkpoint loads as this rank's experts; another rank's shard is
-    refused; LoRA adapters go through save_adapters / load_adapters (rank
-    files in a shared folder). Returns what failed, or None."""
+    refused; with TP the processes' state dicts merge into the one-process
+    layer's; LoRA adapters go through save_adapters / load_adapters (rank
+    files in a shared folder; with a TP rank per process save_adapters is
+    refused and the one-process layer's adapters load as this rank's part). Returns what failed, or None."""
     r, L = layer.first_rank, layer.local_experts
     cfg = dict(cfg, num_experts=layer.experts)
 
@@ -253,7 +260,7 @@ def check_checkpoints(layer, single, cfg, options, seed, share):
         except ValueError as e:
             if f"this layer (rank {r})" not in str(e) or not torch.equal(before, other.w1):
                 return f"another rank's shard: {e}"
-    if layer.tp > 1 and layer.weights_transposed:
+    if layer.tp > 1 and (layer.weights_transposed or layer.lora_rank):
         # The processes' state dicts put together: the one-process layer's.
         folder = Path(os.environ["MOEC_CACHE_DIR"]) / f"shards-{seed}-{layer.ranks}-{layer.tp}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -270,8 +277,20 @@ def check_checkpoints(layer, single, cfg, options, seed, share):
             if isinstance(q, torch.Tensor) and not torch.equal(merged[name], q):
                 return f"{name} of the merged state dicts is not the one-process layer's"
     if layer.lora_rank:
-        folder = Path(os.environ["MOEC_CACHE_DIR"]) / f"adapters-{seed}-{layer.ranks}"
-        layer.save_adapters(folder)
+        folder = Path(os.environ["MOEC_CACHE_DIR"]) / f"adapters-{seed}-{layer.ranks}-{layer.tp}"
+        if layer.tp_rank is None:
+            layer.save_adapters(folder)
+        else:
+            # A TP rank holds parts of the adapters: refused; the whole
+            # layer's adapters (written by one process) load as its part.
+            try:
+                layer.save_adapters(folder)
+                return "save_adapters wrote a TP rank's parts"
+            except ValueError as e:
+                if "save_adapters with a TP rank per process" not in str(e):
+                    return f"save_adapters: {e}"
+            if r == 0 and layer.tp_rank == 0:
+                single.save_adapters(folder)
         other = fresh()
         other(torch.zeros(layer.tokens, layer.hidden, dtype=layer.dtype),
               torch.zeros(layer.tokens, 2, dtype=torch.long) + torch.tensor([0, 1]),

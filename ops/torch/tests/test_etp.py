@@ -357,11 +357,6 @@ def test_tp_parts_merge_into_the_whole_layer(weight_format):
 
 
 def test_refusals():
-    # LoRA with a TP rank per process: refused before anything starts.
-    with pytest.raises(ValueError, match=r"LoRA adapters with a TP rank per process \(tp=2, "
-                       r"fabric='mpi'\) are not supported: the gradients of w1's A and w2's B "
-                       r"are partial sums over the TP ranks"):
-        layer(2, 2, lora_rank=4, fabric="mpi")
     # Each TP rank's part of I holds whole blocks (FP8) or groups (int4).
     cfg = config(experts=EXPERTS, hidden=256, inter=128)
     for f, unit in (("fp8_block128", "blocks of 128"), ("int4_g128", "groups of 128")):

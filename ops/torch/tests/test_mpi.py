@@ -128,7 +128,9 @@ def test_launcher_lost_finalize_is_told_apart():
     (3, "bf16", -1, "int4_g64_zp", 1),
     # Quantized frozen base weights with expert tensor parallelism: [2, 2], [1, 2].
     (4, "bf16", -1, "frozen_fp8_block128", 2), (4, "fp32", 0, "frozen_int8", 2),
-    (2, "bf16", 1, "frozen_int4_g64_zp", 2)])
+    (2, "bf16", 1, "frozen_int4_g64_zp", 2),
+    # LoRA adapters with expert tensor parallelism: [2, 2], and on an FP8 base [1, 2].
+    (4, "fp32", -1, "lora", 2), (2, "bf16", -1, "fp8_block128", 2)])
 def test_op_under_mpirun(ranks, dtype, hot, variant, tp):
     run = mpirun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant, tp)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -74,7 +74,7 @@ def torchrun(ranks, *args, timeout=240, extra_env=None, options=()):
 @pytest.mark.parametrize("ranks,dtype,hot,variant,tp", [
     (2, "fp32", -1, "full", 1), (3, "bf16", 0, "full", 1), (2, "bf16", -1, "lora", 1),
     (2, "fp32", -1, "main_grad", 1), (2, "bf16", -1, "frozen", 1), (2, "bf16", -1, "fp8", 1),
-    (4, "fp32", 1, "full", 2), (2, "bf16", -1, "fp8_block128", 1)])
+    (4, "fp32", 1, "full", 2), (2, "bf16", -1, "fp8_block128", 1), (4, "bf16", 0, "lora", 2)])
 def test_op_under_torchrun(ranks, dtype, hot, variant, tp):
     run = torchrun(ranks, HERE / "mpi_layer_check.py", dtype, 0, hot, variant, tp)
     assert run.returncode == 0, run.stdout + run.stderr

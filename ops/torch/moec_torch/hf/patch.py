@@ -440,6 +440,15 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         ranks = _fabric(fabric, options.get("group"), None, options.get("tp", 1),
                         "patch_model")[1] if spread else 1
     group = checks.integer(ranks, "patch_model: argument 'ranks'", minimum=1)
+    tp = options.get("tp", 1)
+    if request and isinstance(tp, int) and tp > 1 and (
+            options.get("group") is not None or (fabric or _default_fabric()) != "inproc"):
+        raise ValueError(
+            f"moec: patch_model: LoRA adapters with a TP rank per process (tp={tp}) are not "
+            "supported for a Hugging Face model: its PEFT adapters (gate and up pieces of "
+            "w1's B) are laid out over the whole intermediate size; patch with each EP rank's "
+            "TP ranks in one process (fabric='inproc'), or tp=1 (MoeFFN itself takes LoRA "
+            "with a TP rank per process)")
     # Check every block before changing any.
     plans = []
     for name, block, family in blocks:

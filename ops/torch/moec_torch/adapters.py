@@ -286,8 +286,7 @@ def load_layer(layer, directory, module_prefix):
     known = {name for _, _, name in layer._peft_names(module_prefix, range(layer.experts))}
     unknown_experts(tensors, f"base_model.model.{module_prefix}.", known, layer.experts)
     # The files hold whole experts' adapters; a TP rank keeps its part.
-    params = {id(getattr(layer, n)): n for n in
-              (f"{t}_lora_{m}" for t in layer.lora_targets for m in "AB")}
+    params = {id(getattr(layer, n)): n for n in layer.adapter_names()}
     updates = []
     for p, e, name in layer._peft_names(module_prefix):
         t = tensor(tensors, name, layer._whole_shape(params[id(p)])[::-1])

@@ -148,31 +148,32 @@ def _from_tp(w1t, w2t, experts_per_rank, tp):
     return _gate_up_from_tp(w1t, experts_per_rank, tp), _rows_from_tp(w2t, experts_per_rank, tp)
 
 
-_ADAPTER_SPLITS = {("w1", "B"): (_gate_up_to_tp, _gate_up_from_tp),
-                   ("w2", "A"): (_rows_to_tp, _rows_from_tp)}
+def _adapter_tp(name):
+    """(to, from) of adapter `name` split by TP as quant.tp_split says (w1's
+    B: gate and up columns, as w1; w2's A: rows, as w2), or None for one
+    every TP rank holds whole."""
+    split = quant.tp_split(name, False)
+    if split is None:
+        return None
+    return (_gate_up_to_tp, _gate_up_from_tp) if split[2] else (_rows_to_tp, _rows_from_tp)
 
 
-def _adapter_keys(targets):
-    """(target, "A" or "B") of the adapters in the op's order."""
-    return [(t, m) for t in targets for m in "AB"]
-
-
-def _adapters_to_tp(adapters, targets, experts_per_rank, tp):
-    """The LoRA adapters (A then B, of each of `targets`) of every TP rank:
-    B of w1's adapter and A of w2's are split as w1 and w2 are, A of w1's
-    and B of w2's whole on every TP rank (their gradients are the sums of
-    the TP ranks' partial ones). Differentiable."""
-    return [_ADAPTER_SPLITS[key][0](a, experts_per_rank, tp) if key in _ADAPTER_SPLITS
+def _adapters_to_tp(adapters, names, experts_per_rank, tp):
+    """The LoRA adapters (`names`: MoeFFN.adapter_names) of every TP rank:
+    those tp_split splits sliced as w1 and w2 are, the others (w1's A, w2's
+    B) whole on every TP rank, their gradients the sums of the TP ranks'
+    partial ones (_TpWhole). Differentiable."""
+    return [_adapter_tp(n)[0](a, experts_per_rank, tp) if _adapter_tp(n)
             else _TpWhole.apply(a, experts_per_rank, tp)
-            for key, a in zip(_adapter_keys(targets), adapters)]
+            for n, a in zip(names, adapters)]
 
 
-def _adapters_from_tp(grads, targets, experts_per_rank, tp):
+def _adapters_from_tp(grads, names, experts_per_rank, tp):
     """The inverse of _adapters_to_tp for the TP ranks' gradients: slices
     put back, the whole ones' partial gradients summed in TP rank order."""
-    return [_ADAPTER_SPLITS[key][1](g, experts_per_rank, tp) if key in _ADAPTER_SPLITS
+    return [_adapter_tp(n)[1](g, experts_per_rank, tp) if _adapter_tp(n)
             else _sum_tp(g, experts_per_rank, tp)
-            for key, g in zip(_adapter_keys(targets), grads)]
+            for n, g in zip(names, grads)]
 
 
 class _TpMainGrads:

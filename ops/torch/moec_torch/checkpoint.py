@@ -202,7 +202,7 @@ def check_layout(module, extra, prefix, state_dict, what=None):
         return
     # A checkpoint of more experts: keep this process's.
     names = ["w1", "w2"] + (["w1_scale", "w2_scale"] if module.weight_format else []) + \
-        [f"{t}_lora_{m}" for t in module.lora_targets for m in "AB"]
+        module.adapter_names()
 
     # A checkpoint of the whole experts loaded by one TP rank: its slice.
     def keep(name, t):

@@ -131,7 +131,7 @@ class BackwardHandle(_Pending):
             dx, dtopk = (t.unflatten(0, (-1, m.tp))[:, 0].contiguous() for t in (dx, dtopk))
             if dw1 is not None:
                 dw1, dw2 = _from_tp(dw1, dw2, m.local_experts, m.tp)
-            dadapters = _adapters_from_tp(dadapters, m.lora_targets, m.local_experts, m.tp)
+            dadapters = _adapters_from_tp(dadapters, m.adapter_names(), m.local_experts, m.tp)
             if isinstance(self.main_grads, _TpMainGrads):
                 self.main_grads.fold()
         if m._adapter_sum() is not None:

@@ -442,17 +442,21 @@ class MoeFFN(torch.nn.Module):
             return w1[:, :i], w1[:, i:], w2
         return w1[:, :, :i].transpose(1, 2), w1[:, :, i:].transpose(1, 2), w2.transpose(1, 2)
 
+    def adapter_names(self):
+        """The LoRA parameters' names in the order the op takes them: A then
+        B, on w1 then w2 (those in lora_targets): "w1_lora_A", ..."""
+        return [f"{name}_lora_{m}" for name in self.lora_targets for m in "AB"]
+
     def adapters(self):
-        """The LoRA parameters in the order the op takes them: A then B, on
-        w1 then w2 (those in lora_targets)."""
-        return [getattr(self, f"{name}_lora_{m}") for name in self.lora_targets for m in "AB"]
+        """The LoRA parameters, in adapter_names() order."""
+        return [getattr(self, n) for n in self.adapter_names()]
 
     def _read_parameters(self):
         """(name, tensor) of the parameters a pass reads: w1, w2, the
         adapters, the scales."""
         return [("w1", self.w1), ("w2", self.w2)] + \
             [(n, getattr(self, n)) for n in (
-                [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"] +
+                self.adapter_names() +
                 (["w1_scale", "w2_scale"] if self.weight_format else []))]
 
     def _bound(self):
@@ -461,7 +465,7 @@ class MoeFFN(torch.nn.Module):
         if not self._tp_here():
             scales = [self.w1_scale, self.w2_scale] if self.weight_format else []
             return self.adapters() + scales
-        adapters = _adapters_to_tp(self.adapters(), self.lora_targets, self.local_experts,
+        adapters = _adapters_to_tp(self.adapters(), self.adapter_names(), self.local_experts,
                                    self.tp)
         return adapters + (list(self._stored_mesh()[2]) if self.weights_transposed else [])
 
@@ -580,9 +584,8 @@ class MoeFFN(torch.nn.Module):
         process never holds the other ranks' experts. `weight` ("w1", "w2",
         an adapter "w1_lora_A" ...) names the tensor whose whole values are
         drawn (of which this TP rank keeps its part), and `store(j, values)`
-        keeps local expert
-        j's values (a quantized weight's codes and scales) instead of
-        param[j].copy_(values)."""
+        keeps local expert j's values (a quantized weight's codes and
+        scales) instead of param[j].copy_(values)."""
         first = self.first_rank * self.local_experts
         weight = weight or ("w1" if param is self.w1 else "w2" if param is self.w2 else None)
         whole = self._whole_shape(weight) if weight else param.shape[1:]
@@ -650,8 +653,7 @@ class MoeFFN(torch.nn.Module):
         EP rank's TP ranks, in TP rank order as in one process (_sum_tp):
         one exchange of them over the layer's fabric (layer.all_gather),
         collective, after every backward pass."""
-        keys = [f"{t}_lora_{m}" for t in self.lora_targets for m in "AB"]
-        whole = [i for i, k in enumerate(keys) if quant.tp_split(k, False) is None]
+        whole = [i for i, n in enumerate(self.adapter_names()) if quant.tp_split(n, False) is None]
         flat = torch.cat([grads[i].reshape(-1) for i in whole])
         T, e = self.tp, self.first_rank
         mine = layer.all_gather(flat)[e * T:(e + 1) * T]  # [T, n]: this EP rank's TP ranks
@@ -837,7 +839,7 @@ class MoeFFN(torch.nn.Module):
         dense tensor with data (sparse, mkldnn, nested, meta), naming it."""
         for name, t in tensors.items():
             checks.dense(t, name)
-        for name in ("w1", "w2", *(f"{t}_lora_{m}" for t in self.lora_targets for m in "AB")):
+        for name in ("w1", "w2", *self.adapter_names()):
             checks.dense(getattr(self, name), name)
 
     def forward(self, x, topk_ids, topk_weights):

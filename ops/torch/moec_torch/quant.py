@@ -188,9 +188,10 @@ def tp_split(name, transposed, weight_format=None):
 
 def tp_part(weight_format, which, t, tp, stored, scales=None, transposed=True):
     """TP rank t's part (of tp) of experts' weights `which` ("w1", "w2", or
-    an adapter: "w1_lora_B" ...) and of their scales, as tp_split says: w1's gate and up columns (rows
-    where `transposed`, the formats' layout) t*I/tp .. (t+1)*I/tp - 1, w2's
-    rows (columns), with the scales that cover them. The experts are
+    an adapter: "w1_lora_B" ...) and of their scales, as tp_split says:
+    w1's gate and up columns (rows where `transposed`, the formats' layout)
+    t*I/tp .. (t+1)*I/tp - 1, w2's rows (columns), with the scales that
+    cover them. The experts are
     quantized whole, as a checkpoint stores them; I/tp holds whole blocks or
     groups (tp_unit). `weight_format` None: dense weights, no scales.
     Returns (stored part, scales part), each None where not given."""

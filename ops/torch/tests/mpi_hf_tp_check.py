@@ -16,7 +16,9 @@ save_pretrained refuses, saying how to write the checkpoint. Then the
 experts held in int8: each process's TP part of its experts quantized
 whole gives the logits of the model patched in one process in int8,
 load_experts reads the same parts, and quantize_weights("int8") is refused
-(a row scale of w2 spans the TP ranks)."""
+(a row scale of w2 spans the TP ranks). Then LoRA adapters: those of a model
+patched in one process load as each process's part and give its logits and
+adapter gradients; save_adapters refuses."""
 
 import copy
 import sys
@@ -116,6 +118,46 @@ def main():
         raise SystemExit("quantize_weights('int8') ran on a TP rank's part")
     except ValueError as e:
         assert "an int8 row scale of w2 spans every TP rank's columns" in str(e), e
+    mhf.barrier(model)
+    # LoRA adapters with a TP rank per process: those of a model patched in
+    # one process (B nonzero; written by one process with save_adapters)
+    # load here as each process's part, and give that model's logits and,
+    # the gradients of w1's A and w2's B summed over the TP ranks, its
+    # adapters' gradients (this process's part); save_adapters is refused.
+    lora = dict(lora_rank=4, lora_alpha=8)
+    one = copy.deepcopy(ref)
+    mhf.patch_model(one, ranks=1, threads=1, fabric="inproc", **lora)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _, _, experts in mhf._patched(one):
+            for n in experts.layer.adapter_names():
+                p = getattr(experts.layer, n)
+                p.copy_((torch.rand(p.shape, generator=gen) - 0.5) * experts._masks[n])
+    if ep == 0 and t == 0:
+        mhf.save_adapters(one, work / "lora")
+    mhf.barrier(model)
+    tuned = copy.deepcopy(ref)
+    mhf.patch_model(tuned, threads=1, tp=2, **lora)
+    mhf.load_adapters(tuned, work / "lora")
+    out, want = tuned(mine), one(ids)
+    close(out.logits, want.logits[2 * ep:2 * ep + 2], 1e-5, f"ep {ep} tp {t} LoRA logits")
+    out.logits.backward(g[2 * ep:2 * ep + 2])
+    want.logits.backward(g)
+    for (name, _, a), (_, _, b) in zip(mhf._patched(tuned), mhf._patched(one)):
+        lay = a.layer
+        assert lay.tp_rank == t and lay.w1_lora_B.shape[2] == 2 * lay.local_inter
+        first, count = lay.first_rank * lay.local_experts, lay.local_experts
+        for n in lay.adapter_names():
+            whole = getattr(b.layer, n)
+            assert torch.equal(getattr(lay, n), lay._tp_part(n, whole[first:first + count])[0]), \
+                f"ep {ep} tp {t} {name} {n} loaded"
+            close(getattr(lay, n).grad, lay._tp_part(n, whole.grad[first:first + count])[0],
+                  1e-5, f"ep {ep} tp {t} {name} {n} gradient")
+    try:
+        mhf.save_adapters(tuned, work / "lora-parts")
+        raise SystemExit("save_adapters wrote a TP rank's parts")
+    except ValueError as e:
+        assert "save_adapters with expert tensor parallelism (tp=2" in str(e), e
     mhf.barrier(model)
     print(f"ep {ep} tp {t}: hf tp ok", flush=True)
     launcher.finish()

@@ -182,7 +182,9 @@ def test_hf_model_with_expert_tensor_parallelism(tmp_path, family, layout):
     logits and its slice of its experts' gradients against the unpatched
     model; load_experts reads the slices; the state dicts merge into the
     one-process model; save_pretrained refuses; the experts held in int8
-    give the one-process int8 model's logits (mpi_hf_tp_check.py)."""
+    give the one-process int8 model's logits; LoRA adapters of the model
+    patched in one process load as each process's part and give its logits
+    and adapter gradients (mpi_hf_tp_check.py)."""
     run = mpirun(4, HERE / "mpi_hf_tp_check.py", family, layout, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     for ep in range(2):

@@ -82,16 +82,20 @@ class _Lora:
         return out
 
     def masks(self, layer):
-        """{parameter name: 0/1 mask} of the entries that belong to an adapter."""
+        """{parameter name: 0/1 mask} of the entries that belong to an adapter
+        (of B, with a TP rank per process, the TP rank's part)."""
         masks = {}
         for target in self.moec_targets:
             a = getattr(layer, f"{target}_lora_A")
-            b = getattr(layer, f"{target}_lora_B")
             masks[f"{target}_lora_A"] = torch.zeros(1, 1, a.shape[2], dtype=a.dtype)
-            masks[f"{target}_lora_B"] = torch.zeros(1, *b.shape[1:], dtype=b.dtype)
+            masks[f"{target}_lora_B"] = torch.zeros(
+                1, *layer._whole_shape(f"{target}_lora_B"), dtype=a.dtype)
         for _, target, acols, brows, bcols in self.pieces(layer.inter):
             masks[f"{target}_lora_A"][..., acols] = 1
             masks[f"{target}_lora_B"][:, brows, bcols] = 1
+        for target in self.moec_targets:
+            name = f"{target}_lora_B"
+            masks[name] = layer._tp_part(name, masks[name])[0].contiguous()
         return masks
 
 
@@ -406,7 +410,9 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
     adapters, then load_adapters. Other options go to MoeFFN (frozen, main_grad, dispatch_dtype,
     capacity_policy, timeout_seconds, fabric, group, target, check_finite, trace,
     weight_format, pack_weights, tp: with tp > 1 one rank per process, each
-    process copies in its TP rank's columns of its experts). With a weight_format (frozen or LoRA; quant.WEIGHT_FORMATS)
+    process copies in its TP rank's columns of its experts, and of LoRA
+    adapters its part). With a weight_format (frozen or LoRA;
+    quant.WEIGHT_FORMATS)
     the experts are held quantized: "fp8_block128" as FP8 e4m3 codes with a
     scale per 128 x 128 block, for which load_experts copies an FP8
     checkpoint's weight and weight_scale_inv as they are; "int8" and
@@ -440,15 +446,6 @@ def patch_model(model, ranks=None, *, threads=0, dtype=None, tokens_per_rank=256
         ranks = _fabric(fabric, options.get("group"), None, options.get("tp", 1),
                         "patch_model")[1] if spread else 1
     group = checks.integer(ranks, "patch_model: argument 'ranks'", minimum=1)
-    tp = options.get("tp", 1)
-    if request and isinstance(tp, int) and tp > 1 and (
-            options.get("group") is not None or (fabric or _default_fabric()) != "inproc"):
-        raise ValueError(
-            f"moec: patch_model: LoRA adapters with a TP rank per process (tp={tp}) are not "
-            "supported for a Hugging Face model: its PEFT adapters (gate and up pieces of "
-            "w1's B) are laid out over the whole intermediate size; patch with each EP rank's "
-            "TP ranks in one process (fabric='inproc'), or tp=1 (MoeFFN itself takes LoRA "
-            "with a TP rank per process)")
     # Check every block before changing any.
     plans = []
     for name, block, family in blocks:
@@ -579,11 +576,14 @@ def _init_lora(layer, lora):
         local = _local_experts(layer)
         for e in range(layer.experts):
             for module, target, acols, _, _ in lora.pieces(layer.inter):
-                a = getattr(layer, f"{target}_lora_A")
-                draw = torch.empty(a.shape[1], acols.stop - acols.start).uniform_(-1, 1) / \
-                    math.sqrt(a.shape[1])
+                # Drawn whole (fan in K: all of I for w2's A), of which a TP
+                # rank per process keeps its part.
+                name = f"{target}_lora_A"
+                k = layer._whole_shape(name)[0]
+                draw = torch.empty(k, acols.stop - acols.start).uniform_(-1, 1) / math.sqrt(k)
                 if e in local:
-                    a[e - local.start][:, acols] = draw.to(a.dtype)
+                    a = getattr(layer, name)
+                    a[e - local.start][:, acols] = layer._tp_part(name, draw)[0].to(a.dtype)
         for name, mask in masks.items():
             getattr(layer, name).mul_(mask)
 

@@ -98,8 +98,8 @@ def _unstacked(tensors, blocks, directory):
         layer, count = experts.layer, experts.layer.experts
         _, target, _, _, bcols = next(p for p in experts.lora.pieces(layer.inter)
                                       if p[0] == piece)
-        inner = getattr(layer, f"{target}_lora_A").shape[1]
-        outer = len(range(getattr(layer, f"{target}_lora_B").shape[2])[bcols])
+        inner = layer._whole_shape(f"{target}_lora_A")[0]  # whole experts' adapters
+        outer = len(range(layer._whole_shape(f"{target}_lora_B")[1])[bcols])
         stem = _stem(name, experts)
         for key, shape in ((a_key, (count * rank, inner)), (b_key, (outer, rank * count))):
             if adapters.tensor(out, key, shape) is None:
@@ -141,7 +141,9 @@ def save_adapters(model, directory):
     each process writes its experts to adapter_model-<rank>-of-<ranks>.safetensors;
     once every process has, rank 0 joins them into adapter_model.safetensors
     (the one file PEFT reads; the folder must be one that every process
-    sees) and writes the config. adapter_model.safetensors and the config
+    sees) and writes the config; with a TP rank per process (tp > 1) each
+    holds parts of the adapters, and this is refused (merge the state
+    dicts). adapter_model.safetensors and the config
     are replaced whole or not at all (safetensors.write_together: written
     under scratch names, then renamed, the config last). A model patched
     with lora_target_parameters (or a target_parameters lora_config) is
@@ -154,6 +156,12 @@ def save_adapters(model, directory):
     blocks = _lora_of(model)
     directory = Path(directory)
     layer = blocks[0][2].layer
+    if layer.tp_rank is not None:
+        raise ValueError(
+            f"moec: save_adapters with expert tensor parallelism (tp={layer.tp}, a TP rank per "
+            "process): each process holds its TP rank's part of the adapters; save the state "
+            "dicts (model.state_dict() on every process) and put them together with "
+            "moec_torch.merge_state_dicts, then save from a model patched in one process")
     sharded = layer.local_ranks != layer.ranks
     whole = directory / ADAPTER_FILE
     mine = directory / (f"adapter_model-{layer.first_rank:05d}-of-{layer.ranks:05d}"
@@ -227,7 +235,7 @@ def load_adapters(model, directory):
     weights_only), never another file of the folder. Every tensor of this
     process's experts must be there, floating point and of its shape, and
     no tensor may name an expert or a module the blocks' adapters lack,
-    before any is copied. Tensors of other modules in the file (say,
+    before any is copied; with a TP rank per process each keeps its part. Tensors of other modules in the file (say,
     attention adapters) are not moec's and are returned, not loaded."""
     blocks = _lora_of(model)
     directory = Path(directory)
@@ -257,15 +265,22 @@ def load_adapters(model, directory):
     known = _all_adapter_names(blocks)
     for name, _, experts in blocks:
         adapters.unknown_experts(tensors, _stem(name, experts), known, experts.layer.experts)
-    updates, used = [], set()
+    # Each expert's adapters put together whole from their pieces (the
+    # entries of no piece zero, as the masks keep them), then the layer's
+    # part of them copied in (all, or a TP rank's part).
+    wholes, used = {}, set()
     for name, _, experts in blocks:
+        layer = experts.layer
+        names = {id(getattr(layer, n)): n for n in layer.adapter_names()}
         for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
-            t = adapters.tensor(tensors, key, tuple(p[j][rows, cols].shape)[::-1])
+            whole = wholes.setdefault((id(p), j), (layer, p, names[id(p)], torch.zeros(
+                layer._whole_shape(names[id(p)]), dtype=p.dtype)))[3]
+            t = adapters.tensor(tensors, key, tuple(whole[rows, cols].shape)[::-1])
             if t is None:
                 raise ValueError(f"moec: the adapters in {directory} have no '{key}'")
-            updates.append((p, j, rows, cols, t))
+            whole[rows, cols] = t.t().to(p.dtype)
             used.add(key)
     with torch.no_grad():
-        for p, j, rows, cols, t in updates:
-            p[j][rows, cols] = t.t().to(p.dtype)
+        for (_, j), (layer, p, param, whole) in wholes.items():
+            p[j].copy_(layer._tp_part(param, whole)[0])
     return sorted(k for k in tensors if k not in used and k not in known)

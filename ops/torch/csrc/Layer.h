@@ -60,72 +60,65 @@ public:
   /// The most bytes of text a process brings to agree().
   static constexpr size_t kAgreeBytes = 4096;
 
-  /// Every process's `text` (at most kAgreeBytes bytes), in rank order: one
-  /// bounded exchange over the layer's fabric (timeout_seconds; the error
-  /// names the ranks that did not come), through which the Python side
-  /// agrees on what the binaries do not say (capacity_policy, whether to
-  /// grow the layer after an over-capacity error). Collective under MPI, in
-  /// the order of the passes; in one process (every rank here) it returns
-  /// {text}.
+  /// Every process's `bytes` bytes at `data` (at most `capacity`; the
+  /// same capacity on every rank), in rank order: one bounded exchange over
+  /// the layer's fabric (timeout_seconds; the error, `what`, names the
+  /// ranks that did not come) of blocks that lead with their byte count.
+  /// Collective under MPI, in the order of the passes; in one process
+  /// (every rank here), {these bytes}. The caller holds slot->mutex.
+  std::vector<std::string> exchangeBlocks(const void *data, size_t bytes, size_t capacity,
+                                          const char *what) {
+    moec::comm::Fabric &fabric = slot->context->fabric();
+    if (fabric.allLocal())
+      return {std::string(static_cast<const char *>(data), bytes)};
+    TORCH_CHECK(fabric.localRanks() == 1, "moec: ", what,
+                " under a fabric of several processes with several ranks each");
+    const size_t block = 8 + capacity;
+    std::vector<char> mine(block, 0), all(block * fabric.ranks(), 0);
+    const uint64_t count = bytes;
+    std::memcpy(mine.data(), &count, 8);
+    std::memcpy(mine.data() + 8, data, bytes);
+    check(fabric.exchange(mine.data(), block, all.data(), agreeSeconds), what);
+    std::vector<std::string> out;
+    for (uint32_t r = 0; r < fabric.ranks(); ++r) {
+      uint64_t theirs = 0;
+      std::memcpy(&theirs, all.data() + r * block, 8);
+      TORCH_CHECK(theirs <= capacity, "moec: ", what, ": rank ", r, " brought ", theirs,
+                  " bytes, more than the ", capacity, " this rank takes");
+      out.emplace_back(all.data() + r * block + 8, theirs);
+    }
+    return out;
+  }
+
+  /// Every process's `text` (at most kAgreeBytes bytes), in rank order
+  /// (exchangeBlocks), through which the Python side agrees on what the
+  /// binaries do not say (capacity_policy, whether to grow the layer after
+  /// an over-capacity error).
   std::vector<std::string> agree(const std::string &text) {
     live();
     std::lock_guard<std::mutex> lock(slot->mutex);
     TORCH_CHECK(text.size() <= kAgreeBytes, "moec: agree() takes at most ", kAgreeBytes,
                 " bytes, got ", text.size());
-    moec::comm::Fabric &fabric = slot->context->fabric();
-    if (fabric.allLocal())
-      return {text};
-    TORCH_CHECK(fabric.localRanks() == 1, "moec: agree() under a fabric of several processes "
-                                          "with several ranks each");
-    const size_t block = 8 + kAgreeBytes;
-    std::vector<char> mine(block, 0), all(block * fabric.ranks(), 0);
-    const uint64_t bytes = text.size();
-    std::memcpy(mine.data(), &bytes, 8);
-    std::memcpy(mine.data() + 8, text.data(), text.size());
-    check(fabric.exchange(mine.data(), block, all.data(), agreeSeconds),
-          "agreement between the ranks");
-    std::vector<std::string> out;
-    for (uint32_t r = 0; r < fabric.ranks(); ++r) {
-      uint64_t theirs = 0;
-      std::memcpy(&theirs, all.data() + r * block, 8);
-      out.emplace_back(all.data() + r * block + 8, std::min<uint64_t>(theirs, kAgreeBytes));
-    }
-    return out;
+    return exchangeBlocks(text.data(), text.size(), kAgreeBytes, "agreement between the ranks");
   }
 
   /// Every process's `t` (its one rank's; the same shape and dtype on
-  /// every rank), stacked in rank order: [ranks, *t.shape]. One bounded
-  /// exchange over the layer's fabric, collective in the order of the
-  /// passes, as agree(); in one process, t with a dim of 1 in front.
+  /// every rank), stacked in rank order: [ranks, *t.shape] (exchangeBlocks;
+  /// a rank that brings other bytes is named).
   at::Tensor allGather(const at::Tensor &t) {
     live();
     std::lock_guard<std::mutex> lock(slot->mutex);
-    moec::comm::Fabric &fabric = slot->context->fabric();
-    if (fabric.allLocal())
-      return t.unsqueeze(0).clone();
-    TORCH_CHECK(fabric.localRanks() == 1, "moec: all_gather() under a fabric of several "
-                                          "processes with several ranks each");
     const at::Tensor mine = t.contiguous();
     const size_t bytes = size_t(mine.numel()) * mine.element_size();
-    // Each block leads with its byte count, so that ranks that disagree on
-    // the tensor are named rather than read as each other's bytes.
-    std::vector<char> block(8 + bytes), all((8 + bytes) * fabric.ranks());
-    const uint64_t count = bytes;
-    std::memcpy(block.data(), &count, 8);
-    std::memcpy(block.data() + 8, mine.data_ptr(), bytes);
-    check(fabric.exchange(block.data(), block.size(), all.data(), agreeSeconds),
-          "gathering a tensor of every rank");
-    std::vector<int64_t> dims = {int64_t(fabric.ranks())};
-    for (int64_t d : mine.sizes())
-      dims.push_back(d);
+    const std::vector<std::string> blocks =
+        exchangeBlocks(mine.data_ptr(), bytes, bytes, "gathering a tensor of every rank");
+    std::vector<int64_t> dims = {int64_t(blocks.size())};
+    dims.insert(dims.end(), mine.sizes().begin(), mine.sizes().end());
     at::Tensor out = at::empty(dims, mine.options());
-    char *to = static_cast<char *>(out.data_ptr());
-    for (uint32_t r = 0; r < fabric.ranks(); ++r) {
-      uint64_t theirs = 0;
-      std::memcpy(&theirs, all.data() + r * block.size(), 8);
-      TORCH_CHECK(theirs == count, "moec: all_gather(): rank ", r, " brought ", theirs,
-                  " bytes, this rank ", count);
-      std::memcpy(to + r * bytes, all.data() + r * block.size() + 8, bytes);
+    for (size_t r = 0; r < blocks.size(); ++r) {
+      TORCH_CHECK(blocks[r].size() == bytes, "moec: all_gather(): rank ", r, " brought ",
+                  blocks[r].size(), " bytes, this rank ", bytes);
+      std::memcpy(static_cast<char *>(out.data_ptr()) + r * bytes, blocks[r].data(), bytes);
     }
     return out;
   }

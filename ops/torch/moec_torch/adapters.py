@@ -235,8 +235,8 @@ def save_layer(layer, directory, module_prefix):
     # Neither file may be one the layer reads (its config file, ...).
     for path in [weights] + ([directory / CONFIG] if layer.first_rank == 0 else []):
         layer._output(path, "save_adapters", "the adapter file")
-    tensors = {name: p[e].detach().t().contiguous().clone()
-               for p, e, name in layer._peft_names(module_prefix)}
+    tensors = {name: getattr(layer, param)[e].detach().t().contiguous().clone()
+               for param, e, name in layer._peft_names(module_prefix)}
     writes = [(weights, safetensors.file_writer(tensors, weights, {"format": "pt"}))]
     if layer.first_rank == 0:
         config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None,
@@ -286,13 +286,12 @@ def load_layer(layer, directory, module_prefix):
     known = {name for _, _, name in layer._peft_names(module_prefix, range(layer.experts))}
     unknown_experts(tensors, f"base_model.model.{module_prefix}.", known, layer.experts)
     # The files hold whole experts' adapters; a TP rank keeps its part.
-    params = {id(getattr(layer, n)): n for n in layer.adapter_names()}
     updates = []
-    for p, e, name in layer._peft_names(module_prefix):
-        t = tensor(tensors, name, layer._whole_shape(params[id(p)])[::-1])
+    for param, e, name in layer._peft_names(module_prefix):
+        t = tensor(tensors, name, layer._whole_shape(param)[::-1])
         if t is None:
             raise ValueError(f"moec: {directory} has no '{name}'")
-        updates.append((p, e, layer._tp_part(params[id(p)], t.t())[0]))
+        updates.append((param, e, layer._tp_part(param, t.t())[0]))
     with torch.no_grad():
-        for p, e, t in updates:
-            p[e].copy_(t)
+        for param, e, t in updates:
+            getattr(layer, param)[e].copy_(t)

@@ -163,17 +163,17 @@ def _adapters_to_tp(adapters, names, experts_per_rank, tp):
     those tp_split splits sliced as w1 and w2 are, the others (w1's A, w2's
     B) whole on every TP rank, their gradients the sums of the TP ranks'
     partial ones (_TpWhole). Differentiable."""
-    return [_adapter_tp(n)[0](a, experts_per_rank, tp) if _adapter_tp(n)
-            else _TpWhole.apply(a, experts_per_rank, tp)
-            for n, a in zip(names, adapters)]
+    split = [_adapter_tp(n) for n in names]
+    return [s[0](a, experts_per_rank, tp) if s else _TpWhole.apply(a, experts_per_rank, tp)
+            for s, a in zip(split, adapters)]
 
 
 def _adapters_from_tp(grads, names, experts_per_rank, tp):
     """The inverse of _adapters_to_tp for the TP ranks' gradients: slices
     put back, the whole ones' partial gradients summed in TP rank order."""
-    return [_adapter_tp(n)[1](g, experts_per_rank, tp) if _adapter_tp(n)
-            else _sum_tp(g, experts_per_rank, tp)
-            for n, g in zip(names, grads)]
+    split = [_adapter_tp(n) for n in names]
+    return [s[1](g, experts_per_rank, tp) if s else _sum_tp(g, experts_per_rank, tp)
+            for s, g in zip(split, grads)]
 
 
 class _TpMainGrads:

@@ -9,8 +9,8 @@ import torch
 
 from . import adapters, cache, capacity, checkpoint, checks, native, quant
 from ._launch import _fabric, _fabric_args, _register_finalize, load_library
-from .autograd import (MoeFFNFunction, _adapters_to_tp, _check_finite, _scaled_dy, _sum_tp,
-                       _to_tp, _to_tp_stored, _TpMainGrads, _TpShare, _TpTake)
+from .autograd import (MoeFFNFunction, _adapter_tp, _adapters_to_tp, _check_finite, _scaled_dy,
+                       _sum_tp, _to_tp, _to_tp_stored, _TpMainGrads, _TpShare, _TpTake)
 from .cache import LORA_TARGETS, _from_cache, _layer_graphs, _lora_suffix, _lora_targets, \
     compile_layer
 from .capacity import _check_policy
@@ -653,7 +653,7 @@ class MoeFFN(torch.nn.Module):
         EP rank's TP ranks, in TP rank order as in one process (_sum_tp):
         one exchange of them over the layer's fabric (layer.all_gather),
         collective, after every backward pass."""
-        whole = [i for i, n in enumerate(self.adapter_names()) if quant.tp_split(n, False) is None]
+        whole = [i for i, n in enumerate(self.adapter_names()) if _adapter_tp(n) is None]
         flat = torch.cat([grads[i].reshape(-1) for i in whole])
         T, e = self.tp, self.first_rank
         mine = layer.all_gather(flat)[e * T:(e + 1) * T]  # [T, n]: this EP rank's TP ranks
@@ -1063,16 +1063,16 @@ class MoeFFN(torch.nn.Module):
     PEFT_MODULES = {"w1": "gate_up_proj", "w2": "down_proj"}
 
     def _peft_names(self, module_prefix, experts=None):
-        """(parameter, expert, PEFT name) of every adapter tensor this process
-        holds; with `experts` (a range of global experts), the names of
-        those experts (the parameter and index are then of no use)."""
+        """(parameter name, expert, PEFT name) of every adapter tensor this
+        process holds; with `experts` (a range of global experts), the names
+        of those experts (the parameter and index are then of no use)."""
         first = self.first_rank * self.local_experts
         held = range(first, first + self.local_ranks * self.local_experts)
         for target in self.lora_targets:
             module = self.PEFT_MODULES[target]
             for m in "AB":
                 for e in (held if experts is None else experts):
-                    yield (getattr(self, f"{target}_lora_{m}"), e - first,
+                    yield (f"{target}_lora_{m}", e - first,
                            f"base_model.model.{module_prefix}.{e}.{module}.lora_{m}.weight")
 
     def save_adapters(self, directory, module_prefix="experts"):

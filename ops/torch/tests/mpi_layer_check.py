@@ -90,6 +90,11 @@ def main():
                                fabric="inproc", **options)
 
     me = r * tp + (layer.tp_rank or 0)  # the process's rank in the [ep, tp] mesh
+    # The op library's all_gather (the adapters' gradient exchange): every
+    # process's tensor, in mesh rank order.
+    gathered = layer.layer.all_gather(torch.tensor([me, 10 * me], dtype=torch.float64))
+    order = torch.arange(launcher.processes(), dtype=torch.float64)
+    assert torch.equal(gathered, torch.stack((order, 10 * order), 1)), gathered
 
     def share(name, whole):
         """This process's part of a whole-layer tensor of `name`'s kind: its

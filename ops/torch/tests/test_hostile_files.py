@@ -399,7 +399,7 @@ def test_only_the_files_the_config_names_are_read(tmp_path):
     stale rank files of another layout: none is read."""
     new, folder = moec_folder(tmp_path, "bin")
     old = lora_layer(seed=5)
-    torch.save({name: p[e].detach().t().contiguous().clone()
+    torch.save({name: getattr(old, p)[e].detach().t().contiguous().clone()
                 for p, e, name in old._peft_names("experts")}, folder / "adapter_model.old.bin")
     (folder / "adapter_model-copy.safetensors").write_bytes(os.urandom(100))
     (folder / "adapter_model-rank0-of-4.safetensors").write_bytes(os.urandom(100))

@@ -37,20 +37,27 @@ def _stem(name, experts):
     return f"base_model.model.{block}.experts."
 
 
-def _adapter_tensors(name, experts):
-    """(name, layer parameter, expert index in the layer, A or B, the
-    parameter's [rows, cols] of this module) of every adapter tensor of one
-    block this process holds, an expert at a time: <stem><e>.<module>.
-    lora_A.weight [r, in] and lora_B.weight [out, r], PEFT's own names in
-    the modules form; in the parameters form _stacked puts them together."""
+def _adapter_pieces(name, experts):
+    """(PEFT's name, the layer parameter's name, expert index in the layer,
+    the [rows, cols] of this module in the whole expert's A or B) of every
+    adapter tensor of one block this process holds, an expert at a time:
+    <stem><e>.<module>.lora_A.weight [r, in] and lora_B.weight [out, r],
+    PEFT's own names in the modules form; in the parameters form _stacked
+    puts them together."""
     layer, lora = experts.layer, experts.lora
     stem = _stem(name, experts)
     for j, e in enumerate(_local_experts(layer)):
         for module, target, acols, brows, bcols in lora.pieces(layer.inter):
             base = f"{stem}{e}.{module}"
-            yield f"{base}.lora_A.weight", getattr(layer, f"{target}_lora_A"), j, \
-                (slice(None), acols)
-            yield f"{base}.lora_B.weight", getattr(layer, f"{target}_lora_B"), j, (brows, bcols)
+            yield f"{base}.lora_A.weight", f"{target}_lora_A", j, (slice(None), acols)
+            yield f"{base}.lora_B.weight", f"{target}_lora_B", j, (brows, bcols)
+
+
+def _adapter_tensors(name, experts):
+    """_adapter_pieces with the layer's parameter itself in place of its
+    name (the whole expert's rows and columns: one process's, tp 1)."""
+    for key, param, j, piece in _adapter_pieces(name, experts):
+        yield key, getattr(experts.layer, param), j, piece
 
 
 def _parameter_key(name, experts, piece, m):
@@ -271,16 +278,16 @@ def load_adapters(model, directory):
     wholes, used = {}, set()
     for name, _, experts in blocks:
         layer = experts.layer
-        names = {id(getattr(layer, n)): n for n in layer.adapter_names()}
-        for key, p, j, (rows, cols) in _adapter_tensors(name, experts):
-            whole = wholes.setdefault((id(p), j), (layer, p, names[id(p)], torch.zeros(
-                layer._whole_shape(names[id(p)]), dtype=p.dtype)))[3]
+        for key, param, j, (rows, cols) in _adapter_pieces(name, experts):
+            p = getattr(layer, param)
+            whole = wholes.setdefault((name, param, j), (layer, torch.zeros(
+                layer._whole_shape(param), dtype=p.dtype)))[1]
             t = adapters.tensor(tensors, key, tuple(whole[rows, cols].shape)[::-1])
             if t is None:
                 raise ValueError(f"moec: the adapters in {directory} have no '{key}'")
             whole[rows, cols] = t.t().to(p.dtype)
             used.add(key)
     with torch.no_grad():
-        for (_, j), (layer, p, param, whole) in wholes.items():
-            p[j].copy_(layer._tp_part(param, whole)[0])
+        for (_, param, j), (layer, whole) in wholes.items():
+            getattr(layer, param)[j].copy_(layer._tp_part(param, whole)[0])
     return sorted(k for k in tensors if k not in used and k not in known)
